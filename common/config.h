@@ -1,0 +1,108 @@
+/* config.h - the typed model configuration parsed from config.json.
+ *
+ * Accepts both the flat Step-3.5 layout (text fields at top level) and Step-3.7's
+ * nested "text_config".  Every constant of the forward pass is derived from here
+ * (MODEL.md §2 preamble), so tiny models of the same family run through the same
+ * code.  Per-layer arrays cover trunk and MTP layers: index 0 .. n_layers_total-1,
+ * n_layers_total = num_hidden_layers + num_nextn_predict_layers.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MODEL_MAX_LAYERS 128
+#define MODEL_MAX_EOS 8
+
+enum layer_kind {
+    LAYER_KIND_FULL,     /* full (causal) attention */
+    LAYER_KIND_SLIDING,  /* sliding window attention */
+    _LAYER_KIND_MAX,
+};
+
+enum quant_scheme {
+    QUANT_NONE,          /* every linear dense (BF16) */
+    QUANT_MXFP4,         /* compressed-tensors mxfp4-pack-quantized: group 32, E2M1 + E8M0 */
+};
+
+struct layer_config {
+    enum layer_kind kind;
+    int n_heads;              /* query heads (full: num_attention_heads; sliding: attention_other_setting) */
+    int n_kv_heads;           /* num_attention_groups (or the sliding override) */
+    int head_dim;
+    int rotary_dims;          /* R = partial_rotary_factors[l] * head_dim (even) */
+    double rope_theta;
+    bool rope_llama3;         /* llama3 scaling applies (layer kind listed in yarn_only_types) */
+    bool is_moe;              /* listed in moe_layers_enum (never for MTP layers) */
+    bool is_mtp;
+    float swiglu_limit;       /* routed experts; 0 = no clamp */
+    float swiglu_limit_shared;/* dense MLP and shared expert; 0 = no clamp */
+};
+
+struct model_config {
+    char model_type[32];      /* "step3p7" or "step3p5" */
+    bool nested;              /* fields came from text_config */
+
+    int hidden_size;
+    int intermediate_size;    /* dense MLP (dense trunk layers and MTP layers) */
+    int n_layers;             /* num_hidden_layers (trunk) */
+    int n_mtp_layers;         /* num_nextn_predict_layers */
+    int n_layers_total;       /* n_layers + n_mtp_layers */
+    int vocab_size;
+    int max_position_embeddings;
+    float rms_norm_eps;
+
+    int n_heads_full, n_heads_sliding;
+    int n_kv_heads;           /* num_attention_groups */
+    int head_dim;
+    int sliding_window;       /* keys visible to a sliding layer, including the current one */
+
+    /* MoE */
+    int n_experts;            /* moe_num_experts */
+    int top_k;                /* moe_top_k */
+    int moe_intermediate_size;
+    int shared_expert_dim;    /* share_expert_dim */
+    bool norm_expert_weight;
+    float router_scaling_factor;
+    bool use_router_bias;
+
+    /* llama3 rope scaling (applies where layer_config.rope_llama3) */
+    struct {
+        bool present;
+        double factor;
+        double low_freq_factor, high_freq_factor;
+        double original_max_position_embeddings;
+    } rope_scaling;
+
+    bool use_qk_norm;
+    bool use_head_wise_attn_gate;
+    bool tie_word_embeddings;
+
+    int bos_token_id;
+    int eos_token_ids[MODEL_MAX_EOS];
+    int n_eos;
+
+    /* quantization_config (compressed-tensors) */
+    enum quant_scheme quant;
+    int quant_group_size;     /* 32 for MXFP4 */
+
+    struct layer_config layers[MODEL_MAX_LAYERS];
+};
+
+/* Parse config.json at path into *ret.  On error returns a negative errno and
+ * writes one sentence into e naming the file and the JSON path of the bad field
+ * (e.g. "config.json: text_config.layer_types: has 7 entries, expected 8"). */
+int model_config_load(const char *path, struct model_config *ret, struct err_buf *e);
+/* Same, from a JSON text already in memory; name is used in messages. */
+int model_config_parse(const char *json, size_t len, const char *name,
+                       struct model_config *ret, struct err_buf *e);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,72 @@
+/* loader.h - THE checkpoint loader shared by every rank and role (ARCHITECTURE.md §5).
+ *
+ * ckpt_open() reads config.json (+ quantization_config), the index or single file,
+ * mmaps the shards, computes the load plan for (world size, rank, MTP depth) and
+ * checks it against the shards: every required tensor present with exact dtype and
+ * shape, or ONE error listing all missing/mismatched names with their shard.  The
+ * optional-parameter rule (.k_scale .v_scale .q_scale .prob_scale .k_zero_point
+ * .v_zero_point .q_zero_point .prob_zero_point: never required, whatever the shape)
+ * applies to trunk and MTP layers alike.  Unknown extra tensors: warnings.
+ *
+ * Names handed to ckpt_get() are canonical "model.layers.N..." spellings; files that
+ * use "model.language_model.layers.N..." are mapped on open.
+ *
+ * Sharding (ARCHITECTURE.md §2) is decided here: ckpt_get() returns the RANK'S SLICE
+ * of a tensor (rows of q/k/v/g/gate/up, columns of o_proj/down, the vocab rows of
+ * lm_head).  Row slices are views into the mapping; column slices are copied once into
+ * loader-owned memory.  Views stay valid until ckpt_close().
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "config.h"
+#include "err.h"
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ckpt;
+
+struct ckpt_opts {
+    const char *mtp_dir;    /* --mtp-model DIR, or NULL: MTP tensors from the main checkpoint */
+    int world_size;         /* 1, 2, 4, 8 */
+    int rank;               /* 0 .. world_size-1 */
+    int mtp_depth;          /* K = 0..n_mtp_layers requested; the plan may reduce it (see ckpt_mtp_depth) */
+    bool headers_only;      /* validate without touching tensor data (stepd-inspect) */
+};
+
+/* Open and plan.  On failure returns a negative errno and e holds the full report
+ * (all problems, one per line).  Warnings (unknown tensors, MTP absent) are kept and
+ * available through ckpt_warnings(). */
+int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, struct err_buf *e);
+void ckpt_close(struct ckpt *c);
+
+const struct model_config *ckpt_config(const struct ckpt *c);
+/* MTP depth actually planned: 0 when MTP was requested but its layers are absent. */
+int ckpt_mtp_depth(const struct ckpt *c);
+/* Newline-separated warnings ("" if none). */
+const char *ckpt_warnings(const struct ckpt *c);
+
+/* The rank's slice of a required tensor, or of an optional one that is present.
+ * -ENOENT if the tensor is not in this rank's plan (or optional and absent). */
+int ckpt_get(struct ckpt *c, const char *name, struct tview *ret);
+
+/* Experts held by this rank: [first, first + count). */
+void ckpt_expert_range(const struct ckpt *c, int *first, int *count);
+
+/* Plan summary for reporting (stepd-inspect, worker memory report). */
+struct ckpt_plan_stats {
+    int64_t n_tensors;      /* tensors (or slices) this rank loads */
+    int64_t bytes;          /* bytes of those slices */
+    int expert_first, expert_count;
+};
+void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret);
+
+#ifdef __cplusplus
+}
+#endif

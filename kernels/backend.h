@@ -1,0 +1,141 @@
+/* backend.h - THE compute interface: one struct of function pointers per backend
+ * (ggml-backend style), ops at layer granularity over host-visible or device
+ * pointers owned by the backend's buffers.  The CPU backend (kernels/cpu/) is the
+ * oracle; the CUDA backend (kernels/cuda/) is a plugin loaded with dlopen() by the
+ * registry in backend.c, the only place that knows HAVE_CUDA.
+ *
+ * Conventions: activations are FP32 row-major [n_tok, dim]; weights are described by
+ * struct bweight (BF16 dense, F32 dense, or MXFP4 packed+scale as on disk, MODEL.md §5)
+ * and prepared once with backend_weight_prepare() (repack/upload).  Every op returns 0
+ * or a negative errno.  Call sites use the backend_<op>() wrappers, never be->ops->.
+ * Plain C: no CUDA headers here.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum wfmt {
+    WFMT_F32,
+    WFMT_BF16,
+    WFMT_MXFP4,     /* data = packed U8 [rows, cols/2] (low nibble = even col), scale = U8 [rows, cols/32] E8M0 */
+    _WFMT_MAX,
+};
+
+/* A weight matrix [rows = out, cols = in].  data/scale borrow from the loader (host) until
+ * prepared; priv belongs to the backend (repacked copy, device buffer) after prepare. */
+struct bweight {
+    enum wfmt fmt;
+    int64_t rows, cols;
+    const void *data;
+    const uint8_t *scale;
+    void *priv;
+};
+
+/* KV cache of one layer: a pool of blocks, each block_size tokens × n_kv_heads × head_dim,
+ * K and V separate.  Physical slot s = block_id * block_size + offset. */
+struct kv_layer {
+    void *k, *v;            /* [n_blocks * block_size, n_kv_heads, head_dim], dtype below */
+    int dtype_f32;          /* 1: FP32 storage, 0: BF16 storage */
+    int n_blocks, block_size, n_kv_heads, head_dim;
+};
+
+/* Attention over a paged cache for a batch of sequences, each contributing a run of
+ * consecutive query tokens (prefill chunk, decode token, or K+1 verify tokens). */
+struct attn_args {
+    const float *q;         /* [n_tok, n_heads, head_dim] after q-norm and RoPE */
+    float *out;             /* [n_tok, n_heads, head_dim] */
+    int n_tok, n_heads, n_kv_heads, head_dim;
+    float scale;            /* 1/sqrt(head_dim) */
+    int window;             /* 0 = full causal; else keys t-window+1 .. t */
+    const struct kv_layer *kv;
+    int n_seqs;
+    const int32_t *seq_tok_start;   /* [n_seqs+1]: tokens of seq s are [start[s], start[s+1]) */
+    const int32_t *seq_pos0;        /* [n_seqs]: absolute position of each seq's first query token */
+    const int32_t *block_tables;    /* concatenated physical block ids (-1 = released) */
+    const int32_t *block_table_off; /* [n_seqs]: offset of seq s's table in block_tables */
+};
+
+/* Rotary table for one (theta, rotary_dims, llama3) combination: inv_freq[rotary_dims/2]. */
+struct rope_freqs {
+    int rotary_dims;
+    const float *inv_freq;
+};
+
+struct moe_expert {
+    struct bweight gate, up, down;   /* gate/up [inter, hidden], down [hidden, inter] */
+};
+
+struct moe_args {
+    const float *x;             /* [n_tok, hidden] (post-attention norm output) */
+    float *out;                 /* [n_tok, hidden]: out += sum over LOCAL selected experts */
+    int n_tok, hidden, inter, top_k;
+    const int32_t *ids;         /* [n_tok, top_k] global expert ids */
+    const float *weights;       /* [n_tok, top_k] final routing weights */
+    const struct moe_expert *experts; /* local experts, index e - expert_first */
+    int expert_first, n_local;
+    float limit;                /* swiglu clamp; 0 = none */
+};
+
+struct backend;
+
+struct backend_cfg {
+    int n_threads;              /* CPU: worker threads (0 = online cores) */
+    int device;                 /* CUDA ordinal */
+    bool mxfp4_exact;           /* CPU: use the exact W4A32 path instead of the int8 fast path */
+};
+
+struct backend_ops {
+    const char *name;
+    /* lifecycle */
+    int (*init)(struct backend *be, const struct backend_cfg *cfg);
+    void (*free)(struct backend *be);
+    /* memory */
+    int (*buf_alloc)(struct backend *be, size_t bytes, size_t align, void **ret);
+    void (*buf_free)(struct backend *be, void *p);
+    int (*upload)(struct backend *be, void *dst, const void *src, size_t n);
+    int (*download)(struct backend *be, void *dst, const void *src, size_t n);
+    int (*sync)(struct backend *be);
+    /* capability */
+    bool (*supports)(struct backend *be, const char *op, enum wfmt fmt);
+    /* weights */
+    int (*weight_prepare)(struct backend *be, struct bweight *w);
+    void (*weight_release)(struct backend *be, struct bweight *w);
+    /* ops */
+    int (*embed)(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out);
+    int (*rmsnorm)(struct backend *be, const float *x, const struct bweight *w, int rows, int dim,
+                   float eps, float *y);                       /* Gemma (1+w); y may alias x */
+    int (*matmul)(struct backend *be, const struct bweight *w, const float *x, int n, float *y);
+                                                               /* y[n, rows] = x[n, cols] · Wᵀ */
+    int (*rope)(struct backend *be, float *x, int n_tok, int n_heads, int head_dim,
+                const int32_t *pos, const struct rope_freqs *f);  /* NeoX half-split on first R dims */
+    int (*kv_store)(struct backend *be, struct kv_layer *kv, const float *k, const float *v,
+                    int n_tok, const int32_t *slots);
+    int (*attention)(struct backend *be, const struct attn_args *a);
+    int (*head_gate)(struct backend *be, float *o, const float *g, int n_tok, int n_heads, int head_dim);
+    int (*swiglu)(struct backend *be, const float *gate, const float *up, int n, int dim,
+                  float limit, float *out);
+    int (*router)(struct backend *be, const float *logits, const float *bias, int n_tok, int n_exp,
+                  int top_k, bool renorm, float scale, int32_t *ids, float *weights);
+    int (*moe)(struct backend *be, const struct moe_args *a);
+    int (*add)(struct backend *be, float *y, const float *x, size_t n);
+    /* optional (NULL when absent) */
+    int (*graph_begin)(struct backend *be);
+    int (*graph_end)(struct backend *be);
+};
+
+struct backend {
+    const struct backend_ops *ops;
+    void *ctx;
+    int device;
+};
+
+/* Registry: name "cpu" or "cuda" (plugin libstepd-cuda.so, loaded on demand).
+ * -ENODEV when the backend is not available on this machine. */
+int backend_new(const char *name, const struct backend_cfg *cfg, struct backend **ret);
+void backend_free(struct backend *be);

@@ -1,0 +1,58 @@
+/* forward.h - what the engine needs from a forward pass: the real model (model.c) and
+ * the mock (mock.c, deterministic fake logits with a configurable step time) both
+ * implement struct forward_ops, so scheduling and fault tests run without weights.
+ *
+ * Protocol per engine step (rank 0):
+ *   1. step(plan, logits): run the trunk over every run of the plan; write trunk logits
+ *      for the last n_logits tokens of each run, rows in plan order, [rows, vocab] FP32.
+ *      The trunk's pre-final-norm hidden states of this step are kept inside the forward
+ *      for step 2.  KV entries are written for every token of the plan.
+ *   2. After the engine has decided what is accepted (verify) and sampled the next token,
+ *      for seqs with mtp_depth > 0, for k = 0 .. depth-1:
+ *        mtp_step(k, plan, n_valid, tok_in, logits_k)
+ *      n_valid[s]  = how many leading tokens of seq s's run are accepted (their trunk
+ *                    hidden states feed MTP layer 0 at those same positions);
+ *      tok_in[s]   = the token appended after them at depth k (k = 0: the newly sampled
+ *                    token; k > 0: the draft chosen from the previous depth's logits);
+ *      logits_k    = [n_seqs, vocab] draft logits from the last valid position, rows in
+ *                    plan order (rows of seqs with mtp_depth <= k are left untouched).
+ *      MTP layer k runs over positions pos0 .. pos0+n_valid-1 of the run with input ids
+ *      shifted left by k+1 (MODEL.md §3.2); its KV at those positions is (re)written, so
+ *      rejected positions of earlier steps leave no trace.
+ * KV of rejected trunk positions is simply overwritten by later steps: attention never
+ * reads a position beyond the query's own.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct forward;
+
+struct forward_ops {
+    const char *name;
+    int (*step)(struct forward *f, const struct step_plan *p, float *logits);
+    int (*mtp_step)(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
+                    const int32_t *tok_in, float *logits);
+    void (*free)(struct forward *f);
+};
+
+struct forward {
+    const struct forward_ops *ops;
+    int vocab_size;         /* logits row length */
+    int n_mtp;              /* MTP layers available (0 = no speculation) */
+    int max_tokens_per_step;/* capacity reserved at start-up */
+    int max_seqs;
+    int block_size;
+    int n_blocks[2];        /* KV blocks per group (enum kv_group) */
+    void *impl;
+};
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,53 @@
+/* plan.h - the step plan: what one engine step computes (ARCHITECTURE.md §1, §6).
+ *
+ * Rank 0's scheduler builds a plan per step; the forward pass (worker/model.c) executes
+ * it; in a group, rank 0 broadcasts it (serialised with step_plan_pack) to ranks 1..N-1,
+ * which execute it in lockstep.  Everything is ids and offsets, never pointers, so the
+ * packed form crosses process boundaries.  A sequence contributes a run of consecutive
+ * tokens: a prefill chunk, one decode token, or 1 + K tokens to verify K MTP drafts.
+ *
+ * KV addressing: two block groups, because sliding-window layers release blocks that fall
+ * out of the window while full-attention layers keep all of theirs.  Logical block b of a
+ * sequence covers positions [b*block_size, (b+1)*block_size).  -1 marks a released
+ * (sliding) block.  MTP layers use the sliding group's tables (their layers are sliding in
+ * Step-3.7; model.c maps a full-kind MTP layer to the full group).
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum kv_group {
+    KV_GROUP_FULL,
+    KV_GROUP_SLIDING,
+    _KV_GROUP_MAX,
+};
+
+struct step_seq {
+    int32_t slot;           /* engine sequence slot, 0 .. max_seqs-1 (stable for the request's life) */
+    int32_t pos0;           /* absolute position of the first token of this run */
+    int32_t n_tokens;       /* tokens in this run */
+    int32_t n_logits;       /* trunk logits wanted for the LAST n_logits tokens of the run (0 = none) */
+    int32_t tok_off;        /* offset of this run's token ids in step_plan.tokens */
+    int32_t n_blocks;       /* logical blocks covering positions 0 .. pos0+n_tokens-1 */
+    int32_t block_off[_KV_GROUP_MAX]; /* offset of this seq's table in step_plan.blocks[group] */
+    int32_t mtp_depth;      /* MTP drafts to propose after this step (0 = none); rank 0 only */
+};
+
+struct step_plan {
+    uint64_t step_id;
+    int32_t n_seqs;
+    int32_t n_tokens;       /* sum of n_tokens */
+    struct step_seq *seqs;  /* [n_seqs] */
+    int32_t *tokens;        /* [n_tokens] */
+    int32_t n_block_ids[_KV_GROUP_MAX];
+    int32_t *blocks[_KV_GROUP_MAX]; /* concatenated block tables per group */
+};
+
+#ifdef __cplusplus
+}
+#endif

@@ -93,6 +93,10 @@ struct model_config {
     int quant_group_size;     /* 32 for MXFP4 */
 
     struct layer_config layers[MODEL_MAX_LAYERS];
+
+    /* what the parser assumed (e.g. MTP layer defaults when the per-layer lists only
+     * cover the trunk); "" if nothing. For logs and stepd-inspect. */
+    char notes[512];
 };
 
 /* Parse config.json at path into *ret.  On error returns a negative errno and

@@ -38,6 +38,9 @@ struct ckpt_opts {
     int rank;               /* 0 .. world_size-1 */
     int mtp_depth;          /* K = 0..n_mtp_layers requested; the plan may reduce it (see ckpt_mtp_depth) */
     bool headers_only;      /* validate without touching tensor data (stepd-inspect) */
+    char **ret_report;      /* optional: on failure receives the full problem list (one per
+                             * line, malloc'd, caller frees; e holds as much as fits);
+                             * NULL on success */
 };
 
 /* Open and plan.  On failure returns a negative errno and e holds the full report
@@ -53,7 +56,10 @@ int ckpt_mtp_depth(const struct ckpt *c);
 const char *ckpt_warnings(const struct ckpt *c);
 
 /* The rank's slice of a required tensor, or of an optional one that is present.
- * -ENOENT if the tensor is not in this rank's plan (or optional and absent). */
+ * -ENOENT if the tensor is not in this rank's plan (or optional and absent);
+ * -ENODATA when opened headers_only.  Both name spellings are accepted.  Row
+ * slices point into the mapping; column slices are copied on the first call into
+ * loader-owned memory (thread-safe).  Views stay valid until ckpt_close(). */
 int ckpt_get(struct ckpt *c, const char *name, struct tview *ret);
 
 /* Experts held by this rank: [first, first + count). */
@@ -66,6 +72,19 @@ struct ckpt_plan_stats {
     int expert_first, expert_count;
 };
 void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret);
+
+/* Optional per-KV-head parameter (the optional-parameter rule): fills out[0..n-1]
+ * (n = this rank's KV heads of that layer) from the tensor `name` when present
+ * (a scalar is broadcast, per-head values are this rank's slice, BF16 or F32),
+ * else with def (scale 1, zero point 0).  Returns 1 if loaded, 0 if defaulted,
+ * -EINVAL if n does not match, -ENODATA when headers_only. */
+int ckpt_get_optional(struct ckpt *c, const char *name, float def, float *out, int n);
+
+/* One line per planned tensor: "name dtype [shape] slice bytes", for inspection. */
+void ckpt_plan_dump(const struct ckpt *c, FILE *f);
+
+/* Is name one of the optional-parameter suffixes (.k_scale, ..., .prob_zero_point)? */
+bool ckpt_name_is_optional(const char *name);
 
 #ifdef __cplusplus
 }

@@ -9,6 +9,18 @@
  * and prepared once with backend_weight_prepare() (repack/upload).  Every op returns 0
  * or a negative errno.  Call sites use the backend_<op>() wrappers, never be->ops->.
  * Plain C: no CUDA headers here.
+ *
+ * Changes after the lead's skeleton (all additive, no slot changed):
+ *  - backend_<op>() wrappers and backend_buf_alloc/free, upload, download, sync, supports, weight_prepare/release
+ *    wrappers below; NULL-slot fallbacks are documented at each one.
+ *  - struct rope_llama3 + backend_rope_freqs_fill(): builds inv_freq tables (MODEL.md §2.3.4).
+ *  - backend_names() for diagnostics.
+ *  - Semantics pinned down (they were implicit): router ties go to the lower expert id;
+ *    attention returns -EINVAL if a needed KV block is -1 or out of range; MXFP4 weights
+ *    must be prepared before matmul/moe on the fast path (unprepared ones run the exact
+ *    path from the on-disk bytes); weight_prepare rejects E8M0 scale 255 with -EINVAL.
+ *  - Thread-safety: one backend instance serves one calling thread at a time (like a
+ *    CUDA stream); ops use the backend's own worker threads internally.
  */
 #pragma once
 
@@ -135,7 +147,66 @@ struct backend {
     int device;
 };
 
-/* Registry: name "cpu" or "cuda" (plugin libstepd-cuda.so, loaded on demand).
- * -ENODEV when the backend is not available on this machine. */
+/* Registry: name "cpu" or "cuda" (plugin libstepd-cuda.so, loaded on demand from
+ * $STEPD_PLUGIN_DIR, the build dir, then the install libdir; the plugin exports
+ * `const struct backend_ops *stepd_backend_cuda_ops(void)`).
+ * -ENODEV when the backend is not available on this machine, -EINVAL for an unknown name. */
 int backend_new(const char *name, const struct backend_cfg *cfg, struct backend **ret);
 void backend_free(struct backend *be);
+/* "cpu" or "cpu,cuda" depending on the build (the plugin may still be absent at run time). */
+const char *backend_names(void);
+
+/* ---- wrappers: call sites use these, never be->ops-> ----
+ * Each asserts its pointer/shape arguments (programmer errors abort) and returns the
+ * slot's result.  Fallbacks when a slot is NULL: buf_alloc -> aligned host malloc,
+ * buf_free -> free, upload/download -> memcpy (host-visible memory), sync -> 0,
+ * supports -> true for the mandatory ops, weight_prepare/release -> nothing to do,
+ * graph_begin/end -> 0.  A NULL op slot returns -ENOSYS. */
+int backend_buf_alloc(struct backend *be, size_t bytes, size_t align, void **ret);
+void backend_buf_free(struct backend *be, void *p);
+int backend_upload(struct backend *be, void *dst, const void *src, size_t n);
+int backend_download(struct backend *be, void *dst, const void *src, size_t n);
+int backend_sync(struct backend *be);
+bool backend_supports(struct backend *be, const char *op, enum wfmt fmt);
+int backend_weight_prepare(struct backend *be, struct bweight *w);
+void backend_weight_release(struct backend *be, struct bweight *w);
+
+int backend_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n,
+                  float *out);
+int backend_rmsnorm(struct backend *be, const float *x, const struct bweight *w, int rows, int dim,
+                    float eps, float *y);
+int backend_matmul(struct backend *be, const struct bweight *w, const float *x, int n, float *y);
+int backend_rope(struct backend *be, float *x, int n_tok, int n_heads, int head_dim,
+                 const int32_t *pos, const struct rope_freqs *f);
+int backend_kv_store(struct backend *be, struct kv_layer *kv, const float *k, const float *v,
+                     int n_tok, const int32_t *slots);
+int backend_attention(struct backend *be, const struct attn_args *a);
+int backend_head_gate(struct backend *be, float *o, const float *g, int n_tok, int n_heads,
+                      int head_dim);
+int backend_swiglu(struct backend *be, const float *gate, const float *up, int n, int dim,
+                   float limit, float *out);
+int backend_router(struct backend *be, const float *logits, const float *bias, int n_tok,
+                   int n_exp, int top_k, bool renorm, float scale, int32_t *ids, float *weights);
+int backend_moe(struct backend *be, const struct moe_args *a);
+int backend_add(struct backend *be, float *y, const float *x, size_t n);
+int backend_graph_begin(struct backend *be);
+int backend_graph_end(struct backend *be);
+
+/* ---- rotary tables (host helper, no backend needed) ---- */
+
+/* llama3 frequency scaling (MODEL.md §2.3 step 4): factor s, low_freq_factor lf,
+ * high_freq_factor hf, original_max_position_embeddings L0. */
+struct rope_llama3 {
+    double factor, low_freq_factor, high_freq_factor;
+    double original_max_pos;
+};
+
+/* inv_freq[i] = theta^(-2i/R) for i < R/2, then llama3 scaling when llama3 != NULL.
+ * -EINVAL when R is odd or <= 0, theta <= 1, or the scaling parameters are invalid
+ * (factor <= 0, hf <= lf, L0 <= 0). */
+int backend_rope_freqs_fill(float *inv_freq, int rotary_dims, double theta,
+                            const struct rope_llama3 *llama3);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,1045 @@
+/* loader.c - see loader.h and ARCHITECTURE.md §2, §5.
+ *
+ * Open sequence: config.json -> shard list (index or model.safetensors) -> every
+ * shard header validated (and mapped unless headers_only) -> source table of
+ * canonical names -> expected tensor list of the whole model -> this rank's plan
+ * (needed entries + slices) -> check needed entries against the sources, collect
+ * EVERY problem, fail once with all of them.
+ */
+#include "loader.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "json.h"
+#include "safetensors.h"
+
+#define INDEX_NAME "model.safetensors.index.json"
+#define SINGLE_NAME "model.safetensors"
+#define WARN_LIST_MAX 20
+
+static const char *const optional_suffixes[] = {
+    ".k_scale", ".v_scale", ".q_scale", ".prob_scale",
+    ".k_zero_point", ".v_zero_point", ".q_zero_point", ".prob_zero_point",
+};
+
+enum slice_kind { SLICE_NONE, SLICE_ROWS, SLICE_COLS };
+
+/* growable string */
+struct sbuf {
+    char *p;
+    size_t len, cap;
+    int n_lines;
+};
+
+static void sbuf_add(struct sbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sbuf_add(struct sbuf *s, const char *fmt, ...)
+{
+    va_list ap;
+    int n;
+
+    va_start(ap, fmt);
+    n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if (s->len + (size_t) n + 2 > s->cap) {
+        size_t nc = (s->cap ? s->cap * 2 : 1024);
+        char *np;
+        while (nc < s->len + (size_t) n + 2)
+            nc *= 2;
+        np = realloc(s->p, nc);
+        if (!np)
+            return;
+        s->p = np;
+        s->cap = nc;
+    }
+    va_start(ap, fmt);
+    vsnprintf(s->p + s->len, s->cap - s->len, fmt, ap);
+    va_end(ap);
+    s->len += (size_t) n;
+    s->p[s->len++] = '\n';
+    s->p[s->len] = 0;
+    s->n_lines++;
+}
+
+/* one shard file */
+struct shard {
+    char *name;                       /* as listed (relative to its directory) */
+    struct sft_file *f;
+    bool mtp_dir;
+};
+
+/* one tensor found in a shard */
+struct src {
+    char *canon;                      /* canonical name (model.language_model. -> model.) */
+    int shard;
+    const struct sft_tensor *t;
+    bool matched;
+};
+
+/* one expected tensor of the whole model */
+struct pent {
+    char *name;                       /* canonical */
+    enum dtype dtype, dtype_alt;      /* dtype_alt: also accepted (DTYPE_INVALID: none) */
+    int ndim;
+    int64_t shape[2];
+    int layer;                        /* -1 global */
+    int expert;                       /* -1 not an expert */
+    bool optional;                    /* optional-parameter rule */
+    bool needed;                      /* in this rank's plan */
+    enum slice_kind slice;
+    int64_t off, len;                 /* slice along dim 0 (rows) or dim 1 (cols) */
+    int src;                          /* index in sources, -1 absent */
+    void *copy;                       /* column slice, loader-owned */
+};
+
+/* open-addressing string -> index map */
+struct hmap {
+    int32_t *slot;
+    uint32_t mask;
+};
+
+struct ckpt {
+    struct model_config cfg;
+    struct ckpt_opts opts;
+    char *dir, *mtp_dir;
+    struct shard *shards;
+    int n_shards;
+    struct src *srcs;
+    size_t n_srcs, cap_srcs;
+    struct hmap src_map;
+    struct pent *ents;
+    size_t n_ents, cap_ents;
+    struct hmap ent_map;
+    int mtp_depth;
+    int expert_first, expert_count;
+    struct sbuf warnings;
+    pthread_mutex_t copy_lock;
+};
+
+/* ------------------------------------------------------------------------ */
+
+bool ckpt_name_is_optional(const char *name)
+{
+    size_t n = strlen(name);
+    for (size_t i = 0; i < ARRAY_SIZE(optional_suffixes); i++) {
+        size_t k = strlen(optional_suffixes[i]);
+        if (n > k && strcmp(name + n - k, optional_suffixes[i]) == 0)
+            return true;
+    }
+    return false;
+}
+
+static uint32_t hash_str(const char *s)
+{
+    uint32_t h = 2166136261u;
+    for (; *s; s++)
+        h = (h ^ (unsigned char) *s) * 16777619u;
+    return h;
+}
+
+static int hmap_init(struct hmap *m, size_t n)
+{
+    uint32_t cap = 16;
+    while (cap < n * 2 + 1)
+        cap <<= 1;
+    m->slot = malloc(cap * sizeof(*m->slot));
+    if (!m->slot)
+        return -ENOMEM;
+    memset(m->slot, 0xff, cap * sizeof(*m->slot));
+    m->mask = cap - 1;
+    return 0;
+}
+
+/* find name; names(i) gives the key of entry i. Returns the slot pointer. */
+#define HMAP_LOOKUP(m, key, keyof, ret_slot) do { \
+        uint32_t _h = hash_str(key) & (m)->mask; \
+        while ((m)->slot[_h] >= 0 && strcmp(keyof((m)->slot[_h]), (key)) != 0) \
+            _h = (_h + 1) & (m)->mask; \
+        (ret_slot) = &(m)->slot[_h]; \
+    } while (0)
+
+/* "model.language_model.X" -> "model.X"; writes into buf. */
+static const char *canon_name(const char *name, char *buf, size_t size)
+{
+    static const char lm[] = "model.language_model.";
+    if (strncmp(name, lm, sizeof(lm) - 1) == 0) {
+        snprintf(buf, size, "model.%s", name + sizeof(lm) - 1);
+        return buf;
+    }
+    return name;
+}
+
+/* layer index of "model.layers.N.", or -1 */
+static int name_layer(const char *name)
+{
+    static const char pre[] = "model.layers.";
+    char *end;
+    long l;
+
+    if (strncmp(name, pre, sizeof(pre) - 1) != 0)
+        return -1;
+    l = strtol(name + sizeof(pre) - 1, &end, 10);
+    if (end == name + sizeof(pre) - 1 || *end != '.' || l < 0 || l >= INT_MAX)
+        return -1;
+    return (int) l;
+}
+
+static void format_shape(char *buf, size_t size, int ndim, const int64_t *shape)
+{
+    size_t n = 0;
+    n += (size_t) snprintf(buf + n, size - n, "[");
+    for (int i = 0; i < ndim && n < size; i++)
+        n += (size_t) snprintf(buf + n, size - n, "%s%lld", i ? "," : "", (long long) shape[i]);
+    if (n < size)
+        snprintf(buf + n, size - n, "]");
+}
+
+/* ------------------------------------------------------------------------ */
+/* expected tensor list */
+
+static int ent_add(struct ckpt *c, const char *name, enum dtype dt, int ndim, int64_t d0, int64_t d1,
+                   int layer, int expert, enum slice_kind slice)
+{
+    struct pent *p;
+
+    if (c->n_ents == c->cap_ents) {
+        size_t nc = c->cap_ents ? c->cap_ents * 2 : 256;
+        struct pent *np = realloc(c->ents, nc * sizeof(*np));
+        if (!np)
+            return -ENOMEM;
+        c->ents = np;
+        c->cap_ents = nc;
+    }
+    p = &c->ents[c->n_ents];
+    memset(p, 0, sizeof(*p));
+    p->name = strdup(name);
+    if (!p->name)
+        return -ENOMEM;
+    p->dtype = dt;
+    p->dtype_alt = DTYPE_INVALID;
+    p->ndim = ndim;
+    p->shape[0] = d0;
+    p->shape[1] = d1;
+    p->layer = layer;
+    p->expert = expert;
+    p->slice = slice;
+    p->src = -1;
+    c->n_ents++;
+    return 0;
+}
+
+#define ADD(...) do { int _r = ent_add(c, __VA_ARGS__); if (_r < 0) return _r; } while (0)
+
+static int build_layer(struct ckpt *c, int l)
+{
+    const struct model_config *m = &c->cfg;
+    const struct layer_config *L = &m->layers[l];
+    const int64_t H = m->hidden_size, hd = L->head_dim, nh = L->n_heads, kv = L->n_kv_heads;
+    enum slice_kind rows = L->is_mtp ? SLICE_NONE : SLICE_ROWS;
+    enum slice_kind cols = L->is_mtp ? SLICE_NONE : SLICE_COLS;
+    char n[160];
+
+#define NM(...) (snprintf(n, sizeof(n), __VA_ARGS__), n)
+    ADD(NM("model.layers.%d.input_layernorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
+    ADD(NM("model.layers.%d.post_attention_layernorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
+    ADD(NM("model.layers.%d.self_attn.q_proj.weight", l), DTYPE_BF16, 2, nh * hd, H, l, -1, rows);
+    ADD(NM("model.layers.%d.self_attn.k_proj.weight", l), DTYPE_BF16, 2, kv * hd, H, l, -1, rows);
+    ADD(NM("model.layers.%d.self_attn.v_proj.weight", l), DTYPE_BF16, 2, kv * hd, H, l, -1, rows);
+    ADD(NM("model.layers.%d.self_attn.o_proj.weight", l), DTYPE_BF16, 2, H, nh * hd, l, -1, cols);
+    if (m->use_head_wise_attn_gate)
+        ADD(NM("model.layers.%d.self_attn.g_proj.weight", l), DTYPE_BF16, 2, nh, H, l, -1, rows);
+    if (m->use_qk_norm) {
+        ADD(NM("model.layers.%d.self_attn.q_norm.weight", l), DTYPE_BF16, 1, hd, 0, l, -1, SLICE_NONE);
+        ADD(NM("model.layers.%d.self_attn.k_norm.weight", l), DTYPE_BF16, 1, hd, 0, l, -1, SLICE_NONE);
+    }
+    if (!L->is_moe) {
+        const int64_t I = m->intermediate_size;
+        ADD(NM("model.layers.%d.mlp.gate_proj.weight", l), DTYPE_BF16, 2, I, H, l, -1, rows);
+        ADD(NM("model.layers.%d.mlp.up_proj.weight", l), DTYPE_BF16, 2, I, H, l, -1, rows);
+        ADD(NM("model.layers.%d.mlp.down_proj.weight", l), DTYPE_BF16, 2, H, I, l, -1, cols);
+    } else {
+        const int64_t E = m->n_experts, S = m->shared_expert_dim, M = m->moe_intermediate_size;
+        ADD(NM("model.layers.%d.moe.gate.weight", l), DTYPE_BF16, 2, E, H, l, -1, SLICE_NONE);
+        if (m->use_router_bias) {
+            ADD(NM("model.layers.%d.moe.router_bias", l), DTYPE_F32, 1, E, 0, l, -1, SLICE_NONE);
+            c->ents[c->n_ents - 1].dtype_alt = DTYPE_BF16;
+        }
+        ADD(NM("model.layers.%d.share_expert.gate_proj.weight", l), DTYPE_BF16, 2, S, H, l, -1, SLICE_ROWS);
+        ADD(NM("model.layers.%d.share_expert.up_proj.weight", l), DTYPE_BF16, 2, S, H, l, -1, SLICE_ROWS);
+        ADD(NM("model.layers.%d.share_expert.down_proj.weight", l), DTYPE_BF16, 2, H, S, l, -1, SLICE_COLS);
+        for (int e = 0; e < m->n_experts; e++) {
+            static const char *const proj[3] = { "gate_proj", "up_proj", "down_proj" };
+            for (int k = 0; k < 3; k++) {
+                int64_t out = k < 2 ? M : H, in = k < 2 ? H : M;
+                if (m->quant == QUANT_MXFP4) {
+                    ADD(NM("model.layers.%d.moe.experts.%d.%s.weight_packed", l, e, proj[k]), DTYPE_U8, 2,
+                        out, in / 2, l, e, SLICE_NONE);
+                    ADD(NM("model.layers.%d.moe.experts.%d.%s.weight_scale", l, e, proj[k]), DTYPE_U8, 2,
+                        out, in / 32, l, e, SLICE_NONE);
+                } else {
+                    ADD(NM("model.layers.%d.moe.experts.%d.%s.weight", l, e, proj[k]), DTYPE_BF16, 2,
+                        out, in, l, e, SLICE_NONE);
+                }
+            }
+        }
+    }
+    if (L->is_mtp) {
+        const int64_t V = m->vocab_size;
+        ADD(NM("model.layers.%d.enorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
+        ADD(NM("model.layers.%d.hnorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
+        ADD(NM("model.layers.%d.eh_proj.weight", l), DTYPE_BF16, 2, H, 2 * H, l, -1, SLICE_NONE);
+        ADD(NM("model.layers.%d.transformer.shared_head.norm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
+        ADD(NM("model.layers.%d.transformer.shared_head.output.weight", l), DTYPE_BF16, 2, V, H, l, -1, SLICE_NONE);
+    }
+#undef NM
+    return 0;
+}
+
+static int build_expected(struct ckpt *c)
+{
+    const struct model_config *m = &c->cfg;
+    int r;
+
+    ADD("model.embed_tokens.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_NONE);
+    ADD("model.norm.weight", DTYPE_BF16, 1, m->hidden_size, 0, -1, -1, SLICE_NONE);
+    if (!m->tie_word_embeddings)
+        ADD("lm_head.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_ROWS);
+    for (int l = 0; l < m->n_layers_total; l++) {
+        r = build_layer(c, l);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}
+#undef ADD
+
+/* ------------------------------------------------------------------------ */
+/* sources */
+
+static int shard_open_one(struct ckpt *c, const char *dir, const char *rdir, const char *name,
+                          bool mtp, struct sbuf *probs, int *first_err)
+{
+    char path[PATH_MAX], *real;
+    struct err_buf e;
+    struct shard *s, *ns;
+    size_t rl = strlen(rdir);
+    int r;
+
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    real = realpath(path, NULL);
+    if (!real) {
+        r = -errno;
+        sbuf_add(probs, "%s: shard cannot be opened: %s", path, err_str(r));
+        goto fail;
+    }
+    if (strncmp(real, rdir, rl) != 0 || real[rl] != '/') {
+        sbuf_add(probs, "%s: shard resolves to %s, outside the model directory %s (refused)", path,
+                 real, rdir);
+        free(real);
+        r = -EACCES;
+        goto fail;
+    }
+    free(real);
+    ns = realloc(c->shards, (size_t) (c->n_shards + 1) * sizeof(*ns));
+    if (!ns)
+        return -ENOMEM;
+    c->shards = ns;
+    s = &c->shards[c->n_shards];
+    memset(s, 0, sizeof(*s));
+    r = sft_open(path, c->opts.headers_only ? SFT_OPEN_HEADERS_ONLY : 0, &s->f, &e);
+    if (r < 0) {
+        sbuf_add(probs, "%s", e.msg);
+        goto fail;
+    }
+    s->name = strdup(name);
+    s->mtp_dir = mtp;
+    if (!s->name) {
+        sft_close(s->f);
+        return -ENOMEM;
+    }
+    c->n_shards++;
+    return 0;
+fail:
+    if (!*first_err)
+        *first_err = r;
+    return 1;
+}
+
+/* Open every shard of dir; check the index against the headers. */
+static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *probs, int *first_err)
+{
+    char ipath[PATH_MAX], spath[PATH_MAX], *rdir;
+    struct sft_index idx = { 0 };
+    struct err_buf e;
+    struct stat st;
+    int first_shard = c->n_shards, r = 0, *shard_at = NULL;
+
+    rdir = realpath(dir, NULL);
+    if (!rdir) {
+        r = -errno;
+        sbuf_add(probs, "%s: cannot open model directory: %s", dir, err_str(r));
+        *first_err = *first_err ? *first_err : r;
+        return 0;
+    }
+    snprintf(ipath, sizeof(ipath), "%s/%s", dir, INDEX_NAME);
+    snprintf(spath, sizeof(spath), "%s/%s", dir, SINGLE_NAME);
+    if (stat(ipath, &st) == 0) {
+        FILE *f = fopen(ipath, "rbe");
+        char *text = NULL;
+        long sz = -1;
+        if (f && fseek(f, 0, SEEK_END) == 0)
+            sz = ftell(f);
+        if (!f || sz < 0 || fseek(f, 0, SEEK_SET) != 0) {
+            sbuf_add(probs, "%s: cannot read", ipath);
+            *first_err = *first_err ? *first_err : -EIO;
+            if (f)
+                fclose(f);
+            goto out;
+        }
+        if ((unsigned long) sz > SFT_INDEX_MAX) {
+            sbuf_add(probs, "%s: %ld bytes, more than %u", ipath, sz, SFT_INDEX_MAX);
+            *first_err = *first_err ? *first_err : -E2BIG;
+            fclose(f);
+            goto out;
+        }
+        text = malloc((size_t) sz + 1);
+        if (!text || fread(text, 1, (size_t) sz, f) != (size_t) sz) {
+            free(text);
+            fclose(f);
+            sbuf_add(probs, "%s: cannot read", ipath);
+            *first_err = *first_err ? *first_err : -EIO;
+            goto out;
+        }
+        fclose(f);
+        r = sft_index_parse(text, (size_t) sz, ipath, &idx, &e);
+        free(text);
+        if (r < 0) {
+            sbuf_add(probs, "%s", e.msg);
+            *first_err = *first_err ? *first_err : r;
+            r = 0;
+            goto out;
+        }
+        shard_at = calloc(idx.n_shards + 1, sizeof(*shard_at));
+        if (!shard_at) {
+            r = -ENOMEM;
+            goto out;
+        }
+        for (size_t i = 0; i < idx.n_shards; i++) {
+            int before = c->n_shards;
+            r = shard_open_one(c, dir, rdir, idx.shards[i], mtp, probs, first_err);
+            if (r < 0)
+                goto out;
+            shard_at[i] = c->n_shards > before ? before : -1;
+        }
+        /* index vs headers, both directions */
+        for (size_t i = 0; i < idx.n; i++) {
+            int s = shard_at[idx.shard_of[i]];
+            if (s >= 0 && !sft_header_find(sft_file_header(c->shards[s].f), idx.names[i])) {
+                sbuf_add(probs, "%s: tensor '%s' is listed in %s but missing from %s", dir,
+                         idx.names[i], INDEX_NAME, idx.shards[idx.shard_of[i]]);
+                *first_err = *first_err ? *first_err : -ENOENT;
+            }
+        }
+        for (int s = first_shard; s < c->n_shards; s++) {
+            const struct sft_header *h = sft_file_header(c->shards[s].f);
+            for (size_t t = 0; t < h->n_tensors; t++) {
+                long at = sft_index_find(&idx, h->tensors[t].name);
+                if (at < 0) {
+                    sbuf_add(probs, "%s/%s: tensor '%s' is not listed in %s", dir, c->shards[s].name,
+                             h->tensors[t].name, INDEX_NAME);
+                    *first_err = *first_err ? *first_err : -EBADMSG;
+                } else if (strcmp(idx.shards[idx.shard_of[at]], c->shards[s].name) != 0) {
+                    sbuf_add(probs, "%s/%s: tensor '%s' is also present here, but %s maps it to %s",
+                             dir, c->shards[s].name, h->tensors[t].name, INDEX_NAME,
+                             idx.shards[idx.shard_of[at]]);
+                    *first_err = *first_err ? *first_err : -EEXIST;
+                }
+            }
+        }
+    } else if (stat(spath, &st) == 0) {
+        r = shard_open_one(c, dir, rdir, SINGLE_NAME, mtp, probs, first_err);
+        if (r < 0)
+            goto out;
+    } else {
+        sbuf_add(probs, "%s: neither %s nor %s found", dir, INDEX_NAME, SINGLE_NAME);
+        *first_err = *first_err ? *first_err : -ENOENT;
+    }
+    r = 0;
+out:
+    free(shard_at);
+    sft_index_done(&idx);
+    free(rdir);
+    return r;
+}
+
+#define SRC_KEY(i) (c->srcs[(i)].canon)
+#define ENT_KEY(i) (c->ents[(i)].name)
+
+static int build_sources(struct ckpt *c, struct sbuf *probs, int *first_err)
+{
+    size_t total = 0;
+    int n_main_mtp_ignored = 0, n_mtpdir_trunk_ignored = 0, r;
+
+    for (int s = 0; s < c->n_shards; s++)
+        total += sft_file_header(c->shards[s].f)->n_tensors;
+    c->srcs = calloc(total + 1, sizeof(*c->srcs));
+    if (!c->srcs)
+        return -ENOMEM;
+    r = hmap_init(&c->src_map, total);
+    if (r < 0)
+        return r;
+    for (int s = 0; s < c->n_shards; s++) {
+        const struct sft_header *h = sft_file_header(c->shards[s].f);
+        for (size_t t = 0; t < h->n_tensors; t++) {
+            char buf[SFT_NAME_MAX + 16];
+            const char *cn = canon_name(h->tensors[t].name, buf, sizeof(buf));
+            int layer = name_layer(cn);
+            bool is_mtp_layer = layer >= c->cfg.n_layers;
+            int32_t *slot;
+
+            if (c->mtp_dir) {
+                if (!c->shards[s].mtp_dir && is_mtp_layer) {
+                    n_main_mtp_ignored++;
+                    continue;
+                }
+                if (c->shards[s].mtp_dir && !is_mtp_layer) {
+                    n_mtpdir_trunk_ignored++;
+                    continue;
+                }
+            }
+            HMAP_LOOKUP(&c->src_map, cn, SRC_KEY, slot);
+            if (*slot >= 0) {
+                const struct src *o = &c->srcs[*slot];
+                sbuf_add(probs, "tensor '%s' appears twice: in %s (as '%s') and in %s (as '%s')", cn,
+                         sft_file_path(c->shards[o->shard].f), o->t->name,
+                         sft_file_path(c->shards[s].f), h->tensors[t].name);
+                *first_err = *first_err ? *first_err : -EEXIST;
+                continue;
+            }
+            c->srcs[c->n_srcs].canon = strdup(cn);
+            if (!c->srcs[c->n_srcs].canon)
+                return -ENOMEM;
+            c->srcs[c->n_srcs].shard = s;
+            c->srcs[c->n_srcs].t = &h->tensors[t];
+            *slot = (int32_t) c->n_srcs++;
+        }
+    }
+    if (n_main_mtp_ignored)
+        sbuf_add(&c->warnings, "%d MTP-layer tensors of %s ignored: MTP comes from --mtp-model %s",
+                 n_main_mtp_ignored, c->dir, c->mtp_dir);
+    if (n_mtpdir_trunk_ignored)
+        sbuf_add(&c->warnings, "%d non-MTP tensors of --mtp-model %s ignored (the trunk's are used)",
+                 n_mtpdir_trunk_ignored, c->mtp_dir);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* plan */
+
+static int check_divisible(struct ckpt *c, struct sbuf *probs)
+{
+    const struct model_config *m = &c->cfg;
+    int N = c->opts.world_size, bad = 0;
+    struct { const char *what; int v; } d[] = {
+        { "num_attention_heads (full layers)", m->n_heads_full },
+        { "attention_other_setting.num_attention_heads (sliding layers)", m->n_heads_sliding },
+        { "num_attention_groups (KV heads)", m->n_kv_heads },
+        { "intermediate_size (dense MLP)", m->intermediate_size },
+        { "share_expert_dim", m->shared_expert_dim },
+        { "moe_num_experts", m->n_experts },
+        { "vocab_size (lm_head rows)", m->vocab_size },
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(d); i++)
+        if (d[i].v % N) {
+            sbuf_add(probs, "world size %d does not divide %s = %d", N, d[i].what, d[i].v);
+            bad = 1;
+        }
+    return bad;
+}
+
+static void slice_plan(struct ckpt *c, struct pent *p)
+{
+    const struct layer_config *L = p->layer >= 0 ? &c->cfg.layers[p->layer] : NULL;
+    int N = c->opts.world_size, r = c->opts.rank;
+    int64_t full;
+
+    if (p->slice == SLICE_NONE || N == 1) {
+        p->slice = SLICE_NONE;
+        p->off = 0;
+        p->len = p->shape[0];
+        return;
+    }
+    full = p->slice == SLICE_ROWS ? p->shape[0] : p->shape[1];
+    /* q/k/v/g rows and o columns split by heads (a whole number of heads per rank,
+     * guaranteed by check_divisible); MLP rows/cols and lm_head rows split evenly */
+    (void) L;
+    p->len = full / N;
+    p->off = p->len * r;
+}
+
+static bool ent_matches(const struct pent *p, const struct sft_tensor *t)
+{
+    if (t->dtype != p->dtype && (p->dtype_alt == DTYPE_INVALID || t->dtype != p->dtype_alt))
+        return false;
+    if (t->ndim != p->ndim)
+        return false;
+    for (int i = 0; i < p->ndim; i++)
+        if (t->shape[i] != p->shape[i])
+            return false;
+    return true;
+}
+
+static int64_t ent_slice_bytes(const struct pent *p, const struct sft_tensor *t)
+{
+    int64_t bytes = (int64_t) (t->end - t->begin);
+    if (p->slice == SLICE_NONE || p->shape[p->slice == SLICE_ROWS ? 0 : 1] == 0)
+        return bytes;
+    return bytes / (p->slice == SLICE_ROWS ? p->shape[0] : p->shape[1]) * p->len;
+}
+
+static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
+{
+    const struct model_config *m = &c->cfg;
+    int N = c->opts.world_size, rank = c->opts.rank, K = c->opts.mtp_depth;
+    int n_mtp_req = 0, n_mtp_present = 0, r;
+    struct sbuf unknown = { 0 };
+    int n_unknown = 0, n_vision = 0;
+
+    c->expert_count = m->n_experts / N;
+    c->expert_first = c->expert_count * rank;
+    r = hmap_init(&c->ent_map, c->n_ents);
+    if (r < 0)
+        return r;
+    for (size_t i = 0; i < c->n_ents; i++) {
+        struct pent *p = &c->ents[i];
+        int32_t *slot;
+        HMAP_LOOKUP(&c->ent_map, p->name, ENT_KEY, slot);
+        BUG_ON(*slot >= 0);
+        *slot = (int32_t) i;
+        HMAP_LOOKUP(&c->src_map, p->name, SRC_KEY, slot);
+        p->src = *slot;
+        if (p->src >= 0)
+            c->srcs[p->src].matched = true;
+    }
+
+    /* MTP: requested but entirely absent -> warning and K = 0 */
+    for (size_t i = 0; i < c->n_ents; i++) {
+        const struct pent *p = &c->ents[i];
+        if (p->layer >= m->n_layers && p->layer < m->n_layers + K) {
+            n_mtp_req++;
+            n_mtp_present += p->src >= 0;
+        }
+    }
+    for (size_t i = 0; i < c->n_srcs; i++) {
+        int l = name_layer(c->srcs[i].canon);
+        if (!c->srcs[i].matched && l >= m->n_layers && l < m->n_layers + K)
+            n_mtp_present++;   /* stray or optional MTP tensors count as "partly present" */
+    }
+    c->mtp_depth = K;
+    if (K > 0 && n_mtp_present == 0) {
+        sbuf_add(&c->warnings,
+                 "MTP requested (K=%d) but none of the %d tensors of layers %d..%d are in %s: planning without MTP (no speculative decoding)",
+                 K, n_mtp_req, m->n_layers, m->n_layers + K - 1, c->mtp_dir ? c->mtp_dir : c->dir);
+        c->mtp_depth = 0;
+    }
+
+    for (size_t i = 0; i < c->n_ents; i++) {
+        struct pent *p = &c->ents[i];
+        const struct sft_tensor *t;
+        char want[64], got[64];
+
+        if (p->layer >= m->n_layers)
+            p->needed = rank == 0 && p->layer < m->n_layers + c->mtp_depth;
+        else if (p->expert >= 0)
+            p->needed = p->expert >= c->expert_first && p->expert < c->expert_first + c->expert_count;
+        else
+            p->needed = true;
+        if (!p->needed)
+            continue;
+        slice_plan(c, p);
+        if (p->src < 0) {
+            sbuf_add(probs, "missing: %s (%s %s)", p->name, dtype_name(p->dtype),
+                     (format_shape(want, sizeof(want), p->ndim, p->shape), want));
+            *first_err = *first_err ? *first_err : -ENOENT;
+            continue;
+        }
+        t = c->srcs[p->src].t;
+        if (!ent_matches(p, t)) {
+            format_shape(want, sizeof(want), p->ndim, p->shape);
+            format_shape(got, sizeof(got), t->ndim, t->shape);
+            sbuf_add(probs, "mismatch: %s in %s: %s %s, expected %s%s%s %s", p->name,
+                     sft_file_path(c->shards[c->srcs[p->src].shard].f), dtype_name(t->dtype), got,
+                     dtype_name(p->dtype), p->dtype_alt ? " or " : "",
+                     p->dtype_alt ? dtype_name(p->dtype_alt) : "", want);
+            *first_err = *first_err ? *first_err : -EINVAL;
+        }
+    }
+
+    /* optional parameters and unknown tensors */
+    for (size_t i = 0; i < c->n_srcs; i++) {
+        struct src *s = &c->srcs[i];
+        const struct sft_tensor *t = s->t;
+        int l;
+
+        if (s->matched)
+            continue;
+        l = name_layer(s->canon);
+        if (ckpt_name_is_optional(s->canon)) {
+            int kv = l >= 0 && l < m->n_layers_total ? m->layers[l].n_kv_heads : m->n_kv_heads;
+            bool in_plan, mtp = l >= m->n_layers;
+            int64_t numel = 1;
+            char got[64];
+            int err;
+
+            s->matched = true;
+            if (l >= m->n_layers_total)
+                goto unknown;
+            in_plan = !mtp || (rank == 0 && l < m->n_layers + c->mtp_depth);
+            if (!in_plan)
+                continue;
+            for (int d = 0; d < t->ndim; d++)
+                numel *= t->shape[d];
+            format_shape(got, sizeof(got), t->ndim, t->shape);
+            if (t->dtype != DTYPE_F32 && t->dtype != DTYPE_BF16) {
+                sbuf_add(probs, "bad optional parameter: %s in %s: dtype %s, expected F32 or BF16",
+                         s->canon, sft_file_path(c->shards[s->shard].f), dtype_name(t->dtype));
+                *first_err = *first_err ? *first_err : -EINVAL;
+                continue;
+            }
+            if (numel != 1 && numel != kv) {
+                sbuf_add(probs, "bad optional parameter: %s in %s: shape %s has %lld elements, expected 1 or %d (KV heads)",
+                         s->canon, sft_file_path(c->shards[s->shard].f), got, (long long) numel, kv);
+                *first_err = *first_err ? *first_err : -EINVAL;
+                continue;
+            }
+            err = ent_add(c, s->canon, t->dtype, 1, numel, 0, l, -1,
+                          numel > 1 && !mtp ? SLICE_ROWS : SLICE_NONE);
+            if (err < 0)
+                return err;
+            {
+                struct pent *p = &c->ents[c->n_ents - 1];
+                int32_t *slot;
+                p->optional = true;
+                p->needed = true;
+                p->src = (int) i;
+                /* the stored shape is authoritative (scalar [] or [1] or [kv]) */
+                p->ndim = t->ndim;
+                if (t->ndim >= 1)
+                    p->shape[0] = t->shape[0];
+                slice_plan(c, p);
+                if (p->ndim == 0)
+                    p->slice = SLICE_NONE;
+                /* ent_map was sized for the expected list: grow by rebuilding */
+                if ((c->n_ents * 2 + 1) > c->ent_map.mask) {
+                    free(c->ent_map.slot);
+                    err = hmap_init(&c->ent_map, c->n_ents * 2);
+                    if (err < 0)
+                        return err;
+                    for (size_t j = 0; j < c->n_ents; j++) {
+                        HMAP_LOOKUP(&c->ent_map, c->ents[j].name, ENT_KEY, slot);
+                        *slot = (int32_t) j;
+                    }
+                } else {
+                    HMAP_LOOKUP(&c->ent_map, p->name, ENT_KEY, slot);
+                    *slot = (int32_t) (c->n_ents - 1);
+                }
+            }
+            continue;
+        }
+unknown:
+        if (strncmp(s->canon, "vision_model.", 13) == 0 || strncmp(s->canon, "vit_large_projector.", 20) == 0 ||
+            strncmp(s->canon, "model.vision_model.", 19) == 0) {
+            n_vision++;
+            continue;
+        }
+        if (n_unknown++ < WARN_LIST_MAX)
+            sbuf_add(&unknown, "unknown tensor %s in %s (ignored)", t->name,
+                     sft_file_path(c->shards[s->shard].f));
+    }
+    if (unknown.p)
+        sbuf_add(&c->warnings, "%.*s", (int) unknown.len - 1, unknown.p);
+    if (n_unknown > WARN_LIST_MAX)
+        sbuf_add(&c->warnings, "... and %d more unknown tensors (ignored)", n_unknown - WARN_LIST_MAX);
+    if (n_vision)
+        sbuf_add(&c->warnings, "%d vision tensors ignored (text path only)", n_vision);
+    free(unknown.p);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+
+int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, struct err_buf *e)
+{
+    struct sbuf probs = { 0 };
+    struct ckpt *c;
+    char path[PATH_MAX];
+    int first_err = 0, r, ws = opts ? opts->world_size : 0;
+
+    *ret = NULL;
+    if (opts && opts->ret_report)
+        *opts->ret_report = NULL;
+    if (!opts || !dir)
+        return err_set(e, -EINVAL, "ckpt_open: no directory or options");
+    if (ws != 1 && ws != 2 && ws != 4 && ws != 8)
+        return err_set(e, -EINVAL, "world size %d is not 1, 2, 4 or 8", ws);
+    if (opts->rank < 0 || opts->rank >= ws)
+        return err_set(e, -EINVAL, "rank %d is not in [0, %d)", opts->rank, ws);
+    if (opts->mtp_depth < 0)
+        return err_set(e, -EINVAL, "MTP depth %d is negative", opts->mtp_depth);
+    c = calloc(1, sizeof(*c));
+    if (!c)
+        return err_set(e, -ENOMEM, "out of memory");
+    pthread_mutex_init(&c->copy_lock, NULL);
+    c->opts = *opts;
+    c->opts.ret_report = NULL;
+    c->dir = strdup(dir);
+    c->mtp_dir = opts->mtp_dir ? strdup(opts->mtp_dir) : NULL;
+    c->opts.mtp_dir = c->mtp_dir;
+    if (!c->dir || (opts->mtp_dir && !c->mtp_dir)) {
+        r = err_set(e, -ENOMEM, "out of memory");
+        goto fail;
+    }
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    r = model_config_load(path, &c->cfg, e);
+    if (r < 0)
+        goto fail;
+    if (opts->mtp_depth > c->cfg.n_mtp_layers) {
+        r = err_set(e, -EINVAL, "MTP depth %d requested but %s declares num_nextn_predict_layers = %d",
+                    opts->mtp_depth, path, c->cfg.n_mtp_layers);
+        goto fail;
+    }
+    if (c->cfg.notes[0])
+        sbuf_add(&c->warnings, "%s: %s", path, c->cfg.notes);
+    if (check_divisible(c, &probs)) {
+        r = -EINVAL;
+        goto report;
+    }
+    r = open_dir(c, dir, false, &probs, &first_err);
+    if (r < 0)
+        goto oom;
+    if (c->mtp_dir && opts->mtp_depth > 0) {
+        r = open_dir(c, c->mtp_dir, true, &probs, &first_err);
+        if (r < 0)
+            goto oom;
+    }
+    r = build_sources(c, &probs, &first_err);
+    if (r < 0)
+        goto oom;
+    r = build_expected(c);
+    if (r < 0)
+        goto oom;
+    r = plan(c, &probs, &first_err);
+    if (r < 0)
+        goto oom;
+    if (probs.n_lines) {
+        r = first_err ? first_err : -EINVAL;
+        goto report;
+    }
+    free(probs.p);
+    *ret = c;
+    return 0;
+
+oom:
+    r = err_set(e, r, "%s: %s while planning", dir, err_str(r));
+    goto fail;
+report:
+    {
+        size_t used;
+        const char *p = probs.p;
+        int shown = 0;
+        used = (size_t) snprintf(e->msg, sizeof(e->msg), "%s: %d problem%s (world size %d, rank %d):",
+                                 dir, probs.n_lines, probs.n_lines == 1 ? "" : "s", ws, opts->rank);
+        /* as many whole lines as fit, then a count of the rest */
+        while (p && *p) {
+            const char *nl = strchr(p, '\n');
+            size_t ln = nl ? (size_t) (nl - p) : strlen(p);
+            if (used + ln + 2 + 48 >= sizeof(e->msg))
+                break;
+            used += (size_t) snprintf(e->msg + used, sizeof(e->msg) - used, "\n%.*s", (int) ln, p);
+            shown++;
+            p = nl ? nl + 1 : p + ln;
+        }
+        if (shown < probs.n_lines)
+            snprintf(e->msg + used, sizeof(e->msg) - used, "\n... and %d more (full list: stepd-inspect)",
+                     probs.n_lines - shown);
+        if (opts->ret_report) {
+            *opts->ret_report = probs.p;
+            probs.p = NULL;
+        }
+    }
+fail:
+    free(probs.p);
+    ckpt_close(c);
+    return r;
+}
+
+void ckpt_close(struct ckpt *c)
+{
+    if (!c)
+        return;
+    for (size_t i = 0; i < c->n_ents; i++) {
+        free(c->ents[i].name);
+        free(c->ents[i].copy);
+    }
+    free(c->ents);
+    free(c->ent_map.slot);
+    for (size_t i = 0; i < c->n_srcs; i++)
+        free(c->srcs[i].canon);
+    free(c->srcs);
+    free(c->src_map.slot);
+    for (int s = 0; s < c->n_shards; s++) {
+        sft_close(c->shards[s].f);
+        free(c->shards[s].name);
+    }
+    free(c->shards);
+    free(c->warnings.p);
+    free(c->dir);
+    free(c->mtp_dir);
+    pthread_mutex_destroy(&c->copy_lock);
+    free(c);
+}
+
+const struct model_config *ckpt_config(const struct ckpt *c) { return &c->cfg; }
+int ckpt_mtp_depth(const struct ckpt *c) { return c->mtp_depth; }
+const char *ckpt_warnings(const struct ckpt *c) { return c->warnings.p ? c->warnings.p : ""; }
+
+void ckpt_expert_range(const struct ckpt *c, int *first, int *count)
+{
+    *first = c->expert_first;
+    *count = c->expert_count;
+}
+
+void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret)
+{
+    memset(ret, 0, sizeof(*ret));
+    for (size_t i = 0; i < c->n_ents; i++) {
+        const struct pent *p = &c->ents[i];
+        if (!p->needed || p->src < 0)
+            continue;
+        ret->n_tensors++;
+        ret->bytes += ent_slice_bytes(p, c->srcs[p->src].t);
+    }
+    ret->expert_first = c->expert_first;
+    ret->expert_count = c->expert_count;
+}
+
+static struct pent *ent_find(struct ckpt *c, const char *name)
+{
+    char buf[SFT_NAME_MAX + 16];
+    const char *cn = canon_name(name, buf, sizeof(buf));
+    int32_t *slot;
+
+    if (!c->ent_map.slot)
+        return NULL;
+    HMAP_LOOKUP(&c->ent_map, cn, ENT_KEY, slot);
+    return *slot >= 0 ? &c->ents[*slot] : NULL;
+}
+
+int ckpt_get(struct ckpt *c, const char *name, struct tview *ret)
+{
+    struct pent *p = ent_find(c, name);
+    const struct src *s;
+    struct tview full;
+    size_t esz;
+
+    memset(ret, 0, sizeof(*ret));
+    if (!p || !p->needed || p->src < 0)
+        return -ENOENT;
+    if (c->opts.headers_only)
+        return -ENODATA;
+    s = &c->srcs[p->src];
+    sft_file_view(c->shards[s->shard].f, s->t, &full);
+    *ret = full;
+    if (p->slice == SLICE_NONE)
+        return 0;
+    esz = (size_t) dtype_bits(full.dtype) / 8;
+    if (p->slice == SLICE_ROWS) {
+        size_t row = full.nbytes / (size_t) full.shape[0];
+        ret->data = (const unsigned char *) full.data + row * (size_t) p->off;
+        ret->shape[0] = p->len;
+        ret->nbytes = row * (size_t) p->len;
+        return 0;
+    }
+    /* columns: copy once */
+    pthread_mutex_lock(&c->copy_lock);
+    if (!p->copy) {
+        size_t rows = (size_t) full.shape[0], src_row = (size_t) full.shape[1] * esz;
+        size_t dst_row = (size_t) p->len * esz;
+        unsigned char *dst = malloc(rows * dst_row > 0 ? rows * dst_row : 1);
+        if (!dst) {
+            pthread_mutex_unlock(&c->copy_lock);
+            return -ENOMEM;
+        }
+        for (size_t i = 0; i < rows; i++)
+            memcpy(dst + i * dst_row, (const unsigned char *) full.data + i * src_row + (size_t) p->off * esz,
+                   dst_row);
+        p->copy = dst;
+    }
+    pthread_mutex_unlock(&c->copy_lock);
+    ret->data = p->copy;
+    ret->shape[1] = p->len;
+    ret->nbytes = (size_t) full.shape[0] * (size_t) p->len * esz;
+    return 0;
+}
+
+static float bf16_to_f32(const unsigned char *b)
+{
+    uint32_t u = (uint32_t) b[0] << 16 | (uint32_t) b[1] << 24;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+int ckpt_get_optional(struct ckpt *c, const char *name, float def, float *out, int n)
+{
+    struct tview v;
+    int64_t numel;
+    int r;
+
+    if (n <= 0)
+        return -EINVAL;
+    r = ckpt_get(c, name, &v);
+    if (r == -ENOENT) {
+        for (int i = 0; i < n; i++)
+            out[i] = def;
+        return 0;
+    }
+    if (r < 0)
+        return r;
+    numel = tview_numel(&v);
+    if (numel != 1 && numel != n)
+        return -EINVAL;
+    for (int i = 0; i < n; i++) {
+        const unsigned char *b = (const unsigned char *) v.data + (size_t) (numel == 1 ? 0 : i) *
+                                 (size_t) (dtype_bits(v.dtype) / 8);
+        if (v.dtype == DTYPE_F32)
+            memcpy(&out[i], b, sizeof(float));
+        else
+            out[i] = bf16_to_f32(b);
+    }
+    return 1;
+}
+
+void ckpt_plan_dump(const struct ckpt *c, FILE *f)
+{
+    for (size_t i = 0; i < c->n_ents; i++) {
+        const struct pent *p = &c->ents[i];
+        char shape[64];
+        if (!p->needed || p->src < 0)
+            continue;
+        format_shape(shape, sizeof(shape), p->ndim, p->shape);
+        fprintf(f, "%s %s %s %s", p->name, dtype_name(c->srcs[p->src].t->dtype), shape,
+                p->slice == SLICE_ROWS ? "rows" : p->slice == SLICE_COLS ? "cols" : "full");
+        if (p->slice != SLICE_NONE)
+            fprintf(f, "[%lld:%lld]", (long long) p->off, (long long) (p->off + p->len));
+        fprintf(f, " %lld%s\n", (long long) ent_slice_bytes(p, c->srcs[p->src].t), p->optional ? " optional" : "");
+    }
+}

@@ -1,0 +1,269 @@
+/* coord-int.h - the coordinator's internal objects, shared by coord.c, req.c,
+ * wpool.c and metrics.c. Everything here runs on the one loop thread.
+ *
+ * Ownership: struct coord owns the loop, the rpc context and servers, the groups
+ * (struct group, wpool.c) and the live requests (struct req, req.c). A request is
+ * freed when both its client call is finished and its engine call has delivered
+ * on_done (req_maybe_free). An engine connection (struct engine_conn) is shared by
+ * the requests, aborts and load polls that use it and outlives its group if calls
+ * are still draining.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "batcher.h"
+#include "coord.h"
+#include "rpc.h"
+
+#include "stepd.pb-c.h"
+#include "control.pb-c.h"
+#include "health.pb-c.h"
+
+#ifdef STEPD_HAVE_TOK
+#include <jansson.h>
+#include "parser.h"
+#include "tokenizer.h"
+#endif
+
+#define COORD_MAX_WORLD 8
+#define COORD_MAX_EOS 8
+
+struct coord;
+struct group;
+struct req;
+
+/* ------------------------------------------------------------------ metrics */
+
+#define METRICS_MAX_BUCKETS 24
+#define METRICS_MAX_POS 8
+
+struct histogram {
+    const double *bounds;       /* upper bounds, ascending */
+    size_t n_bounds;
+    uint64_t counts[METRICS_MAX_BUCKETS + 1];
+    double sum;
+    uint64_t count;
+};
+
+struct metrics {
+    struct histogram ttft, itl, e2e, queue, prompt_len, gen_len;
+    uint64_t prompt_tokens, generation_tokens;
+    uint64_t finished[5];           /* by FinishReason */
+    uint64_t status[17];            /* terminal gRPC status of Generate calls */
+    uint64_t rejected_full, rejected_invalid, rejected_draining, rejected_unavailable;
+    uint64_t aborts_sent;
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
+    uint64_t spec_accepted_pos[METRICS_MAX_POS];
+    uint64_t accepted;              /* admitted Generate requests */
+    uint64_t group_failures;
+};
+
+void metrics_init(struct metrics *m);
+void metrics_observe(struct histogram *h, double v);
+/* Render Prometheus text exposition into a malloc'd string. */
+char *metrics_render(struct coord *co, size_t *ret_len);
+int metrics_http_start(struct coord *co, const char *addr);
+void metrics_http_stop(struct coord *co);
+
+/* ------------------------------------------------------------------ model */
+
+struct model_info {
+    bool known;
+    char name[128];
+    char type[64];
+    uint32_t vocab_size;
+    uint32_t max_model_len;
+    int32_t eos[COORD_MAX_EOS];
+    size_t n_eos;
+    uint32_t num_layers, hidden_size, num_experts, num_experts_per_tok;
+    char quantization[64];
+    uint32_t num_mtp_layers, max_num_speculative_tokens;
+};
+
+/* ------------------------------------------------------------------ groups (wpool.c) */
+
+enum group_state {
+    GROUP_FORMING,      /* waiting for ranks */
+    GROUP_LOADING,      /* rendezvous sent */
+    GROUP_READY,
+    GROUP_FAILED,       /* waiting for ranks to come back */
+};
+
+struct engine_conn {
+    struct rpc_channel *ch;
+    unsigned refs;          /* group (while attached) + each live call */
+    bool attached;
+    struct coord *co;
+    char addr[256];
+};
+
+struct rank {
+    bool present;
+    struct rpc_call *session;       /* the open Session stream */
+    char session_id[96];
+    int state;                      /* Stepd__V1__WorkerState */
+    char device[32];
+    uint8_t *peer;
+    size_t peer_len;
+    char hostname[64];
+    uint32_t pid;
+    float progress;
+    char message[256];
+    uint64_t incarnation;
+    uint32_t *experts;
+    size_t n_experts;
+    struct group *g;
+    int rank;
+};
+
+struct group {
+    struct coord *co;
+    struct group *next;
+    char name[72];
+    unsigned world;
+    uint64_t epoch;
+    enum group_state state;
+    struct rank ranks[COORD_MAX_WORLD];
+    char engine_addr[256];
+    uint8_t nccl_id[256];
+    size_t nccl_len;
+    struct model_info model;
+    struct engine_conn *eng;
+    /* load from the engine's GetLoads */
+    uint32_t load_running, load_waiting, kv_used, kv_total;
+    double kv_usage, tokens_per_s;
+    uint64_t preemptions;
+    bool loads_pending;
+    /* in-flight requests routed here */
+    struct req *reqs;
+    unsigned in_flight;
+    uint64_t routed, completed, failed, aborts_sent;
+    char last_error[256];
+};
+
+int wpool_init(struct coord *co);
+void wpool_done(struct coord *co);
+int wpool_register_methods(struct coord *co, struct rpc_server *s);
+struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n);
+unsigned wpool_ready_count(const struct coord *co);
+unsigned wpool_count(const struct coord *co);
+void wpool_heartbeat(struct coord *co);
+void wpool_poll_loads(struct coord *co);
+void wpool_shutdown_sessions(struct coord *co);
+void engine_conn_unref(struct engine_conn *e);
+const char *group_state_name(enum group_state s);
+
+/* ------------------------------------------------------------------ requests (req.c) */
+
+struct req {
+    struct coord *co;
+    struct req *prev, *next;        /* coord->reqs (all live) */
+    struct req *gprev, *gnext;      /* group->reqs (while routed) */
+    struct batch_item bi;
+    char id[136];
+    struct rpc_call *call;          /* NULL once finished */
+    const Stepd__V1__GenerateRequest *in;
+    int32_t *prompt;
+    size_t n_prompt;
+    struct group *grp;
+    char grp_name[72];
+    struct engine_conn *eng;
+    struct rpc_client_call *ecall;
+    bool abort_sent;
+    bool engine_done;
+    bool final_sent;
+    bool cancelled;                 /* client went away */
+    bool text_mode;
+    bool want_ids;
+    bool continuous_usage;
+    int64_t deadline_ms;
+    int64_t t_arrival, t_dispatch, t_first, t_last;
+    uint32_t n_out;
+    double itl_sum;
+    uint32_t n_itl;
+    char stop_reason[96];           /* set when the coordinator stopped it (stop string) */
+    int stop_string_index;
+#ifdef STEPD_HAVE_TOK
+    struct tok_stream ts;
+    struct tok_stop stop;
+    bool has_stop;
+    struct tok_parser *parser;      /* chat input: reasoning + tool-call parsing */
+    json_t *tools;                  /* tool schemas the parser converts values by */
+#endif
+};
+
+void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud);
+/* Fail every request routed to g (group down); message names the group. */
+void req_fail_group(struct group *g, const char *why);
+/* Dispatch a request promoted from the queue: 0, or <0 when it failed (the client
+ * call is finished; the caller still holds and must release its slot). */
+int req_dispatch_promoted(struct req *r);
+/* Free r if nothing references it any more. */
+void req_free_if_done(struct req *r);
+/* Abort by client-visible id (Inference.Abort). Returns 1 if found. */
+int req_abort_by_id(struct coord *co, const char *id);
+/* Fail everything (forced shutdown). */
+void req_fail_all(struct coord *co, int status, const char *why);
+/* Validation (exposed for unit tests): 0 or -EINVAL with the field named in msg. */
+int req_validate(const struct coord *co, const Stepd__V1__GenerateRequest *in, char *msg, size_t len);
+
+#ifdef STEPD_HAVE_TOK
+/* chat.c: render chat messages with the Step-3.7 template (MODEL.md §7) into a
+ * malloc'd prompt string; -EINVAL with the field named in msg. */
+int coord_chat_render(struct coord *co, const Stepd__V1__ChatInput *chat, char **ret, char *msg, size_t len);
+#endif
+
+/* ------------------------------------------------------------------ coordinator */
+
+struct health_watch {
+    struct health_watch *next;
+    struct rpc_call *call;
+    int kind;                       /* 0 liveness, 1 readiness, -1 unknown */
+    int last;
+};
+
+struct coord {
+    struct coord_opts o;
+    uv_loop_t loop;
+    struct rpc_ctx *rpc;
+    struct rpc_server *srv_pub, *srv_admin, *srv_ctl;
+    int pub_port, admin_port, ctl_port, metrics_port;
+    unsigned servers_live;
+    uv_signal_t sigterm, sigint;
+    uv_timer_t t_heartbeat, t_loads, t_watchdog, t_drain, t_force;
+    int signals;
+    bool draining;
+    bool exiting;
+    int exit_code;
+    int64_t start_ms;
+    struct batcher batch;
+    struct req *reqs;
+    unsigned n_reqs;
+    uint64_t next_req_id;
+    struct group *groups;
+    uint64_t next_session;
+    struct model_info model;        /* from the first group that registered one */
+    struct metrics m;
+    struct health_watch *watches;
+    int last_ready;                 /* readiness last broadcast */
+    uv_tcp_t metrics_srv;
+    bool metrics_on;
+#ifdef STEPD_HAVE_TOK
+    struct tokenizer *tok;
+#endif
+};
+
+/* Re-evaluate readiness; notify Watch subscribers and systemd when it changed. */
+void coord_health_update(struct coord *co);
+bool coord_ready(const struct coord *co);
+/* A running request ended: give its admission slot to the next queued one. */
+void coord_slot_release(struct coord *co, struct req *r);
+/* Called when the last request finished (drain completion). */
+void coord_check_drained(struct coord *co);
+uint32_t coord_vocab_size(const struct coord *co);
+uint32_t coord_max_model_len(const struct coord *co);

@@ -1,0 +1,953 @@
+/* coord.c - the coordinator's top object: servers, Inference/Admin/Health
+ * handlers, readiness, drain and shutdown. Requests live in req.c, workers in
+ * wpool.c, metrics in metrics.c. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord-int.h"
+#include "err.h"
+#include "log.h"
+#include "notify.h"
+#include "pb-util.h"
+#include "stepd-config.h"
+
+#define HEALTH_SERVING GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+#define HEALTH_NOT_SERVING GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
+#define HEALTH_UNKNOWN_SVC GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN
+
+void coord_opts_default(struct coord_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->listen = "127.0.0.1:50051";
+    o->control_listen = "127.0.0.1:50052";
+    o->admin_listen = "127.0.0.1:50053";
+    o->metrics_listen = "127.0.0.1:9464";
+    o->max_running = 1024;
+    o->max_queue = 1024;
+    o->max_tokens_cap = 32768;
+    o->default_max_tokens = 256;
+    o->max_stop = 16;
+    o->max_stop_len = 256;
+    o->max_logprobs = 20;
+    o->max_logit_bias = 1024;
+    o->max_stop_token_ids = 64;
+    o->max_prompt_bytes = 1 << 20;
+    o->drain_timeout_ms = 30000;
+    o->heartbeat_ms = 1000;
+    o->loads_poll_ms = 250;
+    o->max_recv_msg_bytes = 4 << 20;
+    o->max_concurrent_streams = 1024;
+    o->max_call_buffer_bytes = 1 << 20;
+}
+
+bool coord_addr_is_loopback(const char *addr)
+{
+    char host[256];
+    const char *p;
+    size_t n;
+
+    if (strncmp(addr, "unix:", 5) == 0 || strncmp(addr, "unix-abstract:", 14) == 0)
+        return true;
+    if (addr[0] == '[') {
+        p = strchr(addr, ']');
+        if (!p)
+            return false;
+        n = (size_t)(p - addr - 1);
+        if (n >= sizeof(host))
+            return false;
+        memcpy(host, addr + 1, n);
+    } else {
+        p = strrchr(addr, ':');
+        n = p ? (size_t)(p - addr) : strlen(addr);
+        if (n >= sizeof(host))
+            return false;
+        memcpy(host, addr, n);
+    }
+    host[n] = '\0';
+    if (strcmp(host, "localhost") == 0)
+        return true;
+    struct in_addr a4;
+    struct in6_addr a6;
+    if (inet_pton(AF_INET, host, &a4) == 1)
+        return (ntohl(a4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, host, &a6) == 1)
+        return memcmp(&a6, &in6addr_loopback, sizeof(a6)) == 0;
+    return false;
+}
+
+uint32_t coord_vocab_size(const struct coord *co)
+{
+    if (co->model.known && co->model.vocab_size)
+        return co->model.vocab_size;
+#ifdef STEPD_HAVE_TOK
+    if (co->tok)
+        return (uint32_t)tok_vocab_size(co->tok);
+#endif
+    return co->o.fallback_vocab_size;
+}
+
+uint32_t coord_max_model_len(const struct coord *co)
+{
+    return co->model.known ? co->model.max_model_len : 0;
+}
+
+/* ------------------------------------------------------------------ health */
+
+bool coord_ready(const struct coord *co)
+{
+    return !co->draining && !co->exiting && wpool_ready_count(co) > 0;
+}
+
+static int health_kind(const char *svc)
+{
+    if (!strcmp(svc, "") || !strcmp(svc, "liveness"))
+        return 0;
+    if (!strcmp(svc, "stepd.v1.Inference") || !strcmp(svc, "readiness"))
+        return 1;
+    return -1;
+}
+
+static int health_status(const struct coord *co, int kind)
+{
+    if (kind == 0)
+        return co->exiting ? HEALTH_NOT_SERVING : HEALTH_SERVING;
+    if (kind == 1)
+        return coord_ready(co) ? HEALTH_SERVING : HEALTH_NOT_SERVING;
+    return HEALTH_UNKNOWN_SVC;
+}
+
+static void health_send(struct health_watch *w, int st)
+{
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    resp.status = st;
+    w->last = st;
+    (void)rpc_call_send(w->call, &resp.base);
+}
+
+static void status_line(struct coord *co)
+{
+    unsigned ready = wpool_ready_count(co), total = wpool_count(co);
+    float prog = 0;
+    unsigned nr = 0;
+    for (struct group *g = co->groups; g; g = g->next)
+        if (g->state == GROUP_LOADING)
+            for (unsigned i = 0; i < g->world; i++) {
+                prog += g->ranks[i].progress;
+                nr++;
+            }
+    if (nr)
+        notify_status("%s; groups ready %u/%u; loading %.0f%%; running %u, queued %u",
+                      co->draining ? "draining" : "serving", ready, total, 100.0 * prog / nr,
+                      co->batch.running, co->batch.queued);
+    else
+        notify_status("%s; groups ready %u/%u; running %u, queued %u",
+                      co->draining ? "draining" : "serving", ready, total, co->batch.running,
+                      co->batch.queued);
+}
+
+void coord_health_update(struct coord *co)
+{
+    int ready = coord_ready(co);
+    for (struct health_watch *w = co->watches; w; w = w->next) {
+        int st = health_status(co, w->kind);
+        if (st != w->last)
+            health_send(w, st);
+    }
+    if (ready != co->last_ready) {
+        log_info("readiness: %s (%u of %u groups ready%s)", ready ? "SERVING" : "NOT_SERVING",
+                 wpool_ready_count(co), wpool_count(co), co->draining ? ", draining" : "");
+        co->last_ready = ready;
+    }
+    status_line(co);
+}
+
+static void h_health_check(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)msg;
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    int kind = health_kind(r->service);
+
+    if (kind < 0) {
+        rpc_call_finish(call, RPC_NOT_FOUND, "unknown service");
+        return;
+    }
+    resp.status = health_status(co, kind);
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+static void watch_cancel(struct rpc_call *call, void *ud)
+{
+    struct health_watch *w = ud;
+    w->call = NULL;
+    rpc_call_finish(call, RPC_CANCELLED, NULL);
+}
+
+static void watches_gc(struct coord *co)
+{
+    struct health_watch **pp = &co->watches;
+    while (*pp) {
+        if (!(*pp)->call) {
+            struct health_watch *d = *pp;
+            *pp = d->next;
+            free(d);
+        } else {
+            pp = &(*pp)->next;
+        }
+    }
+}
+
+static void h_health_watch(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)msg;
+    struct health_watch *w;
+
+    watches_gc(co);
+    if (co->exiting) {
+        rpc_call_finish(call, RPC_UNAVAILABLE, "server shutting down");
+        return;
+    }
+    w = calloc(1, sizeof(*w));
+    if (!w) {
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    w->call = call;
+    w->kind = health_kind(r->service);
+    w->next = co->watches;
+    co->watches = w;
+    rpc_call_on_cancel(call, watch_cancel, w);
+    health_send(w, health_status(co, w->kind));
+}
+
+static void watches_end(struct coord *co)
+{
+    for (struct health_watch *w = co->watches; w; w = w->next) {
+        if (!w->call)
+            continue;
+        Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+        resp.status = HEALTH_NOT_SERVING;
+        (void)rpc_call_send(w->call, &resp.base);
+        rpc_call_on_cancel(w->call, NULL, NULL);
+        rpc_call_finish(w->call, RPC_UNAVAILABLE, "server shutting down");
+        w->call = NULL;
+    }
+    watches_gc(co);
+}
+
+/* ------------------------------------------------------------------ admission glue */
+
+void coord_slot_release(struct coord *co, struct req *r)
+{
+    struct batch_item *it = batch_release(&co->batch, &r->bi);
+
+    /* a promoted request that cannot be dispatched gives its slot on: loop, not recurse */
+    while (it) {
+        struct req *n = (struct req *)((char *)it - offsetof(struct req, bi));
+        if (req_dispatch_promoted(n) == 0)
+            return;
+        it = batch_release(&co->batch, &n->bi);
+        req_free_if_done(n);
+    }
+}
+
+/* ------------------------------------------------------------------ shutdown */
+
+static void shutdown_servers(struct coord *co);
+static void force_cb(uv_timer_t *t);
+
+void coord_check_drained(struct coord *co)
+{
+    if (co->draining && !co->exiting && co->n_reqs == 0) {
+        log_info("drain complete: no requests in flight");
+        shutdown_servers(co);
+    }
+}
+
+static void drain_timeout_cb(uv_timer_t *t)
+{
+    struct coord *co = t->data;
+    if (co->exiting)
+        return;
+    log_warn("drain timeout: %u requests still in flight; ending them", co->n_reqs);
+    req_fail_all(co, RPC_UNAVAILABLE, "server shutting down (drain timeout)");
+    shutdown_servers(co);
+}
+
+static void coord_drain(struct coord *co, unsigned timeout_ms, const char *why)
+{
+    if (co->draining)
+        return;
+    co->draining = true;
+    log_notice("draining (%s): %u requests in flight, timeout %u ms", why, co->n_reqs, timeout_ms);
+    notify_stopping();
+    coord_health_update(co);   /* readiness NOT_SERVING first */
+    uv_timer_start(&co->t_drain, drain_timeout_cb, timeout_ms, 0);
+    coord_check_drained(co);
+}
+
+static void on_signal(uv_signal_t *h, int sig)
+{
+    struct coord *co = h->data;
+    co->signals++;
+    if (co->signals == 1) {
+        coord_drain(co, co->o.drain_timeout_ms, sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        return;
+    }
+    log_warn("second signal: forcing exit");
+    co->exit_code = 1;
+    co->draining = true;
+    req_fail_all(co, RPC_UNAVAILABLE, "server shutting down (forced)");
+    shutdown_servers(co);
+    if (co->srv_pub)
+        force_cb(&co->t_force);
+}
+
+static void exit_poll_cb(uv_timer_t *t);
+
+static void servers_down(void *ud)
+{
+    struct coord *co = ud;
+    if (--co->servers_live > 0)
+        return;
+    /* wait (bounded) for client calls (aborts, load polls) to finish */
+    co->start_ms = rpc_now_ms();
+    uv_timer_start(&co->t_drain, exit_poll_cb, 0, 10);
+}
+
+static void close_handles(struct coord *co)
+{
+    uv_close((uv_handle_t *)&co->t_heartbeat, NULL);
+    uv_close((uv_handle_t *)&co->t_loads, NULL);
+    uv_close((uv_handle_t *)&co->t_watchdog, NULL);
+    uv_close((uv_handle_t *)&co->t_drain, NULL);
+    uv_close((uv_handle_t *)&co->t_force, NULL);
+    uv_close((uv_handle_t *)&co->sigterm, NULL);
+    uv_close((uv_handle_t *)&co->sigint, NULL);
+    metrics_http_stop(co);
+}
+
+static void exit_poll_cb(uv_timer_t *t)
+{
+    struct coord *co = t->data;
+    if (rpc_ctx_live_calls(co->rpc) > 0 && rpc_now_ms() - co->start_ms < 3000)
+        return;
+    uv_timer_stop(t);
+    uv_timer_stop(&co->t_force);
+    rpc_server_destroy(co->srv_pub);
+    rpc_server_destroy(co->srv_admin);
+    rpc_server_destroy(co->srv_ctl);
+    co->srv_pub = co->srv_admin = co->srv_ctl = NULL;
+    wpool_done(co);
+    close_handles(co);
+    rpc_ctx_destroy(co->rpc);
+    co->rpc = NULL;
+    log_info("stopped");
+}
+
+static void force_cb(uv_timer_t *t)
+{
+    struct coord *co = t->data;
+    log_warn("shutdown: cancelling calls still open after 2 s");
+    rpc_server_cancel_all(co->srv_pub);
+    rpc_server_cancel_all(co->srv_admin);
+    rpc_server_cancel_all(co->srv_ctl);
+}
+
+static void shutdown_servers(struct coord *co)
+{
+    if (co->exiting)
+        return;
+    co->exiting = true;
+    co->draining = true;
+    notify_stopping();
+    coord_health_update(co);
+    uv_timer_stop(&co->t_drain);
+    uv_timer_stop(&co->t_heartbeat);
+    uv_timer_stop(&co->t_loads);
+    watches_end(co);
+    wpool_shutdown_sessions(co);
+    co->servers_live = 3;
+    rpc_server_shutdown(co->srv_pub, servers_down, co);
+    rpc_server_shutdown(co->srv_admin, servers_down, co);
+    rpc_server_shutdown(co->srv_ctl, servers_down, co);
+    /* graceful first (the last unary answers, e.g. Admin.Drain, still go out);
+     * whatever is left after 2 s is cancelled */
+    uv_timer_start(&co->t_force, force_cb, 2000, 0);
+}
+
+/* ------------------------------------------------------------------ Inference unary */
+
+static void h_abort(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Stepd__V1__AbortRequest *r = (const void *)msg;
+    Stepd__V1__AbortResponse resp = STEPD__V1__ABORT_RESPONSE__INIT;
+
+    if (r->n_request_ids > 1024) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request_ids: at most 1024 ids (got %zu)", r->n_request_ids);
+        return;
+    }
+    for (size_t i = 0; i < r->n_request_ids; i++)
+        resp.aborted += (uint32_t)req_abort_by_id(co, r->request_ids[i]);
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+static void h_model_info(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    Stepd__V1__GetModelInfoResponse resp = STEPD__V1__GET_MODEL_INFO_RESPONSE__INIT;
+    const struct model_info *mi = &co->model;
+
+    if (!mi->known) {
+        rpc_call_finish(call, RPC_UNAVAILABLE, "no worker group has reported model information yet");
+        return;
+    }
+    resp.model_name = co->o.model_name ? (char *)co->o.model_name : (char *)mi->name;
+    resp.model_type = (char *)mi->type;
+    resp.vocab_size = mi->vocab_size;
+    resp.max_model_len = mi->max_model_len;
+    resp.n_eos_token_ids = mi->n_eos;
+    resp.eos_token_ids = (int32_t *)mi->eos;
+    resp.num_layers = mi->num_layers;
+    resp.hidden_size = mi->hidden_size;
+    resp.num_experts = mi->num_experts;
+    resp.num_experts_per_tok = mi->num_experts_per_tok;
+    resp.quantization = (char *)mi->quantization;
+    resp.num_mtp_layers = mi->num_mtp_layers;
+    resp.max_num_speculative_tokens = mi->max_num_speculative_tokens;
+#ifdef STEPD_HAVE_TOK
+    resp.supports_text = co->tok != NULL;
+    resp.supports_chat = co->tok != NULL;
+#endif
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+static void fill_limits(struct coord *co, Stepd__V1__ServerLimits *l)
+{
+    l->max_queue = co->o.max_queue;
+    l->max_running = co->o.max_running;
+    l->max_input_tokens = co->o.max_input_tokens;
+    l->max_total_tokens = coord_max_model_len(co);
+    l->max_tokens_cap = co->o.max_tokens_cap;
+    l->max_stop = co->o.max_stop;
+    l->max_stop_len = co->o.max_stop_len;
+    l->max_logprobs = co->o.max_logprobs;
+    l->max_receive_message_bytes = (uint32_t)co->o.max_recv_msg_bytes;
+}
+
+static void h_server_info(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    Stepd__V1__GetServerInfoResponse resp = STEPD__V1__GET_SERVER_INFO_RESPONSE__INIT;
+    Stepd__V1__ServerLimits lim = STEPD__V1__SERVER_LIMITS__INIT;
+
+    resp.version = STEPD_VERSION;
+    resp.uptime_s = (double)(rpc_now_ms() - co->start_ms) / 1000.0;
+    resp.groups_total = wpool_count(co);
+    resp.groups_ready = wpool_ready_count(co);
+    resp.running = co->batch.running;
+    resp.waiting = co->batch.queued;
+    resp.draining = co->draining;
+    fill_limits(co, &lim);
+    resp.limits = &lim;
+    resp.role = "coordinator";
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+static void fill_load(const struct group *g, Stepd__V1__GroupLoad *l)
+{
+    l->group = (char *)g->name;
+    l->num_running = g->in_flight > g->load_running ? g->in_flight : g->load_running;
+    l->num_waiting = g->load_waiting;
+    l->kv_blocks_used = g->kv_used;
+    l->kv_blocks_total = g->kv_total;
+    l->kv_usage = g->kv_usage;
+    l->num_preemptions = g->preemptions;
+    l->tokens_per_s = g->tokens_per_s;
+}
+
+static void h_loads(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    Stepd__V1__GetLoadsResponse resp = STEPD__V1__GET_LOADS_RESPONSE__INIT;
+    unsigned n = wpool_count(co), i = 0;
+    Stepd__V1__GroupLoad *ls = calloc(n ? n : 1, sizeof(*ls));
+    Stepd__V1__GroupLoad **pl = calloc(n ? n : 1, sizeof(*pl));
+
+    if (!ls || !pl) {
+        free(ls);
+        free(pl);
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    for (struct group *g = co->groups; g; g = g->next, i++) {
+        stepd__v1__group_load__init(&ls[i]);
+        fill_load(g, &ls[i]);
+        pl[i] = &ls[i];
+    }
+    resp.n_loads = n;
+    resp.loads = pl;
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+    free(ls);
+    free(pl);
+}
+
+static void h_tokenize(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Stepd__V1__TokenizeRequest *r = (const void *)msg;
+#ifdef STEPD_HAVE_TOK
+    Stepd__V1__TokenizeResponse resp = STEPD__V1__TOKENIZE_RESPONSE__INIT;
+    struct tok_ids ids = { 0 };
+    struct err_buf eb;
+    char err[512];
+    int e;
+
+    if (!co->tok) {
+        rpc_call_finish(call, RPC_FAILED_PRECONDITION, "no tokenizer loaded (start stepd with --tokenizer)");
+        return;
+    }
+    if (r->input_case == STEPD__V1__TOKENIZE_REQUEST__INPUT_TEXT) {
+        if (strlen(r->text) > co->o.max_prompt_bytes) {
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, "text: more than %u bytes", co->o.max_prompt_bytes);
+            return;
+        }
+        bool add = !PB_HAS(r, add_special_tokens) || r->add_special_tokens;
+        e = tok_encode(co->tok, r->text, strlen(r->text), add ? TOK_ENCODE_ADD_SPECIAL : 0, &ids, &eb);
+    } else if (r->input_case == STEPD__V1__TOKENIZE_REQUEST__INPUT_CHAT) {
+        char *text = NULL;
+        e = coord_chat_render(co, r->chat, &text, err, sizeof(err));
+        if (e < 0) {
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, "%s", err);
+            return;
+        }
+        e = tok_encode(co->tok, text, strlen(text), TOK_ENCODE_SPECIAL, &ids, &eb);
+        free(text);
+    } else {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "input: one of text or chat is required");
+        return;
+    }
+    if (e < 0) {
+        tok_ids_done(&ids);
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "input: %s", eb.msg);
+        return;
+    }
+    resp.n_token_ids = ids.n;
+    resp.token_ids = ids.ids;
+    resp.count = (uint32_t)ids.n;
+    resp.max_model_len = coord_max_model_len(co);
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+    tok_ids_done(&ids);
+#else
+    (void)co;
+    (void)r;
+    rpc_call_finish(call, RPC_UNIMPLEMENTED, "this build has no tokenizer");
+#endif
+}
+
+static void h_detokenize(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Stepd__V1__DetokenizeRequest *r = (const void *)msg;
+#ifdef STEPD_HAVE_TOK
+    Stepd__V1__DetokenizeResponse resp = STEPD__V1__DETOKENIZE_RESPONSE__INIT;
+    uint32_t vocab;
+    char *text = NULL;
+
+    if (!co->tok) {
+        rpc_call_finish(call, RPC_FAILED_PRECONDITION, "no tokenizer loaded (start stepd with --tokenizer)");
+        return;
+    }
+    vocab = (uint32_t)tok_vocab_size(co->tok);
+    for (size_t i = 0; i < r->n_token_ids; i++)
+        if (r->token_ids[i] < 0 || (uint32_t)r->token_ids[i] >= vocab) {
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT, "token_ids[%zu]: %d is outside the vocabulary [0, %u)",
+                            i, r->token_ids[i], vocab);
+            return;
+        }
+    bool skip = !PB_HAS(r, skip_special_tokens) || r->skip_special_tokens;
+    int e = tok_decode(co->tok, r->token_ids, r->n_token_ids, skip, &text, NULL);
+    if (e < 0) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "token_ids: %s", err_str(e));
+        return;
+    }
+    resp.text = text;
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+    free(text);
+#else
+    (void)co;
+    (void)r;
+    rpc_call_finish(call, RPC_UNIMPLEMENTED, "this build has no tokenizer");
+#endif
+}
+
+/* ------------------------------------------------------------------ Admin */
+
+static void h_drain(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Stepd__V1__DrainRequest *r = (const void *)msg;
+    Stepd__V1__DrainResponse resp = STEPD__V1__DRAIN_RESPONSE__INIT;
+
+    resp.in_flight = co->batch.running;
+    resp.waiting = co->batch.queued;
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+    if (!r->exit_when_drained) {
+        /* stay up, stop admitting: readiness NOT_SERVING */
+        if (!co->draining) {
+            co->draining = true;
+            log_notice("drain requested over Admin (staying up)");
+            coord_health_update(co);
+        }
+        return;
+    }
+    co->draining = false;   /* let coord_drain run its full path */
+    coord_drain(co, PB_HAS(r, timeout_ms) ? r->timeout_ms : co->o.drain_timeout_ms, "Admin.Drain");
+}
+
+static void h_groups(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    Stepd__V1__GetGroupsResponse resp = STEPD__V1__GET_GROUPS_RESPONSE__INIT;
+    unsigned n = wpool_count(co), i = 0;
+    Stepd__V1__GroupInfo *gi = calloc(n ? n : 1, sizeof(*gi));
+    Stepd__V1__GroupInfo **pg = calloc(n ? n : 1, sizeof(*pg));
+    Stepd__V1__GroupCounters *gc = calloc(n ? n : 1, sizeof(*gc));
+    Stepd__V1__GroupLoad *gl = calloc(n ? n : 1, sizeof(*gl));
+    Stepd__V1__RankInfo *ri = calloc((n ? n : 1) * COORD_MAX_WORLD, sizeof(*ri));
+    Stepd__V1__RankInfo **pr = calloc((n ? n : 1) * COORD_MAX_WORLD, sizeof(*pr));
+
+    if (!gi || !pg || !gc || !gl || !ri || !pr) {
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        goto cleanup;
+    }
+    for (struct group *g = co->groups; g; g = g->next, i++) {
+        stepd__v1__group_info__init(&gi[i]);
+        stepd__v1__group_counters__init(&gc[i]);
+        stepd__v1__group_load__init(&gl[i]);
+        gi[i].group = g->name;
+        gi[i].world_size = g->world;
+        gi[i].state = g->state == GROUP_READY ? STEPD__V1__WORKER_STATE__WORKER_STATE_READY
+                      : g->state == GROUP_LOADING ? STEPD__V1__WORKER_STATE__WORKER_STATE_LOADING
+                      : g->state == GROUP_FAILED ? STEPD__V1__WORKER_STATE__WORKER_STATE_FAILED
+                                                 : STEPD__V1__WORKER_STATE__WORKER_STATE_REGISTERED;
+        gi[i].epoch = g->epoch;
+        gi[i].engine_address = g->engine_addr;
+        gc[i].routed = g->routed;
+        gc[i].completed = g->completed;
+        gc[i].failed = g->failed;
+        gc[i].aborts_sent = g->aborts_sent;
+        gc[i].in_flight = g->in_flight;
+        gi[i].counters = &gc[i];
+        fill_load(g, &gl[i]);
+        gi[i].load = &gl[i];
+        gi[i].ranks = &pr[i * COORD_MAX_WORLD];
+        for (unsigned k = 0; k < g->world; k++) {
+            Stepd__V1__RankInfo *x = &ri[i * COORD_MAX_WORLD + k];
+            struct rank *rk = &g->ranks[k];
+            stepd__v1__rank_info__init(x);
+            x->rank = k;
+            x->device = rk->device;
+            x->state = rk->present ? rk->state : STEPD__V1__WORKER_STATE__WORKER_STATE_GONE;
+            x->load_progress = rk->progress;
+            x->message = rk->message;
+            x->pid = rk->pid;
+            x->hostname = rk->hostname;
+            x->n_experts = rk->n_experts;
+            x->experts = rk->experts;
+            gi[i].ranks[gi[i].n_ranks++] = x;
+        }
+        pg[i] = &gi[i];
+    }
+    resp.n_groups = n;
+    resp.groups = pg;
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+cleanup:
+    free(gi);
+    free(pg);
+    free(gc);
+    free(gl);
+    free(ri);
+    free(pr);
+}
+
+/* ------------------------------------------------------------------ timers */
+
+static void heartbeat_cb(uv_timer_t *t)
+{
+    wpool_heartbeat(t->data);
+}
+
+static void loads_cb(uv_timer_t *t)
+{
+    struct coord *co = t->data;
+    wpool_poll_loads(co);
+    watches_gc(co);
+}
+
+static void watchdog_cb(uv_timer_t *t)
+{
+    struct coord *co = t->data;
+    notify_watchdog();
+    status_line(co);
+}
+
+/* ------------------------------------------------------------------ setup */
+
+static int add_health(struct coord *co, struct rpc_server *s)
+{
+    struct rpc_method ms[] = {
+        { "/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor, false, true,
+          h_health_check, co },
+        { "/grpc.health.v1.Health/Watch", &grpc__health__v1__health_check_request__descriptor, true, true,
+          h_health_watch, co },
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(ms); i++) {
+        int r = rpc_server_add_method(s, &ms[i]);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}
+
+static int add_inference(struct coord *co, struct rpc_server *s)
+{
+    struct rpc_method ms[] = {
+        { "/stepd.v1.Inference/Generate", &stepd__v1__generate_request__descriptor, true, false, req_generate, co },
+        { "/stepd.v1.Inference/Abort", &stepd__v1__abort_request__descriptor, false, false, h_abort, co },
+        { "/stepd.v1.Inference/GetModelInfo", &stepd__v1__get_model_info_request__descriptor, false, false,
+          h_model_info, co },
+        { "/stepd.v1.Inference/GetServerInfo", &stepd__v1__get_server_info_request__descriptor, false, false,
+          h_server_info, co },
+        { "/stepd.v1.Inference/GetLoads", &stepd__v1__get_loads_request__descriptor, false, false, h_loads, co },
+        { "/stepd.v1.Inference/Tokenize", &stepd__v1__tokenize_request__descriptor, false, false, h_tokenize, co },
+        { "/stepd.v1.Inference/Detokenize", &stepd__v1__detokenize_request__descriptor, false, false,
+          h_detokenize, co },
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(ms); i++) {
+        int r = rpc_server_add_method(s, &ms[i]);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}
+
+static int add_admin(struct coord *co, struct rpc_server *s)
+{
+    struct rpc_method ms[] = {
+        { "/stepd.v1.Admin/Drain", &stepd__v1__drain_request__descriptor, false, false, h_drain, co },
+        { "/stepd.v1.Admin/GetGroups", &stepd__v1__get_groups_request__descriptor, false, false, h_groups, co },
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(ms); i++) {
+        int r = rpc_server_add_method(s, &ms[i]);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}
+
+static int server_new(struct coord *co, const char *addr, bool tls, const char *key,
+                      int (*add)(struct coord *, struct rpc_server *), struct rpc_server **ret, int *ret_port)
+{
+    struct rpc_server_opts so = {
+        .max_recv_msg_bytes = co->o.max_recv_msg_bytes,
+        .max_concurrent_streams = co->o.max_concurrent_streams,
+        .max_call_buffer_bytes = co->o.max_call_buffer_bytes,
+        .tls = tls ? &co->o.tls : NULL,
+        .api_key = key,
+    };
+    int r = rpc_server_create(co->rpc, &so, ret);
+    if (r < 0)
+        return r;
+    if ((r = add(co, *ret)) < 0 || (r = add_health(co, *ret)) < 0)
+        return r;
+    if ((r = rpc_server_listen(*ret, addr, ret_port)) < 0)
+        return r;
+    return rpc_server_start(*ret);
+}
+
+int coord_new(const struct coord_opts *o, struct coord **ret)
+{
+    struct coord *co;
+    bool tls = o->tls.cert_file && o->tls.cert_file[0];
+    int r;
+
+    /* E1: a non-loopback public listen needs TLS and an API key, or an explicit override */
+    if (!coord_addr_is_loopback(o->listen) && !(tls && o->api_key && o->api_key[0])) {
+        if (!o->insecure_listen) {
+            log_error("refusing to listen on non-loopback %s without TLS and an API key "
+                      "(use --tls-cert/--tls-key with --api-key-file, or --insecure-listen)", o->listen);
+            return -EPERM;
+        }
+        log_warn("listening on non-loopback %s without TLS and API key (--insecure-listen)", o->listen);
+    }
+    if (!coord_addr_is_loopback(o->admin_listen) && !o->insecure_listen) {
+        log_error("refusing a non-loopback admin listen %s without --insecure-listen", o->admin_listen);
+        return -EPERM;
+    }
+    if (!coord_addr_is_loopback(o->control_listen) && !(o->control_key && o->control_key[0]) &&
+        !o->insecure_listen) {
+        log_error("refusing a non-loopback control listen %s without a control key "
+                  "(STEPD_CONTROL_KEY) or --insecure-listen", o->control_listen);
+        return -EPERM;
+    }
+    if (tls && o->tls.require_client_cert && !o->tls.root_file) {
+        log_error("--tls-require-client-cert needs --tls-client-ca");
+        return -EINVAL;
+    }
+    if (o->max_running == 0) {
+        log_error("--max-running must be at least 1");
+        return -EINVAL;
+    }
+    co = calloc(1, sizeof(*co));
+    if (!co)
+        return -ENOMEM;
+    co->o = *o;
+    co->start_ms = rpc_now_ms();
+    co->last_ready = -1;
+    metrics_init(&co->m);
+    batch_init(&co->batch, o->max_running, o->max_queue);
+    if ((r = uv_loop_init(&co->loop)) < 0) {
+        free(co);
+        return r;
+    }
+#ifdef STEPD_HAVE_TOK
+    if (o->tokenizer_path && o->tokenizer_path[0]) {
+        struct err_buf eb;
+        if ((r = tok_load(o->tokenizer_path, &co->tok, &eb)) < 0) {
+            log_error("tokenizer: %s", eb.msg);
+            uv_loop_close(&co->loop);
+            free(co);
+            return r;
+        }
+        log_info("tokenizer %s: %zu ids", o->tokenizer_path, tok_vocab_size(co->tok));
+    }
+#else
+    if (o->tokenizer_path && o->tokenizer_path[0])
+        log_warn("--tokenizer ignored: this build has no tokenizer");
+#endif
+    if ((r = rpc_ctx_create(&co->loop, &co->rpc)) < 0)
+        goto fail;
+    wpool_init(co);
+    if ((r = server_new(co, o->listen, tls, o->api_key, add_inference, &co->srv_pub, &co->pub_port)) < 0) {
+        log_error("public listen %s failed: %s", o->listen, err_str(r));
+        goto fail_servers;
+    }
+    if ((r = server_new(co, o->admin_listen, false, o->api_key, add_admin, &co->srv_admin, &co->admin_port)) < 0) {
+        log_error("admin listen %s failed: %s", o->admin_listen, err_str(r));
+        goto fail_servers;
+    }
+    if ((r = server_new(co, o->control_listen, false, o->control_key, wpool_register_methods, &co->srv_ctl,
+                        &co->ctl_port)) < 0) {
+        log_error("control listen %s failed: %s", o->control_listen, err_str(r));
+        goto fail_servers;
+    }
+    if (o->metrics_listen && o->metrics_listen[0]) {
+        if ((r = metrics_http_start(co, o->metrics_listen)) < 0) {
+            log_error("metrics listen %s failed: %s", o->metrics_listen, err_str(r));
+            goto fail_servers;
+        }
+    }
+    uv_timer_init(&co->loop, &co->t_heartbeat);
+    uv_timer_init(&co->loop, &co->t_loads);
+    uv_timer_init(&co->loop, &co->t_watchdog);
+    uv_timer_init(&co->loop, &co->t_drain);
+    uv_timer_init(&co->loop, &co->t_force);
+    co->t_heartbeat.data = co->t_loads.data = co->t_watchdog.data = co->t_drain.data = co->t_force.data = co;
+    uv_signal_init(&co->loop, &co->sigterm);
+    uv_signal_init(&co->loop, &co->sigint);
+    co->sigterm.data = co->sigint.data = co;
+    signal(SIGPIPE, SIG_IGN);
+    log_info("listening: public %s (port %d%s%s), admin %s (port %d), control %s (port %d), metrics %s (port %d)",
+             o->listen, co->pub_port, tls ? ", TLS" : "", o->api_key ? ", API key" : "", o->admin_listen,
+             co->admin_port, o->control_listen, co->ctl_port,
+             o->metrics_listen && o->metrics_listen[0] ? o->metrics_listen : "off", co->metrics_port);
+    *ret = co;
+    return 0;
+
+fail_servers:
+    /* servers were never started or have no calls: shut them down synchronously */
+    {
+        struct rpc_server *ss[3] = { co->srv_pub, co->srv_admin, co->srv_ctl };
+        int pending = 0;
+        for (int i = 0; i < 3; i++)
+            if (ss[i]) {
+                pending++;
+                rpc_server_shutdown(ss[i], servers_down, co);
+            }
+        co->servers_live = (unsigned)pending + 1000; /* never reach 0 in servers_down */
+        int64_t end = rpc_now_ms() + 2000;
+        while (rpc_now_ms() < end && co->servers_live > 1000)
+            uv_run(&co->loop, UV_RUN_ONCE);
+        for (int i = 0; i < 3; i++)
+            if (ss[i])
+                rpc_server_destroy(ss[i]);
+        metrics_http_stop(co);
+    }
+    rpc_ctx_destroy(co->rpc);
+    uv_run(&co->loop, UV_RUN_DEFAULT);
+fail:
+#ifdef STEPD_HAVE_TOK
+    tok_free(co->tok);
+#endif
+    uv_loop_close(&co->loop);
+    free(co);
+    return r;
+}
+
+int coord_port(const struct coord *co, const char *which)
+{
+    if (!strcmp(which, "public"))
+        return co->pub_port;
+    if (!strcmp(which, "admin"))
+        return co->admin_port;
+    if (!strcmp(which, "control"))
+        return co->ctl_port;
+    if (!strcmp(which, "metrics"))
+        return co->metrics_port;
+    return -EINVAL;
+}
+
+int coord_run(struct coord *co)
+{
+    uint64_t wd = notify_watchdog_usec();
+
+    uv_signal_start(&co->sigterm, on_signal, SIGTERM);
+    uv_signal_start(&co->sigint, on_signal, SIGINT);
+    uv_timer_start(&co->t_heartbeat, heartbeat_cb, co->o.heartbeat_ms, co->o.heartbeat_ms);
+    uv_timer_start(&co->t_loads, loads_cb, co->o.loads_poll_ms, co->o.loads_poll_ms);
+    /* WATCHDOG=1 from the loop itself, at half the interval; STATUS every 5 s otherwise */
+    uv_timer_start(&co->t_watchdog, watchdog_cb, 0, wd ? (wd / 2000 ? wd / 2000 : 1) : 5000);
+    coord_health_update(co);
+    notify_ready();
+    uv_run(&co->loop, UV_RUN_DEFAULT);
+    return co->exit_code;
+}
+
+void coord_free(struct coord *co)
+{
+    if (!co)
+        return;
+#ifdef STEPD_HAVE_TOK
+    tok_free(co->tok);
+#endif
+    if (uv_loop_close(&co->loop) < 0)
+        log_warn("event loop closed with live handles");
+    free(co);
+}

@@ -1,0 +1,59 @@
+/* coord.h - the coordinator daemon `stepd`: public face of the serving system.
+ *
+ * Serves stepd.v1.Inference and grpc.health.v1.Health on the public port, Admin
+ * (+ health) on a loopback admin port, the internal stepd.ctl.v1.Control service
+ * (+ health) for workers, and Prometheus text metrics over HTTP. It validates and
+ * admits requests (running cap + bounded queue), routes whole requests to ready
+ * worker groups (least loaded, optional prefix affinity), forwards them to the
+ * group's rank-0 engine over stepd.v1.Engine, and streams the answer back.
+ * See ARCHITECTURE.md §1 and §4.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "rpc.h"
+
+struct coord;
+
+struct coord_opts {
+    const char *listen;             /* public gRPC, default 127.0.0.1:50051 */
+    const char *admin_listen;       /* Admin + health, default 127.0.0.1:50053 */
+    const char *control_listen;     /* worker control, default 127.0.0.1:50052 */
+    const char *metrics_listen;     /* HTTP /metrics, default 127.0.0.1:9464; "" = off */
+    bool insecure_listen;           /* allow non-loopback without TLS + API key */
+    struct rpc_tls_files tls;       /* public port TLS when tls.cert_file is set */
+    const char *api_key;            /* public + admin (never from argv) */
+    const char *control_key;        /* control service key (workers send it) */
+    const char *tokenizer_path;     /* tokenizer.json for text/chat input */
+    const char *model_name;         /* served model name (default: from rank 0) */
+    unsigned max_running;           /* requests dispatched to engines at once */
+    unsigned max_queue;             /* requests waiting for a slot */
+    unsigned max_input_tokens;      /* 0 = model context - 1 */
+    unsigned max_tokens_cap;        /* cap on sampling_params.max_tokens */
+    unsigned default_max_tokens;
+    unsigned max_stop, max_stop_len, max_logprobs, max_logit_bias, max_stop_token_ids;
+    unsigned max_prompt_bytes;      /* text/chat input size cap */
+    unsigned drain_timeout_ms;
+    unsigned heartbeat_ms;          /* control-session heartbeat period */
+    unsigned loads_poll_ms;         /* engine GetLoads period */
+    unsigned prefix_affinity;       /* > 0: route by a hash of the first N prompt tokens */
+    int max_recv_msg_bytes;
+    int max_concurrent_streams;
+    size_t max_call_buffer_bytes;   /* per-stream send buffer cap (slow consumers) */
+    uint32_t fallback_vocab_size;   /* when no engine has reported model info */
+};
+
+void coord_opts_default(struct coord_opts *o);
+/* Validate options, load the tokenizer, bind every listener. Logs the reason and
+ * returns a negative errno on failure (e.g. -EPERM for an insecure non-loopback
+ * listen, -EADDRINUSE). */
+int coord_new(const struct coord_opts *o, struct coord **ret);
+/* Run until drained or forced; returns the process exit code. */
+int coord_run(struct coord *co);
+void coord_free(struct coord *co);
+/* Bound ports (after coord_new). */
+int coord_port(const struct coord *co, const char *which);
+/* True when host:port / unix: address is loopback-only. */
+bool coord_addr_is_loopback(const char *addr);

@@ -1,0 +1,249 @@
+/* main.c - `stepd`, the coordinator: flags, logging, coord_new/coord_run. */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "err.h"
+#include "log.h"
+#include "stepd-config.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: stepd [options]\n"
+        "Coordinator for stepd worker groups: public gRPC API (stepd.v1.Inference),\n"
+        "Admin, worker control service, health and Prometheus metrics.\n\n"
+        "Listening (loopback by default):\n"
+        "  --listen ADDR              public gRPC (default 127.0.0.1:50051; unix:/path allowed)\n"
+        "  --admin-listen ADDR        Admin + health (default 127.0.0.1:50053)\n"
+        "  --control-listen ADDR      worker control (default 127.0.0.1:50052)\n"
+        "  --metrics-listen ADDR      HTTP /metrics (default 127.0.0.1:9464; \"\" = off)\n"
+        "  --insecure-listen          allow non-loopback listens without TLS + API key\n"
+        "Security:\n"
+        "  --tls-cert FILE --tls-key FILE   TLS on the public port\n"
+        "  --tls-client-ca FILE       CA for client certificates\n"
+        "  --tls-require-client-cert  mTLS (needs --tls-client-ca)\n"
+        "  --api-key-file FILE        API key for every RPC except health (or $STEPD_API_KEY)\n"
+        "  --control-key-file FILE    key workers must send (or $STEPD_CONTROL_KEY)\n"
+        "Text:\n"
+        "  --tokenizer FILE           tokenizer.json (enables text/chat input, Tokenize)\n"
+        "  --model-name NAME          served model name (default: reported by rank 0)\n"
+        "  --vocab-size N             vocabulary size until an engine reports one\n"
+        "Limits:\n"
+        "  --max-running N            requests in flight to engines (default 1024)\n"
+        "  --max-queue N              requests waiting for a slot (default 1024)\n"
+        "  --max-input-tokens N       prompt cap (default: context length)\n"
+        "  --max-tokens-cap N         cap on max_tokens (default 32768)\n"
+        "  --default-max-tokens N     max_tokens when unset (default 256)\n"
+        "  --max-recv-msg-bytes N     gRPC receive limit (default 4194304)\n"
+        "  --max-concurrent-streams N per connection (default 1024)\n"
+        "  --stream-buffer-bytes N    per-stream send buffer before a slow client is cut (1 MiB)\n"
+        "Behaviour:\n"
+        "  --drain-timeout SECONDS    finish in-flight work within this on SIGTERM (default 30)\n"
+        "  --heartbeat-ms N           control heartbeat period (default 1000)\n"
+        "  --loads-poll-ms N          engine GetLoads period (default 250)\n"
+        "  --prefix-affinity N        route by a hash of the first N prompt tokens (0 = off)\n"
+        "  --log-level LEVEL          error|warn|info|debug\n"
+        "  --version, --help\n");
+}
+
+static int read_secret(const char *path, char **ret)
+{
+    FILE *f = fopen(path, "r");
+    char buf[1024];
+    size_t n;
+
+    if (!f)
+        return -errno;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
+        buf[--n] = '\0';
+    if (n == 0)
+        return -ENODATA;
+    *ret = strdup(buf);
+    memset(buf, 0, sizeof(buf));
+    return *ret ? 0 : -ENOMEM;
+}
+
+static int parse_uint(const char *flag, const char *s, unsigned long max, unsigned long *ret)
+{
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(s, &end, 10);
+    if (errno || end == s || *end || s[0] == '-' || v > max) {
+        log_error("%s: expected an integer in [0, %lu], got '%s'", flag, max, s);
+        return -EINVAL;
+    }
+    *ret = v;
+    return 0;
+}
+
+enum {
+    OPT_LISTEN = 256, OPT_ADMIN, OPT_CONTROL, OPT_METRICS, OPT_INSECURE, OPT_TLS_CERT, OPT_TLS_KEY,
+    OPT_TLS_CA, OPT_TLS_REQ, OPT_KEY_FILE, OPT_CKEY_FILE, OPT_TOKENIZER, OPT_MODEL, OPT_VOCAB,
+    OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
+    OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_LOG, OPT_VERSION,
+    OPT_API_KEY,
+};
+
+int main(int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        { "listen", required_argument, NULL, OPT_LISTEN },
+        { "admin-listen", required_argument, NULL, OPT_ADMIN },
+        { "control-listen", required_argument, NULL, OPT_CONTROL },
+        { "metrics-listen", required_argument, NULL, OPT_METRICS },
+        { "insecure-listen", no_argument, NULL, OPT_INSECURE },
+        { "tls-cert", required_argument, NULL, OPT_TLS_CERT },
+        { "tls-key", required_argument, NULL, OPT_TLS_KEY },
+        { "tls-client-ca", required_argument, NULL, OPT_TLS_CA },
+        { "tls-require-client-cert", no_argument, NULL, OPT_TLS_REQ },
+        { "api-key-file", required_argument, NULL, OPT_KEY_FILE },
+        { "api-key", required_argument, NULL, OPT_API_KEY },
+        { "control-key-file", required_argument, NULL, OPT_CKEY_FILE },
+        { "tokenizer", required_argument, NULL, OPT_TOKENIZER },
+        { "model-name", required_argument, NULL, OPT_MODEL },
+        { "vocab-size", required_argument, NULL, OPT_VOCAB },
+        { "max-running", required_argument, NULL, OPT_MAX_RUNNING },
+        { "max-queue", required_argument, NULL, OPT_MAX_QUEUE },
+        { "max-input-tokens", required_argument, NULL, OPT_MAX_INPUT },
+        { "max-tokens-cap", required_argument, NULL, OPT_MAX_TOKENS_CAP },
+        { "default-max-tokens", required_argument, NULL, OPT_DEF_MAX_TOKENS },
+        { "max-recv-msg-bytes", required_argument, NULL, OPT_MAX_RECV },
+        { "max-concurrent-streams", required_argument, NULL, OPT_MAX_STREAMS },
+        { "stream-buffer-bytes", required_argument, NULL, OPT_STREAM_BUF },
+        { "drain-timeout", required_argument, NULL, OPT_DRAIN },
+        { "heartbeat-ms", required_argument, NULL, OPT_HEARTBEAT },
+        { "loads-poll-ms", required_argument, NULL, OPT_LOADS },
+        { "prefix-affinity", required_argument, NULL, OPT_AFFINITY },
+        { "log-level", required_argument, NULL, OPT_LOG },
+        { "version", no_argument, NULL, OPT_VERSION },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    struct coord_opts o;
+    struct coord *co = NULL;
+    char *api_key = NULL, *ctl_key = NULL;
+    const char *key_file = NULL, *ckey_file = NULL;
+    unsigned long v;
+    int c, r, rc = 2;
+
+    log_init("stepd", NULL);
+    coord_opts_default(&o);
+    while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        switch (c) {
+        case OPT_LISTEN: o.listen = optarg; break;
+        case OPT_ADMIN: o.admin_listen = optarg; break;
+        case OPT_CONTROL: o.control_listen = optarg; break;
+        case OPT_METRICS: o.metrics_listen = optarg; break;
+        case OPT_INSECURE: o.insecure_listen = true; break;
+        case OPT_TLS_CERT: o.tls.cert_file = optarg; break;
+        case OPT_TLS_KEY: o.tls.key_file = optarg; break;
+        case OPT_TLS_CA: o.tls.root_file = optarg; break;
+        case OPT_TLS_REQ: o.tls.require_client_cert = true; break;
+        case OPT_KEY_FILE: key_file = optarg; break;
+        case OPT_CKEY_FILE: ckey_file = optarg; break;
+        case OPT_API_KEY:
+            log_error("--api-key: keys are never taken from the command line (visible in ps); "
+                      "use --api-key-file FILE or $STEPD_API_KEY");
+            return 2;
+        case OPT_TOKENIZER: o.tokenizer_path = optarg; break;
+        case OPT_MODEL: o.model_name = optarg; break;
+#define UINT_OPT(id, flag, max, field) \
+        case id: if (parse_uint(flag, optarg, max, &v) < 0) return 2; o.field = v; break;
+        UINT_OPT(OPT_VOCAB, "--vocab-size", 1u << 30, fallback_vocab_size)
+        UINT_OPT(OPT_MAX_RUNNING, "--max-running", 1u << 20, max_running)
+        UINT_OPT(OPT_MAX_QUEUE, "--max-queue", 1u << 20, max_queue)
+        UINT_OPT(OPT_MAX_INPUT, "--max-input-tokens", 1u << 24, max_input_tokens)
+        UINT_OPT(OPT_MAX_TOKENS_CAP, "--max-tokens-cap", 1u << 24, max_tokens_cap)
+        UINT_OPT(OPT_DEF_MAX_TOKENS, "--default-max-tokens", 1u << 24, default_max_tokens)
+        UINT_OPT(OPT_MAX_RECV, "--max-recv-msg-bytes", 1u << 30, max_recv_msg_bytes)
+        UINT_OPT(OPT_MAX_STREAMS, "--max-concurrent-streams", 1u << 20, max_concurrent_streams)
+        UINT_OPT(OPT_STREAM_BUF, "--stream-buffer-bytes", 1u << 30, max_call_buffer_bytes)
+        UINT_OPT(OPT_HEARTBEAT, "--heartbeat-ms", 3600000, heartbeat_ms)
+        UINT_OPT(OPT_LOADS, "--loads-poll-ms", 3600000, loads_poll_ms)
+        UINT_OPT(OPT_AFFINITY, "--prefix-affinity", 1u << 20, prefix_affinity)
+#undef UINT_OPT
+        case OPT_DRAIN: {
+            char *end;
+            double s = strtod(optarg, &end);
+            if (end == optarg || *end || !(s >= 0 && s <= 86400)) {
+                log_error("--drain-timeout: expected seconds in [0, 86400], got '%s'", optarg);
+                return 2;
+            }
+            o.drain_timeout_ms = (unsigned)(s * 1000.0);
+            break;
+        }
+        case OPT_LOG: {
+            enum log_level l;
+            if (log_level_parse(optarg, &l) < 0) {
+                log_error("--log-level: expected error|warn|info|debug, got '%s'", optarg);
+                return 2;
+            }
+            log_set_level(l);
+            break;
+        }
+        case OPT_VERSION:
+            printf("stepd %s\n", STEPD_VERSION);
+            return 0;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        log_error("unexpected argument '%s'", argv[optind]);
+        return 2;
+    }
+    if (o.heartbeat_ms == 0 || o.loads_poll_ms == 0) {
+        log_error("--heartbeat-ms and --loads-poll-ms must be at least 1");
+        return 2;
+    }
+    if (key_file) {
+        if ((r = read_secret(key_file, &api_key)) < 0) {
+            log_error("--api-key-file %s: %s", key_file, r == -ENODATA ? "file is empty" : err_str(r));
+            return 2;
+        }
+    } else if (getenv("STEPD_API_KEY") && getenv("STEPD_API_KEY")[0]) {
+        api_key = strdup(getenv("STEPD_API_KEY"));
+    }
+    if (ckey_file) {
+        if ((r = read_secret(ckey_file, &ctl_key)) < 0) {
+            log_error("--control-key-file %s: %s", ckey_file, r == -ENODATA ? "file is empty" : err_str(r));
+            goto out;
+        }
+    } else if (getenv("STEPD_CONTROL_KEY") && getenv("STEPD_CONTROL_KEY")[0]) {
+        ctl_key = strdup(getenv("STEPD_CONTROL_KEY"));
+    }
+    o.api_key = api_key;
+    o.control_key = ctl_key;
+    if ((o.tls.cert_file != NULL) != (o.tls.key_file != NULL)) {
+        log_error("--tls-cert and --tls-key go together");
+        goto out;
+    }
+    if ((r = coord_new(&o, &co)) < 0) {
+        log_error("cannot start: %s", err_str(r));
+        rc = 1;
+        goto out;
+    }
+    rc = coord_run(co);
+    coord_free(co);
+out:
+    if (api_key) {
+        memset(api_key, 0, strlen(api_key));
+        free(api_key);
+    }
+    if (ctl_key) {
+        memset(ctl_key, 0, strlen(ctl_key));
+        free(ctl_key);
+    }
+    return rc;
+}

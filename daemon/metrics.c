@@ -1,0 +1,394 @@
+/* metrics.c - Prometheus text exposition over a tiny HTTP/1.0 endpoint on its own
+ * port. Names mirror vLLM's (vllm:time_to_first_token_seconds, ...) under the
+ * "stepd:" prefix. GET /metrics only (plus GET /healthz); one response per
+ * connection; requests larger than 8 KiB or slower than 5 s are dropped. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord-int.h"
+#include "err.h"
+#include "log.h"
+
+static const double b_ttft[] = { 0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0 };
+static const double b_itl[] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0 };
+static const double b_e2e[] = { 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0 };
+static const double b_len[] = { 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                                100000, 200000, 500000, 1000000 };
+
+static void hist_init(struct histogram *h, const double *b, size_t n)
+{
+    memset(h, 0, sizeof(*h));
+    BUG_ON(n > METRICS_MAX_BUCKETS);
+    h->bounds = b;
+    h->n_bounds = n;
+}
+
+void metrics_init(struct metrics *m)
+{
+    memset(m, 0, sizeof(*m));
+    hist_init(&m->ttft, b_ttft, ARRAY_SIZE(b_ttft));
+    hist_init(&m->itl, b_itl, ARRAY_SIZE(b_itl));
+    hist_init(&m->e2e, b_e2e, ARRAY_SIZE(b_e2e));
+    hist_init(&m->queue, b_e2e, ARRAY_SIZE(b_e2e));
+    hist_init(&m->prompt_len, b_len, ARRAY_SIZE(b_len));
+    hist_init(&m->gen_len, b_len, ARRAY_SIZE(b_len));
+}
+
+void metrics_observe(struct histogram *h, double v)
+{
+    size_t i = 0;
+    while (i < h->n_bounds && v > h->bounds[i])
+        i++;
+    h->counts[i]++;
+    h->sum += v;
+    h->count++;
+}
+
+struct sbuf {
+    char *p;
+    size_t len, cap;
+    bool oom;
+};
+
+static void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(struct sbuf *b, const char *fmt, ...)
+{
+    va_list ap;
+    for (;;) {
+        size_t room = b->cap - b->len;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, room, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->oom = true;
+            return;
+        }
+        if ((size_t)n < room) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t nc = (b->cap + (size_t)n + 1) * 2;
+        char *np = realloc(b->p, nc);
+        if (!np) {
+            b->oom = true;
+            return;
+        }
+        b->p = np;
+        b->cap = nc;
+    }
+}
+
+static void hist_render(struct sbuf *b, const char *name, const char *help, const struct histogram *h)
+{
+    uint64_t cum = 0;
+    sb_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    for (size_t i = 0; i < h->n_bounds; i++) {
+        cum += h->counts[i];
+        sb_printf(b, "%s_bucket{le=\"%g\"} %" PRIu64 "\n", name, h->bounds[i], cum);
+    }
+    cum += h->counts[h->n_bounds];
+    sb_printf(b, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n%s_sum %.9g\n%s_count %" PRIu64 "\n", name, cum, name,
+              h->sum, name, h->count);
+}
+
+static void counter(struct sbuf *b, const char *name, const char *help, uint64_t v)
+{
+    sb_printf(b, "# HELP %s %s\n# TYPE %s counter\n%s %" PRIu64 "\n", name, help, name, name, v);
+}
+
+static void gauge(struct sbuf *b, const char *name, const char *help, double v)
+{
+    sb_printf(b, "# HELP %s %s\n# TYPE %s gauge\n%s %.9g\n", name, help, name, name, v);
+}
+
+char *metrics_render(struct coord *co, size_t *ret_len)
+{
+    struct sbuf b = { 0 };
+    const struct metrics *m = &co->m;
+    static const char *reasons[] = { "unspecified", "stop", "length", "abort", "error" };
+    double kv_used = 0, kv_total = 0;
+
+    hist_render(&b, "stepd:time_to_first_token_seconds", "Time to first token (coordinator view).", &m->ttft);
+    hist_render(&b, "stepd:inter_token_latency_seconds", "Gap between streamed chunks.", &m->itl);
+    hist_render(&b, "stepd:e2e_request_latency_seconds", "Arrival to final message.", &m->e2e);
+    hist_render(&b, "stepd:request_queue_time_seconds", "Time spent waiting for an admission slot.", &m->queue);
+    hist_render(&b, "stepd:request_prompt_tokens", "Prompt length of finished requests.", &m->prompt_len);
+    hist_render(&b, "stepd:request_generation_tokens", "Generated tokens of finished requests.", &m->gen_len);
+    gauge(&b, "stepd:num_requests_running", "Requests dispatched to engines.", co->batch.running);
+    gauge(&b, "stepd:num_requests_waiting", "Requests waiting for an admission slot.", co->batch.queued);
+    counter(&b, "stepd:prompt_tokens_total", "Prompt tokens of finished requests.", m->prompt_tokens);
+    counter(&b, "stepd:generation_tokens_total", "Generated tokens of finished requests.", m->generation_tokens);
+    sb_printf(&b, "# HELP stepd:request_success_total Finished requests by finish reason.\n"
+                  "# TYPE stepd:request_success_total counter\n");
+    for (int i = 1; i < 5; i++)
+        sb_printf(&b, "stepd:request_success_total{finished_reason=\"%s\"} %" PRIu64 "\n", reasons[i],
+                  m->finished[i]);
+    sb_printf(&b, "# HELP stepd:request_status_total Terminal gRPC status of Generate calls.\n"
+                  "# TYPE stepd:request_status_total counter\n");
+    for (int i = 0; i < 17; i++)
+        if (m->status[i])
+            sb_printf(&b, "stepd:request_status_total{code=\"%s\"} %" PRIu64 "\n", rpc_status_name(i),
+                      m->status[i]);
+    sb_printf(&b, "# HELP stepd:requests_rejected_total Requests refused before reaching an engine.\n"
+                  "# TYPE stepd:requests_rejected_total counter\n"
+                  "stepd:requests_rejected_total{reason=\"queue_full\"} %" PRIu64 "\n"
+                  "stepd:requests_rejected_total{reason=\"invalid\"} %" PRIu64 "\n"
+                  "stepd:requests_rejected_total{reason=\"draining\"} %" PRIu64 "\n"
+                  "stepd:requests_rejected_total{reason=\"unavailable\"} %" PRIu64 "\n",
+              m->rejected_full, m->rejected_invalid, m->rejected_draining, m->rejected_unavailable);
+    counter(&b, "stepd:requests_accepted_total", "Admitted Generate requests.", m->accepted);
+    counter(&b, "stepd:aborts_sent_total", "Abort RPCs sent to engines.", m->aborts_sent);
+    counter(&b, "stepd:group_failures_total", "Times a ready or loading worker group went down.", m->group_failures);
+    counter(&b, "stepd:spec_decode_num_drafts_total", "MTP verification steps with drafts.", m->spec_drafts);
+    counter(&b, "stepd:spec_decode_num_draft_tokens_total", "MTP draft tokens proposed.", m->spec_draft_tokens);
+    counter(&b, "stepd:spec_decode_num_accepted_tokens_total", "MTP draft tokens accepted.", m->spec_accepted);
+    sb_printf(&b, "# HELP stepd:spec_decode_num_accepted_tokens_per_pos_total Accepted drafts by position.\n"
+                  "# TYPE stepd:spec_decode_num_accepted_tokens_per_pos_total counter\n");
+    for (int i = 0; i < 3; i++)
+        sb_printf(&b, "stepd:spec_decode_num_accepted_tokens_per_pos_total{position=\"%d\"} %" PRIu64 "\n", i,
+                  m->spec_accepted_pos[i]);
+    sb_printf(&b, "# HELP stepd:group_ready Worker group readiness (1 ready).\n# TYPE stepd:group_ready gauge\n");
+    for (struct group *g = co->groups; g; g = g->next)
+        sb_printf(&b, "stepd:group_ready{group=\"%s\"} %d\n", g->name, g->state == GROUP_READY);
+    sb_printf(&b, "# HELP stepd:group_in_flight Requests in flight per group.\n# TYPE stepd:group_in_flight gauge\n");
+    for (struct group *g = co->groups; g; g = g->next)
+        sb_printf(&b, "stepd:group_in_flight{group=\"%s\"} %u\n", g->name, g->in_flight);
+    sb_printf(&b, "# HELP stepd:group_kv_cache_usage_perc KV usage per group (engine report).\n"
+                  "# TYPE stepd:group_kv_cache_usage_perc gauge\n");
+    uint64_t preempt = 0;
+    for (struct group *g = co->groups; g; g = g->next) {
+        sb_printf(&b, "stepd:group_kv_cache_usage_perc{group=\"%s\"} %.6f\n", g->name, g->kv_usage);
+        if (g->state == GROUP_READY) {
+            kv_used += g->kv_used;
+            kv_total += g->kv_total;
+        }
+        preempt += g->preemptions;
+    }
+    gauge(&b, "stepd:kv_cache_usage_perc", "KV-cache usage over ready groups (1 = full).",
+          kv_total > 0 ? kv_used / kv_total : 0.0);
+    counter(&b, "stepd:num_preemptions_total", "Engine preemptions (sum of group reports).", preempt);
+    gauge(&b, "stepd:groups_ready", "Ready worker groups.", wpool_ready_count(co));
+    gauge(&b, "stepd:ready", "Readiness (1 SERVING).", coord_ready(co));
+    gauge(&b, "stepd:live_rpc_calls", "Live gRPC calls in the coordinator.", (double)rpc_ctx_live_calls(co->rpc));
+    if (b.oom) {
+        free(b.p);
+        return NULL;
+    }
+    *ret_len = b.len;
+    return b.p;
+}
+
+/* ------------------------------------------------------------------ HTTP */
+
+struct http_conn {
+    uv_tcp_t tcp;
+    uv_timer_t timer;
+    struct coord *co;
+    char buf[8192];
+    size_t len;
+    bool responded;
+    int closing;
+};
+
+struct http_write {
+    uv_write_t w;
+    char *body;
+};
+
+static void conn_closed(uv_handle_t *h)
+{
+    struct http_conn *c = h->data;
+    if (--c->closing == 0)
+        free(c);
+}
+
+static void conn_close(struct http_conn *c)
+{
+    if (c->closing)
+        return;
+    c->closing = 2;
+    uv_timer_stop(&c->timer);
+    uv_close((uv_handle_t *)&c->timer, conn_closed);
+    uv_close((uv_handle_t *)&c->tcp, conn_closed);
+}
+
+static void write_done(uv_write_t *w, int status)
+{
+    struct http_write *hw = (struct http_write *)w;
+    struct http_conn *c = w->data;
+    free(hw->body);
+    free(hw);
+    conn_close(c);
+}
+
+static void respond(struct http_conn *c, int code, const char *reason, const char *ctype, char *body, size_t blen)
+{
+    struct http_write *hw = calloc(1, sizeof(*hw));
+    char *hdr = NULL;
+    int hl;
+
+    c->responded = true;
+    uv_read_stop((uv_stream_t *)&c->tcp);
+    hl = asprintf(&hdr, "HTTP/1.0 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
+                  code, reason, ctype, blen);
+    if (!hw || hl < 0) {
+        free(hw);
+        if (hl >= 0)
+            free(hdr);
+        free(body);
+        conn_close(c);
+        return;
+    }
+    char *all = malloc((size_t)hl + blen);
+    if (!all) {
+        free(hw);
+        free(hdr);
+        free(body);
+        conn_close(c);
+        return;
+    }
+    memcpy(all, hdr, (size_t)hl);
+    if (blen)
+        memcpy(all + hl, body, blen);
+    free(hdr);
+    free(body);
+    hw->body = all;
+    hw->w.data = c;
+    uv_buf_t ub = uv_buf_init(all, (unsigned)((size_t)hl + blen));
+    if (uv_write(&hw->w, (uv_stream_t *)&c->tcp, &ub, 1, write_done) < 0) {
+        free(all);
+        free(hw);
+        conn_close(c);
+    }
+}
+
+static void on_alloc(uv_handle_t *h, size_t sz, uv_buf_t *buf)
+{
+    struct http_conn *c = h->data;
+    size_t room = sizeof(c->buf) - c->len - 1;
+    *buf = uv_buf_init(c->buf + c->len, (unsigned)room);
+}
+
+static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
+{
+    struct http_conn *c = s->data;
+
+    if (n < 0) {
+        conn_close(c);
+        return;
+    }
+    c->len += (size_t)n;
+    c->buf[c->len] = '\0';
+    if (!strstr(c->buf, "\r\n\r\n") && !strstr(c->buf, "\n\n")) {
+        if (c->len >= sizeof(c->buf) - 1)
+            respond(c, 431, "Request Header Fields Too Large", "text/plain", NULL, 0);
+        return;
+    }
+    if (strncmp(c->buf, "GET /metrics ", 13) == 0 || strncmp(c->buf, "GET /metrics?", 13) == 0) {
+        size_t len = 0;
+        char *body = metrics_render(c->co, &len);
+        if (!body) {
+            respond(c, 500, "Internal Server Error", "text/plain", NULL, 0);
+            return;
+        }
+        respond(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", body, len);
+    } else if (strncmp(c->buf, "GET /healthz ", 13) == 0) {
+        char *body = strdup(coord_ready(c->co) ? "ready\n" : "not ready\n");
+        respond(c, coord_ready(c->co) ? 200 : 503, coord_ready(c->co) ? "OK" : "Service Unavailable",
+                "text/plain", body, body ? strlen(body) : 0);
+    } else if (strncmp(c->buf, "GET ", 4) == 0) {
+        respond(c, 404, "Not Found", "text/plain", NULL, 0);
+    } else {
+        respond(c, 405, "Method Not Allowed", "text/plain", NULL, 0);
+    }
+}
+
+static void conn_timeout(uv_timer_t *t)
+{
+    conn_close(t->data);
+}
+
+static void on_conn(uv_stream_t *srv, int status)
+{
+    struct coord *co = srv->data;
+    struct http_conn *c;
+
+    if (status < 0)
+        return;
+    c = calloc(1, sizeof(*c));
+    if (!c)
+        return;
+    c->co = co;
+    uv_tcp_init(&co->loop, &c->tcp);
+    uv_timer_init(&co->loop, &c->timer);
+    c->tcp.data = c->timer.data = c;
+    if (uv_accept(srv, (uv_stream_t *)&c->tcp) < 0) {
+        conn_close(c);
+        return;
+    }
+    uv_timer_start(&c->timer, conn_timeout, 5000, 0);
+    uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+int metrics_http_start(struct coord *co, const char *addr)
+{
+    char host[128];
+    const char *colon;
+    struct sockaddr_storage ss;
+    int port, r;
+    size_t hl;
+
+    if (addr[0] == '[') {
+        const char *rb = strchr(addr, ']');
+        if (!rb || rb[1] != ':')
+            return -EINVAL;
+        hl = (size_t)(rb - addr - 1);
+        if (hl >= sizeof(host))
+            return -EINVAL;
+        memcpy(host, addr + 1, hl);
+        host[hl] = '\0';
+        port = atoi(rb + 2);
+        r = uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss);
+    } else {
+        colon = strrchr(addr, ':');
+        if (!colon)
+            return -EINVAL;
+        hl = (size_t)(colon - addr);
+        if (hl >= sizeof(host))
+            return -EINVAL;
+        memcpy(host, addr, hl);
+        host[hl] = '\0';
+        port = atoi(colon + 1);
+        r = uv_ip4_addr(host, port, (struct sockaddr_in *)&ss);
+    }
+    if (r < 0 || port < 0 || port > 65535)
+        return -EINVAL;
+    if ((r = uv_tcp_init(&co->loop, &co->metrics_srv)) < 0)
+        return r;
+    co->metrics_srv.data = co;
+    co->metrics_on = true;
+    if ((r = uv_tcp_bind(&co->metrics_srv, (struct sockaddr *)&ss, 0)) < 0 ||
+        (r = uv_listen((uv_stream_t *)&co->metrics_srv, 64, on_conn)) < 0)
+        return r;
+    struct sockaddr_storage bound;
+    int bl = sizeof(bound);
+    if (uv_tcp_getsockname(&co->metrics_srv, (struct sockaddr *)&bound, &bl) == 0)
+        co->metrics_port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                             : ((struct sockaddr_in *)&bound)->sin_port);
+    return 0;
+}
+
+void metrics_http_stop(struct coord *co)
+{
+    if (co->metrics_on) {
+        co->metrics_on = false;
+        uv_close((uv_handle_t *)&co->metrics_srv, NULL);
+    }
+}

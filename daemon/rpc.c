@@ -1,0 +1,1300 @@
+/* rpc.c - gRPC C-core glue: CQ thread -> uv_async -> loop thread. See rpc.h. */
+#include "rpc.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "err.h"
+#include "log.h"
+
+#define RPC_MAX_TRAILERS 4
+
+/* A completion-queue tag: every grpc batch carries a pointer to one of these. */
+struct rpc_op {
+    void (*fn)(struct rpc_op *op, bool ok);
+};
+
+struct rpc_event {
+    struct rpc_op *op;
+    bool ok;
+};
+
+struct rpc_ctx {
+    uv_loop_t *loop;
+    uv_async_t async;
+    grpc_completion_queue *cq;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    struct rpc_event *q;        /* filled by the CQ thread */
+    size_t q_len, q_cap;
+    struct rpc_event *work;     /* drained on the loop thread */
+    size_t work_cap;
+    size_t live_calls;
+    bool thread_started;
+};
+
+/* ------------------------------------------------------------------ helpers */
+
+static const char *const status_names[] = {
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED",
+};
+
+const char *rpc_status_name(int status)
+{
+    if (status < 0 || (size_t)status >= sizeof(status_names) / sizeof(status_names[0]))
+        return "UNKNOWN_STATUS";
+    return status_names[status];
+}
+
+int64_t rpc_now_ms(void)
+{
+    gpr_timespec t = gpr_now(GPR_CLOCK_MONOTONIC);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static gpr_timespec deadline_from_ms(int64_t ms)
+{
+    if (ms <= 0 || ms == INT64_MAX)
+        return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    gpr_timespec t;
+    t.tv_sec = ms / 1000;
+    t.tv_nsec = (int32_t)((ms % 1000) * 1000000);
+    t.clock_type = GPR_CLOCK_MONOTONIC;
+    return t;
+}
+
+static int64_t deadline_to_ms(gpr_timespec t)
+{
+    if (gpr_time_cmp(t, gpr_inf_future(t.clock_type)) == 0)
+        return INT64_MAX;
+    t = gpr_convert_clock_type(t, GPR_CLOCK_MONOTONIC);
+    if (t.tv_sec > INT64_MAX / 1000 - 1)
+        return INT64_MAX;
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+bool rpc_secret_equal(const char *expected, const char *given)
+{
+    size_t le = strlen(expected), lg = strlen(given);
+    volatile unsigned char diff = (unsigned char)(le != lg);
+    for (size_t i = 0; i < le; i++) {
+        unsigned char g = i < lg ? (unsigned char)given[i] : 0;
+        diff |= (unsigned char)expected[i] ^ g;
+    }
+    return diff == 0;
+}
+
+static int read_file(const char *path, char **ret)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    int r = 0;
+
+    if (!f)
+        return -errno;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            cap = cap ? cap * 2 : 8192;
+            if (cap > (16u << 20)) {
+                r = -EFBIG;
+                goto cleanup;
+            }
+            char *n = realloc(buf, cap);
+            if (!n) {
+                r = -ENOMEM;
+                goto cleanup;
+            }
+            buf = n;
+        }
+        size_t got = fread(buf + len, 1, 4096, f);
+        len += got;
+        if (got < 4096) {
+            if (ferror(f))
+                r = -EIO;
+            break;
+        }
+    }
+cleanup:
+    fclose(f);
+    if (r < 0) {
+        free(buf);
+        return r;
+    }
+    buf[len] = '\0';
+    *ret = buf;
+    return 0;
+}
+
+/* Decode a byte buffer into a protobuf-c message (NULL on failure). */
+static ProtobufCMessage *bb_decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc)
+{
+    grpc_byte_buffer_reader rd;
+    ProtobufCMessage *m;
+
+    if (!grpc_byte_buffer_reader_init(&rd, bb))
+        return NULL;
+    grpc_slice s = grpc_byte_buffer_reader_readall(&rd);
+    grpc_byte_buffer_reader_destroy(&rd);
+    m = protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    grpc_slice_unref(s);
+    return m;
+}
+
+static grpc_byte_buffer *bb_encode(const ProtobufCMessage *msg, size_t *ret_len)
+{
+    size_t len = protobuf_c_message_get_packed_size(msg);
+    grpc_slice s = grpc_slice_malloc(len);
+    protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(s));
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    if (ret_len)
+        *ret_len = len;
+    return bb;
+}
+
+/* Strict UTF-8 check (no overlongs, no surrogates, <= U+10FFFF). */
+static bool utf8_valid(const unsigned char *s)
+{
+    while (*s) {
+        unsigned c = *s;
+        if (c < 0x80) {
+            s++;
+            continue;
+        }
+        int n;
+        unsigned cp;
+        if ((c & 0xE0) == 0xC0) { n = 1; cp = c & 0x1F; }
+        else if ((c & 0xF0) == 0xE0) { n = 2; cp = c & 0x0F; }
+        else if ((c & 0xF8) == 0xF0) { n = 3; cp = c & 0x07; }
+        else return false;
+        for (int i = 1; i <= n; i++) {
+            if ((s[i] & 0xC0) != 0x80)
+                return false;
+            cp = (cp << 6) | (s[i] & 0x3F);
+        }
+        if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) ||
+            cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return false;
+        s += n + 1;
+    }
+    return true;
+}
+
+/* Walk every string field of m (recursively); proto3 requires valid UTF-8, which
+ * protobuf-c does not check. On failure writes the field path into path. */
+static bool msg_strings_valid(const ProtobufCMessage *m, char *path, size_t plen, int depth)
+{
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+    size_t base = strlen(path);
+
+    if (depth > 64)
+        return false;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        const char *p = (const char *)m + f->offset;
+        if (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE)
+            continue;
+        if (f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
+            uint32_t cse = *(const uint32_t *)((const char *)m + f->quantifier_offset);
+            if (cse != f->id)
+                continue;
+        }
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            size_t n = *(const size_t *)((const char *)m + f->quantifier_offset);
+            void *const *arr = *(void *const *const *)p;
+            for (size_t k = 0; k < n; k++) {
+                snprintf(path + base, plen - base, "%s%s[%zu]", base ? "." : "", f->name, k);
+                if (f->type == PROTOBUF_C_TYPE_STRING) {
+                    if (arr[k] && !utf8_valid(arr[k]))
+                        return false;
+                } else if (arr[k] && !msg_strings_valid(arr[k], path, plen, depth + 1)) {
+                    return false;
+                }
+            }
+        } else {
+            const void *v = *(const void *const *)p;
+            if (!v)
+                continue;
+            snprintf(path + base, plen - base, "%s%s", base ? "." : "", f->name);
+            if (f->type == PROTOBUF_C_TYPE_STRING) {
+                if (!utf8_valid(v))
+                    return false;
+            } else if (!msg_strings_valid(v, path, plen, depth + 1)) {
+                return false;
+            }
+        }
+        path[base] = '\0';
+    }
+    return true;
+}
+
+/* ------------------------------------------------------------------ context */
+
+static void *cq_thread_main(void *arg)
+{
+    struct rpc_ctx *ctx = arg;
+
+    for (;;) {
+        grpc_event ev = grpc_completion_queue_next(ctx->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN)
+            break;
+        if (ev.type != GRPC_OP_COMPLETE)
+            continue;
+        pthread_mutex_lock(&ctx->mu);
+        bool wake = ctx->q_len == 0;
+        if (ctx->q_len == ctx->q_cap) {
+            size_t ncap = ctx->q_cap ? ctx->q_cap * 2 : 256;
+            struct rpc_event *n = realloc(ctx->q, ncap * sizeof(*n));
+            /* A tag cannot be dropped (each one owns resources). */
+            BUG_ON(!n);
+            ctx->q = n;
+            ctx->q_cap = ncap;
+        }
+        ctx->q[ctx->q_len].op = ev.tag;
+        ctx->q[ctx->q_len].ok = ev.success != 0;
+        ctx->q_len++;
+        pthread_mutex_unlock(&ctx->mu);
+        if (wake)
+            uv_async_send(&ctx->async);
+    }
+    return NULL;
+}
+
+static void ctx_drain(struct rpc_ctx *ctx)
+{
+    for (;;) {
+        pthread_mutex_lock(&ctx->mu);
+        size_t n = ctx->q_len;
+        if (n == 0) {
+            pthread_mutex_unlock(&ctx->mu);
+            return;
+        }
+        /* swap buffers */
+        struct rpc_event *full = ctx->q;
+        size_t full_cap = ctx->q_cap;
+        ctx->q = ctx->work;
+        ctx->q_cap = ctx->work_cap;
+        ctx->q_len = 0;
+        ctx->work = full;
+        ctx->work_cap = full_cap;
+        pthread_mutex_unlock(&ctx->mu);
+        for (size_t i = 0; i < n; i++)
+            ctx->work[i].op->fn(ctx->work[i].op, ctx->work[i].ok);
+    }
+}
+
+static void ctx_async_cb(uv_async_t *h)
+{
+    ctx_drain(h->data);
+}
+
+int rpc_ctx_create(uv_loop_t *loop, struct rpc_ctx **ret)
+{
+    struct rpc_ctx *ctx = calloc(1, sizeof(*ctx));
+    int r;
+
+    if (!ctx)
+        return -ENOMEM;
+    grpc_init();
+    ctx->loop = loop;
+    pthread_mutex_init(&ctx->mu, NULL);
+    r = uv_async_init(loop, &ctx->async, ctx_async_cb);
+    if (r < 0)
+        goto fail;
+    ctx->async.data = ctx;
+    ctx->cq = grpc_completion_queue_create_for_next(NULL);
+    r = -pthread_create(&ctx->thread, NULL, cq_thread_main, ctx);
+    if (r < 0) {
+        grpc_completion_queue_destroy(ctx->cq);
+        uv_close((uv_handle_t *)&ctx->async, NULL);
+        uv_run(loop, UV_RUN_NOWAIT);
+        goto fail;
+    }
+    ctx->thread_started = true;
+    *ret = ctx;
+    return 0;
+fail:
+    pthread_mutex_destroy(&ctx->mu);
+    free(ctx);
+    grpc_shutdown();
+    return r;
+}
+
+static void ctx_closed(uv_handle_t *h)
+{
+    struct rpc_ctx *ctx = h->data;
+    free(ctx->q);
+    free(ctx->work);
+    pthread_mutex_destroy(&ctx->mu);
+    free(ctx);
+}
+
+void rpc_ctx_destroy(struct rpc_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    grpc_completion_queue_shutdown(ctx->cq);
+    pthread_join(ctx->thread, NULL);
+    ctx_drain(ctx);
+    grpc_completion_queue_destroy(ctx->cq);
+    if (ctx->live_calls)
+        log_warn("rpc: context destroyed with %zu live calls", ctx->live_calls);
+    uv_close((uv_handle_t *)&ctx->async, ctx_closed);
+    grpc_shutdown();
+}
+
+size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx)
+{
+    return ctx->live_calls;
+}
+
+/* ------------------------------------------------------------------ server */
+
+struct reg_method {
+    struct rpc_method m;
+    void *handle;
+    struct rpc_server *s;
+};
+
+struct rpc_server {
+    struct rpc_ctx *ctx;
+    grpc_server *srv;
+    grpc_server_credentials *creds;
+    struct rpc_server_opts opts;
+    char *api_key;
+    struct reg_method *methods;
+    size_t n_methods;
+    bool started;
+    bool shutting_down;
+    struct rpc_call *calls;         /* live calls (handed to handlers), doubly linked */
+    size_t requested;               /* outstanding request_call tags */
+    struct rpc_op shutdown_op;
+    bool shutdown_done;
+    void (*on_shutdown)(void *ud);
+    void *shutdown_ud;
+};
+
+struct rpc_call {
+    struct rpc_server *s;
+    struct reg_method *rm;          /* NULL: unregistered method (answered UNIMPLEMENTED) */
+    grpc_call *call;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_byte_buffer *payload;
+    grpc_call_details details;      /* unregistered only */
+    struct rpc_op op_new, op_close, op_send;
+    int close_cancelled;
+    ProtobufCMessage *req;
+    rpc_cancel_fn cancel_fn;
+    void *cancel_ud;
+    /* send queue (ring of packed messages) */
+    grpc_byte_buffer **sq;
+    size_t sq_head, sq_len, sq_cap;
+    size_t queued_bytes;
+    grpc_byte_buffer *cur_send;
+    size_t cur_send_len;
+    bool send_in_flight, md_sent, finish_requested, status_in_batch, status_done;
+    bool cancelled, close_done, close_started, handed;
+    int status;
+    grpc_slice status_details;
+    grpc_metadata trailers[RPC_MAX_TRAILERS];
+    int n_trailers;
+    struct rpc_call *prev, *next;
+    char method_name[128];
+};
+
+static void server_request_one(struct rpc_server *s, struct reg_method *rm);
+static void call_pump(struct rpc_call *c);
+
+static void call_free(struct rpc_call *c)
+{
+    struct rpc_server *s = c->s;
+
+    if (c->handed) {
+        if (c->prev)
+            c->prev->next = c->next;
+        else
+            s->calls = c->next;
+        if (c->next)
+            c->next->prev = c->prev;
+        s->ctx->live_calls--;
+    }
+    while (c->sq_len) {
+        grpc_byte_buffer_destroy(c->sq[c->sq_head]);
+        c->sq_head = (c->sq_head + 1) % c->sq_cap;
+        c->sq_len--;
+    }
+    free(c->sq);
+    if (c->req)
+        protobuf_c_message_free_unpacked(c->req, NULL);
+    if (c->payload)
+        grpc_byte_buffer_destroy(c->payload);
+    grpc_metadata_array_destroy(&c->md);
+    if (!c->rm)
+        grpc_call_details_destroy(&c->details);
+    for (int i = 0; i < c->n_trailers; i++) {
+        grpc_slice_unref(c->trailers[i].key);
+        grpc_slice_unref(c->trailers[i].value);
+    }
+    if (c->finish_requested)
+        grpc_slice_unref(c->status_details);
+    if (c->call)
+        grpc_call_unref(c->call);
+    free(c);
+}
+
+static void call_maybe_free(struct rpc_call *c)
+{
+    if (!c->close_started || c->close_done)
+        if (c->finish_requested && c->status_done && !c->send_in_flight)
+            call_free(c);
+}
+
+static void call_on_close(struct rpc_op *op, bool ok)
+{
+    struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_close));
+
+    c->close_done = true;
+    if (c->close_cancelled || !ok) {
+        c->cancelled = true;
+        if (!c->finish_requested) {
+            if (c->cancel_fn) {
+                rpc_cancel_fn fn = c->cancel_fn;
+                c->cancel_fn = NULL;
+                fn(c, c->cancel_ud);   /* may call rpc_call_finish() (and free c) */
+            }
+            return;                    /* rpc_call_finish() releases the call */
+        }
+        call_pump(c);                  /* drops queued messages */
+    }
+    call_maybe_free(c);
+}
+
+static void call_on_send(struct rpc_op *op, bool ok)
+{
+    struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_send));
+
+    c->send_in_flight = false;
+    if (c->cur_send) {
+        grpc_byte_buffer_destroy(c->cur_send);
+        c->cur_send = NULL;
+        c->queued_bytes -= c->cur_send_len;
+    }
+    if (c->status_in_batch)
+        c->status_done = true;
+    if (!ok)
+        c->cancelled = true;          /* transport gone; drop the rest */
+    call_pump(c);
+    call_maybe_free(c);
+}
+
+static void call_pump(struct rpc_call *c)
+{
+    grpc_op ops[3];
+    size_t n = 0;
+
+    if (c->send_in_flight || c->status_done)
+        return;
+    if (c->cancelled) {
+        while (c->sq_len) {
+            grpc_byte_buffer_destroy(c->sq[c->sq_head]);
+            c->sq_head = (c->sq_head + 1) % c->sq_cap;
+            c->sq_len--;
+        }
+        c->queued_bytes = 0;
+        if (c->finish_requested)
+            c->status_done = true;
+        return;
+    }
+    if (c->sq_len == 0 && !c->finish_requested)
+        return;
+    memset(ops, 0, sizeof(ops));
+    if (!c->md_sent) {
+        ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+        n++;
+        c->md_sent = true;
+    }
+    if (c->sq_len) {
+        c->cur_send = c->sq[c->sq_head];
+        c->cur_send_len = grpc_byte_buffer_length(c->cur_send);
+        c->sq_head = (c->sq_head + 1) % c->sq_cap;
+        c->sq_len--;
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n].data.send_message.send_message = c->cur_send;
+        n++;
+    }
+    if (c->sq_len == 0 && c->finish_requested) {
+        ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+        ops[n].data.send_status_from_server.status = (grpc_status_code)c->status;
+        ops[n].data.send_status_from_server.status_details = &c->status_details;
+        ops[n].data.send_status_from_server.trailing_metadata_count = (size_t)c->n_trailers;
+        ops[n].data.send_status_from_server.trailing_metadata = c->trailers;
+        n++;
+        c->status_in_batch = true;
+    }
+    c->send_in_flight = true;
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_send, NULL);
+    if (e != GRPC_CALL_OK) {
+        log_error("rpc: %s: start_batch(send) failed: %d", c->method_name, (int)e);
+        c->send_in_flight = false;
+        c->cancelled = true;
+        if (c->cur_send) {
+            grpc_byte_buffer_destroy(c->cur_send);
+            c->cur_send = NULL;
+        }
+        if (c->finish_requested)
+            c->status_done = true;
+    }
+}
+
+void rpc_call_on_cancel(struct rpc_call *c, rpc_cancel_fn fn, void *ud)
+{
+    c->cancel_fn = fn;
+    c->cancel_ud = ud;
+}
+
+int rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg)
+{
+    size_t len;
+
+    if (c->finish_requested)
+        return -EINVAL;
+    if (c->cancelled)
+        return -ECANCELED;
+    if (c->queued_bytes > c->s->opts.max_call_buffer_bytes)
+        return -ENOBUFS;
+    if (c->sq_len == c->sq_cap) {
+        size_t ncap = c->sq_cap ? c->sq_cap * 2 : 8;
+        grpc_byte_buffer **n = malloc(ncap * sizeof(*n));
+        if (!n)
+            return -ENOMEM;
+        for (size_t i = 0; i < c->sq_len; i++)
+            n[i] = c->sq[(c->sq_head + i) % c->sq_cap];
+        free(c->sq);
+        c->sq = n;
+        c->sq_head = 0;
+        c->sq_cap = ncap;
+    }
+    grpc_byte_buffer *bb = bb_encode(msg, &len);
+    c->sq[(c->sq_head + c->sq_len) % c->sq_cap] = bb;
+    c->sq_len++;
+    c->queued_bytes += len;
+    call_pump(c);
+    return 0;
+}
+
+int rpc_call_add_trailer(struct rpc_call *c, const char *key, const char *value)
+{
+    if (c->n_trailers >= RPC_MAX_TRAILERS || c->finish_requested)
+        return -ENOSPC;
+    c->trailers[c->n_trailers].key = grpc_slice_from_copied_string(key);
+    c->trailers[c->n_trailers].value = grpc_slice_from_copied_string(value);
+    c->n_trailers++;
+    return 0;
+}
+
+void rpc_call_finish(struct rpc_call *c, int status, const char *fmt, ...)
+{
+    char msg[1024] = "";
+
+    if (c->finish_requested) {
+        log_error("rpc: %s: rpc_call_finish called twice", c->method_name);
+        abort();
+    }
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+    }
+    c->finish_requested = true;
+    c->status = status;
+    c->status_details = grpc_slice_from_copied_string(msg);
+    call_pump(c);
+    call_maybe_free(c);
+}
+
+bool rpc_call_cancelled(const struct rpc_call *c)
+{
+    return c->cancelled;
+}
+
+int64_t rpc_call_deadline_ms(const struct rpc_call *c)
+{
+    return deadline_to_ms(c->deadline);
+}
+
+int rpc_call_metadata(const struct rpc_call *c, const char *key, char *buf, size_t len)
+{
+    size_t kl = strlen(key);
+    for (size_t i = 0; i < c->md.count; i++) {
+        const grpc_metadata *m = &c->md.metadata[i];
+        if (GRPC_SLICE_LENGTH(m->key) == kl && memcmp(GRPC_SLICE_START_PTR(m->key), key, kl) == 0) {
+            size_t vl = GRPC_SLICE_LENGTH(m->value);
+            if (len == 0)
+                return -ENOSPC;
+            if (vl >= len)
+                vl = len - 1;
+            memcpy(buf, GRPC_SLICE_START_PTR(m->value), vl);
+            buf[vl] = '\0';
+            return 0;
+        }
+    }
+    return -ENOENT;
+}
+
+void rpc_call_peer(const struct rpc_call *c, char *buf, size_t len)
+{
+    char *p = grpc_call_get_peer(c->call);
+    snprintf(buf, len, "%s", p ? p : "?");
+    gpr_free(p);
+}
+
+const char *rpc_call_method(const struct rpc_call *c)
+{
+    return c->method_name;
+}
+
+size_t rpc_call_queued_bytes(const struct rpc_call *c)
+{
+    return c->queued_bytes;
+}
+
+static bool call_authorized(struct rpc_call *c)
+{
+    char v[1024];
+    if (!c->s->api_key || (c->rm && c->rm->m.no_auth))
+        return true;
+    if (rpc_call_metadata(c, "authorization", v, sizeof(v)) < 0)
+        return false;
+    if (strncmp(v, "Bearer ", 7) != 0)
+        return false;
+    return rpc_secret_equal(c->s->api_key, v + 7);
+}
+
+static void call_start_close(struct rpc_call *c)
+{
+    grpc_op op;
+
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    op.data.recv_close_on_server.cancelled = &c->close_cancelled;
+    c->op_close.fn = call_on_close;
+    c->op_send.fn = call_on_send;
+    c->close_started = true;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->op_close, NULL) != GRPC_CALL_OK) {
+        c->close_started = false;
+        c->close_done = true;
+    }
+}
+
+static void call_on_new(struct rpc_op *op, bool ok)
+{
+    struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_new));
+    struct rpc_server *s = c->s;
+
+    s->requested--;
+    if (!ok || !c->call) {
+        /* server shutting down: the request tag comes back unused */
+        if (c->call)
+            grpc_call_unref(c->call);
+        c->call = NULL;
+        grpc_metadata_array_destroy(&c->md);
+        if (!c->rm)
+            grpc_call_details_destroy(&c->details);
+        if (c->payload)
+            grpc_byte_buffer_destroy(c->payload);
+        free(c);
+        return;
+    }
+    if (!s->shutting_down)
+        server_request_one(s, c->rm);
+
+    /* hand over: from here the call is tracked */
+    c->handed = true;
+    c->next = s->calls;
+    if (s->calls)
+        s->calls->prev = c;
+    s->calls = c;
+    s->ctx->live_calls++;
+    if (c->rm) {
+        snprintf(c->method_name, sizeof(c->method_name), "%s", c->rm->m.path);
+    } else {
+        c->deadline = c->details.deadline;
+        snprintf(c->method_name, sizeof(c->method_name), "%.*s",
+                 (int)GRPC_SLICE_LENGTH(c->details.method),
+                 (const char *)GRPC_SLICE_START_PTR(c->details.method));
+    }
+    call_start_close(c);
+
+    if (!c->rm) {
+        rpc_call_finish(c, RPC_UNIMPLEMENTED, "method %s is not implemented", c->method_name);
+        return;
+    }
+    if (!call_authorized(c)) {
+        rpc_call_finish(c, RPC_UNAUTHENTICATED, "missing or invalid API key");
+        return;
+    }
+    if (rpc_call_deadline_ms(c) <= rpc_now_ms()) {
+        rpc_call_finish(c, RPC_DEADLINE_EXCEEDED, "deadline expired before the request was handled");
+        return;
+    }
+    if (!c->payload) {
+        rpc_call_finish(c, RPC_INVALID_ARGUMENT, "request message missing");
+        return;
+    }
+    c->req = bb_decode(c->payload, c->rm->m.req_desc);
+    grpc_byte_buffer_destroy(c->payload);
+    c->payload = NULL;
+    if (!c->req) {
+        rpc_call_finish(c, RPC_INVALID_ARGUMENT, "request is not a valid %s message",
+                        c->rm->m.req_desc->name);
+        return;
+    }
+    char path[256] = "";
+    if (!msg_strings_valid(c->req, path, sizeof(path), 0)) {
+        rpc_call_finish(c, RPC_INVALID_ARGUMENT, "%s: invalid UTF-8 in string field", path);
+        return;
+    }
+    c->rm->m.handler(c, c->req, c->rm->m.ud);
+}
+
+static void server_request_one(struct rpc_server *s, struct reg_method *rm)
+{
+    struct rpc_call *c = calloc(1, sizeof(*c));
+    grpc_call_error e;
+
+    if (!c) {
+        log_error("rpc: out of memory requesting a call");
+        return;
+    }
+    c->s = s;
+    c->rm = rm;
+    c->op_new.fn = call_on_new;
+    grpc_metadata_array_init(&c->md);
+    if (rm) {
+        e = grpc_server_request_registered_call(s->srv, rm->handle, &c->call, &c->deadline, &c->md,
+                                                rm->m.req_desc ? &c->payload : NULL, s->ctx->cq,
+                                                s->ctx->cq, &c->op_new);
+    } else {
+        grpc_call_details_init(&c->details);
+        e = grpc_server_request_call(s->srv, &c->call, &c->details, &c->md, s->ctx->cq, s->ctx->cq,
+                                     &c->op_new);
+    }
+    if (e != GRPC_CALL_OK) {
+        log_error("rpc: request_call failed: %d", (int)e);
+        grpc_metadata_array_destroy(&c->md);
+        if (!rm)
+            grpc_call_details_destroy(&c->details);
+        free(c);
+        return;
+    }
+    s->requested++;
+}
+
+int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, struct rpc_server **ret)
+{
+    struct rpc_server *s = calloc(1, sizeof(*s));
+    char *cert = NULL, *key = NULL, *root = NULL;
+    int r = 0;
+
+    if (!s)
+        return -ENOMEM;
+    s->ctx = ctx;
+    if (opts)
+        s->opts = *opts;
+#define DEF(f, v) if (s->opts.f <= 0) s->opts.f = (v)
+    DEF(max_recv_msg_bytes, 4 << 20);
+    DEF(max_concurrent_streams, 1024);
+    DEF(max_metadata_bytes, 16 << 10);
+    DEF(keepalive_time_ms, 60000);
+    DEF(keepalive_timeout_ms, 20000);
+    DEF(min_ping_interval_ms, 10000);
+    DEF(max_ping_strikes, 2);
+    DEF(requests_per_method, 64);
+#undef DEF
+    if (s->opts.max_call_buffer_bytes == 0)
+        s->opts.max_call_buffer_bytes = 1 << 20;
+    if (opts && opts->api_key && opts->api_key[0]) {
+        s->api_key = strdup(opts->api_key);
+        if (!s->api_key) {
+            r = -ENOMEM;
+            goto fail;
+        }
+    }
+    s->opts.api_key = NULL;
+    s->opts.tls = NULL;
+
+    if (opts && opts->tls) {
+        const struct rpc_tls_files *t = opts->tls;
+        if (!t->cert_file || !t->key_file) {
+            log_error("rpc: TLS needs both a certificate and a key file");
+            r = -EINVAL;
+            goto fail;
+        }
+        if (t->require_client_cert && !t->root_file) {
+            log_error("rpc: requiring client certificates needs a CA bundle (--tls-client-ca); "
+                      "without it gRPC would silently skip client verification");
+            r = -EINVAL;
+            goto fail;
+        }
+        if ((r = read_file(t->cert_file, &cert)) < 0) {
+            log_error("rpc: %s: %s", t->cert_file, strerror(-r));
+            goto fail;
+        }
+        if ((r = read_file(t->key_file, &key)) < 0) {
+            log_error("rpc: %s: %s", t->key_file, strerror(-r));
+            goto fail;
+        }
+        if (t->root_file && (r = read_file(t->root_file, &root)) < 0) {
+            log_error("rpc: %s: %s", t->root_file, strerror(-r));
+            goto fail;
+        }
+        grpc_ssl_pem_key_cert_pair pair = { .private_key = key, .cert_chain = cert };
+        s->creds = grpc_ssl_server_credentials_create_ex(
+            root, &pair, 1,
+            t->require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                   : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+            NULL);
+        if (!s->creds) {
+            log_error("rpc: could not create TLS server credentials from %s / %s", t->cert_file,
+                      t->key_file);
+            r = -EINVAL;
+            goto fail;
+        }
+    } else {
+        s->creds = grpc_insecure_server_credentials_create();
+    }
+
+    grpc_arg args[] = {
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, { .integer = s->opts.max_recv_msg_bytes } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, { .integer = -1 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS, { .integer = s->opts.max_concurrent_streams } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_METADATA_SIZE, { .integer = s->opts.max_metadata_bytes } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, { .integer = s->opts.keepalive_time_ms } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, { .integer = s->opts.keepalive_timeout_ms } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+          { .integer = s->opts.min_ping_interval_ms } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, { .integer = s->opts.max_ping_strikes } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, { .integer = 0 } },
+    };
+    grpc_channel_args ca = { .num_args = sizeof(args) / sizeof(args[0]), .args = args };
+    s->srv = grpc_server_create(&ca, NULL);
+    grpc_server_register_completion_queue(s->srv, ctx->cq, NULL);
+    *ret = s;
+    r = 0;
+    goto cleanup;
+fail:
+    if (s->creds)
+        grpc_server_credentials_release(s->creds);
+    free(s->api_key);
+    free(s);
+cleanup:
+    free(cert);
+    if (key) {
+        memset(key, 0, strlen(key));
+        free(key);
+    }
+    free(root);
+    return r;
+}
+
+int rpc_server_add_method(struct rpc_server *s, const struct rpc_method *m)
+{
+    if (s->started || !m->path || !m->req_desc || !m->handler)
+        return -EINVAL;
+    struct reg_method *n = realloc(s->methods, (s->n_methods + 1) * sizeof(*n));
+    if (!n)
+        return -ENOMEM;
+    s->methods = n;
+    /* realloc moved the array: pointers into it are taken only after start */
+    struct reg_method *rm = &s->methods[s->n_methods++];
+    rm->m = *m;
+    rm->s = s;
+    rm->handle = grpc_server_register_method(s->srv, m->path, NULL,
+                                             GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+    if (!rm->handle) {
+        s->n_methods--;
+        return -EEXIST;
+    }
+    return 0;
+}
+
+int rpc_server_listen(struct rpc_server *s, const char *addr, int *ret_port)
+{
+    if (s->started)
+        return -EINVAL;
+    int port = grpc_server_add_http2_port(s->srv, addr, s->creds);
+    if (port <= 0) {
+        log_error("rpc: cannot listen on %s (address in use, bad address or permission)", addr);
+        return -EADDRINUSE;
+    }
+    if (ret_port)
+        *ret_port = port;
+    return 0;
+}
+
+int rpc_server_start(struct rpc_server *s)
+{
+    if (s->started)
+        return -EINVAL;
+    grpc_server_start(s->srv);
+    s->started = true;
+    for (size_t i = 0; i < s->n_methods; i++)
+        for (int k = 0; k < s->opts.requests_per_method; k++)
+            server_request_one(s, &s->methods[i]);
+    server_request_one(s, NULL);  /* unregistered methods -> UNIMPLEMENTED */
+    return 0;
+}
+
+static void server_on_shutdown(struct rpc_op *op, bool ok)
+{
+    struct rpc_server *s = (struct rpc_server *)((char *)op - offsetof(struct rpc_server, shutdown_op));
+    s->shutdown_done = true;
+    if (s->on_shutdown)
+        s->on_shutdown(s->shutdown_ud);
+}
+
+void rpc_server_shutdown(struct rpc_server *s, void (*on_done)(void *ud), void *ud)
+{
+    if (s->shutting_down)
+        return;
+    s->shutting_down = true;
+    s->on_shutdown = on_done;
+    s->shutdown_ud = ud;
+    s->shutdown_op.fn = server_on_shutdown;
+    grpc_server_shutdown_and_notify(s->srv, s->ctx->cq, &s->shutdown_op);
+}
+
+void rpc_server_cancel_all(struct rpc_server *s)
+{
+    grpc_server_cancel_all_calls(s->srv);
+}
+
+void rpc_server_destroy(struct rpc_server *s)
+{
+    if (!s)
+        return;
+    if (!s->shutting_down || !s->shutdown_done) {
+        log_error("rpc: rpc_server_destroy before shutdown completed");
+        abort();
+    }
+    grpc_server_destroy(s->srv);
+    /* Unused request tags come back failed on the CQ; process them now so their
+     * memory is released before the server object goes away. */
+    while (s->requested) {
+        ctx_drain(s->ctx);
+        if (s->requested)
+            sched_yield();
+    }
+    grpc_server_credentials_release(s->creds);
+    free(s->methods);
+    if (s->api_key) {
+        memset(s->api_key, 0, strlen(s->api_key));
+        free(s->api_key);
+    }
+    free(s);
+}
+
+/* ------------------------------------------------------------------ client */
+
+struct rpc_channel {
+    struct rpc_ctx *ctx;
+    grpc_channel *ch;
+    char *target;
+    char *auth;                 /* "Bearer <key>" or NULL */
+    size_t live;
+};
+
+struct rpc_client_call {
+    struct rpc_channel *ch;
+    grpc_call *call;
+    const ProtobufCMessageDescriptor *resp_desc;
+    rpc_client_msg_fn on_msg;
+    rpc_client_done_fn on_done;
+    void *ud;
+    struct rpc_op op_start, op_recv, op_status;
+    grpc_metadata_array init_md, trail_md;
+    grpc_byte_buffer *send_buf, *recv_buf;
+    grpc_status_code status;
+    grpc_slice details;
+    grpc_metadata auth_md;
+    bool start_pending, recv_pending, status_pending, bad_response, has_auth_md;
+};
+
+int rpc_channel_create(struct rpc_ctx *ctx, const char *target, const struct rpc_channel_opts *opts,
+                       struct rpc_channel **ret)
+{
+    struct rpc_channel *ch = calloc(1, sizeof(*ch));
+    grpc_channel_credentials *creds = NULL;
+    char *cert = NULL, *key = NULL, *root = NULL;
+    struct rpc_channel_opts o = { 0 };
+    int r = 0;
+
+    if (!ch)
+        return -ENOMEM;
+    if (opts)
+        o = *opts;
+    ch->ctx = ctx;
+    ch->target = strdup(target);
+    if (!ch->target) {
+        r = -ENOMEM;
+        goto fail;
+    }
+    if (o.api_key && o.api_key[0]) {
+        if (asprintf(&ch->auth, "Bearer %s", o.api_key) < 0) {
+            ch->auth = NULL;
+            r = -ENOMEM;
+            goto fail;
+        }
+    }
+    if (o.tls) {
+        if (o.tls->root_file && (r = read_file(o.tls->root_file, &root)) < 0) {
+            log_error("rpc: %s: %s", o.tls->root_file, strerror(-r));
+            goto fail;
+        }
+        if (o.tls->cert_file && (r = read_file(o.tls->cert_file, &cert)) < 0) {
+            log_error("rpc: %s: %s", o.tls->cert_file, strerror(-r));
+            goto fail;
+        }
+        if (o.tls->key_file && (r = read_file(o.tls->key_file, &key)) < 0) {
+            log_error("rpc: %s: %s", o.tls->key_file, strerror(-r));
+            goto fail;
+        }
+        grpc_ssl_pem_key_cert_pair pair = { .private_key = key, .cert_chain = cert };
+        creds = grpc_ssl_credentials_create(root, (cert && key) ? &pair : NULL, NULL, NULL);
+    } else {
+        creds = grpc_insecure_credentials_create();
+    }
+    if (!creds) {
+        r = -EINVAL;
+        goto fail;
+    }
+    int ka = o.keepalive_time_ms == 0 ? 10000 : o.keepalive_time_ms < 0 ? INT32_MAX : o.keepalive_time_ms;
+    grpc_arg args[8];
+    size_t na = 0;
+    args[na++] = (grpc_arg){ GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, { .integer = ka } };
+    args[na++] = (grpc_arg){ GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             { .integer = o.keepalive_timeout_ms > 0 ? o.keepalive_timeout_ms : 5000 } };
+    args[na++] = (grpc_arg){ GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                             { .integer = o.keepalive_time_ms < 0 ? 0 : 1 } };
+    args[na++] = (grpc_arg){ GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, { .integer = 0 } };
+    args[na++] = (grpc_arg){ GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+                             { .integer = o.max_recv_msg_bytes > 0 ? o.max_recv_msg_bytes : 4 << 20 } };
+    args[na++] = (grpc_arg){ GRPC_ARG_INTEGER, GRPC_ARG_ENABLE_RETRIES, { .integer = 0 } };
+    if (o.ssl_target_name)
+        args[na++] = (grpc_arg){ GRPC_ARG_STRING, GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
+                                 { .string = (char *)o.ssl_target_name } };
+    grpc_channel_args ca = { .num_args = na, .args = args };
+    ch->ch = grpc_channel_create(target, creds, &ca);
+    grpc_channel_credentials_release(creds);
+    if (!ch->ch) {
+        r = -EINVAL;
+        goto fail;
+    }
+    *ret = ch;
+    r = 0;
+    goto cleanup;
+fail:
+    free(ch->target);
+    free(ch->auth);
+    free(ch);
+cleanup:
+    free(cert);
+    free(key);
+    free(root);
+    return r;
+}
+
+void rpc_channel_destroy(struct rpc_channel *ch)
+{
+    if (!ch)
+        return;
+    if (ch->live)
+        log_warn("rpc: channel %s destroyed with %zu live calls", ch->target, ch->live);
+    grpc_channel_destroy(ch->ch);
+    free(ch->target);
+    free(ch->auth);
+    free(ch);
+}
+
+const char *rpc_channel_target(const struct rpc_channel *ch)
+{
+    return ch->target;
+}
+
+static void client_maybe_done(struct rpc_client_call *c)
+{
+    char details[1024];
+
+    if (c->start_pending || c->recv_pending || c->status_pending)
+        return;
+    snprintf(details, sizeof(details), "%.*s", (int)GRPC_SLICE_LENGTH(c->details),
+             (const char *)GRPC_SLICE_START_PTR(c->details));
+    int st = (int)c->status;
+    if (c->bad_response && st == RPC_OK)
+        st = RPC_INTERNAL;
+    /* the call no longer counts as live: on_done may destroy the channel */
+    c->ch->live--;
+    c->ch->ctx->live_calls--;
+    c->ch = NULL;
+    c->on_done(c, st, details, c->ud);
+    grpc_slice_unref(c->details);
+    grpc_metadata_array_destroy(&c->init_md);
+    grpc_metadata_array_destroy(&c->trail_md);
+    if (c->has_auth_md) {
+        grpc_slice_unref(c->auth_md.key);
+        grpc_slice_unref(c->auth_md.value);
+    }
+    grpc_call_unref(c->call);
+    free(c);
+}
+
+static void client_start_recv(struct rpc_client_call *c)
+{
+    grpc_op op;
+
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &c->recv_buf;
+    c->recv_pending = true;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->op_recv, NULL) != GRPC_CALL_OK)
+        c->recv_pending = false;
+}
+
+static void client_on_recv(struct rpc_op *op, bool ok)
+{
+    struct rpc_client_call *c = (struct rpc_client_call *)((char *)op - offsetof(struct rpc_client_call, op_recv));
+
+    c->recv_pending = false;
+    if (ok && c->recv_buf) {
+        ProtobufCMessage *m = bb_decode(c->recv_buf, c->resp_desc);
+        grpc_byte_buffer_destroy(c->recv_buf);
+        c->recv_buf = NULL;
+        if (!m) {
+            c->bad_response = true;
+            grpc_call_cancel_with_status(c->call, GRPC_STATUS_INTERNAL,
+                                         "response could not be decoded", NULL);
+        } else {
+            if (c->on_msg)
+                c->on_msg(c, m, c->ud);
+            protobuf_c_message_free_unpacked(m, NULL);
+            client_start_recv(c);
+        }
+    }
+    client_maybe_done(c);
+}
+
+static void client_on_start(struct rpc_op *op, bool ok)
+{
+    struct rpc_client_call *c = (struct rpc_client_call *)((char *)op - offsetof(struct rpc_client_call, op_start));
+    c->start_pending = false;
+    if (c->send_buf) {
+        grpc_byte_buffer_destroy(c->send_buf);
+        c->send_buf = NULL;
+    }
+    client_maybe_done(c);
+}
+
+static void client_on_status(struct rpc_op *op, bool ok)
+{
+    struct rpc_client_call *c = (struct rpc_client_call *)((char *)op - offsetof(struct rpc_client_call, op_status));
+    c->status_pending = false;
+    client_maybe_done(c);
+}
+
+int rpc_client_start(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                     const ProtobufCMessageDescriptor *resp_desc, int64_t deadline_ms,
+                     rpc_client_msg_fn on_msg, rpc_client_done_fn on_done, void *ud,
+                     struct rpc_client_call **ret)
+{
+    struct rpc_client_call *c;
+    grpc_op ops[4];
+    size_t n = 0;
+
+    if (!on_done || !req || !resp_desc)
+        return -EINVAL;
+    c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    c->ch = ch;
+    c->resp_desc = resp_desc;
+    c->on_msg = on_msg;
+    c->on_done = on_done;
+    c->ud = ud;
+    c->op_start.fn = client_on_start;
+    c->op_recv.fn = client_on_recv;
+    c->op_status.fn = client_on_status;
+    grpc_metadata_array_init(&c->init_md);
+    grpc_metadata_array_init(&c->trail_md);
+    c->details = grpc_empty_slice();
+    grpc_slice m = grpc_slice_from_copied_string(method);
+    c->call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, ch->ctx->cq, m, NULL,
+                                       deadline_from_ms(deadline_ms), NULL);
+    grpc_slice_unref(m);
+    if (!c->call) {
+        grpc_metadata_array_destroy(&c->init_md);
+        grpc_metadata_array_destroy(&c->trail_md);
+        free(c);
+        return -EIO;
+    }
+    c->send_buf = bb_encode(req, NULL);
+    memset(ops, 0, sizeof(ops));
+    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+    if (ch->auth) {
+        c->auth_md.key = grpc_slice_from_static_string("authorization");
+        c->auth_md.value = grpc_slice_from_copied_string(ch->auth);
+        ops[n].data.send_initial_metadata.count = 1;
+        ops[n].data.send_initial_metadata.metadata = &c->auth_md;
+        c->has_auth_md = true;
+    }
+    n++;
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n].data.send_message.send_message = c->send_buf;
+    n++;
+    ops[n].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    n++;
+    ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[n].data.recv_initial_metadata.recv_initial_metadata = &c->init_md;
+    n++;
+    ch->live++;
+    ch->ctx->live_calls++;
+    c->start_pending = true;
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_start, NULL);
+    BUG_ON(e != GRPC_CALL_OK);
+    memset(ops, 0, sizeof(ops));
+    ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[0].data.recv_status_on_client.trailing_metadata = &c->trail_md;
+    ops[0].data.recv_status_on_client.status = &c->status;
+    ops[0].data.recv_status_on_client.status_details = &c->details;
+    c->status_pending = true;
+    e = grpc_call_start_batch(c->call, ops, 1, &c->op_status, NULL);
+    BUG_ON(e != GRPC_CALL_OK);
+    client_start_recv(c);
+    if (ret)
+        *ret = c;
+    return 0;
+}
+
+void rpc_client_cancel(struct rpc_client_call *c)
+{
+    grpc_call_cancel(c->call, NULL);
+}

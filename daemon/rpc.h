@@ -1,0 +1,216 @@
+/* rpc.h - reusable gRPC C-core glue for a libuv program (server and client).
+ *
+ * Threading model: one completion queue (CQ) per struct rpc_ctx, drained by one
+ * private thread. That thread does nothing but move (tag, ok) events into a
+ * mutex-protected queue and wake the libuv loop with uv_async_send(); every
+ * callback below runs on the loop thread, and every function below must be
+ * called from the loop thread (except rpc_now_ms()). No locks are needed by
+ * users.
+ *
+ * Messages are protobuf-c messages handled through the generic protobuf-c API
+ * (descriptor + ProtobufCMessage*), so this library knows nothing about the
+ * stepd protos; it is linked by the coordinator, the engine service on rank 0
+ * and the worker control client.
+ *
+ * Server side
+ *   - rpc_server_create() with explicit limits (max receive message size, max
+ *     concurrent streams, max metadata size, keepalive enforcement); loopback or
+ *     UDS by default, TLS/mTLS optional, an optional API key checked in constant
+ *     time on every method not flagged no_auth (UNAUTHENTICATED otherwise).
+ *   - A method is unary or server-streaming; the request message is decoded
+ *     before the handler runs (decode failure -> INVALID_ARGUMENT, over-size ->
+ *     RESOURCE_EXHAUSTED by gRPC core, expired deadline -> DEADLINE_EXCEEDED).
+ *   - Contract: the handler (or code it hands the call to) calls
+ *     rpc_call_finish() exactly once. Before that it may rpc_call_send() any
+ *     number of messages (streaming) or exactly one (unary). If the client
+ *     cancels, disconnects or the deadline passes first, the cancel callback
+ *     (rpc_call_on_cancel) runs once; the owner must still call
+ *     rpc_call_finish() (sends are then dropped cheaply). The call object stays
+ *     valid until rpc_call_finish() returns; do not touch it afterwards.
+ *
+ * Client side
+ *   - rpc_channel_create() (insecure or TLS, keepalive, API key metadata) and
+ *     rpc_client_start() for unary and server-streaming calls alike: on_msg runs
+ *     for each response message (borrowed; valid only during the callback), then
+ *     on_done runs exactly once with the final status. rpc_client_cancel() makes
+ *     on_done run (with CANCELLED unless the status was already in).
+ *
+ * Errors: functions return 0 or a negative errno (-EINVAL bad argument,
+ * -ENOMEM, -EADDRINUSE/-EIO bind failure, -ENOBUFS per-call send buffer cap,
+ * -ECANCELED call already cancelled/finished).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+#include <protobuf-c/protobuf-c.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* gRPC status codes (same values as grpc_status_code) so users need not include grpc headers. */
+enum rpc_status {
+    RPC_OK = 0,
+    RPC_CANCELLED = 1,
+    RPC_UNKNOWN = 2,
+    RPC_INVALID_ARGUMENT = 3,
+    RPC_DEADLINE_EXCEEDED = 4,
+    RPC_NOT_FOUND = 5,
+    RPC_ALREADY_EXISTS = 6,
+    RPC_PERMISSION_DENIED = 7,
+    RPC_RESOURCE_EXHAUSTED = 8,
+    RPC_FAILED_PRECONDITION = 9,
+    RPC_ABORTED = 10,
+    RPC_OUT_OF_RANGE = 11,
+    RPC_UNIMPLEMENTED = 12,
+    RPC_INTERNAL = 13,
+    RPC_UNAVAILABLE = 14,
+    RPC_DATA_LOSS = 15,
+    RPC_UNAUTHENTICATED = 16,
+};
+
+/* "OK", "INVALID_ARGUMENT", ... */
+const char *rpc_status_name(int status);
+
+/* Monotonic milliseconds (the clock used for all deadlines below). Thread-safe. */
+int64_t rpc_now_ms(void);
+
+/* ------------------------------------------------------------------ context */
+
+struct rpc_ctx;
+
+/* Initialises gRPC (grpc_init), creates the CQ, its thread and a uv_async on loop. */
+int rpc_ctx_create(uv_loop_t *loop, struct rpc_ctx **ret);
+/* Shuts the CQ down and joins its thread. All servers, channels and calls must be
+ * gone (rpc_server_destroy, rpc_channel_destroy, every on_done delivered). Runs the
+ * loop internally until the CQ has drained. */
+void rpc_ctx_destroy(struct rpc_ctx *ctx);
+/* Number of live server calls + client calls (for leak checks and metrics). */
+size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx);
+
+/* ------------------------------------------------------------------ server */
+
+struct rpc_server;
+struct rpc_call;
+
+struct rpc_tls_files {
+    const char *cert_file;          /* PEM certificate chain */
+    const char *key_file;           /* PEM private key */
+    const char *root_file;          /* PEM CA bundle for verifying peers (mTLS / client) */
+    bool require_client_cert;       /* server: mTLS; requires root_file (refused otherwise) */
+};
+
+struct rpc_server_opts {
+    /* Limits; 0 = the default shown. */
+    int max_recv_msg_bytes;         /* 4 MiB */
+    int max_concurrent_streams;     /* 1024 per connection */
+    int max_metadata_bytes;         /* 16 KiB */
+    int keepalive_time_ms;          /* server pings idle clients every 60 s */
+    int keepalive_timeout_ms;       /* 20 s */
+    int min_ping_interval_ms;       /* clients may ping at most every 10 s (enforced) */
+    int max_ping_strikes;           /* 2, then GOAWAY ENHANCE_YOUR_CALM */
+    size_t max_call_buffer_bytes;   /* per-call queued send bytes before -ENOBUFS; 1 MiB */
+    int requests_per_method;        /* calls kept requested per method; 64 */
+    /* Security. Without tls the server is plaintext. */
+    const struct rpc_tls_files *tls;
+    const char *api_key;            /* NULL = no key; else "authorization: Bearer <key>" */
+};
+
+/* Handler: req is the decoded request (owned by the call; valid until finish). */
+typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *req, void *ud);
+typedef void (*rpc_cancel_fn)(struct rpc_call *call, void *ud);
+
+struct rpc_method {
+    const char *path;                               /* "/stepd.v1.Inference/Generate" */
+    const ProtobufCMessageDescriptor *req_desc;
+    bool server_streaming;
+    bool no_auth;                                   /* true only for grpc.health.v1 */
+    rpc_handler_fn handler;
+    void *ud;
+};
+
+int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts,
+                      struct rpc_server **ret);
+/* Register before rpc_server_start(); path and req_desc must outlive the server. */
+int rpc_server_add_method(struct rpc_server *s, const struct rpc_method *m);
+/* Listen on addr ("127.0.0.1:50051", "[::1]:0", "unix:/run/stepd/w.sock"). Uses TLS
+ * credentials when opts.tls was given. *ret_port (may be NULL) gets the bound port
+ * (useful with port 0). Call before rpc_server_start(). */
+int rpc_server_listen(struct rpc_server *s, const char *addr, int *ret_port);
+int rpc_server_start(struct rpc_server *s);
+/* Stop accepting new calls; in-flight ones continue. on_done runs (loop thread)
+ * when every call has finished. */
+void rpc_server_shutdown(struct rpc_server *s, void (*on_done)(void *ud), void *ud);
+/* Cancel every in-flight call (their cancel callbacks run). */
+void rpc_server_cancel_all(struct rpc_server *s);
+/* Only after on_done of rpc_server_shutdown has run. */
+void rpc_server_destroy(struct rpc_server *s);
+
+/* Per-call API (loop thread only). */
+void rpc_call_on_cancel(struct rpc_call *call, rpc_cancel_fn fn, void *ud);
+/* Queue one response message. -ENOBUFS: the per-call buffer cap is hit (slow
+ * reader); -ECANCELED: the call is cancelled (the message is dropped). */
+int rpc_call_send(struct rpc_call *call, const ProtobufCMessage *msg);
+/* Add a trailing metadata entry sent with the status (at most 4), e.g.
+ * "grpc-retry-pushback-ms". Strings are copied. */
+int rpc_call_add_trailer(struct rpc_call *call, const char *key, const char *value);
+/* End the call: status plus message (may be NULL; printf-style). After all queued
+ * messages are written the status is sent. The call must not be used afterwards. */
+void rpc_call_finish(struct rpc_call *call, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+bool rpc_call_cancelled(const struct rpc_call *call);
+/* Absolute deadline in rpc_now_ms() time; INT64_MAX when the client set none. */
+int64_t rpc_call_deadline_ms(const struct rpc_call *call);
+/* First value of request metadata key (lowercase), copied into buf; -ENOENT if absent. */
+int rpc_call_metadata(const struct rpc_call *call, const char *key, char *buf, size_t len);
+/* "ipv4:127.0.0.1:5555" (copied into buf). */
+void rpc_call_peer(const struct rpc_call *call, char *buf, size_t len);
+const char *rpc_call_method(const struct rpc_call *call);
+/* Bytes queued for sending on this call (not yet written to the transport). */
+size_t rpc_call_queued_bytes(const struct rpc_call *call);
+
+/* Constant-time equality of two byte strings (time depends only on len(expected)). */
+bool rpc_secret_equal(const char *expected, const char *given);
+
+/* ------------------------------------------------------------------ client */
+
+struct rpc_channel;
+struct rpc_client_call;
+
+struct rpc_channel_opts {
+    const struct rpc_tls_files *tls;  /* NULL = plaintext; root_file verifies the server,
+                                         cert/key present = client certificate (mTLS) */
+    const char *api_key;              /* sent as "authorization: Bearer <key>" */
+    int keepalive_time_ms;            /* 0 = 10 s (permit without calls) ; -1 = off */
+    int keepalive_timeout_ms;         /* 0 = 5 s */
+    int max_recv_msg_bytes;           /* 0 = 4 MiB */
+    const char *ssl_target_name;      /* TLS name override (tests); NULL = from target */
+};
+
+int rpc_channel_create(struct rpc_ctx *ctx, const char *target, const struct rpc_channel_opts *opts,
+                       struct rpc_channel **ret);
+/* Outstanding calls must have delivered on_done (cancel them first). */
+void rpc_channel_destroy(struct rpc_channel *ch);
+const char *rpc_channel_target(const struct rpc_channel *ch);
+
+typedef void (*rpc_client_msg_fn)(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud);
+typedef void (*rpc_client_done_fn)(struct rpc_client_call *c, int status, const char *details,
+                                   void *ud);
+
+/* Start a unary or server-streaming call. deadline_ms is absolute (rpc_now_ms);
+ * 0 or INT64_MAX = none. on_msg may be NULL. *ret (may be NULL) is valid until
+ * on_done returns. The call is freed right after on_done. */
+int rpc_client_start(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                     const ProtobufCMessageDescriptor *resp_desc, int64_t deadline_ms,
+                     rpc_client_msg_fn on_msg, rpc_client_done_fn on_done, void *ud,
+                     struct rpc_client_call **ret);
+/* Ask gRPC to cancel; on_done still runs exactly once (later, on the loop). */
+void rpc_client_cancel(struct rpc_client_call *c);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,671 @@
+/* wpool.c - worker registry: the stepd.ctl.v1.Control service (server side),
+ * group formation and rendezvous, death detection, engine connections, load
+ * polling and routing. See control.proto for the protocol. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord-int.h"
+#include "err.h"
+#include "log.h"
+#include "pb-util.h"
+
+#define CTL_SESSION "/stepd.ctl.v1.Control/Session"
+#define CTL_REPORT "/stepd.ctl.v1.Control/ReportState"
+#define ENGINE_GETLOADS "/stepd.v1.Engine/GetLoads"
+
+const char *group_state_name(enum group_state s)
+{
+    switch (s) {
+    case GROUP_FORMING: return "forming";
+    case GROUP_LOADING: return "loading";
+    case GROUP_READY: return "ready";
+    case GROUP_FAILED: return "failed";
+    }
+    return "?";
+}
+
+static bool name_valid(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 64)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+              c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+static struct group *group_find(struct coord *co, const char *name)
+{
+    for (struct group *g = co->groups; g; g = g->next)
+        if (strcmp(g->name, name) == 0)
+            return g;
+    return NULL;
+}
+
+unsigned wpool_ready_count(const struct coord *co)
+{
+    unsigned n = 0;
+    for (const struct group *g = co->groups; g; g = g->next)
+        n += g->state == GROUP_READY;
+    return n;
+}
+
+unsigned wpool_count(const struct coord *co)
+{
+    unsigned n = 0;
+    for (const struct group *g = co->groups; g; g = g->next)
+        n++;
+    return n;
+}
+
+/* ------------------------------------------------------------------ engine connections */
+
+static struct engine_conn *engine_conn_new(struct coord *co, const char *addr)
+{
+    struct engine_conn *e = calloc(1, sizeof(*e));
+    struct rpc_channel_opts o = { .keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000,
+                                  .max_recv_msg_bytes = 16 << 20 };
+    if (!e)
+        return NULL;
+    if (rpc_channel_create(co->rpc, addr, &o, &e->ch) < 0) {
+        free(e);
+        return NULL;
+    }
+    e->refs = 1;
+    e->attached = true;
+    e->co = co;
+    snprintf(e->addr, sizeof(e->addr), "%s", addr);
+    return e;
+}
+
+void engine_conn_unref(struct engine_conn *e)
+{
+    if (!e)
+        return;
+    BUG_ON(e->refs == 0);
+    if (--e->refs == 0) {
+        rpc_channel_destroy(e->ch);
+        free(e);
+    }
+}
+
+/* ------------------------------------------------------------------ sessions */
+
+static void rank_clear(struct rank *rk)
+{
+    free(rk->peer);
+    free(rk->experts);
+    struct group *g = rk->g;
+    int idx = rk->rank;
+    memset(rk, 0, sizeof(*rk));
+    rk->g = g;
+    rk->rank = idx;
+    rk->state = STEPD__V1__WORKER_STATE__WORKER_STATE_GONE;
+}
+
+static void session_send(struct rank *rk, Stepd__Ctl__V1__ControlEvent *ev)
+{
+    if (rk->session)
+        (void)rpc_call_send(rk->session, &ev->base);
+}
+
+/* End a rank's session from our side (status to the worker). */
+static void session_end(struct rank *rk, int status, const char *why)
+{
+    if (rk->session) {
+        struct rpc_call *c = rk->session;
+        rk->session = NULL;
+        rpc_call_on_cancel(c, NULL, NULL);
+        rpc_call_finish(c, status, "%s", why);
+    }
+    rank_clear(rk);
+}
+
+/* The group cannot continue (a rank left or failed): fail its requests, tell the
+ * survivors to tear down and re-register, detach the engine connection. */
+static void group_fail(struct group *g, const char *why)
+{
+    struct coord *co = g->co;
+    bool was_active = g->state == GROUP_READY || g->state == GROUP_LOADING;
+
+    snprintf(g->last_error, sizeof(g->last_error), "%s", why);
+    if (was_active) {
+        log_warn("group %s (epoch %" PRIu64 ") is down: %s", g->name, g->epoch, why);
+        co->m.group_failures++;
+        Stepd__Ctl__V1__ControlEvent ev = STEPD__CTL__V1__CONTROL_EVENT__INIT;
+        Stepd__Ctl__V1__GroupAbort ga = STEPD__CTL__V1__GROUP_ABORT__INIT;
+        ga.epoch = g->epoch;
+        ga.reason = (char *)why;
+        ev.event_case = STEPD__CTL__V1__CONTROL_EVENT__EVENT_GROUP_ABORT;
+        ev.group_abort = &ga;
+        for (unsigned i = 0; i < g->world; i++) {
+            struct rank *rk = &g->ranks[i];
+            if (!rk->present)
+                continue;
+            session_send(rk, &ev);
+            session_end(rk, RPC_ABORTED, "group re-forming; register again");
+        }
+        g->state = GROUP_FAILED;
+    }
+    req_fail_group(g, why);
+    if (g->eng) {
+        g->eng->attached = false;
+        engine_conn_unref(g->eng);
+        g->eng = NULL;
+    }
+    g->loads_pending = false;
+    bool any = false;
+    for (unsigned i = 0; i < g->world; i++)
+        any |= g->ranks[i].present;
+    if (!any)
+        g->state = was_active ? GROUP_FAILED : GROUP_FORMING;
+    coord_health_update(co);
+}
+
+static void session_cancelled(struct rpc_call *call, void *ud)
+{
+    struct rank *rk = ud;
+    struct group *g = rk->g;
+    char why[256];
+
+    snprintf(why, sizeof(why), "rank %d (pid %u on %s) disconnected", rk->rank, rk->pid,
+             rk->hostname[0] ? rk->hostname : "?");
+    log_info("control: group %s: %s", g->name, why);
+    rk->session = NULL;
+    rpc_call_finish(call, RPC_CANCELLED, "session ended");
+    rank_clear(rk);
+    group_fail(g, why);
+}
+
+static void group_rendezvous(struct group *g)
+{
+    Stepd__Ctl__V1__ControlEvent ev = STEPD__CTL__V1__CONTROL_EVENT__INIT;
+    Stepd__Ctl__V1__Rendezvous rv = STEPD__CTL__V1__RENDEZVOUS__INIT;
+    Stepd__Ctl__V1__PeerInfo peers[COORD_MAX_WORLD];
+    Stepd__Ctl__V1__PeerInfo *pp[COORD_MAX_WORLD];
+
+    g->epoch++;
+    for (unsigned i = 0; i < g->world; i++) {
+        stepd__ctl__v1__peer_info__init(&peers[i]);
+        peers[i].rank = i;
+        peers[i].device = g->ranks[i].device;
+        peers[i].peer_address.data = g->ranks[i].peer;
+        peers[i].peer_address.len = g->ranks[i].peer_len;
+        peers[i].hostname = g->ranks[i].hostname;
+        pp[i] = &peers[i];
+    }
+    rv.epoch = g->epoch;
+    rv.world_size = g->world;
+    rv.n_peers = g->world;
+    rv.peers = pp;
+    rv.nccl_unique_id.data = g->nccl_id;
+    rv.nccl_unique_id.len = g->nccl_len;
+    ev.event_case = STEPD__CTL__V1__CONTROL_EVENT__EVENT_RENDEZVOUS;
+    ev.rendezvous = &rv;
+    for (unsigned i = 0; i < g->world; i++) {
+        session_send(&g->ranks[i], &ev);
+        g->ranks[i].state = STEPD__V1__WORKER_STATE__WORKER_STATE_LOADING;
+    }
+    g->state = GROUP_LOADING;
+    g->last_error[0] = '\0';
+    log_info("control: group %s complete (world %u): rendezvous sent, epoch %" PRIu64, g->name,
+             g->world, g->epoch);
+}
+
+static void model_from_pb(struct model_info *mi, const Stepd__Ctl__V1__ModelSummary *m)
+{
+    memset(mi, 0, sizeof(*mi));
+    mi->known = true;
+    snprintf(mi->name, sizeof(mi->name), "%s", m->model_name);
+    snprintf(mi->type, sizeof(mi->type), "%s", m->model_type);
+    mi->vocab_size = m->vocab_size;
+    mi->max_model_len = m->max_model_len;
+    for (size_t i = 0; i < m->n_eos_token_ids && i < COORD_MAX_EOS; i++)
+        mi->eos[mi->n_eos++] = m->eos_token_ids[i];
+    mi->num_layers = m->num_layers;
+    mi->hidden_size = m->hidden_size;
+    mi->num_experts = m->num_experts;
+    mi->num_experts_per_tok = m->num_experts_per_tok;
+    snprintf(mi->quantization, sizeof(mi->quantization), "%s", m->quantization);
+    mi->num_mtp_layers = m->num_mtp_layers;
+    mi->max_num_speculative_tokens = m->max_num_speculative_tokens;
+}
+
+static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Stepd__Ctl__V1__RegisterRequest *r = (const void *)msg;
+    struct group *g;
+
+    if (co->draining) {
+        rpc_call_finish(call, RPC_UNAVAILABLE, "coordinator is draining");
+        return;
+    }
+    if (!name_valid(r->group)) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "group: must match [A-Za-z0-9._-]{1,64}");
+        return;
+    }
+    if (r->world_size != 1 && r->world_size != 2 && r->world_size != 4 && r->world_size != 8) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "world_size: must be 1, 2, 4 or 8 (got %u)",
+                        r->world_size);
+        return;
+    }
+    if (r->rank >= r->world_size) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "rank: %u is not below world_size %u", r->rank,
+                        r->world_size);
+        return;
+    }
+    if (!r->device[0] || strlen(r->device) > 31) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "device: must be 1..31 bytes (\"cpu\", \"cuda:N\")");
+        return;
+    }
+    if (r->peer_address.len > 65536) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "peer_address: longer than 64 KiB");
+        return;
+    }
+    if (r->nccl_unique_id.len > sizeof(g->nccl_id)) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "nccl_unique_id: longer than %zu bytes",
+                        sizeof(g->nccl_id));
+        return;
+    }
+    if (r->rank == 0 && (!r->engine_address[0] || strlen(r->engine_address) >= sizeof(g->engine_addr))) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "engine_address: required for rank 0 (< 256 bytes)");
+        return;
+    }
+    if (strlen(r->hostname) >= sizeof(((struct rank *)0)->hostname)) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "hostname: longer than 63 bytes");
+        return;
+    }
+    g = group_find(co, r->group);
+    if (!g) {
+        g = calloc(1, sizeof(*g));
+        if (!g) {
+            rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+            return;
+        }
+        g->co = co;
+        snprintf(g->name, sizeof(g->name), "%s", r->group);
+        g->world = r->world_size;
+        for (int i = 0; i < COORD_MAX_WORLD; i++) {
+            g->ranks[i].g = g;
+            g->ranks[i].rank = i;
+        }
+        struct group **pp = &co->groups;
+        while (*pp)
+            pp = &(*pp)->next;
+        *pp = g;
+    }
+    if (g->world != r->world_size) {
+        bool any = false;
+        for (unsigned i = 0; i < g->world; i++)
+            any |= g->ranks[i].present;
+        if (any) {
+            rpc_call_finish(call, RPC_FAILED_PRECONDITION,
+                            "world_size: group %s has world size %u, this rank says %u", g->name,
+                            g->world, r->world_size);
+            return;
+        }
+        g->world = r->world_size;
+    }
+    struct rank *rk = &g->ranks[r->rank];
+    if (rk->present) {
+        char why[160];
+        snprintf(why, sizeof(why), "rank %u registered again (restart)", r->rank);
+        session_end(rk, RPC_ABORTED, "superseded by a new registration of this rank");
+        group_fail(g, why);
+    }
+    rank_clear(rk);
+    rk->present = true;
+    rk->session = call;
+    rk->state = STEPD__V1__WORKER_STATE__WORKER_STATE_REGISTERED;
+    snprintf(rk->device, sizeof(rk->device), "%s", r->device);
+    snprintf(rk->hostname, sizeof(rk->hostname), "%s", r->hostname);
+    rk->pid = r->pid;
+    rk->incarnation = r->incarnation;
+    if (r->peer_address.len) {
+        rk->peer = malloc(r->peer_address.len);
+        if (rk->peer) {
+            memcpy(rk->peer, r->peer_address.data, r->peer_address.len);
+            rk->peer_len = r->peer_address.len;
+        }
+    }
+    if (r->n_experts) {
+        rk->experts = malloc(r->n_experts * sizeof(uint32_t));
+        if (rk->experts) {
+            memcpy(rk->experts, r->experts, r->n_experts * sizeof(uint32_t));
+            rk->n_experts = r->n_experts;
+        }
+    }
+    snprintf(rk->session_id, sizeof(rk->session_id), "%s/%u/%" PRIu64, g->name, r->rank,
+             ++co->next_session);
+    if (r->rank == 0) {
+        snprintf(g->engine_addr, sizeof(g->engine_addr), "%s", r->engine_address);
+        if (r->nccl_unique_id.len)
+            memcpy(g->nccl_id, r->nccl_unique_id.data, r->nccl_unique_id.len);
+        g->nccl_len = r->nccl_unique_id.len;
+        if (r->model && r->model->vocab_size) {
+            model_from_pb(&g->model, r->model);
+            if (!co->model.known)
+                co->model = g->model;
+        }
+    }
+    rpc_call_on_cancel(call, session_cancelled, rk);
+    log_info("control: group %s rank %u/%u registered (device %s, pid %u, host %s)", g->name,
+             r->rank, r->world_size, r->device, r->pid, r->hostname);
+
+    Stepd__Ctl__V1__ControlEvent ev = STEPD__CTL__V1__CONTROL_EVENT__INIT;
+    Stepd__Ctl__V1__Registered reg = STEPD__CTL__V1__REGISTERED__INIT;
+    reg.session_id = rk->session_id;
+    reg.heartbeat_interval_ms = co->o.heartbeat_ms;
+    ev.event_case = STEPD__CTL__V1__CONTROL_EVENT__EVENT_REGISTERED;
+    ev.registered = &reg;
+    session_send(rk, &ev);
+
+    bool complete = true;
+    for (unsigned i = 0; i < g->world; i++)
+        complete &= g->ranks[i].present;
+    if (complete && g->state != GROUP_LOADING && g->state != GROUP_READY)
+        group_rendezvous(g);
+}
+
+static struct rank *rank_by_session(struct coord *co, const char *sid)
+{
+    for (struct group *g = co->groups; g; g = g->next)
+        for (unsigned i = 0; i < g->world; i++)
+            if (g->ranks[i].present && strcmp(g->ranks[i].session_id, sid) == 0)
+                return &g->ranks[i];
+    return NULL;
+}
+
+static void group_maybe_ready(struct group *g)
+{
+    struct coord *co = g->co;
+
+    if (g->state != GROUP_LOADING)
+        return;
+    for (unsigned i = 0; i < g->world; i++)
+        if (g->ranks[i].state != STEPD__V1__WORKER_STATE__WORKER_STATE_READY)
+            return;
+    g->eng = engine_conn_new(co, g->engine_addr);
+    if (!g->eng) {
+        group_fail(g, "cannot create a channel to the engine address");
+        return;
+    }
+    g->state = GROUP_READY;
+    log_info("group %s is ready (epoch %" PRIu64 ", engine %s)", g->name, g->epoch, g->engine_addr);
+    coord_health_update(co);
+    wpool_poll_loads(co);
+}
+
+static void h_report(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct coord *co = ud;
+    const Stepd__Ctl__V1__StateReport *r = (const void *)msg;
+    struct rank *rk = rank_by_session(co, r->session_id);
+    Stepd__Ctl__V1__StateAck ack = STEPD__CTL__V1__STATE_ACK__INIT;
+
+    if (!rk) {
+        rpc_call_finish(call, RPC_NOT_FOUND, "session_id: unknown or expired session '%s'", r->session_id);
+        return;
+    }
+    struct group *g = rk->g;
+    if (!(r->load_progress >= 0.0f && r->load_progress <= 1.0f)) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "load_progress: must be in [0, 1]");
+        return;
+    }
+    snprintf(rk->message, sizeof(rk->message), "%s", r->message);
+    switch (r->state) {
+    case STEPD__CTL__V1__RANK_STATE__RANK_STATE_LOADING:
+        if (g->state != GROUP_LOADING) {
+            rpc_call_finish(call, RPC_FAILED_PRECONDITION, "state: group %s is %s, not loading",
+                            g->name, group_state_name(g->state));
+            return;
+        }
+        rk->progress = r->load_progress;
+        break;
+    case STEPD__CTL__V1__RANK_STATE__RANK_STATE_READY:
+        if (g->state != GROUP_LOADING && g->state != GROUP_READY) {
+            rpc_call_finish(call, RPC_FAILED_PRECONDITION, "state: group %s is %s; READY needs a rendezvous first",
+                            g->name, group_state_name(g->state));
+            return;
+        }
+        rk->progress = 1.0f;
+        rk->state = STEPD__V1__WORKER_STATE__WORKER_STATE_READY;
+        if (rk->rank == 0 && r->kv_blocks_total)
+            g->kv_total = r->kv_blocks_total;
+        group_maybe_ready(g);
+        break;
+    case STEPD__CTL__V1__RANK_STATE__RANK_STATE_FAILED: {
+        char why[400];
+        snprintf(why, sizeof(why), "rank %d failed: %s", rk->rank, r->message[0] ? r->message : "(no reason given)");
+        ack.epoch = g->epoch;
+        rpc_call_send(call, &ack.base);
+        rpc_call_finish(call, RPC_OK, NULL);
+        group_fail(g, why);
+        return;
+    }
+    case STEPD__CTL__V1__RANK_STATE__RANK_STATE_DRAINING:
+        rk->state = STEPD__V1__WORKER_STATE__WORKER_STATE_DRAINING;
+        break;
+    default:
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "state: unknown value %d", (int)r->state);
+        return;
+    }
+    ack.epoch = g->epoch;
+    rpc_call_send(call, &ack.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+int wpool_register_methods(struct coord *co, struct rpc_server *s)
+{
+    struct rpc_method ms[] = {
+        { CTL_SESSION, &stepd__ctl__v1__register_request__descriptor, true, false, h_session, co },
+        { CTL_REPORT, &stepd__ctl__v1__state_report__descriptor, false, false, h_report, co },
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(ms); i++) {
+        int r = rpc_server_add_method(s, &ms[i]);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ heartbeat, loads */
+
+void wpool_heartbeat(struct coord *co)
+{
+    static uint64_t seq;
+    Stepd__Ctl__V1__ControlEvent ev = STEPD__CTL__V1__CONTROL_EVENT__INIT;
+    Stepd__Ctl__V1__Heartbeat hb = STEPD__CTL__V1__HEARTBEAT__INIT;
+
+    hb.seq = ++seq;
+    hb.coordinator_time_ms = (uint64_t)rpc_now_ms();
+    ev.event_case = STEPD__CTL__V1__CONTROL_EVENT__EVENT_HEARTBEAT;
+    ev.heartbeat = &hb;
+    for (struct group *g = co->groups; g; g = g->next) {
+        for (unsigned i = 0; i < g->world; i++) {
+            struct rank *rk = &g->ranks[i];
+            if (!rk->present || !rk->session)
+                continue;
+            int r = rpc_call_send(rk->session, &ev.base);
+            if (r == -ENOBUFS) {
+                char why[200];
+                snprintf(why, sizeof(why), "rank %u (pid %u) stopped reading heartbeats", i, rk->pid);
+                session_end(rk, RPC_UNAVAILABLE, "heartbeats not read");
+                group_fail(g, why);
+                break;
+            }
+        }
+    }
+}
+
+struct loads_poll {
+    struct group *g;
+    struct engine_conn *eng;
+};
+
+static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
+{
+    struct loads_poll *lp = ud;
+    const Stepd__V1__GetLoadsResponse *r = (const void *)msg;
+    struct group *g = lp->g;
+
+    if (g->eng != lp->eng || r->n_loads < 1)
+        return;
+    const Stepd__V1__GroupLoad *l = r->loads[0];
+    g->load_running = l->num_running;
+    g->load_waiting = l->num_waiting;
+    g->kv_used = l->kv_blocks_used;
+    if (l->kv_blocks_total)
+        g->kv_total = l->kv_blocks_total;
+    g->kv_usage = l->kv_usage;
+    g->preemptions = l->num_preemptions;
+    g->tokens_per_s = l->tokens_per_s;
+}
+
+static void loads_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct loads_poll *lp = ud;
+    if (lp->g->eng == lp->eng) {
+        lp->g->loads_pending = false;
+        if (status != RPC_OK)
+            log_debug("group %s: GetLoads failed: %s %s", lp->g->name, rpc_status_name(status), details);
+    }
+    engine_conn_unref(lp->eng);
+    free(lp);
+}
+
+void wpool_poll_loads(struct coord *co)
+{
+    Stepd__V1__GetLoadsRequest req = STEPD__V1__GET_LOADS_REQUEST__INIT;
+
+    for (struct group *g = co->groups; g; g = g->next) {
+        if (g->state != GROUP_READY || !g->eng || g->loads_pending)
+            continue;
+        struct loads_poll *lp = malloc(sizeof(*lp));
+        if (!lp)
+            return;
+        lp->g = g;
+        lp->eng = g->eng;
+        g->eng->refs++;
+        if (rpc_client_start(g->eng->ch, ENGINE_GETLOADS, &req.base,
+                             &stepd__v1__get_loads_response__descriptor, rpc_now_ms() + 2000, loads_msg,
+                             loads_done, lp, NULL) < 0) {
+            g->eng->refs--;
+            free(lp);
+            continue;
+        }
+        g->loads_pending = true;
+    }
+}
+
+/* ------------------------------------------------------------------ routing */
+
+static uint64_t fnv1a(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *s = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= s[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n)
+{
+    struct group *best = NULL, *aff = NULL;
+    uint64_t best_score = UINT64_MAX, aff_w = 0, ph = 0;
+
+    if (co->o.prefix_affinity && n)
+        ph = fnv1a(prompt, (n < co->o.prefix_affinity ? n : co->o.prefix_affinity) * sizeof(int32_t),
+                   1469598103934665603ull);
+    for (struct group *g = co->groups; g; g = g->next) {
+        if (g->state != GROUP_READY || !g->eng)
+            continue;
+        /* coordinator-side in-flight count is exact; the engine's waiting count adds
+         * what other routers (or the engine's own queue) contribute */
+        uint64_t score = (uint64_t)g->in_flight * 1024 + (uint64_t)g->load_waiting * 1024 +
+                         (uint64_t)(g->kv_usage * 512);
+        if (score < best_score) {
+            best_score = score;
+            best = g;
+        }
+        if (ph) {
+            uint64_t w = mix64(ph ^ fnv1a(g->name, strlen(g->name), 1469598103934665603ull));
+            if (!aff || w > aff_w) {
+                aff = g;
+                aff_w = w;
+            }
+        }
+    }
+    if (aff && best) {
+        uint64_t aff_score = (uint64_t)aff->in_flight * 1024 + (uint64_t)aff->load_waiting * 1024 +
+                             (uint64_t)(aff->kv_usage * 512);
+        /* keep affinity unless the preferred group is clearly busier */
+        if (aff_score <= best_score * 2 + 8 * 1024)
+            return aff;
+    }
+    return best;
+}
+
+/* ------------------------------------------------------------------ lifetime */
+
+int wpool_init(struct coord *co)
+{
+    co->groups = NULL;
+    return 0;
+}
+
+void wpool_shutdown_sessions(struct coord *co)
+{
+    Stepd__Ctl__V1__ControlEvent ev = STEPD__CTL__V1__CONTROL_EVENT__INIT;
+    Stepd__Ctl__V1__Shutdown sd = STEPD__CTL__V1__SHUTDOWN__INIT;
+    sd.reason = "coordinator shutting down";
+    ev.event_case = STEPD__CTL__V1__CONTROL_EVENT__EVENT_SHUTDOWN;
+    ev.shutdown = &sd;
+    for (struct group *g = co->groups; g; g = g->next) {
+        for (unsigned i = 0; i < g->world; i++) {
+            struct rank *rk = &g->ranks[i];
+            if (!rk->present)
+                continue;
+            session_send(rk, &ev);
+            session_end(rk, RPC_UNAVAILABLE, "coordinator shutting down");
+        }
+        if (g->eng) {
+            g->eng->attached = false;
+            engine_conn_unref(g->eng);
+            g->eng = NULL;
+        }
+        g->state = GROUP_FAILED;
+    }
+}
+
+void wpool_done(struct coord *co)
+{
+    struct group *g = co->groups;
+    while (g) {
+        struct group *n = g->next;
+        for (unsigned i = 0; i < COORD_MAX_WORLD; i++)
+            rank_clear(&g->ranks[i]);
+        free(g);
+        g = n;
+    }
+    co->groups = NULL;
+}

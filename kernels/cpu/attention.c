@@ -1,0 +1,152 @@
+/* attention.c - attention over a paged KV cache (MODEL.md §2.3 step 5).
+ *
+ * Token i of sequence s sits at absolute position t = seq_pos0[s] + (i - start[s]) and
+ * attends to keys tau in [lo, t], lo = 0 (full causal) or max(0, t - window + 1)
+ * (sliding: exactly `window` keys including itself).  Key tau lives in physical slot
+ * block_tables[off[s] + tau / block_size] * block_size + tau % block_size.  Query head h
+ * reads KV head h / (n_heads / n_kv_heads) (contiguous grouping).  The same code serves
+ * prefill chunks, decode and verify runs: the cache must already hold every key up to
+ * the last query position (kv_store first).  Softmax is computed online over chunks of
+ * keys in fp32 with fp32 exp.  One parallel region; (token, head) pairs are split into
+ * contiguous ranges, so the heads sharing a KV head stay on one thread.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "log.h"
+#include "cpu.h"
+
+#define KEY_CHUNK 64
+
+struct attn_job {
+    const struct attn_args *a;
+    _Atomic int err;
+};
+
+static inline const float *key_row(const struct kv_layer *kv, const void *base, int64_t slot,
+                                   int j, float *tmp)
+{
+    int64_t off = (slot * kv->n_kv_heads + j) * kv->head_dim;
+
+    if (kv->dtype_f32)
+        return (const float *)base + off;
+    for (int d = 0; d < kv->head_dim; d++)
+        tmp[d] = cpu_bf16_to_f32(((const uint16_t *)base)[off + d]);
+    return tmp;
+}
+
+/* Attention of one query row; returns -EINVAL on a bad block id. */
+static int attn_one(const struct attn_args *a, int s, int i, int h, float *out)
+{
+    const struct kv_layer *kv = a->kv;
+    const int hd = a->head_dim, j = h / (a->n_heads / a->n_kv_heads), bs = kv->block_size;
+    const int64_t t = (int64_t)a->seq_pos0[s] + (i - a->seq_tok_start[s]);
+    const int64_t lo = a->window > 0 && t - a->window + 1 > 0 ? t - a->window + 1 : 0;
+    const float *q = a->q + ((int64_t)i * a->n_heads + h) * hd;
+    const int32_t *table = a->block_tables + a->block_table_off[s];
+    float acc[hd], tmp[hd], sc[KEY_CHUNK];
+    int64_t slots[KEY_CHUNK];
+    float m = -INFINITY, l = 0.0f;
+
+    memset(acc, 0, sizeof(acc));
+    for (int64_t c0 = lo; c0 <= t; c0 += KEY_CHUNK) {
+        int nk = t + 1 - c0 < KEY_CHUNK ? (int)(t + 1 - c0) : KEY_CHUNK;
+        float cmax = -INFINITY, corr;
+
+        for (int k = 0; k < nk; k++) {
+            int64_t tau = c0 + k;
+            int32_t blk = table[tau / bs];
+            const float *kr;
+            float dot = 0.0f;
+
+            if (blk < 0 || blk >= kv->n_blocks) {
+                log_debug("attention: position %lld maps to block %d (pool has %d)",
+                          (long long)tau, blk, kv->n_blocks);
+                return -EINVAL;
+            }
+            slots[k] = (int64_t)blk * bs + tau % bs;
+            kr = key_row(kv, kv->k, slots[k], j, tmp);
+            for (int d = 0; d < hd; d++)
+                dot += q[d] * kr[d];
+            sc[k] = dot * a->scale;
+            cmax = fmaxf(cmax, sc[k]);
+        }
+        if (cmax > m) {
+            corr = expf(m - cmax);      /* 0 on the first chunk */
+            l *= corr;
+            for (int d = 0; d < hd; d++)
+                acc[d] *= corr;
+            m = cmax;
+        }
+        for (int k = 0; k < nk; k++) {
+            float p = expf(sc[k] - m);
+            const float *vr = key_row(kv, kv->v, slots[k], j, tmp);
+
+            l += p;
+            for (int d = 0; d < hd; d++)
+                acc[d] += p * vr[d];
+        }
+    }
+    for (int d = 0; d < hd; d++)
+        out[d] = acc[d] / l;
+    return 0;
+}
+
+static void attn_task(void *arg, int ith, int nth)
+{
+    struct attn_job *jb = arg;
+    const struct attn_args *a = jb->a;
+    int64_t u0, u1;
+    int s = 0;
+
+    cpu_split((int64_t)a->n_tok * a->n_heads, 1, ith, nth, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        int i = (int)(u / a->n_heads), h = (int)(u % a->n_heads);
+        int r;
+
+        while (i >= a->seq_tok_start[s + 1])
+            s++;
+        r = attn_one(a, s, i, h, a->out + u * a->head_dim);
+        if (r < 0) {
+            atomic_store(&jb->err, r);
+            return;
+        }
+    }
+}
+
+int cpu_attention(struct backend *be, const struct attn_args *a)
+{
+    struct attn_job jb = { .a = a };
+
+    if (a->n_seqs == 0 || a->n_tok == 0)
+        return 0;
+    if (a->seq_tok_start[0] != 0 || a->seq_tok_start[a->n_seqs] != a->n_tok) {
+        log_debug("attention: seq_tok_start must run from 0 to n_tok (%d)", a->n_tok);
+        return -EINVAL;
+    }
+    if (a->kv->block_size <= 0 || !(a->scale > 0.0f))
+        return -EINVAL;
+    for (int s = 0; s < a->n_seqs; s++) {
+        if (a->seq_tok_start[s + 1] < a->seq_tok_start[s] || a->seq_pos0[s] < 0 ||
+            a->block_table_off[s] < 0) {
+            log_debug("attention: sequence %d has a bad token range, position or table offset", s);
+            return -EINVAL;
+        }
+    }
+    {
+        /* work estimate: every query row against the longest context of the batch */
+        double keys = 0;
+
+        for (int s = 0; s < a->n_seqs; s++) {
+            double k = a->seq_pos0[s] + (a->seq_tok_start[s + 1] - a->seq_tok_start[s]);
+            keys = k > keys ? k : keys;
+        }
+        if (a->window > 0 && keys > a->window)
+            keys = a->window;
+        cpu_pool_run_n(cpu_ctx(be)->pool, attn_task, &jb,
+                       cpu_threads_for(cpu_ctx(be), 2.0 * a->n_tok * a->n_heads * a->head_dim * keys));
+    }
+    return atomic_load(&jb.err);
+}

@@ -1,0 +1,207 @@
+/* backend-cpu.c - the CPU backend: context, memory, capability, weights, ops table.
+ * Every op lives in its own file beside this one (embed.c, rmsnorm.c, ...).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "err.h"
+#include "log.h"
+#include "cpu.h"
+
+/* Runtime check: the AVX2 kernels are compiled with target attributes, so they exist in
+ * every x86_64 build (also -Dnative=false) and run only where the CPU has AVX2+FMA. */
+static bool cpu_has_avx2(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return false;
+#endif
+}
+
+static int cpu_init(struct backend *be, const struct backend_cfg *cfg)
+{
+    struct cpu_ctx *c;
+    long online;
+    int n, r;
+
+    c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    n = cfg->n_threads;
+    if (n == 0) {
+        online = sysconf(_SC_NPROCESSORS_ONLN);
+        n = online > 0 ? (int)online : 1;
+    }
+    r = cpu_pool_new(n, &c->pool);
+    if (r < 0) {
+        free(c);
+        return r;
+    }
+    c->n_threads = n;
+    c->mxfp4_exact = cfg->mxfp4_exact;
+    c->have_avx2 = cpu_has_avx2();
+    if (getenv("STEPD_CPU_NO_AVX2"))
+        c->have_avx2 = false;
+    /* below ~64K multiply-adds a futex round trip costs more than the second core gives */
+    c->min_work = getenv("STEPD_CPU_MIN_WORK") ? atof(getenv("STEPD_CPU_MIN_WORK")) : 65536.0;
+    be->ctx = c;
+    log_debug("cpu backend: %d threads, avx2 %s, mxfp4 %s", n, c->have_avx2 ? "yes" : "no",
+              c->mxfp4_exact ? "exact" : (c->have_avx2 ? "int8 fast" : "exact (no avx2)"));
+    return 0;
+}
+
+static void cpu_free(struct backend *be)
+{
+    struct cpu_ctx *c = cpu_ctx(be);
+
+    if (!c)
+        return;
+    cpu_pool_free(c->pool);
+    free(c->scratch);
+    free(c);
+    be->ctx = NULL;
+}
+
+void *cpu_scratch(struct cpu_ctx *c, size_t n)
+{
+    void *p;
+
+    if (n <= c->scratch_size)
+        return c->scratch;
+    n = (n + 4095) & ~(size_t)4095;
+    if (posix_memalign(&p, 64, n) != 0)
+        return NULL;
+    free(c->scratch);
+    c->scratch = p;
+    c->scratch_size = n;
+    return p;
+}
+
+static int cpu_buf_alloc(struct backend *be, size_t bytes, size_t align, void **ret)
+{
+    void *p;
+
+    if (align < 64)
+        align = 64;
+    if (posix_memalign(&p, align, bytes ? bytes : 1) != 0)
+        return -ENOMEM;
+    *ret = p;
+    return 0;
+}
+
+static void cpu_buf_free(struct backend *be, void *p)
+{
+    free(p);
+}
+
+static int cpu_copy(struct backend *be, void *dst, const void *src, size_t n)
+{
+    if (n)
+        memmove(dst, src, n);
+    return 0;
+}
+
+static int cpu_sync(struct backend *be)
+{
+    return 0;
+}
+
+static bool cpu_supports(struct backend *be, const char *op, enum wfmt fmt)
+{
+    static const char *const ops[] = {
+        "embed", "rmsnorm", "matmul", "rope", "kv_store", "attention", "head_gate",
+        "swiglu", "router", "moe", "add",
+    };
+
+    for (size_t i = 0; i < ARRAY_SIZE(ops); i++) {
+        if (strcmp(op, ops[i]) != 0)
+            continue;
+        if (strcmp(op, "rmsnorm") == 0)
+            return fmt == WFMT_F32 || fmt == WFMT_BF16;
+        return true;
+    }
+    return false;
+}
+
+static int cpu_weight_prepare(struct backend *be, struct bweight *w)
+{
+    if (w->priv)
+        return 0;               /* already prepared */
+    if (w->fmt == WFMT_MXFP4)
+        return cpu_mxfp4_prepare(w);
+    return 0;                   /* F32/BF16 are used in place */
+}
+
+static void cpu_weight_release(struct backend *be, struct bweight *w)
+{
+    if (w->fmt == WFMT_MXFP4)
+        cpu_mxfp4_release(w);
+}
+
+float cpu_weight_get(const struct bweight *w, int64_t row, int64_t col)
+{
+    const struct cpu_mxfp4 *m = w->priv;
+
+    switch (w->fmt) {
+    case WFMT_F32: {
+        float f;
+        memcpy(&f, (const char *)w->data + 4 * (row * w->cols + col), 4);
+        return f;
+    }
+    case WFMT_BF16: {
+        uint16_t h;
+        memcpy(&h, (const char *)w->data + 2 * (row * w->cols + col), 2);
+        return cpu_bf16_to_f32(h);
+    }
+    case WFMT_MXFP4:
+        if (m) {
+            int64_t t = row / MXFP4_TILE_ROWS, rr = row % MXFP4_TILE_ROWS;
+            int64_t b = col / 32, p = b / 2, half = b % 2, j = col % 32;
+            const uint8_t *qs = m->qs + ((t * m->npair + p) * MXFP4_TILE_ROWS + rr) * 32 + half * 16;
+            uint8_t e = m->sc[(t * m->npair + p) * 2 * MXFP4_TILE_ROWS + half * MXFP4_TILE_ROWS + rr];
+            return cpu_e2m1[(qs[j / 2] >> (4 * (j % 2))) & 15] * __builtin_ldexpf(1.0f, e - 127);
+        } else {
+            const uint8_t *qs = (const uint8_t *)w->data + row * (w->cols / 2);
+            uint8_t e = w->scale[row * (w->cols / 32) + col / 32];
+            return cpu_e2m1[(qs[col / 2] >> (4 * (col % 2))) & 15] * __builtin_ldexpf(1.0f, e - 127);
+        }
+    default:
+        BUG_ON(1);
+    }
+    return 0.0f;
+}
+
+void cpu_weight_row(const struct bweight *w, int64_t row, float *out)
+{
+    for (int64_t j = 0; j < w->cols; j++)
+        out[j] = cpu_weight_get(w, row, j);
+}
+
+const struct backend_ops backend_cpu_ops = {
+    .name = "cpu",
+    .init = cpu_init,
+    .free = cpu_free,
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .sync = cpu_sync,
+    .supports = cpu_supports,
+    .weight_prepare = cpu_weight_prepare,
+    .weight_release = cpu_weight_release,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = cpu_matmul,
+    .rope = cpu_rope,
+    .kv_store = cpu_kv_store,
+    .attention = cpu_attention,
+    .head_gate = cpu_head_gate,
+    .swiglu = cpu_swiglu,
+    .router = cpu_router,
+    .moe = cpu_moe,
+    .add = cpu_add,
+};

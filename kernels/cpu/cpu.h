@@ -1,0 +1,186 @@
+/* cpu.h - internals of the CPU backend shared by its one-op-per-file sources.
+ * Not a public header: call sites use kernels/backend.h.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "backend.h"
+
+extern const struct backend_ops backend_cpu_ops;
+
+/* ---- threads.c: a small persistent pool ----
+ * cpu_pool_run() runs fn(arg, ith, nth) once on each of nth threads (the caller is
+ * ith 0) and returns when all are done.  Idle workers sleep on a futex after a short
+ * bounded spin, so a busy neighbour core never turns a wait into a spin storm.
+ * cpu_pool_barrier() may be called by all nth threads inside one run. */
+struct cpu_pool;
+typedef void (*cpu_task_fn)(void *arg, int ith, int nth);
+int cpu_pool_new(int n_threads, struct cpu_pool **ret);
+void cpu_pool_free(struct cpu_pool *pool);
+int cpu_pool_size(const struct cpu_pool *pool);
+void cpu_pool_run(struct cpu_pool *pool, cpu_task_fn fn, void *arg);
+/* Same with at most n threads (n <= 1: inline on the caller, no wake-up); small ops use
+ * it so that a tiny matmul does not pay a futex round trip. */
+void cpu_pool_run_n(struct cpu_pool *pool, cpu_task_fn fn, void *arg, int n);
+
+void cpu_pool_barrier(struct cpu_pool *pool);
+
+/* Backend context (be->ctx). */
+struct cpu_ctx {
+    struct cpu_pool *pool;
+    int n_threads;
+    bool mxfp4_exact;       /* cfg: exact W4A32 path */
+    bool have_avx2;         /* the CPU has AVX2+FMA (kernels use target attributes) */
+    double min_work;        /* multiply-adds per extra thread (STEPD_CPU_MIN_WORK; 0 = always split) */
+    /* scratch grown on demand; one caller at a time per backend */
+    void *scratch;
+    size_t scratch_size;
+};
+
+/* Threads worth using for `work` multiply-adds: one per c->min_work, at most the pool. */
+static inline int cpu_threads_for(const struct cpu_ctx *c, double work)
+{
+    int n = cpu_pool_size(c->pool);
+    double per;
+
+    if (c->min_work <= 0)
+        return n;
+    per = work / c->min_work;
+    return per < 1.0 ? 1 : (per < n ? (int)per : n);
+}
+
+static inline struct cpu_ctx *cpu_ctx(struct backend *be)
+{
+    return (struct cpu_ctx *)be->ctx;
+}
+
+/* Scratch of at least n bytes, 64-byte aligned, valid until the next call. */
+void *cpu_scratch(struct cpu_ctx *c, size_t n);
+
+/* Split [0, n) into nth contiguous ranges whose bounds are multiples of align. */
+static inline void cpu_split(int64_t n, int64_t align, int ith, int nth, int64_t *r0, int64_t *r1)
+{
+    int64_t units = (n + align - 1) / align;
+    int64_t a = units * ith / nth, b = units * (ith + 1) / nth;
+
+    *r0 = a * align < n ? a * align : n;
+    *r1 = b * align < n ? b * align : n;
+}
+
+/* ---- numerics helpers ---- */
+static inline float cpu_bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even; NaN stays NaN. */
+static inline uint16_t cpu_f32_to_bf16(float f)
+{
+    uint32_t u;
+
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element j of a weight row of any format as fp32 (slow; embed and references). */
+float cpu_weight_get(const struct bweight *w, int64_t row, int64_t col);
+/* Row r of w as fp32 into out[cols] (exactly the stored value). */
+void cpu_weight_row(const struct bweight *w, int64_t row, float *out);
+
+/* ---- matmul (matmul-bf16.c, matmul-mxfp4.c) ----
+ * MXFP4 repacked layout (priv of a prepared weight), built by cpu_mxfp4_prepare():
+ * rows grouped in tiles of MXFP4_TILE_ROWS; columns in pairs of two 32-blocks.
+ * For tile t and pair p: qs holds TILE_ROWS x 32 bytes (row-major within the tile,
+ * the 16+16 on-disk bytes of the pair's two blocks), sc holds the 2 x TILE_ROWS E8M0
+ * bytes ordered [r0b0 r1b0 r2b0 r3b0 r0b1 r1b1 r2b1 r3b1].  Padding rows/blocks are
+ * zero codes with scale 0. */
+#define MXFP4_TILE_ROWS 4
+struct cpu_mxfp4 {
+    int64_t rows, cols;
+    int64_t nblk;           /* cols / 32 */
+    int64_t npair;          /* ceil(nblk / 2) */
+    int64_t ntile;          /* ceil(rows / TILE_ROWS) */
+    uint8_t *qs;
+    uint8_t *sc;
+};
+
+extern const float cpu_e2m1[16];
+
+int cpu_mxfp4_prepare(struct bweight *w);
+void cpu_mxfp4_release(struct bweight *w);
+
+/* Activations quantised for the int8 MXFP4 path, one row per token: q is the row's
+ * int8 values (q = round(x / d), d = amax / 127 per 32-block) in pair order (for pair p,
+ * 64 bytes: [even cols of b0 | even of b1 | odd of b0 | odd of b1]); d8 and corr8 hold
+ * per pair [d(b0) x4 | d(b1) x4] and [12*sum q(b0) x4 | 12*sum q(b1) x4], the lane
+ * layout of the kernel's reduced dot products. */
+struct cpu_qact {
+    int64_t nblk, npair;
+    int8_t *q;              /* [n, npair * 64] */
+    float *d8;              /* [n, npair * 8] */
+    int32_t *corr8;         /* [n, npair * 8] */
+};
+size_t cpu_qact_bytes(int64_t n, int64_t cols);
+void cpu_qact_init(struct cpu_qact *qa, void *mem, int64_t n, int64_t cols);
+/* Quantise blocks [b0, b1) of token row i from x[cols]. */
+void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1);
+
+/* Row-range kernels, run on the calling thread.  Token i of the activations is row
+ * xidx ? xidx[i] : i; output y[i * ldy + (r - r0_out)] for rows r in [r0, r1). */
+void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
+                         float *y, int64_t ldy, int64_t r0, int64_t r1);
+void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
+                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2);
+/* Exact W4A32: every product exact in fp64, fixed 16-lane fp64 accumulation order
+ * (lane = col % 16; lanes folded l += l+8, +4, +2, +1), one rounding to fp32. */
+#define MXFP4_EXACT_LANES 16
+void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const int32_t *xidx,
+                                 int n, float *y, int64_t ldy, int64_t r0, int64_t r1,
+                                 float *rowbuf);
+/* Fast int8 path on prepared weights; r0 and r1 multiples of MXFP4_TILE_ROWS or rows. */
+void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
+                                const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
+                                int64_t r1);
+/* True when matmul of w runs the fast int8 path under this context. */
+bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w);
+
+/* ---- backend ops (one file each) ---- */
+int cpu_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out);
+int cpu_rmsnorm(struct backend *be, const float *x, const struct bweight *w, int rows, int dim,
+                float eps, float *y);
+int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int n, float *y);
+int cpu_rope(struct backend *be, float *x, int n_tok, int n_heads, int head_dim,
+             const int32_t *pos, const struct rope_freqs *f);
+int cpu_kv_store(struct backend *be, struct kv_layer *kv, const float *k, const float *v,
+                 int n_tok, const int32_t *slots);
+int cpu_attention(struct backend *be, const struct attn_args *a);
+int cpu_head_gate(struct backend *be, float *o, const float *g, int n_tok, int n_heads, int head_dim);
+int cpu_swiglu(struct backend *be, const float *gate, const float *up, int n, int dim,
+               float limit, float *out);
+int cpu_router(struct backend *be, const float *logits, const float *bias, int n_tok, int n_exp,
+               int top_k, bool renorm, float scale, int32_t *ids, float *weights);
+int cpu_moe(struct backend *be, const struct moe_args *a);
+int cpu_add(struct backend *be, float *y, const float *x, size_t n);
+
+/* SwiGLU of one element, MODEL.md §2.4 (silu first, then upper clamp; up clamped both ways). */
+static inline float cpu_swiglu1(float u, float w, float limit)
+{
+    float s = u / (1.0f + __builtin_expf(-u));
+
+    if (limit > 0.0f) {
+        s = s < limit ? s : limit;
+        w = w < -limit ? -limit : (w > limit ? limit : w);
+    }
+    return s * w;
+}

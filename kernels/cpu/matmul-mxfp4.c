@@ -1,0 +1,440 @@
+/* matmul-mxfp4.c - y = x · Wᵀ for MXFP4 weights (MODEL.md §5): repacking at prepare,
+ * the exact W4A32 reference path and the fast int8 AVX2 path.
+ *
+ * Exact path: each weight decodes exactly to fp32 (E2M1 · 2^k); each product with an
+ * fp32 activation is exact in fp64 (<= 26 significant bits); products are summed in
+ * fp64 in a fixed 16-lane order and rounded once to fp32.  Bit-reproducible and the
+ * oracle for tests (checked bit-exactly against decode-then-fp64-dot in test-matmul).
+ *
+ * Fast path (PERFORMANCE.md §4.2): activations quantised once per 32-block to int8
+ * (q = round(x/d), d = amax/127); weights decoded with one vpshufb per 32 nibbles
+ * through a biased LUT (2·E2M1 + 12 ∈ [0, 24], unsigned, so vpmaddubsw needs no sign
+ * trick; the bias is removed with 12·Σq per block); two blocks per 256-bit register,
+ * four interleaved rows per tile reduced with hadd so 8 block sums take one convert
+ * and one FMA with a scale vector built by shifting E8M0 into the float exponent
+ * ((e-1)<<23 = 2^(e-128), the /2 of the doubled LUT folded in).  Error is bounded by
+ * the activation rounding (|err| <= Σ_b 2^(e_b-127)·6·d_b/2·32 per row; ~0.5 % relative
+ * on random data).  Blocks whose E8M0 is 0 (scale 2^-127) contribute 0 on this path.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "err.h"
+#include "log.h"
+#include "cpu.h"
+
+const float cpu_e2m1[16] = {
+    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f,
+};
+
+/* 2·E2M1 + 12 */
+static const int8_t lut_biased[16] = { 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0 };
+
+int cpu_mxfp4_prepare(struct bweight *w)
+{
+    const int64_t rows = w->rows, cols = w->cols;
+    const uint8_t *src = w->data, *ssrc = w->scale;
+    struct cpu_mxfp4 *m;
+
+    if (cols % 32 != 0 || !src || !ssrc)
+        return -EINVAL;
+    for (int64_t i = 0; i < rows * (cols / 32); i++) {
+        if (ssrc[i] == 255) {
+            log_debug("mxfp4: scale byte 255 (reserved NaN) at row %lld block %lld",
+                      (long long)(i / (cols / 32)), (long long)(i % (cols / 32)));
+            return -EINVAL;
+        }
+    }
+    m = calloc(1, sizeof(*m));
+    if (!m)
+        return -ENOMEM;
+    m->rows = rows;
+    m->cols = cols;
+    m->nblk = cols / 32;
+    m->npair = (m->nblk + 1) / 2;
+    m->ntile = (rows + MXFP4_TILE_ROWS - 1) / MXFP4_TILE_ROWS;
+    if (posix_memalign((void **)&m->qs, 64, (size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 32)) != 0)
+        m->qs = NULL;
+    if (posix_memalign((void **)&m->sc, 64, (size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 2 + 64)) != 0)
+        m->sc = NULL;
+    if (!m->qs || !m->sc) {
+        free(m->qs);
+        free(m->sc);
+        free(m);
+        return -ENOMEM;
+    }
+    memset(m->qs, 0, (size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 32));
+    memset(m->sc, 0, (size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 2 + 64));
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = r / MXFP4_TILE_ROWS, rr = r % MXFP4_TILE_ROWS;
+
+        for (int64_t b = 0; b < m->nblk; b++) {
+            int64_t p = b / 2, half = b % 2;
+            uint8_t *dq = m->qs + ((t * m->npair + p) * MXFP4_TILE_ROWS + rr) * 32 + half * 16;
+
+            memcpy(dq, src + r * (cols / 2) + b * 16, 16);
+            m->sc[(t * m->npair + p) * 2 * MXFP4_TILE_ROWS + half * MXFP4_TILE_ROWS + rr] =
+                ssrc[r * m->nblk + b];
+        }
+    }
+    w->priv = m;
+    return 0;
+}
+
+void cpu_mxfp4_release(struct bweight *w)
+{
+    struct cpu_mxfp4 *m = w->priv;
+
+    if (!m)
+        return;
+    free(m->qs);
+    free(m->sc);
+    free(m);
+    w->priv = NULL;
+}
+
+bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w)
+{
+    return w->fmt == WFMT_MXFP4 && w->priv && !c->mxfp4_exact && c->have_avx2;
+}
+
+/* 2^(e-127) for every E8M0 byte (255 never reaches a kernel: prepare rejects it) */
+static float e8m0_tab[256];
+
+__attribute__((constructor)) static void e8m0_tab_init(void)
+{
+    for (int e = 0; e < 256; e++)
+        e8m0_tab[e] = ldexpf(1.0f, e - 127);
+}
+
+/* Locate block b of row r: nibbles and scale byte, repacked or on-disk layout. */
+static inline const uint8_t *mxfp4_block(const struct bweight *w, int64_t r, int64_t b, uint8_t *e)
+{
+    const struct cpu_mxfp4 *m = w->priv;
+
+    if (m) {
+        int64_t t = r / MXFP4_TILE_ROWS, rr = r % MXFP4_TILE_ROWS, p = b / 2, half = b % 2;
+
+        *e = m->sc[(t * m->npair + p) * 2 * MXFP4_TILE_ROWS + half * MXFP4_TILE_ROWS + rr];
+        return m->qs + ((t * m->npair + p) * MXFP4_TILE_ROWS + rr) * 32 + half * 16;
+    }
+    *e = w->scale[r * (w->cols / 32) + b];
+    return (const uint8_t *)w->data + r * (w->cols / 2) + b * 16;
+}
+
+/* Decode row r exactly into out[cols] (every value E2M1 * 2^k is exact in fp32). */
+static void mxfp4_row_decode_scalar(const struct bweight *w, int64_t r, float *out)
+{
+    for (int64_t b = 0; b < w->cols / 32; b++) {
+        uint8_t e;
+        const uint8_t *qs = mxfp4_block(w, r, b, &e);
+        float s = e8m0_tab[e];
+
+        for (int j = 0; j < 16; j++) {
+            out[b * 32 + 2 * j] = cpu_e2m1[qs[j] & 15] * s;
+            out[b * 32 + 2 * j + 1] = cpu_e2m1[qs[j] >> 4] * s;
+        }
+    }
+}
+
+static void exact_dot_scalar(const float *rowbuf, const float *xi, int64_t cols, double *acc)
+{
+    for (int64_t j = 0; j < cols; j += MXFP4_EXACT_LANES)
+        for (int l = 0; l < MXFP4_EXACT_LANES; l++)
+            acc[l] += (double)rowbuf[j + l] * (double)xi[j + l];
+}
+
+#if defined(__x86_64__)
+/* doubled E2M1 as int8; the /2 goes into the (power-of-two, so exact) scale */
+static const int8_t lut_doubled[16] = { 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12 };
+
+__attribute__((target("avx2,fma")))
+static void mxfp4_row_decode_avx2(const struct bweight *w, int64_t r, float *out)
+{
+    const __m128i lut = _mm_loadu_si128((const __m128i *)lut_doubled);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+
+    for (int64_t b = 0; b < w->cols / 32; b++) {
+        uint8_t e;
+        const uint8_t *qs = mxfp4_block(w, r, b, &e);
+        __m256 s = _mm256_set1_ps(e8m0_tab[e] * 0.5f);   /* e = 0: 2^-128 is still exact */
+        __m128i v = _mm_loadu_si128((const __m128i *)qs);
+        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
+        __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
+        float *o = out + b * 32;
+
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), s));
+        _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8))), s));
+        _mm256_storeu_ps(o + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1)), s));
+        _mm256_storeu_ps(o + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8))), s));
+    }
+}
+
+/* same lanes as exact_dot_scalar: acc[0..3], [4..7], [8..11], [12..15] */
+__attribute__((target("avx2,fma")))
+static void exact_dot_avx2(const float *rowbuf, const float *xi, int64_t cols, double *acc)
+{
+    __m256d a0 = _mm256_loadu_pd(acc), a1 = _mm256_loadu_pd(acc + 4);
+    __m256d a2 = _mm256_loadu_pd(acc + 8), a3 = _mm256_loadu_pd(acc + 12);
+
+    for (int64_t j = 0; j < cols; j += 16) {
+        /* products are exact in fp64, so fma == mul + add here */
+        a0 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(rowbuf + j)), _mm256_cvtps_pd(_mm_loadu_ps(xi + j)), a0);
+        a1 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(rowbuf + j + 4)), _mm256_cvtps_pd(_mm_loadu_ps(xi + j + 4)), a1);
+        a2 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(rowbuf + j + 8)), _mm256_cvtps_pd(_mm_loadu_ps(xi + j + 8)), a2);
+        a3 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(rowbuf + j + 12)), _mm256_cvtps_pd(_mm_loadu_ps(xi + j + 12)), a3);
+    }
+    _mm256_storeu_pd(acc, a0);
+    _mm256_storeu_pd(acc + 4, a1);
+    _mm256_storeu_pd(acc + 8, a2);
+    _mm256_storeu_pd(acc + 12, a3);
+}
+#endif
+
+static bool have_avx2_rt(void)
+{
+#if defined(__x86_64__)
+    static int cached = -1;
+
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 !getenv("STEPD_CPU_NO_AVX2");
+    return cached;
+#else
+    return false;
+#endif
+}
+
+void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const int32_t *xidx,
+                                 int n, float *y, int64_t ldy, int64_t r0, int64_t r1,
+                                 float *rowbuf)
+{
+    const int64_t cols = w->cols;
+    const bool avx2 = have_avx2_rt();
+
+    for (int64_t r = r0; r < r1; r++) {
+#if defined(__x86_64__)
+        if (avx2)
+            mxfp4_row_decode_avx2(w, r, rowbuf);
+        else
+#endif
+            mxfp4_row_decode_scalar(w, r, rowbuf);
+        for (int i = 0; i < n; i++) {
+            const float *xi = x + (xidx ? xidx[i] : i) * cols;
+            double acc[MXFP4_EXACT_LANES] = { 0 };
+
+#if defined(__x86_64__)
+            if (avx2)
+                exact_dot_avx2(rowbuf, xi, cols, acc);
+            else
+#endif
+                exact_dot_scalar(rowbuf, xi, cols, acc);
+            for (int s = MXFP4_EXACT_LANES / 2; s > 0; s /= 2)
+                for (int l = 0; l < s; l++)
+                    acc[l] += acc[l + s];
+            y[(int64_t)i * ldy + (r - r0)] = (float)acc[0];
+        }
+    }
+}
+
+/* ---- activation quantisation ---- */
+
+size_t cpu_qact_bytes(int64_t n, int64_t cols)
+{
+    int64_t npair = (cols / 32 + 1) / 2;
+
+    return (size_t)(n * npair * (64 + 32 + 32) + 64);
+}
+
+void cpu_qact_init(struct cpu_qact *qa, void *mem, int64_t n, int64_t cols)
+{
+    uint8_t *p = (uint8_t *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+
+    qa->nblk = cols / 32;
+    qa->npair = (qa->nblk + 1) / 2;
+    qa->q = (int8_t *)p;
+    qa->d8 = (float *)(p + n * qa->npair * 64);
+    qa->corr8 = (int32_t *)(p + n * qa->npair * (64 + 32));
+    if (qa->nblk % 2) {
+        /* the pad block of the last pair: zero values, zero scale */
+        for (int64_t i = 0; i < n; i++) {
+            int64_t pp = i * qa->npair + qa->npair - 1;
+
+            memset(qa->q + pp * 64 + 16, 0, 16);
+            memset(qa->q + pp * 64 + 48, 0, 16);
+            memset(qa->d8 + pp * 8 + 4, 0, 16);
+            memset(qa->corr8 + pp * 8 + 4, 0, 16);
+        }
+    }
+}
+
+void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1)
+{
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + b * 32;
+        int64_t pp = i * qa->npair + b / 2, half = b % 2;
+        int8_t *qe = qa->q + pp * 64 + half * 16, *qo = qe + 32;
+        float amax = 0.0f, d, id;
+        int32_t sum = 0;
+
+        for (int j = 0; j < 32; j++)
+            amax = fmaxf(amax, fabsf(xb[j]));
+        d = amax / 127.0f;
+        id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < 16; j++) {
+            int a = (int)lrintf(xb[2 * j] * id), c = (int)lrintf(xb[2 * j + 1] * id);
+
+            a = a > 127 ? 127 : (a < -127 ? -127 : a);
+            c = c > 127 ? 127 : (c < -127 ? -127 : c);
+            qe[j] = (int8_t)a;
+            qo[j] = (int8_t)c;
+            sum += a + c;
+        }
+        for (int l = 0; l < 4; l++) {
+            qa->d8[pp * 8 + half * 4 + l] = d;
+            qa->corr8[pp * 8 + half * 4 + l] = 12 * sum;
+        }
+    }
+}
+
+/* ---- fast kernel ---- */
+
+#if defined(__x86_64__)
+/* Dot products of one row's 64 biased weights (wlo/whi) with 64 int8 activations:
+ * int32 lanes, each the sum of 4 adjacent byte products of lo and of hi. */
+#define DOT_AVX2(wl, wh, xl, xh) \
+    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16((wl), (xl)), \
+                                       _mm256_maddubs_epi16((wh), (xh))), ones)
+#define DOT_VNNI(wl, wh, xl, xh) \
+    _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (wl), (xl)), (wh), (xh))
+
+/* tile_dot_<sfx>: NT tokens against one 4-row tile over all pairs; acc[j] lanes are
+ * [r0..r3 of b0 | r0..r3 of b1], reduced at the end to 4 row sums per token.
+ * fast_rows_<sfx>: the row-range driver (token blocks, then tiles, then 4-token groups). */
+#define DEFINE_MXFP4_KERNELS(sfx, target_str, DOT)                                                  \
+__attribute__((target(target_str))) static inline void                                             \
+tile_dot_##sfx(const struct cpu_mxfp4 *m, int64_t t, const struct cpu_qact *qa,                    \
+               const int64_t *xrow, int nt, float out[][MXFP4_TILE_ROWS])                          \
+{                                                                                                  \
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut_biased)); \
+    const __m256i m4 = _mm256_set1_epi8(0x0f);                                                     \
+    const __m256i ones = _mm256_set1_epi16(1);                                                     \
+    const __m256i one32 = _mm256_set1_epi32(1);                                                    \
+    const __m256i zero = _mm256_setzero_si256();                                                   \
+    const uint8_t *qs = m->qs + t * m->npair * MXFP4_TILE_ROWS * 32;                               \
+    const uint8_t *sc = m->sc + t * m->npair * MXFP4_TILE_ROWS * 2;                                \
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),               \
+                      _mm256_setzero_ps() };                                                       \
+    (void)ones;                                                                                    \
+    for (int64_t p = 0; p < m->npair; p++) {                                                       \
+        __m256i wlo[4], whi[4];                                                                    \
+        __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + p * 8)));          \
+        /* (e-1)<<23 = 2^(e-128): the E8M0 scale with the LUT's doubling folded in */              \
+        __m256 sw = _mm256_castsi256_ps(                                                           \
+            _mm256_slli_epi32(_mm256_max_epi32(_mm256_sub_epi32(e, one32), zero), 23));            \
+        for (int rr = 0; rr < 4; rr++) {                                                           \
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + (p * 4 + rr) * 32));             \
+            wlo[rr] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4));                           \
+            whi[rr] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));     \
+        }                                                                                          \
+        for (int j = 0; j < nt; j++) {                                                             \
+            const int64_t xo = xrow[j] * qa->npair + p;                                            \
+            const int8_t *q = qa->q + xo * 64;                                                     \
+            __m256i xlo = _mm256_load_si256((const __m256i *)q);                                   \
+            __m256i xhi = _mm256_load_si256((const __m256i *)(q + 32));                            \
+            __m256i d0 = DOT(wlo[0], whi[0], xlo, xhi), d1 = DOT(wlo[1], whi[1], xlo, xhi);        \
+            __m256i d2 = DOT(wlo[2], whi[2], xlo, xhi), d3 = DOT(wlo[3], whi[3], xlo, xhi);        \
+            __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));   \
+            h = _mm256_sub_epi32(h, _mm256_load_si256((const __m256i *)(qa->corr8 + xo * 8)));     \
+            __m256 sx = _mm256_mul_ps(sw, _mm256_load_ps(qa->d8 + xo * 8));                        \
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sx, acc[j]);                           \
+        }                                                                                          \
+    }                                                                                              \
+    for (int j = 0; j < nt; j++) {                                                                 \
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));   \
+        _mm_storeu_ps(out[j], s);                                                                  \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+__attribute__((target(target_str))) static void                                                    \
+fast_rows_##sfx(const struct bweight *w, const struct cpu_qact *qa, const int32_t *xidx, int n,    \
+                float *y, int64_t ldy, int64_t r0, int64_t r1)                                     \
+{                                                                                                  \
+    const struct cpu_mxfp4 *m = w->priv;                                                           \
+    const int64_t t0 = r0 / MXFP4_TILE_ROWS, t1 = (r1 + MXFP4_TILE_ROWS - 1) / MXFP4_TILE_ROWS;    \
+    /* token block: keep its quantised activations (~1.5 B/col) within ~256 KiB */                 \
+    int64_t tb = (256 * 1024) / (m->cols * 3 / 2 + 64);                                            \
+                                                                                                   \
+    ASSERT(r0 % MXFP4_TILE_ROWS == 0);                                                             \
+    tb = tb < 4 ? 4 : (tb > 256 ? 256 : tb) / 4 * 4;                                               \
+    for (int64_t i0 = 0; i0 < n; i0 += tb) {                                                       \
+        int64_t i1 = i0 + tb < n ? i0 + tb : n;                                                    \
+                                                                                                   \
+        for (int64_t t = t0; t < t1; t++) {                                                        \
+            for (int64_t i = i0; i < i1; i += 4) {                                                 \
+                int nt = i1 - i < 4 ? (int)(i1 - i) : 4;                                           \
+                int64_t xrow[4];                                                                   \
+                float out[4][MXFP4_TILE_ROWS];                                                     \
+                                                                                                   \
+                for (int j = 0; j < nt; j++)                                                       \
+                    xrow[j] = xidx ? xidx[i + j] : i + j;                                          \
+                /* constant nt lets the compiler keep accumulators in registers */                 \
+                switch (nt) {                                                                      \
+                case 1: tile_dot_##sfx(m, t, qa, xrow, 1, out); break;                             \
+                case 2: tile_dot_##sfx(m, t, qa, xrow, 2, out); break;                             \
+                case 3: tile_dot_##sfx(m, t, qa, xrow, 3, out); break;                             \
+                default: tile_dot_##sfx(m, t, qa, xrow, 4, out); break;                            \
+                }                                                                                  \
+                for (int j = 0; j < nt; j++) {                                                     \
+                    for (int rr = 0; rr < MXFP4_TILE_ROWS; rr++) {                                 \
+                        int64_t r = t * MXFP4_TILE_ROWS + rr;                                      \
+                                                                                                   \
+                        if (r >= r0 && r < r1)                                                     \
+                            y[(i + j) * ldy + (r - r0)] = out[j][rr];                              \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+DEFINE_MXFP4_KERNELS(avx2, "avx2,fma", DOT_AVX2)
+DEFINE_MXFP4_KERNELS(vnni, "avx2,fma,avx512vl,avx512vnni", DOT_VNNI)
+
+/* VNNI (vpdpbusd) where the CPU has AVX512-VNNI+VL; STEPD_CPU_NO_VNNI forces plain AVX2
+ * (tests run both). */
+static bool have_vnni_rt(void)
+{
+    static int cached = -1;
+
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                 !getenv("STEPD_CPU_NO_VNNI");
+    return cached;
+}
+
+void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
+                                const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
+                                int64_t r1)
+{
+    if (have_vnni_rt())
+        fast_rows_vnni(w, qa, xidx, n, y, ldy, r0, r1);
+    else
+        fast_rows_avx2(w, qa, xidx, n, y, ldy, r0, r1);
+}
+#else
+void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
+                                const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
+                                int64_t r1)
+{
+    BUG_ON(1);  /* have_avx2 is false off x86_64 */
+}
+#endif

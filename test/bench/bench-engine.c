@@ -1,0 +1,273 @@
+/* bench-engine.c - serving-engine benchmark on the tiny checkpoint (or the mock).
+ *
+ *   bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N]
+ *
+ * Prints, in one run: decode tokens/s at batch 1 with K = 0 and K = 3 and their ratio;
+ * mean acceptance length and per-position acceptance; output throughput at concurrency
+ * 1, 4 and 16 (closed loop: each client resubmits when its request ends) with the ratio
+ * to concurrency 1; time to first token.  Figures only, no thresholds (targets on the
+ * 2-core CI box: K=3 >= 1.5x at batch 1; concurrency 16 >= 4x concurrency 1).
+ * --mock replaces the forward by worker/mock.c with a memory-bound cost model (fixed
+ * 2 ms per step + 20 us per token, 0.3 ms per MTP layer call, 80 % draft accuracy).
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "mock.h"
+#ifdef BENCH_HAVE_MODEL
+#include "../engine/model-rig.h"
+#endif
+
+struct client {
+    struct bench *b;
+    int id;
+    int done_reqs;
+    char rid[32];
+};
+
+struct bench {
+    struct engine *e;
+    int vocab;
+    int n_prompt;
+    int n_out;
+    int k;
+    int reqs_per_client;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int clients_left;
+    long tokens;
+    double ttft_sum;
+    int ttft_n;
+    double decode_tps_sum;
+    int decode_n;
+    struct spec_stats mtp;
+    int seq;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void submit_next(struct client *c);
+
+static void on_out(void *ud, const struct engine_output *o)
+{
+    struct client *c = ud;
+    struct bench *b = c->b;
+    if (!o->finished)
+        return;
+    pthread_mutex_lock(&b->lock);
+    b->tokens += o->n_completion;
+    b->ttft_sum += o->timings.first_token_s;
+    b->ttft_n++;
+    if (o->n_completion > 1 && o->timings.decode_s > 0) {
+        b->decode_tps_sum += (o->n_completion - 1) / o->timings.decode_s;
+        b->decode_n++;
+    }
+    spec_stats_add(&b->mtp, &o->mtp);
+    c->done_reqs++;
+    bool more = c->done_reqs < b->reqs_per_client;
+    if (!more && --b->clients_left == 0)
+        pthread_cond_broadcast(&b->cond);
+    pthread_mutex_unlock(&b->lock);
+    if (more)
+        submit_next(c);
+}
+
+static void submit_next(struct client *c)
+{
+    struct bench *b = c->b;
+    int32_t prompt[512];
+    pthread_mutex_lock(&b->lock);
+    int seq = b->seq++;
+    pthread_mutex_unlock(&b->lock);
+    for (int i = 0; i < b->n_prompt; i++)
+        prompt[i] = (int32_t) ((i * 131 + seq * 977 + 7) % b->vocab);
+    snprintf(c->rid, sizeof(c->rid), "c%d-%d", c->id, seq);
+    struct engine_request q;
+    struct err_buf err;
+    engine_request_init(&q);
+    q.id = c->rid;
+    q.prompt = prompt;
+    q.n_prompt = b->n_prompt;
+    q.max_tokens = b->n_out;
+    q.ignore_eos = true;
+    q.num_speculative_tokens = b->k;
+    if (engine_submit(b->e, &q, on_out, c, &err) < 0) {
+        fprintf(stderr, "bench-engine: submit: %s\n", err.msg);
+        exit(1);
+    }
+}
+
+struct result {
+    double secs;
+    double out_tps;         /* output tokens / wall second over the run */
+    double decode_tps;      /* mean per-request decode tokens/s */
+    double ttft;
+    struct spec_stats mtp;
+};
+
+static struct result run(struct engine *e, int vocab, int conc, int k, int n_prompt, int n_out,
+                         int reqs_per_client)
+{
+    struct bench b = {
+        .e = e, .vocab = vocab, .n_prompt = n_prompt, .n_out = n_out, .k = k,
+        .reqs_per_client = reqs_per_client, .clients_left = conc,
+    };
+    pthread_mutex_init(&b.lock, NULL);
+    pthread_cond_init(&b.cond, NULL);
+    struct client *cl = calloc((size_t) conc, sizeof(*cl));
+    double t0 = now_s();
+    for (int i = 0; i < conc; i++) {
+        cl[i].b = &b;
+        cl[i].id = i;
+        submit_next(&cl[i]);
+    }
+    pthread_mutex_lock(&b.lock);
+    while (b.clients_left > 0)
+        pthread_cond_wait(&b.cond, &b.lock);
+    pthread_mutex_unlock(&b.lock);
+    struct result r = {
+        .secs = now_s() - t0,
+        .mtp = b.mtp,
+    };
+    r.out_tps = b.tokens / r.secs;
+    r.decode_tps = b.decode_n ? b.decode_tps_sum / b.decode_n : 0;
+    r.ttft = b.ttft_n ? b.ttft_sum / b.ttft_n : 0;
+    free(cl);
+    pthread_cond_destroy(&b.cond);
+    pthread_mutex_destroy(&b.lock);
+    return r;
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL;
+    bool mock = false;
+    int threads = 1, n_out = 128;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--mock") == 0)
+            mock = true;
+        else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
+            threads = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
+            n_out = atoi(argv[++i]);
+        else if (argv[i][0] != '-')
+            dir = argv[i];
+        else {
+            fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N]\n");
+            return 2;
+        }
+    }
+    struct forward *f = NULL;
+    struct err_buf err = { { 0 } };
+    int window = 0;
+    int32_t eos[ENGINE_MAX_EOS];
+    int n_eos = 0;
+    const char *what = "mock (2 ms/step + 20 us/token, 0.3 ms/MTP call, accuracy 0.8)";
+#ifdef BENCH_HAVE_MODEL
+    struct model_rig rig = { 0 };
+    if (!mock) {
+        if (!dir)
+            dir = "models/tiny-step";
+        int r = model_rig_open(&rig, dir, threads, 16, 256, 1024, &err);
+        if (r < 0) {
+            fprintf(stderr, "bench-engine: %s: %s\n", dir, r == -ENOENT ? "no checkpoint" : err.msg);
+            return 1;
+        }
+        f = rig.f;
+        window = rig.cfg->sliding_window;
+        for (int i = 0; i < rig.cfg->n_eos && i < ENGINE_MAX_EOS; i++)
+            eos[n_eos++] = rig.cfg->eos_token_ids[i];
+        what = dir;
+    }
+#else
+    mock = true;
+#endif
+    if (mock) {
+        struct mock_config mc;
+        mock_config_init(&mc);
+        mc.vocab_size = 4096;
+        mc.max_seqs = 16;
+        mc.max_tokens_per_step = 256;
+        mc.n_blocks[0] = mc.n_blocks[1] = 2048;
+        mc.step_usec = 2000;
+        mc.token_usec = 20;
+        mc.mtp_usec = 300;
+        mc.mtp_accuracy = 0.8f;
+        if (mock_forward_new(&mc, &f) < 0)
+            return 1;
+        window = 64;
+    }
+    struct engine_config ec;
+    engine_config_init(&ec);
+    ec.max_num_batched_tokens = 256;
+    ec.max_num_seqs = 16;
+    ec.max_model_len = 1024;
+    ec.sliding_window = window;
+    ec.num_speculative_tokens = f->n_mtp < 3 ? f->n_mtp : 3;
+    memcpy(ec.eos_ids, eos, sizeof(eos));
+    ec.n_eos = n_eos;
+    struct engine *e;
+    if (engine_new(f, &ec, &e, &err) < 0) {
+        fprintf(stderr, "bench-engine: %s\n", err.msg);
+        return 1;
+    }
+    engine_start(e);
+    int vocab = f->vocab_size;
+    printf("bench-engine: %s, backend threads %d, prompt 32, %d output tokens, greedy, ignore_eos\n",
+           what, threads, n_out);
+
+    /* warm-up */
+    (void) run(e, vocab, 1, 0, 32, 16, 1);
+
+    struct result k0 = run(e, vocab, 1, 0, 32, n_out, 3);
+    struct result k3 = run(e, vocab, 1, 3, 32, n_out, 3);
+    printf("batch 1 decode: K=0 %.1f tok/s, K=3 %.1f tok/s, speed-up %.2fx\n", k0.decode_tps,
+           k3.decode_tps, k0.decode_tps > 0 ? k3.decode_tps / k0.decode_tps : 0);
+    printf("K=3 acceptance: mean acceptance length %.3f (tokens per verification step); "
+           "drafts %llu, draft tokens %llu, accepted %llu\n",
+           spec_stats_mean_accept_len(&k3.mtp), (unsigned long long) k3.mtp.n_drafts,
+           (unsigned long long) k3.mtp.n_draft_tokens, (unsigned long long) k3.mtp.n_accepted);
+    printf("K=3 per-position acceptance:");
+    for (int p = 0; p < 3; p++)
+        printf(" pos%d %.3f", p + 1,
+               k3.mtp.n_drafts ? (double) k3.mtp.accepted_per_pos[p] / (double) k3.mtp.n_drafts : 0.0);
+    printf("\n");
+
+    static const int concs[3] = { 1, 4, 16 };
+    for (int kk = 0; kk <= 3; kk += 3) {
+        double base = 0;
+        for (int i = 0; i < 3; i++) {
+            int c = concs[i];
+            struct result r = run(e, vocab, c, kk, 32, n_out / 2, c == 1 ? 6 : 3);
+            if (c == 1)
+                base = r.out_tps;
+            printf("K=%d concurrency %2d: %8.1f output tok/s (%.2fx of concurrency 1), "
+                   "mean TTFT %.2f ms, mean per-request decode %.1f tok/s\n",
+                   kk, c, r.out_tps, base > 0 ? r.out_tps / base : 0, r.ttft * 1e3, r.decode_tps);
+        }
+    }
+    engine_stop(e);
+    struct engine_loads l;
+    engine_get_loads(e, &l);
+    int inv = engine_check(e);
+    printf("engine: %llu steps, %llu tokens, %llu preemptions, KV invariant %s\n",
+           (unsigned long long) l.n_steps, (unsigned long long) l.n_generated,
+           (unsigned long long) l.n_preemptions, inv == 0 ? "ok" : "VIOLATED");
+    engine_free(e);
+#ifdef BENCH_HAVE_MODEL
+    if (!mock)
+        model_rig_close(&rig);
+    else
+#endif
+        f->ops->free(f);
+    return inv < 0 ? 1 : 0;
+}

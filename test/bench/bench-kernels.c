@@ -1,0 +1,368 @@
+/* bench-kernels.c - CPU kernel benchmarks from DRAM, in one run (not in the default suite).
+ *
+ *   meson test -C build --suite bench --verbose      or      build/test/bench/bench-kernels
+ *   STEPD_BENCH_MB=1536 (arena size, >> L3), STEPD_BENCH_REPS=7
+ *
+ * Prints, for 1 and 2 threads: a read-bandwidth probe (AVX2 loads over the arena), MXFP4
+ * GEMV (fast int8 path; exact path for reference) on expert- and projection-shaped
+ * matrices, BF16 GEMV (4096x4096, 4096x11264), a 4-token GEMM, and the MoE layer time
+ * for 8 active Step-size experts (1280x4096 gate/up, 4096x1280 down) drawn at random
+ * from a pool of >= 64 in memory.  Every figure is the median of REPS sweeps; each sweep
+ * cycles through every matrix that fits in the arena, so weights come from DRAM.
+ * Ratios are to the bandwidth probe of the same run and thread count.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "backend.h"
+#include "cpu.h"
+
+static uint8_t *arena;
+static size_t arena_bytes;
+static int reps = 7;
+
+static double now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* process CPU seconds (all threads): cpu / (wall * threads) = the share of the cores we
+ * actually got, to judge how loaded the shared machine was during a figure */
+static double cpu_now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static double last_share;
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(double), cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ---- bandwidth probe ---- */
+struct bw_job {
+    const uint8_t *p;
+    size_t n;
+    double sink[64];
+};
+
+__attribute__((target("avx2")))
+static void bw_task(void *arg, int ith, int nth)
+{
+    struct bw_job *j = arg;
+    int64_t a, b;
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+
+    cpu_split((int64_t)(j->n / 128), 1, ith, nth, &a, &b);
+    for (int64_t i = a; i < b; i++) {
+        const __m256i *q = (const __m256i *)(j->p + i * 128);
+        s0 = _mm256_xor_si256(s0, _mm256_load_si256(q));
+        s1 = _mm256_xor_si256(s1, _mm256_load_si256(q + 1));
+        s2 = _mm256_xor_si256(s2, _mm256_load_si256(q + 2));
+        s3 = _mm256_xor_si256(s3, _mm256_load_si256(q + 3));
+    }
+    s0 = _mm256_xor_si256(_mm256_xor_si256(s0, s1), _mm256_xor_si256(s2, s3));
+    j->sink[ith] = (double)_mm256_extract_epi32(s0, 0);
+}
+
+static double bench_bw(struct cpu_pool *pool)
+{
+    struct bw_job j = { .p = arena, .n = arena_bytes };
+    double gbs[32], sh[32];
+
+    for (int r = 0; r < reps; r++) {
+        double t = now(), c = cpu_now();
+        cpu_pool_run(pool, bw_task, &j);
+        t = now() - t;
+        gbs[r] = arena_bytes / t / 1e9;
+        sh[r] = (cpu_now() - c) / t;
+    }
+    last_share = median(sh, reps);
+    return median(gbs, reps);
+}
+
+/* ---- GEMV over matrices carved from the arena ---- */
+struct mats {
+    int count;
+    struct bweight *w;
+    struct cpu_mxfp4 *m;
+    size_t bytes_each;
+};
+
+static size_t mxfp4_bytes(int64_t rows, int64_t cols)
+{
+    int64_t ntile = (rows + 3) / 4, npair = (cols / 32 + 1) / 2;
+
+    return (size_t)(ntile * npair * (128 + 8) + 64 + 63) & ~(size_t)63;
+}
+
+static void mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t cols, int max)
+{
+    size_t each = fmt == WFMT_MXFP4 ? mxfp4_bytes(rows, cols) : ((size_t)(rows * cols * 2 + 63) & ~(size_t)63);
+    int n = (int)(arena_bytes / each);
+
+    if (max && n > max)
+        n = max;
+    ms->count = n;
+    ms->bytes_each = each;
+    ms->w = calloc((size_t)n, sizeof(*ms->w));
+    ms->m = calloc((size_t)n, sizeof(*ms->m));
+    for (int i = 0; i < n; i++) {
+        uint8_t *base = arena + (size_t)i * each;
+
+        ms->w[i] = (struct bweight){ .fmt = fmt, .rows = rows, .cols = cols, .data = base };
+        if (fmt == WFMT_MXFP4) {
+            struct cpu_mxfp4 *m = &ms->m[i];
+
+            m->rows = rows;
+            m->cols = cols;
+            m->nblk = cols / 32;
+            m->npair = (m->nblk + 1) / 2;
+            m->ntile = (rows + 3) / 4;
+            m->qs = base;
+            m->sc = base + m->ntile * m->npair * 128;
+            ms->w[i].priv = m;
+            ms->w[i].scale = m->sc;
+        }
+    }
+}
+
+static void mats_free(struct mats *ms)
+{
+    free(ms->w);
+    free(ms->m);
+}
+
+/* median seconds per matmul call with n tokens */
+static double bench_gemv(struct backend *be, const struct mats *ms, int n)
+{
+    float *x = malloc(sizeof(float) * n * ms->w[0].cols), *y = malloc(sizeof(float) * n * ms->w[0].rows);
+    double t[32];
+
+    for (int64_t i = 0; i < n * ms->w[0].cols; i++)
+        x[i] = sinf((float)i);
+    double sh[32];
+
+    backend_matmul(be, &ms->w[0], x, n, y);  /* warm the pool and scratch */
+    for (int r = 0; r < reps; r++) {
+        double t0 = now(), c0 = cpu_now();
+
+        for (int i = 0; i < ms->count; i++)
+            if (backend_matmul(be, &ms->w[i], x, n, y) < 0)
+                abort();
+        t[r] = (now() - t0) / ms->count;
+        sh[r] = (cpu_now() - c0) / (t[r] * ms->count);
+    }
+    free(x);
+    free(y);
+    last_share = median(sh, reps);
+    return median(t, reps);
+}
+
+static void report(const char *what, int nth, double sec, int64_t rows, int64_t cols, size_t bytes,
+                   double bw, int n)
+{
+    double gbs = bytes / sec / 1e9;
+
+    printf("  %-38s %dT %9.1f us %6.2f Gweight/s %6.2f GB/s %5.1f %% of bw  cpu %3.0f %%\n", what,
+           nth, sec * 1e6, (double)rows * cols * n / sec / 1e9, gbs, 100.0 * gbs / bw,
+           100.0 * last_share / nth);
+}
+
+/* ---- MoE layer ---- */
+static double bench_moe(struct backend *be, const struct mats *ms, int n_exp, int *ret_pool)
+{
+    enum { HID = 4096, INTER = 1280, TOPK = 8 };
+    int pool = ms->count / 3;
+    struct moe_expert *ex = calloc((size_t)pool, sizeof(*ex));
+    float x[HID], out[HID], w[TOPK];
+    int32_t ids[TOPK];
+    double t[32], sh[32];
+    uint64_t s = 12345;
+
+    (void)n_exp;
+    for (int e = 0; e < pool; e++) {
+        ex[e].gate = ms->w[3 * e];
+        ex[e].up = ms->w[3 * e + 1];
+        ex[e].down = ms->w[3 * e + 2];
+    }
+    for (int i = 0; i < HID; i++)
+        x[i] = sinf((float)i);
+    for (int r = 0; r < reps; r++) {
+        double acc = 0, cacc = 0;
+        int layers = 40;
+
+        for (int l = 0; l < layers; l++) {
+            struct moe_args a = { .x = x, .out = out, .n_tok = 1, .hidden = HID, .inter = INTER,
+                                  .top_k = TOPK, .ids = ids, .weights = w, .experts = ex,
+                                  .expert_first = 0, .n_local = pool, .limit = 7.0f };
+            for (int k = 0; k < TOPK; k++) {
+                bool dup;
+                do {
+                    s = s * 6364136223846793005ull + 1442695040888963407ull;
+                    ids[k] = (int32_t)((s >> 33) % (uint64_t)pool);
+                    dup = false;
+                    for (int j = 0; j < k; j++)
+                        dup |= ids[j] == ids[k];
+                } while (dup);
+                w[k] = 0.125f;
+            }
+            memset(out, 0, sizeof(out));
+            double t0 = now(), c0 = cpu_now();
+            if (backend_moe(be, &a) < 0)
+                abort();
+            acc += now() - t0;
+            cacc += cpu_now() - c0;
+        }
+        t[r] = acc / layers;
+        sh[r] = cacc / acc;
+    }
+    last_share = median(sh, reps);
+    free(ex);
+    *ret_pool = pool;
+    return median(t, reps);
+}
+
+int main(void)
+{
+    const char *e = getenv("STEPD_BENCH_MB");
+    size_t mb = e ? strtoul(e, NULL, 10) : 1536;
+    struct { const char *name; int64_t rows, cols; } mx[] = {
+        { "mxfp4 expert gate/up 1280x4096", 1280, 4096 },
+        { "mxfp4 expert down 4096x1280", 4096, 1280 },
+        { "mxfp4 proj 4096x4096", 4096, 4096 },
+        { "mxfp4 proj 8192x4096", 8192, 4096 },
+    }, bf[] = {
+        { "bf16 4096x4096", 4096, 4096 },
+        { "bf16 4096x11264", 4096, 11264 },
+    };
+
+    if (getenv("STEPD_BENCH_REPS"))
+        reps = atoi(getenv("STEPD_BENCH_REPS"));
+    if (reps < 1 || reps > 31)
+        reps = 7;
+    arena_bytes = mb << 20;
+    arena = aligned_alloc(4096, arena_bytes);
+    if (!arena) {
+        fprintf(stderr, "cannot allocate %zu MiB\n", mb);
+        return 1;
+    }
+    /* benign bytes: bf16 values +-[0.125, 0.25), E8M0 bytes 0x3e/0xbe (normal scales) */
+    for (size_t i = 0; i < arena_bytes; i += 2) {
+        uint16_t v = (uint16_t)(((i * 2654435761u) >> 7) & 0x807f) | 0x3e00;
+        memcpy(arena + i, &v, 2);
+    }
+    printf("bench-kernels: arena %zu MiB, %d reps (medians)\n", mb, reps);
+
+    for (int nth = 1; nth <= 2; nth++) {
+        struct backend_cfg cfg = { .n_threads = nth };
+        struct backend *be, *bx;
+        struct cpu_pool *pool;
+        double bw;
+
+        if (backend_new("cpu", &cfg, &be) < 0 || cpu_pool_new(nth, &pool) < 0)
+            return 1;
+        cfg.mxfp4_exact = true;
+        if (backend_new("cpu", &cfg, &bx) < 0)
+            return 1;
+        bw = bench_bw(pool);
+        printf("threads %d: read bandwidth %.2f GB/s  cpu %3.0f %%\n", nth, bw, 100.0 * last_share / nth);
+        for (size_t i = 0; i < sizeof(mx) / sizeof(mx[0]); i++) {
+            struct mats ms;
+            double s;
+
+            mats_make(&ms, WFMT_MXFP4, mx[i].rows, mx[i].cols, 0);
+            if (ms.count == 0) {
+                mats_free(&ms);
+                continue;
+            }
+            s = bench_gemv(be, &ms, 1);
+            report(mx[i].name, nth, s, mx[i].rows, mx[i].cols, ms.bytes_each, bw, 1);
+            if (i == 0) {
+                char name[64];
+
+                snprintf(name, sizeof(name), "%s x4 tok", mx[i].name);
+                s = bench_gemv(be, &ms, 4);
+                report(name, nth, s, mx[i].rows, mx[i].cols, ms.bytes_each, bw, 4);
+                ms.count = ms.count > 24 ? 24 : ms.count;    /* exact path is slow: fewer */
+                snprintf(name, sizeof(name), "%s EXACT", mx[i].name);
+                s = bench_gemv(bx, &ms, 1);
+                report(name, nth, s, mx[i].rows, mx[i].cols, ms.bytes_each, bw, 1);
+            }
+            mats_free(&ms);
+        }
+        for (size_t i = 0; i < sizeof(bf) / sizeof(bf[0]); i++) {
+            struct mats ms;
+            double s;
+
+            mats_make(&ms, WFMT_BF16, bf[i].rows, bf[i].cols, 0);
+            if (ms.count == 0) {
+                mats_free(&ms);
+                continue;
+            }
+            s = bench_gemv(be, &ms, 1);
+            report(bf[i].name, nth, s, bf[i].rows, bf[i].cols, ms.bytes_each, bw, 1);
+            if (i == 0) {
+                s = bench_gemv(be, &ms, 4);
+                report("bf16 4096x4096 x4 tok", nth, s, bf[i].rows, bf[i].cols, ms.bytes_each, bw, 4);
+            }
+            mats_free(&ms);
+        }
+        {
+            struct mats ms;
+            int npool;
+            double s, bytes;
+
+            /* experts as consecutive (gate 1280x4096, up 1280x4096, down 4096x1280); both
+             * shapes have the same repacked size, so one carving serves all three */
+            mats_make(&ms, WFMT_MXFP4, 1280, 4096, 0);
+            if (ms.count < 24) {
+                mats_free(&ms);
+                goto next;
+            }
+            for (int k = 2; k < ms.count; k += 3) {
+                struct cpu_mxfp4 *m = &ms.m[k];
+
+                m->rows = 4096; m->cols = 1280; m->nblk = 40; m->npair = 20; m->ntile = 1024;
+                m->sc = m->qs + m->ntile * m->npair * 128;
+                ms.w[k].rows = 4096;
+                ms.w[k].cols = 1280;
+                ms.w[k].scale = m->sc;
+            }
+            s = bench_moe(be, &ms, 8, &npool);
+            bytes = 8.0 * 3 * (1280.0 * 4096 * 17 / 32);
+            printf("  %-38s %dT %9.1f us %6.2f GB/s %5.1f %% of bw  cpu %3.0f %%  (8 of %d experts)\n",
+                   "moe layer, 8 active, 1 token", nth, s * 1e6, bytes / s / 1e9,
+                   100.0 * bytes / s / 1e9 / bw, 100.0 * last_share / nth, npool);
+            mats_free(&ms);
+        }
+next:
+        cpu_pool_free(pool);
+        backend_free(be);
+        backend_free(bx);
+    }
+    free(arena);
+    return 0;
+}

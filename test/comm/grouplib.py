@@ -1,0 +1,99 @@
+"""grouplib.py - start a stepd-worker group on this machine for the integration tests.
+
+Every rank is a real stepd-worker process; they meet through a file rendezvous in a
+temporary directory (or through the coordinator when one is given).  Optional
+per-rank command prefixes (e.g. `ip netns exec NS`) place ranks in network namespaces.
+"""
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+SKIP = 77
+
+
+class Group:
+    def __init__(self, worker, model, n, group, args=(), rank0_args=(), env=None, prefix=None,
+                 rank_env=None, workdir=None, skip_ranks=()):
+        self.n = n
+        self.dir = workdir or tempfile.mkdtemp(prefix="stepd-group-")
+        self.rdv = os.path.join(self.dir, "rdv-" + group)
+        os.makedirs(self.rdv, exist_ok=True)
+        self.procs = {}
+        self.t_exit = {}
+        self.errs = {}
+        base_env = dict(os.environ)
+        base_env.setdefault("UCX_NET_DEVICES", "lo")
+        base_env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        base_env.update(env or {})
+        for r in range(n):
+            if r in skip_ranks:
+                continue
+            e = dict(base_env)
+            e.update((rank_env or {}).get(r, {}))
+            cmd = list((prefix or {}).get(r, [])) + [
+                worker, "--rendezvous-dir", self.rdv, "--group", group, "--rank", str(r),
+                "--world-size", str(n), "--threads", "1"]
+            if model:
+                cmd += ["--model", model]
+            cmd += list(args)
+            if r == 0:
+                cmd += list(rank0_args)
+            self.errs[r] = os.path.join(self.dir, "%s.rank%d.err" % (group, r))
+            self.procs[r] = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE,
+                                             stderr=open(self.errs[r], "w"))
+
+    def stderr(self, r):
+        with open(self.errs[r]) as f:
+            return f.read()
+
+    def wait_log(self, r, text, timeout=30.0):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if text in self.stderr(r):
+                return True
+            if self.procs[r].poll() is not None:
+                return text in self.stderr(r)
+            time.sleep(0.02)
+        return False
+
+    def kill(self, r):
+        self.procs[r].send_signal(signal.SIGKILL)
+        return time.monotonic()
+
+    def wait(self, timeout=120.0, t0=None):
+        """Wait for every rank; returns {rank: returncode}; {rank: None} if it hung."""
+        t0 = t0 if t0 is not None else time.monotonic()
+        rcs = {}
+        while len(rcs) < len(self.procs) and time.monotonic() - t0 < timeout:
+            for r, p in self.procs.items():
+                if r not in rcs and p.poll() is not None:
+                    rcs[r] = p.returncode
+                    self.t_exit[r] = time.monotonic() - t0
+            time.sleep(0.005)
+        for r, p in self.procs.items():
+            if r not in rcs:
+                p.kill()
+                p.wait()
+                rcs[r] = None
+        return rcs
+
+    def stdout0(self):
+        return self.procs[0].stdout.read().decode() if 0 in self.procs else ""
+
+
+def parse_generate(text):
+    """'i finish=F n=K ids=a,b,c [message="..."]' lines -> {i: (finish, [ids], message)}"""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) < 4 or not parts[0].isdigit():
+            continue
+        i = int(parts[0])
+        finish = parts[1].split("=", 1)[1]
+        rest = parts[3]
+        ids_part, _, msg = rest.partition(" message=")
+        ids = ids_part.split("=", 1)[1]
+        out[i] = (finish, [int(x) for x in ids.split(",") if x], msg.strip('"'))
+    return out

@@ -1,0 +1,184 @@
+/* test-plan-wire.c - step-plan pack/unpack: round trip, and the receiver's checks on
+ * untrusted bytes (RELIABILITY.md C11): every truncation, every single-byte corruption
+ * and every rule below is an error with a message, never a crash or an accepted plan
+ * that breaks the limits. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "harness.h"
+
+static struct step_seq seqs[2];
+static int32_t toks[6], full[4], sl[4];
+static struct step_plan P;
+static const struct step_plan_limits LIM = {
+    .max_seqs = 8, .max_tokens = 32, .vocab_size = 100, .max_blocks = { 10, 10 },
+    .max_positions = 128, .max_block_ids = 16, .block_size = 16, .max_mtp_depth = 3,
+};
+
+static void reset(void)
+{
+    seqs[0] = (struct step_seq){ .slot = 3, .pos0 = 0, .n_tokens = 4, .n_logits = 1, .tok_off = 0,
+                                 .n_blocks = 1, .block_off = { 0, 0 }, .mtp_depth = 3 };
+    seqs[1] = (struct step_seq){ .slot = 5, .pos0 = 40, .n_tokens = 2, .n_logits = 2, .tok_off = 4,
+                                 .n_blocks = 3, .block_off = { 1, 1 }, .mtp_depth = 1 };
+    int32_t t[6] = { 1, 2, 3, 4, 98, 0 }, f[4] = { 0, 1, 2, 3 }, s[4] = { 0, -1, 5, 9 };
+
+    memcpy(toks, t, sizeof(t));
+    memcpy(full, f, sizeof(f));
+    memcpy(sl, s, sizeof(s));
+    P = (struct step_plan){ .step_id = 0x1122334455667788ull, .n_seqs = 2, .n_tokens = 6,
+                            .seqs = seqs, .tokens = toks, .n_block_ids = { 4, 4 },
+                            .blocks = { full, sl } };
+}
+
+/* pack the current P and unpack it; returns unpack's result */
+static int roundtrip(struct step_plan_buf *b, struct err_buf *e)
+{
+    unsigned char buf[1024];
+    int kind = 0, n = step_plan_pack(&P, buf, sizeof(buf));
+
+    ASSERT_OK(n);
+    ASSERT_EQ((size_t)n, step_plan_packed_size(&P));
+    return step_plan_unpack(buf, (size_t)n, &LIM, b, &kind, e);
+}
+
+#define EXPECT_REJECT(mutation, code, words) do { \
+        struct err_buf _e = { "" }; \
+        reset(); \
+        mutation; \
+        ASSERT_ERR(roundtrip(&b, &_e), code); \
+        ASSERT_CONTAINS(_e.msg, words); \
+    } while (0)
+
+int main(void)
+{
+    unsigned char buf[1024], bad[1024];
+    struct step_plan_buf b;
+    struct err_buf e = { "" };
+    int kind, n, accepted = 0, rejected = 0;
+
+    step_plan_buf_init(&b);
+    reset();
+    ASSERT_OK(roundtrip(&b, &e));
+    ASSERT_EQ(b.plan.step_id, 0x1122334455667788ull);
+    ASSERT_EQ(b.plan.n_seqs, 2);
+    ASSERT_TRUE(memcmp(b.plan.seqs, seqs, sizeof(seqs)) == 0);
+    ASSERT_TRUE(memcmp(b.plan.tokens, toks, sizeof(toks)) == 0);
+    ASSERT_TRUE(memcmp(b.plan.blocks[0], full, sizeof(full)) == 0);
+    ASSERT_TRUE(memcmp(b.plan.blocks[1], sl, sizeof(sl)) == 0);
+
+    /* empty plan and STOP */
+    {
+        struct step_plan empty = { .step_id = 5 };
+
+        n = step_plan_pack(&empty, buf, sizeof(buf));
+        ASSERT_OK(n);
+        ASSERT_OK(step_plan_unpack(buf, (size_t)n, &LIM, &b, &kind, &e));
+        ASSERT_EQ(kind, PLAN_MSG_STEP);
+        ASSERT_EQ(b.plan.n_seqs, 0);
+        n = step_plan_pack_stop(buf, sizeof(buf));
+        ASSERT_OK(n);
+        ASSERT_OK(step_plan_unpack(buf, (size_t)n, &LIM, &b, &kind, &e));
+        ASSERT_EQ(kind, PLAN_MSG_STOP);
+    }
+    /* sender side */
+    reset();
+    ASSERT_ERR(step_plan_pack(&P, buf, 40), -EMSGSIZE);
+    P.n_seqs = -1;
+    ASSERT_ERR(step_plan_pack(&P, buf, sizeof(buf)), -EINVAL);
+
+    /* receiver rules */
+    EXPECT_REJECT(seqs[1].slot = 8, -ERANGE, "slot 8");
+    EXPECT_REJECT(seqs[1].slot = -2, -ERANGE, "slot -2");
+    EXPECT_REJECT(seqs[1].slot = 3, -EBADMSG, "appears twice");
+    EXPECT_REJECT(seqs[0].n_tokens = 0, -EBADMSG, "n_tokens 0");
+    EXPECT_REJECT(seqs[0].pos0 = -1, -EBADMSG, "pos0 -1");
+    EXPECT_REJECT(seqs[1].pos0 = 127, -ERANGE, "exceed 128");
+    EXPECT_REJECT(seqs[1].n_logits = 3, -EBADMSG, "n_logits 3");
+    EXPECT_REJECT(seqs[1].tok_off = 5, -EBADMSG, "outside 6");
+    EXPECT_REJECT(seqs[1].tok_off = INT32_MAX, -EBADMSG, "outside 6");
+    EXPECT_REJECT((seqs[0].n_tokens = 2, seqs[0].n_logits = 1), -EBADMSG, "runs hold 4 tokens");
+    EXPECT_REJECT(seqs[1].n_blocks = 2, -EBADMSG, "do not cover");
+    EXPECT_REJECT(seqs[1].block_off[1] = 2, -EBADMSG, "group 1 table");
+    EXPECT_REJECT(seqs[1].block_off[0] = -1, -EBADMSG, "group 0 table");
+    EXPECT_REJECT(seqs[0].mtp_depth = 4, -ERANGE, "mtp_depth 4");
+    EXPECT_REJECT(toks[2] = 100, -ERANGE, "outside vocabulary");
+    EXPECT_REJECT(toks[2] = -1, -ERANGE, "outside vocabulary");
+    EXPECT_REJECT(full[1] = -1, -ERANGE, "group 0 block");
+    EXPECT_REJECT(sl[3] = 10, -ERANGE, "group 1 block");
+    EXPECT_REJECT(sl[3] = -2, -ERANGE, "group 1 block");
+
+    /* header fields */
+    reset();
+    n = step_plan_pack(&P, buf, sizeof(buf));
+    ASSERT_OK(n);
+    memcpy(bad, buf, (size_t)n);
+    bad[0] ^= 1;
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EBADMSG);
+    ASSERT_CONTAINS(e.msg, "magic");
+    memcpy(bad, buf, (size_t)n);
+    bad[4] = 2;
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EPROTO);
+    memcpy(bad, buf, (size_t)n);
+    bad[6] = 9;
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EPROTO);
+    memcpy(bad, buf, (size_t)n);
+    bad[20] = 0xff, bad[21] = 0xff, bad[22] = 0xff, bad[23] = 0x7f;   /* n_seqs = INT32_MAX */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -ERANGE);
+    memcpy(bad, buf, (size_t)n);
+    bad[24] = 7;                                                     /* n_tokens 6 -> 7 */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EBADMSG);
+    ASSERT_CONTAINS(e.msg, "body bytes");
+
+    /* every truncation is rejected */
+    for (int len = 0; len < n; len++)
+        if (step_plan_unpack(buf, (size_t)len, &LIM, &b, &kind, &e) >= 0)
+            FAIL("truncated plan of %d of %d bytes accepted", len, n);
+    /* every single-byte corruption: rejected, or accepted only within the limits */
+    for (int pos = 0; pos < n; pos++)
+        for (int v = 0; v < 256; v += 17) {
+            memcpy(bad, buf, (size_t)n);
+            if (bad[pos] == v)
+                continue;
+            bad[pos] = (unsigned char)v;
+            if (step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e) < 0) {
+                ASSERT_TRUE(e.msg[0] != 0);
+                rejected++;
+                continue;
+            }
+            accepted++;
+            ASSERT_EQ(kind, PLAN_MSG_STEP);
+            for (int i = 0; i < b.plan.n_seqs; i++) {
+                const struct step_seq *s = &b.plan.seqs[i];
+
+                ASSERT_TRUE(s->slot >= 0 && s->slot < LIM.max_seqs);
+                ASSERT_TRUE(s->tok_off >= 0 && s->tok_off + s->n_tokens <= b.plan.n_tokens);
+                for (int g = 0; g < 2; g++)
+                    ASSERT_TRUE(s->block_off[g] >= 0 &&
+                                s->block_off[g] + s->n_blocks <= b.plan.n_block_ids[g]);
+            }
+            for (int i = 0; i < b.plan.n_tokens; i++)
+                ASSERT_TRUE(b.plan.tokens[i] >= 0 && b.plan.tokens[i] < LIM.vocab_size);
+        }
+    printf("corruptions: %d rejected, %d accepted within limits\n", rejected, accepted);
+    ASSERT_TRUE(rejected > 0);
+
+    /* random garbage of every length */
+    srand(1);
+    for (int it = 0; it < 20000; it++) {
+        size_t len = (size_t)(rand() % 200);
+
+        for (size_t i = 0; i < len; i++)
+            bad[i] = (unsigned char)rand();
+        if (len >= 8 && (it & 1)) {     /* give half of them a valid magic/version/kind */
+            memcpy(bad, buf, 8);
+        }
+        (void)step_plan_unpack(bad, len, &LIM, &b, &kind, &e);
+    }
+    /* the bound on the wire buffer */
+    ASSERT_TRUE(step_plan_max_packed_size(&LIM) >= step_plan_packed_size(&P));
+    step_plan_buf_done(&b);
+    return 0;
+}

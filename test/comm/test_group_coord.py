@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""test_group_coord.py - a worker group brought up through the real coordinator.
+
+`stepd` (coordinator) + stepd-worker ranks registering on its control service
+(stepd.ctl.v1.Control/Session), rendezvous data handed out by the coordinator, rank 0
+serving stepd.v1.Engine; a Python grpcio client (stubs generated from proto/ at test time,
+test/integration/stepd_harness.py) calls stepd.v1.Inference/Generate:
+  1. N = 2 and N = 4: the group becomes ready and greedy output equals the N = 1 offline
+     run of the same prompt;
+  2. a follower SIGKILLed while a long Generate is streaming: the stream ends with an
+     error (status or finish=error) instead of hanging, every surviving rank exits by
+     itself, the coordinator stays up; the times are printed;
+  3. a rank that never joins: rank 0 gives up after --rendezvous-timeout (exit 3).
+Environment: STEPD_BIN, STEPD_WORKER_BIN, PROTO_DIR, MODEL_DIR.  Exit 77 without the
+model or grpcio."""
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+
+MODEL = os.environ.get("MODEL_DIR", "")
+WORKER = os.environ.get("STEPD_WORKER_BIN", "")
+if not os.path.exists(os.path.join(MODEL, "config.json")):
+    print("no model at %r: skipped" % MODEL)
+    sys.exit(77)
+
+import grpc  # noqa: E402
+import stepd_harness as h  # noqa: E402  (exits 77 without grpcio)
+from grouplib import Group, parse_generate  # noqa: E402
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+procs = []
+
+
+def start_rank(s, tmp, group, rank, n, *extra):
+    log = open(os.path.join(tmp, "%s-r%d.log" % (group, rank)), "w")
+    cmd = [WORKER, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group", group,
+           "--rank", str(rank), "--world-size", str(n), "--model", MODEL, "--threads", "1",
+           "--engine-listen", "unix:%s/%s-engine.sock" % (tmp, group), *extra]
+    env = dict(os.environ)
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    env["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    p.logpath = log.name
+    procs.append(p)
+    return p
+
+
+def offline_reference(tmp, n_tokens):
+    pf = os.path.join(tmp, "ref-prompt.txt")
+    with open(pf, "w") as f:
+        f.write(",".join(map(str, PROMPT)) + "\n")
+    g = Group(WORKER, MODEL, 1, "ref", rank0_args=["--generate", pf, "--max-tokens", str(n_tokens)],
+              workdir=tmp)
+    out = g.stdout0()
+    assert g.wait(60)[0] == 0, g.stderr(0)
+    return parse_generate(out)[0][1]
+
+
+def generate(s, n_tokens, timeout=60):
+    req = h.gen_request(PROMPT, max_tokens=n_tokens)
+    req.sampling_params.temperature = 0.0
+    toks, _, finals, _ = h.collect(s.inf.Generate(req, timeout=timeout))
+    return toks, finals
+
+
+def test_ready_and_equal(s, tmp, ref, n):
+    group = "eq%d" % n
+    ranks = [start_rank(s, tmp, group, r, n) for r in range(n)]
+    t0 = time.time()
+    s.wait_ready(groups=1, timeout=60)
+    print("N=%d: group %s ready through the coordinator in %.2f s" % (n, group, time.time() - t0))
+    toks, finals = generate(s, len(ref))
+    assert toks == ref, "N=%d via coordinator: %s != %s" % (n, toks, ref)
+    assert finals and finals[0].finish_reason == h.pb.FINISH_REASON_LENGTH, finals
+    print("N=%d: Generate through stepd == offline N=1 output (%d tokens)" % (n, len(toks)))
+    for p in ranks:          # take the group down before the next case
+        p.terminate()
+    for p in ranks:
+        p.wait(30)
+    h.wait_until(lambda: s.inf.GetServerInfo(h.pb.GetServerInfoRequest(), timeout=1).groups_ready == 0,
+                 timeout=10, what="group gone")
+
+
+def test_kill_follower(s, tmp, n=2):
+    group = "kill%d" % n
+    ranks = [start_rank(s, tmp, group, r, n, "--collective-timeout", "60000") for r in range(n)]
+    s.wait_ready(groups=1, timeout=60)
+    result = {}
+
+    def run():
+        req = h.gen_request(PROMPT, max_tokens=3000)
+        req.sampling_params.temperature = 0.0
+        got = []
+        try:
+            for r in s.inf.Generate(req, timeout=120):
+                if r.HasField("chunk"):
+                    got.extend(r.chunk.token_ids)
+                    result["first"] = True
+                else:
+                    result["final"] = r.final
+        except grpc.RpcError as e:
+            result["status"] = e.code()
+            result["details"] = e.details()
+        result["tokens"] = len(got)
+        result["t_end"] = time.monotonic()
+
+    th = threading.Thread(target=run)
+    th.start()
+    h.wait_until(lambda: result.get("first"), timeout=30, what="first tokens")
+    time.sleep(0.3)
+    t_kill = time.monotonic()
+    ranks[1].kill()
+    th.join(60)
+    assert not th.is_alive(), "Generate still streaming 60 s after rank 1 was killed"
+    fin = result.get("final")
+    ok = result.get("status") is not None or (fin is not None and
+                                             fin.finish_reason == h.pb.FINISH_REASON_ERROR)
+    assert ok, "stream ended without an error: %s" % result
+    print("N=%d: rank 1 SIGKILLed mid-Generate: stream ended after %.0f ms with %s (%d tokens "
+          "streamed)" % (n, (result["t_end"] - t_kill) * 1000,
+                         result.get("status") or ("finish=error: " + fin.message),
+                         result["tokens"]))
+    for r, p in enumerate(ranks):
+        if r == 1:
+            continue
+        try:
+            rc = p.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rank %d still running 30 s after rank 1 died" % r)
+        assert rc in (3, 4), "rank %d exited %d" % (r, rc)
+        print("  rank %d exited %d after %.0f ms" % (r, rc, (time.monotonic() - t_kill) * 1000))
+    assert s.proc.poll() is None, "the coordinator died"
+
+
+def test_never_joins(s, tmp):
+    p = start_rank(s, tmp, "nj", 0, 2, "--rendezvous-timeout", "1500")
+    rc = p.wait(30)
+    log = open(p.logpath).read()
+    assert rc == 3, "rank 0 alone exited %d:\n%s" % (rc, log)
+    assert "timed out" in log, log
+    print("rank 1 never joins: rank 0 exits 3 after its rendezvous timeout: %s" %
+          log.strip().splitlines()[-1])
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="stepd-test-coord-group-")
+    ref = offline_reference(tmp, 24)
+    s = h.Stepd("--vocab-size", "4096", workdir=tmp)
+    try:
+        test_ready_and_equal(s, tmp, ref, 2)
+        test_ready_and_equal(s, tmp, ref, 4)
+        test_kill_follower(s, tmp)
+        test_never_joins(s, tmp)
+    except AssertionError:
+        print(s.read_log()[-4000:])
+        for p in procs:
+            print("--- %s ---\n%s" % (p.logpath, open(p.logpath).read()[-2000:]))
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+/* engine-mock-server.c - test helper: the stepd.v1.Engine service over the mock forward on
+ * 127.0.0.1:0.  Prints "PORT <n>" once listening, serves until stdin reaches EOF, then
+ * stops the service and the engine and exits 0 only if the KV invariant holds (every
+ * block free, no request state alive).  Used by test-engine-grpcio.py (a real grpcio
+ * client). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "log.h"
+#include "mock.h"
+
+int main(void)
+{
+    log_init("engine-mock-server", NULL);
+    struct mock_config mc;
+    mock_config_init(&mc);
+    mc.step_usec = 300;
+    struct forward *f;
+    if (mock_forward_new(&mc, &f) < 0)
+        return 1;
+    struct engine_config ec;
+    engine_config_init(&ec);
+    ec.max_num_batched_tokens = 64;
+    ec.max_num_seqs = 8;
+    ec.max_model_len = 512;
+    ec.max_waiting = 8;
+    ec.sliding_window = 64;
+    ec.num_speculative_tokens = 3;
+    ec.eos_ids[0] = 255;
+    ec.n_eos = 1;
+    struct engine *e;
+    struct err_buf err;
+    if (engine_new(f, &ec, &e, &err) < 0 || engine_start(e) < 0) {
+        fprintf(stderr, "engine: %s\n", err.msg);
+        return 1;
+    }
+    struct engine_rpc *srv;
+    struct engine_rpc_opts o = { .addr = "127.0.0.1:0", .group = "g-mock", .model_name = "mock",
+                                 .model_type = "mock" };
+    int port;
+    if (engine_rpc_start(e, &o, &srv, &port, &err) < 0) {
+        fprintf(stderr, "%s\n", err.msg);
+        return 1;
+    }
+    printf("PORT %d\n", port);
+    fflush(stdout);
+    char buf[256];
+    while (read(0, buf, sizeof(buf)) > 0)
+        ;
+    engine_rpc_stop(srv);
+    for (int i = 0; i < 5000; i++) {
+        struct engine_loads l;
+        engine_get_loads(e, &l);
+        if (!l.n_alive)
+            break;
+        usleep(1000);
+    }
+    engine_stop(e);
+    int r = engine_check(e);
+    struct engine_loads l;
+    engine_get_loads(e, &l);
+    fprintf(stderr, "engine-mock-server: %llu requests created, %llu freed, %d KV blocks used: %s\n",
+            (unsigned long long) l.n_requests_created, (unsigned long long) l.n_requests_freed,
+            l.kv_blocks_used, r == 0 ? "invariant ok" : "INVARIANT VIOLATED");
+    engine_free(e);
+    f->ops->free(f);
+    return r == 0 ? 0 : 3;
+}

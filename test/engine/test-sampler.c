@@ -1,0 +1,303 @@
+/* test-sampler.c - logits processors, seeded sampling, and rejection sampling: the
+ * tokens emitted by speculative verification are distributed as the target's
+ * (chi-square, fixed seed, p > 0.001), even when the draft distribution is far off. */
+#include <stdlib.h>
+
+#include "chisq.h"
+#include "harness.h"
+#include "sampler.h"
+#include "spec.h"
+
+#define V 8
+
+static struct sampler *smp(int vocab)
+{
+    struct sampler *s = NULL;
+    ASSERT_OK(sampler_new(vocab, &s));
+    return s;
+}
+
+static void test_params_check(void)
+{
+    struct sampling_params sp;
+    const char *field = NULL;
+    sampling_params_init(&sp);
+    ASSERT_OK(sampling_params_check(&sp, V, &field));
+    sp.top_p = 0.0f;
+    ASSERT_ERR(sampling_params_check(&sp, V, &field), -EINVAL);
+    ASSERT_STREQ(field, "top_p");
+    sampling_params_init(&sp);
+    sp.temperature = -1.0f;
+    ASSERT_ERR(sampling_params_check(&sp, V, &field), -EINVAL);
+    ASSERT_STREQ(field, "temperature");
+    sampling_params_init(&sp);
+    sp.temperature = NAN;
+    ASSERT_ERR(sampling_params_check(&sp, V, &field), -EINVAL);
+    sampling_params_init(&sp);
+    struct sampler_bias b = { .token = V, .bias = 1.0f };
+    sp.logit_bias = &b;
+    sp.n_logit_bias = 1;
+    ASSERT_ERR(sampling_params_check(&sp, V, &field), -EINVAL);
+    ASSERT_STREQ(field, "logit_bias");
+    sampling_params_init(&sp);
+    sp.frequency_penalty = 2.5f;
+    ASSERT_ERR(sampling_params_check(&sp, V, &field), -EINVAL);
+    ASSERT_STREQ(field, "frequency_penalty");
+}
+
+static void test_greedy_and_processors(void)
+{
+    struct sampler *s = smp(V);
+    float logits[V] = { 0.1f, 2.0f, 1.9f, -1.0f, 0.0f, 1.0f, 0.5f, 1.95f };
+    float probs[V];
+    struct sampling_params sp;
+    sampling_params_init(&sp);
+    ASSERT_EQ(sampler_sample(s, &sp, NULL, logits, 0, 0), 1);
+    /* logit bias moves the argmax */
+    struct sampler_bias b = { .token = 3, .bias = 5.0f };
+    sp.logit_bias = &b;
+    sp.n_logit_bias = 1;
+    ASSERT_EQ(sampler_sample(s, &sp, NULL, logits, 0, 0), 3);
+    /* repetition penalty on token 1 (seen in the prompt) */
+    sampling_params_init(&sp);
+    int32_t hist_tokens[4] = { 1, 1, 7, 0 };
+    struct sampler_hist h = { .tokens = hist_tokens, .n_prompt = 1, .n_output = 0 };
+    sp.repetition_penalty = 1.2f;            /* 2.0 -> 1.667 */
+    ASSERT_EQ(sampler_sample(s, &sp, &h, logits, 0, 0), 7);
+    /* presence/frequency count output tokens only: 1 twice in output */
+    sampling_params_init(&sp);
+    h.n_prompt = 0;
+    h.n_output = 2;
+    sp.frequency_penalty = 0.1f;             /* 2.0 - 0.2 = 1.8 < 1.95 */
+    ASSERT_EQ(sampler_sample(s, &sp, &h, logits, 0, 0), 7);
+    sp.frequency_penalty = 0.0f;
+    sp.presence_penalty = 0.01f;             /* 1.99 > 1.95 */
+    ASSERT_EQ(sampler_sample(s, &sp, &h, logits, 0, 0), 1);
+    /* top-k = 2 keeps only 1 and 7 */
+    sampling_params_init(&sp);
+    sp.temperature = 1.0f;
+    sp.top_k = 2;
+    sampler_probs(s, &sp, NULL, logits, probs);
+    for (int i = 0; i < V; i++)
+        ASSERT_TRUE((i == 1 || i == 7) ? probs[i] > 0.0f : probs[i] == 0.0f);
+    ASSERT_NEAR(probs[1] + probs[7], 1.0, 1e-6);
+    /* top-p small keeps only the argmax */
+    sp.top_k = 0;
+    sp.top_p = 0.05f;
+    sampler_probs(s, &sp, NULL, logits, probs);
+    ASSERT_NEAR(probs[1], 1.0, 1e-6);
+    /* min-p 0.5: keep tokens with p >= 0.5 * pmax: 1, 2, 7 (e^-0.1 ~ 0.9), not 5 (e^-1) */
+    sp.top_p = 1.0f;
+    sp.min_p = 0.5f;
+    sampler_probs(s, &sp, NULL, logits, probs);
+    ASSERT_TRUE(probs[1] > 0 && probs[2] > 0 && probs[7] > 0);
+    ASSERT_EQ(probs[5], 0.0f);
+    sampler_free(s);
+}
+
+static const float *ref_probs;
+
+static int ref_cmp(const void *a, const void *b)
+{
+    int32_t i = *(const int32_t *) a, j = *(const int32_t *) b;
+    if (ref_probs[i] != ref_probs[j])
+        return ref_probs[i] > ref_probs[j] ? -1 : 1;
+    return i < j ? -1 : 1;
+}
+
+/* top-k / top-p by partial selection equal a full sort of the vocabulary, ties included */
+static void test_truncation_matches_full_sort(void)
+{
+    enum { VV = 5000 };
+    struct sampler *s = smp(VV);
+    static float logits[VV], probs[VV], ref[VV];
+    static int32_t order[VV];
+    uint64_t z = 7;
+    for (int trial = 0; trial < 40; trial++) {
+        for (int i = 0; i < VV; i++) {
+            z = z * 6364136223846793005ull + 1442695040888963407ull;
+            /* coarse values make many exact ties */
+            logits[i] = (float) ((z >> 40) % (trial % 2 ? 50 : 100000)) / 10.0f;
+        }
+        struct sampling_params sp;
+        sampling_params_init(&sp);
+        sp.temperature = 0.7f + 0.1f * (float) (trial % 5);
+        static const int ks[] = { 0, 1, 7, 64, 65, 300, 4999, 6000 };
+        static const float ps[] = { 1.0f, 0.9f, 0.5f, 0.999f, 0.05f };
+        sp.top_k = ks[trial % 8];
+        sp.top_p = ps[trial % 5];
+        sampler_probs(s, &sp, NULL, logits, probs);
+        /* reference: untruncated softmax, full stable sort, cut */
+        struct sampling_params plain = sp;
+        plain.top_k = 0;
+        plain.top_p = 1.0f;
+        sampler_probs(s, &plain, NULL, logits, ref);
+        for (int i = 0; i < VV; i++)
+            order[i] = i;
+        ref_probs = ref;
+        qsort(order, VV, sizeof(int32_t), ref_cmp);
+        int keep = sp.top_k > 0 && sp.top_k < VV ? sp.top_k : VV;
+        double cum = 0;
+        for (int i = 0; i < keep; i++) {
+            cum += ref[order[i]];
+            if (sp.top_p < 1.0f && cum >= sp.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        static bool kept[VV];
+        memset(kept, 0, sizeof(kept));
+        for (int j = 0; j < keep; j++)
+            kept[order[j]] = ref[order[j]] > 0.0f;
+        int n_kept = 0;
+        for (int i = 0; i < VV; i++) {
+            n_kept += kept[i];
+            if (kept[i] != (probs[i] > 0.0f))
+                FAIL("trial %d (k=%d p=%g): token %d kept=%d expected %d", trial, sp.top_k,
+                     (double) sp.top_p, i, probs[i] > 0.0f, kept[i]);
+        }
+        ASSERT_TRUE(n_kept >= 1);
+    }
+    sampler_free(s);
+}
+
+static void test_seeded(void)
+{
+    struct sampler *s = smp(V);
+    float logits[V] = { 0, 0.1f, 0.2f, 0.3f, 0.2f, 0.1f, 0, -0.1f };
+    struct sampling_params sp;
+    sampling_params_init(&sp);
+    sp.temperature = 1.0f;
+    sp.seed = 42;
+    int same = 0, diff_seed = 0;
+    for (uint64_t i = 0; i < 200; i++) {
+        int32_t a = sampler_sample(s, &sp, NULL, logits, i, 0);
+        int32_t b = sampler_sample(s, &sp, NULL, logits, i, 0);
+        same += a == b;
+        sp.seed = 43;
+        diff_seed += sampler_sample(s, &sp, NULL, logits, i, 0) != a;
+        sp.seed = 42;
+    }
+    ASSERT_EQ(same, 200);
+    ASSERT_TRUE(diff_seed > 50);
+    sampler_free(s);
+}
+
+/* Target p_i and draft q_i over V tokens for 3 positions, deliberately different. */
+static void make_dists(float p[4][V], float q[3][V])
+{
+    static const float praw[4][V] = {
+        { 5, 1, 1, 8, 2, 0, 3, 4 }, { 1, 9, 1, 1, 2, 2, 3, 1 },
+        { 3, 3, 3, 0, 1, 6, 2, 2 }, { 2, 2, 2, 2, 2, 2, 2, 6 },
+    };
+    static const float qraw[3][V] = {
+        { 1, 6, 1, 2, 2, 3, 1, 4 }, { 1, 4, 4, 1, 2, 0, 3, 5 }, { 3, 3, 0, 3, 1, 6, 2, 2 },
+    };
+    for (int i = 0; i < 4; i++) {
+        float sum = 0;
+        for (int v = 0; v < V; v++)
+            sum += praw[i][v];
+        for (int v = 0; v < V; v++)
+            p[i][v] = praw[i][v] / sum;
+    }
+    for (int i = 0; i < 3; i++) {
+        float sum = 0;
+        for (int v = 0; v < V; v++)
+            sum += qraw[i][v];
+        for (int v = 0; v < V; v++)
+            q[i][v] = qraw[i][v] / sum;
+    }
+}
+
+/* The target rows here do not depend on the prefix, so every emitted position k must be
+ * distributed as p_k.  N = 200000 trials, seed 1234; each position's chi-square must have
+ * p-value > 0.001 (the statistic is deterministic for the fixed seed). */
+static void test_rejection_chi_square(void)
+{
+    float p[4][V], q[3][V], tmp[V];
+    make_dists(p, q);
+    const float *pp[4] = { p[0], p[1], p[2], p[3] };
+    const float *qq[3] = { q[0], q[1], q[2] };
+    enum { N = 200000 };
+    long counts[4][V] = { { 0 } };
+    long reached[4] = { 0 };
+    long accepted = 0;
+    uint64_t seed = 1234;
+    for (uint64_t t = 0; t < N; t++) {
+        int32_t d[3];
+        for (int k = 0; k < 3; k++)
+            d[k] = sampler_draw(q[k], V, sampler_uniform(seed, t * 8 + (uint64_t) k, SAMPLER_STREAM_DRAFT));
+        int32_t next;
+        int a = sampler_verify(pp, qq, d, 3, V, seed, t * 8, tmp, &next);
+        accepted += a;
+        for (int k = 0; k < a; k++) {
+            counts[k][d[k]]++;
+            reached[k]++;
+        }
+        counts[a][next]++;
+        reached[a]++;
+    }
+    for (int k = 0; k < 4; k++) {
+        double expect[V];
+        for (int v = 0; v < V; v++)
+            expect[v] = (double) reached[k] * p[k][v];
+        int df;
+        double x = chisq_stat(counts[k], expect, V, &df);
+        double pv = chisq_pvalue(x, df);
+        printf("position %d: n=%ld chi2=%.2f df=%d p=%.4f\n", k, reached[k], x, df, pv);
+        ASSERT_TRUE(reached[k] > 1000);
+        ASSERT_TRUE(pv > 0.001);
+    }
+    /* the draft is off, so some are rejected, some accepted */
+    ASSERT_TRUE(accepted > N / 4 && accepted < 3 * N);
+    /* a wrong verifier (always accept) must fail the same test: sanity of the test */
+    long bad[V] = { 0 };
+    for (uint64_t t = 0; t < N; t++)
+        bad[sampler_draw(q[0], V, sampler_uniform(seed, t, SAMPLER_STREAM_DRAFT))]++;
+    double expect[V];
+    for (int v = 0; v < V; v++)
+        expect[v] = (double) N * p[0][v];
+    int df;
+    double x = chisq_stat(bad, expect, V, &df);
+    ASSERT_TRUE(chisq_pvalue(x, df) < 1e-6);
+}
+
+/* chisq_pvalue against known quantiles */
+static void test_chisq_helper(void)
+{
+    ASSERT_NEAR(chisq_pvalue(24.322, 7), 0.001, 2e-5);
+    ASSERT_NEAR(chisq_pvalue(14.067, 7), 0.05, 2e-4);
+    ASSERT_NEAR(chisq_pvalue(3.841, 1), 0.05, 2e-4);
+}
+
+static void test_spec_config(void)
+{
+    struct spec_config c;
+    struct err_buf e;
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3}", &c, &e));
+    ASSERT_EQ(c.num_speculative_tokens, 3);
+    ASSERT_OK(spec_config_parse(NULL, &c, &e));
+    ASSERT_EQ(c.num_speculative_tokens, 0);
+    ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":4}", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "num_speculative_tokens");
+    ASSERT_ERR(spec_config_parse("{\"method\":\"eagle\",\"num_speculative_tokens\":1}", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "method");
+    ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"k\":1}", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "unknown key");
+    ASSERT_ERR(spec_config_parse("{\"method\":", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "invalid JSON");
+    ASSERT_ERR(spec_config_parse("{\"num_speculative_tokens\":1}", &c, &e), -EINVAL);
+}
+
+int main(void)
+{
+    test_params_check();
+    test_greedy_and_processors();
+    test_truncation_matches_full_sort();
+    test_seeded();
+    test_chisq_helper();
+    test_rejection_chi_square();
+    test_spec_config();
+    printf("sampler: ok\n");
+    return 0;
+}

@@ -1,0 +1,220 @@
+/* loadgen.c - gRPC load generator for stepd (and for an engine directly), built on
+ * daemon/rpc (gRPC C core on one libuv loop, so the client is cheap per stream).
+ *
+ *   loadgen --addr HOST:PORT [--method /stepd.v1.Inference/Generate] [--streams N]
+ *           [--tokens T] [--prompt-len P] [--deadline-s S] [--api-key K]
+ *
+ * Starts N Generate streams at once (token-id prompts, max_tokens T), records per
+ * stream the status, time to first token and every inter-chunk gap, and prints
+ *   status counts, TTFT p50/p99/max, inter-token gap p50/p99/max,
+ *   latency of rejected calls p50/p99 (RESOURCE_EXHAUSTED), wall time, tokens/s
+ * as text and as one final "JSON {...}" line for scripts.
+ * Exit 0 always (the caller judges the figures), 2 on usage errors.
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pb-util.h"
+#include "rpc.h"
+#include "stepd.pb-c.h"
+
+struct stream {
+    int64_t t0_us, t_last_us;
+    int64_t ttft_us;
+    uint32_t tokens;
+    int status;
+    int64_t end_us;
+    bool done;
+};
+
+static struct stream *S;
+static unsigned n_streams, n_done;
+static double *gaps;
+static size_t n_gaps, cap_gaps;
+
+static int64_t now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static void on_msg(struct rpc_client_call *c, const ProtobufCMessage *m, void *ud)
+{
+    struct stream *s = ud;
+    const Stepd__V1__GenerateResponse *r = (const void *)m;
+    int64_t t = now_us();
+
+    if (r->response_case != STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK || r->chunk->n_token_ids == 0)
+        return;
+    if (!s->ttft_us) {
+        s->ttft_us = t - s->t0_us;
+    } else {
+        if (n_gaps == cap_gaps) {
+            cap_gaps = cap_gaps ? cap_gaps * 2 : 65536;
+            gaps = realloc(gaps, cap_gaps * sizeof(*gaps));
+        }
+        gaps[n_gaps++] = (double)(t - s->t_last_us);
+    }
+    s->t_last_us = t;
+    s->tokens += (uint32_t)r->chunk->n_token_ids;
+}
+
+static void on_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct stream *s = ud;
+    s->status = status;
+    s->end_us = now_us();
+    s->done = true;
+    n_done++;
+    if (status != RPC_OK && status != RPC_RESOURCE_EXHAUSTED && n_done < 5)
+        fprintf(stderr, "loadgen: stream ended %s: %s\n", rpc_status_name(status), details);
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(double *v, size_t n, double p)
+{
+    if (!n)
+        return 0;
+    size_t i = (size_t)ceil(p / 100.0 * (double)n) - 1;
+    if (i >= n)
+        i = n - 1;
+    return v[i];
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        { "addr", required_argument, NULL, 'a' }, { "method", required_argument, NULL, 'm' },
+        { "streams", required_argument, NULL, 'n' }, { "tokens", required_argument, NULL, 't' },
+        { "prompt-len", required_argument, NULL, 'p' }, { "deadline-s", required_argument, NULL, 'd' },
+        { "api-key", required_argument, NULL, 'k' }, { NULL, 0, NULL, 0 },
+    };
+    const char *addr = "127.0.0.1:50051", *method = "/stepd.v1.Inference/Generate", *key = NULL;
+    unsigned tokens = 64, prompt_len = 8;
+    double deadline_s = 120;
+    int c;
+
+    n_streams = 100;
+    while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (c) {
+        case 'a': addr = optarg; break;
+        case 'm': method = optarg; break;
+        case 'n': n_streams = (unsigned)atoi(optarg); break;
+        case 't': tokens = (unsigned)atoi(optarg); break;
+        case 'p': prompt_len = (unsigned)atoi(optarg); break;
+        case 'd': deadline_s = atof(optarg); break;
+        case 'k': key = optarg; break;
+        default:
+            fprintf(stderr, "usage: loadgen --addr A [--method M] [--streams N] [--tokens T] [--prompt-len P]\n");
+            return 2;
+        }
+    }
+    if (n_streams == 0 || tokens == 0 || prompt_len == 0 || prompt_len > 4096) {
+        fprintf(stderr, "loadgen: --streams, --tokens and --prompt-len must be positive\n");
+        return 2;
+    }
+    uv_loop_t *loop = uv_default_loop();
+    struct rpc_ctx *ctx;
+    struct rpc_channel *ch;
+    struct rpc_channel_opts co = { .api_key = key, .keepalive_time_ms = -1, .max_recv_msg_bytes = 16 << 20 };
+    if (rpc_ctx_create(loop, &ctx) < 0 || rpc_channel_create(ctx, addr, &co, &ch) < 0) {
+        fprintf(stderr, "loadgen: cannot create a channel to %s\n", addr);
+        return 1;
+    }
+    S = calloc(n_streams, sizeof(*S));
+    int32_t *ids = malloc(prompt_len * sizeof(int32_t));
+    char (*rid)[32] = calloc(n_streams, 32);
+    int64_t t_start = now_us();
+    int64_t deadline = rpc_now_ms() + (int64_t)(deadline_s * 1000);
+    for (unsigned i = 0; i < n_streams; i++) {
+        Stepd__V1__GenerateRequest req = STEPD__V1__GENERATE_REQUEST__INIT;
+        Stepd__V1__TokenIds ti = STEPD__V1__TOKEN_IDS__INIT;
+        Stepd__V1__SamplingParams sp = STEPD__V1__SAMPLING_PARAMS__INIT;
+        for (unsigned k = 0; k < prompt_len; k++)
+            ids[k] = (int32_t)((i * 31 + k * 7) % 900 + 10);
+        ti.n_ids = prompt_len;
+        ti.ids = ids;
+        PB_SET(&sp, max_tokens, (int64_t)tokens);
+        PB_SET(&sp, ignore_eos, true);
+        snprintf(rid[i], 32, "lg-%u-%u", (unsigned)(t_start % 100000), i);
+        req.request_id = rid[i];
+        req.input_case = STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
+        req.token_ids = &ti;
+        req.sampling_params = &sp;
+        S[i].t0_us = now_us();
+        if (rpc_client_start(ch, method, &req.base, &stepd__v1__generate_response__descriptor, deadline, on_msg,
+                             on_done, &S[i], NULL) < 0) {
+            S[i].status = RPC_INTERNAL;
+            S[i].done = true;
+            n_done++;
+        }
+    }
+    while (n_done < n_streams)
+        uv_run(loop, UV_RUN_ONCE);
+    double wall = (double)(now_us() - t_start) / 1e6;
+
+    unsigned counts[17] = { 0 };
+    double *ttft = malloc(n_streams * sizeof(double)), *rej = malloc(n_streams * sizeof(double));
+    size_t n_ttft = 0, n_rej = 0;
+    uint64_t total_tokens = 0, short_ok = 0;
+    for (unsigned i = 0; i < n_streams; i++) {
+        if (S[i].status >= 0 && S[i].status < 17)
+            counts[S[i].status]++;
+        total_tokens += S[i].tokens;
+        if (S[i].status == RPC_OK) {
+            ttft[n_ttft++] = (double)S[i].ttft_us;
+            if (S[i].tokens != tokens)
+                short_ok++;
+        }
+        if (S[i].status == RPC_RESOURCE_EXHAUSTED)
+            rej[n_rej++] = (double)(S[i].end_us - S[i].t0_us);
+    }
+    qsort(ttft, n_ttft, sizeof(double), cmp_d);
+    qsort(rej, n_rej, sizeof(double), cmp_d);
+    qsort(gaps, n_gaps, sizeof(double), cmp_d);
+    printf("streams %u, tokens/stream %u, wall %.3f s, tokens %" PRIu64 " (%.0f tok/s)\n", n_streams, tokens, wall,
+           total_tokens, (double)total_tokens / wall);
+    printf("status:");
+    for (int i = 0; i < 17; i++)
+        if (counts[i])
+            printf(" %s=%u", rpc_status_name(i), counts[i]);
+    printf("%s\n", short_ok ? " (some OK streams were short!)" : "");
+    printf("ttft ms: p50 %.2f p99 %.2f max %.2f\n", pct(ttft, n_ttft, 50) / 1000, pct(ttft, n_ttft, 99) / 1000,
+           n_ttft ? ttft[n_ttft - 1] / 1000 : 0);
+    printf("inter-token gap ms: p50 %.2f p99 %.2f max %.2f (%zu gaps)\n", pct(gaps, n_gaps, 50) / 1000,
+           pct(gaps, n_gaps, 99) / 1000, n_gaps ? gaps[n_gaps - 1] / 1000 : 0, n_gaps);
+    if (n_rej)
+        printf("rejected ms: p50 %.2f p99 %.2f max %.2f\n", pct(rej, n_rej, 50) / 1000, pct(rej, n_rej, 99) / 1000,
+               rej[n_rej - 1] / 1000);
+    printf("JSON {\"streams\": %u, \"ok\": %u, \"resource_exhausted\": %u, \"other\": %u, \"short_ok\": %" PRIu64
+           ", \"tokens\": %" PRIu64 ", \"wall_s\": %.4f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
+           "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"itl_max_ms\": %.3f, \"reject_p50_ms\": %.3f, "
+           "\"reject_p99_ms\": %.3f}\n",
+           n_streams, counts[RPC_OK], counts[RPC_RESOURCE_EXHAUSTED],
+           n_streams - counts[RPC_OK] - counts[RPC_RESOURCE_EXHAUSTED], short_ok, total_tokens, wall,
+           pct(ttft, n_ttft, 50) / 1000, pct(ttft, n_ttft, 99) / 1000, pct(gaps, n_gaps, 50) / 1000,
+           pct(gaps, n_gaps, 99) / 1000, n_gaps ? gaps[n_gaps - 1] / 1000 : 0, pct(rej, n_rej, 50) / 1000,
+           pct(rej, n_rej, 99) / 1000);
+    fflush(stdout);
+    rpc_channel_destroy(ch);
+    rpc_ctx_destroy(ctx);
+    uv_run(loop, UV_RUN_DEFAULT);
+    free(S);
+    free(ids);
+    free(rid);
+    free(ttft);
+    free(rej);
+    free(gaps);
+    return 0;
+}

@@ -1,0 +1,253 @@
+"""stepd_harness.py - shared helpers for the coordinator integration tests.
+
+Generates Python gRPC stubs from proto/*.proto with grpcio-tools into a temp dir
+at import time (an independent client: nothing here shares code with the C side),
+starts `stepd` and `mock-engine` processes on loopback, and offers small helpers.
+
+Environment (set by meson): STEPD_BIN, MOCK_ENGINE_BIN, PROTO_DIR, TOKENIZER_JSON.
+"""
+import atexit
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+try:
+    import grpc
+    from grpc_tools import protoc
+except ImportError as _e:  # the client library is a test dependency (pip grpcio grpcio-tools)
+    print("SKIP: python grpcio/grpcio-tools not importable: %s" % _e)
+    sys.exit(77)
+
+PROTO_DIR = os.environ.get("PROTO_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "proto"))
+STEPD_BIN = os.environ.get("STEPD_BIN", "build/daemon/stepd")
+MOCK_BIN = os.environ.get("MOCK_ENGINE_BIN", "build/test/integration/mock-engine")
+TOKENIZER = os.environ.get("TOKENIZER_JSON", "")
+
+_stub_dir = tempfile.mkdtemp(prefix="stepd-stubs-")
+atexit.register(shutil.rmtree, _stub_dir, True)
+_includes = ["-I" + PROTO_DIR]
+try:
+    import grpc_tools
+    _includes.append("-I" + os.path.join(os.path.dirname(grpc_tools.__file__), "_proto"))
+except Exception:
+    pass
+_rc = protoc.main(["grpc_tools.protoc", *_includes, "--python_out=" + _stub_dir, "--grpc_python_out=" + _stub_dir,
+                   *[os.path.join(PROTO_DIR, p) for p in ("stepd.proto", "control.proto", "health.proto")]])
+if _rc != 0:
+    raise SystemExit("protoc failed generating Python stubs from %s" % PROTO_DIR)
+sys.path.insert(0, _stub_dir)
+
+import stepd_pb2 as pb  # noqa: E402
+import stepd_pb2_grpc as pbg  # noqa: E402
+import health_pb2 as hpb  # noqa: E402
+import health_pb2_grpc as hpbg  # noqa: E402
+
+SERVING = hpb.HealthCheckResponse.SERVING
+NOT_SERVING = hpb.HealthCheckResponse.NOT_SERVING
+
+_procs = []
+
+
+def _cleanup():
+    for p in _procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+atexit.register(_cleanup)
+
+
+class Stepd:
+    """A running coordinator. Ports are chosen by the kernel and read from its log."""
+
+    def __init__(self, *args, env=None, workdir=None):
+        self.workdir = workdir or tempfile.mkdtemp(prefix="stepd-it-")
+        self.logpath = os.path.join(self.workdir, "stepd.log")
+        self.log = open(self.logpath, "w+")
+        cmd = [STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+               "--control-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+               "--heartbeat-ms", "200", "--loads-poll-ms", "100", *args]
+        e = dict(os.environ)
+        e.setdefault("STEPD_LOG_LEVEL", "info")
+        if env:
+            e.update(env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
+        _procs.append(self.proc)
+        self.ports = self._wait_ports()
+        self.addr = "127.0.0.1:%d" % self.ports["public"]
+        self.channel = grpc.insecure_channel(self.addr)
+        self.admin_channel = grpc.insecure_channel("127.0.0.1:%d" % self.ports["admin"])
+        self.inf = pbg.InferenceStub(self.channel)
+        self.admin = pbg.AdminStub(self.admin_channel)
+        self.health = hpbg.HealthStub(self.channel)
+        self.engines = []
+
+    def _wait_ports(self):
+        end = time.time() + 10
+        while time.time() < end:
+            txt = open(self.logpath).read()
+            m = re.search(r"public \S+ \(port (\d+).*admin \S+ \(port (\d+)\), control \S+ \(port (\d+)\), "
+                          r"metrics \S+ \(port (\d+)\)", txt)
+            if m:
+                return dict(public=int(m.group(1)), admin=int(m.group(2)), control=int(m.group(3)),
+                            metrics=int(m.group(4)))
+            if self.proc.poll() is not None:
+                raise RuntimeError("stepd exited early (%d):\n%s" % (self.proc.returncode, txt))
+            time.sleep(0.02)
+        raise RuntimeError("stepd did not report its ports:\n" + open(self.logpath).read())
+
+    def start_engine(self, group, *args, rank=0, world=1):
+        stats = os.path.join(self.workdir, "%s-r%d.stats" % (group, rank))
+        log = open(os.path.join(self.workdir, "%s-r%d.log" % (group, rank)), "w")
+        cmd = [MOCK_BIN, "--coordinator", "127.0.0.1:%d" % self.ports["control"], "--group", group,
+               "--rank", str(rank), "--world", str(world), "--stats-file", stats, *args]
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        _procs.append(p)
+        eng = Engine(p, stats)
+        self.engines.append(eng)
+        return eng
+
+    def check(self, service, timeout=2.0):
+        return self.health.Check(hpb.HealthCheckRequest(service=service), timeout=timeout).status
+
+    def wait_ready(self, groups=1, timeout=10.0):
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                info = self.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=1)
+                if info.groups_ready >= groups:
+                    return info
+            except grpc.RpcError:
+                pass
+            time.sleep(0.02)
+        raise AssertionError("stepd not ready with %d groups:\n%s" % (groups, self.read_log()))
+
+    def read_log(self):
+        self.log.flush()
+        return open(self.logpath).read()
+
+    def metrics(self):
+        import urllib.request
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.ports["metrics"], timeout=2) as r:
+            return r.read().decode()
+
+    def metric(self, name):
+        for line in self.metrics().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                if line.split(" ")[0] == name or name.endswith("}"):
+                    return float(line.split(" ")[-1])
+        for line in self.metrics().splitlines():
+            if line.startswith(name):
+                return float(line.split(" ")[-1])
+        return None
+
+    def rss_kib(self):
+        with open("/proc/%d/status" % self.proc.pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
+
+    def fds(self):
+        return len(os.listdir("/proc/%d/fd" % self.proc.pid))
+
+    def threads(self):
+        return len(os.listdir("/proc/%d/task" % self.proc.pid))
+
+    def stop(self, sig=signal.SIGTERM, timeout=15):
+        self.channel.close()
+        self.admin_channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+            raise AssertionError("stepd did not exit after signal %d" % sig)
+        for e in self.engines:
+            e.wait_exit(10)
+        return rc
+
+
+class Engine:
+    def __init__(self, proc, stats):
+        self.proc = proc
+        self.stats_path = stats
+
+    def stats(self):
+        try:
+            with open(self.stats_path) as f:
+                return {k: int(v) for k, v in (line.strip().split("=") for line in f if "=" in line)}
+        except FileNotFoundError:
+            return {}
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait()
+
+    def wait_exit(self, timeout):
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def gen_request(ids=(10, 20, 30), max_tokens=8, **kw):
+    sp = kw.pop("sampling", None) or pb.SamplingParams(max_tokens=max_tokens)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(ids)), sampling_params=sp, **kw)
+
+
+def expected_tokens(ids, n, vocab=1000):
+    s = sum(ids)
+    return [(s + 7 * i + 1) % vocab for i in range(n)]
+
+
+def collect(stream):
+    """Drain a Generate stream: (tokens, text, finals, chunks)."""
+    toks, text, finals, chunks = [], [], [], []
+    for r in stream:
+        if r.HasField("chunk"):
+            chunks.append(r.chunk)
+            toks.extend(r.chunk.token_ids)
+            text.append(r.chunk.text)
+        else:
+            finals.append(r.final)
+    return toks, "".join(text), finals, chunks
+
+
+def wait_until(fn, timeout=5.0, step=0.02, what="condition"):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = fn()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError("timed out waiting for " + what)
+
+
+def run_tests(tests):
+    """Run (name, fn) pairs; print one line each; exit 1 on any failure."""
+    failed = 0
+    t_all = time.time()
+    for name, fn in tests:
+        t0 = time.time()
+        try:
+            fn()
+            print("PASS %-40s %.2fs" % (name, time.time() - t0), flush=True)
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            import traceback
+            traceback.print_exc()
+            print("FAIL %-40s %s" % (name, e), flush=True)
+    print("%d/%d passed in %.1fs" % (len(tests) - failed, len(tests), time.time() - t_all))
+    _cleanup()
+    sys.exit(1 if failed else 0)

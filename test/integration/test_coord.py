@@ -1,0 +1,533 @@
+#!/usr/bin/env python3
+"""Coordinator integration tests over loopback with a real grpcio client.
+
+Covers: unary and streaming calls, cancellation mid-stream (exactly one Abort),
+deadlines, health Check/Watch, failover when a group dies and re-forms, the bad
+input matrix (RELIABILITY C8: INVALID_ARGUMENT naming the field, no engine
+touched), admission overload (A2 in small), message size (C5), API key on every
+RPC except health (E3), loopback default (E1), text/chat via the tokenizer,
+metrics, and drain on SIGTERM (exit 0).
+"""
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+
+from stepd_harness import (NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect, expected_tokens,
+                           gen_request, hpb, pb, run_tests, wait_until)
+
+OK = grpc.StatusCode.OK
+
+
+def code_of(fn):
+    try:
+        fn()
+        return OK, ""
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
+# ---------------------------------------------------------------- basics
+
+def test_unary_and_stream():
+    s = Stepd()
+    eng = s.start_engine("g0", "--delay-ms", "2")
+    s.wait_ready()
+    info = s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2)
+    assert info.role == "coordinator" and info.groups_ready == 1 and info.limits.max_queue == 1024, info
+    mi = s.inf.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+    assert mi.vocab_size == 1000 and mi.max_model_len == 4096 and mi.model_name == "mock-step", mi
+    loads = s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2)
+    assert [l.group for l in loads.loads] == ["g0"], loads
+    groups = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2)
+    g = groups.groups[0]
+    assert g.group == "g0" and g.state == pb.WORKER_STATE_READY and g.epoch == 1 and len(g.ranks) == 1, g
+
+    ids = [5, 6, 7, 8]
+    toks, _, finals, chunks = collect(s.inf.Generate(gen_request(ids, 12, request_id="r-basic"), timeout=10))
+    assert toks == expected_tokens(ids, 12), toks
+    assert len(finals) == 1, finals
+    f = finals[0]
+    assert f.finish_reason == pb.FINISH_REASON_LENGTH and f.usage.prompt_tokens == 4 and \
+        f.usage.completion_tokens == 12, f
+    assert f.group == "g0" and f.request_id == "r-basic", f
+    assert f.timings.first_token_s > 0 and f.timings.e2e_s >= f.timings.first_token_s, f.timings
+    assert f.mtp.num_drafts == 6 and list(f.mtp.accepted_per_position) == [6, 3, 1], f.mtp
+    # server-assigned id, continuous usage
+    req = gen_request(ids, 3, stream_options=pb.StreamOptions(continuous_usage_stats=True))
+    toks, _, finals, chunks = collect(s.inf.Generate(req, timeout=10))
+    assert finals[0].request_id.startswith("stepd-"), finals[0]
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3], chunks
+    # duplicate in-flight id
+    st = s.inf.Generate(gen_request(ids, 200, request_id="dup"), timeout=10)
+    next(st)
+    c, d = code_of(lambda: collect(s.inf.Generate(gen_request(ids, 2, request_id="dup"), timeout=5)))
+    assert c == grpc.StatusCode.ALREADY_EXISTS and "request_id" in d, (c, d)
+    st.cancel()
+    # Inference.Abort ends a stream with finish reason ABORT
+    st = s.inf.Generate(gen_request(ids, 500, request_id="to-abort"), timeout=10)
+    next(st)
+    ab = s.inf.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]), timeout=2)
+    assert ab.aborted == 1, ab
+    _, _, finals, _ = collect(st)
+    assert finals[0].finish_reason == pb.FINISH_REASON_ABORT, finals
+    wait_until(lambda: eng.stats().get("abort", 0) >= 1, what="engine abort")
+    # unknown method on the public port
+    c, d = code_of(lambda: s.channel.unary_unary("/stepd.v1.Nope/X")(b"", timeout=2))
+    assert c == grpc.StatusCode.UNIMPLEMENTED, (c, d)
+    m = s.metrics()
+    assert "stepd:time_to_first_token_seconds_bucket" in m and "stepd:spec_decode_num_accepted_tokens_per_pos_total" in m
+    assert s.metric("stepd:generation_tokens_total") >= 15, m
+    assert s.stop() == 0
+
+
+def test_cancel_and_deadline():
+    s = Stepd()
+    eng = s.start_engine("g0", "--delay-ms", "5")
+    s.wait_ready()
+    # client cancels mid-stream -> exactly one Abort reaches the engine
+    st = s.inf.Generate(gen_request([1, 2], 1000, request_id="c1"), timeout=30)
+    got = 0
+    for r in st:
+        got += len(r.chunk.token_ids)
+        if got >= 3:
+            st.cancel()
+            break
+    wait_until(lambda: eng.stats().get("running", 1) == 0, what="engine stream closed")
+    time.sleep(0.3)
+    stt = eng.stats()
+    assert stt["abort"] == 1, stt
+    assert s.metric("stepd:aborts_sent_total") == 1
+    # deadline propagates: DEADLINE_EXCEEDED, engine stream stops, one more abort
+    t0 = time.time()
+    c, d = code_of(lambda: collect(s.inf.Generate(gen_request([3], 1000, request_id="d1"), timeout=0.3)))
+    assert c == grpc.StatusCode.DEADLINE_EXCEEDED, (c, d)
+    assert time.time() - t0 < 2.0
+    wait_until(lambda: eng.stats().get("running", 1) == 0, what="engine stream stopped after deadline")
+    time.sleep(0.2)
+    assert eng.stats()["abort"] <= 2, eng.stats()
+    groups = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2)
+    assert groups.groups[0].counters.in_flight == 0, groups
+    assert s.stop() == 0
+
+
+# ---------------------------------------------------------------- health and failover
+
+def test_health_and_failover():
+    s = Stepd()
+    assert s.check("") == SERVING
+    assert s.check("liveness") == SERVING
+    assert s.check("stepd.v1.Inference") == NOT_SERVING
+    assert s.check("readiness") == NOT_SERVING
+    c, _ = code_of(lambda: s.check("nope"))
+    assert c == grpc.StatusCode.NOT_FOUND, c
+    c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=2)))
+    assert c == grpc.StatusCode.UNAVAILABLE and "no worker group" in d, (c, d)
+
+    events = []
+    watch = s.health.Watch(hpb.HealthCheckRequest(service="readiness"), timeout=30)
+
+    def watcher():
+        try:
+            for r in watch:
+                events.append((time.time(), r.status))
+        except grpc.RpcError:
+            pass
+    th = threading.Thread(target=watcher, daemon=True)
+    th.start()
+    wait_until(lambda: events, what="first Watch message")
+    assert events[0][1] == NOT_SERVING
+    unknown = s.health.Watch(hpb.HealthCheckRequest(service="nope"), timeout=2)
+    assert next(unknown).status == hpb.HealthCheckResponse.SERVICE_UNKNOWN
+    unknown.cancel()
+
+    g0 = s.start_engine("g0", "--delay-ms", "10")
+    g1 = s.start_engine("g1", "--delay-ms", "10")
+    s.wait_ready(2)
+    wait_until(lambda: events[-1][1] == SERVING, what="Watch SERVING")
+    assert s.check("readiness") == SERVING
+
+    # 8 long streams spread over both groups; kill g1 mid-stream
+    results = {}
+
+    def run(i):
+        toks = []
+        try:
+            for r in s.inf.Generate(gen_request([i + 1], 150, request_id="f%d" % i), timeout=30):
+                if r.HasField("chunk"):
+                    toks.extend(r.chunk.token_ids)
+                else:
+                    results[i] = ("OK", r.final.group, len(toks))
+        except grpc.RpcError as e:
+            results[i] = (e.code().name, e.details(), len(toks))
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in ths:
+        t.start()
+    wait_until(lambda: g1.stats().get("running", 0) > 0 and g0.stats().get("running", 0) > 0, what="both busy")
+    time.sleep(0.1)
+    t_kill = time.time()
+    g1.kill()
+    for t in ths:
+        t.join(20)
+    t_end = time.time()
+    unavailable = [v for v in results.values() if v[0] == "UNAVAILABLE"]
+    ok = [v for v in results.values() if v[0] == "OK"]
+    assert len(results) == 8 and unavailable and ok, results
+    assert all("g1" in v[1] for v in unavailable), unavailable
+    assert all(v[1] == "g0" and v[2] == 150 for v in ok), ok
+    assert s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).groups_ready == 1
+    # new requests go to the healthy group
+    _, _, finals, _ = collect(s.inf.Generate(gen_request([9], 3), timeout=10))
+    assert finals[0].group == "g0"
+    # g1 re-forms when its worker registers again
+    g1b = s.start_engine("g1", "--delay-ms", "10")
+    s.wait_ready(2)
+    gg = {g.group: g for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups}
+    assert gg["g1"].epoch == 2 and gg["g1"].state == pb.WORKER_STATE_READY, gg["g1"]
+    # both down -> readiness NOT_SERVING seen by Watch within 1 s
+    t_k = time.time()
+    g0.kill()
+    g1b.kill()
+    wait_until(lambda: events[-1][1] == NOT_SERVING and events[-1][0] > t_k, timeout=1.0,
+               what="Watch NOT_SERVING within 1 s")
+    assert s.check("") == SERVING        # liveness unaffected
+    watch.cancel()
+    print("   failover: %d UNAVAILABLE (naming g1), %d OK on g0; streams ended %.2fs after the kill"
+          % (len(unavailable), len(ok), t_end - t_kill))
+    assert s.stop() == 0
+
+
+def test_group_of_two_ranks():
+    s = Stepd()
+    r1 = s.start_engine("tp2", rank=1, world=2)
+    time.sleep(0.3)
+    gg = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0]
+    assert gg.state != pb.WORKER_STATE_READY and gg.world_size == 2
+    r0 = s.start_engine("tp2", "--delay-ms", "2", rank=0, world=2)
+    s.wait_ready(1)
+    _, _, finals, _ = collect(s.inf.Generate(gen_request([4], 4), timeout=10))
+    assert finals[0].group == "tp2"
+    # losing rank 1 takes the whole group down; rank 0 is told to re-form and registers again
+    r1.kill()
+    wait_until(lambda: s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).groups_ready == 0,
+               what="group down")
+    r1b = s.start_engine("tp2", rank=1, world=2)
+    s.wait_ready(1)
+    gg = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0]
+    assert gg.epoch == 2, gg
+    assert s.stop() == 0
+    del r0, r1b
+
+
+# ---------------------------------------------------------------- bad input (C8)
+
+def bad_cases():
+    SP = pb.SamplingParams
+    T = lambda ids=(1, 2, 3): pb.TokenIds(ids=list(ids))  # noqa: E731
+    big = 2 ** 31
+    return [
+        ("text empty", pb.GenerateRequest(text=""), "text"),
+        ("text whitespace", pb.GenerateRequest(text="   \n\t"), "text"),
+        ("no input", pb.GenerateRequest(), "input"),
+        ("token_ids empty", pb.GenerateRequest(token_ids=T(())), "token_ids"),
+        ("token id >= vocab", pb.GenerateRequest(token_ids=T((1, 1000))), "token_ids.ids[1]"),
+        ("token id negative", pb.GenerateRequest(token_ids=T((-1,))), "token_ids.ids[0]"),
+        ("prompt too long", pb.GenerateRequest(token_ids=T([1] * 5000)), "token_ids"),
+        ("prompt+max_tokens > ctx", pb.GenerateRequest(token_ids=T([1] * 4000), sampling_params=SP(max_tokens=200)),
+         "max_tokens"),
+        ("max_tokens 0", pb.GenerateRequest(token_ids=T(), sampling_params=SP(max_tokens=0)), "max_tokens"),
+        ("max_tokens -1", pb.GenerateRequest(token_ids=T(), sampling_params=SP(max_tokens=-1)), "max_tokens"),
+        ("max_tokens over cap", pb.GenerateRequest(token_ids=T(), sampling_params=SP(max_tokens=40000)), "max_tokens"),
+        ("max_tokens 2^31", pb.GenerateRequest(token_ids=T(), sampling_params=SP(max_tokens=big)), "max_tokens"),
+        ("max_tokens 2^63-1", pb.GenerateRequest(token_ids=T(), sampling_params=SP(max_tokens=2 ** 63 - 1)),
+         "max_tokens"),
+        ("min_tokens negative", pb.GenerateRequest(token_ids=T(), sampling_params=SP(min_tokens=-5)), "min_tokens"),
+        ("min_tokens > max", pb.GenerateRequest(token_ids=T(), sampling_params=SP(max_tokens=4, min_tokens=9)),
+         "min_tokens"),
+        ("n 0", pb.GenerateRequest(token_ids=T(), sampling_params=SP(n=0)), "sampling_params.n"),
+        ("n above cap", pb.GenerateRequest(token_ids=T(), sampling_params=SP(n=5)), "sampling_params.n"),
+        ("temperature NaN", pb.GenerateRequest(token_ids=T(), sampling_params=SP(temperature=math.nan)),
+         "temperature"),
+        ("temperature +Inf", pb.GenerateRequest(token_ids=T(), sampling_params=SP(temperature=math.inf)),
+         "temperature"),
+        ("temperature -Inf", pb.GenerateRequest(token_ids=T(), sampling_params=SP(temperature=-math.inf)),
+         "temperature"),
+        ("temperature negative", pb.GenerateRequest(token_ids=T(), sampling_params=SP(temperature=-0.5)),
+         "temperature"),
+        ("top_p 0", pb.GenerateRequest(token_ids=T(), sampling_params=SP(top_p=0.0)), "top_p"),
+        ("top_p > 1", pb.GenerateRequest(token_ids=T(), sampling_params=SP(top_p=1.5)), "top_p"),
+        ("top_k negative", pb.GenerateRequest(token_ids=T(), sampling_params=SP(top_k=-3)), "top_k"),
+        ("min_p > 1", pb.GenerateRequest(token_ids=T(), sampling_params=SP(min_p=2.0)), "min_p"),
+        ("repetition_penalty 0", pb.GenerateRequest(token_ids=T(), sampling_params=SP(repetition_penalty=0.0)),
+         "repetition_penalty"),
+        ("repetition_penalty neg", pb.GenerateRequest(token_ids=T(), sampling_params=SP(repetition_penalty=-1)),
+         "repetition_penalty"),
+        ("frequency_penalty 3", pb.GenerateRequest(token_ids=T(), sampling_params=SP(frequency_penalty=3.0)),
+         "frequency_penalty"),
+        ("presence_penalty -2.5", pb.GenerateRequest(token_ids=T(), sampling_params=SP(presence_penalty=-2.5)),
+         "presence_penalty"),
+        ("too many stops", pb.GenerateRequest(text="hi", sampling_params=SP(stop=["x%d" % i for i in range(17)])),
+         "stop"),
+        ("stop too long", pb.GenerateRequest(text="hi", sampling_params=SP(stop=["y" * 300])), "stop[0]"),
+        ("stop empty string", pb.GenerateRequest(text="hi", sampling_params=SP(stop=[""])), "stop[0]"),
+        ("seed negative", pb.GenerateRequest(token_ids=T(), sampling_params=SP(seed=-1)), "seed"),
+        ("logprobs over cap", pb.GenerateRequest(token_ids=T(), sampling_params=SP(logprobs=21)), "logprobs"),
+        ("logprobs negative", pb.GenerateRequest(token_ids=T(), sampling_params=SP(logprobs=-1)), "logprobs"),
+        ("stop_token_id >= vocab", pb.GenerateRequest(token_ids=T(), sampling_params=SP(stop_token_ids=[5000])),
+         "stop_token_ids[0]"),
+        ("logit_bias key", pb.GenerateRequest(token_ids=T(), sampling_params=SP(logit_bias={99999: 1.0})),
+         "logit_bias"),
+        ("logit_bias value", pb.GenerateRequest(token_ids=T(), sampling_params=SP(logit_bias={3: 500.0})),
+         "logit_bias"),
+        ("num_speculative_tokens 4", pb.GenerateRequest(token_ids=T(), num_speculative_tokens=4),
+         "num_speculative_tokens"),
+        ("num_speculative_tokens -1", pb.GenerateRequest(token_ids=T(), num_speculative_tokens=-1),
+         "num_speculative_tokens"),
+        ("request_id too long", pb.GenerateRequest(token_ids=T(), request_id="x" * 200), "request_id"),
+        ("request_id spaces", pb.GenerateRequest(token_ids=T(), request_id="a b"), "request_id"),
+        ("chat no messages", pb.GenerateRequest(chat=pb.ChatInput()), "chat.messages"),
+        ("chat bad role", pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard")])),
+         "chat.messages[0].role"),
+        ("chat bad effort", pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="x")],
+                                                                 reasoning_effort="extreme")),
+         "reasoning_effort"),
+        ("chat tools not array", pb.GenerateRequest(chat=pb.ChatInput(
+            messages=[pb.ChatMessage(role="user", content="x")], tools_json='{"a":1}')), "tools_json"),
+        ("model mismatch", pb.GenerateRequest(token_ids=T(), model="other-model"), "model"),
+        ("stop strings with token input", pb.GenerateRequest(token_ids=T(), sampling_params=SP(stop=["x"])),
+         "stop"),
+    ]
+
+
+def test_bad_inputs():
+    s = Stepd()
+    eng = s.start_engine("g0")
+    s.wait_ready()
+    before = eng.stats()["generate"]
+    cases = bad_cases()
+    for name, req, field in cases:
+        c, d = code_of(lambda: collect(s.inf.Generate(req, timeout=5)))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT, (name, c, d)
+        assert field in d, (name, field, d)
+        assert "/" not in d.split(":")[0], (name, d)   # no paths in details (D5)
+    # invalid UTF-8 in a string field (raw bytes, bypassing the Python encoder)
+    raw = bytes([0x12, 0x03]) + b"a\xff\xfe"         # field 2 (text), 3 bytes, invalid UTF-8
+    gen = s.channel.unary_stream("/stepd.v1.Inference/Generate")
+    c, d = code_of(lambda: list(gen(raw, timeout=5)))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "text" in d, (c, d)
+    # garbage bytes that are not a GenerateRequest
+    c, d = code_of(lambda: list(gen(b"\xff\xff\xff\xff", timeout=5)))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT, (c, d)
+    # a repeated field with 10^7 elements is caught by the 4 MiB message cap (C5), then the channel still works
+    c, d = code_of(lambda: collect(s.inf.Generate(gen_request([999] * 2_200_000), timeout=10)))
+    assert c == grpc.StatusCode.RESOURCE_EXHAUSTED, (c, d)
+    c, d = code_of(lambda: collect(s.inf.Generate(pb.GenerateRequest(text="x" * (4 << 20)), timeout=10)))
+    assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in d.lower() or "exceed" in d.lower(), (c, d)
+    # deadline already expired on arrival
+    c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=0.0001)))
+    assert c == grpc.StatusCode.DEADLINE_EXCEEDED, (c, d)
+    time.sleep(0.2)
+    assert eng.stats()["generate"] == before, (before, eng.stats())
+    _, _, finals, _ = collect(s.inf.Generate(gen_request(), timeout=5))
+    assert finals and eng.stats()["generate"] == before + 1
+    assert s.check("") == SERVING
+    print("   %d bad-input cases + UTF-8, garbage, 4 MiB cap, expired deadline: engine untouched" % len(cases))
+    assert s.stop() == 0
+
+
+# ---------------------------------------------------------------- admission
+
+def test_overload():
+    R, Q, N = 4, 4, 32
+    s = Stepd("--max-running", str(R), "--max-queue", str(Q))
+    eng = s.start_engine("g0", "--delay-ms", "20")
+    s.wait_ready()
+    results = []
+    lock = threading.Lock()
+
+    def run(i):
+        t0 = time.time()
+        try:
+            call = s.inf.Generate(gen_request([i], 20), timeout=30)
+            toks, _, finals, _ = collect(call)
+            r = ("OK", time.time() - t0, None)
+        except grpc.RpcError as e:
+            md = dict(e.trailing_metadata() or ())
+            r = (e.code().name, time.time() - t0, md.get("grpc-retry-pushback-ms"))
+        with lock:
+            results.append(r)
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(N)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(30)
+    ok = [r for r in results if r[0] == "OK"]
+    rej = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
+    assert len(ok) + len(rej) == N, results
+    assert len(ok) == R + Q, (len(ok), results)
+    assert all(r[2] == "100" for r in rej), rej
+    time.sleep(0.2)
+    assert eng.stats()["generate"] == R + Q, eng.stats()
+    lat = sorted(r[1] for r in rej)
+    print("   admitted %d, rejected %d; rejection latency p50 %.1f ms max %.1f ms (client-side, Python)"
+          % (len(ok), len(rej), 1000 * lat[len(lat) // 2], 1000 * lat[-1]))
+    assert s.stop() == 0
+
+
+# ---------------------------------------------------------------- security
+
+def test_api_key_every_rpc():
+    key = "Key-0123456789abcdef"
+    s = Stepd(env={"STEPD_API_KEY": key})
+    s.start_engine("g0")
+    s.wait_ready_with_key = None
+    # route coverage: every method of Inference and Admin, from the service descriptors
+    svc = {"Inference": s.channel, "Admin": s.admin_channel}
+    seen = 0
+    for sname, ch in svc.items():
+        desc = pb.DESCRIPTOR.services_by_name[sname]
+        for m in desc.methods:
+            path = "/stepd.v1.%s/%s" % (sname, m.name)
+            req = b""
+            for md in (None, [("authorization", "Bearer " + key.lower())], [("authorization", key)],
+                       [("authorization", "Bearer " + key[:-1])]):
+                if m.server_streaming:
+                    fn = lambda: list(ch.unary_stream(path)(req, timeout=3, metadata=md))  # noqa: E731
+                else:
+                    fn = lambda: ch.unary_unary(path)(req, timeout=3, metadata=md)  # noqa: E731
+                c, d = code_of(fn)
+                assert c == grpc.StatusCode.UNAUTHENTICATED, (path, md, c, d)
+            seen += 1
+    assert seen == 9, seen
+    # health needs no key; the right key works
+    assert s.check("") == SERVING
+    md = [("authorization", "Bearer " + key)]
+    end = time.time() + 10
+    while time.time() < end:
+        if s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2, metadata=md).groups_ready:
+            break
+        time.sleep(0.05)
+    _, _, finals, _ = collect(s.inf.Generate(gen_request(), timeout=5, metadata=md))
+    assert finals
+    assert s.stop() == 0
+
+
+def test_listen_policy():
+    p = subprocess.run([STEPD_BIN, "--listen", "0.0.0.0:0", "--admin-listen", "127.0.0.1:0",
+                        "--control-listen", "127.0.0.1:0", "--metrics-listen", ""],
+                       capture_output=True, text=True, timeout=10)
+    assert p.returncode != 0 and "refusing to listen on non-loopback" in p.stderr, (p.returncode, p.stderr)
+    p = subprocess.run([STEPD_BIN, "--api-key", "secret"], capture_output=True, text=True, timeout=10)
+    assert p.returncode == 2 and "never taken from the command line" in p.stderr, p.stderr
+    p = subprocess.run([STEPD_BIN, "--max-queue", "-3"], capture_output=True, text=True, timeout=10)
+    assert p.returncode == 2 and "--max-queue" in p.stderr, p.stderr
+    # explicit override starts (then drains on SIGTERM)
+    s = Stepd("--listen", "0.0.0.0:0", "--insecure-listen")
+    assert "without TLS and API key (--insecure-listen)" in s.read_log()
+    assert s.stop() == 0
+
+
+# ---------------------------------------------------------------- text pipeline
+
+def test_text_and_chat():
+    if not TOKENIZER or not os.path.exists(TOKENIZER):
+        print("   (no tokenizer; skipped)")
+        return
+    s = Stepd("--tokenizer", TOKENIZER)
+    s.start_engine("g0", "--delay-ms", "1", "--vocab", "4000")
+    s.wait_ready()
+    tk = s.inf.Tokenize(pb.TokenizeRequest(text="Hello world"), timeout=5)
+    assert tk.count == len(tk.token_ids) > 0
+    dt = s.inf.Detokenize(pb.DetokenizeRequest(token_ids=tk.token_ids), timeout=5)
+    assert "Hello world" in dt.text, dt.text
+    c, d = code_of(lambda: s.inf.Detokenize(pb.DetokenizeRequest(token_ids=[4000]), timeout=5))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in d, (c, d)
+    # text in, text out: the streamed text equals Detokenize of the streamed ids
+    req = pb.GenerateRequest(text="Hello world", sampling_params=pb.SamplingParams(max_tokens=20),
+                             stream_options=pb.StreamOptions(include_token_ids=True))
+    toks, text, finals, _ = collect(s.inf.Generate(req, timeout=10))
+    assert len(toks) == 20 and finals[0].usage.prompt_tokens == tk.count, (toks, finals)
+    ref = s.inf.Detokenize(pb.DetokenizeRequest(token_ids=[t for t in toks if t not in (2, 5)]), timeout=5).text
+    assert text == ref, (text, ref)
+    # stop string cut: take a piece of the reference output as stop string
+    if len(ref) > 8:
+        stop = ref[4:8]
+        req = pb.GenerateRequest(text="Hello world", sampling_params=pb.SamplingParams(max_tokens=20, stop=[stop]))
+        _, text2, finals, _ = collect(s.inf.Generate(req, timeout=10))
+        assert finals[0].finish_reason == pb.FINISH_REASON_STOP and finals[0].stop_string == stop, finals
+        assert text2 == ref[:ref.index(stop)], (text2, ref, stop)
+    # chat renders and streams
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="system", content="Be brief."),
+                                  pb.ChatMessage(role="user", content="Hi!")], reasoning_effort="low")
+    tk2 = s.inf.Tokenize(pb.TokenizeRequest(chat=chat), timeout=5)
+    toks, text, finals, chunks = collect(s.inf.Generate(pb.GenerateRequest(chat=chat,
+                                         sampling_params=pb.SamplingParams(max_tokens=10)), timeout=10))
+    assert finals[0].usage.prompt_tokens == tk2.count and finals[0].usage.completion_tokens == 10, finals
+    parsed = "".join(c.reasoning_delta + c.content_delta for c in chunks)
+    assert parsed.replace("\n", "") or text == "", (parsed, text)
+    assert s.stop() == 0
+
+
+# ---------------------------------------------------------------- drain
+
+def test_drain_sigterm():
+    s = Stepd("--drain-timeout", "10")
+    eng = s.start_engine("g0", "--delay-ms", "10")
+    s.wait_ready()
+    out = {}
+
+    def run():
+        try:
+            toks, _, finals, _ = collect(s.inf.Generate(gen_request([3], 60), timeout=20))
+            out["r"] = ("OK", len(toks))
+        except grpc.RpcError as e:
+            out["r"] = (e.code().name, e.details())
+    th = threading.Thread(target=run)
+    th.start()
+    wait_until(lambda: eng.stats().get("running", 0) >= 1, what="stream started")
+    time.sleep(0.1)
+    s.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: s.check("readiness") == NOT_SERVING, timeout=2, what="readiness NOT_SERVING")
+    assert s.check("") == SERVING
+    c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=5)))
+    assert c == grpc.StatusCode.UNAVAILABLE and "draining" in d, (c, d)
+    th.join(20)
+    assert out["r"] == ("OK", 60), out
+    rc = s.proc.wait(10)
+    assert rc == 0, rc
+    assert "drain complete" in s.read_log()
+    eng.wait_exit(10)
+    assert eng.proc.returncode == 0     # the worker exits by itself when the coordinator goes (B3)
+
+
+def test_drain_admin_and_timeout():
+    s = Stepd("--drain-timeout", "0.5")
+    s.start_engine("g0", "--delay-ms", "50")
+    s.wait_ready()
+    st = s.inf.Generate(gen_request([3], 1000), timeout=30)
+    next(st)
+    r = s.admin.Drain(pb.DrainRequest(exit_when_drained=True, timeout_ms=300), timeout=5)
+    assert r.in_flight == 1, r
+    c, d = code_of(lambda: collect(st))
+    assert c == grpc.StatusCode.UNAVAILABLE and "drain timeout" in d, (c, d)
+    assert s.proc.wait(10) == 0
+
+
+if __name__ == "__main__":
+    run_tests([
+        ("unary_and_stream", test_unary_and_stream),
+        ("cancel_and_deadline", test_cancel_and_deadline),
+        ("health_and_failover", test_health_and_failover),
+        ("group_of_two_ranks", test_group_of_two_ranks),
+        ("bad_inputs", test_bad_inputs),
+        ("overload", test_overload),
+        ("api_key_every_rpc", test_api_key_every_rpc),
+        ("listen_policy", test_listen_policy),
+        ("text_and_chat", test_text_and_chat),
+        ("drain_sigterm", test_drain_sigterm),
+        ("drain_admin_and_timeout", test_drain_admin_and_timeout),
+    ])

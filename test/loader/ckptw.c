@@ -1,0 +1,885 @@
+/* ckptw.c - see ckptw.h. Test support code: clarity over speed. */
+#include "ckptw.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "mxfp4.h"
+
+/* ------------------------------------------------------------------------ */
+/* numbers */
+
+uint16_t ckptw_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t) ((u >> 16) | 0x40);   /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t) (u >> 16);
+}
+
+float ckptw_bf16_to_f32(uint16_t b)
+{
+    uint32_t u = (uint32_t) b << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++)
+        h = (h ^ (unsigned char) *s) * 1099511628211ull;
+    return h;
+}
+
+float ckptw_random_value(uint64_t seed, const char *name, int64_t i, float scale)
+{
+    uint64_t r = splitmix64(splitmix64(seed ^ name_hash(name)) + (uint64_t) i);
+    double u = (double) (r >> 11) / (double) (1ull << 53);   /* [0, 1) */
+    return (float) ((2.0 * u - 1.0) * scale);
+}
+
+int64_t ckptw_tensor_bytes(enum dtype dt, int ndim, const int64_t *shape)
+{
+    uint64_t n = 1, bits;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0 || __builtin_mul_overflow(n, (uint64_t) shape[i], &n))
+            return -1;
+    }
+    if (__builtin_mul_overflow(n, (uint64_t) dtype_bits(dt), &bits) || bits % 8 || bits / 8 > INT64_MAX)
+        return -1;
+    return (int64_t) (bits / 8);
+}
+
+/* ------------------------------------------------------------------------ */
+/* the tensor list of a model */
+
+enum gen_kind {
+    GEN_DENSE,          /* BF16 from floats */
+    GEN_F32,            /* F32 from floats (router_bias) */
+    GEN_PACKED,         /* MXFP4 codes of base.weight */
+    GEN_SCALE,          /* MXFP4 scales of base.weight */
+    GEN_OPT_SCALE,      /* optional scale: 1 + h/8 */
+    GEN_OPT_ZP,         /* optional zero point: h */
+    GEN_RAW,            /* override / extra: deterministic bytes */
+};
+
+struct gen {
+    char name[160];     /* canonical */
+    enum dtype dtype;
+    int ndim;
+    int64_t shape[TENSOR_MAX_DIMS];
+    enum gen_kind kind;
+    int64_t lout, lin;  /* logical [out, in] for MXFP4 */
+    bool mtp;
+};
+
+struct genlist {
+    struct gen *v;
+    size_t n, cap;
+};
+
+static struct gen *gen_push(struct genlist *l)
+{
+    if (l->n == l->cap) {
+        size_t nc = l->cap ? l->cap * 2 : 128;
+        struct gen *nv = realloc(l->v, nc * sizeof(*nv));
+        if (!nv)
+            return NULL;
+        l->v = nv;
+        l->cap = nc;
+    }
+    memset(&l->v[l->n], 0, sizeof(l->v[l->n]));
+    return &l->v[l->n++];
+}
+
+static int add(struct genlist *l, enum gen_kind k, enum dtype dt, int ndim, int64_t d0, int64_t d1,
+               bool mtp, const char *fmt, ...) __attribute__((format(printf, 8, 9)));
+static int add(struct genlist *l, enum gen_kind k, enum dtype dt, int ndim, int64_t d0, int64_t d1,
+               bool mtp, const char *fmt, ...)
+{
+    struct gen *g = gen_push(l);
+    va_list ap;
+    if (!g)
+        return -ENOMEM;
+    va_start(ap, fmt);
+    vsnprintf(g->name, sizeof(g->name), fmt, ap);
+    va_end(ap);
+    g->kind = k;
+    g->dtype = dt;
+    g->ndim = ndim;
+    g->shape[0] = d0;
+    g->shape[1] = d1;
+    g->mtp = mtp;
+    return 0;
+}
+
+#define A(...) do { int _r = add(__VA_ARGS__); if (_r < 0) return _r; } while (0)
+
+static int add_optional(struct genlist *l, const struct ckptw_opts *o, int layer, int kv, bool mtp)
+{
+    static const char *const sc[2] = { "k_scale", "v_scale" }, *const zp[2] = { "k_zero_point", "v_zero_point" };
+    for (int i = 0; i < 2; i++) {
+        if (o->kv_scales != CKPTW_OPT_NONE)
+            A(l, GEN_OPT_SCALE, DTYPE_F32, o->kv_scales == CKPTW_OPT_PER_HEAD ? 1 : 0, kv, 0, mtp,
+              "model.layers.%d.self_attn.%s", layer, sc[i]);
+        if (o->zero_points != CKPTW_OPT_NONE)
+            A(l, GEN_OPT_ZP, DTYPE_F32, o->zero_points == CKPTW_OPT_PER_HEAD ? 1 : 0, kv, 0, mtp,
+              "model.layers.%d.self_attn.%s", layer, zp[i]);
+    }
+    return 0;
+}
+
+static int build_list(const struct model_config *c, const struct ckptw_opts *o, struct genlist *l)
+{
+    const int64_t H = c->hidden_size, V = c->vocab_size;
+    int n_layers = c->n_layers + (o->write_mtp ? c->n_mtp_layers : 0);
+
+    A(l, GEN_DENSE, DTYPE_BF16, 2, V, H, false, "model.embed_tokens.weight");
+    for (int i = 0; i < n_layers; i++) {
+        const struct layer_config *L = &c->layers[i];
+        const int64_t nh = L->n_heads, kv = L->n_kv_heads, hd = L->head_dim;
+        bool m = L->is_mtp;
+
+        if (m) {
+            A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.enorm.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.hnorm.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 2, H, 2 * H, m, "model.layers.%d.eh_proj.weight", i);
+        }
+        A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.input_layernorm.weight", i);
+        A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.post_attention_layernorm.weight", i);
+        A(l, GEN_DENSE, DTYPE_BF16, 2, nh * hd, H, m, "model.layers.%d.self_attn.q_proj.weight", i);
+        A(l, GEN_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.k_proj.weight", i);
+        A(l, GEN_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.v_proj.weight", i);
+        A(l, GEN_DENSE, DTYPE_BF16, 2, H, nh * hd, m, "model.layers.%d.self_attn.o_proj.weight", i);
+        if (c->use_head_wise_attn_gate)
+            A(l, GEN_DENSE, DTYPE_BF16, 2, nh, H, m, "model.layers.%d.self_attn.g_proj.weight", i);
+        if (c->use_qk_norm) {
+            A(l, GEN_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.q_norm.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.k_norm.weight", i);
+        }
+        if ((m && o->optional_mtp) || (!m && o->optional_trunk)) {
+            int r = add_optional(l, o, i, (int) kv, m);
+            if (r < 0)
+                return r;
+        }
+        if (!L->is_moe) {
+            const int64_t I = c->intermediate_size;
+            A(l, GEN_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.gate_proj.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.up_proj.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 2, H, I, m, "model.layers.%d.mlp.down_proj.weight", i);
+        } else {
+            const int64_t E = c->n_experts, S = c->shared_expert_dim, M = c->moe_intermediate_size;
+            A(l, GEN_DENSE, DTYPE_BF16, 2, E, H, m, "model.layers.%d.moe.gate.weight", i);
+            if (c->use_router_bias)
+                A(l, GEN_F32, DTYPE_F32, 1, E, 0, m, "model.layers.%d.moe.router_bias", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.gate_proj.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.up_proj.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 2, H, S, m, "model.layers.%d.share_expert.down_proj.weight", i);
+            for (int e = 0; e < E; e++) {
+                static const char *const pj[3] = { "gate_proj", "up_proj", "down_proj" };
+                for (int k = 0; k < 3; k++) {
+                    int64_t out = k < 2 ? M : H, in = k < 2 ? H : M;
+                    if (c->quant == QUANT_MXFP4) {
+                        A(l, GEN_PACKED, DTYPE_U8, 2, out, in / 2, m, "model.layers.%d.moe.experts.%d.%s.weight_packed", i, e, pj[k]);
+                        l->v[l->n - 1].lout = out, l->v[l->n - 1].lin = in;
+                        A(l, GEN_SCALE, DTYPE_U8, 2, out, in / 32, m, "model.layers.%d.moe.experts.%d.%s.weight_scale", i, e, pj[k]);
+                        l->v[l->n - 1].lout = out, l->v[l->n - 1].lin = in;
+                    } else {
+                        A(l, GEN_DENSE, DTYPE_BF16, 2, out, in, m, "model.layers.%d.moe.experts.%d.%s.weight", i, e, pj[k]);
+                    }
+                }
+            }
+        }
+        if (m) {
+            A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.transformer.shared_head.norm.weight", i);
+            A(l, GEN_DENSE, DTYPE_BF16, 2, V, H, m, "model.layers.%d.transformer.shared_head.output.weight", i);
+        }
+    }
+    A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, false, "model.norm.weight");
+    if (!c->tie_word_embeddings)
+        A(l, GEN_DENSE, DTYPE_BF16, 2, V, H, false, "lm_head.weight");
+    for (int i = 0; o->extra && o->extra[i]; i++)
+        A(l, GEN_RAW, DTYPE_BF16, 1, 4, 0, false, "%s", o->extra[i]);
+    return 0;
+}
+#undef A
+
+/* ------------------------------------------------------------------------ */
+/* data */
+
+static int gen_floats(const struct ckptw_opts *o, const char *name, int ndim, const int64_t *shape,
+                      float **ret)
+{
+    int64_t n = 1;
+    float *v;
+    for (int i = 0; i < ndim; i++)
+        n *= shape[i];
+    v = malloc((size_t) (n ? n : 1) * sizeof(float));
+    if (!v)
+        return -ENOMEM;
+    if (!o->fill || o->fill(o->fill_user, name, ndim, shape, v) == 0)
+        for (int64_t i = 0; i < n; i++)
+            v[i] = ckptw_random_value(o->seed, name, i, o->init_scale);
+    *ret = v;
+    return 0;
+}
+
+/* Produce the bytes of g (nbytes); caller frees. */
+static int gen_bytes(const struct ckptw_opts *o, const struct gen *g, int64_t nbytes, unsigned char **ret)
+{
+    unsigned char *b = calloc(1, (size_t) (nbytes ? nbytes : 1));
+    float *f = NULL;
+    int r = 0;
+
+    if (!b)
+        return -ENOMEM;
+    switch (g->kind) {
+    case GEN_DENSE:
+    case GEN_F32: {
+        int64_t n = nbytes / (g->dtype == DTYPE_F32 ? 4 : 2);
+        r = gen_floats(o, g->name, g->ndim, g->shape, &f);
+        if (r < 0)
+            break;
+        for (int64_t i = 0; i < n; i++) {
+            if (g->dtype == DTYPE_F32) {
+                memcpy(b + 4 * i, &f[i], 4);
+            } else {
+                uint16_t h = ckptw_f32_to_bf16(f[i]);
+                b[2 * i] = (unsigned char) h;
+                b[2 * i + 1] = (unsigned char) (h >> 8);
+            }
+        }
+        break;
+    }
+    case GEN_PACKED:
+    case GEN_SCALE: {
+        char base[180];
+        int64_t lshape[2] = { g->lout, g->lin };
+        size_t bl = strlen(g->name) - strlen(g->kind == GEN_PACKED ? "_packed" : "_scale");
+        uint8_t *scale_row = malloc((size_t) g->lin / 32), *packed_row = malloc((size_t) g->lin / 2);
+        snprintf(base, sizeof(base), "%.*s", (int) bl, g->name);   /* X.weight */
+        if (!scale_row || !packed_row) {
+            free(scale_row);
+            free(packed_row);
+            r = -ENOMEM;
+            break;
+        }
+        r = gen_floats(o, base, 2, lshape, &f);
+        for (int64_t row = 0; r == 0 && row < g->lout; row++) {
+            r = mxfp4_row_quantize(f + row * g->lin, g->lin, packed_row, scale_row);
+            if (g->kind == GEN_PACKED)
+                memcpy(b + row * (g->lin / 2), packed_row, (size_t) g->lin / 2);
+            else
+                memcpy(b + row * (g->lin / 32), scale_row, (size_t) g->lin / 32);
+        }
+        free(scale_row);
+        free(packed_row);
+        break;
+    }
+    case GEN_OPT_SCALE:
+    case GEN_OPT_ZP: {
+        int64_t n = g->ndim ? g->shape[0] : 1;
+        for (int64_t h = 0; h < n; h++) {
+            float v = g->kind == GEN_OPT_SCALE ? 1.0f + 0.125f * (float) h : (float) h;
+            memcpy(b + 4 * h, &v, 4);
+        }
+        break;
+    }
+    case GEN_RAW:
+        for (int64_t i = 0; i < nbytes; i++)
+            b[i] = (unsigned char) (splitmix64(name_hash(g->name) + (uint64_t) i) & 0x3f);
+        break;
+    }
+    free(f);
+    if (r < 0) {
+        free(b);
+        return r;
+    }
+    *ret = b;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* files */
+
+static int write_all(int fd, const void *buf, size_t n)
+{
+    const char *p = buf;
+    while (n) {
+        ssize_t k = write(fd, p, n);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0)
+            return -errno;
+        p += k;
+        n -= (size_t) k;
+    }
+    return 0;
+}
+
+struct strbuf {
+    char *p;
+    size_t len, cap;
+};
+
+static int sb_add(struct strbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int sb_add(struct strbuf *s, const char *fmt, ...)
+{
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (s->len + (size_t) n + 16 > s->cap) {
+        size_t nc = s->cap ? s->cap * 2 : 4096;
+        char *np;
+        while (nc < s->len + (size_t) n + 16)
+            nc *= 2;
+        np = realloc(s->p, nc);
+        if (!np)
+            return -ENOMEM;
+        s->p = np;
+        s->cap = nc;
+    }
+    va_start(ap, fmt);
+    vsnprintf(s->p + s->len, s->cap - s->len, fmt, ap);
+    va_end(ap);
+    s->len += (size_t) n;
+    return 0;
+}
+
+/* Header of n tensors with sequential offsets; pads to a multiple of 8. */
+static int build_header(const struct ckptw_tensor *t, size_t n, struct strbuf *s, uint64_t *ret_data,
+                        struct err_buf *e)
+{
+    uint64_t off = 0;
+    int r = sb_add(s, "{\"__metadata__\":{\"format\":\"pt\"}");
+    for (size_t i = 0; r == 0 && i < n; i++) {
+        int64_t nb = ckptw_tensor_bytes(t[i].dtype, t[i].ndim, t[i].shape);
+        if (nb < 0)
+            return err_set(e, -EOVERFLOW, "ckptw: tensor '%s' has no whole byte size", t[i].name);
+        r = sb_add(s, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t[i].name, dtype_name(t[i].dtype));
+        for (int d = 0; r == 0 && d < t[i].ndim; d++)
+            r = sb_add(s, "%s%lld", d ? "," : "", (long long) t[i].shape[d]);
+        if (r == 0)
+            r = sb_add(s, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long) off,
+                       (unsigned long long) (off + (uint64_t) nb));
+        off += (uint64_t) nb;
+    }
+    if (r == 0)
+        r = sb_add(s, "}");
+    while (r == 0 && s->len % 8)
+        r = sb_add(s, " ");
+    if (r < 0)
+        return err_set(e, r, "ckptw: out of memory");
+    *ret_data = off;
+    return 0;
+}
+
+int ckptw_write_safetensors(const char *path, const struct ckptw_tensor *t, size_t n, bool sparse,
+                            struct err_buf *e)
+{
+    struct strbuf s = { 0 };
+    unsigned char pre[8];
+    uint64_t data_len = 0, hl;
+    int fd, r;
+
+    r = build_header(t, n, &s, &data_len, e);
+    if (r < 0)
+        goto out;
+    hl = s.len;
+    for (int i = 0; i < 8; i++)
+        pre[i] = (unsigned char) (hl >> (8 * i));
+    fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        r = err_set(e, -errno, "%s: cannot create: %s", path, strerror(errno));
+        goto out;
+    }
+    r = write_all(fd, pre, 8);
+    if (r == 0)
+        r = write_all(fd, s.p, s.len);
+    for (size_t i = 0; r == 0 && !sparse && i < n; i++)
+        r = write_all(fd, t[i].data, (size_t) ckptw_tensor_bytes(t[i].dtype, t[i].ndim, t[i].shape));
+    if (r == 0 && sparse && ftruncate(fd, (off_t) (8 + hl + data_len)) < 0)
+        r = -errno;
+    if (close(fd) < 0 && r == 0)
+        r = -errno;
+    if (r < 0)
+        r = err_set(e, r, "%s: write failed: %s", path, strerror(-r));
+out:
+    free(s.p);
+    return r;
+}
+
+/* ------------------------------------------------------------------------ */
+/* config.json */
+
+static json_t *num_list(const struct model_config *c, int n, int which)
+{
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) {
+        const struct layer_config *L = &c->layers[i];
+        double v = which == 0 ? L->rope_theta
+                 : which == 1 ? (double) L->rotary_dims / L->head_dim
+                 : which == 2 ? L->swiglu_limit : L->swiglu_limit_shared;
+        json_array_append_new(a, json_real(v));
+    }
+    return a;
+}
+
+int ckptw_write_config(const char *path, const struct model_config *c, bool nested,
+                       bool lists_trunk_only, struct err_buf *e)
+{
+    json_t *root = json_object(), *t = nested ? json_object() : root, *lt = json_array();
+    json_t *eos = json_array();
+    char moe[2048] = "";
+    size_t ml = 0;
+    int nl = lists_trunk_only ? c->n_layers : c->n_layers_total, r = 0;
+    bool llama_full = false, llama_sliding = false;
+
+    json_object_set_new(root, "model_type", json_string(c->model_type[0] ? c->model_type : "step3p7"));
+    json_object_set_new(root, "architectures", json_pack("[s]", nested ? "Step3p7ForConditionalGeneration" : "Step3p5ForCausalLM"));
+    if (nested) {
+        json_object_set_new(root, "text_config", t);
+        json_object_set_new(t, "model_type", json_string("step3p5"));
+        json_object_set_new(root, "tie_word_embeddings", json_boolean(c->tie_word_embeddings));
+    } else {
+        json_object_set_new(t, "tie_word_embeddings", json_boolean(c->tie_word_embeddings));
+    }
+    json_object_set_new(t, "hidden_size", json_integer(c->hidden_size));
+    json_object_set_new(t, "intermediate_size", json_integer(c->intermediate_size));
+    json_object_set_new(t, "num_hidden_layers", json_integer(c->n_layers));
+    json_object_set_new(t, "num_nextn_predict_layers", json_integer(c->n_mtp_layers));
+    json_object_set_new(t, "vocab_size", json_integer(c->vocab_size));
+    json_object_set_new(t, "max_position_embeddings", json_integer(c->max_position_embeddings));
+    json_object_set_new(t, "max_seq_len", json_integer(c->max_position_embeddings));
+    json_object_set_new(t, "torch_dtype", json_string("bfloat16"));
+    json_object_set_new(t, "rms_norm_eps", json_real(c->rms_norm_eps));
+    json_object_set_new(t, "head_dim", json_integer(c->head_dim));
+    json_object_set_new(t, "num_attention_heads", json_integer(c->n_heads_full));
+    json_object_set_new(t, "num_attention_groups", json_integer(c->n_kv_heads));
+    json_object_set_new(t, "attention_other_setting",
+                        json_pack("{s:s, s:i, s:i, s:i, s:i}", "attention_type", "sliding_attention",
+                                  "num_attention_heads", c->n_heads_sliding, "num_attention_groups",
+                                  c->n_kv_heads, "head_dim", c->head_dim, "true_head_dim", c->head_dim));
+    json_object_set_new(t, "att_impl_type", json_string("GQA"));
+    for (int i = 0; i < nl; i++)
+        json_array_append_new(lt, json_string(c->layers[i].kind == LAYER_KIND_FULL ? "full_attention" : "sliding_attention"));
+    json_object_set_new(t, "layer_types", lt);
+    json_object_set_new(t, "sliding_window", json_integer(c->sliding_window));
+    json_object_set_new(t, "rope_theta", num_list(c, nl, 0));
+    json_object_set_new(t, "partial_rotary_factors", num_list(c, nl, 1));
+    json_object_set_new(t, "swiglu_limits", num_list(c, nl, 2));
+    json_object_set_new(t, "swiglu_limits_shared", num_list(c, nl, 3));
+    for (int i = 0; i < c->n_layers_total; i++) {
+        if (c->layers[i].rope_llama3)
+            *(c->layers[i].kind == LAYER_KIND_FULL ? &llama_full : &llama_sliding) = true;
+    }
+    if (c->rope_scaling.present) {
+        json_t *y = json_array();
+        json_object_set_new(t, "rope_scaling",
+                            json_pack("{s:s, s:f, s:f, s:f, s:f}", "rope_type", "llama3", "factor",
+                                      c->rope_scaling.factor, "low_freq_factor", c->rope_scaling.low_freq_factor,
+                                      "high_freq_factor", c->rope_scaling.high_freq_factor,
+                                      "original_max_position_embeddings",
+                                      c->rope_scaling.original_max_position_embeddings));
+        if (llama_full)
+            json_array_append_new(y, json_string("full_attention"));
+        if (llama_sliding)
+            json_array_append_new(y, json_string("sliding_attention"));
+        json_object_set_new(t, "yarn_only_types", y);
+    }
+    json_object_set_new(t, "use_qk_norm", json_boolean(c->use_qk_norm));
+    json_object_set_new(t, "use_head_wise_attn_gate", json_boolean(c->use_head_wise_attn_gate));
+    for (int i = 0; i < c->n_layers; i++)
+        if (c->layers[i].is_moe)
+            ml += (size_t) snprintf(moe + ml, sizeof(moe) - ml, "%s%d", ml ? "," : "", i);
+    json_object_set_new(t, "use_moe", json_boolean(ml > 0));
+    if (ml) {
+        json_object_set_new(t, "moe_layers_enum", json_string(moe));
+        json_object_set_new(t, "moe_num_experts", json_integer(c->n_experts));
+        json_object_set_new(t, "moe_top_k", json_integer(c->top_k));
+        json_object_set_new(t, "moe_intermediate_size", json_integer(c->moe_intermediate_size));
+        json_object_set_new(t, "share_expert_dim", json_integer(c->shared_expert_dim));
+        json_object_set_new(t, "norm_expert_weight", json_boolean(c->norm_expert_weight));
+        json_object_set_new(t, "moe_router_activation", json_string("sigmoid"));
+        json_object_set_new(t, "moe_router_scaling_factor", json_real(c->router_scaling_factor));
+        json_object_set_new(t, "use_moe_router_bias", json_boolean(c->use_router_bias));
+        json_object_set_new(t, "need_fp32_gate", json_true());
+    }
+    if (c->bos_token_id >= 0)
+        json_object_set_new(t, "bos_token_id", json_integer(c->bos_token_id));
+    for (int i = 0; i < c->n_eos; i++)
+        json_array_append_new(eos, json_integer(c->eos_token_ids[i]));
+    json_object_set_new(t, "eos_token_id", eos);
+    if (c->quant == QUANT_MXFP4) {
+        json_t *q = json_pack(
+            "{s:s, s:s, s:{s:{s:s, s:{s:i, s:s, s:s, s:i, s:b}, s:[s, s]}},"
+            " s:[s, s, s, s, s, s, s, s, s, s, s, s, s, s]}",
+            "quant_method", "compressed-tensors", "format", "mixed-precision",
+            "config_groups", "group_0", "format", "mxfp4-pack-quantized",
+            "weights", "num_bits", 4, "type", "float", "strategy", "group", "group_size", 32, "symmetric", 1,
+            "targets", "re:.*\\.experts\\.\\d+\\..*", "re:.*model\\.layers\\.\\d+\\.moe\\.experts\\.\\d+\\.gate_up_proj$",
+            "ignore", "re:.*model\\.layers\\.\\d+\\.self_attn\\.q_proj$", "re:.*model\\.layers\\.\\d+\\.self_attn\\.k_proj$",
+            "re:.*model\\.layers\\.\\d+\\.self_attn\\.v_proj$", "re:.*model\\.layers\\.\\d+\\.self_attn\\.o_proj$",
+            "re:.*model\\.layers\\.\\d+\\.self_attn\\.g_proj$", "re:.*model\\.layers\\.\\d+\\.mlp\\.gate_proj$",
+            "re:.*model\\.layers\\.\\d+\\.mlp\\.up_proj$", "re:.*model\\.layers\\.\\d+\\.mlp\\.down_proj$",
+            "re:.*model\\.layers\\.\\d+\\.moe\\.gate$", "re:.*model\\.layers\\.\\d+\\.share_expert\\..*$",
+            "re:.*model\\.layers\\.\\d+\\.eh_proj$", "re:.*model\\.layers\\.\\d+\\.transformer\\.shared_head\\.output$",
+            "re:.*lm_head$", "re:.*model\\.embed_tokens$");
+        if (!q) {
+            r = err_set(e, -EINVAL, "ckptw: cannot build quantization_config");
+            goto out;
+        }
+        json_object_set_new(root, "quantization_config", q);
+    }
+    if (json_dump_file(root, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(17)) < 0)
+        r = err_set(e, -EIO, "%s: cannot write", path);
+out:
+    json_decref(root);
+    return r;
+}
+
+/* ------------------------------------------------------------------------ */
+
+void ckptw_opts_default(struct ckptw_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->n_shards = 3;
+    o->write_mtp = true;
+    o->optional_trunk = true;
+    o->optional_mtp = true;
+    o->nested = true;
+    o->seed = 1;
+    o->init_scale = 0.05f;
+}
+
+void ckptw_config_tiny(struct model_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    snprintf(c->model_type, sizeof(c->model_type), "step3p7");
+    c->hidden_size = 64;
+    c->intermediate_size = 128;
+    c->n_layers = 4;
+    c->n_mtp_layers = 2;
+    c->n_layers_total = 6;
+    c->vocab_size = 256;
+    c->max_position_embeddings = 4096;
+    c->rms_norm_eps = 1e-5f;
+    c->n_heads_full = 8;
+    c->n_heads_sliding = 16;
+    c->n_kv_heads = 8;
+    c->head_dim = 16;
+    c->sliding_window = 8;
+    c->n_experts = 16;
+    c->top_k = 2;
+    c->moe_intermediate_size = 64;
+    c->shared_expert_dim = 32;
+    c->norm_expert_weight = true;
+    c->router_scaling_factor = 3.0f;
+    c->use_router_bias = true;
+    c->rope_scaling.present = true;
+    c->rope_scaling.factor = 2.0;
+    c->rope_scaling.low_freq_factor = 1.0;
+    c->rope_scaling.high_freq_factor = 32.0;
+    c->rope_scaling.original_max_position_embeddings = 2048;
+    c->use_qk_norm = true;
+    c->use_head_wise_attn_gate = true;
+    c->tie_word_embeddings = false;
+    c->bos_token_id = 0;
+    c->eos_token_ids[0] = 1;
+    c->eos_token_ids[1] = 2;
+    c->n_eos = 2;
+    c->quant = QUANT_MXFP4;
+    c->quant_group_size = 32;
+    for (int i = 0; i < c->n_layers_total; i++) {
+        struct layer_config *L = &c->layers[i];
+        bool mtp = i >= c->n_layers;
+        L->kind = !mtp && i % 4 == 0 ? LAYER_KIND_FULL : LAYER_KIND_SLIDING;
+        L->n_heads = L->kind == LAYER_KIND_FULL ? c->n_heads_full : c->n_heads_sliding;
+        L->n_kv_heads = c->n_kv_heads;
+        L->head_dim = c->head_dim;
+        L->rotary_dims = L->kind == LAYER_KIND_FULL ? c->head_dim / 2 : c->head_dim;
+        L->rope_theta = L->kind == LAYER_KIND_FULL ? 5e6 : 1e4;
+        L->rope_llama3 = L->kind == LAYER_KIND_FULL;
+        L->is_moe = !mtp && i >= 2;
+        L->is_mtp = mtp;
+        L->swiglu_limit = i == c->n_layers - 1 ? 7.0f : 0.0f;
+        L->swiglu_limit_shared = i == c->n_layers - 1 ? 16.0f : 0.0f;
+    }
+}
+
+void ckptw_config_step37(struct model_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    snprintf(c->model_type, sizeof(c->model_type), "step3p7");
+    c->hidden_size = 4096;
+    c->intermediate_size = 11264;
+    c->n_layers = 45;
+    c->n_mtp_layers = 3;
+    c->n_layers_total = 48;
+    c->vocab_size = 128896;
+    c->max_position_embeddings = 262144;
+    c->rms_norm_eps = 1e-5f;
+    c->n_heads_full = 64;
+    c->n_heads_sliding = 96;
+    c->n_kv_heads = 8;
+    c->head_dim = 128;
+    c->sliding_window = 512;
+    c->n_experts = 288;
+    c->top_k = 8;
+    c->moe_intermediate_size = 1280;
+    c->shared_expert_dim = 1280;
+    c->norm_expert_weight = true;
+    c->router_scaling_factor = 3.0f;
+    c->use_router_bias = true;
+    c->rope_scaling.present = true;
+    c->rope_scaling.factor = 2.0;
+    c->rope_scaling.low_freq_factor = 1.0;
+    c->rope_scaling.high_freq_factor = 32.0;
+    c->rope_scaling.original_max_position_embeddings = 131072;
+    c->use_qk_norm = true;
+    c->use_head_wise_attn_gate = true;
+    c->bos_token_id = 0;
+    c->eos_token_ids[0] = 1;
+    c->eos_token_ids[1] = 2;
+    c->eos_token_ids[2] = 128007;
+    c->n_eos = 3;
+    c->quant = QUANT_MXFP4;
+    c->quant_group_size = 32;
+    for (int i = 0; i < c->n_layers_total; i++) {
+        struct layer_config *L = &c->layers[i];
+        bool mtp = i >= c->n_layers;
+        L->kind = !mtp && i % 4 == 0 ? LAYER_KIND_FULL : LAYER_KIND_SLIDING;
+        L->n_heads = L->kind == LAYER_KIND_FULL ? 64 : 96;
+        L->n_kv_heads = 8;
+        L->head_dim = 128;
+        L->rotary_dims = L->kind == LAYER_KIND_FULL ? 64 : 128;
+        L->rope_theta = L->kind == LAYER_KIND_FULL ? 5e6 : 1e4;
+        L->rope_llama3 = L->kind == LAYER_KIND_FULL;
+        L->is_moe = !mtp && i >= 3;
+        L->is_mtp = mtp;
+        L->swiglu_limit = i == 43 || i == 44 ? 7.0f : 0.0f;
+        L->swiglu_limit_shared = i == 43 || i == 44 ? 16.0f : 0.0f;
+    }
+}
+
+static int write_group(const char *dir, const struct genlist *l, const bool *pick, int n_shards,
+                       bool single, const struct ckptw_opts *o, struct err_buf *e)
+{
+    size_t n = 0, done = 0;
+    json_t *idx = json_object(), *wm = json_object();
+    uint64_t total = 0;
+    char path[PATH_MAX];
+    int r = 0;
+
+    for (size_t i = 0; i < l->n; i++)
+        n += pick[i];
+    if (n_shards < 1)
+        n_shards = 1;
+    json_object_set_new(idx, "weight_map", wm);
+    for (int s = 0; s < n_shards && r == 0; s++) {
+        size_t want = (n * (size_t) (s + 1)) / (size_t) n_shards, cnt = 0, k = 0;
+        struct ckptw_tensor *ts = calloc(n + 1, sizeof(*ts));
+        unsigned char **bufs = calloc(n + 1, sizeof(*bufs));
+        char **names = calloc(n + 1, sizeof(*names));
+        char fname[64];
+
+        if (!ts || !bufs || !names) {
+            free(ts);
+            free(bufs);
+            free(names);
+            r = err_set(e, -ENOMEM, "ckptw: out of memory");
+            break;
+        }
+        if (single)
+            snprintf(fname, sizeof(fname), "model.safetensors");
+        else
+            snprintf(fname, sizeof(fname), "model-%05d-of-%05d.safetensors", s + 1, n_shards);
+        for (size_t i = 0; i < l->n && r == 0; i++) {
+            const struct gen *g;
+            struct ckptw_tensor *t;
+            int64_t nb;
+            if (!pick[i])
+                continue;
+            if (cnt++ < done)
+                continue;
+            if (done + k >= want)
+                break;
+            g = &l->v[i];
+            t = &ts[k];
+            t->dtype = g->dtype;
+            t->ndim = g->ndim;
+            memcpy(t->shape, g->shape, sizeof(t->shape));
+            for (int v = 0; v < o->n_overrides; v++)
+                if (strcmp(o->overrides[v].name, g->name) == 0) {
+                    t->dtype = o->overrides[v].dtype;
+                    t->ndim = o->overrides[v].ndim;
+                    memcpy(t->shape, o->overrides[v].shape, sizeof(t->shape));
+                }
+            names[k] = malloc(strlen(g->name) + 32);
+            if (!names[k]) {
+                r = err_set(e, -ENOMEM, "ckptw: out of memory");
+                break;
+            }
+            if (o->language_model_prefix && strncmp(g->name, "model.", 6) == 0)
+                sprintf(names[k], "model.language_model.%s", g->name + 6);
+            else
+                strcpy(names[k], g->name);
+            t->name = names[k];
+            nb = ckptw_tensor_bytes(t->dtype, t->ndim, t->shape);
+            if (nb < 0) {
+                r = err_set(e, -EINVAL, "ckptw: %s: bad override shape", g->name);
+                break;
+            }
+            if (t->dtype != g->dtype || t->ndim != g->ndim || memcmp(t->shape, g->shape, sizeof(t->shape))) {
+                struct gen raw = *g;
+                raw.kind = GEN_RAW;
+                r = gen_bytes(o, &raw, nb, &bufs[k]);
+            } else {
+                r = gen_bytes(o, g, nb, &bufs[k]);
+            }
+            if (r < 0) {
+                r = err_set(e, r, "ckptw: %s: cannot generate data", g->name);
+                break;
+            }
+            t->data = bufs[k];
+            total += (uint64_t) nb;
+            json_object_set_new(wm, t->name, json_string(fname));
+            k++;
+        }
+        done += k;
+        if (r == 0) {
+            snprintf(path, sizeof(path), "%s/%s", dir, fname);
+            r = ckptw_write_safetensors(path, ts, k, false, e);
+        }
+        for (size_t i = 0; i < k + 1; i++) {
+            free(bufs[i]);
+            free(names[i]);
+        }
+        free(ts);
+        free(bufs);
+        free(names);
+        if (single)
+            break;
+    }
+    if (r == 0 && !single) {
+        json_object_set_new(idx, "metadata", json_pack("{s:I}", "total_size", (json_int_t) total));
+        snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
+        if (json_dump_file(idx, path, JSON_INDENT(2) | JSON_SORT_KEYS) < 0)
+            r = err_set(e, -EIO, "%s: cannot write", path);
+    }
+    json_decref(idx);
+    return r;
+}
+
+int ckptw_write(const char *dir, const struct model_config *cfg, const struct ckptw_opts *o,
+                struct err_buf *e)
+{
+    struct genlist l = { 0 };
+    bool *pick = NULL;
+    char path[PATH_MAX];
+    int r;
+
+    if (mkdir(dir, 0755) < 0 && errno != EEXIST)
+        return err_set(e, -errno, "%s: cannot create: %s", dir, strerror(errno));
+    if (o->mtp_dir && mkdir(o->mtp_dir, 0755) < 0 && errno != EEXIST)
+        return err_set(e, -errno, "%s: cannot create: %s", o->mtp_dir, strerror(errno));
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    r = ckptw_write_config(path, cfg, o->nested, o->lists_trunk_only, e);
+    if (r < 0)
+        return r;
+    r = build_list(cfg, o, &l);
+    if (r < 0) {
+        r = err_set(e, r, "ckptw: out of memory");
+        goto out;
+    }
+    pick = calloc(l.n + 1, sizeof(*pick));
+    if (!pick) {
+        r = err_set(e, -ENOMEM, "ckptw: out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < l.n; i++) {
+        bool omitted = false;
+        for (int k = 0; o->omit && o->omit[k]; k++)
+            omitted |= strcmp(o->omit[k], l.v[i].name) == 0;
+        pick[i] = !omitted && !(o->mtp_dir && l.v[i].mtp);
+    }
+    r = write_group(dir, &l, pick, o->n_shards, o->single_file && o->n_shards <= 1, o, e);
+    if (r < 0 || !o->mtp_dir)
+        goto out;
+    for (size_t i = 0; i < l.n; i++) {
+        bool omitted = false;
+        for (int k = 0; o->omit && o->omit[k]; k++)
+            omitted |= strcmp(o->omit[k], l.v[i].name) == 0;
+        pick[i] = !omitted && l.v[i].mtp;
+    }
+    r = write_group(o->mtp_dir, &l, pick, 1, true, o, e);
+out:
+    free(pick);
+    free(l.v);
+    return r;
+}
+
+char *ckptw_tmpdir(const char *prefix)
+{
+    const char *base = getenv("TMPDIR");
+    char *p;
+    if (!base || !*base)
+        base = "/tmp";
+    if (asprintf(&p, "%s/%s-XXXXXX", base, prefix) < 0)
+        return NULL;
+    if (!mkdtemp(p)) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+void ckptw_rmtree(const char *path)
+{
+    struct stat st;
+    DIR *d;
+    struct dirent *de;
+
+    if (lstat(path, &st) < 0)
+        return;
+    if (!S_ISDIR(st.st_mode)) {
+        unlink(path);
+        return;
+    }
+    d = opendir(path);
+    if (d) {
+        while ((de = readdir(d))) {
+            char sub[PATH_MAX];
+            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+                continue;
+            snprintf(sub, sizeof(sub), "%s/%s", path, de->d_name);
+            ckptw_rmtree(sub);
+        }
+        closedir(d);
+    }
+    rmdir(path);
+}

@@ -1,0 +1,253 @@
+/* dryrun.c - full-scale dry run of the loader on the real Step-3.7-Flash-MXFP4 layout.
+ *
+ *   stepd-dryrun EXPECTED_TSV [--keep DIR] [--shards N]
+ *
+ * Reads the expected tensor list (../shared/data/step37-mxfp4-expected-tensors.tsv:
+ * "name<TAB>dtype<TAB>[shape]<TAB>note", "{0..287}" ranges expanded, "F32?" read as
+ * F32), writes safetensors headers with those names/dtypes/shapes over SPARSE data
+ * regions (ftruncate, no disk used) split into shards plus the index and a real
+ * Step-3.7 nested config.json with the compressed-tensors quantization_config, then
+ * plans N=1 and N=8 (every rank) with MTP K=3 in headers-only mode and once with
+ * the shards mapped.  Prints per-rank tensors, bytes, experts and planning time.
+ * The MTP layers of that layout have no KV scales or zero points: they must plan.
+ * Exit 77 (skip) when the TSV is absent.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "ckptw.h"
+#include "harness.h"
+#include "loader.h"
+
+struct row {
+    char *name;
+    enum dtype dt;
+    int ndim;
+    int64_t shape[TENSOR_MAX_DIMS];
+};
+
+static struct row *rows;
+static size_t n_rows, cap_rows;
+
+static void push(const char *name, enum dtype dt, int ndim, const int64_t *shape)
+{
+    if (n_rows == cap_rows) {
+        cap_rows = cap_rows ? cap_rows * 2 : 4096;
+        rows = realloc(rows, cap_rows * sizeof(*rows));
+        ASSERT_TRUE(rows != NULL);
+    }
+    rows[n_rows].name = strdup(name);
+    rows[n_rows].dt = dt;
+    rows[n_rows].ndim = ndim;
+    memcpy(rows[n_rows].shape, shape, sizeof(int64_t) * TENSOR_MAX_DIMS);
+    n_rows++;
+}
+
+static int read_tsv(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    int lineno = 0;
+
+    if (!f)
+        return -errno;
+    while (fgets(line, sizeof(line), f)) {
+        char *name, *dt, *shape, *save = NULL, *br, dts[32];
+        int64_t sh[TENSOR_MAX_DIMS] = { 0 };
+        int nd = 0, lo, hi;
+        enum dtype t;
+
+        lineno++;
+        if (line[0] == '#' || line[0] == '\n')
+            continue;
+        name = strtok_r(line, "\t\n", &save);
+        dt = strtok_r(NULL, "\t\n", &save);
+        shape = strtok_r(NULL, "\t\n", &save);
+        if (!name || !dt || !shape)
+            FAIL("%s:%d: expected name, dtype, shape", path, lineno);
+        snprintf(dts, sizeof(dts), "%s", dt);
+        if (dts[strlen(dts) - 1] == '?')
+            dts[strlen(dts) - 1] = 0;
+        t = dtype_parse(dts);
+        if (t == DTYPE_INVALID)
+            FAIL("%s:%d: dtype '%s'", path, lineno, dt);
+        for (char *p = shape + 1; *p && *p != ']';) {
+            sh[nd++] = strtoll(p, &p, 10);
+            if (*p == ',')
+                p++;
+        }
+        br = strstr(name, "{");
+        if (br && sscanf(br, "{%d..%d}", &lo, &hi) == 2) {
+            char pre[256], post[256], full[600];
+            snprintf(pre, sizeof(pre), "%.*s", (int) (br - name), name);
+            snprintf(post, sizeof(post), "%s", strchr(br, '}') + 1);
+            for (int i = lo; i <= hi; i++) {
+                snprintf(full, sizeof(full), "%s%d%s", pre, i, post);
+                push(full, t, nd, sh);
+            }
+        } else {
+            push(name, t, nd, sh);
+        }
+    }
+    fclose(f);
+    return 0;
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec * 1e3 + (double) ts.tv_nsec / 1e6;
+}
+
+/* CPU time of this thread: the planning cost without other processes' load */
+static double cpu_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double) ts.tv_sec * 1e3 + (double) ts.tv_nsec / 1e6;
+}
+
+static bool is_vision(const char *n)
+{
+    return strncmp(n, "vision_model.", 13) == 0 || strncmp(n, "vit_large_projector", 19) == 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *tsv = argc > 1 ? argv[1] : NULL, *keep = NULL;
+    int n_shards = 12;
+    char *dir, path[PATH_MAX];
+    struct model_config cfg;
+    struct err_buf e = { "" };
+    json_t *idx, *wm;
+    int64_t text_bytes = 0, text_tensors = 0, sparse_blocks = 0;
+    double t0;
+
+    for (int i = 2; i < argc; i++) {
+        if (strcmp(argv[i], "--keep") == 0 && i + 1 < argc)
+            keep = argv[++i];
+        else if (strcmp(argv[i], "--shards") == 0 && i + 1 < argc)
+            n_shards = atoi(argv[++i]);
+    }
+    if (!tsv || access(tsv, R_OK) != 0) {
+        printf("expected-tensors TSV not found (%s): skipped\n", tsv ? tsv : "no path given");
+        return TEST_SKIP;
+    }
+    ASSERT_OK(read_tsv(tsv));
+    for (size_t i = 0; i < n_rows; i++)
+        if (!is_vision(rows[i].name)) {
+            text_tensors++;
+            text_bytes += ckptw_tensor_bytes(rows[i].dt, rows[i].ndim, rows[i].shape);
+        }
+    printf("layout: %zu tensors (%lld text, %.1f GB text)\n", n_rows, (long long) text_tensors, (double) text_bytes / 1e9);
+    ASSERT_EQ(text_tensors, 73254);
+
+    if (keep) {
+        dir = strdup(keep);
+        mkdir(dir, 0755);
+    } else {
+        dir = ckptw_tmpdir("stepd-dryrun");
+    }
+    ASSERT_TRUE(dir != NULL);
+    t0 = now_ms();
+    ckptw_config_step37(&cfg);
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    ASSERT_OK(ckptw_write_config(path, &cfg, true, false, &e));
+    idx = json_object();
+    wm = json_object();
+    json_object_set_new(idx, "weight_map", wm);
+    json_object_set_new(idx, "metadata", json_pack("{s:I}", "total_size", (json_int_t) 1));   /* stale, as qstream */
+    for (int s = 0; s < n_shards; s++) {
+        size_t a = n_rows * (size_t) s / (size_t) n_shards, b = n_rows * (size_t) (s + 1) / (size_t) n_shards;
+        struct ckptw_tensor *ts = calloc(b - a + 1, sizeof(*ts));
+        char fname[64];
+        struct stat st;
+        snprintf(fname, sizeof(fname), "model-%05d-of-%05d.safetensors", s + 1, n_shards);
+        for (size_t i = a; i < b; i++) {
+            ts[i - a] = (struct ckptw_tensor) { .name = rows[i].name, .dtype = rows[i].dt, .ndim = rows[i].ndim };
+            memcpy(ts[i - a].shape, rows[i].shape, sizeof(ts[i - a].shape));
+            json_object_set_new(wm, rows[i].name, json_string(fname));
+        }
+        snprintf(path, sizeof(path), "%s/%s", dir, fname);
+        if (ckptw_write_safetensors(path, ts, b - a, true, &e) < 0)
+            FAIL("%s", e.msg);
+        ASSERT_OK(stat(path, &st));
+        sparse_blocks += st.st_blocks;
+        free(ts);
+    }
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
+    ASSERT_OK(json_dump_file(idx, path, JSON_COMPACT));
+    json_decref(idx);
+    printf("wrote %d sparse shards + index + config in %.0f ms; disk used by shards %.1f MB\n", n_shards,
+           now_ms() - t0, (double) sparse_blocks * 512 / 1e6);
+
+    {
+        static const int sizes[2] = { 1, 8 };
+        for (int k = 0; k < 2; k++) {
+            int ws = sizes[k];
+            int64_t sum_bytes = 0, experts = 0;
+            for (int r = 0; r < ws; r++) {
+                struct ckpt_opts o = { .world_size = ws, .rank = r, .mtp_depth = 3, .headers_only = true };
+                struct ckpt_plan_stats st;
+                struct ckpt *c;
+                double ms, cms, c0;
+                t0 = now_ms();
+                c0 = cpu_ms();
+                if (ckpt_open(dir, &o, &c, &e) < 0)
+                    FAIL("N=%d rank %d: %s", ws, r, e.msg);
+                ms = now_ms() - t0;
+                cms = cpu_ms() - c0;
+                ckpt_plan_stats(c, &st);
+                printf("N=%d rank %d: %lld tensors, %lld bytes (%.2f GB), experts %d..%d, MTP depth %d, planned in %.1f ms (%.1f ms CPU)\n",
+                       ws, r, (long long) st.n_tensors, (long long) st.bytes, (double) st.bytes / 1e9, st.expert_first,
+                       st.expert_first + st.expert_count - 1, ckpt_mtp_depth(c), ms, cms);
+                ASSERT_EQ(ckpt_mtp_depth(c), 3);
+                ASSERT_EQ(st.expert_count, 288 / ws);
+                ASSERT_CONTAINS(ckpt_warnings(c), "667 vision tensors ignored");
+                if (ws == 1) {
+                    ASSERT_EQ(st.n_tensors, text_tensors);
+                    ASSERT_EQ(st.bytes, text_bytes);
+                }
+                sum_bytes += st.bytes;
+                experts += st.expert_count;
+                ckpt_close(c);
+            }
+            ASSERT_EQ(experts, 288);
+            printf("N=%d: %.2f GB over all ranks\n", ws, (double) sum_bytes / 1e9);
+        }
+    }
+    /* and once with the (sparse) shards mapped: views point into the mapping */
+    {
+        struct ckpt_opts o = { .world_size = 8, .rank = 0, .mtp_depth = 3 };
+        struct ckpt *c;
+        struct tview v;
+        t0 = now_ms();
+        if (ckpt_open(dir, &o, &c, &e) < 0)
+            FAIL("mapped: %s", e.msg);
+        printf("N=8 rank 0 with shards mapped: opened in %.1f ms\n", now_ms() - t0);
+        ASSERT_OK(ckpt_get(c, "model.layers.47.transformer.shared_head.output.weight", &v));
+        ASSERT_EQ(v.shape[0], 128896);
+        ASSERT_OK(ckpt_get(c, "model.layers.4.self_attn.q_proj.weight", &v));
+        ASSERT_EQ(v.shape[0], 8 * 128);
+        ASSERT_OK(ckpt_get(c, "model.layers.44.moe.experts.35.down_proj.weight_packed", &v));
+        ASSERT_EQ(v.nbytes, 4096 * 640);
+        ASSERT_ERR(ckpt_get(c, "model.layers.44.moe.experts.36.down_proj.weight_packed", &v), -ENOENT);
+        ckpt_close(c);
+    }
+    if (!keep)
+        ckptw_rmtree(dir);
+    free(dir);
+    for (size_t i = 0; i < n_rows; i++)
+        free(rows[i].name);
+    free(rows);
+    return 0;
+}

@@ -1,0 +1,314 @@
+/* test-config.c - config.json parsing (MODEL.md §1, §5.4): the flat and nested
+ * layouts, the real Step-3.7 values, MTP defaults when lists cover the trunk only,
+ * and one error per bad field naming its JSON path. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "ckptw.h"
+#include "config.h"
+#include "harness.h"
+
+static char *tmp;
+
+/* config text for cfg as ckptw writes it */
+static json_t *base_json(const struct model_config *cfg, bool nested, bool trunk_only)
+{
+    char path[512];
+    struct err_buf e;
+    json_error_t je;
+    json_t *j;
+    snprintf(path, sizeof(path), "%s/config.json", tmp);
+    ASSERT_OK(ckptw_write_config(path, cfg, nested, trunk_only, &e));
+    j = json_load_file(path, 0, &je);
+    ASSERT_TRUE(j != NULL);
+    return j;
+}
+
+static int parse_json(json_t *j, struct model_config *out, struct err_buf *e)
+{
+    char *s = json_dumps(j, JSON_COMPACT);
+    int r = model_config_parse(s, strlen(s), "config.json", out, e);
+    free(s);
+    return r;
+}
+
+static void check_same(const struct model_config *a, const struct model_config *b)
+{
+    ASSERT_EQ(a->hidden_size, b->hidden_size);
+    ASSERT_EQ(a->intermediate_size, b->intermediate_size);
+    ASSERT_EQ(a->n_layers, b->n_layers);
+    ASSERT_EQ(a->n_mtp_layers, b->n_mtp_layers);
+    ASSERT_EQ(a->n_layers_total, b->n_layers_total);
+    ASSERT_EQ(a->vocab_size, b->vocab_size);
+    ASSERT_EQ(a->max_position_embeddings, b->max_position_embeddings);
+    ASSERT_EQ(a->rms_norm_eps, b->rms_norm_eps);
+    ASSERT_EQ(a->n_heads_full, b->n_heads_full);
+    ASSERT_EQ(a->n_heads_sliding, b->n_heads_sliding);
+    ASSERT_EQ(a->n_kv_heads, b->n_kv_heads);
+    ASSERT_EQ(a->head_dim, b->head_dim);
+    ASSERT_EQ(a->sliding_window, b->sliding_window);
+    ASSERT_EQ(a->n_experts, b->n_experts);
+    ASSERT_EQ(a->top_k, b->top_k);
+    ASSERT_EQ(a->moe_intermediate_size, b->moe_intermediate_size);
+    ASSERT_EQ(a->shared_expert_dim, b->shared_expert_dim);
+    ASSERT_EQ(a->norm_expert_weight, b->norm_expert_weight);
+    ASSERT_EQ(a->router_scaling_factor, b->router_scaling_factor);
+    ASSERT_EQ(a->use_router_bias, b->use_router_bias);
+    ASSERT_EQ(a->rope_scaling.present, b->rope_scaling.present);
+    ASSERT_EQ(a->rope_scaling.factor, b->rope_scaling.factor);
+    ASSERT_EQ(a->rope_scaling.high_freq_factor, b->rope_scaling.high_freq_factor);
+    ASSERT_EQ(a->rope_scaling.original_max_position_embeddings, b->rope_scaling.original_max_position_embeddings);
+    ASSERT_EQ(a->use_qk_norm, b->use_qk_norm);
+    ASSERT_EQ(a->use_head_wise_attn_gate, b->use_head_wise_attn_gate);
+    ASSERT_EQ(a->tie_word_embeddings, b->tie_word_embeddings);
+    ASSERT_EQ(a->bos_token_id, b->bos_token_id);
+    ASSERT_EQ(a->n_eos, b->n_eos);
+    for (int i = 0; i < a->n_eos; i++)
+        ASSERT_EQ(a->eos_token_ids[i], b->eos_token_ids[i]);
+    ASSERT_EQ(a->quant, b->quant);
+    ASSERT_EQ(a->quant_group_size, b->quant_group_size);
+    for (int i = 0; i < a->n_layers_total; i++) {
+        const struct layer_config *x = &a->layers[i], *y = &b->layers[i];
+        if (x->kind != y->kind || x->n_heads != y->n_heads || x->n_kv_heads != y->n_kv_heads ||
+            x->head_dim != y->head_dim || x->rotary_dims != y->rotary_dims || x->rope_theta != y->rope_theta ||
+            x->rope_llama3 != y->rope_llama3 || x->is_moe != y->is_moe || x->is_mtp != y->is_mtp ||
+            x->swiglu_limit != y->swiglu_limit || x->swiglu_limit_shared != y->swiglu_limit_shared)
+            FAIL("layer %d differs", i);
+    }
+}
+
+/* Property: the real Step-3.7 values round-trip through both layouts. */
+static void test_real_values(void)
+{
+    struct model_config want, got;
+    struct err_buf e = { "" };
+    json_t *j;
+
+    ckptw_config_step37(&want);
+    for (int nested = 0; nested < 2; nested++) {
+        j = base_json(&want, nested, false);
+        if (parse_json(j, &got, &e) < 0)
+            FAIL("%s", e.msg);
+        check_same(&want, &got);
+        ASSERT_EQ(got.nested, nested);
+        ASSERT_STREQ(got.notes, "");
+        json_decref(j);
+    }
+    /* spot checks against MODEL.md §1.3 */
+    ASSERT_EQ(got.layers[0].n_heads, 64);
+    ASSERT_EQ(got.layers[0].rotary_dims, 64);
+    ASSERT_EQ(got.layers[1].n_heads, 96);
+    ASSERT_EQ(got.layers[2].is_moe, 0);
+    ASSERT_EQ(got.layers[3].is_moe, 1);
+    ASSERT_EQ(got.layers[44].swiglu_limit, 7.0f);
+    ASSERT_EQ(got.layers[44].kind, LAYER_KIND_FULL);
+    ASSERT_TRUE(got.layers[44].rope_llama3);
+    ASSERT_EQ(got.layers[45].kind, LAYER_KIND_SLIDING);
+    ASSERT_TRUE(got.layers[45].is_mtp && !got.layers[45].is_moe);
+    ASSERT_EQ(got.layers[47].rope_theta, 1e4);
+}
+
+/* Property: lists with only num_hidden_layers entries give MTP layers the §1.3
+ * defaults, and the parser says so. A scalar rope_theta applies to every layer. */
+static void test_trunk_only_lists(void)
+{
+    struct model_config want, got;
+    struct err_buf e = { "" };
+    json_t *j;
+
+    ckptw_config_step37(&want);
+    j = base_json(&want, true, true);
+    ASSERT_EQ(json_array_size(json_object_get(json_object_get(j, "text_config"), "layer_types")), 45);
+    if (parse_json(j, &got, &e) < 0)
+        FAIL("%s", e.msg);
+    check_same(&want, &got);
+    ASSERT_CONTAINS(got.notes, "MTP layers use the MODEL.md 1.3 defaults");
+    json_object_set_new(json_object_get(j, "text_config"), "rope_theta", json_real(1e6));
+    ASSERT_OK(parse_json(j, &got, &e));
+    ASSERT_EQ(got.layers[0].rope_theta, 1e6);
+    ASSERT_EQ(got.layers[47].rope_theta, 1e6);
+    json_decref(j);
+}
+
+struct bad {
+    const char *key;       /* text_config key to change ("" -> top-level change via top_key) */
+    const char *value;     /* JSON text, or NULL to delete */
+    int err;
+    const char *msg;
+};
+
+/* Property: each bad field is refused with a message naming its JSON path. */
+static void test_bad_fields(void)
+{
+    static const struct bad cases[] = {
+        { "hidden_size", NULL, -ENOENT, "config.json: text_config.hidden_size: required field is missing" },
+        { "hidden_size", "\"4096\"", -EINVAL, "text_config.hidden_size: expected an integer, got a string" },
+        { "hidden_size", "4096.5", -EINVAL, "text_config.hidden_size: expected an integer, got a real number" },
+        { "hidden_size", "-1", -EINVAL, "text_config.hidden_size: -1 is out of range" },
+        { "num_hidden_layers", "0", -EINVAL, "text_config.num_hidden_layers: 0 is out of range" },
+        { "num_hidden_layers", "200", -EINVAL, "num_hidden_layers: 200 is out of range" },
+        { "vocab_size", NULL, -ENOENT, "text_config.vocab_size: required field is missing" },
+        { "head_dim", "true", -EINVAL, "text_config.head_dim: expected an integer, got true" },
+        { "layer_types", "[\"full_attention\"]", -EINVAL, "text_config.layer_types: has 1 entries, expected 48 (num_hidden_layers + num_nextn_predict_layers) or num_hidden_layers" },
+        { "layer_types", "\"full_attention\"", -EINVAL, "text_config.layer_types: expected an array, got a string" },
+        { "rope_theta", "[1, 2, 3]", -EINVAL, "text_config.rope_theta: has 3 entries, expected 48" },
+        { "rope_theta", NULL, -ENOENT, "text_config.rope_theta: required field is missing" },
+        { "rope_theta", "\"big\"", -EINVAL, "text_config.rope_theta: expected a number or a list of numbers, got a string" },
+        { "rope_theta", "-5", -EINVAL, "text_config.rope_theta[0]: rope_theta must be positive" },
+        { "partial_rotary_factors", "[0.5]", -EINVAL, "text_config.partial_rotary_factors: has 1 entries, expected 48" },
+        { "partial_rotary_factors", "0.5", -EINVAL, "text_config.partial_rotary_factors: expected a list of numbers, got a real number" },
+        { "swiglu_limits", "[]", -EINVAL, "text_config.swiglu_limits: has 0 entries, expected 48" },
+        { "swiglu_limits_shared", "{}", -EINVAL, "text_config.swiglu_limits_shared: expected a list of numbers, got an object" },
+        { "num_attention_heads", "60", -EINVAL, "text_config.num_attention_groups: 8 KV heads do not divide 60 (full) / 96 (sliding) query heads" },
+        { "att_impl_type", "\"MLA\"", -ENOTSUP, "text_config.att_impl_type: 'MLA' is not supported (only GQA)" },
+        { "attention_other_setting", "{\"num_attention_heads\": 96, \"head_dim\": 64}", -ENOTSUP, "text_config.attention_other_setting: num_attention_groups 8 / head_dim 64 differ" },
+        { "attention_other_setting", "[]", -EINVAL, "text_config.attention_other_setting: expected an object, got an array" },
+        { "sliding_window", NULL, -ENOENT, "text_config.sliding_window: required field is missing" },
+        { "moe_layers_enum", "\"3,x\"", -EINVAL, "text_config.moe_layers_enum: 'x' is not a layer index in [0, 45)" },
+        { "moe_layers_enum", "\"3,45\"", -EINVAL, "text_config.moe_layers_enum: '45' is not a layer index" },
+        { "moe_layers_enum", "[3, -1]", -EINVAL, "text_config.moe_layers_enum[1]: expected a layer index in [0, 45)" },
+        { "moe_num_experts", NULL, -ENOENT, "text_config.moe_num_experts: required field is missing" },
+        { "moe_top_k", "300", -EINVAL, "text_config.moe_top_k: 300 is out of range [1, 288]" },
+        { "moe_router_activation", "\"softmax\"", -ENOTSUP, "text_config.moe_router_activation: 'softmax' is not supported" },
+        { "moe_router_scaling_factor", "0", -EINVAL, "text_config.moe_router_scaling_factor: must be positive" },
+        { "norm_expert_weight", "1", -EINVAL, "text_config.norm_expert_weight: expected true or false, got an integer" },
+        { "rope_scaling", "{\"rope_type\": \"yarn\"}", -ENOTSUP, "text_config.rope_scaling.rope_type: 'yarn' is not supported" },
+        { "rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": 2}", -ENOENT, "text_config.rope_scaling.low_freq_factor: required field is missing" },
+        { "use_rope_layers", "[true, false]", -ENOTSUP, "text_config.use_rope_layers: per-layer RoPE selection is not supported" },
+        { "eos_token_id", "[1, 999999]", -EINVAL, "text_config.eos_token_id[1]: expected a token id below vocab_size 128896" },
+        { "eos_token_id", "\"1\"", -EINVAL, "text_config.eos_token_id: expected an integer or a list of integers" },
+        { "rms_norm_eps", "2", -EINVAL, "text_config.rms_norm_eps: 2 is not in (0, 1)" },
+        { "yarn_only_types", "[1]", -EINVAL, "text_config.yarn_only_types[0]: expected a string, got an integer" },
+        { "num_nextn_predict_layers", "100", -EINVAL, "text_config.num_nextn_predict_layers: 45 trunk + 100 MTP layers exceed the supported 128" },
+    };
+    struct model_config want, got;
+
+    ckptw_config_step37(&want);
+    for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
+        json_t *j = base_json(&want, true, false), *t = json_object_get(j, "text_config");
+        struct err_buf e = { "" };
+        int r;
+        if (cases[i].value) {
+            json_error_t je;
+            json_t *v = json_loads(cases[i].value, JSON_DECODE_ANY, &je);
+            ASSERT_TRUE(v != NULL);
+            json_object_set_new(t, cases[i].key, v);
+        } else {
+            json_object_del(t, cases[i].key);
+        }
+        r = parse_json(j, &got, &e);
+        if (r != cases[i].err || !strstr(e.msg, cases[i].msg))
+            FAIL("case %zu (%s): got %d \"%s\", expected %d \"%s\"", i, cases[i].key, r, e.msg, cases[i].err, cases[i].msg);
+        json_decref(j);
+    }
+    /* layer_types entry */
+    {
+        json_t *j = base_json(&want, true, false);
+        struct err_buf e;
+        json_array_set_new(json_object_get(json_object_get(j, "text_config"), "layer_types"), 5, json_string("global"));
+        ASSERT_ERR(parse_json(j, &got, &e), -EINVAL);
+        ASSERT_CONTAINS(e.msg, "text_config.layer_types[5]: expected \"full_attention\" or \"sliding_attention\", got a string \"global\"");
+        json_decref(j);
+    }
+    /* a list entry of the wrong type */
+    {
+        json_t *j = base_json(&want, true, false);
+        struct err_buf e;
+        json_array_set_new(json_object_get(json_object_get(j, "text_config"), "swiglu_limits"), 2, json_string("7"));
+        ASSERT_ERR(parse_json(j, &got, &e), -EINVAL);
+        ASSERT_CONTAINS(e.msg, "text_config.swiglu_limits[2]: expected a number, got a string");
+        json_decref(j);
+    }
+}
+
+/* Property: quantization_config accepts only compressed-tensors MXFP4 groups. */
+static void test_quant(void)
+{
+    static const struct {
+        const char *path;    /* "group_0.weights.num_bits" style under config_groups, or top key */
+        const char *value;
+        int err;
+        const char *msg;
+    } cases[] = {
+        { "quant_method", "\"gptq\"", -ENOTSUP, "quantization_config.quant_method: 'gptq' is not supported" },
+        { "quant_method", NULL, -ENOENT, "quantization_config.quant_method: required field is missing" },
+        { "config_groups", NULL, -ENOENT, "quantization_config.config_groups: required field is missing" },
+        { "config_groups", "{}", -EINVAL, "quantization_config.config_groups: empty" },
+        { "g.num_bits", "8", -ENOTSUP, "quantization_config.config_groups.group_0.weights: num_bits 8, type 'float', group_size 32" },
+        { "g.group_size", "16", -ENOTSUP, "group_size 16" },
+        { "g.type", "\"int\"", -ENOTSUP, "type 'int'" },
+        { "g.strategy", "\"channel\"", -ENOTSUP, "strategy channel" },
+        { "g.num_bits", "\"4\"", -EINVAL, "quantization_config.config_groups.group_0.weights.num_bits: expected an integer, got a string" },
+        { "f.format", "\"nvfp4-pack-quantized\"", -ENOTSUP, "quantization_config.config_groups.group_0.format: 'nvfp4-pack-quantized' is not supported" },
+        { "f.input_activations", "{\"num_bits\": 8}", -ENOTSUP, "group_0.input_activations: activation quantization is not supported" },
+        { "f.targets", "[]", -EINVAL, "group_0.targets: empty" },
+        { "f.weights", NULL, -ENOENT, "group_0.weights: required field is missing" },
+    };
+    struct model_config want, got;
+    struct err_buf e;
+
+    ckptw_config_step37(&want);
+    for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
+        json_t *j = base_json(&want, true, false), *q = json_object_get(j, "quantization_config");
+        json_t *g0 = json_object_get(json_object_get(q, "config_groups"), "group_0"), *target = q, *v = NULL;
+        const char *key = cases[i].path;
+        int r;
+        if (key[0] == 'g' && key[1] == '.')
+            target = json_object_get(g0, "weights"), key += 2;
+        else if (key[0] == 'f' && key[1] == '.')
+            target = g0, key += 2;
+        if (cases[i].value) {
+            json_error_t je;
+            v = json_loads(cases[i].value, JSON_DECODE_ANY, &je);
+            json_object_set_new(target, key, v);
+        } else {
+            json_object_del(target, key);
+        }
+        r = parse_json(j, &got, &e);
+        if (r != cases[i].err || !strstr(e.msg, cases[i].msg))
+            FAIL("quant case %zu: got %d \"%s\"", i, r, e.msg);
+        json_decref(j);
+    }
+    /* no quantization_config: everything dense */
+    {
+        json_t *j = base_json(&want, false, false);
+        json_object_del(j, "quantization_config");
+        ASSERT_OK(parse_json(j, &got, &e));
+        ASSERT_EQ(got.quant, QUANT_NONE);
+        json_decref(j);
+    }
+}
+
+/* Property: JSON-level problems (duplicates, not an object, oversize) are refused. */
+static void test_json_level(void)
+{
+    struct model_config got;
+    struct err_buf e;
+    const char *dup = "{\"text_config\": {\"hidden_size\": 1, \"hidden_size\": 2}}";
+    ASSERT_ERR(model_config_parse(dup, strlen(dup), "config.json", &got, &e), -EBADMSG);
+    ASSERT_CONTAINS(e.msg, "duplicate object key");
+    ASSERT_ERR(model_config_parse("[]", 2, "config.json", &got, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "config.json: expected a JSON object, got an array");
+    ASSERT_ERR(model_config_parse("{\"text_config\": 3}", 18, "config.json", &got, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "config.json: text_config: expected an object, got an integer");
+    ASSERT_ERR(model_config_load("/nonexistent/config.json", &got, &e), -ENOENT);
+    ASSERT_CONTAINS(e.msg, "/nonexistent/config.json: cannot open");
+}
+
+int main(void)
+{
+    tmp = ckptw_tmpdir("stepd-test-config");
+    ASSERT_TRUE(tmp != NULL);
+    test_real_values();
+    test_trunk_only_lists();
+    test_bad_fields();
+    test_quant();
+    test_json_level();
+    ckptw_rmtree(tmp);
+    free(tmp);
+    return 0;
+}

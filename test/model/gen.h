@@ -1,0 +1,53 @@
+/* gen.h - random test checkpoints for the model tests, written with ckptw (test/loader).
+ *
+ *   clamp        ckptw's tiny config (window 8, MXFP4 experts, 2 MTP layers) with weights
+ *                large enough and SwiGLU limits small enough that the clamps bind;
+ *   dense-tied   BF16 experts (no quantization), tied embeddings, no router bias, no
+ *                renormalisation, flat Step-3.5 config with trunk-only per-layer lists.
+ *
+ * gen_model("gen:VARIANT") returns a malloc'd temporary directory (remove it with
+ * ckptw_rmtree) or aborts the test; any other string is returned as NULL. */
+#pragma once
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckptw.h"
+#include "harness.h"
+
+static inline char *gen_model(const char *spec)
+{
+    struct model_config gc;
+    struct ckptw_opts wo;
+    struct err_buf e = {{0}};
+    char *dir;
+
+    if (strncmp(spec, "gen:", 4) != 0)
+        return NULL;
+    ckptw_config_tiny(&gc);
+    ckptw_opts_default(&wo);
+    if (strcmp(spec + 4, "clamp") == 0) {
+        wo.init_scale = 0.3f;
+        for (int l = 2; l < gc.n_layers_total; l++) {
+            gc.layers[l].swiglu_limit = gc.layers[l].is_moe ? 0.02f : 0.0f;
+            gc.layers[l].swiglu_limit_shared = 0.05f;
+        }
+    } else if (strcmp(spec + 4, "dense-tied") == 0) {
+        gc.quant = QUANT_NONE;
+        gc.tie_word_embeddings = true;
+        gc.use_router_bias = false;
+        gc.norm_expert_weight = false;
+        wo.nested = false;
+        wo.lists_trunk_only = true;
+        wo.n_shards = 1;
+        wo.init_scale = 0.2f;
+    } else {
+        FAIL("unknown test model variant %s", spec);
+    }
+    dir = ckptw_tmpdir("test-model");
+    if (!dir)
+        FAIL("ckptw_tmpdir failed");
+    if (ckptw_write(dir, &gc, &wo, &e) < 0)
+        FAIL("ckptw_write %s: %s", spec, e.msg);
+    return dir;
+}

@@ -1,0 +1,513 @@
+/* test-model.c - worker/model.c against the independent double-precision forward (naive.c).
+ *
+ *   test-model MODEL_DIR|gen:VARIANT [exact|fast] [kv-bf16]
+ * (gen:VARIANT: a random checkpoint written by ckptw, see gen.h)
+ *
+ * On the given checkpoint (random or trained, world size 1), with the CPU backend:
+ *   1. one-shot prefill of a sequence longer than the sliding window, logits at every
+ *      position vs the oracle;
+ *   2. chunked prefill (odd chunk sizes across the window boundary) + single-token decode
+ *      through a shuffled block table, the last logits of every step vs the oracle (so
+ *      chunked == one-shot and decode-after-prefill == longer prefill, both within tol);
+ *      after every step the MTP chain (all depths) with the true next tokens, draft logits
+ *      of the last position vs the oracle's MTP at that position;
+ *   3. a batch of three sequences at different positions in one plan, with the sliding
+ *      group's out-of-window blocks released (-1);
+ *   4. speculative verify: a run with wrong drafts, partial acceptance, the next step
+ *      overwriting the rejected positions, MTP with n_valid < n_tokens;
+ *   5. bad plans and protocol misuse rejected with a message.
+ * Tolerances (max-abs over logits): exact MXFP4 path TOL_EXACT, fast path TOL_FAST against
+ * an oracle that rounds the activations entering MXFP4 matrices to int8 per 32-block exactly
+ * as the fast kernel does (so the test checks the fast path's arithmetic, not only its
+ * closeness; against the fp32 reference, see test-golden's fast-path bounds).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gen.h"
+#include "harness.h"
+#include "model.h"
+#include "naive.h"
+
+#define TOL_EXACT 1e-3
+/* Fast path: the oracle applies the same int8 activation rounding (naive_int8_act); what is
+ * left are values that a 1e-7 difference moves across an int8 rounding step. */
+#define TOL_FAST 2e-2
+#define TOL_FAST_MEAN 2e-4    /* mean-abs over all logits of the one-shot prefill */
+/* The model against itself (chunked/decode vs one-shot, same path).  BF16 GEMV and GEMM sum
+ * in different orders (~1e-7); on the fast path such differences can move an activation
+ * across an int8 rounding step, hence the looser bound there. */
+/* BF16 KV (exact path), oracle rounding k/v to BF16 too: a 1e-7 difference can still pick
+ * the other BF16 neighbour of a value (0.4% of it) */
+#define TOL_KV_BF16 5e-3
+#define TOL_SELF_EXACT 1e-4
+#define TOL_SELF_FAST 5e-3
+#define BS 16
+#define MAXLEN 192
+#define NSEQ 4
+
+static struct ckpt *ck;
+static struct backend *be;
+static struct model *m;
+static struct naive *nv;
+static const struct model_config *cfg;
+static int V, H, K;
+static double tol, tol_self;
+static double worst_trunk, worst_mtp, worst_self;
+static float *self_ref;      /* the model's one-shot logits of X[0] (all positions) */
+static const int32_t *self_x;
+static bool exact;
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+/* block tables: per slot, per group, logical -> physical, distinct physical blocks */
+static int32_t table[_KV_GROUP_MAX][NSEQ][MAXLEN / BS];
+#define NBLK (NSEQ * MAXLEN / BS)
+
+static void tables_shuffle(void)
+{
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        int32_t perm[NBLK];
+        for (int i = 0; i < NBLK; i++)
+            perm[i] = i;
+        for (int i = NBLK - 1; i > 0; i--) {
+            int j = (int)(rnd() % (uint32_t)(i + 1));
+            int32_t t = perm[i];
+            perm[i] = perm[j];
+            perm[j] = t;
+        }
+        for (int s = 0; s < NSEQ; s++)
+            for (int b = 0; b < MAXLEN / BS; b++)
+                table[g][s][b] = perm[s * (MAXLEN / BS) + b];
+    }
+}
+
+/* One plan under construction. */
+struct tplan {
+    struct step_plan p;
+    struct step_seq seqs[NSEQ];
+    int32_t tokens[MAXLEN * NSEQ];
+    int32_t blocks[_KV_GROUP_MAX][NSEQ * MAXLEN / BS];
+};
+
+static void tp_init(struct tplan *tp)
+{
+    static uint64_t step_id;
+    memset(tp, 0, sizeof(*tp));
+    tp->p.step_id = ++step_id;
+    tp->p.seqs = tp->seqs;
+    tp->p.tokens = tp->tokens;
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        tp->p.blocks[g] = tp->blocks[g];
+}
+
+/* Add a run of seq `slot`; release_sliding: mark sliding blocks wholly outside the window. */
+static void tp_add(struct tplan *tp, int slot, int pos0, const int32_t *toks, int n, int n_logits,
+                   int mtp_depth, bool release_sliding)
+{
+    struct step_seq *s = &tp->seqs[tp->p.n_seqs++];
+    int nb = (pos0 + n + BS - 1) / BS;
+
+    s->slot = slot;
+    s->pos0 = pos0;
+    s->n_tokens = n;
+    s->n_logits = n_logits;
+    s->tok_off = tp->p.n_tokens;
+    s->n_blocks = nb;
+    s->mtp_depth = mtp_depth;
+    memcpy(tp->tokens + tp->p.n_tokens, toks, sizeof(int32_t) * (size_t)n);
+    tp->p.n_tokens += n;
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        s->block_off[g] = tp->p.n_block_ids[g];
+        for (int b = 0; b < nb; b++) {
+            int32_t id = table[g][slot][b];
+            if (g == KV_GROUP_SLIDING && release_sliding &&
+                (b + 1) * BS - 1 < pos0 - cfg->sliding_window + 1)
+                id = -1;
+            tp->blocks[g][tp->p.n_block_ids[g]++] = id;
+        }
+    }
+}
+
+static double maxabs_diff(const float *a, const double *b, int n, double *maxref)
+{
+    double d = 0;
+    for (int i = 0; i < n; i++) {
+        double x = fabs((double)a[i] - b[i]);
+        d = x > d ? x : d;
+        if (maxref && fabs(b[i]) > *maxref)
+            *maxref = fabs(b[i]);
+    }
+    return d;
+}
+
+static int argmax_f(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}
+
+/* Oracle MTP chain over positions 0..P-1 of X (X has P + K tokens): drafts[k] = [P, V]. */
+static void oracle_mtp(const int32_t *X, int P, const double *trunk_h, double **drafts)
+{
+    double *g = malloc(sizeof(double) * (size_t)P * H), *h2 = malloc(sizeof(double) * (size_t)P * H);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)P);
+
+    memcpy(g, trunk_h, sizeof(double) * (size_t)P * H);
+    for (int k = 0; k < K; k++) {
+        for (int p = 0; p < P; p++)
+            ids[p] = X[p + k + 1];
+        naive_mtp(nv, k, ids, g, P, h2, drafts[k]);
+        memcpy(g, h2, sizeof(double) * (size_t)P * H);
+    }
+    free(g);
+    free(h2);
+    free(ids);
+}
+
+static void test_oneshot(const int32_t *X, int N)
+{
+    struct tplan tp;
+    float *lg = malloc(sizeof(float) * (size_t)N * V);
+    double *ref = malloc(sizeof(double) * (size_t)N * V), mref = 0;
+
+    naive_trunk(nv, X, N, NULL, ref);
+    tp_init(&tp);
+    tp_add(&tp, 0, 0, X, N, N, 0, false);
+    ASSERT_OK(model_step(m, &tp.p, lg));
+    double d = maxabs_diff(lg, ref, N * V, &mref), mean = 0;
+    for (int i = 0; i < N * V; i++)
+        mean += fabs((double)lg[i] - ref[i]) / ((double)N * V);
+    int agree = 0;
+    for (int t = 0; t < N; t++) {
+        int a = argmax_f(lg + (size_t)t * V, V), b = 0;
+        for (int i = 1; i < V; i++)
+            if (ref[(size_t)t * V + i] > ref[(size_t)t * V + b])
+                b = i;
+        agree += a == b;
+    }
+    printf("one-shot prefill %d tokens: max|dlogit| %.3g mean %.3g (max|logit| %.3g), argmax "
+           "agree %d/%d\n", N, d, mean, mref, agree, N);
+    ASSERT_LE(d, tol);
+    if (!exact)
+        ASSERT_LE(mean, TOL_FAST_MEAN);
+    worst_trunk = d > worst_trunk ? d : worst_trunk;
+    self_ref = lg;
+    self_x = X;
+    free(ref);
+}
+
+/* Chunked prefill + decode of slot `slot`, MTP after each step; chunk list ends with 0s
+ * meaning single-token decode up to N. */
+static void test_chunked(const int32_t *X, int N, const int *chunks, int n_chunks, bool release)
+{
+    int P = N;
+    double *ref = malloc(sizeof(double) * (size_t)(N + K) * V);
+    double *hid = malloc(sizeof(double) * (size_t)(N + K) * H);
+    double *dr[4] = {0};
+    float *lg = malloc(sizeof(float) * (size_t)V), *ml = malloc(sizeof(float) * (size_t)V);
+    int pos = 0, steps = 0;
+
+    naive_trunk(nv, X, P, hid, ref);
+    for (int k = 0; k < K; k++)
+        dr[k] = malloc(sizeof(double) * (size_t)P * V);
+    if (K)
+        oracle_mtp(X, P, hid, dr);      /* X has N + K valid tokens */
+
+    for (int c = 0; pos < N; c++) {
+        int n = c < n_chunks ? chunks[c] : 1;
+        struct tplan tp;
+        if (pos + n > N)
+            n = N - pos;
+        tp_init(&tp);
+        tp_add(&tp, 1, pos, X + pos, n, 1, K, release);
+        ASSERT_OK(model_step(m, &tp.p, lg));
+        double d = maxabs_diff(lg, ref + (size_t)(pos + n - 1) * V, V, NULL);
+        if (d > tol)
+            FAIL("chunked: step at pos %d (+%d): max|dlogit| %g > %g", pos, n, d, tol);
+        worst_trunk = d > worst_trunk ? d : worst_trunk;
+        if (X == self_x) {
+            /* same path, same tokens: chunked prefill / decode == one-shot prefill */
+            double ds = 0;
+            for (int i = 0; i < V; i++) {
+                double x = fabs(lg[i] - self_ref[(size_t)(pos + n - 1) * V + i]);
+                ds = x > ds ? x : ds;
+            }
+            if (ds > tol_self)
+                FAIL("chunked vs one-shot at pos %d: max|dlogit| %g > %g", pos + n - 1, ds, tol_self);
+            worst_self = ds > worst_self ? ds : worst_self;
+        }
+        for (int k = 0; k < K; k++) {
+            int32_t nvld = n, tin = X[pos + n + k];
+            ASSERT_OK(model_mtp_step(m, k, &tp.p, &nvld, &tin, ml));
+            double dm = maxabs_diff(ml, dr[k] + (size_t)(pos + n - 1) * V, V, NULL);
+            if (dm > tol)
+                FAIL("chunked: MTP depth %d at pos %d: max|dlogit| %g > %g", k, pos + n - 1, dm, tol);
+            worst_mtp = dm > worst_mtp ? dm : worst_mtp;
+        }
+        pos += n;
+        steps++;
+    }
+    printf("chunked prefill + decode to %d tokens in %d steps (release %d): trunk and MTP (K=%d) "
+           "within %g\n", N, steps, release, K, tol);
+    for (int k = 0; k < K; k++)
+        free(dr[k]);
+    free(ref);
+    free(hid);
+    free(lg);
+    free(ml);
+}
+
+/* Three sequences advancing together; each step's plan mixes a prefill chunk and decodes. */
+static void test_batch(const int32_t *X0, const int32_t *X1, const int32_t *X2, int N)
+{
+    const int32_t *X[3] = {X0, X1, X2};
+    double *ref[3];
+    int pos[3] = {0, 0, 0};
+    const int sched[3][6] = {{70, 1, 1, 5, 1, 1}, {3, 40, 30, 1, 1, 1}, {1, 1, 66, 1, 9, 1}};
+    float *lg = malloc(sizeof(float) * 3 * (size_t)V);
+
+    for (int s = 0; s < 3; s++) {
+        ref[s] = malloc(sizeof(double) * (size_t)N * V);
+        naive_trunk(nv, X[s], N, NULL, ref[s]);
+    }
+    for (int st = 0; st < 6; st++) {
+        struct tplan tp;
+        int row_pos[3];
+        tp_init(&tp);
+        for (int s = 0; s < 3; s++) {
+            int n = sched[s][st];
+            /* slot 3 - s: slots need not follow plan order */
+            tp_add(&tp, 3 - s, pos[s], X[s] + pos[s], n, 1, 0, true);
+            row_pos[s] = pos[s] + n - 1;
+            pos[s] += n;
+        }
+        ASSERT_OK(model_step(m, &tp.p, lg));
+        for (int s = 0; s < 3; s++) {
+            double d = maxabs_diff(lg + (size_t)s * V, ref[s] + (size_t)row_pos[s] * V, V, NULL);
+            if (d > tol)
+                FAIL("batch step %d seq %d pos %d: max|dlogit| %g > %g", st, s, row_pos[s], d, tol);
+            worst_trunk = d > worst_trunk ? d : worst_trunk;
+        }
+    }
+    printf("batch of 3 sequences, 6 mixed steps: within %g\n", tol);
+    for (int s = 0; s < 3; s++)
+        free(ref[s]);
+    free(lg);
+}
+
+/* Verify with wrong drafts: [x, d1, d2, d3] where d2, d3 are wrong; n_valid = 2. */
+static void test_reject(const int32_t *X, int N)
+{
+    const int P0 = 80;      /* prefix already prefilled */
+    struct tplan tp;
+    int32_t run[4];
+    float *lg = malloc(sizeof(float) * 4 * (size_t)V), *ml = malloc(sizeof(float) * (size_t)V);
+    double *ref = malloc(sizeof(double) * (size_t)N * V), *hid = malloc(sizeof(double) * (size_t)N * H);
+    double *dr[4] = {0};
+    int P = P0 + 6;
+
+    ASSERT_TRUE(P + K + 4 <= N);
+    naive_trunk(nv, X, P, hid, ref);
+    for (int k = 0; k < K; k++)
+        dr[k] = malloc(sizeof(double) * (size_t)P * V);
+    if (K)
+        oracle_mtp(X, P, hid, dr);
+
+    tp_init(&tp);
+    tp_add(&tp, 0, 0, X, P0, 1, K, false);
+    ASSERT_OK(model_step(m, &tp.p, lg));
+    for (int k = 0; k < K; k++) {
+        int32_t nvld = P0, tin = X[P0 + k];
+        ASSERT_OK(model_mtp_step(m, k, &tp.p, &nvld, &tin, ml));
+    }
+    /* verify step: x = X[P0], d1 = X[P0+1] right, d2, d3 wrong */
+    run[0] = X[P0];
+    run[1] = X[P0 + 1];
+    run[2] = (X[P0 + 2] + 7) % V;
+    run[3] = (X[P0 + 3] + 11) % V;
+    tp_init(&tp);
+    tp_add(&tp, 0, P0, run, 4, 4, K, false);
+    ASSERT_OK(model_step(m, &tp.p, lg));
+    for (int i = 0; i < 2; i++) {       /* rows 0, 1 see only accepted tokens */
+        double d = maxabs_diff(lg + (size_t)i * V, ref + (size_t)(P0 + i) * V, V, NULL);
+        if (d > tol)
+            FAIL("verify row %d: max|dlogit| %g > %g", i, d, tol);
+    }
+    /* accept 2 (x, d1); the true next token X[P0+2] is sampled; drafts continue from X */
+    for (int k = 0; k < K; k++) {
+        int32_t nvld = 2, tin = X[P0 + 2 + k];
+        ASSERT_OK(model_mtp_step(m, k, &tp.p, &nvld, &tin, ml));
+        double dm = maxabs_diff(ml, dr[k] + (size_t)(P0 + 1) * V, V, NULL);
+        if (dm > tol)
+            FAIL("MTP depth %d after partial accept: max|dlogit| %g > %g", k, dm, tol);
+    }
+    /* next step overwrites positions P0+2, P0+3 with the true tokens */
+    tp_init(&tp);
+    tp_add(&tp, 0, P0 + 2, X + P0 + 2, 4, 4, K, false);
+    ASSERT_OK(model_step(m, &tp.p, lg));
+    for (int i = 0; i < 4; i++) {
+        double d = maxabs_diff(lg + (size_t)i * V, ref + (size_t)(P0 + 2 + i) * V, V, NULL);
+        if (d > tol)
+            FAIL("after reject row %d: max|dlogit| %g > %g", i, d, tol);
+    }
+    for (int k = 0; k < K; k++) {
+        int32_t nvld = 4, tin = X[P0 + 6 + k];
+        ASSERT_OK(model_mtp_step(m, k, &tp.p, &nvld, &tin, ml));
+        double dm = maxabs_diff(ml, dr[k] + (size_t)(P0 + 5) * V, V, NULL);
+        if (dm > tol)
+            FAIL("MTP depth %d after overwrite: max|dlogit| %g > %g", k, dm, tol);
+    }
+    printf("verify with rejected drafts, overwrite, MTP with n_valid < n_tokens: within %g\n", tol);
+    for (int k = 0; k < K; k++)
+        free(dr[k]);
+    free(lg);
+    free(ml);
+    free(ref);
+    free(hid);
+}
+
+static void test_bad_plans(const int32_t *X)
+{
+    struct tplan tp;
+    float *lg = malloc(sizeof(float) * 8 * (size_t)V);
+    int32_t bad[2] = {1, V};
+    int32_t one = 1, tok = 0;
+
+    tp_init(&tp);
+    tp_add(&tp, 0, 0, bad, 2, 1, 0, false);
+    ASSERT_ERR(model_step(m, &tp.p, lg), -EINVAL);
+    ASSERT_CONTAINS(model_last_error(m), "outside the vocab");
+
+    tp_init(&tp);
+    tp_add(&tp, 0, 0, X, 3, 4, 0, false);
+    ASSERT_ERR(model_step(m, &tp.p, lg), -EINVAL);
+    ASSERT_CONTAINS(model_last_error(m), "n_logits");
+
+    tp_init(&tp);
+    tp_add(&tp, 0, 100, X, 1, 1, 0, false);
+    tp.blocks[KV_GROUP_SLIDING][100 / BS] = -1;     /* block of the query itself released */
+    ASSERT_ERR(model_step(m, &tp.p, lg), -EINVAL);
+    ASSERT_CONTAINS(model_last_error(m), "logical block");
+
+    tp_init(&tp);
+    tp_add(&tp, 0, 20, X, 1, 1, 0, false);
+    tp.seqs[0].n_blocks = 1;                        /* table too short for position 20 */
+    ASSERT_ERR(model_step(m, &tp.p, lg), -EINVAL);
+    ASSERT_CONTAINS(model_last_error(m), "do not cover");
+
+    tp_init(&tp);
+    tp_add(&tp, 0, 0, X, 1, 1, 0, false);
+    tp.seqs[0].slot = NSEQ + 5;
+    ASSERT_ERR(model_step(m, &tp.p, lg), -EINVAL);
+    ASSERT_CONTAINS(model_last_error(m), "slot");
+
+    tp_init(&tp);
+    for (int i = 0; i < NSEQ; i++)
+        tp_add(&tp, i, 0, X, 60, 1, 0, false);
+    ASSERT_ERR(model_step(m, &tp.p, lg), -E2BIG);
+    ASSERT_CONTAINS(model_last_error(m), "reserved");
+
+    /* MTP without a successful step for this plan */
+    if (K) {
+        tp_init(&tp);
+        tp_add(&tp, 0, 0, X, 2, 1, 1, false);
+        ASSERT_ERR(model_mtp_step(m, 0, &tp.p, &one, &tok, lg), -EINVAL);
+        ASSERT_CONTAINS(model_last_error(m), "last successful step");
+        ASSERT_OK(model_step(m, &tp.p, lg));
+        ASSERT_ERR(model_mtp_step(m, 1, &tp.p, &one, &tok, lg), -EINVAL);   /* depth 0 first */
+        ASSERT_CONTAINS(model_last_error(m), "expected depth 0");
+        ASSERT_ERR(model_mtp_step(m, K, &tp.p, &one, &tok, lg), -EINVAL);
+        int32_t three = 3;
+        ASSERT_ERR(model_mtp_step(m, 0, &tp.p, &three, &tok, lg), -EINVAL);
+        ASSERT_CONTAINS(model_last_error(m), "n_valid");
+    }
+    printf("bad plans rejected with messages\n");
+    free(lg);
+}
+
+int main(int argc, char **argv)
+{
+    struct err_buf e = {{0}};
+    int32_t X[4][MAXLEN];
+
+    if (argc < 2)
+        FAIL("usage: test-model MODEL_DIR [exact|fast]");
+    exact = argc < 3 || strcmp(argv[2], "fast") != 0;
+    naive_int8_act = !exact;    /* the oracle rounds activations as the fast kernel does */
+    tol = exact ? TOL_EXACT : TOL_FAST;
+    tol_self = exact ? TOL_SELF_EXACT : TOL_SELF_FAST;
+
+    char *gen_dir = gen_model(argv[1]);
+    const char *dir = gen_dir ? gen_dir : argv[1];
+    struct model_config pc;
+    char cpath[4096];
+    snprintf(cpath, sizeof(cpath), "%s/config.json", dir);
+    if (model_config_load(cpath, &pc, &e) < 0)
+        FAIL("%s", e.msg);
+    struct ckpt_opts co = {.world_size = 1, .rank = 0, .mtp_depth = pc.n_mtp_layers};
+    int r = ckpt_open(dir, &co, &ck, &e);
+    if (r < 0)
+        FAIL("ckpt_open %s: %s", dir, e.msg);
+    cfg = ckpt_config(ck);
+    V = cfg->vocab_size;
+    H = cfg->hidden_size;
+    K = ckpt_mtp_depth(ck);
+    ASSERT_TRUE(cfg->sliding_window < 100);     /* the sequences below cross the window */
+
+    struct backend_cfg bc = {.n_threads = 2, .mxfp4_exact = exact};
+    ASSERT_OK(backend_new("cpu", &bc, &be));
+    struct model_opts mo = {
+        .max_tokens_per_step = MAXLEN, .max_seqs = NSEQ, .max_logit_rows = MAXLEN,
+        .block_size = BS, .n_blocks = {NBLK, NBLK}, .max_seq_len = MAXLEN,
+        .kv_bf16 = argc > 3 && strcmp(argv[3], "kv-bf16") == 0,
+    };
+    naive_bf16_kv = mo.kv_bf16;
+    if (mo.kv_bf16 && exact)
+        tol = TOL_KV_BF16;
+    r = model_new(ck, be, NULL, &mo, &m, &e);
+    if (r < 0)
+        FAIL("model_new: %s", e.msg);
+    nv = naive_new(ck);
+    ASSERT_TRUE(nv != NULL);
+
+    for (int s = 0; s < 4; s++)
+        for (int i = 0; i < MAXLEN; i++)
+            X[s][i] = (int32_t)(rnd() % (uint32_t)V);
+    tables_shuffle();
+
+    printf("%s path%s, K=%d MTP layers, window %d\n", exact ? "exact" : "fast",
+           mo.kv_bf16 ? ", BF16 KV" : "", K, cfg->sliding_window);
+    test_oneshot(X[0], 150);
+    const int chunks[] = {37, 13, 1, 29, 2};
+    test_chunked(X[0], 100, chunks, 5, false);
+    test_chunked(X[1], 90, chunks + 1, 4, true);
+    test_batch(X[1], X[2], X[3], 100);
+    test_reject(X[2], 120);
+    test_bad_plans(X[0]);
+    printf("worst max|dlogit| vs oracle: trunk %.3g, MTP %.3g (tolerance %g); chunked/decode vs "
+           "one-shot (same path) %.3g (tolerance %g)\n", worst_trunk, worst_mtp, tol, worst_self,
+           tol_self);
+    free(self_ref);
+
+    naive_free(nv);
+    model_free(m);
+    backend_free(be);
+    ckpt_close(ck);
+    if (gen_dir) {
+        ckptw_rmtree(gen_dir);
+        free(gen_dir);
+    }
+    return 0;
+}

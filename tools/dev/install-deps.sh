@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install everything stepd needs to build and test on Debian 12 (run as root or with sudo).
+# Idempotent. Python test tools go into .venv/ (pip), never into the system Python.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+
+pkgs=(
+  build-essential meson ninja-build pkg-config git ca-certificates
+  clang libclang-rt-14-dev
+  libjansson-dev libuv1-dev libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
+  libucx-dev ucx-utils libsystemd-dev libpcre2-dev
+  python3 python3-venv python3-pip
+  iproute2 procps bible-kjv-text
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Python test tools (independent gRPC client for integration tests, template checks).
+if [ ! -x .venv/bin/python ]; then
+  /usr/bin/python3 -m venv .venv
+fi
+if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2' 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking jinja2
+fi

@@ -1,0 +1,698 @@
+/* engine-rpc.c - the stepd.v1.Engine gRPC service of rank 0 over the engine's C API.
+ *
+ * Two threads meet here.  The service thread runs a libuv loop with the daemon/rpc glue;
+ * every gRPC callback and every rpc_* call happens on it.  The engine thread calls
+ * on_engine_out, which copies the output into an event, queues it under s->lock and
+ * wakes the loop with uv_async_send.  A struct gen (one Generate call) lives until the
+ * engine's final output for it has been handled on the loop: that is also when the call
+ * is finished, so the engine never holds a pointer to freed memory.  Generated
+ * protobuf-c names stay in this file.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <uv.h>
+
+#include "engine.h"
+#include "log.h"
+#include "pb-util.h"
+#include "rpc.h"
+#include "stepd.pb-c.h"
+
+#define P_GENERATE "/stepd.v1.Engine/Generate"
+#define P_ABORT "/stepd.v1.Engine/Abort"
+#define P_GETLOADS "/stepd.v1.Engine/GetLoads"
+#define P_MODELINFO "/stepd.v1.Engine/GetModelInfo"
+
+struct gen {
+    struct engine_rpc *s;
+    struct rpc_call *call;
+    struct gen *prev, *next;          /* s->gens, loop thread */
+    char id[ENGINE_MAX_ID_LEN + 1];
+    bool usage_each;
+    bool cancelled;
+    bool overflow;
+};
+
+struct ev {
+    struct ev *next;
+    struct gen *g;
+    bool finished;
+    enum engine_finish finish;
+    int32_t stop_token;
+    char message[160];
+    int n_prompt, n_completion;
+    struct spec_stats mtp;
+    struct engine_timings tm;
+    int n_tokens;
+    int32_t tokens[];
+};
+
+struct engine_rpc {
+    struct engine *e;
+    struct engine_rpc_opts o;
+    char *strs[6];                    /* owned copies of the option strings */
+    pthread_t thread;
+    uv_loop_t loop;
+    uv_async_t wake;
+    uv_async_t stop;
+    struct rpc_ctx *ctx;
+    struct rpc_server *srv;
+    pthread_mutex_t lock;             /* events, start handshake */
+    pthread_cond_t cond;
+    struct ev *ev_head, *ev_tail;
+    bool start_done;
+    int start_rc;
+    int port;
+    struct err_buf start_err;
+    /* loop thread */
+    struct gen *gens;
+    int n_gens;
+    bool stopping;
+    bool srv_down;
+    uint64_t id_ctr;
+};
+
+/* --- engine thread side --- */
+
+static void on_engine_out(void *ud, const struct engine_output *o)
+{
+    struct gen *g = ud;
+    struct engine_rpc *s = g->s;
+    struct ev *ev = malloc(sizeof(*ev) + (size_t) o->n_tokens * sizeof(int32_t));
+    BUG_ON(!ev);
+    ev->next = NULL;
+    ev->g = g;
+    ev->finished = o->finished;
+    ev->finish = o->finish;
+    ev->stop_token = o->stop_token;
+    snprintf(ev->message, sizeof(ev->message), "%s", o->message ? o->message : "");
+    ev->n_prompt = o->n_prompt;
+    ev->n_completion = o->n_completion;
+    ev->mtp = o->mtp;
+    ev->tm = o->timings;
+    ev->n_tokens = o->n_tokens;
+    memcpy(ev->tokens, o->tokens, (size_t) o->n_tokens * sizeof(int32_t));
+    pthread_mutex_lock(&s->lock);
+    if (s->ev_tail)
+        s->ev_tail->next = ev;
+    else
+        s->ev_head = ev;
+    s->ev_tail = ev;
+    pthread_mutex_unlock(&s->lock);
+    uv_async_send(&s->wake);
+}
+
+/* --- loop thread: outputs --- */
+
+static void maybe_exit(struct engine_rpc *s)
+{
+    if (s->stopping && s->srv_down && s->n_gens == 0)
+        uv_stop(&s->loop);
+}
+
+static Stepd__V1__FinishReason finish_reason(enum engine_finish f)
+{
+    switch (f) {
+    case ENGINE_FINISH_STOP:
+        return STEPD__V1__FINISH_REASON__FINISH_REASON_STOP;
+    case ENGINE_FINISH_LENGTH:
+        return STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+    case ENGINE_FINISH_ABORT:
+        return STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT;
+    default:
+        return STEPD__V1__FINISH_REASON__FINISH_REASON_ERROR;
+    }
+}
+
+static void send_chunk(struct gen *g, const struct ev *ev)
+{
+    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
+    Stepd__V1__Chunk chunk = STEPD__V1__CHUNK__INIT;
+    Stepd__V1__Usage usage = STEPD__V1__USAGE__INIT;
+    resp.request_id = g->id;
+    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
+    resp.chunk = &chunk;
+    chunk.n_token_ids = (size_t) ev->n_tokens;
+    chunk.token_ids = (int32_t *) ev->tokens;
+    if (g->usage_each) {
+        usage.prompt_tokens = (uint32_t) ev->n_prompt;
+        usage.completion_tokens = (uint32_t) ev->n_completion;
+        chunk.usage = &usage;
+    }
+    int r = rpc_call_send(g->call, &resp.base);
+    if (r == -ENOBUFS && !g->overflow) {
+        /* the client does not read: stop generating for it */
+        g->overflow = true;
+        const char *ids[1] = { g->id };
+        engine_abort(g->s->e, ids, 1);
+    }
+}
+
+static void send_final(struct gen *g, const struct ev *ev)
+{
+    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
+    Stepd__V1__Final fin = STEPD__V1__FINAL__INIT;
+    Stepd__V1__Usage usage = STEPD__V1__USAGE__INIT;
+    Stepd__V1__MtpStats mtp = STEPD__V1__MTP_STATS__INIT;
+    Stepd__V1__Timings tm = STEPD__V1__TIMINGS__INIT;
+    uint32_t per_pos[SPEC_MAX_K];
+    resp.request_id = g->id;
+    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
+    resp.final = &fin;
+    fin.finish_reason = finish_reason(ev->finish);
+    fin.message = (char *) ev->message;
+    fin.request_id = g->id;
+    fin.group = (char *) (g->s->o.group ? g->s->o.group : "");
+    if (ev->finish == ENGINE_FINISH_STOP && ev->stop_token >= 0) {
+        fin.matched_stop_case = STEPD__V1__FINAL__MATCHED_STOP_STOP_TOKEN_ID;
+        fin.stop_token_id = ev->stop_token;
+    }
+    usage.prompt_tokens = (uint32_t) ev->n_prompt;
+    usage.completion_tokens = (uint32_t) ev->n_completion;
+    fin.usage = &usage;
+    mtp.num_drafts = (uint32_t) ev->mtp.n_drafts;
+    mtp.num_draft_tokens = (uint32_t) ev->mtp.n_draft_tokens;
+    mtp.num_accepted_tokens = (uint32_t) ev->mtp.n_accepted;
+    int k = engine_max_spec(g->s->e);
+    for (int i = 0; i < k; i++)
+        per_pos[i] = (uint32_t) ev->mtp.accepted_per_pos[i];
+    mtp.n_accepted_per_position = (size_t) k;
+    mtp.accepted_per_position = per_pos;
+    fin.mtp = &mtp;
+    tm.queue_s = ev->tm.queue_s;
+    tm.prefill_s = ev->tm.prefill_s;
+    tm.first_token_s = ev->tm.first_token_s;
+    tm.decode_s = ev->tm.decode_s;
+    tm.mean_inter_token_s = ev->tm.mean_inter_token_s;
+    tm.e2e_s = ev->tm.e2e_s;
+    fin.timings = &tm;
+    (void) rpc_call_send(g->call, &resp.base);
+}
+
+static void gen_done(struct engine_rpc *s, struct gen *g)
+{
+    if (g->prev)
+        g->prev->next = g->next;
+    else
+        s->gens = g->next;
+    if (g->next)
+        g->next->prev = g->prev;
+    s->n_gens--;
+    free(g);
+    maybe_exit(s);
+}
+
+static void handle_event(struct engine_rpc *s, struct ev *ev)
+{
+    struct gen *g = ev->g;
+    if (ev->n_tokens > 0 && !g->cancelled && !g->overflow)
+        send_chunk(g, ev);
+    if (!ev->finished)
+        return;
+    if (g->cancelled)
+        rpc_call_finish(g->call, RPC_CANCELLED, "request cancelled by the client");
+    else if (g->overflow)
+        rpc_call_finish(g->call, RPC_RESOURCE_EXHAUSTED, "request %s: client is not reading its stream",
+                        g->id);
+    else if (ev->finish == ENGINE_FINISH_DEADLINE)
+        rpc_call_finish(g->call, RPC_DEADLINE_EXCEEDED, "request %s: %s", g->id, ev->message);
+    else if (ev->finish == ENGINE_FINISH_ABORT && s->stopping)
+        rpc_call_finish(g->call, RPC_UNAVAILABLE, "engine is shutting down");
+    else {
+        send_final(g, ev);
+        rpc_call_finish(g->call, RPC_OK, NULL);
+    }
+    gen_done(s, g);
+}
+
+static void on_wake(uv_async_t *a)
+{
+    struct engine_rpc *s = a->data;
+    pthread_mutex_lock(&s->lock);
+    struct ev *ev = s->ev_head;
+    s->ev_head = s->ev_tail = NULL;
+    pthread_mutex_unlock(&s->lock);
+    while (ev) {
+        struct ev *next = ev->next;
+        handle_event(s, ev);
+        free(ev);
+        ev = next;
+    }
+}
+
+/* --- loop thread: handlers --- */
+
+static void on_cancel(struct rpc_call *call, void *ud)
+{
+    struct gen *g = ud;
+    if (g->cancelled)
+        return;
+    g->cancelled = true;
+    const char *ids[1] = { g->id };
+    engine_abort(g->s->e, ids, 1);
+}
+
+/* Fill q->sampling and friends from the proto; returns 0 or writes the bad field. */
+static int convert_sampling(const Stepd__V1__SamplingParams *p, struct engine_request *q,
+                            struct sampler_bias *bias, struct err_buf *err)
+{
+    struct sampling_params *sp = &q->sampling;
+    sp->temperature = 1.0f;
+    if (!p)
+        return 0;
+    if (PB_HAS(p, temperature))
+        sp->temperature = p->temperature;
+    if (PB_HAS(p, top_p))
+        sp->top_p = p->top_p;
+    if (PB_HAS(p, top_k)) {
+        if (p->top_k < -1)
+            return err_set(err, -EINVAL, "sampling_params.top_k: must be -1, 0 or >= 1");
+        sp->top_k = p->top_k > 0 ? p->top_k : 0;
+    }
+    if (PB_HAS(p, min_p))
+        sp->min_p = p->min_p;
+    if (PB_HAS(p, repetition_penalty))
+        sp->repetition_penalty = p->repetition_penalty;
+    if (PB_HAS(p, presence_penalty))
+        sp->presence_penalty = p->presence_penalty;
+    if (PB_HAS(p, frequency_penalty))
+        sp->frequency_penalty = p->frequency_penalty;
+    if (PB_HAS(p, max_tokens)) {
+        if (p->max_tokens < 1)
+            return err_set(err, -EINVAL, "sampling_params.max_tokens: must be >= 1");
+        q->max_tokens = p->max_tokens > INT_MAX ? INT_MAX : (int) p->max_tokens;
+    }
+    if (PB_HAS(p, min_tokens)) {
+        if (p->min_tokens < 0 || p->min_tokens > INT_MAX)
+            return err_set(err, -EINVAL, "sampling_params.min_tokens: must be >= 0");
+        q->min_tokens = (int) p->min_tokens;
+    }
+    if (PB_HAS(p, seed)) {
+        if (p->seed < 0)
+            return err_set(err, -EINVAL, "sampling_params.seed: must be >= 0");
+        sp->seed = (uint64_t) p->seed;
+    }
+    if (PB_HAS(p, logprobs) && p->logprobs != 0)
+        return err_set(err, -EINVAL, "sampling_params.logprobs: not supported by this engine");
+    if (PB_HAS(p, n) && p->n != 1)
+        return err_set(err, -EINVAL, "sampling_params.n: only 1 is served");
+    if (PB_HAS(p, ignore_eos))
+        q->ignore_eos = p->ignore_eos;
+    if (p->n_stop > 0)
+        return err_set(err, -EINVAL, "sampling_params.stop: stop strings need text input; the "
+                       "engine takes token ids (use stop_token_ids)");
+    if (p->n_stop_token_ids > ENGINE_MAX_STOP_IDS)
+        return err_set(err, -EINVAL, "sampling_params.stop_token_ids: at most %d ids",
+                       ENGINE_MAX_STOP_IDS);
+    q->stop_token_ids = p->stop_token_ids;
+    q->n_stop_token_ids = (int) p->n_stop_token_ids;
+    if (p->n_logit_bias > 1024)
+        return err_set(err, -EINVAL, "sampling_params.logit_bias: at most 1024 entries");
+    for (size_t i = 0; i < p->n_logit_bias; i++) {
+        bias[i].token = p->logit_bias[i]->key;
+        bias[i].bias = p->logit_bias[i]->value;
+    }
+    sp->logit_bias = bias;
+    sp->n_logit_bias = (int) p->n_logit_bias;
+    return 0;
+}
+
+static int status_of(int rc)
+{
+    switch (rc) {
+    case -EINVAL:
+        return RPC_INVALID_ARGUMENT;
+    case -EAGAIN:
+    case -ENOMEM:
+        return RPC_RESOURCE_EXHAUSTED;
+    case -EEXIST:
+        return RPC_ALREADY_EXISTS;
+    case -ESHUTDOWN:
+        return RPC_UNAVAILABLE;
+    default:
+        return RPC_INTERNAL;
+    }
+}
+
+static uint64_t mix64(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest *in,
+                         struct engine_request *q, struct sampler_bias *bias, char *id,
+                         struct err_buf *err)
+{
+    engine_request_init(q);
+    if (in->input_case != STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS || !in->token_ids)
+        return err_set(err, -EINVAL, "input: the engine service takes token_ids only");
+    if (in->model && in->model[0] && s->o.model_name && strcmp(in->model, s->o.model_name) != 0)
+        return err_set(err, -EINVAL, "model: \"%s\" is not served here (\"%s\")", in->model,
+                       s->o.model_name);
+    if (in->token_ids->n_ids > INT_MAX)
+        return err_set(err, -EINVAL, "token_ids: too many");
+    size_t idlen = in->request_id ? strlen(in->request_id) : 0;
+    if (idlen > ENGINE_MAX_ID_LEN)
+        return err_set(err, -EINVAL, "request_id: longer than %d bytes", ENGINE_MAX_ID_LEN);
+    if (idlen)
+        memcpy(id, in->request_id, idlen + 1);
+    else
+        snprintf(id, ENGINE_MAX_ID_LEN + 1, "eng-%" PRIu64, ++s->id_ctr);
+    q->id = id;
+    q->prompt = in->token_ids->ids;
+    q->n_prompt = (int) in->token_ids->n_ids;
+    q->priority = in->priority;
+    if (PB_HAS(in, num_speculative_tokens))
+        q->num_speculative_tokens = in->num_speculative_tokens;
+    int r = convert_sampling(in->sampling_params, q, bias, err);
+    if (r < 0)
+        return r;
+    if (!in->sampling_params || !PB_HAS(in->sampling_params, seed))
+        q->sampling.seed = mix64((uint64_t) engine_now_usec() ^ (s->id_ctr++ << 20));
+    return 0;
+}
+
+static void h_generate(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    struct engine_rpc *s = ud;
+    const Stepd__V1__GenerateRequest *in = (const void *) req;
+    struct err_buf err = { { 0 } };
+    if (s->stopping) {
+        rpc_call_finish(call, RPC_UNAVAILABLE, "engine is shutting down");
+        return;
+    }
+    struct gen *g = calloc(1, sizeof(*g));
+    struct sampler_bias *bias = NULL;
+    size_t nb = in->sampling_params ? in->sampling_params->n_logit_bias : 0;
+    if (nb && nb <= 1024)
+        bias = calloc(nb, sizeof(*bias));
+    if (!g || (nb && nb <= 1024 && !bias)) {
+        free(g);
+        free(bias);
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    struct engine_request q;
+    int r = build_request(s, in, &q, bias, g->id, &err);
+    int64_t dl = rpc_call_deadline_ms(call);
+    if (r == 0 && dl != INT64_MAX) {
+        int64_t left_ms = dl - rpc_now_ms();
+        q.deadline_usec = engine_now_usec() + (left_ms > 0 ? left_ms * 1000 : 1);
+    }
+    g->s = s;
+    g->call = call;
+    g->usage_each = in->stream_options && in->stream_options->continuous_usage_stats;
+    if (r == 0)
+        r = engine_submit(s->e, &q, on_engine_out, g, &err);
+    free(bias);
+    if (r < 0) {
+        rpc_call_finish(call, status_of(r), "%s", err.msg[0] ? err.msg : err_str(r));
+        free(g);
+        return;
+    }
+    g->next = s->gens;
+    if (s->gens)
+        s->gens->prev = g;
+    s->gens = g;
+    s->n_gens++;
+    rpc_call_on_cancel(call, on_cancel, g);
+}
+
+static void h_abort(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    struct engine_rpc *s = ud;
+    const Stepd__V1__AbortRequest *in = (const void *) req;
+    Stepd__V1__AbortResponse resp = STEPD__V1__ABORT_RESPONSE__INIT;
+    if (in->n_request_ids > 4096) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request_ids: at most 4096");
+        return;
+    }
+    resp.aborted = (uint32_t) engine_abort(s->e, (const char *const *) in->request_ids,
+                                           (int) in->n_request_ids);
+    (void) rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+/* Set a scalar field by name when this build's proto has it.  Forward compatible: the
+ * GroupLoad fields mean_acceptance_length, num_requests_alive, requests_created and
+ * requests_freed are requested from the proto owner and filled as soon as they exist. */
+static void set_by_name(ProtobufCMessage *m, const char *name, double v)
+{
+    const ProtobufCFieldDescriptor *fd =
+        protobuf_c_message_descriptor_get_field_by_name(m->descriptor, name);
+    if (!fd || fd->label == PROTOBUF_C_LABEL_REPEATED)
+        return;
+    char *p = (char *) m + fd->offset;
+    switch (fd->type) {
+    case PROTOBUF_C_TYPE_DOUBLE:
+        *(double *) p = v;
+        break;
+    case PROTOBUF_C_TYPE_UINT32:
+        *(uint32_t *) p = (uint32_t) v;
+        break;
+    case PROTOBUF_C_TYPE_UINT64:
+        *(uint64_t *) p = (uint64_t) v;
+        break;
+    default:
+        return;
+    }
+    pb_case_set(m, name);
+}
+
+static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    struct engine_rpc *s = ud;
+    struct engine_loads l;
+    Stepd__V1__GetLoadsResponse resp = STEPD__V1__GET_LOADS_RESPONSE__INIT;
+    Stepd__V1__GroupLoad gl = STEPD__V1__GROUP_LOAD__INIT;
+    Stepd__V1__GroupLoad *list[1] = { &gl };
+    engine_get_loads(s->e, &l);
+    gl.group = (char *) (s->o.group ? s->o.group : "");
+    gl.num_running = (uint32_t) l.n_running;
+    gl.num_waiting = (uint32_t) l.n_waiting;
+    gl.kv_blocks_used = (uint32_t) l.kv_blocks_used;
+    gl.kv_blocks_total = (uint32_t) l.kv_blocks_total;
+    gl.kv_usage = l.kv_usage;
+    gl.num_preemptions = l.n_preemptions;
+    gl.tokens_per_s = l.tokens_per_s;
+    set_by_name(&gl.base, "mean_acceptance_length", l.mean_accept_len);
+    set_by_name(&gl.base, "num_requests_alive", (double) l.n_alive);
+    set_by_name(&gl.base, "requests_created", (double) l.n_requests_created);
+    set_by_name(&gl.base, "requests_freed", (double) l.n_requests_freed);
+    resp.n_loads = 1;
+    resp.loads = list;
+    (void) rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+static void h_modelinfo(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    struct engine_rpc *s = ud;
+    const struct engine_config *c = engine_get_config(s->e);
+    Stepd__V1__GetModelInfoResponse resp = STEPD__V1__GET_MODEL_INFO_RESPONSE__INIT;
+    int32_t eos[ENGINE_MAX_EOS];
+    resp.model_name = (char *) (s->o.model_name ? s->o.model_name : "");
+    resp.model_type = (char *) (s->o.model_type ? s->o.model_type : "");
+    resp.quantization = (char *) (s->o.quantization ? s->o.quantization : "");
+    resp.vocab_size = (uint32_t) engine_vocab_size(s->e);
+    resp.max_model_len = (uint32_t) c->max_model_len;
+    for (int i = 0; i < c->n_eos; i++)
+        eos[i] = c->eos_ids[i];
+    resp.n_eos_token_ids = (size_t) c->n_eos;
+    resp.eos_token_ids = eos;
+    resp.num_layers = (uint32_t) s->o.num_layers;
+    resp.hidden_size = (uint32_t) s->o.hidden_size;
+    resp.num_experts = (uint32_t) s->o.num_experts;
+    resp.num_experts_per_tok = (uint32_t) s->o.num_experts_per_tok;
+    resp.num_mtp_layers = (uint32_t) engine_max_spec(s->e);
+    resp.max_num_speculative_tokens = (uint32_t) engine_max_spec(s->e);
+    resp.supports_chat = false;
+    resp.supports_text = false;
+    (void) rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+/* --- lifecycle --- */
+
+static void on_srv_down(void *ud)
+{
+    struct engine_rpc *s = ud;
+    s->srv_down = true;
+    maybe_exit(s);
+}
+
+static void on_stop(uv_async_t *a)
+{
+    struct engine_rpc *s = a->data;
+    if (s->stopping)
+        return;
+    s->stopping = true;
+    rpc_server_shutdown(s->srv, on_srv_down, s);
+    rpc_server_cancel_all(s->srv);
+}
+
+static int serve_setup(struct engine_rpc *s)
+{
+    struct err_buf *err = &s->start_err;
+    int r = rpc_ctx_create(&s->loop, &s->ctx);
+    if (r < 0)
+        return err_set(err, r, "engine service: cannot create the gRPC context: %s", err_str(r));
+    struct rpc_server_opts so = { .api_key = s->o.api_key, .max_recv_msg_bytes = s->o.max_recv_msg_bytes };
+    r = rpc_server_create(s->ctx, &so, &s->srv);
+    if (r < 0)
+        return err_set(err, r, "engine service: cannot create the server: %s", err_str(r));
+    const struct rpc_method methods[] = {
+        { P_GENERATE, &stepd__v1__generate_request__descriptor, true, false, h_generate, s },
+        { P_ABORT, &stepd__v1__abort_request__descriptor, false, false, h_abort, s },
+        { P_GETLOADS, &stepd__v1__get_loads_request__descriptor, false, false, h_getloads, s },
+        { P_MODELINFO, &stepd__v1__get_model_info_request__descriptor, false, false, h_modelinfo, s },
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(methods); i++) {
+        r = rpc_server_add_method(s->srv, &methods[i]);
+        if (r < 0)
+            return err_set(err, r, "engine service: %s: %s", methods[i].path, err_str(r));
+    }
+    r = rpc_server_listen(s->srv, s->o.addr, &s->port);
+    if (r < 0)
+        return err_set(err, r, "engine service: cannot listen on %s: %s", s->o.addr, err_str(r));
+    r = rpc_server_start(s->srv);
+    if (r < 0)
+        return err_set(err, r, "engine service: cannot start: %s", err_str(r));
+    return 0;
+}
+
+static void close_cb(uv_handle_t *h)
+{
+}
+
+static void serve_teardown(struct engine_rpc *s)
+{
+    if (s->srv) {
+        if (!s->srv_down) {
+            rpc_server_shutdown(s->srv, on_srv_down, s);
+            while (!s->srv_down)
+                uv_run(&s->loop, UV_RUN_ONCE);
+        }
+        rpc_server_destroy(s->srv);
+        s->srv = NULL;
+    }
+    if (s->ctx) {
+        rpc_ctx_destroy(s->ctx);
+        s->ctx = NULL;
+    }
+    uv_close((uv_handle_t *) &s->wake, close_cb);
+    uv_close((uv_handle_t *) &s->stop, close_cb);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    (void) uv_loop_close(&s->loop);
+}
+
+static void *serve_thread(void *arg)
+{
+    struct engine_rpc *s = arg;
+    int r = serve_setup(s);
+    pthread_mutex_lock(&s->lock);
+    s->start_rc = r;
+    s->start_done = true;
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+    if (r == 0)
+        uv_run(&s->loop, UV_RUN_DEFAULT);
+    serve_teardown(s);
+    return NULL;
+}
+
+static void rpc_free(struct engine_rpc *s)
+{
+    for (size_t i = 0; i < ARRAY_SIZE(s->strs); i++)
+        free(s->strs[i]);
+    pthread_cond_destroy(&s->cond);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+}
+
+static const char *dup_opt(struct engine_rpc *s, int i, const char *v)
+{
+    if (!v)
+        return NULL;
+    s->strs[i] = strdup(v);
+    return s->strs[i];
+}
+
+int engine_rpc_start(struct engine *e, const struct engine_rpc_opts *o, struct engine_rpc **ret,
+                     int *ret_port, struct err_buf *err)
+{
+    if (!e || !o || !o->addr)
+        return err_set(err, -EINVAL, "engine service: no address");
+    struct engine_rpc *s = calloc(1, sizeof(*s));
+    if (!s)
+        return -ENOMEM;
+    s->e = e;
+    s->o = *o;
+    s->o.addr = dup_opt(s, 0, o->addr);
+    s->o.api_key = dup_opt(s, 1, o->api_key);
+    s->o.group = dup_opt(s, 2, o->group);
+    s->o.model_name = dup_opt(s, 3, o->model_name);
+    s->o.model_type = dup_opt(s, 4, o->model_type);
+    s->o.quantization = dup_opt(s, 5, o->quantization);
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->cond, NULL);
+    int r = uv_loop_init(&s->loop);
+    if (r < 0) {
+        rpc_free(s);
+        return err_set(err, -EIO, "engine service: uv_loop_init: %s", uv_strerror(r));
+    }
+    uv_async_init(&s->loop, &s->wake, on_wake);
+    uv_async_init(&s->loop, &s->stop, on_stop);
+    s->wake.data = s;
+    s->stop.data = s;
+    r = pthread_create(&s->thread, NULL, serve_thread, s);
+    if (r) {
+        uv_close((uv_handle_t *) &s->wake, close_cb);
+        uv_close((uv_handle_t *) &s->stop, close_cb);
+        uv_run(&s->loop, UV_RUN_DEFAULT);
+        (void) uv_loop_close(&s->loop);
+        rpc_free(s);
+        return err_set(err, -r, "engine service: cannot start its thread");
+    }
+    pthread_mutex_lock(&s->lock);
+    while (!s->start_done)
+        pthread_cond_wait(&s->cond, &s->lock);
+    r = s->start_rc;
+    pthread_mutex_unlock(&s->lock);
+    if (r < 0) {
+        pthread_join(s->thread, NULL);
+        if (err)
+            *err = s->start_err;
+        rpc_free(s);
+        return r;
+    }
+    log_info("engine service listening on %s (port %d)", s->o.addr, s->port);
+    if (ret_port)
+        *ret_port = s->port;
+    *ret = s;
+    return 0;
+}
+
+void engine_rpc_stop(struct engine_rpc *s)
+{
+    if (!s)
+        return;
+    uv_async_send(&s->stop);
+    pthread_join(s->thread, NULL);
+    /* events left (none when every gen finished) */
+    while (s->ev_head) {
+        struct ev *ev = s->ev_head;
+        s->ev_head = ev->next;
+        free(ev);
+    }
+    rpc_free(s);
+}

@@ -1,0 +1,982 @@
+/* engine.c - rank 0's serving loop: inbox, deadlines, schedule, forward, verify, stop,
+ * propose, deliver.
+ *
+ * Request life: engine_submit puts a request on the inbox and on the `all` list (both
+ * under e->lock; `all` is what engine_abort scans).  The step thread moves the inbox to
+ * its private `live` list and into the batcher, and from then on is the only one that
+ * touches the request, except for the atomic abort flag.  A finished request gets its
+ * final callback and is unlinked and freed by the step thread, after the callbacks.
+ */
+#include "engine.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "batcher.h"
+#include "kv.h"
+#include "log.h"
+
+#define RATE_SAMPLES 32
+
+struct ereq {
+    struct batch_seq seq;            /* first member: container of the batcher's view */
+    struct ereq *all_prev, *all_next; /* e->all, under e->lock */
+    struct ereq *live_next;          /* inbox (under lock) then live list (step thread) */
+    char id[ENGINE_MAX_ID_LEN + 1];
+    int32_t *tokens;                 /* [cap_tokens] prompt, output, then scratch drafts */
+    int32_t cap_tokens;
+    int n_prompt;
+    int n_output;
+    int n_emitted;
+    int max_tokens;                  /* effective */
+    int min_tokens;
+    bool ignore_eos;
+    int32_t *stop_ids;
+    int n_stop;
+    struct sampling_params sp;
+    struct sampler_bias *bias;
+    int32_t *ban;                    /* min_tokens ban list (stop ids + EOS) */
+    int k;                           /* speculative depth for this request */
+    int64_t deadline_usec;
+    int32_t drafts[SPEC_MAX_K];
+    int32_t fill_drafts[SPEC_MAX_K]; /* scratch of prompt-chunk MTP fills */
+    float *q;                        /* [k * vocab] draft distributions (sampled + k > 0) */
+    engine_output_cb cb;
+    void *ud;
+    atomic_bool abort_flag;
+    bool counted_queued;             /* still counted in e->n_queued */
+    bool done;
+    enum engine_finish finish;
+    int32_t stop_token;
+    char message[160];
+    struct spec_stats mtp;
+    int64_t t_arrival, t_sched, t_first, t_last;
+};
+
+struct engine {
+    struct engine_config cfg;
+    struct forward *f;
+    int vocab;
+    int kmax;
+    int max_blocks_per_seq;
+    struct kv_pool *kv;
+    struct batcher *b;
+    struct sampler *smp;
+
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    struct ereq *inbox_head, *inbox_tail;
+    struct ereq *all;
+    int n_alive;
+    int n_queued;                    /* submitted, never admitted (bounded by max_waiting) */
+    bool stopping;
+    bool started;
+    pthread_t thread;
+    uint64_t arrival_ctr;
+    struct engine_loads snap;
+
+    /* step thread */
+    struct ereq *live;
+    int last_error;
+    uint64_t n_steps, n_generated;
+    struct spec_stats mtp_total;
+    int64_t rate_t[RATE_SAMPLES];
+    uint64_t rate_n[RATE_SAMPLES];
+    int rate_i;
+
+    /* step buffers, reserved at creation */
+    struct step_plan plan;
+    struct step_seq *pseqs;
+    int32_t *ptokens;
+    int32_t *pblocks[_KV_GROUP_MAX];
+    float *logits;
+    float *mtp_logits;
+    float *probs_buf;
+    int32_t *n_valid, *tok_in, *tok_scratch;
+    struct spec_seq *sseqs;
+    struct batch_seq **sched;        /* copy of the batcher's list (finishing edits it) */
+};
+
+int64_t engine_now_usec(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static const char *const finish_names[_ENGINE_FINISH_MAX] = {
+    [ENGINE_FINISH_NONE] = "none",     [ENGINE_FINISH_STOP] = "stop",
+    [ENGINE_FINISH_LENGTH] = "length", [ENGINE_FINISH_ABORT] = "abort",
+    [ENGINE_FINISH_DEADLINE] = "deadline", [ENGINE_FINISH_ERROR] = "error",
+};
+
+const char *engine_finish_name(enum engine_finish f)
+{
+    return f >= 0 && f < _ENGINE_FINISH_MAX ? finish_names[f] : "?";
+}
+
+void engine_config_init(struct engine_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->max_num_batched_tokens = 512;
+    cfg->max_model_len = 4096;
+    cfg->max_waiting = 256;
+}
+
+void engine_request_init(struct engine_request *r)
+{
+    memset(r, 0, sizeof(*r));
+    sampling_params_init(&r->sampling);
+    r->num_speculative_tokens = -1;
+}
+
+/* --- creation --- */
+
+static int check_config(struct engine_config *c, const struct forward *f, struct err_buf *err)
+{
+    if (!f || !f->ops || !f->ops->step || f->vocab_size <= 0 || f->max_seqs <= 0 ||
+        f->block_size <= 0 || f->max_tokens_per_step <= 0)
+        return err_set(err, -EINVAL, "engine: forward is incomplete");
+    if (c->max_num_seqs <= 0)
+        c->max_num_seqs = f->max_seqs;
+    if (c->max_num_seqs > f->max_seqs)
+        return err_set(err, -EINVAL, "--max-num-seqs: %d exceeds the forward's %d",
+                       c->max_num_seqs, f->max_seqs);
+    if (c->max_num_batched_tokens <= 0 || c->max_num_batched_tokens > f->max_tokens_per_step)
+        return err_set(err, -EINVAL, "--max-num-batched-tokens: %d is not in 1..%d",
+                       c->max_num_batched_tokens, f->max_tokens_per_step);
+    if (c->max_num_batched_tokens < 1 + SPEC_MAX_K && c->num_speculative_tokens > 0)
+        return err_set(err, -EINVAL, "--max-num-batched-tokens: %d leaves no room for %d drafts",
+                       c->max_num_batched_tokens, c->num_speculative_tokens);
+    if (c->max_model_len < 2)
+        return err_set(err, -EINVAL, "--max-model-len: %d is too small", c->max_model_len);
+    if (c->max_waiting < 0)
+        return err_set(err, -EINVAL, "max_waiting: must be >= 0");
+    if (c->sliding_window < 0)
+        return err_set(err, -EINVAL, "sliding_window: must be >= 0");
+    if (c->num_speculative_tokens < 0 || c->num_speculative_tokens > SPEC_MAX_K)
+        return err_set(err, -EINVAL, "num_speculative_tokens: %d is not in 0..%d",
+                       c->num_speculative_tokens, SPEC_MAX_K);
+    if (c->n_eos < 0 || c->n_eos > ENGINE_MAX_EOS)
+        return err_set(err, -EINVAL, "eos_ids: %d ids (max %d)", c->n_eos, ENGINE_MAX_EOS);
+    for (int i = 0; i < c->n_eos; i++)
+        if (c->eos_ids[i] < 0 || c->eos_ids[i] >= f->vocab_size)
+            return err_set(err, -EINVAL, "eos_ids[%d]: %d is outside the vocabulary (%d)", i,
+                           c->eos_ids[i], f->vocab_size);
+    if (c->num_speculative_tokens > f->n_mtp) {
+        log_warn("engine: %d speculative tokens requested but the forward has %d MTP layers; "
+                 "using %d", c->num_speculative_tokens, f->n_mtp, f->n_mtp);
+        c->num_speculative_tokens = f->n_mtp;
+    }
+    /* one sequence of max_model_len must fit, or it could never finish */
+    int bs = f->block_size;
+    int full = (c->max_model_len + SPEC_MAX_K + bs - 1) / bs;
+    if (full > f->n_blocks[KV_GROUP_FULL])
+        return err_set(err, -EINVAL, "--max-model-len: %d needs %d KV blocks of %d tokens, the "
+                       "full-attention pool has %d", c->max_model_len, full, bs,
+                       f->n_blocks[KV_GROUP_FULL]);
+    int sliding = full;
+    if (c->sliding_window > 0) {
+        int s = (c->sliding_window + c->max_num_batched_tokens + bs - 1) / bs + 1;
+        sliding = s < full ? s : full;
+    }
+    if (sliding > f->n_blocks[KV_GROUP_SLIDING])
+        return err_set(err, -EINVAL, "KV: one sequence needs %d sliding blocks, the pool has %d",
+                       sliding, f->n_blocks[KV_GROUP_SLIDING]);
+    return 0;
+}
+
+static int alloc_buffers(struct engine *e)
+{
+    size_t ms = (size_t) e->cfg.max_num_seqs;
+    size_t v = (size_t) e->vocab;
+    size_t rows = ms * (1 + SPEC_MAX_K);
+    e->pseqs = calloc(ms, sizeof(*e->pseqs));
+    e->ptokens = calloc((size_t) e->cfg.max_num_batched_tokens, sizeof(int32_t));
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        e->pblocks[g] = calloc(ms * (size_t) e->max_blocks_per_seq, sizeof(int32_t));
+    e->logits = malloc(rows * v * sizeof(float));
+    e->mtp_logits = malloc(ms * v * sizeof(float));
+    e->probs_buf = malloc((SPEC_MAX_K + 2) * v * sizeof(float));
+    e->n_valid = calloc(ms, sizeof(int32_t));
+    e->tok_in = calloc(ms, sizeof(int32_t));
+    e->tok_scratch = calloc(ms, sizeof(int32_t));
+    e->sseqs = calloc(ms, sizeof(*e->sseqs));
+    e->sched = calloc(ms, sizeof(*e->sched));
+    if (!e->sched ||!e->pseqs || !e->ptokens || !e->pblocks[0] || !e->pblocks[1] || !e->logits ||
+        !e->mtp_logits || !e->probs_buf || !e->n_valid || !e->tok_in || !e->tok_scratch ||
+        !e->sseqs)
+        return -ENOMEM;
+    e->plan.seqs = e->pseqs;
+    e->plan.tokens = e->ptokens;
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        e->plan.blocks[g] = e->pblocks[g];
+    return 0;
+}
+
+int engine_new(struct forward *f, const struct engine_config *cfg, struct engine **ret,
+               struct err_buf *err)
+{
+    struct engine_config c = *cfg;
+    int r = check_config(&c, f, err);
+    if (r < 0)
+        return r;
+    struct engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return -ENOMEM;
+    e->cfg = c;
+    e->f = f;
+    e->vocab = f->vocab_size;
+    e->kmax = f->n_mtp < SPEC_MAX_K ? f->n_mtp : SPEC_MAX_K;
+    int max_len = c.max_model_len + SPEC_MAX_K + 1;
+    e->max_blocks_per_seq = (max_len + f->block_size - 1) / f->block_size;
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->cond, NULL);
+
+    struct kv_pool_config kc = {
+        .block_size = f->block_size,
+        .n_blocks = { f->n_blocks[0], f->n_blocks[1] },
+        .sliding_window = c.sliding_window,
+        .max_seqs = c.max_num_seqs,
+        .max_seq_len = max_len,
+    };
+    struct batcher_config bc = {
+        .max_num_batched_tokens = c.max_num_batched_tokens,
+        .max_seqs = c.max_num_seqs,
+        .max_waiting = c.max_waiting,
+    };
+    r = kv_pool_new(&kc, &e->kv);
+    if (r == 0)
+        r = batcher_new(&bc, e->kv, &e->b);
+    if (r == 0)
+        r = sampler_new(e->vocab, &e->smp);
+    if (r == 0)
+        r = alloc_buffers(e);
+    if (r < 0) {
+        err_set(err, r, "engine: cannot reserve buffers: %s", err_str(r));
+        engine_free(e);
+        return r;
+    }
+    *ret = e;
+    return 0;
+}
+
+/* --- requests --- */
+
+static void ereq_free(struct ereq *r)
+{
+    if (!r)
+        return;
+    free(r->tokens);
+    free(r->stop_ids);
+    free(r->bias);
+    free(r->ban);
+    free(r->q);
+    free(r);
+}
+
+static bool id_ok(const char *id)
+{
+    size_t n = id ? strnlen(id, ENGINE_MAX_ID_LEN + 1) : 0;
+    if (n == 0 || n > ENGINE_MAX_ID_LEN)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isprint((unsigned char) id[i]))
+            return false;
+    return true;
+}
+
+static int check_request(const struct engine *e, const struct engine_request *q, struct err_buf *err)
+{
+    const char *field = NULL;
+    if (!id_ok(q->id))
+        return err_set(err, -EINVAL, "request_id: must be 1..%d printable bytes", ENGINE_MAX_ID_LEN);
+    if (!q->prompt || q->n_prompt <= 0)
+        return err_set(err, -EINVAL, "token_ids: empty prompt");
+    if (q->n_prompt >= e->cfg.max_model_len)
+        return err_set(err, -EINVAL, "token_ids: %d prompt tokens leave no room under "
+                       "max_model_len %d", q->n_prompt, e->cfg.max_model_len);
+    for (int i = 0; i < q->n_prompt; i++)
+        if (q->prompt[i] < 0 || q->prompt[i] >= e->vocab)
+            return err_set(err, -EINVAL, "token_ids[%d]: %d is outside the vocabulary (0..%d)",
+                           i, q->prompt[i], e->vocab - 1);
+    if (sampling_params_check(&q->sampling, e->vocab, &field) < 0)
+        return err_set(err, -EINVAL, "sampling_params.%s: out of range", field);
+    if (q->min_tokens < 0)
+        return err_set(err, -EINVAL, "sampling_params.min_tokens: must be >= 0");
+    if (q->max_tokens > 0 && q->min_tokens > q->max_tokens)
+        return err_set(err, -EINVAL, "sampling_params.min_tokens: exceeds max_tokens");
+    if (q->n_stop_token_ids < 0 || q->n_stop_token_ids > ENGINE_MAX_STOP_IDS ||
+        (q->n_stop_token_ids > 0 && !q->stop_token_ids))
+        return err_set(err, -EINVAL, "sampling_params.stop_token_ids: at most %d ids",
+                       ENGINE_MAX_STOP_IDS);
+    for (int i = 0; i < q->n_stop_token_ids; i++)
+        if (q->stop_token_ids[i] < 0 || q->stop_token_ids[i] >= e->vocab)
+            return err_set(err, -EINVAL, "sampling_params.stop_token_ids[%d]: %d is outside the "
+                           "vocabulary", i, q->stop_token_ids[i]);
+    if (q->num_speculative_tokens < -1 || q->num_speculative_tokens > SPEC_MAX_K)
+        return err_set(err, -EINVAL, "num_speculative_tokens: %d is not in 0..%d",
+                       q->num_speculative_tokens, SPEC_MAX_K);
+    return 0;
+}
+
+static struct ereq *ereq_new(const struct engine *e, const struct engine_request *q)
+{
+    struct ereq *r = calloc(1, sizeof(*r));
+    if (!r)
+        return NULL;
+    snprintf(r->id, sizeof(r->id), "%s", q->id);
+    r->n_prompt = q->n_prompt;
+    int room = e->cfg.max_model_len - q->n_prompt;
+    r->max_tokens = q->max_tokens > 0 && q->max_tokens < room ? q->max_tokens : room;
+    r->min_tokens = q->min_tokens;
+    r->ignore_eos = q->ignore_eos;
+    r->cap_tokens = q->n_prompt + r->max_tokens + SPEC_MAX_K + 1;
+    r->tokens = malloc((size_t) r->cap_tokens * sizeof(int32_t));
+    r->sp = q->sampling;
+    r->sp.min_tokens = 0;
+    r->sp.ban = NULL;
+    r->sp.n_ban = 0;
+    int k = q->num_speculative_tokens < 0 ? e->cfg.num_speculative_tokens : q->num_speculative_tokens;
+    r->k = k < e->kmax ? k : e->kmax;
+    if (!r->tokens)
+        goto out_free;
+    memcpy(r->tokens, q->prompt, (size_t) q->n_prompt * sizeof(int32_t));
+    if (q->n_stop_token_ids > 0) {
+        r->stop_ids = malloc((size_t) q->n_stop_token_ids * sizeof(int32_t));
+        if (!r->stop_ids)
+            goto out_free;
+        memcpy(r->stop_ids, q->stop_token_ids, (size_t) q->n_stop_token_ids * sizeof(int32_t));
+        r->n_stop = q->n_stop_token_ids;
+    }
+    if (q->sampling.n_logit_bias > 0) {
+        r->bias = malloc((size_t) q->sampling.n_logit_bias * sizeof(*r->bias));
+        if (!r->bias)
+            goto out_free;
+        memcpy(r->bias, q->sampling.logit_bias, (size_t) q->sampling.n_logit_bias * sizeof(*r->bias));
+        r->sp.logit_bias = r->bias;
+    }
+    if (q->min_tokens > 0) {
+        /* EOS (unless ignored) and stop ids cannot be sampled before min_tokens */
+        int n = r->n_stop + (q->ignore_eos ? 0 : e->cfg.n_eos);
+        r->ban = malloc((size_t) (n > 0 ? n : 1) * sizeof(int32_t));
+        if (!r->ban)
+            goto out_free;
+        memcpy(r->ban, r->stop_ids ? r->stop_ids : r->ban, (size_t) r->n_stop * sizeof(int32_t));
+        if (!q->ignore_eos)
+            memcpy(r->ban + r->n_stop, e->cfg.eos_ids, (size_t) e->cfg.n_eos * sizeof(int32_t));
+        r->sp.min_tokens = q->min_tokens;
+        r->sp.ban = r->ban;
+        r->sp.n_ban = n;
+    }
+    if (r->k > 0 && !sampling_params_greedy(&r->sp)) {
+        r->q = malloc((size_t) r->k * (size_t) e->vocab * sizeof(float));
+        if (!r->q)
+            goto out_free;
+    }
+    r->seq.priority = q->priority;
+    r->seq.n_known = q->n_prompt;
+    r->seq.slot = -1;
+    r->deadline_usec = q->deadline_usec;
+    r->stop_token = -1;
+    atomic_init(&r->abort_flag, false);
+    return r;
+
+out_free:
+    ereq_free(r);
+    return NULL;
+}
+
+int engine_submit(struct engine *e, const struct engine_request *q, engine_output_cb cb, void *ud,
+                  struct err_buf *err)
+{
+    if (!cb)
+        return err_set(err, -EINVAL, "engine_submit: no output callback");
+    int r = check_request(e, q, err);
+    if (r < 0)
+        return r;
+    struct ereq *req = ereq_new(e, q);
+    if (!req)
+        return err_set(err, -ENOMEM, "out of memory");
+    req->cb = cb;
+    req->ud = ud;
+    req->t_arrival = engine_now_usec();
+
+    pthread_mutex_lock(&e->lock);
+    if (e->stopping || e->last_error) {
+        r = err_set(err, -ESHUTDOWN, "engine is %s", e->last_error ? "failed" : "stopping");
+        goto out_unlock;
+    }
+    if (e->n_queued >= e->cfg.max_waiting) {
+        r = err_set(err, -EAGAIN, "waiting queue is full (%d requests)", e->cfg.max_waiting);
+        goto out_unlock;
+    }
+    for (struct ereq *o = e->all; o; o = o->all_next) {
+        if (strcmp(o->id, req->id) == 0) {
+            r = err_set(err, -EEXIST, "request_id: \"%s\" is already in flight", req->id);
+            goto out_unlock;
+        }
+    }
+    req->seq.arrival = ++e->arrival_ctr;
+    e->snap.n_requests_created++;
+    req->counted_queued = true;
+    e->n_queued++;
+    e->n_alive++;
+    req->all_next = e->all;
+    if (e->all)
+        e->all->all_prev = req;
+    e->all = req;
+    if (e->inbox_tail)
+        e->inbox_tail->live_next = req;
+    else
+        e->inbox_head = req;
+    e->inbox_tail = req;
+    pthread_cond_signal(&e->cond);
+    pthread_mutex_unlock(&e->lock);
+    return 0;
+
+out_unlock:
+    pthread_mutex_unlock(&e->lock);
+    ereq_free(req);
+    return r;
+}
+
+int engine_abort(struct engine *e, const char *const *ids, int n_ids)
+{
+    int found = 0;
+    pthread_mutex_lock(&e->lock);
+    for (int i = 0; i < n_ids; i++) {
+        if (!ids[i])
+            continue;
+        for (struct ereq *o = e->all; o; o = o->all_next) {
+            if (strcmp(o->id, ids[i]) == 0) {
+                atomic_store(&o->abort_flag, true);
+                found++;
+                break;
+            }
+        }
+    }
+    if (found)
+        pthread_cond_signal(&e->cond);
+    pthread_mutex_unlock(&e->lock);
+    return found;
+}
+
+/* --- step helpers --- */
+
+static void finish(struct engine *e, struct ereq *r, enum engine_finish why, const char *msg)
+{
+    if (r->done)
+        return;
+    batcher_remove(e->b, &r->seq);
+    r->done = true;
+    r->finish = why;
+    snprintf(r->message, sizeof(r->message), "%s", msg ? msg : "");
+}
+
+static void take_inbox(struct engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    struct ereq *head = e->inbox_head;
+    e->inbox_head = e->inbox_tail = NULL;
+    pthread_mutex_unlock(&e->lock);
+    while (head) {
+        struct ereq *r = head;
+        head = r->live_next;
+        r->live_next = e->live;
+        e->live = r;
+        /* the submit-time bound guarantees room; preempted ones bypass the bound */
+        int rc = batcher_add(e->b, &r->seq);
+        if (rc < 0)
+            finish(e, r, ENGINE_FINISH_ERROR, "waiting queue is full");
+    }
+}
+
+static void expire_and_abort(struct engine *e, int64_t now)
+{
+    for (struct ereq *r = e->live; r; r = r->live_next) {
+        if (r->done)
+            continue;
+        if (atomic_load(&r->abort_flag))
+            finish(e, r, ENGINE_FINISH_ABORT, "aborted");
+        else if (r->deadline_usec > 0 && now >= r->deadline_usec)
+            finish(e, r, ENGINE_FINISH_DEADLINE,
+                   r->seq.state == BATCH_STATE_RUNNING ? "deadline exceeded while running"
+                                                       : "deadline exceeded in queue");
+    }
+}
+
+static bool is_stop(const struct engine *e, const struct ereq *r, int32_t t)
+{
+    for (int i = 0; i < r->n_stop; i++)
+        if (r->stop_ids[i] == t)
+            return true;
+    if (!r->ignore_eos)
+        for (int i = 0; i < e->cfg.n_eos; i++)
+            if (e->cfg.eos_ids[i] == t)
+                return true;
+    return false;
+}
+
+/* Append one output token and apply the stop conditions; returns true when finished. */
+static bool append_token(struct engine *e, struct ereq *r, int32_t t, int64_t now)
+{
+    BUG_ON(r->n_prompt + r->n_output >= r->cap_tokens);
+    r->tokens[r->n_prompt + r->n_output++] = t;
+    r->seq.n_known = r->n_prompt + r->n_output;
+    if (!r->t_first)
+        r->t_first = now;
+    r->t_last = now;
+    e->n_generated++;
+    if (r->n_output >= r->min_tokens && is_stop(e, r, t)) {
+        r->stop_token = t;
+        finish(e, r, ENGINE_FINISH_STOP, "");
+    } else if (r->n_output >= r->max_tokens || r->seq.n_known >= e->cfg.max_model_len) {
+        finish(e, r, ENGINE_FINISH_LENGTH, "");
+    }
+    return r->done;
+}
+
+static struct ereq *req_of(struct batch_seq *s)
+{
+    return (struct ereq *) s;
+}
+
+static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
+{
+    struct step_plan *p = &e->plan;
+    int bs = e->f->block_size;
+    int32_t tok = 0;
+    int32_t boff[_KV_GROUP_MAX] = { 0, 0 };
+    p->step_id = e->n_steps;
+    p->n_seqs = n;
+    for (int i = 0; i < n; i++) {
+        struct batch_seq *s = seqs[i];
+        struct ereq *r = req_of(s);
+        struct step_seq *ps = &p->seqs[i];
+        int32_t n_plain = s->sched_tokens - s->sched_drafts;
+        ps->slot = s->slot;
+        ps->pos0 = s->n_computed;
+        ps->n_tokens = s->sched_tokens;
+        ps->n_logits = s->sched_final ? 1 + s->sched_drafts : 0;
+        ps->tok_off = tok;
+        memcpy(p->tokens + tok, r->tokens + s->n_computed, (size_t) n_plain * sizeof(int32_t));
+        memcpy(p->tokens + tok + n_plain, r->drafts, (size_t) s->sched_drafts * sizeof(int32_t));
+        tok += s->sched_tokens;
+        ps->n_blocks = (ps->pos0 + ps->n_tokens + bs - 1) / bs;
+        for (int g = 0; g < _KV_GROUP_MAX; g++) {
+            int nb;
+            const int32_t *t = kv_seq_table(e->kv, s->slot, g, &nb);
+            BUG_ON(nb < ps->n_blocks);
+            ps->block_off[g] = boff[g];
+            memcpy(p->blocks[g] + boff[g], t, (size_t) ps->n_blocks * sizeof(int32_t));
+            boff[g] += ps->n_blocks;
+        }
+        ps->mtp_depth = s->sched_final ? r->k : 0;
+        if (!r->t_sched)
+            r->t_sched = engine_now_usec();
+    }
+    p->n_tokens = tok;
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        p->n_block_ids[g] = boff[g];
+}
+
+/* Verify/sample one scheduled sequence; prepares its MTP proposal.  Returns logits rows
+ * consumed. */
+static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float *rows, int64_t now)
+{
+    struct ereq *r = req_of(s);
+    struct step_seq *ps = &e->plan.seqs[i];
+    struct spec_seq *ss = &e->sseqs[i];
+    /* finishing the request below resets the batcher's per-step fields: copy them */
+    int n_drafts = s->sched_drafts;
+    int rows_used = s->sched_final ? 1 + n_drafts : 0;
+    int32_t n_plain = s->sched_tokens - n_drafts;
+    ss->depth = 0;
+    ps->mtp_depth = 0;
+    if (!s->sched_final) {
+        s->n_computed += s->sched_tokens;
+        if (r->k > 0) {
+            /* keep the MTP layers' KV complete over prompt chunks (MODEL.md §3.2) */
+            int32_t end = s->n_computed;
+            *ss = (struct spec_seq) {
+                .sp = &r->sp, .depth = r->k, .drafts = r->fill_drafts, .fill_only = true,
+                .forced = r->tokens + end + 1, .n_forced = s->n_known - end - 1,
+            };
+            ps->mtp_depth = r->k;
+            e->n_valid[i] = s->sched_tokens;
+            e->tok_in[i] = r->tokens[end];
+        }
+        return 0;
+    }
+    *ss = (struct spec_seq) {
+        .sp = &r->sp,
+        .hist = { .tokens = r->tokens, .n_prompt = r->n_prompt, .n_output = r->n_output },
+        .out_index = (uint64_t) r->n_output,
+        .drafts = r->drafts,
+        .q = r->q,
+    };
+    int32_t next;
+    int a = spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next);
+    s->n_computed = ps->pos0 + n_plain + a;
+    s->n_draft = 0;
+    bool done = false;
+    for (int k = 0; k < a && !done; k++)
+        done = append_token(e, r, r->drafts[k], now);
+    if (!done)
+        done = append_token(e, r, next, now);
+    ss->depth = 0;
+    if (done || r->k == 0)
+        return rows_used;
+    int depth = r->k;
+    int left = r->max_tokens - r->n_output;          /* tokens still allowed */
+    int room = e->cfg.max_model_len - s->n_known;
+    if (depth > left - 1)
+        depth = left - 1;
+    if (depth > room - 1)
+        depth = room - 1;
+    if (depth <= 0)
+        return rows_used;
+    ss->hist.n_output = r->n_output;
+    ss->out_index = (uint64_t) r->n_output;
+    ss->depth = depth;
+    ps->mtp_depth = depth;
+    e->n_valid[i] = n_plain + a;
+    e->tok_in[i] = next;
+    return rows_used;
+}
+
+static void fail_all(struct engine *e, int rc, const char *what)
+{
+    char msg[128];
+    snprintf(msg, sizeof(msg), "%s failed: %s", what, err_str(rc));
+    log_error("engine: %s; failing every request", msg);
+    for (struct ereq *r = e->live; r; r = r->live_next)
+        finish(e, r, ENGINE_FINISH_ERROR, msg);
+    pthread_mutex_lock(&e->lock);
+    e->last_error = rc;
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void fill_output(const struct ereq *r, struct engine_output *o, int64_t now)
+{
+    memset(o, 0, sizeof(*o));
+    o->id = r->id;
+    o->tokens = r->tokens + r->n_prompt + r->n_emitted;
+    o->n_tokens = r->n_output - r->n_emitted;
+    o->finished = r->done;
+    o->finish = r->finish;
+    o->stop_token = r->stop_token;
+    o->message = r->message;
+    o->n_prompt = r->n_prompt;
+    o->n_completion = r->n_output;
+    o->n_preempted = r->seq.n_preempted;
+    o->mtp = r->mtp;
+    if (!r->done)
+        return;
+    struct engine_timings *t = &o->timings;
+    double us = 1e-6;
+    if (r->t_sched)
+        t->queue_s = (double) (r->t_sched - r->t_arrival) * us;
+    if (r->t_first) {
+        t->prefill_s = (double) (r->t_first - r->t_sched) * us;
+        t->first_token_s = (double) (r->t_first - r->t_arrival) * us;
+        t->decode_s = (double) (r->t_last - r->t_first) * us;
+        if (r->n_output > 1)
+            t->mean_inter_token_s = t->decode_s / (r->n_output - 1);
+    }
+    t->e2e_s = (double) (now - r->t_arrival) * us;
+}
+
+static void unlink_all(struct engine *e, struct ereq *r)
+{
+    if (r->all_prev)
+        r->all_prev->all_next = r->all_next;
+    else
+        e->all = r->all_next;
+    if (r->all_next)
+        r->all_next->all_prev = r->all_prev;
+}
+
+static void update_snapshot(struct engine *e, int64_t now)
+{
+    e->rate_i = (e->rate_i + 1) % RATE_SAMPLES;
+    e->rate_t[e->rate_i] = now;
+    e->rate_n[e->rate_i] = e->n_generated;
+    int old = (e->rate_i + 1) % RATE_SAMPLES;
+    if (!e->rate_t[old])
+        old = 0;
+    double dt = (double) (now - e->rate_t[old]) * 1e-6;
+
+    struct engine_loads *l = &e->snap;
+    l->n_running = batcher_n_running(e->b);
+    l->n_waiting = batcher_n_waiting(e->b);
+    l->kv_blocks_total = kv_pool_total(e->kv, KV_GROUP_FULL) + kv_pool_total(e->kv, KV_GROUP_SLIDING);
+    l->kv_blocks_used = l->kv_blocks_total - kv_pool_free_count(e->kv, KV_GROUP_FULL) -
+                        kv_pool_free_count(e->kv, KV_GROUP_SLIDING);
+    l->kv_usage = kv_pool_usage(e->kv);
+    l->n_preemptions = batcher_n_preemptions(e->b);
+    l->n_steps = e->n_steps;
+    l->n_generated = e->n_generated;
+    l->tokens_per_s = dt > 0 ? (double) (e->n_generated - e->rate_n[old]) / dt : 0.0;
+    l->mtp = e->mtp_total;
+    l->mean_accept_len = spec_stats_mean_accept_len(&e->mtp_total);
+}
+
+/* Deliver outputs, then unlink and free finished requests. */
+static void deliver(struct engine *e)
+{
+    int64_t now = engine_now_usec();
+    int admitted = 0;
+    for (struct ereq *r = e->live; r; r = r->live_next) {
+        if (r->counted_queued && (r->seq.state == BATCH_STATE_RUNNING || r->done)) {
+            r->counted_queued = false;
+            admitted++;
+        }
+        if (!r->done && r->n_output == r->n_emitted)
+            continue;
+        struct engine_output o;
+        fill_output(r, &o, now);
+        r->n_emitted = r->n_output;
+        if (r->done)
+            spec_stats_add(&e->mtp_total, &r->mtp);
+        r->cb(r->ud, &o);
+    }
+    struct ereq **pp = &e->live;
+    int freed = 0;
+    struct ereq *dead = NULL;
+    while (*pp) {
+        struct ereq *r = *pp;
+        if (r->done) {
+            *pp = r->live_next;
+            r->live_next = dead;
+            dead = r;
+            freed++;
+        } else {
+            pp = &r->live_next;
+        }
+    }
+    pthread_mutex_lock(&e->lock);
+    e->n_queued -= admitted;
+    for (struct ereq *r = dead; r; r = r->live_next)
+        unlink_all(e, r);
+    e->n_alive -= freed;
+    e->snap.n_requests_freed += (uint64_t) freed;
+    update_snapshot(e, now);
+    e->snap.n_alive = e->n_alive;
+    e->snap.last_error = e->last_error;
+    pthread_mutex_unlock(&e->lock);
+    while (dead) {
+        struct ereq *r = dead;
+        dead = r->live_next;
+        ereq_free(r);
+    }
+}
+
+static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
+{
+    build_plan(e, seqs, n);
+    int r = 0;
+    if (e->cfg.on_plan)
+        r = e->cfg.on_plan(e->cfg.on_plan_ctx, &e->plan);
+    if (r < 0) {
+        fail_all(e, r, "step plan broadcast");
+        return r;
+    }
+    r = e->f->ops->step(e->f, &e->plan, e->logits);
+    if (r < 0) {
+        fail_all(e, r, "forward step");
+        return r;
+    }
+    int64_t now = engine_now_usec();
+    size_t row = 0;
+    bool any_mtp = false;
+    for (int i = 0; i < n; i++) {
+        int used = finish_seq(e, i, seqs[i], e->logits + row * (size_t) e->vocab, now);
+        row += (size_t) used;
+        any_mtp |= e->sseqs[i].depth > 0;
+    }
+    if (!any_mtp)
+        return 0;
+    r = spec_propose(e->f, e->smp, &e->plan, e->sseqs, e->n_valid, e->tok_in, e->mtp_logits,
+                     e->tok_scratch);
+    if (r < 0) {
+        fail_all(e, r, "MTP step");
+        return r;
+    }
+    for (int i = 0; i < n; i++)
+        if (e->sseqs[i].depth > 0 && !e->sseqs[i].fill_only)
+            seqs[i]->n_draft = e->sseqs[i].depth;
+    return 0;
+}
+
+int engine_step(struct engine *e)
+{
+    take_inbox(e);
+    if (e->last_error) {
+        fail_all(e, e->last_error, "engine");
+        deliver(e);
+        return e->last_error;
+    }
+    expire_and_abort(e, engine_now_usec());
+    struct batch_seq **seqs;
+    int n = batcher_schedule(e->b, &seqs);
+    int r = 0;
+    if (n > 0) {
+        memcpy(e->sched, seqs, (size_t) n * sizeof(*seqs));
+        r = run_forward(e, e->sched, n);
+        e->n_steps++;
+    }
+    deliver(e);
+    return r < 0 ? r : n;
+}
+
+int engine_run_until_idle(struct engine *e)
+{
+    for (;;) {
+        pthread_mutex_lock(&e->lock);
+        int alive = e->n_alive;
+        pthread_mutex_unlock(&e->lock);
+        if (!alive)
+            return 0;
+        int r = engine_step(e);
+        if (r < 0)
+            return r;
+    }
+}
+
+/* --- thread --- */
+
+static void *engine_thread(void *arg)
+{
+    struct engine *e = arg;
+    pthread_mutex_lock(&e->lock);
+    while (!e->stopping) {
+        if (e->n_alive == 0 || (e->last_error && !e->inbox_head)) {
+            pthread_cond_wait(&e->cond, &e->lock);
+            continue;
+        }
+        pthread_mutex_unlock(&e->lock);
+        int n = engine_step(e);
+        if (n == 0) {
+            /* alive but nothing schedulable (e.g. only aborted/expired pending): yield */
+            struct timespec ts = { 0, 200000 };
+            nanosleep(&ts, NULL);
+        }
+        pthread_mutex_lock(&e->lock);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return NULL;
+}
+
+int engine_start(struct engine *e)
+{
+    if (e->started)
+        return -EALREADY;
+    e->stopping = false;
+    int r = pthread_create(&e->thread, NULL, engine_thread, e);
+    if (r)
+        return -r;
+    e->started = true;
+    return 0;
+}
+
+void engine_stop(struct engine *e)
+{
+    if (!e || !e->started)
+        return;
+    pthread_mutex_lock(&e->lock);
+    e->stopping = true;
+    pthread_cond_broadcast(&e->cond);
+    pthread_mutex_unlock(&e->lock);
+    pthread_join(e->thread, NULL);
+    e->started = false;
+}
+
+void engine_free(struct engine *e)
+{
+    if (!e)
+        return;
+    engine_stop(e);
+    if (e->b) {
+        take_inbox(e);
+        for (struct ereq *r = e->live; r; r = r->live_next)
+            finish(e, r, ENGINE_FINISH_ABORT, "engine shutting down");
+        deliver(e);
+    }
+    batcher_free(e->b);
+    kv_pool_free(e->kv);
+    sampler_free(e->smp);
+    free(e->pseqs);
+    free(e->ptokens);
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        free(e->pblocks[g]);
+    free(e->logits);
+    free(e->mtp_logits);
+    free(e->probs_buf);
+    free(e->n_valid);
+    free(e->tok_in);
+    free(e->tok_scratch);
+    free(e->sseqs);
+    free(e->sched);
+    pthread_cond_destroy(&e->cond);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}
+
+/* --- queries --- */
+
+void engine_get_loads(struct engine *e, struct engine_loads *ret)
+{
+    pthread_mutex_lock(&e->lock);
+    *ret = e->snap;
+    ret->n_alive = e->n_alive;
+    ret->last_error = e->last_error;
+    if (!ret->kv_blocks_total)
+        ret->kv_blocks_total = kv_pool_total(e->kv, KV_GROUP_FULL) +
+                               kv_pool_total(e->kv, KV_GROUP_SLIDING);
+    if (ret->mean_accept_len == 0.0)
+        ret->mean_accept_len = 1.0;
+    pthread_mutex_unlock(&e->lock);
+}
+
+int engine_check(struct engine *e)
+{
+    int r = kv_pool_check(e->kv);
+    if (r < 0)
+        return r;
+    pthread_mutex_lock(&e->lock);
+    int alive = e->n_alive;
+    int queued = e->n_queued;
+    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_lock(&e->lock);
+    bool balanced = e->snap.n_requests_created == e->snap.n_requests_freed;
+    pthread_mutex_unlock(&e->lock);
+    if (alive == 0) {
+        if (!kv_pool_idle(e->kv) || batcher_n_running(e->b) || batcher_n_waiting(e->b) ||
+            e->live || queued != 0 || !balanced)
+            return -EUCLEAN;
+    }
+    return 0;
+}
+
+const struct engine_config *engine_get_config(const struct engine *e)
+{
+    return &e->cfg;
+}
+
+int engine_vocab_size(const struct engine *e)
+{
+    return e->vocab;
+}
+
+int engine_max_spec(const struct engine *e)
+{
+    return e->kmax;
+}

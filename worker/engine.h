@@ -1,0 +1,205 @@
+/* engine.h - the serving engine of rank 0: requests in, token deltas out.
+ *
+ * The engine owns the scheduler (batcher.h), the KV block manager (kv.h), sampling
+ * (sampler.h) and MTP speculation (spec.h) and drives a struct forward (forward.h: the
+ * real model or the mock).  One engine step: take new requests and abort flags, expire
+ * deadlines, schedule, hand the step plan to the optional on_plan hook (the dist layer
+ * broadcasts it to ranks 1..N-1), run forward.step, verify drafts and sample, apply stop
+ * conditions, propose the next drafts, then deliver outputs.
+ *
+ * Threads: engine_submit, engine_abort and engine_get_loads may be called from any
+ * thread.  Everything else in a step runs on one thread: the engine's own (after
+ * engine_start) or the caller of engine_step (tests; never both).  Output callbacks run
+ * on that thread with no engine lock held; they may call engine_submit/engine_abort but
+ * must not block.  Typical use (worker/main.c on rank 0):
+ *
+ *     engine_config_init(&cfg); cfg.eos_ids = ...; cfg.on_plan = bcast; ...
+ *     engine_new(forward, &cfg, &eng, &err);
+ *     engine_start(eng);
+ *     engine_rpc_start(eng, "127.0.0.1:50061", &info, &rpc, &err);   (engine-rpc.c)
+ *     ... run until SIGTERM ...
+ *     engine_rpc_stop(rpc); engine_free(eng);
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "err.h"
+#include "forward.h"
+#include "plan.h"
+#include "sampler.h"
+#include "spec.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ENGINE_MAX_EOS 8
+#define ENGINE_MAX_STOP_IDS 64
+#define ENGINE_MAX_ID_LEN 128
+
+struct engine;
+
+struct engine_config {
+    int max_num_batched_tokens;   /* token budget per step (default 512) */
+    int max_num_seqs;             /* running sequences (default: forward->max_seqs) */
+    int max_model_len;            /* prompt + output cap in tokens (default 4096) */
+    int max_waiting;              /* bounded waiting queue (default 256) */
+    int sliding_window;           /* tokens seen by sliding layers; 0 = never release */
+    int num_speculative_tokens;   /* default K (0 .. min(3, forward->n_mtp)) */
+    int32_t eos_ids[ENGINE_MAX_EOS];
+    int n_eos;
+    /* called once per step, before forward.step, with the plan (may be NULL) */
+    int (*on_plan)(void *ctx, const struct step_plan *p);
+    void *on_plan_ctx;
+};
+
+void engine_config_init(struct engine_config *cfg);
+
+enum engine_finish {
+    ENGINE_FINISH_NONE,       /* not finished */
+    ENGINE_FINISH_STOP,       /* EOS or a stop token id */
+    ENGINE_FINISH_LENGTH,     /* max_tokens or max_model_len */
+    ENGINE_FINISH_ABORT,      /* engine_abort or engine shutdown */
+    ENGINE_FINISH_DEADLINE,   /* deadline passed (queued or running) */
+    ENGINE_FINISH_ERROR,      /* forward failure; message says why */
+    _ENGINE_FINISH_MAX,
+};
+
+const char *engine_finish_name(enum engine_finish f);
+
+struct engine_request {
+    const char *id;                   /* copied; 1..128 printable bytes */
+    const int32_t *prompt;            /* copied */
+    int n_prompt;
+    struct sampling_params sampling;  /* logit_bias copied */
+    int max_tokens;                   /* <= 0: up to max_model_len */
+    int min_tokens;                   /* stop/EOS ignored before this many outputs */
+    bool ignore_eos;
+    const int32_t *stop_token_ids;    /* copied */
+    int n_stop_token_ids;
+    int priority;                     /* lower = earlier */
+    int num_speculative_tokens;       /* -1 = engine default, else 0..3 */
+    int64_t deadline_usec;            /* absolute engine_now_usec(); 0 = none */
+};
+
+void engine_request_init(struct engine_request *r);
+
+struct engine_timings {
+    double queue_s;             /* arrival -> first scheduled */
+    double prefill_s;           /* first scheduled -> first token */
+    double first_token_s;       /* arrival -> first token (TTFT) */
+    double decode_s;            /* first token -> last token */
+    double mean_inter_token_s;
+    double e2e_s;
+};
+
+struct engine_output {
+    const char *id;
+    const int32_t *tokens;      /* new tokens since the last output (borrowed) */
+    int n_tokens;
+    bool finished;
+    enum engine_finish finish;
+    int32_t stop_token;         /* matched EOS / stop id, -1 otherwise */
+    const char *message;        /* detail for ERROR / DEADLINE, "" otherwise */
+    int n_prompt;
+    int n_completion;           /* cumulative */
+    int n_preempted;
+    struct spec_stats mtp;      /* cumulative */
+    struct engine_timings timings; /* final only */
+};
+
+typedef void (*engine_output_cb)(void *ud, const struct engine_output *out);
+
+/* Create an engine over f (borrowed; must outlive the engine).  -EINVAL with a sentence
+ * in err on a bad config. */
+int engine_new(struct forward *f, const struct engine_config *cfg, struct engine **ret,
+               struct err_buf *err);
+/* Stop the thread if started, finish every live request with ABORT (callbacks run),
+ * and free.  NULL-safe. */
+void engine_free(struct engine *e);
+
+/* Run steps on an engine thread until engine_stop/engine_free. */
+int engine_start(struct engine *e);
+void engine_stop(struct engine *e);
+
+/* Queue a request.  Returns 0; -EINVAL (err names the field), -EEXIST (id in flight),
+ * -EAGAIN (waiting queue full), -ESHUTDOWN (engine failed or stopping), -ENOMEM.
+ * On success cb will be called at least once, the last time with finished set. */
+int engine_submit(struct engine *e, const struct engine_request *r, engine_output_cb cb, void *ud,
+                  struct err_buf *err);
+/* Flag requests for abort; each is finished (blocks freed) by the next step.  Returns
+ * how many of the ids were in flight. */
+int engine_abort(struct engine *e, const char *const *ids, int n_ids);
+
+/* One step on the caller's thread (only when not started).  Returns the number of
+ * sequences in the step (0 = idle) or a negative errno from the forward. */
+int engine_step(struct engine *e);
+/* Step until nothing is alive (tests).  Returns 0 or the first error. */
+int engine_run_until_idle(struct engine *e);
+
+struct engine_loads {
+    int n_running;
+    int n_waiting;
+    int n_alive;                /* submitted and not yet finished */
+    int kv_blocks_used;
+    int kv_blocks_total;
+    double kv_usage;
+    uint64_t n_preemptions;
+    uint64_t n_steps;
+    uint64_t n_generated;       /* output tokens over the engine's life */
+    double tokens_per_s;        /* output tokens/s over the last few seconds */
+    struct spec_stats mtp;
+    double mean_accept_len;
+    int last_error;             /* forward error that stopped the engine, 0 if none */
+    uint64_t n_requests_created;/* request states allocated (admin counters for the */
+    uint64_t n_requests_freed;  /*   D1 invariant: equal at idle) */
+};
+
+void engine_get_loads(struct engine *e, struct engine_loads *ret);
+
+/* Accounting invariant: KV pool consistent, and when nothing is alive every block is
+ * free and no slot is held.  Returns 0 or -EUCLEAN.  Engine thread (or stopped). */
+int engine_check(struct engine *e);
+
+const struct engine_config *engine_get_config(const struct engine *e);
+int engine_vocab_size(const struct engine *e);
+int engine_max_spec(const struct engine *e);
+
+/* --- the engine gRPC service (engine-rpc.c): stepd.v1.Engine on rank 0 ---
+ * Generate (token_ids input only; server-streaming Chunk token deltas then one Final
+ * with finish reason, usage, MTP statistics and timings), Abort, GetLoads, GetModelInfo.
+ * Runs its own thread (libuv loop + daemon/rpc.h glue); engine outputs are handed to it
+ * through a queue.  The gRPC deadline becomes the request's deadline; a cancelled call
+ * aborts the request.  Errors are status codes: INVALID_ARGUMENT naming the field,
+ * RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (id in flight), UNAVAILABLE (engine
+ * failed or stopping), DEADLINE_EXCEEDED. */
+struct engine_rpc;
+
+struct engine_rpc_opts {
+    const char *addr;             /* "127.0.0.1:50061", "127.0.0.1:0", "unix:/path" */
+    const char *api_key;          /* NULL = none */
+    const char *group;            /* worker group name reported in Final and GetLoads */
+    const char *model_name;
+    const char *model_type;       /* e.g. "step3p7" */
+    const char *quantization;
+    int num_layers, hidden_size, num_experts, num_experts_per_tok;
+    int max_recv_msg_bytes;       /* 0 = rpc default */
+};
+
+/* Start serving engine e (borrowed; it must keep running until engine_rpc_stop returns).
+ * *ret_port (may be NULL) gets the bound TCP port.  -EADDRINUSE/-EIO/-EINVAL with a
+ * sentence in err. */
+int engine_rpc_start(struct engine *e, const struct engine_rpc_opts *o, struct engine_rpc **ret,
+                     int *ret_port, struct err_buf *err);
+/* Stop accepting calls, abort the requests of live calls, wait for their finals, and
+ * free.  Call before engine_stop/engine_free.  NULL-safe. */
+void engine_rpc_stop(struct engine_rpc *s);
+
+/* CLOCK_MONOTONIC in microseconds (the clock of deadline_usec). */
+int64_t engine_now_usec(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,166 @@
+/* main.c - stepd-worker: argv, logging, signals; worker_run() does the rest. */
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "worker.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: stepd-worker (--coordinator ADDR | --rendezvous-dir DIR) --group G --rank R\n"
+        "                    --world-size N [--device cpu|cuda:I] (--model DIR | --mock)\n"
+        "                    [--mtp-model DIR] [--mtp K] [--threads T] [--exact]\n"
+        "                    [--max-seqs S] [--max-batched-tokens T] [--max-model-len L]\n"
+        "                    [--kv-blocks B] [--block-size BS]\n"
+        "                    [--rendezvous-timeout MS] [--collective-timeout MS]\n"
+        "                    [--report FILE] [--engine-listen ADDR] [--control-key-file FILE]\n"
+        "  rank 0 offline drivers (tests): --generate FILE [--max-tokens N] [--output FILE]\n"
+        "                                  --dump-logits FILE --prompt-ids 1,2,3\n"
+        "                                  --step-delay MS\n"
+        "  --coordinator ADDR      control service of the stepd coordinator (host:port, unix:path)\n"
+        "  --rendezvous-dir DIR    file rendezvous in a directory shared by the ranks\n"
+        "  --world-size N          1, 2, 4 or 8 ranks in the group\n"
+        "  --mtp K                 MTP speculative tokens on rank 0 (0..3)\n"
+        "  --collective-timeout MS deadline of every collective (default 30000)\n"
+        "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
+        "  --engine-listen ADDR    rank 0: stepd.v1.Engine address registered with the\n"
+        "                          coordinator (default 127.0.0.1:50061; unix:/path allowed)\n"
+        "  --control-key-file FILE key for the control service (or $STEPD_CONTROL_KEY)\n"
+        "Exit status: 0 ok, 1 failure, 2 usage, 3 rendezvous, 4 collective failed (peer gone).\n");
+}
+
+static int parse_int(const char *s, const char *flag, int lo, int hi, int *ret)
+{
+    char *end;
+    long v;
+
+    errno = 0;
+    v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) {
+        fprintf(stderr, "stepd-worker: %s '%s': expected an integer in [%d, %d]\n", flag, s, lo, hi);
+        return -EINVAL;
+    }
+    *ret = (int)v;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    enum {
+        O_COORD = 256, O_RDV, O_GROUP, O_RANK, O_WORLD, O_DEVICE, O_MODEL, O_MTP_MODEL, O_MTP,
+        O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
+        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_HELP,
+    };
+    static const struct option opts[] = {
+        { "coordinator", required_argument, NULL, O_COORD },
+        { "rendezvous-dir", required_argument, NULL, O_RDV },
+        { "group", required_argument, NULL, O_GROUP },
+        { "rank", required_argument, NULL, O_RANK },
+        { "world-size", required_argument, NULL, O_WORLD },
+        { "device", required_argument, NULL, O_DEVICE },
+        { "model", required_argument, NULL, O_MODEL },
+        { "mtp-model", required_argument, NULL, O_MTP_MODEL },
+        { "mtp", required_argument, NULL, O_MTP },
+        { "threads", required_argument, NULL, O_THREADS },
+        { "exact", no_argument, NULL, O_EXACT },
+        { "mock", no_argument, NULL, O_MOCK },
+        { "max-seqs", required_argument, NULL, O_MAX_SEQS },
+        { "max-batched-tokens", required_argument, NULL, O_MAX_BT },
+        { "max-model-len", required_argument, NULL, O_MAX_LEN },
+        { "kv-blocks", required_argument, NULL, O_KV },
+        { "block-size", required_argument, NULL, O_BS },
+        { "rendezvous-timeout", required_argument, NULL, O_RDV_TO },
+        { "collective-timeout", required_argument, NULL, O_COLL_TO },
+        { "generate", required_argument, NULL, O_GEN },
+        { "max-tokens", required_argument, NULL, O_MAX_TOK },
+        { "output", required_argument, NULL, O_OUT },
+        { "dump-logits", required_argument, NULL, O_LOGITS },
+        { "prompt-ids", required_argument, NULL, O_PROMPT },
+        { "step-delay", required_argument, NULL, O_DELAY },
+        { "report", required_argument, NULL, O_REPORT },
+        { "engine-listen", required_argument, NULL, O_ENGINE },
+        { "control-key-file", required_argument, NULL, O_CKEY },
+        { "help", no_argument, NULL, O_HELP },
+        { 0 },
+    };
+    struct worker_opts o;
+    const char *ckey_file = NULL;
+    char tag[96], key[512];
+    int c, r = 0;
+
+    worker_opts_init(&o);
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case O_COORD: o.coordinator = optarg; break;
+        case O_RDV: o.rendezvous_dir = optarg; break;
+        case O_GROUP: o.group = optarg; break;
+        case O_RANK: r = parse_int(optarg, "--rank", 0, 255, &o.rank); break;
+        case O_WORLD: r = parse_int(optarg, "--world-size", 1, 8, &o.world_size); break;
+        case O_DEVICE: o.device = optarg; break;
+        case O_MODEL: o.model_dir = optarg; break;
+        case O_MTP_MODEL: o.mtp_dir = optarg; break;
+        case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
+        case O_THREADS: r = parse_int(optarg, "--threads", 0, 1024, &o.threads); break;
+        case O_EXACT: o.exact = true; break;
+        case O_MOCK: o.mock = true; break;
+        case O_MAX_SEQS: r = parse_int(optarg, "--max-seqs", 1, 4096, &o.max_seqs); break;
+        case O_MAX_BT: r = parse_int(optarg, "--max-batched-tokens", 4, 1 << 20, &o.max_batched_tokens); break;
+        case O_MAX_LEN: r = parse_int(optarg, "--max-model-len", 2, 1 << 22, &o.max_model_len); break;
+        case O_KV: r = parse_int(optarg, "--kv-blocks", 0, 1 << 24, &o.kv_blocks); break;
+        case O_BS: r = parse_int(optarg, "--block-size", 1, 4096, &o.block_size); break;
+        case O_RDV_TO: r = parse_int(optarg, "--rendezvous-timeout", 1, INT_MAX, &o.rendezvous_timeout_msec); break;
+        case O_COLL_TO: r = parse_int(optarg, "--collective-timeout", 1, INT_MAX, &o.collective_timeout_msec); break;
+        case O_GEN: o.generate_file = optarg; break;
+        case O_MAX_TOK: r = parse_int(optarg, "--max-tokens", 1, 1 << 20, &o.max_tokens); break;
+        case O_OUT: o.output_file = optarg; break;
+        case O_LOGITS: o.logits_file = optarg; break;
+        case O_PROMPT: o.prompt_ids = optarg; break;
+        case O_DELAY: r = parse_int(optarg, "--step-delay", 0, 60000, &o.step_delay_msec); break;
+        case O_REPORT: o.report_file = optarg; break;
+        case O_ENGINE: o.engine_listen = optarg; break;
+        case O_CKEY: ckey_file = optarg; break;
+        case O_HELP: usage(stdout); return 0;
+        default: usage(stderr); return WORKER_EXIT_USAGE;
+        }
+        if (r < 0)
+            return WORKER_EXIT_USAGE;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "stepd-worker: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return WORKER_EXIT_USAGE;
+    }
+    if (o.device && strcmp(o.device, "cpu") != 0 && strncmp(o.device, "cuda:", 5) != 0) {
+        fprintf(stderr, "stepd-worker: --device '%s': expected cpu or cuda:N\n", o.device);
+        return WORKER_EXIT_USAGE;
+    }
+    o.control_key = getenv("STEPD_CONTROL_KEY");
+    if (ckey_file) {
+        FILE *f = fopen(ckey_file, "r");
+        size_t n;
+
+        if (!f) {
+            fprintf(stderr, "stepd-worker: --control-key-file %s: %s\n", ckey_file, strerror(errno));
+            return WORKER_EXIT_USAGE;
+        }
+        n = fread(key, 1, sizeof(key) - 1, f);
+        fclose(f);
+        key[n] = 0;
+        key[strcspn(key, "\r\n")] = 0;
+        if (!key[0]) {
+            fprintf(stderr, "stepd-worker: --control-key-file %s: file is empty\n", ckey_file);
+            return WORKER_EXIT_USAGE;
+        }
+        o.control_key = key;
+    }
+    snprintf(tag, sizeof(tag), "%.64s/r%d", o.group, o.rank);
+    log_init("stepd-worker", tag);
+    signal(SIGPIPE, SIG_IGN);
+    return worker_run(&o);
+}

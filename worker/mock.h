@@ -1,0 +1,63 @@
+/* mock.h - a fake forward pass behind struct forward_ops (worker/forward.h).
+ *
+ * Logits are a deterministic function of the token history as the mock itself reads it
+ * back from its own paged KV store through the plan's block tables: every step writes
+ * (slot, position, token) into the blocks the plan names, and every logits row hashes
+ * the last `context` tokens (read through the SLIDING table) and the first token (read
+ * through the FULL table).  A wrong, stale or released block is therefore detected
+ * (-EUCLEAN) instead of silently producing plausible output, which makes the mock a
+ * checker of the engine's KV bookkeeping.
+ *
+ * MTP: at depth k the draft row is the exact target row of the drafted context with
+ * probability mtp_accuracy (a deterministic coin of the context), otherwise an
+ * unrelated row, so acceptance rates can be dialled in tests.
+ * Step time: sleeps step_usec + token_usec * tokens per step (and mtp_usec per MTP
+ * step), so throughput experiments cost no CPU.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "forward.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct mock_config {
+    int vocab_size;
+    int n_mtp;                 /* 0 .. 3 */
+    int max_tokens_per_step;
+    int max_seqs;
+    int block_size;
+    int n_blocks[_KV_GROUP_MAX];
+    int context;               /* tokens hashed per row (1 .. 8); must fit the window */
+    float logit_scale;         /* spread of the fake logits */
+    float mtp_accuracy;        /* [0, 1] */
+    uint64_t seed;
+    long step_usec;
+    long token_usec;
+    long mtp_usec;
+};
+
+struct mock_stats {
+    uint64_t steps;
+    uint64_t tokens;
+    uint64_t mtp_steps;
+    int max_seqs_in_step;
+    int max_tokens_in_step;
+};
+
+/* Defaults for tests: vocab 256, context 3, scale 4, accuracy 0.8, no sleeping. */
+void mock_config_init(struct mock_config *cfg);
+/* Build a mock forward.  -EINVAL on a bad config, -ENOMEM. */
+int mock_forward_new(const struct mock_config *cfg, struct forward **ret);
+/* Counters of a mock forward (zeroes for a forward that is not a mock). */
+void mock_forward_stats(const struct forward *f, struct mock_stats *ret);
+/* The target logits the mock would produce for a sequence ending in tokens[0..n-1]
+ * (for tests that compute expected output independently of the engine). */
+void mock_forward_row(const struct forward *f, const int32_t *tokens, int n, float *logits);
+
+#ifdef __cplusplus
+}
+#endif

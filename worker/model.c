@@ -1,0 +1,1282 @@
+/* model.c - the Step forward pass (trunk + MTP) as a readable script over the backend ops.
+ *
+ * Layout of this file:
+ *   1. weights: views into the loader's tensors, validated and prepared once;
+ *   2. start-up reservation: KV caches per layer, activations, scratch, index buffers;
+ *   3. plan checks and the per-step index arrays (positions, KV slots, block tables);
+ *   4. the script: layer_forward() (MODEL.md §2.3), the trunk step (§2) and the MTP
+ *      step (§3), in that order;
+ *   5. struct forward glue.
+ *
+ * Everything a step touches was reserved in model_new(); a step allocates nothing.
+ * Row gathers between activation buffers (logit rows, MTP rows) are host copies: the
+ * backends that exist keep activations in host-visible memory (CPU).
+ */
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+#define MODEL_ALIGN 64
+
+/* One decoder layer (trunk or MTP), this rank's slice. */
+struct mlayer {
+    int idx;                        /* global layer index (MTP: n_layers + k) */
+    const struct layer_config *lc;
+    enum kv_group group;
+    int n_heads, n_kv_heads;        /* local to this rank */
+    int head_dim;
+    int window;                     /* 0 = full causal */
+    float limit_shared, limit_routed;
+    bool is_moe, is_mtp;
+
+    struct bweight in_norm, post_norm, q_norm, k_norm;
+    struct bweight wq, wk, wv, wg, wo;
+
+    /* dense MLP (dense trunk layers, MTP layers) or shared expert (MoE layers) */
+    struct bweight gate, up, down;
+    int inter;                      /* local intermediate of gate/up/down above */
+    bool has_ffn_dense;
+
+    /* MoE */
+    struct bweight router;
+    float *router_bias;             /* backend buffer [n_experts] or NULL */
+    struct moe_expert *experts;     /* [n_local] */
+    int expert_first, n_local;
+
+    struct rope_freqs freqs;
+    struct kv_layer kv;
+
+    /* MTP only */
+    struct bweight enorm, hnorm, eh_e, eh_h, head_norm, head;
+    uint16_t *eh_split;             /* host copy of eh_proj split into [H,H] | [H,H] (BF16) */
+    float *eh_split_f32;            /* same when eh_proj is F32 */
+};
+
+/* The index arrays of one batch (trunk step or one MTP depth), in backend memory. */
+struct batch {
+    int n_tok, n_seqs;
+    int32_t *ids, *pos;
+    int32_t *slots[_KV_GROUP_MAX];
+    int32_t *seq_start;             /* [n_seqs + 1] */
+    int32_t *seq_pos0;              /* [n_seqs] */
+    int32_t *boff[_KV_GROUP_MAX];   /* [n_seqs] */
+    int32_t *tables[_KV_GROUP_MAX]; /* copies of the plan's tables */
+};
+
+struct model {
+    struct forward fwd;             /* first: model_from_forward() */
+    struct ckpt *ckpt;
+    struct backend *be;
+    const struct model_config *cfg;
+    struct model_comm comm;
+    bool sharded;                   /* comm present and world > 1 */
+    struct model_opts o;
+    int hidden;
+    int vocab, vocab_local;
+    int n_layers, n_mtp;
+    int max_logit_rows;
+    int table_cap;                  /* block-table capacity per group */
+    bool group_used[_KV_GROUP_MAX];
+
+    struct bweight embed, final_norm, lm_head;
+    struct mlayer *layers;          /* [n_layers + n_mtp] */
+
+    /* activations [T, ...] */
+    float *x;                       /* MTP residual stream [T, H] */
+    float *a, *q, *k, *v, *g, *att, *tmp, *ff_gate, *ff_up, *ff_act;
+    float *rlogits, *rweights;
+    int32_t *rids;
+    float *hid;                     /* trunk pre-final-norm hidden of the last step [T, H] */
+    float *mh;                      /* MTP hidden per plan row [T, H] */
+    float *me, *mn;                 /* MTP: embedding, normed halves [T, H] */
+    float *rows_h;                  /* gathered rows [R, H] */
+    float *rows_logits;             /* [R, vocab_local] */
+    float *gather;                  /* [world, R, vocab_local] */
+    float *mtp_logits;              /* [max_seqs, vocab] */
+
+    struct batch b;                 /* trunk batch of the current step */
+    struct batch mb;                /* MTP batch */
+    /* host staging for index arrays */
+    int32_t *h_ids, *h_pos, *h_slots[_KV_GROUP_MAX], *h_seq_start, *h_seq_pos0,
+            *h_boff[_KV_GROUP_MAX], *h_rows, *h_src;
+
+    /* MTP protocol state */
+    uint64_t last_step_id;
+    int32_t last_n_tokens, last_n_seqs;
+    bool have_step;
+    int mtp_next_k;
+    int32_t *mtp_hist;              /* [max_seqs(plan index), n_mtp] tok_in per depth */
+
+    /* ownership lists */
+    void **bufs;
+    int n_bufs, cap_bufs;
+    struct bweight **prepared;
+    int n_prepared, cap_prepared;
+
+    struct err_buf last_err;
+};
+
+static const struct forward_ops model_forward_ops;
+
+/* ---------------------------------------------------------------- memory -- */
+
+static int track(void ***arr, int *n, int *cap, void *p)
+{
+    if (*n == *cap) {
+        int nc = *cap ? *cap * 2 : 64;
+        void **na = realloc(*arr, (size_t)nc * sizeof(*na));
+        if (!na)
+            return -ENOMEM;
+        *arr = na;
+        *cap = nc;
+    }
+    (*arr)[(*n)++] = p;
+    return 0;
+}
+
+/* Reserve a backend buffer owned by the model (freed in model_free). */
+static int mbuf(struct model *m, size_t bytes, void *ret)
+{
+    void *p = NULL;
+    int r;
+
+    if (bytes == 0)
+        bytes = MODEL_ALIGN;
+    r = backend_buf_alloc(m->be, bytes, MODEL_ALIGN, &p);
+    if (r < 0)
+        return r;
+    r = track(&m->bufs, &m->n_bufs, &m->cap_bufs, p);
+    if (r < 0) {
+        backend_buf_free(m->be, p);
+        return r;
+    }
+    *(void **)ret = p;
+    return 0;
+}
+
+/* Reserve and fill from host memory. */
+static int mbuf_upload(struct model *m, const void *src, size_t bytes, void *ret)
+{
+    void *p;
+    int r = mbuf(m, bytes, &p);
+
+    if (r < 0)
+        return r;
+    r = backend_upload(m->be, p, src, bytes);
+    if (r < 0)
+        return r;
+    *(void **)ret = p;
+    return 0;
+}
+
+/* --------------------------------------------------------------- weights -- */
+
+static int prepare(struct model *m, struct bweight *w, const char *name, struct err_buf *e)
+{
+    int r = backend_weight_prepare(m->be, w);
+
+    if (r < 0)
+        return err_set(e, r, "%s: backend '%s' cannot prepare weight [%lld, %lld]: %s", name,
+                       m->be->ops->name, (long long)w->rows, (long long)w->cols, err_str(r));
+    r = track((void ***)&m->prepared, &m->n_prepared, &m->cap_prepared, w);
+    if (r < 0) {
+        backend_weight_release(m->be, w);
+        return err_set(e, r, "out of memory");
+    }
+    return 0;
+}
+
+static int view_to_weight(const struct tview *v, const char *name, struct bweight *w,
+                          struct err_buf *e)
+{
+    memset(w, 0, sizeof(*w));
+    switch (v->dtype) {
+    case DTYPE_BF16: w->fmt = WFMT_BF16; break;
+    case DTYPE_F32: w->fmt = WFMT_F32; break;
+    default:
+        return err_set(e, -EINVAL, "%s: dtype %s not supported for a dense weight (BF16 or F32)",
+                       name, dtype_name(v->dtype));
+    }
+    if (v->ndim == 1) {
+        w->rows = 1;
+        w->cols = v->shape[0];
+    } else if (v->ndim == 2) {
+        w->rows = v->shape[0];
+        w->cols = v->shape[1];
+    } else {
+        return err_set(e, -EINVAL, "%s: expected 1 or 2 dimensions, got %d", name, v->ndim);
+    }
+    w->data = v->data;
+    return 0;
+}
+
+/* Dense vector (norm weight) of exactly n elements. */
+static int load_vec(struct model *m, const char *name, int64_t n, struct bweight *w,
+                    struct err_buf *e)
+{
+    struct tview v;
+    int r = ckpt_get(m->ckpt, name, &v);
+
+    if (r < 0)
+        return err_set(e, r, "tensor '%s' not available from the loader: %s", name, err_str(r));
+    r = view_to_weight(&v, name, w, e);
+    if (r < 0)
+        return r;
+    if (w->rows * w->cols != n)
+        return err_set(e, -EINVAL, "%s: has %lld elements, expected %lld", name,
+                       (long long)(w->rows * w->cols), (long long)n);
+    w->rows = 1;
+    w->cols = n;
+    return prepare(m, w, name, e);
+}
+
+/* A linear layer "<base>.weight" (dense) or "<base>.weight_packed" + ".weight_scale"
+ * (MXFP4).  rows/cols: expected local shape [out, in]. */
+static int load_linear(struct model *m, const char *base, int64_t rows, int64_t cols,
+                       struct bweight *w, struct err_buf *e)
+{
+    char name[256];
+    struct tview v, s;
+    int r;
+
+    snprintf(name, sizeof(name), "%s.weight", base);
+    r = ckpt_get(m->ckpt, name, &v);
+    if (r == 0) {
+        r = view_to_weight(&v, name, w, e);
+        if (r < 0)
+            return r;
+        if (v.ndim != 2 || w->rows != rows || w->cols != cols)
+            return err_set(e, -EINVAL, "%s: local shape [%lld, %lld], expected [%lld, %lld]",
+                           name, (long long)w->rows, (long long)w->cols, (long long)rows,
+                           (long long)cols);
+        return prepare(m, w, name, e);
+    }
+    if (r != -ENOENT)
+        return err_set(e, r, "tensor '%s': %s", name, err_str(r));
+
+    snprintf(name, sizeof(name), "%s.weight_packed", base);
+    r = ckpt_get(m->ckpt, name, &v);
+    if (r < 0)
+        return err_set(e, r, "tensor '%s.weight' (or .weight_packed) not available from the loader: %s",
+                       base, err_str(r));
+    snprintf(name, sizeof(name), "%s.weight_scale", base);
+    r = ckpt_get(m->ckpt, name, &s);
+    if (r < 0)
+        return err_set(e, r, "tensor '%s' not available from the loader: %s", name, err_str(r));
+    if (cols % 32)
+        return err_set(e, -EINVAL, "%s: MXFP4 needs in-features divisible by 32, got %lld", base,
+                       (long long)cols);
+    if (v.dtype != DTYPE_U8 || v.ndim != 2 || v.shape[0] != rows || v.shape[1] != cols / 2)
+        return err_set(e, -EINVAL, "%s.weight_packed: %s [%lld, %lld], expected U8 [%lld, %lld]",
+                       base, dtype_name(v.dtype), (long long)v.shape[0],
+                       (long long)(v.ndim > 1 ? v.shape[1] : 0), (long long)rows,
+                       (long long)cols / 2);
+    if (s.dtype != DTYPE_U8 || s.ndim != 2 || s.shape[0] != rows || s.shape[1] != cols / 32)
+        return err_set(e, -EINVAL, "%s.weight_scale: %s [%lld, %lld], expected U8 [%lld, %lld]",
+                       base, dtype_name(s.dtype), (long long)s.shape[0],
+                       (long long)(s.ndim > 1 ? s.shape[1] : 0), (long long)rows,
+                       (long long)cols / 32);
+    memset(w, 0, sizeof(*w));
+    w->fmt = WFMT_MXFP4;
+    w->rows = rows;
+    w->cols = cols;
+    w->data = v.data;
+    w->scale = s.data;
+    return prepare(m, w, base, e);
+}
+
+/* inv_freq for one layer: f_i = theta^(-2i/R), llama3-scaled where the layer asks
+ * (MODEL.md §2.3 step 4). */
+static int build_freqs(struct model *m, struct mlayer *L, struct err_buf *e)
+{
+    const struct model_config *cfg = m->cfg;
+    int R = L->lc->rotary_dims;
+    float inv[1024];
+    float *dev;
+    int r;
+
+    L->freqs.rotary_dims = R;
+    L->freqs.inv_freq = NULL;
+    if (R == 0)
+        return 0;
+    if (R < 0 || R % 2 || R > L->head_dim || R / 2 > (int)ARRAY_SIZE(inv))
+        return err_set(e, -EINVAL, "layer %d: rotary dims %d invalid for head_dim %d", L->idx, R,
+                       L->head_dim);
+    if (L->lc->rope_llama3 && cfg->rope_scaling.present) {
+        struct rope_llama3 l3 = {
+            .factor = cfg->rope_scaling.factor,
+            .low_freq_factor = cfg->rope_scaling.low_freq_factor,
+            .high_freq_factor = cfg->rope_scaling.high_freq_factor,
+            .original_max_pos = cfg->rope_scaling.original_max_position_embeddings,
+        };
+        r = backend_rope_freqs_fill(inv, R, L->lc->rope_theta, &l3);
+    } else {
+        r = backend_rope_freqs_fill(inv, R, L->lc->rope_theta, NULL);
+    }
+    if (r < 0)
+        return err_set(e, r, "layer %d: rope table (theta %g, R %d) rejected: %s", L->idx,
+                       L->lc->rope_theta, R, err_str(r));
+    r = mbuf_upload(m, inv, sizeof(float) * (size_t)(R / 2), &dev);
+    if (r < 0)
+        return err_set(e, r, "layer %d: cannot reserve the rope table: %s", L->idx, err_str(r));
+    L->freqs.inv_freq = dev;
+    return 0;
+}
+
+/* Split a [H, 2H] eh_proj into its embedding half and hidden half (contiguous copies, so
+ * each is an ordinary [H, H] matrix): m = We·enorm(e) + Wh·hnorm(g). */
+static int split_eh(struct model *m, struct mlayer *L, const char *name, struct err_buf *e)
+{
+    struct tview v;
+    int64_t H = m->hidden;
+    size_t esz;
+    uint8_t *dst;
+    int r = ckpt_get(m->ckpt, name, &v);
+
+    if (r < 0)
+        return err_set(e, r, "tensor '%s' not available from the loader: %s", name, err_str(r));
+    if (v.ndim != 2 || v.shape[0] != H || v.shape[1] != 2 * H)
+        return err_set(e, -EINVAL, "%s: shape [%lld, %lld], expected [%lld, %lld]", name,
+                       (long long)v.shape[0], (long long)(v.ndim > 1 ? v.shape[1] : 0),
+                       (long long)H, (long long)(2 * H));
+    if (v.dtype != DTYPE_BF16 && v.dtype != DTYPE_F32)
+        return err_set(e, -EINVAL, "%s: dtype %s not supported (BF16 or F32)", name,
+                       dtype_name(v.dtype));
+    esz = v.dtype == DTYPE_BF16 ? 2 : 4;
+    dst = malloc((size_t)(2 * H * H) * esz);
+    if (!dst)
+        return err_set(e, -ENOMEM, "%s: out of memory splitting eh_proj", name);
+    if (esz == 2)
+        L->eh_split = (uint16_t *)dst;
+    else
+        L->eh_split_f32 = (float *)dst;
+    for (int64_t o = 0; o < H; o++) {
+        const uint8_t *row = (const uint8_t *)v.data + (size_t)o * (size_t)(2 * H) * esz;
+        memcpy(dst + (size_t)o * H * esz, row, (size_t)H * esz);
+        memcpy(dst + (size_t)(H * H + o * H) * esz, row + (size_t)H * esz, (size_t)H * esz);
+    }
+    memset(&L->eh_e, 0, sizeof(L->eh_e));
+    L->eh_e.fmt = esz == 2 ? WFMT_BF16 : WFMT_F32;
+    L->eh_e.rows = H;
+    L->eh_e.cols = H;
+    L->eh_h = L->eh_e;
+    L->eh_e.data = dst;
+    L->eh_h.data = dst + (size_t)(H * H) * esz;
+    r = prepare(m, &L->eh_e, name, e);
+    if (r < 0)
+        return r;
+    return prepare(m, &L->eh_h, name, e);
+}
+
+static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf *e)
+{
+    const struct model_config *cfg = m->cfg;
+    const struct layer_config *lc = &cfg->layers[idx];
+    int world = m->sharded ? m->comm.world : 1;
+    int64_t H = m->hidden;
+    char p[160], n[200];
+    int r;
+
+    L->idx = idx;
+    L->lc = lc;
+    L->is_mtp = idx >= cfg->n_layers;
+    L->is_moe = lc->is_moe && !L->is_mtp;
+    L->group = lc->kind == LAYER_KIND_FULL ? KV_GROUP_FULL : KV_GROUP_SLIDING;
+    L->window = lc->kind == LAYER_KIND_SLIDING ? cfg->sliding_window : 0;
+    L->head_dim = lc->head_dim;
+    L->limit_shared = lc->swiglu_limit_shared;
+    L->limit_routed = lc->swiglu_limit;
+    /* MTP layers are unsharded (rank 0 only) */
+    if (L->is_mtp)
+        world = 1;
+    if (lc->n_heads % world || lc->n_kv_heads % world)
+        return err_set(e, -EINVAL, "layer %d: %d query / %d KV heads do not split over %d ranks",
+                       idx, lc->n_heads, lc->n_kv_heads, world);
+    if (lc->n_heads % lc->n_kv_heads)
+        return err_set(e, -EINVAL, "layer %d: %d query heads not a multiple of %d KV heads", idx,
+                       lc->n_heads, lc->n_kv_heads);
+    L->n_heads = lc->n_heads / world;
+    L->n_kv_heads = lc->n_kv_heads / world;
+    if (L->window < 0 || (lc->kind == LAYER_KIND_SLIDING && L->window == 0))
+        return err_set(e, -EINVAL, "layer %d: sliding layer with window %d", idx, L->window);
+
+    snprintf(p, sizeof(p), "model.layers.%d", idx);
+#define LOADV(field, fmt, len) do { snprintf(n, sizeof(n), fmt, p); \
+        r = load_vec(m, n, (len), &L->field, e); if (r < 0) return r; } while (0)
+#define LOADW(field, fmt, rows, cols) do { snprintf(n, sizeof(n), fmt, p); \
+        r = load_linear(m, n, (rows), (cols), &L->field, e); if (r < 0) return r; } while (0)
+
+    LOADV(in_norm, "%s.input_layernorm.weight", H);
+    LOADV(post_norm, "%s.post_attention_layernorm.weight", H);
+    LOADW(wq, "%s.self_attn.q_proj", (int64_t)L->n_heads * L->head_dim, H);
+    LOADW(wk, "%s.self_attn.k_proj", (int64_t)L->n_kv_heads * L->head_dim, H);
+    LOADW(wv, "%s.self_attn.v_proj", (int64_t)L->n_kv_heads * L->head_dim, H);
+    LOADW(wo, "%s.self_attn.o_proj", H, (int64_t)L->n_heads * L->head_dim);
+    if (cfg->use_head_wise_attn_gate)
+        LOADW(wg, "%s.self_attn.g_proj", L->n_heads, H);
+    if (cfg->use_qk_norm) {
+        LOADV(q_norm, "%s.self_attn.q_norm.weight", L->head_dim);
+        LOADV(k_norm, "%s.self_attn.k_norm.weight", L->head_dim);
+    }
+
+    if (L->is_moe) {
+        int first, count;
+        int64_t I = cfg->moe_intermediate_size;
+
+        if (cfg->shared_expert_dim % world)
+            return err_set(e, -EINVAL, "layer %d: shared expert dim %d does not split over %d ranks",
+                           idx, cfg->shared_expert_dim, world);
+        L->inter = cfg->shared_expert_dim / world;
+        L->has_ffn_dense = L->inter > 0;
+        if (L->has_ffn_dense) {
+            LOADW(gate, "%s.share_expert.gate_proj", L->inter, H);
+            LOADW(up, "%s.share_expert.up_proj", L->inter, H);
+            LOADW(down, "%s.share_expert.down_proj", H, L->inter);
+        }
+        LOADW(router, "%s.moe.gate", cfg->n_experts, H);
+        if (cfg->use_router_bias) {
+            struct tview v;
+            float tmpb[4096];
+            snprintf(n, sizeof(n), "%s.moe.router_bias", p);
+            r = ckpt_get(m->ckpt, n, &v);
+            if (r < 0)
+                return err_set(e, r, "tensor '%s' not available from the loader: %s", n, err_str(r));
+            if (tview_numel(&v) != cfg->n_experts || cfg->n_experts > (int)ARRAY_SIZE(tmpb))
+                return err_set(e, -EINVAL, "%s: %lld elements, expected %d", n,
+                               (long long)tview_numel(&v), cfg->n_experts);
+            for (int i = 0; i < cfg->n_experts; i++) {
+                if (v.dtype == DTYPE_F32) {
+                    memcpy(&tmpb[i], (const char *)v.data + 4 * (size_t)i, 4);
+                } else if (v.dtype == DTYPE_BF16) {
+                    uint16_t h;
+                    uint32_t u;
+                    memcpy(&h, (const char *)v.data + 2 * (size_t)i, 2);
+                    u = (uint32_t)h << 16;
+                    memcpy(&tmpb[i], &u, 4);
+                } else {
+                    return err_set(e, -EINVAL, "%s: dtype %s not supported (F32 or BF16)", n,
+                                   dtype_name(v.dtype));
+                }
+            }
+            r = mbuf_upload(m, tmpb, sizeof(float) * (size_t)cfg->n_experts, &L->router_bias);
+            if (r < 0)
+                return err_set(e, r, "%s: cannot reserve: %s", n, err_str(r));
+        }
+        ckpt_expert_range(m->ckpt, &first, &count);
+        if (count <= 0 || first < 0 || first + count > cfg->n_experts)
+            return err_set(e, -EINVAL, "loader expert range [%d, %d) invalid for %d experts", first,
+                           first + count, cfg->n_experts);
+        L->expert_first = first;
+        L->n_local = count;
+        L->experts = calloc((size_t)count, sizeof(*L->experts));
+        if (!L->experts)
+            return err_set(e, -ENOMEM, "out of memory");
+        for (int x = 0; x < count; x++) {
+            char eb[200];
+            snprintf(eb, sizeof(eb), "%s.moe.experts.%d.gate_proj", p, first + x);
+            r = load_linear(m, eb, I, H, &L->experts[x].gate, e);
+            if (r < 0)
+                return r;
+            snprintf(eb, sizeof(eb), "%s.moe.experts.%d.up_proj", p, first + x);
+            r = load_linear(m, eb, I, H, &L->experts[x].up, e);
+            if (r < 0)
+                return r;
+            snprintf(eb, sizeof(eb), "%s.moe.experts.%d.down_proj", p, first + x);
+            r = load_linear(m, eb, H, I, &L->experts[x].down, e);
+            if (r < 0)
+                return r;
+        }
+    } else {
+        if (cfg->intermediate_size % world)
+            return err_set(e, -EINVAL, "layer %d: intermediate size %d does not split over %d ranks",
+                           idx, cfg->intermediate_size, world);
+        L->inter = cfg->intermediate_size / world;
+        L->has_ffn_dense = true;
+        LOADW(gate, "%s.mlp.gate_proj", L->inter, H);
+        LOADW(up, "%s.mlp.up_proj", L->inter, H);
+        LOADW(down, "%s.mlp.down_proj", H, L->inter);
+    }
+
+    if (L->is_mtp) {
+        LOADV(enorm, "%s.enorm.weight", H);
+        LOADV(hnorm, "%s.hnorm.weight", H);
+        LOADV(head_norm, "%s.transformer.shared_head.norm.weight", H);
+        LOADW(head, "%s.transformer.shared_head.output", m->vocab, H);
+        snprintf(n, sizeof(n), "%s.eh_proj.weight", p);
+        r = split_eh(m, L, n, e);
+        if (r < 0)
+            return r;
+    }
+#undef LOADV
+#undef LOADW
+    return build_freqs(m, L, e);
+}
+
+/* ---------------------------------------------------------- reservation -- */
+
+static int reserve_kv(struct model *m, struct mlayer *L, struct err_buf *e)
+{
+    struct kv_layer *kv = &L->kv;
+    size_t per, bytes;
+    int r;
+
+    kv->dtype_f32 = m->o.kv_bf16 ? 0 : 1;
+    kv->n_blocks = m->o.n_blocks[L->group];
+    kv->block_size = m->o.block_size;
+    kv->n_kv_heads = L->n_kv_heads;
+    kv->head_dim = L->head_dim;
+    if (kv->n_blocks <= 0)
+        return err_set(e, -EINVAL, "layer %d uses KV group %s but it has no blocks (n_blocks = %d)",
+                       L->idx, L->group == KV_GROUP_FULL ? "FULL" : "SLIDING", kv->n_blocks);
+    per = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->n_kv_heads *
+          (size_t)kv->head_dim * (kv->dtype_f32 ? 4 : 2);
+    bytes = per;
+    r = mbuf(m, bytes, &kv->k);
+    if (r == 0)
+        r = mbuf(m, bytes, &kv->v);
+    if (r < 0)
+        return err_set(e, r, "layer %d: cannot reserve KV cache (%zu bytes x 2): %s", L->idx, bytes,
+                       err_str(r));
+    return 0;
+}
+
+static int reserve_batch(struct model *m, struct batch *b)
+{
+    int T = m->o.max_tokens_per_step, S = m->o.max_seqs;
+    int r = 0;
+
+    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)T, &b->ids);
+    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)T, &b->pos);
+    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)(S + 1), &b->seq_start);
+    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)S, &b->seq_pos0);
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)T, &b->slots[g]);
+        r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)S, &b->boff[g]);
+        r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)m->table_cap, &b->tables[g]);
+    }
+    return r;
+}
+
+static int host_i32(int32_t **p, size_t n)
+{
+    *p = calloc(n ? n : 1, sizeof(int32_t));
+    return *p ? 0 : -ENOMEM;
+}
+
+static int reserve(struct model *m, struct err_buf *e)
+{
+    size_t T = (size_t)m->o.max_tokens_per_step, H = (size_t)m->hidden;
+    size_t S = (size_t)m->o.max_seqs, R = (size_t)m->max_logit_rows;
+    size_t qmax = 0, kvmax = 0, hmax = 0, imax = 1, nexp = 1, topk = 1;
+    int r = 0;
+
+    for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
+        struct mlayer *L = &m->layers[i];
+        qmax = qmax > (size_t)L->n_heads * L->head_dim ? qmax : (size_t)L->n_heads * L->head_dim;
+        kvmax = kvmax > (size_t)L->n_kv_heads * L->head_dim ? kvmax
+                                                             : (size_t)L->n_kv_heads * L->head_dim;
+        hmax = hmax > (size_t)L->n_heads ? hmax : (size_t)L->n_heads;
+        imax = imax > (size_t)L->inter ? imax : (size_t)L->inter;
+        if (L->is_moe) {
+            nexp = (size_t)m->cfg->n_experts;
+            topk = (size_t)m->cfg->top_k;
+        }
+    }
+#define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
+    F(a, T * H); F(tmp, T * H); F(hid, T * H);
+    F(q, T * qmax); F(k, T * kvmax); F(v, T * kvmax); F(g, T * hmax); F(att, T * qmax);
+    F(ff_gate, T * imax); F(ff_up, T * imax); F(ff_act, T * imax);
+    F(rlogits, T * nexp); F(rweights, T * topk);
+    F(rows_h, R * H); F(rows_logits, R * (size_t)m->vocab_local);
+    if (m->sharded)
+        F(gather, R * (size_t)m->vocab);
+    if (m->n_mtp) {
+        F(x, T * H); F(mh, T * H); F(me, T * H); F(mn, T * H);
+        F(mtp_logits, S * (size_t)m->vocab);
+    }
+#undef F
+    if (!r)
+        r = mbuf(m, sizeof(int32_t) * T * topk, &m->rids);
+    if (!r)
+        r = reserve_batch(m, &m->b);
+    if (!r && m->n_mtp)
+        r = reserve_batch(m, &m->mb);
+    if (r < 0)
+        return err_set(e, r, "cannot reserve activations for %zu tokens per step: %s", T, err_str(r));
+
+    r = host_i32(&m->h_ids, T);
+    r = r ? r : host_i32(&m->h_pos, T);
+    r = r ? r : host_i32(&m->h_seq_start, S + 1);
+    r = r ? r : host_i32(&m->h_seq_pos0, S);
+    r = r ? r : host_i32(&m->h_rows, T);
+    r = r ? r : host_i32(&m->h_src, T);
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        r = r ? r : host_i32(&m->h_slots[g], T);
+        r = r ? r : host_i32(&m->h_boff[g], S);
+    }
+    if (!r && m->n_mtp)
+        r = host_i32(&m->mtp_hist, S * (size_t)m->n_mtp);
+    if (r < 0)
+        return err_set(e, r, "out of memory for index staging");
+
+    for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
+        r = reserve_kv(m, &m->layers[i], e);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ new -- */
+
+int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
+              const struct model_opts *opts, struct model **ret, struct err_buf *e)
+{
+    const struct model_config *cfg = ckpt_config(c);
+    struct model *m;
+    struct tview v;
+    int world, r;
+
+    if (!opts || opts->max_tokens_per_step <= 0 || opts->max_seqs <= 0 || opts->block_size <= 0)
+        return err_set(e, -EINVAL, "model options: max_tokens_per_step, max_seqs and block_size "
+                       "must be positive");
+    if (opts->max_seqs > opts->max_tokens_per_step)
+        return err_set(e, -EINVAL, "model options: max_seqs %d exceeds max_tokens_per_step %d",
+                       opts->max_seqs, opts->max_tokens_per_step);
+    m = calloc(1, sizeof(*m));
+    if (!m)
+        return err_set(e, -ENOMEM, "out of memory");
+    m->ckpt = c;
+    m->be = be;
+    m->cfg = cfg;
+    m->o = *opts;
+    if (comm)
+        m->comm = *comm;
+    world = comm ? comm->world : 1;
+    if (world < 1 || (comm && (comm->rank < 0 || comm->rank >= world))) {
+        r = err_set(e, -EINVAL, "model comm: rank %d of world %d", comm ? comm->rank : 0, world);
+        goto out;
+    }
+    m->sharded = comm && world > 1;
+    if (m->sharded && (!comm->allreduce_sum || !comm->allgather)) {
+        r = err_set(e, -EINVAL, "model comm: world %d needs allreduce_sum and allgather", world);
+        goto out;
+    }
+    m->hidden = cfg->hidden_size;
+    m->vocab = cfg->vocab_size;
+    m->n_layers = cfg->n_layers;
+    m->n_mtp = ckpt_mtp_depth(c);
+    if (m->sharded && m->comm.rank != 0)
+        m->n_mtp = 0;
+    if (m->o.max_seq_len <= 0)
+        m->o.max_seq_len = cfg->max_position_embeddings;
+    m->table_cap = m->o.max_seqs * ((m->o.max_seq_len + m->o.block_size - 1) / m->o.block_size);
+    m->max_logit_rows = opts->max_logit_rows > 0 ? opts->max_logit_rows
+                                                 : opts->max_seqs * (1 + (m->n_mtp > 3 ? m->n_mtp : 3));
+    if (m->max_logit_rows > opts->max_tokens_per_step)
+        m->max_logit_rows = opts->max_tokens_per_step;
+    if (cfg->n_layers + m->n_mtp > MODEL_MAX_LAYERS) {
+        r = err_set(e, -EINVAL, "%d layers exceed the limit %d", cfg->n_layers + m->n_mtp,
+                    MODEL_MAX_LAYERS);
+        goto out;
+    }
+    if (cfg->rms_norm_eps <= 0) {
+        r = err_set(e, -EINVAL, "config: rms_norm_eps %g must be positive", cfg->rms_norm_eps);
+        goto out;
+    }
+
+    /* globals: embedding and final norm replicated, lm_head = this rank's vocab rows */
+    r = ckpt_get(c, "model.embed_tokens.weight", &v);
+    if (r < 0) {
+        r = err_set(e, r, "tensor 'model.embed_tokens.weight' not available: %s", err_str(r));
+        goto out;
+    }
+    r = view_to_weight(&v, "model.embed_tokens.weight", &m->embed, e);
+    if (r < 0)
+        goto out;
+    if (m->embed.rows != m->vocab || m->embed.cols != m->hidden) {
+        r = err_set(e, -EINVAL, "model.embed_tokens.weight: shape [%lld, %lld], expected [%d, %d]",
+                    (long long)m->embed.rows, (long long)m->embed.cols, m->vocab, m->hidden);
+        goto out;
+    }
+    r = prepare(m, &m->embed, "model.embed_tokens.weight", e);
+    if (r < 0)
+        goto out;
+    r = load_vec(m, "model.norm.weight", m->hidden, &m->final_norm, e);
+    if (r < 0)
+        goto out;
+    if (m->vocab % world) {
+        r = err_set(e, -EINVAL, "vocab %d does not split over %d ranks", m->vocab, world);
+        goto out;
+    }
+    m->vocab_local = m->vocab / world;
+    if (cfg->tie_word_embeddings) {
+        /* tied head: this rank's rows of the embedding table */
+        size_t esz = m->embed.fmt == WFMT_BF16 ? 2 : 4;
+        m->lm_head = m->embed;
+        m->lm_head.priv = NULL;
+        m->lm_head.rows = m->vocab_local;
+        m->lm_head.data = (const uint8_t *)v.data +
+                          (size_t)(m->sharded ? m->comm.rank : 0) * m->vocab_local * m->hidden * esz;
+        r = prepare(m, &m->lm_head, "lm_head (tied)", e);
+    } else {
+        r = load_linear(m, "lm_head", m->vocab_local, m->hidden, &m->lm_head, e);
+    }
+    if (r < 0)
+        goto out;
+
+    m->layers = calloc((size_t)(m->n_layers + m->n_mtp), sizeof(*m->layers));
+    if (!m->layers) {
+        r = err_set(e, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
+        r = load_layer(m, &m->layers[i], i, e);
+        if (r < 0)
+            goto out;
+        m->group_used[m->layers[i].group] = true;
+    }
+    r = reserve(m, e);
+    if (r < 0)
+        goto out;
+
+    m->fwd.ops = &model_forward_ops;
+    m->fwd.vocab_size = m->vocab;
+    m->fwd.n_mtp = m->n_mtp;
+    m->fwd.max_tokens_per_step = m->o.max_tokens_per_step;
+    m->fwd.max_seqs = m->o.max_seqs;
+    m->fwd.block_size = m->o.block_size;
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        m->fwd.n_blocks[g] = m->o.n_blocks[g];
+    m->fwd.impl = m;
+    *ret = m;
+    return 0;
+out:
+    model_free(m);
+    return r;
+}
+
+void model_free(struct model *m)
+{
+    if (!m)
+        return;
+    for (int i = m->n_prepared - 1; i >= 0; i--)
+        backend_weight_release(m->be, m->prepared[i]);
+    free(m->prepared);
+    for (int i = m->n_bufs - 1; i >= 0; i--)
+        backend_buf_free(m->be, m->bufs[i]);
+    free(m->bufs);
+    if (m->layers) {
+        for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
+            free(m->layers[i].experts);
+            free(m->layers[i].eh_split);
+            free(m->layers[i].eh_split_f32);
+        }
+        free(m->layers);
+    }
+    free(m->h_ids);
+    free(m->h_pos);
+    free(m->h_seq_start);
+    free(m->h_seq_pos0);
+    free(m->h_rows);
+    free(m->h_src);
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        free(m->h_slots[g]);
+        free(m->h_boff[g]);
+    }
+    free(m->mtp_hist);
+    free(m);
+}
+
+/* ----------------------------------------------------------- plan checks -- */
+
+#define PLAN_ERR(m, code, ...) err_set(&(m)->last_err, (code), __VA_ARGS__)
+
+/* Physical block for (seq, group, logical block b), -1 if released. */
+static int32_t block_of(const struct step_plan *p, const struct step_seq *s, int g, int b)
+{
+    return p->blocks[g][s->block_off[g] + b];
+}
+
+static int check_plan(struct model *m, const struct step_plan *p)
+{
+    int bs = m->o.block_size;
+
+    if (!p || p->n_seqs <= 0 || p->n_seqs > m->o.max_seqs)
+        return PLAN_ERR(m, -EINVAL, "plan: %d sequences (1 .. %d allowed)", p ? p->n_seqs : 0,
+                        m->o.max_seqs);
+    if (p->n_tokens <= 0 || p->n_tokens > m->o.max_tokens_per_step)
+        return PLAN_ERR(m, p->n_tokens > 0 ? -E2BIG : -EINVAL,
+                        "plan: %d tokens (1 .. %d reserved per step)", p->n_tokens,
+                        m->o.max_tokens_per_step);
+    if (!p->seqs || !p->tokens)
+        return PLAN_ERR(m, -EINVAL, "plan: seqs or tokens missing");
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        if (!m->group_used[g])
+            continue;
+        if (p->n_block_ids[g] < 0 || p->n_block_ids[g] > m->table_cap)
+            return PLAN_ERR(m, -E2BIG, "plan: %d block ids in group %d (capacity %d)",
+                            p->n_block_ids[g], g, m->table_cap);
+        if (p->n_block_ids[g] > 0 && !p->blocks[g])
+            return PLAN_ERR(m, -EINVAL, "plan: block table of group %d missing", g);
+    }
+    int32_t sum = 0, n_rows = 0;
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        int64_t end = (int64_t)s->pos0 + s->n_tokens;
+
+        if (s->slot < 0 || s->slot >= m->o.max_seqs)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: slot %d out of range 0 .. %d", i, s->slot,
+                            m->o.max_seqs - 1);
+        if (s->n_tokens <= 0 || s->pos0 < 0 || end > m->o.max_seq_len)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: positions %d .. %lld outside 0 .. %d", i,
+                            s->pos0, (long long)end - 1, m->o.max_seq_len - 1);
+        if (s->tok_off < 0 || (int64_t)s->tok_off + s->n_tokens > p->n_tokens)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: tokens [%d, %d) outside the plan's %d", i,
+                            s->tok_off, s->tok_off + s->n_tokens, p->n_tokens);
+        if (s->n_logits < 0 || s->n_logits > s->n_tokens)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: n_logits %d with %d tokens", i, s->n_logits,
+                            s->n_tokens);
+        if (s->mtp_depth < 0)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: mtp_depth %d", i, s->mtp_depth);
+        if ((int64_t)s->n_blocks * bs < end)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: %d blocks of %d do not cover position %lld",
+                            i, s->n_blocks, bs, (long long)end - 1);
+        for (int g = 0; g < _KV_GROUP_MAX; g++) {
+            int first_needed;
+            if (!m->group_used[g])
+                continue;
+            if (s->block_off[g] < 0 || (int64_t)s->block_off[g] + s->n_blocks > p->n_block_ids[g])
+                return PLAN_ERR(m, -EINVAL, "plan seq %d: block table [%d, +%d) outside group %d's %d ids",
+                                i, s->block_off[g], s->n_blocks, g, p->n_block_ids[g]);
+            /* blocks attention may read: full = all, sliding = the window of the first query */
+            first_needed = 0;
+            if (g == KV_GROUP_SLIDING && m->cfg->sliding_window > 0) {
+                int lo = s->pos0 - m->cfg->sliding_window + 1;
+                first_needed = lo > 0 ? lo / bs : 0;
+            }
+            for (int b = first_needed; b <= (int)((end - 1) / bs); b++) {
+                int32_t id = block_of(p, s, g, b);
+                if (id < 0 || id >= m->o.n_blocks[g])
+                    return PLAN_ERR(m, -EINVAL, "plan seq %d: group %d logical block %d -> %d "
+                                    "(pool has %d blocks)", i, g, b, id, m->o.n_blocks[g]);
+            }
+        }
+        sum += s->n_tokens;
+        n_rows += s->n_logits;
+    }
+    if (sum != p->n_tokens)
+        return PLAN_ERR(m, -EINVAL, "plan: runs hold %d tokens, plan says %d", sum, p->n_tokens);
+    if (n_rows > m->max_logit_rows)
+        return PLAN_ERR(m, -E2BIG, "plan: %d logit rows (%d reserved per step)", n_rows,
+                        m->max_logit_rows);
+    for (int t = 0; t < p->n_tokens; t++)
+        if (p->tokens[t] < 0 || p->tokens[t] >= m->vocab)
+            return PLAN_ERR(m, -EINVAL, "plan: token %d at index %d outside the vocab (%d)",
+                            p->tokens[t], t, m->vocab);
+    return 0;
+}
+
+/* Slot of position pos of seq s in group g (blocks already checked). */
+static int32_t slot_of(const struct model *m, const struct step_plan *p, const struct step_seq *s,
+                       int g, int32_t pos)
+{
+    int bs = m->o.block_size;
+    return block_of(p, s, g, pos / bs) * bs + pos % bs;
+}
+
+/* Upload the batch's index arrays.  The host staging arrays are already filled for
+ * ids/pos/slots (n_tok) and seq_start/seq_pos0/boff (n_seqs). */
+static int batch_upload(struct model *m, struct batch *b, const struct step_plan *p, int n_tok,
+                        int n_seqs)
+{
+    int r;
+
+    b->n_tok = n_tok;
+    b->n_seqs = n_seqs;
+    r = backend_upload(m->be, b->ids, m->h_ids, sizeof(int32_t) * (size_t)n_tok);
+    r = r ? r : backend_upload(m->be, b->pos, m->h_pos, sizeof(int32_t) * (size_t)n_tok);
+    r = r ? r : backend_upload(m->be, b->seq_start, m->h_seq_start,
+                               sizeof(int32_t) * (size_t)(n_seqs + 1));
+    r = r ? r : backend_upload(m->be, b->seq_pos0, m->h_seq_pos0, sizeof(int32_t) * (size_t)n_seqs);
+    for (int g = 0; g < _KV_GROUP_MAX && !r; g++) {
+        if (!m->group_used[g])
+            continue;
+        r = backend_upload(m->be, b->slots[g], m->h_slots[g], sizeof(int32_t) * (size_t)n_tok);
+        r = r ? r : backend_upload(m->be, b->boff[g], m->h_boff[g], sizeof(int32_t) * (size_t)n_seqs);
+        if (!r && p->n_block_ids[g] > 0)
+            r = backend_upload(m->be, b->tables[g], p->blocks[g],
+                               sizeof(int32_t) * (size_t)p->n_block_ids[g]);
+    }
+    return r;
+}
+
+/* ---------------------------------------------------------- collectives -- */
+
+static int allreduce(struct model *m, float *buf, size_t n)
+{
+    if (!m->sharded)
+        return 0;
+    return m->comm.allreduce_sum(m->comm.ctx, buf, n);
+}
+
+/* ------------------------------------------------------------ the script -- */
+
+#define TRY(expr) do { r = (expr); if (r < 0) return r; } while (0)
+
+/* FFN with SwiGLU: out = down(act(gate(x), up(x))). */
+static int swiglu_mlp(struct model *m, const struct mlayer *L, const float *x, int n, float limit,
+                      float *out)
+{
+    int r;
+
+    TRY(backend_matmul(m->be, &L->gate, x, n, m->ff_gate));
+    TRY(backend_matmul(m->be, &L->up, x, n, m->ff_up));
+    TRY(backend_swiglu(m->be, m->ff_gate, m->ff_up, n, L->inter, limit, m->ff_act));
+    return backend_matmul(m->be, &L->down, m->ff_act, n, out);
+}
+
+/* One decoder layer (MODEL.md §2.3) over the batch, in place on the residual x [n, H].
+ * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
+static int layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
+{
+    const struct model_config *cfg = m->cfg;
+    int n = b->n_tok, H = m->hidden, hd = L->head_dim;
+    int g = L->group;
+    float eps = cfg->rms_norm_eps;
+    bool reduce = m->sharded && !L->is_mtp;
+    int r;
+
+    /* attention block */
+    TRY(backend_rmsnorm(m->be, x, &L->in_norm, n, H, eps, m->a));
+    TRY(backend_matmul(m->be, &L->wq, m->a, n, m->q));
+    TRY(backend_matmul(m->be, &L->wk, m->a, n, m->k));
+    TRY(backend_matmul(m->be, &L->wv, m->a, n, m->v));
+    if (cfg->use_head_wise_attn_gate)
+        TRY(backend_matmul(m->be, &L->wg, m->a, n, m->g));
+    if (cfg->use_qk_norm) {
+        TRY(backend_rmsnorm(m->be, m->q, &L->q_norm, n * L->n_heads, hd, eps, m->q));
+        TRY(backend_rmsnorm(m->be, m->k, &L->k_norm, n * L->n_kv_heads, hd, eps, m->k));
+    }
+    if (L->freqs.rotary_dims > 0) {
+        TRY(backend_rope(m->be, m->q, n, L->n_heads, hd, b->pos, &L->freqs));
+        TRY(backend_rope(m->be, m->k, n, L->n_kv_heads, hd, b->pos, &L->freqs));
+    }
+    TRY(backend_kv_store(m->be, &L->kv, m->k, m->v, n, b->slots[g]));
+
+    struct attn_args aa = {
+        .q = m->q,
+        .out = m->att,
+        .n_tok = n,
+        .n_heads = L->n_heads,
+        .n_kv_heads = L->n_kv_heads,
+        .head_dim = hd,
+        .scale = 1.0f / sqrtf((float)hd),
+        .window = L->window,
+        .kv = &L->kv,
+        .n_seqs = b->n_seqs,
+        .seq_tok_start = b->seq_start,
+        .seq_pos0 = b->seq_pos0,
+        .block_tables = b->tables[g],
+        .block_table_off = b->boff[g],
+    };
+    TRY(backend_attention(m->be, &aa));
+    if (cfg->use_head_wise_attn_gate)
+        TRY(backend_head_gate(m->be, m->att, m->g, n, L->n_heads, hd));
+    TRY(backend_matmul(m->be, &L->wo, m->att, n, m->tmp));
+    if (reduce)
+        TRY(allreduce(m, m->tmp, (size_t)n * H));                  /* [all-reduce 1] */
+    TRY(backend_add(m->be, x, m->tmp, (size_t)n * H));
+
+    /* FFN block */
+    TRY(backend_rmsnorm(m->be, x, &L->post_norm, n, H, eps, m->a));
+    if (L->is_moe) {
+        TRY(backend_matmul(m->be, &L->router, m->a, n, m->rlogits));
+        TRY(backend_router(m->be, m->rlogits, L->router_bias, n, cfg->n_experts, cfg->top_k,
+                           cfg->norm_expert_weight, cfg->router_scaling_factor, m->rids,
+                           m->rweights));
+        if (L->has_ffn_dense)
+            TRY(swiglu_mlp(m, L, m->a, n, L->limit_shared, m->tmp));   /* shared expert */
+        else
+            memset(m->tmp, 0, sizeof(float) * (size_t)n * H);
+        struct moe_args ma = {
+            .x = m->a,
+            .out = m->tmp,
+            .n_tok = n,
+            .hidden = H,
+            .inter = cfg->moe_intermediate_size,
+            .top_k = cfg->top_k,
+            .ids = m->rids,
+            .weights = m->rweights,
+            .experts = L->experts,
+            .expert_first = L->expert_first,
+            .n_local = L->n_local,
+            .limit = L->limit_routed,
+        };
+        TRY(backend_moe(m->be, &ma));                                  /* routed experts */
+    } else {
+        TRY(swiglu_mlp(m, L, m->a, n, L->limit_shared, m->tmp));       /* dense MLP */
+    }
+    if (reduce)
+        TRY(allreduce(m, m->tmp, (size_t)n * H));                  /* [all-reduce 2] */
+    return backend_add(m->be, x, m->tmp, (size_t)n * H);
+}
+
+/* logits[rows, vocab] = lm_head · final_norm(hid[rows]), gathered over the vocab slices. */
+static int trunk_logits(struct model *m, const int32_t *rows, int n_rows, float *logits)
+{
+    int H = m->hidden, V = m->vocab, Vl = m->vocab_local;
+    int r;
+
+    for (int i = 0; i < n_rows; i++)
+        memcpy(m->rows_h + (size_t)i * H, m->hid + (size_t)rows[i] * H, sizeof(float) * (size_t)H);
+    TRY(backend_rmsnorm(m->be, m->rows_h, &m->final_norm, n_rows, H, m->cfg->rms_norm_eps,
+                        m->rows_h));
+    TRY(backend_matmul(m->be, &m->lm_head, m->rows_h, n_rows, m->rows_logits));
+    if (!m->sharded) {
+        if (logits)
+            TRY(backend_download(m->be, logits, m->rows_logits,
+                                 sizeof(float) * (size_t)n_rows * (size_t)V));
+        return 0;
+    }
+    /* [all-gather]: gather[w] = rank w's [n_rows, Vl]; row i = concat over w */
+    TRY(m->comm.allgather(m->comm.ctx, m->rows_logits, m->gather, (size_t)n_rows * Vl));
+    if (!logits)
+        return 0;
+    for (int w = 0; w < m->comm.world; w++)
+        for (int i = 0; i < n_rows; i++)
+            TRY(backend_download(m->be, logits + (size_t)i * V + (size_t)w * Vl,
+                                 m->gather + ((size_t)w * n_rows + i) * Vl, sizeof(float) * (size_t)Vl));
+    return 0;
+}
+
+/* The trunk step (forward.h protocol step 1). */
+int model_step(struct model *m, const struct step_plan *p, float *logits)
+{
+    int n_rows = 0, r;
+
+    m->have_step = false;
+    r = check_plan(m, p);
+    if (r < 0)
+        return r;
+
+    /* index arrays: token ids, positions, KV slots per group, runs, table offsets */
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        m->h_seq_start[i] = s->tok_off;
+        m->h_seq_pos0[i] = s->pos0;
+        for (int g = 0; g < _KV_GROUP_MAX; g++)
+            m->h_boff[g][i] = s->block_off[g];
+        for (int t = 0; t < s->n_tokens; t++) {
+            int j = s->tok_off + t;
+            m->h_ids[j] = p->tokens[j];
+            m->h_pos[j] = s->pos0 + t;
+            for (int g = 0; g < _KV_GROUP_MAX; g++)
+                if (m->group_used[g])
+                    m->h_slots[g][j] = slot_of(m, p, s, g, s->pos0 + t);
+        }
+        for (int t = s->n_tokens - s->n_logits; t < s->n_tokens; t++)
+            m->h_rows[n_rows++] = s->tok_off + t;
+    }
+    /* attention wants runs as [start[s], start[s+1]): runs must be laid out in plan order */
+    for (int i = 0; i < p->n_seqs; i++) {
+        int32_t next = i + 1 < p->n_seqs ? p->seqs[i + 1].tok_off : p->n_tokens;
+        if (p->seqs[i].tok_off + p->seqs[i].n_tokens != next || p->seqs[0].tok_off != 0)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: runs must be contiguous in plan order "
+                            "(tok_off %d, %d tokens, next at %d)", i, p->seqs[i].tok_off,
+                            p->seqs[i].n_tokens, next);
+    }
+    m->h_seq_start[p->n_seqs] = p->n_tokens;
+    r = batch_upload(m, &m->b, p, p->n_tokens, p->n_seqs);
+    if (r < 0)
+        return PLAN_ERR(m, r, "step: uploading the index arrays failed: %s", err_str(r));
+
+    /* the script: the residual stream lives in hid, which keeps the pre-final-norm hidden
+     * states for the logits and for MTP depth 0 */
+    r = backend_embed(m->be, &m->embed, m->b.ids, p->n_tokens, m->hid);
+    for (int l = 0; l < m->n_layers && r >= 0; l++)
+        r = layer_forward(m, &m->layers[l], m->hid, &m->b);
+    if (r < 0)
+        return PLAN_ERR(m, r, "step: forward failed: %s", err_str(r));
+    if (n_rows > 0) {
+        r = trunk_logits(m, m->h_rows, n_rows, logits);
+        if (r < 0)
+            return PLAN_ERR(m, r, "step: logits failed: %s", err_str(r));
+    }
+    r = backend_sync(m->be);
+    if (r < 0)
+        return PLAN_ERR(m, r, "step: backend sync failed: %s", err_str(r));
+
+    m->have_step = true;
+    m->last_step_id = p->step_id;
+    m->last_n_tokens = p->n_tokens;
+    m->last_n_seqs = p->n_seqs;
+    m->mtp_next_k = 0;
+    return 0;
+}
+
+/* One MTP depth (forward.h protocol step 2, MODEL.md §3.2). */
+int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
+                   const int32_t *tok_in, float *logits)
+{
+    struct mlayer *L;
+    int H = m->hidden, V = m->vocab;
+    int n = 0, ns = 0, r;
+
+    if (k < 0 || k >= m->n_mtp)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d but %d MTP layers loaded", k, m->n_mtp);
+    if (!m->have_step || !p || p->step_id != m->last_step_id || p->n_tokens != m->last_n_tokens ||
+        p->n_seqs != m->last_n_seqs)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: plan is not the one of the last successful step");
+    if (k != m->mtp_next_k)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d called, expected depth %d", k, m->mtp_next_k);
+    if (!n_valid || !tok_in || !logits)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: n_valid, tok_in and logits are required");
+    L = &m->layers[m->n_layers + k];
+
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        const int32_t *run = p->tokens + s->tok_off;
+        int nv;
+
+        if (s->mtp_depth <= k)
+            continue;
+        nv = n_valid[i];
+        if (nv < 0 || nv > s->n_tokens)
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d of %d tokens", i, nv,
+                            s->n_tokens);
+        if (tok_in[i] < 0 || tok_in[i] >= V)
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: token %d outside the vocab (%d)", i,
+                            tok_in[i], V);
+        m->mtp_hist[(size_t)i * m->n_mtp + k] = tok_in[i];
+        if (nv == 0)
+            continue;
+        m->h_seq_start[ns] = n;
+        m->h_seq_pos0[ns] = s->pos0;
+        for (int g = 0; g < _KV_GROUP_MAX; g++)
+            m->h_boff[g][ns] = s->block_off[g];
+        for (int t = 0; t < nv; t++) {
+            /* input id at position pos0+t is the token k+1 further along: accepted run
+             * tokens, then the sampled token (depth 0) and the drafts (depths 1..k) */
+            int idx = t + k + 1;
+            m->h_ids[n] = idx < nv ? run[idx] : m->mtp_hist[(size_t)i * m->n_mtp + (idx - nv)];
+            m->h_pos[n] = s->pos0 + t;
+            m->h_src[n] = s->tok_off + t;
+            for (int g = 0; g < _KV_GROUP_MAX; g++)
+                if (m->group_used[g])
+                    m->h_slots[g][n] = slot_of(m, p, s, g, s->pos0 + t);
+            n++;
+        }
+        m->h_rows[ns] = i;      /* logits row (plan order) of this batch seq */
+        ns++;
+    }
+    m->mtp_next_k = k + 1;
+    if (ns == 0)
+        return 0;
+    m->h_seq_start[ns] = n;
+    r = batch_upload(m, &m->mb, p, n, ns);
+    if (r < 0)
+        return PLAN_ERR(m, r, "mtp_step: uploading the index arrays failed: %s", err_str(r));
+
+    /* m = We·enorm(E[x]) + Wh·hnorm(g), g = trunk hidden (k = 0) or MTP layer k-1's output */
+    const float *gsrc = k == 0 ? m->hid : m->mh;
+    for (int j = 0; j < n; j++)
+        memcpy(m->a + (size_t)j * H, gsrc + (size_t)m->h_src[j] * H, sizeof(float) * (size_t)H);
+    r = backend_embed(m->be, &m->embed, m->mb.ids, n, m->me);
+    r = r ? r : backend_rmsnorm(m->be, m->me, &L->enorm, n, H, m->cfg->rms_norm_eps, m->me);
+    r = r ? r : backend_rmsnorm(m->be, m->a, &L->hnorm, n, H, m->cfg->rms_norm_eps, m->mn);
+    r = r ? r : backend_matmul(m->be, &L->eh_e, m->me, n, m->x);
+    r = r ? r : backend_matmul(m->be, &L->eh_h, m->mn, n, m->tmp);
+    r = r ? r : backend_add(m->be, m->x, m->tmp, (size_t)n * H);
+    r = r ? r : layer_forward(m, L, m->x, &m->mb);
+    if (r < 0)
+        return PLAN_ERR(m, r, "mtp_step %d: forward failed: %s", k, err_str(r));
+
+    /* h' feeds the next depth at the same plan rows */
+    for (int j = 0; j < n; j++)
+        memcpy(m->mh + (size_t)m->h_src[j] * H, m->x + (size_t)j * H, sizeof(float) * (size_t)H);
+    /* draft logits from each seq's last valid position */
+    for (int si = 0; si < ns; si++) {
+        int last = m->h_seq_start[si + 1] - 1;
+        memcpy(m->rows_h + (size_t)si * H, m->x + (size_t)last * H, sizeof(float) * (size_t)H);
+    }
+    r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps, m->rows_h);
+    r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, ns, m->mtp_logits);
+    for (int si = 0; si < ns && !r; si++)
+        r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V,
+                             m->mtp_logits + (size_t)si * V, sizeof(float) * (size_t)V);
+    r = r ? r : backend_sync(m->be);
+    if (r < 0)
+        return PLAN_ERR(m, r, "mtp_step %d: draft logits failed: %s", k, err_str(r));
+    return 0;
+}
+
+const char *model_last_error(const struct model *m)
+{
+    return m->last_err.msg;
+}
+
+const struct model_config *model_config(const struct model *m)
+{
+    return m->cfg;
+}
+
+int model_vocab_size(const struct model *m)
+{
+    return m->vocab;
+}
+
+int model_n_mtp(const struct model *m)
+{
+    return m->n_mtp;
+}
+
+/* ------------------------------------------------------------- forward -- */
+
+static int fwd_step(struct forward *f, const struct step_plan *p, float *logits)
+{
+    return model_step(f->impl, p, logits);
+}
+
+static int fwd_mtp_step(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
+                        const int32_t *tok_in, float *logits)
+{
+    return model_mtp_step(f->impl, k, p, n_valid, tok_in, logits);
+}
+
+static void fwd_free(struct forward *f)
+{
+    if (f)
+        model_free(f->impl);
+}
+
+static const struct forward_ops model_forward_ops = {
+    .name = "model",
+    .step = fwd_step,
+    .mtp_step = fwd_mtp_step,
+    .free = fwd_free,
+};
+
+int model_forward_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
+                      const struct model_opts *opts, struct forward **ret, struct err_buf *e)
+{
+    struct model *m;
+    int r = model_new(c, be, comm, opts, &m, e);
+
+    if (r < 0)
+        return r;
+    *ret = &m->fwd;
+    return 0;
+}
+
+struct model *model_from_forward(struct forward *f)
+{
+    if (!f || f->ops != &model_forward_ops)
+        return NULL;
+    return f->impl;
+}

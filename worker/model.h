@@ -1,0 +1,105 @@
+/* model.h - the Step forward pass (trunk + MTP) over the backend ops (MODEL.md §2, §3).
+ *
+ * A struct model holds this rank's weights as views into the loader's buffers (prepared
+ * once with backend_weight_prepare), one KV cache per layer (full-attention layers in
+ * KV group FULL, sliding layers and sliding MTP layers in group SLIDING, block tables
+ * from the step plan), and activations/scratch reserved at creation for the largest
+ * step (max_tokens_per_step tokens, max_seqs sequences): a step allocates nothing.
+ *
+ * The real model is handed to the engine as a struct forward (worker/forward.h):
+ * model_forward_new() builds both; forward->ops->free() frees the model.
+ *
+ * Sharding seams (ARCHITECTURE.md §2): the model runs on the rank's slice of heads,
+ * experts and vocab as returned by ckpt_get().  It calls the collective hooks of
+ * struct model_comm at exactly three places:
+ *   - allreduce_sum after o_proj of every layer (partial sums over the rank's heads),
+ *   - allreduce_sum after the FFN of every layer (dense MLP / shared expert partials
+ *     plus the rank's routed experts),
+ *   - allgather of the lm_head rows of the wanted positions (vocab slices).
+ * MTP layers run on rank 0 only, unsharded (ckpt plans them there), so they call none.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "err.h"
+#include "forward.h"
+#include "loader.h"
+#include "plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Collectives used by the forward.  Pass NULL (or world == 1) for a single rank: every
+ * hook is then a no-op.  All buffers are host-visible backend buffers (CPU: plain memory).
+ *   allreduce_sum(ctx, buf, n): buf[0..n) <- element-wise sum over ranks, in place.
+ *   allgather(ctx, in, out, n): out[r*n .. r*n+n) <- rank r's in[0..n), for r = 0..world-1
+ *                                (every rank receives all; rank order).
+ * Both are collective (every rank calls them in the same order) and return 0 or a
+ * negative errno; an error aborts the step (the group must re-form). */
+struct model_comm {
+    void *ctx;
+    int rank, world;
+    int (*allreduce_sum)(void *ctx, float *buf, size_t n);
+    int (*allgather)(void *ctx, const float *in, float *out, size_t n);
+};
+
+struct model_opts {
+    int max_tokens_per_step;    /* token capacity of one step (sum of run lengths) */
+    int max_seqs;               /* sequences per step; slots are 0 .. max_seqs-1 */
+    int max_logit_rows;         /* trunk logits rows per step (0 = max_seqs * (1 + n_mtp), capped) */
+    int block_size;             /* KV block size in tokens */
+    int n_blocks[_KV_GROUP_MAX];/* KV blocks per group (every layer of a group has this many) */
+    int max_seq_len;            /* longest sequence (0 = config max_position_embeddings); sizes
+                                   the block-table capacity */
+    bool kv_bf16;               /* store KV in BF16 (default FP32) */
+};
+
+struct model;
+
+/* Build the model for the rank/MTP depth the checkpoint was opened with.  The model
+ * borrows c and be (both must outlive it) and copies comm.  On error returns a negative
+ * errno with one sentence in e (which tensor, which shape, which option). */
+int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
+              const struct model_opts *opts, struct model **ret, struct err_buf *e);
+void model_free(struct model *m);
+
+/* The forward_ops protocol (worker/forward.h).  On a bad plan these return -EINVAL (or
+ * -E2BIG over capacity) and model_last_error() says why.
+ *
+ * model_step: every rank runs it with the same plan (collectives inside); logits
+ *   [rows, vocab] are written on every rank that passes a non-NULL buffer (ranks > 0 may
+ *   pass NULL).  Runs must be laid out contiguously in plan order (seq i's tokens start
+ *   where seq i-1's end).  KV is written for every token; attention reads, per layer, the
+ *   blocks of its group (FULL: all blocks up to the token; SLIDING: the window), which
+ *   must be valid ids (other sliding entries may be -1).
+ * model_mtp_step: rank 0 only, after model_step of the SAME plan, depths 0, 1, .. in
+ *   order.  MTP layer k writes its KV at positions pos0 .. pos0+n_valid-1 of each seq with
+ *   mtp_depth > k; its input id at position pos0+t is the token k+1 further along: the
+ *   run's own tokens while t+k+1 < n_valid, then tok_in of depths 0..k.  To keep the MTP
+ *   caches complete, call it after prefill chunks too (n_valid = chunk length, tok_in =
+ *   the prompt tokens that follow the chunk). */
+int model_step(struct model *m, const struct step_plan *p, float *logits);
+int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
+                   const int32_t *tok_in, float *logits);
+const char *model_last_error(const struct model *m);
+
+/* The model as a struct forward for the engine; it owns the model: f->ops->free(f)
+ * frees both.  On error nothing is kept and e says why. */
+int model_forward_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
+                      const struct model_opts *opts, struct forward **ret, struct err_buf *e);
+/* The model behind a forward built by model_forward_new (NULL for other forwards). */
+struct model *model_from_forward(struct forward *f);
+
+/* Read-only facts for drivers and tests. */
+const struct model_config *model_config(const struct model *m);
+int model_vocab_size(const struct model *m);   /* full vocab (logits row length) */
+int model_n_mtp(const struct model *m);        /* MTP layers loaded (0 on ranks > 0) */
+
+#ifdef __cplusplus
+}
+#endif

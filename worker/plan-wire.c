@@ -1,0 +1,330 @@
+/* plan-wire.c - the step plan on the wire (rank 0 -> ranks 1..N-1).
+ *
+ * Layout, little-endian, no padding, no pointers:
+ *   header   u32 magic "SPLN" | u16 version (1) | u16 kind (enum plan_msg) |
+ *            u32 body_len | u64 step_id | i32 n_seqs | i32 n_tokens | i32 n_block_ids[2]
+ *            (36 bytes)
+ *   body     n_seqs x 10 i32 (slot, pos0, n_tokens, n_logits, tok_off, n_blocks,
+ *            block_off[2], mtp_depth, reserved 0) | n_tokens x i32 token ids |
+ *            n_block_ids[0] x i32 | n_block_ids[1] x i32
+ * A STOP message is the header alone with every count 0.
+ *
+ * The receiver treats the bytes as untrusted (RELIABILITY.md C11): the length must match
+ * the counts exactly, every count is bounded, every run lies inside the token array, every
+ * table inside its group's block array, every id inside the receiver's own limits, slots
+ * are unique.  Nothing is read before its bounds are known to be inside the buffer.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "err.h"
+
+#define PLAN_MAGIC 0x4e4c5053u  /* "SPLN" */
+#define PLAN_VERSION 1
+#define HDR_BYTES 36
+#define SEQ_WORDS 10
+
+static void put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint16_t get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+    return (uint64_t)get_u32(p) | ((uint64_t)get_u32(p + 4) << 32);
+}
+
+static int32_t get_i32(const uint8_t *p)
+{
+    return (int32_t)get_u32(p);
+}
+
+static uint64_t body_bytes(int64_t n_seqs, int64_t n_tokens, int64_t nb0, int64_t nb1)
+{
+    return 4u * ((uint64_t)n_seqs * SEQ_WORDS + (uint64_t)n_tokens + (uint64_t)nb0 + (uint64_t)nb1);
+}
+
+size_t step_plan_packed_size(const struct step_plan *p)
+{
+    return HDR_BYTES + (size_t)body_bytes(p->n_seqs, p->n_tokens, p->n_block_ids[0],
+                                          p->n_block_ids[1]);
+}
+
+size_t step_plan_max_packed_size(const struct step_plan_limits *lim)
+{
+    int64_t s = lim->max_seqs > 0 ? lim->max_seqs : STEP_PLAN_MAX_SEQS;
+    int64_t t = lim->max_tokens > 0 ? lim->max_tokens : STEP_PLAN_MAX_TOKENS;
+    int64_t b = lim->max_block_ids > 0 ? lim->max_block_ids : STEP_PLAN_MAX_BLOCK_IDS;
+
+    return HDR_BYTES + (size_t)body_bytes(s, t, b, b);
+}
+
+static void put_header(uint8_t *o, int kind, uint32_t body_len, uint64_t step_id, int32_t n_seqs,
+                       int32_t n_tokens, const int32_t *nb)
+{
+    put_u32(o, PLAN_MAGIC);
+    put_u16(o + 4, PLAN_VERSION);
+    put_u16(o + 6, (uint16_t)kind);
+    put_u32(o + 8, body_len);
+    put_u64(o + 12, step_id);
+    put_u32(o + 20, (uint32_t)n_seqs);
+    put_u32(o + 24, (uint32_t)n_tokens);
+    put_u32(o + 28, (uint32_t)nb[0]);
+    put_u32(o + 32, (uint32_t)nb[1]);
+}
+
+int step_plan_pack(const struct step_plan *p, void *buf, size_t cap)
+{
+    uint8_t *o = buf;
+    uint64_t body;
+    size_t need;
+    int32_t i;
+    int g;
+
+    if (p->n_seqs < 0 || p->n_seqs > STEP_PLAN_MAX_SEQS || p->n_tokens < 0 ||
+        p->n_tokens > STEP_PLAN_MAX_TOKENS)
+        return -EINVAL;
+    for (g = 0; g < _KV_GROUP_MAX; g++)
+        if (p->n_block_ids[g] < 0 || p->n_block_ids[g] > STEP_PLAN_MAX_BLOCK_IDS ||
+            (p->n_block_ids[g] && !p->blocks[g]))
+            return -EINVAL;
+    if ((p->n_seqs && !p->seqs) || (p->n_tokens && !p->tokens))
+        return -EINVAL;
+    body = body_bytes(p->n_seqs, p->n_tokens, p->n_block_ids[0], p->n_block_ids[1]);
+    need = HDR_BYTES + (size_t)body;
+    if (need > cap || need > INT32_MAX)
+        return -EMSGSIZE;
+    put_header(o, PLAN_MSG_STEP, (uint32_t)body, p->step_id, p->n_seqs, p->n_tokens,
+               p->n_block_ids);
+    o += HDR_BYTES;
+    for (i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        int32_t w[SEQ_WORDS] = { s->slot, s->pos0, s->n_tokens, s->n_logits, s->tok_off,
+                                 s->n_blocks, s->block_off[0], s->block_off[1], s->mtp_depth, 0 };
+
+        for (int k = 0; k < SEQ_WORDS; k++, o += 4)
+            put_u32(o, (uint32_t)w[k]);
+    }
+    for (i = 0; i < p->n_tokens; i++, o += 4)
+        put_u32(o, (uint32_t)p->tokens[i]);
+    for (g = 0; g < _KV_GROUP_MAX; g++)
+        for (i = 0; i < p->n_block_ids[g]; i++, o += 4)
+            put_u32(o, (uint32_t)p->blocks[g][i]);
+    return (int)need;
+}
+
+int step_plan_pack_stop(void *buf, size_t cap)
+{
+    static const int32_t nb[2] = { 0, 0 };
+
+    if (cap < HDR_BYTES)
+        return -EMSGSIZE;
+    put_header(buf, PLAN_MSG_STOP, 0, 0, 0, 0, nb);
+    return HDR_BYTES;
+}
+
+void step_plan_buf_init(struct step_plan_buf *b)
+{
+    memset(b, 0, sizeof(*b));
+}
+
+void step_plan_buf_done(struct step_plan_buf *b)
+{
+    if (!b)
+        return;
+    free(b->plan.seqs);
+    free(b->plan.tokens);
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        free(b->plan.blocks[g]);
+    free(b->seen);
+    memset(b, 0, sizeof(*b));
+}
+
+static int grow(void **p, size_t *cap, size_t n, size_t elem)
+{
+    void *q;
+
+    if (n <= *cap)
+        return 0;
+    q = realloc(*p, n * elem);
+    if (!q)
+        return -ENOMEM;
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+int step_plan_unpack(const void *buf, size_t len, const struct step_plan_limits *lim,
+                     struct step_plan_buf *b, int *ret_kind, struct err_buf *e)
+{
+    const uint8_t *in = buf;
+    int32_t n_seqs, n_tokens, nb[_KV_GROUP_MAX], sum = 0, i;
+    uint32_t body_len;
+    uint16_t version, kind;
+    int32_t max_mtp = lim->max_mtp_depth > 0 ? lim->max_mtp_depth : STEP_PLAN_MAX_MTP;
+    struct step_plan *p = &b->plan;
+    int g, r;
+
+    if (len < HDR_BYTES)
+        return err_set(e, -EBADMSG, "step plan: %zu bytes, shorter than the %d-byte header", len,
+                       HDR_BYTES);
+    if (get_u32(in) != PLAN_MAGIC)
+        return err_set(e, -EBADMSG, "step plan: bad magic 0x%08x", get_u32(in));
+    version = get_u16(in + 4);
+    kind = get_u16(in + 6);
+    if (version != PLAN_VERSION)
+        return err_set(e, -EPROTO, "step plan: version %u, this worker speaks %d", version,
+                       PLAN_VERSION);
+    if (kind != PLAN_MSG_STEP && kind != PLAN_MSG_STOP)
+        return err_set(e, -EPROTO, "step plan: unknown message kind %u", kind);
+    body_len = get_u32(in + 8);
+    if ((uint64_t)body_len != (uint64_t)len - HDR_BYTES)
+        return err_set(e, -EBADMSG, "step plan: body length field %u, message carries %zu", body_len,
+                       len - HDR_BYTES);
+    n_seqs = get_i32(in + 20);
+    n_tokens = get_i32(in + 24);
+    nb[0] = get_i32(in + 28);
+    nb[1] = get_i32(in + 32);
+    if (kind == PLAN_MSG_STOP) {
+        if (n_seqs || n_tokens || nb[0] || nb[1] || len != HDR_BYTES)
+            return err_set(e, -EBADMSG, "step plan: STOP message with a body");
+        *ret_kind = PLAN_MSG_STOP;
+        return 0;
+    }
+    if (n_seqs < 0 || n_seqs > STEP_PLAN_MAX_SEQS || (lim->max_seqs > 0 && n_seqs > lim->max_seqs))
+        return err_set(e, -ERANGE, "step plan: n_seqs %d out of range", n_seqs);
+    if (n_tokens < 0 || n_tokens > STEP_PLAN_MAX_TOKENS ||
+        (lim->max_tokens > 0 && n_tokens > lim->max_tokens))
+        return err_set(e, -ERANGE, "step plan: n_tokens %d out of range", n_tokens);
+    for (g = 0; g < _KV_GROUP_MAX; g++)
+        if (nb[g] < 0 || nb[g] > STEP_PLAN_MAX_BLOCK_IDS ||
+            (lim->max_block_ids > 0 && nb[g] > lim->max_block_ids))
+            return err_set(e, -ERANGE, "step plan: n_block_ids[%d] %d out of range", g, nb[g]);
+    if (body_bytes(n_seqs, n_tokens, nb[0], nb[1]) != (uint64_t)len - HDR_BYTES)
+        return err_set(e, -EBADMSG, "step plan: counts (%d seqs, %d tokens, %d+%d block ids) need "
+                       "%llu body bytes, message carries %zu", n_seqs, n_tokens, nb[0], nb[1],
+                       (unsigned long long)body_bytes(n_seqs, n_tokens, nb[0], nb[1]),
+                       len - HDR_BYTES);
+
+    r = grow((void **)&p->seqs, &b->cap_seqs, (size_t)n_seqs, sizeof(*p->seqs));
+    if (r == 0)
+        r = grow((void **)&p->tokens, &b->cap_tokens, (size_t)n_tokens, sizeof(*p->tokens));
+    for (g = 0; g < _KV_GROUP_MAX && r == 0; g++)
+        r = grow((void **)&p->blocks[g], &b->cap_blocks[g], (size_t)nb[g], sizeof(int32_t));
+    if (r == 0 && lim->max_seqs > 0)
+        r = grow((void **)&b->seen, &b->cap_seen, (size_t)lim->max_seqs, 1);
+    if (r < 0)
+        return err_set(e, r, "step plan: out of memory");
+
+    p->step_id = get_u64(in + 12);
+    p->n_seqs = n_seqs;
+    p->n_tokens = n_tokens;
+    p->n_block_ids[0] = nb[0];
+    p->n_block_ids[1] = nb[1];
+    in += HDR_BYTES;
+    for (i = 0; i < n_seqs; i++, in += 4 * SEQ_WORDS) {
+        struct step_seq *s = &p->seqs[i];
+
+        s->slot = get_i32(in);
+        s->pos0 = get_i32(in + 4);
+        s->n_tokens = get_i32(in + 8);
+        s->n_logits = get_i32(in + 12);
+        s->tok_off = get_i32(in + 16);
+        s->n_blocks = get_i32(in + 20);
+        s->block_off[0] = get_i32(in + 24);
+        s->block_off[1] = get_i32(in + 28);
+        s->mtp_depth = get_i32(in + 32);
+        if (get_i32(in + 36) != 0)
+            return err_set(e, -EBADMSG, "step plan: seq %d: reserved word not zero", i);
+    }
+    for (i = 0; i < n_tokens; i++, in += 4)
+        p->tokens[i] = get_i32(in);
+    for (g = 0; g < _KV_GROUP_MAX; g++)
+        for (i = 0; i < nb[g]; i++, in += 4)
+            p->blocks[g][i] = get_i32(in);
+
+    /* semantic checks */
+    if (lim->max_seqs > 0)
+        memset(b->seen, 0, (size_t)lim->max_seqs);
+    for (i = 0; i < n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        int64_t end = (int64_t)s->pos0 + s->n_tokens;
+
+        if (s->slot < 0 || (lim->max_seqs > 0 && s->slot >= lim->max_seqs))
+            return err_set(e, -ERANGE, "step plan: seq %d: slot %d out of range", i, s->slot);
+        if (lim->max_seqs > 0) {
+            if (b->seen[s->slot])
+                return err_set(e, -EBADMSG, "step plan: seq %d: slot %d appears twice", i, s->slot);
+            b->seen[s->slot] = 1;
+        }
+        if (s->n_tokens < 1 || s->pos0 < 0)
+            return err_set(e, -EBADMSG, "step plan: seq %d: pos0 %d, n_tokens %d", i, s->pos0,
+                           s->n_tokens);
+        if (lim->max_positions > 0 && end > lim->max_positions)
+            return err_set(e, -ERANGE, "step plan: seq %d: positions up to %lld exceed %d", i,
+                           (long long)end, lim->max_positions);
+        if (s->n_logits < 0 || s->n_logits > s->n_tokens)
+            return err_set(e, -EBADMSG, "step plan: seq %d: n_logits %d of %d tokens", i,
+                           s->n_logits, s->n_tokens);
+        if (s->tok_off < 0 || (int64_t)s->tok_off + s->n_tokens > n_tokens)
+            return err_set(e, -EBADMSG, "step plan: seq %d: tokens [%d, +%d) outside %d", i,
+                           s->tok_off, s->n_tokens, n_tokens);
+        sum += s->n_tokens;     /* no overflow: each run fits in n_tokens <= 2^24 */
+        if (sum > n_tokens)
+            return err_set(e, -EBADMSG, "step plan: runs hold more than %d tokens", n_tokens);
+        if (s->n_blocks < 0 ||
+            (lim->block_size > 0 && (int64_t)s->n_blocks * lim->block_size < end))
+            return err_set(e, -EBADMSG, "step plan: seq %d: %d blocks do not cover %lld positions",
+                           i, s->n_blocks, (long long)end);
+        for (g = 0; g < _KV_GROUP_MAX; g++)
+            if (s->block_off[g] < 0 || (int64_t)s->block_off[g] + s->n_blocks > nb[g])
+                return err_set(e, -EBADMSG, "step plan: seq %d: group %d table [%d, +%d) outside %d",
+                               i, g, s->block_off[g], s->n_blocks, nb[g]);
+        if (s->mtp_depth < 0 || s->mtp_depth > max_mtp)
+            return err_set(e, -ERANGE, "step plan: seq %d: mtp_depth %d out of range", i,
+                           s->mtp_depth);
+    }
+    if (sum != n_tokens)
+        return err_set(e, -EBADMSG, "step plan: runs hold %d tokens, plan says %d", sum, n_tokens);
+    if (lim->vocab_size > 0)
+        for (i = 0; i < n_tokens; i++)
+            if (p->tokens[i] < 0 || p->tokens[i] >= lim->vocab_size)
+                return err_set(e, -ERANGE, "step plan: token %d: id %d outside vocabulary of %d", i,
+                               p->tokens[i], lim->vocab_size);
+    for (g = 0; g < _KV_GROUP_MAX; g++)
+        for (i = 0; i < nb[g]; i++) {
+            int32_t id = p->blocks[g][i];
+
+            if (id < -1 || (id == -1 && g == KV_GROUP_FULL) ||
+                (lim->max_blocks[g] > 0 && id >= lim->max_blocks[g]))
+                return err_set(e, -ERANGE, "step plan: group %d block table entry %d: id %d out "
+                               "of range", g, i, id);
+        }
+    *ret_kind = PLAN_MSG_STEP;
+    return 0;
+}

@@ -1,0 +1,80 @@
+/* spec.h - MTP speculative decoding on rank 0 (ARCHITECTURE.md §6, MODEL.md §3.2).
+ *
+ * After a trunk step the engine asks spec_propose() for up to K drafts per sequence:
+ * it chains forward_ops.mtp_step over depths 0 .. K-1 (layer 45 + k), picking each draft
+ * from the depth's logits with the request's own processors (greedy: processed argmax;
+ * sampled: a seeded draw whose distribution q is kept for verification).  The next step
+ * scores [last token, d1 .. dK] in one trunk pass; spec_verify() then accepts the longest
+ * prefix matching the target argmax (greedy) or runs rejection sampling (sampled), so
+ * output is distributed exactly as without speculation, and greedy output is identical.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "err.h"
+#include "forward.h"
+#include "sampler.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SPEC_MAX_K 3
+
+struct spec_config {
+    int num_speculative_tokens;   /* 0 .. SPEC_MAX_K */
+};
+
+/* Parse --speculative-config JSON, e.g. {"method":"mtp","num_speculative_tokens":3}.
+ * NULL or "" means no speculation.  -EINVAL with a sentence in e on anything else
+ * (unknown method, K out of range, unknown keys, bad JSON). */
+int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e);
+
+struct spec_stats {
+    uint64_t n_drafts;                       /* verification steps that carried drafts */
+    uint64_t n_draft_tokens;
+    uint64_t n_accepted;
+    uint64_t accepted_per_pos[SPEC_MAX_K];   /* [k] = drafts accepted at position k */
+};
+
+void spec_stats_add(struct spec_stats *dst, const struct spec_stats *src);
+/* Mean tokens emitted per verification step: 1 + accepted / drafts (1 when no drafts). */
+double spec_stats_mean_accept_len(const struct spec_stats *st);
+
+/* One sequence's view for propose/verify.  hist.tokens must have room for SPEC_MAX_K
+ * tokens after hist.n_prompt + hist.n_output (drafts are appended there temporarily). */
+struct spec_seq {
+    const struct sampling_params *sp;
+    struct sampler_hist hist;
+    uint64_t out_index;       /* output index of the token the drafts follow (next one) */
+    int depth;                /* drafts wanted (0 = skip); set by the caller */
+    int32_t *drafts;          /* [SPEC_MAX_K] out */
+    float *q;                 /* [SPEC_MAX_K * vocab] draft distributions (sampled only) */
+    /* prefill chunk that does not reach the end: the chain only (re)writes the MTP
+     * layers' KV over the chunk; the input at depth k >= 1 is forced[k-1] while
+     * k-1 < n_forced (the known prompt tokens), drafts are raw argmaxes and are not
+     * kept, and hist is not touched. */
+    bool fill_only;
+    const int32_t *forced;
+    int n_forced;
+};
+
+/* Run the MTP chain for the plan's sequences (seqs[i] pairs with plan->seqs[i]; depth
+ * also written to plan->seqs[i].mtp_depth by the caller).  n_valid/tok_in as in
+ * forward.h (tok_in[i] is already the last token of seqs[i].hist).  logits_buf holds
+ * n_seqs * vocab floats, tok_scratch n_seqs ids.  Returns 0 or the forward's error. */
+int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan *plan,
+                 struct spec_seq *seqs, const int32_t *n_valid, const int32_t *tok_in,
+                 float *logits_buf, int32_t *tok_scratch);
+
+/* Verify n_draft drafts of one sequence against its target rows (n_draft + 1 rows of
+ * raw trunk logits, row i following draft i-1).  Writes the accepted count to the
+ * return value and the token after them to *ret_next; updates st.  probs_buf holds
+ * (SPEC_MAX_K + 2) * vocab floats of scratch. */
+int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, int n_draft,
+                int vocab, float *probs_buf, struct spec_stats *st, int32_t *ret_next);
+
+#ifdef __cplusplus
+}
+#endif

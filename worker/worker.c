@@ -1,0 +1,997 @@
+/* worker.c - one rank of a worker group: rendezvous, comm, shard load, lockstep loop. */
+#include <ctype.h>
+#include <signal.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "stepd-config.h"
+
+#include "backend.h"
+#include "comm.h"
+#include "engine.h"
+#include "loader.h"
+#include "log.h"
+#include "mock.h"
+#include "model.h"
+#include "worker.h"
+
+#define PEER_ADDR_MAX (64 * 1024)
+
+void worker_opts_init(struct worker_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->group = "g0";
+    o->world_size = 1;
+    o->device = "cpu";
+    o->max_seqs = 8;
+    o->max_batched_tokens = 256;
+    o->max_model_len = 1024;
+    o->block_size = 16;
+    o->rendezvous_timeout_msec = 60000;
+    o->collective_timeout_msec = 30000;
+    o->max_tokens = 32;
+    o->engine_listen = "127.0.0.1:50061";
+}
+
+static uint64_t now_msec(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* ---- file rendezvous ------------------------------------------------------------------ */
+
+void worker_peers_done(struct worker_peers *p)
+{
+    if (!p)
+        return;
+    for (int i = 0; i < p->world_size && i < 256; i++)
+        free(p->addr[i]);
+    memset(p, 0, sizeof(*p));
+}
+
+static void rdv_path(char *buf, size_t n, const char *dir, const char *group, int rank)
+{
+    snprintf(buf, n, "%s/%s.rank-%d", dir, group, rank);
+}
+
+static int read_file(const char *path, void **ret, size_t *ret_len, size_t max)
+{
+    struct stat st;
+    ssize_t got;
+    void *buf;
+    int fd, r = 0;
+
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0)
+        return -errno;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        r = -EBADF;
+        goto out_close;
+    }
+    if (st.st_size <= 0 || (size_t)st.st_size > max) {
+        r = -EMSGSIZE;
+        goto out_close;
+    }
+    buf = malloc((size_t)st.st_size);
+    if (!buf) {
+        r = -ENOMEM;
+        goto out_close;
+    }
+    got = read(fd, buf, (size_t)st.st_size);
+    if (got != st.st_size) {
+        free(buf);
+        r = -EIO;
+        goto out_close;
+    }
+    *ret = buf;
+    *ret_len = (size_t)got;
+out_close:
+    close(fd);
+    return r;
+}
+
+int worker_rendezvous_dir(const char *dir, const char *group, int rank, int world_size,
+                          const void *addr, size_t len, int timeout_msec,
+                          struct worker_peers *ret, struct err_buf *e)
+{
+    char path[4096], tmp[4200], missing[512];
+    uint64_t deadline = now_msec() + (uint64_t)(timeout_msec > 0 ? timeout_msec : 0);
+    int fd, i, n_missing;
+    ssize_t w;
+
+    memset(ret, 0, sizeof(*ret));
+    ret->world_size = world_size;
+    rdv_path(path, sizeof(path), dir, group, rank);
+    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return err_set(e, -errno, "rendezvous: cannot create %s: %s", tmp, strerror(errno));
+    w = write(fd, addr, len);
+    if (w != (ssize_t)len || fsync(fd) < 0) {
+        close(fd);
+        unlink(tmp);
+        return err_set(e, -EIO, "rendezvous: cannot write %s", tmp);
+    }
+    close(fd);
+    if (rename(tmp, path) < 0) {
+        int r = -errno;
+
+        unlink(tmp);
+        return err_set(e, r, "rendezvous: cannot publish %s: %s", path, strerror(-r));
+    }
+    for (;;) {
+        n_missing = 0;
+        missing[0] = 0;
+        for (i = 0; i < world_size; i++) {
+            int r;
+
+            if (ret->addr[i])
+                continue;
+            rdv_path(path, sizeof(path), dir, group, i);
+            r = read_file(path, &ret->addr[i], &ret->len[i], PEER_ADDR_MAX);
+            if (r == -ENOENT) {
+                size_t used = strlen(missing);
+
+                n_missing++;
+                snprintf(missing + used, sizeof(missing) - used, "%s%d", used ? ", " : "", i);
+                continue;
+            }
+            if (r < 0) {
+                worker_peers_done(ret);
+                return err_set(e, -EBADMSG, "rendezvous: address of rank %d (%s): %s", i, path,
+                               strerror(-r));
+            }
+        }
+        if (!n_missing)
+            return 0;
+        if (now_msec() >= deadline) {
+            worker_peers_done(ret);
+            return err_set(e, -ETIMEDOUT, "rendezvous of group %s timed out after %d ms: "
+                           "rank%s %s of %d never joined", group, timeout_msec,
+                           n_missing > 1 ? "s" : "", missing, world_size);
+        }
+        usleep(10 * 1000);
+    }
+}
+
+void worker_rendezvous_dir_clean(const char *dir, const char *group, int rank)
+{
+    char path[4096];
+
+    rdv_path(path, sizeof(path), dir, group, rank);
+    unlink(path);
+}
+
+/* ---- lockstep forward (rank 0) ----------------------------------------------------- */
+
+struct bcast_fwd {
+    struct forward f;
+    struct forward *inner;
+    struct comm *c;
+    void *buf;
+    size_t cap;
+};
+
+static int bcast_step(struct forward *f, const struct step_plan *p, float *logits)
+{
+    struct bcast_fwd *b = f->impl;
+    int r = comm_plan_send(b->c, p, b->buf, b->cap);
+
+    if (r < 0) {
+        log_error("step %llu: step-plan broadcast failed: %s",
+                  (unsigned long long)p->step_id, b->c->error_msg[0] ? b->c->error_msg : err_str(r));
+        return r;
+    }
+    r = b->inner->ops->step(b->inner, p, logits);
+    if (r < 0 && b->c->error)
+        log_error("step %llu: %s", (unsigned long long)p->step_id, b->c->error_msg);
+    return r;
+}
+
+static int bcast_mtp_step(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
+                          const int32_t *tok_in, float *logits)
+{
+    struct bcast_fwd *b = f->impl;
+
+    return b->inner->ops->mtp_step(b->inner, k, p, n_valid, tok_in, logits);
+}
+
+static void bcast_free(struct forward *f)
+{
+    struct bcast_fwd *b;
+
+    if (!f)
+        return;
+    b = f->impl;
+    free(b->buf);
+    free(b);
+}
+
+static const struct forward_ops bcast_ops = {
+    .name = "lockstep",
+    .step = bcast_step,
+    .mtp_step = bcast_mtp_step,
+    .free = bcast_free,
+};
+
+int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_cap,
+                             struct forward **ret)
+{
+    struct bcast_fwd *b = calloc(1, sizeof(*b));
+
+    if (!b)
+        return -ENOMEM;
+    b->buf = malloc(plan_cap);
+    if (!b->buf) {
+        free(b);
+        return -ENOMEM;
+    }
+    b->inner = inner;
+    b->c = c;
+    b->cap = plan_cap;
+    b->f = *inner;
+    b->f.ops = &bcast_ops;
+    b->f.impl = b;
+    if (!inner->ops->mtp_step)
+        b->f.n_mtp = 0;
+    *ret = &b->f;
+    return 0;
+}
+
+/* ---- the model's collective hooks -------------------------------------------------- */
+
+static int hook_allreduce(void *ctx, float *buf, size_t n)
+{
+    return comm_allreduce_sum(ctx, buf, n);
+}
+
+static int hook_allgather(void *ctx, const float *in, float *out, size_t n)
+{
+    return comm_allgather(ctx, in, out, n * sizeof(float));
+}
+
+/* ---- helpers --------------------------------------------------------------------- */
+
+static bool group_name_ok(const char *g)
+{
+    size_t n = strlen(g);
+
+    if (n < 1 || n > 64)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)g[i]) && !strchr("._-", g[i]))
+            return false;
+    return true;
+}
+
+/* Resident bytes of this process from /proc/self/status: total, anonymous, file-backed
+ * (mapped checkpoint pages).  -1 where unknown. */
+struct rss {
+    long total, anon, file;
+};
+
+static void rss_read(struct rss *r)
+{
+    char line[256];
+    long kb;
+    FILE *f = fopen("/proc/self/status", "r");
+
+    r->total = r->anon = r->file = -1;
+    if (!f)
+        return;
+    while (fgets(line, sizeof(line), f)) {
+        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+            r->total = kb * 1024;
+        else if (sscanf(line, "RssAnon: %ld kB", &kb) == 1)
+            r->anon = kb * 1024;
+        else if (sscanf(line, "RssFile: %ld kB", &kb) == 1)
+            r->file = kb * 1024;
+    }
+    fclose(f);
+}
+
+static int parse_id_list(const char *s, int vocab, int32_t **ret, int *ret_n)
+{
+    int n = 1, i = 0;
+    int32_t *ids;
+
+    while (*s == ' ')
+        s++;
+    if (!*s)
+        return -EINVAL;
+    for (const char *p = s; *p; p++)
+        n += *p == ',';
+    ids = malloc(sizeof(*ids) * (size_t)n);
+    if (!ids)
+        return -ENOMEM;
+    for (const char *p = s; i < n; i++) {
+        char *end;
+        long v;
+
+        errno = 0;
+        v = strtol(p, &end, 10);
+        if (errno || end == p || (*end && *end != ',' && *end != '\n') || v < 0 ||
+            (vocab > 0 && v >= vocab)) {
+            free(ids);
+            return -EINVAL;
+        }
+        p = *end == ',' ? end + 1 : end;
+        ids[i] = (int32_t)v;
+    }
+    *ret = ids;
+    *ret_n = n;
+    return 0;
+}
+
+struct worker {
+    const struct worker_opts *o;
+    struct comm *comm;
+    struct worker_ctl *ctl;
+    struct backend *be;
+    struct ckpt *ck;
+    struct forward *fwd;        /* model or mock */
+    struct forward *lock;       /* rank 0 with world > 1: the broadcasting wrapper */
+    struct step_plan_limits lim;
+    size_t plan_cap;
+    int vocab, n_mtp, logit_rows;
+    int32_t eos[ENGINE_MAX_EOS];
+    int n_eos, sliding_window;
+    const struct model_config *mc;      /* NULL with --mock */
+};
+
+static void limits_init(struct worker *w)
+{
+    const struct worker_opts *o = w->o;
+    int per_seq = (o->max_model_len + 3 + o->block_size - 1) / o->block_size + 1;
+
+    w->lim = (struct step_plan_limits){
+        .max_seqs = o->max_seqs,
+        .max_tokens = o->max_batched_tokens,
+        .vocab_size = w->vocab,
+        .max_blocks = { w->fwd->n_blocks[0], w->fwd->n_blocks[1] },
+        .max_positions = o->max_model_len + 4,
+        .max_block_ids = o->max_seqs * per_seq,
+        .block_size = o->block_size,
+        .max_mtp_depth = w->n_mtp > 0 ? w->n_mtp : 0,
+    };
+    w->plan_cap = step_plan_max_packed_size(&w->lim);
+}
+
+/* ---- set-up stages ----------------------------------------------------------------- */
+
+static int stage_comm(struct worker *w, struct err_buf *e)
+{
+    const struct worker_opts *o = w->o;
+    struct worker_peers peers = { 0 };
+    const void *addr = NULL;
+    size_t alen = 0;
+    uint64_t t0 = now_msec();
+    int r;
+
+    if (o->world_size == 1 && !o->coordinator)
+        return comm_single_new(&w->comm) < 0 ? err_set(e, -ENOMEM, "out of memory") : 0;
+#ifdef HAVE_UCX
+    if (o->world_size > 1) {
+        r = comm_ucx_new(o->rank, o->world_size, o->collective_timeout_msec, &w->comm);
+        if (r < 0)
+            return err_set(e, r, "cannot create the UCX worker: %s", err_str(r));
+        comm_ucx_address(w->comm, &addr, &alen);
+    }
+#else
+    if (o->world_size > 1)
+        return err_set(e, -EOPNOTSUPP, "world size %d needs UCX, which this build lacks",
+                       o->world_size);
+#endif
+    if (o->world_size == 1) {
+        r = comm_single_new(&w->comm);
+        if (r < 0)
+            return err_set(e, r, "out of memory");
+    }
+    if (o->coordinator) {
+        struct worker_ctl_register reg = {
+            .group = o->group, .rank = o->rank, .world_size = o->world_size, .device = o->device,
+            .peer_address = addr, .peer_address_len = alen,
+            .engine_address = o->rank == 0 ? o->engine_listen : NULL,
+            .control_key = o->control_key,
+        };
+
+        r = worker_ctl_open(o->coordinator, &reg, o->rendezvous_timeout_msec, &w->ctl, &peers, e);
+    } else {
+        r = worker_rendezvous_dir(o->rendezvous_dir, o->group, o->rank, o->world_size, addr, alen,
+                                  o->rendezvous_timeout_msec, &peers, e);
+    }
+    if (r < 0)
+        return r;
+    if (o->world_size > 1) {
+        if (peers.world_size != o->world_size) {
+            r = err_set(e, -EBADMSG, "rendezvous: %d peers for a world of %d", peers.world_size,
+                        o->world_size);
+            goto out;
+        }
+        r = comm_ucx_connect(w->comm, (const void *const *)peers.addr, peers.len);
+        if (r < 0) {
+            r = err_set(e, r, "connecting the group: %s", comm_last_error(w->comm));
+            goto out;
+        }
+    }
+    if (o->rendezvous_dir)
+        worker_rendezvous_dir_clean(o->rendezvous_dir, o->group, o->rank);
+    log_info("group %s: %d rank%s connected over %s in %llu ms", o->group, o->world_size,
+             o->world_size > 1 ? "s" : "", w->comm->ops->name,
+             (unsigned long long)(now_msec() - t0));
+out:
+    worker_peers_done(&peers);
+    return r;
+}
+
+static int stage_load(struct worker *w, struct err_buf *e)
+{
+    const struct worker_opts *o = w->o;
+    int n_blocks = o->kv_blocks;
+    int r;
+
+    if (n_blocks <= 0)
+        n_blocks = o->max_seqs * ((o->max_model_len + 3 + o->block_size - 1) / o->block_size + 1);
+    w->logit_rows = o->max_batched_tokens;
+    if (o->mock) {
+        struct mock_config mc;
+
+        mock_config_init(&mc);
+        mc.n_mtp = o->mtp;
+        mc.max_tokens_per_step = o->max_batched_tokens;
+        mc.max_seqs = o->max_seqs;
+        mc.block_size = o->block_size;
+        mc.n_blocks[0] = mc.n_blocks[1] = n_blocks;
+        r = mock_forward_new(&mc, &w->fwd);
+        if (r < 0)
+            return err_set(e, r, "mock forward: %s", err_str(r));
+        w->vocab = w->fwd->vocab_size;
+        w->n_mtp = o->mtp;
+        w->eos[0] = 1;
+        w->n_eos = 0;
+        return 0;
+    }
+    struct ckpt_opts co = { .mtp_dir = o->mtp_dir, .world_size = o->world_size, .rank = o->rank,
+                            .mtp_depth = o->rank == 0 ? o->mtp : 0 };
+    r = ckpt_open(o->model_dir, &co, &w->ck, e);
+    if (r < 0)
+        return r;
+    const struct model_config *mc = ckpt_config(w->ck);
+    w->mc = mc;
+    w->vocab = mc->vocab_size;
+    w->n_mtp = o->rank == 0 ? ckpt_mtp_depth(w->ck) : 0;
+    if (o->rank == 0 && o->mtp > w->n_mtp)
+        log_warn("--mtp %d requested but only %d MTP layers are available: speculating %d",
+                 o->mtp, w->n_mtp, w->n_mtp);
+    w->sliding_window = mc->sliding_window;
+    for (int i = 0; i < mc->n_eos && w->n_eos < ENGINE_MAX_EOS; i++)
+        w->eos[w->n_eos++] = mc->eos_token_ids[i];
+
+    struct backend_cfg bc = { .n_threads = o->threads, .mxfp4_exact = o->exact };
+    const char *bname = "cpu";
+    if (strncmp(o->device, "cuda:", 5) == 0) {
+        bname = "cuda";
+        bc.device = atoi(o->device + 5);
+    }
+    r = backend_new(bname, &bc, &w->be);
+    if (r < 0)
+        return err_set(e, r, "backend %s (%s): %s", bname, o->device, err_str(r));
+    struct model_comm hooks = { .ctx = w->comm, .rank = o->rank, .world = o->world_size,
+                                .allreduce_sum = hook_allreduce, .allgather = hook_allgather };
+    struct model_opts mo = {
+        .max_tokens_per_step = o->max_batched_tokens, .max_seqs = o->max_seqs,
+        .max_logit_rows = w->logit_rows, .block_size = o->block_size,
+        .n_blocks = { n_blocks, n_blocks }, .max_seq_len = o->max_model_len + 4,
+    };
+    r = model_forward_new(w->ck, w->be, &hooks, &mo, &w->fwd, e);
+    if (r < 0)
+        return r;
+    return 0;
+}
+
+static void report_memory(struct worker *w, const struct rss *before)
+{
+    struct ckpt_plan_stats ps = { 0 };
+    struct rss now;
+    char line[640];
+    int fd;
+
+    rss_read(&now);
+    if (w->ck)
+        ckpt_plan_stats(w->ck, &ps);
+    snprintf(line, sizeof(line),
+             "{\"group\":\"%s\",\"rank\":%d,\"world_size\":%d,\"planned_bytes\":%lld,"
+             "\"tensors\":%lld,\"experts\":[%d,%d],\"rss_bytes\":%ld,\"rss_anon_bytes\":%ld,"
+             "\"rss_file_bytes\":%ld,\"rss_before_load_bytes\":%ld}\n",
+             w->o->group, w->o->rank, w->o->world_size, (long long)ps.bytes,
+             (long long)ps.n_tensors, ps.expert_first, ps.expert_count, now.total, now.anon,
+             now.file, before->total);
+    log_info("loaded: %lld planned bytes in %lld tensors, experts [%d, +%d); resident %ld bytes "
+             "(%ld anonymous, %ld file-backed; %ld before loading)",
+             (long long)ps.bytes, (long long)ps.n_tensors, ps.expert_first, ps.expert_count,
+             now.total, now.anon, now.file, before->total);
+    if (!w->o->report_file)
+        return;
+    fd = open(w->o->report_file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        if (write(fd, line, strlen(line)) < 0)
+            log_warn("%s: %s", w->o->report_file, strerror(errno));
+        close(fd);
+    }
+}
+
+/* ---- ranks 1..N-1 ------------------------------------------------------------------- */
+
+static int follower_loop(struct worker *w)
+{
+    struct step_plan_buf pb;
+    struct err_buf e = { "" };
+    void *scratch = malloc(w->plan_cap);
+    float *logits = calloc((size_t)w->logit_rows * (size_t)w->vocab, sizeof(float));
+    uint64_t steps = 0;
+    int kind, r, rc = WORKER_EXIT_OK;
+
+    step_plan_buf_init(&pb);
+    if (!scratch || !logits) {
+        log_error("out of memory for the plan buffer");
+        rc = WORKER_EXIT_FAILURE;
+        goto out;
+    }
+    for (;;) {
+        /* wait without a deadline between steps: an idle group is not a failure; a dead
+         * rank 0 is still detected by the peer error handler */
+        int saved = w->comm->timeout_msec;
+
+        w->comm->timeout_msec = 0;
+        r = comm_plan_recv(w->comm, scratch, w->plan_cap, &w->lim, &pb, &kind, &e);
+        w->comm->timeout_msec = saved;
+        if (r < 0) {
+            log_error("after %llu steps: %s", (unsigned long long)steps, e.msg);
+            rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+            comm_abort(w->comm);
+            goto out;
+        }
+        if (kind == PLAN_MSG_STOP) {
+            log_info("stop after %llu steps", (unsigned long long)steps);
+            comm_barrier(w->comm);
+            break;
+        }
+        r = w->fwd->ops->step(w->fwd, &pb.plan, logits);
+        if (r < 0) {
+            log_error("step %llu failed: %s", (unsigned long long)pb.plan.step_id,
+                      w->comm->error ? comm_last_error(w->comm) : err_str(r));
+            rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+            comm_abort(w->comm);
+            goto out;
+        }
+        steps++;
+    }
+out:
+    step_plan_buf_done(&pb);
+    free(scratch);
+    free(logits);
+    return rc;
+}
+
+/* ---- rank 0 drivers ----------------------------------------------------------------- */
+
+struct gen_req {
+    int32_t *out;
+    int n_out, cap;
+    bool finished;
+    enum engine_finish finish;
+    char message[256];
+};
+
+static void gen_cb(void *ud, const struct engine_output *out)
+{
+    struct gen_req *g = ud;
+
+    if (out->n_tokens > 0) {
+        if (g->n_out + out->n_tokens > g->cap) {
+            int cap = (g->n_out + out->n_tokens) * 2;
+            int32_t *p = realloc(g->out, sizeof(int32_t) * (size_t)cap);
+
+            if (!p)
+                return;
+            g->out = p;
+            g->cap = cap;
+        }
+        memcpy(g->out + g->n_out, out->tokens, sizeof(int32_t) * (size_t)out->n_tokens);
+        g->n_out += out->n_tokens;
+    }
+    if (out->finished) {
+        g->finished = true;
+        g->finish = out->finish;
+        snprintf(g->message, sizeof(g->message), "%s", out->message ? out->message : "");
+    }
+}
+
+static int step_delay_hook(void *ctx, const struct step_plan *p)
+{
+    const struct worker_opts *o = ctx;
+    struct timespec ts = { o->step_delay_msec / 1000, (long)(o->step_delay_msec % 1000) * 1000000L };
+
+    if (p)
+        nanosleep(&ts, NULL);
+    return 0;
+}
+
+static int run_generate(struct worker *w, struct forward *f)
+{
+    const struct worker_opts *o = w->o;
+    struct engine_config cfg;
+    struct engine *eng = NULL;
+    struct err_buf e = { "" };
+    struct gen_req *reqs = NULL;
+    char line[65536];
+    int n_req = 0, r, rc = WORKER_EXIT_OK;
+    FILE *in = fopen(o->generate_file, "r"), *out = stdout;
+
+    if (!in) {
+        log_error("--generate %s: %s", o->generate_file, strerror(errno));
+        return WORKER_EXIT_USAGE;
+    }
+    engine_config_init(&cfg);
+    cfg.max_num_batched_tokens = o->max_batched_tokens;
+    cfg.max_num_seqs = o->max_seqs;
+    cfg.max_model_len = o->max_model_len;
+    cfg.sliding_window = w->sliding_window;
+    cfg.num_speculative_tokens = o->mtp < w->n_mtp ? o->mtp : w->n_mtp;
+    memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
+    cfg.n_eos = w->n_eos;
+    if (o->step_delay_msec > 0) {
+        cfg.on_plan = step_delay_hook;
+        cfg.on_plan_ctx = (void *)o;
+    }
+    r = engine_new(f, &cfg, &eng, &e);
+    if (r < 0) {
+        log_error("engine: %s", e.msg);
+        rc = WORKER_EXIT_FAILURE;
+        goto out;
+    }
+    /* read every prompt first so that reqs[] never moves once callbacks hold it */
+    int32_t **prompts = NULL;
+    int *lens = NULL;
+    while (fgets(line, sizeof(line), in)) {
+        int32_t *ids, **pp;
+        int n, *ll;
+
+        if (line[0] == '\n' || line[0] == '#')
+            continue;
+        if (parse_id_list(line, w->vocab, &ids, &n) < 0) {
+            log_error("--generate %s: request %d: not a list of token ids below %d",
+                      o->generate_file, n_req, w->vocab);
+            rc = WORKER_EXIT_USAGE;
+            goto out_prompts;
+        }
+        pp = realloc(prompts, sizeof(*pp) * (size_t)(n_req + 1));
+        ll = realloc(lens, sizeof(*ll) * (size_t)(n_req + 1));
+        if (pp)
+            prompts = pp;
+        if (ll)
+            lens = ll;
+        if (!pp || !ll) {
+            free(ids);
+            rc = WORKER_EXIT_FAILURE;
+            goto out_prompts;
+        }
+        prompts[n_req] = ids;
+        lens[n_req++] = n;
+    }
+    reqs = calloc((size_t)n_req + 1, sizeof(*reqs));
+    if (!reqs) {
+        rc = WORKER_EXIT_FAILURE;
+        goto out_prompts;
+    }
+    for (int i = 0; i < n_req; i++) {
+        struct engine_request rq;
+        char id[32];
+
+        engine_request_init(&rq);
+        snprintf(id, sizeof(id), "req-%d", i);
+        rq.id = id;
+        rq.prompt = prompts[i];
+        rq.n_prompt = lens[i];
+        rq.max_tokens = o->max_tokens;
+        rq.ignore_eos = true;
+        rq.num_speculative_tokens = cfg.num_speculative_tokens;
+        r = engine_submit(eng, &rq, gen_cb, &reqs[i], &e);
+        if (r < 0) {
+            log_error("request %d: %s", i, e.msg);
+            rc = WORKER_EXIT_FAILURE;
+            goto out_prompts;
+        }
+    }
+    for (int i = 0; i < n_req; i++)
+        free(prompts[i]);
+    free(prompts);
+    free(lens);
+    prompts = NULL;
+    lens = NULL;
+    r = engine_run_until_idle(eng);
+    if (r < 0)
+        log_error("generation failed: %s", w->comm->error ? comm_last_error(w->comm) : err_str(r));
+    if (o->output_file) {
+        out = fopen(o->output_file, "w");
+        if (!out) {
+            log_error("%s: %s", o->output_file, strerror(errno));
+            out = stdout;
+        }
+    }
+    for (int i = 0; i < n_req; i++) {
+        struct gen_req *g = &reqs[i];
+
+        fprintf(out, "%d finish=%s n=%d ids=", i,
+                g->finished ? engine_finish_name(g->finish) : "unfinished", g->n_out);
+        for (int k = 0; k < g->n_out; k++)
+            fprintf(out, "%s%d", k ? "," : "", g->out[k]);
+        if (g->message[0])
+            fprintf(out, " message=\"%s\"", g->message);
+        fputc('\n', out);
+        if (!g->finished || g->finish == ENGINE_FINISH_ERROR)
+            rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+    }
+    if (out != stdout)
+        fclose(out);
+    else
+        fflush(out);
+    if (r < 0 && rc == WORKER_EXIT_OK)
+        rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+out_prompts:
+    if (prompts) {
+        for (int i = 0; i < n_req; i++)
+            free(prompts[i]);
+        free(prompts);
+        free(lens);
+    }
+out:
+    engine_free(eng);
+    if (reqs)
+        for (int i = 0; i < n_req; i++)
+            free(reqs[i].out);
+    free(reqs);
+    fclose(in);
+    return rc;
+}
+
+/* One prefill step of a single sequence; every position's logits to a raw FP32 file. */
+static int run_dump_logits(struct worker *w, struct forward *f)
+{
+    const struct worker_opts *o = w->o;
+    int32_t *ids = NULL, *table = NULL;
+    float *logits = NULL;
+    int n = 0, nb, rc = WORKER_EXIT_FAILURE, r;
+    FILE *out;
+
+    if (parse_id_list(o->prompt_ids ? o->prompt_ids : "", w->vocab, &ids, &n) < 0) {
+        log_error("--prompt-ids: not a list of token ids below %d", w->vocab);
+        return WORKER_EXIT_USAGE;
+    }
+    if (n > w->logit_rows || n > o->max_model_len) {
+        log_error("--prompt-ids: %d tokens, more than --max-batched-tokens %d", n, w->logit_rows);
+        free(ids);
+        return WORKER_EXIT_USAGE;
+    }
+    nb = (n + o->block_size - 1) / o->block_size;
+    table = calloc((size_t)nb, sizeof(int32_t));
+    logits = calloc((size_t)n * (size_t)w->vocab, sizeof(float));
+    if (!table || !logits)
+        goto out;
+    for (int b = 0; b < nb; b++)
+        table[b] = b;
+    struct step_seq s = { .slot = 0, .pos0 = 0, .n_tokens = n, .n_logits = n, .tok_off = 0,
+                          .n_blocks = nb, .block_off = { 0, 0 } };
+    struct step_plan p = { .step_id = 1, .n_seqs = 1, .n_tokens = n, .seqs = &s, .tokens = ids,
+                           .n_block_ids = { nb, nb }, .blocks = { table, table } };
+    r = f->ops->step(f, &p, logits);
+    if (r < 0) {
+        log_error("prefill step failed: %s", w->comm->error ? comm_last_error(w->comm) : err_str(r));
+        rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+        goto out;
+    }
+    out = fopen(o->logits_file, "wb");
+    if (!out || fwrite(logits, sizeof(float), (size_t)n * (size_t)w->vocab, out) !=
+                    (size_t)n * (size_t)w->vocab) {
+        log_error("%s: cannot write", o->logits_file);
+        if (out)
+            fclose(out);
+        goto out;
+    }
+    fclose(out);
+    rc = WORKER_EXIT_OK;
+out:
+    free(ids);
+    free(table);
+    free(logits);
+    return rc;
+}
+
+/* Serve stepd.v1.Engine until the coordinator ends the session, the engine fails (a
+ * collective failed: exit 4) or SIGTERM/SIGINT. */
+static volatile sig_atomic_t stop_requested;
+
+static void on_stop_signal(int sig)
+{
+    stop_requested = 1;
+}
+
+static int run_serve(struct worker *w, struct forward *f)
+{
+    struct engine_config cfg;
+    struct engine *eng = NULL;
+    struct engine_rpc *rpc = NULL;
+    struct err_buf e = { "" };
+    struct engine_loads ld;
+    int r, port = 0, rc = WORKER_EXIT_OK;
+
+    engine_config_init(&cfg);
+    cfg.max_num_batched_tokens = w->o->max_batched_tokens;
+    cfg.max_num_seqs = w->o->max_seqs;
+    cfg.max_model_len = w->o->max_model_len;
+    cfg.sliding_window = w->sliding_window;
+    cfg.num_speculative_tokens = w->o->mtp < w->n_mtp ? w->o->mtp : w->n_mtp;
+    memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
+    cfg.n_eos = w->n_eos;
+    r = engine_new(f, &cfg, &eng, &e);
+    if (r < 0) {
+        log_error("engine: %s", e.msg);
+        return WORKER_EXIT_FAILURE;
+    }
+    r = engine_start(eng);
+    if (r < 0) {
+        engine_free(eng);
+        return WORKER_EXIT_FAILURE;
+    }
+    struct engine_rpc_opts ro = {
+        .addr = w->o->engine_listen, .group = w->o->group,
+        .model_name = w->o->model_dir ? w->o->model_dir : "mock",
+        .model_type = w->mc ? "step3p7" : "mock", .quantization = w->mc ? "mxfp4" : "",
+        .num_layers = w->mc ? w->mc->n_layers : 0, .hidden_size = w->mc ? w->mc->hidden_size : 0,
+        .num_experts = w->mc ? w->mc->n_experts : 0,
+        .num_experts_per_tok = w->mc ? w->mc->top_k : 0,
+    };
+    r = engine_rpc_start(eng, &ro, &rpc, &port, &e);
+    if (r < 0) {
+        log_error("engine service on %s: %s", w->o->engine_listen, e.msg);
+        if (w->ctl)
+            worker_ctl_report(w->ctl, 3, 0.0f, e.msg, 0);
+        engine_free(eng);
+        return WORKER_EXIT_FAILURE;
+    }
+    engine_get_loads(eng, &ld);
+    if (w->ctl)
+        worker_ctl_report(w->ctl, 2, 1.0f, "ready", ld.kv_blocks_total);
+    log_notice("rank 0 ready: stepd.v1.Engine on %s (port %d), %d KV blocks, group of %d",
+               w->o->engine_listen, port, ld.kv_blocks_total, w->o->world_size);
+    signal(SIGTERM, on_stop_signal);
+    signal(SIGINT, on_stop_signal);
+    while (!stop_requested) {
+        usleep(20 * 1000);
+        engine_get_loads(eng, &ld);
+        if (ld.last_error) {
+            log_error("engine stopped: %s", w->comm->error ? comm_last_error(w->comm)
+                                                           : err_str(ld.last_error));
+            rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+            break;
+        }
+        if (w->ctl && worker_ctl_poll(w->ctl, &e) > 0) {
+            log_notice("control session ended: %s", e.msg);
+            break;
+        }
+    }
+    engine_rpc_stop(rpc);
+    engine_free(eng);
+    return rc;
+}
+
+int worker_run(const struct worker_opts *o)
+{
+    struct worker w = { .o = o };
+    struct err_buf e = { "" };
+    int rc = WORKER_EXIT_FAILURE, r;
+
+    if (!group_name_ok(o->group)) {
+        log_error("--group '%s': 1 to 64 of [A-Za-z0-9._-]", o->group);
+        return WORKER_EXIT_USAGE;
+    }
+    if (o->world_size != 1 && o->world_size != 2 && o->world_size != 4 && o->world_size != 8) {
+        log_error("--world-size %d: must be 1, 2, 4 or 8", o->world_size);
+        return WORKER_EXIT_USAGE;
+    }
+    if (o->rank < 0 || o->rank >= o->world_size) {
+        log_error("--rank %d: must be in [0, %d)", o->rank, o->world_size);
+        return WORKER_EXIT_USAGE;
+    }
+    if (o->world_size > 1 && !o->coordinator && !o->rendezvous_dir) {
+        log_error("world size %d needs --coordinator ADDR or --rendezvous-dir DIR", o->world_size);
+        return WORKER_EXIT_USAGE;
+    }
+    if (!o->mock && !o->model_dir) {
+        log_error("--model DIR is required (or --mock)");
+        return WORKER_EXIT_USAGE;
+    }
+    if (o->mtp < 0 || o->mtp > 3) {
+        log_error("--mtp %d: must be 0..3", o->mtp);
+        return WORKER_EXIT_USAGE;
+    }
+    if (o->max_seqs < 1 || o->max_batched_tokens < 4 || o->max_model_len < 2 || o->block_size < 1) {
+        log_error("--max-seqs, --max-batched-tokens, --max-model-len or --block-size out of range");
+        return WORKER_EXIT_USAGE;
+    }
+
+    r = stage_comm(&w, &e);
+    if (r < 0) {
+        log_error("%s", e.msg);
+        rc = WORKER_EXIT_RENDEZVOUS;
+        goto out;
+    }
+    if (w.ctl)
+        worker_ctl_report(w.ctl, 1, 0.0f, "loading", 0);
+    struct rss before;
+    rss_read(&before);
+    r = stage_load(&w, &e);
+    if (r < 0) {
+        log_error("load: %s", e.msg);
+        if (w.ctl)
+            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, 0);
+        rc = WORKER_EXIT_FAILURE;
+        /* the others are waiting for us in the first collective: abort so they see a
+         * peer failure at once rather than their deadline */
+        comm_abort(w.comm);
+        goto out;
+    }
+    limits_init(&w);
+    report_memory(&w, &before);
+
+    if (o->rank > 0) {
+        if (w.ctl)
+            worker_ctl_report(w.ctl, 2, 1.0f, "ready", 0);
+        rc = follower_loop(&w);
+        goto out;
+    }
+    struct forward *f = w.fwd;
+    if (o->world_size > 1) {
+        r = worker_bcast_forward_new(w.fwd, w.comm, w.plan_cap, &w.lock);
+        if (r < 0) {
+            log_error("out of memory");
+            goto out;
+        }
+        f = w.lock;
+    }
+    if (o->logits_file)
+        rc = run_dump_logits(&w, f);
+    else if (o->generate_file)
+        rc = run_generate(&w, f);
+    else
+        rc = run_serve(&w, f);
+    if (o->world_size > 1 && !w.comm->error) {
+        void *buf = malloc(w.plan_cap);
+
+        if (buf && comm_plan_send_stop(w.comm, buf, w.plan_cap) == 0)
+            comm_barrier(w.comm);
+        free(buf);
+    }
+out:
+    if (w.comm && w.comm->error && rc == WORKER_EXIT_OK)
+        rc = WORKER_EXIT_COMM;
+    if (w.lock)
+        w.lock->ops->free(w.lock);
+    if (w.fwd)
+        w.fwd->ops->free(w.fwd);
+    ckpt_close(w.ck);
+    if (w.be)
+        backend_free(w.be);
+    comm_free(w.comm);
+    worker_ctl_free(w.ctl);
+    return rc;
+}

@@ -1,0 +1,122 @@
+/* worker.h - the stepd-worker process: one rank of a worker group (ARCHITECTURE.md §1).
+ *
+ * Life of a rank:
+ *   1. rendezvous: create this rank's UCX worker, publish its address and collect every
+ *      rank's address, either through the coordinator's control service
+ *      (--coordinator, stepd.ctl.v1.Control/Session, worker/ctl.c) or through a shared
+ *      directory (--rendezvous-dir: one file per rank, for single-host tests and
+ *      network-namespace "nodes" that share a file system).  A rank that never joins
+ *      ends the rendezvous after --rendezvous-timeout with an error naming it;
+ *   2. connect the communicator (struct comm; world size 1: the single comm);
+ *   3. load this rank's shard (ckpt_open with world size and rank) and build the model
+ *      with the comm as its collective hooks (or the mock forward with --mock);
+ *   4. rank 0 runs the engine over a forward that broadcasts every step plan to ranks
+ *      1..N-1 before computing it; ranks 1..N-1 receive plans and run the same forward
+ *      step in lockstep until a STOP message or an error.
+ * Any comm failure (dead peer, collective deadline) aborts the communicator; rank 0's
+ * in-flight requests finish with an error and every rank exits non-zero (WORKER_EXIT_*)
+ * so that supervision restarts it and the group re-forms.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "err.h"
+#include "forward.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum worker_exit {
+    WORKER_EXIT_OK = 0,
+    WORKER_EXIT_FAILURE = 1,        /* start-up or internal error */
+    WORKER_EXIT_USAGE = 2,
+    WORKER_EXIT_RENDEZVOUS = 3,     /* rendezvous failed or timed out */
+    WORKER_EXIT_COMM = 4,           /* collective failed: peer gone or deadline */
+};
+
+struct worker_opts {
+    const char *coordinator;        /* control service address (host:port or unix:path) */
+    const char *rendezvous_dir;     /* file rendezvous instead of the coordinator */
+    const char *group;              /* [A-Za-z0-9._-]{1,64} */
+    int rank, world_size;
+    const char *device;             /* "cpu" or "cuda:N" */
+    const char *model_dir, *mtp_dir;
+    int threads;
+    bool exact;                     /* exact MXFP4 path on CPU */
+    bool mock;                      /* mock forward (no weights) */
+    int mtp;                        /* speculative tokens K (0..3) */
+    int max_seqs, max_batched_tokens, max_model_len, kv_blocks, block_size;
+    int rendezvous_timeout_msec;
+    int collective_timeout_msec;
+    /* rank 0 offline drivers (tests, benchmarks): */
+    const char *generate_file;      /* one request per line: comma-separated prompt ids */
+    int max_tokens;                 /* per request, --generate */
+    const char *output_file;        /* where --generate writes "i: ids" lines (default stdout) */
+    const char *logits_file;        /* --dump-logits: one prefill step, all positions' logits */
+    const char *prompt_ids;         /* prompt of --dump-logits */
+    int step_delay_msec;            /* rank 0: sleep before each step (fault tests) */
+    const char *report_file;        /* per-rank JSON line: rank, planned bytes, RSS */
+    const char *engine_listen;      /* rank 0: where stepd.v1.Engine listens (registered) */
+    const char *control_key;        /* bearer key for the control service, or NULL */
+};
+
+void worker_opts_init(struct worker_opts *o);
+/* Run the rank; returns the process exit code (enum worker_exit). */
+int worker_run(const struct worker_opts *o);
+
+/* ---- rendezvous ------------------------------------------------------------------- */
+/* The result of a rendezvous: every rank's peer address (owned). */
+struct worker_peers {
+    int world_size;
+    void *addr[256];
+    size_t len[256];
+    uint64_t epoch;
+};
+void worker_peers_done(struct worker_peers *p);
+
+/* File rendezvous in dir: write this rank's address as "<group>.rank-<R>", wait until
+ * every rank's file exists or timeout_msec passes (-ETIMEDOUT; e names the missing
+ * ranks).  Addresses are untrusted bytes: size-capped, and validated by the comm. */
+int worker_rendezvous_dir(const char *dir, const char *group, int rank, int world_size,
+                          const void *addr, size_t len, int timeout_msec,
+                          struct worker_peers *ret, struct err_buf *e);
+/* Remove this rank's file (after the comm is connected). */
+void worker_rendezvous_dir_clean(const char *dir, const char *group, int rank);
+
+/* ---- control-service client (ctl.c) -------------------------------------------------- */
+struct worker_ctl;
+struct worker_ctl_register {
+    const char *group;
+    int rank, world_size;
+    const char *device;
+    const void *peer_address;
+    size_t peer_address_len;
+    const char *engine_address;     /* rank 0 */
+    const char *control_key;        /* sent as "authorization: Bearer KEY", or NULL */
+};
+/* Dial the coordinator, open the Session stream and wait (timeout_msec) for the
+ * Rendezvous event of the group.  On timeout the error names the deadline; the
+ * coordinator knows which ranks are missing and says so in a GroupAbort if it sends one. */
+int worker_ctl_open(const char *target, const struct worker_ctl_register *reg, int timeout_msec,
+                    struct worker_ctl **ret, struct worker_peers *peers, struct err_buf *e);
+/* ReportState(LOADING/READY/FAILED). state: 1 loading, 2 ready, 3 failed. */
+int worker_ctl_report(struct worker_ctl *c, int state, float progress, const char *message,
+                      int kv_blocks_total);
+/* Non-blocking: 1 when the session has ended (coordinator gone, GroupAbort, Shutdown),
+ * with the reason in e; 0 while it is alive. */
+int worker_ctl_poll(struct worker_ctl *c, struct err_buf *e);
+void worker_ctl_free(struct worker_ctl *c);
+
+/* ---- lockstep forward -------------------------------------------------------------- */
+/* Wrap inner (borrowed) so that every step() first broadcasts its plan over c (rank 0).
+ * mtp_step is rank 0 only and passes through.  free() frees the wrapper only. */
+int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_cap,
+                             struct forward **ret);
+
+#ifdef __cplusplus
+}
+#endif

@@ -37,7 +37,7 @@ void err_prefix(struct err_buf *e, const char *fmt, ...)
     vsnprintf(pre, sizeof(pre), fmt, ap);
     va_end(ap);
     memcpy(old, e->msg, sizeof(old));
-    snprintf(e->msg, sizeof(e->msg), "%s: %s", pre, old);
+    snprintf(e->msg, sizeof(e->msg), "%.500s: %.1000s", pre, old);
 }
 
 void err__assert_fail(const char *expr, const char *file, int line, const char *func)

@@ -18,6 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
 #include "json.h"
 
 #define CONFIG_FILE_MAX (16u << 20)
@@ -163,6 +166,116 @@ static int parse_eos(struct cfg_ctx *x, struct model_config *c)
     return 0;
 }
 
+/* compressed-tensors module matching: "re:<regex>" is matched from the start of the
+ * module name (Python re.match), anything else is an exact module name or the
+ * class name "Linear" (every linear module).  Returns 1 match, 0 no, <0 bad regex. */
+static int ct_match(const char *pat, const char *module, const char *where, struct err_buf *e)
+{
+    pcre2_code *re;
+    pcre2_match_data *md;
+    PCRE2_SIZE off;
+    int code, rc;
+
+    if (strncmp(pat, "re:", 3) != 0)
+        return strcmp(pat, "Linear") == 0 || strcmp(pat, module) == 0;
+    re = pcre2_compile((PCRE2_SPTR) pat + 3, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED, &code, &off, NULL);
+    if (!re) {
+        PCRE2_UCHAR msg[120];
+        pcre2_get_error_message(code, msg, sizeof(msg));
+        return err_set(e, -EINVAL, "%s: '%.80s': bad regex at %zu: %s", where, pat, (size_t) off, (char *) msg);
+    }
+    md = pcre2_match_data_create_from_pattern(re, NULL);
+    if (!md) {
+        pcre2_code_free(re);
+        return err_set(e, -ENOMEM, "%s: out of memory", where);
+    }
+    rc = pcre2_match(re, (PCRE2_SPTR) module, PCRE2_ZERO_TERMINATED, 0, 0, md, NULL);
+    pcre2_match_data_free(md);
+    pcre2_code_free(re);
+    if (rc >= 0)
+        return 1;
+    if (rc == PCRE2_ERROR_NOMATCH)
+        return 0;
+    return err_set(e, -EINVAL, "%s: '%.80s': regex match failed (%d)", where, pat, rc);
+}
+
+/* 1 if any string in arr matches module */
+static int ct_any(const json_t *arr, const char *module, const char *where, struct err_buf *e)
+{
+    for (size_t i = 0; arr && i < json_array_size(arr); i++) {
+        const json_t *it = json_array_get(arr, i);
+        int r;
+        if (!json_is_string(it))
+            return err_set(e, -EINVAL, "%s[%zu]: expected a string, got %s", where, i, json_type_describe(it));
+        r = ct_match(json_string_value(it), module, where, e);
+        if (r != 0)
+            return r;
+    }
+    return 0;
+}
+
+/* The engine runs MXFP4 for routed experts only: the groups must target the
+ * experts and leave every dense linear alone (through ignore or by not matching). */
+static int check_quant_targets(const json_t *q, const json_t *groups, struct err_buf *e)
+{
+    static const char *const dense[] = {
+        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+        "model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.g_proj", "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj", "model.layers.3.moe.gate",
+        "model.layers.3.share_expert.gate_proj", "model.layers.3.share_expert.up_proj",
+        "model.layers.3.share_expert.down_proj", "model.layers.45.eh_proj",
+        "model.layers.45.transformer.shared_head.output", "lm_head", "model.embed_tokens",
+    };
+    static const char *const experts[] = {
+        "model.layers.3.moe.experts.0.gate_proj", "model.layers.3.moe.experts.0.up_proj",
+        "model.layers.3.moe.experts.0.down_proj",
+    };
+    const json_t *ignore = json_object_get(q, "ignore");
+    const char *k;
+    json_t *g;
+    int r;
+
+    if (ignore && !json_is_array(ignore))
+        return err_set(e, -EINVAL, "quantization_config.ignore: expected an array, got %s", json_type_describe(ignore));
+    for (size_t i = 0; i < ARRAY_SIZE(experts); i++) {
+        bool hit = false;
+        json_object_foreach((json_t *) groups, k, g) {
+            char where[160];
+            snprintf(where, sizeof(where), "quantization_config.config_groups.%.64s.targets", k);
+            r = ct_any(json_object_get(g, "targets"), experts[i], where, e);
+            if (r < 0)
+                return r;
+            hit |= r == 1;
+        }
+        r = ct_any(ignore, experts[i], "quantization_config.ignore", e);
+        if (r < 0)
+            return r;
+        if (!hit || r == 1)
+            return err_set(e, -ENOTSUP,
+                           "quantization_config: routed expert module '%s' is not MXFP4 (no group targets it, or ignore excludes it); only MXFP4 experts are supported",
+                           experts[i]);
+    }
+    for (size_t i = 0; i < ARRAY_SIZE(dense); i++) {
+        json_object_foreach((json_t *) groups, k, g) {
+            char where[160];
+            snprintf(where, sizeof(where), "quantization_config.config_groups.%.64s.targets", k);
+            r = ct_any(json_object_get(g, "targets"), dense[i], where, e);
+            if (r < 0)
+                return r;
+            if (r == 1) {
+                r = ct_any(ignore, dense[i], "quantization_config.ignore", e);
+                if (r < 0)
+                    return r;
+                if (r == 0)
+                    return err_set(e, -ENOTSUP,
+                                   "quantization_config.config_groups.%.64s: targets the dense module '%s' and ignore does not exclude it; only routed experts may be MXFP4",
+                                   k, dense[i]);
+            }
+        }
+    }
+    return 0;
+}
+
 static int parse_quant(const json_t *q, struct model_config *c, struct err_buf *e)
 {
     const char *method = NULL, *k;
@@ -235,6 +348,9 @@ static int parse_quant(const json_t *q, struct model_config *c, struct err_buf *
                            "%s: num_bits %d, type '%.16s', group_size %d%s%s is not supported (only MXFP4: num_bits 4, type float, group_size 32)",
                            wp, bits, type, gs, strategy ? ", strategy " : "", strategy ? strategy : "");
     }
+    r = check_quant_targets(q, groups, e);
+    if (r < 0)
+        return r;
     c->quant = QUANT_MXFP4;
     c->quant_group_size = 32;
     return 0;

@@ -310,8 +310,8 @@ static int build_expected(struct ckpt *c)
 
     ADD("model.embed_tokens.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_NONE);
     ADD("model.norm.weight", DTYPE_BF16, 1, m->hidden_size, 0, -1, -1, SLICE_NONE);
-    if (!m->tie_word_embeddings)
-        ADD("lm_head.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_ROWS);
+    /* tied: lm_head.weight is served from the embedding (see plan()) */
+    ADD("lm_head.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_ROWS);
     for (int l = 0; l < m->n_layers_total; l++) {
         r = build_layer(c, l);
         if (r < 0)
@@ -567,7 +567,6 @@ static int check_divisible(struct ckpt *c, struct sbuf *probs)
 
 static void slice_plan(struct ckpt *c, struct pent *p)
 {
-    const struct layer_config *L = p->layer >= 0 ? &c->cfg.layers[p->layer] : NULL;
     int N = c->opts.world_size, r = c->opts.rank;
     int64_t full;
 
@@ -580,7 +579,6 @@ static void slice_plan(struct ckpt *c, struct pent *p)
     full = p->slice == SLICE_ROWS ? p->shape[0] : p->shape[1];
     /* q/k/v/g rows and o columns split by heads (a whole number of heads per rank,
      * guaranteed by check_divisible); MLP rows/cols and lm_head rows split evenly */
-    (void) L;
     p->len = full / N;
     p->off = p->len * r;
 }
@@ -629,6 +627,15 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
         if (p->src >= 0)
             c->srcs[p->src].matched = true;
     }
+    if (m->tie_word_embeddings) {
+        /* tie_word_embeddings: lm_head.weight names the embedding (its vocab rows
+         * on this rank); a stored lm_head.weight would be ignored, so say so */
+        struct pent *lm = &c->ents[2], *emb = &c->ents[0];
+        BUG_ON(strcmp(lm->name, "lm_head.weight") != 0 || strcmp(emb->name, "model.embed_tokens.weight") != 0);
+        if (lm->src >= 0)
+            sbuf_add(&c->warnings, "tie_word_embeddings is true: the stored lm_head.weight is ignored (the embedding is used)");
+        lm->src = emb->src;
+    }
 
     /* MTP: requested but entirely absent -> warning and K = 0 */
     for (size_t i = 0; i < c->n_ents; i++) {
@@ -666,8 +673,9 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
             continue;
         slice_plan(c, p);
         if (p->src < 0) {
-            sbuf_add(probs, "missing: %s (%s %s)", p->name, dtype_name(p->dtype),
-                     (format_shape(want, sizeof(want), p->ndim, p->shape), want));
+            format_shape(want, sizeof(want), p->ndim, p->shape);
+            sbuf_add(probs, "missing: %s (%s %s): in no shard of %s", p->name, dtype_name(p->dtype), want,
+                     p->layer >= m->n_layers && c->mtp_dir ? c->mtp_dir : c->dir);
             *first_err = *first_err ? *first_err : -ENOENT;
             continue;
         }
@@ -730,10 +738,9 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
                 p->optional = true;
                 p->needed = true;
                 p->src = (int) i;
-                /* the stored shape is authoritative (scalar [] or [1] or [kv]) */
-                p->ndim = t->ndim;
-                if (t->ndim >= 1)
-                    p->shape[0] = t->shape[0];
+                /* planned as flat values: scalar [] stays rank 0, anything else [numel] */
+                p->ndim = t->ndim ? 1 : 0;
+                p->shape[0] = numel;
                 slice_plan(c, p);
                 if (p->ndim == 0)
                     p->slice = SLICE_NONE;
@@ -829,6 +836,12 @@ int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, 
         r = open_dir(c, c->mtp_dir, true, &probs, &first_err);
         if (r < 0)
             goto oom;
+    }
+    /* a broken shard or index makes every tensor it holds "missing": report the
+     * structural problems alone */
+    if (probs.n_lines) {
+        r = first_err ? first_err : -EINVAL;
+        goto report;
     }
     r = build_sources(c, &probs, &first_err);
     if (r < 0)
@@ -957,6 +970,11 @@ int ckpt_get(struct ckpt *c, const char *name, struct tview *ret)
         return -ENODATA;
     s = &c->srcs[p->src];
     sft_file_view(c->shards[s->shard].f, s->t, &full);
+    if (p->optional && full.ndim > 1) {
+        /* an optional parameter of any shape is read as its flat values */
+        full.shape[0] = tview_numel(&full);
+        full.ndim = 1;
+    }
     *ret = full;
     if (p->slice == SLICE_NONE)
         return 0;

@@ -9,7 +9,8 @@
  * applies to trunk and MTP layers alike.  Unknown extra tensors: warnings.
  *
  * Names handed to ckpt_get() are canonical "model.layers.N..." spellings; files that
- * use "model.language_model.layers.N..." are mapped on open.
+ * use "model.language_model.layers.N..." are mapped on open.  With
+ * tie_word_embeddings, "lm_head.weight" is served from model.embed_tokens.weight.
  *
  * Sharding (ARCHITECTURE.md §2) is decided here: ckpt_get() returns the RANK'S SLICE
  * of a tensor (rows of q/k/v/g/gate/up, columns of o_proj/down, the vocab rows of
@@ -50,7 +51,8 @@ int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, 
 void ckpt_close(struct ckpt *c);
 
 const struct model_config *ckpt_config(const struct ckpt *c);
-/* MTP depth actually planned: 0 when MTP was requested but its layers are absent. */
+/* MTP depth actually planned: 0 when MTP was requested but its layers are absent.
+ * The same on every rank (the decision is group-wide); only rank 0 holds MTP tensors. */
 int ckpt_mtp_depth(const struct ckpt *c);
 /* Newline-separated warnings ("" if none). */
 const char *ckpt_warnings(const struct ckpt *c);

@@ -1188,7 +1188,8 @@ int sft_index_parse(const char *text, size_t len, const char *fname, struct sft_
         r = err_set(e, -ENOENT, "%s: weight_map: required field is missing", fname);
         goto out;
     }
-    qsort(pairs, n, sizeof(*pairs), cmp_pair);
+    if (n)
+        qsort(pairs, n, sizeof(*pairs), cmp_pair);
     for (size_t i = 1; i < n; i++)
         if (strcmp(pairs[i - 1].name, pairs[i].name) == 0) {
             r = err_set(e, -EBADMSG, "%s: weight_map: duplicate tensor '%s'", fname, pairs[i].name);

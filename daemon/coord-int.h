@@ -139,6 +139,7 @@ struct group {
     double kv_usage, tokens_per_s;
     uint64_t preemptions;
     bool loads_pending;
+    int64_t loads_ok_ms;            /* last successful GetLoads (or when it became ready) */
     /* in-flight requests routed here */
     struct req *reqs;
     unsigned in_flight;
@@ -149,7 +150,8 @@ struct group {
 int wpool_init(struct coord *co);
 void wpool_done(struct coord *co);
 int wpool_register_methods(struct coord *co, struct rpc_server *s);
-struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n);
+/* Least-loaded ready group whose context holds need_len tokens (prompt + max_tokens). */
+struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len);
 unsigned wpool_ready_count(const struct coord *co);
 unsigned wpool_count(const struct coord *co);
 void wpool_heartbeat(struct coord *co);
@@ -251,6 +253,8 @@ struct coord {
     struct metrics m;
     struct health_watch *watches;
     int last_ready;                 /* readiness last broadcast */
+    int64_t busy_ms;                /* last time requests were in flight */
+    bool trimmed;
     uv_tcp_t metrics_srv;
     bool metrics_on;
 #ifdef STEPD_HAVE_TOK

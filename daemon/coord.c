@@ -2,6 +2,7 @@
  * handlers, readiness, drain and shutdown. Requests live in req.c, workers in
  * wpool.c, metrics in metrics.c. */
 #include <arpa/inet.h>
+#include <malloc.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <signal.h>
@@ -39,6 +40,7 @@ void coord_opts_default(struct coord_opts *o)
     o->max_prompt_bytes = 1 << 20;
     o->drain_timeout_ms = 30000;
     o->heartbeat_ms = 1000;
+    o->worker_timeout_ms = 10000;
     o->loads_poll_ms = 250;
     o->max_recv_msg_bytes = 4 << 20;
     o->max_concurrent_streams = 1024;
@@ -91,8 +93,16 @@ uint32_t coord_vocab_size(const struct coord *co)
     return co->o.fallback_vocab_size;
 }
 
+/* Groups may serve different context lengths: the longest among ready groups bounds
+ * validation; routing then picks a group whose context holds the request. */
 uint32_t coord_max_model_len(const struct coord *co)
 {
+    uint32_t best = 0;
+    for (const struct group *g = co->groups; g; g = g->next)
+        if (g->state == GROUP_READY && g->model.known && g->model.max_model_len > best)
+            best = g->model.max_model_len;
+    if (best)
+        return best;
     return co->model.known ? co->model.max_model_len : 0;
 }
 
@@ -414,7 +424,7 @@ static void h_model_info(struct rpc_call *call, const ProtobufCMessage *msg, voi
     resp.model_name = co->o.model_name ? (char *)co->o.model_name : (char *)mi->name;
     resp.model_type = (char *)mi->type;
     resp.vocab_size = mi->vocab_size;
-    resp.max_model_len = mi->max_model_len;
+    resp.max_model_len = coord_max_model_len(co);
     resp.n_eos_token_ids = mi->n_eos;
     resp.eos_token_ids = (int32_t *)mi->eos;
     resp.num_layers = mi->num_layers;
@@ -697,8 +707,19 @@ static void heartbeat_cb(uv_timer_t *t)
 static void loads_cb(uv_timer_t *t)
 {
     struct coord *co = t->data;
+    int64_t now = rpc_now_ms();
+
     wpool_poll_loads(co);
     watches_gc(co);
+    /* give memory freed after a burst back to the system once idle for 1 s, so that
+     * RSS returns to its baseline (glibc keeps freed heap otherwise) */
+    if (co->n_reqs) {
+        co->busy_ms = now;
+        co->trimmed = false;
+    } else if (!co->trimmed && now - co->busy_ms > 1000) {
+        malloc_trim(0);
+        co->trimmed = true;
+    }
 }
 
 static void watchdog_cb(uv_timer_t *t)
@@ -729,7 +750,10 @@ static int add_health(struct coord *co, struct rpc_server *s)
 static int add_inference(struct coord *co, struct rpc_server *s)
 {
     struct rpc_method ms[] = {
-        { "/stepd.v1.Inference/Generate", &stepd__v1__generate_request__descriptor, true, false, req_generate, co },
+        /* many calls kept requested: a burst of Generate calls is matched by gRPC's own
+         * threads without a round trip through the loop for each */
+        { "/stepd.v1.Inference/Generate", &stepd__v1__generate_request__descriptor, true, false, req_generate, co,
+          512 },
         { "/stepd.v1.Inference/Abort", &stepd__v1__abort_request__descriptor, false, false, h_abort, co },
         { "/stepd.v1.Inference/GetModelInfo", &stepd__v1__get_model_info_request__descriptor, false, false,
           h_model_info, co },
@@ -765,7 +789,12 @@ static int add_admin(struct coord *co, struct rpc_server *s)
 static int server_new(struct coord *co, const char *addr, bool tls, const char *key,
                       int (*add)(struct coord *, struct rpc_server *), struct rpc_server **ret, int *ret_port)
 {
+    bool ctl = add == wpool_register_methods;
     struct rpc_server_opts so = {
+        /* control sessions: HTTP/2 keepalive pings detect a hung or partitioned worker
+         * (a stopped process cannot answer a PING) within worker_timeout_ms */
+        .keepalive_time_ms = ctl ? (int)(co->o.worker_timeout_ms / 2) : 0,
+        .keepalive_timeout_ms = ctl ? (int)(co->o.worker_timeout_ms / 2) : 0,
         .max_recv_msg_bytes = co->o.max_recv_msg_bytes,
         .max_concurrent_streams = co->o.max_concurrent_streams,
         .max_call_buffer_bytes = co->o.max_call_buffer_bytes,

@@ -37,6 +37,8 @@ struct coord_opts {
     unsigned max_prompt_bytes;      /* text/chat input size cap */
     unsigned drain_timeout_ms;
     unsigned heartbeat_ms;          /* control-session heartbeat period */
+    unsigned worker_timeout_ms;     /* a rank that stops answering (keepalive on its control
+                                       session, GetLoads on rank 0) this long is declared gone */
     unsigned loads_poll_ms;         /* engine GetLoads period */
     unsigned prefix_affinity;       /* > 0: route by a hash of the first N prompt tokens */
     int max_recv_msg_bytes;

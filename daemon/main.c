@@ -45,6 +45,7 @@ static void usage(FILE *f)
         "  --drain-timeout SECONDS    finish in-flight work within this on SIGTERM (default 30)\n"
         "  --heartbeat-ms N           control heartbeat period (default 1000)\n"
         "  --loads-poll-ms N          engine GetLoads period (default 250)\n"
+        "  --worker-timeout-ms N      declare a silent rank gone after N ms (default 10000)\n"
         "  --prefix-affinity N        route by a hash of the first N prompt tokens (0 = off)\n"
         "  --log-level LEVEL          error|warn|info|debug\n"
         "  --version, --help\n");
@@ -88,7 +89,7 @@ enum {
     OPT_TLS_CA, OPT_TLS_REQ, OPT_KEY_FILE, OPT_CKEY_FILE, OPT_TOKENIZER, OPT_MODEL, OPT_VOCAB,
     OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_LOG, OPT_VERSION,
-    OPT_API_KEY,
+    OPT_API_KEY, OPT_WTIMEOUT,
 };
 
 int main(int argc, char **argv)
@@ -120,6 +121,7 @@ int main(int argc, char **argv)
         { "drain-timeout", required_argument, NULL, OPT_DRAIN },
         { "heartbeat-ms", required_argument, NULL, OPT_HEARTBEAT },
         { "loads-poll-ms", required_argument, NULL, OPT_LOADS },
+        { "worker-timeout-ms", required_argument, NULL, OPT_WTIMEOUT },
         { "prefix-affinity", required_argument, NULL, OPT_AFFINITY },
         { "log-level", required_argument, NULL, OPT_LOG },
         { "version", no_argument, NULL, OPT_VERSION },
@@ -167,6 +169,7 @@ int main(int argc, char **argv)
         UINT_OPT(OPT_STREAM_BUF, "--stream-buffer-bytes", 1u << 30, max_call_buffer_bytes)
         UINT_OPT(OPT_HEARTBEAT, "--heartbeat-ms", 3600000, heartbeat_ms)
         UINT_OPT(OPT_LOADS, "--loads-poll-ms", 3600000, loads_poll_ms)
+        UINT_OPT(OPT_WTIMEOUT, "--worker-timeout-ms", 3600000, worker_timeout_ms)
         UINT_OPT(OPT_AFFINITY, "--prefix-affinity", 1u << 20, prefix_affinity)
 #undef UINT_OPT
         case OPT_DRAIN: {
@@ -203,8 +206,8 @@ int main(int argc, char **argv)
         log_error("unexpected argument '%s'", argv[optind]);
         return 2;
     }
-    if (o.heartbeat_ms == 0 || o.loads_poll_ms == 0) {
-        log_error("--heartbeat-ms and --loads-poll-ms must be at least 1");
+    if (o.heartbeat_ms == 0 || o.loads_poll_ms == 0 || o.worker_timeout_ms < 200) {
+        log_error("--heartbeat-ms and --loads-poll-ms must be at least 1, --worker-timeout-ms at least 200");
         return 2;
     }
     if (key_file) {

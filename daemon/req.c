@@ -629,7 +629,8 @@ static void on_engine_msg(struct rpc_client_call *c, const ProtobufCMessage *msg
         const Stepd__V1__Chunk *ec = er->chunk;
         Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
         Stepd__V1__Usage u = STEPD__V1__USAGE__INIT;
-        uint32_t vocab = coord_vocab_size(co);
+        /* the model's own vocabulary (lm_head may be padded past the tokenizer's) */
+        uint32_t vocab = co->model.known ? co->model.vocab_size : 0;
         size_t n = ec->n_token_ids;
 
         for (size_t i = 0; i < n; i++) {
@@ -778,10 +779,16 @@ static int req_dispatch_one(struct req *r)
 
     if (!r->call)
         return -ECANCELED;
-    g = wpool_pick(co, r->prompt, r->n_prompt);
+    const Stepd__V1__SamplingParams *isp = in->sampling_params;
+    int64_t need = (int64_t)r->n_prompt + (isp && PB_HAS(isp, max_tokens) ? isp->max_tokens : 1);
+    g = wpool_pick(co, r->prompt, r->n_prompt, need > UINT32_MAX ? UINT32_MAX : (uint32_t)need);
     if (!g) {
         co->m.rejected_unavailable++;
-        req_finish(r, RPC_UNAVAILABLE, "no worker group is ready");
+        if (wpool_ready_count(co))
+            req_finish(r, RPC_UNAVAILABLE, "no ready worker group has a context of %" PRId64
+                       " tokens (prompt + max_tokens)", need);
+        else
+            req_finish(r, RPC_UNAVAILABLE, "no worker group is ready");
         return -EAGAIN;
     }
     if (in->sampling_params)
@@ -925,6 +932,22 @@ void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
         co->m.rejected_draining++;
         co->m.status[RPC_UNAVAILABLE]++;
         rpc_call_finish(call, RPC_UNAVAILABLE, "server is draining; retry on another replica");
+        return;
+    }
+    /* nothing useful fits in under 2 ms: answer now instead of touching an engine */
+    if (rpc_call_deadline_ms(call) - rpc_now_ms() < 2) {
+        co->m.status[RPC_DEADLINE_EXCEEDED]++;
+        rpc_call_finish(call, RPC_DEADLINE_EXCEEDED, "deadline expired (or under 2 ms) on arrival");
+        return;
+    }
+    /* full: answer before any validation or tokenization work (A2: fast, cheap rejections) */
+    if (co->batch.queued >= co->batch.max_queue &&
+        (co->batch.running >= co->batch.max_running || co->batch.queued > 0)) {
+        co->m.rejected_full++;
+        co->m.status[RPC_RESOURCE_EXHAUSTED]++;
+        rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "server overloaded: %u running and %u queued (the caps)",
+                        co->batch.running, co->batch.queued);
         return;
     }
     if (req_validate(co, in, err, sizeof(err)) < 0) {

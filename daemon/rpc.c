@@ -958,9 +958,11 @@ int rpc_server_start(struct rpc_server *s)
         return -EINVAL;
     grpc_server_start(s->srv);
     s->started = true;
-    for (size_t i = 0; i < s->n_methods; i++)
-        for (int k = 0; k < s->opts.requests_per_method; k++)
+    for (size_t i = 0; i < s->n_methods; i++) {
+        int n = s->methods[i].m.requests > 0 ? s->methods[i].m.requests : s->opts.requests_per_method;
+        for (int k = 0; k < n; k++)
             server_request_one(s, &s->methods[i]);
+    }
     server_request_one(s, NULL);  /* unregistered methods -> UNIMPLEMENTED */
     return 0;
 }

@@ -131,6 +131,7 @@ struct rpc_method {
     bool no_auth;                                   /* true only for grpc.health.v1 */
     rpc_handler_fn handler;
     void *ud;
+    int requests;                                   /* calls kept requested; 0 = server default */
 };
 
 int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts,

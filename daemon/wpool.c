@@ -219,11 +219,24 @@ static void group_rendezvous(struct group *g)
              g->world, g->epoch);
 }
 
+/* Served model name: a path component at most (never a server path, D5). */
+static void model_name_set(struct model_info *mi, const char *name)
+{
+    size_t n = strlen(name);
+    while (n > 1 && name[n - 1] == '/')
+        n--;
+    const char *b = name;
+    for (size_t i = 0; i < n; i++)
+        if (name[i] == '/')
+            b = name + i + 1;
+    snprintf(mi->name, sizeof(mi->name), "%.*s", (int)(n - (size_t)(b - name)), b);
+}
+
 static void model_from_pb(struct model_info *mi, const Stepd__Ctl__V1__ModelSummary *m)
 {
     memset(mi, 0, sizeof(*mi));
     mi->known = true;
-    snprintf(mi->name, sizeof(mi->name), "%s", m->model_name);
+    model_name_set(mi, m->model_name);
     snprintf(mi->type, sizeof(mi->type), "%s", m->model_type);
     mi->vocab_size = m->vocab_size;
     mi->max_model_len = m->max_model_len;
@@ -278,6 +291,14 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
     if (r->rank == 0 && (!r->engine_address[0] || strlen(r->engine_address) >= sizeof(g->engine_addr))) {
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "engine_address: required for rank 0 (< 256 bytes)");
         return;
+    }
+    if (r->rank == 0 && strncmp(r->engine_address, "unix", 4) != 0) {
+        size_t el = strlen(r->engine_address);
+        if (el >= 2 && strcmp(r->engine_address + el - 2, ":0") == 0) {
+            rpc_call_finish(call, RPC_INVALID_ARGUMENT,
+                            "engine_address: '%s' has port 0; register the bound port", r->engine_address);
+            return;
+        }
     }
     if (strlen(r->hostname) >= sizeof(((struct rank *)0)->hostname)) {
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "hostname: longer than 63 bytes");
@@ -384,11 +405,96 @@ static struct rank *rank_by_session(struct coord *co, const char *sid)
     return NULL;
 }
 
+struct model_fetch {
+    struct group *g;
+    struct engine_conn *eng;
+};
+
+static void model_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
+{
+    struct model_fetch *mf = ud;
+    const Stepd__V1__GetModelInfoResponse *r = (const void *)msg;
+    struct group *g = mf->g;
+    struct model_info *mi = &g->model;
+
+    if (g->eng != mf->eng || r->vocab_size == 0)
+        return;
+    memset(mi, 0, sizeof(*mi));
+    mi->known = true;
+    model_name_set(mi, r->model_name);
+    snprintf(mi->type, sizeof(mi->type), "%s", r->model_type);
+    mi->vocab_size = r->vocab_size;
+    mi->max_model_len = r->max_model_len;
+    for (size_t i = 0; i < r->n_eos_token_ids && i < COORD_MAX_EOS; i++)
+        mi->eos[mi->n_eos++] = r->eos_token_ids[i];
+    mi->num_layers = r->num_layers;
+    mi->hidden_size = r->hidden_size;
+    mi->num_experts = r->num_experts;
+    mi->num_experts_per_tok = r->num_experts_per_tok;
+    snprintf(mi->quantization, sizeof(mi->quantization), "%s", r->quantization);
+    mi->num_mtp_layers = r->num_mtp_layers;
+    mi->max_num_speculative_tokens = r->max_num_speculative_tokens;
+    if (!g->co->model.known)
+        g->co->model = *mi;
+    log_info("group %s: model %s (%s), vocab %u, context %u (from the engine)", g->name, mi->name, mi->type,
+             mi->vocab_size, mi->max_model_len);
+}
+
+static void group_set_ready(struct group *g);
+
+static void model_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct model_fetch *mf = ud;
+    struct group *g = mf->g;
+
+    if (g->eng == mf->eng && g->state == GROUP_LOADING) {
+        if (status == RPC_OK && g->model.known) {
+            group_set_ready(g);
+        } else {
+            char why[300];
+            snprintf(why, sizeof(why), "engine GetModelInfo failed: %s: %.200s", rpc_status_name(status), details);
+            group_fail(g, why);
+        }
+    }
+    engine_conn_unref(mf->eng);
+    free(mf);
+}
+
+/* Registration without model information (or an older worker): ask the engine. */
+static void group_fetch_model(struct group *g)
+{
+    Stepd__V1__GetModelInfoRequest req = STEPD__V1__GET_MODEL_INFO_REQUEST__INIT;
+    struct model_fetch *mf = malloc(sizeof(*mf));
+
+    if (!mf)
+        return;
+    mf->g = g;
+    mf->eng = g->eng;
+    g->eng->refs++;
+    if (rpc_client_start(g->eng->ch, "/stepd.v1.Engine/GetModelInfo", &req.base,
+                         &stepd__v1__get_model_info_response__descriptor, rpc_now_ms() + 5000, model_msg,
+                         model_done, mf, NULL) < 0) {
+        g->eng->refs--;
+        free(mf);
+    }
+}
+
+static void group_set_ready(struct group *g)
+{
+    struct coord *co = g->co;
+
+    g->state = GROUP_READY;
+    g->loads_ok_ms = rpc_now_ms();
+    log_info("group %s is ready (epoch %" PRIu64 ", engine %s)", g->name, g->epoch, g->engine_addr);
+    coord_health_update(co);
+    wpool_poll_loads(co);
+}
+
 static void group_maybe_ready(struct group *g)
 {
     struct coord *co = g->co;
 
-    if (g->state != GROUP_LOADING)
+    if (g->state != GROUP_LOADING || g->eng)
         return;
     for (unsigned i = 0; i < g->world; i++)
         if (g->ranks[i].state != STEPD__V1__WORKER_STATE__WORKER_STATE_READY)
@@ -398,10 +504,12 @@ static void group_maybe_ready(struct group *g)
         group_fail(g, "cannot create a channel to the engine address");
         return;
     }
-    g->state = GROUP_READY;
-    log_info("group %s is ready (epoch %" PRIu64 ", engine %s)", g->name, g->epoch, g->engine_addr);
-    coord_health_update(co);
-    wpool_poll_loads(co);
+    /* the group is routable once the coordinator knows its model (vocabulary and
+     * context length drive validation): ask the engine when registration lacked it */
+    if (g->model.known)
+        group_set_ready(g);
+    else
+        group_fetch_model(g);
 }
 
 static void h_report(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
@@ -519,6 +627,7 @@ static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
 
     if (g->eng != lp->eng || r->n_loads < 1)
         return;
+    g->loads_ok_ms = rpc_now_ms();
     const Stepd__V1__GroupLoad *l = r->loads[0];
     g->load_running = l->num_running;
     g->load_waiting = l->num_waiting;
@@ -547,6 +656,13 @@ void wpool_poll_loads(struct coord *co)
     Stepd__V1__GetLoadsRequest req = STEPD__V1__GET_LOADS_REQUEST__INIT;
 
     for (struct group *g = co->groups; g; g = g->next) {
+        if (g->state == GROUP_READY && rpc_now_ms() - g->loads_ok_ms > (int64_t)co->o.worker_timeout_ms) {
+            char why[200];
+            snprintf(why, sizeof(why), "engine (rank 0, pid %u) has not answered GetLoads for %u ms",
+                     g->ranks[0].pid, co->o.worker_timeout_ms);
+            group_fail(g, why);
+            continue;
+        }
         if (g->state != GROUP_READY || !g->eng || g->loads_pending)
             continue;
         struct loads_poll *lp = malloc(sizeof(*lp));
@@ -556,7 +672,7 @@ void wpool_poll_loads(struct coord *co)
         lp->eng = g->eng;
         g->eng->refs++;
         if (rpc_client_start(g->eng->ch, ENGINE_GETLOADS, &req.base,
-                             &stepd__v1__get_loads_response__descriptor, rpc_now_ms() + 2000, loads_msg,
+                             &stepd__v1__get_loads_response__descriptor, rpc_now_ms() + (int64_t)co->o.worker_timeout_ms / 2, loads_msg,
                              loads_done, lp, NULL) < 0) {
             g->eng->refs--;
             free(lp);
@@ -588,7 +704,7 @@ static uint64_t mix64(uint64_t x)
     return x;
 }
 
-struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n)
+struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len)
 {
     struct group *best = NULL, *aff = NULL;
     uint64_t best_score = UINT64_MAX, aff_w = 0, ph = 0;
@@ -598,6 +714,8 @@ struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n)
                    1469598103934665603ull);
     for (struct group *g = co->groups; g; g = g->next) {
         if (g->state != GROUP_READY || !g->eng)
+            continue;
+        if (g->model.known && g->model.max_model_len && need_len > g->model.max_model_len)
             continue;
         /* coordinator-side in-flight count is exact; the engine's waiting count adds
          * what other routers (or the engine's own queue) contribute */

@@ -57,9 +57,10 @@ struct batcher;
 int batcher_new(const struct batcher_config *cfg, struct kv_pool *kv, struct batcher **ret);
 void batcher_free(struct batcher *b);
 
-/* Queue a new sequence (state NEW, n_computed 0).  The owner enforces max_waiting on
- * new arrivals; -EAGAIN only when max_waiting + max_seqs are waiting.  The caller keeps
- * s alive until batcher_remove. */
+/* Queue a new sequence (state NEW, n_computed 0).  The owner keeps at most max_waiting
+ * never-admitted and max_waiting + max_seqs sequences in total (preempted ones return
+ * to the queue); -EAGAIN when max_waiting + max_seqs are waiting.  The caller keeps s
+ * alive until batcher_remove. */
 int batcher_add(struct batcher *b, struct batch_seq *s);
 /* Drop s wherever it is (waiting or running): releases its blocks and slot at once. */
 void batcher_remove(struct batcher *b, struct batch_seq *s);

@@ -194,6 +194,15 @@ static int err_from_ucs(ucs_status_t s)
     }
 }
 
+/* Statuses that mean "the peer or the connection to it is gone" (-ECONNRESET), as
+ * opposed to our own deadline (-ETIMEDOUT) or a local problem. */
+static bool peer_lost(ucs_status_t s)
+{
+    return s == UCS_ERR_CONNECTION_RESET || s == UCS_ERR_NOT_CONNECTED ||
+           s == UCS_ERR_UNREACHABLE || s == UCS_ERR_REJECTED || UCS_IS_ENDPOINT_ERROR(s) ||
+           UCS_IS_LINK_ERROR(s);
+}
+
 static struct ucx *to_ucx(struct comm *c)
 {
     return (struct ucx *)c;
@@ -239,7 +248,8 @@ static int post_send(struct ucx *u, int peer, const void *buf, size_t len, int s
     BUG_ON(u->n_pend >= 2 * u->c.world_size);
     st = ucp_tag_send_nbx(u->peers[peer].ep, buf, len, make_tag(u->seq, step, u->c.rank), &prm);
     if (UCS_PTR_IS_ERR(st))
-        return comm__fail(&u->c, err_from_ucs(UCS_PTR_STATUS(st)),
+        return comm__fail(&u->c, peer_lost(UCS_PTR_STATUS(st)) ? -ECONNRESET
+                                                               : err_from_ucs(UCS_PTR_STATUS(st)),
                           "%s: send to rank %d failed: %s", u->op, peer,
                           ucs_status_string(UCS_PTR_STATUS(st)));
     u->c.n_bytes_sent += len;
@@ -381,6 +391,10 @@ static int wait_pending(struct ucx *u, uint64_t deadline_usec)
                 else if (u->peers[pd->peer].failed != UCS_OK)
                     r = comm__fail(&u->c, -ECONNRESET, "%s: peer rank %d failed: %s", u->op,
                                    pd->peer, ucs_status_string(u->peers[pd->peer].failed));
+                else if (peer_lost(s))
+                    r = comm__fail(&u->c, -ECONNRESET, "%s: %s rank %d failed, peer lost: %s",
+                                   u->op, pd->is_recv ? "receive from" : "send to", pd->peer,
+                                   ucs_status_string(s));
                 else
                     r = comm__fail(&u->c, err_from_ucs(s), "%s: %s rank %d failed: %s", u->op,
                                    pd->is_recv ? "receive from" : "send to", pd->peer,
@@ -697,9 +711,13 @@ static void close_eps(struct ucx *u, bool force)
         return;
     for (i = 0; i < u->c.world_size; i++) {
         struct peer *p = &u->peers[i];
-        /* a forced close is only defined for peer-error-handling endpoints: local ones are
-         * flushed with a short bound instead */
+        /* a forced close is only defined for peer-error-handling endpoints; flushing a
+         * local one towards a dead peer only logs errors: after a failure local endpoints
+         * are left to ucp_worker_destroy() */
         bool hard = force && !p->local;
+
+        if (force && p->local)
+            continue;
         ucp_request_param_t prm = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
             .flags = hard ? UCP_EP_CLOSE_FLAG_FORCE : 0,
@@ -713,7 +731,7 @@ static void close_eps(struct ucx *u, bool force)
         p->ep = NULL;
         if (st == NULL || UCS_PTR_IS_ERR(st))
             continue;
-        until = now_usec() + (hard ? 1000000u : force ? 100000u : 5000000u);
+        until = now_usec() + (hard ? 1000000u : 5000000u);
         while (ucp_request_check_status(st) == UCS_INPROGRESS && now_usec() < until)
             ucp_worker_progress(u->worker);
         ucp_request_free(st);
@@ -871,6 +889,12 @@ int comm_ucx_new(int rank, int world_size, int timeout_msec, struct comm **ret)
     }
     if (!getenv("UCX_KEEPALIVE_INTERVAL"))
         (void)ucp_config_modify(config, "KEEPALIVE_INTERVAL", KEEPALIVE_DEFAULT);
+    /* Zero-copy cross-process reads (cma) abort the whole process when the peer dies
+     * mid-transfer (no peer-failure handling on shared memory in UCX 1.13): leave cma out
+     * unless the operator chose the transports.  (knem and xpmem, absent from Debian's
+     * UCX, have the same property; naming absent transports here would only warn.) */
+    if (!getenv("UCX_TLS"))
+        (void)ucp_config_modify(config, "TLS", "^cma");
     s = ucp_init(&params, config, &u->ctx);
     ucp_config_release(config);
     if (s != UCS_OK) {

@@ -1,8 +1,12 @@
 /* comm.c - struct comm wrappers: argument checks, the sticky error, then the vtable.
  * Also the step-plan broadcast (pack on rank 0, broadcast_var, unpack elsewhere). */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "comm.h"
 #include "err.h"
@@ -30,6 +34,111 @@ static int check_live(struct comm *c)
     return 0;
 }
 
+static uint64_t now_usec(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* Mark a collective running (only when it has a deadline the watchdog can hold it to). */
+static void busy_begin(struct comm *c)
+{
+    if (c->timeout_msec > 0)
+        atomic_store(&c->busy_since_usec, now_usec());
+}
+
+static int busy_end(struct comm *c, int r)
+{
+    atomic_store(&c->busy_since_usec, 0);
+    return r;
+}
+
+struct comm_watchdog {
+    struct comm *c;
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    bool stop;
+    int grace_msec, exit_code;
+};
+
+static void *watchdog_main(void *arg)
+{
+    struct comm_watchdog *w = arg;
+    char msg[160];
+
+    pthread_mutex_lock(&w->lock);
+    while (!w->stop) {
+        struct timespec ts;
+        uint64_t since, limit;
+
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 200 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&w->cond, &w->lock, &ts);
+        since = atomic_load(&w->c->busy_since_usec);
+        limit = (uint64_t)(w->c->timeout_msec > 0 ? w->c->timeout_msec : 0) * 1000u +
+                (uint64_t)w->grace_msec * 1000u;
+        if (since && now_usec() - since > limit) {
+            /* async-signal-safe path only: the comm thread may hold any lock */
+            int n = snprintf(msg, sizeof(msg), "<2>comm watchdog: a collective has run for more "
+                             "than its %d ms deadline + %d ms; exiting\n", w->c->timeout_msec,
+                             w->grace_msec);
+            if (n > 0 && write(2, msg, (size_t)n) < 0)
+                n = 0;
+            _exit(w->exit_code);
+        }
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+
+int comm_watchdog_start(struct comm *c, int grace_msec, int exit_code)
+{
+    struct comm_watchdog *w;
+
+    if (c->watchdog)
+        return -EALREADY;
+    w = calloc(1, sizeof(*w));
+    if (!w)
+        return -ENOMEM;
+    w->c = c;
+    w->grace_msec = grace_msec;
+    w->exit_code = exit_code;
+    pthread_mutex_init(&w->lock, NULL);
+    pthread_cond_init(&w->cond, NULL);
+    if (pthread_create(&w->thread, NULL, watchdog_main, w) != 0) {
+        pthread_cond_destroy(&w->cond);
+        pthread_mutex_destroy(&w->lock);
+        free(w);
+        return -EAGAIN;
+    }
+    c->watchdog = w;
+    return 0;
+}
+
+static void watchdog_stop(struct comm *c)
+{
+    struct comm_watchdog *w = c->watchdog;
+
+    if (!w)
+        return;
+    pthread_mutex_lock(&w->lock);
+    w->stop = true;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    pthread_join(w->thread, NULL);
+    pthread_cond_destroy(&w->cond);
+    pthread_mutex_destroy(&w->lock);
+    free(w);
+    c->watchdog = NULL;
+}
+
 int comm_allreduce_sum(struct comm *c, float *buf, size_t count)
 {
     int r = check_live(c);
@@ -40,7 +149,8 @@ int comm_allreduce_sum(struct comm *c, float *buf, size_t count)
     if (count == 0)
         return 0;
     c->n_ops++;
-    return c->ops->allreduce_sum(c, buf, count);
+    busy_begin(c);
+    return busy_end(c, c->ops->allreduce_sum(c, buf, count));
 }
 
 int comm_allgather(struct comm *c, const void *send, void *recv, size_t nbytes)
@@ -53,7 +163,8 @@ int comm_allgather(struct comm *c, const void *send, void *recv, size_t nbytes)
     if (nbytes == 0)
         return 0;
     c->n_ops++;
-    return c->ops->allgather(c, send, recv, nbytes);
+    busy_begin(c);
+    return busy_end(c, c->ops->allgather(c, send, recv, nbytes));
 }
 
 int comm_broadcast(struct comm *c, void *buf, size_t nbytes, int root)
@@ -67,7 +178,8 @@ int comm_broadcast(struct comm *c, void *buf, size_t nbytes, int root)
     if (nbytes == 0)
         return 0;
     c->n_ops++;
-    return c->ops->broadcast(c, buf, nbytes, root);
+    busy_begin(c);
+    return busy_end(c, c->ops->broadcast(c, buf, nbytes, root));
 }
 
 int comm_broadcast_var(struct comm *c, void *buf, size_t *len, size_t cap, int root)
@@ -81,7 +193,8 @@ int comm_broadcast_var(struct comm *c, void *buf, size_t *len, size_t cap, int r
     if (c->rank == root && *len > cap)
         return -EMSGSIZE;
     c->n_ops++;
-    return c->ops->broadcast_var(c, buf, len, cap, root);
+    busy_begin(c);
+    return busy_end(c, c->ops->broadcast_var(c, buf, len, cap, root));
 }
 
 int comm_barrier(struct comm *c)
@@ -91,7 +204,8 @@ int comm_barrier(struct comm *c)
     if (r < 0)
         return r;
     c->n_ops++;
-    return c->ops->barrier(c);
+    busy_begin(c);
+    return busy_end(c, c->ops->barrier(c));
 }
 
 void comm_abort(struct comm *c)
@@ -107,6 +221,7 @@ void comm_free(struct comm *c)
 {
     if (!c)
         return;
+    watchdog_stop(c);
     c->ops->free(c);
 }
 

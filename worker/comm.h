@@ -20,6 +20,7 @@
  */
 #pragma once
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -63,6 +64,10 @@ struct comm {
     /* counters (read by stats and benchmarks) */
     uint64_t n_ops;
     uint64_t n_bytes_sent;
+    /* CLOCK_MONOTONIC usec at which the running collective began, 0 when none (or when it
+     * runs without a deadline); read by the watchdog thread */
+    _Atomic uint64_t busy_since_usec;
+    struct comm_watchdog *watchdog;
     void *impl;
 };
 
@@ -77,6 +82,12 @@ void comm_abort(struct comm *c);
 void comm_free(struct comm *c);
 /* The message that explains c->error ("" when none). */
 const char *comm_last_error(const struct comm *c);
+
+/* Watchdog of the watchdog (RELIABILITY.md B5): a thread that _exit()s the process with
+ * exit_code when a collective has been running for longer than its own deadline plus
+ * grace_msec, i.e. when the deadline/abort machinery itself is stuck (a transport call
+ * that never returns).  Stopped by comm_free().  Returns 0 or -errno. */
+int comm_watchdog_start(struct comm *c, int grace_msec, int exit_code);
 
 /* Helper for implementations: record the first failure (sticky) and format its text. */
 int comm__fail(struct comm *c, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

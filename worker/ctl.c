@@ -96,8 +96,16 @@ static bool handle_event(struct worker_ctl *c, const uint8_t *data, size_t len)
             keep = false;
             break;
         }
+        if (rv->nccl_unique_id.len > sizeof(c->peers.nccl_id)) {
+            snprintf(c->reason, sizeof(c->reason), "rendezvous: NCCL id of %zu bytes",
+                     rv->nccl_unique_id.len);
+            keep = false;
+            break;
+        }
         c->peers.world_size = c->world_size;
         c->peers.epoch = rv->epoch;
+        memcpy(c->peers.nccl_id, rv->nccl_unique_id.data, rv->nccl_unique_id.len);
+        c->peers.nccl_id_len = rv->nccl_unique_id.len;
         for (size_t i = 0; i < rv->n_peers && keep; i++) {
             const Stepd__Ctl__V1__PeerInfo *p = rv->peers[i];
 
@@ -232,6 +240,8 @@ static int pack_register(const struct worker_ctl_register *reg, grpc_byte_buffer
     rq.peer_address.data = (uint8_t *)reg->peer_address;
     rq.peer_address.len = reg->peer_address_len;
     rq.engine_address = (char *)(reg->engine_address ? reg->engine_address : "");
+    rq.nccl_unique_id.data = (uint8_t *)reg->nccl_id;
+    rq.nccl_unique_id.len = reg->nccl_id ? reg->nccl_id_len : 0;
     rq.pid = (uint32_t)getpid();
     rq.hostname = host;
     rq.incarnation = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();

@@ -104,8 +104,10 @@ static void on_engine_out(void *ud, const struct engine_output *o)
     else
         s->ev_head = ev;
     s->ev_tail = ev;
-    pthread_mutex_unlock(&s->lock);
+    /* under the lock: teardown takes it before closing `wake`, so a final event handled
+     * (and s freed) before this send returned cannot happen */
     uv_async_send(&s->wake);
+    pthread_mutex_unlock(&s->lock);
 }
 
 /* --- loop thread: outputs --- */
@@ -154,7 +156,7 @@ static void send_chunk(struct gen *g, const struct ev *ev)
     }
 }
 
-static void send_final(struct gen *g, const struct ev *ev)
+static int send_final(struct gen *g, const struct ev *ev)
 {
     Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
     Stepd__V1__Final fin = STEPD__V1__FINAL__INIT;
@@ -192,7 +194,7 @@ static void send_final(struct gen *g, const struct ev *ev)
     tm.mean_inter_token_s = ev->tm.mean_inter_token_s;
     tm.e2e_s = ev->tm.e2e_s;
     fin.timings = &tm;
-    (void) rpc_call_send(g->call, &resp.base);
+    return rpc_call_send(g->call, &resp.base);
 }
 
 static void gen_done(struct engine_rpc *s, struct gen *g)
@@ -224,10 +226,11 @@ static void handle_event(struct engine_rpc *s, struct ev *ev)
         rpc_call_finish(g->call, RPC_DEADLINE_EXCEEDED, "request %s: %s", g->id, ev->message);
     else if (ev->finish == ENGINE_FINISH_ABORT && s->stopping)
         rpc_call_finish(g->call, RPC_UNAVAILABLE, "engine is shutting down");
-    else {
-        send_final(g, ev);
+    else if (send_final(g, ev) < 0)
+        rpc_call_finish(g->call, RPC_RESOURCE_EXHAUSTED, "request %s: client is not reading "
+                        "its stream", g->id);
+    else
         rpc_call_finish(g->call, RPC_OK, NULL);
-    }
     gen_done(s, g);
 }
 
@@ -415,6 +418,8 @@ static void h_generate(struct rpc_call *call, const ProtobufCMessage *req, void 
         r = engine_submit(s->e, &q, on_engine_out, g, &err);
     free(bias);
     if (r < 0) {
+        if (r == -EAGAIN)   /* queue full: tell well-behaved clients when to retry */
+            (void) rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
         rpc_call_finish(call, status_of(r), "%s", err.msg[0] ? err.msg : err_str(r));
         free(g);
         return;
@@ -589,6 +594,8 @@ static void serve_teardown(struct engine_rpc *s)
         rpc_ctx_destroy(s->ctx);
         s->ctx = NULL;
     }
+    pthread_mutex_lock(&s->lock);     /* waits for an on_engine_out still sending */
+    pthread_mutex_unlock(&s->lock);
     uv_close((uv_handle_t *) &s->wake, close_cb);
     uv_close((uv_handle_t *) &s->stop, close_cb);
     uv_run(&s->loop, UV_RUN_DEFAULT);

@@ -85,6 +85,7 @@ struct engine {
     struct ereq *live;
     int last_error;
     uint64_t n_steps, n_generated;
+    int64_t t_forward_us, t_mtp_us, t_engine_us;
     struct spec_stats mtp_total;
     int64_t rate_t[RATE_SAMPLES];
     uint64_t rate_n[RATE_SAMPLES];
@@ -413,7 +414,10 @@ int engine_submit(struct engine *e, const struct engine_request *q, engine_outpu
         r = err_set(err, -ESHUTDOWN, "engine is %s", e->last_error ? "failed" : "stopping");
         goto out_unlock;
     }
-    if (e->n_queued >= e->cfg.max_waiting) {
+    /* the second bound keeps preempted requests (back in the queue) within the
+     * batcher's max_waiting + max_seqs waiting slots */
+    if (e->n_queued >= e->cfg.max_waiting ||
+        e->n_alive >= e->cfg.max_waiting + e->cfg.max_num_seqs) {
         r = err_set(err, -EAGAIN, "waiting queue is full (%d requests)", e->cfg.max_waiting);
         goto out_unlock;
     }
@@ -469,6 +473,8 @@ int engine_abort(struct engine *e, const char *const *ids, int n_ids)
 }
 
 /* --- step helpers --- */
+
+static int engine_step_inner(struct engine *e);
 
 static void finish(struct engine *e, struct ereq *r, enum engine_finish why, const char *msg)
 {
@@ -711,7 +717,7 @@ static void update_snapshot(struct engine *e, int64_t now)
     e->rate_n[e->rate_i] = e->n_generated;
     int old = (e->rate_i + 1) % RATE_SAMPLES;
     if (!e->rate_t[old])
-        old = 0;
+        old = 1;    /* ring not full yet: the first sample went to index 1 */
     double dt = (double) (now - e->rate_t[old]) * 1e-6;
 
     struct engine_loads *l = &e->snap;
@@ -789,12 +795,14 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
         fail_all(e, r, "step plan broadcast");
         return r;
     }
+    int64_t t0 = engine_now_usec();
     r = e->f->ops->step(e->f, &e->plan, e->logits);
+    int64_t now = engine_now_usec();
+    e->t_forward_us += now - t0;
     if (r < 0) {
         fail_all(e, r, "forward step");
         return r;
     }
-    int64_t now = engine_now_usec();
     size_t row = 0;
     bool any_mtp = false;
     for (int i = 0; i < n; i++) {
@@ -804,8 +812,10 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     }
     if (!any_mtp)
         return 0;
+    t0 = engine_now_usec();
     r = spec_propose(e->f, e->smp, &e->plan, e->sseqs, e->n_valid, e->tok_in, e->mtp_logits,
                      e->tok_scratch);
+    e->t_mtp_us += engine_now_usec() - t0;
     if (r < 0) {
         fail_all(e, r, "MTP step");
         return r;
@@ -817,6 +827,20 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
 }
 
 int engine_step(struct engine *e)
+{
+    int64_t t_start = engine_now_usec();
+    int64_t fwd0 = e->t_forward_us, mtp0 = e->t_mtp_us;
+    int r = engine_step_inner(e);
+    e->t_engine_us += engine_now_usec() - t_start - (e->t_forward_us - fwd0) - (e->t_mtp_us - mtp0);
+    pthread_mutex_lock(&e->lock);
+    e->snap.forward_s = (double) e->t_forward_us * 1e-6;
+    e->snap.mtp_s = (double) e->t_mtp_us * 1e-6;
+    e->snap.engine_s = (double) e->t_engine_us * 1e-6;
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+static int engine_step_inner(struct engine *e)
 {
     take_inbox(e);
     if (e->last_error) {
@@ -943,6 +967,8 @@ void engine_get_loads(struct engine *e, struct engine_loads *ret)
                                kv_pool_total(e->kv, KV_GROUP_SLIDING);
     if (ret->mean_accept_len == 0.0)
         ret->mean_accept_len = 1.0;
+    if (engine_now_usec() - e->rate_t[e->rate_i] > 2000000)
+        ret->tokens_per_s = 0.0;    /* idle: no recent generation */
     pthread_mutex_unlock(&e->lock);
 }
 

@@ -16,7 +16,8 @@
  *     engine_config_init(&cfg); cfg.eos_ids = ...; cfg.on_plan = bcast; ...
  *     engine_new(forward, &cfg, &eng, &err);
  *     engine_start(eng);
- *     engine_rpc_start(eng, "127.0.0.1:50061", &info, &rpc, &err);   (engine-rpc.c)
+ *     struct engine_rpc_opts ro = { .addr = "127.0.0.1:50061", .group = "g0", ... };
+ *     engine_rpc_start(eng, &ro, &rpc, &port, &err);     (engine-rpc.c, below)
  *     ... run until SIGTERM ...
  *     engine_rpc_stop(rpc); engine_free(eng);
  */
@@ -125,7 +126,8 @@ int engine_start(struct engine *e);
 void engine_stop(struct engine *e);
 
 /* Queue a request.  Returns 0; -EINVAL (err names the field), -EEXIST (id in flight),
- * -EAGAIN (waiting queue full), -ESHUTDOWN (engine failed or stopping), -ENOMEM.
+ * -EAGAIN (max_waiting requests not yet admitted, or max_waiting + max_num_seqs alive),
+ * -ESHUTDOWN (engine failed or stopping), -ENOMEM.
  * On success cb will be called at least once, the last time with finished set. */
 int engine_submit(struct engine *e, const struct engine_request *r, engine_output_cb cb, void *ud,
                   struct err_buf *err);
@@ -155,6 +157,9 @@ struct engine_loads {
     int last_error;             /* forward error that stopped the engine, 0 if none */
     uint64_t n_requests_created;/* request states allocated (admin counters for the */
     uint64_t n_requests_freed;  /*   D1 invariant: equal at idle) */
+    double forward_s;           /* wall time in forward.step */
+    double mtp_s;               /* wall time in the MTP chain (forward.mtp_step + drafting) */
+    double engine_s;            /* wall time in the rest of engine_step */
 };
 
 void engine_get_loads(struct engine *e, struct engine_loads *ret);

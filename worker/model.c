@@ -872,6 +872,13 @@ static int check_plan(struct model *m, const struct step_plan *p)
     }
     if (sum != p->n_tokens)
         return PLAN_ERR(m, -EINVAL, "plan: runs hold %d tokens, plan says %d", sum, p->n_tokens);
+    /* attention takes runs as [start[s], start[s+1]): contiguous, in plan order */
+    for (int i = 0; i < p->n_seqs; i++) {
+        int32_t start = i ? p->seqs[i - 1].tok_off + p->seqs[i - 1].n_tokens : 0;
+        if (p->seqs[i].tok_off != start)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: run starts at token %d, expected %d (runs "
+                            "must be contiguous in plan order)", i, p->seqs[i].tok_off, start);
+    }
     if (n_rows > m->max_logit_rows)
         return PLAN_ERR(m, -E2BIG, "plan: %d logit rows (%d reserved per step)", n_rows,
                         m->max_logit_rows);
@@ -1082,14 +1089,6 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
         }
         for (int t = s->n_tokens - s->n_logits; t < s->n_tokens; t++)
             m->h_rows[n_rows++] = s->tok_off + t;
-    }
-    /* attention wants runs as [start[s], start[s+1]): runs must be laid out in plan order */
-    for (int i = 0; i < p->n_seqs; i++) {
-        int32_t next = i + 1 < p->n_seqs ? p->seqs[i + 1].tok_off : p->n_tokens;
-        if (p->seqs[i].tok_off + p->seqs[i].n_tokens != next || p->seqs[0].tok_off != 0)
-            return PLAN_ERR(m, -EINVAL, "plan seq %d: runs must be contiguous in plan order "
-                            "(tok_off %d, %d tokens, next at %d)", i, p->seqs[i].tok_off,
-                            p->seqs[i].n_tokens, next);
     }
     m->h_seq_start[p->n_seqs] = p->n_tokens;
     r = batch_upload(m, &m->b, p, p->n_tokens, p->n_seqs);

@@ -7,6 +7,14 @@
  * scores [last token, d1 .. dK] in one trunk pass; spec_verify() then accepts the longest
  * prefix matching the target argmax (greedy) or runs rejection sampling (sampled), so
  * output is distributed exactly as without speculation, and greedy output is identical.
+ *
+ * Prompt chunks that stop short of the last known token also run the chain (fill_only)
+ * with the known prompt tokens as inputs, so the MTP layers' KV covers every position.
+ * Known gap (needs the forward): MTP layer k >= 1 writes its last k positions with
+ * draft tokens as shifted inputs; the next step rewrites only positions from its own
+ * pos0, so when those drafts are rejected the stale entries stay (they affect draft
+ * quality only, never output).  Repair needs the forward to keep each slot's last K
+ * layer inputs and re-run those positions (vLLM step3p5 proposer's "repair").
  */
 #pragma once
 

@@ -425,6 +425,14 @@ static int stage_comm(struct worker *w, struct err_buf *e)
     }
     if (o->rendezvous_dir)
         worker_rendezvous_dir_clean(o->rendezvous_dir, o->group, o->rank);
+    /* a collective stuck in the transport past its deadline + 10 s ends the process */
+    if (o->world_size > 1) {
+        r = comm_watchdog_start(w->comm, 10000, WORKER_EXIT_COMM);
+        if (r < 0) {
+            r = err_set(e, r, "cannot start the collective watchdog: %s", err_str(r));
+            goto out;
+        }
+    }
     log_info("group %s: %d rank%s connected over %s in %llu ms", o->group, o->world_size,
              o->world_size > 1 ? "s" : "", w->comm->ops->name,
              (unsigned long long)(now_msec() - t0));

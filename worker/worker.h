@@ -75,6 +75,8 @@ struct worker_peers {
     void *addr[256];
     size_t len[256];
     uint64_t epoch;
+    unsigned char nccl_id[128];     /* rank 0's ncclUniqueId from the rendezvous (coordinator) */
+    size_t nccl_id_len;             /* 0 when the group does not use NCCL */
 };
 void worker_peers_done(struct worker_peers *p);
 
@@ -97,6 +99,8 @@ struct worker_ctl_register {
     size_t peer_address_len;
     const char *engine_address;     /* rank 0 */
     const char *control_key;        /* sent as "authorization: Bearer KEY", or NULL */
+    const void *nccl_id;            /* rank 0 with NCCL: ncclUniqueId bytes (128) */
+    size_t nccl_id_len;
 };
 /* Dial the coordinator, open the Session stream and wait (timeout_msec) for the
  * Rendezvous event of the group.  On timeout the error names the deadline; the

@@ -47,6 +47,7 @@ struct tok_parser {
     bool reasoning_ended;
     bool open_from_tag;         /* P_TOOL_OPEN entered through a <tool_call> tag */
     bool args_closed;
+    size_t value_scanned;       /* bytes of a pending parameter value already searched */
     int n_calls;                /* completed or current call index */
     int n_args;
     char fname[NAME_MAX_LEN + 1];
@@ -128,7 +129,7 @@ static int find_tags(const char *s, size_t n, const char *const *tags, size_t nt
 {
     int best = -1;
     size_t at = n, hold = 0;
-    for (size_t t = 0; t < nt; t++) {
+    for (size_t t = 0; t < nt && n; t++) {
         const char *hit = memmem(s, n, tags[t], strlen(tags[t]));
         if (hit && (size_t)(hit - s) < at) {
             at = (size_t)(hit - s);
@@ -476,9 +477,17 @@ static int step_tool_body(struct tok_parser *p, bool final, tok_ev_cb cb, void *
         if (k < avail && name[k] == '>' && k > 0 && k <= NAME_MAX_LEN) {
             const char *v = name + k + 1;
             size_t lv = avail - k - 1;
-            int t = find_tags(v, lv, ends, 3, &at, &hold);
-            if (t < 0 && !final)
+            /* resume the terminator search where the last one stopped (long values stream in
+             * many deltas); back off by the longest terminator so none is missed */
+            size_t skip = p->value_scanned > LEN(TAG_PARAM_CLOSE) ?
+                          p->value_scanned - LEN(TAG_PARAM_CLOSE) : 0;
+            int t = find_tags(v + skip, lv - skip, ends, 3, &at, &hold);
+            at += skip;
+            if (t < 0 && !final) {
+                p->value_scanned = lv;
                 return 0;
+            }
+            p->value_scanned = 0;
             if ((r = emit_param(p, name, k, v, t < 0 ? lv : at, cb, ud)) < 0)
                 return r;
             p->pos += (size_t)(v - s) + (t < 0 ? lv : at) + (t == 0 ? LEN(TAG_PARAM_CLOSE) : 0);

@@ -572,7 +572,8 @@ static int load_decoder(json_t *d, struct err_buf *e)
 {
     const char *type;
     if (!d || json_is_null(d))
-        return 0;
+        return err_set(e, -ENOTSUP, "a tokenizer without a decoder is not supported (only "
+                       "ByteLevel)");
     type = json_string_value(json_object_get(d, "type"));
     if (type && !strcmp(type, "ByteLevel"))
         return 0;
@@ -648,7 +649,8 @@ static int build_tables(struct tokenizer *tok, struct err_buf *e)
         if (tok->byte_id[b] < 0)
             tok->byte_id[b] = -1;
     }
-    qsort(tok->added, tok->n_added, sizeof(*tok->added), cmp_added);
+    if (tok->n_added)
+        qsort(tok->added, tok->n_added, sizeof(*tok->added), cmp_added);
     tok->cache_mask = (1u << 16) - 1;
     tok->cache = calloc(tok->cache_mask + 1, sizeof(*tok->cache));
     if (!tok->cache)
@@ -971,13 +973,17 @@ int tok_encode(const struct tokenizer *tok, const char *text, size_t len, unsign
         for (size_t i = 0; i < tok->n_post_pre; i++)
             if ((r = tok__ids_push(out, tok->post_pre[i])) < 0)
                 goto fail;
-    if ((flags & TOK_ENCODE_ADD_BOS) && tok->bos_id >= 0 &&
-        !(out->n > n0 && out->ids[n0] == tok->bos_id))
-        if ((r = tok__ids_push(out, tok->bos_id)) < 0)
-            goto fail;
     r = split_added(tok, text, len, false, flags, encode_raw_piece, out);
     if (r < 0)
         goto fail;
+    /* BOS unless the text or the template already starts with it (chat prompts carry it) */
+    if ((flags & TOK_ENCODE_ADD_BOS) && tok->bos_id >= 0 &&
+        !(out->n > n0 && out->ids[n0] == tok->bos_id)) {
+        if ((r = tok__ids_push(out, tok->bos_id)) < 0)
+            goto fail;
+        memmove(out->ids + n0 + 1, out->ids + n0, (out->n - n0 - 1) * sizeof(int32_t));
+        out->ids[n0] = tok->bos_id;
+    }
     if (flags & TOK_ENCODE_ADD_SPECIAL)
         for (size_t i = 0; i < tok->n_post_post; i++)
             if ((r = tok__ids_push(out, tok->post_post[i])) < 0)

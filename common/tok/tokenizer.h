@@ -3,13 +3,15 @@
  * A struct tokenizer is loaded once from a tokenizer.json file and is then read-only and safe
  * to share between threads (its word cache has its own lock).  Supported file features:
  *   model        BPE (vocab, merges as "a b" strings or [a, b] pairs, ignore_merges, unk_token)
- *   normalizer   null, NFC, NFD, NFKC, NFKD (ICU, Unicode 9.0 repertoire as upstream), Prepend, Replace (string), Sequence
+ *   normalizer   null, NFC, NFD, NFKC, NFKD (ICU, limited to the Unicode 9.0 repertoire like
+ *                the tokenizers library), Prepend, Replace (string), Sequence
  *   pre_tokenizer ByteLevel (GPT-2 regex when use_regex), Split (regex read from the file,
  *                behaviours Isolated/Removed/MergedWithPrevious/MergedWithNext/Contiguous),
  *                Sequence of those
- *   decoder      ByteLevel (or null)
+ *   decoder      ByteLevel
  *   post_processor TemplateProcessing (single), ByteLevel, null
- *   added_tokens special and normal, matched before BPE (leftmost-longest), lstrip/rstrip
+ *   added_tokens special and normal, matched before BPE (leftmost-longest), lstrip/rstrip,
+ *                single_word (ASCII word characters)
  * Anything else is refused at load time with a message naming it (-ENOTSUP).
  *
  * Encoding follows the `tokenizers` library step for step: non-normalized added tokens are
@@ -40,7 +42,8 @@ void tok_free(struct tokenizer *tok);
 enum tok_encode_flags {
     TOK_ENCODE_SPECIAL = 1 << 0,     /* match special added tokens in the text (else plain text) */
     TOK_ENCODE_ADD_SPECIAL = 1 << 1, /* apply the post-processor template (BOS etc.) */
-    TOK_ENCODE_ADD_BOS = 1 << 2,     /* prepend tok_bos_id() unless it is already first */
+    TOK_ENCODE_ADD_BOS = 1 << 2,     /* prepend tok_bos_id() unless the ids already start with
+                                      * it (e.g. a rendered chat prompt carries BOS as text) */
 };
 
 /* Growable id array owned by the caller: init with {0}, free with tok_ids_done(). */

@@ -7,8 +7,9 @@
  * reads KV head h / (n_heads / n_kv_heads) (contiguous grouping).  The same code serves
  * prefill chunks, decode and verify runs: the cache must already hold every key up to
  * the last query position (kv_store first).  Softmax is computed online over chunks of
- * keys in fp32 with fp32 exp.  One parallel region; (token, head) pairs are split into
- * contiguous ranges, so the heads sharing a KV head stay on one thread.
+ * keys in fp32 with fp32 exp.  One parallel region; (token, KV head) pairs are split into
+ * contiguous ranges, and the query heads sharing a KV head are processed together so
+ * each K/V row is read once per group (GQA: 8-12 query heads per KV head).
  */
 #include <errno.h>
 #include <math.h>
@@ -37,29 +38,32 @@ static inline const float *key_row(const struct kv_layer *kv, const void *base, 
     return tmp;
 }
 
-/* Attention of one query row; returns -EINVAL on a bad block id. */
-static int attn_one(const struct attn_args *a, int s, int i, int h, float *out)
+/* Attention of the G query heads sharing KV head j, for query token i of sequence s:
+ * every K and V row is read (and converted from BF16) once for the whole group.
+ * Returns -EINVAL on a bad block id. */
+static int attn_group(const struct attn_args *a, int s, int i, int j)
 {
     const struct kv_layer *kv = a->kv;
-    const int hd = a->head_dim, j = h / (a->n_heads / a->n_kv_heads), bs = kv->block_size;
+    const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads, bs = kv->block_size;
     const int64_t t = (int64_t)a->seq_pos0[s] + (i - a->seq_tok_start[s]);
     const int64_t lo = a->window > 0 && t - a->window + 1 > 0 ? t - a->window + 1 : 0;
-    const float *q = a->q + ((int64_t)i * a->n_heads + h) * hd;
+    const float *q = a->q + ((int64_t)i * a->n_heads + (int64_t)j * G) * hd;
     const int32_t *table = a->block_tables + a->block_table_off[s];
-    float acc[hd], tmp[hd], sc[KEY_CHUNK];
+    float acc[G][hd], tmp[hd], sc[G][KEY_CHUNK], m[G], l[G];
     int64_t slots[KEY_CHUNK];
-    float m = -INFINITY, l = 0.0f;
 
     memset(acc, 0, sizeof(acc));
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
     for (int64_t c0 = lo; c0 <= t; c0 += KEY_CHUNK) {
         int nk = t + 1 - c0 < KEY_CHUNK ? (int)(t + 1 - c0) : KEY_CHUNK;
-        float cmax = -INFINITY, corr;
 
         for (int k = 0; k < nk; k++) {
             int64_t tau = c0 + k;
             int32_t blk = table[tau / bs];
             const float *kr;
-            float dot = 0.0f;
 
             if (blk < 0 || blk >= kv->n_blocks) {
                 log_debug("attention: position %lld maps to block %d (pool has %d)",
@@ -68,29 +72,50 @@ static int attn_one(const struct attn_args *a, int s, int i, int h, float *out)
             }
             slots[k] = (int64_t)blk * bs + tau % bs;
             kr = key_row(kv, kv->k, slots[k], j, tmp);
-            for (int d = 0; d < hd; d++)
-                dot += q[d] * kr[d];
-            sc[k] = dot * a->scale;
-            cmax = fmaxf(cmax, sc[k]);
+            for (int g = 0; g < G; g++) {
+                const float *qg = q + (int64_t)g * hd;
+                float dot = 0.0f;
+
+                for (int d = 0; d < hd; d++)
+                    dot += qg[d] * kr[d];
+                sc[g][k] = dot * a->scale;
+            }
         }
-        if (cmax > m) {
-            corr = expf(m - cmax);      /* 0 on the first chunk */
-            l *= corr;
-            for (int d = 0; d < hd; d++)
-                acc[d] *= corr;
-            m = cmax;
+        for (int g = 0; g < G; g++) {
+            float cmax = -INFINITY;
+
+            for (int k = 0; k < nk; k++)
+                cmax = fmaxf(cmax, sc[g][k]);
+            if (cmax > m[g]) {
+                float corr = expf(m[g] - cmax);    /* 0 on the first chunk */
+
+                l[g] *= corr;
+                for (int d = 0; d < hd; d++)
+                    acc[g][d] *= corr;
+                m[g] = cmax;
+            }
+            for (int k = 0; k < nk; k++) {
+                sc[g][k] = expf(sc[g][k] - m[g]);
+                l[g] += sc[g][k];
+            }
         }
         for (int k = 0; k < nk; k++) {
-            float p = expf(sc[k] - m);
             const float *vr = key_row(kv, kv->v, slots[k], j, tmp);
 
-            l += p;
-            for (int d = 0; d < hd; d++)
-                acc[d] += p * vr[d];
+            for (int g = 0; g < G; g++) {
+                const float p = sc[g][k];
+
+                for (int d = 0; d < hd; d++)
+                    acc[g][d] += p * vr[d];
+            }
         }
     }
-    for (int d = 0; d < hd; d++)
-        out[d] = acc[d] / l;
+    for (int g = 0; g < G; g++) {
+        float *out = a->out + ((int64_t)i * a->n_heads + (int64_t)j * G + g) * hd;
+
+        for (int d = 0; d < hd; d++)
+            out[d] = acc[g][d] / l[g];
+    }
     return 0;
 }
 
@@ -101,14 +126,15 @@ static void attn_task(void *arg, int ith, int nth)
     int64_t u0, u1;
     int s = 0;
 
-    cpu_split((int64_t)a->n_tok * a->n_heads, 1, ith, nth, &u0, &u1);
+    /* units are (token, KV head) pairs */
+    cpu_split((int64_t)a->n_tok * a->n_kv_heads, 1, ith, nth, &u0, &u1);
     for (int64_t u = u0; u < u1; u++) {
-        int i = (int)(u / a->n_heads), h = (int)(u % a->n_heads);
+        int i = (int)(u / a->n_kv_heads), j = (int)(u % a->n_kv_heads);
         int r;
 
         while (i >= a->seq_tok_start[s + 1])
             s++;
-        r = attn_one(a, s, i, h, a->out + u * a->head_dim);
+        r = attn_group(a, s, i, j);
         if (r < 0) {
             atomic_store(&jb->err, r);
             return;

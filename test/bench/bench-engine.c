@@ -108,6 +108,8 @@ static void submit_next(struct client *c)
 
 struct result {
     double secs;
+    double fwd_ms, mtp_ms, eng_ms; /* per engine step */
+    double tok_per_step;
     double out_tps;         /* output tokens / wall second over the run */
     double decode_tps;      /* mean per-request decode tokens/s */
     double ttft;
@@ -124,6 +126,8 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
     pthread_mutex_init(&b.lock, NULL);
     pthread_cond_init(&b.cond, NULL);
     struct client *cl = calloc((size_t) conc, sizeof(*cl));
+    struct engine_loads l0, l1;
+    engine_get_loads(e, &l0);
     double t0 = now_s();
     for (int i = 0; i < conc; i++) {
         cl[i].b = &b;
@@ -139,6 +143,14 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
         .mtp = b.mtp,
     };
     r.out_tps = b.tokens / r.secs;
+    engine_get_loads(e, &l1);
+    double steps = (double) (l1.n_steps - l0.n_steps);
+    if (steps > 0) {
+        r.fwd_ms = (l1.forward_s - l0.forward_s) * 1e3 / steps;
+        r.mtp_ms = (l1.mtp_s - l0.mtp_s) * 1e3 / steps;
+        r.eng_ms = (l1.engine_s - l0.engine_s) * 1e3 / steps;
+        r.tok_per_step = (double) b.tokens / steps;
+    }
     r.decode_tps = b.decode_n ? b.decode_tps_sum / b.decode_n : 0;
     r.ttft = b.ttft_n ? b.ttft_sum / b.ttft_n : 0;
     free(cl);
@@ -232,6 +244,9 @@ int main(int argc, char **argv)
     struct result k3 = run(e, vocab, 1, 3, 32, n_out, 3);
     printf("batch 1 decode: K=0 %.1f tok/s, K=3 %.1f tok/s, speed-up %.2fx\n", k0.decode_tps,
            k3.decode_tps, k0.decode_tps > 0 ? k3.decode_tps / k0.decode_tps : 0);
+    printf("  per step: K=0 forward %.3f ms + engine %.3f ms for %.2f tokens; "
+           "K=3 forward %.3f ms + MTP %.3f ms + engine %.3f ms for %.2f tokens\n",
+           k0.fwd_ms, k0.eng_ms, k0.tok_per_step, k3.fwd_ms, k3.mtp_ms, k3.eng_ms, k3.tok_per_step);
     printf("K=3 acceptance: mean acceptance length %.3f (tokens per verification step); "
            "drafts %llu, draft tokens %llu, accepted %llu\n",
            spec_stats_mean_accept_len(&k3.mtp), (unsigned long long) k3.mtp.n_drafts,
@@ -251,8 +266,10 @@ int main(int argc, char **argv)
             if (c == 1)
                 base = r.out_tps;
             printf("K=%d concurrency %2d: %8.1f output tok/s (%.2fx of concurrency 1), "
-                   "mean TTFT %.2f ms, mean per-request decode %.1f tok/s\n",
-                   kk, c, r.out_tps, base > 0 ? r.out_tps / base : 0, r.ttft * 1e3, r.decode_tps);
+                   "mean TTFT %.2f ms, mean per-request decode %.1f tok/s; per step forward "
+                   "%.2f ms, MTP %.2f ms, engine %.3f ms, %.1f output tokens\n",
+                   kk, c, r.out_tps, base > 0 ? r.out_tps / base : 0, r.ttft * 1e3, r.decode_tps,
+                   r.fwd_ms, r.mtp_ms, r.eng_ms, r.tok_per_step);
         }
     }
     engine_stop(e);

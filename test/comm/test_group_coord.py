@@ -90,7 +90,8 @@ def test_ready_and_equal(s, tmp, ref, n):
 
 def test_kill_follower(s, tmp, n=2):
     group = "kill%d" % n
-    ranks = [start_rank(s, tmp, group, r, n, "--collective-timeout", "60000") for r in range(n)]
+    ranks = [start_rank(s, tmp, group, r, n, "--collective-timeout", "60000",
+                        "--max-model-len", "4096") for r in range(n)]
     s.wait_ready(groups=1, timeout=60)
     result = {}
 

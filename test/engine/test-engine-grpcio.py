@@ -7,7 +7,8 @@ MTP stats with one entry per draft position, timings); greedy requests are
 reproducible; seeded sampled requests are reproducible; text input is
 INVALID_ARGUMENT naming token_ids; Abort ends a stream with finish reason ABORT; a
 client-side cancel and a deadline are handled; GetLoads reports one group;
-GetModelInfo reports the vocab; the server exits with the KV invariant intact.
+GetModelInfo reports the vocab; overload is RESOURCE_EXHAUSTED with a
+grpc-retry-pushback-ms trailer; the server exits with the KV invariant intact.
 
 usage: test-engine-grpcio.py SERVER_BINARY PROTO_DIR   (exit 77 when grpcio is missing)
 """
@@ -126,6 +127,28 @@ def main():
         for t in th:
             t.join()
         assert all(res[i] == outs[0] for i in range(8)), "batched output differs from solo"
+
+        # overload: 8 running + 8 waiting fit; the rest are RESOURCE_EXHAUSTED with a
+        # retry pushback trailer
+        its = [stub.Generate(gen(f"o{i}", [1, 2], temperature=1.0, max_tokens=450,
+                                 ignore_eos=True)) for i in range(24)]
+        exhausted, live = 0, []
+        for it in its:
+            try:
+                next(it)
+                live.append(it)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                md = dict(e.trailing_metadata() or ())
+                assert md.get("grpc-retry-pushback-ms") == "100", md
+                exhausted += 1
+        assert exhausted >= 24 - 16, exhausted
+        stub.Abort(pb.AbortRequest(request_ids=[f"o{i}" for i in range(24)]))
+        for it in live:
+            fin = [m.final for m in it if m.HasField("final")]
+            # queued ones only stream once earlier ones finish, so some end by length
+            assert fin and fin[0].finish_reason in (pb.FINISH_REASON_ABORT,
+                                                    pb.FINISH_REASON_LENGTH), fin
 
         loads = stub.GetLoads(pb.GetLoadsRequest())
         assert len(loads.loads) == 1 and loads.loads[0].group == "g-mock"

@@ -139,7 +139,7 @@ int main(void)
 {
     struct mock_config mc;
     mock_config_init(&mc);
-    mc.step_usec = 200;
+    mc.step_usec = 500;
     struct forward *f;
     ASSERT_OK(mock_forward_new(&mc, &f));
     struct engine_config ec;

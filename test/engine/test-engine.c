@@ -361,11 +361,11 @@ static void test_deadline_in_queue(void)
     q.prompt = prompt;
     q.n_prompt = 8;
     q.max_tokens = 5;
-    q.deadline_usec = engine_now_usec() + 2000;
+    q.deadline_usec = engine_now_usec() + 100000;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &b, NULL));
     ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(!b.finished);
-    usleep(3000);
+    usleep(110000);
     ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(b.finished);
     ASSERT_EQ(b.why, ENGINE_FINISH_DEADLINE);
@@ -379,12 +379,12 @@ static void test_deadline_in_queue(void)
     struct coll c = { 0 };
     q.id = "c";
     q.max_tokens = 500;
-    q.deadline_usec = engine_now_usec() + 3000;
+    q.deadline_usec = engine_now_usec() + 100000;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &c, NULL));
     for (int i = 0; i < 3; i++)
         ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(c.n > 0 && !c.finished);
-    usleep(4000);
+    usleep(110000);
     ASSERT_TRUE(engine_step(g.e) >= 0);
     ASSERT_EQ(c.why, ENGINE_FINISH_DEADLINE);
     ASSERT_CONTAINS(c.msg, "running");
@@ -817,9 +817,9 @@ static void test_thread(void)
         c[i].lock = &lock;
         c[i].cond = &cond;
         c[i].n_done = &done;
-        submit(&g, id, prompt, 12, 60, -1, &c[i]);
+        submit(&g, id, prompt, 12, i == 3 ? 450 : 60, -1, &c[i]);
     }
-    /* abort one while the engine is stepping (it is slow: 300 us/step) */
+    /* abort one while the engine is stepping (300 us/step: t3 needs >= 150 steps) */
     usleep(3000);
     const char *ids[] = { "t3" };
     ASSERT_EQ(engine_abort(g.e, ids, 1), 1);
@@ -855,6 +855,165 @@ static int on_plan(void *ctx, const struct step_plan *p)
     if (p->n_seqs > h->max_seqs)
         h->max_seqs = p->n_seqs;
     return h->calls == h->fail_at ? -EPIPE : 0;
+}
+
+struct plan_audit {
+    int budget;
+    int max_tokens;
+    int mixed_steps;       /* steps with a prefill chunk and a decode together */
+    int chunks;            /* runs that stop short of the known tokens (no logits) */
+};
+
+static int audit_plan(void *ctx, const struct step_plan *p)
+{
+    struct plan_audit *a = ctx;
+    int32_t sum = 0;
+    bool chunk = false, decode = false;
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        sum += s->n_tokens;
+        ASSERT_TRUE(s->n_tokens > 0 && s->n_logits <= s->n_tokens);
+        ASSERT_EQ(s->n_blocks, (s->pos0 + s->n_tokens + 15) / 16);
+        chunk |= s->n_logits == 0;
+        a->chunks += s->n_logits == 0;
+        decode |= s->n_logits >= 1 && s->pos0 > 0 && s->n_tokens <= 4;
+    }
+    ASSERT_EQ(sum, p->n_tokens);
+    ASSERT_LE(p->n_tokens, a->budget);
+    if (p->n_tokens > a->max_tokens)
+        a->max_tokens = p->n_tokens;
+    a->mixed_steps += chunk && decode;
+    return 0;
+}
+
+/* Chunked prefill: a long prompt arriving while others decode is cut into chunks that
+ * share each step's token budget with the decodes, never exceeding it. */
+static void test_chunked_prefill_mixes(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    mock_defaults(&mc);
+    engine_defaults(&ec, 1);
+    struct plan_audit a = { .budget = ec.max_num_batched_tokens };
+    ec.on_plan = audit_plan;
+    ec.on_plan_ctx = &a;
+    struct rig g;
+    rig_open(&g, &mc, &ec);
+    int32_t small[5], big[400], ref[30];
+    make_prompt(small, 5, 30);
+    make_prompt(big, 400, 31);
+    struct coll c1 = { 0 }, c2 = { 0 }, c3 = { 0 };
+    submit(&g, "d1", small, 5, 60, -1, &c1);
+    submit(&g, "d2", small, 4, 60, -1, &c2);
+    for (int i = 0; i < 3; i++)
+        ASSERT_OK(engine_step(g.e));
+    submit(&g, "big", big, 400, 30, -1, &c3);
+    ASSERT_OK(engine_run_until_idle(g.e));
+    ASSERT_TRUE(a.chunks >= 400 / ec.max_num_batched_tokens);
+    ASSERT_TRUE(a.mixed_steps > 0);
+    ASSERT_EQ(a.max_tokens, ec.max_num_batched_tokens);
+    reference(g.f, big, 400, 30, ref);
+    assert_same(&c3, ref, 30);
+    rig_close(&g);
+}
+
+/* Randomised churn under KV pressure: arrivals with random lengths, K, priorities and
+ * sampling, random aborts and deadlines.  After every step the pool is consistent; every
+ * request gets exactly one final; at the end everything is free. */
+static void test_churn(void)
+{
+    enum { NREQ = 120 };
+    struct mock_config mc;
+    struct engine_config ec;
+    mock_defaults(&mc);
+    mc.n_blocks[KV_GROUP_FULL] = 40;
+    mc.n_blocks[KV_GROUP_SLIDING] = 24;
+    engine_defaults(&ec, 2);
+    ec.max_model_len = 300;
+    ec.max_num_seqs = 8;
+    ec.max_waiting = 16;
+    ec.sliding_window = 32;
+    struct rig g;
+    rig_open(&g, &mc, &ec);
+    static struct coll c[NREQ];
+    static int32_t prompts[NREQ][200];
+    static int plen[NREQ];
+    static bool greedy[NREQ];
+    memset(c, 0, sizeof(c));
+    uint64_t z = 12345;
+    int submitted = 0, rejected = 0;
+    for (int step = 0; step < 20000; step++) {
+        z = z * 6364136223846793005ull + 1442695040888963407ull;
+        unsigned r = (unsigned) (z >> 33);
+        if (submitted < NREQ && r % 3 == 0) {
+            int i = submitted++;
+            int n = 1 + (int) (r / 7 % 180);
+            make_prompt(prompts[i], n, i);
+            struct engine_request q;
+            char id[16];
+            snprintf(id, sizeof(id), "z%d", i);
+            engine_request_init(&q);
+            q.id = id;
+            q.prompt = prompts[i];
+            q.n_prompt = n;
+            q.max_tokens = 1 + (int) (r / 11 % 90);
+            q.priority = (int) (r / 13 % 3);
+            q.num_speculative_tokens = (int) (r / 17 % 4);
+            plen[i] = n;
+            greedy[i] = !(r / 19 % 2);
+            if (r / 19 % 2) {
+                q.sampling.temperature = 0.8f;
+                q.sampling.top_p = 0.9f;
+                q.sampling.seed = r;
+            }
+            if (r / 23 % 10 == 0)
+                q.deadline_usec = engine_now_usec() + (int64_t) (r / 29 % 3000);
+            int rc = engine_submit(g.e, &q, on_out, &c[i], NULL);
+            if (rc == -EAGAIN) {
+                rejected++;
+                c[i].finished = true;
+            } else {
+                ASSERT_OK(rc);
+            }
+        }
+        if (submitted > 0 && r % 17 == 0) {
+            char id[16];
+            snprintf(id, sizeof(id), "z%d", (int) (r / 5 % (unsigned) submitted));
+            const char *ids[1] = { id };
+            (void) engine_abort(g.e, ids, 1);
+        }
+        ASSERT_TRUE(engine_step(g.e) >= 0);
+        ASSERT_OK(engine_check(g.e));
+        struct engine_loads l;
+        engine_get_loads(g.e, &l);
+        if (submitted == NREQ && !l.n_alive)
+            break;
+    }
+    struct engine_loads l;
+    engine_get_loads(g.e, &l);
+    ASSERT_EQ(l.n_alive, 0);
+    int why[_ENGINE_FINISH_MAX] = { 0 };
+    int checked = 0;
+    for (int i = 0; i < NREQ; i++) {
+        ASSERT_TRUE(c[i].finished);
+        why[c[i].why]++;
+        if (greedy[i] && c[i].n > 0) {
+            /* whatever happened (preemption, chunking, drafts), greedy tokens are exact */
+            static int32_t ref[128];
+            reference(g.f, prompts[i], plen[i], c[i].n, ref);
+            assert_same(&c[i], ref, c[i].n);
+            checked++;
+        }
+    }
+    ASSERT_TRUE(checked > 10);
+    printf("churn: %d requests: stop %d length %d abort %d deadline %d rejected %d; "
+           "%llu preemptions\n", NREQ, why[ENGINE_FINISH_STOP], why[ENGINE_FINISH_LENGTH],
+           why[ENGINE_FINISH_ABORT], why[ENGINE_FINISH_DEADLINE], rejected,
+           (unsigned long long) l.n_preemptions);
+    ASSERT_TRUE(l.n_preemptions > 0);
+    ASSERT_TRUE(why[ENGINE_FINISH_ABORT] > 0);
+    ASSERT_EQ(why[ENGINE_FINISH_ERROR], 0);
+    rig_close(&g);
 }
 
 static void test_on_plan_hook(void)
@@ -905,6 +1064,8 @@ int main(void)
     test_sampled_reproducible();
     test_sampled_spec_distribution();
     test_thread();
+    test_chunked_prefill_mixes();
+    test_churn();
     test_on_plan_hook();
     printf("engine: ok\n");
     return 0;

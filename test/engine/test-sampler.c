@@ -73,6 +73,17 @@ static void test_greedy_and_processors(void)
     sp.frequency_penalty = 0.0f;
     sp.presence_penalty = 0.01f;             /* 1.99 > 1.95 */
     ASSERT_EQ(sampler_sample(s, &sp, &h, logits, 0, 0), 1);
+    /* min_tokens bans EOS/stop ids while the output is shorter */
+    sampling_params_init(&sp);
+    int32_t ban[1] = { 1 };
+    sp.min_tokens = 3;
+    sp.ban = ban;
+    sp.n_ban = 1;
+    h.n_prompt = 0;
+    h.n_output = 2;
+    ASSERT_EQ(sampler_sample(s, &sp, &h, logits, 0, 0), 7);
+    h.n_output = 3;
+    ASSERT_EQ(sampler_sample(s, &sp, &h, logits, 0, 0), 1);
     /* top-k = 2 keeps only 1 and 7 */
     sampling_params_init(&sp);
     sp.temperature = 1.0f;

@@ -90,6 +90,16 @@ def bench_load(a):
     wait_idle(s)
     time.sleep(2)
     after = snapshot(s)
+    # a second identical round: growth between the two idle points would be a leak,
+    # growth over the first only the high-water mark of caches and thread pools
+    after2 = after
+    if a.rounds > 1:
+        loadgen(s.addr, a.streams, a.tokens)
+        wait_idle(s)
+        time.sleep(2)
+        after2 = snapshot(s)
+        print("   after a second round: %s (RSS %+d KiB vs the first idle point)" % (
+            after2, after2["rss_kib"] - after["rss_kib"]))
     gen = sum(e.stats().get("generate", 0) for e in engines)
     lat = sorted(p[0] for p in probe)
     bad_probe = [p for p in probe if p[1] != hpb.HealthCheckResponse.SERVING]
@@ -109,7 +119,7 @@ def bench_load(a):
               r["itl_p50_ms"], r["itl_p99_ms"], gen, after["rss_kib"] / before["rss_kib"],
               after["fds"] - before["fds"], after["threads"] - before["threads"]))
     rc = s.stop()
-    return ok and rc == 0 and after["fds"] == before["fds"]
+    return ok and rc == 0 and after["fds"] == before["fds"] and after2["fds"] == before["fds"]
 
 
 def bench_overload(a):
@@ -162,6 +172,7 @@ def main():
     ap.add_argument("--running", type=int, default=100)
     ap.add_argument("--queue", type=int, default=100)
     ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     ok = True
     if a.what in ("load", "all"):

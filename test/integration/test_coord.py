@@ -163,7 +163,7 @@ def test_health_and_failover():
                 else:
                     results[i] = ("OK", r.final.group, len(toks))
         except grpc.RpcError as e:
-            results[i] = (e.code().name, e.details(), len(toks))
+            results[i] = (e.code().name, e.details(), len(toks), time.time())
     ths = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in ths:
         t.start()
@@ -178,6 +178,8 @@ def test_health_and_failover():
     ok = [v for v in results.values() if v[0] == "OK"]
     assert len(results) == 8 and unavailable and ok, results
     assert all("g1" in v[1] for v in unavailable), unavailable
+    fail_after = max(v[3] for v in unavailable) - t_kill
+    assert fail_after < 2.0, fail_after      # B1: never hang to the deadline
     assert all(v[1] == "g0" and v[2] == 150 for v in ok), ok
     assert s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).groups_ready == 1
     # new requests go to the healthy group
@@ -196,8 +198,27 @@ def test_health_and_failover():
                what="Watch NOT_SERVING within 1 s")
     assert s.check("") == SERVING        # liveness unaffected
     watch.cancel()
-    print("   failover: %d UNAVAILABLE (naming g1), %d OK on g0; streams ended %.2fs after the kill"
-          % (len(unavailable), len(ok), t_end - t_kill))
+    print("   failover: %d UNAVAILABLE (naming g1) within %.3f s of kill -9, %d OK on g0 (all done %.2f s after)"
+          % (len(unavailable), fail_after, len(ok), t_end - t_kill))
+    assert s.stop() == 0
+
+
+def test_hung_worker():
+    s = Stepd("--worker-timeout-ms", "1000")
+    eng = s.start_engine("g0", "--delay-ms", "10")
+    s.wait_ready()
+    st = s.inf.Generate(gen_request([2], 3000), timeout=30)
+    next(st)
+    t0 = time.time()
+    eng.proc.send_signal(signal.SIGSTOP)
+    c, d = code_of(lambda: collect(st))
+    dt = time.time() - t0
+    assert c == grpc.StatusCode.UNAVAILABLE and "g0" in d, (c, d)
+    assert dt < 3.0, dt
+    assert s.check("readiness") == NOT_SERVING
+    print("   SIGSTOPped engine: stream ended UNAVAILABLE after %.2f s (worker timeout 1 s): %s" % (dt, d))
+    eng.proc.send_signal(signal.SIGCONT)
+    eng.kill()
     assert s.stop() == 0
 
 
@@ -221,6 +242,43 @@ def test_group_of_two_ranks():
     assert gg.epoch == 2, gg
     assert s.stop() == 0
     del r0, r1b
+
+
+def test_prefix_affinity_and_stepctl():
+    s = Stepd("--prefix-affinity", "4")
+    for g in ("a", "b", "c"):
+        s.start_engine(g, "--delay-ms", "1")
+    s.wait_ready(3)
+    seen = {}
+    for p in range(6):
+        groups = set()
+        for _ in range(3):
+            _, _, finals, _ = collect(s.inf.Generate(gen_request([p * 10 + 1, 2, 3, 4, 9 + _], 2), timeout=5))
+            groups.add(finals[0].group)
+        assert len(groups) == 1, (p, groups)   # same 4-token prefix -> same group
+        seen[p] = groups.pop()
+    assert len(set(seen.values())) >= 2, seen  # different prefixes spread over groups
+    # stepctl against the same server
+    ctl = os.environ.get("STEPCTL_BIN", "")
+    if ctl and os.path.exists(ctl):
+        env = dict(os.environ, STEPD_ADDR=s.addr, STEPD_ADMIN_ADDR="127.0.0.1:%d" % s.ports["admin"])
+        run = lambda *a: subprocess.run([ctl, *a], capture_output=True, text=True, timeout=20, env=env)  # noqa: E731
+        r = run("health", "readiness")
+        assert r.returncode == 0 and "SERVING" in r.stdout, r
+        r = run("generate", "--ids", "--max-tokens", "4", "5,6,7")
+        assert r.returncode == 0 and r.stdout.split() == [str(t) for t in expected_tokens([5, 6, 7], 4)], r
+        assert "finish=length" in r.stderr, r.stderr
+        r = run("groups")
+        assert r.returncode == 0 and "group a: ready" in r.stdout, r
+        r = run("health", "nope")
+        assert r.returncode == 1 and "NOT_FOUND" in r.stderr, r
+        r = run("generate", "--ids", "--max-tokens", "0", "5")
+        assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "max_tokens" in r.stderr, r
+        r = run("drain")
+        assert r.returncode == 0 and "draining" in r.stdout, r
+        assert s.proc.wait(10) == 0
+    else:
+        assert s.stop() == 0
 
 
 # ---------------------------------------------------------------- bad input (C8)
@@ -327,6 +385,14 @@ def test_bad_inputs():
     assert c == grpc.StatusCode.RESOURCE_EXHAUSTED, (c, d)
     c, d = code_of(lambda: collect(s.inf.Generate(pb.GenerateRequest(text="x" * (4 << 20)), timeout=10)))
     assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in d.lower() or "exceed" in d.lower(), (c, d)
+    # oversized metadata (C6): a 1 MiB header value, 10,000 headers, a 1 MiB authorization value
+    for md in ([("x-big", "a" * (1 << 20))], [("x-h%d" % i, "v") for i in range(10000)],
+               [("authorization", "Bearer " + "k" * (1 << 20))]):
+        c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=5, metadata=md)))
+        assert c in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE,
+                     grpc.StatusCode.CANCELLED), (c, d)
+    # the server may close that connection (allowed); it stays up and the channel reconnects
+    wait_until(lambda: code_of(lambda: s.check(""))[0] == OK, timeout=5, what="server up after metadata abuse")
     # deadline already expired on arrival
     c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=0.0001)))
     assert c == grpc.StatusCode.DEADLINE_EXCEEDED, (c, d)
@@ -431,6 +497,85 @@ def test_listen_policy():
     assert s.stop() == 0
 
 
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d):
+    """CA + server cert (localhost / 127.0.0.1) + client cert, and a second, foreign CA + client."""
+    for ca in ("ca", "evil"):
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=%s-root" % ca,
+                 "-keyout", ca + ".key", "-out", ca + ".crt", cwd=d)
+    with open(os.path.join(d, "san.ext"), "w") as f:
+        f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name, ca in (("server", "ca"), ("client", "ca"), ("evilclient", "evil")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", name + ".key",
+                 "-out", name + ".csr", cwd=d)
+        extra = ["-extfile", "san.ext"] if name == "server" else []
+        _openssl("x509", "-req", "-in", name + ".csr", "-CA", ca + ".crt", "-CAkey", ca + ".key", "-CAcreateserial",
+                 "-days", "2", "-out", name + ".crt", *extra, cwd=d)
+    rd = lambda n: open(os.path.join(d, n), "rb").read()  # noqa: E731
+    return rd
+
+
+def test_tls_mtls():
+    import shutil
+    import tempfile
+    if not shutil.which("openssl"):
+        print("   (no openssl; skipped)")
+        return
+    d = tempfile.mkdtemp(prefix="stepd-pki-")
+    rd = make_pki(d)
+    p = lambda n: os.path.join(d, n)  # noqa: E731
+    # refused: require client cert without a CA bundle (the force_client_auth pitfall)
+    r = subprocess.run([STEPD_BIN, "--tls-cert", p("server.crt"), "--tls-key", p("server.key"),
+                        "--tls-require-client-cert", "--metrics-listen", ""], capture_output=True, text=True, timeout=10)
+    assert r.returncode != 0 and "--tls-client-ca" in r.stderr, r.stderr
+    # TLS + API key on a non-loopback address is allowed without --insecure-listen
+    key = "tls-key-123"
+    s = Stepd("--listen", "0.0.0.0:0", "--tls-cert", p("server.crt"), "--tls-key", p("server.key"),
+              "--tls-client-ca", p("ca.crt"), "--tls-require-client-cert", env={"STEPD_API_KEY": key})
+    target = "localhost:%d" % s.ports["public"]
+
+    def check(creds):
+        ch = grpc.secure_channel(target, creds)
+        try:
+            return hpb_stub(ch).Check(hpb.HealthCheckRequest(service=""), timeout=3).status
+        finally:
+            ch.close()
+    good = grpc.ssl_channel_credentials(rd("ca.crt"), rd("client.key"), rd("client.crt"))
+    assert check(good) == SERVING
+    c, _ = code_of(lambda: check(grpc.ssl_channel_credentials(rd("ca.crt"))))            # no client cert
+    assert c == grpc.StatusCode.UNAVAILABLE, c
+    c, _ = code_of(lambda: check(grpc.ssl_channel_credentials(rd("ca.crt"), rd("evilclient.key"),
+                                                                rd("evilclient.crt"))))  # foreign CA
+    assert c == grpc.StatusCode.UNAVAILABLE, c
+    ch = grpc.insecure_channel(target)                                                    # plaintext
+    c, _ = code_of(lambda: hpb_stub(ch).Check(hpb.HealthCheckRequest(service=""), timeout=3))
+    ch.close()
+    assert c == grpc.StatusCode.UNAVAILABLE, c
+    # the API key is still required over mTLS
+    ch = grpc.secure_channel(target, good)
+    inf = pb_stub(ch)
+    c, _ = code_of(lambda: inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=3))
+    assert c == grpc.StatusCode.UNAUTHENTICATED, c
+    info = inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=3, metadata=[("authorization", "Bearer " + key)])
+    assert info.role == "coordinator"
+    ch.close()
+    assert s.stop() == 0
+    shutil.rmtree(d, True)
+
+
+def hpb_stub(ch):
+    from stepd_harness import hpbg
+    return hpbg.HealthStub(ch)
+
+
+def pb_stub(ch):
+    from stepd_harness import pbg
+    return pbg.InferenceStub(ch)
+
+
 # ---------------------------------------------------------------- text pipeline
 
 def test_text_and_chat():
@@ -470,6 +615,86 @@ def test_text_and_chat():
     parsed = "".join(c.reasoning_delta + c.content_delta for c in chunks)
     assert parsed.replace("\n", "") or text == "", (parsed, text)
     assert s.stop() == 0
+
+
+# ---------------------------------------------------------------- real worker
+
+def test_real_worker():
+    """stepd + the real stepd-worker (CPU, bundled tiny model), when both are built."""
+    worker = os.environ.get("STEPD_WORKER_BIN", "")
+    model = os.environ.get("TINY_MODEL_DIR", "")
+    if not worker or not os.path.exists(worker) or not os.path.isdir(model):
+        print("   (no stepd-worker or tiny model; skipped)")
+        return
+    import socket
+    so = socket.socket()
+    so.bind(("127.0.0.1", 0))
+    eport = so.getsockname()[1]
+    so.close()
+    s = Stepd("--tokenizer", os.path.join(model, "tokenizer.json"))
+    log = open(os.path.join(s.workdir, "worker.log"), "w")
+    cmd = [worker, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group", "cpu0", "--rank", "0",
+           "--world-size", "1", "--device", "cpu", "--model", model, "--engine-listen", "127.0.0.1:%d" % eport]
+    w = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        s.wait_ready(1, timeout=120)
+        wait_until(lambda: code_of(lambda: s.inf.GetModelInfo(pb.GetModelInfoRequest(), timeout=2))[0] == OK,
+                   what="model info")
+        mi = s.inf.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+        assert mi.vocab_size >= 4000 and "/" not in mi.model_name, mi
+        req = pb.GenerateRequest(text="The capital of France is", sampling_params=pb.SamplingParams(
+            max_tokens=12, temperature=0.0), stream_options=pb.StreamOptions(include_token_ids=True))
+        toks, text, finals, _ = collect(s.inf.Generate(req, timeout=60))
+        assert finals and finals[0].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP), finals
+        assert len(toks) == finals[0].usage.completion_tokens and len(toks) >= 1
+        toks2, text2, _, _ = collect(s.inf.Generate(req, timeout=60))
+        assert toks2 == toks, (toks, toks2)           # greedy is deterministic
+        chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Hi")], reasoning_effort="low")
+        _, _, finals, _ = collect(s.inf.Generate(pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(
+            max_tokens=8)), timeout=60))
+        assert finals and finals[0].group == "cpu0"
+        print("   real worker: %d tokens, text %r" % (len(toks), text[:60]))
+        assert s.stop() == 0
+        assert w.wait(20) == 0                        # the worker leaves when the coordinator does
+    finally:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+
+
+def test_sd_notify():
+    """READY=1 once listening, STATUS= with group readiness, WATCHDOG=1 from the loop,
+    STOPPING=1 on drain - read from a fake $NOTIFY_SOCKET."""
+    import socket
+    import tempfile
+    d = tempfile.mkdtemp(prefix="stepd-notify-")
+    path = os.path.join(d, "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0.2)
+    s = Stepd(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})
+    msgs = []
+
+    def drain_sock(until):
+        end = time.time() + 5
+        while time.time() < end:
+            try:
+                msgs.append(sock.recv(4096).decode())
+            except socket.timeout:
+                pass
+            if until(msgs):
+                return
+        raise AssertionError("notify messages so far: %r" % msgs)
+    drain_sock(lambda m: any("READY=1" in x for x in m) and sum("WATCHDOG=1" in x for x in m) >= 3)
+    s.start_engine("g0")
+    s.wait_ready()
+    drain_sock(lambda m: any("groups ready 1/1" in x for x in m))
+    s.proc.send_signal(signal.SIGTERM)
+    drain_sock(lambda m: any("STOPPING=1" in x for x in m))
+    assert s.proc.wait(10) == 0
+    sock.close()
+    status = [x for x in msgs if x.startswith("STATUS=")]
+    print("   notify: %d messages, e.g. %r" % (len(msgs), status[-1] if status else None))
 
 
 # ---------------------------------------------------------------- drain
@@ -523,11 +748,16 @@ if __name__ == "__main__":
         ("cancel_and_deadline", test_cancel_and_deadline),
         ("health_and_failover", test_health_and_failover),
         ("group_of_two_ranks", test_group_of_two_ranks),
+        ("hung_worker", test_hung_worker),
+        ("prefix_affinity_and_stepctl", test_prefix_affinity_and_stepctl),
         ("bad_inputs", test_bad_inputs),
         ("overload", test_overload),
         ("api_key_every_rpc", test_api_key_every_rpc),
         ("listen_policy", test_listen_policy),
+        ("tls_mtls", test_tls_mtls),
         ("text_and_chat", test_text_and_chat),
+        ("real_worker", test_real_worker),
+        ("sd_notify", test_sd_notify),
         ("drain_sigterm", test_drain_sigterm),
         ("drain_admin_and_timeout", test_drain_admin_and_timeout),
     ])

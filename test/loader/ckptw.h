@@ -53,7 +53,7 @@ struct ckptw_override {    /* write this tensor with another dtype / shape (for 
 /* fill: store the float values of a tensor (numel floats, row-major, the
  * logical dequantised shape: MXFP4 experts are [out, in]); return 1 when filled,
  * 0 to get random values. */
-typedef int (*ckptw_fill_fn)(void *user, const char *name, int ndim, const int64_t *shape, float *out);
+typedef int (*ckptw_fill_t)(void *user, const char *name, int ndim, const int64_t *shape, float *out);
 
 struct ckptw_opts {
     int n_shards;                      /* >= 1 */
@@ -69,7 +69,7 @@ struct ckptw_opts {
     bool language_model_prefix;        /* spell names model.language_model.* */
     uint64_t seed;
     float init_scale;
-    ckptw_fill_fn fill;
+    ckptw_fill_t fill;
     void *fill_user;
     const char *const *omit;           /* NULL-terminated canonical names to leave out */
     const char *const *extra;          /* NULL-terminated extra (unknown) names: BF16 [4] */

@@ -247,6 +247,13 @@ static void test_quant(void)
         { "f.input_activations", "{\"num_bits\": 8}", -ENOTSUP, "group_0.input_activations: activation quantization is not supported" },
         { "f.targets", "[]", -EINVAL, "group_0.targets: empty" },
         { "f.weights", NULL, -ENOENT, "group_0.weights: required field is missing" },
+        { "f.targets", "[\"re:.*self_attn.*\"]", -ENOTSUP, "routed expert module 'model.layers.3.moe.experts.0.gate_proj' is not MXFP4" },
+        { "f.targets", "[\"re:(\"]", -EINVAL, "quantization_config.config_groups.group_0.targets: 're:(': bad regex" },
+        { "f.targets", "[\"re:.*experts.*\", \"re:.*mlp\\\\.down_proj$\", \"model.embed_tokens\"]", 0, "" },
+        { "ignore", "[]", 0, "" },   /* the targets name only experts */
+        { "ignore", "\"x\"", -EINVAL, "quantization_config.ignore: expected an array, got a string" },
+        { "ignore", "[\"re:.*\"]", -ENOTSUP, "routed expert module" },
+        { "f.targets", "[\"Linear\"]", 0, "" },   /* every dense linear is in ignore */
     };
     struct model_config want, got;
     struct err_buf e;
@@ -268,9 +275,20 @@ static void test_quant(void)
         } else {
             json_object_del(target, key);
         }
+        e.msg[0] = 0;
         r = parse_json(j, &got, &e);
-        if (r != cases[i].err || !strstr(e.msg, cases[i].msg))
+        if (r != cases[i].err || (r < 0 && !strstr(e.msg, cases[i].msg)))
             FAIL("quant case %zu: got %d \"%s\"", i, r, e.msg);
+        json_decref(j);
+    }
+    /* "Linear" without an ignore list would quantise the dense layers too */
+    {
+        json_t *j = base_json(&want, true, false), *q = json_object_get(j, "quantization_config");
+        json_object_set_new(json_object_get(json_object_get(q, "config_groups"), "group_0"), "targets",
+                            json_pack("[s]", "Linear"));
+        json_object_del(q, "ignore");
+        ASSERT_ERR(parse_json(j, &got, &e), -ENOTSUP);
+        ASSERT_CONTAINS(e.msg, "quantization_config.config_groups.group_0: targets the dense module 'model.layers.0.self_attn.q_proj' and ignore does not exclude it");
         json_decref(j);
     }
     /* no quantization_config: everything dense */

@@ -438,6 +438,38 @@ static void test_not_divisible(void)
     free(dir);
 }
 
+/* Property: an optional parameter of any shape with n_kv_heads values ([2,4] here)
+ * is accepted and sliced per rank by KV head. */
+static void test_optional_any_shape(void)
+{
+    struct ckptw_override ov[] = { { "model.layers.1.self_attn.k_scale", DTYPE_F32, 2, { 2, 4 } } };
+    struct model_config cfg;
+    struct ckptw_opts o;
+    struct err_buf e = { "" };
+    struct ckpt *c;
+    struct tview v;
+    float out[8];
+    char *dir = mkdir_case("optshape");
+
+    ckptw_config_tiny(&cfg);
+    ckptw_opts_default(&o);
+    o.kv_scales = CKPTW_OPT_PER_HEAD;
+    o.overrides = ov;
+    o.n_overrides = 1;
+    ASSERT_OK(ckptw_write(dir, &cfg, &o, &e));
+    for (int r = 0; r < 2; r++) {
+        ASSERT_OK(open_ckpt(dir, 2, r, 2, NULL, &c, &e, NULL));
+        ASSERT_OK(ckpt_get(c, "model.layers.1.self_attn.k_scale", &v));
+        ASSERT_EQ(v.ndim, 1);
+        ASSERT_EQ(v.shape[0], 4);
+        ASSERT_EQ(ckpt_get_optional(c, "model.layers.1.self_attn.k_scale", 1.0f, out, 4), 1);
+        ASSERT_EQ(ckpt_get_optional(c, "model.layers.1.self_attn.v_scale", 1.0f, out, 4), 1);
+        ASSERT_EQ(out[0], 1.0f + 0.125f * (float) (4 * r));
+        ckpt_close(c);
+    }
+    free(dir);
+}
+
 /* Property: bad optional parameters (wrong dtype or element count) are errors. */
 static void test_bad_optional(void)
 {
@@ -559,6 +591,95 @@ static void test_index_c3(void)
     free(outside);
 }
 
+static int fill_norms(void *user, const char *name, int ndim, const int64_t *shape, float *out)
+{
+    size_t n = strlen(name);
+    (void) user;
+    if (n < 11 || strcmp(name + n - 11, "norm.weight") != 0)
+        return 0;
+    for (int64_t i = 0; i < shape[0]; i++)
+        out[i] = 0.25f * (float) (i % 4);
+    (void) ndim;
+    return 1;
+}
+
+/* Property: given weights (fill callback) reach ckpt_get unchanged; the rest stay random. */
+static void test_given_weights(void)
+{
+    struct model_config cfg;
+    struct ckptw_opts o;
+    struct err_buf e = { "" };
+    struct ckpt *c;
+    struct tview v;
+    char *dir = mkdir_case("given");
+
+    ckptw_config_tiny(&cfg);
+    ckptw_opts_default(&o);
+    o.fill = fill_norms;
+    o.seed = 7;
+    ASSERT_OK(ckptw_write(dir, &cfg, &o, &e));
+    ASSERT_OK(open_ckpt(dir, 1, 0, 2, NULL, &c, &e, NULL));
+    ASSERT_OK(ckpt_get(c, "model.norm.weight", &v));
+    for (int64_t i = 0; i < 64; i++)
+        ASSERT_EQ(bf16_at(&v, i), 0.25f * (float) (i % 4));
+    ASSERT_OK(ckpt_get(c, "model.layers.5.transformer.shared_head.norm.weight", &v));
+    ASSERT_EQ(bf16_at(&v, 3), 0.75f);
+    ASSERT_OK(ckpt_get(c, "model.layers.1.self_attn.v_proj.weight", &v));
+    ASSERT_EQ(bf16_at(&v, 9), ckptw_bf16_to_f32(ckptw_f32_to_bf16(
+        ckptw_random_value(7, "model.layers.1.self_attn.v_proj.weight", 9, 0.05f))));
+    ckpt_close(c);
+    free(dir);
+}
+
+/* Property: with tie_word_embeddings the vocab slice of lm_head comes from the
+ * embedding; nothing is reported missing. */
+static void test_tied_embeddings(void)
+{
+    struct model_config cfg;
+    struct ckptw_opts o;
+    struct err_buf e = { "" };
+    struct ckpt *c;
+    struct tview emb, lm;
+    char *dir = mkdir_case("tied");
+
+    ckptw_config_tiny(&cfg);
+    cfg.tie_word_embeddings = true;
+    ckptw_opts_default(&o);
+    ASSERT_OK(ckptw_write(dir, &cfg, &o, &e));
+    ASSERT_OK(open_ckpt(dir, 2, 1, 0, NULL, &c, &e, NULL));
+    ASSERT_TRUE(ckpt_config(c)->tie_word_embeddings);
+    ASSERT_OK(ckpt_get(c, "model.embed_tokens.weight", &emb));
+    ASSERT_OK(ckpt_get(c, "lm_head.weight", &lm));
+    ASSERT_EQ(lm.shape[0], 128);
+    ASSERT_TRUE(lm.data == (const char *) emb.data + 128 * 64 * 2);
+    ckpt_close(c);
+    free(dir);
+}
+
+/* Property: one damaged shard among three is reported alone (file named, cause
+ * given), not as thousands of "missing" tensors. */
+static void test_damaged_shard(void)
+{
+    struct model_config cfg;
+    struct ckptw_opts o;
+    struct err_buf e = { "" };
+    struct ckpt *c;
+    struct stat st;
+    char *dir = mkdir_case("damaged"), path[PATH_MAX];
+
+    ckptw_config_tiny(&cfg);
+    ckptw_opts_default(&o);
+    ASSERT_OK(ckptw_write(dir, &cfg, &o, &e));
+    snprintf(path, sizeof(path), "%s/model-00002-of-00003.safetensors", dir);
+    ASSERT_OK(stat(path, &st));
+    ASSERT_OK(truncate(path, st.st_size - 1));
+    ASSERT_ERR(open_ckpt(dir, 1, 0, 2, NULL, &c, &e, NULL), -EBADMSG);
+    ASSERT_CONTAINS(e.msg, "1 problem (world size 1, rank 0):");
+    ASSERT_CONTAINS(e.msg, "model-00002-of-00003.safetensors: tensors need");
+    ASSERT_CONTAINS(e.msg, "(truncated?)");
+    free(dir);
+}
+
 int main(void)
 {
     root = ckptw_tmpdir("stepd-test-loader");
@@ -572,7 +693,11 @@ int main(void)
     test_slices();
     test_not_divisible();
     test_bad_optional();
+    test_optional_any_shape();
     test_index_c3();
+    test_damaged_shard();
+    test_given_weights();
+    test_tied_embeddings();
     if (!getenv("STEPD_KEEP_TMP"))
         ckptw_rmtree(root);
     free(root);

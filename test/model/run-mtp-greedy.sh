@@ -13,6 +13,10 @@ for args in "--mtp 1" "--mtp 3" "--mtp 3 --chunk 5" "--chunk 4"; do
     fi
     echo "ok: $args"
 done
+# --prompt TEXT goes through the tokenizer (BOS first)
+out=$("$run" "$dir" --prompt "In the beginning" -n 4 --threads 1 --ids-only)
+[ "$(echo "$out" | tr ',' '\n' | wc -l)" -eq 4 ] || { echo "--prompt: got '$out'"; exit 1; }
+echo "ok: --prompt"
 # bad input is refused with a message naming it
 if "$run" "$dir" --prompt-ids 1,2,999999 -n 2 2>err.txt; then echo "accepted a bad id"; exit 1; fi
 grep -q "item 3" err.txt || { cat err.txt; exit 1; }

@@ -419,6 +419,13 @@ static void test_bad_plans(const int32_t *X)
     ASSERT_ERR(model_step(m, &tp.p, lg), -E2BIG);
     ASSERT_CONTAINS(model_last_error(m), "reserved");
 
+    tp_init(&tp);
+    tp_add(&tp, 0, 0, X, 2, 1, 0, false);
+    tp_add(&tp, 1, 0, X, 2, 1, 0, false);
+    tp.seqs[1].tok_off = 0;                         /* overlapping runs */
+    ASSERT_ERR(model_step(m, &tp.p, lg), -EINVAL);
+    ASSERT_CONTAINS(model_last_error(m), "contiguous");
+
     /* MTP without a successful step for this plan */
     if (K) {
         tp_init(&tp);

@@ -16,9 +16,13 @@ import json
 import subprocess
 import sys
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+try:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+except ImportError:
+    print('SKIP: jinja2 is not installed')
+    sys.exit(77)
 
 
 def make_env():

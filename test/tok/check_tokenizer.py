@@ -15,7 +15,11 @@ import sys
 import tempfile
 import time
 
-from tokenizers import Tokenizer
+try:
+    from tokenizers import Tokenizer
+except ImportError:
+    print('SKIP: the tokenizers library is not installed')
+    sys.exit(77)
 
 
 def fnv64(data: bytes) -> int:

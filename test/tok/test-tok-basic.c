@@ -12,6 +12,7 @@
  * usage: test-tok-basic TINY_TOKENIZER.json
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -214,6 +215,8 @@ static void load_errors(void)
                       "\"normalizer\": {\"type\": \"Lowercase\"}}", -ENOTSUP, "Lowercase");
     expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
                       "\"decoder\": {\"type\": \"WordPiece\"}}", -ENOTSUP, "WordPiece");
+    expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}",
+                      -ENOTSUP, "without a decoder");
     expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
                       "\"added_tokens\": [{\"id\": -1, \"content\": \"x\"}]}", -EINVAL,
                       "added_tokens[0]");
@@ -262,6 +265,13 @@ static void api(struct tokenizer *tok)
     ASSERT_OK(tok_encode(tok, "x", 1, TOK_ENCODE_ADD_BOS, &ids, NULL));
     ASSERT_EQ(ids.ids[0], 0);
     ASSERT_EQ(ids.n, 2);
+    ids.n = 0;
+    const char *with_bos = "<\xef\xbd\x9c" "begin\xe2\x96\x81" "of\xe2\x96\x81" "sentence\xef\xbd\x9c>x";
+    ASSERT_OK(tok_encode(tok, with_bos, strlen(with_bos), TOK_ENCODE_ADD_BOS | TOK_ENCODE_SPECIAL,
+                         &ids, NULL));
+    ASSERT_EQ(ids.n, 2);
+    ASSERT_EQ(ids.ids[0], 0);
+    ASSERT_TRUE(ids.ids[1] != 0);
 
     /* skip_special in decode */
     int32_t seq[] = { 1, 425, 2 };
@@ -292,6 +302,52 @@ static void api(struct tokenizer *tok)
     tok_ids_done(&ids);
 }
 
+struct thread_arg {
+    const struct tokenizer *tok;
+    const struct tokt_corpus *c;
+    uint64_t digest;
+};
+
+static void *encode_all(void *p)
+{
+    struct thread_arg *a = p;
+    struct tok_ids ids = {0};
+    for (size_t k = 0; k < a->c->n; k++) {
+        ids.n = 0;
+        ASSERT_OK(tok_encode(a->tok, a->c->docs[k].text, a->c->docs[k].len, TOK_ENCODE_SPECIAL,
+                             &ids, NULL));
+        a->digest = a->digest * 31 + tokt_fnv64_ids(ids.ids, ids.n);
+    }
+    tok_ids_done(&ids);
+    return NULL;
+}
+
+/* One tokenizer shared by 4 threads (its word cache is the shared mutable part): every
+ * thread gets the ids a fresh single-threaded tokenizer gets. */
+static void threads(const char *path)
+{
+    struct tokenizer *shared, *fresh;
+    struct tokt_corpus c = {0};
+    struct thread_arg ref = {0}, a[4];
+    pthread_t th[4];
+    ASSERT_OK(tok_load(path, &shared, NULL));
+    ASSERT_OK(tok_load(path, &fresh, NULL));
+    ASSERT_OK(tokt_corpus_synth(&c, 99, 128 * 1024, NULL, 0));
+    ref = (struct thread_arg){ fresh, &c, 0 };
+    encode_all(&ref);
+    for (int i = 0; i < 4; i++) {
+        a[i] = (struct thread_arg){ shared, &c, 0 };
+        ASSERT_EQ(pthread_create(&th[i], NULL, encode_all, &a[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        ASSERT_EQ(pthread_join(th[i], NULL), 0);
+        ASSERT_TRUE(a[i].digest == ref.digest);
+    }
+    tokt_corpus_done(&c);
+    tok_free(shared);
+    tok_free(fresh);
+}
+
 int main(int argc, char **argv)
 {
     struct tokenizer *tok;
@@ -304,7 +360,8 @@ int main(int argc, char **argv)
     load_errors();
     api(tok);
     variants(argv[1]);
+    threads(argv[1]);
     tok_free(tok);
-    printf("tokenizer basics, load errors and 11 file-format variants passed\n");
+    printf("tokenizer basics, load errors, 11 file-format variants and 4 threads passed\n");
     return 0;
 }

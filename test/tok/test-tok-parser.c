@@ -265,6 +265,32 @@ static void run_tokens(const struct pcase *c, const json_t *tools, const struct 
     result_free(&res);
 }
 
+/* A 256 KiB parameter value streamed 4 bytes at a time arrives whole and in order (the
+ * terminator search resumes where it stopped, so this stays linear). */
+static void long_value(const json_t *tools)
+{
+    static const char head[] = "<tool_call>\n<function=search>\n<parameter=query>\n";
+    static const char tail[] = "\n</parameter>\n</function>\n</tool_call>";
+    size_t nv = 256 * 1024, n = strlen(head) + nv + strlen(tail);
+    char *in = malloc(n + 1);
+    ASSERT_TRUE(in);
+    strcpy(in, head);
+    for (size_t i = 0; i < nv; i++)
+        in[strlen(head) + i] = (char)('a' + i % 26);
+    strcpy(in + strlen(head) + nv, tail);
+    struct pcase c = { "long-value", false, true, in, "", "", NULL };
+    struct result res = { .cur_index = -1 };
+    struct tok_parser *p = parser_for(&c, tools);
+    for (size_t i = 0; i < n; i += 4)
+        ASSERT_OK(tok_parser_feed(p, in + i, n - i < 4 ? n - i : 4, on_event, &res));
+    ASSERT_OK(tok_parser_finish(p, on_event, &res));
+    ASSERT_EQ(res.na, nv + strlen("{\"query\": \"\"}"));
+    ASSERT_TRUE(memcmp(res.args + strlen("{\"query\": \""), in + strlen(head), nv) == 0);
+    tok_parser_free(p);
+    result_free(&res);
+    free(in);
+}
+
 int main(int argc, char **argv)
 {
     struct tokenizer *tok = NULL;
@@ -284,7 +310,9 @@ int main(int argc, char **argv)
         if (tok)
             run_tokens(&cases[i], tools, tok);
     }
-    printf("%zu parser cases x %d feeding modes passed\n", n_cases, tok ? 4 : 3);
+    long_value(tools);
+    printf("%zu parser cases x %d feeding modes and a 256 KiB streamed value passed\n", n_cases,
+           tok ? 4 : 3);
     tok_free(tok);
     json_decref(tools);
     return 0;

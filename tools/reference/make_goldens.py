@@ -156,8 +156,8 @@ def make_random_model(out_dir, seed):
 
 
 def clamp_report(model, ids):
-    """Fraction of elements where each clamp binds (on a full forward of ids + MTP)."""
-    stats = {}
+    """How often the SwiGLU clamps bind on a forward of ids (trunk + MTP chain): counts of elements
+    with silu(gate) > L and |up| > L over all clamped MLP/expert evaluations, and their total."""
     orig = S.swiglu
     cnt = {"gate": 0, "up": 0, "n": 0}
 
@@ -169,11 +169,6 @@ def clamp_report(model, ids):
         return orig(u, w, limit)
     S.swiglu = counting
     try:
-        for i, layer in enumerate(model.model.layers):
-            cnt.update(gate=0, up=0, n=0)
-            # run the layer stack up to i and count only layer i
-            stats[i] = None
-        cnt.update(gate=0, up=0, n=0)
         with torch.no_grad():
             _, h = model.trunk(torch.tensor([ids]))
             model.mtp_chain(torch.tensor([ids]), h)

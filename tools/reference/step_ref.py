@@ -376,15 +376,6 @@ class DecoderLayer(nn.Module):
             self.hnorm = RMSNorm(cfg.hidden, cfg.eps)
             self.eh_proj = nn.Linear(2 * cfg.hidden, cfg.hidden, bias=False)
             self.transformer = MTPTransformer(cfg)
-        self.clamp_stats = None  # optional dict name -> [bound, total] counters
-
-    def _count(self, name, u, w, limit):
-        if self.clamp_stats is None or not limit:
-            return
-        st = self.clamp_stats.setdefault(name, [0, 0, 0])
-        st[0] += int((F.silu(u) > limit).sum())
-        st[1] += int((w.abs() > limit).sum())
-        st[2] += u.numel()
 
     def forward(self, h, pos):
         a = self.input_layernorm(h)
@@ -393,9 +384,6 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         if cfg.is_moe(self.layer):
             ls = cfg.swiglu_limits_shared[self.layer]
-            if self.clamp_stats is not None:
-                se = self.share_expert
-                self._count("shared", se.gate_proj(b), se.up_proj(b), ls)
             f = self.moe(b, cfg.swiglu_limits[self.layer]) + self.share_expert(b, ls)
         else:
             f = self.mlp(b, cfg.swiglu_limits_shared[self.layer])
@@ -443,8 +431,8 @@ class StepModel(nn.Module):
         ids [B, N], hidden [B, N, H] = trunk hidden of ids.  MTP layer k (0-based) runs over
         positions p = 0 .. N-k-2 (RoPE position p, causal + window over those positions) with token
         ids[p+k+1] and previous hidden g_p (trunk hidden H_p for k = 0, MTP layer k-1's pre-norm
-        output at p otherwise).  Its logits at p predict ids[p+k+2] (the last one, p = N-k-2, is the
-        draft beyond the known sequence when k = 0 ... see README).
+        output at p otherwise).  Its logits at p predict ids[p+k+2]; at the last position
+        p = N-k-2 that token lies beyond the sequence (a real draft).
         Returns [logits_k [B, N-k-1, V] for k in range(depth)]."""
         depth = self.cfg.n_mtp if depth is None else depth
         out = []
@@ -517,6 +505,7 @@ def save_checkpoint(model, config_json, out_dir, shards=2):
     for i, g in enumerate(groups):
         fn = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: tensors[n] for n in g}, os.path.join(out_dir, fn))
+        os.chmod(os.path.join(out_dir, fn), 0o644)
         for n in g:
             weight_map[n] = fn
             total += tensors[n].numel() * tensors[n].element_size()

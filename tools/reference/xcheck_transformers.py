@@ -79,10 +79,80 @@ def compare(ckpt, seq_len=None, seed=0):
     return float(diff.max())
 
 
-def main():
+@torch.no_grad()
+def compare_mtp(ckpt, seq_len=None, seed=1):
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.step3p7.modeling_step3p7 import (Step3p7DecoderLayer, Step3p7RMSNorm,
+                                                              Step3p7RotaryEmbedding)
+    cj, ref = S.load_checkpoint(ckpt)
+    cfg = ref.cfg
+    _, hcfg = hf_text_model(cj)
+    hcfg.mtp_per_layer_config = {k: {"num_attention_heads": cfg.n_heads(cfg.n_layers + k)}
+                                 for k in range(cfg.n_mtp)}
+    mcfg = hcfg.get_mtp_config()
+    mcfg._attn_implementation = "eager"
+    # transformers truncates swiglu_limits(_shared) to the trunk layers, so MTP layer k would use trunk
+    # layer k's limits; give it the MTP entries (MODEL.md §3.1: swiglu_limits_shared[L]).
+    mcfg.swiglu_limits = cfg.swiglu_limits[cfg.n_layers:]
+    mcfg.swiglu_limits_shared = cfg.swiglu_limits_shared[cfg.n_layers:]
+    rot = Step3p7RotaryEmbedding(mcfg)
+    n = seq_len or max(3 * (cfg.window or 64), 160)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, min(cfg.vocab, 4000), (1, n), generator=g)
+    ids[:, 0] = 0
+    _, hidden = ref.trunk(ids)
+    ref_logits = ref.mtp_chain(ids, hidden)
+    sd = ref.state_dict()
     worst = 0.0
+    gprev = hidden
+    for k in range(cfg.n_mtp):
+        L = cfg.n_layers + k
+        layer = MtpLayer(mcfg, Step3p7DecoderLayer, Step3p7RMSNorm, k, use_post_norm=True).float().eval()
+        pre = f"model.layers.{L}."
+        w = {}
+        for name, v in sd.items():
+            if not name.startswith(pre):
+                continue
+            rest = name[len(pre):]
+            if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
+                w[rest] = v
+            elif rest == "transformer.shared_head.norm.weight":
+                w["post_norm.weight"] = v
+            elif rest.startswith("transformer.shared_head.output"):
+                continue
+            else:
+                w["mtp_block." + rest] = v
+        missing, unexpected = layer.load_state_dict(w, strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"MTP weight mapping incomplete: missing {missing} unexpected {unexpected}")
+        ln = n - k - 1
+        pos = torch.arange(ln)[None]
+        toks = ids[:, k + 1: k + 1 + ln]
+        emb = ref.model.embed_tokens(toks).float()
+        ltype = cfg.layer_types[L]
+        pe = rot(emb, pos, ltype)
+        tq = torch.arange(ln)[:, None]
+        tk = torch.arange(ln)[None, :]
+        allowed = tk <= tq
+        if ltype == "sliding_attention":
+            allowed = allowed & (tq - tk < cfg.window)
+        mask = torch.zeros(ln, ln).masked_fill(~allowed, float("-inf"))[None, None]
+        out = layer(emb, gprev[:, :ln], position_embeddings=pe, attention_mask=mask, position_ids=pos, cache=None)
+        hf_logits = out.float() @ sd[pre + "transformer.shared_head.output.weight"].t()
+        diff = (hf_logits - ref_logits[k]).abs().max().item()
+        worst = max(worst, diff)
+        print(f"{ckpt}: MTP depth {k + 1} (layer {L}, {ltype}, {cfg.n_heads(L)} heads): max|logit| "
+              f"{ref_logits[k].abs().max():.3f}  max abs diff {diff:.3e}")
+        _, gprev = ref.mtp_layer(k, toks, gprev[:, :ln], torch.arange(ln))
+    return worst
+
+
+def main():
+    worst = worst_mtp = 0.0
     for d in sys.argv[1:]:
         worst = max(worst, compare(d))
+        worst_mtp = max(worst_mtp, compare_mtp(d))
+    print(f"worst MTP max abs logit diff: {worst_mtp:.3e}")
     print(f"worst max abs logit diff: {worst:.3e}")
 
 

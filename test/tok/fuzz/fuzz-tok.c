@@ -11,6 +11,7 @@
  *   3 stop strings: output never contains the stop string
  *   4 chat template: any JSON renders or fails cleanly
  *   5 tokenizer.json loader: any document loads or fails with a message
+ *   6 output pipeline: ids -> detok -> stop strings -> parsers; tool arguments stay JSON
  * Work per input is linear in its size (inputs are capped at 64 KiB).
  */
 #include <dirent.h>
@@ -22,6 +23,7 @@
 #include <jansson.h>
 
 #include "chat.h"
+#include "gen.h"
 #include "parser.h"
 #include "tokenizer.h"
 
@@ -217,6 +219,31 @@ static void fuzz_load(const char *s, size_t n)
     }
 }
 
+static void fuzz_gen(const unsigned char *s, size_t n)
+{
+    static const int32_t stop_ids[] = { 2 };
+    static const char *const stops[] = { "</", "\n\n\n" };
+    if (n < 1)
+        return;
+    struct tok_gen_opts o = {
+        .skip_special = s[0] & 1, .stops = stops, .n_stops = (s[0] >> 1) & 1 ? 2 : 0,
+        .stop_ids = stop_ids, .n_stop_ids = (s[0] >> 2) & 1,
+        .parser = { .reasoning = (s[0] >> 3) & 1, .tools = (s[0] >> 4) & 1 },
+    };
+    struct tok_gen *g;
+    struct acc a = {0};
+    size_t V = tok_vocab_size(tok);
+    int r = 0;
+    CHECK(tok_gen_new(tok, &o, &g) == 0);
+    for (size_t i = 1; i + 1 < n && r == 0; i += 2)
+        r = tok_gen_push(g, (int32_t)(((size_t) s[i] << 8 | s[i + 1]) % V), on_ev, &a);
+    CHECK(r >= 0);
+    CHECK(tok_gen_finish(g, on_ev, &a) == 0);
+    CHECK(tok_gen_finish_reason(g, NULL) != TOK_FINISH_NONE);
+    tok_gen_free(g);
+    acc_free(&a);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -231,13 +258,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     const char *s = (const char *) data + 1;
     size_t n = size - 1;
-    switch (data[0] % 6) {
+    switch (data[0] % 7) {
     case 0: fuzz_encode(s, n); break;
     case 1: fuzz_detok(data + 1, n); break;
     case 2: fuzz_parser(data + 1, n); break;
     case 3: fuzz_stop(s, n); break;
     case 4: fuzz_chat(s, n); break;
-    default: fuzz_load(s, n); break;
+    case 5: fuzz_load(s, n); break;
+    default: fuzz_gen(data + 1, n); break;
     }
     return 0;
 }

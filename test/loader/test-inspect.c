@@ -1,0 +1,121 @@
+/* test-inspect.c - stepd-inspect end to end: exit 0 and a plan for a loadable
+ * checkpoint (every rank, or one), exit 1 with every problem listed for a broken
+ * one, exit 2 on usage errors; --json is valid JSON with per-rank figures.
+ * argv[1] = path of stepd-inspect. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include <jansson.h>
+
+#include "ckptw.h"
+#include "harness.h"
+
+static const char *inspect;
+
+/* run inspect with args; returns exit status, output in *out (malloc'd) */
+static int run(const char *args, char **out)
+{
+    char cmd[4096], buf[4096];
+    size_t len = 0, cap = 0;
+    FILE *p;
+    int st;
+
+    snprintf(cmd, sizeof(cmd), "'%s' %s 2>&1", inspect, args);
+    p = popen(cmd, "r");
+    ASSERT_TRUE(p != NULL);
+    *out = NULL;
+    while (fgets(buf, sizeof(buf), p)) {
+        size_t n = strlen(buf);
+        if (len + n + 1 > cap) {
+            cap = (len + n + 1) * 2;
+            *out = realloc(*out, cap);
+            ASSERT_TRUE(*out != NULL);
+        }
+        memcpy(*out + len, buf, n + 1);
+        len += n;
+    }
+    if (!*out)
+        *out = strdup("");
+    st = pclose(p);
+    ASSERT_TRUE(WIFEXITED(st));
+    return WEXITSTATUS(st);
+}
+
+int main(int argc, char **argv)
+{
+    static const char *const omit[] = { "model.layers.1.mlp.up_proj.weight", "model.layers.3.moe.experts.12.up_proj.weight_scale", NULL };
+    struct model_config cfg;
+    struct ckptw_opts o;
+    struct err_buf e;
+    char *root, good[512], bad[512], args[1200], *out;
+    json_error_t je;
+    json_t *j;
+
+    ASSERT_TRUE(argc == 2);
+    inspect = argv[1];
+    root = ckptw_tmpdir("stepd-test-inspect");
+    ASSERT_TRUE(root != NULL);
+    snprintf(good, sizeof(good), "%s/good", root);
+    snprintf(bad, sizeof(bad), "%s/bad", root);
+    ckptw_config_tiny(&cfg);
+    ckptw_opts_default(&o);
+    o.kv_scales = CKPTW_OPT_PER_HEAD;
+    ASSERT_OK(ckptw_write(good, &cfg, &o, &e));
+    o.omit = omit;
+    ASSERT_OK(ckptw_write(bad, &cfg, &o, &e));
+
+    snprintf(args, sizeof(args), "'%s' --world-size 4", good);
+    ASSERT_EQ(run(args, &out), 0);
+    ASSERT_CONTAINS(out, "rank 0/4: ok:");
+    ASSERT_CONTAINS(out, "rank 3/4: ok:");
+    ASSERT_CONTAINS(out, "experts 12..15 (4), MTP depth 2");   /* the group-wide depth; tensors on rank 0 only */
+    ASSERT_CONTAINS(out, "rank 3/4: ok: 111 tensors");
+    ASSERT_CONTAINS(out, "loadable");
+    free(out);
+
+    snprintf(args, sizeof(args), "'%s' --world-size 2 --rank 1 --mtp 1 --json", good);
+    ASSERT_EQ(run(args, &out), 0);
+    j = json_loads(out, 0, &je);
+    ASSERT_TRUE(j != NULL);
+    ASSERT_TRUE(json_is_true(json_object_get(j, "ok")));
+    ASSERT_EQ(json_array_size(json_object_get(j, "ranks")), 1);
+    ASSERT_EQ(json_integer_value(json_object_get(json_array_get(json_object_get(j, "ranks"), 0), "expert_first")), 8);
+    json_decref(j);
+    free(out);
+
+    snprintf(args, sizeof(args), "'%s' --world-size 2", bad);
+    ASSERT_EQ(run(args, &out), 1);
+    ASSERT_CONTAINS(out, "rank 0/2: NOT loadable");
+    ASSERT_CONTAINS(out, "problem: missing: model.layers.1.mlp.up_proj.weight");
+    ASSERT_CONTAINS(out, "rank 1/2: NOT loadable");
+    ASSERT_CONTAINS(out, "problem: missing: model.layers.3.moe.experts.12.up_proj.weight_scale");
+    free(out);
+    /* rank 0 of 2 lacks only the dense tensor: still not loadable */
+    snprintf(args, sizeof(args), "'%s' --world-size 2 --rank 0 --json", bad);
+    ASSERT_EQ(run(args, &out), 1);
+    ASSERT_CONTAINS(out, "\"ok\": false");
+    ASSERT_TRUE(strstr(out, "experts.12") == NULL);
+    free(out);
+
+    snprintf(args, sizeof(args), "'%s' --world-size 3", good);
+    ASSERT_EQ(run(args, &out), 2);
+    ASSERT_CONTAINS(out, "must be 1, 2, 4 or 8");
+    free(out);
+    snprintf(args, sizeof(args), "'%s' --world-size 2 --rank 2", good);
+    ASSERT_EQ(run(args, &out), 2);
+    free(out);
+    ASSERT_EQ(run("", &out), 2);
+    ASSERT_CONTAINS(out, "usage: stepd-inspect");
+    free(out);
+    snprintf(args, sizeof(args), "'%s/nonexistent'", root);
+    ASSERT_EQ(run(args, &out), 1);
+    ASSERT_CONTAINS(out, "cannot open");
+    free(out);
+
+    ckptw_rmtree(root);
+    free(root);
+    return 0;
+}

@@ -184,11 +184,16 @@ static const char *jp_describe(struct jp *p)
     case 'f': return "false";
     case 'n': return "null";
     }
-    for (i = p->i + (p->s[p->i] == '-'); i < p->n && p->s[i] >= '0' && p->s[i] <= '9'; i++)
-        ;
-    if (i > p->i && i < p->n && (p->s[i] == '.' || p->s[i] == 'e' || p->s[i] == 'E'))
-        return "a real number";
-    return i > p->i ? "an integer" : "an invalid token";
+    {
+        size_t d0 = p->i + (p->s[p->i] == '-');
+        for (i = d0; i < p->n && p->s[i] >= '0' && p->s[i] <= '9'; i++)
+            ;
+        if (i == d0)
+            return "an invalid token";   /* no digit (also a lone '-' at the end) */
+        if (i < p->n && (p->s[i] == '.' || p->s[i] == 'e' || p->s[i] == 'E'))
+            return "a real number";
+        return "an integer";
+    }
 }
 
 static int hexval(char c)
@@ -330,10 +335,12 @@ static int jp_u64(struct jp *p, const char *name, const char *what, size_t idx, 
     if (strcmp(t, "an integer") != 0)
         return err_set(p->e, -EBADMSG, "%s: tensor '%s': %s[%zu] must be an integer, got %s", p->fname, name,
                        what, idx, t);
+    /* jp_describe guaranteed at least one digit after an optional '-' */
     if (p->s[p->i] == '-') {
         neg = true;
         p->i++;
     }
+    BUG_ON(p->i >= p->n);
     if (p->s[p->i] == '0' && p->i + 1 < p->n && p->s[p->i + 1] >= '0' && p->s[p->i + 1] <= '9')
         return jp_syntax(p, "leading zero in a number");
     while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9') {

@@ -332,10 +332,18 @@ static int send_chunk(struct req *r, Stepd__V1__Chunk *ch)
     resp.chunk = ch;
     int e = rpc_call_send(r->call, &resp.base);
     if (e == -ENOBUFS) {
-        size_t q = rpc_call_queued_bytes(r->call);
+        /* A6: a client that stopped reading; queued messages would never let a normal
+         * status through, so the stream is reset with the status */
+        char msg[160];
+        struct rpc_call *c = r->call;
+        snprintf(msg, sizeof(msg), "client is not reading its stream (%zu bytes buffered, cap reached)",
+                 rpc_call_queued_bytes(c));
         req_stop_engine(r);
-        req_finish(r, RPC_RESOURCE_EXHAUSTED,
-                   "client is not reading its stream (%zu bytes buffered, cap reached)", q);
+        r->call = NULL;
+        rpc_call_on_cancel(c, NULL, NULL);
+        rpc_call_abort(c, RPC_RESOURCE_EXHAUSTED, msg);
+        r->co->m.status[RPC_RESOURCE_EXHAUSTED]++;
+        log_req_info(r->id, "ended RESOURCE_EXHAUSTED: %s", msg);
         return e;
     }
     return e;

@@ -632,6 +632,21 @@ void rpc_call_finish(struct rpc_call *c, int status, const char *fmt, ...)
     call_maybe_free(c);
 }
 
+void rpc_call_abort(struct rpc_call *c, int status, const char *msg)
+{
+    if (c->finish_requested) {
+        log_error("rpc: %s: rpc_call_abort after finish", c->method_name);
+        abort();
+    }
+    c->finish_requested = true;
+    c->status = status;
+    c->status_details = grpc_slice_from_copied_string(msg ? msg : "");
+    grpc_call_cancel_with_status(c->call, (grpc_status_code)status, msg ? msg : "", NULL);
+    c->cancelled = true;
+    call_pump(c);
+    call_maybe_free(c);
+}
+
 bool rpc_call_cancelled(const struct rpc_call *c)
 {
     return c->cancelled;

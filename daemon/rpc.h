@@ -85,9 +85,11 @@ struct rpc_ctx;
 
 /* Initialises gRPC (grpc_init), creates the CQ, its thread and a uv_async on loop. */
 int rpc_ctx_create(uv_loop_t *loop, struct rpc_ctx **ret);
-/* Shuts the CQ down and joins its thread. All servers, channels and calls must be
- * gone (rpc_server_destroy, rpc_channel_destroy, every on_done delivered). Runs the
- * loop internally until the CQ has drained. */
+/* Shuts the CQ down, joins its thread and processes the events still queued. All
+ * servers, channels and calls must be gone first (rpc_server_destroy,
+ * rpc_channel_destroy, every on_done delivered). The uv_async handle is closed and
+ * the context freed in its close callback: run the loop once more afterwards
+ * (e.g. uv_run(loop, UV_RUN_DEFAULT)) before closing the loop. */
 void rpc_ctx_destroy(struct rpc_ctx *ctx);
 /* Number of live server calls + client calls (for leak checks and metrics). */
 size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx);
@@ -144,7 +146,7 @@ int rpc_server_add_method(struct rpc_server *s, const struct rpc_method *m);
 int rpc_server_listen(struct rpc_server *s, const char *addr, int *ret_port);
 int rpc_server_start(struct rpc_server *s);
 /* Stop accepting new calls; in-flight ones continue. on_done runs (loop thread)
- * when every call has finished. */
+ * when every call has finished (use rpc_server_cancel_all() to force them). */
 void rpc_server_shutdown(struct rpc_server *s, void (*on_done)(void *ud), void *ud);
 /* Cancel every in-flight call (their cancel callbacks run). */
 void rpc_server_cancel_all(struct rpc_server *s);
@@ -163,6 +165,10 @@ int rpc_call_add_trailer(struct rpc_call *call, const char *key, const char *val
  * messages are written the status is sent. The call must not be used afterwards. */
 void rpc_call_finish(struct rpc_call *call, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* End the call at once with status, dropping queued messages (RST_STREAM carrying
+ * the status): for a client that stopped reading, whose queued messages would never
+ * let a normal status through. Same contract as rpc_call_finish(). */
+void rpc_call_abort(struct rpc_call *call, int status, const char *msg);
 bool rpc_call_cancelled(const struct rpc_call *call);
 /* Absolute deadline in rpc_now_ms() time; INT64_MAX when the client set none. */
 int64_t rpc_call_deadline_ms(const struct rpc_call *call);

@@ -1,9 +1,18 @@
 /* comm-ucx.c - collectives over UCP tag messages, host buffers.
  *
- * Wiring: one UCP context + worker per rank; one endpoint per peer created from the
- * peer's worker address with UCP_ERR_HANDLING_MODE_PEER and an error handler, so a dead
- * peer (closed TCP connection, shared-memory keepalive) turns into an error on every
- * pending and later operation instead of a hang.
+ * Wiring: one UCP context + worker per rank; one endpoint per peer, created from the
+ * address the peer published (our header + its UCP worker address):
+ *   - peers on another host (or in another network namespace: a "node" in the tests):
+ *     UCP_ERR_HANDLING_MODE_PEER with an error handler, so a dead peer (closed TCP
+ *     connection, keepalive) turns into an error on every pending operation, not a hang;
+ *   - peers on this host: UCX 1.13's shared-memory transports have no peer-failure
+ *     handling (PEER mode would silently push them onto TCP loopback), so these
+ *     endpoints use mode NONE over shared memory and their liveness is checked by pid +
+ *     start time while we wait on them (check_local_peers).  cma is left out of UCX_TLS
+ *     because a zero-copy read from a dead peer aborts the process.  STEPD_UCX_SHM=0
+ *     puts every peer on the PEER/TCP path.
+ * Whoever aborts the group first tells every live peer with a reserved ABORT tag, so
+ * ranks blocked on somebody else learn it at once rather than at their deadline.
  *
  * Matching: every collective takes the next sequence number; a message's tag is
  * (seq << 24) | (step << 8) | src_rank and receives match the full tag, so messages of
@@ -711,12 +720,13 @@ static void close_eps(struct ucx *u, bool force)
         return;
     for (i = 0; i < u->c.world_size; i++) {
         struct peer *p = &u->peers[i];
-        /* a forced close is only defined for peer-error-handling endpoints; flushing a
-         * local one towards a dead peer only logs errors: after a failure local endpoints
-         * are left to ucp_worker_destroy() */
+        /* A forced close is only defined for peer-error-handling endpoints, and closing a
+         * local one towards a peer that already went away (failed, or simply finished
+         * first) only logs flush errors: local endpoints are left to ucp_worker_destroy(),
+         * which releases them without talking to the peer. */
         bool hard = force && !p->local;
 
-        if (force && p->local)
+        if (p->local)
             continue;
         ucp_request_param_t prm = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,

@@ -4,7 +4,8 @@
  * vtable, in the ggml backend shape:
  *   single  world size 1: every collective is a no-op (or a copy);
  *   ucx     host buffers over UCP (shared memory within a node, TCP between nodes);
- *           ring all-reduce / all-gather, flat broadcast, dissemination barrier;
+ *           recursive-doubling (small, power-of-two world) or ring all-reduce, ring
+ *           all-gather, flat broadcast, dissemination barrier;
  *   nccl    device buffers (comm-nccl.c, built only with CUDA; see comm-nccl.h).
  *
  * Failure model (RELIABILITY.md §1.2, row B5): every collective has a deadline

@@ -18,7 +18,7 @@ static void usage(FILE *f)
         "                    [--mtp-model DIR] [--mtp K] [--threads T] [--exact]\n"
         "                    [--max-seqs S] [--max-batched-tokens T] [--max-model-len L]\n"
         "                    [--kv-blocks B] [--block-size BS]\n"
-        "                    [--rendezvous-timeout MS] [--collective-timeout MS]\n"
+        "                    [--rendezvous-timeout MS] [--collective-timeout MS] [--load-timeout MS]\n"
         "                    [--report FILE] [--engine-listen ADDR] [--control-key-file FILE]\n"
         "  rank 0 offline drivers (tests): --generate FILE [--max-tokens N] [--output FILE]\n"
         "                                  --dump-logits FILE --prompt-ids 1,2,3\n"
@@ -29,6 +29,7 @@ static void usage(FILE *f)
         "  --mtp K                 MTP speculative tokens on rank 0 (0..3)\n"
         "  --collective-timeout MS deadline of every collective (default 30000)\n"
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
+        "  --load-timeout MS       how long ranks wait for each other to load (default 1800000)\n"
         "  --engine-listen ADDR    rank 0: stepd.v1.Engine address registered with the\n"
         "                          coordinator (default 127.0.0.1:50061; unix:/path allowed)\n"
         "  --control-key-file FILE key for the control service (or $STEPD_CONTROL_KEY)\n"
@@ -55,7 +56,7 @@ int main(int argc, char **argv)
     enum {
         O_COORD = 256, O_RDV, O_GROUP, O_RANK, O_WORLD, O_DEVICE, O_MODEL, O_MTP_MODEL, O_MTP,
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
-        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_HELP,
+        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_HELP,
     };
     static const struct option opts[] = {
         { "coordinator", required_argument, NULL, O_COORD },
@@ -86,6 +87,7 @@ int main(int argc, char **argv)
         { "report", required_argument, NULL, O_REPORT },
         { "engine-listen", required_argument, NULL, O_ENGINE },
         { "control-key-file", required_argument, NULL, O_CKEY },
+        { "load-timeout", required_argument, NULL, O_LOAD_TO },
         { "help", no_argument, NULL, O_HELP },
         { 0 },
     };
@@ -125,6 +127,7 @@ int main(int argc, char **argv)
         case O_REPORT: o.report_file = optarg; break;
         case O_ENGINE: o.engine_listen = optarg; break;
         case O_CKEY: ckey_file = optarg; break;
+        case O_LOAD_TO: r = parse_int(optarg, "--load-timeout", 1, INT_MAX, &o.load_timeout_msec); break;
         case O_HELP: usage(stdout); return 0;
         default: usage(stderr); return WORKER_EXIT_USAGE;
         }

@@ -35,6 +35,7 @@ void worker_opts_init(struct worker_opts *o)
     o->block_size = 16;
     o->rendezvous_timeout_msec = 60000;
     o->collective_timeout_msec = 30000;
+    o->load_timeout_msec = 30 * 60 * 1000;
     o->max_tokens = 32;
     o->engine_listen = "127.0.0.1:50061";
 }
@@ -417,11 +418,13 @@ static int stage_comm(struct worker *w, struct err_buf *e)
                         o->world_size);
             goto out;
         }
+#ifdef HAVE_UCX
         r = comm_ucx_connect(w->comm, (const void *const *)peers.addr, peers.len);
         if (r < 0) {
             r = err_set(e, r, "connecting the group: %s", comm_last_error(w->comm));
             goto out;
         }
+#endif
     }
     if (o->rendezvous_dir)
         worker_rendezvous_dir_clean(o->rendezvous_dir, o->group, o->rank);
@@ -535,6 +538,60 @@ static void report_memory(struct worker *w, const struct rss *before)
             log_warn("%s: %s", w->o->report_file, strerror(errno));
         close(fd);
     }
+}
+
+/* Every rank must run with the same shapes, or plans from rank 0 would be rejected (or
+ * worse, mean something else) on the others: compare them once, before the first step. */
+struct group_shape {
+    int32_t vocab, max_seqs, max_batched_tokens, max_model_len, block_size;
+    int32_t n_blocks[_KV_GROUP_MAX];
+    int32_t world_size, mock;
+};
+_Static_assert(sizeof(struct group_shape) == 9 * sizeof(int32_t), "compared as int32_t[9]");
+
+static int check_group_shape(struct worker *w, struct err_buf *e)
+{
+    static const char *const names[] = { "vocab size", "--max-seqs", "--max-batched-tokens",
+                                         "--max-model-len", "--block-size", "KV blocks (full)",
+                                         "KV blocks (sliding)", "--world-size", "--mock" };
+    struct group_shape mine = {
+        .vocab = w->vocab, .max_seqs = w->o->max_seqs,
+        .max_batched_tokens = w->o->max_batched_tokens, .max_model_len = w->o->max_model_len,
+        .block_size = w->o->block_size, .n_blocks = { w->fwd->n_blocks[0], w->fwd->n_blocks[1] },
+        .world_size = w->o->world_size, .mock = w->o->mock,
+    };
+    struct group_shape *all;
+    int n = w->o->world_size, r;
+
+    if (n == 1)
+        return 0;
+    all = calloc((size_t)n, sizeof(*all));
+    if (!all)
+        return err_set(e, -ENOMEM, "out of memory");
+    /* this is also the "everyone has loaded" barrier: ranks load at different speeds, so
+     * it runs under the load deadline, not the per-collective one */
+    int saved = w->comm->timeout_msec;
+
+    w->comm->timeout_msec = w->o->load_timeout_msec;
+    r = comm_allgather(w->comm, &mine, all, sizeof(mine));
+    w->comm->timeout_msec = saved;
+    if (r < 0) {
+        r = err_set(e, r, "exchanging the group's shapes: %s", comm_last_error(w->comm));
+        goto out;
+    }
+    for (int k = 0; k < n; k++) {
+        const int32_t *a = (const int32_t *)&all[0], *b = (const int32_t *)&all[k];
+
+        for (size_t f = 0; f < ARRAY_SIZE(names); f++)
+            if (a[f] != b[f]) {
+                r = err_set(e, -EINVAL, "rank %d runs with %s %d, rank 0 with %d: every rank of "
+                            "a group needs the same model and sizes", k, names[f], b[f], a[f]);
+                goto out;
+            }
+    }
+out:
+    free(all);
+    return r;
 }
 
 /* ---- ranks 1..N-1 ------------------------------------------------------------------- */
@@ -960,6 +1017,15 @@ int worker_run(const struct worker_opts *o)
     }
     limits_init(&w);
     report_memory(&w, &before);
+    r = check_group_shape(&w, &e);
+    if (r < 0) {
+        log_error("%s", e.msg);
+        if (w.ctl)
+            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, 0);
+        rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
+        comm_abort(w.comm);
+        goto out;
+    }
 
     if (o->rank > 0) {
         if (w.ctl)

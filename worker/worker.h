@@ -52,6 +52,7 @@ struct worker_opts {
     int max_seqs, max_batched_tokens, max_model_len, kv_blocks, block_size;
     int rendezvous_timeout_msec;
     int collective_timeout_msec;
+    int load_timeout_msec;          /* how long ranks wait for each other to finish loading */
     /* rank 0 offline drivers (tests, benchmarks): */
     const char *generate_file;      /* one request per line: comma-separated prompt ids */
     int max_tokens;                 /* per request, --generate */

@@ -7,8 +7,8 @@
  * reads KV head h / (n_heads / n_kv_heads) (contiguous grouping).  The same code serves
  * prefill chunks, decode and verify runs: the cache must already hold every key up to
  * the last query position (kv_store first).  Softmax is computed online over chunks of
- * keys in fp32 with fp32 exp.  One parallel region; (token, KV head) pairs are split into
- * contiguous ranges, and the query heads sharing a KV head are processed together so
+ * keys in fp32 with fp32 exp.  One parallel region; (token, KV head) pairs are cut into
+ * coarse contiguous units claimed by the pool's threads, and the query heads sharing a KV head are processed together so
  * each K/V row is read once per group (GQA: 8-12 query heads per KV head).
  */
 #include <errno.h>
@@ -119,15 +119,15 @@ static int attn_group(const struct attn_args *a, int s, int i, int j)
     return 0;
 }
 
-static void attn_task(void *arg, int ith, int nth)
+static void attn_unit(void *arg, int unit, int n_units, int ith)
 {
     struct attn_job *jb = arg;
     const struct attn_args *a = jb->a;
     int64_t u0, u1;
     int s = 0;
 
-    /* units are (token, KV head) pairs */
-    cpu_split((int64_t)a->n_tok * a->n_kv_heads, 1, ith, nth, &u0, &u1);
+    /* items are (token, KV head) pairs; a unit is a contiguous range of them */
+    cpu_split((int64_t)a->n_tok * a->n_kv_heads, 1, unit, n_units, &u0, &u1);
     for (int64_t u = u0; u < u1; u++) {
         int i = (int)(u / a->n_kv_heads), j = (int)(u % a->n_kv_heads);
         int r;
@@ -171,8 +171,12 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
         }
         if (a->window > 0 && keys > a->window)
             keys = a->window;
-        cpu_pool_run_n(cpu_ctx(be)->pool, attn_task, &jb,
-                       cpu_threads_for(cpu_ctx(be), 2.0 * a->n_tok * a->n_heads * a->head_dim * keys));
+        int nth = cpu_threads_for(cpu_ctx(be), 2.0 * a->n_tok * a->n_heads * a->head_dim * keys);
+        int64_t items = (int64_t)a->n_tok * a->n_kv_heads;
+        int units = nth * CPU_UNITS_PER_THREAD;
+
+        units = units < items ? units : (int)items;
+        cpu_pool_for(cpu_ctx(be)->pool, attn_unit, &jb, nth > 1 ? units : 1, nth);
     }
     return atomic_load(&jb.err);
 }

@@ -28,6 +28,14 @@ void cpu_pool_run(struct cpu_pool *pool, cpu_task_fn fn, void *arg);
 void cpu_pool_run_n(struct cpu_pool *pool, cpu_task_fn fn, void *arg, int n);
 
 void cpu_pool_barrier(struct cpu_pool *pool);
+/* Run fn(arg, unit, n_units, ith) for every unit in [0, n_units) on at most max_threads
+ * threads (ith < max_threads indexes per-thread scratch); returns when all units are done.
+ * Units are claimed in increasing order; callers make them coarse contiguous ranges
+ * (a few per thread) so each claim streams one long region. */
+typedef void (*cpu_unit_fn)(void *arg, int unit, int n_units, int ith);
+void cpu_pool_for(struct cpu_pool *pool, cpu_unit_fn fn, void *arg, int n_units, int max_threads);
+/* Units per thread for cpu_pool_for: enough slack for a slow core to shed work. */
+#define CPU_UNITS_PER_THREAD 8
 
 /* Backend context (be->ctx). */
 struct cpu_ctx {

@@ -1,6 +1,7 @@
 /* matmul.c - the matmul op: y[n, rows] = x[n, cols] · Wᵀ for every weight format, in ONE
- * parallel region: rows are split into one contiguous range per thread (tile-aligned),
- * and on the MXFP4 fast path each thread first quantises its share of the tokens. */
+ * parallel region: rows are cut into CPU_UNITS_PER_THREAD coarse contiguous ranges per
+ * thread (tile-aligned) that the pool's threads claim in order.  On the MXFP4 fast path
+ * the caller quantises the activations first (once per token, microseconds). */
 #include <errno.h>
 
 #include "err.h"
@@ -17,21 +18,13 @@ struct matmul_job {
     float *rowbuf;          /* exact path: nth x cols */
 };
 
-static void matmul_task(void *arg, int ith, int nth)
+static void matmul_unit(void *arg, int unit, int n_units, int ith)
 {
     struct matmul_job *j = arg;
     const struct bweight *w = j->w;
     int64_t r0, r1;
 
-    cpu_split(w->rows, w->fmt == WFMT_MXFP4 ? MXFP4_TILE_ROWS : 16, ith, nth, &r0, &r1);
-    if (j->fast) {
-        int64_t i0, i1;
-
-        cpu_split(j->n, 1, ith, nth, &i0, &i1);
-        for (int64_t i = i0; i < i1; i++)
-            cpu_qact_quantize(&j->qa, i, j->x + i * w->cols, 0, w->cols / 32);
-        cpu_pool_barrier(j->c->pool);
-    }
+    cpu_split(w->rows, w->fmt == WFMT_MXFP4 ? MXFP4_TILE_ROWS : 16, unit, n_units, &r0, &r1);
     if (r0 >= r1)
         return;
     switch (w->fmt) {
@@ -68,13 +61,22 @@ int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int 
             if (!mem)
                 return -ENOMEM;
             cpu_qact_init(&j.qa, mem, n, w->cols);
+            for (int i = 0; i < n; i++)
+                cpu_qact_quantize(&j.qa, i, x + (int64_t)i * w->cols, 0, w->cols / 32);
         } else {
             j.rowbuf = cpu_scratch(c, (size_t)c->n_threads * w->cols * sizeof(float));
             if (!j.rowbuf)
                 return -ENOMEM;
         }
     }
-    cpu_pool_run_n(c->pool, matmul_task, &j,
-                   cpu_threads_for(c, (double)w->rows * w->cols * n));
+    {
+        int nth = cpu_threads_for(c, (double)w->rows * w->cols * n);
+        int64_t align = w->fmt == WFMT_MXFP4 ? MXFP4_TILE_ROWS : 16;
+        int64_t max_units = (w->rows + align - 1) / align;
+        int units = nth * CPU_UNITS_PER_THREAD;
+
+        units = units < max_units ? units : (int)max_units;
+        cpu_pool_for(c->pool, matmul_unit, &j, nth > 1 ? units : 1, nth);
+    }
     return 0;
 }

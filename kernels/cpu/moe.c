@@ -5,14 +5,14 @@
  * The pairs are sorted by expert (counting sort, token order kept); each expert's
  * tokens then run as small GEMMs, so a weight tile is decoded once per 4 tokens.
  *
- * ONE parallel region per layer:
- *   phase 0  quantise the token rows once (MXFP4 fast path)           | barrier
- *   phase 1  for every active expert, thread k owns inter rows [a, b) (32-aligned):
- *            gate and up rows, swiglu, and quantisation of its act blocks | barrier
- *   phase 2  for every active expert, thread k owns hidden rows [a, b) of down and
- *            adds them, weighted, into out[t][a..b): no two threads write one float.
- * Scatter order is fixed (expert order, then token order), so results do not depend on
- * the thread count.
+ * Phases (the pool returns between them when every unit is done):
+ *   0  the caller quantises the token rows once (MXFP4 fast path);
+ *   1  units = (active expert, 32-aligned range of inter rows): gate and up rows,
+ *      swiglu, and quantisation of those act blocks;
+ *   2  units = ranges of hidden rows: down rows [a, b) of every active expert, added
+ *      weighted into out[t][a..b) - a unit owns its columns of out, so no two threads
+ *      write one float, and the scatter order is fixed (expert, then token order): the
+ *      result does not depend on the thread count or on which thread ran what.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -34,6 +34,8 @@ struct moe_job {
     bool x_fast, act_fast;  /* quantised inputs in use */
     struct cpu_qact qx, qact;
     float *tbuf;            /* per thread: [max_m, tcols] */
+    int32_t *active;        /* [n_active] local experts with tokens */
+    int n_active, p1;       /* phase 1: units per expert */
     int64_t tcols;
     float *rowbuf;          /* per thread: [max(hidden, inter)] for the exact path */
 };
@@ -63,58 +65,48 @@ static void rows_run(const struct moe_job *j, const struct bweight *w, const flo
     }
 }
 
-static void moe_task(void *arg, int ith, int nth)
+static void moe_phase1(void *arg, int unit, int n_units, int ith)
+{
+    struct moe_job *j = arg;
+    const struct moe_args *a = j->a;
+    const int e = j->active[unit / j->p1];
+    const struct moe_expert *ex = &a->experts[e];
+    const int m = j->off[e + 1] - j->off[e];
+    float *tb = j->tbuf + (int64_t)ith * j->max_m * j->tcols;
+    float *act = j->act + (int64_t)j->off[e] * a->inter;
+    int64_t r0, r1;
+
+    cpu_split(a->inter, 32, unit % j->p1, j->p1, &r0, &r1);
+    if (r0 >= r1)
+        return;
+    rows_run(j, &ex->gate, a->x, &j->qx, j->x_fast, j->tok + j->off[e], m, act + r0, a->inter,
+             r0, r1, ith);
+    rows_run(j, &ex->up, a->x, &j->qx, j->x_fast, j->tok + j->off[e], m, tb, r1 - r0, r0, r1, ith);
+    for (int i = 0; i < m; i++) {
+        float *g = act + (int64_t)i * a->inter + r0;
+        const float *u = tb + (int64_t)i * (r1 - r0);
+
+        for (int64_t c = 0; c < r1 - r0; c++)
+            g[c] = cpu_swiglu1(g[c], u[c], a->limit);
+        if (j->act_fast)
+            cpu_qact_quantize(&j->qact, j->off[e] + i, act + (int64_t)i * a->inter, r0 / 32,
+                              (r1 + 31) / 32);
+    }
+}
+
+static void moe_phase2(void *arg, int unit, int n_units, int ith)
 {
     struct moe_job *j = arg;
     const struct moe_args *a = j->a;
     float *tb = j->tbuf + (int64_t)ith * j->max_m * j->tcols;
     int64_t r0, r1;
 
-    /* phase 0 */
-    if (j->x_fast) {
-        int64_t i0, i1;
-
-        cpu_split(a->n_tok, 1, ith, nth, &i0, &i1);
-        for (int64_t i = i0; i < i1; i++)
-            cpu_qact_quantize(&j->qx, i, a->x + i * a->hidden, 0, a->hidden / 32);
-        cpu_pool_barrier(j->c->pool);
-    }
-
-    /* phase 1: gate/up + swiglu into act */
-    cpu_split(a->inter, 32, ith, nth, &r0, &r1);
-    for (int e = 0; e < a->n_local; e++) {
-        const struct moe_expert *ex = &a->experts[e];
-        int m = j->off[e + 1] - j->off[e];
-        float *act = j->act + (int64_t)j->off[e] * a->inter;
-
-        if (m == 0 || r0 >= r1)
-            continue;
-        rows_run(j, &ex->gate, a->x, &j->qx, j->x_fast, j->tok + j->off[e], m, act + r0,
-                 a->inter, r0, r1, ith);
-        rows_run(j, &ex->up, a->x, &j->qx, j->x_fast, j->tok + j->off[e], m, tb, r1 - r0,
-                 r0, r1, ith);
-        for (int i = 0; i < m; i++) {
-            float *g = act + (int64_t)i * a->inter + r0;
-            const float *u = tb + (int64_t)i * (r1 - r0);
-
-            for (int64_t c = 0; c < r1 - r0; c++)
-                g[c] = cpu_swiglu1(g[c], u[c], a->limit);
-            if (j->act_fast)
-                cpu_qact_quantize(&j->qact, j->off[e] + i, act + (int64_t)i * a->inter,
-                                  r0 / 32, (r1 + 31) / 32);
-        }
-    }
-    cpu_pool_barrier(j->c->pool);
-
-    /* phase 2: down, weighted scatter-add into this thread's columns of out */
-    cpu_split(a->hidden, 16, ith, nth, &r0, &r1);
+    cpu_split(a->hidden, 16, unit, n_units, &r0, &r1);
     if (r0 >= r1)
         return;
-    for (int e = 0; e < a->n_local; e++) {
-        int m = j->off[e + 1] - j->off[e];
+    for (int k = 0; k < j->n_active; k++) {
+        int e = j->active[k], m = j->off[e + 1] - j->off[e];
 
-        if (m == 0)
-            continue;
         rows_run(j, &a->experts[e].down, j->act, &j->qact, j->act_fast, j->pidx + j->off[e], m,
                  tb, r1 - r0, r0, r1, ith);
         for (int i = 0; i < m; i++) {
@@ -142,7 +134,7 @@ static bool expert_ok(const struct moe_args *a, const struct moe_expert *ex)
 int cpu_moe(struct backend *be, const struct moe_args *a)
 {
     struct cpu_ctx *c = cpu_ctx(be);
-    const int nth = cpu_pool_size(c->pool);
+    const int nth = cpu_pool_size(c->pool);    /* per-thread scratch for every pool thread */
     struct moe_job j = { .c = c, .a = a };
     int32_t *cnt = NULL;
     size_t sz_idx, sz_act, sz_qx = 0, sz_qa = 0, sz_t, sz_rb;
@@ -191,11 +183,10 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
             goto out;
         }
     }
-    j.tcols = (a->inter + nth * 32 - 1) / nth + 32;
-    if ((a->hidden + nth * 16 - 1) / nth + 16 > j.tcols)
-        j.tcols = (a->hidden + nth * 16 - 1) / nth + 16;
+    /* a unit's row range never exceeds the whole dimension */
+    j.tcols = a->inter > a->hidden ? a->inter : a->hidden;
 
-    sz_idx = ((size_t)(a->n_local + 1) + 3 * (size_t)j.n_pairs) * 4 + 64;
+    sz_idx = ((size_t)(a->n_local + 1) + 4 * (size_t)j.n_pairs) * 4 + 64;
     sz_act = (size_t)j.n_pairs * a->inter * 4 + 64;
     if (j.x_fast)
         sz_qx = cpu_qact_bytes(a->n_tok, a->hidden);
@@ -203,7 +194,8 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
         sz_qa = cpu_qact_bytes(j.n_pairs, a->inter);
     sz_t = (size_t)nth * j.max_m * j.tcols * 4 + 64;
     sz_rb = (size_t)nth * (a->hidden > a->inter ? a->hidden : a->inter) * 4 + 64;
-    mem = cpu_scratch(c, sz_idx + sz_act + sz_qx + sz_qa + sz_t + sz_rb);
+    /* + 64 per carved piece for alignment padding */
+    mem = cpu_scratch(c, sz_idx + sz_act + sz_qx + sz_qa + sz_t + sz_rb + 16 * 64);
     if (!mem) {
         r = -ENOMEM;
         goto out;
@@ -213,6 +205,7 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
     CARVE(j.tok, (size_t)j.n_pairs * 4);
     CARVE(j.wt, (size_t)j.n_pairs * 4);
     CARVE(j.pidx, (size_t)j.n_pairs * 4);
+    CARVE(j.active, (size_t)(a->n_local < j.n_pairs ? a->n_local : j.n_pairs) * 4);
     CARVE(j.act, (size_t)j.n_pairs * a->inter * 4);
     if (j.x_fast) {
         cpu_qact_init(&j.qx, mem, a->n_tok, a->hidden);
@@ -242,8 +235,24 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
     }
     for (int p = 0; p < j.n_pairs; p++)
         j.pidx[p] = p;
-    cpu_pool_run_n(c->pool, moe_task, &j,
-                   cpu_threads_for(c, 3.0 * a->hidden * a->inter * j.n_pairs));
+    for (int e = 0; e < a->n_local; e++)
+        if (j.off[e + 1] > j.off[e])
+            j.active[j.n_active++] = e;
+    if (j.x_fast)
+        for (int t = 0; t < a->n_tok; t++)
+            cpu_qact_quantize(&j.qx, t, a->x + (int64_t)t * a->hidden, 0, a->hidden / 32);
+    {
+        int n_run = cpu_threads_for(c, 3.0 * a->hidden * a->inter * j.n_pairs);
+        int want = n_run * CPU_UNITS_PER_THREAD;
+        int64_t max_p1 = (a->inter + 31) / 32, max_u2 = (a->hidden + 15) / 16;
+        int u2;
+
+        j.p1 = n_run > 1 ? (want + j.n_active - 1) / j.n_active : 1;
+        j.p1 = j.p1 < max_p1 ? j.p1 : (int)max_p1;
+        u2 = n_run > 1 ? (want < max_u2 ? want : (int)max_u2) : 1;
+        cpu_pool_for(c->pool, moe_phase1, &j, j.n_active * j.p1, n_run);
+        cpu_pool_for(c->pool, moe_phase2, &j, u2, n_run);
+    }
 out:
     free(cnt);
     return r;

@@ -1,9 +1,18 @@
 /* threads.c - the CPU backend's persistent worker pool.
  *
- * One generation counter starts work; a pending counter and a done word end it.
- * Waiters spin briefly (a few microseconds, enough to catch back-to-back ops without
- * a syscall) and then sleep on a futex, so a noisy second core costs a wake-up, not a
- * collapse.  Work is partitioned statically by the callers (coarse row ranges).
+ * Two ways to use it:
+ *  - cpu_pool_for(): the ops' way.  The caller cuts the op into a few coarse units per
+ *    thread (contiguous row ranges, in order); every thread, the caller included, claims
+ *    the next unit with one CAS on a word that carries the run's sequence number, and
+ *    the caller returns as soon as every unit is DONE - not when every thread has
+ *    checked in.  So a worker whose core is busy with someone else's job simply takes
+ *    fewer units (or none: the caller does them all), and a worker that wakes late
+ *    finds the word's sequence changed and touches nothing of the finished run.
+ *  - cpu_pool_run() / cpu_pool_run_n() + cpu_pool_barrier(): fn runs once per thread
+ *    and all of them must take part (used by the bandwidth probe and tests).
+ * Waiters spin briefly (a few microseconds, enough to catch back-to-back ops without a
+ * syscall) and then sleep on a futex: never a spin barrier that collapses when the
+ * other core is busy.
  */
 #include <errno.h>
 #include <limits.h>
@@ -32,7 +41,7 @@ struct cpu_pool {
     int n;                              /* threads including the caller */
     int active;                         /* threads taking part (caller's copy, for barriers) */
     struct pool_worker *workers;        /* n - 1 */
-    _Atomic uint32_t gen;               /* run word: sequence << 8 | threads taking part */
+    _Atomic uint32_t gen;               /* run word: seq << 8 | FOR_BIT? | threads taking part */
     _Atomic int pending;                /* workers still running this generation */
     _Atomic uint32_t done;              /* 1 when pending reached 0 */
     _Atomic bool stop;
@@ -40,7 +49,18 @@ struct cpu_pool {
     void *arg;
     _Atomic int bar_count;
     _Atomic uint32_t bar_gen;
+    /* cpu_pool_for */
+    cpu_unit_fn for_fn;
+    void *for_arg;
+    _Atomic int for_n;                  /* units of the current for-run */
+    _Atomic uint64_t claim;             /* for_seq << 32 | next unit */
+    _Atomic int remaining;              /* units not finished */
+    _Atomic uint32_t fin;               /* for_seq of the last finished run */
+    uint32_t for_seq;
 };
+
+#define GEN_FOR_BIT 0x80u
+#define GEN_COUNT_MASK 0x7fu
 
 static void futex_wait(_Atomic uint32_t *addr, uint32_t val)
 {
@@ -71,6 +91,30 @@ static void wait_change(_Atomic uint32_t *addr, uint32_t val)
         futex_wait(addr, val);
 }
 
+/* Claim and run units of the current for-run until none is left. */
+static void pool_for_work(struct cpu_pool *pool, int ith)
+{
+    for (;;) {
+        uint64_t v = atomic_load_explicit(&pool->claim, memory_order_acquire);
+        uint32_t seq = (uint32_t)(v >> 32), u = (uint32_t)v;
+        int n = atomic_load_explicit(&pool->for_n, memory_order_acquire);
+
+        if ((int)u >= n)
+            return;
+        if (!atomic_compare_exchange_weak_explicit(&pool->claim, &v, v + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        /* unit u of run seq is ours: the run cannot end (nor fn/arg/n change) before we
+         * finish it, so they are read after the claim */
+        n = atomic_load_explicit(&pool->for_n, memory_order_relaxed);
+        pool->for_fn(pool->for_arg, (int)u, n, ith);
+        if (atomic_fetch_sub_explicit(&pool->remaining, 1, memory_order_acq_rel) == 1) {
+            atomic_store_explicit(&pool->fin, seq, memory_order_release);
+            futex_wake(&pool->fin);
+        }
+    }
+}
+
 static void *worker_main(void *p)
 {
     struct pool_worker *wk = p;
@@ -86,7 +130,12 @@ static void *worker_main(void *p)
             break;
         /* the thread count travels in the run word itself, so a worker that wakes late
          * never mixes one run's count with another run's function */
-        active = (int)(seen & 0xff);
+        active = (int)(seen & GEN_COUNT_MASK);
+        if (seen & GEN_FOR_BIT) {
+            if (wk->ith < active)
+                pool_for_work(pool, wk->ith);
+            continue;
+        }
         if (wk->ith >= active)
             continue;           /* not part of this run: the caller does not wait for us */
         pool->fn(pool->arg, wk->ith, active);
@@ -105,7 +154,7 @@ int cpu_pool_new(int n_threads, struct cpu_pool **ret)
 
     ASSERT(ret);
     *ret = NULL;
-    if (n_threads < 1 || n_threads > 255)
+    if (n_threads < 1 || n_threads > 127)
         return -EINVAL;
     pool = calloc(1, sizeof(*pool));
     if (!pool)
@@ -173,7 +222,7 @@ void cpu_pool_run_n(struct cpu_pool *pool, cpu_task_fn fn, void *arg, int n)
     atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool->gen,
                           ((atomic_load_explicit(&pool->gen, memory_order_relaxed) >> 8) + 1) << 8 |
-                          (uint32_t)pool->active, memory_order_release);
+                          ((uint32_t)pool->active & GEN_COUNT_MASK), memory_order_release);
     futex_wake(&pool->gen);
     fn(arg, 0, pool->active);
     wait_change(&pool->done, 0);
@@ -193,4 +242,38 @@ void cpu_pool_barrier(struct cpu_pool *pool)
         return;
     }
     wait_change(&pool->bar_gen, g);
+}
+
+void cpu_pool_for(struct cpu_pool *pool, cpu_unit_fn fn, void *arg, int n_units, int max_threads)
+{
+    uint32_t seq, cur;
+    int nth;
+
+    ASSERT(fn && n_units >= 0);
+    nth = pool ? pool->n : 1;
+    nth = max_threads < nth ? max_threads : nth;
+    if (nth <= 1 || n_units <= 1) {
+        for (int u = 0; u < n_units; u++)
+            fn(arg, u, n_units, 0);
+        return;
+    }
+    seq = ++pool->for_seq;
+    pool->for_fn = fn;
+    pool->for_arg = arg;
+    atomic_store_explicit(&pool->remaining, n_units, memory_order_relaxed);
+    atomic_store_explicit(&pool->for_n, n_units, memory_order_relaxed);
+    atomic_store_explicit(&pool->claim, (uint64_t)seq << 32, memory_order_release);
+    atomic_store_explicit(&pool->gen,
+                          ((atomic_load_explicit(&pool->gen, memory_order_relaxed) >> 8) + 1) << 8 |
+                          GEN_FOR_BIT | ((uint32_t)nth & GEN_COUNT_MASK), memory_order_release);
+    futex_wake(&pool->gen);
+    pool_for_work(pool, 0);
+    /* wait for units other threads still hold */
+    for (int i = 0; i < SPIN_ITERS; i++) {
+        if (atomic_load_explicit(&pool->fin, memory_order_acquire) == seq)
+            return;
+        cpu_relax();
+    }
+    while ((cur = atomic_load_explicit(&pool->fin, memory_order_acquire)) != seq)
+        futex_wait(&pool->fin, cur);
 }

@@ -10,7 +10,8 @@ test/integration/stepd_harness.py) calls stepd.v1.Inference/Generate:
   2. a follower SIGKILLed while a long Generate is streaming: the stream ends with an
      error (status or finish=error) instead of hanging, every surviving rank exits by
      itself, the coordinator stays up; the times are printed;
-  3. a rank that never joins: rank 0 gives up after --rendezvous-timeout (exit 3).
+  3. a rank that never joins: rank 0 gives up after --rendezvous-timeout (exit 3);
+  4. the coordinator SIGKILLed under a ready group: every rank exits by itself (B3).
 Environment: STEPD_BIN, STEPD_WORKER_BIN, PROTO_DIR, MODEL_DIR.  Exit 77 without the
 model or grpcio."""
 import os
@@ -56,8 +57,8 @@ def offline_reference(tmp, n_tokens):
     pf = os.path.join(tmp, "ref-prompt.txt")
     with open(pf, "w") as f:
         f.write(",".join(map(str, PROMPT)) + "\n")
-    g = Group(WORKER, MODEL, 1, "ref", rank0_args=["--generate", pf, "--max-tokens", str(n_tokens)],
-              workdir=tmp)
+    g = Group(WORKER, MODEL, 1, "ref", args=["--exact"],
+              rank0_args=["--generate", pf, "--max-tokens", str(n_tokens)], workdir=tmp)
     out = g.stdout0()
     assert g.wait(60)[0] == 0, g.stderr(0)
     return parse_generate(out)[0][1]
@@ -72,7 +73,7 @@ def generate(s, n_tokens, timeout=60):
 
 def test_ready_and_equal(s, tmp, ref, n):
     group = "eq%d" % n
-    ranks = [start_rank(s, tmp, group, r, n) for r in range(n)]
+    ranks = [start_rank(s, tmp, group, r, n, "--exact") for r in range(n)]
     t0 = time.time()
     s.wait_ready(groups=1, timeout=60)
     print("N=%d: group %s ready through the coordinator in %.2f s" % (n, group, time.time() - t0))
@@ -150,6 +151,22 @@ def test_never_joins(s, tmp):
           log.strip().splitlines()[-1])
 
 
+def test_coordinator_killed(s, tmp):
+    ranks = [start_rank(s, tmp, "ck", r, 2) for r in range(2)]
+    s.wait_ready(groups=1, timeout=60)
+    t_kill = time.monotonic()
+    s.proc.kill()
+    s.proc.wait()
+    for r, p in enumerate(ranks):
+        try:
+            rc = p.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rank %d still running 30 s after the coordinator died" % r)
+        assert rc != 0, "rank %d exited 0 without its coordinator" % r
+        print("coordinator SIGKILLed: rank %d exited %d after %.0f ms" %
+              (r, rc, (time.monotonic() - t_kill) * 1000))
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="stepd-test-coord-group-")
     ref = offline_reference(tmp, 24)
@@ -159,6 +176,7 @@ def main():
         test_ready_and_equal(s, tmp, ref, 4)
         test_kill_follower(s, tmp)
         test_never_joins(s, tmp)
+        test_coordinator_killed(s, tmp)
     except AssertionError:
         print(s.read_log()[-4000:])
         for p in procs:

@@ -10,7 +10,9 @@
   3. a rank that never joins (N = 4, rank 3 absent): ranks 0-2 exit with status 3 after
      the rendezvous timeout, with an error naming rank 3;
   4. a rank whose checkpoint fails to load (N = 2): it exits 1, and rank 0 exits 4 at
-     once instead of waiting for its collective deadline.
+     once instead of waiting for its collective deadline;
+  5. ranks started with different sizes (--max-seqs): every rank refuses to start (exit
+     2) with a message naming the rank and the flag.
 Exit 77 when the model directory is absent."""
 import os
 import sys
@@ -43,9 +45,9 @@ def fail(msg, g=None):
 def killed_rank(worker, model, tmp, n, victim):
     out = os.path.join(tmp, "out-kill-%d-%d.txt" % (n, victim))
     g = Group(worker, model, n, "kill%d%d" % (n, victim),
-              args=["--collective-timeout", "60000"],
+              args=["--collective-timeout", "60000", "--max-model-len", "4096"],
               rank0_args=["--generate", prompts(tmp), "--max-tokens", "100000",
-                          "--max-model-len", "4096", "--step-delay", "5", "--output", out],
+                          "--step-delay", "5", "--output", out],
               workdir=tmp)
     watch = 1 if victim == 0 else 0
     if not g.wait_log(1, "loaded:", 60):
@@ -120,6 +122,20 @@ def bad_load(worker, model, tmp):
           (rcs[0], g.t_exit[0] * 1000))
 
 
+def mismatched(worker, model, tmp):
+    g = Group(worker, model, 2, "mismatch", rank_env={},
+              rank0_args=["--generate", prompts(tmp)], workdir=tmp, skip_ranks=(1,))
+    g2 = Group(worker, model, 2, "mismatch", args=["--max-seqs", "4"], workdir=tmp,
+               skip_ranks=(0,))
+    g.procs[1], g.errs[1] = g2.procs[1], g2.errs[1]
+    rcs = g.wait(timeout=HANG_GUARD_S)
+    for r in (0, 1):
+        if rcs[r] != 2 or "rank 1 runs with --max-seqs 4, rank 0 with 8" not in g.stderr(r):
+            fail("mismatched --max-seqs: rank %d exited %s" % (r, rcs[r]), g)
+    print("ranks with different --max-seqs: both exit 2: %s" %
+          g.stderr(0).strip().splitlines()[-1])
+
+
 def main():
     worker, model = sys.argv[1], sys.argv[2]
     if not os.path.exists(os.path.join(model, "config.json")):
@@ -130,6 +146,7 @@ def main():
     killed_rank(worker, model, tmp, 2, 0)
     never_joins(worker, model, tmp)
     bad_load(worker, model, tmp)
+    mismatched(worker, model, tmp)
     return 0
 
 

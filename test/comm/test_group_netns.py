@@ -5,7 +5,7 @@ Creates two network namespaces joined by a veth pair (10.201.X.1/24 and .2/24), 
 ranks 0..N/2-1 in the first and N/2..N-1 in the second (UCX over TCP on the veth; each
 rank's UCX_NET_DEVICES names its own end), and checks:
   * greedy output for N = 2 and N = 4, with MTP K = 0 and K = 3, identical to N = 1
-    (run in the default namespace);
+    (run in the default namespace; exact MXFP4 path, see test_group.py);
   * a rank of the second node SIGKILLed mid-generation: every other rank, on both nodes,
     exits with status 4 (the time is printed) and rank 0's requests end with an error.
 The namespaces are torn down at the end, whatever happens.  Exit 77 with a message
@@ -70,7 +70,7 @@ def write_prompts(tmp):
 
 def generate(worker, model, n, k, tmp, tag, net=None):
     prefix, env = placement(net, n) if net else (None, None)
-    g = Group(worker, model, n, tag, args=["--mtp", str(k)],
+    g = Group(worker, model, n, tag, args=["--mtp", str(k), "--exact"],
               rank0_args=["--generate", write_prompts(tmp), "--max-tokens", "24"],
               prefix=prefix, rank_env=env, workdir=tmp)
     out = g.stdout0()
@@ -85,9 +85,10 @@ def fault(worker, model, tmp, net):
     n = 4
     prefix, env = placement(net, n)
     out = os.path.join(tmp, "out-fault.txt")
-    g = Group(worker, model, n, "nsfault", args=["--collective-timeout", "60000"],
+    g = Group(worker, model, n, "nsfault",
+              args=["--collective-timeout", "60000", "--max-model-len", "4096"],
               rank0_args=["--generate", write_prompts(tmp), "--max-tokens", "100000",
-                          "--max-model-len", "4096", "--step-delay", "5", "--output", out],
+                          "--step-delay", "5", "--output", out],
               prefix=prefix, rank_env=env, workdir=tmp)
     if not g.wait_log(3, "loaded:", 60):
         sys.exit("FAIL: rank 3 never loaded\n" + g.stderr(3))

@@ -86,12 +86,15 @@ def check_unit(name, gpu):
         if "--api-key " in a or "--api-key=" in a:
             err("%s: API key on the command line" % name)
     if shutil.which("systemd-analyze"):
+        import tempfile
+        tmp = tempfile.mkdtemp(prefix="stepd-lint-")
         src = path
         if "@" in name:
-            src = os.path.join(os.environ.get("TMPDIR", "/tmp"), name.replace("@", "@0"))
+            src = os.path.join(tmp, name.replace("@", "@0"))
             shutil.copy(path, src)
         p = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=45", src],
                            capture_output=True, text=True)
+        shutil.rmtree(tmp, True)
         m = re.search(r"Overall exposure level for \S+: ([\d.]+)", p.stdout + p.stderr)
         print("   %s: systemd-analyze exposure %s" % (name, m.group(1) if m else "?"))
         if p.returncode != 0:

@@ -51,6 +51,7 @@ SERVING = hpb.HealthCheckResponse.SERVING
 NOT_SERVING = hpb.HealthCheckResponse.NOT_SERVING
 
 _procs = []
+_workdirs = []
 
 
 def _cleanup():
@@ -68,6 +69,7 @@ class Stepd:
 
     def __init__(self, *args, env=None, workdir=None):
         self.workdir = workdir or tempfile.mkdtemp(prefix="stepd-it-")
+        _workdirs.append(self.workdir)
         self.logpath = os.path.join(self.workdir, "stepd.log")
         self.log = open(self.logpath, "w+")
         cmd = [STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
@@ -102,12 +104,16 @@ class Stepd:
             time.sleep(0.02)
         raise RuntimeError("stepd did not report its ports:\n" + open(self.logpath).read())
 
-    def start_engine(self, group, *args, rank=0, world=1):
+    def start_engine(self, group, *args, rank=0, world=1, env=None):
         stats = os.path.join(self.workdir, "%s-r%d.stats" % (group, rank))
         log = open(os.path.join(self.workdir, "%s-r%d.log" % (group, rank)), "w")
         cmd = [MOCK_BIN, "--coordinator", "127.0.0.1:%d" % self.ports["control"], "--group", group,
                "--rank", str(rank), "--world", str(world), "--stats-file", stats, *args]
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        e = dict(os.environ)
+        e.pop("STEPD_CONTROL_KEY", None)
+        if env:
+            e.update(env)
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e)
         _procs.append(p)
         eng = Engine(p, stats)
         self.engines.append(eng)
@@ -173,6 +179,8 @@ class Stepd:
             raise AssertionError("stepd did not exit after signal %d" % sig)
         for e in self.engines:
             e.wait_exit(10)
+        if rc == 0 and not os.environ.get("STEPD_KEEP_LOGS"):
+            shutil.rmtree(self.workdir, True)   # logs are kept when something failed
         return rc
 
 
@@ -250,4 +258,9 @@ def run_tests(tests):
             print("FAIL %-40s %s" % (name, e), flush=True)
     print("%d/%d passed in %.1fs" % (len(tests) - failed, len(tests), time.time() - t_all))
     _cleanup()
+    if not failed and not os.environ.get("STEPD_KEEP_LOGS"):
+        for d in _workdirs:
+            shutil.rmtree(d, True)
+    elif failed:
+        print("logs kept in: " + " ".join(d for d in _workdirs if os.path.isdir(d)))
     sys.exit(1 if failed else 0)

@@ -444,6 +444,33 @@ def test_overload():
     assert s.stop() == 0
 
 
+def test_slow_consumer():
+    """A6: a client that never reads is cut when its per-stream buffer cap is hit; the
+    engine gets one Abort, other streams are unaffected, memory stays bounded."""
+    slow = os.environ.get("SLOW_CLIENT_BIN", "")
+    if not slow or not os.path.exists(slow):
+        print("   (no slow-client; skipped)")
+        return
+    s = Stepd("--stream-buffer-bytes", "4096")
+    eng = s.start_engine("g0", "--delay-ms", "1")
+    s.wait_ready()
+    rss0 = s.rss_kib()
+    p = subprocess.Popen([slow, s.addr, "4000", "8"], stdout=subprocess.PIPE, text=True)
+    toks, _, finals, _ = collect(s.inf.Generate(gen_request([1], 500), timeout=20))   # a normal stream meanwhile
+    assert len(toks) == 500 and finals, finals
+    wait_until(lambda: "client is not reading its stream" in s.read_log(), timeout=15, what="slow stream cut")
+    wait_until(lambda: eng.stats().get("abort", 0) == 1 and eng.stats().get("running", 1) == 0, timeout=5,
+               what="engine abort for the slow stream")
+    cut_at = eng.stats()["tokens"] - 500
+    rss1 = s.rss_kib()
+    p.kill()
+    p.wait()
+    assert s.metric('stepd:request_status_total{code="RESOURCE_EXHAUSTED"}') == 1
+    print("   slow reader cut after %d tokens; RSS %d -> %d KiB" % (cut_at, rss0, rss1))
+    assert rss1 - rss0 < 16 * 1024, (rss0, rss1)
+    assert s.stop() == 0
+
+
 # ---------------------------------------------------------------- security
 
 def test_api_key_every_rpc():
@@ -479,6 +506,17 @@ def test_api_key_every_rpc():
         time.sleep(0.05)
     _, _, finals, _ = collect(s.inf.Generate(gen_request(), timeout=5, metadata=md))
     assert finals
+    assert s.stop() == 0
+
+
+def test_control_key():
+    s = Stepd(env={"STEPD_CONTROL_KEY": "ctl-secret"})
+    bad = s.start_engine("g0", env={"STEPD_CONTROL_KEY": "wrong"})
+    assert bad.proc.wait(10) == 0                  # refused registration: the worker gives up
+    assert "UNAUTHENTICATED" in open(bad.stats_path.replace(".stats", ".log")).read()
+    assert s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).groups_total == 0
+    s.start_engine("g0", env={"STEPD_CONTROL_KEY": "ctl-secret"})
+    s.wait_ready()
     assert s.stop() == 0
 
 
@@ -693,6 +731,8 @@ def test_sd_notify():
     drain_sock(lambda m: any("STOPPING=1" in x for x in m))
     assert s.proc.wait(10) == 0
     sock.close()
+    import shutil
+    shutil.rmtree(d, True)
     status = [x for x in msgs if x.startswith("STATUS=")]
     print("   notify: %d messages, e.g. %r" % (len(msgs), status[-1] if status else None))
 
@@ -752,7 +792,9 @@ if __name__ == "__main__":
         ("prefix_affinity_and_stepctl", test_prefix_affinity_and_stepctl),
         ("bad_inputs", test_bad_inputs),
         ("overload", test_overload),
+        ("slow_consumer", test_slow_consumer),
         ("api_key_every_rpc", test_api_key_every_rpc),
+        ("control_key", test_control_key),
         ("listen_policy", test_listen_policy),
         ("tls_mtls", test_tls_mtls),
         ("text_and_chat", test_text_and_chat),

@@ -1,7 +1,10 @@
 /* test-threads.c - the CPU backend's worker pool: every run executes each ith exactly
- * once and returns only after all finished; barriers separate phases; more threads than
- * cores (oversubscription, as with a busy neighbour) still completes. */
+ * once and returns only after all finished; barriers separate phases; cpu_pool_for runs
+ * every unit exactly once and returns only when all are done, also when one thread is
+ * slow (sleeps inside a unit) - the others take over the remaining units; more threads
+ * than cores (oversubscription, as with a busy neighbour) still completes. */
 #include <stdatomic.h>
+#include <time.h>
 
 #include "kref.h"
 #include "cpu.h"
@@ -30,8 +33,52 @@ static void task(void *arg, int ith, int nth)
     j->phase_b[ith] = j->round;
 }
 
+struct for_job {
+    _Atomic int count[256];
+    _Atomic int by_thread[8];
+    int slow_ith;
+};
+
+static void unit_fn(void *arg, int unit, int n_units, int ith)
+{
+    struct for_job *j = arg;
+
+    ASSERT_TRUE(unit >= 0 && unit < n_units && ith >= 0 && ith < 8);
+    if (ith == j->slow_ith) {
+        struct timespec ts = { 0, 2000000 };    /* a descheduled core, 2 ms */
+        nanosleep(&ts, NULL);
+    }
+    atomic_fetch_add(&j->count[unit], 1);
+    atomic_fetch_add(&j->by_thread[ith], 1);
+}
+
+static void test_for(void)
+{
+    for (int n = 1; n <= 4; n++) {
+        struct cpu_pool *pool;
+
+        ASSERT_OK(cpu_pool_new(n, &pool));
+        for (int rep = 0; rep < 400; rep++) {
+            static struct for_job j;
+            int units = 1 + rep % 37, maxt = 1 + rep % 5;
+
+            memset(&j, 0, sizeof(j));
+            j.slow_ith = rep % 50 == 7 ? 1 : -1;
+            cpu_pool_for(pool, unit_fn, &j, units, maxt);
+            for (int u = 0; u < units; u++)
+                ASSERT_EQ(atomic_load(&j.count[u]), 1);     /* all done, once, on return */
+            for (int u = units; u < 256; u++)
+                ASSERT_EQ(atomic_load(&j.count[u]), 0);
+            if (j.slow_ith == 1 && n > 1 && units > 8)
+                ASSERT_LT(atomic_load(&j.by_thread[1]), units);  /* others took over */
+        }
+        cpu_pool_free(pool);
+    }
+}
+
 int main(void)
 {
+    test_for();
     for (int n = 1; n <= 5; n++) {
         struct job j = { 0 };
 

@@ -190,6 +190,7 @@ static void test_malformed(void)
         { "duplicate metadata key", mk("{\"__metadata__\":{\"k\":\"a\",\"k\":\"b\"}}", 0), -EBADMSG, "__metadata__: duplicate key 'k'", NULL },
         { "duplicate field", mk("{\"w\":{\"dtype\":\"U8\",\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1), -EBADMSG, "duplicate key 'dtype'", "w" },
         { "lone surrogate escape", mk("{" T("a\\ud800", "U8", "[1]", "[0,1]") "}", 1), -EBADMSG, "lone high surrogate", NULL },
+        { "lone minus at end (fuzz)", mk("{\"w\":{\"shape\":[-", 0), -EBADMSG, "shape[0] must be an integer, got an invalid token", "w" },
         { "leading zero", mk("{" T("w", "U8", "[01]", "[0,1]") "}", 1), -EBADMSG, "leading zero", NULL },
         /* 8. metadata */
         { "metadata value not string", mk("{\"__metadata__\":{\"format\":1}}", 0), -EBADMSG, "__metadata__.format must be a string", NULL },

@@ -14,7 +14,7 @@ pkgs=(
   libjansson-dev libuv1-dev libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libucx-dev ucx-utils libsystemd-dev libpcre2-dev
   python3 python3-venv python3-pip
-  libicu-dev iproute2 procps bible-kjv-text bible-kjv
+  libicu-dev iproute2 procps openssl systemd bible-kjv-text bible-kjv
 )
 missing=()
 for p in "${pkgs[@]}"; do
@@ -29,9 +29,9 @@ fi
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers' 2>/dev/null; then
+if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml' 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking \
-    jinja2 tokenizers
+    jinja2 tokenizers pyyaml
 fi
 # a real byte-level BPE tokenizer.json shipped by a PyPI package (tokenizer equality test)
 if ! .venv/bin/python -c 'import importlib.util as u; assert u.find_spec("anthropic")' 2>/dev/null; then

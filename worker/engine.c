@@ -51,6 +51,7 @@ struct ereq {
     void *ud;
     atomic_bool abort_flag;
     bool counted_queued;             /* still counted in e->n_queued */
+    bool unlinked;                   /* removed from e->all (finished) */
     bool done;
     enum engine_finish finish;
     int32_t stop_token;
@@ -740,6 +741,15 @@ static void deliver(struct engine *e)
 {
     int64_t now = engine_now_usec();
     int admitted = 0;
+    /* finished ids leave the `all` list before their final callback, so a client may
+     * reuse an id as soon as it has seen the final */
+    pthread_mutex_lock(&e->lock);
+    for (struct ereq *r = e->live; r; r = r->live_next)
+        if (r->done && !r->unlinked) {
+            unlink_all(e, r);
+            r->unlinked = true;
+        }
+    pthread_mutex_unlock(&e->lock);
     for (struct ereq *r = e->live; r; r = r->live_next) {
         if (r->counted_queued && (r->seq.state == BATCH_STATE_RUNNING || r->done)) {
             r->counted_queued = false;
@@ -770,8 +780,6 @@ static void deliver(struct engine *e)
     }
     pthread_mutex_lock(&e->lock);
     e->n_queued -= admitted;
-    for (struct ereq *r = dead; r; r = r->live_next)
-        unlink_all(e, r);
     e->n_alive -= freed;
     e->snap.n_requests_freed += (uint64_t) freed;
     update_snapshot(e, now);
@@ -812,6 +820,9 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     }
     if (!any_mtp)
         return 0;
+    /* stream this step's tokens before drafting the next ones: the MTP chain then costs
+     * no latency.  Finished requests are reaped here; they have no MTP work (depth 0). */
+    deliver(e);
     t0 = engine_now_usec();
     r = spec_propose(e->f, e->smp, &e->plan, e->sseqs, e->n_valid, e->tok_in, e->mtp_logits,
                      e->tok_scratch);

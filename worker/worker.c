@@ -981,6 +981,13 @@ int worker_run(const struct worker_opts *o)
         log_error("world size %d needs --coordinator ADDR or --rendezvous-dir DIR", o->world_size);
         return WORKER_EXIT_USAGE;
     }
+    if (o->world_size > 1 && strncmp(o->device, "cuda:", 5) == 0 && !o->mock) {
+        /* the model's collective hooks would hand device pointers to the host (UCX) comm */
+        log_error("--device %s with --world-size %d: multi-rank CUDA groups need the NCCL comm "
+                  "(worker/comm-nccl.c) wired into the CUDA plugin, which is not done yet; "
+                  "use --device cpu", o->device, o->world_size);
+        return WORKER_EXIT_USAGE;
+    }
     if (!o->mock && !o->model_dir) {
         log_error("--model DIR is required (or --mock)");
         return WORKER_EXIT_USAGE;

@@ -160,6 +160,9 @@ void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const 
 void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
                                 const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
                                 int64_t r1);
+/* Software prefetch distance of the fast MXFP4 kernel in bytes (0 = off; benchmarks). */
+extern int cpu_mxfp4_pf_bytes;
+extern int cpu_bf16_pf_bytes;
 /* True when matmul of w runs the fast int8 path under this context. */
 bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w);
 

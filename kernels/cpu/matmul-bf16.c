@@ -14,6 +14,9 @@
 
 #include "cpu.h"
 
+/* software prefetch distance of the 1-token AVX2 loop in bytes (0 = off; benchmarks) */
+int cpu_bf16_pf_bytes = 2048;
+
 static int64_t token_block(int64_t cols)
 {
     int64_t tb = (256 * 1024) / (cols * 4);
@@ -104,6 +107,8 @@ AVX2_FN static inline void bf16_row_dot(const uint8_t *wr, int64_t cols, const f
         __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
 
         for (; j + 32 <= cols; j += 32) {
+            if (cpu_bf16_pf_bytes)
+                _mm_prefetch((const char *)(wr + 2 * j) + cpu_bf16_pf_bytes, _MM_HINT_T0);
             acc[0][0] = _mm256_fmadd_ps(bf16x8(wr + 2 * j), _mm256_loadu_ps(xs[0] + j), acc[0][0]);
             acc[0][1] = _mm256_fmadd_ps(bf16x8(wr + 2 * j + 16), _mm256_loadu_ps(xs[0] + j + 8), acc[0][1]);
             a2 = _mm256_fmadd_ps(bf16x8(wr + 2 * j + 32), _mm256_loadu_ps(xs[0] + j + 16), a2);

@@ -308,9 +308,8 @@ void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b
 /* ---- fast kernel ---- */
 
 #if defined(__x86_64__)
-#ifndef MXFP4_PF_BYTES
-#define MXFP4_PF_BYTES 2048
-#endif
+/* prefetch distance of the fast kernel in bytes (0 = hardware prefetch only) */
+int cpu_mxfp4_pf_bytes = 1024;
 
 /* Dot products of one row's 64 biased weights (wlo/whi) with 64 int8 activations:
  * int32 lanes, each the sum of 4 adjacent byte products of lo and of hi. */
@@ -335,6 +334,7 @@ tile_dot_##sfx(const struct cpu_mxfp4 *m, int64_t t, const struct cpu_qact *qa, 
     const __m256i zero = _mm256_setzero_si256();                                                   \
     const uint8_t *qs = m->qs + t * m->npair * MXFP4_TILE_ROWS * 32;                               \
     const uint8_t *sc = m->sc + t * m->npair * MXFP4_TILE_ROWS * 2;                                \
+    const int pf = cpu_mxfp4_pf_bytes;                                                             \
     __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),               \
                       _mm256_setzero_ps() };                                                       \
     (void)ones;                                                                                    \
@@ -342,11 +342,13 @@ tile_dot_##sfx(const struct cpu_mxfp4 *m, int64_t t, const struct cpu_qact *qa, 
         __m256i wlo[4], whi[4];                                                                    \
         /* software prefetch: the weights are one stream, but a VM's hardware prefetcher     */  \
         /* alone left GEMV at ~45 % of the read bandwidth; this tile's next pairs, then the */  \
-        /* next tile (contiguous), MXFP4_PF_BYTES ahead                                     */  \
-        _mm_prefetch((const char *)(qs + p * 128) + MXFP4_PF_BYTES, _MM_HINT_T0);                 \
-        _mm_prefetch((const char *)(qs + p * 128) + MXFP4_PF_BYTES + 64, _MM_HINT_T0);            \
-        if ((p & 7) == 0)                                                                          \
-            _mm_prefetch((const char *)(sc + p * 8) + MXFP4_PF_BYTES / 16, _MM_HINT_T0);          \
+        /* next tile (contiguous), cpu_mxfp4_pf_bytes ahead                                 */  \
+        if (pf) {                                                                                  \
+            _mm_prefetch((const char *)(qs + p * 128) + pf, _MM_HINT_T0);                          \
+            _mm_prefetch((const char *)(qs + p * 128) + pf + 64, _MM_HINT_T0);                     \
+            if ((p & 7) == 0)                                                                      \
+                _mm_prefetch((const char *)(sc + p * 8) + pf / 16, _MM_HINT_T0);                   \
+        }                                                                                          \
         __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + p * 8)));          \
         /* (e-1)<<23 = 2^(e-128): the E8M0 scale with the LUT's doubling folded in */              \
         __m256 sw = _mm256_castsi256_ps(                                                           \

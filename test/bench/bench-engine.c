@@ -85,12 +85,14 @@ static void submit_next(struct client *c)
 {
     struct bench *b = c->b;
     int32_t prompt[512];
+    static int global_seq;      /* ids unique over the whole benchmark */
     pthread_mutex_lock(&b->lock);
     int seq = b->seq++;
+    int uid = global_seq++;
     pthread_mutex_unlock(&b->lock);
     for (int i = 0; i < b->n_prompt; i++)
         prompt[i] = (int32_t) ((i * 131 + seq * 977 + 7) % b->vocab);
-    snprintf(c->rid, sizeof(c->rid), "c%d-%d", c->id, seq);
+    snprintf(c->rid, sizeof(c->rid), "c%d-%d", c->id, uid);
     struct engine_request q;
     struct err_buf err;
     engine_request_init(&q);

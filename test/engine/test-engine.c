@@ -1016,6 +1016,52 @@ static void test_churn(void)
     rig_close(&g);
 }
 
+struct reuse {
+    struct engine *e;
+    int32_t prompt[4];
+    int finals;
+};
+
+static void on_reuse(void *ud, const struct engine_output *o)
+{
+    struct reuse *u = ud;
+    if (!o->finished)
+        return;
+    if (++u->finals < 3) {
+        /* the id is free again as soon as its final is seen */
+        struct engine_request q;
+        struct err_buf err;
+        engine_request_init(&q);
+        q.id = o->id;
+        q.prompt = u->prompt;
+        q.n_prompt = 4;
+        q.max_tokens = 5;
+        if (engine_submit(u->e, &q, on_reuse, u, &err) < 0)
+            FAIL("resubmit from the final callback: %s", err.msg);
+    }
+}
+
+static void test_id_reuse_in_callback(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    mock_defaults(&mc);
+    engine_defaults(&ec, 1);
+    struct rig g;
+    rig_open(&g, &mc, &ec);
+    struct reuse u = { .e = g.e, .prompt = { 1, 2, 3, 4 } };
+    struct engine_request q;
+    engine_request_init(&q);
+    q.id = "same";
+    q.prompt = u.prompt;
+    q.n_prompt = 4;
+    q.max_tokens = 5;
+    ASSERT_OK(engine_submit(g.e, &q, on_reuse, &u, NULL));
+    ASSERT_OK(engine_run_until_idle(g.e));
+    ASSERT_EQ(u.finals, 3);
+    rig_close(&g);
+}
+
 static void test_on_plan_hook(void)
 {
     struct mock_config mc;
@@ -1066,6 +1112,7 @@ int main(void)
     test_thread();
     test_chunked_prefill_mixes();
     test_churn();
+    test_id_reuse_in_callback();
     test_on_plan_hook();
     printf("engine: ok\n");
     return 0;

@@ -29,9 +29,9 @@ fi
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml' 2>/dev/null; then
+if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml, numpy' 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking \
-    jinja2 tokenizers pyyaml
+    jinja2 tokenizers pyyaml numpy
 fi
 # a real byte-level BPE tokenizer.json shipped by a PyPI package (tokenizer equality test)
 if ! .venv/bin/python -c 'import importlib.util as u; assert u.find_spec("anthropic")' 2>/dev/null; then

@@ -137,6 +137,8 @@ struct group {
     /* load from the engine's GetLoads */
     uint32_t load_running, load_waiting, kv_used, kv_total;
     double kv_usage, tokens_per_s;
+    double mean_acceptance_length;  /* MTP tokens per verify step, from the engine */
+    uint32_t requests_alive;        /* engine request states alive (0 at idle) */
     uint64_t preemptions;
     bool loads_pending;
     int64_t loads_ok_ms;            /* last successful GetLoads (or when it became ready) */

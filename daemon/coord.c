@@ -485,6 +485,8 @@ static void fill_load(const struct group *g, Stepd__V1__GroupLoad *l)
     l->kv_usage = g->kv_usage;
     l->num_preemptions = g->preemptions;
     l->tokens_per_s = g->tokens_per_s;
+    l->mean_acceptance_length = g->mean_acceptance_length;
+    l->num_requests_alive = g->requests_alive;
 }
 
 static void h_loads(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)

@@ -637,6 +637,8 @@ static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
     g->kv_usage = l->kv_usage;
     g->preemptions = l->num_preemptions;
     g->tokens_per_s = l->tokens_per_s;
+    g->mean_acceptance_length = l->mean_acceptance_length;
+    g->requests_alive = l->num_requests_alive;
 }
 
 static void loads_done(struct rpc_client_call *c, int status, const char *details, void *ud)

@@ -447,32 +447,6 @@ static void h_abort(struct rpc_call *call, const ProtobufCMessage *req, void *ud
     rpc_call_finish(call, RPC_OK, NULL);
 }
 
-/* Set a scalar field by name when this build's proto has it.  Forward compatible: the
- * GroupLoad fields mean_acceptance_length, num_requests_alive, requests_created and
- * requests_freed are requested from the proto owner and filled as soon as they exist. */
-static void set_by_name(ProtobufCMessage *m, const char *name, double v)
-{
-    const ProtobufCFieldDescriptor *fd =
-        protobuf_c_message_descriptor_get_field_by_name(m->descriptor, name);
-    if (!fd || fd->label == PROTOBUF_C_LABEL_REPEATED)
-        return;
-    char *p = (char *) m + fd->offset;
-    switch (fd->type) {
-    case PROTOBUF_C_TYPE_DOUBLE:
-        *(double *) p = v;
-        break;
-    case PROTOBUF_C_TYPE_UINT32:
-        *(uint32_t *) p = (uint32_t) v;
-        break;
-    case PROTOBUF_C_TYPE_UINT64:
-        *(uint64_t *) p = (uint64_t) v;
-        break;
-    default:
-        return;
-    }
-    pb_case_set(m, name);
-}
-
 static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
 {
     struct engine_rpc *s = ud;
@@ -489,10 +463,10 @@ static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void 
     gl.kv_usage = l.kv_usage;
     gl.num_preemptions = l.n_preemptions;
     gl.tokens_per_s = l.tokens_per_s;
-    set_by_name(&gl.base, "mean_acceptance_length", l.mean_accept_len);
-    set_by_name(&gl.base, "num_requests_alive", (double) l.n_alive);
-    set_by_name(&gl.base, "requests_created", (double) l.n_requests_created);
-    set_by_name(&gl.base, "requests_freed", (double) l.n_requests_freed);
+    gl.mean_acceptance_length = l.mean_accept_len;
+    gl.num_requests_alive = (uint32_t) l.n_alive;
+    gl.requests_created = l.n_requests_created;
+    gl.requests_freed = l.n_requests_freed;
     resp.n_loads = 1;
     resp.loads = list;
     (void) rpc_call_send(call, &resp.base);

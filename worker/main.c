@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "spec.h"
 #include "worker.h"
 
 static void usage(FILE *f)
@@ -15,7 +16,8 @@ static void usage(FILE *f)
     fprintf(f,
         "usage: stepd-worker (--coordinator ADDR | --rendezvous-dir DIR) --group G --rank R\n"
         "                    --world-size N [--device cpu|cuda:I] (--model DIR | --mock)\n"
-        "                    [--mtp-model DIR] [--mtp K] [--threads T] [--exact]\n"
+        "                    [--mtp-model DIR] [--mtp K | --speculative-config JSON]\n"
+        "                    [--threads T] [--exact]\n"
         "                    [--max-seqs S] [--max-batched-tokens T] [--max-model-len L]\n"
         "                    [--kv-blocks B] [--block-size BS]\n"
         "                    [--rendezvous-timeout MS] [--collective-timeout MS] [--load-timeout MS]\n"
@@ -27,6 +29,7 @@ static void usage(FILE *f)
         "  --rendezvous-dir DIR    file rendezvous in a directory shared by the ranks\n"
         "  --world-size N          1, 2, 4 or 8 ranks in the group\n"
         "  --mtp K                 MTP speculative tokens on rank 0 (0..3)\n"
+        "  --speculative-config J  as vLLM: '{\"method\":\"mtp\",\"num_speculative_tokens\":K}'\n"
         "  --collective-timeout MS deadline of every collective (default 30000)\n"
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
         "  --load-timeout MS       how long ranks wait for each other to load (default 1800000)\n"
@@ -51,12 +54,27 @@ static int parse_int(const char *s, const char *flag, int lo, int hi, int *ret)
     return 0;
 }
 
+/* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */
+static int parse_spec(const char *json, int *ret_k)
+{
+    struct spec_config sc;
+    struct err_buf e;
+    int r = spec_config_parse(json, &sc, &e);
+
+    if (r < 0) {
+        fprintf(stderr, "stepd-worker: %s\n", e.msg);
+        return r;
+    }
+    *ret_k = sc.num_speculative_tokens;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     enum {
         O_COORD = 256, O_RDV, O_GROUP, O_RANK, O_WORLD, O_DEVICE, O_MODEL, O_MTP_MODEL, O_MTP,
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
-        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_HELP,
+        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_HELP,
     };
     static const struct option opts[] = {
         { "coordinator", required_argument, NULL, O_COORD },
@@ -68,6 +86,7 @@ int main(int argc, char **argv)
         { "model", required_argument, NULL, O_MODEL },
         { "mtp-model", required_argument, NULL, O_MTP_MODEL },
         { "mtp", required_argument, NULL, O_MTP },
+        { "speculative-config", required_argument, NULL, O_SPEC },
         { "threads", required_argument, NULL, O_THREADS },
         { "exact", no_argument, NULL, O_EXACT },
         { "mock", no_argument, NULL, O_MOCK },
@@ -108,6 +127,7 @@ int main(int argc, char **argv)
         case O_MODEL: o.model_dir = optarg; break;
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
         case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
+        case O_SPEC: r = parse_spec(optarg, &o.mtp); break;
         case O_THREADS: r = parse_int(optarg, "--threads", 0, 1024, &o.threads); break;
         case O_EXACT: o.exact = true; break;
         case O_MOCK: o.mock = true; break;

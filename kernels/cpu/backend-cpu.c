@@ -1,5 +1,11 @@
 /* backend-cpu.c - the CPU backend: context, memory, capability, weights, ops table.
  * Every op lives in its own file beside this one (embed.c, rmsnorm.c, ...).
+ *
+ * Paths: MXFP4 runs the fast int8 kernel (VNNI where the CPU has AVX512-VNNI+VL, else
+ * AVX2) unless backend_cfg.mxfp4_exact or the CPU lacks AVX2; BF16 uses the AVX2 kernel
+ * where available.  Environment knobs (tests and benchmarks): STEPD_CPU_NO_AVX2=1 and
+ * STEPD_CPU_NO_VNNI=1 force the slower paths; STEPD_CPU_MIN_WORK=<multiply-adds per
+ * extra thread> (default 65536; 0 = split every op over all threads).
  */
 #include <errno.h>
 #include <stdlib.h>

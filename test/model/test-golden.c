@@ -26,11 +26,12 @@
 #include "model.h"
 
 #define TOL_EXACT 1e-3
-/* Fast path (int8 activations): an activation rounding step can flip a near-tied top-k
- * routing choice, which moves a row by O(0.1-1) on the random edge-case model; rows are
- * therefore bounded in mean-abs (TOL_FAST_MEAN) and loosely in max-abs (TOL_FAST). */
-#define TOL_FAST 2.0
-#define TOL_FAST_MEAN 5e-2
+/* Fast path (int8 activations per 32-block): bounds for the trained tiny model (measured
+ * 7.4e-3 max-abs, 2.2e-3 mean-abs, logits O(10)).  Not used on the random edge-case model,
+ * where an activation rounding step flips near-tied top-k routing choices (test-model
+ * checks the fast path's arithmetic against an int8-rounding oracle instead). */
+#define TOL_FAST 5e-2
+#define TOL_FAST_MEAN 1e-2
 #define BS 16
 #define MAXLEN 512
 
@@ -233,8 +234,10 @@ static void check_case(json_t *c)
     }
 
     printf("[%s] %d ids: logits one-shot %.3g chunked %.3g; MTP draft depths %d: %.3g; greedy "
-           "%d/%d identical%s; mtp_full %d rows: %.3g\n", name, T, d1, d2, n_mtp_depths, d3,
-           match, G, limit < G ? " (fast: near-tie allowed from there)" : "", n5, d5);
+           "%d/%d identical", name, T, d1, d2, n_mtp_depths, d3, match, G);
+    if (limit < G)
+        printf(" (fast path: required up to the near-tie at step %d)", limit);
+    printf("; mtp_full %d rows: %.3g\n", n5, d5);
     worst_logit = fmax(worst_logit, fmax(d1, d2));
     worst_mtp = fmax(worst_mtp, fmax(d3, d5));
     if (exact)

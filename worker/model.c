@@ -9,8 +9,12 @@
  *   5. struct forward glue.
  *
  * Everything a step touches was reserved in model_new(); a step allocates nothing.
- * Row gathers between activation buffers (logit rows, MTP rows) are host copies: the
- * backends that exist keep activations in host-visible memory (CPU).
+ * Memory convention of the backends (kernels/backend.h, kernels/cuda/common.cuh):
+ * activations, KV caches and router outputs live in backend buffers (device memory on
+ * CUDA); the small index arrays built from the plan (token ids, positions, KV slots, run
+ * starts, block tables) and the rope / router-bias tables are HOST arrays that the backend
+ * stages itself.  Row gathers between activation buffers (logit rows, MTP rows) go through
+ * a host bounce buffer with download/upload, the only copies the interface offers.
  */
 #include "model.h"
 
@@ -44,11 +48,12 @@ struct mlayer {
 
     /* MoE */
     struct bweight router;
-    float *router_bias;             /* backend buffer [n_experts] or NULL */
+    float *router_bias;             /* host [n_experts] or NULL */
     struct moe_expert *experts;     /* [n_local] */
     int expert_first, n_local;
 
-    struct rope_freqs freqs;
+    struct rope_freqs freqs;        /* inv_freq: host table */
+    float *inv_freq;
     struct kv_layer kv;
 
     /* MTP only */
@@ -57,15 +62,15 @@ struct mlayer {
     float *eh_split_f32;            /* same when eh_proj is F32 */
 };
 
-/* The index arrays of one batch (trunk step or one MTP depth), in backend memory. */
+/* The index arrays of one batch (trunk step or one MTP depth): host arrays. */
 struct batch {
     int n_tok, n_seqs;
-    int32_t *ids, *pos;
-    int32_t *slots[_KV_GROUP_MAX];
-    int32_t *seq_start;             /* [n_seqs + 1] */
-    int32_t *seq_pos0;              /* [n_seqs] */
-    int32_t *boff[_KV_GROUP_MAX];   /* [n_seqs] */
-    int32_t *tables[_KV_GROUP_MAX]; /* copies of the plan's tables */
+    const int32_t *ids, *pos;
+    const int32_t *slots[_KV_GROUP_MAX];
+    const int32_t *seq_start;       /* [n_seqs + 1] */
+    const int32_t *seq_pos0;        /* [n_seqs] */
+    const int32_t *boff[_KV_GROUP_MAX];   /* [n_seqs] */
+    const int32_t *tables[_KV_GROUP_MAX]; /* the plan's tables */
 };
 
 struct model {
@@ -99,9 +104,10 @@ struct model {
     float *gather;                  /* [world, R, vocab_local] */
     float *mtp_logits;              /* [max_seqs, vocab] */
 
-    struct batch b;                 /* trunk batch of the current step */
-    struct batch mb;                /* MTP batch */
-    /* host staging for index arrays */
+    float *bounce;                  /* host [T, H]: row copies between activation buffers */
+    float *zeros;                   /* host [T, H] zeros, only when a MoE layer has no shared expert */
+    int32_t *h_last;                /* MTP: last row of each batch seq */
+    /* host index arrays of the current batch */
     int32_t *h_ids, *h_pos, *h_slots[_KV_GROUP_MAX], *h_seq_start, *h_seq_pos0,
             *h_boff[_KV_GROUP_MAX], *h_rows, *h_src;
 
@@ -155,21 +161,6 @@ static int mbuf(struct model *m, size_t bytes, void *ret)
         backend_buf_free(m->be, p);
         return r;
     }
-    *(void **)ret = p;
-    return 0;
-}
-
-/* Reserve and fill from host memory. */
-static int mbuf_upload(struct model *m, const void *src, size_t bytes, void *ret)
-{
-    void *p;
-    int r = mbuf(m, bytes, &p);
-
-    if (r < 0)
-        return r;
-    r = backend_upload(m->be, p, src, bytes);
-    if (r < 0)
-        return r;
     *(void **)ret = p;
     return 0;
 }
@@ -296,17 +287,20 @@ static int build_freqs(struct model *m, struct mlayer *L, struct err_buf *e)
 {
     const struct model_config *cfg = m->cfg;
     int R = L->lc->rotary_dims;
-    float inv[1024];
-    float *dev;
+    float *inv;
     int r;
 
     L->freqs.rotary_dims = R;
     L->freqs.inv_freq = NULL;
     if (R == 0)
         return 0;
-    if (R < 0 || R % 2 || R > L->head_dim || R / 2 > (int)ARRAY_SIZE(inv))
+    if (R < 0 || R % 2 || R > L->head_dim)
         return err_set(e, -EINVAL, "layer %d: rotary dims %d invalid for head_dim %d", L->idx, R,
                        L->head_dim);
+    inv = calloc((size_t)(R / 2), sizeof(float));
+    if (!inv)
+        return err_set(e, -ENOMEM, "out of memory");
+    L->inv_freq = inv;
     if (L->lc->rope_llama3 && cfg->rope_scaling.present) {
         struct rope_llama3 l3 = {
             .factor = cfg->rope_scaling.factor,
@@ -321,10 +315,7 @@ static int build_freqs(struct model *m, struct mlayer *L, struct err_buf *e)
     if (r < 0)
         return err_set(e, r, "layer %d: rope table (theta %g, R %d) rejected: %s", L->idx,
                        L->lc->rope_theta, R, err_str(r));
-    r = mbuf_upload(m, inv, sizeof(float) * (size_t)(R / 2), &dev);
-    if (r < 0)
-        return err_set(e, r, "layer %d: cannot reserve the rope table: %s", L->idx, err_str(r));
-    L->freqs.inv_freq = dev;
+    L->freqs.inv_freq = inv;
     return 0;
 }
 
@@ -441,14 +432,18 @@ static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf
         LOADW(router, "%s.moe.gate", cfg->n_experts, H);
         if (cfg->use_router_bias) {
             struct tview v;
-            float tmpb[4096];
+            float *tmpb;
             snprintf(n, sizeof(n), "%s.moe.router_bias", p);
             r = ckpt_get(m->ckpt, n, &v);
             if (r < 0)
                 return err_set(e, r, "tensor '%s' not available from the loader: %s", n, err_str(r));
-            if (tview_numel(&v) != cfg->n_experts || cfg->n_experts > (int)ARRAY_SIZE(tmpb))
+            if (tview_numel(&v) != cfg->n_experts)
                 return err_set(e, -EINVAL, "%s: %lld elements, expected %d", n,
                                (long long)tview_numel(&v), cfg->n_experts);
+            tmpb = calloc((size_t)cfg->n_experts, sizeof(float));
+            if (!tmpb)
+                return err_set(e, -ENOMEM, "out of memory");
+            L->router_bias = tmpb;
             for (int i = 0; i < cfg->n_experts; i++) {
                 if (v.dtype == DTYPE_F32) {
                     memcpy(&tmpb[i], (const char *)v.data + 4 * (size_t)i, 4);
@@ -463,9 +458,6 @@ static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf
                                    dtype_name(v.dtype));
                 }
             }
-            r = mbuf_upload(m, tmpb, sizeof(float) * (size_t)cfg->n_experts, &L->router_bias);
-            if (r < 0)
-                return err_set(e, r, "%s: cannot reserve: %s", n, err_str(r));
         }
         ckpt_expert_range(m->ckpt, &first, &count);
         if (count <= 0 || first < 0 || first + count > cfg->n_experts)
@@ -545,23 +537,6 @@ static int reserve_kv(struct model *m, struct mlayer *L, struct err_buf *e)
     return 0;
 }
 
-static int reserve_batch(struct model *m, struct batch *b)
-{
-    int T = m->o.max_tokens_per_step, S = m->o.max_seqs;
-    int r = 0;
-
-    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)T, &b->ids);
-    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)T, &b->pos);
-    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)(S + 1), &b->seq_start);
-    r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)S, &b->seq_pos0);
-    for (int g = 0; g < _KV_GROUP_MAX; g++) {
-        r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)T, &b->slots[g]);
-        r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)S, &b->boff[g]);
-        r = r ? r : mbuf(m, sizeof(int32_t) * (size_t)m->table_cap, &b->tables[g]);
-    }
-    return r;
-}
-
 static int host_i32(int32_t **p, size_t n)
 {
     *p = calloc(n ? n : 1, sizeof(int32_t));
@@ -602,14 +577,18 @@ static int reserve(struct model *m, struct err_buf *e)
 #undef F
     if (!r)
         r = mbuf(m, sizeof(int32_t) * T * topk, &m->rids);
-    if (!r)
-        r = reserve_batch(m, &m->b);
-    if (!r && m->n_mtp)
-        r = reserve_batch(m, &m->mb);
     if (r < 0)
         return err_set(e, r, "cannot reserve activations for %zu tokens per step: %s", T, err_str(r));
 
-    r = host_i32(&m->h_ids, T);
+    m->bounce = malloc(sizeof(float) * T * H);
+    r = m->bounce ? 0 : -ENOMEM;
+    for (int i = 0; i < m->n_layers && !r; i++)
+        if (m->layers[i].is_moe && !m->layers[i].has_ffn_dense && !m->zeros) {
+            m->zeros = calloc(T * H, sizeof(float));
+            r = m->zeros ? 0 : -ENOMEM;
+        }
+    r = r ? r : host_i32(&m->h_ids, T);
+    r = r ? r : host_i32(&m->h_last, T);
     r = r ? r : host_i32(&m->h_pos, T);
     r = r ? r : host_i32(&m->h_seq_start, S + 1);
     r = r ? r : host_i32(&m->h_seq_pos0, S);
@@ -774,11 +753,16 @@ void model_free(struct model *m)
     if (m->layers) {
         for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
             free(m->layers[i].experts);
+            free(m->layers[i].inv_freq);
+            free(m->layers[i].router_bias);
             free(m->layers[i].eh_split);
             free(m->layers[i].eh_split_f32);
         }
         free(m->layers);
     }
+    free(m->bounce);
+    free(m->zeros);
+    free(m->h_last);
     free(m->h_ids);
     free(m->h_pos);
     free(m->h_seq_start);
@@ -897,28 +881,47 @@ static int32_t slot_of(const struct model *m, const struct step_plan *p, const s
     return block_of(p, s, g, pos / bs) * bs + pos % bs;
 }
 
-/* Upload the batch's index arrays.  The host staging arrays are already filled for
- * ids/pos/slots (n_tok) and seq_start/seq_pos0/boff (n_seqs). */
-static int batch_upload(struct model *m, struct batch *b, const struct step_plan *p, int n_tok,
-                        int n_seqs)
+/* Point a batch at the host index arrays (filled for n_tok tokens / n_seqs runs) and the
+ * plan's block tables. */
+static void batch_fill(const struct model *m, struct batch *b, const struct step_plan *p, int n_tok,
+                       int n_seqs)
 {
-    int r;
-
     b->n_tok = n_tok;
     b->n_seqs = n_seqs;
-    r = backend_upload(m->be, b->ids, m->h_ids, sizeof(int32_t) * (size_t)n_tok);
-    r = r ? r : backend_upload(m->be, b->pos, m->h_pos, sizeof(int32_t) * (size_t)n_tok);
-    r = r ? r : backend_upload(m->be, b->seq_start, m->h_seq_start,
-                               sizeof(int32_t) * (size_t)(n_seqs + 1));
-    r = r ? r : backend_upload(m->be, b->seq_pos0, m->h_seq_pos0, sizeof(int32_t) * (size_t)n_seqs);
-    for (int g = 0; g < _KV_GROUP_MAX && !r; g++) {
-        if (!m->group_used[g])
-            continue;
-        r = backend_upload(m->be, b->slots[g], m->h_slots[g], sizeof(int32_t) * (size_t)n_tok);
-        r = r ? r : backend_upload(m->be, b->boff[g], m->h_boff[g], sizeof(int32_t) * (size_t)n_seqs);
-        if (!r && p->n_block_ids[g] > 0)
-            r = backend_upload(m->be, b->tables[g], p->blocks[g],
-                               sizeof(int32_t) * (size_t)p->n_block_ids[g]);
+    b->ids = m->h_ids;
+    b->pos = m->h_pos;
+    b->seq_start = m->h_seq_start;
+    b->seq_pos0 = m->h_seq_pos0;
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        b->slots[g] = m->h_slots[g];
+        b->boff[g] = m->h_boff[g];
+        b->tables[g] = p->blocks[g];
+    }
+}
+
+/* dst[dst_rows[i]] <- src[src_rows[i]] for i < n, rows of H floats in backend buffers
+ * (NULL row list = rows 0..n-1), through the host bounce buffer; runs of consecutive rows
+ * move in one transfer. */
+static int copy_rows(struct model *m, float *dst, const int32_t *dst_rows, const float *src,
+                     const int32_t *src_rows, int n)
+{
+    size_t H = (size_t)m->hidden;
+    int r = 0;
+
+    for (int i = 0, j; i < n && !r; i = j) {
+        int32_t s0 = src_rows ? src_rows[i] : i;
+        for (j = i + 1; j < n && (src_rows ? src_rows[j] : j) == s0 + (j - i); j++)
+            ;
+        r = backend_download(m->be, m->bounce + (size_t)i * H, src + (size_t)s0 * H,
+                             sizeof(float) * H * (size_t)(j - i));
+    }
+    r = r ? r : backend_sync(m->be);
+    for (int i = 0, j; i < n && !r; i = j) {
+        int32_t d0 = dst_rows ? dst_rows[i] : i;
+        for (j = i + 1; j < n && (dst_rows ? dst_rows[j] : j) == d0 + (j - i); j++)
+            ;
+        r = backend_upload(m->be, dst + (size_t)d0 * H, m->bounce + (size_t)i * H,
+                           sizeof(float) * H * (size_t)(j - i));
     }
     return r;
 }
@@ -1010,7 +1013,7 @@ static int layer_forward(struct model *m, struct mlayer *L, float *x, const stru
         if (L->has_ffn_dense)
             TRY(swiglu_mlp(m, L, m->a, n, L->limit_shared, m->tmp));   /* shared expert */
         else
-            memset(m->tmp, 0, sizeof(float) * (size_t)n * H);
+            TRY(backend_upload(m->be, m->tmp, m->zeros, sizeof(float) * (size_t)n * H));
         struct moe_args ma = {
             .x = m->a,
             .out = m->tmp,
@@ -1040,8 +1043,7 @@ static int trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
     int H = m->hidden, V = m->vocab, Vl = m->vocab_local;
     int r;
 
-    for (int i = 0; i < n_rows; i++)
-        memcpy(m->rows_h + (size_t)i * H, m->hid + (size_t)rows[i] * H, sizeof(float) * (size_t)H);
+    TRY(copy_rows(m, m->rows_h, NULL, m->hid, rows, n_rows));
     TRY(backend_rmsnorm(m->be, m->rows_h, &m->final_norm, n_rows, H, m->cfg->rms_norm_eps,
                         m->rows_h));
     TRY(backend_matmul(m->be, &m->lm_head, m->rows_h, n_rows, m->rows_logits));
@@ -1091,15 +1093,14 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
             m->h_rows[n_rows++] = s->tok_off + t;
     }
     m->h_seq_start[p->n_seqs] = p->n_tokens;
-    r = batch_upload(m, &m->b, p, p->n_tokens, p->n_seqs);
-    if (r < 0)
-        return PLAN_ERR(m, r, "step: uploading the index arrays failed: %s", err_str(r));
+    struct batch b;
+    batch_fill(m, &b, p, p->n_tokens, p->n_seqs);
 
     /* the script: the residual stream lives in hid, which keeps the pre-final-norm hidden
      * states for the logits and for MTP depth 0 */
-    r = backend_embed(m->be, &m->embed, m->b.ids, p->n_tokens, m->hid);
+    r = backend_embed(m->be, &m->embed, b.ids, p->n_tokens, m->hid);
     for (int l = 0; l < m->n_layers && r >= 0; l++)
-        r = layer_forward(m, &m->layers[l], m->hid, &m->b);
+        r = layer_forward(m, &m->layers[l], m->hid, &b);
     if (r < 0)
         return PLAN_ERR(m, r, "step: forward failed: %s", err_str(r));
     if (n_rows > 0) {
@@ -1178,32 +1179,30 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
     if (ns == 0)
         return 0;
     m->h_seq_start[ns] = n;
-    r = batch_upload(m, &m->mb, p, n, ns);
-    if (r < 0)
-        return PLAN_ERR(m, r, "mtp_step: uploading the index arrays failed: %s", err_str(r));
+    struct batch mb;
+    batch_fill(m, &mb, p, n, ns);
 
     /* m = We·enorm(E[x]) + Wh·hnorm(g), g = trunk hidden (k = 0) or MTP layer k-1's output */
     const float *gsrc = k == 0 ? m->hid : m->mh;
-    for (int j = 0; j < n; j++)
-        memcpy(m->a + (size_t)j * H, gsrc + (size_t)m->h_src[j] * H, sizeof(float) * (size_t)H);
-    r = backend_embed(m->be, &m->embed, m->mb.ids, n, m->me);
+    r = copy_rows(m, m->a, NULL, gsrc, m->h_src, n);
+    r = r ? r : backend_embed(m->be, &m->embed, mb.ids, n, m->me);
     r = r ? r : backend_rmsnorm(m->be, m->me, &L->enorm, n, H, m->cfg->rms_norm_eps, m->me);
     r = r ? r : backend_rmsnorm(m->be, m->a, &L->hnorm, n, H, m->cfg->rms_norm_eps, m->mn);
     r = r ? r : backend_matmul(m->be, &L->eh_e, m->me, n, m->x);
     r = r ? r : backend_matmul(m->be, &L->eh_h, m->mn, n, m->tmp);
     r = r ? r : backend_add(m->be, m->x, m->tmp, (size_t)n * H);
-    r = r ? r : layer_forward(m, L, m->x, &m->mb);
+    r = r ? r : layer_forward(m, L, m->x, &mb);
     if (r < 0)
         return PLAN_ERR(m, r, "mtp_step %d: forward failed: %s", k, err_str(r));
 
-    /* h' feeds the next depth at the same plan rows */
-    for (int j = 0; j < n; j++)
-        memcpy(m->mh + (size_t)m->h_src[j] * H, m->x + (size_t)j * H, sizeof(float) * (size_t)H);
-    /* draft logits from each seq's last valid position */
-    for (int si = 0; si < ns; si++) {
-        int last = m->h_seq_start[si + 1] - 1;
-        memcpy(m->rows_h + (size_t)si * H, m->x + (size_t)last * H, sizeof(float) * (size_t)H);
-    }
+    /* h' feeds the next depth at the same plan rows; draft logits from each seq's last
+     * valid position */
+    for (int si = 0; si < ns; si++)
+        m->h_last[si] = m->h_seq_start[si + 1] - 1;
+    r = copy_rows(m, m->mh, m->h_src, m->x, NULL, n);
+    r = r ? r : copy_rows(m, m->rows_h, NULL, m->x, m->h_last, ns);
+    if (r < 0)
+        return PLAN_ERR(m, r, "mtp_step %d: row copies failed: %s", k, err_str(r));
     r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps, m->rows_h);
     r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, ns, m->mtp_logits);
     for (int si = 0; si < ns && !r; si++)

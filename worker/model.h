@@ -35,7 +35,9 @@ extern "C" {
 #endif
 
 /* Collectives used by the forward.  Pass NULL (or world == 1) for a single rank: every
- * hook is then a no-op.  All buffers are host-visible backend buffers (CPU: plain memory).
+ * hook is then a no-op.  Buffers are backend activation buffers: host memory on the CPU
+ * backend, device memory on CUDA (pair it with a device-aware comm such as NCCL; the UCX
+ * comm moves host buffers and pairs with the CPU backend).
  *   allreduce_sum(ctx, buf, n): buf[0..n) <- element-wise sum over ranks, in place.
  *   allgather(ctx, in, out, n): out[r*n .. r*n+n) <- rank r's in[0..n), for r = 0..world-1
  *                                (every rank receives all; rank order).

@@ -14,7 +14,7 @@ pkgs=(
   libjansson-dev libuv1-dev libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libucx-dev ucx-utils libsystemd-dev libpcre2-dev
   python3 python3-venv python3-pip
-  libicu-dev iproute2 procps openssl systemd bible-kjv-text bible-kjv
+  libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -51,6 +51,10 @@ def main():
     ct = ct_compressor().compress({"weight": w, "weight_scale": scale_f}, ct_scheme())
     same_scale = bool(torch.equal(ct["weight_scale"].to(torch.uint8), scale))
     diff_bytes = int((ct["weight_packed"] != packed).sum())
+    x = ct["weight_packed"] ^ packed
+    only_zero_sign = bool(((x & 0x77) == 0).all()) and bool(
+        (((x & 0x08) == 0) | ((packed & 0x07) == 0)).all()) and bool((((x & 0x80) == 0) | ((packed & 0x70) == 0)).all())
+    print(f"  packed-byte differences are only the sign bit of zero codes (+0 vs -0): {only_zero_sign}")
     ct_w = ct_dequant(ct["weight_packed"], ct["weight_scale"].to(torch.uint8))
     ct_ours = ct_dequant(packed, scale)
     print(f"random 256x512: SQNR {sqnr:.2f} dB; scale bytes identical to compressed-tensors: {same_scale}; "

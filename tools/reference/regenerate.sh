@@ -18,3 +18,4 @@ fi
 python3 "$REF/make_goldens.py" --tiny models/tiny-step --out test/data/golden \
     --heldout "$WORK/corpus/heldout.txt"
 python3 "$REF/xcheck_transformers.py" models/tiny-step test/data/golden/random-model
+python3 "$REF/check_mxfp4.py" models/tiny-step

@@ -185,7 +185,9 @@ static int check_config(struct engine_config *c, const struct forward *f, struct
                        f->n_blocks[KV_GROUP_FULL]);
     int sliding = full;
     if (c->sliding_window > 0) {
-        int s = (c->sliding_window + c->max_num_batched_tokens + bs - 1) / bs + 1;
+        /* + the MTP repair margin (engine_new) */
+        int margin = f->n_mtp < SPEC_MAX_K ? f->n_mtp : SPEC_MAX_K;
+        int s = (c->sliding_window + margin + c->max_num_batched_tokens + bs - 1) / bs + 1;
         sliding = s < full ? s : full;
     }
     if (sliding > f->n_blocks[KV_GROUP_SLIDING])
@@ -244,7 +246,10 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
     struct kv_pool_config kc = {
         .block_size = f->block_size,
         .n_blocks = { f->n_blocks[0], f->n_blocks[1] },
-        .sliding_window = c.sliding_window,
+        /* sliding blocks stay kmax positions longer than the window: the MTP layers re-run
+         * the last kmax positions before a run (model.h, the "no trace" repair), and those
+         * queries read their own window */
+        .sliding_window = c.sliding_window > 0 ? c.sliding_window + e->kmax : 0,
         .max_seqs = c.max_num_seqs,
         .max_seq_len = max_len,
     };

@@ -17,10 +17,15 @@
  *      logits_k    = [n_seqs, vocab] draft logits from the last valid position, rows in
  *                    plan order (rows of seqs with mtp_depth <= k are left untouched).
  *      MTP layer k runs over positions pos0 .. pos0+n_valid-1 of the run with input ids
- *      shifted left by k+1 (MODEL.md §3.2); its KV at those positions is (re)written, so
- *      rejected positions of earlier steps leave no trace.
- * KV of rejected trunk positions is simply overwritten by later steps: attention never
- * reads a position beyond the query's own.
+ *      shifted left by k+1 (MODEL.md §3.2); its KV at those positions is (re)written.
+ *      n_valid must be the same at every depth of a step.
+ * No trace of rejected drafts: KV of rejected trunk positions is simply overwritten by
+ * later steps (attention never reads a position beyond the query's own).  MTP layer k's
+ * last k positions of a step were computed from drafts (tok_in of depths >= 1); a
+ * forward must rewrite them at the next step once the true tokens are known (the real
+ * model re-runs positions pos0-k .. pos0-1 at depth k, see model.h; the mock has no KV).
+ * So the engine keeps its sliding KV blocks n_mtp positions beyond the window, and a
+ * run at pos0 == 0 starts a new sequence in its slot (new request, recompute).
  */
 #pragma once
 

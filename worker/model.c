@@ -86,6 +86,7 @@ struct model {
     int n_layers, n_mtp;
     int max_logit_rows;
     int table_cap;                  /* block-table capacity per group */
+    int max_rows;                   /* activation rows: max_tokens_per_step + MTP re-run rows */
     bool group_used[_KV_GROUP_MAX];
 
     struct bweight embed, final_norm, lm_head;
@@ -97,8 +98,8 @@ struct model {
     float *rlogits, *rweights;
     int32_t *rids;
     float *hid;                     /* trunk pre-final-norm hidden of the last step [T, H] */
-    float *mh;                      /* MTP hidden per plan row [T, H] */
-    float *me, *mn;                 /* MTP: embedding, normed halves [T, H] */
+    float *mh;                      /* output of the last MTP depth per batch row [max_rows, H] */
+    float *me, *mn;                 /* MTP: embedding, normed halves [max_rows, H] */
     float *rows_h;                  /* gathered rows [R, H] */
     float *rows_logits;             /* [R, vocab_local] */
     float *gather;                  /* [world, R, vocab_local] */
@@ -117,6 +118,21 @@ struct model {
     bool have_step;
     int mtp_next_k;
     int32_t *mtp_hist;              /* [max_seqs(plan index), n_mtp] tok_in per depth */
+    /* MTP repair ("no trace" of rejected drafts, see model_mtp_step): per sequence slot and
+     * MTP layer j, the layer wrote positions [mtp_lo, mtp_end) contiguously for the slot's
+     * current sequence (mtp_end = -1: nothing), and mring keeps its outputs h' of the last
+     * ring = n_mtp of them, row ((slot * n_mtp + j) * ring + pos % ring). */
+    int32_t *mtp_lo, *mtp_end;      /* host [max_seqs(slot), n_mtp] */
+    float *mring;                   /* [max_seqs * n_mtp * ring, H] */
+    float *mstash;                  /* [max_seqs(slot), H]: layer k-1's h' just before its batch */
+    int32_t *mtp_rr;                /* [max_seqs(plan index)] rows re-run at the last depth */
+    int32_t *mtp_nv;                /* [max_seqs(plan index)] n_valid of the last depth */
+    uint64_t n_mtp_rerun;           /* positions re-run so far (model_mtp_repair_stats) */
+    uint64_t n_mtp_missed;          /* positions that needed a re-run but could not get one */
+    int32_t *mtp_row0;              /* [max_seqs(plan index)] batch row of the run's t = 0 */
+    bool *mtp_stash_ok;             /* [max_seqs(plan index)] mstash holds the row before them */
+    int32_t *h_ring;                /* host [2 * max_rows]: row lists (dst | src) of a copy */
+    bool mtp_no_repair;             /* model_opts.mtp_no_repair (diagnostics) */
 
     /* ownership lists */
     void **bufs;
@@ -545,8 +561,10 @@ static int host_i32(int32_t **p, size_t n)
 
 static int reserve(struct model *m, struct err_buf *e)
 {
-    size_t T = (size_t)m->o.max_tokens_per_step, H = (size_t)m->hidden;
+    size_t T0 = (size_t)m->o.max_tokens_per_step, H = (size_t)m->hidden;
     size_t S = (size_t)m->o.max_seqs, R = (size_t)m->max_logit_rows;
+    /* an MTP depth k also re-runs up to k positions per sequence before its run */
+    size_t T = T0 + (m->n_mtp > 1 ? S * (size_t)(m->n_mtp - 1) : 0);
     size_t qmax = 0, kvmax = 0, hmax = 0, imax = 1, nexp = 1, topk = 1;
     int r = 0;
 
@@ -563,20 +581,22 @@ static int reserve(struct model *m, struct err_buf *e)
         }
     }
 #define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
-    F(a, T * H); F(tmp, T * H); F(hid, T * H);
+    m->max_rows = (int)T;
+    F(a, T * H); F(tmp, T * H); F(hid, T0 * H);
     F(q, T * qmax); F(k, T * kvmax); F(v, T * kvmax); F(g, T * hmax); F(att, T * qmax);
     F(ff_gate, T * imax); F(ff_up, T * imax); F(ff_act, T * imax);
-    F(rlogits, T * nexp); F(rweights, T * topk);
+    F(rlogits, T0 * nexp); F(rweights, T0 * topk);
     F(rows_h, R * H); F(rows_logits, R * (size_t)m->vocab_local);
     if (m->sharded)
         F(gather, R * (size_t)m->vocab);
     if (m->n_mtp) {
         F(x, T * H); F(mh, T * H); F(me, T * H); F(mn, T * H);
         F(mtp_logits, S * (size_t)m->vocab);
+        F(mring, S * (size_t)m->n_mtp * (size_t)m->n_mtp * H); F(mstash, S * H);
     }
 #undef F
     if (!r)
-        r = mbuf(m, sizeof(int32_t) * T * topk, &m->rids);
+        r = mbuf(m, sizeof(int32_t) * T0 * topk, &m->rids);
     if (r < 0)
         return err_set(e, r, "cannot reserve activations for %zu tokens per step: %s", T, err_str(r));
 
@@ -598,8 +618,21 @@ static int reserve(struct model *m, struct err_buf *e)
         r = r ? r : host_i32(&m->h_slots[g], T);
         r = r ? r : host_i32(&m->h_boff[g], S);
     }
-    if (!r && m->n_mtp)
+    if (!r && m->n_mtp) {
         r = host_i32(&m->mtp_hist, S * (size_t)m->n_mtp);
+        r = r ? r : host_i32(&m->mtp_lo, S * (size_t)m->n_mtp);
+        r = r ? r : host_i32(&m->mtp_end, S * (size_t)m->n_mtp);
+        r = r ? r : host_i32(&m->mtp_rr, S);
+        r = r ? r : host_i32(&m->mtp_row0, S);
+        r = r ? r : host_i32(&m->mtp_nv, S);
+        r = r ? r : host_i32(&m->h_ring, 2 * T);
+        if (!r) {
+            m->mtp_stash_ok = calloc(S, sizeof(bool));
+            r = m->mtp_stash_ok ? 0 : -ENOMEM;
+        }
+        for (size_t i = 0; !r && i < S * (size_t)m->n_mtp; i++)
+            m->mtp_end[i] = -1;
+    }
     if (r < 0)
         return err_set(e, r, "out of memory for index staging");
 
@@ -634,6 +667,10 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
     m->be = be;
     m->cfg = cfg;
     m->o = *opts;
+    m->mtp_no_repair = opts->mtp_no_repair;
+#ifdef MODEL_MTP_NO_REPAIR
+    m->mtp_no_repair = true;        /* diagnostic builds: measure the repair's effect */
+#endif
     if (comm)
         m->comm = *comm;
     world = comm ? comm->world : 1;
@@ -774,6 +811,13 @@ void model_free(struct model *m)
         free(m->h_boff[g]);
     }
     free(m->mtp_hist);
+    free(m->mtp_lo);
+    free(m->mtp_end);
+    free(m->mtp_rr);
+    free(m->mtp_row0);
+    free(m->mtp_nv);
+    free(m->mtp_stash_ok);
+    free(m->h_ring);
     free(m);
 }
 
@@ -1077,6 +1121,10 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
     /* index arrays: token ids, positions, KV slots per group, runs, table offsets */
     for (int i = 0; i < p->n_seqs; i++) {
         const struct step_seq *s = &p->seqs[i];
+        /* a run from position 0 starts a new sequence in the slot (new request, preemption
+         * by recompute): the MTP layers' history of the slot's previous one is void */
+        for (int j = 0; j < m->n_mtp && s->pos0 == 0; j++)
+            m->mtp_end[(size_t)s->slot * m->n_mtp + j] = -1;
         m->h_seq_start[i] = s->tok_off;
         m->h_seq_pos0[i] = s->pos0;
         for (int g = 0; g < _KV_GROUP_MAX; g++)
@@ -1120,13 +1168,38 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
     return 0;
 }
 
-/* One MTP depth (forward.h protocol step 2, MODEL.md §3.2). */
+/* Can MTP layer L re-run queries from position q of seq s (q < s->pos0)?  Their KV slots
+ * and, for a sliding layer, the keys of q's window must be in valid blocks of the plan
+ * (check_plan only vouches for the window of pos0; a full layer's blocks are all checked). */
+static bool rerun_fits(const struct model *m, const struct step_plan *p, const struct step_seq *s,
+                       const struct mlayer *L, int32_t q)
+{
+    int bs = m->o.block_size, g = L->group;
+    int32_t lo;
+
+    if (q < 0)
+        return false;
+    if (L->window <= 0)
+        return true;
+    lo = q - L->window + 1 > 0 ? q - L->window + 1 : 0;
+    for (int32_t b = lo / bs; b <= (s->pos0 - 1) / bs; b++) {
+        int32_t id = block_of(p, s, g, b);
+        if (id < 0 || id >= m->o.n_blocks[g])
+            return false;
+    }
+    return true;
+}
+
+/* One MTP depth (forward.h protocol step 2, MODEL.md §3.2), with the repair of the
+ * positions the previous step computed from drafts (model.h). */
 int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
                    const int32_t *tok_in, float *logits)
 {
     struct mlayer *L;
-    int H = m->hidden, V = m->vocab;
-    int n = 0, ns = 0, r;
+    int H = m->hidden, V = m->vocab, NM = m->n_mtp, ring = m->n_mtp;
+    bool keep;                      /* layer k's outputs feed depth k+1's re-run rows */
+    int n = 0, ns = 0, n_rr = 0, n_missed = 0, r;
+    const char *what = "forward";
 
     if (k < 0 || k >= m->n_mtp)
         return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d but %d MTP layers loaded", k, m->n_mtp);
@@ -1138,53 +1211,120 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
     if (!n_valid || !tok_in || !logits)
         return PLAN_ERR(m, -EINVAL, "mtp_step: n_valid, tok_in and logits are required");
     L = &m->layers[m->n_layers + k];
+    keep = !m->mtp_no_repair && k + 1 < NM;
+
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        if (s->mtp_depth <= k)
+            continue;
+        if (n_valid[i] < 0 || n_valid[i] > s->n_tokens)
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d of %d tokens", i, n_valid[i],
+                            s->n_tokens);
+        if (k > 0 && n_valid[i] != m->mtp_nv[i])
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d at depth %d but %d at depth "
+                            "%d (must be the same at every depth)", i, n_valid[i], k,
+                            m->mtp_nv[i], k - 1);
+        if (tok_in[i] < 0 || tok_in[i] >= V)
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: token %d outside the vocab (%d)", i,
+                            tok_in[i], V);
+    }
+    m->mtp_next_k = k + 1;
 
     for (int i = 0; i < p->n_seqs; i++) {
         const struct step_seq *s = &p->seqs[i];
         const int32_t *run = p->tokens + s->tok_off;
-        int nv;
+        const int32_t *hist = m->mtp_hist + (size_t)i * NM;
+        size_t st = (size_t)s->slot * NM + k;
+        int nv, rr = 0, prr = m->mtp_rr[i], prow0 = m->mtp_row0[i];
+        bool pok = m->mtp_stash_ok[i], contig;
 
         if (s->mtp_depth <= k)
             continue;
         nv = n_valid[i];
-        if (nv < 0 || nv > s->n_tokens)
-            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d of %d tokens", i, nv,
-                            s->n_tokens);
-        if (tok_in[i] < 0 || tok_in[i] >= V)
-            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: token %d outside the vocab (%d)", i,
-                            tok_in[i], V);
-        m->mtp_hist[(size_t)i * m->n_mtp + k] = tok_in[i];
+        m->mtp_hist[(size_t)i * NM + k] = tok_in[i];
+        m->mtp_nv[i] = nv;
+        m->mtp_rr[i] = 0;
+        m->mtp_row0[i] = -1;
+        m->mtp_stash_ok[i] = false;
         if (nv == 0)
             continue;
+        /* positions pos0-rr .. pos0-1 were written by this layer with draft inputs (the last
+         * k of its previous run); depth k-1 re-ran prr positions before pos0, the one before
+         * those comes from the stash */
+        contig = m->mtp_end[st] == s->pos0;
+        if (!m->mtp_no_repair && contig && k > 0) {
+            rr = k < s->pos0 - m->mtp_lo[st] ? k : s->pos0 - m->mtp_lo[st];
+            if (rr > prr + (pok ? 1 : 0))
+                rr = prr + (pok ? 1 : 0);
+            while (rr > 0 && !rerun_fits(m, p, s, L, s->pos0 - rr))
+                rr--;
+        }
+        /* every position of the last k before pos0 needed it (they may hold drafts) */
+        if (!m->mtp_no_repair && k > 0)
+            n_missed += (k < s->pos0 ? k : s->pos0) - rr;
+        if (n + rr + nv > m->max_rows)
+            return PLAN_ERR(m, -E2BIG, "mtp_step %d: %d rows exceed the %d reserved", k,
+                            n + rr + nv, m->max_rows);
         m->h_seq_start[ns] = n;
-        m->h_seq_pos0[ns] = s->pos0;
+        m->h_seq_pos0[ns] = s->pos0 - rr;
         for (int g = 0; g < _KV_GROUP_MAX; g++)
             m->h_boff[g][ns] = s->block_off[g];
-        for (int t = 0; t < nv; t++) {
+        for (int t = -rr; t < nv; t++) {
             /* input id at position pos0+t is the token k+1 further along: accepted run
              * tokens, then the sampled token (depth 0) and the drafts (depths 1..k) */
             int idx = t + k + 1;
-            m->h_ids[n] = idx < nv ? run[idx] : m->mtp_hist[(size_t)i * m->n_mtp + (idx - nv)];
+            m->h_ids[n] = idx < nv ? run[idx] : hist[idx - nv];
             m->h_pos[n] = s->pos0 + t;
-            m->h_src[n] = s->tok_off + t;
+            /* g: trunk hidden (plan row), depth k-1's output (its batch row), or the stash */
+            if (k == 0)
+                m->h_src[n] = s->tok_off + t;
+            else if (t >= -prr)
+                m->h_src[n] = prow0 + t;
+            else
+                m->h_src[n] = -1 - s->slot;
             for (int g = 0; g < _KV_GROUP_MAX; g++)
                 if (m->group_used[g])
                     m->h_slots[g][n] = slot_of(m, p, s, g, s->pos0 + t);
             n++;
         }
+        m->mtp_rr[i] = rr;
+        n_rr += rr;
+        m->mtp_row0[i] = m->h_seq_start[ns] + rr;
+        /* the stash for depth k+1: this layer's (clean) output just before the re-run rows,
+         * still in the ring from an earlier step */
+        {
+            int32_t q = s->pos0 - rr - 1;
+            m->mtp_stash_ok[i] = keep && contig && q >= 0 && q >= m->mtp_lo[st] &&
+                                 q >= s->pos0 - ring;
+        }
         m->h_rows[ns] = i;      /* logits row (plan order) of this batch seq */
         ns++;
     }
-    m->mtp_next_k = k + 1;
     if (ns == 0)
         return 0;
     m->h_seq_start[ns] = n;
     struct batch mb;
     batch_fill(m, &mb, p, n, ns);
 
+    /* g rows: from the trunk / the previous depth's batch, then the stash rows */
+    if (k == 0) {
+        r = copy_rows(m, m->a, NULL, m->hid, m->h_src, n);
+    } else {
+        int32_t *dst = m->h_ring, *src = m->h_ring + m->max_rows;
+        int nd = 0;
+        for (int j = 0; j < n; j++)
+            if (m->h_src[j] >= 0) {
+                dst[nd] = j;
+                src[nd++] = m->h_src[j];
+            }
+        r = copy_rows(m, m->a, dst, m->mh, src, nd);
+        for (int32_t j = 0; j < n && !r; j++)
+            if (m->h_src[j] < 0) {
+                int32_t slot = -1 - m->h_src[j];
+                r = copy_rows(m, m->a, &j, m->mstash, &slot, 1);
+            }
+    }
     /* m = We·enorm(E[x]) + Wh·hnorm(g), g = trunk hidden (k = 0) or MTP layer k-1's output */
-    const float *gsrc = k == 0 ? m->hid : m->mh;
-    r = copy_rows(m, m->a, NULL, gsrc, m->h_src, n);
     r = r ? r : backend_embed(m->be, &m->embed, mb.ids, n, m->me);
     r = r ? r : backend_rmsnorm(m->be, m->me, &L->enorm, n, H, m->cfg->rms_norm_eps, m->me);
     r = r ? r : backend_rmsnorm(m->be, m->a, &L->hnorm, n, H, m->cfg->rms_norm_eps, m->mn);
@@ -1193,25 +1333,73 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
     r = r ? r : backend_add(m->be, m->x, m->tmp, (size_t)n * H);
     r = r ? r : layer_forward(m, L, m->x, &mb);
     if (r < 0)
-        return PLAN_ERR(m, r, "mtp_step %d: forward failed: %s", k, err_str(r));
+        goto fail;
 
-    /* h' feeds the next depth at the same plan rows; draft logits from each seq's last
-     * valid position */
+    /* keep h' for the re-runs of later steps: first the stash (the row before this step's
+     * rows, still in the ring), then the ring gets the last `ring` positions written */
+    if (keep) {
+        int32_t *dst = m->h_ring, *src = m->h_ring + m->max_rows;
+        int nr = 0;
+        for (int si = 0; si < ns && !r; si++) {
+            int i = m->h_rows[si];
+            const struct step_seq *s = &p->seqs[i];
+            int32_t base = (s->slot * NM + k) * ring, first = m->h_seq_pos0[si];
+            int32_t end = s->pos0 + m->mtp_nv[i];
+            if (m->mtp_stash_ok[i]) {
+                int32_t q = first - 1, row = base + q % ring, slot = s->slot;
+                r = copy_rows(m, m->mstash, &slot, m->mring, &row, 1);
+            }
+            for (int32_t pos = end - ring > first ? end - ring : first; pos < end; pos++) {
+                dst[nr] = base + pos % ring;
+                src[nr++] = m->h_seq_start[si] + (pos - first);
+            }
+        }
+        r = r ? r : copy_rows(m, m->mring, dst, m->x, src, nr);
+        if (r < 0)
+            goto fail;
+    }
+
+    /* draft logits from each seq's last valid position; h' feeds the next depth */
     for (int si = 0; si < ns; si++)
         m->h_last[si] = m->h_seq_start[si + 1] - 1;
-    r = copy_rows(m, m->mh, m->h_src, m->x, NULL, n);
-    r = r ? r : copy_rows(m, m->rows_h, NULL, m->x, m->h_last, ns);
+    r = copy_rows(m, m->rows_h, NULL, m->x, m->h_last, ns);
     if (r < 0)
-        return PLAN_ERR(m, r, "mtp_step %d: row copies failed: %s", k, err_str(r));
+        goto fail;
+    {
+        float *t = m->mh;
+        m->mh = m->x;
+        m->x = t;
+    }
     r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps, m->rows_h);
     r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, ns, m->mtp_logits);
     for (int si = 0; si < ns && !r; si++)
         r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V,
                              m->mtp_logits + (size_t)si * V, sizeof(float) * (size_t)V);
     r = r ? r : backend_sync(m->be);
-    if (r < 0)
-        return PLAN_ERR(m, r, "mtp_step %d: draft logits failed: %s", k, err_str(r));
+    if (r < 0) {
+        what = "draft logits";
+        goto fail;
+    }
+
+    /* the layer now holds positions [lo, pos0 + n_valid) of each slot contiguously */
+    for (int si = 0; si < ns; si++) {
+        int i = m->h_rows[si];
+        const struct step_seq *s = &p->seqs[i];
+        size_t st = (size_t)s->slot * NM + k;
+        if (m->mtp_end[st] != s->pos0)
+            m->mtp_lo[st] = s->pos0;
+        m->mtp_end[st] = s->pos0 + m->mtp_nv[i];
+    }
+    m->n_mtp_rerun += (uint64_t)n_rr;
+    m->n_mtp_missed += (uint64_t)n_missed;
     return 0;
+fail:
+    /* the layer's KV / kept outputs of these slots are partly written: no later repair may
+     * rely on them, and the chain of this step is over */
+    for (int si = 0; si < ns; si++)
+        m->mtp_end[(size_t)p->seqs[m->h_rows[si]].slot * NM + k] = -1;
+    m->mtp_next_k = NM;
+    return PLAN_ERR(m, r, "mtp_step %d: %s failed: %s", k, what, err_str(r));
 }
 
 const char *model_last_error(const struct model *m)
@@ -1232,6 +1420,14 @@ int model_vocab_size(const struct model *m)
 int model_n_mtp(const struct model *m)
 {
     return m->n_mtp;
+}
+
+void model_mtp_repair_stats(const struct model *m, uint64_t *ret_rerun, uint64_t *ret_missed)
+{
+    if (ret_rerun)
+        *ret_rerun = m->n_mtp_rerun;
+    if (ret_missed)
+        *ret_missed = m->n_mtp_missed;
 }
 
 /* ------------------------------------------------------------- forward -- */

@@ -59,6 +59,8 @@ struct model_opts {
     int max_seq_len;            /* longest sequence (0 = config max_position_embeddings); sizes
                                    the block-table capacity */
     bool kv_bf16;               /* store KV in BF16 (default FP32) */
+    bool mtp_no_repair;         /* diagnostics only: skip the MTP re-run of draft positions
+                                   (model_mtp_step), leaving stale MTP KV as before the repair */
 };
 
 struct model;
@@ -84,7 +86,18 @@ void model_free(struct model *m);
  *   mtp_depth > k; its input id at position pos0+t is the token k+1 further along: the
  *   run's own tokens while t+k+1 < n_valid, then tok_in of depths 0..k.  To keep the MTP
  *   caches complete, call it after prefill chunks too (n_valid = chunk length, tok_in =
- *   the prompt tokens that follow the chunk). */
+ *   the prompt tokens that follow the chunk).
+ *   Repair ("no trace"): the last k positions layer k wrote in the previous step had
+ *   draft tokens (tok_in of depths >= 1) among their inputs, and layer k-1's outputs
+ *   computed from drafts.  Layer k therefore first RE-RUNS positions pos0-k .. pos0-1
+ *   (t = -k .. -1 in the formula above, so their inputs are now this run's accepted
+ *   tokens and the new tok_in) with layer k-1's corrected outputs, rewriting their KV,
+ *   then runs the new positions.  The model keeps per slot and layer the outputs of the
+ *   last n_mtp positions and where the layer's contiguous history starts; a sequence
+ *   starts afresh at pos0 == 0 (new request, preemption by recompute).  Positions are
+ *   re-run only where the layer wrote pos0-1 last (a step without the chain leaves a
+ *   hole that is not repaired) and where the sliding window's blocks of the re-run
+ *   queries are still in the plan. */
 int model_step(struct model *m, const struct step_plan *p, float *logits);
 int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
                    const int32_t *tok_in, float *logits);
@@ -101,6 +114,12 @@ struct model *model_from_forward(struct forward *f);
 const struct model_config *model_config(const struct model *m);
 int model_vocab_size(const struct model *m);   /* full vocab (logits row length) */
 int model_n_mtp(const struct model *m);        /* MTP layers loaded (0 on ranks > 0) */
+/* MTP repair counters since model_new: positions re-run to erase draft inputs
+ * (model_mtp_step), and positions that needed a re-run but could not get one (the layer
+ * skipped a step of the sequence, or a re-run query's sliding-window blocks were already
+ * released: keep window + n_mtp positions, as the engine's KV pool does).  Either may be
+ * NULL. */
+void model_mtp_repair_stats(const struct model *m, uint64_t *ret_rerun, uint64_t *ret_missed);
 
 #ifdef __cplusplus
 }

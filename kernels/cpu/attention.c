@@ -38,6 +38,20 @@ static inline const float *key_row(const struct kv_layer *kv, const void *base, 
     return tmp;
 }
 
+/* q·k with 8 independent lanes (vectorisable without reassociation flags), fixed order */
+static inline float dot8(const float *a, const float *b, int n)
+{
+    float l[8] = { 0 };
+    int d = 0;
+
+    for (; d + 8 <= n; d += 8)
+        for (int k = 0; k < 8; k++)
+            l[k] += a[d + k] * b[d + k];
+    for (; d < n; d++)
+        l[0] += a[d] * b[d];
+    return ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+}
+
 /* Attention of the G query heads sharing KV head j, for query token i of sequence s:
  * every K and V row is read (and converted from BF16) once for the whole group.
  * Returns -EINVAL on a bad block id. */
@@ -72,14 +86,8 @@ static int attn_group(const struct attn_args *a, int s, int i, int j)
             }
             slots[k] = (int64_t)blk * bs + tau % bs;
             kr = key_row(kv, kv->k, slots[k], j, tmp);
-            for (int g = 0; g < G; g++) {
-                const float *qg = q + (int64_t)g * hd;
-                float dot = 0.0f;
-
-                for (int d = 0; d < hd; d++)
-                    dot += qg[d] * kr[d];
-                sc[g][k] = dot * a->scale;
-            }
+            for (int g = 0; g < G; g++)
+                sc[g][k] = dot8(q + (int64_t)g * hd, kr, hd) * a->scale;
         }
         for (int g = 0; g < G; g++) {
             float cmax = -INFINITY;

@@ -13,10 +13,11 @@
 extern const struct backend_ops backend_cpu_ops;
 
 /* ---- threads.c: a small persistent pool ----
- * cpu_pool_run() runs fn(arg, ith, nth) once on each of nth threads (the caller is
- * ith 0) and returns when all are done.  Idle workers sleep on a futex after a short
- * bounded spin, so a busy neighbour core never turns a wait into a spin storm.
- * cpu_pool_barrier() may be called by all nth threads inside one run. */
+ * cpu_pool_for() (below) is what the ops use.  cpu_pool_run() runs fn(arg, ith, nth) once
+ * on each of nth threads (the caller is ith 0) and returns when all are done;
+ * cpu_pool_barrier() may be called by all nth threads inside one run.  Idle workers sleep
+ * on a futex after a short bounded spin, so a busy neighbour core never turns a wait into
+ * a spin storm. */
 struct cpu_pool;
 typedef void (*cpu_task_fn)(void *arg, int ith, int nth);
 int cpu_pool_new(int n_threads, struct cpu_pool **ret);
@@ -28,10 +29,12 @@ void cpu_pool_run(struct cpu_pool *pool, cpu_task_fn fn, void *arg);
 void cpu_pool_run_n(struct cpu_pool *pool, cpu_task_fn fn, void *arg, int n);
 
 void cpu_pool_barrier(struct cpu_pool *pool);
-/* Run fn(arg, unit, n_units, ith) for every unit in [0, n_units) on at most max_threads
- * threads (ith < max_threads indexes per-thread scratch); returns when all units are done.
- * Units are claimed in increasing order; callers make them coarse contiguous ranges
- * (a few per thread) so each claim streams one long region. */
+/* Run fn(arg, unit, n_units, ith) for every unit in [0, n_units); returns when all units
+ * are done (not when all threads have checked in: see threads.c).  max_threads threads
+ * are woken (1 = inline on the caller); a worker still draining an earlier run may join
+ * too, so per-thread scratch indexed by ith must cover the whole pool.  Units are claimed
+ * in increasing order; callers make them coarse contiguous ranges (CPU_UNITS_PER_THREAD
+ * per thread) so each claim streams one long region. */
 typedef void (*cpu_unit_fn)(void *arg, int unit, int n_units, int ith);
 void cpu_pool_for(struct cpu_pool *pool, cpu_unit_fn fn, void *arg, int n_units, int max_threads);
 /* Units per thread for cpu_pool_for: enough slack for a slow core to shed work. */

@@ -30,6 +30,10 @@ import h2raw
 
 pb = h.pb
 RSS_BOUND_KIB = 100 * 1024
+RR_PER_CONN = 150      # reset streams per connection and method (x 10 connections)
+RR_ROUNDS = 1
+PING_FRAMES = 2000     # PING frames per connection
+PING_CONNS = 1
 
 
 class RssSampler:
@@ -123,7 +127,7 @@ def part_h2load(scale):
     probe = LatencyProbe(s)
     results = []
     for name, path, body, n, c, m in [
-            ("unary burst", "/stepd.v1.Inference/GetServerInfo", unary, 20000 * scale, 50, 100),
+            ("unary burst", "/stepd.v1.Inference/GetServerInfo", unary, 20000 * scale, 20 * scale, 50),
             ("generate burst", "/stepd.v1.Inference/Generate", gen, 2000 * scale, 20, 50),
             ("many connections", "/stepd.v1.Inference/GetServerInfo", unary, 2000 * scale, 400, 1)]:
         t0 = time.time()
@@ -131,15 +135,16 @@ def part_h2load(scale):
                            capture_output=True, text=True, timeout=120)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("requests:")]
         st = [ln for ln in p.stdout.splitlines() if ln.startswith("status codes:")]
-        results.append((name, time.time() - t0, line[0] if line else p.stdout[-300:], st[0] if st else ""))
+        results.append((name, time.time() - t0, line[0] if line else p.stdout[-300:], st[0] if st else "",
+                        rss.peak))
         assert s.proc.poll() is None, "stepd died in h2load %s" % name
     n_ok, p50, p99, fails = probe.stop()
     peak = rss.stop()
     for r in results:
-        print("   h2load %-16s %.2fs  %s; %s" % r)
+        print("   h2load %-16s %.2fs  %s; %s; stepd RSS peak so far %d KiB" % r)
     print("   legit client during h2load: %d calls, p50 %.2f ms, p99 %.2f ms, failures %s; "
           "RSS %d -> peak %d KiB (+%.1f MiB)" % (n_ok, p50, p99, fails, rss0, peak, (peak - rss0) / 1024))
-    for name, _, line, _ in results:
+    for name, _, line, _, _ in results:
         assert " 0 failed" in line and " 0 errored" in line, (name, line)
     assert not fails, fails
     after(s, eng, pid0, rss0, peak, "h2load")
@@ -149,7 +154,7 @@ def part_h2load(scale):
 
 def part_raw(scale):
     s, eng = start()
-    pid0, rss0 = s.proc.pid, s.rss_kib()
+    pid0, rss0, fd0 = s.proc.pid, s.rss_kib(), s.fds()
     port = s.ports["public"]
     auth = "127.0.0.1:%d" % port
     # baseline latency of the legitimate client
@@ -158,50 +163,62 @@ def part_raw(scale):
     base = probe.stop()
     rss = RssSampler(s)
     probe = LatencyProbe(s)
-    # Rapid Reset: HEADERS + DATA(GenerateRequest, END_STREAM) + RST_STREAM(CANCEL), pipelined
-    body = h2raw.grpc_message(h.gen_request([9, 9, 9], 64).SerializeToString())
-    n_conn, per_conn = 10, 1000 * scale
+    # Rapid Reset: HEADERS + DATA(request, END_STREAM) + RST_STREAM(CANCEL), pipelined; both an
+    # expensive method (Generate) and a cheap one (GetServerInfo), RR_ROUNDS rounds
+    bodies = {"/stepd.v1.Inference/Generate": h2raw.grpc_message(h.gen_request([9, 9, 9], 64).SerializeToString()),
+              "/stepd.v1.Inference/GetServerInfo": h2raw.grpc_message(b"")}
+    n_conn, per_conn = 10, RR_PER_CONN * scale
     t0 = time.time()
-    conns = [h2raw.Conn(port) for _ in range(n_conn)]
     sent = 0
-    for i in range(per_conn // 50):
-        for c in conns:
-            batch = bytearray()
-            for _ in range(50):
-                sid, hf = c.headers("/stepd.v1.Inference/Generate", auth)
-                batch += hf + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, sid, body) + \
-                    h2raw.frame(h2raw.RST_STREAM, 0, sid, (h2raw.CANCEL).to_bytes(4, "big"))
-            if c.send(bytes(batch)):
-                sent += 50
+    rr_goaway, rr_closed = set(), 0
+    for _ in range(RR_ROUNDS):
+        for path, body in bodies.items():
+            conns = [h2raw.Conn(port) for _ in range(n_conn)]
+            for i in range(max(1, per_conn // 50)):
+                for c in conns:
+                    batch = bytearray()
+                    for _ in range(50):
+                        sid, hf = c.headers(path, auth)
+                        batch += hf + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, sid, body) + \
+                            h2raw.frame(h2raw.RST_STREAM, 0, sid, (h2raw.CANCEL).to_bytes(4, "big"))
+                    if c.send(bytes(batch)):
+                        sent += 50
+            time.sleep(0.3)
+            rr_goaway |= {h2raw.GOAWAY_NAMES.get(x, x) for c in conns for x in c.goaway}
+            rr_closed += sum(c.closed for c in conns)
+            for c in conns:
+                c.close()
     rr_wall = time.time() - t0
-    time.sleep(0.5)
-    rr_goaway = sorted({h2raw.GOAWAY_NAMES.get(x, x) for c in conns for x in c.goaway})
-    rr_closed = sum(c.closed for c in conns)
-    for c in conns:
-        c.close()
-    # PING flood and SETTINGS flood, one connection each
+    rr_goaway = sorted(rr_goaway)
+    h.wait_until(lambda: s.fds() <= fd0, timeout=30, step=0.1, what="fds back after rapid reset")
+    rr_drain = time.time() - t0 - rr_wall
+    # PING flood (PING_CONNS connections at once) and a SETTINGS flood (one connection)
     floods = {}
-    for name, fr in (("ping", h2raw.frame(h2raw.PING, 0, 0, b"12345678")),
-                     ("settings", h2raw.frame(h2raw.SETTINGS, 0, 0, b"\x00\x03\x00\x00\x00\x64"))):
-        c = h2raw.Conn(port)
+    for name, fr, n_frames, n_c in (("ping", h2raw.frame(h2raw.PING, 0, 0, b"12345678"), PING_FRAMES, PING_CONNS),
+                                    ("settings", h2raw.frame(h2raw.SETTINGS, 0, 0, b"\x00\x03\x00\x00\x00\x64"),
+                                     10000, 1)):
+        cs = [h2raw.Conn(port) for _ in range(n_c)]
         n = 0
-        for _ in range(20 * scale):
-            if not c.send(fr * 500):
-                break
-            n += 500
+        for _ in range(max(1, n_frames // 500)):
+            for c in cs:
+                if c.send(fr * 500):
+                    n += 500
         time.sleep(0.5)
-        floods[name] = (n, sorted({h2raw.GOAWAY_NAMES.get(x, x) for x in c.goaway}), c.closed,
-                        c.frames.get(h2raw.PING if name == "ping" else h2raw.SETTINGS, 0))
-        c.close()
+        kind = h2raw.PING if name == "ping" else h2raw.SETTINGS
+        floods[name] = (n, n_c, sorted({h2raw.GOAWAY_NAMES.get(x, x) for c in cs for x in c.goaway}),
+                        sum(c.closed for c in cs), sum(c.frames.get(kind, 0) for c in cs))
+        for c in cs:
+            c.close()
     n_ok, p50, p99, fails = probe.stop()
     peak = rss.stop()
     st = eng.stats()
-    print("   rapid reset: %d HEADERS+DATA+RST_STREAM on %d connections in %.2fs (%.0f/s); "
-          "GOAWAY %s; %d connections closed by the server; engine saw %s" %
-          (sent, n_conn, rr_wall, sent / max(rr_wall, 1e-9), rr_goaway or "none", rr_closed, st))
-    for name, (n, ga, closed, answered) in floods.items():
-        print("   %s flood: %d frames sent, %d answered, GOAWAY %s, closed by server: %s" %
-              (name, n, answered, ga or "none", closed))
+    print("   rapid reset: %d HEADERS+DATA+RST_STREAM (Generate and GetServerInfo) on %d connections x %d in "
+          "%.2fs (%.0f/s); stepd fds back to %d %.2fs after the last close; GOAWAY %s; %d connections closed "
+          "by the server; engine saw %s" % (sent, n_conn, 2 * RR_ROUNDS, rr_wall, sent / max(rr_wall, 1e-9), fd0,
+                                           rr_drain, rr_goaway or "none", rr_closed, st))
+    for name, (n, n_c, ga, closed, answered) in floods.items():
+        print("   %s flood: %d frames sent on %d connection(s), %d answered, GOAWAY %s, %d closed by the server" %
+              (name, n, n_c, answered, ga or "none", closed))
     print("   legit client: baseline p50 %.2f ms p99 %.2f ms (%d calls); during attack p50 %.2f ms p99 %.2f ms "
           "(%d calls, failures %s), p99 ratio %.2f" % (base[1], base[2], base[0], p50, p99, n_ok, fails,
                                                        p99 / base[2] if base[2] else float("nan")))
@@ -248,7 +265,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("parts", nargs="*", default=["raw", "idle"])
     ap.add_argument("--scale", type=int, default=1)
+    ap.add_argument("--rr-per-conn", type=int, default=RR_PER_CONN)
+    ap.add_argument("--rr-rounds", type=int, default=RR_ROUNDS)
+    ap.add_argument("--ping-frames", type=int, default=PING_FRAMES)
+    ap.add_argument("--ping-conns", type=int, default=PING_CONNS)
     a = ap.parse_args()
+    globals().update(RR_PER_CONN=a.rr_per_conn, RR_ROUNDS=a.rr_rounds, PING_FRAMES=a.ping_frames,
+                     PING_CONNS=a.ping_conns)
     fns = {"h2load": part_h2load, "raw": part_raw, "idle": part_idle}
     if "h2load" in a.parts and not shutil.which("h2load"):
         print("SKIP: h2load not installed (apt-get install nghttp2-client)")

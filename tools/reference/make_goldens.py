@@ -205,6 +205,35 @@ def mtp_acceptance(model, tok, heldout_path, n_prompts=24, prompt_len=48, n_gen=
     return [a / total for a in acc], total
 
 
+@torch.no_grad()
+def mtp_teacher_forced(model, tok, heldout_path, seq=256):
+    """Top-1 accuracy on held-out text (true tokens as inputs): trunk at p predicts ids[p+1]; MTP
+    depth k at p predicts ids[p+k+2]; 'chain' = depths 1..k all correct (acceptance if the trunk
+    were always right)."""
+    ids = tok.encode(open(heldout_path).read()).ids
+    n = len(ids) // seq
+    x = torch.tensor(ids[: n * seq]).view(n, seq)
+    hit_t = 0
+    hit = [0, 0, 0]
+    chain = [0, 0, 0]
+    tot_t = tot = 0
+    for i in range(0, n, 8):
+        b = x[i: i + 8]
+        logits, hidden = model.trunk(b)
+        hit_t += int((logits[:, :-1].argmax(-1) == b[:, 1:]).sum())
+        tot_t += b.shape[0] * (seq - 1)
+        mtp = model.mtp_chain(b, hidden)
+        m = seq - 4
+        ok = torch.ones(b.shape[0], m, dtype=torch.bool)
+        for k in range(3):
+            c = mtp[k][:, :m].argmax(-1) == b[:, k + 2: k + 2 + m]
+            hit[k] += int(c.sum())
+            ok = ok & c
+            chain[k] += int(ok.sum())
+        tot += b.shape[0] * m
+    return hit_t / tot_t, [h / tot for h in hit], [c / tot for c in chain]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", required=True)
@@ -283,6 +312,10 @@ def main():
         print(f"MTP acceptance on held-out ({n} draft positions, greedy): "
               + ", ".join(f"depth {k + 1}: {r * 100:.1f}%" for k, r in enumerate(rates))
               + f"; expected accepted drafts per step {sum(rates):.2f}")
+        tr, acc, chain = mtp_teacher_forced(model, tok, args.heldout)
+        print(f"held-out teacher-forced top-1: trunk {tr * 100:.1f}%, MTP depth 1/2/3 "
+              + " / ".join(f"{a * 100:.1f}%" for a in acc) + "; chained (depths 1..k all right) "
+              + " / ".join(f"{a * 100:.1f}%" for a in chain))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@
  * later steps (attention never reads a position beyond the query's own).  MTP layer k's
  * last k positions of a step were computed from drafts (tok_in of depths >= 1); a
  * forward must rewrite them at the next step once the true tokens are known (the real
- * model re-runs positions pos0-k .. pos0-1 at depth k, see model.h; the mock has no KV).
+ * model re-runs the changed ones of positions pos0-k .. pos0-1 at depth k, see model.h;
+ * the mock has no KV).
  * So the engine keeps its sliding KV blocks n_mtp positions beyond the window, and a
  * run at pos0 == 0 starts a new sequence in its slot (new request, recompute).
  */

@@ -123,6 +123,7 @@ struct model {
      * current sequence (mtp_end = -1: nothing), and mring keeps its outputs h' of the last
      * ring = n_mtp of them, row ((slot * n_mtp + j) * ring + pos % ring). */
     int32_t *mtp_lo, *mtp_end;      /* host [max_seqs(slot), n_mtp] */
+    int32_t *mtp_ids;               /* host, rows as mring: the input id each position used */
     float *mring;                   /* [max_seqs * n_mtp * ring, H] */
     float *mstash;                  /* [max_seqs(slot), H]: layer k-1's h' just before its batch */
     int32_t *mtp_rr;                /* [max_seqs(plan index)] rows re-run at the last depth */
@@ -622,6 +623,7 @@ static int reserve(struct model *m, struct err_buf *e)
         r = host_i32(&m->mtp_hist, S * (size_t)m->n_mtp);
         r = r ? r : host_i32(&m->mtp_lo, S * (size_t)m->n_mtp);
         r = r ? r : host_i32(&m->mtp_end, S * (size_t)m->n_mtp);
+        r = r ? r : host_i32(&m->mtp_ids, S * (size_t)m->n_mtp * (size_t)m->n_mtp);
         r = r ? r : host_i32(&m->mtp_rr, S);
         r = r ? r : host_i32(&m->mtp_row0, S);
         r = r ? r : host_i32(&m->mtp_nv, S);
@@ -813,6 +815,7 @@ void model_free(struct model *m)
     free(m->mtp_hist);
     free(m->mtp_lo);
     free(m->mtp_end);
+    free(m->mtp_ids);
     free(m->mtp_rr);
     free(m->mtp_row0);
     free(m->mtp_nv);
@@ -1248,20 +1251,32 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
         m->mtp_stash_ok[i] = false;
         if (nv == 0)
             continue;
-        /* positions pos0-rr .. pos0-1 were written by this layer with draft inputs (the last
-         * k of its previous run); depth k-1 re-ran prr positions before pos0, the one before
-         * those comes from the stash */
+        /* The last k positions this layer wrote (pos0-k .. pos0-1) took ids from beyond
+         * the accepted tokens.  Position pos0+t must be re-run when its id now differs
+         * from the one it used (a rejected draft, a new draft) or its g changed (depth k-1
+         * re-ran it: t >= -prr), and with it every later position (they attended to it).
+         * A re-run row before depth k-1's batch takes its g from the stash. */
         contig = m->mtp_end[st] == s->pos0;
-        if (!m->mtp_no_repair && contig && k > 0) {
-            rr = k < s->pos0 - m->mtp_lo[st] ? k : s->pos0 - m->mtp_lo[st];
-            if (rr > prr + (pok ? 1 : 0))
-                rr = prr + (pok ? 1 : 0);
+        if (!m->mtp_no_repair && k > 0) {
+            int have = contig ? s->pos0 - m->mtp_lo[st] : 0, need = prr, cap;
+            if (have > k)
+                have = k;
+            for (int t = -have; t < -need; t++) {
+                int idx = t + k + 1;
+                int32_t id = idx < nv ? run[idx] : hist[idx - nv];
+                if (id != m->mtp_ids[st * ring + (size_t)((s->pos0 + t) % ring)]) {
+                    need = -t;
+                    break;
+                }
+            }
+            if (!contig)        /* a hole: what the layer holds is unknown */
+                need = k < s->pos0 ? k : s->pos0;
+            cap = have < prr + (pok ? 1 : 0) ? have : prr + (pok ? 1 : 0);
+            rr = need < cap ? need : cap;
             while (rr > 0 && !rerun_fits(m, p, s, L, s->pos0 - rr))
                 rr--;
+            n_missed += need - rr;
         }
-        /* every position of the last k before pos0 needed it (they may hold drafts) */
-        if (!m->mtp_no_repair && k > 0)
-            n_missed += (k < s->pos0 ? k : s->pos0) - rr;
         if (n + rr + nv > m->max_rows)
             return PLAN_ERR(m, -E2BIG, "mtp_step %d: %d rows exceed the %d reserved", k,
                             n + rr + nv, m->max_rows);
@@ -1334,6 +1349,16 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
     r = r ? r : layer_forward(m, L, m->x, &mb);
     if (r < 0)
         goto fail;
+
+    /* the ids the last `ring` positions used, for the next step's comparison */
+    for (int si = 0; si < ns && !m->mtp_no_repair && k > 0; si++) {
+        const struct step_seq *s = &p->seqs[m->h_rows[si]];
+        int32_t first = m->h_seq_pos0[si], end = m->h_seq_pos0[si] +
+                        (m->h_seq_start[si + 1] - m->h_seq_start[si]);
+        int32_t *ids = m->mtp_ids + ((size_t)s->slot * NM + k) * ring;
+        for (int32_t pos = end - ring > first ? end - ring : first; pos < end; pos++)
+            ids[pos % ring] = m->h_ids[m->h_seq_start[si] + (pos - first)];
+    }
 
     /* keep h' for the re-runs of later steps: first the stash (the row before this step's
      * rows, still in the ring), then the ring gets the last `ring` positions written */

@@ -89,15 +89,19 @@ void model_free(struct model *m);
  *   the prompt tokens that follow the chunk).
  *   Repair ("no trace"): the last k positions layer k wrote in the previous step had
  *   draft tokens (tok_in of depths >= 1) among their inputs, and layer k-1's outputs
- *   computed from drafts.  Layer k therefore first RE-RUNS positions pos0-k .. pos0-1
- *   (t = -k .. -1 in the formula above, so their inputs are now this run's accepted
+ *   computed from drafts.  Layer k therefore first RE-RUNS positions pos0-r .. pos0-1
+ *   (t = -r .. -1 in the formula above, so their inputs are now this run's accepted
  *   tokens and the new tok_in) with layer k-1's corrected outputs, rewriting their KV,
- *   then runs the new positions.  The model keeps per slot and layer the outputs of the
- *   last n_mtp positions and where the layer's contiguous history starts; a sequence
- *   starts afresh at pos0 == 0 (new request, preemption by recompute).  Positions are
- *   re-run only where the layer wrote pos0-1 last (a step without the chain leaves a
- *   hole that is not repaired) and where the sliding window's blocks of the re-run
- *   queries are still in the plan. */
+ *   then runs the new positions.  r <= k starts at the earliest of those positions whose
+ *   input id changed (rejected or new draft) or whose g changed (layer k-1 re-ran it);
+ *   all-accepted drafts need no re-run.  Afterwards each layer's KV equals that of a
+ *   fresh prefill of the accepted history with the same tok_in.  The model keeps per
+ *   slot and layer the ids and outputs of the last n_mtp positions and where the layer's
+ *   contiguous history starts; a sequence starts afresh at pos0 == 0 (new request,
+ *   preemption by recompute).  Positions are re-run only where the layer wrote pos0-1
+ *   last (a step without the chain leaves a hole that is not repaired) and where the
+ *   sliding window's blocks of the re-run queries are still in the plan; both count as
+ *   missed in model_mtp_repair_stats. */
 int model_step(struct model *m, const struct step_plan *p, float *logits);
 int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
                    const int32_t *tok_in, float *logits);

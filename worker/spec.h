@@ -13,12 +13,13 @@
  * No trace of rejected drafts: MTP layer k >= 1 writes its last k positions with draft
  * tokens among its shifted inputs (and layer k-1 outputs computed from them).  The
  * forward repairs this itself (model.h, model_mtp_step): at the next step layer k first
- * re-runs positions pos0-k .. pos0-1 with the now-known tokens and layer k-1's corrected
- * outputs, then runs the new positions, so after every step the MTP caches equal those of
- * a fresh prefill of the accepted history (test/model/test-mtp-repair).  Nothing extra is
- * passed: the true tokens are this step's run and tok_in; the forward keeps each slot's
- * last n_mtp layer outputs and restarts a slot's history at pos0 == 0.  The engine's KV
- * pool keeps n_mtp positions beyond the sliding window for those re-run queries.
+ * re-runs those of positions pos0-k .. pos0-1 whose inputs changed (from the earliest on)
+ * with the now-known tokens and layer k-1's corrected outputs, then runs the new
+ * positions, so after every step the MTP caches equal those of a fresh prefill of the
+ * accepted history (test/model/test-mtp-repair).  Nothing extra is passed: the true
+ * tokens are this step's run and tok_in; the forward keeps each slot's last n_mtp layer
+ * ids and outputs and restarts a slot's history at pos0 == 0.  The engine's KV pool keeps
+ * n_mtp positions beyond the sliding window for those re-run queries.
  */
 #pragma once
 

@@ -38,46 +38,10 @@ SPLIT_PATTERNS = [
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 ]
 
-# Step-3.7 chat template (MODEL.md §7), without tools support beyond a plain tools section.
-CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set sys_text = messages[0]['content'] -%}{%- set first = 1 -%}"
-    "{%- else -%}{%- set sys_text = none -%}{%- set first = 0 -%}{%- endif -%}"
-    "{%- if sys_text is not none or (reasoning_effort is defined and reasoning_effort) or tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if reasoning_effort is defined and reasoning_effort -%}{{- 'Reasoning: ' + reasoning_effort + '\\n\\n' -}}{%- endif -%}"
-    "{%- if sys_text is not none -%}{{- sys_text -}}{%- endif -%}"
-    "{%- if tools -%}"
-    "{%- if sys_text is not none -%}{{- '\\n\\n' -}}{%- endif -%}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
-    "{%- for t in tools -%}{{- '\\n' + (t | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nFor each function call, output the function name and arguments in the following format:\\n"
-    "<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n"
-    "</function>\\n</tool_call>' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for m in messages -%}"
-    "{%- if loop.index0 >= first -%}"
-    "{%- if m['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
-    "{{- '<think>\\n' + m['reasoning_content'] + '\\n</think>\\n' -}}"
-    "{%- endif -%}"
-    "{{- (m['content'] or '') + '<|im_end|>\\n' -}}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{{- '<|im_start|>tool_response\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
-)
+# Step-3.7 chat template (MODEL.md §7): one source of truth shared with the C renderer's
+# byte-for-byte tests (common/tok/chat.c, test/tok/check_template.py).
+CHAT_TEMPLATE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "test", "tok",
+                                  "data", "step37_chat_template.jinja")).read()
 
 
 def kjv_chapters():

@@ -140,6 +140,8 @@ def main():
     ap.add_argument("--init-only", action="store_true")
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--state", default="")
+    ap.add_argument("--resume", default="",
+                    help="continue from a --state file of an earlier run (same config)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -149,6 +151,9 @@ def main():
     cfg = S.StepConfig.from_json(cj)
     model = S.StepModel(cfg)
     init_weights(model, args.seed, random_norms=args.init_only)
+    if args.resume:
+        model.load_state_dict(torch.load(args.resume, map_location="cpu"))
+        print(f"resumed from {args.resume}", flush=True)
 
     def export(tag):
         tmp = args.out + ".tmp"

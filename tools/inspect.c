@@ -20,6 +20,7 @@
 
 #include <jansson.h>
 
+#include "cli.h"
 #include "config.h"
 #include "loader.h"
 #include "stepd-config.h"
@@ -46,16 +47,12 @@ static double cpu_ms(void)
 
 static int parse_int(const char *s, const char *what, int lo, int hi, int *ret)
 {
-    char *end;
-    long v;
-    errno = 0;
-    v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        fprintf(stderr, "stepd-inspect: %s: '%s' is not an integer in [%d, %d]\n", what, s, lo, hi);
-        return -EINVAL;
-    }
-    *ret = (int) v;
-    return 0;
+    struct err_buf e;
+    int r = cli_parse_int(what, s, lo, hi, ret, &e);
+
+    if (r < 0)
+        fprintf(stderr, "stepd-inspect: %s\n", e.msg);
+    return r;
 }
 
 /* split "a\nb\n" into a JSON array of strings */

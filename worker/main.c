@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
 #include "log.h"
 #include "spec.h"
 #include "worker.h"
@@ -41,17 +42,12 @@ static void usage(FILE *f)
 
 static int parse_int(const char *s, const char *flag, int lo, int hi, int *ret)
 {
-    char *end;
-    long v;
+    struct err_buf e;
+    int r = cli_parse_int(flag, s, lo, hi, ret, &e);
 
-    errno = 0;
-    v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        fprintf(stderr, "stepd-worker: %s '%s': expected an integer in [%d, %d]\n", flag, s, lo, hi);
-        return -EINVAL;
-    }
-    *ret = (int)v;
-    return 0;
+    if (r < 0)
+        fprintf(stderr, "stepd-worker: %s\n", e.msg);
+    return r;
 }
 
 /* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */

@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "backend.h"
+#include "cli.h"
 #include "loader.h"
 #include "log.h"
 #include "model.h"
@@ -62,17 +63,12 @@ static void usage(FILE *f)
 
 static int parse_int(const char *s, const char *what, int lo, int hi, int *ret)
 {
-    char *end;
-    long v;
+    struct err_buf e;
+    int r = cli_parse_int(what, s, lo, hi, ret, &e);
 
-    errno = 0;
-    v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) {
-        fprintf(stderr, "stepd-run: %s: '%s' is not an integer in %d .. %d\n", what, s, lo, hi);
-        return -EINVAL;
-    }
-    *ret = (int)v;
-    return 0;
+    if (r < 0)
+        fprintf(stderr, "stepd-run: %s\n", e.msg);
+    return r;
 }
 
 static int parse_args(int argc, char **argv, struct run_args *a)
@@ -124,31 +120,12 @@ static int parse_args(int argc, char **argv, struct run_args *a)
 
 static int parse_ids(const char *s, int vocab, int32_t **ret, int *ret_n)
 {
-    int n = 1, i = 0;
-    int32_t *ids;
+    struct err_buf e;
+    int r = cli_parse_ids("--prompt-ids", s, vocab, ret, ret_n, &e);
 
-    for (const char *p = s; *p; p++)
-        n += *p == ',';
-    ids = malloc(sizeof(*ids) * (size_t)n);
-    if (!ids)
-        return -ENOMEM;
-    for (const char *p = s; i < n; i++) {
-        char *end;
-        long v;
-        errno = 0;
-        v = strtol(p, &end, 10);
-        if (errno || end == p || (*end && *end != ',') || v < 0 || v >= vocab) {
-            fprintf(stderr, "stepd-run: --prompt-ids: item %d ('%.*s') is not a token id in 0 .. %d\n",
-                    i + 1, (int)strcspn(p, ","), p, vocab - 1);
-            free(ids);
-            return -EINVAL;
-        }
-        p = *end ? end + 1 : end;
-        ids[i] = (int32_t)v;
-    }
-    *ret = ids;
-    *ret_n = n;
-    return 0;
+    if (r < 0)
+        fprintf(stderr, "stepd-run: %s\n", r == -ENOMEM ? "out of memory" : e.msg);
+    return r;
 }
 
 static int argmax(const float *x, int n)

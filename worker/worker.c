@@ -19,6 +19,7 @@
 #include "log.h"
 #include "mock.h"
 #include "model.h"
+#include "cli.h"
 #include "worker.h"
 
 #define PEER_ADDR_MAX (64 * 1024)
@@ -300,38 +301,6 @@ static void rss_read(struct rss *r)
     fclose(f);
 }
 
-static int parse_id_list(const char *s, int vocab, int32_t **ret, int *ret_n)
-{
-    int n = 1, i = 0;
-    int32_t *ids;
-
-    while (*s == ' ')
-        s++;
-    if (!*s)
-        return -EINVAL;
-    for (const char *p = s; *p; p++)
-        n += *p == ',';
-    ids = malloc(sizeof(*ids) * (size_t)n);
-    if (!ids)
-        return -ENOMEM;
-    for (const char *p = s; i < n; i++) {
-        char *end;
-        long v;
-
-        errno = 0;
-        v = strtol(p, &end, 10);
-        if (errno || end == p || (*end && *end != ',' && *end != '\n') || v < 0 ||
-            (vocab > 0 && v >= vocab)) {
-            free(ids);
-            return -EINVAL;
-        }
-        p = *end == ',' ? end + 1 : end;
-        ids[i] = (int32_t)v;
-    }
-    *ret = ids;
-    *ret_n = n;
-    return 0;
-}
 
 struct worker {
     const struct worker_opts *o;
@@ -733,9 +702,8 @@ static int run_generate(struct worker *w, struct forward *f)
 
         if (line[0] == '\n' || line[0] == '#')
             continue;
-        if (parse_id_list(line, w->vocab, &ids, &n) < 0) {
-            log_error("--generate %s: request %d: not a list of token ids below %d",
-                      o->generate_file, n_req, w->vocab);
+        if (cli_parse_ids("--generate", line, w->vocab, &ids, &n, &e) < 0) {
+            log_error("%s: request %d of %s", e.msg, n_req, o->generate_file);
             rc = WORKER_EXIT_USAGE;
             goto out_prompts;
         }
@@ -836,10 +804,11 @@ static int run_dump_logits(struct worker *w, struct forward *f)
     int32_t *ids = NULL, *table = NULL;
     float *logits = NULL;
     int n = 0, nb, rc = WORKER_EXIT_FAILURE, r;
+    struct err_buf e;
     FILE *out;
 
-    if (parse_id_list(o->prompt_ids ? o->prompt_ids : "", w->vocab, &ids, &n) < 0) {
-        log_error("--prompt-ids: not a list of token ids below %d", w->vocab);
+    if (cli_parse_ids("--prompt-ids", o->prompt_ids ? o->prompt_ids : "", w->vocab, &ids, &n, &e) < 0) {
+        log_error("%s", e.msg);
         return WORKER_EXIT_USAGE;
     }
     if (n > w->logit_rows || n > o->max_model_len) {

@@ -47,41 +47,6 @@ void coord_opts_default(struct coord_opts *o)
     o->max_call_buffer_bytes = 1 << 20;
 }
 
-bool coord_addr_is_loopback(const char *addr)
-{
-    char host[256];
-    const char *p;
-    size_t n;
-
-    if (strncmp(addr, "unix:", 5) == 0 || strncmp(addr, "unix-abstract:", 14) == 0)
-        return true;
-    if (addr[0] == '[') {
-        p = strchr(addr, ']');
-        if (!p)
-            return false;
-        n = (size_t)(p - addr - 1);
-        if (n >= sizeof(host))
-            return false;
-        memcpy(host, addr + 1, n);
-    } else {
-        p = strrchr(addr, ':');
-        n = p ? (size_t)(p - addr) : strlen(addr);
-        if (n >= sizeof(host))
-            return false;
-        memcpy(host, addr, n);
-    }
-    host[n] = '\0';
-    if (strcmp(host, "localhost") == 0)
-        return true;
-    struct in_addr a4;
-    struct in6_addr a6;
-    if (inet_pton(AF_INET, host, &a4) == 1)
-        return (ntohl(a4.s_addr) >> 24) == 127;
-    if (inet_pton(AF_INET6, host, &a6) == 1)
-        return memcmp(&a6, &in6addr_loopback, sizeof(a6)) == 0;
-    return false;
-}
-
 uint32_t coord_vocab_size(const struct coord *co)
 {
     if (co->model.known && co->model.vocab_size)
@@ -820,7 +785,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     int r;
 
     /* E1: a non-loopback public listen needs TLS and an API key, or an explicit override */
-    if (!coord_addr_is_loopback(o->listen) && !(tls && o->api_key && o->api_key[0])) {
+    if (!rpc_addr_is_loopback(o->listen) && !(tls && o->api_key && o->api_key[0])) {
         if (!o->insecure_listen) {
             log_error("refusing to listen on non-loopback %s without TLS and an API key "
                       "(use --tls-cert/--tls-key with --api-key-file, or --insecure-listen)", o->listen);
@@ -828,14 +793,20 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         }
         log_warn("listening on non-loopback %s without TLS and API key (--insecure-listen)", o->listen);
     }
-    if (!coord_addr_is_loopback(o->admin_listen) && !o->insecure_listen) {
+    if (!rpc_addr_is_loopback(o->admin_listen) && !o->insecure_listen) {
         log_error("refusing a non-loopback admin listen %s without --insecure-listen", o->admin_listen);
         return -EPERM;
     }
-    if (!coord_addr_is_loopback(o->control_listen) && !(o->control_key && o->control_key[0]) &&
+    if (!rpc_addr_is_loopback(o->control_listen) && !(o->control_key && o->control_key[0]) &&
         !o->insecure_listen) {
         log_error("refusing a non-loopback control listen %s without a control key "
                   "(STEPD_CONTROL_KEY) or --insecure-listen", o->control_listen);
+        return -EPERM;
+    }
+    if (o->metrics_listen && o->metrics_listen[0] && !rpc_addr_is_loopback(o->metrics_listen) &&
+        !o->insecure_listen) {
+        log_error("refusing a non-loopback metrics listen %s without --insecure-listen "
+                  "(the endpoint has no authentication)", o->metrics_listen);
         return -EPERM;
     }
     if (tls && o->tls.require_client_cert && !o->tls.root_file) {

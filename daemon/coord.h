@@ -58,4 +58,3 @@ void coord_free(struct coord *co);
 /* Bound ports (after coord_new). */
 int coord_port(const struct coord *co, const char *which);
 /* True when host:port / unix: address is loopback-only. */
-bool coord_addr_is_loopback(const char *addr);

@@ -479,10 +479,39 @@ static void group_fetch_model(struct group *g)
     }
 }
 
+/* Every ready group must serve the same model: requests are routed to any of them and
+ * validated against one vocabulary.  Writes the reason and returns false on a mismatch. */
+static bool group_model_matches(const struct group *g, char *why, size_t n)
+{
+    const struct model_info *m = &g->model;
+
+    for (const struct group *h = g->co->groups; h; h = h->next) {
+        const struct model_info *o = &h->model;
+
+        if (h == g || h->state != GROUP_READY || !o->known)
+            continue;
+        if (o->vocab_size != m->vocab_size || o->hidden_size != m->hidden_size ||
+            o->num_layers != m->num_layers || strcmp(o->type, m->type) != 0) {
+            snprintf(why, n, "model mismatch: group %s serves %s '%s' (vocab %u, hidden %u, %u layers) "
+                     "but ready group %s serves %s '%s' (vocab %u, hidden %u, %u layers)",
+                     g->name, m->type, m->name, m->vocab_size, m->hidden_size, m->num_layers,
+                     h->name, o->type, o->name, o->vocab_size, o->hidden_size, o->num_layers);
+            return false;
+        }
+    }
+    return true;
+}
+
 static void group_set_ready(struct group *g)
 {
     struct coord *co = g->co;
+    char why[1024];
 
+    if (!group_model_matches(g, why, sizeof(why))) {
+        log_error("%s", why);
+        group_fail(g, why);
+        return;
+    }
     g->state = GROUP_READY;
     g->loads_ok_ms = rpc_now_ms();
     log_info("group %s is ready (epoch %" PRIu64 ", engine %s)", g->name, g->epoch, g->engine_addr);

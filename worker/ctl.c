@@ -104,7 +104,8 @@ static bool handle_event(struct worker_ctl *c, const uint8_t *data, size_t len)
         }
         c->peers.world_size = c->world_size;
         c->peers.epoch = rv->epoch;
-        memcpy(c->peers.nccl_id, rv->nccl_unique_id.data, rv->nccl_unique_id.len);
+        if (rv->nccl_unique_id.len)     /* empty (NULL data) for CPU groups */
+            memcpy(c->peers.nccl_id, rv->nccl_unique_id.data, rv->nccl_unique_id.len);
         c->peers.nccl_id_len = rv->nccl_unique_id.len;
         for (size_t i = 0; i < rv->n_peers && keep; i++) {
             const Stepd__Ctl__V1__PeerInfo *p = rv->peers[i];
@@ -121,7 +122,8 @@ static bool handle_event(struct worker_ctl *c, const uint8_t *data, size_t len)
                 keep = false;
                 break;
             }
-            memcpy(c->peers.addr[p->rank], p->peer_address.data, p->peer_address.len);
+            if (p->peer_address.len)
+                memcpy(c->peers.addr[p->rank], p->peer_address.data, p->peer_address.len);
             c->peers.len[p->rank] = p->peer_address.len;
         }
         if (keep)

@@ -37,6 +37,7 @@ static void usage(FILE *f)
         "  --engine-listen ADDR    rank 0: stepd.v1.Engine address registered with the\n"
         "                          coordinator (default 127.0.0.1:50061; unix:/path allowed)\n"
         "  --control-key-file FILE key for the control service (or $STEPD_CONTROL_KEY)\n"
+        "  --insecure-listen       allow a non-loopback --engine-listen (it has no authentication)\n"
         "Exit status: 0 ok, 1 failure, 2 usage, 3 rendezvous, 4 collective failed (peer gone).\n");
 }
 
@@ -70,7 +71,7 @@ int main(int argc, char **argv)
     enum {
         O_COORD = 256, O_RDV, O_GROUP, O_RANK, O_WORLD, O_DEVICE, O_MODEL, O_MTP_MODEL, O_MTP,
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
-        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_HELP,
+        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_INSECURE, O_HELP,
     };
     static const struct option opts[] = {
         { "coordinator", required_argument, NULL, O_COORD },
@@ -83,6 +84,7 @@ int main(int argc, char **argv)
         { "mtp-model", required_argument, NULL, O_MTP_MODEL },
         { "mtp", required_argument, NULL, O_MTP },
         { "speculative-config", required_argument, NULL, O_SPEC },
+        { "insecure-listen", no_argument, NULL, O_INSECURE },
         { "threads", required_argument, NULL, O_THREADS },
         { "exact", no_argument, NULL, O_EXACT },
         { "mock", no_argument, NULL, O_MOCK },
@@ -124,6 +126,7 @@ int main(int argc, char **argv)
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
         case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
         case O_SPEC: r = parse_spec(optarg, &o.mtp); break;
+        case O_INSECURE: o.insecure_listen = true; break;
         case O_THREADS: r = parse_int(optarg, "--threads", 0, 1024, &o.threads); break;
         case O_EXACT: o.exact = true; break;
         case O_MOCK: o.mock = true; break;

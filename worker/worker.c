@@ -20,6 +20,7 @@
 #include "mock.h"
 #include "model.h"
 #include "cli.h"
+#include "rpc.h"
 #include "worker.h"
 
 #define PEER_ADDR_MAX (64 * 1024)
@@ -960,6 +961,17 @@ int worker_run(const struct worker_opts *o)
     if (!o->mock && !o->model_dir) {
         log_error("--model DIR is required (or --mock)");
         return WORKER_EXIT_USAGE;
+    }
+    if (o->rank == 0 && o->coordinator && !rpc_addr_is_loopback(o->engine_listen)) {
+        /* E2: the engine service has no authentication of its own */
+        if (!o->insecure_listen) {
+            log_error("refusing to serve the engine on non-loopback %s without --insecure-listen "
+                      "(keep it on loopback or a unix socket, or isolate the network)",
+                      o->engine_listen);
+            return WORKER_EXIT_USAGE;
+        }
+        log_warn("engine service on non-loopback %s without authentication (--insecure-listen)",
+                 o->engine_listen);
     }
     if (o->mtp < 0 || o->mtp > 3) {
         log_error("--mtp %d: must be 0..3", o->mtp);

@@ -62,6 +62,7 @@ struct worker_opts {
     int step_delay_msec;            /* rank 0: sleep before each step (fault tests) */
     const char *report_file;        /* per-rank JSON line: rank, planned bytes, RSS */
     const char *engine_listen;      /* rank 0: where stepd.v1.Engine listens (registered) */
+    bool insecure_listen;           /* allow a non-loopback engine_listen (no authentication) */
     const char *control_key;        /* bearer key for the control service, or NULL */
 };
 

@@ -2,9 +2,10 @@
  * Every op lives in its own file beside this one (embed.c, rmsnorm.c, ...).
  *
  * Paths: MXFP4 runs the fast int8 kernel (VNNI where the CPU has AVX512-VNNI+VL, else
- * AVX2) unless backend_cfg.mxfp4_exact or the CPU lacks AVX2; BF16 uses the AVX2 kernel
- * where available.  Environment knobs (tests and benchmarks): STEPD_CPU_NO_AVX2=1 and
- * STEPD_CPU_NO_VNNI=1 force the slower paths; STEPD_CPU_MIN_WORK=<multiply-adds per
+ * AVX2) unless backend_cfg.mxfp4_exact or the CPU lacks AVX2; BF16/F32 use the AVX-512F
+ * tiles where the CPU has them, else AVX2; attention uses AVX2 where available.
+ * Environment knobs (tests and benchmarks): STEPD_CPU_NO_AVX2=1, STEPD_CPU_NO_AVX512=1
+ * and STEPD_CPU_NO_VNNI=1 force the slower paths; STEPD_CPU_MIN_WORK=<multiply-adds per
  * extra thread> (default 65536; 0 = split every op over all threads).
  */
 #include <errno.h>

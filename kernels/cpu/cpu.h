@@ -150,7 +150,7 @@ void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b
 /* Row-range kernels, run on the calling thread.  Token i of the activations is row
  * xidx ? xidx[i] : i; output y[i * ldy + (r - r0_out)] for rows r in [r0, r1). */
 void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
-                         float *y, int64_t ldy, int64_t r0, int64_t r1);
+                         float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2);
 void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
                           float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2);
 /* Exact W4A32: every product exact in fp64, fixed 16-lane fp64 accumulation order

@@ -1,11 +1,16 @@
 /* matmul-bf16.c - y = x · Wᵀ for BF16 (converted on the fly, bits << 16) and F32 weights.
  *
- * Weights stay where the loader put them (no repack).  One weight row is streamed at a
- * time, against up to 4 activation rows at once, so a multi-token call decodes each
- * weight once per group of 4 tokens; tokens are blocked so their activations stay in
- * L2 while a thread's rows stream by.  Accumulation is fp32 in 8-wide lanes (AVX2) or
- * plain order (scalar): tests compare against an fp64 reference with a relative bound.
+ * Weights stay where the loader put them (no repack).  AVX2, one token: one weight row at
+ * a time, 4 FMA chains and a software prefetch (weight-stream bound).  AVX2, several
+ * tokens: a register-blocked micro-kernel of 3 weight rows x 4 tokens (12 ymm
+ * accumulators), so each weight vector is decoded once per 4 tokens and each activation
+ * vector loaded once per 3 rows.  AVX-512F (runtime-detected): the same with 4 rows x 6
+ * tokens in zmm registers.  Tokens are blocked so their activations stay in L1/L2 while a
+ * thread's rows stream by, and the tiles prefetch the weight rows two tiles ahead.
+ * Accumulation is fp32 in 8/16-wide lanes (SIMD) or plain order (scalar): tests compare
+ * against an fp64 reference with a relative bound.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -13,6 +18,9 @@
 #endif
 
 #include "cpu.h"
+
+/* multi-token tiles prefetch the weight rows this many tiles ahead */
+#define Z_PF_TILES 2
 
 /* software prefetch distance of the 1-token AVX2 loop in bytes (0 = off; benchmarks) */
 int cpu_bf16_pf_bytes = 2048;
@@ -24,8 +32,8 @@ static int64_t token_block(int64_t cols)
     return tb < 4 ? 4 : (tb > 256 ? 256 : tb / 4 * 4);
 }
 
-void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
-                         float *y, int64_t ldy, int64_t r0, int64_t r1)
+static void f32_rows_scalar(const struct bweight *w, const float *x, const int32_t *xidx, int n,
+                            float *y, int64_t ldy, int64_t r0, int64_t r1)
 {
     const int64_t cols = w->cols, tb = token_block(cols);
 
@@ -77,15 +85,32 @@ static void bf16_rows_scalar(const struct bweight *w, const float *x, const int3
 
 #if defined(__x86_64__)
 #define AVX2_FN __attribute__((target("avx2,fma")))
+#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) static inline
 
-AVX2_FN static inline __m256 bf16x8(const uint8_t *p)
+AVX2_INLINE __m256 bf16x8(const uint8_t *p)
 {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
 
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-AVX2_FN static inline float hsum8(__m256 v)
+/* 8 weights of a row at column j: BF16 (2 bytes each) or F32 */
+AVX2_INLINE __m256 wload8(const uint8_t *wr, int64_t j, const bool f32)
+{
+    return f32 ? _mm256_loadu_ps((const float *)wr + j) : bf16x8(wr + 2 * j);
+}
+
+AVX2_INLINE float wget(const uint8_t *wr, int64_t j, const bool f32)
+{
+    uint16_t h;
+
+    if (f32)
+        return ((const float *)wr)[j];
+    memcpy(&h, wr + 2 * j, 2);
+    return cpu_bf16_to_f32(h);
+}
+
+AVX2_INLINE float hsum8(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 
@@ -94,86 +119,295 @@ AVX2_FN static inline float hsum8(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* One weight row against nt (1..4) activation rows; 32 columns per step. */
-AVX2_FN static inline void bf16_row_dot(const uint8_t *wr, int64_t cols, const float *const *xs,
-                                        int nt, float *out)
+/* Lane sums of 4 vectors at once: [hsum(a), hsum(b), hsum(c), hsum(d)]. */
+AVX2_INLINE __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d)
 {
-    __m256 acc[4][2];
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* 1 row x 1 token, 32 columns per step with 4 chains and a software prefetch: the
+ * batch-1 GEMV, bound by the weight stream. */
+AVX2_INLINE float row_dot1(const uint8_t *wr, int64_t cols, const float *x, const bool f32)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const int64_t esz = f32 ? 4 : 2;
+    int64_t j = 0;
+    float s;
+
+    for (; j + 32 <= cols; j += 32) {
+        if (cpu_bf16_pf_bytes)
+            _mm_prefetch((const char *)(wr + esz * j) + cpu_bf16_pf_bytes, _MM_HINT_T0);
+        a0 = _mm256_fmadd_ps(wload8(wr, j, f32), _mm256_loadu_ps(x + j), a0);
+        a1 = _mm256_fmadd_ps(wload8(wr, j + 8, f32), _mm256_loadu_ps(x + j + 8), a1);
+        a2 = _mm256_fmadd_ps(wload8(wr, j + 16, f32), _mm256_loadu_ps(x + j + 16), a2);
+        a3 = _mm256_fmadd_ps(wload8(wr, j + 24, f32), _mm256_loadu_ps(x + j + 24), a3);
+    }
+    for (; j + 8 <= cols; j += 8)
+        a0 = _mm256_fmadd_ps(wload8(wr, j, f32), _mm256_loadu_ps(x + j), a0);
+    s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3)));
+    for (; j < cols; j++)
+        s += wget(wr, j, f32) * x[j];
+    return s;
+}
+
+/* Register tile: R (1..3) weight rows x T (1..4) tokens, 8 columns per step.  Each weight
+ * vector is converted once and used for T tokens, each activation vector is loaded once
+ * and used for R rows: 3 x 4 = 12 accumulators + 3 weights + 1 activation = the 16 ymm
+ * registers, 7 loads per 12 FMAs (FMA-bound instead of load-bound).  R and T are
+ * compile-time constants at every call site (always_inline), so the loops unroll fully.
+ * out[r * 4 + t] = row r . token t. */
+AVX2_INLINE void tile_rt(const uint8_t *w0, int64_t wstride, const float *const *xs,
+                         int64_t cols, float *out, const int R, const int T, const bool f32)
+{
+    __m256 acc[3][4];
     int64_t j = 0;
 
-    for (int k = 0; k < nt; k++)
-        acc[k][0] = acc[k][1] = _mm256_setzero_ps();
-    if (nt == 1) {
-        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            acc[r][t] = _mm256_setzero_ps();
+    for (; j + 8 <= cols; j += 8) {
+        __m256 wv[3];
+        /* prefetch the row region Z_PF_TILES tiles ahead (see tile_rt_z) */
+        const uint8_t *pf = w0 + (Z_PF_TILES * R) * wstride + j * R * (f32 ? 4 : 2);
 
-        for (; j + 32 <= cols; j += 32) {
-            if (cpu_bf16_pf_bytes)
-                _mm_prefetch((const char *)(wr + 2 * j) + cpu_bf16_pf_bytes, _MM_HINT_T0);
-            acc[0][0] = _mm256_fmadd_ps(bf16x8(wr + 2 * j), _mm256_loadu_ps(xs[0] + j), acc[0][0]);
-            acc[0][1] = _mm256_fmadd_ps(bf16x8(wr + 2 * j + 16), _mm256_loadu_ps(xs[0] + j + 8), acc[0][1]);
-            a2 = _mm256_fmadd_ps(bf16x8(wr + 2 * j + 32), _mm256_loadu_ps(xs[0] + j + 16), a2);
-            a3 = _mm256_fmadd_ps(bf16x8(wr + 2 * j + 48), _mm256_loadu_ps(xs[0] + j + 24), a3);
-        }
-        acc[0][0] = _mm256_add_ps(acc[0][0], a2);
-        acc[0][1] = _mm256_add_ps(acc[0][1], a3);
-    }
-    for (; j + 16 <= cols; j += 16) {
-        __m256 w0 = bf16x8(wr + 2 * j), w1 = bf16x8(wr + 2 * j + 16);
+        for (int o = 0; o < R * 8 * (f32 ? 4 : 2); o += 64)
+            _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
 
-        for (int k = 0; k < nt; k++) {
-            acc[k][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[k] + j), acc[k][0]);
-            acc[k][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[k] + j + 8), acc[k][1]);
+        for (int r = 0; r < R; r++)
+            wv[r] = wload8(w0 + r * wstride, j, f32);
+        for (int t = 0; t < T; t++) {
+            __m256 xv = _mm256_loadu_ps(xs[t] + j);
+
+            for (int r = 0; r < R; r++)
+                acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
-    for (int k = 0; k < nt; k++) {
-        float s = hsum8(_mm256_add_ps(acc[k][0], acc[k][1]));
+    for (int r = 0; r < R; r++) {
+        __m256 z = _mm256_setzero_ps();
+        __m128 s = hsum8x4(acc[r][0], T > 1 ? acc[r][1] : z, T > 2 ? acc[r][2] : z,
+                           T > 3 ? acc[r][3] : z);
 
+        _mm_storeu_ps(out + r * 4, s);
         for (int64_t jj = j; jj < cols; jj++) {
-            uint16_t h;
+            float wv = wget(w0 + r * wstride, jj, f32);
 
-            memcpy(&h, wr + 2 * jj, 2);
-            s += cpu_bf16_to_f32(h) * xs[k][jj];
+            for (int t = 0; t < T; t++)
+                out[r * 4 + t] += wv * xs[t][jj];
         }
-        out[k] = s;
+    }
+}
+
+/* Tokens [i0, i1) x rows [r0, r1) with tiles of 3 rows x 4 tokens. */
+AVX2_INLINE void rows_avx2(const struct bweight *w, const float *x, const int32_t *xidx, int n,
+                           float *y, int64_t ldy, int64_t r0, int64_t r1, const bool f32)
+{
+    const int64_t cols = w->cols, tb = token_block(cols), wstride = cols * (f32 ? 4 : 2);
+    const uint8_t *wd = (const uint8_t *)w->data;
+
+    if (n == 1) {
+        const float *x0 = x + (xidx ? xidx[0] : 0) * cols;
+
+        for (int64_t r = r0; r < r1; r++)
+            y[r - r0] = row_dot1(wd + r * wstride, cols, x0, f32);
+        return;
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += tb) {
+        int64_t i1 = i0 + tb < n ? i0 + tb : n;
+
+        for (int64_t r = r0; r < r1; r += 3) {
+            const uint8_t *wr = wd + r * wstride;
+            int nr = r1 - r < 3 ? (int)(r1 - r) : 3;
+
+            for (int64_t i = i0; i < i1; i += 4) {
+                int nt = i1 - i < 4 ? (int)(i1 - i) : 4;
+                const float *xs[4];
+                float out[12];
+
+                for (int k = 0; k < nt; k++)
+                    xs[k] = x + (xidx ? xidx[i + k] : i + k) * cols;
+#define TILE_CASE(R_, T_)                                                           \
+    case (R_) * 4 + (T_): tile_rt(wr, wstride, xs, cols, out, R_, T_, f32); break
+                switch (nr * 4 + nt) {
+                TILE_CASE(1, 1); TILE_CASE(1, 2); TILE_CASE(1, 3); TILE_CASE(1, 4);
+                TILE_CASE(2, 1); TILE_CASE(2, 2); TILE_CASE(2, 3); TILE_CASE(2, 4);
+                TILE_CASE(3, 1); TILE_CASE(3, 2); TILE_CASE(3, 3); TILE_CASE(3, 4);
+                }
+#undef TILE_CASE
+                for (int rr = 0; rr < nr; rr++)
+                    for (int k = 0; k < nt; k++)
+                        y[(i + k) * ldy + (r + rr - r0)] = out[rr * 4 + k];
+            }
+        }
     }
 }
 
 AVX2_FN static void bf16_rows_avx2(const struct bweight *w, const float *x, const int32_t *xidx,
                                    int n, float *y, int64_t ldy, int64_t r0, int64_t r1)
 {
-    const int64_t cols = w->cols, tb = token_block(cols);
+    rows_avx2(w, x, xidx, n, y, ldy, r0, r1, false);
+}
+
+AVX2_FN static void f32_rows_avx2(const struct bweight *w, const float *x, const int32_t *xidx,
+                                  int n, float *y, int64_t ldy, int64_t r0, int64_t r1)
+{
+    rows_avx2(w, x, xidx, n, y, ldy, r0, r1, true);
+}
+
+/* ---- AVX-512F (where the CPU has it): 16-wide, 32 zmm registers ----
+ * Tile of 4 weight rows x 6 tokens: 24 accumulators + 4 weights + 1 activation. */
+#define AVX512_FN __attribute__((target("avx2,fma,avx512f")))
+#define AVX512_INLINE __attribute__((target("avx2,fma,avx512f"), always_inline)) static inline
+#define Z_ROWS 4
+#define Z_TOKS 6
+
+AVX512_INLINE __m512 wload16(const uint8_t *wr, int64_t j, const bool f32)
+{
+    if (f32)
+        return _mm512_loadu_ps((const float *)wr + j);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + 2 * j))), 16));
+}
+
+AVX512_INLINE void tile_rt_z(const uint8_t *w0, int64_t wstride, const float *const *xs,
+                             int64_t cols, float *out, const int R, const int T, const bool f32)
+{
+    __m512 acc[Z_ROWS][Z_TOKS];
+    int64_t j = 0;
+
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    for (; j + 16 <= cols; j += 16) {
+        __m512 wv[Z_ROWS];
+        /* the tile's rows are one contiguous region, as are the next tiles': pull the
+         * region Z_PF_TILES tiles ahead into cache at the rate this one is consumed (rows
+         * of a small model are too short for the hardware prefetcher to ramp up) */
+        const uint8_t *pf = w0 + (Z_PF_TILES * R) * wstride + j * R * (f32 ? 4 : 2);
+
+        for (int o = 0; o < R * 16 * (f32 ? 4 : 2); o += 64)
+            _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+
+        for (int r = 0; r < R; r++)
+            wv[r] = wload16(w0 + r * wstride, j, f32);
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_loadu_ps(xs[t] + j);
+
+            for (int r = 0; r < R; r++)
+                acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        /* fold 16 lanes to 8, then 4 tokens' lane sums at once */
+        __m256 h[Z_TOKS];
+        __m128 s;
+
+        for (int t = 0; t < Z_TOKS; t++)
+            h[t] = t < T ? _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]),
+                                         _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                             _mm512_castps_pd(acc[r][t]), 1)))
+                         : _mm256_setzero_ps();
+        s = hsum8x4(h[0], h[1], h[2], h[3]);
+        _mm_storeu_ps(out + r * Z_TOKS, s);
+        if (T > 4) {
+            s = hsum8x4(h[4], h[5], _mm256_setzero_ps(), _mm256_setzero_ps());
+            _mm_storel_pi((__m64 *)(out + r * Z_TOKS + 4), s);
+        }
+        for (int t = 0; t < T; t++)
+            for (int64_t jj = j; jj < cols; jj++)
+                out[r * Z_TOKS + t] += wget(w0 + r * wstride, jj, f32) * xs[t][jj];
+    }
+}
+
+AVX512_INLINE void rows_avx512(const struct bweight *w, const float *x, const int32_t *xidx,
+                               int n, float *y, int64_t ldy, int64_t r0, int64_t r1,
+                               const bool f32)
+{
+    const int64_t cols = w->cols, tb = token_block(cols), wstride = cols * (f32 ? 4 : 2);
+    const uint8_t *wd = (const uint8_t *)w->data;
 
     for (int64_t i0 = 0; i0 < n; i0 += tb) {
         int64_t i1 = i0 + tb < n ? i0 + tb : n;
 
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *wr = (const uint8_t *)w->data + r * cols * 2;
+        for (int64_t r = r0; r < r1; r += Z_ROWS) {
+            const uint8_t *wr = wd + r * wstride;
+            int nr = r1 - r < Z_ROWS ? (int)(r1 - r) : Z_ROWS;
 
-            for (int64_t i = i0; i < i1; i += 4) {
-                int nt = i1 - i < 4 ? (int)(i1 - i) : 4;
-                const float *xs[4];
-                float out[4];
+            for (int64_t i = i0; i < i1; i += Z_TOKS) {
+                int nt = i1 - i < Z_TOKS ? (int)(i1 - i) : Z_TOKS;
+                const float *xs[Z_TOKS];
+                float out[Z_ROWS * Z_TOKS];
 
                 for (int k = 0; k < nt; k++)
                     xs[k] = x + (xidx ? xidx[i + k] : i + k) * cols;
-                switch (nt) {
-                case 1: bf16_row_dot(wr, cols, xs, 1, out); break;
-                case 2: bf16_row_dot(wr, cols, xs, 2, out); break;
-                case 3: bf16_row_dot(wr, cols, xs, 3, out); break;
-                default: bf16_row_dot(wr, cols, xs, 4, out); break;
+#define ZT(R_, T_) \
+    case (R_) * 8 + (T_): tile_rt_z(wr, wstride, xs, cols, out, R_, T_, f32); break
+#define ZR(R_) ZT(R_, 1); ZT(R_, 2); ZT(R_, 3); ZT(R_, 4); ZT(R_, 5); ZT(R_, 6)
+                switch (nr * 8 + nt) {
+                ZR(1); ZR(2); ZR(3); ZR(4);
                 }
-                for (int k = 0; k < nt; k++)
-                    y[(i + k) * ldy + (r - r0)] = out[k];
+#undef ZR
+#undef ZT
+                for (int rr = 0; rr < nr; rr++)
+                    for (int k = 0; k < nt; k++)
+                        y[(i + k) * ldy + (r + rr - r0)] = out[rr * Z_TOKS + k];
             }
         }
     }
 }
+
+AVX512_FN static void bf16_rows_avx512(const struct bweight *w, const float *x,
+                                       const int32_t *xidx, int n, float *y, int64_t ldy,
+                                       int64_t r0, int64_t r1)
+{
+    rows_avx512(w, x, xidx, n, y, ldy, r0, r1, false);
+}
+
+AVX512_FN static void f32_rows_avx512(const struct bweight *w, const float *x,
+                                      const int32_t *xidx, int n, float *y, int64_t ldy,
+                                      int64_t r0, int64_t r1)
+{
+    rows_avx512(w, x, xidx, n, y, ldy, r0, r1, true);
+}
+
+/* The AVX-512 tiles where the CPU has AVX-512F, for every n (at n = 1 the 4-row tile keeps
+ * more weight rows in flight than the AVX2 GEMV); STEPD_CPU_NO_AVX512 forces the AVX2
+ * kernels (tests run both). */
+static bool have_avx512_rt(void)
+{
+    static int cached = -1;
+
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
+    return cached;
+}
 #endif
+
+void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
+                         float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2)
+{
+#if defined(__x86_64__)
+    if (avx2 && have_avx512_rt()) {
+        f32_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
+        return;
+    }
+    if (avx2) {
+        f32_rows_avx2(w, x, xidx, n, y, ldy, r0, r1);
+        return;
+    }
+#endif
+    f32_rows_scalar(w, x, xidx, n, y, ldy, r0, r1);
+}
 
 void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
                           float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2)
 {
 #if defined(__x86_64__)
+    if (avx2 && have_avx512_rt()) {
+        bf16_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
+        return;
+    }
     if (avx2) {
         bf16_rows_avx2(w, x, xidx, n, y, ldy, r0, r1);
         return;

@@ -29,7 +29,8 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
         return;
     switch (w->fmt) {
     case WFMT_F32:
-        cpu_matmul_f32_rows(w, j->x, NULL, j->n, j->y + r0, w->rows, r0, r1);
+        cpu_matmul_f32_rows(w, j->x, NULL, j->n, j->y + r0, w->rows, r0, r1,
+                            j->c->have_avx2);
         break;
     case WFMT_BF16:
         cpu_matmul_bf16_rows(w, j->x, NULL, j->n, j->y + r0, w->rows, r0, r1, j->c->have_avx2);

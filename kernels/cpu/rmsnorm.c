@@ -21,13 +21,19 @@ int cpu_rmsnorm(struct backend *be, const float *x, const struct bweight *w, int
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (int64_t)r * dim;
         float *yr = y + (int64_t)r * dim;
-        double ss = 0.0;
+        double l4[4] = { 0 }, ss;
         float inv;
+        int j = 0;
 
-        for (int j = 0; j < dim; j++)
-            ss += (double)xr[j] * xr[j];
+        /* 4 independent fp64 lanes (vectorised; a single chain is latency-bound) */
+        for (; j + 4 <= dim; j += 4)
+            for (int k = 0; k < 4; k++)
+                l4[k] += (double)xr[j + k] * xr[j + k];
+        for (; j < dim; j++)
+            l4[0] += (double)xr[j] * xr[j];
+        ss = (l4[0] + l4[2]) + (l4[1] + l4[3]);
         inv = (float)(1.0 / sqrt(ss / dim + (double)eps));
-        for (int j = 0; j < dim; j++)
+        for (j = 0; j < dim; j++)
             yr[j] = xr[j] * inv * g[j];
     }
     return 0;

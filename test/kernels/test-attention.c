@@ -241,6 +241,7 @@ int main(void)
         test_batch(be, false, 64);
         test_chunking(be, 0);
         test_chunking(be, 37);
+        test_chunking(be, 64);      /* the tiny model's window: rows straddle key chunks */
         test_window_edges(be);
         backend_free(be);
     }

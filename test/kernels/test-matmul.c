@@ -197,6 +197,19 @@ int main(void)
     check_dense(WFMT_BF16, 5, 47, 13, 2);
     check_dense(WFMT_F32, 17, 61, 3, 2);
     check_dense(WFMT_F32, 3, 1024, 9, 1);
+    /* every register-tile shape of the multi-token kernels (AVX2 3x4, AVX-512 4x6) and
+     * their row / token / column remainders */
+    {
+        static const int64_t tile_rows[] = { 1, 2, 3, 4, 5, 7, 9, 17 };
+        static const int64_t tile_cols[] = { 8, 15, 16, 33, 256 };
+        static const int tile_ns[] = { 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 25 };
+
+        for (size_t a = 0; a < ARRAY_SIZE(tile_rows); a++)
+            for (size_t b = 0; b < ARRAY_SIZE(tile_cols); b++)
+                for (size_t k = 0; k < ARRAY_SIZE(tile_ns); k++)
+                    check_dense((a + b + k) % 2 ? WFMT_BF16 : WFMT_F32, tile_rows[a],
+                                tile_cols[b], tile_ns[k], 1 + (int)((a + k) % 2));
+    }
     printf("matmul: all checks passed; mxfp4 fast path error |y-ref|/sum|w*x|: mean %.2e max %.2e "
            "over %ld outputs\n", fast_rel_sum / (fast_rel_n ? fast_rel_n : 1), fast_rel_max, fast_rel_n);
     return 0;

@@ -41,7 +41,7 @@
  * across an int8 rounding step, hence the looser bound there. */
 /* BF16 KV (exact path), oracle rounding k/v to BF16 too: a 1e-7 difference can still pick
  * the other BF16 neighbour of a value (0.4% of it) */
-#define TOL_KV_BF16 5e-3
+#define TOL_KV_BF16 2e-2   /* BF16 KV storage: ~4e-3 relative per element, logits O(10-20) */
 #define TOL_SELF_EXACT 1e-4
 #define TOL_SELF_FAST 5e-3
 #define BS 16

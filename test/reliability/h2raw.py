@@ -101,6 +101,12 @@ class Conn:
         return sid, frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), sid, block)
 
     def close(self):
+        # shutdown first: a plain close() while the reader thread sits in recv() keeps the
+        # file open (no FIN) until that recv times out
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:

@@ -98,11 +98,13 @@ def test_defaults():
     env.pop("UCX_TLS", None)
     procs = [s]
     time.sleep(0.3)
+    have_model = os.path.exists(os.path.join(rellib.MODEL_DIR, "config.json"))
+    # every group under one coordinator must serve the same model (stepd refuses a mismatch)
+    what = ["--model", rellib.MODEL_DIR] if have_model else ["--mock"]
     for r in range(2):
         procs.append(start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:50052", "--group", "tp2", "--rank",
-                            str(r), "--world-size", "2", "--mock", "--threads", "1"],
+                            str(r), "--world-size", "2", *what, "--threads", "1"],
                            os.path.join(wd, "tp2-%d.log" % r), env))
-    have_model = os.path.exists(os.path.join(rellib.MODEL_DIR, "config.json"))
     if have_model:
         procs.append(start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:50052", "--group", "tiny", "--rank", "0",
                             "--world-size", "1", "--threads", "1", "--model", rellib.MODEL_DIR,
@@ -110,8 +112,6 @@ def test_defaults():
     ch = h.grpc.insecure_channel("127.0.0.1:50051")
     stub = h.pbg.InferenceStub(ch)
     wait_groups(stub, 2 if have_model else 1)
-    # (no Generate here: the mock group (vocab 256) and the tiny model (vocab 4096) differ, and
-    # stepd mixes them - see known-bug-mixed-vocab-groups in test_mixed_groups.py)
     tcp, udp, unx = listening("-ltnpH"), listening("-lunpH"), listening("-lxpH")
     pids = {p.pid for p in procs}
     for name, pid, local in tcp + udp:

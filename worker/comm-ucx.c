@@ -512,6 +512,33 @@ static void chunk_of(size_t count, int n, int i, size_t *off, size_t *len)
     *len = base + ((size_t)i < extra ? 1 : 0);
 }
 
+/* Abort the operation in progress: cancel what is pending and abort the communicator
+ * (sticky error, the worker exits).  Returns r. */
+static int op_fail(struct ucx *u, int r)
+{
+    if (u->n_pend)
+        cancel_pending(u);
+    u->c.ops->abort(&u->c);
+    return r;
+}
+
+/* One step of a collective: receive rlen bytes from `from` into rbuf while sending slen
+ * bytes of sbuf to `to` (a zero length skips that side; both ends agree on lengths), then
+ * wait for both.  Any failure aborts the communicator (op_fail). */
+static int exchange(struct ucx *u, int from, void *rbuf, size_t rlen, int to, const void *sbuf,
+                    size_t slen, int tag, uint64_t deadline)
+{
+    int r = 0;
+
+    if (rlen)
+        r = post_recv(u, from, rbuf, rlen, tag);
+    if (r == 0 && slen)
+        r = post_send(u, to, sbuf, slen, tag);
+    if (r < 0)
+        return op_fail(u, r);
+    return wait_pending(u, deadline);   /* aborts by itself on failure */
+}
+
 static int allreduce_rd(struct ucx *u, float *buf, size_t count, uint64_t deadline)
 {
     int n = u->c.world_size, me = u->c.rank, step = 0, mask, r;
@@ -523,23 +550,14 @@ static int allreduce_rd(struct ucx *u, float *buf, size_t count, uint64_t deadli
     for (mask = 1; mask < n; mask <<= 1, step++) {
         int peer = me ^ mask;
 
-        r = post_recv(u, peer, u->tmp, count * sizeof(float), step);
-        if (r == 0)
-            r = post_send(u, peer, buf, count * sizeof(float), step);
-        if (r == 0)
-            r = wait_pending(u, deadline);
+        r = exchange(u, peer, u->tmp, count * sizeof(float), peer, buf, count * sizeof(float),
+                     step, deadline);
         if (r < 0)
-            goto out_fail;
+            return r;
         for (i = 0; i < count; i++)
             buf[i] += u->tmp[i];
     }
     return 0;
-
-out_fail:
-    if (u->n_pend)
-        cancel_pending(u);
-    u->c.ops->abort(&u->c);
-    return r;
 }
 
 static int allreduce_ring(struct ucx *u, float *buf, size_t count, uint64_t deadline)
@@ -557,15 +575,10 @@ static int allreduce_ring(struct ucx *u, float *buf, size_t count, uint64_t dead
 
         chunk_of(count, n, sc, &off, &len);
         chunk_of(count, n, rc, &roff, &rlen);
-        r = 0;
-        if (rlen)
-            r = post_recv(u, left, u->tmp, rlen * sizeof(float), s);
-        if (r == 0 && len)
-            r = post_send(u, right, buf + off, len * sizeof(float), s);
-        if (r == 0)
-            r = wait_pending(u, deadline);
+        r = exchange(u, left, u->tmp, rlen * sizeof(float), right, buf + off, len * sizeof(float),
+                     s, deadline);
         if (r < 0)
-            goto out_fail;
+            return r;
         for (i = 0; i < rlen; i++)
             buf[roff + i] += u->tmp[i];
     }
@@ -575,23 +588,12 @@ static int allreduce_ring(struct ucx *u, float *buf, size_t count, uint64_t dead
 
         chunk_of(count, n, sc, &off, &len);
         chunk_of(count, n, rc, &roff, &rlen);
-        r = 0;
-        if (rlen)
-            r = post_recv(u, left, buf + roff, rlen * sizeof(float), n + s);
-        if (r == 0 && len)
-            r = post_send(u, right, buf + off, len * sizeof(float), n + s);
-        if (r == 0)
-            r = wait_pending(u, deadline);
+        r = exchange(u, left, buf + roff, rlen * sizeof(float), right, buf + off,
+                     len * sizeof(float), n + s, deadline);
         if (r < 0)
-            goto out_fail;
+            return r;
     }
     return 0;
-
-out_fail:
-    if (u->n_pend)
-        cancel_pending(u);
-    u->c.ops->abort(&u->c);
-    return r;
 }
 
 static int ucx_allreduce_sum(struct comm *c, float *buf, size_t count)
@@ -620,21 +622,12 @@ static int ucx_allgather(struct comm *c, const void *send, void *recv, size_t nb
     for (s = 0; s < n - 1; s++) {
         int sb = ((me - s) % n + n) % n, rb = ((me - s - 1) % n + n) % n;
 
-        r = post_recv(u, left, out + (size_t)rb * nbytes, nbytes, s);
-        if (r == 0)
-            r = post_send(u, right, out + (size_t)sb * nbytes, nbytes, s);
-        if (r == 0)
-            r = wait_pending(u, deadline);
+        r = exchange(u, left, out + (size_t)rb * nbytes, nbytes, right, out + (size_t)sb * nbytes,
+                     nbytes, s, deadline);
         if (r < 0)
-            goto out_fail;
+            return r;
     }
     return 0;
-
-out_fail:
-    if (u->n_pend)
-        cancel_pending(u);
-    c->ops->abort(c);
-    return r;
 }
 
 static int bcast(struct ucx *u, void *buf, size_t *len, size_t cap, int root, bool var)
@@ -649,10 +642,11 @@ static int bcast(struct ucx *u, void *buf, size_t *len, size_t cap, int root, bo
     } else {
         r = post_recv(u, root, buf, cap, 0);
     }
-    if (r == 0)
-        r = wait_pending(u, deadline);
     if (r < 0)
-        goto out_fail;
+        return op_fail(u, r);
+    r = wait_pending(u, deadline);
+    if (r < 0)
+        return r;
     if (me != root) {
         /* the recv info was captured by wait_pending before the request was freed */
         size_t got = u->pend[0].info.length;
@@ -663,12 +657,6 @@ static int bcast(struct ucx *u, void *buf, size_t *len, size_t cap, int root, bo
         *len = got;
     }
     return 0;
-
-out_fail:
-    if (u->n_pend)
-        cancel_pending(u);
-    u->c.ops->abort(&u->c);
-    return r;
 }
 
 static int ucx_broadcast(struct comm *c, void *buf, size_t nbytes, int root)
@@ -691,21 +679,11 @@ static int ucx_barrier(struct comm *c)
     char out = 0, in = 0;
 
     for (k = 1; k < n; k <<= 1, step++) {
-        r = post_recv(u, (me - k + n) % n, &in, 1, step);
-        if (r == 0)
-            r = post_send(u, (me + k) % n, &out, 1, step);
-        if (r == 0)
-            r = wait_pending(u, deadline);
+        r = exchange(u, (me - k + n) % n, &in, 1, (me + k) % n, &out, 1, step, deadline);
         if (r < 0)
-            goto out_fail;
+            return r;
     }
     return 0;
-
-out_fail:
-    if (u->n_pend)
-        cancel_pending(u);
-    c->ops->abort(c);
-    return r;
 }
 
 /* ---- life cycle ------------------------------------------------------------------ */

@@ -75,28 +75,8 @@ static uint32_t rnd(void)
 static void tp_add(struct tplan *tp, int slot, int pos0, const int32_t *toks, int n, int n_logits,
                    int mtp_depth, bool release_sliding)
 {
-    struct step_seq *s = &tp->seqs[tp->p.n_seqs++];
-    int nb = (pos0 + n + BS - 1) / BS;
-
-    s->slot = slot;
-    s->pos0 = pos0;
-    s->n_tokens = n;
-    s->n_logits = n_logits;
-    s->tok_off = tp->p.n_tokens;
-    s->n_blocks = nb;
-    s->mtp_depth = mtp_depth;
-    memcpy(tp->tokens + tp->p.n_tokens, toks, sizeof(int32_t) * (size_t)n);
-    tp->p.n_tokens += n;
-    for (int g = 0; g < _KV_GROUP_MAX; g++) {
-        s->block_off[g] = tp->p.n_block_ids[g];
-        for (int b = 0; b < nb; b++) {
-            int32_t id = table[g][slot][b];
-            if (g == KV_GROUP_SLIDING && release_sliding &&
-                (b + 1) * BS - 1 < pos0 - cfg->sliding_window + 1)
-                id = -1;
-            tp->blocks[g][tp->p.n_block_ids[g]++] = id;
-        }
-    }
+    tp_add_run(tp, slot, pos0, toks, n, n_logits, mtp_depth,
+               release_sliding ? pos0 - cfg->sliding_window + 1 : 0);
 }
 
 static double maxabs_diff(const float *a, const double *b, int n, double *maxref)

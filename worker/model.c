@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "mxfp4.h"
 
 #define MODEL_ALIGN 64
 
@@ -140,6 +141,9 @@ struct model {
     int n_bufs, cap_bufs;
     struct bweight **prepared;
     int n_prepared, cap_prepared;
+    void **owned;                   /* host buffers the model made (re-quantised drafts) */
+    int n_owned, cap_owned;
+    bool quant_now;                 /* load_layer: this layer's linears get draft_quant */
 
     struct err_buf last_err;
 };
@@ -197,6 +201,77 @@ static int prepare(struct model *m, struct bweight *w, const char *name, struct 
         return err_set(e, r, "out of memory");
     }
     return 0;
+}
+
+/* Re-quantise a dense draft weight to MXFP4 in a model-owned buffer (model_opts
+ * draft_quant); a weight whose in-features are not a multiple of 32 stays as it is. */
+static int quantize_draft(struct model *m, struct bweight *w, const char *name, struct err_buf *e)
+{
+    int64_t rows = w->rows, cols = w->cols;
+    size_t pbytes = (size_t)rows * (size_t)(cols / 2), sbytes = (size_t)rows * (size_t)(cols / 32);
+    uint8_t *buf;
+    float *row;
+    int r;
+
+    if (w->fmt != WFMT_BF16 && w->fmt != WFMT_F32)
+        return 0;
+    if (cols % MXFP4_GROUP)
+        return 0;
+    buf = malloc(pbytes + sbytes);
+    row = malloc((size_t)cols * sizeof(float));
+    if (!buf || !row) {
+        free(buf);
+        free(row);
+        return err_set(e, -ENOMEM, "%s: out of memory re-quantising a draft weight", name);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const uint8_t *src = (const uint8_t *)w->data + (size_t)i * (size_t)cols *
+                             (w->fmt == WFMT_BF16 ? 2 : 4);
+
+        if (w->fmt == WFMT_F32) {
+            memcpy(row, src, (size_t)cols * sizeof(float));
+        } else {
+            for (int64_t j = 0; j < cols; j++) {
+                uint16_t h;
+                uint32_t u;
+
+                memcpy(&h, src + 2 * j, 2);
+                u = (uint32_t)h << 16;
+                memcpy(&row[j], &u, 4);
+            }
+        }
+        r = mxfp4_row_quantize(row, cols, buf + (size_t)i * (size_t)(cols / 2),
+                               buf + pbytes + (size_t)i * (size_t)(cols / 32));
+        if (r < 0) {
+            free(buf);
+            free(row);
+            return err_set(e, r, "%s: row %lld cannot be re-quantised to MXFP4 (non-finite "
+                           "values?)", name, (long long)i);
+        }
+    }
+    free(row);
+    r = track(&m->owned, &m->n_owned, &m->cap_owned, buf);
+    if (r < 0) {
+        free(buf);
+        return err_set(e, r, "out of memory");
+    }
+    w->fmt = WFMT_MXFP4;
+    w->data = buf;
+    w->scale = buf + pbytes;
+    return 0;
+}
+
+/* prepare() for a linear layer's weight, re-quantising MTP draft weights when asked. */
+static int prepare_linear(struct model *m, struct bweight *w, const char *name,
+                          struct err_buf *e)
+{
+    if (m->quant_now) {
+        int r = quantize_draft(m, w, name, e);
+
+        if (r < 0)
+            return r;
+    }
+    return prepare(m, w, name, e);
 }
 
 static int view_to_weight(const struct tview *v, const char *name, struct bweight *w,
@@ -262,7 +337,7 @@ static int load_linear(struct model *m, const char *base, int64_t rows, int64_t 
             return err_set(e, -EINVAL, "%s: local shape [%lld, %lld], expected [%lld, %lld]",
                            name, (long long)w->rows, (long long)w->cols, (long long)rows,
                            (long long)cols);
-        return prepare(m, w, name, e);
+        return prepare_linear(m, w, name, e);
     }
     if (r != -ENOENT)
         return err_set(e, r, "tensor '%s': %s", name, err_str(r));
@@ -375,10 +450,10 @@ static int split_eh(struct model *m, struct mlayer *L, const char *name, struct 
     L->eh_h = L->eh_e;
     L->eh_e.data = dst;
     L->eh_h.data = dst + (size_t)(H * H) * esz;
-    r = prepare(m, &L->eh_e, name, e);
+    r = prepare_linear(m, &L->eh_e, name, e);
     if (r < 0)
         return r;
-    return prepare(m, &L->eh_h, name, e);
+    return prepare_linear(m, &L->eh_h, name, e);
 }
 
 static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf *e)
@@ -393,6 +468,7 @@ static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf
     L->idx = idx;
     L->lc = lc;
     L->is_mtp = idx >= cfg->n_layers;
+    m->quant_now = L->is_mtp && m->o.draft_quant == MODEL_DRAFT_MXFP4;
     L->is_moe = lc->is_moe && !L->is_mtp;
     L->group = lc->kind == LAYER_KIND_FULL ? KV_GROUP_FULL : KV_GROUP_SLIDING;
     L->window = lc->kind == LAYER_KIND_SLIDING ? cfg->sliding_window : 0;
@@ -759,6 +835,7 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
             goto out;
         m->group_used[m->layers[i].group] = true;
     }
+    m->quant_now = false;
     r = reserve(m, e);
     if (r < 0)
         goto out;
@@ -789,6 +866,9 @@ void model_free(struct model *m)
     for (int i = m->n_bufs - 1; i >= 0; i--)
         backend_buf_free(m->be, m->bufs[i]);
     free(m->bufs);
+    for (int i = 0; i < m->n_owned; i++)
+        free(m->owned[i]);
+    free(m->owned);
     if (m->layers) {
         for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
             free(m->layers[i].experts);

@@ -50,6 +50,20 @@ struct model_comm {
     int (*allgather)(void *ctx, const float *in, float *out, size_t n);
 };
 
+/* How the MTP draft layers hold their projection weights (speculative config
+ * "draft_quantization").  Drafts are only proposals: greedy verification keeps the longest
+ * prefix equal to the target's argmax and rejection sampling uses the distribution the
+ * drafts were actually sampled from, so any draft precision leaves outputs exact; it only
+ * changes how many drafts are accepted and what a draft costs.
+ *   CHECKPOINT: the checkpoint's BF16 weights as they are.
+ *   MXFP4: every MTP linear (q/k/v/o/g, MLP, eh_proj halves, shared head) re-quantised at
+ *   load to MXFP4 (mxfp4_row_quantize, 32-element blocks), 3.8x fewer bytes per draft:
+ *   batch-1 drafting is weight-bandwidth bound.  Norms stay as they are. */
+enum model_draft_quant {
+    MODEL_DRAFT_CHECKPOINT = 0,
+    MODEL_DRAFT_MXFP4,
+};
+
 struct model_opts {
     int max_tokens_per_step;    /* token capacity of one step (sum of run lengths) */
     int max_seqs;               /* sequences per step; slots are 0 .. max_seqs-1 */
@@ -61,6 +75,7 @@ struct model_opts {
     bool kv_bf16;               /* store KV in BF16 (default FP32) */
     bool mtp_no_repair;         /* diagnostics only: skip the MTP re-run of draft positions
                                    (model_mtp_step), leaving stale MTP KV as before the repair */
+    enum model_draft_quant draft_quant; /* weights of the MTP draft layers (see below) */
 };
 
 struct model;

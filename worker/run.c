@@ -35,6 +35,7 @@ struct run_args {
     const char *prompt;
     const char *backend;
     int n_gen, threads, mtp, chunk;
+    bool draft_mxfp4;
     bool exact, ids_only;
 };
 
@@ -49,7 +50,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: stepd-run MODEL_DIR [--prompt-ids 1,2,3 | --prompt TEXT] [-n N]\n"
                "                 [--threads T] [--mtp K] [--exact] [--chunk C] [--backend NAME]\n"
-               "                 [--ids-only]\n"
+               "                 [--ids-only] [--draft-quant none|mxfp4]\n"
                "  --prompt-ids L  comma-separated token ids\n"
                "  --prompt TEXT   text, encoded with MODEL_DIR/tokenizer.json (BOS prepended)\n"
                "  -n N            tokens to generate (default 32)\n"
@@ -58,7 +59,8 @@ static void usage(FILE *f)
                "  --exact         exact MXFP4 path (W4A32) instead of the fast int8 path\n"
                "  --chunk C       prefill chunk size in tokens (default: whole prompt)\n"
                "  --backend NAME  cpu (default) or cuda\n"
-               "  --ids-only      print only the generated ids, one line\n");
+               "  --ids-only      print only the generated ids, one line\n"
+               "  --draft-quant Q MTP draft weights: none (checkpoint, default) or mxfp4\n");
 }
 
 static int parse_int(const char *s, const char *what, int lo, int hi, int *ret)
@@ -82,6 +84,7 @@ static int parse_args(int argc, char **argv, struct run_args *a)
         {"chunk", required_argument, NULL, 'c'},
         {"backend", required_argument, NULL, 'b'},
         {"ids-only", no_argument, NULL, 'q'},
+        {"draft-quant", required_argument, NULL, 'd'},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -97,6 +100,15 @@ static int parse_args(int argc, char **argv, struct run_args *a)
         case 'b': a->backend = optarg; break;
         case 'x': a->exact = true; break;
         case 'q': a->ids_only = true; break;
+        case 'd':
+            if (strcmp(optarg, "mxfp4") == 0) {
+                a->draft_mxfp4 = true;
+            } else if (strcmp(optarg, "none") != 0) {
+                fprintf(stderr, "stepd-run: --draft-quant: expected none or mxfp4, got '%s'\n",
+                        optarg);
+                return -EINVAL;
+            }
+            break;
         case 'n': if (parse_int(optarg, "-n", 1, 1 << 20, &a->n_gen) < 0) return -EINVAL; break;
         case 't': if (parse_int(optarg, "--threads", 0, 1024, &a->threads) < 0) return -EINVAL; break;
         case 'k': if (parse_int(optarg, "--mtp", 0, 16, &a->mtp) < 0) return -EINVAL; break;
@@ -267,6 +279,7 @@ int main(int argc, char **argv)
     struct model_opts mo = {
         .max_tokens_per_step = T, .max_seqs = 1, .max_logit_rows = K + 1,
         .block_size = RUN_BLOCK_SIZE, .n_blocks = {n_blocks, n_blocks}, .max_seq_len = max_len,
+        .draft_quant = a.draft_mxfp4 ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT,
     };
     r = model_new(ck, be, NULL, &mo, &m, &e);
     if (r < 0) {

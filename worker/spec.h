@@ -37,11 +37,14 @@ extern "C" {
 
 struct spec_config {
     int num_speculative_tokens;   /* 0 .. SPEC_MAX_K */
+    bool draft_mxfp4;             /* "draft_quantization": "mxfp4" (model_opts.draft_quant) */
 };
 
-/* Parse --speculative-config JSON, e.g. {"method":"mtp","num_speculative_tokens":3}.
+/* Parse --speculative-config JSON, e.g. {"method":"mtp","num_speculative_tokens":3}, plus
+ * the optional "draft_quantization": null | "none" | "mxfp4" (how the MTP draft layers
+ * hold their weights; outputs stay exact either way, see worker/model.h).
  * NULL or "" means no speculation.  -EINVAL with a sentence in e on anything else
- * (unknown method, K out of range, unknown keys, bad JSON). */
+ * (unknown method, K out of range, unknown keys or values, bad JSON). */
 int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e);
 
 struct spec_stats {

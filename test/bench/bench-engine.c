@@ -166,11 +166,14 @@ int main(int argc, char **argv)
     const char *dir = NULL;
     bool mock = false;
     int threads = 1, n_out = 128;
+    enum model_draft_quant dq = MODEL_DRAFT_CHECKPOINT;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--mock") == 0)
             mock = true;
         else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
             threads = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--draft-quant") == 0 && i + 1 < argc)
+            dq = strcmp(argv[++i], "mxfp4") == 0 ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT;
         else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
             n_out = atoi(argv[++i]);
         else if (argv[i][0] != '-')
@@ -191,7 +194,7 @@ int main(int argc, char **argv)
     if (!mock) {
         if (!dir)
             dir = "models/tiny-step";
-        int r = model_rig_open(&rig, dir, threads, 16, 256, 1024, &err);
+        int r = model_rig_open_q(&rig, dir, threads, 16, 256, 1024, dq, &err);
         if (r < 0) {
             fprintf(stderr, "bench-engine: %s: %s\n", dir, r == -ENOENT ? "no checkpoint" : err.msg);
             return 1;

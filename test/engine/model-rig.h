@@ -19,8 +19,9 @@ struct model_rig {
     const struct model_config *cfg;
 };
 
-static inline int model_rig_open(struct model_rig *r, const char *dir, int threads, int max_seqs,
-                                 int max_tokens, int max_len, struct err_buf *e)
+static inline int model_rig_open_q(struct model_rig *r, const char *dir, int threads,
+                                   int max_seqs, int max_tokens, int max_len,
+                                   enum model_draft_quant dq, struct err_buf *e)
 {
     char path[4096];
     memset(r, 0, sizeof(*r));
@@ -45,8 +46,16 @@ static inline int model_rig_open(struct model_rig *r, const char *dir, int threa
         .block_size = bs,
         .n_blocks = { per_seq * max_seqs, per_seq * max_seqs },
         .max_seq_len = max_len + 4,
+        .draft_quant = dq,
     };
     return model_forward_new(r->ck, r->be, NULL, &mo, &r->f, e);
+}
+
+static inline int model_rig_open(struct model_rig *r, const char *dir, int threads, int max_seqs,
+                                 int max_tokens, int max_len, struct err_buf *e)
+{
+    return model_rig_open_q(r, dir, threads, max_seqs, max_tokens, max_len,
+                            MODEL_DRAFT_CHECKPOINT, e);
 }
 
 static inline void model_rig_close(struct model_rig *r)

@@ -4,6 +4,7 @@
  *     arriving at different steps;
  *   - batch invariance: 8 identical greedy requests at once equal a solo run;
  *   - the KV accounting invariant holds after each run.
+ * With argv[2] = "mxfp4" the same, with the MTP drafts computed from MXFP4 copies. 
  * Exits 77 (skip) when the checkpoint is absent. */
 #include <stdlib.h>
 
@@ -147,6 +148,7 @@ static void test_single(void)
         printf("single K=%d: drafts %llu accepted %llu\n", k,
                (unsigned long long) other.mtp.n_draft_tokens, (unsigned long long) other.mtp.n_accepted);
         ASSERT_TRUE(other.mtp.n_draft_tokens > 0);
+        ASSERT_TRUE(other.mtp.n_accepted > 0);      /* the drafts are worth something */
         same(&other, &base, "single K vs K=0");
     }
 }
@@ -228,8 +230,12 @@ static void test_sampled_reproducible(void)
 int main(int argc, char **argv)
 {
     model_dir = argc > 1 ? argv[1] : "models/tiny-step";
+    /* argv[2] "mxfp4": the MTP drafts run from MXFP4 re-quantised copies of their weights
+     * (speculative config draft_quantization); outputs must stay identical to K = 0 */
+    enum model_draft_quant dq = argc > 2 && strcmp(argv[2], "mxfp4") == 0
+                                    ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT;
     struct err_buf err = { { 0 } };
-    int r = model_rig_open(&rig, model_dir, 1, 8, 64, 512, &err);
+    int r = model_rig_open_q(&rig, model_dir, 1, 8, 64, 512, dq, &err);
     if (r == -ENOENT) {
         printf("SKIP: no checkpoint at %s\n", model_dir);
         return TEST_SKIP;
@@ -246,6 +252,6 @@ int main(int argc, char **argv)
     test_batch_invariance();
     test_sampled_reproducible();
     model_rig_close(&rig);
-    printf("engine-model: ok\n");
+    printf("engine-model (%s drafts): ok\n", dq == MODEL_DRAFT_MXFP4 ? "MXFP4" : "checkpoint");
     return 0;
 }

@@ -298,6 +298,16 @@ static void test_spec_config(void)
     ASSERT_ERR(spec_config_parse("{\"method\":", &c, &e), -EINVAL);
     ASSERT_CONTAINS(e.msg, "invalid JSON");
     ASSERT_ERR(spec_config_parse("{\"num_speculative_tokens\":1}", &c, &e), -EINVAL);
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
+                                "\"draft_quantization\":\"mxfp4\"}", &c, &e));
+    ASSERT_EQ(c.num_speculative_tokens, 2);
+    ASSERT_TRUE(c.draft_mxfp4);
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
+                                "\"draft_quantization\":null}", &c, &e));
+    ASSERT_TRUE(!c.draft_mxfp4);
+    ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
+                                 "\"draft_quantization\":\"fp8\"}", &c, &e), -EINVAL);
+    ASSERT_TRUE(strstr(e.msg, "draft_quantization") != NULL);
 }
 
 int main(void)

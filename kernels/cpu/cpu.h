@@ -146,6 +146,9 @@ size_t cpu_qact_bytes(int64_t n, int64_t cols);
 void cpu_qact_init(struct cpu_qact *qa, void *mem, int64_t n, int64_t cols);
 /* Quantise blocks [b0, b1) of token row i from x[cols]. */
 void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1);
+/* The portable scalar quantiser (the oracle the AVX-512 one must equal bit for bit). */
+void cpu_qact_quantize_scalar(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0,
+                              int64_t b1);
 
 /* Row-range kernels, run on the calling thread.  Token i of the activations is row
  * xidx ? xidx[i] : i; output y[i * ldy + (r - r0_out)] for rows r in [r0, r1). */

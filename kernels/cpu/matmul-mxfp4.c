@@ -281,33 +281,122 @@ void cpu_qact_init(struct cpu_qact *qa, void *mem, int64_t n, int64_t cols)
     }
 }
 
-void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1)
+/* x * (1/d) to an int8 level: clamped to [-127, 127] in float (so a denormal d, whose
+ * inverse overflows, still gives the block's signs), rounded to nearest even; NaN (a NaN
+ * input, or inf * 0 in a block that holds an infinity) gives 0. */
+static inline int qact_round(float p)
 {
+    if (p != p)
+        return 0;
+    p = p > 127.0f ? 127.0f : (p < -127.0f ? -127.0f : p);
+    return (int)lrintf(p);
+}
+
+static void qact_block_scalar(const float *xb, int8_t *qe, int8_t *qo, float *ret_d,
+                              int32_t *ret_sum)
+{
+    float amax = 0.0f, d, id;
+    int32_t sum = 0;
+
+    for (int j = 0; j < 32; j++)
+        amax = fmaxf(amax, fabsf(xb[j]));
+    d = amax / 127.0f;
+    id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 16; j++) {
+        int a = qact_round(xb[2 * j] * id), c = qact_round(xb[2 * j + 1] * id);
+
+        qe[j] = (int8_t)a;
+        qo[j] = (int8_t)c;
+        sum += a + c;
+    }
+    *ret_d = d;
+    *ret_sum = sum;
+}
+
+#if defined(__x86_64__)
+/* The same block with AVX-512F, bit for bit: amax ignores NaN like fmaxf (max_ps returns
+ * its second operand, the running max, when the element is NaN), the clamp happens in
+ * float before cvtps (round to nearest even like lrintf in the default mode), NaN lanes
+ * are zeroed by mask, and the integer sum is exact. */
+__attribute__((target("avx512f")))
+static void qact_block_avx512(const float *xb, int8_t *qe, int8_t *qo, float *ret_d,
+                              int32_t *ret_sum)
+{
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                            26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    __m512 m = _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_setzero_ps());
+    __m512i q0, q1, e, o;
+    float amax, d, id;
+
+    m = _mm512_max_ps(_mm512_and_ps(x1, absmask), m);
+    amax = _mm512_reduce_max_ps(m);
+    d = amax / 127.0f;
+    id = d > 0.0f ? 1.0f / d : 0.0f;
+    __m512 p0 = _mm512_mul_ps(x0, _mm512_set1_ps(id)), p1 = _mm512_mul_ps(x1, _mm512_set1_ps(id));
+    __mmask16 ok0 = _mm512_cmp_ps_mask(p0, p0, _CMP_ORD_Q), ok1 = _mm512_cmp_ps_mask(p1, p1, _CMP_ORD_Q);
+
+    p0 = _mm512_min_ps(_mm512_max_ps(p0, lo), hi);
+    p1 = _mm512_min_ps(_mm512_max_ps(p1, lo), hi);
+    q0 = _mm512_maskz_cvtps_epi32(ok0, p0);
+    q1 = _mm512_maskz_cvtps_epi32(ok1, p1);
+    e = _mm512_permutex2var_epi32(q0, evens, q1);
+    o = _mm512_permutex2var_epi32(q0, odds, q1);
+    _mm_storeu_si128((__m128i *)qe, _mm512_cvtsepi32_epi8(e));
+    _mm_storeu_si128((__m128i *)qo, _mm512_cvtsepi32_epi8(o));
+    *ret_d = d;
+    *ret_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+
+static bool qact_avx512(void)
+{
+    static int cached = -1;
+
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
+    return cached;
+}
+#endif
+
+static void qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1,
+                          bool v)
+{
+
     for (int64_t b = b0; b < b1; b++) {
-        const float *xb = x + b * 32;
         int64_t pp = i * qa->npair + b / 2, half = b % 2;
         int8_t *qe = qa->q + pp * 64 + half * 16, *qo = qe + 32;
-        float amax = 0.0f, d, id;
-        int32_t sum = 0;
+        float d;
+        int32_t sum;
 
-        for (int j = 0; j < 32; j++)
-            amax = fmaxf(amax, fabsf(xb[j]));
-        d = amax / 127.0f;
-        id = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int j = 0; j < 16; j++) {
-            int a = (int)lrintf(xb[2 * j] * id), c = (int)lrintf(xb[2 * j + 1] * id);
-
-            a = a > 127 ? 127 : (a < -127 ? -127 : a);
-            c = c > 127 ? 127 : (c < -127 ? -127 : c);
-            qe[j] = (int8_t)a;
-            qo[j] = (int8_t)c;
-            sum += a + c;
-        }
+#if defined(__x86_64__)
+        if (v)
+            qact_block_avx512(x + b * 32, qe, qo, &d, &sum);
+        else
+#endif
+            qact_block_scalar(x + b * 32, qe, qo, &d, &sum);
         for (int l = 0; l < 4; l++) {
             qa->d8[pp * 8 + half * 4 + l] = d;
             qa->corr8[pp * 8 + half * 4 + l] = 12 * sum;
         }
     }
+}
+
+void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1)
+{
+#if defined(__x86_64__)
+    qact_quantize(qa, i, x, b0, b1, qact_avx512());
+#else
+    qact_quantize(qa, i, x, b0, b1, false);
+#endif
+}
+
+void cpu_qact_quantize_scalar(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0,
+                              int64_t b1)
+{
+    qact_quantize(qa, i, x, b0, b1, false);
 }
 
 /* ---- fast kernel ---- */

@@ -7,10 +7,12 @@
  * reads KV head h / (n_heads / n_kv_heads) (contiguous grouping).  The same code serves
  * prefill chunks, decode and verify runs: the cache must already hold every key up to
  * the last query position (kv_store first).  Softmax is computed online over chunks of
- * keys in fp32 with a vectorised fp32 exp (exp_shift_sum).  One parallel region;
- * (token, KV head) pairs are cut into coarse contiguous units claimed by the pool's threads.  The query heads sharing a KV head
- * AND up to ATTN_MAX_ROWS / G consecutive query tokens of one sequence (prefill, verify)
- * are processed together, so each K/V row is read and converted once per such block.
+ * keys in fp32 with a vectorised fp32 exp (exp_shift_sum).  One parallel region over
+ * work items (sequence, block of its query tokens, KV head), cut into coarse contiguous
+ * units claimed by the pool's threads.  The query heads sharing a KV head AND a block of
+ * up to ATTN_MAX_ROWS / G consecutive query tokens of one sequence (prefill, verify) are
+ * processed together, so each K/V row is read and converted once per such block; a run
+ * is cut into blocks of equal size so that the items cost about the same.
  */
 #include <errno.h>
 #include <math.h>
@@ -25,10 +27,13 @@
 #endif
 
 #define KEY_CHUNK 64     /* a multiple of 32 */
+#define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
 struct attn_job {
     const struct attn_args *a;
     bool avx2;
+    int qb;                 /* query tokens per block (ATTN_MAX_ROWS / G) */
+    int64_t n_items;        /* (sequence, block, KV head) work items */
     _Atomic int err;
 };
 
@@ -344,31 +349,42 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int s, int i0, int i
     return 0;
 }
 
+/* Blocks of sequence s: its run cut into the fewest pieces of at most qb tokens, of equal
+ * size (+-1), so that every piece - and with it every work item - costs about the same. */
+static int attn_blocks(const struct attn_args *a, int s, int qb)
+{
+    int len = a->seq_tok_start[s + 1] - a->seq_tok_start[s];
+
+    return (len + qb - 1) / qb;
+}
+
 static void attn_unit(void *arg, int unit, int n_units, int ith)
 {
     struct attn_job *jb = arg;
     const struct attn_args *a = jb->a;
-    const int G = a->n_heads / a->n_kv_heads;
-    const int qb = ATTN_MAX_ROWS / G > 1 ? ATTN_MAX_ROWS / G : 1;
-    int64_t u0, u1;
-    int s = 0;
+    const int nkv = a->n_kv_heads;
+    int64_t u0, u1, base = 0;
+    int s = 0, nb = attn_blocks(a, 0, jb->qb);
 
     (void)ith;
-    /* items are (token, KV head) pairs; a unit is a contiguous range of them.  The item of
-     * the first token of each block of qb tokens of a sequence does the whole block (the
-     * others are empty), so a sequence's query tokens share one pass over its keys. */
-    cpu_split((int64_t)a->n_tok * a->n_kv_heads, 1, unit, n_units, &u0, &u1);
+    /* work items are (sequence, block of its tokens, KV head), in that order; a unit is a
+     * contiguous range of the jb->n_items of them.  A block's query tokens share one pass
+     * over its keys.  Results do not depend on the blocking (attn_chunk), so neither on
+     * the thread count. */
+    cpu_split(jb->n_items, 1, unit, n_units, &u0, &u1);
     for (int64_t u = u0; u < u1; u++) {
-        int i = (int)(u / a->n_kv_heads), j = (int)(u % a->n_kv_heads);
-        int r, rel, i1;
+        int b, j, len, st, r;
 
-        while (i >= a->seq_tok_start[s + 1])
-            s++;
-        rel = i - a->seq_tok_start[s];
-        if (rel % qb)
-            continue;
-        i1 = i + qb < a->seq_tok_start[s + 1] ? i + qb : a->seq_tok_start[s + 1];
-        r = attn_chunk(a, jb->avx2, s, i, i1, j);
+        while (u >= base + (int64_t)nb * nkv) {
+            base += (int64_t)nb * nkv;
+            nb = attn_blocks(a, ++s, jb->qb);
+        }
+        b = (int)((u - base) / nkv);
+        j = (int)((u - base) % nkv);
+        st = a->seq_tok_start[s];
+        len = a->seq_tok_start[s + 1] - st;
+        r = attn_chunk(a, jb->avx2, s, st + (int)((int64_t)len * b / nb),
+                       st + (int)((int64_t)len * (b + 1) / nb), j);
         if (r < 0) {
             atomic_store(&jb->err, r);
             return;
@@ -405,11 +421,17 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
         }
         if (a->window > 0 && keys > a->window)
             keys = a->window;
-        int nth = cpu_threads_for(cpu_ctx(be), 2.0 * a->n_tok * a->n_heads * a->head_dim * keys);
-        int64_t items = (int64_t)a->n_tok * a->n_kv_heads;
+        /* per multiply-add, attention also converts and buffers K/V rows and takes an
+         * exp: a 1-token pass over 64-100 keys costs about what a 200K-MAC matmul does */
+        int nth = cpu_threads_for(cpu_ctx(be),
+                                  ATTN_WORK * a->n_tok * a->n_heads * a->head_dim * keys);
         int units = nth * CPU_UNITS_PER_THREAD;
+        int G = a->n_heads / a->n_kv_heads;
 
-        units = units < items ? units : (int)items;
+        jb.qb = ATTN_MAX_ROWS / G > 1 ? ATTN_MAX_ROWS / G : 1;
+        for (int s = 0; s < a->n_seqs; s++)
+            jb.n_items += (int64_t)attn_blocks(a, s, jb.qb) * a->n_kv_heads;
+        units = units < jb.n_items ? units : (int)jb.n_items;
         cpu_pool_for(cpu_ctx(be)->pool, attn_unit, &jb, nth > 1 ? units : 1, nth);
     }
     return atomic_load(&jb.err);

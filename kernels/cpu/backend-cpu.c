@@ -6,9 +6,20 @@
  * tiles where the CPU has them, else AVX2; attention uses AVX2 where available.
  * Environment knobs (tests and benchmarks): STEPD_CPU_NO_AVX2=1, STEPD_CPU_NO_AVX512=1
  * and STEPD_CPU_NO_VNNI=1 force the slower paths; STEPD_CPU_MIN_WORK=<multiply-adds per
- * extra thread> (default 65536; 0 = split every op over all threads).
+ * extra thread> (default 65536; 0 = split every op over all threads) and
+ * STEPD_CPU_MIN_WORK_BUSY=<the same inside graph_begin/graph_end> (default MIN_WORK_BUSY
+ * below, or STEPD_CPU_MIN_WORK when only that one is set).
+ *
+ * graph_begin/graph_end bracket one forward step (threads.c, busy mode): a sleeping worker
+ * is woken at the start rather than by the first parallel op, the workers keep spinning
+ * through the step however long its serial stretches are, and ops split at a lower work
+ * threshold, since a split then costs a few cache-line transfers, never a wake-up.
+ * Outside a bracket the workers also spin for a millisecond after their last unit.
+ * n_threads 0 = the CPUs this process may run on (its affinity mask, e.g. under taskset
+ * or a cgroup cpuset), else the online count.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -29,20 +40,37 @@ static bool cpu_has_avx2(void)
 #endif
 }
 
+/* Multiply-adds per extra thread in busy mode.  On the tiny model (1- and 16-token
+ * steps, 2 cores) 32K, 64K and 128K performed alike within noise; 32K lets 128-row
+ * AVX-512 matmuls split, which gains 1.2x each. */
+#define MIN_WORK_BUSY 32768.0
+
+/* CPUs this process may use: its affinity mask, else the online count. */
+static int cpu_count_usable(void)
+{
+    cpu_set_t set;
+    long online;
+
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (int)online : 1;
+}
+
 static int cpu_init(struct backend *be, const struct backend_cfg *cfg)
 {
     struct cpu_ctx *c;
-    long online;
+    const char *mw;
     int n, r;
 
     c = calloc(1, sizeof(*c));
     if (!c)
         return -ENOMEM;
     n = cfg->n_threads;
-    if (n == 0) {
-        online = sysconf(_SC_NPROCESSORS_ONLN);
-        n = online > 0 ? (int)online : 1;
-    }
+    if (n == 0)
+        n = cpu_count_usable();
+    if (n > 127)
+        n = 127;            /* the pool's limit; more cores than that are not used */
     r = cpu_pool_new(n, &c->pool);
     if (r < 0) {
         free(c);
@@ -54,7 +82,11 @@ static int cpu_init(struct backend *be, const struct backend_cfg *cfg)
     if (getenv("STEPD_CPU_NO_AVX2"))
         c->have_avx2 = false;
     /* below ~64K multiply-adds a futex round trip costs more than the second core gives */
-    c->min_work = getenv("STEPD_CPU_MIN_WORK") ? atof(getenv("STEPD_CPU_MIN_WORK")) : 65536.0;
+    mw = getenv("STEPD_CPU_MIN_WORK");
+    c->min_work = mw ? atof(mw) : 65536.0;
+    if (getenv("STEPD_CPU_MIN_WORK_BUSY"))
+        mw = getenv("STEPD_CPU_MIN_WORK_BUSY");
+    c->min_work_busy = mw ? atof(mw) : MIN_WORK_BUSY;
     be->ctx = c;
     log_debug("cpu backend: %d threads, avx2 %s, mxfp4 %s", n, c->have_avx2 ? "yes" : "no",
               c->mxfp4_exact ? "exact" : (c->have_avx2 ? "int8 fast" : "exact (no avx2)"));
@@ -114,6 +146,18 @@ static int cpu_copy(struct backend *be, void *dst, const void *src, size_t n)
 
 static int cpu_sync(struct backend *be)
 {
+    return 0;
+}
+
+static int cpu_graph_begin(struct backend *be)
+{
+    cpu_pool_busy_begin(cpu_ctx(be)->pool);
+    return 0;
+}
+
+static int cpu_graph_end(struct backend *be)
+{
+    cpu_pool_busy_end(cpu_ctx(be)->pool);
     return 0;
 }
 
@@ -211,4 +255,6 @@ const struct backend_ops backend_cpu_ops = {
     .router = cpu_router,
     .moe = cpu_moe,
     .add = cpu_add,
+    .graph_begin = cpu_graph_begin,
+    .graph_end = cpu_graph_end,
 };

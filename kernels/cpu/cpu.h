@@ -29,12 +29,24 @@ void cpu_pool_run(struct cpu_pool *pool, cpu_task_fn fn, void *arg);
 void cpu_pool_run_n(struct cpu_pool *pool, cpu_task_fn fn, void *arg, int n);
 
 void cpu_pool_barrier(struct cpu_pool *pool);
+/* Idle workers spin (pause, then sched_yield) for LINGER_NS after their last unit and
+ * then sleep on a futex (threads.c).  Busy mode (nests): between begin and end they spin
+ * for up to BUSY_IDLE_NS between runs, and begin wakes sleeping ones at once.  The
+ * backend's graph_begin/graph_end bracket one forward step with it, so none of its ~60
+ * small ops pays a wake-up. */
+void cpu_pool_busy_begin(struct cpu_pool *pool);
+void cpu_pool_busy_end(struct cpu_pool *pool);
+bool cpu_pool_busy(const struct cpu_pool *pool);
+/* Some worker sleeps (idle for a millisecond or more): the next run pays its wake-up. */
+bool cpu_pool_asleep(struct cpu_pool *pool);
 /* Run fn(arg, unit, n_units, ith) for every unit in [0, n_units); returns when all units
  * are done (not when all threads have checked in: see threads.c).  max_threads threads
  * are woken (1 = inline on the caller); a worker still draining an earlier run may join
- * too, so per-thread scratch indexed by ith must cover the whole pool.  Units are claimed
- * in increasing order; callers make them coarse contiguous ranges (CPU_UNITS_PER_THREAD
- * per thread) so each claim streams one long region. */
+ * too, so per-thread scratch indexed by ith must cover the whole pool.  Thread t of nth
+ * first runs units [n*t/nth, n*(t+1)/nth) in increasing order, then steals others' units
+ * from their ends; callers make units coarse contiguous ranges (CPU_UNITS_PER_THREAD per
+ * thread) so each thread streams one long region, the same one in every op of its kind.
+ * Results must not depend on which thread ran a unit. */
 typedef void (*cpu_unit_fn)(void *arg, int unit, int n_units, int ith);
 void cpu_pool_for(struct cpu_pool *pool, cpu_unit_fn fn, void *arg, int n_units, int max_threads);
 /* Units per thread for cpu_pool_for: enough slack for a slow core to shed work. */
@@ -47,21 +59,39 @@ struct cpu_ctx {
     bool mxfp4_exact;       /* cfg: exact W4A32 path */
     bool have_avx2;         /* the CPU has AVX2+FMA (kernels use target attributes) */
     double min_work;        /* multiply-adds per extra thread (STEPD_CPU_MIN_WORK; 0 = always split) */
+    double min_work_busy;   /* the same inside graph_begin/end, where a split costs no wake-up */
+    double alone_work;      /* multiply-adds run on the caller alone while a worker slept */
     /* scratch grown on demand; one caller at a time per backend */
     void *scratch;
     size_t scratch_size;
 };
 
-/* Threads worth using for `work` multiply-adds: one per c->min_work, at most the pool. */
-static inline int cpu_threads_for(const struct cpu_ctx *c, double work)
+/* Waking a sleeping worker costs the caller ~15-45 us in a VM: while a worker sleeps,
+ * ops run on the caller alone until one of at least this many multiply-adds comes, or
+ * as many have run alone since it fell asleep (then the split wakes it; it spins for a
+ * millisecond after its last unit, so the ops that follow find it awake). */
+#define CPU_WAKE_WORK 524288.0
+
+/* Threads worth using for `work` multiply-adds: one per c->min_work (c->min_work_busy in
+ * busy mode, where the workers are spinning), at most the pool; see CPU_WAKE_WORK. */
+static inline int cpu_threads_for(struct cpu_ctx *c, double work)
 {
     int n = cpu_pool_size(c->pool);
-    double per;
+    double per, mw = cpu_pool_busy(c->pool) ? c->min_work_busy : c->min_work;
 
-    if (c->min_work <= 0)
+    if (mw <= 0)
         return n;
-    per = work / c->min_work;
-    return per < 1.0 ? 1 : (per < n ? (int)per : n);
+    per = work / mw;
+    if (per < 2.0 || n == 1)
+        return 1;
+    if (!cpu_pool_asleep(c->pool)) {
+        c->alone_work = 0;
+    } else if (work < CPU_WAKE_WORK && (c->alone_work += work) < CPU_WAKE_WORK) {
+        return 1;
+    } else {
+        c->alone_work = 0;
+    }
+    return per < n ? (int)per : n;
 }
 
 static inline struct cpu_ctx *cpu_ctx(struct backend *be)
@@ -166,9 +196,31 @@ void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const 
 void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
                                 const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
                                 int64_t r1);
+/* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
+ * AMX-BF16 + AVX-512BW, the kernel granted the tile state, and none of STEPD_CPU_NO_AMX,
+ * STEPD_CPU_NO_AVX512, STEPD_CPU_NO_AVX2 is set (detected once per process).
+ * cpu_bf16_use_amx(w): w runs on AMX - decided from the weight (BF16, cols % 32 == 0,
+ * rows >= 16) and the CPU only, never from the token count, so a row's result is
+ * bit-identical whatever n, the other tokens and the thread split (batch invariance).
+ * The activations are packed once per call (cpu_amx_act_pack into cpu_amx_act_bytes) and
+ * shared read-only by the threads running cpu_matmul_bf16_amx_rows (any r0 <= r1 <= rows;
+ * output y[i * ldy + (r - r0)]).  cpu_matmul_bf16_amx_self packs into a per-thread
+ * buffer first (callers without a packed copy); false only when that buffer cannot be
+ * allocated. */
+bool cpu_amx_bf16_ok(void);
+bool cpu_bf16_use_amx(const struct bweight *w);
+size_t cpu_amx_act_bytes(int n, int64_t cols);
+void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols);
+void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
+                              int64_t ldy, int64_t r0, int64_t r1);
+bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
+                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1);
+/* Benchmarks and tests: nonzero switches the AMX path off (the AVX-512 / AVX2 kernels run);
+ * cpu_amx_pf_steps = weight prefetch distance in k-steps of 32 columns (0 = off). */
+extern int cpu_amx_off;
+extern int cpu_amx_pf_steps;
 /* Software prefetch distance of the fast MXFP4 kernel in bytes (0 = off; benchmarks). */
 extern int cpu_mxfp4_pf_bytes;
-extern int cpu_bf16_pf_bytes;
 /* True when matmul of w runs the fast int8 path under this context. */
 bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w);
 

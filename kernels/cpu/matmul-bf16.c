@@ -1,14 +1,15 @@
 /* matmul-bf16.c - y = x · Wᵀ for BF16 (converted on the fly, bits << 16) and F32 weights.
  *
- * Weights stay where the loader put them (no repack).  AVX2, one token: one weight row at
- * a time, 4 FMA chains and a software prefetch (weight-stream bound).  AVX2, several
- * tokens: a register-blocked micro-kernel of 3 weight rows x 4 tokens (12 ymm
- * accumulators), so each weight vector is decoded once per 4 tokens and each activation
- * vector loaded once per 3 rows.  AVX-512F (runtime-detected): the same with 4 rows x 6
- * tokens in zmm registers.  Tokens are blocked so their activations stay in L1/L2 while a
+ * Weights stay where the loader put them (no repack).  AVX2: a register-blocked
+ * micro-kernel of 3 weight rows x 4 tokens (12 ymm accumulators), so each weight vector is
+ * decoded once per 4 tokens and each activation vector loaded once per 3 rows; one token
+ * runs 8-row tiles with the same per-row arithmetic, so a row's sum never depends on n
+ * (batch invariance).  AVX-512F (runtime-detected): the same with 4 rows x 6 tokens in
+ * zmm registers.  Tokens are blocked so their activations stay in L1/L2 while a
  * thread's rows stream by, and the tiles prefetch the weight rows two tiles ahead.
  * Accumulation is fp32 in 8/16-wide lanes (SIMD) or plain order (scalar): tests compare
- * against an fp64 reference with a relative bound.
+ * against an fp64 reference with a relative bound.  On CPUs with AMX-BF16, BF16 weights
+ * with cols % 32 == 0 and rows >= 16 run on tiles instead (matmul-amx.c).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -21,9 +22,6 @@
 
 /* multi-token tiles prefetch the weight rows this many tiles ahead */
 #define Z_PF_TILES 2
-
-/* software prefetch distance of the 1-token AVX2 loop in bytes (0 = off; benchmarks) */
-int cpu_bf16_pf_bytes = 2048;
 
 static int64_t token_block(int64_t cols)
 {
@@ -110,46 +108,12 @@ AVX2_INLINE float wget(const uint8_t *wr, int64_t j, const bool f32)
     return cpu_bf16_to_f32(h);
 }
 
-AVX2_INLINE float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Lane sums of 4 vectors at once: [hsum(a), hsum(b), hsum(c), hsum(d)]. */
 AVX2_INLINE __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d)
 {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
 
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-/* 1 row x 1 token, 32 columns per step with 4 chains and a software prefetch: the
- * batch-1 GEMV, bound by the weight stream. */
-AVX2_INLINE float row_dot1(const uint8_t *wr, int64_t cols, const float *x, const bool f32)
-{
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const int64_t esz = f32 ? 4 : 2;
-    int64_t j = 0;
-    float s;
-
-    for (; j + 32 <= cols; j += 32) {
-        if (cpu_bf16_pf_bytes)
-            _mm_prefetch((const char *)(wr + esz * j) + cpu_bf16_pf_bytes, _MM_HINT_T0);
-        a0 = _mm256_fmadd_ps(wload8(wr, j, f32), _mm256_loadu_ps(x + j), a0);
-        a1 = _mm256_fmadd_ps(wload8(wr, j + 8, f32), _mm256_loadu_ps(x + j + 8), a1);
-        a2 = _mm256_fmadd_ps(wload8(wr, j + 16, f32), _mm256_loadu_ps(x + j + 16), a2);
-        a3 = _mm256_fmadd_ps(wload8(wr, j + 24, f32), _mm256_loadu_ps(x + j + 24), a3);
-    }
-    for (; j + 8 <= cols; j += 8)
-        a0 = _mm256_fmadd_ps(wload8(wr, j, f32), _mm256_loadu_ps(x + j), a0);
-    s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3)));
-    for (; j < cols; j++)
-        s += wget(wr, j, f32) * x[j];
-    return s;
 }
 
 /* Register tile: R (1..3) weight rows x T (1..4) tokens, 8 columns per step.  Each weight
@@ -199,19 +163,56 @@ AVX2_INLINE void tile_rt(const uint8_t *w0, int64_t wstride, const float *const 
     }
 }
 
-/* Tokens [i0, i1) x rows [r0, r1) with tiles of 3 rows x 4 tokens. */
+/* One token x 8 rows: per row exactly the arithmetic of tile_rt (one 8-lane accumulator
+ * over j, the hsum8x4 fold, then the column tail in order), so a row's value is the same
+ * as in any multi-token tile; 8 independent chains keep the FMA units busy where tile_rt
+ * with T = 1 would have 3.  out[r] = row r . x. */
+AVX2_INLINE void tile_r8t1(const uint8_t *w0, int64_t wstride, const float *x, int64_t cols,
+                           float *out, const bool f32)
+{
+    __m256 acc[8];
+    int64_t j = 0;
+
+    for (int r = 0; r < 8; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (; j + 8 <= cols; j += 8) {
+        const uint8_t *pf = w0 + (Z_PF_TILES * 8) * wstride + j * 8 * (f32 ? 4 : 2);
+        __m256 xv = _mm256_loadu_ps(x + j);
+
+        for (int o = 0; o < 8 * 8 * (f32 ? 4 : 2); o += 64)
+            _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        for (int r = 0; r < 8; r++)
+            acc[r] = _mm256_fmadd_ps(wload8(w0 + r * wstride, j, f32), xv, acc[r]);
+    }
+    for (int r = 0; r < 8; r++) {
+        __m256 z = _mm256_setzero_ps();
+        float s = _mm_cvtss_f32(hsum8x4(acc[r], z, z, z));
+
+        for (int64_t jj = j; jj < cols; jj++)
+            s += wget(w0 + r * wstride, jj, f32) * x[jj];
+        out[r] = s;
+    }
+}
+
+/* Tokens [i0, i1) x rows [r0, r1) with tiles of 3 rows x 4 tokens (8 x 1 for one token). */
 AVX2_INLINE void rows_avx2(const struct bweight *w, const float *x, const int32_t *xidx, int n,
                            float *y, int64_t ldy, int64_t r0, int64_t r1, const bool f32)
 {
     const int64_t cols = w->cols, tb = token_block(cols), wstride = cols * (f32 ? 4 : 2);
     const uint8_t *wd = (const uint8_t *)w->data;
 
+    /* a row's sum must not depend on the token count (batch invariance, see test-matmul):
+     * one token runs tile_r8t1, whose per-row arithmetic is tile_rt's */
     if (n == 1) {
         const float *x0 = x + (xidx ? xidx[0] : 0) * cols;
+        int64_t r = r0;
 
-        for (int64_t r = r0; r < r1; r++)
-            y[r - r0] = row_dot1(wd + r * wstride, cols, x0, f32);
-        return;
+        for (; r + 8 <= r1; r += 8)
+            tile_r8t1(wd + r * wstride, wstride, x0, cols, y + (r - r0), f32);
+        if (r == r1)
+            return;
+        y += r - r0;        /* the last rows (< 8) go through the tiles below */
+        r0 = r;
     }
     for (int64_t i0 = 0; i0 < n; i0 += tb) {
         int64_t i1 = i0 + tb < n ? i0 + tb : n;
@@ -371,9 +372,9 @@ AVX512_FN static void f32_rows_avx512(const struct bweight *w, const float *x,
     rows_avx512(w, x, xidx, n, y, ldy, r0, r1, true);
 }
 
-/* The AVX-512 tiles where the CPU has AVX-512F, for every n (at n = 1 the 4-row tile keeps
- * more weight rows in flight than the AVX2 GEMV); STEPD_CPU_NO_AVX512 forces the AVX2
- * kernels (tests run both). */
+/* The AVX-512 tiles where the CPU has AVX-512F, for every n (one path for every n keeps
+ * the results batch-invariant); STEPD_CPU_NO_AVX512 forces the AVX2 kernels (tests run
+ * both). */
 static bool have_avx512_rt(void)
 {
     static int cached = -1;
@@ -404,6 +405,10 @@ void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t
                           float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2)
 {
 #if defined(__x86_64__)
+    /* AMX where the weight qualifies (matmul-amx.c; the matmul op packs once per call and
+     * calls the AMX kernel itself, other callers such as moe.c come here) */
+    if (avx2 && cpu_bf16_use_amx(w) && cpu_matmul_bf16_amx_self(w, x, xidx, n, y, ldy, r0, r1))
+        return;
     if (avx2 && have_avx512_rt()) {
         bf16_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
         return;

@@ -1,7 +1,8 @@
 /* matmul.c - the matmul op: y[n, rows] = x[n, cols] · Wᵀ for every weight format, in ONE
  * parallel region: rows are cut into CPU_UNITS_PER_THREAD coarse contiguous ranges per
  * thread (tile-aligned) that the pool's threads claim in order.  On the MXFP4 fast path
- * the caller quantises the activations first (once per token, microseconds). */
+ * the caller quantises the activations first (once per token, microseconds); on the
+ * AMX-BF16 path it packs them into tile layout once, for all threads. */
 #include <errno.h>
 
 #include "err.h"
@@ -14,6 +15,7 @@ struct matmul_job {
     int n;
     float *y;
     bool fast;
+    const void *amx_x;      /* BF16 on AMX: activations packed once (cpu_amx_act_pack) */
     struct cpu_qact qa;
     float *rowbuf;          /* exact path: nth x cols */
 };
@@ -33,6 +35,10 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
                             j->c->have_avx2);
         break;
     case WFMT_BF16:
+        if (j->amx_x) {
+            cpu_matmul_bf16_amx_rows(w, j->amx_x, j->n, j->y + r0, w->rows, r0, r1);
+            break;
+        }
         cpu_matmul_bf16_rows(w, j->x, NULL, j->n, j->y + r0, w->rows, r0, r1, j->c->have_avx2);
         break;
     case WFMT_MXFP4:
@@ -55,6 +61,13 @@ int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int 
 
     if (n == 0)
         return 0;
+    if (c->have_avx2 && cpu_bf16_use_amx(w)) {
+        mem = cpu_scratch(c, cpu_amx_act_bytes(n, w->cols));
+        if (!mem)
+            return -ENOMEM;
+        cpu_amx_act_pack(mem, x, NULL, n, w->cols);
+        j.amx_x = mem;
+    }
     if (w->fmt == WFMT_MXFP4) {
         j.fast = cpu_mxfp4_use_fast(c, w);
         if (j.fast) {

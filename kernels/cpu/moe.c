@@ -22,6 +22,9 @@
 #include "log.h"
 #include "cpu.h"
 
+/* multiply-adds a unit should carry at least (see cpu_moe) */
+#define MOE_MIN_UNIT_WORK 32768.0
+
 struct moe_job {
     struct cpu_ctx *c;
     const struct moe_args *a;
@@ -245,8 +248,14 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
         int n_run = cpu_threads_for(c, 3.0 * a->hidden * a->inter * j.n_pairs);
         int want = n_run * CPU_UNITS_PER_THREAD;
         int64_t max_p1 = (a->inter + 31) / 32, max_u2 = (a->hidden + 15) / 16;
+        /* no more units than MOE_MIN_UNIT_WORK each allows: every unit runs a kernel call
+         * per expert, whose fixed cost dominates below that (decode: 1 token per expert) */
+        int64_t by_work1 = (int64_t)(2.0 * a->hidden * a->inter * j.max_m / MOE_MIN_UNIT_WORK);
+        int64_t by_work2 = (int64_t)(1.0 * a->hidden * a->inter * j.n_pairs / MOE_MIN_UNIT_WORK);
         int u2;
 
+        max_p1 = by_work1 < max_p1 ? (by_work1 > 1 ? by_work1 : 1) : max_p1;
+        max_u2 = by_work2 < max_u2 ? (by_work2 > n_run ? by_work2 : n_run) : max_u2;
         j.p1 = n_run > 1 ? (want + j.n_active - 1) / j.n_active : 1;
         j.p1 = j.p1 < max_p1 ? j.p1 : (int)max_p1;
         u2 = n_run > 1 ? (want < max_u2 ? want : (int)max_u2) : 1;

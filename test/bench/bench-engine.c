@@ -2,6 +2,9 @@
  *
  *   bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N]
  *
+ * --threads: CPU backend threads; default 0, the production default (stepd-worker
+ * --threads 0): one per CPU this process may run on.
+ *
  * Prints, in one run: decode tokens/s at batch 1 with K = 0 and K = 3 and their ratio;
  * mean acceptance length and per-position acceptance; output throughput at concurrency
  * 1, 4 and 16 (closed loop: each client resubmits when its request ends) with the ratio
@@ -11,6 +14,7 @@
  * 2 ms per step + 20 us per token, 0.3 ms per MTP layer call, 80 % draft accuracy).
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -194,7 +198,7 @@ int main(int argc, char **argv)
 {
     const char *dir = NULL;
     bool mock = false;
-    int threads = 1, n_out = 128;
+    int threads = 0, n_out = 128;
     enum model_draft_quant dq = MODEL_DRAFT_CHECKPOINT;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--mock") == 0)
@@ -268,8 +272,15 @@ int main(int argc, char **argv)
     }
     engine_start(e);
     int vocab = f->vocab_size;
-    printf("bench-engine: %s, backend threads %d, prompt 32, %d output tokens, greedy, ignore_eos\n",
-           what, threads, n_out);
+    /* threads 0 resolves as the CPU backend does: the CPUs of this process's affinity mask */
+    cpu_set_t cpus;
+    int n_cpus = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+    if (threads == 0)
+        printf("bench-engine: %s, backend threads %d (default 0 = CPUs usable), prompt 32, "
+               "%d output tokens, greedy, ignore_eos\n", what, n_cpus, n_out);
+    else
+        printf("bench-engine: %s, backend threads %d, prompt 32, %d output tokens, greedy, "
+               "ignore_eos\n", what, threads, n_out);
 
     /* warm-up */
     (void) run(e, vocab, 1, 0, 32, 16, 1);

@@ -11,7 +11,11 @@
  * cycles through every matrix that fits in the arena, so weights come from DRAM.
  * "% of bw" is the median over reps of (kernel GB/s) / (probe GB/s), where every rep runs
  * the probe right before the kernel sweep with the same thread count, so load changes on
- * a shared machine hit both sides of each ratio.  "cpu" is process CPU time / (wall x
+ * a shared machine hit both sides of each ratio.
+ * With 1 thread it also prints the tiny model's BF16 shapes (4096x256 lm_head, 768x256,
+ * 256x768) at 1, 4 and 16 tokens on the AVX-512 kernel ("old") and on AMX-BF16, side by
+ * side in one sweep, over enough copies to fill ~24 MiB (the tiny checkpoint's size, so
+ * the weights come from L3/DRAM as in a forward step).  "cpu" is process CPU time / (wall x
  * threads): how much of the cores the run actually got.
  */
 #include <math.h>
@@ -287,6 +291,64 @@ static double bench_moe(struct backend *be, const struct mats *ms, int n_tok, in
     return median(t, reps);
 }
 
+/* ---- tiny-model BF16 shapes: AVX-512 vs AMX, side by side ---- */
+static double sweep_once(struct backend *be, const struct mats *ms, const float *x, int n, float *y)
+{
+    double t0 = now();
+
+    for (int i = 0; i < ms->count; i++)
+        if (backend_matmul(be, &ms->w[i], x, n, y) < 0)
+            abort();
+    return (now() - t0) / ms->count;
+}
+
+static void bench_tiny_bf16(struct backend *be)
+{
+    static const struct { const char *name; int64_t rows, cols; } sh[] = {
+        { "4096x256", 4096, 256 }, { "768x256", 768, 256 }, { "256x768", 256, 768 },
+    };
+    static const int ns[] = { 1, 4, 16 };
+
+    if (!cpu_amx_bf16_ok()) {
+        printf("  tiny bf16 shapes: AMX-BF16 not available here (or switched off), skipped\n");
+        return;
+    }
+    printf("  tiny bf16 shapes, 1 thread, ~24 MiB of copies, median of %d (old = AVX-512, amx = "
+           "AMX-BF16; interleaved per rep):\n", reps);
+    for (size_t s = 0; s < sizeof(sh) / sizeof(sh[0]); s++) {
+        struct mats ms;
+        int max = (int)((24u << 20) / (size_t)(sh[s].rows * sh[s].cols * 2));
+
+        mats_make(&ms, WFMT_BF16, sh[s].rows, sh[s].cols, max);
+        for (size_t k = 0; k < sizeof(ns) / sizeof(ns[0]); k++) {
+            const int n = ns[k];
+            float *x = malloc(sizeof(float) * n * sh[s].cols), *y = malloc(sizeof(float) * n * sh[s].rows);
+            double t_old[32], t_amx[32], ratio[32], m_old, m_amx;
+
+            for (int64_t i = 0; i < n * sh[s].cols; i++)
+                x[i] = sinf((float)i);
+            for (int r = 0; r < reps; r++) {
+                cpu_amx_off = 1;
+                sweep_once(be, &ms, x, n, y);       /* warm-up of this side's code path */
+                t_old[r] = sweep_once(be, &ms, x, n, y);
+                cpu_amx_off = 0;
+                sweep_once(be, &ms, x, n, y);
+                t_amx[r] = sweep_once(be, &ms, x, n, y);
+                ratio[r] = t_old[r] / t_amx[r];
+            }
+            m_old = median(t_old, reps);
+            m_amx = median(t_amx, reps);
+            printf("  bf16 %-9s n=%2d x%-3d old %8.1f us  amx %8.1f us  old/amx %5.2fx  "
+                   "(per token: old %6.1f, amx %6.1f us)\n", sh[s].name, n, ms.count, m_old * 1e6,
+                   m_amx * 1e6, median(ratio, reps), m_old * 1e6 / n, m_amx * 1e6 / n);
+            free(x);
+            free(y);
+        }
+        mats_free(&ms);
+    }
+    cpu_amx_off = 0;
+}
+
 int main(void)
 {
     const char *e = getenv("STEPD_BENCH_MB");
@@ -329,6 +391,8 @@ int main(void)
         bw_pool = pool;
         bw = bench_bw(pool);
         printf("threads %d: read bandwidth %.2f GB/s  cpu %3.0f %%\n", nth, bw, 100.0 * last_share / nth);
+        if (nth == 1)
+            bench_tiny_bf16(be);
         for (size_t i = 0; i < sizeof(mx) / sizeof(mx[0]); i++) {
             struct mats ms;
             double s;

@@ -9,9 +9,14 @@
  *  - BF16/F32: |y - ref| <= 1e-5·Σ|w·x| + 1e-6.
  *  - Results do not depend on the thread count or the token count (row i of a batch ==
  *    the same row alone).
+ *  - BF16 batch invariance, with the AMX-BF16 path on (where the CPU has it) and off:
+ *    for the tiny model's shapes and odd ones, every output row of a token is bit-identical
+ *    whatever n (1, 3, 16, 37), whichever tokens share the call, the thread count (1, 2)
+ *    and the row range a direct row-kernel call covers; and within the fp64 bound.
  *  - The worked examples of MODEL.md §5.3; E8M0 255 is rejected at prepare.
  */
 #include "kref.h"
+#include "cpu.h"
 
 static double fast_rel_max, fast_rel_sum;  /* |fast - ref| / Σ|w·x| over all outputs */
 static long fast_rel_n;
@@ -151,6 +156,116 @@ static void check_dense(enum wfmt fmt, int64_t rows, int64_t cols, int n, int nt
     free(x); free(y); free(yr); free(mag);
 }
 
+/* BF16 batch invariance (see the header), with cpu_amx_off = amx_off */
+static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
+{
+    enum { NT = 37 };
+    static const int ns[] = { 1, 3, 16, NT };
+    struct bweight w = kref_bf16_new(rows, cols, 1.0f);
+    float *x = malloc(sizeof(float) * NT * cols), *yall = malloc(sizeof(float) * NT * rows);
+    float *y = malloc(sizeof(float) * NT * rows), *yoff = malloc(sizeof(float) * NT * rows);
+    double *yr = malloc(sizeof(double) * NT * rows), *mag = malloc(sizeof(double) * NT * rows);
+    int32_t xidx[NT];
+    int differ = 0;
+
+    ASSERT_TRUE(x && yall && y && yoff && yr && mag);
+    krng_fill(x, (size_t)(NT * cols), 2.0f);
+    /* token 1 spans many binades (the hi/lo split must hold everywhere); token 2 has zeros */
+    for (int64_t j = 0; j < cols; j++) {
+        x[cols + j] = ldexpf(x[cols + j], (int)(j % 41) - 20);
+        if (j % 3 == 0)
+            x[2 * cols + j] = 0.0f;
+    }
+    kref_matmul(&w, x, NT, yr, mag);
+    cpu_amx_off = 1;
+    {
+        struct backend *be = kref_backend(1, false);
+
+        ASSERT_OK(backend_matmul(be, &w, x, NT, yoff));
+        backend_free(be);
+    }
+    cpu_amx_off = amx_off;
+    for (int th = 1; th <= 2; th++) {
+        struct backend *be = kref_backend(th, false);
+
+        if (th == 1) {
+            ASSERT_OK(backend_matmul(be, &w, x, NT, yall));
+            for (int64_t k = 0; k < NT * rows; k++) {
+                if (!(fabs(yall[k] - yr[k]) <= 1e-5 * mag[k] + 1e-6))
+                    FAIL("bf16 %lldx%lld amx_off=%d: y[%lld] = %.9g, ref %.9g", (long long)rows,
+                         (long long)cols, amx_off, (long long)k, yall[k], yr[k]);
+                differ += yall[k] != yoff[k];
+            }
+        }
+        for (size_t a = 0; a < ARRAY_SIZE(ns); a++) {
+            const int n = ns[a], off = (n * 7 + th) % (NT - n + 1);
+
+            ASSERT_OK(backend_matmul(be, &w, x + (int64_t)off * cols, n, y));
+            if (memcmp(y, yall + (int64_t)off * rows, sizeof(float) * n * rows) != 0)
+                FAIL("bf16 %lldx%lld amx_off=%d: tokens %d..%d in a call of %d on %d threads "
+                     "differ from the same tokens in a call of %d", (long long)rows,
+                     (long long)cols, amx_off, off, off + n - 1, n, th, NT);
+        }
+        backend_free(be);
+    }
+    /* the row kernel directly (as moe.c calls it): tokens picked by xidx in reverse, a
+     * row range that starts and ends off the 16-row blocks */
+    for (int i = 0; i < NT; i++)
+        xidx[i] = NT - 1 - i;
+    {
+        int64_t r0 = rows > 20 ? 5 : 0, r1 = rows > 20 ? rows - 3 : rows;
+
+        cpu_matmul_bf16_rows(&w, x, xidx, NT, y, r1 - r0, r0, r1, true);
+        for (int i = 0; i < NT; i++)
+            if (memcmp(y + (int64_t)i * (r1 - r0), yall + (int64_t)xidx[i] * rows + r0,
+                       sizeof(float) * (r1 - r0)) != 0)
+                FAIL("bf16 %lldx%lld amx_off=%d: rows [%lld, %lld) of token %d via the row "
+                     "kernel differ from the matmul op", (long long)rows, (long long)cols,
+                     amx_off, (long long)r0, (long long)r1, xidx[i]);
+    }
+    /* the AMX path really ran where it applies (it rounds differently from AVX-512) */
+    if (!amx_off && cpu_bf16_use_amx(&w))
+        ASSERT_TRUE(differ > 0);
+    if (amx_off)
+        ASSERT_EQ(differ, 0);
+    cpu_amx_off = 0;
+    kref_weight_free(&w);
+    free(x); free(y); free(yall); free(yoff); free(yr); free(mag);
+}
+
+/* Inf and NaN activations give the IEEE results (±Inf by the weight's sign, NaN) on every
+ * BF16 path, and the other tokens stay finite */
+static void check_bf16_nonfinite(void)
+{
+    enum { R = 32, C = 64 };
+    struct bweight w = kref_bf16_new(R, C, 1.0f);
+    uint16_t *wp = (uint16_t *)w.data;
+    float x[3 * C], y[2][3 * R];
+
+    for (int64_t k = 0; k < R * C; k++)     /* no zero weights: Inf * 0 would be NaN */
+        if ((wp[k] & 0x7fff) == 0)
+            wp[k] = 0x3f80;
+    krng_fill(x, 3 * C, 1.0f);
+    x[3] = INFINITY;
+    x[C + 5] = NAN;
+    for (int off = 0; off <= 1; off++) {
+        struct backend *be = kref_backend(1, false);
+
+        cpu_amx_off = off;
+        ASSERT_OK(backend_matmul(be, &w, x, 3, y[off]));
+        for (int r = 0; r < R; r++) {
+            float wr3 = kbf16_to_f32(wp[r * C + 3]);
+
+            ASSERT_TRUE(isinf(y[off][r]) && (y[off][r] > 0) == (wr3 > 0));
+            ASSERT_TRUE(isnan(y[off][R + r]));
+            ASSERT_TRUE(isfinite(y[off][2 * R + r]));
+        }
+        backend_free(be);
+    }
+    cpu_amx_off = 0;
+    kref_weight_free(&w);
+}
+
 static void check_worked_examples(void)
 {
     /* MODEL.md §5.3: 0xB3 @ 0x7E -> +0.75, -0.75; 0x70 @ 0x81 -> 0, 24 */
@@ -209,6 +324,22 @@ int main(void)
                 for (size_t k = 0; k < ARRAY_SIZE(tile_ns); k++)
                     check_dense((a + b + k) % 2 ? WFMT_BF16 : WFMT_F32, tile_rows[a],
                                 tile_cols[b], tile_ns[k], 1 + (int)((a + k) % 2));
+    }
+    /* BF16 batch invariance on the tiny model's shapes and odd ones (row tails, rows < 16,
+     * an odd number of 32-column k-steps, cols % 32 != 0), AMX on and off */
+    {
+        static const int64_t inv_shapes[][2] = { { 4096, 256 }, { 768, 256 }, { 256, 768 },
+                                                 { 256, 384 }, { 128, 256 }, { 37, 1056 },
+                                                 { 16, 32 }, { 21, 96 }, { 9, 64 }, { 40, 100 } };
+
+        check_bf16_nonfinite();
+        if (__builtin_cpu_supports("avx2") && !getenv("STEPD_CPU_NO_AVX2"))
+            for (size_t a = 0; a < ARRAY_SIZE(inv_shapes); a++) {
+                check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], false);
+                check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], true);
+            }
+        printf("matmul: bf16 AMX path %s\n", cpu_amx_bf16_ok() ? "available and tested"
+                                                               : "not available (AVX kernels tested)");
     }
     printf("matmul: all checks passed; mxfp4 fast path error |y-ref|/sum|w*x|: mean %.2e max %.2e "
            "over %ld outputs\n", fast_rel_sum / (fast_rel_n ? fast_rel_n : 1), fast_rel_max, fast_rel_n);

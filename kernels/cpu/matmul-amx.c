@@ -1,0 +1,522 @@
+/* matmul-amx.c - y = x · Wᵀ for BF16 weights on AMX-BF16 tiles, batch-invariant.
+ *
+ * Yᵀ = W·Xᵀ per block of 16 weight rows: the A tile is 16 weight rows x 32 BF16 values
+ * loaded straight from the loader's memory (row stride cols * 2, no repack); the B tile
+ * holds activations in VNNI layout (16 k-pairs x 16 columns x 2 BF16), packed once per
+ * call by cpu_amx_act_pack(); the C tile is 16 rows x 16 columns of fp32.
+ *
+ * Activations are fp32.  Each x is split into three BF16 parts, p0 = bf16_rne(x),
+ * p1 = bf16_rne(x - p0), p2 = bf16_rne(x - p0 - p1) (every subtraction exact in fp32), so
+ * |x - p0 - p1 - p2| <= 2^-26 |x| and the products with a BF16 weight are as good as fp32
+ * ones (two parts, 2^-17, measured 20x the AVX-512 kernel's error and failed the tiny-model
+ * test's mean bound).  A B tile serves a GROUP of 5 tokens: part p of token t is column
+ * 5p + t (column 15 stays zero).  Each C column is one fp32 accumulator, updated by
+ * TDPBF16PS once per k-step of 32 columns in increasing k from zero; the output is
+ * (C[m][t] + C[m][5 + t]) + C[m][10 + t].  So y[t, r] depends only on weight row r and
+ * token row t - never on n, on the other tokens of the group, on the row block r falls in,
+ * on the blocking of the passes, or on the thread that ran it: the batch invariance the
+ * engine relies on (K = 0 vs K = 3 greedy equality, identical requests = solo run).  The
+ * path is chosen from the weight and the CPU only (cpu_bf16_use_amx), never from n.
+ * Cost: one TDPBF16PS per 16 rows x 32 columns x 5 tokens, so 1 to 5 tokens cost the same
+ * tile work (the verify step of K = 3 drafts is 4 tokens), 16 tokens four times that.
+ *
+ * Row tails: a matrix with rows >= 16 has none - the last block starts at rows - 16 and
+ * overlaps the previous one (each C row only depends on its own A row); only rows not yet
+ * written are stored.
+ *
+ * Passes: one row block at a time, all its k-steps, for one group (pass_g1) or two groups
+ * sharing each A tile (pass_g2); A and B tiles alternate between two tile registers per
+ * k-step so the next loads overlap the running TDPBF16PS, and the A-tile lines a few k-steps
+ * ahead (then the next block's) are prefetched into L1 - a tile load touches 16 rows, and
+ * without it the weight stream stalls on each one.  Every tile is 16 rows x 64 bytes
+ * (palette 1); each thread loads the configuration on its first call and keeps it (loading
+ * and releasing it per call measured ~2 us per matmul).
+ *
+ * Numerics of TDPBF16PS: BF16 products are exact in fp32; accumulation is fp32 with
+ * round-to-nearest-even, input denormals treated as zero and denormal results flushed
+ * (parts below 2^-126 count as 0: an absolute error far below the tests' 1e-6 floor).
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "log.h"
+#include "cpu.h"
+
+int cpu_amx_off;
+
+#define AMX_PARTS 3             /* BF16 parts per activation (hi, mid, lo) */
+#define AMX_GROUP (16 / AMX_PARTS)  /* tokens per B tile: part p of token t in column p * G + t */
+#define AMX_KSTEP 32            /* BF16 values per A tile row */
+#define AMX_TILE 1024           /* bytes of one 16 x 64-byte tile */
+/* weight prefetch distance in k-steps (16 lines each) ahead of the running one */
+#define AMX_PF_STEPS 4
+
+int cpu_amx_pf_steps = AMX_PF_STEPS;
+
+#if defined(__x86_64__)
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static bool amx_ok;
+static pthread_key_t amx_buf_key;
+/* this thread has loaded the tile configuration (kept: see the header comment) */
+static __thread bool amx_configured;
+
+static void amx_buf_free(void *p)
+{
+    free(p);
+}
+
+static void amx_detect(void)
+{
+    unsigned a, b, c, d;
+
+    if (getenv("STEPD_CPU_NO_AMX") || getenv("STEPD_CPU_NO_AVX512") ||
+        getenv("STEPD_CPU_NO_AVX2"))
+        return;
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
+        return;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return;
+    __cpuid_count(7, 0, a, b, c, d);
+    /* EDX bit 22 AMX-BF16, bit 24 AMX-TILE */
+    if (!(d & (1u << 22)) || !(d & (1u << 24)))
+        return;
+    /* the kernel hands out the 8 KiB tile state only on request (once per process) */
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
+        log_debug("cpu: AMX present but the kernel refused XTILEDATA; AVX-512 matmul");
+        return;
+    }
+    if (pthread_key_create(&amx_buf_key, amx_buf_free) != 0)
+        return;
+    amx_ok = true;
+    log_debug("cpu: AMX-BF16 matmul for BF16 weights");
+}
+
+bool cpu_amx_bf16_ok(void)
+{
+    pthread_once(&amx_once, amx_detect);
+    return amx_ok;
+}
+
+bool cpu_bf16_use_amx(const struct bweight *w)
+{
+    return w->fmt == WFMT_BF16 && w->cols % AMX_KSTEP == 0 && w->cols > 0 && w->rows >= 16 &&
+           !cpu_amx_off && cpu_amx_bf16_ok();
+}
+
+size_t cpu_amx_act_bytes(int n, int64_t cols)
+{
+    return (size_t)((n + AMX_GROUP - 1) / AMX_GROUP) * (size_t)(cols / AMX_KSTEP) * AMX_TILE;
+}
+
+#define AMX_FN __attribute__((target("avx2,fma,avx512f,avx512bw,amx-tile,amx-bf16")))
+#define AMX_INLINE \
+    __attribute__((target("avx2,fma,avx512f,avx512bw,amx-tile,amx-bf16"), always_inline)) \
+    static inline
+
+/* BF16 round-to-nearest-even of 16 floats, in the low half of each 32-bit lane; NaN stays
+ * NaN (quietened), as cpu_f32_to_bf16(). */
+AMX_INLINE __m512i bf16_rne16(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+
+    r = _mm512_srli_epi32(r, 16);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* lanes whose BF16 (low half of each 32-bit lane) is finite */
+AMX_INLINE __mmask16 finite_bf16(__m512i h)
+{
+    const __m512i e = _mm512_set1_epi32(0x7f80);
+
+    return _mm512_cmpneq_epi32_mask(_mm512_and_si512(h, e), e);
+}
+
+/* 32 BF16 (two vectors of 16 in the low halves of 32-bit lanes) as 16 VNNI pairs */
+AMX_INLINE __m512i bf16_pairs(__m512i a, __m512i b)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)),
+                              _mm512_cvtepi32_epi16(b), 1);
+}
+
+/* v[k] word c <- v[c] word k (16 x 16 32-bit transpose) */
+AMX_INLINE void transpose16(__m512i v[16])
+{
+    __m512i t[16], u[16];
+
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* u[4i + j], 128-bit lane L: words 4L + j of rows 4i .. 4i + 3 */
+    for (int j = 0; j < 4; j++) {
+        __m512i s0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        __m512i s1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+        __m512i s2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        __m512i s3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+
+        v[0 + j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        v[4 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        v[8 + j] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
+        v[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
+    }
+}
+
+AMX_FN void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols)
+{
+    const int64_t ks = cols / AMX_KSTEP;
+    uint8_t *out = buf;
+
+    for (int g = 0; g * AMX_GROUP < n; g++) {
+        int nt = n - g * AMX_GROUP < AMX_GROUP ? n - g * AMX_GROUP : AMX_GROUP;
+        const float *xs[AMX_GROUP];
+
+        for (int t = 0; t < nt; t++) {
+            int64_t i = g * AMX_GROUP + t;
+
+            xs[t] = x + (xidx ? xidx[i] : i) * cols;
+        }
+        for (int64_t s = 0; s < ks; s++) {
+            __m512i v[16];
+            uint8_t *tile = out + (g * ks + s) * AMX_TILE;
+
+            for (int c = 0; c < 16; c++)
+                v[c] = _mm512_setzero_si512();
+            for (int t = 0; t < nt; t++) {
+                __m512 x0 = _mm512_loadu_ps(xs[t] + s * AMX_KSTEP);
+                __m512 x1 = _mm512_loadu_ps(xs[t] + s * AMX_KSTEP + 16);
+
+                /* x = part 0 + part 1 (+ part 2): each part the BF16 rounding of what the
+                 * earlier ones left, every subtraction exact in fp32 */
+                for (int p = 0; p < AMX_PARTS; p++) {
+                    __m512i h0 = bf16_rne16(x0), h1 = bf16_rne16(x1);
+
+                    v[p * AMX_GROUP + t] = bf16_pairs(h0, h1);
+                    /* an Inf or NaN part leaves nothing (not Inf - Inf = NaN) behind */
+                    x0 = _mm512_maskz_sub_ps(finite_bf16(h0), x0,
+                                             _mm512_castsi512_ps(_mm512_slli_epi32(h0, 16)));
+                    x1 = _mm512_maskz_sub_ps(finite_bf16(h1), x1,
+                                             _mm512_castsi512_ps(_mm512_slli_epi32(h1, 16)));
+                }
+            }
+            /* column c of the tile is v[c]: row p = pair p of every column */
+            transpose16(v);
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512((void *)(tile + p * 64), v[p]);
+        }
+    }
+}
+
+struct amx_cfg {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Software prefetch of the A-tile lines `dist` k-steps ahead: the rows of the block in
+ * flight, then of the next blocks (a block's 16 rows are one contiguous region, so past
+ * the k loop this walks into the next block).  Past the matrix end it only prefetches
+ * addresses (prefetches never fault). */
+struct amx_pf {
+    uintptr_t base;         /* row 0 of the block `so` k-steps ahead refers to */
+    int64_t so, ks, blk;    /* k-step within that block; k-steps; bytes per block */
+};
+
+AMX_INLINE void pf_init(struct amx_pf *p, const uint8_t *a, int64_t stride, int64_t ks, int dist)
+{
+    p->ks = ks;
+    p->blk = 16 * stride;
+    p->base = (uintptr_t)a + (uintptr_t)(dist / ks) * (uintptr_t)p->blk;
+    p->so = dist % ks;
+}
+
+AMX_INLINE void pf_step(struct amx_pf *p, int64_t stride, bool on)
+{
+    if (!on)
+        return;
+    uintptr_t q = p->base + (uintptr_t)(p->so * 64);
+
+    for (int r = 0; r < 16; r++, q += (uintptr_t)stride)
+        _mm_prefetch((const char *)q, _MM_HINT_T0);
+    if (++p->so == p->ks) {
+        p->so = 0;
+        p->base += (uintptr_t)p->blk;
+    }
+}
+
+/* One row block (16 weight rows from a) x one group (b: ks packed tiles) -> C tile 0,
+ * stored to c.  A and B tiles alternate 4/6 and 5/7 over k so the next loads overlap the
+ * running TDPBF16PS.  The accumulation order is k-step 0, 1, ... in every variant. */
+AMX_INLINE void pass_g1(const uint8_t *a, int64_t stride, const uint8_t *b, int64_t ks, float *c,
+                        struct amx_pf *pf, bool pf_on)
+{
+    int64_t s = 0;
+
+    _tile_zero(0);
+    for (; s + 2 <= ks; s += 2) {
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(4, a + s * 64, stride);
+        _tile_loadd(6, b + s * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(5, a + (s + 1) * 64, stride);
+        _tile_loadd(7, b + (s + 1) * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 5, 7);
+    }
+    if (s < ks) {
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(4, a + s * 64, stride);
+        _tile_loadd(6, b + s * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, c, 64);
+}
+
+/* One row block x two groups (b0, b1) -> C tiles 0 and 1 (c, c + 256): each A tile feeds
+ * both.  Tiles: A 4/5, B 2,3/6,7 alternating over k. */
+AMX_INLINE void pass_g2(const uint8_t *a, int64_t stride, const uint8_t *b0, const uint8_t *b1,
+                        int64_t ks, float *c, struct amx_pf *pf, bool pf_on)
+{
+    int64_t s = 0;
+
+    _tile_zero(0);
+    _tile_zero(1);
+    for (; s + 2 <= ks; s += 2) {
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(4, a + s * 64, stride);
+        _tile_loadd(2, b0 + s * AMX_TILE, 64);
+        _tile_loadd(3, b1 + s * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 4, 3);
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(5, a + (s + 1) * 64, stride);
+        _tile_loadd(6, b0 + (s + 1) * AMX_TILE, 64);
+        _tile_loadd(7, b1 + (s + 1) * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_dpbf16ps(1, 5, 7);
+    }
+    if (s < ks) {
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(4, a + s * 64, stride);
+        _tile_loadd(2, b0 + s * AMX_TILE, 64);
+        _tile_loadd(3, b1 + s * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 4, 3);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+}
+
+/* One row block x four groups -> C tiles 0-3: one A tile (from L2, the scarce bandwidth)
+ * feeds four TDPBF16PS; the B tiles (L1) are 5, 6, 7 and 5 again. */
+AMX_INLINE void pass_g4(const uint8_t *a, int64_t stride, const uint8_t *const *b, int64_t ks,
+                        float *c, struct amx_pf *pf, bool pf_on)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < ks; s++) {
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(4, a + s * 64, stride);
+        _tile_loadd(5, b[0] + s * AMX_TILE, 64);
+        _tile_loadd(6, b[1] + s * AMX_TILE, 64);
+        _tile_loadd(7, b[2] + s * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b[3] + s * AMX_TILE, 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+}
+
+/* Scatter C tile c (rows = weight rows st .. st + 15, columns = the parts of group g's
+ * tokens) into y: rows [w0, w1) of the block, tokens of the group below n, each the sum
+ * (part 0 + part 1) + part 2 of its columns.  y[i * ldy + (r - r0)]. */
+AMX_INLINE void amx_scatter(const float *c, int g, int n, int64_t st, int64_t w0, int64_t w1,
+                            float *y, int64_t ldy, int64_t r0)
+{
+    const int nt = n - g * AMX_GROUP < AMX_GROUP ? n - g * AMX_GROUP : AMX_GROUP;
+    const int d = (int)(w0 - st);
+    const __mmask16 m = (__mmask16)((1u << (w1 - w0)) - 1);
+    float *yb = y + (int64_t)g * AMX_GROUP * ldy + (w0 - r0);
+
+    if (nt <= 2) {
+        /* few tokens: gather each token's part columns (same adds, fewer moves) */
+        const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(16)), _mm512_set1_epi32(d * 16));
+
+        for (int t = 0; t < nt; t++) {
+            __m512 sum = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, c + t, 4);
+
+            for (int p = 1; p < AMX_PARTS; p++)
+                sum = _mm512_add_ps(sum, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
+                                                                  c + p * AMX_GROUP + t, 4));
+            _mm512_mask_storeu_ps(yb + t * ldy, m, sum);
+        }
+        return;
+    }
+    {
+        __m512i v[16];
+
+        for (int k = 0; k < 16; k++)
+            v[k] = _mm512_load_si512((const void *)(c + k * 16));
+        transpose16(v);
+        for (int t = 0; t < nt; t++) {
+            __m512 s = _mm512_castsi512_ps(v[t]);
+
+            for (int p = 1; p < AMX_PARTS; p++)
+                s = _mm512_add_ps(s, _mm512_castsi512_ps(v[p * AMX_GROUP + t]));
+
+            if (d)       /* block overlapping the previous one: drop its first d rows */
+                s = _mm512_permutexvar_ps(
+                    _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                       13, 14, 15), _mm512_set1_epi32(d)), s);
+            _mm512_mask_storeu_ps(yb + t * ldy, m, s);
+        }
+    }
+}
+
+AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
+                                     int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t cols = w->cols, stride = cols * 2, ks = cols / AMX_KSTEP;
+    const int64_t last = w->rows - 16;
+    const int ng = (n + AMX_GROUP - 1) / AMX_GROUP;
+    const int dist = cpu_amx_pf_steps;
+    const uint8_t *wd = w->data, *xp = xb;
+    float c[4 * 256] __attribute__((aligned(64)));
+
+    if (!amx_configured) {
+        struct amx_cfg cfg __attribute__((aligned(64)));
+
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) {
+            cfg.colsb[i] = 64;
+            cfg.rows[i] = 16;
+        }
+        _tile_loadconfig(&cfg);
+        amx_configured = true;
+    }
+    for (int64_t b = r0; b < r1; b += 16) {
+        const int64_t st = b < last ? b : last, hi = b + 16 < r1 ? b + 16 : r1;
+        const uint8_t *a = wd + st * stride;
+        struct amx_pf pf;
+
+        pf_init(&pf, a, stride, ks, dist);
+        /* groups four, then two, then one at a time; the block's rows stay in L1 for the
+         * later passes, so only the first one prefetches */
+        for (int g = 0; g < ng;) {
+            const uint8_t *bg[4];
+            const int m = ng - g >= 4 ? 4 : (ng - g >= 2 ? 2 : 1);
+
+            for (int k = 0; k < m; k++)
+                bg[k] = xp + (int64_t)(g + k) * ks * AMX_TILE;
+            if (m == 4)
+                pass_g4(a, stride, bg, ks, c, &pf, dist && !g);
+            else if (m == 2)
+                pass_g2(a, stride, bg[0], bg[1], ks, c, &pf, dist && !g);
+            else
+                pass_g1(a, stride, bg[0], ks, c, &pf, dist && !g);
+            for (int k = 0; k < m; k++)
+                amx_scatter(c + 256 * k, g + k, n, st, b, hi, y, ldy, r0);
+            g += m;
+        }
+    }
+}
+
+/* Pack into this thread's buffer and run (callers without a per-call packed copy: moe). */
+bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
+                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1)
+{
+    size_t need = cpu_amx_act_bytes(n, w->cols), *have;
+    void *buf = pthread_getspecific(amx_buf_key);
+
+    have = buf;
+    if (!buf || *have < need) {
+        /* header of 64 bytes holds the capacity */
+        void *nb = aligned_alloc(64, (need + 64 + 63) & ~(size_t)63);
+
+        if (!nb)
+            return false;
+        if (pthread_setspecific(amx_buf_key, nb) != 0) {
+            free(nb);
+            return false;
+        }
+        free(buf);
+        buf = nb;
+        have = buf;
+        *have = need;
+    }
+    cpu_amx_act_pack((uint8_t *)buf + 64, x, xidx, n, w->cols);
+    cpu_matmul_bf16_amx_rows(w, (uint8_t *)buf + 64, n, y, ldy, r0, r1);
+    return true;
+}
+
+#else /* !__x86_64__ */
+
+bool cpu_amx_bf16_ok(void)
+{
+    return false;
+}
+
+bool cpu_bf16_use_amx(const struct bweight *w)
+{
+    (void)w;
+    return false;
+}
+
+size_t cpu_amx_act_bytes(int n, int64_t cols)
+{
+    (void)n;
+    (void)cols;
+    return 0;
+}
+
+void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols)
+{
+    (void)buf; (void)x; (void)xidx; (void)n; (void)cols;
+}
+
+void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
+                              int64_t ldy, int64_t r0, int64_t r1)
+{
+    (void)w; (void)xb; (void)n; (void)y; (void)ldy; (void)r0; (void)r1;
+}
+
+bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
+                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1)
+{
+    (void)w; (void)x; (void)xidx; (void)n; (void)y; (void)ldy; (void)r0; (void)r1;
+    return false;
+}
+
+#endif

@@ -242,10 +242,37 @@ int cpu_router(struct backend *be, const float *logits, const float *bias, int n
 int cpu_moe(struct backend *be, const struct moe_args *a);
 int cpu_add(struct backend *be, float *y, const float *x, size_t n);
 
-/* SwiGLU of one element, MODEL.md §2.4 (silu first, then upper clamp; up clamped both ways). */
+/* exp(x) for the SwiGLU sigmoid: Cephes' expf (range reduction by ln 2 in two parts,
+ * degree-6 polynomial, 2^n built in the exponent bits; under 1 ulp on [-87, 88]), x
+ * clamped to [-87.3, 88] first.  Written with fmaf so that the AVX-512 form in swiglu.c,
+ * which performs the same IEEE operations in the same order, agrees with it bit for bit
+ * (an element's result never depends on whether it landed in a vector or in a tail). */
+static inline float cpu_expf_poly(float x)
+{
+    float fn, r, rr, p, two_n;
+    uint32_t bits;
+
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.0f ? 88.0f : x;
+    fn = __builtin_floorf(__builtin_fmaf(x, 1.44269504088896341f, 0.5f));
+    r = __builtin_fmaf(fn, 2.12194440e-4f, __builtin_fmaf(-fn, 0.693359375f, x));
+    rr = r * r;
+    p = __builtin_fmaf(1.9875691500e-4f, r, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+    p = __builtin_fmaf(p, rr, r) + 1.0f;
+    bits = ((uint32_t)(int32_t)fn + 127u) << 23;   /* NaN x: garbage, and the caller's NaN wins */
+    __builtin_memcpy(&two_n, &bits, sizeof(two_n));
+    return p * two_n;
+}
+
+/* SwiGLU of one element, MODEL.md §2.4 (silu first, then upper clamp; up clamped both
+ * ways).  A NaN gate gives the limit (or NaN without one), a NaN up stays NaN. */
 static inline float cpu_swiglu1(float u, float w, float limit)
 {
-    float s = u / (1.0f + __builtin_expf(-u));
+    float s = u / (1.0f + cpu_expf_poly(-u));
 
     if (limit > 0.0f) {
         s = s < limit ? s : limit;
@@ -253,3 +280,9 @@ static inline float cpu_swiglu1(float u, float w, float limit)
     }
     return s * w;
 }
+
+/* out[i] = cpu_swiglu1(gate[i], up[i], limit) for i in [0, n), AVX-512 where the CPU has it
+ * (bit-identical); out may alias gate or up.  cpu_swiglu_rows_scalar: the plain loop. */
+void cpu_swiglu_rows(const float *gate, const float *up, float *out, int64_t n, float limit);
+void cpu_swiglu_rows_scalar(const float *gate, const float *up, float *out, int64_t n,
+                            float limit);

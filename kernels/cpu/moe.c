@@ -89,8 +89,7 @@ static void moe_phase1(void *arg, int unit, int n_units, int ith)
         float *g = act + (int64_t)i * a->inter + r0;
         const float *u = tb + (int64_t)i * (r1 - r0);
 
-        for (int64_t c = 0; c < r1 - r0; c++)
-            g[c] = cpu_swiglu1(g[c], u[c], a->limit);
+        cpu_swiglu_rows(g, u, g, r1 - r0, a->limit);
         if (j->act_fast)
             cpu_qact_quantize(&j->qact, j->off[e] + i, act + (int64_t)i * a->inter, r0 / 32,
                               (r1 + 31) / 32);

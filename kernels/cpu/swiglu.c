@@ -2,10 +2,95 @@
  * (MODEL.md §2.4: silu first, then the upper clamp).  out may alias gate or up.
  * Element-wise, so it splits over the pool in contiguous ranges when it is big enough
  * (prefill, batched decode); every element is computed the same way on any thread. */
+#include <stdlib.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "cpu.h"
 
-/* multiply-add equivalents of one element (an expf and a division: ~3 ns) */
-#define SWIGLU_WORK 64.0
+void cpu_swiglu_rows_scalar(const float *gate, const float *up, float *out, int64_t n,
+                            float limit)
+{
+    for (int64_t i = 0; i < n; i++)
+        out[i] = cpu_swiglu1(gate[i], up[i], limit);
+}
+
+#if defined(__x86_64__)
+/* cpu_swiglu1 on 16 lanes, the same operations in the same order: the clamps as
+ * max/min with the running value first where NaN must pass through (max_ps/min_ps return
+ * their second operand when either is NaN), fmadd for fmaf, an exact division. */
+__attribute__((target("avx512f"))) static void swiglu_rows_avx512(const float *gate,
+                                                                   const float *up, float *out,
+                                                                   int64_t n, float limit)
+{
+    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.0f);
+    const __m512 one = _mm512_set1_ps(1.0f), L = _mm512_set1_ps(limit);
+    const __m512 nL = _mm512_set1_ps(-limit);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    int64_t i = 0;
+
+    for (; i + 16 <= n; i += 16) {
+        __m512 u = _mm512_loadu_ps(gate + i), w = _mm512_loadu_ps(up + i);
+        /* x = -u; x < lo ? lo : x; x > hi ? hi : x  (NaN x stays NaN, as in the scalar) */
+        __m512 x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(u), sign));
+        x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), x, lo);
+        x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), x, hi);
+        __m512 fn = _mm512_roundscale_ps(
+            _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fmadd_ps(fn, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_xor_si512(
+                                                       _mm512_castps_si512(fn), sign)),
+                                                   _mm512_set1_ps(0.693359375f), x));
+        __m512 rr = _mm512_mul_ps(r, r);
+        __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r,
+                                   _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_add_ps(_mm512_fmadd_ps(p, rr, r), one);
+        __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_add_epi32(_mm512_cvttps_epi32(fn), _mm512_set1_epi32(127)), 23));
+        __m512 s = _mm512_div_ps(u, _mm512_add_ps(one, _mm512_mul_ps(p, two_n)));
+
+        if (limit > 0.0f) {
+            /* s < L ? s : L  (NaN s -> L);  w < -L ? -L : (w > L ? L : w)  (NaN w stays) */
+            s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, L, _CMP_LT_OQ), L, s);
+            w = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(w, nL, _CMP_LT_OQ),
+                                     _mm512_mask_blend_ps(_mm512_cmp_ps_mask(w, L, _CMP_GT_OQ),
+                                                          w, L), nL);
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(s, w));
+    }
+    cpu_swiglu_rows_scalar(gate + i, up + i, out + i, n - i, limit);
+}
+
+static bool swiglu_avx512(void)
+{
+    static int cached = -1;
+
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
+    return cached;
+}
+#endif
+
+void cpu_swiglu_rows(const float *gate, const float *up, float *out, int64_t n, float limit)
+{
+#if defined(__x86_64__)
+    if (swiglu_avx512()) {
+        swiglu_rows_avx512(gate, up, out, n, limit);
+        return;
+    }
+#endif
+    cpu_swiglu_rows_scalar(gate, up, out, n, limit);
+}
+
+/* multiply-add equivalents of one element (vector exp polynomial and division) */
+#define SWIGLU_WORK 16.0
 
 struct swiglu_job {
     const float *gate, *up;
@@ -21,8 +106,7 @@ static void swiglu_unit(void *arg, int unit, int n_units, int ith)
 
     (void)ith;
     cpu_split((int64_t)j->total, 16, unit, n_units, &i0, &i1);
-    for (int64_t i = i0; i < i1; i++)
-        j->out[i] = cpu_swiglu1(j->gate[i], j->up[i], j->limit);
+    cpu_swiglu_rows(j->gate + i0, j->up + i0, j->out + i0, i1 - i0, j->limit);
 }
 
 int cpu_swiglu(struct backend *be, const float *gate, const float *up, int n, int dim,

@@ -2,6 +2,7 @@
  * rope (+ inv_freq tables with llama3 scaling), kv_store, head_gate, swiglu, router, add.
  * Odd shapes, fixed seeds; tolerances stated at each check. */
 #include "kref.h"
+#include "cpu.h"
 
 static void test_embed(struct backend *be)
 {
@@ -194,6 +195,38 @@ static void test_gate_swiglu_add(struct backend *be)
         gg = -3.0f; uu = 100.0f;        /* negative silu is not clamped from below */
         ASSERT_OK(backend_swiglu(be, &gg, &uu, 1, 1, 7.0f, &r));
         ASSERT_NEAR(r, kref_silu(-3.0f) * 7.0f, 1e-6);
+    }
+    /* the vector rows equal the scalar element function bit for bit, at every length
+     * (tails), with and without the limit, on wide ranges and special values */
+    {
+        static float gu[203], uu[203], r1[203], r2[203];
+        static const float sp[] = { 0.0f, -0.0f, 87.2f, 87.4f, -87.4f, 88.5f, -88.5f, 100.0f,
+                                    -100.0f, 1e30f, -1e30f, 1e-40f, INFINITY, -INFINITY, NAN };
+
+        krng_fill(gu, 203, 40.0f);
+        krng_fill(uu, 203, 40.0f);
+        for (size_t k = 0; k < sizeof(sp) / sizeof(sp[0]); k++) {
+            gu[7 * k] = sp[k];
+            uu[7 * k + 3] = sp[k];
+            uu[7 * k + 100] = sp[k];
+            gu[7 * k + 100] = sp[(k + 3) % (sizeof(sp) / sizeof(sp[0]))];
+        }
+        for (int pass = 0; pass < 3; pass++) {
+            float lim = pass == 0 ? 0.0f : (pass == 1 ? 7.0f : 0.5f);
+
+            for (int n = 0; n <= 203; n += (n < 40 ? 1 : 17)) {
+                memset(r1, 0, sizeof(r1));
+                memset(r2, 0, sizeof(r2));
+                cpu_swiglu_rows(gu, uu, r1, n, lim);
+                cpu_swiglu_rows_scalar(gu, uu, r2, n, lim);
+                ASSERT_TRUE(memcmp(r1, r2, sizeof(r1)) == 0);
+            }
+            cpu_swiglu_rows_scalar(gu, uu, r2, 203, lim);
+            for (int i = 0; i < 203; i++)
+                if (isfinite(gu[i]) && isfinite(uu[i]) && fabsf(gu[i]) < 80.0f)
+                    ASSERT_NEAR(r2[i], kref_swiglu(gu[i], uu[i], lim),
+                                2e-6 * fabs(kref_swiglu(gu[i], uu[i], lim)) + 1e-7);
+        }
     }
     krng_fill(y, 17, 1.0f);
     krng_fill(x, 17, 1.0f);

@@ -56,9 +56,10 @@ struct model_comm {
  * drafts were actually sampled from, so any draft precision leaves outputs exact; it only
  * changes how many drafts are accepted and what a draft costs.
  *   CHECKPOINT: the checkpoint's BF16 weights as they are.
- *   MXFP4: every MTP linear (q/k/v/o/g, MLP, eh_proj halves, shared head) re-quantised at
- *   load to MXFP4 (mxfp4_row_quantize, 32-element blocks), 3.8x fewer bytes per draft:
- *   batch-1 drafting is weight-bandwidth bound.  Norms stay as they are. */
+ *   MXFP4: the MTP layer's attention (q/k/v/o/g), MLP and shared head re-quantised at load
+ *   to MXFP4 (mxfp4_row_quantize, 32-element blocks): ~3.3x fewer bytes per draft, and
+ *   batch-1 drafting is weight-bandwidth bound.  eh_proj (the input projection, 6 % of
+ *   the weights, whose error reaches everything after it) and the norms stay as they are. */
 enum model_draft_quant {
     MODEL_DRAFT_CHECKPOINT = 0,
     MODEL_DRAFT_MXFP4,

@@ -39,7 +39,7 @@ int main(void)
         ASSERT_OK(backend_sync(be));
         backend_buf_free(be, p);
     }
-    ASSERT_OK(backend_graph_begin(be));     /* optional slot absent -> 0 */
+    ASSERT_OK(backend_graph_begin(be));     /* CPU: the pool's busy mode for one step */
     ASSERT_OK(backend_graph_end(be));
     backend_free(be);
     backend_free(NULL);

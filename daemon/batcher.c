@@ -2,12 +2,28 @@
 #include "batcher.h"
 
 #include <stddef.h>
+#include <string.h>
 
 #include "err.h"
 
+static void publish(struct batcher *b)
+{
+    atomic_store_explicit(&b->published, (uint64_t)b->running << 32 | b->queued, memory_order_release);
+}
+
 void batch_init(struct batcher *b, unsigned max_running, unsigned max_queue)
 {
-    *b = (struct batcher){ .max_running = max_running, .max_queue = max_queue };
+    memset(b, 0, sizeof(*b));
+    b->max_running = max_running;
+    b->max_queue = max_queue;
+    atomic_init(&b->published, 0);
+}
+
+void batch_published(struct batcher *b, unsigned *ret_running, unsigned *ret_queued)
+{
+    uint64_t v = atomic_load_explicit(&b->published, memory_order_acquire);
+    *ret_running = (unsigned)(v >> 32);
+    *ret_queued = (unsigned)(v & 0xffffffffu);
 }
 
 static void queue_insert(struct batcher *b, struct batch_item *it)
@@ -54,10 +70,12 @@ enum batch_admit batch_admit(struct batcher *b, struct batch_item *it)
     if (b->running < b->max_running && b->queued == 0) {
         b->running++;
         it->running = true;
+        publish(b);
         return BATCH_RUN;
     }
     if (b->queued < b->max_queue) {
         queue_insert(b, it);
+        publish(b);
         return BATCH_QUEUED;
     }
     return BATCH_FULL;
@@ -68,24 +86,30 @@ struct batch_item *batch_release(struct batcher *b, struct batch_item *it)
     BUG_ON(!it->running);
     it->running = false;
     b->running--;
-    if (!b->head || b->running >= b->max_running)
+    if (!b->head || b->running >= b->max_running) {
+        publish(b);
         return NULL;
+    }
     struct batch_item *n = b->head;
     queue_unlink(b, n);
     n->running = true;
     b->running++;
+    publish(b);
     return n;
 }
 
 void batch_remove(struct batcher *b, struct batch_item *it)
 {
     queue_unlink(b, it);
+    publish(b);
 }
 
 struct batch_item *batch_pop(struct batcher *b)
 {
     struct batch_item *n = b->head;
-    if (n)
+    if (n) {
         queue_unlink(b, n);
+        publish(b);
+    }
     return n;
 }

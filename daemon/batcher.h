@@ -9,6 +9,7 @@
  */
 #pragma once
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -27,6 +28,7 @@ struct batcher {
     unsigned queued;
     uint64_t seq;
     struct batch_item *head, *tail;
+    _Atomic uint64_t published;     /* running << 32 | queued, for other threads */
 };
 
 enum batch_admit {
@@ -45,3 +47,5 @@ struct batch_item *batch_release(struct batcher *b, struct batch_item *it);
 void batch_remove(struct batcher *b, struct batch_item *it);
 /* Pop the queue head without a slot (used to fail queued work, e.g. no groups). */
 struct batch_item *batch_pop(struct batcher *b);
+/* Any thread: the last published (running, queued). */
+void batch_published(struct batcher *b, unsigned *ret_running, unsigned *ret_queued);

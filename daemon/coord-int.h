@@ -10,6 +10,7 @@
  */
 #pragma once
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -224,6 +225,22 @@ int coord_chat_render(struct coord *co, const Stepd__V1__ChatInput *chat, char *
 
 /* ------------------------------------------------------------------ coordinator */
 
+/* What the CQ thread reads to answer without the loop (rpc cq_hook): overload
+ * rejections of Generate and health Check. The loop publishes; the CQ thread reads
+ * and counts. Admission: the CQ thread refuses a Generate call (RESOURCE_EXHAUSTED,
+ * pushback) when running + queued (batch_published) + in_transit >= max_running +
+ * max_queue, and otherwise passes it to the loop, counted in in_transit until its
+ * handler starts (or it ends before that, cq_unmark). The batcher on the loop stays
+ * the exact authority: a call the CQ thread passes in a race is refused there. The
+ * one approximation: a call can be refused while an earlier one that will turn out
+ * invalid is still in transit (it counted as holding a slot). */
+struct coord_gate {
+    _Atomic unsigned in_transit;    /* Generate calls passed to the loop, handler not yet run */
+    _Atomic bool closed;            /* draining or exiting: the loop answers (UNAVAILABLE) */
+    _Atomic int health[2];          /* Check answer: [0] liveness, [1] readiness */
+    _Atomic uint64_t rejected_full; /* RESOURCE_EXHAUSTED answered on the CQ thread */
+};
+
 struct health_watch {
     struct health_watch *next;
     struct rpc_call *call;
@@ -253,6 +270,7 @@ struct coord {
     uint64_t next_session;
     struct model_info model;        /* from the first group that registered one */
     struct metrics m;
+    struct coord_gate gate;
     struct health_watch *watches;
     int last_ready;                 /* readiness last broadcast */
     int64_t busy_ms;                /* last time requests were in flight */
@@ -264,8 +282,12 @@ struct coord {
 #endif
 };
 
-/* Re-evaluate readiness; notify Watch subscribers and systemd when it changed. */
+/* Re-evaluate readiness; notify Watch subscribers and systemd when it changed;
+ * publish readiness and the drain state for the CQ thread (struct coord_gate). */
 void coord_health_update(struct coord *co);
+/* CQ thread (rpc cq_hook of Generate): answer RESOURCE_EXHAUSTED at once when full. */
+bool req_generate_cq(struct rpc_call *call, void *ud);
+void req_generate_unmark(int mark, void *ud);
 bool coord_ready(const struct coord *co);
 /* A running request ended: give its admission slot to the next queued one. */
 void coord_slot_release(struct coord *co, struct req *r);

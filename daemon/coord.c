@@ -125,9 +125,19 @@ static void status_line(struct coord *co)
                       co->batch.queued);
 }
 
+/* What health Check on the CQ thread answers, and whether Generate may be refused there. */
+static void health_publish(struct coord *co)
+{
+    atomic_store_explicit(&co->gate.health[0], health_status(co, 0), memory_order_release);
+    atomic_store_explicit(&co->gate.health[1], health_status(co, 1), memory_order_release);
+    atomic_store_explicit(&co->gate.closed, co->draining || co->exiting, memory_order_release);
+}
+
 void coord_health_update(struct coord *co)
 {
     int ready = coord_ready(co);
+
+    health_publish(co);
     for (struct health_watch *w = co->watches; w; w = w->next) {
         int st = health_status(co, w->kind);
         if (st != w->last)
@@ -155,6 +165,26 @@ static void h_health_check(struct rpc_call *call, const ProtobufCMessage *msg, v
     resp.status = health_status(co, kind);
     rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
+}
+
+/* Check on the CQ thread, from the published state: it never waits behind the loop
+ * (A7: readiness probes stay fast under load). Undecodable requests go to the loop. */
+static bool h_health_check_cq(struct rpc_call *call, void *ud)
+{
+    struct coord *co = ud;
+    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)rpc_cq_request(call);
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+
+    if (!r)
+        return false;
+    int kind = health_kind(r->service);
+    if (kind < 0) {
+        rpc_cq_reply(call, NULL, RPC_NOT_FOUND, "unknown service", NULL, NULL);
+        return true;
+    }
+    resp.status = atomic_load_explicit(&co->gate.health[kind], memory_order_acquire);
+    rpc_cq_reply(call, &resp.base, RPC_OK, NULL, NULL, NULL);
+    return true;
 }
 
 static void watch_cancel(struct rpc_call *call, void *ud)
@@ -582,8 +612,8 @@ static void h_drain(struct rpc_call *call, const ProtobufCMessage *msg, void *ud
 
     resp.in_flight = co->batch.running;
     resp.waiting = co->batch.queued;
-    rpc_call_send(call, &resp.base);
-    rpc_call_finish(call, RPC_OK, NULL);
+    /* state first, answer after: health Check is answered on the CQ thread from the
+     * published state, so a client that has the answer must already see NOT_SERVING */
     if (!r->exit_when_drained) {
         /* stay up, stop admitting: readiness NOT_SERVING */
         if (!co->draining) {
@@ -591,10 +621,12 @@ static void h_drain(struct rpc_call *call, const ProtobufCMessage *msg, void *ud
             log_notice("drain requested over Admin (staying up)");
             coord_health_update(co);
         }
-        return;
+    } else {
+        co->draining = false;   /* let coord_drain run its full path */
+        coord_drain(co, PB_HAS(r, timeout_ms) ? r->timeout_ms : co->o.drain_timeout_ms, "Admin.Drain");
     }
-    co->draining = false;   /* let coord_drain run its full path */
-    coord_drain(co, PB_HAS(r, timeout_ms) ? r->timeout_ms : co->o.drain_timeout_ms, "Admin.Drain");
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
 }
 
 static void h_groups(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
@@ -678,6 +710,7 @@ static void loads_cb(uv_timer_t *t)
 
     wpool_poll_loads(co);
     watches_gc(co);
+    health_publish(co);     /* belt and braces: every state change already publishes */
     /* give memory freed after a burst back to the system once idle for 1 s, so that
      * RSS returns to its baseline (glibc keeps freed heap otherwise) */
     if (co->n_reqs) {
@@ -702,7 +735,7 @@ static int add_health(struct coord *co, struct rpc_server *s)
 {
     struct rpc_method ms[] = {
         { "/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor, false, true,
-          h_health_check, co },
+          h_health_check, co, 0, h_health_check_cq, NULL },
         { "/grpc.health.v1.Health/Watch", &grpc__health__v1__health_check_request__descriptor, true, true,
           h_health_watch, co },
     };
@@ -720,7 +753,7 @@ static int add_inference(struct coord *co, struct rpc_server *s)
         /* many calls kept requested: a burst of Generate calls is matched by gRPC's own
          * threads without a round trip through the loop for each */
         { "/stepd.v1.Inference/Generate", &stepd__v1__generate_request__descriptor, true, false, req_generate, co,
-          512 },
+          512, req_generate_cq, req_generate_unmark },
         { "/stepd.v1.Inference/Abort", &stepd__v1__abort_request__descriptor, false, false, h_abort, co },
         { "/stepd.v1.Inference/GetModelInfo", &stepd__v1__get_model_info_request__descriptor, false, false,
           h_model_info, co },
@@ -825,6 +858,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     co->last_ready = -1;
     metrics_init(&co->m);
     batch_init(&co->batch, o->max_running, o->max_queue);
+    health_publish(co);
     if ((r = uv_loop_init(&co->loop)) < 0) {
         free(co);
         return r;

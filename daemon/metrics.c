@@ -111,7 +111,12 @@ static void gauge(struct sbuf *b, const char *name, const char *help, double v)
 char *metrics_render(struct coord *co, size_t *ret_len)
 {
     struct sbuf b = { 0 };
-    const struct metrics *m = &co->m;
+    /* the loop's counters plus the rejections answered on the CQ thread (coord_gate) */
+    struct metrics mc = co->m;
+    const struct metrics *m = &mc;
+    uint64_t cq_full = atomic_load_explicit(&co->gate.rejected_full, memory_order_relaxed);
+    mc.rejected_full += cq_full;
+    mc.status[RPC_RESOURCE_EXHAUSTED] += cq_full;
     static const char *reasons[] = { "unspecified", "stop", "length", "abort", "error" };
     double kv_used = 0, kv_total = 0;
 

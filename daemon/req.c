@@ -928,7 +928,48 @@ static int req_build_prompt(struct req *r, char *msg, size_t len)
 #endif
 }
 
-void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+/* ------------------------------------------------------------------ admission on the CQ thread */
+
+#define GATE_MARK_TRANSIT 1
+
+bool req_generate_cq(struct rpc_call *call, void *ud)
+{
+    struct coord *co = ud;
+    unsigned running, queued, transit, cap;
+    char msg[160];
+
+    /* draining or a deadline too short: the loop gives those their own answers */
+    if (atomic_load_explicit(&co->gate.closed, memory_order_acquire))
+        return false;
+    if (rpc_cq_deadline_ms(call) - rpc_now_ms() < 2)
+        return false;
+    batch_published(&co->batch, &running, &queued);
+    transit = atomic_load_explicit(&co->gate.in_transit, memory_order_acquire);
+    cap = co->batch.max_running + co->batch.max_queue;      /* constant after start */
+    if (running + queued + transit < cap) {
+        atomic_fetch_add_explicit(&co->gate.in_transit, 1, memory_order_acq_rel);
+        rpc_cq_set_mark(call, GATE_MARK_TRANSIT);
+        return false;
+    }
+    /* full: the same answer the loop gives (req_generate_loop), without waiting for it */
+    atomic_fetch_add_explicit(&co->gate.rejected_full, 1, memory_order_relaxed);
+    if (transit)
+        snprintf(msg, sizeof(msg), "server overloaded: %u running, %u queued and %u arriving (caps %u + %u)",
+                 running, queued, transit, co->batch.max_running, co->batch.max_queue);
+    else
+        snprintf(msg, sizeof(msg), "server overloaded: %u running and %u queued (the caps)", running, queued);
+    rpc_cq_reply(call, NULL, RPC_RESOURCE_EXHAUSTED, msg, "grpc-retry-pushback-ms", "100");
+    return true;
+}
+
+void req_generate_unmark(int mark, void *ud)
+{
+    struct coord *co = ud;
+    if (mark == GATE_MARK_TRANSIT)
+        atomic_fetch_sub_explicit(&co->gate.in_transit, 1, memory_order_acq_rel);
+}
+
+static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
 {
     struct coord *co = ud;
     const Stepd__V1__GenerateRequest *in = (const void *)msg;
@@ -1085,6 +1126,16 @@ void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
         req_maybe_free(r);
         return;
     }
+}
+
+void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    /* The call stops counting as arriving before the loop decides on it: meanwhile the
+     * CQ thread may undercount by one and pass a call too many, which the batcher then
+     * refuses exactly; counting it twice (arriving and running) could instead refuse a
+     * call on the CQ thread while a slot is still free. */
+    req_generate_unmark(rpc_call_cq_mark(call), ud);
+    req_generate_loop(call, msg, ud);
 }
 
 /* ------------------------------------------------------------------ bulk */

@@ -7,9 +7,11 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
@@ -24,14 +26,18 @@
 
 #define RPC_MAX_TRAILERS 4
 
-/* A completion-queue tag: every grpc batch carries a pointer to one of these. */
+/* A completion-queue tag: every grpc batch carries a pointer to one of these. fn runs
+ * on the loop thread; cq_fn, when set, first runs on the CQ thread and returns true
+ * when it has handled the event completely (it is then not queued for the loop). */
 struct rpc_op {
     void (*fn)(struct rpc_op *op, bool ok);
+    bool (*cq_fn)(struct rpc_op *op, bool ok);
 };
 
 struct rpc_event {
     struct rpc_op *op;
     bool ok;
+    int64_t t_us;               /* CLOCK_MONOTONIC when the CQ thread took it */
 };
 
 struct rpc_ctx {
@@ -45,6 +51,7 @@ struct rpc_ctx {
     struct rpc_event *work;     /* drained on the loop thread */
     size_t work_cap;
     size_t live_calls;
+    int64_t cur_event_us;       /* t_us of the event being dispatched (loop thread) */
     bool thread_started;
 };
 
@@ -62,6 +69,13 @@ const char *rpc_status_name(int status)
     if (status < 0 || (size_t)status >= sizeof(status_names) / sizeof(status_names[0]))
         return "UNKNOWN_STATUS";
     return status_names[status];
+}
+
+int64_t rpc_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 int64_t rpc_now_ms(void)
@@ -259,6 +273,10 @@ static void *cq_thread_main(void *arg)
             break;
         if (ev.type != GRPC_OP_COMPLETE)
             continue;
+        struct rpc_op *op = ev.tag;
+        if (op->cq_fn && op->cq_fn(op, ev.success != 0))
+            continue;
+        int64_t t_us = rpc_now_us();
         pthread_mutex_lock(&ctx->mu);
         bool wake = ctx->q_len == 0;
         if (ctx->q_len == ctx->q_cap) {
@@ -271,6 +289,7 @@ static void *cq_thread_main(void *arg)
         }
         ctx->q[ctx->q_len].op = ev.tag;
         ctx->q[ctx->q_len].ok = ev.success != 0;
+        ctx->q[ctx->q_len].t_us = t_us;
         ctx->q_len++;
         pthread_mutex_unlock(&ctx->mu);
         if (wake)
@@ -297,8 +316,10 @@ static void ctx_drain(struct rpc_ctx *ctx)
         ctx->work = full;
         ctx->work_cap = full_cap;
         pthread_mutex_unlock(&ctx->mu);
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = 0; i < n; i++) {
+            ctx->cur_event_us = ctx->work[i].t_us;
             ctx->work[i].op->fn(ctx->work[i].op, ctx->work[i].ok);
+        }
     }
 }
 
@@ -367,6 +388,11 @@ size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx)
     return ctx->live_calls;
 }
 
+int64_t rpc_ctx_event_us(const struct rpc_ctx *ctx)
+{
+    return ctx->cur_event_us;
+}
+
 /* ------------------------------------------------------------------ server */
 
 struct reg_method {
@@ -384,9 +410,10 @@ struct rpc_server {
     struct reg_method *methods;
     size_t n_methods;
     bool started;
-    bool shutting_down;
+    bool shutting_down;             /* written under req_mu (read by the CQ thread) */
+    pthread_mutex_t req_mu;         /* CQ-thread re-requests vs shutdown */
     struct rpc_call *calls;         /* live calls (handed to handlers), doubly linked */
-    size_t requested;               /* outstanding request_call tags */
+    _Atomic size_t requested;       /* outstanding request_call tags (both threads) */
     struct rpc_op shutdown_op;
     bool shutdown_done;
     void (*on_shutdown)(void *ud);
@@ -414,6 +441,8 @@ struct rpc_call {
     size_t cur_send_len;
     bool send_in_flight, md_sent, finish_requested, status_in_batch, status_done;
     bool cancelled, close_done, close_started, handed;
+    bool cq_decoded, cq_replied;    /* request decoded / call answered on the CQ thread */
+    int cq_mark;
     int status;
     grpc_slice status_details;
     grpc_metadata trailers[RPC_MAX_TRAILERS];
@@ -722,6 +751,24 @@ static void call_start_close(struct rpc_call *c)
     }
 }
 
+/* The call ends before its handler ran: give a cq_hook's tag back first. */
+static void call_end_early(struct rpc_call *c, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void call_end_early(struct rpc_call *c, int status, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+
+    if (c->cq_mark && c->rm && c->rm->m.cq_unmark) {
+        int mark = c->cq_mark;
+        c->cq_mark = 0;
+        c->rm->m.cq_unmark(mark, c->rm->m.ud);
+    }
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    rpc_call_finish(c, status, "%s", msg);
+}
+
 static void call_on_new(struct rpc_op *op, bool ok)
 {
     struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_new));
@@ -766,31 +813,151 @@ static void call_on_new(struct rpc_op *op, bool ok)
         return;
     }
     if (!call_authorized(c)) {
-        rpc_call_finish(c, RPC_UNAUTHENTICATED, "missing or invalid API key");
+        call_end_early(c, RPC_UNAUTHENTICATED, "missing or invalid API key");
         return;
     }
     if (rpc_call_deadline_ms(c) <= rpc_now_ms()) {
-        rpc_call_finish(c, RPC_DEADLINE_EXCEEDED, "deadline expired before the request was handled");
+        call_end_early(c, RPC_DEADLINE_EXCEEDED, "deadline expired before the request was handled");
         return;
     }
-    if (!c->payload) {
-        rpc_call_finish(c, RPC_INVALID_ARGUMENT, "request message missing");
-        return;
-    }
-    c->req = bb_decode(c->payload, c->rm->m.req_desc);
-    grpc_byte_buffer_destroy(c->payload);
-    c->payload = NULL;
-    if (!c->req) {
-        rpc_call_finish(c, RPC_INVALID_ARGUMENT, "request is not a valid %s message",
-                        c->rm->m.req_desc->name);
-        return;
-    }
-    char path[256] = "";
-    if (!msg_strings_valid(c->req, path, sizeof(path), 0)) {
-        rpc_call_finish(c, RPC_INVALID_ARGUMENT, "%s: invalid UTF-8 in string field", path);
-        return;
+    if (!c->cq_decoded) {
+        if (!c->payload) {
+            call_end_early(c, RPC_INVALID_ARGUMENT, "request message missing");
+            return;
+        }
+        c->req = bb_decode(c->payload, c->rm->m.req_desc);
+        grpc_byte_buffer_destroy(c->payload);
+        c->payload = NULL;
+        if (!c->req) {
+            call_end_early(c, RPC_INVALID_ARGUMENT, "request is not a valid %s message", c->rm->m.req_desc->name);
+            return;
+        }
+        char path[256] = "";
+        if (!msg_strings_valid(c->req, path, sizeof(path), 0)) {
+            call_end_early(c, RPC_INVALID_ARGUMENT, "%s: invalid UTF-8 in string field", path);
+            return;
+        }
     }
     c->rm->m.handler(c, c->req, c->rm->m.ud);
+}
+
+/* ------------------------------------------------------------------ CQ-thread fast path */
+
+/* The batch of a call answered on the CQ thread completed: release it there. */
+static bool call_fast_done(struct rpc_op *op, bool ok)
+{
+    struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_send));
+
+    (void)ok;
+    if (c->cur_send) {
+        grpc_byte_buffer_destroy(c->cur_send);
+        c->cur_send = NULL;
+    }
+    call_free(c);
+    return true;
+}
+
+/* CQ thread: a new call of a method with a cq_hook. */
+static bool call_new_cq(struct rpc_op *op, bool ok)
+{
+    struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_new));
+
+    if (!ok || !c->call || !c->rm || !c->rm->m.cq_hook)
+        return false;
+    /* what the loop would answer first is left to the loop */
+    if (!call_authorized(c) || deadline_to_ms(c->deadline) <= rpc_now_ms() || (!c->payload && !c->req))
+        return false;
+    bool replied = c->rm->m.cq_hook(c, c->rm->m.ud);
+    BUG_ON(replied != c->cq_replied);
+    return replied;
+}
+
+int64_t rpc_cq_deadline_ms(const struct rpc_call *c)
+{
+    return deadline_to_ms(c->deadline);
+}
+
+const ProtobufCMessage *rpc_cq_request(struct rpc_call *c)
+{
+    char path[256] = "";
+
+    if (c->cq_decoded)
+        return c->req;
+    if (!c->payload)
+        return NULL;
+    ProtobufCMessage *m = bb_decode(c->payload, c->rm->m.req_desc);
+    if (!m)
+        return NULL;
+    if (!msg_strings_valid(m, path, sizeof(path), 0)) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        return NULL;
+    }
+    grpc_byte_buffer_destroy(c->payload);
+    c->payload = NULL;
+    c->req = m;
+    c->cq_decoded = true;
+    return m;
+}
+
+void rpc_cq_set_mark(struct rpc_call *c, int mark)
+{
+    c->cq_mark = mark;
+}
+
+int rpc_call_cq_mark(const struct rpc_call *c)
+{
+    return c->cq_mark;
+}
+
+void rpc_cq_reply(struct rpc_call *c, const ProtobufCMessage *resp, int status, const char *msg,
+                  const char *trailer_key, const char *trailer_value)
+{
+    struct rpc_server *s = c->s;
+    grpc_op ops[4];
+    size_t n = 0;
+
+    BUG_ON(c->cq_replied || c->handed);
+    c->cq_replied = true;
+    snprintf(c->method_name, sizeof(c->method_name), "%s", c->rm->m.path);
+    /* the request tag is used up: keep the method's calls requested */
+    s->requested--;
+    pthread_mutex_lock(&s->req_mu);
+    if (!s->shutting_down)
+        server_request_one(s, c->rm);
+    pthread_mutex_unlock(&s->req_mu);
+
+    memset(ops, 0, sizeof(ops));
+    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    if (resp) {
+        c->cur_send = bb_encode(resp, NULL);
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n].data.send_message.send_message = c->cur_send;
+        n++;
+    }
+    c->finish_requested = true;
+    c->status = status;
+    c->status_details = grpc_slice_from_copied_string(msg ? msg : "");
+    if (trailer_key) {
+        c->trailers[0].key = grpc_slice_from_copied_string(trailer_key);
+        c->trailers[0].value = grpc_slice_from_copied_string(trailer_value ? trailer_value : "");
+        c->n_trailers = 1;
+    }
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status = (grpc_status_code)status;
+    ops[n].data.send_status_from_server.status_details = &c->status_details;
+    ops[n].data.send_status_from_server.trailing_metadata_count = (size_t)c->n_trailers;
+    ops[n].data.send_status_from_server.trailing_metadata = c->trailers;
+    n++;
+    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    ops[n].data.recv_close_on_server.cancelled = &c->close_cancelled;
+    n++;
+    c->op_send.fn = NULL;
+    c->op_send.cq_fn = call_fast_done;
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_send, NULL);
+    if (e != GRPC_CALL_OK) {
+        log_error("rpc: %s: start_batch(fast reply) failed: %d", c->method_name, (int)e);
+        call_fast_done(&c->op_send, false);
+    }
 }
 
 static void server_request_one(struct rpc_server *s, struct reg_method *rm)
@@ -805,6 +972,8 @@ static void server_request_one(struct rpc_server *s, struct reg_method *rm)
     c->s = s;
     c->rm = rm;
     c->op_new.fn = call_on_new;
+    if (rm && rm->m.cq_hook)
+        c->op_new.cq_fn = call_new_cq;
     grpc_metadata_array_init(&c->md);
     if (rm) {
         e = grpc_server_request_registered_call(s->srv, rm->handle, &c->call, &c->deadline, &c->md,
@@ -835,6 +1004,7 @@ int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, s
     if (!s)
         return -ENOMEM;
     s->ctx = ctx;
+    pthread_mutex_init(&s->req_mu, NULL);
     if (opts)
         s->opts = *opts;
 #define DEF(f, v) if (s->opts.f <= 0) s->opts.f = (v)
@@ -922,6 +1092,7 @@ fail:
     if (s->creds)
         grpc_server_credentials_release(s->creds);
     free(s->api_key);
+    pthread_mutex_destroy(&s->req_mu);
     free(s);
 cleanup:
     free(cert);
@@ -995,7 +1166,9 @@ void rpc_server_shutdown(struct rpc_server *s, void (*on_done)(void *ud), void *
 {
     if (s->shutting_down)
         return;
+    pthread_mutex_lock(&s->req_mu);
     s->shutting_down = true;
+    pthread_mutex_unlock(&s->req_mu);
     s->on_shutdown = on_done;
     s->shutdown_ud = ud;
     s->shutdown_op.fn = server_on_shutdown;
@@ -1029,6 +1202,7 @@ void rpc_server_destroy(struct rpc_server *s)
         memset(s->api_key, 0, strlen(s->api_key));
         free(s->api_key);
     }
+    pthread_mutex_destroy(&s->req_mu);
     free(s);
 }
 

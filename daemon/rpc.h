@@ -1,11 +1,13 @@
 /* rpc.h - reusable gRPC C-core glue for a libuv program (server and client).
  *
  * Threading model: one completion queue (CQ) per struct rpc_ctx, drained by one
- * private thread. That thread does nothing but move (tag, ok) events into a
- * mutex-protected queue and wake the libuv loop with uv_async_send(); every
- * callback below runs on the loop thread, and every function below must be
- * called from the loop thread (except rpc_now_ms()). No locks are needed by
- * users.
+ * private thread. That thread moves (tag, ok) events into a mutex-protected queue
+ * and wakes the libuv loop with uv_async_send(); every callback below runs on the
+ * loop thread, and every function below must be called from the loop thread
+ * (except rpc_now_ms(), rpc_now_us() and the rpc_cq_* functions). The one
+ * exception is a method's optional cq_hook (see struct rpc_method), which runs on
+ * the CQ thread to answer a call without waiting for the loop. No locks are
+ * needed by users.
  *
  * Messages are protobuf-c messages handled through the generic protobuf-c API
  * (descriptor + ProtobufCMessage*), so this library knows nothing about the
@@ -78,6 +80,9 @@ const char *rpc_status_name(int status);
 
 /* Monotonic milliseconds (the clock used for all deadlines below). Thread-safe. */
 int64_t rpc_now_ms(void);
+/* CLOCK_MONOTONIC in microseconds: one clock for every process on the host (its
+ * origin differs from rpc_now_ms(), so do not mix the two). Thread-safe. */
+int64_t rpc_now_us(void);
 
 /* ------------------------------------------------------------------ context */
 
@@ -93,6 +98,11 @@ int rpc_ctx_create(uv_loop_t *loop, struct rpc_ctx **ret);
 void rpc_ctx_destroy(struct rpc_ctx *ctx);
 /* Number of live server calls + client calls (for leak checks and metrics). */
 size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx);
+/* Inside a callback: rpc_now_us() time at which the CQ thread took the completion
+ * being dispatched (a message received, a call ended), i.e. before it waited in
+ * the queue for the loop. Clients use it to time arrivals without their own loop's
+ * queueing. 0 before the first event. */
+int64_t rpc_ctx_event_us(const struct rpc_ctx *ctx);
 
 /* ------------------------------------------------------------------ server */
 
@@ -126,6 +136,24 @@ struct rpc_server_opts {
 typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *req, void *ud);
 typedef void (*rpc_cancel_fn)(struct rpc_call *call, void *ud);
 
+/* Fast path on the CQ thread (optional, per method). The one exception to "every
+ * callback runs on the loop thread": cq_hook runs on the CQ thread for each new call
+ * of the method that passed the API-key and expired-deadline checks, before the
+ * call is queued for the loop, so it must only read thread-safe state (atomics the
+ * loop maintains) and call only the rpc_cq_* functions below. It either
+ *   - answers the call right there with rpc_cq_reply() and returns true: the call
+ *     never reaches the loop (handler, cancel callback and live-call count never see
+ *     it), or
+ *   - returns false: the call goes to the loop as usual. It may first tag the call
+ *     with rpc_cq_set_mark() (e.g. "holds an admission reservation"); the handler
+ *     reads the tag with rpc_call_cq_mark(). If a tagged call ends before its handler
+ *     runs (decode failure, deadline expired meanwhile, shutdown), cq_unmark runs on
+ *     the loop thread instead, so the tag is never lost.
+ * Used for answers that must not wait behind a busy loop: overload rejections
+ * (RELIABILITY A2) and health checks. */
+typedef bool (*rpc_cq_hook_fn)(struct rpc_call *call, void *ud);
+typedef void (*rpc_cq_unmark_fn)(int mark, void *ud);
+
 struct rpc_method {
     const char *path;                               /* "/stepd.v1.Inference/Generate" */
     const ProtobufCMessageDescriptor *req_desc;
@@ -134,7 +162,23 @@ struct rpc_method {
     rpc_handler_fn handler;
     void *ud;
     int requests;                                   /* calls kept requested; 0 = server default */
+    rpc_cq_hook_fn cq_hook;                         /* NULL = none (see above) */
+    rpc_cq_unmark_fn cq_unmark;
 };
+
+/* CQ-thread functions, valid only inside a cq_hook. */
+/* Absolute deadline (rpc_now_ms time); INT64_MAX when none. */
+int64_t rpc_cq_deadline_ms(const struct rpc_call *call);
+/* The decoded request (decoded here once, then handed to the handler), or NULL when
+ * it cannot be decoded or has invalid UTF-8: return false, the loop answers that. */
+const ProtobufCMessage *rpc_cq_request(struct rpc_call *call);
+void rpc_cq_set_mark(struct rpc_call *call, int mark);
+/* Answer the call now: optional response message (packed before this returns),
+ * status, message, optional trailing metadata entry (trailer_key NULL = none). */
+void rpc_cq_reply(struct rpc_call *call, const ProtobufCMessage *resp, int status, const char *msg,
+                  const char *trailer_key, const char *trailer_value);
+/* Loop thread: the tag rpc_cq_set_mark() gave the call (0 = none). */
+int rpc_call_cq_mark(const struct rpc_call *call);
 
 int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts,
                       struct rpc_server **ret);

@@ -2,15 +2,32 @@
  * daemon/rpc (gRPC C core on one libuv loop, so the client is cheap per stream).
  *
  *   loadgen --addr HOST:PORT [--method /stepd.v1.Inference/Generate] [--streams N]
- *           [--tokens T] [--prompt-len P] [--deadline-s S] [--api-key K]
+ *           [--tokens T] [--prompt-len P] [--deadline-s S] [--api-key K] [--send-log F]
+ *           [--rate R]
  *
  * Starts N Generate streams at once (token-id prompts, max_tokens T), records per
  * stream the status, time to first token and every inter-chunk gap, and prints
  *   status counts, TTFT p50/p99/max, inter-token gap p50/p99/max,
  *   latency of rejected calls p50/p99 (RESOURCE_EXHAUSTED), wall time, tokens/s
  * as text and as one final "JSON {...}" line for scripts.
+ *
+ * Arrival times are taken on the client's completion-queue thread (rpc_ctx_event_us),
+ * not when this program's loop gets round to the callback; the loop's own delay
+ * (the client's share) is printed separately ("client loop lag").
+ *
+ * --send-log F: F is a mock engine's --send-log (the time each token chunk was handed
+ * to gRPC in the engine). Every token of an OK stream is matched to its send time
+ * and "delivery" = client arrival - engine send is printed (p50/p99/max): the
+ * per-token latency between engine and client, whatever is in between (stepd or
+ * nothing). Both processes read the same CLOCK_MONOTONIC.
+ *
+ * --rate R: start the calls at R per second (paced) instead of all at once.
+ * Calls that end with another status than OK or RESOURCE_EXHAUSTED are timed too
+ * ("failed ms"), e.g. an UNIMPLEMENTED method as the floor of an answer-at-once server.
+ * LOADGEN_DUMP=FILE (environment): per stream "index status t_start_us start_ms end_ms".
  * Exit 0 always (the caller judges the figures), 2 on usage errors.
  */
+#include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <math.h>
@@ -27,15 +44,33 @@ struct stream {
     int64_t t0_us, t_last_us;
     int64_t ttft_us;
     uint32_t tokens;
+    int64_t *t_tok;                 /* --send-log: arrival time of each token */
     int status;
     int64_t end_us;
     bool done;
 };
 
 static struct stream *S;
-static unsigned n_streams, n_done;
+static unsigned n_streams, n_done, n_tokens_req;
 static double *gaps;
 static size_t n_gaps, cap_gaps;
+static struct rpc_ctx *ctx;
+static bool want_tok_times;
+static double *lag;                 /* client loop lag per message, us */
+static size_t n_lag, cap_lag;
+
+static void push(double **v, size_t *n, size_t *cap, double x)
+{
+    if (*n == *cap) {
+        size_t nc = *cap ? *cap * 2 : 65536;
+        double *nv = realloc(*v, nc * sizeof(**v));
+        if (!nv)
+            return;
+        *v = nv;
+        *cap = nc;
+    }
+    (*v)[(*n)++] = x;
+}
 
 static int64_t now_us(void)
 {
@@ -48,32 +83,76 @@ static void on_msg(struct rpc_client_call *c, const ProtobufCMessage *m, void *u
 {
     struct stream *s = ud;
     const Stepd__V1__GenerateResponse *r = (const void *)m;
-    int64_t t = now_us();
+    int64_t t = rpc_ctx_event_us(ctx);
 
+    push(&lag, &n_lag, &cap_lag, (double)(now_us() - t));
     if (r->response_case != STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK || r->chunk->n_token_ids == 0)
         return;
-    if (!s->ttft_us) {
+    if (!s->ttft_us)
         s->ttft_us = t - s->t0_us;
-    } else {
-        if (n_gaps == cap_gaps) {
-            cap_gaps = cap_gaps ? cap_gaps * 2 : 65536;
-            gaps = realloc(gaps, cap_gaps * sizeof(*gaps));
-        }
-        gaps[n_gaps++] = (double)(t - s->t_last_us);
-    }
+    else
+        push(&gaps, &n_gaps, &cap_gaps, (double)(t - s->t_last_us));
     s->t_last_us = t;
-    s->tokens += (uint32_t)r->chunk->n_token_ids;
+    for (size_t k = 0; k < r->chunk->n_token_ids; k++) {
+        if (s->t_tok && s->tokens < n_tokens_req)
+            s->t_tok[s->tokens] = t;
+        s->tokens++;
+    }
 }
 
 static void on_done(struct rpc_client_call *c, int status, const char *details, void *ud)
 {
     struct stream *s = ud;
     s->status = status;
-    s->end_us = now_us();
+    s->end_us = rpc_ctx_event_us(ctx);
     s->done = true;
     n_done++;
     if (status != RPC_OK && status != RPC_RESOURCE_EXHAUSTED && n_done < 5)
         fprintf(stderr, "loadgen: stream ended %s: %s\n", rpc_status_name(status), details);
+}
+
+/* Match the engine's send times (mock-engine --send-log) to our arrival times. */
+static int delivery_read(const char *path, const char *prefix, double **ret, size_t *ret_n)
+{
+    FILE *f = fopen(path, "r");
+    double *v = NULL;
+    size_t n = 0, cap = 0, plen = strlen(prefix);
+    char *line = NULL;
+    size_t lcap = 0;
+
+    if (!f) {
+        fprintf(stderr, "loadgen: --send-log %s: %s\n", path, strerror(errno));
+        return -errno;
+    }
+    while (getline(&line, &lcap, f) > 0) {
+        char *p = line, *end;
+        if (strncmp(p, prefix, plen) != 0)
+            continue;
+        unsigned long i = strtoul(p + plen, &end, 10);
+        if (end == p + plen || *end != ' ' || i >= n_streams)
+            continue;
+        struct stream *s = &S[i];
+        if (s->status != RPC_OK || !s->t_tok)
+            continue;
+        p = end;
+        for (uint32_t k = 0; k < s->tokens && k < n_tokens_req; k++) {
+            long long t = strtoll(p, &end, 10);
+            if (end == p)
+                break;
+            p = end;
+            push(&v, &n, &cap, (double)(s->t_tok[k] - t));
+        }
+    }
+    free(line);
+    fclose(f);
+    *ret = v;
+    *ret_n = n;
+    return 0;
+}
+
+static void pace_cb(uv_timer_t *t)
+{
+    (void)t;
 }
 
 static int cmp_d(const void *a, const void *b)
@@ -98,11 +177,13 @@ int main(int argc, char **argv)
         { "addr", required_argument, NULL, 'a' }, { "method", required_argument, NULL, 'm' },
         { "streams", required_argument, NULL, 'n' }, { "tokens", required_argument, NULL, 't' },
         { "prompt-len", required_argument, NULL, 'p' }, { "deadline-s", required_argument, NULL, 'd' },
-        { "api-key", required_argument, NULL, 'k' }, { NULL, 0, NULL, 0 },
+        { "api-key", required_argument, NULL, 'k' }, { "send-log", required_argument, NULL, 'l' },
+        { "rate", required_argument, NULL, 'r' }, { NULL, 0, NULL, 0 },
     };
     const char *addr = "127.0.0.1:50051", *method = "/stepd.v1.Inference/Generate", *key = NULL;
+    const char *send_log = NULL;
     unsigned tokens = 64, prompt_len = 8;
-    double deadline_s = 120;
+    double deadline_s = 120, rate = 0;
     int c;
 
     n_streams = 100;
@@ -115,17 +196,18 @@ int main(int argc, char **argv)
         case 'p': prompt_len = (unsigned)atoi(optarg); break;
         case 'd': deadline_s = atof(optarg); break;
         case 'k': key = optarg; break;
+        case 'l': send_log = optarg; break;
+        case 'r': rate = atof(optarg); break;
         default:
             fprintf(stderr, "usage: loadgen --addr A [--method M] [--streams N] [--tokens T] [--prompt-len P]\n");
             return 2;
         }
     }
-    if (n_streams == 0 || tokens == 0 || prompt_len == 0 || prompt_len > 4096) {
+    if (n_streams == 0 || tokens == 0 || prompt_len == 0 || prompt_len > 4096 || rate < 0) {
         fprintf(stderr, "loadgen: --streams, --tokens and --prompt-len must be positive\n");
         return 2;
     }
     uv_loop_t *loop = uv_default_loop();
-    struct rpc_ctx *ctx;
     struct rpc_channel *ch;
     struct rpc_channel_opts co = { .api_key = key, .keepalive_time_ms = -1, .max_recv_msg_bytes = 16 << 20 };
     if (rpc_ctx_create(loop, &ctx) < 0 || rpc_channel_create(ctx, addr, &co, &ch) < 0) {
@@ -133,8 +215,14 @@ int main(int argc, char **argv)
         return 1;
     }
     S = calloc(n_streams, sizeof(*S));
+    n_tokens_req = tokens;
+    want_tok_times = send_log != NULL;
+    for (unsigned i = 0; want_tok_times && i < n_streams; i++)
+        S[i].t_tok = malloc(tokens * sizeof(int64_t));
     int32_t *ids = malloc(prompt_len * sizeof(int32_t));
     char (*rid)[32] = calloc(n_streams, 32);
+    uv_timer_t pace;
+    uv_timer_init(loop, &pace);
     int64_t t_start = now_us();
     int64_t deadline = rpc_now_ms() + (int64_t)(deadline_s * 1000);
     for (unsigned i = 0; i < n_streams; i++) {
@@ -152,6 +240,15 @@ int main(int argc, char **argv)
         req.input_case = STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
         req.token_ids = &ti;
         req.sampling_params = &sp;
+        if (rate > 0) {
+            int64_t target = t_start + (int64_t)((double)i * 1e6 / rate);
+            while (now_us() < target) {
+                int64_t ms = (target - now_us()) / 1000;
+                uv_timer_start(&pace, pace_cb, ms > 0 ? (uint64_t)ms : 0, 0);
+                uv_run(loop, UV_RUN_ONCE);
+            }
+            uv_timer_stop(&pace);
+        }
         S[i].t0_us = now_us();
         if (rpc_client_start(ch, method, &req.base, &stepd__v1__generate_response__descriptor, deadline, on_msg,
                              on_done, &S[i], NULL) < 0) {
@@ -164,13 +261,24 @@ int main(int argc, char **argv)
         if (i % 8 == 7)
             uv_run(loop, UV_RUN_NOWAIT);
     }
+    double issue_ms = (double)(now_us() - t_start) / 1e3;
     while (n_done < n_streams)
         uv_run(loop, UV_RUN_ONCE);
     double wall = (double)(now_us() - t_start) / 1e6;
+    double *dl = NULL;
+    size_t n_dl = 0;
+    if (send_log) {
+        char prefix[32];
+        snprintf(prefix, sizeof(prefix), "lg-%u-", (unsigned)(t_start % 100000));
+        delivery_read(send_log, prefix, &dl, &n_dl);
+        qsort(dl, n_dl, sizeof(double), cmp_d);
+    }
+    qsort(lag, n_lag, sizeof(double), cmp_d);
 
     unsigned counts[17] = { 0 };
     double *ttft = malloc(n_streams * sizeof(double)), *rej = malloc(n_streams * sizeof(double));
-    size_t n_ttft = 0, n_rej = 0;
+    double *fail = malloc(n_streams * sizeof(double));
+    size_t n_ttft = 0, n_rej = 0, n_fail = 0;
     uint64_t total_tokens = 0, short_ok = 0;
     for (unsigned i = 0; i < n_streams; i++) {
         if (S[i].status >= 0 && S[i].status < 17)
@@ -183,9 +291,20 @@ int main(int argc, char **argv)
         }
         if (S[i].status == RPC_RESOURCE_EXHAUSTED)
             rej[n_rej++] = (double)(S[i].end_us - S[i].t0_us);
+        else if (S[i].status != RPC_OK)
+            fail[n_fail++] = (double)(S[i].end_us - S[i].t0_us);
+    }
+    if (getenv("LOADGEN_DUMP")) {
+        FILE *f = fopen(getenv("LOADGEN_DUMP"), "w");
+        for (unsigned i = 0; f && i < n_streams; i++)
+            fprintf(f, "%u %d %lld %.3f %.3f\n", i, S[i].status, (long long)t_start, (S[i].t0_us - t_start) / 1e3,
+                    (S[i].end_us - t_start) / 1e3);
+        if (f)
+            fclose(f);
     }
     qsort(ttft, n_ttft, sizeof(double), cmp_d);
     qsort(rej, n_rej, sizeof(double), cmp_d);
+    qsort(fail, n_fail, sizeof(double), cmp_d);
     qsort(gaps, n_gaps, sizeof(double), cmp_d);
     printf("streams %u, tokens/stream %u, wall %.3f s, tokens %" PRIu64 " (%.0f tok/s)\n", n_streams, tokens, wall,
            total_tokens, (double)total_tokens / wall);
@@ -201,24 +320,41 @@ int main(int argc, char **argv)
     if (n_rej)
         printf("rejected ms: p50 %.2f p99 %.2f max %.2f\n", pct(rej, n_rej, 50) / 1000, pct(rej, n_rej, 99) / 1000,
                rej[n_rej - 1] / 1000);
+    if (n_fail)
+        printf("failed ms: p50 %.2f p99 %.2f max %.2f\n", pct(fail, n_fail, 50) / 1000, pct(fail, n_fail, 99) / 1000,
+               fail[n_fail - 1] / 1000);
+    if (send_log)
+        printf("delivery (client arrival - engine send) ms: p50 %.3f p99 %.3f max %.3f (%zu of %" PRIu64
+               " tokens matched)\n", pct(dl, n_dl, 50) / 1000, pct(dl, n_dl, 99) / 1000,
+               n_dl ? dl[n_dl - 1] / 1000 : 0, n_dl, total_tokens);
+    printf("issuing the calls took %.2f ms; client loop lag (CQ thread -> callback) ms: p50 %.3f p99 %.3f\n",
+           issue_ms, pct(lag, n_lag, 50) / 1000, pct(lag, n_lag, 99) / 1000);
     printf("JSON {\"streams\": %u, \"ok\": %u, \"resource_exhausted\": %u, \"other\": %u, \"short_ok\": %" PRIu64
            ", \"tokens\": %" PRIu64 ", \"wall_s\": %.4f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"itl_max_ms\": %.3f, \"reject_p50_ms\": %.3f, "
-           "\"reject_p99_ms\": %.3f}\n",
+           "\"reject_p99_ms\": %.3f, \"issue_ms\": %.3f, \"fail_p50_ms\": %.3f, \"fail_p99_ms\": %.3f, \"lag_p50_ms\": %.3f, \"lag_p99_ms\": %.3f, "
+           "\"delivery_n\": %zu, \"delivery_p50_ms\": %.3f, \"delivery_p99_ms\": %.3f, \"delivery_max_ms\": %.3f}\n",
            n_streams, counts[RPC_OK], counts[RPC_RESOURCE_EXHAUSTED],
            n_streams - counts[RPC_OK] - counts[RPC_RESOURCE_EXHAUSTED], short_ok, total_tokens, wall,
            pct(ttft, n_ttft, 50) / 1000, pct(ttft, n_ttft, 99) / 1000, pct(gaps, n_gaps, 50) / 1000,
            pct(gaps, n_gaps, 99) / 1000, n_gaps ? gaps[n_gaps - 1] / 1000 : 0, pct(rej, n_rej, 50) / 1000,
-           pct(rej, n_rej, 99) / 1000);
+           pct(rej, n_rej, 99) / 1000, issue_ms, pct(fail, n_fail, 50) / 1000, pct(fail, n_fail, 99) / 1000, pct(lag, n_lag, 50) / 1000, pct(lag, n_lag, 99) / 1000, n_dl,
+           pct(dl, n_dl, 50) / 1000, pct(dl, n_dl, 99) / 1000, n_dl ? dl[n_dl - 1] / 1000 : 0);
     fflush(stdout);
+    uv_close((uv_handle_t *)&pace, NULL);
     rpc_channel_destroy(ch);
     rpc_ctx_destroy(ctx);
     uv_run(loop, UV_RUN_DEFAULT);
+    for (unsigned i = 0; i < n_streams; i++)
+        free(S[i].t_tok);
     free(S);
     free(ids);
     free(rid);
     free(ttft);
     free(rej);
+    free(fail);
     free(gaps);
+    free(lag);
+    free(dl);
     return 0;
 }

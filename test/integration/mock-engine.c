@@ -10,6 +10,10 @@
  * aborts, cancels, tokens) go to --stats-file after every change of request state,
  * so tests can prove that a rejected request never reached an engine.
  *
+ * --send-log FILE appends one line per finished stream, "<request_id> <t_us>...", the
+ * rpc_now_us() time at which each token chunk was handed to gRPC, so that a client
+ * on the same host can measure per-token delivery latency (loadgen --send-log).
+ *
  * Fault hooks: --exit-after-tokens N (exit(3) after N tokens in total: "crash"),
  * --stall-file PATH (while it exists no tokens are produced).
  *
@@ -37,6 +41,7 @@ struct mock {
     struct rpc_server *srv;
     struct rpc_channel *ctl;
     const char *coordinator, *group, *listen, *stats_file, *stall_file;
+    FILE *send_log;
     unsigned rank, world, vocab, max_model_len, delay_ms, ttft_ms, eos_after;
     uint64_t exit_after_tokens;
     int port;
@@ -58,6 +63,8 @@ struct mstream {
     int64_t seed;
     uint32_t n_prompt, max_tokens, n_out;
     int64_t t0, t_first;
+    int64_t *t_send;                /* --send-log: per token chunk, rpc_now_us() */
+    uint32_t n_send, cap_send;
     bool done;
 };
 
@@ -81,7 +88,20 @@ static void stats_write(struct mock *m)
 
 static void stream_closed(uv_handle_t *h)
 {
-    free(h->data);
+    struct mstream *s = h->data;
+    free(s->t_send);
+    free(s);
+}
+
+static void send_log_write(struct mock *m, struct mstream *s)
+{
+    if (!m->send_log || !s->n_send)
+        return;
+    fputs(s->id, m->send_log);
+    for (uint32_t i = 0; i < s->n_send; i++)
+        fprintf(m->send_log, " %" PRId64, s->t_send[i]);
+    fputc('\n', m->send_log);
+    fflush(m->send_log);
 }
 
 static void stream_end(struct mstream *s)
@@ -99,6 +119,7 @@ static void stream_end(struct mstream *s)
         s->next->prev = s->prev;
     m->running--;
     m->n_finished++;
+    send_log_write(m, s);
     stats_write(m);
     uv_close((uv_handle_t *)&s->timer, stream_closed);
 }
@@ -154,6 +175,8 @@ static void tick(uv_timer_t *t)
     resp.chunk = &ch;
     if (!s->t_first)
         s->t_first = rpc_now_ms();
+    if (m->send_log && s->n_send < s->cap_send)
+        s->t_send[s->n_send++] = rpc_now_us();
     if (rpc_call_send(s->call, &resp.base) < 0) {
         rpc_call_finish(s->call, RPC_CANCELLED, "stream gone");
         s->call = NULL;
@@ -207,6 +230,12 @@ static void h_generate(struct rpc_call *call, const ProtobufCMessage *msg, void 
     s->max_tokens = r->sampling_params && PB_HAS(r->sampling_params, max_tokens)
                         ? (uint32_t)r->sampling_params->max_tokens : 16;
     s->t0 = rpc_now_ms();
+    if (m->send_log) {
+        s->cap_send = s->max_tokens < 65536 ? s->max_tokens : 65536;
+        s->t_send = malloc(s->cap_send * sizeof(*s->t_send));
+        if (!s->t_send)
+            s->cap_send = 0;
+    }
     uv_timer_init(m->loop, &s->timer);
     s->timer.data = s;
     s->next = m->streams;
@@ -422,7 +451,8 @@ int main(int argc, char **argv)
         { "ttft-ms", required_argument, NULL, 't' }, { "vocab", required_argument, NULL, 'v' },
         { "max-model-len", required_argument, NULL, 'L' }, { "stats-file", required_argument, NULL, 's' },
         { "exit-after-tokens", required_argument, NULL, 'x' }, { "eos-after", required_argument, NULL, 'e' },
-        { "stall-file", required_argument, NULL, 'S' }, { NULL, 0, NULL, 0 },
+        { "stall-file", required_argument, NULL, 'S' }, { "send-log", required_argument, NULL, 'T' },
+        { NULL, 0, NULL, 0 },
     };
     struct mock *m = &M;
     int c;
@@ -449,6 +479,13 @@ int main(int argc, char **argv)
         case 'x': m->exit_after_tokens = strtoull(optarg, NULL, 10); break;
         case 'e': m->eos_after = (unsigned)atoi(optarg); break;
         case 'S': m->stall_file = optarg; break;
+        case 'T':
+            m->send_log = fopen(optarg, "a");
+            if (!m->send_log) {
+                fprintf(stderr, "mock-engine: --send-log %s: %s\n", optarg, strerror(errno));
+                return 2;
+            }
+            break;
         default:
             fprintf(stderr, "usage: mock-engine --coordinator ADDR --group G [--rank R --world N] "
                             "[--delay-ms D] [--stats-file F] ...\n");

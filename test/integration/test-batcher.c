@@ -20,12 +20,19 @@ int main(void)
     ASSERT_EQ(batch_admit(&b, &it[5]), BATCH_FULL);   /* queue full: refused at once */
     ASSERT_EQ(b.running, 2);
     ASSERT_EQ(b.queued, 3);
+    unsigned pr, pq;                                    /* what other threads read */
+    batch_published(&b, &pr, &pq);
+    ASSERT_EQ(pr, 2);
+    ASSERT_EQ(pq, 3);
     /* release promotes the lowest priority value first, then FIFO */
     ASSERT_TRUE(batch_release(&b, &it[0]) == &it[3]);
     ASSERT_TRUE(it[3].running && !it[3].queued);
     /* a cancelled queued item frees its queue place */
     batch_remove(&b, &it[2]);
     ASSERT_EQ(b.queued, 1);
+    batch_published(&b, &pr, &pq);
+    ASSERT_EQ(pr, 2);
+    ASSERT_EQ(pq, 1);
     ASSERT_EQ(batch_admit(&b, &it[6]), BATCH_QUEUED);  /* priority 0 < 5 */
     ASSERT_TRUE(batch_release(&b, &it[1]) == &it[6]);
     ASSERT_TRUE(batch_release(&b, &it[3]) == &it[4]);
@@ -33,6 +40,9 @@ int main(void)
     ASSERT_TRUE(batch_release(&b, &it[4]) == NULL);
     ASSERT_EQ(b.running, 0);
     ASSERT_EQ(b.queued, 0);
+    batch_published(&b, &pr, &pq);
+    ASSERT_EQ(pr, 0);
+    ASSERT_EQ(pq, 0);
     /* a new arrival never jumps a non-empty queue even when a slot is free */
     batch_init(&b, 1, 2);
     ASSERT_EQ(batch_admit(&b, &it[0]), BATCH_RUN);
@@ -42,6 +52,9 @@ int main(void)
     ASSERT_TRUE(batch_pop(&b) == &it[1]);
     ASSERT_TRUE(batch_pop(&b) == &it[2]);
     ASSERT_TRUE(batch_pop(&b) == NULL);
+    batch_published(&b, &pr, &pq);
+    ASSERT_EQ(pr, 1);
+    ASSERT_EQ(pq, 0);
     printf("test-batcher: all checks passed\n");
     return 0;
 }

@@ -1,6 +1,7 @@
 /* test-rpc.c - daemon/rpc glue over loopback: unary and streaming calls, cancel and
  * deadline callbacks, UNIMPLEMENTED, API key, message-size limit, UTF-8 check,
- * shutdown with no leaked calls. Uses the grpc.health.v1 messages as payloads. */
+ * shutdown with no leaked calls, the CQ-thread fast path (cq_hook) answering while
+ * the server's loop is not running. Uses the grpc.health.v1 messages as payloads. */
 #include <stdio.h>
 #include <string.h>
 
@@ -111,6 +112,161 @@ static void on_shutdown(void *ud)
     shut = true;
 }
 
+/* ------------------------------------------------------------------ cq_hook */
+
+#define FAST_MARK 7
+static _Atomic int hook_runs;       /* CQ thread */
+static int handler_marks[4], n_handled, n_unmarked;
+
+/* "fast": answered on the CQ thread; "deny": RESOURCE_EXHAUSTED + trailer there;
+ * anything else: passed to the loop with a mark. */
+static bool fast_hook(struct rpc_call *call, void *ud)
+{
+    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)rpc_cq_request(call);
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+
+    hook_runs++;
+    if (!r)
+        return false;
+    if (strcmp(r->service, "fast") == 0) {
+        resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+        rpc_cq_reply(call, &resp.base, RPC_OK, NULL, NULL, NULL);
+        return true;
+    }
+    if (strcmp(r->service, "deny") == 0) {
+        rpc_cq_reply(call, NULL, RPC_RESOURCE_EXHAUSTED, "denied on the CQ thread", "grpc-retry-pushback-ms", "100");
+        return true;
+    }
+    rpc_cq_set_mark(call, FAST_MARK);
+    return false;
+}
+
+static void fast_unmark(int mark, void *ud)
+{
+    ASSERT_EQ(mark, FAST_MARK);
+    n_unmarked++;
+}
+
+static void h_fast(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)req;
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+
+    ASSERT_TRUE(strcmp(r->service, "fast") != 0 && strcmp(r->service, "deny") != 0);
+    if (n_handled < 4)
+        handler_marks[n_handled] = rpc_call_cq_mark(call);
+    n_handled++;
+    resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+    ASSERT_OK(rpc_call_send(call, &resp.base));
+    rpc_call_finish(call, RPC_OK, NULL);
+}
+
+static void start_on(struct rpc_channel *ch, const char *service, int64_t deadline_ms, struct result *r)
+{
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    req.service = (char *)service;
+    ASSERT_OK(rpc_client_start(ch, CHECK_PATH, &req.base, &grpc__health__v1__health_check_response__descriptor,
+                               deadline_ms, on_msg, on_done, r, &r->call));
+}
+
+/* The server's loop (sloop) is only run where said: everything the client gets
+ * meanwhile was answered on the server's CQ thread. */
+static void test_cq_hook(void)
+{
+    uv_loop_t sloop;
+    struct rpc_ctx *sctx, *cctx;
+    struct rpc_server *srv;
+    struct rpc_channel *ch;
+    char addr[64];
+    int port;
+
+    ASSERT_OK(uv_loop_init(&sloop));
+    ASSERT_OK(rpc_ctx_create(&sloop, &sctx));
+    ASSERT_OK(rpc_ctx_create(loop, &cctx));
+    ASSERT_OK(rpc_server_create(sctx, NULL, &srv));
+    struct rpc_method m = { CHECK_PATH, &grpc__health__v1__health_check_request__descriptor, false, false,
+                            h_fast, NULL, 16, fast_hook, fast_unmark };
+    ASSERT_OK(rpc_server_add_method(srv, &m));
+    ASSERT_OK(rpc_server_listen(srv, "127.0.0.1:0", &port));
+    ASSERT_OK(rpc_server_start(srv));
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", port);
+    ASSERT_OK(rpc_channel_create(cctx, addr, NULL, &ch));
+
+    /* 200 fast calls (more than the 16 kept requested, so the CQ thread re-requests)
+     * and 50 denials, all answered while the server loop never runs */
+    static struct result fr[250];
+    for (int i = 0; i < 250; i++)
+        start_on(ch, i < 200 ? "fast" : "deny", rpc_now_ms() + 10000, &fr[i]);
+    for (int i = 0; i < 250; i++)
+        run_until(&fr[i].done);
+    for (int i = 0; i < 250; i++) {
+        if (i < 200) {
+            ASSERT_EQ(fr[i].status, RPC_OK);
+            ASSERT_EQ(fr[i].msgs, 1);
+            ASSERT_EQ(fr[i].last_status, 1);
+        } else {
+            ASSERT_EQ(fr[i].status, RPC_RESOURCE_EXHAUSTED);
+            ASSERT_EQ(fr[i].msgs, 0);
+            ASSERT_CONTAINS(fr[i].details, "denied on the CQ thread");
+        }
+    }
+    ASSERT_EQ(hook_runs, 250);
+    ASSERT_EQ(n_handled, 0);
+    ASSERT_EQ(rpc_ctx_live_calls(sctx), 0);      /* never handed to the loop */
+
+    /* a passed call waits for the loop; its handler sees the mark */
+    struct result slow = { 0 };
+    start_on(ch, "slow", rpc_now_ms() + 10000, &slow);
+    while (hook_runs < 251)
+        uv_run(loop, UV_RUN_NOWAIT);
+    ASSERT_TRUE(!slow.done);
+    while (!slow.done) {            /* the loop path needs the server loop (status after the message) */
+        uv_run(&sloop, UV_RUN_NOWAIT);
+        uv_run(loop, UV_RUN_NOWAIT);
+    }
+    ASSERT_EQ(slow.status, RPC_OK);
+    ASSERT_EQ(slow.last_status, 2);
+    ASSERT_EQ(handler_marks[0], FAST_MARK);
+
+    /* a marked call whose deadline passes before the loop gets to it: the mark comes
+     * back through cq_unmark, the handler never runs */
+    struct result late = { 0 };
+    start_on(ch, "late", rpc_now_ms() + 150, &late);
+    while (hook_runs < 252)
+        uv_run(loop, UV_RUN_NOWAIT);
+    run_until(&late.done);
+    ASSERT_EQ(late.status, RPC_DEADLINE_EXCEEDED);
+    while (n_unmarked < 1)
+        uv_run(&sloop, UV_RUN_ONCE);
+    ASSERT_EQ(n_unmarked, 1);
+    ASSERT_EQ(n_handled, 1);
+
+    /* undecodable / invalid UTF-8 requests are left to the loop's usual answer */
+    struct result bad = { 0 };
+    start_on(ch, "bad\xff\xfe", rpc_now_ms() + 10000, &bad);
+    while (!bad.done) {
+        uv_run(&sloop, UV_RUN_NOWAIT);
+        uv_run(loop, UV_RUN_NOWAIT);
+    }
+    ASSERT_EQ(bad.status, RPC_INVALID_ARGUMENT);
+    ASSERT_EQ(n_handled, 1);
+
+    shut = false;
+    rpc_server_shutdown(srv, on_shutdown, NULL);
+    while (!shut)
+        uv_run(&sloop, UV_RUN_ONCE);
+    shut = false;
+    rpc_server_destroy(srv);
+    ASSERT_EQ(rpc_ctx_live_calls(sctx), 0);
+    rpc_channel_destroy(ch);
+    rpc_ctx_destroy(sctx);
+    rpc_ctx_destroy(cctx);
+    uv_run(&sloop, UV_RUN_DEFAULT);
+    uv_run(loop, UV_RUN_DEFAULT);
+    ASSERT_OK(uv_loop_close(&sloop));
+    printf("test-rpc: cq_hook: 200 answers + 50 rejections with the server loop stopped; mark and unmark\n");
+}
+
 int main(void)
 {
     struct rpc_ctx *ctx;
@@ -120,6 +276,7 @@ int main(void)
     char addr[64];
 
     loop = uv_default_loop();
+    test_cq_hook();
     ASSERT_OK(rpc_ctx_create(loop, &ctx));
 
     struct rpc_server_opts o = { .max_recv_msg_bytes = 1024 };

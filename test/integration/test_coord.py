@@ -423,7 +423,7 @@ def test_overload():
             r = ("OK", time.time() - t0, None)
         except grpc.RpcError as e:
             md = dict(e.trailing_metadata() or ())
-            r = (e.code().name, time.time() - t0, md.get("grpc-retry-pushback-ms"))
+            r = (e.code().name, time.time() - t0, md.get("grpc-retry-pushback-ms"), e.details())
         with lock:
             results.append(r)
     ths = [threading.Thread(target=run, args=(i,)) for i in range(N)]
@@ -435,9 +435,17 @@ def test_overload():
     rej = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
     assert len(ok) + len(rej) == N, results
     assert len(ok) == R + Q, (len(ok), results)
-    assert all(r[2] == "100" for r in rej), rej
+    assert all(r[2] == "100" and "overloaded" in r[3] for r in rej), rej
     time.sleep(0.2)
     assert eng.stats()["generate"] == R + Q, eng.stats()
+    # rejections answered on the CQ thread (without the loop) are counted like the loop's
+    assert s.metric('stepd:requests_rejected_total{reason="queue_full"}') == N - R - Q
+    assert s.metric('stepd:request_status_total{code="RESOURCE_EXHAUSTED"}') == N - R - Q
+    assert s.metric("stepd:requests_accepted_total") == R + Q
+    # the admission reservation of every admitted call was given back: a new call runs
+    wait_until(lambda: s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2).running == 0, timeout=10,
+               what="idle after the burst")
+    assert len(collect(s.inf.Generate(gen_request([1], 2), timeout=10))[0]) == 2
     lat = sorted(r[1] for r in rej)
     print("   admitted %d, rejected %d; rejection latency p50 %.1f ms max %.1f ms (client-side, Python)"
           % (len(ok), len(rej), 1000 * lat[len(lat) // 2], 1000 * lat[-1]))
@@ -777,6 +785,10 @@ def test_drain_admin_and_timeout():
     next(st)
     r = s.admin.Drain(pb.DrainRequest(exit_when_drained=True, timeout_ms=300), timeout=5)
     assert r.in_flight == 1, r
+    # Check is answered on the CQ thread from published state: once Drain has answered,
+    # readiness is already NOT_SERVING (no waiting), liveness still SERVING
+    assert s.check("readiness") == NOT_SERVING
+    assert s.check("") == SERVING
     c, d = code_of(lambda: collect(st))
     assert c == grpc.StatusCode.UNAVAILABLE and "drain timeout" in d, (c, d)
     assert s.proc.wait(10) == 0

@@ -192,10 +192,19 @@ void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t
 void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const int32_t *xidx,
                                  int n, float *y, int64_t ldy, int64_t r0, int64_t r1,
                                  float *rowbuf);
-/* Fast int8 path on prepared weights; r0 and r1 multiples of MXFP4_TILE_ROWS or rows. */
+/* Fast int8 path on prepared weights; r0 a multiple of MXFP4_TILE_ROWS, r1 one or rows.
+ * Where the CPU has AVX-512 F/BW/VL + VNNI (and none of STEPD_CPU_NO_VNNI,
+ * STEPD_CPU_NO_AVX512, STEPD_CPU_NO_AVX2 is set) the 16-row groups wholly inside [r0, r1)
+ * run a kernel that covers 16 rows per vector (matmul-mxfp4.c), bit-identical to the
+ * 4-row one; callers split rows in multiples of cpu_mxfp4_row_align() (16 then, else
+ * MXFP4_TILE_ROWS) so that no group is cut.  cpu_mxfp4_t16_off (nonzero: 4-row kernel only) and
+ * cpu_mxfp4_t16_min_n (fewer tokens: 4-row kernel) are for tests and benchmarks. */
 void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
                                 const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
                                 int64_t r1);
+int64_t cpu_mxfp4_row_align(const struct bweight *w);
+extern int cpu_mxfp4_t16_off;
+extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW, the kernel granted the tile state, and none of STEPD_CPU_NO_AMX,
  * STEPD_CPU_NO_AVX512, STEPD_CPU_NO_AVX2 is set (detected once per process).

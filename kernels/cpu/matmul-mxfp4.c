@@ -20,6 +20,10 @@
  * The weight stream is software-prefetched cpu_mxfp4_pf_bytes ahead (+20 % from DRAM in
  * this VM; the hardware prefetcher alone stalled).  Multi-token calls decode each tile
  * once per 4 tokens.
+ * With AVX-512 BW + VNNI, groups of 4 tiles (16 rows) run a kernel that transposes the
+ * packed weights in registers so that one vpdpbusd covers 16 rows with a broadcast
+ * activation dword and needs no horizontal reduction (t16_*, below); its results are
+ * those of the 4-row kernel bit for bit, which still runs the row ranges' edge tiles.
  */
 #include <errno.h>
 #include <math.h>
@@ -528,16 +532,427 @@ static bool have_vnni_rt(void)
     return cached;
 }
 
+/* ---- 16-row kernel (AVX-512 VNNI): multi-token calls ----
+ * The old kernel reduces every (row, pair) dot product horizontally (3 hadd) for every
+ * token.  This one takes 16 rows (4 consecutive repacked tiles) at a time and transposes
+ * their packed nibbles in registers, per pair, into 8 vectors Y[b][h] (block b of the
+ * pair, 4-byte group h of the block's 16 bytes): lane L holds the 4 bytes 4h..4h+3 of
+ * row bitrev4(L).  Decoded through the biased LUT, the low nibbles of Y[b][h] are the
+ * weights of the even columns 8h, 8h+2, 8h+4, 8h+6 and the high nibbles those of the odd
+ * columns 8h+1..8h+7 - exactly the 4-byte groups of the quantised activations' even and
+ * odd halves (cpu_qact), so vpdpbusd with a broadcast activation dword leaves in lane L
+ * the block's integer dot product for its row: 8 vpdpbusd per token per 16 rows x 32
+ * columns, no reduction.  The transposition (24 vpermt2d per pair) and the decode are
+ * paid once per 16-row group and call: on the fly for up to T16_NT tokens, else into a
+ * decoded chunk of T16_CHUNK pairs that every group of T16_NT tokens then reads.
+ * The layout of the repacked weight is unchanged (cpu_weight_get and the exact path
+ * read it as before); a 16-row layout built at prepare would save the transposition.
+ * Numerics are those of tile_dot bit for bit: the integer block sums are exact whatever
+ * their order, and the float part is the same operations in the same order per (row,
+ * token): acc_even over the pairs' first blocks, acc_odd over their second, each
+ * fma((float)(isum - 12*qsum), sw * d, acc) from +0, then acc_even + acc_odd.
+ * The transposition is 3 stages of vpermt2d; stage s swaps bit s of the vector index
+ * (which starts as row bits 3..1) with bit 2-s of the lane (which starts as [row bit 0,
+ * block, h1, h0]), leaving vector (h0 << 2 | h1 << 1 | b) and lane bits (r0 r1 r2 r3). */
+#define T16_TARGET "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"
+#define T16_NT 4
+
+/* nonzero: multi-token calls keep the 4-row kernel (tests, benchmarks) */
+int cpu_mxfp4_t16_off;
+/* calls with fewer tokens keep the 4-row kernel */
+int cpu_mxfp4_t16_min_n = 1;
+
+static int32_t t16_perm[3][2][16];     /* stage, output half: vpermt2d index */
+static int32_t t16_sidx[2][16];        /* block of the pair: scale bytes -> lane order */
+static int32_t t16_bitrev[16];
+
+static int bitrev4(int l)
+{
+    return ((l & 1) << 3) | ((l & 2) << 1) | ((l & 4) >> 1) | ((l & 8) >> 3);
+}
+
+__attribute__((constructor)) static void t16_init(void)
+{
+    for (int s = 0; s < 3; s++) {
+        int bit = 1 << (2 - s);
+
+        for (int l = 0; l < 16; l++) {
+            t16_perm[s][0][l] = (l & bit) ? (16 | (l & ~bit)) : l;
+            t16_perm[s][1][l] = (l & bit) ? (16 | l) : (l | bit);
+        }
+    }
+    for (int l = 0; l < 16; l++) {
+        int r = bitrev4(l), j = r >> 2, rr = r & 3;
+
+        t16_bitrev[l] = r;
+        for (int b = 0; b < 2; b++)
+            t16_sidx[b][l] = (j >= 2 ? 16 : 0) | (8 * (j & 1) + 4 * b + rr);
+    }
+}
+
+static inline int32_t load_i32(const void *p)
+{
+    int32_t v;
+
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline int64_t load_i64(const void *p)
+{
+    int64_t v;
+
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* Constants of the 16-row kernel, loaded once per call of a driver. */
+struct t16_k {
+    __m512i lut, m4, one32, zero;
+    __m512i perm[3][2], sidx[2];
+};
+
+__attribute__((target(T16_TARGET))) static inline void t16_k_load(struct t16_k *k)
+{
+    k->lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut_biased));
+    k->m4 = _mm512_set1_epi8(0x0f);
+    k->one32 = _mm512_set1_epi32(1);
+    k->zero = _mm512_setzero_si512();
+    for (int s = 0; s < 3; s++)
+        for (int o = 0; o < 2; o++)
+            k->perm[s][o] = _mm512_loadu_si512(t16_perm[s][o]);
+    k->sidx[0] = _mm512_loadu_si512(t16_sidx[0]);
+    k->sidx[1] = _mm512_loadu_si512(t16_sidx[1]);
+}
+
+/* Pair p of rows 16g..16g+15: the packed nibbles transposed into z[(h0 << 2) | (h1 << 1)
+ * | b] (see above) and the two blocks' scale vectors sw[b] (lane order bitrev4). */
+__attribute__((target(T16_TARGET))) static inline void
+t16_pair_load(const struct t16_k *k, const struct cpu_mxfp4 *m, int64_t g, int64_t p, __m512i z[8],
+              __m512 sw[2])
+{
+    const int64_t qstride = m->npair * MXFP4_TILE_ROWS * 32, sstride = m->npair * MXFP4_TILE_ROWS * 2;
+    const uint8_t *qs = m->qs + 4 * g * qstride + p * 128;
+    const uint8_t *sc = m->sc + 4 * g * sstride + p * 8;
+    const int pf = cpu_mxfp4_pf_bytes;
+
+    /* software prefetch as in tile_dot, in each of the 4 tiles' streams; a stream that
+     * runs past its tile continues in the same tile of the next group (the next tile in
+     * memory is another stream of this group, already being read) */
+    if (pf) {
+        const int64_t qo = p * 128 + pf >= qstride ? pf + 3 * qstride : pf;
+        const int64_t so = p * 8 + pf / 16 >= sstride ? pf / 16 + 3 * sstride : pf / 16;
+
+        for (int t = 0; t < 4; t++) {
+            _mm_prefetch((const char *)(qs + t * qstride) + qo, _MM_HINT_T0);
+            _mm_prefetch((const char *)(qs + t * qstride) + qo + 64, _MM_HINT_T0);
+        }
+        if ((p & 7) == 0)
+            for (int t = 0; t < 4; t++)
+                _mm_prefetch((const char *)(sc + t * sstride) + so, _MM_HINT_T0);
+    }
+    for (int i = 0; i < 8; i++)
+        z[i] = _mm512_loadu_si512(qs + (i >> 1) * qstride + (i & 1) * 64);
+    for (int i = 0; i < 8; i += 2) {
+        __m512i a = z[i], b = z[i + 1];
+
+        z[i] = _mm512_permutex2var_epi32(a, k->perm[0][0], b);
+        z[i + 1] = _mm512_permutex2var_epi32(a, k->perm[0][1], b);
+    }
+    for (int i = 0; i < 8; i++) {
+        if (i & 2)
+            continue;
+        __m512i a = z[i], b = z[i + 2];
+
+        z[i] = _mm512_permutex2var_epi32(a, k->perm[1][0], b);
+        z[i + 2] = _mm512_permutex2var_epi32(a, k->perm[1][1], b);
+    }
+    for (int i = 0; i < 4; i++) {
+        __m512i a = z[i], b = z[i + 4];
+
+        z[i] = _mm512_permutex2var_epi32(a, k->perm[2][0], b);
+        z[i + 4] = _mm512_permutex2var_epi32(a, k->perm[2][1], b);
+    }
+    {
+        __m128i lo = _mm_set_epi64x(load_i64(sc + sstride), load_i64(sc));
+        __m128i hi = _mm_set_epi64x(load_i64(sc + 3 * sstride), load_i64(sc + 2 * sstride));
+        __m512i elo = _mm512_cvtepu8_epi32(lo), ehi = _mm512_cvtepu8_epi32(hi);
+
+        for (int b = 0; b < 2; b++) {
+            __m512i e = _mm512_permutex2var_epi32(elo, k->sidx[b], ehi);
+
+            /* (e-1)<<23 = 2^(e-128), 0 for e <= 1: as tile_dot */
+            sw[b] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(e, k->one32), k->zero), 23));
+        }
+    }
+}
+
+/* Block b's 8 weight vectors from the transposed nibbles: wv[2h] = even columns of group h
+ * (low nibbles), wv[2h+1] = odd columns (high nibbles), biased u8. */
+__attribute__((target(T16_TARGET))) static inline void
+t16_block_decode(const struct t16_k *k, const __m512i z[8], int b, __m512i wv[8])
+{
+    for (int h = 0; h < 4; h++) {
+        __m512i v = z[((h & 1) << 2) | ((h >> 1) << 1) | b];
+
+        wv[2 * h] = _mm512_shuffle_epi8(k->lut, _mm512_and_si512(v, k->m4));
+        wv[2 * h + 1] = _mm512_shuffle_epi8(k->lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), k->m4));
+    }
+}
+
+/* acc += block b of pair p for token row xrow: the float steps of tile_dot, per lane.
+ * One vpdpbusd chain when other tokens give the core independent work, two otherwise
+ * (integer sums: the same value either way). */
+__attribute__((target(T16_TARGET))) static inline __m512
+t16_block_acc(const struct t16_k *k, const struct cpu_qact *qa, int64_t xrow, int64_t p, int b,
+              const __m512i wv[8], __m512 sw, __m512 acc, bool two_chains)
+{
+    const int64_t xo = xrow * qa->npair + p;
+    const int8_t *q = qa->q + xo * 64 + b * 16;     /* even columns; odd ones at +32 */
+    __m512i s0, s1;
+
+    s0 = _mm512_dpbusd_epi32(k->zero, wv[0], _mm512_set1_epi32(load_i32(q)));
+    if (two_chains) {
+        s1 = _mm512_dpbusd_epi32(k->zero, wv[1], _mm512_set1_epi32(load_i32(q + 32)));
+        for (int h = 1; h < 4; h++) {
+            s0 = _mm512_dpbusd_epi32(s0, wv[2 * h], _mm512_set1_epi32(load_i32(q + 4 * h)));
+            s1 = _mm512_dpbusd_epi32(s1, wv[2 * h + 1], _mm512_set1_epi32(load_i32(q + 32 + 4 * h)));
+        }
+        s0 = _mm512_add_epi32(s0, s1);
+    } else {
+        s0 = _mm512_dpbusd_epi32(s0, wv[1], _mm512_set1_epi32(load_i32(q + 32)));
+        for (int h = 1; h < 4; h++) {
+            s0 = _mm512_dpbusd_epi32(s0, wv[2 * h], _mm512_set1_epi32(load_i32(q + 4 * h)));
+            s0 = _mm512_dpbusd_epi32(s0, wv[2 * h + 1], _mm512_set1_epi32(load_i32(q + 32 + 4 * h)));
+        }
+    }
+    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(qa->corr8[xo * 8 + b * 4]));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0),
+                           _mm512_mul_ps(sw, _mm512_set1_ps(qa->d8[xo * 8 + b * 4])), acc);
+}
+
+/* Rows 16g..16g+15 (repacked tiles 4g..4g+3, all present) against nt tokens, decoding
+ * each pair on the fly: out[j] = the 16 row results of token xrow[j], in row order. */
+__attribute__((target(T16_TARGET))) static inline void
+t16_dot(const struct t16_k *k, const struct cpu_mxfp4 *m, int64_t g, const struct cpu_qact *qa,
+        const int64_t *xrow, int nt, __m512 *out)
+{
+    __m512 acc[2][T16_NT];
+
+    for (int j = 0; j < nt; j++) {
+        acc[0][j] = _mm512_setzero_ps();
+        acc[1][j] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < m->npair; p++) {
+        __m512i z[8];
+        __m512 sw[2];
+
+        t16_pair_load(k, m, g, p, z, sw);
+        for (int b = 0; b < 2; b++) {
+            __m512i wv[8];
+
+            t16_block_decode(k, z, b, wv);
+            for (int j = 0; j < nt; j++)
+                acc[b][j] = t16_block_acc(k, qa, xrow[j], p, b, wv, sw[b], acc[b][j], nt == 1);
+        }
+    }
+    {
+        const __m512i br = _mm512_loadu_si512(t16_bitrev);
+
+        for (int j = 0; j < nt; j++)
+            out[j] = _mm512_permutexvar_ps(br, _mm512_add_ps(acc[0][j], acc[1][j]));
+    }
+}
+
+/* Decoded weights of up to T16_CHUNK pairs of one 16-row group, reused by every token
+ * group of a call with more than T16_NT tokens. */
+#define T16_CHUNK 16
+#define T16_TB_MAX 256      /* tokens per block */
+struct t16_dec {
+    __m512i wv[T16_CHUNK][2][8];
+    __m512 sw[T16_CHUNK][2];
+};
+
+/* Pairs [p0, p0 + np) of the decoded chunk d against nt tokens; acc[b][j] carried in and
+ * out (the same operations in the same order as t16_dot). */
+__attribute__((target(T16_TARGET))) static inline void
+t16_dot_dec(const struct t16_k *k, const struct t16_dec *d, int64_t p0, int np,
+            const struct cpu_qact *qa, const int64_t *xrow, int nt, __m512 acc[2][T16_NT])
+{
+    __m512 a[2][T16_NT];
+
+    for (int j = 0; j < nt; j++) {
+        a[0][j] = acc[0][j];
+        a[1][j] = acc[1][j];
+    }
+    for (int pp = 0; pp < np; pp++)
+        for (int b = 0; b < 2; b++)
+            for (int j = 0; j < nt; j++)
+                a[b][j] = t16_block_acc(k, qa, xrow[j], p0 + pp, b, d->wv[pp][b], d->sw[pp][b],
+                                        a[b][j], nt == 1);
+    for (int j = 0; j < nt; j++) {
+        acc[0][j] = a[0][j];
+        acc[1][j] = a[1][j];
+    }
+}
+
+/* Token rows [i0, i1) (more than T16_NT) against group g: each chunk of pairs decoded once
+ * into d, then run for every token group, the accumulators kept in state between chunks. */
+__attribute__((target(T16_TARGET))) static void
+t16_group_many(const struct t16_k *k, const struct cpu_mxfp4 *m, int64_t g,
+               const struct cpu_qact *qa, const int32_t *xidx, int64_t i0, int64_t i1, float *y,
+               int64_t ldy, int64_t r0, __mmask16 keep, struct t16_dec *d,
+               __m512 (*state)[2][T16_NT])
+{
+    const __m512i br = _mm512_loadu_si512(t16_bitrev);
+
+    for (int64_t p0 = 0; p0 < m->npair; p0 += T16_CHUNK) {
+        const int np = m->npair - p0 < T16_CHUNK ? (int)(m->npair - p0) : T16_CHUNK;
+
+        for (int pp = 0; pp < np; pp++) {
+            __m512i z[8];
+
+            t16_pair_load(k, m, g, p0 + pp, z, d->sw[pp]);
+            t16_block_decode(k, z, 0, d->wv[pp][0]);
+            t16_block_decode(k, z, 1, d->wv[pp][1]);
+        }
+        for (int64_t i = i0; i < i1; i += T16_NT) {
+            int nt = i1 - i < T16_NT ? (int)(i1 - i) : T16_NT;
+            __m512 (*acc)[T16_NT] = state[(i - i0) / T16_NT];
+            int64_t xrow[T16_NT];
+
+            for (int j = 0; j < nt; j++) {
+                xrow[j] = xidx ? xidx[i + j] : i + j;
+                if (p0 == 0)
+                    acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+            }
+            switch (nt) {
+            case 1: t16_dot_dec(k, d, p0, np, qa, xrow, 1, acc); break;
+            case 2: t16_dot_dec(k, d, p0, np, qa, xrow, 2, acc); break;
+            case 3: t16_dot_dec(k, d, p0, np, qa, xrow, 3, acc); break;
+            default: t16_dot_dec(k, d, p0, np, qa, xrow, T16_NT, acc); break;
+            }
+            if (p0 + np < m->npair)
+                continue;
+            for (int j = 0; j < nt; j++)
+                _mm512_mask_storeu_ps(y + (i + j) * ldy + (16 * g - r0), keep,
+                                      _mm512_permutexvar_ps(br, _mm512_add_ps(acc[0][j], acc[1][j])));
+        }
+    }
+}
+
+/* The groups [g0, g1) with more than T16_NT tokens in a block: decoded chunk and carried
+ * accumulators on this stack (50 KiB), apart from the common few-token path. */
+__attribute__((target(T16_TARGET))) static void __attribute__((noinline))
+t16_groups_many(const struct t16_k *k, const struct cpu_mxfp4 *m, int64_t g0, int64_t g1,
+                const struct cpu_qact *qa, const int32_t *xidx, int64_t i0, int64_t i1, float *y,
+                int64_t ldy, int64_t r0, int64_t r1)
+{
+    struct t16_dec d;
+    __m512 state[T16_TB_MAX / T16_NT][2][T16_NT];
+
+    ASSERT(i1 - i0 <= T16_TB_MAX);
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t rend = 16 * g + 16 < r1 ? 16 * g + 16 : r1;
+
+        t16_group_many(k, m, g, qa, xidx, i0, i1, y, ldy, r0,
+                       (__mmask16)((1u << (rend - 16 * g)) - 1), &d, state);
+    }
+}
+
+__attribute__((target(T16_TARGET))) static void
+fast_rows_t16(const struct bweight *w, const struct cpu_qact *qa, const int32_t *xidx, int n,
+              float *y, int64_t ldy, int64_t r0, int64_t r1)
+{
+    const struct cpu_mxfp4 *m = w->priv;
+    const int64_t t0 = r0 / MXFP4_TILE_ROWS, t1 = (r1 + MXFP4_TILE_ROWS - 1) / MXFP4_TILE_ROWS;
+    /* 16-row groups wholly inside [r0, r1) (the last may end in padding rows) */
+    const int64_t g0 = (t0 + 3) / 4, g1 = t1 / 4;
+    int64_t tb = (256 * 1024) / (m->cols * 3 / 2 + 64);
+    struct t16_k k;
+
+    ASSERT(r0 % MXFP4_TILE_ROWS == 0);
+    if (g1 <= g0) {
+        fast_rows_vnni(w, qa, xidx, n, y, ldy, r0, r1);
+        return;
+    }
+    if (16 * g0 > r0)
+        fast_rows_vnni(w, qa, xidx, n, y, ldy, r0, 16 * g0);
+    if (16 * g1 < r1)
+        fast_rows_vnni(w, qa, xidx, n, y + (16 * g1 - r0), ldy, 16 * g1, r1);
+    /* token block: its quantised activations (~1.5 B/col) within ~256 KiB */
+    tb = tb < T16_NT ? T16_NT : (tb > T16_TB_MAX ? T16_TB_MAX : tb) / T16_NT * T16_NT;
+    t16_k_load(&k);
+    for (int64_t i0 = 0; i0 < n; i0 += tb) {
+        int64_t i1 = i0 + tb < n ? i0 + tb : n;
+
+        if (i1 - i0 > T16_NT) {
+            t16_groups_many(&k, m, g0, g1, qa, xidx, i0, i1, y, ldy, r0, r1);
+            continue;
+        }
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t rend = 16 * g + 16 < r1 ? 16 * g + 16 : r1;
+            const __mmask16 keep = (__mmask16)((1u << (rend - 16 * g)) - 1);
+            int nt = (int)(i1 - i0);
+            int64_t xrow[T16_NT];
+            __m512 out[T16_NT];
+
+            for (int j = 0; j < nt; j++)
+                xrow[j] = xidx ? xidx[i0 + j] : i0 + j;
+            switch (nt) {
+            case 1: t16_dot(&k, m, g, qa, xrow, 1, out); break;
+            case 2: t16_dot(&k, m, g, qa, xrow, 2, out); break;
+            case 3: t16_dot(&k, m, g, qa, xrow, 3, out); break;
+            default: t16_dot(&k, m, g, qa, xrow, T16_NT, out); break;
+            }
+            for (int j = 0; j < nt; j++)
+                _mm512_mask_storeu_ps(y + (i0 + j) * ldy + (16 * g - r0), keep, out[j]);
+        }
+    }
+}
+
+/* The 16-row kernel where the CPU has AVX-512 F/BW/VL + VNNI, unless STEPD_CPU_NO_VNNI,
+ * STEPD_CPU_NO_AVX512 or STEPD_CPU_NO_AVX2 (no fast path at all) is set. */
+static bool have_t16_rt(void)
+{
+    static int cached = -1;
+
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                 !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
+                 !getenv("STEPD_CPU_NO_AVX2");
+    return cached;
+}
+
+int64_t cpu_mxfp4_row_align(const struct bweight *w)
+{
+    (void)w;
+    return have_t16_rt() && !cpu_mxfp4_t16_off ? 16 : MXFP4_TILE_ROWS;
+}
+
 void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
                                 const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
                                 int64_t r1)
 {
-    if (have_vnni_rt())
+    if (have_t16_rt() && !cpu_mxfp4_t16_off && n >= cpu_mxfp4_t16_min_n)
+        fast_rows_t16(w, qa, xidx, n, y, ldy, r0, r1);
+    else if (have_vnni_rt())
         fast_rows_vnni(w, qa, xidx, n, y, ldy, r0, r1);
     else
         fast_rows_avx2(w, qa, xidx, n, y, ldy, r0, r1);
 }
 #else
+int cpu_mxfp4_t16_off;
+int cpu_mxfp4_t16_min_n = 1;
+
+int64_t cpu_mxfp4_row_align(const struct bweight *w)
+{
+    (void)w;
+    return MXFP4_TILE_ROWS;
+}
+
 void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
                                 const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
                                 int64_t r1)

@@ -26,7 +26,7 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
     const struct bweight *w = j->w;
     int64_t r0, r1;
 
-    cpu_split(w->rows, w->fmt == WFMT_MXFP4 ? MXFP4_TILE_ROWS : 16, unit, n_units, &r0, &r1);
+    cpu_split(w->rows, w->fmt == WFMT_MXFP4 ? cpu_mxfp4_row_align(w) : 16, unit, n_units, &r0, &r1);
     if (r0 >= r1)
         return;
     switch (w->fmt) {
@@ -85,7 +85,7 @@ int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int 
     }
     {
         int nth = cpu_threads_for(c, (double)w->rows * w->cols * n);
-        int64_t align = w->fmt == WFMT_MXFP4 ? MXFP4_TILE_ROWS : 16;
+        int64_t align = w->fmt == WFMT_MXFP4 ? cpu_mxfp4_row_align(w) : 16;
         int64_t max_units = (w->rows + align - 1) / align;
         int units = nth * CPU_UNITS_PER_THREAD;
 

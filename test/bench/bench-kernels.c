@@ -15,7 +15,10 @@
  * With 1 thread it also prints the tiny model's BF16 shapes (4096x256 lm_head, 768x256,
  * 256x768) at 1, 4 and 16 tokens on the AVX-512 kernel ("old") and on AMX-BF16, side by
  * side in one sweep, over enough copies to fill ~24 MiB (the tiny checkpoint's size, so
- * the weights come from L3/DRAM as in a forward step).  "cpu" is process CPU time / (wall x
+ * the weights come from L3/DRAM as in a forward step), and the tiny model's MXFP4 expert
+ * shapes (128x256 gate/up, 256x128 down) at 1, 4 and 16 tokens on the 4-row ("old") and
+ * 16-row ("new") int8 kernels the same way, and the tiny model's MoE layer at 1, 4 and 16
+ * tokens on each.  "cpu" is process CPU time / (wall x
  * threads): how much of the cores the run actually got.
  */
 #include <math.h>
@@ -349,6 +352,148 @@ static void bench_tiny_bf16(struct backend *be)
     cpu_amx_off = 0;
 }
 
+/* ---- tiny-model MXFP4 expert shapes: 4-row vs 16-row kernel, side by side ---- */
+static void bench_tiny_mxfp4(struct backend *be)
+{
+    static const struct { const char *name; int64_t rows, cols; } sh[] = {
+        { "128x256", 128, 256 }, { "256x128", 256, 128 },
+    };
+    static const int ns[] = { 1, 4, 16 };
+
+    if (cpu_mxfp4_row_align(NULL) != 16) {
+        printf("  tiny mxfp4 shapes: 16-row kernel not available here (or switched off), skipped\n");
+        return;
+    }
+    printf("  tiny mxfp4 expert shapes, 1 thread, ~24 MiB of copies, median of %d (old = 4-row "
+           "kernel, new = 16-row; interleaved per rep):\n", reps);
+    for (size_t s = 0; s < sizeof(sh) / sizeof(sh[0]); s++) {
+        struct mats ms;
+        int max = (int)((24u << 20) / mxfp4_bytes(sh[s].rows, sh[s].cols));
+
+        mats_make(&ms, WFMT_MXFP4, sh[s].rows, sh[s].cols, max);
+        for (size_t k = 0; k < sizeof(ns) / sizeof(ns[0]); k++) {
+            const int n = ns[k];
+            float *x = malloc(sizeof(float) * n * sh[s].cols), *y = malloc(sizeof(float) * n * sh[s].rows);
+            double t_old[32], t_new[32], ratio[32], m_old, m_new;
+
+            for (int64_t i = 0; i < n * sh[s].cols; i++)
+                x[i] = sinf((float)i);
+            for (int r = 0; r < reps; r++) {
+                cpu_mxfp4_t16_off = 1;
+                sweep_once(be, &ms, x, n, y);
+                t_old[r] = sweep_once(be, &ms, x, n, y);
+                cpu_mxfp4_t16_off = 0;
+                sweep_once(be, &ms, x, n, y);
+                t_new[r] = sweep_once(be, &ms, x, n, y);
+                ratio[r] = t_old[r] / t_new[r];
+            }
+            m_old = median(t_old, reps);
+            m_new = median(t_new, reps);
+            printf("  mxfp4 tiny expert %-8s n=%2d x%-4d old %7.2f us  new %7.2f us  old/new %5.2fx  "
+                   "(per token: old %6.2f, new %6.2f us)\n", sh[s].name, n, ms.count, m_old * 1e6,
+                   m_new * 1e6, median(ratio, reps), m_old * 1e6 / n, m_new * 1e6 / n);
+            free(x);
+            free(y);
+        }
+        mats_free(&ms);
+    }
+    cpu_mxfp4_t16_off = 0;
+}
+
+/* The tiny model's MoE layer (16 experts, 128x256 gate/up, 256x128 down, top-4) at 1, 4
+ * and 16 tokens, 1 thread, old vs new kernel interleaved per rep; the experts of as many
+ * layers as fill ~24 MiB, cycled, random routing (distinct experts per token). */
+static void bench_tiny_moe(struct backend *be)
+{
+    enum { HID = 256, INTER = 128, NEXP = 16, TOPK = 4, MAXT = 16 };
+    static const int ns[] = { 1, 4, 16 };
+    static float x[MAXT * HID], out[MAXT * HID], wt[MAXT * TOPK];
+    static int32_t ids[MAXT * TOPK];
+    struct mats ms;
+    struct moe_expert *ex;
+    int layers;
+    const uint64_t s = 99;
+
+    mats_make(&ms, WFMT_MXFP4, INTER, HID, (int)((24u << 20) / mxfp4_bytes(INTER, HID)));
+    layers = ms.count / (3 * NEXP);
+    if (layers < 1) {
+        mats_free(&ms);
+        return;
+    }
+    /* every third matrix becomes a 256x128 down projection (same repacked size) */
+    for (int k = 2; k < ms.count; k += 3) {
+        struct cpu_mxfp4 *m = &ms.m[k];
+
+        m->rows = HID; m->cols = INTER; m->nblk = INTER / 32; m->npair = (m->nblk + 1) / 2;
+        m->ntile = HID / 4;
+        m->sc = m->qs + m->ntile * m->npair * 128;
+        ms.w[k].rows = HID;
+        ms.w[k].cols = INTER;
+        ms.w[k].scale = m->sc;
+    }
+    ex = calloc((size_t)layers * NEXP, sizeof(*ex));
+    for (int e = 0; e < layers * NEXP; e++) {
+        ex[e].gate = ms.w[3 * e];
+        ex[e].up = ms.w[3 * e + 1];
+        ex[e].down = ms.w[3 * e + 2];
+    }
+    for (int i = 0; i < MAXT * HID; i++)
+        x[i] = sinf((float)i);
+    for (size_t k = 0; k < sizeof(ns) / sizeof(ns[0]); k++) {
+        const int n = ns[k];
+        double t_old[32], t_new[32], ratio[32], m_old, m_new;
+
+        for (int r = 0; r < reps; r++) {
+            double acc[2] = { 0, 0 };
+
+            /* whole sweeps per side (each layer's experts cold for both), the side that
+             * goes first alternating per rep; the same routing for both sides */
+            for (int o = 0; o < 2; o++) {
+                const int side = (o + r) % 2;
+                uint64_t rs = s + (uint64_t)r;
+                double t0;
+
+                cpu_mxfp4_t16_off = side == 0;
+                t0 = now();
+                for (int l = 0; l < layers; l++) {
+                    struct moe_args a = { .x = x, .out = out, .n_tok = n, .hidden = HID,
+                                          .inter = INTER, .top_k = TOPK, .ids = ids, .weights = wt,
+                                          .experts = ex + l * NEXP, .expert_first = 0,
+                                          .n_local = NEXP, .limit = 7.0f };
+                    double tr = now();
+
+                    for (int q = 0; q < n * TOPK; q++) {
+                        bool dup;
+
+                        do {
+                            rs = rs * 6364136223846793005ull + 1442695040888963407ull;
+                            ids[q] = (int32_t)((rs >> 33) % NEXP);
+                            dup = false;
+                            for (int j = q / TOPK * TOPK; j < q; j++)
+                                dup |= ids[j] == ids[q];
+                        } while (dup);
+                        wt[q] = 0.25f;
+                    }
+                    t0 += now() - tr;   /* routing set-up not timed */
+                    if (backend_moe(be, &a) < 0)
+                        abort();
+                }
+                acc[side] = now() - t0;
+            }
+            t_old[r] = acc[0] / layers;
+            t_new[r] = acc[1] / layers;
+            ratio[r] = t_old[r] / t_new[r];
+        }
+        m_old = median(t_old, reps);
+        m_new = median(t_new, reps);
+        printf("  moe tiny layer (16 x 128x256/256x128, top-4) n=%2d x%-3d old %7.2f us  new %7.2f us  "
+               "old/new %5.2fx\n", n, layers, m_old * 1e6, m_new * 1e6, median(ratio, reps));
+    }
+    cpu_mxfp4_t16_off = 0;
+    free(ex);
+    mats_free(&ms);
+}
+
 int main(void)
 {
     const char *e = getenv("STEPD_BENCH_MB");
@@ -391,8 +536,11 @@ int main(void)
         bw_pool = pool;
         bw = bench_bw(pool);
         printf("threads %d: read bandwidth %.2f GB/s  cpu %3.0f %%\n", nth, bw, 100.0 * last_share / nth);
-        if (nth == 1)
+        if (nth == 1) {
             bench_tiny_bf16(be);
+            bench_tiny_mxfp4(be);
+            bench_tiny_moe(be);
+        }
         for (size_t i = 0; i < sizeof(mx) / sizeof(mx[0]); i++) {
             struct mats ms;
             double s;

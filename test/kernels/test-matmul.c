@@ -113,6 +113,82 @@ static void check_mxfp4(int64_t rows, int64_t cols, int n, int nth)
     free(x); free(ye); free(yf); free(yraw); free(y1); free(yr); free(mag);
 }
 
+/* The 16-row AVX-512 VNNI kernel equals the 4-row kernel bit for bit: random weights
+ * (scale bytes 0..3 included: zero and denormal scales), activations with zeros, an
+ * outlier and (nonfinite) an infinity and a NaN; n = 1..nmax, identity and gathered
+ * token rows (repeats, any order), whole and partial row ranges (16-row groups cut by
+ * r0 and r1, row tails). */
+static void check_t16(int64_t rows, int64_t cols, int nmax, bool nonfinite)
+{
+    struct bweight w = kref_mxfp4_new(rows, cols, 118, 131);
+    struct backend *be = kref_backend(1, false);
+    const int ntok = nmax + 3;
+    float *x = malloc(sizeof(float) * ntok * cols);
+    float *ya = malloc(sizeof(float) * nmax * rows), *yb = malloc(sizeof(float) * nmax * rows);
+    int32_t *xidx = malloc(sizeof(int32_t) * nmax);
+    void *mem = malloc(cpu_qact_bytes(ntok, cols));
+    struct cpu_qact qa;
+    const bool have = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                      !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
+                      !getenv("STEPD_CPU_NO_AVX2");
+    int64_t ranges[4][2] = { { 0, rows }, { 4, rows }, { 0, rows - rows % 4 }, { 20, 44 } };
+
+    ASSERT_TRUE(x && ya && yb && xidx && mem);
+    if (!have) {
+        ASSERT_EQ(cpu_mxfp4_row_align(&w), MXFP4_TILE_ROWS);
+        goto out;
+    }
+    ASSERT_EQ(cpu_mxfp4_row_align(&w), 16);
+    for (int64_t i = 0; i < rows * cols / 32; i += 7)
+        ((uint8_t *)w.scale)[i] = (uint8_t)(i % 4);     /* e <= 1: 0 on this path; 2, 3 */
+    krng_fill(x, (size_t)(ntok * cols), 2.0f);
+    for (int t = 0; t < ntok; t++) {
+        x[(int64_t)t * cols + 3] = 0.0f;
+        x[(int64_t)t * cols + cols - 1] = 50.0f;
+        if (t % 3 == 1)
+            memset(x + (int64_t)t * cols + 32, 0, 32 * sizeof(float));     /* d = 0 block */
+    }
+    if (nonfinite) {
+        x[1 * cols + 5] = INFINITY;
+        x[2 * cols + cols - 7] = NAN;
+    }
+    ASSERT_OK(backend_weight_prepare(be, &w));
+    cpu_qact_init(&qa, mem, ntok, cols);
+    for (int t = 0; t < ntok; t++)
+        cpu_qact_quantize(&qa, t, x + (int64_t)t * cols, 0, cols / 32);
+    for (int n = 1; n <= nmax; n++) {
+        for (int k = 0; k < n; k++)
+            xidx[k] = (int32_t)(krng_u64() % (uint64_t)ntok);
+        for (int g = 0; g < 2; g++) {
+            for (int rg = 0; rg < 4; rg++) {
+                int64_t r0 = ranges[rg][0], r1 = ranges[rg][1] < rows ? ranges[rg][1] : rows;
+
+                if (r0 >= r1)
+                    continue;
+                memset(ya, 0xa5, sizeof(float) * nmax * rows);
+                memset(yb, 0xa5, sizeof(float) * nmax * rows);
+                cpu_mxfp4_t16_off = 1;
+                cpu_matmul_mxfp4_fast_rows(&w, &qa, g ? xidx : NULL, n, ya, rows, r0, r1);
+                cpu_mxfp4_t16_off = 0;
+                cpu_matmul_mxfp4_fast_rows(&w, &qa, g ? xidx : NULL, n, yb, rows, r0, r1);
+                if (memcmp(ya, yb, sizeof(float) * n * rows) != 0) {
+                    for (int64_t k = 0; k < n * rows; k++)
+                        if (memcmp(ya + k, yb + k, 4) != 0)
+                            FAIL("t16 %lldx%lld n=%d gather=%d rows [%lld,%lld): y[%lld,%lld] "
+                                 "= %.9g, 4-row kernel %.9g", (long long)rows, (long long)cols, n,
+                                 g, (long long)r0, (long long)r1, (long long)(k / rows),
+                                 (long long)(k % rows), yb[k], ya[k]);
+                }
+            }
+        }
+    }
+    backend_weight_release(be, &w);
+out:
+    kref_weight_free(&w);
+    backend_free(be);
+    free(x); free(ya); free(yb); free(xidx); free(mem);
+}
+
 /* fast path results are identical for every thread count */
 static void check_thread_invariance(void)
 {
@@ -306,6 +382,14 @@ int main(void)
         for (size_t k = 0; k < ARRAY_SIZE(ns); k++)
             check_mxfp4(shapes[s][0], shapes[s][1], ns[k], 1 + (int)((s + k) % 3));
     check_thread_invariance();
+    {
+        static const int64_t t16_shapes[][3] = { { 128, 256, 20 }, { 256, 128, 20 }, { 37, 96, 20 },
+                                                 { 45, 352, 9 }, { 64, 32, 6 }, { 4096, 256, 9 },
+                                                 { 1280, 4096, 5 }, { 100, 1056, 7 } };
+
+        for (size_t a = 0; a < ARRAY_SIZE(t16_shapes); a++)
+            check_t16(t16_shapes[a][0], t16_shapes[a][1], (int)t16_shapes[a][2], a % 2 == 0);
+    }
     check_dense(WFMT_BF16, 1, 7, 1, 1);
     check_dense(WFMT_BF16, 33, 100, 5, 2);
     check_dense(WFMT_BF16, 19, 4096, 6, 3);

@@ -7,9 +7,13 @@
  *    matmuls (same quantisation) within 1e-6 relative;
  *  - the fast path is within 3 % of the fp64 reference (activation rounding, twice);
  *  - results are bit-identical for 1, 2 and 3 threads;
- *  - negative ids and mismatched expert shapes are -EINVAL.
+ *  - negative ids and mismatched expert shapes are -EINVAL;
+ *  - on the tiny model's shapes (hidden 256, inter 128, 16 experts, top-4, also a rank's
+ *    slice of them), the fast path gives bit-identical outputs with the 16-row MXFP4
+ *    kernel and with the 4-row one, for 1..19 tokens and 1 or 2 threads.
  */
 #include "kref.h"
+#include "cpu.h"
 
 enum { H = 96, I = 160, T = 7, K = 3, NE = 6, FIRST = 2, NLOC = 3 };
 
@@ -188,6 +192,77 @@ static void check_errors(void)
     backend_free(be);
 }
 
+/* 16-row vs 4-row MXFP4 kernel inside the op: bit for bit (tiny model shapes). */
+static void check_t16(void)
+{
+    enum { TH = 256, TI = 128, TE = 16, TK = 4, TT = 19 };
+    static const int ns[] = { 1, 2, 4, 5, 16, 19 };
+    static float x[TT * TH], w[TT * TK], o_old[TT * TH], o_new[TT * TH];
+    static int32_t ids[TT * TK];
+    struct moe_expert ex[TE];
+    const bool have = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                      !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
+                      !getenv("STEPD_CPU_NO_AVX2");
+
+    ASSERT_EQ(cpu_mxfp4_row_align(NULL), have ? 16 : MXFP4_TILE_ROWS);
+    krng_fill(x, TT * TH, 2.0f);
+    for (int t = 0; t < TT; t++) {
+        for (int k = 0; k < TK; k++) {
+            bool dup;
+
+            do {
+                ids[t * TK + k] = (int32_t)(krng_u64() % TE);
+                dup = false;
+                for (int j = 0; j < k; j++)
+                    dup |= ids[t * TK + j] == ids[t * TK + k];
+            } while (dup);
+            w[t * TK + k] = 0.1f + 0.2f * (float)k;
+        }
+    }
+    for (int nth = 1; nth <= 2; nth++) {
+        struct backend *be = kref_backend(nth, false);
+
+        for (int e = 0; e < TE; e++) {
+            ex[e].gate = kref_mxfp4_new(TI, TH, 118, 126);
+            ex[e].up = kref_mxfp4_new(TI, TH, 118, 126);
+            ex[e].down = kref_mxfp4_new(TH, TI, 118, 126);
+            ASSERT_OK(backend_weight_prepare(be, &ex[e].gate));
+            ASSERT_OK(backend_weight_prepare(be, &ex[e].up));
+            ASSERT_OK(backend_weight_prepare(be, &ex[e].down));
+        }
+        for (size_t a = 0; a < ARRAY_SIZE(ns); a++) {
+            for (int slice = 0; slice < 2; slice++) {
+                struct moe_args ma = { .x = x, .n_tok = ns[a], .hidden = TH, .inter = TI,
+                                       .top_k = TK, .ids = ids, .weights = w,
+                                       .experts = slice ? ex + 4 : ex,
+                                       .expert_first = slice ? 4 : 0, .n_local = slice ? 8 : TE,
+                                       .limit = 7.0f };
+
+                memset(o_old, 0, sizeof(o_old));
+                memset(o_new, 0, sizeof(o_new));
+                ma.out = o_old;
+                cpu_mxfp4_t16_off = 1;
+                ASSERT_OK(backend_moe(be, &ma));
+                ma.out = o_new;
+                cpu_mxfp4_t16_off = 0;
+                ASSERT_OK(backend_moe(be, &ma));
+                if (memcmp(o_old, o_new, sizeof(o_old)) != 0)
+                    FAIL("moe t16: n=%d slice=%d threads=%d: 16-row and 4-row kernels differ",
+                         ns[a], slice, nth);
+            }
+        }
+        for (int e = 0; e < TE; e++) {
+            backend_weight_release(be, &ex[e].gate);
+            backend_weight_release(be, &ex[e].up);
+            backend_weight_release(be, &ex[e].down);
+            kref_weight_free(&ex[e].gate);
+            kref_weight_free(&ex[e].up);
+            kref_weight_free(&ex[e].down);
+        }
+        backend_free(be);
+    }
+}
+
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
@@ -199,6 +274,7 @@ int main(void)
     check(WFMT_BF16, false, 0.0f);
     check(WFMT_BF16, false, 0.5f);
     check_errors();
+    check_t16();
     printf("moe: all checks passed\n");
     return 0;
 }

@@ -8,8 +8,16 @@
  *  - decode after prefill gives bit-identical outputs to a longer prefill;
  *  - the sliding window holds exactly `window` keys (key t-window is invisible,
  *    key t-window+1 is visible);
- *  - a released block (-1) outside the window is never read; inside it is -EINVAL.
+ *  - a released block (-1) outside the window is never read; inside it is -EINVAL;
+ *  - the AVX-512 path (default where the CPU has it) is bit-identical to the AVX2 path
+ *    (STEPD_CPU_NO_AVX512=1, run in a forked child) on random decode, verify and prefill
+ *    batches of several head sizes, GQA groups, contexts, windows and cache dtypes, and
+ *    matches the fp64 reference.
  */
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "kref.h"
 
 enum { NH = 6, NKV = 2, HD = 24, BS = 4, NBLK = 160 };
@@ -228,9 +236,224 @@ static void test_window_edges(struct backend *be)
     cache_free(&c);
 }
 
+/* ---- AVX-512 vs AVX2: random batches, generated identically in both processes ---- */
+
+enum { ID_CASES = 48, ID_BS = 16, ID_NBLK = 96, ID_MAXSEQ = 16 };
+
+struct id_case {
+    bool f32;
+    int hd, nkv, G, window, n_seqs;
+    int32_t start[ID_MAXSEQ + 1], pos0[ID_MAXSEQ], toff[ID_MAXSEQ];
+    int32_t table[ID_NBLK];
+    struct kv_layer kv;
+    float *q;
+};
+
+/* case c: decode (16 x 1 token), verify (2-4 seqs x 4 tokens), prefill chunks and mixes;
+ * contexts 1..~300 keys (several KEY_CHUNKs), windows 0/5/37/64/100 */
+static void id_case_make(struct id_case *ic, int c)
+{
+    static const int hds[] = { 32, 32, 32, 16, 48, 64, 128, 24 };
+    static const int gs[] = { 2, 3, 1, 4, 3, 2, 40 };
+    static const int wins[] = { 0, 64, 64, 5, 37, 100 };
+    const int kind = c % 4;
+    size_t n;
+
+    memset(ic, 0, sizeof(*ic));
+    ic->f32 = c % 5 != 4;
+    ic->hd = hds[c % ARRAY_SIZE(hds)];
+    ic->nkv = c % 3 == 0 ? 4 : 1 + (int)(krng_u64() % 4);
+    ic->G = gs[c % ARRAY_SIZE(gs)];
+    if (ic->G == 40)
+        ic->nkv = 1;            /* one KV head, 40 query heads: R > ATTN_MAX_ROWS */
+    ic->window = wins[krng_u64() % ARRAY_SIZE(wins)];
+    ic->n_seqs = kind == 0 ? 16 : kind == 1 ? 2 + (int)(krng_u64() % 3) : 1 + (int)(krng_u64() % 3);
+    for (int s = 0; s < ic->n_seqs; s++) {
+        int len = kind == 0 ? 1 : kind == 1 ? 4 : kind == 2 ? 1 + (int)(krng_u64() % 70)
+                                                               : (int)(krng_u64() % 6);
+        int ctx = len + (int)(krng_u64() % (kind == 0 ? 100 : 250));
+
+        if (ctx < 1)
+            ctx = 1;
+        if (len > ctx)
+            len = ctx;
+        ic->start[s + 1] = ic->start[s] + len;
+        ic->pos0[s] = ctx - len;
+        ic->toff[s] = (int32_t)(krng_u64() % (ID_NBLK - (300 + ID_BS) / ID_BS));
+    }
+    if (ic->start[ic->n_seqs] == 0) {   /* at least one token */
+        ic->start[ic->n_seqs] = 1;
+        ic->pos0[ic->n_seqs - 1] = 0;
+    }
+    for (int i = 0; i < ID_NBLK; i++)
+        ic->table[i] = i;
+    for (int i = ID_NBLK - 1; i > 0; i--) {
+        int j = (int)(krng_u64() % (uint64_t)(i + 1)), t = ic->table[i];
+
+        ic->table[i] = ic->table[j];
+        ic->table[j] = t;
+    }
+    n = (size_t)ID_NBLK * ID_BS * ic->nkv * ic->hd;
+    ic->kv = (struct kv_layer){ .dtype_f32 = ic->f32, .n_blocks = ID_NBLK, .block_size = ID_BS,
+                                .n_kv_heads = ic->nkv, .head_dim = ic->hd };
+    ic->kv.k = malloc(n * (ic->f32 ? 4 : 2));
+    ic->kv.v = malloc(n * (ic->f32 ? 4 : 2));
+    ic->q = malloc(sizeof(float) * (size_t)ic->start[ic->n_seqs] * ic->nkv * ic->G * ic->hd);
+    ASSERT_TRUE(ic->kv.k && ic->kv.v && ic->q);
+    for (size_t i = 0; i < n; i++) {
+        float k = 1.5f * krng_f(), v = krng_f();
+
+        if (ic->f32) {
+            ((float *)ic->kv.k)[i] = k;
+            ((float *)ic->kv.v)[i] = v;
+        } else {
+            ((uint16_t *)ic->kv.k)[i] = kf32_to_bf16(k);
+            ((uint16_t *)ic->kv.v)[i] = kf32_to_bf16(v);
+        }
+    }
+    krng_fill(ic->q, (size_t)ic->start[ic->n_seqs] * ic->nkv * ic->G * ic->hd, 2.0f);
+}
+
+static size_t id_case_out_len(const struct id_case *ic)
+{
+    return (size_t)ic->start[ic->n_seqs] * ic->nkv * ic->G * ic->hd;
+}
+
+static void id_case_run(struct backend *be, struct id_case *ic, float *out)
+{
+    struct attn_args a = {
+        .q = ic->q, .out = out, .n_tok = ic->start[ic->n_seqs], .n_heads = ic->nkv * ic->G,
+        .n_kv_heads = ic->nkv, .head_dim = ic->hd, .scale = 1.0f / sqrtf((float)ic->hd),
+        .window = ic->window, .kv = &ic->kv, .n_seqs = ic->n_seqs, .seq_tok_start = ic->start,
+        .seq_pos0 = ic->pos0, .block_tables = ic->table, .block_table_off = ic->toff,
+    };
+
+    ASSERT_OK(backend_attention(be, &a));
+}
+
+static float id_kv(const struct id_case *ic, const void *base, int s, int tau, int j, int e)
+{
+    size_t off = (((size_t)ic->table[ic->toff[s] + tau / ID_BS] * ID_BS + (size_t)(tau % ID_BS)) *
+                  ic->nkv + (size_t)j) * ic->hd + (size_t)e;
+
+    return ic->f32 ? ((const float *)base)[off] : kbf16_to_f32(((const uint16_t *)base)[off]);
+}
+
+/* fp64 attention of every row of the case against the paged cache */
+static void id_case_check_ref(const struct id_case *ic, const float *out)
+{
+    const int nh = ic->nkv * ic->G, hd = ic->hd;
+
+    for (int s = 0; s < ic->n_seqs; s++) {
+        for (int i = ic->start[s]; i < ic->start[s + 1]; i++) {
+            const int t = ic->pos0[s] + i - ic->start[s];
+            const int lo = ic->window > 0 && t - ic->window + 1 > 0 ? t - ic->window + 1 : 0;
+
+            for (int h = 0; h < nh; h++) {
+                const float *q = ic->q + ((size_t)i * nh + h) * hd;
+                const int j = h / ic->G;
+                double sc[512], m = -INFINITY, l = 0, o[128] = { 0 };
+
+                for (int tau = lo; tau <= t; tau++) {
+                    double d = 0;
+
+                    for (int e = 0; e < hd; e++)
+                        d += (double)q[e] * id_kv(ic, ic->kv.k, s, tau, j, e);
+                    sc[tau - lo] = d / sqrt((double)hd);
+                    m = fmax(m, sc[tau - lo]);
+                }
+                for (int tau = lo; tau <= t; tau++) {
+                    double p = exp(sc[tau - lo] - m);
+
+                    l += p;
+                    for (int e = 0; e < hd; e++)
+                        o[e] += p * id_kv(ic, ic->kv.v, s, tau, j, e);
+                }
+                for (int e = 0; e < hd; e++)
+                    ASSERT_NEAR(out[((size_t)i * nh + h) * hd + e], o[e] / l, 1e-5);
+            }
+        }
+    }
+}
+
+static void id_case_free(struct id_case *ic)
+{
+    free(ic->kv.k);
+    free(ic->kv.v);
+    free(ic->q);
+}
+
+/* all cases' outputs, one after another, into buf (cap floats); returns the float count */
+static size_t id_cases_run(struct backend *be, float *buf, size_t cap, bool check_ref)
+{
+    size_t used = 0;
+
+    krng_seed(4242);
+    for (int c = 0; c < ID_CASES; c++) {
+        struct id_case ic;
+
+        id_case_make(&ic, c);
+        ASSERT_TRUE(used + id_case_out_len(&ic) <= cap);
+        id_case_run(be, &ic, buf + used);
+        if (check_ref)
+            id_case_check_ref(&ic, buf + used);
+        used += id_case_out_len(&ic);
+        id_case_free(&ic);
+    }
+    return used;
+}
+
+/* The default path (AVX-512 where the CPU has it) against STEPD_CPU_NO_AVX512=1 (the AVX2
+ * kernels) in a child forked before either was used (the choice is read once per process),
+ * bit for bit.  Without AVX2 or with the override already set both sides take one path. */
+static void test_avx512_identity(void)
+{
+    const size_t cap = (size_t)4 << 20, bytes = 64 + cap * sizeof(float);
+    void *shared = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    size_t *n_theirs = shared;                      /* the child's float count, then them */
+    float *theirs = (float *)((char *)shared + 64), *mine = malloc(cap * sizeof(float));
+    size_t n_mine = 0;
+    pid_t pid;
+    int st = 0;
+
+    ASSERT_TRUE(shared != MAP_FAILED && mine != NULL);
+    fflush(stdout);
+    fflush(stderr);
+    pid = fork();
+    ASSERT_TRUE(pid >= 0);
+    if (pid == 0) {
+        struct backend *be;
+
+        setenv("STEPD_CPU_NO_AVX512", "1", 1);
+        be = kref_backend(2, false);
+        *n_theirs = id_cases_run(be, theirs, cap, false);
+        backend_free(be);
+        _exit(0);
+    }
+    ASSERT_EQ(waitpid(pid, &st, 0), pid);
+    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    for (int th = 1; th <= 3; th += 2) {
+        struct backend *be = kref_backend(th, false);
+
+        n_mine = id_cases_run(be, mine, cap, th == 1);
+        ASSERT_EQ(*n_theirs, n_mine);
+        for (size_t i = 0; i < n_mine; i++) {
+            if (memcmp(&mine[i], &theirs[i], sizeof(float)) != 0)
+                FAIL("AVX-512 vs AVX2 attention differ at output %zu: %.9g vs %.9g", i,
+                     (double)mine[i], (double)theirs[i]);
+        }
+        backend_free(be);
+    }
+    printf("attention: %d random batches (%zu outputs) identical on both paths\n", ID_CASES,
+           n_mine);
+    munmap(shared, bytes);
+    free(mine);
+}
+
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
+    test_avx512_identity();                 /* first: forks before any attention call */
     for (int th = 1; th <= 3; th += 2) {
         struct backend *be = kref_backend(th, false);
 

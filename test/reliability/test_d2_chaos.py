@@ -297,7 +297,7 @@ def chaos(rig_cls, n_streams, seed):
     late = [c.rid for c in calls if c.kind != "deadline" and c.t_end - c.t0 > 20]
     assert not late, late
     # server-side ledger: stepd's status counter never counts more calls than were made, counts
-    # exactly the client's OKs, and misses only calls that may never have reached it (a client
+    # every client OK, and misses only calls that may never have reached it (a client
     # deadline or cancel that fired before the server took the call)
     client_ok = sum(1 for c in calls if c.terminals[0][0] == "ok")
     client_local = sum(1 for c in calls if c.terminals[0][1] in (SC.DEADLINE_EXCEEDED, SC.CANCELLED))
@@ -313,7 +313,11 @@ def chaos(rig_cls, n_streams, seed):
         time.sleep(0.1)
     d_status, d_ok = server_ledger()
     d_rej = rejected_total(s) - base_rej
-    assert n_streams - client_local <= d_status <= n_streams and d_ok == client_ok and d_rej == 0, \
+    # OK on the server but DEADLINE_EXCEEDED/CANCELLED on the client is a legal race: the
+    # server finished the call while the client's own deadline or cancel fired (gRPC then
+    # reports the local status), so the server's OKs lie in [client OK, client OK + local]
+    assert n_streams - client_local <= d_status <= n_streams and \
+        client_ok <= d_ok <= client_ok + client_local and d_rej == 0, \
         "server ledger: status_total +%d (OK +%d) for %d calls (client OK %d, client-side deadline/cancel %d), " \
         "rejected +%d" % (d_status, d_ok, n_streams, client_ok, client_local, d_rej)
     # the group re-forms (epoch + 1); everything back to idle

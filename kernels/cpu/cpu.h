@@ -206,8 +206,9 @@ int64_t cpu_mxfp4_row_align(const struct bweight *w);
 extern int cpu_mxfp4_t16_off;
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
- * AMX-BF16 + AVX-512BW, the kernel granted the tile state, and none of STEPD_CPU_NO_AMX,
- * STEPD_CPU_NO_AVX512, STEPD_CPU_NO_AVX2 is set (detected once per process).
+ * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile
+ * state, and none of STEPD_CPU_NO_AMX, STEPD_CPU_NO_AVX512, STEPD_CPU_NO_AVX2 is set
+ * (detected once per process).
  * cpu_bf16_use_amx(w): w runs on AMX - decided from the weight (BF16, cols % 32 == 0,
  * rows >= 16) and the CPU only, never from the token count, so a row's result is
  * bit-identical whatever n, the other tokens and the thread split (batch invariance).

@@ -9,23 +9,33 @@
  * p1 = bf16_rne(x - p0), p2 = bf16_rne(x - p0 - p1) (every subtraction exact in fp32), so
  * |x - p0 - p1 - p2| <= 2^-26 |x| and the products with a BF16 weight are as good as fp32
  * ones (two parts, 2^-17, measured 20x the AVX-512 kernel's error and failed the tiny-model
- * test's mean bound).  A B tile serves a GROUP of 5 tokens: part p of token t is column
- * 5p + t (column 15 stays zero).  Each C column is one fp32 accumulator, updated by
- * TDPBF16PS once per k-step of 32 columns in increasing k from zero; the output is
- * (C[m][t] + C[m][5 + t]) + C[m][10 + t].  So y[t, r] depends only on weight row r and
- * token row t - never on n, on the other tokens of the group, on the row block r falls in,
- * on the blocking of the passes, or on the thread that ran it: the batch invariance the
- * engine relies on (K = 0 vs K = 3 greedy equality, identical requests = solo run).  The
- * path is chosen from the weight and the CPU only (cpu_bf16_use_amx), never from n.
- * Cost: one TDPBF16PS per 16 rows x 32 columns x 5 tokens, so 1 to 5 tokens cost the same
- * tile work (the verify step of K = 3 drafts is 4 tokens), 16 tokens four times that.
+ * test's mean bound).  VCVTNE2PS2BF16 (AVX512-BF16, on every AMX CPU) rounds the parts.
+ * Two B-tile layouts, both with each C column one fp32 accumulator updated by TDPBF16PS
+ * once per k-step of 32 columns in increasing k from zero:
+ *   - GROUP tiles: one B tile serves 5 tokens, part p of token t in column 5p + t (column
+ *     15 zero); y = (C[m][t] + C[m][5 + t]) + C[m][10 + t].  One TDPBF16PS per A tile for
+ *     1 to 5 tokens (the verify step of K = 3 drafts is 4 tokens).
+ *   - PART tiles: a block of up to 16 tokens has three B tiles, B_p = part p of token t in
+ *     column t, and three C tiles; y = (C_0[m][t] + C_1[m][t]) + C_2[m][t].  Three
+ *     TDPBF16PS per A tile for up to 16 tokens (groups: four for 16), and the combine is
+ *     zmm adds of whole C rows and one transpose instead of three.
+ * TDPBF16PS computes C[m][n] from A row m, B column n and C[m][n] alone, in a fixed k
+ * order, so a token's column gets the same fp32 sums in either layout and the outputs are
+ * bit-identical.  A call of n tokens puts its full blocks of 16 (and a rest of 11 .. 15)
+ * in part tiles and a smaller rest in groups (amx_layout).  So y[t, r] depends only on
+ * weight row r and token row t - never on n, on the layout, on the other tokens, on the
+ * row block r falls in, on the blocking of the passes, or on the thread that ran it: the
+ * batch invariance the engine relies on (K = 0 vs K = 3 greedy equality, identical
+ * requests = solo run).  The path is chosen from the weight and the CPU only
+ * (cpu_bf16_use_amx), never from n.
  *
  * Row tails: a matrix with rows >= 16 has none - the last block starts at rows - 16 and
  * overlaps the previous one (each C row only depends on its own A row); only rows not yet
  * written are stored.
  *
- * Passes: one row block at a time, all its k-steps, for one group (pass_g1) or two groups
- * sharing each A tile (pass_g2); A and B tiles alternate between two tile registers per
+ * Passes: one row block at a time, all its k-steps, for a part block (pass_g3; the last
+ * one with the first group: pass_g4), then four, two or one groups sharing each A tile
+ * (pass_g4, pass_g2, pass_g1); A and B tiles alternate between two tile registers per
  * k-step so the next loads overlap the running TDPBF16PS, and the A-tile lines a few k-steps
  * ahead (then the next block's) are prefetched into L1 - a tile load touches 16 rows, and
  * without it the weight stream stalls on each one.  Every tile is 16 rows x 64 bytes
@@ -34,7 +44,8 @@
  *
  * Numerics of TDPBF16PS: BF16 products are exact in fp32; accumulation is fp32 with
  * round-to-nearest-even, input denormals treated as zero and denormal results flushed
- * (parts below 2^-126 count as 0: an absolute error far below the tests' 1e-6 floor).
+ * (parts below 2^-126 count as 0, as VCVTNE2PS2BF16 makes denormal inputs: an absolute
+ * error far below the tests' 1e-6 floor).
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -56,6 +67,8 @@ int cpu_amx_off;
 #define AMX_GROUP (16 / AMX_PARTS)  /* tokens per B tile: part p of token t in column p * G + t */
 #define AMX_KSTEP 32            /* BF16 values per A tile row */
 #define AMX_TILE 1024           /* bytes of one 16 x 64-byte tile */
+/* a rest of this many tokens past the full blocks of 16 goes to a (short) part block */
+#define AMX_PART_REST 11
 /* weight prefetch distance in k-steps (16 lines each) ahead of the running one */
 #define AMX_PF_STEPS 4
 
@@ -84,7 +97,8 @@ static void amx_detect(void)
     if (getenv("STEPD_CPU_NO_AMX") || getenv("STEPD_CPU_NO_AVX512") ||
         getenv("STEPD_CPU_NO_AVX2"))
         return;
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512bf16"))
         return;
     if (__get_cpuid_max(0, NULL) < 7)
         return;
@@ -115,44 +129,36 @@ bool cpu_bf16_use_amx(const struct bweight *w)
            !cpu_amx_off && cpu_amx_bf16_ok();
 }
 
+/* The B-tile layout of a call of n tokens: *ret_pb part blocks (tokens 16b .. 16b + 15, the
+ * last one possibly short; B tiles 3b + p, p = part), then *ret_ng groups of AMX_GROUP tokens
+ * from token 16 * pb (B tile 3 pb + g).  Full blocks of 16 go to part tiles (3 TDPBF16PS per
+ * A tile instead of 4); a rest of AMX_PART_REST or more tokens too (3 either way, and one
+ * combine instead of three); a smaller rest to groups (1 or 2). */
+static void amx_layout(int n, int *ret_pb, int *ret_ng)
+{
+    int pb = n / 16, rest = n % 16;
+
+    if (rest >= AMX_PART_REST) {
+        pb++;
+        rest = 0;
+    }
+    *ret_pb = pb;
+    *ret_ng = (rest + AMX_GROUP - 1) / AMX_GROUP;
+}
+
 size_t cpu_amx_act_bytes(int n, int64_t cols)
 {
-    return (size_t)((n + AMX_GROUP - 1) / AMX_GROUP) * (size_t)(cols / AMX_KSTEP) * AMX_TILE;
+    int pb, ng;
+
+    amx_layout(n, &pb, &ng);
+    return (size_t)(AMX_PARTS * pb + ng) * (size_t)(cols / AMX_KSTEP) * AMX_TILE;
 }
 
-#define AMX_FN __attribute__((target("avx2,fma,avx512f,avx512bw,amx-tile,amx-bf16")))
+#define AMX_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
 #define AMX_INLINE \
-    __attribute__((target("avx2,fma,avx512f,avx512bw,amx-tile,amx-bf16"), always_inline)) \
+    __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16"), \
+                   always_inline)) \
     static inline
-
-/* BF16 round-to-nearest-even of 16 floats, in the low half of each 32-bit lane; NaN stays
- * NaN (quietened), as cpu_f32_to_bf16(). */
-AMX_INLINE __m512i bf16_rne16(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-
-    r = _mm512_srli_epi32(r, 16);
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
-/* lanes whose BF16 (low half of each 32-bit lane) is finite */
-AMX_INLINE __mmask16 finite_bf16(__m512i h)
-{
-    const __m512i e = _mm512_set1_epi32(0x7f80);
-
-    return _mm512_cmpneq_epi32_mask(_mm512_and_si512(h, e), e);
-}
-
-/* 32 BF16 (two vectors of 16 in the low halves of 32-bit lanes) as 16 VNNI pairs */
-AMX_INLINE __m512i bf16_pairs(__m512i a, __m512i b)
-{
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)),
-                              _mm512_cvtepi32_epi16(b), 1);
-}
 
 /* v[k] word c <- v[c] word k (16 x 16 32-bit transpose) */
 AMX_INLINE void transpose16(__m512i v[16])
@@ -183,47 +189,89 @@ AMX_INLINE void transpose16(__m512i v[16])
     }
 }
 
+/* The three BF16 parts of 32 activations xk[0 .. 31] as VNNI pairs: part p into v[p * step].
+ * x = part 0 + part 1 (+ part 2): each part the BF16 rounding of what the earlier ones left,
+ * every subtraction exact in fp32.  VCVTNE2PS2BF16 rounds 32 values at once, in k order
+ * (= the pair layout), to nearest even, NaN quietened, denormal inputs as zero (TDPBF16PS
+ * ignores denormal parts anyway). */
+AMX_INLINE void amx_split(const float *xk, __m512i *v, int step)
+{
+    const __m512i e = _mm512_set1_epi32(0x7f800000);
+    __m512 x0 = _mm512_loadu_ps(xk), x1 = _mm512_loadu_ps(xk + 16);
+
+    for (int p = 0; p < AMX_PARTS; p++) {
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+        __m512i f0, f1;
+
+        v[p * step] = h;
+        if (p == AMX_PARTS - 1)
+            break;
+        f0 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16);
+        f1 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16);
+        /* an Inf or NaN part leaves nothing (not Inf - Inf = NaN) behind */
+        x0 = _mm512_maskz_sub_ps(_mm512_cmpneq_epi32_mask(_mm512_and_si512(f0, e), e), x0,
+                                 _mm512_castsi512_ps(f0));
+        x1 = _mm512_maskz_sub_ps(_mm512_cmpneq_epi32_mask(_mm512_and_si512(f1, e), e), x1,
+                                 _mm512_castsi512_ps(f1));
+    }
+}
+
+/* v[c] = column c of a tile: transposed into its 16 rows (row p = pair p of every column) */
+AMX_INLINE void amx_tile_put(uint8_t *tile, __m512i v[16])
+{
+    transpose16(v);
+    for (int p = 0; p < 16; p++)
+        _mm512_store_si512((void *)(tile + p * 64), v[p]);
+}
+
 AMX_FN void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols)
 {
     const int64_t ks = cols / AMX_KSTEP;
     uint8_t *out = buf;
+    int pb, ng;
 
-    for (int g = 0; g * AMX_GROUP < n; g++) {
-        int nt = n - g * AMX_GROUP < AMX_GROUP ? n - g * AMX_GROUP : AMX_GROUP;
+    amx_layout(n, &pb, &ng);
+    /* part blocks: tile 3b + p, column t = part p of token 16b + t */
+    for (int b = 0; b < pb; b++) {
+        const int nt = n - b * 16 < 16 ? n - b * 16 : 16;
+        const float *xs[16];
+
+        for (int t = 0; t < nt; t++) {
+            int64_t i = b * 16 + t;
+
+            xs[t] = x + (xidx ? xidx[i] : i) * cols;
+        }
+        for (int64_t s = 0; s < ks; s++) {
+            __m512i v[AMX_PARTS][16];
+
+            for (int t = nt; t < 16; t++)
+                for (int p = 0; p < AMX_PARTS; p++)
+                    v[p][t] = _mm512_setzero_si512();
+            for (int t = 0; t < nt; t++)
+                amx_split(xs[t] + s * AMX_KSTEP, &v[0][t], 16);
+            for (int p = 0; p < AMX_PARTS; p++)
+                amx_tile_put(out + ((AMX_PARTS * b + p) * ks + s) * AMX_TILE, v[p]);
+        }
+    }
+    /* groups: tile 3 pb + g, part p of token 16 pb + 5g + t in column 5p + t */
+    for (int g = 0; g < ng; g++) {
+        const int t0 = pb * 16 + g * AMX_GROUP;
+        const int nt = n - t0 < AMX_GROUP ? n - t0 : AMX_GROUP;
         const float *xs[AMX_GROUP];
 
         for (int t = 0; t < nt; t++) {
-            int64_t i = g * AMX_GROUP + t;
+            int64_t i = t0 + t;
 
             xs[t] = x + (xidx ? xidx[i] : i) * cols;
         }
         for (int64_t s = 0; s < ks; s++) {
             __m512i v[16];
-            uint8_t *tile = out + (g * ks + s) * AMX_TILE;
 
             for (int c = 0; c < 16; c++)
                 v[c] = _mm512_setzero_si512();
-            for (int t = 0; t < nt; t++) {
-                __m512 x0 = _mm512_loadu_ps(xs[t] + s * AMX_KSTEP);
-                __m512 x1 = _mm512_loadu_ps(xs[t] + s * AMX_KSTEP + 16);
-
-                /* x = part 0 + part 1 (+ part 2): each part the BF16 rounding of what the
-                 * earlier ones left, every subtraction exact in fp32 */
-                for (int p = 0; p < AMX_PARTS; p++) {
-                    __m512i h0 = bf16_rne16(x0), h1 = bf16_rne16(x1);
-
-                    v[p * AMX_GROUP + t] = bf16_pairs(h0, h1);
-                    /* an Inf or NaN part leaves nothing (not Inf - Inf = NaN) behind */
-                    x0 = _mm512_maskz_sub_ps(finite_bf16(h0), x0,
-                                             _mm512_castsi512_ps(_mm512_slli_epi32(h0, 16)));
-                    x1 = _mm512_maskz_sub_ps(finite_bf16(h1), x1,
-                                             _mm512_castsi512_ps(_mm512_slli_epi32(h1, 16)));
-                }
-            }
-            /* column c of the tile is v[c]: row p = pair p of every column */
-            transpose16(v);
-            for (int p = 0; p < 16; p++)
-                _mm512_store_si512((void *)(tile + p * 64), v[p]);
+            for (int t = 0; t < nt; t++)
+                amx_split(xs[t] + s * AMX_KSTEP, &v[t], AMX_GROUP);
+            amx_tile_put(out + ((AMX_PARTS * pb + g) * ks + s) * AMX_TILE, v);
         }
     }
 }
@@ -329,6 +377,49 @@ AMX_INLINE void pass_g2(const uint8_t *a, int64_t stride, const uint8_t *b0, con
     _tile_stored(1, c + 256, 64);
 }
 
+/* One row block x three B tiles (a part block) -> C tiles 0-2: one A tile feeds three
+ * TDPBF16PS; A alternates 3/4 over k so the next load overlaps, the B tiles are 5, 6, 7. */
+AMX_INLINE void pass_g3(const uint8_t *a, int64_t stride, const uint8_t *const *b, int64_t ks,
+                        float *c, struct amx_pf *pf, bool pf_on)
+{
+    int64_t s = 0;
+
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (; s + 2 <= ks; s += 2) {
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(3, a + s * 64, stride);
+        _tile_loadd(5, b[0] + s * AMX_TILE, 64);
+        _tile_loadd(6, b[1] + s * AMX_TILE, 64);
+        _tile_loadd(7, b[2] + s * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_dpbf16ps(1, 3, 6);
+        _tile_dpbf16ps(2, 3, 7);
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(4, a + (s + 1) * 64, stride);
+        _tile_loadd(5, b[0] + (s + 1) * AMX_TILE, 64);
+        _tile_loadd(6, b[1] + (s + 1) * AMX_TILE, 64);
+        _tile_loadd(7, b[2] + (s + 1) * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+    }
+    if (s < ks) {
+        pf_step(pf, stride, pf_on);
+        _tile_loadd(3, a + s * 64, stride);
+        _tile_loadd(5, b[0] + s * AMX_TILE, 64);
+        _tile_loadd(6, b[1] + s * AMX_TILE, 64);
+        _tile_loadd(7, b[2] + s * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_dpbf16ps(1, 3, 6);
+        _tile_dpbf16ps(2, 3, 7);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+}
+
 /* One row block x four groups -> C tiles 0-3: one A tile (from L2, the scarce bandwidth)
  * feeds four TDPBF16PS; the B tiles (L1) are 5, 6, 7 and 5 again. */
 AMX_INLINE void pass_g4(const uint8_t *a, int64_t stride, const uint8_t *const *b, int64_t ks,
@@ -356,16 +447,15 @@ AMX_INLINE void pass_g4(const uint8_t *a, int64_t stride, const uint8_t *const *
     _tile_stored(3, c + 768, 64);
 }
 
-/* Scatter C tile c (rows = weight rows st .. st + 15, columns = the parts of group g's
- * tokens) into y: rows [w0, w1) of the block, tokens of the group below n, each the sum
- * (part 0 + part 1) + part 2 of its columns.  y[i * ldy + (r - r0)]. */
-AMX_INLINE void amx_scatter(const float *c, int g, int n, int64_t st, int64_t w0, int64_t w1,
+/* Scatter C tile c (rows = weight rows st .. st + 15, columns = the parts of a group's nt
+ * tokens t0 ..) into y: rows [w0, w1) of the block, each the sum (part 0 + part 1) + part 2
+ * of its columns.  y[i * ldy + (r - r0)]. */
+AMX_INLINE void amx_scatter(const float *c, int t0, int nt, int64_t st, int64_t w0, int64_t w1,
                             float *y, int64_t ldy, int64_t r0)
 {
-    const int nt = n - g * AMX_GROUP < AMX_GROUP ? n - g * AMX_GROUP : AMX_GROUP;
     const int d = (int)(w0 - st);
     const __mmask16 m = (__mmask16)((1u << (w1 - w0)) - 1);
-    float *yb = y + (int64_t)g * AMX_GROUP * ldy + (w0 - r0);
+    float *yb = y + (int64_t)t0 * ldy + (w0 - r0);
 
     if (nt <= 2) {
         /* few tokens: gather each token's part columns (same adds, fewer moves) */
@@ -404,15 +494,43 @@ AMX_INLINE void amx_scatter(const float *c, int g, int n, int64_t st, int64_t w0
     }
 }
 
+/* Combine the C tiles c, c + 256, c + 512 of a part block (rows = weight rows st .. st + 15,
+ * column t = part p of token t0 + t) into y: rows [w0, w1) of the block for its nt tokens,
+ * each (part 0 + part 1) + part 2 - the group scheme's sum, in its order, so bit-identical -
+ * added row by row in zmm before one transpose. */
+AMX_INLINE void amx_combine(const float *c, int t0, int nt, int64_t st, int64_t w0, int64_t w1,
+                            float *y, int64_t ldy, int64_t r0)
+{
+    const int d = (int)(w0 - st);
+    const __mmask16 m = (__mmask16)((1u << (w1 - w0)) - 1);
+    const __m512i sh = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                          12, 13, 14, 15), _mm512_set1_epi32(d));
+    float *yb = y + (int64_t)t0 * ldy + (w0 - r0);
+    __m512i v[16];
+
+    for (int k = 0; k < 16; k++)
+        v[k] = _mm512_castps_si512(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c + k * 16),
+                                                               _mm512_load_ps(c + 256 + k * 16)),
+                                                 _mm512_load_ps(c + 512 + k * 16)));
+    transpose16(v);
+    for (int t = 0; t < nt; t++) {
+        __m512 s = _mm512_castsi512_ps(v[t]);
+
+        if (d)       /* block overlapping the previous one: drop its first d rows */
+            s = _mm512_permutexvar_ps(sh, s);
+        _mm512_mask_storeu_ps(yb + t * ldy, m, s);
+    }
+}
+
 AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
                                      int64_t ldy, int64_t r0, int64_t r1)
 {
     const int64_t cols = w->cols, stride = cols * 2, ks = cols / AMX_KSTEP;
-    const int64_t last = w->rows - 16;
-    const int ng = (n + AMX_GROUP - 1) / AMX_GROUP;
+    const int64_t last = w->rows - 16, tb = ks * AMX_TILE;
     const int dist = cpu_amx_pf_steps;
     const uint8_t *wd = w->data, *xp = xb;
     float c[4 * 256] __attribute__((aligned(64)));
+    int pb, ng, gt0;
 
     if (!amx_configured) {
         struct amx_cfg cfg __attribute__((aligned(64)));
@@ -426,29 +544,55 @@ AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, in
         _tile_loadconfig(&cfg);
         amx_configured = true;
     }
+    amx_layout(n, &pb, &ng);
+    gt0 = pb * 16;          /* first token of the groups */
     for (int64_t b = r0; b < r1; b += 16) {
         const int64_t st = b < last ? b : last, hi = b + 16 < r1 ? b + 16 : r1;
         const uint8_t *a = wd + st * stride;
+        const uint8_t *bg[4];
         struct amx_pf pf;
+        bool first = true;  /* the block's rows stay in L1 for the later passes, so only
+                             * the first one prefetches */
+        int g = 0;
 
         pf_init(&pf, a, stride, ks, dist);
-        /* groups four, then two, then one at a time; the block's rows stay in L1 for the
-         * later passes, so only the first one prefetches */
-        for (int g = 0; g < ng;) {
-            const uint8_t *bg[4];
+        /* part blocks, the last one with the first group if any (four TDPBF16PS per A tile) */
+        for (int k = 0; k < pb; k++, first = false) {
+            const int nt = n - k * 16 < 16 ? n - k * 16 : 16;
+
+            for (int p = 0; p < AMX_PARTS; p++)
+                bg[p] = xp + (AMX_PARTS * k + p) * tb;
+            if (k == pb - 1 && ng > 0) {
+                bg[3] = xp + AMX_PARTS * pb * tb;
+                pass_g4(a, stride, bg, ks, c, &pf, dist && first);
+                amx_scatter(c + 768, gt0, n - gt0 < AMX_GROUP ? n - gt0 : AMX_GROUP, st, b, hi,
+                            y, ldy, r0);
+                g = 1;
+            } else {
+                pass_g3(a, stride, bg, ks, c, &pf, dist && first);
+            }
+            amx_combine(c, k * 16, nt, st, b, hi, y, ldy, r0);
+        }
+        /* groups four, then two, then one at a time */
+        while (g < ng) {
             const int m = ng - g >= 4 ? 4 : (ng - g >= 2 ? 2 : 1);
 
             for (int k = 0; k < m; k++)
-                bg[k] = xp + (int64_t)(g + k) * ks * AMX_TILE;
+                bg[k] = xp + (AMX_PARTS * pb + g + k) * tb;
             if (m == 4)
-                pass_g4(a, stride, bg, ks, c, &pf, dist && !g);
+                pass_g4(a, stride, bg, ks, c, &pf, dist && first);
             else if (m == 2)
-                pass_g2(a, stride, bg[0], bg[1], ks, c, &pf, dist && !g);
+                pass_g2(a, stride, bg[0], bg[1], ks, c, &pf, dist && first);
             else
-                pass_g1(a, stride, bg[0], ks, c, &pf, dist && !g);
-            for (int k = 0; k < m; k++)
-                amx_scatter(c + 256 * k, g + k, n, st, b, hi, y, ldy, r0);
+                pass_g1(a, stride, bg[0], ks, c, &pf, dist && first);
+            for (int k = 0; k < m; k++) {
+                const int t0 = gt0 + (g + k) * AMX_GROUP;
+
+                amx_scatter(c + 256 * k, t0, n - t0 < AMX_GROUP ? n - t0 : AMX_GROUP, st, b, hi,
+                            y, ldy, r0);
+            }
             g += m;
+            first = false;
         }
     }
 }

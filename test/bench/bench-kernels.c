@@ -309,6 +309,7 @@ static void bench_tiny_bf16(struct backend *be)
 {
     static const struct { const char *name; int64_t rows, cols; } sh[] = {
         { "4096x256", 4096, 256 }, { "768x256", 768, 256 }, { "256x768", 256, 768 },
+        { "128x256", 128, 256 },
     };
     static const int ns[] = { 1, 4, 16 };
 

@@ -236,7 +236,7 @@ static void check_dense(enum wfmt fmt, int64_t rows, int64_t cols, int n, int nt
 static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
 {
     enum { NT = 37 };
-    static const int ns[] = { 1, 3, 16, NT };
+    static const int ns[] = { 1, 3, 6, 11, 16, 21, 32, NT };
     struct bweight w = kref_bf16_new(rows, cols, 1.0f);
     float *x = malloc(sizeof(float) * NT * cols), *yall = malloc(sizeof(float) * NT * rows);
     float *y = malloc(sizeof(float) * NT * rows), *yoff = malloc(sizeof(float) * NT * rows);
@@ -307,6 +307,67 @@ static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
     cpu_amx_off = 0;
     kref_weight_free(&w);
     free(x); free(y); free(yall); free(yoff); free(yr); free(mag);
+}
+
+/* AMX schemes (matmul-amx.c): calls of 6 .. 40 tokens (part tiles of 16 tokens, a short part
+ * block for a rest of 11 .. 15, groups of 5 for the rest) give every token bit for bit what
+ * calls of at most 5 tokens (group tiles only) give, on 1 and 2 threads, through the matmul
+ * op and through the row kernel with tokens picked by xidx */
+static void check_amx_schemes(int64_t rows, int64_t cols)
+{
+    enum { NT = 48, NMIN = 6, NMAX = 40 };
+    struct bweight w = kref_bf16_new(rows, cols, 1.0f);
+    float *x = malloc(sizeof(float) * NT * cols), *yg = malloc(sizeof(float) * NT * rows);
+    float *y = malloc(sizeof(float) * NT * rows);
+    int32_t xidx[NT];
+
+    ASSERT_TRUE(x && yg && y);
+    krng_fill(x, (size_t)(NT * cols), 2.0f);
+    for (int64_t j = 0; j < cols; j++) {     /* wide binades and zeros, as above */
+        x[3 * cols + j] = ldexpf(x[3 * cols + j], (int)(j % 41) - 20);
+        if (j % 3 == 0)
+            x[20 * cols + j] = 0.0f;
+    }
+    cpu_amx_off = 0;
+    {
+        struct backend *be = kref_backend(1, false);
+
+        for (int i = 0; i < NT; i += 5)
+            ASSERT_OK(backend_matmul(be, &w, x + (int64_t)i * cols, NT - i < 5 ? NT - i : 5,
+                                     yg + (int64_t)i * rows));
+        backend_free(be);
+    }
+    for (int th = 1; th <= 2; th++) {
+        struct backend *be = kref_backend(th, false);
+
+        for (int n = NMIN; n <= NMAX; n++) {
+            const int off = (n * 5 + th) % (NT - n + 1);
+
+            memset(y, 0xff, sizeof(float) * n * rows);
+            ASSERT_OK(backend_matmul(be, &w, x + (int64_t)off * cols, n, y));
+            if (memcmp(y, yg + (int64_t)off * rows, sizeof(float) * n * rows) != 0)
+                FAIL("bf16 AMX %lldx%lld: tokens %d..%d in a call of %d on %d threads differ "
+                     "from calls of <= 5 tokens", (long long)rows, (long long)cols, off,
+                     off + n - 1, n, th);
+        }
+        backend_free(be);
+    }
+    /* the row kernel (moe.c's way): tokens by xidx, a row range off the 16-row blocks */
+    for (int n = NMIN; n <= NMAX; n += 3) {
+        int64_t r0 = rows > 20 ? 3 : 0, r1 = rows > 20 ? rows - 5 : rows;
+
+        for (int i = 0; i < n; i++)
+            xidx[i] = (i * 7 + n) % NT;
+        cpu_matmul_bf16_rows(&w, x, xidx, n, y, r1 - r0, r0, r1, true);
+        for (int i = 0; i < n; i++)
+            if (memcmp(y + (int64_t)i * (r1 - r0), yg + (int64_t)xidx[i] * rows + r0,
+                       sizeof(float) * (r1 - r0)) != 0)
+                FAIL("bf16 AMX %lldx%lld: rows [%lld, %lld) of token %d (%d of a row-kernel "
+                     "call of %d) differ from calls of <= 5 tokens", (long long)rows,
+                     (long long)cols, (long long)r0, (long long)r1, xidx[i], i, n);
+    }
+    kref_weight_free(&w);
+    free(x); free(y); free(yg);
 }
 
 /* Inf and NaN activations give the IEEE results (±Inf by the weight's sign, NaN) on every
@@ -422,6 +483,14 @@ int main(void)
                 check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], false);
                 check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], true);
             }
+        if (cpu_amx_bf16_ok()) {
+            static const int64_t amx_shapes[][2] = { { 4096, 256 }, { 128, 256 }, { 256, 768 },
+                                                     { 768, 256 }, { 37, 1056 }, { 16, 32 },
+                                                     { 21, 96 } };
+
+            for (size_t a = 0; a < ARRAY_SIZE(amx_shapes); a++)
+                check_amx_schemes(amx_shapes[a][0], amx_shapes[a][1]);
+        }
         printf("matmul: bf16 AMX path %s\n", cpu_amx_bf16_ok() ? "available and tested"
                                                                : "not available (AVX kernels tested)");
     }

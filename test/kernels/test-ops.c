@@ -55,6 +55,46 @@ static void test_rmsnorm(struct backend *be)
             }
         }
     }
+    /* bit-exact against the documented arithmetic (4 fp64 lanes k mod 4, folded
+     * (l0 + l2) + (l1 + l3); 1/sqrt in fp64; x * inv * (1 + w) in fp32), whichever path
+     * (scalar or AVX2) the backend takes, for row counts around the batch of 8 and dims
+     * with tails */
+    {
+        static float xb[37 * 256], yb[37 * 256];
+        static const int dims[] = { 32, 131, 256, 3 };
+
+        krng_fill(xb, 37 * 256, 3.0f);
+        for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++) {
+            const int d = dims[di];
+            struct bweight wd = kref_f32_new(1, d, 0.4f);
+
+            for (int nr = 1; nr <= 37; nr += 6) {
+                ASSERT_OK(backend_rmsnorm(be, xb, &wd, nr, d, 1e-5f, yb));
+                for (int r = 0; r < nr; r++) {
+                    const float *xr = xb + r * d;
+                    double l4[4] = { 0 }, ss;
+                    float inv;
+                    int k = 0;
+
+                    for (; k + 4 <= d; k += 4)
+                        for (int l = 0; l < 4; l++)
+                            l4[l] = l4[l] + (double)xr[k + l] * (double)xr[k + l];
+                    for (; k < d; k++)
+                        l4[0] = l4[0] + (double)xr[k] * (double)xr[k];
+                    ss = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+                    inv = (float)(1.0 / sqrt(ss / d + (double)1e-5f));
+                    for (k = 0; k < d; k++) {
+                        const float g = 1.0f + (float)kref_w(&wd, 0, k);
+                        float want = xr[k] * inv * g;
+
+                        if (memcmp(&want, &yb[r * d + k], sizeof(float)) != 0)
+                            FAIL("rmsnorm d %d rows %d: row %d col %d: %.9g vs %.9g", d, nr, r, k,
+                                 want, yb[r * d + k]);
+                    }
+                }
+            }
+        }
+    }
     /* in place, per head: rows = tokens*heads, dim = head_dim */
     {
         float z[6 * 8], zr[6 * 8];

@@ -6,7 +6,8 @@
  *    exact MXFP4 path and BF16, and the fast path equals the composition of fast
  *    matmuls (same quantisation) within 1e-6 relative;
  *  - the fast path is within 3 % of the fp64 reference (activation rounding, twice);
- *  - results are bit-identical for 1, 2 and 3 threads;
+ *  - results are bit-identical for 1, 2 and 3 threads, and to the op run once per local
+ *    expert in expert order (the fixed scatter order: expert, then token);
  *  - negative ids and mismatched expert shapes are -EINVAL;
  *  - on the tiny model's shapes (hidden 256, inter 128, 16 experts, top-4, also a rank's
  *    slice of them), the fast path gives bit-identical outputs with the 16-row MXFP4
@@ -75,6 +76,22 @@ static void run(struct backend *be, const struct moe_expert *ex, const float *x,
     ASSERT_OK(backend_moe(be, &a));
 }
 
+/* The op once per local expert, in expert order: the fixed scatter order (expert, then
+ * token) with the op's own per-(token, row) arithmetic, so the whole op must match it
+ * bit for bit; a token's terms come from distinct experts, so an op that added them in
+ * another order would round differently somewhere. */
+static void per_expert(struct backend *be, const struct moe_expert *ex, const float *x,
+                       const int32_t *ids, const float *w, float limit, float *out)
+{
+    for (int e = 0; e < NLOC; e++) {
+        struct moe_args a = { .x = x, .out = out, .n_tok = T, .hidden = H, .inter = I,
+                              .top_k = K, .ids = ids, .weights = w, .experts = ex + e,
+                              .expert_first = FIRST + e, .n_local = 1, .limit = limit };
+
+        ASSERT_OK(backend_moe(be, &a));
+    }
+}
+
 /* fast-path oracle: the op composed from backend matmuls (same quantisation) */
 static void composed(struct backend *be, const struct moe_expert *ex, const float *x,
                      const int32_t *ids, const float *w, float limit, float *out)
@@ -100,7 +117,7 @@ static void composed(struct backend *be, const struct moe_expert *ex, const floa
 static void check(enum wfmt fmt, bool exact, float limit)
 {
     struct moe_expert ex[NLOC];
-    float x[T * H], w[T * K], base[T * H], out[3][T * H], comp[T * H];
+    float x[T * H], w[T * K], base[T * H], out[3][T * H], comp[T * H], seq[T * H];
     int32_t ids[T * K];
     double ref[T * H], mag[T * H];
 
@@ -136,6 +153,11 @@ static void check(enum wfmt fmt, bool exact, float limit)
             memcpy(comp, base, sizeof(base));
             composed(be, ex, x, ids, w, limit, comp);
         }
+        memcpy(seq, base, sizeof(base));
+        per_expert(be, ex, x, ids, w, limit, seq);
+        if (memcmp(out[th - 1], seq, sizeof(seq)) != 0)
+            FAIL("moe fmt %d exact %d limit %g threads %d: differs from the op run one expert "
+                 "at a time (scatter order is not expert, then token)", fmt, exact, limit, th);
         for (int e = 0; e < NLOC; e++) {
             backend_weight_release(be, &ex[e].gate);
             backend_weight_release(be, &ex[e].up);

@@ -757,7 +757,7 @@ static int attn_avx512_level(void)
     int v = atomic_load_explicit(&cached, memory_order_relaxed);
 
     if (v < 0) {
-        v = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512") ?
+        v = cpu_has_avx512f() ?
                 1 + exp_tail_matches() : 0;
         if (v == 1)
             log_debug("attention: scalar exp tails (the compiler's scalar expf steps differ)");

@@ -40,6 +40,19 @@ static bool cpu_has_avx2(void)
 #endif
 }
 
+bool cpu_has_avx512f(void)
+{
+#if defined(__x86_64__)
+    static int cached = -1;
+
+    if (cached < 0)
+        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
+    return cached;
+#else
+    return false;
+#endif
+}
+
 /* Multiply-adds per extra thread in busy mode.  On the tiny model (1- and 16-token
  * steps, 2 cores) 32K, 64K and 128K performed alike within noise; 32K lets 128-row
  * AVX-512 matmuls split, which gains 1.2x each. */

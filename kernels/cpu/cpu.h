@@ -234,6 +234,10 @@ extern int cpu_mxfp4_pf_bytes;
 /* True when matmul of w runs the fast int8 path under this context. */
 bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w);
 
+/* The CPU has AVX-512F and STEPD_CPU_NO_AVX512 is not set (tests run both paths); checked
+ * once per process.  Every AVX-512 kernel choice goes through it. */
+bool cpu_has_avx512f(void);
+
 /* ---- backend ops (one file each) ---- */
 int cpu_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out);
 int cpu_rmsnorm(struct backend *be, const float *x, const struct bweight *w, int rows, int dim,

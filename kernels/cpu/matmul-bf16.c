@@ -374,22 +374,14 @@ AVX512_FN static void f32_rows_avx512(const struct bweight *w, const float *x,
 
 /* The AVX-512 tiles where the CPU has AVX-512F, for every n (one path for every n keeps
  * the results batch-invariant); STEPD_CPU_NO_AVX512 forces the AVX2 kernels (tests run
- * both). */
-static bool have_avx512_rt(void)
-{
-    static int cached = -1;
-
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
-    return cached;
-}
+ * both: cpu_has_avx512f). */
 #endif
 
 void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2)
 {
 #if defined(__x86_64__)
-    if (avx2 && have_avx512_rt()) {
+    if (avx2 && cpu_has_avx512f()) {
         f32_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
         return;
     }
@@ -409,7 +401,7 @@ void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t
      * calls the AMX kernel itself, other callers such as moe.c come here) */
     if (avx2 && cpu_bf16_use_amx(w) && cpu_matmul_bf16_amx_self(w, x, xidx, n, y, ldy, r0, r1))
         return;
-    if (avx2 && have_avx512_rt()) {
+    if (avx2 && cpu_has_avx512f()) {
         bf16_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
         return;
     }

@@ -354,15 +354,6 @@ static void qact_block_avx512(const float *xb, int8_t *qe, int8_t *qo, float *re
     *ret_d = d;
     *ret_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
-
-static bool qact_avx512(void)
-{
-    static int cached = -1;
-
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
-    return cached;
-}
 #endif
 
 static void qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1,
@@ -391,7 +382,7 @@ static void qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_
 void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1)
 {
 #if defined(__x86_64__)
-    qact_quantize(qa, i, x, b0, b1, qact_avx512());
+    qact_quantize(qa, i, x, b0, b1, cpu_has_avx512f());
 #else
     qact_quantize(qa, i, x, b0, b1, false);
 #endif

@@ -67,21 +67,12 @@ __attribute__((target("avx512f"))) static void swiglu_rows_avx512(const float *g
     }
     cpu_swiglu_rows_scalar(gate + i, up + i, out + i, n - i, limit);
 }
-
-static bool swiglu_avx512(void)
-{
-    static int cached = -1;
-
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
-    return cached;
-}
 #endif
 
 void cpu_swiglu_rows(const float *gate, const float *up, float *out, int64_t n, float limit)
 {
 #if defined(__x86_64__)
-    if (swiglu_avx512()) {
+    if (cpu_has_avx512f()) {
         swiglu_rows_avx512(gate, up, out, n, limit);
         return;
     }

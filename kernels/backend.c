@@ -334,6 +334,22 @@ int backend_add(struct backend *be, float *y, const float *x, size_t n)
     return OP_CALL(be, add, y, x, n);
 }
 
+int backend_split_width(struct backend *be)
+{
+    ASSERT(be);
+    return be->ops->split_width ? be->ops->split_width(be) : 1;
+}
+
+int backend_split_run(struct backend *be, int n_parts, backend_part_fn fn, void *arg)
+{
+    ASSERT(be && fn && n_parts >= 1);
+    if (!be->ops->split_run)
+        return -ENOSYS;
+    if (n_parts > backend_split_width(be))
+        return -EINVAL;
+    return be->ops->split_run(be, n_parts, fn, arg);
+}
+
 int backend_graph_begin(struct backend *be)
 {
     ASSERT(be);

@@ -102,6 +102,9 @@ struct backend_cfg {
     bool mxfp4_exact;           /* CPU: use the exact W4A32 path instead of the int8 fast path */
 };
 
+/* One part of backend_split_run (see split_run below). */
+typedef void (*backend_part_fn)(void *arg, int part, struct backend *sub);
+
 struct backend_ops {
     const char *name;
     /* lifecycle */
@@ -139,6 +142,15 @@ struct backend_ops {
     /* optional (NULL when absent) */
     int (*graph_begin)(struct backend *be);
     int (*graph_end)(struct backend *be);
+    /* Parts that split_run can run at once (host threads); absent = 1. */
+    int (*split_width)(struct backend *be);
+    /* Run fn(arg, part, sub) for part = 0 .. n_parts - 1 (n_parts <= split_width) at the
+     * same time, each part's ops on `sub`: a backend of its own with ONE thread and its own
+     * scratch, that takes this backend's prepared weights (host memory).  A part's ops
+     * never touch another part's cache lines, so each core keeps its own activations.
+     * Returns when every part has returned.  (CPU: one part per pool thread; a part whose
+     * thread is late runs on the caller after its own.) */
+    int (*split_run)(struct backend *be, int n_parts, backend_part_fn fn, void *arg);
 };
 
 struct backend {
@@ -189,6 +201,10 @@ int backend_router(struct backend *be, const float *logits, const float *bias, i
                    int n_exp, int top_k, bool renorm, float scale, int32_t *ids, float *weights);
 int backend_moe(struct backend *be, const struct moe_args *a);
 int backend_add(struct backend *be, float *y, const float *x, size_t n);
+/* split_width: 1 when the slot is absent.  split_run: -ENOSYS when absent; n_parts must be
+ * 1 .. split_width. */
+int backend_split_width(struct backend *be);
+int backend_split_run(struct backend *be, int n_parts, backend_part_fn fn, void *arg);
 int backend_graph_begin(struct backend *be);
 int backend_graph_end(struct backend *be);
 

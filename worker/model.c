@@ -29,6 +29,9 @@
 #define MODEL_ALIGN 64
 
 /* One decoder layer (trunk or MTP), this rank's slice. */
+/* smallest trunk step that runs as per-core parts (see split steps, before model_step) */
+#define MODEL_SPLIT_MIN_TOKENS 8
+
 struct mlayer {
     int idx;                        /* global layer index (MTP: n_layers + k) */
     const struct layer_config *lc;
@@ -144,6 +147,14 @@ struct model {
     void **owned;                   /* host buffers the model made (re-quantised drafts) */
     int n_owned, cap_owned;
     bool quant_now;                 /* load_layer: this layer's linears get draft_quant */
+
+    /* split steps (model_step): part 1's activations and rebased runs; split_parts = 2
+     * when the backend runs parts on separate cores and the model may split */
+    int split_parts, split_min_tokens;
+    float *s_a, *s_tmp, *s_q, *s_k, *s_v, *s_g, *s_att, *s_ff_gate, *s_ff_up, *s_ff_act;
+    float *s_rlogits, *s_rweights;
+    int32_t *s_rids, *h_seq_start2;
+    uint64_t n_split_steps;
 
     struct err_buf last_err;
 };
@@ -677,6 +688,17 @@ static int reserve(struct model *m, struct err_buf *e)
 #undef F
     if (!r)
         r = mbuf(m, sizeof(int32_t) * T0 * topk, &m->rids);
+    /* split steps: part 1 gets activations of its own (parts run layers out of step) */
+    if (!r && m->split_parts > 1) {
+#define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
+        F(s_a, T0 * H); F(s_tmp, T0 * H); F(s_q, T0 * qmax); F(s_k, T0 * kvmax);
+        F(s_v, T0 * kvmax); F(s_g, T0 * hmax); F(s_att, T0 * qmax); F(s_ff_gate, T0 * imax);
+        F(s_ff_up, T0 * imax); F(s_ff_act, T0 * imax); F(s_rlogits, T0 * nexp);
+        F(s_rweights, T0 * topk);
+#undef F
+        if (!r)
+            r = mbuf(m, sizeof(int32_t) * T0 * topk, &m->s_rids);
+    }
     if (r < 0)
         return err_set(e, r, "cannot reserve activations for %zu tokens per step: %s", T, err_str(r));
 
@@ -691,6 +713,7 @@ static int reserve(struct model *m, struct err_buf *e)
     r = r ? r : host_i32(&m->h_last, T);
     r = r ? r : host_i32(&m->h_pos, T);
     r = r ? r : host_i32(&m->h_seq_start, S + 1);
+    r = r ? r : host_i32(&m->h_seq_start2, S + 1);
     r = r ? r : host_i32(&m->h_seq_pos0, S);
     r = r ? r : host_i32(&m->h_rows, T);
     r = r ? r : host_i32(&m->h_src, T);
@@ -764,6 +787,12 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
         r = err_set(e, -EINVAL, "model comm: world %d needs allreduce_sum and allgather", world);
         goto out;
     }
+    /* split steps: over the backend's cores (2 parts), never under tensor parallelism (the
+     * parts would all-reduce out of step) */
+    m->split_parts = !opts->no_split && !m->sharded && backend_split_width(be) >= 2 ? 2 : 1;
+    m->split_min_tokens = MODEL_SPLIT_MIN_TOKENS;
+    if (getenv("STEPD_SPLIT_MIN_TOKENS"))
+        m->split_min_tokens = atoi(getenv("STEPD_SPLIT_MIN_TOKENS"));
     m->hidden = cfg->hidden_size;
     m->vocab = cfg->vocab_size;
     m->n_layers = cfg->n_layers;
@@ -1194,6 +1223,112 @@ static int trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
     return 0;
 }
 
+/* ------------------------------------------------------- split steps -- */
+
+/* A trunk step of several sequences may run as two parts, each a group of whole
+ * sequences (contiguous runs) taken through embedding and every layer on a core of its own
+ * (backend_split_run), instead of every op cut in two across the cores.  The ops hand
+ * their activations to each other, and where a cache line written by one core is slow for
+ * the other to read (a 2-vCPU VM: 24 KB in 4 us), an op split by rows pays that on its
+ * inputs and outputs, so the second core bought little at batch 16 (and lost at 1 - 4
+ * tokens, hence small ops run on one core).  A part keeps its activations on its core;
+ * only the weights (read-only) are shared.  Outputs are bit for bit those of the whole
+ * batch: every kernel computes a token's row from that token alone, whatever the batch
+ * (the batch invariance the engine's tests pin), attention a run from its own keys, and
+ * the MoE a token's experts in a fixed order.  A part's ops run on a single-threaded
+ * backend of that core, so MODEL_SPLIT_MIN_TOKENS keeps small steps (batch-1 decode,
+ * verify) on the whole backend, where a big op still splits by rows. */
+struct split_part {
+    struct batch b;
+    int t0;                 /* first token (row of hid) */
+    int r;
+};
+
+struct split_step {
+    struct model *m;
+    struct split_part part[2];
+};
+
+/* The run index at which to cut the plan's runs in two, or 0 for no split: the cut nearest
+ * half the tokens, if the smaller part still has a third of them. */
+static int split_at(const struct model *m, const struct step_plan *p)
+{
+    int best = 0, best_t = 0;
+
+    if (m->split_parts < 2 || p->n_seqs < 2 || p->n_tokens < m->split_min_tokens)
+        return 0;
+    for (int i = 1; i < p->n_seqs; i++) {
+        int t = p->seqs[i].tok_off;
+        if (!best || abs(2 * t - p->n_tokens) < abs(2 * best_t - p->n_tokens)) {
+            best = i;
+            best_t = t;
+        }
+    }
+    if (3 * (best_t < p->n_tokens - best_t ? best_t : p->n_tokens - best_t) < p->n_tokens)
+        return 0;
+    return best;
+}
+
+static void split_part_run(void *arg, int part, struct backend *sub)
+{
+    struct split_step *ss = arg;
+    struct model *m = ss->m;
+    struct split_part *sp = &ss->part[part];
+    struct model v = *m;    /* a view: this part's backend and activations */
+    float *x = m->hid + (size_t)sp->t0 * m->hidden;
+    int r;
+
+    v.be = sub;
+    if (part == 1) {
+        v.a = m->s_a; v.tmp = m->s_tmp; v.q = m->s_q; v.k = m->s_k; v.v = m->s_v;
+        v.g = m->s_g; v.att = m->s_att; v.ff_gate = m->s_ff_gate; v.ff_up = m->s_ff_up;
+        v.ff_act = m->s_ff_act; v.rlogits = m->s_rlogits; v.rweights = m->s_rweights;
+        v.rids = m->s_rids;
+    }
+    r = backend_embed(sub, &m->embed, sp->b.ids, sp->b.n_tok, x);
+    for (int l = 0; l < m->n_layers && r >= 0; l++)
+        r = layer_forward(&v, &m->layers[l], x, &sp->b);
+    sp->r = r;
+}
+
+/* Run the layers of batch b (the whole plan) as two parts cut before run `at`. */
+static int split_layers(struct model *m, const struct batch *b, int at)
+{
+    struct split_step ss = { .m = m };
+    struct split_part *p0 = &ss.part[0], *p1 = &ss.part[1];
+    const int t = b->seq_start[at];
+    int r;
+
+    p0->b = *b;
+    p0->b.n_tok = t;
+    p0->b.n_seqs = at;
+    p0->t0 = 0;
+    p1->b = *b;
+    p1->b.n_tok = b->n_tok - t;
+    p1->b.n_seqs = b->n_seqs - at;
+    p1->t0 = t;
+    p1->b.ids = b->ids + t;
+    p1->b.pos = b->pos + t;
+    for (int i = 0; i <= p1->b.n_seqs; i++)
+        m->h_seq_start2[i] = b->seq_start[at + i] - t;
+    p1->b.seq_start = m->h_seq_start2;
+    p1->b.seq_pos0 = b->seq_pos0 + at;
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        p1->b.slots[g] = b->slots[g] + t;
+        p1->b.boff[g] = b->boff[g] + at;
+    }
+    r = backend_split_run(m->be, 2, split_part_run, &ss);
+    if (r < 0)
+        return r;
+    m->n_split_steps++;
+    return p0->r < 0 ? p0->r : p1->r;
+}
+
+uint64_t model_split_steps(const struct model *m)
+{
+    return m->n_split_steps;
+}
+
 /* The trunk step (forward.h protocol step 1). */
 int model_step(struct model *m, const struct step_plan *p, float *logits)
 {
@@ -1232,9 +1367,14 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
 
     /* the script: the residual stream lives in hid, which keeps the pre-final-norm hidden
      * states for the logits and for MTP depth 0 */
-    r = backend_embed(m->be, &m->embed, b.ids, p->n_tokens, m->hid);
-    for (int l = 0; l < m->n_layers && r >= 0; l++)
-        r = layer_forward(m, &m->layers[l], m->hid, &b);
+    int at = split_at(m, p);
+    if (at > 0) {
+        r = split_layers(m, &b, at);
+    } else {
+        r = backend_embed(m->be, &m->embed, b.ids, p->n_tokens, m->hid);
+        for (int l = 0; l < m->n_layers && r >= 0; l++)
+            r = layer_forward(m, &m->layers[l], m->hid, &b);
+    }
     if (r < 0)
         return PLAN_ERR(m, r, "step: forward failed: %s", err_str(r));
     if (n_rows > 0) {

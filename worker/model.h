@@ -77,6 +77,7 @@ struct model_opts {
     bool mtp_no_repair;         /* diagnostics only: skip the MTP re-run of draft positions
                                    (model_mtp_step), leaving stale MTP KV as before the repair */
     enum model_draft_quant draft_quant; /* weights of the MTP draft layers (see below) */
+    bool no_split;              /* never run a trunk step as per-core parts (see model_step) */
 };
 
 struct model;
@@ -134,6 +135,8 @@ struct model *model_from_forward(struct forward *f);
 const struct model_config *model_config(const struct model *m);
 int model_vocab_size(const struct model *m);   /* full vocab (logits row length) */
 int model_n_mtp(const struct model *m);        /* MTP layers loaded (0 on ranks > 0) */
+/* Trunk steps run as per-core parts since model_new (model_step; model_opts.no_split). */
+uint64_t model_split_steps(const struct model *m);
 /* MTP repair counters since model_new: positions re-run to erase draft inputs
  * (model_mtp_step), and positions that needed a re-run but could not get one (the layer
  * skipped a step of the sequence, or a re-run query's sliding-window blocks were already

@@ -64,6 +64,8 @@ struct cpu_ctx {
     /* scratch grown on demand; one caller at a time per backend */
     void *scratch;
     size_t scratch_size;
+    /* split_run: one single-threaded backend per pool thread (made on first use) */
+    struct backend **sub;
 };
 
 /* Waking a sleeping worker costs the caller ~15-45 us in a VM: while a worker sleeps,

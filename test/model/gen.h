@@ -9,11 +9,14 @@
  * ckptw_rmtree) or aborts the test; any other string is returned as NULL. */
 #pragma once
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ckptw.h"
 #include "harness.h"
+#include "loader.h"
 
 static inline char *gen_model(const char *spec)
 {
@@ -50,4 +53,30 @@ static inline char *gen_model(const char *spec)
     if (ckptw_write(dir, &gc, &wo, &e) < 0)
         FAIL("ckptw_write %s: %s", spec, e.msg);
     return dir;
+}
+
+/* Open spec (a checkpoint directory or gen:VARIANT) with every MTP layer its config has,
+ * world 1.  *ret_gen_dir: the temporary directory to ckptw_rmtree/free when done, or NULL.
+ * Returns 0, or TEST_SKIP (for the caller to return) when a checkpoint directory is absent;
+ * aborts the test on any other problem. */
+static inline int gen_open(const char *spec, struct ckpt **ret, char **ret_gen_dir)
+{
+    struct err_buf e = {{0}};
+    struct model_config pc;
+    char cpath[4096];
+    char *gen_dir = gen_model(spec);
+    const char *dir = gen_dir ? gen_dir : spec;
+
+    *ret_gen_dir = gen_dir;
+    if (!gen_dir && access(dir, R_OK) != 0) {
+        printf("checkpoint %s absent: skipped\n", dir);
+        return TEST_SKIP;
+    }
+    snprintf(cpath, sizeof(cpath), "%s/config.json", dir);
+    if (model_config_load(cpath, &pc, &e) < 0)
+        FAIL("%s", e.msg);
+    struct ckpt_opts co = {.world_size = 1, .rank = 0, .mtp_depth = pc.n_mtp_layers};
+    if (ckpt_open(dir, &co, ret, &e) < 0)
+        FAIL("ckpt_open %s: %s", dir, e.msg);
+    return 0;
 }

@@ -398,21 +398,10 @@ int main(int argc, char **argv)
     tol = exact ? TOL_EXACT : TOL_FAST;
     tol_self = exact ? TOL_SELF_EXACT : TOL_SELF_FAST;
 
-    char *gen_dir = gen_model(argv[1]);
-    const char *dir = gen_dir ? gen_dir : argv[1];
-    if (!gen_dir && access(dir, R_OK) != 0) {
-        printf("checkpoint %s absent: skipped\n", dir);
+    char *gen_dir;
+    if (gen_open(argv[1], &ck, &gen_dir) == TEST_SKIP)
         return TEST_SKIP;
-    }
-    struct model_config pc;
-    char cpath[4096];
-    snprintf(cpath, sizeof(cpath), "%s/config.json", dir);
-    if (model_config_load(cpath, &pc, &e) < 0)
-        FAIL("%s", e.msg);
-    struct ckpt_opts co = {.world_size = 1, .rank = 0, .mtp_depth = pc.n_mtp_layers};
-    int r = ckpt_open(dir, &co, &ck, &e);
-    if (r < 0)
-        FAIL("ckpt_open %s: %s", dir, e.msg);
+    int r;
     cfg = ckpt_config(ck);
     V = cfg->vocab_size;
     H = cfg->hidden_size;

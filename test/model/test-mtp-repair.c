@@ -232,7 +232,6 @@ static void scenario(struct ckpt *ck, struct backend *be, bool no_repair, const 
 
 int main(int argc, char **argv)
 {
-    struct err_buf e = {{0}};
     struct ckpt *ck;
     struct backend *be;
     int32_t X[3][MAXLEN];
@@ -241,20 +240,9 @@ int main(int argc, char **argv)
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc < 2)
         FAIL("usage: test-mtp-repair MODEL_DIR|gen:VARIANT");
-    char *gen_dir = gen_model(argv[1]);
-    const char *dir = gen_dir ? gen_dir : argv[1];
-    if (!gen_dir && access(dir, R_OK) != 0) {
-        printf("checkpoint %s absent: skipped\n", dir);
+    char *gen_dir;
+    if (gen_open(argv[1], &ck, &gen_dir) == TEST_SKIP)
         return TEST_SKIP;
-    }
-    struct model_config pc;
-    char cpath[4096];
-    snprintf(cpath, sizeof(cpath), "%s/config.json", dir);
-    if (model_config_load(cpath, &pc, &e) < 0)
-        FAIL("%s", e.msg);
-    struct ckpt_opts co = {.world_size = 1, .rank = 0, .mtp_depth = pc.n_mtp_layers};
-    if (ckpt_open(dir, &co, &ck, &e) < 0)
-        FAIL("ckpt_open %s: %s", dir, e.msg);
     cfg = ckpt_config(ck);
     V = cfg->vocab_size;
     K = ckpt_mtp_depth(ck);

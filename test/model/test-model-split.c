@@ -1,0 +1,166 @@
+/* test-model-split.c - split trunk steps (model_step runs a batch of sequences as two
+ * per-core parts, backend_split_run) give bit for bit the logits of the same steps run
+ * whole, on a 2-thread CPU backend: trunk logits of every step and the MTP drafts that
+ * follow them, over a schedule of mixed prefill chunks and decodes of up to 16 sequences
+ * that joins, leaves and crosses the sliding window.  Also: the split really happened
+ * (model_split_steps), never with no_split, and never for a step below the split size.
+ *
+ *   test-model-split MODEL_DIR [exact|fast]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "gen.h"
+#include "harness.h"
+#include "model.h"
+
+#define BS 16
+#define MAXLEN 160
+#define NSEQ 16
+
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+#include "tplan.h"
+
+static int V, K, window;
+
+/* Run one plan on both models and compare the trunk logits and K MTP depths bit for bit. */
+static void step_both(struct model *a, struct model *b, struct tplan *tp, const int32_t *next,
+                      float *la, float *lb, const char *what)
+{
+    int rows = 0;
+
+    for (int i = 0; i < tp->p.n_seqs; i++)
+        rows += tp->seqs[i].n_logits;
+    ASSERT_OK(model_step(a, &tp->p, la));
+    ASSERT_OK(model_step(b, &tp->p, lb));
+    if (memcmp(la, lb, sizeof(float) * (size_t)rows * V) != 0)
+        FAIL("%s: trunk logits differ between split and whole steps", what);
+    for (int k = 0; k < K; k++) {
+        int32_t nv[NSEQ], tin[NSEQ];
+
+        for (int i = 0; i < tp->p.n_seqs; i++) {
+            nv[i] = tp->seqs[i].n_tokens;
+            tin[i] = next[i * 4 + k];
+        }
+        ASSERT_OK(model_mtp_step(a, k, &tp->p, nv, tin, la));
+        ASSERT_OK(model_mtp_step(b, k, &tp->p, nv, tin, lb));
+        if (memcmp(la, lb, sizeof(float) * (size_t)tp->p.n_seqs * V) != 0)
+            FAIL("%s: MTP depth %d logits differ between split and whole steps", what, k);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    struct err_buf e = {{0}};
+    static int32_t X[NSEQ][MAXLEN + 8];
+    int pos[NSEQ] = {0};
+    struct ckpt *ck;
+    struct backend *be;
+    struct model *ms, *mw;
+
+    if (argc < 2)
+        FAIL("usage: test-model-split MODEL_DIR [exact|fast]");
+    bool exact = argc < 3 || strcmp(argv[2], "fast") != 0;
+    char *gen_dir;
+    if (gen_open(argv[1], &ck, &gen_dir) == TEST_SKIP)
+        return TEST_SKIP;
+    V = ckpt_config(ck)->vocab_size;
+    K = ckpt_mtp_depth(ck);
+    window = ckpt_config(ck)->sliding_window;
+
+    struct backend_cfg bc = {.n_threads = 2, .mxfp4_exact = exact};
+    ASSERT_OK(backend_new("cpu", &bc, &be));
+    ASSERT_EQ(backend_split_width(be), 2);
+    struct model_opts mo = {
+        .max_tokens_per_step = 512, .max_seqs = NSEQ, .max_logit_rows = 512,
+        .block_size = BS, .n_blocks = {NBLK, NBLK}, .max_seq_len = MAXLEN,
+    };
+    if (model_new(ck, be, NULL, &mo, &ms, &e) < 0)
+        FAIL("model_new: %s", e.msg);
+    mo.no_split = true;
+    if (model_new(ck, be, NULL, &mo, &mw, &e) < 0)
+        FAIL("model_new (no_split): %s", e.msg);
+
+    for (int s = 0; s < NSEQ; s++)
+        for (int i = 0; i < MAXLEN + 8; i++)
+            X[s][i] = (int32_t)(rnd() % (uint32_t)V);
+    tables_shuffle();
+    float *la = malloc(sizeof(float) * 512 * (size_t)V), *lb = malloc(sizeof(float) * 512 * (size_t)V);
+    ASSERT_TRUE(la && lb);
+
+    /* 40 steps: each live sequence either prefills a chunk (1-40 tokens, logits of the last
+     * 1-3) or decodes (1 token, or 4 as a verify run); 4..16 sequences per step; a sequence
+     * that reaches MAXLEN - 8 restarts from 0 (new request in the slot). */
+    int steps = 0, small = 0;
+    for (int st = 0; st < 40; st++) {
+        struct tplan tp;
+        int32_t next[NSEQ * 4];
+        int want = 4 + (int)(rnd() % (NSEQ - 3)), n = 0;
+        char what[64];
+
+        tp_init(&tp);
+        for (int s = 0; s < NSEQ && n < want; s++) {
+            int slot = (st + s * 5) % NSEQ, len;
+
+            if (pos[slot] >= MAXLEN - 48)
+                pos[slot] = 0;
+            len = pos[slot] == 0 || rnd() % 5 == 0 ? 1 + (int)(rnd() % 40) : (rnd() % 4 ? 1 : 4);
+            tp_add_run(&tp, slot, pos[slot], X[slot] + pos[slot], len, 1 + (len > 2) * (int)(rnd() % 3),
+                       0, pos[slot] - window + 1);
+            for (int k = 0; k < 4; k++)
+                next[n * 4 + k] = X[slot][pos[slot] + len + k];
+            pos[slot] += len;
+            n++;
+        }
+        uint64_t before = model_split_steps(ms);
+        snprintf(what, sizeof(what), "step %d (%d seqs, %d tokens)", st, tp.p.n_seqs, tp.p.n_tokens);
+        step_both(ms, mw, &tp, next, la, lb, what);
+        steps += model_split_steps(ms) > before;
+        if (tp.p.n_tokens < 8) {
+            small++;
+            ASSERT_EQ(model_split_steps(ms), before);       /* below the split size: whole */
+        }
+    }
+    /* 16 single-token decodes: the batch-16 decode step splits */
+    {
+        struct tplan tp;
+        int32_t next[NSEQ * 4];
+
+        tp_init(&tp);
+        for (int s = 0; s < NSEQ; s++) {
+            tp_add_run(&tp, s, pos[s], X[s] + pos[s], 1, 1, 0, pos[s] - window + 1);
+            for (int k = 0; k < 4; k++)
+                next[s * 4 + k] = X[s][pos[s] + 1 + k];
+        }
+        uint64_t before = model_split_steps(ms);
+        step_both(ms, mw, &tp, next, la, lb, "batch-16 decode");
+        ASSERT_EQ(model_split_steps(ms), before + 1);
+        steps++;
+    }
+    ASSERT_EQ(model_split_steps(mw), 0);
+    ASSERT_TRUE(steps >= 20);
+    printf("%s path: 41 steps bit-identical split vs whole (trunk + %d MTP depths); %d ran split, "
+           "%d below the split size ran whole\n", exact ? "exact" : "fast", K, steps, small);
+
+    free(la);
+    free(lb);
+    model_free(ms);
+    model_free(mw);
+    backend_free(be);
+    ckpt_close(ck);
+    if (gen_dir) {
+        ckptw_rmtree(gen_dir);
+        free(gen_dir);
+    }
+    return 0;
+}

@@ -691,9 +691,9 @@ static int reserve(struct model *m, struct err_buf *e)
     /* split steps: part 1 gets activations of its own (parts run layers out of step) */
     if (!r && m->split_parts > 1) {
 #define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
-        F(s_a, T0 * H); F(s_tmp, T0 * H); F(s_q, T0 * qmax); F(s_k, T0 * kvmax);
-        F(s_v, T0 * kvmax); F(s_g, T0 * hmax); F(s_att, T0 * qmax); F(s_ff_gate, T0 * imax);
-        F(s_ff_up, T0 * imax); F(s_ff_act, T0 * imax); F(s_rlogits, T0 * nexp);
+        F(s_a, T * H); F(s_tmp, T * H); F(s_q, T * qmax); F(s_k, T * kvmax);
+        F(s_v, T * kvmax); F(s_g, T * hmax); F(s_att, T * qmax); F(s_ff_gate, T * imax);
+        F(s_ff_up, T * imax); F(s_ff_act, T * imax); F(s_rlogits, T0 * nexp);
         F(s_rweights, T0 * topk);
 #undef F
         if (!r)
@@ -1240,33 +1240,50 @@ static int trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
  * verify) on the whole backend, where a big op still splits by rows. */
 struct split_part {
     struct batch b;
-    int t0;                 /* first token (row of hid) */
+    int t0;                 /* first token (row of the batch) */
     int r;
 };
 
 struct split_step {
     struct model *m;
+    struct mlayer *mtp;     /* NULL: the trunk's embedding and layers; else this MTP layer */
     struct split_part part[2];
 };
 
-/* The run index at which to cut the plan's runs in two, or 0 for no split: the cut nearest
- * half the tokens, if the smaller part still has a third of them. */
-static int split_at(const struct model *m, const struct step_plan *p)
+/* The run index at which to cut batch b in two, or 0 for no split: the cut nearest half
+ * the tokens, if the smaller part still has a third of them. */
+static int split_at(const struct model *m, const struct batch *b)
 {
     int best = 0, best_t = 0;
 
-    if (m->split_parts < 2 || p->n_seqs < 2 || p->n_tokens < m->split_min_tokens)
+    if (m->split_parts < 2 || b->n_seqs < 2 || b->n_tok < m->split_min_tokens)
         return 0;
-    for (int i = 1; i < p->n_seqs; i++) {
-        int t = p->seqs[i].tok_off;
-        if (!best || abs(2 * t - p->n_tokens) < abs(2 * best_t - p->n_tokens)) {
+    for (int i = 1; i < b->n_seqs; i++) {
+        int t = b->seq_start[i];
+        if (!best || abs(2 * t - b->n_tok) < abs(2 * best_t - b->n_tok)) {
             best = i;
             best_t = t;
         }
     }
-    if (3 * (best_t < p->n_tokens - best_t ? best_t : p->n_tokens - best_t) < p->n_tokens)
+    if (3 * (best_t < b->n_tok - best_t ? best_t : b->n_tok - best_t) < b->n_tok)
         return 0;
     return best;
+}
+
+/* MTP layer L over batch b (MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
+ * batch's rows of g_rows, then the decoder layer on x.  me, mn: scratch rows [n, H]. */
+static int mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *b,
+                         const float *g_rows, float *me, float *mn, float *x)
+{
+    int n = b->n_tok, H = m->hidden, r;
+
+    TRY(backend_embed(m->be, &m->embed, b->ids, n, me));
+    TRY(backend_rmsnorm(m->be, me, &L->enorm, n, H, m->cfg->rms_norm_eps, me));
+    TRY(backend_rmsnorm(m->be, g_rows, &L->hnorm, n, H, m->cfg->rms_norm_eps, mn));
+    TRY(backend_matmul(m->be, &L->eh_e, me, n, x));
+    TRY(backend_matmul(m->be, &L->eh_h, mn, n, m->tmp));
+    TRY(backend_add(m->be, x, m->tmp, (size_t)n * H));
+    return layer_forward(m, L, x, b);
 }
 
 static void split_part_run(void *arg, int part, struct backend *sub)
@@ -1275,7 +1292,7 @@ static void split_part_run(void *arg, int part, struct backend *sub)
     struct model *m = ss->m;
     struct split_part *sp = &ss->part[part];
     struct model v = *m;    /* a view: this part's backend and activations */
-    float *x = m->hid + (size_t)sp->t0 * m->hidden;
+    const size_t off = (size_t)sp->t0 * m->hidden;
     int r;
 
     v.be = sub;
@@ -1285,16 +1302,21 @@ static void split_part_run(void *arg, int part, struct backend *sub)
         v.ff_act = m->s_ff_act; v.rlogits = m->s_rlogits; v.rweights = m->s_rweights;
         v.rids = m->s_rids;
     }
-    r = backend_embed(sub, &m->embed, sp->b.ids, sp->b.n_tok, x);
-    for (int l = 0; l < m->n_layers && r >= 0; l++)
-        r = layer_forward(&v, &m->layers[l], x, &sp->b);
+    if (ss->mtp) {
+        /* part 0's layer writes m->a rows [0, t0 of part 1) only: part 1's g rows stay */
+        r = mtp_layer_run(&v, ss->mtp, &sp->b, m->a + off, m->me + off, m->mn + off, m->x + off);
+    } else {
+        r = backend_embed(sub, &m->embed, sp->b.ids, sp->b.n_tok, m->hid + off);
+        for (int l = 0; l < m->n_layers && r >= 0; l++)
+            r = layer_forward(&v, &m->layers[l], m->hid + off, &sp->b);
+    }
     sp->r = r;
 }
 
-/* Run the layers of batch b (the whole plan) as two parts cut before run `at`. */
-static int split_layers(struct model *m, const struct batch *b, int at)
+/* Run batch b (the trunk's layers, or MTP layer `mtp`) as two parts cut before run `at`. */
+static int split_layers(struct model *m, const struct batch *b, int at, struct mlayer *mtp)
 {
-    struct split_step ss = { .m = m };
+    struct split_step ss = { .m = m, .mtp = mtp };
     struct split_part *p0 = &ss.part[0], *p1 = &ss.part[1];
     const int t = b->seq_start[at];
     int r;
@@ -1367,9 +1389,9 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
 
     /* the script: the residual stream lives in hid, which keeps the pre-final-norm hidden
      * states for the logits and for MTP depth 0 */
-    int at = split_at(m, p);
+    int at = split_at(m, &b);
     if (at > 0) {
-        r = split_layers(m, &b, at);
+        r = split_layers(m, &b, at, NULL);
     } else {
         r = backend_embed(m->be, &m->embed, b.ids, p->n_tokens, m->hid);
         for (int l = 0; l < m->n_layers && r >= 0; l++)
@@ -1562,14 +1584,12 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
                 r = copy_rows(m, m->a, &j, m->mstash, &slot, 1);
             }
     }
-    /* m = We·enorm(E[x]) + Wh·hnorm(g), g = trunk hidden (k = 0) or MTP layer k-1's output */
-    r = r ? r : backend_embed(m->be, &m->embed, mb.ids, n, m->me);
-    r = r ? r : backend_rmsnorm(m->be, m->me, &L->enorm, n, H, m->cfg->rms_norm_eps, m->me);
-    r = r ? r : backend_rmsnorm(m->be, m->a, &L->hnorm, n, H, m->cfg->rms_norm_eps, m->mn);
-    r = r ? r : backend_matmul(m->be, &L->eh_e, m->me, n, m->x);
-    r = r ? r : backend_matmul(m->be, &L->eh_h, m->mn, n, m->tmp);
-    r = r ? r : backend_add(m->be, m->x, m->tmp, (size_t)n * H);
-    r = r ? r : layer_forward(m, L, m->x, &mb);
+    /* g = trunk hidden (k = 0) or MTP layer k-1's output, in m->a: the layer, whole or as
+     * per-core parts */
+    if (!r) {
+        int at = split_at(m, &mb);
+        r = at > 0 ? split_layers(m, &mb, at, L) : mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
+    }
     if (r < 0)
         goto fail;
 

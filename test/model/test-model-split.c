@@ -1,8 +1,9 @@
 /* test-model-split.c - split trunk steps (model_step runs a batch of sequences as two
  * per-core parts, backend_split_run) give bit for bit the logits of the same steps run
  * whole, on a 2-thread CPU backend: trunk logits of every step and the MTP drafts that
- * follow them, over a schedule of mixed prefill chunks and decodes of up to 16 sequences
- * that joins, leaves and crosses the sliding window.  Also: the split really happened
+ * follow them, over a schedule of mixed prefill chunks, decodes and verify runs with rejected
+ * drafts (the MTP layers then re-run positions) of up to 16 sequences that joins, leaves
+ * and crosses the sliding window.  Also: the split really happened
  * (model_split_steps), never with no_split, and never for a step below the split size.
  *
  *   test-model-split MODEL_DIR [exact|fast]
@@ -34,10 +35,13 @@ static uint32_t rnd(void)
 static int V, K, window;
 
 /* Run one plan on both models and compare the trunk logits and K MTP depths bit for bit. */
-static void step_both(struct model *a, struct model *b, struct tplan *tp, const int32_t *next,
-                      float *la, float *lb, const char *what)
+static int trunk_splits, mtp_splits;
+
+static void step_both(struct model *a, struct model *b, struct tplan *tp, const int32_t *valid,
+                      const int32_t *next, float *la, float *lb, const char *what)
 {
     int rows = 0;
+    uint64_t c0 = model_split_steps(a), c1;
 
     for (int i = 0; i < tp->p.n_seqs; i++)
         rows += tp->seqs[i].n_logits;
@@ -45,11 +49,16 @@ static void step_both(struct model *a, struct model *b, struct tplan *tp, const 
     ASSERT_OK(model_step(b, &tp->p, lb));
     if (memcmp(la, lb, sizeof(float) * (size_t)rows * V) != 0)
         FAIL("%s: trunk logits differ between split and whole steps", what);
+    c1 = model_split_steps(a);
+    ASSERT_TRUE(c1 - c0 <= 1);
+    trunk_splits += (int)(c1 - c0);
+    if (tp->p.n_tokens < 8)
+        ASSERT_EQ(c1, c0);          /* below the split size: the step ran whole */
     for (int k = 0; k < K; k++) {
         int32_t nv[NSEQ], tin[NSEQ];
 
         for (int i = 0; i < tp->p.n_seqs; i++) {
-            nv[i] = tp->seqs[i].n_tokens;
+            nv[i] = valid[i];
             tin[i] = next[i * 4 + k];
         }
         ASSERT_OK(model_mtp_step(a, k, &tp->p, nv, tin, la));
@@ -57,6 +66,7 @@ static void step_both(struct model *a, struct model *b, struct tplan *tp, const 
         if (memcmp(la, lb, sizeof(float) * (size_t)tp->p.n_seqs * V) != 0)
             FAIL("%s: MTP depth %d logits differ between split and whole steps", what, k);
     }
+    mtp_splits += (int)(model_split_steps(a) - c1);
 }
 
 int main(int argc, char **argv)
@@ -101,56 +111,69 @@ int main(int argc, char **argv)
     /* 40 steps: each live sequence either prefills a chunk (1-40 tokens, logits of the last
      * 1-3) or decodes (1 token, or 4 as a verify run); 4..16 sequences per step; a sequence
      * that reaches MAXLEN - 8 restarts from 0 (new request in the slot). */
-    int steps = 0, small = 0;
+    int small = 0;
     for (int st = 0; st < 40; st++) {
         struct tplan tp;
-        int32_t next[NSEQ * 4];
+        int32_t next[NSEQ * 4], valid[NSEQ], toks[40];
         int want = 4 + (int)(rnd() % (NSEQ - 3)), n = 0;
         char what[64];
 
         tp_init(&tp);
         for (int s = 0; s < NSEQ && n < want; s++) {
-            int slot = (st + s * 5) % NSEQ, len;
+            int slot = (st + s * 5) % NSEQ, len, nv;
+            bool verify;
 
             if (pos[slot] >= MAXLEN - 48)
                 pos[slot] = 0;
-            len = pos[slot] == 0 || rnd() % 5 == 0 ? 1 + (int)(rnd() % 40) : (rnd() % 4 ? 1 : 4);
-            tp_add_run(&tp, slot, pos[slot], X[slot] + pos[slot], len, 1 + (len > 2) * (int)(rnd() % 3),
-                       0, pos[slot] - window + 1);
+            verify = pos[slot] > 0 && rnd() % 4 == 0;
+            len = verify ? 4 : (pos[slot] == 0 || rnd() % 5 == 0 ? 1 + (int)(rnd() % 40) : 1);
+            /* a verify run keeps its first nv tokens; the rest are rejected drafts (ids
+             * that differ from what the next step feeds at those positions) */
+            nv = verify ? 1 + (int)(rnd() % 4) : len;
+            memcpy(toks, X[slot] + pos[slot], sizeof(int32_t) * (size_t)len);
+            for (int j = nv; j < len; j++)
+                toks[j] = (toks[j] + 1 + (int32_t)(rnd() % 7)) % V;
+            tp_add_run(&tp, slot, pos[slot], toks, len,
+                       verify ? len : 1 + (len > 2) * (int)(rnd() % 3), K, pos[slot] - window + 1);
+            valid[n] = nv;
+            /* depth 0 takes the sampled token, deeper ones drafts: sometimes wrong ones,
+             * which the next step's run contradicts (the MTP layers re-run them) */
             for (int k = 0; k < 4; k++)
-                next[n * 4 + k] = X[slot][pos[slot] + len + k];
-            pos[slot] += len;
+                next[n * 4 + k] = (X[slot][pos[slot] + nv + k] +
+                                   (k > 0 && rnd() % 3 == 0 ? 1 : 0)) % V;
+            pos[slot] += nv;
             n++;
         }
-        uint64_t before = model_split_steps(ms);
         snprintf(what, sizeof(what), "step %d (%d seqs, %d tokens)", st, tp.p.n_seqs, tp.p.n_tokens);
-        step_both(ms, mw, &tp, next, la, lb, what);
-        steps += model_split_steps(ms) > before;
-        if (tp.p.n_tokens < 8) {
-            small++;
-            ASSERT_EQ(model_split_steps(ms), before);       /* below the split size: whole */
-        }
+        step_both(ms, mw, &tp, valid, next, la, lb, what);
+        small += tp.p.n_tokens < 8;
     }
     /* 16 single-token decodes: the batch-16 decode step splits */
     {
         struct tplan tp;
-        int32_t next[NSEQ * 4];
+        int32_t next[NSEQ * 4], valid[NSEQ];
 
         tp_init(&tp);
         for (int s = 0; s < NSEQ; s++) {
-            tp_add_run(&tp, s, pos[s], X[s] + pos[s], 1, 1, 0, pos[s] - window + 1);
+            valid[s] = 1;
+            tp_add_run(&tp, s, pos[s], X[s] + pos[s], 1, 1, K, pos[s] - window + 1);
             for (int k = 0; k < 4; k++)
                 next[s * 4 + k] = X[s][pos[s] + 1 + k];
         }
-        uint64_t before = model_split_steps(ms);
-        step_both(ms, mw, &tp, next, la, lb, "batch-16 decode");
-        ASSERT_EQ(model_split_steps(ms), before + 1);
-        steps++;
+        int before = trunk_splits;
+        step_both(ms, mw, &tp, valid, next, la, lb, "batch-16 decode");
+        ASSERT_EQ(trunk_splits, before + 1);
     }
     ASSERT_EQ(model_split_steps(mw), 0);
-    ASSERT_TRUE(steps >= 20);
-    printf("%s path: 41 steps bit-identical split vs whole (trunk + %d MTP depths); %d ran split, "
-           "%d below the split size ran whole\n", exact ? "exact" : "fast", K, steps, small);
+    ASSERT_TRUE(trunk_splits >= 20);
+    ASSERT_TRUE(K == 0 || mtp_splits >= 20);
+    uint64_t rerun = 0, missed = 0;
+    model_mtp_repair_stats(ms, &rerun, &missed);
+    ASSERT_TRUE(K < 2 || rerun > 0);
+    printf("MTP positions re-run after rejected drafts: %llu\n", (unsigned long long)rerun);
+    printf("%s path: 41 steps bit-identical split vs whole (trunk + %d MTP depths); split: %d "
+           "trunk steps, %d MTP depths; %d steps below the split size ran whole\n",
+           exact ? "exact" : "fast", K, trunk_splits, mtp_splits, small);
 
     free(la);
     free(lb);

@@ -18,7 +18,10 @@
  */
 #include "model.h"
 
+#include <errno.h>
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +33,7 @@
 
 /* One decoder layer (trunk or MTP), this rank's slice. */
 /* smallest trunk step that runs as per-core parts (see split steps, before model_step) */
-#define MODEL_SPLIT_MIN_TOKENS 8
+#define MODEL_SPLIT_MIN_TOKENS 4
 
 struct mlayer {
     int idx;                        /* global layer index (MTP: n_layers + k) */
@@ -75,6 +78,18 @@ struct batch {
     const int32_t *seq_pos0;        /* [n_seqs] */
     const int32_t *boff[_KV_GROUP_MAX];   /* [n_seqs] */
     const int32_t *tables[_KV_GROUP_MAX]; /* the plan's tables */
+    struct split_sync *sync;        /* split step cut inside a run (NULL: none): the KV */
+    int sync_role;                  /* hand-off; 0 = writes the earlier keys, 1 = reads them */
+};
+
+/* A split step's parts when the cut falls inside a run: part 1's first queries attend to
+ * keys part 0 writes, layer by layer.  Part 0 counts the layers whose KV it has stored;
+ * part 1 waits for the count before each attention.  Part 0 never waits (causal), so a
+ * late core, or one thread running both parts in turn, cannot deadlock. */
+struct split_sync {
+    _Atomic int kv_layers;          /* layers whose KV part 0 has stored */
+    _Atomic int failed;             /* part 0 stopped early: part 1 gives up */
+    int seen;                       /* part 1: attentions passed */
 };
 
 struct model {
@@ -153,7 +168,7 @@ struct model {
     int split_parts, split_min_tokens;
     float *s_a, *s_tmp, *s_q, *s_k, *s_v, *s_g, *s_att, *s_ff_gate, *s_ff_up, *s_ff_act;
     float *s_rlogits, *s_rweights;
-    int32_t *s_rids, *h_seq_start2;
+    int32_t *s_rids, *h_seq_start2, *h_seq_start3, *h_seq_pos02;
     uint64_t n_split_steps;
 
     struct err_buf last_err;
@@ -714,6 +729,8 @@ static int reserve(struct model *m, struct err_buf *e)
     r = r ? r : host_i32(&m->h_pos, T);
     r = r ? r : host_i32(&m->h_seq_start, S + 1);
     r = r ? r : host_i32(&m->h_seq_start2, S + 1);
+    r = r ? r : host_i32(&m->h_seq_start3, S + 1);
+    r = r ? r : host_i32(&m->h_seq_pos02, S);
     r = r ? r : host_i32(&m->h_seq_pos0, S);
     r = r ? r : host_i32(&m->h_rows, T);
     r = r ? r : host_i32(&m->h_src, T);
@@ -917,7 +934,10 @@ void model_free(struct model *m)
     free(m->h_ids);
     free(m->h_pos);
     free(m->h_seq_start);
+    free(m->h_seq_start2);
+    free(m->h_seq_start3);
     free(m->h_seq_pos0);
+    free(m->h_seq_pos02);
     free(m->h_rows);
     free(m->h_src);
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
@@ -1047,6 +1067,8 @@ static void batch_fill(const struct model *m, struct batch *b, const struct step
 {
     b->n_tok = n_tok;
     b->n_seqs = n_seqs;
+    b->sync = NULL;
+    b->sync_role = 0;
     b->ids = m->h_ids;
     b->pos = m->h_pos;
     b->seq_start = m->h_seq_start;
@@ -1110,6 +1132,23 @@ static int swiglu_mlp(struct model *m, const struct mlayer *L, const float *x, i
     return backend_matmul(m->be, &L->down, m->ff_act, n, out);
 }
 
+/* Part 1 of a step cut inside a run: wait until part 0 has stored this layer's KV. */
+static int split_wait(struct split_sync *ss)
+{
+    const int want = ++ss->seen;
+
+    for (unsigned i = 1; atomic_load_explicit(&ss->kv_layers, memory_order_acquire) < want; i++) {
+        if (atomic_load_explicit(&ss->failed, memory_order_relaxed))
+            return -ECANCELED;
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+        if ((i & 1023) == 0)
+            sched_yield();
+    }
+    return 0;
+}
+
 /* One decoder layer (MODEL.md §2.3) over the batch, in place on the residual x [n, H].
  * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
 static int layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
@@ -1137,6 +1176,10 @@ static int layer_forward(struct model *m, struct mlayer *L, float *x, const stru
         TRY(backend_rope(m->be, m->k, n, L->n_kv_heads, hd, b->pos, &L->freqs));
     }
     TRY(backend_kv_store(m->be, &L->kv, m->k, m->v, n, b->slots[g]));
+    if (b->sync && b->sync_role == 0)
+        atomic_fetch_add_explicit(&b->sync->kv_layers, 1, memory_order_release);
+    if (b->sync && b->sync_role == 1)
+        TRY(split_wait(b->sync));
 
     struct attn_args aa = {
         .q = m->q,
@@ -1250,14 +1293,21 @@ struct split_step {
     struct split_part part[2];
 };
 
-/* The run index at which to cut batch b in two, or 0 for no split: the cut nearest half
- * the tokens, if the smaller part still has a third of them. */
-static int split_at(const struct model *m, const struct batch *b)
+/* Where to cut batch b in two: token t, in or before run `run`.  A cut between runs
+ * nearest half the tokens when the smaller part keeps a third of them; else half the tokens,
+ * inside the run that holds the middle (part 1's first queries then wait for part 0's keys,
+ * struct split_sync).  false: too small to split. */
+struct split_cut {
+    int t, run;
+    bool inside;            /* t falls inside run `run` (else run `run` starts at t) */
+};
+
+static bool split_choose(const struct model *m, const struct batch *b, struct split_cut *c)
 {
     int best = 0, best_t = 0;
 
-    if (m->split_parts < 2 || b->n_seqs < 2 || b->n_tok < m->split_min_tokens)
-        return 0;
+    if (m->split_parts < 2 || b->n_tok < m->split_min_tokens)
+        return false;
     for (int i = 1; i < b->n_seqs; i++) {
         int t = b->seq_start[i];
         if (!best || abs(2 * t - b->n_tok) < abs(2 * best_t - b->n_tok)) {
@@ -1265,9 +1315,15 @@ static int split_at(const struct model *m, const struct batch *b)
             best_t = t;
         }
     }
-    if (3 * (best_t < b->n_tok - best_t ? best_t : b->n_tok - best_t) < b->n_tok)
-        return 0;
-    return best;
+    if (best && 3 * (best_t < b->n_tok - best_t ? best_t : b->n_tok - best_t) >= b->n_tok) {
+        *c = (struct split_cut){ .t = best_t, .run = best, .inside = false };
+        return true;
+    }
+    c->t = b->n_tok / 2;
+    for (c->run = 0; b->seq_start[c->run + 1] <= c->t; c->run++)
+        ;
+    c->inside = b->seq_start[c->run] < c->t;
+    return true;
 }
 
 /* MTP layer L over batch b (MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
@@ -1310,21 +1366,32 @@ static void split_part_run(void *arg, int part, struct backend *sub)
         for (int l = 0; l < m->n_layers && r >= 0; l++)
             r = layer_forward(&v, &m->layers[l], m->hid + off, &sp->b);
     }
+    if (r < 0 && sp->b.sync && part == 0)
+        atomic_store_explicit(&sp->b.sync->failed, 1, memory_order_relaxed);
     sp->r = r;
 }
 
-/* Run batch b (the trunk's layers, or MTP layer `mtp`) as two parts cut before run `at`. */
-static int split_layers(struct model *m, const struct batch *b, int at, struct mlayer *mtp)
+/* Run batch b (the trunk's layers, or MTP layer `mtp`) as two parts cut at c. */
+static int split_layers(struct model *m, const struct batch *b, const struct split_cut *c,
+                        struct mlayer *mtp)
 {
     struct split_step ss = { .m = m, .mtp = mtp };
     struct split_part *p0 = &ss.part[0], *p1 = &ss.part[1];
-    const int t = b->seq_start[at];
+    struct split_sync sync = { 0 };
+    const int t = c->t, at = c->run;
     int r;
 
     p0->b = *b;
     p0->b.n_tok = t;
-    p0->b.n_seqs = at;
+    p0->b.n_seqs = at + c->inside;
     p0->t0 = 0;
+    if (c->inside) {            /* run `at` ends at t in part 0 */
+        memcpy(m->h_seq_start3, b->seq_start, sizeof(int32_t) * (size_t)(at + 1));
+        m->h_seq_start3[at + 1] = t;
+        p0->b.seq_start = m->h_seq_start3;
+        p0->b.sync = &sync;
+        p0->b.sync_role = 0;
+    }
     p1->b = *b;
     p1->b.n_tok = b->n_tok - t;
     p1->b.n_seqs = b->n_seqs - at;
@@ -1332,12 +1399,19 @@ static int split_layers(struct model *m, const struct batch *b, int at, struct m
     p1->b.ids = b->ids + t;
     p1->b.pos = b->pos + t;
     for (int i = 0; i <= p1->b.n_seqs; i++)
-        m->h_seq_start2[i] = b->seq_start[at + i] - t;
+        m->h_seq_start2[i] = i ? b->seq_start[at + i] - t : 0;
+    for (int i = 0; i < p1->b.n_seqs; i++)
+        m->h_seq_pos02[i] = b->seq_pos0[at + i];
+    m->h_seq_pos02[0] += t - b->seq_start[at];     /* run `at` starts at t in part 1 */
     p1->b.seq_start = m->h_seq_start2;
-    p1->b.seq_pos0 = b->seq_pos0 + at;
+    p1->b.seq_pos0 = m->h_seq_pos02;
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         p1->b.slots[g] = b->slots[g] + t;
         p1->b.boff[g] = b->boff[g] + at;
+    }
+    if (c->inside) {
+        p1->b.sync = &sync;
+        p1->b.sync_role = 1;
     }
     r = backend_split_run(m->be, 2, split_part_run, &ss);
     if (r < 0)
@@ -1389,9 +1463,9 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
 
     /* the script: the residual stream lives in hid, which keeps the pre-final-norm hidden
      * states for the logits and for MTP depth 0 */
-    int at = split_at(m, &b);
-    if (at > 0) {
-        r = split_layers(m, &b, at, NULL);
+    struct split_cut cut;
+    if (split_choose(m, &b, &cut)) {
+        r = split_layers(m, &b, &cut, NULL);
     } else {
         r = backend_embed(m->be, &m->embed, b.ids, p->n_tokens, m->hid);
         for (int l = 0; l < m->n_layers && r >= 0; l++)
@@ -1587,8 +1661,9 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
     /* g = trunk hidden (k = 0) or MTP layer k-1's output, in m->a: the layer, whole or as
      * per-core parts */
     if (!r) {
-        int at = split_at(m, &mb);
-        r = at > 0 ? split_layers(m, &mb, at, L) : mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
+        struct split_cut cut;
+        r = split_choose(m, &mb, &cut) ? split_layers(m, &mb, &cut, L)
+                                       : mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
     }
     if (r < 0)
         goto fail;

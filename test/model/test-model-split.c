@@ -4,7 +4,8 @@
  * follow them, over a schedule of mixed prefill chunks, decodes and verify runs with rejected
  * drafts (the MTP layers then re-run positions) of up to 16 sequences that joins, leaves
  * and crosses the sliding window.  Also: the split really happened
- * (model_split_steps), never with no_split, and never for a step below the split size.
+ * (model_split_steps), never with no_split, and never for a step below the split size; a
+ * single sequence (prefill chunk, verify runs of 4) splits inside its run.
  *
  *   test-model-split MODEL_DIR [exact|fast]
  */
@@ -52,7 +53,7 @@ static void step_both(struct model *a, struct model *b, struct tplan *tp, const 
     c1 = model_split_steps(a);
     ASSERT_TRUE(c1 - c0 <= 1);
     trunk_splits += (int)(c1 - c0);
-    if (tp->p.n_tokens < 8)
+    if (tp->p.n_tokens < 4)
         ASSERT_EQ(c1, c0);          /* below the split size: the step ran whole */
     for (int k = 0; k < K; k++) {
         int32_t nv[NSEQ], tin[NSEQ];
@@ -146,7 +147,37 @@ int main(int argc, char **argv)
         }
         snprintf(what, sizeof(what), "step %d (%d seqs, %d tokens)", st, tp.p.n_seqs, tp.p.n_tokens);
         step_both(ms, mw, &tp, valid, next, la, lb, what);
-        small += tp.p.n_tokens < 8;
+        small += tp.p.n_tokens < 4;
+    }
+    /* one sequence alone: a prefill chunk, then verify runs of 4 (batch-1 speculative
+     * decoding): the cut falls inside the run, part 1's first queries wait for part 0's
+     * keys (struct split_sync) */
+    {
+        int slot = 3, inside = 0;
+
+        pos[slot] = 0;
+        for (int st = 0; st < 12; st++) {
+            struct tplan tp;
+            int32_t next[4], valid[1], toks[40];
+            int len = st == 0 ? 37 : 4, nv = st == 0 ? len : 1 + (int)(rnd() % 4);
+            int before = trunk_splits;
+
+            tp_init(&tp);
+            memcpy(toks, X[slot] + pos[slot], sizeof(int32_t) * (size_t)len);
+            for (int j = nv; j < len; j++)
+                toks[j] = (toks[j] + 1) % V;
+            tp_add_run(&tp, slot, pos[slot], toks, len, st == 0 ? 1 : len, K,
+                       pos[slot] - window + 1);
+            valid[0] = nv;
+            for (int k = 0; k < 4; k++)
+                next[k] = (X[slot][pos[slot] + nv + k] + (k > 0 && rnd() % 3 == 0)) % V;
+            pos[slot] += nv;
+            step_both(ms, mw, &tp, valid, next, la, lb, st == 0 ? "1-seq prefill" : "1-seq verify");
+            ASSERT_EQ(trunk_splits, before + 1);
+            inside++;
+        }
+        printf("one sequence: a 37-token chunk and 11 verify runs of 4 split inside the run: "
+               "bit-identical (%d steps)\n", inside);
     }
     /* 16 single-token decodes: the batch-16 decode step splits */
     {

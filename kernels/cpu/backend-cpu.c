@@ -20,6 +20,7 @@
  */
 #include <errno.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -43,11 +44,14 @@ static bool cpu_has_avx2(void)
 bool cpu_has_avx512f(void)
 {
 #if defined(__x86_64__)
-    static int cached = -1;
+    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
+    int v = atomic_load_explicit(&cached, memory_order_relaxed);
 
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
-    return cached;
+    if (v < 0) {
+        v = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
 #else
     return false;
 #endif

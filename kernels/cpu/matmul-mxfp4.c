@@ -27,6 +27,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -211,12 +212,15 @@ static void exact_dot_avx2(const float *rowbuf, const float *xi, int64_t cols, d
 static bool have_avx2_rt(void)
 {
 #if defined(__x86_64__)
-    static int cached = -1;
+    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
+    int v = atomic_load_explicit(&cached, memory_order_relaxed);
 
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                 !getenv("STEPD_CPU_NO_AVX2");
-    return cached;
+    if (v < 0) {
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            !getenv("STEPD_CPU_NO_AVX2");
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
 #else
     return false;
 #endif
@@ -515,12 +519,15 @@ DEFINE_MXFP4_KERNELS(vnni, "avx2,fma,avx512vl,avx512vnni", DOT_VNNI)
  * (tests run both). */
 static bool have_vnni_rt(void)
 {
-    static int cached = -1;
+    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
+    int v = atomic_load_explicit(&cached, memory_order_relaxed);
 
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                 !getenv("STEPD_CPU_NO_VNNI");
-    return cached;
+    if (v < 0) {
+        v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+            !getenv("STEPD_CPU_NO_VNNI");
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
 }
 
 /* ---- 16-row kernel (AVX-512 VNNI): multi-token calls ----
@@ -907,14 +914,17 @@ fast_rows_t16(const struct bweight *w, const struct cpu_qact *qa, const int32_t 
  * STEPD_CPU_NO_AVX512 or STEPD_CPU_NO_AVX2 (no fast path at all) is set. */
 static bool have_t16_rt(void)
 {
-    static int cached = -1;
+    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
+    int v = atomic_load_explicit(&cached, memory_order_relaxed);
 
-    if (cached < 0)
-        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                 !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
-                 !getenv("STEPD_CPU_NO_AVX2");
-    return cached;
+    if (v < 0) {
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+            !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
+            !getenv("STEPD_CPU_NO_AVX2");
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
 }
 
 int64_t cpu_mxfp4_row_align(const struct bweight *w)

@@ -165,7 +165,40 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
     return r;
 }
 
-#define BENCH_REPS 3
+#define BENCH_REPS 5
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *) a, y = *(const double *) b;
+    return x < y ? -1 : x > y;
+}
+
+#define CONC_REPS 3
+
+static double min_of(const double *v, int n)
+{
+    double m = v[0];
+    for (int i = 1; i < n; i++)
+        m = v[i] < m ? v[i] : m;
+    return m;
+}
+
+static double max_of(const double *v, int n)
+{
+    double m = v[0];
+    for (int i = 1; i < n; i++)
+        m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* median of n values (n odd) */
+static double median_of(const double *v, int n)
+{
+    double s[BENCH_REPS];
+    memcpy(s, v, (size_t) n * sizeof(*s));
+    qsort(s, (size_t) n, sizeof(*s), cmp_double);
+    return s[n / 2];
+}
 
 static int cmp_decode(const void *a, const void *b)
 {
@@ -307,10 +340,17 @@ int main(int argc, char **argv)
         if (eq)
             kqr[rep] = run(eq, vocab, 1, 3, 32, n_out, 3);
     }
+    /* ratios per round (both runs saw the same machine), then their median */
+    double rk3[BENCH_REPS], rkq[BENCH_REPS];
+    for (int rep = 0; rep < BENCH_REPS; rep++) {
+        rk3[rep] = k0r[rep].decode_tps > 0 ? k3r[rep].decode_tps / k0r[rep].decode_tps : 0;
+        rkq[rep] = k0r[rep].decode_tps > 0 && eq ? kqr[rep].decode_tps / k0r[rep].decode_tps : 0;
+    }
     struct result k0 = median_result(k0r, BENCH_REPS), k3 = median_result(k3r, BENCH_REPS);
     printf("batch 1 decode (median of %d interleaved rounds): K=0 %.1f tok/s, K=3 %.1f tok/s, "
-           "speed-up %.2fx\n", BENCH_REPS, k0.decode_tps, k3.decode_tps,
-           k0.decode_tps > 0 ? k3.decode_tps / k0.decode_tps : 0);
+           "speed-up %.2fx (median of the rounds' ratios; range %.2f .. %.2f)\n", BENCH_REPS,
+           k0.decode_tps, k3.decode_tps, median_of(rk3, BENCH_REPS),
+           min_of(rk3, BENCH_REPS), max_of(rk3, BENCH_REPS));
     printf("  per step: K=0 forward %.3f ms + engine %.3f ms for %.2f tokens; "
            "K=3 forward %.3f ms + MTP %.3f ms + engine %.3f ms for %.2f tokens\n",
            k0.fwd_ms, k0.eng_ms, k0.tok_per_step, k3.fwd_ms, k3.mtp_ms, k3.eng_ms, k3.tok_per_step);
@@ -318,26 +358,43 @@ int main(int argc, char **argv)
     if (eq) {
         struct result kq = median_result(kqr, BENCH_REPS);
         printf("batch 1 decode, K=3 with MXFP4 drafts (draft_quantization \"mxfp4\"): %.1f tok/s, "
-               "speed-up %.2fx over K=0\n", kq.decode_tps,
-               k0.decode_tps > 0 ? kq.decode_tps / k0.decode_tps : 0);
+               "speed-up %.2fx over K=0 (median of the rounds' ratios; range %.2f .. %.2f)\n",
+               kq.decode_tps, median_of(rkq, BENCH_REPS), min_of(rkq, BENCH_REPS),
+               max_of(rkq, BENCH_REPS));
         printf("  per step: forward %.3f ms + MTP %.3f ms + engine %.3f ms for %.2f tokens\n",
                kq.fwd_ms, kq.mtp_ms, kq.eng_ms, kq.tok_per_step);
         print_acceptance("K=3 MXFP4 drafts", &kq.mtp);
     }
 
+    /* concurrency 1, 4, 16 interleaved over CONC_REPS rounds; each line is the round with
+     * the median throughput, and the ratio the median of the rounds' ratios to their own
+     * concurrency-1 run */
     static const int concs[3] = { 1, 4, 16 };
     for (int kk = 0; kk <= 3; kk += 3) {
-        double base = 0;
+        struct result rr[3][BENCH_REPS];
+        double ratio[3][BENCH_REPS];
+        for (int rep = 0; rep < CONC_REPS; rep++) {
+            for (int i = 0; i < 3; i++) {
+                int c = concs[i];
+                rr[i][rep] = run(e, vocab, c, kk, 32, n_out / 2, c == 1 ? 6 : 3);
+                ratio[i][rep] = rr[0][rep].out_tps > 0 ? rr[i][rep].out_tps / rr[0][rep].out_tps : 0;
+            }
+        }
         for (int i = 0; i < 3; i++) {
-            int c = concs[i];
-            struct result r = run(e, vocab, c, kk, 32, n_out / 2, c == 1 ? 6 : 3);
-            if (c == 1)
-                base = r.out_tps;
-            printf("K=%d concurrency %2d: %8.1f output tok/s (%.2fx of concurrency 1), "
-                   "mean TTFT %.2f ms, mean per-request decode %.1f tok/s; per step forward "
-                   "%.2f ms, MTP %.2f ms, engine %.3f ms, %.1f output tokens\n",
-                   kk, c, r.out_tps, base > 0 ? r.out_tps / base : 0, r.ttft * 1e3, r.decode_tps,
-                   r.fwd_ms, r.mtp_ms, r.eng_ms, r.tok_per_step);
+            double tps[BENCH_REPS];
+            struct result r = rr[i][0];
+            for (int rep = 0; rep < CONC_REPS; rep++)
+                tps[rep] = rr[i][rep].out_tps;
+            for (int rep = 0; rep < CONC_REPS; rep++)
+                if (rr[i][rep].out_tps == median_of(tps, CONC_REPS))
+                    r = rr[i][rep];
+            printf("K=%d concurrency %2d: %8.1f output tok/s (%.2fx of concurrency 1, median of "
+                   "%d interleaved rounds' ratios, range %.2f .. %.2f), mean TTFT %.2f ms, mean "
+                   "per-request decode %.1f tok/s; per step forward %.2f ms, MTP %.2f ms, engine "
+                   "%.3f ms, %.1f output tokens\n",
+                   kk, concs[i], r.out_tps, median_of(ratio[i], CONC_REPS), CONC_REPS,
+                   min_of(ratio[i], CONC_REPS), max_of(ratio[i], CONC_REPS), r.ttft * 1e3,
+                   r.decode_tps, r.fwd_ms, r.mtp_ms, r.eng_ms, r.tok_per_step);
         }
     }
     engine_stop(e);

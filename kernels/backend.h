@@ -142,7 +142,7 @@ struct backend_ops {
     /* optional (NULL when absent) */
     int (*graph_begin)(struct backend *be);
     int (*graph_end)(struct backend *be);
-    /* Parts that split_run can run at once (host threads); absent = 1. */
+    /* Parts that split_run can run at once (CPU: 2 on a 2-thread backend); absent = 1. */
     int (*split_width)(struct backend *be);
     /* Run fn(arg, part, sub) for part = 0 .. n_parts - 1 (n_parts <= split_width) at the
      * same time, each part's ops on `sub`: a backend of its own with ONE thread and its own

@@ -190,9 +190,12 @@ static int cpu_graph_end(struct backend *be)
  * at 6 GB/s, vs 26 GB/s from L3), and the ops of a step hand their activations to each
  * other: an op split by rows pays that twice (inputs in, outputs back).  A part runs all
  * of a sequence group's ops on one core, so only the weights (read-only) are shared. */
+/* Two parts on a 2-thread backend.  Wider pools keep splitting ops by rows: a part per
+ * thread would leave a step's runs too short to cut that finely, and a part with several
+ * threads would need pools inside the pool (measured only on 2 cores so far). */
 static int cpu_split_width(struct backend *be)
 {
-    return cpu_ctx(be)->n_threads;
+    return cpu_ctx(be)->n_threads == 2 ? 2 : 1;
 }
 
 struct split_job {

@@ -1,6 +1,9 @@
 /* test-backend.c - registry and wrappers: "cpu" is built in, unknown names are -EINVAL,
  * "cuda" without its plugin/GPU is -ENODEV, NULL slots take their documented fallbacks,
  * the capability query answers per op and format. */
+#include <stdatomic.h>
+#include <time.h>
+
 #include "kref.h"
 
 static int fake_init(struct backend *be, const struct backend_cfg *cfg)
@@ -13,6 +16,62 @@ static void fake_free(struct backend *be)
 }
 
 static const struct backend_ops fake_ops = { .name = "fake", .init = fake_init, .free = fake_free };
+
+/* split_run: each part's own single-threaded backend, both parts at once (part 1 waits
+ * for part 0 to start and part 0 for part 1: a serial run would never finish, so each side
+ * gives up after a second and the test reports it) */
+struct split_t {
+    struct backend *sub[2];
+    _Atomic int started[2];
+    bool met[2];
+};
+
+static double mono_s(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void split_part(void *arg, int part, struct backend *sub)
+{
+    struct split_t *st = arg;
+    double t0 = mono_s();
+
+    st->sub[part] = sub;
+    atomic_store(&st->started[part], 1);
+    while (!atomic_load(&st->started[1 - part]) && mono_s() - t0 < 1.0)
+        ;
+    st->met[part] = atomic_load(&st->started[1 - part]);
+}
+
+static void test_split_run(void)
+{
+    struct backend *be;
+    struct backend_cfg cfg = { .n_threads = 2 };
+    struct split_t st = { 0 };
+    float x[64], y[64];
+
+    ASSERT_OK(backend_new("cpu", &cfg, &be));
+    ASSERT_EQ(backend_split_width(be), 2);
+    ASSERT_ERR(backend_split_run(be, 3, split_part, &st), -EINVAL);
+    ASSERT_OK(backend_split_run(be, 2, split_part, &st));
+    ASSERT_TRUE(st.met[0] && st.met[1]);            /* the parts ran at the same time */
+    ASSERT_TRUE(st.sub[0] && st.sub[1] && st.sub[0] != st.sub[1] && st.sub[0] != be);
+    /* a sub-backend is a working backend of its own */
+    for (int i = 0; i < 64; i++)
+        x[i] = (float)i;
+    memcpy(y, x, sizeof(y));
+    ASSERT_OK(backend_add(st.sub[1], y, x, 64));
+    ASSERT_TRUE(y[10] == 20.0f && y[63] == 126.0f);
+    backend_free(be);
+    cfg.n_threads = 1;
+    ASSERT_OK(backend_new("cpu", &cfg, &be));
+    ASSERT_EQ(backend_split_width(be), 1);
+    backend_free(be);
+    printf("split_run: 2 parts at once on their own backends\n");
+}
 
 int main(void)
 {
@@ -39,6 +98,7 @@ int main(void)
         ASSERT_OK(backend_sync(be));
         backend_buf_free(be, p);
     }
+    test_split_run();
     ASSERT_OK(backend_graph_begin(be));     /* CPU: the pool's busy mode for one step */
     ASSERT_OK(backend_graph_end(be));
     backend_free(be);
@@ -72,6 +132,8 @@ int main(void)
         ASSERT_OK(backend_weight_prepare(&fake, &w));
         ASSERT_ERR(backend_matmul(&fake, &w, x, 1, y), -ENOSYS);
         ASSERT_ERR(backend_add(&fake, y, x, 2), -ENOSYS);
+        ASSERT_EQ(backend_split_width(&fake), 1);
+        ASSERT_ERR(backend_split_run(&fake, 1, split_part, NULL), -ENOSYS);
         backend_weight_release(&fake, &w);
         kref_weight_free(&w);
     }

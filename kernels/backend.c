@@ -340,14 +340,15 @@ int backend_split_width(struct backend *be)
     return be->ops->split_width ? be->ops->split_width(be) : 1;
 }
 
-int backend_split_run(struct backend *be, int n_parts, backend_part_fn fn, void *arg)
+int backend_split_run(struct backend *be, int n_parts, bool together, backend_part_fn fn,
+                      void *arg)
 {
     ASSERT(be && fn && n_parts >= 1);
     if (!be->ops->split_run)
         return -ENOSYS;
     if (n_parts > backend_split_width(be))
         return -EINVAL;
-    return be->ops->split_run(be, n_parts, fn, arg);
+    return be->ops->split_run(be, n_parts, together, fn, arg);
 }
 
 int backend_graph_begin(struct backend *be)

@@ -148,9 +148,11 @@ struct backend_ops {
      * same time, each part's ops on `sub`: a backend of its own with ONE thread and its own
      * scratch, that takes this backend's prepared weights (host memory).  A part's ops
      * never touch another part's cache lines, so each core keeps its own activations.
-     * Returns when every part has returned.  (CPU: one part per pool thread; a part whose
-     * thread is late runs on the caller after its own.) */
-    int (*split_run)(struct backend *be, int n_parts, backend_part_fn fn, void *arg);
+     * Returns when every part has returned.  together = false: a part whose thread is late
+     * runs on the caller after the caller's own (so part j may wait for parts < j only);
+     * true: every part on its own thread at once (parts may wait for each other). */
+    int (*split_run)(struct backend *be, int n_parts, bool together, backend_part_fn fn,
+                     void *arg);
 };
 
 struct backend {
@@ -204,7 +206,8 @@ int backend_add(struct backend *be, float *y, const float *x, size_t n);
 /* split_width: 1 when the slot is absent.  split_run: -ENOSYS when absent; n_parts must be
  * 1 .. split_width. */
 int backend_split_width(struct backend *be);
-int backend_split_run(struct backend *be, int n_parts, backend_part_fn fn, void *arg);
+int backend_split_run(struct backend *be, int n_parts, bool together, backend_part_fn fn,
+                      void *arg);
 int backend_graph_begin(struct backend *be);
 int backend_graph_end(struct backend *be);
 

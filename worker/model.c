@@ -170,6 +170,12 @@ struct model {
     float *s_rlogits, *s_rweights;
     int32_t *s_rids, *h_seq_start2, *h_seq_start3, *h_seq_pos02;
     uint64_t n_split_steps;
+    /* MTP layers across the two cores (mtp_tp_run): per MTP layer two halves (heads, MLP
+     * units, eh_proj rows), part 1's MTP rows, the partial-sum exchange */
+    bool mtp_tp;
+    struct mlayer *tp_half;         /* [n_mtp * 2] */
+    float *tp_buf[2][2];            /* [set][part] [max_rows, H] */
+    float *s_x, *s_me, *s_mn;
 
     struct err_buf last_err;
 };
@@ -485,6 +491,129 @@ static int split_eh(struct model *m, struct mlayer *L, const char *name, struct 
     return prepare(m, &L->eh_h, name, e);
 }
 
+/* ------------------------------------------- MTP layers across the cores -- */
+
+/* Rows [r0, r1) of w as a weight of its own: the same memory, prepared anew. */
+static int slice_rows(struct model *m, const struct bweight *w, int64_t r0, int64_t r1,
+                      struct bweight *out, struct err_buf *e)
+{
+    memset(out, 0, sizeof(*out));
+    out->fmt = w->fmt;
+    out->rows = r1 - r0;
+    out->cols = w->cols;
+    switch (w->fmt) {
+    case WFMT_BF16: out->data = (const uint8_t *)w->data + r0 * w->cols * 2; break;
+    case WFMT_F32: out->data = (const uint8_t *)w->data + r0 * w->cols * 4; break;
+    case WFMT_MXFP4:
+        out->data = (const uint8_t *)w->data + r0 * (w->cols / 2);
+        out->scale = w->scale + r0 * (w->cols / MXFP4_GROUP);
+        break;
+    default:
+        return err_set(e, -EINVAL, "MTP split: weight format %d", (int)w->fmt);
+    }
+    return prepare(m, out, "MTP layer half (rows)", e);
+}
+
+/* Columns [c0, c1) of w (multiples of 32) copied into a weight of its own. */
+static int slice_cols(struct model *m, const struct bweight *w, int64_t c0, int64_t c1,
+                      struct bweight *out, struct err_buf *e)
+{
+    const int64_t rows = w->rows, nc = c1 - c0;
+    size_t esz = w->fmt == WFMT_BF16 ? 2 : 4, bytes;
+    uint8_t *buf;
+    int r;
+
+    memset(out, 0, sizeof(*out));
+    out->fmt = w->fmt;
+    out->rows = rows;
+    out->cols = nc;
+    if (w->fmt != WFMT_BF16 && w->fmt != WFMT_F32 && w->fmt != WFMT_MXFP4)
+        return err_set(e, -EINVAL, "MTP split: weight format %d", (int)w->fmt);
+    bytes = w->fmt == WFMT_MXFP4 ? (size_t)(rows * (nc / 2 + nc / MXFP4_GROUP))
+                                  : (size_t)(rows * nc) * esz;
+    buf = malloc(bytes ? bytes : 1);
+    if (!buf)
+        return err_set(e, -ENOMEM, "MTP split: out of memory");
+    for (int64_t i = 0; i < rows; i++) {
+        if (w->fmt == WFMT_MXFP4) {
+            memcpy(buf + i * (nc / 2), (const uint8_t *)w->data + i * (w->cols / 2) + c0 / 2,
+                   (size_t)(nc / 2));
+            memcpy(buf + rows * (nc / 2) + i * (nc / MXFP4_GROUP),
+                   w->scale + i * (w->cols / MXFP4_GROUP) + c0 / MXFP4_GROUP,
+                   (size_t)(nc / MXFP4_GROUP));
+        } else {
+            memcpy(buf + (size_t)(i * nc) * esz,
+                   (const uint8_t *)w->data + (size_t)(i * w->cols + c0) * esz, (size_t)nc * esz);
+        }
+    }
+    r = track(&m->owned, &m->n_owned, &m->cap_owned, buf);
+    if (r < 0) {
+        free(buf);
+        return err_set(e, r, "out of memory");
+    }
+    out->data = buf;
+    if (w->fmt == WFMT_MXFP4)
+        out->scale = buf + rows * (nc / 2);
+    return prepare(m, out, "MTP layer half (columns)", e);
+}
+
+/* On a 2-part backend, every MTP layer as two halves for mtp_tp_run: half p has query heads
+ * [p*nh/2, ...) with their KV heads and gate rows, the matching columns of o_proj, MLP
+ * units [p*I/2, ...) (gate/up rows, down columns) and eh_proj rows [p*H/2, ...).  Dense MTP
+ * layers with even head counts and 32-aligned halves only; else the layers run whole. */
+static int build_mtp_tp(struct model *m, struct err_buf *e)
+{
+    const int H = m->hidden;
+    int r;
+
+    if (m->sharded || backend_split_width(m->be) < 2 || m->n_mtp == 0 || m->o.no_mtp_tp ||
+        H % 64)
+        return 0;
+    for (int k = 0; k < m->n_mtp; k++) {
+        const struct mlayer *L = &m->layers[m->n_layers + k];
+        if (L->is_moe || !L->has_ffn_dense || L->n_heads % 2 || L->n_kv_heads % 2 ||
+            (L->n_heads / 2 * L->head_dim) % MXFP4_GROUP || L->inter % (2 * MXFP4_GROUP) ||
+            !L->eh_e.data)
+            return 0;
+    }
+    m->tp_half = calloc((size_t)(2 * m->n_mtp), sizeof(*m->tp_half));
+    if (!m->tp_half)
+        return err_set(e, -ENOMEM, "out of memory");
+    for (int k = 0; k < m->n_mtp; k++) {
+        const struct mlayer *L = &m->layers[m->n_layers + k];
+        for (int p = 0; p < 2; p++) {
+            struct mlayer *h = &m->tp_half[2 * k + p];
+            const int hq = L->n_heads / 2 * L->head_dim, hkv = L->n_kv_heads / 2 * L->head_dim;
+            const int hi = L->inter / 2;
+
+            *h = *L;                /* norms, rope table, window, group: shared */
+            h->n_heads = L->n_heads / 2;
+            h->n_kv_heads = L->n_kv_heads / 2;
+            h->inter = hi;
+            h->is_mtp = false;      /* layer_forward reduces its partial sums (comm) */
+            memset(&h->kv, 0, sizeof(h->kv));
+            r = slice_rows(m, &L->wq, (int64_t)p * hq, (int64_t)(p + 1) * hq, &h->wq, e);
+            r = r ? r : slice_rows(m, &L->wk, (int64_t)p * hkv, (int64_t)(p + 1) * hkv, &h->wk, e);
+            r = r ? r : slice_rows(m, &L->wv, (int64_t)p * hkv, (int64_t)(p + 1) * hkv, &h->wv, e);
+            if (!r && m->cfg->use_head_wise_attn_gate)
+                r = slice_rows(m, &L->wg, (int64_t)p * h->n_heads, (int64_t)(p + 1) * h->n_heads,
+                               &h->wg, e);
+            r = r ? r : slice_cols(m, &L->wo, (int64_t)p * hq, (int64_t)(p + 1) * hq, &h->wo, e);
+            r = r ? r : slice_rows(m, &L->gate, (int64_t)p * hi, (int64_t)(p + 1) * hi, &h->gate, e);
+            r = r ? r : slice_rows(m, &L->up, (int64_t)p * hi, (int64_t)(p + 1) * hi, &h->up, e);
+            r = r ? r : slice_cols(m, &L->down, (int64_t)p * hi, (int64_t)(p + 1) * hi, &h->down, e);
+            r = r ? r : slice_rows(m, &L->eh_e, (int64_t)p * H / 2, (int64_t)(p + 1) * H / 2,
+                                   &h->eh_e, e);
+            r = r ? r : slice_rows(m, &L->eh_h, (int64_t)p * H / 2, (int64_t)(p + 1) * H / 2,
+                                   &h->eh_h, e);
+            if (r < 0)
+                return r;
+        }
+    }
+    m->mtp_tp = true;
+    return 0;
+}
+
 static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf *e)
 {
     const struct model_config *cfg = m->cfg;
@@ -703,8 +832,9 @@ static int reserve(struct model *m, struct err_buf *e)
 #undef F
     if (!r)
         r = mbuf(m, sizeof(int32_t) * T0 * topk, &m->rids);
-    /* split steps: part 1 gets activations of its own (parts run layers out of step) */
-    if (!r && m->split_parts > 1) {
+    /* split steps and MTP halves: part 1 gets activations of its own (parts run layers out
+     * of step) */
+    if (!r && (m->split_parts > 1 || m->mtp_tp)) {
 #define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
         F(s_a, T * H); F(s_tmp, T * H); F(s_q, T * qmax); F(s_k, T * kvmax);
         F(s_v, T * kvmax); F(s_g, T * hmax); F(s_att, T * qmax); F(s_ff_gate, T * imax);
@@ -713,6 +843,12 @@ static int reserve(struct model *m, struct err_buf *e)
 #undef F
         if (!r)
             r = mbuf(m, sizeof(int32_t) * T0 * topk, &m->s_rids);
+    }
+    if (!r && m->mtp_tp) {
+#define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
+        F(tp_buf[0][0], T * H); F(tp_buf[0][1], T * H); F(tp_buf[1][0], T * H);
+        F(tp_buf[1][1], T * H); F(s_x, T * H); F(s_me, T * H); F(s_mn, T * H);
+#undef F
     }
     if (r < 0)
         return err_set(e, r, "cannot reserve activations for %zu tokens per step: %s", T, err_str(r));
@@ -759,6 +895,11 @@ static int reserve(struct model *m, struct err_buf *e)
 
     for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
         r = reserve_kv(m, &m->layers[i], e);
+        if (r < 0)
+            return r;
+    }
+    for (int i = 0; m->mtp_tp && i < 2 * m->n_mtp; i++) {
+        r = reserve_kv(m, &m->tp_half[i], e);
         if (r < 0)
             return r;
     }
@@ -885,6 +1026,9 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
         m->group_used[m->layers[i].group] = true;
     }
     m->quant_now = false;
+    r = build_mtp_tp(m, e);
+    if (r < 0)
+        goto out;
     r = reserve(m, e);
     if (r < 0)
         goto out;
@@ -928,6 +1072,7 @@ void model_free(struct model *m)
         }
         free(m->layers);
     }
+    free(m->tp_half);
     free(m->bounce);
     free(m->zeros);
     free(m->h_last);
@@ -1132,13 +1277,12 @@ static int swiglu_mlp(struct model *m, const struct mlayer *L, const float *x, i
     return backend_matmul(m->be, &L->down, m->ff_act, n, out);
 }
 
-/* Part 1 of a step cut inside a run: wait until part 0 has stored this layer's KV. */
-static int split_wait(struct split_sync *ss)
+/* Spin (pause; a sched_yield now and then) until *v >= want (acquire), or -ECANCELED once
+ * *failed is set: the waits between the parts of a split step, which run on two cores. */
+static int spin_until(_Atomic int *v, int want, _Atomic int *failed)
 {
-    const int want = ++ss->seen;
-
-    for (unsigned i = 1; atomic_load_explicit(&ss->kv_layers, memory_order_acquire) < want; i++) {
-        if (atomic_load_explicit(&ss->failed, memory_order_relaxed))
+    for (unsigned i = 1; atomic_load_explicit(v, memory_order_acquire) < want; i++) {
+        if (atomic_load_explicit(failed, memory_order_relaxed))
             return -ECANCELED;
 #if defined(__x86_64__)
         __builtin_ia32_pause();
@@ -1147,6 +1291,12 @@ static int split_wait(struct split_sync *ss)
             sched_yield();
     }
     return 0;
+}
+
+/* Part 1 of a step cut inside a run: wait until part 0 has stored this layer's KV. */
+static int split_wait(struct split_sync *ss)
+{
+    return spin_until(&ss->kv_layers, ++ss->seen, &ss->failed);
 }
 
 /* One decoder layer (MODEL.md §2.3) over the batch, in place on the residual x [n, H].
@@ -1342,22 +1492,29 @@ static int mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *
     return layer_forward(m, L, x, b);
 }
 
+/* *v = m as part `part` of a split sees it: its backend, part 1's own activations. */
+static void part_view(const struct model *m, int part, struct backend *sub, struct model *v)
+{
+    *v = *m;
+    v->be = sub;
+    if (part == 1) {
+        v->a = m->s_a; v->tmp = m->s_tmp; v->q = m->s_q; v->k = m->s_k; v->v = m->s_v;
+        v->g = m->s_g; v->att = m->s_att; v->ff_gate = m->s_ff_gate; v->ff_up = m->s_ff_up;
+        v->ff_act = m->s_ff_act; v->rlogits = m->s_rlogits; v->rweights = m->s_rweights;
+        v->rids = m->s_rids;
+    }
+}
+
 static void split_part_run(void *arg, int part, struct backend *sub)
 {
     struct split_step *ss = arg;
     struct model *m = ss->m;
     struct split_part *sp = &ss->part[part];
-    struct model v = *m;    /* a view: this part's backend and activations */
+    struct model v;         /* a view: this part's backend and activations */
     const size_t off = (size_t)sp->t0 * m->hidden;
     int r;
 
-    v.be = sub;
-    if (part == 1) {
-        v.a = m->s_a; v.tmp = m->s_tmp; v.q = m->s_q; v.k = m->s_k; v.v = m->s_v;
-        v.g = m->s_g; v.att = m->s_att; v.ff_gate = m->s_ff_gate; v.ff_up = m->s_ff_up;
-        v.ff_act = m->s_ff_act; v.rlogits = m->s_rlogits; v.rweights = m->s_rweights;
-        v.rids = m->s_rids;
-    }
+    part_view(m, part, sub, &v);
     if (ss->mtp) {
         /* part 0's layer writes m->a rows [0, t0 of part 1) only: part 1's g rows stay */
         r = mtp_layer_run(&v, ss->mtp, &sp->b, m->a + off, m->me + off, m->mn + off, m->x + off);
@@ -1413,11 +1570,113 @@ static int split_layers(struct model *m, const struct batch *b, const struct spl
         p1->b.sync = &sync;
         p1->b.sync_role = 1;
     }
-    r = backend_split_run(m->be, 2, split_part_run, &ss);
+    r = backend_split_run(m->be, 2, false, split_part_run, &ss);
     if (r < 0)
         return r;
     m->n_split_steps++;
     return p0->r < 0 ? p0->r : p1->r;
+}
+
+/* The two halves of an MTP layer exchange partial sums (layer_forward's two reductions)
+ * and eh_proj's row halves through tp_buf: part p writes set[c % 2][p] at its c-th
+ * exchange, both wait for the other (a barrier counter that only grows), then read both.
+ * Double-buffered sets: a part writes a set again only after the next barrier, which the
+ * other passes only once it has read it.  A part that fails marks `failed`, and the other
+ * gives up at its next wait. */
+struct tp_run {
+    struct model *m;
+    int k;
+    const struct batch *b;
+    _Atomic int arrive, failed;
+    int r[2];
+};
+
+struct tp_part {
+    struct tp_run *t;
+    int part, count;
+};
+
+static int tp_wait(struct tp_part *tp)
+{
+    struct tp_run *t = tp->t;
+    const int want = 2 * ++tp->count;
+
+    atomic_fetch_add_explicit(&t->arrive, 1, memory_order_acq_rel);
+    return spin_until(&t->arrive, want, &t->failed);
+}
+
+/* comm.allreduce_sum of the halves: buf = part 0's + part 1's, in that order on both. */
+static int tp_allreduce(void *ctx, float *buf, size_t n)
+{
+    struct tp_part *tp = ctx;
+    struct model *m = tp->t->m;
+    const int set = tp->count & 1;
+    int r;
+
+    memcpy(m->tp_buf[set][tp->part], buf, n * sizeof(float));
+    r = tp_wait(tp);
+    if (r < 0)
+        return r;
+    const float *a = m->tp_buf[set][0], *b = m->tp_buf[set][1];
+    for (size_t i = 0; i < n; i++)
+        buf[i] = a[i] + b[i];
+    return 0;
+}
+
+static void tp_part_run(void *arg, int part, struct backend *sub)
+{
+    struct tp_run *t = arg;
+    struct model *m = t->m;
+    const struct batch *b = t->b;
+    struct mlayer *L = &m->layers[m->n_layers + t->k], *h = &m->tp_half[2 * t->k + part];
+    struct tp_part tp = { .t = t, .part = part };
+    struct model v;         /* this part's backend, activations and exchange */
+    const int n = b->n_tok, H = m->hidden, H2 = H / 2;
+    float *x = part ? m->s_x : m->x, *me = part ? m->s_me : m->me, *mn = part ? m->s_mn : m->mn;
+    int r, set;
+
+    part_view(m, part, sub, &v);
+    v.sharded = true;
+    v.comm = (struct model_comm){ .ctx = &tp, .rank = part, .world = 2,
+                                  .allreduce_sum = tp_allreduce };
+    /* x rows [p*H/2, ...) = We_p·enorm(E[ids]) + Wh_p·hnorm(g), then both halves of x */
+    r = backend_embed(sub, &m->embed, b->ids, n, me);
+    r = r ? r : backend_rmsnorm(sub, me, &L->enorm, n, H, m->cfg->rms_norm_eps, me);
+    r = r ? r : backend_rmsnorm(sub, m->a, &L->hnorm, n, H, m->cfg->rms_norm_eps, mn);
+    set = tp.count & 1;
+    r = r ? r : backend_matmul(sub, &h->eh_e, me, n, m->tp_buf[set][part]);
+    r = r ? r : backend_matmul(sub, &h->eh_h, mn, n, v.tmp);
+    r = r ? r : backend_add(sub, m->tp_buf[set][part], v.tmp, (size_t)n * H2);
+    r = r ? r : tp_wait(&tp);
+    for (int i = 0; i < n && !r; i++)
+        for (int q = 0; q < 2; q++)
+            memcpy(x + (size_t)i * H + q * H2, m->tp_buf[set][q] + (size_t)i * H2,
+                   sizeof(float) * (size_t)H2);
+    r = r ? r : layer_forward(&v, h, x, b);
+    if (r < 0)
+        atomic_store_explicit(&t->failed, 1, memory_order_relaxed);
+    t->r[part] = r;
+}
+
+/* MTP layer k over batch b, each core running half of it (tensor parallel, in process):
+ * each streams half the layer's weights and both exchange three partial results per layer
+ * (eh_proj's halves, then the two reductions of layer_forward), instead of both streaming
+ * all of it for half the positions (split_layers).  The output (m->x) is the same on both
+ * halves; it differs from the whole layer's in the order of some fp32 sums, a choice made
+ * once at load (build_mtp_tp), so every MTP batch of a model computes the same way. */
+static int mtp_tp_run(struct model *m, int k, const struct batch *b)
+{
+    struct tp_run t = { .m = m, .k = k, .b = b };
+    int r = backend_split_run(m->be, 2, true, tp_part_run, &t);
+
+    if (r < 0)
+        return r;
+    return t.r[0] < 0 ? t.r[0] : t.r[1];
+}
+
+bool model_mtp_halves(const struct model *m)
+{
+    return m->mtp_tp;
 }
 
 uint64_t model_split_steps(const struct model *m)
@@ -1662,8 +1921,11 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
      * per-core parts */
     if (!r) {
         struct split_cut cut;
-        r = split_choose(m, &mb, &cut) ? split_layers(m, &mb, &cut, L)
-                                       : mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
+        if (m->mtp_tp)
+            r = mtp_tp_run(m, k, &mb);
+        else
+            r = split_choose(m, &mb, &cut) ? split_layers(m, &mb, &cut, L)
+                                           : mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
     }
     if (r < 0)
         goto fail;

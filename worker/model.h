@@ -78,6 +78,8 @@ struct model_opts {
                                    (model_mtp_step), leaving stale MTP KV as before the repair */
     enum model_draft_quant draft_quant; /* weights of the MTP draft layers (see below) */
     bool no_split;              /* never run a trunk step as per-core parts (see model_step) */
+    bool no_mtp_tp;             /* MTP layers whole, not as per-core halves (mtp_tp_run);
+                                   drafts then differ in the order of some fp32 sums */
 };
 
 struct model;
@@ -137,6 +139,8 @@ int model_vocab_size(const struct model *m);   /* full vocab (logits row length)
 int model_n_mtp(const struct model *m);        /* MTP layers loaded (0 on ranks > 0) */
 /* Trunk steps run as per-core parts since model_new (model_step; model_opts.no_split). */
 uint64_t model_split_steps(const struct model *m);
+/* MTP layers run as per-core halves (2-thread CPU backend; model_opts.no_mtp_tp). */
+bool model_mtp_halves(const struct model *m);
 /* MTP repair counters since model_new: positions re-run to erase draft inputs
  * (model_mtp_step), and positions that needed a re-run but could not get one (the layer
  * skipped a step of the sequence, or a re-run query's sliding-window blocks were already

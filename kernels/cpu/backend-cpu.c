@@ -212,7 +212,16 @@ static void split_unit(void *arg, int unit, int n_units, int ith)
     j->fn(j->arg, unit, j->c->sub[ith]);
 }
 
-static int cpu_split_run(struct backend *be, int n_parts, backend_part_fn fn, void *arg)
+static void split_task(void *arg, int ith, int nth)
+{
+    struct split_job *j = arg;
+
+    (void)nth;
+    j->fn(j->arg, ith, j->c->sub[ith]);
+}
+
+static int cpu_split_run(struct backend *be, int n_parts, bool together, backend_part_fn fn,
+                         void *arg)
 {
     struct cpu_ctx *c = cpu_ctx(be);
     struct split_job j = { .c = c, .fn = fn, .arg = arg };
@@ -240,9 +249,10 @@ static int cpu_split_run(struct backend *be, int n_parts, backend_part_fn fn, vo
         cpu_ctx(s)->have_avx2 = c->have_avx2;
         c->sub[i] = s;
     }
-    /* n_parts units on n_parts threads: thread t owns unit t (threads.c deals one
-     * contiguous segment per thread) */
-    cpu_pool_for(c->pool, split_unit, &j, n_parts, n_parts);
+    if (together)       /* every thread runs its part once, all at the same time */
+        cpu_pool_run_n(c->pool, split_task, &j, n_parts);
+    else                /* thread t owns unit t (threads.c deals one segment per thread) */
+        cpu_pool_for(c->pool, split_unit, &j, n_parts, n_parts);
     return 0;
 }
 

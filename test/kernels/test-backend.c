@@ -17,13 +17,14 @@ static void fake_free(struct backend *be)
 
 static const struct backend_ops fake_ops = { .name = "fake", .init = fake_init, .free = fake_free };
 
-/* split_run: each part's own single-threaded backend, both parts at once (part 1 waits
- * for part 0 to start and part 0 for part 1: a serial run would never finish, so each side
- * gives up after a second and the test reports it) */
+/* split_run: each part's own single-threaded backend; `together`: both parts at once (each
+ * waits for the other to start: a serial run would never finish, so each side gives up
+ * after a second and the test reports it) */
 struct split_t {
     struct backend *sub[2];
     _Atomic int started[2];
     bool met[2];
+    bool wait;              /* each part waits (1 s at most) for the other to start */
 };
 
 static double mono_s(void)
@@ -41,7 +42,7 @@ static void split_part(void *arg, int part, struct backend *sub)
 
     st->sub[part] = sub;
     atomic_store(&st->started[part], 1);
-    while (!atomic_load(&st->started[1 - part]) && mono_s() - t0 < 1.0)
+    while (st->wait && !atomic_load(&st->started[1 - part]) && mono_s() - t0 < 1.0)
         ;
     st->met[part] = atomic_load(&st->started[1 - part]);
 }
@@ -55,9 +56,19 @@ static void test_split_run(void)
 
     ASSERT_OK(backend_new("cpu", &cfg, &be));
     ASSERT_EQ(backend_split_width(be), 2);
-    ASSERT_ERR(backend_split_run(be, 3, split_part, &st), -EINVAL);
-    ASSERT_OK(backend_split_run(be, 2, split_part, &st));
-    ASSERT_TRUE(st.met[0] && st.met[1]);            /* the parts ran at the same time */
+    ASSERT_ERR(backend_split_run(be, 3, false, split_part, &st), -EINVAL);
+    /* together: the parts run at the same time (each waits for the other) */
+    st.wait = true;
+    ASSERT_OK(backend_split_run(be, 2, true, split_part, &st));
+    ASSERT_TRUE(st.met[0] && st.met[1]);
+    /* not together: both parts run, on their own backends (maybe one after the other) */
+    {
+        struct split_t s2 = { 0 };
+
+        ASSERT_OK(backend_split_run(be, 2, false, split_part, &s2));
+        ASSERT_TRUE(atomic_load(&s2.started[0]) && atomic_load(&s2.started[1]));
+        ASSERT_TRUE(s2.sub[0] && s2.sub[1] && s2.sub[0] != be && s2.sub[1] != be);
+    }
     ASSERT_TRUE(st.sub[0] && st.sub[1] && st.sub[0] != st.sub[1] && st.sub[0] != be);
     /* a sub-backend is a working backend of its own */
     for (int i = 0; i < 64; i++)
@@ -133,7 +144,7 @@ int main(void)
         ASSERT_ERR(backend_matmul(&fake, &w, x, 1, y), -ENOSYS);
         ASSERT_ERR(backend_add(&fake, y, x, 2), -ENOSYS);
         ASSERT_EQ(backend_split_width(&fake), 1);
-        ASSERT_ERR(backend_split_run(&fake, 1, split_part, NULL), -ENOSYS);
+        ASSERT_ERR(backend_split_run(&fake, 1, false, split_part, NULL), -ENOSYS);
         backend_weight_release(&fake, &w);
         kref_weight_free(&w);
     }

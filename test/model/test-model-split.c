@@ -5,10 +5,13 @@
  * drafts (the MTP layers then re-run positions) of up to 16 sequences that joins, leaves
  * and crosses the sliding window.  Also: the split really happened
  * (model_split_steps), never with no_split, and never for a step below the split size; a
- * single sequence (prefill chunk, verify runs of 4) splits inside its run.
+ * single sequence (prefill chunk, verify runs of 4) splits inside its run.  A third model
+ * runs its MTP layers as per-core halves (mtp_tp_run): trunk logits bit for bit, drafts
+ * within a bound (the order of the o_proj / down_proj sums differs).
  *
  *   test-model-split MODEL_DIR [exact|fast]
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +37,9 @@ static uint32_t rnd(void)
 #include "tplan.h"
 
 static int V, K, window;
+static struct model *mt;            /* MTP layers as per-core halves (compared with a bound) */
+static double tol_tp, worst_tp;
+static float *lt;
 
 /* Run one plan on both models and compare the trunk logits and K MTP depths bit for bit. */
 static int trunk_splits, mtp_splits;
@@ -48,8 +54,11 @@ static void step_both(struct model *a, struct model *b, struct tplan *tp, const 
         rows += tp->seqs[i].n_logits;
     ASSERT_OK(model_step(a, &tp->p, la));
     ASSERT_OK(model_step(b, &tp->p, lb));
+    ASSERT_OK(model_step(mt, &tp->p, lt));
     if (memcmp(la, lb, sizeof(float) * (size_t)rows * V) != 0)
         FAIL("%s: trunk logits differ between split and whole steps", what);
+    if (memcmp(la, lt, sizeof(float) * (size_t)rows * V) != 0)
+        FAIL("%s: trunk logits differ with MTP halves", what);
     c1 = model_split_steps(a);
     ASSERT_TRUE(c1 - c0 <= 1);
     trunk_splits += (int)(c1 - c0);
@@ -64,8 +73,16 @@ static void step_both(struct model *a, struct model *b, struct tplan *tp, const 
         }
         ASSERT_OK(model_mtp_step(a, k, &tp->p, nv, tin, la));
         ASSERT_OK(model_mtp_step(b, k, &tp->p, nv, tin, lb));
+        ASSERT_OK(model_mtp_step(mt, k, &tp->p, nv, tin, lt));
         if (memcmp(la, lb, sizeof(float) * (size_t)tp->p.n_seqs * V) != 0)
             FAIL("%s: MTP depth %d logits differ between split and whole steps", what, k);
+        /* halves: the same drafts up to the order of the o_proj / down_proj sums */
+        for (size_t i = 0; i < (size_t)tp->p.n_seqs * V; i++) {
+            double d = fabs((double)la[i] - lt[i]);
+            if (d > tol_tp)
+                FAIL("%s: MTP depth %d logit %zu: halves %g vs whole %g", what, k, i, lt[i], la[i]);
+            worst_tp = d > worst_tp ? d : worst_tp;
+        }
     }
     mtp_splits += (int)(model_split_steps(a) - c1);
 }
@@ -96,18 +113,26 @@ int main(int argc, char **argv)
         .max_tokens_per_step = 512, .max_seqs = NSEQ, .max_logit_rows = 512,
         .block_size = BS, .n_blocks = {NBLK, NBLK}, .max_seq_len = MAXLEN,
     };
-    if (model_new(ck, be, NULL, &mo, &ms, &e) < 0)
+    /* mt: the default (split steps, MTP layers as per-core halves); ms / mw: split / whole
+     * steps with whole MTP layers, which must agree bit for bit */
+    if (model_new(ck, be, NULL, &mo, &mt, &e) < 0)
         FAIL("model_new: %s", e.msg);
+    ASSERT_TRUE(K == 0 || model_mtp_halves(mt));   /* the test models' MTP layers qualify */
+    mo.no_mtp_tp = true;
+    if (model_new(ck, be, NULL, &mo, &ms, &e) < 0)
+        FAIL("model_new (no_mtp_tp): %s", e.msg);
     mo.no_split = true;
     if (model_new(ck, be, NULL, &mo, &mw, &e) < 0)
-        FAIL("model_new (no_split): %s", e.msg);
+        FAIL("model_new (no_split, no_mtp_tp): %s", e.msg);
 
     for (int s = 0; s < NSEQ; s++)
         for (int i = 0; i < MAXLEN + 8; i++)
             X[s][i] = (int32_t)(rnd() % (uint32_t)V);
     tables_shuffle();
     float *la = malloc(sizeof(float) * 512 * (size_t)V), *lb = malloc(sizeof(float) * 512 * (size_t)V);
-    ASSERT_TRUE(la && lb);
+    lt = malloc(sizeof(float) * 512 * (size_t)V);
+    ASSERT_TRUE(la && lb && lt);
+    tol_tp = exact ? 1e-4 : 2e-2;
 
     /* 40 steps: each live sequence either prefills a chunk (1-40 tokens, logits of the last
      * 1-3) or decodes (1 token, or 4 as a verify run); 4..16 sequences per step; a sequence
@@ -196,6 +221,7 @@ int main(int argc, char **argv)
         ASSERT_EQ(trunk_splits, before + 1);
     }
     ASSERT_EQ(model_split_steps(mw), 0);
+    ASSERT_TRUE(!model_mtp_halves(ms) && !model_mtp_halves(mw));
     ASSERT_TRUE(trunk_splits >= 20);
     ASSERT_TRUE(K == 0 || mtp_splits >= 20);
     uint64_t rerun = 0, missed = 0;
@@ -206,8 +232,12 @@ int main(int argc, char **argv)
            "trunk steps, %d MTP depths; %d steps below the split size ran whole\n",
            exact ? "exact" : "fast", K, trunk_splits, mtp_splits, small);
 
+    printf("MTP layers as per-core halves: drafts within %.3g of whole layers (bound %g)\n",
+           worst_tp, tol_tp);
     free(la);
     free(lb);
+    free(lt);
+    model_free(mt);
     model_free(ms);
     model_free(mw);
     backend_free(be);

@@ -225,6 +225,12 @@ int coord_chat_render(struct coord *co, const Stepd__V1__ChatInput *chat, char *
 
 /* ------------------------------------------------------------------ coordinator */
 
+#ifdef STEPD_HAVE_ABSL_TUNE
+/* absl-tune.cc: turn off absl::Mutex deadlock detection (a debugging aid that
+ * Debian's Abseil leaves on) for gRPC's locks. */
+void coord_absl_tune(void);
+#endif
+
 /* What the CQ thread reads to answer without the loop (rpc cq_hook): overload
  * rejections of Generate and health Check. The loop publishes; the CQ thread reads
  * and counts. Admission: the CQ thread refuses a Generate call (RESOURCE_EXHAUSTED,

@@ -878,6 +878,9 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     if (o->tokenizer_path && o->tokenizer_path[0])
         log_warn("--tokenizer ignored: this build has no tokenizer");
 #endif
+#ifdef STEPD_HAVE_ABSL_TUNE
+    coord_absl_tune();      /* before gRPC starts its threads */
+#endif
     if ((r = rpc_ctx_create(&co->loop, &co->rpc)) < 0)
         goto fail;
     wpool_init(co);
@@ -972,7 +975,13 @@ int coord_run(struct coord *co)
     uv_timer_start(&co->t_watchdog, watchdog_cb, 0, wd ? (wd / 2000 ? wd / 2000 : 1) : 5000);
     coord_health_update(co);
     notify_ready();
-    uv_run(&co->loop, UV_RUN_DEFAULT);
+    /* per-token forwarding and every other rpc callback run on the CQ thread while
+     * the loop is idle (rpc_ctx_run); the loop still runs timers, signals, metrics */
+    int r = rpc_ctx_run(co->rpc);
+    if (r < 0) {
+        log_error("event loop: %s", err_str(r));
+        uv_run(&co->loop, UV_RUN_DEFAULT);
+    }
     return co->exit_code;
 }
 

@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
@@ -32,6 +33,12 @@
 struct rpc_op {
     void (*fn)(struct rpc_op *op, bool ok);
     bool (*cq_fn)(struct rpc_op *op, bool ok);
+    /* rpc_ctx_run: fn may run on the CQ thread (ctx_dispatch_direct). Set only for the
+     * per-message events of the streaming path (a client call's message received, a
+     * server call's send done): their callbacks are short and bounded. Everything
+     * else (new calls, ends of calls, shutdown) runs on the loop thread, so the CQ
+     * thread stays free to take new calls and answer cq_hooks. */
+    bool direct;
 };
 
 struct rpc_event {
@@ -53,6 +60,16 @@ struct rpc_ctx {
     size_t live_calls;
     int64_t cur_event_us;       /* t_us of the event being dispatched (loop thread) */
     bool thread_started;
+    /* rpc_ctx_run(): the loop thread holds loop_mu except while it waits in poll() on
+     * the loop's backend fd; the CQ thread takes it (trylock) to dispatch an event
+     * itself instead of queueing it and waking the loop. Lock order: loop_mu, then mu. */
+    pthread_mutex_t loop_mu;
+    _Atomic bool direct;        /* inside rpc_ctx_run (written under loop_mu) */
+    _Atomic bool loop_wants;    /* the loop thread is waiting for loop_mu (it goes first) */
+    bool in_run;                /* rpc_ctx_run is on the stack: it frees the context */
+    bool dead;                  /* rpc_ctx_destroy finished (the async handle closed) */
+    uint64_t poll_deadline;     /* uv_now() at which the loop's poll() times out; UINT64_MAX none */
+    _Atomic uint64_t n_direct, n_queued, n_wakes;
 };
 
 /* ------------------------------------------------------------------ helpers */
@@ -164,6 +181,12 @@ static ProtobufCMessage *bb_decode(grpc_byte_buffer *bb, const ProtobufCMessageD
     grpc_byte_buffer_reader rd;
     ProtobufCMessage *m;
 
+    /* the usual case (one uncompressed slice): unpack in place, no copy */
+    if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE &&
+        bb->data.raw.slice_buffer.count == 1) {
+        const grpc_slice *s = &bb->data.raw.slice_buffer.slices[0];
+        return protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(*s), GRPC_SLICE_START_PTR(*s));
+    }
     if (!grpc_byte_buffer_reader_init(&rd, bb))
         return NULL;
     grpc_slice s = grpc_byte_buffer_reader_readall(&rd);
@@ -263,12 +286,29 @@ static bool msg_strings_valid(const ProtobufCMessage *m, char *path, size_t plen
 
 /* ------------------------------------------------------------------ context */
 
+static void ctx_drain(struct rpc_ctx *ctx);
+static bool ctx_dispatch_direct(struct rpc_ctx *ctx, struct rpc_op *op, bool ok, int64_t t_us);
+
+/* rpc_ctx_run: how long the CQ thread may keep running callbacks itself without once
+ * finding the CQ empty (waiting in grpc_completion_queue_next). Past that it only
+ * queues (cheap) until it waits again: the loop thread takes over the backlog, and
+ * this thread gets back to polling, i.e. to reading new calls off the sockets and
+ * answering cq_hooks (gRPC returns queued completions without polling the fds). */
+#define DIRECT_BUDGET_US 500
+/* a grpc_completion_queue_next() that took longer than this waited for work */
+#define CQ_IDLE_US 30
+
 static void *cq_thread_main(void *arg)
 {
     struct rpc_ctx *ctx = arg;
+    int64_t busy_since = 0;
 
     for (;;) {
+        int64_t t_wait = rpc_now_us();
         grpc_event ev = grpc_completion_queue_next(ctx->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        int64_t t_us = rpc_now_us();
+        if (t_us - t_wait > CQ_IDLE_US)
+            busy_since = t_us;
         if (ev.type == GRPC_QUEUE_SHUTDOWN)
             break;
         if (ev.type != GRPC_OP_COMPLETE)
@@ -276,7 +316,9 @@ static void *cq_thread_main(void *arg)
         struct rpc_op *op = ev.tag;
         if (op->cq_fn && op->cq_fn(op, ev.success != 0))
             continue;
-        int64_t t_us = rpc_now_us();
+        if (op->direct && t_us - busy_since < DIRECT_BUDGET_US &&
+            ctx_dispatch_direct(ctx, op, ev.success != 0, t_us))
+            continue;
         pthread_mutex_lock(&ctx->mu);
         bool wake = ctx->q_len == 0;
         if (ctx->q_len == ctx->q_cap) {
@@ -292,10 +334,56 @@ static void *cq_thread_main(void *arg)
         ctx->q[ctx->q_len].t_us = t_us;
         ctx->q_len++;
         pthread_mutex_unlock(&ctx->mu);
+        atomic_fetch_add_explicit(&ctx->n_queued, 1, memory_order_relaxed);
         if (wake)
             uv_async_send(&ctx->async);
     }
     return NULL;
+}
+
+/* CQ thread: run the event's loop callback here when the loop thread is parked in
+ * poll() (rpc_ctx_run): saves the queue, the uv_async wake-up and two thread switches
+ * per event. Only while nothing is queued: under load (the loop is busy or events
+ * wait in the queue) events go through the queue as usual, so the loop thread shares
+ * the work and the CQ thread keeps taking new calls (cq_hook answers) instead of
+ * working through a backlog; this thread is the queue's only producer, so an empty
+ * queue stays empty while it runs the event, and order is kept. False: queue it. */
+static bool ctx_dispatch_direct(struct rpc_ctx *ctx, struct rpc_op *op, bool ok, int64_t t_us)
+{
+    uv_loop_t *loop = ctx->loop;
+
+    if (!atomic_load_explicit(&ctx->direct, memory_order_relaxed) ||
+        atomic_load_explicit(&ctx->loop_wants, memory_order_acquire))
+        return false;
+    pthread_mutex_lock(&ctx->mu);
+    bool empty = ctx->q_len == 0;
+    pthread_mutex_unlock(&ctx->mu);
+    if (!empty)
+        return false;
+    if (pthread_mutex_trylock(&ctx->loop_mu) != 0)
+        return false;
+    if (!atomic_load_explicit(&ctx->direct, memory_order_relaxed)) {
+        pthread_mutex_unlock(&ctx->loop_mu);
+        return false;
+    }
+    /* the loop thread waits in poll() and touches nothing of the loop: callbacks may
+     * use libuv freely; uv_now() is brought up to date for timers they start */
+    uv_update_time(loop);
+    ctx->cur_event_us = t_us;
+    op->fn(op, ok);
+    atomic_fetch_add_explicit(&ctx->n_direct, 1, memory_order_relaxed);
+    /* Wake the loop when the callback gave it work its poll() does not wait for: a
+     * timer due before the poll's timeout, a handle to close, a new I/O watcher (only
+     * registered with epoll inside uv_run), uv_stop(). */
+    int t = uv_backend_timeout(loop);
+    bool wake = loop->watcher_queue[0] != (void *)&loop->watcher_queue ||
+                (t >= 0 && uv_now(loop) + (uint64_t)t < ctx->poll_deadline);
+    pthread_mutex_unlock(&ctx->loop_mu);
+    if (wake) {
+        atomic_fetch_add_explicit(&ctx->n_wakes, 1, memory_order_relaxed);
+        uv_async_send(&ctx->async);
+    }
+    return true;
 }
 
 static void ctx_drain(struct rpc_ctx *ctx)
@@ -338,6 +426,7 @@ int rpc_ctx_create(uv_loop_t *loop, struct rpc_ctx **ret)
     grpc_init();
     ctx->loop = loop;
     pthread_mutex_init(&ctx->mu, NULL);
+    pthread_mutex_init(&ctx->loop_mu, NULL);
     r = uv_async_init(loop, &ctx->async, ctx_async_cb);
     if (r < 0)
         goto fail;
@@ -355,32 +444,103 @@ int rpc_ctx_create(uv_loop_t *loop, struct rpc_ctx **ret)
     return 0;
 fail:
     pthread_mutex_destroy(&ctx->mu);
+    pthread_mutex_destroy(&ctx->loop_mu);
     free(ctx);
     grpc_shutdown();
     return r;
 }
 
-static void ctx_closed(uv_handle_t *h)
+static void ctx_free(struct rpc_ctx *ctx)
 {
-    struct rpc_ctx *ctx = h->data;
     free(ctx->q);
     free(ctx->work);
     pthread_mutex_destroy(&ctx->mu);
+    pthread_mutex_destroy(&ctx->loop_mu);
     free(ctx);
+}
+
+static void ctx_closed(uv_handle_t *h)
+{
+    struct rpc_ctx *ctx = h->data;
+
+    if (ctx->in_run) {
+        ctx->dead = true;       /* rpc_ctx_run frees it once it is off the lock */
+        return;
+    }
+    ctx_free(ctx);
 }
 
 void rpc_ctx_destroy(struct rpc_ctx *ctx)
 {
     if (!ctx)
         return;
+    /* called on the loop thread, so under loop_mu inside rpc_ctx_run: from here the
+     * CQ thread queues every event (it never waits for loop_mu, so the join below
+     * cannot deadlock) */
+    BUG_ON(ctx->thread_started && pthread_equal(pthread_self(), ctx->thread));
+    atomic_store_explicit(&ctx->direct, false, memory_order_relaxed);
     grpc_completion_queue_shutdown(ctx->cq);
     pthread_join(ctx->thread, NULL);
     ctx_drain(ctx);
     grpc_completion_queue_destroy(ctx->cq);
     if (ctx->live_calls)
         log_warn("rpc: context destroyed with %zu live calls", ctx->live_calls);
+    log_debug("rpc: completion events: %" PRIu64 " run on a CQ thread, %" PRIu64 " queued for the loop, %" PRIu64
+              " loop wake-ups", (uint64_t)ctx->n_direct, (uint64_t)ctx->n_queued, (uint64_t)ctx->n_wakes);
     uv_close((uv_handle_t *)&ctx->async, ctx_closed);
     grpc_shutdown();
+}
+
+int rpc_ctx_run(struct rpc_ctx *ctx)
+{
+    uv_loop_t *loop = ctx->loop;
+    int alive = 1;
+
+    if (ctx->in_run)
+        return -EBUSY;
+    pthread_mutex_lock(&ctx->loop_mu);
+    ctx->in_run = true;
+    atomic_store_explicit(&ctx->direct, true, memory_order_relaxed);
+    for (;;) {
+        alive = uv_run(loop, UV_RUN_NOWAIT);
+        if (!alive || ctx->dead)
+            break;
+        int timeout = uv_backend_timeout(loop);
+        if (timeout == 0)
+            continue;
+        ctx->poll_deadline = timeout < 0 ? UINT64_MAX : uv_now(loop) + (uint64_t)timeout;
+        pthread_mutex_unlock(&ctx->loop_mu);
+        /* the backend (epoll) fd is readable when any of the loop's watchers is ready;
+         * the CQ thread may run callbacks meanwhile and wakes us (uv_async) when they
+         * left the loop work this poll() would not wake for */
+        struct pollfd pfd = { .fd = uv_backend_fd(loop), .events = POLLIN };
+        int pr = poll(&pfd, 1, timeout);
+        if (pr < 0 && errno != EINTR) {
+            log_error("rpc: poll on the event loop failed: %s", strerror(errno));
+            BUG_ON(1);
+        }
+        /* the CQ thread dispatches nothing new while we wait for the lock */
+        atomic_store_explicit(&ctx->loop_wants, true, memory_order_release);
+        pthread_mutex_lock(&ctx->loop_mu);
+        atomic_store_explicit(&ctx->loop_wants, false, memory_order_release);
+    }
+    atomic_store_explicit(&ctx->direct, false, memory_order_relaxed);
+    ctx->in_run = false;
+    pthread_mutex_unlock(&ctx->loop_mu);
+    if (ctx->dead) {
+        ctx_free(ctx);
+        /* anything the program still has open on the loop runs the usual way */
+        if (alive)
+            uv_run(loop, UV_RUN_DEFAULT);
+    }
+    return 0;
+}
+
+void rpc_ctx_stats(const struct rpc_ctx *ctx, struct rpc_ctx_stats *ret)
+{
+    ret->direct = atomic_load_explicit(&ctx->n_direct, memory_order_relaxed);
+    ret->queued = atomic_load_explicit(&ctx->n_queued, memory_order_relaxed);
+    ret->wakes = atomic_load_explicit(&ctx->n_wakes, memory_order_relaxed);
 }
 
 size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx)
@@ -744,6 +904,7 @@ static void call_start_close(struct rpc_call *c)
     op.data.recv_close_on_server.cancelled = &c->close_cancelled;
     c->op_close.fn = call_on_close;
     c->op_send.fn = call_on_send;
+    c->op_send.direct = true;
     c->close_started = true;
     if (grpc_call_start_batch(c->call, &op, 1, &c->op_close, NULL) != GRPC_CALL_OK) {
         c->close_started = false;
@@ -867,9 +1028,11 @@ static bool call_new_cq(struct rpc_op *op, bool ok)
     /* what the loop would answer first is left to the loop */
     if (!call_authorized(c) || deadline_to_ms(c->deadline) <= rpc_now_ms() || (!c->payload && !c->req))
         return false;
-    bool replied = c->rm->m.cq_hook(c, c->rm->m.ud);
-    BUG_ON(replied != c->cq_replied);
-    return replied;
+    /* once answered, c is not ours any more (the reply's completion frees it) */
+    if (c->rm->m.cq_hook(c, c->rm->m.ud))
+        return true;
+    BUG_ON(c->cq_replied);
+    return false;
 }
 
 int64_t rpc_cq_deadline_ms(const struct rpc_call *c)
@@ -1188,6 +1351,8 @@ void rpc_server_destroy(struct rpc_server *s)
         log_error("rpc: rpc_server_destroy before shutdown completed");
         abort();
     }
+    /* the loop below waits for the CQ thread: never run it there (rpc_ctx_run) */
+    BUG_ON(pthread_equal(pthread_self(), s->ctx->thread));
     grpc_server_destroy(s->srv);
     /* Unused request tags come back failed on the CQ; process them now so their
      * memory is released before the server object goes away. */
@@ -1386,10 +1551,12 @@ static void client_on_recv(struct rpc_op *op, bool ok)
             grpc_call_cancel_with_status(c->call, GRPC_STATUS_INTERNAL,
                                          "response could not be decoded", NULL);
         } else {
+            /* the next read is posted before the message is forwarded: gRPC can take
+             * the next one in meanwhile (its completion runs after this callback) */
+            client_start_recv(c);
             if (c->on_msg)
                 c->on_msg(c, m, c->ud);
             protobuf_c_message_free_unpacked(m, NULL);
-            client_start_recv(c);
         }
     }
     client_maybe_done(c);
@@ -1434,6 +1601,7 @@ int rpc_client_start(struct rpc_channel *ch, const char *method, const ProtobufC
     c->ud = ud;
     c->op_start.fn = client_on_start;
     c->op_recv.fn = client_on_recv;
+    c->op_recv.direct = true;
     c->op_status.fn = client_on_status;
     grpc_metadata_array_init(&c->init_md);
     grpc_metadata_array_init(&c->trail_md);

@@ -7,7 +7,10 @@
  * (except rpc_now_ms(), rpc_now_us() and the rpc_cq_* functions). The one
  * exception is a method's optional cq_hook (see struct rpc_method), which runs on
  * the CQ thread to answer a call without waiting for the loop. No locks are
- * needed by users.
+ * needed by users. A program that runs its loop with rpc_ctx_run() instead of
+ * uv_run() lets the CQ thread run callbacks itself while the loop thread is idle,
+ * under a lock the loop thread holds otherwise: callbacks (and the libuv calls they
+ * make) still never run concurrently with each other or with the loop's own.
  *
  * Messages are protobuf-c messages handled through the generic protobuf-c API
  * (descriptor + ProtobufCMessage*), so this library knows nothing about the
@@ -96,6 +99,35 @@ int rpc_ctx_create(uv_loop_t *loop, struct rpc_ctx **ret);
  * the context freed in its close callback: run the loop once more afterwards
  * (e.g. uv_run(loop, UV_RUN_DEFAULT)) before closing the loop. */
 void rpc_ctx_destroy(struct rpc_ctx *ctx);
+/* Run the loop (like uv_run(loop, UV_RUN_DEFAULT)) in the mode where the CQ thread
+ * runs completion callbacks itself whenever the loop thread is idle in its poll():
+ * the loop thread holds a lock except while it waits for I/O, and the CQ thread takes
+ * it (without ever waiting for it) to dispatch an event, so every callback still runs
+ * with exclusive access to the loop and to everything loop callbacks own, only on one
+ * of two threads. An event the CQ thread cannot take the lock for is queued for the
+ * loop as usual; queued events always run first, in order. This saves the queue, the
+ * uv_async wake-up and two thread switches per event (per streamed token). Only the
+ * per-message events take that path: a client call's on_msg and the completion of a
+ * server call's send; new calls (handlers), cancellations, on_done and shutdown stay
+ * on the loop thread, so the CQ thread stays free for new calls and cq_hook answers
+ * (and nothing runs directly while events wait in the queue).
+ * Consequences for the program: (1) its callbacks must not depend on which thread
+ * runs them (no thread-locals carried between callbacks); (2) rpc_server_destroy()
+ * and rpc_ctx_destroy() must be called from a libuv callback (timer, signal, ...),
+ * not from an rpc callback, since they wait for the CQ thread; (3) uv_now() is
+ * updated before each such dispatch. Returns when the loop has nothing left to run
+ * (rpc_ctx_destroy() may be called inside: the context is freed here, and the loop
+ * is then run to completion the usual way). -EBUSY if already running. */
+int rpc_ctx_run(struct rpc_ctx *ctx);
+
+struct rpc_ctx_stats {
+    uint64_t direct;        /* events the CQ thread dispatched itself (rpc_ctx_run) */
+    uint64_t queued;        /* events queued for the loop thread */
+    uint64_t wakes;         /* loop wake-ups after a direct dispatch (timers, handles) */
+};
+/* Counters since creation. Thread-safe. */
+void rpc_ctx_stats(const struct rpc_ctx *ctx, struct rpc_ctx_stats *ret);
+
 /* Number of live server calls + client calls (for leak checks and metrics). */
 size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx);
 /* Inside a callback: rpc_now_us() time at which the CQ thread took the completion

@@ -1,7 +1,10 @@
 /* test-rpc.c - daemon/rpc glue over loopback: unary and streaming calls, cancel and
  * deadline callbacks, UNIMPLEMENTED, API key, message-size limit, UTF-8 check,
  * shutdown with no leaked calls, the CQ-thread fast path (cq_hook) answering while
- * the server's loop is not running. Uses the grpc.health.v1 messages as payloads. */
+ * the server's loop is not running, rpc_ctx_run (callbacks on the CQ thread while the
+ * loop waits, one at a time, in order, waking the loop for timers they start). Uses the grpc.health.v1 messages as payloads. */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -280,6 +283,227 @@ static void test_cq_hook(void)
     printf("test-rpc: cq_hook: 200 answers + 50 rejections with the server loop stopped; mark and unmark\n");
 }
 
+/* ------------------------------------------------------------------ rpc_ctx_run */
+
+#define RUN_MSGS 300
+static struct {
+    uv_loop_t loop;
+    struct rpc_ctx *ctx;
+    struct rpc_server *srv;
+    struct rpc_channel *ch;
+    uv_timer_t guard, spin, next, last, srvt;
+    struct rpc_call *late;
+    pthread_t main_thread;
+    _Atomic int in_cb;              /* set while any callback of this test runs */
+    int msgs, msgs_off_loop, out_of_order, spins;
+    bool late_off_loop;
+    bool stream_done, check_done, shut;
+    int stream_status, check_status;
+    struct rpc_ctx_stats st;
+} rr;
+
+/* every callback of this test: no two may overlap (the loop lock) */
+static void rr_enter(void)
+{
+    ASSERT_EQ(atomic_exchange(&rr.in_cb, 1), 0);
+}
+
+static void rr_leave(void)
+{
+    atomic_store(&rr.in_cb, 0);
+}
+
+/* loop thread, 20 ms after the "late" call started: its last message and status */
+static void rr_late_cb(uv_timer_t *t)
+{
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+
+    rr_enter();
+    resp.status = 3;
+    ASSERT_OK(rpc_call_send(rr.late, &resp.base));
+    rpc_call_finish(rr.late, RPC_OK, NULL);
+    rr.late = NULL;
+    rr_leave();
+}
+
+static void rr_h_stream(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)req;
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+
+    rr_enter();
+    if (strcmp(r->service, "late") == 0) {
+        resp.status = 1;
+        ASSERT_OK(rpc_call_send(call, &resp.base));
+        rr.late = call;
+        uv_timer_start(&rr.srvt, rr_late_cb, 20, 0);
+        rr_leave();
+        return;
+    }
+    for (int i = 0; i < RUN_MSGS; i++) {
+        resp.status = i % 4;
+        ASSERT_OK(rpc_call_send(call, &resp.base));
+    }
+    rpc_call_finish(call, RPC_OK, NULL);
+    rr_leave();
+}
+
+static void rr_after_check(uv_timer_t *t);
+
+static void rr_on_msg(struct rpc_client_call *c, const ProtobufCMessage *m, void *ud)
+{
+    const Grpc__Health__V1__HealthCheckResponse *resp = (const void *)m;
+
+    rr_enter();
+    if (ud == &rr.stream_done) {
+        if ((int)resp->status != rr.msgs % 4)
+            rr.out_of_order++;
+        rr.msgs++;
+        if (!pthread_equal(pthread_self(), rr.main_thread))
+            rr.msgs_off_loop++;
+    } else if (resp->status == 3) {
+        /* the late message arrives while the loop waits for the 30 s guard only, so
+         * this likely runs on the CQ thread: the timer must wake the loop */
+        if (!pthread_equal(pthread_self(), rr.main_thread))
+            rr.late_off_loop = true;
+        uv_timer_start(&rr.next, rr_after_check, 1, 0);
+    }
+    rr_leave();
+}
+
+/* while the stream runs the loop thread is busy every millisecond: overlaps with
+ * callbacks on the CQ thread would trip rr_enter */
+static void rr_spin_cb(uv_timer_t *t)
+{
+    rr_enter();
+    ASSERT_TRUE(pthread_equal(pthread_self(), rr.main_thread));
+    int64_t end = rpc_now_us() + 200;
+    while (rpc_now_us() < end)
+        ;
+    rr.spins++;
+    rr_leave();
+}
+
+static void rr_guard_cb(uv_timer_t *t)
+{
+    /* reached only if a timer started by a callback on the CQ thread did not wake
+     * the loop, which waited for this 30 s timer instead */
+    fprintf(stderr, "test-rpc: rpc_ctx_run did not wake the loop for a timer started on the CQ thread\n");
+    ASSERT_TRUE(false);
+}
+
+static void rr_shut_cb(void *ud)
+{
+    rr_enter();
+    rr.shut = true;
+    uv_timer_start(&rr.last, (uv_timer_cb)ud, 0, 0);
+    rr_leave();
+}
+
+static void rr_close(uv_timer_t *t)
+{
+    rr_enter();
+    ASSERT_TRUE(pthread_equal(pthread_self(), rr.main_thread));
+    rpc_server_destroy(rr.srv);
+    rpc_channel_destroy(rr.ch);
+    ASSERT_EQ(rpc_ctx_live_calls(rr.ctx), 0);
+    rpc_ctx_stats(rr.ctx, &rr.st);
+    uv_close((uv_handle_t *)&rr.guard, NULL);
+    uv_close((uv_handle_t *)&rr.spin, NULL);
+    uv_close((uv_handle_t *)&rr.next, NULL);
+    uv_close((uv_handle_t *)&rr.last, NULL);
+    uv_close((uv_handle_t *)&rr.srvt, NULL);
+    rpc_ctx_destroy(rr.ctx);   /* inside rpc_ctx_run: freed when it returns */
+    rr_leave();
+}
+
+static void rr_after_check(uv_timer_t *t)
+{
+    rr_enter();
+    if (!rr.check_done) {           /* its on_done runs on the loop thread, maybe later */
+        uv_timer_start(&rr.next, rr_after_check, 1, 0);
+        rr_leave();
+        return;
+    }
+    rpc_server_shutdown(rr.srv, rr_shut_cb, (void *)rr_close);
+    rr_leave();
+}
+
+static void rr_on_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    rr_enter();
+    if (ud == &rr.stream_done) {
+        rr.stream_done = true;
+        rr.stream_status = status;
+    } else {
+        rr.check_done = true;
+        rr.check_status = status;
+    }
+    rr_leave();
+}
+
+/* loop thread: the stream is over; one unary call, its completion starts a timer */
+static void rr_start_check(uv_timer_t *t)
+{
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+
+    rr_enter();
+    if (!rr.stream_done) {
+        rr_leave();
+        return;
+    }
+    uv_timer_stop(&rr.spin);
+    uv_timer_stop(&rr.next);
+    req.service = "late";
+    ASSERT_OK(rpc_client_start(rr.ch, WATCH_PATH, &req.base, &grpc__health__v1__health_check_response__descriptor,
+                               0, rr_on_msg, rr_on_done, &rr.check_done, NULL));
+    rr_leave();
+}
+
+static void test_ctx_run(void)
+{
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    char addr[64];
+    int port;
+
+    rr.main_thread = pthread_self();
+    ASSERT_OK(uv_loop_init(&rr.loop));
+    ASSERT_OK(rpc_ctx_create(&rr.loop, &rr.ctx));
+    ASSERT_OK(rpc_server_create(rr.ctx, NULL, &rr.srv));
+    struct rpc_method mw = { WATCH_PATH, &grpc__health__v1__health_check_request__descriptor, true,
+                             false, rr_h_stream, NULL };
+    ASSERT_OK(rpc_server_add_method(rr.srv, &mw));
+    ASSERT_OK(rpc_server_listen(rr.srv, "127.0.0.1:0", &port));
+    ASSERT_OK(rpc_server_start(rr.srv));
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", port);
+    ASSERT_OK(rpc_channel_create(rr.ctx, addr, NULL, &rr.ch));
+    uv_timer_init(&rr.loop, &rr.guard);
+    uv_timer_init(&rr.loop, &rr.spin);
+    uv_timer_init(&rr.loop, &rr.next);
+    uv_timer_init(&rr.loop, &rr.last);
+    uv_timer_init(&rr.loop, &rr.srvt);
+    uv_timer_start(&rr.guard, rr_guard_cb, 30000, 0);
+    uv_timer_start(&rr.spin, rr_spin_cb, 1, 1);
+    uv_timer_start(&rr.next, rr_start_check, 5, 5);
+    req.service = "stream";
+    ASSERT_OK(rpc_client_start(rr.ch, WATCH_PATH, &req.base, &grpc__health__v1__health_check_response__descriptor,
+                               0, rr_on_msg, rr_on_done, &rr.stream_done, NULL));
+    ASSERT_OK(rpc_ctx_run(rr.ctx));   /* returns once everything is closed */
+    ASSERT_EQ(uv_loop_close(&rr.loop), 0);
+    ASSERT_EQ(rr.stream_status, RPC_OK);
+    ASSERT_EQ(rr.msgs, RUN_MSGS);
+    ASSERT_EQ(rr.out_of_order, 0);
+    ASSERT_EQ(rr.check_status, RPC_OK);
+    ASSERT_TRUE(rr.shut);
+    /* the point of rpc_ctx_run: completions were dispatched on the CQ thread (which
+     * ones depends on timing: an event waits in the queue while the loop is busy) */
+    ASSERT_TRUE(rr.st.direct > 0);
+    printf("test-rpc: rpc_ctx_run: %d messages (%d on the CQ thread), %d loop spins; late message on the %s "
+           "thread; events %llu direct, %llu queued, %llu wake-ups\n", rr.msgs, rr.msgs_off_loop, rr.spins,
+           rr.late_off_loop ? "CQ" : "loop", (unsigned long long)rr.st.direct,
+           (unsigned long long)rr.st.queued, (unsigned long long)rr.st.wakes);
+}
+
 int main(void)
 {
     struct rpc_ctx *ctx;
@@ -288,7 +512,9 @@ int main(void)
     int port, port_key;
     char addr[64];
 
+    setvbuf(stdout, NULL, _IOLBF, 0);
     loop = uv_default_loop();
+    test_ctx_run();
     test_cq_hook();
     ASSERT_OK(rpc_ctx_create(loop, &ctx));
 

@@ -176,6 +176,7 @@ struct model {
     struct mlayer *tp_half;         /* [n_mtp * 2] */
     float *tp_buf[2][2];            /* [set][part] [max_rows, H] */
     float *s_x, *s_me, *s_mn;
+    float *tp_logits[2];            /* [part] [max_seqs, vocab / 2]: draft logits halves */
 
     struct err_buf last_err;
 };
@@ -567,7 +568,7 @@ static int build_mtp_tp(struct model *m, struct err_buf *e)
     int r;
 
     if (m->sharded || backend_split_width(m->be) < 2 || m->n_mtp == 0 || m->o.no_mtp_tp ||
-        H % 64)
+        H % 64 || m->vocab % 2)
         return 0;
     for (int k = 0; k < m->n_mtp; k++) {
         const struct mlayer *L = &m->layers[m->n_layers + k];
@@ -606,6 +607,8 @@ static int build_mtp_tp(struct model *m, struct err_buf *e)
                                    &h->eh_e, e);
             r = r ? r : slice_rows(m, &L->eh_h, (int64_t)p * H / 2, (int64_t)(p + 1) * H / 2,
                                    &h->eh_h, e);
+            r = r ? r : slice_rows(m, &L->head, (int64_t)p * (m->vocab / 2),
+                                   (int64_t)(p + 1) * (m->vocab / 2), &h->head, e);
             if (r < 0)
                 return r;
         }
@@ -848,6 +851,7 @@ static int reserve(struct model *m, struct err_buf *e)
 #define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
         F(tp_buf[0][0], T * H); F(tp_buf[0][1], T * H); F(tp_buf[1][0], T * H);
         F(tp_buf[1][1], T * H); F(s_x, T * H); F(s_me, T * H); F(s_mn, T * H);
+        F(tp_logits[0], S * (size_t)(m->vocab / 2)); F(tp_logits[1], S * (size_t)(m->vocab / 2));
 #undef F
     }
     if (r < 0)
@@ -1653,6 +1657,13 @@ static void tp_part_run(void *arg, int part, struct backend *sub)
             memcpy(x + (size_t)i * H + q * H2, m->tp_buf[set][q] + (size_t)i * H2,
                    sizeof(float) * (size_t)H2);
     r = r ? r : layer_forward(&v, h, x, b);
+    /* this half of the vocab's draft logits, from each run's last row (the head's rows are
+     * split, so every logit is the whole head's) */
+    for (int si = 0; si < b->n_seqs && !r; si++)
+        r = backend_upload(sub, v.tmp + (size_t)si * H,
+                           x + (size_t)(b->seq_start[si + 1] - 1) * H, sizeof(float) * (size_t)H);
+    r = r ? r : backend_rmsnorm(sub, v.tmp, &L->head_norm, b->n_seqs, H, m->cfg->rms_norm_eps, v.tmp);
+    r = r ? r : backend_matmul(sub, &h->head, v.tmp, b->n_seqs, m->tp_logits[part]);
     if (r < 0)
         atomic_store_explicit(&t->failed, 1, memory_order_relaxed);
     t->r[part] = r;
@@ -1964,22 +1975,33 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
             goto fail;
     }
 
-    /* draft logits from each seq's last valid position; h' feeds the next depth */
-    for (int si = 0; si < ns; si++)
-        m->h_last[si] = m->h_seq_start[si + 1] - 1;
-    r = copy_rows(m, m->rows_h, NULL, m->x, m->h_last, ns);
-    if (r < 0)
-        goto fail;
+    /* draft logits from each seq's last valid position (the halves computed theirs, one
+     * half of the vocab each); h' feeds the next depth */
+    if (!m->mtp_tp) {
+        for (int si = 0; si < ns; si++)
+            m->h_last[si] = m->h_seq_start[si + 1] - 1;
+        r = copy_rows(m, m->rows_h, NULL, m->x, m->h_last, ns);
+        if (r < 0)
+            goto fail;
+    }
     {
         float *t = m->mh;
         m->mh = m->x;
         m->x = t;
     }
-    r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps, m->rows_h);
-    r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, ns, m->mtp_logits);
-    for (int si = 0; si < ns && !r; si++)
-        r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V,
-                             m->mtp_logits + (size_t)si * V, sizeof(float) * (size_t)V);
+    if (m->mtp_tp) {
+        const int V2 = V / 2;
+        for (int si = 0; si < ns && !r; si++)
+            for (int q = 0; q < 2 && !r; q++)
+                r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V + (size_t)q * V2,
+                                     m->tp_logits[q] + (size_t)si * V2, sizeof(float) * (size_t)V2);
+    } else {
+        r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps, m->rows_h);
+        r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, ns, m->mtp_logits);
+        for (int si = 0; si < ns && !r; si++)
+            r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V,
+                                 m->mtp_logits + (size_t)si * V, sizeof(float) * (size_t)V);
+    }
     r = r ? r : backend_sync(m->be);
     if (r < 0) {
         what = "draft logits";

@@ -165,7 +165,7 @@ struct model {
 
     /* split steps (model_step): part 1's activations and rebased runs; split_parts = 2
      * when the backend runs parts on separate cores and the model may split */
-    int split_parts, split_min_tokens;
+    int split_parts;
     float *s_a, *s_tmp, *s_q, *s_k, *s_v, *s_g, *s_att, *s_ff_gate, *s_ff_up, *s_ff_act;
     float *s_rlogits, *s_rweights;
     int32_t *s_rids, *h_seq_start2, *h_seq_start3, *h_seq_pos02;
@@ -897,7 +897,8 @@ static int reserve(struct model *m, struct err_buf *e)
     if (r < 0)
         return err_set(e, r, "out of memory for index staging");
 
-    for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
+    /* MTP layers that run as halves keep their KV in the halves only */
+    for (int i = 0; i < (m->mtp_tp ? m->n_layers : m->n_layers + m->n_mtp); i++) {
         r = reserve_kv(m, &m->layers[i], e);
         if (r < 0)
             return r;
@@ -952,9 +953,6 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
     /* split steps: over the backend's cores (2 parts), never under tensor parallelism (the
      * parts would all-reduce out of step) */
     m->split_parts = !opts->no_split && !m->sharded && backend_split_width(be) >= 2 ? 2 : 1;
-    m->split_min_tokens = MODEL_SPLIT_MIN_TOKENS;
-    if (getenv("STEPD_SPLIT_MIN_TOKENS"))
-        m->split_min_tokens = atoi(getenv("STEPD_SPLIT_MIN_TOKENS"));
     m->hidden = cfg->hidden_size;
     m->vocab = cfg->vocab_size;
     m->n_layers = cfg->n_layers;
@@ -1460,7 +1458,7 @@ static bool split_choose(const struct model *m, const struct batch *b, struct sp
 {
     int best = 0, best_t = 0;
 
-    if (m->split_parts < 2 || b->n_tok < m->split_min_tokens)
+    if (m->split_parts < 2 || b->n_tok < MODEL_SPLIT_MIN_TOKENS)
         return false;
     for (int i = 1; i < b->n_seqs; i++) {
         int t = b->seq_start[i];

@@ -25,14 +25,7 @@
 #define MAXLEN 160
 #define NSEQ 16
 
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-static uint32_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
+#define TPLAN_SEED 0x2545f4914f6cdd1dull
 
 #include "tplan.h"
 

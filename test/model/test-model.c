@@ -60,14 +60,7 @@ static float *self_ref;      /* the model's one-shot logits of X[0] (all positio
 static const int32_t *self_x;
 static bool exact;
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static uint32_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
+#define TPLAN_SEED 0x9e3779b97f4a7c15ull
 
 #include "tplan.h"
 

@@ -1,7 +1,7 @@
 /* tplan.h - step-plan building blocks shared by the model tests (header-only).
  *
  * The including file defines BS (block size), MAXLEN (positions per sequence), NSEQ (slots)
- * and a `static uint32_t rnd(void)` before including this.  Provides per-slot block tables
+ * and TPLAN_SEED (the xorshift seed of rnd() below) before including this.  Provides per-slot block tables
  * over distinct, shuffled physical blocks and a plan under construction (struct tplan);
  * each test adds runs with its own tp_add().
  */
@@ -10,6 +10,16 @@
 #include <string.h>
 
 #include "plan.h"
+
+static uint64_t rng_state = TPLAN_SEED;
+
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
 
 #define NBLK (NSEQ * MAXLEN / BS)
 

@@ -735,7 +735,7 @@ static int add_health(struct coord *co, struct rpc_server *s)
 {
     struct rpc_method ms[] = {
         { "/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor, false, true,
-          h_health_check, co, 0, h_health_check_cq, NULL },
+          h_health_check, co, 0, h_health_check_cq, NULL, true },   /* own CQ: A7 */
         { "/grpc.health.v1.Health/Watch", &grpc__health__v1__health_check_request__descriptor, true, true,
           h_health_watch, co },
     };

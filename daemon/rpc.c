@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
@@ -13,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
@@ -69,6 +72,20 @@ struct rpc_ctx {
     bool in_run;                /* rpc_ctx_run is on the stack: it frees the context */
     bool dead;                  /* rpc_ctx_destroy finished (the async handle closed) */
     uint64_t poll_deadline;     /* uv_now() at which the loop's poll() times out; UINT64_MAX none */
+    /* the second CQ and its thread (rpc_method.own_cq), from the first such method on:
+     * it answers cq_hooks and queues everything else (never dispatches directly, so
+     * the main CQ thread stays the only one that runs loop callbacks itself).  pcq does
+     * not poll: the main CQ thread reads the sockets as before (a second poller all the
+     * time costs every streamed token a thread hand-off, ~2.5 us); only while the main
+     * CQ thread waits for a CPU (PCQ_HOT_PCT) does this one poll too (poll_cq, never
+     * given any work), so that calls of pcq's methods are read off their sockets
+     * without waiting for the main thread to be scheduled. */
+    grpc_completion_queue *pcq, *poll_cq;
+    pthread_t pthread;
+    bool pthread_started;
+    _Atomic int cq_tid;             /* the main CQ thread's kernel thread id */
+    _Atomic unsigned cq_turns;      /* its returns from grpc_completion_queue_next ... */
+    _Atomic bool cq_inside;         /* ... and whether it is in there now */
     _Atomic uint64_t n_direct, n_queued, n_wakes;
 };
 
@@ -298,45 +315,144 @@ static bool ctx_dispatch_direct(struct rpc_ctx *ctx, struct rpc_op *op, bool ok,
 /* a grpc_completion_queue_next() that took longer than this waited for work */
 #define CQ_IDLE_US 30
 
+/* A CQ thread's event: -1 the queue is shut down, 0 nothing left to do (no
+ * completion, or its cq_fn handled it on this thread), 1 *ret is for the loop. */
+static int cq_event_take(grpc_event ev, struct rpc_op **ret)
+{
+    if (ev.type == GRPC_QUEUE_SHUTDOWN)
+        return -1;
+    if (ev.type != GRPC_OP_COMPLETE)
+        return 0;
+    *ret = ev.tag;
+    return (*ret)->cq_fn && (*ret)->cq_fn(*ret, ev.success != 0) ? 0 : 1;
+}
+
+/* Queue an event for the loop thread (and wake it when the queue was empty). */
+static void ctx_queue(struct rpc_ctx *ctx, struct rpc_op *op, bool ok, int64_t t_us)
+{
+    pthread_mutex_lock(&ctx->mu);
+    bool wake = ctx->q_len == 0;
+    if (ctx->q_len == ctx->q_cap) {
+        size_t ncap = ctx->q_cap ? ctx->q_cap * 2 : 256;
+        struct rpc_event *n = realloc(ctx->q, ncap * sizeof(*n));
+        /* A tag cannot be dropped (each one owns resources). */
+        BUG_ON(!n);
+        ctx->q = n;
+        ctx->q_cap = ncap;
+    }
+    ctx->q[ctx->q_len].op = op;
+    ctx->q[ctx->q_len].ok = ok;
+    ctx->q[ctx->q_len].t_us = t_us;
+    ctx->q_len++;
+    pthread_mutex_unlock(&ctx->mu);
+    atomic_fetch_add_explicit(&ctx->n_queued, 1, memory_order_relaxed);
+    if (wake)
+        uv_async_send(&ctx->async);
+}
+
+/* rpc_method.own_cq: the window over which the second CQ's thread judges whether the
+ * main CQ thread gets a CPU when it needs one (the longest it waits between looks),
+ * and the share of that window the main one may wait for a CPU before this one polls
+ * the sockets too.  Measured with bench_coord.py (2 cores): 100 streams at 5 ms/token
+ * keep the main CQ thread's run-queue wait under ~20 %, 1000 streams put it at 20-70 %;
+ * above the line readiness Checks waited up to 50-160 ms for it to read them. */
+#define PCQ_WINDOW_MS 10
+#define PCQ_HOT_PCT 20
+
+static gpr_timespec deadline_in_ms(int ms)
+{
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(ms, GPR_TIMESPAN));
+}
+
+/* Time the main CQ thread has waited for a CPU while runnable, in ns (schedstat's
+ * run_delay), or -1 when the kernel does not say. */
+static int64_t cq_run_delay_ns(int fd)
+{
+    char buf[96];
+    unsigned long long run, delay;
+    ssize_t n = fd >= 0 ? pread(fd, buf, sizeof(buf) - 1, 0) : -1;
+
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    if (sscanf(buf, "%llu %llu", &run, &delay) != 2)
+        return -1;
+    return (int64_t)delay;
+}
+
+/* The second CQ's thread (rpc_method.own_cq): cq_hooks here, the rest to the loop.
+ * While the main CQ thread waits for a CPU (PCQ_HOT_PCT) it also polls the sockets, in
+ * 1 ms turns between which it takes pcq's events; otherwise it only waits for them.
+ * Mostly asleep, it is the thread the scheduler runs first when the cores are busy. */
+static void *pcq_thread_main(void *arg)
+{
+    struct rpc_ctx *ctx = arg;
+    char path[64];
+    bool hot = false;
+    int tid;
+
+    while (!(tid = atomic_load_explicit(&ctx->cq_tid, memory_order_acquire)))
+        usleep(100);            /* the main CQ thread has just been started */
+    snprintf(path, sizeof(path), "/proc/self/task/%d/schedstat", tid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int64_t t0 = rpc_now_us(), b0 = cq_run_delay_ns(fd);
+    unsigned turns0 = atomic_load_explicit(&ctx->cq_turns, memory_order_relaxed);
+
+    for (;;) {
+        int64_t now = rpc_now_us();
+        if (now - t0 >= PCQ_WINDOW_MS * 1000) {
+            int64_t b = cq_run_delay_ns(fd);
+            unsigned turns = atomic_load_explicit(&ctx->cq_turns, memory_order_relaxed);
+            /* waits for a CPU (ns / 10 = us * 100), or has been held outside
+             * grpc_completion_queue_next for the whole window (a long callback) */
+            hot = (b >= 0 && b0 >= 0 && (b - b0) / 10 > PCQ_HOT_PCT * (now - t0)) ||
+                  (turns == turns0 && !atomic_load_explicit(&ctx->cq_inside, memory_order_relaxed));
+            t0 = now;
+            b0 = b;
+            turns0 = turns;
+        }
+        if (hot)
+            (void)grpc_completion_queue_next(ctx->poll_cq, deadline_in_ms(1), NULL);
+        grpc_event ev = grpc_completion_queue_next(ctx->pcq, hot ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
+                                                                 : deadline_in_ms(PCQ_WINDOW_MS), NULL);
+        struct rpc_op *op;
+        int k = cq_event_take(ev, &op);
+        if (k < 0)
+            break;
+        if (k > 0)
+            ctx_queue(ctx, op, ev.success != 0, rpc_now_us());
+    }
+    if (fd >= 0)
+        close(fd);
+    return NULL;
+}
+
 static void *cq_thread_main(void *arg)
 {
     struct rpc_ctx *ctx = arg;
     int64_t busy_since = 0;
 
+    atomic_store_explicit(&ctx->cq_tid, (int)syscall(SYS_gettid), memory_order_release);
+
     for (;;) {
         int64_t t_wait = rpc_now_us();
+        atomic_store_explicit(&ctx->cq_inside, true, memory_order_relaxed);
         grpc_event ev = grpc_completion_queue_next(ctx->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        atomic_store_explicit(&ctx->cq_inside, false, memory_order_relaxed);
+        atomic_fetch_add_explicit(&ctx->cq_turns, 1, memory_order_relaxed);
         int64_t t_us = rpc_now_us();
         if (t_us - t_wait > CQ_IDLE_US)
             busy_since = t_us;
-        if (ev.type == GRPC_QUEUE_SHUTDOWN)
+        struct rpc_op *op;
+        int k = cq_event_take(ev, &op);
+        if (k < 0)
             break;
-        if (ev.type != GRPC_OP_COMPLETE)
-            continue;
-        struct rpc_op *op = ev.tag;
-        if (op->cq_fn && op->cq_fn(op, ev.success != 0))
+        if (k == 0)
             continue;
         if (op->direct && t_us - busy_since < DIRECT_BUDGET_US &&
             ctx_dispatch_direct(ctx, op, ev.success != 0, t_us))
             continue;
-        pthread_mutex_lock(&ctx->mu);
-        bool wake = ctx->q_len == 0;
-        if (ctx->q_len == ctx->q_cap) {
-            size_t ncap = ctx->q_cap ? ctx->q_cap * 2 : 256;
-            struct rpc_event *n = realloc(ctx->q, ncap * sizeof(*n));
-            /* A tag cannot be dropped (each one owns resources). */
-            BUG_ON(!n);
-            ctx->q = n;
-            ctx->q_cap = ncap;
-        }
-        ctx->q[ctx->q_len].op = ev.tag;
-        ctx->q[ctx->q_len].ok = ev.success != 0;
-        ctx->q[ctx->q_len].t_us = t_us;
-        ctx->q_len++;
-        pthread_mutex_unlock(&ctx->mu);
-        atomic_fetch_add_explicit(&ctx->n_queued, 1, memory_order_relaxed);
-        if (wake)
-            uv_async_send(&ctx->async);
+        ctx_queue(ctx, op, ev.success != 0, t_us);
     }
     return NULL;
 }
@@ -346,8 +462,10 @@ static void *cq_thread_main(void *arg)
  * per event. Only while nothing is queued: under load (the loop is busy or events
  * wait in the queue) events go through the queue as usual, so the loop thread shares
  * the work and the CQ thread keeps taking new calls (cq_hook answers) instead of
- * working through a backlog; this thread is the queue's only producer, so an empty
- * queue stays empty while it runs the event, and order is kept. False: queue it. */
+ * working through a backlog; this thread is the only producer of the main CQ's events,
+ * so none of them can be queued while it runs the event, and their order is kept (the
+ * second CQ's thread may queue its calls' events meanwhile: other calls). False: queue
+ * it. */
 static bool ctx_dispatch_direct(struct rpc_ctx *ctx, struct rpc_op *op, bool ok, int64_t t_us)
 {
     uv_loop_t *loop = ctx->loop;
@@ -478,11 +596,24 @@ void rpc_ctx_destroy(struct rpc_ctx *ctx)
      * CQ thread queues every event (it never waits for loop_mu, so the join below
      * cannot deadlock) */
     BUG_ON(ctx->thread_started && pthread_equal(pthread_self(), ctx->thread));
+    BUG_ON(ctx->pthread_started && pthread_equal(pthread_self(), ctx->pthread));
     atomic_store_explicit(&ctx->direct, false, memory_order_relaxed);
     grpc_completion_queue_shutdown(ctx->cq);
     pthread_join(ctx->thread, NULL);
+    if (ctx->pthread_started) {
+        grpc_completion_queue_shutdown(ctx->pcq);
+        pthread_join(ctx->pthread, NULL);
+        grpc_completion_queue_shutdown(ctx->poll_cq);
+        while (grpc_completion_queue_next(ctx->poll_cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+               GRPC_QUEUE_SHUTDOWN)
+            ;
+    }
     ctx_drain(ctx);
     grpc_completion_queue_destroy(ctx->cq);
+    if (ctx->pthread_started) {
+        grpc_completion_queue_destroy(ctx->pcq);
+        grpc_completion_queue_destroy(ctx->poll_cq);
+    }
     if (ctx->live_calls)
         log_warn("rpc: context destroyed with %zu live calls", ctx->live_calls);
     log_debug("rpc: completion events: %" PRIu64 " run on a CQ thread, %" PRIu64 " queued for the loop, %" PRIu64
@@ -570,6 +701,7 @@ struct rpc_server {
     struct reg_method *methods;
     size_t n_methods;
     bool started;
+    bool pcq_registered;            /* the context's second CQ (rpc_method.own_cq) */
     bool shutting_down;             /* written under req_mu (read by the CQ thread) */
     pthread_mutex_t req_mu;         /* CQ-thread re-requests vs shutdown */
     struct rpc_call *calls;         /* live calls (handed to handlers), doubly linked */
@@ -1139,9 +1271,10 @@ static void server_request_one(struct rpc_server *s, struct reg_method *rm)
         c->op_new.cq_fn = call_new_cq;
     grpc_metadata_array_init(&c->md);
     if (rm) {
+        grpc_completion_queue *cq = rm->m.own_cq ? s->ctx->pcq : s->ctx->cq;
         e = grpc_server_request_registered_call(s->srv, rm->handle, &c->call, &c->deadline, &c->md,
-                                                rm->m.req_desc ? &c->payload : NULL, s->ctx->cq,
-                                                s->ctx->cq, &c->op_new);
+                                                rm->m.req_desc ? &c->payload : NULL, cq, cq,
+                                                &c->op_new);
     } else {
         grpc_call_details_init(&c->details);
         e = grpc_server_request_call(s->srv, &c->call, &c->details, &c->md, s->ctx->cq, s->ctx->cq,
@@ -1269,8 +1402,31 @@ cleanup:
 
 int rpc_server_add_method(struct rpc_server *s, const struct rpc_method *m)
 {
-    if (s->started || !m->path || !m->req_desc || !m->handler)
+    if (s->started || !m->path || !m->req_desc || !m->handler || (m->own_cq && !m->cq_hook))
         return -EINVAL;
+    if (m->own_cq && !s->ctx->pthread_started) {
+        struct rpc_ctx *ctx = s->ctx;
+        grpc_completion_queue_attributes np = { GRPC_CQ_CURRENT_VERSION, GRPC_CQ_NEXT, GRPC_CQ_NON_POLLING, NULL };
+        int r;
+
+        ctx->pcq = grpc_completion_queue_create(grpc_completion_queue_factory_lookup(&np), &np, NULL);
+        ctx->poll_cq = grpc_completion_queue_create_for_next(NULL);
+        r = -pthread_create(&ctx->pthread, NULL, pcq_thread_main, ctx);
+        if (r < 0) {
+            grpc_completion_queue_destroy(ctx->pcq);
+            grpc_completion_queue_destroy(ctx->poll_cq);
+            ctx->pcq = ctx->poll_cq = NULL;
+            return r;
+        }
+        ctx->pthread_started = true;
+    }
+    if (m->own_cq && !s->pcq_registered) {
+        /* poll_cq too: with a poller that keeps fds per pollset (not epoll1), it must be
+         * one of the server's pollsets to see its connections */
+        grpc_server_register_completion_queue(s->srv, s->ctx->pcq, NULL);
+        grpc_server_register_completion_queue(s->srv, s->ctx->poll_cq, NULL);
+        s->pcq_registered = true;
+    }
     struct reg_method *n = realloc(s->methods, (s->n_methods + 1) * sizeof(*n));
     if (!n)
         return -ENOMEM;
@@ -1351,8 +1507,9 @@ void rpc_server_destroy(struct rpc_server *s)
         log_error("rpc: rpc_server_destroy before shutdown completed");
         abort();
     }
-    /* the loop below waits for the CQ thread: never run it there (rpc_ctx_run) */
+    /* the loop below waits for the CQ threads: never run it there (rpc_ctx_run) */
     BUG_ON(pthread_equal(pthread_self(), s->ctx->thread));
+    BUG_ON(s->ctx->pthread_started && pthread_equal(pthread_self(), s->ctx->pthread));
     grpc_server_destroy(s->srv);
     /* Unused request tags come back failed on the CQ; process them now so their
      * memory is released before the server object goes away. */

@@ -140,7 +140,7 @@ def bench_overload(a):
     Each round offers the calls twice: as one burst (all started at once on one
     connection) and paced over 200 ms; and measures a floor: the same burst sent to
     stepd's health Check (the request bytes decode as a Check for an unknown service:
-    NOT_FOUND, answered on the CQ thread): what gRPC and this client on this machine
+    NOT_FOUND, answered by a cq_hook on the health CQ's thread): what gRPC and this client on this machine
     need for that many calls answered at once, with no admission work and no
     concurrent streams. Latencies are client-side (start of the call -> status on the
     client's CQ thread)."""

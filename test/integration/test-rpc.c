@@ -7,6 +7,10 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "rpc.h"
@@ -172,6 +176,26 @@ static void start_on(struct rpc_channel *ch, const char *service, int64_t deadli
                                deadline_ms, on_msg, on_done, r, &r->call));
 }
 
+/* Shut down and free a server on its own loop (sloop/sctx) and its client (cctx/ch):
+ * no call may be left. */
+static void server_teardown(struct rpc_server *srv, uv_loop_t *sloop, struct rpc_ctx *sctx,
+                            struct rpc_ctx *cctx, struct rpc_channel *ch)
+{
+    shut = false;
+    rpc_server_shutdown(srv, on_shutdown, NULL);
+    while (!shut)
+        uv_run(sloop, UV_RUN_ONCE);
+    shut = false;
+    rpc_server_destroy(srv);
+    ASSERT_EQ(rpc_ctx_live_calls(sctx), 0);
+    rpc_channel_destroy(ch);
+    rpc_ctx_destroy(sctx);
+    rpc_ctx_destroy(cctx);
+    uv_run(sloop, UV_RUN_DEFAULT);
+    uv_run(loop, UV_RUN_DEFAULT);
+    ASSERT_OK(uv_loop_close(sloop));
+}
+
 /* The server's loop (sloop) is only run where said: everything the client gets
  * meanwhile was answered on the server's CQ thread. */
 static void test_cq_hook(void)
@@ -267,20 +291,163 @@ static void test_cq_hook(void)
     ASSERT_EQ(bad.status, RPC_INVALID_ARGUMENT);
     ASSERT_EQ(n_handled, 1);
 
-    shut = false;
-    rpc_server_shutdown(srv, on_shutdown, NULL);
-    while (!shut)
-        uv_run(&sloop, UV_RUN_ONCE);
-    shut = false;
-    rpc_server_destroy(srv);
-    ASSERT_EQ(rpc_ctx_live_calls(sctx), 0);
-    rpc_channel_destroy(ch);
-    rpc_ctx_destroy(sctx);
-    rpc_ctx_destroy(cctx);
-    uv_run(&sloop, UV_RUN_DEFAULT);
-    uv_run(loop, UV_RUN_DEFAULT);
-    ASSERT_OK(uv_loop_close(&sloop));
+    server_teardown(srv, &sloop, sctx, cctx, ch);
     printf("test-rpc: cq_hook: 200 answers + 50 rejections with the server loop stopped; mark and unmark\n");
+}
+
+/* ------------------------------------------------------------------ own_cq */
+
+#define BLOCK_PATH "/stepd.test.Block/Check"
+static _Atomic int block_entered, block_left;
+static bool block_release;
+static pthread_mutex_t block_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t block_cv = PTHREAD_COND_INITIALIZER;
+
+/* Holds the server's main CQ thread (what a long callback does) until the test
+ * releases it, or 30 s; asleep meanwhile (no wake-ups: it never waits for a CPU). */
+static bool block_hook(struct rpc_call *call, void *ud)
+{
+    struct timespec end;
+
+    clock_gettime(CLOCK_REALTIME, &end);
+    end.tv_sec += 30;
+    block_entered = 1;
+    pthread_mutex_lock(&block_mu);
+    while (!block_release)
+        if (pthread_cond_timedwait(&block_cv, &block_mu, &end) != 0)
+            break;
+    pthread_mutex_unlock(&block_mu);
+    block_left = 1;
+    rpc_cq_reply(call, NULL, RPC_NOT_FOUND, "held", NULL, NULL);
+    return true;
+}
+
+/* "fast": SERVING; "pass": to the loop; anything else (loadgen's requests): NOT_FOUND */
+static bool own_hook(struct rpc_call *call, void *ud)
+{
+    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)rpc_cq_request(call);
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+
+    if (!r || strcmp(r->service, "pass") == 0)
+        return false;
+    if (strcmp(r->service, "fast") != 0) {
+        rpc_cq_reply(call, NULL, RPC_NOT_FOUND, "unknown service", NULL, NULL);
+        return true;
+    }
+    resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+    rpc_cq_reply(call, &resp.base, RPC_OK, NULL, NULL, NULL);
+    return true;
+}
+
+/* loadgen (another process: in this one, any thread waiting in gRPC may read the
+ * server's sockets) calling `method` n times with a deadline; per-call statuses to dump */
+static pid_t spawn_loadgen(const char *bin, const char *addr, const char *method, int n, int deadline_s,
+                           const char *dump)
+{
+    char ns[16], ds[16], env_dump[300];
+    char *argv[] = { (char *)bin, "--addr", (char *)addr, "--method", (char *)method, "--streams", ns,
+                     "--tokens", "1", "--deadline-s", ds, NULL };
+    char *envp[] = { env_dump, NULL };
+    pid_t pid;
+
+    snprintf(ns, sizeof(ns), "%d", n);
+    snprintf(ds, sizeof(ds), "%d", deadline_s);
+    snprintf(env_dump, sizeof(env_dump), "LOADGEN_DUMP=%s", dump);
+    posix_spawn_file_actions_t fa;
+
+    ASSERT_OK(posix_spawn_file_actions_init(&fa));
+    ASSERT_OK(posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0));
+    ASSERT_OK(posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0));
+    ASSERT_OK(posix_spawn(&pid, bin, &fa, NULL, argv, envp));
+    posix_spawn_file_actions_destroy(&fa);
+    return pid;
+}
+
+/* A method with its own CQ is answered while the main CQ thread is held: 20 Checks
+ * from another process are read off the socket and answered by the second CQ's thread
+ * (the held hook is released only after they all ended; with the main CQ they would
+ * wait for it, and without the second thread's polling nobody would read them: their
+ * 5 s deadlines would expire first). Calls of that method its hook passes on go to the
+ * loop as usual, and the server shuts down cleanly with calls requested on both
+ * queues. */
+static void test_own_cq(void)
+{
+    const char *lg = getenv("LOADGEN_BIN");
+    uv_loop_t sloop;
+    struct rpc_ctx *sctx, *cctx;
+    struct rpc_server *srv;
+    struct rpc_channel *ch;
+    char addr[64], dump[64], line[256];
+    int port, st, n = 0;
+
+    ASSERT_OK(uv_loop_init(&sloop));
+    ASSERT_OK(rpc_ctx_create(&sloop, &sctx));
+    ASSERT_OK(rpc_server_create(sctx, NULL, &srv));
+    struct rpc_method mb = { BLOCK_PATH, &grpc__health__v1__health_check_request__descriptor, false, false,
+                             h_check, NULL, 4, block_hook, NULL };
+    struct rpc_method mo = { CHECK_PATH, &grpc__health__v1__health_check_request__descriptor, false, false,
+                             h_check, NULL, 4, own_hook, NULL, true };
+    struct rpc_method bad = { "/x/y", &grpc__health__v1__health_check_request__descriptor, false, false,
+                              h_check, NULL, 4, NULL, NULL, true };
+    ASSERT_EQ(rpc_server_add_method(srv, &bad), -EINVAL);      /* own_cq needs a cq_hook */
+    ASSERT_OK(rpc_server_add_method(srv, &mb));
+    ASSERT_OK(rpc_server_add_method(srv, &mo));
+    ASSERT_OK(rpc_server_listen(srv, "127.0.0.1:0", &port));
+    ASSERT_OK(rpc_server_start(srv));
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", port);
+
+    if (lg && lg[0]) {
+        pid_t held = spawn_loadgen(lg, addr, BLOCK_PATH, 1, 60, "/dev/null");
+        int64_t end = rpc_now_ms() + 20000;
+
+        while (!block_entered) {
+            ASSERT_TRUE(rpc_now_ms() < end);
+            usleep(1000);
+        }
+        snprintf(dump, sizeof(dump), "/tmp/test-rpc-own-cq.%d", (int)getpid());
+        pid_t checks = spawn_loadgen(lg, addr, CHECK_PATH, 20, 5, dump);
+        ASSERT_EQ(waitpid(checks, &st, 0), checks);
+        ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        ASSERT_TRUE(!block_left);       /* all ended while the main CQ thread was held */
+        FILE *f = fopen(dump, "r");
+        ASSERT_TRUE(f != NULL);
+        while (fgets(line, sizeof(line), f)) {
+            int idx, status;
+            ASSERT_EQ(sscanf(line, "%d %d", &idx, &status), 2);
+            ASSERT_EQ(status, RPC_NOT_FOUND);       /* answered, not DEADLINE_EXCEEDED */
+            n++;
+        }
+        fclose(f);
+        unlink(dump);
+        ASSERT_EQ(n, 20);
+        pthread_mutex_lock(&block_mu);
+        block_release = true;
+        pthread_cond_signal(&block_cv);
+        pthread_mutex_unlock(&block_mu);
+        ASSERT_EQ(waitpid(held, &st, 0), held);
+    } else {
+        printf("test-rpc: own_cq: LOADGEN_BIN not set, the out-of-process part is skipped\n");
+    }
+
+    /* in process: a Check answered on the second CQ, and a passed-on call handled on the
+     * server's loop */
+    ASSERT_OK(rpc_ctx_create(loop, &cctx));
+    ASSERT_OK(rpc_channel_create(cctx, addr, NULL, &ch));
+    struct result fast = { 0 }, passed = { 0 };
+    start_on(ch, "fast", rpc_now_ms() + 10000, &fast);
+    run_until(&fast.done);
+    ASSERT_EQ(fast.status, RPC_OK);
+    ASSERT_EQ(fast.last_status, 1);
+    start_on(ch, "pass", rpc_now_ms() + 10000, &passed);
+    while (!passed.done) {
+        uv_run(&sloop, UV_RUN_NOWAIT);
+        uv_run(loop, UV_RUN_NOWAIT);
+    }
+    ASSERT_EQ(passed.status, RPC_NOT_FOUND);    /* h_check: service "pass" is unknown */
+
+    server_teardown(srv, &sloop, sctx, cctx, ch);
+    printf("test-rpc: own_cq: %d Checks from another process answered while the main CQ thread was held; "
+           "passed-on call on the loop\n", n);
 }
 
 /* ------------------------------------------------------------------ rpc_ctx_run */
@@ -516,6 +683,7 @@ int main(void)
     loop = uv_default_loop();
     test_ctx_run();
     test_cq_hook();
+    test_own_cq();
     ASSERT_OK(rpc_ctx_create(loop, &ctx));
 
     struct rpc_server_opts o = { .max_recv_msg_bytes = 1024 };

@@ -270,6 +270,16 @@ int backend_matmul(struct backend *be, const struct bweight *w, const float *x, 
     return OP_CALL(be, matmul, w, x, n, y);
 }
 
+int backend_matmul_rows(struct backend *be, const struct bweight *w, const float *x, int n, float *y,
+                        int64_t ldy, int64_t r0, int64_t r1)
+{
+    ASSERT(be && x && y && n >= 0);
+    bweight_check(w);
+    ASSERT(0 <= r0 && r0 <= r1 && r1 <= w->rows && ldy >= r1 - r0);
+    ASSERT(r0 % 32 == 0 && (r1 % 32 == 0 || r1 == w->rows));
+    return OP_CALL(be, matmul_rows, w, x, n, y, ldy, r0, r1);
+}
+
 int backend_rope(struct backend *be, float *x, int n_tok, int n_heads, int head_dim,
                  const int32_t *pos, const struct rope_freqs *f)
 {

@@ -140,6 +140,10 @@ struct backend_ops {
     int (*moe)(struct backend *be, const struct moe_args *a);
     int (*add)(struct backend *be, float *y, const float *x, size_t n);
     /* optional (NULL when absent) */
+    /* rows [r0, r1) of matmul: y[i * ldy + (r - r0)] for r in [r0, r1); r0 and r1 multiples
+     * of 32 (or r1 = rows), the same values matmul gives for those rows */
+    int (*matmul_rows)(struct backend *be, const struct bweight *w, const float *x, int n, float *y,
+                       int64_t ldy, int64_t r0, int64_t r1);
     int (*graph_begin)(struct backend *be);
     int (*graph_end)(struct backend *be);
     /* Parts that split_run can run at once (CPU: 2 on a 2-thread backend); absent = 1. */
@@ -190,6 +194,8 @@ int backend_embed(struct backend *be, const struct bweight *table, const int32_t
 int backend_rmsnorm(struct backend *be, const float *x, const struct bweight *w, int rows, int dim,
                     float eps, float *y);
 int backend_matmul(struct backend *be, const struct bweight *w, const float *x, int n, float *y);
+int backend_matmul_rows(struct backend *be, const struct bweight *w, const float *x, int n, float *y,
+                        int64_t ldy, int64_t r0, int64_t r1);
 int backend_rope(struct backend *be, float *x, int n_tok, int n_heads, int head_dim,
                  const int32_t *pos, const struct rope_freqs *f);
 int backend_kv_store(struct backend *be, struct kv_layer *kv, const float *k, const float *v,

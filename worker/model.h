@@ -139,6 +139,8 @@ int model_vocab_size(const struct model *m);   /* full vocab (logits row length)
 int model_n_mtp(const struct model *m);        /* MTP layers loaded (0 on ranks > 0) */
 /* Trunk steps run as per-core parts since model_new (model_step; model_opts.no_split). */
 uint64_t model_split_steps(const struct model *m);
+/* Dense MLPs that both parts of a split step computed together (row halves each). */
+uint64_t model_coop_mlps(const struct model *m);
 /* MTP layers run as per-core halves (2-thread CPU backend; model_opts.no_mtp_tp). */
 bool model_mtp_halves(const struct model *m);
 /* MTP repair counters since model_new: positions re-run to erase draft inputs

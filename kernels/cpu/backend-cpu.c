@@ -342,6 +342,7 @@ const struct backend_ops backend_cpu_ops = {
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .matmul = cpu_matmul,
+    .matmul_rows = cpu_matmul_rows,
     .rope = cpu_rope,
     .kv_store = cpu_kv_store,
     .attention = cpu_attention,

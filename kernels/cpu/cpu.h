@@ -245,6 +245,8 @@ int cpu_embed(struct backend *be, const struct bweight *table, const int32_t *id
 int cpu_rmsnorm(struct backend *be, const float *x, const struct bweight *w, int rows, int dim,
                 float eps, float *y);
 int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int n, float *y);
+int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x, int n, float *y,
+                    int64_t ldy, int64_t r0, int64_t r1);
 int cpu_rope(struct backend *be, float *x, int n_tok, int n_heads, int head_dim,
              const int32_t *pos, const struct rope_freqs *f);
 int cpu_kv_store(struct backend *be, struct kv_layer *kv, const float *k, const float *v,

@@ -14,6 +14,7 @@ struct matmul_job {
     const float *x;
     int n;
     float *y;
+    int64_t ldy, r0, r1;    /* rows [r0, r1) into y[i * ldy + (r - r0)] */
     bool fast;
     const void *amx_x;      /* BF16 on AMX: activations packed once (cpu_amx_act_pack) */
     struct cpu_qact qa;
@@ -26,26 +27,29 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
     const struct bweight *w = j->w;
     int64_t r0, r1;
 
-    cpu_split(w->rows, w->fmt == WFMT_MXFP4 ? cpu_mxfp4_row_align(w) : 16, unit, n_units, &r0, &r1);
+    cpu_split(j->r1 - j->r0, w->fmt == WFMT_MXFP4 ? cpu_mxfp4_row_align(w) : 16, unit, n_units, &r0, &r1);
     if (r0 >= r1)
         return;
+    float *y = j->y + r0;   /* rows relative to j->r0 here; absolute below */
+    r0 += j->r0;
+    r1 += j->r0;
     switch (w->fmt) {
     case WFMT_F32:
-        cpu_matmul_f32_rows(w, j->x, NULL, j->n, j->y + r0, w->rows, r0, r1,
+        cpu_matmul_f32_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1,
                             j->c->have_avx2);
         break;
     case WFMT_BF16:
         if (j->amx_x) {
-            cpu_matmul_bf16_amx_rows(w, j->amx_x, j->n, j->y + r0, w->rows, r0, r1);
+            cpu_matmul_bf16_amx_rows(w, j->amx_x, j->n, y, j->ldy, r0, r1);
             break;
         }
-        cpu_matmul_bf16_rows(w, j->x, NULL, j->n, j->y + r0, w->rows, r0, r1, j->c->have_avx2);
+        cpu_matmul_bf16_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1, j->c->have_avx2);
         break;
     case WFMT_MXFP4:
         if (j->fast)
-            cpu_matmul_mxfp4_fast_rows(w, &j->qa, NULL, j->n, j->y + r0, w->rows, r0, r1);
+            cpu_matmul_mxfp4_fast_rows(w, &j->qa, NULL, j->n, y, j->ldy, r0, r1);
         else
-            cpu_matmul_mxfp4_exact_rows(w, j->x, NULL, j->n, j->y + r0, w->rows, r0, r1,
+            cpu_matmul_mxfp4_exact_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1,
                                         j->rowbuf + (int64_t)ith * w->cols);
         break;
     default:
@@ -55,8 +59,14 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
 
 int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int n, float *y)
 {
+    return cpu_matmul_rows(be, w, x, n, y, w->rows, 0, w->rows);
+}
+
+int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x, int n, float *y,
+                    int64_t ldy, int64_t r0, int64_t r1)
+{
     struct cpu_ctx *c = cpu_ctx(be);
-    struct matmul_job j = { .c = c, .w = w, .x = x, .n = n, .y = y };
+    struct matmul_job j = { .c = c, .w = w, .x = x, .n = n, .y = y, .ldy = ldy, .r0 = r0, .r1 = r1 };
     void *mem;
 
     if (n == 0)
@@ -87,10 +97,10 @@ int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int 
         /* AMX tiles do ~8x the multiply-adds of the vector kernels per cycle: weigh the
          * work accordingly, so small AMX matmuls are not split across threads (the split
          * costs more than it saves: measured on the tiny model's 128x256 .. 768x256) */
-        double work = (double)w->rows * w->cols * n / (j.amx_x ? 8.0 : 1.0);
+        double work = (double)(r1 - r0) * w->cols * n / (j.amx_x ? 8.0 : 1.0);
         int nth = cpu_threads_for(c, work);
         int64_t align = w->fmt == WFMT_MXFP4 ? cpu_mxfp4_row_align(w) : 16;
-        int64_t max_units = (w->rows + align - 1) / align;
+        int64_t max_units = (r1 - r0 + align - 1) / align;
         int units = nth * CPU_UNITS_PER_THREAD;
 
         units = units < max_units ? units : (int)max_units;

@@ -212,6 +212,50 @@ static void check_thread_invariance(void)
     kref_weight_free(&wb);
 }
 
+/* backend_matmul_rows: rows [r0, r1) into a strided y, bit for bit the rows of
+ * backend_matmul, for every format and path (MXFP4 fast and exact, BF16 with and without
+ * AMX, F32) and thread count; y's other columns untouched. */
+static void check_matmul_rows(void)
+{
+    enum { R = 200, C = 256, N = 5, LD = 100 };
+    static const int64_t ranges[][2] = { { 0, 64 }, { 32, 128 }, { 96, 192 }, { 160, R }, { 64, 64 } };
+    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R);
+    float *yr = malloc(sizeof(float) * N * LD);
+
+    krng_fill(x, (size_t)N * C, 1.0f);
+    for (int f = 0; f < 5; f++) {
+        struct bweight w = f < 2 ? kref_mxfp4_new(R, C, 120, 130) : f < 4 ? kref_bf16_new(R, C, 1.0f)
+                                                                    : kref_f32_new(R, C, 1.0f);
+        for (int nth = 1; nth <= 2; nth++) {
+            struct backend *be = kref_backend(nth, f == 1);     /* f 1: MXFP4 exact path */
+            struct bweight wc = w;
+
+            cpu_amx_off = f == 3;
+            ASSERT_OK(backend_weight_prepare(be, &wc));
+            ASSERT_OK(backend_matmul(be, &wc, x, N, y));
+            for (size_t q = 0; q < ARRAY_SIZE(ranges); q++) {
+                const int64_t r0 = ranges[q][0], r1 = ranges[q][1];
+
+                for (int k = 0; k < N * LD; k++)
+                    yr[k] = -7.0f;
+                ASSERT_OK(backend_matmul_rows(be, &wc, x, N, yr, LD, r0, r1));
+                for (int i = 0; i < N; i++)
+                    for (int64_t c = 0; c < LD; c++) {
+                        float want = c < r1 - r0 ? y[i * R + r0 + c] : -7.0f;
+                        if (memcmp(&yr[i * LD + c], &want, sizeof(float)) != 0)
+                            FAIL("matmul_rows fmt %d th %d rows [%lld, %lld): y[%d][%lld] = %.9g, want %.9g", f,
+                                 nth, (long long)r0, (long long)r1, i, (long long)c, yr[i * LD + c], want);
+                    }
+            }
+            backend_weight_release(be, &wc);
+            backend_free(be);
+            cpu_amx_off = false;
+        }
+        kref_weight_free(&w);
+    }
+    free(x); free(y); free(yr);
+}
+
 static void check_dense(enum wfmt fmt, int64_t rows, int64_t cols, int n, int nth)
 {
     struct bweight w = fmt == WFMT_BF16 ? kref_bf16_new(rows, cols, 1.0f) : kref_f32_new(rows, cols, 1.0f);
@@ -443,6 +487,7 @@ int main(void)
         for (size_t k = 0; k < ARRAY_SIZE(ns); k++)
             check_mxfp4(shapes[s][0], shapes[s][1], ns[k], 1 + (int)((s + k) % 3));
     check_thread_invariance();
+    check_matmul_rows();
     {
         static const int64_t t16_shapes[][3] = { { 128, 256, 20 }, { 256, 128, 20 }, { 37, 96, 20 },
                                                  { 45, 352, 9 }, { 64, 32, 6 }, { 4096, 256, 9 },

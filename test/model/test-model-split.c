@@ -214,6 +214,14 @@ int main(int argc, char **argv)
         ASSERT_EQ(trunk_splits, before + 1);
     }
     ASSERT_EQ(model_split_steps(mw), 0);
+    ASSERT_EQ(model_coop_mlps(mw), 0);
+    const struct model_config *mc = model_config(ms);
+    bool has_dense = false;
+    for (int l = 0; l < mc->n_layers; l++)
+        has_dense |= !mc->layers[l].is_moe && mc->intermediate_size % 64 == 0 && mc->hidden_size % 64 == 0;
+    /* the verify runs of 4 (and any other split step of <= 4 tokens) computed their dense
+     * MLPs with both parts (struct split_coop), still bit for bit */
+    ASSERT_TRUE(!has_dense || model_coop_mlps(ms) > 0);
     ASSERT_TRUE(!model_mtp_halves(ms) && !model_mtp_halves(mw));
     ASSERT_TRUE(trunk_splits >= 20);
     ASSERT_TRUE(K == 0 || mtp_splits >= 20);
@@ -222,8 +230,9 @@ int main(int argc, char **argv)
     ASSERT_TRUE(K < 2 || rerun > 0);
     printf("MTP positions re-run after rejected drafts: %llu\n", (unsigned long long)rerun);
     printf("%s path: 41 steps bit-identical split vs whole (trunk + %d MTP depths); split: %d "
-           "trunk steps, %d MTP depths; %d steps below the split size ran whole\n",
-           exact ? "exact" : "fast", K, trunk_splits, mtp_splits, small);
+           "trunk steps, %d MTP depths; %d steps below the split size ran whole; %llu dense MLPs "
+           "run by both parts\n", exact ? "exact" : "fast", K, trunk_splits, mtp_splits, small,
+           (unsigned long long)model_coop_mlps(ms));
 
     printf("MTP layers as per-core halves: drafts within %.3g of whole layers (bound %g)\n",
            worst_tp, tol_tp);

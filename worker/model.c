@@ -1323,8 +1323,6 @@ static int split_wait(struct split_sync *ss)
     return spin_until(&ss->kv_layers, ++ss->seen, &ss->failed);
 }
 
-/* One decoder layer (MODEL.md §2.3) over the batch, in place on the residual x [n, H].
- * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
 static int coop_wait(struct split_coop *c, int part)
 {
     const int want = 2 * ++c->count[part];
@@ -1369,6 +1367,8 @@ static int coop_mlp(struct model *m, const struct mlayer *L, const struct batch 
     return 0;
 }
 
+/* One decoder layer (MODEL.md §2.3) over the batch, in place on the residual x [n, H].
+ * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
 static int layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
 {
     const struct model_config *cfg = m->cfg;

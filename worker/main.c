@@ -31,7 +31,8 @@ static void usage(FILE *f)
         "  --world-size N          1, 2, 4 or 8 ranks in the group\n"
         "  --mtp K                 MTP speculative tokens on rank 0 (0..3)\n"
         "  --speculative-config J  as vLLM: '{\"method\":\"mtp\",\"num_speculative_tokens\":K}'\n"
-        "                          (+ \"draft_quantization\":\"mxfp4\": MTP drafts from MXFP4 copies)\n"
+        "                          (+ \"draft_quantization\": \"auto\" (default: MXFP4 copies of\n"
+        "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\")\n"
         "  --collective-timeout MS deadline of every collective (default 30000)\n"
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
         "  --load-timeout MS       how long ranks wait for each other to load (default 1800000)\n"
@@ -53,7 +54,7 @@ static int parse_int(const char *s, const char *flag, int lo, int hi, int *ret)
 }
 
 /* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */
-static int parse_spec(const char *json, int *ret_k, bool *ret_draft_mxfp4)
+static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant)
 {
     struct spec_config sc;
     struct err_buf e;
@@ -64,7 +65,7 @@ static int parse_spec(const char *json, int *ret_k, bool *ret_draft_mxfp4)
         return r;
     }
     *ret_k = sc.num_speculative_tokens;
-    *ret_draft_mxfp4 = sc.draft_mxfp4;
+    *ret_draft_quant = sc.draft_quant;
     return 0;
 }
 
@@ -127,7 +128,7 @@ int main(int argc, char **argv)
         case O_MODEL: o.model_dir = optarg; break;
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
         case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
-        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_mxfp4); break;
+        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant); break;
         case O_INSECURE: o.insecure_listen = true; break;
         case O_THREADS: r = parse_int(optarg, "--threads", 0, 1024, &o.threads); break;
         case O_EXACT: o.exact = true; break;

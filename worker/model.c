@@ -200,6 +200,8 @@ struct model {
     float *tp_buf[2][2];            /* [set][part] [max_rows, H] */
     float *coop_x, *coop_act, *coop_out;    /* struct split_coop's rows */
     uint64_t n_coop_mlps;           /* dense MLPs run by both parts of a split step */
+    uint64_t n_mtp_tails;           /* last MTP depths run as a tail (struct batch) */
+    int32_t *h_tail_pos, *h_tail_start, *h_tail_slots[_KV_GROUP_MAX];
     float *s_x, *s_me, *s_mn;
     float *tp_logits[2];            /* [part] [max_seqs, vocab / 2]: draft logits halves */
 
@@ -896,12 +898,15 @@ static int reserve(struct model *m, struct err_buf *e)
     r = r ? r : host_i32(&m->h_seq_start2, S + 1);
     r = r ? r : host_i32(&m->h_seq_start3, S + 1);
     r = r ? r : host_i32(&m->h_seq_pos02, S);
+    r = r ? r : host_i32(&m->h_tail_pos, S);
+    r = r ? r : host_i32(&m->h_tail_start, S + 1);
     r = r ? r : host_i32(&m->h_seq_pos0, S);
     r = r ? r : host_i32(&m->h_rows, T);
     r = r ? r : host_i32(&m->h_src, T);
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         r = r ? r : host_i32(&m->h_slots[g], T);
         r = r ? r : host_i32(&m->h_boff[g], S);
+        r = r ? r : host_i32(&m->h_tail_slots[g], S);
     }
     if (!r && m->n_mtp) {
         r = host_i32(&m->mtp_hist, S * (size_t)m->n_mtp);
@@ -1110,6 +1115,8 @@ void model_free(struct model *m)
     free(m->h_seq_start3);
     free(m->h_seq_pos0);
     free(m->h_seq_pos02);
+    free(m->h_tail_pos);
+    free(m->h_tail_start);
     free(m->h_rows);
     free(m->h_src);
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
@@ -1367,6 +1374,26 @@ static int coop_mlp(struct model *m, const struct mlayer *L, const struct batch 
     return 0;
 }
 
+/* The keys and values of layer L for the batch's rows, from their normed inputs m->a:
+ * projected, normed, rotated and stored in L's cache at the rows' slots. */
+static int layer_kv(struct model *m, struct mlayer *L, const struct batch *b)
+{
+    const struct model_config *cfg = m->cfg;
+    int n = b->n_tok, hd = L->head_dim;
+    int r;
+
+    TRY(backend_matmul(m->be, &L->wk, m->a, n, m->k));
+    TRY(backend_matmul(m->be, &L->wv, m->a, n, m->v));
+    if (cfg->use_qk_norm)
+        TRY(backend_rmsnorm(m->be, m->k, &L->k_norm, n * L->n_kv_heads, hd, cfg->rms_norm_eps, m->k));
+    if (L->freqs.rotary_dims > 0)
+        TRY(backend_rope(m->be, m->k, n, L->n_kv_heads, hd, b->pos, &L->freqs));
+    TRY(backend_kv_store(m->be, &L->kv, m->k, m->v, n, b->slots[L->group]));
+    if (b->sync && b->sync_role == 0)
+        atomic_fetch_add_explicit(&b->sync->kv_layers, 1, memory_order_release);
+    return 0;
+}
+
 /* One decoder layer (MODEL.md §2.3) over the batch, in place on the residual x [n, H].
  * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
 static int layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
@@ -1380,22 +1407,14 @@ static int layer_forward(struct model *m, struct mlayer *L, float *x, const stru
 
     /* attention block */
     TRY(backend_rmsnorm(m->be, x, &L->in_norm, n, H, eps, m->a));
+    TRY(layer_kv(m, L, b));
     TRY(backend_matmul(m->be, &L->wq, m->a, n, m->q));
-    TRY(backend_matmul(m->be, &L->wk, m->a, n, m->k));
-    TRY(backend_matmul(m->be, &L->wv, m->a, n, m->v));
     if (cfg->use_head_wise_attn_gate)
         TRY(backend_matmul(m->be, &L->wg, m->a, n, m->g));
-    if (cfg->use_qk_norm) {
+    if (cfg->use_qk_norm)
         TRY(backend_rmsnorm(m->be, m->q, &L->q_norm, n * L->n_heads, hd, eps, m->q));
-        TRY(backend_rmsnorm(m->be, m->k, &L->k_norm, n * L->n_kv_heads, hd, eps, m->k));
-    }
-    if (L->freqs.rotary_dims > 0) {
+    if (L->freqs.rotary_dims > 0)
         TRY(backend_rope(m->be, m->q, n, L->n_heads, hd, b->pos, &L->freqs));
-        TRY(backend_rope(m->be, m->k, n, L->n_kv_heads, hd, b->pos, &L->freqs));
-    }
-    TRY(backend_kv_store(m->be, &L->kv, m->k, m->v, n, b->slots[g]));
-    if (b->sync && b->sync_role == 0)
-        atomic_fetch_add_explicit(&b->sync->kv_layers, 1, memory_order_release);
     if (b->sync && b->sync_role == 1)
         TRY(split_wait(b->sync));
 
@@ -1672,6 +1691,7 @@ struct tp_run {
     struct model *m;
     int k;
     const struct batch *b;
+    const struct batch *tail;       /* non-NULL: b's KV, then the layer for these rows */
     _Atomic int arrive, failed;
     int r[2];
 };
@@ -1737,12 +1757,29 @@ static void tp_part_run(void *arg, int part, struct backend *sub)
         for (int q = 0; q < 2; q++)
             memcpy(x + (size_t)i * H + q * H2, m->tp_buf[set][q] + (size_t)i * H2,
                    sizeof(float) * (size_t)H2);
-    r = r ? r : layer_forward(&v, h, x, b);
+    if (t->tail) {
+        /* every row's keys and values, then each run's last row moved to row si (rows
+         * only move down, each read before it is written) and the layer for those rows:
+         * their KV again (the same values), the rest as layer_forward always computes a
+         * row, from that row and the cache alone */
+        r = r ? r : backend_rmsnorm(sub, x, &h->in_norm, n, H, m->cfg->rms_norm_eps, v.a);
+        r = r ? r : layer_kv(&v, h, b);
+        for (int si = 0; si < b->n_seqs && !r; si++) {
+            int last = b->seq_start[si + 1] - 1;
+            if (last != si)
+                r = backend_upload(sub, x + (size_t)si * H, x + (size_t)last * H,
+                                   sizeof(float) * (size_t)H);
+        }
+        r = r ? r : layer_forward(&v, h, x, t->tail);
+    } else {
+        r = r ? r : layer_forward(&v, h, x, b);
+    }
     /* this half of the vocab's draft logits, from each run's last row (the head's rows are
      * split, so every logit is the whole head's) */
     for (int si = 0; si < b->n_seqs && !r; si++)
         r = backend_upload(sub, v.tmp + (size_t)si * H,
-                           x + (size_t)(b->seq_start[si + 1] - 1) * H, sizeof(float) * (size_t)H);
+                           x + (size_t)(t->tail ? si : b->seq_start[si + 1] - 1) * H,
+                           sizeof(float) * (size_t)H);
     r = r ? r : backend_rmsnorm(sub, v.tmp, &L->head_norm, b->n_seqs, H, m->cfg->rms_norm_eps, v.tmp);
     r = r ? r : backend_matmul(sub, &h->head, v.tmp, b->n_seqs, m->tp_logits[part]);
     if (r < 0)
@@ -1756,9 +1793,9 @@ static void tp_part_run(void *arg, int part, struct backend *sub)
  * all of it for half the positions (split_layers).  The output (m->x) is the same on both
  * halves; it differs from the whole layer's in the order of some fp32 sums, a choice made
  * once at load (build_mtp_tp), so every MTP batch of a model computes the same way. */
-static int mtp_tp_run(struct model *m, int k, const struct batch *b)
+static int mtp_tp_run(struct model *m, int k, const struct batch *b, const struct batch *tail)
 {
-    struct tp_run t = { .m = m, .k = k, .b = b };
+    struct tp_run t = { .m = m, .k = k, .b = b, .tail = tail };
     int r = backend_split_run(m->be, 2, true, tp_part_run, &t);
 
     if (r < 0)
@@ -1769,6 +1806,11 @@ static int mtp_tp_run(struct model *m, int k, const struct batch *b)
 bool model_mtp_halves(const struct model *m)
 {
     return m->mtp_tp;
+}
+
+uint64_t model_mtp_tails(const struct model *m)
+{
+    return m->n_mtp_tails;
 }
 
 uint64_t model_split_steps(const struct model *m)
@@ -2018,11 +2060,32 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
      * per-core parts */
     if (!r) {
         struct split_cut cut;
-        if (m->mtp_tp)
-            r = mtp_tp_run(m, k, &mb);
-        else
+        if (m->mtp_tp && k == NM - 1 && !m->o.no_mtp_tail) {
+            /* the last depth: only each run's last row feeds anything (the draft logits;
+             * no depth reads this layer's outputs), the others just need their KV */
+            struct batch tail = mb;
+            tail.n_tok = ns;
+            tail.ids = NULL;
+            tail.pos = tail.seq_pos0 = m->h_tail_pos;
+            tail.seq_start = m->h_tail_start;
+            for (int si = 0; si < ns; si++) {
+                int last = m->h_seq_start[si + 1] - 1;
+                m->h_tail_pos[si] = m->h_pos[last];
+                m->h_tail_start[si] = si;
+                for (int g = 0; g < _KV_GROUP_MAX; g++)
+                    m->h_tail_slots[g][si] = m->h_slots[g][last];
+            }
+            m->h_tail_start[ns] = ns;
+            for (int g = 0; g < _KV_GROUP_MAX; g++)
+                tail.slots[g] = m->h_tail_slots[g];
+            r = mtp_tp_run(m, k, &mb, &tail);
+            m->n_mtp_tails++;
+        } else if (m->mtp_tp) {
+            r = mtp_tp_run(m, k, &mb, NULL);
+        } else {
             r = split_choose(m, &mb, &cut) ? split_layers(m, &mb, &cut, L)
                                            : mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
+        }
     }
     if (r < 0)
         goto fail;

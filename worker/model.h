@@ -80,6 +80,8 @@ struct model_opts {
     bool no_split;              /* never run a trunk step as per-core parts (see model_step) */
     bool no_mtp_tp;             /* MTP layers whole, not as per-core halves (mtp_tp_run);
                                    drafts then differ in the order of some fp32 sums */
+    bool no_mtp_tail;           /* diagnostics only: the last MTP depth runs every row
+                                   through the whole layer (model_mtp_tails) */
 };
 
 struct model;
@@ -143,6 +145,9 @@ uint64_t model_split_steps(const struct model *m);
 uint64_t model_coop_mlps(const struct model *m);
 /* MTP layers run as per-core halves (2-thread CPU backend; model_opts.no_mtp_tp). */
 bool model_mtp_halves(const struct model *m);
+/* Last MTP depths (of halves) since model_new that took only each run's last row past the
+ * KV store: no later depth reads that layer's other outputs, only its keys and values. */
+uint64_t model_mtp_tails(const struct model *m);
 /* MTP repair counters since model_new: positions re-run to erase draft inputs
  * (model_mtp_step), and positions that needed a re-run but could not get one (the layer
  * skipped a step of the sequence, or a re-run query's sliding-window blocks were already

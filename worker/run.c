@@ -22,6 +22,7 @@
 #include "loader.h"
 #include "log.h"
 #include "model.h"
+#include "spec.h"
 
 #ifdef STEPD_RUN_HAVE_TOK
 #include "tok/tokenizer.h"
@@ -35,7 +36,7 @@ struct run_args {
     const char *prompt;
     const char *backend;
     int n_gen, threads, mtp, chunk;
-    bool draft_mxfp4;
+    enum spec_draft_quant draft_quant;
     bool exact, ids_only;
 };
 
@@ -50,7 +51,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: stepd-run MODEL_DIR [--prompt-ids 1,2,3 | --prompt TEXT] [-n N]\n"
                "                 [--threads T] [--mtp K] [--exact] [--chunk C] [--backend NAME]\n"
-               "                 [--ids-only] [--draft-quant none|mxfp4]\n"
+               "                 [--ids-only] [--draft-quant auto|none|mxfp4]\n"
                "  --prompt-ids L  comma-separated token ids\n"
                "  --prompt TEXT   text, encoded with MODEL_DIR/tokenizer.json (BOS prepended)\n"
                "  -n N            tokens to generate (default 32)\n"
@@ -60,7 +61,8 @@ static void usage(FILE *f)
                "  --chunk C       prefill chunk size in tokens (default: whole prompt)\n"
                "  --backend NAME  cpu (default) or cuda\n"
                "  --ids-only      print only the generated ids, one line\n"
-               "  --draft-quant Q MTP draft weights: none (checkpoint, default) or mxfp4\n");
+               "  --draft-quant Q MTP draft weights: auto (default: mxfp4 on cpu, none elsewhere),\n"
+               "                  none (the checkpoint's) or mxfp4 (re-quantised copies)\n");
 }
 
 static int parse_int(const char *s, const char *what, int lo, int hi, int *ret)
@@ -102,9 +104,11 @@ static int parse_args(int argc, char **argv, struct run_args *a)
         case 'q': a->ids_only = true; break;
         case 'd':
             if (strcmp(optarg, "mxfp4") == 0) {
-                a->draft_mxfp4 = true;
-            } else if (strcmp(optarg, "none") != 0) {
-                fprintf(stderr, "stepd-run: --draft-quant: expected none or mxfp4, got '%s'\n",
+                a->draft_quant = SPEC_DRAFT_MXFP4;
+            } else if (strcmp(optarg, "none") == 0) {
+                a->draft_quant = SPEC_DRAFT_NONE;
+            } else if (strcmp(optarg, "auto") != 0) {
+                fprintf(stderr, "stepd-run: --draft-quant: expected auto, none or mxfp4, got '%s'\n",
                         optarg);
                 return -EINVAL;
             }
@@ -279,7 +283,8 @@ int main(int argc, char **argv)
     struct model_opts mo = {
         .max_tokens_per_step = T, .max_seqs = 1, .max_logit_rows = K + 1,
         .block_size = RUN_BLOCK_SIZE, .n_blocks = {n_blocks, n_blocks}, .max_seq_len = max_len,
-        .draft_quant = a.draft_mxfp4 ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT,
+        .draft_quant = spec_draft_mxfp4(a.draft_quant, a.backend) ? MODEL_DRAFT_MXFP4
+                                                                  : MODEL_DRAFT_CHECKPOINT,
     };
     r = model_new(ck, be, NULL, &mo, &m, &e);
     if (r < 0) {

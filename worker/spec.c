@@ -42,12 +42,17 @@ int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf 
         } else if (strcmp(key, "draft_quantization") == 0) {
             const char *q = json_is_string(val) ? json_string_value(val) : NULL;
 
-            if (!json_is_null(val) && (!q || (strcmp(q, "none") != 0 && strcmp(q, "mxfp4") != 0))) {
+            if (json_is_null(val) || (q && strcmp(q, "auto") == 0)) {
+                cfg.draft_quant = SPEC_DRAFT_AUTO;
+            } else if (q && strcmp(q, "none") == 0) {
+                cfg.draft_quant = SPEC_DRAFT_NONE;
+            } else if (q && strcmp(q, "mxfp4") == 0) {
+                cfg.draft_quant = SPEC_DRAFT_MXFP4;
+            } else {
                 r = err_set(e, -EINVAL, "--speculative-config: draft_quantization: expected null, "
-                            "\"none\" or \"mxfp4\"");
+                            "\"auto\", \"none\" or \"mxfp4\"");
                 goto out;
             }
-            cfg.draft_mxfp4 = q && strcmp(q, "mxfp4") == 0;
         } else {
             r = err_set(e, -EINVAL, "--speculative-config: unknown key \"%s\"", key);
             goto out;

@@ -472,7 +472,8 @@ static int stage_load(struct worker *w, struct err_buf *e)
         .max_tokens_per_step = o->max_batched_tokens, .max_seqs = o->max_seqs,
         .max_logit_rows = w->logit_rows, .block_size = o->block_size,
         .n_blocks = { n_blocks, n_blocks }, .max_seq_len = o->max_model_len + 4,
-        .draft_quant = o->draft_mxfp4 ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT,
+        .draft_quant = spec_draft_mxfp4(o->draft_quant, bname) ? MODEL_DRAFT_MXFP4
+                                                               : MODEL_DRAFT_CHECKPOINT,
     };
     r = model_forward_new(w->ck, w->be, &hooks, &mo, &w->fwd, e);
     if (r < 0)

@@ -49,7 +49,7 @@ struct worker_opts {
     bool exact;                     /* exact MXFP4 path on CPU */
     bool mock;                      /* mock forward (no weights) */
     int mtp;                        /* speculative tokens K (0..3) */
-    bool draft_mxfp4;               /* MTP draft weights re-quantised to MXFP4 (spec config) */
+    int draft_quant;                /* enum spec_draft_quant (spec config "draft_quantization") */
     int max_seqs, max_batched_tokens, max_model_len, kv_blocks, block_size;
     int rendezvous_timeout_msec;
     int collective_timeout_msec;

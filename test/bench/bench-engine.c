@@ -1,7 +1,10 @@
 /* bench-engine.c - serving-engine benchmark on the tiny checkpoint (or the mock).
  *
- *   bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N]
+ *   bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N] [--draft-quant auto|none|mxfp4]
  *
+ * --draft-quant: the MTP draft weights of the K=3 engine, as the speculative config's
+ * "draft_quantization" (default auto: MXFP4 copies on this CPU backend); the other kind
+ * runs beside it for comparison.
  * --threads: CPU backend threads; default 0, the production default (stepd-worker
  * --threads 0): one per CPU this process may run on.
  *
@@ -21,6 +24,7 @@
 #include <time.h>
 
 #include "engine.h"
+#include "spec.h"
 #include "mock.h"
 #ifdef BENCH_HAVE_MODEL
 #include "../engine/model-rig.h"
@@ -227,25 +231,41 @@ static void print_acceptance(const char *what, const struct spec_stats *m)
     printf("\n");
 }
 
+/* The model's draft weights for q on the (CPU) backend of the rig. */
+static enum model_draft_quant dq_of(enum spec_draft_quant q)
+{
+    return spec_draft_mxfp4(q, "cpu") ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT;
+}
+
+static const char *dq_name(enum model_draft_quant dq)
+{
+    return dq == MODEL_DRAFT_MXFP4 ? "MXFP4 drafts" : "the checkpoint's BF16 drafts";
+}
+
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
     bool mock = false;
     int threads = 0, n_out = 128;
-    enum model_draft_quant dq = MODEL_DRAFT_CHECKPOINT;
+    /* the MTP draft weights: the speculative config's default ("auto") on this CPU backend */
+    enum spec_draft_quant sdq = SPEC_DRAFT_AUTO;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--mock") == 0)
             mock = true;
         else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
             threads = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--draft-quant") == 0 && i + 1 < argc)
-            dq = strcmp(argv[++i], "mxfp4") == 0 ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT;
+        else if (strcmp(argv[i], "--draft-quant") == 0 && i + 1 < argc) {
+            i++;
+            sdq = strcmp(argv[i], "mxfp4") == 0 ? SPEC_DRAFT_MXFP4
+                  : strcmp(argv[i], "none") == 0 ? SPEC_DRAFT_NONE : SPEC_DRAFT_AUTO;
+        }
         else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
             n_out = atoi(argv[++i]);
         else if (argv[i][0] != '-')
             dir = argv[i];
         else {
-            fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N]\n");
+            fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N] "
+                            "[--draft-quant auto|none|mxfp4]\n");
             return 2;
         }
     }
@@ -260,7 +280,7 @@ int main(int argc, char **argv)
     if (!mock) {
         if (!dir)
             dir = "models/tiny-step";
-        int r = model_rig_open_q(&rig, dir, threads, 16, 256, 1024, dq, &err);
+        int r = model_rig_open_q(&rig, dir, threads, 16, 256, 1024, dq_of(sdq), &err);
         if (r < 0) {
             fprintf(stderr, "bench-engine: %s: %s\n", dir, r == -ENOENT ? "no checkpoint" : err.msg);
             return 1;
@@ -318,15 +338,18 @@ int main(int argc, char **argv)
     /* warm-up */
     (void) run(e, vocab, 1, 0, 32, 16, 1);
 
-    /* batch 1: K = 0, K = 3 and (real model) K = 3 with MXFP4 drafts, interleaved over
-     * BENCH_REPS rounds so that they see the same machine; the median round is printed */
+    /* batch 1: K = 0, K = 3 and (real model) K = 3 with the other draft weights (the
+     * checkpoint's when the config's are MXFP4, else MXFP4), interleaved over BENCH_REPS
+     * rounds so that they see the same machine; the median round is printed */
     struct engine *eq = NULL;
+    enum model_draft_quant dq = dq_of(sdq), dq2 = dq == MODEL_DRAFT_MXFP4 ? MODEL_DRAFT_CHECKPOINT
+                                                                           : MODEL_DRAFT_MXFP4;
 #ifdef BENCH_HAVE_MODEL
     struct model_rig rigq = { 0 };
-    if (!mock && dq == MODEL_DRAFT_CHECKPOINT) {
-        int r = model_rig_open_q(&rigq, dir, threads, 16, 256, 1024, MODEL_DRAFT_MXFP4, &err);
+    if (!mock) {
+        int r = model_rig_open_q(&rigq, dir, threads, 16, 256, 1024, dq2, &err);
         if (r < 0 || engine_new(rigq.f, &ec, &eq, &err) < 0) {
-            fprintf(stderr, "bench-engine: MXFP4 drafts: %s\n", err.msg);
+            fprintf(stderr, "bench-engine: %s: %s\n", dq_name(dq2), err.msg);
             return 1;
         }
         engine_start(eq);
@@ -347,9 +370,11 @@ int main(int argc, char **argv)
         rkq[rep] = k0r[rep].decode_tps > 0 && eq ? kqr[rep].decode_tps / k0r[rep].decode_tps : 0;
     }
     struct result k0 = median_result(k0r, BENCH_REPS), k3 = median_result(k3r, BENCH_REPS);
-    printf("batch 1 decode (median of %d interleaved rounds): K=0 %.1f tok/s, K=3 %.1f tok/s, "
-           "speed-up %.2fx (median of the rounds' ratios; range %.2f .. %.2f)\n", BENCH_REPS,
-           k0.decode_tps, k3.decode_tps, median_of(rk3, BENCH_REPS),
+    printf("batch 1 decode (median of %d interleaved rounds): K=0 %.1f tok/s, K=3 %.1f tok/s "
+           "(%s%s), speed-up %.2fx (median of the rounds' ratios; range %.2f .. %.2f)\n",
+           BENCH_REPS, k0.decode_tps, k3.decode_tps, mock ? "mock" : dq_name(dq),
+           mock ? "" : sdq == SPEC_DRAFT_AUTO ? ", the default draft_quantization \"auto\"" : "",
+           median_of(rk3, BENCH_REPS),
            min_of(rk3, BENCH_REPS), max_of(rk3, BENCH_REPS));
     printf("  per step: K=0 forward %.3f ms + engine %.3f ms for %.2f tokens; "
            "K=3 forward %.3f ms + MTP %.3f ms + engine %.3f ms for %.2f tokens\n",
@@ -357,13 +382,14 @@ int main(int argc, char **argv)
     print_acceptance("K=3", &k3.mtp);
     if (eq) {
         struct result kq = median_result(kqr, BENCH_REPS);
-        printf("batch 1 decode, K=3 with MXFP4 drafts (draft_quantization \"mxfp4\"): %.1f tok/s, "
+        printf("batch 1 decode, K=3 with %s (draft_quantization \"%s\"): %.1f tok/s, "
                "speed-up %.2fx over K=0 (median of the rounds' ratios; range %.2f .. %.2f)\n",
+               dq_name(dq2), dq2 == MODEL_DRAFT_MXFP4 ? "mxfp4" : "none",
                kq.decode_tps, median_of(rkq, BENCH_REPS), min_of(rkq, BENCH_REPS),
                max_of(rkq, BENCH_REPS));
         printf("  per step: forward %.3f ms + MTP %.3f ms + engine %.3f ms for %.2f tokens\n",
                kq.fwd_ms, kq.mtp_ms, kq.eng_ms, kq.tok_per_step);
-        print_acceptance("K=3 MXFP4 drafts", &kq.mtp);
+        print_acceptance(dq2 == MODEL_DRAFT_MXFP4 ? "K=3 MXFP4 drafts" : "K=3 BF16 drafts", &kq.mtp);
     }
 
     /* concurrency 1, 4, 16 interleaved over CONC_REPS rounds; each line is the round with

@@ -301,10 +301,23 @@ static void test_spec_config(void)
     ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
                                 "\"draft_quantization\":\"mxfp4\"}", &c, &e));
     ASSERT_EQ(c.num_speculative_tokens, 2);
-    ASSERT_TRUE(c.draft_mxfp4);
+    ASSERT_EQ(c.draft_quant, SPEC_DRAFT_MXFP4);
+    ASSERT_TRUE(spec_draft_mxfp4(c.draft_quant, "cuda"));
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
+                                "\"draft_quantization\":\"none\"}", &c, &e));
+    ASSERT_EQ(c.draft_quant, SPEC_DRAFT_NONE);
+    ASSERT_TRUE(!spec_draft_mxfp4(c.draft_quant, "cpu"));
+    /* no key, null and "auto": MXFP4 drafts on the CPU backend only */
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2}", &c, &e));
+    ASSERT_EQ(c.draft_quant, SPEC_DRAFT_AUTO);
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
+                                "\"draft_quantization\":\"auto\"}", &c, &e));
+    ASSERT_EQ(c.draft_quant, SPEC_DRAFT_AUTO);
     ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
                                 "\"draft_quantization\":null}", &c, &e));
-    ASSERT_TRUE(!c.draft_mxfp4);
+    ASSERT_EQ(c.draft_quant, SPEC_DRAFT_AUTO);
+    ASSERT_TRUE(spec_draft_mxfp4(c.draft_quant, "cpu"));
+    ASSERT_TRUE(!spec_draft_mxfp4(c.draft_quant, "cuda"));
     ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":2,"
                                  "\"draft_quantization\":\"fp8\"}", &c, &e), -EINVAL);
     ASSERT_TRUE(strstr(e.msg, "draft_quantization") != NULL);

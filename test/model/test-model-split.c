@@ -7,7 +7,10 @@
  * (model_split_steps), never with no_split, and never for a step below the split size; a
  * single sequence (prefill chunk, verify runs of 4) splits inside its run.  A third model
  * runs its MTP layers as per-core halves (mtp_tp_run): trunk logits bit for bit, drafts
- * within a bound (the order of the o_proj / down_proj sums differs).
+ * within a bound (the order of the o_proj / down_proj sums differs).  Its last depth runs
+ * as a tail (only each run's last row past the KV store, model_mtp_tails): its drafts
+ * equal bit for bit those of a fourth model that runs every row (no_mtp_tail), and the
+ * next step's drafts too (the KV the tail stored is the same).
  *
  *   test-model-split MODEL_DIR [exact|fast]
  */
@@ -31,8 +34,9 @@
 
 static int V, K, window;
 static struct model *mt;            /* MTP layers as per-core halves (compared with a bound) */
+static struct model *mn;            /* mt without the tail (compared bit for bit) */
 static double tol_tp, worst_tp;
-static float *lt;
+static float *lt, *ln;
 
 /* Run one plan on both models and compare the trunk logits and K MTP depths bit for bit. */
 static int trunk_splits, mtp_splits;
@@ -48,6 +52,7 @@ static void step_both(struct model *a, struct model *b, struct tplan *tp, const 
     ASSERT_OK(model_step(a, &tp->p, la));
     ASSERT_OK(model_step(b, &tp->p, lb));
     ASSERT_OK(model_step(mt, &tp->p, lt));
+    ASSERT_OK(model_step(mn, &tp->p, ln));
     if (memcmp(la, lb, sizeof(float) * (size_t)rows * V) != 0)
         FAIL("%s: trunk logits differ between split and whole steps", what);
     if (memcmp(la, lt, sizeof(float) * (size_t)rows * V) != 0)
@@ -67,6 +72,9 @@ static void step_both(struct model *a, struct model *b, struct tplan *tp, const 
         ASSERT_OK(model_mtp_step(a, k, &tp->p, nv, tin, la));
         ASSERT_OK(model_mtp_step(b, k, &tp->p, nv, tin, lb));
         ASSERT_OK(model_mtp_step(mt, k, &tp->p, nv, tin, lt));
+        ASSERT_OK(model_mtp_step(mn, k, &tp->p, nv, tin, ln));
+        if (memcmp(lt, ln, sizeof(float) * (size_t)tp->p.n_seqs * V) != 0)
+            FAIL("%s: MTP depth %d logits differ between the tail and every row", what, k);
         if (memcmp(la, lb, sizeof(float) * (size_t)tp->p.n_seqs * V) != 0)
             FAIL("%s: MTP depth %d logits differ between split and whole steps", what, k);
         /* halves: the same drafts up to the order of the o_proj / down_proj sums */
@@ -111,6 +119,10 @@ int main(int argc, char **argv)
     if (model_new(ck, be, NULL, &mo, &mt, &e) < 0)
         FAIL("model_new: %s", e.msg);
     ASSERT_TRUE(K == 0 || model_mtp_halves(mt));   /* the test models' MTP layers qualify */
+    mo.no_mtp_tail = true;
+    if (model_new(ck, be, NULL, &mo, &mn, &e) < 0)
+        FAIL("model_new (no_mtp_tail): %s", e.msg);
+    mo.no_mtp_tail = false;
     mo.no_mtp_tp = true;
     if (model_new(ck, be, NULL, &mo, &ms, &e) < 0)
         FAIL("model_new (no_mtp_tp): %s", e.msg);
@@ -124,7 +136,8 @@ int main(int argc, char **argv)
     tables_shuffle();
     float *la = malloc(sizeof(float) * 512 * (size_t)V), *lb = malloc(sizeof(float) * 512 * (size_t)V);
     lt = malloc(sizeof(float) * 512 * (size_t)V);
-    ASSERT_TRUE(la && lb && lt);
+    ln = malloc(sizeof(float) * 512 * (size_t)V);
+    ASSERT_TRUE(la && lb && lt && ln);
     tol_tp = exact ? 1e-4 : 2e-2;
 
     /* 40 steps: each live sequence either prefills a chunk (1-40 tokens, logits of the last
@@ -236,9 +249,16 @@ int main(int argc, char **argv)
 
     printf("MTP layers as per-core halves: drafts within %.3g of whole layers (bound %g)\n",
            worst_tp, tol_tp);
+    /* every step ran all K depths, so the last one ran as a tail each time (none without) */
+    ASSERT_TRUE(K == 0 || model_mtp_tails(mt) >= 40);
+    ASSERT_EQ(model_mtp_tails(mn), 0);
+    printf("last MTP depth as a tail: %llu times, drafts bit-identical to every row run\n",
+           (unsigned long long)model_mtp_tails(mt));
     free(la);
     free(lb);
     free(lt);
+    free(ln);
+    model_free(mn);
     model_free(mt);
     model_free(ms);
     model_free(mw);

@@ -1122,6 +1122,7 @@ void model_free(struct model *m)
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         free(m->h_slots[g]);
         free(m->h_boff[g]);
+        free(m->h_tail_slots[g]);
     }
     free(m->mtp_hist);
     free(m->mtp_lo);

@@ -280,7 +280,7 @@ struct coord {
     struct health_watch *watches;
     int last_ready;                 /* readiness last broadcast */
     int64_t busy_ms;                /* last time requests were in flight */
-    bool trimmed;
+    size_t trim_free;               /* heap bytes free after the last idle malloc_trim; 0 none */
     uv_tcp_t metrics_srv;
     bool metrics_on;
 #ifdef STEPD_HAVE_TOK

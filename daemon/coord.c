@@ -724,6 +724,8 @@ static void loads_cb(uv_timer_t *t)
         if (!co->trim_free || free_b > co->trim_free + ((size_t)1 << 20)) {
             malloc_trim(0);
             co->trim_free = free_b ? free_b : 1;
+        } else if (free_b < co->trim_free) {
+            co->trim_free = free_b ? free_b : 1;     /* reused since: count from the dip */
         }
     }
 }

@@ -1,4 +1,5 @@
-/* mxfp4.c - see mxfp4.h. Reference code, not a hot loop. */
+/* mxfp4.c - see mxfp4.h. Reference code; mxfp4_row_quantize also re-quantises MTP draft
+ * weights at load (model.c), where it runs over every weight of the draft layers. */
 #include "mxfp4.h"
 
 #include <errno.h>
@@ -37,19 +38,16 @@ int mxfp4_row_decode(const uint8_t *packed, const uint8_t *scale, int64_t k, flo
     return 0;
 }
 
-/* Nearest E2M1 magnitude index for |x| (already divided by the scale), ties to even index. */
-static unsigned e2m1_nearest(float a)
+/* Nearest E2M1 magnitude index for a = |x| / scale in [0, 6], ties to the even index:
+ * the midpoints between grid neighbours, taken with > where the lower neighbour has the
+ * even index and with >= where the upper one has.  The same choice as the minimum of
+ * |a - grid[i]| over the grid (test-mxfp4 checks both around every midpoint): near a
+ * midpoint both differences are exact (Sterbenz), so a tie in float is a tie in fact. */
+unsigned mxfp4_e2m1_nearest(float a)
 {
-    unsigned best = 0;
-    float best_d = INFINITY;
-    for (unsigned i = 0; i < 8; i++) {
-        float d = fabsf(a - e2m1_table[i]);
-        if (d < best_d || (d == best_d && (i & 1) == 0)) {
-            best_d = d;
-            best = i;
-        }
-    }
-    return best;
+    return (unsigned)(a > 0.25f) + (unsigned)(a >= 0.75f) + (unsigned)(a > 1.25f) +
+           (unsigned)(a >= 1.75f) + (unsigned)(a > 2.5f) + (unsigned)(a >= 3.5f) +
+           (unsigned)(a > 5.0f);
 }
 
 int mxfp4_row_quantize(const float *in, int64_t k, uint8_t *packed, uint8_t *scale)
@@ -85,7 +83,7 @@ int mxfp4_row_quantize(const float *in, int64_t k, uint8_t *packed, uint8_t *sca
                 float v = x[2 * j + h];
                 if (!isfinite(v))
                     v = 0.0f;
-                c[h] = e2m1_nearest(fminf(fabsf(v) / s, 6.0f)) | (v < 0 ? 8u : 0u);
+                c[h] = mxfp4_e2m1_nearest(fminf(fabsf(v) / s, 6.0f)) | (v < 0 ? 8u : 0u);
             }
             packed[g * (MXFP4_GROUP / 2) + j] = (uint8_t) (c[0] | (c[1] << 4));
         }

@@ -20,6 +20,9 @@ float mxfp4_e2m1_value(unsigned code);
 /* 2^(byte-127) for byte 0..254; NaN for 255. */
 float mxfp4_e8m0_value(uint8_t byte);
 
+/* Nearest E2M1 magnitude index (0..7) for a in [0, 6], ties to the even index. */
+unsigned mxfp4_e2m1_nearest(float a);
+
 /* Decode one row: packed[k/2], scale[k/32] -> out[k]. Returns 0, -EINVAL when k
  * is not a positive multiple of 32, -EBADMSG when a scale byte is 255. */
 int mxfp4_row_decode(const uint8_t *packed, const uint8_t *scale, int64_t k, float *out);

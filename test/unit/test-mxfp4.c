@@ -1,10 +1,28 @@
 /* test-mxfp4.c - E2M1/E8M0 codec: the MODEL.md §5.3 worked examples, the code
- * table, the 255-scale corruption check and quantise->decode round trips. */
+ * table, the 255-scale corruption check, quantise->decode round trips, and the
+ * nearest-grid-point choice against a plain search around every midpoint. */
 #include <errno.h>
 #include <math.h>
 
 #include "harness.h"
 #include "mxfp4.h"
+
+/* The definition of the choice: the grid point at the least |a - g|, ties to even. */
+static unsigned nearest_search(float a)
+{
+    static const float g[8] = { 0, 0.5f, 1, 1.5f, 2, 3, 4, 6 };
+    unsigned best = 0;
+    float best_d = INFINITY;
+
+    for (unsigned i = 0; i < 8; i++) {
+        float d = fabsf(a - g[i]);
+        if (d < best_d || (d == best_d && (i & 1) == 0)) {
+            best_d = d;
+            best = i;
+        }
+    }
+    return best;
+}
 
 int main(void)
 {
@@ -15,6 +33,30 @@ int main(void)
 
     for (unsigned c = 0; c < 16; c++)
         ASSERT_EQ(mxfp4_e2m1_value(c), table[c]);
+
+    /* every midpoint and the 64 floats either side of it, the grid points, and a sweep */
+    {
+        static const float mid[7] = { 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f };
+        for (int i = 0; i < 7; i++) {
+            float lo = mid[i], hi = mid[i];
+            for (int k = 0; k < 64; k++) {
+                ASSERT_EQ(mxfp4_e2m1_nearest(lo), nearest_search(lo));
+                ASSERT_EQ(mxfp4_e2m1_nearest(hi), nearest_search(hi));
+                lo = nextafterf(lo, 0.0f);
+                hi = nextafterf(hi, 6.0f);
+            }
+        }
+        ASSERT_EQ(mxfp4_e2m1_nearest(0.25f), 0u);      /* ties to even */
+        ASSERT_EQ(mxfp4_e2m1_nearest(0.75f), 2u);
+        ASSERT_EQ(mxfp4_e2m1_nearest(5.0f), 6u);
+        for (unsigned c = 0; c < 8; c++)
+            ASSERT_EQ(mxfp4_e2m1_nearest(table[c]), c);
+        for (int i = 0; i <= 600000; i++) {
+            float a = 6.0f * (float)i / 600000.0f;
+            ASSERT_EQ(mxfp4_e2m1_nearest(a), nearest_search(a));
+        }
+        ASSERT_EQ(mxfp4_e2m1_nearest(1e-40f), 0u);
+    }
     ASSERT_EQ(mxfp4_e8m0_value(127), 1.0f);
     ASSERT_EQ(mxfp4_e8m0_value(0), ldexpf(1.0f, -127));
     ASSERT_TRUE(isnan(mxfp4_e8m0_value(255)));

@@ -156,7 +156,17 @@ struct cpu_mxfp4 {
     int64_t ntile;          /* ceil(rows / TILE_ROWS) */
     uint8_t *qs;
     uint8_t *sc;
+    struct cpu_wchunk *qs_mem, *sc_mem;     /* wmem.c */
 };
+
+/* ---- wmem.c: weight memory on transparent huge pages ----
+ * cpu_wmem_alloc returns n bytes, 64-byte aligned, from 2 MiB-aligned chunks advised
+ * MADV_HUGEPAGE, and the chunk to hand back to cpu_wmem_free (NULL: out of memory). */
+struct cpu_wchunk;
+void *cpu_wmem_alloc(size_t n, struct cpu_wchunk **ret_chunk);
+void cpu_wmem_free(struct cpu_wchunk *chunk);
+/* Chunks mapped now and their bytes (tests: all freed -> 0). */
+void cpu_wmem_stats(size_t *ret_chunks, size_t *ret_bytes);
 
 extern const float cpu_e2m1[16];
 

@@ -19,7 +19,7 @@
  * Where the CPU has AVX512-VNNI+VL, vpdpbusd (256-bit) replaces vpmaddubsw+vpmaddwd.
  * The weight stream is software-prefetched cpu_mxfp4_pf_bytes ahead (+20 % from DRAM in
  * this VM; the hardware prefetcher alone stalled).  Multi-token calls decode each tile
- * once per 4 tokens.
+ * once per 4 tokens.  The repacked tiles live on transparent huge pages (wmem.c).
  * With AVX-512 BW + VNNI, groups of 4 tiles (16 rows) run a kernel that transposes the
  * packed weights in registers so that one vpdpbusd covers 16 rows with a broadcast
  * activation dword and needs no horizontal reduction (t16_*, below); its results are
@@ -70,13 +70,11 @@ int cpu_mxfp4_prepare(struct bweight *w)
     m->nblk = cols / 32;
     m->npair = (m->nblk + 1) / 2;
     m->ntile = (rows + MXFP4_TILE_ROWS - 1) / MXFP4_TILE_ROWS;
-    if (posix_memalign((void **)&m->qs, 64, (size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 32)) != 0)
-        m->qs = NULL;
-    if (posix_memalign((void **)&m->sc, 64, (size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 2 + 64)) != 0)
-        m->sc = NULL;
+    m->qs = cpu_wmem_alloc((size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 32), &m->qs_mem);
+    m->sc = cpu_wmem_alloc((size_t)(m->ntile * m->npair * MXFP4_TILE_ROWS * 2 + 64), &m->sc_mem);
     if (!m->qs || !m->sc) {
-        free(m->qs);
-        free(m->sc);
+        cpu_wmem_free(m->qs_mem);
+        cpu_wmem_free(m->sc_mem);
         free(m);
         return -ENOMEM;
     }
@@ -104,8 +102,8 @@ void cpu_mxfp4_release(struct bweight *w)
 
     if (!m)
         return;
-    free(m->qs);
-    free(m->sc);
+    cpu_wmem_free(m->qs_mem);
+    cpu_wmem_free(m->sc_mem);
     free(m);
     w->priv = NULL;
 }

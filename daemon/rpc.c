@@ -1311,7 +1311,7 @@ int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, s
     DEF(keepalive_timeout_ms, 20000);
     DEF(min_ping_interval_ms, 10000);
     DEF(max_ping_strikes, 2);
-    DEF(requests_per_method, 64);
+    DEF(requests_per_method, 8);
 #undef DEF
     if (s->opts.max_call_buffer_bytes == 0)
         s->opts.max_call_buffer_bytes = 1 << 20;

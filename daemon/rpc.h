@@ -158,7 +158,11 @@ struct rpc_server_opts {
     int min_ping_interval_ms;       /* clients may ping at most every 10 s (enforced) */
     int max_ping_strikes;           /* 2, then GOAWAY ENHANCE_YOUR_CALM */
     size_t max_call_buffer_bytes;   /* per-call queued send bytes before -ENOBUFS; 1 MiB */
-    int requests_per_method;        /* calls kept requested per method; 64 */
+    /* calls kept requested per method (rpc_method.requests overrides); 8.  Each is a tag
+     * the CQ tracks, and a libgrpc built without NDEBUG (Debian's) scans the CQ's
+     * outstanding tags on every completion: 64 for each of the ~12 methods cost ~4 % of
+     * stepd's CPU per streamed token (bench_coord.py cost), for methods called now and then */
+    int requests_per_method;
     /* Security. Without tls the server is plaintext. */
     const struct rpc_tls_files *tls;
     const char *api_key;            /* NULL = no key; else "authorization: Bearer <key>" */

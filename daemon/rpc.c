@@ -1552,6 +1552,7 @@ struct rpc_client_call {
     grpc_slice details;
     grpc_metadata auth_md;
     bool start_pending, recv_pending, status_pending, bad_response, has_auth_md;
+    bool status_posted;     /* RECV_STATUS asked for (once the messages have ended) */
 };
 
 int rpc_channel_create(struct rpc_ctx *ctx, const char *target, const struct rpc_channel_opts *opts,
@@ -1659,7 +1660,7 @@ static void client_maybe_done(struct rpc_client_call *c)
 {
     char details[1024];
 
-    if (c->start_pending || c->recv_pending || c->status_pending)
+    if (c->start_pending || c->recv_pending || c->status_pending || !c->status_posted)
         return;
     snprintf(details, sizeof(details), "%.*s", (int)GRPC_SLICE_LENGTH(c->details),
              (const char *)GRPC_SLICE_START_PTR(c->details));
@@ -1682,6 +1683,27 @@ static void client_maybe_done(struct rpc_client_call *c)
     free(c);
 }
 
+/* The status is asked for only once the messages have ended (a read returned none, or
+ * the call was cancelled): a RECV_STATUS posted with the call would be one more tag
+ * outstanding on the CQ for the call's whole life, and a libgrpc built without NDEBUG
+ * (Debian's) scans every outstanding tag on each completion. */
+static void client_post_status(struct rpc_client_call *c)
+{
+    grpc_op op;
+
+    if (c->status_posted)
+        return;
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    op.data.recv_status_on_client.trailing_metadata = &c->trail_md;
+    op.data.recv_status_on_client.status = &c->status;
+    op.data.recv_status_on_client.status_details = &c->details;
+    c->status_posted = true;
+    c->status_pending = true;
+    grpc_call_error e = grpc_call_start_batch(c->call, &op, 1, &c->op_status, NULL);
+    BUG_ON(e != GRPC_CALL_OK);
+}
+
 static void client_start_recv(struct rpc_client_call *c)
 {
     grpc_op op;
@@ -1690,8 +1712,10 @@ static void client_start_recv(struct rpc_client_call *c)
     op.op = GRPC_OP_RECV_MESSAGE;
     op.data.recv_message.recv_message = &c->recv_buf;
     c->recv_pending = true;
-    if (grpc_call_start_batch(c->call, &op, 1, &c->op_recv, NULL) != GRPC_CALL_OK)
+    if (grpc_call_start_batch(c->call, &op, 1, &c->op_recv, NULL) != GRPC_CALL_OK) {
         c->recv_pending = false;
+        client_post_status(c);
+    }
 }
 
 static void client_on_recv(struct rpc_op *op, bool ok)
@@ -1707,6 +1731,7 @@ static void client_on_recv(struct rpc_op *op, bool ok)
             c->bad_response = true;
             grpc_call_cancel_with_status(c->call, GRPC_STATUS_INTERNAL,
                                          "response could not be decoded", NULL);
+            client_post_status(c);
         } else {
             /* the next read is posted before the message is forwarded: gRPC can take
              * the next one in meanwhile (its completion runs after this callback) */
@@ -1715,6 +1740,12 @@ static void client_on_recv(struct rpc_op *op, bool ok)
                 c->on_msg(c, m, c->ud);
             protobuf_c_message_free_unpacked(m, NULL);
         }
+    } else {
+        if (c->recv_buf) {
+            grpc_byte_buffer_destroy(c->recv_buf);
+            c->recv_buf = NULL;
+        }
+        client_post_status(c);      /* the messages have ended */
     }
     client_maybe_done(c);
 }
@@ -1796,14 +1827,6 @@ int rpc_client_start(struct rpc_channel *ch, const char *method, const ProtobufC
     ch->ctx->live_calls++;
     c->start_pending = true;
     grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_start, NULL);
-    BUG_ON(e != GRPC_CALL_OK);
-    memset(ops, 0, sizeof(ops));
-    ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    ops[0].data.recv_status_on_client.trailing_metadata = &c->trail_md;
-    ops[0].data.recv_status_on_client.status = &c->status;
-    ops[0].data.recv_status_on_client.status_details = &c->details;
-    c->status_pending = true;
-    e = grpc_call_start_batch(c->call, ops, 1, &c->op_status, NULL);
     BUG_ON(e != GRPC_CALL_OK);
     client_start_recv(c);
     if (ret)

@@ -1,5 +1,5 @@
-/* test-rpc.c - daemon/rpc glue over loopback: unary and streaming calls, cancel and
- * deadline callbacks, UNIMPLEMENTED, API key, message-size limit, UTF-8 check,
+/* test-rpc.c - daemon/rpc glue over loopback: unary and streaming calls, an undecodable
+ * response, cancel and deadline callbacks, UNIMPLEMENTED, API key, message-size limit, UTF-8 check,
  * shutdown with no leaked calls, the CQ-thread fast path (cq_hook) answering while
  * the server's loop is not running, rpc_ctx_run (callbacks on the CQ thread while the
  * loop waits, one at a time, in order, waking the loop for timers they start). Uses the grpc.health.v1 messages as payloads. */
@@ -721,6 +721,19 @@ int main(void)
     r = call(ch, WATCH_PATH, "five", 0, 0);
     ASSERT_EQ(r.status, RPC_OK);
     ASSERT_EQ(r.msgs, 5);
+    /* a response that does not decode as the expected message (a varint where a string
+     * is due): INTERNAL naming it, and the call ends (its status is asked for then) */
+    {
+        Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+        struct result rb = { 0 };
+        req.service = "";
+        ASSERT_OK(rpc_client_start(ch, CHECK_PATH, &req.base, &grpc__health__v1__health_check_request__descriptor,
+                                   0, on_msg, on_done, &rb, &rb.call));
+        run_until(&rb.done);
+        ASSERT_EQ(rb.status, RPC_INTERNAL);
+        ASSERT_EQ(rb.msgs, 0);
+        ASSERT_CONTAINS(rb.details, "could not be decoded");
+    }
     /* client cancel mid-stream -> server cancel callback */
     r = call(ch, WATCH_PATH, "hang", 0, 1);
     ASSERT_EQ(r.status, RPC_CANCELLED);

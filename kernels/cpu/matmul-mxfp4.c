@@ -207,21 +207,34 @@ static void exact_dot_avx2(const float *rowbuf, const float *xi, int64_t cols, d
 }
 #endif
 
-static bool have_avx2_rt(void)
+/* A CPU-feature probe, run once per process and cached (racy first calls agree, so
+ * relaxed is enough); every have_*_rt() of this file goes through it. */
+static bool rt_cached(_Atomic int *cache, bool (*probe)(void))
 {
-#if defined(__x86_64__)
-    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
-    int v = atomic_load_explicit(&cached, memory_order_relaxed);
+    int v = atomic_load_explicit(cache, memory_order_relaxed);
 
     if (v < 0) {
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-            !getenv("STEPD_CPU_NO_AVX2");
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
+        v = probe();
+        atomic_store_explicit(cache, v, memory_order_relaxed);
     }
     return v;
+}
+
+static bool probe_avx2(void)
+{
+#if defined(__x86_64__)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           !getenv("STEPD_CPU_NO_AVX2");
 #else
     return false;
 #endif
+}
+
+static bool have_avx2_rt(void)
+{
+    static _Atomic int cached = -1;
+
+    return rt_cached(&cached, probe_avx2);
 }
 
 void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const int32_t *xidx,
@@ -515,17 +528,17 @@ DEFINE_MXFP4_KERNELS(vnni, "avx2,fma,avx512vl,avx512vnni", DOT_VNNI)
 
 /* VNNI (vpdpbusd) where the CPU has AVX512-VNNI+VL; STEPD_CPU_NO_VNNI forces plain AVX2
  * (tests run both). */
+static bool probe_vnni(void)
+{
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           !getenv("STEPD_CPU_NO_VNNI");
+}
+
 static bool have_vnni_rt(void)
 {
-    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
-    int v = atomic_load_explicit(&cached, memory_order_relaxed);
+    static _Atomic int cached = -1;
 
-    if (v < 0) {
-        v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-            !getenv("STEPD_CPU_NO_VNNI");
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
-    }
-    return v;
+    return rt_cached(&cached, probe_vnni);
 }
 
 /* ---- 16-row kernel (AVX-512 VNNI): multi-token calls ----
@@ -910,19 +923,19 @@ fast_rows_t16(const struct bweight *w, const struct cpu_qact *qa, const int32_t 
 
 /* The 16-row kernel where the CPU has AVX-512 F/BW/VL + VNNI, unless STEPD_CPU_NO_VNNI,
  * STEPD_CPU_NO_AVX512 or STEPD_CPU_NO_AVX2 (no fast path at all) is set. */
+static bool probe_t16(void)
+{
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
+           !getenv("STEPD_CPU_NO_AVX2");
+}
+
 static bool have_t16_rt(void)
 {
-    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
-    int v = atomic_load_explicit(&cached, memory_order_relaxed);
+    static _Atomic int cached = -1;
 
-    if (v < 0) {
-        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-            !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
-            !getenv("STEPD_CPU_NO_AVX2");
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
-    }
-    return v;
+    return rt_cached(&cached, probe_t16);
 }
 
 int64_t cpu_mxfp4_row_align(const struct bweight *w)

@@ -32,10 +32,11 @@
 
 /* A completion-queue tag: every grpc batch carries a pointer to one of these. fn runs
  * on the loop thread; cq_fn, when set, first runs on the CQ thread and returns true
- * when it has handled the event completely (it is then not queued for the loop). */
+ * when it has handled the event completely (it is then not queued for the loop). When
+ * it returns false it may have replaced *opp: that op's fn then runs on the loop. */
 struct rpc_op {
     void (*fn)(struct rpc_op *op, bool ok);
-    bool (*cq_fn)(struct rpc_op *op, bool ok);
+    bool (*cq_fn)(struct rpc_op **opp, bool ok);
     /* rpc_ctx_run: fn may run on the CQ thread (ctx_dispatch_direct). Set only for the
      * per-message events of the streaming path (a client call's message received, a
      * server call's send done): their callbacks are short and bounded. Everything
@@ -314,6 +315,8 @@ static bool ctx_dispatch_direct(struct rpc_ctx *ctx, struct rpc_op *op, bool ok,
 #define DIRECT_BUDGET_US 500
 /* a grpc_completion_queue_next() that took longer than this waited for work */
 #define CQ_IDLE_US 30
+/* event-queue entries kept across idle periods (rpc_ctx_compact) */
+#define EVQ_KEEP 256
 
 /* A CQ thread's event: -1 the queue is shut down, 0 nothing left to do (no
  * completion, or its cq_fn handled it on this thread), 1 *ret is for the loop. */
@@ -324,7 +327,7 @@ static int cq_event_take(grpc_event ev, struct rpc_op **ret)
     if (ev.type != GRPC_OP_COMPLETE)
         return 0;
     *ret = ev.tag;
-    return (*ret)->cq_fn && (*ret)->cq_fn(*ret, ev.success != 0) ? 0 : 1;
+    return (*ret)->cq_fn && (*ret)->cq_fn(ret, ev.success != 0) ? 0 : 1;
 }
 
 /* Queue an event for the loop thread (and wake it when the queue was empty). */
@@ -333,7 +336,7 @@ static void ctx_queue(struct rpc_ctx *ctx, struct rpc_op *op, bool ok, int64_t t
     pthread_mutex_lock(&ctx->mu);
     bool wake = ctx->q_len == 0;
     if (ctx->q_len == ctx->q_cap) {
-        size_t ncap = ctx->q_cap ? ctx->q_cap * 2 : 256;
+        size_t ncap = ctx->q_cap ? ctx->q_cap * 2 : EVQ_KEEP;
         struct rpc_event *n = realloc(ctx->q, ncap * sizeof(*n));
         /* A tag cannot be dropped (each one owns resources). */
         BUG_ON(!n);
@@ -667,6 +670,23 @@ int rpc_ctx_run(struct rpc_ctx *ctx)
     return 0;
 }
 
+void rpc_ctx_compact(struct rpc_ctx *ctx)
+{
+    /* work is the loop thread's (ctx_drain), or the CQ thread's under loop_mu */
+    if (ctx->work_cap > EVQ_KEEP) {
+        free(ctx->work);
+        ctx->work = NULL;
+        ctx->work_cap = 0;
+    }
+    pthread_mutex_lock(&ctx->mu);
+    if (ctx->q_len == 0 && ctx->q_cap > EVQ_KEEP) {
+        free(ctx->q);
+        ctx->q = NULL;
+        ctx->q_cap = 0;
+    }
+    pthread_mutex_unlock(&ctx->mu);
+}
+
 void rpc_ctx_stats(const struct rpc_ctx *ctx, struct rpc_ctx_stats *ret)
 {
     ret->direct = atomic_load_explicit(&ctx->n_direct, memory_order_relaxed);
@@ -686,10 +706,39 @@ int64_t rpc_ctx_event_us(const struct rpc_ctx *ctx)
 
 /* ------------------------------------------------------------------ server */
 
+/* Request slots. Each grpc_server_request_*call() tag is a slot that lives as long as
+ * the server: when a call arrives, its data moves into a struct rpc_call allocated
+ * then (freed when the call ends) and the slot goes back to its pool. A pool asks
+ * gRPC again for calls only once half of its slots are back, and then for all of
+ * them at once. Both keep the memory that stays allocated between loads compact:
+ * a call request allocated one at a time in the middle of a load (ours, and gRPC's
+ * own record of it) lands wherever the heap has a hole, and the few hundred of them
+ * still waiting when the load ends each keep a page of the freed load in RSS
+ * (RELIABILITY A1: RSS back to within 5 % after idle). */
+struct rpc_slot {
+    struct rpc_server *s;
+    struct reg_method *rm;          /* NULL: the unregistered-method slot */
+    struct slot_pool *pool;
+    grpc_call *call;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_byte_buffer *payload;
+    grpc_call_details details;      /* unregistered only */
+    struct rpc_op op;
+    struct rpc_slot *next;          /* free list */
+};
+
+struct slot_pool {
+    struct rpc_slot *slots;         /* n, allocated when the server starts */
+    struct rpc_slot *free;          /* not requested; under rpc_server.req_mu */
+    int n, n_free;
+};
+
 struct reg_method {
     struct rpc_method m;
     void *handle;
     struct rpc_server *s;
+    struct slot_pool pool;
 };
 
 struct rpc_server {
@@ -706,6 +755,7 @@ struct rpc_server {
     pthread_mutex_t req_mu;         /* CQ-thread re-requests vs shutdown */
     struct rpc_call *calls;         /* live calls (handed to handlers), doubly linked */
     _Atomic size_t requested;       /* outstanding request_call tags (both threads) */
+    struct slot_pool unreg_pool;    /* unregistered methods (answered UNIMPLEMENTED) */
     struct rpc_op shutdown_op;
     bool shutdown_done;
     void (*on_shutdown)(void *ud);
@@ -743,8 +793,9 @@ struct rpc_call {
     char method_name[128];
 };
 
-static void server_request_one(struct rpc_server *s, struct reg_method *rm);
 static void call_pump(struct rpc_call *c);
+static void call_on_new(struct rpc_op *op, bool ok);
+static void slot_put(struct rpc_slot *sl);
 
 static void call_free(struct rpc_call *c)
 {
@@ -1062,28 +1113,65 @@ static void call_end_early(struct rpc_call *c, int status, const char *fmt, ...)
     rpc_call_finish(c, status, "%s", msg);
 }
 
+/* A call arrived in slot sl: move it into a call of its own and give the slot back
+ * (either thread). NULL when out of memory: the call is then cancelled. */
+static struct rpc_call *slot_take(struct rpc_slot *sl)
+{
+    struct rpc_server *s = sl->s;
+    struct rpc_call *c = calloc(1, sizeof(*c));
+
+    if (c) {
+        c->s = s;
+        c->rm = sl->rm;
+        c->call = sl->call;
+        c->deadline = sl->deadline;
+        c->md = sl->md;
+        c->payload = sl->payload;
+        c->details = sl->details;
+        c->op_new.fn = call_on_new;
+    } else {
+        log_error("rpc: out of memory taking a new call");
+        grpc_call_cancel_with_status(sl->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+        grpc_call_unref(sl->call);
+        grpc_metadata_array_destroy(&sl->md);
+        if (!sl->rm)
+            grpc_call_details_destroy(&sl->details);
+        if (sl->payload)
+            grpc_byte_buffer_destroy(sl->payload);
+    }
+    slot_put(sl);
+    return c;
+}
+
+/* Loop thread: a slot's tag came back. */
+static void slot_on_new(struct rpc_op *op, bool ok)
+{
+    struct rpc_slot *sl = (struct rpc_slot *)((char *)op - offsetof(struct rpc_slot, op));
+
+    if (!ok || !sl->call) {
+        /* server shutting down: the request tag comes back unused */
+        if (sl->call)
+            grpc_call_unref(sl->call);
+        grpc_metadata_array_destroy(&sl->md);
+        if (!sl->rm)
+            grpc_call_details_destroy(&sl->details);
+        if (sl->payload)
+            grpc_byte_buffer_destroy(sl->payload);
+        slot_put(sl);
+        return;
+    }
+    struct rpc_call *c = slot_take(sl);
+    if (c)
+        call_on_new(&c->op_new, true);
+}
+
+/* Loop thread: a new call, taken out of its slot. */
 static void call_on_new(struct rpc_op *op, bool ok)
 {
     struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_new));
     struct rpc_server *s = c->s;
 
-    s->requested--;
-    if (!ok || !c->call) {
-        /* server shutting down: the request tag comes back unused */
-        if (c->call)
-            grpc_call_unref(c->call);
-        c->call = NULL;
-        grpc_metadata_array_destroy(&c->md);
-        if (!c->rm)
-            grpc_call_details_destroy(&c->details);
-        if (c->payload)
-            grpc_byte_buffer_destroy(c->payload);
-        free(c);
-        return;
-    }
-    if (!s->shutting_down)
-        server_request_one(s, c->rm);
-
+    (void)ok;
     /* hand over: from here the call is tracked */
     c->handed = true;
     c->next = s->calls;
@@ -1137,9 +1225,9 @@ static void call_on_new(struct rpc_op *op, bool ok)
 /* ------------------------------------------------------------------ CQ-thread fast path */
 
 /* The batch of a call answered on the CQ thread completed: release it there. */
-static bool call_fast_done(struct rpc_op *op, bool ok)
+static bool call_fast_done(struct rpc_op **opp, bool ok)
 {
-    struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_send));
+    struct rpc_call *c = (struct rpc_call *)((char *)*opp - offsetof(struct rpc_call, op_send));
 
     (void)ok;
     if (c->cur_send) {
@@ -1151,12 +1239,16 @@ static bool call_fast_done(struct rpc_op *op, bool ok)
 }
 
 /* CQ thread: a new call of a method with a cq_hook. */
-static bool call_new_cq(struct rpc_op *op, bool ok)
+static bool slot_new_cq(struct rpc_op **opp, bool ok)
 {
-    struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_new));
+    struct rpc_slot *sl = (struct rpc_slot *)((char *)*opp - offsetof(struct rpc_slot, op));
 
-    if (!ok || !c->call || !c->rm || !c->rm->m.cq_hook)
-        return false;
+    if (!ok || !sl->call || !sl->rm || !sl->rm->m.cq_hook)
+        return false;                  /* slot_on_new on the loop */
+    struct rpc_call *c = slot_take(sl);
+    if (!c)
+        return true;
+    *opp = &c->op_new;                 /* from here on the loop takes the call, not the slot */
     /* what the loop would answer first is left to the loop */
     if (!call_authorized(c) || deadline_to_ms(c->deadline) <= rpc_now_ms() || (!c->payload && !c->req))
         return false;
@@ -1207,19 +1299,12 @@ int rpc_call_cq_mark(const struct rpc_call *c)
 void rpc_cq_reply(struct rpc_call *c, const ProtobufCMessage *resp, int status, const char *msg,
                   const char *trailer_key, const char *trailer_value)
 {
-    struct rpc_server *s = c->s;
     grpc_op ops[4];
     size_t n = 0;
 
     BUG_ON(c->cq_replied || c->handed);
     c->cq_replied = true;
     snprintf(c->method_name, sizeof(c->method_name), "%s", c->rm->m.path);
-    /* the request tag is used up: keep the method's calls requested */
-    s->requested--;
-    pthread_mutex_lock(&s->req_mu);
-    if (!s->shutting_down)
-        server_request_one(s, c->rm);
-    pthread_mutex_unlock(&s->req_mu);
 
     memset(ops, 0, sizeof(ops));
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
@@ -1251,44 +1336,94 @@ void rpc_cq_reply(struct rpc_call *c, const ProtobufCMessage *resp, int status, 
     grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_send, NULL);
     if (e != GRPC_CALL_OK) {
         log_error("rpc: %s: start_batch(fast reply) failed: %d", c->method_name, (int)e);
-        call_fast_done(&c->op_send, false);
+        struct rpc_op *op = &c->op_send;
+        call_fast_done(&op, false);
     }
 }
 
-static void server_request_one(struct rpc_server *s, struct reg_method *rm)
+/* Ask gRPC for a call in slot sl (req_mu held). */
+static int slot_request(struct rpc_slot *sl)
 {
-    struct rpc_call *c = calloc(1, sizeof(*c));
+    struct rpc_server *s = sl->s;
+    struct reg_method *rm = sl->rm;
     grpc_call_error e;
 
-    if (!c) {
-        log_error("rpc: out of memory requesting a call");
-        return;
-    }
-    c->s = s;
-    c->rm = rm;
-    c->op_new.fn = call_on_new;
-    if (rm && rm->m.cq_hook)
-        c->op_new.cq_fn = call_new_cq;
-    grpc_metadata_array_init(&c->md);
+    sl->call = NULL;
+    sl->payload = NULL;
+    grpc_metadata_array_init(&sl->md);
     if (rm) {
         grpc_completion_queue *cq = rm->m.own_cq ? s->ctx->pcq : s->ctx->cq;
-        e = grpc_server_request_registered_call(s->srv, rm->handle, &c->call, &c->deadline, &c->md,
-                                                rm->m.req_desc ? &c->payload : NULL, cq, cq,
-                                                &c->op_new);
+        e = grpc_server_request_registered_call(s->srv, rm->handle, &sl->call, &sl->deadline, &sl->md,
+                                                rm->m.req_desc ? &sl->payload : NULL, cq, cq, &sl->op);
     } else {
-        grpc_call_details_init(&c->details);
-        e = grpc_server_request_call(s->srv, &c->call, &c->details, &c->md, s->ctx->cq, s->ctx->cq,
-                                     &c->op_new);
+        grpc_call_details_init(&sl->details);
+        e = grpc_server_request_call(s->srv, &sl->call, &sl->details, &sl->md, s->ctx->cq, s->ctx->cq,
+                                     &sl->op);
     }
     if (e != GRPC_CALL_OK) {
         log_error("rpc: request_call failed: %d", (int)e);
-        grpc_metadata_array_destroy(&c->md);
+        grpc_metadata_array_destroy(&sl->md);
         if (!rm)
-            grpc_call_details_destroy(&c->details);
-        free(c);
-        return;
+            grpc_call_details_destroy(&sl->details);
+        return -EIO;
     }
     s->requested++;
+    return 0;
+}
+
+/* Request every free slot of the pool once half of them are free (req_mu held). */
+static void pool_refill_locked(struct rpc_server *s, struct slot_pool *p)
+{
+    if (s->shutting_down || p->n - p->n_free > p->n / 2)
+        return;
+    while (p->free) {
+        struct rpc_slot *sl = p->free;
+        if (slot_request(sl) < 0)
+            break;
+        p->free = sl->next;
+        p->n_free--;
+    }
+}
+
+/* Give a slot whose tag came back to its pool (either thread). */
+static void slot_put(struct rpc_slot *sl)
+{
+    struct rpc_server *s = sl->s;
+    struct slot_pool *p = sl->pool;
+
+    sl->call = NULL;
+    sl->payload = NULL;
+    pthread_mutex_lock(&s->req_mu);
+    sl->next = p->free;
+    p->free = sl;
+    p->n_free++;
+    pool_refill_locked(s, p);
+    pthread_mutex_unlock(&s->req_mu);
+    s->requested--;                    /* last: rpc_server_destroy waits for 0 */
+}
+
+static int pool_start(struct rpc_server *s, struct slot_pool *p, struct reg_method *rm, int n)
+{
+    p->slots = calloc((size_t)n, sizeof(*p->slots));
+    if (!p->slots)
+        return -ENOMEM;
+    p->n = n;
+    for (int i = n - 1; i >= 0; i--) {
+        struct rpc_slot *sl = &p->slots[i];
+        sl->s = s;
+        sl->rm = rm;
+        sl->pool = p;
+        sl->op.fn = slot_on_new;
+        if (rm && rm->m.cq_hook)
+            sl->op.cq_fn = slot_new_cq;
+        sl->next = p->free;
+        p->free = sl;
+        p->n_free++;
+    }
+    pthread_mutex_lock(&s->req_mu);
+    pool_refill_locked(s, p);
+    pthread_mutex_unlock(&s->req_mu);
+    return 0;
 }
 
 int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, struct rpc_server **ret)
@@ -1433,6 +1568,7 @@ int rpc_server_add_method(struct rpc_server *s, const struct rpc_method *m)
     s->methods = n;
     /* realloc moved the array: pointers into it are taken only after start */
     struct reg_method *rm = &s->methods[s->n_methods++];
+    memset(rm, 0, sizeof(*rm));
     rm->m = *m;
     rm->s = s;
     rm->handle = grpc_server_register_method(s->srv, m->path, NULL,
@@ -1466,11 +1602,11 @@ int rpc_server_start(struct rpc_server *s)
     s->started = true;
     for (size_t i = 0; i < s->n_methods; i++) {
         int n = s->methods[i].m.requests > 0 ? s->methods[i].m.requests : s->opts.requests_per_method;
-        for (int k = 0; k < n; k++)
-            server_request_one(s, &s->methods[i]);
+        if (pool_start(s, &s->methods[i].pool, &s->methods[i], n) < 0)
+            return -ENOMEM;
     }
-    server_request_one(s, NULL);  /* unregistered methods -> UNIMPLEMENTED */
-    return 0;
+    /* unregistered methods -> UNIMPLEMENTED */
+    return pool_start(s, &s->unreg_pool, NULL, 1);
 }
 
 static void server_on_shutdown(struct rpc_op *op, bool ok)
@@ -1519,6 +1655,9 @@ void rpc_server_destroy(struct rpc_server *s)
             sched_yield();
     }
     grpc_server_credentials_release(s->creds);
+    for (size_t i = 0; i < s->n_methods; i++)
+        free(s->methods[i].pool.slots);
+    free(s->unreg_pool.slots);
     free(s->methods);
     if (s->api_key) {
         memset(s->api_key, 0, strlen(s->api_key));

@@ -128,6 +128,10 @@ struct rpc_ctx_stats {
 /* Counters since creation. Thread-safe. */
 void rpc_ctx_stats(const struct rpc_ctx *ctx, struct rpc_ctx_stats *ret);
 
+/* Loop thread, while idle: give back the event queues grown under a load (they are
+ * grown again, doubling, when needed). */
+void rpc_ctx_compact(struct rpc_ctx *ctx);
+
 /* Number of live server calls + client calls (for leak checks and metrics). */
 size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx);
 /* Inside a callback: rpc_now_us() time at which the CQ thread took the completion

@@ -280,7 +280,8 @@ struct coord {
     struct health_watch *watches;
     int last_ready;                 /* readiness last broadcast */
     int64_t busy_ms;                /* last time requests were in flight */
-    size_t trim_free;               /* heap bytes free after the last idle malloc_trim; 0 none */
+    size_t trim_free;               /* heap bytes free at the last idle malloc_trim */
+    int64_t trim_idle_ms;           /* next scheduled idle trim, in ms of idle */
     uv_tcp_t metrics_srv;
     bool metrics_on;
 #ifdef STEPD_HAVE_TOK

@@ -703,6 +703,9 @@ static void heartbeat_cb(uv_timer_t *t)
     wpool_heartbeat(t->data);
 }
 
+/* idle: trim again once this much more heap is free than after the last trim */
+#define IDLE_TRIM_STEP ((size_t)128 << 10)
+
 static void loads_cb(uv_timer_t *t)
 {
     struct coord *co = t->data;
@@ -711,21 +714,26 @@ static void loads_cb(uv_timer_t *t)
     wpool_poll_loads(co);
     watches_gc(co);
     health_publish(co);     /* belt and braces: every state change already publishes */
-    /* give memory freed after a burst back to the system once idle for 1 s, so that
-     * RSS returns to its baseline (glibc keeps freed heap otherwise); and again while
-     * idle whenever 1 MiB more sits free than after the last trim: gRPC frees a closed
-     * connection's buffers and finished calls' arenas some time after the last request
-     * ended (seen: ~13 MiB that one early trim missed) */
+    /* Give memory freed after a burst back to the system while idle: after 1 s of
+     * idle, then at 2, 4, 8 ... s, and whenever IDLE_TRIM_STEP more heap is free than
+     * after the last trim. gRPC frees a closed connection's buffers and finished
+     * calls' arenas some time after the last request ended (seen: ~13 MiB that one
+     * early trim missed), and tearing a connection down dirties trimmed pages again
+     * without freeing more than it took (seen: ~1 MiB) */
     if (co->n_reqs) {
         co->busy_ms = now;
         co->trim_free = 0;
+        co->trim_idle_ms = 1000;
     } else if (now - co->busy_ms > 1000) {
+        int64_t idle = now - co->busy_ms;
         size_t free_b = mallinfo2().fordblks;
-        if (!co->trim_free || free_b > co->trim_free + ((size_t)1 << 20)) {
+        if (idle >= co->trim_idle_ms || free_b > co->trim_free + IDLE_TRIM_STEP) {
+            rpc_ctx_compact(co->rpc);
             malloc_trim(0);
-            co->trim_free = free_b ? free_b : 1;
+            co->trim_free = free_b;
+            co->trim_idle_ms = 2 * idle;
         } else if (free_b < co->trim_free) {
-            co->trim_free = free_b ? free_b : 1;     /* reused since: count from the dip */
+            co->trim_free = free_b;     /* reused since: count from the dip */
         }
     }
 }

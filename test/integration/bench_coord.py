@@ -28,7 +28,7 @@ import time
 
 import grpc
 
-from stepd_harness import Stepd, gen_request, hpb, pb
+from stepd_harness import STEPD_BIN, Stepd, gen_request, hpb, pb, sanitized
 
 LOADGEN = os.environ.get("LOADGEN_BIN", "build/test/integration/loadgen")
 HZ = os.sysconf("SC_CLK_TCK")
@@ -77,7 +77,7 @@ def bench_load(a):
     s.wait_ready(2)
     loadgen(s.addr, 50, 8)              # warm-up: channels, allocator arenas, thread pools
     wait_idle(s)
-    time.sleep(1)
+    time.sleep(2)                       # as for "after idle" below: past stepd's idle trim
     before = snapshot(s)
     probe = []
     stop = threading.Event()
@@ -131,11 +131,16 @@ def bench_load(a):
               r["itl_p50_ms"], r["itl_p99_ms"], gen, after["rss_kib"] / before["rss_kib"],
               after["fds"] - before["fds"], after["threads"] - before["threads"]))
     # functional, not timing: heap freed after the load goes back to the system once
-    # idle (a leak, or a trim that missed memory freed late, leaves 2x and more here)
-    rss_ok = after["rss_kib"] <= 1.5 * before["rss_kib"] and after2["rss_kib"] <= 1.5 * before["rss_kib"]
+    # idle. RELIABILITY A1: within +5 % of the pre-test RSS. Without stepd's malloc
+    # settings (per-thread caches off, one arena: daemon/main.c) it stays 6-10 % up, with
+    # call requests allocated mid-load 20-27 %, with a single early trim 2x. Sanitizer
+    # builds keep freed memory in quarantine: only the gross check there.
+    limit = 1.5 if sanitized(STEPD_BIN) else 1.05
+    rss_ok = (after["rss_kib"] <= limit * before["rss_kib"] and
+              after2["rss_kib"] <= limit * before["rss_kib"])
     if not rss_ok:
-        print("   FAIL: RSS after idle %d / %d KiB against %d KiB before the load (limit 1.5x)" % (
-            after["rss_kib"], after2["rss_kib"], before["rss_kib"]))
+        print("   FAIL: RSS after idle %d / %d KiB against %d KiB before the load (limit %.2fx)" % (
+            after["rss_kib"], after2["rss_kib"], before["rss_kib"], limit))
     rc = s.stop()
     return (ok and rc == 0 and rss_ok and after["fds"] == before["fds"] and
             after2["fds"] == before["fds"])

@@ -242,6 +242,13 @@ def wait_until(fn, timeout=5.0, step=0.02, what="condition"):
     raise AssertionError("timed out waiting for " + what)
 
 
+def sanitized(path):
+    """True for an ASan/TSan build of the program at path."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return b"__asan_init" in data or b"__tsan_init" in data
+
+
 def run_tests(tests):
     """Run (name, fn) pairs; print one line each; exit 1 on any failure."""
     failed = 0

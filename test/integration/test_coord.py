@@ -18,7 +18,7 @@ import time
 import grpc
 
 from stepd_harness import (NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect, expected_tokens,
-                           gen_request, hpb, pb, run_tests, wait_until)
+                           gen_request, hpb, pb, run_tests, sanitized, wait_until)
 
 OK = grpc.StatusCode.OK
 
@@ -745,6 +745,55 @@ def test_sd_notify():
     print("   notify: %d messages, e.g. %r" % (len(msgs), status[-1] if status else None))
 
 
+def test_malloc_settings():
+    """stepd runs itself again with glibc's per-thread malloc caches off and one arena
+    (RSS back to baseline after a load, RELIABILITY A1), keeps its name, serves, and
+    leaves both alone when the operator chose (STEPD_MALLOC_TUNE=0, GLIBC_TUNABLES)."""
+    def arenas(pid):
+        # a glibc per-thread arena: 64 MiB of anonymous memory reserved at a 64 MiB
+        # boundary, the used part rw-p and the rest ---p
+        maps = []
+        for line in open("/proc/%d/maps" % pid):
+            f = line.split()
+            if len(f) == 5:
+                lo, hi = (int(x, 16) for x in f[0].split("-"))
+                maps.append((lo, hi, f[1]))
+        n = 0
+        for i, (lo, hi, perm) in enumerate(maps):
+            if lo % (64 << 20) == 0 and perm == "rw-p":
+                end = hi
+                if i + 1 < len(maps) and maps[i + 1][0] == hi and maps[i + 1][2] == "---p":
+                    end = maps[i + 1][1]
+                n += end - lo == 64 << 20
+        return n
+
+    def check(env, want_tuned):
+        s = Stepd(env=env)
+        s.start_engine("g0")
+        s.wait_ready()
+        toks, _, finals, _ = collect(s.inf.Generate(gen_request([5, 6], 8), timeout=20))
+        assert len(toks) == 8 and finals
+        pid = s.proc.pid
+        with open("/proc/%d/comm" % pid) as f:
+            comm = f.read().strip()
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            environ = f.read()
+        n = arenas(pid)
+        assert s.stop() == 0
+        assert comm == "stepd", comm
+        tuned = b"glibc.malloc.tcache_count=0" in environ and b"glibc.malloc.arena_max=1" in environ
+        assert tuned == want_tuned, (env, environ)
+        assert (n == 0) == want_tuned, "%d thread arenas with %r" % (n, env)
+        return n
+    if sanitized(STEPD_BIN):
+        print("   sanitizer build: its own allocator, no malloc settings to check")
+        return
+    check({}, True)
+    n = check({"STEPD_MALLOC_TUNE": "0"}, False)
+    check({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, False)
+    print("   malloc settings applied by default; %d thread arenas with STEPD_MALLOC_TUNE=0" % n)
+
+
 # ---------------------------------------------------------------- drain
 
 def test_drain_sigterm():
@@ -812,6 +861,7 @@ if __name__ == "__main__":
         ("text_and_chat", test_text_and_chat),
         ("real_worker", test_real_worker),
         ("sd_notify", test_sd_notify),
+        ("malloc_settings", test_malloc_settings),
         ("drain_sigterm", test_drain_sigterm),
         ("drain_admin_and_timeout", test_drain_admin_and_timeout),
     ])

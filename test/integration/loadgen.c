@@ -1,7 +1,7 @@
 /* loadgen.c - gRPC load generator for stepd (and for an engine directly), built on
  * daemon/rpc (gRPC C core on one libuv loop, so the client is cheap per stream).
  *
- *   loadgen --addr HOST:PORT [--method /stepd.v1.Inference/Generate] [--streams N]
+ *   loadgen --addr HOST:PORT[,HOST:PORT...] [--method /stepd.v1.Inference/Generate] [--streams N]
  *           [--tokens T] [--prompt-len P] [--deadline-s S] [--api-key K] [--send-log F]
  *           [--rate R]
  *
@@ -208,11 +208,26 @@ int main(int argc, char **argv)
         return 2;
     }
     uv_loop_t *loop = uv_default_loop();
-    struct rpc_channel *ch;
+    /* --addr A,B,...: one channel each, streams spread round-robin */
+    struct rpc_channel *chs[8];
+    unsigned n_ch = 0;
     struct rpc_channel_opts co = { .api_key = key, .keepalive_time_ms = -1, .max_recv_msg_bytes = 16 << 20 };
-    if (rpc_ctx_create(loop, &ctx) < 0 || rpc_channel_create(ctx, addr, &co, &ch) < 0) {
-        fprintf(stderr, "loadgen: cannot create a channel to %s\n", addr);
+    if (rpc_ctx_create(loop, &ctx) < 0) {
+        fprintf(stderr, "loadgen: cannot create an RPC context\n");
         return 1;
+    }
+    char *addrs = strdup(addr), *save = NULL;
+    for (char *a = strtok_r(addrs, ",", &save); a; a = strtok_r(NULL, ",", &save)) {
+        if (n_ch == 8 || rpc_channel_create(ctx, a, &co, &chs[n_ch]) < 0) {
+            fprintf(stderr, "loadgen: cannot create a channel to %s (at most 8 addresses)\n", a);
+            return 1;
+        }
+        n_ch++;
+    }
+    free(addrs);
+    if (n_ch == 0) {
+        fprintf(stderr, "loadgen: --addr: no address\n");
+        return 2;
     }
     S = calloc(n_streams, sizeof(*S));
     n_tokens_req = tokens;
@@ -250,7 +265,7 @@ int main(int argc, char **argv)
             uv_timer_stop(&pace);
         }
         S[i].t0_us = now_us();
-        if (rpc_client_start(ch, method, &req.base, &stepd__v1__generate_response__descriptor, deadline, on_msg,
+        if (rpc_client_start(chs[i % n_ch], method, &req.base, &stepd__v1__generate_response__descriptor, deadline, on_msg,
                              on_done, &S[i], NULL) < 0) {
             S[i].status = RPC_INTERNAL;
             S[i].done = true;
@@ -342,7 +357,8 @@ int main(int argc, char **argv)
            pct(dl, n_dl, 50) / 1000, pct(dl, n_dl, 99) / 1000, n_dl ? dl[n_dl - 1] / 1000 : 0);
     fflush(stdout);
     uv_close((uv_handle_t *)&pace, NULL);
-    rpc_channel_destroy(ch);
+    for (unsigned i = 0; i < n_ch; i++)
+        rpc_channel_destroy(chs[i]);
     rpc_ctx_destroy(ctx);
     uv_run(loop, UV_RUN_DEFAULT);
     for (unsigned i = 0; i < n_streams; i++)

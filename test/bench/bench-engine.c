@@ -7,6 +7,8 @@
  * runs beside it for comparison.
  * --threads: CPU backend threads; default 0, the production default (stepd-worker
  * --threads 0): one per CPU this process may run on.
+ * --profile K S: only batch-1 decode with K drafts, over and over for S seconds (to run
+ * under perf), then its rate.
  *
  * Prints, in one run: decode tokens/s at batch 1 with K = 0 and K = 3 and their ratio;
  * mean acceptance length and per-position acceptance; output throughput at concurrency
@@ -246,7 +248,8 @@ int main(int argc, char **argv)
 {
     const char *dir = NULL;
     bool mock = false;
-    int threads = 0, n_out = 128;
+    int threads = 0, n_out = 128, prof_k = -1;
+    double prof_s = 0;
     /* the MTP draft weights: the speculative config's default ("auto") on this CPU backend */
     enum spec_draft_quant sdq = SPEC_DRAFT_AUTO;
     for (int i = 1; i < argc; i++) {
@@ -261,11 +264,19 @@ int main(int argc, char **argv)
         }
         else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
             n_out = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--profile") == 0 && i + 2 < argc) {
+            prof_k = atoi(argv[++i]);
+            prof_s = atof(argv[++i]);
+            if (prof_k < 0 || prof_k > 3 || !(prof_s > 0)) {
+                fprintf(stderr, "bench-engine: --profile K SECONDS: K in 0..3, SECONDS > 0\n");
+                return 2;
+            }
+        }
         else if (argv[i][0] != '-')
             dir = argv[i];
         else {
             fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N] "
-                            "[--draft-quant auto|none|mxfp4]\n");
+                            "[--draft-quant auto|none|mxfp4] [--profile K SECONDS]\n");
             return 2;
         }
     }
@@ -337,6 +348,26 @@ int main(int argc, char **argv)
 
     /* warm-up */
     (void) run(e, vocab, 1, 0, 32, 16, 1);
+
+    if (prof_k >= 0) {
+        double t0 = now_s(), toks = 0, secs = 0;
+        while (now_s() - t0 < prof_s) {
+            struct result r = run(e, vocab, 1, prof_k, 32, n_out, 3);
+            toks += r.decode_tps > 0 ? 3.0 * n_out : 0;
+            secs += r.decode_tps > 0 ? 3.0 * n_out / r.decode_tps : 0;
+        }
+        printf("profile: batch 1, K=%d: %.1f tok/s decode over %.1f s\n", prof_k, secs > 0 ? toks / secs : 0,
+               now_s() - t0);
+        engine_stop(e);
+        engine_free(e);
+#ifdef BENCH_HAVE_MODEL
+        if (!mock)
+            model_rig_close(&rig);
+        else
+#endif
+            f->ops->free(f);
+        return 0;
+    }
 
     /* batch 1: K = 0, K = 3 and (real model) K = 3 with the other draft weights (the
      * checkpoint's when the config's are MXFP4, else MXFP4), interleaved over BENCH_REPS

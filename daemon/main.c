@@ -114,12 +114,16 @@ static int parse_uint(const char *flag, const char *s, unsigned long max, unsign
 #define STEPD_SANITIZED 1
 #endif
 
+/* true when malloc_tune() found its settings in effect */
+static bool malloc_tuned;
+
 static void malloc_tune(char **argv)
 {
 #if defined(__GLIBC__) && !defined(STEPD_SANITIZED)
     const char *tuned = getenv(MALLOC_TUNED_ENV);
     if (tuned) {
         /* second run: the tunables are in effect; restore the environment */
+        malloc_tuned = true;
         if (tuned[0] == '=')
             setenv("GLIBC_TUNABLES", tuned + 1, 1);
         else
@@ -222,6 +226,8 @@ int main(int argc, char **argv)
 
     malloc_tune(argv);
     log_init("stepd", NULL);
+    log_debug("malloc: %s", malloc_tuned ? "glibc per-thread caches off, one arena (STEPD_MALLOC_TUNE=0 keeps "
+                                           "glibc's defaults)" : "glibc's defaults");
     coord_opts_default(&o);
     while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         switch (c) {

@@ -190,11 +190,18 @@ class Engine:
         self.stats_path = stats
 
     def stats(self):
-        try:
-            with open(self.stats_path) as f:
-                return {k: int(v) for k, v in (line.strip().split("=") for line in f if "=" in line)}
-        except FileNotFoundError:
-            return {}
+        # the mock rewrites the file in place (same length): read until two reads agree
+        prev = None
+        for _ in range(100):
+            try:
+                with open(self.stats_path) as f:
+                    text = f.read()
+            except FileNotFoundError:
+                return {}
+            if text == prev:
+                break
+            prev = text
+        return {k: int(v) for k, v in (line.strip().split("=") for line in prev.splitlines() if "=" in line)}
 
     def kill(self, sig=signal.SIGKILL):
         if self.proc.poll() is None:

@@ -715,11 +715,12 @@ static void loads_cb(uv_timer_t *t)
     watches_gc(co);
     health_publish(co);     /* belt and braces: every state change already publishes */
     /* Give memory freed after a burst back to the system while idle: after 1 s of
-     * idle, then at 2, 4, 8 ... s, and whenever IDLE_TRIM_STEP more heap is free than
-     * after the last trim. gRPC frees a closed connection's buffers and finished
-     * calls' arenas some time after the last request ended (seen: ~13 MiB that one
-     * early trim missed), and tearing a connection down dirties trimmed pages again
-     * without freeing more than it took (seen: ~1 MiB) */
+     * idle, then every 0.5 s up to 4 s, then at 8, 16 ... s, and whenever
+     * IDLE_TRIM_STEP more heap is free than after the last trim. gRPC frees a closed
+     * connection's buffers and finished calls' arenas some time after the last
+     * request ended (seen: ~13 MiB that one early trim missed), and tearing a
+     * connection down dirties trimmed pages again without freeing more than it took
+     * (seen: ~1 MiB) */
     if (co->n_reqs) {
         co->busy_ms = now;
         co->trim_free = 0;
@@ -731,7 +732,7 @@ static void loads_cb(uv_timer_t *t)
             rpc_ctx_compact(co->rpc);
             malloc_trim(0);
             co->trim_free = free_b;
-            co->trim_idle_ms = 2 * idle;
+            co->trim_idle_ms = idle < 4000 ? idle + 500 : 2 * idle;
         } else if (free_b < co->trim_free) {
             co->trim_free = free_b;     /* reused since: count from the dip */
         }

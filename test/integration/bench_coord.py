@@ -138,9 +138,9 @@ def bench_load(a):
     print("   RSS after/before %.3f; fds %d -> %d; threads %d -> %d" % (
         after["rss_kib"] / before["rss_kib"], before["fds"], after["fds"], before["threads"], after["threads"]))
     # gRPC's timer and event-engine threads come and go by themselves: how long until
-    # the count is back to the pre-test one (RELIABILITY A1), 20 s at most
+    # the count is back to the pre-test one (RELIABILITY A1), 5 s at most
     t_thr = time.time()
-    while s.threads() > before["threads"] and time.time() - t_thr < 20:
+    while s.threads() > before["threads"] and time.time() - t_thr < 5:
         time.sleep(0.1)
     threads_back = s.threads()
     print("   threads %d -> %d after %.1f s more of idle" % (before["threads"], threads_back, time.time() - t_thr))

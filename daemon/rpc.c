@@ -1113,6 +1113,20 @@ static void call_end_early(struct rpc_call *c, int status, const char *fmt, ...)
     rpc_call_finish(c, status, "%s", msg);
 }
 
+/* Release what a slot's tag brought (a call, if any, its metadata and payload) and
+ * give the slot back (either thread). */
+static void slot_drop(struct rpc_slot *sl)
+{
+    if (sl->call)
+        grpc_call_unref(sl->call);
+    grpc_metadata_array_destroy(&sl->md);
+    if (!sl->rm)
+        grpc_call_details_destroy(&sl->details);
+    if (sl->payload)
+        grpc_byte_buffer_destroy(sl->payload);
+    slot_put(sl);
+}
+
 /* A call arrived in slot sl: move it into a call of its own and give the slot back
  * (either thread). NULL when out of memory: the call is then cancelled. */
 static struct rpc_call *slot_take(struct rpc_slot *sl)
@@ -1129,18 +1143,13 @@ static struct rpc_call *slot_take(struct rpc_slot *sl)
         c->payload = sl->payload;
         c->details = sl->details;
         c->op_new.fn = call_on_new;
-    } else {
-        log_error("rpc: out of memory taking a new call");
-        grpc_call_cancel_with_status(sl->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
-        grpc_call_unref(sl->call);
-        grpc_metadata_array_destroy(&sl->md);
-        if (!sl->rm)
-            grpc_call_details_destroy(&sl->details);
-        if (sl->payload)
-            grpc_byte_buffer_destroy(sl->payload);
+        slot_put(sl);
+        return c;
     }
-    slot_put(sl);
-    return c;
+    log_error("rpc: out of memory taking a new call");
+    grpc_call_cancel_with_status(sl->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
+    slot_drop(sl);
+    return NULL;
 }
 
 /* Loop thread: a slot's tag came back. */
@@ -1149,15 +1158,7 @@ static void slot_on_new(struct rpc_op *op, bool ok)
     struct rpc_slot *sl = (struct rpc_slot *)((char *)op - offsetof(struct rpc_slot, op));
 
     if (!ok || !sl->call) {
-        /* server shutting down: the request tag comes back unused */
-        if (sl->call)
-            grpc_call_unref(sl->call);
-        grpc_metadata_array_destroy(&sl->md);
-        if (!sl->rm)
-            grpc_call_details_destroy(&sl->details);
-        if (sl->payload)
-            grpc_byte_buffer_destroy(sl->payload);
-        slot_put(sl);
+        slot_drop(sl);                 /* server shutting down: the tag comes back unused */
         return;
     }
     struct rpc_call *c = slot_take(sl);

@@ -349,6 +349,11 @@ int main(int argc, char **argv)
     /* warm-up */
     (void) run(e, vocab, 1, 0, 32, 16, 1);
 
+    /* the K = 3 engine with the other draft weights (below) */
+    struct engine *eq = NULL;
+#ifdef BENCH_HAVE_MODEL
+    struct model_rig rigq = { 0 };
+#endif
     if (prof_k >= 0) {
         double t0 = now_s(), toks = 0, secs = 0;
         while (now_s() - t0 < prof_s) {
@@ -358,25 +363,15 @@ int main(int argc, char **argv)
         }
         printf("profile: batch 1, K=%d: %.1f tok/s decode over %.1f s\n", prof_k, secs > 0 ? toks / secs : 0,
                now_s() - t0);
-        engine_stop(e);
-        engine_free(e);
-#ifdef BENCH_HAVE_MODEL
-        if (!mock)
-            model_rig_close(&rig);
-        else
-#endif
-            f->ops->free(f);
-        return 0;
+        goto done;
     }
 
     /* batch 1: K = 0, K = 3 and (real model) K = 3 with the other draft weights (the
      * checkpoint's when the config's are MXFP4, else MXFP4), interleaved over BENCH_REPS
      * rounds so that they see the same machine; the median round is printed */
-    struct engine *eq = NULL;
     enum model_draft_quant dq = dq_of(sdq), dq2 = dq == MODEL_DRAFT_MXFP4 ? MODEL_DRAFT_CHECKPOINT
                                                                            : MODEL_DRAFT_MXFP4;
 #ifdef BENCH_HAVE_MODEL
-    struct model_rig rigq = { 0 };
     if (!mock) {
         int r = model_rig_open_q(&rigq, dir, threads, 16, 256, 1024, dq2, &err);
         if (r < 0 || engine_new(rigq.f, &ec, &eq, &err) < 0) {
@@ -454,6 +449,7 @@ int main(int argc, char **argv)
                    r.decode_tps, r.fwd_ms, r.mtp_ms, r.eng_ms, r.tok_per_step);
         }
     }
+done:
     engine_stop(e);
     struct engine_loads l;
     engine_get_loads(e, &l);

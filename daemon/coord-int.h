@@ -95,12 +95,29 @@ enum group_state {
     GROUP_FAILED,       /* waiting for ranks to come back */
 };
 
+/* The engine's output stream (Engine.OpenOutputs): one per connection carries the
+ * outputs of every request submitted to it (Engine.Submit), one message per engine
+ * step instead of one per token per request. Until it is open, and with an engine
+ * that lacks it, requests use one Generate call each. */
+enum out_state {
+    OUT_CLOSED,
+    OUT_OPENING,            /* OpenOutputs sent, its first (empty) batch not yet in */
+    OUT_READY,
+    OUT_UNSUPPORTED,        /* the engine answered UNIMPLEMENTED */
+};
+
 struct engine_conn {
     struct rpc_channel *ch;
     unsigned refs;          /* group (while attached) + each live call */
     bool attached;
     struct coord *co;
     char addr[256];
+    enum out_state out_state;
+    struct rpc_client_call *out_call;
+    char out_id[64];
+    int64_t out_retry_ms;   /* no new OpenOutputs before this */
+    struct req **out_tab;   /* requests submitted to the stream, by id; chained by onext */
+    size_t out_cap, out_n;
 };
 
 struct rank {
@@ -161,6 +178,10 @@ void wpool_heartbeat(struct coord *co);
 void wpool_poll_loads(struct coord *co);
 void wpool_shutdown_sessions(struct coord *co);
 void engine_conn_unref(struct engine_conn *e);
+/* The group lets go of its connection: closes the output stream, drops the ref. */
+void engine_conn_detach(struct engine_conn *e);
+/* req.c: open e's output stream (no-op unless closed and not backing off). */
+void engine_out_open(struct engine_conn *e);
 const char *group_state_name(enum group_state s);
 
 /* ------------------------------------------------------------------ requests (req.c) */
@@ -178,7 +199,12 @@ struct req {
     struct group *grp;
     char grp_name[72];
     struct engine_conn *eng;
-    struct rpc_client_call *ecall;
+    struct rpc_client_call *ecall;  /* Generate, or Submit while it is in flight */
+    struct req *onext;              /* eng->out_tab chain */
+    struct engine_conn *submit_eng; /* the ref the Submit call in flight holds */
+    bool on_stream;                 /* submitted: outputs come on eng's output stream */
+    bool in_out_tab;
+    bool abort_pending;             /* Abort wanted while Submit was in flight */
     bool abort_sent;
     bool engine_done;
     bool final_sent;
@@ -212,6 +238,9 @@ int req_dispatch_promoted(struct req *r);
 void req_free_if_done(struct req *r);
 /* Abort by client-visible id (Inference.Abort). Returns 1 if found. */
 int req_abort_by_id(struct coord *co, const char *id);
+/* End requests on an output stream whose engine let their deadline pass by more than
+ * a second (a Generate call has its own gRPC deadline; a Submit-ed request does not). */
+void req_sweep_deadlines(struct coord *co);
 /* Fail everything (forced shutdown). */
 void req_fail_all(struct coord *co, int status, const char *why);
 /* Validation (exposed for unit tests): 0 or -EINVAL with the field named in msg. */

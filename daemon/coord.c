@@ -701,6 +701,7 @@ cleanup:
 static void heartbeat_cb(uv_timer_t *t)
 {
     wpool_heartbeat(t->data);
+    req_sweep_deadlines(t->data);
 }
 
 /* idle: trim again once this much more heap is free than after the last trim */

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "coord-int.h"
 #include "err.h"
@@ -17,6 +18,9 @@
 
 #define ENGINE_GENERATE "/stepd.v1.Engine/Generate"
 #define ENGINE_ABORT "/stepd.v1.Engine/Abort"
+#define ENGINE_SUBMIT "/stepd.v1.Engine/Submit"
+#define ENGINE_OPEN_OUTPUTS "/stepd.v1.Engine/OpenOutputs"
+#define OUT_RETRY_MS 1000       /* after an output stream ends, Generate calls for this long */
 
 /* ------------------------------------------------------------------ validation */
 
@@ -245,7 +249,7 @@ static void req_maybe_free(struct req *r)
 {
     struct coord *co = r->co;
 
-    if (r->call || !r->engine_done || r->bi.running || r->bi.queued)
+    if (r->call || !r->engine_done || r->ecall || r->bi.running || r->bi.queued)
         return;
     if (r->prev)
         r->prev->next = r->next;
@@ -300,6 +304,11 @@ static void req_send_abort(struct req *r)
 
     if (r->abort_sent || r->engine_done || !r->eng)
         return;
+    if (r->on_stream && r->ecall) {
+        /* Submit still in flight: an Abort could overtake it and find nothing */
+        r->abort_pending = true;
+        return;
+    }
     r->abort_sent = true;
     ar.n_request_ids = 1;
     ar.request_ids = ids;
@@ -318,7 +327,7 @@ static void req_send_abort(struct req *r)
 static void req_stop_engine(struct req *r)
 {
     req_send_abort(r);
-    if (r->ecall)
+    if (r->ecall && !r->on_stream)
         rpc_client_cancel(r->ecall);
 }
 
@@ -624,11 +633,10 @@ static int chunk_parse(struct req *r, struct parse_acc *a, Stepd__V1__Chunk *ch,
 }
 #endif
 
-static void on_engine_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
+/* One output of the engine for r (from its Generate call or the output stream). */
+static void req_engine_resp(struct req *r, const Stepd__V1__GenerateResponse *er)
 {
-    struct req *r = ud;
     struct coord *co = r->co;
-    const Stepd__V1__GenerateResponse *er = (const void *)msg;
     int64_t now = rpc_now_ms();
 
     if (!r->call || r->final_sent)
@@ -737,13 +745,18 @@ static void on_engine_msg(struct rpc_client_call *c, const ProtobufCMessage *msg
     }
 }
 
-static void on_engine_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+static void on_engine_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
 {
-    struct req *r = ud;
+    req_engine_resp(ud, (const Stepd__V1__GenerateResponse *)msg);
+}
+
+/* The engine is done with r (its Generate call ended, or its end came on the output
+ * stream): status OK means a Final was sent before. */
+static void req_engine_end(struct req *r, int status, const char *details)
+{
     struct coord *co = r->co;
     struct group *g = r->grp;
 
-    r->ecall = NULL;
     r->engine_done = true;
     if (g) {
         if (status == RPC_OK && r->final_sent)
@@ -759,7 +772,7 @@ static void on_engine_done(struct rpc_client_call *c, int status, const char *de
         } else if (status == RPC_DEADLINE_EXCEEDED) {
             req_finish(r, RPC_DEADLINE_EXCEEDED, "deadline exceeded while generating");
         } else if (status == RPC_INVALID_ARGUMENT || status == RPC_RESOURCE_EXHAUSTED ||
-                   status == RPC_OUT_OF_RANGE) {
+                   status == RPC_OUT_OF_RANGE || status == RPC_ALREADY_EXISTS) {
             req_finish(r, status, "worker group '%s': %s", r->grp_name, details);
         } else if (status == RPC_UNAVAILABLE || status == RPC_CANCELLED || status == RPC_ABORTED) {
             req_finish(r, RPC_UNAVAILABLE, "worker group '%s' is unavailable: %s", r->grp_name, details);
@@ -772,6 +785,194 @@ static void on_engine_done(struct rpc_client_call *c, int status, const char *de
     r->eng = NULL;
     if (r->bi.running)
         coord_slot_release(co, r);
+    req_maybe_free(r);
+}
+
+static void on_engine_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct req *r = ud;
+    r->ecall = NULL;
+    req_engine_end(r, status, details);
+}
+
+/* ------------------------------------------------------------------ engine output stream */
+
+static size_t out_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return (size_t)(h ^ (h >> 32));
+}
+
+static struct req *out_find(const struct engine_conn *e, const char *id)
+{
+    if (!e->out_cap)
+        return NULL;
+    for (struct req *r = e->out_tab[out_hash(id) & (e->out_cap - 1)]; r; r = r->onext)
+        if (strcmp(r->id, id) == 0)
+            return r;
+    return NULL;
+}
+
+static int out_insert(struct engine_conn *e, struct req *r)
+{
+    if (e->out_n >= e->out_cap) {
+        size_t ncap = e->out_cap ? e->out_cap * 2 : 256;
+        struct req **nt = calloc(ncap, sizeof(*nt));
+        if (!nt)
+            return -ENOMEM;
+        for (size_t i = 0; i < e->out_cap; i++) {
+            struct req *q = e->out_tab[i];
+            while (q) {
+                struct req *next = q->onext;
+                size_t b = out_hash(q->id) & (ncap - 1);
+                q->onext = nt[b];
+                nt[b] = q;
+                q = next;
+            }
+        }
+        free(e->out_tab);
+        e->out_tab = nt;
+        e->out_cap = ncap;
+    }
+    size_t b = out_hash(r->id) & (e->out_cap - 1);
+    r->onext = e->out_tab[b];
+    e->out_tab[b] = r;
+    r->in_out_tab = true;
+    e->out_n++;
+    return 0;
+}
+
+static void out_remove(struct engine_conn *e, struct req *r)
+{
+    if (!r->in_out_tab)
+        return;
+    for (struct req **pp = &e->out_tab[out_hash(r->id) & (e->out_cap - 1)]; *pp; pp = &(*pp)->onext) {
+        if (*pp == r) {
+            *pp = r->onext;
+            break;
+        }
+    }
+    r->onext = NULL;
+    r->in_out_tab = false;
+    e->out_n--;
+}
+
+static void on_out_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
+{
+    struct engine_conn *e = ud;
+    const Stepd__V1__OutputBatch *b = (const void *)msg;
+
+    if (e->out_state == OUT_OPENING) {
+        e->out_state = OUT_READY;
+        log_info("engine %s: output stream %s open", e->addr, e->out_id);
+    }
+    for (size_t i = 0; i < b->n_outputs; i++) {
+        const Stepd__V1__EngineOutput *o = b->outputs[i];
+        struct req *r = out_find(e, o->request_id);
+        if (!r) {
+            log_debug("engine %s: output for request %s, which is not on its stream", e->addr,
+                      o->request_id);
+            continue;
+        }
+        Stepd__V1__GenerateResponse er = STEPD__V1__GENERATE_RESPONSE__INIT;
+        er.request_id = o->request_id;
+        switch (o->kind_case) {
+        case STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK:
+            er.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
+            er.chunk = o->chunk;
+            req_engine_resp(r, &er);
+            break;
+        case STEPD__V1__ENGINE_OUTPUT__KIND_FINAL:
+            er.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
+            er.final = o->final;
+            req_engine_resp(r, &er);
+            out_remove(e, r);
+            req_engine_end(r, RPC_OK, "");
+            break;
+        case STEPD__V1__ENGINE_OUTPUT__KIND_STATUS:
+            out_remove(e, r);
+            req_engine_end(r, o->status->code > 0 && o->status->code < 17 ? o->status->code : RPC_UNKNOWN,
+                           o->status->message);
+            break;
+        default:
+            out_remove(e, r);
+            req_engine_end(r, RPC_INTERNAL, "an output stream entry with neither chunk, final nor status");
+            break;
+        }
+    }
+}
+
+static void on_out_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct engine_conn *e = ud;
+    enum out_state was = e->out_state;
+    char why[400];
+
+    e->out_call = NULL;
+    if (status == RPC_UNIMPLEMENTED) {
+        e->out_state = OUT_UNSUPPORTED;
+        log_info("engine %s has no output streams: one Generate call per request", e->addr);
+    } else {
+        e->out_state = OUT_CLOSED;
+        e->out_retry_ms = rpc_now_ms() + OUT_RETRY_MS;
+        if (e->attached && was == OUT_READY)
+            log_warn("engine %s: output stream ended: %s: %s", e->addr, rpc_status_name(status), details);
+    }
+    snprintf(why, sizeof(why), "output stream ended: %s: %.300s", rpc_status_name(status), details);
+    for (size_t i = 0; e->out_n && i < e->out_cap; i++) {
+        while (e->out_tab[i]) {
+            struct req *r = e->out_tab[i];
+            out_remove(e, r);
+            req_engine_end(r, RPC_UNAVAILABLE, why);
+        }
+    }
+    engine_conn_unref(e);
+}
+
+void engine_out_open(struct engine_conn *e)
+{
+    static uint64_t seq;
+    Stepd__V1__OpenOutputsRequest rq = STEPD__V1__OPEN_OUTPUTS_REQUEST__INIT;
+
+    if (!e || !e->attached || e->out_state != OUT_CLOSED || rpc_now_ms() < e->out_retry_ms)
+        return;
+    snprintf(e->out_id, sizeof(e->out_id), "stepd-%ld-%" PRIu64 "-%" PRIx64, (long)getpid(), ++seq,
+             (uint64_t)rpc_now_us());
+    rq.stream_id = e->out_id;
+    e->refs++;
+    if (rpc_client_start(e->ch, ENGINE_OPEN_OUTPUTS, &rq.base, &stepd__v1__output_batch__descriptor, INT64_MAX,
+                         on_out_msg, on_out_done, e, &e->out_call) < 0) {
+        e->refs--;
+        e->out_retry_ms = rpc_now_ms() + OUT_RETRY_MS;
+        return;
+    }
+    e->out_state = OUT_OPENING;
+}
+
+static void on_submit_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct req *r = ud;
+    struct engine_conn *e = r->submit_eng;
+
+    r->ecall = NULL;
+    r->submit_eng = NULL;
+    if (status != RPC_OK && r->in_out_tab) {
+        /* not admitted: its end will not come on the stream */
+        out_remove(e, r);
+        if (status == RPC_FAILED_PRECONDITION) {
+            /* the engine does not know our stream (it restarted?): open a new one */
+            if (e->out_call)
+                rpc_client_cancel(e->out_call);
+            req_engine_end(r, RPC_UNAVAILABLE, details);
+        } else {
+            req_engine_end(r, status, details);
+        }
+    } else if (status == RPC_OK && r->abort_pending && !r->engine_done) {
+        req_send_abort(r);
+    }
+    engine_conn_unref(e);
     req_maybe_free(r);
 }
 
@@ -819,14 +1020,39 @@ static int req_dispatch_one(struct req *r)
     er.priority = in->priority;
     if (PB_HAS(in, num_speculative_tokens))
         PB_SET(&er, num_speculative_tokens, in->num_speculative_tokens);
+    struct engine_conn *ec = g->eng;
+    engine_out_open(ec);
+    if (ec->out_state == OUT_READY && out_find(ec, r->id)) {
+        req_finish(r, RPC_ALREADY_EXISTS, "request_id: '%s' is still ending on worker group '%s'", r->id,
+                   g->name);
+        return -EEXIST;
+    }
     r->t_dispatch = rpc_now_ms();
     r->grp = g;
     snprintf(r->grp_name, sizeof(r->grp_name), "%s", g->name);
-    r->eng = g->eng;
+    r->eng = ec;
     r->eng->refs++;
     r->engine_done = false;
-    int e = rpc_client_start(g->eng->ch, ENGINE_GENERATE, &er.base, &stepd__v1__generate_response__descriptor,
+    int e;
+    if (ec->out_state == OUT_READY && (e = out_insert(ec, r)) == 0) {
+        Stepd__V1__SubmitRequest sr = STEPD__V1__SUBMIT_REQUEST__INIT;
+        sr.stream_id = ec->out_id;
+        sr.request = &er;
+        r->on_stream = true;
+        r->submit_eng = ec;
+        ec->refs++;
+        e = rpc_client_start(ec->ch, ENGINE_SUBMIT, &sr.base, &stepd__v1__submit_response__descriptor,
+                             r->deadline_ms, NULL, on_submit_done, r, &r->ecall);
+        if (e < 0) {
+            out_remove(ec, r);
+            r->on_stream = false;
+            r->submit_eng = NULL;
+            ec->refs--;
+        }
+    } else {
+        e = rpc_client_start(ec->ch, ENGINE_GENERATE, &er.base, &stepd__v1__generate_response__descriptor,
                              r->deadline_ms, on_engine_msg, on_engine_done, r, &r->ecall);
+    }
     if (e < 0) {
         r->engine_done = true;
         r->grp = NULL;
@@ -1171,6 +1397,24 @@ int req_abort_by_id(struct coord *co, const char *id)
         return 1;
     }
     return 0;
+}
+
+void req_sweep_deadlines(struct coord *co)
+{
+    int64_t now = rpc_now_ms();
+    struct req *r = co->reqs;
+    while (r) {
+        struct req *n = r->next;
+        if (r->in_out_tab && !r->ecall && r->deadline_ms != INT64_MAX && now > r->deadline_ms + 1000) {
+            struct engine_conn *e = r->eng;
+            log_req_warn(r->id, "engine %s did not end the request %" PRId64 " ms after its deadline",
+                         e->addr, now - r->deadline_ms);
+            req_send_abort(r);
+            out_remove(e, r);
+            req_engine_end(r, RPC_DEADLINE_EXCEEDED, "the engine did not end the request by its deadline");
+        }
+        r = n;
+    }
 }
 
 void req_fail_all(struct coord *co, int status, const char *why)

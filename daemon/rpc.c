@@ -779,6 +779,7 @@ struct rpc_call {
     grpc_byte_buffer **sq;
     size_t sq_head, sq_len, sq_cap;
     size_t queued_bytes;
+    size_t buffer_cap;              /* 0: the server's max_call_buffer_bytes */
     grpc_byte_buffer *cur_send;
     size_t cur_send_len;
     bool send_in_flight, md_sent, finish_requested, status_in_batch, status_done;
@@ -952,7 +953,7 @@ int rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg)
         return -EINVAL;
     if (c->cancelled)
         return -ECANCELED;
-    if (c->queued_bytes > c->s->opts.max_call_buffer_bytes)
+    if (c->queued_bytes > (c->buffer_cap ? c->buffer_cap : c->s->opts.max_call_buffer_bytes))
         return -ENOBUFS;
     if (c->sq_len == c->sq_cap) {
         size_t ncap = c->sq_cap ? c->sq_cap * 2 : 8;
@@ -1059,6 +1060,11 @@ void rpc_call_peer(const struct rpc_call *c, char *buf, size_t len)
 const char *rpc_call_method(const struct rpc_call *c)
 {
     return c->method_name;
+}
+
+void rpc_call_set_buffer_cap(struct rpc_call *c, size_t bytes)
+{
+    c->buffer_cap = bytes;
 }
 
 size_t rpc_call_queued_bytes(const struct rpc_call *c)

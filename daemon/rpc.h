@@ -251,6 +251,9 @@ void rpc_call_on_cancel(struct rpc_call *call, rpc_cancel_fn fn, void *ud);
 /* Queue one response message. -ENOBUFS: the per-call buffer cap is hit (slow
  * reader); -ECANCELED: the call is cancelled (the message is dropped). */
 int rpc_call_send(struct rpc_call *call, const ProtobufCMessage *msg);
+/* This call's cap on queued send bytes instead of the server's max_call_buffer_bytes
+ * (a stream that multiplexes many requests needs more). */
+void rpc_call_set_buffer_cap(struct rpc_call *call, size_t bytes);
 /* Add a trailing metadata entry sent with the status (at most 4), e.g.
  * "grpc-retry-pushback-ms". Strings are copied. */
 int rpc_call_add_trailer(struct rpc_call *call, const char *key, const char *value);

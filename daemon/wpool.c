@@ -91,9 +91,19 @@ void engine_conn_unref(struct engine_conn *e)
         return;
     BUG_ON(e->refs == 0);
     if (--e->refs == 0) {
+        BUG_ON(e->out_n != 0);
         rpc_channel_destroy(e->ch);
+        free(e->out_tab);
         free(e);
     }
+}
+
+void engine_conn_detach(struct engine_conn *e)
+{
+    e->attached = false;
+    if (e->out_call)
+        rpc_client_cancel(e->out_call);     /* its on_done fails what is still on it */
+    engine_conn_unref(e);
 }
 
 /* ------------------------------------------------------------------ sessions */
@@ -156,8 +166,7 @@ static void group_fail(struct group *g, const char *why)
     }
     req_fail_group(g, why);
     if (g->eng) {
-        g->eng->attached = false;
-        engine_conn_unref(g->eng);
+        engine_conn_detach(g->eng);
         g->eng = NULL;
     }
     g->loads_pending = false;
@@ -514,6 +523,7 @@ static void group_set_ready(struct group *g)
     }
     g->state = GROUP_READY;
     g->loads_ok_ms = rpc_now_ms();
+    engine_out_open(g->eng);
     log_info("group %s is ready (epoch %" PRIu64 ", engine %s)", g->name, g->epoch, g->engine_addr);
     coord_health_update(co);
     wpool_poll_loads(co);
@@ -694,7 +704,10 @@ void wpool_poll_loads(struct coord *co)
             group_fail(g, why);
             continue;
         }
-        if (g->state != GROUP_READY || !g->eng || g->loads_pending)
+        if (g->state != GROUP_READY || !g->eng)
+            continue;
+        engine_out_open(g->eng);        /* again, once a failed output stream's back-off is over */
+        if (g->loads_pending)
             continue;
         struct loads_poll *lp = malloc(sizeof(*lp));
         if (!lp)
@@ -798,8 +811,7 @@ void wpool_shutdown_sessions(struct coord *co)
             session_end(rk, RPC_UNAVAILABLE, "coordinator shutting down");
         }
         if (g->eng) {
-            g->eng->attached = false;
-            engine_conn_unref(g->eng);
+            engine_conn_detach(g->eng);
             g->eng = NULL;
         }
         g->state = GROUP_FAILED;

@@ -3,10 +3,17 @@
  * Two threads meet here.  The service thread runs a libuv loop with the daemon/rpc glue;
  * every gRPC callback and every rpc_* call happens on it.  The engine thread calls
  * on_engine_out, which copies the output into an event, queues it under s->lock and
- * wakes the loop with uv_async_send.  A struct gen (one Generate call) lives until the
- * engine's final output for it has been handled on the loop: that is also when the call
- * is finished, so the engine never holds a pointer to freed memory.  Generated
- * protobuf-c names stay in this file.
+ * wakes the loop with uv_async_send.  A struct gen (one request) lives until the
+ * engine's final output for it has been handled on the loop, so the engine never holds a
+ * pointer to freed memory.  A Generate gen owns its call and finishes it then.
+ *
+ * Output streams (OpenOutputs + Submit): a struct ostream owns one OpenOutputs call and
+ * the gens submitted to it.  handle_event appends their outputs to the stream's pending
+ * batch (protobuf structs pointing into the events); on_wake sends one OutputBatch per
+ * stream once every event of the wake-up is handled, then frees the events.  When the
+ * stream ends (client cancel, client not reading, shutdown) its call is finished at once
+ * and its gens are aborted; their later events are dropped, and the ostream is freed with
+ * its last gen.  Generated protobuf-c names stay in this file.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -15,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <uv.h>
 
@@ -28,11 +36,19 @@
 #define P_ABORT "/stepd.v1.Engine/Abort"
 #define P_GETLOADS "/stepd.v1.Engine/GetLoads"
 #define P_MODELINFO "/stepd.v1.Engine/GetModelInfo"
+#define P_OPENOUTPUTS "/stepd.v1.Engine/OpenOutputs"
+#define P_SUBMIT "/stepd.v1.Engine/Submit"
+
+#define OSTREAM_MAX_ID_LEN 128
+#define OSTREAM_BUFFER_BYTES ((size_t) 64 << 20)   /* queued send bytes before RESOURCE_EXHAUSTED */
+#define OSTREAM_BATCH_BYTES ((size_t) 1 << 20)     /* a pending batch is split past this */
 
 struct gen {
     struct engine_rpc *s;
-    struct rpc_call *call;
+    struct rpc_call *call;            /* Generate; NULL for a gen of an output stream */
+    struct ostream *os;               /* Submit: the stream its outputs go to */
     struct gen *prev, *next;          /* s->gens, loop thread */
+    struct gen *os_prev, *os_next;    /* os->gens */
     char id[ENGINE_MAX_ID_LEN + 1];
     bool usage_each;
     bool cancelled;
@@ -51,6 +67,42 @@ struct ev {
     struct engine_timings tm;
     int n_tokens;
     int32_t tokens[];
+};
+
+/* A Final and the messages it points to (final_build). */
+struct final_msg {
+    Stepd__V1__Final fin;
+    Stepd__V1__Usage usage;
+    Stepd__V1__MtpStats mtp;
+    Stepd__V1__Timings tm;
+    uint32_t per_pos[SPEC_MAX_K];
+};
+
+/* One EngineOutput of a pending batch.  Its pointers are set by out_link just before the
+ * batch is sent (the array may move while it grows); token ids and messages point into
+ * the wake-up's events. */
+struct out {
+    Stepd__V1__EngineOutput o;
+    Stepd__V1__Chunk chunk;
+    Stepd__V1__Usage usage;           /* the chunk's, when usage_each */
+    Stepd__V1__EngineStatus status;
+    struct final_msg fin;
+    bool usage_each;
+    size_t size_est;                  /* ~ packed bytes, for splitting batches */
+    char id[ENGINE_MAX_ID_LEN + 1];   /* copied: the gen may be freed before the send */
+};
+
+/* One OpenOutputs call and the requests submitted to it (loop thread). */
+struct ostream {
+    struct engine_rpc *s;
+    struct rpc_call *call;            /* NULL once the stream ended */
+    struct ostream *prev, *next;      /* s->streams, while open */
+    struct gen *gens;                 /* its gens not yet finished */
+    int n_gens;
+    struct out *outs;                 /* pending batch; storage kept between wake-ups */
+    Stepd__V1__EngineOutput **ptrs;
+    size_t n_outs, n_outs_max;
+    char id[OSTREAM_MAX_ID_LEN + 1];
 };
 
 struct engine_rpc {
@@ -73,6 +125,8 @@ struct engine_rpc {
     /* loop thread */
     struct gen *gens;
     int n_gens;
+    struct ostream *streams;          /* open output streams */
+    int n_streams;                    /* ostreams not yet freed (open or draining) */
     bool stopping;
     bool srv_down;
     uint64_t id_ctr;
@@ -114,7 +168,7 @@ static void on_engine_out(void *ud, const struct engine_output *o)
 
 static void maybe_exit(struct engine_rpc *s)
 {
-    if (s->stopping && s->srv_down && s->n_gens == 0)
+    if (s->stopping && s->srv_down && s->n_gens == 0 && s->n_streams == 0)
         uv_stop(&s->loop);
 }
 
@@ -156,45 +210,259 @@ static void send_chunk(struct gen *g, const struct ev *ev)
     }
 }
 
+/* Point m's Final at its sub-messages (again whenever m moved). */
+static void final_link(struct final_msg *m)
+{
+    m->fin.usage = &m->usage;
+    m->fin.mtp = &m->mtp;
+    m->fin.timings = &m->tm;
+    m->mtp.accepted_per_position = m->per_pos;
+}
+
+/* Fill m with the Final of request id from its final event (Generate and output streams
+ * alike); the strings point into id, ev and s. */
+static void final_build(struct final_msg *m, struct engine_rpc *s, char *id, const struct ev *ev)
+{
+    *m = (struct final_msg) {
+        .fin = STEPD__V1__FINAL__INIT,
+        .usage = STEPD__V1__USAGE__INIT,
+        .mtp = STEPD__V1__MTP_STATS__INIT,
+        .tm = STEPD__V1__TIMINGS__INIT,
+    };
+    final_link(m);
+    m->fin.finish_reason = finish_reason(ev->finish);
+    m->fin.message = (char *) ev->message;
+    m->fin.request_id = id;
+    m->fin.group = (char *) (s->o.group ? s->o.group : "");
+    if (ev->finish == ENGINE_FINISH_STOP && ev->stop_token >= 0) {
+        m->fin.matched_stop_case = STEPD__V1__FINAL__MATCHED_STOP_STOP_TOKEN_ID;
+        m->fin.stop_token_id = ev->stop_token;
+    }
+    m->usage.prompt_tokens = (uint32_t) ev->n_prompt;
+    m->usage.completion_tokens = (uint32_t) ev->n_completion;
+    m->mtp.num_drafts = (uint32_t) ev->mtp.n_drafts;
+    m->mtp.num_draft_tokens = (uint32_t) ev->mtp.n_draft_tokens;
+    m->mtp.num_accepted_tokens = (uint32_t) ev->mtp.n_accepted;
+    int k = engine_max_spec(s->e);
+    for (int i = 0; i < k; i++)
+        m->per_pos[i] = (uint32_t) ev->mtp.accepted_per_pos[i];
+    m->mtp.n_accepted_per_position = (size_t) k;
+    m->tm.queue_s = ev->tm.queue_s;
+    m->tm.prefill_s = ev->tm.prefill_s;
+    m->tm.first_token_s = ev->tm.first_token_s;
+    m->tm.decode_s = ev->tm.decode_s;
+    m->tm.mean_inter_token_s = ev->tm.mean_inter_token_s;
+    m->tm.e2e_s = ev->tm.e2e_s;
+}
+
 static int send_final(struct gen *g, const struct ev *ev)
 {
     Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
-    Stepd__V1__Final fin = STEPD__V1__FINAL__INIT;
-    Stepd__V1__Usage usage = STEPD__V1__USAGE__INIT;
-    Stepd__V1__MtpStats mtp = STEPD__V1__MTP_STATS__INIT;
-    Stepd__V1__Timings tm = STEPD__V1__TIMINGS__INIT;
-    uint32_t per_pos[SPEC_MAX_K];
+    struct final_msg m;
+    final_build(&m, g->s, g->id, ev);
     resp.request_id = g->id;
     resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
-    resp.final = &fin;
-    fin.finish_reason = finish_reason(ev->finish);
-    fin.message = (char *) ev->message;
-    fin.request_id = g->id;
-    fin.group = (char *) (g->s->o.group ? g->s->o.group : "");
-    if (ev->finish == ENGINE_FINISH_STOP && ev->stop_token >= 0) {
-        fin.matched_stop_case = STEPD__V1__FINAL__MATCHED_STOP_STOP_TOKEN_ID;
-        fin.stop_token_id = ev->stop_token;
-    }
-    usage.prompt_tokens = (uint32_t) ev->n_prompt;
-    usage.completion_tokens = (uint32_t) ev->n_completion;
-    fin.usage = &usage;
-    mtp.num_drafts = (uint32_t) ev->mtp.n_drafts;
-    mtp.num_draft_tokens = (uint32_t) ev->mtp.n_draft_tokens;
-    mtp.num_accepted_tokens = (uint32_t) ev->mtp.n_accepted;
-    int k = engine_max_spec(g->s->e);
-    for (int i = 0; i < k; i++)
-        per_pos[i] = (uint32_t) ev->mtp.accepted_per_pos[i];
-    mtp.n_accepted_per_position = (size_t) k;
-    mtp.accepted_per_position = per_pos;
-    fin.mtp = &mtp;
-    tm.queue_s = ev->tm.queue_s;
-    tm.prefill_s = ev->tm.prefill_s;
-    tm.first_token_s = ev->tm.first_token_s;
-    tm.decode_s = ev->tm.decode_s;
-    tm.mean_inter_token_s = ev->tm.mean_inter_token_s;
-    tm.e2e_s = ev->tm.e2e_s;
-    fin.timings = &tm;
+    resp.final = &m.fin;
     return rpc_call_send(g->call, &resp.base);
+}
+
+/* --- loop thread: output streams --- */
+
+static void ostream_free(struct ostream *os)
+{
+    struct engine_rpc *s = os->s;
+    free(os->outs);
+    free(os->ptrs);
+    free(os);
+    s->n_streams--;
+    maybe_exit(s);
+}
+
+/* End the stream: finish its call with status (hard: at once, dropping what is queued,
+ * for a client that does not read), abort its requests in the engine and drop their
+ * later outputs.  The ostream is freed with its last gen.  No-op once ended. */
+static void ostream_end(struct ostream *os, int status, const char *msg, bool hard)
+{
+    struct engine_rpc *s = os->s;
+    struct rpc_call *call = os->call;
+    if (!call)
+        return;
+    os->call = NULL;
+    os->n_outs = 0;
+    if (os->prev)
+        os->prev->next = os->next;
+    else
+        s->streams = os->next;
+    if (os->next)
+        os->next->prev = os->prev;
+    os->prev = os->next = NULL;
+    const char *ids[64];
+    int n = 0;
+    for (struct gen *g = os->gens; g; g = g->os_next) {
+        ids[n++] = g->id;
+        if (n == (int) ARRAY_SIZE(ids)) {
+            engine_abort(s->e, ids, n);
+            n = 0;
+        }
+    }
+    if (n)
+        engine_abort(s->e, ids, n);
+    if (os->n_gens)
+        log_info("output stream %s ended (%s): aborting its %d requests", os->id, msg, os->n_gens);
+    if (hard)
+        rpc_call_abort(call, status, msg);
+    else
+        rpc_call_finish(call, status, "%s", msg);
+    if (os->n_gens == 0)
+        ostream_free(os);
+}
+
+/* rpc_call_send failed on the stream's call */
+static void ostream_send_failed(struct ostream *os, int r)
+{
+    char msg[192];
+    if (r == -ECANCELED) {
+        ostream_end(os, RPC_CANCELLED, "output stream cancelled", false);
+        return;
+    }
+    if (r == -ENOBUFS)
+        snprintf(msg, sizeof(msg), "output stream %s: client is not reading it", os->id);
+    else
+        snprintf(msg, sizeof(msg), "output stream %s: %s", os->id, err_str(r));
+    ostream_end(os, RPC_RESOURCE_EXHAUSTED, msg, true);
+}
+
+static void on_os_cancel(struct rpc_call *call, void *ud)
+{
+    ostream_end(ud, RPC_CANCELLED, "output stream cancelled by the client", false);
+}
+
+static struct ostream *ostream_find(struct engine_rpc *s, const char *id)
+{
+    for (struct ostream *os = s->streams; os; os = os->next)
+        if (strcmp(os->id, id) == 0)
+            return os;
+    return NULL;
+}
+
+/* A new output of gen g in the stream's pending batch (kind and id set), or NULL when out
+ * of memory: the stream has ended then. */
+static struct out *ostream_add(struct ostream *os, const struct gen *g,
+                               Stepd__V1__EngineOutput__KindCase kind)
+{
+    if (os->n_outs == os->n_outs_max) {
+        size_t n = os->n_outs_max ? os->n_outs_max * 2 : 16;
+        struct out *outs = realloc(os->outs, n * sizeof(*outs));
+        if (outs)
+            os->outs = outs;
+        Stepd__V1__EngineOutput **ptrs = outs ? realloc(os->ptrs, n * sizeof(*ptrs)) : NULL;
+        if (!ptrs) {
+            char msg[192];
+            snprintf(msg, sizeof(msg), "output stream %s: out of memory", os->id);
+            ostream_end(os, RPC_RESOURCE_EXHAUSTED, msg, true);
+            return NULL;
+        }
+        os->ptrs = ptrs;
+        os->n_outs_max = n;
+    }
+    struct out *x = &os->outs[os->n_outs++];
+    size_t len = strlen(g->id);
+    x->o = (Stepd__V1__EngineOutput) STEPD__V1__ENGINE_OUTPUT__INIT;
+    x->o.kind_case = kind;
+    memcpy(x->id, g->id, len + 1);
+    x->size_est = 16 + len;
+    return x;
+}
+
+static void out_link(struct out *x)
+{
+    x->o.request_id = x->id;
+    switch (x->o.kind_case) {
+    case STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK:
+        x->chunk.usage = x->usage_each ? &x->usage : NULL;
+        x->o.chunk = &x->chunk;
+        break;
+    case STEPD__V1__ENGINE_OUTPUT__KIND_FINAL:
+        final_link(&x->fin);
+        x->fin.fin.request_id = x->id;
+        x->o.final = &x->fin.fin;
+        break;
+    default:
+        x->o.status = &x->status;
+        break;
+    }
+}
+
+static void ostream_add_status(struct ostream *os, const struct gen *g, int code, const char *msg)
+{
+    struct out *x = ostream_add(os, g, STEPD__V1__ENGINE_OUTPUT__KIND_STATUS);
+    if (!x)
+        return;
+    x->status = (Stepd__V1__EngineStatus) STEPD__V1__ENGINE_STATUS__INIT;
+    x->status.code = code;
+    x->status.message = (char *) msg;
+    x->size_est += 8 + strlen(msg);
+}
+
+/* An event of a gen of an output stream: its outputs join the pending batch. */
+static void ostream_handle_event(struct engine_rpc *s, struct gen *g, const struct ev *ev)
+{
+    struct ostream *os = g->os;
+    if (os->call && ev->n_tokens > 0) {
+        struct out *x = ostream_add(os, g, STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK);
+        if (x) {
+            x->chunk = (Stepd__V1__Chunk) STEPD__V1__CHUNK__INIT;
+            x->chunk.n_token_ids = (size_t) ev->n_tokens;
+            x->chunk.token_ids = (int32_t *) ev->tokens;
+            x->usage_each = g->usage_each;
+            if (g->usage_each) {
+                x->usage = (Stepd__V1__Usage) STEPD__V1__USAGE__INIT;
+                x->usage.prompt_tokens = (uint32_t) ev->n_prompt;
+                x->usage.completion_tokens = (uint32_t) ev->n_completion;
+            }
+            x->size_est += 8 + 5 * (size_t) ev->n_tokens;
+        }
+    }
+    if (!ev->finished)
+        return;
+    if (!os->call)
+        ;                             /* the stream ended: dropped */
+    else if (ev->finish == ENGINE_FINISH_DEADLINE)
+        ostream_add_status(os, g, RPC_DEADLINE_EXCEEDED, ev->message);
+    else if (ev->finish == ENGINE_FINISH_ABORT && s->stopping)
+        ostream_add_status(os, g, RPC_UNAVAILABLE, "engine is shutting down");
+    else {
+        struct out *x = ostream_add(os, g, STEPD__V1__ENGINE_OUTPUT__KIND_FINAL);
+        if (x) {
+            final_build(&x->fin, s, x->id, ev);
+            x->size_est += 160 + strlen(ev->message);
+        }
+    }
+}
+
+/* Send the pending batch: one OutputBatch, or several of ~OSTREAM_BATCH_BYTES. */
+static void ostream_flush(struct ostream *os)
+{
+    size_t i = 0;
+    while (i < os->n_outs) {
+        Stepd__V1__OutputBatch b = STEPD__V1__OUTPUT_BATCH__INIT;
+        size_t j = i, bytes = 0;
+        while (j < os->n_outs && bytes < OSTREAM_BATCH_BYTES) {
+            out_link(&os->outs[j]);
+            os->ptrs[j] = &os->outs[j].o;
+            bytes += os->outs[j].size_est;
+            j++;
+        }
+        b.n_outputs = j - i;
+        b.outputs = &os->ptrs[i];
+        int r = rpc_call_send(os->call, &b.base);
+        if (r < 0) {
+            ostream_send_failed(os, r);   /* may free os */
+            return;
+        }
+        i = j;
+    }
+    os->n_outs = 0;
 }
 
 static void gen_done(struct engine_rpc *s, struct gen *g)
@@ -206,6 +474,18 @@ static void gen_done(struct engine_rpc *s, struct gen *g)
     if (g->next)
         g->next->prev = g->prev;
     s->n_gens--;
+    struct ostream *os = g->os;
+    if (os) {
+        if (g->os_prev)
+            g->os_prev->os_next = g->os_next;
+        else
+            os->gens = g->os_next;
+        if (g->os_next)
+            g->os_next->os_prev = g->os_prev;
+        os->n_gens--;
+        if (!os->call && os->n_gens == 0)
+            ostream_free(os);
+    }
     free(g);
     maybe_exit(s);
 }
@@ -213,6 +493,12 @@ static void gen_done(struct engine_rpc *s, struct gen *g)
 static void handle_event(struct engine_rpc *s, struct ev *ev)
 {
     struct gen *g = ev->g;
+    if (g->os) {
+        ostream_handle_event(s, g, ev);
+        if (ev->finished)
+            gen_done(s, g);
+        return;
+    }
     if (ev->n_tokens > 0 && !g->cancelled && !g->overflow)
         send_chunk(g, ev);
     if (!ev->finished)
@@ -241,9 +527,16 @@ static void on_wake(uv_async_t *a)
     struct ev *ev = s->ev_head;
     s->ev_head = s->ev_tail = NULL;
     pthread_mutex_unlock(&s->lock);
+    for (struct ev *e = ev; e; e = e->next)
+        handle_event(s, e);
+    /* the pending batches point into the events: free them after the sends */
+    for (struct ostream *os = s->streams, *next; os; os = next) {
+        next = os->next;
+        if (os->n_outs)
+            ostream_flush(os);
+    }
     while (ev) {
         struct ev *next = ev->next;
-        handle_event(s, ev);
         free(ev);
         ev = next;
     }
@@ -384,25 +677,23 @@ static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest 
     return 0;
 }
 
-static void h_generate(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+/* Admit request in for g (g->s and g->call or g->os set): call's deadline is the
+ * request's.  On failure finishes call with the admission status (INVALID_ARGUMENT and
+ * ALREADY_EXISTS details name the field after field_prefix) and returns < 0; g stays the
+ * caller's.  On success the engine holds g until its final output. */
+static int gen_submit(struct gen *g, struct rpc_call *call, const Stepd__V1__GenerateRequest *in,
+                      const char *field_prefix)
 {
-    struct engine_rpc *s = ud;
-    const Stepd__V1__GenerateRequest *in = (const void *) req;
+    struct engine_rpc *s = g->s;
     struct err_buf err = { { 0 } };
-    if (s->stopping) {
-        rpc_call_finish(call, RPC_UNAVAILABLE, "engine is shutting down");
-        return;
-    }
-    struct gen *g = calloc(1, sizeof(*g));
     struct sampler_bias *bias = NULL;
     size_t nb = in->sampling_params ? in->sampling_params->n_logit_bias : 0;
-    if (nb && nb <= 1024)
+    if (nb && nb <= 1024) {
         bias = calloc(nb, sizeof(*bias));
-    if (!g || (nb && nb <= 1024 && !bias)) {
-        free(g);
-        free(bias);
-        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
-        return;
+        if (!bias) {
+            rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+            return -ENOMEM;
+        }
     }
     struct engine_request q;
     int r = build_request(s, in, &q, bias, g->id, &err);
@@ -411,8 +702,6 @@ static void h_generate(struct rpc_call *call, const ProtobufCMessage *req, void 
         int64_t left_ms = dl - rpc_now_ms();
         q.deadline_usec = engine_now_usec() + (left_ms > 0 ? left_ms * 1000 : 1);
     }
-    g->s = s;
-    g->call = call;
     g->usage_each = in->stream_options && in->stream_options->continuous_usage_stats;
     if (r == 0)
         r = engine_submit(s->e, &q, on_engine_out, g, &err);
@@ -420,16 +709,121 @@ static void h_generate(struct rpc_call *call, const ProtobufCMessage *req, void 
     if (r < 0) {
         if (r == -EAGAIN)   /* queue full: tell well-behaved clients when to retry */
             (void) rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
-        rpc_call_finish(call, status_of(r), "%s", err.msg[0] ? err.msg : err_str(r));
-        free(g);
-        return;
+        bool field = err.msg[0] && (r == -EINVAL || r == -EEXIST);
+        rpc_call_finish(call, status_of(r), "%s%s", field ? field_prefix : "",
+                        err.msg[0] ? err.msg : err_str(r));
+        return r;
     }
     g->next = s->gens;
     if (s->gens)
         s->gens->prev = g;
     s->gens = g;
     s->n_gens++;
+    return 0;
+}
+
+static void h_generate(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    struct engine_rpc *s = ud;
+    const Stepd__V1__GenerateRequest *in = (const void *) req;
+    if (s->stopping) {
+        rpc_call_finish(call, RPC_UNAVAILABLE, "engine is shutting down");
+        return;
+    }
+    struct gen *g = calloc(1, sizeof(*g));
+    if (!g) {
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    g->s = s;
+    g->call = call;
+    if (gen_submit(g, call, in, "") < 0) {
+        free(g);
+        return;
+    }
     rpc_call_on_cancel(call, on_cancel, g);
+}
+
+static void h_open_outputs(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    struct engine_rpc *s = ud;
+    const Stepd__V1__OpenOutputsRequest *in = (const void *) req;
+    Stepd__V1__OutputBatch ack = STEPD__V1__OUTPUT_BATCH__INIT;
+    size_t len = in->stream_id ? strlen(in->stream_id) : 0;
+    if (s->stopping) {
+        rpc_call_finish(call, RPC_UNAVAILABLE, "engine is shutting down");
+        return;
+    }
+    if (len == 0 || len > OSTREAM_MAX_ID_LEN) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "stream_id: must be 1..%d bytes",
+                        OSTREAM_MAX_ID_LEN);
+        return;
+    }
+    if (ostream_find(s, in->stream_id)) {
+        rpc_call_finish(call, RPC_ALREADY_EXISTS, "stream_id: '%s' is already open", in->stream_id);
+        return;
+    }
+    struct ostream *os = calloc(1, sizeof(*os));
+    if (!os) {
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    os->s = s;
+    os->call = call;
+    memcpy(os->id, in->stream_id, len + 1);
+    os->next = s->streams;
+    if (s->streams)
+        s->streams->prev = os;
+    s->streams = os;
+    s->n_streams++;
+    rpc_call_set_buffer_cap(call, OSTREAM_BUFFER_BYTES);
+    rpc_call_on_cancel(call, on_os_cancel, os);
+    int r = rpc_call_send(call, &ack.base);      /* the stream is open */
+    if (r < 0)
+        ostream_send_failed(os, r);
+}
+
+static void h_submit(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
+{
+    struct engine_rpc *s = ud;
+    const Stepd__V1__SubmitRequest *in = (const void *) req;
+    Stepd__V1__SubmitResponse resp = STEPD__V1__SUBMIT_RESPONSE__INIT;
+    if (s->stopping) {
+        rpc_call_finish(call, RPC_UNAVAILABLE, "engine is shutting down");
+        return;
+    }
+    if (!in->request) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request: required");
+        return;
+    }
+    if (!in->request->request_id || !in->request->request_id[0]) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request.request_id: required with Submit");
+        return;
+    }
+    struct ostream *os = ostream_find(s, in->stream_id ? in->stream_id : "");
+    if (!os) {
+        rpc_call_finish(call, RPC_FAILED_PRECONDITION, "stream_id: no open output stream '%.*s'",
+                        OSTREAM_MAX_ID_LEN, in->stream_id ? in->stream_id : "");
+        return;
+    }
+    struct gen *g = calloc(1, sizeof(*g));
+    if (!g) {
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    g->s = s;
+    g->os = os;
+    if (gen_submit(g, call, in->request, "request.") < 0) {
+        free(g);
+        return;
+    }
+    g->os_next = os->gens;
+    if (os->gens)
+        os->gens->os_prev = g;
+    os->gens = g;
+    os->n_gens++;
+    (void) rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
 }
 
 static void h_abort(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
@@ -516,6 +910,8 @@ static void on_stop(uv_async_t *a)
         return;
     s->stopping = true;
     rpc_server_shutdown(s->srv, on_srv_down, s);
+    while (s->streams)
+        ostream_end(s->streams, RPC_UNAVAILABLE, "engine is shutting down", false);
     rpc_server_cancel_all(s->srv);
 }
 
@@ -534,6 +930,8 @@ static int serve_setup(struct engine_rpc *s)
         { P_ABORT, &stepd__v1__abort_request__descriptor, false, false, h_abort, s },
         { P_GETLOADS, &stepd__v1__get_loads_request__descriptor, false, false, h_getloads, s },
         { P_MODELINFO, &stepd__v1__get_model_info_request__descriptor, false, false, h_modelinfo, s },
+        { P_OPENOUTPUTS, &stepd__v1__open_outputs_request__descriptor, true, false, h_open_outputs, s },
+        { P_SUBMIT, &stepd__v1__submit_request__descriptor, false, false, h_submit, s },
     };
     for (size_t i = 0; i < ARRAY_SIZE(methods); i++) {
         r = rpc_server_add_method(s->srv, &methods[i]);
@@ -560,6 +958,16 @@ static void serve_teardown(struct engine_rpc *s)
             rpc_server_shutdown(s->srv, on_srv_down, s);
             while (!s->srv_down)
                 uv_run(&s->loop, UV_RUN_ONCE);
+        }
+        /* The shutdown completes once the connections are gone, which does not wait for
+         * the last completions of a call finished just before (an output stream's status
+         * sent as cancel_all cut the connection): let them free the call first, as the
+         * coordinator's exit_poll_cb does. */
+        int64_t end_ms = rpc_now_ms() + 3000;
+        while (rpc_ctx_live_calls(s->ctx) > 0 && rpc_now_ms() < end_ms) {
+            uv_run(&s->loop, UV_RUN_NOWAIT);
+            if (rpc_ctx_live_calls(s->ctx) > 0)
+                usleep(1000);
         }
         rpc_server_destroy(s->srv);
         s->srv = NULL;

@@ -10,6 +10,15 @@ client-side cancel and a deadline are handled; GetLoads reports one group;
 GetModelInfo reports the vocab; overload is RESOURCE_EXHAUSTED with a
 grpc-retry-pushback-ms trailer; the server exits with the KV invariant intact.
 
+Output streams (OpenOutputs + Submit): mixed greedy requests give the same token ids,
+finish reasons and usage as Generate, and batches carry outputs of several requests;
+continuous usage rides on chunks; Submit validates request_id, request and stream_id
+(FAILED_PRECONDITION for an unknown stream), OpenOutputs stream_id (INVALID_ARGUMENT,
+ALREADY_EXISTS); Abort ends a request with a Final ABORT on its stream; a short Submit
+deadline ends it with status DEADLINE_EXCEEDED; cancelling the stream aborts its
+requests (GetLoads idle, KV blocks free) and frees its id; server shutdown ends an open
+stream with UNAVAILABLE.
+
 usage: test-engine-grpcio.py SERVER_BINARY PROTO_DIR   (exit 77 when grpcio is missing)
 """
 import os
@@ -33,6 +42,175 @@ def gen_stubs(proto_dir, out):
     if rc != 0:
         raise SystemExit(f"protoc failed ({rc})")
     sys.path.insert(0, out)
+
+
+class OutputReader:
+    """One OpenOutputs stream read on a thread: outputs per request id, in order."""
+
+    def __init__(self, stub, pb, stream_id):
+        self.call = stub.OpenOutputs(pb.OpenOutputsRequest(stream_id=stream_id))
+        ack = next(self.call)
+        assert len(ack.outputs) == 0, ack
+        self.cv = threading.Condition()
+        self.outs = {}          # request id -> [EngineOutput]
+        self.batches = []       # request ids of each batch
+        self.error = None
+        self.done = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for b in self.call:
+                with self.cv:
+                    self.batches.append([o.request_id for o in b.outputs])
+                    for o in b.outputs:
+                        self.outs.setdefault(o.request_id, []).append(o)
+                    self.cv.notify_all()
+        except grpc.RpcError as e:
+            self.error = e
+        with self.cv:
+            self.done = True
+            self.cv.notify_all()
+
+    def wait(self, pred, timeout=20):
+        with self.cv:
+            assert self.cv.wait_for(pred, timeout), "output stream: timed out"
+
+    def ended(self, rid):
+        o = self.outs.get(rid)
+        return bool(o) and o[-1].WhichOneof("kind") in ("final", "status")
+
+    def result(self, rid):
+        """(token ids, the ending EngineOutput); checks nothing follows the end."""
+        self.wait(lambda: self.ended(rid))
+        outs = self.outs[rid]
+        assert all(o.WhichOneof("kind") == "chunk" for o in outs[:-1]), outs
+        return [t for o in outs[:-1] for t in o.chunk.token_ids], outs[-1]
+
+
+def expect_error(fn, code, words=()):
+    try:
+        fn()
+    except grpc.RpcError as e:
+        assert e.code() == code, e
+        for w in words:
+            assert w in e.details(), e.details()
+        return e
+    raise AssertionError(f"no {code}")
+
+
+def check_output_streams(stub, pb, gen):
+    long_req = dict(temperature=1.0, max_tokens=450, ignore_eos=True)
+    rd = OutputReader(stub, pb, "s1")
+
+    # mixed greedy requests: exactly Generate's outputs, batched
+    specs = [([1, 2, 3, 4], 40), ([5, 6, 7], 7), ([9, 8, 7, 6, 5], 64), ([2, 2], 64),
+             ([11, 12, 13], 1), ([4, 3, 2, 1], 33), ([7], 50), ([3, 1, 4, 1, 5], 60)]
+    ref = []
+    for i, (p, n) in enumerate(specs):
+        toks, fin = [], None
+        for m in stub.Generate(gen(f"ref{i}", p, temperature=0.0, max_tokens=n)):
+            if m.HasField("chunk"):
+                toks.extend(m.chunk.token_ids)
+            else:
+                fin = m.final
+        ref.append((toks, fin))
+    futs = []
+    for i, (p, n) in enumerate(specs):
+        req = gen(f"m{i}", p, temperature=0.0, max_tokens=n)
+        if i == 2:
+            req.stream_options.continuous_usage_stats = True
+        futs.append(stub.Submit.future(pb.SubmitRequest(stream_id="s1", request=req)))
+    for f in futs:
+        assert isinstance(f.result(timeout=20), pb.SubmitResponse)
+    for i in range(len(specs)):
+        toks, end = rd.result(f"m{i}")
+        assert end.WhichOneof("kind") == "final", end
+        f, (rtoks, rf) = end.final, ref[i]
+        assert toks == rtoks, (i, toks, rtoks)
+        assert f.finish_reason == rf.finish_reason and f.request_id == f"m{i}", (f, rf)
+        assert f.usage.completion_tokens == len(toks) and f.usage.prompt_tokens == len(specs[i][0])
+        assert f.stop_token_id == rf.stop_token_id and f.group == "g-mock"
+        assert len(f.mtp.accepted_per_position) == 3 and f.timings.e2e_s > 0
+    reasons = {ref[i][1].finish_reason for i in range(len(specs))}
+    assert pb.FINISH_REASON_LENGTH in reasons, reasons
+    n = 0
+    for o in rd.outs["m2"][:-1]:
+        n += len(o.chunk.token_ids)
+        assert o.chunk.HasField("usage") and o.chunk.usage.completion_tokens == n
+    assert not rd.outs["m0"][0].chunk.HasField("usage")
+    assert any(len(set(b)) > 1 for b in rd.batches), "no batch carries several requests"
+    n_out = sum(len(o) for o in rd.outs.values())
+    assert len(rd.batches) < n_out, (len(rd.batches), n_out)
+
+    # Submit and OpenOutputs validation
+    ok_req = gen("v1", [1, 2], temperature=0.0, max_tokens=4)
+    expect_error(lambda: stub.Submit(pb.SubmitRequest(stream_id="nope", request=ok_req)),
+                 grpc.StatusCode.FAILED_PRECONDITION, ["stream_id", "nope"])
+    expect_error(lambda: stub.Submit(pb.SubmitRequest(stream_id="s1", request=gen("", [1, 2]))),
+                 grpc.StatusCode.INVALID_ARGUMENT, ["request.request_id"])
+    expect_error(lambda: stub.Submit(pb.SubmitRequest(stream_id="s1")),
+                 grpc.StatusCode.INVALID_ARGUMENT, ["request"])
+    expect_error(lambda: stub.Submit(pb.SubmitRequest(
+                     stream_id="s1", request=pb.GenerateRequest(request_id="tx", text="hi"))),
+                 grpc.StatusCode.INVALID_ARGUMENT, ["request.input", "token_ids"])
+    expect_error(lambda: next(stub.OpenOutputs(pb.OpenOutputsRequest(stream_id=""))),
+                 grpc.StatusCode.INVALID_ARGUMENT, ["stream_id"])
+    expect_error(lambda: next(stub.OpenOutputs(pb.OpenOutputsRequest(stream_id="x" * 129))),
+                 grpc.StatusCode.INVALID_ARGUMENT, ["stream_id"])
+    OutputReader(stub, pb, "y" * 128).call.cancel()
+    expect_error(lambda: next(stub.OpenOutputs(pb.OpenOutputsRequest(stream_id="s1"))),
+                 grpc.StatusCode.ALREADY_EXISTS, ["stream_id"])
+
+    # Abort mid-stream: a Final ABORT on the stream; a duplicate id is ALREADY_EXISTS
+    stub.Submit(pb.SubmitRequest(stream_id="s1", request=gen("ab", [9, 9], **long_req)))
+    rd.wait(lambda: "ab" in rd.outs)
+    expect_error(lambda: stub.Submit(pb.SubmitRequest(stream_id="s1",
+                                                      request=gen("ab", [9, 9], **long_req))),
+                 grpc.StatusCode.ALREADY_EXISTS, ["request.request_id"])
+    assert stub.Abort(pb.AbortRequest(request_ids=["ab"])).aborted == 1
+    toks, end = rd.result("ab")
+    assert end.WhichOneof("kind") == "final", end
+    assert end.final.finish_reason == pb.FINISH_REASON_ABORT and len(toks) < 450
+
+    # the Submit call's deadline is the request's
+    for attempt in range(5):
+        rid = f"dl{attempt}"
+        try:
+            stub.Submit(pb.SubmitRequest(stream_id="s1", request=gen(rid, [4, 4], temperature=1.0,
+                                                                     max_tokens=480,
+                                                                     ignore_eos=True)),
+                        timeout=0.03 * (attempt + 1))
+            break
+        except grpc.RpcError as e:     # the Submit itself was too slow: try a longer one
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+            rd.wait(lambda: rid not in rd.outs or rd.ended(rid))
+    toks, end = rd.result(rid)
+    assert end.WhichOneof("kind") == "status", end
+    assert end.status.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], end
+    assert len(toks) < 480
+
+    # cancelling the stream aborts its requests and frees the id
+    rc = OutputReader(stub, pb, "s2")
+    for i in range(4):
+        stub.Submit(pb.SubmitRequest(stream_id="s2", request=gen(f"x{i}", [3, 3], **long_req)))
+    rc.wait(lambda: all(f"x{i}" in rc.outs for i in range(4)))
+    rc.call.cancel()
+    rc.thread.join(20)
+    assert rc.error is not None and rc.error.code() == grpc.StatusCode.CANCELLED, rc.error
+    for _ in range(500):
+        ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+        if (ld.num_running, ld.num_waiting, ld.num_requests_alive, ld.kv_blocks_used) == (0, 0, 0, 0):
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"requests of a cancelled stream still alive: {ld}")
+    assert not any(rd.ended(f"x{i}") or f"x{i}" in rd.outs for i in range(4))
+    expect_error(lambda: stub.Submit(pb.SubmitRequest(stream_id="s2", request=ok_req)),
+                 grpc.StatusCode.FAILED_PRECONDITION, ["s2"])
+    OutputReader(stub, pb, "s2").call.cancel()
+    return rd
 
 
 def main():
@@ -156,6 +334,16 @@ def main():
         info = stub.GetModelInfo(pb.GetModelInfoRequest())
         assert info.vocab_size == 256 and info.max_model_len == 512
         assert not info.supports_text
+
+        rd = check_output_streams(stub, pb, gen)
+        # the server stops with the stream open and a request in flight: UNAVAILABLE
+        stub.Submit(pb.SubmitRequest(stream_id="s1", request=gen("last", [5, 5], temperature=1.0,
+                                                                 max_tokens=450, ignore_eos=True)))
+        rd.wait(lambda: "last" in rd.outs)
+        proc.stdin.close()
+        rd.thread.join(20)
+        assert rd.done and rd.error is not None, "stream not ended by the shutdown"
+        assert rd.error.code() == grpc.StatusCode.UNAVAILABLE, rd.error
         ch.close()
     finally:
         proc.stdin.close()

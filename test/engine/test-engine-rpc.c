@@ -3,7 +3,9 @@
  * reason, usage, MTP statistics, timings, matched stop id); text input and bad fields are
  * INVALID_ARGUMENT naming the field; Abort ends a stream with finish reason abort; a
  * client cancel and a gRPC deadline free the request's KV blocks; a full queue is
- * RESOURCE_EXHAUSTED; GetLoads and GetModelInfo report the engine; stop returns cleanly. */
+ * RESOURCE_EXHAUSTED; GetLoads and GetModelInfo report the engine; an output stream
+ * (OpenOutputs + Submit) carries the same tokens as Generate, batched across requests,
+ * and ends UNAVAILABLE when the service stops; stop returns cleanly. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -95,25 +97,113 @@ static void run_until(bool *flag)
     }
 }
 
+struct greq {
+    Stepd__V1__GenerateRequest req;
+    Stepd__V1__TokenIds ti;
+    Stepd__V1__SamplingParams sp;
+};
+
+static void greq_init(struct greq *g, const char *id, const int32_t *prompt, int n, int max_tokens,
+                      float temp)
+{
+    *g = (struct greq) {
+        .req = STEPD__V1__GENERATE_REQUEST__INIT,
+        .ti = STEPD__V1__TOKEN_IDS__INIT,
+        .sp = STEPD__V1__SAMPLING_PARAMS__INIT,
+    };
+    g->ti.n_ids = (size_t) n;
+    g->ti.ids = (int32_t *) prompt;
+    g->req.request_id = (char *) id;
+    g->req.input_case = STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
+    g->req.token_ids = &g->ti;
+    PB_SET(&g->sp, temperature, temp);
+    PB_SET(&g->sp, max_tokens, max_tokens);
+    if (max_tokens >= 200)
+        PB_SET(&g->sp, ignore_eos, true);  /* long runs must not stop early on EOS */
+    g->req.sampling_params = &g->sp;
+}
+
 static void start_generate(struct rpc_channel *ch, const char *id, const int32_t *prompt, int n,
                            int max_tokens, float temp, int64_t deadline_ms, struct res *r)
 {
-    Stepd__V1__GenerateRequest req = STEPD__V1__GENERATE_REQUEST__INIT;
-    Stepd__V1__TokenIds ti = STEPD__V1__TOKEN_IDS__INIT;
-    Stepd__V1__SamplingParams sp = STEPD__V1__SAMPLING_PARAMS__INIT;
-    ti.n_ids = (size_t) n;
-    ti.ids = (int32_t *) prompt;
-    req.request_id = (char *) id;
-    req.input_case = STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
-    req.token_ids = &ti;
-    PB_SET(&sp, temperature, temp);
-    PB_SET(&sp, max_tokens, max_tokens);
-    if (max_tokens >= 200)
-        PB_SET(&sp, ignore_eos, true);     /* long runs must not stop early on EOS */
-    req.sampling_params = &sp;
-    ASSERT_OK(rpc_client_start(ch, "/stepd.v1.Engine/Generate", &req.base,
+    struct greq g;
+    greq_init(&g, id, prompt, n, max_tokens, temp);
+    ASSERT_OK(rpc_client_start(ch, "/stepd.v1.Engine/Generate", &g.req.base,
                                &stepd__v1__generate_response__descriptor, deadline_ms, on_msg,
                                on_done, r, &r->call));
+}
+
+/* One OpenOutputs stream; its requests are named "o<k>" (k < 4). */
+struct ores {
+    bool done;
+    int status;
+    int n_batches;
+    int n_multi;                      /* batches with outputs of several requests */
+    struct res req[4];
+    struct rpc_client_call *call;
+};
+
+static void on_out_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
+{
+    struct ores *o = ud;
+    ASSERT_TRUE(msg->descriptor == &stepd__v1__output_batch__descriptor);
+    const Stepd__V1__OutputBatch *b = (const void *) msg;
+    o->n_batches++;
+    bool multi = false;
+    for (size_t i = 0; i < b->n_outputs; i++) {
+        const Stepd__V1__EngineOutput *x = b->outputs[i];
+        ASSERT_TRUE(x->request_id[0] == 'o' && x->request_id[1] >= '0' && x->request_id[1] < '4');
+        struct res *r = &o->req[x->request_id[1] - '0'];
+        ASSERT_TRUE(!r->done);
+        multi |= strcmp(x->request_id, b->outputs[0]->request_id) != 0;
+        if (x->kind_case == STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK) {
+            for (size_t j = 0; j < x->chunk->n_token_ids; j++)
+                r->toks[r->n++] = x->chunk->token_ids[j];
+            r->n_chunks++;
+        } else if (x->kind_case == STEPD__V1__ENGINE_OUTPUT__KIND_FINAL) {
+            r->done = r->got_final = true;
+            r->finish_reason = x->final->finish_reason;
+            r->completion_tokens = x->final->usage->completion_tokens;
+            snprintf(r->group, sizeof(r->group), "%s", x->final->group);
+        } else {
+            ASSERT_EQ(x->kind_case, STEPD__V1__ENGINE_OUTPUT__KIND_STATUS);
+            r->done = true;
+            r->status = x->status->code;
+            snprintf(r->details, sizeof(r->details), "%s", x->status->message);
+        }
+    }
+    o->n_multi += multi;
+}
+
+static void on_out_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct ores *o = ud;
+    o->done = true;
+    o->status = status;
+}
+
+static void open_outputs(struct rpc_channel *ch, const char *stream_id, struct ores *o)
+{
+    Stepd__V1__OpenOutputsRequest req = STEPD__V1__OPEN_OUTPUTS_REQUEST__INIT;
+    req.stream_id = (char *) stream_id;
+    ASSERT_OK(rpc_client_start(ch, "/stepd.v1.Engine/OpenOutputs", &req.base,
+                               &stepd__v1__output_batch__descriptor, 0, on_out_msg, on_out_done, o,
+                               &o->call));
+    while (o->n_batches == 0 && !o->done)    /* the open acknowledgement */
+        uv_run(loop, UV_RUN_ONCE);
+    ASSERT_TRUE(!o->done);
+}
+
+static void submit(struct rpc_channel *ch, const char *stream_id, const char *id,
+                   const int32_t *prompt, int n, int max_tokens, float temp, struct res *r)
+{
+    struct greq g;
+    Stepd__V1__SubmitRequest req = STEPD__V1__SUBMIT_REQUEST__INIT;
+    greq_init(&g, id, prompt, n, max_tokens, temp);
+    req.stream_id = (char *) stream_id;
+    req.request = &g.req;
+    ASSERT_OK(rpc_client_start(ch, "/stepd.v1.Engine/Submit", &req.base,
+                               &stepd__v1__submit_response__descriptor, 0, NULL, on_done, r, NULL));
 }
 
 static void unary(struct rpc_channel *ch, const char *path, const ProtobufCMessage *req,
@@ -300,15 +390,49 @@ int main(void)
         ASSERT_EQ(rm.vocab, 256);
         ASSERT_EQ(rm.max_len, 512);
     }
-    /* a stream in flight when the service stops ends with UNAVAILABLE */
+    /* an output stream: Generate's tokens, outputs of several requests per batch; an
+     * unknown stream is FAILED_PRECONDITION */
+    static struct ores os;
     {
-        static struct res r;
+        static struct res sub[4], rbad;
+        open_outputs(ch, "c1", &os);
+        for (int k = 0; k < 4; k++) {
+            char id[4] = { 'o', (char) ('0' + k), 0 };
+            submit(ch, "c1", id, prompt, 12, 30, 0.0f, &sub[k]);
+        }
+        for (int k = 0; k < 4; k++) {
+            run_until(&sub[k].done);
+            ASSERT_EQ(sub[k].status, RPC_OK);
+            run_until(&os.req[k].done);
+            ASSERT_TRUE(os.req[k].got_final);
+            ASSERT_EQ(os.req[k].n, r1.n);
+            ASSERT_EQ(memcmp(os.req[k].toks, r1.toks, (size_t) r1.n * sizeof(int32_t)), 0);
+            ASSERT_EQ(os.req[k].finish_reason, r1.finish_reason);
+            ASSERT_EQ(os.req[k].completion_tokens, (uint32_t) r1.n);
+            ASSERT_STREQ(os.req[k].group, "g0");
+        }
+        ASSERT_TRUE(os.n_multi > 0);
+        submit(ch, "nope", "o0", prompt, 12, 30, 0.0f, &rbad);
+        run_until(&rbad.done);
+        ASSERT_EQ(rbad.status, RPC_FAILED_PRECONDITION);
+        ASSERT_CONTAINS(rbad.details, "stream_id");
+        memset(os.req, 0, sizeof(os.req));
+        wait_idle(e);
+    }
+    /* a stream in flight when the service stops ends with UNAVAILABLE; so does an
+     * output stream, its request aborted */
+    {
+        static struct res r, rs;
         start_generate(ch, "inflight", prompt, 12, 400, 1.0f, 0, &r);
-        while (r.n < 2)
+        submit(ch, "c1", "o1", prompt, 12, 400, 1.0f, &rs);
+        while (r.n < 2 || os.req[1].n < 2)
             uv_run(loop, UV_RUN_ONCE);
         engine_rpc_stop(srv);
         run_until(&r.done);
         ASSERT_TRUE(r.status == RPC_UNAVAILABLE || r.status == RPC_CANCELLED);
+        run_until(&os.done);
+        ASSERT_TRUE(os.status == RPC_UNAVAILABLE || os.status == RPC_CANCELLED);
+        ASSERT_TRUE(!os.req[1].done);
     }
     rpc_channel_destroy(ch);
     rpc_ctx_destroy(ctx);

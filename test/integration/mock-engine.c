@@ -10,12 +10,25 @@
  * aborts, cancels, tokens) go to --stats-file after every change of request state,
  * so tests can prove that a rejected request never reached an engine.
  *
- * --send-log FILE appends one line per finished stream, "<request_id> <t_us>...", the
- * rpc_now_us() time at which each token chunk was handed to gRPC, so that a client
- * on the same host can measure per-token delivery latency (loadgen --send-log).
+ * Output streams: OpenOutputs registers a stream; a request Submit-ed to it is admitted
+ * like a Generate (and counted as one), runs on the same per-request timer, and its
+ * chunks and its Final (or an EngineStatus: DEADLINE_EXCEEDED at the Submit call's
+ * deadline) wait in the stream's pending batch. A uv_check handle sends each stream's
+ * batch once per loop iteration (an idle handle keeps poll from blocking while any is
+ * pending), so the timers due in one iteration share one OutputBatch. Ending the stream
+ * (cancel, shutdown, or RESOURCE_EXHAUSTED when the client stops reading) ends its
+ * requests as cancels. --no-output-streams leaves both methods unregistered
+ * (UNIMPLEMENTED, like an older engine).
+ *
+ * --send-log FILE appends one line per finished request, "<request_id> <t_us>...", the
+ * rpc_now_us() time at which each token was handed to gRPC (for output streams: the
+ * rpc_call_send of the batch that carried it), so that a client on the same host can
+ * measure per-token delivery latency (loadgen --send-log).
  *
  * Fault hooks: --exit-after-tokens N (exit(3) after N tokens in total: "crash"),
- * --stall-file PATH (while it exists no tokens are produced).
+ * --stall-file PATH (while it exists no tokens are produced),
+ * --break-output-streams-after-tokens N (once N tokens were made, end every open output
+ * stream UNAVAILABLE, and with them their requests; the engine stays up).
  *
  * When the session ends with ABORTED (group re-forming) the mock registers again;
  * when it ends otherwise (coordinator gone) the mock exits 0.
@@ -30,11 +43,15 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "err.h"
 #include "log.h"
 #include "pb-util.h"
 #include "rpc.h"
 #include "stepd.pb-c.h"
 #include "control.pb-c.h"
+
+#define OUTPUTS_BUFFER_CAP_BYTES (64u << 20)
+#define STREAM_ID_MAX 128
 
 struct mock {
     uv_loop_t *loop;
@@ -46,28 +63,72 @@ struct mock {
     FILE *send_log;
     unsigned rank, world, vocab, max_model_len, delay_ms, ttft_ms, eos_after;
     uint64_t exit_after_tokens;
+    uint64_t break_streams_after;   /* --break-output-streams-after-tokens (once) */
+    bool streams_broken;
     int port;
     char engine_addr[64];
     char session_id[128];
     uint64_t n_generate, n_abort, n_cancel, n_tokens, n_finished;
+    uint64_t n_submit, n_batches;   /* of n_generate, how many came by Submit; OutputBatches sent */
     unsigned running;
-    struct mstream *streams;
+    struct mstream *streams;        /* every running request, Generate and Submit */
+    struct ostream *ostreams;       /* open output streams */
+    bool no_output_streams;         /* --no-output-streams */
+    uv_check_t flush;               /* sends the pending batches, once per iteration */
+    uv_idle_t flush_soon;           /* active while a batch is pending: poll does not block */
     uv_timer_t reconnect;
     bool quitting;
+    bool srv_down;                  /* the server's shutdown completed */
 };
 
+/* One request: a Generate stream (call) or a request Submit-ed to an output stream (os). */
 struct mstream {
     struct mock *m;
     struct mstream *prev, *next;
-    struct rpc_call *call;
+    struct rpc_call *call;          /* Generate: its stream, NULL once finished; Submit: NULL */
+    struct ostream *os;             /* Submit: where its outputs go; Generate: NULL */
+    struct mstream *next_ended;     /* Submit, ended: on os->ended until the flush after it */
     uv_timer_t timer;
     char id[136];
     int64_t seed;
     uint32_t n_prompt, max_tokens, n_out;
     int64_t t0, t_first;
+    int64_t deadline_ms;            /* Submit: the Submit call's (rpc_now_ms); else INT64_MAX */
     int64_t *t_send;                /* --send-log: per token chunk, rpc_now_us() */
     uint32_t n_send, cap_send;
     bool done;
+};
+
+/* A Final with the messages it points to. */
+struct final_msg {
+    Stepd__V1__Final f;
+    Stepd__V1__Usage u;
+    Stepd__V1__MtpStats mtp;
+    Stepd__V1__Timings t;
+    uint32_t per_pos[3];
+};
+
+/* One output waiting in an output stream's pending batch. Filled by value; the pointers
+ * between its messages are set by pout_link() at the flush, once the array stops moving. */
+struct pout {
+    Stepd__V1__EngineOutput o;
+    Stepd__V1__Chunk ch;
+    struct final_msg fm;
+    Stepd__V1__EngineStatus st;
+    int32_t tok;
+    struct mstream *s;              /* chunk: its request (kept until the flush, --send-log) */
+    char id[136];
+};
+
+struct ostream {
+    struct mock *m;
+    struct ostream *prev, *next;
+    struct rpc_call *call;
+    char id[STREAM_ID_MAX + 1];
+    struct pout *pending;           /* outputs since the last flush */
+    Stepd__V1__EngineOutput **ptrs; /* into pending, built at the flush */
+    size_t n_pending, cap_pending;
+    struct mstream *ended;          /* requests ended since the last flush, freed after it */
 };
 
 static struct mock M;
@@ -79,7 +140,7 @@ static struct mock M;
  * Readers read until two reads agree (stepd_harness.py). */
 static void stats_write(struct mock *m)
 {
-    char buf[256];
+    char buf[320];
 
     if (!m->stats_file)
         return;
@@ -89,8 +150,10 @@ static void stats_write(struct mock *m)
             return;
     }
     int n = snprintf(buf, sizeof(buf), "generate=%020" PRIu64 "\nabort=%020" PRIu64 "\ncancel=%020" PRIu64
-                     "\ntokens=%020" PRIu64 "\nfinished=%020" PRIu64 "\nrunning=%010u\n",
-                     m->n_generate, m->n_abort, m->n_cancel, m->n_tokens, m->n_finished, m->running);
+                     "\ntokens=%020" PRIu64 "\nfinished=%020" PRIu64 "\nrunning=%010u\nsubmit=%020" PRIu64
+                     "\nbatches=%020" PRIu64 "\n",
+                     m->n_generate, m->n_abort, m->n_cancel, m->n_tokens, m->n_finished, m->running,
+                     m->n_submit, m->n_batches);
     if (pwrite(m->stats_fd, buf, (size_t)n, 0) != n)
         fprintf(stderr, "mock-engine: writing %s failed\n", m->stats_file);
 }
@@ -113,6 +176,8 @@ static void send_log_write(struct mock *m, struct mstream *s)
     fflush(m->send_log);
 }
 
+/* Ends s once (its last output, if any, is sent or queued by the caller). A Submit-ed
+ * request stays allocated until its stream's next flush (ended_release), which logs it. */
 static void stream_end(struct mstream *s)
 {
     struct mock *m = s->m;
@@ -128,65 +193,325 @@ static void stream_end(struct mstream *s)
         s->next->prev = s->prev;
     m->running--;
     m->n_finished++;
-    send_log_write(m, s);
+    if (s->os) {
+        s->next_ended = s->os->ended;
+        s->os->ended = s;
+    } else {
+        send_log_write(m, s);
+        uv_close((uv_handle_t *)&s->timer, stream_closed);
+    }
     stats_write(m);
-    uv_close((uv_handle_t *)&s->timer, stream_closed);
 }
 
+static void final_link(struct final_msg *fm)
+{
+    fm->mtp.accepted_per_position = fm->per_pos;
+    fm->f.usage = &fm->u;
+    fm->f.mtp = &fm->mtp;
+    fm->f.timings = &fm->t;
+}
+
+/* The Final of s into fm; message must outlive fm (a string constant). */
+static void final_fill(struct final_msg *fm, const struct mstream *s, int reason, const char *message)
+{
+    *fm = (struct final_msg){
+        .f = STEPD__V1__FINAL__INIT, .u = STEPD__V1__USAGE__INIT,
+        .mtp = STEPD__V1__MTP_STATS__INIT, .t = STEPD__V1__TIMINGS__INIT,
+    };
+    fm->u.prompt_tokens = s->n_prompt;
+    fm->u.completion_tokens = s->n_out;
+    fm->mtp.num_drafts = s->n_out / 2;
+    fm->mtp.num_draft_tokens = fm->mtp.num_drafts * 3;
+    fm->per_pos[0] = fm->mtp.num_drafts;
+    fm->per_pos[1] = fm->mtp.num_drafts / 2;
+    fm->per_pos[2] = fm->mtp.num_drafts / 4;
+    fm->mtp.num_accepted_tokens = fm->per_pos[0] + fm->per_pos[1] + fm->per_pos[2];
+    fm->mtp.n_accepted_per_position = 3;
+    fm->t.prefill_s = s->t_first ? (double)(s->t_first - s->t0) / 1000.0 : 0;
+    fm->f.finish_reason = reason;
+    fm->f.message = (char *)message;
+    fm->f.request_id = (char *)s->id;
+    final_link(fm);
+}
+
+/* Generate: the Final, then the stream's OK status. */
 static void send_final(struct mstream *s, int reason, const char *message)
 {
     Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
-    Stepd__V1__Final f = STEPD__V1__FINAL__INIT;
-    Stepd__V1__Usage u = STEPD__V1__USAGE__INIT;
-    Stepd__V1__MtpStats mtp = STEPD__V1__MTP_STATS__INIT;
-    Stepd__V1__Timings t = STEPD__V1__TIMINGS__INIT;
-    uint32_t per_pos[3];
+    struct final_msg fm;
 
-    u.prompt_tokens = s->n_prompt;
-    u.completion_tokens = s->n_out;
-    mtp.num_drafts = s->n_out / 2;
-    mtp.num_draft_tokens = mtp.num_drafts * 3;
-    per_pos[0] = mtp.num_drafts;
-    per_pos[1] = mtp.num_drafts / 2;
-    per_pos[2] = mtp.num_drafts / 4;
-    mtp.num_accepted_tokens = per_pos[0] + per_pos[1] + per_pos[2];
-    mtp.n_accepted_per_position = 3;
-    mtp.accepted_per_position = per_pos;
-    t.prefill_s = s->t_first ? (double)(s->t_first - s->t0) / 1000.0 : 0;
-    f.finish_reason = reason;
-    f.message = (char *)message;
-    f.usage = &u;
-    f.mtp = &mtp;
-    f.timings = &t;
-    f.request_id = s->id;
+    final_fill(&fm, s, reason, message);
     resp.request_id = s->id;
     resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
-    resp.final = &f;
+    resp.final = &fm.f;
     rpc_call_send(s->call, &resp.base);
     rpc_call_finish(s->call, RPC_OK, NULL);
     s->call = NULL;
 }
+
+/* Generate: one token chunk. <0 when the stream is gone. */
+static int send_chunk(struct mstream *s, int32_t tok)
+{
+    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
+    Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
+
+    ch.n_token_ids = 1;
+    ch.token_ids = &tok;
+    resp.request_id = s->id;
+    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
+    resp.chunk = &ch;
+    if (s->m->send_log && s->n_send < s->cap_send)
+        s->t_send[s->n_send++] = rpc_now_us();
+    return rpc_call_send(s->call, &resp.base);
+}
+
+/* ------------------------------------------------------------------ output streams */
+
+static void flush_soon_cb(uv_idle_t *h)
+{
+}
+
+/* A new entry at the end of the pending batch of s's output stream. */
+static struct pout *pout_add(struct mstream *s, int kind)
+{
+    struct ostream *os = s->os;
+
+    if (os->n_pending == os->cap_pending) {
+        size_t cap = os->cap_pending ? 2 * os->cap_pending : 64;
+        struct pout *p = realloc(os->pending, cap * sizeof(*p));
+        Stepd__V1__EngineOutput **pp = p ? realloc(os->ptrs, cap * sizeof(*pp)) : NULL;
+        if (p)
+            os->pending = p;
+        if (!pp) {
+            fprintf(stderr, "mock-engine: out of memory for %zu outputs\n", cap);
+            abort();
+        }
+        os->ptrs = pp;
+        os->cap_pending = cap;
+    }
+    struct pout *p = &os->pending[os->n_pending++];
+    p->o = (Stepd__V1__EngineOutput)STEPD__V1__ENGINE_OUTPUT__INIT;
+    p->o.kind_case = kind;
+    p->s = NULL;
+    memcpy(p->id, s->id, sizeof(p->id));
+    (void) uv_idle_start(&s->m->flush_soon, flush_soon_cb);
+    return p;
+}
+
+static void pout_chunk(struct mstream *s, int32_t tok)
+{
+    struct pout *p = pout_add(s, STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK);
+    p->ch = (Stepd__V1__Chunk)STEPD__V1__CHUNK__INIT;
+    p->tok = tok;
+    p->s = s;
+}
+
+static void pout_final(struct mstream *s, int reason, const char *message)
+{
+    struct pout *p = pout_add(s, STEPD__V1__ENGINE_OUTPUT__KIND_FINAL);
+    final_fill(&p->fm, s, reason, message);
+}
+
+static void pout_status(struct mstream *s, int code, const char *message)
+{
+    struct pout *p = pout_add(s, STEPD__V1__ENGINE_OUTPUT__KIND_STATUS);
+    p->st = (Stepd__V1__EngineStatus)STEPD__V1__ENGINE_STATUS__INIT;
+    p->st.code = code;
+    p->st.message = (char *)message;
+}
+
+static void pout_link(struct pout *p)
+{
+    p->o.request_id = p->id;
+    switch (p->o.kind_case) {
+    case STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK:
+        p->ch.n_token_ids = 1;
+        p->ch.token_ids = &p->tok;
+        p->o.chunk = &p->ch;
+        break;
+    case STEPD__V1__ENGINE_OUTPUT__KIND_FINAL:
+        final_link(&p->fm);
+        p->fm.f.request_id = p->id;
+        p->o.final = &p->fm.f;
+        break;
+    case STEPD__V1__ENGINE_OUTPUT__KIND_STATUS:
+        p->o.status = &p->st;
+        break;
+    default:
+        BUG_ON(1);
+    }
+}
+
+/* A request's end: its Final, on whichever kind of stream it has. */
+static void request_final(struct mstream *s, int reason, const char *message)
+{
+    if (s->os)
+        pout_final(s, reason, message);
+    else if (s->call)
+        send_final(s, reason, message);
+}
+
+/* Logs and frees the requests of os that ended before this point. */
+static void ended_release(struct ostream *os)
+{
+    struct mstream *s;
+
+    while ((s = os->ended)) {
+        os->ended = s->next_ended;
+        send_log_write(os->m, s);
+        uv_close((uv_handle_t *)&s->timer, stream_closed);
+    }
+}
+
+static struct ostream *ostream_find(struct mock *m, const char *id)
+{
+    for (struct ostream *os = m->ostreams; os; os = os->next)
+        if (strcmp(os->id, id) == 0)
+            return os;
+    return NULL;
+}
+
+/* Ends os with status (reset: at once, dropping queued batches, for a client that stopped
+ * reading) and every request submitted to it, counted as cancels; frees os. */
+static void ostream_close(struct ostream *os, int status, const char *msg, bool reset)
+{
+    struct mock *m = os->m;
+
+    os->n_pending = 0;
+    for (struct mstream *s = m->streams, *next; s; s = next) {
+        next = s->next;
+        if (s->os == os) {
+            m->n_cancel++;
+            stream_end(s);
+        }
+    }
+    ended_release(os);
+    if (os->prev)
+        os->prev->next = os->next;
+    else
+        m->ostreams = os->next;
+    if (os->next)
+        os->next->prev = os->prev;
+    rpc_call_on_cancel(os->call, NULL, NULL);
+    if (reset)
+        rpc_call_abort(os->call, status, msg);
+    else
+        rpc_call_finish(os->call, status, "%s", msg);
+    free(os->pending);
+    free(os->ptrs);
+    free(os);
+}
+
+/* Sends the pending batch of os, if any, as one OutputBatch. */
+static void ostream_flush(struct ostream *os)
+{
+    Stepd__V1__OutputBatch b = STEPD__V1__OUTPUT_BATCH__INIT;
+    struct mock *m = os->m;
+
+    if (!os->n_pending)
+        return;
+    for (size_t i = 0; i < os->n_pending; i++) {
+        pout_link(&os->pending[i]);
+        os->ptrs[i] = &os->pending[i].o;
+    }
+    b.n_outputs = os->n_pending;
+    b.outputs = os->ptrs;
+    int64_t t_us = rpc_now_us();
+    int e = rpc_call_send(os->call, &b.base);
+    if (e == 0)
+        m->n_batches++;
+    for (size_t i = 0; i < os->n_pending && m->send_log && e == 0; i++) {
+        struct mstream *s = os->pending[i].s;
+        if (s && s->n_send < s->cap_send)
+            s->t_send[s->n_send++] = t_us;
+    }
+    os->n_pending = 0;
+    ended_release(os);
+    if (e == -ENOBUFS) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "client is not reading its output stream (%zu bytes buffered, cap reached)",
+                 rpc_call_queued_bytes(os->call));
+        ostream_close(os, RPC_RESOURCE_EXHAUSTED, msg, true);
+    } else if (e < 0) {
+        ostream_close(os, RPC_CANCELLED, "stream gone", false);
+    }
+}
+
+static void flush_cb(uv_check_t *h)
+{
+    struct mock *m = h->data;
+
+    for (struct ostream *os = m->ostreams, *next; os; os = next) {
+        next = os->next;
+        ostream_flush(os);
+    }
+    (void) uv_idle_stop(&m->flush_soon);
+}
+
+static void on_outputs_cancel(struct rpc_call *call, void *ud)
+{
+    struct ostream *os = ud;
+    if (os->m->quitting)
+        ostream_close(os, RPC_UNAVAILABLE, "engine shutting down", false);
+    else
+        ostream_close(os, RPC_CANCELLED, "cancelled", false);
+}
+
+static void h_open_outputs(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct mock *m = ud;
+    const Stepd__V1__OpenOutputsRequest *r = (const void *)msg;
+    Stepd__V1__OutputBatch b = STEPD__V1__OUTPUT_BATCH__INIT;
+    size_t len = strlen(r->stream_id);
+    struct ostream *os;
+
+    if (len == 0 || len > STREAM_ID_MAX) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "stream_id: must be 1..%d bytes, not %zu",
+                        STREAM_ID_MAX, len);
+        return;
+    }
+    if (ostream_find(m, r->stream_id)) {
+        rpc_call_finish(call, RPC_ALREADY_EXISTS, "stream_id: output stream %s is already open", r->stream_id);
+        return;
+    }
+    os = calloc(1, sizeof(*os));
+    if (!os) {
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    os->m = m;
+    os->call = call;
+    memcpy(os->id, r->stream_id, len + 1);
+    os->next = m->ostreams;
+    if (m->ostreams)
+        m->ostreams->prev = os;
+    m->ostreams = os;
+    rpc_call_set_buffer_cap(call, OUTPUTS_BUFFER_CAP_BYTES);
+    rpc_call_on_cancel(call, on_outputs_cancel, os);
+    rpc_call_send(call, &b.base);
+}
+
+/* ------------------------------------------------------------------ requests */
 
 static void tick(uv_timer_t *t)
 {
     struct mstream *s = t->data;
     struct mock *m = s->m;
 
+    if (s->deadline_ms != INT64_MAX && rpc_now_ms() >= s->deadline_ms) {
+        m->n_cancel++;
+        pout_status(s, RPC_DEADLINE_EXCEEDED, "deadline exceeded");
+        stream_end(s);
+        return;
+    }
     if (m->stall_file && access(m->stall_file, F_OK) == 0)
         return;
-    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
-    Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
     int32_t tok = (int32_t)(((uint64_t)s->seed + 7ull * s->n_out + 1) % m->vocab);
-    ch.n_token_ids = 1;
-    ch.token_ids = &tok;
-    resp.request_id = s->id;
-    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
-    resp.chunk = &ch;
     if (!s->t_first)
         s->t_first = rpc_now_ms();
-    if (m->send_log && s->n_send < s->cap_send)
-        s->t_send[s->n_send++] = rpc_now_us();
-    if (rpc_call_send(s->call, &resp.base) < 0) {
+    if (s->os) {
+        pout_chunk(s, tok);
+    } else if (send_chunk(s, tok) < 0) {
         rpc_call_finish(s->call, RPC_CANCELLED, "stream gone");
         s->call = NULL;
         stream_end(s);
@@ -200,38 +525,44 @@ static void tick(uv_timer_t *t)
         _exit(3);
     }
     if (m->eos_after && s->n_out >= m->eos_after) {
-        send_final(s, STEPD__V1__FINISH_REASON__FINISH_REASON_STOP, "eos");
+        request_final(s, STEPD__V1__FINISH_REASON__FINISH_REASON_STOP, "eos");
         stream_end(s);
     } else if (s->n_out >= s->max_tokens) {
-        send_final(s, STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH, "");
+        request_final(s, STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH, "");
         stream_end(s);
+    }
+    if (m->break_streams_after && !m->streams_broken && m->n_tokens >= m->break_streams_after) {
+        /* the engine stays up; only its output streams fail (their requests with them) */
+        m->streams_broken = true;
+        fprintf(stderr, "mock-engine: fault hook: breaking the output streams after %" PRIu64 " tokens\n",
+                m->n_tokens);
+        while (m->ostreams)
+            ostream_close(m->ostreams, RPC_UNAVAILABLE, "output stream broken by a fault hook", true);
+        stats_write(m);
     }
 }
 
-static void on_stream_cancel(struct rpc_call *call, void *ud)
+/* Admission, shared by Generate and Submit: counts a generate call and checks the input.
+ * RPC_OK with *ret (running, its timer not started: request_run()), else the status to
+ * end the call with and *ret_msg. */
+static int request_new(struct mock *m, const Stepd__V1__GenerateRequest *r, struct mstream **ret,
+                       const char **ret_msg)
 {
-    struct mstream *s = ud;
-    s->m->n_cancel++;
-    rpc_call_finish(call, RPC_CANCELLED, "cancelled");
-    s->call = NULL;
-    stream_end(s);
-}
-
-static void h_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
-{
-    struct mock *m = ud;
-    const Stepd__V1__GenerateRequest *r = (const void *)msg;
     struct mstream *s;
 
     m->n_generate++;
     if (r->input_case != STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS || r->token_ids->n_ids == 0) {
         stats_write(m);
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "input: the engine takes token_ids only");
-        return;
+        *ret_msg = "input: the engine takes token_ids only";
+        return RPC_INVALID_ARGUMENT;
     }
     s = calloc(1, sizeof(*s));
+    if (!s) {
+        stats_write(m);
+        *ret_msg = "out of memory";
+        return RPC_RESOURCE_EXHAUSTED;
+    }
     s->m = m;
-    s->call = call;
     snprintf(s->id, sizeof(s->id), "%s", r->request_id);
     for (size_t i = 0; i < r->token_ids->n_ids; i++)
         s->seed += r->token_ids->ids[i];
@@ -239,6 +570,7 @@ static void h_generate(struct rpc_call *call, const ProtobufCMessage *msg, void 
     s->max_tokens = r->sampling_params && PB_HAS(r->sampling_params, max_tokens)
                         ? (uint32_t)r->sampling_params->max_tokens : 16;
     s->t0 = rpc_now_ms();
+    s->deadline_ms = INT64_MAX;
     if (m->send_log) {
         s->cap_send = s->max_tokens < 65536 ? s->max_tokens : 65536;
         s->t_send = malloc(s->cap_send * sizeof(*s->t_send));
@@ -253,8 +585,80 @@ static void h_generate(struct rpc_call *call, const ProtobufCMessage *msg, void 
     m->streams = s;
     m->running++;
     stats_write(m);
+    *ret = s;
+    return RPC_OK;
+}
+
+/* Starts the token timer of s: the first tick after --ttft-ms, or at its deadline when
+ * that comes first. */
+static void request_run(struct mstream *s)
+{
+    struct mock *m = s->m;
+    uint64_t first = m->ttft_ms ? m->ttft_ms : m->delay_ms;
+
+    if (s->deadline_ms != INT64_MAX) {
+        int64_t left = s->deadline_ms - rpc_now_ms();
+        if (left < (int64_t)first)
+            first = left > 0 ? (uint64_t)left : 0;
+    }
+    uv_timer_start(&s->timer, tick, first, m->delay_ms ? m->delay_ms : 1);
+}
+
+static void on_stream_cancel(struct rpc_call *call, void *ud)
+{
+    struct mstream *s = ud;
+    s->m->n_cancel++;
+    rpc_call_finish(call, RPC_CANCELLED, "cancelled");
+    s->call = NULL;
+    stream_end(s);
+}
+
+static void h_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct mock *m = ud;
+    struct mstream *s;
+    const char *err;
+
+    int status = request_new(m, (const void *)msg, &s, &err);
+    if (status != RPC_OK) {
+        rpc_call_finish(call, status, "%s", err);
+        return;
+    }
+    s->call = call;
     rpc_call_on_cancel(call, on_stream_cancel, s);
-    uv_timer_start(&s->timer, tick, m->ttft_ms ? m->ttft_ms : m->delay_ms, m->delay_ms ? m->delay_ms : 1);
+    request_run(s);
+}
+
+static void h_submit(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
+{
+    struct mock *m = ud;
+    const Stepd__V1__SubmitRequest *r = (const void *)msg;
+    Stepd__V1__SubmitResponse resp = STEPD__V1__SUBMIT_RESPONSE__INIT;
+    struct ostream *os;
+    struct mstream *s;
+    const char *err;
+
+    if (!r->request || !r->request->request_id[0] || strlen(r->request->request_id) > 128) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request.request_id: required, at most 128 bytes");
+        return;
+    }
+    os = ostream_find(m, r->stream_id);
+    if (!os) {
+        rpc_call_finish(call, RPC_FAILED_PRECONDITION, "stream_id: no output stream \"%.128s\" is open",
+                        r->stream_id);
+        return;
+    }
+    int status = request_new(m, r->request, &s, &err);
+    if (status != RPC_OK) {
+        rpc_call_finish(call, status, "%s", err);
+        return;
+    }
+    s->os = os;
+    s->deadline_ms = rpc_call_deadline_ms(call);
+    m->n_submit++;
+    request_run(s);
+    rpc_call_send(call, &resp.base);
+    rpc_call_finish(call, RPC_OK, NULL);
 }
 
 static void h_abort(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
@@ -267,10 +671,9 @@ static void h_abort(struct rpc_call *call, const ProtobufCMessage *msg, void *ud
         m->n_abort++;
         for (struct mstream *s = m->streams; s; s = s->next) {
             if (strcmp(s->id, r->request_ids[i]) == 0) {
-                if (s->call) {
+                if (s->call)
                     rpc_call_on_cancel(s->call, NULL, NULL);
-                    send_final(s, STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT, "aborted");
-                }
+                request_final(s, STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT, "aborted");
                 stream_end(s);
                 resp.aborted++;
                 break;
@@ -421,11 +824,12 @@ static void session_start(struct mock *m)
                      0, session_msg, session_done, m, NULL);
 }
 
+/* rpc_server_shutdown's on_done: the server is destroyed after uv_run returns, not here,
+ * since the rest of this batch of events may still reference its calls. */
 static void srv_down(void *ud)
 {
     struct mock *m = ud;
-    rpc_server_destroy(m->srv);
-    m->srv = NULL;
+    m->srv_down = true;
     uv_stop(m->loop);
 }
 
@@ -461,6 +865,8 @@ int main(int argc, char **argv)
         { "max-model-len", required_argument, NULL, 'L' }, { "stats-file", required_argument, NULL, 's' },
         { "exit-after-tokens", required_argument, NULL, 'x' }, { "eos-after", required_argument, NULL, 'e' },
         { "stall-file", required_argument, NULL, 'S' }, { "send-log", required_argument, NULL, 'T' },
+        { "no-output-streams", no_argument, NULL, 'O' },
+        { "break-output-streams-after-tokens", required_argument, NULL, 'B' },
         { NULL, 0, NULL, 0 },
     };
     struct mock *m = &M;
@@ -489,6 +895,8 @@ int main(int argc, char **argv)
         case 'x': m->exit_after_tokens = strtoull(optarg, NULL, 10); break;
         case 'e': m->eos_after = (unsigned)atoi(optarg); break;
         case 'S': m->stall_file = optarg; break;
+        case 'O': m->no_output_streams = true; break;
+        case 'B': m->break_streams_after = strtoull(optarg, NULL, 10); break;
         case 'T':
             m->send_log = fopen(optarg, "a");
             if (!m->send_log) {
@@ -509,6 +917,12 @@ int main(int argc, char **argv)
         return 1;
     uv_timer_init(m->loop, &m->reconnect);
     m->reconnect.data = m;
+    uv_check_init(m->loop, &m->flush);
+    m->flush.data = m;
+    uv_check_start(&m->flush, flush_cb);
+    uv_unref((uv_handle_t *)&m->flush);
+    uv_idle_init(m->loop, &m->flush_soon);
+    uv_unref((uv_handle_t *)&m->flush_soon);
     if (m->rank == 0) {
         struct rpc_server_opts so = { 0 };
         struct rpc_method ms[] = {
@@ -517,10 +931,15 @@ int main(int argc, char **argv)
             { "/stepd.v1.Engine/GetLoads", &stepd__v1__get_loads_request__descriptor, false, false, h_loads, m },
             { "/stepd.v1.Engine/GetModelInfo", &stepd__v1__get_model_info_request__descriptor, false, false,
               h_model_info, m },
+            /* last: --no-output-streams leaves these two out */
+            { "/stepd.v1.Engine/OpenOutputs", &stepd__v1__open_outputs_request__descriptor, true, false,
+              h_open_outputs, m },
+            { "/stepd.v1.Engine/Submit", &stepd__v1__submit_request__descriptor, false, false, h_submit, m },
         };
+        size_t n_ms = ARRAY_SIZE(ms) - (m->no_output_streams ? 2 : 0);
         if (rpc_server_create(m->rpc, &so, &m->srv) < 0)
             return 1;
-        for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
+        for (size_t i = 0; i < n_ms; i++)
             rpc_server_add_method(m->srv, &ms[i]);
         if (rpc_server_listen(m->srv, m->listen, &m->port) < 0)
             return 1;
@@ -537,6 +956,8 @@ int main(int argc, char **argv)
     stats_write(m);
     session_start(m);
     uv_run(m->loop, UV_RUN_DEFAULT);
+    if (m->srv_down)
+        rpc_server_destroy(m->srv);
     /* exit without a full teardown: the test harness only needs a clean exit code */
     stats_write(m);
     fprintf(stderr, "mock-engine %s/%u: exit (generate=%" PRIu64 ")\n", m->group, m->rank, m->n_generate);

@@ -9,6 +9,7 @@ Environment (set by meson): STEPD_BIN, MOCK_ENGINE_BIN, PROTO_DIR, TOKENIZER_JSO
 import atexit
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,8 @@ except ImportError as _e:  # the client library is a test dependency (pip grpcio
 PROTO_DIR = os.environ.get("PROTO_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "proto"))
 STEPD_BIN = os.environ.get("STEPD_BIN", "build/daemon/stepd")
 MOCK_BIN = os.environ.get("MOCK_ENGINE_BIN", "build/test/integration/mock-engine")
+# extra mock-engine flags for a whole run (coord-grpcio-generate-path: --no-output-streams)
+MOCK_ARGS = shlex.split(os.environ.get("MOCK_ENGINE_ARGS", ""))
 TOKENIZER = os.environ.get("TOKENIZER_JSON", "")
 
 _stub_dir = tempfile.mkdtemp(prefix="stepd-stubs-")
@@ -108,7 +111,7 @@ class Stepd:
         stats = os.path.join(self.workdir, "%s-r%d.stats" % (group, rank))
         log = open(os.path.join(self.workdir, "%s-r%d.log" % (group, rank)), "w")
         cmd = [MOCK_BIN, "--coordinator", "127.0.0.1:%d" % self.ports["control"], "--group", group,
-               "--rank", str(rank), "--world", str(world), "--stats-file", stats, *args]
+               "--rank", str(rank), "--world", str(world), "--stats-file", stats, *MOCK_ARGS, *args]
         e = dict(os.environ)
         e.pop("STEPD_CONTROL_KEY", None)
         if env:
@@ -257,7 +260,11 @@ def sanitized(path):
 
 
 def run_tests(tests):
-    """Run (name, fn) pairs; print one line each; exit 1 on any failure."""
+    """Run (name, fn) pairs; print one line each; exit 1 on any failure.
+    STEPD_TEST_ONLY=name,name runs only those."""
+    only = [n for n in os.environ.get("STEPD_TEST_ONLY", "").split(",") if n]
+    if only:
+        tests = [t for t in tests if t[0] in only]
     failed = 0
     t_all = time.time()
     for name, fn in tests:

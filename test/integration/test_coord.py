@@ -17,8 +17,8 @@ import time
 
 import grpc
 
-from stepd_harness import (NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect, expected_tokens,
-                           gen_request, hpb, pb, run_tests, sanitized, wait_until)
+from stepd_harness import (MOCK_ARGS, NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect,
+                           expected_tokens, gen_request, hpb, pb, run_tests, sanitized, wait_until)
 
 OK = grpc.StatusCode.OK
 
@@ -112,6 +112,98 @@ def test_cancel_and_deadline():
     assert eng.stats()["abort"] <= 2, eng.stats()
     groups = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2)
     assert groups.groups[0].counters.in_flight == 0, groups
+    assert s.stop() == 0
+
+
+# ---------------------------------------------------------------- engine output streams
+
+def _run_parallel(s, reqs, timeout=30):
+    out = [None] * len(reqs)
+
+    def one(i):
+        try:
+            out[i] = (OK, collect(s.inf.Generate(reqs[i], timeout=timeout)), "")
+        except grpc.RpcError as e:
+            out[i] = (e.code(), None, e.details())
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def test_output_streams():
+    # The coordinator submits to the engine's output stream (one OutputBatch per engine
+    # step for all requests) and falls back to one Generate call per request for an
+    # engine without it (coord-grpcio-generate-path runs this file with
+    # --no-output-streams). Both give the same results.
+    generate_path = "--no-output-streams" in MOCK_ARGS
+    s = Stepd()
+    eng = s.start_engine("g0", "--delay-ms", "5", "--break-output-streams-after-tokens", "300")
+    s.wait_ready()
+    prompts = [[i + 1, 2 * i + 3] for i in range(8)]
+    res = _run_parallel(s, [gen_request(p, 20, request_id="os-%d" % i) for i, p in enumerate(prompts)])
+    for p, (code, got, det) in zip(prompts, res):
+        assert code == OK, (code, det)
+        toks, _, finals, _ = got
+        assert toks == expected_tokens(p, 20), (p, toks)
+        assert len(finals) == 1 and finals[0].finish_reason == pb.FINISH_REASON_LENGTH, finals
+    st = eng.stats()
+    assert st["generate"] == 8 and st["tokens"] == 160, st
+    if generate_path:
+        assert st["submit"] == 0 and st["batches"] == 0, st
+    else:
+        # 160 token chunks and 8 finals came in far fewer messages
+        assert st["submit"] == 8 and 0 < st["batches"] <= 84, st
+    print("   8 x 20 tokens: engine calls %d, by Submit %d, output batches %d"
+          % (st["generate"], st["submit"], st["batches"]))
+
+    # The engine's output streams fail (the engine stays up): what was on them ends
+    # UNAVAILABLE naming the group, nothing is left in flight, and the next requests
+    # are served (by Generate while the stream backs off, then on a new stream).
+    res = _run_parallel(s, [gen_request([5, i], 200, request_id="br-%d" % i) for i in range(4)])
+    codes = sorted(set(r[0] for r in res), key=str)
+    if generate_path:
+        assert codes == [OK], res
+    else:
+        assert codes == [grpc.StatusCode.UNAVAILABLE], res
+        for _, _, det in res:
+            assert "g0" in det and "output stream" in det, det
+    wait_until(lambda: s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0].counters.in_flight == 0,
+               what="nothing in flight after the output streams broke")
+    wait_until(lambda: eng.stats()["running"] == 0, what="engine idle")
+    toks, _, finals, _ = collect(s.inf.Generate(gen_request([9, 9], 10), timeout=10))
+    assert toks == expected_tokens([9, 9], 10) and len(finals) == 1
+    n_submit = eng.stats()["submit"]
+    time.sleep(1.6)     # past the coordinator's back-off (1 s) and a loads poll: a new stream is open
+    toks, _, finals, _ = collect(s.inf.Generate(gen_request([9, 8], 10), timeout=10))
+    assert toks == expected_tokens([9, 8], 10) and len(finals) == 1
+    if not generate_path:
+        assert eng.stats()["submit"] == n_submit + 1, eng.stats()
+    assert s.stop() == 0
+
+
+def test_engine_ignores_deadline():
+    # An engine that stops answering (SIGSTOP, shorter than the worker timeout) must not
+    # keep a request alive in the coordinator past its deadline: a Generate call has its
+    # own gRPC deadline, a request on an output stream is swept about a second after it.
+    s = Stepd("--worker-timeout-ms", "20000")
+    eng = s.start_engine("g0", "--delay-ms", "5")
+    s.wait_ready()
+    collect(s.inf.Generate(gen_request([1], 4), timeout=10))    # the output stream is open
+    st = s.inf.Generate(gen_request([2], 2000), timeout=1.0)
+    next(st)
+    eng.proc.send_signal(signal.SIGSTOP)
+    try:
+        c, d = code_of(lambda: collect(st))
+        assert c == grpc.StatusCode.DEADLINE_EXCEEDED, (c, d)
+        t0 = time.time()
+        wait_until(lambda: s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0].counters.in_flight == 0,
+                   timeout=4.0, what="the request released while the engine is stopped")
+        print("   request released %.2f s after its deadline, engine still stopped" % (time.time() - t0))
+    finally:
+        eng.proc.send_signal(signal.SIGCONT)
     assert s.stop() == 0
 
 
@@ -847,6 +939,8 @@ if __name__ == "__main__":
     run_tests([
         ("unary_and_stream", test_unary_and_stream),
         ("cancel_and_deadline", test_cancel_and_deadline),
+        ("output_streams", test_output_streams),
+        ("engine_ignores_deadline", test_engine_ignores_deadline),
         ("health_and_failover", test_health_and_failover),
         ("group_of_two_ranks", test_group_of_two_ranks),
         ("hung_worker", test_hung_worker),

@@ -127,6 +127,8 @@ def bench_load(a):
         print("   after a second round: %s (RSS %+d KiB vs the first idle point)" % (
             after2, after2["rss_kib"] - after["rss_kib"]))
     gen = sum(e.stats().get("generate", 0) for e in engines)
+    submits = sum(e.stats().get("submit", 0) for e in engines)
+    batches = sum(e.stats().get("batches", 0) for e in engines)
     # the rig's own floor: the same streams straight to the two mock engines (one
     # loadgen, streams split between them), no stepd
     eaddrs = ",".join(g.engine_address for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups)
@@ -153,10 +155,10 @@ def bench_load(a):
             len(lat), 1000 * lat[len(lat) // 2], 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
             len(bad_probe)))
     print("RESULT load: %d/%d OK, ttft p50 %.1f ms p99 %.1f ms (p99 - p50 = %.1f ms), itl p50 %.2f ms p99 %.2f ms"
-          " (without stepd %.2f / %.2f ms), engine generate calls %d, rss ratio %.3f, fds %+d, threads %+d"
-          " (%+d after idling longer)" % (
+          " (without stepd %.2f / %.2f ms), engine requests %d (%d by Submit, outputs in %d batches),"
+          " rss ratio %.3f, fds %+d, threads %+d (%+d after idling longer)" % (
               r["ok"], a.streams, r["ttft_p50_ms"], r["ttft_p99_ms"], r["ttft_p99_ms"] - r["ttft_p50_ms"],
-              r["itl_p50_ms"], r["itl_p99_ms"], floor["itl_p50_ms"], floor["itl_p99_ms"], gen,
+              r["itl_p50_ms"], r["itl_p99_ms"], floor["itl_p50_ms"], floor["itl_p99_ms"], gen, submits, batches,
               after["rss_kib"] / before["rss_kib"],
               after["fds"] - before["fds"], after["threads"] - before["threads"], threads_back - before["threads"]))
     # functional, not timing: heap freed after the load goes back to the system once

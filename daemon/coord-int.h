@@ -38,6 +38,19 @@ struct coord;
 struct group;
 struct req;
 
+#define COORD_FNV_SEED 1469598103934665603ull
+
+/* FNV-1a over n bytes from h (COORD_FNV_SEED to start): prefix affinity, request ids. */
+static inline uint64_t coord_fnv1a(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *s = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= s[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
 /* ------------------------------------------------------------------ metrics */
 
 #define METRICS_MAX_BUCKETS 24
@@ -201,8 +214,7 @@ struct req {
     struct engine_conn *eng;
     struct rpc_client_call *ecall;  /* Generate, or Submit while it is in flight */
     struct req *onext;              /* eng->out_tab chain */
-    struct engine_conn *submit_eng; /* the ref the Submit call in flight holds */
-    bool on_stream;                 /* submitted: outputs come on eng's output stream */
+    struct engine_conn *submit_eng; /* while Submit is in flight (ecall): the ref it holds */
     bool in_out_tab;
     bool abort_pending;             /* Abort wanted while Submit was in flight */
     bool abort_sent;

@@ -304,7 +304,7 @@ static void req_send_abort(struct req *r)
 
     if (r->abort_sent || r->engine_done || !r->eng)
         return;
-    if (r->on_stream && r->ecall) {
+    if (r->submit_eng) {
         /* Submit still in flight: an Abort could overtake it and find nothing */
         r->abort_pending = true;
         return;
@@ -327,7 +327,7 @@ static void req_send_abort(struct req *r)
 static void req_stop_engine(struct req *r)
 {
     req_send_abort(r);
-    if (r->ecall && !r->on_stream)
+    if (r->ecall && !r->submit_eng)     /* a Generate call (a Submit is left to finish) */
         rpc_client_cancel(r->ecall);
 }
 
@@ -797,11 +797,9 @@ static void on_engine_done(struct rpc_client_call *c, int status, const char *de
 
 /* ------------------------------------------------------------------ engine output stream */
 
-static size_t out_hash(const char *s)
+static size_t out_hash(const char *id)
 {
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    uint64_t h = coord_fnv1a(id, strlen(id), COORD_FNV_SEED);
     return (size_t)(h ^ (h >> 32));
 }
 
@@ -1038,14 +1036,12 @@ static int req_dispatch_one(struct req *r)
         Stepd__V1__SubmitRequest sr = STEPD__V1__SUBMIT_REQUEST__INIT;
         sr.stream_id = ec->out_id;
         sr.request = &er;
-        r->on_stream = true;
         r->submit_eng = ec;
         ec->refs++;
         e = rpc_client_start(ec->ch, ENGINE_SUBMIT, &sr.base, &stepd__v1__submit_response__descriptor,
                              r->deadline_ms, NULL, on_submit_done, r, &r->ecall);
         if (e < 0) {
             out_remove(ec, r);
-            r->on_stream = false;
             r->submit_eng = NULL;
             ec->refs--;
         }

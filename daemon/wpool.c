@@ -728,15 +728,6 @@ void wpool_poll_loads(struct coord *co)
 
 /* ------------------------------------------------------------------ routing */
 
-static uint64_t fnv1a(const void *p, size_t n, uint64_t h)
-{
-    const unsigned char *s = p;
-    for (size_t i = 0; i < n; i++) {
-        h ^= s[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
 
 static uint64_t mix64(uint64_t x)
 {
@@ -754,8 +745,8 @@ struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint
     uint64_t best_score = UINT64_MAX, aff_w = 0, ph = 0;
 
     if (co->o.prefix_affinity && n)
-        ph = fnv1a(prompt, (n < co->o.prefix_affinity ? n : co->o.prefix_affinity) * sizeof(int32_t),
-                   1469598103934665603ull);
+        ph = coord_fnv1a(prompt, (n < co->o.prefix_affinity ? n : co->o.prefix_affinity) * sizeof(int32_t),
+                   COORD_FNV_SEED);
     for (struct group *g = co->groups; g; g = g->next) {
         if (g->state != GROUP_READY || !g->eng)
             continue;
@@ -770,7 +761,7 @@ struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint
             best = g;
         }
         if (ph) {
-            uint64_t w = mix64(ph ^ fnv1a(g->name, strlen(g->name), 1469598103934665603ull));
+            uint64_t w = mix64(ph ^ coord_fnv1a(g->name, strlen(g->name), COORD_FNV_SEED));
             if (!aff || w > aff_w) {
                 aff = g;
                 aff_w = w;

@@ -901,6 +901,11 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
 #endif
     if ((r = rpc_ctx_create(&co->loop, &co->rpc)) < 0)
         goto fail;
+    /* a second thread starts the sends of an engine's output batch (rpc_ctx_cork);
+     * STEPD_RPC_SENDER=0 leaves them to one thread (to measure what it buys) */
+    const char *sv = getenv("STEPD_RPC_SENDER");
+    if (!(sv && strcmp(sv, "0") == 0))
+        (void)rpc_ctx_set_sender(co->rpc, true);   /* it logs a failure itself */
     wpool_init(co);
     if ((r = server_new(co, o->listen, tls, o->api_key, add_inference, &co->srv_pub, &co->pub_port)) < 0) {
         log_error("public listen %s failed: %s", o->listen, err_str(r));

@@ -866,6 +866,8 @@ static void on_out_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, v
         e->out_state = OUT_READY;
         log_info("engine %s: output stream %s open", e->addr, e->out_id);
     }
+    /* one engine step's tokens for many client streams: started together */
+    rpc_ctx_cork(e->co->rpc);
     for (size_t i = 0; i < b->n_outputs; i++) {
         const Stepd__V1__EngineOutput *o = b->outputs[i];
         struct req *r = out_find(e, o->request_id);
@@ -900,6 +902,7 @@ static void on_out_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, v
             break;
         }
     }
+    rpc_ctx_uncork(e->co->rpc);
 }
 
 static void on_out_done(struct rpc_client_call *c, int status, const char *details, void *ud)

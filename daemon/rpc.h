@@ -124,6 +124,9 @@ struct rpc_ctx_stats {
     uint64_t direct;        /* events the CQ thread dispatched itself (rpc_ctx_run) */
     uint64_t queued;        /* events queued for the loop thread */
     uint64_t wakes;         /* loop wake-ups after a direct dispatch (timers, handles) */
+    uint64_t corked_batches;    /* rpc_ctx_uncork() calls that started held sends */
+    uint64_t corked_sends;      /* sends held and started by them */
+    uint64_t sender_sends;      /* of those, started by the sender thread */
 };
 /* Counters since creation. Thread-safe. */
 void rpc_ctx_stats(const struct rpc_ctx *ctx, struct rpc_ctx_stats *ret);
@@ -131,6 +134,20 @@ void rpc_ctx_stats(const struct rpc_ctx *ctx, struct rpc_ctx_stats *ret);
 /* Loop thread, while idle: give back the event queues grown under a load (they are
  * grown again, doubling, when needed). */
 void rpc_ctx_compact(struct rpc_ctx *ctx);
+
+/* Loop thread: hold back the server calls' sends (rpc_call_send, rpc_call_finish)
+ * from here to the matching rpc_ctx_uncork(), which starts them all: on this thread,
+ * and with the sender thread (rpc_ctx_set_sender) on it too when there are 8 or more.
+ * For a callback that sends to many calls at once, e.g. one message from an engine
+ * that carries a token for each of 90 client streams.  Sends to the same call keep
+ * their order; completions come as usual.  Nests. */
+void rpc_ctx_cork(struct rpc_ctx *ctx);
+void rpc_ctx_uncork(struct rpc_ctx *ctx);
+/* Loop thread: start (on) the sender thread, "rpc-sender", that shares the held sends
+ * of each rpc_ctx_uncork(); it stays until rpc_ctx_destroy().  Off: uncork starts them
+ * all on its own thread (the thread, once started, stays idle).  -EAGAIN: the thread
+ * could not be started (uncork works as with off). */
+int rpc_ctx_set_sender(struct rpc_ctx *ctx, bool on);
 
 /* Number of live server calls + client calls (for leak checks and metrics). */
 size_t rpc_ctx_live_calls(const struct rpc_ctx *ctx);

@@ -2,7 +2,9 @@
  * response, cancel and deadline callbacks, UNIMPLEMENTED, API key, message-size limit, UTF-8 check,
  * shutdown with no leaked calls, the CQ-thread fast path (cq_hook) answering while
  * the server's loop is not running, rpc_ctx_run (callbacks on the CQ thread while the
- * loop waits, one at a time, in order, waking the loop for timers they start). Uses the grpc.health.v1 messages as payloads. */
+ * loop waits, one at a time, in order, waking the loop for timers they start),
+ * rpc_ctx_cork (sends to many calls held, then started together, in order). Uses the grpc.health.v1 messages as payloads. */
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -44,11 +46,22 @@ static void h_check(struct rpc_call *call, const ProtobufCMessage *req, void *ud
     rpc_call_finish(call, RPC_OK, NULL);
 }
 
+#define FAN_N 200
+static struct rpc_call *fan[FAN_N];
+static bool fan_odd[FAN_N];
+static int n_fan;
+
 static void h_watch(struct rpc_call *call, const ProtobufCMessage *req, void *ud)
 {
     const Grpc__Health__V1__HealthCheckRequest *r = (const void *)req;
     Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
 
+    if (strncmp(r->service, "fan", 3) == 0) {  /* test_cork: answered later, all at once */
+        ASSERT_TRUE(n_fan < FAN_N);
+        fan_odd[n_fan] = strcmp(r->service, "fan1") == 0;
+        fan[n_fan++] = call;
+        return;
+    }
     if (strcmp(r->service, "hang") == 0) {
         resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
         ASSERT_OK(rpc_call_send(call, &resp.base));
@@ -671,6 +684,108 @@ static void test_ctx_run(void)
            (unsigned long long)rr.st.queued, (unsigned long long)rr.st.wakes);
 }
 
+/* ------------------------------------------------------------------ cork */
+
+struct fan_result {
+    bool done;
+    int status;
+    int msgs;
+    int seq[4];
+};
+
+static void fan_on_msg(struct rpc_client_call *c, const ProtobufCMessage *m, void *ud)
+{
+    struct fan_result *r = ud;
+    const Grpc__Health__V1__HealthCheckResponse *resp = (const void *)m;
+    if (r->msgs < 4)
+        r->seq[r->msgs] = resp->status;
+    r->msgs++;
+}
+
+static void fan_on_done(struct rpc_client_call *c, int status, const char *details, void *ud)
+{
+    struct fan_result *r = ud;
+    r->done = true;
+    r->status = status;
+}
+
+/* FAN_N streaming calls; one pass answers them all (three messages and OK for even
+ * ones, one message and ABORTED for odd ones) between rpc_ctx_cork() and
+ * rpc_ctx_uncork(), nested once: nothing starts before the outer uncork, then each
+ * call's first send is one held send, and every client gets its messages in order
+ * and its status. With and without the sender thread. */
+static void test_cork(struct rpc_ctx *ctx, struct rpc_channel *ch, bool sender)
+{
+    static struct fan_result res[FAN_N];
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    struct rpc_ctx_stats st0, st1;
+
+    req.service = "fan0";
+    ASSERT_OK(rpc_ctx_set_sender(ctx, sender));
+    memset(res, 0, sizeof(res));
+    n_fan = 0;
+    for (int i = 0; i < FAN_N; i++, req.service = i % 2 ? "fan1" : "fan0")
+        ASSERT_OK(rpc_client_start(ch, WATCH_PATH, &req.base, &grpc__health__v1__health_check_response__descriptor,
+                                   0, fan_on_msg, fan_on_done, &res[i], NULL));
+    int64_t end = rpc_now_ms() + 10000;
+    while (n_fan < FAN_N) {
+        ASSERT_TRUE(rpc_now_ms() < end);
+        uv_run(loop, UV_RUN_ONCE);
+    }
+    rpc_ctx_stats(ctx, &st0);
+    rpc_ctx_cork(ctx);
+    rpc_ctx_cork(ctx);
+    for (int i = 0; i < FAN_N; i++) {
+        for (int k = 0; k < (fan_odd[i] ? 1 : 3); k++) {
+            resp.status = 1 + k;
+            ASSERT_OK(rpc_call_send(fan[i], &resp.base));
+        }
+        if (fan_odd[i])
+            rpc_call_finish(fan[i], RPC_ABORTED, "odd");
+        else
+            rpc_call_finish(fan[i], RPC_OK, NULL);
+    }
+    rpc_ctx_uncork(ctx);
+    rpc_ctx_stats(ctx, &st1);
+    ASSERT_EQ(st1.corked_sends, st0.corked_sends);      /* still held (nested) */
+    ASSERT_EQ(st1.corked_batches, st0.corked_batches);
+    usleep(20000);
+    for (int i = 0; i < 3; i++)
+        uv_run(loop, UV_RUN_NOWAIT);
+    for (int i = 0; i < FAN_N; i++)
+        ASSERT_EQ(res[i].msgs, 0);                          /* nothing went out */
+    rpc_ctx_uncork(ctx);
+    rpc_ctx_stats(ctx, &st1);
+    ASSERT_EQ(st1.corked_sends - st0.corked_sends, FAN_N);
+    ASSERT_EQ(st1.corked_batches - st0.corked_batches, 1);
+    uint64_t by_sender = st1.sender_sends - st0.sender_sends;
+    if (!sender)
+        ASSERT_EQ(by_sender, 0);
+    for (int i = 0; i < FAN_N; i++) {
+        run_until(&res[i].done);
+        if (i % 2) {
+            ASSERT_EQ(res[i].status, RPC_ABORTED);
+            ASSERT_EQ(res[i].msgs, 1);
+        } else {
+            ASSERT_EQ(res[i].status, RPC_OK);
+            ASSERT_EQ(res[i].msgs, 3);
+            ASSERT_EQ(res[i].seq[1], 2);
+            ASSERT_EQ(res[i].seq[2], 3);
+        }
+        ASSERT_EQ(res[i].seq[0], 1);
+    }
+    /* sends outside a cork start at once */
+    rpc_ctx_stats(ctx, &st0);
+    struct result r = call(ch, WATCH_PATH, "five", 0, 0);
+    ASSERT_EQ(r.status, RPC_OK);
+    ASSERT_EQ(r.msgs, 5);
+    rpc_ctx_stats(ctx, &st1);
+    ASSERT_EQ(st1.corked_sends, st0.corked_sends);
+    printf("test-rpc: cork (sender thread %s): %d calls answered in one uncork, %" PRIu64
+           " sends started by the sender thread\n", sender ? "on" : "off", FAN_N, by_sender);
+}
+
 int main(void)
 {
     struct rpc_ctx *ctx;
@@ -708,6 +823,10 @@ int main(void)
 
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", port);
     ASSERT_OK(rpc_channel_create(ctx, addr, NULL, &ch));
+
+    test_cork(ctx, ch, false);
+    test_cork(ctx, ch, true);
+    test_cork(ctx, ch, true);
 
     /* unary */
     struct result r = call(ch, CHECK_PATH, "", 0, 0);

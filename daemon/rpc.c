@@ -1958,6 +1958,8 @@ int rpc_channel_create(struct rpc_ctx *ctx, const char *target, const struct rpc
     if (o.ssl_target_name)
         args[na++] = (grpc_arg){ GRPC_ARG_STRING, GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
                                  { .string = (char *)o.ssl_target_name } };
+    if (o.own_connection)
+        args[na++] = (grpc_arg){ GRPC_ARG_INTEGER, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, { .integer = 1 } };
     grpc_channel_args ca = { .num_args = na, .args = args };
     ch->ch = grpc_channel_create(target, creds, &ca);
     grpc_channel_credentials_release(creds);

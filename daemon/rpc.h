@@ -309,6 +309,8 @@ struct rpc_channel_opts {
     int keepalive_timeout_ms;         /* 0 = 5 s */
     int max_recv_msg_bytes;           /* 0 = 4 MiB */
     const char *ssl_target_name;      /* TLS name override (tests); NULL = from target */
+    bool own_connection;              /* a connection of its own, even when another channel of
+                                         the process has the same target and options */
 };
 
 int rpc_channel_create(struct rpc_ctx *ctx, const char *target, const struct rpc_channel_opts *opts,

@@ -3,7 +3,7 @@
  *
  *   loadgen --addr HOST:PORT[,HOST:PORT...] [--method /stepd.v1.Inference/Generate] [--streams N]
  *           [--tokens T] [--prompt-len P] [--deadline-s S] [--api-key K] [--send-log F]
- *           [--rate R]
+ *           [--rate R] [--connections C]
  *
  * Starts N Generate streams at once (token-id prompts, max_tokens T), records per
  * stream the status, time to first token and every inter-chunk gap, and prints
@@ -22,6 +22,8 @@
  * nothing). Both processes read the same CLOCK_MONOTONIC.
  *
  * --rate R: start the calls at R per second (paced) instead of all at once.
+ * --connections C: C channels, each with a connection of its own, to each address
+ * (default 1), the calls spread over them round-robin: many clients at once.
  * Calls that end with another status than OK or RESOURCE_EXHAUSTED are timed too
  * ("failed ms"), e.g. an UNIMPLEMENTED method as the floor of an answer-at-once server.
  * LOADGEN_DUMP=FILE (environment): per stream "index status t_start_us start_ms end_ms".
@@ -178,13 +180,14 @@ int main(int argc, char **argv)
         { "streams", required_argument, NULL, 'n' }, { "tokens", required_argument, NULL, 't' },
         { "prompt-len", required_argument, NULL, 'p' }, { "deadline-s", required_argument, NULL, 'd' },
         { "api-key", required_argument, NULL, 'k' }, { "send-log", required_argument, NULL, 'l' },
-        { "rate", required_argument, NULL, 'r' }, { NULL, 0, NULL, 0 },
+        { "rate", required_argument, NULL, 'r' }, { "connections", required_argument, NULL, 'c' },
+        { NULL, 0, NULL, 0 },
     };
     const char *addr = "127.0.0.1:50051", *method = "/stepd.v1.Inference/Generate", *key = NULL;
     const char *send_log = NULL;
     unsigned tokens = 64, prompt_len = 8;
     double deadline_s = 120, rate = 0;
-    int c;
+    int c, n_conn = 1;
 
     n_streams = 100;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -198,31 +201,38 @@ int main(int argc, char **argv)
         case 'k': key = optarg; break;
         case 'l': send_log = optarg; break;
         case 'r': rate = atof(optarg); break;
+        case 'c': n_conn = atoi(optarg); break;
         default:
-            fprintf(stderr, "usage: loadgen --addr A [--method M] [--streams N] [--tokens T] [--prompt-len P]\n");
+            fprintf(stderr, "usage: loadgen --addr A [--method M] [--streams N] [--tokens T] [--prompt-len P]"
+                            " [--connections C]\n");
             return 2;
         }
     }
-    if (n_streams == 0 || tokens == 0 || prompt_len == 0 || prompt_len > 4096 || rate < 0) {
-        fprintf(stderr, "loadgen: --streams, --tokens and --prompt-len must be positive\n");
+    if (n_streams == 0 || tokens == 0 || prompt_len == 0 || prompt_len > 4096 || rate < 0 || n_conn < 1 ||
+        n_conn > 64) {
+        fprintf(stderr, "loadgen: --streams, --tokens, --prompt-len and --connections (<= 64) must be positive\n");
         return 2;
     }
     uv_loop_t *loop = uv_default_loop();
-    /* --addr A,B,...: one channel each, streams spread round-robin */
-    struct rpc_channel *chs[8];
+    /* --addr A,B,...: --connections channels (each its own connection) to each, streams
+     * spread round-robin */
+    struct rpc_channel *chs[64];
     unsigned n_ch = 0;
-    struct rpc_channel_opts co = { .api_key = key, .keepalive_time_ms = -1, .max_recv_msg_bytes = 16 << 20 };
+    struct rpc_channel_opts co = { .api_key = key, .keepalive_time_ms = -1, .max_recv_msg_bytes = 16 << 20,
+                                   .own_connection = n_conn > 1 };
     if (rpc_ctx_create(loop, &ctx) < 0) {
         fprintf(stderr, "loadgen: cannot create an RPC context\n");
         return 1;
     }
     char *addrs = strdup(addr), *save = NULL;
     for (char *a = strtok_r(addrs, ",", &save); a; a = strtok_r(NULL, ",", &save)) {
-        if (n_ch == 8 || rpc_channel_create(ctx, a, &co, &chs[n_ch]) < 0) {
-            fprintf(stderr, "loadgen: cannot create a channel to %s (at most 8 addresses)\n", a);
-            return 1;
+        for (int k = 0; k < n_conn; k++) {
+            if (n_ch == 64 || rpc_channel_create(ctx, a, &co, &chs[n_ch]) < 0) {
+                fprintf(stderr, "loadgen: cannot create a channel to %s (at most 64 channels in all)\n", a);
+                return 1;
+            }
+            n_ch++;
         }
-        n_ch++;
     }
     free(addrs);
     if (n_ch == 0) {

@@ -91,24 +91,33 @@ struct rpc_ctx {
     /* rpc_ctx_cork(): server-call sends held back while corked, started together at
      * uncork by this thread and the sender thread (see rpc_ctx_uncork) */
     int corked;
-    struct rpc_pending *pend;
-    size_t pend_len, pend_cap;
+    struct rpc_held *held;          /* being filled (loop thread); NULL: none yet */
     pthread_t sthread;
     bool sender;                    /* rpc_ctx_set_sender(): the sender thread runs */
-    bool sthread_started, s_quit, s_working;
-    pthread_mutex_t s_mu;
-    pthread_cond_t s_cv, s_done_cv;
-    bool s_busy;                    /* the sender thread has a share of pend[] */
-    _Atomic size_t s_next;          /* next pend[] index to start (both threads take) */
+    bool sthread_started;
+    pthread_mutex_t s_mu;           /* the fields below */
+    pthread_cond_t s_cv;
+    bool s_quit;
+    struct rpc_held *s_work;        /* handed to the sender thread, not taken yet */
+    struct rpc_held *s_free;        /* recycled lists (HELD_KEEP at most) */
+    int s_n_free;
     _Atomic uint64_t n_corked_batches, n_corked_sends, n_sender_sends;
 };
 
 /* A grpc_call_start_batch held back by rpc_ctx_cork() (call_pump). */
 struct rpc_pending {
     struct rpc_call *c;
-    grpc_op ops[3];
-    size_t n;
-    grpc_call_error err;
+    unsigned what;                  /* SEND_* */
+};
+
+/* The sends held by one cork, started by whoever takes them first (v[next++]); the
+ * last of its takers to finish recycles it, so neither waits for the other. */
+struct rpc_held {
+    struct rpc_pending *v;
+    size_t len, cap;
+    _Atomic size_t next;
+    _Atomic int takers;
+    struct rpc_held *free_next;
 };
 
 /* ------------------------------------------------------------------ helpers */
@@ -595,7 +604,6 @@ fail:
 
 static void ctx_free(struct rpc_ctx *ctx)
 {
-    free(ctx->pend);
     free(ctx->q);
     free(ctx->work);
     pthread_mutex_destroy(&ctx->mu);
@@ -825,7 +833,7 @@ struct rpc_call {
 
 static void call_pump(struct rpc_call *c);
 static void call_send_failed(struct rpc_call *c, grpc_call_error e);
-static int pend_add(struct rpc_ctx *ctx, struct rpc_call *c, const grpc_op *ops, size_t n);
+static int pend_add(struct rpc_ctx *ctx, struct rpc_call *c, unsigned what);
 static void call_on_new(struct rpc_op *op, bool ok);
 static void slot_put(struct rpc_slot *sl);
 
@@ -911,10 +919,37 @@ static void call_on_send(struct rpc_op *op, bool ok)
     call_maybe_free(c);
 }
 
+/* What a send batch of a call carries (call_pump decides, call_send_ops builds it). */
+enum { SEND_MD = 1, SEND_MSG = 2, SEND_STATUS = 4 };
+
+/* The ops of a send batch, from the call's fields: c->cur_send and the status do not
+ * change while the send is in flight (send_in_flight), so the sender thread may build
+ * them too (rpc_ctx_uncork). */
+static size_t call_send_ops(struct rpc_call *c, unsigned what, grpc_op ops[3])
+{
+    size_t n = 0;
+
+    memset(ops, 0, 3 * sizeof(*ops));
+    if (what & SEND_MD)
+        ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    if (what & SEND_MSG) {
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = c->cur_send;
+    }
+    if (what & SEND_STATUS) {
+        ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+        ops[n].data.send_status_from_server.status = (grpc_status_code)c->status;
+        ops[n].data.send_status_from_server.status_details = &c->status_details;
+        ops[n].data.send_status_from_server.trailing_metadata_count = (size_t)c->n_trailers;
+        ops[n].data.send_status_from_server.trailing_metadata = c->trailers;
+        n++;
+    }
+    return n;
+}
+
 static void call_pump(struct rpc_call *c)
 {
-    grpc_op ops[3];
-    size_t n = 0;
+    unsigned what = 0;
 
     if (c->send_in_flight || c->status_done)
         return;
@@ -931,10 +966,8 @@ static void call_pump(struct rpc_call *c)
     }
     if (c->sq_len == 0 && !c->finish_requested)
         return;
-    memset(ops, 0, sizeof(ops));
     if (!c->md_sent) {
-        ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-        n++;
+        what |= SEND_MD;
         c->md_sent = true;
     }
     if (c->sq_len) {
@@ -942,22 +975,17 @@ static void call_pump(struct rpc_call *c)
         c->cur_send_len = grpc_byte_buffer_length(c->cur_send);
         c->sq_head = (c->sq_head + 1) % c->sq_cap;
         c->sq_len--;
-        ops[n].op = GRPC_OP_SEND_MESSAGE;
-        ops[n].data.send_message.send_message = c->cur_send;
-        n++;
+        what |= SEND_MSG;
     }
     if (c->sq_len == 0 && c->finish_requested) {
-        ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-        ops[n].data.send_status_from_server.status = (grpc_status_code)c->status;
-        ops[n].data.send_status_from_server.status_details = &c->status_details;
-        ops[n].data.send_status_from_server.trailing_metadata_count = (size_t)c->n_trailers;
-        ops[n].data.send_status_from_server.trailing_metadata = c->trailers;
-        n++;
+        what |= SEND_STATUS;
         c->status_in_batch = true;
     }
     c->send_in_flight = true;
-    if (c->s->ctx->corked && pend_add(c->s->ctx, c, ops, n) == 0)
+    if (c->s->ctx->corked && pend_add(c->s->ctx, c, what) == 0)
         return;
+    grpc_op ops[3];
+    size_t n = call_send_ops(c, what, ops);
     grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_send, NULL);
     if (e != GRPC_CALL_OK)
         call_send_failed(c, e);
@@ -992,37 +1020,98 @@ static void call_send_failed(struct rpc_call *c, grpc_call_error e)
 /* fewer held sends than this are started by this thread alone (a hand-off costs a
  * wake-up of the sender thread, ~10-50 us on a busy machine) */
 #define CORK_SPLIT_MIN 8
+/* recycled lists kept (16 bytes per held send; at most two are in use at a time) */
+#define HELD_KEEP 2
 
-static int pend_add(struct rpc_ctx *ctx, struct rpc_call *c, const grpc_op *ops, size_t n)
+static struct rpc_held *held_get(struct rpc_ctx *ctx)
 {
-    if (ctx->pend_len == ctx->pend_cap) {
-        size_t ncap = ctx->pend_cap ? 2 * ctx->pend_cap : 64;
-        struct rpc_pending *np = realloc(ctx->pend, ncap * sizeof(*np));
-        if (!np)
-            return -ENOMEM;     /* the caller starts this one itself */
-        ctx->pend = np;
-        ctx->pend_cap = ncap;
+    struct rpc_held *h = NULL;
+
+    if (ctx->sthread_started) {
+        pthread_mutex_lock(&ctx->s_mu);
+        if ((h = ctx->s_free)) {
+            ctx->s_free = h->free_next;
+            ctx->s_n_free--;
+        }
+        pthread_mutex_unlock(&ctx->s_mu);
     }
-    struct rpc_pending *p = &ctx->pend[ctx->pend_len++];
-    p->c = c;
-    memcpy(p->ops, ops, n * sizeof(*ops));
-    p->n = n;
-    p->err = GRPC_CALL_OK;
+    if (!h)
+        h = calloc(1, sizeof(*h));
+    if (h)
+        h->len = 0;
+    return h;
+}
+
+/* One taker is done with h: the last one recycles it (any thread). */
+static void held_put(struct rpc_ctx *ctx, struct rpc_held *h)
+{
+    if (atomic_fetch_sub_explicit(&h->takers, 1, memory_order_acq_rel) != 1)
+        return;
+    if (ctx->sthread_started) {
+        pthread_mutex_lock(&ctx->s_mu);
+        bool keep = ctx->s_n_free < HELD_KEEP;
+        if (keep) {
+            h->free_next = ctx->s_free;
+            ctx->s_free = h;
+            ctx->s_n_free++;
+        }
+        pthread_mutex_unlock(&ctx->s_mu);
+        if (keep)
+            return;
+    }
+    free(h->v);
+    free(h);
+}
+
+static void held_free_all(struct rpc_held *h)
+{
+    while (h) {
+        struct rpc_held *n = h->free_next;
+        free(h->v);
+        free(h);
+        h = n;
+    }
+}
+
+static int pend_add(struct rpc_ctx *ctx, struct rpc_call *c, unsigned what)
+{
+    struct rpc_held *h = ctx->held;
+
+    if (!h && !(h = ctx->held = held_get(ctx)))
+        return -ENOMEM;         /* the caller starts this one itself */
+    if (h->len == h->cap) {
+        size_t ncap = h->cap ? 2 * h->cap : 64;
+        struct rpc_pending *nv = realloc(h->v, ncap * sizeof(*nv));
+        if (!nv)
+            return -ENOMEM;
+        h->v = nv;
+        h->cap = ncap;
+    }
+    h->v[h->len].c = c;
+    h->v[h->len].what = what;
+    h->len++;
     return 0;
 }
 
-/* Start held sends until none is left (both threads; pend[] and pend_len do not
- * change until both are done). */
-static size_t pend_run(struct rpc_ctx *ctx)
+/* Start held sends until none is left (either thread; h->v and h->len do not change
+ * while h has takers).  A send gRPC refuses to start is handed to the loop as a send
+ * that failed (call_on_send, not ok): the call is cancelled and released there. */
+static size_t held_run(struct rpc_ctx *ctx, struct rpc_held *h)
 {
     size_t done = 0;
 
     for (;;) {
-        size_t i = atomic_fetch_add_explicit(&ctx->s_next, 1, memory_order_relaxed);
-        if (i >= ctx->pend_len)
+        size_t i = atomic_fetch_add_explicit(&h->next, 1, memory_order_relaxed);
+        if (i >= h->len)
             return done;
-        struct rpc_pending *p = &ctx->pend[i];
-        p->err = grpc_call_start_batch(p->c->call, p->ops, p->n, &p->c->op_send, NULL);
+        struct rpc_call *c = h->v[i].c;
+        grpc_op ops[3];
+        size_t n = call_send_ops(c, h->v[i].what, ops);
+        grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_send, NULL);
+        if (e != GRPC_CALL_OK) {
+            log_error("rpc: %s: start_batch(send) failed: %d", c->method_name, (int)e);
+            ctx_queue(ctx, &c->op_send, false, rpc_now_us());
+        }
         done++;
     }
 }
@@ -1033,18 +1122,17 @@ static void *sender_main(void *arg)
 
     pthread_mutex_lock(&ctx->s_mu);
     for (;;) {
-        while (!ctx->s_busy && !ctx->s_quit)
+        while (!ctx->s_work && !ctx->s_quit)
             pthread_cond_wait(&ctx->s_cv, &ctx->s_mu);
         if (ctx->s_quit)
             break;
-        ctx->s_working = true;
+        struct rpc_held *h = ctx->s_work;
+        ctx->s_work = NULL;
         pthread_mutex_unlock(&ctx->s_mu);
-        size_t k = pend_run(ctx);
+        size_t k = held_run(ctx, h);
         atomic_fetch_add_explicit(&ctx->n_sender_sends, k, memory_order_relaxed);
+        held_put(ctx, h);
         pthread_mutex_lock(&ctx->s_mu);
-        ctx->s_working = false;
-        ctx->s_busy = false;
-        pthread_cond_signal(&ctx->s_done_cv);
     }
     pthread_mutex_unlock(&ctx->s_mu);
     return NULL;
@@ -1056,13 +1144,11 @@ static bool sender_start(struct rpc_ctx *ctx)
         return true;
     pthread_mutex_init(&ctx->s_mu, NULL);
     pthread_cond_init(&ctx->s_cv, NULL);
-    pthread_cond_init(&ctx->s_done_cv, NULL);
     int r = pthread_create(&ctx->sthread, NULL, sender_main, ctx);
     if (r != 0) {
         log_warn("rpc: cannot start the sender thread (%s): held sends start on one thread", strerror(r));
         pthread_mutex_destroy(&ctx->s_mu);
         pthread_cond_destroy(&ctx->s_cv);
-        pthread_cond_destroy(&ctx->s_done_cv);
         return false;
     }
     pthread_setname_np(ctx->sthread, "rpc-sender");
@@ -1070,8 +1156,14 @@ static bool sender_start(struct rpc_ctx *ctx)
     return true;
 }
 
+/* rpc_ctx_destroy, after the CQ threads stopped: nothing is corked or being started */
 static void sender_stop(struct rpc_ctx *ctx)
 {
+    if (ctx->held) {
+        free(ctx->held->v);
+        free(ctx->held);
+        ctx->held = NULL;
+    }
     if (!ctx->sthread_started)
         return;
     pthread_mutex_lock(&ctx->s_mu);
@@ -1079,9 +1171,11 @@ static void sender_stop(struct rpc_ctx *ctx)
     pthread_cond_signal(&ctx->s_cv);
     pthread_mutex_unlock(&ctx->s_mu);
     pthread_join(ctx->sthread, NULL);
+    if (ctx->s_work)
+        held_put(ctx, ctx->s_work);     /* (already run by the loop thread) */
+    held_free_all(ctx->s_free);
     pthread_mutex_destroy(&ctx->s_mu);
     pthread_cond_destroy(&ctx->s_cv);
-    pthread_cond_destroy(&ctx->s_done_cv);
     ctx->sthread_started = false;
 }
 
@@ -1098,39 +1192,31 @@ void rpc_ctx_cork(struct rpc_ctx *ctx)
 
 void rpc_ctx_uncork(struct rpc_ctx *ctx)
 {
+    struct rpc_held *h = ctx->held, *old = NULL;
+
     BUG_ON(ctx->corked <= 0);
-    if (--ctx->corked > 0 || ctx->pend_len == 0)
+    if (--ctx->corked > 0 || !h || h->len == 0)
         return;
-    atomic_store_explicit(&ctx->s_next, 0, memory_order_relaxed);
-    bool split = ctx->pend_len >= CORK_SPLIT_MIN && ctx->sender;
-    if (split) {
+    ctx->held = NULL;
+    atomic_store_explicit(&h->next, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&ctx->n_corked_batches, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&ctx->n_corked_sends, h->len, memory_order_relaxed);
+    if (h->len >= CORK_SPLIT_MIN && ctx->sender) {
+        atomic_store_explicit(&h->takers, 2, memory_order_relaxed);
         pthread_mutex_lock(&ctx->s_mu);
-        ctx->s_busy = true;
+        old = ctx->s_work;              /* one the sender has not woken up for */
+        ctx->s_work = h;
         pthread_cond_signal(&ctx->s_cv);
         pthread_mutex_unlock(&ctx->s_mu);
+        if (old)
+            held_put(ctx, old);         /* its sends were all started here */
+    } else {
+        atomic_store_explicit(&h->takers, 1, memory_order_relaxed);
     }
-    pend_run(ctx);
-    if (split) {
-        /* all taken: take the share back from a sender thread that has not woken
-         * yet, or wait for the one it is starting */
-        pthread_mutex_lock(&ctx->s_mu);
-        if (!ctx->s_working)
-            ctx->s_busy = false;
-        while (ctx->s_busy)
-            pthread_cond_wait(&ctx->s_done_cv, &ctx->s_mu);
-        pthread_mutex_unlock(&ctx->s_mu);
-    }
-    for (size_t i = 0; i < ctx->pend_len; i++) {
-        struct rpc_call *c = ctx->pend[i].c;
-        if (ctx->pend[i].err != GRPC_CALL_OK) {
-            call_send_failed(c, ctx->pend[i].err);
-            call_pump(c);       /* drops what is queued behind it */
-            call_maybe_free(c); /* (each call is in pend[] once: send_in_flight) */
-        }
-    }
-    atomic_fetch_add_explicit(&ctx->n_corked_batches, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&ctx->n_corked_sends, ctx->pend_len, memory_order_relaxed);
-    ctx->pend_len = 0;
+    /* never waits for the sender thread: one preempted in the middle of a send would
+     * hold the loop for a time slice (seen as 2-3 ms stalls at 100 streams) */
+    held_run(ctx, h);
+    held_put(ctx, h);
 }
 
 void rpc_call_on_cancel(struct rpc_call *c, rpc_cancel_fn fn, void *ud)

@@ -137,10 +137,12 @@ void rpc_ctx_compact(struct rpc_ctx *ctx);
 
 /* Loop thread: hold back the server calls' sends (rpc_call_send, rpc_call_finish)
  * from here to the matching rpc_ctx_uncork(), which starts them all: on this thread,
- * and with the sender thread (rpc_ctx_set_sender) on it too when there are 8 or more.
- * For a callback that sends to many calls at once, e.g. one message from an engine
- * that carries a token for each of 90 client streams.  Sends to the same call keep
- * their order; completions come as usual.  Nests. */
+ * and with the sender thread (rpc_ctx_set_sender) taking its share too when there are
+ * 8 or more.  uncork returns when this thread finds none left to start; it never
+ * waits for the sender thread.  For a callback that sends to many calls at once, e.g.
+ * one message from an engine that carries a token for each of 90 client streams.
+ * Sends to the same call keep their order; completions come as usual (a send gRPC
+ * refuses to start completes as failed).  Nests. */
 void rpc_ctx_cork(struct rpc_ctx *ctx);
 void rpc_ctx_uncork(struct rpc_ctx *ctx);
 /* Loop thread: start (on) the sender thread, "rpc-sender", that shares the held sends

@@ -6,7 +6,7 @@
                                                                       RELIABILITY A2 (burst, paced, floor)
   bench_coord.py overload-busy [--streams 1000 --tokens 64]          A2 during A1: refusals while every
                                                                       slot is streaming (+A7 probe)
-  bench_coord.py cost     [--streams 100 --tokens 200 --delay-ms 5]   CPU per token, added latency
+  bench_coord.py cost     [--streams 100 --tokens 1000 --delay-ms 5]  CPU per token, added latency
   bench_coord.py all      (all of the above; what `meson test --suite bench` runs)
   --rounds N              repetitions (load 2, overload 3, cost 3); RESULT lines give medians
 
@@ -392,7 +392,10 @@ def main():
     if a.what in ("cost", "all"):
         b = argparse.Namespace(**vars(a))
         b.streams = a.streams or 100
-        b.tokens = a.tokens or 200
+        # 1000 tokens: a round's p99 is then over 100k tokens (~1200 engine steps), so
+        # one scheduler stall of a few ms on this shared 2-core machine does not make it
+        # (with 200 tokens, single rounds of one build ranged from -0.9 to +2.9 ms)
+        b.tokens = a.tokens or 1000
         b.rounds = a.rounds or 3
         ok &= bench_cost(b)
     if ok:

@@ -101,6 +101,8 @@ struct rpc_ctx {
     struct rpc_held *s_work;        /* handed to the sender thread, not taken yet */
     struct rpc_held *s_free;        /* recycled lists (HELD_KEEP at most) */
     int s_n_free;
+    grpc_call *s_cur;               /* the sender thread is in start_batch on it */
+    grpc_call *s_unref;             /* released meanwhile: the sender unrefs it */
     _Atomic uint64_t n_corked_batches, n_corked_sends, n_sender_sends;
 };
 
@@ -832,6 +834,7 @@ struct rpc_call {
 };
 
 static void call_pump(struct rpc_call *c);
+static bool sender_defer_unref(struct rpc_ctx *ctx, grpc_call *gc);
 static void call_send_failed(struct rpc_call *c, grpc_call_error e);
 static int pend_add(struct rpc_ctx *ctx, struct rpc_call *c, unsigned what);
 static void call_on_new(struct rpc_op *op, bool ok);
@@ -869,7 +872,7 @@ static void call_free(struct rpc_call *c)
     }
     if (c->finish_requested)
         grpc_slice_unref(c->status_details);
-    if (c->call)
+    if (c->call && !sender_defer_unref(s->ctx, c->call))
         grpc_call_unref(c->call);
     free(c);
 }
@@ -1096,7 +1099,7 @@ static int pend_add(struct rpc_ctx *ctx, struct rpc_call *c, unsigned what)
 /* Start held sends until none is left (either thread; h->v and h->len do not change
  * while h has takers).  A send gRPC refuses to start is handed to the loop as a send
  * that failed (call_on_send, not ok): the call is cancelled and released there. */
-static size_t held_run(struct rpc_ctx *ctx, struct rpc_held *h)
+static size_t held_run(struct rpc_ctx *ctx, struct rpc_held *h, bool sender)
 {
     size_t done = 0;
 
@@ -1105,15 +1108,50 @@ static size_t held_run(struct rpc_ctx *ctx, struct rpc_held *h)
         if (i >= h->len)
             return done;
         struct rpc_call *c = h->v[i].c;
+        grpc_call *gc = c->call;
         grpc_op ops[3];
         size_t n = call_send_ops(c, h->v[i].what, ops);
-        grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->op_send, NULL);
-        if (e != GRPC_CALL_OK) {
+        if (sender) {
+            pthread_mutex_lock(&ctx->s_mu);
+            ctx->s_cur = gc;
+            pthread_mutex_unlock(&ctx->s_mu);
+        }
+        grpc_call_error e = grpc_call_start_batch(gc, ops, n, &c->op_send, NULL);
+        if (e != GRPC_CALL_OK) {            /* (no completion: c is still there) */
             log_error("rpc: %s: start_batch(send) failed: %d", c->method_name, (int)e);
             ctx_queue(ctx, &c->op_send, false, rpc_now_us());
         }
+        if (sender) {
+            /* the send may have completed meanwhile and its call been released
+             * (sender_defer_unref): the last reference is dropped here */
+            pthread_mutex_lock(&ctx->s_mu);
+            grpc_call *unref = ctx->s_unref;
+            ctx->s_cur = ctx->s_unref = NULL;
+            pthread_mutex_unlock(&ctx->s_mu);
+            if (unref)
+                grpc_call_unref(unref);
+        }
         done++;
     }
+}
+
+/* call_free (loop): a call's send can complete, and the call be released, while the
+ * sender thread is still inside the grpc_call_start_batch() that started it; the
+ * grpc_call is then unreferenced by the sender thread once that returns (gRPC's calls
+ * are thread-compatible for unref). True: deferred. */
+static bool sender_defer_unref(struct rpc_ctx *ctx, grpc_call *gc)
+{
+    bool defer = false;
+
+    if (!ctx->sthread_started)
+        return false;
+    pthread_mutex_lock(&ctx->s_mu);
+    if (ctx->s_cur == gc) {
+        ctx->s_unref = gc;
+        defer = true;
+    }
+    pthread_mutex_unlock(&ctx->s_mu);
+    return defer;
 }
 
 static void *sender_main(void *arg)
@@ -1129,7 +1167,7 @@ static void *sender_main(void *arg)
         struct rpc_held *h = ctx->s_work;
         ctx->s_work = NULL;
         pthread_mutex_unlock(&ctx->s_mu);
-        size_t k = held_run(ctx, h);
+        size_t k = held_run(ctx, h, true);
         atomic_fetch_add_explicit(&ctx->n_sender_sends, k, memory_order_relaxed);
         held_put(ctx, h);
         pthread_mutex_lock(&ctx->s_mu);
@@ -1215,7 +1253,7 @@ void rpc_ctx_uncork(struct rpc_ctx *ctx)
     }
     /* never waits for the sender thread: one preempted in the middle of a send would
      * hold the loop for a time slice (seen as 2-3 ms stalls at 100 streams) */
-    held_run(ctx, h);
+    held_run(ctx, h, false);
     held_put(ctx, h);
 }
 

@@ -776,7 +776,7 @@ static void h_open_outputs(struct rpc_call *call, const ProtobufCMessage *req, v
         s->streams->prev = os;
     s->streams = os;
     s->n_streams++;
-    rpc_call_set_buffer_cap(call, OSTREAM_BUFFER_BYTES);
+    rpc_call_set_buffer_cap(call, s->o.output_stream_buffer ? s->o.output_stream_buffer : OSTREAM_BUFFER_BYTES);
     rpc_call_on_cancel(call, on_os_cancel, os);
     int r = rpc_call_send(call, &ack.base);      /* the stream is open */
     if (r < 0)

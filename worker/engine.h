@@ -191,6 +191,8 @@ struct engine_rpc_opts {
     const char *quantization;
     int num_layers, hidden_size, num_experts, num_experts_per_tok;
     int max_recv_msg_bytes;       /* 0 = rpc default */
+    size_t output_stream_buffer;  /* bytes queued on an output stream whose client does not
+                                     read before it ends RESOURCE_EXHAUSTED; 0 = 64 MiB */
 };
 
 /* Start serving engine e (borrowed; it must keep running until engine_rpc_stop returns).

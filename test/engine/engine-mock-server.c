@@ -1,19 +1,29 @@
 /* engine-mock-server.c - test helper: the stepd.v1.Engine service over the mock forward on
- * 127.0.0.1:0.  Prints "PORT <n>" once listening, serves until stdin reaches EOF, then
+ * 127.0.0.1:0 (--output-stream-buffer BYTES: engine_rpc_opts.output_stream_buffer).
+ * Prints "PORT <n>" once listening, serves until stdin reaches EOF, then
  * stops the service and the engine and exits 0 only if the KV invariant holds (every
  * block free, no request state alive).  Used by test-engine-grpcio.py (a real grpcio
  * client). */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "engine.h"
 #include "log.h"
 #include "mock.h"
 
-int main(void)
+int main(int argc, char **argv)
 {
     log_init("engine-mock-server", NULL);
+    /* --output-stream-buffer BYTES: engine_rpc_opts.output_stream_buffer */
+    size_t ostream_buffer = 0;
+    if (argc == 3 && strcmp(argv[1], "--output-stream-buffer") == 0) {
+        ostream_buffer = strtoull(argv[2], NULL, 10);
+    } else if (argc != 1) {
+        fprintf(stderr, "usage: engine-mock-server [--output-stream-buffer BYTES]\n");
+        return 2;
+    }
     struct mock_config mc;
     mock_config_init(&mc);
     mc.step_usec = 300;
@@ -38,7 +48,7 @@ int main(void)
     }
     struct engine_rpc *srv;
     struct engine_rpc_opts o = { .addr = "127.0.0.1:0", .group = "g-mock", .model_name = "mock",
-                                 .model_type = "mock" };
+                                 .model_type = "mock", .output_stream_buffer = ostream_buffer };
     int port;
     if (engine_rpc_start(e, &o, &srv, &port, &err) < 0) {
         fprintf(stderr, "%s\n", err.msg);

@@ -17,7 +17,8 @@ continuous usage rides on chunks; Submit validates request_id, request and strea
 ALREADY_EXISTS); Abort ends a request with a Final ABORT on its stream; a short Submit
 deadline ends it with status DEADLINE_EXCEEDED; cancelling the stream aborts its
 requests (GetLoads idle, KV blocks free) and frees its id; server shutdown ends an open
-stream with UNAVAILABLE.
+stream with UNAVAILABLE; a stream whose client stops reading ends RESOURCE_EXHAUSTED once
+its queued bytes pass the cap, and its requests are aborted.
 
 usage: test-engine-grpcio.py SERVER_BINARY PROTO_DIR   (exit 77 when grpcio is missing)
 """
@@ -213,6 +214,67 @@ def check_output_streams(stub, pb, gen):
     return rd
 
 
+def check_unread_stream(server, pb, pbg):
+    """An output stream whose client stops reading: once its queued bytes pass the cap
+    (--output-stream-buffer, 64 KiB here; 64 MiB in stepd-worker) the engine ends it
+    RESOURCE_EXHAUSTED naming the cause and aborts its requests; Submit to it is then
+    FAILED_PRECONDITION, and the engine ends idle with every KV block free."""
+    proc = subprocess.Popen([server, "--output-stream-buffer", "65536"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), line
+        # without BDP probing the client's window stays at 64 KiB (with it, grpcio takes in
+        # megabytes its reader never asked for, and the cap is reached ~15 s later)
+        ch = grpc.insecure_channel(f"127.0.0.1:{int(line.split()[1])}", options=[("grpc.http2.bdp_probe", 0)])
+        stub = pbg.EngineStub(ch)
+        call = stub.OpenOutputs(pb.OpenOutputsRequest(stream_id="u1"))
+        assert len(next(call).outputs) == 0          # registered; nothing is read from here on
+        sp = pb.SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
+        submitted, ended, t0 = 0, None, time.time()
+        while ended is None and time.time() - t0 < 60:
+            req = pb.GenerateRequest(request_id=f"u{submitted}", token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                                     sampling_params=sp)
+            try:
+                stub.Submit(pb.SubmitRequest(stream_id="u1", request=req), timeout=10)
+                submitted += 1
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:     # the waiting queue is full
+                    time.sleep(0.005)
+                elif e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the stream is gone
+                    ended = e
+                else:
+                    raise
+        assert ended is not None, f"stream not ended after {submitted} unread requests"
+        assert "u1" in ended.details(), ended.details()
+        t_end = time.time() - t0
+        # reading again: what the transport had taken in, then the status and its cause
+        n = 0
+        try:
+            for _ in call:
+                n += 1
+            raise AssertionError("unread stream ended OK")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+            assert "not reading" in e.details(), e.details()
+        for _ in range(500):
+            ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+            if (ld.num_running, ld.num_waiting, ld.num_requests_alive, ld.kv_blocks_used) == (0, 0, 0, 0):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"requests of the ended stream still alive: {ld}")
+        print(f"engine-grpcio: unread output stream ended RESOURCE_EXHAUSTED after {submitted} requests"
+              f" ({t_end:.1f} s; {n} batches were still in the client's buffers)")
+        ch.close()
+    finally:
+        proc.stdin.close()
+        rc = proc.wait(timeout=30)
+        err = proc.stderr.read()
+    assert rc == 0, f"server exit {rc}: {err}"
+    assert "invariant ok" in err, err
+
+
 def main():
     server, proto_dir = sys.argv[1], sys.argv[2]
     tmp = tempfile.mkdtemp()
@@ -352,6 +414,7 @@ def main():
     sys.stderr.write(err)
     assert rc == 0, f"server exit {rc}"
     assert "invariant ok" in err
+    check_unread_stream(server, pb, pbg)
     print("engine-grpcio: ok")
 
 

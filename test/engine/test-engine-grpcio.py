@@ -90,6 +90,16 @@ class OutputReader:
         return [t for o in outs[:-1] for t in o.chunk.token_ids], outs[-1]
 
 
+def wait_engine_idle(stub, pb, what):
+    """Within 5 s: nothing running, waiting or alive, every KV block free."""
+    for _ in range(500):
+        ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+        if (ld.num_running, ld.num_waiting, ld.num_requests_alive, ld.kv_blocks_used) == (0, 0, 0, 0):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{what} still alive: {ld}")
+
+
 def expect_error(fn, code, words=()):
     try:
         fn()
@@ -200,13 +210,7 @@ def check_output_streams(stub, pb, gen):
     rc.call.cancel()
     rc.thread.join(20)
     assert rc.error is not None and rc.error.code() == grpc.StatusCode.CANCELLED, rc.error
-    for _ in range(500):
-        ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
-        if (ld.num_running, ld.num_waiting, ld.num_requests_alive, ld.kv_blocks_used) == (0, 0, 0, 0):
-            break
-        time.sleep(0.01)
-    else:
-        raise AssertionError(f"requests of a cancelled stream still alive: {ld}")
+    wait_engine_idle(stub, pb, "requests of a cancelled stream")
     assert not any(rd.ended(f"x{i}") or f"x{i}" in rd.outs for i in range(4))
     expect_error(lambda: stub.Submit(pb.SubmitRequest(stream_id="s2", request=ok_req)),
                  grpc.StatusCode.FAILED_PRECONDITION, ["s2"])
@@ -257,13 +261,7 @@ def check_unread_stream(server, pb, pbg):
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
             assert "not reading" in e.details(), e.details()
-        for _ in range(500):
-            ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
-            if (ld.num_running, ld.num_waiting, ld.num_requests_alive, ld.kv_blocks_used) == (0, 0, 0, 0):
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError(f"requests of the ended stream still alive: {ld}")
+        wait_engine_idle(stub, pb, "requests of the ended stream")
         print(f"engine-grpcio: unread output stream ended RESOURCE_EXHAUSTED after {submitted} requests"
               f" ({t_end:.1f} s; {n} batches were still in the client's buffers)")
         ch.close()

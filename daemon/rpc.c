@@ -1018,12 +1018,14 @@ static void call_send_failed(struct rpc_call *c, grpc_call_error e)
  * meet in its transport's lock, where one thread's write carries the other's queued
  * frames too (fewer, larger writes), and the streams on other connections are written
  * in parallel.  Only sends are held (server calls' messages and statuses); everything
- * else starts as before. */
+ * else starts as before.  Measured (bench_coord.py cost: 100 streams, 5 ms per token,
+ * 2 cores): added delivery p99 1.1-1.4 ms with one thread, 0.4-0.7 ms with two. */
 
 /* fewer held sends than this are started by this thread alone (a hand-off costs a
  * wake-up of the sender thread, ~10-50 us on a busy machine) */
 #define CORK_SPLIT_MIN 8
-/* recycled lists kept (16 bytes per held send; at most two are in use at a time) */
+/* recycled lists kept (16 bytes per held send; one is filled while at most two more are
+ * being started or wait for the sender thread) */
 #define HELD_KEEP 2
 
 static struct rpc_held *held_get(struct rpc_ctx *ctx)

@@ -24,9 +24,7 @@
 #include "model.h"
 #include "spec.h"
 
-#ifdef STEPD_RUN_HAVE_TOK
 #include "tok/tokenizer.h"
-#endif
 
 #define RUN_BLOCK_SIZE 16
 
@@ -238,7 +236,6 @@ int main(int argc, char **argv)
         if (r < 0)
             goto out;
     } else {
-#ifdef STEPD_RUN_HAVE_TOK
         char path[4096];
         struct tokenizer *tk;
         struct tok_ids ids = {0};
@@ -258,11 +255,6 @@ int main(int argc, char **argv)
         }
         prompt = ids.ids;
         n_prompt = (int)ids.n;
-#else
-        fprintf(stderr, "stepd-run: --prompt needs the tokenizer, which this build lacks; "
-                        "use --prompt-ids\n");
-        goto out;
-#endif
     }
     if (n_prompt < 1) {
         fprintf(stderr, "stepd-run: empty prompt\n");
@@ -392,7 +384,6 @@ int main(int argc, char **argv)
         for (int i = 0; i < n_out; i++)
             printf(" %d", out[i]);
         printf("\n");
-#ifdef STEPD_RUN_HAVE_TOK
         {
             char path[4096], *text = NULL;
             struct tokenizer *tk;
@@ -404,7 +395,6 @@ int main(int argc, char **argv)
                 tok_free(tk);
             }
         }
-#endif
         printf("load %.3f s; prefill %d tokens in %.4f s = %.1f tok/s (chunk %d); "
                "decode %d tokens in %.4f s = %.1f tok/s",
                t_load, n_prompt, t_prefill, n_prompt / t_prefill, chunk, n_out - 1, t_decode,

@@ -47,7 +47,7 @@ struct attn_job {
 
 #if defined(__x86_64__)
 /* BF16 -> fp32 of one cache row, 8 at a time (exact: the bits move up by 16). */
-__attribute__((target("avx2"))) static void bf16_row_avx2(const uint16_t *src, int n, float *dst)
+CPU_FN_AVX2 static void bf16_row_avx2(const uint16_t *src, int n, float *dst)
 {
     int d = 0;
 
@@ -166,7 +166,7 @@ static void scores_scalar(const float *qs, int R, int hd, const float *const *kp
 }
 
 #if defined(__x86_64__)
-#define AVX2_FN __attribute__((target("avx2,fma")))
+#define AVX2_FN CPU_FN_AVX2
 
 /* Same for hd % 8 == 0: 4 keys per step, their 8-lane sums reduced together. */
 AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *const *kp, int nk,
@@ -272,8 +272,8 @@ AVX2_FN static void pv_avx2(const float *p, int ka, int kb, const float *const *
             acc[d] += p[k] * vp[k][d];
 }
 
-#define AVX512_FN __attribute__((target("avx2,fma,avx512f")))
-#define AVX512_INLINE __attribute__((target("avx2,fma,avx512f"), always_inline)) static inline
+#define AVX512_FN CPU_FN_AVX512
+#define AVX512_INLINE __attribute__((target(CPU_TARGET_AVX512), always_inline)) static inline
 
 /* _mm256_hadd_ps on each 256-bit half: per 128-bit lane [a0+a1, a2+a3, b0+b1, b2+b3] */
 AVX512_INLINE __m512 hadd512(__m512 a, __m512 b)
@@ -713,7 +713,7 @@ static void attn_unit(void *arg, int unit, int n_units, int ith)
     }
 }
 
-#if defined(__x86_64__) && defined(__AVX512F__)
+#if defined(__x86_64__)
 /* Whether exp_tail_avx512 gives exactly the scalar exp_shift_sum's values and sum (the
  * compiler contracted the scalar steps into the same FMAs), on values spanning the
  * exp16 range, the underflow edge and tails of 1..7. */
@@ -744,20 +744,16 @@ AVX512_FN static bool exp_tail_matches(void)
 }
 #endif
 
-/* The AVX-512 path (bit-identical to the AVX2 one) where the CPU has AVX-512F and
- * STEPD_CPU_NO_AVX512 is unset: 0 = no, 1 = yes, 2 = yes with vector exp tails
- * (exp_tail_matches); decided once per process.  Only in builds for an AVX-512 target
- * (-Dnative=true on such a CPU): elsewhere the rest of this file is legacy-SSE code, and
- * every switch between it and code that touches zmm16-31 costs more than the zmm kernels
- * save (measured 10-25% slower than the AVX2 path in a -Dnative=false build). */
-static int attn_avx512_level(void)
+/* The AVX-512 path (bit-identical to the AVX2 one) at level avx512: 0 = no, 1 = yes,
+ * 2 = yes with vector exp tails (exp_tail_matches); decided once per process. */
+int cpu_attn_avx512_level(void)
 {
-#if defined(__x86_64__) && defined(__AVX512F__)
+#if defined(__x86_64__)
     static _Atomic int cached = -1;
     int v = atomic_load_explicit(&cached, memory_order_relaxed);
 
     if (v < 0) {
-        v = cpu_has_avx512f() ?
+        v = cpu_isa_has(CPU_ISA_AVX512) ?
                 1 + exp_tail_matches() : 0;
         if (v == 1)
             log_debug("attention: scalar exp tails (the compiler's scalar expf steps differ)");
@@ -773,7 +769,7 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
 {
     struct attn_job jb = { .a = a, .avx2 = cpu_ctx(be)->have_avx2 };
 
-    jb.avx512 = jb.avx2 && a->head_dim % 16 == 0 ? attn_avx512_level() : 0;
+    jb.avx512 = jb.avx2 && a->head_dim % 16 == 0 ? cpu_attn_avx512_level() : 0;
 
     if (a->n_seqs == 0 || a->n_tok == 0)
         return 0;

@@ -4,8 +4,8 @@
  * Paths: MXFP4 runs the fast int8 kernel (VNNI where the CPU has AVX512-VNNI+VL, else
  * AVX2) unless backend_cfg.mxfp4_exact or the CPU lacks AVX2; BF16/F32 use the AVX-512F
  * tiles where the CPU has them, else AVX2; attention uses AVX2 where available.
- * Environment knobs (tests and benchmarks): STEPD_CPU_NO_AVX2=1, STEPD_CPU_NO_AVX512=1
- * and STEPD_CPU_NO_VNNI=1 force the slower paths; STEPD_CPU_MIN_WORK=<multiply-adds per
+ * The instruction set of every path comes from cpu-features.h (STEPD_CPU_ISA and the
+ * STEPD_CPU_NO_* switches cap it).  Environment knobs: STEPD_CPU_MIN_WORK=<multiply-adds per
  * extra thread> (default 65536; 0 = split every op over all threads) and
  * STEPD_CPU_MIN_WORK_BUSY=<the same inside graph_begin/graph_end> (default MIN_WORK_BUSY
  * below, or STEPD_CPU_MIN_WORK when only that one is set).
@@ -28,34 +28,6 @@
 #include "err.h"
 #include "log.h"
 #include "cpu.h"
-
-/* Runtime check: the AVX2 kernels are compiled with target attributes, so they exist in
- * every x86_64 build (also -Dnative=false) and run only where the CPU has AVX2+FMA. */
-static bool cpu_has_avx2(void)
-{
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return false;
-#endif
-}
-
-bool cpu_has_avx512f(void)
-{
-#if defined(__x86_64__)
-    static _Atomic int cached = -1;   /* racy first calls agree: relaxed is enough */
-    int v = atomic_load_explicit(&cached, memory_order_relaxed);
-
-    if (v < 0) {
-        v = __builtin_cpu_supports("avx512f") && !getenv("STEPD_CPU_NO_AVX512");
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
-    }
-    return v;
-#else
-    return false;
-#endif
-}
 
 /* Multiply-adds per extra thread in busy mode.  On the tiny model (1- and 16-token
  * steps, 2 cores) 32K, 64K and 128K performed alike within noise; 32K lets 128-row
@@ -95,9 +67,7 @@ static int cpu_init(struct backend *be, const struct backend_cfg *cfg)
     }
     c->n_threads = n;
     c->mxfp4_exact = cfg->mxfp4_exact;
-    c->have_avx2 = cpu_has_avx2();
-    if (getenv("STEPD_CPU_NO_AVX2"))
-        c->have_avx2 = false;
+    c->have_avx2 = cpu_isa_has(CPU_ISA_AVX2);
     /* below ~64K multiply-adds a futex round trip costs more than the second core gives */
     mw = getenv("STEPD_CPU_MIN_WORK");
     c->min_work = mw ? atof(mw) : 65536.0;
@@ -105,7 +75,8 @@ static int cpu_init(struct backend *be, const struct backend_cfg *cfg)
         mw = getenv("STEPD_CPU_MIN_WORK_BUSY");
     c->min_work_busy = mw ? atof(mw) : MIN_WORK_BUSY;
     be->ctx = c;
-    log_debug("cpu backend: %d threads, avx2 %s, mxfp4 %s", n, c->have_avx2 ? "yes" : "no",
+    log_debug("cpu backend: %d threads, isa %s (host %s), mxfp4 %s", n, cpu_isa_name(cpu_isa()),
+              cpu_isa_name(cpu_isa_host()),
               c->mxfp4_exact ? "exact" : (c->have_avx2 ? "int8 fast" : "exact (no avx2)"));
     return 0;
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cpu-features.h"
 
 extern const struct backend_ops backend_cpu_ops;
 
@@ -246,9 +247,9 @@ extern int cpu_mxfp4_pf_bytes;
 /* True when matmul of w runs the fast int8 path under this context. */
 bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w);
 
-/* The CPU has AVX-512F and STEPD_CPU_NO_AVX512 is not set (tests run both paths); checked
- * once per process.  Every AVX-512 kernel choice goes through it. */
-bool cpu_has_avx512f(void);
+/* Attention's AVX-512 path: 0 = off (level below avx512), 1 = on, 2 = on with vector exp
+ * tails; fixed by the first call. */
+int cpu_attn_avx512_level(void);
 
 /* ---- backend ops (one file each) ---- */
 int cpu_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out);

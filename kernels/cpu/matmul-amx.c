@@ -52,10 +52,7 @@
 #include <string.h>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include "log.h"
@@ -76,9 +73,6 @@ int cpu_amx_pf_steps = AMX_PF_STEPS;
 
 #if defined(__x86_64__)
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static bool amx_ok;
 static pthread_key_t amx_buf_key;
@@ -90,27 +84,11 @@ static void amx_buf_free(void *p)
     free(p);
 }
 
+/* Level amx (cpu-features.h): the CPU has the tiles and the kernel granted their state. */
 static void amx_detect(void)
 {
-    unsigned a, b, c, d;
-
-    if (getenv("STEPD_CPU_NO_AMX") || getenv("STEPD_CPU_NO_AVX512") ||
-        getenv("STEPD_CPU_NO_AVX2"))
+    if (!cpu_isa_has(CPU_ISA_AMX))
         return;
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512bf16"))
-        return;
-    if (__get_cpuid_max(0, NULL) < 7)
-        return;
-    __cpuid_count(7, 0, a, b, c, d);
-    /* EDX bit 22 AMX-BF16, bit 24 AMX-TILE */
-    if (!(d & (1u << 22)) || !(d & (1u << 24)))
-        return;
-    /* the kernel hands out the 8 KiB tile state only on request (once per process) */
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
-        log_debug("cpu: AMX present but the kernel refused XTILEDATA; AVX-512 matmul");
-        return;
-    }
     if (pthread_key_create(&amx_buf_key, amx_buf_free) != 0)
         return;
     amx_ok = true;
@@ -154,11 +132,8 @@ size_t cpu_amx_act_bytes(int n, int64_t cols)
     return (size_t)(AMX_PARTS * pb + ng) * (size_t)(cols / AMX_KSTEP) * AMX_TILE;
 }
 
-#define AMX_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
-#define AMX_INLINE \
-    __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16"), \
-                   always_inline)) \
-    static inline
+#define AMX_FN CPU_FN_AMX
+#define AMX_INLINE __attribute__((target(CPU_TARGET_AMX), always_inline)) static inline
 
 /* v[k] word c <- v[c] word k (16 x 16 32-bit transpose) */
 AMX_INLINE void transpose16(__m512i v[16])

@@ -82,8 +82,8 @@ static void bf16_rows_scalar(const struct bweight *w, const float *x, const int3
 }
 
 #if defined(__x86_64__)
-#define AVX2_FN __attribute__((target("avx2,fma")))
-#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) static inline
+#define AVX2_FN CPU_FN_AVX2
+#define AVX2_INLINE __attribute__((target(CPU_TARGET_AVX2), always_inline)) static inline
 
 AVX2_INLINE __m256 bf16x8(const uint8_t *p)
 {
@@ -258,8 +258,8 @@ AVX2_FN static void f32_rows_avx2(const struct bweight *w, const float *x, const
 
 /* ---- AVX-512F (where the CPU has it): 16-wide, 32 zmm registers ----
  * Tile of 4 weight rows x 6 tokens: 24 accumulators + 4 weights + 1 activation. */
-#define AVX512_FN __attribute__((target("avx2,fma,avx512f")))
-#define AVX512_INLINE __attribute__((target("avx2,fma,avx512f"), always_inline)) static inline
+#define AVX512_FN CPU_FN_AVX512
+#define AVX512_INLINE __attribute__((target(CPU_TARGET_AVX512), always_inline)) static inline
 #define Z_ROWS 4
 #define Z_TOKS 6
 
@@ -381,7 +381,7 @@ void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t 
                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2)
 {
 #if defined(__x86_64__)
-    if (avx2 && cpu_has_avx512f()) {
+    if (avx2 && cpu_isa_has(CPU_ISA_AVX512)) {
         f32_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
         return;
     }
@@ -401,7 +401,7 @@ void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t
      * calls the AMX kernel itself, other callers such as moe.c come here) */
     if (avx2 && cpu_bf16_use_amx(w) && cpu_matmul_bf16_amx_self(w, x, xidx, n, y, ldy, r0, r1))
         return;
-    if (avx2 && cpu_has_avx512f()) {
+    if (avx2 && cpu_isa_has(CPU_ISA_AVX512)) {
         bf16_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
         return;
     }

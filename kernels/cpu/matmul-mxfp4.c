@@ -163,7 +163,7 @@ static void exact_dot_scalar(const float *rowbuf, const float *xi, int64_t cols,
 /* doubled E2M1 as int8; the /2 goes into the (power-of-two, so exact) scale */
 static const int8_t lut_doubled[16] = { 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12 };
 
-__attribute__((target("avx2,fma")))
+CPU_FN_AVX2
 static void mxfp4_row_decode_avx2(const struct bweight *w, int64_t r, float *out)
 {
     const __m128i lut = _mm_loadu_si128((const __m128i *)lut_doubled);
@@ -187,7 +187,7 @@ static void mxfp4_row_decode_avx2(const struct bweight *w, int64_t r, float *out
 }
 
 /* same lanes as exact_dot_scalar: acc[0..3], [4..7], [8..11], [12..15] */
-__attribute__((target("avx2,fma")))
+CPU_FN_AVX2
 static void exact_dot_avx2(const float *rowbuf, const float *xi, int64_t cols, double *acc)
 {
     __m256d a0 = _mm256_loadu_pd(acc), a1 = _mm256_loadu_pd(acc + 4);
@@ -207,42 +207,12 @@ static void exact_dot_avx2(const float *rowbuf, const float *xi, int64_t cols, d
 }
 #endif
 
-/* A CPU-feature probe, run once per process and cached (racy first calls agree, so
- * relaxed is enough); every have_*_rt() of this file goes through it. */
-static bool rt_cached(_Atomic int *cache, bool (*probe)(void))
-{
-    int v = atomic_load_explicit(cache, memory_order_relaxed);
-
-    if (v < 0) {
-        v = probe();
-        atomic_store_explicit(cache, v, memory_order_relaxed);
-    }
-    return v;
-}
-
-static bool probe_avx2(void)
-{
-#if defined(__x86_64__)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           !getenv("STEPD_CPU_NO_AVX2");
-#else
-    return false;
-#endif
-}
-
-static bool have_avx2_rt(void)
-{
-    static _Atomic int cached = -1;
-
-    return rt_cached(&cached, probe_avx2);
-}
-
 void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const int32_t *xidx,
                                  int n, float *y, int64_t ldy, int64_t r0, int64_t r1,
                                  float *rowbuf)
 {
     const int64_t cols = w->cols;
-    const bool avx2 = have_avx2_rt();
+    const bool avx2 = cpu_isa_has(CPU_ISA_AVX2);
 
     for (int64_t r = r0; r < r1; r++) {
 #if defined(__x86_64__)
@@ -337,7 +307,7 @@ static void qact_block_scalar(const float *xb, int8_t *qe, int8_t *qo, float *re
  * its second operand, the running max, when the element is NaN), the clamp happens in
  * float before cvtps (round to nearest even like lrintf in the default mode), NaN lanes
  * are zeroed by mask, and the integer sum is exact. */
-__attribute__((target("avx512f")))
+CPU_FN_AVX512
 static void qact_block_avx512(const float *xb, int8_t *qe, int8_t *qo, float *ret_d,
                               int32_t *ret_sum)
 {
@@ -397,7 +367,7 @@ static void qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_
 void cpu_qact_quantize(struct cpu_qact *qa, int64_t i, const float *x, int64_t b0, int64_t b1)
 {
 #if defined(__x86_64__)
-    qact_quantize(qa, i, x, b0, b1, cpu_has_avx512f());
+    qact_quantize(qa, i, x, b0, b1, cpu_isa_has(CPU_ISA_AVX512));
 #else
     qact_quantize(qa, i, x, b0, b1, false);
 #endif
@@ -523,23 +493,8 @@ fast_rows_##sfx(const struct bweight *w, const struct cpu_qact *qa, const int32_
     }                                                                                              \
 }
 
-DEFINE_MXFP4_KERNELS(avx2, "avx2,fma", DOT_AVX2)
-DEFINE_MXFP4_KERNELS(vnni, "avx2,fma,avx512vl,avx512vnni", DOT_VNNI)
-
-/* VNNI (vpdpbusd) where the CPU has AVX512-VNNI+VL; STEPD_CPU_NO_VNNI forces plain AVX2
- * (tests run both). */
-static bool probe_vnni(void)
-{
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-           !getenv("STEPD_CPU_NO_VNNI");
-}
-
-static bool have_vnni_rt(void)
-{
-    static _Atomic int cached = -1;
-
-    return rt_cached(&cached, probe_vnni);
-}
+DEFINE_MXFP4_KERNELS(avx2, CPU_TARGET_AVX2, DOT_AVX2)
+DEFINE_MXFP4_KERNELS(vnni, CPU_TARGET_VNNI, DOT_VNNI)
 
 /* ---- 16-row kernel (AVX-512 VNNI): multi-token calls ----
  * The old kernel reduces every (row, pair) dot product horizontally (3 hadd) for every
@@ -563,7 +518,7 @@ static bool have_vnni_rt(void)
  * The transposition is 3 stages of vpermt2d; stage s swaps bit s of the vector index
  * (which starts as row bits 3..1) with bit 2-s of the lane (which starts as [row bit 0,
  * block, h1, h0]), leaving vector (h0 << 2 | h1 << 1 | b) and lane bits (r0 r1 r2 r3). */
-#define T16_TARGET "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"
+#define T16_TARGET CPU_TARGET_VNNI
 #define T16_NT 4
 
 /* nonzero: multi-token calls keep the 4-row kernel (tests, benchmarks) */
@@ -921,36 +876,22 @@ fast_rows_t16(const struct bweight *w, const struct cpu_qact *qa, const int32_t 
     }
 }
 
-/* The 16-row kernel where the CPU has AVX-512 F/BW/VL + VNNI, unless STEPD_CPU_NO_VNNI,
- * STEPD_CPU_NO_AVX512 or STEPD_CPU_NO_AVX2 (no fast path at all) is set. */
-static bool probe_t16(void)
-{
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-           !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
-           !getenv("STEPD_CPU_NO_AVX2");
-}
-
-static bool have_t16_rt(void)
-{
-    static _Atomic int cached = -1;
-
-    return rt_cached(&cached, probe_t16);
-}
-
+/* The 16-row kernel and the 256-bit VNNI one run at level vnni (cpu-features.h). */
 int64_t cpu_mxfp4_row_align(const struct bweight *w)
 {
     (void)w;
-    return have_t16_rt() && !cpu_mxfp4_t16_off ? 16 : MXFP4_TILE_ROWS;
+    return cpu_isa_has(CPU_ISA_VNNI) && !cpu_mxfp4_t16_off ? 16 : MXFP4_TILE_ROWS;
 }
 
 void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *qa,
                                 const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0,
                                 int64_t r1)
 {
-    if (have_t16_rt() && !cpu_mxfp4_t16_off && n >= cpu_mxfp4_t16_min_n)
+    const bool vnni = cpu_isa_has(CPU_ISA_VNNI);
+
+    if (vnni && !cpu_mxfp4_t16_off && n >= cpu_mxfp4_t16_min_n)
         fast_rows_t16(w, qa, xidx, n, y, ldy, r0, r1);
-    else if (have_vnni_rt())
+    else if (vnni)
         fast_rows_vnni(w, qa, xidx, n, y, ldy, r0, r1);
     else
         fast_rows_avx2(w, qa, xidx, n, y, ldy, r0, r1);

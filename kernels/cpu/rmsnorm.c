@@ -40,7 +40,7 @@ static inline double row_ss_scalar(const float *xr, int dim)
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) static double row_ss_avx2(const float *xr, int dim)
+CPU_FN_AVX2 static double row_ss_avx2(const float *xr, int dim)
 {
     __m256d acc = _mm256_setzero_pd();
     double l4[4];

@@ -21,7 +21,7 @@ void cpu_swiglu_rows_scalar(const float *gate, const float *up, float *out, int6
 /* cpu_swiglu1 on 16 lanes, the same operations in the same order: the clamps as
  * max/min with the running value first where NaN must pass through (max_ps/min_ps return
  * their second operand when either is NaN), fmadd for fmaf, an exact division. */
-__attribute__((target("avx512f"))) static void swiglu_rows_avx512(const float *gate,
+CPU_FN_AVX512 static void swiglu_rows_avx512(const float *gate,
                                                                    const float *up, float *out,
                                                                    int64_t n, float limit)
 {
@@ -72,7 +72,7 @@ __attribute__((target("avx512f"))) static void swiglu_rows_avx512(const float *g
 void cpu_swiglu_rows(const float *gate, const float *up, float *out, int64_t n, float limit)
 {
 #if defined(__x86_64__)
-    if (cpu_has_avx512f()) {
+    if (cpu_isa_has(CPU_ISA_AVX512)) {
         swiglu_rows_avx512(gate, up, out, n, limit);
         return;
     }

@@ -28,9 +28,7 @@
 #include "engine.h"
 #include "spec.h"
 #include "mock.h"
-#ifdef BENCH_HAVE_MODEL
 #include "../engine/model-rig.h"
-#endif
 
 struct client {
     struct bench *b;
@@ -286,7 +284,6 @@ int main(int argc, char **argv)
     int32_t eos[ENGINE_MAX_EOS];
     int n_eos = 0;
     const char *what = "mock (2 ms/step + 20 us/token, 0.3 ms/MTP call, accuracy 0.8)";
-#ifdef BENCH_HAVE_MODEL
     struct model_rig rig = { 0 };
     if (!mock) {
         if (!dir)
@@ -302,9 +299,6 @@ int main(int argc, char **argv)
             eos[n_eos++] = rig.cfg->eos_token_ids[i];
         what = dir;
     }
-#else
-    mock = true;
-#endif
     if (mock) {
         struct mock_config mc;
         mock_config_init(&mc);
@@ -351,9 +345,7 @@ int main(int argc, char **argv)
 
     /* the K = 3 engine with the other draft weights (below) */
     struct engine *eq = NULL;
-#ifdef BENCH_HAVE_MODEL
     struct model_rig rigq = { 0 };
-#endif
     if (prof_k >= 0) {
         double t0 = now_s(), toks = 0, secs = 0;
         while (now_s() - t0 < prof_s) {
@@ -371,7 +363,6 @@ int main(int argc, char **argv)
      * rounds so that they see the same machine; the median round is printed */
     enum model_draft_quant dq = dq_of(sdq), dq2 = dq == MODEL_DRAFT_MXFP4 ? MODEL_DRAFT_CHECKPOINT
                                                                            : MODEL_DRAFT_MXFP4;
-#ifdef BENCH_HAVE_MODEL
     if (!mock) {
         int r = model_rig_open_q(&rigq, dir, threads, 16, 256, 1024, dq2, &err);
         if (r < 0 || engine_new(rigq.f, &ec, &eq, &err) < 0) {
@@ -381,7 +372,6 @@ int main(int argc, char **argv)
         engine_start(eq);
         (void) run(eq, vocab, 1, 3, 32, 16, 1);
     }
-#endif
     struct result k0r[BENCH_REPS], k3r[BENCH_REPS], kqr[BENCH_REPS];
     for (int rep = 0; rep < BENCH_REPS; rep++) {
         k0r[rep] = run(e, vocab, 1, 0, 32, n_out, 3);
@@ -462,13 +452,11 @@ done:
         engine_stop(eq);
         engine_free(eq);
     }
-#ifdef BENCH_HAVE_MODEL
     if (rigq.f)
         model_rig_close(&rigq);
     if (!mock)
         model_rig_close(&rig);
     else
-#endif
         f->ops->free(f);
     return inv < 0 ? 1 : 0;
 }

@@ -9,8 +9,8 @@
  *  - the sliding window holds exactly `window` keys (key t-window is invisible,
  *    key t-window+1 is visible);
  *  - a released block (-1) outside the window is never read; inside it is -EINVAL;
- *  - the AVX-512 path (default where the CPU has it) is bit-identical to the AVX2 path
- *    (STEPD_CPU_NO_AVX512=1, run in a forked child) on random decode, verify and prefill
+ *  - at level avx512, the AVX-512 path is bit-identical to the AVX2 path (level avx2,
+ *    run in a forked child) on random decode, verify and prefill
  *    batches of several head sizes, GQA groups, contexts, windows and cache dtypes, and
  *    matches the fp64 reference.
  */
@@ -19,6 +19,8 @@
 #include <unistd.h>
 
 #include "kref.h"
+#include "kisa.h"
+#include "cpu.h"
 
 enum { NH = 6, NKV = 2, HD = 24, BS = 4, NBLK = 160 };
 
@@ -403,9 +405,8 @@ static size_t id_cases_run(struct backend *be, float *buf, size_t cap, bool chec
     return used;
 }
 
-/* The default path (AVX-512 where the CPU has it) against STEPD_CPU_NO_AVX512=1 (the AVX2
- * kernels) in a child forked before either was used (the choice is read once per process),
- * bit for bit.  Without AVX2 or with the override already set both sides take one path. */
+/* At level avx512: the AVX-512 path against the AVX2 kernels (level avx2, in a child forked
+ * before either was used: the choice is fixed by the first call), bit for bit. */
 static void test_avx512_identity(void)
 {
     const size_t cap = (size_t)4 << 20, bytes = 64 + cap * sizeof(float);
@@ -424,7 +425,7 @@ static void test_avx512_identity(void)
     if (pid == 0) {
         struct backend *be;
 
-        setenv("STEPD_CPU_NO_AVX512", "1", 1);
+        cpu_isa_set(CPU_ISA_AVX2);
         be = kref_backend(2, false);
         *n_theirs = id_cases_run(be, theirs, cap, false);
         backend_free(be);
@@ -453,7 +454,10 @@ static void test_avx512_identity(void)
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
-    test_avx512_identity();                 /* first: forks before any attention call */
+    if (kt_isa_require("attention", CPU_ISA_SCALAR) >= CPU_ISA_AVX512) {
+        test_avx512_identity();             /* first: forks before any attention call */
+        ASSERT_TRUE(cpu_attn_avx512_level() >= 1);
+    }
     for (int th = 1; th <= 3; th += 2) {
         struct backend *be = kref_backend(th, false);
 

@@ -16,6 +16,7 @@
  *  - The worked examples of MODEL.md §5.3; E8M0 255 is rejected at prepare.
  */
 #include "kref.h"
+#include "kisa.h"
 #include "cpu.h"
 
 static double fast_rel_max, fast_rel_sum;  /* |fast - ref| / Σ|w·x| over all outputs */
@@ -92,7 +93,7 @@ static void check_mxfp4(int64_t rows, int64_t cols, int n, int nth)
         }
     }
     /* the fast path really ran (it rounds activations, so some output differs) */
-    if (rows * cols >= 37 * 1056 && __builtin_cpu_supports("avx2") && !getenv("STEPD_CPU_NO_AVX2")) {
+    if (rows * cols >= 37 * 1056 && cpu_isa_has(CPU_ISA_AVX2)) {
         int differ = 0;
 
         for (int64_t k = 0; k < n * rows; k++)
@@ -128,9 +129,7 @@ static void check_t16(int64_t rows, int64_t cols, int nmax, bool nonfinite)
     int32_t *xidx = malloc(sizeof(int32_t) * nmax);
     void *mem = malloc(cpu_qact_bytes(ntok, cols));
     struct cpu_qact qa;
-    const bool have = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                      !getenv("STEPD_CPU_NO_VNNI") && !getenv("STEPD_CPU_NO_AVX512") &&
-                      !getenv("STEPD_CPU_NO_AVX2");
+    const bool have = cpu_isa_has(CPU_ISA_VNNI);
     int64_t ranges[4][2] = { { 0, rows }, { 4, rows }, { 0, rows - rows % 4 }, { 20, 44 } };
 
     ASSERT_TRUE(x && ya && yb && xidx && mem);
@@ -478,6 +477,7 @@ static void check_worked_examples(void)
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
+    const enum cpu_isa isa = kt_isa_require("matmul", CPU_ISA_SCALAR);
     static const int64_t shapes[][2] = { { 1, 32 }, { 7, 96 }, { 13, 160 }, { 4, 64 }, { 37, 1056 }, { 66, 4096 } };
     static const int ns[] = { 1, 2, 3, 5, 9 };
 
@@ -523,11 +523,12 @@ int main(void)
                                                  { 16, 32 }, { 21, 96 }, { 9, 64 }, { 40, 100 } };
 
         check_bf16_nonfinite();
-        if (__builtin_cpu_supports("avx2") && !getenv("STEPD_CPU_NO_AVX2"))
+        if (cpu_isa_has(CPU_ISA_AVX2))
             for (size_t a = 0; a < ARRAY_SIZE(inv_shapes); a++) {
                 check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], false);
                 check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], true);
             }
+        ASSERT_EQ(cpu_amx_bf16_ok(), isa == CPU_ISA_AMX);
         if (cpu_amx_bf16_ok()) {
             static const int64_t amx_shapes[][2] = { { 4096, 256 }, { 128, 256 }, { 256, 768 },
                                                      { 768, 256 }, { 37, 1056 }, { 16, 32 },

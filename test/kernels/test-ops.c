@@ -2,6 +2,7 @@
  * rope (+ inv_freq tables with llama3 scaling), kv_store, head_gate, swiglu, router, add.
  * Odd shapes, fixed seeds; tolerances stated at each check. */
 #include "kref.h"
+#include "kisa.h"
 #include "cpu.h"
 
 static void test_embed(struct backend *be)
@@ -325,6 +326,7 @@ static void test_router(struct backend *be)
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
+    kt_isa_require("ops", CPU_ISA_SCALAR);
     struct backend *be = kref_backend(2, false);
 
     krng_seed(42);

@@ -1,5 +1,5 @@
 /* test-qact.c - the int8 activation quantiser of the fast MXFP4 path: the dispatched
- * (AVX-512 where the CPU has it) cpu_qact_quantize equals the scalar oracle bit for bit -
+ * AVX-512 cpu_qact_quantize (this test skips without AVX-512) equals the scalar oracle bit for bit -
  * int8 values, block scales and correction sums - on random rows, odd block counts
  * (the pad block), zeros, denormals, huge values, infinities and NaNs; and a block's
  * values dequantise to within half a step of the input. */
@@ -10,6 +10,7 @@
 
 #include "cpu.h"
 #include "harness.h"
+#include "kisa.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
@@ -88,6 +89,7 @@ int main(void)
 {
     static const int64_t cols[] = { 32, 96, 256, 384, 768, 4096 };
 
+    kt_isa_require("qact", CPU_ISA_AVX512);    /* the AVX-512 quantiser against the scalar one */
     for (int kind = 0; kind <= 7; kind++)
         for (size_t c = 0; c < sizeof(cols) / sizeof(cols[0]); c++)
             check(kind == 0 ? 7 : 3, cols[c], kind);

@@ -97,6 +97,10 @@ def main():
     ap.add_argument('--bench', action='store_true')
     a = ap.parse_args()
 
+    if not a.tokenizer:
+        print('SKIP: no tokenizer.json given (the PyPI one comes with anthropic==0.34.2, '
+              'tools/dev/install-deps.sh)')
+        sys.exit(77)
     tok = Tokenizer.from_file(a.tokenizer)
     with tempfile.NamedTemporaryFile(suffix='.corpus') as tf:
         subprocess.run([a.cli, 'corpus', a.tokenizer, tf.name], check=True)

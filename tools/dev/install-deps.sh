@@ -12,7 +12,7 @@ pkgs=(
   build-essential meson ninja-build pkg-config git ca-certificates
   clang libclang-rt-14-dev
   libjansson-dev libuv1-dev libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
-  libucx-dev ucx-utils libsystemd-dev libpcre2-dev
+  libucx-dev ucx-utils libpcre2-dev
   python3 python3-venv python3-pip
   libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv
 )

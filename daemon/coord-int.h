@@ -17,8 +17,9 @@
 
 #include <uv.h>
 
-#include "batcher.h"
+#include "admit.h"
 #include "coord.h"
+#include "engine-conn.h"
 #include "rpc.h"
 
 #include "stepd.pb-c.h"
@@ -108,31 +109,6 @@ enum group_state {
     GROUP_FAILED,       /* waiting for ranks to come back */
 };
 
-/* The engine's output stream (Engine.OpenOutputs): one per connection carries the
- * outputs of every request submitted to it (Engine.Submit), one message per engine
- * step instead of one per token per request. Until it is open, and with an engine
- * that lacks it, requests use one Generate call each. */
-enum out_state {
-    OUT_CLOSED,
-    OUT_OPENING,            /* OpenOutputs sent, its first (empty) batch not yet in */
-    OUT_READY,
-    OUT_UNSUPPORTED,        /* the engine answered UNIMPLEMENTED */
-};
-
-struct engine_conn {
-    struct rpc_channel *ch;
-    unsigned refs;          /* group (while attached) + each live call */
-    bool attached;
-    struct coord *co;
-    char addr[256];
-    enum out_state out_state;
-    struct rpc_client_call *out_call;
-    char out_id[64];
-    int64_t out_retry_ms;   /* no new OpenOutputs before this */
-    struct req **out_tab;   /* requests submitted to the stream, by id; chained by onext */
-    size_t out_cap, out_n;
-};
-
 struct rank {
     bool present;
     struct rpc_call *session;       /* the open Session stream */
@@ -190,11 +166,6 @@ unsigned wpool_count(const struct coord *co);
 void wpool_heartbeat(struct coord *co);
 void wpool_poll_loads(struct coord *co);
 void wpool_shutdown_sessions(struct coord *co);
-void engine_conn_unref(struct engine_conn *e);
-/* The group lets go of its connection: closes the output stream, drops the ref. */
-void engine_conn_detach(struct engine_conn *e);
-/* req.c: open e's output stream (no-op unless closed and not backing off). */
-void engine_out_open(struct engine_conn *e);
 const char *group_state_name(enum group_state s);
 
 /* ------------------------------------------------------------------ requests (req.c) */
@@ -203,7 +174,7 @@ struct req {
     struct coord *co;
     struct req *prev, *next;        /* coord->reqs (all live) */
     struct req *gprev, *gnext;      /* group->reqs (while routed) */
-    struct batch_item bi;
+    struct admit_item ai;
     char id[136];
     struct rpc_call *call;          /* NULL once finished */
     const Stepd__V1__GenerateRequest *in;
@@ -246,7 +217,11 @@ void req_fail_group(struct group *g, const char *why);
 /* Dispatch a request promoted from the queue: 0, or <0 when it failed (the client
  * call is finished; the caller still holds and must release its slot). */
 int req_dispatch_promoted(struct req *r);
-/* Free r if nothing references it any more. */
+/* Free r if nothing references it any more.  The one rule for freeing a request: only
+ * the entry points - the callbacks rpc/ and libuv call (a client call's cancel, an engine
+ * call's messages and end, the output stream's batches and end, Submit's answer, the
+ * timers) and the admission promotions - call this, once, after they are done with r;
+ * the helpers they call (req_finish, req_engine_end, req_stop_engine, ...) never free. */
 void req_free_if_done(struct req *r);
 /* Abort by client-visible id (Inference.Abort). Returns 1 if found. */
 int req_abort_by_id(struct coord *co, const char *id);
@@ -255,6 +230,11 @@ int req_abort_by_id(struct coord *co, const char *id);
 void req_sweep_deadlines(struct coord *co);
 /* Fail everything (forced shutdown). */
 void req_fail_all(struct coord *co, int status, const char *why);
+/* The engine's answers for r (engine-conn.c's output stream, or r's own Generate call):
+ * one chunk or final, and the end of the engine's part (status OK: a final came first).
+ * Neither frees r (see req_free_if_done). */
+void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er);
+void req_engine_end(struct req *r, int status, const char *details);
 /* Validation (exposed for unit tests): 0 or -EINVAL with the field named in msg. */
 int req_validate(const struct coord *co, const Stepd__V1__GenerateRequest *in, char *msg, size_t len);
 
@@ -275,9 +255,9 @@ void coord_absl_tune(void);
 /* What the CQ thread reads to answer without the loop (rpc cq_hook): overload
  * rejections of Generate and health Check. The loop publishes; the CQ thread reads
  * and counts. Admission: the CQ thread refuses a Generate call (RESOURCE_EXHAUSTED,
- * pushback) when running + queued (batch_published) + in_transit >= max_running +
+ * pushback) when running + queued (admit_published) + in_transit >= max_running +
  * max_queue, and otherwise passes it to the loop, counted in in_transit until its
- * handler starts (or it ends before that, cq_unmark). The batcher on the loop stays
+ * handler starts (or it ends before that, cq_unmark). The admission on the loop stays
  * the exact authority: a call the CQ thread passes in a race is refused there. The
  * one approximation: a call can be refused while an earlier one that will turn out
  * invalid is still in transit (it counted as holding a slot). */
@@ -309,7 +289,7 @@ struct coord {
     bool exiting;
     int exit_code;
     int64_t start_ms;
-    struct batcher batch;
+    struct admit admit;
     struct req *reqs;
     unsigned n_reqs;
     uint64_t next_req_id;
@@ -330,9 +310,20 @@ struct coord {
 #endif
 };
 
+/* ---- health.c ---- */
 /* Re-evaluate readiness; notify Watch subscribers and systemd when it changed;
  * publish readiness and the drain state for the CQ thread (struct coord_gate). */
 void coord_health_update(struct coord *co);
+/* Publish the state the CQ thread answers from (health Check, the drain gate). */
+void health_publish(struct coord *co);
+/* Periodic: forget ended Watch streams, publish again. */
+void health_tick(struct coord *co);
+/* The service manager's STATUS line: groups ready, loading progress, running, queued. */
+void health_status_line(struct coord *co);
+/* Shutdown: end every Watch stream with NOT_SERVING and UNAVAILABLE. */
+void health_watches_end(struct coord *co);
+/* grpc.health.v1.Health Check and Watch on server s. */
+int health_register_methods(struct coord *co, struct rpc_server *s);
 /* CQ thread (rpc cq_hook of Generate): answer RESOURCE_EXHAUSTED at once when full. */
 bool req_generate_cq(struct rpc_call *call, void *ud);
 void req_generate_unmark(int mark, void *ud);

@@ -13,13 +13,11 @@
 #include "coord-int.h"
 #include "err.h"
 #include "log.h"
+#include "net.h"
 #include "notify.h"
 #include "pb-util.h"
 #include "stepd-config.h"
 
-#define HEALTH_SERVING GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
-#define HEALTH_NOT_SERVING GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
-#define HEALTH_UNKNOWN_SVC GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN
 
 void coord_opts_default(struct coord_opts *o)
 {
@@ -71,194 +69,18 @@ uint32_t coord_max_model_len(const struct coord *co)
     return co->model.known ? co->model.max_model_len : 0;
 }
 
-/* ------------------------------------------------------------------ health */
-
-bool coord_ready(const struct coord *co)
-{
-    return !co->draining && !co->exiting && wpool_ready_count(co) > 0;
-}
-
-static int health_kind(const char *svc)
-{
-    if (!strcmp(svc, "") || !strcmp(svc, "liveness"))
-        return 0;
-    if (!strcmp(svc, "stepd.v1.Inference") || !strcmp(svc, "readiness"))
-        return 1;
-    return -1;
-}
-
-static int health_status(const struct coord *co, int kind)
-{
-    if (kind == 0)
-        return co->exiting ? HEALTH_NOT_SERVING : HEALTH_SERVING;
-    if (kind == 1)
-        return coord_ready(co) ? HEALTH_SERVING : HEALTH_NOT_SERVING;
-    return HEALTH_UNKNOWN_SVC;
-}
-
-static void health_send(struct health_watch *w, int st)
-{
-    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-    resp.status = st;
-    w->last = st;
-    (void)rpc_call_send(w->call, &resp.base);
-}
-
-static void status_line(struct coord *co)
-{
-    unsigned ready = wpool_ready_count(co), total = wpool_count(co);
-    float prog = 0;
-    unsigned nr = 0;
-    for (struct group *g = co->groups; g; g = g->next)
-        if (g->state == GROUP_LOADING)
-            for (unsigned i = 0; i < g->world; i++) {
-                prog += g->ranks[i].progress;
-                nr++;
-            }
-    if (nr)
-        notify_status("%s; groups ready %u/%u; loading %.0f%%; running %u, queued %u",
-                      co->draining ? "draining" : "serving", ready, total, 100.0 * prog / nr,
-                      co->batch.running, co->batch.queued);
-    else
-        notify_status("%s; groups ready %u/%u; running %u, queued %u",
-                      co->draining ? "draining" : "serving", ready, total, co->batch.running,
-                      co->batch.queued);
-}
-
-/* What health Check on the CQ thread answers, and whether Generate may be refused there. */
-static void health_publish(struct coord *co)
-{
-    atomic_store_explicit(&co->gate.health[0], health_status(co, 0), memory_order_release);
-    atomic_store_explicit(&co->gate.health[1], health_status(co, 1), memory_order_release);
-    atomic_store_explicit(&co->gate.closed, co->draining || co->exiting, memory_order_release);
-}
-
-void coord_health_update(struct coord *co)
-{
-    int ready = coord_ready(co);
-
-    health_publish(co);
-    for (struct health_watch *w = co->watches; w; w = w->next) {
-        int st = health_status(co, w->kind);
-        if (st != w->last)
-            health_send(w, st);
-    }
-    if (ready != co->last_ready) {
-        log_info("readiness: %s (%u of %u groups ready%s)", ready ? "SERVING" : "NOT_SERVING",
-                 wpool_ready_count(co), wpool_count(co), co->draining ? ", draining" : "");
-        co->last_ready = ready;
-    }
-    status_line(co);
-}
-
-static void h_health_check(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
-{
-    struct coord *co = ud;
-    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)msg;
-    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-    int kind = health_kind(r->service);
-
-    if (kind < 0) {
-        rpc_call_finish(call, RPC_NOT_FOUND, "unknown service");
-        return;
-    }
-    resp.status = health_status(co, kind);
-    rpc_call_send(call, &resp.base);
-    rpc_call_finish(call, RPC_OK, NULL);
-}
-
-/* Check on the CQ thread, from the published state: it never waits behind the loop
- * (A7: readiness probes stay fast under load). Undecodable requests go to the loop. */
-static bool h_health_check_cq(struct rpc_call *call, void *ud)
-{
-    struct coord *co = ud;
-    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)rpc_cq_request(call);
-    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-
-    if (!r)
-        return false;
-    int kind = health_kind(r->service);
-    if (kind < 0) {
-        rpc_cq_reply(call, NULL, RPC_NOT_FOUND, "unknown service", NULL, NULL);
-        return true;
-    }
-    resp.status = atomic_load_explicit(&co->gate.health[kind], memory_order_acquire);
-    rpc_cq_reply(call, &resp.base, RPC_OK, NULL, NULL, NULL);
-    return true;
-}
-
-static void watch_cancel(struct rpc_call *call, void *ud)
-{
-    struct health_watch *w = ud;
-    w->call = NULL;
-    rpc_call_finish(call, RPC_CANCELLED, NULL);
-}
-
-static void watches_gc(struct coord *co)
-{
-    struct health_watch **pp = &co->watches;
-    while (*pp) {
-        if (!(*pp)->call) {
-            struct health_watch *d = *pp;
-            *pp = d->next;
-            free(d);
-        } else {
-            pp = &(*pp)->next;
-        }
-    }
-}
-
-static void h_health_watch(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
-{
-    struct coord *co = ud;
-    const Grpc__Health__V1__HealthCheckRequest *r = (const void *)msg;
-    struct health_watch *w;
-
-    watches_gc(co);
-    if (co->exiting) {
-        rpc_call_finish(call, RPC_UNAVAILABLE, "server shutting down");
-        return;
-    }
-    w = calloc(1, sizeof(*w));
-    if (!w) {
-        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
-        return;
-    }
-    w->call = call;
-    w->kind = health_kind(r->service);
-    w->next = co->watches;
-    co->watches = w;
-    rpc_call_on_cancel(call, watch_cancel, w);
-    health_send(w, health_status(co, w->kind));
-}
-
-static void watches_end(struct coord *co)
-{
-    for (struct health_watch *w = co->watches; w; w = w->next) {
-        if (!w->call)
-            continue;
-        Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-        resp.status = HEALTH_NOT_SERVING;
-        (void)rpc_call_send(w->call, &resp.base);
-        rpc_call_on_cancel(w->call, NULL, NULL);
-        rpc_call_finish(w->call, RPC_UNAVAILABLE, "server shutting down");
-        w->call = NULL;
-    }
-    watches_gc(co);
-}
-
 /* ------------------------------------------------------------------ admission glue */
 
 void coord_slot_release(struct coord *co, struct req *r)
 {
-    struct batch_item *it = batch_release(&co->batch, &r->bi);
+    struct admit_item *it = admit_release(&co->admit, &r->ai);
 
     /* a promoted request that cannot be dispatched gives its slot on: loop, not recurse */
     while (it) {
-        struct req *n = (struct req *)((char *)it - offsetof(struct req, bi));
+        struct req *n = (struct req *)((char *)it - offsetof(struct req, ai));
         if (req_dispatch_promoted(n) == 0)
             return;
-        it = batch_release(&co->batch, &n->bi);
+        it = admit_release(&co->admit, &n->ai);
         req_free_if_done(n);
     }
 }
@@ -377,7 +199,7 @@ static void shutdown_servers(struct coord *co)
     uv_timer_stop(&co->t_drain);
     uv_timer_stop(&co->t_heartbeat);
     uv_timer_stop(&co->t_loads);
-    watches_end(co);
+    health_watches_end(co);
     wpool_shutdown_sessions(co);
     co->servers_live = 3;
     rpc_server_shutdown(co->srv_pub, servers_down, co);
@@ -460,8 +282,8 @@ static void h_server_info(struct rpc_call *call, const ProtobufCMessage *msg, vo
     resp.uptime_s = (double)(rpc_now_ms() - co->start_ms) / 1000.0;
     resp.groups_total = wpool_count(co);
     resp.groups_ready = wpool_ready_count(co);
-    resp.running = co->batch.running;
-    resp.waiting = co->batch.queued;
+    resp.running = co->admit.running;
+    resp.waiting = co->admit.queued;
     resp.draining = co->draining;
     fill_limits(co, &lim);
     resp.limits = &lim;
@@ -610,8 +432,8 @@ static void h_drain(struct rpc_call *call, const ProtobufCMessage *msg, void *ud
     const Stepd__V1__DrainRequest *r = (const void *)msg;
     Stepd__V1__DrainResponse resp = STEPD__V1__DRAIN_RESPONSE__INIT;
 
-    resp.in_flight = co->batch.running;
-    resp.waiting = co->batch.queued;
+    resp.in_flight = co->admit.running;
+    resp.waiting = co->admit.queued;
     /* state first, answer after: health Check is answered on the CQ thread from the
      * published state, so a client that has the answer must already see NOT_SERVING */
     if (!r->exit_when_drained) {
@@ -713,8 +535,7 @@ static void loads_cb(uv_timer_t *t)
     int64_t now = rpc_now_ms();
 
     wpool_poll_loads(co);
-    watches_gc(co);
-    health_publish(co);     /* belt and braces: every state change already publishes */
+    health_tick(co);        /* belt and braces: every state change already publishes */
     /* Give memory freed after a burst back to the system while idle: after 1 s of
      * idle, then every 0.5 s up to 4 s, then at 8, 16 ... s, and whenever
      * IDLE_TRIM_STEP more heap is free than after the last trim. gRPC frees a closed
@@ -744,26 +565,10 @@ static void watchdog_cb(uv_timer_t *t)
 {
     struct coord *co = t->data;
     notify_watchdog();
-    status_line(co);
+    health_status_line(co);
 }
 
 /* ------------------------------------------------------------------ setup */
-
-static int add_health(struct coord *co, struct rpc_server *s)
-{
-    struct rpc_method ms[] = {
-        { "/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor, false, true,
-          h_health_check, co, 0, h_health_check_cq, NULL, true },   /* own CQ: A7 */
-        { "/grpc.health.v1.Health/Watch", &grpc__health__v1__health_check_request__descriptor, true, true,
-          h_health_watch, co },
-    };
-    for (size_t i = 0; i < ARRAY_SIZE(ms); i++) {
-        int r = rpc_server_add_method(s, &ms[i]);
-        if (r < 0)
-            return r;
-    }
-    return 0;
-}
 
 static int add_inference(struct coord *co, struct rpc_server *s)
 {
@@ -822,7 +627,7 @@ static int server_new(struct coord *co, const char *addr, bool tls, const char *
     int r = rpc_server_create(co->rpc, &so, ret);
     if (r < 0)
         return r;
-    if ((r = add(co, *ret)) < 0 || (r = add_health(co, *ret)) < 0)
+    if ((r = add(co, *ret)) < 0 || (r = health_register_methods(co, *ret)) < 0)
         return r;
     if ((r = rpc_server_listen(*ret, addr, ret_port)) < 0)
         return r;
@@ -836,7 +641,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     int r;
 
     /* E1: a non-loopback public listen needs TLS and an API key, or an explicit override */
-    if (!rpc_addr_is_loopback(o->listen) && !(tls && o->api_key && o->api_key[0])) {
+    if (!net_addr_is_loopback(o->listen) && !(tls && o->api_key && o->api_key[0])) {
         if (!o->insecure_listen) {
             log_error("refusing to listen on non-loopback %s without TLS and an API key "
                       "(use --tls-cert/--tls-key with --api-key-file, or --insecure-listen)", o->listen);
@@ -844,17 +649,17 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         }
         log_warn("listening on non-loopback %s without TLS and API key (--insecure-listen)", o->listen);
     }
-    if (!rpc_addr_is_loopback(o->admin_listen) && !o->insecure_listen) {
+    if (!net_addr_is_loopback(o->admin_listen) && !o->insecure_listen) {
         log_error("refusing a non-loopback admin listen %s without --insecure-listen", o->admin_listen);
         return -EPERM;
     }
-    if (!rpc_addr_is_loopback(o->control_listen) && !(o->control_key && o->control_key[0]) &&
+    if (!net_addr_is_loopback(o->control_listen) && !(o->control_key && o->control_key[0]) &&
         !o->insecure_listen) {
         log_error("refusing a non-loopback control listen %s without a control key "
                   "(STEPD_CONTROL_KEY) or --insecure-listen", o->control_listen);
         return -EPERM;
     }
-    if (o->metrics_listen && o->metrics_listen[0] && !rpc_addr_is_loopback(o->metrics_listen) &&
+    if (o->metrics_listen && o->metrics_listen[0] && !net_addr_is_loopback(o->metrics_listen) &&
         !o->insecure_listen) {
         log_error("refusing a non-loopback metrics listen %s without --insecure-listen "
                   "(the endpoint has no authentication)", o->metrics_listen);
@@ -875,7 +680,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     co->start_ms = rpc_now_ms();
     co->last_ready = -1;
     metrics_init(&co->m);
-    batch_init(&co->batch, o->max_running, o->max_queue);
+    admit_init(&co->admit, o->max_running, o->max_queue);
     health_publish(co);
     if ((r = uv_loop_init(&co->loop)) < 0) {
         free(co);

@@ -126,8 +126,8 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     hist_render(&b, "stepd:request_queue_time_seconds", "Time spent waiting for an admission slot.", &m->queue);
     hist_render(&b, "stepd:request_prompt_tokens", "Prompt length of finished requests.", &m->prompt_len);
     hist_render(&b, "stepd:request_generation_tokens", "Generated tokens of finished requests.", &m->gen_len);
-    gauge(&b, "stepd:num_requests_running", "Requests dispatched to engines.", co->batch.running);
-    gauge(&b, "stepd:num_requests_waiting", "Requests waiting for an admission slot.", co->batch.queued);
+    gauge(&b, "stepd:num_requests_running", "Requests dispatched to engines.", co->admit.running);
+    gauge(&b, "stepd:num_requests_waiting", "Requests waiting for an admission slot.", co->admit.queued);
     counter(&b, "stepd:prompt_tokens_total", "Prompt tokens of finished requests.", m->prompt_tokens);
     counter(&b, "stepd:generation_tokens_total", "Generated tokens of finished requests.", m->generation_tokens);
     sb_printf(&b, "# HELP stepd:request_success_total Finished requests by finish reason.\n"

@@ -19,8 +19,6 @@
 #define ENGINE_GENERATE "/stepd.v1.Engine/Generate"
 #define ENGINE_ABORT "/stepd.v1.Engine/Abort"
 #define ENGINE_SUBMIT "/stepd.v1.Engine/Submit"
-#define ENGINE_OPEN_OUTPUTS "/stepd.v1.Engine/OpenOutputs"
-#define OUT_RETRY_MS 1000       /* after an output stream ends, Generate calls for this long */
 
 /* ------------------------------------------------------------------ validation */
 
@@ -245,11 +243,11 @@ static void req_finish(struct req *r, int status, const char *fmt, ...)
     va_end(ap);
 }
 
-static void req_maybe_free(struct req *r)
+void req_free_if_done(struct req *r)
 {
     struct coord *co = r->co;
 
-    if (r->call || !r->engine_done || r->ecall || r->bi.running || r->bi.queued)
+    if (r->call || !r->engine_done || r->ecall || r->ai.running || r->ai.queued)
         return;
     if (r->prev)
         r->prev->next = r->next;
@@ -634,7 +632,7 @@ static int chunk_parse(struct req *r, struct parse_acc *a, Stepd__V1__Chunk *ch,
 #endif
 
 /* One output of the engine for r (from its Generate call or the output stream). */
-static void req_engine_resp(struct req *r, const Stepd__V1__GenerateResponse *er)
+void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
 {
     struct coord *co = r->co;
     int64_t now = rpc_now_ms();
@@ -747,12 +745,12 @@ static void req_engine_resp(struct req *r, const Stepd__V1__GenerateResponse *er
 
 static void on_engine_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
 {
-    req_engine_resp(ud, (const Stepd__V1__GenerateResponse *)msg);
+    req_engine_output(ud, (const Stepd__V1__GenerateResponse *)msg);
 }
 
 /* The engine is done with r (its Generate call ended, or its end came on the output
  * stream): status OK means a Final was sent before. */
-static void req_engine_end(struct req *r, int status, const char *details)
+void req_engine_end(struct req *r, int status, const char *details)
 {
     struct coord *co = r->co;
     struct group *g = r->grp;
@@ -783,9 +781,8 @@ static void req_engine_end(struct req *r, int status, const char *details)
     }
     engine_conn_unref(r->eng);
     r->eng = NULL;
-    if (r->bi.running)
+    if (r->ai.running)
         coord_slot_release(co, r);
-    req_maybe_free(r);
 }
 
 static void on_engine_done(struct rpc_client_call *c, int status, const char *details, void *ud)
@@ -793,163 +790,7 @@ static void on_engine_done(struct rpc_client_call *c, int status, const char *de
     struct req *r = ud;
     r->ecall = NULL;
     req_engine_end(r, status, details);
-}
-
-/* ------------------------------------------------------------------ engine output stream */
-
-static size_t out_hash(const char *id)
-{
-    uint64_t h = coord_fnv1a(id, strlen(id), COORD_FNV_SEED);
-    return (size_t)(h ^ (h >> 32));
-}
-
-static struct req *out_find(const struct engine_conn *e, const char *id)
-{
-    if (!e->out_cap)
-        return NULL;
-    for (struct req *r = e->out_tab[out_hash(id) & (e->out_cap - 1)]; r; r = r->onext)
-        if (strcmp(r->id, id) == 0)
-            return r;
-    return NULL;
-}
-
-static int out_insert(struct engine_conn *e, struct req *r)
-{
-    if (e->out_n >= e->out_cap) {
-        size_t ncap = e->out_cap ? e->out_cap * 2 : 256;
-        struct req **nt = calloc(ncap, sizeof(*nt));
-        if (!nt)
-            return -ENOMEM;
-        for (size_t i = 0; i < e->out_cap; i++) {
-            struct req *q = e->out_tab[i];
-            while (q) {
-                struct req *next = q->onext;
-                size_t b = out_hash(q->id) & (ncap - 1);
-                q->onext = nt[b];
-                nt[b] = q;
-                q = next;
-            }
-        }
-        free(e->out_tab);
-        e->out_tab = nt;
-        e->out_cap = ncap;
-    }
-    size_t b = out_hash(r->id) & (e->out_cap - 1);
-    r->onext = e->out_tab[b];
-    e->out_tab[b] = r;
-    r->in_out_tab = true;
-    e->out_n++;
-    return 0;
-}
-
-static void out_remove(struct engine_conn *e, struct req *r)
-{
-    if (!r->in_out_tab)
-        return;
-    for (struct req **pp = &e->out_tab[out_hash(r->id) & (e->out_cap - 1)]; *pp; pp = &(*pp)->onext) {
-        if (*pp == r) {
-            *pp = r->onext;
-            break;
-        }
-    }
-    r->onext = NULL;
-    r->in_out_tab = false;
-    e->out_n--;
-}
-
-static void on_out_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
-{
-    struct engine_conn *e = ud;
-    const Stepd__V1__OutputBatch *b = (const void *)msg;
-
-    if (e->out_state == OUT_OPENING) {
-        e->out_state = OUT_READY;
-        log_info("engine %s: output stream %s open", e->addr, e->out_id);
-    }
-    /* one engine step's tokens for many client streams: started together */
-    rpc_ctx_cork(e->co->rpc);
-    for (size_t i = 0; i < b->n_outputs; i++) {
-        const Stepd__V1__EngineOutput *o = b->outputs[i];
-        struct req *r = out_find(e, o->request_id);
-        if (!r) {
-            log_debug("engine %s: output for request %s, which is not on its stream", e->addr,
-                      o->request_id);
-            continue;
-        }
-        Stepd__V1__GenerateResponse er = STEPD__V1__GENERATE_RESPONSE__INIT;
-        er.request_id = o->request_id;
-        switch (o->kind_case) {
-        case STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK:
-            er.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
-            er.chunk = o->chunk;
-            req_engine_resp(r, &er);
-            break;
-        case STEPD__V1__ENGINE_OUTPUT__KIND_FINAL:
-            er.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
-            er.final = o->final;
-            req_engine_resp(r, &er);
-            out_remove(e, r);
-            req_engine_end(r, RPC_OK, "");
-            break;
-        case STEPD__V1__ENGINE_OUTPUT__KIND_STATUS:
-            out_remove(e, r);
-            req_engine_end(r, o->status->code > 0 && o->status->code < 17 ? o->status->code : RPC_UNKNOWN,
-                           o->status->message);
-            break;
-        default:
-            out_remove(e, r);
-            req_engine_end(r, RPC_INTERNAL, "an output stream entry with neither chunk, final nor status");
-            break;
-        }
-    }
-    rpc_ctx_uncork(e->co->rpc);
-}
-
-static void on_out_done(struct rpc_client_call *c, int status, const char *details, void *ud)
-{
-    struct engine_conn *e = ud;
-    enum out_state was = e->out_state;
-    char why[400];
-
-    e->out_call = NULL;
-    if (status == RPC_UNIMPLEMENTED) {
-        e->out_state = OUT_UNSUPPORTED;
-        log_info("engine %s has no output streams: one Generate call per request", e->addr);
-    } else {
-        e->out_state = OUT_CLOSED;
-        e->out_retry_ms = rpc_now_ms() + OUT_RETRY_MS;
-        if (e->attached && was == OUT_READY)
-            log_warn("engine %s: output stream ended: %s: %s", e->addr, rpc_status_name(status), details);
-    }
-    snprintf(why, sizeof(why), "output stream ended: %s: %.300s", rpc_status_name(status), details);
-    for (size_t i = 0; e->out_n && i < e->out_cap; i++) {
-        while (e->out_tab[i]) {
-            struct req *r = e->out_tab[i];
-            out_remove(e, r);
-            req_engine_end(r, RPC_UNAVAILABLE, why);
-        }
-    }
-    engine_conn_unref(e);
-}
-
-void engine_out_open(struct engine_conn *e)
-{
-    static uint64_t seq;
-    Stepd__V1__OpenOutputsRequest rq = STEPD__V1__OPEN_OUTPUTS_REQUEST__INIT;
-
-    if (!e || !e->attached || e->out_state != OUT_CLOSED || rpc_now_ms() < e->out_retry_ms)
-        return;
-    snprintf(e->out_id, sizeof(e->out_id), "stepd-%ld-%" PRIu64 "-%" PRIx64, (long)getpid(), ++seq,
-             (uint64_t)rpc_now_us());
-    rq.stream_id = e->out_id;
-    e->refs++;
-    if (rpc_client_start(e->ch, ENGINE_OPEN_OUTPUTS, &rq.base, &stepd__v1__output_batch__descriptor, INT64_MAX,
-                         on_out_msg, on_out_done, e, &e->out_call) < 0) {
-        e->refs--;
-        e->out_retry_ms = rpc_now_ms() + OUT_RETRY_MS;
-        return;
-    }
-    e->out_state = OUT_OPENING;
+    req_free_if_done(r);
 }
 
 static void on_submit_done(struct rpc_client_call *c, int status, const char *details, void *ud)
@@ -961,7 +802,7 @@ static void on_submit_done(struct rpc_client_call *c, int status, const char *de
     r->submit_eng = NULL;
     if (status != RPC_OK && r->in_out_tab) {
         /* not admitted: its end will not come on the stream */
-        out_remove(e, r);
+        engine_out_remove(e, r);
         if (status == RPC_FAILED_PRECONDITION) {
             /* the engine does not know our stream (it restarted?): open a new one */
             if (e->out_call)
@@ -974,7 +815,7 @@ static void on_submit_done(struct rpc_client_call *c, int status, const char *de
         req_send_abort(r);
     }
     engine_conn_unref(e);
-    req_maybe_free(r);
+    req_free_if_done(r);
 }
 
 /* 0: dispatched; <0: failed (client finished, slot still held by the caller). */
@@ -1023,7 +864,7 @@ static int req_dispatch_one(struct req *r)
         PB_SET(&er, num_speculative_tokens, in->num_speculative_tokens);
     struct engine_conn *ec = g->eng;
     engine_out_open(ec);
-    if (ec->out_state == OUT_READY && out_find(ec, r->id)) {
+    if (ec->out_state == OUT_READY && engine_out_find(ec, r->id)) {
         req_finish(r, RPC_ALREADY_EXISTS, "request_id: '%s' is still ending on worker group '%s'", r->id,
                    g->name);
         return -EEXIST;
@@ -1035,7 +876,7 @@ static int req_dispatch_one(struct req *r)
     r->eng->refs++;
     r->engine_done = false;
     int e;
-    if (ec->out_state == OUT_READY && (e = out_insert(ec, r)) == 0) {
+    if (ec->out_state == OUT_READY && (e = engine_out_insert(ec, r)) == 0) {
         Stepd__V1__SubmitRequest sr = STEPD__V1__SUBMIT_REQUEST__INIT;
         sr.stream_id = ec->out_id;
         sr.request = &er;
@@ -1044,7 +885,7 @@ static int req_dispatch_one(struct req *r)
         e = rpc_client_start(ec->ch, ENGINE_SUBMIT, &sr.base, &stepd__v1__submit_response__descriptor,
                              r->deadline_ms, NULL, on_submit_done, r, &r->ecall);
         if (e < 0) {
-            out_remove(ec, r);
+            engine_out_remove(ec, r);
             r->submit_eng = NULL;
             ec->refs--;
         }
@@ -1076,11 +917,6 @@ int req_dispatch_promoted(struct req *r)
     return req_dispatch_one(r);
 }
 
-void req_free_if_done(struct req *r)
-{
-    req_maybe_free(r);
-}
-
 /* ------------------------------------------------------------------ client side */
 
 static void on_client_cancel(struct rpc_call *call, void *ud)
@@ -1090,17 +926,17 @@ static void on_client_cancel(struct rpc_call *call, void *ud)
     bool expired = rpc_now_ms() >= r->deadline_ms;
 
     r->cancelled = true;
-    if (r->bi.queued) {
-        batch_remove(&co->batch, &r->bi);
+    if (r->ai.queued) {
+        admit_remove(&co->admit, &r->ai);
         req_finish(r, expired ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
                    expired ? "deadline exceeded while queued" : "cancelled by the client");
-        req_maybe_free(r);
+        req_free_if_done(r);
         return;
     }
     req_stop_engine(r);
     req_finish(r, expired ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
                expired ? "deadline exceeded" : "cancelled by the client");
-    req_maybe_free(r);
+    req_free_if_done(r);
 }
 
 static int req_build_prompt(struct req *r, char *msg, size_t len)
@@ -1168,9 +1004,9 @@ bool req_generate_cq(struct rpc_call *call, void *ud)
         return false;
     if (rpc_cq_deadline_ms(call) - rpc_now_ms() < 2)
         return false;
-    batch_published(&co->batch, &running, &queued);
+    admit_published(&co->admit, &running, &queued);
     transit = atomic_load_explicit(&co->gate.in_transit, memory_order_acquire);
-    cap = co->batch.max_running + co->batch.max_queue;      /* constant after start */
+    cap = co->admit.max_running + co->admit.max_queue;      /* constant after start */
     if (running + queued + transit < cap) {
         atomic_fetch_add_explicit(&co->gate.in_transit, 1, memory_order_acq_rel);
         rpc_cq_set_mark(call, GATE_MARK_TRANSIT);
@@ -1180,7 +1016,7 @@ bool req_generate_cq(struct rpc_call *call, void *ud)
     atomic_fetch_add_explicit(&co->gate.rejected_full, 1, memory_order_relaxed);
     if (transit)
         snprintf(msg, sizeof(msg), "server overloaded: %u running, %u queued and %u arriving (caps %u + %u)",
-                 running, queued, transit, co->batch.max_running, co->batch.max_queue);
+                 running, queued, transit, co->admit.max_running, co->admit.max_queue);
     else
         snprintf(msg, sizeof(msg), "server overloaded: %u running and %u queued (the caps)", running, queued);
     rpc_cq_reply(call, NULL, RPC_RESOURCE_EXHAUSTED, msg, "grpc-retry-pushback-ms", "100");
@@ -1215,13 +1051,13 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
         return;
     }
     /* full: answer before any validation or tokenization work (A2: fast, cheap rejections) */
-    if (co->batch.queued >= co->batch.max_queue &&
-        (co->batch.running >= co->batch.max_running || co->batch.queued > 0)) {
+    if (co->admit.queued >= co->admit.max_queue &&
+        (co->admit.running >= co->admit.max_running || co->admit.queued > 0)) {
         co->m.rejected_full++;
         co->m.status[RPC_RESOURCE_EXHAUSTED]++;
         rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
         rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "server overloaded: %u running and %u queued (the caps)",
-                        co->batch.running, co->batch.queued);
+                        co->admit.running, co->admit.queued);
         return;
     }
     if (req_validate(co, in, err, sizeof(err)) < 0) {
@@ -1279,7 +1115,7 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
         req_finish(r, e == -ENOTSUP ? RPC_FAILED_PRECONDITION : e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED
                                                                             : RPC_INVALID_ARGUMENT,
                    "%s", err[0] ? err : err_str(e));
-        req_maybe_free(r);
+        req_free_if_done(r);
         return;
     }
     if (r->text_mode) {
@@ -1300,7 +1136,7 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
             co->m.rejected_invalid++;
             r->text_mode = false;
             req_finish(r, RPC_INVALID_ARGUMENT, "%s", err);
-            req_maybe_free(r);
+            req_free_if_done(r);
             return;
         }
 #ifdef STEPD_HAVE_TOK
@@ -1321,34 +1157,34 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
             po.tools_json = r->tools;
             if (tok_parser_new(&po, &r->parser) < 0) {
                 req_finish(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
-                req_maybe_free(r);
+                req_free_if_done(r);
                 return;
             }
         }
 #endif
     }
 
-    r->bi.priority = in->priority;
-    switch (batch_admit(&co->batch, &r->bi)) {
-    case BATCH_RUN:
+    r->ai.priority = in->priority;
+    switch (admit_add(&co->admit, &r->ai)) {
+    case ADMIT_RUN:
         co->m.accepted++;
         rpc_call_on_cancel(call, on_client_cancel, r);
         if (req_dispatch_one(r) < 0) {
             coord_slot_release(co, r);
-            req_maybe_free(r);
+            req_free_if_done(r);
         }
         return;
-    case BATCH_QUEUED:
+    case ADMIT_QUEUED:
         co->m.accepted++;
         rpc_call_on_cancel(call, on_client_cancel, r);
-        log_req_debug(r->id, "queued (%u waiting)", co->batch.queued);
+        log_req_debug(r->id, "queued (%u waiting)", co->admit.queued);
         return;
-    case BATCH_FULL:
+    case ADMIT_FULL:
         co->m.rejected_full++;
         rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
         req_finish(r, RPC_RESOURCE_EXHAUSTED, "server overloaded: %u running and %u queued (the caps)",
-                   co->batch.running, co->batch.queued);
-        req_maybe_free(r);
+                   co->admit.running, co->admit.queued);
+        req_free_if_done(r);
         return;
     }
 }
@@ -1385,10 +1221,10 @@ int req_abort_by_id(struct coord *co, const char *id)
     for (struct req *r = co->reqs; r; r = r->next) {
         if (!r->call || strcmp(r->id, id) != 0)
             continue;
-        if (r->bi.queued) {
-            batch_remove(&co->batch, &r->bi);
+        if (r->ai.queued) {
+            admit_remove(&co->admit, &r->ai);
             send_final(r, NULL, STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT, NULL);
-            req_maybe_free(r);
+            req_free_if_done(r);
             return 1;
         }
         req_stop_engine(r);
@@ -1409,8 +1245,9 @@ void req_sweep_deadlines(struct coord *co)
             log_req_warn(r->id, "engine %s did not end the request %" PRId64 " ms after its deadline",
                          e->addr, now - r->deadline_ms);
             req_send_abort(r);
-            out_remove(e, r);
+            engine_out_remove(e, r);
             req_engine_end(r, RPC_DEADLINE_EXCEEDED, "the engine did not end the request by its deadline");
+            req_free_if_done(r);
         }
         r = n;
     }
@@ -1421,10 +1258,10 @@ void req_fail_all(struct coord *co, int status, const char *why)
     struct req *r = co->reqs;
     while (r) {
         struct req *n = r->next;
-        if (r->bi.queued) {
-            batch_remove(&co->batch, &r->bi);
+        if (r->ai.queued) {
+            admit_remove(&co->admit, &r->ai);
             req_finish(r, status, "%s", why);
-            req_maybe_free(r);
+            req_free_if_done(r);
         } else if (r->call) {
             req_stop_engine(r);
             req_finish(r, status, "%s", why);

@@ -65,47 +65,6 @@ unsigned wpool_count(const struct coord *co)
     return n;
 }
 
-/* ------------------------------------------------------------------ engine connections */
-
-static struct engine_conn *engine_conn_new(struct coord *co, const char *addr)
-{
-    struct engine_conn *e = calloc(1, sizeof(*e));
-    struct rpc_channel_opts o = { .keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000,
-                                  .max_recv_msg_bytes = 16 << 20 };
-    if (!e)
-        return NULL;
-    if (rpc_channel_create(co->rpc, addr, &o, &e->ch) < 0) {
-        free(e);
-        return NULL;
-    }
-    e->refs = 1;
-    e->attached = true;
-    e->co = co;
-    snprintf(e->addr, sizeof(e->addr), "%s", addr);
-    return e;
-}
-
-void engine_conn_unref(struct engine_conn *e)
-{
-    if (!e)
-        return;
-    BUG_ON(e->refs == 0);
-    if (--e->refs == 0) {
-        BUG_ON(e->out_n != 0);
-        rpc_channel_destroy(e->ch);
-        free(e->out_tab);
-        free(e);
-    }
-}
-
-void engine_conn_detach(struct engine_conn *e)
-{
-    e->attached = false;
-    if (e->out_call)
-        rpc_client_cancel(e->out_call);     /* its on_done fails what is still on it */
-    engine_conn_unref(e);
-}
-
 /* ------------------------------------------------------------------ sessions */
 
 static void rank_clear(struct rank *rk)

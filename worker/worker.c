@@ -17,6 +17,7 @@
 #include "engine.h"
 #include "loader.h"
 #include "log.h"
+#include "net.h"
 #include "mock.h"
 #include "model.h"
 #include "cli.h"
@@ -964,7 +965,7 @@ int worker_run(const struct worker_opts *o)
         log_error("--model DIR is required (or --mock)");
         return WORKER_EXIT_USAGE;
     }
-    if (o->rank == 0 && o->coordinator && !rpc_addr_is_loopback(o->engine_listen)) {
+    if (o->rank == 0 && o->coordinator && !net_addr_is_loopback(o->engine_listen)) {
         /* E2: the engine service has no authentication of its own */
         if (!o->insecure_listen) {
             log_error("refusing to serve the engine on non-loopback %s without --insecure-listen "

@@ -4,7 +4,7 @@
 `stepd` (coordinator) + stepd-worker ranks registering on its control service
 (stepd.ctl.v1.Control/Session), rendezvous data handed out by the coordinator, rank 0
 serving stepd.v1.Engine; a Python grpcio client (stubs generated from proto/ at test time,
-test/integration/stepd_harness.py) calls stepd.v1.Inference/Generate:
+test/daemon/stepd_harness.py) calls stepd.v1.Inference/Generate:
   1. N = 2 and N = 4: the group becomes ready and greedy output equals the N = 1 offline
      run of the same prompt;
   2. a follower SIGKILLed while a long Generate is streaming: the stream ends with an
@@ -23,7 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+sys.path.insert(0, os.path.join(HERE, "..", "daemon"))
 
 MODEL = os.environ.get("MODEL_DIR", "")
 WORKER = os.environ.get("STEPD_WORKER_BIN", "")

@@ -1,6 +1,6 @@
 """rellib.py - shared bits of the reliability tests (test/reliability/).
 
-Imports test/integration/stepd_harness.py (which generates the gRPC stubs and starts
+Imports test/daemon/stepd_harness.py (which generates the gRPC stubs and starts
 stepd / mock engines); adds process-table helpers. Environment (set by meson):
 STEPD_BIN, STEPD_WORKER_BIN, MOCK_ENGINE_BIN, PROTO_DIR, TINY_MODEL_DIR.
 """
@@ -9,7 +9,7 @@ import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+sys.path.insert(0, os.path.join(HERE, "..", "daemon"))
 
 import stepd_harness as h  # noqa: E402,F401  (exits 77 without grpcio)
 

@@ -19,7 +19,7 @@ failed, and after the group re-forms (epoch + 1) the Admin GetGroups
 in_flight counters and the engines' GetLoads (num_running, kv_blocks_used,
 num_requests_alive) are back to idle (D1), and a plain Generate works on both groups.
 
-Rig 1: mock engines (test/integration/mock-engine, paced tokens).
+Rig 1: mock engines (test/daemon/mock-engine, paced tokens).
 Rig 2: the real `stepd-worker --mock` (UCX between the two ranks of tp2).
 Usage: test_d2_chaos.py [--streams N] [--rigs mock,worker]
 """

@@ -30,7 +30,7 @@ import grpc
 
 from stepd_harness import STEPD_BIN, Stepd, gen_request, hpb, pb, sanitized
 
-LOADGEN = os.environ.get("LOADGEN_BIN", "build/test/integration/loadgen")
+LOADGEN = os.environ.get("LOADGEN_BIN", "build/test/daemon/loadgen")
 HZ = os.sysconf("SC_CLK_TCK")
 
 

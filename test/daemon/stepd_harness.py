@@ -26,7 +26,7 @@ except ImportError as _e:  # the client library is a test dependency (pip grpcio
 
 PROTO_DIR = os.environ.get("PROTO_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "proto"))
 STEPD_BIN = os.environ.get("STEPD_BIN", "build/daemon/stepd")
-MOCK_BIN = os.environ.get("MOCK_ENGINE_BIN", "build/test/integration/mock-engine")
+MOCK_BIN = os.environ.get("MOCK_ENGINE_BIN", "build/test/daemon/mock-engine")
 # extra mock-engine flags for a whole run (coord-grpcio-generate-path: --no-output-streams)
 MOCK_ARGS = shlex.split(os.environ.get("MOCK_ENGINE_ARGS", ""))
 TOKENIZER = os.environ.get("TOKENIZER_JSON", "")

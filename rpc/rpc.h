@@ -335,10 +335,6 @@ int rpc_client_start(struct rpc_channel *ch, const char *method, const ProtobufC
 /* Ask gRPC to cancel; on_done still runs exactly once (later, on the loop). */
 void rpc_client_cancel(struct rpc_client_call *c);
 
-/* True for unix: sockets, 127.0.0.0/8, ::1 and "localhost" (E1: listening anywhere else
- * needs TLS/keys or an explicit --insecure-listen). */
-bool rpc_addr_is_loopback(const char *addr);
-
 #ifdef __cplusplus
 }
 #endif

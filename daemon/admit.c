@@ -1,17 +1,17 @@
-/* batcher.c - running cap + bounded priority queue. See batcher.h. */
-#include "batcher.h"
+/* admit.c - running cap + bounded priority queue. See admit.h. */
+#include "admit.h"
 
 #include <stddef.h>
 #include <string.h>
 
 #include "err.h"
 
-static void publish(struct batcher *b)
+static void publish(struct admit *b)
 {
     atomic_store_explicit(&b->published, (uint64_t)b->running << 32 | b->queued, memory_order_release);
 }
 
-void batch_init(struct batcher *b, unsigned max_running, unsigned max_queue)
+void admit_init(struct admit *b, unsigned max_running, unsigned max_queue)
 {
     memset(b, 0, sizeof(*b));
     b->max_running = max_running;
@@ -19,16 +19,16 @@ void batch_init(struct batcher *b, unsigned max_running, unsigned max_queue)
     atomic_init(&b->published, 0);
 }
 
-void batch_published(struct batcher *b, unsigned *ret_running, unsigned *ret_queued)
+void admit_published(struct admit *b, unsigned *ret_running, unsigned *ret_queued)
 {
     uint64_t v = atomic_load_explicit(&b->published, memory_order_acquire);
     *ret_running = (unsigned)(v >> 32);
     *ret_queued = (unsigned)(v & 0xffffffffu);
 }
 
-static void queue_insert(struct batcher *b, struct batch_item *it)
+static void queue_insert(struct admit *b, struct admit_item *it)
 {
-    struct batch_item *p = b->tail;
+    struct admit_item *p = b->tail;
 
     /* scan from the tail: equal priorities (the common case) insert in O(1) */
     while (p && p->priority > it->priority)
@@ -47,7 +47,7 @@ static void queue_insert(struct batcher *b, struct batch_item *it)
     b->queued++;
 }
 
-static void queue_unlink(struct batcher *b, struct batch_item *it)
+static void queue_unlink(struct admit *b, struct admit_item *it)
 {
     BUG_ON(!it->queued);
     if (it->prev)
@@ -63,7 +63,7 @@ static void queue_unlink(struct batcher *b, struct batch_item *it)
     b->queued--;
 }
 
-enum batch_admit batch_admit(struct batcher *b, struct batch_item *it)
+enum admit_result admit_add(struct admit *b, struct admit_item *it)
 {
     it->seq = b->seq++;
     it->queued = it->running = false;
@@ -71,17 +71,17 @@ enum batch_admit batch_admit(struct batcher *b, struct batch_item *it)
         b->running++;
         it->running = true;
         publish(b);
-        return BATCH_RUN;
+        return ADMIT_RUN;
     }
     if (b->queued < b->max_queue) {
         queue_insert(b, it);
         publish(b);
-        return BATCH_QUEUED;
+        return ADMIT_QUEUED;
     }
-    return BATCH_FULL;
+    return ADMIT_FULL;
 }
 
-struct batch_item *batch_release(struct batcher *b, struct batch_item *it)
+struct admit_item *admit_release(struct admit *b, struct admit_item *it)
 {
     BUG_ON(!it->running);
     it->running = false;
@@ -90,7 +90,7 @@ struct batch_item *batch_release(struct batcher *b, struct batch_item *it)
         publish(b);
         return NULL;
     }
-    struct batch_item *n = b->head;
+    struct admit_item *n = b->head;
     queue_unlink(b, n);
     n->running = true;
     b->running++;
@@ -98,15 +98,15 @@ struct batch_item *batch_release(struct batcher *b, struct batch_item *it)
     return n;
 }
 
-void batch_remove(struct batcher *b, struct batch_item *it)
+void admit_remove(struct admit *b, struct admit_item *it)
 {
     queue_unlink(b, it);
     publish(b);
 }
 
-struct batch_item *batch_pop(struct batcher *b)
+struct admit_item *admit_pop(struct admit *b)
 {
-    struct batch_item *n = b->head;
+    struct admit_item *n = b->head;
     if (n) {
         queue_unlink(b, n);
         publish(b);

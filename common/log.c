@@ -38,22 +38,45 @@ void log_init(const char *role, const char *tag)
 void log_set_level(enum log_level lvl) { log_level = lvl; }
 enum log_level log_get_level(void) { return log_level; }
 
+/* Append s to line[*n..cap) with every control byte (newlines included) and DEL written as
+ * \xNN, so that no text - a client's request id, model name or role echoed in a message -
+ * can end the line and forge another journal entry ("<3>stepd: ...").  Truncates. */
+static void put_escaped(char *line, size_t cap, size_t *n, const char *s)
+{
+    static const char hex[] = "0123456789abcdef";
+
+    for (; *s && *n + 5 < cap; s++) {
+        unsigned char c = (unsigned char)*s;
+
+        if (c < 0x20 || c == 0x7f) {
+            line[(*n)++] = '\\';
+            line[(*n)++] = 'x';
+            line[(*n)++] = hex[c >> 4];
+            line[(*n)++] = hex[c & 15];
+        } else {
+            line[(*n)++] = (char)c;
+        }
+    }
+}
+
 void log_emitv(enum log_level lvl, const char *req_id, const char *fmt, va_list ap)
 {
-    char line[4096];
-    int n;
+    char line[4096], msg[3072];
+    size_t n;
+    int k;
 
     if (lvl > log_level)
         return;
-    n = snprintf(line, sizeof(line), "<%d>%s%s%s%s%s: ", (int) lvl, log_role,
-                 log_tag[0] ? "[" : "", log_tag, log_tag[0] ? "]" : "",
-                 req_id ? "" : "");
-    if (req_id && n < (int) sizeof(line))
-        n += snprintf(line + n, sizeof(line) - n, "req=%s: ", req_id);
-    if (n < (int) sizeof(line))
-        n += vsnprintf(line + n, sizeof(line) - n, fmt, ap);
-    if (n >= (int) sizeof(line) - 1)
-        n = sizeof(line) - 2;
+    k = snprintf(line, sizeof(line), "<%d>%s%s%s%s: ", (int) lvl, log_role,
+                 log_tag[0] ? "[" : "", log_tag, log_tag[0] ? "]" : "");
+    n = k > 0 && (size_t)k < sizeof(line) ? (size_t)k : 0;
+    if (req_id) {
+        put_escaped(line, sizeof(line), &n, "req=");
+        put_escaped(line, sizeof(line), &n, req_id);
+        put_escaped(line, sizeof(line), &n, ": ");
+    }
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    put_escaped(line, sizeof(line), &n, msg);
     line[n++] = '\n';
     (void) !write(STDERR_FILENO, line, n);
 }

@@ -2,8 +2,11 @@
  *
  * Every line carries the process role and rank set by log_init() and, when given,
  * a request id: "<6>stepd-worker[g0/r1] req=abc: message".  Lines are written with
- * one write(2) so concurrent threads never interleave.  common/ and kernels/ log at
- * debug only; decisions are logged where they are made.
+ * one write(2) so concurrent threads never interleave.  Control characters (newlines
+ * included) and DEL in the request id and the message are written as \xNN, so a line
+ * never carries text that a journal would read as a line of its own: client-supplied
+ * strings may be logged as they are.  common/ and kernels/ log at debug only; decisions
+ * are logged where they are made.
  */
 #pragma once
 

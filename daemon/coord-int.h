@@ -26,11 +26,13 @@
 #include "control.pb-c.h"
 #include "health.pb-c.h"
 
-#ifdef STEPD_HAVE_TOK
 #include <jansson.h>
+
+#include "chat.h"
+#include "gen.h"
 #include "parser.h"
+#include "request.h"
 #include "tokenizer.h"
-#endif
 
 #define COORD_MAX_WORLD 8
 #define COORD_MAX_EOS 8
@@ -177,7 +179,7 @@ struct req {
     struct admit_item ai;
     char id[136];
     struct rpc_call *call;          /* NULL once finished */
-    const Stepd__V1__GenerateRequest *in;
+    struct request *in;             /* as asked, validated (owned) */
     int32_t *prompt;
     size_t n_prompt;
     struct group *grp;
@@ -200,15 +202,7 @@ struct req {
     uint32_t n_out;
     double itl_sum;
     uint32_t n_itl;
-    char stop_reason[96];           /* set when the coordinator stopped it (stop string) */
-    int stop_string_index;
-#ifdef STEPD_HAVE_TOK
-    struct tok_stream ts;
-    struct tok_stop stop;
-    bool has_stop;
-    struct tok_parser *parser;      /* chat input: reasoning + tool-call parsing */
-    json_t *tools;                  /* tool schemas the parser converts values by */
-#endif
+    struct tok_gen *gen;            /* text and chat input: the output pipeline */
 };
 
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud);
@@ -235,14 +229,15 @@ void req_fail_all(struct coord *co, int status, const char *why);
  * Neither frees r (see req_free_if_done). */
 void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er);
 void req_engine_end(struct req *r, int status, const char *details);
-/* Validation (exposed for unit tests): 0 or -EINVAL with the field named in msg. */
-int req_validate(const struct coord *co, const Stepd__V1__GenerateRequest *in, char *msg, size_t len);
+/* validate.c: in against the server's limits and the model: 0 or -EINVAL with the field
+ * named in msg (in->names). */
+int request_validate(const struct coord *co, const struct request *in, char *msg, size_t len);
+/* The chat part only (messages, tools, template kwargs, reasoning effort). */
+int request_validate_chat(const struct coord *co, const struct request *in, char *msg, size_t len);
 
-#ifdef STEPD_HAVE_TOK
-/* chat.c: render chat messages with the Step-3.7 template (MODEL.md §7) into a
- * malloc'd prompt string; -EINVAL with the field named in msg. */
-int coord_chat_render(struct coord *co, const Stepd__V1__ChatInput *chat, char **ret, char *msg, size_t len);
-#endif
+/* chat.c: render a chat request with the Step-3.7 template (MODEL.md §7) into a malloc'd
+ * prompt string; -EINVAL with the field named in msg. */
+int coord_chat_render(struct coord *co, const struct request *in, char **ret, char *msg, size_t len);
 
 /* ------------------------------------------------------------------ coordinator */
 
@@ -292,7 +287,6 @@ struct coord {
     struct admit admit;
     struct req *reqs;
     unsigned n_reqs;
-    uint64_t next_req_id;
     struct group *groups;
     uint64_t next_session;
     struct model_info model;        /* from the first group that registered one */
@@ -305,9 +299,7 @@ struct coord {
     int64_t trim_idle_ms;           /* next scheduled idle trim, in ms of idle */
     uv_tcp_t metrics_srv;
     bool metrics_on;
-#ifdef STEPD_HAVE_TOK
-    struct tokenizer *tok;
-#endif
+    struct tokenizer *tok;          /* NULL without --tokenizer: token input only */
 };
 
 /* ---- health.c ---- */

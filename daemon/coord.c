@@ -49,10 +49,8 @@ uint32_t coord_vocab_size(const struct coord *co)
 {
     if (co->model.known && co->model.vocab_size)
         return co->model.vocab_size;
-#ifdef STEPD_HAVE_TOK
     if (co->tok)
         return (uint32_t)tok_vocab_size(co->tok);
-#endif
     return co->o.fallback_vocab_size;
 }
 
@@ -251,10 +249,8 @@ static void h_model_info(struct rpc_call *call, const ProtobufCMessage *msg, voi
     resp.quantization = (char *)mi->quantization;
     resp.num_mtp_layers = mi->num_mtp_layers;
     resp.max_num_speculative_tokens = mi->max_num_speculative_tokens;
-#ifdef STEPD_HAVE_TOK
     resp.supports_text = co->tok != NULL;
     resp.supports_chat = co->tok != NULL;
-#endif
     rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
 }
@@ -337,7 +333,6 @@ static void h_tokenize(struct rpc_call *call, const ProtobufCMessage *msg, void 
 {
     struct coord *co = ud;
     const Stepd__V1__TokenizeRequest *r = (const void *)msg;
-#ifdef STEPD_HAVE_TOK
     Stepd__V1__TokenizeResponse resp = STEPD__V1__TOKENIZE_RESPONSE__INIT;
     struct tok_ids ids = { 0 };
     struct err_buf eb;
@@ -356,8 +351,13 @@ static void h_tokenize(struct rpc_call *call, const ProtobufCMessage *msg, void 
         bool add = !PB_HAS(r, add_special_tokens) || r->add_special_tokens;
         e = tok_encode(co->tok, r->text, strlen(r->text), add ? TOK_ENCODE_ADD_SPECIAL : 0, &ids, &eb);
     } else if (r->input_case == STEPD__V1__TOKENIZE_REQUEST__INPUT_CHAT) {
+        struct request *in = NULL;
         char *text = NULL;
-        e = coord_chat_render(co, r->chat, &text, err, sizeof(err));
+
+        e = request_from_proto_chat(r->chat, &in, err, sizeof(err));
+        e = e ? e : request_validate_chat(co, in, err, sizeof(err));
+        e = e ? e : coord_chat_render(co, in, &text, err, sizeof(err));
+        request_free(in);
         if (e < 0) {
             rpc_call_finish(call, RPC_INVALID_ARGUMENT, "%s", err);
             return;
@@ -380,18 +380,12 @@ static void h_tokenize(struct rpc_call *call, const ProtobufCMessage *msg, void 
     rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
     tok_ids_done(&ids);
-#else
-    (void)co;
-    (void)r;
-    rpc_call_finish(call, RPC_UNIMPLEMENTED, "this build has no tokenizer");
-#endif
 }
 
 static void h_detokenize(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
 {
     struct coord *co = ud;
     const Stepd__V1__DetokenizeRequest *r = (const void *)msg;
-#ifdef STEPD_HAVE_TOK
     Stepd__V1__DetokenizeResponse resp = STEPD__V1__DETOKENIZE_RESPONSE__INIT;
     uint32_t vocab;
     char *text = NULL;
@@ -417,11 +411,6 @@ static void h_detokenize(struct rpc_call *call, const ProtobufCMessage *msg, voi
     rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
     free(text);
-#else
-    (void)co;
-    (void)r;
-    rpc_call_finish(call, RPC_UNIMPLEMENTED, "this build has no tokenizer");
-#endif
 }
 
 /* ------------------------------------------------------------------ Admin */
@@ -686,7 +675,6 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         free(co);
         return r;
     }
-#ifdef STEPD_HAVE_TOK
     if (o->tokenizer_path && o->tokenizer_path[0]) {
         struct err_buf eb;
         if ((r = tok_load(o->tokenizer_path, &co->tok, &eb)) < 0) {
@@ -697,10 +685,6 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         }
         log_info("tokenizer %s: %zu ids", o->tokenizer_path, tok_vocab_size(co->tok));
     }
-#else
-    if (o->tokenizer_path && o->tokenizer_path[0])
-        log_warn("--tokenizer ignored: this build has no tokenizer");
-#endif
 #ifdef STEPD_HAVE_ABSL_TUNE
     coord_absl_tune();      /* before gRPC starts its threads */
 #endif
@@ -770,9 +754,7 @@ fail_servers:
     rpc_ctx_destroy(co->rpc);
     uv_run(&co->loop, UV_RUN_DEFAULT);
 fail:
-#ifdef STEPD_HAVE_TOK
     tok_free(co->tok);
-#endif
     uv_loop_close(&co->loop);
     free(co);
     return r;
@@ -817,9 +799,7 @@ void coord_free(struct coord *co)
 {
     if (!co)
         return;
-#ifdef STEPD_HAVE_TOK
     tok_free(co->tok);
-#endif
     if (uv_loop_close(&co->loop) < 0)
         log_warn("event loop closed with live handles");
     free(co);

@@ -1,215 +1,25 @@
-/* req.c - the life of one Generate request in the coordinator: validation,
- * tokenization, admission, routing to a group's engine, streaming back (with the
- * text pipeline), cancellation (exactly one Abort to the engine), failover. */
-#include <ctype.h>
+/* req.c - the life of one generation request in the coordinator: admission, routing to a
+ * group's engine, streaming back through the text pipeline, cancellation (exactly one
+ * Abort to the engine), failover.  The request arrives built and validated (request.h,
+ * validate.c); the client side is its gRPC call.  Loop thread only. */
 #include <errno.h>
 #include <inttypes.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include "coord-int.h"
 #include "err.h"
 #include "log.h"
 #include "pb-util.h"
+#include "strbuf.h"
 
 #define ENGINE_GENERATE "/stepd.v1.Engine/Generate"
 #define ENGINE_ABORT "/stepd.v1.Engine/Abort"
 #define ENGINE_SUBMIT "/stepd.v1.Engine/Submit"
-
-/* ------------------------------------------------------------------ validation */
-
-#define BAD(...) do { snprintf(msg, len, __VA_ARGS__); return -EINVAL; } while (0)
-
-static bool id_valid(const char *s)
-{
-    size_t n = strlen(s);
-    if (n > 128)
-        return false;
-    for (size_t i = 0; i < n; i++)
-        if (s[i] < 0x21 || s[i] > 0x7e)
-            return false;
-    return true;
-}
-
-static bool blank(const char *s)
-{
-    for (; *s; s++)
-        if (!isspace((unsigned char)*s))
-            return false;
-    return true;
-}
-
-static int validate_sampling(const struct coord *co, const Stepd__V1__SamplingParams *sp, bool text_input,
-                             uint32_t vocab, char *msg, size_t len)
-{
-    const struct coord_opts *o = &co->o;
-
-    if (!sp)
-        return 0;
-    if (PB_HAS(sp, temperature) && !(isfinite(sp->temperature) && sp->temperature >= 0.0f))
-        BAD("sampling_params.temperature: must be finite and >= 0 (got %g)", (double)sp->temperature);
-    if (PB_HAS(sp, temperature) && sp->temperature > 100.0f)
-        BAD("sampling_params.temperature: must be <= 100 (got %g)", (double)sp->temperature);
-    if (PB_HAS(sp, top_p) && !(sp->top_p > 0.0f && sp->top_p <= 1.0f))
-        BAD("sampling_params.top_p: must be in (0, 1] (got %g)", (double)sp->top_p);
-    if (PB_HAS(sp, top_k) && sp->top_k < 0)
-        BAD("sampling_params.top_k: must be >= 0, 0 = disabled (got %d)", sp->top_k);
-    if (PB_HAS(sp, top_k) && vocab && (uint32_t)sp->top_k > vocab)
-        BAD("sampling_params.top_k: must be <= vocabulary size %u (got %d)", vocab, sp->top_k);
-    if (PB_HAS(sp, min_p) && !(sp->min_p >= 0.0f && sp->min_p <= 1.0f))
-        BAD("sampling_params.min_p: must be in [0, 1] (got %g)", (double)sp->min_p);
-    if (PB_HAS(sp, repetition_penalty) &&
-        !(isfinite(sp->repetition_penalty) && sp->repetition_penalty > 0.0f && sp->repetition_penalty <= 10.0f))
-        BAD("sampling_params.repetition_penalty: must be in (0, 10] (got %g)", (double)sp->repetition_penalty);
-    if (PB_HAS(sp, presence_penalty) && !(sp->presence_penalty >= -2.0f && sp->presence_penalty <= 2.0f))
-        BAD("sampling_params.presence_penalty: must be in [-2, 2] (got %g)", (double)sp->presence_penalty);
-    if (PB_HAS(sp, frequency_penalty) && !(sp->frequency_penalty >= -2.0f && sp->frequency_penalty <= 2.0f))
-        BAD("sampling_params.frequency_penalty: must be in [-2, 2] (got %g)", (double)sp->frequency_penalty);
-    if (PB_HAS(sp, max_tokens) && sp->max_tokens < 1)
-        BAD("sampling_params.max_tokens: must be >= 1 (got %" PRId64 ")", sp->max_tokens);
-    if (PB_HAS(sp, max_tokens) && sp->max_tokens > (int64_t)o->max_tokens_cap)
-        BAD("sampling_params.max_tokens: must be <= %u (got %" PRId64 ")", o->max_tokens_cap, sp->max_tokens);
-    if (PB_HAS(sp, min_tokens) && sp->min_tokens < 0)
-        BAD("sampling_params.min_tokens: must be >= 0 (got %" PRId64 ")", sp->min_tokens);
-    if (PB_HAS(sp, min_tokens)) {
-        int64_t mx = PB_HAS(sp, max_tokens) ? sp->max_tokens : (int64_t)o->default_max_tokens;
-        if (sp->min_tokens > mx)
-            BAD("sampling_params.min_tokens: must be <= max_tokens %" PRId64 " (got %" PRId64 ")", mx,
-                sp->min_tokens);
-    }
-    if (PB_HAS(sp, seed) && sp->seed < 0)
-        BAD("sampling_params.seed: must be in [0, 2^63) (got %" PRId64 ")", sp->seed);
-    if (PB_HAS(sp, logprobs) && (sp->logprobs < 0 || (unsigned)sp->logprobs > o->max_logprobs))
-        BAD("sampling_params.logprobs: must be in [0, %u] (got %d)", o->max_logprobs, sp->logprobs);
-    if (PB_HAS(sp, n) && sp->n != 1)
-        BAD("sampling_params.n: only 1 is served (got %d)", sp->n);
-    if (sp->n_stop > o->max_stop)
-        BAD("sampling_params.stop: at most %u stop strings (got %zu)", o->max_stop, sp->n_stop);
-    for (size_t i = 0; i < sp->n_stop; i++) {
-        size_t sl = strlen(sp->stop[i]);
-        if (sl == 0)
-            BAD("sampling_params.stop[%zu]: empty stop string", i);
-        if (sl > o->max_stop_len)
-            BAD("sampling_params.stop[%zu]: longer than %u bytes (%zu)", i, o->max_stop_len, sl);
-    }
-    if (sp->n_stop && !text_input)
-        BAD("sampling_params.stop: stop strings need text or chat input (use stop_token_ids with token input)");
-    if (sp->n_stop_token_ids > o->max_stop_token_ids)
-        BAD("sampling_params.stop_token_ids: at most %u ids (got %zu)", o->max_stop_token_ids,
-            sp->n_stop_token_ids);
-    for (size_t i = 0; i < sp->n_stop_token_ids; i++)
-        if (sp->stop_token_ids[i] < 0 || (vocab && (uint32_t)sp->stop_token_ids[i] >= vocab))
-            BAD("sampling_params.stop_token_ids[%zu]: %d is outside the vocabulary [0, %u)", i,
-                sp->stop_token_ids[i], vocab);
-    if (sp->n_logit_bias > o->max_logit_bias)
-        BAD("sampling_params.logit_bias: at most %u entries (got %zu)", o->max_logit_bias, sp->n_logit_bias);
-    for (size_t i = 0; i < sp->n_logit_bias; i++) {
-        const Stepd__V1__SamplingParams__LogitBiasEntry *e = sp->logit_bias[i];
-        if (e->key < 0 || (vocab && (uint32_t)e->key >= vocab))
-            BAD("sampling_params.logit_bias: key %d is outside the vocabulary [0, %u)", e->key, vocab);
-        if (!(e->value >= -100.0f && e->value <= 100.0f))
-            BAD("sampling_params.logit_bias[%d]: must be in [-100, 100] (got %g)", e->key, (double)e->value);
-    }
-    return 0;
-}
-
-static bool json_kind_ok(const char *s, char open)
-{
-    while (isspace((unsigned char)*s))
-        s++;
-    return *s == open;
-}
-
-static int validate_chat(const struct coord *co, const Stepd__V1__ChatInput *c, char *msg, size_t len)
-{
-    size_t total = 0;
-
-    if (c->n_messages == 0)
-        BAD("chat.messages: at least one message is required");
-    if (c->n_messages > 4096)
-        BAD("chat.messages: at most 4096 messages (got %zu)", c->n_messages);
-    for (size_t i = 0; i < c->n_messages; i++) {
-        const Stepd__V1__ChatMessage *m = c->messages[i];
-        if (strcmp(m->role, "system") && strcmp(m->role, "user") && strcmp(m->role, "assistant") &&
-            strcmp(m->role, "tool"))
-            BAD("chat.messages[%zu].role: must be system, user, assistant or tool (got \"%.32s\")", i, m->role);
-        if (strcmp(m->role, "assistant") && m->n_tool_calls)
-            BAD("chat.messages[%zu].tool_calls: only assistant messages carry tool calls", i);
-        for (size_t k = 0; k < m->n_tool_calls; k++)
-            if (m->tool_calls[k]->arguments_json[0] && !json_kind_ok(m->tool_calls[k]->arguments_json, '{'))
-                BAD("chat.messages[%zu].tool_calls[%zu].arguments_json: must be a JSON object", i, k);
-        total += strlen(m->content) + strlen(m->reasoning_content);
-    }
-    if (total > co->o.max_prompt_bytes)
-        BAD("chat.messages: %zu bytes of content, more than the %u byte cap", total, co->o.max_prompt_bytes);
-    if (c->tools_json[0] && !json_kind_ok(c->tools_json, '['))
-        BAD("chat.tools_json: must be a JSON array of tool definitions");
-    if (c->chat_template_kwargs_json[0] && !json_kind_ok(c->chat_template_kwargs_json, '{'))
-        BAD("chat.chat_template_kwargs_json: must be a JSON object");
-    if (PB_HAS(c, reasoning_effort) && strcmp(c->reasoning_effort, "low") &&
-        strcmp(c->reasoning_effort, "medium") && strcmp(c->reasoning_effort, "high"))
-        BAD("chat.reasoning_effort: must be low, medium or high (got \"%.32s\")", c->reasoning_effort);
-    return 0;
-}
-
-int req_validate(const struct coord *co, const Stepd__V1__GenerateRequest *in, char *msg, size_t len)
-{
-    uint32_t vocab = coord_vocab_size(co);
-    uint32_t ctx = coord_max_model_len(co);
-    bool text_input = false;
-
-    if (!id_valid(in->request_id))
-        BAD("request_id: at most 128 printable ASCII characters without spaces");
-    if (in->model[0] && co->model.known && strcmp(in->model, co->model.name) != 0 &&
-        !(co->o.model_name && strcmp(in->model, co->o.model_name) == 0))
-        BAD("model: \"%.64s\" is not served here (serving \"%s\")", in->model,
-            co->o.model_name ? co->o.model_name : co->model.name);
-    switch (in->input_case) {
-    case STEPD__V1__GENERATE_REQUEST__INPUT_TEXT:
-        text_input = true;
-        if (blank(in->text))
-            BAD("text: prompt is empty");
-        if (strlen(in->text) > co->o.max_prompt_bytes)
-            BAD("text: %zu bytes, more than the %u byte cap", strlen(in->text), co->o.max_prompt_bytes);
-        break;
-    case STEPD__V1__GENERATE_REQUEST__INPUT_CHAT:
-        text_input = true;
-        if (validate_chat(co, in->chat, msg, len) < 0)
-            return -EINVAL;
-        break;
-    case STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS: {
-        const Stepd__V1__TokenIds *t = in->token_ids;
-        if (t->n_ids == 0)
-            BAD("token_ids.ids: prompt is empty");
-        uint32_t max_in = co->o.max_input_tokens ? co->o.max_input_tokens : ctx > 1 ? ctx - 1 : 0;
-        if (max_in && t->n_ids > max_in)
-            BAD("token_ids.ids: %zu tokens, more than max_input_tokens %u", t->n_ids, max_in);
-        for (size_t i = 0; i < t->n_ids; i++)
-            if (t->ids[i] < 0 || (vocab && (uint32_t)t->ids[i] >= vocab))
-                BAD("token_ids.ids[%zu]: %d is outside the vocabulary [0, %u)", i, t->ids[i], vocab);
-        break;
-    }
-    default:
-        BAD("input: one of text, chat or token_ids is required");
-    }
-    if (validate_sampling(co, in->sampling_params, text_input, vocab, msg, len) < 0)
-        return -EINVAL;
-    if (PB_HAS(in, num_speculative_tokens) && (in->num_speculative_tokens < 0 || in->num_speculative_tokens > 3))
-        BAD("num_speculative_tokens: must be in [0, 3] (got %d)", in->num_speculative_tokens);
-    if (in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS && ctx) {
-        const Stepd__V1__SamplingParams *sp = in->sampling_params;
-        int64_t mt = sp && PB_HAS(sp, max_tokens) ? sp->max_tokens : 1;
-        if ((int64_t)in->token_ids->n_ids + mt > (int64_t)ctx)
-            BAD("sampling_params.max_tokens: prompt (%zu tokens) + max_tokens (%" PRId64
-                ") exceeds the context length %u", in->token_ids->n_ids, mt, ctx);
-    }
-    return 0;
-}
-#undef BAD
 
 /* ------------------------------------------------------------------ lifetime */
 
@@ -256,15 +66,8 @@ void req_free_if_done(struct req *r)
     if (r->next)
         r->next->prev = r->prev;
     co->n_reqs--;
-#ifdef STEPD_HAVE_TOK
-    if (r->text_mode) {
-        tok_stream_done(&r->ts);
-        if (r->has_stop)
-            tok_stop_done(&r->stop);
-    }
-    tok_parser_free(r->parser);
-    json_decref(r->tools);
-#endif
+    tok_gen_free(r->gen);
+    request_free(r->in);
     free(r->prompt);
     free(r);
     coord_check_drained(co);
@@ -416,155 +219,51 @@ static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_rea
     req_finish(r, RPC_OK, NULL);
 }
 
-#ifdef STEPD_HAVE_TOK
-/* Run ids through detokenizer and stop strings; returns 1 when a stop string matched. */
-static bool is_stop_id(const struct req *r, int32_t id)
-{
-    const struct model_info *mi = &r->co->model;
-    const Stepd__V1__SamplingParams *sp = r->in->sampling_params;
-    for (size_t i = 0; i < mi->n_eos; i++)
-        if (mi->eos[i] == id)
-            return true;
-    for (size_t i = 0; sp && i < sp->n_stop_token_ids; i++)
-        if (sp->stop_token_ids[i] == id)
-            return true;
-    return false;
-}
+/* ------------------------------------------------------------------ text pipeline */
 
-static int text_push(struct req *r, const int32_t *ids, size_t n, char **buf, size_t *blen, size_t *bcap)
-{
-    for (size_t i = 0; i < n; i++) {
-        const char *d, *o;
-        size_t dl, ol;
-        if (is_stop_id(r, ids[i]))
-            continue;   /* EOS / stop ids end the text; they are not part of it */
-        if (tok_stream_push(&r->ts, ids[i], &d, &dl) < 0)
-            continue;
-        if (r->has_stop) {
-            int m = tok_stop_feed(&r->stop, d, dl, &o, &ol);
-            if (m < 0)
-                return m;
-            d = o;
-            dl = ol;
-        }
-        if (*blen + dl + 1 > *bcap) {
-            size_t nc = (*blen + dl + 1) * 2;
-            char *nb = realloc(*buf, nc);
-            if (!nb)
-                return -ENOMEM;
-            *buf = nb;
-            *bcap = nc;
-        }
-        memcpy(*buf + *blen, d, dl);
-        *blen += dl;
-        (*buf)[*blen] = '\0';
-        if (r->has_stop && r->stop.finish == TOK_FINISH_STOP)
-            return 1;
-    }
-    return 0;
-}
-
-static int text_flush(struct req *r, char **buf, size_t *blen, size_t *bcap)
-{
-    const char *d, *o;
-    size_t dl, ol;
-    char *tmp = NULL;
-    size_t tl = 0;
-
-    if (tok_stream_finish(&r->ts, &d, &dl) < 0)
-        dl = 0;
-    if (dl) {
-        tmp = malloc(dl + 1);
-        if (!tmp)
-            return -ENOMEM;
-        memcpy(tmp, d, dl);
-        tl = dl;
-    }
-    if (r->has_stop) {
-        if (tl && r->stop.finish != TOK_FINISH_STOP) {
-            if (tok_stop_feed(&r->stop, tmp, tl, &o, &ol) < 0)
-                ol = 0;
-            free(tmp);
-            tmp = NULL;
-            tl = 0;
-            if (ol) {
-                tmp = malloc(ol + 1);
-                if (!tmp)
-                    return -ENOMEM;
-                memcpy(tmp, o, ol);
-                tl = ol;
-            }
-        }
-        if (r->stop.finish != TOK_FINISH_STOP && tok_stop_finish(&r->stop, &o, &ol) == 0 && ol) {
-            char *n = realloc(tmp, tl + ol + 1);
-            if (!n) {
-                free(tmp);
-                return -ENOMEM;
-            }
-            tmp = n;
-            memcpy(tmp + tl, o, ol);
-            tl += ol;
-        }
-    }
-    if (tl) {
-        char *nb = realloc(*buf, *blen + tl + 1);
-        if (!nb) {
-            free(tmp);
-            return -ENOMEM;
-        }
-        *buf = nb;
-        *bcap = *blen + tl + 1;
-        memcpy(*buf + *blen, tmp, tl);
-        *blen += tl;
-        (*buf)[*blen] = '\0';
-    }
-    free(tmp);
-    return 0;
-}
-#endif
-
-#ifdef STEPD_HAVE_TOK
-struct sb {
-    char *p;
-    size_t len;
-};
-
-static int sb_add(struct sb *b, const char *s, size_t n)
-{
-    char *np = realloc(b->p, b->len + n + 1);
-    if (!np)
-        return -ENOMEM;
-    b->p = np;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-    return 0;
-}
+/* Text and chat input: the engine's ids go through common/tok's output pipeline (struct
+ * tok_gen: stop ids hidden, detokenizer, stop strings, the step3p5 reasoning and tool-call
+ * parsers for chat input), and each engine message's events fill one chunk. */
 
 #define MAX_TC_DELTAS 16
 
-struct parse_acc {
+struct chunk_acc {
     struct req *r;
-    struct sb reasoning, content;
+    struct strbuf text, reasoning, content;
     Stepd__V1__ToolCallDelta tc[MAX_TC_DELTAS];
     Stepd__V1__ToolCallDelta *ptc[MAX_TC_DELTAS];
-    struct sb args[MAX_TC_DELTAS];
-    char ids[MAX_TC_DELTAS][48];
+    struct strbuf args[MAX_TC_DELTAS];
+    char ids[MAX_TC_DELTAS][40];
     char *names[MAX_TC_DELTAS];
     size_t n_tc;
 };
 
-static int parse_ev(void *ud, const struct tok_ev *ev)
+/* A tool call's id: stable for the request and the call's index, unique across requests
+ * ("call_" and 24 hex digits, as OpenAI's clients expect an opaque string). */
+static void tool_call_id(const struct req *r, int index, char *buf, size_t n)
 {
-    struct parse_acc *a = ud;
+    uint64_t h = coord_fnv1a(r->id, strlen(r->id), COORD_FNV_SEED);
+
+    h = coord_fnv1a(&r->co->start_ms, sizeof(r->co->start_ms), h);
+    snprintf(buf, n, "call_%016" PRIx64 "%08x", h, (unsigned)index);
+}
+
+static int acc_event(void *ud, const struct tok_ev *ev)
+{
+    struct chunk_acc *a = ud;
+    Stepd__V1__ToolCallDelta *t;
+    size_t k;
+
     switch (ev->kind) {
+    case TOK_EV_TEXT:
+        return strbuf_add(&a->text, ev->text, ev->len);
     case TOK_EV_REASONING:
-        return sb_add(&a->reasoning, ev->text, ev->len);
+        return strbuf_add(&a->reasoning, ev->text, ev->len);
     case TOK_EV_CONTENT:
-        return sb_add(&a->content, ev->text, ev->len);
+        return strbuf_add(&a->content, ev->text, ev->len);
     case TOK_EV_TOOL_START:
-    case TOK_EV_TOOL_ARGS: {
-        Stepd__V1__ToolCallDelta *t = a->n_tc ? &a->tc[a->n_tc - 1] : NULL;
+    case TOK_EV_TOOL_ARGS:
+        t = a->n_tc ? &a->tc[a->n_tc - 1] : NULL;
         if (ev->kind == TOK_EV_TOOL_START || !t || t->index != (uint32_t)ev->tool_index) {
             if (a->n_tc == MAX_TC_DELTAS)
                 return -ENOSPC;
@@ -577,59 +276,87 @@ static int parse_ev(void *ud, const struct tok_ev *ev)
             a->ptc[a->n_tc] = t;
             a->n_tc++;
         }
-        size_t k = (size_t)(t - a->tc);
+        k = (size_t)(t - a->tc);
         if (ev->kind == TOK_EV_TOOL_START) {
-            snprintf(a->ids[k], sizeof(a->ids[k]), "call-%d", ev->tool_index);
+            tool_call_id(a->r, ev->tool_index, a->ids[k], sizeof(a->ids[k]));
             t->id = a->ids[k];
             a->names[k] = strndup(ev->text, ev->len);
             if (!a->names[k])
                 return -ENOMEM;
             t->name = a->names[k];
         } else {
-            if (sb_add(&a->args[k], ev->text, ev->len) < 0)
+            if (strbuf_add(&a->args[k], ev->text, ev->len) < 0)
                 return -ENOMEM;
             t->arguments_delta = a->args[k].p;
         }
         return 0;
-    }
     case TOK_EV_TOOL_END:
         return 0;
     }
     return 0;
 }
 
-static void parse_acc_done(struct parse_acc *a)
+static void acc_done(struct chunk_acc *a)
 {
-    free(a->reasoning.p);
-    free(a->content.p);
+    strbuf_done(&a->text);
+    strbuf_done(&a->reasoning);
+    strbuf_done(&a->content);
     for (size_t i = 0; i < MAX_TC_DELTAS; i++) {
-        free(a->args[i].p);
+        strbuf_done(&a->args[i]);
         free(a->names[i]);
     }
 }
 
-/* Fill the parsed fields of ch from text (chat input) or copy it as content. */
-static int chunk_parse(struct req *r, struct parse_acc *a, Stepd__V1__Chunk *ch, const char *text, size_t len,
-                       bool finish)
+/* The chunk's text fields from the events (borrowed from a). */
+static void acc_fill(struct chunk_acc *a, Stepd__V1__Chunk *ch)
 {
-    if (!r->parser) {
-        ch->content_delta = (char *)text;
-        return 0;
-    }
-    int e = 0;
-    if (len)
-        e = tok_parser_feed(r->parser, text, len, parse_ev, a);
-    if (e >= 0 && finish)
-        e = tok_parser_finish(r->parser, parse_ev, a);
-    if (e < 0)
-        return e;
-    ch->reasoning_delta = a->reasoning.p ? a->reasoning.p : "";
-    ch->content_delta = a->content.p ? a->content.p : "";
+    ch->text = (char *)strbuf_str(&a->text);
+    ch->reasoning_delta = (char *)strbuf_str(&a->reasoning);
+    ch->content_delta = (char *)strbuf_str(&a->content);
     ch->n_tool_calls = a->n_tc;
     ch->tool_calls = a->ptc;
-    return 0;
 }
-#endif
+
+static bool acc_empty(const struct chunk_acc *a)
+{
+    return !a->text.len && !a->reasoning.len && !a->content.len && !a->n_tc;
+}
+
+/* The request's pipeline: what the engine ends the request on is hidden from the text
+ * (EOS unless ignore_eos, stop_token_ids), stop strings cut it, and chat output keeps
+ * its special tokens for the parsers. */
+static int req_text_start(struct req *r)
+{
+    const struct request *in = r->in;
+    const struct model_info *mi = &r->co->model;
+    struct tok_gen_opts o = { .text_events = true };
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int e;
+
+    ids = malloc((mi->n_eos + in->sp.n_stop_token_ids + 1) * sizeof(*ids));
+    if (!ids)
+        return -ENOMEM;
+    if (!(REQUEST_HAS(&in->sp, RO_IGNORE_EOS) && in->sp.ignore_eos))
+        for (size_t i = 0; i < mi->n_eos; i++)
+            ids[n++] = mi->eos[i];
+    for (size_t i = 0; i < in->sp.n_stop_token_ids; i++)
+        ids[n++] = in->sp.stop_token_ids[i];
+    o.stop_ids = ids;
+    o.n_stop_ids = n;
+    o.stops = (const char *const *)in->sp.stop;
+    o.n_stops = in->sp.n_stop;
+    o.include_stop = REQUEST_HAS(&in->sp, RO_INCLUDE_STOP_STR) && in->sp.include_stop_str;
+    o.skip_special = !REQUEST_HAS(&in->sp, RO_SKIP_SPECIAL_TOKENS) || in->sp.skip_special_tokens;
+    if (in->input == REQUEST_INPUT_CHAT) {
+        o.parser.reasoning = true;
+        o.parser.tools = true;
+        o.parser.tools_json = in->tools;
+    }
+    e = tok_gen_new(r->co->tok, &o, &r->gen);
+    free(ids);
+    return e;
+}
 
 /* One output of the engine for r (from its Generate call or the output stream). */
 void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
@@ -680,65 +407,48 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
             u.completion_tokens = r->n_out;
             ch.usage = &u;
         }
-#ifdef STEPD_HAVE_TOK
-        char *buf = NULL;
-        size_t blen = 0, bcap = 0;
-        int stopped = 0;
-        if (r->text_mode) {
-            stopped = text_push(r, ec->token_ids, n, &buf, &blen, &bcap);
-            if (stopped < 0) {
-                free(buf);
-                req_stop_engine(r);
-                req_finish(r, RPC_INTERNAL, "out of memory in the text pipeline");
-                return;
-            }
-            ch.text = buf ? buf : "";
-        }
-        struct parse_acc acc = { .r = r };
-        if (r->text_mode && chunk_parse(r, &acc, &ch, ch.text, blen, false) < 0) {
-            parse_acc_done(&acc);
-            free(buf);
-            req_stop_engine(r);
-            req_finish(r, RPC_INTERNAL, "reasoning/tool-call parser failed");
+        if (!r->text_mode) {
+            (void)send_chunk(r, &ch);
             return;
         }
-        int e = send_chunk(r, &ch);
-        parse_acc_done(&acc);
-        free(buf);
-        if (e == 0 && stopped == 1) {
-            const char *s = r->in->sampling_params->stop[r->stop.matched];
-            log_req_debug(r->id, "stop string %d matched", r->stop.matched);
-            req_stop_engine(r);
-            send_final(r, NULL, STEPD__V1__FINISH_REASON__FINISH_REASON_STOP, s);
+        struct chunk_acc acc = { .r = r };
+        int e = 0;
+        for (size_t i = 0; i < n && e == 0; i++) {
+            e = tok_gen_push(r->gen, ec->token_ids[i], acc_event, &acc);
+            if (e == -EINVAL || e == -EALREADY)
+                e = 0;      /* past the tokenizer's vocabulary, or after the pipeline ended */
         }
-#else
-        (void)send_chunk(r, &ch);
-#endif
+        if (e < 0) {
+            acc_done(&acc);
+            req_stop_engine(r);
+            req_finish(r, RPC_INTERNAL, "text pipeline failed: %s", err_str(e));
+            return;
+        }
+        acc_fill(&acc, &ch);
+        int se = send_chunk(r, &ch);
+        acc_done(&acc);
+        int idx;
+        if (se == 0 && e == 1 && tok_gen_finish_reason(r->gen, &idx) == TOK_FINISH_STOP) {
+            log_req_debug(r->id, "stop string %d matched", idx);
+            req_stop_engine(r);
+            send_final(r, NULL, STEPD__V1__FINISH_REASON__FINISH_REASON_STOP, r->in->sp.stop[idx]);
+        }
         return;
     }
     if (er->response_case == STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL) {
-#ifdef STEPD_HAVE_TOK
         if (r->text_mode) {
-            char *buf = NULL;
-            size_t blen = 0, bcap = 0;
-            if (text_flush(r, &buf, &blen, &bcap) == 0 && (blen || r->parser)) {
-                Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
-                struct parse_acc acc = { .r = r };
-                ch.text = buf ? buf : "";
-                int pe = chunk_parse(r, &acc, &ch, ch.text, blen, true);
-                int se = 0;
-                if (pe == 0 && (blen || ch.n_tool_calls || (ch.reasoning_delta && ch.reasoning_delta[0]) ||
-                                (ch.content_delta && ch.content_delta[0])))
-                    se = send_chunk(r, &ch);
-                parse_acc_done(&acc);
-                if (se < 0) {
-                    free(buf);
-                    return;
-                }
+            struct chunk_acc acc = { .r = r };
+            Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
+            int se = 0;
+
+            if (tok_gen_finish(r->gen, acc_event, &acc) == 0 && !acc_empty(&acc)) {
+                acc_fill(&acc, &ch);
+                se = send_chunk(r, &ch);
             }
-            free(buf);
+            acc_done(&acc);
+            if (se < 0)
+                return;
         }
-#endif
         send_final(r, er->final, er->final->finish_reason, NULL);
     }
 }
@@ -822,16 +532,16 @@ static void on_submit_done(struct rpc_client_call *c, int status, const char *de
 static int req_dispatch_one(struct req *r)
 {
     struct coord *co = r->co;
-    const Stepd__V1__GenerateRequest *in = r->in;
+    const struct request *in = r->in;
     Stepd__V1__GenerateRequest er = STEPD__V1__GENERATE_REQUEST__INIT;
     Stepd__V1__TokenIds ti = STEPD__V1__TOKEN_IDS__INIT;
     Stepd__V1__SamplingParams sp = STEPD__V1__SAMPLING_PARAMS__INIT;
+    struct engine_sampling es;
     struct group *g;
 
     if (!r->call)
         return -ECANCELED;
-    const Stepd__V1__SamplingParams *isp = in->sampling_params;
-    int64_t need = (int64_t)r->n_prompt + (isp && PB_HAS(isp, max_tokens) ? isp->max_tokens : 1);
+    int64_t need = (int64_t)r->n_prompt + (REQUEST_HAS(&in->sp, RO_MAX_TOKENS) ? in->sp.max_tokens : 1);
     g = wpool_pick(co, r->prompt, r->n_prompt, need > UINT32_MAX ? UINT32_MAX : (uint32_t)need);
     if (!g) {
         co->m.rejected_unavailable++;
@@ -842,10 +552,10 @@ static int req_dispatch_one(struct req *r)
             req_finish(r, RPC_UNAVAILABLE, "no worker group is ready");
         return -EAGAIN;
     }
-    if (in->sampling_params)
-        sp = *in->sampling_params;
-    sp.n_stop = 0;          /* stop strings are applied here, on text */
-    sp.stop = NULL;
+    if (engine_sampling_build(&in->sp, &es, &sp) < 0) {
+        req_finish(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return -ENOMEM;
+    }
     if (!PB_HAS(&sp, max_tokens)) {
         int64_t mt = co->o.default_max_tokens;
         uint32_t ctx = coord_max_model_len(co);
@@ -860,11 +570,12 @@ static int req_dispatch_one(struct req *r)
     er.token_ids = &ti;
     er.sampling_params = &sp;
     er.priority = in->priority;
-    if (PB_HAS(in, num_speculative_tokens))
+    if (in->has_num_speculative_tokens)
         PB_SET(&er, num_speculative_tokens, in->num_speculative_tokens);
     struct engine_conn *ec = g->eng;
     engine_out_open(ec);
     if (ec->out_state == OUT_READY && engine_out_find(ec, r->id)) {
+        engine_sampling_done(&es);
         req_finish(r, RPC_ALREADY_EXISTS, "request_id: '%s' is still ending on worker group '%s'", r->id,
                    g->name);
         return -EEXIST;
@@ -893,6 +604,7 @@ static int req_dispatch_one(struct req *r)
         e = rpc_client_start(ec->ch, ENGINE_GENERATE, &er.base, &stepd__v1__generate_response__descriptor,
                              r->deadline_ms, on_engine_msg, on_engine_done, r, &r->ecall);
     }
+    engine_sampling_done(&es);      /* the call has serialised its message */
     if (e < 0) {
         r->engine_done = true;
         r->grp = NULL;
@@ -942,51 +654,41 @@ static void on_client_cancel(struct rpc_call *call, void *ud)
 static int req_build_prompt(struct req *r, char *msg, size_t len)
 {
     struct coord *co = r->co;
-    const Stepd__V1__GenerateRequest *in = r->in;
-
-    if (in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS) {
-        r->n_prompt = in->token_ids->n_ids;
-        r->prompt = malloc(r->n_prompt * sizeof(int32_t));
-        if (!r->prompt)
-            return -ENOMEM;
-        memcpy(r->prompt, in->token_ids->ids, r->n_prompt * sizeof(int32_t));
-        return 0;
-    }
-#ifdef STEPD_HAVE_TOK
-    if (!co->tok) {
-        snprintf(msg, len, "%s: text input needs a tokenizer (start stepd with --tokenizer)",
-                 in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TEXT ? "text" : "chat");
-        return -ENOTSUP;
-    }
+    struct request *in = r->in;
+    const char *field = in->names[in->input == REQUEST_INPUT_TEXT ? RN_TEXT : RN_MESSAGES];
     struct tok_ids ids = { 0 };
     struct err_buf eb;
+    char *text = NULL;
     int e;
-    if (in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TEXT) {
+
+    if (in->input == REQUEST_INPUT_TOKENS) {
+        r->n_prompt = in->n_token_ids;
+        r->prompt = in->token_ids;      /* handed over: the request keeps no copy */
+        in->token_ids = NULL;
+        in->n_token_ids = 0;
+        return 0;
+    }
+    if (!co->tok) {
+        snprintf(msg, len, "%s: text input needs a tokenizer (start stepd with --tokenizer)", field);
+        return -ENOTSUP;
+    }
+    if (in->input == REQUEST_INPUT_TEXT) {
         e = tok_encode(co->tok, in->text, strlen(in->text), TOK_ENCODE_ADD_SPECIAL, &ids, &eb);
     } else {
-        char *text = NULL;
-        e = coord_chat_render(co, in->chat, &text, msg, len);
-        if (e < 0) {
-            tok_ids_done(&ids);
+        e = coord_chat_render(co, in, &text, msg, len);
+        if (e < 0)
             return e;
-        }
         e = tok_encode(co->tok, text, strlen(text), TOK_ENCODE_SPECIAL, &ids, &eb);
         free(text);
     }
     if (e < 0) {
         tok_ids_done(&ids);
-        snprintf(msg, len, "%s: %.600s", in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TEXT ? "text" : "chat",
-                 eb.msg);
+        snprintf(msg, len, "%s: %.600s", field, eb.msg);
         return -EINVAL;
     }
     r->prompt = ids.ids;
     r->n_prompt = ids.n;
     return 0;
-#else
-    (void)co;
-    snprintf(msg, len, "input: text and chat input need the tokenizer, which this build lacks");
-    return -ENOTSUP;
-#endif
 }
 
 /* ------------------------------------------------------------------ admission on the CQ thread */
@@ -1030,10 +732,28 @@ void req_generate_unmark(int mark, void *ud)
         atomic_fetch_sub_explicit(&co->gate.in_transit, 1, memory_order_acq_rel);
 }
 
+/* A server-assigned request id: unguessable (128 random bits), so that no client can
+ * name another's request. */
+static void req_id_assign(char *buf, size_t n)
+{
+    uint8_t b[16];
+    char hex[33];
+
+    if (getrandom(b, sizeof(b), 0) != (ssize_t)sizeof(b)) {
+        uint64_t t = (uint64_t)rpc_now_us() ^ ((uint64_t)getpid() << 32);
+
+        for (size_t i = 0; i < sizeof(b); i++, t = t * 6364136223846793005ull + 1442695040888963407ull)
+            b[i] = (uint8_t)(t >> 56);
+    }
+    for (size_t i = 0; i < sizeof(b); i++)
+        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    snprintf(buf, n, "stepd-%s", hex);
+}
+
 static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
 {
     struct coord *co = ud;
-    const Stepd__V1__GenerateRequest *in = (const void *)msg;
+    struct request *in = NULL;
     char err[768];
     struct req *r;
     int e;
@@ -1060,25 +780,34 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
                         co->admit.running, co->admit.queued);
         return;
     }
-    if (req_validate(co, in, err, sizeof(err)) < 0) {
-        co->m.rejected_invalid++;
-        co->m.status[RPC_INVALID_ARGUMENT]++;
-        log_req_info(in->request_id[0] ? in->request_id : "-", "rejected: %s", err);
-        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "%s", err);
+    e = request_from_proto((const Stepd__V1__GenerateRequest *)msg, &in, err, sizeof(err));
+    if (e == 0)
+        e = request_validate(co, in, err, sizeof(err));
+    if (e < 0) {
+        int st = e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT;
+
+        if (st == RPC_INVALID_ARGUMENT)
+            co->m.rejected_invalid++;
+        co->m.status[st]++;
+        log_req_info(in && in->id[0] ? in->id : "-", "rejected: %s", err);
+        rpc_call_finish(call, st, "%s", err);
+        request_free(in);
         return;
     }
     if (wpool_ready_count(co) == 0) {
         co->m.rejected_unavailable++;
         co->m.status[RPC_UNAVAILABLE]++;
         rpc_call_finish(call, RPC_UNAVAILABLE, "no worker group is ready");
+        request_free(in);
         return;
     }
-    if (in->request_id[0]) {
+    if (in->id[0]) {
         for (struct req *o = co->reqs; o; o = o->next)
-            if (o->call && strcmp(o->id, in->request_id) == 0) {
+            if (o->call && strcmp(o->id, in->id) == 0) {
                 co->m.status[RPC_ALREADY_EXISTS]++;
                 rpc_call_finish(call, RPC_ALREADY_EXISTS, "request_id: '%s' is already in flight",
-                                in->request_id);
+                                in->id);
+                request_free(in);
                 return;
             }
     }
@@ -1086,6 +815,7 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
     if (!r) {
         co->m.status[RPC_RESOURCE_EXHAUSTED]++;
         rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        request_free(in);
         return;
     }
     r->co = co;
@@ -1094,13 +824,13 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
     r->engine_done = true;      /* nothing dispatched yet */
     r->t_arrival = rpc_now_ms();
     r->deadline_ms = rpc_call_deadline_ms(call);
-    if (in->request_id[0])
-        snprintf(r->id, sizeof(r->id), "%s", in->request_id);
+    if (in->id[0])
+        snprintf(r->id, sizeof(r->id), "%s", in->id);
     else
-        snprintf(r->id, sizeof(r->id), "stepd-%" PRIx64 "-%" PRIu64, (uint64_t)co->start_ms, ++co->next_req_id);
-    r->text_mode = in->input_case != STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
-    r->want_ids = in->stream_options && in->stream_options->include_token_ids;
-    r->continuous_usage = in->stream_options && in->stream_options->continuous_usage_stats;
+        req_id_assign(r->id, sizeof(r->id));
+    r->text_mode = in->input != REQUEST_INPUT_TOKENS;
+    r->want_ids = in->include_token_ids;
+    r->continuous_usage = in->continuous_usage_stats;
     r->next = co->reqs;
     if (co->reqs)
         co->reqs->prev = r;
@@ -1120,9 +850,8 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
     }
     if (r->text_mode) {
         uint32_t ctx = coord_max_model_len(co);
-        const Stepd__V1__SamplingParams *sp = in->sampling_params;
-        int64_t mt = sp && PB_HAS(sp, max_tokens) ? sp->max_tokens : 1;
-        const char *field = in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TEXT ? "text" : "chat";
+        int64_t mt = REQUEST_HAS(&in->sp, RO_MAX_TOKENS) ? in->sp.max_tokens : 1;
+        const char *field = in->names[in->input == REQUEST_INPUT_TEXT ? RN_TEXT : RN_MESSAGES];
         if (r->n_prompt == 0)
             snprintf(err, sizeof(err), "%s: prompt is empty after tokenization", field);
         else if (co->o.max_input_tokens ? r->n_prompt > co->o.max_input_tokens : (ctx > 1 && r->n_prompt > ctx - 1))
@@ -1130,8 +859,8 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
                      r->n_prompt, co->o.max_input_tokens ? co->o.max_input_tokens : ctx - 1);
         else if (ctx && (int64_t)r->n_prompt + mt > (int64_t)ctx)
             snprintf(err, sizeof(err),
-                     "sampling_params.max_tokens: prompt (%zu tokens) + max_tokens (%" PRId64
-                     ") exceeds the context length %u", r->n_prompt, mt, ctx);
+                     "%s: prompt (%zu tokens) + max_tokens (%" PRId64 ") exceeds the context length %u",
+                     in->names[RN_MAX_TOKENS], r->n_prompt, mt, ctx);
         if (err[0]) {
             co->m.rejected_invalid++;
             r->text_mode = false;
@@ -1139,29 +868,12 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
             req_free_if_done(r);
             return;
         }
-#ifdef STEPD_HAVE_TOK
-        /* chat output keeps special tokens: the parser needs <think>, </think>, <tool_call> */
-        bool skip = in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_CHAT
-                        ? false
-                        : !(sp && PB_HAS(sp, skip_special_tokens)) || sp->skip_special_tokens;
-        tok_stream_init(&r->ts, co->tok, skip);
-        if (sp && sp->n_stop) {
-            bool incl = PB_HAS(sp, include_stop_str_in_output) && sp->include_stop_str_in_output;
-            if (tok_stop_init(&r->stop, (const char *const *)sp->stop, sp->n_stop, incl) == 0)
-                r->has_stop = true;
+        if (req_text_start(r) < 0) {
+            r->text_mode = false;
+            req_finish(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
+            req_free_if_done(r);
+            return;
         }
-        if (in->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_CHAT) {
-            struct tok_parser_opts po = { .reasoning = true, .tools = true };
-            if (in->chat->tools_json[0])
-                r->tools = json_loads(in->chat->tools_json, 0, NULL);
-            po.tools_json = r->tools;
-            if (tok_parser_new(&po, &r->parser) < 0) {
-                req_finish(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
-                req_free_if_done(r);
-                return;
-            }
-        }
-#endif
     }
 
     r->ai.priority = in->priority;

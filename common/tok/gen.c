@@ -12,6 +12,7 @@ struct tok_gen {
     struct tok_stop stop;
     struct tok_parser *parser;      /* NULL: plain content deltas */
     bool skip_special;
+    bool text_events;
     int32_t *stop_ids;
     size_t n_stop_ids;
     int32_t parser_tags[4];         /* special ids the parser must see */
@@ -29,6 +30,7 @@ int tok_gen_new(const struct tokenizer *tok, const struct tok_gen_opts *o, struc
         return -ENOMEM;
     g->tok = tok;
     g->skip_special = o->skip_special;
+    g->text_events = o->text_events;
     g->finish_index = -1;
     if ((r = tok_stop_init(&g->stop, o->stops, o->n_stops, o->include_stop)) < 0) {
         free(g);
@@ -81,6 +83,13 @@ static bool hidden(const struct tok_gen *g, int32_t id)
 /* Text after stop strings goes to the parser or out as content. */
 static int deliver(struct tok_gen *g, const char *s, size_t n, tok_ev_cb cb, void *ud)
 {
+    if (g->text_events && n) {
+        struct tok_ev ev = { .kind = TOK_EV_TEXT, .tool_index = -1, .text = s, .len = n };
+        int r = cb(ud, &ev);
+
+        if (r < 0)
+            return r;
+    }
     if (g->parser)
         return tok_parser_feed(g->parser, s, n, cb, ud);
     if (!n)

@@ -5,7 +5,8 @@
  * streaming detokenizer -> stop strings (cut before the match) -> the step3p5 reasoning and
  * tool-call parsers when enabled, else plain TOK_EV_CONTENT deltas.  With a parser, special
  * tokens are hidden except the parser's own tags (<think>, </think>, <tool_call>,
- * </tool_call>), which the parser consumes; without one, skip_special decides.
+ * </tool_call>), which the parser consumes; without one, skip_special decides.  With
+ * text_events every delta also comes as TOK_EV_TEXT before its parsed events.
  */
 #pragma once
 
@@ -28,6 +29,8 @@ struct tok_gen_opts {
     const int32_t *stop_ids;        /* e.g. EOS ids; copied.  Leave out EOS for ignore_eos */
     size_t n_stop_ids;
     struct tok_parser_opts parser;  /* .reasoning / .tools; tools_json must outlive the gen */
+    bool text_events;               /* also TOK_EV_TEXT: each text delta after the stop strings,
+                                       before the parsers (what a raw-text field shows) */
 };
 
 struct tok_gen;

@@ -34,6 +34,7 @@ enum tok_ev_kind {
     TOK_EV_TOOL_START,      /* text = function name */
     TOK_EV_TOOL_ARGS,       /* text = JSON arguments delta */
     TOK_EV_TOOL_END,
+    TOK_EV_TEXT,            /* tok_gen with text_events only: the raw text, before parsing */
 };
 
 struct tok_ev {

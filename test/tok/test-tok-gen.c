@@ -18,7 +18,7 @@
 #include "harness.h"
 
 struct out {
-    char text[5][4096];     /* per event kind */
+    char text[6][4096];     /* per event kind */
     int n_start, n_end;
 };
 
@@ -115,6 +115,22 @@ int main(int argc, char **argv)
     ASSERT_EQ(out.n_start, 1);
     ASSERT_EQ(out.n_end, 1);
     ASSERT_EQ(tok_gen_finish_reason(g, NULL), TOK_FINISH_EOS);
+    ASSERT_STREQ(out.text[TOK_EV_TEXT], "");
+    tok_gen_free(g);
+
+    /* text_events: the raw text after the stop strings, before the parsers (their tags in
+     * it, other specials and the stop id not), alongside the same parsed events */
+    o4.text_events = true;
+    o4.stops = (const char *[]){ "Paris" };
+    o4.n_stops = 1;
+    ASSERT_EQ(run(tok, &o4, "I will look it up.\n</think>\nSure.<|im_start|>\n<tool_call>\n"
+                  "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                  "</tool_call><|im_end|>", NULL, 0, false, &out, &g), 1);
+    ASSERT_STREQ(out.text[TOK_EV_TEXT], "I will look it up.\n</think>\nSure.\n<tool_call>\n"
+                 "<function=get_weather>\n<parameter=city>\n");
+    ASSERT_STREQ(out.text[TOK_EV_REASONING], "I will look it up.");
+    ASSERT_STREQ(out.text[TOK_EV_CONTENT], "Sure.\n");
+    ASSERT_EQ(tok_gen_finish_reason(g, &idx), TOK_FINISH_STOP);
     tok_gen_free(g);
 
     /* length: held bytes of an unfinished character are released as U+FFFD */

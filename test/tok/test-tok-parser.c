@@ -193,6 +193,8 @@ static int on_event(void *ud, const struct tok_ev *ev)
         res->in_call = false;
         break;
     }
+    case TOK_EV_TEXT:
+        FAIL("the parser emitted a raw-text event");
     }
     return 0;
 }

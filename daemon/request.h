@@ -1,0 +1,154 @@
+/* request.h - a generation request as the coordinator serves it, whichever front door it
+ * came through: built once at the door (request_from_proto for Inference.Generate; the
+ * HTTP API builds the same struct from JSON), validated once (validate.c), then owned by
+ * the live request (struct req, req.c) until it ends.
+ *
+ * Chat input is kept as OpenAI-style JSON (an array of {role, content, reasoning_content,
+ * tool_calls, tool_call_id, name} objects, the tools array, the template kwargs object):
+ * the form the chat template renders from (common/tok/chat.h).  Sampling scalars are
+ * optional: a field counts only where its bit is set in `set` (unset = server default).
+ * Error messages name fields as the client wrote them: `names` is the door's table.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+/* The fields validation and the pipeline can name in a message. */
+enum request_name {
+    RN_REQUEST_ID,
+    RN_MODEL,
+    RN_TEXT,
+    RN_MESSAGES,            /* prefix of "<messages>[i].role" etc. */
+    RN_TOOLS,
+    RN_CHAT_TEMPLATE_KWARGS,
+    RN_REASONING_EFFORT,
+    RN_TOKEN_IDS,
+    RN_TEMPERATURE,
+    RN_TOP_P,
+    RN_TOP_K,
+    RN_MIN_P,
+    RN_REPETITION_PENALTY,
+    RN_PRESENCE_PENALTY,
+    RN_FREQUENCY_PENALTY,
+    RN_MAX_TOKENS,
+    RN_MIN_TOKENS,
+    RN_SEED,
+    RN_LOGPROBS,
+    RN_N,
+    RN_STOP,
+    RN_STOP_TOKEN_IDS,
+    RN_LOGIT_BIAS,
+    RN_NUM_SPECULATIVE_TOKENS,
+    RN_INPUT,               /* "one of ... is required" */
+    _RN_MAX,
+};
+
+/* Presence bits of struct request_sampling (1u << f). */
+enum request_opt {
+    RO_TEMPERATURE,
+    RO_TOP_P,
+    RO_TOP_K,
+    RO_MIN_P,
+    RO_REPETITION_PENALTY,
+    RO_PRESENCE_PENALTY,
+    RO_FREQUENCY_PENALTY,
+    RO_MAX_TOKENS,
+    RO_MIN_TOKENS,
+    RO_SEED,
+    RO_LOGPROBS,
+    RO_IGNORE_EOS,
+    RO_N,
+    RO_SKIP_SPECIAL_TOKENS,
+    RO_INCLUDE_STOP_STR,
+    _RO_MAX,
+};
+
+#define REQUEST_HAS(sp, o) (((sp)->set >> (o)) & 1u)
+#define REQUEST_SET(sp, o, field, v) do { (sp)->field = (v); (sp)->set |= 1u << (o); } while (0)
+
+struct request_logit_bias {
+    int32_t id;
+    float bias;
+};
+
+struct request_sampling {
+    uint32_t set;                   /* 1u << enum request_opt */
+    float temperature, top_p, min_p;
+    float repetition_penalty, presence_penalty, frequency_penalty;
+    int32_t top_k;                  /* 0 or -1 = disabled */
+    int32_t logprobs;               /* set: the sampled token's logprob and the top-N */
+    int32_t n;
+    int64_t max_tokens, min_tokens, seed;
+    bool ignore_eos, skip_special_tokens, include_stop_str;
+    char **stop;                    /* stop strings (text and chat input) */
+    size_t n_stop;
+    int32_t *stop_token_ids;
+    size_t n_stop_token_ids;
+    struct request_logit_bias *logit_bias;
+    size_t n_logit_bias;
+};
+
+enum request_input {
+    REQUEST_INPUT_NONE,
+    REQUEST_INPUT_TEXT,
+    REQUEST_INPUT_CHAT,
+    REQUEST_INPUT_TOKENS,
+};
+
+struct request {
+    char id[136];                   /* the client's request_id ("" = server assigns) */
+    char *model;                    /* "" = unset */
+    enum request_input input;
+    char *text;                     /* TEXT */
+    json_t *messages;               /* CHAT: array (owned) */
+    json_t *tools;                  /* CHAT: array or NULL (owned) */
+    json_t *chat_template_kwargs;   /* CHAT: object or NULL (owned) */
+    char *reasoning_effort;         /* CHAT: NULL = unset */
+    bool add_generation_prompt;     /* CHAT: default true */
+    int32_t *token_ids;             /* TOKENS */
+    size_t n_token_ids;
+    struct request_sampling sp;
+    int32_t priority;               /* lower = earlier */
+    bool has_num_speculative_tokens;
+    int32_t num_speculative_tokens; /* MTP drafts for this request (0..3), when has_ */
+    bool continuous_usage_stats;
+    bool include_token_ids;
+    const char *const *names;       /* [_RN_MAX]: the door's field names */
+};
+
+/* The gRPC door's field names ("sampling_params.temperature", "chat.messages", ...). */
+extern const char *const request_names_grpc[_RN_MAX];
+
+struct request *request_new(const char *const *names);
+void request_free(struct request *in);
+/* Add a stop string / stop id / bias entry (copied): 0 or -ENOMEM. */
+int request_add_stop(struct request_sampling *sp, const char *s, size_t len);
+int request_add_stop_id(struct request_sampling *sp, int32_t id);
+int request_add_logit_bias(struct request_sampling *sp, int32_t id, float bias);
+
+/* The engine's SamplingParams for sp, in *ret (stop strings left out: the coordinator
+ * applies them to the text).  es holds the arrays ret points into until
+ * engine_sampling_done(es).  0 or -ENOMEM. */
+struct engine_sampling {
+    void *entries;                  /* the logit-bias map entries */
+    void **pentries;
+};
+struct Stepd__V1__SamplingParams;
+int engine_sampling_build(const struct request_sampling *sp, struct engine_sampling *es,
+                          struct Stepd__V1__SamplingParams *ret);
+void engine_sampling_done(struct engine_sampling *es);
+
+/* Inference.Generate's message as a request (its strings and arrays copied; the chat
+ * messages turned into their JSON form).  0, -ENOMEM, or -EINVAL with the field named in
+ * msg (a tool call's arguments_json that is not a JSON object, ...). */
+struct Stepd__V1__GenerateRequest;
+int request_from_proto(const struct Stepd__V1__GenerateRequest *pb, struct request **ret,
+                       char *msg, size_t len);
+/* A chat-only request from a proto ChatInput (Inference.Tokenize), the same way. */
+struct Stepd__V1__ChatInput;
+int request_from_proto_chat(const struct Stepd__V1__ChatInput *chat, struct request **ret,
+                            char *msg, size_t len);

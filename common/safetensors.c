@@ -889,7 +889,6 @@ void sft_close(struct sft_file *f)
 
 const struct sft_header *sft_file_header(const struct sft_file *f) { return &f->hdr; }
 const char *sft_file_path(const struct sft_file *f) { return f->path; }
-uint64_t sft_file_size(const struct sft_file *f) { return f->size; }
 
 void sft_file_view(const struct sft_file *f, const struct sft_tensor *t, struct tview *ret)
 {

@@ -98,7 +98,6 @@ int sft_open(const char *path, int flags, struct sft_file **ret, struct err_buf 
 void sft_close(struct sft_file *f);
 const struct sft_header *sft_file_header(const struct sft_file *f);
 const char *sft_file_path(const struct sft_file *f);
-uint64_t sft_file_size(const struct sft_file *f);
 /* View of tensor t of f (t from sft_file_header(f)); data is NULL when headers-only. */
 void sft_file_view(const struct sft_file *f, const struct sft_tensor *t, struct tview *ret);
 

@@ -11,6 +11,7 @@ void strbuf_done(struct strbuf *b)
     free(b->p);
     b->p = NULL;
     b->len = b->cap = 0;
+    b->oom = false;
 }
 
 void strbuf_reset(struct strbuf *b)
@@ -28,16 +29,19 @@ static int reserve(struct strbuf *b, size_t extra)
     if (need <= b->cap)
         return 0;
     if (need < b->len)
-        return -ENOMEM;             /* overflow */
+        goto out_oom;               /* overflow */
     nc = b->cap ? b->cap : 64;
     while (nc < need)
         nc *= 2;
     np = realloc(b->p, nc);
     if (!np)
-        return -ENOMEM;
+        goto out_oom;
     b->p = np;
     b->cap = nc;
     return 0;
+out_oom:
+    b->oom = true;
+    return -ENOMEM;
 }
 
 int strbuf_add(struct strbuf *b, const char *s, size_t n)
@@ -95,5 +99,6 @@ char *strbuf_take(struct strbuf *b)
 
     b->p = NULL;
     b->len = b->cap = 0;
+    b->oom = false;
     return p;
 }

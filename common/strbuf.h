@@ -2,19 +2,23 @@
  *
  * struct strbuf b = STRBUF_INIT; ... strbuf_add(&b, s, n); strbuf_printf(&b, ...);
  * strbuf_str(&b) is always a valid C string ("" before the first byte); strbuf_done frees.
- * Appends return 0 or -ENOMEM and leave the string as it was on failure.
+ * Appends return 0 or -ENOMEM and leave the string as it was on failure; a failed append
+ * also sets the sticky `oom`, so a renderer may append without checking each call and look
+ * once at the end.
  */
 #pragma once
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 
 struct strbuf {
     char *p;                        /* NULL until the first append */
     size_t len, cap;
+    bool oom;                       /* an append failed (sticky until done/take) */
 };
 
-#define STRBUF_INIT { NULL, 0, 0 }
+#define STRBUF_INIT { NULL, 0, 0, false }
 
 void strbuf_done(struct strbuf *b);
 void strbuf_reset(struct strbuf *b);            /* empty, keeps the memory */

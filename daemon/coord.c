@@ -760,19 +760,6 @@ fail:
     return r;
 }
 
-int coord_port(const struct coord *co, const char *which)
-{
-    if (!strcmp(which, "public"))
-        return co->pub_port;
-    if (!strcmp(which, "admin"))
-        return co->admin_port;
-    if (!strcmp(which, "control"))
-        return co->ctl_port;
-    if (!strcmp(which, "metrics"))
-        return co->metrics_port;
-    return -EINVAL;
-}
-
 int coord_run(struct coord *co)
 {
     uint64_t wd = notify_watchdog_usec();

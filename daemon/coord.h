@@ -55,6 +55,4 @@ int coord_new(const struct coord_opts *o, struct coord **ret);
 /* Run until drained or forced; returns the process exit code. */
 int coord_run(struct coord *co);
 void coord_free(struct coord *co);
-/* Bound ports (after coord_new). */
-int coord_port(const struct coord *co, const char *which);
 /* True when host:port / unix: address is loopback-only. */

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "file.h"
 #include "coord.h"
 #include "err.h"
 #include "log.h"
@@ -51,26 +52,6 @@ static void usage(FILE *f)
         "  --prefix-affinity N        route by a hash of the first N prompt tokens (0 = off)\n"
         "  --log-level LEVEL          error|warn|info|debug\n"
         "  --version, --help\n");
-}
-
-static int read_secret(const char *path, char **ret)
-{
-    FILE *f = fopen(path, "r");
-    char buf[1024];
-    size_t n;
-
-    if (!f)
-        return -errno;
-    n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
-        buf[--n] = '\0';
-    if (n == 0)
-        return -ENODATA;
-    *ret = strdup(buf);
-    memset(buf, 0, sizeof(buf));
-    return *ret ? 0 : -ENOMEM;
 }
 
 static int parse_uint(const char *flag, const char *s, unsigned long max, unsigned long *ret)
@@ -303,7 +284,7 @@ int main(int argc, char **argv)
         return 2;
     }
     if (key_file) {
-        if ((r = read_secret(key_file, &api_key)) < 0) {
+        if ((r = file_read_secret(key_file, &api_key)) < 0) {
             log_error("--api-key-file %s: %s", key_file, r == -ENODATA ? "file is empty" : err_str(r));
             return 2;
         }
@@ -311,7 +292,7 @@ int main(int argc, char **argv)
         api_key = strdup(getenv("STEPD_API_KEY"));
     }
     if (ckey_file) {
-        if ((r = read_secret(ckey_file, &ctl_key)) < 0) {
+        if ((r = file_read_secret(ckey_file, &ctl_key)) < 0) {
             log_error("--control-key-file %s: %s", ckey_file, r == -ENODATA ? "file is empty" : err_str(r));
             goto out;
         }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "coord-int.h"
+#include "strbuf.h"
 #include "err.h"
 #include "log.h"
 
@@ -51,66 +52,32 @@ void metrics_observe(struct histogram *h, double v)
     h->count++;
 }
 
-struct sbuf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-};
-
-static void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_printf(struct sbuf *b, const char *fmt, ...)
-{
-    va_list ap;
-    for (;;) {
-        size_t room = b->cap - b->len;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->p ? b->p + b->len : NULL, room, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->oom = true;
-            return;
-        }
-        if ((size_t)n < room) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t nc = (b->cap + (size_t)n + 1) * 2;
-        char *np = realloc(b->p, nc);
-        if (!np) {
-            b->oom = true;
-            return;
-        }
-        b->p = np;
-        b->cap = nc;
-    }
-}
-
-static void hist_render(struct sbuf *b, const char *name, const char *help, const struct histogram *h)
+static void hist_render(struct strbuf *b, const char *name, const char *help, const struct histogram *h)
 {
     uint64_t cum = 0;
-    sb_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    strbuf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     for (size_t i = 0; i < h->n_bounds; i++) {
         cum += h->counts[i];
-        sb_printf(b, "%s_bucket{le=\"%g\"} %" PRIu64 "\n", name, h->bounds[i], cum);
+        strbuf_printf(b, "%s_bucket{le=\"%g\"} %" PRIu64 "\n", name, h->bounds[i], cum);
     }
     cum += h->counts[h->n_bounds];
-    sb_printf(b, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n%s_sum %.9g\n%s_count %" PRIu64 "\n", name, cum, name,
+    strbuf_printf(b, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n%s_sum %.9g\n%s_count %" PRIu64 "\n", name, cum, name,
               h->sum, name, h->count);
 }
 
-static void counter(struct sbuf *b, const char *name, const char *help, uint64_t v)
+static void counter(struct strbuf *b, const char *name, const char *help, uint64_t v)
 {
-    sb_printf(b, "# HELP %s %s\n# TYPE %s counter\n%s %" PRIu64 "\n", name, help, name, name, v);
+    strbuf_printf(b, "# HELP %s %s\n# TYPE %s counter\n%s %" PRIu64 "\n", name, help, name, name, v);
 }
 
-static void gauge(struct sbuf *b, const char *name, const char *help, double v)
+static void gauge(struct strbuf *b, const char *name, const char *help, double v)
 {
-    sb_printf(b, "# HELP %s %s\n# TYPE %s gauge\n%s %.9g\n", name, help, name, name, v);
+    strbuf_printf(b, "# HELP %s %s\n# TYPE %s gauge\n%s %.9g\n", name, help, name, name, v);
 }
 
 char *metrics_render(struct coord *co, size_t *ret_len)
 {
-    struct sbuf b = { 0 };
+    struct strbuf b = STRBUF_INIT;
     /* the loop's counters plus the rejections answered on the CQ thread (coord_gate) */
     struct metrics mc = co->m;
     const struct metrics *m = &mc;
@@ -130,18 +97,18 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     gauge(&b, "stepd:num_requests_waiting", "Requests waiting for an admission slot.", co->admit.queued);
     counter(&b, "stepd:prompt_tokens_total", "Prompt tokens of finished requests.", m->prompt_tokens);
     counter(&b, "stepd:generation_tokens_total", "Generated tokens of finished requests.", m->generation_tokens);
-    sb_printf(&b, "# HELP stepd:request_success_total Finished requests by finish reason.\n"
+    strbuf_printf(&b, "# HELP stepd:request_success_total Finished requests by finish reason.\n"
                   "# TYPE stepd:request_success_total counter\n");
     for (int i = 1; i < 5; i++)
-        sb_printf(&b, "stepd:request_success_total{finished_reason=\"%s\"} %" PRIu64 "\n", reasons[i],
+        strbuf_printf(&b, "stepd:request_success_total{finished_reason=\"%s\"} %" PRIu64 "\n", reasons[i],
                   m->finished[i]);
-    sb_printf(&b, "# HELP stepd:request_status_total Terminal gRPC status of Generate calls.\n"
+    strbuf_printf(&b, "# HELP stepd:request_status_total Terminal gRPC status of Generate calls.\n"
                   "# TYPE stepd:request_status_total counter\n");
     for (int i = 0; i < 17; i++)
         if (m->status[i])
-            sb_printf(&b, "stepd:request_status_total{code=\"%s\"} %" PRIu64 "\n", rpc_status_name(i),
+            strbuf_printf(&b, "stepd:request_status_total{code=\"%s\"} %" PRIu64 "\n", rpc_status_name(i),
                       m->status[i]);
-    sb_printf(&b, "# HELP stepd:requests_rejected_total Requests refused before reaching an engine.\n"
+    strbuf_printf(&b, "# HELP stepd:requests_rejected_total Requests refused before reaching an engine.\n"
                   "# TYPE stepd:requests_rejected_total counter\n"
                   "stepd:requests_rejected_total{reason=\"queue_full\"} %" PRIu64 "\n"
                   "stepd:requests_rejected_total{reason=\"invalid\"} %" PRIu64 "\n"
@@ -154,22 +121,22 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     counter(&b, "stepd:spec_decode_num_drafts_total", "MTP verification steps with drafts.", m->spec_drafts);
     counter(&b, "stepd:spec_decode_num_draft_tokens_total", "MTP draft tokens proposed.", m->spec_draft_tokens);
     counter(&b, "stepd:spec_decode_num_accepted_tokens_total", "MTP draft tokens accepted.", m->spec_accepted);
-    sb_printf(&b, "# HELP stepd:spec_decode_num_accepted_tokens_per_pos_total Accepted drafts by position.\n"
+    strbuf_printf(&b, "# HELP stepd:spec_decode_num_accepted_tokens_per_pos_total Accepted drafts by position.\n"
                   "# TYPE stepd:spec_decode_num_accepted_tokens_per_pos_total counter\n");
     for (int i = 0; i < 3; i++)
-        sb_printf(&b, "stepd:spec_decode_num_accepted_tokens_per_pos_total{position=\"%d\"} %" PRIu64 "\n", i,
+        strbuf_printf(&b, "stepd:spec_decode_num_accepted_tokens_per_pos_total{position=\"%d\"} %" PRIu64 "\n", i,
                   m->spec_accepted_pos[i]);
-    sb_printf(&b, "# HELP stepd:group_ready Worker group readiness (1 ready).\n# TYPE stepd:group_ready gauge\n");
+    strbuf_printf(&b, "# HELP stepd:group_ready Worker group readiness (1 ready).\n# TYPE stepd:group_ready gauge\n");
     for (struct group *g = co->groups; g; g = g->next)
-        sb_printf(&b, "stepd:group_ready{group=\"%s\"} %d\n", g->name, g->state == GROUP_READY);
-    sb_printf(&b, "# HELP stepd:group_in_flight Requests in flight per group.\n# TYPE stepd:group_in_flight gauge\n");
+        strbuf_printf(&b, "stepd:group_ready{group=\"%s\"} %d\n", g->name, g->state == GROUP_READY);
+    strbuf_printf(&b, "# HELP stepd:group_in_flight Requests in flight per group.\n# TYPE stepd:group_in_flight gauge\n");
     for (struct group *g = co->groups; g; g = g->next)
-        sb_printf(&b, "stepd:group_in_flight{group=\"%s\"} %u\n", g->name, g->in_flight);
-    sb_printf(&b, "# HELP stepd:group_kv_cache_usage_perc KV usage per group (engine report).\n"
+        strbuf_printf(&b, "stepd:group_in_flight{group=\"%s\"} %u\n", g->name, g->in_flight);
+    strbuf_printf(&b, "# HELP stepd:group_kv_cache_usage_perc KV usage per group (engine report).\n"
                   "# TYPE stepd:group_kv_cache_usage_perc gauge\n");
     uint64_t preempt = 0;
     for (struct group *g = co->groups; g; g = g->next) {
-        sb_printf(&b, "stepd:group_kv_cache_usage_perc{group=\"%s\"} %.6f\n", g->name, g->kv_usage);
+        strbuf_printf(&b, "stepd:group_kv_cache_usage_perc{group=\"%s\"} %.6f\n", g->name, g->kv_usage);
         if (g->state == GROUP_READY) {
             kv_used += g->kv_used;
             kv_total += g->kv_total;
@@ -183,7 +150,7 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     gauge(&b, "stepd:ready", "Readiness (1 SERVING).", coord_ready(co));
     gauge(&b, "stepd:live_rpc_calls", "Live gRPC calls in the coordinator.", (double)rpc_ctx_live_calls(co->rpc));
     if (b.oom) {
-        free(b.p);
+        strbuf_done(&b);
         return NULL;
     }
     *ret_len = b.len;

@@ -272,11 +272,6 @@ void rpc_call_abort(struct rpc_call *c, int status, const char *msg)
     call_maybe_free(c);
 }
 
-bool rpc_call_cancelled(const struct rpc_call *c)
-{
-    return c->cancelled;
-}
-
 int64_t rpc_call_deadline_ms(const struct rpc_call *c)
 {
     return rpc__deadline_to_ms(c->deadline);
@@ -299,18 +294,6 @@ int rpc_call_metadata(const struct rpc_call *c, const char *key, char *buf, size
         }
     }
     return -ENOENT;
-}
-
-void rpc_call_peer(const struct rpc_call *c, char *buf, size_t len)
-{
-    char *p = grpc_call_get_peer(c->call);
-    snprintf(buf, len, "%s", p ? p : "?");
-    gpr_free(p);
-}
-
-const char *rpc_call_method(const struct rpc_call *c)
-{
-    return c->method_name;
 }
 
 void rpc_call_set_buffer_cap(struct rpc_call *c, size_t bytes)

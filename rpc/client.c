@@ -16,6 +16,7 @@
 #include <grpc/support/time.h>
 
 #include "err.h"
+#include "file.h"
 #include "log.h"
 #include "rpc-int.h"
 #include <grpc/grpc_security.h>
@@ -75,15 +76,15 @@ int rpc_channel_create(struct rpc_ctx *ctx, const char *target, const struct rpc
         }
     }
     if (o.tls) {
-        if (o.tls->root_file && (r = rpc__read_file(o.tls->root_file, &root)) < 0) {
+        if (o.tls->root_file && (r = file_read_all(o.tls->root_file, 16u << 20, 0, &root, NULL)) < 0) {
             log_error("rpc: %s: %s", o.tls->root_file, strerror(-r));
             goto fail;
         }
-        if (o.tls->cert_file && (r = rpc__read_file(o.tls->cert_file, &cert)) < 0) {
+        if (o.tls->cert_file && (r = file_read_all(o.tls->cert_file, 16u << 20, 0, &cert, NULL)) < 0) {
             log_error("rpc: %s: %s", o.tls->cert_file, strerror(-r));
             goto fail;
         }
-        if (o.tls->key_file && (r = rpc__read_file(o.tls->key_file, &key)) < 0) {
+        if (o.tls->key_file && (r = file_read_all(o.tls->key_file, 16u << 20, 0, &key, NULL)) < 0) {
             log_error("rpc: %s: %s", o.tls->key_file, strerror(-r));
             goto fail;
         }
@@ -144,11 +145,6 @@ void rpc_channel_destroy(struct rpc_channel *ch)
     free(ch->target);
     free(ch->auth);
     free(ch);
-}
-
-const char *rpc_channel_target(const struct rpc_channel *ch)
-{
-    return ch->target;
 }
 
 static void client_maybe_done(struct rpc_client_call *c)

@@ -16,6 +16,7 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
+#include "clock.h"
 #include "err.h"
 #include "log.h"
 #include "rpc-int.h"
@@ -38,9 +39,7 @@ const char *rpc_status_name(int status)
 
 int64_t rpc_now_us(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+    return clk_now_us();
 }
 
 int64_t rpc_now_ms(void)
@@ -79,48 +78,6 @@ bool rpc_secret_equal(const char *expected, const char *given)
         diff |= (unsigned char)expected[i] ^ g;
     }
     return diff == 0;
-}
-
-int rpc__read_file(const char *path, char **ret)
-{
-    FILE *f = fopen(path, "rb");
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    int r = 0;
-
-    if (!f)
-        return -errno;
-    for (;;) {
-        if (len + 4096 + 1 > cap) {
-            cap = cap ? cap * 2 : 8192;
-            if (cap > (16u << 20)) {
-                r = -EFBIG;
-                goto cleanup;
-            }
-            char *n = realloc(buf, cap);
-            if (!n) {
-                r = -ENOMEM;
-                goto cleanup;
-            }
-            buf = n;
-        }
-        size_t got = fread(buf + len, 1, 4096, f);
-        len += got;
-        if (got < 4096) {
-            if (ferror(f))
-                r = -EIO;
-            break;
-        }
-    }
-cleanup:
-    fclose(f);
-    if (r < 0) {
-        free(buf);
-        return r;
-    }
-    buf[len] = '\0';
-    *ret = buf;
-    return 0;
 }
 
 /* Decode a byte buffer into a protobuf-c message (NULL on failure). */

@@ -217,7 +217,6 @@ grpc_byte_buffer *rpc__bb_encode(const ProtobufCMessage *msg, size_t *ret_len);
 gpr_timespec rpc__deadline_from_ms(int64_t ms);
 int64_t rpc__deadline_to_ms(gpr_timespec t);
 bool rpc__msg_strings_valid(const ProtobufCMessage *m, char *path, size_t plen, int depth);
-int rpc__read_file(const char *path, char **ret);
 /* context.c */
 void rpc__ctx_drain(struct rpc_ctx *ctx);
 void rpc__ctx_queue(struct rpc_ctx *ctx, struct rpc_op *op, bool ok, int64_t t_us);

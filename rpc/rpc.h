@@ -284,14 +284,10 @@ void rpc_call_finish(struct rpc_call *call, int status, const char *fmt, ...)
  * the status): for a client that stopped reading, whose queued messages would never
  * let a normal status through. Same contract as rpc_call_finish(). */
 void rpc_call_abort(struct rpc_call *call, int status, const char *msg);
-bool rpc_call_cancelled(const struct rpc_call *call);
 /* Absolute deadline in rpc_now_ms() time; INT64_MAX when the client set none. */
 int64_t rpc_call_deadline_ms(const struct rpc_call *call);
 /* First value of request metadata key (lowercase), copied into buf; -ENOENT if absent. */
 int rpc_call_metadata(const struct rpc_call *call, const char *key, char *buf, size_t len);
-/* "ipv4:127.0.0.1:5555" (copied into buf). */
-void rpc_call_peer(const struct rpc_call *call, char *buf, size_t len);
-const char *rpc_call_method(const struct rpc_call *call);
 /* Bytes queued for sending on this call (not yet written to the transport). */
 size_t rpc_call_queued_bytes(const struct rpc_call *call);
 
@@ -319,7 +315,6 @@ int rpc_channel_create(struct rpc_ctx *ctx, const char *target, const struct rpc
                        struct rpc_channel **ret);
 /* Outstanding calls must have delivered on_done (cancel them first). */
 void rpc_channel_destroy(struct rpc_channel *ch);
-const char *rpc_channel_target(const struct rpc_channel *ch);
 
 typedef void (*rpc_client_msg_fn)(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud);
 typedef void (*rpc_client_done_fn)(struct rpc_client_call *c, int status, const char *details,

@@ -16,6 +16,7 @@
 #include <grpc/support/time.h>
 
 #include "err.h"
+#include "file.h"
 #include "log.h"
 #include "rpc-int.h"
 #include <grpc/grpc_security.h>
@@ -151,15 +152,15 @@ int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, s
             r = -EINVAL;
             goto fail;
         }
-        if ((r = rpc__read_file(t->cert_file, &cert)) < 0) {
+        if ((r = file_read_all(t->cert_file, 16u << 20, 0, &cert, NULL)) < 0) {
             log_error("rpc: %s: %s", t->cert_file, strerror(-r));
             goto fail;
         }
-        if ((r = rpc__read_file(t->key_file, &key)) < 0) {
+        if ((r = file_read_all(t->key_file, 16u << 20, 0, &key, NULL)) < 0) {
             log_error("rpc: %s: %s", t->key_file, strerror(-r));
             goto fail;
         }
-        if (t->root_file && (r = rpc__read_file(t->root_file, &root)) < 0) {
+        if (t->root_file && (r = file_read_all(t->root_file, 16u << 20, 0, &root, NULL)) < 0) {
             log_error("rpc: %s: %s", t->root_file, strerror(-r));
             goto fail;
         }

@@ -20,6 +20,7 @@
 
 #include <jansson.h>
 
+#include "clock.h"
 #include "cli.h"
 #include "config.h"
 #include "loader.h"
@@ -32,9 +33,7 @@ static void usage(FILE *f)
 
 static double now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec * 1e3 + (double) ts.tv_nsec / 1e6;
+    return (double)clk_now_ns() / 1e6;
 }
 
 /* CPU time of this thread: the planning cost without other processes' load */

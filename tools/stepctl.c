@@ -25,6 +25,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "file.h"
 #include "log.h"
 #include "pb-util.h"
 #include "rpc.h"
@@ -437,16 +438,16 @@ int main(int argc, char **argv)
     int sargc = argc - optind;
     char **sargv = argv + optind;
     if (key_file) {
-        FILE *f = fopen(key_file, "r");
-        if (!f) {
-            fprintf(stderr, "stepctl: --api-key-file %s: %s\n", key_file, strerror(errno));
+        char *k;
+        int kr = file_read_secret(key_file, &k);
+
+        if (kr < 0) {
+            fprintf(stderr, "stepctl: --api-key-file %s: %s\n", key_file,
+                    kr == -ENODATA ? "file is empty" : strerror(-kr));
             return 2;
         }
-        size_t n = fread(key, 1, sizeof(key) - 1, f);
-        fclose(f);
-        key[n] = '\0';
-        while (n && (key[n - 1] == '\n' || key[n - 1] == '\r'))
-            key[--n] = '\0';
+        snprintf(key, sizeof(key), "%s", k);
+        free(k);
     } else if (getenv("STEPD_API_KEY")) {
         snprintf(key, sizeof(key), "%s", getenv("STEPD_API_KEY"));
     }

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "file.h"
 #include "cli.h"
 #include "log.h"
 #include "spec.h"
@@ -167,21 +168,16 @@ int main(int argc, char **argv)
     }
     o.control_key = getenv("STEPD_CONTROL_KEY");
     if (ckey_file) {
-        FILE *f = fopen(ckey_file, "r");
-        size_t n;
+        char *k;
+        int kr = file_read_secret(ckey_file, &k);
 
-        if (!f) {
-            fprintf(stderr, "stepd-worker: --control-key-file %s: %s\n", ckey_file, strerror(errno));
+        if (kr < 0) {
+            fprintf(stderr, "stepd-worker: --control-key-file %s: %s\n", ckey_file,
+                    kr == -ENODATA ? "file is empty" : strerror(-kr));
             return WORKER_EXIT_USAGE;
         }
-        n = fread(key, 1, sizeof(key) - 1, f);
-        fclose(f);
-        key[n] = 0;
-        key[strcspn(key, "\r\n")] = 0;
-        if (!key[0]) {
-            fprintf(stderr, "stepd-worker: --control-key-file %s: file is empty\n", ckey_file);
-            return WORKER_EXIT_USAGE;
-        }
+        snprintf(key, sizeof(key), "%s", k);
+        free(k);
         o.control_key = key;
     }
     snprintf(tag, sizeof(tag), "%.64s/r%d", o.group, o.rank);

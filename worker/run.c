@@ -17,6 +17,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "backend.h"
 #include "cli.h"
 #include "loader.h"
@@ -40,9 +41,7 @@ struct run_args {
 
 static double now_sec(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    return clk_now_s();
 }
 
 static void usage(FILE *f)

@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "stepd-config.h"
 
 #include "backend.h"
@@ -23,8 +24,6 @@
 #include "cli.h"
 #include "rpc.h"
 #include "worker.h"
-
-#define PEER_ADDR_MAX (64 * 1024)
 
 void worker_opts_init(struct worker_opts *o)
 {
@@ -45,134 +44,7 @@ void worker_opts_init(struct worker_opts *o)
 
 static uint64_t now_msec(void)
 {
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
-/* ---- file rendezvous ------------------------------------------------------------------ */
-
-void worker_peers_done(struct worker_peers *p)
-{
-    if (!p)
-        return;
-    for (int i = 0; i < p->world_size && i < 256; i++)
-        free(p->addr[i]);
-    memset(p, 0, sizeof(*p));
-}
-
-static void rdv_path(char *buf, size_t n, const char *dir, const char *group, int rank)
-{
-    snprintf(buf, n, "%s/%s.rank-%d", dir, group, rank);
-}
-
-static int read_file(const char *path, void **ret, size_t *ret_len, size_t max)
-{
-    struct stat st;
-    ssize_t got;
-    void *buf;
-    int fd, r = 0;
-
-    fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0)
-        return -errno;
-    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
-        r = -EBADF;
-        goto out_close;
-    }
-    if (st.st_size <= 0 || (size_t)st.st_size > max) {
-        r = -EMSGSIZE;
-        goto out_close;
-    }
-    buf = malloc((size_t)st.st_size);
-    if (!buf) {
-        r = -ENOMEM;
-        goto out_close;
-    }
-    got = read(fd, buf, (size_t)st.st_size);
-    if (got != st.st_size) {
-        free(buf);
-        r = -EIO;
-        goto out_close;
-    }
-    *ret = buf;
-    *ret_len = (size_t)got;
-out_close:
-    close(fd);
-    return r;
-}
-
-int worker_rendezvous_dir(const char *dir, const char *group, int rank, int world_size,
-                          const void *addr, size_t len, int timeout_msec,
-                          struct worker_peers *ret, struct err_buf *e)
-{
-    char path[4096], tmp[4200], missing[512];
-    uint64_t deadline = now_msec() + (uint64_t)(timeout_msec > 0 ? timeout_msec : 0);
-    int fd, i, n_missing;
-    ssize_t w;
-
-    memset(ret, 0, sizeof(*ret));
-    ret->world_size = world_size;
-    rdv_path(path, sizeof(path), dir, group, rank);
-    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0)
-        return err_set(e, -errno, "rendezvous: cannot create %s: %s", tmp, strerror(errno));
-    w = write(fd, addr, len);
-    if (w != (ssize_t)len || fsync(fd) < 0) {
-        close(fd);
-        unlink(tmp);
-        return err_set(e, -EIO, "rendezvous: cannot write %s", tmp);
-    }
-    close(fd);
-    if (rename(tmp, path) < 0) {
-        int r = -errno;
-
-        unlink(tmp);
-        return err_set(e, r, "rendezvous: cannot publish %s: %s", path, strerror(-r));
-    }
-    for (;;) {
-        n_missing = 0;
-        missing[0] = 0;
-        for (i = 0; i < world_size; i++) {
-            int r;
-
-            if (ret->addr[i])
-                continue;
-            rdv_path(path, sizeof(path), dir, group, i);
-            r = read_file(path, &ret->addr[i], &ret->len[i], PEER_ADDR_MAX);
-            if (r == -ENOENT) {
-                size_t used = strlen(missing);
-
-                n_missing++;
-                snprintf(missing + used, sizeof(missing) - used, "%s%d", used ? ", " : "", i);
-                continue;
-            }
-            if (r < 0) {
-                worker_peers_done(ret);
-                return err_set(e, -EBADMSG, "rendezvous: address of rank %d (%s): %s", i, path,
-                               strerror(-r));
-            }
-        }
-        if (!n_missing)
-            return 0;
-        if (now_msec() >= deadline) {
-            worker_peers_done(ret);
-            return err_set(e, -ETIMEDOUT, "rendezvous of group %s timed out after %d ms: "
-                           "rank%s %s of %d never joined", group, timeout_msec,
-                           n_missing > 1 ? "s" : "", missing, world_size);
-        }
-        usleep(10 * 1000);
-    }
-}
-
-void worker_rendezvous_dir_clean(const char *dir, const char *group, int rank)
-{
-    char path[4096];
-
-    rdv_path(path, sizeof(path), dir, group, rank);
-    unlink(path);
+    return (uint64_t)clk_now_ms();
 }
 
 /* ---- lockstep forward (rank 0) ----------------------------------------------------- */

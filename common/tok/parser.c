@@ -73,16 +73,6 @@ void tok_parser_free(struct tok_parser *p)
     free(p);
 }
 
-bool tok_parser_reasoning_ended(const struct tok_parser *p)
-{
-    return p->reasoning_ended;
-}
-
-int tok_parser_n_tool_calls(const struct tok_parser *p)
-{
-    return p->n_calls + (p->st == P_TOOL_BODY || p->st == P_TOOL_CLOSE);
-}
-
 static int emit(struct tok_parser *p, enum tok_ev_kind kind, const char *s, size_t n,
                 tok_ev_cb cb, void *ud)
 {

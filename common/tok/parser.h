@@ -63,10 +63,6 @@ void tok_parser_free(struct tok_parser *p);
 int tok_parser_feed(struct tok_parser *p, const char *text, size_t len, tok_ev_cb cb, void *ud);
 /* End of output: release held text, close an unfinished call. */
 int tok_parser_finish(struct tok_parser *p, tok_ev_cb cb, void *ud);
-/* True once </think> was seen and at least one more byte of output followed it. */
-bool tok_parser_reasoning_ended(const struct tok_parser *p);
-/* Number of tool calls started so far. */
-int tok_parser_n_tool_calls(const struct tok_parser *p);
 
 #ifdef __cplusplus
 }

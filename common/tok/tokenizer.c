@@ -14,6 +14,7 @@
 #include <unicode/unorm2.h>
 #include <unicode/uset.h>
 
+#include "file.h"
 #include "internal.h"
 
 /* GPT-2 bytes_to_unicode(): printable bytes map to themselves, the others to 256 + n. */
@@ -726,32 +727,16 @@ int tok_load_json(const char *json, size_t len, struct tokenizer **ret_tok, stru
 
 int tok_load(const char *path, struct tokenizer **ret_tok, struct err_buf *e)
 {
-    FILE *f = fopen(path, "rb");
-    char *buf = NULL;
-    long size;
-    int r;
+    char *buf;
+    size_t size;
+    int r = file_read_all(path, (size_t)1 << 30, 0, &buf, &size);
 
-    if (!f)
-        return err_set(e, -errno, "%s: %s", path, err_str(-errno));
-    if (fseek(f, 0, SEEK_END) < 0 || (size = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) < 0) {
-        r = err_set(e, -EIO, "%s: cannot size the file", path);
-        goto out_close;
-    }
-    buf = malloc((size_t) size + 1);
-    if (!buf) {
-        r = -ENOMEM;
-        goto out_close;
-    }
-    if (fread(buf, 1, (size_t) size, f) != (size_t) size) {
-        r = err_set(e, -EIO, "%s: short read", path);
-        goto out_close;
-    }
-    r = tok_load_json(buf, (size_t) size, ret_tok, e);
+    if (r < 0)
+        return err_set(e, r, "%s: %s", path, err_str(r));
+    r = tok_load_json(buf, size, ret_tok, e);
     if (r < 0)
         err_prefix(e, "%s", path);
-out_close:
     free(buf);
-    fclose(f);
     return r;
 }
 

@@ -40,6 +40,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "err.h"
 #include "cpu.h"
 
@@ -112,10 +113,7 @@ static inline void cpu_relax(void)
 
 static uint64_t now_ns(void)
 {
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    return (uint64_t)clk_now_ns();
 }
 
 /* Wait until *addr != val: bounded spin, then futex sleep (run/barrier paths). */

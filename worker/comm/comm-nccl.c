@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include "clock.h"
 #include "comm-nccl.h"
 #include "err.h"
 
@@ -44,10 +45,7 @@ static int err_from_cuda(cudaError_t e)
 
 static uint64_t now_usec(void)
 {
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+    return (uint64_t)clk_now_us();
 }
 
 static struct nccl *to_nccl(struct comm *c)

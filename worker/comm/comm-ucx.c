@@ -41,6 +41,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include "clock.h"
 #include "comm.h"
 #include "err.h"
 #include "log.h"
@@ -219,10 +220,7 @@ static struct ucx *to_ucx(struct comm *c)
 
 static uint64_t now_usec(void)
 {
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+    return (uint64_t)clk_now_us();
 }
 
 static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)

@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "comm.h"
 #include "err.h"
 #include "log.h"
@@ -36,10 +37,7 @@ static int check_live(struct comm *c)
 
 static uint64_t now_usec(void)
 {
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+    return (uint64_t)clk_now_us();
 }
 
 /* Mark a collective running (only when it has a deadline the watchdog can hold it to). */

@@ -7,6 +7,7 @@
  * touches the request, except for the atomic abort flag.  A finished request gets its
  * final callback and is unlinked and freed by the step thread, after the callbacks.
  */
+#include "clock.h"
 #include "engine.h"
 
 #include <ctype.h>
@@ -107,9 +108,7 @@ struct engine {
 
 int64_t engine_now_usec(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t) ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+    return clk_now_us();
 }
 
 static const char *const finish_names[_ENGINE_FINISH_MAX] = {

@@ -137,7 +137,6 @@ struct model *model_from_forward(struct forward *f);
 
 /* Read-only facts for drivers and tests. */
 const struct model_config *model_config(const struct model *m);
-int model_vocab_size(const struct model *m);   /* full vocab (logits row length) */
 int model_n_mtp(const struct model *m);        /* MTP layers loaded (0 on ranks > 0) */
 /* Trunk steps run as per-core parts since model_new (model_step; model_opts.no_split). */
 uint64_t model_split_steps(const struct model *m);

@@ -1,10 +1,10 @@
-/* config.c - config.json -> struct model_config (MODEL.md §1, §5.4).
+/* config.c - config.json -> struct model_config (docs/MODEL.md §1, §5.4).
  *
  * Flat Step-3.5 layout (text fields at top level) and Step-3.7 nested
  * "text_config" are both accepted.  Per-layer lists (layer_types, rope_theta,
  * partial_rotary_factors, swiglu_limits, swiglu_limits_shared) must have
  * n_layers + n_mtp entries, or n_layers entries; then the MTP layers get the
- * MODEL.md §1.3 defaults (sliding attention, the sliding layers' theta and
+ * docs/MODEL.md §1.3 defaults (sliding attention, the sliding layers' theta and
  * rotary factor, no clamp) and model_config.notes says so.  rope_theta may be a
  * single number.  quantization_config must be compressed-tensors with MXFP4
  * groups only (num_bits 4, type float, group_size 32); experts are MXFP4 and
@@ -452,7 +452,7 @@ static int parse_text(struct cfg_ctx *x, struct model_config *c)
         }
     }
     for (int i = n_lt; i < c->n_layers_total; i++) {
-        /* trunk without layer_types: full attention; MTP layers: sliding (MODEL.md §1.3) */
+        /* trunk without layer_types: full attention; MTP layers: sliding (docs/MODEL.md §1.3) */
         c->layers[i].kind = i >= c->n_layers && n_lt ? LAYER_KIND_SLIDING : LAYER_KIND_FULL;
         if (i >= c->n_layers && n_lt)
             mtp_defaulted = true;
@@ -567,7 +567,7 @@ static int parse_text(struct cfg_ctx *x, struct model_config *c)
         char p[256];
 
         if (mtp && (i >= n_theta || (n_prf && i >= n_prf))) {
-            /* MODEL.md §1.3: MTP layers take the sliding layers' RoPE */
+            /* docs/MODEL.md §1.3: MTP layers take the sliding layers' RoPE */
             for (int j = 0; j < c->n_layers; j++)
                 if (c->layers[j].kind == L->kind) {
                     if (i >= n_theta)
@@ -625,7 +625,7 @@ static int parse_text(struct cfg_ctx *x, struct model_config *c)
         }
     }
     if (mtp_defaulted)
-        note_add(c, "%s", "per-layer lists cover only the trunk: MTP layers use the MODEL.md 1.3 defaults (sliding attention, sliding RoPE, no clamp)");
+        note_add(c, "%s", "per-layer lists cover only the trunk: MTP layers use the docs/MODEL.md 1.3 defaults (sliding attention, sliding RoPE, no clamp)");
 
     c->bos_token_id = -1;
     {

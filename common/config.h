@@ -2,7 +2,7 @@
  *
  * Accepts both the flat Step-3.5 layout (text fields at top level) and Step-3.7's
  * nested "text_config".  Every constant of the forward pass is derived from here
- * (MODEL.md §2 preamble), so tiny models of the same family run through the same
+ * (docs/MODEL.md §2 preamble), so tiny models of the same family run through the same
  * code.  Per-layer arrays cover trunk and MTP layers: index 0 .. n_layers_total-1,
  * n_layers_total = num_hidden_layers + num_nextn_predict_layers.
  */

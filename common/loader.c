@@ -1,4 +1,4 @@
-/* loader.c - see loader.h and ARCHITECTURE.md §2, §5.
+/* loader.c - see loader.h and docs/ARCHITECTURE.md §2, §5.
  *
  * Open sequence: config.json -> shard list (index or model.safetensors) -> every
  * shard header validated (and mapped unless headers_only) -> source table of

@@ -1,4 +1,4 @@
-/* loader.h - THE checkpoint loader shared by every rank and role (ARCHITECTURE.md §5).
+/* loader.h - THE checkpoint loader shared by every rank and role (docs/ARCHITECTURE.md §5).
  *
  * ckpt_open() reads config.json (+ quantization_config), the index or single file,
  * mmaps the shards, computes the load plan for (world size, rank, MTP depth) and
@@ -12,7 +12,7 @@
  * use "model.language_model.layers.N..." are mapped on open.  With
  * tie_word_embeddings, "lm_head.weight" is served from model.embed_tokens.weight.
  *
- * Sharding (ARCHITECTURE.md §2) is decided here: ckpt_get() returns the RANK'S SLICE
+ * Sharding (docs/ARCHITECTURE.md §2) is decided here: ckpt_get() returns the RANK'S SLICE
  * of a tensor (rows of q/k/v/g/gate/up, columns of o_proj/down, the vocab rows of
  * lm_head).  Row slices are views into the mapping; column slices are copied once into
  * loader-owned memory.  Views stay valid until ckpt_close().

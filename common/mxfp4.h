@@ -1,4 +1,4 @@
-/* mxfp4.h - MXFP4 codec (compressed-tensors mxfp4-pack-quantized, MODEL.md §5).
+/* mxfp4.h - MXFP4 codec (compressed-tensors mxfp4-pack-quantized, docs/MODEL.md §5).
  *
  * A row of K in-features is stored as K/2 packed bytes (element 2j in the low
  * nibble, 2j+1 in the high nibble; E2M1 codes) and K/32 E8M0 scale bytes

@@ -1,4 +1,4 @@
-/* safetensors.h - a hostile-input safetensors reader (MODEL.md §8, RELIABILITY.md C1-C4).
+/* safetensors.h - a hostile-input safetensors reader (docs/MODEL.md §8, docs/RELIABILITY.md C1-C4).
  *
  * File format (huggingface/safetensors):
  *   bytes 0..7         u64 little-endian N = header length

@@ -1,5 +1,5 @@
 /* chat.c - a request's chat input rendered with the Step-3.7 chat template
- * (common/tok/chat.h, MODEL.md §7).  The template's own variables come from the request
+ * (common/tok/chat.h, docs/MODEL.md §7).  The template's own variables come from the request
  * (reasoning_effort, add_generation_prompt) and from chat_template_kwargs, which may set
  * reasoning_effort, preserve_thinking and add_generation_prompt; other keys are ignored,
  * as an unused Jinja variable is.  Errors name the field as the client wrote it. */

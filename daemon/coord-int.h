@@ -235,7 +235,7 @@ int request_validate(const struct coord *co, const struct request *in, char *msg
 /* The chat part only (messages, tools, template kwargs, reasoning effort). */
 int request_validate_chat(const struct coord *co, const struct request *in, char *msg, size_t len);
 
-/* chat.c: render a chat request with the Step-3.7 template (MODEL.md §7) into a malloc'd
+/* chat.c: render a chat request with the Step-3.7 template (docs/MODEL.md §7) into a malloc'd
  * prompt string; -EINVAL with the field named in msg. */
 int coord_chat_render(struct coord *co, const struct request *in, char **ret, char *msg, size_t len);
 

@@ -6,7 +6,7 @@
  * admits requests (running cap + bounded queue), routes whole requests to ready
  * worker groups (least loaded, optional prefix affinity), forwards them to the
  * group's rank-0 engine over stepd.v1.Engine, and streams the answer back.
- * See ARCHITECTURE.md §1 and §4.
+ * See docs/ARCHITECTURE.md §1 and §4.
  */
 #pragma once
 

@@ -72,7 +72,7 @@ static int parse_uint(const char *flag, const char *s, unsigned long max, unsign
  * tcache, and each thread allocates in an arena of its own; after a load those
  * chunks lie scattered over the heaps, so the pages under them stay resident even
  * though the load's memory was freed and trimmed. Measured after 1000-stream loads
- * (RELIABILITY A1, RSS within 5 % of the pre-test figure after idle): with the glibc
+ * (docs/RELIABILITY.md A1, RSS within 5 % of the pre-test figure after idle): with the glibc
  * defaults RSS stayed 6-10 % up; with these two settings 1-3 %, and the coordinator's
  * CPU per token did not change (bench_coord.py cost; its threads are few and mostly
  * one at a time, so one arena is not contended).

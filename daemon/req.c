@@ -376,7 +376,7 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
 
         for (size_t i = 0; i < n; i++) {
             if (ec->token_ids[i] < 0 || (vocab && (uint32_t)ec->token_ids[i] >= vocab)) {
-                /* RELIABILITY C11: never trust the engine's token ids */
+                /* docs/RELIABILITY.md C11: never trust the engine's token ids */
                 log_req_error(r->id, "engine of group %s sent token id %d outside [0, %u)", r->grp_name,
                               ec->token_ids[i], vocab);
                 req_stop_engine(r);

@@ -5,7 +5,7 @@
  * registry in backend.c, the only place that knows HAVE_CUDA.
  *
  * Conventions: activations are FP32 row-major [n_tok, dim]; weights are described by
- * struct bweight (BF16 dense, F32 dense, or MXFP4 packed+scale as on disk, MODEL.md §5)
+ * struct bweight (BF16 dense, F32 dense, or MXFP4 packed+scale as on disk, docs/MODEL.md §5)
  * and prepared once with backend_weight_prepare() (repack/upload).  Every op returns 0
  * or a negative errno.  Call sites use the backend_<op>() wrappers, never be->ops->.
  * Plain C: no CUDA headers here.
@@ -13,7 +13,7 @@
  * Changes after the lead's skeleton (all additive, no slot changed):
  *  - backend_<op>() wrappers and backend_buf_alloc/free, upload, download, sync, supports, weight_prepare/release
  *    wrappers below; NULL-slot fallbacks are documented at each one.
- *  - struct rope_llama3 + backend_rope_freqs_fill(): builds inv_freq tables (MODEL.md §2.3.4).
+ *  - struct rope_llama3 + backend_rope_freqs_fill(): builds inv_freq tables (docs/MODEL.md §2.3.4).
  *  - backend_names() for diagnostics.
  *  - Semantics pinned down (they were implicit): router ties go to the lower expert id;
  *    attention returns -EINVAL if a needed KV block is -1 or out of range; MXFP4 weights
@@ -219,7 +219,7 @@ int backend_graph_end(struct backend *be);
 
 /* ---- rotary tables (host helper, no backend needed) ---- */
 
-/* llama3 frequency scaling (MODEL.md §2.3 step 4): factor s, low_freq_factor lf,
+/* llama3 frequency scaling (docs/MODEL.md §2.3 step 4): factor s, low_freq_factor lf,
  * high_freq_factor hf, original_max_position_embeddings L0. */
 struct rope_llama3 {
     double factor, low_freq_factor, high_freq_factor;

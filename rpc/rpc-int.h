@@ -124,7 +124,7 @@ struct rpc_held {
  * a call request allocated one at a time in the middle of a load (ours, and gRPC's
  * own record of it) lands wherever the heap has a hole, and the few hundred of them
  * still waiting when the load ends each keep a page of the freed load in RSS
- * (RELIABILITY A1: RSS back to within 5 % after idle). */
+ * (docs/RELIABILITY.md A1: RSS back to within 5 % after idle). */
 struct rpc_slot {
     struct rpc_server *s;
     struct reg_method *rm;          /* NULL: the unregistered-method slot */

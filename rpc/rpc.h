@@ -209,13 +209,13 @@ typedef void (*rpc_cancel_fn)(struct rpc_call *call, void *ud);
  *     runs (decode failure, deadline expired meanwhile, shutdown), cq_unmark runs on
  *     the loop thread instead, so the tag is never lost.
  * Used for answers that must not wait behind a busy loop: overload rejections
- * (RELIABILITY A2) and health checks.
+ * (docs/RELIABILITY.md A2) and health checks.
  *
  * own_cq: the method's calls are requested on a second completion queue with a thread
  * of its own (created with the first such method of the context), so its cq_hook
  * answers do not wait behind the main CQ thread's backlog either: under a streaming
  * load that keeps the main CQ thread busy, a health Check is read off its socket and
- * answered by the second thread (RELIABILITY A7: health never queues behind
+ * answered by the second thread (docs/RELIABILITY.md A7: health never queues behind
  * inference). Only for methods whose calls are answered in the cq_hook; everything
  * else of such a call still runs on the loop thread, as for any call. */
 typedef bool (*rpc_cq_hook_fn)(struct rpc_call *call, void *ud);

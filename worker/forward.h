@@ -17,7 +17,7 @@
  *      logits_k    = [n_seqs, vocab] draft logits from the last valid position, rows in
  *                    plan order (rows of seqs with mtp_depth <= k are left untouched).
  *      MTP layer k runs over positions pos0 .. pos0+n_valid-1 of the run with input ids
- *      shifted left by k+1 (MODEL.md §3.2); its KV at those positions is (re)written.
+ *      shifted left by k+1 (docs/MODEL.md §3.2); its KV at those positions is (re)written.
  *      n_valid must be the same at every depth of a step.
  * No trace of rejected drafts: KV of rejected trunk positions is simply overwritten by
  * later steps (attention never reads a position beyond the query's own).  MTP layer k's

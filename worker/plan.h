@@ -1,4 +1,4 @@
-/* plan.h - the step plan: what one engine step computes (ARCHITECTURE.md §1, §6).
+/* plan.h - the step plan: what one engine step computes (docs/ARCHITECTURE.md §1, §6).
  *
  * Rank 0's scheduler builds a plan per step; the forward pass (worker/model.c) executes
  * it; in a group, rank 0 broadcasts it (serialised with step_plan_pack) to ranks 1..N-1,

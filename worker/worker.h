@@ -1,4 +1,4 @@
-/* worker.h - the stepd-worker process: one rank of a worker group (ARCHITECTURE.md §1).
+/* worker.h - the stepd-worker process: one rank of a worker group (docs/ARCHITECTURE.md §1).
  *
  * Life of a rank:
  *   1. rendezvous: create this rank's UCX worker, publish its address and collect every

@@ -1,7 +1,7 @@
 /* chat.h - the Step-3.7 chat template rendered in C, and Python-compatible JSON text.
  *
  * tok_chat_render() produces byte for byte what the Step-3.7 Jinja template (llama.cpp
- * models/templates/StepFun3.7-Flash.jinja, MODEL.md §7; a copy is test/tok/data/
+ * models/templates/StepFun3.7-Flash.jinja, docs/MODEL.md §7; a copy is test/tok/data/
  * step37_chat_template.jinja) renders under transformers' chat-template environment
  * (trim_blocks, lstrip_blocks, tojson = json.dumps(ensure_ascii=False)) with a fromjson filter
  * (json.loads).  test/tok/check_template.py proves it on the conversation table.

@@ -1,4 +1,4 @@
-/* attention.c - attention over a paged KV cache (MODEL.md §2.3 step 5).
+/* attention.c - attention over a paged KV cache (docs/MODEL.md §2.3 step 5).
  *
  * Token i of sequence s sits at absolute position t = seq_pos0[s] + (i - start[s]) and
  * attends to keys tau in [lo, t], lo = 0 (full causal) or max(0, t - window + 1)

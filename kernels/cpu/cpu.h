@@ -297,7 +297,7 @@ static inline float cpu_expf_poly(float x)
     return p * two_n;
 }
 
-/* SwiGLU of one element, MODEL.md §2.4 (silu first, then upper clamp; up clamped both
+/* SwiGLU of one element, docs/MODEL.md §2.4 (silu first, then upper clamp; up clamped both
  * ways).  A NaN gate gives the limit (or NaN without one), a NaN up stays NaN. */
 static inline float cpu_swiglu1(float u, float w, float limit)
 {

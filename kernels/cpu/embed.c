@@ -1,4 +1,4 @@
-/* embed.c - token embedding lookup: out[i] = table[ids[i]] as fp32 (MODEL.md §2.2). */
+/* embed.c - token embedding lookup: out[i] = table[ids[i]] as fp32 (docs/MODEL.md §2.2). */
 #include <errno.h>
 #include <string.h>
 

@@ -1,4 +1,4 @@
-/* gate.c - head-wise attention output gate: o[t, h, :] *= sigmoid(g[t, h]) (MODEL.md §2.3.6).
+/* gate.c - head-wise attention output gate: o[t, h, :] *= sigmoid(g[t, h]) (docs/MODEL.md §2.3.6).
  * o is [n_tok, n_heads, head_dim], g is [n_tok, n_heads]. */
 #include <math.h>
 

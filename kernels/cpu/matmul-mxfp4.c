@@ -1,4 +1,4 @@
-/* matmul-mxfp4.c - y = x · Wᵀ for MXFP4 weights (MODEL.md §5): repacking at prepare,
+/* matmul-mxfp4.c - y = x · Wᵀ for MXFP4 weights (docs/MODEL.md §5): repacking at prepare,
  * the exact W4A32 reference path and the fast int8 AVX2 path.
  *
  * Exact path: each weight decodes exactly to fp32 (E2M1 · 2^k); each product with an
@@ -6,7 +6,7 @@
  * fp64 in a fixed 16-lane order and rounded once to fp32.  Bit-reproducible and the
  * oracle for tests (checked bit-exactly against decode-then-fp64-dot in test-matmul).
  *
- * Fast path (PERFORMANCE.md §4.2): activations quantised once per 32-block to int8
+ * Fast path (docs/PERFORMANCE.md §4.2): activations quantised once per 32-block to int8
  * (q = round(x/d), d = amax/127); weights decoded with one vpshufb per 32 nibbles
  * through a biased LUT (2·E2M1 + 12 ∈ [0, 24], unsigned, so vpmaddubsw needs no sign
  * trick; the bias is removed with 12·Σq per block); two blocks per 256-bit register,

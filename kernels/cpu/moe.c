@@ -1,4 +1,4 @@
-/* moe.c - routed experts of one MoE layer, grouped by expert (MODEL.md §2.5 steps 6).
+/* moe.c - routed experts of one MoE layer, grouped by expert (docs/MODEL.md §2.5 steps 6).
  *
  * out[t] += Σ_k weights[t,k] · down_e(swiglu(gate_e·x_t, up_e·x_t)) over the pairs (t, k)
  * whose expert e = ids[t,k] is local (expert_first <= e < expert_first + n_local).

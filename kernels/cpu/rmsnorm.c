@@ -1,4 +1,4 @@
-/* rmsnorm.c - Gemma RMSNorm, y = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32 (MODEL.md §2.1).
+/* rmsnorm.c - Gemma RMSNorm, y = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32 (docs/MODEL.md §2.1).
  * rows of dim values each; per-head norms pass rows = n_tok * n_heads, dim = head_dim.
  * The sum of squares is accumulated in fp64 so the result does not depend on dim's size.
  * Rows split over the pool when there are enough of them (prefill). */

@@ -1,5 +1,5 @@
 /* rope.c - NeoX (half-split) rotary embedding on the first R dims of every head, and the
- * inv_freq table builder with llama3 scaling (MODEL.md §2.3 step 4).
+ * inv_freq table builder with llama3 scaling (docs/MODEL.md §2.3 step 4).
  * phi = pos * f_i is formed in fp32 (as the reference's fp32 cos/sin cache is), cos/sin
  * of that phi are taken in fp64 and rounded once. */
 #include <errno.h>

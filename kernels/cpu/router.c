@@ -1,4 +1,4 @@
-/* router.c - sigmoid router with selection-only bias (MODEL.md §2.5):
+/* router.c - sigmoid router with selection-only bias (docs/MODEL.md §2.5):
  * s = sigmoid(z); choose the top_k of s + bias (ties: lower expert id first); weights are
  * s of the chosen experts, renormalised to sum 1 when renorm, then multiplied by scale.
  * ids/weights are [n_tok, top_k], ordered by decreasing selection score. */

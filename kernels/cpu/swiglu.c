@@ -1,5 +1,5 @@
 /* swiglu.c - out = min(silu(gate), L) * clamp(up, -L, L), or silu(gate) * up when L = 0
- * (MODEL.md §2.4: silu first, then the upper clamp).  out may alias gate or up.
+ * (docs/MODEL.md §2.4: silu first, then the upper clamp).  out may alias gate or up.
  * Element-wise, so it splits over the pool in contiguous ranges when it is big enough
  * (prefill, batched decode); every element is computed the same way on any thread. */
 #include <stdlib.h>

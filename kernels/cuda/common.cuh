@@ -54,7 +54,7 @@ static inline __device__ float bf16_to_f32(uint16_t b)
     return __uint_as_float(((uint32_t) b) << 16);
 }
 
-// E2M1 magnitude table, MODEL.md §5.1
+// E2M1 magnitude table, docs/MODEL.md §5.1
 static __device__ __constant__ float k_e2m1[16] = {
     0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f,

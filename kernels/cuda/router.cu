@@ -1,4 +1,4 @@
-// router.cu - sigmoid router with selection-only bias (MODEL.md §2.5), one thread per
+// router.cu - sigmoid router with selection-only bias (docs/MODEL.md §2.5), one thread per
 // token: s = sigmoid(z); pick top_k of s + bias (ties: lower id, as the CPU oracle);
 // weights = s renormalised (optional) times scale.  logits/ids/weights are device
 // pointers; bias (F32 [n_exp] or NULL) is a HOST pointer, staged like the index arrays.

@@ -1,4 +1,4 @@
-// swiglu.cu - SwiGLU with the silu-then-clamp limit of MODEL.md §2.4:
+// swiglu.cu - SwiGLU with the silu-then-clamp limit of docs/MODEL.md §2.4:
 // act = min(silu(u), L) * clamp(w, -L, L) when L > 0, else silu(u) * w.
 #include "common.cuh"
 #include "cuda.h"

@@ -1,5 +1,5 @@
 /* fuzz-plan-wire.c - libFuzzer target: the step-plan decoder on untrusted bytes
- * (RELIABILITY.md C11).  Whatever the input, step_plan_unpack() either rejects it with a
+ * (docs/RELIABILITY.md C11).  Whatever the input, step_plan_unpack() either rejects it with a
  * message or returns a plan whose every offset and id lies inside the limits; a plan it
  * accepts packs back to the same bytes. */
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* test-comm-fault.c - failure handling of the UCX comm (RELIABILITY.md B5):
+/* test-comm-fault.c - failure handling of the UCX comm (docs/RELIABILITY.md B5):
  *   1. a rank SIGKILLed in the middle of a stream of all-reduces: every survivor's
  *      collective fails (peer failure or deadline), the comm is aborted, later calls
  *      fail at once with -ECANCELED; the time to exit is printed;

@@ -1,4 +1,4 @@
-/* test-comm-watchdog.c - the watchdog of the watchdog (RELIABILITY.md B5): a collective
+/* test-comm-watchdog.c - the watchdog of the watchdog (docs/RELIABILITY.md B5): a collective
  * stuck inside its transport past deadline + grace makes the process _exit() with the
  * given code; collectives that return in time, and waits without a deadline (an idle
  * follower waiting for the next step plan), never trigger it. */

@@ -1,5 +1,5 @@
 /* test-plan-wire.c - step-plan pack/unpack: round trip, and the receiver's checks on
- * untrusted bytes (RELIABILITY.md C11): every truncation, every single-byte corruption
+ * untrusted bytes (docs/RELIABILITY.md C11): every truncation, every single-byte corruption
  * and every rule below is an error with a message, never a crash or an accepted plan
  * that breaks the limits. */
 #include <stdint.h>

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """bench_coord.py - coordinator load tests and benchmark against mock engines.
 
-  bench_coord.py load     [--streams 1000 --tokens 64 --delay-ms 5]   RELIABILITY A1 (+A7 probe)
+  bench_coord.py load     [--streams 1000 --tokens 64 --delay-ms 5]   docs/RELIABILITY.md A1 (+A7 probe)
   bench_coord.py overload [--running 100 --queue 100 --factor 4 --tokens 64 --delay-ms 5]
-                                                                      RELIABILITY A2 (burst, paced, floor)
+                                                                      docs/RELIABILITY.md A2 (burst, paced, floor)
   bench_coord.py overload-busy [--streams 1000 --tokens 64]          A2 during A1: refusals while every
                                                                       slot is streaming (+A7 probe)
   bench_coord.py cost     [--streams 100 --tokens 1000 --delay-ms 5]  CPU per token, added latency
@@ -99,7 +99,7 @@ def bench_load(a):
     stop.set()
     th.join()
     peak = snapshot(s)
-    # RELIABILITY A1: RSS within +5 % of the pre-test figure after idle (reported), and a
+    # docs/RELIABILITY.md A1: RSS within +5 % of the pre-test figure after idle (reported), and a
     # functional limit (--rss-limit, the exit status). Sanitizer builds keep freed memory
     # in quarantine: only a gross check there.
     target = 1.05
@@ -142,7 +142,7 @@ def bench_load(a):
     print("   RSS after/before %.3f; fds %d -> %d; threads %d -> %d" % (
         after["rss_kib"] / before["rss_kib"], before["fds"], after["fds"], before["threads"], after["threads"]))
     # gRPC's timer and event-engine threads come and go by themselves: how long until
-    # the count is back to the pre-test one (RELIABILITY A1), 5 s at most
+    # the count is back to the pre-test one (docs/RELIABILITY.md A1), 5 s at most
     t_thr = time.time()
     while s.threads() > before["threads"] and time.time() - t_thr < 5:
         time.sleep(0.1)

@@ -1,4 +1,4 @@
-/* slow-client.c - a Generate client that never reads its stream (RELIABILITY A6).
+/* slow-client.c - a Generate client that never reads its stream (docs/RELIABILITY.md A6).
  *
  *   slow-client ADDR MAX_TOKENS SECONDS
  *

@@ -3,7 +3,7 @@
 
 Covers: unary and streaming calls, cancellation mid-stream (exactly one Abort),
 deadlines, health Check/Watch, failover when a group dies and re-forms, the bad
-input matrix (RELIABILITY C8: INVALID_ARGUMENT naming the field, no engine
+input matrix (docs/RELIABILITY.md C8: INVALID_ARGUMENT naming the field, no engine
 touched), admission overload (A2 in small), message size (C5), API key on every
 RPC except health (E3), loopback default (E1), text/chat via the tokenizer,
 metrics, and drain on SIGTERM (exit 0).
@@ -839,7 +839,7 @@ def test_sd_notify():
 
 def test_malloc_settings():
     """stepd runs itself again with glibc's per-thread malloc caches off and one arena
-    (RSS back to baseline after a load, RELIABILITY A1), keeps its name, serves, and
+    (RSS back to baseline after a load, docs/RELIABILITY.md A1), keeps its name, serves, and
     leaves both alone when the operator chose (STEPD_MALLOC_TUNE=0, GLIBC_TUNABLES)."""
     def arenas(pid):
         # a glibc per-thread arena: 64 MiB of anonymous memory reserved at a 64 MiB

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""lint_deploy.py - RELIABILITY E5/E6/B11: check the systemd units and the
+"""lint_deploy.py - docs/RELIABILITY.md E5/E6/B11: check the systemd units and the
 Kubernetes manifests without a cluster.
 
 systemd: Type=notify, WatchdogSec, non-root User, TimeoutStopSec > drain timeout,

@@ -1,5 +1,5 @@
 /* fuzz-header.c - libFuzzer target: safetensors length prefix + header parser
- * (RELIABILITY.md C2).  The input is treated both as a whole file image
+ * (docs/RELIABILITY.md C2).  The input is treated both as a whole file image
  * (sft_parse_mem) and as bare header text (sft_header_parse); accepted headers
  * must satisfy the reader's invariants. */
 #include <stdint.h>

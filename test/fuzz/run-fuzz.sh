@@ -1,5 +1,5 @@
 #!/bin/sh
-# run-fuzz.sh FUZZER CORPUS_DIR SECONDS - bounded libFuzzer run (RELIABILITY.md C2).
+# run-fuzz.sh FUZZER CORPUS_DIR SECONDS - bounded libFuzzer run (docs/RELIABILITY.md C2).
 # New inputs go to a scratch copy of the corpus, never into the source tree.
 # Prints libFuzzer's final stats line (execs, cov); exit status is libFuzzer's.
 set -eu

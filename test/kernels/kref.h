@@ -1,5 +1,5 @@
 /* kref.h - naive scalar references and helpers for the kernel tests (header-only, static).
- * Written from MODEL.md directly, independent of kernels/cpu/. */
+ * Written from docs/MODEL.md directly, independent of kernels/cpu/. */
 #pragma once
 
 #include <errno.h>
@@ -64,7 +64,7 @@ static inline uint16_t kf32_to_bf16(float f)
 
 static const float kref_e2m1[8] = { 0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f };
 
-/* W[o, i] per MODEL.md §5.3 */
+/* W[o, i] per docs/MODEL.md §5.3 */
 static inline float kref_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_t cols,
                                int64_t o, int64_t i)
 {
@@ -157,7 +157,7 @@ static inline float kref_silu(float u)
     return (float)((double)u / (1.0 + exp(-(double)u)));
 }
 
-/* MODEL.md §2.4 */
+/* docs/MODEL.md §2.4 */
 static inline float kref_swiglu(float u, float w, float limit)
 {
     double s = kref_silu(u);

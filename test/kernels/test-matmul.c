@@ -2,7 +2,7 @@
  * references on odd shapes, with 1, 2 and 3 threads.
  *
  * Properties:
- *  - MXFP4 exact == decode (MODEL.md §5.3 formula) then fp64 dot in the documented
+ *  - MXFP4 exact == decode (docs/MODEL.md §5.3 formula) then fp64 dot in the documented
  *    16-lane order, bit for bit; and within 1e-6 relative of a sequential fp64 dot.
  *  - MXFP4 fast: |y - ref| <= Σ_j |w_j|·d_b/2 (the activation rounding bound, d_b =
  *    amax_b/127) + 1e-5·Σ|w·x|; its median relative error is reported.
@@ -13,7 +13,7 @@
  *    for the tiny model's shapes and odd ones, every output row of a token is bit-identical
  *    whatever n (1, 3, 16, 37), whichever tokens share the call, the thread count (1, 2)
  *    and the row range a direct row-kernel call covers; and within the fp64 bound.
- *  - The worked examples of MODEL.md §5.3; E8M0 255 is rejected at prepare.
+ *  - The worked examples of docs/MODEL.md §5.3; E8M0 255 is rejected at prepare.
  */
 #include "kref.h"
 #include "kisa.h"
@@ -448,7 +448,7 @@ static void check_bf16_nonfinite(void)
 
 static void check_worked_examples(void)
 {
-    /* MODEL.md §5.3: 0xB3 @ 0x7E -> +0.75, -0.75; 0x70 @ 0x81 -> 0, 24 */
+    /* docs/MODEL.md §5.3: 0xB3 @ 0x7E -> +0.75, -0.75; 0x70 @ 0x81 -> 0, 24 */
     uint8_t packed[2][16] = { { 0xB3 }, { 0 } }, scale[2] = { 0x7E, 0x81 };
     struct bweight w = { .fmt = WFMT_MXFP4, .rows = 2, .cols = 32, .data = packed, .scale = scale };
     struct backend *be = kref_backend(1, true);

@@ -4,8 +4,8 @@
  * compressed-tensors quantization_config when cfg->quant == QUANT_MXFP4), the
  * safetensors shards "model-0000i-of-0000N.safetensors" plus
  * model.safetensors.index.json (or one model.safetensors), with every tensor of
- * MODEL.md §4 for cfg: BF16 dense weights, F32 router_bias, MXFP4 experts packed
- * per MODEL.md §5 (U8 weight_packed [out, in/2] + U8 weight_scale [out, in/32]),
+ * docs/MODEL.md §4 for cfg: BF16 dense weights, F32 router_bias, MXFP4 experts packed
+ * per docs/MODEL.md §5 (U8 weight_packed [out, in/2] + U8 weight_scale [out, in/32]),
  * MTP layers with enorm/hnorm/eh_proj/transformer.shared_head.{norm,output}.
  *
  * Weights are random (uniform in [-init_scale, init_scale], deterministic in seed
@@ -85,7 +85,7 @@ void ckptw_opts_default(struct ckptw_opts *o);
  * 8 KV heads of 16 dims, vocab 256, MXFP4 experts.  Divisible for world sizes 1-8. */
 void ckptw_config_tiny(struct model_config *cfg);
 
-/* The full Step-3.7-Flash text config of MODEL.md §1.2/§1.3 (45 + 3 layers,
+/* The full Step-3.7-Flash text config of docs/MODEL.md §1.2/§1.3 (45 + 3 layers,
  * 288 experts, MXFP4).  For dry runs over sparse files, never for random weights. */
 void ckptw_config_step37(struct model_config *cfg);
 

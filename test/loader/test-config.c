@@ -1,4 +1,4 @@
-/* test-config.c - config.json parsing (MODEL.md §1, §5.4): the flat and nested
+/* test-config.c - config.json parsing (docs/MODEL.md §1, §5.4): the flat and nested
  * layouts, the real Step-3.7 values, MTP defaults when lists cover the trunk only,
  * and one error per bad field naming its JSON path. */
 #include <errno.h>
@@ -98,7 +98,7 @@ static void test_real_values(void)
         ASSERT_STREQ(got.notes, "");
         json_decref(j);
     }
-    /* spot checks against MODEL.md §1.3 */
+    /* spot checks against docs/MODEL.md §1.3 */
     ASSERT_EQ(got.layers[0].n_heads, 64);
     ASSERT_EQ(got.layers[0].rotary_dims, 64);
     ASSERT_EQ(got.layers[1].n_heads, 96);
@@ -126,7 +126,7 @@ static void test_trunk_only_lists(void)
     if (parse_json(j, &got, &e) < 0)
         FAIL("%s", e.msg);
     check_same(&want, &got);
-    ASSERT_CONTAINS(got.notes, "MTP layers use the MODEL.md 1.3 defaults");
+    ASSERT_CONTAINS(got.notes, "MTP layers use the docs/MODEL.md 1.3 defaults");
     json_object_set_new(json_object_get(j, "text_config"), "rope_theta", json_real(1e6));
     ASSERT_OK(parse_json(j, &got, &e));
     ASSERT_EQ(got.layers[0].rope_theta, 1e6);

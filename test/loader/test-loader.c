@@ -2,7 +2,7 @@
  * naming scheme written by ckptw: sharded MXFP4 experts, MTP with and without
  * optional KV scales / zero points, missing / mismatched / unknown tensors,
  * both name spellings, flat and nested configs, --mtp-model, the TP/EP slices of
- * every rank, and the index path-escape cases (RELIABILITY.md C3). */
+ * every rank, and the index path-escape cases (docs/RELIABILITY.md C3). */
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>

@@ -1,4 +1,4 @@
-/* naive.c - see naive.h.  Deliberately simple: every formula of MODEL.md §2-§3 as loops. */
+/* naive.c - see naive.h.  Deliberately simple: every formula of docs/MODEL.md §2-§3 as loops. */
 #include "naive.h"
 
 #include <math.h>
@@ -299,7 +299,7 @@ static double silu(double z)
     return z / (1.0 + exp(-z));
 }
 
-/* SwiGLU FFN with clamp (MODEL.md §2.4) */
+/* SwiGLU FFN with clamp (docs/MODEL.md §2.4) */
 static void ffn(const struct nmat *g, const struct nmat *u, const struct nmat *d, double L,
                 const double *x, double *out)
 {

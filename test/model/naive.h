@@ -1,4 +1,4 @@
-/* naive.h - an independent, plain-loop, double-precision Step forward (MODEL.md §2, §3)
+/* naive.h - an independent, plain-loop, double-precision Step forward (docs/MODEL.md §2, §3)
  * used as the oracle of the model tests.  It reads the checkpoint through the loader
  * (ckpt_get) and decodes BF16 / MXFP4 itself; no backend code is shared with worker/model.c.
  * It processes whole sequences at once (no KV cache, no paging). */

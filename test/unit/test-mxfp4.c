@@ -1,4 +1,4 @@
-/* test-mxfp4.c - E2M1/E8M0 codec: the MODEL.md §5.3 worked examples, the code
+/* test-mxfp4.c - E2M1/E8M0 codec: the docs/MODEL.md §5.3 worked examples, the code
  * table, the 255-scale corruption check, quantise->decode round trips, and the
  * nearest-grid-point choice against a plain search around every midpoint. */
 #include <errno.h>

@@ -1,4 +1,4 @@
-/* test-safetensors.c - the hostile-input safetensors reader (RELIABILITY.md C1, C4).
+/* test-safetensors.c - the hostile-input safetensors reader (docs/RELIABILITY.md C1, C4).
  *
  * Table-driven: each malformed file is generated here, written to a temporary
  * file and opened with sft_open(); it must be rejected with its specific error

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Round-trip check of step_ref's MXFP4 quantiser/packer against compressed-tensors and MODEL.md §5.
+"""Round-trip check of step_ref's MXFP4 quantiser/packer against compressed-tensors and docs/MODEL.md §5.
 
 Usage: check_mxfp4.py [CKPT_DIR]
 
-1. MODEL.md §5.3 worked examples (0xB3/0x7E -> +0.75/-0.75, 0x70/0x81 -> 0/24).
+1. docs/MODEL.md §5.3 worked examples (0xB3/0x7E -> +0.75/-0.75, 0x70/0x81 -> 0/24).
 2. For random weights: our (packed, scale) vs compressed-tensors' MXFP4PackedCompressor.compress() given
    the same per-group scales (compressed-tensors has no exponent search of its own; it packs with
    observer-provided scales): bytes compared, then both decompressed by compressed-tensors'
@@ -39,7 +39,7 @@ def main():
     ex = S.mxfp4_dequantize(torch.tensor([[0xB3] * 16, [0x70] * 16], dtype=torch.uint8),
                             torch.tensor([[0x7E], [0x81]], dtype=torch.uint8))
     assert ex[0, 0] == 0.75 and ex[0, 1] == -0.75 and ex[1, 0] == 0 and ex[1, 1] == 24, ex[:, :2]
-    print("MODEL.md §5.3 worked examples: ok")
+    print("docs/MODEL.md §5.3 worked examples: ok")
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g) * torch.exp(torch.randn(256, 16, generator=g)).repeat_interleave(32, 1) * 0.02

@@ -66,7 +66,7 @@ TINY_TEXT = {
 
 
 def wrap(text):
-    """Step-3.7 nested layout (MODEL.md §1.1) with the compressed-tensors block (§5.4)."""
+    """Step-3.7 nested layout (docs/MODEL.md §1.1) with the compressed-tensors block (§5.4)."""
     text = copy.deepcopy(text)
     return {
         "architectures": ["Step3p7ForConditionalGeneration"],

@@ -34,7 +34,7 @@ def vec(t):
 
 @torch.no_grad()
 def draft_chain(model, ids):
-    """MODEL.md §3.2 proposer semantics after a prefill of `ids` (T tokens).
+    """docs/MODEL.md §3.2 proposer semantics after a prefill of `ids` (T tokens).
 
     x_T = greedy trunk token after the prompt.  Depth k (0-based) runs MTP layer n_layers+k over
     positions p = 0..T-1 (RoPE position p) with tokens (ids + [x_T, d_1, .., d_k])[p + k + 1] and

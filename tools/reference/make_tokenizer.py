@@ -15,7 +15,7 @@ import sys
 from tokenizers import Tokenizer, Regex, decoders, models, pre_tokenizers, trainers
 
 VOCAB_TRAIN = 4000          # tokens actually produced by BPE (incl. specials)
-# Specials, in id order (MODEL.md §7; ids 0.. are fixed, other engineers rely on them).
+# Specials, in id order (docs/MODEL.md §7; ids 0.. are fixed, other engineers rely on them).
 SPECIALS = [
     "<｜begin▁of▁sentence｜>",  # 0 BOS
     "<|im_start|>",              # 1
@@ -38,7 +38,7 @@ SPLIT_PATTERNS = [
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 ]
 
-# Step-3.7 chat template (MODEL.md §7): one source of truth shared with the C renderer's
+# Step-3.7 chat template (docs/MODEL.md §7): one source of truth shared with the C renderer's
 # byte-for-byte tests (common/tok/chat.c, test/tok/check_template.py).
 CHAT_TEMPLATE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "test", "tok",
                                   "data", "step37_chat_template.jinja")).read()

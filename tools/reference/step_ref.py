@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch reference implementation of the Step-3.5/3.7 text model (MODEL.md §2, §3, §5).
+"""PyTorch reference implementation of the Step-3.5/3.7 text model (docs/MODEL.md §2, §3, §5).
 
 Everything is computed in FP32 (weights stored BF16 / MXFP4 are upcast exactly).  The same module is
 used for training (fp32 parameters, routed experts stacked as [E, out, in]) and as the numeric
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------------
-# MXFP4 (MODEL.md §5)
+# MXFP4 (docs/MODEL.md §5)
 
 FP4_TABLE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 FP4_VALUES = torch.cat([FP4_TABLE, -FP4_TABLE])  # code c -> value (code 8 = -0)
@@ -103,7 +103,7 @@ def mxfp4_quantize(w):
 
 
 class StepConfig:
-    """Text config of Step-3.5/3.7 (MODEL.md §1.2), all per-layer lists expanded."""
+    """Text config of Step-3.5/3.7 (docs/MODEL.md §1.2), all per-layer lists expanded."""
 
     def __init__(self, d):
         self.raw = d
@@ -426,7 +426,7 @@ class StepModel(nn.Module):
         return head.output(head.norm(hp)), hp
 
     def mtp_chain(self, ids, hidden, depth=None):
-        """DeepSeek-style chain over a known sequence (MODEL.md §3.2).
+        """DeepSeek-style chain over a known sequence (docs/MODEL.md §3.2).
 
         ids [B, N], hidden [B, N, H] = trunk hidden of ids.  MTP layer k (0-based) runs over
         positions p = 0 .. N-k-2 (RoPE position p, causal + window over those positions) with token
@@ -458,7 +458,7 @@ class StepModel(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoint I/O (real format, MODEL.md §3.3, §4, §5)
+# Checkpoint I/O (real format, docs/MODEL.md §3.3, §4, §5)
 
 EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.moe\.experts\.(\d+)\.(gate|up|down)_proj\.(weight_packed|weight_scale)$")
 
@@ -539,7 +539,7 @@ def read_tensors(ckpt_dir):
 
 
 def load_checkpoint(ckpt_dir):
-    """Build a StepModel from a checkpoint directory; experts dequantised (MODEL.md §5.3)."""
+    """Build a StepModel from a checkpoint directory; experts dequantised (docs/MODEL.md §5.3)."""
     with open(os.path.join(ckpt_dir, "config.json")) as f:
         cj = json.load(f)
     cfg = StepConfig.from_json(cj)
@@ -579,7 +579,7 @@ def load_checkpoint(ckpt_dir):
 
 
 def quantization_config(cfg):
-    """compressed-tensors block as qstream writes it (MODEL.md §5.4)."""
+    """compressed-tensors block as qstream writes it (docs/MODEL.md §5.4)."""
     ignore = [
         r"re:.*lm_head$", r"re:.*model\.embed_tokens$",
         r"re:.*model\.layers\.\d+\.self_attn\.q_proj$", r"re:.*model\.layers\.\d+\.self_attn\.k_proj$",

@@ -92,7 +92,7 @@ def compare_mtp(ckpt, seq_len=None, seed=1):
     mcfg = hcfg.get_mtp_config()
     mcfg._attn_implementation = "eager"
     # transformers truncates swiglu_limits(_shared) to the trunk layers, so MTP layer k would use trunk
-    # layer k's limits; give it the MTP entries (MODEL.md §3.1: swiglu_limits_shared[L]).
+    # layer k's limits; give it the MTP entries (docs/MODEL.md §3.1: swiglu_limits_shared[L]).
     mcfg.swiglu_limits = cfg.swiglu_limits[cfg.n_layers:]
     mcfg.swiglu_limits_shared = cfg.swiglu_limits_shared[cfg.n_layers:]
     rot = Step3p7RotaryEmbedding(mcfg)

@@ -4,7 +4,7 @@
  * The step-plan broadcast stays on the host path (a UCX or single comm beside this one),
  * so broadcast_var returns -EOPNOTSUPP here.
  *
- * Failure model (RELIABILITY.md §1.2, B5): the communicator is non-blocking
+ * Failure model (docs/RELIABILITY.md §1.2, B5): the communicator is non-blocking
  * (config.blocking = 0); every collective is enqueued and then polled with
  * ncclCommGetAsyncError + cudaStreamQuery until done, an async error, or the deadline.
  * Then ncclCommAbort() and a sticky error: the worker exits non-zero and the group

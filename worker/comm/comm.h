@@ -1,4 +1,4 @@
-/* comm.h - collectives for one worker group (ARCHITECTURE.md §1, §2, §7).
+/* comm.h - collectives for one worker group (docs/ARCHITECTURE.md §1, §2, §7).
  *
  * A struct comm joins the N ranks of one group.  Three implementations sit behind one
  * vtable, in the ggml backend shape:
@@ -8,7 +8,7 @@
  *           all-gather, flat broadcast, dissemination barrier;
  *   nccl    device buffers (comm-nccl.c, built only with CUDA; see comm-nccl.h).
  *
- * Failure model (RELIABILITY.md §1.2, row B5): every collective has a deadline
+ * Failure model (docs/RELIABILITY.md §1.2, row B5): every collective has a deadline
  * (comm.timeout_msec).  A collective that times out, or whose peer fails (UCX peer error
  * handler, closed endpoint), ABORTS the communicator: it returns a negative errno
  * (-ETIMEDOUT, -ECONNRESET, ...) and every later call returns -ECANCELED at once.  A
@@ -84,7 +84,7 @@ void comm_free(struct comm *c);
 /* The message that explains c->error ("" when none). */
 const char *comm_last_error(const struct comm *c);
 
-/* Watchdog of the watchdog (RELIABILITY.md B5): a thread that _exit()s the process with
+/* Watchdog of the watchdog (docs/RELIABILITY.md B5): a thread that _exit()s the process with
  * exit_code when a collective has been running for longer than its own deadline plus
  * grace_msec, i.e. when the deadline/abort machinery itself is stuck (a transport call
  * that never returns).  Stopped by comm_free().  Returns 0 or -errno. */

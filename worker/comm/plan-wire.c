@@ -9,7 +9,7 @@
  *            n_block_ids[0] x i32 | n_block_ids[1] x i32
  * A STOP message is the header alone with every count 0.
  *
- * The receiver treats the bytes as untrusted (RELIABILITY.md C11): the length must match
+ * The receiver treats the bytes as untrusted (docs/RELIABILITY.md C11): the length must match
  * the counts exactly, every count is bounded, every run lies inside the token array, every
  * table inside its group's block array, every id inside the receiver's own limits, slots
  * are unique.  Nothing is read before its bounds are known to be inside the buffer.

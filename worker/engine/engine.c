@@ -614,7 +614,7 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
     if (!s->sched_final) {
         s->n_computed += s->sched_tokens;
         if (r->k > 0) {
-            /* keep the MTP layers' KV complete over prompt chunks (MODEL.md §3.2) */
+            /* keep the MTP layers' KV complete over prompt chunks (docs/MODEL.md §3.2) */
             int32_t end = s->n_computed;
             *ss = (struct spec_seq) {
                 .sp = &r->sp, .depth = r->k, .drafts = r->fill_drafts, .fill_only = true,

@@ -1,4 +1,4 @@
-/* spec.h - MTP speculative decoding on rank 0 (ARCHITECTURE.md §6, MODEL.md §3.2).
+/* spec.h - MTP speculative decoding on rank 0 (docs/ARCHITECTURE.md §6, docs/MODEL.md §3.2).
  *
  * After a trunk step the engine asks spec_propose() for up to K drafts per sequence:
  * it chains forward_ops.mtp_step over depths 0 .. K-1 (layer 45 + k), picking each draft

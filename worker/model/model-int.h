@@ -1,10 +1,10 @@
 /* model-int.h - the model's internals, shared by its four files (not a public header).
  *
- *   model.c        the forward script: plan checks, layer_forward() (MODEL.md §2.3), the
+ *   model.c        the forward script: plan checks, layer_forward() (docs/MODEL.md §2.3), the
  *                  trunk step (§2), the facts and the struct forward glue;
  *   model-load.c   weights as views into the loader's tensors, validated and prepared once;
  *                  the start-up reservation of KV caches, activations and index buffers;
- *   model-mtp.c    the MTP step (MODEL.md §3) with the repair of draft positions;
+ *   model-mtp.c    the MTP step (docs/MODEL.md §3) with the repair of draft positions;
  *   model-split.c  a CPU step as per-core parts, and MTP layers as per-core halves.
  *
  * Everything a step touches was reserved in model_new(); a step allocates nothing.

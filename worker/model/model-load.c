@@ -241,7 +241,7 @@ static int load_linear(struct model *m, const char *base, int64_t rows, int64_t 
 }
 
 /* inv_freq for one layer: f_i = theta^(-2i/R), llama3-scaled where the layer asks
- * (MODEL.md §2.3 step 4). */
+ * (docs/MODEL.md §2.3 step 4). */
 static int build_freqs(struct model *m, struct mlayer *L, struct err_buf *e)
 {
     const struct model_config *cfg = m->cfg;

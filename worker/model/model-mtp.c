@@ -1,4 +1,4 @@
-/* model-mtp.c - the MTP step (MODEL.md §3): one draft depth over the sequences that
+/* model-mtp.c - the MTP step (docs/MODEL.md §3): one draft depth over the sequences that
  * asked for it, with the repair of the positions the previous step computed from drafts
  * (model.h, model_mtp_step), and the MTP layer's input mix x = We·enorm(E[ids]) +
  * Wh·hnorm(g) in front of the ordinary decoder layer.
@@ -9,7 +9,7 @@
 
 #include "model-int.h"
 
-/* MTP layer L over batch b (MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
+/* MTP layer L over batch b (docs/MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
  * batch's rows of g_rows, then the decoder layer on x.  me, mn: scratch rows [n, H]. */
 int model__mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *b,
                          const float *g_rows, float *me, float *mn, float *x)
@@ -48,7 +48,7 @@ static bool rerun_fits(const struct model *m, const struct step_plan *p, const s
     return true;
 }
 
-/* One MTP depth (forward.h protocol step 2, MODEL.md §3.2), with the repair of the
+/* One MTP depth (forward.h protocol step 2, docs/MODEL.md §3.2), with the repair of the
  * positions the previous step computed from drafts (model.h). */
 int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
                    const int32_t *tok_in, float *logits)

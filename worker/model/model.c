@@ -1,5 +1,5 @@
 /* model.c - the Step forward pass as a readable script over the backend ops: the plan's
- * index arrays, one decoder layer (layer_forward, MODEL.md §2.3) and the trunk step (§2).
+ * index arrays, one decoder layer (layer_forward, docs/MODEL.md §2.3) and the trunk step (§2).
  * Weights and memory are model-load.c's, the MTP step model-mtp.c's, the per-core parts of
  * a CPU step model-split.c's (model-int.h has the map).
  */
@@ -214,7 +214,7 @@ int model__layer_kv(struct model *m, struct mlayer *L, const struct batch *b)
     return 0;
 }
 
-/* One decoder layer (MODEL.md §2.3) over the batch, in place on the residual x [n, H].
+/* One decoder layer (docs/MODEL.md §2.3) over the batch, in place on the residual x [n, H].
  * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
 int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
 {

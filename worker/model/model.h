@@ -1,4 +1,4 @@
-/* model.h - the Step forward pass (trunk + MTP) over the backend ops (MODEL.md §2, §3).
+/* model.h - the Step forward pass (trunk + MTP) over the backend ops (docs/MODEL.md §2, §3).
  *
  * A struct model holds this rank's weights as views into the loader's buffers (prepared
  * once with backend_weight_prepare), one KV cache per layer (full-attention layers in
@@ -9,7 +9,7 @@
  * The real model is handed to the engine as a struct forward (worker/forward.h):
  * model_forward_new() builds both; forward->ops->free() frees the model.
  *
- * Sharding seams (ARCHITECTURE.md §2): the model runs on the rank's slice of heads,
+ * Sharding seams (docs/ARCHITECTURE.md §2): the model runs on the rank's slice of heads,
  * experts and vocab as returned by ckpt_get().  It calls the collective hooks of
  * struct model_comm at exactly three places:
  *   - allreduce_sum after o_proj of every layer (partial sums over the rank's heads),

@@ -26,41 +26,53 @@ void admit_published(struct admit *b, unsigned *ret_running, unsigned *ret_queue
     *ret_queued = (unsigned)(v & 0xffffffffu);
 }
 
-static void queue_insert(struct admit *b, struct admit_item *it)
+void admit_list_insert(struct admit_list *l, struct admit_item *it)
 {
-    struct admit_item *p = b->tail;
+    struct admit_item *p = l->tail;
 
     /* scan from the tail: equal priorities (the common case) insert in O(1) */
     while (p && p->priority > it->priority)
         p = p->prev;
     it->prev = p;
-    it->next = p ? p->next : b->head;
+    it->next = p ? p->next : l->head;
     if (it->next)
         it->next->prev = it;
     else
-        b->tail = it;
+        l->tail = it;
     if (p)
         p->next = it;
     else
-        b->head = it;
+        l->head = it;
     it->queued = true;
-    b->queued++;
+    l->n++;
 }
 
-static void queue_unlink(struct admit *b, struct admit_item *it)
+void admit_list_unlink(struct admit_list *l, struct admit_item *it)
 {
     BUG_ON(!it->queued);
     if (it->prev)
         it->prev->next = it->next;
     else
-        b->head = it->next;
+        l->head = it->next;
     if (it->next)
         it->next->prev = it->prev;
     else
-        b->tail = it->prev;
+        l->tail = it->prev;
     it->prev = it->next = NULL;
     it->queued = false;
-    b->queued--;
+    l->n--;
+}
+
+static void queue_insert(struct admit *b, struct admit_item *it)
+{
+    admit_list_insert(&b->q, it);
+    b->queued = b->q.n;
+}
+
+static void queue_unlink(struct admit *b, struct admit_item *it)
+{
+    admit_list_unlink(&b->q, it);
+    b->queued = b->q.n;
 }
 
 enum admit_result admit_add(struct admit *b, struct admit_item *it)
@@ -86,11 +98,11 @@ struct admit_item *admit_release(struct admit *b, struct admit_item *it)
     BUG_ON(!it->running);
     it->running = false;
     b->running--;
-    if (!b->head || b->running >= b->max_running) {
+    if (!b->q.head || b->running >= b->max_running) {
         publish(b);
         return NULL;
     }
-    struct admit_item *n = b->head;
+    struct admit_item *n = b->q.head;
     queue_unlink(b, n);
     n->running = true;
     b->running++;
@@ -106,7 +118,7 @@ void admit_remove(struct admit *b, struct admit_item *it)
 
 struct admit_item *admit_pop(struct admit *b)
 {
-    struct admit_item *n = b->head;
+    struct admit_item *n = b->q.head;
     if (n) {
         queue_unlink(b, n);
         publish(b);

@@ -17,17 +17,27 @@ struct admit_item {
     struct admit_item *prev, *next;
     int32_t priority;
     uint64_t seq;
-    bool queued;
+    bool queued;                    /* on a list (admit_list) */
     bool running;
 };
+
+/* Items in priority order (lower value first, FIFO among equals): the admission queue, and
+ * any other wait of the same kind (the coordinator's requests held for a group with room). */
+struct admit_list {
+    struct admit_item *head, *tail;
+    unsigned n;
+};
+
+void admit_list_insert(struct admit_list *l, struct admit_item *it);
+void admit_list_unlink(struct admit_list *l, struct admit_item *it);
 
 struct admit {
     unsigned max_running;
     unsigned max_queue;
     unsigned running;
-    unsigned queued;
+    unsigned queued;                /* q.n */
     uint64_t seq;
-    struct admit_item *head, *tail;
+    struct admit_list q;
     _Atomic uint64_t published;     /* running << 32 | queued, for other threads */
 };
 

@@ -124,6 +124,7 @@ struct rank {
     float progress;
     char message[256];
     uint64_t incarnation;
+    uint64_t claim_epoch;           /* registered as serving this epoch already (0: fresh) */
     uint32_t *experts;
     size_t n_experts;
     struct group *g;
@@ -148,6 +149,10 @@ struct group {
     double kv_usage, tokens_per_s;
     double mean_acceptance_length;  /* MTP tokens per verify step, from the engine */
     uint32_t requests_alive;        /* engine request states alive (0 at idle) */
+    uint64_t requests_created, requests_freed;  /* engine request states over its life */
+    /* the engine's capacity (StateReport READY, GetLoads): at most cap_seqs + cap_waiting
+     * requests routed here at once; 0 = not reported (no limit) */
+    uint32_t cap_seqs, cap_waiting;
     uint64_t preemptions;
     bool loads_pending;
     int64_t loads_ok_ms;            /* last successful GetLoads (or when it became ready) */
@@ -161,8 +166,13 @@ struct group {
 int wpool_init(struct coord *co);
 void wpool_done(struct coord *co);
 int wpool_register_methods(struct coord *co, struct rpc_server *s);
-/* Least-loaded ready group whose context holds need_len tokens (prompt + max_tokens). */
-struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len);
+/* Least-loaded ready group with room (below its engine's capacity) whose context holds
+ * need_len tokens (prompt + max_tokens).  NULL: none; *ret_full then says whether a ready
+ * group would hold the request once it has room. */
+struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len,
+                         bool *ret_full);
+/* Requests g may still take (UINT32_MAX when its engine reported no capacity). */
+uint32_t wpool_room(const struct group *g);
 unsigned wpool_ready_count(const struct coord *co);
 unsigned wpool_count(const struct coord *co);
 void wpool_heartbeat(struct coord *co);
@@ -176,6 +186,7 @@ struct req {
     struct coord *co;
     struct req *prev, *next;        /* coord->reqs (all live) */
     struct req *gprev, *gnext;      /* group->reqs (while routed) */
+    struct admit_item hold;         /* on coord->held: admitted, waiting for a group with room */
     struct admit_item ai;
     char id[136];
     struct rpc_call *call;          /* NULL once finished */
@@ -208,6 +219,11 @@ struct req {
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud);
 /* Fail every request routed to g (group down); message names the group. */
 void req_fail_group(struct group *g, const char *why);
+/* Route the held requests (admitted, waiting for a group with room) while groups have room;
+ * with no ready group left, end them UNAVAILABLE.  Call whenever room may have appeared
+ * (a request left a group, a group became ready or reported its capacity) or a group went
+ * down.  An admission promotion: it frees the held requests it ends. */
+void req_held_kick(struct coord *co);
 /* Dispatch a request promoted from the queue: 0, or <0 when it failed (the client
  * call is finished; the caller still holds and must release its slot). */
 int req_dispatch_promoted(struct req *r);
@@ -287,6 +303,7 @@ struct coord {
     struct admit admit;
     struct req *reqs;
     unsigned n_reqs;
+    struct admit_list held;         /* requests admitted that no group has room for yet */
     struct group *groups;
     uint64_t next_session;
     struct model_info model;        /* from the first group that registered one */

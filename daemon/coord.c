@@ -300,6 +300,10 @@ static void fill_load(const struct group *g, Stepd__V1__GroupLoad *l)
     l->tokens_per_s = g->tokens_per_s;
     l->mean_acceptance_length = g->mean_acceptance_length;
     l->num_requests_alive = g->requests_alive;
+    l->requests_created = g->requests_created;
+    l->requests_freed = g->requests_freed;
+    l->max_num_seqs = g->cap_seqs;
+    l->max_waiting = g->cap_waiting;
 }
 
 static void h_loads(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)

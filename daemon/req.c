@@ -53,11 +53,29 @@ static void req_finish(struct req *r, int status, const char *fmt, ...)
     va_end(ap);
 }
 
+/* The held list (coord->held): requests with an admission slot that no group has room for
+ * yet, in priority order, FIFO among equals. */
+static bool req_held(const struct req *r)
+{
+    return r->hold.queued;
+}
+
+static struct req *held_head(const struct coord *co)
+{
+    return co->held.head ? (struct req *)((char *)co->held.head - offsetof(struct req, hold)) : NULL;
+}
+
+static void held_insert(struct req *r)
+{
+    r->hold.priority = r->in->priority;
+    admit_list_insert(&r->co->held, &r->hold);
+}
+
 void req_free_if_done(struct req *r)
 {
     struct coord *co = r->co;
 
-    if (r->call || !r->engine_done || r->ecall || r->ai.running || r->ai.queued)
+    if (r->call || !r->engine_done || r->ecall || r->ai.running || r->ai.queued || req_held(r))
         return;
     if (r->prev)
         r->prev->next = r->next;
@@ -474,25 +492,27 @@ void req_engine_end(struct req *r, int status, const char *details)
         group_unlink(r);
     }
     if (r->call) {
+        /* the engine's status is the request's, whatever it is, with a message naming it */
         if (status == RPC_OK) {
             req_finish(r, RPC_INTERNAL, "worker group '%s' ended the stream without a final message",
                        r->grp_name);
-        } else if (status == RPC_DEADLINE_EXCEEDED) {
-            req_finish(r, RPC_DEADLINE_EXCEEDED, "deadline exceeded while generating");
-        } else if (status == RPC_INVALID_ARGUMENT || status == RPC_RESOURCE_EXHAUSTED ||
-                   status == RPC_OUT_OF_RANGE || status == RPC_ALREADY_EXISTS) {
-            req_finish(r, status, "worker group '%s': %s", r->grp_name, details);
-        } else if (status == RPC_UNAVAILABLE || status == RPC_CANCELLED || status == RPC_ABORTED) {
-            req_finish(r, RPC_UNAVAILABLE, "worker group '%s' is unavailable: %s", r->grp_name, details);
         } else {
-            req_finish(r, RPC_INTERNAL, "worker group '%s' failed the request: %s: %s", r->grp_name,
-                       rpc_status_name(status), details);
+            if (status == RPC_RESOURCE_EXHAUSTED)
+                (void)rpc_call_add_trailer(r->call, "grpc-retry-pushback-ms", "100");
+            if (r->n_out == 0)
+                req_finish(r, status, "worker group '%s' refused the request: %s: %s", r->grp_name,
+                           rpc_status_name(status), details);
+            else
+                req_finish(r, status, "worker group '%s' failed the request after %u tokens: %s: %s",
+                           r->grp_name, r->n_out, rpc_status_name(status), details);
         }
     }
     engine_conn_unref(r->eng);
     r->eng = NULL;
     if (r->ai.running)
         coord_slot_release(co, r);
+    if (g)
+        req_held_kick(co);      /* r's place in g is free */
 }
 
 static void on_engine_done(struct rpc_client_call *c, int status, const char *details, void *ud)
@@ -511,16 +531,11 @@ static void on_submit_done(struct rpc_client_call *c, int status, const char *de
     r->ecall = NULL;
     r->submit_eng = NULL;
     if (status != RPC_OK && r->in_out_tab) {
-        /* not admitted: its end will not come on the stream */
+        /* not admitted: its end will not come on the stream.  (FAILED_PRECONDITION, the
+         * engine does not know the stream: the stream has ended on the engine's side, and
+         * its end reaches us on the stream itself.) */
         engine_out_remove(e, r);
-        if (status == RPC_FAILED_PRECONDITION) {
-            /* the engine does not know our stream (it restarted?): open a new one */
-            if (e->out_call)
-                rpc_client_cancel(e->out_call);
-            req_engine_end(r, RPC_UNAVAILABLE, details);
-        } else {
-            req_engine_end(r, status, details);
-        }
+        req_engine_end(r, status, details);
     } else if (status == RPC_OK && r->abort_pending && !r->engine_done) {
         req_send_abort(r);
     }
@@ -528,8 +543,29 @@ static void on_submit_done(struct rpc_client_call *c, int status, const char *de
     req_free_if_done(r);
 }
 
-/* 0: dispatched; <0: failed (client finished, slot still held by the caller). */
-static int req_dispatch_one(struct req *r)
+/* The group for r: one with room, or NULL with *ret_full (every group that would hold r
+ * is at its engine's capacity: r waits) or the client finished UNAVAILABLE. */
+static struct group *req_pick(struct req *r, bool *ret_full)
+{
+    struct coord *co = r->co;
+    const struct request *in = r->in;
+    int64_t need = (int64_t)r->n_prompt + (REQUEST_HAS(&in->sp, RO_MAX_TOKENS) ? in->sp.max_tokens : 1);
+    struct group *g = wpool_pick(co, r->prompt, r->n_prompt, need > UINT32_MAX ? UINT32_MAX : (uint32_t)need,
+                                 ret_full);
+
+    if (g || *ret_full)
+        return g;
+    co->m.rejected_unavailable++;
+    if (wpool_ready_count(co))
+        req_finish(r, RPC_UNAVAILABLE, "no ready worker group has a context of %" PRId64
+                   " tokens (prompt + max_tokens)", need);
+    else
+        req_finish(r, RPC_UNAVAILABLE, "no worker group is ready");
+    return NULL;
+}
+
+/* Start r's engine call on g. 0: sent; <0: failed (client finished, slot still held). */
+static int req_send(struct req *r, struct group *g)
 {
     struct coord *co = r->co;
     const struct request *in = r->in;
@@ -537,21 +573,7 @@ static int req_dispatch_one(struct req *r)
     Stepd__V1__TokenIds ti = STEPD__V1__TOKEN_IDS__INIT;
     Stepd__V1__SamplingParams sp = STEPD__V1__SAMPLING_PARAMS__INIT;
     struct engine_sampling es;
-    struct group *g;
 
-    if (!r->call)
-        return -ECANCELED;
-    int64_t need = (int64_t)r->n_prompt + (REQUEST_HAS(&in->sp, RO_MAX_TOKENS) ? in->sp.max_tokens : 1);
-    g = wpool_pick(co, r->prompt, r->n_prompt, need > UINT32_MAX ? UINT32_MAX : (uint32_t)need);
-    if (!g) {
-        co->m.rejected_unavailable++;
-        if (wpool_ready_count(co))
-            req_finish(r, RPC_UNAVAILABLE, "no ready worker group has a context of %" PRId64
-                       " tokens (prompt + max_tokens)", need);
-        else
-            req_finish(r, RPC_UNAVAILABLE, "no worker group is ready");
-        return -EAGAIN;
-    }
     if (engine_sampling_build(&in->sp, &es, &sp) < 0) {
         req_finish(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
         return -ENOMEM;
@@ -624,25 +646,87 @@ static int req_dispatch_one(struct req *r)
     return 0;
 }
 
+/* 0: sent to a group, or held until one has room; <0: failed (client finished, slot
+ * still held by the caller). */
+static int req_dispatch_one(struct req *r)
+{
+    struct group *g;
+    bool full = false;
+
+    if (!r->call)
+        return -ECANCELED;
+    if (r->co->held.n) {
+        /* earlier requests wait for room: this one queues behind them */
+        held_insert(r);
+        return 0;
+    }
+    g = req_pick(r, &full);
+    if (!g && full) {
+        held_insert(r);
+        log_req_debug(r->id, "every worker group is at its engine's capacity: held (%u held)", r->co->held.n);
+        return 0;
+    }
+    if (!g)
+        return -EAGAIN;
+    return req_send(r, g);
+}
+
 int req_dispatch_promoted(struct req *r)
 {
     return req_dispatch_one(r);
 }
 
+void req_held_kick(struct coord *co)
+{
+    struct req *r;
+
+    while ((r = held_head(co))) {
+        bool full = false;
+        struct group *g = req_pick(r, &full);
+
+        if (!g && full)
+            return;         /* still no room: the head keeps its place */
+        admit_list_unlink(&co->held, &r->hold);
+        if (g && req_send(r, g) == 0)
+            continue;
+        /* no group for it any more (its client is finished) */
+        coord_slot_release(co, r);
+        req_free_if_done(r);
+    }
+}
+
 /* ------------------------------------------------------------------ client side */
+
+/* End r, which no engine holds (in the admission queue, or held for a group with room),
+ * with status, or with a Final ABORT for RPC_OK, and free it: the tail of the entry points
+ * (a client's cancel, Inference.Abort, a forced shutdown) for such a request. */
+static void req_end_waiting(struct req *r, int status, const char *why)
+{
+    struct coord *co = r->co;
+    bool held = req_held(r);
+
+    if (held)
+        admit_list_unlink(&co->held, &r->hold);
+    else
+        admit_remove(&co->admit, &r->ai);
+    if (status == RPC_OK)
+        send_final(r, NULL, STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT, NULL);
+    else
+        req_finish(r, status, "%s", why);
+    if (held)
+        coord_slot_release(co, r);
+    req_free_if_done(r);
+}
 
 static void on_client_cancel(struct rpc_call *call, void *ud)
 {
     struct req *r = ud;
-    struct coord *co = r->co;
     bool expired = rpc_now_ms() >= r->deadline_ms;
 
     r->cancelled = true;
-    if (r->ai.queued) {
-        admit_remove(&co->admit, &r->ai);
-        req_finish(r, expired ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
-                   expired ? "deadline exceeded while queued" : "cancelled by the client");
-        req_free_if_done(r);
+    if (r->ai.queued || req_held(r)) {
+        req_end_waiting(r, expired ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
+                        expired ? "deadline exceeded while queued" : "cancelled by the client");
         return;
     }
     req_stop_engine(r);
@@ -933,10 +1017,8 @@ int req_abort_by_id(struct coord *co, const char *id)
     for (struct req *r = co->reqs; r; r = r->next) {
         if (!r->call || strcmp(r->id, id) != 0)
             continue;
-        if (r->ai.queued) {
-            admit_remove(&co->admit, &r->ai);
-            send_final(r, NULL, STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT, NULL);
-            req_free_if_done(r);
+        if (r->ai.queued || req_held(r)) {
+            req_end_waiting(r, RPC_OK, NULL);
             return 1;
         }
         req_stop_engine(r);
@@ -950,8 +1032,10 @@ void req_sweep_deadlines(struct coord *co)
 {
     int64_t now = rpc_now_ms();
     struct req *r = co->reqs;
+
+    /* ending r may free others (the promotions of its slot and its place in the group):
+     * after each one the scan starts again (ended requests are off their stream) */
     while (r) {
-        struct req *n = r->next;
         if (r->in_out_tab && !r->ecall && r->deadline_ms != INT64_MAX && now > r->deadline_ms + 1000) {
             struct engine_conn *e = r->eng;
             log_req_warn(r->id, "engine %s did not end the request %" PRId64 " ms after its deadline",
@@ -960,24 +1044,31 @@ void req_sweep_deadlines(struct coord *co)
             engine_out_remove(e, r);
             req_engine_end(r, RPC_DEADLINE_EXCEEDED, "the engine did not end the request by its deadline");
             req_free_if_done(r);
+            r = co->reqs;
+            continue;
         }
-        r = n;
+        r = r->next;
     }
 }
 
 void req_fail_all(struct coord *co, int status, const char *why)
 {
-    struct req *r = co->reqs;
-    while (r) {
-        struct req *n = r->next;
-        if (r->ai.queued) {
-            admit_remove(&co->admit, &r->ai);
-            req_finish(r, status, "%s", why);
-            req_free_if_done(r);
-        } else if (r->call) {
+    struct admit_item *it;
+
+    /* the queue first, so that no slot freed below promotes a request */
+    while ((it = admit_pop(&co->admit))) {
+        struct req *r = (struct req *)((char *)it - offsetof(struct req, ai));
+
+        req_finish(r, status, "%s", why);
+        req_free_if_done(r);
+    }
+    while (co->held.n)
+        req_end_waiting(held_head(co), status, why);
+    /* nothing is freed in this loop: the requests end when their engine calls do */
+    for (struct req *r = co->reqs; r; r = r->next) {
+        if (r->call) {
             req_stop_engine(r);
             req_finish(r, status, "%s", why);
         }
-        r = n;
     }
 }

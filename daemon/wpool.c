@@ -67,6 +67,9 @@ unsigned wpool_count(const struct coord *co)
 
 /* ------------------------------------------------------------------ sessions */
 
+static void group_maybe_ready(struct group *g);
+static void group_set_limits(struct group *g, uint32_t max_seqs, uint32_t max_waiting);
+
 static void rank_clear(struct rank *rk)
 {
     free(rk->peer);
@@ -129,6 +132,8 @@ static void group_fail(struct group *g, const char *why)
         g->eng = NULL;
     }
     g->loads_pending = false;
+    g->cap_seqs = g->cap_waiting = 0;   /* the next engine says its own */
+    req_held_kick(co);                  /* with no ready group left, the held ones end */
     bool any = false;
     for (unsigned i = 0; i < g->world; i++)
         any |= g->ranks[i].present;
@@ -150,6 +155,97 @@ static void session_cancelled(struct rpc_call *call, void *ud)
     rpc_call_finish(call, RPC_CANCELLED, "session ended");
     rank_clear(rk);
     group_fail(g, why);
+}
+
+/* The group's ranks all registered as serving epoch `epoch` already (the coordinator was
+ * restarted, or a world-1 group's session came back): take the group as it is - no
+ * rendezvous, no reload.  It becomes ready as soon as every rank is READY. */
+static void group_adopt(struct group *g, uint64_t epoch)
+{
+    g->epoch = epoch;
+    g->state = GROUP_LOADING;
+    g->last_error[0] = '\0';
+    log_notice("control: group %s re-adopted at epoch %" PRIu64 ": its %u rank%s already serve it "
+               "(no rendezvous, no reload)", g->name, epoch, g->world, g->world > 1 ? "s" : "");
+    group_maybe_ready(g);
+}
+
+/* A rank registers with serving_epoch (it belongs to a running group) or without it (a
+ * fresh process): the group can only be taken over when every rank claims the same epoch,
+ * and only form afresh when none does.  A claimant that cannot be adopted gets GroupAbort
+ * (it exits and comes back fresh); a fresh rank makes the waiting claimants do the same.
+ * False: call is finished (the claimant refused). */
+static bool claim_fits(struct group *g, const Stepd__Ctl__V1__RegisterRequest *r, struct rpc_call *call)
+{
+    Stepd__Ctl__V1__ControlEvent ev = STEPD__CTL__V1__CONTROL_EVENT__INIT;
+    Stepd__Ctl__V1__GroupAbort ga = STEPD__CTL__V1__GROUP_ABORT__INIT;
+    char why[256];
+
+    ev.event_case = STEPD__CTL__V1__CONTROL_EVENT__EVENT_GROUP_ABORT;
+    ev.group_abort = &ga;
+    ga.reason = why;
+    if (r->serving_epoch) {
+        const char *conflict = NULL;
+        uint64_t other = 0;
+
+        if (g->state == GROUP_LOADING || g->state == GROUP_READY) {
+            conflict = "the group formed again meanwhile";
+            other = g->epoch;
+        }
+        for (unsigned i = 0; i < g->world && !conflict; i++) {
+            const struct rank *o = &g->ranks[i];
+            if (o->present && o->claim_epoch != r->serving_epoch) {
+                conflict = o->claim_epoch ? "another rank serves another epoch" : "another rank started afresh";
+                other = o->claim_epoch;
+            }
+        }
+        if (!conflict)
+            return true;
+        snprintf(why, sizeof(why), "group %s cannot be re-adopted: rank %u serves epoch %" PRIu64 ", but %s "
+                 "(epoch %" PRIu64 "); register afresh", g->name, r->rank, r->serving_epoch, conflict, other);
+        log_warn("control: %s", why);
+        ga.epoch = r->serving_epoch;
+        (void)rpc_call_send(call, &ev.base);
+        rpc_call_finish(call, RPC_ABORTED, "%s", why);
+        return false;
+    }
+    /* a fresh rank: claimants waiting to be re-adopted cannot be any more */
+    for (unsigned i = 0; i < g->world; i++) {
+        struct rank *o = &g->ranks[i];
+        if (!o->present || !o->claim_epoch || g->state == GROUP_LOADING || g->state == GROUP_READY)
+            continue;
+        snprintf(why, sizeof(why), "group %s re-forms: rank %u registered afresh while rank %u waited to be "
+                 "re-adopted at epoch %" PRIu64, g->name, r->rank, i, o->claim_epoch);
+        log_warn("control: %s", why);
+        ga.epoch = o->claim_epoch;
+        session_send(o, &ev);
+        session_end(o, RPC_ABORTED, why);
+    }
+    return true;
+}
+
+/* The same rank's new session takes over from its old one; the group is untouched. */
+static void session_resume(struct rank *rk, struct rpc_call *call)
+{
+    struct coord *co = rk->g->co;
+    struct rpc_call *old = rk->session;
+    Stepd__Ctl__V1__ControlEvent ev = STEPD__CTL__V1__CONTROL_EVENT__INIT;
+    Stepd__Ctl__V1__Registered reg = STEPD__CTL__V1__REGISTERED__INIT;
+
+    if (old) {
+        rpc_call_on_cancel(old, NULL, NULL);
+        rpc_call_finish(old, RPC_ABORTED, "superseded by this rank's new session");
+    }
+    rk->session = call;
+    snprintf(rk->session_id, sizeof(rk->session_id), "%s/%d/%" PRIu64, rk->g->name, rk->rank, ++co->next_session);
+    rpc_call_on_cancel(call, session_cancelled, rk);
+    log_info("control: group %s rank %d (pid %u) dialled again: its session goes on", rk->g->name, rk->rank,
+             rk->pid);
+    reg.session_id = rk->session_id;
+    reg.heartbeat_interval_ms = co->o.heartbeat_ms;
+    ev.event_case = STEPD__CTL__V1__CONTROL_EVENT__EVENT_REGISTERED;
+    ev.registered = &reg;
+    session_send(rk, &ev);
 }
 
 static void group_rendezvous(struct group *g)
@@ -304,12 +400,21 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
         g->world = r->world_size;
     }
     struct rank *rk = &g->ranks[r->rank];
+    if (rk->present && r->serving_epoch && r->serving_epoch == g->epoch && r->incarnation == rk->incarnation &&
+        (g->state == GROUP_LOADING || g->state == GROUP_READY)) {
+        /* the same process dialled again before the end of its old session reached us:
+         * the group goes on (nothing of it was lost) */
+        session_resume(rk, call);
+        return;
+    }
     if (rk->present) {
         char why[160];
         snprintf(why, sizeof(why), "rank %u registered again (restart)", r->rank);
         session_end(rk, RPC_ABORTED, "superseded by a new registration of this rank");
         group_fail(g, why);
     }
+    if (!claim_fits(g, r, call))
+        return;
     rank_clear(rk);
     rk->present = true;
     rk->session = call;
@@ -318,6 +423,17 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
     snprintf(rk->hostname, sizeof(rk->hostname), "%s", r->hostname);
     rk->pid = r->pid;
     rk->incarnation = r->incarnation;
+    rk->claim_epoch = r->serving_epoch;
+    if (r->serving_epoch) {
+        /* a rank of a group that already runs: its state is as it says */
+        rk->state = r->ready ? STEPD__V1__WORKER_STATE__WORKER_STATE_READY
+                             : STEPD__V1__WORKER_STATE__WORKER_STATE_LOADING;
+        rk->progress = r->ready ? 1.0f : 0.0f;
+        if (r->rank == 0 && r->kv_blocks_total)
+            g->kv_total = r->kv_blocks_total;
+        if (r->rank == 0 && r->limits)
+            group_set_limits(g, r->limits->max_num_seqs, r->limits->max_waiting);
+    }
     if (r->peer_address.len) {
         rk->peer = malloc(r->peer_address.len);
         if (rk->peer) {
@@ -360,8 +476,31 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
     bool complete = true;
     for (unsigned i = 0; i < g->world; i++)
         complete &= g->ranks[i].present;
-    if (complete && g->state != GROUP_LOADING && g->state != GROUP_READY)
-        group_rendezvous(g);
+    if (complete && g->state != GROUP_LOADING && g->state != GROUP_READY) {
+        if (r->serving_epoch)
+            group_adopt(g, r->serving_epoch);   /* claim_fits: every rank claims it */
+        else
+            group_rendezvous(g);
+    }
+}
+
+/* The engine's capacity as it reported it; held requests move when it grew. */
+static void group_set_limits(struct group *g, uint32_t max_seqs, uint32_t max_waiting)
+{
+    bool more = max_seqs + max_waiting > g->cap_seqs + g->cap_waiting;
+
+    if (max_seqs == g->cap_seqs && max_waiting == g->cap_waiting)
+        return;
+    if (!g->cap_seqs && !g->cap_waiting)
+        log_info("group %s: the engine admits %u requests at once (%u running + %u waiting)", g->name,
+                 max_seqs + max_waiting, max_seqs, max_waiting);
+    else
+        log_info("group %s: the engine's capacity is now %u + %u (was %u + %u)", g->name, max_seqs,
+                 max_waiting, g->cap_seqs, g->cap_waiting);
+    g->cap_seqs = max_seqs;
+    g->cap_waiting = max_waiting;
+    if (more && g->state == GROUP_READY)
+        req_held_kick(g->co);
 }
 
 static struct rank *rank_by_session(struct coord *co, const char *sid)
@@ -486,6 +625,7 @@ static void group_set_ready(struct group *g)
     log_info("group %s is ready (epoch %" PRIu64 ", engine %s)", g->name, g->epoch, g->engine_addr);
     coord_health_update(co);
     wpool_poll_loads(co);
+    req_held_kick(co);
 }
 
 static void group_maybe_ready(struct group *g)
@@ -546,6 +686,8 @@ static void h_report(struct rpc_call *call, const ProtobufCMessage *msg, void *u
         rk->state = STEPD__V1__WORKER_STATE__WORKER_STATE_READY;
         if (rk->rank == 0 && r->kv_blocks_total)
             g->kv_total = r->kv_blocks_total;
+        if (rk->rank == 0 && r->limits)
+            group_set_limits(g, r->limits->max_num_seqs, r->limits->max_waiting);
         group_maybe_ready(g);
         break;
     case STEPD__CTL__V1__RANK_STATE__RANK_STATE_FAILED: {
@@ -637,6 +779,10 @@ static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
     g->tokens_per_s = l->tokens_per_s;
     g->mean_acceptance_length = l->mean_acceptance_length;
     g->requests_alive = l->num_requests_alive;
+    g->requests_created = l->requests_created;
+    g->requests_freed = l->requests_freed;
+    if (l->max_num_seqs || l->max_waiting)
+        group_set_limits(g, l->max_num_seqs, l->max_waiting);
 }
 
 static void loads_done(struct rpc_client_call *c, int status, const char *details, void *ud)
@@ -698,11 +844,22 @@ static uint64_t mix64(uint64_t x)
     return x;
 }
 
-struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len)
+uint32_t wpool_room(const struct group *g)
+{
+    uint32_t cap = g->cap_seqs + g->cap_waiting;
+
+    if (!g->cap_seqs && !g->cap_waiting)
+        return UINT32_MAX;
+    return g->in_flight < cap ? cap - g->in_flight : 0;
+}
+
+struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len,
+                         bool *ret_full)
 {
     struct group *best = NULL, *aff = NULL;
     uint64_t best_score = UINT64_MAX, aff_w = 0, ph = 0;
 
+    *ret_full = false;
     if (co->o.prefix_affinity && n)
         ph = coord_fnv1a(prompt, (n < co->o.prefix_affinity ? n : co->o.prefix_affinity) * sizeof(int32_t),
                    COORD_FNV_SEED);
@@ -711,6 +868,11 @@ struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint
             continue;
         if (g->model.known && g->model.max_model_len && need_len > g->model.max_model_len)
             continue;
+        if (wpool_room(g) == 0) {
+            /* at its engine's capacity: never sent more than it admits */
+            *ret_full = true;
+            continue;
+        }
         /* coordinator-side in-flight count is exact; the engine's waiting count adds
          * what other routers (or the engine's own queue) contribute */
         uint64_t score = (uint64_t)g->in_flight * 1024 + (uint64_t)g->load_waiting * 1024 +

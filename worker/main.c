@@ -24,6 +24,8 @@ static void usage(FILE *f)
         "                    [--kv-blocks B] [--block-size BS]\n"
         "                    [--rendezvous-timeout MS] [--collective-timeout MS] [--load-timeout MS]\n"
         "                    [--report FILE] [--engine-listen ADDR] [--control-key-file FILE]\n"
+        "                    [--control-tls-ca FILE [--control-tls-cert FILE --control-tls-key FILE]]\n"
+        "                    [--max-waiting N] [--logprobs-mode raw_logprobs|processed_logprobs]\n"
         "  rank 0 offline drivers (tests): --generate FILE [--max-tokens N] [--output FILE]\n"
         "                                  --dump-logits FILE --prompt-ids 1,2,3\n"
         "                                  --step-delay MS\n"
@@ -40,6 +42,14 @@ static void usage(FILE *f)
         "  --engine-listen ADDR    rank 0: stepd.v1.Engine address registered with the\n"
         "                          coordinator (default 127.0.0.1:50061; unix:/path allowed)\n"
         "  --control-key-file FILE key for the control service (or $STEPD_CONTROL_KEY)\n"
+        "  --control-tls-ca FILE   dial the control service over TLS, verifying it with this CA\n"
+        "                          (--control-tls-cert/--control-tls-key: a client certificate)\n"
+        "  --max-waiting N         rank 0: requests the engine queues beyond --max-seqs (default:\n"
+        "                          the KV pool's block count, within 64..4096); the engine admits\n"
+        "                          --max-seqs + N at once and tells the coordinator so\n"
+        "  --logprobs-mode M       what logprobs report: raw_logprobs (default: the model's\n"
+        "                          distribution, before any sampling transform) or\n"
+        "                          processed_logprobs (after penalties, temperature, top-k/p)\n"
         "  --insecure-listen       allow a non-loopback --engine-listen (it has no authentication)\n"
         "Exit status: 0 ok, 1 failure, 2 usage, 3 rendezvous, 4 collective failed (peer gone).\n");
 }
@@ -76,6 +86,7 @@ int main(int argc, char **argv)
         O_COORD = 256, O_RDV, O_GROUP, O_RANK, O_WORLD, O_DEVICE, O_MODEL, O_MTP_MODEL, O_MTP,
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
         O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_INSECURE, O_HELP,
+        O_TLS_CA, O_TLS_CERT, O_TLS_KEY, O_MAX_WAIT, O_LP_MODE,
     };
     static const struct option opts[] = {
         { "coordinator", required_argument, NULL, O_COORD },
@@ -109,6 +120,11 @@ int main(int argc, char **argv)
         { "engine-listen", required_argument, NULL, O_ENGINE },
         { "control-key-file", required_argument, NULL, O_CKEY },
         { "load-timeout", required_argument, NULL, O_LOAD_TO },
+        { "control-tls-ca", required_argument, NULL, O_TLS_CA },
+        { "control-tls-cert", required_argument, NULL, O_TLS_CERT },
+        { "control-tls-key", required_argument, NULL, O_TLS_KEY },
+        { "max-waiting", required_argument, NULL, O_MAX_WAIT },
+        { "logprobs-mode", required_argument, NULL, O_LP_MODE },
         { "help", no_argument, NULL, O_HELP },
         { 0 },
     };
@@ -151,6 +167,21 @@ int main(int argc, char **argv)
         case O_ENGINE: o.engine_listen = optarg; break;
         case O_CKEY: ckey_file = optarg; break;
         case O_LOAD_TO: r = parse_int(optarg, "--load-timeout", 1, INT_MAX, &o.load_timeout_msec); break;
+        case O_TLS_CA: o.control_tls.root_file = optarg; break;
+        case O_TLS_CERT: o.control_tls.cert_file = optarg; break;
+        case O_TLS_KEY: o.control_tls.key_file = optarg; break;
+        case O_MAX_WAIT: r = parse_int(optarg, "--max-waiting", 1, 1 << 20, &o.max_waiting); break;
+        case O_LP_MODE:
+            if (strcmp(optarg, "raw_logprobs") == 0) {
+                o.logprobs_processed = false;
+            } else if (strcmp(optarg, "processed_logprobs") == 0) {
+                o.logprobs_processed = true;
+            } else {
+                fprintf(stderr, "stepd-worker: --logprobs-mode '%s': expected raw_logprobs or "
+                        "processed_logprobs\n", optarg);
+                r = -EINVAL;
+            }
+            break;
         case O_HELP: usage(stdout); return 0;
         default: usage(stderr); return WORKER_EXIT_USAGE;
         }
@@ -164,6 +195,11 @@ int main(int argc, char **argv)
     }
     if (o.device && strcmp(o.device, "cpu") != 0 && strncmp(o.device, "cuda:", 5) != 0) {
         fprintf(stderr, "stepd-worker: --device '%s': expected cpu or cuda:N\n", o.device);
+        return WORKER_EXIT_USAGE;
+    }
+    if (!o.control_tls.cert_file != !o.control_tls.key_file || (o.control_tls.cert_file && !o.control_tls.root_file)) {
+        fprintf(stderr, "stepd-worker: --control-tls-cert and --control-tls-key go together, with "
+                "--control-tls-ca\n");
         return WORKER_EXIT_USAGE;
     }
     o.control_key = getenv("STEPD_CONTROL_KEY");

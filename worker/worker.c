@@ -246,6 +246,7 @@ static int stage_comm(struct worker *w, struct err_buf *e)
             .peer_address = addr, .peer_address_len = alen,
             .engine_address = o->rank == 0 ? o->engine_listen : NULL,
             .control_key = o->control_key,
+            .tls = o->control_tls.root_file || o->control_tls.cert_file ? &o->control_tls : NULL,
         };
 
         r = worker_ctl_open(o->coordinator, &reg, o->rendezvous_timeout_msec, &w->ctl, &peers, e);
@@ -494,6 +495,18 @@ out:
 
 /* ---- rank 0 drivers ----------------------------------------------------------------- */
 
+/* The engine's waiting queue: --max-waiting, or by default the full-attention KV pool's
+ * block count (every waiting request needs a block to start, so a longer queue could never
+ * be admitted at once), within [64, 4096]. */
+static int waiting_limit(const struct worker *w)
+{
+    int n = w->fwd->n_blocks[KV_GROUP_FULL];
+
+    if (w->o->max_waiting > 0)
+        return w->o->max_waiting;
+    return n < 64 ? 64 : n > 4096 ? 4096 : n;
+}
+
 struct gen_req {
     int32_t *out;
     int n_out, cap;
@@ -557,6 +570,7 @@ static int run_generate(struct worker *w, struct forward *f)
     cfg.max_model_len = o->max_model_len;
     cfg.sliding_window = w->sliding_window;
     cfg.num_speculative_tokens = o->mtp < w->n_mtp ? o->mtp : w->n_mtp;
+    cfg.max_waiting = waiting_limit(w);
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     if (o->step_delay_msec > 0) {
@@ -750,6 +764,8 @@ static int run_serve(struct worker *w, struct forward *f)
     cfg.max_model_len = w->o->max_model_len;
     cfg.sliding_window = w->sliding_window;
     cfg.num_speculative_tokens = w->o->mtp < w->n_mtp ? w->o->mtp : w->n_mtp;
+    cfg.max_waiting = waiting_limit(w);
+    cfg.logprobs_processed = w->o->logprobs_processed;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     r = engine_new(f, &cfg, &eng, &e);
@@ -774,17 +790,24 @@ static int run_serve(struct worker *w, struct forward *f)
     if (r < 0) {
         log_error("engine service on %s: %s", w->o->engine_listen, e.msg);
         if (w->ctl)
-            worker_ctl_report(w->ctl, 3, 0.0f, e.msg, 0);
+            worker_ctl_report(w->ctl, 3, 0.0f, e.msg, NULL);
         engine_free(eng);
         return WORKER_EXIT_FAILURE;
     }
     engine_get_loads(eng, &ld);
-    if (w->ctl)
-        worker_ctl_report(w->ctl, 2, 1.0f, "ready", ld.kv_blocks_total);
-    log_notice("rank 0 ready: stepd.v1.Engine on %s (port %d), %d KV blocks, group of %d",
-               w->o->engine_listen, port, ld.kv_blocks_total, w->o->world_size);
+    if (w->ctl) {
+        struct worker_ctl_engine ce = { .kv_blocks_total = ld.kv_blocks_total,
+                                        .max_num_seqs = ld.max_num_seqs, .max_waiting = ld.max_waiting };
+
+        worker_ctl_report(w->ctl, 2, 1.0f, "ready", &ce);
+    }
+    log_notice("rank 0 ready: stepd.v1.Engine on %s (port %d), %d KV blocks, group of %d, "
+               "capacity %d requests (%d running + %d waiting)", w->o->engine_listen, port,
+               ld.kv_blocks_total, w->o->world_size, ld.max_num_seqs + ld.max_waiting,
+               ld.max_num_seqs, ld.max_waiting);
     signal(SIGTERM, on_stop_signal);
     signal(SIGINT, on_stop_signal);
+    unsigned lost = 0, n_lost;
     while (!stop_requested) {
         usleep(20 * 1000);
         engine_get_loads(eng, &ld);
@@ -794,9 +817,14 @@ static int run_serve(struct worker *w, struct forward *f)
             rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
             break;
         }
-        if (w->ctl && worker_ctl_poll(w->ctl, &e) > 0) {
+        if (w->ctl && worker_ctl_poll(w->ctl, &n_lost, &e) > 0) {
             log_notice("control session ended: %s", e.msg);
             break;
+        }
+        if (n_lost != lost) {
+            /* the coordinator is gone: what it sent cannot be delivered; the group stays */
+            lost = n_lost;
+            engine_rpc_fail_all(rpc, "the control session with the coordinator was lost");
         }
     }
     engine_rpc_stop(rpc);
@@ -864,14 +892,14 @@ int worker_run(const struct worker_opts *o)
         goto out;
     }
     if (w.ctl)
-        worker_ctl_report(w.ctl, 1, 0.0f, "loading", 0);
+        worker_ctl_report(w.ctl, 1, 0.0f, "loading", NULL);
     struct rss before;
     rss_read(&before);
     r = stage_load(&w, &e);
     if (r < 0) {
         log_error("load: %s", e.msg);
         if (w.ctl)
-            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, 0);
+            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, NULL);
         rc = WORKER_EXIT_FAILURE;
         /* the others are waiting for us in the first collective: abort so they see a
          * peer failure at once rather than their deadline */
@@ -884,7 +912,7 @@ int worker_run(const struct worker_opts *o)
     if (r < 0) {
         log_error("%s", e.msg);
         if (w.ctl)
-            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, 0);
+            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, NULL);
         rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
         comm_abort(w.comm);
         goto out;
@@ -892,7 +920,7 @@ int worker_run(const struct worker_opts *o)
 
     if (o->rank > 0) {
         if (w.ctl)
-            worker_ctl_report(w.ctl, 2, 1.0f, "ready", 0);
+            worker_ctl_report(w.ctl, 2, 1.0f, "ready", NULL);
         rc = follower_loop(&w);
         goto out;
     }

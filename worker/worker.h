@@ -25,6 +25,7 @@
 #include "comm.h"
 #include "err.h"
 #include "forward.h"
+#include "rpc.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -65,6 +66,9 @@ struct worker_opts {
     const char *engine_listen;      /* rank 0: where stepd.v1.Engine listens (registered) */
     bool insecure_listen;           /* allow a non-loopback engine_listen (no authentication) */
     const char *control_key;        /* bearer key for the control service, or NULL */
+    struct rpc_tls_files control_tls;   /* TLS to the control service (root_file: the CA) */
+    int max_waiting;                /* rank 0: the engine's waiting queue; 0 = from the KV blocks */
+    bool logprobs_processed;        /* --logprobs-mode processed_logprobs */
 };
 
 void worker_opts_init(struct worker_opts *o);
@@ -104,18 +108,30 @@ struct worker_ctl_register {
     const char *control_key;        /* sent as "authorization: Bearer KEY", or NULL */
     const void *nccl_id;            /* rank 0 with NCCL: ncclUniqueId bytes (128) */
     size_t nccl_id_len;
+    const struct rpc_tls_files *tls;    /* NULL = plaintext; root_file verifies the coordinator */
 };
-/* Dial the coordinator, open the Session stream and wait (timeout_msec) for the
- * Rendezvous event of the group.  On timeout the error names the deadline; the
- * coordinator knows which ranks are missing and says so in a GroupAbort if it sends one. */
+/* Rank 0's engine as it reports it when READY (and again in every later registration). */
+struct worker_ctl_engine {
+    int kv_blocks_total;
+    int max_num_seqs, max_waiting;  /* capacity: max_num_seqs + max_waiting requests at once */
+};
+/* Dial the coordinator (again, with backoff, while it is not there), open the Session
+ * stream and wait (timeout_msec) for the Rendezvous event of the group.  On timeout the
+ * error names the deadline; a refusal names the coordinator's reason.  From then on the
+ * client keeps a session open for the life of the rank: a lost one is dialled again,
+ * registering with the group's epoch so that a restarted coordinator re-adopts the group
+ * (ctl.c); a GroupAbort ends the process (WORKER_EXIT_RENDEZVOUS). */
 int worker_ctl_open(const char *target, const struct worker_ctl_register *reg, int timeout_msec,
                     struct worker_ctl **ret, struct worker_peers *peers, struct err_buf *e);
-/* ReportState(LOADING/READY/FAILED). state: 1 loading, 2 ready, 3 failed. */
+/* ReportState(LOADING/READY/FAILED). state: 1 loading, 2 ready, 3 failed; eng (rank 0,
+ * READY) or NULL.  Waits up to 5 s for the answer; without a session the state goes with
+ * the next registration (0). */
 int worker_ctl_report(struct worker_ctl *c, int state, float progress, const char *message,
-                      int kv_blocks_total);
-/* Non-blocking: 1 when the session has ended (coordinator gone, GroupAbort, Shutdown),
- * with the reason in e; 0 while it is alive. */
-int worker_ctl_poll(struct worker_ctl *c, struct err_buf *e);
+                      const struct worker_ctl_engine *eng);
+/* Non-blocking: 1 when the session has ended for good (Shutdown, or a refusal), with the
+ * reason in e; 0 otherwise.  *ret_lost (may be NULL): sessions lost so far after the
+ * rendezvous (each one dialled again): rank 0 fails its in-flight requests on a new one. */
+int worker_ctl_poll(struct worker_ctl *c, unsigned *ret_lost, struct err_buf *e);
 void worker_ctl_free(struct worker_ctl *c);
 
 /* ---- lockstep forward -------------------------------------------------------------- */

@@ -27,6 +27,16 @@
  * Calls that end with another status than OK or RESOURCE_EXHAUSTED are timed too
  * ("failed ms"), e.g. an UNIMPLEMENTED method as the floor of an answer-at-once server.
  * LOADGEN_DUMP=FILE (environment): per stream "index status t_start_us start_ms end_ms".
+ *
+ * Faults from the client's side (docs/RELIABILITY.md A3, A4): --deadline-ms LO[,HI] gives
+ * each call its own deadline, uniform in [LO, HI] ms after it starts; --cancel-after-ms
+ * LO[,HI] cancels each call (RST_STREAM) that long after it was started (0: on the next
+ * turn of the loop, right after its headers went out); --concurrency N keeps at most N
+ * calls in flight (the next one starts when one ends), for bursts of thousands.  Every
+ * stream is checked to end with exactly one terminal status: an OK stream carries exactly
+ * one Final and nothing after it, no stream more than one ("violations" counts the others).
+ * --logprobs N asks for the sampled token's logprob and the top N (checked: one entry per
+ * token, N alternatives each), --temperature T.
  * Exit 0 always (the caller judges the figures), 2 on usage errors.
  */
 #include <errno.h>
@@ -50,6 +60,12 @@ struct stream {
     int status;
     int64_t end_us;
     bool done;
+    struct rpc_client_call *call;   /* until on_done */
+    uv_timer_t cancel;              /* --cancel-after-ms */
+    bool cancel_init;
+    unsigned n_final;
+    bool after_final;               /* a message came after the Final */
+    bool bad_logprobs;              /* --logprobs: an entry missing or malformed */
 };
 
 static struct stream *S;
@@ -60,6 +76,8 @@ static struct rpc_ctx *ctx;
 static bool want_tok_times;
 static double *lag;                 /* client loop lag per message, us */
 static size_t n_lag, cap_lag;
+static int want_logprobs = -1;      /* --logprobs N */
+static unsigned n_inflight;
 
 static void push(double **v, size_t *n, size_t *cap, double x)
 {
@@ -88,8 +106,22 @@ static void on_msg(struct rpc_client_call *c, const ProtobufCMessage *m, void *u
     int64_t t = rpc_ctx_event_us(ctx);
 
     push(&lag, &n_lag, &cap_lag, (double)(now_us() - t));
+    if (s->n_final)
+        s->after_final = true;
+    if (r->response_case == STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL)
+        s->n_final++;
     if (r->response_case != STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK || r->chunk->n_token_ids == 0)
         return;
+    if (want_logprobs >= 0) {
+        if (r->chunk->n_logprobs != r->chunk->n_token_ids)
+            s->bad_logprobs = true;
+        for (size_t k = 0; k < r->chunk->n_logprobs && !s->bad_logprobs; k++) {
+            const Stepd__V1__TokenLogprob *lp = r->chunk->logprobs[k];
+            if (lp->token_id != r->chunk->token_ids[k] || lp->n_top != (size_t)want_logprobs ||
+                !(lp->logprob <= 0.0f))
+                s->bad_logprobs = true;
+        }
+    }
     if (!s->ttft_us)
         s->ttft_us = t - s->t0_us;
     else
@@ -108,7 +140,11 @@ static void on_done(struct rpc_client_call *c, int status, const char *details, 
     s->status = status;
     s->end_us = rpc_ctx_event_us(ctx);
     s->done = true;
+    s->call = NULL;
+    if (s->cancel_init)
+        uv_timer_stop(&s->cancel);
     n_done++;
+    n_inflight--;
     if (status != RPC_OK && status != RPC_RESOURCE_EXHAUSTED && n_done < 5)
         fprintf(stderr, "loadgen: stream ended %s: %s\n", rpc_status_name(status), details);
 }
@@ -157,6 +193,36 @@ static void pace_cb(uv_timer_t *t)
     (void)t;
 }
 
+static void cancel_cb(uv_timer_t *t)
+{
+    struct stream *s = t->data;
+
+    if (!s->done && s->call)
+        rpc_client_cancel(s->call);
+}
+
+/* LO[,HI] in ms */
+static int parse_range(const char *arg, double *lo, double *hi)
+{
+    char *end;
+
+    *lo = strtod(arg, &end);
+    *hi = *lo;
+    if (*end == ',')
+        *hi = strtod(end + 1, &end);
+    return *end || *lo < 0 || *hi < *lo ? -1 : 0;
+}
+
+/* A uniform in [0, 1) from the stream's index and a salt (reproducible runs). */
+static double unif(unsigned i, uint64_t salt)
+{
+    uint64_t z = (uint64_t)i * 0x9e3779b97f4a7c15ull + salt;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double)(z >> 11) * (1.0 / 9007199254740992.0);
+}
+
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -181,8 +247,13 @@ int main(int argc, char **argv)
         { "prompt-len", required_argument, NULL, 'p' }, { "deadline-s", required_argument, NULL, 'd' },
         { "api-key", required_argument, NULL, 'k' }, { "send-log", required_argument, NULL, 'l' },
         { "rate", required_argument, NULL, 'r' }, { "connections", required_argument, NULL, 'c' },
+        { "deadline-ms", required_argument, NULL, 'D' }, { "cancel-after-ms", required_argument, NULL, 'C' },
+        { "concurrency", required_argument, NULL, 'N' }, { "logprobs", required_argument, NULL, 'L' },
+        { "temperature", required_argument, NULL, 'T' },
         { NULL, 0, NULL, 0 },
     };
+    double dl_lo = -1, dl_hi = -1, cx_lo = -1, cx_hi = -1, temperature = -1;
+    unsigned concurrency = 0;
     const char *addr = "127.0.0.1:50051", *method = "/stepd.v1.Inference/Generate", *key = NULL;
     const char *send_log = NULL;
     unsigned tokens = 64, prompt_len = 8;
@@ -202,6 +273,21 @@ int main(int argc, char **argv)
         case 'l': send_log = optarg; break;
         case 'r': rate = atof(optarg); break;
         case 'c': n_conn = atoi(optarg); break;
+        case 'D':
+            if (parse_range(optarg, &dl_lo, &dl_hi) < 0) {
+                fprintf(stderr, "loadgen: --deadline-ms LO[,HI]: bad range '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        case 'C':
+            if (parse_range(optarg, &cx_lo, &cx_hi) < 0) {
+                fprintf(stderr, "loadgen: --cancel-after-ms LO[,HI]: bad range '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        case 'N': concurrency = (unsigned)atoi(optarg); break;
+        case 'L': want_logprobs = atoi(optarg); break;
+        case 'T': temperature = atof(optarg); break;
         default:
             fprintf(stderr, "usage: loadgen --addr A [--method M] [--streams N] [--tokens T] [--prompt-len P]"
                             " [--connections C]\n");
@@ -250,7 +336,9 @@ int main(int argc, char **argv)
     uv_timer_init(loop, &pace);
     int64_t t_start = now_us();
     int64_t deadline = rpc_now_ms() + (int64_t)(deadline_s * 1000);
-    for (unsigned i = 0; i < n_streams; i++) {
+    unsigned next = 0;
+    while (next < n_streams) {
+        unsigned i = next++;
         Stepd__V1__GenerateRequest req = STEPD__V1__GENERATE_REQUEST__INIT;
         Stepd__V1__TokenIds ti = STEPD__V1__TOKEN_IDS__INIT;
         Stepd__V1__SamplingParams sp = STEPD__V1__SAMPLING_PARAMS__INIT;
@@ -260,6 +348,10 @@ int main(int argc, char **argv)
         ti.ids = ids;
         PB_SET(&sp, max_tokens, (int64_t)tokens);
         PB_SET(&sp, ignore_eos, true);
+        if (want_logprobs >= 0)
+            PB_SET(&sp, logprobs, want_logprobs);
+        if (temperature >= 0)
+            PB_SET(&sp, temperature, (float)temperature);
         snprintf(rid[i], 32, "lg-%u-%u", (unsigned)(t_start % 100000), i);
         req.request_id = rid[i];
         req.input_case = STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
@@ -274,12 +366,24 @@ int main(int argc, char **argv)
             }
             uv_timer_stop(&pace);
         }
+        while (concurrency && n_inflight >= concurrency)
+            uv_run(loop, UV_RUN_ONCE);
+        int64_t call_deadline = deadline;
+        if (dl_lo >= 0)
+            call_deadline = rpc_now_ms() + (int64_t)(dl_lo + (dl_hi - dl_lo) * unif(i, 1) + 0.5);
         S[i].t0_us = now_us();
-        if (rpc_client_start(chs[i % n_ch], method, &req.base, &stepd__v1__generate_response__descriptor, deadline, on_msg,
-                             on_done, &S[i], NULL) < 0) {
+        n_inflight++;
+        if (rpc_client_start(chs[i % n_ch], method, &req.base, &stepd__v1__generate_response__descriptor,
+                             call_deadline, on_msg, on_done, &S[i], &S[i].call) < 0) {
             S[i].status = RPC_INTERNAL;
             S[i].done = true;
             n_done++;
+            n_inflight--;
+        } else if (cx_lo >= 0) {
+            uv_timer_init(loop, &S[i].cancel);
+            S[i].cancel.data = &S[i];
+            S[i].cancel_init = true;
+            uv_timer_start(&S[i].cancel, cancel_cb, (uint64_t)(cx_lo + (cx_hi - cx_lo) * unif(i, 2) + 0.5), 0);
         }
         /* let completions in while starting many calls, so that a fast answer (a
          * rejection) is not timed as late because this loop was still busy */
@@ -305,9 +409,17 @@ int main(int argc, char **argv)
     double *fail = malloc(n_streams * sizeof(double));
     size_t n_ttft = 0, n_rej = 0, n_fail = 0;
     uint64_t total_tokens = 0, short_ok = 0;
+    unsigned violations = 0, bad_lp = 0;
     for (unsigned i = 0; i < n_streams; i++) {
         if (S[i].status >= 0 && S[i].status < 17)
             counts[S[i].status]++;
+        /* exactly one terminal status: an OK stream ends with one Final and nothing after it */
+        if (S[i].n_final > 1 || S[i].after_final || (S[i].status == RPC_OK && S[i].n_final != 1)) {
+            if (violations++ < 5)
+                fprintf(stderr, "loadgen: stream %u: status %s after %u finals%s\n", i,
+                        rpc_status_name(S[i].status), S[i].n_final, S[i].after_final ? ", messages after one" : "");
+        }
+        bad_lp += S[i].bad_logprobs;
         total_tokens += S[i].tokens;
         if (S[i].status == RPC_OK) {
             ttft[n_ttft++] = (double)S[i].ttft_us;
@@ -338,6 +450,9 @@ int main(int argc, char **argv)
         if (counts[i])
             printf(" %s=%u", rpc_status_name(i), counts[i]);
     printf("%s\n", short_ok ? " (some OK streams were short!)" : "");
+    printf("terminal-status violations: %u%s\n", violations, want_logprobs >= 0 ? "" : "");
+    if (want_logprobs >= 0)
+        printf("streams with malformed logprobs: %u\n", bad_lp);
     printf("ttft ms: p50 %.2f p99 %.2f max %.2f\n", pct(ttft, n_ttft, 50) / 1000, pct(ttft, n_ttft, 99) / 1000,
            n_ttft ? ttft[n_ttft - 1] / 1000 : 0);
     printf("inter-token gap ms: p50 %.2f p99 %.2f max %.2f (%zu gaps)\n", pct(gaps, n_gaps, 50) / 1000,
@@ -354,7 +469,11 @@ int main(int argc, char **argv)
                n_dl ? dl[n_dl - 1] / 1000 : 0, n_dl, total_tokens);
     printf("issuing the calls took %.2f ms; client loop lag (CQ thread -> callback) ms: p50 %.3f p99 %.3f\n",
            issue_ms, pct(lag, n_lag, 50) / 1000, pct(lag, n_lag, 99) / 1000);
-    printf("JSON {\"streams\": %u, \"ok\": %u, \"resource_exhausted\": %u, \"other\": %u, \"short_ok\": %" PRIu64
+    printf("JSON {\"violations\": %u, \"bad_logprobs\": %u, \"codes\": [", violations, bad_lp);
+    for (int i = 0; i < 17; i++)
+        printf("%s%u", i ? ", " : "", counts[i]);
+    printf("], ");
+    printf("\"streams\": %u, \"ok\": %u, \"resource_exhausted\": %u, \"other\": %u, \"short_ok\": %" PRIu64
            ", \"tokens\": %" PRIu64 ", \"wall_s\": %.4f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": %.3f, "
            "\"itl_p50_ms\": %.3f, \"itl_p99_ms\": %.3f, \"itl_max_ms\": %.3f, \"reject_p50_ms\": %.3f, "
            "\"reject_p99_ms\": %.3f, \"issue_ms\": %.3f, \"fail_p50_ms\": %.3f, \"fail_p99_ms\": %.3f, \"lag_p50_ms\": %.3f, \"lag_p99_ms\": %.3f, "
@@ -367,6 +486,9 @@ int main(int argc, char **argv)
            pct(dl, n_dl, 50) / 1000, pct(dl, n_dl, 99) / 1000, n_dl ? dl[n_dl - 1] / 1000 : 0);
     fflush(stdout);
     uv_close((uv_handle_t *)&pace, NULL);
+    for (unsigned i = 0; i < n_streams; i++)
+        if (S[i].cancel_init)
+            uv_close((uv_handle_t *)&S[i].cancel, NULL);
     for (unsigned i = 0; i < n_ch; i++)
         rpc_channel_destroy(chs[i]);
     rpc_ctx_destroy(ctx);

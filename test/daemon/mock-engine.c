@@ -25,6 +25,12 @@
  * rpc_call_send of the batch that carried it), so that a client on the same host can
  * measure per-token delivery latency (loadgen --send-log).
  *
+ * Refusals: --refuse-by-id refuses (Generate and Submit alike) a request whose id is
+ * "refuse-<N>-..." with gRPC status N (1..16) and a message naming it.  Capacity:
+ * --max-seqs S --max-waiting W report S + W (StateReport READY, GetLoads) and refuse the
+ * request past S + W running with RESOURCE_EXHAUSTED ("over_capacity" in the stats: a
+ * coordinator that honours the capacity never sees one).
+ *
  * Fault hooks: --exit-after-tokens N (exit(3) after N tokens in total: "crash"),
  * --stall-file PATH (while it exists no tokens are produced),
  * --break-output-streams-after-tokens N (once N tokens were made, end every open output
@@ -70,6 +76,10 @@ struct mock {
     char session_id[128];
     uint64_t n_generate, n_abort, n_cancel, n_tokens, n_finished;
     uint64_t n_submit, n_batches;   /* of n_generate, how many came by Submit; OutputBatches sent */
+    uint64_t n_refused, n_over;     /* --refuse-by-id refusals; refusals past the capacity */
+    bool refuse_by_id;
+    unsigned max_seqs, max_waiting; /* reported capacity (0: none) */
+    unsigned peak_running;
     unsigned running;
     struct mstream *streams;        /* every running request, Generate and Submit */
     struct ostream *ostreams;       /* open output streams */
@@ -140,7 +150,7 @@ static struct mock M;
  * Readers read until two reads agree (stepd_harness.py). */
 static void stats_write(struct mock *m)
 {
-    char buf[320];
+    char buf[512];
 
     if (!m->stats_file)
         return;
@@ -151,9 +161,10 @@ static void stats_write(struct mock *m)
     }
     int n = snprintf(buf, sizeof(buf), "generate=%020" PRIu64 "\nabort=%020" PRIu64 "\ncancel=%020" PRIu64
                      "\ntokens=%020" PRIu64 "\nfinished=%020" PRIu64 "\nrunning=%010u\nsubmit=%020" PRIu64
-                     "\nbatches=%020" PRIu64 "\n",
+                     "\nbatches=%020" PRIu64 "\nrefused=%020" PRIu64 "\nover_capacity=%020" PRIu64
+                     "\npeak_running=%010u\n",
                      m->n_generate, m->n_abort, m->n_cancel, m->n_tokens, m->n_finished, m->running,
-                     m->n_submit, m->n_batches);
+                     m->n_submit, m->n_batches, m->n_refused, m->n_over, m->peak_running);
     if (pwrite(m->stats_fd, buf, (size_t)n, 0) != n)
         fprintf(stderr, "mock-engine: writing %s failed\n", m->stats_file);
 }
@@ -556,6 +567,23 @@ static int request_new(struct mock *m, const Stepd__V1__GenerateRequest *r, stru
         *ret_msg = "input: the engine takes token_ids only";
         return RPC_INVALID_ARGUMENT;
     }
+    if (m->refuse_by_id && strncmp(r->request_id, "refuse-", 7) == 0) {
+        int code = atoi(r->request_id + 7);
+        if (code >= 1 && code <= 16) {
+            static char msg[96];
+            m->n_refused++;
+            stats_write(m);
+            snprintf(msg, sizeof(msg), "the mock engine refuses this request with %s", rpc_status_name(code));
+            *ret_msg = msg;
+            return code;
+        }
+    }
+    if ((m->max_seqs || m->max_waiting) && m->running >= m->max_seqs + m->max_waiting) {
+        m->n_over++;
+        stats_write(m);
+        *ret_msg = "the mock engine is at capacity (max_seqs + max_waiting requests in flight)";
+        return RPC_RESOURCE_EXHAUSTED;
+    }
     s = calloc(1, sizeof(*s));
     if (!s) {
         stats_write(m);
@@ -584,6 +612,8 @@ static int request_new(struct mock *m, const Stepd__V1__GenerateRequest *r, stru
         m->streams->prev = s;
     m->streams = s;
     m->running++;
+    if (m->running > m->peak_running)
+        m->peak_running = m->running;
     stats_write(m);
     *ret = s;
     return RPC_OK;
@@ -696,6 +726,8 @@ static void h_loads(struct rpc_call *call, const ProtobufCMessage *msg, void *ud
     l.kv_blocks_total = 1024;
     l.kv_blocks_used = m->running > 1024 ? 1024 : m->running;
     l.kv_usage = l.kv_blocks_used / 1024.0;
+    l.max_num_seqs = m->max_seqs;
+    l.max_waiting = m->max_waiting;
     resp.n_loads = 1;
     resp.loads = &pl;
     rpc_call_send(call, &resp.base);
@@ -748,10 +780,16 @@ static void report_done(struct rpc_client_call *c, int status, const char *detai
 static void report(struct mock *m, int state, float progress)
 {
     Stepd__Ctl__V1__StateReport r = STEPD__CTL__V1__STATE_REPORT__INIT;
+    Stepd__Ctl__V1__EngineLimits lim = STEPD__CTL__V1__ENGINE_LIMITS__INIT;
     r.session_id = m->session_id;
     r.state = state;
     r.load_progress = progress;
     r.kv_blocks_total = 1024;
+    if (m->max_seqs || m->max_waiting) {
+        lim.max_num_seqs = m->max_seqs;
+        lim.max_waiting = m->max_waiting;
+        r.limits = &lim;
+    }
     rpc_client_start(m->ctl, "/stepd.ctl.v1.Control/ReportState", &r.base,
                      &stepd__ctl__v1__state_ack__descriptor, rpc_now_ms() + 5000, NULL, report_done, m, NULL);
 }
@@ -867,6 +905,8 @@ int main(int argc, char **argv)
         { "stall-file", required_argument, NULL, 'S' }, { "send-log", required_argument, NULL, 'T' },
         { "no-output-streams", no_argument, NULL, 'O' },
         { "break-output-streams-after-tokens", required_argument, NULL, 'B' },
+        { "refuse-by-id", no_argument, NULL, 'R' }, { "max-seqs", required_argument, NULL, 'M' },
+        { "max-waiting", required_argument, NULL, 'W' },
         { NULL, 0, NULL, 0 },
     };
     struct mock *m = &M;
@@ -897,6 +937,9 @@ int main(int argc, char **argv)
         case 'S': m->stall_file = optarg; break;
         case 'O': m->no_output_streams = true; break;
         case 'B': m->break_streams_after = strtoull(optarg, NULL, 10); break;
+        case 'R': m->refuse_by_id = true; break;
+        case 'M': m->max_seqs = (unsigned)atoi(optarg); break;
+        case 'W': m->max_waiting = (unsigned)atoi(optarg); break;
         case 'T':
             m->send_log = fopen(optarg, "a");
             if (!m->send_log) {

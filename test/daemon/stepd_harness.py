@@ -30,6 +30,10 @@ MOCK_BIN = os.environ.get("MOCK_ENGINE_BIN", "build/test/daemon/mock-engine")
 # extra mock-engine flags for a whole run (coord-grpcio-generate-path: --no-output-streams)
 MOCK_ARGS = shlex.split(os.environ.get("MOCK_ENGINE_ARGS", ""))
 TOKENIZER = os.environ.get("TOKENIZER_JSON", "")
+WORKER_BIN = os.environ.get("STEPD_WORKER_BIN", "build/worker/stepd-worker")
+TINY_MODEL = os.environ.get("TINY_MODEL_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "models",
+                                                           "tiny-step"))
+LOADGEN_BIN = os.environ.get("LOADGEN_BIN", "build/test/daemon/loadgen")
 
 _stub_dir = tempfile.mkdtemp(prefix="stepd-stubs-")
 atexit.register(shutil.rmtree, _stub_dir, True)
@@ -121,6 +125,28 @@ class Stepd:
         eng = Engine(p, stats)
         self.engines.append(eng)
         return eng
+
+    def start_worker(self, group, *args, rank=0, world=1, env=None, log_name=None):
+        """A real stepd-worker rank (CPU, the bundled tiny model unless --model is in args)
+        registering with this coordinator; rank 0 serves its engine on a unix socket.
+        The Popen gets .logpath."""
+        log = open(os.path.join(self.workdir, log_name or "%s-w%d.log" % (group, rank)), "a")
+        cmd = [WORKER_BIN, "--coordinator", "127.0.0.1:%d" % self.ports["control"], "--group", group,
+               "--rank", str(rank), "--world-size", str(world), "--device", "cpu"]
+        if "--model" not in args:
+            cmd += ["--model", TINY_MODEL]
+        if rank == 0 and "--engine-listen" not in args:
+            cmd += ["--engine-listen", "unix:%s/%s-engine.sock" % (self.workdir, group)]
+        cmd += list(args)
+        e = dict(os.environ)
+        e.setdefault("UCX_NET_DEVICES", "lo")
+        e["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+        if env:
+            e.update(env)
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e)
+        p.logpath = log.name
+        _procs.append(p)
+        return p
 
     def check(self, service, timeout=2.0):
         return self.health.Check(hpb.HealthCheckRequest(service=service), timeout=timeout).status
@@ -242,6 +268,15 @@ def collect(stream):
     return toks, "".join(text), finals, chunks
 
 
+def code_of(fn):
+    """Run fn: (grpc.StatusCode.OK, "") or the status and details of the RpcError it raised."""
+    try:
+        fn()
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
 def wait_until(fn, timeout=5.0, step=0.02, what="condition"):
     end = time.time() + timeout
     while time.time() < end:
@@ -250,6 +285,30 @@ def wait_until(fn, timeout=5.0, step=0.02, what="condition"):
             return v
         time.sleep(step)
     raise AssertionError("timed out waiting for " + what)
+
+
+# gRPC core's own pools grow on demand up to a fixed cap and stay (the timer manager in
+# 1.51 keeps its extra "grpc_global_timer" threads): they may add at most GRPC_POOL_SLACK.
+GRPC_POOL_SLACK = 6
+GRPC_POOLS = ("grpc_global_tim", "default-executo", "event_engine", "resolver-execut", "timer_manager")
+
+
+def thread_names(pid):
+    """{thread name: count} of process pid."""
+    out = {}
+    for t in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, t)) as f:
+                n = f.read().strip()
+        except OSError:
+            continue
+        out[n] = out.get(n, 0) + 1
+    return out
+
+
+def own_threads(pid):
+    """The threads of pid outside gRPC core's on-demand pools."""
+    return sum(v for k, v in thread_names(pid).items() if k not in GRPC_POOLS)
 
 
 def sanitized(path):

@@ -591,6 +591,7 @@ static void test_validation(void)
     struct engine_config ec;
     mock_defaults(&mc);
     engine_defaults(&ec, 1);
+    ec.max_num_seqs = 1;
     ec.max_waiting = 2;
     ec.max_model_len = 64;
     struct rig g;
@@ -630,7 +631,7 @@ static void test_validation(void)
     ASSERT_CONTAINS(err.msg, "request_id");
     q.id = "bad\nid";
     ASSERT_ERR(engine_submit(g.e, &q, on_out, &c, &err), -EINVAL);
-    static struct coll cs[3];
+    static struct coll cs[4];
     memset(cs, 0, sizeof(cs));
     q.id = "q0";
     ASSERT_OK(engine_submit(g.e, &q, on_out, &cs[0], &err));
@@ -638,12 +639,18 @@ static void test_validation(void)
     q.id = "q1";
     ASSERT_OK(engine_submit(g.e, &q, on_out, &cs[1], &err));
     q.id = "q2";
-    ASSERT_ERR(engine_submit(g.e, &q, on_out, &cs[2], &err), -EAGAIN);
-    ASSERT_CONTAINS(err.msg, "queue is full");
-    ASSERT_OK(engine_step(g.e));       /* both admitted: the queue has room again */
     ASSERT_OK(engine_submit(g.e, &q, on_out, &cs[2], &err));
+    /* capacity: max_num_seqs 1 + max_waiting 2 alive at once */
+    q.id = "q3";
+    ASSERT_ERR(engine_submit(g.e, &q, on_out, &cs[3], &err), -EAGAIN);
+    ASSERT_CONTAINS(err.msg, "queue is full");
+    struct engine_loads ld;
+    engine_get_loads(g.e, &ld);
+    ASSERT_EQ(ld.max_num_seqs + ld.max_waiting, 3);
+    ASSERT_OK(engine_run_until_idle(g.e));  /* all done: room again */
+    ASSERT_OK(engine_submit(g.e, &q, on_out, &cs[3], &err));
     ASSERT_OK(engine_run_until_idle(g.e));
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         ASSERT_EQ(cs[i].why, ENGINE_FINISH_LENGTH);
     rig_close(&g);
 

@@ -62,26 +62,9 @@ def burst(s, n, max_tokens, channels=4):
     return codes
 
 
-# gRPC core's own pools grow on demand up to a fixed cap and stay (the timer manager in
-# 1.51 keeps its extra "grpc_global_timer" threads): they may add at most GRPC_POOL_SLACK.
-GRPC_POOL_SLACK = 6
-GRPC_POOLS = ("grpc_global_tim", "default-executo", "event_engine", "resolver-execut", "timer_manager")
-
-
-def thread_names(pid):
-    out = {}
-    for t in os.listdir("/proc/%d/task" % pid):
-        try:
-            with open("/proc/%d/task/%s/comm" % (pid, t)) as f:
-                n = f.read().strip()
-        except OSError:
-            continue
-        out[n] = out.get(n, 0) + 1
-    return out
-
-
-def own_threads(pid):
-    return sum(v for k, v in thread_names(pid).items() if k not in GRPC_POOLS)
+GRPC_POOL_SLACK = h.GRPC_POOL_SLACK
+thread_names = h.thread_names
+own_threads = h.own_threads
 
 
 def back_to(pid, base, own0, max_threads, what, timeout=30):

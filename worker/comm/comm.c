@@ -69,15 +69,9 @@ static void *watchdog_main(void *arg)
 
     pthread_mutex_lock(&w->lock);
     while (!w->stop) {
-        struct timespec ts;
+        struct timespec ts = clk_realtime_in_ms(200);
         uint64_t since, limit;
 
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 200 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
         pthread_cond_timedwait(&w->cond, &w->lock, &ts);
         since = atomic_load(&w->c->busy_since_usec);
         limit = (uint64_t)(w->c->timeout_msec > 0 ? w->c->timeout_msec : 0) * 1000u +

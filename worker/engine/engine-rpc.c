@@ -53,6 +53,8 @@ struct gen {
     bool usage_each;
     bool cancelled;
     bool overflow;
+    bool ended;                       /* Generate: its call already finished (engine_rpc_fail_all) */
+    int logprobs;                     /* top-N per token; -1 = none */
 };
 
 struct ev {
@@ -66,6 +68,10 @@ struct ev {
     struct spec_stats mtp;
     struct engine_timings tm;
     int n_tokens;
+    /* the chunk's logprobs (requests that asked): protobuf messages built on the engine
+     * thread, pointing into this allocation, after tokens[] */
+    Stepd__V1__TokenLogprob **lp;
+    size_t n_lp;
     int32_t tokens[];
 };
 
@@ -113,6 +119,8 @@ struct engine_rpc {
     uv_loop_t loop;
     uv_async_t wake;
     uv_async_t stop;
+    uv_async_t fail;                  /* engine_rpc_fail_all */
+    char fail_msg[256];               /* under lock */
     struct rpc_ctx *ctx;
     struct rpc_server *srv;
     pthread_mutex_t lock;             /* events, start handshake */
@@ -134,12 +142,52 @@ struct engine_rpc {
 
 /* --- engine thread side --- */
 
+/* Room for n tokens' logprobs with n_top alternatives each: pointers, messages, tops. */
+static size_t lp_size(int n, int n_top)
+{
+    return (size_t) n * (sizeof(Stepd__V1__TokenLogprob *) + sizeof(Stepd__V1__TokenLogprob) +
+                         (size_t) n_top * (sizeof(Stepd__V1__TopLogprob *) + sizeof(Stepd__V1__TopLogprob)));
+}
+
+/* The chunk's TokenLogprob messages for o, laid out in mem (lp_size bytes, pointer-aligned). */
+static Stepd__V1__TokenLogprob **lp_build(const struct engine_output *o, void *mem)
+{
+    int n = o->n_tokens, n_top = o->logprobs[0].n_top;
+    Stepd__V1__TokenLogprob **pp = mem;
+    Stepd__V1__TokenLogprob *m = (void *) (pp + n);
+    Stepd__V1__TopLogprob **tp = (void *) (m + n);
+    Stepd__V1__TopLogprob *t = (void *) (tp + (size_t) n * (size_t) n_top);
+
+    for (int i = 0; i < n; i++) {
+        const struct engine_logprob *lp = &o->logprobs[i];
+
+        stepd__v1__token_logprob__init(&m[i]);
+        m[i].token_id = lp->token;
+        m[i].logprob = lp->logprob;
+        m[i].n_top = (size_t) lp->n_top;
+        m[i].top = tp;
+        for (int k = 0; k < lp->n_top; k++) {
+            stepd__v1__top_logprob__init(t);
+            t->token_id = lp->top_ids[k];
+            t->logprob = lp->top_logprobs[k];
+            *tp++ = t++;
+        }
+        pp[i] = &m[i];
+    }
+    return pp;
+}
+
 static void on_engine_out(void *ud, const struct engine_output *o)
 {
     struct gen *g = ud;
     struct engine_rpc *s = g->s;
-    struct ev *ev = malloc(sizeof(*ev) + (size_t) o->n_tokens * sizeof(int32_t));
+    size_t toks = ((size_t) o->n_tokens * sizeof(int32_t) + sizeof(void *) - 1) & ~(sizeof(void *) - 1);
+    int n_top = o->logprobs && o->n_tokens ? o->logprobs[0].n_top : 0;
+    size_t lps = o->logprobs && o->n_tokens ? lp_size(o->n_tokens, n_top) : 0;
+    struct ev *ev = malloc(sizeof(*ev) + toks + lps);
     BUG_ON(!ev);
+    ev->lp = lps ? lp_build(o, (char *) ev->tokens + toks) : NULL;
+    ev->n_lp = lps ? (size_t) o->n_tokens : 0;
     ev->next = NULL;
     ev->g = g;
     ev->finished = o->finished;
@@ -196,6 +244,8 @@ static void send_chunk(struct gen *g, const struct ev *ev)
     resp.chunk = &chunk;
     chunk.n_token_ids = (size_t) ev->n_tokens;
     chunk.token_ids = (int32_t *) ev->tokens;
+    chunk.n_logprobs = ev->n_lp;
+    chunk.logprobs = ev->lp;
     if (g->usage_each) {
         usage.prompt_tokens = (uint32_t) ev->n_prompt;
         usage.completion_tokens = (uint32_t) ev->n_completion;
@@ -414,6 +464,8 @@ static void ostream_handle_event(struct engine_rpc *s, struct gen *g, const stru
             x->chunk = (Stepd__V1__Chunk) STEPD__V1__CHUNK__INIT;
             x->chunk.n_token_ids = (size_t) ev->n_tokens;
             x->chunk.token_ids = (int32_t *) ev->tokens;
+            x->chunk.n_logprobs = ev->n_lp;
+            x->chunk.logprobs = ev->lp;
             x->usage_each = g->usage_each;
             if (g->usage_each) {
                 x->usage = (Stepd__V1__Usage) STEPD__V1__USAGE__INIT;
@@ -421,6 +473,8 @@ static void ostream_handle_event(struct engine_rpc *s, struct gen *g, const stru
                 x->usage.completion_tokens = (uint32_t) ev->n_completion;
             }
             x->size_est += 8 + 5 * (size_t) ev->n_tokens;
+            if (ev->n_lp)
+                x->size_est += ev->n_lp * (12 + 12 * ev->lp[0]->n_top);
         }
     }
     if (!ev->finished)
@@ -499,11 +553,13 @@ static void handle_event(struct engine_rpc *s, struct ev *ev)
             gen_done(s, g);
         return;
     }
-    if (ev->n_tokens > 0 && !g->cancelled && !g->overflow)
+    if (ev->n_tokens > 0 && !g->cancelled && !g->overflow && !g->ended)
         send_chunk(g, ev);
     if (!ev->finished)
         return;
-    if (g->cancelled)
+    if (g->ended)
+        ;                             /* finished by engine_rpc_fail_all */
+    else if (g->cancelled)
         rpc_call_finish(g->call, RPC_CANCELLED, "request cancelled by the client");
     else if (g->overflow)
         rpc_call_finish(g->call, RPC_RESOURCE_EXHAUSTED, "request %s: client is not reading its stream",
@@ -540,6 +596,46 @@ static void on_wake(uv_async_t *a)
         free(ev);
         ev = next;
     }
+}
+
+/* engine_rpc_fail_all on the loop: every output stream ends (aborting its requests), every
+ * Generate call is finished and its request aborted; their gens stay until their finals. */
+static void on_fail(uv_async_t *a)
+{
+    struct engine_rpc *s = a->data;
+    char msg[256];
+    int n = 0;
+
+    pthread_mutex_lock(&s->lock);
+    snprintf(msg, sizeof(msg), "%s", s->fail_msg);
+    pthread_mutex_unlock(&s->lock);
+    if (s->stopping)
+        return;
+    while (s->streams)
+        ostream_end(s->streams, RPC_UNAVAILABLE, msg, false);
+    for (struct gen *g = s->gens; g; g = g->next) {
+        const char *ids[1] = { g->id };
+
+        if (!g->call || g->ended || g->cancelled)
+            continue;
+        g->ended = true;
+        rpc_call_on_cancel(g->call, NULL, NULL);
+        rpc_call_finish(g->call, RPC_UNAVAILABLE, "request %s: %s", g->id, msg);
+        engine_abort(s->e, ids, 1);
+        n++;
+    }
+    log_warn("engine service: %s: in-flight requests failed UNAVAILABLE (%d Generate calls, "
+             "every output stream)", msg, n);
+}
+
+void engine_rpc_fail_all(struct engine_rpc *s, const char *msg)
+{
+    if (!s)
+        return;
+    pthread_mutex_lock(&s->lock);
+    snprintf(s->fail_msg, sizeof(s->fail_msg), "%s", msg);
+    pthread_mutex_unlock(&s->lock);
+    uv_async_send(&s->fail);
 }
 
 /* --- loop thread: handlers --- */
@@ -594,8 +690,12 @@ static int convert_sampling(const Stepd__V1__SamplingParams *p, struct engine_re
             return err_set(err, -EINVAL, "sampling_params.seed: must be >= 0");
         sp->seed = (uint64_t) p->seed;
     }
-    if (PB_HAS(p, logprobs) && p->logprobs != 0)
-        return err_set(err, -EINVAL, "sampling_params.logprobs: not supported by this engine");
+    if (PB_HAS(p, logprobs)) {
+        if (p->logprobs < 0 || p->logprobs > ENGINE_MAX_LOGPROBS)
+            return err_set(err, -EINVAL, "sampling_params.logprobs: must be in [0, %d] (got %d)",
+                           ENGINE_MAX_LOGPROBS, p->logprobs);
+        q->logprobs = p->logprobs;
+    }
     if (PB_HAS(p, n) && p->n != 1)
         return err_set(err, -EINVAL, "sampling_params.n: only 1 is served");
     if (PB_HAS(p, ignore_eos))
@@ -861,6 +961,8 @@ static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void 
     gl.num_requests_alive = (uint32_t) l.n_alive;
     gl.requests_created = l.n_requests_created;
     gl.requests_freed = l.n_requests_freed;
+    gl.max_num_seqs = (uint32_t) l.max_num_seqs;
+    gl.max_waiting = (uint32_t) l.max_waiting;
     resp.n_loads = 1;
     resp.loads = list;
     (void) rpc_call_send(call, &resp.base);
@@ -980,6 +1082,7 @@ static void serve_teardown(struct engine_rpc *s)
     pthread_mutex_unlock(&s->lock);
     uv_close((uv_handle_t *) &s->wake, close_cb);
     uv_close((uv_handle_t *) &s->stop, close_cb);
+    uv_close((uv_handle_t *) &s->fail, close_cb);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     (void) uv_loop_close(&s->loop);
 }
@@ -1041,12 +1144,15 @@ int engine_rpc_start(struct engine *e, const struct engine_rpc_opts *o, struct e
     }
     uv_async_init(&s->loop, &s->wake, on_wake);
     uv_async_init(&s->loop, &s->stop, on_stop);
+    uv_async_init(&s->loop, &s->fail, on_fail);
     s->wake.data = s;
     s->stop.data = s;
+    s->fail.data = s;
     r = pthread_create(&s->thread, NULL, serve_thread, s);
     if (r) {
         uv_close((uv_handle_t *) &s->wake, close_cb);
         uv_close((uv_handle_t *) &s->stop, close_cb);
+        uv_close((uv_handle_t *) &s->fail, close_cb);
         uv_run(&s->loop, UV_RUN_DEFAULT);
         (void) uv_loop_close(&s->loop);
         rpc_free(s);

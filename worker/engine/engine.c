@@ -48,6 +48,8 @@ struct ereq {
     int32_t drafts[SPEC_MAX_K];
     int32_t fill_drafts[SPEC_MAX_K]; /* scratch of prompt-chunk MTP fills */
     float *q;                        /* [k * vocab] draft distributions (sampled + k > 0) */
+    int logprobs;                    /* -1 none, else top-N */
+    struct engine_logprob *lp;       /* [1 + SPEC_MAX_K]: the tokens not yet delivered */
     engine_output_cb cb;
     void *ud;
     atomic_bool abort_flag;
@@ -101,6 +103,7 @@ struct engine {
     float *logits;
     float *mtp_logits;
     float *probs_buf;
+    float *lp_buf;                   /* [vocab] one row's logprobs */
     int32_t *n_valid, *tok_in, *tok_scratch;
     struct spec_seq *sseqs;
     struct batch_seq **sched;        /* copy of the batcher's list (finishing edits it) */
@@ -135,6 +138,7 @@ void engine_request_init(struct engine_request *r)
     memset(r, 0, sizeof(*r));
     sampling_params_init(&r->sampling);
     r->num_speculative_tokens = -1;
+    r->logprobs = -1;
 }
 
 /* --- creation --- */
@@ -207,13 +211,14 @@ static int alloc_buffers(struct engine *e)
     e->logits = malloc(rows * v * sizeof(float));
     e->mtp_logits = malloc(ms * v * sizeof(float));
     e->probs_buf = malloc((SPEC_MAX_K + 2) * v * sizeof(float));
+    e->lp_buf = malloc(v * sizeof(float));
     e->n_valid = calloc(ms, sizeof(int32_t));
     e->tok_in = calloc(ms, sizeof(int32_t));
     e->tok_scratch = calloc(ms, sizeof(int32_t));
     e->sseqs = calloc(ms, sizeof(*e->sseqs));
     e->sched = calloc(ms, sizeof(*e->sched));
     if (!e->sched ||!e->pseqs || !e->ptokens || !e->pblocks[0] || !e->pblocks[1] || !e->logits ||
-        !e->mtp_logits || !e->probs_buf || !e->n_valid || !e->tok_in || !e->tok_scratch ||
+        !e->mtp_logits || !e->probs_buf || !e->lp_buf || !e->n_valid || !e->tok_in || !e->tok_scratch ||
         !e->sseqs)
         return -ENOMEM;
     e->plan.seqs = e->pseqs;
@@ -284,6 +289,7 @@ static void ereq_free(struct ereq *r)
     free(r->bias);
     free(r->ban);
     free(r->q);
+    free(r->lp);
     free(r);
 }
 
@@ -329,6 +335,9 @@ static int check_request(const struct engine *e, const struct engine_request *q,
     if (q->num_speculative_tokens < -1 || q->num_speculative_tokens > SPEC_MAX_K)
         return err_set(err, -EINVAL, "num_speculative_tokens: %d is not in 0..%d",
                        q->num_speculative_tokens, SPEC_MAX_K);
+    if (q->logprobs < -1 || q->logprobs > ENGINE_MAX_LOGPROBS || q->logprobs >= e->vocab)
+        return err_set(err, -EINVAL, "sampling_params.logprobs: %d is not in 0..%d", q->logprobs,
+                       ENGINE_MAX_LOGPROBS < e->vocab - 1 ? ENGINE_MAX_LOGPROBS : e->vocab - 1);
     return 0;
 }
 
@@ -337,6 +346,7 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
     struct ereq *r = calloc(1, sizeof(*r));
     if (!r)
         return NULL;
+    r->logprobs = -1;
     snprintf(r->id, sizeof(r->id), "%s", q->id);
     r->n_prompt = q->n_prompt;
     int room = e->cfg.max_model_len - q->n_prompt;
@@ -386,6 +396,13 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
         if (!r->q)
             goto out_free;
     }
+    r->logprobs = q->logprobs;
+    if (r->logprobs >= 0) {
+        /* outputs are delivered every step: at most 1 + K tokens wait for it */
+        r->lp = calloc(1 + SPEC_MAX_K, sizeof(*r->lp));
+        if (!r->lp)
+            goto out_free;
+    }
     r->seq.priority = q->priority;
     r->seq.n_known = q->n_prompt;
     r->seq.slot = -1;
@@ -419,11 +436,13 @@ int engine_submit(struct engine *e, const struct engine_request *q, engine_outpu
         r = err_set(err, -ESHUTDOWN, "engine is %s", e->last_error ? "failed" : "stopping");
         goto out_unlock;
     }
-    /* the second bound keeps preempted requests (back in the queue) within the
-     * batcher's max_waiting + max_seqs waiting slots */
-    if (e->n_queued >= e->cfg.max_waiting ||
-        e->n_alive >= e->cfg.max_waiting + e->cfg.max_num_seqs) {
-        r = err_set(err, -EAGAIN, "waiting queue is full (%d requests)", e->cfg.max_waiting);
+    /* one bound, the capacity the engine reports (engine_get_loads): it also keeps
+     * preempted requests (back in the queue) within the batcher's max_waiting + max_seqs
+     * waiting slots */
+    if (e->n_alive >= e->cfg.max_waiting + e->cfg.max_num_seqs) {
+        r = err_set(err, -EAGAIN, "the engine is at capacity: %d requests in flight "
+                    "(max_num_seqs %d + max_waiting %d); the waiting queue is full",
+                    e->n_alive, e->cfg.max_num_seqs, e->cfg.max_waiting);
         goto out_unlock;
     }
     for (struct ereq *o = e->all; o; o = o->all_next) {
@@ -598,6 +617,36 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
         p->n_block_ids[g] = boff[g];
 }
 
+/* Output token i of r (not delivered yet) came from logits row: its logprob and the top N.
+ * Selection keeps the N best in order (higher logprob first, lower id on ties). */
+static void logprob_fill(struct engine *e, struct ereq *r, int i, const float *row)
+{
+    struct engine_logprob *lp = &r->lp[i - r->n_emitted];
+    struct sampler_hist h = { .tokens = r->tokens, .n_prompt = r->n_prompt, .n_output = i };
+    const float *x = e->lp_buf;
+    int32_t t = r->tokens[r->n_prompt + i];
+    int n = 0;
+
+    BUG_ON(i - r->n_emitted < 0 || i - r->n_emitted > SPEC_MAX_K);
+    sampler_logprobs(e->smp, &r->sp, &h, row, e->cfg.logprobs_processed, e->lp_buf);
+    lp->token = t;
+    lp->logprob = x[t];
+    for (int v = 0; v < e->vocab && r->logprobs > 0; v++) {
+        /* x[v] enters when it beats the current N-th (ids ascend: ties keep the earlier) */
+        if (n == r->logprobs && !(x[v] > lp->top_logprobs[n - 1]))
+            continue;
+        int k = n < r->logprobs ? n++ : n - 1;
+        while (k > 0 && x[v] > lp->top_logprobs[k - 1]) {
+            lp->top_logprobs[k] = lp->top_logprobs[k - 1];
+            lp->top_ids[k] = lp->top_ids[k - 1];
+            k--;
+        }
+        lp->top_logprobs[k] = x[v];
+        lp->top_ids[k] = v;
+    }
+    lp->n_top = n;
+}
+
 /* Verify/sample one scheduled sequence; prepares its MTP proposal.  Returns logits rows
  * consumed. */
 static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float *rows, int64_t now)
@@ -638,10 +687,15 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
     s->n_computed = ps->pos0 + n_plain + a;
     s->n_draft = 0;
     bool done = false;
+    int n_before = r->n_output;
     for (int k = 0; k < a && !done; k++)
         done = append_token(e, r, r->drafts[k], now);
     if (!done)
         done = append_token(e, r, next, now);
+    /* token j of this step came from row j: the target's distribution after the j drafts
+     * accepted before it */
+    for (int j = 0; r->logprobs >= 0 && j < r->n_output - n_before; j++)
+        logprob_fill(e, r, n_before + j, rows + (size_t) j * (size_t) e->vocab);
     ss->depth = 0;
     if (done || r->k == 0)
         return rows_used;
@@ -681,6 +735,7 @@ static void fill_output(const struct ereq *r, struct engine_output *o, int64_t n
     o->id = r->id;
     o->tokens = r->tokens + r->n_prompt + r->n_emitted;
     o->n_tokens = r->n_output - r->n_emitted;
+    o->logprobs = r->lp && o->n_tokens > 0 ? r->lp : NULL;
     o->finished = r->done;
     o->finish = r->finish;
     o->stop_token = r->stop_token;
@@ -745,13 +800,15 @@ static void deliver(struct engine *e)
 {
     int64_t now = engine_now_usec();
     int admitted = 0;
-    /* finished ids leave the `all` list before their final callback, so a client may
-     * reuse an id as soon as it has seen the final */
+    /* finished ids leave the `all` list and the capacity count before their final
+     * callback, so a client may reuse an id, or send the next request in its place, as
+     * soon as it has seen the final (they are freed below, in this call) */
     pthread_mutex_lock(&e->lock);
     for (struct ereq *r = e->live; r; r = r->live_next)
         if (r->done && !r->unlinked) {
             unlink_all(e, r);
             r->unlinked = true;
+            e->n_alive--;
         }
     pthread_mutex_unlock(&e->lock);
     for (struct ereq *r = e->live; r; r = r->live_next) {
@@ -784,7 +841,6 @@ static void deliver(struct engine *e)
     }
     pthread_mutex_lock(&e->lock);
     e->n_queued -= admitted;
-    e->n_alive -= freed;
     e->snap.n_requests_freed += (uint64_t) freed;
     update_snapshot(e, now);
     e->snap.n_alive = e->n_alive;
@@ -959,6 +1015,7 @@ void engine_free(struct engine *e)
     free(e->logits);
     free(e->mtp_logits);
     free(e->probs_buf);
+    free(e->lp_buf);
     free(e->n_valid);
     free(e->tok_in);
     free(e->tok_scratch);
@@ -976,6 +1033,8 @@ void engine_get_loads(struct engine *e, struct engine_loads *ret)
     pthread_mutex_lock(&e->lock);
     *ret = e->snap;
     ret->n_alive = e->n_alive;
+    ret->max_num_seqs = e->cfg.max_num_seqs;
+    ret->max_waiting = e->cfg.max_waiting;
     ret->last_error = e->last_error;
     if (!ret->kv_blocks_total)
         ret->kv_blocks_total = kv_pool_total(e->kv, KV_GROUP_FULL) +

@@ -39,6 +39,7 @@ extern "C" {
 #define ENGINE_MAX_EOS 8
 #define ENGINE_MAX_STOP_IDS 64
 #define ENGINE_MAX_ID_LEN 128
+#define ENGINE_MAX_LOGPROBS 20
 
 struct engine;
 
@@ -46,11 +47,16 @@ struct engine_config {
     int max_num_batched_tokens;   /* token budget per step (default 512) */
     int max_num_seqs;             /* running sequences (default: forward->max_seqs) */
     int max_model_len;            /* prompt + output cap in tokens (default 4096) */
-    int max_waiting;              /* bounded waiting queue (default 256) */
+    int max_waiting;              /* waiting queue (default 256): at most max_num_seqs +
+                                     max_waiting requests alive at once */
     int sliding_window;           /* tokens seen by sliding layers; 0 = never release */
     int num_speculative_tokens;   /* default K (0 .. min(3, forward->n_mtp)) */
     int32_t eos_ids[ENGINE_MAX_EOS];
     int n_eos;
+    /* what requests' logprobs report: false (default) the target model's distribution before
+     * any sampling transform (vLLM's raw_logprobs); true the processed one the sampler drew
+     * from (processed_logprobs: after penalties, temperature, top-k/p; sampler_logprobs) */
+    bool logprobs_processed;
     /* called once per step, before forward.step, with the plan (may be NULL) */
     int (*on_plan)(void *ctx, const struct step_plan *p);
     void *on_plan_ctx;
@@ -83,6 +89,8 @@ struct engine_request {
     int priority;                     /* lower = earlier */
     int num_speculative_tokens;       /* -1 = engine default, else 0..3 */
     int64_t deadline_usec;            /* absolute engine_now_usec(); 0 = none */
+    int logprobs;                     /* -1 = none; N in 0..ENGINE_MAX_LOGPROBS: each output
+                                         token's logprob and the N most likely tokens' */
 };
 
 void engine_request_init(struct engine_request *r);
@@ -96,10 +104,21 @@ struct engine_timings {
     double e2e_s;
 };
 
+/* One output token's logprob and the top N of the distribution it came from (the target
+ * model's, also for tokens MTP drafted), most likely first (lower id on ties). */
+struct engine_logprob {
+    int32_t token;
+    float logprob;
+    int n_top;
+    int32_t top_ids[ENGINE_MAX_LOGPROBS];
+    float top_logprobs[ENGINE_MAX_LOGPROBS];
+};
+
 struct engine_output {
     const char *id;
     const int32_t *tokens;      /* new tokens since the last output (borrowed) */
     int n_tokens;
+    const struct engine_logprob *logprobs;  /* [n_tokens] when the request asked; else NULL */
     bool finished;
     enum engine_finish finish;
     int32_t stop_token;         /* matched EOS / stop id, -1 otherwise */
@@ -126,7 +145,7 @@ int engine_start(struct engine *e);
 void engine_stop(struct engine *e);
 
 /* Queue a request.  Returns 0; -EINVAL (err names the field), -EEXIST (id in flight),
- * -EAGAIN (max_waiting requests not yet admitted, or max_waiting + max_num_seqs alive),
+ * -EAGAIN (max_num_seqs + max_waiting requests alive: the engine's capacity),
  * -ESHUTDOWN (engine failed or stopping), -ENOMEM.
  * On success cb will be called at least once, the last time with finished set. */
 int engine_submit(struct engine *e, const struct engine_request *r, engine_output_cb cb, void *ud,
@@ -145,6 +164,7 @@ struct engine_loads {
     int n_running;
     int n_waiting;
     int n_alive;                /* submitted and not yet finished */
+    int max_num_seqs, max_waiting;  /* capacity: n_alive stays <= their sum */
     int kv_blocks_used;
     int kv_blocks_total;
     double kv_usage;
@@ -203,6 +223,10 @@ int engine_rpc_start(struct engine *e, const struct engine_rpc_opts *o, struct e
 /* Stop accepting calls, abort the requests of live calls, wait for their finals, and
  * free.  Call before engine_stop/engine_free.  NULL-safe. */
 void engine_rpc_stop(struct engine_rpc *s);
+/* Any thread: fail every request in flight with UNAVAILABLE naming msg (every output
+ * stream ends, every Generate call is finished, their requests are aborted); the service
+ * keeps serving.  For a rank that lost its coordinator.  NULL-safe. */
+void engine_rpc_fail_all(struct engine_rpc *s, const char *msg);
 
 /* CLOCK_MONOTONIC in microseconds (the clock of deadline_usec). */
 int64_t engine_now_usec(void);

@@ -276,8 +276,9 @@ out_zero:
         probs[s->idx[i]] = 0.0f;
 }
 
-void sampler_probs(struct sampler *s, const struct sampling_params *sp,
-                   const struct sampler_hist *h, const float *logits, float *probs)
+/* The processors before the distribution: min-tokens ban, logit bias, penalties, into s->x. */
+static void process_logits(struct sampler *s, const struct sampling_params *sp,
+                           const struct sampler_hist *h, const float *logits)
 {
     int v = s->vocab;
     memcpy(s->x, logits, (size_t) v * sizeof(float));
@@ -288,6 +289,50 @@ void sampler_probs(struct sampler *s, const struct sampling_params *sp,
     for (int i = 0; i < sp->n_logit_bias; i++)
         s->x[sp->logit_bias[i].token] += sp->logit_bias[i].bias;
     apply_penalties(s, sp, h);
+}
+
+/* out = log_softmax(x), in double where it sums. */
+static void log_softmax(const float *x, int v, float *out)
+{
+    float mx = x[argmax(x, v)];
+    double sum = 0.0;
+
+    if (!isfinite(mx)) {
+        for (int i = 0; i < v; i++)
+            out[i] = -INFINITY;
+        return;
+    }
+    for (int i = 0; i < v; i++)
+        sum += exp((double) x[i] - (double) mx);
+    double lse = (double) mx + log(sum);
+    for (int i = 0; i < v; i++)
+        out[i] = (float) ((double) x[i] - lse);
+}
+
+void sampler_logprobs(struct sampler *s, const struct sampling_params *sp,
+                      const struct sampler_hist *h, const float *logits, bool processed, float *out)
+{
+    int v = s->vocab;
+
+    if (!processed) {
+        log_softmax(logits, v, out);
+        return;
+    }
+    if (sampling_params_greedy(sp)) {
+        process_logits(s, sp, h, logits);
+        log_softmax(s->x, v, out);
+        return;
+    }
+    sampler_probs(s, sp, h, logits, out);
+    for (int i = 0; i < v; i++)
+        out[i] = out[i] > 0.0f ? logf(out[i]) : -INFINITY;
+}
+
+void sampler_probs(struct sampler *s, const struct sampling_params *sp,
+                   const struct sampler_hist *h, const float *logits, float *probs)
+{
+    int v = s->vocab;
+    process_logits(s, sp, h, logits);
 
     if (sampling_params_greedy(sp)) {
         memset(probs, 0, (size_t) v * sizeof(float));

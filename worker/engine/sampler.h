@@ -67,6 +67,13 @@ struct sampler_hist {
  * on the argmax).  logits is not modified. */
 void sampler_probs(struct sampler *s, const struct sampling_params *sp,
                    const struct sampler_hist *h, const float *logits, float *probs);
+/* Log-probabilities of one row into out[vocab].  Raw (processed false): log_softmax of the
+ * logits as the model gave them, before any processor (vLLM's raw_logprobs).  Processed: of
+ * the distribution sampler_probs draws from (after the ban, bias, penalties, temperature and
+ * top-k/top-p/min-p; -inf outside the kept set); greedy, which draws from none: of the
+ * logits after the ban, bias and penalties.  logits is not modified. */
+void sampler_logprobs(struct sampler *s, const struct sampling_params *sp,
+                      const struct sampler_hist *h, const float *logits, bool processed, float *out);
 /* Pick a token: greedy argmax, or a draw from the processed distribution with the
  * uniform u(seed, index, stream). */
 int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,

@@ -19,6 +19,7 @@
 
 #include "json.h"
 #include "safetensors.h"
+#include "strbuf.h"
 
 #define INDEX_NAME "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
@@ -31,42 +32,26 @@ static const char *const optional_suffixes[] = {
 
 enum slice_kind { SLICE_NONE, SLICE_ROWS, SLICE_COLS };
 
-/* growable string */
-struct sbuf {
-    char *p;
-    size_t len, cap;
-    int n_lines;
-};
-
-static void sbuf_add(struct sbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sbuf_add(struct sbuf *s, const char *fmt, ...)
+/* A problem or warning list: one line each, in a strbuf (its sticky oom is checked once,
+ * at the end of ckpt_open). */
+static void line_add(struct strbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void line_add(struct strbuf *s, const char *fmt, ...)
 {
     va_list ap;
-    int n;
 
     va_start(ap, fmt);
-    n = vsnprintf(NULL, 0, fmt, ap);
+    (void) strbuf_vprintf(s, fmt, ap);
     va_end(ap);
-    if (n < 0)
-        return;
-    if (s->len + (size_t) n + 2 > s->cap) {
-        size_t nc = (s->cap ? s->cap * 2 : 1024);
-        char *np;
-        while (nc < s->len + (size_t) n + 2)
-            nc *= 2;
-        np = realloc(s->p, nc);
-        if (!np)
-            return;
-        s->p = np;
-        s->cap = nc;
-    }
-    va_start(ap, fmt);
-    vsnprintf(s->p + s->len, s->cap - s->len, fmt, ap);
-    va_end(ap);
-    s->len += (size_t) n;
-    s->p[s->len++] = '\n';
-    s->p[s->len] = 0;
-    s->n_lines++;
+    (void) strbuf_add(s, "\n", 1);
+}
+
+static int lines_count(const struct strbuf *s)
+{
+    int n = 0;
+
+    for (size_t i = 0; i < s->len; i++)
+        n += s->p[i] == '\n';
+    return n;
 }
 
 /* one shard file */
@@ -120,21 +105,27 @@ struct ckpt {
     struct hmap ent_map;
     int mtp_depth;
     int expert_first, expert_count;
-    struct sbuf warnings;
+    struct strbuf warnings;
     pthread_mutex_t copy_lock;
 };
 
 /* ------------------------------------------------------------------------ */
 
-bool ckpt_name_is_optional(const char *name)
+/* Which optional suffix name ends with (enum ckpt_kv_param), or -1. */
+static int optional_index(const char *name)
 {
     size_t n = strlen(name);
     for (size_t i = 0; i < ARRAY_SIZE(optional_suffixes); i++) {
         size_t k = strlen(optional_suffixes[i]);
         if (n > k && strcmp(name + n - k, optional_suffixes[i]) == 0)
-            return true;
+            return (int) i;
     }
-    return false;
+    return -1;
+}
+
+bool ckpt_name_is_optional(const char *name)
+{
+    return optional_index(name) >= 0;
 }
 
 static uint32_t hash_str(const char *s)
@@ -325,7 +316,7 @@ static int build_expected(struct ckpt *c)
 /* sources */
 
 static int shard_open_one(struct ckpt *c, const char *dir, const char *rdir, const char *name,
-                          bool mtp, struct sbuf *probs, int *first_err)
+                          bool mtp, struct strbuf *probs, int *first_err)
 {
     char path[PATH_MAX], *real;
     struct err_buf e;
@@ -337,11 +328,11 @@ static int shard_open_one(struct ckpt *c, const char *dir, const char *rdir, con
     real = realpath(path, NULL);
     if (!real) {
         r = -errno;
-        sbuf_add(probs, "%s: shard cannot be opened: %s", path, err_str(r));
+        line_add(probs, "%s: shard cannot be opened: %s", path, err_str(r));
         goto fail;
     }
     if (strncmp(real, rdir, rl) != 0 || real[rl] != '/') {
-        sbuf_add(probs, "%s: shard resolves to %s, outside the model directory %s (refused)", path,
+        line_add(probs, "%s: shard resolves to %s, outside the model directory %s (refused)", path,
                  real, rdir);
         free(real);
         r = -EACCES;
@@ -356,7 +347,7 @@ static int shard_open_one(struct ckpt *c, const char *dir, const char *rdir, con
     memset(s, 0, sizeof(*s));
     r = sft_open(path, c->opts.headers_only ? SFT_OPEN_HEADERS_ONLY : 0, &s->f, &e);
     if (r < 0) {
-        sbuf_add(probs, "%s", e.msg);
+        line_add(probs, "%s", e.msg);
         goto fail;
     }
     s->name = strdup(name);
@@ -374,7 +365,7 @@ fail:
 }
 
 /* Open every shard of dir; check the index against the headers. */
-static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *probs, int *first_err)
+static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct strbuf *probs, int *first_err)
 {
     char ipath[PATH_MAX], spath[PATH_MAX], *rdir;
     struct sft_index idx = { 0 };
@@ -385,7 +376,7 @@ static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *prob
     rdir = realpath(dir, NULL);
     if (!rdir) {
         r = -errno;
-        sbuf_add(probs, "%s: cannot open model directory: %s", dir, err_str(r));
+        line_add(probs, "%s: cannot open model directory: %s", dir, err_str(r));
         *first_err = *first_err ? *first_err : r;
         return 0;
     }
@@ -398,14 +389,14 @@ static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *prob
         if (f && fseek(f, 0, SEEK_END) == 0)
             sz = ftell(f);
         if (!f || sz < 0 || fseek(f, 0, SEEK_SET) != 0) {
-            sbuf_add(probs, "%s: cannot read", ipath);
+            line_add(probs, "%s: cannot read", ipath);
             *first_err = *first_err ? *first_err : -EIO;
             if (f)
                 fclose(f);
             goto out;
         }
         if ((unsigned long) sz > SFT_INDEX_MAX) {
-            sbuf_add(probs, "%s: %ld bytes, more than %u", ipath, sz, SFT_INDEX_MAX);
+            line_add(probs, "%s: %ld bytes, more than %u", ipath, sz, SFT_INDEX_MAX);
             *first_err = *first_err ? *first_err : -E2BIG;
             fclose(f);
             goto out;
@@ -414,7 +405,7 @@ static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *prob
         if (!text || fread(text, 1, (size_t) sz, f) != (size_t) sz) {
             free(text);
             fclose(f);
-            sbuf_add(probs, "%s: cannot read", ipath);
+            line_add(probs, "%s: cannot read", ipath);
             *first_err = *first_err ? *first_err : -EIO;
             goto out;
         }
@@ -422,7 +413,7 @@ static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *prob
         r = sft_index_parse(text, (size_t) sz, ipath, &idx, &e);
         free(text);
         if (r < 0) {
-            sbuf_add(probs, "%s", e.msg);
+            line_add(probs, "%s", e.msg);
             *first_err = *first_err ? *first_err : r;
             r = 0;
             goto out;
@@ -443,7 +434,7 @@ static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *prob
         for (size_t i = 0; i < idx.n; i++) {
             int s = shard_at[idx.shard_of[i]];
             if (s >= 0 && !sft_header_find(sft_file_header(c->shards[s].f), idx.names[i])) {
-                sbuf_add(probs, "%s: tensor '%s' is listed in %s but missing from %s", dir,
+                line_add(probs, "%s: tensor '%s' is listed in %s but missing from %s", dir,
                          idx.names[i], INDEX_NAME, idx.shards[idx.shard_of[i]]);
                 *first_err = *first_err ? *first_err : -ENOENT;
             }
@@ -453,11 +444,11 @@ static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *prob
             for (size_t t = 0; t < h->n_tensors; t++) {
                 long at = sft_index_find(&idx, h->tensors[t].name);
                 if (at < 0) {
-                    sbuf_add(probs, "%s/%s: tensor '%s' is not listed in %s", dir, c->shards[s].name,
+                    line_add(probs, "%s/%s: tensor '%s' is not listed in %s", dir, c->shards[s].name,
                              h->tensors[t].name, INDEX_NAME);
                     *first_err = *first_err ? *first_err : -EBADMSG;
                 } else if (strcmp(idx.shards[idx.shard_of[at]], c->shards[s].name) != 0) {
-                    sbuf_add(probs, "%s/%s: tensor '%s' is also present here, but %s maps it to %s",
+                    line_add(probs, "%s/%s: tensor '%s' is also present here, but %s maps it to %s",
                              dir, c->shards[s].name, h->tensors[t].name, INDEX_NAME,
                              idx.shards[idx.shard_of[at]]);
                     *first_err = *first_err ? *first_err : -EEXIST;
@@ -469,7 +460,7 @@ static int open_dir(struct ckpt *c, const char *dir, bool mtp, struct sbuf *prob
         if (r < 0)
             goto out;
     } else {
-        sbuf_add(probs, "%s: neither %s nor %s found", dir, INDEX_NAME, SINGLE_NAME);
+        line_add(probs, "%s: neither %s nor %s found", dir, INDEX_NAME, SINGLE_NAME);
         *first_err = *first_err ? *first_err : -ENOENT;
     }
     r = 0;
@@ -483,7 +474,7 @@ out:
 #define SRC_KEY(i) (c->srcs[(i)].canon)
 #define ENT_KEY(i) (c->ents[(i)].name)
 
-static int build_sources(struct ckpt *c, struct sbuf *probs, int *first_err)
+static int build_sources(struct ckpt *c, struct strbuf *probs, int *first_err)
 {
     size_t total = 0;
     int n_main_mtp_ignored = 0, n_mtpdir_trunk_ignored = 0, r;
@@ -518,7 +509,7 @@ static int build_sources(struct ckpt *c, struct sbuf *probs, int *first_err)
             HMAP_LOOKUP(&c->src_map, cn, SRC_KEY, slot);
             if (*slot >= 0) {
                 const struct src *o = &c->srcs[*slot];
-                sbuf_add(probs, "tensor '%s' appears twice: in %s (as '%s') and in %s (as '%s')", cn,
+                line_add(probs, "tensor '%s' appears twice: in %s (as '%s') and in %s (as '%s')", cn,
                          sft_file_path(c->shards[o->shard].f), o->t->name,
                          sft_file_path(c->shards[s].f), h->tensors[t].name);
                 *first_err = *first_err ? *first_err : -EEXIST;
@@ -533,10 +524,10 @@ static int build_sources(struct ckpt *c, struct sbuf *probs, int *first_err)
         }
     }
     if (n_main_mtp_ignored)
-        sbuf_add(&c->warnings, "%d MTP-layer tensors of %s ignored: MTP comes from --mtp-model %s",
+        line_add(&c->warnings, "%d MTP-layer tensors of %s ignored: MTP comes from --mtp-model %s",
                  n_main_mtp_ignored, c->dir, c->mtp_dir);
     if (n_mtpdir_trunk_ignored)
-        sbuf_add(&c->warnings, "%d non-MTP tensors of --mtp-model %s ignored (the trunk's are used)",
+        line_add(&c->warnings, "%d non-MTP tensors of --mtp-model %s ignored (the trunk's are used)",
                  n_mtpdir_trunk_ignored, c->mtp_dir);
     return 0;
 }
@@ -544,7 +535,7 @@ static int build_sources(struct ckpt *c, struct sbuf *probs, int *first_err)
 /* ------------------------------------------------------------------------ */
 /* plan */
 
-static int check_divisible(struct ckpt *c, struct sbuf *probs)
+static int check_divisible(struct ckpt *c, struct strbuf *probs)
 {
     const struct model_config *m = &c->cfg;
     int N = c->opts.world_size, bad = 0;
@@ -559,7 +550,7 @@ static int check_divisible(struct ckpt *c, struct sbuf *probs)
     };
     for (size_t i = 0; i < ARRAY_SIZE(d); i++)
         if (d[i].v % N) {
-            sbuf_add(probs, "world size %d does not divide %s = %d", N, d[i].what, d[i].v);
+            line_add(probs, "world size %d does not divide %s = %d", N, d[i].what, d[i].v);
             bad = 1;
         }
     return bad;
@@ -603,13 +594,14 @@ static int64_t ent_slice_bytes(const struct pent *p, const struct sft_tensor *t)
     return bytes / (p->slice == SLICE_ROWS ? p->shape[0] : p->shape[1]) * p->len;
 }
 
-static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
+static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
 {
     const struct model_config *m = &c->cfg;
     int N = c->opts.world_size, rank = c->opts.rank, K = c->opts.mtp_depth;
-    int n_mtp_req = 0, n_mtp_present = 0, r;
-    struct sbuf unknown = { 0 };
-    int n_unknown = 0, n_vision = 0;
+    int n_mtp_req = 0, r;
+    struct strbuf unknown = STRBUF_INIT;
+    int n_unknown = 0, n_vision = 0, n_kvq_ignored = 0;
+    char kvq_example[SFT_NAME_MAX + 1] = "";
 
     c->expert_count = m->n_experts / N;
     c->expert_first = c->expert_count * rank;
@@ -633,29 +625,41 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
         struct pent *lm = &c->ents[2], *emb = &c->ents[0];
         BUG_ON(strcmp(lm->name, "lm_head.weight") != 0 || strcmp(emb->name, "model.embed_tokens.weight") != 0);
         if (lm->src >= 0)
-            sbuf_add(&c->warnings, "tie_word_embeddings is true: the stored lm_head.weight is ignored (the embedding is used)");
+            line_add(&c->warnings, "tie_word_embeddings is true: the stored lm_head.weight is ignored (the embedding is used)");
         lm->src = emb->src;
     }
 
-    /* MTP: requested but entirely absent -> warning and K = 0 */
-    for (size_t i = 0; i < c->n_ents; i++) {
-        const struct pent *p = &c->ents[i];
-        if (p->layer >= m->n_layers && p->layer < m->n_layers + K) {
-            n_mtp_req++;
-            n_mtp_present += p->src >= 0;
-        }
-    }
-    for (size_t i = 0; i < c->n_srcs; i++) {
-        int l = name_layer(c->srcs[i].canon);
-        if (!c->srcs[i].matched && l >= m->n_layers && l < m->n_layers + K)
-            n_mtp_present++;   /* stray or optional MTP tensors count as "partly present" */
-    }
+    /* MTP requested but incomplete: every missing name in the warnings, and the plan
+     * without speculation (the trunk serves; a missing draft costs speculation only) */
     c->mtp_depth = K;
-    if (K > 0 && n_mtp_present == 0) {
-        sbuf_add(&c->warnings,
-                 "MTP requested (K=%d) but none of the %d tensors of layers %d..%d are in %s: planning without MTP (no speculative decoding)",
-                 K, n_mtp_req, m->n_layers, m->n_layers + K - 1, c->mtp_dir ? c->mtp_dir : c->dir);
-        c->mtp_depth = 0;
+    if (K > 0) {
+        struct strbuf miss = STRBUF_INIT;
+        int n_missing = 0;
+
+        for (size_t i = 0; i < c->n_ents; i++) {
+            const struct pent *p = &c->ents[i];
+            if (p->layer >= m->n_layers && p->layer < m->n_layers + K) {
+                n_mtp_req++;
+                if (p->src < 0) {
+                    n_missing++;
+                    line_add(&miss, "MTP tensor missing: %s (%s)", p->name, dtype_name(p->dtype));
+                }
+            }
+        }
+        if (n_missing == n_mtp_req)
+            line_add(&c->warnings, "MTP requested (K=%d) but none of the %d tensors of layers %d..%d are in %s: "
+                     "serving without speculation (the trunk only)", K, n_mtp_req, m->n_layers,
+                     m->n_layers + K - 1, c->mtp_dir ? c->mtp_dir : c->dir);
+        else if (n_missing)
+            line_add(&c->warnings, "MTP requested (K=%d) but %d of the %d tensors of layers %d..%d are missing from "
+                     "%s: serving without speculation (the trunk only)\n%.*s", K, n_missing, n_mtp_req, m->n_layers,
+                     m->n_layers + K - 1, c->mtp_dir ? c->mtp_dir : c->dir, (int) (miss.len ? miss.len - 1 : 0),
+                     strbuf_str(&miss));
+        if (miss.oom)
+            c->warnings.oom = true;
+        strbuf_done(&miss);
+        if (n_missing)
+            c->mtp_depth = 0;
     }
 
     for (size_t i = 0; i < c->n_ents; i++) {
@@ -674,7 +678,7 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
         slice_plan(c, p);
         if (p->src < 0) {
             format_shape(want, sizeof(want), p->ndim, p->shape);
-            sbuf_add(probs, "missing: %s (%s %s): in no shard of %s", p->name, dtype_name(p->dtype), want,
+            line_add(probs, "missing: %s (%s %s): in no shard of %s", p->name, dtype_name(p->dtype), want,
                      p->layer >= m->n_layers && c->mtp_dir ? c->mtp_dir : c->dir);
             *first_err = *first_err ? *first_err : -ENOENT;
             continue;
@@ -683,7 +687,7 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
         if (!ent_matches(p, t)) {
             format_shape(want, sizeof(want), p->ndim, p->shape);
             format_shape(got, sizeof(got), t->ndim, t->shape);
-            sbuf_add(probs, "mismatch: %s in %s: %s %s, expected %s%s%s %s", p->name,
+            line_add(probs, "mismatch: %s in %s: %s %s, expected %s%s%s %s", p->name,
                      sft_file_path(c->shards[c->srcs[p->src].shard].f), dtype_name(t->dtype), got,
                      dtype_name(p->dtype), p->dtype_alt ? " or " : "",
                      p->dtype_alt ? dtype_name(p->dtype_alt) : "", want);
@@ -701,10 +705,11 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
             continue;
         l = name_layer(s->canon);
         if (ckpt_name_is_optional(s->canon)) {
-            int kv = l >= 0 && l < m->n_layers_total ? m->layers[l].n_kv_heads : m->n_kv_heads;
+            /* the optional-parameter rule: by suffix, whatever the shape or dtype.  Only
+             * the ones the KV cache reads (opts.kv_params) are planned, as their flat
+             * values; the reader judges them (ckpt_get_optional) */
             bool in_plan, mtp = l >= m->n_layers;
             int64_t numel = 1;
-            char got[64];
             int err;
 
             s->matched = true;
@@ -713,23 +718,16 @@ static int plan(struct ckpt *c, struct sbuf *probs, int *first_err)
             in_plan = !mtp || (rank == 0 && l < m->n_layers + c->mtp_depth);
             if (!in_plan)
                 continue;
+            if (!(c->opts.kv_params & 1u << optional_index(s->canon))) {
+                if (n_kvq_ignored++ == 0)
+                    snprintf(kvq_example, sizeof(kvq_example), "%s", s->canon);
+                continue;
+            }
             for (int d = 0; d < t->ndim; d++)
                 numel *= t->shape[d];
-            format_shape(got, sizeof(got), t->ndim, t->shape);
-            if (t->dtype != DTYPE_F32 && t->dtype != DTYPE_BF16) {
-                sbuf_add(probs, "bad optional parameter: %s in %s: dtype %s, expected F32 or BF16",
-                         s->canon, sft_file_path(c->shards[s->shard].f), dtype_name(t->dtype));
-                *first_err = *first_err ? *first_err : -EINVAL;
-                continue;
-            }
-            if (numel != 1 && numel != kv) {
-                sbuf_add(probs, "bad optional parameter: %s in %s: shape %s has %lld elements, expected 1 or %d (KV heads)",
-                         s->canon, sft_file_path(c->shards[s->shard].f), got, (long long) numel, kv);
-                *first_err = *first_err ? *first_err : -EINVAL;
-                continue;
-            }
+            /* per-head values are this rank's heads when they split evenly */
             err = ent_add(c, s->canon, t->dtype, 1, numel, 0, l, -1,
-                          numel > 1 && !mtp ? SLICE_ROWS : SLICE_NONE);
+                          numel > 1 && !mtp && numel % N == 0 ? SLICE_ROWS : SLICE_NONE);
             if (err < 0)
                 return err;
             {
@@ -768,16 +766,19 @@ unknown:
             continue;
         }
         if (n_unknown++ < WARN_LIST_MAX)
-            sbuf_add(&unknown, "unknown tensor %s in %s (ignored)", t->name,
+            line_add(&unknown, "unknown tensor %s in %s (ignored)", t->name,
                      sft_file_path(c->shards[s->shard].f));
     }
-    if (unknown.p)
-        sbuf_add(&c->warnings, "%.*s", (int) unknown.len - 1, unknown.p);
+    if (unknown.len)
+        line_add(&c->warnings, "%.*s", (int) unknown.len - 1, unknown.p);
     if (n_unknown > WARN_LIST_MAX)
-        sbuf_add(&c->warnings, "... and %d more unknown tensors (ignored)", n_unknown - WARN_LIST_MAX);
+        line_add(&c->warnings, "... and %d more unknown tensors (ignored)", n_unknown - WARN_LIST_MAX);
     if (n_vision)
-        sbuf_add(&c->warnings, "%d vision tensors ignored (text path only)", n_vision);
-    free(unknown.p);
+        line_add(&c->warnings, "%d vision tensors ignored (text path only)", n_vision);
+    if (n_kvq_ignored)
+        line_add(&c->warnings, "%d KV-quantisation parameters ignored: the KV cache does not use them "
+                 "(e.g. %s)", n_kvq_ignored, kvq_example);
+    strbuf_done(&unknown);
     return 0;
 }
 
@@ -785,7 +786,7 @@ unknown:
 
 int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, struct err_buf *e)
 {
-    struct sbuf probs = { 0 };
+    struct strbuf probs = STRBUF_INIT;
     struct ckpt *c;
     char path[PATH_MAX];
     int first_err = 0, r, ws = opts ? opts->world_size : 0;
@@ -824,7 +825,7 @@ int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, 
         goto fail;
     }
     if (c->cfg.notes[0])
-        sbuf_add(&c->warnings, "%s: %s", path, c->cfg.notes);
+        line_add(&c->warnings, "%s: %s", path, c->cfg.notes);
     if (check_divisible(c, &probs)) {
         r = -EINVAL;
         goto report;
@@ -839,7 +840,7 @@ int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, 
     }
     /* a broken shard or index makes every tensor it holds "missing": report the
      * structural problems alone */
-    if (probs.n_lines) {
+    if (probs.len) {
         r = first_err ? first_err : -EINVAL;
         goto report;
     }
@@ -852,11 +853,15 @@ int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, 
     r = plan(c, &probs, &first_err);
     if (r < 0)
         goto oom;
-    if (probs.n_lines) {
+    if (probs.oom || c->warnings.oom) {
+        r = -ENOMEM;
+        goto oom;
+    }
+    if (probs.len) {
         r = first_err ? first_err : -EINVAL;
         goto report;
     }
-    free(probs.p);
+    strbuf_done(&probs);
     *ret = c;
     return 0;
 
@@ -866,10 +871,10 @@ oom:
 report:
     {
         size_t used;
-        const char *p = probs.p;
-        int shown = 0;
+        const char *p = strbuf_str(&probs);
+        int shown = 0, n_lines = lines_count(&probs);
         used = (size_t) snprintf(e->msg, sizeof(e->msg), "%s: %d problem%s (world size %d, rank %d):",
-                                 dir, probs.n_lines, probs.n_lines == 1 ? "" : "s", ws, opts->rank);
+                                 dir, n_lines, n_lines == 1 ? "" : "s", ws, opts->rank);
         /* as many whole lines as fit, then a count of the rest */
         while (p && *p) {
             const char *nl = strchr(p, '\n');
@@ -880,16 +885,14 @@ report:
             shown++;
             p = nl ? nl + 1 : p + ln;
         }
-        if (shown < probs.n_lines)
+        if (shown < n_lines)
             snprintf(e->msg + used, sizeof(e->msg) - used, "\n... and %d more (full list: stepd-inspect)",
-                     probs.n_lines - shown);
-        if (opts->ret_report) {
-            *opts->ret_report = probs.p;
-            probs.p = NULL;
-        }
+                     n_lines - shown);
+        if (opts->ret_report)
+            *opts->ret_report = strbuf_take(&probs);
     }
 fail:
-    free(probs.p);
+    strbuf_done(&probs);
     ckpt_close(c);
     return r;
 }
@@ -913,7 +916,7 @@ void ckpt_close(struct ckpt *c)
         free(c->shards[s].name);
     }
     free(c->shards);
-    free(c->warnings.p);
+    strbuf_done(&c->warnings);
     free(c->dir);
     free(c->mtp_dir);
     pthread_mutex_destroy(&c->copy_lock);
@@ -922,7 +925,7 @@ void ckpt_close(struct ckpt *c)
 
 const struct model_config *ckpt_config(const struct ckpt *c) { return &c->cfg; }
 int ckpt_mtp_depth(const struct ckpt *c) { return c->mtp_depth; }
-const char *ckpt_warnings(const struct ckpt *c) { return c->warnings.p ? c->warnings.p : ""; }
+const char *ckpt_warnings(const struct ckpt *c) { return strbuf_str(&c->warnings); }
 
 void ckpt_expert_range(const struct ckpt *c, int *first, int *count)
 {
@@ -1033,7 +1036,7 @@ int ckpt_get_optional(struct ckpt *c, const char *name, float def, float *out, i
     if (r < 0)
         return r;
     numel = tview_numel(&v);
-    if (numel != 1 && numel != n)
+    if ((numel != 1 && numel != n) || (v.dtype != DTYPE_F32 && v.dtype != DTYPE_BF16))
         return -EINVAL;
     for (int i = 0; i < n; i++) {
         const unsigned char *b = (const unsigned char *) v.data + (size_t) (numel == 1 ? 0 : i) *

@@ -5,8 +5,11 @@
  * checks it against the shards: every required tensor present with exact dtype and
  * shape, or ONE error listing all missing/mismatched names with their shard.  The
  * optional-parameter rule (.k_scale .v_scale .q_scale .prob_scale .k_zero_point
- * .v_zero_point .q_zero_point .prob_zero_point: never required, whatever the shape)
- * applies to trunk and MTP layers alike.  Unknown extra tensors: warnings.
+ * .v_zero_point .q_zero_point .prob_zero_point: never required, never validated, whatever
+ * the shape or dtype) applies to trunk and MTP layers alike: those the KV cache reads
+ * (ckpt_opts.kv_params) are planned as flat values, the others ignored with one summary
+ * warning.  MTP layers requested but incomplete: every missing name in the warnings, and
+ * the plan without speculation (depth 0).  Unknown extra tensors: warnings.
  *
  * Names handed to ckpt_get() are canonical "model.layers.N..." spellings; files that
  * use "model.language_model.layers.N..." are mapped on open.  With
@@ -33,12 +36,21 @@ extern "C" {
 
 struct ckpt;
 
+/* The KV-quantisation parameters, by suffix (bits of ckpt_opts.kv_params). */
+enum ckpt_kv_param {
+    CKPT_KV_K_SCALE, CKPT_KV_V_SCALE, CKPT_KV_Q_SCALE, CKPT_KV_PROB_SCALE,
+    CKPT_KV_K_ZERO_POINT, CKPT_KV_V_ZERO_POINT, CKPT_KV_Q_ZERO_POINT, CKPT_KV_PROB_ZERO_POINT,
+};
+#define CKPT_KV_PARAMS_ALL 0xffu
+
 struct ckpt_opts {
     const char *mtp_dir;    /* --mtp-model DIR, or NULL: MTP tensors from the main checkpoint */
     int world_size;         /* 1, 2, 4, 8 */
     int rank;               /* 0 .. world_size-1 */
     int mtp_depth;          /* K = 0..n_mtp_layers requested; the plan may reduce it (see ckpt_mtp_depth) */
     bool headers_only;      /* validate without touching tensor data (stepd-inspect) */
+    unsigned kv_params;     /* 1u << enum ckpt_kv_param: what the KV cache reads (0: none, the
+                             * BF16/F32 KV cache of today); the rest is ignored */
     char **ret_report;      /* optional: on failure receives the full problem list (one per
                              * line, malloc'd, caller frees; e holds as much as fits);
                              * NULL on success */
@@ -75,11 +87,12 @@ struct ckpt_plan_stats {
 };
 void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret);
 
-/* Optional per-KV-head parameter (the optional-parameter rule): fills out[0..n-1]
- * (n = this rank's KV heads of that layer) from the tensor `name` when present
- * (a scalar is broadcast, per-head values are this rank's slice, BF16 or F32),
- * else with def (scale 1, zero point 0).  Returns 1 if loaded, 0 if defaulted,
- * -EINVAL if n does not match, -ENODATA when headers_only. */
+/* Optional per-head parameter (the optional-parameter rule) of a kind in kv_params: fills
+ * out[0..n-1] (n = this rank's heads of that kind) from the tensor `name` when present
+ * (a scalar is broadcast, per-head values are this rank's slice, BF16 or F32), else with
+ * def (scale 1, zero point 0).  Returns 1 if loaded, 0 if defaulted (absent, or a kind
+ * the KV cache does not read), -EINVAL if the element count is neither 1 nor n or the
+ * dtype neither F32 nor BF16, -ENODATA when headers_only. */
 int ckpt_get_optional(struct ckpt *c, const char *name, float def, float *out, int n);
 
 /* One line per planned tensor: "name dtype [shape] slice bytes", for inspection. */

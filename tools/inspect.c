@@ -2,13 +2,16 @@
  * without reading tensor data.
  *
  *   stepd-inspect MODEL_DIR [--world-size N] [--rank R] [--mtp K] [--mtp-model DIR]
- *                 [--json] [--list]
+ *                 [--json] [--list] [--strict]
  *
  * For every rank (or the one given) it runs the loader in headers-only mode and
  * prints tensors, bytes, experts held, the MTP depth actually planned, the planning
  * time, every warning and every problem.  Exit status: 0 when every inspected rank
  * is loadable, 1 when some rank is not, 2 on a usage error.  --mtp defaults to all
- * MTP layers the config declares.
+ * MTP layers the config declares.  MTP layers that are incomplete are what a worker
+ * makes of them: every missing name is listed, the plan is the trunk's (served without
+ * speculation) and the exit status 0 - unless --strict, which fails a plan whose MTP
+ * depth is below the one requested.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -28,7 +31,8 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: stepd-inspect MODEL_DIR [--world-size N] [--rank R] [--mtp K] [--mtp-model DIR] [--json] [--list]\n");
+    fprintf(f, "usage: stepd-inspect MODEL_DIR [--world-size N] [--rank R] [--mtp K] [--mtp-model DIR] [--json] [--list]\n"
+               "                     [--strict]\n");
 }
 
 static double now_ms(void)
@@ -76,16 +80,17 @@ int main(int argc, char **argv)
         { "mtp-model", required_argument, NULL, 'm' },
         { "json", no_argument, NULL, 'j' },
         { "list", no_argument, NULL, 'l' },
+        { "strict", no_argument, NULL, 's' },
         { "help", no_argument, NULL, 'h' },
         { "version", no_argument, NULL, 'V' },
         { 0 },
     };
     int ws = 1, only_rank = -1, K = -1, opt, bad = 0;
-    bool as_json = false, list = false;
+    bool as_json = false, list = false, strict = false;
     const char *mtp_dir = NULL, *dir;
     json_t *out = NULL, *ranks = NULL;
 
-    while ((opt = getopt_long(argc, argv, "n:r:k:m:jlhV", longopts, NULL)) != -1) {
+    while ((opt = getopt_long(argc, argv, "n:r:k:m:jlshV", longopts, NULL)) != -1) {
         switch (opt) {
         case 'n':
             if (parse_int(optarg, "--world-size", 1, 8, &ws) < 0)
@@ -102,6 +107,7 @@ int main(int argc, char **argv)
         case 'm': mtp_dir = optarg; break;
         case 'j': as_json = true; break;
         case 'l': list = true; break;
+        case 's': strict = true; break;
         case 'h': usage(stdout); return 0;
         case 'V': printf("stepd-inspect %s\n", STEPD_VERSION); return 0;
         default: usage(stderr); return 2;
@@ -189,6 +195,11 @@ int main(int argc, char **argv)
         }
         {
             struct ckpt_plan_stats st;
+            /* a worker serves this plan; --strict wants the speculation asked for, too */
+            bool short_mtp = ckpt_mtp_depth(c) < K;
+
+            if (strict && short_mtp)
+                bad = 1;
             ckpt_plan_stats(c, &st);
             if (as_json) {
                 json_t *jr = json_pack("{s:i, s:b, s:I, s:I, s:i, s:i, s:i, s:f, s:f}", "rank", r, "ok", 1,
@@ -196,6 +207,9 @@ int main(int argc, char **argv)
                                        "expert_first", st.expert_first, "expert_count", st.expert_count,
                                        "mtp_depth", ckpt_mtp_depth(c), "plan_ms", ms, "plan_cpu_ms", cms);
                 json_object_set_new(jr, "warnings", lines_json(ckpt_warnings(c)));
+                json_object_set_new(jr, "speculation", json_boolean(ckpt_mtp_depth(c) > 0));
+                if (strict && short_mtp)
+                    json_object_set_new(jr, "ok", json_false());
                 json_array_append_new(ranks, jr);
             } else {
                 const char *w = ckpt_warnings(c);
@@ -209,6 +223,10 @@ int main(int argc, char **argv)
                     printf("  warning: %.*s\n", (int) n, w);
                     w += n + (nl ? 1 : 0);
                 }
+                if (short_mtp)
+                    printf("  %s: MTP depth %d of the %d requested: a worker serves this plan without%s "
+                           "speculation\n", strict ? "NOT loadable as requested (--strict)" : "note",
+                           ckpt_mtp_depth(c), K, ckpt_mtp_depth(c) ? " full" : "");
                 if (list)
                     ckpt_plan_dump(c, stdout);
             }

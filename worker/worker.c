@@ -320,13 +320,20 @@ static int stage_load(struct worker *w, struct err_buf *e)
     r = ckpt_open(o->model_dir, &co, &w->ck, e);
     if (r < 0)
         return r;
+    for (const char *wl = ckpt_warnings(w->ck); *wl;) {
+        size_t n = strcspn(wl, "\n");
+
+        log_warn("checkpoint: %.*s", (int)n, wl);
+        wl += n + (wl[n] == '\n');
+    }
     const struct model_config *mc = ckpt_config(w->ck);
     w->mc = mc;
     w->vocab = mc->vocab_size;
     w->n_mtp = o->rank == 0 ? ckpt_mtp_depth(w->ck) : 0;
     if (o->rank == 0 && o->mtp > w->n_mtp)
-        log_warn("--mtp %d requested but only %d MTP layers are available: speculating %d",
-                 o->mtp, w->n_mtp, w->n_mtp);
+        log_warn("--mtp %d requested but %s: serving %s", o->mtp,
+                 w->n_mtp ? "fewer MTP layers are available" : "the MTP layers are absent or incomplete",
+                 w->n_mtp ? "with fewer drafts" : "without speculation (the trunk only)");
     w->sliding_window = mc->sliding_window;
     for (int i = 0; i < mc->n_eos && w->n_eos < ENGINE_MAX_EOS; i++)
         w->eos[w->n_eos++] = mc->eos_token_ids[i];

@@ -1,6 +1,7 @@
 /* test-inspect.c - stepd-inspect end to end: exit 0 and a plan for a loadable
  * checkpoint (every rank, or one), exit 1 with every problem listed for a broken
- * one, exit 2 on usage errors; --json is valid JSON with per-rank figures.
+ * one, exit 2 on usage errors; --json is valid JSON with per-rank figures; incomplete
+ * MTP layers: the missing names and the trunk's plan, exit 0 (1 with --strict).
  * argv[1] = path of stepd-inspect. */
 #include <errno.h>
 #include <stdio.h>
@@ -50,7 +51,8 @@ int main(int argc, char **argv)
     struct model_config cfg;
     struct ckptw_opts o;
     struct err_buf e;
-    char *root, good[512], bad[512], args[1200], *out;
+    static const char *const omit_mtp[] = { "model.layers.4.enorm.weight", "model.layers.5.eh_proj.weight", NULL };
+    char *root, good[512], bad[512], mtp_partial[512], args[1200], *out;
     json_error_t je;
     json_t *j;
 
@@ -60,19 +62,23 @@ int main(int argc, char **argv)
     ASSERT_TRUE(root != NULL);
     snprintf(good, sizeof(good), "%s/good", root);
     snprintf(bad, sizeof(bad), "%s/bad", root);
+    snprintf(mtp_partial, sizeof(mtp_partial), "%s/mtp-partial", root);
     ckptw_config_tiny(&cfg);
     ckptw_opts_default(&o);
     o.kv_scales = CKPTW_OPT_PER_HEAD;
     ASSERT_OK(ckptw_write(good, &cfg, &o, &e));
     o.omit = omit;
     ASSERT_OK(ckptw_write(bad, &cfg, &o, &e));
+    o.omit = omit_mtp;
+    ASSERT_OK(ckptw_write(mtp_partial, &cfg, &o, &e));
 
     snprintf(args, sizeof(args), "'%s' --world-size 4", good);
     ASSERT_EQ(run(args, &out), 0);
     ASSERT_CONTAINS(out, "rank 0/4: ok:");
     ASSERT_CONTAINS(out, "rank 3/4: ok:");
     ASSERT_CONTAINS(out, "experts 12..15 (4), MTP depth 2");   /* the group-wide depth; tensors on rank 0 only */
-    ASSERT_CONTAINS(out, "rank 3/4: ok: 111 tensors");
+    ASSERT_CONTAINS(out, "rank 3/4: ok: 103 tensors");     /* the k/v scales: ignored by the KV cache */
+    ASSERT_CONTAINS(out, "warning: 8 KV-quantisation parameters ignored: the KV cache does not use them");
     ASSERT_CONTAINS(out, "loadable");
     free(out);
 
@@ -98,6 +104,26 @@ int main(int argc, char **argv)
     ASSERT_EQ(run(args, &out), 1);
     ASSERT_CONTAINS(out, "\"ok\": false");
     ASSERT_TRUE(strstr(out, "experts.12") == NULL);
+    free(out);
+
+    /* incomplete MTP layers: every missing name, the trunk's plan, exit 0; --strict: 1 */
+    snprintf(args, sizeof(args), "'%s' --world-size 2", mtp_partial);
+    ASSERT_EQ(run(args, &out), 0);
+    ASSERT_CONTAINS(out, "rank 0/2: ok:");
+    ASSERT_CONTAINS(out, "MTP depth 0,");
+    ASSERT_CONTAINS(out, "warning: MTP requested (K=2) but 2 of the 34 tensors of layers 4..5 are missing");
+    ASSERT_CONTAINS(out, "serving without speculation (the trunk only)");
+    ASSERT_CONTAINS(out, "warning: MTP tensor missing: model.layers.4.enorm.weight (BF16)");
+    ASSERT_CONTAINS(out, "warning: MTP tensor missing: model.layers.5.eh_proj.weight (BF16)");
+    ASSERT_CONTAINS(out, "note: MTP depth 0 of the 2 requested: a worker serves this plan without speculation");
+    ASSERT_CONTAINS(out, "\nloadable");
+    free(out);
+    snprintf(args, sizeof(args), "'%s' --world-size 2 --strict", mtp_partial);
+    ASSERT_EQ(run(args, &out), 1);
+    ASSERT_CONTAINS(out, "NOT loadable as requested (--strict): MTP depth 0 of the 2 requested");
+    free(out);
+    snprintf(args, sizeof(args), "'%s' --mtp 0 --strict", mtp_partial);
+    ASSERT_EQ(run(args, &out), 0);
     free(out);
 
     snprintf(args, sizeof(args), "'%s' --world-size 3", good);

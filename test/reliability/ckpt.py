@@ -66,6 +66,18 @@ def remove_tensor(d, tensor):
     return shard
 
 
+def add_tensor(d, tensor, dtype, shape, payload):
+    """Append `tensor` (raw little-endian bytes) to the first shard and the index."""
+    ix = load_index(d)
+    shard = sorted(set(ix["weight_map"].values()))[0]
+    path = os.path.join(d, shard)
+    hdr, data = read_st(path)
+    hdr[tensor] = {"dtype": dtype, "shape": list(shape), "data_offsets": [len(data), len(data) + len(payload)]}
+    write_st(path, hdr, data + payload)
+    ix["weight_map"][tensor] = shard
+    save_index(d, ix)
+
+
 def set_dtype(d, tensor, dtype):
     """Change the header dtype of `tensor` in place (same byte size keeps offsets valid)."""
     path = os.path.join(d, shard_of(d, tensor))

@@ -221,4 +221,50 @@ def test_with_coordinator():
         shutil.rmtree(root, True)
 
 
-h.run_tests([("c1-offline-malformed", test_offline), ("c1-coordinator-stays-not-serving", test_with_coordinator)])
+def test_degraded_serves():
+    """Not malformed, degraded: the worker serves.  An MTP tensor missing with --mtp 3: every
+    missing name logged, served without speculation.  KV-quantisation parameters of any shape
+    or dtype (a q_scale per query head, a prob_scale of 7, an I32 k_scale): loaded past, with
+    one summary warning."""
+    import struct
+    root = tempfile.mkdtemp(prefix="rel-c1d-")
+    missing = ["model.layers.6.hnorm.weight", "model.layers.7.self_attn.k_norm.weight"]
+    extra = [("model.layers.1.self_attn.q_scale", "F32", [8], struct.pack("<8f", *[1.0] * 8)),
+             ("model.layers.2.self_attn.prob_scale", "BF16", [7], b"\x80\x3f" * 7),
+             ("model.layers.0.self_attn.k_scale", "I32", [], struct.pack("<i", 3))]
+
+    def mk_degraded(d):
+        for t in missing:
+            ckpt.remove_tensor(d, t)
+        for name, dt, shape, payload in extra:
+            ckpt.add_tensor(d, name, dt, shape, payload)
+        return []
+    try:
+        s = h.Stepd()
+        d, _ = make_case(root, mk_degraded)
+        w = s.start_worker("deg", "--threads", "1", "--model", d, "--mtp", "3")
+        try:
+            s.wait_ready(1, timeout=60)
+        finally:
+            log = open(w.logpath).read()
+        for t in missing:
+            assert "MTP tensor missing: %s" % t in log, log
+        assert "serving without speculation (the trunk only)" in log, log
+        kvq = [ln for ln in log.splitlines() if "KV-quantisation" in ln]
+        assert len(kvq) == 1 and "3 KV-quantisation parameters ignored" in kvq[0], kvq
+        req = h.gen_request([1, 2, 3], 6)
+        req.sampling_params.temperature = 0.0
+        toks, _, finals, _ = h.collect(s.inf.Generate(req, timeout=30))
+        assert len(toks) == 6 and finals[0].mtp.num_drafts == 0, finals
+        mi = s.inf.GetModelInfo(h.pb.GetModelInfoRequest(), timeout=2)
+        assert mi.max_num_speculative_tokens == 0, mi
+        print("   MTP incomplete (%d tensors missing, each named) and 3 odd KV-quantisation parameters (one "
+              "warning): ready, served 6 tokens without drafts" % len(missing))
+        assert s.stop() == 0
+        assert w.wait(20) == 0
+    finally:
+        shutil.rmtree(root, True)
+
+
+h.run_tests([("c1-offline-malformed", test_offline), ("c1-coordinator-stays-not-serving", test_with_coordinator),
+             ("c1-degraded-serves", test_degraded_serves)])

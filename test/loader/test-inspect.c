@@ -45,6 +45,18 @@ static int run(const char *args, char **out)
     return WEXITSTATUS(st);
 }
 
+/* run inspect on dir with args: exit status want and every needle in the output */
+static void expect(const char *dir, const char *args, int want, const char *const *needles)
+{
+    char cmd[1200], *out;
+
+    snprintf(cmd, sizeof(cmd), "'%s' %s", dir, args);
+    ASSERT_EQ(run(cmd, &out), want);
+    for (int i = 0; needles && needles[i]; i++)
+        ASSERT_CONTAINS(out, needles[i]);
+    free(out);
+}
+
 int main(int argc, char **argv)
 {
     static const char *const omit[] = { "model.layers.1.mlp.up_proj.weight", "model.layers.3.moe.experts.12.up_proj.weight_scale", NULL };
@@ -107,24 +119,23 @@ int main(int argc, char **argv)
     free(out);
 
     /* incomplete MTP layers: every missing name, the trunk's plan, exit 0; --strict: 1 */
-    snprintf(args, sizeof(args), "'%s' --world-size 2", mtp_partial);
-    ASSERT_EQ(run(args, &out), 0);
-    ASSERT_CONTAINS(out, "rank 0/2: ok:");
-    ASSERT_CONTAINS(out, "MTP depth 0,");
-    ASSERT_CONTAINS(out, "warning: MTP requested (K=2) but 2 of the 34 tensors of layers 4..5 are missing");
-    ASSERT_CONTAINS(out, "serving without speculation (the trunk only)");
-    ASSERT_CONTAINS(out, "warning: MTP tensor missing: model.layers.4.enorm.weight (BF16)");
-    ASSERT_CONTAINS(out, "warning: MTP tensor missing: model.layers.5.eh_proj.weight (BF16)");
-    ASSERT_CONTAINS(out, "note: MTP depth 0 of the 2 requested: a worker serves this plan without speculation");
-    ASSERT_CONTAINS(out, "\nloadable");
-    free(out);
-    snprintf(args, sizeof(args), "'%s' --world-size 2 --strict", mtp_partial);
-    ASSERT_EQ(run(args, &out), 1);
-    ASSERT_CONTAINS(out, "NOT loadable as requested (--strict): MTP depth 0 of the 2 requested");
-    free(out);
-    snprintf(args, sizeof(args), "'%s' --mtp 0 --strict", mtp_partial);
-    ASSERT_EQ(run(args, &out), 0);
-    free(out);
+    {
+        static const char *const partial[] = {
+            "rank 0/2: ok:", "MTP depth 0,",
+            "warning: MTP requested (K=2) but 2 of the 34 tensors of layers 4..5 are missing",
+            "serving without speculation (the trunk only)",
+            "warning: MTP tensor missing: model.layers.4.enorm.weight (BF16)",
+            "warning: MTP tensor missing: model.layers.5.eh_proj.weight (BF16)",
+            "note: MTP depth 0 of the 2 requested: a worker serves this plan without speculation",
+            "\nloadable", NULL,
+        };
+        static const char *const strict[] = {
+            "NOT loadable as requested (--strict): MTP depth 0 of the 2 requested", NULL,
+        };
+        expect(mtp_partial, "--world-size 2", 0, partial);
+        expect(mtp_partial, "--world-size 2 --strict", 1, strict);
+        expect(mtp_partial, "--mtp 0 --strict", 0, NULL);
+    }
 
     snprintf(args, sizeof(args), "'%s' --world-size 3", good);
     ASSERT_EQ(run(args, &out), 2);

@@ -229,6 +229,13 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* v may be NULL when n is 0 (nothing was recorded) */
+static void sort_d(double *v, size_t n)
+{
+    if (n)
+        qsort(v, n, sizeof(double), cmp_d);
+}
+
 static double pct(double *v, size_t n, double p)
 {
     if (!n)
@@ -400,9 +407,9 @@ int main(int argc, char **argv)
         char prefix[32];
         snprintf(prefix, sizeof(prefix), "lg-%u-", (unsigned)(t_start % 100000));
         delivery_read(send_log, prefix, &dl, &n_dl);
-        qsort(dl, n_dl, sizeof(double), cmp_d);
+        sort_d(dl, n_dl);
     }
-    qsort(lag, n_lag, sizeof(double), cmp_d);
+    sort_d(lag, n_lag);
 
     unsigned counts[17] = { 0 };
     double *ttft = malloc(n_streams * sizeof(double)), *rej = malloc(n_streams * sizeof(double));
@@ -439,10 +446,10 @@ int main(int argc, char **argv)
         if (f)
             fclose(f);
     }
-    qsort(ttft, n_ttft, sizeof(double), cmp_d);
-    qsort(rej, n_rej, sizeof(double), cmp_d);
-    qsort(fail, n_fail, sizeof(double), cmp_d);
-    qsort(gaps, n_gaps, sizeof(double), cmp_d);
+    sort_d(ttft, n_ttft);
+    sort_d(rej, n_rej);
+    sort_d(fail, n_fail);
+    sort_d(gaps, n_gaps);
     printf("streams %u, tokens/stream %u, wall %.3f s, tokens %" PRIu64 " (%.0f tok/s)\n", n_streams, tokens, wall,
            total_tokens, (double)total_tokens / wall);
     printf("status:");

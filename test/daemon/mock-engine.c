@@ -37,7 +37,9 @@
  * stream UNAVAILABLE, and with them their requests; the engine stays up).
  *
  * When the session ends with ABORTED (group re-forming) the mock registers again;
- * when it ends otherwise (coordinator gone) the mock exits 0.
+ * when it ends otherwise (coordinator gone) the mock exits 0.  --serving-epoch E registers
+ * as a rank that already serves its group at epoch E (READY, as a worker does after its
+ * coordinator restarted); a GroupAbort makes it register afresh next time.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -80,6 +82,7 @@ struct mock {
     bool refuse_by_id;
     unsigned max_seqs, max_waiting; /* reported capacity (0: none) */
     unsigned peak_running;
+    uint64_t serving_epoch;         /* --serving-epoch: registered as already serving */
     unsigned running;
     struct mstream *streams;        /* every running request, Generate and Submit */
     struct ostream *ostreams;       /* open output streams */
@@ -809,6 +812,7 @@ static void session_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, 
         break;
     case STEPD__CTL__V1__CONTROL_EVENT__EVENT_GROUP_ABORT:
         fprintf(stderr, "mock-engine: group abort: %s\n", ev->group_abort->reason);
+        m->serving_epoch = 0;       /* the group is gone: come back fresh */
         break;
     default:
         break;
@@ -841,6 +845,7 @@ static void session_start(struct mock *m)
 {
     Stepd__Ctl__V1__RegisterRequest r = STEPD__CTL__V1__REGISTER_REQUEST__INIT;
     Stepd__Ctl__V1__ModelSummary ms = STEPD__CTL__V1__MODEL_SUMMARY__INIT;
+    Stepd__Ctl__V1__EngineLimits lim = STEPD__CTL__V1__ENGINE_LIMITS__INIT;
     int32_t eos[1];
     char host[64];
 
@@ -857,6 +862,16 @@ static void session_start(struct mock *m)
     if (m->rank == 0) {
         fill_model(m, &ms, eos);
         r.model = &ms;
+    }
+    r.serving_epoch = m->serving_epoch;
+    r.ready = m->serving_epoch != 0;
+    if (m->serving_epoch && m->rank == 0) {
+        r.kv_blocks_total = 1024;
+        if (m->max_seqs || m->max_waiting) {
+            lim.max_num_seqs = m->max_seqs;
+            lim.max_waiting = m->max_waiting;
+            r.limits = &lim;
+        }
     }
     rpc_client_start(m->ctl, "/stepd.ctl.v1.Control/Session", &r.base, &stepd__ctl__v1__control_event__descriptor,
                      0, session_msg, session_done, m, NULL);
@@ -906,7 +921,7 @@ int main(int argc, char **argv)
         { "no-output-streams", no_argument, NULL, 'O' },
         { "break-output-streams-after-tokens", required_argument, NULL, 'B' },
         { "refuse-by-id", no_argument, NULL, 'R' }, { "max-seqs", required_argument, NULL, 'M' },
-        { "max-waiting", required_argument, NULL, 'W' },
+        { "max-waiting", required_argument, NULL, 'W' }, { "serving-epoch", required_argument, NULL, 'E' },
         { NULL, 0, NULL, 0 },
     };
     struct mock *m = &M;
@@ -940,6 +955,7 @@ int main(int argc, char **argv)
         case 'R': m->refuse_by_id = true; break;
         case 'M': m->max_seqs = (unsigned)atoi(optarg); break;
         case 'W': m->max_waiting = (unsigned)atoi(optarg); break;
+        case 'E': m->serving_epoch = strtoull(optarg, NULL, 10); break;
         case 'T':
             m->send_log = fopen(optarg, "a");
             if (!m->send_log) {

@@ -336,6 +336,41 @@ def test_group_of_two_ranks():
     del r0, r1b
 
 
+def test_readopt():
+    """Ranks that register as already serving their group (serving_epoch: a coordinator that
+    restarted under them) are re-adopted at that epoch without a rendezvous; claims that do
+    not fit (a rank started afresh, two epochs) get GroupAbort and the group forms anew."""
+    s = Stepd()
+    s.start_engine("old", "--delay-ms", "2", "--serving-epoch", "7")
+    s.wait_ready(1)
+    gg = {g.group: g for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups}
+    assert gg["old"].epoch == 7 and gg["old"].state == pb.WORKER_STATE_READY, gg["old"]
+    assert "group old re-adopted at epoch 7" in s.read_log()
+    toks, _, finals, _ = collect(s.inf.Generate(gen_request([4, 5], 5), timeout=10))
+    assert toks == expected_tokens([4, 5], 5) and finals[0].group == "old", (toks, finals)
+    # a claimant and a fresh rank of one group: the claimant is told to re-form
+    a0 = s.start_engine("mix", "--delay-ms", "2", "--serving-epoch", "3", rank=0, world=2)
+    wait_until(lambda: "group mix rank 0/2 registered" in s.read_log(), what="claimant registered")
+    s.start_engine("mix", rank=1, world=2)
+    s.wait_ready(2)
+    gg = {g.group: g for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups}
+    assert gg["mix"].epoch == 1, gg["mix"]
+    assert "rank 1 registered afresh while rank 0 waited to be re-adopted at epoch 3" in s.read_log()
+    # two epochs: the second claimant is refused at once, then both come back fresh
+    s.start_engine("two", "--delay-ms", "2", "--serving-epoch", "5", rank=0, world=2)
+    wait_until(lambda: "group two rank 0/2 registered" in s.read_log(), what="claimant registered")
+    s.start_engine("two", "--serving-epoch", "6", rank=1, world=2)
+    s.wait_ready(3)
+    gg = {g.group: g for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups}
+    assert gg["two"].epoch == 1 and gg["two"].state == pb.WORKER_STATE_READY, gg["two"]
+    assert "rank 1 serves epoch 6, but another rank serves another epoch (epoch 5)" in s.read_log()
+    for g in ("old", "mix", "two"):
+        _, _, finals, _ = collect(s.inf.Generate(gen_request([7], 2), timeout=10))
+        assert finals
+    del a0
+    assert s.stop() == 0
+
+
 def test_prefix_affinity_and_stepctl():
     s = Stepd("--prefix-affinity", "4")
     for g in ("a", "b", "c"):
@@ -943,6 +978,7 @@ if __name__ == "__main__":
         ("engine_ignores_deadline", test_engine_ignores_deadline),
         ("health_and_failover", test_health_and_failover),
         ("group_of_two_ranks", test_group_of_two_ranks),
+        ("readopt", test_readopt),
         ("hung_worker", test_hung_worker),
         ("prefix_affinity_and_stepctl", test_prefix_affinity_and_stepctl),
         ("bad_inputs", test_bad_inputs),

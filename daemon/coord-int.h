@@ -230,8 +230,11 @@ int req_dispatch_promoted(struct req *r);
 /* Free r if nothing references it any more.  The one rule for freeing a request: only
  * the entry points - the callbacks rpc/ and libuv call (a client call's cancel, an engine
  * call's messages and end, the output stream's batches and end, Submit's answer, the
- * timers) and the admission promotions - call this, once, after they are done with r;
- * the helpers they call (req_finish, req_engine_end, req_stop_engine, ...) never free. */
+ * timers) - and the admission promotions (coord_slot_release, req_held_kick: they free
+ * the other requests they fail to route) call this, once, after they are done with r; the
+ * helpers they call (req_finish, req_engine_end, req_stop_engine, ...) never free r.  A
+ * walk over a list must not keep a pointer to the next element across a call that may
+ * free (req_sweep_deadlines starts again, req_fail_all ends the waiting ones first). */
 void req_free_if_done(struct req *r);
 /* Abort by client-visible id (Inference.Abort). Returns 1 if found. */
 int req_abort_by_id(struct coord *co, const char *id);

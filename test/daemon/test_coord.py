@@ -653,6 +653,19 @@ def test_control_key():
     s.start_engine("g0", env={"STEPD_CONTROL_KEY": "ctl-secret"})
     s.wait_ready()
     assert s.stop() == 0
+    # the real worker's control client: a wrong key is a refusal (no dialling again), the
+    # right one registers
+    worker = os.environ.get("STEPD_WORKER_BIN", "")
+    if worker and os.path.exists(worker):
+        s = Stepd(env={"STEPD_CONTROL_KEY": "ctl-secret"})
+        w = s.start_worker("w0", "--threads", "1", env={"STEPD_CONTROL_KEY": "wrong"})
+        assert w.wait(20) == 3, open(w.logpath).read()
+        log = open(w.logpath).read()
+        assert "control session refused: UNAUTHENTICATED" in log, log
+        w = s.start_worker("w0", "--threads", "1", env={"STEPD_CONTROL_KEY": "ctl-secret"})
+        s.wait_ready(1, timeout=60)
+        assert s.stop() == 0
+        assert w.wait(20) == 0
 
 
 def test_listen_policy():

@@ -40,6 +40,10 @@
  * tensor name, chunk index), so the bytes depend on the seed only (not on --threads or
  * the shard split), and chunks are generated in parallel and written with pwrite.
  *
+ * Special ids: the real BOS 0 and EOS 1, 2, 128007 that fit the vocabulary; with
+ * --tokenizer DIR holding a config.json, that model's (narrow8 with models/tiny-step:
+ * vocab 4096, BOS 0, EOS 5, 2).
+ *
  * --sparse: listed tensors are not written; their data regions are holes (the file is
  * extended with ftruncate), which read as zeros: the loader plans and maps them like
  * any other (BF16 0.0; MXFP4 code 0 with scale byte 0 = 2^-127, i.e. 0.0).
@@ -290,6 +294,34 @@ static void default_map(int L, int *map)
         }
 }
 
+/* --tokenizer DIR with a config.json: its special ids replace the real ones (the ids must
+ * match the tokenizer that is copied) */
+static int tokenizer_ids(struct mk *m, struct err_buf *e)
+{
+    struct model_config tc;
+    struct stat st;
+    char path[PATH_MAX + 16];
+    int r;
+
+    if (!m->tokenizer || stat(m->tokenizer, &st) < 0 || !S_ISDIR(st.st_mode))
+        return 0;
+    snprintf(path, sizeof(path), "%s/config.json", m->tokenizer);
+    if (access(path, R_OK) != 0)
+        return 0;
+    r = model_config_load(path, &tc, e);
+    if (r < 0) {
+        err_prefix(e, "--tokenizer %s", m->tokenizer);
+        return r;
+    }
+    if (tc.vocab_size > m->cfg.vocab_size)
+        return err_set(e, -EINVAL, "--tokenizer %s: its model has %d token ids, more than the vocab size %d",
+                       m->tokenizer, tc.vocab_size, m->cfg.vocab_size);
+    m->cfg.bos_token_id = tc.bos_token_id;
+    m->cfg.n_eos = tc.n_eos;
+    memcpy(m->cfg.eos_token_ids, tc.eos_token_ids, sizeof(tc.eos_token_ids));
+    return 0;
+}
+
 static int build_config(struct mk *m, struct err_buf *e)
 {
     struct model_config full, *c = &m->cfg;
@@ -352,7 +384,7 @@ static int build_config(struct mk *m, struct err_buf *e)
     c->n_eos = n_eos;
     if (c->bos_token_id >= c->vocab_size)
         c->bos_token_id = -1;
-    return 0;
+    return tokenizer_ids(m, e);
 }
 
 /* ----------------------------------------------------------------- fills -- */
@@ -826,12 +858,13 @@ static void usage(FILE *f)
         "  --mtp D             MTP draft layers (real layers 45.., 0..3, default 0)\n"
         "  --seed S            random seed (default 1): the same seed gives the same bytes\n"
         "  --shards N          split into N shards of about equal bytes\n"
-        "  --shard-size B      start a new shard before one would exceed B bytes (K/M/G suffixes;\n"
-        "                      default 5G)\n"
+        "  --shard-size B      start a new shard before one would exceed B bytes (suffix K, M, G:\n"
+        "                      2^10, 2^20, 2^30; default 5G)\n"
         "  --sparse LIST       leave data as holes (zeros): all, embed, heads (lm_head and MTP\n"
         "                      shared_head.output), experts, experts-from:N (experts N..)\n"
         "  --threads T         generator threads (default: online cores)\n"
         "  --tokenizer PATH    copy tokenizer.json (+ tokenizer_config.json) from a file or model dir\n"
+        "                      (a model dir's config.json also gives the BOS/EOS ids)\n"
         "  --force             replace the checkpoint files already in DIR\n"
         "  --hidden ... --window   override one width of the preset (--window: sliding window)\n");
 }

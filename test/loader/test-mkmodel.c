@@ -1,6 +1,6 @@
 /* test-mkmodel.c - stepd-mkmodel's checkpoints against the real layout and the loader.
  *
- *   test-mkmodel STEPD_MKMODEL STEPD_INSPECT EXPECTED_TSV
+ *   test-mkmodel STEPD_MKMODEL STEPD_INSPECT EXPECTED_TSV TINY_MODEL_DIR
  *
  *   1. full width, 3 layers + 3 MTP, sparse, 4 shards: every tensor name, dtype and shape
  *      equal to the expected-tensor TSV's for the real layers it copies (0, 3, 4; MTP
@@ -15,7 +15,8 @@
  *      all 288 experts;
  *   4. narrow8, 3 layers + 1 MTP, 3 shards: names and dtypes of the TSV, the real head
  *      counts (q/k/v/g rows, o_proj columns as the TSV), loadable at world size 8 (4
- *      experts a rank), a few tens of MB;
+ *      experts a rank), a few tens of MB; with --tokenizer TINY_MODEL_DIR its tokenizer
+ *      files and special ids (BOS 0, EOS 5, 2);
  *   5. determinism: the same seed gives identical files (1 or 2 threads), another seed
  *      other shard bytes, another shard count the same tensor bytes;
  *   6. bad flags and an occupied --out are refused with a message.
@@ -38,7 +39,7 @@
 
 #define ROUTER_INPUTS 512
 
-static const char *mkmodel, *inspect;
+static const char *mkmodel, *inspect, *tiny;
 static struct ckptw_tsv_row *tsv;
 static size_t n_tsv;
 static char *root;
@@ -211,6 +212,8 @@ static void compare(const struct tinfo *got, size_t n_got, const struct tinfo *w
     if (bad)
         FAIL("%zu differences from the expected layout", bad);
 }
+
+static int same_file(const char *a, const char *b, const char *name);
 
 static void plan_all_ranks(const char *dir, int ws, int mtp, int experts_per_rank)
 {
@@ -512,7 +515,11 @@ static void test_narrow(void)
     struct ckpt_plan_stats st;
     struct err_buf e;
     struct ckpt *c;
-    const char *dir = make("narrow", "--preset narrow8 --mtp 1 --shards 3");
+    char flags[PATH_MAX + 100];
+    const char *dir;
+
+    snprintf(flags, sizeof(flags), "--preset narrow8 --mtp 1 --shards 3 --tokenizer '%s'", tiny);
+    dir = make("narrow", flags);
 
     got = read_headers(dir, &n_got, &shards, &disk);
     want = expected(map, 3, 1, 32, &n_want);
@@ -529,6 +536,12 @@ static void test_narrow(void)
     ASSERT_EQ(ckpt_config(c)->n_heads_sliding, 96);
     ASSERT_EQ(ckpt_config(c)->n_kv_heads, 8);
     ASSERT_EQ(ckpt_config(c)->n_experts % 8, 0);
+    ASSERT_EQ(ckpt_config(c)->bos_token_id, 0);
+    ASSERT_EQ(ckpt_config(c)->n_eos, 2);
+    ASSERT_EQ(ckpt_config(c)->eos_token_ids[0], 5);
+    ASSERT_EQ(ckpt_config(c)->eos_token_ids[1], 2);
+    ASSERT_TRUE(same_file(dir, tiny, "tokenizer.json"));
+    ASSERT_TRUE(same_file(dir, tiny, "tokenizer_config.json"));
     ckpt_close(c);
     plan_all_ranks(dir, 8, 1, 4);
     inspect_ok(dir);
@@ -659,10 +672,11 @@ int main(int argc, char **argv)
 {
     struct err_buf e;
 
-    ASSERT_TRUE(argc == 4);
+    ASSERT_TRUE(argc == 5);
     setvbuf(stdout, NULL, _IOLBF, 0);
     mkmodel = argv[1];
     inspect = argv[2];
+    tiny = argv[4];
     if (ckptw_tsv_read(argv[3], &tsv, &n_tsv, &e) < 0)
         FAIL("%s", e.msg);
     root = ckptw_tmpdir("test-mkmodel");

@@ -135,6 +135,7 @@ static void check_model(const char *flags, int n_layers)
 int main(int argc, char **argv)
 {
     ASSERT_TRUE(argc == 2);
+    setvbuf(stdout, NULL, _IOLBF, 0);
     mkmodel = argv[1];
     check_model("--seed 3", 3);
     check_model("--layers 6", 6);

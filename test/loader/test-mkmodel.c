@@ -501,6 +501,7 @@ static void test_full_data(void)
         ASSERT_LE(hmax, 3 * ROUTER_INPUTS * 8 / 288);
     }
     ckpt_close(c);
+    plan_all_ranks(dir, 8, 0, 36);
     ckptw_rmtree(dir);
 }
 

@@ -1,4 +1,6 @@
-/* ckptw.c - see ckptw.h. Test support code: clarity over speed. */
+/* ckptw.c - see ckptw.h.  Clarity over speed: ckptw_write builds each shard in memory (the
+ * tests' tiny models); stepd-mkmodel uses the layout, header and config parts and streams its
+ * own data. */
 #include "ckptw.h"
 
 #include <dirent.h>

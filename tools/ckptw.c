@@ -17,6 +17,7 @@
 #include <jansson.h>
 
 #include "mxfp4.h"
+#include "strbuf.h"
 
 /* ------------------------------------------------------------------------ */
 /* numbers */
@@ -336,61 +337,34 @@ static int write_all(int fd, const void *buf, size_t n)
     return 0;
 }
 
-struct strbuf {
-    char *p;
-    size_t len, cap;
-};
-
-static int sb_add(struct strbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int sb_add(struct strbuf *s, const char *fmt, ...)
-{
-    va_list ap;
-    int n;
-    va_start(ap, fmt);
-    n = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (s->len + (size_t) n + 16 > s->cap) {
-        size_t nc = s->cap ? s->cap * 2 : 4096;
-        char *np;
-        while (nc < s->len + (size_t) n + 16)
-            nc *= 2;
-        np = realloc(s->p, nc);
-        if (!np)
-            return -ENOMEM;
-        s->p = np;
-        s->cap = nc;
-    }
-    va_start(ap, fmt);
-    vsnprintf(s->p + s->len, s->cap - s->len, fmt, ap);
-    va_end(ap);
-    s->len += (size_t) n;
-    return 0;
-}
-
-/* Header of n tensors with sequential offsets; pads to a multiple of 8. */
+/* Header of n tensors with sequential offsets, after 8 bytes for its length; the JSON is
+ * padded to a multiple of 8. */
 static int build_header(const struct ckptw_tensor *t, size_t n, struct strbuf *s, uint64_t *ret_data,
                         struct err_buf *e)
 {
-    uint64_t off = 0;
-    int r = sb_add(s, "{\"__metadata__\":{\"format\":\"pt\"}");
-    for (size_t i = 0; r == 0 && i < n; i++) {
+    uint64_t off = 0, hl;
+
+    strbuf_add(s, "\0\0\0\0\0\0\0\0", 8);
+    strbuf_adds(s, "{\"__metadata__\":{\"format\":\"pt\"}");
+    for (size_t i = 0; i < n; i++) {
         int64_t nb = ckptw_tensor_bytes(t[i].dtype, t[i].ndim, t[i].shape);
         if (nb < 0)
             return err_set(e, -EOVERFLOW, "ckptw: tensor '%s' has no whole byte size", t[i].name);
-        r = sb_add(s, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t[i].name, dtype_name(t[i].dtype));
-        for (int d = 0; r == 0 && d < t[i].ndim; d++)
-            r = sb_add(s, "%s%lld", d ? "," : "", (long long) t[i].shape[d]);
-        if (r == 0)
-            r = sb_add(s, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long) off,
-                       (unsigned long long) (off + (uint64_t) nb));
+        strbuf_printf(s, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t[i].name, dtype_name(t[i].dtype));
+        for (int d = 0; d < t[i].ndim; d++)
+            strbuf_printf(s, "%s%lld", d ? "," : "", (long long) t[i].shape[d]);
+        strbuf_printf(s, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long) off,
+                      (unsigned long long) (off + (uint64_t) nb));
         off += (uint64_t) nb;
     }
-    if (r == 0)
-        r = sb_add(s, "}");
-    while (r == 0 && s->len % 8)
-        r = sb_add(s, " ");
-    if (r < 0)
-        return err_set(e, r, "ckptw: out of memory");
+    strbuf_adds(s, "}");
+    while (!s->oom && s->len % 8)
+        strbuf_adds(s, " ");
+    if (s->oom)
+        return err_set(e, -ENOMEM, "ckptw: out of memory");
+    hl = s->len - 8;
+    for (int i = 0; i < 8; i++)
+        s->p[i] = (char) (unsigned char) (hl >> (8 * i));
     *ret_data = off;
     return 0;
 }
@@ -398,26 +372,16 @@ static int build_header(const struct ckptw_tensor *t, size_t n, struct strbuf *s
 int ckptw_safetensors_header(const struct ckptw_tensor *t, size_t n, char **ret_hdr,
                              size_t *ret_len, uint64_t *ret_data_len, struct err_buf *e)
 {
-    struct strbuf s = { 0 };
-    char *hdr;
-    int r;
+    struct strbuf s = STRBUF_INIT;
+    int r = build_header(t, n, &s, ret_data_len, e);
 
-    r = build_header(t, n, &s, ret_data_len, e);
-    if (r < 0)
-        goto out;
-    hdr = malloc(8 + s.len);
-    if (!hdr) {
-        r = err_set(e, -ENOMEM, "ckptw: out of memory");
-        goto out;
+    if (r < 0) {
+        strbuf_done(&s);
+        return r;
     }
-    for (int i = 0; i < 8; i++)
-        hdr[i] = (char) (unsigned char) ((uint64_t) s.len >> (8 * i));
-    memcpy(hdr + 8, s.p, s.len);
-    *ret_hdr = hdr;
-    *ret_len = 8 + s.len;
-out:
-    free(s.p);
-    return r;
+    *ret_len = s.len;
+    *ret_hdr = strbuf_take(&s);
+    return 0;
 }
 
 int ckptw_write_safetensors(const char *path, const struct ckptw_tensor *t, size_t n, bool sparse,

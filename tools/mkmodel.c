@@ -62,14 +62,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <jansson.h>
 
 #include "ckptw.h"
 #include "cli.h"
+#include "clock.h"
 #include "config.h"
+#include "file.h"
 #include "loader.h"
 #include "mxfp4.h"
 #include "stepd-config.h"
@@ -516,38 +517,26 @@ static void *worker(void *arg)
     return NULL;
 }
 
-static double now_sec(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double) ts.tv_sec + (double) ts.tv_nsec * 1e-9;
-}
+#define TOKENIZER_MAX (256u << 20)
 
 static int copy_file(const char *from, const char *to, struct err_buf *e)
 {
-    FILE *in = fopen(from, "rbe"), *out;
-    char buf[1 << 16];
+    char *buf;
     size_t n;
-    int r = 0;
+    FILE *out;
+    int r = file_read_all(from, TOKENIZER_MAX, 0, &buf, &n);
 
-    if (!in)
-        return err_set(e, -errno, "%s: cannot open: %s", from, strerror(errno));
+    if (r < 0)
+        return err_set(e, r, "%s: cannot read: %s", from, err_str(r));
     out = fopen(to, "wbe");
     if (!out) {
         r = err_set(e, -errno, "%s: cannot create: %s", to, strerror(errno));
-        fclose(in);
-        return r;
-    }
-    while ((n = fread(buf, 1, sizeof(buf), in)) > 0)
-        if (fwrite(buf, 1, n, out) != n) {
+    } else {
+        bool ok = fwrite(buf, 1, n, out) == n;
+        if (fclose(out) != 0 || !ok)
             r = err_set(e, -EIO, "%s: write failed", to);
-            break;
-        }
-    if (ferror(in) && r == 0)
-        r = err_set(e, -EIO, "%s: read failed", from);
-    if (fclose(out) != 0 && r == 0)
-        r = err_set(e, -EIO, "%s: write failed", to);
-    fclose(in);
+    }
+    free(buf);
     return r;
 }
 
@@ -677,7 +666,7 @@ static int write_model(struct mk *m, struct err_buf *e)
     pthread_t th[MAX_THREADS];
     char path[PATH_MAX];
     uint64_t total = 0, written = 0, disk = 0;
-    double t0 = now_sec(), t_write;
+    double t0 = clk_now_s(), t_write;
     int n_sh = 0, n_th = 0, r;
 
     r = prepare_dir(m, e);
@@ -815,7 +804,7 @@ static int write_model(struct mk *m, struct err_buf *e)
     }
     if (r < 0)
         goto out;
-    t_write = now_sec() - t0;
+    t_write = clk_now_s() - t0;
     if (m->tokenizer) {
         r = copy_tokenizer(m->tokenizer, m->out, e);
         if (r < 0)

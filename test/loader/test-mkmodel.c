@@ -32,6 +32,7 @@
 
 #include "ckptw.h"
 #include "config.h"
+#include "file.h"
 #include "harness.h"
 #include "loader.h"
 #include "mxfp4.h"
@@ -551,24 +552,6 @@ static void test_narrow(void)
     ckptw_rmtree(dir);
 }
 
-static char *slurp(const char *path, size_t *ret_n)
-{
-    FILE *f = fopen(path, "rb");
-    char *b;
-    long n;
-
-    ASSERT_TRUE(f != NULL);
-    ASSERT_OK(fseek(f, 0, SEEK_END));
-    n = ftell(f);
-    ASSERT_OK(fseek(f, 0, SEEK_SET));
-    b = malloc((size_t)n + 1);
-    ASSERT_TRUE(b != NULL);
-    ASSERT_EQ(fread(b, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    *ret_n = (size_t)n;
-    return b;
-}
-
 /* 1 when files a/name and b/name are identical */
 static int same_file(const char *a, const char *b, const char *name)
 {
@@ -578,8 +561,8 @@ static int same_file(const char *a, const char *b, const char *name)
 
     snprintf(pa, sizeof(pa), "%s/%s", a, name);
     snprintf(pb, sizeof(pb), "%s/%s", b, name);
-    x = slurp(pa, &nx);
-    y = slurp(pb, &ny);
+    ASSERT_OK(file_read_all(pa, 1u << 30, 0, &x, &nx));
+    ASSERT_OK(file_read_all(pb, 1u << 30, 0, &y, &ny));
     r = nx == ny && memcmp(x, y, nx) == 0;
     free(x);
     free(y);

@@ -19,11 +19,14 @@
 
 /* prmt.b32 d, a, b, c (default mode): the 8 bytes of {b, a} are indexed 0..3 (a) and 4..7
  * (b); byte k of d is selected by nibble k of c: bits 0-2 the index, bit 3 set = the sign
- * bit (bit 7) of the selected byte replicated over all 8 bits.  Only c[15:0] is read. */
+ * bit (bit 7) of the selected byte replicated over all 8 bits.  Only c[15:0] is read.
+ * (Not __byte_perm(): that one ignores bit 3, and the compiler masks the selector.) */
 HD uint32_t hd_prmt(uint32_t a, uint32_t b, uint32_t c)
 {
 #ifdef __CUDA_ARCH__
-    return __byte_perm(a, b, c);
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
 #else
     uint64_t src = ((uint64_t)b << 32) | a;
     uint32_t d = 0;

@@ -165,6 +165,16 @@ HD uint32_t mx4_scale_bf16x2(uint32_t scales, int which)
     return (s << 7) | (s << 23);
 }
 
+/* The four BF16 scale pairs of a lane's scale word (scale byte b in both halves of
+ * sp[b]): a byte permute and a shift each. */
+HD void mx4_scales_bf16x2(uint32_t scales, uint32_t sp[4])
+{
+    sp[0] = hd_prmt(scales, 0, 0x4040) << 7;    /* bytes s0, 0, s0, 0 */
+    sp[1] = hd_prmt(scales, 0, 0x4141) << 7;
+    sp[2] = hd_prmt(scales, 0, 0x4242) << 7;
+    sp[3] = hd_prmt(scales, 0, 0x4343) << 7;
+}
+
 /* Which scale byte register k (0..3) of word j uses: rows l/4 (k = 0, 2) or l/4 + 8
  * (k = 1, 3), group j / 2 of the tile. */
 HD int mx4_scale_which(int j, int k)

@@ -100,6 +100,13 @@ static void test_mx4_decode_words(void)
         ASSERT_TRUE(bf16_val((uint16_t)(v >> 16)) == ldexpf(1.0f, (int)s - 127));
     }
     ASSERT_EQ(mx4_scale_bf16x2(0, 0), 0);
+    for (int rep = 0; rep < 1000; rep++) {
+        uint32_t sw = rnd32(), sp[4];
+
+        mx4_scales_bf16x2(sw, sp);
+        for (int b = 0; b < 4; b++)
+            ASSERT_EQ(sp[b], mx4_scale_bf16x2(sw, b));
+    }
     printf("mx4: decode of all codes at all positions exact, scales exact\n");
 }
 

@@ -22,6 +22,11 @@ CC=${CC:-cc}
 cuda_root=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
 jobs=$(nproc 2>/dev/null || echo 4)
 
+# run the command lines of file $1, $jobs at a time; fail if any failed
+run_jobs() {
+    xargs -P "$jobs" -d '\n' -I{} bash -c '{}' < "$1"
+}
+
 cat > "$out/stepd-config.h" <<EOF
 #pragma once
 #define HAVE_UCX 0
@@ -47,9 +52,9 @@ objs=()
 for s in "${srcs[@]}"; do
     o="$out/obj/$(echo "${s#$root/}" | tr / _).o"
     objs+=("$o")
-    echo "$CC ${cflags[*]} ${inc[*]} -c $s -o $o"
+    printf '%q ' "$CC" "${cflags[@]}" "${inc[@]}" -c "$s" -o "$o"; echo
 done > "$out/obj/c.jobs"
-xargs -P "$jobs" -I{} sh -c '{}' < "$out/obj/c.jobs"
+run_jobs "$out/obj/c.jobs"
 
 # the plugin: every .cu for sm_90a and sm_80
 nvflags=(-O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -Xcompiler -fPIC
@@ -60,9 +65,9 @@ cuobjs=()
 for s in "$root"/kernels/cuda/*.cu; do
     o="$out/obj/$(basename "$s").o"
     cuobjs+=("$o")
-    echo "$NVCC ${nvflags[*]} -c $s -o $o"
+    printf '%q ' "$NVCC" "${nvflags[@]}" -c "$s" -o "$o"; echo
 done > "$out/obj/cu.jobs"
-xargs -P "$jobs" -I{} sh -c '{}' < "$out/obj/cu.jobs"
+run_jobs "$out/obj/cu.jobs"
 g++ -shared -o "$out/libstepd-cuda.so" "${cuobjs[@]}" -L"$cuda_root/lib64" \
     -Wl,-rpath,"$cuda_root/lib64" -Wl,--no-undefined -lcudart_static -lcublasLt -lrt -ldl \
     -lpthread -lm

@@ -301,7 +301,8 @@ static __global__ void flash_merge_kernel(const struct flash_args a)
 bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim)
 {
     const int G = n_heads / n_kv_heads;
-    return (head_dim == 32 || head_dim == 64 || head_dim == 128) && G * ATTN_QT <= 256 &&
+    // a block's rows (ATTN_QT tokens x the group) fit the kernel's 8 warps of 16 rows
+    return (head_dim == 32 || head_dim == 64 || head_dim == 128) && G * ATTN_QT <= 128 &&
            n_heads % n_kv_heads == 0;
 }
 

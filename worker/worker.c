@@ -15,6 +15,7 @@
 
 #include "backend.h"
 #include "comm.h"
+#include "comm-nccl.h"
 #include "engine.h"
 #include "loader.h"
 #include "log.h"
@@ -135,6 +136,29 @@ static int hook_allgather(void *ctx, const float *in, float *out, size_t n)
     return comm_allgather(ctx, in, out, n * sizeof(float));
 }
 
+/* ---- CUDA groups: the NCCL comm of the model's collectives --------------------------- */
+
+/* The model as a forward whose trunk steps end with the NCCL comm's step check (async
+ * error, the watchdog's busy mark cleared): the collectives ran in stream order inside
+ * the step, with no host wait of their own. */
+struct dcomm_fwd {
+    struct forward f;
+    struct forward *inner;
+    struct worker *w;
+};
+
+static int dcomm_step(struct forward *f, const struct step_plan *p, float *logits);
+static int dcomm_mtp_step(struct forward *f, int k, const struct step_plan *p,
+                          const int32_t *n_valid, const int32_t *tok_in, float *logits);
+static void dcomm_free(struct forward *f);
+
+static const struct forward_ops dcomm_ops = {
+    .name = "nccl-steps",
+    .step = dcomm_step,
+    .mtp_step = dcomm_mtp_step,
+    .free = dcomm_free,
+};
+
 /* ---- helpers --------------------------------------------------------------------- */
 
 static bool group_name_ok(const char *g)
@@ -179,6 +203,9 @@ static void rss_read(struct rss *r)
 struct worker {
     const struct worker_opts *o;
     struct comm *comm;
+    struct comm *dcomm;         /* CUDA groups: NCCL on the backend's stream (the model's
+                                   collectives); the step plan stays on comm */
+    const struct comm_nccl_api *nccl;
     struct worker_ctl *ctl;
     struct backend *be;
     struct ckpt *ck;
@@ -191,6 +218,82 @@ struct worker {
     int n_eos, sliding_window;
     const struct model_config *mc;      /* NULL with --mock */
 };
+
+static int dcomm_step(struct forward *f, const struct step_plan *p, float *logits)
+{
+    struct dcomm_fwd *d = f->impl;
+    int r = d->inner->ops->step(d->inner, p, logits);
+    int r2 = d->w->nccl->step_done(d->w->dcomm);
+
+    return r < 0 ? r : r2;
+}
+
+static int dcomm_mtp_step(struct forward *f, int k, const struct step_plan *p,
+                          const int32_t *n_valid, const int32_t *tok_in, float *logits)
+{
+    struct dcomm_fwd *d = f->impl;
+
+    return d->inner->ops->mtp_step(d->inner, k, p, n_valid, tok_in, logits);
+}
+
+static void dcomm_free(struct forward *f)
+{
+    struct dcomm_fwd *d = f->impl;
+
+    d->inner->ops->free(d->inner);
+    free(d);
+}
+
+static int dcomm_wrap(struct worker *w, struct err_buf *e)
+{
+    struct dcomm_fwd *d = calloc(1, sizeof(*d));
+
+    if (!d)
+        return err_set(e, -ENOMEM, "out of memory");
+    d->inner = w->fwd;
+    d->w = w;
+    d->f = *w->fwd;
+    d->f.ops = &dcomm_ops;
+    d->f.impl = d;
+    if (!d->inner->ops->mtp_step)
+        d->f.n_mtp = 0;
+    w->fwd = &d->f;
+    return 0;
+}
+
+/* Rank 0 makes the NCCL unique id and broadcasts it over the group's host comm (already
+ * connected through the rendezvous); every rank joins on its device, enqueuing on the
+ * backend's stream. */
+static int nccl_join(struct worker *w, int device, struct err_buf *e)
+{
+    const struct worker_opts *o = w->o;
+    const struct comm_nccl_api *(*entry)(void);
+    uint8_t id[COMM_NCCL_ID_BYTES] = { 0 };
+    int r;
+
+    *(void **)&entry = backend_plugin_symbol(w->be, STEPD_COMM_NCCL_API);
+    if (!entry)
+        return err_set(e, -ENOTSUP, "--device %s with --world-size %d: the CUDA plugin was "
+                       "built without NCCL (no nccl.h)", o->device, o->world_size);
+    w->nccl = entry();
+    if (o->rank == 0) {
+        r = w->nccl->unique_id(id, sizeof(id));
+        if (r < 0)
+            return err_set(e, r, "NCCL unique id: %s", err_str(r));
+    }
+    r = comm_broadcast(w->comm, id, sizeof(id), 0);
+    if (r < 0)
+        return err_set(e, r, "broadcasting the NCCL id: %s", comm_last_error(w->comm));
+    r = w->nccl->create(o->rank, o->world_size, device, id, sizeof(id),
+                        o->collective_timeout_msec, backend_native(w->be, "stream"), &w->dcomm);
+    if (r < 0)
+        return err_set(e, r, "joining the NCCL communicator on device %d: %s", device, err_str(r));
+    r = comm_watchdog_start(w->dcomm, 10000, WORKER_EXIT_COMM);
+    if (r < 0)
+        return err_set(e, r, "cannot start the NCCL watchdog: %s", err_str(r));
+    log_info("group %s: rank %d joined NCCL on cuda:%d", o->group, o->rank, device);
+    return 0;
+}
 
 static void limits_init(struct worker *w)
 {
@@ -341,17 +444,25 @@ static int stage_load(struct worker *w, struct err_buf *e)
         return err_set(e, r, "backend %s (%s): %s", bname, o->device, err_str(r));
     struct model_comm hooks = { .ctx = w->comm, .rank = o->rank, .world = o->world_size,
                                 .allreduce_sum = hook_allreduce, .allgather = hook_allgather };
+    const bool cuda = strcmp(bname, "cuda") == 0;
+    if (cuda && o->world_size > 1) {
+        r = nccl_join(w, bc.device, e);
+        if (r < 0)
+            return r;
+        hooks.ctx = w->dcomm;   /* the model's buffers are device memory */
+    }
     struct model_opts mo = {
         .max_tokens_per_step = o->max_batched_tokens, .max_seqs = o->max_seqs,
         .max_logit_rows = w->logit_rows, .block_size = o->block_size,
         .n_blocks = { n_blocks, n_blocks }, .max_seq_len = o->max_model_len + 4,
+        .kv_bf16 = cuda,        /* the CUDA attention reads BF16 pages */
         .draft_quant = spec_draft_mxfp4(o->draft_quant, bname) ? MODEL_DRAFT_MXFP4
                                                                : MODEL_DRAFT_CHECKPOINT,
     };
     r = model_forward_new(w->ck, w->be, &hooks, &mo, &w->fwd, e);
     if (r < 0)
         return r;
-    return 0;
+    return w->dcomm ? dcomm_wrap(w, e) : 0;
 }
 
 static void report_memory(struct worker *w, const struct rss *before)
@@ -826,13 +937,6 @@ int worker_run(const struct worker_opts *o)
         log_error("world size %d needs --coordinator ADDR or --rendezvous-dir DIR", o->world_size);
         return WORKER_EXIT_USAGE;
     }
-    if (o->world_size > 1 && strncmp(o->device, "cuda:", 5) == 0 && !o->mock) {
-        /* the model's collective hooks would hand device pointers to the host (UCX) comm */
-        log_error("--device %s with --world-size %d: multi-rank CUDA groups need the NCCL comm "
-                  "(worker/comm-nccl.c) wired into the CUDA plugin, which is not done yet; "
-                  "use --device cpu", o->device, o->world_size);
-        return WORKER_EXIT_USAGE;
-    }
     if (!o->mock && !o->model_dir) {
         log_error("--model DIR is required (or --mock)");
         return WORKER_EXIT_USAGE;
@@ -926,6 +1030,7 @@ out:
     if (w.fwd)
         w.fwd->ops->free(w.fwd);
     ckpt_close(w.ck);
+    comm_free(w.dcomm);         /* its code and stream are the CUDA plugin's */
     if (w.be)
         backend_free(w.be);
     comm_free(w.comm);

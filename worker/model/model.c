@@ -289,27 +289,23 @@ static int ffn_fused(struct model *m, struct mlayer *L, float *x, const struct b
     return 0;
 }
 
-/* One decoder layer (docs/MODEL.md §2.3) over the batch, in place on the residual x [n, H].
- * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
-int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
+/* The attention half of a decoder layer: x += o_proj(attention(norm(x))), reduced over
+ * the ranks where the layer is sharded.  A backend with fused layer halves runs it as one
+ * call (backend_attn_block) unless the step runs as per-core parts. */
+static int attention_half(struct model *m, struct mlayer *L, float *x, const struct batch *b,
+                          bool reduce)
 {
     const struct model_config *cfg = m->cfg;
     int n = b->n_tok, H = m->hidden, hd = L->head_dim;
     int g = L->group;
     float eps = cfg->rms_norm_eps;
-    bool reduce = m->sharded && !L->is_mtp;
-    bool fused = L->blocks && !b->hooks;
     int r;
 
-    if (fused) {
+    if (L->blocks && !b->hooks) {
         r = attn_fused(m, L, x, b, reduce);
-        if (r != -ENOTSUP) {
-            if (r < 0)
-                return r;
-            goto ffn;
-        }
+        if (r != -ENOTSUP)
+            return r;
     }
-    /* attention block */
     TRY(backend_rmsnorm(m->be, x, &L->in_norm, n, H, eps, m->a));
     TRY(model__layer_kv(m, L, b));
     TRY(backend_matmul(m->be, &L->wq, m->a, n, m->q));
@@ -344,15 +340,23 @@ int model__layer_forward(struct model *m, struct mlayer *L, float *x, const stru
     TRY(backend_matmul(m->be, &L->wo, m->att, n, m->tmp));
     if (reduce)
         TRY(allreduce(m, m->tmp, (size_t)n * H));                  /* [all-reduce 1] */
-    TRY(backend_add(m->be, x, m->tmp, (size_t)n * H));
+    return backend_add(m->be, x, m->tmp, (size_t)n * H);
+}
 
-ffn:
-    if (fused) {
+/* The FFN half: x += FFN(norm(x)) - the routed experts and the shared expert of a MoE layer,
+ * the dense MLP otherwise - reduced over the ranks where the layer is sharded. */
+static int ffn_half(struct model *m, struct mlayer *L, float *x, const struct batch *b, bool reduce)
+{
+    const struct model_config *cfg = m->cfg;
+    int n = b->n_tok, H = m->hidden;
+    float eps = cfg->rms_norm_eps;
+    int r;
+
+    if (L->blocks && !b->hooks) {
         r = ffn_fused(m, L, x, b, reduce);
         if (r != -ENOTSUP)
             return r;
     }
-    /* FFN block */
     TRY(backend_rmsnorm(m->be, x, &L->post_norm, n, H, eps, m->a));
     if (L->is_moe) {
         TRY(backend_matmul(m->be, &L->router, m->a, n, m->rlogits));
@@ -384,6 +388,17 @@ ffn:
     if (reduce)
         TRY(allreduce(m, m->tmp, (size_t)n * H));                  /* [all-reduce 2] */
     return backend_add(m->be, x, m->tmp, (size_t)n * H);
+}
+
+/* One decoder layer (docs/MODEL.md §2.3) over the batch, in place on the residual x [n, H].
+ * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
+int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
+{
+    bool reduce = m->sharded && !L->is_mtp;
+    int r;
+
+    TRY(attention_half(m, L, x, b, reduce));
+    return ffn_half(m, L, x, b, reduce);
 }
 
 /* logits[rows, vocab] = lm_head · final_norm(hid[rows]), gathered over the vocab slices. */

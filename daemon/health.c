@@ -127,6 +127,7 @@ void coord_health_update(struct coord *co)
                  wpool_ready_count(co), wpool_count(co), co->draining ? ", draining" : "");
         co->last_ready = ready;
     }
+    serve_check(co->serve);     /* stepd serve: "startup complete", READY=1 */
     health_status_line(co);
 }
 

@@ -83,7 +83,7 @@ struct serve {
     bool pass_gpu_mem;              /* this stepd-worker knows --gpu-memory-utilization */
     struct sgroup groups[SERVE_MAX_GROUPS];
     uv_timer_t t_tick, t_stop;
-    bool timers_on, stopping, closed, startup_logged, ready_sent;
+    bool timers_on, stopping, closed, startup_logged, ready_sent, in_check;
     int stop_stage;
     int64_t start_ms, spec_last_ms;
     uint64_t spec_drafts, spec_tokens, spec_accepted, spec_pos[METRICS_MAX_POS];
@@ -668,15 +668,16 @@ bool serve_settled(const struct serve *s)
     return true;
 }
 
-static void tick_cb(uv_timer_t *t)
+void serve_check(struct serve *s)
 {
-    struct serve *s = t->data;
-    struct coord *co = s->co;
+    struct coord *co;
     int64_t now = rpc_now_ms();
     unsigned ready = 0;
 
-    if (s->stopping)
+    if (!s || !s->co || s->stopping || s->in_check)
         return;
+    co = s->co;
+    s->in_check = true;
     for (unsigned d = 0; d < s->n_groups; d++) {
         struct sgroup *g = &s->groups[d];
         if (g->wg && g->wg->state == GROUP_READY) {
@@ -705,7 +706,19 @@ static void tick_cb(uv_timer_t *t)
         s->ready_sent = true;
         notify_ready();
         health_status_line(co);
-    } else if (!s->ready_sent) {
+    }
+    s->in_check = false;
+}
+
+static void tick_cb(uv_timer_t *t)
+{
+    struct serve *s = t->data;
+    int64_t now = rpc_now_ms();
+
+    if (s->stopping)
+        return;
+    serve_check(s);
+    if (!s->ready_sent) {
         /* ranks are still loading: stretch the service manager's start timeout, past the
          * longest backoff; failures are bounded by the restart limit */
         uint64_t ext = (uint64_t)s->o.backoff_max_ms * 1000 + 60000000ull;

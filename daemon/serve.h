@@ -62,5 +62,8 @@ const char *serve_rank_message(const struct serve *s, const char *group, unsigne
 void serve_unready_reason(const struct serve *s, char *buf, size_t n);
 /* A short summary for the service manager's STATUS line. */
 void serve_status(const struct serve *s, char *buf, size_t n);
+/* Readiness changed (coord_health_update) or the periodic tick: reset the failure counts
+ * of groups that are ready, log "startup complete" and send READY=1 when the time comes. */
+void serve_check(struct serve *s);
 /* True once every group is ready or given up (the READY=1 point in serve mode). */
 bool serve_settled(const struct serve *s);

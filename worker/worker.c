@@ -17,6 +17,7 @@
 #include "comm.h"
 #include "comm-nccl.h"
 #include "engine.h"
+#include "health.h"
 #include "loader.h"
 #include "log.h"
 #include "net.h"
@@ -217,6 +218,7 @@ struct worker {
     int32_t eos[ENGINE_MAX_EOS];
     int n_eos, sliding_window;
     const struct model_config *mc;      /* NULL with --mock */
+    struct worker_health *health;       /* sd_notify and the HTTP probes */
 };
 
 static int dcomm_step(struct forward *f, const struct step_plan *p, float *logits)
@@ -573,7 +575,9 @@ static int follower_loop(struct worker *w)
         int saved = w->comm->timeout_msec;
 
         w->comm->timeout_msec = 0;
+        worker_health_wait(w->health, true);
         r = comm_plan_recv(w->comm, scratch, w->plan_cap, &w->lim, &pb, &kind, &e);
+        worker_health_wait(w->health, false);
         w->comm->timeout_msec = saved;
         if (r < 0) {
             log_error("after %llu steps: %s", (unsigned long long)steps, e.msg);
@@ -595,6 +599,7 @@ static int follower_loop(struct worker *w)
             goto out;
         }
         steps++;
+        worker_health_beat(w->health);
     }
 out:
     step_plan_buf_done(&pb);
@@ -894,11 +899,24 @@ static int run_serve(struct worker *w, struct forward *f)
         worker_ctl_report(w->ctl, 2, 1.0f, "ready", ld.kv_blocks_total);
     log_notice("rank 0 ready: stepd.v1.Engine on %s (port %d), %d KV blocks, group of %d",
                w->o->engine_listen, port, ld.kv_blocks_total, w->o->world_size);
+    worker_health_phase(w->health, WORKER_PHASE_READY, "ready: group %s of %d, engine on %s, %d KV blocks",
+                        w->o->group, w->o->world_size, w->o->engine_listen, ld.kv_blocks_total);
     signal(SIGTERM, on_stop_signal);
     signal(SIGINT, on_stop_signal);
+    uint64_t last_steps = ld.n_steps;
+    int64_t last_step_ms = clk_now_ms();
     while (!stop_requested) {
         usleep(20 * 1000);
         engine_get_loads(eng, &ld);
+        /* the idle loop beats while the engine is idle or its steps advance: an engine with
+         * work whose step count stands still is stuck, and the watchdog must see it */
+        int64_t now = clk_now_ms();
+        if (ld.n_steps != last_steps || ld.n_alive == 0) {
+            last_steps = ld.n_steps;
+            last_step_ms = now;
+        }
+        if (now - last_step_ms < WORKER_HEALTH_STEP_STALL_MS)
+            worker_health_beat(w->health);
         if (ld.last_error) {
             log_error("engine stopped: %s", w->comm->error ? comm_last_error(w->comm)
                                                            : err_str(ld.last_error));
@@ -910,6 +928,8 @@ static int run_serve(struct worker *w, struct forward *f)
             break;
         }
     }
+    worker_health_phase(w->health, WORKER_PHASE_STOPPING, "stopping: %s",
+                        stop_requested ? "signal" : rc ? "engine failed" : "control session ended");
     engine_rpc_stop(rpc);
     engine_free(eng);
     return rc;
@@ -961,14 +981,24 @@ int worker_run(const struct worker_opts *o)
         return WORKER_EXIT_USAGE;
     }
 
+    r = worker_health_start(o->health_listen, &w.health, &e);
+    if (r < 0) {
+        log_error("%s", e.msg);
+        return WORKER_EXIT_USAGE;
+    }
+    worker_health_phase(w.health, WORKER_PHASE_RENDEZVOUS, "rendezvous: group %s rank %d of %d",
+                        o->group, o->rank, o->world_size);
     r = stage_comm(&w, &e);
     if (r < 0) {
         log_error("%s", e.msg);
+        worker_health_phase(w.health, WORKER_PHASE_FAILED, "rendezvous failed: %s", e.msg);
         rc = WORKER_EXIT_RENDEZVOUS;
         goto out;
     }
     if (w.ctl)
         worker_ctl_report(w.ctl, 1, 0.0f, "loading", 0);
+    worker_health_phase(w.health, WORKER_PHASE_LOADING, "loading: group %s rank %d of %d, %s",
+                        o->group, o->rank, o->world_size, o->mock ? "mock forward" : o->model_dir);
     struct rss before;
     rss_read(&before);
     r = stage_load(&w, &e);
@@ -976,6 +1006,7 @@ int worker_run(const struct worker_opts *o)
         log_error("load: %s", e.msg);
         if (w.ctl)
             worker_ctl_report(w.ctl, 3, 0.0f, e.msg, 0);
+        worker_health_phase(w.health, WORKER_PHASE_FAILED, "load failed: %s", e.msg);
         rc = WORKER_EXIT_FAILURE;
         /* the others are waiting for us in the first collective: abort so they see a
          * peer failure at once rather than their deadline */
@@ -989,6 +1020,7 @@ int worker_run(const struct worker_opts *o)
         log_error("%s", e.msg);
         if (w.ctl)
             worker_ctl_report(w.ctl, 3, 0.0f, e.msg, 0);
+        worker_health_phase(w.health, WORKER_PHASE_FAILED, "group shape: %s", e.msg);
         rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
         comm_abort(w.comm);
         goto out;
@@ -997,7 +1029,11 @@ int worker_run(const struct worker_opts *o)
     if (o->rank > 0) {
         if (w.ctl)
             worker_ctl_report(w.ctl, 2, 1.0f, "ready", 0);
+        worker_health_phase(w.health, WORKER_PHASE_READY, "ready: group %s rank %d of %d, following rank 0",
+                            o->group, o->rank, o->world_size);
         rc = follower_loop(&w);
+        worker_health_phase(w.health, WORKER_PHASE_STOPPING, "stopping: %s",
+                            rc ? "step failed" : "stop from rank 0");
         goto out;
     }
     struct forward *f = w.fwd;
@@ -1035,5 +1071,6 @@ out:
         backend_free(w.be);
     comm_free(w.comm);
     worker_ctl_free(w.ctl);
+    worker_health_stop(w.health);
     return rc;
 }

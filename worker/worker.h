@@ -65,6 +65,7 @@ struct worker_opts {
     const char *engine_listen;      /* rank 0: where stepd.v1.Engine listens (registered) */
     bool insecure_listen;           /* allow a non-loopback engine_listen (no authentication) */
     const char *control_key;        /* bearer key for the control service, or NULL */
+    const char *health_listen;      /* HTTP GET /livez, /readyz (probes), or NULL */
 };
 
 void worker_opts_init(struct worker_opts *o);

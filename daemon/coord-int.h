@@ -166,6 +166,9 @@ struct group {
 int wpool_init(struct coord *co);
 void wpool_done(struct coord *co);
 int wpool_register_methods(struct coord *co, struct rpc_server *s);
+/* The group named name, created (FORMING, no ranks) with world ranks when absent; NULL
+ * when out of memory.  Registration and `stepd serve` (groups listed before they form). */
+struct group *wpool_group_get(struct coord *co, const char *name, unsigned world);
 /* Least-loaded ready group with room (below its engine's capacity) whose context holds
  * need_len tokens (prompt + max_tokens).  NULL: none; *ret_full then says whether a ready
  * group would hold the request once it has room. */
@@ -320,6 +323,7 @@ struct coord {
     uv_tcp_t metrics_srv;
     bool metrics_on;
     struct tokenizer *tok;          /* NULL without --tokenizer: token input only */
+    struct serve *serve;            /* `stepd serve`: the supervised ranks (serve.c), or NULL */
 };
 
 /* ---- health.c ---- */
@@ -340,6 +344,8 @@ int health_register_methods(struct coord *co, struct rpc_server *s);
 bool req_generate_cq(struct rpc_call *call, void *ud);
 void req_generate_unmark(int mark, void *ud);
 bool coord_ready(const struct coord *co);
+/* Why readiness is NOT_SERVING, for people (/healthz, logs): "" when ready. */
+void coord_unready_reason(const struct coord *co, char *buf, size_t n);
 /* A running request ended: give its admission slot to the next queued one. */
 void coord_slot_release(struct coord *co, struct req *r);
 /* Called when the last request finished (drain completion). */

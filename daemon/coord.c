@@ -16,6 +16,7 @@
 #include "net.h"
 #include "notify.h"
 #include "pb-util.h"
+#include "serve.h"
 #include "stepd-config.h"
 
 
@@ -198,6 +199,7 @@ static void shutdown_servers(struct coord *co)
     uv_timer_stop(&co->t_heartbeat);
     uv_timer_stop(&co->t_loads);
     health_watches_end(co);
+    serve_shutdown(co->serve);      /* before the sessions end: it looks who has one */
     wpool_shutdown_sessions(co);
     co->servers_live = 3;
     rpc_server_shutdown(co->srv_pub, servers_down, co);
@@ -490,6 +492,10 @@ static void h_groups(struct rpc_call *call, const ProtobufCMessage *msg, void *u
             x->state = rk->present ? rk->state : STEPD__V1__WORKER_STATE__WORKER_STATE_GONE;
             x->load_progress = rk->progress;
             x->message = rk->message;
+            /* a rank without a session: what its supervisor (stepd serve) knows */
+            const char *sm = rk->present ? NULL : serve_rank_message(co->serve, g->name, k);
+            if (sm)
+                x->message = (char *)sm;
             x->pid = rk->pid;
             x->hostname = rk->hostname;
             x->n_experts = rk->n_experts;
@@ -775,7 +781,9 @@ int coord_run(struct coord *co)
     /* WATCHDOG=1 from the loop itself, at half the interval; STATUS every 5 s otherwise */
     uv_timer_start(&co->t_watchdog, watchdog_cb, 0, wd ? (wd / 2000 ? wd / 2000 : 1) : 5000);
     coord_health_update(co);
-    notify_ready();
+    /* stepd serve: READY once its groups are ready or given up (serve.c) */
+    if (!co->serve)
+        notify_ready();
     /* per-token forwarding and every other rpc callback run on the CQ thread while
      * the loop is idle (rpc_ctx_run); the loop still runs timers, signals, metrics */
     int r = rpc_ctx_run(co->rpc);

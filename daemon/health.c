@@ -13,6 +13,7 @@
 #include "coord-int.h"
 #include "log.h"
 #include "notify.h"
+#include "serve.h"
 
 #define HEALTH_SERVING GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
 #define HEALTH_NOT_SERVING GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
@@ -22,6 +23,27 @@
 bool coord_ready(const struct coord *co)
 {
     return !co->draining && !co->exiting && wpool_ready_count(co) > 0;
+}
+
+void coord_unready_reason(const struct coord *co, char *buf, size_t n)
+{
+    char sv[512];
+    unsigned total = wpool_count(co);
+
+    buf[0] = '\0';
+    if (coord_ready(co))
+        return;
+    if (co->exiting || co->draining) {
+        snprintf(buf, n, "%s", co->exiting ? "shutting down" : "draining");
+        return;
+    }
+    serve_unready_reason(co->serve, sv, sizeof(sv));
+    if (sv[0])
+        snprintf(buf, n, "no worker group is ready: %s", sv);
+    else if (total == 0)
+        snprintf(buf, n, "no worker group has registered");
+    else
+        snprintf(buf, n, "none of %u worker group%s is ready", total, total == 1 ? "" : "s");
 }
 
 static int health_kind(const char *svc)
@@ -55,6 +77,17 @@ void health_status_line(struct coord *co)
     unsigned ready = wpool_ready_count(co), total = wpool_count(co);
     float prog = 0;
     unsigned nr = 0;
+    char sv[256] = "", why[512] = "";
+
+    if (co->serve) {
+        /* serve mode: the supervisor's summary, and why nothing serves when nothing does */
+        serve_status(co->serve, sv, sizeof(sv));
+        coord_unready_reason(co, why, sizeof(why));
+        notify_status("%s; groups ready %u/%u; %s; running %u, queued %u%s%s",
+                      co->draining ? "draining" : ready ? "serving" : "starting", ready, total, sv,
+                      co->admit.running, co->admit.queued, why[0] ? "; " : "", why);
+        return;
+    }
     for (struct group *g = co->groups; g; g = g->next)
         if (g->state == GROUP_LOADING)
             for (unsigned i = 0; i < g->world; i++) {
@@ -94,6 +127,7 @@ void coord_health_update(struct coord *co)
                  wpool_ready_count(co), wpool_count(co), co->draining ? ", draining" : "");
         co->last_ready = ready;
     }
+    serve_check(co->serve);     /* stepd serve: "startup complete", READY=1 */
     health_status_line(co);
 }
 

@@ -11,12 +11,14 @@
 #include "coord.h"
 #include "err.h"
 #include "log.h"
+#include "serve.h"
 #include "stepd-config.h"
 
 static void usage(FILE *f)
 {
     fprintf(f,
         "usage: stepd [options]\n"
+        "       stepd serve MODEL_DIR [options] [serve options]\n"
         "Coordinator for stepd worker groups: public gRPC API (stepd.v1.Inference),\n"
         "Admin, worker control service, health and Prometheus metrics.\n\n"
         "Listening (loopback by default):\n"
@@ -51,7 +53,27 @@ static void usage(FILE *f)
         "  --worker-timeout-ms N      declare a silent rank gone after N ms (default 10000)\n"
         "  --prefix-affinity N        route by a hash of the first N prompt tokens (0 = off)\n"
         "  --log-level LEVEL          error|warn|info|debug\n"
-        "  --version, --help\n");
+        "  --version, --help\n"
+        "stepd serve MODEL_DIR: this coordinator starts and supervises its worker ranks\n"
+        "(names as vLLM's where the meaning is the same):\n"
+        "  --tensor-parallel-size N   ranks per group: 1, 2, 4, 8 (default 1)\n"
+        "  --data-parallel-size D     groups (default 1)\n"
+        "  --device cpu|cuda          rank r of group d runs on cuda:(d*N + r) (default cpu)\n"
+        "  --enable-expert-parallel   accepted: routed experts are always expert-parallel over a group\n"
+        "  --speculative-config JSON  '{\"method\":\"mtp\",\"num_speculative_tokens\":K}', K 0..3\n"
+        "  --max-model-len L, --max-num-batched-tokens T, --max-num-seqs S   engine sizes\n"
+        "  --gpu-memory-utilization F passed to workers that take it\n"
+        "  --served-model-name NAME   the model name clients see (default: the directory's name)\n"
+        "  --threads T                CPU threads per rank (default: the CPUs shared out)\n"
+        "  --worker-binary PATH       stepd-worker to run (default: beside stepd, else $PATH)\n"
+        "  --worker-arg ARG           one more flag for every rank (repeatable)\n"
+        "  --worker-restart-limit N   failures in a row before a group is given up (default 5)\n"
+        "  --worker-backoff-ms MS     first restart delay, doubling up to --worker-backoff-max-ms\n"
+        "                             (defaults 500 and 30000)\n"
+        "  --worker-stop-timeout S    seconds ranks get to stop before SIGTERM (default 15)\n"
+        "  --spec-log-interval S      spec-decoding metrics in the log every S s (default 10, 0 = off)\n"
+        "The control key is generated per run (or --control-key-file) and handed to the ranks in\n"
+        "a file; the tokenizer defaults to MODEL_DIR/tokenizer.json.\n");
 }
 
 static int parse_uint(const char *flag, const char *s, unsigned long max, unsigned long *ret)
@@ -160,7 +182,13 @@ enum {
     OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT,
+    /* stepd serve */
+    OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
+    OPT_S_GPUMEM, OPT_S_NAME, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
+    OPT_S_BACKOFF_MAX, OPT_S_STOP, OPT_S_SPECLOG,
 };
+
+#define SERVE_MAX_WORKER_ARGS 32
 
 int main(int argc, char **argv)
 {
@@ -195,6 +223,24 @@ int main(int argc, char **argv)
         { "prefix-affinity", required_argument, NULL, OPT_AFFINITY },
         { "log-level", required_argument, NULL, OPT_LOG },
         { "version", no_argument, NULL, OPT_VERSION },
+        { "tensor-parallel-size", required_argument, NULL, OPT_S_TP },
+        { "data-parallel-size", required_argument, NULL, OPT_S_DP },
+        { "device", required_argument, NULL, OPT_S_DEVICE },
+        { "enable-expert-parallel", no_argument, NULL, OPT_S_EP },
+        { "speculative-config", required_argument, NULL, OPT_S_SPEC },
+        { "max-model-len", required_argument, NULL, OPT_S_MAXLEN },
+        { "max-num-batched-tokens", required_argument, NULL, OPT_S_MAXBT },
+        { "max-num-seqs", required_argument, NULL, OPT_S_MAXSEQS },
+        { "gpu-memory-utilization", required_argument, NULL, OPT_S_GPUMEM },
+        { "served-model-name", required_argument, NULL, OPT_S_NAME },
+        { "threads", required_argument, NULL, OPT_S_THREADS },
+        { "worker-binary", required_argument, NULL, OPT_S_WBIN },
+        { "worker-arg", required_argument, NULL, OPT_S_WARG },
+        { "worker-restart-limit", required_argument, NULL, OPT_S_LIMIT },
+        { "worker-backoff-ms", required_argument, NULL, OPT_S_BACKOFF },
+        { "worker-backoff-max-ms", required_argument, NULL, OPT_S_BACKOFF_MAX },
+        { "worker-stop-timeout", required_argument, NULL, OPT_S_STOP },
+        { "spec-log-interval", required_argument, NULL, OPT_S_SPECLOG },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
@@ -204,9 +250,22 @@ int main(int argc, char **argv)
     const char *key_file = NULL, *ckey_file = NULL;
     unsigned long v;
     int c, r, rc = 2;
+    /* stepd serve */
+    struct serve_opts so;
+    struct serve *sv = NULL;
+    const char *worker_args[SERVE_MAX_WORKER_ARGS];
+    const char *serve_flag = NULL;  /* the first serve-only flag seen */
+    char tokenizer[4096], model_name[256];
+    bool serve_mode = argc > 1 && strcmp(argv[1], "serve") == 0;
 
     malloc_tune(argv);
     log_init("stepd", NULL);
+    serve_opts_default(&so);
+    so.worker_args = worker_args;
+    if (serve_mode) {
+        argv++;                     /* getopt sees "serve" as the program name */
+        argc--;
+    }
     log_debug("malloc: %s", malloc_tuned ? "glibc per-thread caches off, one arena (STEPD_MALLOC_TUNE=0 keeps "
                                            "glibc's defaults)" : "glibc's defaults");
     coord_opts_default(&o);
@@ -267,6 +326,68 @@ int main(int argc, char **argv)
         case OPT_VERSION:
             printf("stepd %s\n", STEPD_VERSION);
             return 0;
+#define SERVE_UINT(id, flag, lo, hi, field) \
+        case id: serve_flag = serve_flag ? serve_flag : flag; \
+            if (parse_uint(flag, optarg, hi, &v) < 0) return 2; \
+            if (v < lo) { log_error("%s: at least %lu", flag, (unsigned long)(lo)); return 2; } \
+            so.field = (unsigned)v; break;
+        SERVE_UINT(OPT_S_TP, "--tensor-parallel-size", 1, 8, tensor_parallel)
+        SERVE_UINT(OPT_S_DP, "--data-parallel-size", 1, 64, data_parallel)
+        SERVE_UINT(OPT_S_MAXLEN, "--max-model-len", 2, 1u << 22, max_model_len)
+        SERVE_UINT(OPT_S_MAXBT, "--max-num-batched-tokens", 4, 1u << 20, max_num_batched_tokens)
+        SERVE_UINT(OPT_S_MAXSEQS, "--max-num-seqs", 1, 4096, max_num_seqs)
+        SERVE_UINT(OPT_S_LIMIT, "--worker-restart-limit", 1, 1000, restart_limit)
+        SERVE_UINT(OPT_S_BACKOFF, "--worker-backoff-ms", 1, 3600000, backoff_ms)
+        SERVE_UINT(OPT_S_BACKOFF_MAX, "--worker-backoff-max-ms", 1, 3600000, backoff_max_ms)
+#undef SERVE_UINT
+        case OPT_S_STOP:
+        case OPT_S_SPECLOG: {
+            const char *flag = c == OPT_S_STOP ? "--worker-stop-timeout" : "--spec-log-interval";
+            char *end;
+            double sec = strtod(optarg, &end);
+            serve_flag = serve_flag ? serve_flag : flag;
+            if (end == optarg || *end || !(sec >= 0 && sec <= 86400)) {
+                log_error("%s: expected seconds in [0, 86400], got '%s'", flag, optarg);
+                return 2;
+            }
+            if (c == OPT_S_STOP)
+                so.worker_stop_timeout_ms = (unsigned)(sec * 1000.0);
+            else
+                so.spec_log_interval_ms = (unsigned)(sec * 1000.0);
+            break;
+        }
+        case OPT_S_THREADS:
+            serve_flag = serve_flag ? serve_flag : "--threads";
+            if (parse_uint("--threads", optarg, 1024, &v) < 0)
+                return 2;
+            so.threads = (unsigned)v;
+            break;
+        case OPT_S_DEVICE: serve_flag = serve_flag ? serve_flag : "--device"; so.device = optarg; break;
+        case OPT_S_EP: serve_flag = serve_flag ? serve_flag : "--enable-expert-parallel"; break;
+        case OPT_S_SPEC:
+            serve_flag = serve_flag ? serve_flag : "--speculative-config";
+            so.speculative_config = optarg;
+            break;
+        case OPT_S_GPUMEM: {
+            char *end;
+            serve_flag = serve_flag ? serve_flag : "--gpu-memory-utilization";
+            so.gpu_memory_utilization = strtod(optarg, &end);
+            if (end == optarg || *end || !(so.gpu_memory_utilization > 0 && so.gpu_memory_utilization <= 1)) {
+                log_error("--gpu-memory-utilization: expected a fraction in (0, 1], got '%s'", optarg);
+                return 2;
+            }
+            break;
+        }
+        case OPT_S_NAME: serve_flag = serve_flag ? serve_flag : "--served-model-name"; o.model_name = optarg; break;
+        case OPT_S_WBIN: serve_flag = serve_flag ? serve_flag : "--worker-binary"; so.worker_binary = optarg; break;
+        case OPT_S_WARG:
+            serve_flag = serve_flag ? serve_flag : "--worker-arg";
+            if (so.n_worker_args == SERVE_MAX_WORKER_ARGS) {
+                log_error("--worker-arg: at most %d", SERVE_MAX_WORKER_ARGS);
+                return 2;
+            }
+            worker_args[so.n_worker_args++] = optarg;
+            break;
         case 'h':
             usage(stdout);
             return 0;
@@ -274,6 +395,16 @@ int main(int argc, char **argv)
             usage(stderr);
             return 2;
         }
+    }
+    if (serve_mode) {
+        if (optind >= argc) {
+            log_error("stepd serve: MODEL_DIR is required (stepd serve MODEL_DIR [options])");
+            return 2;
+        }
+        so.model_dir = argv[optind++];
+    } else if (serve_flag) {
+        log_error("%s is a flag of `stepd serve MODEL_DIR`", serve_flag);
+        return 2;
     }
     if (optind < argc) {
         log_error("unexpected argument '%s'", argv[optind]);
@@ -305,14 +436,49 @@ int main(int argc, char **argv)
         log_error("--tls-cert and --tls-key go together");
         goto out;
     }
+    if (serve_mode) {
+        char *key = NULL;
+        /* the model directory's tokenizer and name, unless given */
+        if (!o.tokenizer_path) {
+            snprintf(tokenizer, sizeof(tokenizer), "%s/tokenizer.json", so.model_dir);
+            if (access(tokenizer, R_OK) == 0)
+                o.tokenizer_path = tokenizer;
+        }
+        if (!o.model_name) {
+            const char *b = so.model_dir + strlen(so.model_dir);
+            while (b > so.model_dir && b[-1] == '/')
+                b--;
+            const char *e = b;
+            while (b > so.model_dir && b[-1] != '/')
+                b--;
+            snprintf(model_name, sizeof(model_name), "%.*s", (int)(e - b), b);
+            if (model_name[0])
+                o.model_name = model_name;
+        }
+        if ((r = serve_prepare(&so, ctl_key, &sv, &key)) < 0) {
+            rc = 2;
+            goto out;
+        }
+        if (ctl_key) {
+            memset(ctl_key, 0, strlen(ctl_key));
+            free(ctl_key);
+        }
+        ctl_key = key;
+        o.control_key = ctl_key;
+    }
     if ((r = coord_new(&o, &co)) < 0) {
         log_error("cannot start: %s", err_str(r));
         rc = 1;
         goto out;
     }
-    rc = coord_run(co);
+    if (sv && (r = serve_start(sv, co)) < 0) {
+        log_error("cannot start the workers: %s", err_str(r));
+        rc = 1;
+    }
+    rc = r < 0 ? rc : coord_run(co);
     coord_free(co);
 out:
+    serve_free(sv);
     if (api_key) {
         memset(api_key, 0, strlen(api_key));
         free(api_key);

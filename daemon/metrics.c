@@ -272,7 +272,10 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
         }
         respond(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", body, len);
     } else if (strncmp(c->buf, "GET /healthz ", 13) == 0) {
-        char *body = strdup(coord_ready(c->co) ? "ready\n" : "not ready\n");
+        char why[600], text[640];
+        coord_unready_reason(c->co, why, sizeof(why));
+        snprintf(text, sizeof(text), why[0] ? "not ready: %s\n" : "ready\n", why);
+        char *body = strdup(text);
         respond(c, coord_ready(c->co) ? 200 : 503, coord_ready(c->co) ? "OK" : "Service Unavailable",
                 "text/plain", body, body ? strlen(body) : 0);
     } else if (strncmp(c->buf, "GET ", 4) == 0) {

@@ -65,6 +65,29 @@ unsigned wpool_count(const struct coord *co)
     return n;
 }
 
+struct group *wpool_group_get(struct coord *co, const char *name, unsigned world)
+{
+    struct group *g = group_find(co, name);
+
+    if (g)
+        return g;
+    g = calloc(1, sizeof(*g));
+    if (!g)
+        return NULL;
+    g->co = co;
+    snprintf(g->name, sizeof(g->name), "%s", name);
+    g->world = world;
+    for (int i = 0; i < COORD_MAX_WORLD; i++) {
+        g->ranks[i].g = g;
+        g->ranks[i].rank = i;
+    }
+    struct group **pp = &co->groups;
+    while (*pp)
+        pp = &(*pp)->next;
+    *pp = g;
+    return g;
+}
+
 /* ------------------------------------------------------------------ sessions */
 
 static void group_maybe_ready(struct group *g);
@@ -368,24 +391,10 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "hostname: longer than 63 bytes");
         return;
     }
-    g = group_find(co, r->group);
+    g = wpool_group_get(co, r->group, r->world_size);
     if (!g) {
-        g = calloc(1, sizeof(*g));
-        if (!g) {
-            rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
-            return;
-        }
-        g->co = co;
-        snprintf(g->name, sizeof(g->name), "%s", r->group);
-        g->world = r->world_size;
-        for (int i = 0; i < COORD_MAX_WORLD; i++) {
-            g->ranks[i].g = g;
-            g->ranks[i].rank = i;
-        }
-        struct group **pp = &co->groups;
-        while (*pp)
-            pp = &(*pp)->next;
-        *pp = g;
+        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
     }
     if (g->world != r->world_size) {
         bool any = false;

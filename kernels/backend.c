@@ -372,3 +372,110 @@ int backend_graph_end(struct backend *be)
     ASSERT(be);
     return be->ops->graph_end ? be->ops->graph_end(be) : 0;
 }
+
+/* ---- the GPU path ---- */
+
+int backend_capture_begin(struct backend *be)
+{
+    ASSERT(be);
+    return be->ops->capture_begin ? be->ops->capture_begin(be) : 0;
+}
+
+int backend_capture_end(struct backend *be, bool ok)
+{
+    ASSERT(be);
+    return be->ops->capture_end ? be->ops->capture_end(be, ok) : 0;
+}
+
+bool backend_has_blocks(struct backend *be)
+{
+    ASSERT(be);
+    return be->ops->attn_block && be->ops->ffn_block && be->ops->attn_prepare &&
+           be->ops->ffn_prepare && backend_supports(be, "blocks", WFMT_BF16);
+}
+
+int backend_reserve(struct backend *be, const struct backend_reserve *r)
+{
+    ASSERT(be && r && r->max_tokens > 0 && r->max_seqs > 0 && r->hidden > 0);
+    return be->ops->reserve ? be->ops->reserve(be, r) : 0;
+}
+
+int backend_step_begin(struct backend *be, const struct backend_step *s)
+{
+    ASSERT(be && s && s->n_tok >= 0 && s->n_seqs >= 0);
+    ASSERT(s->n_tok == 0 || (s->ids && s->pos && s->seq_start && s->seq_pos0));
+    return be->ops->step_begin ? be->ops->step_begin(be, s) : 0;
+}
+
+int backend_attn_prepare(struct backend *be, struct attn_weights *w)
+{
+    ASSERT(be && w && w->in_norm && w->wq && w->wk && w->wv && w->wo);
+    return be->ops->attn_prepare ? be->ops->attn_prepare(be, w) : -ENOTSUP;
+}
+
+void backend_attn_release(struct backend *be, struct attn_weights *w)
+{
+    ASSERT(be && w);
+    if (be->ops->attn_release && w->priv)
+        be->ops->attn_release(be, w);
+}
+
+int backend_ffn_prepare(struct backend *be, struct ffn_weights *w)
+{
+    ASSERT(be && w && w->post_norm);
+    ASSERT(w->router || (w->gate && w->up && w->down));
+    ASSERT(!w->router || w->n_local == 0 || w->experts);
+    return be->ops->ffn_prepare ? be->ops->ffn_prepare(be, w) : -ENOTSUP;
+}
+
+void backend_ffn_release(struct backend *be, struct ffn_weights *w)
+{
+    ASSERT(be && w);
+    if (be->ops->ffn_release && w->priv)
+        be->ops->ffn_release(be, w);
+}
+
+int backend_attn_block(struct backend *be, const struct attn_block_args *a)
+{
+    ASSERT(be && a && a->x && a->w && a->kv && a->n_tok >= 0 && a->n_seqs >= 0);
+    ASSERT(a->n_tok == 0 || (a->pos && a->slots && a->seq_tok_start && a->seq_pos0 &&
+                             a->block_tables && a->block_table_off));
+    ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    ASSERT(a->head_dim == a->kv->head_dim && a->n_kv_heads == a->kv->n_kv_heads);
+    return be->ops->attn_block ? be->ops->attn_block(be, a) : -ENOSYS;
+}
+
+int backend_ffn_block(struct backend *be, const struct ffn_block_args *a)
+{
+    ASSERT(be && a && a->x && a->w && a->n_tok >= 0 && a->hidden > 0);
+    ASSERT(a->limit_dense >= 0.0f && a->limit_routed >= 0.0f);
+    return be->ops->ffn_block ? be->ops->ffn_block(be, a) : -ENOSYS;
+}
+
+int backend_copy_rows(struct backend *be, void *dst, const int32_t *dst_rows, const void *src,
+                      const int32_t *src_rows, int n, size_t row_bytes)
+{
+    ASSERT(be && n >= 0 && (n == 0 || (dst && src && row_bytes > 0)));
+    return be->ops->copy_rows ? be->ops->copy_rows(be, dst, dst_rows, src, src_rows, n, row_bytes)
+                              : -ENOSYS;
+}
+
+void *backend_native(struct backend *be, const char *what)
+{
+    ASSERT(be && what);
+    return be->ops->native ? be->ops->native(be, what) : NULL;
+}
+
+int backend_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total)
+{
+    ASSERT(be && ret_free && ret_total);
+    return be->ops->mem_info ? be->ops->mem_info(be, ret_free, ret_total) : -ENOSYS;
+}
+
+void *backend_plugin_symbol(struct backend *be, const char *name)
+{
+    struct backend_impl *impl = (struct backend_impl *)be;
+
+    ASSERT(be && name);
+    return impl->dl ? dlsym(impl->dl, name) : NULL;
+}

@@ -21,6 +21,20 @@
  *    path from the on-disk bytes); weight_prepare rejects E8M0 scale 255 with -EINVAL.
  *  - Thread-safety: one backend instance serves one calling thread at a time (like a
  *    CUDA stream); ops use the backend's own worker threads internally.
+ *
+ * The GPU path (docs/GPU.md), all optional slots that the CPU backend leaves NULL, so that
+ * the CPU path is unchanged:
+ *  - reserve: the device memory plan (every size a step may need), given once at load;
+ *  - step_begin: a step's index arrays in one transfer; ops given those same host arrays
+ *    then read the device copies;
+ *  - capture_begin/capture_end: the trunk's layers captured and replayed as a CUDA graph
+ *    (graph_begin/graph_end stay the CPU pool's busy bracket);
+ *  - attn_block/ffn_block (with attn_prepare/ffn_prepare): the two halves of a decoder
+ *    layer fused, BF16 activations between their kernels, the FP32 residual stream at the
+ *    interface (struct attn_block_args / ffn_block_args: exactly the op script of
+ *    worker/model/model.c layer_forward, so the CPU backend stays the oracle of both);
+ *  - copy_rows: row gathers between activation buffers on the device;
+ *  - native/mem_info: the device stream (for a device-side comm) and free memory.
  */
 #pragma once
 
@@ -99,7 +113,92 @@ struct backend;
 struct backend_cfg {
     int n_threads;              /* CPU: worker threads (0 = online cores) */
     int device;                 /* CUDA ordinal */
-    bool mxfp4_exact;           /* CPU: use the exact W4A32 path instead of the int8 fast path */
+    bool mxfp4_exact;           /* CPU: use the exact W4A32 path instead of the int8 fast path;
+                                   CUDA: FP32 activations op by op (W4A32, no fused halves,
+                                   no graphs), the diagnostic path */
+};
+
+/* ---- the GPU path (optional slots) ---- */
+
+#define BACKEND_KV_GROUPS 2     /* = worker/plan.h _KV_GROUP_MAX */
+
+/* Everything a step may touch, for a backend that plans its device memory once.  Sizes are
+ * maxima over the model's layers (this rank's slice). */
+struct backend_reserve {
+    int max_tokens;             /* activation rows of a step (MTP re-runs included) */
+    int max_seqs;
+    int hidden;
+    int max_heads, max_kv_heads, max_head_dim;
+    int max_q_dim, max_kv_dim;  /* n_heads * head_dim, n_kv_heads * head_dim */
+    int max_inter;              /* dense MLP / shared expert intermediate (local) */
+    int n_experts, top_k, moe_inter, max_local_experts;   /* 0 without MoE layers */
+    int max_block_ids;          /* block-table entries per KV group */
+};
+
+/* A step's index arrays (host), as the model builds them from the plan.  Padding rows of
+ * a graph bucket are the backend's business (kernels/cuda/graph-pad.h). */
+struct backend_step {
+    int n_tok, n_seqs;
+    const int32_t *ids, *pos;                       /* [n_tok] */
+    const int32_t *slots[BACKEND_KV_GROUPS];        /* [n_tok] */
+    const int32_t *seq_start;                       /* [n_seqs + 1] */
+    const int32_t *seq_pos0;                        /* [n_seqs] */
+    const int32_t *boff[BACKEND_KV_GROUPS];         /* [n_seqs] */
+    const int32_t *tables[BACKEND_KV_GROUPS];
+    int n_table[BACKEND_KV_GROUPS];                 /* entries in tables[g] */
+    int max_run;                                    /* longest run of the step */
+    bool graph;                                     /* the trunk may run as a graph */
+};
+
+/* One decoder layer's weights for the fused halves, prepared individually first; the
+ * prepare call may fuse them (QKV + gate, gate + up) into one device copy that the parts
+ * then borrow.  NULL: absent (wg without the head-wise gate, q/k_norm without QK norm,
+ * gate/up/down on a MoE layer without shared expert, router on a dense layer). */
+struct attn_weights {
+    struct bweight *in_norm, *wq, *wk, *wv, *wg, *q_norm, *k_norm, *wo;
+    const struct rope_freqs *freqs;     /* host table (rotary_dims 0 or NULL: no RoPE) */
+    void *priv;
+};
+
+struct ffn_weights {
+    struct bweight *post_norm;
+    struct bweight *gate, *up, *down;   /* dense MLP or shared expert, intermediate `inter` */
+    int inter;
+    struct bweight *router;             /* [n_experts, hidden] */
+    const float *router_bias;           /* host [n_experts] or NULL */
+    struct moe_expert *experts;         /* [n_local] */
+    int expert_first, n_local, n_experts, moe_inter;
+    void *priv;
+};
+
+/* The attention half of a decoder layer: x [n_tok, hidden] FP32, the residual stream.
+ *   a = rmsnorm(x; in_norm); q, k, v, g = a·W; q, k per-head rmsnorm (q/k_norm); RoPE on
+ *   the first rotary dims (freqs, NULL = none) at pos; k, v stored at slots; attention
+ *   (as struct attn_args); o *= sigmoid(g) per head; y = o·Woᵀ.
+ *   out == NULL: x += y; else out = y (the caller all-reduces and adds). */
+struct attn_block_args {
+    float *x, *out;
+    int n_tok, hidden, n_heads, n_kv_heads, head_dim;
+    float eps, scale;
+    const struct attn_weights *w;
+    const struct rope_freqs *freqs;
+    const int32_t *pos, *slots;         /* host, [n_tok] */
+    struct kv_layer *kv;
+    int window, n_seqs;
+    const int32_t *seq_tok_start, *seq_pos0, *block_tables, *block_table_off;   /* host */
+};
+
+/* The FFN half: a = rmsnorm(x; post_norm); dense layer (router NULL): y = down(swiglu(
+ * gate·a, up·a; limit_dense)); MoE layer: y = shared expert (limit_dense, when gate != NULL)
+ * + routed experts (router: sigmoid + bias top_k, renorm, scale; limit_routed).
+ * out == NULL: x += y; else out = y. */
+struct ffn_block_args {
+    float *x, *out;
+    int n_tok, hidden;
+    float eps, limit_dense, limit_routed, route_scale;
+    int top_k;
+    bool renorm;
+    const struct ffn_weights *w;
 };
 
 /* One part of backend_split_run (see split_run below). */
@@ -157,6 +256,24 @@ struct backend_ops {
      * true: every part on its own thread at once (parts may wait for each other). */
     int (*split_run)(struct backend *be, int n_parts, bool together, backend_part_fn fn,
                      void *arg);
+    /* the GPU path (see the top of this file) */
+    int (*reserve)(struct backend *be, const struct backend_reserve *r);
+    int (*step_begin)(struct backend *be, const struct backend_step *s);
+    int (*attn_prepare)(struct backend *be, struct attn_weights *w);
+    void (*attn_release)(struct backend *be, struct attn_weights *w);
+    int (*ffn_prepare)(struct backend *be, struct ffn_weights *w);
+    void (*ffn_release)(struct backend *be, struct ffn_weights *w);
+    int (*attn_block)(struct backend *be, const struct attn_block_args *a);
+    int (*ffn_block)(struct backend *be, const struct ffn_block_args *a);
+    /* dst row dst_rows[i] <- src row src_rows[i], i < n, rows of row_bytes; the row lists
+     * are host arrays, NULL = 0 .. n-1 */
+    int (*copy_rows)(struct backend *be, void *dst, const int32_t *dst_rows, const void *src,
+                     const int32_t *src_rows, int n, size_t row_bytes);
+    /* "stream": the cudaStream_t the ops run on; NULL for anything else */
+    void *(*native)(struct backend *be, const char *what);
+    int (*mem_info)(struct backend *be, size_t *ret_free, size_t *ret_total);
+    int (*capture_begin)(struct backend *be);
+    int (*capture_end)(struct backend *be, bool ok);
 };
 
 struct backend {
@@ -216,6 +333,39 @@ int backend_split_run(struct backend *be, int n_parts, bool together, backend_pa
                       void *arg);
 int backend_graph_begin(struct backend *be);
 int backend_graph_end(struct backend *be);
+
+/* Graphs of the trunk (after step_begin, around the embedding and the layers):
+ *   r = backend_capture_begin(be): 1 = the step's graph exists and capture_end launches
+ *       it, the caller skips the ops; 0 = run the ops (captured when the step's shape is a
+ *       graph bucket, else eager); < 0 error.
+ *   backend_capture_end(be, ok): called after capture_begin whatever happened; ok = the
+ *       ops (if run) succeeded.  Ends a capture and launches the graph (ok), or discards
+ *       it (!ok, returns 0); -EAGAIN when the capture itself failed (graphs are then off:
+ *       run the ops again, eagerly).
+ * Absent slots: begin 0, end 0 (eager). */
+int backend_capture_begin(struct backend *be);
+int backend_capture_end(struct backend *be, bool ok);
+
+/* The GPU path wrappers.  Absent slots: reserve, step_begin -> 0 (nothing to plan);
+ * attn/ffn_prepare -> -ENOTSUP (the caller keeps the op script), release -> nothing;
+ * attn/ffn_block, copy_rows, mem_info -> -ENOSYS; native -> NULL. */
+bool backend_has_blocks(struct backend *be);
+int backend_reserve(struct backend *be, const struct backend_reserve *r);
+int backend_step_begin(struct backend *be, const struct backend_step *s);
+int backend_attn_prepare(struct backend *be, struct attn_weights *w);
+void backend_attn_release(struct backend *be, struct attn_weights *w);
+int backend_ffn_prepare(struct backend *be, struct ffn_weights *w);
+void backend_ffn_release(struct backend *be, struct ffn_weights *w);
+int backend_attn_block(struct backend *be, const struct attn_block_args *a);
+int backend_ffn_block(struct backend *be, const struct ffn_block_args *a);
+int backend_copy_rows(struct backend *be, void *dst, const int32_t *dst_rows, const void *src,
+                      const int32_t *src_rows, int n, size_t row_bytes);
+void *backend_native(struct backend *be, const char *what);
+int backend_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total);
+/* A symbol of the backend's plugin (dlsym; NULL for built-in backends): the CUDA plugin
+ * exports the NCCL comm this way (worker/comm/comm-nccl.h), so that CPU-only binaries
+ * never link CUDA libraries. */
+void *backend_plugin_symbol(struct backend *be, const char *name);
 
 /* ---- rotary tables (host helper, no backend needed) ---- */
 

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #define TEST_SKIP 77
 
@@ -37,3 +38,33 @@
     if (!_h || !strstr(_h, _n)) FAIL("\"%s\" does not contain \"%s\"", _h ? _h : "(null)", _n); } while (0)
 #define ASSERT_NEAR(a, b, tol) do { double _a = (double)(a), _b = (double)(b); \
     if (!(fabs(_a - _b) <= (tol))) FAIL("|%s - %s| <= %g (%.9g vs %.9g)", #a, #b, (double)(tol), _a, _b); } while (0)
+
+/* Run cmd with sh, stderr merged into stdout: *out receives the output (malloc'd, the
+ * caller frees); returns the exit status.  Fails the test when cmd did not exit. */
+static inline int test_run(const char *cmd, char **out)
+{
+    char full[8192], buf[4096];
+    size_t len = 0, cap = 0;
+    FILE *p;
+    int st;
+
+    snprintf(full, sizeof(full), "%s 2>&1", cmd);
+    p = popen(full, "r");
+    ASSERT_TRUE(p != NULL);
+    *out = NULL;
+    while (fgets(buf, sizeof(buf), p)) {
+        size_t n = strlen(buf);
+        if (len + n + 1 > cap) {
+            cap = (len + n + 1) * 2;
+            *out = (char *)realloc(*out, cap);
+            ASSERT_TRUE(*out != NULL);
+        }
+        memcpy(*out + len, buf, n + 1);
+        len += n;
+    }
+    if (!*out)
+        *out = strdup("");
+    st = pclose(p);
+    ASSERT_TRUE(WIFEXITED(st));
+    return WEXITSTATUS(st);
+}

@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <unistd.h>
 
 #include "file.h"
 #include "cli.h"
@@ -51,6 +53,7 @@ static void usage(FILE *f)
         "                          distribution, before any sampling transform) or\n"
         "                          processed_logprobs (after penalties, temperature, top-k/p)\n"
         "  --insecure-listen       allow a non-loopback --engine-listen (it has no authentication)\n"
+        "  --health-listen ADDR    HTTP probes: GET /livez (alive), GET /readyz (loaded, group formed)\n"
         "Exit status: 0 ok, 1 failure, 2 usage, 3 rendezvous, 4 collective failed (peer gone).\n");
 }
 
@@ -80,12 +83,41 @@ static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant)
     return 0;
 }
 
+/* Started by `stepd serve` ($STEPD_SUPERVISOR_PID is its pid): end with it.  A rank outlives
+ * a lost coordinator otherwise (it waits to register again), which is right under systemd or
+ * Kubernetes but would leave a dead `stepd serve`'s ranks running.  SIGTERM, so that a rank
+ * still stops as on any other termination. */
+static int supervised_by_parent(void)
+{
+    const char *s = getenv("STEPD_SUPERVISOR_PID");
+    char *end;
+    long pid;
+
+    if (!s || !*s)
+        return 0;
+    pid = strtol(s, &end, 10);
+    unsetenv("STEPD_SUPERVISOR_PID");
+    if (*end || pid <= 1) {
+        log_error("STEPD_SUPERVISOR_PID '%s': expected a process id", s);
+        return -EINVAL;
+    }
+    if (prctl(PR_SET_PDEATHSIG, SIGTERM) < 0) {
+        log_error("prctl(PR_SET_PDEATHSIG): %s", strerror(errno));
+        return -errno;
+    }
+    if (getppid() != (pid_t)pid) {
+        log_error("the supervisor (pid %ld) is gone before this rank started", pid);
+        return -ESRCH;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     enum {
         O_COORD = 256, O_RDV, O_GROUP, O_RANK, O_WORLD, O_DEVICE, O_MODEL, O_MTP_MODEL, O_MTP,
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
-        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_INSECURE, O_HELP,
+        O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_INSECURE, O_HEALTH, O_HELP,
         O_TLS_CA, O_TLS_CERT, O_TLS_KEY, O_MAX_WAIT, O_LP_MODE,
     };
     static const struct option opts[] = {
@@ -120,6 +152,7 @@ int main(int argc, char **argv)
         { "engine-listen", required_argument, NULL, O_ENGINE },
         { "control-key-file", required_argument, NULL, O_CKEY },
         { "load-timeout", required_argument, NULL, O_LOAD_TO },
+        { "health-listen", required_argument, NULL, O_HEALTH },
         { "control-tls-ca", required_argument, NULL, O_TLS_CA },
         { "control-tls-cert", required_argument, NULL, O_TLS_CERT },
         { "control-tls-key", required_argument, NULL, O_TLS_KEY },
@@ -166,6 +199,7 @@ int main(int argc, char **argv)
         case O_REPORT: o.report_file = optarg; break;
         case O_ENGINE: o.engine_listen = optarg; break;
         case O_CKEY: ckey_file = optarg; break;
+        case O_HEALTH: o.health_listen = optarg; break;
         case O_LOAD_TO: r = parse_int(optarg, "--load-timeout", 1, INT_MAX, &o.load_timeout_msec); break;
         case O_TLS_CA: o.control_tls.root_file = optarg; break;
         case O_TLS_CERT: o.control_tls.cert_file = optarg; break;
@@ -219,5 +253,7 @@ int main(int argc, char **argv)
     snprintf(tag, sizeof(tag), "%.64s/r%d", o.group, o.rank);
     log_init("stepd-worker", tag);
     signal(SIGPIPE, SIG_IGN);
+    if (supervised_by_parent() < 0)
+        return WORKER_EXIT_FAILURE;
     return worker_run(&o);
 }

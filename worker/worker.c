@@ -15,7 +15,9 @@
 
 #include "backend.h"
 #include "comm.h"
+#include "comm-nccl.h"
 #include "engine.h"
+#include "health.h"
 #include "loader.h"
 #include "log.h"
 #include "net.h"
@@ -135,6 +137,29 @@ static int hook_allgather(void *ctx, const float *in, float *out, size_t n)
     return comm_allgather(ctx, in, out, n * sizeof(float));
 }
 
+/* ---- CUDA groups: the NCCL comm of the model's collectives --------------------------- */
+
+/* The model as a forward whose trunk steps end with the NCCL comm's step check (async
+ * error, the watchdog's busy mark cleared): the collectives ran in stream order inside
+ * the step, with no host wait of their own. */
+struct dcomm_fwd {
+    struct forward f;
+    struct forward *inner;
+    struct worker *w;
+};
+
+static int dcomm_step(struct forward *f, const struct step_plan *p, float *logits);
+static int dcomm_mtp_step(struct forward *f, int k, const struct step_plan *p,
+                          const int32_t *n_valid, const int32_t *tok_in, float *logits);
+static void dcomm_free(struct forward *f);
+
+static const struct forward_ops dcomm_ops = {
+    .name = "nccl-steps",
+    .step = dcomm_step,
+    .mtp_step = dcomm_mtp_step,
+    .free = dcomm_free,
+};
+
 /* ---- helpers --------------------------------------------------------------------- */
 
 static bool group_name_ok(const char *g)
@@ -179,6 +204,9 @@ static void rss_read(struct rss *r)
 struct worker {
     const struct worker_opts *o;
     struct comm *comm;
+    struct comm *dcomm;         /* CUDA groups: NCCL on the backend's stream (the model's
+                                   collectives); the step plan stays on comm */
+    const struct comm_nccl_api *nccl;
     struct worker_ctl *ctl;
     struct backend *be;
     struct ckpt *ck;
@@ -190,7 +218,84 @@ struct worker {
     int32_t eos[ENGINE_MAX_EOS];
     int n_eos, sliding_window;
     const struct model_config *mc;      /* NULL with --mock */
+    struct worker_health *health;       /* sd_notify and the HTTP probes */
 };
+
+static int dcomm_step(struct forward *f, const struct step_plan *p, float *logits)
+{
+    struct dcomm_fwd *d = f->impl;
+    int r = d->inner->ops->step(d->inner, p, logits);
+    int r2 = d->w->nccl->step_done(d->w->dcomm);
+
+    return r < 0 ? r : r2;
+}
+
+static int dcomm_mtp_step(struct forward *f, int k, const struct step_plan *p,
+                          const int32_t *n_valid, const int32_t *tok_in, float *logits)
+{
+    struct dcomm_fwd *d = f->impl;
+
+    return d->inner->ops->mtp_step(d->inner, k, p, n_valid, tok_in, logits);
+}
+
+static void dcomm_free(struct forward *f)
+{
+    struct dcomm_fwd *d = f->impl;
+
+    d->inner->ops->free(d->inner);
+    free(d);
+}
+
+static int dcomm_wrap(struct worker *w, struct err_buf *e)
+{
+    struct dcomm_fwd *d = calloc(1, sizeof(*d));
+
+    if (!d)
+        return err_set(e, -ENOMEM, "out of memory");
+    d->inner = w->fwd;
+    d->w = w;
+    d->f = *w->fwd;
+    d->f.ops = &dcomm_ops;
+    d->f.impl = d;
+    if (!d->inner->ops->mtp_step)
+        d->f.n_mtp = 0;
+    w->fwd = &d->f;
+    return 0;
+}
+
+/* Rank 0 makes the NCCL unique id and broadcasts it over the group's host comm (already
+ * connected through the rendezvous); every rank joins on its device, enqueuing on the
+ * backend's stream. */
+static int nccl_join(struct worker *w, int device, struct err_buf *e)
+{
+    const struct worker_opts *o = w->o;
+    const struct comm_nccl_api *(*entry)(void);
+    uint8_t id[COMM_NCCL_ID_BYTES] = { 0 };
+    int r;
+
+    *(void **)&entry = backend_plugin_symbol(w->be, STEPD_COMM_NCCL_API);
+    if (!entry)
+        return err_set(e, -ENOTSUP, "--device %s with --world-size %d: the CUDA plugin was "
+                       "built without NCCL (no nccl.h)", o->device, o->world_size);
+    w->nccl = entry();
+    if (o->rank == 0) {
+        r = w->nccl->unique_id(id, sizeof(id));
+        if (r < 0)
+            return err_set(e, r, "NCCL unique id: %s", err_str(r));
+    }
+    r = comm_broadcast(w->comm, id, sizeof(id), 0);
+    if (r < 0)
+        return err_set(e, r, "broadcasting the NCCL id: %s", comm_last_error(w->comm));
+    r = w->nccl->create(o->rank, o->world_size, device, id, sizeof(id),
+                        o->collective_timeout_msec, backend_native(w->be, "stream"), &w->dcomm);
+    if (r < 0)
+        return err_set(e, r, "joining the NCCL communicator on device %d: %s", device, err_str(r));
+    r = comm_watchdog_start(w->dcomm, 10000, WORKER_EXIT_COMM);
+    if (r < 0)
+        return err_set(e, r, "cannot start the NCCL watchdog: %s", err_str(r));
+    log_info("group %s: rank %d joined NCCL on cuda:%d", o->group, o->rank, device);
+    return 0;
+}
 
 static void limits_init(struct worker *w)
 {
@@ -349,17 +454,25 @@ static int stage_load(struct worker *w, struct err_buf *e)
         return err_set(e, r, "backend %s (%s): %s", bname, o->device, err_str(r));
     struct model_comm hooks = { .ctx = w->comm, .rank = o->rank, .world = o->world_size,
                                 .allreduce_sum = hook_allreduce, .allgather = hook_allgather };
+    const bool cuda = strcmp(bname, "cuda") == 0;
+    if (cuda && o->world_size > 1) {
+        r = nccl_join(w, bc.device, e);
+        if (r < 0)
+            return r;
+        hooks.ctx = w->dcomm;   /* the model's buffers are device memory */
+    }
     struct model_opts mo = {
         .max_tokens_per_step = o->max_batched_tokens, .max_seqs = o->max_seqs,
         .max_logit_rows = w->logit_rows, .block_size = o->block_size,
         .n_blocks = { n_blocks, n_blocks }, .max_seq_len = o->max_model_len + 4,
+        .kv_bf16 = cuda,        /* the CUDA attention reads BF16 pages */
         .draft_quant = spec_draft_mxfp4(o->draft_quant, bname) ? MODEL_DRAFT_MXFP4
                                                                : MODEL_DRAFT_CHECKPOINT,
     };
     r = model_forward_new(w->ck, w->be, &hooks, &mo, &w->fwd, e);
     if (r < 0)
         return r;
-    return 0;
+    return w->dcomm ? dcomm_wrap(w, e) : 0;
 }
 
 static void report_memory(struct worker *w, const struct rss *before)
@@ -470,7 +583,9 @@ static int follower_loop(struct worker *w)
         int saved = w->comm->timeout_msec;
 
         w->comm->timeout_msec = 0;
+        worker_health_wait(w->health, true);
         r = comm_plan_recv(w->comm, scratch, w->plan_cap, &w->lim, &pb, &kind, &e);
+        worker_health_wait(w->health, false);
         w->comm->timeout_msec = saved;
         if (r < 0) {
             log_error("after %llu steps: %s", (unsigned long long)steps, e.msg);
@@ -492,6 +607,7 @@ static int follower_loop(struct worker *w)
             goto out;
         }
         steps++;
+        worker_health_beat(w->health);
     }
 out:
     step_plan_buf_done(&pb);
@@ -812,12 +928,25 @@ static int run_serve(struct worker *w, struct forward *f)
                "capacity %d requests (%d running + %d waiting)", w->o->engine_listen, port,
                ld.kv_blocks_total, w->o->world_size, ld.max_num_seqs + ld.max_waiting,
                ld.max_num_seqs, ld.max_waiting);
+    worker_health_phase(w->health, WORKER_PHASE_READY, "ready: group %s of %d, engine on %s, %d KV blocks",
+                        w->o->group, w->o->world_size, w->o->engine_listen, ld.kv_blocks_total);
     signal(SIGTERM, on_stop_signal);
     signal(SIGINT, on_stop_signal);
+    uint64_t last_steps = ld.n_steps;
+    int64_t last_step_ms = clk_now_ms();
     unsigned lost = 0, n_lost;
     while (!stop_requested) {
         usleep(20 * 1000);
         engine_get_loads(eng, &ld);
+        /* the idle loop beats while the engine is idle or its steps advance: an engine with
+         * work whose step count stands still is stuck, and the watchdog must see it */
+        int64_t now = clk_now_ms();
+        if (ld.n_steps != last_steps || ld.n_alive == 0) {
+            last_steps = ld.n_steps;
+            last_step_ms = now;
+        }
+        if (now - last_step_ms < WORKER_HEALTH_STEP_STALL_MS)
+            worker_health_beat(w->health);
         if (ld.last_error) {
             log_error("engine stopped: %s", w->comm->error ? comm_last_error(w->comm)
                                                            : err_str(ld.last_error));
@@ -834,6 +963,8 @@ static int run_serve(struct worker *w, struct forward *f)
             engine_rpc_fail_all(rpc, "the control session with the coordinator was lost");
         }
     }
+    worker_health_phase(w->health, WORKER_PHASE_STOPPING, "stopping: %s",
+                        stop_requested ? "signal" : rc ? "engine failed" : "control session ended");
     engine_rpc_stop(rpc);
     engine_free(eng);
     return rc;
@@ -861,13 +992,6 @@ int worker_run(const struct worker_opts *o)
         log_error("world size %d needs --coordinator ADDR or --rendezvous-dir DIR", o->world_size);
         return WORKER_EXIT_USAGE;
     }
-    if (o->world_size > 1 && strncmp(o->device, "cuda:", 5) == 0 && !o->mock) {
-        /* the model's collective hooks would hand device pointers to the host (UCX) comm */
-        log_error("--device %s with --world-size %d: multi-rank CUDA groups need the NCCL comm "
-                  "(worker/comm-nccl.c) wired into the CUDA plugin, which is not done yet; "
-                  "use --device cpu", o->device, o->world_size);
-        return WORKER_EXIT_USAGE;
-    }
     if (!o->mock && !o->model_dir) {
         log_error("--model DIR is required (or --mock)");
         return WORKER_EXIT_USAGE;
@@ -892,14 +1016,24 @@ int worker_run(const struct worker_opts *o)
         return WORKER_EXIT_USAGE;
     }
 
+    r = worker_health_start(o->health_listen, &w.health, &e);
+    if (r < 0) {
+        log_error("%s", e.msg);
+        return WORKER_EXIT_USAGE;
+    }
+    worker_health_phase(w.health, WORKER_PHASE_RENDEZVOUS, "rendezvous: group %s rank %d of %d",
+                        o->group, o->rank, o->world_size);
     r = stage_comm(&w, &e);
     if (r < 0) {
         log_error("%s", e.msg);
+        worker_health_phase(w.health, WORKER_PHASE_FAILED, "rendezvous failed: %s", e.msg);
         rc = WORKER_EXIT_RENDEZVOUS;
         goto out;
     }
     if (w.ctl)
         worker_ctl_report(w.ctl, 1, 0.0f, "loading", NULL);
+    worker_health_phase(w.health, WORKER_PHASE_LOADING, "loading: group %s rank %d of %d, %s",
+                        o->group, o->rank, o->world_size, o->mock ? "mock forward" : o->model_dir);
     struct rss before;
     rss_read(&before);
     r = stage_load(&w, &e);
@@ -907,6 +1041,7 @@ int worker_run(const struct worker_opts *o)
         log_error("load: %s", e.msg);
         if (w.ctl)
             worker_ctl_report(w.ctl, 3, 0.0f, e.msg, NULL);
+        worker_health_phase(w.health, WORKER_PHASE_FAILED, "load failed: %s", e.msg);
         rc = WORKER_EXIT_FAILURE;
         /* the others are waiting for us in the first collective: abort so they see a
          * peer failure at once rather than their deadline */
@@ -920,6 +1055,7 @@ int worker_run(const struct worker_opts *o)
         log_error("%s", e.msg);
         if (w.ctl)
             worker_ctl_report(w.ctl, 3, 0.0f, e.msg, NULL);
+        worker_health_phase(w.health, WORKER_PHASE_FAILED, "group shape: %s", e.msg);
         rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
         comm_abort(w.comm);
         goto out;
@@ -928,7 +1064,11 @@ int worker_run(const struct worker_opts *o)
     if (o->rank > 0) {
         if (w.ctl)
             worker_ctl_report(w.ctl, 2, 1.0f, "ready", NULL);
+        worker_health_phase(w.health, WORKER_PHASE_READY, "ready: group %s rank %d of %d, following rank 0",
+                            o->group, o->rank, o->world_size);
         rc = follower_loop(&w);
+        worker_health_phase(w.health, WORKER_PHASE_STOPPING, "stopping: %s",
+                            rc ? "step failed" : "stop from rank 0");
         goto out;
     }
     struct forward *f = w.fwd;
@@ -961,9 +1101,11 @@ out:
     if (w.fwd)
         w.fwd->ops->free(w.fwd);
     ckpt_close(w.ck);
+    comm_free(w.dcomm);         /* its code and stream are the CUDA plugin's */
     if (w.be)
         backend_free(w.be);
     comm_free(w.comm);
     worker_ctl_free(w.ctl);
+    worker_health_stop(w.health);
     return rc;
 }

@@ -66,6 +66,7 @@ struct worker_opts {
     const char *engine_listen;      /* rank 0: where stepd.v1.Engine listens (registered) */
     bool insecure_listen;           /* allow a non-loopback engine_listen (no authentication) */
     const char *control_key;        /* bearer key for the control service, or NULL */
+    const char *health_listen;      /* HTTP GET /livez, /readyz (probes), or NULL */
     struct rpc_tls_files control_tls;   /* TLS to the control service (root_file: the CA) */
     int max_waiting;                /* rank 0: the engine's waiting queue; 0 = from the KV blocks */
     bool logprobs_processed;        /* --logprobs-mode processed_logprobs */

@@ -1,39 +1,104 @@
 // common.cuh - shared internals of the CUDA backend plugin (not a public header).
 //
-// Pointer conventions of the CUDA backend (documented in kernels/cuda/cuda.h):
+// Pointer conventions (kernels/backend.h, docs/GPU.md):
 //  - activations, KV pools, logits, router outputs (ids/weights) and every buffer from
 //    buf_alloc are DEVICE pointers;
-//  - small index arrays that the model builds from the step plan on the host (token ids
-//    for embed, positions for rope, slots for kv_store, the attention sequence tables and
-//    block tables, rope inv_freq tables) are HOST pointers: the backend stages them into a
-//    device scratch area on its stream (stream order makes reuse of the area safe).
+//  - the small index arrays the model builds from the step plan (token ids, positions,
+//    KV slots, sequence tables, block tables) and the rope / router-bias tables are HOST
+//    pointers.  Arrays given to the last step_begin() are found in the device step area
+//    (one transfer per step; cuda_index() checks that their contents did not change),
+//    others are staged into the stage area on the stream;
 //  - weights: bweight.data/scale are host (loader mmap) until weight_prepare() uploads
-//    them; afterwards bweight.priv points to a struct cuda_weight with device copies.
+//    them; then bweight.priv is a struct cuda_weight: BF16/F32 row-major as on disk,
+//    MXFP4 repacked into the tile layout of mx4.h.
+//
+// Memory plan: reserve() sizes one workspace (the fused halves, the MoE plan and its
+// pair buffers, flash-decoding partials, activation conversions) and the step area;
+// after it no op allocates.  Ops called without reserve() (tests of single ops) grow the
+// workspace on demand, never while a graph is captured.
 #pragma once
 
+#include <cublasLt.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <errno.h>
 #include <stdint.h>
 
 #include "backend.h"
+#include "graph-pad.h"
+
+typedef __nv_bfloat16 bf16;
 
 struct cuda_weight {
-    void *data;             // device copy of bweight.data
-    uint8_t *scale;         // device copy of bweight.scale (MXFP4) or NULL
+    void *data;             // device: row-major BF16/F32, or MXFP4 tile nibbles (mx4.h)
+    uint8_t *scale;         // device: MXFP4 tile scales, else NULL
+    float *f32;             // device FP32 copy (a router, for the FP32 gate GEMM) or NULL
+    bool borrowed;          // data lies in a fused buffer of attn/ffn_prepare
 };
 
+// The device step area: the step's index arrays at fixed addresses (a graph reads them
+// there), int32 throughout.  hdr: [0] n_tok, [1] n_seqs (real), [2] n_tiles.
+#define STEP_HDR 16
+struct step_dev {
+    int32_t *hdr, *ids, *pos, *slots[BACKEND_KV_GROUPS], *seq_start, *pos0,
+            *boff[BACKEND_KV_GROUPS], *tok_seq, *tiles, *tables[BACKEND_KV_GROUPS];
+};
+
+// Attention work: a tile is up to ATTN_QT consecutive query tokens of one sequence
+// (int4: seq, first token, end token, 0), built on the host by step_begin.
+#define ATTN_QT 8
+
+// The host side of the last step_begin(): which host arrays it uploaded, with copies
+// to check them against when an op is handed one of them.
+struct step_map {
+    bool valid;
+    int n_tok, n_seqs, n_rows, n_tiles;     // n_rows: padded rows (graph bucket) or n_tok
+    int bucket;                             // graph bucket of the step (0: eager)
+    int qclass;                             // 0 decode (runs of 1), 1 verify (runs <= 8)
+    const int32_t *ids, *pos, *slots[BACKEND_KV_GROUPS], *seq_start, *seq_pos0,
+                  *boff[BACKEND_KV_GROUPS], *tables[BACKEND_KV_GROUPS];
+    int n_table[BACKEND_KV_GROUPS];
+};
+
+#define GRAPH_QCLASSES 2
+
+struct lt_entry;
+
 struct cuda_ctx {
-    int device;
+    int device, sms;
+    size_t smem_optin;
+    bool exact;             // backend_cfg.mxfp4_exact: FP32 op path only
     cudaStream_t stream;
-    // staging area for host index arrays (see above)
+    // cuBLASLt: one handle, one workspace, an algorithm per shape (gemm.cu)
+    cublasLtHandle_t lt;
+    void *lt_ws;
+    size_t lt_ws_size;
+    struct lt_entry *lt_cache;
+    int lt_n, lt_cap;
+    // staging of host index arrays that are not in the step area
     char *stage;
     size_t stage_size, stage_used;
-    // device table of local expert weight pointers for moe (rebuilt when experts change)
-    const struct moe_expert *moe_cached;
-    int moe_cached_n;
-    void **moe_ptrs;        // device: [n_local][6] = gate.data, gate.scale, up.data, up.scale, down.data, down.scale
-    float *moe_act;         // device scratch [n_tok * top_k * inter]
-    size_t moe_act_size;
+    // workspace (reserve): carved per op / per fused half
+    char *ws;
+    size_t ws_size, ws_used;
+    bool reserved;
+    struct backend_reserve res;
+    // step area: device copy and two pinned host buffers (alternating, with an event each)
+    int32_t *d_step, *h_step[2];
+    size_t step_ints;
+    int h_cur;
+    cudaEvent_t h_ev[2];
+    struct step_dev sd;
+    struct step_map map;
+    int t_cap, s_cap, tile_cap, table_cap;
+    // graphs: one per (bucket, qclass), captured on first use
+    bool graphs;
+    cudaGraphExec_t exec[GRAPH_N_BUCKETS][GRAPH_QCLASSES];
+    int capturing;          // 1 while the stream is captured
+    bool replay;            // capture_begin found the graph: capture_end launches it
+    int launch_rows;        // rows kernels are launched for while capturing (bucket), else 0
+    // MoE tables of the ffn halves are per layer (ffn_prepare); the op path builds one
+    // table per call into the workspace
 };
 
 static inline struct cuda_ctx *cuda_ctx_of(struct backend *be)
@@ -44,35 +109,78 @@ static inline struct cuda_ctx *cuda_ctx_of(struct backend *be)
 // The one translation point for cudaError_t -> negative errno.
 int err_from_cuda(cudaError_t e);
 
-// Stage n bytes of host memory into the device scratch area; returns the device pointer
-// (NULL on failure).  Call cuda_stage_reset() at the start of each op.
+#define CUDA_LAUNCH_CHECK() err_from_cuda(cudaGetLastError())
+#define CU_TRY(expr) do { int _r = err_from_cuda(expr); if (_r < 0) return _r; } while (0)
+
+// Stage n bytes of host memory into the stage area (device pointer, NULL on failure).
+// cuda_stage_reset() at the start of each op.
 void cuda_stage_reset(struct cuda_ctx *c);
 void *cuda_stage(struct cuda_ctx *c, const void *host, size_t n);
+
+// The device copy of host index array `host` of n int32: from the step area when it is
+// the same array (same pointer, same contents) as the last step_begin's, else staged.
+const int32_t *cuda_index(struct cuda_ctx *c, const int32_t *host, size_t n);
+
+// Workspace: an op calls cuda_ws_ensure() with all it needs (a no-op after reserve();
+// grows it otherwise, never while capturing), cuda_ws_reset(), then cuda_ws_take() for
+// each 256-aligned piece (NULL past the end).
+int cuda_ws_ensure(struct cuda_ctx *c, size_t bytes);
+void cuda_ws_reset(struct cuda_ctx *c);
+void *cuda_ws_take(struct cuda_ctx *c, size_t bytes);
+
+// Rows a kernel is launched for: the graph bucket while capturing, else n.
+static inline int cuda_rows(const struct cuda_ctx *c, int n)
+{
+    return c->launch_rows > n ? c->launch_rows : n;
+}
+
+// Device copies of a prepared weight; -EINVAL when weight_prepare() was not called.
+static inline int cuda_weight_dev(const struct bweight *w, const void **ret_data,
+                                  const uint8_t **ret_scale)
+{
+    const struct cuda_weight *cw = (const struct cuda_weight *) w->priv;
+    if (!cw || !cw->data)
+        return -EINVAL;
+    *ret_data = cw->data;
+    *ret_scale = cw->scale;
+    return 0;
+}
+
+static inline unsigned cuda_blocks(size_t n, unsigned threads)
+{
+    return (unsigned) ((n + threads - 1) / threads);
+}
+
+// ---- device helpers ----
 
 static inline __device__ float bf16_to_f32(uint16_t b)
 {
     return __uint_as_float(((uint32_t) b) << 16);
 }
 
+// round to nearest even, NaN kept quiet (the CPU backend's conversion)
+static inline __device__ uint16_t f32_to_bf16(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t) ((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t) (u >> 16);
+}
+
+template <typename T> static inline __device__ float to_f32(T v);
+template <> inline __device__ float to_f32<float>(float v) { return v; }
+template <> inline __device__ float to_f32<bf16>(bf16 v) { return __bfloat162float(v); }
+
+template <typename T> static inline __device__ T from_f32(float v);
+template <> inline __device__ float from_f32<float>(float v) { return v; }
+template <> inline __device__ bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
+
 // E2M1 magnitude table, docs/MODEL.md §5.1
 static __device__ __constant__ float k_e2m1[16] = {
     0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f,
 };
-
-// Weight element (o, i) of a [rows, cols] matrix in any supported format.
-static inline __device__ float weight_at(int fmt, const void *data, const uint8_t *scale,
-                                         int64_t cols, int64_t o, int64_t i)
-{
-    if (fmt == WFMT_F32)
-        return ((const float *) data)[o * cols + i];
-    if (fmt == WFMT_BF16)
-        return bf16_to_f32(((const uint16_t *) data)[o * cols + i]);
-    const uint8_t b = ((const uint8_t *) data)[o * (cols / 2) + i / 2];
-    const int code = (i & 1) ? (b >> 4) : (b & 0xF);
-    const int e = scale[o * (cols / 32) + i / 32];
-    return ldexpf(k_e2m1[code], e - 127);
-}
 
 static inline __device__ float warp_sum(float v)
 {
@@ -100,20 +208,18 @@ static inline __device__ float block_sum(float v, float *shared32)
     return v;
 }
 
-#define CUDA_LAUNCH_CHECK() err_from_cuda(cudaGetLastError())
-
-// Device copies of a prepared weight; -EINVAL when weight_prepare() was not called.
-static inline int cuda_weight_dev(const struct bweight *w, const void **ret_data, const uint8_t **ret_scale)
+static inline __device__ float sigmoidf_(float z)
 {
-    const struct cuda_weight *cw = (const struct cuda_weight *) w->priv;
-    if (!cw || !cw->data)
-        return -EINVAL;
-    *ret_data = cw->data;
-    *ret_scale = cw->scale;
-    return 0;
+    return 1.0f / (1.0f + expf(-z));
 }
 
-static inline unsigned cuda_blocks(size_t n, unsigned threads)
+// docs/MODEL.md §2.4: min(silu(g), L) * clamp(u, -L, L), or silu(g) * u when L = 0
+static inline __device__ float swiglu1(float g, float u, float limit)
 {
-    return (unsigned) ((n + threads - 1) / threads);
+    float s = g / (1.0f + expf(-g));
+    if (limit > 0.0f) {
+        s = fminf(s, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+    }
+    return s * u;
 }

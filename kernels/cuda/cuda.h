@@ -1,7 +1,7 @@
-/* cuda.h - extern "C" entry points of the CUDA backend's ops (one .cu file per op).
- * Plain C: streams are spelled struct CUstream_st *.  Each kcuda_<op> validates nothing
- * beyond what the backend_<op> wrapper already asserted; see common.cuh for which
- * pointers are device and which are host (staged).
+/* cuda.h - extern "C" entry points of the CUDA backend's ops and fused halves (one .cu file
+ * per op, exact.cu for the FP32 op path, block.cu for the halves).  Plain C.  Each
+ * kcuda_<op> validates nothing beyond what the backend_<op> wrapper already asserted;
+ * see common.cuh for which pointers are device and which are host.
  */
 #pragma once
 
@@ -31,6 +31,20 @@ int kcuda_router(struct backend *be, const float *logits, const float *bias, int
                  int top_k, bool renorm, float scale, int32_t *ids, float *weights);
 int kcuda_moe(struct backend *be, const struct moe_args *a);
 int kcuda_add(struct backend *be, float *y, const float *x, size_t n);
+
+/* the FP32 op path (backend_cfg.mxfp4_exact) */
+int kcuda_matmul_exact(struct backend *be, const struct bweight *w, const float *x, int n, float *y);
+int kcuda_moe_exact(struct backend *be, const struct moe_args *a);
+int kcuda_attention_exact(struct backend *be, const struct attn_args *a, const int32_t *dstart,
+                          const int32_t *dpos0, const int32_t *dtab, const int32_t *doff);
+
+/* the fused halves */
+int kcuda_attn_prepare(struct backend *be, struct attn_weights *w);
+void kcuda_attn_release(struct backend *be, struct attn_weights *w);
+int kcuda_ffn_prepare(struct backend *be, struct ffn_weights *w);
+void kcuda_ffn_release(struct backend *be, struct ffn_weights *w);
+int kcuda_attn_block(struct backend *be, const struct attn_block_args *a);
+int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a);
 
 #ifdef __cplusplus
 }

@@ -2,13 +2,14 @@
 #include "common.cuh"
 #include "cuda.h"
 
-static __global__ void embed_kernel(int fmt, const void *table, int64_t cols, const int32_t *ids,
-                                    int n, float *out)
+static __global__ void embed_kernel(int f32, const void *table, int64_t cols, const int32_t *ids,
+                                    float *out)
 {
     const int t = blockIdx.x;
     const int64_t row = ids[t];
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-        out[(int64_t) t * cols + i] = weight_at(fmt, table, NULL, cols, row, i);
+        out[(int64_t) t * cols + i] = f32 ? ((const float *) table)[row * cols + i]
+                                          : bf16_to_f32(((const uint16_t *) table)[row * cols + i]);
 }
 
 int kcuda_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out)
@@ -25,9 +26,10 @@ int kcuda_embed(struct backend *be, const struct bweight *table, const int32_t *
     if (n == 0)
         return 0;
     cuda_stage_reset(c);
-    const int32_t *dids = (const int32_t *) cuda_stage(c, ids, sizeof(int32_t) * n);
+    const int rows = cuda_rows(c, n);       // padded graph rows read id 0
+    const int32_t *dids = cuda_index(c, ids, (size_t) rows);
     if (!dids)
         return -ENOMEM;
-    embed_kernel<<<n, 256, 0, c->stream>>>(table->fmt, d, table->cols, dids, n, out);
+    embed_kernel<<<rows, 256, 0, c->stream>>>(table->fmt == WFMT_F32, d, table->cols, dids, out);
     return CUDA_LAUNCH_CHECK();
 }

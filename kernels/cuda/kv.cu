@@ -3,15 +3,6 @@
 #include "common.cuh"
 #include "cuda.h"
 
-static inline __device__ uint16_t f32_to_bf16(float f)
-{
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t) ((u >> 16) | 0x40);           // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t) (u >> 16);
-}
-
 static __global__ void kv_store_kernel(void *kc, void *vc, int f32, const float *k, const float *v,
                                        int n_tok, int64_t row, const int32_t *slots)
 {
@@ -44,7 +35,7 @@ int kcuda_kv_store(struct backend *be, struct kv_layer *kv, const float *k, cons
     if (n_tok == 0)
         return 0;
     cuda_stage_reset(c);
-    const int32_t *ds = (const int32_t *) cuda_stage(c, slots, sizeof(int32_t) * n_tok);
+    const int32_t *ds = cuda_index(c, slots, (size_t) n_tok);
     if (!ds)
         return -ENOMEM;
     const size_t n = (size_t) n_tok * row;

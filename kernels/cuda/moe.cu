@@ -1,142 +1,532 @@
-// moe.cu - routed experts of one MoE layer for the experts local to this rank.
-// Phase 1: act[t, k, j] = swiglu(gate_e[j]·x_t, up_e[j]·x_t) for every selected local
-// expert e = ids[t, k] (one warp per (t, k, j)); phase 2: out[t, o] += sum_k w[t, k] *
-// down_e[o]·act[t, k] (one warp per (t, o)).  Non-local selections contribute nothing
-// (their rank adds them in the all-reduce).  ids/weights are device (router outputs).
+// moe.cu - routed experts of a MoE layer, W4A16 on tensor cores (docs/GPU.md §MoE).
+//
+//  1. moe_plan: the router's top-k grouped by local expert on the device (moe-plan.h):
+//     offsets, the pairs of each expert in token order, work items of `chunk` pairs;
+//  2. mx4_gemm<GATE_UP>: for every work item and block of rows, act[p] = swiglu(gate·x,
+//     up·x) with the clamps, both projections in one pass over the item's tokens;
+//  3. mx4_gemm<DOWN>: y[p] = w_route[p] · down·act[p] (routing weight in the epilogue);
+//  4. moe_combine: out[t] += sum over the token's local pairs in slot order (fixed order:
+//     the result does not depend on scheduling).
+// One launch per step for all local experts of the layer; nothing returns to the host.
+//
+// mx4_gemm: a warp owns 16 weight rows (one mx4 row tile) and all of the item's tokens
+// (up to 8·NT): the weights are the mma's A operand ("swap AB"), read with one 16-byte
+// load per lane per 64 k (mx4.h), decoded in registers; the tokens are B, staged in
+// shared memory (cp.async, double-buffered, 64·D k per stage) and read with ldmatrix.
+// Decode (NT <= 2) runs one warp per block so that the blocks spread over all SMs;
+// larger token counts run 4 warps per block, which share the staged tokens.  The same
+// kernel in DENSE mode is the MXFP4 matmul of the op path (MTP drafts quantised at load).
 #include "common.cuh"
 #include "cuda.h"
+#include "kcu.cuh"
+#include "mma.cuh"
+#include "moe-plan.h"
+#include "mx4.h"
 
-// per local expert: 6 pointers (gate data, gate scale, up data, up scale, down data, down scale)
-#define MOE_PTRS 6
+enum { MX_GATE_UP = 0, MX_DOWN = 1, MX_DENSE = 2 };
 
-static inline __device__ float row_dot(int fmt, const void *w, const uint8_t *sc, int64_t cols,
-                                       int64_t o, const float *x, int lane)
+struct mx4_args {
+    const uint8_t *const *nib0, *const *sc0, *const *nib1, *const *sc1;
+    const uint8_t *dense_nib, *dense_sc;        // MX_DENSE: the one matrix
+    int rows, cols;                             // N and K of the weight
+    const int32_t *offsets, *pair_slot, *items, *counts;
+    int top_k;
+    const void *x;
+    int ldx;
+    const float *route_w;                       // MX_DOWN: weights by slot
+    float limit;                                // MX_GATE_UP
+    void *y;
+    int ldy;
+    int n_dense;                                // MX_DENSE: tokens
+    int y_f32;                                  // MX_DENSE: output type
+};
+
+template <typename TX>
+static __device__ __forceinline__ void stage_chunk(bf16 *dst, const TX *src, bool valid);
+
+template <>
+__device__ __forceinline__ void stage_chunk<bf16>(bf16 *dst, const bf16 *src, bool valid)
 {
-    float acc = 0.0f;
-    for (int64_t i = lane; i < cols; i += 32)
-        acc += weight_at(fmt, w, sc, cols, o, i) * x[i];
-    return warp_sum(acc);
+    cp_async16(dst, src, valid ? 16 : 0);
 }
 
-static __global__ void moe_up_kernel(const float *x, int n_tok, int hidden, int inter, int top_k,
-                                     const int32_t *ids, int first, int n_local, void *const *ptrs,
-                                     int fmt_gate, int fmt_up, float limit, float *act)
+template <>
+__device__ __forceinline__ void stage_chunk<float>(bf16 *dst, const float *src, bool valid)
 {
-    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= (int64_t) n_tok * top_k * inter)
-        return;
-    const int j = (int) (warp % inter);
-    const int64_t tk = warp / inter;
-    const int t = (int) (tk / top_k);
-    const int e = ids[tk] - first;
-    if (e < 0 || e >= n_local) {
-        if (lane == 0)
-            act[warp] = 0.0f;
-        return;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (valid) {
+        const float4 a = *(const float4 *) src, b = *(const float4 *) (src + 4);
+        v.x = pack_bf16x2(a.x, a.y);
+        v.y = pack_bf16x2(a.z, a.w);
+        v.z = pack_bf16x2(b.x, b.y);
+        v.w = pack_bf16x2(b.z, b.w);
     }
-    void *const *p = ptrs + (int64_t) e * MOE_PTRS;
-    const float *xt = x + (int64_t) t * hidden;
-    float u = row_dot(fmt_gate, p[0], (const uint8_t *) p[1], hidden, j, xt, lane);
-    float w = row_dot(fmt_up, p[2], (const uint8_t *) p[3], hidden, j, xt, lane);
-    if (lane == 0) {
-        float s = u / (1.0f + expf(-u));
-        if (limit > 0.0f) {
-            s = fminf(s, limit);
-            w = fminf(fmaxf(w, -limit), limit);
+    *(uint4 *) dst = v;
+}
+
+// The four A registers of k-step j of a tile word, scaled (mx4.h; sp: mx4_scales_bf16x2).
+static __device__ __forceinline__ void mx4_a_regs(uint32_t w, const uint32_t sp[4], int j,
+                                                  uint32_t a[4])
+{
+    uint32_t r[4];
+    mx4_word_bf16(w, r);
+    const uint32_t s_lo = sp[mx4_scale_which(j, 0)];
+    const uint32_t s_hi = sp[mx4_scale_which(j, 1)];
+    a[0] = bf16x2_mul(r[0], s_lo);
+    a[1] = bf16x2_mul(r[1], s_hi);
+    a[2] = bf16x2_mul(r[2], s_lo);
+    a[3] = bf16x2_mul(r[3], s_hi);
+}
+
+static __device__ __forceinline__ uint32_t u4_at(const uint4 &v, int j)
+{
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+template <int NT, int D, int WB, int MODE, typename TX>
+static __global__ void __launch_bounds__(WB * 32)
+mx4_gemm(const struct mx4_args a)
+{
+    constexpr int CH = 8 * NT;              // tokens of a work item
+    constexpr int KS = 64 * D;              // k per stage
+    constexpr int LDS = KS + 8;             // shared row stride (elements): ldmatrix without conflicts
+    constexpr int TWO = MODE == MX_GATE_UP ? 2 : 1;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *xs = (bf16 *) smem_raw;           // [2][CH][LDS]
+    int32_t *rowsrc = (int32_t *) (xs + 2 * CH * LDS);  // [CH]: source row of each token
+
+    int e = 0, p0, cnt;
+    if (MODE == MX_DENSE) {
+        p0 = blockIdx.x * CH;
+        if (p0 >= a.n_dense)
+            return;
+        cnt = min(CH, a.n_dense - p0);
+    } else {
+        if ((int) blockIdx.x >= a.counts[1])
+            return;
+        e = a.items[2 * blockIdx.x];
+        p0 = a.offsets[e] + a.items[2 * blockIdx.x + 1];
+        cnt = min(CH, a.offsets[e + 1] - p0);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t kt_n = mx4_cols_padded(a.cols) / 64;
+    const int64_t rp = mx4_rows_padded(a.rows);
+    const int64_t rt = (int64_t) blockIdx.y * WB + warp;
+    const bool active = rt * 16 < rp;
+    const int n_stages = (int) ((kt_n + D - 1) / D);
+
+    for (int i = threadIdx.x; i < CH; i += WB * 32) {
+        int src = -1;
+        if (i < cnt)
+            src = MODE == MX_GATE_UP ? a.pair_slot[p0 + i] / a.top_k : p0 + i;
+        rowsrc[i] = src;
+    }
+    __syncthreads();
+
+    const TX *x = (const TX *) a.x;
+    auto load_stage = [&](int s, int buf) {
+        bf16 *dst = xs + buf * CH * LDS;
+        const int k0 = s * KS;
+        for (int idx = threadIdx.x; idx < CH * (KS / 8); idx += WB * 32) {
+            const int row = idx / (KS / 8), c8 = idx % (KS / 8);
+            const int src = rowsrc[row];
+            if (src < 0)
+                continue;
+            const int k = k0 + c8 * 8;
+            const bool valid = k < a.cols;
+            const TX *p = x + (int64_t) src * a.ldx + (valid ? k : 0);
+            stage_chunk<TX>(dst + row * LDS + c8 * 8, p, valid);
         }
-        act[warp] = s * w;
-    }
-}
+    };
 
-static __global__ void moe_down_kernel(float *out, int n_tok, int hidden, int inter, int top_k,
-                                       const int32_t *ids, const float *weights, int first,
-                                       int n_local, void *const *ptrs, int fmt_down, const float *act)
-{
-    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= (int64_t) n_tok * hidden)
+    const uint8_t *nb[2], *sb[2];
+    if (MODE == MX_DENSE) {
+        nb[0] = a.dense_nib;
+        sb[0] = a.dense_sc;
+    } else {
+        nb[0] = a.nib0[e];
+        sb[0] = a.sc0[e];
+        if (MODE == MX_GATE_UP) {
+            nb[1] = a.nib1[e];
+            sb[1] = a.sc1[e];
+        }
+    }
+    const int64_t tile0 = rt * kt_n;
+    uint4 w[TWO][D], wn[TWO][D];
+    uint32_t sv[TWO][D], svn[TWO][D];
+    auto load_w = [&](int s, uint4 (&wd)[TWO][D], uint32_t (&sd)[TWO][D]) {
+#pragma unroll
+        for (int m = 0; m < TWO; m++)
+#pragma unroll
+            for (int d = 0; d < D; d++) {
+                const int64_t kt = (int64_t) s * D + d;
+                if (active && kt < kt_n) {
+                    wd[m][d] = ldg16(nb[m] + (tile0 + kt) * MX4_TILE_NIB_BYTES + lane * 16);
+                    sd[m][d] = ldg4(sb[m] + (tile0 + kt) * MX4_TILE_SCALE_BYTES + (lane / 4) * 4);
+                }
+            }
+    };
+
+    float acc[TWO][NT][4];
+#pragma unroll
+    for (int m = 0; m < TWO; m++)
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                acc[m][t][i] = 0.0f;
+
+    load_stage(0, 0);
+    cp_async_commit();
+    load_w(0, w, sv);
+    for (int s = 0; s < n_stages; s++) {
+        if (s + 1 < n_stages) {
+            load_stage(s + 1, (s + 1) & 1);
+            cp_async_commit();
+            load_w(s + 1, wn, svn);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16 *xb = xs + (s & 1) * CH * LDS;
+        if (active) {
+#pragma unroll
+            for (int d = 0; d < D; d++) {
+                if ((int64_t) s * D + d >= kt_n)
+                    break;
+#pragma unroll
+                for (int j = 0; j < 4; j += 2) {
+                    uint32_t am[TWO][2][4];
+#pragma unroll
+                    for (int m = 0; m < TWO; m++) {
+                        uint32_t sp[4];
+                        mx4_scales_bf16x2(sv[m][d], sp);
+                        mx4_a_regs(u4_at(w[m][d], j), sp, j, am[m][0]);
+                        mx4_a_regs(u4_at(w[m][d], j + 1), sp, j + 1, am[m][1]);
+                    }
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        if (t * 8 >= cnt)
+                            break;
+                        uint32_t b[4];
+                        ldsm_x4(b, xb + (t * 8 + (lane & 7)) * LDS + d * 64 + j * 16 + (lane >> 3) * 8);
+#pragma unroll
+                        for (int m = 0; m < TWO; m++) {
+                            mma_bf16(acc[m][t], am[m][0][0], am[m][0][1], am[m][0][2], am[m][0][3],
+                                     b[0], b[1]);
+                            mma_bf16(acc[m][t], am[m][1][0], am[m][1][1], am[m][1][2], am[m][1][3],
+                                     b[2], b[3]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (s + 1 < n_stages) {
+#pragma unroll
+            for (int m = 0; m < TWO; m++)
+#pragma unroll
+                for (int d = 0; d < D; d++) {
+                    w[m][d] = wn[m][d];
+                    sv[m][d] = svn[m][d];
+                }
+        }
+    }
+    if (!active)
         return;
-    const int t = (int) (warp / hidden), o = (int) (warp % hidden);
-    float sum = 0.0f;
-    for (int k = 0; k < top_k; k++) {
-        const int e = ids[(int64_t) t * top_k + k] - first;
-        if (e < 0 || e >= n_local)
-            continue;
-        void *const *p = ptrs + (int64_t) e * MOE_PTRS;
-        const float d = row_dot(fmt_down, p[4], (const uint8_t *) p[5], inter, o,
-                                act + ((int64_t) t * top_k + k) * inter, lane);
-        sum += weights[(int64_t) t * top_k + k] * d;
+
+    // epilogue: acc[m][t][2h + c] = (row 16rt + lane/4 + 8h, token 8t + 2(lane%4) + c)
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int tok = t * 8 + 2 * (lane % 4) + c;
+            if (tok >= cnt)
+                continue;
+            float rw = 1.0f;
+            if (MODE == MX_DOWN)
+                rw = a.route_w[a.pair_slot[p0 + tok]];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int64_t row = rt * 16 + lane / 4 + 8 * h;
+                if (row >= a.rows)
+                    continue;
+                const float v0 = acc[0][t][2 * h + c];
+                if (MODE == MX_GATE_UP) {
+                    const float v = swiglu1(v0, acc[TWO - 1][t][2 * h + c], a.limit);
+                    ((bf16 *) a.y)[(int64_t) (p0 + tok) * a.ldy + row] = __float2bfloat16_rn(v);
+                } else if (MODE == MX_DOWN) {
+                    ((bf16 *) a.y)[(int64_t) (p0 + tok) * a.ldy + row] = __float2bfloat16_rn(v0 * rw);
+                } else if (a.y_f32) {
+                    ((float *) a.y)[(int64_t) (p0 + tok) * a.ldy + row] = v0;
+                } else {
+                    ((bf16 *) a.y)[(int64_t) (p0 + tok) * a.ldy + row] = __float2bfloat16_rn(v0);
+                }
+            }
+        }
     }
-    if (lane == 0)
-        out[warp] += sum;
 }
 
-static int moe_tables(struct cuda_ctx *c, const struct moe_args *a)
+// The kernel's shape for up to m tokens per item: NT n8 tiles, D k-tiles per stage, WB warps.
+struct mx4_shape {
+    int nt, d, wb;
+};
+
+static struct mx4_shape mx4_shape_for(int m)
 {
-    if (c->moe_cached == a->experts && c->moe_cached_n == a->n_local && c->moe_ptrs)
+    if (m <= 8)
+        return { 1, 4, 1 };
+    if (m <= 16)
+        return { 2, 4, 1 };
+    if (m <= 32)
+        return { 4, 2, 4 };
+    return { 8, 2, 4 };
+}
+
+static size_t mx4_smem(struct mx4_shape s)
+{
+    return (size_t) 2 * 8 * s.nt * (64 * s.d + 8) * sizeof(bf16) + 8 * s.nt * sizeof(int32_t);
+}
+
+template <int NT, int D, int WB, int MODE, typename TX>
+static int mx4_launch(struct cuda_ctx *c, const struct mx4_args &a, int grid_x)
+{
+    const struct mx4_shape s = { NT, D, WB };
+    const int64_t row_tiles = mx4_rows_padded(a.rows) / 16;
+    dim3 grid(grid_x, (unsigned) ((row_tiles + WB - 1) / WB));
+    if (grid_x <= 0)
         return 0;
-    void **h = (void **) calloc((size_t) a->n_local * MOE_PTRS, sizeof(void *));
-    if (!h)
+    mx4_gemm<NT, D, WB, MODE, TX><<<grid, WB * 32, mx4_smem(s), c->stream>>>(a);
+    return CUDA_LAUNCH_CHECK();
+}
+
+template <int MODE, typename TX>
+static int mx4_dispatch(struct cuda_ctx *c, const struct mx4_args &a, int m, int grid_x)
+{
+    switch (mx4_shape_for(m).nt) {
+    case 1: return mx4_launch<1, 4, 1, MODE, TX>(c, a, grid_x);
+    case 2: return mx4_launch<2, 4, 1, MODE, TX>(c, a, grid_x);
+    case 4: return mx4_launch<4, 2, 4, MODE, TX>(c, a, grid_x);
+    default: return mx4_launch<8, 2, 4, MODE, TX>(c, a, grid_x);
+    }
+}
+
+// ---- the plan ----
+
+static __global__ void __launch_bounds__(MOE_PLAN_THREADS) moe_plan_kernel(struct moe_plan_args a)
+{
+    extern __shared__ int32_t plan_sh[];
+    struct moe_plan_shared sh = { plan_sh, plan_sh + a.n_local, plan_sh + 2 * a.n_local,
+                                  plan_sh + 3 * a.n_local };
+    const int tid = threadIdx.x;
+
+    moe_plan_p0(tid, &a, &sh);
+    __syncthreads();
+    moe_plan_p1(tid, &a, &sh);
+    __syncthreads();
+    moe_plan_p2(tid, &a, &sh);
+    __syncthreads();
+    for (int base = 0; base < a.n_slots; base += MOE_PLAN_THREADS) {
+        moe_plan_p3a(tid, base, &a, &sh);
+        __syncthreads();
+        moe_plan_p3b(tid, base, &a, &sh);
+        __syncthreads();
+        moe_plan_p3c(tid, &a, &sh);
+        __syncthreads();
+    }
+}
+
+// out[t, :] += sum_k y[slot_pair[t * top_k + k], :] (k ascending), two columns a thread
+static __global__ void moe_combine_kernel(float *out, const bf16 *y, const int32_t *slot_pair,
+                                          int top_k, int hidden)
+{
+    const int t = blockIdx.x;
+    const int col = 2 * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (col >= hidden)
+        return;
+    float s0 = 0.0f, s1 = 0.0f;
+    for (int k = 0; k < top_k; k++) {
+        const int p = slot_pair[(int64_t) t * top_k + k];
+        if (p < 0)
+            continue;
+        const __nv_bfloat162 v = *(const __nv_bfloat162 *) (y + (int64_t) p * hidden + col);
+        s0 += __low2float(v);
+        s1 += __high2float(v);
+    }
+    float2 *o = (float2 *) (out + (int64_t) t * hidden + col);
+    float2 cur = *o;
+    cur.x += s0;
+    cur.y += s1;
+    *o = cur;
+}
+
+static size_t align256(size_t n)
+{
+    return (n + 255) & ~(size_t) 255;
+}
+
+size_t kcu_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local)
+{
+    const size_t n_slots = (size_t) n_rows * top_k;
+    const int chunk = 8 * mx4_shape_for(n_rows < 64 ? n_rows : 64).nt;
+    const size_t items = (size_t) moe_items_max((int) n_slots, n_local, chunk);
+    return align256(4 * ((size_t) n_local + 1)) + 2 * align256(4 * n_slots) +
+           align256(8 * (items + 1)) + align256(16) + align256(2 * n_slots * inter) +
+           align256(2 * n_slots * hidden);
+}
+
+int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_args *a)
+{
+    const int n_slots = a->n_rows * a->top_k;
+    const int m = a->n_rows < 64 ? a->n_rows : 64;     // most tokens one expert can have, capped
+    const int chunk = 8 * mx4_shape_for(m).nt;
+    const int items_max = moe_items_max(n_slots, a->n_local, chunk);
+    int r;
+
+    if (a->n_rows == 0 || a->n_local == 0)
+        return 0;
+    if (a->hidden % 32 || a->inter % 32 || a->hidden % 2)
+        return -EINVAL;
+    int32_t *offsets = (int32_t *) cuda_ws_take(c, 4 * ((size_t) a->n_local + 1));
+    int32_t *pair_slot = (int32_t *) cuda_ws_take(c, 4 * (size_t) n_slots);
+    int32_t *slot_pair = (int32_t *) cuda_ws_take(c, 4 * (size_t) n_slots);
+    int32_t *items = (int32_t *) cuda_ws_take(c, 8 * ((size_t) items_max + 1));
+    int32_t *counts = (int32_t *) cuda_ws_take(c, 16);
+    bf16 *act = (bf16 *) cuda_ws_take(c, 2 * (size_t) n_slots * a->inter);
+    bf16 *y = (bf16 *) cuda_ws_take(c, 2 * (size_t) n_slots * a->hidden);
+    if (!offsets || !pair_slot || !slot_pair || !items || !counts || !act || !y)
         return -ENOMEM;
-    int r = 0;
-    for (int e = 0; e < a->n_local && r == 0; e++) {
-        const struct bweight *w[3] = { &a->experts[e].gate, &a->experts[e].up, &a->experts[e].down };
-        for (int m = 0; m < 3 && r == 0; m++) {
-            const void *d;
-            const uint8_t *s;
-            r = cuda_weight_dev(w[m], &d, &s);
-            h[e * MOE_PTRS + 2 * m] = (void *) d;
-            h[e * MOE_PTRS + 2 * m + 1] = (void *) s;
+
+    struct moe_plan_args pa = { a->ids, n_slots, a->expert_first, a->n_local, chunk, offsets,
+                                pair_slot, slot_pair, items, counts };
+    const size_t plan_smem = sizeof(int32_t) * (3 * (size_t) a->n_local + MOE_PLAN_THREADS);
+    if (plan_smem > 48 * 1024 && plan_smem > c->smem_optin)
+        return -E2BIG;
+    if (plan_smem > 48 * 1024)
+        cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int) plan_smem);
+    moe_plan_kernel<<<1, MOE_PLAN_THREADS, plan_smem, c->stream>>>(pa);
+    r = CUDA_LAUNCH_CHECK();
+    if (r < 0)
+        return r;
+
+    struct mx4_args g = {};
+    g.nib0 = w->gate_nib;
+    g.sc0 = w->gate_sc;
+    g.nib1 = w->up_nib;
+    g.sc1 = w->up_sc;
+    g.rows = a->inter;
+    g.cols = a->hidden;
+    g.offsets = offsets;
+    g.pair_slot = pair_slot;
+    g.items = items;
+    g.counts = counts;
+    g.top_k = a->top_k;
+    g.x = a->x;
+    g.ldx = a->hidden;
+    g.limit = a->limit;
+    g.y = act;
+    g.ldy = a->inter;
+    r = a->xt == KDT_BF16 ? mx4_dispatch<MX_GATE_UP, bf16>(c, g, m, items_max)
+                          : mx4_dispatch<MX_GATE_UP, float>(c, g, m, items_max);
+    if (r < 0)
+        return r;
+
+    struct mx4_args d = g;
+    d.nib0 = w->down_nib;
+    d.sc0 = w->down_sc;
+    d.nib1 = d.sc1 = NULL;
+    d.rows = a->hidden;
+    d.cols = a->inter;
+    d.x = act;
+    d.ldx = a->inter;
+    d.route_w = a->wts;
+    d.y = y;
+    d.ldy = a->hidden;
+    r = mx4_dispatch<MX_DOWN, bf16>(c, d, m, items_max);
+    if (r < 0)
+        return r;
+
+    dim3 grid(a->n_rows, cuda_blocks((size_t) a->hidden / 2, 256));
+    moe_combine_kernel<<<grid, 256, 0, c->stream>>>(a->out, y, slot_pair, a->top_k, a->hidden);
+    return CUDA_LAUNCH_CHECK();
+}
+
+int kcu_mx4_dense(struct cuda_ctx *c, const struct cuda_weight *w, int rows, int cols, int n,
+                  const void *x, kdt xt, void *y, kdt yt)
+{
+    const int m = n < 64 ? n : 64;
+    const int chunk = 8 * mx4_shape_for(m).nt;
+    struct mx4_args a = {};
+
+    if (n == 0)
+        return 0;
+    a.dense_nib = (const uint8_t *) w->data;
+    a.dense_sc = w->scale;
+    a.rows = rows;
+    a.cols = cols;
+    a.x = x;
+    a.ldx = cols;
+    a.y = y;
+    a.ldy = rows;
+    a.n_dense = n;
+    a.y_f32 = yt == KDT_F32;
+    const int grid_x = (n + chunk - 1) / chunk;
+    return xt == KDT_BF16 ? mx4_dispatch<MX_DENSE, bf16>(c, a, m, grid_x)
+                          : mx4_dispatch<MX_DENSE, float>(c, a, m, grid_x);
+}
+
+void kcu_expert_table(const struct moe_expert *ex, int n_local, const uint8_t **h)
+{
+    for (int e = 0; e < n_local; e++) {
+        const struct bweight *w[3] = { &ex[e].gate, &ex[e].up, &ex[e].down };
+        for (int m = 0; m < 3; m++) {
+            const struct cuda_weight *cw = (const struct cuda_weight *) w[m]->priv;
+            h[(2 * m) * n_local + e] = (const uint8_t *) cw->data;
+            h[(2 * m + 1) * n_local + e] = cw->scale;
         }
     }
-    if (r == 0) {
-        cudaFree(c->moe_ptrs);
-        c->moe_ptrs = NULL;
-        r = err_from_cuda(cudaMalloc((void **) &c->moe_ptrs, sizeof(void *) * a->n_local * MOE_PTRS));
-    }
-    if (r == 0)
-        r = err_from_cuda(cudaMemcpy(c->moe_ptrs, h, sizeof(void *) * a->n_local * MOE_PTRS,
-                                     cudaMemcpyHostToDevice));
-    free(h);
-    if (r == 0) {
-        c->moe_cached = a->experts;
-        c->moe_cached_n = a->n_local;
-    }
-    return r;
 }
+
+// ---- the op (FP32 interface) ----
 
 int kcuda_moe(struct backend *be, const struct moe_args *a)
 {
     struct cuda_ctx *c = cuda_ctx_of(be);
+
     if (a->n_tok == 0 || a->n_local == 0)
         return 0;
-    // all local experts share one format per projection (the loader guarantees it)
-    const int fg = a->experts[0].gate.fmt, fu = a->experts[0].up.fmt, fd = a->experts[0].down.fmt;
-    int r = moe_tables(c, a);
-    if (r < 0)
-        return r;
-    const size_t need = (size_t) a->n_tok * a->top_k * a->inter * sizeof(float);
-    if (need > c->moe_act_size) {
-        r = err_from_cuda(cudaStreamSynchronize(c->stream));
-        if (r < 0)
-            return r;
-        cudaFree(c->moe_act);
-        c->moe_act = NULL;
-        c->moe_act_size = 0;
-        r = err_from_cuda(cudaMalloc((void **) &c->moe_act, need));
-        if (r < 0)
-            return r;
-        c->moe_act_size = need;
+    for (int e = 0; e < a->n_local; e++) {
+        const struct moe_expert *x = &a->experts[e];
+        if (x->gate.fmt != WFMT_MXFP4 || x->up.fmt != WFMT_MXFP4 || x->down.fmt != WFMT_MXFP4 ||
+            x->gate.rows != a->inter || x->gate.cols != a->hidden || x->up.rows != a->inter ||
+            x->up.cols != a->hidden || x->down.rows != a->hidden || x->down.cols != a->inter ||
+            !x->gate.priv || !x->up.priv || !x->down.priv)
+            return -EINVAL;
     }
-    const size_t w1 = (size_t) a->n_tok * a->top_k * a->inter * 32;
-    moe_up_kernel<<<cuda_blocks(w1, 256), 256, 0, c->stream>>>(a->x, a->n_tok, a->hidden, a->inter,
-        a->top_k, a->ids, a->expert_first, a->n_local, c->moe_ptrs, fg, fu, a->limit, c->moe_act);
-    r = CUDA_LAUNCH_CHECK();
-    if (r < 0)
+    if (c->exact)
+        return kcuda_moe_exact(be, a);
+    // the table of the local experts' device pointers, for this call
+    const size_t nt = 6 * (size_t) a->n_local;
+    const uint8_t **h = (const uint8_t **) malloc(nt * sizeof(void *));
+    if (!h)
+        return -ENOMEM;
+    kcu_expert_table(a->experts, a->n_local, h);
+    int r = cuda_ws_ensure(c, kcu_moe_ws(a->n_tok, a->top_k, a->hidden, a->inter, a->n_local));
+    if (r < 0) {
+        free(h);
         return r;
-    const size_t w2 = (size_t) a->n_tok * a->hidden * 32;
-    moe_down_kernel<<<cuda_blocks(w2, 256), 256, 0, c->stream>>>(a->out, a->n_tok, a->hidden, a->inter,
-        a->top_k, a->ids, a->weights, a->expert_first, a->n_local, c->moe_ptrs, fd, c->moe_act);
-    return CUDA_LAUNCH_CHECK();
+    }
+    cuda_stage_reset(c);
+    cuda_ws_reset(c);
+    const uint8_t *const *dt = (const uint8_t *const *) cuda_stage(c, h, nt * sizeof(void *));
+    free(h);
+    if (!dt)
+        return -ENOMEM;
+    struct kcu_moe_w w = { dt, dt + a->n_local, dt + 2 * a->n_local, dt + 3 * a->n_local,
+                           dt + 4 * a->n_local, dt + 5 * a->n_local };
+    struct kcu_moe_args ma = { a->n_tok, a->top_k, a->hidden, a->inter, a->expert_first,
+                               a->n_local, a->limit, a->ids, a->weights, a->x, KDT_F32, a->out };
+    return kcu_moe(c, &w, &ma);
 }

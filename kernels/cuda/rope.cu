@@ -30,7 +30,7 @@ int kcuda_rope(struct backend *be, float *x, int n_tok, int n_heads, int head_di
     if (n_tok == 0)
         return 0;
     cuda_stage_reset(c);
-    const int32_t *dpos = (const int32_t *) cuda_stage(c, pos, sizeof(int32_t) * n_tok);
+    const int32_t *dpos = cuda_index(c, pos, (size_t) n_tok);
     const float *dfreq = (const float *) cuda_stage(c, f->inv_freq, sizeof(float) * (f->rotary_dims / 2));
     if (!dpos || !dfreq)
         return -ENOMEM;

@@ -3,21 +3,11 @@
 #include "common.cuh"
 #include "cuda.h"
 
-static inline __device__ float swiglu_one(float u, float w, float limit)
-{
-    float s = u / (1.0f + expf(-u));
-    if (limit > 0.0f) {
-        s = fminf(s, limit);
-        w = fminf(fmaxf(w, -limit), limit);
-    }
-    return s * w;
-}
-
 static __global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, float limit, float *out)
 {
     const int64_t idx = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (idx < n)
-        out[idx] = swiglu_one(gate[idx], up[idx], limit);
+        out[idx] = swiglu1(gate[idx], up[idx], limit);
 }
 
 int kcuda_swiglu(struct backend *be, const float *gate, const float *up, int n, int dim,

@@ -23,7 +23,7 @@ static void run_rank(int rank, int n, const unsigned char *id)
     struct comm *c;
 
     ASSERT_TRUE(h);
-    ASSERT_OK(comm_nccl_new(rank, n, rank, id, COMM_NCCL_ID_BYTES, 30000, &c));
+    ASSERT_OK(comm_nccl_new(rank, n, rank, id, COMM_NCCL_ID_BYTES, 30000, NULL, &c));
     ASSERT_STREQ(c->ops->name, "nccl");
     ASSERT_EQ(cudaMalloc((void **)&d, cnt * sizeof(float)), cudaSuccess);
     for (size_t i = 0; i < cnt; i++)

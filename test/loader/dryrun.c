@@ -2,9 +2,9 @@
  *
  *   stepd-dryrun EXPECTED_TSV [--keep DIR] [--shards N]
  *
- * Reads the expected tensor list (test/data/step37-mxfp4-expected-tensors.tsv:
- * "name<TAB>dtype<TAB>[shape]<TAB>note", "{0..287}" ranges expanded, "F32?" read as
- * F32), writes safetensors headers with those names/dtypes/shapes over SPARSE data
+ * Reads the expected tensor list (test/data/step37-mxfp4-expected-tensors.tsv, read by
+ * ckptw_tsv_read: "{0..287}" ranges expanded, "F32?" read as F32), writes safetensors
+ * headers with those names/dtypes/shapes over SPARSE data
  * regions (ftruncate, no disk used) split into shards plus the index and a real
  * Step-3.7 nested config.json with the compressed-tensors quantization_config, then
  * plans N=1 and N=8 (every rank) with MTP K=3 in headers-only mode and once with
@@ -27,79 +27,8 @@
 #include "harness.h"
 #include "loader.h"
 
-struct row {
-    char *name;
-    enum dtype dt;
-    int ndim;
-    int64_t shape[TENSOR_MAX_DIMS];
-};
-
-static struct row *rows;
-static size_t n_rows, cap_rows;
-
-static void push(const char *name, enum dtype dt, int ndim, const int64_t *shape)
-{
-    if (n_rows == cap_rows) {
-        cap_rows = cap_rows ? cap_rows * 2 : 4096;
-        rows = realloc(rows, cap_rows * sizeof(*rows));
-        ASSERT_TRUE(rows != NULL);
-    }
-    rows[n_rows].name = strdup(name);
-    rows[n_rows].dt = dt;
-    rows[n_rows].ndim = ndim;
-    memcpy(rows[n_rows].shape, shape, sizeof(int64_t) * TENSOR_MAX_DIMS);
-    n_rows++;
-}
-
-static int read_tsv(const char *path)
-{
-    FILE *f = fopen(path, "r");
-    char line[1024];
-    int lineno = 0;
-
-    if (!f)
-        return -errno;
-    while (fgets(line, sizeof(line), f)) {
-        char *name, *dt, *shape, *save = NULL, *br, dts[32];
-        int64_t sh[TENSOR_MAX_DIMS] = { 0 };
-        int nd = 0, lo, hi;
-        enum dtype t;
-
-        lineno++;
-        if (line[0] == '#' || line[0] == '\n')
-            continue;
-        name = strtok_r(line, "\t\n", &save);
-        dt = strtok_r(NULL, "\t\n", &save);
-        shape = strtok_r(NULL, "\t\n", &save);
-        if (!name || !dt || !shape)
-            FAIL("%s:%d: expected name, dtype, shape", path, lineno);
-        snprintf(dts, sizeof(dts), "%s", dt);
-        if (dts[strlen(dts) - 1] == '?')
-            dts[strlen(dts) - 1] = 0;
-        t = dtype_parse(dts);
-        if (t == DTYPE_INVALID)
-            FAIL("%s:%d: dtype '%s'", path, lineno, dt);
-        for (char *p = shape + 1; *p && *p != ']';) {
-            sh[nd++] = strtoll(p, &p, 10);
-            if (*p == ',')
-                p++;
-        }
-        br = strstr(name, "{");
-        if (br && sscanf(br, "{%d..%d}", &lo, &hi) == 2) {
-            char pre[256], post[256], full[600];
-            snprintf(pre, sizeof(pre), "%.*s", (int) (br - name), name);
-            snprintf(post, sizeof(post), "%s", strchr(br, '}') + 1);
-            for (int i = lo; i <= hi; i++) {
-                snprintf(full, sizeof(full), "%s%d%s", pre, i, post);
-                push(full, t, nd, sh);
-            }
-        } else {
-            push(name, t, nd, sh);
-        }
-    }
-    fclose(f);
-    return 0;
-}
+static struct ckptw_tsv_row *rows;
+static size_t n_rows;
 
 static double now_ms(void)
 {
@@ -138,13 +67,14 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--shards") == 0 && i + 1 < argc)
             n_shards = atoi(argv[++i]);
     }
-    if (!tsv || access(tsv, R_OK) != 0)
-        FAIL("expected-tensors TSV not readable (%s)", tsv ? tsv : "no path given");
-    ASSERT_OK(read_tsv(tsv));
+    if (!tsv)
+        FAIL("usage: stepd-dryrun EXPECTED_TSV [--keep DIR] [--shards N]");
+    if (ckptw_tsv_read(tsv, &rows, &n_rows, &e) < 0)
+        FAIL("%s", e.msg);
     for (size_t i = 0; i < n_rows; i++)
         if (!is_vision(rows[i].name)) {
             text_tensors++;
-            text_bytes += ckptw_tensor_bytes(rows[i].dt, rows[i].ndim, rows[i].shape);
+            text_bytes += ckptw_tensor_bytes(rows[i].dtype, rows[i].ndim, rows[i].shape);
         }
     printf("layout: %zu tensors (%lld text, %.1f GB text)\n", n_rows, (long long) text_tensors, (double) text_bytes / 1e9);
     ASSERT_EQ(text_tensors, 73254);
@@ -171,7 +101,7 @@ int main(int argc, char **argv)
         struct stat st;
         snprintf(fname, sizeof(fname), "model-%05d-of-%05d.safetensors", s + 1, n_shards);
         for (size_t i = a; i < b; i++) {
-            ts[i - a] = (struct ckptw_tensor) { .name = rows[i].name, .dtype = rows[i].dt, .ndim = rows[i].ndim };
+            ts[i - a] = (struct ckptw_tensor) { .name = rows[i].name, .dtype = rows[i].dtype, .ndim = rows[i].ndim };
             memcpy(ts[i - a].shape, rows[i].shape, sizeof(ts[i - a].shape));
             json_object_set_new(wm, rows[i].name, json_string(fname));
         }
@@ -244,8 +174,6 @@ int main(int argc, char **argv)
     if (!keep)
         ckptw_rmtree(dir);
     free(dir);
-    for (size_t i = 0; i < n_rows; i++)
-        free(rows[i].name);
-    free(rows);
+    ckptw_tsv_free(rows, n_rows);
     return 0;
 }

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include <jansson.h>
 
@@ -19,30 +18,10 @@ static const char *inspect;
 /* run inspect with args; returns exit status, output in *out (malloc'd) */
 static int run(const char *args, char **out)
 {
-    char cmd[4096], buf[4096];
-    size_t len = 0, cap = 0;
-    FILE *p;
-    int st;
+    char cmd[4096];
 
-    snprintf(cmd, sizeof(cmd), "'%s' %s 2>&1", inspect, args);
-    p = popen(cmd, "r");
-    ASSERT_TRUE(p != NULL);
-    *out = NULL;
-    while (fgets(buf, sizeof(buf), p)) {
-        size_t n = strlen(buf);
-        if (len + n + 1 > cap) {
-            cap = (len + n + 1) * 2;
-            *out = realloc(*out, cap);
-            ASSERT_TRUE(*out != NULL);
-        }
-        memcpy(*out + len, buf, n + 1);
-        len += n;
-    }
-    if (!*out)
-        *out = strdup("");
-    st = pclose(p);
-    ASSERT_TRUE(WIFEXITED(st));
-    return WEXITSTATUS(st);
+    snprintf(cmd, sizeof(cmd), "'%s' %s", inspect, args);
+    return test_run(cmd, out);
 }
 
 /* run inspect on dir with args: exit status want and every needle in the output */

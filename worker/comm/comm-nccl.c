@@ -1,4 +1,9 @@
-/* comm-nccl.c - struct comm over NCCL, device buffers, non-blocking with a deadline. */
+/* comm-nccl.c - struct comm over NCCL, device buffers, non-blocking with a deadline, on a
+ * stream of its own or in order on a backend's compute stream (comm-nccl.h).  NCCL is
+ * reached through a table of functions filled by dlopen() on first use. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,9 +20,72 @@ struct nccl {
     struct comm c;
     ncclComm_t comm;
     cudaStream_t stream;
+    bool own_stream;        /* false: a backend's compute stream (no wait per collective) */
     int device;
     float *scratch;         /* one float on the device, for the barrier */
 };
+
+/* the NCCL functions this file uses, from libnccl.so.2 */
+static struct {
+    ncclResult_t (*GetUniqueId)(ncclUniqueId *);
+    ncclResult_t (*CommInitRankConfig)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
+    ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
+    ncclResult_t (*AllReduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
+                              cudaStream_t);
+    ncclResult_t (*AllGather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
+                              cudaStream_t);
+    ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t,
+                              cudaStream_t);
+    ncclResult_t (*CommAbort)(ncclComm_t);
+    ncclResult_t (*CommFinalize)(ncclComm_t);
+    ncclResult_t (*CommDestroy)(ncclComm_t);
+    const char *(*GetErrorString)(ncclResult_t);
+    int err;                /* 0, or why the library could not be used */
+    char why[256];
+} nccl_lib;
+static pthread_once_t nccl_once = PTHREAD_ONCE_INIT;
+
+static void nccl_load(void)
+{
+    const char *path = getenv("STEPD_NCCL_LIB");
+    void *dl = dlopen(path && path[0] ? path : "libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    struct { const char *name; void **slot; } syms[] = {
+        { "ncclGetUniqueId", (void **)&nccl_lib.GetUniqueId },
+        { "ncclCommInitRankConfig", (void **)&nccl_lib.CommInitRankConfig },
+        { "ncclCommGetAsyncError", (void **)&nccl_lib.CommGetAsyncError },
+        { "ncclAllReduce", (void **)&nccl_lib.AllReduce },
+        { "ncclAllGather", (void **)&nccl_lib.AllGather },
+        { "ncclBroadcast", (void **)&nccl_lib.Broadcast },
+        { "ncclCommAbort", (void **)&nccl_lib.CommAbort },
+        { "ncclCommFinalize", (void **)&nccl_lib.CommFinalize },
+        { "ncclCommDestroy", (void **)&nccl_lib.CommDestroy },
+        { "ncclGetErrorString", (void **)&nccl_lib.GetErrorString },
+    };
+
+    if (!dl) {
+        nccl_lib.err = -ENOENT;
+        snprintf(nccl_lib.why, sizeof(nccl_lib.why), "cannot open NCCL (%s): %s",
+                 path && path[0] ? path : "libnccl.so.2; STEPD_NCCL_LIB names another file",
+                 dlerror());
+        return;
+    }
+    for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+        *syms[i].slot = dlsym(dl, syms[i].name);
+        if (!*syms[i].slot) {
+            nccl_lib.err = -ENOENT;
+            snprintf(nccl_lib.why, sizeof(nccl_lib.why), "NCCL library lacks %s", syms[i].name);
+            return;
+        }
+    }
+}
+
+static int nccl_ready(void)
+{
+    pthread_once(&nccl_once, nccl_load);
+    if (nccl_lib.err)
+        fprintf(stderr, "comm-nccl: %s\n", nccl_lib.why);
+    return nccl_lib.err;
+}
 
 static int err_from_nccl(ncclResult_t r)
 {
@@ -63,10 +131,10 @@ static int wait_comm(struct nccl *n, const char *op, bool stream_too)
 
     for (;;) {
         st = ncclSuccess;
-        ncclCommGetAsyncError(n->comm, &st);
+        nccl_lib.CommGetAsyncError(n->comm, &st);
         if (st != ncclSuccess && st != ncclInProgress) {
             int r = comm__fail(&n->c, err_from_nccl(st), "%s: NCCL error: %s", op,
-                               ncclGetErrorString(st));
+                               nccl_lib.GetErrorString(st));
 
             n->c.ops->abort(&n->c);
             return r;
@@ -100,19 +168,48 @@ static int wait_comm(struct nccl *n, const char *op, bool stream_too)
 static int enqueued(struct nccl *n, ncclResult_t r, const char *op)
 {
     if (r != ncclSuccess && r != ncclInProgress) {
-        int e = comm__fail(&n->c, err_from_nccl(r), "%s: %s", op, ncclGetErrorString(r));
+        int e = comm__fail(&n->c, err_from_nccl(r), "%s: %s", op, nccl_lib.GetErrorString(r));
 
         n->c.ops->abort(&n->c);
         return e;
     }
+    if (!n->own_stream) {
+        /* in stream order with the compute: the step's sync waits, comm_nccl_step_done
+         * checks; the watchdog sees how long the step has been in collectives */
+        uint64_t zero = 0;
+
+        if (n->c.timeout_msec > 0)
+            atomic_compare_exchange_strong(&n->c.busy_since_usec, &zero, now_usec());
+        return 0;
+    }
     return wait_comm(n, op, true);
+}
+
+int comm_nccl_step_done(struct comm *c)
+{
+    struct nccl *n = to_nccl(c);
+    ncclResult_t st = ncclSuccess;
+
+    atomic_store(&c->busy_since_usec, 0);
+    if (c->error)
+        return c->error;
+    if (!n->comm)
+        return -ECANCELED;
+    nccl_lib.CommGetAsyncError(n->comm, &st);
+    if (st != ncclSuccess && st != ncclInProgress) {
+        int r = comm__fail(c, err_from_nccl(st), "step: NCCL error: %s", nccl_lib.GetErrorString(st));
+
+        c->ops->abort(c);
+        return r;
+    }
+    return 0;
 }
 
 static int nccl_allreduce_sum(struct comm *c, float *buf, size_t count)
 {
     struct nccl *n = to_nccl(c);
 
-    return enqueued(n, ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, n->comm, n->stream),
+    return enqueued(n, nccl_lib.AllReduce(buf, buf, count, ncclFloat32, ncclSum, n->comm, n->stream),
                     "allreduce");
 }
 
@@ -120,14 +217,14 @@ static int nccl_allgather(struct comm *c, const void *send, void *recv, size_t n
 {
     struct nccl *n = to_nccl(c);
 
-    return enqueued(n, ncclAllGather(send, recv, nbytes, ncclUint8, n->comm, n->stream), "allgather");
+    return enqueued(n, nccl_lib.AllGather(send, recv, nbytes, ncclUint8, n->comm, n->stream), "allgather");
 }
 
 static int nccl_broadcast(struct comm *c, void *buf, size_t nbytes, int root)
 {
     struct nccl *n = to_nccl(c);
 
-    return enqueued(n, ncclBroadcast(buf, buf, nbytes, ncclUint8, root, n->comm, n->stream),
+    return enqueued(n, nccl_lib.Broadcast(buf, buf, nbytes, ncclUint8, root, n->comm, n->stream),
                     "broadcast");
 }
 
@@ -140,8 +237,11 @@ static int nccl_barrier(struct comm *c)
 {
     struct nccl *n = to_nccl(c);
 
-    return enqueued(n, ncclAllReduce(n->scratch, n->scratch, 1, ncclFloat32, ncclSum, n->comm,
-                                     n->stream), "barrier");
+    int r = enqueued(n, nccl_lib.AllReduce(n->scratch, n->scratch, 1, ncclFloat32, ncclSum,
+                                           n->comm, n->stream), "barrier");
+
+    /* a barrier is a host-side rendezvous in either mode */
+    return r < 0 || n->own_stream ? r : wait_comm(n, "barrier", true);
 }
 
 static void nccl_abort(struct comm *c)
@@ -151,7 +251,7 @@ static void nccl_abort(struct comm *c)
     if (!c->error)
         comm__fail(c, -ECANCELED, "communicator aborted");
     if (n->comm) {
-        ncclCommAbort(n->comm);
+        nccl_lib.CommAbort(n->comm);
         n->comm = NULL;
     }
 }
@@ -163,20 +263,20 @@ static void nccl_free(struct comm *c)
     if (n->comm && !c->error) {
         /* orderly: finalize (non-blocking, polled with the deadline; a failure aborts
          * and clears n->comm), then destroy */
-        ncclResult_t fr = ncclCommFinalize(n->comm);
+        ncclResult_t fr = nccl_lib.CommFinalize(n->comm);
 
         if ((fr == ncclSuccess || fr == ncclInProgress) && wait_comm(n, "finalize", false) == 0) {
-            ncclCommDestroy(n->comm);
+            nccl_lib.CommDestroy(n->comm);
             n->comm = NULL;
         }
     }
     if (n->comm) {
-        ncclCommAbort(n->comm);
+        nccl_lib.CommAbort(n->comm);
         n->comm = NULL;
     }
     if (n->scratch)
         cudaFree(n->scratch);
-    if (n->stream)
+    if (n->stream && n->own_stream)
         cudaStreamDestroy(n->stream);
     free(n);
 }
@@ -208,7 +308,9 @@ int comm_nccl_unique_id(void *ret_id, size_t len)
 
     if (len < sizeof(id.internal))
         return -EMSGSIZE;
-    r = ncclGetUniqueId(&id);
+    if (nccl_ready() < 0)
+        return nccl_lib.err;
+    r = nccl_lib.GetUniqueId(&id);
     if (r != ncclSuccess)
         return err_from_nccl(r);
     memcpy(ret_id, id.internal, sizeof(id.internal));
@@ -216,7 +318,7 @@ int comm_nccl_unique_id(void *ret_id, size_t len)
 }
 
 int comm_nccl_new(int rank, int world_size, int device, const void *id, size_t id_len,
-                  int timeout_msec, struct comm **ret)
+                  int timeout_msec, void *stream, struct comm **ret)
 {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     ncclUniqueId uid;
@@ -229,6 +331,8 @@ int comm_nccl_new(int rank, int world_size, int device, const void *id, size_t i
         return -EINVAL;
     if (id_len != sizeof(uid.internal))
         return -EBADMSG;
+    if (nccl_ready() < 0)
+        return nccl_lib.err;
     memcpy(uid.internal, id, sizeof(uid.internal));
     n = calloc(1, sizeof(*n));
     if (!n)
@@ -238,8 +342,10 @@ int comm_nccl_new(int rank, int world_size, int device, const void *id, size_t i
     n->c.world_size = world_size;
     n->c.timeout_msec = timeout_msec;
     n->device = device;
+    n->own_stream = !stream;
+    n->stream = (cudaStream_t)stream;
     ce = cudaSetDevice(device);
-    if (ce == cudaSuccess)
+    if (ce == cudaSuccess && n->own_stream)
         ce = cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
     if (ce == cudaSuccess)
         ce = cudaMalloc((void **)&n->scratch, sizeof(float));
@@ -250,7 +356,7 @@ int comm_nccl_new(int rank, int world_size, int device, const void *id, size_t i
         goto out_free;
     }
     config.blocking = 0;
-    nr = ncclCommInitRankConfig(&n->comm, world_size, uid, rank, &config);
+    nr = nccl_lib.CommInitRankConfig(&n->comm, world_size, uid, rank, &config);
     if (nr != ncclSuccess && nr != ncclInProgress) {
         n->comm = NULL;
         r = err_from_nccl(nr);
@@ -265,4 +371,16 @@ int comm_nccl_new(int rank, int world_size, int device, const void *id, size_t i
 out_free:
     nccl_free(&n->c);
     return r;
+}
+
+static const struct comm_nccl_api nccl_api = {
+    .unique_id = comm_nccl_unique_id,
+    .device_count = comm_nccl_device_count,
+    .create = comm_nccl_new,
+    .step_done = comm_nccl_step_done,
+};
+
+__attribute__((visibility("default"))) const struct comm_nccl_api *stepd_comm_nccl_api(void)
+{
+    return &nccl_api;
 }

@@ -58,6 +58,12 @@ struct mlayer {
     float *inv_freq;
     struct kv_layer kv;
 
+    /* the fused halves of a GPU backend (backend_has_blocks): this layer's weights as the
+     * backend prepared them; blocks = both halves run fused */
+    struct attn_weights aw;
+    struct ffn_weights fw;
+    bool blocks;
+
     /* MTP only */
     struct bweight enorm, hnorm, eh_e, eh_h, head_norm, head;
     uint16_t *eh_split;             /* host copy of eh_proj split into [H,H] | [H,H] (BF16) */
@@ -203,6 +209,10 @@ void model__batch_fill(const struct model *m, struct batch *b, const struct step
 int model__copy_rows(struct model *m, float *dst, const int32_t *dst_rows, const float *src,
                      const int32_t *src_rows, int n);
 int model__layer_kv(struct model *m, struct mlayer *L, const struct batch *b);
+/* The batch's index arrays to the backend in one go (backend_step_begin); graph: the
+ * trunk's layers may be replayed as a graph. */
+int model__step_inputs(struct model *m, const struct batch *b, const struct step_plan *p,
+                       bool graph);
 int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b);
 
 /* ---- model-mtp.c ---- */

@@ -527,6 +527,30 @@ static int reserve(struct model *m, struct err_buf *e)
             topk = (size_t)m->cfg->top_k;
         }
     }
+    {
+        /* a GPU backend plans its device memory once (kernels/backend.h) */
+        struct backend_reserve br = {
+            .max_tokens = (int)T, .max_seqs = (int)S, .hidden = (int)H, .max_heads = (int)hmax,
+            .max_q_dim = (int)qmax, .max_kv_dim = (int)kvmax, .max_inter = (int)imax,
+            .max_block_ids = m->table_cap,
+        };
+        for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
+            const struct mlayer *L = &m->layers[i];
+            br.max_kv_heads = br.max_kv_heads > L->n_kv_heads ? br.max_kv_heads : L->n_kv_heads;
+            br.max_head_dim = br.max_head_dim > L->head_dim ? br.max_head_dim : L->head_dim;
+            if (L->is_moe) {
+                br.n_experts = m->cfg->n_experts;
+                br.top_k = m->cfg->top_k;
+                br.moe_inter = m->cfg->moe_intermediate_size;
+                br.max_local_experts = br.max_local_experts > L->n_local ? br.max_local_experts
+                                                                         : L->n_local;
+            }
+        }
+        r = backend_reserve(m->be, &br);
+        if (r < 0)
+            return err_set(e, r, "the backend cannot plan its memory for %zu tokens per step: %s",
+                           T, err_str(r));
+    }
 #define F(p, n) do { if (!r) r = mbuf(m, sizeof(float) * (n), &m->p); } while (0)
     m->max_rows = (int)T;
     F(a, T * H); F(tmp, T * H); F(hid, T0 * H);
@@ -619,6 +643,50 @@ static int reserve(struct model *m, struct err_buf *e)
         r = reserve_kv(m, &m->tp_half[i], e);
         if (r < 0)
             return r;
+    }
+    return 0;
+}
+
+/* The fused halves of every layer a GPU backend can run fused (backend_has_blocks);
+ * layers it cannot (-ENOTSUP: e.g. MXFP4 drafts) keep the op script. */
+static int prepare_blocks(struct model *m, struct err_buf *e)
+{
+    const struct model_config *cfg = m->cfg;
+    int r;
+
+    if (!backend_has_blocks(m->be) || m->split_parts > 1)
+        return 0;
+    for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
+        struct mlayer *L = &m->layers[i];
+
+        L->aw = (struct attn_weights){
+            .in_norm = &L->in_norm, .wq = &L->wq, .wk = &L->wk, .wv = &L->wv,
+            .wg = cfg->use_head_wise_attn_gate ? &L->wg : NULL,
+            .q_norm = cfg->use_qk_norm ? &L->q_norm : NULL,
+            .k_norm = cfg->use_qk_norm ? &L->k_norm : NULL, .wo = &L->wo,
+            .freqs = L->freqs.rotary_dims > 0 ? &L->freqs : NULL,
+        };
+        L->fw = (struct ffn_weights){
+            .post_norm = &L->post_norm, .gate = L->has_ffn_dense ? &L->gate : NULL,
+            .up = L->has_ffn_dense ? &L->up : NULL, .down = L->has_ffn_dense ? &L->down : NULL,
+            .inter = L->inter, .router = L->is_moe ? &L->router : NULL,
+            .router_bias = L->router_bias, .experts = L->experts, .expert_first = L->expert_first,
+            .n_local = L->n_local, .n_experts = cfg->n_experts,
+            .moe_inter = cfg->moe_intermediate_size,
+        };
+        r = backend_attn_prepare(m->be, &L->aw);
+        if (r == -ENOTSUP)
+            continue;
+        if (r < 0)
+            return err_set(e, r, "layer %d: fused attention weights: %s", L->idx, err_str(r));
+        r = backend_ffn_prepare(m->be, &L->fw);
+        if (r == -ENOTSUP) {
+            backend_attn_release(m->be, &L->aw);
+            continue;
+        }
+        if (r < 0)
+            return err_set(e, r, "layer %d: fused FFN weights: %s", L->idx, err_str(r));
+        L->blocks = true;
     }
     return 0;
 }
@@ -743,6 +811,9 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
     r = model__build_mtp_tp(m, e);
     if (r < 0)
         goto out;
+    r = prepare_blocks(m, e);
+    if (r < 0)
+        goto out;
     r = reserve(m, e);
     if (r < 0)
         goto out;
@@ -767,6 +838,10 @@ void model_free(struct model *m)
 {
     if (!m)
         return;
+    for (int i = 0; m->layers && i < m->n_layers + m->n_mtp; i++) {
+        backend_attn_release(m->be, &m->layers[i].aw);
+        backend_ffn_release(m->be, &m->layers[i].fw);
+    }
     for (int i = m->n_prepared - 1; i >= 0; i--)
         backend_weight_release(m->be, m->prepared[i]);
     free(m->prepared);

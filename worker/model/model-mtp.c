@@ -175,6 +175,11 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
     m->h_seq_start[ns] = n;
     struct batch mb;
     model__batch_fill(m, &mb, p, n, ns);
+    r = model__step_inputs(m, &mb, p, false);
+    if (r < 0) {
+        what = "step inputs";
+        goto fail;
+    }
 
     /* g rows: from the trunk / the previous depth's batch, then the stash rows */
     if (k == 0) {

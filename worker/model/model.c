@@ -137,7 +137,11 @@ int model__copy_rows(struct model *m, float *dst, const int32_t *dst_rows, const
                      const int32_t *src_rows, int n)
 {
     size_t H = (size_t)m->hidden;
-    int r = 0;
+    int r = backend_copy_rows(m->be, dst, dst_rows, src, src_rows, n, sizeof(float) * H);
+
+    if (r != -ENOSYS)
+        return r;       /* on the device (GPU backends) */
+    r = 0;
 
     for (int i = 0, j; i < n && !r; i = j) {
         int32_t s0 = src_rows ? src_rows[i] : i;
@@ -214,18 +218,94 @@ int model__layer_kv(struct model *m, struct mlayer *L, const struct batch *b)
     return 0;
 }
 
-/* One decoder layer (docs/MODEL.md §2.3) over the batch, in place on the residual x [n, H].
- * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
-int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
+int model__step_inputs(struct model *m, const struct batch *b, const struct step_plan *p,
+                       bool graph)
+{
+    struct backend_step st = {
+        .n_tok = b->n_tok, .n_seqs = b->n_seqs, .ids = b->ids, .pos = b->pos,
+        .seq_start = b->seq_start, .seq_pos0 = b->seq_pos0, .graph = graph,
+    };
+
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        if (!m->group_used[g])
+            continue;
+        st.slots[g] = b->slots[g];
+        st.boff[g] = b->boff[g];
+        st.tables[g] = b->tables[g];
+        st.n_table[g] = p->n_block_ids[g];
+    }
+    for (int i = 0; i < b->n_seqs; i++) {
+        int len = b->seq_start[i + 1] - b->seq_start[i];
+        st.max_run = len > st.max_run ? len : st.max_run;
+    }
+    return backend_step_begin(m->be, &st);
+}
+
+/* The two halves of layer L fused on the backend (backend.h attn_block / ffn_block: the
+ * same script as below, BF16 inside); -ENOTSUP before any work when the backend cannot
+ * run this shape, and the script runs instead. */
+static int attn_fused(struct model *m, struct mlayer *L, float *x, const struct batch *b,
+                      bool reduce)
+{
+    const struct model_config *cfg = m->cfg;
+    size_t nh = (size_t)b->n_tok * m->hidden;
+    int g = L->group, r;
+    struct attn_block_args aa = {
+        .x = x, .out = reduce ? m->tmp : NULL, .n_tok = b->n_tok, .hidden = m->hidden,
+        .n_heads = L->n_heads, .n_kv_heads = L->n_kv_heads, .head_dim = L->head_dim,
+        .eps = cfg->rms_norm_eps, .scale = 1.0f / sqrtf((float)L->head_dim), .w = &L->aw,
+        .freqs = L->freqs.rotary_dims > 0 ? &L->freqs : NULL, .pos = b->pos,
+        .slots = b->slots[g], .kv = &L->kv, .window = L->window, .n_seqs = b->n_seqs,
+        .seq_tok_start = b->seq_start, .seq_pos0 = b->seq_pos0, .block_tables = b->tables[g],
+        .block_table_off = b->boff[g],
+    };
+
+    TRY(backend_attn_block(m->be, &aa));
+    if (reduce) {
+        TRY(allreduce(m, m->tmp, nh));                             /* [all-reduce 1] */
+        TRY(backend_add(m->be, x, m->tmp, nh));
+    }
+    return 0;
+}
+
+static int ffn_fused(struct model *m, struct mlayer *L, float *x, const struct batch *b,
+                     bool reduce)
+{
+    const struct model_config *cfg = m->cfg;
+    size_t nh = (size_t)b->n_tok * m->hidden;
+    int r;
+    struct ffn_block_args fa = {
+        .x = x, .out = reduce ? m->tmp : NULL, .n_tok = b->n_tok, .hidden = m->hidden,
+        .eps = cfg->rms_norm_eps, .limit_dense = L->limit_shared, .limit_routed = L->limit_routed,
+        .route_scale = cfg->router_scaling_factor, .top_k = cfg->top_k,
+        .renorm = cfg->norm_expert_weight, .w = &L->fw,
+    };
+
+    TRY(backend_ffn_block(m->be, &fa));
+    if (reduce) {
+        TRY(allreduce(m, m->tmp, nh));                             /* [all-reduce 2] */
+        TRY(backend_add(m->be, x, m->tmp, nh));
+    }
+    return 0;
+}
+
+/* The attention half of a decoder layer: x += o_proj(attention(norm(x))), reduced over
+ * the ranks where the layer is sharded.  A backend with fused layer halves runs it as one
+ * call (backend_attn_block) unless the step runs as per-core parts. */
+static int attention_half(struct model *m, struct mlayer *L, float *x, const struct batch *b,
+                          bool reduce)
 {
     const struct model_config *cfg = m->cfg;
     int n = b->n_tok, H = m->hidden, hd = L->head_dim;
     int g = L->group;
     float eps = cfg->rms_norm_eps;
-    bool reduce = m->sharded && !L->is_mtp;
     int r;
 
-    /* attention block */
+    if (L->blocks && !b->hooks) {
+        r = attn_fused(m, L, x, b, reduce);
+        if (r != -ENOTSUP)
+            return r;
+    }
     TRY(backend_rmsnorm(m->be, x, &L->in_norm, n, H, eps, m->a));
     TRY(model__layer_kv(m, L, b));
     TRY(backend_matmul(m->be, &L->wq, m->a, n, m->q));
@@ -260,9 +340,23 @@ int model__layer_forward(struct model *m, struct mlayer *L, float *x, const stru
     TRY(backend_matmul(m->be, &L->wo, m->att, n, m->tmp));
     if (reduce)
         TRY(allreduce(m, m->tmp, (size_t)n * H));                  /* [all-reduce 1] */
-    TRY(backend_add(m->be, x, m->tmp, (size_t)n * H));
+    return backend_add(m->be, x, m->tmp, (size_t)n * H);
+}
 
-    /* FFN block */
+/* The FFN half: x += FFN(norm(x)) - the routed experts and the shared expert of a MoE layer,
+ * the dense MLP otherwise - reduced over the ranks where the layer is sharded. */
+static int ffn_half(struct model *m, struct mlayer *L, float *x, const struct batch *b, bool reduce)
+{
+    const struct model_config *cfg = m->cfg;
+    int n = b->n_tok, H = m->hidden;
+    float eps = cfg->rms_norm_eps;
+    int r;
+
+    if (L->blocks && !b->hooks) {
+        r = ffn_fused(m, L, x, b, reduce);
+        if (r != -ENOTSUP)
+            return r;
+    }
     TRY(backend_rmsnorm(m->be, x, &L->post_norm, n, H, eps, m->a));
     if (L->is_moe) {
         TRY(backend_matmul(m->be, &L->router, m->a, n, m->rlogits));
@@ -294,6 +388,17 @@ int model__layer_forward(struct model *m, struct mlayer *L, float *x, const stru
     if (reduce)
         TRY(allreduce(m, m->tmp, (size_t)n * H));                  /* [all-reduce 2] */
     return backend_add(m->be, x, m->tmp, (size_t)n * H);
+}
+
+/* One decoder layer (docs/MODEL.md §2.3) over the batch, in place on the residual x [n, H].
+ * Trunk layers reduce over ranks at the two marked points; MTP layers are unsharded. */
+int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b)
+{
+    bool reduce = m->sharded && !L->is_mtp;
+    int r;
+
+    TRY(attention_half(m, L, x, b, reduce));
+    return ffn_half(m, L, x, b, reduce);
 }
 
 /* logits[rows, vocab] = lm_head · final_norm(hid[rows]), gathered over the vocab slices. */
@@ -365,9 +470,25 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
     if (model__split_choose(m, &b, &cut)) {
         r = model__split_layers(m, &b, &cut, NULL);
     } else {
-        r = backend_embed(m->be, &m->embed, b.ids, p->n_tokens, m->hid);
-        for (int l = 0; l < m->n_layers && r >= 0; l++)
-            r = model__layer_forward(m, &m->layers[l], m->hid, &b);
+        /* GPU backends: the inputs in one transfer, the layers as a graph where the step's
+         * shape has one (a failed capture leaves graphs off: the layers run again) */
+        r = model__step_inputs(m, &b, p, true);
+        for (int tries = 0; r >= 0 && tries < 2; tries++) {
+            int replay = backend_capture_begin(m->be), r2;
+
+            r = replay;
+            if (replay == 0) {
+                r = backend_embed(m->be, &m->embed, b.ids, p->n_tokens, m->hid);
+                for (int l = 0; l < m->n_layers && r >= 0; l++)
+                    r = model__layer_forward(m, &m->layers[l], m->hid, &b);
+            }
+            r2 = replay < 0 ? 0 : backend_capture_end(m->be, r >= 0);
+            if (r2 != -EAGAIN) {
+                r = r < 0 ? r : r2;
+                break;
+            }
+            r = 0;
+        }
     }
     if (r < 0)
         return PLAN_ERR(m, r, "step: forward failed: %s", err_str(r));
@@ -396,6 +517,11 @@ const char *model_last_error(const struct model *m)
 const struct model_config *model_config(const struct model *m)
 {
     return m->cfg;
+}
+
+int model_vocab_size(const struct model *m)
+{
+    return m->vocab;
 }
 
 int model_n_mtp(const struct model *m)

@@ -1,4 +1,5 @@
-/* ckptw.h - checkpoint WRITER for tests: tiny Step-3.x models in the real layout.
+/* ckptw.h - checkpoint WRITER: Step-3.x models in the real layout, for the tests
+ * (tiny random models) and stepd-mkmodel (synthetic full-width models).
  *
  * Writes DIR/config.json (flat Step-3.5 or nested Step-3.7 text_config, with the
  * compressed-tensors quantization_config when cfg->quant == QUANT_MXFP4), the
@@ -7,6 +8,8 @@
  * docs/MODEL.md §4 for cfg: BF16 dense weights, F32 router_bias, MXFP4 experts packed
  * per docs/MODEL.md §5 (U8 weight_packed [out, in/2] + U8 weight_scale [out, in/32]),
  * MTP layers with enorm/hnorm/eh_proj/transformer.shared_head.{norm,output}.
+ * ckptw_layout() is that tensor list (names, dtypes, shapes, in file order) for
+ * writers that produce the data themselves (stepd-mkmodel streams it).
  *
  * Weights are random (uniform in [-init_scale, init_scale], deterministic in seed
  * and tensor name) unless fill() provides them; norm weights get the same random
@@ -77,6 +80,33 @@ struct ckptw_opts {
     int n_overrides;
 };
 
+/* One tensor of the layout (what ckptw_write would write for cfg and o). */
+enum ckptw_kind {
+    CKPTW_DENSE,        /* BF16 from floats */
+    CKPTW_F32,          /* F32 from floats (router_bias) */
+    CKPTW_PACKED,       /* MXFP4 codes of base.weight */
+    CKPTW_SCALE,        /* MXFP4 scales of base.weight */
+    CKPTW_OPT_SCALE,    /* optional scale: 1 + h/8 */
+    CKPTW_OPT_ZP,       /* optional zero point: h */
+    CKPTW_RAW,          /* override / extra: deterministic bytes */
+};
+
+struct ckptw_entry {
+    char name[160];     /* canonical */
+    enum dtype dtype;
+    int ndim;
+    int64_t shape[TENSOR_MAX_DIMS];
+    enum ckptw_kind kind;
+    int64_t lout, lin;  /* logical [out, in] for MXFP4 */
+    bool mtp;
+};
+
+/* The tensor list of cfg under o (MTP layers when o->write_mtp, optional and extra
+ * tensors as o asks; o->omit, o->overrides and o->mtp_dir are not applied), in the
+ * order ckptw_write writes it.  *ret is malloc'd (caller frees). 0 or -ENOMEM. */
+int ckptw_layout(const struct model_config *cfg, const struct ckptw_opts *o,
+                 struct ckptw_entry **ret, size_t *ret_n);
+
 /* 3 shards, MTP written, no optional tensors, nested, seed 1, init_scale 0.05. */
 void ckptw_opts_default(struct ckptw_opts *o);
 
@@ -108,6 +138,26 @@ struct ckptw_tensor {
 };
 int ckptw_write_safetensors(const char *path, const struct ckptw_tensor *t, size_t n, bool sparse,
                             struct err_buf *e);
+
+/* The bytes that precede the data of such a file: the 8-byte little-endian header
+ * length and the JSON header (tensors at sequential offsets in the given order,
+ * padded to a multiple of 8).  *ret_hdr is malloc'd; *ret_len its size (the offset
+ * of the first data byte); *ret_data_len the bytes of all tensors' data. */
+int ckptw_safetensors_header(const struct ckptw_tensor *t, size_t n, char **ret_hdr,
+                             size_t *ret_len, uint64_t *ret_data_len, struct err_buf *e);
+
+/* The expected-tensor list of the real checkpoint (test/data/step37-mxfp4-expected-
+ * tensors.tsv: "name<TAB>dtype<TAB>[shape]<TAB>note", '#' comments, "{0..287}" ranges
+ * expanded, a trailing '?' on the dtype ignored).  *ret (malloc'd entries with
+ * malloc'd names) is freed with ckptw_tsv_free. */
+struct ckptw_tsv_row {
+    char *name;
+    enum dtype dtype;
+    int ndim;
+    int64_t shape[TENSOR_MAX_DIMS];
+};
+int ckptw_tsv_read(const char *path, struct ckptw_tsv_row **ret, size_t *ret_n, struct err_buf *e);
+void ckptw_tsv_free(struct ckptw_tsv_row *rows, size_t n);
 
 /* Bytes of a tensor (numel x bits / 8); -1 on overflow or sub-byte remainder. */
 int64_t ckptw_tensor_bytes(enum dtype dt, int ndim, const int64_t *shape);

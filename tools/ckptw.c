@@ -1,4 +1,6 @@
-/* ckptw.c - see ckptw.h. Test support code: clarity over speed. */
+/* ckptw.c - see ckptw.h.  Clarity over speed: ckptw_write builds each shard in memory (the
+ * tests' tiny models); stepd-mkmodel uses the layout, header and config parts and streams its
+ * own data. */
 #include "ckptw.h"
 
 #include <dirent.h>
@@ -15,6 +17,7 @@
 #include <jansson.h>
 
 #include "mxfp4.h"
+#include "strbuf.h"
 
 /* ------------------------------------------------------------------------ */
 /* numbers */
@@ -75,36 +78,16 @@ int64_t ckptw_tensor_bytes(enum dtype dt, int ndim, const int64_t *shape)
 /* ------------------------------------------------------------------------ */
 /* the tensor list of a model */
 
-enum gen_kind {
-    GEN_DENSE,          /* BF16 from floats */
-    GEN_F32,            /* F32 from floats (router_bias) */
-    GEN_PACKED,         /* MXFP4 codes of base.weight */
-    GEN_SCALE,          /* MXFP4 scales of base.weight */
-    GEN_OPT_SCALE,      /* optional scale: 1 + h/8 */
-    GEN_OPT_ZP,         /* optional zero point: h */
-    GEN_RAW,            /* override / extra: deterministic bytes */
-};
-
-struct gen {
-    char name[160];     /* canonical */
-    enum dtype dtype;
-    int ndim;
-    int64_t shape[TENSOR_MAX_DIMS];
-    enum gen_kind kind;
-    int64_t lout, lin;  /* logical [out, in] for MXFP4 */
-    bool mtp;
-};
-
 struct genlist {
-    struct gen *v;
+    struct ckptw_entry *v;
     size_t n, cap;
 };
 
-static struct gen *gen_push(struct genlist *l)
+static struct ckptw_entry *gen_push(struct genlist *l)
 {
     if (l->n == l->cap) {
         size_t nc = l->cap ? l->cap * 2 : 128;
-        struct gen *nv = realloc(l->v, nc * sizeof(*nv));
+        struct ckptw_entry *nv = realloc(l->v, nc * sizeof(*nv));
         if (!nv)
             return NULL;
         l->v = nv;
@@ -114,12 +97,12 @@ static struct gen *gen_push(struct genlist *l)
     return &l->v[l->n++];
 }
 
-static int add(struct genlist *l, enum gen_kind k, enum dtype dt, int ndim, int64_t d0, int64_t d1,
+static int add(struct genlist *l, enum ckptw_kind k, enum dtype dt, int ndim, int64_t d0, int64_t d1,
                bool mtp, const char *fmt, ...) __attribute__((format(printf, 8, 9)));
-static int add(struct genlist *l, enum gen_kind k, enum dtype dt, int ndim, int64_t d0, int64_t d1,
+static int add(struct genlist *l, enum ckptw_kind k, enum dtype dt, int ndim, int64_t d0, int64_t d1,
                bool mtp, const char *fmt, ...)
 {
-    struct gen *g = gen_push(l);
+    struct ckptw_entry *g = gen_push(l);
     va_list ap;
     if (!g)
         return -ENOMEM;
@@ -142,10 +125,10 @@ static int add_optional(struct genlist *l, const struct ckptw_opts *o, int layer
     static const char *const sc[2] = { "k_scale", "v_scale" }, *const zp[2] = { "k_zero_point", "v_zero_point" };
     for (int i = 0; i < 2; i++) {
         if (o->kv_scales != CKPTW_OPT_NONE)
-            A(l, GEN_OPT_SCALE, DTYPE_F32, o->kv_scales == CKPTW_OPT_PER_HEAD ? 1 : 0, kv, 0, mtp,
+            A(l, CKPTW_OPT_SCALE, DTYPE_F32, o->kv_scales == CKPTW_OPT_PER_HEAD ? 1 : 0, kv, 0, mtp,
               "model.layers.%d.self_attn.%s", layer, sc[i]);
         if (o->zero_points != CKPTW_OPT_NONE)
-            A(l, GEN_OPT_ZP, DTYPE_F32, o->zero_points == CKPTW_OPT_PER_HEAD ? 1 : 0, kv, 0, mtp,
+            A(l, CKPTW_OPT_ZP, DTYPE_F32, o->zero_points == CKPTW_OPT_PER_HEAD ? 1 : 0, kv, 0, mtp,
               "model.layers.%d.self_attn.%s", layer, zp[i]);
     }
     return 0;
@@ -156,28 +139,28 @@ static int build_list(const struct model_config *c, const struct ckptw_opts *o, 
     const int64_t H = c->hidden_size, V = c->vocab_size;
     int n_layers = c->n_layers + (o->write_mtp ? c->n_mtp_layers : 0);
 
-    A(l, GEN_DENSE, DTYPE_BF16, 2, V, H, false, "model.embed_tokens.weight");
+    A(l, CKPTW_DENSE, DTYPE_BF16, 2, V, H, false, "model.embed_tokens.weight");
     for (int i = 0; i < n_layers; i++) {
         const struct layer_config *L = &c->layers[i];
         const int64_t nh = L->n_heads, kv = L->n_kv_heads, hd = L->head_dim;
         bool m = L->is_mtp;
 
         if (m) {
-            A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.enorm.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.hnorm.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 2, H, 2 * H, m, "model.layers.%d.eh_proj.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.enorm.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.hnorm.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, 2 * H, m, "model.layers.%d.eh_proj.weight", i);
         }
-        A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.input_layernorm.weight", i);
-        A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.post_attention_layernorm.weight", i);
-        A(l, GEN_DENSE, DTYPE_BF16, 2, nh * hd, H, m, "model.layers.%d.self_attn.q_proj.weight", i);
-        A(l, GEN_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.k_proj.weight", i);
-        A(l, GEN_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.v_proj.weight", i);
-        A(l, GEN_DENSE, DTYPE_BF16, 2, H, nh * hd, m, "model.layers.%d.self_attn.o_proj.weight", i);
+        A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.input_layernorm.weight", i);
+        A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.post_attention_layernorm.weight", i);
+        A(l, CKPTW_DENSE, DTYPE_BF16, 2, nh * hd, H, m, "model.layers.%d.self_attn.q_proj.weight", i);
+        A(l, CKPTW_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.k_proj.weight", i);
+        A(l, CKPTW_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.v_proj.weight", i);
+        A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, nh * hd, m, "model.layers.%d.self_attn.o_proj.weight", i);
         if (c->use_head_wise_attn_gate)
-            A(l, GEN_DENSE, DTYPE_BF16, 2, nh, H, m, "model.layers.%d.self_attn.g_proj.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, nh, H, m, "model.layers.%d.self_attn.g_proj.weight", i);
         if (c->use_qk_norm) {
-            A(l, GEN_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.q_norm.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.k_norm.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.q_norm.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.k_norm.weight", i);
         }
         if ((m && o->optional_mtp) || (!m && o->optional_trunk)) {
             int r = add_optional(l, o, i, (int) kv, m);
@@ -186,45 +169,60 @@ static int build_list(const struct model_config *c, const struct ckptw_opts *o, 
         }
         if (!L->is_moe) {
             const int64_t I = c->intermediate_size;
-            A(l, GEN_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.gate_proj.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.up_proj.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 2, H, I, m, "model.layers.%d.mlp.down_proj.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.gate_proj.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.up_proj.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, I, m, "model.layers.%d.mlp.down_proj.weight", i);
         } else {
             const int64_t E = c->n_experts, S = c->shared_expert_dim, M = c->moe_intermediate_size;
-            A(l, GEN_DENSE, DTYPE_BF16, 2, E, H, m, "model.layers.%d.moe.gate.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, E, H, m, "model.layers.%d.moe.gate.weight", i);
             if (c->use_router_bias)
-                A(l, GEN_F32, DTYPE_F32, 1, E, 0, m, "model.layers.%d.moe.router_bias", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.gate_proj.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.up_proj.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 2, H, S, m, "model.layers.%d.share_expert.down_proj.weight", i);
+                A(l, CKPTW_F32, DTYPE_F32, 1, E, 0, m, "model.layers.%d.moe.router_bias", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.gate_proj.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.up_proj.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, S, m, "model.layers.%d.share_expert.down_proj.weight", i);
             for (int e = 0; e < E; e++) {
                 static const char *const pj[3] = { "gate_proj", "up_proj", "down_proj" };
                 for (int k = 0; k < 3; k++) {
                     int64_t out = k < 2 ? M : H, in = k < 2 ? H : M;
                     if (c->quant == QUANT_MXFP4) {
-                        A(l, GEN_PACKED, DTYPE_U8, 2, out, in / 2, m, "model.layers.%d.moe.experts.%d.%s.weight_packed", i, e, pj[k]);
+                        A(l, CKPTW_PACKED, DTYPE_U8, 2, out, in / 2, m, "model.layers.%d.moe.experts.%d.%s.weight_packed", i, e, pj[k]);
                         l->v[l->n - 1].lout = out, l->v[l->n - 1].lin = in;
-                        A(l, GEN_SCALE, DTYPE_U8, 2, out, in / 32, m, "model.layers.%d.moe.experts.%d.%s.weight_scale", i, e, pj[k]);
+                        A(l, CKPTW_SCALE, DTYPE_U8, 2, out, in / 32, m, "model.layers.%d.moe.experts.%d.%s.weight_scale", i, e, pj[k]);
                         l->v[l->n - 1].lout = out, l->v[l->n - 1].lin = in;
                     } else {
-                        A(l, GEN_DENSE, DTYPE_BF16, 2, out, in, m, "model.layers.%d.moe.experts.%d.%s.weight", i, e, pj[k]);
+                        A(l, CKPTW_DENSE, DTYPE_BF16, 2, out, in, m, "model.layers.%d.moe.experts.%d.%s.weight", i, e, pj[k]);
                     }
                 }
             }
         }
         if (m) {
-            A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.transformer.shared_head.norm.weight", i);
-            A(l, GEN_DENSE, DTYPE_BF16, 2, V, H, m, "model.layers.%d.transformer.shared_head.output.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.transformer.shared_head.norm.weight", i);
+            A(l, CKPTW_DENSE, DTYPE_BF16, 2, V, H, m, "model.layers.%d.transformer.shared_head.output.weight", i);
         }
     }
-    A(l, GEN_DENSE, DTYPE_BF16, 1, H, 0, false, "model.norm.weight");
+    A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, false, "model.norm.weight");
     if (!c->tie_word_embeddings)
-        A(l, GEN_DENSE, DTYPE_BF16, 2, V, H, false, "lm_head.weight");
+        A(l, CKPTW_DENSE, DTYPE_BF16, 2, V, H, false, "lm_head.weight");
     for (int i = 0; o->extra && o->extra[i]; i++)
-        A(l, GEN_RAW, DTYPE_BF16, 1, 4, 0, false, "%s", o->extra[i]);
+        A(l, CKPTW_RAW, DTYPE_BF16, 1, 4, 0, false, "%s", o->extra[i]);
     return 0;
 }
 #undef A
+
+int ckptw_layout(const struct model_config *cfg, const struct ckptw_opts *o,
+                 struct ckptw_entry **ret, size_t *ret_n)
+{
+    struct genlist l = { 0 };
+    int r = build_list(cfg, o, &l);
+
+    if (r < 0) {
+        free(l.v);
+        return r;
+    }
+    *ret = l.v;
+    *ret_n = l.n;
+    return 0;
+}
 
 /* ------------------------------------------------------------------------ */
 /* data */
@@ -247,7 +245,7 @@ static int gen_floats(const struct ckptw_opts *o, const char *name, int ndim, co
 }
 
 /* Produce the bytes of g (nbytes); caller frees. */
-static int gen_bytes(const struct ckptw_opts *o, const struct gen *g, int64_t nbytes, unsigned char **ret)
+static int gen_bytes(const struct ckptw_opts *o, const struct ckptw_entry *g, int64_t nbytes, unsigned char **ret)
 {
     unsigned char *b = calloc(1, (size_t) (nbytes ? nbytes : 1));
     float *f = NULL;
@@ -256,8 +254,8 @@ static int gen_bytes(const struct ckptw_opts *o, const struct gen *g, int64_t nb
     if (!b)
         return -ENOMEM;
     switch (g->kind) {
-    case GEN_DENSE:
-    case GEN_F32: {
+    case CKPTW_DENSE:
+    case CKPTW_F32: {
         int64_t n = nbytes / (g->dtype == DTYPE_F32 ? 4 : 2);
         r = gen_floats(o, g->name, g->ndim, g->shape, &f);
         if (r < 0)
@@ -273,11 +271,11 @@ static int gen_bytes(const struct ckptw_opts *o, const struct gen *g, int64_t nb
         }
         break;
     }
-    case GEN_PACKED:
-    case GEN_SCALE: {
+    case CKPTW_PACKED:
+    case CKPTW_SCALE: {
         char base[180];
         int64_t lshape[2] = { g->lout, g->lin };
-        size_t bl = strlen(g->name) - strlen(g->kind == GEN_PACKED ? "_packed" : "_scale");
+        size_t bl = strlen(g->name) - strlen(g->kind == CKPTW_PACKED ? "_packed" : "_scale");
         uint8_t *scale_row = malloc((size_t) g->lin / 32), *packed_row = malloc((size_t) g->lin / 2);
         snprintf(base, sizeof(base), "%.*s", (int) bl, g->name);   /* X.weight */
         if (!scale_row || !packed_row) {
@@ -289,7 +287,7 @@ static int gen_bytes(const struct ckptw_opts *o, const struct gen *g, int64_t nb
         r = gen_floats(o, base, 2, lshape, &f);
         for (int64_t row = 0; r == 0 && row < g->lout; row++) {
             r = mxfp4_row_quantize(f + row * g->lin, g->lin, packed_row, scale_row);
-            if (g->kind == GEN_PACKED)
+            if (g->kind == CKPTW_PACKED)
                 memcpy(b + row * (g->lin / 2), packed_row, (size_t) g->lin / 2);
             else
                 memcpy(b + row * (g->lin / 32), scale_row, (size_t) g->lin / 32);
@@ -298,16 +296,16 @@ static int gen_bytes(const struct ckptw_opts *o, const struct gen *g, int64_t nb
         free(packed_row);
         break;
     }
-    case GEN_OPT_SCALE:
-    case GEN_OPT_ZP: {
+    case CKPTW_OPT_SCALE:
+    case CKPTW_OPT_ZP: {
         int64_t n = g->ndim ? g->shape[0] : 1;
         for (int64_t h = 0; h < n; h++) {
-            float v = g->kind == GEN_OPT_SCALE ? 1.0f + 0.125f * (float) h : (float) h;
+            float v = g->kind == CKPTW_OPT_SCALE ? 1.0f + 0.125f * (float) h : (float) h;
             memcpy(b + 4 * h, &v, 4);
         }
         break;
     }
-    case GEN_RAW:
+    case CKPTW_RAW:
         for (int64_t i = 0; i < nbytes; i++)
             b[i] = (unsigned char) (splitmix64(name_hash(g->name) + (uint64_t) i) & 0x3f);
         break;
@@ -339,97 +337,80 @@ static int write_all(int fd, const void *buf, size_t n)
     return 0;
 }
 
-struct strbuf {
-    char *p;
-    size_t len, cap;
-};
-
-static int sb_add(struct strbuf *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int sb_add(struct strbuf *s, const char *fmt, ...)
-{
-    va_list ap;
-    int n;
-    va_start(ap, fmt);
-    n = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (s->len + (size_t) n + 16 > s->cap) {
-        size_t nc = s->cap ? s->cap * 2 : 4096;
-        char *np;
-        while (nc < s->len + (size_t) n + 16)
-            nc *= 2;
-        np = realloc(s->p, nc);
-        if (!np)
-            return -ENOMEM;
-        s->p = np;
-        s->cap = nc;
-    }
-    va_start(ap, fmt);
-    vsnprintf(s->p + s->len, s->cap - s->len, fmt, ap);
-    va_end(ap);
-    s->len += (size_t) n;
-    return 0;
-}
-
-/* Header of n tensors with sequential offsets; pads to a multiple of 8. */
+/* Header of n tensors with sequential offsets, after 8 bytes for its length; the JSON is
+ * padded to a multiple of 8. */
 static int build_header(const struct ckptw_tensor *t, size_t n, struct strbuf *s, uint64_t *ret_data,
                         struct err_buf *e)
 {
-    uint64_t off = 0;
-    int r = sb_add(s, "{\"__metadata__\":{\"format\":\"pt\"}");
-    for (size_t i = 0; r == 0 && i < n; i++) {
+    uint64_t off = 0, hl;
+
+    strbuf_add(s, "\0\0\0\0\0\0\0\0", 8);
+    strbuf_adds(s, "{\"__metadata__\":{\"format\":\"pt\"}");
+    for (size_t i = 0; i < n; i++) {
         int64_t nb = ckptw_tensor_bytes(t[i].dtype, t[i].ndim, t[i].shape);
         if (nb < 0)
             return err_set(e, -EOVERFLOW, "ckptw: tensor '%s' has no whole byte size", t[i].name);
-        r = sb_add(s, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t[i].name, dtype_name(t[i].dtype));
-        for (int d = 0; r == 0 && d < t[i].ndim; d++)
-            r = sb_add(s, "%s%lld", d ? "," : "", (long long) t[i].shape[d]);
-        if (r == 0)
-            r = sb_add(s, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long) off,
-                       (unsigned long long) (off + (uint64_t) nb));
+        strbuf_printf(s, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t[i].name, dtype_name(t[i].dtype));
+        for (int d = 0; d < t[i].ndim; d++)
+            strbuf_printf(s, "%s%lld", d ? "," : "", (long long) t[i].shape[d]);
+        strbuf_printf(s, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long) off,
+                      (unsigned long long) (off + (uint64_t) nb));
         off += (uint64_t) nb;
     }
-    if (r == 0)
-        r = sb_add(s, "}");
-    while (r == 0 && s->len % 8)
-        r = sb_add(s, " ");
-    if (r < 0)
-        return err_set(e, r, "ckptw: out of memory");
+    strbuf_adds(s, "}");
+    while (!s->oom && s->len % 8)
+        strbuf_adds(s, " ");
+    if (s->oom)
+        return err_set(e, -ENOMEM, "ckptw: out of memory");
+    hl = s->len - 8;
+    for (int i = 0; i < 8; i++)
+        s->p[i] = (char) (unsigned char) (hl >> (8 * i));
     *ret_data = off;
+    return 0;
+}
+
+int ckptw_safetensors_header(const struct ckptw_tensor *t, size_t n, char **ret_hdr,
+                             size_t *ret_len, uint64_t *ret_data_len, struct err_buf *e)
+{
+    struct strbuf s = STRBUF_INIT;
+    int r = build_header(t, n, &s, ret_data_len, e);
+
+    if (r < 0) {
+        strbuf_done(&s);
+        return r;
+    }
+    *ret_len = s.len;
+    *ret_hdr = strbuf_take(&s);
     return 0;
 }
 
 int ckptw_write_safetensors(const char *path, const struct ckptw_tensor *t, size_t n, bool sparse,
                             struct err_buf *e)
 {
-    struct strbuf s = { 0 };
-    unsigned char pre[8];
-    uint64_t data_len = 0, hl;
+    char *hdr = NULL;
+    size_t hl;
+    uint64_t data_len = 0;
     int fd, r;
 
-    r = build_header(t, n, &s, &data_len, e);
+    r = ckptw_safetensors_header(t, n, &hdr, &hl, &data_len, e);
     if (r < 0)
-        goto out;
-    hl = s.len;
-    for (int i = 0; i < 8; i++)
-        pre[i] = (unsigned char) (hl >> (8 * i));
+        return r;
     fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
         r = err_set(e, -errno, "%s: cannot create: %s", path, strerror(errno));
         goto out;
     }
-    r = write_all(fd, pre, 8);
-    if (r == 0)
-        r = write_all(fd, s.p, s.len);
+    r = write_all(fd, hdr, hl);
     for (size_t i = 0; r == 0 && !sparse && i < n; i++)
         r = write_all(fd, t[i].data, (size_t) ckptw_tensor_bytes(t[i].dtype, t[i].ndim, t[i].shape));
-    if (r == 0 && sparse && ftruncate(fd, (off_t) (8 + hl + data_len)) < 0)
+    if (r == 0 && sparse && ftruncate(fd, (off_t) (hl + data_len)) < 0)
         r = -errno;
     if (close(fd) < 0 && r == 0)
         r = -errno;
     if (r < 0)
         r = err_set(e, r, "%s: write failed: %s", path, strerror(-r));
 out:
-    free(s.p);
+    free(hdr);
     return r;
 }
 
@@ -464,7 +445,17 @@ int ckptw_write_config(const char *path, const struct model_config *c, bool nest
     if (nested) {
         json_object_set_new(root, "text_config", t);
         json_object_set_new(t, "model_type", json_string("step3p5"));
+        json_object_set_new(t, "architectures", json_pack("[s]", "Step3p5ForCausalLM"));
         json_object_set_new(root, "tie_word_embeddings", json_boolean(c->tie_word_embeddings));
+        json_object_set_new(root, "torch_dtype", json_string("bfloat16"));
+        /* the real Step-3.7 file repeats the special ids at the top level */
+        if (c->bos_token_id >= 0)
+            json_object_set_new(root, "bos_token_id", json_integer(c->bos_token_id));
+        json_object_set_new(root, "eos_token_id", json_array());
+        for (int i = 0; i < c->n_eos; i++)
+            json_array_append_new(json_object_get(root, "eos_token_id"), json_integer(c->eos_token_ids[i]));
+        json_object_set_new(t, "zero_centered", json_true());
+        json_object_set_new(t, "sink", json_false());
     } else {
         json_object_set_new(t, "tie_word_embeddings", json_boolean(c->tie_word_embeddings));
     }
@@ -476,7 +467,12 @@ int ckptw_write_config(const char *path, const struct model_config *c, bool nest
     json_object_set_new(t, "max_position_embeddings", json_integer(c->max_position_embeddings));
     json_object_set_new(t, "max_seq_len", json_integer(c->max_position_embeddings));
     json_object_set_new(t, "torch_dtype", json_string("bfloat16"));
-    json_object_set_new(t, "rms_norm_eps", json_real(c->rms_norm_eps));
+    /* the float's shortest decimal (1e-05, as the real file), not its double expansion */
+    {
+        char eps[32];
+        snprintf(eps, sizeof(eps), "%.7g", (double) c->rms_norm_eps);
+        json_object_set_new(t, "rms_norm_eps", json_real(strtod(eps, NULL)));
+    }
     json_object_set_new(t, "head_dim", json_integer(c->head_dim));
     json_object_set_new(t, "num_attention_heads", json_integer(c->n_heads_full));
     json_object_set_new(t, "num_attention_groups", json_integer(c->n_kv_heads));
@@ -500,11 +496,14 @@ int ckptw_write_config(const char *path, const struct model_config *c, bool nest
     if (c->rope_scaling.present) {
         json_t *y = json_array();
         json_object_set_new(t, "rope_scaling",
-                            json_pack("{s:s, s:f, s:f, s:f, s:f}", "rope_type", "llama3", "factor",
+                            json_pack("{s:s, s:f, s:f, s:f, s:o}", "rope_type", "llama3", "factor",
                                       c->rope_scaling.factor, "low_freq_factor", c->rope_scaling.low_freq_factor,
                                       "high_freq_factor", c->rope_scaling.high_freq_factor,
                                       "original_max_position_embeddings",
-                                      c->rope_scaling.original_max_position_embeddings));
+                                      /* an integer in the real file */
+                                      fmod(c->rope_scaling.original_max_position_embeddings, 1.0) == 0
+                                          ? json_integer((json_int_t) c->rope_scaling.original_max_position_embeddings)
+                                          : json_real(c->rope_scaling.original_max_position_embeddings)));
         if (llama_full)
             json_array_append_new(y, json_string("full_attention"));
         if (llama_sliding)
@@ -519,6 +518,8 @@ int ckptw_write_config(const char *path, const struct model_config *c, bool nest
     json_object_set_new(t, "use_moe", json_boolean(ml > 0));
     if (ml) {
         json_object_set_new(t, "moe_layers_enum", json_string(moe));
+        json_object_set_new(t, "moe_layer_offset", json_integer(0));
+        json_object_set_new(t, "moe_every_n_layer", json_integer(1));
         json_object_set_new(t, "moe_num_experts", json_integer(c->n_experts));
         json_object_set_new(t, "moe_top_k", json_integer(c->top_k));
         json_object_set_new(t, "moe_intermediate_size", json_integer(c->moe_intermediate_size));
@@ -536,11 +537,13 @@ int ckptw_write_config(const char *path, const struct model_config *c, bool nest
     json_object_set_new(t, "eos_token_id", eos);
     if (c->quant == QUANT_MXFP4) {
         json_t *q = json_pack(
-            "{s:s, s:s, s:{s:{s:s, s:{s:i, s:s, s:s, s:i, s:b}, s:[s, s]}},"
+            "{s:s, s:s, s:s, s:n, s:{s:{s:s, s:{s:i, s:s, s:s, s:i, s:b, s:b, s:n, s:s}, s:n, s:n, s:[s, s]}},"
             " s:[s, s, s, s, s, s, s, s, s, s, s, s, s, s]}",
             "quant_method", "compressed-tensors", "format", "mixed-precision",
+            "quantization_status", "compressed", "kv_cache_scheme",
             "config_groups", "group_0", "format", "mxfp4-pack-quantized",
             "weights", "num_bits", 4, "type", "float", "strategy", "group", "group_size", 32, "symmetric", 1,
+            "dynamic", 0, "actorder", "observer", "minmax", "input_activations", "output_activations",
             "targets", "re:.*\\.experts\\.\\d+\\..*", "re:.*model\\.layers\\.\\d+\\.moe\\.experts\\.\\d+\\.gate_up_proj$",
             "ignore", "re:.*model\\.layers\\.\\d+\\.self_attn\\.q_proj$", "re:.*model\\.layers\\.\\d+\\.self_attn\\.k_proj$",
             "re:.*model\\.layers\\.\\d+\\.self_attn\\.v_proj$", "re:.*model\\.layers\\.\\d+\\.self_attn\\.o_proj$",
@@ -719,7 +722,7 @@ static int write_group(const char *dir, const struct genlist *l, const bool *pic
         else
             snprintf(fname, sizeof(fname), "model-%05d-of-%05d.safetensors", s + 1, n_shards);
         for (size_t i = 0; i < l->n && r == 0; i++) {
-            const struct gen *g;
+            const struct ckptw_entry *g;
             struct ckptw_tensor *t;
             int64_t nb;
             if (!pick[i])
@@ -755,8 +758,8 @@ static int write_group(const char *dir, const struct genlist *l, const bool *pic
                 break;
             }
             if (t->dtype != g->dtype || t->ndim != g->ndim || memcmp(t->shape, g->shape, sizeof(t->shape))) {
-                struct gen raw = *g;
-                raw.kind = GEN_RAW;
+                struct ckptw_entry raw = *g;
+                raw.kind = CKPTW_RAW;
                 r = gen_bytes(o, &raw, nb, &bufs[k]);
             } else {
                 r = gen_bytes(o, g, nb, &bufs[k]);
@@ -882,4 +885,111 @@ void ckptw_rmtree(const char *path)
         closedir(d);
     }
     rmdir(path);
+}
+
+/* ------------------------------------------------------------------------ */
+/* the expected-tensor TSV */
+
+static int tsv_push(struct ckptw_tsv_row **rows, size_t *n, size_t *cap, const char *name,
+                    enum dtype dt, int ndim, const int64_t *shape)
+{
+    struct ckptw_tsv_row *r;
+
+    if (*n == *cap) {
+        size_t nc = *cap ? *cap * 2 : 4096;
+        struct ckptw_tsv_row *nr = realloc(*rows, nc * sizeof(*nr));
+        if (!nr)
+            return -ENOMEM;
+        *rows = nr;
+        *cap = nc;
+    }
+    r = &(*rows)[*n];
+    memset(r, 0, sizeof(*r));
+    r->name = strdup(name);
+    if (!r->name)
+        return -ENOMEM;
+    r->dtype = dt;
+    r->ndim = ndim;
+    memcpy(r->shape, shape, sizeof(r->shape));
+    (*n)++;
+    return 0;
+}
+
+int ckptw_tsv_read(const char *path, struct ckptw_tsv_row **ret, size_t *ret_n, struct err_buf *e)
+{
+    struct ckptw_tsv_row *rows = NULL;
+    size_t n = 0, cap = 0;
+    FILE *f = fopen(path, "re");
+    char line[1024];
+    int lineno = 0, r = 0;
+
+    if (!f)
+        return err_set(e, -errno, "%s: cannot open: %s", path, strerror(errno));
+    while (r == 0 && fgets(line, sizeof(line), f)) {
+        char *name, *dt, *shape, *save = NULL, *br, dts[32];
+        int64_t sh[TENSOR_MAX_DIMS] = { 0 };
+        int nd = 0, lo, hi;
+        enum dtype t;
+
+        lineno++;
+        if (line[0] == '#' || line[0] == '\n')
+            continue;
+        name = strtok_r(line, "\t\n", &save);
+        dt = strtok_r(NULL, "\t\n", &save);
+        shape = strtok_r(NULL, "\t\n", &save);
+        if (!name || !dt || !shape || shape[0] != '[') {
+            r = err_set(e, -EINVAL, "%s:%d: expected name, dtype, [shape]", path, lineno);
+            break;
+        }
+        snprintf(dts, sizeof(dts), "%s", dt);
+        if (dts[0] && dts[strlen(dts) - 1] == '?')
+            dts[strlen(dts) - 1] = 0;
+        t = dtype_parse(dts);
+        if (t == DTYPE_INVALID) {
+            r = err_set(e, -EINVAL, "%s:%d: unknown dtype '%s'", path, lineno, dt);
+            break;
+        }
+        for (char *p = shape + 1; *p && *p != ']';) {
+            char *end;
+            if (nd == TENSOR_MAX_DIMS) {
+                r = err_set(e, -EINVAL, "%s:%d: more than %d dimensions", path, lineno, TENSOR_MAX_DIMS);
+                break;
+            }
+            sh[nd++] = strtoll(p, &end, 10);
+            if (end == p) {
+                r = err_set(e, -EINVAL, "%s:%d: bad shape '%s'", path, lineno, shape);
+                break;
+            }
+            p = *end == ',' ? end + 1 : end;
+        }
+        if (r < 0)
+            break;
+        br = strchr(name, '{');
+        if (br && sscanf(br, "{%d..%d}", &lo, &hi) == 2 && strchr(br, '}') && lo <= hi) {
+            char full[600];
+            for (int i = lo; r == 0 && i <= hi; i++) {
+                snprintf(full, sizeof(full), "%.*s%d%s", (int) (br - name), name, i, strchr(br, '}') + 1);
+                r = tsv_push(&rows, &n, &cap, full, t, nd, sh);
+            }
+        } else {
+            r = tsv_push(&rows, &n, &cap, name, t, nd, sh);
+        }
+        if (r == -ENOMEM)
+            r = err_set(e, r, "%s: out of memory", path);
+    }
+    fclose(f);
+    if (r < 0) {
+        ckptw_tsv_free(rows, n);
+        return r;
+    }
+    *ret = rows;
+    *ret_n = n;
+    return 0;
+}
+
+void ckptw_tsv_free(struct ckptw_tsv_row *rows, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(rows[i].name);
+    free(rows);
 }

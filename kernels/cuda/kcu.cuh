@@ -1,0 +1,118 @@
+// kcu.cuh - the CUDA backend's internal kernels as its files call each other (C++; the
+// ops table of backend-cuda.cu reaches them through cuda.h and block.cu).
+#pragma once
+
+#include "common.cuh"
+
+enum kdt { KDT_F32 = 0, KDT_BF16 = 1 };
+
+static inline size_t kdt_size(kdt t)
+{
+    return t == KDT_F32 ? 4 : 2;
+}
+
+// ---- gemm.cu: cuBLASLt, one algorithm per shape ----
+int kcu_lt_init(struct cuda_ctx *c);
+void kcu_lt_free(struct cuda_ctx *c);
+// y[m, n] (ldy) = x[m, k] (ldx) · W[n, k]ᵀ (+ y when acc); W and x of the same type
+// (BF16, or F32 for the FP32 router gate), FP32 accumulation.
+int kcu_gemm(struct cuda_ctx *c, int m, int n, int k, const void *w, kdt wt, const void *x,
+             int ldx, void *y, kdt yt, int ldy, bool acc);
+// y[i] = BF16(x[i])
+int kcu_to_bf16(struct cuda_ctx *c, const float *x, bf16 *y, size_t n);
+
+// ---- moe.cu: MXFP4 on tensor cores ----
+// Per local expert, device arrays of the repacked weights (mx4.h).
+struct kcu_moe_w {
+    const uint8_t *const *gate_nib, *const *gate_sc, *const *up_nib, *const *up_sc;
+    const uint8_t *const *down_nib, *const *down_sc;
+};
+struct kcu_moe_args {
+    int n_rows;                 // token rows (launch shape; rows >= *n_real carry ids -1)
+    int top_k, hidden, inter, expert_first, n_local;
+    float limit;
+    const int32_t *ids;         // [n_rows, top_k] device
+    const float *wts;           // [n_rows, top_k] device
+    const void *x;              // [n_rows, hidden] (ldx = hidden)
+    kdt xt;
+    float *out;                 // [n_rows, hidden] FP32: out += routed experts
+};
+int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_args *a);
+// y[n, rows] = x[n, cols] · Wᵀ for an MXFP4 weight (repacked)
+int kcu_mx4_dense(struct cuda_ctx *c, const struct cuda_weight *w, int rows, int cols, int n,
+                  const void *x, kdt xt, void *y, kdt yt);
+// host table [6][n_local] of the local experts' device pointers: gate nibbles, gate
+// scales, up nibbles, up scales, down nibbles, down scales (the layout of kcu_moe_w)
+void kcu_expert_table(const struct moe_expert *ex, int n_local, const uint8_t **h);
+// workspace bytes kcu_moe needs for n_rows token rows
+size_t kcu_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local);
+
+// ---- router.cu ----
+// ids/w [n_rows, top_k] from logits [n_rows, n_exp] FP32; rows >= *n_real (when given)
+// get ids -1, weights 0.  bias: device [n_exp] or NULL.
+int kcu_router(struct cuda_ctx *c, const float *logits, const float *bias, int n_rows,
+               const int32_t *n_real, int n_exp, int top_k, bool renorm, float scale,
+               int32_t *ids, float *w);
+
+// ---- norm.cu ----
+// y = rmsnorm(x) (Gemma 1 + w), x FP32 [rows, dim]; writes y16 (BF16) and/or y32.
+int kcu_rmsnorm(struct cuda_ctx *c, const float *x, const struct bweight *w, int rows, int dim,
+                float eps, bf16 *y16, float *y32);
+// out[i] = swiglu(gu[i][0..I), gu[i][I..2I)) for gu [rows, 2I] BF16 -> out [rows, I] BF16
+int kcu_swiglu_fused(struct cuda_ctx *c, const bf16 *gu, int rows, int inter, float limit,
+                     bf16 *out);
+
+// ---- attention.cu ----
+// From the fused projection qkvg [rows, q_dim + 2 kv_dim + n_heads] (BF16): per-head
+// rmsnorm of q and k (weights may be NULL), RoPE on the first rotary dims, k and v into
+// the cache at slots (-1: not stored), q into q16 [rows, q_dim].
+struct kcu_qkv_args {
+    const bf16 *qkvg;
+    int n_rows, n_heads, n_kv_heads, head_dim, ld;
+    const void *q_norm, *k_norm;    // device BF16 [head_dim] or F32, or NULL
+    int norm_f32;
+    float eps;
+    int rotary;                     // rotary dims (0: none)
+    const float *inv_freq;          // device [rotary / 2]
+    const int32_t *pos, *slots;     // device [n_rows]
+    struct kv_layer *kv;
+    bf16 *q16;
+};
+int kcu_qkv_prep(struct cuda_ctx *c, const struct kcu_qkv_args *a);
+
+// Paged attention on tensor cores (flash-decoding for decode, tiled for prefill).
+struct kcu_attn_args {
+    const void *q;                  // [n_tok, n_heads, head_dim]
+    kdt qt;
+    void *out;                      // [n_tok, n_heads, head_dim]
+    kdt ot;
+    const bf16 *gate;               // per (token, head) sigmoid gate, or NULL
+    int gate_ld;
+    int n_heads, n_kv_heads, head_dim, window;
+    float scale;
+    const struct kv_layer *kv;
+    const int32_t *seq_start, *pos0, *tables, *boff;    // device
+    const int32_t *table_shift;     // device: added to every table offset, or NULL
+    const int32_t *tiles;           // device int4 [n_tiles]
+    int n_tiles;                    // launch shape
+    const int32_t *n_tiles_real;    // device or NULL
+    int n_tok;                      // rows of out (rows of no tile are zeroed)
+};
+int kcu_attention(struct cuda_ctx *c, const struct kcu_attn_args *a);
+bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim);
+size_t kcu_attention_ws(const struct cuda_ctx *c, int n_tiles, int n_heads, int head_dim);
+// host: tiles of ATTN_QT tokens for the runs [seq_start[s], seq_start[s+1]) into t[4*i]
+int kcu_attention_tiles(const int32_t *seq_start, int n_seqs, int32_t *t);
+
+// ---- backend-cuda.cu ----
+// The step area's arrays for a call whose host arrays (positions, KV slots, runs, block
+// table offsets and table) are all the last step_begin's with the same contents; false
+// else (the caller stages them).  Pointers are fixed addresses: a graph may keep them.
+struct step_arrays {
+    const int32_t *pos, *slots, *seq_start, *pos0, *boff, *tables, *table_shift, *tiles,
+                  *n_tiles_real, *n_real;
+    int n_tiles;
+};
+bool cuda_step_arrays(struct cuda_ctx *c, int n_tok, int n_seqs, const int32_t *pos,
+                      const int32_t *slots, const int32_t *seq_start, const int32_t *pos0,
+                      const int32_t *boff, const int32_t *tables, struct step_arrays *ret);

@@ -1,0 +1,205 @@
+/* mx4.h - the MXFP4 tile layout the CUDA backend repacks routed-expert (and any MXFP4)
+ * weights into once at load, and the in-register decode of its words to BF16.
+ *
+ * Source (the checkpoint, docs/MODEL.md §5): W [R, K], K % 32 == 0; packed [R, K/2] bytes
+ * (element 2j in the low nibble), scale [R, K/32] E8M0 bytes.
+ *
+ * Layout: rows padded to Rp = 16·⌈R/16⌉, columns to Kp = 64·⌈K/64⌉ (padding: code 0 and
+ * scale byte 0, i.e. 0.0).  Tile (rt, kt) = rows [16rt, 16rt+16) × k [64kt, 64kt+64),
+ * tiles in row-tile-major order (t = rt·Kp/64 + kt).  Nibbles: 512 bytes per tile, lane l
+ * (0..31) of the warp that reads it owns bytes [16l, 16l+16): one 16-byte load.  Its
+ * word j (k-step j, k = 64kt + 16j + [0, 16)) holds the eight elements of the m16n8k16
+ * A fragment (PTX mma.sync, BF16) of lane l, element i in nibble i:
+ *     row = 16rt + l/4 + 8·((i >> 1) & 1),   k = 64kt + 16j + 2·(l % 4) + (i & 1) + 8·(i >> 2).
+ * Read as the B operand (mma's n = weight rows), rows 0-7 of a tile are one n8 fragment
+ * (nibbles 0, 1, 4, 5) and rows 8-15 the next (2, 3, 6, 7).  Scales: 32 bytes per tile;
+ * lane l reads the 4 bytes [4q, 4q+4), q = l/4 (lanes of one q share them): E8M0 of
+ * (row 16rt+q, group 2kt), (16rt+q, 2kt+1), (16rt+q+8, 2kt), (16rt+q+8, 2kt+1).
+ *
+ * Decode (mx4_word_bf16): codes to exact BF16 E2M1 values {0, ±0.5, .., ±6} with nine
+ * byte permutes and a few logic ops (no table in memory); the E8M0 scale is then applied
+ * by one BF16 multiply per register (exact: a power of two times a 2-bit mantissa),
+ * except that scale byte 0 (2^-127, a BF16 subnormal) is taken as 0.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "hd.h"
+
+#define MX4_TILE_ROWS 16
+#define MX4_TILE_K 64
+#define MX4_TILE_NIB_BYTES 512
+#define MX4_TILE_SCALE_BYTES 32
+
+HD int64_t mx4_rows_padded(int64_t rows)
+{
+    return (rows + 15) / 16 * 16;
+}
+
+HD int64_t mx4_cols_padded(int64_t cols)
+{
+    return (cols + 63) / 64 * 64;
+}
+
+HD int64_t mx4_nib_bytes(int64_t rows, int64_t cols)
+{
+    return mx4_rows_padded(rows) * mx4_cols_padded(cols) / 2;
+}
+
+HD int64_t mx4_scale_bytes(int64_t rows, int64_t cols)
+{
+    return mx4_rows_padded(rows) * mx4_cols_padded(cols) / 32;
+}
+
+/* Row and column of element i (0..7) of word j (0..3) of lane l in tile (rt, kt). */
+HD int64_t mx4_elem_row(int64_t rt, int l, int i)
+{
+    return 16 * rt + l / 4 + 8 * ((i >> 1) & 1);
+}
+
+HD int64_t mx4_elem_col(int64_t kt, int j, int l, int i)
+{
+    return 64 * kt + 16 * j + 2 * (l % 4) + (i & 1) + 8 * (i >> 2);
+}
+
+/* Where element (row, k) lives: byte offset into the nibble array and its nibble (0 low,
+ * 1 high); and the offset of its scale byte. */
+HD int64_t mx4_nib_offset(int64_t cols, int64_t row, int64_t k, int *ret_high)
+{
+    int64_t kt_n = mx4_cols_padded(cols) / 64;
+    int64_t t = (row / 16) * kt_n + k / 64;
+    int rr = (int)(row % 16), kk = (int)(k % 16), j = (int)((k % 64) / 16);
+    int l = (rr % 8) * 4 + (kk % 8) / 2;
+    int i = (kk & 1) + 2 * (rr >= 8) + 4 * (kk >= 8);
+
+    *ret_high = i & 1;
+    return t * MX4_TILE_NIB_BYTES + l * 16 + j * 4 + i / 2;
+}
+
+HD int64_t mx4_scale_offset(int64_t cols, int64_t row, int64_t k)
+{
+    int64_t kt_n = mx4_cols_padded(cols) / 64;
+    int64_t t = (row / 16) * kt_n + k / 64;
+    int rr = (int)(row % 16);
+
+    return t * MX4_TILE_SCALE_BYTES + (rr % 8) * 4 + (rr >= 8) * 2 + (int)((k % 64) / 32);
+}
+
+/* Code of source element (row, k), 0 in the padding. */
+HD unsigned mx4_src_code(const uint8_t *packed, int64_t rows, int64_t cols, int64_t row, int64_t k)
+{
+    if (row >= rows || k >= cols)
+        return 0;
+    return (packed[row * (cols / 2) + k / 2] >> (4 * (k & 1))) & 0xF;
+}
+
+HD unsigned mx4_src_scale(const uint8_t *scale, int64_t rows, int64_t cols, int64_t row, int64_t g)
+{
+    if (row >= rows || g >= cols / 32)
+        return 0;
+    return scale[row * (cols / 32) + g];
+}
+
+/* The 16 nibble bytes (as 4 words) and the 4 scale bytes lane l of tile t reads, gathered
+ * from the source: one thread's work in the repack kernel, one loop step of the host
+ * repack.  Lanes with the same l/4 produce the same scale word. */
+HD void mx4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
+                        int64_t t, int l, uint32_t w[4], uint32_t *ret_scale)
+{
+    int64_t kt_n = mx4_cols_padded(cols) / 64;
+    int64_t rt = t / kt_n, kt = t % kt_n;
+    int q = l / 4;
+
+    for (int j = 0; j < 4; j++) {
+        uint32_t v = 0;
+
+        for (int i = 0; i < 8; i++)
+            v |= (uint32_t)mx4_src_code(packed, rows, cols, mx4_elem_row(rt, l, i),
+                                        mx4_elem_col(kt, j, l, i)) << (4 * i);
+        w[j] = v;
+    }
+    *ret_scale = mx4_src_scale(scale, rows, cols, 16 * rt + q, 2 * kt) |
+                 mx4_src_scale(scale, rows, cols, 16 * rt + q, 2 * kt + 1) << 8 |
+                 mx4_src_scale(scale, rows, cols, 16 * rt + q + 8, 2 * kt) << 16 |
+                 mx4_src_scale(scale, rows, cols, 16 * rt + q + 8, 2 * kt + 1) << 24;
+}
+
+/* Tables of the decode.  z(magnitude m) = iH << 4 | iL, the indices into T of the high
+ * and low byte of BF16(E2M1 magnitude m); iH | 4 indexes the negative high byte.
+ *   m:  0     1     2     3     4     5     6     7
+ *   v:  0     0.5   1     1.5   2     3     4     6
+ *   bf16 0000 3F00  3F80  3FC0  4000  4040  4080  40C0
+ *   T = [00, 3F, 40, --, 80, BF, C0, --] */
+#define MX4_Z_LO 0x16141000u
+#define MX4_Z_HI 0x26242220u
+#define MX4_T_LO 0x00403F00u
+#define MX4_T_HI 0x00C0BF80u
+
+/* Word w (codes of elements 0..7 in nibbles 0..7) -> r[k] = BF16 pair (element 2k in the
+ * low half, 2k+1 in the high half), exact E2M1 values, not yet scaled. */
+HD void mx4_word_bf16(uint32_t w, uint32_t r[4])
+{
+    uint32_t m = w & 0x77777777u;
+    uint32_t zl = hd_prmt(MX4_Z_LO, MX4_Z_HI, m);
+    uint32_t zh = hd_prmt(MX4_Z_LO, MX4_Z_HI, m >> 16);
+    uint32_t w4 = w << 4;
+    /* 0xFF for a negative element: the sign of nibble 2b is bit 7 of byte b of w << 4,
+     * of nibble 2b+1 bit 7 of byte b of w */
+    uint32_t sl = hd_prmt(w4, w, 0xD9C8), sh = hd_prmt(w4, w, 0xFBEA);
+
+    zl |= sl & 0x40404040u;
+    zh |= sh & 0x40404040u;
+    r[0] = hd_prmt(MX4_T_LO, MX4_T_HI, zl);
+    r[1] = hd_prmt(MX4_T_LO, MX4_T_HI, zl >> 16);
+    r[2] = hd_prmt(MX4_T_LO, MX4_T_HI, zh);
+    r[3] = hd_prmt(MX4_T_LO, MX4_T_HI, zh >> 16);
+}
+
+/* The BF16 pair (2^(s-127), 2^(s-127)) of scale byte `which` (0..3) of a lane's scale
+ * word: the exponent field is s itself (s = 0 gives 0, see above). */
+HD uint32_t mx4_scale_bf16x2(uint32_t scales, int which)
+{
+    uint32_t s = (scales >> (8 * which)) & 0xFF;
+
+    return (s << 7) | (s << 23);
+}
+
+/* The four BF16 scale pairs of a lane's scale word (scale byte b in both halves of
+ * sp[b]): a byte permute and a shift each. */
+HD void mx4_scales_bf16x2(uint32_t scales, uint32_t sp[4])
+{
+    sp[0] = hd_prmt(scales, 0, 0x4040) << 7;    /* bytes s0, 0, s0, 0 */
+    sp[1] = hd_prmt(scales, 0, 0x4141) << 7;
+    sp[2] = hd_prmt(scales, 0, 0x4242) << 7;
+    sp[3] = hd_prmt(scales, 0, 0x4343) << 7;
+}
+
+/* Which scale byte register k (0..3) of word j uses: rows l/4 (k = 0, 2) or l/4 + 8
+ * (k = 1, 3), group j / 2 of the tile. */
+HD int mx4_scale_which(int j, int k)
+{
+    return (k & 1) * 2 + j / 2;
+}
+
+/* Host repack of a whole matrix (tests, and the reference for the device kernel, which
+ * runs mx4_lane_gather per (tile, lane)). */
+HD void mx4_repack(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
+                   uint8_t *nib, uint8_t *sc)
+{
+    int64_t n_tiles = mx4_rows_padded(rows) / 16 * (mx4_cols_padded(cols) / 64);
+
+    for (int64_t t = 0; t < n_tiles; t++) {
+        for (int l = 0; l < 32; l++) {
+            uint32_t w[4], s;
+
+            mx4_lane_gather(packed, scale, rows, cols, t, l, w, &s);
+            for (int j = 0; j < 4; j++)
+                for (int b = 0; b < 4; b++)
+                    nib[t * MX4_TILE_NIB_BYTES + l * 16 + j * 4 + b] = (uint8_t)(w[j] >> (8 * b));
+            if (l % 4 == 0)
+                for (int b = 0; b < 4; b++)
+                    sc[t * MX4_TILE_SCALE_BYTES + (l / 4) * 4 + b] = (uint8_t)(s >> (8 * b));
+        }
+    }
+}

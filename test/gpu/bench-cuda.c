@@ -1,0 +1,451 @@
+/* bench-cuda.c - the GPU path's table (issue: "The GPU path for real"), on one GPU.
+ *
+ *   bench-cuda [--model DIR] [--quick]
+ *
+ * Rows, each the median of repeated runs timed on the host around a stream sync (the
+ * launch costs are in: that is what a step pays outside a graph):
+ *   copy ceiling     a device-to-device copy of 2 GiB (bytes read + written / time)
+ *   MXFP4 MoE        the routed experts of one layer (moe op: plan, gate+up with SwiGLU,
+ *                    down with the routing weights, combine) for T = 1, 4, 16, 64 tokens
+ *                    all routed to the same 8 experts of 4096x1280 / 1280x4096: weight
+ *                    bytes / time, and % of the copy ceiling; T = 2048 routed top-8 over
+ *                    288 experts: TFLOP/s
+ *   projection       a BF16 matmul of the fused QKV + gate shape [14432, 4096] at batch 1
+ *                    (cuBLASLt): weight bytes / time, % of the ceiling
+ *   attention        decode of one sequence, 64 query / 8 KV heads of 128, BF16 KV, at 4k
+ *                    and 32k keys: KV bytes / time
+ *   model step       with --model (stepd-mkmodel's synthetic full-width checkpoint): one
+ *                    decode step at batch 1, 8, 64, with graphs and without, and the byte
+ *                    floor of batch 1 (every weight the step reads, once, at the ceiling)
+ * Exits 77 without a GPU.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "harness.h"
+#include "loader.h"
+#include "model.h"
+
+#define BS 16
+#define MAXLEN 640
+#define NSEQ 64
+#define TPLAN_SEED 0x2545F4914F6CDD1Dull
+#include "tplan.h"
+
+static struct backend *gpu;
+static bool quick;
+static double copy_bw;      /* bytes/s, read + write */
+
+static double now_sec(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef int (*bench_fn)(void *arg);
+
+/* median seconds of one call over `reps` timed runs of `inner` calls (after a warm-up) */
+static double time_median(bench_fn fn, void *arg, int reps, int inner)
+{
+    double t[64];
+
+    reps = reps > 64 ? 64 : reps;
+    ASSERT_OK(fn(arg));
+    ASSERT_OK(backend_sync(gpu));
+    for (int i = 0; i < reps; i++) {
+        double a = now_sec();
+        for (int j = 0; j < inner; j++)
+            ASSERT_OK(fn(arg));
+        ASSERT_OK(backend_sync(gpu));
+        t[i] = (now_sec() - a) / inner;
+    }
+    qsort(t, (size_t)reps, sizeof(double), cmp_d);
+    return t[reps / 2];
+}
+
+static void *dev_random(size_t bytes)
+{
+    uint8_t *h = malloc(bytes);
+    void *d;
+
+    ASSERT_TRUE(h);
+    for (size_t i = 0; i < bytes; i++)
+        h[i] = (uint8_t)(rnd() >> 7);
+    ASSERT_OK(backend_buf_alloc(gpu, bytes, 256, &d));
+    ASSERT_OK(backend_upload(gpu, d, h, bytes));
+    ASSERT_OK(backend_sync(gpu));
+    free(h);
+    return d;
+}
+
+/* floats in [-1, 1) on the device */
+static float *dev_floats(size_t n, float scale)
+{
+    float *h = malloc(n * sizeof(float));
+    void *d;
+
+    ASSERT_TRUE(h);
+    for (size_t i = 0; i < n; i++)
+        h[i] = ((float)(rnd() & 0xFFFF) / 32768.0f - 1.0f) * scale;
+    ASSERT_OK(backend_buf_alloc(gpu, n * sizeof(float), 256, &d));
+    ASSERT_OK(backend_upload(gpu, d, h, n * sizeof(float)));
+    ASSERT_OK(backend_sync(gpu));
+    free(h);
+    return d;
+}
+
+/* ---- copy ceiling ---- */
+
+struct copy_arg {
+    void *a, *b;
+    int rows;
+    size_t row_bytes;
+};
+
+static int run_copy(void *p)
+{
+    struct copy_arg *c = p;
+    return backend_copy_rows(gpu, c->b, NULL, c->a, NULL, c->rows, c->row_bytes);
+}
+
+static void bench_copy(void)
+{
+    struct copy_arg c = { .rows = 1024, .row_bytes = 2u << 20 };
+    ASSERT_OK(backend_buf_alloc(gpu, (size_t)c.rows * c.row_bytes, 256, &c.a));
+    ASSERT_OK(backend_buf_alloc(gpu, (size_t)c.rows * c.row_bytes, 256, &c.b));
+    double t = time_median(run_copy, &c, quick ? 3 : 9, 4);
+    copy_bw = 2.0 * c.rows * c.row_bytes / t;
+    printf("| copy ceiling (device to device, read + write) | 2 GiB | %.0f GB/s | 100 %% |\n",
+           copy_bw / 1e9);
+    backend_buf_free(gpu, c.a);
+    backend_buf_free(gpu, c.b);
+}
+
+/* ---- MXFP4 routed experts ---- */
+
+struct mx_expert_mem {
+    uint8_t *p[3], *s[3];
+};
+
+/* host MXFP4 weights [rows, cols]: random codes, scales around 2^-7 */
+static void mx_host(int64_t rows, int64_t cols, uint8_t **packed, uint8_t **scale)
+{
+    *packed = malloc((size_t)(rows * cols / 2));
+    *scale = malloc((size_t)(rows * cols / 32));
+    ASSERT_TRUE(*packed && *scale);
+    for (int64_t i = 0; i < rows * cols / 2; i++)
+        (*packed)[i] = (uint8_t)(rnd() >> 5);
+    for (int64_t i = 0; i < rows * cols / 32; i++)
+        (*scale)[i] = (uint8_t)(118 + rnd() % 4);
+}
+
+struct moe_arg {
+    struct moe_args a;
+};
+
+static int run_moe(void *p)
+{
+    return backend_moe(gpu, &((struct moe_arg *)p)->a);
+}
+
+static void bench_moe(void)
+{
+    const int H = 4096, I = 1280, K = 8, E_dec = 8, E_pre = 288;
+    const int n_exp = quick ? E_dec : E_pre;
+    struct moe_expert *ex = calloc((size_t)n_exp, sizeof(*ex));
+    uint8_t *hp[3], *hs[3];
+    const int64_t shape[3][2] = { { I, H }, { I, H }, { H, I } };
+
+    /* one host copy of each matrix's bytes, prepared (uploaded, repacked) per expert */
+    for (int m = 0; m < 3; m++)
+        mx_host(shape[m][0], shape[m][1], &hp[m], &hs[m]);
+    for (int e = 0; e < n_exp; e++) {
+        struct bweight *w[3] = { &ex[e].gate, &ex[e].up, &ex[e].down };
+        for (int m = 0; m < 3; m++) {
+            *w[m] = (struct bweight){ WFMT_MXFP4, shape[m][0], shape[m][1], hp[m], hs[m], NULL };
+            ASSERT_OK(backend_weight_prepare(gpu, w[m]));
+        }
+    }
+    const double wbytes = 3.0 * H * I * (0.5 + 1.0 / 32);   /* one expert */
+    const int decode[4] = { 1, 4, 16, 64 };
+    float *x = dev_floats((size_t)2048 * H, 1.0f), *out = dev_floats((size_t)2048 * H, 0.0f);
+    int32_t *ids_h = malloc(sizeof(int32_t) * 2048 * K);
+    float *w_h = malloc(sizeof(float) * 2048 * K);
+    void *ids, *wts;
+    ASSERT_OK(backend_buf_alloc(gpu, sizeof(int32_t) * 2048 * K, 256, &ids));
+    ASSERT_OK(backend_buf_alloc(gpu, sizeof(float) * 2048 * K, 256, &wts));
+    for (int i = 0; i < 2048 * K; i++)
+        w_h[i] = 0.125f;
+    ASSERT_OK(backend_upload(gpu, wts, w_h, sizeof(float) * 2048 * K));
+    for (int d = 0; d < 4; d++) {
+        int T = decode[d];
+        for (int t = 0; t < T; t++)
+            for (int k = 0; k < K; k++)
+                ids_h[t * K + k] = k;           /* every token on experts 0..7 */
+        ASSERT_OK(backend_upload(gpu, ids, ids_h, sizeof(int32_t) * T * K));
+        struct moe_arg ma = { { x, out, T, H, I, K, ids, wts, ex, 0, n_exp, 0.0f } };
+        double t = time_median(run_moe, &ma, quick ? 5 : 21, 10);
+        double bw = E_dec * wbytes / t;
+        printf("| MXFP4 MoE decode, %2d token%s x 8 experts (4096x1280, 1280x4096) | %.1f us | "
+               "%.0f GB/s | %.0f %% |\n", T, T > 1 ? "s" : " ", t * 1e6, bw / 1e9,
+               100 * bw / copy_bw);
+    }
+    if (!quick) {
+        const int T = 2048;
+        for (int t = 0; t < T; t++) {
+            for (int k = 0; k < K; k++) {
+                int e;
+                bool dup;
+                do {
+                    e = (int)(rnd() % (uint32_t)E_pre);
+                    dup = false;
+                    for (int j = 0; j < k; j++)
+                        dup |= ids_h[t * K + j] == e;
+                } while (dup);
+                ids_h[t * K + k] = e;
+            }
+        }
+        ASSERT_OK(backend_upload(gpu, ids, ids_h, sizeof(int32_t) * T * K));
+        struct moe_arg ma = { { x, out, T, H, I, K, ids, wts, ex, 0, E_pre, 0.0f } };
+        double t = time_median(run_moe, &ma, 9, 2);
+        double flop = 2.0 * 3 * H * I * (double)T * K;
+        printf("| MXFP4 MoE prefill, 2048 tokens top-8 of 288 experts | %.2f ms | %.0f TFLOP/s "
+               "| |\n", t * 1e3, flop / t / 1e12);
+    }
+    for (int e = 0; e < n_exp; e++) {
+        backend_weight_release(gpu, &ex[e].gate);
+        backend_weight_release(gpu, &ex[e].up);
+        backend_weight_release(gpu, &ex[e].down);
+    }
+    for (int m = 0; m < 3; m++) {
+        free(hp[m]);
+        free(hs[m]);
+    }
+    backend_buf_free(gpu, x);
+    backend_buf_free(gpu, out);
+    backend_buf_free(gpu, ids);
+    backend_buf_free(gpu, wts);
+    free(ids_h);
+    free(w_h);
+    free(ex);
+}
+
+/* ---- BF16 projection ---- */
+
+struct mm_arg {
+    struct bweight *w;
+    float *x, *y;
+    int n;
+};
+
+static int run_mm(void *p)
+{
+    struct mm_arg *m = p;
+    return backend_matmul(gpu, m->w, m->x, m->n, m->y);
+}
+
+static void bench_projection(void)
+{
+    const int rows = 14432, cols = 4096;
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)rows * cols);
+    for (size_t i = 0; i < (size_t)rows * cols; i++)
+        h[i] = (uint16_t)(0x3c00 + (rnd() & 0x3ff)) ^ (uint16_t)((rnd() & 1) << 15);
+    struct bweight w = { WFMT_BF16, rows, cols, h, NULL, NULL };
+    ASSERT_OK(backend_weight_prepare(gpu, &w));
+    struct mm_arg m = { &w, dev_floats((size_t)64 * cols, 1.0f), NULL, 1 };
+    ASSERT_OK(backend_buf_alloc(gpu, sizeof(float) * 64 * rows, 256, (void **)&m.y));
+    for (int n = 1; n <= 8; n *= 8) {
+        m.n = n;
+        double t = time_median(run_mm, &m, quick ? 5 : 21, 10);
+        double bw = 2.0 * rows * cols / t;
+        printf("| BF16 projection [14432, 4096] (cuBLASLt), batch %d | %.1f us | %.0f GB/s | "
+               "%.0f %% |\n", n, t * 1e6, bw / 1e9, 100 * bw / copy_bw);
+    }
+    backend_weight_release(gpu, &w);
+    backend_buf_free(gpu, m.x);
+    backend_buf_free(gpu, m.y);
+    free(h);
+}
+
+/* ---- attention decode ---- */
+
+struct at_arg {
+    struct attn_args a;
+};
+
+static int run_at(void *p)
+{
+    return backend_attention(gpu, &((struct at_arg *)p)->a);
+}
+
+static void bench_attention(void)
+{
+    const int heads = 64, kvh = 8, hd = 128;
+    const int ctxs[2] = { 4096, 32768 };
+    for (int c = 0; c < 2; c++) {
+        const int L = ctxs[c], nb = L / BS + 1;
+        int32_t *tables = malloc(sizeof(int32_t) * nb);
+        for (int i = 0; i < nb; i++)
+            tables[i] = (i * 7919) % nb;
+        struct kv_layer kv = { NULL, NULL, 0, nb, BS, kvh, hd };
+        kv.k = dev_random((size_t)nb * BS * kvh * hd * 2);
+        kv.v = dev_random((size_t)nb * BS * kvh * hd * 2);
+        int32_t start[2] = { 0, 1 }, pos0[1] = { L - 1 }, off[1] = { 0 };
+        struct at_arg aa = { { dev_floats((size_t)heads * hd, 1.0f), NULL, 1, heads, kvh, hd,
+                               1.0f / sqrtf((float)hd), 0, &kv, 1, start, pos0, tables, off } };
+        ASSERT_OK(backend_buf_alloc(gpu, sizeof(float) * heads * hd, 256, (void **)&aa.a.out));
+        double t = time_median(run_at, &aa, quick ? 5 : 21, 10);
+        double bytes = (double)L * kvh * hd * 2 * 2;
+        printf("| attention decode, 1 sequence, %dk keys, 64/8 heads of 128, BF16 KV | %.1f us | "
+               "%.0f GB/s | %.0f %% |\n", L / 1024, t * 1e6, bytes / t / 1e9,
+               100 * bytes / t / copy_bw);
+        backend_buf_free(gpu, kv.k);
+        backend_buf_free(gpu, kv.v);
+        backend_buf_free(gpu, (void *)aa.a.q);
+        backend_buf_free(gpu, aa.a.out);
+        free(tables);
+    }
+}
+
+/* ---- the synthetic model's decode step ---- */
+
+/* bytes of weights a decode step of B sequences reads (each once) */
+static double step_bytes(const struct model_config *cfg, int B)
+{
+    const double H = cfg->hidden_size;
+    double b = (double)cfg->vocab_size * H * 2;       /* lm_head */
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const struct layer_config *lc = &cfg->layers[l];
+        double q = (double)lc->n_heads * lc->head_dim, kv = (double)lc->n_kv_heads * lc->head_dim;
+        b += (q + 2 * kv + lc->n_heads) * H * 2 + q * H * 2;
+        if (lc->is_moe) {
+            double act = 8.0 * B < cfg->n_experts ? 8.0 * B : cfg->n_experts;
+            b += (double)cfg->n_experts * H * 4;        /* FP32 router */
+            b += 3.0 * H * cfg->shared_expert_dim * 2;
+            b += act * 3.0 * H * cfg->moe_intermediate_size * (0.5 + 1.0 / 32);
+        } else {
+            b += 3.0 * H * cfg->intermediate_size * 2;
+        }
+    }
+    return b;
+}
+
+struct step_arg {
+    struct model *m;
+    struct tplan tp;
+    float *logits;
+};
+
+static int run_step(void *p)
+{
+    struct step_arg *s = p;
+    return model_step(s->m, &s->tp.p, s->logits);
+}
+
+static void bench_model(const char *dir)
+{
+    struct err_buf e = {{0}};
+    struct ckpt *ck;
+    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 0 };
+
+    if (ckpt_open(dir, &co, &ck, &e) < 0)
+        FAIL("ckpt_open %s: %s", dir, e.msg);
+    const struct model_config *cfg = ckpt_config(ck);
+    const int batches[3] = { 1, 8, 64 };
+    double t_graph[3] = { 0 }, t_eager[3] = { 0 };
+    tables_shuffle();
+    for (int pass = 0; pass < 2; pass++) {
+        struct backend *be;
+        struct backend_cfg bc = { .device = 0 };
+        struct model *m;
+        struct model_opts mo = {
+            .max_tokens_per_step = 256, .max_seqs = NSEQ, .max_logit_rows = NSEQ,
+            .block_size = BS, .n_blocks = { NBLK, NBLK }, .max_seq_len = MAXLEN, .kv_bf16 = true,
+        };
+        if (pass == 1)
+            setenv("STEPD_CUDA_NO_GRAPHS", "1", 1);
+        ASSERT_OK(backend_new("cuda", &bc, &be));
+        if (model_new(ck, be, NULL, &mo, &m, &e) < 0)
+            FAIL("model_new: %s", e.msg);
+        struct backend *keep = gpu;
+        gpu = be;
+        for (int bi = 0; bi < 3; bi++) {
+            const int B = batches[bi], ctx = 512;
+            struct step_arg sa = { .m = m };
+            int32_t toks[MAXLEN];
+            sa.logits = malloc(sizeof(float) * (size_t)B * cfg->vocab_size);
+            for (int i = 0; i < ctx; i++)
+                toks[i] = (int32_t)(rnd() % (uint32_t)cfg->vocab_size);
+            /* the context: prefill of each sequence (256 tokens a step), then decode */
+            for (int s = 0; s < B; s++)
+                for (int p0 = 0; p0 < ctx; p0 += 256) {
+                    tp_init(&sa.tp);
+                    tp_add_run(&sa.tp, s, p0, toks + p0, 256, 1, 0, 0);
+                    ASSERT_OK(run_step(&sa));
+                }
+            tp_init(&sa.tp);
+            for (int s = 0; s < B; s++)
+                tp_add_run(&sa.tp, s, ctx, toks, 1, 1, 0, 0);
+            double t = time_median(run_step, &sa, quick ? 5 : 15, 5);
+            (pass ? t_eager : t_graph)[bi] = t;
+            free(sa.logits);
+        }
+        gpu = keep;
+        model_free(m);
+        backend_free(be);
+        unsetenv("STEPD_CUDA_NO_GRAPHS");
+    }
+    const double floor1 = step_bytes(cfg, 1) / (copy_bw / 2);   /* read-only bytes at ceiling */
+    for (int bi = 0; bi < 3; bi++)
+        printf("| synthetic model (%d layers) decode step, batch %d | %.2f ms graphs, %.2f ms "
+               "eager | %.0f GB/s (graphs) | byte floor %.2f ms: %.2fx |\n", cfg->n_layers,
+               batches[bi], t_graph[bi] * 1e3, t_eager[bi] * 1e3,
+               step_bytes(cfg, batches[bi]) / t_graph[bi] / 1e9,
+               step_bytes(cfg, batches[bi]) / (copy_bw / 2) * 1e3,
+               t_graph[bi] / (step_bytes(cfg, batches[bi]) / (copy_bw / 2)));
+    printf("batch-1 step over its byte floor (target <= 1.5x): %.2fx\n", t_graph[0] / floor1);
+    ckpt_close(ck);
+}
+
+int main(int argc, char **argv)
+{
+    const char *model = NULL;
+    struct backend_cfg cfg = { .device = 0 };
+
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--model") == 0 && i + 1 < argc)
+            model = argv[++i];
+        else if (strcmp(argv[i], "--quick") == 0)
+            quick = true;
+        else
+            FAIL("usage: bench-cuda [--model DIR] [--quick]");
+    }
+    int r = backend_new("cuda", &cfg, &gpu);
+    if (r == -ENODEV || r == -EINVAL) {
+        printf("SKIP: no CUDA backend here (%s)\n", strerror(-r));
+        return TEST_SKIP;
+    }
+    ASSERT_OK(r);
+    printf("| what | shape | time / rate | %% of copy |\n| --- | --- | --- | --- |\n");
+    bench_copy();
+    bench_moe();
+    bench_projection();
+    bench_attention();
+    if (model)
+        bench_model(model);
+    backend_free(gpu);
+    return 0;
+}

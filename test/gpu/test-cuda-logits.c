@@ -1,0 +1,304 @@
+/* test-cuda-logits.c - the CUDA forward against the CPU backend on a real checkpoint: the
+ * tiny model, or a synthetic full-width one from stepd-mkmodel.
+ *
+ *   test-cuda-logits MODEL_DIR [fast|exact] [--steps N] [--prompt P] [--seqs S]
+ *   test-cuda-logits MODEL_DIR [fast|exact] --greedy N [--mtp K]
+ *
+ * Both models run the same plans: S sequences with prompts of P (and P+3, P+6, ..) random
+ * tokens in one prefill step, then N decode steps of all of them at once, the next token
+ * of each the CPU's argmax (greedy).  Every step's logits rows are compared:
+ *   relative RMS error  rms(gpu - cpu) / rms(cpu)   <= TOL_RMS (fast: BF16 activations,
+ *                                                      exact: FP32 op path TOL_RMS_EXACT)
+ *   top-1 agreement     on every row whose CPU top-2 margin exceeds MARGIN * rms(cpu)
+ * Decode steps of S sequences are graph shapes (bucket S), so with graphs on (the default)
+ * the check covers capture and replay; STEPD_CUDA_NO_GRAPHS=1 runs them eagerly.
+ * --greedy: both models decode N tokens greedily from a fixed prompt, speculatively with K
+ * MTP drafts (verify runs of K + 1 tokens, the longest prefix equal to the argmax kept):
+ * the GPU's tokens must equal the CPU exact path's, token for token.
+ * STEPD_TEST_CPU_ONLY=1 puts the second model on the CPU backend too (a check of the test
+ * itself where there is no GPU: K drafts must not change the greedy tokens).
+ * Exits 77 without a GPU or the plugin.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "harness.h"
+#include "loader.h"
+#include "model.h"
+
+#define BS 16
+#define MAXLEN 512
+#define NSEQ 8
+#define TPLAN_SEED 0x853c49e6748fea9bull
+#include "tplan.h"
+
+#define TOL_RMS 0.05
+#define TOL_RMS_EXACT 2e-4
+#define MARGIN 0.05
+
+static double now_sec(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int argmax(const float *v, int n, float *ret_margin)
+{
+    int b = 0, s = -1;
+
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[b])
+            b = i;
+    for (int i = 0; i < n; i++)
+        if (i != b && (s < 0 || v[i] > v[s]))
+            s = i;
+    *ret_margin = s < 0 ? INFINITY : v[b] - v[s];
+    return b;
+}
+
+/* Compare rows of logits; returns the worst relative RMS error, counts top-1 checks. */
+static double compare_rows(const char *what, const float *cpu, const float *gpu, int rows, int V,
+                           int *n_checked, int *n_agree)
+{
+    double worst = 0;
+
+    for (int r = 0; r < rows; r++) {
+        const float *c = cpu + (size_t)r * V, *g = gpu + (size_t)r * V;
+        double se = 0, sc = 0;
+        float margin, gm;
+        int ac, ag;
+
+        for (int i = 0; i < V; i++) {
+            double d = (double)g[i] - c[i];
+            if (isnan(g[i]))
+                FAIL("%s row %d: GPU logit %d is NaN", what, r, i);
+            se += d * d;
+            sc += (double)c[i] * c[i];
+        }
+        double rel = sqrt(se / (sc > 0 ? sc : 1));
+        worst = rel > worst ? rel : worst;
+        ac = argmax(c, V, &margin);
+        ag = argmax(g, V, &gm);
+        if (margin > MARGIN * sqrt(sc / V)) {
+            (*n_checked)++;
+            *n_agree += ac == ag;
+            if (ac != ag)
+                printf("  %s row %d: top-1 %d (CPU) vs %d (GPU), margin %.4g\n", what, r, ac, ag,
+                       margin);
+        }
+    }
+    return worst;
+}
+
+/* Greedy decoding of n_gen tokens after `prompt`, with K MTP drafts per verify step
+ * (model.h: model_mtp_step after each trunk step of the same plan). */
+static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, int n_gen, int K,
+                   int32_t *out)
+{
+    float *logits = malloc(sizeof(float) * (size_t)(K + 1) * V), *ml = malloc(sizeof(float) * V);
+    int32_t run[16], drafts[16];
+    int n_out = 0, pos = 0, n_valid;
+    struct tplan tp;
+    float mg;
+
+    ASSERT_TRUE(logits && ml && K < 16);
+    tp_init(&tp);
+    tp_add_run(&tp, 0, 0, prompt, n_prompt, 1, K, 0);
+    if (model_step(m, &tp.p, logits) < 0)
+        FAIL("prefill: %s", model_last_error(m));
+    out[n_out++] = argmax(logits, V, &mg);
+    n_valid = n_prompt;
+    while (n_out < n_gen) {
+        /* drafts from the MTP chain of the step just run: depth 0 reads the token that
+         * follows the run's valid part, depth k > 0 the draft of depth k - 1 */
+        int32_t tok = out[n_out - 1];
+        for (int k = 0; k < K; k++) {
+            if (model_mtp_step(m, k, &tp.p, &n_valid, &tok, ml) < 0)
+                FAIL("mtp depth %d: %s", k, model_last_error(m));
+            drafts[k] = argmax(ml, V, &mg);
+            tok = drafts[k];
+        }
+        pos += n_valid;
+        run[0] = out[n_out - 1];
+        for (int k = 0; k < K; k++)
+            run[1 + k] = drafts[k];
+        tp_init(&tp);
+        tp_add_run(&tp, 0, pos, run, K + 1, K + 1, K, 0);
+        if (model_step(m, &tp.p, logits) < 0)
+            FAIL("verify at %d: %s", pos, model_last_error(m));
+        /* row i predicts the token after run[i]: keep drafts while they match */
+        n_valid = 1;
+        for (int i = 0; i <= K && n_out < n_gen; i++) {
+            int32_t g = argmax(logits + (size_t)i * V, V, &mg);
+            out[n_out++] = g;
+            if (i == K || run[i + 1] != g)
+                break;
+            n_valid++;
+        }
+    }
+    free(logits);
+    free(ml);
+}
+
+int main(int argc, char **argv)
+{
+    struct err_buf e = {{0}};
+    struct backend *cpu, *gpu;
+    struct ckpt *ck;
+    struct model *mc, *mg;
+    bool exact = false;
+    int steps = 6, prompt = 12, n_seqs = 2, n_greedy = 0, K = 0, r;
+
+    if (argc < 2)
+        FAIL("usage: test-cuda-logits MODEL_DIR [fast|exact] [--steps N] [--prompt P] [--seqs S]");
+    for (int i = 2; i < argc; i++) {
+        if (strcmp(argv[i], "exact") == 0)
+            exact = true;
+        else if (strcmp(argv[i], "fast") == 0)
+            exact = false;
+        else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc)
+            steps = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--prompt") == 0 && i + 1 < argc)
+            prompt = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--seqs") == 0 && i + 1 < argc)
+            n_seqs = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--greedy") == 0 && i + 1 < argc)
+            n_greedy = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--mtp") == 0 && i + 1 < argc)
+            K = atoi(argv[++i]);
+        else
+            FAIL("unknown argument '%s'", argv[i]);
+    }
+    ASSERT_TRUE(n_seqs >= 1 && n_seqs <= NSEQ && prompt >= 1 && steps >= 0);
+    ASSERT_TRUE(prompt + 3 * (n_seqs - 1) + steps + 1 <= MAXLEN);
+
+    ASSERT_TRUE(n_greedy >= 0 && n_greedy < MAXLEN / 2 && K >= 0 && K <= 8);
+    const bool cpu_only = getenv("STEPD_TEST_CPU_ONLY") != NULL;
+    struct backend_cfg gc = { .n_threads = 1, .device = 0, .mxfp4_exact = exact || cpu_only };
+    r = backend_new(cpu_only ? "cpu" : "cuda", &gc, &gpu);
+    if (r == -ENODEV || r == -EINVAL) {
+        printf("SKIP: no CUDA backend here (%s)\n", strerror(-r));
+        return TEST_SKIP;
+    }
+    ASSERT_OK(r);
+    struct backend_cfg cc = { .n_threads = 0, .mxfp4_exact = true };
+    ASSERT_OK(backend_new("cpu", &cc, &cpu));
+    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = K };
+    if (ckpt_open(argv[1], &co, &ck, &e) < 0)
+        FAIL("ckpt_open %s: %s", argv[1], e.msg);
+    const struct model_config *cfg = ckpt_config(ck);
+    const int V = cfg->vocab_size;
+    struct model_opts mo = {
+        .max_tokens_per_step = MAXLEN, .max_seqs = NSEQ, .max_logit_rows = NSEQ + 8,
+        .block_size = BS, .n_blocks = { NBLK, NBLK }, .max_seq_len = MAXLEN,
+    };
+    double t0 = now_sec();
+    if (model_new(ck, cpu, NULL, &mo, &mc, &e) < 0)
+        FAIL("model_new (cpu): %s", e.msg);
+    double t1 = now_sec();
+    mo.kv_bf16 = !exact;
+    if (model_new(ck, gpu, NULL, &mo, &mg, &e) < 0)
+        FAIL("model_new (cuda): %s", e.msg);
+    printf("%s: hidden %d, %d layers, vocab %d; loaded in %.1f s (cpu) and %.1f s (cuda, %s)\n",
+           argv[1], cfg->hidden_size, cfg->n_layers, V, t1 - t0, now_sec() - t1,
+           exact ? "exact" : "fast");
+
+    tables_shuffle();
+    if (n_greedy > 0) {
+        static const int32_t ids[] = { 0, 11, 523, 97, 1024, 77, 5, 900, 31, 2047, 12, 400, 401,
+                                       402, 88, 19, 3000 };
+        const int np = (int)(sizeof(ids) / sizeof(ids[0]));
+        int32_t *oc = malloc(sizeof(int32_t) * n_greedy), *og = malloc(sizeof(int32_t) * n_greedy);
+        int32_t pr[17];
+
+        ASSERT_TRUE(oc && og && ckpt_mtp_depth(ck) >= K);
+        for (int i = 0; i < np; i++)
+            pr[i] = ids[i] % V;
+        greedy(mc, V, pr, np, n_greedy, 0, oc);             /* the reference: no drafts */
+        greedy(mg, V, pr, np, n_greedy, K, og);
+        for (int i = 0; i < n_greedy; i++)
+            if (oc[i] != og[i])
+                FAIL("greedy token %d: %d (cpu exact, K = 0) vs %d (%s, K = %d)", i, oc[i], og[i],
+                     cpu_only ? "cpu" : exact ? "cuda exact" : "cuda fast", K);
+        printf("greedy: %d tokens with K = %d on %s equal the CPU exact path's\n", n_greedy, K,
+               cpu_only ? "the CPU" : "CUDA");
+        model_free(mg);
+        model_free(mc);
+        ckpt_close(ck);
+        backend_free(gpu);
+        backend_free(cpu);
+        free(oc);
+        free(og);
+        return 0;
+    }
+    float *lc = malloc(sizeof(float) * (size_t)NSEQ * V), *lg = malloc(sizeof(float) * (size_t)NSEQ * V);
+    int32_t toks[NSEQ][MAXLEN], len[NSEQ];
+    ASSERT_TRUE(lc && lg);
+    for (int s = 0; s < n_seqs; s++) {
+        len[s] = prompt + 3 * s;
+        for (int i = 0; i < len[s]; i++)
+            toks[s][i] = (int32_t)(rnd() % (uint32_t)V);
+    }
+    int n_checked = 0, n_agree = 0;
+    double worst = 0, tc = 0, tg = 0;
+    for (int step = 0; step <= steps; step++) {
+        struct tplan tp;
+        char what[32];
+
+        tp_init(&tp);
+        for (int s = 0; s < n_seqs; s++) {
+            if (step == 0)
+                tp_add_run(&tp, s, 0, toks[s], len[s], 1, 0, 0);
+            else
+                tp_add_run(&tp, s, len[s] - 1, &toks[s][len[s] - 1], 1, 1, 0, 0);
+        }
+        for (int i = 0; i < n_seqs * V; i++)
+            lg[i] = NAN;        /* poisoned: every row must be written */
+        double a = now_sec();
+        r = model_step(mc, &tp.p, lc);
+        if (r < 0)
+            FAIL("cpu step %d: %s", step, model_last_error(mc));
+        double b = now_sec();
+        r = model_step(mg, &tp.p, lg);
+        if (r < 0)
+            FAIL("cuda step %d: %s", step, model_last_error(mg));
+        double c = now_sec();
+        if (step > 1) {         /* the first decode step captures the graph */
+            tc += b - a;
+            tg += c - b;
+        }
+        snprintf(what, sizeof(what), step ? "decode %d" : "prefill", step);
+        double w = compare_rows(what, lc, lg, n_seqs, V, &n_checked, &n_agree);
+        printf("%-10s %d rows: relative RMS error %.3g\n", what, n_seqs, w);
+        worst = w > worst ? w : worst;
+        for (int s = 0; s < n_seqs; s++) {
+            float m;
+            toks[s][len[s]++] = argmax(lc + (size_t)s * V, V, &m);
+        }
+    }
+    if (steps > 1)
+        printf("decode step, %d sequences: cpu %.2f ms, cuda %.2f ms (medians not taken: means "
+               "of %d)\n", n_seqs, 1e3 * tc / (steps - 1), 1e3 * tg / (steps - 1), steps - 1);
+    const double tol = exact ? TOL_RMS_EXACT : TOL_RMS;
+    printf("worst relative RMS error %.3g (tolerance %.3g); top-1 agreed on %d of %d rows with "
+           "a margin\n", worst, tol, n_agree, n_checked);
+    if (!(worst <= tol))
+        FAIL("relative RMS error %.3g above %.3g", worst, tol);
+    if (n_agree != n_checked)
+        FAIL("top-1 differs on %d rows with a margin", n_checked - n_agree);
+    model_free(mg);
+    model_free(mc);
+    ckpt_close(ck);
+    backend_free(gpu);
+    backend_free(cpu);
+    free(lc);
+    free(lg);
+    return 0;
+}

@@ -188,7 +188,7 @@ def test_reset_burst():
     assert r["by_name"].get("CANCELLED", 0) > BURST // 2, r["by_name"]
     assert_healthy(s, "the reset burst")
     created = engine_created(s)
-    assert created > BURST // 20, created          # ~20 % here, ~10 % under ASan
+    assert created > BURST // 50, created          # ~20 % here, 7-35 % under ASan
     # both at once, sampled, with logprobs (more work per token on every path)
     r2 = loadgen(s.addr, BURST, "--tokens", "32", "--cancel-after-ms", "0,10", "--deadline-ms", "1,20",
                  "--concurrency", "128", "--temperature", "0.8", "--logprobs", "3")

@@ -755,6 +755,8 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
     m->fwd.block_size = m->o.block_size;
     for (int g = 0; g < _KV_GROUP_MAX; g++)
         m->fwd.n_blocks[g] = m->o.n_blocks[g];
+    for (int i = m->n_layers; i < m->n_layers + m->n_mtp; i++)
+        m->fwd.mtp_kv_groups |= 1u << m->layers[i].group;
     m->fwd.impl = m;
     *ret = m;
     return 0;

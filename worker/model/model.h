@@ -118,11 +118,12 @@ void model_free(struct model *m);
  *   all-accepted drafts need no re-run.  Afterwards each layer's KV equals that of a
  *   fresh prefill of the accepted history with the same tok_in.  The model keeps per
  *   slot and layer the ids and outputs of the last n_mtp positions and where the layer's
- *   contiguous history starts; a sequence starts afresh at pos0 == 0 (new request,
- *   preemption by recompute).  Positions are re-run only where the layer wrote pos0-1
- *   last (a step without the chain leaves a hole that is not repaired) and where the
- *   sliding window's blocks of the re-run queries are still in the plan; both count as
- *   missed in model_mtp_repair_stats. */
+ *   contiguous history starts; a sequence starts afresh at pos0 == 0 or with
+ *   STEP_SEQ_NEW (new request, preemption by recompute, a prefix-cache hit whose
+ *   positions below pos0 are final: nothing before pos0 is re-run).  Positions are
+ *   re-run only where the layer wrote pos0-1 last (a step without the chain leaves a
+ *   hole that is not repaired) and where the sliding window's blocks of the re-run
+ *   queries are still in the plan; both count as missed in model_mtp_repair_stats. */
 int model_step(struct model *m, const struct step_plan *p, float *logits);
 int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
                    const int32_t *tok_in, float *logits);

@@ -1021,6 +1021,7 @@ static int req_dispatch_one(struct req *r)
     er.priority = in->priority;
     if (PB_HAS(in, num_speculative_tokens))
         PB_SET(&er, num_speculative_tokens, in->num_speculative_tokens);
+    er.cache_salt = in->cache_salt;     /* the engine validates it */
     struct engine_conn *ec = g->eng;
     engine_out_open(ec);
     if (ec->out_state == OUT_READY && out_find(ec, r->id)) {

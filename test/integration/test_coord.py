@@ -57,6 +57,10 @@ def test_unary_and_stream():
     assert f.group == "g0" and f.request_id == "r-basic", f
     assert f.timings.first_token_s > 0 and f.timings.e2e_s >= f.timings.first_token_s, f.timings
     assert f.mtp.num_drafts == 6 and list(f.mtp.accepted_per_position) == [6, 3, 1], f.mtp
+    assert f.usage.cached_tokens == 0, f.usage
+    # cache_salt reaches the engine (the mock reports its length as cached tokens)
+    _, _, finals, _ = collect(s.inf.Generate(gen_request(ids, 2, cache_salt="tenant-7"), timeout=10))
+    assert finals[0].usage.cached_tokens == 8, finals[0].usage
     # server-assigned id, continuous usage
     req = gen_request(ids, 3, stream_options=pb.StreamOptions(continuous_usage_stats=True))
     toks, _, finals, chunks = collect(s.inf.Generate(req, timeout=10))

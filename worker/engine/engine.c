@@ -812,8 +812,11 @@ static void update_snapshot(struct engine *e, int64_t now)
     l->kv_blocks_cached = kv_pool_cached_count(e->kv, KV_GROUP_FULL) +
                           kv_pool_cached_count(e->kv, KV_GROUP_SLIDING);
     l->kv_usage = kv_pool_usage(e->kv);
-    for (int g = 0; g < _KV_GROUP_MAX; g++)
-        l->kv_usage_kind[g] = (double) kv_pool_held_count(e->kv, g) / kv_pool_total(e->kv, g);
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        l->kv_pool[g].used = kv_pool_held_count(e->kv, g);
+        l->kv_pool[g].cached = kv_pool_cached_count(e->kv, g);
+        l->kv_pool[g].total = kv_pool_total(e->kv, g);
+    }
     batcher_prefix_stats(e->b, &l->prefix_queries, &l->prefix_hits);
     l->prefix_evictions = kv_pool_evictions(e->kv);
     l->n_preemptions = batcher_n_preemptions(e->b);
@@ -1069,9 +1072,12 @@ void engine_get_loads(struct engine *e, struct engine_loads *ret)
     *ret = e->snap;
     ret->n_alive = e->n_alive;
     ret->last_error = e->last_error;
-    if (!ret->kv_blocks_total)
+    if (!ret->kv_blocks_total) {     /* no step yet: the pool sizes are known already */
         ret->kv_blocks_total = kv_pool_total(e->kv, KV_GROUP_FULL) +
                                kv_pool_total(e->kv, KV_GROUP_SLIDING);
+        for (int g = 0; g < _KV_GROUP_MAX; g++)
+            ret->kv_pool[g].total = kv_pool_total(e->kv, g);
+    }
     if (ret->mean_accept_len == 0.0)
         ret->mean_accept_len = 1.0;
     if (engine_now_usec() - e->rate_t[e->rate_i] > 2000000)

@@ -157,7 +157,9 @@ struct engine_loads {
     int kv_blocks_total;
     int kv_blocks_cached;       /* unreferenced blocks kept for prefix reuse, both pools */
     double kv_usage;            /* used / total over both pools */
-    double kv_usage_kind[_KV_GROUP_MAX]; /* used / total per pool (enum kv_group) */
+    struct {
+        int used, cached, total;
+    } kv_pool[_KV_GROUP_MAX];   /* per pool kind (enum kv_group) */
     uint64_t prefix_queries;    /* tokens of admitted requests looked up in the prefix cache */
     uint64_t prefix_hits;       /* of those, tokens reused from cached blocks */
     uint64_t prefix_evictions;  /* cached blocks evicted to make room */

@@ -533,6 +533,8 @@ int32_t kv_seq_begin(struct kv_pool *kv, int slot, const uint8_t *root, const in
         return 0;
     st->cacheable = true;
     memcpy(st->root, root, KV_DIGEST_BYTES);
+    if (!kv->mtp_group[KV_GROUP_FULL] && !kv->mtp_group[KV_GROUP_SLIDING])
+        mtp_depth = 0;          /* no MTP KV in the blocks: nothing to bound */
 
     /* walk the chain: blocks wholly inside the known tokens that the reuse may need
      * (at least one token left to compute; a drafting sequence verifies one block more) */

@@ -372,3 +372,9 @@ int backend_graph_end(struct backend *be)
     ASSERT(be);
     return be->ops->graph_end ? be->ops->graph_end(be) : 0;
 }
+
+int backend_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total)
+{
+    ASSERT(be && ret_free && ret_total);
+    return be->ops->mem_info ? be->ops->mem_info(be, ret_free, ret_total) : -ENOSYS;
+}

@@ -15,6 +15,7 @@
  *    wrappers below; NULL-slot fallbacks are documented at each one.
  *  - struct rope_llama3 + backend_rope_freqs_fill(): builds inv_freq tables (MODEL.md §2.3.4).
  *  - backend_names() for diagnostics.
+ *  - mem_info (optional): device memory free/total, for KV sizing.
  *  - Semantics pinned down (they were implicit): router ties go to the lower expert id;
  *    attention returns -EINVAL if a needed KV block is -1 or out of range; MXFP4 weights
  *    must be prepared before matmul/moe on the fast path (unprepared ones run the exact
@@ -157,6 +158,11 @@ struct backend_ops {
      * true: every part on its own thread at once (parts may wait for each other). */
     int (*split_run)(struct backend *be, int n_parts, bool together, backend_part_fn fn,
                      void *arg);
+    /* Device memory now: free and total bytes of the backend's device (CUDA:
+     * cudaMemGetInfo).  Absent where buffers are host memory (CPU: the KV budget is a flag,
+     * --kv-cache-memory); the worker sizes a device's KV pools from it (model_opts.kv_blocks
+     * runs after the weights and activations are reserved). */
+    int (*mem_info)(struct backend *be, size_t *ret_free, size_t *ret_total);
 };
 
 struct backend {
@@ -216,6 +222,8 @@ int backend_split_run(struct backend *be, int n_parts, bool together, backend_pa
                       void *arg);
 int backend_graph_begin(struct backend *be);
 int backend_graph_end(struct backend *be);
+/* -ENOSYS when the slot is absent. */
+int backend_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total);
 
 /* ---- rotary tables (host helper, no backend needed) ---- */
 

@@ -17,7 +17,9 @@
  *     differ in one block never share it (the whole key is compared) and output stays
  *     the reference (the mock's rows hash the whole history there); cache_salt isolates
  *     tenants with the same prompt; a request preempted by recompute resumes from its
- *     own cached blocks.
+ *     own cached blocks;
+ *   - a sliding pool sized by kvplan_compute (the window, not the length) serves 16
+ *     concurrent sequences past the window with drafts, without a preemption.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -28,6 +30,7 @@
 #include "chisq.h"
 #include "engine.h"
 #include "harness.h"
+#include "kvplan.h"
 #include "mock.h"
 
 #define MAXTOK 1024
@@ -1233,6 +1236,52 @@ static void test_prefix_preemption(void)
     rig_close(&g);
 }
 
+/* the sliding pool of kvplan.h (16 sequences x window 32 + 3, 48 tokens a step) holds 16
+ * sequences decoding with 3 drafts far past the window: no preemption, reference output */
+static void test_sliding_pool_sized(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    struct kvplan_req q = {
+        .block_size = 16, .max_num_seqs = 16, .max_model_len = 1024, .max_batched_tokens = 48,
+        .sliding_window = 32, .mtp_margin = 3, .bytes_per_token = { 1, 1 },
+    };
+    struct kvplan p;
+    struct err_buf e;
+    ASSERT_OK(kvplan_compute(&q, -1, &p, &e));
+    mock_defaults(&mc);
+    mc.n_blocks[KV_GROUP_FULL] = p.n_blocks[KVPLAN_FULL];
+    mc.n_blocks[KV_GROUP_SLIDING] = p.n_blocks[KVPLAN_SLIDING];
+    mc.mtp_accuracy = 0.9f;
+    engine_defaults(&ec, 3);
+    ASSERT_EQ(ec.max_num_seqs, q.max_num_seqs);
+    ASSERT_EQ(ec.max_num_batched_tokens, q.max_batched_tokens);
+    ASSERT_EQ(ec.sliding_window, q.sliding_window);
+    struct rig g;
+    rig_open(&g, &mc, &ec);
+    static int32_t prompts[16][100];
+    static struct coll c[16];
+    memset(c, 0, sizeof(c));
+    for (int i = 0; i < 16; i++) {
+        char id[8];
+        snprintf(id, sizeof(id), "w%d", i);
+        make_prompt(prompts[i], 100, 40 + i);
+        submit(&g, id, prompts[i], 100, 150, -1, &c[i]);
+    }
+    ASSERT_OK(engine_run_until_idle(g.e));
+    struct engine_loads l;
+    engine_get_loads(g.e, &l);
+    printf("sliding pool of %d blocks (full %d): %llu preemptions\n", p.n_blocks[KVPLAN_SLIDING],
+           p.n_blocks[KVPLAN_FULL], (unsigned long long) l.n_preemptions);
+    ASSERT_EQ(l.n_preemptions, 0);
+    for (int i = 0; i < 16; i++) {
+        int32_t ref[150];
+        reference(g.f, prompts[i], 100, 150, ref);
+        assert_same(&c[i], ref, 150);
+    }
+    rig_close(&g);
+}
+
 int main(void)
 {
     test_greedy_reference();
@@ -1253,6 +1302,7 @@ int main(void)
     test_on_plan_hook();
     test_prefix_collisions();
     test_prefix_preemption();
+    test_sliding_pool_sized();
     printf("engine: ok\n");
     return 0;
 }

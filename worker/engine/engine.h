@@ -7,6 +7,11 @@
  * broadcasts it to ranks 1..N-1), run forward.step, verify drafts and sample, apply stop
  * conditions, propose the next drafts, then deliver outputs.
  *
+ * Prefix cache (kv.h; engine_config.enable_prefix_caching, on by default): a request is
+ * admitted from the longest cached prefix of its tokens (only the rest costs budget and
+ * compute; engine_output.n_cached says how many), and after every step the blocks each
+ * request completed are keyed for later requests, generated tokens included (multi-turn).
+ *
  * Threads: engine_submit, engine_abort and engine_get_loads may be called from any
  * thread.  Everything else in a step runs on one thread: the engine's own (after
  * engine_start) or the caller of engine_step (tests; never both).  Output callbacks run

@@ -632,6 +632,9 @@ static int stage_load(struct worker *w, struct err_buf *e)
         mo.kv_blocks = kv_blocks_device;
         mo.kv_blocks_ctx = w;
     } else {
+        if (strcmp(bname, "cpu") != 0 && o->kv_cache_memory <= 0)
+            log_warn("backend %s reports no device memory (backend_ops.mem_info): sizing the KV "
+                     "cache as on the host; give --kv-cache-memory", bname);
         r = kv_blocks_host(w, mc, mo.n_blocks, planned, e);
         if (r < 0)
             return r;
@@ -1170,7 +1173,8 @@ int worker_run(const struct worker_opts *o)
         log_error("load: %s", e.msg);
         if (w.ctl)
             worker_ctl_report(w.ctl, 3, 0.0f, e.msg, 0);
-        rc = WORKER_EXIT_FAILURE;
+        /* a peer lost while the group agreed on its KV pools is a collective failure */
+        rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
         /* the others are waiting for us in the first collective: abort so they see a
          * peer failure at once rather than their deadline */
         comm_abort(w.comm);

@@ -15,6 +15,17 @@ extern "C" {
  * [lo, hi]" otherwise. */
 int cli_parse_int(const char *flag, const char *s, int lo, int hi, int *ret, struct err_buf *e);
 
+/* A byte count: a decimal number (fraction allowed with a suffix) and an optional suffix
+ * K, M, G, T (powers of 1000) or KiB/Ki, MiB/Mi, GiB/Gi, TiB/Ti (powers of 1024), B or
+ * nothing for bytes, case-insensitive: "4GiB", "141G", "1.5g", "123456" -> *ret in
+ * [lo, hi].  -EINVAL naming the flag and the value otherwise. */
+int cli_parse_bytes(const char *flag, const char *s, int64_t lo, int64_t hi, int64_t *ret,
+                    struct err_buf *e);
+
+/* A decimal fraction in (lo, hi] -> *ret.  -EINVAL naming the flag otherwise. */
+int cli_parse_fraction(const char *flag, const char *s, double lo, double hi, double *ret,
+                       struct err_buf *e);
+
 /* Comma-separated token ids "1,2,3" (leading spaces and one trailing newline allowed), each in
  * [0, vocab) (vocab <= 0: no upper bound) -> a malloc'd array the caller frees.  -EINVAL naming
  * the bad item, -ENOMEM. */

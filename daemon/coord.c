@@ -157,6 +157,11 @@ static void close_handles(struct coord *co)
     uv_close((uv_handle_t *)&co->t_force, NULL);
     uv_close((uv_handle_t *)&co->sigterm, NULL);
     uv_close((uv_handle_t *)&co->sigint, NULL);
+    /* closing the last uv_signal_t restores the default action: a SIGTERM that arrives now
+     * (a supervisor's stop after an Admin drain already under way) would kill the process
+     * and replace its exit code; the exit is decided, so the signals are ignored */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
     metrics_http_stop(co);
 }
 

@@ -594,6 +594,7 @@ static int req_send(struct req *r, struct group *g)
     er.priority = in->priority;
     if (in->has_num_speculative_tokens)
         PB_SET(&er, num_speculative_tokens, in->num_speculative_tokens);
+    er.cache_salt = in->cache_salt;     /* the engine validates it */
     struct engine_conn *ec = g->eng;
     engine_out_open(ec);
     if (ec->out_state == OUT_READY && engine_out_find(ec, r->id)) {

@@ -33,6 +33,7 @@ const char *const request_names_grpc[_RN_MAX] = {
     [RN_STOP_TOKEN_IDS] = "sampling_params.stop_token_ids",
     [RN_LOGIT_BIAS] = "sampling_params.logit_bias",
     [RN_NUM_SPECULATIVE_TOKENS] = "num_speculative_tokens",
+    [RN_CACHE_SALT] = "cache_salt",
     [RN_INPUT] = "input: one of text, chat or token_ids",
 };
 
@@ -43,7 +44,10 @@ struct request *request_new(const char *const *names)
     if (!in)
         return NULL;
     in->model = strdup("");
-    if (!in->model) {
+    in->cache_salt = strdup("");
+    if (!in->model || !in->cache_salt) {
+        free(in->model);
+        free(in->cache_salt);
         free(in);
         return NULL;
     }
@@ -57,6 +61,7 @@ void request_free(struct request *in)
     if (!in)
         return;
     free(in->model);
+    free(in->cache_salt);
     free(in->text);
     json_decref(in->messages);
     json_decref(in->tools);
@@ -366,6 +371,10 @@ int request_from_proto(const Stepd__V1__GenerateRequest *pb, struct request **re
         in->priority = pb->priority;
         in->has_num_speculative_tokens = PB_HAS(pb, num_speculative_tokens);
         in->num_speculative_tokens = pb->num_speculative_tokens;
+        free(in->cache_salt);
+        in->cache_salt = strdup(pb->cache_salt);
+        if (!in->cache_salt)
+            r = -ENOMEM;
         in->continuous_usage_stats = pb->stream_options && pb->stream_options->continuous_usage_stats;
         in->include_token_ids = pb->stream_options && pb->stream_options->include_token_ids;
     }

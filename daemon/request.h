@@ -43,6 +43,7 @@ enum request_name {
     RN_STOP_TOKEN_IDS,
     RN_LOGIT_BIAS,
     RN_NUM_SPECULATIVE_TOKENS,
+    RN_CACHE_SALT,
     RN_INPUT,               /* "one of ... is required" */
     _RN_MAX,
 };
@@ -115,6 +116,7 @@ struct request {
     int32_t priority;               /* lower = earlier */
     bool has_num_speculative_tokens;
     int32_t num_speculative_tokens; /* MTP drafts for this request (0..3), when has_ */
+    char *cache_salt;               /* prefix-cache isolation ("" = the deployment's only) */
     bool continuous_usage_stats;
     bool include_token_ids;
     const char *const *names;       /* [_RN_MAX]: the door's field names */

@@ -305,6 +305,8 @@ int request_validate(const struct coord *co, const struct request *in, char *msg
     }
     if (validate_sampling(co, in, vocab, msg, len) < 0)
         return -EINVAL;
+    if (strlen(in->cache_salt) > 1024)
+        BAD("%s: at most 1024 bytes (got %zu)", N(RN_CACHE_SALT), strlen(in->cache_salt));
     if (in->has_num_speculative_tokens &&
         (in->num_speculative_tokens < 0 || in->num_speculative_tokens > 3))
         BAD("%s: must be in [0, 3] (got %d)", N(RN_NUM_SPECULATIVE_TOKENS),

@@ -15,6 +15,7 @@
  *    wrappers below; NULL-slot fallbacks are documented at each one.
  *  - struct rope_llama3 + backend_rope_freqs_fill(): builds inv_freq tables (docs/MODEL.md §2.3.4).
  *  - backend_names() for diagnostics.
+ *  - mem_info (optional): device memory free/total, for KV sizing.
  *  - Semantics pinned down (they were implicit): router ties go to the lower expert id;
  *    attention returns -EINVAL if a needed KV block is -1 or out of range; MXFP4 weights
  *    must be prepared before matmul/moe on the fast path (unprepared ones run the exact
@@ -271,6 +272,10 @@ struct backend_ops {
                      const int32_t *src_rows, int n, size_t row_bytes);
     /* "stream": the cudaStream_t the ops run on; NULL for anything else */
     void *(*native)(struct backend *be, const char *what);
+    /* Device memory now: free and total bytes of the backend's device (CUDA:
+     * cudaMemGetInfo).  Absent where buffers are host memory (CPU: the KV budget is a flag,
+     * --kv-cache-memory); the worker sizes a device's KV pools from it (model_opts.kv_blocks
+     * runs after the weights and activations are reserved). */
     int (*mem_info)(struct backend *be, size_t *ret_free, size_t *ret_total);
     int (*capture_begin)(struct backend *be);
     int (*capture_end)(struct backend *be, bool ok);

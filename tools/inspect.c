@@ -3,15 +3,29 @@
  *
  *   stepd-inspect MODEL_DIR [--world-size N] [--rank R] [--mtp K] [--mtp-model DIR]
  *                 [--json] [--list] [--strict]
+ *                 [--device-memory BYTES [--gpu-memory-utilization F] [--overhead BYTES]
+ *                  | --kv-cache-memory BYTES] [--max-model-len L] [--max-num-seqs S]
+ *                 [--max-batched-tokens T] [--block-size BS] [--kv-cache-dtype bf16|fp32]
  *
  * For every rank (or the one given) it runs the loader in headers-only mode and
  * prints tensors, bytes, experts held, the MTP depth actually planned, the planning
- * time, every warning and every problem.  Exit status: 0 when every inspected rank
- * is loadable, 1 when some rank is not, 2 on a usage error.  --mtp defaults to all
- * MTP layers the config declares.  MTP layers that are incomplete are what a worker
- * makes of them: every missing name is listed, the plan is the trunk's (served without
- * speculation) and the exit status 0 - unless --strict, which fails a plan whose MTP
- * depth is below the one requested.
+ * time, every warning and every problem.  --mtp defaults to all MTP layers the config
+ * declares.  MTP layers that are incomplete are what a worker makes of them: every missing
+ * name is listed, the plan is the trunk's (served without speculation) and the rank counts
+ * as loadable - unless --strict, which fails a plan whose MTP depth is below the one
+ * requested.
+ * Memory plan (with --device-memory or --kv-cache-memory): per rank the weights, the
+ * activations worker/model reserves (kvplan_workspace_bytes, the model's own figure), the
+ * overhead allowed for the runtime and the backend's scratch (default 1 GiB, an
+ * estimate), the KV budget left (F x device memory minus those; or --kv-cache-memory),
+ * and what the engine's two pools get from it (kvplan.h): blocks, tokens, bytes per token,
+ * how many sequences of --max-model-len the full pool holds, or why it does not fit and
+ * the longest --max-model-len that would.  The group runs with the smallest pools any
+ * rank allows (the worker agrees on them at start-up).  Defaults as stepd-worker's:
+ * --max-num-seqs 8, --max-batched-tokens 256, --block-size 16, BF16; --max-model-len
+ * the config's max_position_embeddings.
+ * Exit status: 0 when every inspected rank is loadable (and, with a memory plan, fits),
+ * 1 when some rank is not, 2 on a usage error.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -26,13 +40,111 @@
 #include "clock.h"
 #include "cli.h"
 #include "config.h"
+#include "kvplan.h"
 #include "loader.h"
 #include "stepd-config.h"
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: stepd-inspect MODEL_DIR [--world-size N] [--rank R] [--mtp K] [--mtp-model DIR] [--json] [--list]\n"
-               "                     [--strict]\n");
+               "         [--device-memory BYTES [--gpu-memory-utilization F] [--overhead BYTES] | --kv-cache-memory BYTES]\n"
+               "         [--max-model-len L] [--max-num-seqs S] [--max-batched-tokens T] [--block-size BS]\n"
+               "         [--kv-cache-dtype bf16|fp32] [--strict]\n");
+}
+
+/* The memory plan's inputs (see the header). */
+struct mplan {
+    bool on;
+    int64_t device, kv_budget, overhead;
+    double util;
+    int max_model_len, max_seqs, max_tokens, block_size, elem;
+    int32_t group_full, group_sliding;  /* smallest pools over the ranks seen */
+    int64_t seq_blocks;
+};
+
+/* n bytes in binary units, into one of four rotating buffers (for one printf) */
+static const char *fb(int64_t n)
+{
+    static char buf[4][32];
+    static int i;
+    i = (i + 1) % 4;
+    return kvplan_fmt_bytes(n, buf[i], sizeof(buf[i]));
+}
+
+/* The memory plan of rank r (ckpt c): into jr when given, else printed.  Returns 0 when
+ * the KV cache fits, 1 when it does not. */
+static int memory_plan(struct mplan *mp, struct ckpt *c, int ws, int r, json_t *jr)
+{
+    const struct model_config *cfg = ckpt_config(c);
+    struct ckpt_plan_stats st;
+    struct kvplan_req q;
+    struct kvplan p;
+    struct err_buf e = { "" };
+    int k = ckpt_mtp_depth(c);
+    int64_t act, budget, bpt[2];
+
+#define OUT(...) do { if (!jr) printf(__VA_ARGS__); } while (0)
+    ckpt_plan_stats(c, &st);
+    kvplan_bytes_per_token(cfg, ws, r, k, mp->elem, bpt);
+    act = kvplan_workspace_bytes(cfg, ws, r, k, mp->max_tokens, mp->max_seqs, mp->max_tokens);
+    budget = mp->kv_budget > 0 ? mp->kv_budget
+                               : (int64_t) (mp->util * (double) mp->device) - st.bytes - act -
+                                     mp->overhead;
+    q = (struct kvplan_req) {
+        .block_size = mp->block_size, .max_num_seqs = mp->max_seqs,
+        .max_model_len = mp->max_model_len, .max_batched_tokens = mp->max_tokens,
+        .sliding_window = cfg->sliding_window, .mtp_margin = k < KVPLAN_MAX_DRAFTS ? k : KVPLAN_MAX_DRAFTS,
+        .bytes_per_token = { bpt[0], bpt[1] },
+    };
+    int rc = kvplan_compute(&q, budget < 0 ? 0 : budget, &p, &e);
+    /* the longest max_model_len whose one sequence fits beside the sliding pool */
+    int64_t longest = -1;
+    if (rc == -ENOSPC && bpt[KVPLAN_FULL] > 0 && budget > p.bytes[KVPLAN_SLIDING])
+        longest = (budget - p.bytes[KVPLAN_SLIDING]) / p.block_bytes[KVPLAN_FULL] * mp->block_size -
+                  KVPLAN_MAX_DRAFTS;
+    OUT("  memory: weights %s, activations %s", fb(st.bytes), fb(act));
+    if (mp->kv_budget > 0)
+        OUT(", KV budget %s (--kv-cache-memory)\n", fb(budget));
+    else
+        OUT(", overhead %s: KV budget %s of %.2f x %s\n", fb(mp->overhead), fb(budget < 0 ? 0 : budget),
+            mp->util, fb(mp->device));
+    if (rc == 0) {
+        OUT("  KV: full-attention pool %d blocks = %lld tokens (%lld B/token, %s), "
+            "sliding-window pool %d blocks = %lld tokens (%lld B/token, %s)\n",
+            p.n_blocks[KVPLAN_FULL], (long long) p.n_blocks[KVPLAN_FULL] * mp->block_size,
+            (long long) bpt[KVPLAN_FULL], fb(p.bytes[KVPLAN_FULL]), p.n_blocks[KVPLAN_SLIDING],
+            (long long) p.n_blocks[KVPLAN_SLIDING] * mp->block_size, (long long) bpt[KVPLAN_SLIDING],
+            fb(p.bytes[KVPLAN_SLIDING]));
+        OUT("  fits: %d sequences of %d tokens at once (at least %s needed)\n", p.full_seqs,
+            mp->max_model_len, fb(p.min_bytes));
+        if (p.n_blocks[KVPLAN_FULL] < mp->group_full || mp->group_full < 0)
+            mp->group_full = p.n_blocks[KVPLAN_FULL];
+        if (p.n_blocks[KVPLAN_SLIDING] < mp->group_sliding || mp->group_sliding < 0)
+            mp->group_sliding = p.n_blocks[KVPLAN_SLIDING];
+        mp->seq_blocks = p.seq_blocks;
+    } else {
+        OUT("  does NOT fit: %s", e.msg);
+        if (longest > 0)
+            OUT("; the longest --max-model-len that fits is %lld", (long long) longest);
+        OUT("\n");
+        mp->group_full = 0;
+    }
+    if (jr) {
+        json_t *jm = json_pack("{s:I, s:I, s:I, s:b, s:I, s:I, s:I, s:I, s:i, s:I}",
+                               "weights_bytes", (json_int_t) st.bytes, "activations_bytes", (json_int_t) act,
+                               "kv_budget_bytes", (json_int_t) budget, "fits", rc == 0,
+                               "full_blocks", (json_int_t) (rc == 0 ? p.n_blocks[KVPLAN_FULL] : 0),
+                               "sliding_blocks", (json_int_t) (rc == 0 ? p.n_blocks[KVPLAN_SLIDING] : 0),
+                               "full_bytes_per_token", (json_int_t) bpt[KVPLAN_FULL],
+                               "sliding_bytes_per_token", (json_int_t) bpt[KVPLAN_SLIDING],
+                               "max_model_len_seqs", rc == 0 ? p.full_seqs : 0,
+                               "longest_max_model_len", (json_int_t) (rc == 0 ? mp->max_model_len : longest));
+        if (rc < 0)
+            json_object_set_new(jm, "error", json_string(e.msg));
+        json_object_set_new(jr, "memory", jm);
+    }
+    return rc == 0 ? 0 : 1;
+#undef OUT
 }
 
 static double now_ms(void)
@@ -79,19 +191,66 @@ int main(int argc, char **argv)
         { "mtp", required_argument, NULL, 'k' },
         { "mtp-model", required_argument, NULL, 'm' },
         { "json", no_argument, NULL, 'j' },
+        { "device-memory", required_argument, NULL, 'D' },
+        { "gpu-memory-utilization", required_argument, NULL, 'U' },
+        { "overhead", required_argument, NULL, 'O' },
+        { "kv-cache-memory", required_argument, NULL, 'M' },
+        { "max-model-len", required_argument, NULL, 'L' },
+        { "max-num-seqs", required_argument, NULL, 'S' },
+        { "max-batched-tokens", required_argument, NULL, 'T' },
+        { "block-size", required_argument, NULL, 'B' },
+        { "kv-cache-dtype", required_argument, NULL, 'd' },
         { "list", no_argument, NULL, 'l' },
         { "strict", no_argument, NULL, 's' },
         { "help", no_argument, NULL, 'h' },
         { "version", no_argument, NULL, 'V' },
         { 0 },
     };
-    int ws = 1, only_rank = -1, K = -1, opt, bad = 0;
+    int ws = 1, only_rank = -1, K = -1, opt, bad = 0, nofit = 0;
     bool as_json = false, list = false, strict = false;
     const char *mtp_dir = NULL, *dir;
     json_t *out = NULL, *ranks = NULL;
+    struct mplan mp = { .util = 0.9, .overhead = 1ll << 30, .max_seqs = 8, .max_tokens = 256,
+                        .block_size = 16, .elem = 2, .group_full = -1, .group_sliding = -1 };
+    struct err_buf pe;
 
+#define BYTES(flag, dst) do { if (cli_parse_bytes(flag, optarg, 1, INT64_MAX / 2, dst, &pe) < 0) { \
+        fprintf(stderr, "stepd-inspect: %s\n", pe.msg); return 2; } } while (0)
     while ((opt = getopt_long(argc, argv, "n:r:k:m:jlshV", longopts, NULL)) != -1) {
         switch (opt) {
+        case 'D': BYTES("--device-memory", &mp.device); mp.on = true; break;
+        case 'M': BYTES("--kv-cache-memory", &mp.kv_budget); mp.on = true; break;
+        case 'O': BYTES("--overhead", &mp.overhead); break;
+        case 'U':
+            if (cli_parse_fraction("--gpu-memory-utilization", optarg, 0, 1, &mp.util, &pe) < 0) {
+                fprintf(stderr, "stepd-inspect: %s\n", pe.msg);
+                return 2;
+            }
+            break;
+        case 'L':
+            if (parse_int(optarg, "--max-model-len", 2, 1 << 24, &mp.max_model_len) < 0)
+                return 2;
+            break;
+        case 'S':
+            if (parse_int(optarg, "--max-num-seqs", 1, 4096, &mp.max_seqs) < 0)
+                return 2;
+            break;
+        case 'T':
+            if (parse_int(optarg, "--max-batched-tokens", 4, 1 << 20, &mp.max_tokens) < 0)
+                return 2;
+            break;
+        case 'B':
+            if (parse_int(optarg, "--block-size", 1, 4096, &mp.block_size) < 0)
+                return 2;
+            break;
+        case 'd':
+            if (strcmp(optarg, "bf16") && strcmp(optarg, "auto") && strcmp(optarg, "fp32")) {
+                fprintf(stderr, "stepd-inspect: --kv-cache-dtype '%s': expected auto, bf16 or fp32\n",
+                        optarg);
+                return 2;
+            }
+            mp.elem = strcmp(optarg, "fp32") == 0 ? 4 : 2;
+            break;
         case 'n':
             if (parse_int(optarg, "--world-size", 1, 8, &ws) < 0)
                 return 2;
@@ -144,6 +303,17 @@ int main(int argc, char **argv)
         }
         K = cfg.n_mtp_layers;
     }
+    if (mp.on && !mp.max_model_len) {
+        struct model_config cfg;
+        struct err_buf e;
+        char path[PATH_MAX];
+        snprintf(path, sizeof(path), "%s/config.json", dir);
+        if (model_config_load(path, &cfg, &e) < 0) {
+            printf("%s: NOT loadable\n  %s\n", dir, e.msg);
+            return 1;
+        }
+        mp.max_model_len = cfg.max_position_embeddings;
+    }
     if (as_json) {
         out = json_pack("{s:s, s:i, s:i, s:s?}", "model_dir", dir, "world_size", ws, "mtp_requested", K,
                         "mtp_model", mtp_dir);
@@ -152,6 +322,15 @@ int main(int argc, char **argv)
     } else {
         printf("%s: world size %d, MTP depth requested %d%s%s\n", dir, ws, K, mtp_dir ? ", --mtp-model " : "",
                mtp_dir ? mtp_dir : "");
+    }
+    if (mp.on && !as_json) {
+        printf("memory plan: --max-model-len %d, --max-num-seqs %d, %d tokens per step, blocks of %d, "
+               "KV %s", mp.max_model_len, mp.max_seqs, mp.max_tokens, mp.block_size,
+               mp.elem == 2 ? "BF16" : "FP32");
+        if (mp.kv_budget > 0)
+            printf(", --kv-cache-memory %s per rank\n", fb(mp.kv_budget));
+        else
+            printf(", %s per device x %.2f\n", fb(mp.device), mp.util);
     }
     for (int r = 0; r < ws; r++) {
         struct ckpt_opts o = { .mtp_dir = mtp_dir, .world_size = ws, .rank = r, .mtp_depth = K,
@@ -230,16 +409,27 @@ int main(int argc, char **argv)
                 if (list)
                     ckpt_plan_dump(c, stdout);
             }
+            if (mp.on) {
+                json_t *jr = as_json ? json_array_get(ranks, json_array_size(ranks) - 1) : NULL;
+                nofit |= memory_plan(&mp, c, ws, r, jr);
+            }
         }
         ckpt_close(c);
     }
+    if (mp.on && only_rank < 0 && !bad && !nofit && !as_json)
+        printf("group: full-attention pool %d blocks = %lld tokens, sliding-window pool %d blocks "
+               "(the smallest over the ranks): %lld sequences of %d tokens at once\n", mp.group_full,
+               (long long) mp.group_full * mp.block_size, mp.group_sliding,
+               (long long) (mp.group_full / mp.seq_blocks), mp.max_model_len);
     if (as_json) {
-        json_object_set_new(out, "ok", json_boolean(!bad));
+        json_object_set_new(out, "ok", json_boolean(!bad && !nofit));
+        if (mp.on)
+            json_object_set_new(out, "memory_fits", json_boolean(!nofit));
         json_dumpf(out, stdout, JSON_INDENT(2));
         putchar('\n');
         json_decref(out);
     } else {
-        printf("%s\n", bad ? "NOT loadable" : "loadable");
+        printf("%s\n", bad ? "NOT loadable" : nofit ? "loadable; the KV cache does NOT fit" : "loadable");
     }
-    return bad;
+    return bad || nofit;
 }

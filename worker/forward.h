@@ -26,7 +26,10 @@
  * model re-runs the changed ones of positions pos0-k .. pos0-1 at depth k, see model.h;
  * the mock has no KV).
  * So the engine keeps its sliding KV blocks n_mtp positions beyond the window, and a
- * run at pos0 == 0 starts a new sequence in its slot (new request, recompute).
+ * run flagged STEP_SEQ_NEW (or at pos0 == 0) starts a new sequence in its slot (new
+ * request, recompute): pos0 > 0 then means the positions before it come from the prefix
+ * cache, MTP layers included, final (no draft among their inputs), so the forward must
+ * start the slot's MTP history at pos0 with nothing to repair.
  */
 #pragma once
 
@@ -56,6 +59,8 @@ struct forward {
     int max_seqs;
     int block_size;
     int n_blocks[2];        /* KV blocks per group (enum kv_group) */
+    unsigned mtp_kv_groups; /* bit g set: some MTP layer keeps its KV in group g (whose
+                               cached blocks must then hold final MTP KV to be reused) */
     void *impl;
 };
 

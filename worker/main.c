@@ -22,8 +22,11 @@ static void usage(FILE *f)
         "                    --world-size N [--device cpu|cuda:I] (--model DIR | --mock)\n"
         "                    [--mtp-model DIR] [--mtp K | --speculative-config JSON]\n"
         "                    [--threads T] [--exact]\n"
-        "                    [--max-seqs S] [--max-batched-tokens T] [--max-model-len L]\n"
-        "                    [--kv-blocks B] [--block-size BS]\n"
+        "                    [--max-seqs|--max-num-seqs S] [--max-batched-tokens T]\n"
+        "                    [--max-model-len L]\n"
+        "                    [--kv-cache-memory BYTES] [--gpu-memory-utilization F]\n"
+        "                    [--kv-cache-dtype auto|bf16|fp32] [--kv-blocks B] [--block-size BS]\n"
+        "                    [--no-enable-prefix-caching] [--prefix-cache-salt S]\n"
         "                    [--rendezvous-timeout MS] [--collective-timeout MS] [--load-timeout MS]\n"
         "                    [--report FILE] [--engine-listen ADDR] [--control-key-file FILE]\n"
         "                    [--control-tls-ca FILE [--control-tls-cert FILE --control-tls-key FILE]]\n"
@@ -38,6 +41,15 @@ static void usage(FILE *f)
         "  --speculative-config J  as vLLM: '{\"method\":\"mtp\",\"num_speculative_tokens\":K}'\n"
         "                          (+ \"draft_quantization\": \"auto\" (default: MXFP4 copies of\n"
         "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\")\n"
+        "  --kv-cache-memory BYTES KV cache per rank, e.g. 8GiB (default: on CPU every sequence at\n"
+        "                          --max-model-len, at most 90%% of the available memory; on a GPU\n"
+        "                          --gpu-memory-utilization of it after weights and activations)\n"
+        "  --gpu-memory-utilization F  share of a GPU's memory for the worker (default 0.9)\n"
+        "  --kv-cache-dtype D      auto or bf16 (default; FP32 accumulation), fp32\n"
+        "  --kv-blocks B           full-attention pool blocks, overriding the budget (the\n"
+        "                          sliding-window pool is sized by the window either way)\n"
+        "  --no-enable-prefix-caching  recompute every prompt (default: reuse cached KV blocks)\n"
+        "  --prefix-cache-salt S   deployment salt of the prefix-cache keys (default: random)\n"
         "  --collective-timeout MS deadline of every collective (default 30000)\n"
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
         "  --load-timeout MS       how long ranks wait for each other to load (default 1800000)\n"
@@ -65,6 +77,40 @@ static int parse_int(const char *s, const char *flag, int lo, int hi, int *ret)
     if (r < 0)
         fprintf(stderr, "stepd-worker: %s\n", e.msg);
     return r;
+}
+
+static int parse_bytes(const char *s, const char *flag, int64_t *ret)
+{
+    struct err_buf e;
+    int r = cli_parse_bytes(flag, s, 1, INT64_MAX / 2, ret, &e);
+
+    if (r < 0)
+        fprintf(stderr, "stepd-worker: %s\n", e.msg);
+    return r;
+}
+
+static int parse_fraction(const char *s, const char *flag, double *ret)
+{
+    struct err_buf e;
+    int r = cli_parse_fraction(flag, s, 0.0, 1.0, ret, &e);
+
+    if (r < 0)
+        fprintf(stderr, "stepd-worker: %s\n", e.msg);
+    return r;
+}
+
+static int parse_kv_dtype(const char *s, bool *ret_f32)
+{
+    if (strcmp(s, "auto") == 0 || strcmp(s, "bf16") == 0 || strcmp(s, "bfloat16") == 0) {
+        *ret_f32 = false;
+        return 0;
+    }
+    if (strcmp(s, "fp32") == 0 || strcmp(s, "float32") == 0) {
+        *ret_f32 = true;
+        return 0;
+    }
+    fprintf(stderr, "stepd-worker: --kv-cache-dtype '%s': expected auto, bf16 or fp32\n", s);
+    return -EINVAL;
 }
 
 /* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */
@@ -118,6 +164,7 @@ int main(int argc, char **argv)
         O_COORD = 256, O_RDV, O_GROUP, O_RANK, O_WORLD, O_DEVICE, O_MODEL, O_MTP_MODEL, O_MTP,
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
         O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_INSECURE, O_HEALTH, O_HELP,
+        O_KV_MEM, O_GPU_UTIL, O_KV_DTYPE, O_PREFIX_ON, O_PREFIX_OFF, O_PREFIX_SALT,
         O_TLS_CA, O_TLS_CERT, O_TLS_KEY, O_MAX_WAIT, O_LP_MODE,
     };
     static const struct option opts[] = {
@@ -136,9 +183,16 @@ int main(int argc, char **argv)
         { "exact", no_argument, NULL, O_EXACT },
         { "mock", no_argument, NULL, O_MOCK },
         { "max-seqs", required_argument, NULL, O_MAX_SEQS },
+        { "max-num-seqs", required_argument, NULL, O_MAX_SEQS },
         { "max-batched-tokens", required_argument, NULL, O_MAX_BT },
         { "max-model-len", required_argument, NULL, O_MAX_LEN },
         { "kv-blocks", required_argument, NULL, O_KV },
+        { "kv-cache-memory", required_argument, NULL, O_KV_MEM },
+        { "gpu-memory-utilization", required_argument, NULL, O_GPU_UTIL },
+        { "kv-cache-dtype", required_argument, NULL, O_KV_DTYPE },
+        { "enable-prefix-caching", no_argument, NULL, O_PREFIX_ON },
+        { "no-enable-prefix-caching", no_argument, NULL, O_PREFIX_OFF },
+        { "prefix-cache-salt", required_argument, NULL, O_PREFIX_SALT },
         { "block-size", required_argument, NULL, O_BS },
         { "rendezvous-timeout", required_argument, NULL, O_RDV_TO },
         { "collective-timeout", required_argument, NULL, O_COLL_TO },
@@ -187,6 +241,13 @@ int main(int argc, char **argv)
         case O_MAX_BT: r = parse_int(optarg, "--max-batched-tokens", 4, 1 << 20, &o.max_batched_tokens); break;
         case O_MAX_LEN: r = parse_int(optarg, "--max-model-len", 2, 1 << 22, &o.max_model_len); break;
         case O_KV: r = parse_int(optarg, "--kv-blocks", 0, 1 << 24, &o.kv_blocks); break;
+        case O_KV_MEM: r = parse_bytes(optarg, "--kv-cache-memory", &o.kv_cache_memory); break;
+        case O_GPU_UTIL: r = parse_fraction(optarg, "--gpu-memory-utilization",
+                                            &o.gpu_memory_utilization); break;
+        case O_KV_DTYPE: r = parse_kv_dtype(optarg, &o.kv_f32); break;
+        case O_PREFIX_ON: o.no_prefix_cache = false; break;
+        case O_PREFIX_OFF: o.no_prefix_cache = true; break;
+        case O_PREFIX_SALT: o.prefix_cache_salt = optarg; break;
         case O_BS: r = parse_int(optarg, "--block-size", 1, 4096, &o.block_size); break;
         case O_RDV_TO: r = parse_int(optarg, "--rendezvous-timeout", 1, INT_MAX, &o.rendezvous_timeout_msec); break;
         case O_COLL_TO: r = parse_int(optarg, "--collective-timeout", 1, INT_MAX, &o.collective_timeout_msec); break;

@@ -11,6 +11,10 @@
  * sequence covers positions [b*block_size, (b+1)*block_size).  -1 marks a released
  * (sliding) block.  MTP layers use the sliding group's tables (their layers are sliding in
  * Step-3.7; model.c maps a full-kind MTP layer to the full group).
+ * A run with STEP_SEQ_NEW starts a new sequence in its slot (a new request, or one
+ * preempted by recompute).  Its pos0 may be above 0: the positions before it are a prefix
+ * the engine took from its prefix cache, complete in both groups and for the MTP layers
+ * the sequence drafts with (worker/engine/kv.h).  A run at pos0 == 0 always starts anew.
  */
 #pragma once
 
@@ -36,7 +40,11 @@ struct step_seq {
     int32_t n_blocks;       /* logical blocks covering positions 0 .. pos0+n_tokens-1 */
     int32_t block_off[_KV_GROUP_MAX]; /* offset of this seq's table in step_plan.blocks[group] */
     int32_t mtp_depth;      /* MTP drafts to propose after this step (0 = none); rank 0 only */
+    int32_t flags;          /* STEP_SEQ_* */
 };
+
+#define STEP_SEQ_NEW 1      /* the run starts a new sequence in its slot (see above) */
+#define STEP_SEQ_FLAGS_KNOWN STEP_SEQ_NEW
 
 struct step_plan {
     uint64_t step_id;

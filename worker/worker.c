@@ -18,6 +18,7 @@
 #include "comm-nccl.h"
 #include "engine.h"
 #include "health.h"
+#include "kvplan.h"
 #include "loader.h"
 #include "log.h"
 #include "net.h"
@@ -37,6 +38,7 @@ void worker_opts_init(struct worker_opts *o)
     o->max_batched_tokens = 256;
     o->max_model_len = 1024;
     o->block_size = 16;
+    o->gpu_memory_utilization = 0.9;
     o->rendezvous_timeout_msec = 60000;
     o->collective_timeout_msec = 30000;
     o->load_timeout_msec = 30 * 60 * 1000;
@@ -393,16 +395,165 @@ out:
     return r;
 }
 
+/* ---- KV pools (kvplan.h) --------------------------------------------------------------- */
+
+/* MemAvailable of /proc/meminfo in bytes, or -1. */
+static int64_t mem_available(void)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    long long kb = -1;
+
+    if (!f)
+        return -1;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1)
+            break;
+    fclose(f);
+    return kb < 0 ? -1 : (int64_t)kb * 1024;
+}
+
+/* The smallest of v[0..1] over the group (every rank calls it, under the load deadline:
+ * ranks get here at their own pace), so that every rank runs with the same pools. */
+static int group_min2(struct worker *w, int32_t v[2], struct err_buf *e)
+{
+    int n = w->o->world_size, saved = w->comm->timeout_msec, r;
+    int32_t *all;
+
+    if (n == 1)
+        return 0;
+    all = calloc((size_t)n * 2, sizeof(int32_t));
+    if (!all)
+        return err_set(e, -ENOMEM, "out of memory");
+    w->comm->timeout_msec = w->o->load_timeout_msec;
+    r = comm_allgather(w->comm, v, all, 2 * sizeof(int32_t));
+    w->comm->timeout_msec = saved;
+    if (r < 0) {
+        free(all);
+        return err_set(e, r, "agreeing on the KV pools: %s", comm_last_error(w->comm));
+    }
+    for (int k = 0; k < n; k++)
+        for (int g = 0; g < 2; g++)
+            v[g] = all[2 * k + g] < v[g] ? all[2 * k + g] : v[g];
+    free(all);
+    return 0;
+}
+
+static void kv_req_init(const struct worker *w, const int64_t block_bytes[2], struct kvplan_req *q)
+{
+    const struct worker_opts *o = w->o;
+    int k = ckpt_mtp_depth(w->ck);      /* the group's, as the engine's margin on rank 0 */
+
+    *q = (struct kvplan_req){
+        .block_size = o->block_size, .max_num_seqs = o->max_seqs,
+        .max_model_len = o->max_model_len, .max_batched_tokens = o->max_batched_tokens,
+        .sliding_window = w->sliding_window,
+        .mtp_margin = k < KVPLAN_MAX_DRAFTS ? k : KVPLAN_MAX_DRAFTS,
+    };
+    for (int g = 0; g < 2; g++)
+        q->bytes_per_token[g] = block_bytes[g] / o->block_size;
+}
+
+/* Plan the pools for budget (< 0: none given), agree on them over the group (a rank whose
+ * budget cannot hold them says so with -1, so that none waits for it) and apply
+ * --kv-blocks; `what` names where the budget came from, for the error. */
+static int kv_plan_apply(struct worker *w, const int64_t block_bytes[2], int64_t budget,
+                         const char *what, int n_blocks[2], struct err_buf *e)
+{
+    struct kvplan_req q;
+    struct kvplan p = { { 0 } };
+    struct err_buf pe = { "" };
+    char b1[32], b2[32];
+    int r, rc;
+
+    kv_req_init(w, block_bytes, &q);
+    rc = kvplan_compute(&q, budget, &p, &pe);
+    if (rc == 0 && w->o->kv_blocks > 0)
+        p.n_blocks[KVPLAN_FULL] = w->o->kv_blocks;
+    int32_t v[2] = { rc < 0 ? -1 : p.n_blocks[0], rc < 0 ? -1 : p.n_blocks[1] };
+    r = group_min2(w, v, e);
+    if (r < 0)
+        return r;
+    if (rc < 0)
+        return err_set(e, rc, "%s: %s", what, pe.msg);
+    if (v[0] < 0)
+        return err_set(e, -ENOSPC, "another rank of the group cannot hold the KV cache (its "
+                       "log says why)");
+    n_blocks[0] = v[0];
+    n_blocks[1] = v[1];
+    log_info("KV cache (%s, %s): full-attention pool %d blocks = %lld tokens (%s), sliding-window "
+             "pool %d blocks = %lld tokens (%s); sequences of %d tokens the full pool holds at once: "
+             "%lld",
+             w->o->kv_f32 ? "FP32" : "BF16", what, v[0], (long long)v[0] * w->o->block_size,
+             kvplan_fmt_bytes(v[0] * p.block_bytes[0], b1, sizeof(b1)), v[1],
+             (long long)v[1] * w->o->block_size,
+             kvplan_fmt_bytes(v[1] * p.block_bytes[1], b2, sizeof(b2)), w->o->max_model_len,
+             (long long)v[0] / p.seq_blocks);
+    return 0;
+}
+
+/* model_opts.kv_blocks on a device: the budget is --gpu-memory-utilization of its memory
+ * minus what is in use once the weights and activations are there. */
+static int kv_blocks_device(void *ctx, const int64_t block_bytes[2], int n_blocks[2],
+                            struct err_buf *e)
+{
+    struct worker *w = ctx;
+    size_t free_b, total_b;
+    char what[160], t[32], u[32];
+    int r = backend_mem_info(w->be, &free_b, &total_b);
+
+    if (r < 0)
+        return err_set(e, r, "device memory: %s", err_str(r));
+    int64_t used = (int64_t)(total_b - free_b);
+    int64_t budget = (int64_t)(w->o->gpu_memory_utilization * (double)total_b) - used;
+    snprintf(what, sizeof(what), "--gpu-memory-utilization %.2f of %s with %s in use", 
+             w->o->gpu_memory_utilization, kvplan_fmt_bytes((int64_t)total_b, t, sizeof(t)),
+             kvplan_fmt_bytes(used, u, sizeof(u)));
+    return kv_plan_apply(w, block_bytes, budget < 0 ? 0 : budget, what, n_blocks, e);
+}
+
+/* Host memory (CPU, or a backend that reports no device memory): --kv-cache-memory, else
+ * every sequence at full length, at most 90 % of the memory available now. */
+static int kv_blocks_host(struct worker *w, const struct model_config *mc, int n_blocks[2],
+                          int64_t ret_block_bytes[2], struct err_buf *e)
+{
+    int64_t bpt[2], bb[2], budget = w->o->kv_cache_memory > 0 ? w->o->kv_cache_memory : -1;
+    char what[160], a[32];
+    struct kvplan_req q;
+    struct kvplan p;
+    struct err_buf pe;
+
+    kvplan_bytes_per_token(mc, w->o->world_size, w->o->rank, ckpt_mtp_depth(w->ck),
+                           w->o->kv_f32 ? 4 : 2, bpt);
+    for (int g = 0; g < 2; g++)
+        ret_block_bytes[g] = bb[g] = bpt[g] * w->o->block_size;
+    if (budget > 0) {
+        snprintf(what, sizeof(what), "--kv-cache-memory");
+        return kv_plan_apply(w, bb, budget, what, n_blocks, e);
+    }
+    kv_req_init(w, bb, &q);
+    int64_t avail = mem_available();
+    if (kvplan_compute(&q, -1, &p, &pe) == 0 && (avail < 0 || p.all_bytes <= avail / 10 * 9)) {
+        snprintf(what, sizeof(what), "%d sequences of %d tokens", w->o->max_seqs,
+                 w->o->max_model_len);
+        return kv_plan_apply(w, bb, -1, what, n_blocks, e);
+    }
+    snprintf(what, sizeof(what), "90%% of the %s of memory available (no --kv-cache-memory)",
+             kvplan_fmt_bytes(avail, a, sizeof(a)));
+    return kv_plan_apply(w, bb, avail / 10 * 9, what, n_blocks, e);
+}
+
 static int stage_load(struct worker *w, struct err_buf *e)
 {
     const struct worker_opts *o = w->o;
-    int n_blocks = o->kv_blocks;
     int r;
 
-    if (n_blocks <= 0)
-        n_blocks = o->max_seqs * ((o->max_model_len + 3 + o->block_size - 1) / o->block_size + 1);
     w->logit_rows = o->max_batched_tokens;
     if (o->mock) {
+        /* no KV memory: one block per position of every sequence, in both pools */
+        int n_blocks = o->kv_blocks > 0 ? o->kv_blocks
+                           : o->max_seqs * ((o->max_model_len + 3 + o->block_size - 1) /
+                                            o->block_size + 1);
         struct mock_config mc;
 
         mock_config_init(&mc);
@@ -464,14 +615,32 @@ static int stage_load(struct worker *w, struct err_buf *e)
     struct model_opts mo = {
         .max_tokens_per_step = o->max_batched_tokens, .max_seqs = o->max_seqs,
         .max_logit_rows = w->logit_rows, .block_size = o->block_size,
-        .n_blocks = { n_blocks, n_blocks }, .max_seq_len = o->max_model_len + 4,
-        .kv_bf16 = cuda,        /* the CUDA attention reads BF16 pages */
+        .max_seq_len = o->max_model_len + 4, .kv_f32 = o->kv_f32,
         .draft_quant = spec_draft_mxfp4(o->draft_quant, bname) ? MODEL_DRAFT_MXFP4
                                                                : MODEL_DRAFT_CHECKPOINT,
     };
+    size_t dev_free, dev_total;
+    int64_t planned[2] = { 0, 0 }, reserved[2];
+    if (o->kv_cache_memory <= 0 && backend_mem_info(w->be, &dev_free, &dev_total) == 0) {
+        mo.kv_blocks = kv_blocks_device;
+        mo.kv_blocks_ctx = w;
+    } else {
+        if (strcmp(bname, "cpu") != 0 && o->kv_cache_memory <= 0)
+            log_warn("backend %s reports no device memory (backend_ops.mem_info): sizing the KV "
+                     "cache as on the host; give --kv-cache-memory", bname);
+        r = kv_blocks_host(w, mc, mo.n_blocks, planned, e);
+        if (r < 0)
+            return r;
+    }
     r = model_forward_new(w->ck, w->be, &hooks, &mo, &w->fwd, e);
     if (r < 0)
         return r;
+    model_kv_block_bytes(model_from_forward(w->fwd), reserved);
+    if (!mo.kv_blocks && (reserved[0] != planned[0] || reserved[1] != planned[1]))
+        return err_set(e, -EPROTO, "KV plan: %lld + %lld bytes per block planned, the model "
+                       "reserved %lld + %lld (kvplan.c and the model disagree)",
+                       (long long)planned[0], (long long)planned[1], (long long)reserved[0],
+                       (long long)reserved[1]);
     return w->dcomm ? dcomm_wrap(w, e) : 0;
 }
 
@@ -696,6 +865,8 @@ static int run_generate(struct worker *w, struct forward *f)
     cfg.max_waiting = waiting_limit(w);
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
+    cfg.enable_prefix_caching = !w->o->no_prefix_cache;
+    cfg.prefix_cache_salt = w->o->prefix_cache_salt;
     if (o->step_delay_msec > 0) {
         cfg.on_plan = step_delay_hook;
         cfg.on_plan_ctx = (void *)o;
@@ -891,6 +1062,8 @@ static int run_serve(struct worker *w, struct forward *f)
     cfg.logprobs_processed = w->o->logprobs_processed;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
+    cfg.enable_prefix_caching = !w->o->no_prefix_cache;
+    cfg.prefix_cache_salt = w->o->prefix_cache_salt;
     r = engine_new(f, &cfg, &eng, &e);
     if (r < 0) {
         log_error("engine: %s", e.msg);
@@ -1042,7 +1215,8 @@ int worker_run(const struct worker_opts *o)
         if (w.ctl)
             worker_ctl_report(w.ctl, 3, 0.0f, e.msg, NULL);
         worker_health_phase(w.health, WORKER_PHASE_FAILED, "load failed: %s", e.msg);
-        rc = WORKER_EXIT_FAILURE;
+        /* a peer lost while the group agreed on its KV pools is a collective failure */
+        rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
         /* the others are waiting for us in the first collective: abort so they see a
          * peer failure at once rather than their deadline */
         comm_abort(w.comm);

@@ -52,6 +52,15 @@ struct worker_opts {
     int mtp;                        /* speculative tokens K (0..3) */
     int draft_quant;                /* enum spec_draft_quant (spec config "draft_quantization") */
     int max_seqs, max_batched_tokens, max_model_len, kv_blocks, block_size;
+    /* KV cache (kvplan.h): per-rank budget in bytes (0 = on CPU max_seqs sequences of
+     * max_model_len, at most 90 % of the available memory; on a device the share of
+     * gpu_memory_utilization left after weights and activations); kv_blocks > 0 overrides
+     * the full-attention pool's blocks */
+    int64_t kv_cache_memory;
+    double gpu_memory_utilization;  /* (0, 1], default 0.9 */
+    bool kv_f32;                    /* --kv-cache-dtype fp32 (default bf16) */
+    bool no_prefix_cache;           /* --no-enable-prefix-caching */
+    const char *prefix_cache_salt;  /* --prefix-cache-salt (NULL: random per start) */
     int rendezvous_timeout_msec;
     int collective_timeout_msec;
     int load_timeout_msec;          /* how long ranks wait for each other to finish loading */

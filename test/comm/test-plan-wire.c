@@ -22,7 +22,8 @@ static void reset(void)
     seqs[0] = (struct step_seq){ .slot = 3, .pos0 = 0, .n_tokens = 4, .n_logits = 1, .tok_off = 0,
                                  .n_blocks = 1, .block_off = { 0, 0 }, .mtp_depth = 3 };
     seqs[1] = (struct step_seq){ .slot = 5, .pos0 = 40, .n_tokens = 2, .n_logits = 2, .tok_off = 4,
-                                 .n_blocks = 3, .block_off = { 1, 1 }, .mtp_depth = 1 };
+                                 .n_blocks = 3, .block_off = { 1, 1 }, .mtp_depth = 1,
+                                 .flags = STEP_SEQ_NEW };
     int32_t t[6] = { 1, 2, 3, 4, 98, 0 }, f[4] = { 0, 1, 2, 3 }, s[4] = { 0, -1, 5, 9 };
 
     memcpy(toks, t, sizeof(t));
@@ -104,6 +105,8 @@ int main(void)
     EXPECT_REJECT(seqs[1].block_off[1] = 2, -EBADMSG, "group 1 table");
     EXPECT_REJECT(seqs[1].block_off[0] = -1, -EBADMSG, "group 0 table");
     EXPECT_REJECT(seqs[0].mtp_depth = 4, -ERANGE, "mtp_depth 4");
+    EXPECT_REJECT(seqs[0].flags = 2, -EBADMSG, "unknown flags 0x2");
+    EXPECT_REJECT(seqs[1].flags = INT32_MIN | STEP_SEQ_NEW, -EBADMSG, "unknown flags");
     EXPECT_REJECT(toks[2] = 100, -ERANGE, "outside vocabulary");
     EXPECT_REJECT(toks[2] = -1, -ERANGE, "outside vocabulary");
     EXPECT_REJECT(full[1] = -1, -ERANGE, "group 0 block");

@@ -5,8 +5,9 @@
  * stepd.v1.Engine: Generate streams deterministic tokens
  *     token[i] = (sum(prompt) + 7 * i + 1) % vocab
  * one per --delay-ms (the first after --ttft-ms), then a Final with finish reason
- * LENGTH (or STOP at --eos-after tokens when set), usage, fake MTP statistics and
- * timings. Abort and client cancellation stop a stream. Counters (generate calls,
+ * LENGTH (or STOP at --eos-after tokens when set), usage (cached_tokens = the length of the
+ * request's cache_salt, so that tests see both pass through the coordinator), fake MTP
+ * statistics and timings. Abort and client cancellation stop a stream. Counters (generate calls,
  * aborts, cancels, tokens) go to --stats-file after every change of request state,
  * so tests can prove that a rejected request never reached an engine.
  *
@@ -104,7 +105,7 @@ struct mstream {
     uv_timer_t timer;
     char id[136];
     int64_t seed;
-    uint32_t n_prompt, max_tokens, n_out;
+    uint32_t n_prompt, max_tokens, n_out, n_salt;
     int64_t t0, t_first;
     int64_t deadline_ms;            /* Submit: the Submit call's (rpc_now_ms); else INT64_MAX */
     int64_t *t_send;                /* --send-log: per token chunk, rpc_now_us() */
@@ -234,6 +235,7 @@ static void final_fill(struct final_msg *fm, const struct mstream *s, int reason
     };
     fm->u.prompt_tokens = s->n_prompt;
     fm->u.completion_tokens = s->n_out;
+    fm->u.cached_tokens = s->n_salt;
     fm->mtp.num_drafts = s->n_out / 2;
     fm->mtp.num_draft_tokens = fm->mtp.num_drafts * 3;
     fm->per_pos[0] = fm->mtp.num_drafts;
@@ -598,6 +600,7 @@ static int request_new(struct mock *m, const Stepd__V1__GenerateRequest *r, stru
     for (size_t i = 0; i < r->token_ids->n_ids; i++)
         s->seed += r->token_ids->ids[i];
     s->n_prompt = (uint32_t)r->token_ids->n_ids;
+    s->n_salt = r->cache_salt ? (uint32_t)strlen(r->cache_salt) : 0;
     s->max_tokens = r->sampling_params && PB_HAS(r->sampling_params, max_tokens)
                         ? (uint32_t)r->sampling_params->max_tokens : 16;
     s->t0 = rpc_now_ms();

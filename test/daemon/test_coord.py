@@ -57,6 +57,10 @@ def test_unary_and_stream():
     assert f.group == "g0" and f.request_id == "r-basic", f
     assert f.timings.first_token_s > 0 and f.timings.e2e_s >= f.timings.first_token_s, f.timings
     assert f.mtp.num_drafts == 6 and list(f.mtp.accepted_per_position) == [6, 3, 1], f.mtp
+    assert f.usage.cached_tokens == 0, f.usage
+    # cache_salt reaches the engine (the mock reports its length as cached tokens)
+    _, _, finals, _ = collect(s.inf.Generate(gen_request(ids, 2, cache_salt="tenant-7"), timeout=10))
+    assert finals[0].usage.cached_tokens == 8, finals[0].usage
     # server-assigned id, continuous usage
     req = gen_request(ids, 3, stream_options=pb.StreamOptions(continuous_usage_stats=True))
     toks, _, finals, chunks = collect(s.inf.Generate(req, timeout=10))
@@ -818,9 +822,18 @@ def test_real_worker():
     eport = so.getsockname()[1]
     so.close()
     s = Stepd("--tokenizer", os.path.join(model, "tokenizer.json"))
+    # a KV budget below one sequence of --max-model-len: start-up fails, saying how much is
+    # needed and how much there is
+    small = subprocess.run([worker, "--rendezvous-dir", s.workdir, "--group", "kv0", "--rank", "0",
+                            "--world-size", "1", "--model", model, "--max-model-len", "8192",
+                            "--kv-cache-memory", "1MiB", "--generate", "/dev/null"],
+                           capture_output=True, text=True, timeout=60)
+    assert small.returncode == 1 and "need at least" in small.stderr and \
+        "the budget is 1.00 MiB" in small.stderr, small.stderr
     log = open(os.path.join(s.workdir, "worker.log"), "w")
     cmd = [worker, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group", "cpu0", "--rank", "0",
-           "--world-size", "1", "--device", "cpu", "--model", model, "--engine-listen", "127.0.0.1:%d" % eport]
+           "--world-size", "1", "--device", "cpu", "--model", model, "--engine-listen", "127.0.0.1:%d" % eport,
+           "--max-model-len", "8192", "--kv-cache-memory", "32MiB"]
     w = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         s.wait_ready(1, timeout=120)
@@ -835,6 +848,12 @@ def test_real_worker():
         assert len(toks) == finals[0].usage.completion_tokens and len(toks) >= 1
         toks2, text2, _, _ = collect(s.inf.Generate(req, timeout=60))
         assert toks2 == toks, (toks, toks2)           # greedy is deterministic
+        # a prompt of a few blocks, twice: the second reuses the cached ones, same output
+        long_req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[(i * 37 + 11) % 4000 for i in range(50)]),
+                                      sampling_params=pb.SamplingParams(max_tokens=8, temperature=0.0))
+        la, _, fa, _ = collect(s.inf.Generate(long_req, timeout=60))
+        lb, _, fb, _ = collect(s.inf.Generate(long_req, timeout=60))
+        assert la == lb and fa[0].usage.cached_tokens == 0 and fb[0].usage.cached_tokens == 48, (fa, fb)
         chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Hi")], reasoning_effort="low")
         _, _, finals, _ = collect(s.inf.Generate(pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(
             max_tokens=8)), timeout=60))

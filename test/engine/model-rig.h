@@ -19,9 +19,11 @@ struct model_rig {
     const struct model_config *cfg;
 };
 
-static inline int model_rig_open_q(struct model_rig *r, const char *dir, int threads,
-                                   int max_seqs, int max_tokens, int max_len,
-                                   enum model_draft_quant dq, struct err_buf *e)
+/* n_blocks[g] <= 0: enough for max_seqs sequences of max_len in both groups. */
+static inline int model_rig_open_kv(struct model_rig *r, const char *dir, int threads,
+                                    int max_seqs, int max_tokens, int max_len,
+                                    const int n_blocks[2], enum model_draft_quant dq,
+                                    struct err_buf *e)
 {
     char path[4096];
     memset(r, 0, sizeof(*r));
@@ -44,11 +46,20 @@ static inline int model_rig_open_q(struct model_rig *r, const char *dir, int thr
         .max_seqs = max_seqs,
         .max_logit_rows = max_seqs * 4,
         .block_size = bs,
-        .n_blocks = { per_seq * max_seqs, per_seq * max_seqs },
+        .n_blocks = { n_blocks[0] > 0 ? n_blocks[0] : per_seq * max_seqs,
+                      n_blocks[1] > 0 ? n_blocks[1] : per_seq * max_seqs },
         .max_seq_len = max_len + 4,
         .draft_quant = dq,
     };
     return model_forward_new(r->ck, r->be, NULL, &mo, &r->f, e);
+}
+
+static inline int model_rig_open_q(struct model_rig *r, const char *dir, int threads,
+                                   int max_seqs, int max_tokens, int max_len,
+                                   enum model_draft_quant dq, struct err_buf *e)
+{
+    static const int defaults[2] = { 0, 0 };
+    return model_rig_open_kv(r, dir, threads, max_seqs, max_tokens, max_len, defaults, dq, e);
 }
 
 static inline int model_rig_open(struct model_rig *r, const char *dir, int threads, int max_seqs,

@@ -3,7 +3,9 @@
  * reason, usage, MTP statistics, timings, matched stop id); text input and bad fields are
  * INVALID_ARGUMENT naming the field; Abort ends a stream with finish reason abort; a
  * client cancel and a gRPC deadline free the request's KV blocks; a full queue is
- * RESOURCE_EXHAUSTED; GetLoads and GetModelInfo report the engine; an output stream
+ * RESOURCE_EXHAUSTED; the prefix cache: usage.cached_tokens, cache_salt isolates and is
+ * bounded, GetLoads counts queries and hits and reports both KV pools; GetLoads and
+ * GetModelInfo report the engine; an output stream
  * (OpenOutputs + Submit) carries the same tokens as Generate, batched across requests,
  * and ends UNAVAILABLE when the service stops; stop returns cleanly. */
 #include <stdio.h>
@@ -28,7 +30,7 @@ struct res {
     int n_chunks;
     bool got_final;
     int finish_reason;
-    uint32_t prompt_tokens, completion_tokens;
+    uint32_t prompt_tokens, completion_tokens, cached_tokens;
     uint32_t drafts, accepted;
     size_t n_per_pos;
     int stop_id;
@@ -36,6 +38,10 @@ struct res {
     char group[32];
     uint32_t aborted;
     uint32_t running, waiting, kv_total, vocab, max_len;
+    uint64_t prefix_queries, prefix_hits;
+    size_t n_pools;
+    char pool_kind[2][32];
+    uint32_t pool_total[2], pool_cached[2];
     struct rpc_client_call *call;
     int cancel_after;
 };
@@ -57,6 +63,7 @@ static void on_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void 
             r->finish_reason = f->finish_reason;
             r->prompt_tokens = f->usage->prompt_tokens;
             r->completion_tokens = f->usage->completion_tokens;
+            r->cached_tokens = f->usage->cached_tokens;
             r->drafts = f->mtp->num_draft_tokens;
             r->accepted = f->mtp->num_accepted_tokens;
             r->n_per_pos = f->mtp->n_accepted_per_position;
@@ -73,6 +80,14 @@ static void on_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void 
         r->running = l->loads[0]->num_running;
         r->waiting = l->loads[0]->num_waiting;
         r->kv_total = l->loads[0]->kv_blocks_total;
+        r->prefix_queries = l->loads[0]->prefix_cache_queries;
+        r->prefix_hits = l->loads[0]->prefix_cache_hits;
+        r->n_pools = l->loads[0]->n_kv_pools;
+        for (size_t i = 0; i < r->n_pools && i < 2; i++) {
+            snprintf(r->pool_kind[i], sizeof(r->pool_kind[i]), "%s", l->loads[0]->kv_pools[i]->kind);
+            r->pool_total[i] = l->loads[0]->kv_pools[i]->blocks_total;
+            r->pool_cached[i] = l->loads[0]->kv_pools[i]->blocks_cached;
+        }
     } else if (msg->descriptor == &stepd__v1__get_model_info_response__descriptor) {
         const Stepd__V1__GetModelInfoResponse *m = (const void *) msg;
         r->vocab = m->vocab_size;
@@ -123,14 +138,22 @@ static void greq_init(struct greq *g, const char *id, const int32_t *prompt, int
     g->req.sampling_params = &g->sp;
 }
 
-static void start_generate(struct rpc_channel *ch, const char *id, const int32_t *prompt, int n,
-                           int max_tokens, float temp, int64_t deadline_ms, struct res *r)
+static void start_generate_salted(struct rpc_channel *ch, const char *id, const int32_t *prompt,
+                                  int n, int max_tokens, float temp, int64_t deadline_ms,
+                                  const char *salt, struct res *r)
 {
     struct greq g;
     greq_init(&g, id, prompt, n, max_tokens, temp);
+    g.req.cache_salt = (char *) (salt ? salt : "");
     ASSERT_OK(rpc_client_start(ch, "/stepd.v1.Engine/Generate", &g.req.base,
                                &stepd__v1__generate_response__descriptor, deadline_ms, on_msg,
                                on_done, r, &r->call));
+}
+
+static void start_generate(struct rpc_channel *ch, const char *id, const int32_t *prompt, int n,
+                           int max_tokens, float temp, int64_t deadline_ms, struct res *r)
+{
+    start_generate_salted(ch, id, prompt, n, max_tokens, temp, deadline_ms, NULL, r);
 }
 
 /* One OpenOutputs stream; its requests are named "o<k>" (k < 4). */
@@ -300,7 +323,36 @@ int main(void)
     ASSERT_EQ(r1.n_per_pos, 3);     /* one entry per MTP layer the engine can use */
     ASSERT_TRUE(r1.ttft > 0);
     ASSERT_STREQ(r1.group, "g0");
+    ASSERT_EQ(r1.cached_tokens, 0);
     wait_idle(e);
+
+    /* the prefix cache: a repeated 40-token prompt reuses 2 blocks of 16 (the last token is
+     * always computed), another salt nothing; an over-long salt is refused */
+    {
+        static struct res ra, rb, rc, rd;
+        static char big[1100];
+        int32_t p40[40];
+        for (int i = 0; i < 40; i++)
+            p40[i] = (i * 7 + 3) % 250;
+        start_generate(ch, "pa", p40, 40, 8, 0.0f, 0, &ra);
+        run_until(&ra.done);
+        start_generate(ch, "pb", p40, 40, 8, 0.0f, 0, &rb);
+        run_until(&rb.done);
+        start_generate_salted(ch, "pc", p40, 40, 8, 0.0f, 0, "tenant-2", &rc);
+        run_until(&rc.done);
+        ASSERT_EQ(ra.status, RPC_OK);
+        ASSERT_EQ(ra.cached_tokens, 0);
+        ASSERT_EQ(rb.cached_tokens, 32);
+        ASSERT_EQ(rc.cached_tokens, 0);
+        ASSERT_EQ(rb.n, ra.n);
+        ASSERT_EQ(memcmp(rb.toks, ra.toks, (size_t) ra.n * sizeof(int32_t)), 0);
+        memset(big, 's', sizeof(big) - 1);
+        start_generate_salted(ch, "pd", p40, 40, 8, 0.0f, 0, big, &rd);
+        run_until(&rd.done);
+        ASSERT_EQ(rd.status, RPC_INVALID_ARGUMENT);
+        ASSERT_CONTAINS(rd.details, "cache_salt");
+        wait_idle(e);
+    }
 
     /* text input is refused, naming the field */
     {
@@ -384,6 +436,13 @@ int main(void)
         ASSERT_EQ(rl.status, RPC_OK);
         ASSERT_EQ(rl.running, 0);
         ASSERT_EQ(rl.kv_total, 512);
+        ASSERT_TRUE(rl.prefix_queries >= 3 * 40);
+        ASSERT_TRUE(rl.prefix_hits >= 32);
+        ASSERT_EQ(rl.n_pools, 2);
+        ASSERT_STREQ(rl.pool_kind[0], "full_attention");
+        ASSERT_STREQ(rl.pool_kind[1], "sliding_window");
+        ASSERT_EQ(rl.pool_total[0] + rl.pool_total[1], 512);
+        ASSERT_TRUE(rl.pool_cached[0] > 0);
         Stepd__V1__GetModelInfoRequest mr = STEPD__V1__GET_MODEL_INFO_REQUEST__INIT;
         unary(ch, "/stepd.v1.Engine/GetModelInfo", &mr.base,
               &stepd__v1__get_model_info_response__descriptor, &rm);

@@ -12,7 +12,14 @@
  *   - stop conditions: EOS, stop ids, ignore_eos, min_tokens, max_tokens, max_model_len;
  *   - sampled requests: seeded reproducibility across batch compositions, and with
  *     speculation the emitted tokens follow the target distribution (chi-square);
- *   - request validation names the field; bounded queue; the engine thread; on_plan.
+ *   - request validation names the field; bounded queue; the engine thread; on_plan;
+ *   - prefix cache: with every block digest forced to the same value, prefixes that
+ *     differ in one block never share it (the whole key is compared) and output stays
+ *     the reference (the mock's rows hash the whole history there); cache_salt isolates
+ *     tenants with the same prompt; a request preempted by recompute resumes from its
+ *     own cached blocks;
+ *   - a sliding pool sized by kvplan_compute (the window, not the length) serves 16
+ *     concurrent sequences past the window with drafts, without a preemption.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -23,6 +30,7 @@
 #include "chisq.h"
 #include "engine.h"
 #include "harness.h"
+#include "kvplan.h"
 #include "mock.h"
 
 #define MAXTOK 1024
@@ -35,6 +43,7 @@ struct coll {
     enum engine_finish why;
     int32_t stop_token;
     int n_preempted;
+    int n_cached;
     struct spec_stats mtp;
     struct engine_timings tm;
     char msg[160];
@@ -55,6 +64,7 @@ static void on_out(void *ud, const struct engine_output *o)
     ASSERT_EQ(o->n_completion, c->n);
     c->n_calls++;
     c->mtp = o->mtp;
+    c->n_cached = o->n_cached;
     if (o->finished) {
         c->finished = true;
         c->why = o->finish;
@@ -122,8 +132,8 @@ static void make_prompt(int32_t *p, int n, int salt)
         p[i] = (int32_t) ((i * 37 + salt * 101 + 11) % 250);
 }
 
-static void submit(struct rig *g, const char *id, const int32_t *prompt, int n, int max_tokens,
-                   int k, struct coll *c)
+static void submit_salted(struct rig *g, const char *id, const int32_t *prompt, int n,
+                          int max_tokens, int k, const char *salt, struct coll *c)
 {
     struct engine_request q;
     struct err_buf err = { { 0 } };
@@ -133,9 +143,16 @@ static void submit(struct rig *g, const char *id, const int32_t *prompt, int n, 
     q.n_prompt = n;
     q.max_tokens = max_tokens;
     q.num_speculative_tokens = k;
+    q.cache_salt = salt;
     int r = engine_submit(g->e, &q, on_out, c, &err);
     if (r < 0)
         FAIL("submit %s: %s", id, err.msg);
+}
+
+static void submit(struct rig *g, const char *id, const int32_t *prompt, int n, int max_tokens,
+                   int k, struct coll *c)
+{
+    submit_salted(g, id, prompt, n, max_tokens, k, NULL, c);
 }
 
 /* Greedy continuation computed directly from the mock's logits function. */
@@ -1103,6 +1120,175 @@ static void test_on_plan_hook(void)
     rig_close(&g);
 }
 
+/* --- prefix cache --- */
+
+/* run one request to completion; checks it against the reference, returns its reuse */
+static int run_one(struct rig *g, const char *id, const int32_t *prompt, int n, const char *salt)
+{
+    struct coll c = { 0 };
+    int32_t ref[24];
+    submit_salted(g, id, prompt, n, 24, -1, salt, &c);
+    ASSERT_OK(engine_run_until_idle(g->e));
+    ASSERT_OK(engine_check(g->e));
+    reference(g->f, prompt, n, 24, ref);
+    assert_same(&c, ref, 24);
+    return c.n_cached;
+}
+
+static void test_prefix_collisions(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    mock_defaults(&mc);
+    mc.full_history = true;         /* a block of another history changes every row after it */
+    engine_defaults(&ec, 0);
+    ec.test_digest_cut_bits = 256;  /* every block digest is zero: all keys collide */
+    struct rig g;
+    rig_open(&g, &mc, &ec);
+    /* p2 differs from p1 in block 0 only, p3 in block 1 only (blocks of 16) */
+    int32_t p1[64], p2[64], p3[64];
+    make_prompt(p1, 64, 3);
+    memcpy(p2, p1, sizeof(p1));
+    memcpy(p3, p1, sizeof(p1));
+    p2[3] = (p2[3] + 1) % 250;
+    p3[20] = (p3[20] + 1) % 250;
+    ASSERT_EQ(run_one(&g, "p1", p1, 64, NULL), 0);
+    ASSERT_EQ(run_one(&g, "p2", p2, 64, NULL), 0);     /* blocks 1..3 have p1's tokens */
+    ASSERT_EQ(run_one(&g, "p3", p3, 64, NULL), 16);    /* block 0 of p1, nothing after */
+    ASSERT_EQ(run_one(&g, "p1b", p1, 64, NULL), 48);   /* its own chain, last token computed */
+    ASSERT_EQ(run_one(&g, "p2b", p2, 64, NULL), 48);
+    ASSERT_EQ(run_one(&g, "p3b", p3, 64, NULL), 48);
+    rig_close(&g);
+
+    /* tenants: the same prompt under another cache_salt shares nothing */
+    mock_defaults(&mc);
+    mc.full_history = true;
+    engine_defaults(&ec, 0);
+    rig_open(&g, &mc, &ec);
+    ASSERT_EQ(run_one(&g, "a1", p1, 64, "tenant-a"), 0);
+    ASSERT_EQ(run_one(&g, "b1", p1, 64, "tenant-b"), 0);
+    ASSERT_EQ(run_one(&g, "n1", p1, 64, NULL), 0);
+    ASSERT_EQ(run_one(&g, "n2", p1, 64, ""), 48);       /* "" is no salt */
+    ASSERT_EQ(run_one(&g, "a2", p1, 64, "tenant-a"), 48);
+    ASSERT_EQ(run_one(&g, "b2", p1, 64, "tenant-b"), 48);
+    struct engine_loads l;
+    engine_get_loads(g.e, &l);
+    ASSERT_EQ(l.prefix_queries, 6 * 64);
+    ASSERT_EQ(l.prefix_hits, 3 * 48);
+    ASSERT_TRUE(l.kv_blocks_cached > 0);
+    /* an over-long salt is refused, naming the field */
+    {
+        static char big[ENGINE_MAX_CACHE_SALT + 2];
+        struct engine_request q;
+        struct coll c = { 0 };
+        struct err_buf err = { { 0 } };
+        memset(big, 'x', sizeof(big) - 1);
+        engine_request_init(&q);
+        q.id = "long";
+        q.prompt = p1;
+        q.n_prompt = 4;
+        q.cache_salt = big;
+        ASSERT_ERR(engine_submit(g.e, &q, on_out, &c, &err), -EINVAL);
+        ASSERT_CONTAINS(err.msg, "cache_salt");
+    }
+    rig_close(&g);
+
+    /* with the cache off nothing is reused or kept */
+    mock_defaults(&mc);
+    engine_defaults(&ec, 0);
+    ec.enable_prefix_caching = false;
+    rig_open(&g, &mc, &ec);
+    ASSERT_EQ(run_one(&g, "o1", p1, 64, NULL), 0);
+    ASSERT_EQ(run_one(&g, "o2", p1, 64, NULL), 0);
+    engine_get_loads(g.e, &l);
+    ASSERT_EQ(l.kv_blocks_cached, 0);
+    ASSERT_EQ(l.prefix_queries, 0);
+    rig_close(&g);
+}
+
+/* a request preempted by a better-priority one resumes from its own committed blocks */
+static void test_prefix_preemption(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    mock_defaults(&mc);
+    mc.full_history = true;
+    engine_defaults(&ec, 0);
+    ec.max_num_seqs = 1;
+    struct rig g;
+    rig_open(&g, &mc, &ec);
+    int32_t lo_p[100], hi_p[20], ref[60];
+    make_prompt(lo_p, 100, 8);
+    make_prompt(hi_p, 20, 9);
+    struct coll lo = { 0 }, hi = { 0 };
+    submit(&g, "lo", lo_p, 100, 60, -1, &lo);
+    while (lo.n < 30)
+        ASSERT_OK(engine_step(g.e));
+    struct engine_request q;
+    engine_request_init(&q);
+    q.id = "hi";
+    q.prompt = hi_p;
+    q.n_prompt = 20;
+    q.max_tokens = 10;
+    q.priority = -1;
+    ASSERT_OK(engine_submit(g.e, &q, on_out, &hi, NULL));
+    ASSERT_OK(engine_run_until_idle(g.e));
+    ASSERT_EQ(lo.n_preempted, 1);
+    reference(g.f, lo_p, 100, 60, ref);
+    assert_same(&lo, ref, 60);
+    struct engine_loads l;
+    engine_get_loads(g.e, &l);
+    /* the resumed run reused its prompt and the output it had committed (>= 112 of 130) */
+    ASSERT_TRUE(l.prefix_hits >= 112);
+    rig_close(&g);
+}
+
+/* the sliding pool of kvplan.h (16 sequences x window 32 + 3, 48 tokens a step) holds 16
+ * sequences decoding with 3 drafts far past the window: no preemption, reference output */
+static void test_sliding_pool_sized(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    struct kvplan_req q = {
+        .block_size = 16, .max_num_seqs = 16, .max_model_len = 1024, .max_batched_tokens = 48,
+        .sliding_window = 32, .mtp_margin = 3, .bytes_per_token = { 1, 1 },
+    };
+    struct kvplan p;
+    struct err_buf e;
+    ASSERT_OK(kvplan_compute(&q, -1, &p, &e));
+    mock_defaults(&mc);
+    mc.n_blocks[KV_GROUP_FULL] = p.n_blocks[KVPLAN_FULL];
+    mc.n_blocks[KV_GROUP_SLIDING] = p.n_blocks[KVPLAN_SLIDING];
+    mc.mtp_accuracy = 0.9f;
+    engine_defaults(&ec, 3);
+    ASSERT_EQ(ec.max_num_seqs, q.max_num_seqs);
+    ASSERT_EQ(ec.max_num_batched_tokens, q.max_batched_tokens);
+    ASSERT_EQ(ec.sliding_window, q.sliding_window);
+    struct rig g;
+    rig_open(&g, &mc, &ec);
+    static int32_t prompts[16][100];
+    static struct coll c[16];
+    memset(c, 0, sizeof(c));
+    for (int i = 0; i < 16; i++) {
+        char id[8];
+        snprintf(id, sizeof(id), "w%d", i);
+        make_prompt(prompts[i], 100, 40 + i);
+        submit(&g, id, prompts[i], 100, 150, -1, &c[i]);
+    }
+    ASSERT_OK(engine_run_until_idle(g.e));
+    struct engine_loads l;
+    engine_get_loads(g.e, &l);
+    printf("sliding pool of %d blocks (full %d): %llu preemptions\n", p.n_blocks[KVPLAN_SLIDING],
+           p.n_blocks[KVPLAN_FULL], (unsigned long long) l.n_preemptions);
+    ASSERT_EQ(l.n_preemptions, 0);
+    for (int i = 0; i < 16; i++) {
+        int32_t ref[150];
+        reference(g.f, prompts[i], 100, 150, ref);
+        assert_same(&c[i], ref, 150);
+    }
+    rig_close(&g);
+}
+
 int main(void)
 {
     test_greedy_reference();
@@ -1121,6 +1307,9 @@ int main(void)
     test_churn();
     test_id_reuse_in_callback();
     test_on_plan_hook();
+    test_prefix_collisions();
+    test_prefix_preemption();
+    test_sliding_pool_sized();
     printf("engine: ok\n");
     return 0;
 }

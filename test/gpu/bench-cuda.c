@@ -373,7 +373,7 @@ static void bench_model(const char *dir)
         struct model *m;
         struct model_opts mo = {
             .max_tokens_per_step = 256, .max_seqs = NSEQ, .max_logit_rows = NSEQ,
-            .block_size = BS, .n_blocks = { NBLK, NBLK }, .max_seq_len = MAXLEN, .kv_bf16 = true,
+            .block_size = BS, .n_blocks = { NBLK, NBLK }, .max_seq_len = MAXLEN,
         };
         if (pass == 1)
             setenv("STEPD_CUDA_NO_GRAPHS", "1", 1);

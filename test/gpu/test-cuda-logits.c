@@ -198,12 +198,13 @@ int main(int argc, char **argv)
     struct model_opts mo = {
         .max_tokens_per_step = MAXLEN, .max_seqs = NSEQ, .max_logit_rows = NSEQ + 8,
         .block_size = BS, .n_blocks = { NBLK, NBLK }, .max_seq_len = MAXLEN,
+        .kv_f32 = true,         /* the CPU oracle keeps FP32 KV */
     };
     double t0 = now_sec();
     if (model_new(ck, cpu, NULL, &mo, &mc, &e) < 0)
         FAIL("model_new (cpu): %s", e.msg);
     double t1 = now_sec();
-    mo.kv_bf16 = !exact;
+    mo.kv_f32 = exact;      /* the GPU's fast path on BF16 pages, its exact path on FP32 */
     if (model_new(ck, gpu, NULL, &mo, &mg, &e) < 0)
         FAIL("model_new (cuda): %s", e.msg);
     printf("%s: hidden %d, %d layers, vocab %d; loaded in %.1f s (cpu) and %.1f s (cuda, %s)\n",

@@ -1,6 +1,6 @@
 /* dryrun.c - full-scale dry run of the loader on the real Step-3.7-Flash-MXFP4 layout.
  *
- *   stepd-dryrun EXPECTED_TSV [--keep DIR] [--shards N]
+ *   stepd-dryrun EXPECTED_TSV [--keep DIR] [--shards N] [--inspect STEPD_INSPECT]
  *
  * Reads the expected tensor list (test/data/step37-mxfp4-expected-tensors.tsv, read by
  * ckptw_tsv_read: "{0..287}" ranges expanded, "F32?" read as F32), writes safetensors
@@ -10,6 +10,11 @@
  * plans N=1 and N=8 (every rank) with MTP K=3 in headers-only mode and once with
  * the shards mapped.  Prints per-rank tensors, bytes, experts and planning time.
  * The MTP layers of that layout have no KV scales or zero points: they must plan.
+ * With --inspect, stepd-inspect's memory plan of that layout on 141 GB devices
+ * (--gpu-memory-utilization 0.9, --max-model-len 262144, 8 sequences, BF16 KV) at N = 1,
+ * 2, 4, 8, printed: one full-length sequence does not fit beside the 119 GB of weights on
+ * one device (the plan names the longest --max-model-len that does), it fits from N = 2 on,
+ * and N = 8 holds dozens of them on every rank.
  * The TSV ships in the repository (test/data/); a missing one is a failure.
  */
 #include <errno.h>
@@ -18,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -52,7 +58,7 @@ static bool is_vision(const char *n)
 
 int main(int argc, char **argv)
 {
-    const char *tsv = argc > 1 ? argv[1] : NULL, *keep = NULL;
+    const char *tsv = argc > 1 ? argv[1] : NULL, *keep = NULL, *inspect = NULL;
     int n_shards = 12;
     char *dir, path[PATH_MAX];
     struct model_config cfg;
@@ -66,6 +72,8 @@ int main(int argc, char **argv)
             keep = argv[++i];
         else if (strcmp(argv[i], "--shards") == 0 && i + 1 < argc)
             n_shards = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--inspect") == 0 && i + 1 < argc)
+            inspect = argv[++i];
     }
     if (!tsv)
         FAIL("usage: stepd-dryrun EXPECTED_TSV [--keep DIR] [--shards N]");
@@ -170,6 +178,35 @@ int main(int argc, char **argv)
         ASSERT_EQ(v.nbytes, 4096 * 640);
         ASSERT_ERR(ckpt_get(c, "model.layers.44.moe.experts.36.down_proj.weight_packed", &v), -ENOENT);
         ckpt_close(c);
+    }
+    if (inspect) {
+        static const int sizes[4] = { 1, 2, 4, 8 };
+        for (int k = 0; k < 4; k++) {
+            char cmd[PATH_MAX * 2 + 200], line[1024];
+            int fits = 0, nofit = 0, seqs = -1;
+            snprintf(cmd, sizeof(cmd), "'%s' '%s' --world-size %d --device-memory 141G "
+                     "--max-model-len 262144 2>&1", inspect, dir, sizes[k]);
+            FILE *p = popen(cmd, "r");
+            ASSERT_TRUE(p != NULL);
+            while (fgets(line, sizeof(line), p)) {
+                if (strstr(line, "warning:"))
+                    continue;
+                fputs(line, stdout);
+                fits += strstr(line, "  fits: ") != NULL;
+                nofit += strncmp(line, "  does NOT fit", 14) == 0;
+                if (strncmp(line, "group: ", 7) == 0)
+                    ASSERT_TRUE(sscanf(strstr(line, "): ") + 3, "%d sequences", &seqs) == 1);
+            }
+            int st = pclose(p);
+            if (sizes[k] == 1) {
+                ASSERT_EQ(nofit, 1);
+                ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+            } else {
+                ASSERT_EQ(fits, sizes[k]);
+                ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+                ASSERT_TRUE(seqs >= (sizes[k] == 8 ? 32 : 1));
+            }
+        }
     }
     if (!keep)
         ckptw_rmtree(dir);

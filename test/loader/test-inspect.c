@@ -1,6 +1,8 @@
 /* test-inspect.c - stepd-inspect end to end: exit 0 and a plan for a loadable
  * checkpoint (every rank, or one), exit 1 with every problem listed for a broken
- * one, exit 2 on usage errors; --json is valid JSON with per-rank figures; incomplete
+ * one, exit 2 on usage errors; --json is valid JSON with per-rank figures; the memory
+ * plan: both pools per rank and the group's, a budget too small is exit 1 naming what is
+ * needed and the longest --max-model-len that fits, the same figures in JSON; incomplete
  * MTP layers: the missing names and the trunk's plan, exit 0 (1 with --strict).
  * argv[1] = path of stepd-inspect. */
 #include <errno.h>
@@ -115,6 +117,42 @@ int main(int argc, char **argv)
         expect(mtp_partial, "--world-size 2 --strict", 1, strict);
         expect(mtp_partial, "--mtp 0 --strict", 0, NULL);
     }
+    /* the memory plan */
+    snprintf(args, sizeof(args), "'%s' --world-size 2 --kv-cache-memory 64MiB --max-model-len 2048 "
+             "--max-num-seqs 4", good);
+    ASSERT_EQ(run(args, &out), 0);
+    ASSERT_CONTAINS(out, "memory plan: --max-model-len 2048, --max-num-seqs 4");
+    ASSERT_CONTAINS(out, "KV: full-attention pool");
+    ASSERT_CONTAINS(out, "sliding-window pool");
+    ASSERT_CONTAINS(out, "group: full-attention pool");
+    ASSERT_CONTAINS(out, "sequences of 2048 tokens at once");
+    free(out);
+    snprintf(args, sizeof(args), "'%s' --kv-cache-memory 2MiB --max-model-len 2048", good);
+    ASSERT_EQ(run(args, &out), 1);
+    ASSERT_CONTAINS(out, "does NOT fit");
+    ASSERT_CONTAINS(out, "need at least");
+    ASSERT_CONTAINS(out, "the longest --max-model-len that fits is");
+    ASSERT_CONTAINS(out, "loadable; the KV cache does NOT fit");
+    free(out);
+    snprintf(args, sizeof(args), "'%s' --device-memory 1GiB --overhead 64MiB --max-model-len 4096 "
+             "--json", good);
+    ASSERT_EQ(run(args, &out), 0);
+    j = json_loads(out, 0, &je);
+    ASSERT_TRUE(j != NULL);
+    ASSERT_TRUE(json_is_true(json_object_get(j, "memory_fits")));
+    {
+        json_t *m = json_object_get(json_array_get(json_object_get(j, "ranks"), 0), "memory");
+        ASSERT_TRUE(json_is_true(json_object_get(m, "fits")));
+        ASSERT_TRUE(json_integer_value(json_object_get(m, "full_blocks")) > 0);
+        ASSERT_TRUE(json_integer_value(json_object_get(m, "sliding_blocks")) > 0);
+        ASSERT_TRUE(json_integer_value(json_object_get(m, "weights_bytes")) > 0);
+    }
+    json_decref(j);
+    free(out);
+    snprintf(args, sizeof(args), "'%s' --device-memory 12x", good);
+    ASSERT_EQ(run(args, &out), 2);
+    ASSERT_CONTAINS(out, "--device-memory '12x'");
+    free(out);
 
     snprintf(args, sizeof(args), "'%s' --world-size 3", good);
     ASSERT_EQ(run(args, &out), 2);

@@ -113,6 +113,9 @@ int main(int argc, char **argv)
     struct model_opts mo = {
         .max_tokens_per_step = 512, .max_seqs = NSEQ, .max_logit_rows = 512,
         .block_size = BS, .n_blocks = {NBLK, NBLK}, .max_seq_len = MAXLEN,
+        /* exact path: FP32 KV, so that tol_tp bounds the order of the halves' sums, not
+         * BF16 steps; the fast path runs the service default, BF16 KV */
+        .kv_f32 = exact,
     };
     /* mt: the default (split steps, MTP layers as per-core halves); ms / mw: split / whole
      * steps with whole MTP layers, which must agree bit for bit */

@@ -12,6 +12,7 @@
 
 #include "gen.h"
 #include "harness.h"
+#include "kvplan.h"
 #include "model.h"
 
 #define BS 16
@@ -91,8 +92,10 @@ static void *run_rank(void *arg)
     struct backend_cfg bc = {.n_threads = 1, .mxfp4_exact = true};
     struct model_comm comm = {.ctx = &r->rc, .rank = r->rank, .world = r->world,
                               .allreduce_sum = tp_allreduce, .allgather = tp_allgather};
+    /* FP32 KV: TOL bounds the order of the partial sums, which BF16 storage would round
+     * into whole BF16 steps */
     struct model_opts mo = {.max_tokens_per_step = 64, .max_seqs = 2, .block_size = BS,
-                            .n_blocks = {8, 8}, .max_seq_len = 128};
+                            .n_blocks = {8, 8}, .max_seq_len = 128, .kv_f32 = true};
     int32_t blocks[8] = {3, 0, 7, 1, 6, 2, 5, 4};
     float *tmp = NULL;
 
@@ -101,6 +104,19 @@ static void *run_rank(void *arg)
         model_new(ck, be, r->world > 1 ? &comm : NULL, &mo, &m, &e) < 0) {
         snprintf(r->err, sizeof(r->err), "rank %d: %s", r->rank, e.msg);
         goto out;
+    }
+    /* stepd-inspect's memory plan (kvplan.c) predicts this rank's buffers exactly */
+    {
+        int64_t act, kv, bpt[2];
+        model_reserved_bytes(m, &act, &kv);
+        kvplan_bytes_per_token(ckpt_config(ck), r->world, r->rank, r->K, 4, bpt);
+        int64_t want = kvplan_workspace_bytes(ckpt_config(ck), r->world, r->rank, r->K, 64, 2, 8);
+        if (act != want || kv != (bpt[0] + bpt[1]) * BS * 8) {
+            snprintf(r->err, sizeof(r->err), "rank %d: reserved %lld activation + %lld KV bytes, "
+                     "kvplan says %lld + %lld", r->rank, (long long)act, (long long)kv,
+                     (long long)want, (long long)((bpt[0] + bpt[1]) * BS * 8));
+            goto out;
+        }
     }
     tmp = malloc(sizeof(float) * (size_t)r->V);
     for (int s = 0; s < NSTEPS; s++) {

@@ -20,6 +20,9 @@
  * an oracle that rounds the activations entering MXFP4 matrices to int8 per 32-block exactly
  * as the fast kernel does (so the test checks the fast path's arithmetic, not only its
  * closeness; against the fp32 reference, see test-golden's fast-path bounds).
+ * KV: FP32 (model_opts.kv_f32, the exact oracle path) unless argv[3] is "kv-bf16", the
+ * service default: BF16 storage (FP32 accumulation), the oracle rounding k/v to BF16 too,
+ * tolerance TOL_KV_BF16 on the exact path, TOL_FAST_KV_BF16 on the fast one.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +31,7 @@
 
 #include "gen.h"
 #include "harness.h"
+#include "kvplan.h"
 #include "model.h"
 #include "naive.h"
 
@@ -42,6 +46,8 @@
 /* BF16 KV (exact path), oracle rounding k/v to BF16 too: a 1e-7 difference can still pick
  * the other BF16 neighbour of a value (0.4% of it) */
 #define TOL_KV_BF16 2e-2   /* BF16 KV storage: ~4e-3 relative per element, logits O(10-20) */
+/* BF16 KV on the fast path: both effects above add (an int8 step, a BF16 neighbour) */
+#define TOL_FAST_KV_BF16 (TOL_FAST + TOL_KV_BF16)
 #define TOL_SELF_EXACT 1e-4
 #define TOL_SELF_FAST 5e-3
 #define BS 16
@@ -406,14 +412,30 @@ int main(int argc, char **argv)
     struct model_opts mo = {
         .max_tokens_per_step = MAXLEN, .max_seqs = NSEQ, .max_logit_rows = MAXLEN,
         .block_size = BS, .n_blocks = {NBLK, NBLK}, .max_seq_len = MAXLEN,
-        .kv_bf16 = argc > 3 && strcmp(argv[3], "kv-bf16") == 0,
+        /* FP32 KV against the oracle unless asked for the service default, BF16 */
+        .kv_f32 = !(argc > 3 && strcmp(argv[3], "kv-bf16") == 0),
     };
-    naive_bf16_kv = mo.kv_bf16;
-    if (mo.kv_bf16 && exact)
-        tol = TOL_KV_BF16;
+    naive_bf16_kv = !mo.kv_f32;
+    if (!mo.kv_f32)
+        tol = exact ? TOL_KV_BF16 : TOL_FAST_KV_BF16;
     r = model_new(ck, be, NULL, &mo, &m, &e);
     if (r < 0)
         FAIL("model_new: %s", e.msg);
+    /* run whole (as on a device), the model reserves what stepd-inspect's memory plan
+     * predicts (kvplan.c): activations and KV, byte for byte */
+    {
+        struct model_opts wo = mo;
+        struct model *mw;
+        int64_t act, kv, bpt[2];
+        wo.no_split = wo.no_mtp_tp = true;
+        if (model_new(ck, be, NULL, &wo, &mw, &e) < 0)
+            FAIL("model_new (whole): %s", e.msg);
+        model_reserved_bytes(mw, &act, &kv);
+        kvplan_bytes_per_token(cfg, 1, 0, K, mo.kv_f32 ? 4 : 2, bpt);
+        ASSERT_EQ(act, kvplan_workspace_bytes(cfg, 1, 0, K, MAXLEN, NSEQ, MAXLEN));
+        ASSERT_EQ(kv, (bpt[0] + bpt[1]) * BS * NBLK);
+        model_free(mw);
+    }
     nv = naive_new(ck);
     ASSERT_TRUE(nv != NULL);
 
@@ -423,7 +445,7 @@ int main(int argc, char **argv)
     tables_shuffle();
 
     printf("%s path%s, K=%d MTP layers, window %d\n", exact ? "exact" : "fast",
-           mo.kv_bf16 ? ", BF16 KV" : "", K, cfg->sliding_window);
+           mo.kv_f32 ? "" : ", BF16 KV", K, cfg->sliding_window);
     test_oneshot(X[0], 150);
     const int chunks[] = {37, 13, 1, 29, 2};
     test_chunked(X[0], 100, chunks, 5, false);

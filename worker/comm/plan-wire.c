@@ -5,14 +5,16 @@
  *            u32 body_len | u64 step_id | i32 n_seqs | i32 n_tokens | i32 n_block_ids[2]
  *            (36 bytes)
  *   body     n_seqs x 10 i32 (slot, pos0, n_tokens, n_logits, tok_off, n_blocks,
- *            block_off[2], mtp_depth, reserved 0) | n_tokens x i32 token ids |
+ *            block_off[2], mtp_depth, flags) | n_tokens x i32 token ids |
  *            n_block_ids[0] x i32 | n_block_ids[1] x i32
  * A STOP message is the header alone with every count 0.
  *
  * The receiver treats the bytes as untrusted (docs/RELIABILITY.md C11): the length must match
  * the counts exactly, every count is bounded, every run lies inside the token array, every
  * table inside its group's block array, every id inside the receiver's own limits, slots
- * are unique.  Nothing is read before its bounds are known to be inside the buffer.
+ * are unique, flags carry known bits only (STEP_SEQ_FLAGS_KNOWN; the word was "reserved,
+ * 0" before STEP_SEQ_NEW, so older plans read the same).  Nothing is read before its
+ * bounds are known to be inside the buffer.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -125,7 +127,8 @@ int step_plan_pack(const struct step_plan *p, void *buf, size_t cap)
     for (i = 0; i < p->n_seqs; i++) {
         const struct step_seq *s = &p->seqs[i];
         int32_t w[SEQ_WORDS] = { s->slot, s->pos0, s->n_tokens, s->n_logits, s->tok_off,
-                                 s->n_blocks, s->block_off[0], s->block_off[1], s->mtp_depth, 0 };
+                                 s->n_blocks, s->block_off[0], s->block_off[1], s->mtp_depth,
+                                 s->flags };
 
         for (int k = 0; k < SEQ_WORDS; k++, o += 4)
             put_u32(o, (uint32_t)w[k]);
@@ -259,8 +262,10 @@ int step_plan_unpack(const void *buf, size_t len, const struct step_plan_limits 
         s->block_off[0] = get_i32(in + 24);
         s->block_off[1] = get_i32(in + 28);
         s->mtp_depth = get_i32(in + 32);
-        if (get_i32(in + 36) != 0)
-            return err_set(e, -EBADMSG, "step plan: seq %d: reserved word not zero", i);
+        s->flags = get_i32(in + 36);
+        if (s->flags & ~STEP_SEQ_FLAGS_KNOWN)
+            return err_set(e, -EBADMSG, "step plan: seq %d: unknown flags 0x%x", i,
+                           (unsigned)s->flags);
     }
     for (i = 0; i < n_tokens; i++, in += 4)
         p->tokens[i] = get_i32(in);

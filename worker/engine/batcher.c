@@ -20,6 +20,7 @@ struct batcher {
     int *free_slots;
     int n_free_slots;
     uint64_t n_preemptions;
+    uint64_t prefix_queries, prefix_hits;
 };
 
 int batcher_new(const struct batcher_config *cfg, struct kv_pool *kv, struct batcher **ret)
@@ -99,6 +100,8 @@ int batcher_add(struct batcher *b, struct batch_seq *s)
     s->sched_tokens = 0;
     s->sched_drafts = 0;
     s->sched_final = false;
+    s->sched_new = false;
+    s->n_cached = 0;
     list_insert(b->waiting, &b->n_waiting, s);
     return 0;
 }
@@ -110,6 +113,7 @@ static void unschedule(struct batcher *b, struct batch_seq *s)
     s->sched_tokens = 0;
     s->sched_drafts = 0;
     s->sched_final = false;
+    s->sched_new = false;
 }
 
 static void release_running(struct batcher *b, struct batch_seq *s)
@@ -162,11 +166,13 @@ static int32_t run_size(const struct batch_seq *s, int budget, int *ret_drafts, 
     return n;
 }
 
-static void mark(struct batcher *b, struct batch_seq *s, int32_t n, int drafts, bool final)
+static void mark(struct batcher *b, struct batch_seq *s, int32_t n, int drafts, bool final,
+                 bool is_new)
 {
     s->sched_tokens = n;
     s->sched_drafts = drafts;
     s->sched_final = final;
+    s->sched_new = is_new;
     b->sched[b->n_sched++] = s;
 }
 
@@ -199,15 +205,16 @@ static int schedule_running(struct batcher *b, int budget, bool *ret_preempted)
         if (self)
             continue;
         BUG_ON(r < 0);
-        mark(b, s, n, drafts, final);
+        mark(b, s, n, drafts, final, false);
         budget -= n;
         i++;
     }
     return budget;
 }
 
-/* Admit s (head of the waiting queue) if a slot and blocks allow; may preempt a running
- * sequence of strictly worse priority.  Returns tokens scheduled (0 = stop admitting). */
+/* Admit s (head of the waiting queue) if a slot and blocks allow, from the longest cached
+ * prefix of its tokens; may preempt a running sequence of strictly worse priority.
+ * Returns tokens scheduled (0 = stop admitting). */
 static int32_t admit(struct batcher *b, struct batch_seq *s, int budget)
 {
     for (;;) {
@@ -216,20 +223,31 @@ static int32_t admit(struct batcher *b, struct batch_seq *s, int budget)
             int slot = b->free_slots[b->n_free_slots - 1];
             int drafts;
             bool final;
+            int32_t cached = kv_seq_begin(b->kv, slot, s->cache_root, s->tokens, s->n_known,
+                                          s->mtp_depth);
+            s->n_computed = cached;
             int32_t n = run_size(s, budget, &drafts, &final);
-            if (n == 0)
-                return 0;
-            int r = kv_seq_grow(b->kv, slot, 0, n);
+            int r = n > 0 ? kv_seq_grow(b->kv, slot, cached, cached + n) : -ENOSPC;
             if (r == 0) {
                 b->n_free_slots--;
                 list_remove(b->waiting, &b->n_waiting, s);
                 s->slot = slot;
                 s->state = BATCH_STATE_RUNNING;
+                s->n_cached = cached;
+                if (s->cache_root) {
+                    b->prefix_queries += (uint64_t) s->n_known;
+                    b->prefix_hits += (uint64_t) cached;
+                }
                 list_insert(b->running, &b->n_running, s);
-                mark(b, s, n, drafts, final);
+                mark(b, s, n, drafts, final, true);
                 return n;
             }
             BUG_ON(r != -ENOSPC);
+            /* the cached blocks go back where they were (cached, or held by others) */
+            kv_seq_release(b->kv, slot);
+            s->n_computed = 0;
+            if (n == 0)
+                return 0;
         }
         if (!worst || worst->priority <= s->priority)
             return 0;
@@ -244,6 +262,7 @@ int batcher_schedule(struct batcher *b, struct batch_seq ***ret_seqs)
         b->sched[i]->sched_tokens = 0;
         b->sched[i]->sched_drafts = 0;
         b->sched[i]->sched_final = false;
+        b->sched[i]->sched_new = false;
     }
     b->n_sched = 0;
     bool preempted = false;
@@ -275,6 +294,12 @@ int batcher_n_waiting(const struct batcher *b)
 uint64_t batcher_n_preemptions(const struct batcher *b)
 {
     return b->n_preemptions;
+}
+
+void batcher_prefix_stats(const struct batcher *b, uint64_t *ret_queries, uint64_t *ret_hits)
+{
+    *ret_queries = b->prefix_queries;
+    *ret_hits = b->prefix_hits;
 }
 
 struct batch_seq *batcher_waiting_at(const struct batcher *b, int i)

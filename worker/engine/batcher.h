@@ -10,6 +10,9 @@
  * released and it goes back to the front of the waiting queue with every token it has
  * (prompt + output) to prefill again.  A waiting sequence of strictly better priority
  * may also preempt the worst running one.
+ * Prefix cache: admission first takes the longest cached prefix of the sequence's known
+ * tokens (kv_seq_begin); only the rest counts against the token budget and gets new
+ * blocks, and a preempted sequence finds again what it had committed.
  * Engine thread only; owns nothing but pointers to the caller's batch_seq objects.
  */
 #pragma once
@@ -35,15 +38,20 @@ struct batch_seq {
     uint64_t arrival;         /* FIFO tie-break (monotonic counter) */
     int32_t n_known;          /* prompt + accepted output tokens */
     int n_draft;              /* drafts pending verification after the known tokens */
+    const int32_t *tokens;    /* the n_known tokens (read at admission for the prefix cache) */
+    const uint8_t *cache_root;/* prefix-cache chain root (kv_prefix_root); NULL = none */
+    int mtp_depth;            /* drafts it proposes per step (bounds its prefix reuse) */
     /* read-only: scheduler state */
     enum batch_state state;
     int slot;                 /* -1 unless running */
     int32_t n_computed;       /* positions whose KV is valid */
     int n_preempted;          /* times preempted */
+    int32_t n_cached;         /* tokens reused from the prefix cache at the last admission */
     /* read-only: this step (valid after batch_schedule) */
     int32_t sched_tokens;     /* tokens scheduled, drafts included (0 = not scheduled) */
     int sched_drafts;         /* drafts included (may be fewer than n_draft when tight) */
     bool sched_final;         /* the run reaches the last known token (logits wanted) */
+    bool sched_new;           /* the run starts the sequence in its slot (just admitted) */
 };
 
 struct batcher_config {
@@ -73,6 +81,9 @@ int batcher_schedule(struct batcher *b, struct batch_seq ***ret_seqs);
 int batcher_n_running(const struct batcher *b);
 int batcher_n_waiting(const struct batcher *b);
 uint64_t batcher_n_preemptions(const struct batcher *b);
+/* Prefix cache since batcher_new: known tokens of admitted sequences that have a cache
+ * root (queries) and the tokens reused from cached blocks among them (hits). */
+void batcher_prefix_stats(const struct batcher *b, uint64_t *ret_queries, uint64_t *ret_hits);
 /* Waiting sequences in queue order (for deadline scans). */
 struct batch_seq *batcher_waiting_at(const struct batcher *b, int i);
 

@@ -64,7 +64,7 @@ struct ev {
     enum engine_finish finish;
     int32_t stop_token;
     char message[160];
-    int n_prompt, n_completion;
+    int n_prompt, n_cached, n_completion;
     struct spec_stats mtp;
     struct engine_timings tm;
     int n_tokens;
@@ -195,6 +195,7 @@ static void on_engine_out(void *ud, const struct engine_output *o)
     ev->stop_token = o->stop_token;
     snprintf(ev->message, sizeof(ev->message), "%s", o->message ? o->message : "");
     ev->n_prompt = o->n_prompt;
+    ev->n_cached = o->n_cached;
     ev->n_completion = o->n_completion;
     ev->mtp = o->mtp;
     ev->tm = o->timings;
@@ -234,11 +235,19 @@ static Stepd__V1__FinishReason finish_reason(enum engine_finish f)
     }
 }
 
+static void usage_fill(Stepd__V1__Usage *u, const struct ev *ev)
+{
+    *u = (Stepd__V1__Usage) STEPD__V1__USAGE__INIT;
+    u->prompt_tokens = (uint32_t) ev->n_prompt;
+    u->completion_tokens = (uint32_t) ev->n_completion;
+    u->cached_tokens = (uint32_t) ev->n_cached;
+}
+
 static void send_chunk(struct gen *g, const struct ev *ev)
 {
     Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
     Stepd__V1__Chunk chunk = STEPD__V1__CHUNK__INIT;
-    Stepd__V1__Usage usage = STEPD__V1__USAGE__INIT;
+    Stepd__V1__Usage usage;
     resp.request_id = g->id;
     resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
     resp.chunk = &chunk;
@@ -247,8 +256,7 @@ static void send_chunk(struct gen *g, const struct ev *ev)
     chunk.n_logprobs = ev->n_lp;
     chunk.logprobs = ev->lp;
     if (g->usage_each) {
-        usage.prompt_tokens = (uint32_t) ev->n_prompt;
-        usage.completion_tokens = (uint32_t) ev->n_completion;
+        usage_fill(&usage, ev);
         chunk.usage = &usage;
     }
     int r = rpc_call_send(g->call, &resp.base);
@@ -288,8 +296,7 @@ static void final_build(struct final_msg *m, struct engine_rpc *s, char *id, con
         m->fin.matched_stop_case = STEPD__V1__FINAL__MATCHED_STOP_STOP_TOKEN_ID;
         m->fin.stop_token_id = ev->stop_token;
     }
-    m->usage.prompt_tokens = (uint32_t) ev->n_prompt;
-    m->usage.completion_tokens = (uint32_t) ev->n_completion;
+    usage_fill(&m->usage, ev);
     m->mtp.num_drafts = (uint32_t) ev->mtp.n_drafts;
     m->mtp.num_draft_tokens = (uint32_t) ev->mtp.n_draft_tokens;
     m->mtp.num_accepted_tokens = (uint32_t) ev->mtp.n_accepted;
@@ -467,11 +474,8 @@ static void ostream_handle_event(struct engine_rpc *s, struct gen *g, const stru
             x->chunk.n_logprobs = ev->n_lp;
             x->chunk.logprobs = ev->lp;
             x->usage_each = g->usage_each;
-            if (g->usage_each) {
-                x->usage = (Stepd__V1__Usage) STEPD__V1__USAGE__INIT;
-                x->usage.prompt_tokens = (uint32_t) ev->n_prompt;
-                x->usage.completion_tokens = (uint32_t) ev->n_completion;
-            }
+            if (g->usage_each)
+                usage_fill(&x->usage, ev);
             x->size_est += 8 + 5 * (size_t) ev->n_tokens;
             if (ev->n_lp)
                 x->size_est += ev->n_lp * (12 + 12 * ev->lp[0]->n_top);
@@ -769,6 +773,8 @@ static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest 
     q->priority = in->priority;
     if (PB_HAS(in, num_speculative_tokens))
         q->num_speculative_tokens = in->num_speculative_tokens;
+    if (in->cache_salt && in->cache_salt[0])
+        q->cache_salt = in->cache_salt;
     int r = convert_sampling(in->sampling_params, q, bias, err);
     if (r < 0)
         return r;
@@ -948,7 +954,24 @@ static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void 
     Stepd__V1__GetLoadsResponse resp = STEPD__V1__GET_LOADS_RESPONSE__INIT;
     Stepd__V1__GroupLoad gl = STEPD__V1__GROUP_LOAD__INIT;
     Stepd__V1__GroupLoad *list[1] = { &gl };
+    Stepd__V1__KvPoolLoad pool[_KV_GROUP_MAX], *pools[_KV_GROUP_MAX];
+    static const char *const kinds[_KV_GROUP_MAX] = {
+        [KV_GROUP_FULL] = "full_attention", [KV_GROUP_SLIDING] = "sliding_window",
+    };
     engine_get_loads(s->e, &l);
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        pool[g] = (Stepd__V1__KvPoolLoad) STEPD__V1__KV_POOL_LOAD__INIT;
+        pool[g].kind = (char *) kinds[g];
+        pool[g].blocks_used = (uint32_t) l.kv_pool[g].used;
+        pool[g].blocks_total = (uint32_t) l.kv_pool[g].total;
+        pool[g].blocks_cached = (uint32_t) l.kv_pool[g].cached;
+        pool[g].usage = l.kv_pool[g].total ? (double) l.kv_pool[g].used / l.kv_pool[g].total : 0;
+        pools[g] = &pool[g];
+    }
+    gl.n_kv_pools = _KV_GROUP_MAX;
+    gl.kv_pools = pools;
+    gl.prefix_cache_queries = l.prefix_queries;
+    gl.prefix_cache_hits = l.prefix_hits;
     gl.group = (char *) (s->o.group ? s->o.group : "");
     gl.num_running = (uint32_t) l.n_running;
     gl.num_waiting = (uint32_t) l.n_waiting;

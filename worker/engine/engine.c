@@ -6,6 +6,10 @@
  * its private `live` list and into the batcher, and from then on is the only one that
  * touches the request, except for the atomic abort flag.  A finished request gets its
  * final callback and is unlinked and freed by the step thread, after the callbacks.
+ * Prefix cache: after every step each running request commits its computed blocks to the
+ * KV pool (kv_seq_commit), a finishing one before its blocks are released, with how far
+ * each MTP layer's KV is final: layer j is final below min(end of its last contiguous
+ * run, known tokens - j - 1), the positions whose inputs held no draft.
  */
 #include "clock.h"
 #include "engine.h"
@@ -17,11 +21,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 
 #include "batcher.h"
 #include "kv.h"
 #include "log.h"
+#include "sha256.h"
 
 #define RATE_SAMPLES 32
 
@@ -47,6 +53,10 @@ struct ereq {
     int64_t deadline_usec;
     int32_t drafts[SPEC_MAX_K];
     int32_t fill_drafts[SPEC_MAX_K]; /* scratch of prompt-chunk MTP fills */
+    uint8_t root[KV_DIGEST_BYTES];   /* prefix-cache chain root (seq.cache_root points here) */
+    int32_t mtp_end[SPEC_MAX_K];     /* MTP layer j last wrote positions up to here (-1: none) */
+    int32_t mtp_final[SPEC_MAX_K];   /* its KV is final below here (contiguously from 0) */
+    int n_cached;                    /* prompt tokens reused at the first admission */
     float *q;                        /* [k * vocab] draft distributions (sampled + k > 0) */
     int logprobs;                    /* -1 none, else top-N */
     struct engine_logprob *lp;       /* [1 + SPEC_MAX_K]: the tokens not yet delivered */
@@ -72,6 +82,7 @@ struct engine {
     struct kv_pool *kv;
     struct batcher *b;
     struct sampler *smp;
+    uint8_t salt[KV_DIGEST_BYTES];   /* deployment salt of the prefix-cache keys */
 
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -131,6 +142,7 @@ void engine_config_init(struct engine_config *cfg)
     cfg->max_num_batched_tokens = 512;
     cfg->max_model_len = 4096;
     cfg->max_waiting = 256;
+    cfg->enable_prefix_caching = true;
 }
 
 void engine_request_init(struct engine_request *r)
@@ -168,6 +180,9 @@ static int check_config(struct engine_config *c, const struct forward *f, struct
     if (c->num_speculative_tokens < 0 || c->num_speculative_tokens > SPEC_MAX_K)
         return err_set(err, -EINVAL, "num_speculative_tokens: %d is not in 0..%d",
                        c->num_speculative_tokens, SPEC_MAX_K);
+    if (c->test_digest_cut_bits < 0 || c->test_digest_cut_bits > 8 * KV_DIGEST_BYTES)
+        return err_set(err, -EINVAL, "test_digest_cut_bits: %d is not in 0..%d",
+                       c->test_digest_cut_bits, 8 * KV_DIGEST_BYTES);
     if (c->n_eos < 0 || c->n_eos > ENGINE_MAX_EOS)
         return err_set(err, -EINVAL, "eos_ids: %d ids (max %d)", c->n_eos, ENGINE_MAX_EOS);
     for (int i = 0; i < c->n_eos; i++)
@@ -246,6 +261,15 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
     e->max_blocks_per_seq = (max_len + f->block_size - 1) / f->block_size;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->cond, NULL);
+    if (c.prefix_cache_salt) {
+        sha256(c.prefix_cache_salt, strlen(c.prefix_cache_salt), e->salt);
+    } else if (getrandom(e->salt, sizeof(e->salt), 0) != (ssize_t) sizeof(e->salt)) {
+        r = -errno;
+        err_set(err, r, "engine: no random bytes for the prefix-cache salt: %s", err_str(r));
+        engine_free(e);
+        return r;
+    }
+    e->cfg.prefix_cache_salt = NULL;    /* not kept: the caller's string */
 
     struct kv_pool_config kc = {
         .block_size = f->block_size,
@@ -256,6 +280,10 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
         .sliding_window = c.sliding_window > 0 ? c.sliding_window + e->kmax : 0,
         .max_seqs = c.max_num_seqs,
         .max_seq_len = max_len,
+        .prefix_cache = c.enable_prefix_caching,
+        .mtp_group = { (f->mtp_kv_groups >> KV_GROUP_FULL) & 1,
+                       (f->mtp_kv_groups >> KV_GROUP_SLIDING) & 1 },
+        .test_digest_cut_bits = c.test_digest_cut_bits,
     };
     struct batcher_config bc = {
         .max_num_batched_tokens = c.max_num_batched_tokens,
@@ -338,6 +366,8 @@ static int check_request(const struct engine *e, const struct engine_request *q,
     if (q->logprobs < -1 || q->logprobs > ENGINE_MAX_LOGPROBS || q->logprobs >= e->vocab)
         return err_set(err, -EINVAL, "sampling_params.logprobs: %d is not in 0..%d", q->logprobs,
                        ENGINE_MAX_LOGPROBS < e->vocab - 1 ? ENGINE_MAX_LOGPROBS : e->vocab - 1);
+    if (q->cache_salt && strnlen(q->cache_salt, ENGINE_MAX_CACHE_SALT + 1) > ENGINE_MAX_CACHE_SALT)
+        return err_set(err, -EINVAL, "cache_salt: longer than %d bytes", ENGINE_MAX_CACHE_SALT);
     return 0;
 }
 
@@ -406,6 +436,12 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
     r->seq.priority = q->priority;
     r->seq.n_known = q->n_prompt;
     r->seq.slot = -1;
+    r->seq.tokens = r->tokens;
+    r->seq.mtp_depth = r->k;
+    if (e->cfg.enable_prefix_caching) {
+        kv_prefix_root(e->salt, q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0, r->root);
+        r->seq.cache_root = r->root;
+    }
     r->deadline_usec = q->deadline_usec;
     r->stop_token = -1;
     atomic_init(&r->abort_flag, false);
@@ -500,10 +536,18 @@ int engine_abort(struct engine *e, const char *const *ids, int n_ids)
 
 static int engine_step_inner(struct engine *e);
 
+/* Hand the request's computed blocks to the prefix cache (running requests only). */
+static void commit_blocks(struct engine *e, struct ereq *r)
+{
+    if (r->seq.state == BATCH_STATE_RUNNING)
+        kv_seq_commit(e->kv, r->seq.slot, r->tokens, r->seq.n_computed, r->mtp_final, r->k);
+}
+
 static void finish(struct engine *e, struct ereq *r, enum engine_finish why, const char *msg)
 {
     if (r->done)
         return;
+    commit_blocks(e, r);
     batcher_remove(e->b, &r->seq);
     r->done = true;
     r->finish = why;
@@ -609,8 +653,21 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
             boff[g] += ps->n_blocks;
         }
         ps->mtp_depth = s->sched_final ? r->k : 0;
-        if (!r->t_sched)
+        ps->flags = s->sched_new ? STEP_SEQ_NEW : 0;
+        /* trunk writes never land in a shared or cached block */
+        BUG_ON(!kv_seq_writable(e->kv, s->slot, ps->pos0));
+        if (s->sched_new) {
+            /* the MTP layers start at pos0, final below it (kv_seq_begin's guarantee for
+             * the r->k layers this request drafts with) */
+            for (int j = 0; j < SPEC_MAX_K; j++) {
+                r->mtp_end[j] = j < r->k ? ps->pos0 : -1;
+                r->mtp_final[j] = j < r->k ? ps->pos0 : 0;
+            }
+        }
+        if (!r->t_sched) {
             r->t_sched = engine_now_usec();
+            r->n_cached = s->n_cached;
+        }
     }
     p->n_tokens = tok;
     for (int g = 0; g < _KV_GROUP_MAX; g++)
@@ -717,6 +774,25 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
     return rows_used;
 }
 
+/* After the MTP chain of step seq i: how far each layer it ran is final now. */
+static void track_mtp(struct engine *e, int i, struct ereq *r)
+{
+    const struct step_seq *ps = &e->plan.seqs[i];
+    int32_t pos0 = ps->pos0, end = pos0 + e->n_valid[i], known = r->seq.n_known;
+    for (int j = 0; j < e->sseqs[i].depth && j < r->k; j++) {
+        /* a contiguous run repairs what the previous one computed from drafts (at most j
+         * positions before pos0); after a hole nothing new is final */
+        if (r->mtp_end[j] == pos0 && r->mtp_final[j] >= pos0 - j) {
+            int32_t v = end < known - j - 1 ? end : known - j - 1;
+            if (j > 0 && v > r->mtp_final[j - 1])
+                v = r->mtp_final[j - 1];
+            if (v > r->mtp_final[j])
+                r->mtp_final[j] = v;
+        }
+        r->mtp_end[j] = end;
+    }
+}
+
 static void fail_all(struct engine *e, int rc, const char *what)
 {
     char msg[128];
@@ -741,6 +817,7 @@ static void fill_output(const struct ereq *r, struct engine_output *o, int64_t n
     o->stop_token = r->stop_token;
     o->message = r->message;
     o->n_prompt = r->n_prompt;
+    o->n_cached = r->n_cached;
     o->n_completion = r->n_output;
     o->n_preempted = r->seq.n_preempted;
     o->mtp = r->mtp;
@@ -784,9 +861,18 @@ static void update_snapshot(struct engine *e, int64_t now)
     l->n_running = batcher_n_running(e->b);
     l->n_waiting = batcher_n_waiting(e->b);
     l->kv_blocks_total = kv_pool_total(e->kv, KV_GROUP_FULL) + kv_pool_total(e->kv, KV_GROUP_SLIDING);
-    l->kv_blocks_used = l->kv_blocks_total - kv_pool_free_count(e->kv, KV_GROUP_FULL) -
-                        kv_pool_free_count(e->kv, KV_GROUP_SLIDING);
+    l->kv_blocks_used = kv_pool_held_count(e->kv, KV_GROUP_FULL) +
+                        kv_pool_held_count(e->kv, KV_GROUP_SLIDING);
+    l->kv_blocks_cached = kv_pool_cached_count(e->kv, KV_GROUP_FULL) +
+                          kv_pool_cached_count(e->kv, KV_GROUP_SLIDING);
     l->kv_usage = kv_pool_usage(e->kv);
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        l->kv_pool[g].used = kv_pool_held_count(e->kv, g);
+        l->kv_pool[g].cached = kv_pool_cached_count(e->kv, g);
+        l->kv_pool[g].total = kv_pool_total(e->kv, g);
+    }
+    batcher_prefix_stats(e->b, &l->prefix_queries, &l->prefix_hits);
+    l->prefix_evictions = kv_pool_evictions(e->kv);
     l->n_preemptions = batcher_n_preemptions(e->b);
     l->n_steps = e->n_steps;
     l->n_generated = e->n_generated;
@@ -877,6 +963,9 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
         int used = finish_seq(e, i, seqs[i], e->logits + row * (size_t) e->vocab, now);
         row += (size_t) used;
         any_mtp |= e->sseqs[i].depth > 0;
+        /* finished ones committed in finish(); with MTP work, after the chain below */
+        if (!req_of(seqs[i])->done && e->sseqs[i].depth == 0)
+            commit_blocks(e, req_of(seqs[i]));
     }
     if (!any_mtp)
         return 0;
@@ -891,9 +980,14 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
         fail_all(e, r, "MTP step");
         return r;
     }
-    for (int i = 0; i < n; i++)
-        if (e->sseqs[i].depth > 0 && !e->sseqs[i].fill_only)
+    for (int i = 0; i < n; i++) {
+        if (e->sseqs[i].depth == 0)
+            continue;       /* finished ones are freed by now */
+        if (!e->sseqs[i].fill_only)
             seqs[i]->n_draft = e->sseqs[i].depth;
+        track_mtp(e, i, req_of(seqs[i]));
+        commit_blocks(e, req_of(seqs[i]));
+    }
     return 0;
 }
 
@@ -1036,9 +1130,12 @@ void engine_get_loads(struct engine *e, struct engine_loads *ret)
     ret->max_num_seqs = e->cfg.max_num_seqs;
     ret->max_waiting = e->cfg.max_waiting;
     ret->last_error = e->last_error;
-    if (!ret->kv_blocks_total)
+    if (!ret->kv_blocks_total) {     /* no step yet: the pool sizes are known already */
         ret->kv_blocks_total = kv_pool_total(e->kv, KV_GROUP_FULL) +
                                kv_pool_total(e->kv, KV_GROUP_SLIDING);
+        for (int g = 0; g < _KV_GROUP_MAX; g++)
+            ret->kv_pool[g].total = kv_pool_total(e->kv, g);
+    }
     if (ret->mean_accept_len == 0.0)
         ret->mean_accept_len = 1.0;
     if (engine_now_usec() - e->rate_t[e->rate_i] > 2000000)

@@ -7,6 +7,11 @@
  * broadcasts it to ranks 1..N-1), run forward.step, verify drafts and sample, apply stop
  * conditions, propose the next drafts, then deliver outputs.
  *
+ * Prefix cache (kv.h; engine_config.enable_prefix_caching, on by default): a request is
+ * admitted from the longest cached prefix of its tokens (only the rest costs budget and
+ * compute; engine_output.n_cached says how many), and after every step the blocks each
+ * request completed are keyed for later requests, generated tokens included (multi-turn).
+ *
  * Threads: engine_submit, engine_abort and engine_get_loads may be called from any
  * thread.  Everything else in a step runs on one thread: the engine's own (after
  * engine_start) or the caller of engine_step (tests; never both).  Output callbacks run
@@ -40,6 +45,7 @@ extern "C" {
 #define ENGINE_MAX_STOP_IDS 64
 #define ENGINE_MAX_ID_LEN 128
 #define ENGINE_MAX_LOGPROBS 20
+#define ENGINE_MAX_CACHE_SALT 1024
 
 struct engine;
 
@@ -57,6 +63,10 @@ struct engine_config {
      * any sampling transform (vLLM's raw_logprobs); true the processed one the sampler drew
      * from (processed_logprobs: after penalties, temperature, top-k/p; sampler_logprobs) */
     bool logprobs_processed;
+    bool enable_prefix_caching;   /* reuse cached KV blocks of shared prefixes (default on) */
+    const char *prefix_cache_salt;/* deployment salt of the cache keys; NULL = 32 random bytes
+                                     drawn at engine_new (kv.h, kv_prefix_root) */
+    int test_digest_cut_bits;     /* tests only (kv_pool_config.test_digest_cut_bits) */
     /* called once per step, before forward.step, with the plan (may be NULL) */
     int (*on_plan)(void *ctx, const struct step_plan *p);
     void *on_plan_ctx;
@@ -91,6 +101,8 @@ struct engine_request {
     int64_t deadline_usec;            /* absolute engine_now_usec(); 0 = none */
     int logprobs;                     /* -1 = none; N in 0..ENGINE_MAX_LOGPROBS: each output
                                          token's logprob and the N most likely tokens' */
+    const char *cache_salt;           /* prefix-cache tenant: requests share cached KV only
+                                         with requests of the same salt; NULL/"" = none */
 };
 
 void engine_request_init(struct engine_request *r);
@@ -124,6 +136,7 @@ struct engine_output {
     int32_t stop_token;         /* matched EOS / stop id, -1 otherwise */
     const char *message;        /* detail for ERROR / DEADLINE, "" otherwise */
     int n_prompt;
+    int n_cached;               /* prompt tokens reused from the prefix cache (first admission) */
     int n_completion;           /* cumulative */
     int n_preempted;
     struct spec_stats mtp;      /* cumulative */
@@ -165,9 +178,16 @@ struct engine_loads {
     int n_waiting;
     int n_alive;                /* submitted and not yet finished */
     int max_num_seqs, max_waiting;  /* capacity: n_alive stays <= their sum */
-    int kv_blocks_used;
+    int kv_blocks_used;         /* held by running sequences, both pools */
     int kv_blocks_total;
-    double kv_usage;
+    int kv_blocks_cached;       /* unreferenced blocks kept for prefix reuse, both pools */
+    double kv_usage;            /* used / total over both pools */
+    struct {
+        int used, cached, total;
+    } kv_pool[_KV_GROUP_MAX];   /* per pool kind (enum kv_group) */
+    uint64_t prefix_queries;    /* tokens of admitted requests looked up in the prefix cache */
+    uint64_t prefix_hits;       /* of those, tokens reused from cached blocks */
+    uint64_t prefix_evictions;  /* cached blocks evicted to make room */
     uint64_t n_preemptions;
     uint64_t n_steps;
     uint64_t n_generated;       /* output tokens over the engine's life */
@@ -184,8 +204,9 @@ struct engine_loads {
 
 void engine_get_loads(struct engine *e, struct engine_loads *ret);
 
-/* Accounting invariant: KV pool consistent, and when nothing is alive every block is
- * free and no slot is held.  Returns 0 or -EUCLEAN.  Engine thread (or stopped). */
+/* Accounting invariant: KV pool consistent, and when nothing is alive no block is held
+ * (free + cached == total in both pools) and no slot is held.  Returns 0 or -EUCLEAN.
+ * Engine thread (or stopped). */
 int engine_check(struct engine *e);
 
 const struct engine_config *engine_get_config(const struct engine *e);

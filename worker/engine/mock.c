@@ -9,10 +9,13 @@
 #define MOCK_MAX_CONTEXT 8
 #define MOCK_MAX_MTP 3
 
+/* What a step wrote at a KV slot: position, token and the chain hash of the whole
+ * history up to it, so that blocks shared between sequences (prefix cache) check out
+ * exactly when they hold the same history. */
 struct kv_cell {
-    int32_t slot;
     int32_t pos;
     int32_t token;
+    uint64_t chain;
 };
 
 struct mock {
@@ -48,6 +51,16 @@ static uint64_t mix(uint64_t z)
     return z ^ (z >> 31);
 }
 
+static uint64_t chain_start(uint64_t seed)
+{
+    return mix(seed ^ 0x452821e638d01377ull);
+}
+
+static uint64_t chain_step(uint64_t h, int32_t token)
+{
+    return mix(h ^ ((uint64_t) (uint32_t) token * 0x9e3779b97f4a7c15ull + 0x13198a2e03707344ull));
+}
+
 /* Hash of a context: first token of the sequence and the last n (<= context) tokens. */
 static uint64_t ctx_hash(uint64_t seed, int32_t first, const int32_t *last, int n)
 {
@@ -70,6 +83,13 @@ static void fill_row(const struct mock_config *cfg, uint64_t h, float *logits)
 void mock_forward_row(const struct forward *f, const int32_t *tokens, int n, float *logits)
 {
     const struct mock *m = f->impl;
+    if (m->cfg.full_history) {
+        uint64_t h = chain_start(m->cfg.seed);
+        for (int i = 0; i < n; i++)
+            h = chain_step(h, tokens[i]);
+        fill_row(&m->cfg, h, logits);
+        return;
+    }
     int c = n < m->cfg.context ? n : m->cfg.context;
     fill_row(&m->cfg, ctx_hash(m->cfg.seed, tokens[0], tokens + n - c, c), logits);
 }
@@ -100,14 +120,14 @@ static struct kv_cell *cell_at(struct mock *m, const struct step_plan *p, const 
     return &m->cells[g][(size_t) id * (size_t) bs + (size_t) (pos % bs)];
 }
 
-/* Read token at pos in group g; -EUCLEAN when the cell does not hold this seq's pos. */
-static int read_token(struct mock *m, const struct step_plan *p, const struct step_seq *s, int g,
-                      int32_t pos, int32_t *ret)
+/* The cell of position pos in group g; -EUCLEAN when it does not hold that position. */
+static int read_cell(struct mock *m, const struct step_plan *p, const struct step_seq *s, int g,
+                     int32_t pos, const struct kv_cell **ret)
 {
-    struct kv_cell *c = cell_at(m, p, s, g, pos);
-    if (!c || c->slot != s->slot || c->pos != pos)
+    const struct kv_cell *c = cell_at(m, p, s, g, pos);
+    if (!c || c->pos != pos)
         return -EUCLEAN;
-    *ret = c->token;
+    *ret = c;
     return 0;
 }
 
@@ -126,18 +146,22 @@ static int check_plan(const struct mock *m, const struct step_plan *p)
             return -EINVAL;
         if ((int64_t) s->n_blocks * m->cfg.block_size < (int64_t) s->pos0 + s->n_tokens)
             return -EINVAL;
+        if (s->flags & ~STEP_SEQ_FLAGS_KNOWN)
+            return -EINVAL;
         sum += s->n_tokens;
     }
     return sum == p->n_tokens ? 0 : -EINVAL;
 }
 
-/* Logits row for the sequence prefix ending at position pos (all read from KV). */
+/* Logits row for the sequence prefix ending at position pos (all read from KV), then
+ * the n_extra tokens: the window's sliding cells must form one history (each cell's chain
+ * follows from the one before) that agrees with the full-attention cells. */
 static int row_from_kv(struct mock *m, const struct step_plan *p, const struct step_seq *s,
                        int32_t pos, const int32_t *extra, int n_extra, float *logits)
 {
     int32_t ctx[MOCK_MAX_CONTEXT + MOCK_MAX_MTP + 1];
-    int32_t first;
-    int r = read_token(m, p, s, KV_GROUP_FULL, 0, &first);
+    const struct kv_cell *first, *last = NULL, *full, *prev = NULL;
+    int r = read_cell(m, p, s, KV_GROUP_FULL, 0, &first);
     if (r < 0)
         return r;
     int c = m->cfg.context;
@@ -145,15 +169,28 @@ static int row_from_kv(struct mock *m, const struct step_plan *p, const struct s
     for (int32_t q = pos - (c - 1); q <= pos; q++) {
         if (q < 0)
             continue;
-        r = read_token(m, p, s, KV_GROUP_SLIDING, q, &ctx[n]);
+        r = read_cell(m, p, s, KV_GROUP_SLIDING, q, &last);
         if (r < 0)
             return r;
-        n++;
+        if (prev && last->chain != chain_step(prev->chain, last->token))
+            return -EUCLEAN;
+        prev = last;
+        ctx[n++] = last->token;
+    }
+    r = read_cell(m, p, s, KV_GROUP_FULL, pos, &full);
+    if (r < 0 || !last || full->chain != last->chain || full->token != last->token)
+        return -EUCLEAN;
+    if (m->cfg.full_history) {
+        uint64_t h = full->chain;
+        for (int i = 0; i < n_extra; i++)
+            h = chain_step(h, extra[i]);
+        fill_row(&m->cfg, h, logits);
+        return 0;
     }
     for (int i = 0; i < n_extra; i++)
         ctx[n++] = extra[i];
     int use = n < c ? n : c;
-    fill_row(&m->cfg, ctx_hash(m->cfg.seed, first, ctx + n - use, use), logits);
+    fill_row(&m->cfg, ctx_hash(m->cfg.seed, first->token, ctx + n - use, use), logits);
     return 0;
 }
 
@@ -165,13 +202,25 @@ static int mock_step(struct forward *f, const struct step_plan *p, float *logits
         return r;
     for (int i = 0; i < p->n_seqs; i++) {
         const struct step_seq *s = &p->seqs[i];
+        /* the history so far: a run continues the cell before it (this sequence's own, or
+         * a cached prefix's when a new sequence starts above 0) */
+        uint64_t h = chain_start(m->cfg.seed);
+        if (s->pos0 > 0) {
+            const struct kv_cell *prev;
+            r = read_cell(m, p, s, KV_GROUP_FULL, s->pos0 - 1, &prev);
+            if (r < 0)
+                return r;
+            h = prev->chain;
+        }
         for (int t = 0; t < s->n_tokens; t++) {
             int32_t pos = s->pos0 + t;
+            int32_t tok = p->tokens[s->tok_off + t];
+            h = chain_step(h, tok);
             for (int g = 0; g < _KV_GROUP_MAX; g++) {
                 struct kv_cell *c = cell_at(m, p, s, g, pos);
                 if (!c)
                     return -EUCLEAN;
-                *c = (struct kv_cell) { .slot = s->slot, .pos = pos, .token = p->tokens[s->tok_off + t] };
+                *c = (struct kv_cell) { .pos = pos, .token = tok, .chain = h };
             }
         }
     }
@@ -271,7 +320,7 @@ int mock_forward_new(const struct mock_config *cfg, struct forward **ret)
         if (!m->cells[g])
             goto out_nomem;
         for (size_t i = 0; i < n; i++)
-            m->cells[g][i] = (struct kv_cell) { .slot = -1, .pos = -1, .token = -1 };
+            m->cells[g][i] = (struct kv_cell) { .pos = -1, .token = -1 };
     }
     m->chain = calloc((size_t) cfg->max_seqs * MOCK_MAX_MTP, sizeof(int32_t));
     if (!m->chain)

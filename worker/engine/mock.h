@@ -2,11 +2,14 @@
  *
  * Logits are a deterministic function of the token history as the mock itself reads it
  * back from its own paged KV store through the plan's block tables: every step writes
- * (slot, position, token) into the blocks the plan names, and every logits row hashes
- * the last `context` tokens (read through the SLIDING table) and the first token (read
- * through the FULL table).  A wrong, stale or released block is therefore detected
- * (-EUCLEAN) instead of silently producing plausible output, which makes the mock a
- * checker of the engine's KV bookkeeping.
+ * (position, token, chain hash of the history up to it) into the blocks the plan names,
+ * continuing the chain of the cell before the run, and every logits row hashes the last
+ * `context` tokens (read through the SLIDING table) and the first token (read through
+ * the FULL table), or with full_history the chain of the whole history.  The window's
+ * cells must chain into each other and agree with the FULL cell of the row's position,
+ * so a wrong, stale or released block is detected (-EUCLEAN) instead of silently
+ * producing plausible output, while a block shared by sequences with the same history
+ * (prefix cache) reads back correctly: the mock checks the engine's KV bookkeeping.
  *
  * MTP: at depth k the draft row is the exact target row of the drafted context with
  * probability mtp_accuracy (a deterministic coin of the context), otherwise an
@@ -16,6 +19,7 @@
  */
 #pragma once
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "forward.h"
@@ -34,6 +38,8 @@ struct mock_config {
     int context;               /* tokens hashed per row (1 .. 8); must fit the window */
     float logit_scale;         /* spread of the fake logits */
     float mtp_accuracy;        /* [0, 1] */
+    bool full_history;         /* rows depend on every token of the history (a block with
+                                  another history anywhere changes the output) */
     uint64_t seed;
     long step_usec;
     long token_usec;

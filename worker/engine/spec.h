@@ -18,8 +18,9 @@
  * positions, so after every step the MTP caches equal those of a fresh prefill of the
  * accepted history (test/model/test-mtp-repair).  Nothing extra is passed: the true
  * tokens are this step's run and tok_in; the forward keeps each slot's last n_mtp layer
- * ids and outputs and restarts a slot's history at pos0 == 0.  The engine's KV pool keeps
- * n_mtp positions beyond the sliding window for those re-run queries.
+ * ids and outputs and restarts a slot's history with each new sequence (STEP_SEQ_NEW).  The
+ * engine's KV pool keeps n_mtp positions beyond the sliding window for those re-run
+ * queries, and reuses cached prefixes only where the MTP layers' KV is final (kv.h).
  */
 #pragma once
 

@@ -110,6 +110,8 @@ struct model {
     int table_cap;                  /* block-table capacity per group */
     int max_rows;                   /* activation rows: max_tokens_per_step + MTP re-run rows */
     bool group_used[_KV_GROUP_MAX];
+    int64_t kv_block_bytes[_KV_GROUP_MAX];  /* one block over the group's layers (reserved) */
+    int64_t buf_bytes;              /* backend buffers reserved: activations + KV caches */
 
     struct bweight embed, final_norm, lm_head;
     struct mlayer *layers;          /* [n_layers + n_mtp] */

@@ -49,6 +49,7 @@ static int mbuf(struct model *m, size_t bytes, void *ret)
         backend_buf_free(m->be, p);
         return r;
     }
+    m->buf_bytes += (int64_t)bytes;
     *(void **)ret = p;
     return 0;
 }
@@ -480,7 +481,7 @@ static int reserve_kv(struct model *m, struct mlayer *L, struct err_buf *e)
     size_t per, bytes;
     int r;
 
-    kv->dtype_f32 = m->o.kv_bf16 ? 0 : 1;
+    kv->dtype_f32 = m->o.kv_f32 ? 1 : 0;
     kv->n_blocks = m->o.n_blocks[L->group];
     kv->block_size = m->o.block_size;
     kv->n_kv_heads = L->n_kv_heads;
@@ -634,13 +635,22 @@ static int reserve(struct model *m, struct err_buf *e)
         return err_set(e, r, "out of memory for index staging");
 
     /* MTP layers that run as halves keep their KV in the halves only */
-    for (int i = 0; i < (m->mtp_tp ? m->n_layers : m->n_layers + m->n_mtp); i++) {
-        r = reserve_kv(m, &m->layers[i], e);
+    int n_kv = (m->mtp_tp ? m->n_layers : m->n_layers + m->n_mtp) + (m->mtp_tp ? 2 * m->n_mtp : 0);
+    for (int i = 0; i < n_kv; i++) {
+        const struct mlayer *L = i < m->n_layers + (m->mtp_tp ? 0 : m->n_mtp)
+                                     ? &m->layers[i] : &m->tp_half[i - m->n_layers];
+        m->kv_block_bytes[L->group] += 2 * (int64_t)m->o.block_size * L->n_kv_heads *
+                                       L->head_dim * (m->o.kv_f32 ? 4 : 2);
+    }
+    if (m->o.kv_blocks) {
+        r = m->o.kv_blocks(m->o.kv_blocks_ctx, m->kv_block_bytes, m->o.n_blocks, e);
         if (r < 0)
             return r;
     }
-    for (int i = 0; m->mtp_tp && i < 2 * m->n_mtp; i++) {
-        r = reserve_kv(m, &m->tp_half[i], e);
+    for (int i = 0; i < n_kv; i++) {
+        struct mlayer *L = i < m->n_layers + (m->mtp_tp ? 0 : m->n_mtp)
+                               ? &m->layers[i] : &m->tp_half[i - m->n_layers];
+        r = reserve_kv(m, L, e);
         if (r < 0)
             return r;
     }
@@ -689,6 +699,21 @@ static int prepare_blocks(struct model *m, struct err_buf *e)
         L->blocks = true;
     }
     return 0;
+}
+
+void model_kv_block_bytes(const struct model *m, int64_t ret[_KV_GROUP_MAX])
+{
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        ret[g] = m->kv_block_bytes[g];
+}
+
+void model_reserved_bytes(const struct model *m, int64_t *ret_activations, int64_t *ret_kv)
+{
+    int64_t kv = 0;
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        kv += m->group_used[g] ? m->kv_block_bytes[g] * m->o.n_blocks[g] : 0;
+    *ret_activations = m->buf_bytes - kv;
+    *ret_kv = kv;
 }
 
 /* ------------------------------------------------------------------ new -- */
@@ -826,6 +851,8 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
     m->fwd.block_size = m->o.block_size;
     for (int g = 0; g < _KV_GROUP_MAX; g++)
         m->fwd.n_blocks[g] = m->o.n_blocks[g];
+    for (int i = m->n_layers; i < m->n_layers + m->n_mtp; i++)
+        m->fwd.mtp_kv_groups |= 1u << m->layers[i].group;
     m->fwd.impl = m;
     *ret = m;
     return 0;

@@ -60,6 +60,8 @@ static int check_plan(struct model *m, const struct step_plan *p)
                             s->n_tokens);
         if (s->mtp_depth < 0)
             return PLAN_ERR(m, -EINVAL, "plan seq %d: mtp_depth %d", i, s->mtp_depth);
+        if (s->flags & ~STEP_SEQ_FLAGS_KNOWN)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: unknown flags 0x%x", i, (unsigned)s->flags);
         if ((int64_t)s->n_blocks * bs < end)
             return PLAN_ERR(m, -EINVAL, "plan seq %d: %d blocks of %d do not cover position %lld",
                             i, s->n_blocks, bs, (long long)end - 1);
@@ -441,10 +443,15 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
     /* index arrays: token ids, positions, KV slots per group, runs, table offsets */
     for (int i = 0; i < p->n_seqs; i++) {
         const struct step_seq *s = &p->seqs[i];
-        /* a run from position 0 starts a new sequence in the slot (new request, preemption
-         * by recompute): the MTP layers' history of the slot's previous one is void */
-        for (int j = 0; j < m->n_mtp && s->pos0 == 0; j++)
-            m->mtp_end[(size_t)s->slot * m->n_mtp + j] = -1;
+        /* a new sequence in the slot (new request, preemption by recompute, a prefix-cache
+         * hit; forward.h): the MTP layers' history of the slot's previous one is void, and
+         * the positions before pos0 hold final KV, so the history starts at pos0 with
+         * nothing to re-run */
+        if (s->pos0 == 0 || (s->flags & STEP_SEQ_NEW))
+            for (int j = 0; j < m->n_mtp; j++) {
+                m->mtp_end[(size_t)s->slot * m->n_mtp + j] = s->pos0;
+                m->mtp_lo[(size_t)s->slot * m->n_mtp + j] = s->pos0;
+            }
         m->h_seq_start[i] = s->tok_off;
         m->h_seq_pos0[i] = s->pos0;
         for (int g = 0; g < _KV_GROUP_MAX; g++)

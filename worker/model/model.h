@@ -73,7 +73,8 @@ struct model_opts {
     int n_blocks[_KV_GROUP_MAX];/* KV blocks per group (every layer of a group has this many) */
     int max_seq_len;            /* longest sequence (0 = config max_position_embeddings); sizes
                                    the block-table capacity */
-    bool kv_bf16;               /* store KV in BF16 (default FP32) */
+    bool kv_f32;                /* store KV in FP32 (default BF16; attention accumulates in
+                                   FP32 either way): the exact oracle path of the model tests */
     bool mtp_no_repair;         /* diagnostics only: skip the MTP re-run of draft positions
                                    (model_mtp_step), leaving stale MTP KV as before the repair */
     enum model_draft_quant draft_quant; /* weights of the MTP draft layers (see below) */
@@ -82,6 +83,14 @@ struct model_opts {
                                    drafts then differ in the order of some fp32 sums */
     bool no_mtp_tail;           /* diagnostics only: the last MTP depth runs every row
                                    through the whole layer (model_mtp_tails) */
+    /* Sizes the KV pools once the weights and activations are reserved and only the KV
+     * caches are left (model_new calls it right before reserving them), given what one
+     * block costs per group over every layer of the group (MTP layers included): writes
+     * n_blocks[g] > 0 or returns a negative errno with a sentence in e.  The worker sizes a
+     * device's pools from the memory left there (backend_mem_info).  NULL: n_blocks. */
+    int (*kv_blocks)(void *ctx, const int64_t block_bytes[_KV_GROUP_MAX],
+                     int n_blocks[_KV_GROUP_MAX], struct err_buf *e);
+    void *kv_blocks_ctx;
 };
 
 struct model;
@@ -118,11 +127,12 @@ void model_free(struct model *m);
  *   all-accepted drafts need no re-run.  Afterwards each layer's KV equals that of a
  *   fresh prefill of the accepted history with the same tok_in.  The model keeps per
  *   slot and layer the ids and outputs of the last n_mtp positions and where the layer's
- *   contiguous history starts; a sequence starts afresh at pos0 == 0 (new request,
- *   preemption by recompute).  Positions are re-run only where the layer wrote pos0-1
- *   last (a step without the chain leaves a hole that is not repaired) and where the
- *   sliding window's blocks of the re-run queries are still in the plan; both count as
- *   missed in model_mtp_repair_stats. */
+ *   contiguous history starts; a sequence starts afresh at pos0 == 0 or with
+ *   STEP_SEQ_NEW (new request, preemption by recompute, a prefix-cache hit whose
+ *   positions below pos0 are final: nothing before pos0 is re-run).  Positions are
+ *   re-run only where the layer wrote pos0-1 last (a step without the chain leaves a
+ *   hole that is not repaired) and where the sliding window's blocks of the re-run
+ *   queries are still in the plan; both count as missed in model_mtp_repair_stats. */
 int model_step(struct model *m, const struct step_plan *p, float *logits);
 int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
                    const int32_t *tok_in, float *logits);
@@ -134,6 +144,11 @@ int model_forward_new(struct ckpt *c, struct backend *be, const struct model_com
                       const struct model_opts *opts, struct forward **ret, struct err_buf *e);
 /* The model behind a forward built by model_forward_new (NULL for other forwards). */
 struct model *model_from_forward(struct forward *f);
+
+/* KV bytes of one block per group over the layers this model holds (as reserved). */
+void model_kv_block_bytes(const struct model *m, int64_t ret[_KV_GROUP_MAX]);
+/* Backend buffers reserved in model_new: activations (and scratch) and KV caches. */
+void model_reserved_bytes(const struct model *m, int64_t *ret_activations, int64_t *ret_kv);
 
 /* Read-only facts for drivers and tests. */
 const struct model_config *model_config(const struct model *m);

@@ -18,6 +18,7 @@
 #include <uv.h>
 
 #include "admit.h"
+#include "affinity.h"
 #include "coord.h"
 #include "engine-conn.h"
 #include "rpc.h"
@@ -135,6 +136,7 @@ struct group {
     struct coord *co;
     struct group *next;
     char name[72];
+    uint64_t id;                    /* affinity.c's name for it: a hash of name, never 0 */
     unsigned world;
     uint64_t epoch;
     enum group_state state;
@@ -150,6 +152,8 @@ struct group {
     double mean_acceptance_length;  /* MTP tokens per verify step, from the engine */
     uint32_t requests_alive;        /* engine request states alive (0 at idle) */
     uint64_t requests_created, requests_freed;  /* engine request states over its life */
+    uint64_t prefix_queries, prefix_hits;       /* prefix cache, tokens, since the engine started */
+    double kv_pool_usage[2];                    /* [0] full-attention, [1] sliding-window pool */
     /* the engine's capacity (StateReport READY, GetLoads): at most cap_seqs + cap_waiting
      * requests routed here at once; 0 = not reported (no limit) */
     uint32_t cap_seqs, cap_waiting;
@@ -169,10 +173,13 @@ int wpool_register_methods(struct coord *co, struct rpc_server *s);
 /* The group named name, created (FORMING, no ranks) with world ranks when absent; NULL
  * when out of memory.  Registration and `stepd serve` (groups listed before they form). */
 struct group *wpool_group_get(struct coord *co, const char *name, unsigned world);
-/* Least-loaded ready group with room (below its engine's capacity) whose context holds
- * need_len tokens (prompt + max_tokens).  NULL: none; *ret_full then says whether a ready
- * group would hold the request once it has room. */
-struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len,
+/* The group for a request: among the ready groups with room (below their engine's
+ * capacity) whose context holds need_len tokens (prompt + max_tokens), the one that holds
+ * the longest prefix of the prompt (keys: its prefix chain, affinity.h), else the prefix's
+ * home by a hash of its first block, unless that group is clearly busier than the least
+ * loaded one, which is taken then.  NULL: none; *ret_full then says whether a ready group
+ * would hold the request once it has room. */
+struct group *wpool_pick(struct coord *co, const uint64_t *keys, size_t n_keys, uint32_t need_len,
                          bool *ret_full);
 /* Requests g may still take (UINT32_MAX when its engine reported no capacity). */
 uint32_t wpool_room(const struct group *g);
@@ -217,6 +224,8 @@ struct req {
     double itl_sum;
     uint32_t n_itl;
     struct tok_gen *gen;            /* text and chat input: the output pipeline */
+    uint64_t *aff_keys;             /* the prompt's prefix chain for routing (affinity.h) */
+    size_t n_aff_keys;
 };
 
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud);
@@ -323,6 +332,7 @@ struct coord {
     uv_tcp_t metrics_srv;
     bool metrics_on;
     struct tokenizer *tok;          /* NULL without --tokenizer: token input only */
+    struct affinity *aff;           /* prefix-affine routing (NULL: off) */
     struct serve *serve;            /* `stepd serve`: the supervised ranks (serve.c), or NULL */
 };
 

@@ -28,6 +28,8 @@ void coord_opts_default(struct coord_opts *o)
     o->admin_listen = "127.0.0.1:50053";
     o->metrics_listen = "127.0.0.1:9464";
     o->max_running = 1024;
+    o->prefix_affinity = 16;        /* the engines' default KV block size */
+    o->prefix_affinity_entries = 1u << 16;
     o->max_queue = 1024;
     o->max_tokens_cap = 32768;
     o->default_max_tokens = 256;
@@ -686,7 +688,12 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     metrics_init(&co->m);
     admit_init(&co->admit, o->max_running, o->max_queue);
     health_publish(co);
+    if (o->prefix_affinity && (r = affinity_new(o->prefix_affinity_entries, &co->aff)) < 0) {
+        free(co);
+        return r;
+    }
     if ((r = uv_loop_init(&co->loop)) < 0) {
+        affinity_free(co->aff);
         free(co);
         return r;
     }
@@ -695,6 +702,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         if ((r = tok_load(o->tokenizer_path, &co->tok, &eb)) < 0) {
             log_error("tokenizer: %s", eb.msg);
             uv_loop_close(&co->loop);
+            affinity_free(co->aff);
             free(co);
             return r;
         }
@@ -804,6 +812,7 @@ void coord_free(struct coord *co)
     if (!co)
         return;
     tok_free(co->tok);
+    affinity_free(co->aff);
     if (uv_loop_close(&co->loop) < 0)
         log_warn("event loop closed with live handles");
     free(co);

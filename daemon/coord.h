@@ -40,7 +40,8 @@ struct coord_opts {
     unsigned worker_timeout_ms;     /* a rank that stops answering (keepalive on its control
                                        session, GetLoads on rank 0) this long is declared gone */
     unsigned loads_poll_ms;         /* engine GetLoads period */
-    unsigned prefix_affinity;       /* > 0: route by a hash of the first N prompt tokens */
+    unsigned prefix_affinity;       /* prefix-affine routing: blocks of N tokens (0 = off) */
+    unsigned prefix_affinity_entries; /* prefix blocks remembered (the LRU table's size) */
     int max_recv_msg_bytes;
     int max_concurrent_streams;
     size_t max_call_buffer_bytes;   /* per-stream send buffer cap (slow consumers) */

@@ -51,7 +51,9 @@ static void usage(FILE *f)
         "  --heartbeat-ms N           control heartbeat period (default 1000)\n"
         "  --loads-poll-ms N          engine GetLoads period (default 250)\n"
         "  --worker-timeout-ms N      declare a silent rank gone after N ms (default 10000)\n"
-        "  --prefix-affinity N        route by a hash of the first N prompt tokens (0 = off)\n"
+        "  --prefix-affinity N        route a request to the group that holds the longest prefix of\n"
+        "                             its prompt, in blocks of N tokens (default 16; 0 = off)\n"
+        "  --prefix-affinity-entries N  prompt blocks remembered for that (default 65536)\n"
         "  --log-level LEVEL          error|warn|info|debug\n"
         "  --version, --help\n"
         "stepd serve MODEL_DIR: this coordinator starts and supervises its worker ranks\n"
@@ -180,7 +182,7 @@ enum {
     OPT_LISTEN = 256, OPT_ADMIN, OPT_CONTROL, OPT_METRICS, OPT_INSECURE, OPT_TLS_CERT, OPT_TLS_KEY,
     OPT_TLS_CA, OPT_TLS_REQ, OPT_KEY_FILE, OPT_CKEY_FILE, OPT_TOKENIZER, OPT_MODEL, OPT_VOCAB,
     OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
-    OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_LOG, OPT_VERSION,
+    OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
@@ -221,6 +223,7 @@ int main(int argc, char **argv)
         { "loads-poll-ms", required_argument, NULL, OPT_LOADS },
         { "worker-timeout-ms", required_argument, NULL, OPT_WTIMEOUT },
         { "prefix-affinity", required_argument, NULL, OPT_AFFINITY },
+        { "prefix-affinity-entries", required_argument, NULL, OPT_AFFINITY_N },
         { "log-level", required_argument, NULL, OPT_LOG },
         { "version", no_argument, NULL, OPT_VERSION },
         { "tensor-parallel-size", required_argument, NULL, OPT_S_TP },
@@ -303,6 +306,7 @@ int main(int argc, char **argv)
         UINT_OPT(OPT_LOADS, "--loads-poll-ms", 3600000, loads_poll_ms)
         UINT_OPT(OPT_WTIMEOUT, "--worker-timeout-ms", 3600000, worker_timeout_ms)
         UINT_OPT(OPT_AFFINITY, "--prefix-affinity", 1u << 20, prefix_affinity)
+        UINT_OPT(OPT_AFFINITY_N, "--prefix-affinity-entries", 1u << 24, prefix_affinity_entries)
 #undef UINT_OPT
         case OPT_DRAIN: {
             char *end;

@@ -143,8 +143,33 @@ char *metrics_render(struct coord *co, size_t *ret_len)
         }
         preempt += g->preemptions;
     }
-    gauge(&b, "stepd:kv_cache_usage_perc", "KV-cache usage over ready groups (1 = full).",
-          kv_total > 0 ? kv_used / kv_total : 0.0);
+    {
+        /* per pool kind, the busiest ready group's: what runs out first */
+        static const char *const kinds[2] = { "full_attention", "sliding_window" };
+        uint64_t queries = 0, hits = 0;
+        double pool[2] = { 0, 0 };
+
+        for (struct group *g = co->groups; g; g = g->next) {
+            queries += g->prefix_queries;
+            hits += g->prefix_hits;
+            for (int k = 0; k < 2 && g->state == GROUP_READY; k++)
+                pool[k] = g->kv_pool_usage[k] > pool[k] ? g->kv_pool_usage[k] : pool[k];
+        }
+        /* without per-pool reports (older engines): the groups' block totals as the full pool */
+        if (pool[0] == 0 && pool[1] == 0 && kv_total > 0)
+            pool[0] = kv_used / kv_total;
+        strbuf_printf(&b, "# HELP stepd:kv_cache_usage_perc KV-cache usage per pool kind "
+                      "(the highest over ready groups; 1 = full).\n"
+                      "# TYPE stepd:kv_cache_usage_perc gauge\n");
+        for (int k = 0; k < 2; k++)
+            strbuf_printf(&b, "stepd:kv_cache_usage_perc{kind=\"%s\"} %.6f\n", kinds[k], pool[k]);
+        counter(&b, "stepd:prefix_cache_queries_total",
+                "Prompt tokens looked up in the engines' prefix caches.", queries);
+        counter(&b, "stepd:prefix_cache_hits_total",
+                "Prompt tokens served from the engines' prefix caches.", hits);
+        gauge(&b, "stepd:prefix_affinity_entries", "Prompt blocks the router remembers a group for.",
+              affinity_size(co->aff));
+    }
     counter(&b, "stepd:num_preemptions_total", "Engine preemptions (sum of group reports).", preempt);
     gauge(&b, "stepd:groups_ready", "Ready worker groups.", wpool_ready_count(co));
     gauge(&b, "stepd:ready", "Readiness (1 SERVING).", coord_ready(co));

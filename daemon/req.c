@@ -20,6 +20,8 @@
 #define ENGINE_GENERATE "/stepd.v1.Engine/Generate"
 #define ENGINE_ABORT "/stepd.v1.Engine/Abort"
 #define ENGINE_SUBMIT "/stepd.v1.Engine/Submit"
+/* prefix-affine routing keys at most this many leading blocks of a prompt */
+#define REQ_AFFINITY_MAX_BLOCKS 4096
 
 /* ------------------------------------------------------------------ lifetime */
 
@@ -86,6 +88,7 @@ void req_free_if_done(struct req *r)
     co->n_reqs--;
     tok_gen_free(r->gen);
     request_free(r->in);
+    free(r->aff_keys);
     free(r->prompt);
     free(r);
     coord_check_drained(co);
@@ -550,8 +553,20 @@ static struct group *req_pick(struct req *r, bool *ret_full)
     struct coord *co = r->co;
     const struct request *in = r->in;
     int64_t need = (int64_t)r->n_prompt + (REQUEST_HAS(&in->sp, RO_MAX_TOKENS) ? in->sp.max_tokens : 1);
-    struct group *g = wpool_pick(co, r->prompt, r->n_prompt, need > UINT32_MAX ? UINT32_MAX : (uint32_t)need,
-                                 ret_full);
+    struct group *g;
+
+    if (co->o.prefix_affinity && !r->aff_keys && r->n_prompt >= co->o.prefix_affinity) {
+        size_t max = r->n_prompt / co->o.prefix_affinity;
+
+        if (max > REQ_AFFINITY_MAX_BLOCKS)
+            max = REQ_AFFINITY_MAX_BLOCKS;
+        r->aff_keys = malloc(max * sizeof(*r->aff_keys));
+        if (r->aff_keys)
+            r->n_aff_keys = affinity_chain(r->prompt, r->n_prompt, (int)co->o.prefix_affinity,
+                                           in->cache_salt, r->aff_keys, max);
+    }
+    g = wpool_pick(co, r->aff_keys, r->n_aff_keys, need > UINT32_MAX ? UINT32_MAX : (uint32_t)need,
+                   ret_full);
 
     if (g || *ret_full)
         return g;
@@ -643,6 +658,7 @@ static int req_send(struct req *r, struct group *g)
     g->reqs = r;
     g->in_flight++;
     g->routed++;
+    affinity_note(co->aff, r->aff_keys, r->n_aff_keys, g->id);
     log_req_debug(r->id, "routed to group %s (%zu prompt tokens)", g->name, r->n_prompt);
     return 0;
 }

@@ -65,6 +65,16 @@ unsigned wpool_count(const struct coord *co)
     return n;
 }
 
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
 struct group *wpool_group_get(struct coord *co, const char *name, unsigned world)
 {
     struct group *g = group_find(co, name);
@@ -76,6 +86,7 @@ struct group *wpool_group_get(struct coord *co, const char *name, unsigned world
         return NULL;
     g->co = co;
     snprintf(g->name, sizeof(g->name), "%s", name);
+    g->id = mix64(coord_fnv1a(g->name, strlen(g->name), COORD_FNV_SEED)) | 1;
     g->world = world;
     for (int i = 0; i < COORD_MAX_WORLD; i++) {
         g->ranks[i].g = g;
@@ -790,6 +801,16 @@ static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
     g->requests_alive = l->num_requests_alive;
     g->requests_created = l->requests_created;
     g->requests_freed = l->requests_freed;
+    g->prefix_queries = l->prefix_cache_queries;
+    g->prefix_hits = l->prefix_cache_hits;
+    for (size_t i = 0; i < l->n_kv_pools; i++) {
+        const Stepd__V1__KvPoolLoad *kp = l->kv_pools[i];
+
+        if (strcmp(kp->kind, "full_attention") == 0)
+            g->kv_pool_usage[0] = kp->usage;
+        else if (strcmp(kp->kind, "sliding_window") == 0)
+            g->kv_pool_usage[1] = kp->usage;
+    }
     if (l->max_num_seqs || l->max_waiting)
         group_set_limits(g, l->max_num_seqs, l->max_waiting);
 }
@@ -843,15 +864,6 @@ void wpool_poll_loads(struct coord *co)
 /* ------------------------------------------------------------------ routing */
 
 
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return x;
-}
 
 uint32_t wpool_room(const struct group *g)
 {
@@ -862,49 +874,88 @@ uint32_t wpool_room(const struct group *g)
     return g->in_flight < cap ? cap - g->in_flight : 0;
 }
 
-struct group *wpool_pick(struct coord *co, const int32_t *prompt, size_t n, uint32_t need_len,
+/* The routing score of g: lower is less loaded.  The coordinator-side in-flight count is
+ * exact; the engine's waiting count adds what other routers (or the engine's own queue)
+ * contribute. */
+static uint64_t load_score(const struct group *g)
+{
+    return (uint64_t)g->in_flight * 1024 + (uint64_t)g->load_waiting * 1024 +
+           (uint64_t)(g->kv_usage * 512);
+}
+
+struct pick {
+    struct coord *co;
+    uint32_t need_len;
+    bool full;              /* a ready group that would hold it has no room */
+};
+
+/* g could take the request now. */
+static bool routable(const struct group *g, struct pick *p)
+{
+    if (g->state != GROUP_READY || !g->eng)
+        return false;
+    if (g->model.known && g->model.max_model_len && p->need_len > g->model.max_model_len)
+        return false;
+    if (wpool_room(g) == 0) {
+        p->full = true;     /* at its engine's capacity: never sent more than it admits */
+        return false;
+    }
+    return true;
+}
+
+static struct group *group_by_id(struct coord *co, uint64_t id)
+{
+    for (struct group *g = co->groups; g; g = g->next)
+        if (g->id == id)
+            return g;
+    return NULL;
+}
+
+static bool affinity_usable(uint64_t id, void *ctx)
+{
+    struct pick *p = ctx;
+    struct group *g = group_by_id(p->co, id);
+
+    return g && routable(g, p);
+}
+
+struct group *wpool_pick(struct coord *co, const uint64_t *keys, size_t n_keys, uint32_t need_len,
                          bool *ret_full)
 {
+    struct pick p = { .co = co, .need_len = need_len };
     struct group *best = NULL, *aff = NULL;
-    uint64_t best_score = UINT64_MAX, aff_w = 0, ph = 0;
+    uint64_t best_score = UINT64_MAX, aff_w = 0;
+    size_t depth;
 
-    *ret_full = false;
-    if (co->o.prefix_affinity && n)
-        ph = coord_fnv1a(prompt, (n < co->o.prefix_affinity ? n : co->o.prefix_affinity) * sizeof(int32_t),
-                   COORD_FNV_SEED);
     for (struct group *g = co->groups; g; g = g->next) {
-        if (g->state != GROUP_READY || !g->eng)
+        if (!routable(g, &p))
             continue;
-        if (g->model.known && g->model.max_model_len && need_len > g->model.max_model_len)
-            continue;
-        if (wpool_room(g) == 0) {
-            /* at its engine's capacity: never sent more than it admits */
-            *ret_full = true;
-            continue;
-        }
-        /* coordinator-side in-flight count is exact; the engine's waiting count adds
-         * what other routers (or the engine's own queue) contribute */
-        uint64_t score = (uint64_t)g->in_flight * 1024 + (uint64_t)g->load_waiting * 1024 +
-                         (uint64_t)(g->kv_usage * 512);
-        if (score < best_score) {
-            best_score = score;
+        if (load_score(g) < best_score) {
+            best_score = load_score(g);
             best = g;
         }
-        if (ph) {
-            uint64_t w = mix64(ph ^ coord_fnv1a(g->name, strlen(g->name), COORD_FNV_SEED));
+        if (n_keys) {
+            /* the prefix's home: highest random weight of (first block, group) */
+            uint64_t w = mix64(keys[0] ^ g->id);
+
             if (!aff || w > aff_w) {
                 aff = g;
                 aff_w = w;
             }
         }
     }
-    if (aff && best) {
-        uint64_t aff_score = (uint64_t)aff->in_flight * 1024 + (uint64_t)aff->load_waiting * 1024 +
-                             (uint64_t)(aff->kv_usage * 512);
-        /* keep affinity unless the preferred group is clearly busier */
-        if (aff_score <= best_score * 2 + 8 * 1024)
-            return aff;
+    *ret_full = !best && p.full;
+    if (!best)
+        return NULL;
+    if (n_keys && co->aff) {
+        struct group *held = group_by_id(co, affinity_find(co->aff, keys, n_keys, affinity_usable,
+                                                           &p, &depth));
+        if (held)
+            aff = held;         /* it has the longest part of this prefix cached */
     }
+    /* keep affinity unless the preferred group is clearly busier */
+    if (aff && load_score(aff) <= best_score * 2 + 8 * 1024)
+        return aff;
     return best;
 }
 

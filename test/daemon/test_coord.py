@@ -412,6 +412,51 @@ def test_prefix_affinity_and_stepctl():
         assert s.stop() == 0
 
 
+def test_prefix_affinity_longest():
+    """Prefix-affine routing by the prefix chain (blocks of 16): a family of requests that
+    share a prefix stays on one group; families spread over the groups; and the table wins
+    over the first block's hash: a family served by another group while its hash's home was
+    down goes on to that group (which holds its prefix) after the home is back.  Off with
+    --prefix-affinity 0."""
+    s = Stepd()
+    engines = {g: s.start_engine(g, "--delay-ms", "1") for g in ("a", "b", "c", "d")}
+    s.wait_ready(4)
+    fam = lambda f, v: ([(100 + 37 * f + 3 * i) % 997 for i in range(48)] +  # noqa: E731
+                        [(500 + 31 * v + i) % 997 for i in range(16)])
+    route = lambda ids: collect(s.inf.Generate(gen_request(ids, 2), timeout=5))[2][0].group  # noqa: E731
+    homes = {}
+    for f in range(12):
+        groups = {route(fam(f, v)) for v in range(3)}
+        assert len(groups) == 1, (f, groups)    # one family, one group
+        homes[f] = groups.pop()
+    assert len(set(homes.values())) >= 3, homes  # families spread over the groups
+    # family 20's home (by its first block's hash) goes down; it is served elsewhere
+    probe = 20
+    home = route(fam(probe, 0))
+    engines[home].proc.kill()
+    engines[home].proc.wait()
+    t0 = time.time()
+    while s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=1).groups_ready > 3:
+        assert time.time() - t0 < 10, "group %s still ready after its engine died" % home
+        time.sleep(0.02)
+    other = route(fam(probe, 1))
+    assert other != home, (other, home)
+    engines[home] = s.start_engine(home, "--delay-ms", "1")
+    s.wait_ready(4)
+    # the home is back and idle; the table says `other` holds the family's 3 blocks
+    for v in range(2, 6):
+        assert route(fam(probe, v)) == other, (v, other, home)
+    assert s.metric("stepd:prefix_affinity_entries") >= 12 * 3
+    assert s.stop() == 0
+    s = Stepd("--prefix-affinity", "0")
+    s.start_engine("a", "--delay-ms", "1")
+    s.wait_ready(1)
+    route = lambda ids: collect(s.inf.Generate(gen_request(ids, 2), timeout=5))[2][0].group  # noqa: E731
+    route(fam(1, 1))
+    assert s.metric("stepd:prefix_affinity_entries") == 0
+    assert s.stop() == 0
+
+
 # ---------------------------------------------------------------- bad input (C8)
 
 def bad_cases():
@@ -1013,6 +1058,7 @@ if __name__ == "__main__":
         ("readopt", test_readopt),
         ("hung_worker", test_hung_worker),
         ("prefix_affinity_and_stepctl", test_prefix_affinity_and_stepctl),
+        ("prefix_affinity_longest", test_prefix_affinity_longest),
         ("bad_inputs", test_bad_inputs),
         ("overload", test_overload),
         ("slow_consumer", test_slow_consumer),

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "sha256.h"
+#include "prefix.h"
 
 enum { B_FREE, B_CACHED, B_HELD };
 
@@ -214,40 +214,15 @@ static int32_t sliding_lo_block(const struct kv_pool *kv, int32_t pos_lo)
 void kv_prefix_root(const uint8_t deploy_salt[KV_DIGEST_BYTES], const char *cache_salt, size_t n,
                     uint8_t ret_root[KV_DIGEST_BYTES])
 {
-    static const char tag[] = "stepd prefix cache v1";
-    uint8_t len[4] = { (uint8_t) n, (uint8_t) (n >> 8), (uint8_t) (n >> 16), (uint8_t) (n >> 24) };
-    struct sha256 s;
-
-    sha256_init(&s);
-    sha256_update(&s, tag, sizeof(tag));
-    sha256_update(&s, deploy_salt, KV_DIGEST_BYTES);
-    sha256_update(&s, len, sizeof(len));
-    if (cache_salt && n)
-        sha256_update(&s, cache_salt, n);
-    sha256_final(&s, ret_root);
+    prefix_root(deploy_salt, cache_salt, n, ret_root);
 }
 
-/* d = SHA-256(prev, little-endian token ids of one block), cut to digest_bits. */
+/* d = SHA-256(prev, little-endian token ids of one block) (common/prefix.h), cut to
+ * digest_bits. */
 static void block_digest(const struct kv_pool *kv, const uint8_t prev[KV_DIGEST_BYTES],
                          const int32_t *tokens, uint8_t d[KV_DIGEST_BYTES])
 {
-    uint8_t buf[256];
-    struct sha256 s;
-
-    sha256_init(&s);
-    sha256_update(&s, prev, KV_DIGEST_BYTES);
-    for (int i = 0; i < kv->block_size;) {
-        int n = 0;
-        for (; i < kv->block_size && n + 4 <= (int) sizeof(buf); i++, n += 4) {
-            uint32_t t = (uint32_t) tokens[i];
-            buf[n] = (uint8_t) t;
-            buf[n + 1] = (uint8_t) (t >> 8);
-            buf[n + 2] = (uint8_t) (t >> 16);
-            buf[n + 3] = (uint8_t) (t >> 24);
-        }
-        sha256_update(&s, buf, (size_t) n);
-    }
-    sha256_final(&s, d);
+    prefix_block_digest(prev, tokens, kv->block_size, d);
     int bits = kv->digest_bits;
     for (int i = 0; i < KV_DIGEST_BYTES; i++, bits -= 8)
         if (bits < 8)

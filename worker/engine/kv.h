@@ -42,12 +42,13 @@
 #include <stdint.h>
 
 #include "plan.h"
+#include "prefix.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define KV_DIGEST_BYTES 32
+#define KV_DIGEST_BYTES PREFIX_DIGEST_BYTES
 
 struct kv_pool;
 

@@ -170,6 +170,31 @@ static int jp_expect(struct jp *p, char c)
 }
 
 /* type of the value at p->i, for messages */
+/* The members of an object or the elements of an array, after its opening character:
+ *     bool first = true;
+ *     while ((r = jp_next(p, '}', &first)) > 0)
+ *         parse one member;
+ * 1: another one follows (its separating comma and the blanks around it consumed); 0: the
+ * closing character was next (consumed); <0: neither a comma nor the closing character. */
+static int jp_next(struct jp *p, char close, bool *first)
+{
+    jp_ws(p);
+    if (*first) {
+        *first = false;
+        if (p->i < p->n && p->s[p->i] == close) {
+            p->i++;
+            return 0;
+        }
+        return 1;
+    }
+    if (p->i < p->n && p->s[p->i] == ',') {
+        p->i++;
+        jp_ws(p);
+        return 1;
+    }
+    return jp_expect(p, close);
+}
+
 static const char *jp_describe(struct jp *p)
 {
     size_t i;
@@ -361,6 +386,7 @@ static int jp_u64(struct jp *p, const char *name, const char *what, size_t idx, 
 static int jp_u64_array(struct jp *p, const char *name, const char *what, size_t max_len, uint64_t *out,
                         size_t *ret_len)
 {
+    bool first = true;
     size_t k = 0;
     int r;
 
@@ -369,31 +395,18 @@ static int jp_u64_array(struct jp *p, const char *name, const char *what, size_t
         return err_set(p->e, -EBADMSG, "%s: tensor '%s': %s must be an array, got %s", p->fname, name, what,
                        jp_describe(p));
     p->i++;
-    jp_ws(p);
-    if (p->i < p->n && p->s[p->i] == ']') {
-        p->i++;
-        *ret_len = 0;
-        return 0;
-    }
-    for (;;) {
+    while ((r = jp_next(p, ']', &first)) > 0) {
         uint64_t v = 0;
-        jp_ws(p);
+
         r = jp_u64(p, name, what, k, &v);
         if (r < 0)
             return r;
         if (k < max_len)
             out[k] = v;
         k++;
-        jp_ws(p);
-        if (p->i < p->n && p->s[p->i] == ',') {
-            p->i++;
-            continue;
-        }
-        r = jp_expect(p, ']');
-        if (r < 0)
-            return r;
-        break;
     }
+    if (r < 0)
+        return r;
     if (k > max_len)
         return err_set(p->e, -E2BIG, "%s: tensor '%s': %s has %zu entries, at most %zu allowed", p->fname, name,
                        what, k, max_len);
@@ -409,6 +422,7 @@ static int cmp_cstr(const void *a, const void *b)
 static int jp_metadata(struct jp *p, struct sft_header *h)
 {
     char **keys = NULL;
+    bool first = true;
     size_t nk = 0;
     int r;
 
@@ -416,16 +430,10 @@ static int jp_metadata(struct jp *p, struct sft_header *h)
     if (p->i >= p->n || p->s[p->i] != '{')
         return err_set(p->e, -EBADMSG, "%s: __metadata__ must be an object, got %s", p->fname, jp_describe(p));
     p->i++;
-    jp_ws(p);
-    if (p->i < p->n && p->s[p->i] == '}') {
-        p->i++;
-        h->n_metadata = 0;
-        return 0;
-    }
     keys = calloc(SFT_METADATA_MAX + 1, sizeof(*keys));
     if (!keys)
         return err_set(p->e, -ENOMEM, "%s: out of memory", p->fname);
-    for (;;) {
+    while ((r = jp_next(p, '}', &first)) > 0) {
         char *k = NULL, *v = NULL;
         if (nk == SFT_METADATA_MAX) {
             r = err_set(p->e, -E2BIG, "%s: __metadata__ has more than %d entries", p->fname, SFT_METADATA_MAX);
@@ -448,16 +456,9 @@ static int jp_metadata(struct jp *p, struct sft_header *h)
         free(v);
         if (r < 0)
             goto out;
-        jp_ws(p);
-        if (p->i < p->n && p->s[p->i] == ',') {
-            p->i++;
-            continue;
-        }
-        r = jp_expect(p, '}');
-        if (r < 0)
-            goto out;
-        break;
     }
+    if (r < 0)
+        goto out;
     qsort(keys, nk, sizeof(*keys), cmp_cstr);
     for (size_t i = 1; i < nk; i++)
         if (strcmp(keys[i - 1], keys[i]) == 0) {
@@ -477,7 +478,7 @@ out:
 static int jp_tensor(struct jp *p, char *name, size_t name_len, struct sft_tensor *t)
 {
     uint64_t dims[TENSOR_MAX_DIMS], offs[2], numel = 1, bits;
-    bool have_dt = false, have_shape = false, have_off = false;
+    bool have_dt = false, have_shape = false, have_off = false, first = true;
     size_t nd = 0, no = 0;
     int r;
 
@@ -492,58 +493,47 @@ static int jp_tensor(struct jp *p, char *name, size_t name_len, struct sft_tenso
         return err_set(p->e, -EBADMSG, "%s: tensor '%s': entry must be an object, got %s", p->fname, name,
                        jp_describe(p));
     p->i++;
-    jp_ws(p);
-    if (p->i < p->n && p->s[p->i] == '}')
-        p->i++;
-    else
-        for (;;) {
-            char *k = NULL;
-            r = jp_string(p, &k, NULL);
-            if (r < 0)
-                return r;
-            r = jp_expect(p, ':');
-            if (r < 0) {
-                free(k);
-                return r;
-            }
-            if (strcmp(k, "dtype") == 0 && !have_dt) {
-                char *dt = NULL;
-                jp_ws(p);
-                if (p->i >= p->n || p->s[p->i] != '"')
-                    r = err_set(p->e, -EBADMSG, "%s: tensor '%s': dtype must be a string, got %s", p->fname,
-                                name, jp_describe(p));
-                else if ((r = jp_string(p, &dt, NULL)) == 0) {
-                    t->dtype = dtype_parse(dt);
-                    if (t->dtype == DTYPE_INVALID)
-                        r = err_set(p->e, -EPROTONOSUPPORT, "%s: tensor '%s': unknown dtype '%.32s'", p->fname,
-                                    name, dt);
-                    free(dt);
-                }
-                have_dt = true;
-            } else if (strcmp(k, "shape") == 0 && !have_shape) {
-                r = jp_u64_array(p, name, "shape", TENSOR_MAX_DIMS, dims, &nd);
-                have_shape = true;
-            } else if (strcmp(k, "data_offsets") == 0 && !have_off) {
-                r = jp_u64_array(p, name, "data_offsets", 2, offs, &no);
-                have_off = true;
-            } else if (strcmp(k, "dtype") == 0 || strcmp(k, "shape") == 0 || strcmp(k, "data_offsets") == 0) {
-                r = err_set(p->e, -EBADMSG, "%s: tensor '%s': duplicate key '%s'", p->fname, name, k);
-            } else {
-                r = err_set(p->e, -EBADMSG, "%s: tensor '%s': unexpected key '%.64s'", p->fname, name, k);
-            }
+    while ((r = jp_next(p, '}', &first)) > 0) {
+        char *k = NULL;
+        r = jp_string(p, &k, NULL);
+        if (r < 0)
+            return r;
+        r = jp_expect(p, ':');
+        if (r < 0) {
             free(k);
-            if (r < 0)
-                return r;
-            jp_ws(p);
-            if (p->i < p->n && p->s[p->i] == ',') {
-                p->i++;
-                continue;
-            }
-            r = jp_expect(p, '}');
-            if (r < 0)
-                return r;
-            break;
+            return r;
         }
+        if (strcmp(k, "dtype") == 0 && !have_dt) {
+            char *dt = NULL;
+            jp_ws(p);
+            if (p->i >= p->n || p->s[p->i] != '"')
+                r = err_set(p->e, -EBADMSG, "%s: tensor '%s': dtype must be a string, got %s", p->fname,
+                            name, jp_describe(p));
+            else if ((r = jp_string(p, &dt, NULL)) == 0) {
+                t->dtype = dtype_parse(dt);
+                if (t->dtype == DTYPE_INVALID)
+                    r = err_set(p->e, -EPROTONOSUPPORT, "%s: tensor '%s': unknown dtype '%.32s'", p->fname,
+                                name, dt);
+                free(dt);
+            }
+            have_dt = true;
+        } else if (strcmp(k, "shape") == 0 && !have_shape) {
+            r = jp_u64_array(p, name, "shape", TENSOR_MAX_DIMS, dims, &nd);
+            have_shape = true;
+        } else if (strcmp(k, "data_offsets") == 0 && !have_off) {
+            r = jp_u64_array(p, name, "data_offsets", 2, offs, &no);
+            have_off = true;
+        } else if (strcmp(k, "dtype") == 0 || strcmp(k, "shape") == 0 || strcmp(k, "data_offsets") == 0) {
+            r = err_set(p->e, -EBADMSG, "%s: tensor '%s': duplicate key '%s'", p->fname, name, k);
+        } else {
+            r = err_set(p->e, -EBADMSG, "%s: tensor '%s': unexpected key '%.64s'", p->fname, name, k);
+        }
+        free(k);
+        if (r < 0)
+            return r;
+    }
+    if (r < 0)
+        return r;
     if (!have_dt || !have_shape || !have_off)
         return err_set(p->e, -EBADMSG, "%s: tensor '%s': missing '%s'", p->fname, name,
                        !have_dt ? "dtype" : !have_shape ? "shape" : "data_offsets");
@@ -581,7 +571,7 @@ int sft_header_parse(const char *text, size_t len, const char *fname, struct sft
     struct sft_tensor **by_off = NULL;
     struct jp p = { .s = text, .n = len, .fname = fname, .e = e };
     size_t cap = 0;
-    bool have_meta = false;
+    bool have_meta = false, first = true;
     int r;
 
     *ret = h;
@@ -596,46 +586,35 @@ int sft_header_parse(const char *text, size_t len, const char *fname, struct sft
     r = jp_expect(&p, '{');
     if (r < 0)
         goto out;
-    jp_ws(&p);
-    if (p.i < p.n && p.s[p.i] == '}')
-        p.i++;
-    else
-        for (;;) {
-            char *key = NULL;
-            size_t kl;
-            r = jp_string(&p, &key, &kl);
-            if (r < 0)
-                goto out;
-            r = jp_expect(&p, ':');
-            if (r < 0) {
-                free(key);
-                goto out;
-            }
-            if (strcmp(key, "__metadata__") == 0) {
-                free(key);
-                if (have_meta) {
-                    r = err_set(e, -EBADMSG, "%s: __metadata__ appears twice", fname);
-                    goto out;
-                }
-                have_meta = true;
-                r = jp_metadata(&p, &h);
-            } else {
-                BUG_ON(h.n_tensors >= cap);
-                r = jp_tensor(&p, key, kl, &h.tensors[h.n_tensors]);
-                h.n_tensors++;   /* the name is owned by the header even on failure */
-            }
-            if (r < 0)
-                goto out;
-            jp_ws(&p);
-            if (p.i < p.n && p.s[p.i] == ',') {
-                p.i++;
-                continue;
-            }
-            r = jp_expect(&p, '}');
-            if (r < 0)
-                goto out;
-            break;
+    while ((r = jp_next(&p, '}', &first)) > 0) {
+        char *key = NULL;
+        size_t kl;
+        r = jp_string(&p, &key, &kl);
+        if (r < 0)
+            goto out;
+        r = jp_expect(&p, ':');
+        if (r < 0) {
+            free(key);
+            goto out;
         }
+        if (strcmp(key, "__metadata__") == 0) {
+            free(key);
+            if (have_meta) {
+                r = err_set(e, -EBADMSG, "%s: __metadata__ appears twice", fname);
+                goto out;
+            }
+            have_meta = true;
+            r = jp_metadata(&p, &h);
+        } else {
+            BUG_ON(h.n_tensors >= cap);
+            r = jp_tensor(&p, key, kl, &h.tensors[h.n_tensors]);
+            h.n_tensors++;   /* the name is owned by the header even on failure */
+        }
+        if (r < 0)
+            goto out;
+    }
+    if (r < 0)
+        goto out;
     jp_ws(&p);
     if (p.i != p.n) {
         r = jp_syntax(&p, "trailing characters after the header object");
@@ -947,14 +926,9 @@ static int jp_skip(struct jp *p, int depth)
     case '{':
     case '[': {
         char close = p->s[p->i] == '{' ? '}' : ']';
-        bool obj = close == '}';
+        bool obj = close == '}', first = true;
         p->i++;
-        jp_ws(p);
-        if (p->i < p->n && p->s[p->i] == close) {
-            p->i++;
-            return 0;
-        }
-        for (;;) {
+        while ((r = jp_next(p, close, &first)) > 0) {
             if (obj) {
                 char *k = NULL;
                 r = jp_string(p, &k, NULL);
@@ -968,13 +942,8 @@ static int jp_skip(struct jp *p, int depth)
             r = jp_skip(p, depth + 1);
             if (r < 0)
                 return r;
-            jp_ws(p);
-            if (p->i < p->n && p->s[p->i] == ',') {
-                p->i++;
-                continue;
-            }
-            return jp_expect(p, close);
         }
+        return r;
     }
     }
     if (p->n - p->i >= 4 && memcmp(p->s + p->i, "true", 4) == 0) {
@@ -1048,18 +1017,14 @@ static int index_weight_map(struct jp *p, struct idx_pair **ret_pairs, size_t *r
 {
     struct idx_pair *pairs = NULL;
     size_t n = 0, cap = 0;
+    bool first = true;
     int r;
 
     jp_ws(p);
     if (p->i >= p->n || p->s[p->i] != '{')
         return err_set(p->e, -EINVAL, "%s: weight_map: expected an object, got %s", p->fname, jp_describe(p));
     p->i++;
-    jp_ws(p);
-    if (p->i < p->n && p->s[p->i] == '}') {
-        p->i++;
-        goto done;
-    }
-    for (;;) {
+    while ((r = jp_next(p, '}', &first)) > 0) {
         char *k = NULL, *v = NULL;
         size_t kl;
         if (n == SFT_TENSORS_MAX) {
@@ -1100,17 +1065,9 @@ static int index_weight_map(struct jp *p, struct idx_pair **ret_pairs, size_t *r
         pairs[n].name = k;
         pairs[n].shard = v;
         n++;
-        jp_ws(p);
-        if (p->i < p->n && p->s[p->i] == ',') {
-            p->i++;
-            continue;
-        }
-        r = jp_expect(p, '}');
-        if (r < 0)
-            goto fail;
-        break;
     }
-done:
+    if (r < 0)
+        goto fail;
     *ret_pairs = pairs;
     *ret_n = n;
     return 0;
@@ -1129,7 +1086,7 @@ int sft_index_parse(const char *text, size_t len, const char *fname, struct sft_
     struct sft_index idx = { 0 };
     struct idx_pair *pairs = NULL;
     struct jp p = { .s = text, .n = len, .fname = fname, .e = e };
-    bool have_meta = false, have_wm = false;
+    bool have_meta = false, have_wm = false, first = true;
     size_t n = 0, ns = 0;
     int r;
 
@@ -1143,48 +1100,37 @@ int sft_index_parse(const char *text, size_t len, const char *fname, struct sft_
     if (p.i >= p.n || p.s[p.i] != '{')
         return err_set(e, -EBADMSG, "%s: must be a JSON object, got %s", fname, jp_describe(&p));
     p.i++;
-    jp_ws(&p);
-    if (p.i < p.n && p.s[p.i] == '}')
-        p.i++;
-    else
-        for (;;) {
-            char *k = NULL;
-            r = jp_string(&p, &k, NULL);
-            if (r < 0)
-                goto out;
-            r = jp_expect(&p, ':');
-            if (r == 0 && strcmp(k, "weight_map") == 0) {
-                if (have_wm)
-                    r = err_set(e, -EBADMSG, "%s: weight_map: duplicate key", fname);
-                else
-                    r = index_weight_map(&p, &pairs, &n);
-                have_wm = true;
-            } else if (r == 0 && strcmp(k, "metadata") == 0) {
-                /* never trusted (total_size is stale in qstream output): shape check only */
-                jp_ws(&p);
-                if (have_meta)
-                    r = err_set(e, -EBADMSG, "%s: metadata: duplicate key", fname);
-                else if (p.i >= p.n || p.s[p.i] != '{')
-                    r = err_set(e, -EINVAL, "%s: metadata: expected an object, got %s", fname, jp_describe(&p));
-                else
-                    r = jp_skip(&p, 1);
-                have_meta = true;
-            } else if (r == 0) {
-                r = jp_skip(&p, 1);
-            }
-            free(k);
-            if (r < 0)
-                goto out;
+    while ((r = jp_next(&p, '}', &first)) > 0) {
+        char *k = NULL;
+        r = jp_string(&p, &k, NULL);
+        if (r < 0)
+            goto out;
+        r = jp_expect(&p, ':');
+        if (r == 0 && strcmp(k, "weight_map") == 0) {
+            if (have_wm)
+                r = err_set(e, -EBADMSG, "%s: weight_map: duplicate key", fname);
+            else
+                r = index_weight_map(&p, &pairs, &n);
+            have_wm = true;
+        } else if (r == 0 && strcmp(k, "metadata") == 0) {
+            /* never trusted (total_size is stale in qstream output): shape check only */
             jp_ws(&p);
-            if (p.i < p.n && p.s[p.i] == ',') {
-                p.i++;
-                continue;
-            }
-            r = jp_expect(&p, '}');
-            if (r < 0)
-                goto out;
-            break;
+            if (have_meta)
+                r = err_set(e, -EBADMSG, "%s: metadata: duplicate key", fname);
+            else if (p.i >= p.n || p.s[p.i] != '{')
+                r = err_set(e, -EINVAL, "%s: metadata: expected an object, got %s", fname, jp_describe(&p));
+            else
+                r = jp_skip(&p, 1);
+            have_meta = true;
+        } else if (r == 0) {
+            r = jp_skip(&p, 1);
         }
+        free(k);
+        if (r < 0)
+            goto out;
+    }
+    if (r < 0)
+        goto out;
     jp_ws(&p);
     if (p.i != p.n) {
         r = jp_syntax(&p, "trailing characters after the index object");

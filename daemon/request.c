@@ -117,6 +117,15 @@ int request_add_logit_bias(struct request_sampling *sp, int32_t id, float bias)
     return 0;
 }
 
+/* The sampling scalars that are the same field in struct request_sampling and in the
+ * proto's SamplingParams: X(presence bit, field). */
+#define SAMPLING_SCALARS(X) \
+    X(RO_TEMPERATURE, temperature) X(RO_TOP_P, top_p) X(RO_TOP_K, top_k) X(RO_MIN_P, min_p) \
+    X(RO_REPETITION_PENALTY, repetition_penalty) X(RO_PRESENCE_PENALTY, presence_penalty) \
+    X(RO_FREQUENCY_PENALTY, frequency_penalty) X(RO_MAX_TOKENS, max_tokens) \
+    X(RO_MIN_TOKENS, min_tokens) X(RO_SEED, seed) X(RO_LOGPROBS, logprobs) \
+    X(RO_IGNORE_EOS, ignore_eos) X(RO_N, n) X(RO_SKIP_SPECIAL_TOKENS, skip_special_tokens)
+
 /* ------------------------------------------------------------------ to the engine */
 
 int engine_sampling_build(const struct request_sampling *sp, struct engine_sampling *es,
@@ -126,21 +135,8 @@ int engine_sampling_build(const struct request_sampling *sp, struct engine_sampl
 
     es->entries = es->pentries = NULL;
     stepd__v1__sampling_params__init(p);
-#define OPT(o, f) do { if (REQUEST_HAS(sp, o)) PB_SET(p, f, sp->f); } while (0)
-    OPT(RO_TEMPERATURE, temperature);
-    OPT(RO_TOP_P, top_p);
-    OPT(RO_TOP_K, top_k);
-    OPT(RO_MIN_P, min_p);
-    OPT(RO_REPETITION_PENALTY, repetition_penalty);
-    OPT(RO_PRESENCE_PENALTY, presence_penalty);
-    OPT(RO_FREQUENCY_PENALTY, frequency_penalty);
-    OPT(RO_MAX_TOKENS, max_tokens);
-    OPT(RO_MIN_TOKENS, min_tokens);
-    OPT(RO_SEED, seed);
-    OPT(RO_LOGPROBS, logprobs);
-    OPT(RO_IGNORE_EOS, ignore_eos);
-    OPT(RO_N, n);
-    OPT(RO_SKIP_SPECIAL_TOKENS, skip_special_tokens);
+#define OPT(o, f) if (REQUEST_HAS(sp, o)) PB_SET(p, f, sp->f);
+    SAMPLING_SCALARS(OPT)
 #undef OPT
     if (REQUEST_HAS(sp, RO_INCLUDE_STOP_STR))
         PB_SET(p, include_stop_str_in_output, sp->include_stop_str);
@@ -181,21 +177,8 @@ static int sampling_from_proto(const Stepd__V1__SamplingParams *p, struct reques
 {
     if (!p)
         return 0;
-#define OPT(o, f) do { if (PB_HAS(p, f)) REQUEST_SET(sp, o, f, p->f); } while (0)
-    OPT(RO_TEMPERATURE, temperature);
-    OPT(RO_TOP_P, top_p);
-    OPT(RO_TOP_K, top_k);
-    OPT(RO_MIN_P, min_p);
-    OPT(RO_REPETITION_PENALTY, repetition_penalty);
-    OPT(RO_PRESENCE_PENALTY, presence_penalty);
-    OPT(RO_FREQUENCY_PENALTY, frequency_penalty);
-    OPT(RO_MAX_TOKENS, max_tokens);
-    OPT(RO_MIN_TOKENS, min_tokens);
-    OPT(RO_SEED, seed);
-    OPT(RO_LOGPROBS, logprobs);
-    OPT(RO_IGNORE_EOS, ignore_eos);
-    OPT(RO_N, n);
-    OPT(RO_SKIP_SPECIAL_TOKENS, skip_special_tokens);
+#define OPT(o, f) if (PB_HAS(p, f)) REQUEST_SET(sp, o, f, p->f);
+    SAMPLING_SCALARS(OPT)
 #undef OPT
     if (PB_HAS(p, include_stop_str_in_output))
         REQUEST_SET(sp, RO_INCLUDE_STOP_STR, include_stop_str, p->include_stop_str_in_output);

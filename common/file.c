@@ -16,7 +16,7 @@ int file_read_all(const char *path, size_t max, unsigned flags, char **ret, size
     ssize_t got;
     int fd, r = 0;
 
-    fd = open(path, O_RDONLY | O_CLOEXEC | ((flags & FILE_REGULAR) ? O_NOFOLLOW : 0));
+    fd = open(path, O_RDONLY | O_CLOEXEC | ((flags & FILE_NOFOLLOW) ? O_NOFOLLOW : 0));
     if (fd < 0)
         return -errno;
     if ((flags & FILE_REGULAR) && (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode))) {

@@ -4,7 +4,8 @@
 #include <stddef.h>
 
 enum file_flags {
-    FILE_REGULAR = 1,       /* refuse symlinks (O_NOFOLLOW) and anything but a regular file */
+    FILE_REGULAR = 1,       /* refuse anything but a regular file (-EBADF) */
+    FILE_NOFOLLOW = 2,      /* refuse a symlink (-ELOOP) */
 };
 
 /* Read all of path, at most max bytes (-EFBIG beyond), into a malloc'd NUL-terminated

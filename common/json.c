@@ -2,13 +2,12 @@
 #include "json.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
+
+#include "file.h"
 
 int json_parse_text(const char *buf, size_t len, const char *name, json_t **ret, struct err_buf *e)
 {
@@ -26,50 +25,19 @@ int json_parse_text(const char *buf, size_t len, const char *name, json_t **ret,
 
 int json_parse_file(const char *path, size_t max_bytes, json_t **ret, struct err_buf *e)
 {
-    struct stat st;
-    char *buf = NULL;
-    size_t got = 0;
-    int fd, r;
+    char *buf;
+    size_t len;
+    int r = file_read_all(path, max_bytes, FILE_REGULAR, &buf, &len);
 
     *ret = NULL;
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return err_set(e, -errno, "%s: cannot open: %s", path, err_str(errno));
-    if (fstat(fd, &st) < 0) {
-        r = err_set(e, -errno, "%s: cannot stat: %s", path, err_str(errno));
-        goto out_close;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        r = err_set(e, -EINVAL, "%s: not a regular file", path);
-        goto out_close;
-    }
-    if ((uint64_t) st.st_size > max_bytes) {
-        r = err_set(e, -EFBIG, "%s: %lld bytes, more than the %zu allowed", path,
-                    (long long) st.st_size, max_bytes);
-        goto out_close;
-    }
-    buf = malloc((size_t) st.st_size + 1);
-    if (!buf) {
-        r = err_set(e, -ENOMEM, "%s: out of memory", path);
-        goto out_close;
-    }
-    while (got < (size_t) st.st_size) {
-        ssize_t n = read(fd, buf + got, (size_t) st.st_size - got);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0) {
-            r = err_set(e, -errno, "%s: read failed: %s", path, err_str(errno));
-            goto out_free;
-        }
-        if (n == 0)
-            break;
-        got += (size_t) n;
-    }
-    r = json_parse_text(buf, got, path, ret, e);
-out_free:
+    if (r == -EFBIG)
+        return err_set(e, r, "%s: more than the %zu bytes allowed", path, max_bytes);
+    if (r == -EBADF)
+        return err_set(e, -EINVAL, "%s: not a regular file", path);
+    if (r < 0)
+        return err_set(e, r, "%s: cannot open: %s", path, err_str(r));
+    r = json_parse_text(buf, len, path, ret, e);
     free(buf);
-out_close:
-    close(fd);
     return r;
 }
 

@@ -76,7 +76,7 @@ int worker_rendezvous_dir(const char *dir, const char *group, int rank, int worl
             if (ret->addr[i])
                 continue;
             rdv_path(path, sizeof(path), dir, group, i);
-            r = file_read_all(path, PEER_ADDR_MAX, FILE_REGULAR, &buf, &ret->len[i]);
+            r = file_read_all(path, PEER_ADDR_MAX, FILE_REGULAR | FILE_NOFOLLOW, &buf, &ret->len[i]);
             if (r == 0 && ret->len[i] == 0) {
                 free(buf);
                 r = -EMSGSIZE;      /* being written? the rename makes that impossible */

@@ -261,6 +261,9 @@ static bool model_served(const struct coord *co, const char *model)
         return true;
     if (co->model.known && strcmp(model, co->model.name) == 0)
         return true;
+    for (size_t i = 0; i < co->o.n_model_aliases; i++)
+        if (strcmp(model, co->o.model_aliases[i]) == 0)
+            return true;
     return co->o.model_name && strcmp(model, co->o.model_name) == 0;
 }
 

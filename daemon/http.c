@@ -90,10 +90,13 @@ struct http_server {
     uv_timer_t timer, sweep;
     struct http_conn *conns;
     unsigned active;
+    int closing;                    /* handles still closing (stop) */
+    bool run_soon;                  /* the timer is set to run MHD at the next turn */
     char *tls_cert, *tls_key, *tls_ca;
 };
 
 static void server_run(struct http_server *s);
+static void conn_suspend(struct http_req *hr);
 
 /* ------------------------------------------------------------------ errors */
 
@@ -145,6 +148,11 @@ static void watch_stop(struct http_conn *c)
     }
 }
 
+static void timer_cb(uv_timer_t *t);
+
+/* Resume hr's connection and have MHD run at the loop's next turn: in external epoll mode a
+ * resume does not wake MHD's epoll fd (measured: it waited for the next timeout), and one run
+ * serves every connection resumed meanwhile (one engine step's tokens for all streams). */
 static void req_resume(struct http_req *hr)
 {
     if (!hr->suspended)
@@ -152,6 +160,10 @@ static void req_resume(struct http_req *hr)
     hr->suspended = false;
     watch_stop(hr->c);
     MHD_resume_connection(hr->mc);
+    if (!hr->s->run_soon) {
+        hr->s->run_soon = true;
+        uv_timer_start(&hr->s->timer, timer_cb, 0, 0);
+    }
 }
 
 /* Hand hr's response to MHD: now (in its handler, the access callback queues it) or, the
@@ -236,8 +248,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
     if (hr->stream_ended)
         return MHD_CONTENT_READER_END_OF_STREAM;
     /* nothing to send: wait for the next write (http_stream_write resumes) */
-    MHD_suspend_connection(hr->mc);
-    hr->suspended = true;
+    conn_suspend(hr);
     return 0;
 }
 
@@ -650,7 +661,10 @@ static void server_run(struct http_server *s)
 
     if (!s->d)
         return;
+    s->run_soon = false;
     MHD_run(s->d);
+    if (s->run_soon)
+        return;     /* resumed during the run: the timer runs it again */
     if (MHD_get_timeout(s->d, &to) == MHD_YES)
         uv_timer_start(&s->timer, timer_cb, to, 0);
     else
@@ -858,6 +872,8 @@ static void server_freed(uv_handle_t *h)
 {
     struct http_server *s = h->data;
 
+    if (--s->closing > 0)
+        return;     /* the last of its three handles frees it */
     if (s->tls_key) {
         memset(s->tls_key, 0, strlen(s->tls_key));
         free(s->tls_key);
@@ -870,11 +886,6 @@ static void server_freed(uv_handle_t *h)
     }
     free(s->name);
     free(s);
-}
-
-static void handle_closed(uv_handle_t *h)
-{
-    (void)h;
 }
 
 void http_server_stop(struct http_server *s)
@@ -893,7 +904,8 @@ void http_server_stop(struct http_server *s)
         MHD_stop_daemon(s->d);     /* closes the listen socket unless quiesced */
         s->d = NULL;
     }
-    uv_close((uv_handle_t *)&s->timer, handle_closed);
-    uv_close((uv_handle_t *)&s->sweep, handle_closed);
+    s->closing = 3;
+    uv_close((uv_handle_t *)&s->timer, server_freed);
+    uv_close((uv_handle_t *)&s->sweep, server_freed);
     uv_close((uv_handle_t *)&s->poll, server_freed);
 }

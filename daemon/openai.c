@@ -252,9 +252,11 @@ struct oai_choice {
     struct strbuf text, reasoning, content;
     struct oai_call *calls;
     size_t n_calls;
+    size_t calls_started;           /* tool calls seen (streaming too) */
     struct strbuf logprobs;         /* chat: the entries, comma-separated */
     size_t n_lp;
     struct lp_parts lpp;            /* completions */
+    struct strbuf ids;              /* return_token_ids: the output's ids, comma-separated */
     size_t text_off;                /* completions: bytes of output so far */
     /* the Final */
     int finish;                     /* Stepd__V1__FinishReason */
@@ -268,7 +270,7 @@ struct oai_choice {
 struct oai_gen {
     struct coord *co;
     struct http_req *hr;            /* NULL once the client is gone or the answer is given */
-    bool chat, stream, include_usage, continuous_usage, logprobs;
+    bool chat, stream, include_usage, continuous_usage, logprobs, return_ids;
     bool started;                   /* stream: headers and role chunks sent */
     bool failed, busy, answered, freeing, cancel_pending;
     int fail_status;
@@ -296,6 +298,7 @@ static void gen_freed(uv_handle_t *h)
         strbuf_done(&c->content);
         strbuf_done(&c->logprobs);
         lp_parts_done(&c->lpp);
+        strbuf_done(&c->ids);
         strbuf_done(&c->ext);
         for (size_t k = 0; k < c->n_calls; k++) {
             free(c->calls[k].name);
@@ -373,7 +376,7 @@ static const char *finish_name(const struct oai_gen *g, const struct oai_choice 
 {
     switch (c->finish) {
     case STEPD__V1__FINISH_REASON__FINISH_REASON_STOP:
-        return c->n_calls && g->chat ? "tool_calls" : "stop";
+        return c->calls_started && g->chat ? "tool_calls" : "stop";
     case STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH:
         return "length";
     case STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT:
@@ -585,13 +588,19 @@ static int stream_begin(struct oai_gen *g)
 static void stream_delta(struct oai_gen *g, struct oai_choice *c, const Stepd__V1__Chunk *ch, struct strbuf *b)
 {
     const struct tokenizer *tok = g->co->tok;
-    bool any = ch->n_logprobs || ch->n_tool_calls || (g->chat ? ch->content_delta[0] || ch->reasoning_delta[0]
-                                                                  : ch->text[0] != 0);
+    bool any = ch->n_logprobs || ch->n_tool_calls || (g->return_ids && ch->n_token_ids) ||
+               (g->chat ? ch->content_delta[0] || ch->reasoning_delta[0] : ch->text[0] != 0);
 
     if (!any && !(g->continuous_usage && ch->usage))
         return;
     chunk_head(b, g);
     strbuf_printf(b, "{\"index\":%u,", c->index);
+    if (g->return_ids) {
+        strbuf_adds(b, "\"token_ids\":[");
+        for (size_t i = 0; i < ch->n_token_ids; i++)
+            strbuf_printf(b, "%s%d", i ? "," : "", ch->token_ids[i]);
+        strbuf_adds(b, "],");
+    }
     if (g->chat) {
         bool comma = false;
 
@@ -687,6 +696,8 @@ static void respond_whole(struct oai_gen *g)
         struct oai_choice *c = &g->ch[i];
 
         strbuf_printf(&b, "%s{\"index\":%u,", i ? "," : "", i);
+        if (g->return_ids)
+            strbuf_printf(&b, "\"token_ids\":[%s],", strbuf_str(&c->ids));
         if (g->chat) {
             strbuf_adds(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
             if (c->content.len || !c->n_calls)
@@ -807,6 +818,8 @@ static int oai_chunk(struct req *r, const Stepd__V1__Chunk *ch)
     struct oai_gen *g = c->g;
     int e = 0;
 
+    for (size_t k = 0; k < ch->n_tool_calls; k++)
+        c->calls_started += ch->tool_calls[k]->id[0] != 0;
     if (g->stream) {
         struct strbuf b = STRBUF_INIT;
 
@@ -835,6 +848,8 @@ static int oai_chunk(struct req *r, const Stepd__V1__Chunk *ch)
         return 0;
     }
     /* non-streaming: keep it all */
+    for (size_t i = 0; g->return_ids && i < ch->n_token_ids; i++)
+        strbuf_printf(&c->ids, "%s%d", c->ids.len ? "," : "", ch->token_ids[i]);
     strbuf_add(&c->text, ch->text, strlen(ch->text));
     strbuf_add(&c->reasoning, ch->reasoning_delta, strlen(ch->reasoning_delta));
     strbuf_add(&c->content, ch->content_delta, strlen(ch->content_delta));
@@ -1273,7 +1288,7 @@ static int tool_choice_conv(const json_t *body, struct request *in, char *msg, s
 }
 
 struct oai_opts {
-    bool stream, include_usage, continuous_usage, logprobs;
+    bool stream, include_usage, continuous_usage, logprobs, return_ids;
     int64_t n;
     const char *model;
 };
@@ -1469,8 +1484,10 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
     }
     if ((r = get_str(body, "user", &s, msg, len)) < 0)
         return r;
-    if ((r = get_bool(body, "stream", &x->stream, msg, len)) < 0)
+    if ((r = get_bool(body, "stream", &x->stream, msg, len)) < 0 ||
+        (r = get_bool(body, "return_token_ids", &x->return_ids, msg, len)) < 0)
         return r;
+    in->include_token_ids = x->return_ids;
     if ((so = json_object_get(body, "stream_options")) && !json_is_null(so)) {
         if (!json_is_object(so))
             BAD("stream_options: must be an object (got %s)", json_type_describe(so));
@@ -1589,6 +1606,7 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
     g->include_usage = x.include_usage;
     g->continuous_usage = x.continuous_usage;
     g->logprobs = x.logprobs;
+    g->return_ids = x.return_ids;
     g->created = (int64_t)time(NULL);
     g->n = g->live = (uint32_t)x.n;
     snprintf(g->model, sizeof(g->model), "%s", in->model);

@@ -28,10 +28,11 @@ WORKER = os.path.abspath(dl.build_binary("stepd-worker"))
 
 
 def start(d, extra):
-    ports = [pl.free_port() for _ in range(4)]
+    ports = [pl.free_port() for _ in range(5)]
     argv = [STEPD, "serve", MODEL, "--tensor-parallel-size", "2", "--threads", "1",
             "--listen", "127.0.0.1:%d" % ports[0], "--admin-listen", "127.0.0.1:%d" % ports[1],
-            "--control-listen", "127.0.0.1:%d" % ports[2], "--metrics-listen", "127.0.0.1:%d" % ports[3]] + extra
+            "--control-listen", "127.0.0.1:%d" % ports[2], "--metrics-listen", "127.0.0.1:%d" % ports[3],
+            "--port", str(ports[4])] + extra
     env = dict(os.environ, TMPDIR=d)
     return pl.Proc("serve", argv, env, d), ports
 

@@ -548,9 +548,19 @@ def test_tls_and_key():
     s = Stepd("--tokenizer", TOKENIZER, "--host", "0.0.0.0", "--tls-cert", p("server.crt"), "--tls-key",
               p("server.key"), env={"STEPD_API_KEY": key})
     s.start_engine("g0", "--vocab", str(VOCAB))
-    s.wait_ready(1)
-    import httpx2 as httpx
     ctx = ssl.create_default_context(cafile=p("ca.crt"))
+
+    def ready():
+        c = http.client.HTTPSConnection("localhost", s.ports["http"], context=ctx, timeout=5)
+        c.request("GET", "/ready")
+        st = c.getresponse().status
+        c.close()
+        return st == 200
+    wait_until(ready, timeout=10, what="ready over HTTPS")
+    try:
+        import httpx2 as httpx      # what this openai release is built on
+    except ImportError:
+        import httpx
     url = "https://localhost:%d/v1" % s.ports["http"]
     good = openai.OpenAI(base_url=url, api_key=key, max_retries=0, http_client=httpx.Client(verify=ctx))
     r = good.completions.create(model="mock-step", prompt="In the beginning", max_tokens=3)

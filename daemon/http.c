@@ -49,6 +49,7 @@ struct http_conn {
                                        or the end of the previous request) */
     struct http_req *cur;           /* the request in progress (handler reached) */
     int kill_stage;                 /* 1: 408 sent and write side shut; 2: shut down */
+    unsigned served;                /* requests completed on it (keep-alive) */
     bool watch_init, watching, closing;
     uv_poll_t watch;                /* while suspended: the peer's hang-up */
     char peer[96];
@@ -469,6 +470,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
     *con_cls = NULL;
     if (hr->c) {
         hr->c->cur = NULL;
+        hr->c->served++;
         hr->c->t_base = rpc_now_ms();
         watch_stop(hr->c);
     }
@@ -686,9 +688,12 @@ static void sweep_cb(uv_timer_t *t)
         if (now - since < (int64_t)s->o.timeout_ms)
             continue;
         if (c->kill_stage == 0) {
-            log_info("%s: client %s did not send its request within %u ms: closing", s->name, c->peer,
-                     s->o.timeout_ms);
-            if (!c->tls) {
+            if (hr || !c->served)
+                log_info("%s: client %s did not send its request within %u ms: closing", s->name, c->peer,
+                         s->o.timeout_ms);
+            /* an idle keep-alive connection is closed without a word (a client that sends its
+             * next request just then must not read a 408 as its answer) */
+            if (!c->tls && (hr || !c->served)) {
                 /* nothing went out on this connection for this request: a 408 of our own */
                 char msg[160], head[256];
                 char *body;

@@ -1370,6 +1370,7 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
                 BAD("prompt: must not contain NUL characters");
         } else if (json_is_array(p) && (json_array_size(p) == 0 || json_is_integer(json_array_get(p, 0)))) {
             in->input = REQUEST_INPUT_TOKENS;
+            in->text_output = true;
             if ((r = ids_conv(p, "prompt", &in->token_ids, &in->n_token_ids, 1u << 24, msg, len)) < 0)
                 return r;
         } else if (json_is_array(p)) {

@@ -950,7 +950,7 @@ static struct req *req_new(struct coord *co, struct request *in, const struct re
     r->t_arrival = rpc_now_ms();
     r->deadline_ms = o->deadline_ms;
     choice_id(base_id, o->n, i, r->id, sizeof(r->id));
-    r->text_mode = in->input != REQUEST_INPUT_TOKENS;
+    r->text_mode = in->input != REQUEST_INPUT_TOKENS || (in->text_output && co->tok);
     r->want_ids = in->include_token_ids;
     r->continuous_usage = in->continuous_usage_stats;
     r->in_reasoning = in->input == REQUEST_INPUT_CHAT && co->o.reasoning_parser &&
@@ -1063,7 +1063,7 @@ void req_submit(struct coord *co, struct request *in, const struct req_origin *o
     /* the prompt, once for the n choices */
     struct req *r0 = rs[0];
     e = req_build_prompt(r0, err, sizeof(err));
-    if (e == 0 && r0->text_mode)
+    if (e == 0 && r0->text_mode && in->input != REQUEST_INPUT_TOKENS)
         e = prompt_check(r0, err, sizeof(err));
     for (uint32_t i = 1; e == 0 && i < o->n; i++) {
         rs[i]->prompt = malloc(r0->n_prompt * sizeof(int32_t));

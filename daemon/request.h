@@ -130,6 +130,7 @@ struct request {
     char *cache_salt;               /* prefix-cache isolation ("" = the deployment's only) */
     bool continuous_usage_stats;
     bool include_token_ids;
+    bool text_output;               /* TOKENS: detokenize the output too (the HTTP door) */
     const char *const *names;       /* [_RN_MAX]: the door's field names */
     unsigned refs;                  /* the n requests of one n > 1 ask share it */
 };

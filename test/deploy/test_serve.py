@@ -69,7 +69,7 @@ def stop(p):
 
 
 def test_recovery(d):
-    p, (pub, adm, _, _) = start(d, ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}',
+    p, (pub, adm, _, _, _) = start(d, ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}',
                                     "--spec-log-interval", "1"])
     try:
         pl.wait_until(lambda: ready(pub), 60, "readiness")
@@ -112,7 +112,7 @@ def test_give_up(d):
                              "exec '%s' \"$@\"\n" % WORKER)
     os.chmod(wrapper, 0o755)
     limit = 3
-    p, (pub, adm, _, met) = start(d, ["--worker-binary", wrapper, "--worker-restart-limit", str(limit),
+    p, (pub, adm, _, met, _) = start(d, ["--worker-binary", wrapper, "--worker-restart-limit", str(limit),
                                       "--worker-backoff-ms", "200"])
     try:
         pl.wait_until(lambda: "given up" in p.text(), 60, "the group given up")

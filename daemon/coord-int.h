@@ -1,10 +1,11 @@
 /* coord-int.h - the coordinator's internal objects, shared by coord.c, req.c,
- * wpool.c and metrics.c. Everything here runs on the one loop thread.
+ * wpool.c, openai.c and metrics.c. Everything here runs on the one loop thread.
  *
- * Ownership: struct coord owns the loop, the rpc context and servers, the groups
- * (struct group, wpool.c) and the live requests (struct req, req.c). A request is
- * freed when both its client call is finished and its engine call has delivered
- * on_done (req_maybe_free). An engine connection (struct engine_conn) is shared by
+ * Ownership: struct coord owns the loop, the rpc context and servers, the HTTP servers
+ * (http.c), the groups (struct group, wpool.c) and the live requests (struct req, req.c).
+ * A request is freed when both its client side (its door: the gRPC call or the HTTP
+ * request, struct req_client_ops) has ended and its engine call has delivered on_done
+ * (req_free_if_done). An engine connection (struct engine_conn) is shared by
  * the requests, aborts and load polls that use it and outlives its group if calls
  * are still draining.
  */

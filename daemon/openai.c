@@ -1311,6 +1311,7 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
         return r;
     if (!x->model)
         BAD("model: required (one of the names of GET /v1/models)");
+    free(in->model);
     if (!(in->model = strdup(x->model)))
         return -ENOMEM;
     if ((r = get_str(body, "request_id", &s, msg, len)) < 0)

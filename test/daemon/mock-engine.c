@@ -1044,5 +1044,6 @@ int main(int argc, char **argv)
     /* exit without a full teardown: the test harness only needs a clean exit code */
     stats_write(m);
     fprintf(stderr, "mock-engine %s/%u: exit (generate=%" PRIu64 ")\n", m->group, m->rank, m->n_generate);
+    free(m->script);
     return 0;
 }

@@ -66,20 +66,32 @@ def mock_stepd(*args, mock_args=(), env=None):
     return s
 
 
+CLOSED = []     # raw(): whether the server closed the connection (last call)
+
+
 def raw(port, data, timeout=10):
-    """Send raw bytes, read the whole answer (until the server closes or timeout)."""
+    """Send raw bytes, read the whole answer (until the server closes or timeout; CLOSED[-1]
+    says which)."""
     c = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    c.sendall(data)
     out = b""
+    closed = False
+    try:
+        c.sendall(data)
+    except OSError:
+        pass        # the server may close before it has read everything
     try:
         while True:
             b = c.recv(65536)
             if not b:
+                closed = True
                 break
             out += b
     except socket.timeout:
         pass
+    except OSError:
+        closed = True
     c.close()
+    CLOSED.append(closed)
     return out
 
 
@@ -156,8 +168,11 @@ def test_openai_client():
     r = c.completions.create(model="tiny", prompt=[10, 20, 30], max_tokens=4, extra_body={"return_token_ids": True})
     ids = r.choices[0].model_extra["token_ids"]
     assert ids == [(60 + 7 * i + 1) % VOCAB for i in range(4)], ids
+    before = s.engines[0].stats().get("generate", 0)
     r = c.chat.completions.create(model="tiny", messages=chat_msgs(), max_tokens=3, n=3, seed=7)
     assert [x.index for x in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 9, r
+    after = s.engines[0].stats().get("generate", 0)
+    assert after - before == 3, (before, after)           # n engine requests sharing the prompt
     ids = [e["request_id"] for e in r.model_extra["stepd"]["choices"]]
     assert len(set(ids)) == 3 and all(i.endswith("-%d" % k) for k, i in enumerate(ids)), ids
     # errors: the type and status the client maps them to
@@ -421,6 +436,7 @@ def test_bad_inputs():
     out = raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(big)
               + big[:1000])
     assert out.startswith(b"HTTP/1.1 413") and b"65536 bytes" in out and b"request_too_large" in out, out[:300]
+    assert CLOSED[-1], "the connection stayed open after a 413"
     # ... and one sent chunked, without a length: read and dropped, then 413
     chunk = b"%x\r\n%s\r\n" % (32768, b"y" * 32768)
     out = raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
@@ -428,7 +444,7 @@ def test_bad_inputs():
     assert out.startswith(b"HTTP/1.1 413"), out[:300]
     # a 1 MB header: 431, the connection closed
     out = raw(s.ports["http"], b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
-    assert out.startswith(b"HTTP/1.1 431"), out[:300]
+    assert out.startswith(b"HTTP/1.1 431") and CLOSED[-1], out[:300]
     # slow loris: headers a byte at a time; cut after --http-timeout (2 s) with 408, while
     # others are served
     lor = socket.create_connection(("127.0.0.1", s.ports["http"]))

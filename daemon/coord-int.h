@@ -1,10 +1,11 @@
 /* coord-int.h - the coordinator's internal objects, shared by coord.c, req.c,
- * wpool.c and metrics.c. Everything here runs on the one loop thread.
+ * wpool.c, openai.c and metrics.c. Everything here runs on the one loop thread.
  *
- * Ownership: struct coord owns the loop, the rpc context and servers, the groups
- * (struct group, wpool.c) and the live requests (struct req, req.c). A request is
- * freed when both its client call is finished and its engine call has delivered
- * on_done (req_maybe_free). An engine connection (struct engine_conn) is shared by
+ * Ownership: struct coord owns the loop, the rpc context and servers, the HTTP servers
+ * (http.c), the groups (struct group, wpool.c) and the live requests (struct req, req.c).
+ * A request is freed when both its client side (its door: the gRPC call or the HTTP
+ * request, struct req_client_ops) has ended and its engine call has delivered on_done
+ * (req_free_if_done). An engine connection (struct engine_conn) is shared by
  * the requests, aborts and load polls that use it and outlives its group if calls
  * are still draining.
  */
@@ -85,8 +86,6 @@ void metrics_init(struct metrics *m);
 void metrics_observe(struct histogram *h, double v);
 /* Render Prometheus text exposition into a malloc'd string. */
 char *metrics_render(struct coord *co, size_t *ret_len);
-int metrics_http_start(struct coord *co, const char *addr);
-void metrics_http_stop(struct coord *co);
 
 /* ------------------------------------------------------------------ model */
 
@@ -192,6 +191,33 @@ const char *group_state_name(enum group_state s);
 
 /* ------------------------------------------------------------------ requests (req.c) */
 
+/* Who asked (both doors), for the log and for scoping what a caller may touch: the key it
+ * presented (a hash, never the key) and its connection. */
+struct req_caller {
+    bool keyed;                     /* it presented the API key */
+    uint64_t key_hash;              /* coord_fnv1a of the key it presented (keyed) */
+    char peer[96];                  /* "ipv4:127.0.0.1:4242", "ipv6:[::1]:4242", "unix:..." */
+};
+
+/* The client side of a request: the door it came through (the gRPC call of
+ * Inference.Generate, or an HTTP request of the OpenAI API).  req.c drives every request the
+ * same way and tells its door only this:
+ *   chunk    one Chunk of new output; 0, or <0 when the door has given up on its client
+ *            (a slow reader): it has then ended its side itself (req_client_detach), and
+ *            req.c stops the engine
+ *   final    the request's Final: the door ends its side OK
+ *   end      the request ends with a status (enum rpc_status: the door maps it to its own
+ *            codes); retry_ms > 0: the client may retry after that long (queue full)
+ *   watch    the request is admitted: from now on the door reports its client going away
+ *            (req_client_cancel) until final or end
+ * After final or end req.c never calls the door for r again (r->client is NULL). */
+struct req_client_ops {
+    int (*chunk)(struct req *r, const Stepd__V1__Chunk *ch);
+    void (*final)(struct req *r, const Stepd__V1__Final *f);
+    void (*end)(struct req *r, int status, int retry_ms, const char *msg);
+    void (*watch)(struct req *r);
+};
+
 struct req {
     struct coord *co;
     struct req *prev, *next;        /* coord->reqs (all live) */
@@ -199,8 +225,11 @@ struct req {
     struct admit_item hold;         /* on coord->held: admitted, waiting for a group with room */
     struct admit_item ai;
     char id[136];
-    struct rpc_call *call;          /* NULL once finished */
-    struct request *in;             /* as asked, validated (owned) */
+    const struct req_client_ops *cops;
+    void *client;                   /* the door's object; NULL once the client side ended */
+    uint32_t choice;                /* n > 1: this request's index among the n */
+    struct req_caller caller;
+    struct request *in;             /* as asked, validated (shared by the n choices) */
     int32_t *prompt;
     size_t n_prompt;
     struct group *grp;
@@ -218,15 +247,41 @@ struct req {
     bool text_mode;
     bool want_ids;
     bool continuous_usage;
+    bool in_reasoning;              /* chat output still inside the reasoning (reasoning tokens) */
+    bool primed;                    /* the parsers have seen the prompt's forced opening */
     int64_t deadline_ms;
     int64_t t_arrival, t_dispatch, t_first, t_last;
     uint32_t n_out;
+    uint32_t n_reasoning;           /* output tokens inside the reasoning */
     double itl_sum;
     uint32_t n_itl;
     struct tok_gen *gen;            /* text and chat input: the output pipeline */
     uint64_t *aff_keys;             /* the prompt's prefix chain for routing (affinity.h) */
     size_t n_aff_keys;
 };
+
+/* A request from a door: what the door knows of it besides the request itself. */
+struct req_origin {
+    const struct req_client_ops *ops;
+    void **clients;                 /* [n]: the door's object for each choice */
+    uint32_t n;                     /* choices: n engine requests sharing one prompt */
+    int64_t deadline_ms;            /* absolute (rpc_now_ms); INT64_MAX = none */
+    const struct req_caller *caller;
+};
+/* Serve `in` (owned from here, also on failure): the checks before any work (draining,
+ * deadline, queue full, validation, a ready group, the id), the prompt built once for the
+ * n choices, the text pipeline, admission and routing.  Refusals are reported through the
+ * door (ops->end) of every choice before this returns; a choice admitted is handed to its
+ * door by ops->watch.  An entry point (frees what it ends). */
+void req_submit(struct coord *co, struct request *in, const struct req_origin *o);
+/* A fresh request id ("stepd-" and 32 random hex digits) into buf. */
+void req_id_assign(char *buf, size_t n);
+/* The door's client went away (disconnect, its deadline passed): stop r.  An entry point:
+ * r may be freed. */
+void req_client_cancel(struct req *r);
+/* The door ended its side on its own with status (e.g. a slow reader): no more calls to it
+ * for r. */
+void req_client_detach(struct req *r, int status, const char *msg);
 
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud);
 /* Fail every request routed to g (group down); message names the group. */
@@ -269,6 +324,9 @@ int request_validate_chat(const struct coord *co, const struct request *in, char
 /* chat.c: render a chat request with the Step-3.7 template (docs/MODEL.md §7) into a malloc'd
  * prompt string; -EINVAL with the field named in msg. */
 int coord_chat_render(struct coord *co, const struct request *in, char **ret, char *msg, size_t len);
+/* The output a forced tool choice puts at the end of the prompt (into buf): its length, or 0
+ * when the request's tool choice forces nothing. */
+size_t coord_chat_forced_prefix(const struct request *in, char *buf, size_t len);
 
 /* ------------------------------------------------------------------ coordinator */
 
@@ -329,10 +387,12 @@ struct coord {
     int64_t busy_ms;                /* last time requests were in flight */
     size_t trim_free;               /* heap bytes free at the last idle malloc_trim */
     int64_t trim_idle_ms;           /* next scheduled idle trim, in ms of idle */
-    uv_tcp_t metrics_srv;
-    bool metrics_on;
     struct tokenizer *tok;          /* NULL without --tokenizer: token input only */
     struct affinity *aff;           /* prefix-affine routing (NULL: off) */
+    int32_t tok_think_start, tok_think_end, tok_tool_call;  /* the parsers' tags (-1: none) */
+    struct http_server *http;       /* the OpenAI HTTP API (--host/--port), or NULL */
+    struct http_server *http_metrics;   /* --metrics-listen: /metrics and probes only */
+    int http_port;                  /* bound */
     struct serve *serve;            /* `stepd serve`: the supervised ranks (serve.c), or NULL */
 };
 

@@ -15,6 +15,7 @@
 #include "log.h"
 #include "net.h"
 #include "notify.h"
+#include "openai.h"
 #include "pb-util.h"
 #include "serve.h"
 #include "stepd-config.h"
@@ -27,6 +28,15 @@ void coord_opts_default(struct coord_opts *o)
     o->control_listen = "127.0.0.1:50052";
     o->admin_listen = "127.0.0.1:50053";
     o->metrics_listen = "127.0.0.1:9464";
+    o->http_host = "127.0.0.1";
+    o->http_port = 8000;
+    o->reasoning_parser = true;
+    o->tool_parser = true;
+    o->max_n = 16;
+    o->http_max_body_bytes = 4 << 20;
+    o->http_max_header_bytes = 32 << 10;
+    o->http_max_connections = 1024;
+    o->http_timeout_ms = 30000;
     o->max_running = 1024;
     o->prefix_affinity = 16;        /* the engines' default KV block size */
     o->prefix_affinity_entries = 1u << 16;
@@ -164,13 +174,13 @@ static void close_handles(struct coord *co)
      * and replace its exit code; the exit is decided, so the signals are ignored */
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
-    metrics_http_stop(co);
+    openai_stop(co);
 }
 
 static void exit_poll_cb(uv_timer_t *t)
 {
     struct coord *co = t->data;
-    if (rpc_ctx_live_calls(co->rpc) > 0 && rpc_now_ms() - co->start_ms < 3000)
+    if ((rpc_ctx_live_calls(co->rpc) > 0 || openai_active(co) > 0) && rpc_now_ms() - co->start_ms < 3000)
         return;
     uv_timer_stop(t);
     uv_timer_stop(&co->t_force);
@@ -208,6 +218,7 @@ static void shutdown_servers(struct coord *co)
     health_watches_end(co);
     serve_shutdown(co->serve);      /* before the sessions end: it looks who has one */
     wpool_shutdown_sessions(co);
+    openai_quiesce(co);
     co->servers_live = 3;
     rpc_server_shutdown(co->srv_pub, servers_down, co);
     rpc_server_shutdown(co->srv_admin, servers_down, co);
@@ -665,6 +676,14 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
                   "(STEPD_CONTROL_KEY) or --insecure-listen", o->control_listen);
         return -EPERM;
     }
+    if (o->http_port >= 0 && !net_addr_is_loopback(o->http_host) && !(tls && o->api_key && o->api_key[0])) {
+        if (!o->insecure_listen) {
+            log_error("refusing to serve HTTP on non-loopback %s without TLS and an API key "
+                      "(use --tls-cert/--tls-key with --api-key-file, or --insecure-listen)", o->http_host);
+            return -EPERM;
+        }
+        log_warn("HTTP API on non-loopback %s without TLS and API key (--insecure-listen)", o->http_host);
+    }
     if (o->metrics_listen && o->metrics_listen[0] && !net_addr_is_loopback(o->metrics_listen) &&
         !o->insecure_listen) {
         log_error("refusing a non-loopback metrics listen %s without --insecure-listen "
@@ -708,6 +727,9 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         }
         log_info("tokenizer %s: %zu ids", o->tokenizer_path, tok_vocab_size(co->tok));
     }
+    co->tok_think_start = co->tok ? tok_added_id(co->tok, "<think>") : -1;
+    co->tok_think_end = co->tok ? tok_added_id(co->tok, "</think>") : -1;
+    co->tok_tool_call = co->tok ? tok_added_id(co->tok, "<tool_call>") : -1;
 #ifdef STEPD_HAVE_ABSL_TUNE
     coord_absl_tune();      /* before gRPC starts its threads */
 #endif
@@ -732,11 +754,9 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         log_error("control listen %s failed: %s", o->control_listen, err_str(r));
         goto fail_servers;
     }
-    if (o->metrics_listen && o->metrics_listen[0]) {
-        if ((r = metrics_http_start(co, o->metrics_listen)) < 0) {
-            log_error("metrics listen %s failed: %s", o->metrics_listen, err_str(r));
-            goto fail_servers;
-        }
+    if ((r = openai_start(co)) < 0) {
+        log_error("HTTP listen failed: %s", err_str(r));
+        goto fail_servers;
     }
     uv_timer_init(&co->loop, &co->t_heartbeat);
     uv_timer_init(&co->loop, &co->t_loads);
@@ -748,10 +768,12 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     uv_signal_init(&co->loop, &co->sigint);
     co->sigterm.data = co->sigint.data = co;
     signal(SIGPIPE, SIG_IGN);
-    log_info("listening: public %s (port %d%s%s), admin %s (port %d), control %s (port %d), metrics %s (port %d)",
-             o->listen, co->pub_port, tls ? ", TLS" : "", o->api_key ? ", API key" : "", o->admin_listen,
-             co->admin_port, o->control_listen, co->ctl_port,
-             o->metrics_listen && o->metrics_listen[0] ? o->metrics_listen : "off", co->metrics_port);
+    log_info("listening: public %s (port %d%s%s), admin %s (port %d), control %s (port %d), metrics %s (port %d), "
+             "http %s (port %d%s%s)", o->listen, co->pub_port, tls ? ", TLS" : "", o->api_key ? ", API key" : "",
+             o->admin_listen, co->admin_port, o->control_listen, co->ctl_port,
+             o->metrics_listen && o->metrics_listen[0] ? o->metrics_listen : "off", co->metrics_port,
+             o->http_port >= 0 ? o->http_host : "off", co->http_port, co->http && tls ? ", TLS" : "",
+             co->http && o->api_key ? ", API key" : "");
     *ret = co;
     return 0;
 
@@ -772,7 +794,7 @@ fail_servers:
         for (int i = 0; i < 3; i++)
             if (ss[i])
                 rpc_server_destroy(ss[i]);
-        metrics_http_stop(co);
+        openai_stop(co);
     }
     rpc_ctx_destroy(co->rpc);
     uv_run(&co->loop, UV_RUN_DEFAULT);

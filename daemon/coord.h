@@ -22,12 +22,25 @@ struct coord_opts {
     const char *admin_listen;       /* Admin + health, default 127.0.0.1:50053 */
     const char *control_listen;     /* worker control, default 127.0.0.1:50052 */
     const char *metrics_listen;     /* HTTP /metrics, default 127.0.0.1:9464; "" = off */
+    const char *http_host;          /* OpenAI HTTP API (--host/--port), default 127.0.0.1 */
+    int http_port;                  /* default 8000; 0 = any free port; -1 = off */
     bool insecure_listen;           /* allow non-loopback without TLS + API key */
     struct rpc_tls_files tls;       /* public port TLS when tls.cert_file is set */
     const char *api_key;            /* public + admin (never from argv) */
     const char *control_key;        /* control service key (workers send it) */
     const char *tokenizer_path;     /* tokenizer.json for text/chat input */
     const char *model_name;         /* served model name (default: from rank 0) */
+    const char *const *model_aliases;   /* more names the model answers to (--served-model-name) */
+    size_t n_model_aliases;
+    bool reasoning_parser;          /* chat output: reasoning split from content (step3p5) */
+    bool tool_parser;               /* chat output: tool calls parsed (step3p5) */
+    unsigned max_n;                 /* HTTP: cap on n (choices per request) */
+    size_t http_max_body_bytes;     /* HTTP request body cap (413 above) */
+    size_t http_max_header_bytes;   /* HTTP request line + headers cap (431 above) */
+    unsigned http_max_connections;
+    unsigned http_timeout_ms;       /* HTTP: a request must arrive within this, idle connections
+                                       are closed after it */
+    unsigned request_timeout_ms;    /* HTTP: a generation request's deadline; 0 = none */
     unsigned max_running;           /* requests dispatched to engines at once */
     unsigned max_queue;             /* requests waiting for a slot */
     unsigned max_input_tokens;      /* 0 = model context - 1 */

@@ -25,7 +25,9 @@ static void usage(FILE *f)
         "  --listen ADDR              public gRPC (default 127.0.0.1:50051; unix:/path allowed)\n"
         "  --admin-listen ADDR        Admin + health (default 127.0.0.1:50053)\n"
         "  --control-listen ADDR      worker control (default 127.0.0.1:50052)\n"
-        "  --metrics-listen ADDR      HTTP /metrics (default 127.0.0.1:9464; \"\" = off)\n"
+        "  --metrics-listen ADDR      HTTP /metrics, /healthz, /health, /ready (default 127.0.0.1:9464;\n"
+        "                             \"\" = off; /metrics is also on the API port)\n"
+        "  --host HOST --port PORT    OpenAI HTTP API (default 127.0.0.1 port 8000; --port off = none)\n"
         "  --insecure-listen          allow non-loopback listens without TLS + API key\n"
         "Security:\n"
         "  --tls-cert FILE --tls-key FILE   TLS on the public port\n"
@@ -36,6 +38,11 @@ static void usage(FILE *f)
         "Text:\n"
         "  --tokenizer FILE           tokenizer.json (enables text/chat input, Tokenize)\n"
         "  --model-name NAME          served model name (default: reported by rank 0)\n"
+        "  --served-model-name NAME   the same; repeat it (or NAME,ALIAS,...) for aliases the model\n"
+        "                             answers to (the first is the one reported)\n"
+        "  --reasoning-parser P       step3p5 (default) or none: reasoning split from the content\n"
+        "  --tool-call-parser P       step3p5 (default) or none: tool calls parsed from the output\n"
+        "  --enable-auto-tool-choice  accepted (tool_choice \"auto\" is served with the parser)\n"
         "  --vocab-size N             vocabulary size until an engine reports one\n"
         "Limits:\n"
         "  --max-running N            requests in flight to engines (default 1024)\n"
@@ -46,6 +53,13 @@ static void usage(FILE *f)
         "  --max-recv-msg-bytes N     gRPC receive limit (default 4194304)\n"
         "  --max-concurrent-streams N per connection (default 1024)\n"
         "  --stream-buffer-bytes N    per-stream send buffer before a slow client is cut (1 MiB)\n"
+        "  --max-n N                  HTTP: cap on n, choices per request (default 16)\n"
+        "  --http-max-body-bytes N    HTTP request body cap, 413 above (default 4194304)\n"
+        "  --http-max-header-bytes N  HTTP request line + headers cap, 431 above (default 32768)\n"
+        "  --http-max-connections N   HTTP connections at once (default 1024)\n"
+        "  --http-timeout SECONDS     HTTP: a request must arrive within this; idle connections close\n"
+        "                             after it (default 30)\n"
+        "  --request-timeout SECONDS  HTTP: deadline of a generation request, 504 past it (0 = none)\n"
         "Behaviour:\n"
         "  --drain-timeout SECONDS    finish in-flight work within this on SIGTERM (default 30)\n"
         "  --heartbeat-ms N           control heartbeat period (default 1000)\n"
@@ -65,7 +79,6 @@ static void usage(FILE *f)
         "  --speculative-config JSON  '{\"method\":\"mtp\",\"num_speculative_tokens\":K}', K 0..3\n"
         "  --max-model-len L, --max-num-batched-tokens T, --max-num-seqs S   engine sizes\n"
         "  --gpu-memory-utilization F passed to workers that take it\n"
-        "  --served-model-name NAME   the model name clients see (default: the directory's name)\n"
         "  --threads T                CPU threads per rank (default: the CPUs shared out)\n"
         "  --worker-binary PATH       stepd-worker to run (default: beside stepd, else $PATH)\n"
         "  --worker-arg ARG           one more flag for every rank (repeatable)\n"
@@ -183,14 +196,45 @@ enum {
     OPT_TLS_CA, OPT_TLS_REQ, OPT_KEY_FILE, OPT_CKEY_FILE, OPT_TOKENIZER, OPT_MODEL, OPT_VOCAB,
     OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
-    OPT_API_KEY, OPT_WTIMEOUT,
+    OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
+    OPT_MAX_N, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
-    OPT_S_GPUMEM, OPT_S_NAME, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
+    OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
     OPT_S_BACKOFF_MAX, OPT_S_STOP, OPT_S_SPECLOG,
 };
 
 #define SERVE_MAX_WORKER_ARGS 32
+#define SERVE_MAX_NAMES 16
+
+/* Seconds as milliseconds, in [0, 86400]. */
+static int parse_seconds(const char *flag, const char *s, unsigned *ret)
+{
+    char *end;
+    double v = strtod(s, &end);
+
+    if (end == s || *end || !(v >= 0 && v <= 86400)) {
+        log_error("%s: expected seconds in [0, 86400], got '%s'", flag, s);
+        return -EINVAL;
+    }
+    *ret = (unsigned)(v * 1000.0);
+    return 0;
+}
+
+/* "step3p5" or "none". */
+static int parse_parser(const char *flag, const char *s, bool *ret)
+{
+    if (!strcmp(s, "step3p5") || !strcmp(s, "step3")) {
+        *ret = true;
+        return 0;
+    }
+    if (!strcmp(s, "none")) {
+        *ret = false;
+        return 0;
+    }
+    log_error("%s: stepd has the step3p5 parser (or none), not '%s'", flag, s);
+    return -EINVAL;
+}
 
 int main(int argc, char **argv)
 {
@@ -235,7 +279,18 @@ int main(int argc, char **argv)
         { "max-num-batched-tokens", required_argument, NULL, OPT_S_MAXBT },
         { "max-num-seqs", required_argument, NULL, OPT_S_MAXSEQS },
         { "gpu-memory-utilization", required_argument, NULL, OPT_S_GPUMEM },
-        { "served-model-name", required_argument, NULL, OPT_S_NAME },
+        { "served-model-name", required_argument, NULL, OPT_SERVED },
+        { "host", required_argument, NULL, OPT_HOST },
+        { "port", required_argument, NULL, OPT_PORT },
+        { "reasoning-parser", required_argument, NULL, OPT_RPARSER },
+        { "tool-call-parser", required_argument, NULL, OPT_TPARSER },
+        { "enable-auto-tool-choice", no_argument, NULL, OPT_AUTO_TOOLS },
+        { "max-n", required_argument, NULL, OPT_MAX_N },
+        { "http-max-body-bytes", required_argument, NULL, OPT_HTTP_BODY },
+        { "http-max-header-bytes", required_argument, NULL, OPT_HTTP_HEADER },
+        { "http-max-connections", required_argument, NULL, OPT_HTTP_CONNS },
+        { "http-timeout", required_argument, NULL, OPT_HTTP_TIMEOUT },
+        { "request-timeout", required_argument, NULL, OPT_REQ_TIMEOUT },
         { "threads", required_argument, NULL, OPT_S_THREADS },
         { "worker-binary", required_argument, NULL, OPT_S_WBIN },
         { "worker-arg", required_argument, NULL, OPT_S_WARG },
@@ -259,6 +314,9 @@ int main(int argc, char **argv)
     const char *worker_args[SERVE_MAX_WORKER_ARGS];
     const char *serve_flag = NULL;  /* the first serve-only flag seen */
     char tokenizer[4096], model_name[256];
+    char *served = NULL;            /* --served-model-name NAME[,ALIAS...], repeated: all of them */
+    const char *aliases[SERVE_MAX_NAMES];
+    size_t n_names = 0;
     bool serve_mode = argc > 1 && strcmp(argv[1], "serve") == 0;
 
     malloc_tune(argv);
@@ -307,6 +365,10 @@ int main(int argc, char **argv)
         UINT_OPT(OPT_WTIMEOUT, "--worker-timeout-ms", 3600000, worker_timeout_ms)
         UINT_OPT(OPT_AFFINITY, "--prefix-affinity", 1u << 20, prefix_affinity)
         UINT_OPT(OPT_AFFINITY_N, "--prefix-affinity-entries", 1u << 24, prefix_affinity_entries)
+        UINT_OPT(OPT_MAX_N, "--max-n", 128, max_n)
+        UINT_OPT(OPT_HTTP_BODY, "--http-max-body-bytes", 1u << 30, http_max_body_bytes)
+        UINT_OPT(OPT_HTTP_HEADER, "--http-max-header-bytes", 1u << 24, http_max_header_bytes)
+        UINT_OPT(OPT_HTTP_CONNS, "--http-max-connections", 1u << 20, http_max_connections)
 #undef UINT_OPT
         case OPT_DRAIN: {
             char *end;
@@ -382,7 +444,43 @@ int main(int argc, char **argv)
             }
             break;
         }
-        case OPT_S_NAME: serve_flag = serve_flag ? serve_flag : "--served-model-name"; o.model_name = optarg; break;
+        case OPT_SERVED: {
+            size_t old = served ? strlen(served) : 0;
+            char *n = realloc(served, old + strlen(optarg) + 2);
+
+            if (!n)
+                return 1;
+            if (!served)
+                n[0] = '\0';
+            served = n;
+            snprintf(served + old, strlen(optarg) + 2, "%s%s", old ? "," : "", optarg);
+            break;
+        }
+        case OPT_HOST: o.http_host = optarg; break;
+        case OPT_PORT:
+            if (!strcmp(optarg, "off") || !optarg[0]) {
+                o.http_port = -1;
+                break;
+            }
+            if (parse_uint("--port", optarg, 65535, &v) < 0)
+                return 2;
+            o.http_port = (int)v;
+            break;
+        case OPT_RPARSER: if (parse_parser("--reasoning-parser", optarg, &o.reasoning_parser) < 0) return 2; break;
+        case OPT_TPARSER: if (parse_parser("--tool-call-parser", optarg, &o.tool_parser) < 0) return 2; break;
+        case OPT_AUTO_TOOLS: break;
+        case OPT_HTTP_TIMEOUT:
+            if (parse_seconds("--http-timeout", optarg, &o.http_timeout_ms) < 0)
+                return 2;
+            if (o.http_timeout_ms < 1000) {
+                log_error("--http-timeout: at least 1 second");
+                return 2;
+            }
+            break;
+        case OPT_REQ_TIMEOUT:
+            if (parse_seconds("--request-timeout", optarg, &o.request_timeout_ms) < 0)
+                return 2;
+            break;
         case OPT_S_WBIN: serve_flag = serve_flag ? serve_flag : "--worker-binary"; so.worker_binary = optarg; break;
         case OPT_S_WARG:
             serve_flag = serve_flag ? serve_flag : "--worker-arg";
@@ -412,6 +510,29 @@ int main(int argc, char **argv)
     }
     if (optind < argc) {
         log_error("unexpected argument '%s'", argv[optind]);
+        return 2;
+    }
+    if (served) {
+        /* the first name is the one reported, the others are aliases */
+        char *save = NULL;
+
+        for (char *t = strtok_r(served, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+            if (!t[0])
+                continue;
+            if (n_names == SERVE_MAX_NAMES) {
+                log_error("--served-model-name: at most %d names", SERVE_MAX_NAMES);
+                return 2;
+            }
+            aliases[n_names++] = t;
+        }
+        if (n_names) {
+            o.model_name = aliases[0];
+            o.model_aliases = aliases + 1;
+            o.n_model_aliases = n_names - 1;
+        }
+    }
+    if (o.max_n == 0 || o.http_max_connections == 0 || o.http_max_header_bytes < 4096) {
+        log_error("--max-n and --http-max-connections must be at least 1, --http-max-header-bytes at least 4096");
         return 2;
     }
     if (o.heartbeat_ms == 0 || o.loads_poll_ms == 0 || o.worker_timeout_ms < 200) {
@@ -491,5 +612,6 @@ out:
         memset(ctl_key, 0, strlen(ctl_key));
         free(ctl_key);
     }
+    free(served);
     return rc;
 }

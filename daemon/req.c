@@ -1,7 +1,10 @@
 /* req.c - the life of one generation request in the coordinator: admission, routing to a
  * group's engine, streaming back through the text pipeline, cancellation (exactly one
- * Abort to the engine), failover.  The request arrives built and validated (request.h,
- * validate.c); the client side is its gRPC call.  Loop thread only. */
+ * Abort to the engine), failover.  The request arrives built (request.h) from one of two
+ * front doors, the gRPC Inference.Generate call (here) or the OpenAI HTTP API (openai.c),
+ * and is validated once (validate.c); its client side is the door's (struct
+ * req_client_ops): everything between the door and the engine is the same for both.
+ * Loop thread only. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -25,25 +28,31 @@
 
 /* ------------------------------------------------------------------ lifetime */
 
-static void req_finishv(struct req *r, int status, const char *fmt, va_list ap)
+/* The client side of r ended with status (metrics, the log). */
+static void req_ended(struct req *r, int status, const char *msg, bool quiet)
 {
-    char msg[768] = "";
-
-    if (!r->call)
-        return;
-    if (fmt)
-        vsnprintf(msg, sizeof(msg), fmt, ap);
-    struct rpc_call *c = r->call;
-    r->call = NULL;
-    rpc_call_on_cancel(c, NULL, NULL);
-    rpc_call_finish(c, status, "%s", msg);
     if (status >= 0 && status < 17)
         r->co->m.status[status]++;
     if (status == RPC_OK)
         log_req_info(r->id, "done: %u tokens in %.1f ms (group %s)", r->n_out,
                      (double)(rpc_now_ms() - r->t_arrival), r->grp_name);
+    else if (quiet)
+        log_req_debug(r->id, "refused %s: %s", rpc_status_name(status), msg);
     else
         log_req_info(r->id, "ended %s: %s", rpc_status_name(status), msg);
+}
+
+static void req_finishv(struct req *r, int status, int retry_ms, bool quiet, const char *fmt, va_list ap)
+{
+    char msg[768] = "";
+
+    if (!r->client)
+        return;
+    if (fmt)
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+    r->cops->end(r, status, retry_ms, msg);
+    r->client = NULL;
+    req_ended(r, status, msg, quiet);
 }
 
 static void req_finish(struct req *r, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -51,8 +60,27 @@ static void req_finish(struct req *r, int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    req_finishv(r, status, fmt, ap);
+    req_finishv(r, status, 0, false, fmt, ap);
     va_end(ap);
+}
+
+/* queue full: the client may retry after retry_ms */
+static void req_finish_retry(struct req *r, int status, int retry_ms, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void req_finish_retry(struct req *r, int status, int retry_ms, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    req_finishv(r, status, retry_ms, false, fmt, ap);
+    va_end(ap);
+}
+
+void req_client_detach(struct req *r, int status, const char *msg)
+{
+    if (!r->client)
+        return;
+    r->client = NULL;
+    req_ended(r, status, msg, false);
 }
 
 /* The held list (coord->held): requests with an admission slot that no group has room for
@@ -77,7 +105,7 @@ void req_free_if_done(struct req *r)
 {
     struct coord *co = r->co;
 
-    if (r->call || !r->engine_done || r->ecall || r->ai.running || r->ai.queued || req_held(r))
+    if (r->client || !r->engine_done || r->ecall || r->ai.running || r->ai.queued || req_held(r))
         return;
     if (r->prev)
         r->prev->next = r->next;
@@ -157,33 +185,16 @@ static void req_stop_engine(struct req *r)
 
 static int send_chunk(struct req *r, Stepd__V1__Chunk *ch)
 {
-    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
-    resp.request_id = r->id;
-    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
-    resp.chunk = ch;
-    int e = rpc_call_send(r->call, &resp.base);
-    if (e == -ENOBUFS) {
-        /* A6: a client that stopped reading; queued messages would never let a normal
-         * status through, so the stream is reset with the status */
-        char msg[160];
-        struct rpc_call *c = r->call;
-        snprintf(msg, sizeof(msg), "client is not reading its stream (%zu bytes buffered, cap reached)",
-                 rpc_call_queued_bytes(c));
-        req_stop_engine(r);
-        r->call = NULL;
-        rpc_call_on_cancel(c, NULL, NULL);
-        rpc_call_abort(c, RPC_RESOURCE_EXHAUSTED, msg);
-        r->co->m.status[RPC_RESOURCE_EXHAUSTED]++;
-        log_req_info(r->id, "ended RESOURCE_EXHAUSTED: %s", msg);
-        return e;
-    }
+    int e = r->cops->chunk(r, ch);
+
+    if (e < 0 && !r->client)
+        req_stop_engine(r);     /* the door gave up on its client (a slow reader) */
     return e;
 }
 
 static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_reason, const char *stop_str)
 {
     struct coord *co = r->co;
-    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
     Stepd__V1__Final f = STEPD__V1__FINAL__INIT;
     Stepd__V1__Usage u = STEPD__V1__USAGE__INIT;
     Stepd__V1__Timings t = STEPD__V1__TIMINGS__INIT;
@@ -194,6 +205,7 @@ static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_rea
         u = *ef->usage;
     u.prompt_tokens = (uint32_t)r->n_prompt;
     u.completion_tokens = r->n_out;
+    u.reasoning_tokens = r->n_reasoning;
     if (ef && ef->timings)
         t = *ef->timings;
     t.queue_s = (double)(r->t_dispatch - r->t_arrival) / 1000.0 + t.queue_s;
@@ -217,10 +229,6 @@ static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_rea
         f.matched_stop_case = ef->matched_stop_case;
         f.stop_token_id = ef->stop_token_id;
     }
-    resp.request_id = r->id;
-    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
-    resp.final = &f;
-
     /* metrics */
     if (finish_reason >= 0 && finish_reason < 5)
         co->m.finished[finish_reason]++;
@@ -236,8 +244,11 @@ static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_rea
         co->m.spec_accepted_pos[i] += mtp.accepted_per_position[i];
 
     r->final_sent = true;
-    (void)rpc_call_send(r->call, &resp.base);
-    req_finish(r, RPC_OK, NULL);
+    if (!r->client)
+        return;
+    r->cops->final(r, &f);
+    r->client = NULL;
+    req_ended(r, RPC_OK, "", false);
 }
 
 /* ------------------------------------------------------------------ text pipeline */
@@ -343,6 +354,19 @@ static bool acc_empty(const struct chunk_acc *a)
     return !a->text.len && !a->reasoning.len && !a->content.len && !a->n_tc;
 }
 
+/* The parsers first see what the prompt forced of the output (an opened tool call). */
+static int req_prime(struct req *r, struct chunk_acc *a)
+{
+    char pre[128];
+    size_t n;
+
+    if (r->primed)
+        return 0;
+    r->primed = true;
+    n = coord_chat_forced_prefix(r->in, pre, sizeof(pre));
+    return n ? tok_gen_prime(r->gen, pre, n, acc_event, a) : 0;
+}
+
 /* The request's pipeline: what the engine ends the request on is hidden from the text
  * (EOS unless ignore_eos, stop_token_ids), stop strings cut it, and chat output keeps
  * its special tokens for the parsers. */
@@ -370,13 +394,25 @@ static int req_text_start(struct req *r)
     o.include_stop = REQUEST_HAS(&in->sp, RO_INCLUDE_STOP_STR) && in->sp.include_stop_str;
     o.skip_special = !REQUEST_HAS(&in->sp, RO_SKIP_SPECIAL_TOKENS) || in->sp.skip_special_tokens;
     if (in->input == REQUEST_INPUT_CHAT) {
-        o.parser.reasoning = true;
-        o.parser.tools = true;
+        o.parser.reasoning = r->co->o.reasoning_parser;
+        o.parser.tools = r->co->o.tool_parser && in->tool_choice != REQUEST_TOOLS_NONE;
         o.parser.tools_json = in->tools;
     }
     e = tok_gen_new(r->co->tok, &o, &r->gen);
     free(ids);
     return e;
+}
+
+/* Reasoning tokens (usage): the output before the reasoning ends (</think>, or a tool call
+ * the parser takes as its end), the tags not counted. */
+static void req_count_reasoning(struct req *r, int32_t id)
+{
+    const struct coord *co = r->co;
+
+    if (id == co->tok_think_end || id == co->tok_tool_call)
+        r->in_reasoning = false;
+    else if (id != co->tok_think_start)
+        r->n_reasoning++;
 }
 
 /* One output of the engine for r (from its Generate call or the output stream). */
@@ -385,7 +421,7 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
     struct coord *co = r->co;
     int64_t now = rpc_now_ms();
 
-    if (!r->call || r->final_sent)
+    if (!r->client || r->final_sent)
         return;
     if (er->response_case == STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK) {
         const Stepd__V1__Chunk *ec = er->chunk;
@@ -433,8 +469,10 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
             return;
         }
         struct chunk_acc acc = { .r = r };
-        int e = 0;
+        int e = req_prime(r, &acc);
         for (size_t i = 0; i < n && e == 0; i++) {
+            if (r->in_reasoning)
+                req_count_reasoning(r, ec->token_ids[i]);
             e = tok_gen_push(r->gen, ec->token_ids[i], acc_event, &acc);
             if (e == -EINVAL || e == -EALREADY)
                 e = 0;      /* past the tokenizer's vocabulary, or after the pipeline ended */
@@ -462,7 +500,8 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
             Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
             int se = 0;
 
-            if (tok_gen_finish(r->gen, acc_event, &acc) == 0 && !acc_empty(&acc)) {
+            if (req_prime(r, &acc) == 0 && tok_gen_finish(r->gen, acc_event, &acc) == 0 &&
+                !acc_empty(&acc)) {
                 acc_fill(&acc, &ch);
                 se = send_chunk(r, &ch);
             }
@@ -494,21 +533,19 @@ void req_engine_end(struct req *r, int status, const char *details)
             g->failed++;
         group_unlink(r);
     }
-    if (r->call) {
+    if (r->client) {
         /* the engine's status is the request's, whatever it is, with a message naming it */
-        if (status == RPC_OK) {
+        int retry = status == RPC_RESOURCE_EXHAUSTED ? 100 : 0;
+
+        if (status == RPC_OK)
             req_finish(r, RPC_INTERNAL, "worker group '%s' ended the stream without a final message",
                        r->grp_name);
-        } else {
-            if (status == RPC_RESOURCE_EXHAUSTED)
-                (void)rpc_call_add_trailer(r->call, "grpc-retry-pushback-ms", "100");
-            if (r->n_out == 0)
-                req_finish(r, status, "worker group '%s' refused the request: %s: %s", r->grp_name,
-                           rpc_status_name(status), details);
-            else
-                req_finish(r, status, "worker group '%s' failed the request after %u tokens: %s: %s",
-                           r->grp_name, r->n_out, rpc_status_name(status), details);
-        }
+        else if (r->n_out == 0)
+            req_finish_retry(r, status, retry, "worker group '%s' refused the request: %s: %s",
+                             r->grp_name, rpc_status_name(status), details);
+        else
+            req_finish_retry(r, status, retry, "worker group '%s' failed the request after %u tokens: "
+                             "%s: %s", r->grp_name, r->n_out, rpc_status_name(status), details);
     }
     engine_conn_unref(r->eng);
     r->eng = NULL;
@@ -593,6 +630,8 @@ static int req_send(struct req *r, struct group *g)
         req_finish(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
         return -ENOMEM;
     }
+    if (r->choice && PB_HAS(&sp, seed))     /* n > 1: each choice its own draws */
+        sp.seed = (int64_t)(((uint64_t)sp.seed + r->choice) & INT64_MAX);
     if (!PB_HAS(&sp, max_tokens)) {
         int64_t mt = co->o.default_max_tokens;
         uint32_t ctx = coord_max_model_len(co);
@@ -670,7 +709,7 @@ static int req_dispatch_one(struct req *r)
     struct group *g;
     bool full = false;
 
-    if (!r->call)
+    if (!r->client)
         return -ECANCELED;
     if (r->co->held.n) {
         /* earlier requests wait for room: this one queues behind them */
@@ -735,9 +774,8 @@ static void req_end_waiting(struct req *r, int status, const char *why)
     req_free_if_done(r);
 }
 
-static void on_client_cancel(struct rpc_call *call, void *ud)
+void req_client_cancel(struct req *r)
 {
-    struct req *r = ud;
     bool expired = rpc_now_ms() >= r->deadline_ms;
 
     r->cancelled = true;
@@ -835,7 +873,7 @@ void req_generate_unmark(int mark, void *ud)
 
 /* A server-assigned request id: unguessable (128 random bits), so that no client can
  * name another's request. */
-static void req_id_assign(char *buf, size_t n)
+void req_id_assign(char *buf, size_t n)
 {
     uint8_t b[16];
     char hex[33];
@@ -851,27 +889,335 @@ static void req_id_assign(char *buf, size_t n)
     snprintf(buf, n, "stepd-%s", hex);
 }
 
+/* ------------------------------------------------------------------ submission (both doors) */
+
+/* Refuse every choice of a request that has no struct req yet: through its door, as a
+ * request would end. */
+static void refuse_all(struct coord *co, const struct req_origin *o, const char *id, int status,
+                       int retry_ms, bool quiet, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+static void refuse_all(struct coord *co, const struct req_origin *o, const char *id, int status,
+                       int retry_ms, bool quiet, const char *fmt, ...)
+{
+    for (uint32_t i = 0; i < o->n; i++) {
+        struct req t = { .co = co, .cops = o->ops, .client = o->clients[i], .choice = i };
+        va_list ap;
+
+        snprintf(t.id, sizeof(t.id), "%s", id[0] ? id : "-");
+        va_start(ap, fmt);
+        req_finishv(&t, status, retry_ms, quiet, fmt, ap);
+        va_end(ap);
+    }
+}
+
+/* Choice i's id: the request's own for n = 1, "<id>-<i>" for n > 1. */
+static void choice_id(const char *base, uint32_t n, uint32_t i, char *buf, size_t len)
+{
+    if (n == 1)
+        snprintf(buf, len, "%s", base);
+    else
+        snprintf(buf, len, "%.120s-%u", base, i);
+}
+
+static bool id_in_flight(const struct coord *co, const char *id)
+{
+    for (const struct req *o = co->reqs; o; o = o->next)
+        if (o->client && strcmp(o->id, id) == 0)
+            return true;
+    return false;
+}
+
+/* The prompt's checks that need its tokens (the context), for text and chat input. */
+static int prompt_check(const struct req *r, char *err, size_t len)
+{
+    const struct coord *co = r->co;
+    const struct request *in = r->in;
+    uint32_t ctx = coord_max_model_len(co);
+    int64_t mt = REQUEST_HAS(&in->sp, RO_MAX_TOKENS) ? in->sp.max_tokens : 1;
+    const char *field = in->names[in->input == REQUEST_INPUT_TEXT ? RN_TEXT : RN_MESSAGES];
+
+    if (r->n_prompt == 0)
+        snprintf(err, len, "%s: prompt is empty after tokenization", field);
+    else if (co->o.max_input_tokens ? r->n_prompt > co->o.max_input_tokens : (ctx > 1 && r->n_prompt > ctx - 1))
+        snprintf(err, len, "%s: %zu prompt tokens, more than max_input_tokens %u", field, r->n_prompt,
+                 co->o.max_input_tokens ? co->o.max_input_tokens : ctx - 1);
+    else if (ctx && (int64_t)r->n_prompt + mt > (int64_t)ctx)
+        snprintf(err, len, "%s: prompt (%zu tokens) + max_tokens (%" PRId64 ") exceeds the context length %u",
+                 in->names[RN_MAX_TOKENS], r->n_prompt, mt, ctx);
+    else
+        return 0;
+    return -EINVAL;
+}
+
+static struct req *req_new(struct coord *co, struct request *in, const struct req_origin *o, uint32_t i,
+                           const char *base_id)
+{
+    struct req *r = calloc(1, sizeof(*r));
+
+    if (!r)
+        return NULL;
+    r->co = co;
+    r->cops = o->ops;
+    r->client = o->clients[i];
+    r->choice = i;
+    if (o->caller)
+        r->caller = *o->caller;
+    r->in = request_ref(in);
+    r->engine_done = true;      /* nothing dispatched yet */
+    r->t_arrival = rpc_now_ms();
+    r->deadline_ms = o->deadline_ms;
+    choice_id(base_id, o->n, i, r->id, sizeof(r->id));
+    r->text_mode = in->input != REQUEST_INPUT_TOKENS || (in->text_output && co->tok);
+    r->want_ids = in->include_token_ids;
+    r->continuous_usage = in->continuous_usage_stats;
+    r->in_reasoning = in->input == REQUEST_INPUT_CHAT && co->o.reasoning_parser &&
+                      (in->tool_choice == REQUEST_TOOLS_AUTO || in->tool_choice == REQUEST_TOOLS_NONE);
+    r->next = co->reqs;
+    if (co->reqs)
+        co->reqs->prev = r;
+    co->reqs = r;
+    co->n_reqs++;
+    return r;
+}
+
+/* Admit r (its prompt and pipeline ready): dispatch, queue, or refuse. */
+static void req_admit(struct req *r)
+{
+    struct coord *co = r->co;
+
+    r->ai.priority = r->in->priority;
+    switch (admit_add(&co->admit, &r->ai)) {
+    case ADMIT_RUN:
+        co->m.accepted++;
+        r->cops->watch(r);
+        if (req_dispatch_one(r) < 0) {
+            coord_slot_release(co, r);
+            req_free_if_done(r);
+        }
+        return;
+    case ADMIT_QUEUED:
+        co->m.accepted++;
+        r->cops->watch(r);
+        log_req_debug(r->id, "queued (%u waiting)", co->admit.queued);
+        return;
+    case ADMIT_FULL:
+        co->m.rejected_full++;
+        req_finish_retry(r, RPC_RESOURCE_EXHAUSTED, 100, "server overloaded: %u running and %u queued (the caps)",
+                         co->admit.running, co->admit.queued);
+        req_free_if_done(r);
+        return;
+    }
+}
+
+void req_submit(struct coord *co, struct request *in, const struct req_origin *o)
+{
+    char err[768] = "", base[136];
+    struct req **rs = NULL;
+    int e;
+
+    if (co->draining) {
+        co->m.rejected_draining++;
+        refuse_all(co, o, in->id, RPC_UNAVAILABLE, 0, true, "server is draining; retry on another replica");
+        goto out;
+    }
+    /* nothing useful fits in under 2 ms: answer now instead of touching an engine */
+    if (o->deadline_ms - rpc_now_ms() < 2) {
+        refuse_all(co, o, in->id, RPC_DEADLINE_EXCEEDED, 0, true, "deadline expired (or under 2 ms) on arrival");
+        goto out;
+    }
+    /* full: answer before any tokenization work (A2: fast, cheap rejections) */
+    if (co->admit.queued + o->n > co->admit.max_queue &&
+        (co->admit.running + o->n > co->admit.max_running || co->admit.queued > 0)) {
+        co->m.rejected_full++;
+        refuse_all(co, o, in->id, RPC_RESOURCE_EXHAUSTED, 100, true,
+                   "server overloaded: %u running and %u queued (the caps)", co->admit.running, co->admit.queued);
+        goto out;
+    }
+    if (request_validate(co, in, err, sizeof(err)) < 0) {
+        co->m.rejected_invalid++;
+        log_req_info(in->id[0] ? in->id : "-", "rejected: %s", err);
+        refuse_all(co, o, in->id, RPC_INVALID_ARGUMENT, 0, true, "%s", err);
+        goto out;
+    }
+    if (wpool_ready_count(co) == 0) {
+        co->m.rejected_unavailable++;
+        refuse_all(co, o, in->id, RPC_UNAVAILABLE, 0, true, "no worker group is ready");
+        goto out;
+    }
+    if (in->id[0]) {
+        snprintf(base, sizeof(base), "%s", in->id);
+        for (uint32_t i = 0; i < o->n; i++) {
+            char id[136];
+
+            choice_id(base, o->n, i, id, sizeof(id));
+            if (id_in_flight(co, id)) {
+                refuse_all(co, o, in->id, RPC_ALREADY_EXISTS, 0, false, "%s: '%s' is already in flight",
+                           in->names[RN_REQUEST_ID], id);
+                goto out;
+            }
+        }
+    } else {
+        req_id_assign(base, sizeof(base));
+    }
+    rs = calloc(o->n, sizeof(*rs));
+    for (uint32_t i = 0; rs && i < o->n; i++)
+        if (!(rs[i] = req_new(co, in, o, i, base)))
+            break;
+    if (!rs || !rs[o->n - 1]) {
+        for (uint32_t i = 0; i < o->n; i++) {
+            if (rs && rs[i]) {
+                req_finish(rs[i], RPC_RESOURCE_EXHAUSTED, "out of memory");
+                req_free_if_done(rs[i]);
+            } else {
+                struct req t = { .co = co, .cops = o->ops, .client = o->clients[i], .choice = i };
+
+                snprintf(t.id, sizeof(t.id), "%s", base);
+                req_finish(&t, RPC_RESOURCE_EXHAUSTED, "out of memory");
+            }
+        }
+        goto out;
+    }
+    /* the prompt, once for the n choices */
+    struct req *r0 = rs[0];
+    e = req_build_prompt(r0, err, sizeof(err));
+    if (e == 0 && r0->text_mode && in->input != REQUEST_INPUT_TOKENS)
+        e = prompt_check(r0, err, sizeof(err));
+    for (uint32_t i = 1; e == 0 && i < o->n; i++) {
+        rs[i]->prompt = malloc(r0->n_prompt * sizeof(int32_t));
+        if (!rs[i]->prompt) {
+            e = -ENOMEM;
+            snprintf(err, sizeof(err), "out of memory");
+            break;
+        }
+        memcpy(rs[i]->prompt, r0->prompt, r0->n_prompt * sizeof(int32_t));
+        rs[i]->n_prompt = r0->n_prompt;
+    }
+    for (uint32_t i = 0; e == 0 && i < o->n; i++)
+        if (rs[i]->text_mode && req_text_start(rs[i]) < 0) {
+            e = -ENOMEM;
+            snprintf(err, sizeof(err), "out of memory");
+        }
+    if (e < 0) {
+        int st = e == -ENOTSUP ? RPC_FAILED_PRECONDITION : e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED
+                                                                        : RPC_INVALID_ARGUMENT;
+
+        if (st == RPC_INVALID_ARGUMENT)
+            co->m.rejected_invalid++;
+        for (uint32_t i = 0; i < o->n; i++) {
+            rs[i]->text_mode = false;   /* nothing to tear down */
+            req_finish(rs[i], st, "%s", err[0] ? err : err_str(e));
+            req_free_if_done(rs[i]);
+        }
+        goto out;
+    }
+    for (uint32_t i = 0; i < o->n; i++)
+        req_admit(rs[i]);
+out:
+    free(rs);
+    request_free(in);
+}
+
+/* ------------------------------------------------------------------ the gRPC door */
+
+/* Inference.Generate's stream as the client side of a request. */
+static int grpc_chunk(struct req *r, const Stepd__V1__Chunk *ch)
+{
+    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
+    struct rpc_call *c = r->client;
+    int e;
+
+    resp.request_id = r->id;
+    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
+    resp.chunk = (Stepd__V1__Chunk *)ch;
+    e = rpc_call_send(c, &resp.base);
+    if (e == -ENOBUFS) {
+        /* A6: a client that stopped reading; queued messages would never let a normal
+         * status through, so the stream is reset with the status */
+        char msg[160];
+
+        snprintf(msg, sizeof(msg), "client is not reading its stream (%zu bytes buffered, cap reached)",
+                 rpc_call_queued_bytes(c));
+        rpc_call_on_cancel(c, NULL, NULL);
+        rpc_call_abort(c, RPC_RESOURCE_EXHAUSTED, msg);
+        req_client_detach(r, RPC_RESOURCE_EXHAUSTED, msg);
+    }
+    return e;
+}
+
+static void grpc_final(struct req *r, const Stepd__V1__Final *f)
+{
+    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
+    struct rpc_call *c = r->client;
+
+    resp.request_id = r->id;
+    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
+    resp.final = (Stepd__V1__Final *)f;
+    (void)rpc_call_send(c, &resp.base);
+    rpc_call_on_cancel(c, NULL, NULL);
+    rpc_call_finish(c, RPC_OK, NULL);
+}
+
+static void grpc_end(struct req *r, int status, int retry_ms, const char *msg)
+{
+    struct rpc_call *c = r->client;
+    char v[16];
+
+    if (retry_ms > 0) {
+        snprintf(v, sizeof(v), "%d", retry_ms);
+        (void)rpc_call_add_trailer(c, "grpc-retry-pushback-ms", v);
+    }
+    rpc_call_on_cancel(c, NULL, NULL);
+    rpc_call_finish(c, status, "%s", msg);
+}
+
+static void grpc_on_cancel(struct rpc_call *call, void *ud)
+{
+    req_client_cancel(ud);
+}
+
+static void grpc_watch(struct req *r)
+{
+    rpc_call_on_cancel(r->client, grpc_on_cancel, r);
+}
+
+static const struct req_client_ops grpc_ops = {
+    .chunk = grpc_chunk, .final = grpc_final, .end = grpc_end, .watch = grpc_watch,
+};
+
+static void grpc_caller(const struct coord *co, const struct rpc_call *call, struct req_caller *c)
+{
+    char auth[512];
+
+    memset(c, 0, sizeof(*c));
+    if (co->o.api_key && rpc_call_metadata(call, "authorization", auth, sizeof(auth)) == 0 &&
+        strncmp(auth, "Bearer ", 7) == 0) {
+        c->keyed = true;
+        c->key_hash = coord_fnv1a(auth + 7, strlen(auth + 7), COORD_FNV_SEED);
+    }
+    if (rpc_call_peer(call, c->peer, sizeof(c->peer)) < 0)
+        snprintf(c->peer, sizeof(c->peer), "unknown");
+}
+
 static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
 {
     struct coord *co = ud;
     struct request *in = NULL;
+    struct req_caller caller;
     char err[768];
-    struct req *r;
+    void *client = call;
     int e;
 
+    /* the cheapest refusals first, before the request is even converted */
     if (co->draining) {
         co->m.rejected_draining++;
         co->m.status[RPC_UNAVAILABLE]++;
         rpc_call_finish(call, RPC_UNAVAILABLE, "server is draining; retry on another replica");
         return;
     }
-    /* nothing useful fits in under 2 ms: answer now instead of touching an engine */
     if (rpc_call_deadline_ms(call) - rpc_now_ms() < 2) {
         co->m.status[RPC_DEADLINE_EXCEEDED]++;
         rpc_call_finish(call, RPC_DEADLINE_EXCEEDED, "deadline expired (or under 2 ms) on arrival");
         return;
     }
-    /* full: answer before any validation or tokenization work (A2: fast, cheap rejections) */
     if (co->admit.queued >= co->admit.max_queue &&
         (co->admit.running >= co->admit.max_running || co->admit.queued > 0)) {
         co->m.rejected_full++;
@@ -882,124 +1228,19 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
         return;
     }
     e = request_from_proto((const Stepd__V1__GenerateRequest *)msg, &in, err, sizeof(err));
-    if (e == 0)
-        e = request_validate(co, in, err, sizeof(err));
     if (e < 0) {
         int st = e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT;
 
         if (st == RPC_INVALID_ARGUMENT)
             co->m.rejected_invalid++;
         co->m.status[st]++;
-        log_req_info(in && in->id[0] ? in->id : "-", "rejected: %s", err);
+        log_req_info("-", "rejected: %s", err);
         rpc_call_finish(call, st, "%s", err);
-        request_free(in);
         return;
     }
-    if (wpool_ready_count(co) == 0) {
-        co->m.rejected_unavailable++;
-        co->m.status[RPC_UNAVAILABLE]++;
-        rpc_call_finish(call, RPC_UNAVAILABLE, "no worker group is ready");
-        request_free(in);
-        return;
-    }
-    if (in->id[0]) {
-        for (struct req *o = co->reqs; o; o = o->next)
-            if (o->call && strcmp(o->id, in->id) == 0) {
-                co->m.status[RPC_ALREADY_EXISTS]++;
-                rpc_call_finish(call, RPC_ALREADY_EXISTS, "request_id: '%s' is already in flight",
-                                in->id);
-                request_free(in);
-                return;
-            }
-    }
-    r = calloc(1, sizeof(*r));
-    if (!r) {
-        co->m.status[RPC_RESOURCE_EXHAUSTED]++;
-        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
-        request_free(in);
-        return;
-    }
-    r->co = co;
-    r->call = call;
-    r->in = in;
-    r->engine_done = true;      /* nothing dispatched yet */
-    r->t_arrival = rpc_now_ms();
-    r->deadline_ms = rpc_call_deadline_ms(call);
-    if (in->id[0])
-        snprintf(r->id, sizeof(r->id), "%s", in->id);
-    else
-        req_id_assign(r->id, sizeof(r->id));
-    r->text_mode = in->input != REQUEST_INPUT_TOKENS;
-    r->want_ids = in->include_token_ids;
-    r->continuous_usage = in->continuous_usage_stats;
-    r->next = co->reqs;
-    if (co->reqs)
-        co->reqs->prev = r;
-    co->reqs = r;
-    co->n_reqs++;
-
-    err[0] = '\0';
-    e = req_build_prompt(r, err, sizeof(err));
-    if (e < 0) {
-        co->m.rejected_invalid++;
-        r->text_mode = false;   /* nothing to tear down */
-        req_finish(r, e == -ENOTSUP ? RPC_FAILED_PRECONDITION : e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED
-                                                                            : RPC_INVALID_ARGUMENT,
-                   "%s", err[0] ? err : err_str(e));
-        req_free_if_done(r);
-        return;
-    }
-    if (r->text_mode) {
-        uint32_t ctx = coord_max_model_len(co);
-        int64_t mt = REQUEST_HAS(&in->sp, RO_MAX_TOKENS) ? in->sp.max_tokens : 1;
-        const char *field = in->names[in->input == REQUEST_INPUT_TEXT ? RN_TEXT : RN_MESSAGES];
-        if (r->n_prompt == 0)
-            snprintf(err, sizeof(err), "%s: prompt is empty after tokenization", field);
-        else if (co->o.max_input_tokens ? r->n_prompt > co->o.max_input_tokens : (ctx > 1 && r->n_prompt > ctx - 1))
-            snprintf(err, sizeof(err), "%s: %zu prompt tokens, more than max_input_tokens %u", field,
-                     r->n_prompt, co->o.max_input_tokens ? co->o.max_input_tokens : ctx - 1);
-        else if (ctx && (int64_t)r->n_prompt + mt > (int64_t)ctx)
-            snprintf(err, sizeof(err),
-                     "%s: prompt (%zu tokens) + max_tokens (%" PRId64 ") exceeds the context length %u",
-                     in->names[RN_MAX_TOKENS], r->n_prompt, mt, ctx);
-        if (err[0]) {
-            co->m.rejected_invalid++;
-            r->text_mode = false;
-            req_finish(r, RPC_INVALID_ARGUMENT, "%s", err);
-            req_free_if_done(r);
-            return;
-        }
-        if (req_text_start(r) < 0) {
-            r->text_mode = false;
-            req_finish(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
-            req_free_if_done(r);
-            return;
-        }
-    }
-
-    r->ai.priority = in->priority;
-    switch (admit_add(&co->admit, &r->ai)) {
-    case ADMIT_RUN:
-        co->m.accepted++;
-        rpc_call_on_cancel(call, on_client_cancel, r);
-        if (req_dispatch_one(r) < 0) {
-            coord_slot_release(co, r);
-            req_free_if_done(r);
-        }
-        return;
-    case ADMIT_QUEUED:
-        co->m.accepted++;
-        rpc_call_on_cancel(call, on_client_cancel, r);
-        log_req_debug(r->id, "queued (%u waiting)", co->admit.queued);
-        return;
-    case ADMIT_FULL:
-        co->m.rejected_full++;
-        rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
-        req_finish(r, RPC_RESOURCE_EXHAUSTED, "server overloaded: %u running and %u queued (the caps)",
-                   co->admit.running, co->admit.queued);
-        req_free_if_done(r);
-        return;
-    }
+    grpc_caller(co, call, &caller);
+    req_submit(co, in, &(struct req_origin){ .ops = &grpc_ops, .clients = &client, .n = 1,
+                                             .deadline_ms = rpc_call_deadline_ms(call), .caller = &caller });
 }
 
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
@@ -1032,7 +1273,7 @@ void req_fail_group(struct group *g, const char *why)
 int req_abort_by_id(struct coord *co, const char *id)
 {
     for (struct req *r = co->reqs; r; r = r->next) {
-        if (!r->call || strcmp(r->id, id) != 0)
+        if (!r->client || strcmp(r->id, id) != 0)
             continue;
         if (r->ai.queued || req_held(r)) {
             req_end_waiting(r, RPC_OK, NULL);
@@ -1083,7 +1324,7 @@ void req_fail_all(struct coord *co, int status, const char *why)
         req_end_waiting(held_head(co), status, why);
     /* nothing is freed in this loop: the requests end when their engine calls do */
     for (struct req *r = co->reqs; r; r = r->next) {
-        if (r->call) {
+        if (r->client) {
             req_stop_engine(r);
             req_finish(r, status, "%s", why);
         }

@@ -34,6 +34,7 @@ const char *const request_names_grpc[_RN_MAX] = {
     [RN_LOGIT_BIAS] = "sampling_params.logit_bias",
     [RN_NUM_SPECULATIVE_TOKENS] = "num_speculative_tokens",
     [RN_CACHE_SALT] = "cache_salt",
+    [RN_TOOL_CHOICE] = "tool_choice",
     [RN_INPUT] = "input: one of text, chat or token_ids",
 };
 
@@ -53,12 +54,13 @@ struct request *request_new(const char *const *names)
     }
     in->add_generation_prompt = true;
     in->names = names;
+    in->refs = 1;
     return in;
 }
 
 void request_free(struct request *in)
 {
-    if (!in)
+    if (!in || --in->refs > 0)
         return;
     free(in->model);
     free(in->cache_salt);
@@ -67,6 +69,7 @@ void request_free(struct request *in)
     json_decref(in->tools);
     json_decref(in->chat_template_kwargs);
     free(in->reasoning_effort);
+    free(in->tool_choice_name);
     free(in->token_ids);
     for (size_t i = 0; i < in->sp.n_stop; i++)
         free(in->sp.stop[i]);

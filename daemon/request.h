@@ -44,6 +44,7 @@ enum request_name {
     RN_LOGIT_BIAS,
     RN_NUM_SPECULATIVE_TOKENS,
     RN_CACHE_SALT,
+    RN_TOOL_CHOICE,
     RN_INPUT,               /* "one of ... is required" */
     _RN_MAX,
 };
@@ -93,6 +94,14 @@ struct request_sampling {
     size_t n_logit_bias;
 };
 
+/* What the model may do with the tools (OpenAI's tool_choice; the gRPC door: AUTO). */
+enum request_tool_choice {
+    REQUEST_TOOLS_AUTO,             /* the model decides; calls are parsed */
+    REQUEST_TOOLS_NONE,             /* no calls parsed: the output is content */
+    REQUEST_TOOLS_REQUIRED,         /* the prompt opens a call; the model names the function */
+    REQUEST_TOOLS_NAMED,            /* the prompt opens a call of tool_choice_name */
+};
+
 enum request_input {
     REQUEST_INPUT_NONE,
     REQUEST_INPUT_TEXT,
@@ -110,6 +119,8 @@ struct request {
     json_t *chat_template_kwargs;   /* CHAT: object or NULL (owned) */
     char *reasoning_effort;         /* CHAT: NULL = unset */
     bool add_generation_prompt;     /* CHAT: default true */
+    enum request_tool_choice tool_choice;   /* CHAT */
+    char *tool_choice_name;         /* CHAT, REQUEST_TOOLS_NAMED */
     int32_t *token_ids;             /* TOKENS */
     size_t n_token_ids;
     struct request_sampling sp;
@@ -119,14 +130,22 @@ struct request {
     char *cache_salt;               /* prefix-cache isolation ("" = the deployment's only) */
     bool continuous_usage_stats;
     bool include_token_ids;
+    bool text_output;               /* TOKENS: detokenize the output too (the HTTP door) */
     const char *const *names;       /* [_RN_MAX]: the door's field names */
+    unsigned refs;                  /* the n requests of one n > 1 ask share it */
 };
 
 /* The gRPC door's field names ("sampling_params.temperature", "chat.messages", ...). */
 extern const char *const request_names_grpc[_RN_MAX];
 
 struct request *request_new(const char *const *names);
+/* Drop a reference (the last one frees). */
 void request_free(struct request *in);
+static inline struct request *request_ref(struct request *in)
+{
+    in->refs++;
+    return in;
+}
 /* Add a stop string / stop id / bias entry (copied): 0 or -ENOMEM. */
 int request_add_stop(struct request_sampling *sp, const char *s, size_t len);
 int request_add_stop_id(struct request_sampling *sp, int32_t id);

@@ -695,12 +695,13 @@ void serve_check(struct serve *s)
     if (!s->startup_logged && ready == s->n_groups) {
         s->startup_logged = true;
         log_notice("startup complete in %.1f s: serving '%s' (%u group%s of %u rank%s, %s) on public %s "
-                   "(port %d), admin %s (port %d), control %s (port %d), metrics %s (port %d)",
+                   "(port %d), admin %s (port %d), control %s (port %d), metrics %s (port %d), OpenAI HTTP %s "
+                   "(port %d)",
                    (double)(now - s->start_ms) / 1000.0, co->o.model_name ? co->o.model_name : s->model_dir,
                    s->n_groups, s->n_groups == 1 ? "" : "s", s->world, s->world == 1 ? "" : "s", s->o.device,
                    co->o.listen, co->pub_port, co->o.admin_listen, co->admin_port, co->o.control_listen,
                    co->ctl_port, co->o.metrics_listen && co->o.metrics_listen[0] ? co->o.metrics_listen : "off",
-                   co->metrics_port);
+                   co->metrics_port, co->o.http_port >= 0 ? co->o.http_host : "off", co->http_port);
     }
     if (!s->ready_sent && serve_settled(s)) {
         s->ready_sent = true;

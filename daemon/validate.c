@@ -53,7 +53,8 @@ static int validate_sampling(const struct coord *co, const struct request *in, u
 {
     const struct coord_opts *o = &co->o;
     const struct request_sampling *sp = &in->sp;
-    bool text_input = in->input == REQUEST_INPUT_TEXT || in->input == REQUEST_INPUT_CHAT;
+    bool text_input = in->input == REQUEST_INPUT_TEXT || in->input == REQUEST_INPUT_CHAT ||
+                      (in->text_output && co->tok);
 
     if (REQUEST_HAS(sp, RO_TEMPERATURE) && !(isfinite(sp->temperature) && sp->temperature >= 0.0f))
         BAD("%s: must be finite and >= 0 (got %g)", N(RN_TEMPERATURE), (double)sp->temperature);
@@ -261,6 +262,9 @@ static bool model_served(const struct coord *co, const char *model)
         return true;
     if (co->model.known && strcmp(model, co->model.name) == 0)
         return true;
+    for (size_t i = 0; i < co->o.n_model_aliases; i++)
+        if (strcmp(model, co->o.model_aliases[i]) == 0)
+            return true;
     return co->o.model_name && strcmp(model, co->o.model_name) == 0;
 }
 

@@ -296,6 +296,17 @@ int rpc_call_metadata(const struct rpc_call *c, const char *key, char *buf, size
     return -ENOENT;
 }
 
+int rpc_call_peer(const struct rpc_call *c, char *buf, size_t len)
+{
+    char *p = c->call ? grpc_call_get_peer(c->call) : NULL;
+
+    if (!p)
+        return -ENOENT;
+    snprintf(buf, len, "%s", p);
+    gpr_free(p);
+    return 0;
+}
+
 void rpc_call_set_buffer_cap(struct rpc_call *c, size_t bytes)
 {
     c->buffer_cap = bytes;

@@ -288,6 +288,8 @@ void rpc_call_abort(struct rpc_call *call, int status, const char *msg);
 int64_t rpc_call_deadline_ms(const struct rpc_call *call);
 /* First value of request metadata key (lowercase), copied into buf; -ENOENT if absent. */
 int rpc_call_metadata(const struct rpc_call *call, const char *key, char *buf, size_t len);
+/* The client's address as gRPC names it ("ipv4:127.0.0.1:4242", "unix:..."); -ENOENT. */
+int rpc_call_peer(const struct rpc_call *call, char *buf, size_t len);
 /* Bytes queued for sending on this call (not yet written to the transport). */
 size_t rpc_call_queued_bytes(const struct rpc_call *call);
 

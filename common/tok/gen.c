@@ -123,6 +123,11 @@ static int flush(struct tok_gen *g, bool stopped, tok_ev_cb cb, void *ud)
     return g->parser ? tok_parser_finish(g->parser, cb, ud) : 0;
 }
 
+int tok_gen_prime(struct tok_gen *g, const char *text, size_t len, tok_ev_cb cb, void *ud)
+{
+    return g->parser ? tok_parser_feed(g->parser, text, len, cb, ud) : 0;
+}
+
 int tok_gen_push(struct tok_gen *g, int32_t id, tok_ev_cb cb, void *ud)
 {
     const char *d, *o;

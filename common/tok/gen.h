@@ -42,6 +42,9 @@ void tok_gen_free(struct tok_gen *g);
  * (tok_gen_finish_reason() tells why; the pipeline is already flushed), 0 to continue,
  * -EINVAL for an id outside the vocabulary, -EALREADY after the end, or cb's error. */
 int tok_gen_push(struct tok_gen *g, int32_t id, tok_ev_cb cb, void *ud);
+/* Output the prompt already holds (it opened a tool call for the model): fed to the parsers
+ * as if generated, before the first id; their events go to cb. */
+int tok_gen_prime(struct tok_gen *g, const char *text, size_t len, tok_ev_cb cb, void *ud);
 /* The request ends for another reason (length, abort): flush held text and close parsers. */
 int tok_gen_finish(struct tok_gen *g, tok_ev_cb cb, void *ud);
 /* TOK_FINISH_NONE while running; STOP (stop string, index in *ret_index), EOS (stop id, the

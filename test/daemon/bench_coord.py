@@ -7,6 +7,8 @@
   bench_coord.py overload-busy [--streams 1000 --tokens 64]          A2 during A1: refusals while every
                                                                       slot is streaming (+A7 probe)
   bench_coord.py cost     [--streams 100 --tokens 1000 --delay-ms 5]  CPU per token, added latency
+  bench_coord.py cost-http [--streams 100 --tokens 1000 --delay-ms 5] CPU per streamed token over the
+                                                                      OpenAI HTTP API (SSE) and over gRPC
   bench_coord.py all      (all of the above; what `meson test --suite bench` runs)
   --rounds N              repetitions (load 2, overload 3, cost 3); RESULT lines give medians
 
@@ -359,9 +361,55 @@ def bench_cost(a):
     return ok and rc == 0
 
 
+def bench_cost_http(a):
+    """The coordinator's CPU per streamed token over the OpenAI HTTP API next to the same over
+    gRPC, in one run against one mock engine: gRPC with the loadgen (token ids in and out, as
+    `cost`), HTTP with bench-serve's SSE client (POST /v1/completions, a token-id prompt, stream:
+    the door detokenizes and writes one JSON event per chunk)."""
+    import asyncio
+    import importlib.machinery
+    import importlib.util
+    from stepd_harness import TOKENIZER
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "bench-serve")
+    loader = importlib.machinery.SourceFileLoader("bench_serve", path)
+    spec = importlib.util.spec_from_loader("bench_serve", loader)
+    bs = importlib.util.module_from_spec(spec)
+    loader.exec_module(bs)
+    s = Stepd("--tokenizer", TOKENIZER)
+    s.start_engine("g0", "--delay-ms", str(a.delay_ms), "--vocab", "4000")
+    s.wait_ready(1)
+
+    def http_load(streams, tokens):
+        res, wall = asyncio.run(bs.run_load("127.0.0.1", s.ports["http"], "mock-step", [[10, 20, 30]] * streams,
+                                            tokens, streams, float("inf"), 0))
+        return sum(r["tokens"] for r in res if r["ok"]), sum(1 for r in res if r["ok"]), wall
+
+    loadgen(s.addr, 20, 8)
+    http_load(20, 8)
+    runs = []
+    for _ in range(a.rounds):
+        c0 = cpu_s(s.proc.pid)
+        via = loadgen(s.addr, a.streams, a.tokens)
+        c1 = cpu_s(s.proc.pid)
+        n, ok, wall = http_load(a.streams, a.tokens)
+        c2 = cpu_s(s.proc.pid)
+        g = 1e6 * (c1 - c0) / max(1, via["tokens"])
+        h = 1e6 * (c2 - c1) / max(1, n)
+        runs.append((g, h, via["ok"] == a.streams and ok == a.streams and n == a.streams * a.tokens))
+        print("   round %d: gRPC %.1f us/token, HTTP %.1f us/token (ratio %.2f; HTTP %d/%d streams, %d tokens in "
+              "%.1f s)" % (len(runs), g, h, h / g if g else 0, ok, a.streams, n, wall))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    g, h = med([r[0] for r in runs]), med([r[1] for r in runs])
+    print("RESULT cost-http: %d streams x %d tokens at %d ms/token, median of %d rounds: coordinator CPU per "
+          "streamed token gRPC %.1f us, HTTP/SSE %.1f us, HTTP/gRPC %.2f (median of the rounds' ratios)" % (
+              a.streams, a.tokens, a.delay_ms, len(runs), g, h, med([r[1] / r[0] for r in runs if r[0]] or [0])))
+    rc = s.stop()
+    return all(r[2] for r in runs) and rc == 0
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["load", "overload", "overload-busy", "cost", "all"])
+    ap.add_argument("what", choices=["load", "overload", "overload-busy", "cost", "cost-http", "all"])
     ap.add_argument("--streams", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--delay-ms", type=int, default=None)
@@ -372,36 +420,28 @@ def main():
     ap.add_argument("--rss-limit", type=float, default=1.5,
                     help="load: fail when RSS after idle exceeds this multiple of the pre-test figure")
     a = ap.parse_args()
-    a.delay_ms_set = a.delay_ms is not None
     if a.delay_ms is None:
         a.delay_ms = 5
     ok = True
-    if a.what in ("load", "all"):
+
+    def section(what, fn, **defaults):
+        """Run one part with its defaults for the sizes not given."""
+        nonlocal ok
+        if a.what not in (what, "all"):
+            return
         b = argparse.Namespace(**vars(a))
-        b.streams = a.streams or 1000
-        b.tokens = a.tokens or 64
-        b.rounds = a.rounds or 2
-        ok &= bench_load(b)
-    if a.what in ("overload", "all"):
-        b = argparse.Namespace(**vars(a))
-        b.tokens = a.tokens or 64
-        b.delay_ms = a.delay_ms if a.delay_ms_set else 5
-        b.rounds = a.rounds or 3
-        ok &= bench_overload(b)
-    if a.what in ("overload-busy", "all"):
-        b = argparse.Namespace(**vars(a))
-        b.streams = a.streams or 1000
-        b.tokens = a.tokens or 64
-        ok &= bench_overload_busy(b)
-    if a.what in ("cost", "all"):
-        b = argparse.Namespace(**vars(a))
-        b.streams = a.streams or 100
-        # 1000 tokens: a round's p99 is then over 100k tokens (~1200 engine steps), so
-        # one scheduler stall of a few ms on this shared 2-core machine does not make it
-        # (with 200 tokens, single rounds of one build ranged from -0.9 to +2.9 ms)
-        b.tokens = a.tokens or 1000
-        b.rounds = a.rounds or 3
-        ok &= bench_cost(b)
+        for k, v in defaults.items():
+            setattr(b, k, getattr(a, k) or v)
+        ok &= fn(b)
+
+    section("load", bench_load, streams=1000, tokens=64, rounds=2)
+    section("overload", bench_overload, tokens=64, rounds=3)
+    section("overload-busy", bench_overload_busy, streams=1000, tokens=64)
+    section("cost-http", bench_cost_http, streams=100, tokens=1000, rounds=1)
+    # 1000 tokens: a round's p99 is then over 100k tokens (~1200 engine steps), so one
+    # scheduler stall of a few ms on this shared 2-core machine does not make it (with 200
+    # tokens, single rounds of one build ranged from -0.9 to +2.9 ms)
+    section("cost", bench_cost, streams=100, tokens=1000, rounds=3)
     if ok:
         from stepd_harness import _workdirs
         import shutil

@@ -5,7 +5,8 @@
  * stepd.v1.Engine: Generate streams deterministic tokens
  *     token[i] = (sum(prompt) + 7 * i + 1) % vocab
  * one per --delay-ms (the first after --ttft-ms), then a Final with finish reason
- * LENGTH (or STOP at --eos-after tokens when set), usage (cached_tokens = the length of the
+ * LENGTH (or STOP at --eos-after tokens when set; --script ID,ID,... sends those ids instead,
+ * then STOP: a chosen output, e.g. a tool call in the tokenizer's ids), usage (cached_tokens = the length of the
  * request's cache_salt, so that tests see both pass through the coordinator), fake MTP
  * statistics and timings. Abort and client cancellation stop a stream. Counters (generate calls,
  * aborts, cancels, tokens) go to --stats-file after every change of request state,
@@ -71,6 +72,8 @@ struct mock {
     int stats_fd;                   /* stats_file, open from the first write on */
     FILE *send_log;
     unsigned rank, world, vocab, max_model_len, delay_ms, ttft_ms, eos_after;
+    int32_t *script;                /* --script: the output, then STOP */
+    size_t n_script;
     uint64_t exit_after_tokens;
     uint64_t break_streams_after;   /* --break-output-streams-after-tokens (once) */
     bool streams_broken;
@@ -522,7 +525,8 @@ static void tick(uv_timer_t *t)
     }
     if (m->stall_file && access(m->stall_file, F_OK) == 0)
         return;
-    int32_t tok = (int32_t)(((uint64_t)s->seed + 7ull * s->n_out + 1) % m->vocab);
+    int32_t tok = m->n_script ? m->script[s->n_out % m->n_script]
+                              : (int32_t)(((uint64_t)s->seed + 7ull * s->n_out + 1) % m->vocab);
     if (!s->t_first)
         s->t_first = rpc_now_ms();
     if (s->os) {
@@ -540,7 +544,7 @@ static void tick(uv_timer_t *t)
         stats_write(m);
         _exit(3);
     }
-    if (m->eos_after && s->n_out >= m->eos_after) {
+    if ((m->eos_after && s->n_out >= m->eos_after) || (m->n_script && s->n_out >= m->n_script)) {
         request_final(s, STEPD__V1__FINISH_REASON__FINISH_REASON_STOP, "eos");
         stream_end(s);
     } else if (s->n_out >= s->max_tokens) {
@@ -925,6 +929,7 @@ int main(int argc, char **argv)
         { "break-output-streams-after-tokens", required_argument, NULL, 'B' },
         { "refuse-by-id", no_argument, NULL, 'R' }, { "max-seqs", required_argument, NULL, 'M' },
         { "max-waiting", required_argument, NULL, 'W' }, { "serving-epoch", required_argument, NULL, 'E' },
+        { "script", required_argument, NULL, 'P' },
         { NULL, 0, NULL, 0 },
     };
     struct mock *m = &M;
@@ -959,6 +964,22 @@ int main(int argc, char **argv)
         case 'M': m->max_seqs = (unsigned)atoi(optarg); break;
         case 'W': m->max_waiting = (unsigned)atoi(optarg); break;
         case 'E': m->serving_epoch = strtoull(optarg, NULL, 10); break;
+        case 'P':
+            for (char *p = optarg; *p;) {
+                int32_t *n = realloc(m->script, (m->n_script + 1) * sizeof(*n));
+                char *end;
+
+                if (!n)
+                    return 1;
+                m->script = n;
+                m->script[m->n_script++] = (int32_t)strtol(p, &end, 10);
+                if (end == p) {
+                    fprintf(stderr, "mock-engine: --script: expected ID,ID,...\n");
+                    return 2;
+                }
+                p = *end == ',' ? end + 1 : end;
+            }
+            break;
         case 'T':
             m->send_log = fopen(optarg, "a");
             if (!m->send_log) {
@@ -1023,5 +1044,6 @@ int main(int argc, char **argv)
     /* exit without a full teardown: the test harness only needs a clean exit code */
     stats_write(m);
     fprintf(stderr, "mock-engine %s/%u: exit (generate=%" PRIu64 ")\n", m->group, m->rank, m->n_generate);
+    free(m->script);
     return 0;
 }

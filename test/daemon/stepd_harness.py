@@ -82,6 +82,8 @@ class Stepd:
         cmd = [STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
                "--control-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                "--heartbeat-ms", "200", "--loads-poll-ms", "100", *args]
+        if "--port" not in args:
+            cmd[1:1] = ["--port", "0"]     # the OpenAI HTTP API on a free port
         e = dict(os.environ)
         e.setdefault("STEPD_LOG_LEVEL", "info")
         if env:
@@ -90,6 +92,7 @@ class Stepd:
         _procs.append(self.proc)
         self.ports = self._wait_ports()
         self.addr = "127.0.0.1:%d" % self.ports["public"]
+        self.http = "http://127.0.0.1:%d" % self.ports["http"]     # the OpenAI API
         self.channel = grpc.insecure_channel(self.addr)
         self.admin_channel = grpc.insecure_channel("127.0.0.1:%d" % self.ports["admin"])
         self.inf = pbg.InferenceStub(self.channel)
@@ -104,8 +107,9 @@ class Stepd:
             m = re.search(r"public \S+ \(port (\d+).*admin \S+ \(port (\d+)\), control \S+ \(port (\d+)\), "
                           r"metrics \S+ \(port (\d+)\)", txt)
             if m:
+                hm = re.search(r"http \S+ \(port (\d+)", txt)
                 return dict(public=int(m.group(1)), admin=int(m.group(2)), control=int(m.group(3)),
-                            metrics=int(m.group(4)))
+                            metrics=int(m.group(4)), http=int(hm.group(1)) if hm else 0)
             if self.proc.poll() is not None:
                 raise RuntimeError("stepd exited early (%d):\n%s" % (self.proc.returncode, txt))
             time.sleep(0.02)

@@ -241,7 +241,12 @@ def listeners(argv):
         add("--listen", "127.0.0.1:50051", "grpc", tls, HEALTH_SERVICES)
         add("--admin-listen", "127.0.0.1:50053", "grpc", False, HEALTH_SERVICES)
         add("--control-listen", "127.0.0.1:50052", "grpc", False, HEALTH_SERVICES)
-        add("--metrics-listen", "127.0.0.1:9464", "http", paths=("/metrics", "/healthz"))
+        add("--metrics-listen", "127.0.0.1:9464", "http", paths=("/metrics", "/healthz", "/health", "/ready"))
+        port = f.get("--port", "8000")
+        if port not in ("off", ""):
+            out.append(dict(flag="--port", host=f.get("--host", "127.0.0.1"), port=int(port) if str(port).isdigit() else None, proto="http", tls=tls,
+                            health=None, paths={"/health", "/ready", "/healthz", "/metrics", "/v1/models",
+                                                "/v1/chat/completions", "/v1/completions"}))
     elif prog == "stepd-worker":
         if f.get("--rank", "0") in ("0", "$(LWS_WORKER_INDEX)"):
             add("--engine-listen", "127.0.0.1:50061", "grpc", False, None)     # no health service

@@ -28,10 +28,11 @@ WORKER = os.path.abspath(dl.build_binary("stepd-worker"))
 
 
 def start(d, extra):
-    ports = [pl.free_port() for _ in range(4)]
+    ports = [pl.free_port() for _ in range(5)]
     argv = [STEPD, "serve", MODEL, "--tensor-parallel-size", "2", "--threads", "1",
             "--listen", "127.0.0.1:%d" % ports[0], "--admin-listen", "127.0.0.1:%d" % ports[1],
-            "--control-listen", "127.0.0.1:%d" % ports[2], "--metrics-listen", "127.0.0.1:%d" % ports[3]] + extra
+            "--control-listen", "127.0.0.1:%d" % ports[2], "--metrics-listen", "127.0.0.1:%d" % ports[3],
+            "--port", str(ports[4])] + extra
     env = dict(os.environ, TMPDIR=d)
     return pl.Proc("serve", argv, env, d), ports
 
@@ -68,7 +69,7 @@ def stop(p):
 
 
 def test_recovery(d):
-    p, (pub, adm, _, _) = start(d, ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}',
+    p, (pub, adm, _, _, _) = start(d, ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}',
                                     "--spec-log-interval", "1"])
     try:
         pl.wait_until(lambda: ready(pub), 60, "readiness")
@@ -111,7 +112,7 @@ def test_give_up(d):
                              "exec '%s' \"$@\"\n" % WORKER)
     os.chmod(wrapper, 0o755)
     limit = 3
-    p, (pub, adm, _, met) = start(d, ["--worker-binary", wrapper, "--worker-restart-limit", str(limit),
+    p, (pub, adm, _, met, _) = start(d, ["--worker-binary", wrapper, "--worker-restart-limit", str(limit),
                                       "--worker-backoff-ms", "200"])
     try:
         pl.wait_until(lambda: "given up" in p.text(), 60, "the group given up")

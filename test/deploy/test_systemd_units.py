@@ -104,9 +104,10 @@ def check_watchdog(ns, t0, t1, name):
 
 
 def test_split_units(d):
-    pub, adm, ctl, met, eng = (pl.free_port() for _ in range(5))
+    pub, adm, ctl, met, eng, web = (pl.free_port() for _ in range(6))
     etc, cred = site(d, {
         "STEPD_LISTEN": "127.0.0.1:%d" % pub, "STEPD_ADMIN_LISTEN": "127.0.0.1:%d" % adm,
+        "STEPD_HTTP_PORT": str(web),
         "STEPD_CONTROL_LISTEN": "127.0.0.1:%d" % ctl, "STEPD_METRICS_LISTEN": "127.0.0.1:%d" % met,
         "STEPD_MODEL_DIR": MODEL, "STEPD_CONTROL_ADDR": "127.0.0.1:%d" % ctl, "STEPD_WORLD_SIZE": "2",
         "STEPD_ENGINE_LISTEN": "127.0.0.1:%d" % eng,
@@ -150,9 +151,10 @@ def test_split_units(d):
 
 
 def test_serve_unit(d):
-    pub, adm, ctl, met = (pl.free_port() for _ in range(4))
+    pub, adm, ctl, met, web = (pl.free_port() for _ in range(5))
     etc, cred = site(d, {
         "STEPD_LISTEN": "127.0.0.1:%d" % pub, "STEPD_ADMIN_LISTEN": "127.0.0.1:%d" % adm,
+        "STEPD_HTTP_PORT": str(web),
         "STEPD_CONTROL_LISTEN": "127.0.0.1:%d" % ctl, "STEPD_METRICS_LISTEN": "127.0.0.1:%d" % met,
         "STEPD_MODEL_DIR": MODEL, "STEPD_TENSOR_PARALLEL_SIZE": "2", "STEPD_SERVE_DEVICE": "cpu",
         "STEPD_SERVE_EXTRA_ARGS": "--threads 1",

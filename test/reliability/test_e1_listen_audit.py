@@ -8,7 +8,7 @@ listen flags: `stepd`, a 2-rank `stepd-worker --mock` group (UCX between the ran
 groups are ready, `ss -ltnpH` / `ss -lunpH` must show every listening TCP/UDP socket of
 these processes on 127.0.0.1 / ::ffff:127.0.0.1 / ::1 only - none on 0.0.0.0, ::, * or
 10.99.0.1.  Listening unix sockets are listed (printed).  Also: stepd refuses each
-non-loopback --listen/--admin-listen/--control-listen without TLS + key (exit != 0,
+non-loopback --listen/--admin-listen/--control-listen/--host without TLS + key (exit != 0,
 message naming the address).
 
 E2 part (argument `engine-any`): stepd-worker --engine-listen on a
@@ -123,7 +123,7 @@ def test_defaults():
     bad = [(n, pid, l) for n, pid, l in tcp + udp if pid in pids and not is_loopback(l)]
     assert not bad, "non-loopback listeners with default flags: %s" % bad
     ports = sorted(int(l.rsplit(":", 1)[1]) for n, pid, l in tcp if pid == s.pid)
-    assert ports == [9464, 50051, 50052, 50053], ports
+    assert ports == [8000, 9464, 50051, 50052, 50053], ports     # the OpenAI HTTP API on 8000
     print("   %d TCP + %d UDP listeners of stepd/stepd-worker, all loopback; %d unix sockets" %
           (len(tcp), len(udp), len(unx)))
     ch.close()
@@ -146,7 +146,15 @@ def test_refusals():
             p = subprocess.run([h.STEPD_BIN, *args], capture_output=True, text=True, timeout=10, env=e)
             assert p.returncode != 0 and "refusing" in p.stderr and addr in p.stderr, (flag, addr, p.returncode,
                                                                                    p.stderr)
-    print("   stepd refused 9 non-loopback listens (public/admin/control x 10.99.0.1, 0.0.0.0, [::])")
+    # the OpenAI HTTP API: the same rule for --host
+    for host in (NONLOOP, "0.0.0.0", "::"):
+        e = dict(os.environ)
+        e.pop("STEPD_API_KEY", None)
+        p = subprocess.run([h.STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--control-listen",
+                            "127.0.0.1:0", "--metrics-listen", "", "--host", host, "--port", "0"],
+                           capture_output=True, text=True, timeout=10, env=e)
+        assert p.returncode != 0 and "refusing to serve HTTP on non-loopback " + host in p.stderr, (host, p.stderr)
+    print("   stepd refused 12 non-loopback listens (public/admin/control/HTTP x 10.99.0.1, 0.0.0.0, [::])")
 
 
 def test_engine_any():

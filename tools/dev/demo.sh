@@ -18,7 +18,7 @@ ninja -C "$BUILD" >/dev/null
 
 LOGDIR=$(mktemp -d /tmp/stepd-demo.XXXXXX)
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-PUB=$(free_port); CTL=$(free_port); ADM=$(free_port); MET=$(free_port)
+PUB=$(free_port); CTL=$(free_port); ADM=$(free_port); MET=$(free_port); HTTP=$(free_port)
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
 STEPD=
@@ -31,7 +31,7 @@ echo "== stepd serve $MODEL --tensor-parallel-size $WORLD (public 127.0.0.1:$PUB
 "$BUILD/daemon/stepd" serve "$MODEL" --tensor-parallel-size "$WORLD" --threads 1 \
   --speculative-config '{"method":"mtp","num_speculative_tokens":3}' --spec-log-interval 2 \
   --listen "127.0.0.1:$PUB" --control-listen "127.0.0.1:$CTL" \
-  --admin-listen "127.0.0.1:$ADM" --metrics-listen "127.0.0.1:$MET" 2>"$LOGDIR/stepd.log" &
+  --admin-listen "127.0.0.1:$ADM" --metrics-listen "127.0.0.1:$MET" --port "$HTTP" 2>"$LOGDIR/stepd.log" &
 STEPD=$!
 
 CTLARGS=(--addr "127.0.0.1:$PUB" --admin-addr "127.0.0.1:$ADM")
@@ -41,6 +41,11 @@ echo "== generate: \"$PROMPT\""
 echo
 echo "== chat"
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" chat --max-tokens 48 "Who made the heaven and the earth?"
+echo
+echo
+echo "== the same chat over the OpenAI HTTP API (curl, 127.0.0.1:$HTTP)"
+curl -sS "http://127.0.0.1:$HTTP/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d '{"model": "tiny-step", "max_tokens": 48, "messages": [{"role": "user", "content": "Who made the heaven and the earth?"}]}'
 echo
 echo "== groups"
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" groups

@@ -15,6 +15,7 @@ pkgs=(
   libucx-dev ucx-utils libpcre2-dev
   python3 python3-venv python3-pip
   libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv util-linux
+  libmicrohttpd-dev libgnutls28-dev curl
 )
 # the deploy tests render the Kubernetes manifests with kubectl's kustomize: Debian's
 # kubernetes-client, unless a kubectl with kustomize is there already (a packaged kubectl of
@@ -35,10 +36,11 @@ fi
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml, numpy, kubernetes_validate' 2>/dev/null; then
-  # kubernetes-validate: the Kubernetes JSON schemas, offline (deploy lint)
+if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml, numpy, kubernetes_validate, openai' 2>/dev/null; then
+  # kubernetes-validate: the Kubernetes JSON schemas, offline (deploy lint); openai: the OpenAI
+  # client the HTTP API is tested with
   .venv/bin/pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking \
-    jinja2 tokenizers pyyaml numpy kubernetes-validate
+    jinja2 tokenizers pyyaml numpy kubernetes-validate openai
 fi
 # a real byte-level BPE tokenizer.json shipped by a PyPI package (tokenizer equality test)
 if ! .venv/bin/python -c 'import importlib.util as u; assert u.find_spec("anthropic")' 2>/dev/null; then

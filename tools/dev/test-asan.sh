@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The coordinator's robustness tests (test/daemon/test_robust.py, meson test coord-robust)
+# The coordinator's robustness tests (test/daemon/test_robust.py, meson test coord-robust) and its
+# HTTP API tests (test/daemon/test_http.py, coord-http)
 # against an ASan/UBSan build of stepd and the worker (build directory build-asan): engine
 # refusals, capacity, bursts of 1-20 ms deadlines and of resets 0-10 ms after sending, and
 # the many-streams run, at the sizes below (a sanitizer build is 3-10x slower).  Any
@@ -19,5 +20,5 @@ if [ ! -f "$BUILD/build.ninja" ]; then
 fi
 ninja -C "$BUILD" daemon/stepd worker/stepd-worker test/daemon/mock-engine test/daemon/loadgen \
   test/daemon/slow-client tools/stepctl >/dev/null || { echo "== the ASan/UBSan build failed"; exit 1; }
-echo "== coord-robust against the ASan/UBSan build ($BUILD): bursts of $ROBUST_BURST calls, $ROBUST_STREAMS streams"
-meson test -C "$BUILD" --no-rebuild --print-errorlogs coord-robust
+echo "== coord-robust and coord-http (the HTTP API) against the ASan/UBSan build ($BUILD): bursts of $ROBUST_BURST calls, $ROBUST_STREAMS streams"
+meson test -C "$BUILD" --no-rebuild --print-errorlogs coord-robust coord-http

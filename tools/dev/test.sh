@@ -13,7 +13,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 fail() { echo "$1"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
 
 bash tools/dev/install-deps.sh || fail "== installing the test dependencies failed"
-tools_py='import grpc, grpc_tools, grpc_health, jinja2, tokenizers, yaml, numpy, kubernetes_validate'
+tools_py='import grpc, grpc_tools, grpc_health, jinja2, tokenizers, yaml, numpy, kubernetes_validate, openai'
 if [ -f "$BUILD/build.ninja" ]; then
   py=$(cat "$BUILD/test/test-python.txt" 2>/dev/null || true)
   if [ -z "$py" ] || ! "$py" -c "$tools_py" 2>/dev/null; then

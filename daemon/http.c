@@ -1,0 +1,916 @@
+/* http.c - the HTTP server of the coordinator (see http.h): libmicrohttpd in external epoll
+ * mode on the libuv loop.
+ *
+ * Owns: the MHD daemon, its listen socket, a uv_poll_t on MHD's epoll fd and a uv_timer_t for
+ * MHD's timeouts (every MHD callback runs from those, on the loop), a per-connection record
+ * (struct http_conn: when its current request began, a watch on its socket while suspended)
+ * and a per-request record (struct http_req: route, body, the pending or streamed response).
+ * A sweep timer enforces the request-arrival deadline (slow-loris) that MHD's idle timeout
+ * alone does not (a byte every few seconds keeps a connection from being idle).
+ *
+ * Invariant: a suspended connection (waiting for its handler's answer, or for stream data) is
+ * not polled by MHD, so its socket is watched here for the peer's hang-up; the watch is
+ * stopped before the connection is resumed, and MHD_stop_daemon() only runs with no
+ * connection suspended.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include <gnutls/gnutls.h>
+#include <jansson.h>
+#include <microhttpd.h>
+
+#include "coord-int.h"
+#include "err.h"
+#include "file.h"
+#include "http.h"
+#include "log.h"
+#include "strbuf.h"
+
+#define SWEEP_MS 250
+
+struct http_conn {
+    struct http_server *s;
+    struct http_conn *prev, *next;
+    struct MHD_Connection *mc;
+    int fd;
+    bool tls;
+    int64_t t_base;                 /* the current request's arrival began (connection start,
+                                       or the end of the previous request) */
+    struct http_req *cur;           /* the request in progress (handler reached) */
+    int kill_stage;                 /* 1: 408 sent and write side shut; 2: shut down */
+    unsigned served;                /* requests completed on it (keep-alive) */
+    bool watch_init, watching, closing;
+    uv_poll_t watch;                /* while suspended: the peer's hang-up */
+    char peer[96];
+};
+
+struct http_req {
+    struct http_server *s;
+    struct MHD_Connection *mc;
+    struct http_conn *c;            /* NULL: no record (out of memory) or already closed */
+    const struct http_route *route;
+    char method[16];
+    char path[256];
+    struct strbuf body;
+    bool too_big;
+    bool dispatched, in_handler, queued, suspended, aborted;
+    bool keyed;
+    uint64_t key_hash;
+    /* the answer */
+    struct MHD_Response *resp;      /* made, not yet queued */
+    unsigned status;
+    bool streaming, stream_ended;
+    struct strbuf out;              /* stream bytes not yet handed to MHD */
+    size_t out_off;
+    http_close_fn on_close;
+    void *close_ud;
+    int64_t t_start;
+};
+
+struct http_server {
+    struct http_server_opts o;
+    char *api_key;
+    char *name;
+    uv_loop_t *loop;
+    struct MHD_Daemon *d;
+    int listen_fd;
+    bool mhd_listen;                /* MHD owns listen_fd */
+    int port;
+    uv_poll_t poll;
+    uv_timer_t timer, sweep;
+    struct http_conn *conns;
+    unsigned active;
+    int closing;                    /* handles still closing (stop) */
+    bool run_soon;                  /* the timer is set to run MHD at the next turn */
+    char *tls_cert, *tls_key, *tls_ca;
+};
+
+static void server_run(struct http_server *s);
+static void conn_suspend(struct http_req *hr);
+
+/* ------------------------------------------------------------------ errors */
+
+/* OpenAI's error object; type and code follow the status as OpenAI's API and its clients use
+ * them (the clients pick their exception class by the status). */
+static char *error_json(unsigned status, const char *param, const char *msg)
+{
+    const char *type = "invalid_request_error", *code = NULL;
+    json_t *o;
+    char *out;
+
+    switch (status) {
+    case 401: type = "authentication_error"; code = "invalid_api_key"; break;
+    case 403: type = "permission_error"; break;
+    case 404: code = "not_found"; break;
+    case 408: type = "timeout_error"; code = "request_timeout"; break;
+    case 413: code = "request_too_large"; break;
+    case 429: type = "rate_limit_error"; code = "server_overloaded"; break;
+    case 503: type = "service_unavailable_error"; code = "unavailable"; break;
+    case 504: type = "timeout_error"; code = "deadline_exceeded"; break;
+    default:
+        if (status >= 500)
+            type = "server_error";
+    }
+    o = json_pack("{s:{s:s, s:s, s:s?, s:s?}}", "error", "message", msg, "type", type, "param", param,
+                  "code", code);
+    out = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return out;
+}
+
+/* ------------------------------------------------------------------ responses */
+
+static int add_headers(struct MHD_Response *resp, const char *ctype, const char *const *headers)
+{
+    if (ctype && MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype) != MHD_YES)
+        return -ENOMEM;
+    for (size_t i = 0; headers && headers[i]; i += 2)
+        if (MHD_add_response_header(resp, headers[i], headers[i + 1]) != MHD_YES)
+            return -ENOMEM;
+    return 0;
+}
+
+static void watch_stop(struct http_conn *c)
+{
+    if (c && c->watching) {
+        uv_poll_stop(&c->watch);
+        c->watching = false;
+    }
+}
+
+static void timer_cb(uv_timer_t *t);
+
+/* Resume hr's connection and have MHD run at the loop's next turn: in external epoll mode a
+ * resume does not wake MHD's epoll fd (measured: it waited for the next timeout), and one run
+ * serves every connection resumed meanwhile (one engine step's tokens for all streams). */
+static void req_resume(struct http_req *hr)
+{
+    if (!hr->suspended)
+        return;
+    hr->suspended = false;
+    watch_stop(hr->c);
+    MHD_resume_connection(hr->mc);
+    if (!hr->s->run_soon) {
+        hr->s->run_soon = true;
+        uv_timer_start(&hr->s->timer, timer_cb, 0, 0);
+    }
+}
+
+/* Hand hr's response to MHD: now (in its handler, the access callback queues it) or, the
+ * connection suspended, at once and resume it. */
+static int req_answer(struct http_req *hr, struct MHD_Response *resp, unsigned status)
+{
+    if (hr->resp || hr->queued) {
+        MHD_destroy_response(resp);
+        return -EALREADY;
+    }
+    hr->status = status;
+    if (hr->in_handler) {
+        hr->resp = resp;
+        return 0;
+    }
+    if (!hr->suspended) {
+        /* between the access callbacks: the next one queues it */
+        hr->resp = resp;
+        return 0;
+    }
+    hr->queued = true;
+    MHD_queue_response(hr->mc, status, resp);
+    MHD_destroy_response(resp);
+    req_resume(hr);
+    return 0;
+}
+
+int http_respond(struct http_req *hr, unsigned status, const char *ctype, const char *body, size_t len,
+                 const char *const *headers)
+{
+    struct MHD_Response *resp;
+
+    if (hr->aborted)
+        return -ECANCELED;
+    resp = MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
+    if (!resp)
+        return -ENOMEM;
+    if (add_headers(resp, ctype, headers) < 0) {
+        MHD_destroy_response(resp);
+        return -ENOMEM;
+    }
+    return req_answer(hr, resp, status);
+}
+
+int http_respond_error(struct http_req *hr, unsigned status, const char *param, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    char *body;
+    int r;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    body = error_json(status, param, msg);
+    if (!body)
+        return -ENOMEM;
+    r = http_respond(hr, status, "application/json", body, strlen(body), NULL);
+    free(body);
+    return r;
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    struct http_req *hr = cls;
+    size_t avail = hr->out.len - hr->out_off;
+
+    (void)pos;
+    if (hr->aborted)
+        return MHD_CONTENT_READER_END_WITH_ERROR;
+    if (avail) {
+        size_t n = avail < max ? avail : max;
+
+        memcpy(buf, hr->out.p + hr->out_off, n);
+        hr->out_off += n;
+        if (hr->out_off == hr->out.len) {
+            strbuf_reset(&hr->out);
+            hr->out_off = 0;
+        }
+        return (ssize_t)n;
+    }
+    if (hr->stream_ended)
+        return MHD_CONTENT_READER_END_OF_STREAM;
+    /* nothing to send: wait for the next write (http_stream_write resumes) */
+    conn_suspend(hr);
+    return 0;
+}
+
+int http_stream_start(struct http_req *hr, unsigned status, const char *ctype)
+{
+    static const char *const hdrs[] = { "Cache-Control", "no-cache", "X-Accel-Buffering", "no", NULL };
+    struct MHD_Response *resp;
+
+    if (hr->aborted)
+        return -ECANCELED;
+    resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, hr, NULL);
+    if (!resp)
+        return -ENOMEM;
+    if (add_headers(resp, ctype, hdrs) < 0) {
+        MHD_destroy_response(resp);
+        return -ENOMEM;
+    }
+    hr->streaming = true;
+    return req_answer(hr, resp, status);
+}
+
+int http_stream_write(struct http_req *hr, const char *data, size_t len)
+{
+    if (hr->aborted || hr->stream_ended)
+        return -ECANCELED;
+    if (hr->out.len - hr->out_off + len > hr->s->o.stream_buffer_bytes)
+        return -ENOBUFS;
+    if (strbuf_add(&hr->out, data, len) < 0)
+        return -ENOMEM;
+    if (hr->queued)
+        req_resume(hr);
+    return 0;
+}
+
+void http_stream_end(struct http_req *hr)
+{
+    hr->stream_ended = true;
+    if (hr->queued)
+        req_resume(hr);
+}
+
+void http_req_abort(struct http_req *hr)
+{
+    if (hr->aborted)
+        return;
+    hr->aborted = true;
+    if (hr->c && hr->c->fd >= 0)
+        shutdown(hr->c->fd, SHUT_RDWR);
+    if (!hr->queued && !hr->resp) {
+        /* a deferred answer that will never come: close with no response */
+        struct MHD_Response *resp = MHD_create_response_from_buffer(0, "", MHD_RESPMEM_PERSISTENT);
+
+        if (resp)
+            req_answer(hr, resp, 500);
+        return;
+    }
+    req_resume(hr);
+}
+
+/* ------------------------------------------------------------------ accessors */
+
+const char *http_req_method(const struct http_req *hr) { return hr->method; }
+const char *http_req_path(const struct http_req *hr) { return hr->path; }
+const char *http_req_peer(const struct http_req *hr) { return hr->c ? hr->c->peer : "unknown"; }
+void *http_req_ud(const struct http_req *hr) { return hr->s->o.ud; }
+
+const char *http_req_body(const struct http_req *hr, size_t *len)
+{
+    *len = hr->body.len;
+    return strbuf_str(&hr->body);
+}
+
+const char *http_req_header(const struct http_req *hr, const char *name)
+{
+    return MHD_lookup_connection_value(hr->mc, MHD_HEADER_KIND, name);
+}
+
+bool http_req_keyed(const struct http_req *hr, uint64_t *key_hash)
+{
+    if (hr->keyed && key_hash)
+        *key_hash = hr->key_hash;
+    return hr->keyed;
+}
+
+void http_req_on_close(struct http_req *hr, http_close_fn fn, void *ud)
+{
+    hr->on_close = fn;
+    hr->close_ud = ud;
+}
+
+/* ------------------------------------------------------------------ suspended connections */
+
+static void watch_cb(uv_poll_t *h, int status, int events)
+{
+    struct http_conn *c = h->data;
+    struct http_req *hr = c->cur;
+
+    (void)events;
+    watch_stop(c);
+    if (!hr || !hr->suspended)
+        return;
+    /* the peer hung up (or the socket failed) while its request waits: resume, so that MHD
+     * finds the connection closed and ends the request (on_close: not completed) */
+    log_debug("%s: client %s went away (%s)", c->s->name, c->peer, status < 0 ? uv_strerror(status) : "hang-up");
+    hr->aborted = true;
+    if (!hr->queued && !hr->resp) {
+        struct MHD_Response *resp = MHD_create_response_from_buffer(0, "", MHD_RESPMEM_PERSISTENT);
+
+        if (resp) {
+            req_answer(hr, resp, 500);
+            return;
+        }
+    }
+    req_resume(hr);
+}
+
+static void conn_suspend(struct http_req *hr)
+{
+    struct http_conn *c = hr->c;
+
+    MHD_suspend_connection(hr->mc);
+    hr->suspended = true;
+    if (!c || c->fd < 0)
+        return;
+    if (!c->watch_init) {
+        if (uv_poll_init(c->s->loop, &c->watch, c->fd) < 0)
+            return;
+        c->watch.data = c;
+        c->watch_init = true;
+    }
+    if (uv_poll_start(&c->watch, UV_DISCONNECT, watch_cb) == 0)
+        c->watching = true;
+}
+
+/* ------------------------------------------------------------------ MHD callbacks */
+
+static void format_peer(const struct sockaddr *sa, char *buf, size_t n)
+{
+    char host[INET6_ADDRSTRLEN] = "?";
+
+    if (!sa) {
+        snprintf(buf, n, "unknown");
+    } else if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *in = (const void *)sa;
+
+        inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+        snprintf(buf, n, "ipv4:%s:%u", host, ntohs(in->sin_port));
+    } else if (sa->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *in6 = (const void *)sa;
+
+        inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
+        snprintf(buf, n, "ipv6:[%s]:%u", host, ntohs(in6->sin6_port));
+    } else {
+        snprintf(buf, n, "unknown");
+    }
+}
+
+static void conn_freed(uv_handle_t *h)
+{
+    free(h->data);
+}
+
+static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe)
+{
+    struct http_server *s = cls;
+    struct http_conn *c = *socket_context;
+
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *fi = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+        const union MHD_ConnectionInfo *ai = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+
+        c = calloc(1, sizeof(*c));
+        if (!c)
+            return;     /* no record: no sweep, no disconnect watch for this one */
+        c->s = s;
+        c->mc = mc;
+        c->fd = fi ? fi->connect_fd : -1;
+        c->tls = s->o.tls != NULL;
+        c->t_base = rpc_now_ms();
+        format_peer(ai ? ai->client_addr : NULL, c->peer, sizeof(c->peer));
+        c->next = s->conns;
+        if (s->conns)
+            s->conns->prev = c;
+        s->conns = c;
+        *socket_context = c;
+        return;
+    }
+    if (!c)
+        return;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    if (c->cur)
+        c->cur->c = NULL;
+    c->fd = -1;
+    if (c->watch_init) {
+        watch_stop(c);
+        uv_close((uv_handle_t *)&c->watch, conn_freed);
+    } else {
+        free(c);
+    }
+    *socket_context = NULL;
+}
+
+static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    struct http_server *s = cls;
+    struct http_req *hr = *con_cls;
+
+    (void)mc;
+    if (!hr)
+        return;
+    *con_cls = NULL;
+    if (hr->c) {
+        hr->c->cur = NULL;
+        hr->c->served++;
+        hr->c->t_base = rpc_now_ms();
+        watch_stop(hr->c);
+    }
+    if (hr->on_close)
+        hr->on_close(hr, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK && !hr->aborted, hr->close_ud);
+    if (hr->resp)
+        MHD_destroy_response(hr->resp);
+    strbuf_done(&hr->body);
+    strbuf_done(&hr->out);
+    s->active--;
+    free(hr);
+}
+
+static const struct http_route *route_find(const struct http_server *s, const char *method, const char *path,
+                                           bool *path_known)
+{
+    *path_known = false;
+    for (size_t i = 0; i < s->o.n_routes; i++) {
+        const struct http_route *r = &s->o.routes[i];
+
+        if (strcmp(r->path, path))
+            continue;
+        *path_known = true;
+        if (!strcmp(r->method, method) || (!strcmp(r->method, "GET") && !strcmp(method, "HEAD")))
+            return r;
+    }
+    return NULL;
+}
+
+/* The client certificate, when the port requires one (mTLS): verified against the CA. */
+static bool client_cert_ok(struct MHD_Connection *mc)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_GNUTLS_SESSION);
+    unsigned st = 0, n = 0;
+
+    if (!ci || !ci->tls_session || !gnutls_certificate_get_peers((gnutls_session_t)ci->tls_session, &n) || !n)
+        return false;
+    return gnutls_certificate_verify_peers2((gnutls_session_t)ci->tls_session, &st) == 0 && st == 0;
+}
+
+/* The request's first call: route, key, size; an error answer now, or 0 to read on. */
+static int req_begin(struct http_req *hr, struct MHD_Connection *mc)
+{
+    struct http_server *s = hr->s;
+    const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    const char *auth;
+    bool known;
+
+    if (s->o.tls && s->o.tls->require_client_cert && !client_cert_ok(mc))
+        return http_respond_error(hr, 403, NULL, "a client certificate signed by the server's CA is required");
+    hr->route = route_find(s, hr->method, hr->path, &known);
+    if (!hr->route) {
+        if (known)
+            return http_respond_error(hr, 405, NULL, "%s is not allowed on %s", hr->method, hr->path);
+        return http_respond_error(hr, 404, NULL, "no such endpoint: %s %.200s", hr->method, hr->path);
+    }
+    auth = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (s->api_key && auth && strncasecmp(auth, "Bearer ", 7) == 0) {
+        const char *k = auth + 7;
+
+        while (*k == ' ')
+            k++;
+        if (rpc_secret_equal(s->api_key, k)) {
+            hr->keyed = true;
+            hr->key_hash = coord_fnv1a(k, strlen(k), COORD_FNV_SEED);
+        }
+    }
+    if (s->api_key && hr->route->auth && !hr->keyed) {
+        static const char *const hdrs[] = { "WWW-Authenticate", "Bearer", NULL };
+        char *body = error_json(401, NULL, auth ? "invalid API key" : "an API key is required "
+                                "(Authorization: Bearer <key>)");
+        int r = body ? http_respond(hr, 401, "application/json", body, strlen(body), hdrs) : -ENOMEM;
+
+        free(body);
+        return r;
+    }
+    if (cl) {
+        char *end;
+        unsigned long long v = strtoull(cl, &end, 10);
+
+        if (end != cl && !*end && v > s->o.max_body_bytes)
+            return http_respond_error(hr, 413, NULL, "request body of %llu bytes is over the limit of %zu bytes",
+                                      v, s->o.max_body_bytes);
+    }
+    return 0;
+}
+
+static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const char *url, const char *method,
+                                 const char *version, const char *upload_data, size_t *upload_data_size,
+                                 void **con_cls)
+{
+    struct http_server *s = cls;
+    struct http_req *hr = *con_cls;
+    const union MHD_ConnectionInfo *sc;
+
+    (void)version;
+    if (!hr) {
+        hr = calloc(1, sizeof(*hr));
+        if (!hr)
+            return MHD_NO;
+        hr->s = s;
+        hr->mc = mc;
+        sc = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+        hr->c = sc ? sc->socket_context : NULL;
+        if (hr->c)
+            hr->c->cur = hr;
+        hr->t_start = rpc_now_ms();
+        snprintf(hr->method, sizeof(hr->method), "%s", method);
+        snprintf(hr->path, sizeof(hr->path), "%s", url);
+        *con_cls = hr;
+        s->active++;
+        hr->in_handler = true;
+        (void)req_begin(hr, mc);
+        hr->in_handler = false;
+        if (hr->resp)
+            goto queue;
+        return MHD_YES;
+    }
+    if (*upload_data_size) {
+        if (!hr->too_big) {
+            if (hr->body.len + *upload_data_size > s->o.max_body_bytes) {
+                hr->too_big = true;
+                strbuf_done(&hr->body);
+            } else if (strbuf_add(&hr->body, upload_data, *upload_data_size) < 0) {
+                hr->too_big = true;
+                strbuf_done(&hr->body);
+            }
+        }
+        *upload_data_size = 0;      /* consumed (or dropped, over the limit) */
+        return MHD_YES;
+    }
+    if (hr->resp)
+        goto queue;
+    if (hr->queued)
+        return MHD_YES;
+    if (!hr->dispatched) {
+        hr->dispatched = true;
+        hr->in_handler = true;
+        if (hr->too_big)
+            http_respond_error(hr, 413, NULL, "request body is over the limit of %zu bytes", s->o.max_body_bytes);
+        else
+            hr->route->fn(hr, s->o.ud);
+        hr->in_handler = false;
+        if (hr->resp)
+            goto queue;
+    }
+    /* the answer comes later */
+    conn_suspend(hr);
+    return MHD_YES;
+queue:
+    {
+        struct MHD_Response *resp = hr->resp;
+        enum MHD_Result r;
+
+        hr->resp = NULL;
+        hr->queued = true;
+        r = MHD_queue_response(mc, hr->status, resp);
+        MHD_destroy_response(resp);
+        return r;
+    }
+}
+
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    struct http_server *s = cls;
+    char msg[512];
+
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    msg[strcspn(msg, "\n")] = '\0';
+    log_debug("%s: %s", s->name, msg);
+}
+
+/* ------------------------------------------------------------------ the loop */
+
+static void timer_cb(uv_timer_t *t)
+{
+    server_run(t->data);
+}
+
+static void poll_cb(uv_poll_t *h, int status, int events)
+{
+    (void)status;
+    (void)events;
+    server_run(h->data);
+}
+
+static void server_run(struct http_server *s)
+{
+    MHD_UNSIGNED_LONG_LONG to;
+
+    if (!s->d)
+        return;
+    s->run_soon = false;
+    MHD_run(s->d);
+    if (s->run_soon)
+        return;     /* resumed during the run: the timer runs it again */
+    if (MHD_get_timeout(s->d, &to) == MHD_YES)
+        uv_timer_start(&s->timer, timer_cb, to, 0);
+    else
+        uv_timer_stop(&s->timer);
+}
+
+/* The request-arrival deadline: headers and body within timeout_ms (slow-loris). */
+static void sweep_cb(uv_timer_t *t)
+{
+    struct http_server *s = t->data;
+    int64_t now = rpc_now_ms();
+
+    for (struct http_conn *c = s->conns; c; c = c->next) {
+        struct http_req *hr = c->cur;
+        int64_t since = hr ? hr->t_start : c->t_base;
+
+        if (c->fd < 0 || (hr && (hr->dispatched || hr->queued || hr->resp)))
+            continue;
+        if (now - since < (int64_t)s->o.timeout_ms)
+            continue;
+        if (c->kill_stage == 0) {
+            if (hr || !c->served)
+                log_info("%s: client %s did not send its request within %u ms: closing", s->name, c->peer,
+                         s->o.timeout_ms);
+            /* an idle keep-alive connection is closed without a word (a client that sends its
+             * next request just then must not read a 408 as its answer) */
+            if (!c->tls && (hr || !c->served)) {
+                /* nothing went out on this connection for this request: a 408 of our own */
+                char msg[160], head[256];
+                char *body;
+                int hl;
+
+                snprintf(msg, sizeof(msg), "the request did not arrive within the %u ms limit", s->o.timeout_ms);
+                body = error_json(408, NULL, msg);
+                if (body) {
+                    hl = snprintf(head, sizeof(head), "HTTP/1.1 408 Request Timeout\r\nContent-Type: "
+                                  "application/json\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
+                                  strlen(body));
+                    (void)!send(c->fd, head, (size_t)hl, MSG_NOSIGNAL | MSG_DONTWAIT);
+                    (void)!send(c->fd, body, strlen(body), MSG_NOSIGNAL | MSG_DONTWAIT);
+                    free(body);
+                }
+            }
+            shutdown(c->fd, c->tls ? SHUT_RDWR : SHUT_WR);
+            c->kill_stage = 1;
+        } else if (c->kill_stage == 1) {
+            shutdown(c->fd, SHUT_RDWR);
+            c->kill_stage = 2;
+        }
+    }
+    server_run(s);
+}
+
+/* ------------------------------------------------------------------ start / stop */
+
+static int listen_socket(const char *host, int port, int *ret_fd, int *ret_port)
+{
+    struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                              .ai_flags = AI_PASSIVE | AI_NUMERICSERV };
+    struct addrinfo *ai = NULL;
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    char ps[16];
+    int fd, one = 1, r;
+
+    snprintf(ps, sizeof(ps), "%d", port);
+    if ((r = getaddrinfo(host, ps, &hints, &ai)) != 0)
+        return -EINVAL;
+    fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        r = -errno;
+        freeaddrinfo(ai);
+        return r;
+    }
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (ai->ai_family == AF_INET6)
+        setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 511) < 0) {
+        r = -errno;
+        freeaddrinfo(ai);
+        close(fd);
+        return r;
+    }
+    freeaddrinfo(ai);
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0)
+        *ret_port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                   : ((struct sockaddr_in *)&ss)->sin_port);
+    *ret_fd = fd;
+    return 0;
+}
+
+static int read_pem(const char *path, const char *what, char **ret)
+{
+    size_t n;
+    int r = file_read_all(path, 1 << 20, 0, ret, &n);
+
+    if (r < 0)
+        log_error("%s %s: %s", what, path, err_str(r));
+    return r;
+}
+
+int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct http_server **ret)
+{
+    struct http_server *s = calloc(1, sizeof(*s));
+    struct MHD_OptionItem opts[16];
+    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    const union MHD_DaemonInfo *di;
+    size_t k = 0;
+    int r;
+
+    if (!s)
+        return -ENOMEM;
+    s->o = *o;
+    s->loop = loop;
+    s->listen_fd = -1;
+    s->name = strdup(o->name ? o->name : "http");
+    s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;
+    if (!s->name || (o->api_key && o->api_key[0] && !s->api_key)) {
+        r = -ENOMEM;
+        goto fail;
+    }
+    if (o->tls) {
+        if ((r = read_pem(o->tls->cert_file, "--tls-cert", &s->tls_cert)) < 0 ||
+            (r = read_pem(o->tls->key_file, "--tls-key", &s->tls_key)) < 0 ||
+            (o->tls->root_file && (r = read_pem(o->tls->root_file, "--tls-client-ca", &s->tls_ca)) < 0))
+            goto fail;
+        flags |= MHD_USE_TLS;
+        opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_HTTPS_MEM_CERT, 0, s->tls_cert };
+        opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_HTTPS_MEM_KEY, 0, s->tls_key };
+        if (s->tls_ca)
+            opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_HTTPS_MEM_TRUST, 0, s->tls_ca };
+    }
+    if ((r = listen_socket(o->host, o->port, &s->listen_fd, &s->port)) < 0) {
+        log_error("%s: cannot listen on %s port %d: %s", s->name, o->host, o->port,
+                  r == -EINVAL ? "not an address of this host" : err_str(r));
+        goto fail;
+    }
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_LISTEN_SOCKET, s->listen_fd, NULL };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_LIMIT, o->max_connections, NULL };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_TIMEOUT, (o->timeout_ms + 999) / 1000, NULL };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_MEMORY_LIMIT, (intptr_t)o->max_header_bytes, NULL };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, s };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_NOTIFY_CONNECTION, (intptr_t)on_connection, s };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_EXTERNAL_LOGGER, (intptr_t)mhd_log, s };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_STRICT_FOR_CLIENT, 1, NULL };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_END, 0, NULL };
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_access, s, MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
+    if (!s->d) {
+        log_error("%s: the HTTP server did not start (libmicrohttpd%s)", s->name,
+                  o->tls ? "; check the TLS certificate and key" : "");
+        r = -EINVAL;
+        goto fail;
+    }
+    di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_EPOLL_FD);
+    if (!di || (r = uv_poll_init(loop, &s->poll, di->epoll_fd)) < 0) {
+        MHD_stop_daemon(s->d);     /* closes the listen socket */
+        s->d = NULL;
+        s->listen_fd = -1;
+        r = -EIO;
+        goto fail;
+    }
+    s->mhd_listen = true;          /* MHD closes it (MHD_stop_daemon) unless quiesced */
+    s->poll.data = s;
+    uv_timer_init(loop, &s->timer);
+    uv_timer_init(loop, &s->sweep);
+    s->timer.data = s->sweep.data = s;
+    uv_poll_start(&s->poll, UV_READABLE, poll_cb);
+    uv_timer_start(&s->sweep, sweep_cb, SWEEP_MS, SWEEP_MS);
+    *ret = s;
+    return 0;
+fail:
+    if (s->listen_fd >= 0)
+        close(s->listen_fd);
+    free(s->tls_cert);
+    if (s->tls_key) {
+        memset(s->tls_key, 0, strlen(s->tls_key));
+        free(s->tls_key);
+    }
+    free(s->tls_ca);
+    free(s->api_key);
+    free(s->name);
+    free(s);
+    return r;
+}
+
+int http_server_port(const struct http_server *s)
+{
+    return s ? s->port : 0;
+}
+
+unsigned http_server_active(const struct http_server *s)
+{
+    return s ? s->active : 0;
+}
+
+void http_server_quiesce(struct http_server *s)
+{
+    if (!s || !s->d || s->listen_fd < 0)
+        return;
+    MHD_socket fd = MHD_quiesce_daemon(s->d);
+    if (fd != MHD_INVALID_SOCKET)
+        close(fd);
+    s->listen_fd = -1;
+    server_run(s);
+}
+
+static void server_freed(uv_handle_t *h)
+{
+    struct http_server *s = h->data;
+
+    if (--s->closing > 0)
+        return;     /* the last of its three handles frees it */
+    if (s->tls_key) {
+        memset(s->tls_key, 0, strlen(s->tls_key));
+        free(s->tls_key);
+    }
+    free(s->tls_cert);
+    free(s->tls_ca);
+    if (s->api_key) {
+        memset(s->api_key, 0, strlen(s->api_key));
+        free(s->api_key);
+    }
+    free(s->name);
+    free(s);
+}
+
+void http_server_stop(struct http_server *s)
+{
+    if (!s)
+        return;
+    /* MHD must not stop with a connection suspended: resume them all (their requests end
+     * as not completed) */
+    for (struct http_conn *c = s->conns; c; c = c->next)
+        if (c->cur && c->cur->suspended) {
+            c->cur->aborted = true;
+            req_resume(c->cur);
+        }
+    if (s->d) {
+        MHD_run(s->d);
+        MHD_stop_daemon(s->d);     /* closes the listen socket unless quiesced */
+        s->d = NULL;
+    }
+    s->closing = 3;
+    uv_close((uv_handle_t *)&s->timer, server_freed);
+    uv_close((uv_handle_t *)&s->sweep, server_freed);
+    uv_close((uv_handle_t *)&s->poll, server_freed);
+}

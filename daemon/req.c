@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include "coord-int.h"
@@ -821,17 +820,9 @@ void req_generate_unmark(int mark, void *ud)
  * name another's request. */
 static void req_id_assign(char *buf, size_t n)
 {
-    uint8_t b[16];
-    char hex[33];
+    char hex[COORD_RANDOM_HEX];
 
-    if (getrandom(b, sizeof(b), 0) != (ssize_t)sizeof(b)) {
-        uint64_t t = (uint64_t)rpc_now_us() ^ ((uint64_t)getpid() << 32);
-
-        for (size_t i = 0; i < sizeof(b); i++, t = t * 6364136223846793005ull + 1442695040888963407ull)
-            b[i] = (uint8_t)(t >> 56);
-    }
-    for (size_t i = 0; i < sizeof(b); i++)
-        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    coord_random_hex(hex);
     snprintf(buf, n, "stepd-%s", hex);
 }
 
@@ -905,6 +896,7 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
     }
     r->co = co;
     r->call = call;
+    coord_call_owner(co, call, r->owner, sizeof(r->owner));
     r->in = in;
     r->engine_done = true;      /* nothing dispatched yet */
     r->t_arrival = rpc_now_ms();
@@ -1013,10 +1005,10 @@ void req_fail_group(struct group *g, const char *why)
     }
 }
 
-int req_abort_by_id(struct coord *co, const char *id)
+int req_abort_by_id(struct coord *co, const char *id, const char *owner)
 {
     for (struct req *r = co->reqs; r; r = r->next) {
-        if (!r->call || strcmp(r->id, id) != 0)
+        if (!r->call || strcmp(r->id, id) != 0 || strcmp(r->owner, owner) != 0)
             continue;
         if (r->ai.queued || req_held(r)) {
             req_end_waiting(r, RPC_OK, NULL);

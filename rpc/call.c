@@ -296,6 +296,24 @@ int rpc_call_metadata(const struct rpc_call *c, const char *key, char *buf, size
     return -ENOENT;
 }
 
+int rpc_call_peer(const struct rpc_call *c, char *buf, size_t len)
+{
+    char *peer;
+    int r = 0;
+
+    if (len == 0)
+        return -ENOSPC;
+    peer = grpc_call_get_peer(c->call);
+    if (!peer || !peer[0])
+        r = -ENOENT;
+    else
+        snprintf(buf, len, "%s", peer);
+    gpr_free(peer);
+    if (r < 0)
+        buf[0] = '\0';
+    return r;
+}
+
 void rpc_call_set_buffer_cap(struct rpc_call *c, size_t bytes)
 {
     c->buffer_cap = bytes;

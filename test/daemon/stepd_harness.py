@@ -4,6 +4,11 @@ Generates Python gRPC stubs from proto/*.proto with grpcio-tools into a temp dir
 at import time (an independent client: nothing here shares code with the C side),
 starts `stepd` and `mock-engine` processes on loopback, and offers small helpers.
 
+The cluster key: a Stepd gets a random control key in a 0600 file of its work directory
+(unless the test gives one, with --control-key-file or $STEPD_CONTROL_KEY, or asks for
+none with control_key=False: --insecure-control), and hands it to the engines and workers
+it starts, as `stepd serve` does.
+
 Environment (set by meson): STEPD_BIN, MOCK_ENGINE_BIN, PROTO_DIR, TOKENIZER_JSON.
 """
 import atexit
@@ -71,21 +76,47 @@ def _cleanup():
 atexit.register(_cleanup)
 
 
+def write_key(path, key=None):
+    """A 0600 key file holding key (default: 32 random bytes in hex); returns the key."""
+    key = key or os.urandom(32).hex()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
 class Stepd:
     """A running coordinator. Ports are chosen by the kernel and read from its log."""
 
-    def __init__(self, *args, env=None, workdir=None):
+    def __init__(self, *args, env=None, workdir=None, control_key=True):
         self.workdir = workdir or tempfile.mkdtemp(prefix="stepd-it-")
         _workdirs.append(self.workdir)
         self.logpath = os.path.join(self.workdir, "stepd.log")
         self.log = open(self.logpath, "w+")
-        cmd = [STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-               "--control-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-               "--heartbeat-ms", "200", "--loads-poll-ms", "100", *args]
+        args = list(args)
         e = dict(os.environ)
+        e.pop("STEPD_CONTROL_KEY", None)
         e.setdefault("STEPD_LOG_LEVEL", "info")
         if env:
             e.update(env)
+        # the cluster key (None: no key, --insecure-control)
+        self.key_file = None
+        if "--control-key-file" in args:
+            self.key_file = args[args.index("--control-key-file") + 1]
+            self.control_key = open(self.key_file).read().strip()
+        elif e.get("STEPD_CONTROL_KEY"):
+            self.control_key = e["STEPD_CONTROL_KEY"]
+        elif control_key:
+            self.key_file = os.path.join(self.workdir, "control-key")
+            self.control_key = write_key(self.key_file, control_key if isinstance(control_key, str) else None)
+            args += ["--control-key-file", self.key_file]
+        else:
+            self.control_key = None
+            if "--insecure-control" not in args:
+                args.append("--insecure-control")
+        cmd = [STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+               "--control-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+               "--heartbeat-ms", "200", "--loads-poll-ms", "100", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
         _procs.append(self.proc)
         self.ports = self._wait_ports()
@@ -96,6 +127,22 @@ class Stepd:
         self.admin = pbg.AdminStub(self.admin_channel)
         self.health = hpbg.HealthStub(self.channel)
         self.engines = []
+
+    def key_args(self, env=None):
+        """The flags that hand this coordinator's key to a worker or mock engine (none when
+        the test sets $STEPD_CONTROL_KEY for it)."""
+        if env and "STEPD_CONTROL_KEY" in env:
+            return []
+        if self.control_key is None:
+            return ["--insecure-control"]
+        if not self.key_file:
+            self.key_file = os.path.join(self.workdir, "control-key")
+            write_key(self.key_file, self.control_key)
+        return ["--control-key-file", self.key_file]
+
+    def key_md(self):
+        """Call metadata carrying the cluster key (an engine's callers need it)."""
+        return [("authorization", "Bearer " + self.control_key)] if self.control_key else []
 
     def _wait_ports(self):
         end = time.time() + 10
@@ -115,7 +162,8 @@ class Stepd:
         stats = os.path.join(self.workdir, "%s-r%d.stats" % (group, rank))
         log = open(os.path.join(self.workdir, "%s-r%d.log" % (group, rank)), "w")
         cmd = [MOCK_BIN, "--coordinator", "127.0.0.1:%d" % self.ports["control"], "--group", group,
-               "--rank", str(rank), "--world", str(world), "--stats-file", stats, *MOCK_ARGS, *args]
+               "--rank", str(rank), "--world", str(world), "--stats-file", stats, *self.key_args(env),
+               *MOCK_ARGS, *args]
         e = dict(os.environ)
         e.pop("STEPD_CONTROL_KEY", None)
         if env:
@@ -137,8 +185,9 @@ class Stepd:
             cmd += ["--model", TINY_MODEL]
         if rank == 0 and "--engine-listen" not in args:
             cmd += ["--engine-listen", "unix:%s/%s-engine.sock" % (self.workdir, group)]
-        cmd += list(args)
+        cmd += self.key_args(env) + list(args)
         e = dict(os.environ)
+        e.pop("STEPD_CONTROL_KEY", None)
         e.setdefault("UCX_NET_DEVICES", "lo")
         e["UCX_WARN_UNUSED_ENV_VARS"] = "n"
         if env:

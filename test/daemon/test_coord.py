@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from stepd_harness import (MOCK_ARGS, NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect,
+from stepd_harness import (MOCK_ARGS, NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect, pbg,
                            expected_tokens, gen_request, hpb, pb, run_tests, sanitized, wait_until)
 
 OK = grpc.StatusCode.OK
@@ -833,7 +833,7 @@ def test_real_worker():
     log = open(os.path.join(s.workdir, "worker.log"), "w")
     cmd = [worker, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group", "cpu0", "--rank", "0",
            "--world-size", "1", "--device", "cpu", "--model", model, "--engine-listen", "127.0.0.1:%d" % eport,
-           "--max-model-len", "8192", "--kv-cache-memory", "32MiB"]
+           "--max-model-len", "8192", "--kv-cache-memory", "32MiB", *s.key_args()]
     w = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         s.wait_ready(1, timeout=120)
@@ -858,7 +858,27 @@ def test_real_worker():
         _, _, finals, _ = collect(s.inf.Generate(pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(
             max_tokens=8)), timeout=60))
         assert finals and finals[0].group == "cpu0"
-        print("   real worker: %d tokens, text %r" % (len(toks), text[:60]))
+        # the engine's counters as the coordinator reports them (GetLoads, GetGroups): request
+        # states created and freed (5 requests, all ended), the prefix cache (48 tokens hit of
+        # the second long prompt), both KV pools; the engine reports them too
+        def loads():
+            return s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2).loads[0]
+        wait_until(lambda: loads().requests_freed >= 5, what="the engine's counters at the coordinator")
+        ld = loads()
+        eng = pbg.EngineStub(grpc.insecure_channel("127.0.0.1:%d" % eport)).GetLoads(
+            pb.GetLoadsRequest(), timeout=2, metadata=s.key_md()).loads[0]
+        assert ld.requests_created == ld.requests_freed == eng.requests_created >= 5, (ld, eng)
+        assert ld.num_requests_alive == 0, ld
+        assert ld.prefix_cache_hits >= 48 and ld.prefix_cache_queries > ld.prefix_cache_hits, ld
+        assert ld.prefix_cache_hits == eng.prefix_cache_hits, (ld, eng)
+        assert sorted(p.kind for p in ld.kv_pools) == ["full_attention", "sliding_window"], ld
+        assert [(p.kind, p.blocks_total) for p in ld.kv_pools] == [(p.kind, p.blocks_total) for p in eng.kv_pools]
+        gl = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0].load
+        assert gl.requests_created == ld.requests_created and len(gl.kv_pools) == 2, gl
+        print("   real worker: %d tokens, text %r; the coordinator's GetLoads: %d request states created "
+              "and freed, prefix cache %d/%d tokens hit, KV pools %s" %
+              (len(toks), text[:60], ld.requests_created, ld.prefix_cache_hits, ld.prefix_cache_queries,
+               ", ".join("%s %d blocks" % (p.kind, p.blocks_total) for p in ld.kv_pools)))
         assert s.stop() == 0
         assert w.wait(20) == 0                        # the worker leaves when the coordinator does
     finally:

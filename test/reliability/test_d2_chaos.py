@@ -212,7 +212,8 @@ class WorkerRig:
         log = open(os.path.join(self.s.workdir, "w-%s-%d.log" % (group, rank)), "a")
         p = subprocess.Popen([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:%d" % self.s.ports["control"],
                               "--group", group, "--rank", str(rank), "--world-size", str(world), "--mock",
-                              "--threads", "1", "--engine-listen", "unix:%s/%s.sock" % (self.s.workdir, group)],
+                              "--threads", "1", "--engine-listen", "unix:%s/%s.sock" % (self.s.workdir, group),
+                              *self.s.key_args()],
                              stdout=log, stderr=subprocess.STDOUT, env=self.env)
         h._procs.append(p)
         self.procs[(group, rank)] = p
@@ -223,14 +224,13 @@ class WorkerRig:
         p.wait()
 
     def reform(self):
-        # the surviving rank 0 is told to re-form and exits by itself (systemd would restart it)
+        # the surviving rank 0 leaves the group and registers again by itself, keeping its
+        # process; only the lost rank is restarted (as systemd or stepd serve would)
         p0 = self.procs[("tp2", 0)]
-        try:
-            rc0 = p0.wait(15)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("tp2 rank 0 did not leave after its peer was killed")
-        assert rellib.crash_signal(rc0) is None, rc0
-        self.start("tp2", 0, 2)
+        log = os.path.join(self.s.workdir, "w-tp2-0.log")
+        h.wait_until(lambda: "registering again with the weights kept" in open(log).read(), timeout=15,
+                     what="tp2 rank 0 leaving the group to register again")
+        assert p0.poll() is None, "tp2 rank 0 exited (%s) after its peer was killed" % p0.returncode
         self.start("tp2", 1, 2)
 
     def stop(self):

@@ -206,6 +206,13 @@ static void group_fail(struct group *g, const char *why)
     }
     g->loads_pending = false;
     g->cap_seqs = g->cap_waiting = 0;   /* the next engine says its own */
+    /* nothing runs on an engine that is gone: its last GetLoads no longer holds */
+    g->load_running = g->load_waiting = g->kv_used = g->requests_alive = 0;
+    g->kv_usage = 0.0;
+    for (unsigned i = 0; i < g->n_kv_pools; i++) {
+        g->kv_pools[i].used = g->kv_pools[i].cached = 0;
+        g->kv_pools[i].usage = 0.0;
+    }
     req_held_kick(co);                  /* with no ready group left, the held ones end */
     if (!group_has_ranks(g))
         g->state = was_active ? GROUP_FAILED : GROUP_FORMING;

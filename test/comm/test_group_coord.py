@@ -151,6 +151,8 @@ def test_kill_follower(s, tmp, ref, n=2):
     assert g.epoch == epoch + 1, (g.epoch, epoch)
     toks, _ = generate(s, 24)
     assert toks == ref, (toks, ref)
+    h.ledger_line("lost rank of %s" % group, 2, 2)    # the stream caught by the kill, and the one after
+    h.wait_idle(s, "group %s re-formed after its lost rank" % group)
     loads = [count_lines(p.logpath, "loaded: ") for p in survivors]
     assert loads == [1] * len(survivors), loads
     print("  survivors kept their PIDs and weights (%s \"loaded:\" lines); the group re-formed at epoch %d "

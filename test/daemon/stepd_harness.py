@@ -304,6 +304,39 @@ def expected_tokens(ids, n, vocab=1000):
     return [(s + 7 * i + 1) % vocab for i in range(n)]
 
 
+def wait_idle(s, what, timeout=15.0):
+    """D1 after a run: nothing in flight anywhere.  The coordinator: every group's in_flight
+    0 and routed == completed + failed (each routed call ended exactly once).  Every engine,
+    as the coordinator's GetLoads reports it: nothing running or waiting, no request state
+    alive, as many freed as created, no KV block held in any pool (the engines of ready
+    groups: a group that is down reports its last engine's totals).  Prints one line
+    "INVARIANTS what: ..." (test/chaos/report counts them); returns (groups, loads)."""
+    def idle():
+        gg = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups
+        ready = {g.group for g in gg if g.state == pb.WORKER_STATE_READY}
+        loads = [l for l in s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2).loads if l.group in ready]
+        if any(g.counters.in_flight or g.counters.routed != g.counters.completed + g.counters.failed for g in gg):
+            return None
+        if any(l.num_running or l.num_waiting or l.kv_blocks_used or l.num_requests_alive or
+               l.requests_created != l.requests_freed or any(p.blocks_used for p in l.kv_pools) for l in loads):
+            return None
+        return gg, loads
+    try:
+        gg, loads = wait_until(idle, timeout=timeout, step=0.1, what="idle counters")
+    except AssertionError:
+        raise AssertionError("not idle after %s:\n%s\n%s" % (what, s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2),
+                                                              s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2)))
+    print("INVARIANTS %s: %d groups idle (routed = completed + failed), engines: 0 alive, created = freed "
+          "(%s), 0 KV blocks held" % (what, len(gg), ", ".join(str(l.requests_created) for l in loads)), flush=True)
+    return gg, loads
+
+
+def ledger_line(what, calls, one_terminal):
+    """The client ledger of a run: calls made, and how many ended with exactly one terminal
+    status (test/chaos/report sums these lines)."""
+    print("LEDGER %s: calls=%d one_terminal=%d" % (what, calls, one_terminal), flush=True)
+
+
 def collect(stream):
     """Drain a Generate stream: (tokens, text, finals, chunks)."""
     toks, text, finals, chunks = [], [], [], []

@@ -73,6 +73,7 @@ struct mock {
     struct rpc_server *srv;
     struct rpc_channel *ctl;
     const char *coordinator, *group, *listen, *stats_file, *stall_file;
+    char *key;                      /* the cluster key (control service, engine callers) */
     int stats_fd;                   /* stats_file, open from the first write on */
     FILE *send_log;
     unsigned rank, world, vocab, max_model_len, delay_ms, ttft_ms, eos_after;
@@ -934,7 +935,6 @@ int main(int argc, char **argv)
         { NULL, 0, NULL, 0 },
     };
     struct mock *m = &M;
-    char *key = NULL;
     bool insecure = false;
     int c;
 
@@ -969,7 +969,7 @@ int main(int argc, char **argv)
         case 'E': m->serving_epoch = strtoull(optarg, NULL, 10); break;
         case 'I': insecure = true; break;
         case 'K':
-            if (file_read_secret(optarg, &key) < 0) {
+            if (file_read_secret(optarg, &m->key) < 0) {
                 fprintf(stderr, "mock-engine: --control-key-file %s: unreadable or empty\n", optarg);
                 return 2;
             }
@@ -987,9 +987,9 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (!key && getenv("STEPD_CONTROL_KEY") && getenv("STEPD_CONTROL_KEY")[0])
-        key = strdup(getenv("STEPD_CONTROL_KEY"));
-    if (!key && !insecure) {
+    if (!m->key && getenv("STEPD_CONTROL_KEY") && getenv("STEPD_CONTROL_KEY")[0])
+        m->key = strdup(getenv("STEPD_CONTROL_KEY"));
+    if (!m->key && !insecure) {
         fprintf(stderr, "mock-engine: no control key: give --control-key-file FILE (or "
                         "$STEPD_CONTROL_KEY), or --insecure-control\n");
         return 2;
@@ -1008,7 +1008,7 @@ int main(int argc, char **argv)
     uv_idle_init(m->loop, &m->flush_soon);
     uv_unref((uv_handle_t *)&m->flush_soon);
     if (m->rank == 0) {
-        struct rpc_server_opts so = { .api_key = key };
+        struct rpc_server_opts so = { .api_key = m->key };
         struct rpc_method ms[] = {
             { "/stepd.v1.Engine/Generate", &stepd__v1__generate_request__descriptor, true, false, h_generate, m },
             { "/stepd.v1.Engine/Abort", &stepd__v1__abort_request__descriptor, false, false, h_abort, m },
@@ -1030,7 +1030,7 @@ int main(int argc, char **argv)
         rpc_server_start(m->srv);
         snprintf(m->engine_addr, sizeof(m->engine_addr), "127.0.0.1:%d", m->port);
     }
-    struct rpc_channel_opts co = { .api_key = key, .keepalive_time_ms = 10000 };
+    struct rpc_channel_opts co = { .api_key = m->key, .keepalive_time_ms = 10000 };
     if (rpc_channel_create(m->rpc, m->coordinator, &co, &m->ctl) < 0)
         return 1;
     uv_signal_t sterm;

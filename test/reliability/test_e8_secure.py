@@ -187,7 +187,8 @@ def test_registrations_pruned(n=3000):
     gs = groups(s)
     grow = (rss1 - rss0) / 1024.0
     assert len(gs) <= 16, "%d groups kept after %d ended registrations" % (len(gs), n)
-    assert grow < 4.0, "RSS grew %.1f MiB over %d ended registrations" % (grow, n)
+    # a sanitizer build keeps freed memory in quarantine: its RSS is only reported
+    assert grow < 4.0 or h.sanitized(h.STEPD_BIN), "RSS grew %.1f MiB over %d ended registrations" % (grow, n)
     assert s.stop() == 0
     ROWS["E9"] = "%d registrations ended (%.1f s): %d groups kept, RSS %+.1f MiB" % (n, r["seconds"], len(gs),
                                                                                   grow)

@@ -37,13 +37,20 @@
 #include "tokenizer.h"
 
 #define COORD_MAX_WORLD 8
+#define REQ_OWNER_LEN 96
 #define COORD_MAX_EOS 8
+#define GROUP_MAX_KV_POOLS 4
 
 struct coord;
 struct group;
 struct req;
 
 #define COORD_FNV_SEED 1469598103934665603ull
+
+/* 128 random bits in hex (getrandom; a clock-seeded generator if that fails): request and
+ * session ids nobody can guess. */
+#define COORD_RANDOM_HEX 33
+void coord_random_hex(char out[COORD_RANDOM_HEX]);
 
 /* FNV-1a over n bytes from h (COORD_FNV_SEED to start): prefix affinity, request ids. */
 static inline uint64_t coord_fnv1a(const void *p, size_t n, uint64_t h)
@@ -114,7 +121,7 @@ enum group_state {
 struct rank {
     bool present;
     struct rpc_call *session;       /* the open Session stream */
-    char session_id[96];
+    char session_id[128];
     int state;                      /* Stepd__V1__WorkerState */
     char device[32];
     uint8_t *peer;
@@ -137,6 +144,8 @@ struct group {
     char name[72];
     uint64_t id;                    /* affinity.c's name for it: a hash of name, never 0 */
     unsigned world;
+    bool pinned;                    /* listed by `stepd serve`: never pruned */
+    int64_t dead_since_ms;          /* no rank present since then (0: some are), wpool_prune */
     uint64_t epoch;
     enum group_state state;
     struct rank ranks[COORD_MAX_WORLD];
@@ -151,8 +160,13 @@ struct group {
     double mean_acceptance_length;  /* MTP tokens per verify step, from the engine */
     uint32_t requests_alive;        /* engine request states alive (0 at idle) */
     uint64_t requests_created, requests_freed;  /* engine request states over its life */
-    uint64_t prefix_queries, prefix_hits;       /* prefix cache, tokens, since the engine started */
-    double kv_pool_usage[2];                    /* [0] full-attention, [1] sliding-window pool */
+    uint64_t prefix_queries, prefix_hits;       /* the engine's prefix cache, in tokens */
+    struct group_kv_pool {
+        char kind[32];
+        uint32_t used, total, cached;
+        double usage;
+    } kv_pools[GROUP_MAX_KV_POOLS]; /* the engine's KV pools, as GetLoads reports them */
+    unsigned n_kv_pools;
     /* the engine's capacity (StateReport READY, GetLoads): at most cap_seqs + cap_waiting
      * requests routed here at once; 0 = not reported (no limit) */
     uint32_t cap_seqs, cap_waiting;
@@ -170,8 +184,9 @@ int wpool_init(struct coord *co);
 void wpool_done(struct coord *co);
 int wpool_register_methods(struct coord *co, struct rpc_server *s);
 /* The group named name, created (FORMING, no ranks) with world ranks when absent; NULL
- * when out of memory.  Registration and `stepd serve` (groups listed before they form). */
-struct group *wpool_group_get(struct coord *co, const char *name, unsigned world);
+ * when out of memory.  Registration and `stepd serve` (groups listed before they form:
+ * pin, they are never freed). */
+struct group *wpool_group_get(struct coord *co, const char *name, unsigned world, bool pin);
 /* The group for a request: among the ready groups with room (below their engine's
  * capacity) whose context holds need_len tokens (prompt + max_tokens), the one that holds
  * the longest prefix of the prompt (keys: its prefix chain, affinity.h), else the prefix's
@@ -183,6 +198,14 @@ struct group *wpool_pick(struct coord *co, const uint64_t *keys, size_t n_keys, 
 /* Requests g may still take (UINT32_MAX when its engine reported no capacity). */
 uint32_t wpool_room(const struct group *g);
 unsigned wpool_ready_count(const struct coord *co);
+/* GetLoads/GetGroups: a group's load as the coordinator knows it (its in-flight count and
+ * the engine's last GetLoads answer); the message points into m and g. */
+struct group_load_msg {
+    Stepd__V1__GroupLoad l;
+    Stepd__V1__KvPoolLoad pools[GROUP_MAX_KV_POOLS];
+    Stepd__V1__KvPoolLoad *pp[GROUP_MAX_KV_POOLS];
+};
+void wpool_load_fill(const struct group *g, struct group_load_msg *m);
 unsigned wpool_count(const struct coord *co);
 void wpool_heartbeat(struct coord *co);
 void wpool_poll_loads(struct coord *co);
@@ -229,6 +252,10 @@ struct req {
     void *client;                   /* the door's object; NULL once the client side ended */
     uint32_t choice;                /* n > 1: this request's index among the n */
     struct req_caller caller;
+    /* who created it, as its front door authenticated the caller ("api-key", or without a
+     * key the connection: "peer:ipv4:127.0.0.1:40312"); Abort by id reaches only requests
+     * of the same owner (req_caller_owner, coord_call_owner for an Abort call). */
+    char owner[REQ_OWNER_LEN];
     struct request *in;             /* as asked, validated (shared by the n choices) */
     int32_t *prompt;
     size_t n_prompt;
@@ -303,8 +330,9 @@ int req_dispatch_promoted(struct req *r);
  * walk over a list must not keep a pointer to the next element across a call that may
  * free (req_sweep_deadlines starts again, req_fail_all ends the waiting ones first). */
 void req_free_if_done(struct req *r);
-/* Abort by client-visible id (Inference.Abort). Returns 1 if found. */
-int req_abort_by_id(struct coord *co, const char *id);
+/* Abort by client-visible id (Inference.Abort) among the requests of owner (struct
+ * req.owner). Returns 1 if found. */
+int req_abort_by_id(struct coord *co, const char *id, const char *owner);
 /* End requests on an output stream whose engine let their deadline pass by more than
  * a second (a Generate call has its own gRPC deadline; a Submit-ed request does not). */
 void req_sweep_deadlines(struct coord *co);
@@ -378,7 +406,6 @@ struct coord {
     unsigned n_reqs;
     struct admit_list held;         /* requests admitted that no group has room for yet */
     struct group *groups;
-    uint64_t next_session;
     struct model_info model;        /* from the first group that registered one */
     struct metrics m;
     struct coord_gate gate;
@@ -414,6 +441,11 @@ int health_register_methods(struct coord *co, struct rpc_server *s);
 bool req_generate_cq(struct rpc_call *call, void *ud);
 void req_generate_unmark(int mark, void *ud);
 bool coord_ready(const struct coord *co);
+/* The caller's identity for struct req.owner: "api-key" when the server has an API key
+ * (every call that got here presented it), else the call's connection. */
+void coord_call_owner(const struct coord *co, const struct rpc_call *call, char *buf, size_t n);
+/* The same owner string for a request's caller, whichever door it came through. */
+void req_caller_owner(const struct coord *co, const struct req_caller *c, char *buf, size_t n);
 /* Why readiness is NOT_SERVING, for people (/healthz, logs): "" when ready. */
 void coord_unready_reason(const struct coord *co, char *buf, size_t n);
 /* A running request ended: give its admission slot to the next queued one. */

@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
 #include "coord-int.h"
 #include "err.h"
@@ -24,9 +26,10 @@
 void coord_opts_default(struct coord_opts *o)
 {
     memset(o, 0, sizeof(*o));
-    o->listen = "127.0.0.1:50051";
-    o->control_listen = "127.0.0.1:50052";
-    o->admin_listen = "127.0.0.1:50053";
+    /* below Linux's ephemeral range (32768-60999), so that a restart can bind them */
+    o->listen = "127.0.0.1:20051";
+    o->control_listen = "127.0.0.1:20052";
+    o->admin_listen = "127.0.0.1:20053";
     o->metrics_listen = "127.0.0.1:9464";
     o->http_host = "127.0.0.1";
     o->http_port = 8000;
@@ -56,6 +59,20 @@ void coord_opts_default(struct coord_opts *o)
     o->max_recv_msg_bytes = 4 << 20;
     o->max_concurrent_streams = 1024;
     o->max_call_buffer_bytes = 1 << 20;
+}
+
+void coord_random_hex(char out[COORD_RANDOM_HEX])
+{
+    uint8_t b[16];
+
+    if (getrandom(b, sizeof(b), 0) != (ssize_t)sizeof(b)) {
+        uint64_t t = (uint64_t)rpc_now_us() ^ ((uint64_t)getpid() << 32);
+
+        for (size_t i = 0; i < sizeof(b); i++, t = t * 6364136223846793005ull + 1442695040888963407ull)
+            b[i] = (uint8_t)(t >> 56);
+    }
+    for (size_t i = 0; i < sizeof(b); i++)
+        snprintf(out + 2 * i, 3, "%02x", b[i]);
 }
 
 uint32_t coord_vocab_size(const struct coord *co)
@@ -230,18 +247,43 @@ static void shutdown_servers(struct coord *co)
 
 /* ------------------------------------------------------------------ Inference unary */
 
+void coord_call_owner(const struct coord *co, const struct rpc_call *call, char *buf, size_t n)
+{
+    char peer[REQ_OWNER_LEN];
+
+    if (co->o.api_key && co->o.api_key[0]) {
+        snprintf(buf, n, "api-key");
+        return;
+    }
+    if (rpc_call_peer(call, peer, sizeof(peer)) < 0)
+        snprintf(peer, sizeof(peer), "unknown");
+    snprintf(buf, n, "peer:%.*s", (int)(n > 6 ? n - 6 : 0), peer);
+}
+
+void req_caller_owner(const struct coord *co, const struct req_caller *c, char *buf, size_t n)
+{
+    if (co->o.api_key && co->o.api_key[0])
+        snprintf(buf, n, "api-key");
+    else
+        snprintf(buf, n, "peer:%.*s", (int)(n > 6 ? n - 6 : 0), c->peer[0] ? c->peer : "unknown");
+}
+
+/* Only the caller's own requests: another client's are as if they did not exist (the
+ * count says nothing about them). */
 static void h_abort(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
 {
     struct coord *co = ud;
     const Stepd__V1__AbortRequest *r = (const void *)msg;
     Stepd__V1__AbortResponse resp = STEPD__V1__ABORT_RESPONSE__INIT;
+    char owner[REQ_OWNER_LEN];
 
     if (r->n_request_ids > 1024) {
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request_ids: at most 1024 ids (got %zu)", r->n_request_ids);
         return;
     }
+    coord_call_owner(co, call, owner, sizeof(owner));
     for (size_t i = 0; i < r->n_request_ids; i++)
-        resp.aborted += (uint32_t)req_abort_by_id(co, r->request_ids[i]);
+        resp.aborted += (uint32_t)req_abort_by_id(co, r->request_ids[i], owner);
     rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
 }
@@ -308,30 +350,12 @@ static void h_server_info(struct rpc_call *call, const ProtobufCMessage *msg, vo
     rpc_call_finish(call, RPC_OK, NULL);
 }
 
-static void fill_load(const struct group *g, Stepd__V1__GroupLoad *l)
-{
-    l->group = (char *)g->name;
-    l->num_running = g->in_flight > g->load_running ? g->in_flight : g->load_running;
-    l->num_waiting = g->load_waiting;
-    l->kv_blocks_used = g->kv_used;
-    l->kv_blocks_total = g->kv_total;
-    l->kv_usage = g->kv_usage;
-    l->num_preemptions = g->preemptions;
-    l->tokens_per_s = g->tokens_per_s;
-    l->mean_acceptance_length = g->mean_acceptance_length;
-    l->num_requests_alive = g->requests_alive;
-    l->requests_created = g->requests_created;
-    l->requests_freed = g->requests_freed;
-    l->max_num_seqs = g->cap_seqs;
-    l->max_waiting = g->cap_waiting;
-}
-
 static void h_loads(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
 {
     struct coord *co = ud;
     Stepd__V1__GetLoadsResponse resp = STEPD__V1__GET_LOADS_RESPONSE__INIT;
     unsigned n = wpool_count(co), i = 0;
-    Stepd__V1__GroupLoad *ls = calloc(n ? n : 1, sizeof(*ls));
+    struct group_load_msg *ls = calloc(n ? n : 1, sizeof(*ls));
     Stepd__V1__GroupLoad **pl = calloc(n ? n : 1, sizeof(*pl));
 
     if (!ls || !pl) {
@@ -341,9 +365,8 @@ static void h_loads(struct rpc_call *call, const ProtobufCMessage *msg, void *ud
         return;
     }
     for (struct group *g = co->groups; g; g = g->next, i++) {
-        stepd__v1__group_load__init(&ls[i]);
-        fill_load(g, &ls[i]);
-        pl[i] = &ls[i];
+        wpool_load_fill(g, &ls[i]);
+        pl[i] = &ls[i].l;
     }
     resp.n_loads = n;
     resp.loads = pl;
@@ -472,7 +495,7 @@ static void h_groups(struct rpc_call *call, const ProtobufCMessage *msg, void *u
     Stepd__V1__GroupInfo *gi = calloc(n ? n : 1, sizeof(*gi));
     Stepd__V1__GroupInfo **pg = calloc(n ? n : 1, sizeof(*pg));
     Stepd__V1__GroupCounters *gc = calloc(n ? n : 1, sizeof(*gc));
-    Stepd__V1__GroupLoad *gl = calloc(n ? n : 1, sizeof(*gl));
+    struct group_load_msg *gl = calloc(n ? n : 1, sizeof(*gl));
     Stepd__V1__RankInfo *ri = calloc((n ? n : 1) * COORD_MAX_WORLD, sizeof(*ri));
     Stepd__V1__RankInfo **pr = calloc((n ? n : 1) * COORD_MAX_WORLD, sizeof(*pr));
 
@@ -483,7 +506,6 @@ static void h_groups(struct rpc_call *call, const ProtobufCMessage *msg, void *u
     for (struct group *g = co->groups; g; g = g->next, i++) {
         stepd__v1__group_info__init(&gi[i]);
         stepd__v1__group_counters__init(&gc[i]);
-        stepd__v1__group_load__init(&gl[i]);
         gi[i].group = g->name;
         gi[i].world_size = g->world;
         gi[i].state = g->state == GROUP_READY ? STEPD__V1__WORKER_STATE__WORKER_STATE_READY
@@ -498,8 +520,8 @@ static void h_groups(struct rpc_call *call, const ProtobufCMessage *msg, void *u
         gc[i].aborts_sent = g->aborts_sent;
         gc[i].in_flight = g->in_flight;
         gi[i].counters = &gc[i];
-        fill_load(g, &gl[i]);
-        gi[i].load = &gl[i];
+        wpool_load_fill(g, &gl[i]);
+        gi[i].load = &gl[i].l;
         gi[i].ranks = &pr[i * COORD_MAX_WORLD];
         for (unsigned k = 0; k < g->world; k++) {
             Stepd__V1__RankInfo *x = &ri[i * COORD_MAX_WORLD + k];
@@ -697,6 +719,18 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     if (o->max_running == 0) {
         log_error("--max-running must be at least 1");
         return -EINVAL;
+    }
+    /* the cluster key: without it any process that reaches the control port could join
+     * as a worker group and be sent traffic, and any that reaches an engine could use it */
+    if (!(o->control_key && o->control_key[0])) {
+        if (!o->insecure_control) {
+            log_error("no control key: workers and engines could not be authenticated; give "
+                      "--control-key-file FILE (or $STEPD_CONTROL_KEY) here and to every worker, or "
+                      "--insecure-control to accept keyless workers");
+            return -EPERM;
+        }
+        log_warn("no control key (--insecure-control): any process that reaches %s can register "
+                 "as a worker group", o->control_listen);
     }
     co = calloc(1, sizeof(*co));
     if (!co)

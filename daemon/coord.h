@@ -18,16 +18,19 @@
 struct coord;
 
 struct coord_opts {
-    const char *listen;             /* public gRPC, default 127.0.0.1:50051 */
-    const char *admin_listen;       /* Admin + health, default 127.0.0.1:50053 */
-    const char *control_listen;     /* worker control, default 127.0.0.1:50052 */
+    const char *listen;             /* public gRPC, default 127.0.0.1:20051 */
+    const char *admin_listen;       /* Admin + health, default 127.0.0.1:20053 */
+    const char *control_listen;     /* worker control, default 127.0.0.1:20052 */
     const char *metrics_listen;     /* HTTP /metrics, default 127.0.0.1:9464; "" = off */
     const char *http_host;          /* OpenAI HTTP API (--host/--port), default 127.0.0.1 */
     int http_port;                  /* default 8000; 0 = any free port; -1 = off */
     bool insecure_listen;           /* allow non-loopback without TLS + API key */
     struct rpc_tls_files tls;       /* public port TLS when tls.cert_file is set */
     const char *api_key;            /* public + admin (never from argv) */
-    const char *control_key;        /* control service key (workers send it) */
+    /* the cluster key: workers send it on the control port, the coordinator to rank 0's
+     * engine; required unless insecure_control */
+    const char *control_key;
+    bool insecure_control;          /* no control key: accept keyless workers and engines */
     const char *tokenizer_path;     /* tokenizer.json for text/chat input */
     const char *model_name;         /* served model name (default: from rank 0) */
     const char *const *model_aliases;   /* more names the model answers to (--served-model-name) */

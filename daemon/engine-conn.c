@@ -26,8 +26,9 @@
 struct engine_conn *engine_conn_new(struct coord *co, const char *addr)
 {
     struct engine_conn *e = calloc(1, sizeof(*e));
+    /* the engine checks the cluster key as the control port does */
     struct rpc_channel_opts o = { .keepalive_time_ms = 10000, .keepalive_timeout_ms = 5000,
-                                  .max_recv_msg_bytes = 16 << 20 };
+                                  .max_recv_msg_bytes = 16 << 20, .api_key = co->o.control_key };
     if (!e)
         return NULL;
     if (rpc_channel_create(co->rpc, addr, &o, &e->ch) < 0) {
@@ -57,6 +58,7 @@ void engine_conn_unref(struct engine_conn *e)
 void engine_conn_detach(struct engine_conn *e)
 {
     e->attached = false;
+    e->g = NULL;
     if (e->out_call)
         rpc_client_cancel(e->out_call);     /* its on_done fails what is still on it */
     engine_conn_unref(e);

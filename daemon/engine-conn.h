@@ -27,6 +27,7 @@ struct engine_conn {
     unsigned refs;          /* group (while attached) + each live call */
     bool attached;
     struct coord *co;
+    struct group *g;        /* while attached: its group (calls reach it only this way) */
     char addr[256];
     enum out_state out_state;
     struct rpc_client_call *out_call;

@@ -22,9 +22,9 @@ static void usage(FILE *f)
         "Coordinator for stepd worker groups: public gRPC API (stepd.v1.Inference),\n"
         "Admin, worker control service, health and Prometheus metrics.\n\n"
         "Listening (loopback by default):\n"
-        "  --listen ADDR              public gRPC (default 127.0.0.1:50051; unix:/path allowed)\n"
-        "  --admin-listen ADDR        Admin + health (default 127.0.0.1:50053)\n"
-        "  --control-listen ADDR      worker control (default 127.0.0.1:50052)\n"
+        "  --listen ADDR              public gRPC (default 127.0.0.1:20051; unix:/path allowed)\n"
+        "  --admin-listen ADDR        Admin + health (default 127.0.0.1:20053)\n"
+        "  --control-listen ADDR      worker control (default 127.0.0.1:20052)\n"
         "  --metrics-listen ADDR      HTTP /metrics, /healthz, /health, /ready (default 127.0.0.1:9464;\n"
         "                             \"\" = off; /metrics is also on the API port)\n"
         "  --host HOST --port PORT    OpenAI HTTP API (default 127.0.0.1 port 8000; --port off = none)\n"
@@ -34,7 +34,9 @@ static void usage(FILE *f)
         "  --tls-client-ca FILE       CA for client certificates\n"
         "  --tls-require-client-cert  mTLS (needs --tls-client-ca)\n"
         "  --api-key-file FILE        API key for every RPC except health (or $STEPD_API_KEY)\n"
-        "  --control-key-file FILE    key workers must send (or $STEPD_CONTROL_KEY)\n"
+        "  --control-key-file FILE    the cluster key: workers send it, their engines check it\n"
+        "                             (or $STEPD_CONTROL_KEY; required, as `stepd serve` makes one)\n"
+        "  --insecure-control         no control key: accept keyless workers (and engines)\n"
         "Text:\n"
         "  --tokenizer FILE           tokenizer.json (enables text/chat input, Tokenize)\n"
         "  --model-name NAME          served model name (default: reported by rank 0)\n"
@@ -197,7 +199,7 @@ enum {
     OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
-    OPT_MAX_N, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT,
+    OPT_MAX_N, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
     OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
@@ -244,6 +246,7 @@ int main(int argc, char **argv)
         { "control-listen", required_argument, NULL, OPT_CONTROL },
         { "metrics-listen", required_argument, NULL, OPT_METRICS },
         { "insecure-listen", no_argument, NULL, OPT_INSECURE },
+        { "insecure-control", no_argument, NULL, OPT_INSECURE_CTL },
         { "tls-cert", required_argument, NULL, OPT_TLS_CERT },
         { "tls-key", required_argument, NULL, OPT_TLS_KEY },
         { "tls-client-ca", required_argument, NULL, OPT_TLS_CA },
@@ -337,6 +340,7 @@ int main(int argc, char **argv)
         case OPT_CONTROL: o.control_listen = optarg; break;
         case OPT_METRICS: o.metrics_listen = optarg; break;
         case OPT_INSECURE: o.insecure_listen = true; break;
+        case OPT_INSECURE_CTL: o.insecure_control = true; break;
         case OPT_TLS_CERT: o.tls.cert_file = optarg; break;
         case OPT_TLS_KEY: o.tls.key_file = optarg; break;
         case OPT_TLS_CA: o.tls.root_file = optarg; break;

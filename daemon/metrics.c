@@ -151,8 +151,10 @@ char *metrics_render(struct coord *co, size_t *ret_len)
         for (struct group *g = co->groups; g; g = g->next) {
             queries += g->prefix_queries;
             hits += g->prefix_hits;
-            for (int k = 0; k < 2 && g->state == GROUP_READY; k++)
-                pool[k] = g->kv_pool_usage[k] > pool[k] ? g->kv_pool_usage[k] : pool[k];
+            for (unsigned i = 0; i < g->n_kv_pools && g->state == GROUP_READY; i++)
+                for (int k = 0; k < 2; k++)
+                    if (strcmp(g->kv_pools[i].kind, kinds[k]) == 0 && g->kv_pools[i].usage > pool[k])
+                        pool[k] = g->kv_pools[i].usage;
         }
         /* without per-pool reports (older engines): the groups' block totals as the full pool */
         if (pool[0] == 0 && pool[1] == 0 && kv_total > 0)

@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include "coord-int.h"
@@ -875,17 +874,9 @@ void req_generate_unmark(int mark, void *ud)
  * name another's request. */
 void req_id_assign(char *buf, size_t n)
 {
-    uint8_t b[16];
-    char hex[33];
+    char hex[COORD_RANDOM_HEX];
 
-    if (getrandom(b, sizeof(b), 0) != (ssize_t)sizeof(b)) {
-        uint64_t t = (uint64_t)rpc_now_us() ^ ((uint64_t)getpid() << 32);
-
-        for (size_t i = 0; i < sizeof(b); i++, t = t * 6364136223846793005ull + 1442695040888963407ull)
-            b[i] = (uint8_t)(t >> 56);
-    }
-    for (size_t i = 0; i < sizeof(b); i++)
-        snprintf(hex + 2 * i, 3, "%02x", b[i]);
+    coord_random_hex(hex);
     snprintf(buf, n, "stepd-%s", hex);
 }
 
@@ -961,6 +952,7 @@ static struct req *req_new(struct coord *co, struct request *in, const struct re
     r->choice = i;
     if (o->caller)
         r->caller = *o->caller;
+    req_caller_owner(co, &r->caller, r->owner, sizeof(r->owner));
     r->in = request_ref(in);
     r->engine_done = true;      /* nothing dispatched yet */
     r->t_arrival = rpc_now_ms();
@@ -1270,10 +1262,10 @@ void req_fail_group(struct group *g, const char *why)
     }
 }
 
-int req_abort_by_id(struct coord *co, const char *id)
+int req_abort_by_id(struct coord *co, const char *id, const char *owner)
 {
     for (struct req *r = co->reqs; r; r = r->next) {
-        if (!r->client || strcmp(r->id, id) != 0)
+        if (!r->client || strcmp(r->id, id) != 0 || strcmp(r->owner, owner) != 0)
             continue;
         if (r->ai.queued || req_held(r)) {
             req_end_waiting(r, RPC_OK, NULL);

@@ -772,7 +772,7 @@ int serve_start(struct serve *s, struct coord *co)
     for (unsigned d = 0; d < s->n_groups; d++) {
         struct sgroup *g = &s->groups[d];
         snprintf(g->name, sizeof(g->name), "g%u", d);
-        g->wg = wpool_group_get(co, g->name, s->world);
+        g->wg = wpool_group_get(co, g->name, s->world, true);
         if (!g->wg)
             return -ENOMEM;
         for (unsigned i = 0; i < s->world; i++) {

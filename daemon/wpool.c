@@ -1,6 +1,14 @@
 /* wpool.c - worker registry: the stepd.ctl.v1.Control service (server side),
  * group formation and rendezvous, death detection, engine connections, load
- * polling and routing. See control.proto for the protocol. */
+ * polling and routing. See control.proto for the protocol.
+ *
+ * A rank's place in a group is its live session's: a second registration for a rank whose
+ * session is open is refused (ALREADY_EXISTS), never obeyed, unless it is the same process
+ * (incarnation) dialling again.  A group without a rank (every session ended) is kept for
+ * GetGroups while it is among the WPOOL_DEAD_KEEP most recent such groups, then freed,
+ * unless `stepd serve` listed it (pinned): registrations cost nothing once they end.
+ * Client calls that outlive a group (GetLoads, GetModelInfo) find it through their engine
+ * connection (engine_conn.g, NULL once detached), never through a pointer of their own. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -15,6 +23,7 @@
 #define CTL_SESSION "/stepd.ctl.v1.Control/Session"
 #define CTL_REPORT "/stepd.ctl.v1.Control/ReportState"
 #define ENGINE_GETLOADS "/stepd.v1.Engine/GetLoads"
+#define WPOOL_DEAD_KEEP 16      /* groups without ranks kept for GetGroups (the latest) */
 
 const char *group_state_name(enum group_state s)
 {
@@ -75,12 +84,14 @@ static uint64_t mix64(uint64_t x)
     return x;
 }
 
-struct group *wpool_group_get(struct coord *co, const char *name, unsigned world)
+struct group *wpool_group_get(struct coord *co, const char *name, unsigned world, bool pin)
 {
     struct group *g = group_find(co, name);
 
-    if (g)
+    if (g) {
+        g->pinned |= pin;
         return g;
+    }
     g = calloc(1, sizeof(*g));
     if (!g)
         return NULL;
@@ -88,6 +99,7 @@ struct group *wpool_group_get(struct coord *co, const char *name, unsigned world
     snprintf(g->name, sizeof(g->name), "%s", name);
     g->id = mix64(coord_fnv1a(g->name, strlen(g->name), COORD_FNV_SEED)) | 1;
     g->world = world;
+    g->pinned = pin;
     for (int i = 0; i < COORD_MAX_WORLD; i++) {
         g->ranks[i].g = g;
         g->ranks[i].rank = i;
@@ -97,6 +109,44 @@ struct group *wpool_group_get(struct coord *co, const char *name, unsigned world
         pp = &(*pp)->next;
     *pp = g;
     return g;
+}
+
+static bool group_has_ranks(const struct group *g)
+{
+    for (unsigned i = 0; i < g->world; i++)
+        if (g->ranks[i].present)
+            return true;
+    return false;
+}
+
+static void group_free(struct group *g);
+
+/* Forget groups whose every session ended, beyond the WPOOL_DEAD_KEEP latest ones. */
+static void wpool_prune(struct coord *co)
+{
+    unsigned dead = 0;
+    int64_t now = rpc_now_ms();
+
+    for (struct group *g = co->groups; g; g = g->next) {
+        if (g->pinned || group_has_ranks(g)) {
+            g->dead_since_ms = 0;
+            continue;
+        }
+        if (!g->dead_since_ms)
+            g->dead_since_ms = now;
+        dead++;
+    }
+    while (dead > WPOOL_DEAD_KEEP) {
+        struct group **oldest = NULL;
+
+        for (struct group **pp = &co->groups; *pp; pp = &(*pp)->next)
+            if ((*pp)->dead_since_ms && (!oldest || (*pp)->dead_since_ms < (*oldest)->dead_since_ms))
+                oldest = pp;
+        struct group *g = *oldest;
+        *oldest = g->next;
+        group_free(g);
+        dead--;
+    }
 }
 
 /* ------------------------------------------------------------------ sessions */
@@ -167,13 +217,26 @@ static void group_fail(struct group *g, const char *why)
     }
     g->loads_pending = false;
     g->cap_seqs = g->cap_waiting = 0;   /* the next engine says its own */
+    /* nothing runs on an engine that is gone: its last GetLoads no longer holds */
+    g->load_running = g->load_waiting = g->kv_used = g->requests_alive = 0;
+    g->kv_usage = 0.0;
+    for (unsigned i = 0; i < g->n_kv_pools; i++) {
+        g->kv_pools[i].used = g->kv_pools[i].cached = 0;
+        g->kv_pools[i].usage = 0.0;
+    }
     req_held_kick(co);                  /* with no ready group left, the held ones end */
-    bool any = false;
-    for (unsigned i = 0; i < g->world; i++)
-        any |= g->ranks[i].present;
-    if (!any)
+    if (!group_has_ranks(g))
         g->state = was_active ? GROUP_FAILED : GROUP_FORMING;
     coord_health_update(co);
+}
+
+/* An unguessable session id (ReportState names the session with it): "group/rank/hex". */
+static void session_id_new(struct rank *rk)
+{
+    char hex[COORD_RANDOM_HEX];
+
+    coord_random_hex(hex);
+    snprintf(rk->session_id, sizeof(rk->session_id), "%s/%d/%s", rk->g->name, rk->rank, hex);
 }
 
 static void session_cancelled(struct rpc_call *call, void *ud)
@@ -189,6 +252,7 @@ static void session_cancelled(struct rpc_call *call, void *ud)
     rpc_call_finish(call, RPC_CANCELLED, "session ended");
     rank_clear(rk);
     group_fail(g, why);
+    wpool_prune(g->co);
 }
 
 /* The group's ranks all registered as serving epoch `epoch` already (the coordinator was
@@ -271,7 +335,7 @@ static void session_resume(struct rank *rk, struct rpc_call *call)
         rpc_call_finish(old, RPC_ABORTED, "superseded by this rank's new session");
     }
     rk->session = call;
-    snprintf(rk->session_id, sizeof(rk->session_id), "%s/%d/%" PRIu64, rk->g->name, rk->rank, ++co->next_session);
+    session_id_new(rk);
     rpc_call_on_cancel(call, session_cancelled, rk);
     log_info("control: group %s rank %d (pid %u) dialled again: its session goes on", rk->g->name, rk->rank,
              rk->pid);
@@ -402,7 +466,7 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "hostname: longer than 63 bytes");
         return;
     }
-    g = wpool_group_get(co, r->group, r->world_size);
+    g = wpool_group_get(co, r->group, r->world_size, false);
     if (!g) {
         rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
         return;
@@ -427,11 +491,22 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
         session_resume(rk, call);
         return;
     }
+    if (rk->present && (r->incarnation != rk->incarnation || g->state == GROUP_LOADING ||
+                        g->state == GROUP_READY)) {
+        /* the rank is another live session's: a claim on it is refused, not obeyed (a
+         * restarted process is taken once the end of its old session reaches us: the
+         * connection's reset, or the keepalive within --worker-timeout-ms) */
+        log_warn("control: group %s rank %u: registration from pid %u on %s refused: the rank is "
+                 "held by a live session (pid %u on %s)", g->name, r->rank, r->pid, r->hostname,
+                 rk->pid, rk->hostname);
+        rpc_call_finish(call, RPC_ALREADY_EXISTS, "rank: group %s rank %u is held by a live session "
+                        "(pid %u on %s); register again once it ends", g->name, r->rank, rk->pid,
+                        rk->hostname);
+        return;
+    }
     if (rk->present) {
-        char why[160];
-        snprintf(why, sizeof(why), "rank %u registered again (restart)", r->rank);
-        session_end(rk, RPC_ABORTED, "superseded by a new registration of this rank");
-        group_fail(g, why);
+        /* the same process dialling again before its group formed: the new session goes on */
+        session_end(rk, RPC_ABORTED, "superseded by this rank's new session");
     }
     if (!claim_fits(g, r, call))
         return;
@@ -468,8 +543,7 @@ static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *
             rk->n_experts = r->n_experts;
         }
     }
-    snprintf(rk->session_id, sizeof(rk->session_id), "%s/%u/%" PRIu64, g->name, r->rank,
-             ++co->next_session);
+    session_id_new(rk);
     if (r->rank == 0) {
         snprintf(g->engine_addr, sizeof(g->engine_addr), "%s", r->engine_address);
         if (r->nccl_unique_id.len)
@@ -533,19 +607,18 @@ static struct rank *rank_by_session(struct coord *co, const char *sid)
 }
 
 struct model_fetch {
-    struct group *g;
-    struct engine_conn *eng;
+    struct engine_conn *eng;        /* its group: eng->g, NULL once detached */
 };
 
 static void model_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
 {
     struct model_fetch *mf = ud;
     const Stepd__V1__GetModelInfoResponse *r = (const void *)msg;
-    struct group *g = mf->g;
-    struct model_info *mi = &g->model;
+    struct group *g = mf->eng->g;
 
-    if (g->eng != mf->eng || r->vocab_size == 0)
+    if (!g || r->vocab_size == 0)
         return;
+    struct model_info *mi = &g->model;
     memset(mi, 0, sizeof(*mi));
     mi->known = true;
     model_name_set(mi, r->model_name);
@@ -572,9 +645,9 @@ static void group_set_ready(struct group *g);
 static void model_done(struct rpc_client_call *c, int status, const char *details, void *ud)
 {
     struct model_fetch *mf = ud;
-    struct group *g = mf->g;
+    struct group *g = mf->eng->g;
 
-    if (g->eng == mf->eng && g->state == GROUP_LOADING) {
+    if (g && g->state == GROUP_LOADING) {
         if (status == RPC_OK && g->model.known) {
             group_set_ready(g);
         } else {
@@ -595,7 +668,6 @@ static void group_fetch_model(struct group *g)
 
     if (!mf)
         return;
-    mf->g = g;
     mf->eng = g->eng;
     g->eng->refs++;
     if (rpc_client_start(g->eng->ch, "/stepd.v1.Engine/GetModelInfo", &req.base,
@@ -662,6 +734,7 @@ static void group_maybe_ready(struct group *g)
         group_fail(g, "cannot create a channel to the engine address");
         return;
     }
+    g->eng->g = g;
     /* the group is routable once the coordinator knows its model (vocabulary and
      * context length drive validation): ask the engine when registration lacked it */
     if (g->model.known)
@@ -775,17 +848,16 @@ void wpool_heartbeat(struct coord *co)
 }
 
 struct loads_poll {
-    struct group *g;
-    struct engine_conn *eng;
+    struct engine_conn *eng;        /* its group: eng->g, NULL once detached */
 };
 
 static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, void *ud)
 {
     struct loads_poll *lp = ud;
     const Stepd__V1__GetLoadsResponse *r = (const void *)msg;
-    struct group *g = lp->g;
+    struct group *g = lp->eng->g;
 
-    if (g->eng != lp->eng || r->n_loads < 1)
+    if (!g || r->n_loads < 1)
         return;
     g->loads_ok_ms = rpc_now_ms();
     const Stepd__V1__GroupLoad *l = r->loads[0];
@@ -803,13 +875,15 @@ static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
     g->requests_freed = l->requests_freed;
     g->prefix_queries = l->prefix_cache_queries;
     g->prefix_hits = l->prefix_cache_hits;
-    for (size_t i = 0; i < l->n_kv_pools; i++) {
-        const Stepd__V1__KvPoolLoad *kp = l->kv_pools[i];
+    g->n_kv_pools = 0;
+    for (size_t i = 0; i < l->n_kv_pools && i < GROUP_MAX_KV_POOLS; i++) {
+        struct group_kv_pool *kp = &g->kv_pools[g->n_kv_pools++];
 
-        if (strcmp(kp->kind, "full_attention") == 0)
-            g->kv_pool_usage[0] = kp->usage;
-        else if (strcmp(kp->kind, "sliding_window") == 0)
-            g->kv_pool_usage[1] = kp->usage;
+        snprintf(kp->kind, sizeof(kp->kind), "%s", l->kv_pools[i]->kind);
+        kp->used = l->kv_pools[i]->blocks_used;
+        kp->total = l->kv_pools[i]->blocks_total;
+        kp->cached = l->kv_pools[i]->blocks_cached;
+        kp->usage = l->kv_pools[i]->usage;
     }
     if (l->max_num_seqs || l->max_waiting)
         group_set_limits(g, l->max_num_seqs, l->max_waiting);
@@ -818,10 +892,11 @@ static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
 static void loads_done(struct rpc_client_call *c, int status, const char *details, void *ud)
 {
     struct loads_poll *lp = ud;
-    if (lp->g->eng == lp->eng) {
-        lp->g->loads_pending = false;
+    struct group *g = lp->eng->g;
+    if (g) {
+        g->loads_pending = false;
         if (status != RPC_OK)
-            log_debug("group %s: GetLoads failed: %s %s", lp->g->name, rpc_status_name(status), details);
+            log_debug("group %s: GetLoads failed: %s %s", g->name, rpc_status_name(status), details);
     }
     engine_conn_unref(lp->eng);
     free(lp);
@@ -830,6 +905,8 @@ static void loads_done(struct rpc_client_call *c, int status, const char *detail
 void wpool_poll_loads(struct coord *co)
 {
     Stepd__V1__GetLoadsRequest req = STEPD__V1__GET_LOADS_REQUEST__INIT;
+
+    wpool_prune(co);
 
     for (struct group *g = co->groups; g; g = g->next) {
         if (g->state == GROUP_READY && rpc_now_ms() - g->loads_ok_ms > (int64_t)co->o.worker_timeout_ms) {
@@ -847,7 +924,6 @@ void wpool_poll_loads(struct coord *co)
         struct loads_poll *lp = malloc(sizeof(*lp));
         if (!lp)
             return;
-        lp->g = g;
         lp->eng = g->eng;
         g->eng->refs++;
         if (rpc_client_start(g->eng->ch, ENGINE_GETLOADS, &req.base,
@@ -859,6 +935,42 @@ void wpool_poll_loads(struct coord *co)
         }
         g->loads_pending = true;
     }
+}
+
+void wpool_load_fill(const struct group *g, struct group_load_msg *m)
+{
+    Stepd__V1__GroupLoad *l = &m->l;
+
+    stepd__v1__group_load__init(l);
+    l->group = (char *)g->name;
+    l->num_running = g->in_flight > g->load_running ? g->in_flight : g->load_running;
+    l->num_waiting = g->load_waiting;
+    l->kv_blocks_used = g->kv_used;
+    l->kv_blocks_total = g->kv_total;
+    l->kv_usage = g->kv_usage;
+    l->num_preemptions = g->preemptions;
+    l->tokens_per_s = g->tokens_per_s;
+    l->mean_acceptance_length = g->mean_acceptance_length;
+    l->num_requests_alive = g->requests_alive;
+    l->requests_created = g->requests_created;
+    l->requests_freed = g->requests_freed;
+    l->prefix_cache_queries = g->prefix_queries;
+    l->prefix_cache_hits = g->prefix_hits;
+    l->max_num_seqs = g->cap_seqs;
+    l->max_waiting = g->cap_waiting;
+    for (unsigned i = 0; i < g->n_kv_pools; i++) {
+        Stepd__V1__KvPoolLoad *p = &m->pools[i];
+
+        stepd__v1__kv_pool_load__init(p);
+        p->kind = (char *)g->kv_pools[i].kind;
+        p->blocks_used = g->kv_pools[i].used;
+        p->blocks_total = g->kv_pools[i].total;
+        p->blocks_cached = g->kv_pools[i].cached;
+        p->usage = g->kv_pools[i].usage;
+        m->pp[i] = p;
+    }
+    l->n_kv_pools = g->n_kv_pools;
+    l->kv_pools = m->pp;
 }
 
 /* ------------------------------------------------------------------ routing */
@@ -990,14 +1102,23 @@ void wpool_shutdown_sessions(struct coord *co)
     }
 }
 
+static void group_free(struct group *g)
+{
+    if (g->eng) {
+        engine_conn_detach(g->eng);
+        g->eng = NULL;
+    }
+    for (unsigned i = 0; i < COORD_MAX_WORLD; i++)
+        rank_clear(&g->ranks[i]);
+    free(g);
+}
+
 void wpool_done(struct coord *co)
 {
     struct group *g = co->groups;
     while (g) {
         struct group *n = g->next;
-        for (unsigned i = 0; i < COORD_MAX_WORLD; i++)
-            rank_clear(&g->ranks[i]);
-        free(g);
+        group_free(g);
         g = n;
     }
     co->groups = NULL;

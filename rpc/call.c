@@ -298,13 +298,20 @@ int rpc_call_metadata(const struct rpc_call *c, const char *key, char *buf, size
 
 int rpc_call_peer(const struct rpc_call *c, char *buf, size_t len)
 {
-    char *p = c->call ? grpc_call_get_peer(c->call) : NULL;
+    char *peer;
+    int r = 0;
 
-    if (!p)
-        return -ENOENT;
-    snprintf(buf, len, "%s", p);
-    gpr_free(p);
-    return 0;
+    if (len == 0)
+        return -ENOSPC;
+    peer = c->call ? grpc_call_get_peer(c->call) : NULL;
+    if (!peer || !peer[0])
+        r = -ENOENT;
+    else
+        snprintf(buf, len, "%s", peer);
+    gpr_free(peer);
+    if (r < 0)
+        buf[0] = '\0';
+    return r;
 }
 
 void rpc_call_set_buffer_cap(struct rpc_call *c, size_t bytes)

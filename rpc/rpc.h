@@ -252,7 +252,7 @@ int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts,
                       struct rpc_server **ret);
 /* Register before rpc_server_start(); path and req_desc must outlive the server. */
 int rpc_server_add_method(struct rpc_server *s, const struct rpc_method *m);
-/* Listen on addr ("127.0.0.1:50051", "[::1]:0", "unix:/run/stepd/w.sock"). Uses TLS
+/* Listen on addr ("127.0.0.1:20051", "[::1]:0", "unix:/run/stepd/w.sock"). Uses TLS
  * credentials when opts.tls was given. *ret_port (may be NULL) gets the bound port
  * (useful with port 0). Call before rpc_server_start(). */
 int rpc_server_listen(struct rpc_server *s, const char *addr, int *ret_port);
@@ -288,7 +288,9 @@ void rpc_call_abort(struct rpc_call *call, int status, const char *msg);
 int64_t rpc_call_deadline_ms(const struct rpc_call *call);
 /* First value of request metadata key (lowercase), copied into buf; -ENOENT if absent. */
 int rpc_call_metadata(const struct rpc_call *call, const char *key, char *buf, size_t len);
-/* The client's address as gRPC names it ("ipv4:127.0.0.1:4242", "unix:..."); -ENOENT. */
+/* The call's transport peer as gRPC names it ("ipv4:127.0.0.1:40312", "ipv6:[::1]:5",
+ * "unix:/run/stepd/public.sock"): one value per connection on TCP; every client of a unix
+ * socket has the same one.  -ENOENT (buf "") when gRPC has none. */
 int rpc_call_peer(const struct rpc_call *call, char *buf, size_t len);
 /* Bytes queued for sending on this call (not yet written to the transport). */
 size_t rpc_call_queued_bytes(const struct rpc_call *call);

@@ -8,8 +8,8 @@
  *   stepctl info | loads | groups
  *   stepctl drain [--timeout S] [--stay]
  *
- * Global options: --addr HOST:PORT (default $STEPD_ADDR or 127.0.0.1:50051),
- * --admin-addr (default $STEPD_ADMIN_ADDR or 127.0.0.1:50053), --api-key-file F
+ * Global options: --addr HOST:PORT (default $STEPD_ADDR or 127.0.0.1:20051),
+ * --admin-addr (default $STEPD_ADMIN_ADDR or 127.0.0.1:20053), --api-key-file F
  * (or $STEPD_API_KEY), --tls-ca F, --timeout S (deadline per call; default 300 s for
  * generate, 5 s otherwise).
  *
@@ -410,8 +410,8 @@ int main(int argc, char **argv)
         { "timeout", required_argument, NULL, 'T' }, { "help", no_argument, NULL, 'h' }, { NULL, 0, NULL, 0 },
     };
     struct ctl c = { 0 };
-    const char *addr = getenv("STEPD_ADDR") ? getenv("STEPD_ADDR") : "127.0.0.1:50051";
-    const char *admin = getenv("STEPD_ADMIN_ADDR") ? getenv("STEPD_ADMIN_ADDR") : "127.0.0.1:50053";
+    const char *addr = getenv("STEPD_ADDR") ? getenv("STEPD_ADDR") : "127.0.0.1:20051";
+    const char *admin = getenv("STEPD_ADMIN_ADDR") ? getenv("STEPD_ADMIN_ADDR") : "127.0.0.1:20053";
     const char *key_file = NULL, *ca = NULL;
     char key[1024] = "";
     double timeout_s = -1;

@@ -14,11 +14,13 @@
  * once registered).  Once in a group it registers with the group's epoch (serving_epoch),
  * its state and, on rank 0, the engine's capacity, so that a restarted coordinator
  * re-adopts the group without a rendezvous.  Two events are orders: GroupAbort (the group
- * re-forms; after the rendezvous the process _exit()s with WORKER_EXIT_RENDEZVOUS, since
- * collectives cannot survive a lost peer and followers sit in a blocking receive) and
- * Shutdown (worker_ctl_poll reports it; rank 0 stops the group).  Before the rendezvous a
- * refusal that dialling again cannot fix (a bad argument, a wrong key) ends
- * worker_ctl_open() with the coordinator's message.
+ * re-forms: after the rendezvous worker_ctl_poll reports it and the registration's
+ * on_group_abort hook runs at once on this thread, to interrupt a collective that waits
+ * on a peer - a follower sits in a receive without a deadline; the rank then registers
+ * afresh with a new control client, keeping its weights) and Shutdown (worker_ctl_poll
+ * reports it; rank 0 stops the group).  Before the rendezvous a refusal that dialling
+ * again cannot fix (a bad argument, a wrong key) ends worker_ctl_open() with the
+ * coordinator's message.
  * Protobuf-c names stay in this file.
  */
 #include <errno.h>
@@ -73,6 +75,8 @@ struct worker_ctl {
     bool use_tls;
     char *tls_strs[3];
     char hostname[64];
+    void (*on_group_abort)(void *ud);
+    void *abort_ud;
     /* loop thread */
     pthread_t thread;
     bool thread_started;
@@ -92,6 +96,7 @@ struct worker_ctl {
     bool rdv_taken;                     /* worker_ctl_open took the peers */
     bool ended;                         /* for good: refused before the rendezvous, or the loop failed */
     bool shutdown;                      /* the coordinator sent Shutdown */
+    bool aborted;                       /* in a group, told it re-forms (GroupAbort) */
     bool quit;                          /* worker_ctl_free: stop the loop */
     bool in_group;                      /* the rendezvous is done: the rank belongs to a group */
     unsigned n_lost;                    /* sessions lost after the rendezvous */
@@ -159,18 +164,22 @@ static int take_rendezvous(struct worker_ctl *c, const Stepd__Ctl__V1__Rendezvou
 }
 
 /* The group this rank belongs to is gone (GroupAbort, or a rendezvous it cannot take part
- * in): before the rendezvous worker_ctl_open() fails; after it the process ends, as the
- * rank's collectives cannot survive the re-formed group. */
+ * in): before the rendezvous worker_ctl_open() fails; after it the rank leaves the group
+ * (worker_ctl_poll says so) and the hook interrupts whatever collective waits on it. */
 static void group_lost(struct worker_ctl *c)
 {
     pthread_mutex_lock(&c->lock);
     bool in_group = c->in_group;
-    c->ended = true;
+    if (in_group)
+        c->aborted = true;
+    else
+        c->ended = true;
     ctl_signal(c);
     pthread_mutex_unlock(&c->lock);
     if (in_group) {
-        log_error("%s; exiting so that the group re-forms", c->reason);
-        _exit(WORKER_EXIT_RENDEZVOUS);
+        log_warn("%s: leaving the group to register again", c->reason);
+        if (c->on_group_abort)
+            c->on_group_abort(c->abort_ud);
     }
 }
 
@@ -244,7 +253,7 @@ static void on_session_done(struct rpc_client_call *call, int status, const char
 
     c->session = NULL;
     pthread_mutex_lock(&c->lock);
-    bool quit = c->quit || c->ended || c->shutdown;
+    bool quit = c->quit || c->ended || c->shutdown || c->aborted;
     bool was_registered = c->registered;
     c->registered = false;
     c->session_id[0] = '\0';
@@ -455,6 +464,8 @@ int worker_ctl_open(const char *target, const struct worker_ctl_register *reg, i
     c->device = strdup(reg->device);
     c->engine_address = dup_or_null(reg->engine_address);
     c->control_key = dup_or_null(reg->control_key);
+    c->on_group_abort = reg->on_group_abort;
+    c->abort_ud = reg->abort_ud;
     if (reg->peer_address_len) {
         c->peer_address = malloc(reg->peer_address_len);
         if (c->peer_address)
@@ -595,7 +606,7 @@ int worker_ctl_poll(struct worker_ctl *c, unsigned *ret_lost, struct err_buf *e)
     if (!c)
         return 0;
     pthread_mutex_lock(&c->lock);
-    r = c->ended || c->shutdown;
+    r = c->aborted ? 2 : c->ended || c->shutdown;
     if (r)
         err_set(e, -ECONNRESET, "%s", c->reason);
     if (ret_lost)

@@ -29,6 +29,7 @@ static void usage(FILE *f)
         "                    [--no-enable-prefix-caching] [--prefix-cache-salt S]\n"
         "                    [--rendezvous-timeout MS] [--collective-timeout MS] [--load-timeout MS]\n"
         "                    [--report FILE] [--engine-listen ADDR] [--control-key-file FILE]\n"
+        "                    [--insecure-control] [--comm-net-devices DEVS]\n"
         "                    [--control-tls-ca FILE [--control-tls-cert FILE --control-tls-key FILE]]\n"
         "                    [--max-waiting N] [--logprobs-mode raw_logprobs|processed_logprobs]\n"
         "  rank 0 offline drivers (tests): --generate FILE [--max-tokens N] [--output FILE]\n"
@@ -54,8 +55,14 @@ static void usage(FILE *f)
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
         "  --load-timeout MS       how long ranks wait for each other to load (default 1800000)\n"
         "  --engine-listen ADDR    rank 0: stepd.v1.Engine address registered with the\n"
-        "                          coordinator (default 127.0.0.1:50061; unix:/path allowed)\n"
-        "  --control-key-file FILE key for the control service (or $STEPD_CONTROL_KEY)\n"
+        "                          coordinator (default 127.0.0.1:20061; unix:/path allowed)\n"
+        "  --control-key-file FILE the cluster key (or $STEPD_CONTROL_KEY): sent to the control\n"
+        "                          service, and required by rank 0's engine service from its\n"
+        "                          callers; needed to register or serve the engine\n"
+        "  --insecure-control      no key: register and serve the engine without authentication\n"
+        "  --comm-net-devices DEVS network devices the group's UCX transports bind, as\n"
+        "                          UCX_NET_DEVICES (\"eth0\", \"mlx5_0:1,eth0\"; default: loopback\n"
+        "                          only, lo, unless $UCX_NET_DEVICES says otherwise)\n"
         "  --control-tls-ca FILE   dial the control service over TLS, verifying it with this CA\n"
         "                          (--control-tls-cert/--control-tls-key: a client certificate)\n"
         "  --max-waiting N         rank 0: requests the engine queues beyond --max-seqs (default:\n"
@@ -165,7 +172,7 @@ int main(int argc, char **argv)
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
         O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_INSECURE, O_HEALTH, O_HELP,
         O_KV_MEM, O_GPU_UTIL, O_KV_DTYPE, O_PREFIX_ON, O_PREFIX_OFF, O_PREFIX_SALT,
-        O_TLS_CA, O_TLS_CERT, O_TLS_KEY, O_MAX_WAIT, O_LP_MODE,
+        O_TLS_CA, O_TLS_CERT, O_TLS_KEY, O_MAX_WAIT, O_LP_MODE, O_INSECURE_CTL, O_NET_DEVS,
     };
     static const struct option opts[] = {
         { "coordinator", required_argument, NULL, O_COORD },
@@ -179,6 +186,8 @@ int main(int argc, char **argv)
         { "mtp", required_argument, NULL, O_MTP },
         { "speculative-config", required_argument, NULL, O_SPEC },
         { "insecure-listen", no_argument, NULL, O_INSECURE },
+        { "insecure-control", no_argument, NULL, O_INSECURE_CTL },
+        { "comm-net-devices", required_argument, NULL, O_NET_DEVS },
         { "threads", required_argument, NULL, O_THREADS },
         { "exact", no_argument, NULL, O_EXACT },
         { "mock", no_argument, NULL, O_MOCK },
@@ -216,7 +225,7 @@ int main(int argc, char **argv)
         { 0 },
     };
     struct worker_opts o;
-    const char *ckey_file = NULL;
+    const char *ckey_file = NULL, *net_devs = NULL;
     char tag[96], key[512];
     int c, r = 0;
 
@@ -234,6 +243,8 @@ int main(int argc, char **argv)
         case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
         case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant); break;
         case O_INSECURE: o.insecure_listen = true; break;
+        case O_INSECURE_CTL: o.insecure_control = true; break;
+        case O_NET_DEVS: net_devs = optarg; break;
         case O_THREADS: r = parse_int(optarg, "--threads", 0, 1024, &o.threads); break;
         case O_EXACT: o.exact = true; break;
         case O_MOCK: o.mock = true; break;
@@ -310,6 +321,14 @@ int main(int argc, char **argv)
         snprintf(key, sizeof(key), "%s", k);
         free(k);
         o.control_key = key;
+    }
+    if (net_devs) {
+        if (!net_devs[0]) {
+            fprintf(stderr, "stepd-worker: --comm-net-devices: empty (give a device, e.g. lo or eth0)\n");
+            return WORKER_EXIT_USAGE;
+        }
+        /* UCX reads its configuration from the environment when the comm is made */
+        setenv("UCX_NET_DEVICES", net_devs, 1);
     }
     snprintf(tag, sizeof(tag), "%.64s/r%d", o.group, o.rank);
     log_init("stepd-worker", tag);

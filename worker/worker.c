@@ -43,7 +43,7 @@ void worker_opts_init(struct worker_opts *o)
     o->collective_timeout_msec = 30000;
     o->load_timeout_msec = 30 * 60 * 1000;
     o->max_tokens = 32;
-    o->engine_listen = "127.0.0.1:50061";
+    o->engine_listen = "127.0.0.1:20061";
 }
 
 static uint64_t now_msec(void)
@@ -129,14 +129,16 @@ int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_
 
 /* ---- the model's collective hooks -------------------------------------------------- */
 
+/* ctx is where the comm lives (struct comm **): a rank that re-forms its group gets a new
+ * communicator under the same model */
 static int hook_allreduce(void *ctx, float *buf, size_t n)
 {
-    return comm_allreduce_sum(ctx, buf, n);
+    return comm_allreduce_sum(*(struct comm **)ctx, buf, n);
 }
 
 static int hook_allgather(void *ctx, const float *in, float *out, size_t n)
 {
-    return comm_allgather(ctx, in, out, n * sizeof(float));
+    return comm_allgather(*(struct comm **)ctx, in, out, n * sizeof(float));
 }
 
 /* ---- CUDA groups: the NCCL comm of the model's collectives --------------------------- */
@@ -319,6 +321,13 @@ static void limits_init(struct worker *w)
 
 /* ---- set-up stages ----------------------------------------------------------------- */
 
+/* The control thread, told that the group re-forms: a collective waiting on a peer (a
+ * follower's receive of the next plan has no deadline) gives up at once. */
+static void on_group_abort(void *ud)
+{
+    comm_interrupt(ud);
+}
+
 static int stage_comm(struct worker *w, struct err_buf *e)
 {
     const struct worker_opts *o = w->o;
@@ -354,6 +363,7 @@ static int stage_comm(struct worker *w, struct err_buf *e)
             .engine_address = o->rank == 0 ? o->engine_listen : NULL,
             .control_key = o->control_key,
             .tls = o->control_tls.root_file || o->control_tls.cert_file ? &o->control_tls : NULL,
+            .on_group_abort = on_group_abort, .abort_ud = w->comm,
         };
 
         r = worker_ctl_open(o->coordinator, &reg, o->rendezvous_timeout_msec, &w->ctl, &peers, e);
@@ -603,14 +613,14 @@ static int stage_load(struct worker *w, struct err_buf *e)
     r = backend_new(bname, &bc, &w->be);
     if (r < 0)
         return err_set(e, r, "backend %s (%s): %s", bname, o->device, err_str(r));
-    struct model_comm hooks = { .ctx = w->comm, .rank = o->rank, .world = o->world_size,
+    struct model_comm hooks = { .ctx = &w->comm, .rank = o->rank, .world = o->world_size,
                                 .allreduce_sum = hook_allreduce, .allgather = hook_allgather };
     const bool cuda = strcmp(bname, "cuda") == 0;
     if (cuda && o->world_size > 1) {
         r = nccl_join(w, bc.device, e);
         if (r < 0)
             return r;
-        hooks.ctx = w->dcomm;   /* the model's buffers are device memory */
+        hooks.ctx = &w->dcomm;  /* the model's buffers are device memory */
     }
     struct model_opts mo = {
         .max_tokens_per_step = o->max_batched_tokens, .max_seqs = o->max_seqs,
@@ -729,6 +739,101 @@ out:
     return r;
 }
 
+/* ---- re-forming the group --------------------------------------------------------- */
+
+/* Not an exit status: the rank leaves its group and registers again (regroup). */
+#define WORKER_REGROUP 100
+
+/* rank 0 serving: SIGTERM/SIGINT stop the serve loop (run_serve) */
+static volatile sig_atomic_t stop_requested;
+
+static void on_stop_signal(int sig)
+{
+    stop_requested = 1;
+}
+
+/* a rank waiting for its group to re-form has nothing in flight: a stop ends it at once */
+static void on_stop_exit(int sig)
+{
+    _exit(WORKER_EXIT_OK);
+}
+
+/* A rank registered with a coordinator outlives its group: when a peer is lost (its
+ * collectives fail) or the coordinator tells the group to re-form, it keeps its weights,
+ * registers afresh and joins the group's next epoch, so that only the lost rank is
+ * restarted.  Not for CUDA groups (the NCCL communicator is not rebuilt) nor the offline
+ * drivers. */
+static bool can_regroup(const struct worker *w)
+{
+    const struct worker_opts *o = w->o;
+
+    return o->coordinator && w->ctl && !w->dcomm && !o->generate_file && !o->logits_file &&
+           !stop_requested;
+}
+
+/* The status of a collective failure: re-form the group when the rank can, else exit 4. */
+static int comm_failed_rc(const struct worker *w)
+{
+    return can_regroup(w) ? WORKER_REGROUP : WORKER_EXIT_COMM;
+}
+
+/* Leave the group and join its next epoch: a new communicator and control session, the
+ * rendezvous, then what a freshly started rank does with the group after its load (the KV
+ * pool agreement, offering the blocks this rank holds, and the shape check), without
+ * loading again.  An exit status on failure. */
+static int regroup(struct worker *w)
+{
+    const struct worker_opts *o = w->o;
+    struct err_buf e = { "" };
+    int r;
+
+    signal(SIGTERM, on_stop_exit);
+    signal(SIGINT, on_stop_exit);
+    if (stop_requested)
+        return WORKER_EXIT_OK;
+    log_notice("group %s: leaving the group (%s); registering again with the weights kept",
+               o->group, w->comm->error ? comm_last_error(w->comm) : "told to re-form");
+    worker_health_phase(w->health, WORKER_PHASE_RENDEZVOUS, "re-forming: group %s rank %d of %d",
+                        o->group, o->rank, o->world_size);
+    comm_abort(w->comm);            /* the live peers learn it at once */
+    worker_ctl_free(w->ctl);
+    w->ctl = NULL;
+    comm_free(w->comm);
+    w->comm = NULL;
+    r = stage_comm(w, &e);
+    if (r < 0) {
+        log_error("%s", e.msg);
+        worker_health_phase(w->health, WORKER_PHASE_FAILED, "rendezvous failed: %s", e.msg);
+        return WORKER_EXIT_RENDEZVOUS;
+    }
+    worker_ctl_report(w->ctl, 1, 0.0f, "re-forming (weights kept)", NULL);
+    worker_health_phase(w->health, WORKER_PHASE_LOADING, "re-forming: group %s rank %d of %d, "
+                        "waiting for the other ranks", o->group, o->rank, o->world_size);
+    if (!o->mock) {
+        int32_t v[2] = { w->fwd->n_blocks[0], w->fwd->n_blocks[1] };
+
+        r = group_min2(w, v, &e);
+        for (int g = 0; r == 0 && g < 2; g++)
+            if (v[g] >= 0 && v[g] < w->fwd->n_blocks[g]) {
+                log_warn("group %s: another rank holds %d KV blocks in pool %d, this one %d: using "
+                         "%d", o->group, v[g], g, w->fwd->n_blocks[g], v[g]);
+                w->fwd->n_blocks[g] = v[g];
+            }
+    }
+    if (r == 0)
+        r = check_group_shape(w, &e);
+    if (r < 0) {
+        log_error("%s", e.msg);
+        worker_ctl_report(w->ctl, 3, 0.0f, e.msg, NULL);
+        worker_health_phase(w->health, WORKER_PHASE_FAILED, "group shape: %s", e.msg);
+        comm_abort(w->comm);
+        return w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
+    }
+    limits_init(w);
+    log_notice("group %s: rank %d joined the group again", o->group, o->rank);
+    return WORKER_EXIT_OK;
+}
+
 /* ---- ranks 1..N-1 ------------------------------------------------------------------- */
 
 static int follower_loop(struct worker *w)
@@ -758,7 +863,7 @@ static int follower_loop(struct worker *w)
         w->comm->timeout_msec = saved;
         if (r < 0) {
             log_error("after %llu steps: %s", (unsigned long long)steps, e.msg);
-            rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+            rc = w->comm->error ? comm_failed_rc(w) : WORKER_EXIT_FAILURE;
             comm_abort(w->comm);
             goto out;
         }
@@ -771,7 +876,7 @@ static int follower_loop(struct worker *w)
         if (r < 0) {
             log_error("step %llu failed: %s", (unsigned long long)pb.plan.step_id,
                       w->comm->error ? comm_last_error(w->comm) : err_str(r));
-            rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+            rc = w->comm->error ? comm_failed_rc(w) : WORKER_EXIT_FAILURE;
             comm_abort(w->comm);
             goto out;
         }
@@ -1035,12 +1140,19 @@ out:
 }
 
 /* Serve stepd.v1.Engine until the coordinator ends the session, the engine fails (a
- * collective failed: exit 4) or SIGTERM/SIGINT. */
-static volatile sig_atomic_t stop_requested;
+ * collective failed: exit 4, or the group re-forms) or SIGTERM/SIGINT. */
 
-static void on_stop_signal(int sig)
+/* engine_config.describe_failure: a failed step names the group, this rank and what the
+ * communicator says (which peer was lost, in which collective). */
+static void describe_failure(void *ctx, int rc, char *buf, size_t len)
 {
-    stop_requested = 1;
+    const struct worker *w = ctx;
+
+    if (w->comm && w->comm->error)
+        snprintf(buf, len, "worker group %s (rank %d): %s", w->o->group, w->o->rank,
+                 comm_last_error(w->comm));
+    else
+        snprintf(buf, len, "worker group %s (rank %d): %s", w->o->group, w->o->rank, err_str(rc));
 }
 
 static int run_serve(struct worker *w, struct forward *f)
@@ -1064,6 +1176,8 @@ static int run_serve(struct worker *w, struct forward *f)
     cfg.n_eos = w->n_eos;
     cfg.enable_prefix_caching = !w->o->no_prefix_cache;
     cfg.prefix_cache_salt = w->o->prefix_cache_salt;
+    cfg.describe_failure = describe_failure;
+    cfg.describe_failure_ctx = w;
     r = engine_new(f, &cfg, &eng, &e);
     if (r < 0) {
         log_error("engine: %s", e.msg);
@@ -1075,7 +1189,7 @@ static int run_serve(struct worker *w, struct forward *f)
         return WORKER_EXIT_FAILURE;
     }
     struct engine_rpc_opts ro = {
-        .addr = w->o->engine_listen, .group = w->o->group,
+        .addr = w->o->engine_listen, .group = w->o->group, .api_key = w->o->control_key,
         .model_name = w->o->model_dir ? w->o->model_dir : "mock",
         .model_type = w->mc ? "step3p7" : "mock", .quantization = w->mc ? "mxfp4" : "",
         .num_layers = w->mc ? w->mc->n_layers : 0, .hidden_size = w->mc ? w->mc->hidden_size : 0,
@@ -1123,11 +1237,22 @@ static int run_serve(struct worker *w, struct forward *f)
         if (ld.last_error) {
             log_error("engine stopped: %s", w->comm->error ? comm_last_error(w->comm)
                                                            : err_str(ld.last_error));
-            rc = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
+            rc = w->comm->error ? comm_failed_rc(w) : WORKER_EXIT_FAILURE;
             break;
         }
-        if (w->ctl && worker_ctl_poll(w->ctl, &n_lost, &e) > 0) {
+        r = w->ctl ? worker_ctl_poll(w->ctl, &n_lost, &e) : 0;
+        if (r == 2 && can_regroup(w)) {
+            /* what the group had in flight cannot finish: the rank leaves the group */
+            char msg[600];
+
+            snprintf(msg, sizeof(msg), "worker group %s re-forms: %s", w->o->group, e.msg);
+            engine_rpc_fail_all(rpc, msg);
+            rc = WORKER_REGROUP;
+            break;
+        }
+        if (r > 0) {
             log_notice("control session ended: %s", e.msg);
+            rc = r == 2 && !stop_requested ? WORKER_EXIT_RENDEZVOUS : rc;
             break;
         }
         if (n_lost != lost) {
@@ -1169,16 +1294,30 @@ int worker_run(const struct worker_opts *o)
         log_error("--model DIR is required (or --mock)");
         return WORKER_EXIT_USAGE;
     }
-    if (o->rank == 0 && o->coordinator && !net_addr_is_loopback(o->engine_listen)) {
-        /* E2: the engine service has no authentication of its own */
-        if (!o->insecure_listen) {
-            log_error("refusing to serve the engine on non-loopback %s without --insecure-listen "
-                      "(keep it on loopback or a unix socket, or isolate the network)",
-                      o->engine_listen);
+    /* the cluster key guards both ends of the control session and rank 0's engine: a rank
+     * that registers or serves needs it (a follower of a file rendezvous serves nothing) */
+    bool serves = o->rank == 0 && !o->generate_file && !o->logits_file;
+    if ((o->coordinator || serves) && !(o->control_key && o->control_key[0])) {
+        if (!o->insecure_control) {
+            log_error("no control key: the %s would be unauthenticated; give --control-key-file "
+                      "FILE (or $STEPD_CONTROL_KEY), the coordinator's cluster key, or "
+                      "--insecure-control", serves ? "engine service" : "control session");
             return WORKER_EXIT_USAGE;
         }
-        log_warn("engine service on non-loopback %s without authentication (--insecure-listen)",
-                 o->engine_listen);
+        log_warn("no control key (--insecure-control): %s", serves ? "the engine service accepts "
+                 "any caller that reaches it" : "registering without authentication");
+    }
+    if (serves && !net_addr_is_loopback(o->engine_listen)) {
+        /* E2: off loopback the engine needs the cluster key, as the control port does (it
+         * is plaintext either way: a private network) */
+        if (!(o->control_key && o->control_key[0]) && !o->insecure_listen) {
+            log_error("refusing to serve the engine on non-loopback %s without the control key "
+                      "(--control-key-file) or --insecure-listen", o->engine_listen);
+            return WORKER_EXIT_USAGE;
+        }
+        if (!(o->control_key && o->control_key[0]))
+            log_warn("engine service on non-loopback %s without authentication (--insecure-listen)",
+                     o->engine_listen);
     }
     if (o->mtp < 0 || o->mtp > 3) {
         log_error("--mtp %d: must be 0..3", o->mtp);
@@ -1235,31 +1374,44 @@ int worker_run(const struct worker_opts *o)
         goto out;
     }
 
-    if (o->rank > 0) {
-        if (w.ctl)
-            worker_ctl_report(w.ctl, 2, 1.0f, "ready", NULL);
-        worker_health_phase(w.health, WORKER_PHASE_READY, "ready: group %s rank %d of %d, following rank 0",
-                            o->group, o->rank, o->world_size);
-        rc = follower_loop(&w);
-        worker_health_phase(w.health, WORKER_PHASE_STOPPING, "stopping: %s",
-                            rc ? "step failed" : "stop from rank 0");
-        goto out;
-    }
-    struct forward *f = w.fwd;
-    if (o->world_size > 1) {
-        r = worker_bcast_forward_new(w.fwd, w.comm, w.plan_cap, &w.lock);
-        if (r < 0) {
-            log_error("out of memory");
-            goto out;
+    for (;;) {
+        if (o->rank > 0) {
+            if (w.ctl)
+                worker_ctl_report(w.ctl, 2, 1.0f, "ready", NULL);
+            worker_health_phase(w.health, WORKER_PHASE_READY, "ready: group %s rank %d of %d, "
+                                "following rank 0", o->group, o->rank, o->world_size);
+            rc = follower_loop(&w);
+            if (rc != WORKER_REGROUP)
+                worker_health_phase(w.health, WORKER_PHASE_STOPPING, "stopping: %s",
+                                    rc ? "step failed" : "stop from rank 0");
+        } else {
+            struct forward *f = w.fwd;
+
+            if (o->world_size > 1) {
+                r = worker_bcast_forward_new(w.fwd, w.comm, w.plan_cap, &w.lock);
+                if (r < 0) {
+                    log_error("out of memory");
+                    goto out;
+                }
+                f = w.lock;
+            }
+            if (o->logits_file)
+                rc = run_dump_logits(&w, f);
+            else if (o->generate_file)
+                rc = run_generate(&w, f);
+            else
+                rc = run_serve(&w, f);
         }
-        f = w.lock;
+        if (rc != WORKER_REGROUP)
+            break;
+        if (w.lock)
+            w.lock->ops->free(w.lock);
+        w.lock = NULL;
+        if ((rc = regroup(&w)) != WORKER_EXIT_OK)
+            goto out;
     }
-    if (o->logits_file)
-        rc = run_dump_logits(&w, f);
-    else if (o->generate_file)
-        rc = run_generate(&w, f);
-    else
-        rc = run_serve(&w, f);
+    if (o->rank > 0)
+        goto out;
     if (o->world_size > 1 && !w.comm->error) {
         void *buf = malloc(w.plan_cap);
 

@@ -74,7 +74,10 @@ struct worker_opts {
     const char *report_file;        /* per-rank JSON line: rank, planned bytes, RSS */
     const char *engine_listen;      /* rank 0: where stepd.v1.Engine listens (registered) */
     bool insecure_listen;           /* allow a non-loopback engine_listen (no authentication) */
-    const char *control_key;        /* bearer key for the control service, or NULL */
+    /* the cluster key: "authorization: Bearer" to the control service, and what rank 0's
+     * engine service requires of its callers; NULL only with insecure_control */
+    const char *control_key;
+    bool insecure_control;          /* register and serve the engine without a key */
     const char *health_listen;      /* HTTP GET /livez, /readyz (probes), or NULL */
     struct rpc_tls_files control_tls;   /* TLS to the control service (root_file: the CA) */
     int max_waiting;                /* rank 0: the engine's waiting queue; 0 = from the KV blocks */
@@ -119,6 +122,9 @@ struct worker_ctl_register {
     const void *nccl_id;            /* rank 0 with NCCL: ncclUniqueId bytes (128) */
     size_t nccl_id_len;
     const struct rpc_tls_files *tls;    /* NULL = plaintext; root_file verifies the coordinator */
+    /* in a group, on GroupAbort: run on the control thread (e.g. comm_interrupt), or NULL */
+    void (*on_group_abort)(void *ud);
+    void *abort_ud;
 };
 /* Rank 0's engine as it reports it when READY (and again in every later registration). */
 struct worker_ctl_engine {
@@ -130,7 +136,8 @@ struct worker_ctl_engine {
  * error names the deadline; a refusal names the coordinator's reason.  From then on the
  * client keeps a session open for the life of the rank: a lost one is dialled again,
  * registering with the group's epoch so that a restarted coordinator re-adopts the group
- * (ctl.c); a GroupAbort ends the process (WORKER_EXIT_RENDEZVOUS). */
+ * (ctl.c); a GroupAbort makes the rank leave the group (worker_ctl_poll() 2, and the
+ * registration's on_group_abort hook). */
 int worker_ctl_open(const char *target, const struct worker_ctl_register *reg, int timeout_msec,
                     struct worker_ctl **ret, struct worker_peers *peers, struct err_buf *e);
 /* ReportState(LOADING/READY/FAILED). state: 1 loading, 2 ready, 3 failed; eng (rank 0,
@@ -138,8 +145,9 @@ int worker_ctl_open(const char *target, const struct worker_ctl_register *reg, i
  * the next registration (0). */
 int worker_ctl_report(struct worker_ctl *c, int state, float progress, const char *message,
                       const struct worker_ctl_engine *eng);
-/* Non-blocking: 1 when the session has ended for good (Shutdown, or a refusal), with the
- * reason in e; 0 otherwise.  *ret_lost (may be NULL): sessions lost so far after the
+/* Non-blocking: 1 when the session has ended for good (Shutdown, or a refusal), 2 when the
+ * coordinator told the group to re-form (GroupAbort, or a rendezvous of another epoch:
+ * the rank registers again with a new client), with the reason in e; 0 otherwise.  *ret_lost (may be NULL): sessions lost so far after the
  * rendezvous (each one dialled again): rank 0 fails its in-flight requests on a new one. */
 int worker_ctl_poll(struct worker_ctl *c, unsigned *ret_lost, struct err_buf *e);
 void worker_ctl_free(struct worker_ctl *c);

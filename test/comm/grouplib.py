@@ -23,6 +23,11 @@ class Group:
         self.procs = {}
         self.t_exit = {}
         self.errs = {}
+        # the cluster key every rank needs to serve (rank 0's engine requires it of callers)
+        self.key_file = os.path.join(self.dir, "control-key-" + group)
+        self.key = os.urandom(32).hex()
+        with os.fdopen(os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(self.key + "\n")
         base_env = dict(os.environ)
         base_env.setdefault("UCX_NET_DEVICES", "lo")
         base_env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -34,7 +39,7 @@ class Group:
             e.update((rank_env or {}).get(r, {}))
             cmd = list((prefix or {}).get(r, [])) + [
                 worker, "--rendezvous-dir", self.rdv, "--group", group, "--rank", str(r),
-                "--world-size", str(n), "--threads", "1"]
+                "--world-size", str(n), "--threads", "1", "--control-key-file", self.key_file]
             if model:
                 cmd += ["--model", model]
             cmd += list(args)

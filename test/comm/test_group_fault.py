@@ -12,7 +12,12 @@
   4. a rank whose checkpoint fails to load (N = 2): it exits 1, and rank 0 exits 4 at
      once instead of waiting for its collective deadline;
   5. ranks started with different sizes (--max-seqs): every rank refuses to start (exit
-     2) with a message naming the rank and the flag.
+     2) with a message naming the rank and the flag;
+  6. a follower SIGKILLed while rank 0's engine serves (N = 2): a grpcio client of the
+     Engine service (the cluster key in its metadata) has a Generate call and a request on
+     an output stream in flight; both end UNAVAILABLE with a message naming the group and
+     the lost rank - never status OK with a final of finish_reason ERROR - whichever of the
+     step's collectives notices first.
 Exit 77 when the model directory is absent."""
 import os
 import sys
@@ -136,6 +141,70 @@ def mismatched(worker, model, tmp):
           g.stderr(0).strip().splitlines()[-1])
 
 
+def served_follower_lost(worker, model, tmp):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "daemon"))
+    import grpc
+    import stepd_harness as h         # the stubs (exits 77 without grpcio)
+    pb, pbg = h.pb, h.pbg
+    sock = os.path.join(tmp, "served-engine.sock")
+    g = Group(worker, model, 2, "served", args=["--collective-timeout", "60000", "--max-model-len", "4096"],
+              rank0_args=["--engine-listen", "unix:" + sock], workdir=tmp)
+    if not g.wait_log(0, "rank 0 ready", 60):
+        fail("rank 0 never served", g)
+    md = [("authorization", "Bearer " + g.key)]
+    ch = grpc.insecure_channel("unix:" + sock)
+    eng = pbg.EngineStub(ch)
+    req = lambda rid: pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),  # noqa: E731
+                                         sampling_params=pb.SamplingParams(max_tokens=4000, temperature=0.0))
+    outs = eng.OpenOutputs(pb.OpenOutputsRequest(stream_id="fault-stream"), metadata=md, timeout=120)
+    next(outs)                                          # the stream is open
+    eng.Submit(pb.SubmitRequest(stream_id="fault-stream", request=req("on-stream")), metadata=md, timeout=10)
+    call = eng.Generate(req("on-call"), metadata=md, timeout=120)
+    first = next(call)
+    if not first.HasField("chunk"):
+        fail("Generate: no chunk first: %s" % first, g)
+    time.sleep(0.3)
+    g.kill(1)
+    ends = {}
+    try:
+        for r in call:
+            if r.HasField("final"):
+                ends["on-call"] = ("OK", "final finish_reason %s: %s" % (
+                    pb.FinishReason.Name(r.final.finish_reason), r.final.message))
+        ends.setdefault("on-call", ("OK", "no final"))
+    except grpc.RpcError as e:
+        ends["on-call"] = (e.code().name, e.details())
+    try:
+        for b in outs:
+            for o in b.outputs:
+                if o.request_id != "on-stream":
+                    continue
+                if o.HasField("final"):
+                    ends["on-stream"] = ("OK", "final finish_reason %s: %s" % (
+                        pb.FinishReason.Name(o.final.finish_reason), o.final.message))
+                elif o.HasField("status"):
+                    ends["on-stream"] = (grpc.StatusCode(next(c for c in grpc.StatusCode
+                                                              if c.value[0] == o.status.code)).name,
+                                         o.status.message)
+            if "on-stream" in ends:
+                break
+    except grpc.RpcError as e:
+        ends.setdefault("on-stream", ("stream " + e.code().name, e.details()))
+    outs.cancel()
+    ch.close()
+    for k in ("on-call", "on-stream"):
+        code, msg = ends.get(k, ("none", ""))
+        if code != "UNAVAILABLE" or "served" not in msg or "rank 1" not in msg:
+            fail("%s request after rank 1 was lost: %s %s (expected UNAVAILABLE naming group served and "
+                 "rank 1)" % (k, code, msg), g)
+    print("rank 1 SIGKILLed under a serving engine: the Generate call and the output-stream request end "
+          "UNAVAILABLE: %s" % ends["on-call"][1])
+    for r, p in g.procs.items():
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def main():
     worker, model = sys.argv[1], sys.argv[2]
     if not os.path.exists(os.path.join(model, "config.json")):
@@ -147,6 +216,7 @@ def main():
     never_joins(worker, model, tmp)
     bad_load(worker, model, tmp)
     mismatched(worker, model, tmp)
+    served_follower_lost(worker, model, tmp)
     return 0
 
 

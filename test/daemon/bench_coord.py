@@ -42,9 +42,12 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / HZ
 
 
-def loadgen(addr, streams, tokens, method=None, deadline=300, send_log=None, rate=None, conns=1):
+def loadgen(addr, streams, tokens, method=None, deadline=300, send_log=None, rate=None, conns=1, key=None):
+    """key: the cluster key, for calls to an engine directly (it requires the key)."""
     cmd = [LOADGEN, "--addr", addr, "--streams", str(streams), "--tokens", str(tokens),
            "--deadline-s", str(deadline), "--connections", str(conns)]
+    if key:
+        cmd += ["--api-key", key]
     if rate:
         cmd += ["--rate", str(rate)]
     if method:
@@ -134,7 +137,7 @@ def bench_load(a):
     # the rig's own floor: the same streams straight to the two mock engines (one
     # loadgen, streams split between them), no stepd
     eaddrs = ",".join(g.engine_address for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups)
-    floor = loadgen(eaddrs, a.streams, a.tokens, method="/stepd.v1.Engine/Generate")
+    floor = loadgen(eaddrs, a.streams, a.tokens, method="/stepd.v1.Engine/Generate", key=s.control_key)
     print("   rig floor, no stepd: %d/%d OK, itl p50 %.2f ms p99 %.2f ms" % (
         floor["ok"], a.streams, floor["itl_p50_ms"], floor["itl_p99_ms"]))
     lat = sorted(p[0] for p in probe)
@@ -327,10 +330,11 @@ def bench_cost(a):
     s.wait_ready(1)
     eaddr = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0].engine_address
     loadgen(s.addr, 20, 8)
-    loadgen(eaddr, 20, 8, method="/stepd.v1.Engine/Generate")
+    loadgen(eaddr, 20, 8, method="/stepd.v1.Engine/Generate", key=s.control_key)
     runs = []
     for _ in range(a.rounds):
-        direct = loadgen(eaddr, a.streams, a.tokens, method="/stepd.v1.Engine/Generate", send_log=send_log)
+        direct = loadgen(eaddr, a.streams, a.tokens, method="/stepd.v1.Engine/Generate", send_log=send_log,
+                     key=s.control_key)
         c0 = cpu_s(s.proc.pid)
         via = loadgen(s.addr, a.streams, a.tokens, send_log=send_log)
         c1 = cpu_s(s.proc.pid)

@@ -261,7 +261,7 @@ int main(int argc, char **argv)
     };
     double dl_lo = -1, dl_hi = -1, cx_lo = -1, cx_hi = -1, temperature = -1;
     unsigned concurrency = 0;
-    const char *addr = "127.0.0.1:50051", *method = "/stepd.v1.Inference/Generate", *key = NULL;
+    const char *addr = "127.0.0.1:20051", *method = "/stepd.v1.Inference/Generate", *key = NULL;
     const char *send_log = NULL;
     unsigned tokens = 64, prompt_len = 8;
     double deadline_s = 120, rate = 0;

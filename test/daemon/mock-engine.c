@@ -38,6 +38,10 @@
  * --break-output-streams-after-tokens N (once N tokens were made, end every open output
  * stream UNAVAILABLE, and with them their requests; the engine stays up).
  *
+ * The cluster key (--control-key-file FILE, or $STEPD_CONTROL_KEY) goes to the control
+ * service and is required of every caller of its engine, as with stepd-worker; without one
+ * the mock refuses to start unless --insecure-control.
+ *
  * When the session ends with ABORTED (group re-forming) the mock registers again;
  * when it ends otherwise (coordinator gone) the mock exits 0.  --serving-epoch E registers
  * as a rank that already serves its group at epoch E (READY, as a worker does after its
@@ -54,6 +58,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "file.h"
 #include "log.h"
 #include "pb-util.h"
 #include "rpc.h"
@@ -69,6 +74,7 @@ struct mock {
     struct rpc_server *srv;
     struct rpc_channel *ctl;
     const char *coordinator, *group, *listen, *stats_file, *stall_file;
+    char *key;                      /* the cluster key (control service, engine callers) */
     int stats_fd;                   /* stats_file, open from the first write on */
     FILE *send_log;
     unsigned rank, world, vocab, max_model_len, delay_ms, ttft_ms, eos_after;
@@ -930,12 +936,14 @@ int main(int argc, char **argv)
         { "refuse-by-id", no_argument, NULL, 'R' }, { "max-seqs", required_argument, NULL, 'M' },
         { "max-waiting", required_argument, NULL, 'W' }, { "serving-epoch", required_argument, NULL, 'E' },
         { "script", required_argument, NULL, 'P' },
+        { "control-key-file", required_argument, NULL, 'K' }, { "insecure-control", no_argument, NULL, 'I' },
         { NULL, 0, NULL, 0 },
     };
     struct mock *m = &M;
+    bool insecure = false;
     int c;
 
-    m->coordinator = "127.0.0.1:50052";
+    m->coordinator = "127.0.0.1:20052";
     m->group = "g0";
     m->world = 1;
     m->listen = "127.0.0.1:0";
@@ -980,6 +988,13 @@ int main(int argc, char **argv)
                 p = *end == ',' ? end + 1 : end;
             }
             break;
+        case 'I': insecure = true; break;
+        case 'K':
+            if (file_read_secret(optarg, &m->key) < 0) {
+                fprintf(stderr, "mock-engine: --control-key-file %s: unreadable or empty\n", optarg);
+                return 2;
+            }
+            break;
         case 'T':
             m->send_log = fopen(optarg, "a");
             if (!m->send_log) {
@@ -992,6 +1007,13 @@ int main(int argc, char **argv)
                             "[--delay-ms D] [--stats-file F] ...\n");
             return 2;
         }
+    }
+    if (!m->key && getenv("STEPD_CONTROL_KEY") && getenv("STEPD_CONTROL_KEY")[0])
+        m->key = strdup(getenv("STEPD_CONTROL_KEY"));
+    if (!m->key && !insecure) {
+        fprintf(stderr, "mock-engine: no control key: give --control-key-file FILE (or "
+                        "$STEPD_CONTROL_KEY), or --insecure-control\n");
+        return 2;
     }
     log_init("mock-engine", m->group);
     signal(SIGPIPE, SIG_IGN);
@@ -1007,7 +1029,7 @@ int main(int argc, char **argv)
     uv_idle_init(m->loop, &m->flush_soon);
     uv_unref((uv_handle_t *)&m->flush_soon);
     if (m->rank == 0) {
-        struct rpc_server_opts so = { 0 };
+        struct rpc_server_opts so = { .api_key = m->key };
         struct rpc_method ms[] = {
             { "/stepd.v1.Engine/Generate", &stepd__v1__generate_request__descriptor, true, false, h_generate, m },
             { "/stepd.v1.Engine/Abort", &stepd__v1__abort_request__descriptor, false, false, h_abort, m },
@@ -1029,7 +1051,7 @@ int main(int argc, char **argv)
         rpc_server_start(m->srv);
         snprintf(m->engine_addr, sizeof(m->engine_addr), "127.0.0.1:%d", m->port);
     }
-    struct rpc_channel_opts co = { .api_key = getenv("STEPD_CONTROL_KEY"), .keepalive_time_ms = 10000 };
+    struct rpc_channel_opts co = { .api_key = m->key, .keepalive_time_ms = 10000 };
     if (rpc_channel_create(m->rpc, m->coordinator, &co, &m->ctl) < 0)
         return 1;
     uv_signal_t sterm;

@@ -4,6 +4,11 @@ Generates Python gRPC stubs from proto/*.proto with grpcio-tools into a temp dir
 at import time (an independent client: nothing here shares code with the C side),
 starts `stepd` and `mock-engine` processes on loopback, and offers small helpers.
 
+The cluster key: a Stepd gets a random control key in a 0600 file of its work directory
+(unless the test gives one, with --control-key-file or $STEPD_CONTROL_KEY, or asks for
+none with control_key=False: --insecure-control), and hands it to the engines and workers
+it starts, as `stepd serve` does.
+
 Environment (set by meson): STEPD_BIN, MOCK_ENGINE_BIN, PROTO_DIR, TOKENIZER_JSON.
 """
 import atexit
@@ -71,23 +76,49 @@ def _cleanup():
 atexit.register(_cleanup)
 
 
+def write_key(path, key=None):
+    """A 0600 key file holding key (default: 32 random bytes in hex); returns the key."""
+    key = key or os.urandom(32).hex()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
 class Stepd:
     """A running coordinator. Ports are chosen by the kernel and read from its log."""
 
-    def __init__(self, *args, env=None, workdir=None):
+    def __init__(self, *args, env=None, workdir=None, control_key=True):
         self.workdir = workdir or tempfile.mkdtemp(prefix="stepd-it-")
         _workdirs.append(self.workdir)
         self.logpath = os.path.join(self.workdir, "stepd.log")
         self.log = open(self.logpath, "w+")
+        args = list(args)
+        e = dict(os.environ)
+        e.pop("STEPD_CONTROL_KEY", None)
+        e.setdefault("STEPD_LOG_LEVEL", "info")
+        if env:
+            e.update(env)
+        # the cluster key (None: no key, --insecure-control)
+        self.key_file = None
+        if "--control-key-file" in args:
+            self.key_file = args[args.index("--control-key-file") + 1]
+            self.control_key = open(self.key_file).read().strip()
+        elif e.get("STEPD_CONTROL_KEY"):
+            self.control_key = e["STEPD_CONTROL_KEY"]
+        elif control_key:
+            self.key_file = os.path.join(self.workdir, "control-key")
+            self.control_key = write_key(self.key_file, control_key if isinstance(control_key, str) else None)
+            args += ["--control-key-file", self.key_file]
+        else:
+            self.control_key = None
+            if "--insecure-control" not in args:
+                args.append("--insecure-control")
         cmd = [STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
                "--control-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                "--heartbeat-ms", "200", "--loads-poll-ms", "100", *args]
         if "--port" not in args:
             cmd[1:1] = ["--port", "0"]     # the OpenAI HTTP API on a free port
-        e = dict(os.environ)
-        e.setdefault("STEPD_LOG_LEVEL", "info")
-        if env:
-            e.update(env)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
         _procs.append(self.proc)
         self.ports = self._wait_ports()
@@ -99,6 +130,22 @@ class Stepd:
         self.admin = pbg.AdminStub(self.admin_channel)
         self.health = hpbg.HealthStub(self.channel)
         self.engines = []
+
+    def key_args(self, env=None):
+        """The flags that hand this coordinator's key to a worker or mock engine (none when
+        the test sets $STEPD_CONTROL_KEY for it)."""
+        if env and "STEPD_CONTROL_KEY" in env:
+            return []
+        if self.control_key is None:
+            return ["--insecure-control"]
+        if not self.key_file:
+            self.key_file = os.path.join(self.workdir, "control-key")
+            write_key(self.key_file, self.control_key)
+        return ["--control-key-file", self.key_file]
+
+    def key_md(self):
+        """Call metadata carrying the cluster key (an engine's callers need it)."""
+        return [("authorization", "Bearer " + self.control_key)] if self.control_key else []
 
     def _wait_ports(self):
         end = time.time() + 10
@@ -119,7 +166,8 @@ class Stepd:
         stats = os.path.join(self.workdir, "%s-r%d.stats" % (group, rank))
         log = open(os.path.join(self.workdir, "%s-r%d.log" % (group, rank)), "w")
         cmd = [MOCK_BIN, "--coordinator", "127.0.0.1:%d" % self.ports["control"], "--group", group,
-               "--rank", str(rank), "--world", str(world), "--stats-file", stats, *MOCK_ARGS, *args]
+               "--rank", str(rank), "--world", str(world), "--stats-file", stats, *self.key_args(env),
+               *MOCK_ARGS, *args]
         e = dict(os.environ)
         e.pop("STEPD_CONTROL_KEY", None)
         if env:
@@ -141,8 +189,9 @@ class Stepd:
             cmd += ["--model", TINY_MODEL]
         if rank == 0 and "--engine-listen" not in args:
             cmd += ["--engine-listen", "unix:%s/%s-engine.sock" % (self.workdir, group)]
-        cmd += list(args)
+        cmd += self.key_args(env) + list(args)
         e = dict(os.environ)
+        e.pop("STEPD_CONTROL_KEY", None)
         e.setdefault("UCX_NET_DEVICES", "lo")
         e["UCX_WARN_UNUSED_ENV_VARS"] = "n"
         if env:
@@ -257,6 +306,39 @@ def gen_request(ids=(10, 20, 30), max_tokens=8, **kw):
 def expected_tokens(ids, n, vocab=1000):
     s = sum(ids)
     return [(s + 7 * i + 1) % vocab for i in range(n)]
+
+
+def wait_idle(s, what, timeout=15.0):
+    """D1 after a run: nothing in flight anywhere.  The coordinator: every group's in_flight
+    0 and routed == completed + failed (each routed call ended exactly once).  Every engine,
+    as the coordinator's GetLoads reports it: nothing running or waiting, no request state
+    alive, as many freed as created, no KV block held in any pool (the engines of ready
+    groups: a group that is down reports its last engine's totals).  Prints one line
+    "INVARIANTS what: ..." (test/chaos/report counts them); returns (groups, loads)."""
+    def idle():
+        gg = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups
+        ready = {g.group for g in gg if g.state == pb.WORKER_STATE_READY}
+        loads = [l for l in s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2).loads if l.group in ready]
+        if any(g.counters.in_flight or g.counters.routed != g.counters.completed + g.counters.failed for g in gg):
+            return None
+        if any(l.num_running or l.num_waiting or l.kv_blocks_used or l.num_requests_alive or
+               l.requests_created != l.requests_freed or any(p.blocks_used for p in l.kv_pools) for l in loads):
+            return None
+        return gg, loads
+    try:
+        gg, loads = wait_until(idle, timeout=timeout, step=0.1, what="idle counters")
+    except AssertionError:
+        raise AssertionError("not idle after %s:\n%s\n%s" % (what, s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2),
+                                                              s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2)))
+    print("INVARIANTS %s: %d groups idle (routed = completed + failed), engines: 0 alive, created = freed "
+          "(%s), 0 KV blocks held" % (what, len(gg), ", ".join(str(l.requests_created) for l in loads)), flush=True)
+    return gg, loads
+
+
+def ledger_line(what, calls, one_terminal):
+    """The client ledger of a run: calls made, and how many ended with exactly one terminal
+    status (test/chaos/report sums these lines)."""
+    print("LEDGER %s: calls=%d one_terminal=%d" % (what, calls, one_terminal), flush=True)
 
 
 def collect(stream):

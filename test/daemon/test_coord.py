@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from stepd_harness import (MOCK_ARGS, NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect,
+from stepd_harness import (MOCK_ARGS, NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect, pbg,
                            expected_tokens, gen_request, hpb, pb, run_tests, sanitized, wait_until)
 
 OK = grpc.StatusCode.OK
@@ -100,8 +100,10 @@ def test_cancel_and_deadline():
         got += len(r.chunk.token_ids)
         if got >= 3:
             st.cancel()
+            t_cancel = time.time()
             break
-    wait_until(lambda: eng.stats().get("running", 1) == 0, what="engine stream closed")
+    wait_until(lambda: eng.stats().get("running", 1) == 0, step=0.005, what="engine stream closed")
+    t_engine_free = time.time() - t_cancel
     time.sleep(0.3)
     stt = eng.stats()
     assert stt["abort"] == 1, stt
@@ -110,12 +112,16 @@ def test_cancel_and_deadline():
     t0 = time.time()
     c, d = code_of(lambda: collect(s.inf.Generate(gen_request([3], 1000, request_id="d1"), timeout=0.3)))
     assert c == grpc.StatusCode.DEADLINE_EXCEEDED, (c, d)
-    assert time.time() - t0 < 2.0
+    t_deadline = time.time() - t0
+    assert t_deadline < 2.0
     wait_until(lambda: eng.stats().get("running", 1) == 0, what="engine stream stopped after deadline")
     time.sleep(0.2)
     assert eng.stats()["abort"] <= 2, eng.stats()
     groups = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2)
     assert groups.groups[0].counters.in_flight == 0, groups
+    print("   cancel after 3 tokens: 1 Abort at the engine, its stream freed %.0f ms after the cancel; a 300 ms "
+          "deadline ended DEADLINE_EXCEEDED after %.0f ms, %d Aborts in all" %
+          (1000 * t_engine_free, 1000 * t_deadline, eng.stats()["abort"]))
     assert s.stop() == 0
 
 
@@ -680,6 +686,8 @@ def test_api_key_every_rpc():
                 assert c == grpc.StatusCode.UNAUTHENTICATED, (path, md, c, d)
             seen += 1
     assert seen == 9, seen
+    print("   every Inference and Admin method (%d) x 4 bad keys (none, lower-cased, no Bearer, truncated): "
+          "UNAUTHENTICATED; health without a key SERVING" % seen)
     # health needs no key; the right key works
     assert s.check("") == SERVING
     md = [("authorization", "Bearer " + key)]
@@ -797,6 +805,8 @@ def test_tls_mtls():
     info = inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=3, metadata=[("authorization", "Bearer " + key)])
     assert info.role == "coordinator"
     ch.close()
+    print("   mTLS: no client certificate, another CA's and plaintext refused (UNAVAILABLE), a valid one "
+          "SERVING; without the API key UNAUTHENTICATED; require-client-cert without a CA refused at start")
     assert s.stop() == 0
     shutil.rmtree(d, True)
 
@@ -878,7 +888,7 @@ def test_real_worker():
     log = open(os.path.join(s.workdir, "worker.log"), "w")
     cmd = [worker, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group", "cpu0", "--rank", "0",
            "--world-size", "1", "--device", "cpu", "--model", model, "--engine-listen", "127.0.0.1:%d" % eport,
-           "--max-model-len", "8192", "--kv-cache-memory", "32MiB"]
+           "--max-model-len", "8192", "--kv-cache-memory", "32MiB", *s.key_args()]
     w = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         s.wait_ready(1, timeout=120)
@@ -903,7 +913,27 @@ def test_real_worker():
         _, _, finals, _ = collect(s.inf.Generate(pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(
             max_tokens=8)), timeout=60))
         assert finals and finals[0].group == "cpu0"
-        print("   real worker: %d tokens, text %r" % (len(toks), text[:60]))
+        # the engine's counters as the coordinator reports them (GetLoads, GetGroups): request
+        # states created and freed (5 requests, all ended), the prefix cache (48 tokens hit of
+        # the second long prompt), both KV pools; the engine reports them too
+        def loads():
+            return s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2).loads[0]
+        wait_until(lambda: loads().requests_freed >= 5, what="the engine's counters at the coordinator")
+        ld = loads()
+        eng = pbg.EngineStub(grpc.insecure_channel("127.0.0.1:%d" % eport)).GetLoads(
+            pb.GetLoadsRequest(), timeout=2, metadata=s.key_md()).loads[0]
+        assert ld.requests_created == ld.requests_freed == eng.requests_created >= 5, (ld, eng)
+        assert ld.num_requests_alive == 0, ld
+        assert ld.prefix_cache_hits >= 48 and ld.prefix_cache_queries > ld.prefix_cache_hits, ld
+        assert ld.prefix_cache_hits == eng.prefix_cache_hits, (ld, eng)
+        assert sorted(p.kind for p in ld.kv_pools) == ["full_attention", "sliding_window"], ld
+        assert [(p.kind, p.blocks_total) for p in ld.kv_pools] == [(p.kind, p.blocks_total) for p in eng.kv_pools]
+        gl = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0].load
+        assert gl.requests_created == ld.requests_created and len(gl.kv_pools) == 2, gl
+        print("   real worker: %d tokens, text %r; the coordinator's GetLoads: %d request states created "
+              "and freed, prefix cache %d/%d tokens hit, KV pools %s" %
+              (len(toks), text[:60], ld.requests_created, ld.prefix_cache_hits, ld.prefix_cache_queries,
+               ", ".join("%s %d blocks" % (p.kind, p.blocks_total) for p in ld.kv_pools)))
         assert s.stop() == 0
         assert w.wait(20) == 0                        # the worker leaves when the coordinator does
     finally:
@@ -1017,6 +1047,7 @@ def test_drain_sigterm():
     wait_until(lambda: eng.stats().get("running", 0) >= 1, what="stream started")
     time.sleep(0.1)
     s.proc.send_signal(signal.SIGTERM)
+    t_term = time.time()
     wait_until(lambda: s.check("readiness") == NOT_SERVING, timeout=2, what="readiness NOT_SERVING")
     assert s.check("") == SERVING
     c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=5)))
@@ -1026,6 +1057,8 @@ def test_drain_sigterm():
     rc = s.proc.wait(10)
     assert rc == 0, rc
     assert "drain complete" in s.read_log()
+    print("   SIGTERM: readiness NOT_SERVING, new calls UNAVAILABLE \"draining\", the 60-token stream in flight "
+          "OK, exit %d %.2f s after the signal" % (rc, time.time() - t_term))
     eng.wait_exit(10)
     assert eng.proc.returncode == 0     # the worker exits by itself when the coordinator goes (B3)
 

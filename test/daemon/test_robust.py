@@ -33,7 +33,8 @@ import time
 import grpc
 
 from stepd_harness import (GRPC_POOL_SLACK, LOADGEN_BIN, STEPD_BIN, SERVING, Stepd, code_of, collect,
-                           expected_tokens, gen_request, own_threads, pb, run_tests, sanitized, wait_until)
+                           expected_tokens, gen_request, ledger_line, own_threads, pb, run_tests, sanitized,
+                           wait_idle, wait_until)
 
 BURST = int(os.environ.get("ROBUST_BURST", "3000"))
 STREAMS = int(os.environ.get("ROBUST_STREAMS", "2000"))
@@ -64,10 +65,8 @@ def assert_healthy(s, what, engine_alive=True):
         s.inf.GetServerInfo(pb.GetServerInfoRequest(), timeout=2)), timeout=15, what="admission idle")
     assert info.groups_ready >= 1, info
     if engine_alive:
-        # the engine's own count of live request states (GetLoads through stepd; D1)
-        wait_until(lambda: all(l.num_requests_alive == 0 and l.requests_created == l.requests_freed
-                               for l in s.inf.GetLoads(pb.GetLoadsRequest(), timeout=2).loads),
-                   timeout=15, what="engine idle after " + what)
+        # the engine's own count of live request states and KV blocks (GetLoads through stepd; D1)
+        wait_idle(s, what)
     req = gen_request([5, 6, 7], 4)
     req.sampling_params.temperature = 0.0
     toks, _, finals, _ = collect(s.inf.Generate(req, timeout=30))
@@ -167,6 +166,7 @@ def test_deadline_burst():
     s = Stepd("--heartbeat-ms", "200")
     w = cpu_group(s)
     r = loadgen(s.addr, BURST, "--tokens", "2", "--deadline-ms", "1,20", "--concurrency", "12")
+    ledger_line("deadline burst", BURST, BURST - r["violations"])
     assert r["violations"] == 0, r
     assert set(r["by_name"]) <= {"OK", "DEADLINE_EXCEEDED"}, r["by_name"]
     assert_healthy(s, "the deadline burst")
@@ -183,6 +183,7 @@ def test_reset_burst():
     s = Stepd()
     w = cpu_group(s)
     r = loadgen(s.addr, BURST, "--tokens", "64", "--cancel-after-ms", "0,10", "--concurrency", "64")
+    ledger_line("reset burst", BURST, BURST - r["violations"])
     assert r["violations"] == 0, r
     assert set(r["by_name"]) <= {"OK", "CANCELLED"}, r["by_name"]
     assert r["by_name"].get("CANCELLED", 0) > BURST // 2, r["by_name"]
@@ -192,6 +193,7 @@ def test_reset_burst():
     # both at once, sampled, with logprobs (more work per token on every path)
     r2 = loadgen(s.addr, BURST, "--tokens", "32", "--cancel-after-ms", "0,10", "--deadline-ms", "1,20",
                  "--concurrency", "128", "--temperature", "0.8", "--logprobs", "3")
+    ledger_line("mixed burst", BURST, BURST - r2["violations"])
     assert r2["violations"] == 0 and r2["bad_logprobs"] == 0, r2
     assert set(r2["by_name"]) <= {"OK", "CANCELLED", "DEADLINE_EXCEEDED"}, r2["by_name"]
     assert_healthy(s, "the mixed burst")
@@ -218,6 +220,7 @@ def test_streams_2000():
     t0 = time.time()
     r = loadgen(s.addr, STREAMS, "--tokens", "8", "--deadline-s", "300")
     wall = time.time() - t0
+    ledger_line("%d streams" % STREAMS, STREAMS, STREAMS - r["violations"])
     assert r["violations"] == 0, r
     # all of them: the coordinator holds what the engine cannot take (never its RESOURCE_EXHAUSTED)
     assert r["ok"] == STREAMS and r["short_ok"] == 0, r

@@ -238,9 +238,9 @@ def listeners(argv):
 
     if prog == "stepd":
         tls = bool(f.get("--tls-cert"))
-        add("--listen", "127.0.0.1:50051", "grpc", tls, HEALTH_SERVICES)
-        add("--admin-listen", "127.0.0.1:50053", "grpc", False, HEALTH_SERVICES)
-        add("--control-listen", "127.0.0.1:50052", "grpc", False, HEALTH_SERVICES)
+        add("--listen", "127.0.0.1:20051", "grpc", tls, HEALTH_SERVICES)
+        add("--admin-listen", "127.0.0.1:20053", "grpc", False, HEALTH_SERVICES)
+        add("--control-listen", "127.0.0.1:20052", "grpc", False, HEALTH_SERVICES)
         add("--metrics-listen", "127.0.0.1:9464", "http", paths=("/metrics", "/healthz", "/health", "/ready"))
         port = f.get("--port", "8000")
         if port not in ("off", ""):
@@ -249,7 +249,7 @@ def listeners(argv):
                                                 "/v1/chat/completions", "/v1/completions"}))
     elif prog == "stepd-worker":
         if f.get("--rank", "0") in ("0", "$(LWS_WORKER_INDEX)"):
-            add("--engine-listen", "127.0.0.1:50061", "grpc", False, None)     # no health service
+            add("--engine-listen", "127.0.0.1:20061", "grpc", False, None)     # no health service
         add("--health-listen", None, "http", paths=("/livez", "/readyz"))
     return out
 

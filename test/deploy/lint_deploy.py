@@ -589,12 +589,18 @@ def check_k8s_docs(docs, where, image_bins, worker_multirank_cuda):
                     err("%s: terminationGracePeriodSeconds %s must exceed the drain timeout (30 s)" % (cn, grace))
                 if prog == "stepd-worker":
                     coord = str(f.get("--coordinator", ""))
-                    eng = str(f.get("--engine-listen", "127.0.0.1:50061"))
+                    eng = str(f.get("--engine-listen", "127.0.0.1:20061"))
                     if coord and not dl.is_loopback(dl.hostport(coord)[0]) and dl.is_loopback(dl.hostport(eng)[0]):
                         err("%s: --engine-listen %s is loopback, but the coordinator (%s) is in another pod" %
                             (cn, eng, coord))
-                    if not dl.is_loopback(dl.hostport(eng)[0]) and "--insecure-listen" not in f:
-                        err("%s: a non-loopback --engine-listen needs --insecure-listen (stepd-worker refuses it)" % cn)
+                    if not dl.is_loopback(dl.hostport(eng)[0]) and "--control-key-file" not in f and \
+                            "--insecure-listen" not in f:
+                        err("%s: a non-loopback --engine-listen needs the cluster key (--control-key-file; "
+                            "stepd-worker refuses it otherwise)" % cn)
+                    nd = str(f.get("--comm-net-devices", ""))
+                    if not nd or nd == "lo":
+                        err("%s: the ranks of a group are in different pods: --comm-net-devices must name "
+                            "the pod's interface (UCX binds loopback only without it)" % cn)
                     dev = str(f.get("--device", "cpu"))
                     lim = c.get("resources", {}).get("limits", {})
                     if dev.startswith("cuda"):

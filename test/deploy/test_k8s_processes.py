@@ -12,7 +12,8 @@ must change, and nothing else: the image's paths (/usr/bin/X -> the build's X, /
 keys and a self-signed certificate), Service DNS names -> 127.0.0.1, --device=cuda:N ->
 cpu, and, since the pods here share one network namespace (a private one, unshare -n, so
 that the manifests' fixed ports cannot meet other tests'), rank i's health port 8081 -> 8081+i
-(each pod has its own IP in a cluster), probed at that port.
+(each pod has its own IP in a cluster), probed at that port, and the pod's interface
+(--comm-net-devices=eth0) -> lo.
 
 Then, as the kubelet: each startupProbe until it succeeds (within periodSeconds x
 failureThreshold), then every readinessProbe and livenessProbe once; a request through the
@@ -72,6 +73,7 @@ def map_arg(a, paths, services, rundir):
     for s in services:
         a = re.sub(r"(?<![\w.-])%s(\.[\w.-]+)?:" % re.escape(s), "127.0.0.1:", a)
     a = re.sub(r"^--device=cuda:\d+$", "--device=cpu", a)
+    a = re.sub(r"^--comm-net-devices=.*$", "--comm-net-devices=lo", a)
     if a.startswith("/usr/bin/"):
         a = os.path.abspath(dl.build_binary(os.path.basename(a)))
     return a
@@ -177,7 +179,7 @@ def run_overlay(d, overlay, size=None):
                 assert ok, "%s: %s failed: %s" % (name, kind, what)
                 print("   %s: %s ok (%s)" % (name, kind, what))
         # a request through the public Service port: TLS and the API key
-        st = subprocess.run([os.path.abspath(dl.build_binary("stepctl")), "--addr", "localhost:50051", "--tls-ca",
+        st = subprocess.run([os.path.abspath(dl.build_binary("stepctl")), "--addr", "localhost:20051", "--tls-ca",
                              os.path.join(paths["/etc/stepd/tls"], "tls.crt"), "--api-key-file",
                              os.path.join(paths["/etc/stepd/keys"], "api-key"), "generate", "--max-tokens", "8",
                              "In the beginning"], capture_output=True, text=True, timeout=60)

@@ -20,7 +20,10 @@ FIX = os.path.join(HERE, "fixtures")
 LINT = os.path.join(HERE, "lint_deploy.py")
 
 EXPECTED_K8S = [
-    ("worker probes hit a port without grpc.health.v1", "(--engine-listen), which serves no grpc.health.v1"),
+    # the engine's default port was 50061 when this manifest was written (20061 now): its probes
+    # hit a port the worker does not listen on at all
+    ("worker probes hit a port without grpc.health.v1", "gRPC probe on port 50061, which /usr/bin/stepd-worker "
+                                                         "does not listen on"),
     ("multi-rank CUDA not marked", "4-rank CUDA group"),
     ("engine on loopback, coordinator in another pod", "is loopback, but the coordinator"),
     ("$(LWS_GROUP_INDEX) is not set by LeaderWorkerSet", "refers to $(LWS_GROUP_INDEX)"),

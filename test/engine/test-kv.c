@@ -299,13 +299,14 @@ static void test_lru_eviction(void)
 {
     struct kv_pool *kv = cache_pool(4, 8, 8, 0, 2, 64, 0, false);
     uint8_t root[KV_DIGEST_BYTES];
-    int32_t a[32], b[32], c[32];
+    int32_t a[33], b[32], c[32];        /* a: 32 tokens from a + 1 below */
     root_of(NULL, root);
     for (int i = 0; i < 32; i++) {
         a[i] = i;
         b[i] = 1000 + i;
         c[i] = 2000 + i;
     }
+    a[32] = 32;
     ASSERT_EQ(run_seq(kv, 0, root, a, 16, 16, 0), 0);     /* 4 blocks */
     kv_seq_release(kv, 0);
     ASSERT_EQ(run_seq(kv, 0, root, b, 16, 16, 0), 0);     /* 4 more: pool full */

@@ -1,9 +1,10 @@
 #!/bin/sh
 # run-fuzz.sh FUZZER CORPUS_DIR SECONDS - bounded libFuzzer run (docs/RELIABILITY.md C2).
 # New inputs go to a scratch copy of the corpus, never into the source tree.
+# $FUZZ_SECONDS, when set, replaces SECONDS (CI's shorter runs, longer ones by hand).
 # Prints libFuzzer's final stats line (execs, cov); exit status is libFuzzer's.
 set -eu
-fuzzer=$1 corpus=$2 secs=${3:-30}
+fuzzer=$1 corpus=$2 secs=${FUZZ_SECONDS:-${3:-30}}
 [ -x "$fuzzer" ] || { echo "fuzzer $fuzzer not built (configure with CC=clang -Dfuzz=true)"; exit 77; }
 work=$(mktemp -d "${TMPDIR:-/tmp}/stepd-fuzz-XXXXXX")
 artifacts="${TMPDIR:-/tmp}/stepd-fuzz-artifacts"

@@ -185,7 +185,8 @@ def test_with_coordinator():
             with open(log, "w") as lf:
                 w = subprocess.Popen([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:%d" % s.ports["control"],
                                       "--group", "bad", "--rank", "0", "--world-size", "1", "--threads", "1",
-                                      "--model", d, "--engine-listen", "unix:%s/%s.sock" % (root, name)],
+                                      "--model", d, "--engine-listen", "unix:%s/%s.sock" % (root, name),
+                                      *s.key_args()],
                                      stdout=lf, stderr=subprocess.STDOUT)
             states = set()
             end = time.time() + 60

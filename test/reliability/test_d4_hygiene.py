@@ -86,7 +86,8 @@ def run(rig, streams, bursts):
     else:
         worker = subprocess.Popen([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group",
                                    "tiny", "--rank", "0", "--world-size", "1", "--threads", "1", "--model",
-                                   rellib.MODEL_DIR, "--engine-listen", "unix:%s/engine.sock" % s.workdir],
+                                   rellib.MODEL_DIR, "--engine-listen", "unix:%s/engine.sock" % s.workdir,
+                                   *s.key_args()],
                                   stdout=open(os.path.join(s.workdir, "worker.log"), "w"), stderr=subprocess.STDOUT)
         h._procs.append(worker)
         max_tokens = 8

@@ -3,17 +3,21 @@
 
 The script re-runs itself under `unshare -n` (skip 77 when that is not permitted), brings
 up lo and a veth pair with a non-loopback address (10.99.0.1), then starts, with DEFAULT
-listen flags: `stepd`, a 2-rank `stepd-worker --mock` group (UCX between the ranks) and a
+listen flags (and nothing set for UCX: no UCX_NET_DEVICES, no UCX_TLS; STEPD_UCX_SHM=0
+puts the group on UCX's TCP transport, whose listeners are the ones at stake) and the
+cluster key every process needs: `stepd`, a 2-rank group (UCX between the ranks) and a
 1-rank `stepd-worker` on the tiny model (engine on another loopback port).  Once the
 groups are ready, `ss -ltnpH` / `ss -lunpH` must show every listening TCP/UDP socket of
 these processes on 127.0.0.1 / ::ffff:127.0.0.1 / ::1 only - none on 0.0.0.0, ::, * or
-10.99.0.1.  Listening unix sockets are listed (printed).  Also: stepd refuses each
+10.99.0.1 - and the default ports (stepd's, the engine's) outside Linux's ephemeral range
+32768-60999.  Listening unix sockets are listed (printed).  Also: stepd refuses each
 non-loopback --listen/--admin-listen/--control-listen/--host without TLS + key (exit != 0,
 message naming the address).
 
-E2 part (argument `engine-any`): stepd-worker --engine-listen on a
-non-loopback address must refuse to start (without --insecure-listen) or require
-authentication; it must never serve the unauthenticated stepd.v1.Engine there.
+E2 part (argument `engine-any`): stepd-worker --engine-listen on a non-loopback address
+without the cluster key must refuse to start (without --insecure-listen); with the key it
+serves, and a caller without the key gets UNAUTHENTICATED: it never serves the
+unauthenticated stepd.v1.Engine there.
 """
 import os
 import re
@@ -92,24 +96,28 @@ def test_defaults():
     wd = os.environ.get("TMPDIR", "/tmp")
     import tempfile
     wd = tempfile.mkdtemp(prefix="rel-e1-")
-    s = start([h.STEPD_BIN, "--heartbeat-ms", "200"], os.path.join(wd, "stepd.log"))
+    key = os.path.join(wd, "control-key")
+    h.write_key(key)
+    s = start([h.STEPD_BIN, "--heartbeat-ms", "200", "--control-key-file", key], os.path.join(wd, "stepd.log"))
     env = dict(os.environ)
     env.pop("UCX_NET_DEVICES", None)          # defaults: nothing set for UCX either
     env.pop("UCX_TLS", None)
+    env["STEPD_UCX_SHM"] = "0"                # the group on UCX's TCP transport (its listeners)
     procs = [s]
     time.sleep(0.3)
     have_model = os.path.exists(os.path.join(rellib.MODEL_DIR, "config.json"))
     # every group under one coordinator must serve the same model (stepd refuses a mismatch)
     what = ["--model", rellib.MODEL_DIR] if have_model else ["--mock"]
     for r in range(2):
-        procs.append(start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:50052", "--group", "tp2", "--rank",
-                            str(r), "--world-size", "2", *what, "--threads", "1"],
+        procs.append(start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:20052", "--group", "tp2", "--rank",
+                            str(r), "--world-size", "2", *what, "--threads", "1", "--control-key-file", key],
                            os.path.join(wd, "tp2-%d.log" % r), env))
     if have_model:
-        procs.append(start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:50052", "--group", "tiny", "--rank", "0",
+        procs.append(start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:20052", "--group", "tiny", "--rank", "0",
                             "--world-size", "1", "--threads", "1", "--model", rellib.MODEL_DIR,
-                            "--engine-listen", "127.0.0.1:50062"], os.path.join(wd, "tiny.log"), env))
-    ch = h.grpc.insecure_channel("127.0.0.1:50051")
+                            "--engine-listen", "127.0.0.1:20062", "--control-key-file", key],
+                           os.path.join(wd, "tiny.log"), env))
+    ch = h.grpc.insecure_channel("127.0.0.1:20051")
     stub = h.pbg.InferenceStub(ch)
     wait_groups(stub, 2 if have_model else 1)
     tcp, udp, unx = listening("-ltnpH"), listening("-lunpH"), listening("-lxpH")
@@ -123,7 +131,16 @@ def test_defaults():
     bad = [(n, pid, l) for n, pid, l in tcp + udp if pid in pids and not is_loopback(l)]
     assert not bad, "non-loopback listeners with default flags: %s" % bad
     ports = sorted(int(l.rsplit(":", 1)[1]) for n, pid, l in tcp if pid == s.pid)
-    assert ports == [8000, 9464, 50051, 50052, 50053], ports     # the OpenAI HTTP API on 8000
+    assert ports == [8000, 9464, 20051, 20052, 20053], ports     # the OpenAI HTTP API on 8000
+    eports = {int(l.rsplit(":", 1)[1]) for n, pid, l in tcp if pid == procs[1].pid}
+    assert 20061 in eports, "rank 0's engine is not on its default port 20061: %s" % sorted(eports)
+    ucx = sorted((pid, l) for n, pid, l in tcp if pid in (procs[1].pid, procs[2].pid) and
+                 int(l.rsplit(":", 1)[1]) != 20061)
+    assert ucx, "no UCX TCP listener of the 2-rank group seen (STEPD_UCX_SHM=0): %s" % tcp
+    inside = [p for p in ports + [20061] if 32768 <= p <= 60999]
+    assert not inside, "default ports inside the ephemeral range 32768-60999: %s" % inside
+    print("   default ports %s and the engine's 20061, outside 32768-60999; the group's UCX TCP listeners: %s"
+          % (ports, ", ".join(l for _, l in ucx)))
     print("   %d TCP + %d UDP listeners of stepd/stepd-worker, all loopback; %d unix sockets" %
           (len(tcp), len(udp), len(unx)))
     ch.close()
@@ -157,33 +174,49 @@ def test_refusals():
     print("   stepd refused 12 non-loopback listens (public/admin/control/HTTP x 10.99.0.1, 0.0.0.0, [::])")
 
 
+def engine_loads(addr, md=None):
+    ch = h.grpc.insecure_channel(addr)
+    try:
+        h.pbg.EngineStub(ch).GetLoads(pb.GetLoadsRequest(), timeout=3, metadata=md)
+        return h.grpc.StatusCode.OK
+    except h.grpc.RpcError as e:
+        return e.code()
+    finally:
+        ch.close()
+
+
 def test_engine_any():
-    """known bug: the worker's Engine service listens anywhere, unauthenticated."""
+    """The worker's Engine service off loopback: refused without the key, authenticated with it."""
     import tempfile
     wd = tempfile.mkdtemp(prefix="rel-e2-")
+    key_file = os.path.join(wd, "control-key")
+    key = h.write_key(key_file)
     s = start([h.STEPD_BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--control-listen",
-               "127.0.0.1:50052", "--metrics-listen", ""], os.path.join(wd, "stepd.log"))
+               "127.0.0.1:20052", "--metrics-listen", "", "--control-key-file", key_file],
+              os.path.join(wd, "stepd.log"))
     time.sleep(0.3)
-    w = start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:50052", "--group", "g", "--rank", "0",
-               "--world-size", "1", "--mock", "--engine-listen", NONLOOP + ":50061"], os.path.join(wd, "w.log"))
-    time.sleep(3)
-    refused = w.poll() is not None and w.returncode != 0
-    code = None
-    if not refused:
-        ch = h.grpc.insecure_channel(NONLOOP + ":50061")
-        try:
-            h.pbg.EngineStub(ch).GetLoads(pb.GetLoadsRequest(), timeout=3)
-            code = h.grpc.StatusCode.OK
-        except h.grpc.RpcError as e:
-            code = e.code()
-        ch.close()
-    print("   worker --engine-listen %s:50061: refused=%s, unauthenticated GetLoads from outside -> %s" %
-          (NONLOOP, refused, code))
+    results = {}
+    for name, extra in (("no key", ["--insecure-control"]), ("key", ["--control-key-file", key_file])):
+        w = start([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:20052", "--group", "g", "--rank", "0",
+                   "--world-size", "1", "--mock", "--engine-listen", NONLOOP + ":20061", *extra],
+                  os.path.join(wd, "w.log"))
+        time.sleep(3)
+        refused = w.poll() is not None and w.returncode != 0
+        codes = None
+        if not refused:
+            codes = (engine_loads(NONLOOP + ":20061"), engine_loads(NONLOOP + ":20061", [("authorization",
+                                                                                           "Bearer " + key)]))
+        print("   worker --engine-listen %s:20061 (%s): refused=%s, GetLoads from outside without/with the "
+              "key -> %s" % (NONLOOP, name, refused, codes))
+        results[name] = (refused, codes)
+        if w.poll() is None:
+            w.terminate()
+        w.wait(30)
     s.terminate()
     s.wait(30)
-    w.wait(30)
-    assert refused or code == h.grpc.StatusCode.UNAUTHENTICATED, \
-        "stepd-worker serves the unauthenticated Engine on non-loopback %s (GetLoads -> %s)" % (NONLOOP, code)
+    assert results["no key"][0], "stepd-worker serves the unauthenticated Engine on non-loopback %s: %s" % (
+        NONLOOP, results["no key"])
+    assert results["key"] == (False, (h.grpc.StatusCode.UNAUTHENTICATED, h.grpc.StatusCode.OK)), results["key"]
 
 
 def main():

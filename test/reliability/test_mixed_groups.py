@@ -24,7 +24,7 @@ def test():
     for group, extra in (("mock", ["--mock"]), ("tiny", ["--model", rellib.MODEL_DIR])):
         p = subprocess.Popen([rellib.WORKER_BIN, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group", group,
                               "--rank", "0", "--world-size", "1", "--threads", "1", *extra,
-                              "--engine-listen", "unix:%s/%s.sock" % (s.workdir, group)],
+                              "--engine-listen", "unix:%s/%s.sock" % (s.workdir, group), *s.key_args()],
                              stdout=open(os.path.join(s.workdir, group + ".log"), "w"), stderr=subprocess.STDOUT)
         h._procs.append(p)
         if group == "mock":

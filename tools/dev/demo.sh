@@ -4,6 +4,9 @@
 # starts and supervises a CPU worker group, UCX between the ranks, MTP speculation K=3), wait for readiness, stream
 # a reply and a chat answer over gRPC with stepctl, then shut down cleanly (SIGTERM: drain,
 # the ranks stop, exit 0).  Ports are picked free at start; the log goes to $LOGDIR.
+# Nothing inside is open, even on one host: `stepd serve` makes a cluster key per run (a 0600
+# file only its ranks read), the control port refuses workers without it and rank 0's engine
+# refuses callers without it; UCX between the ranks binds loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -19,7 +22,6 @@ ninja -C "$BUILD" >/dev/null
 LOGDIR=$(mktemp -d /tmp/stepd-demo.XXXXXX)
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 PUB=$(free_port); CTL=$(free_port); ADM=$(free_port); MET=$(free_port); HTTP=$(free_port)
-export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
 STEPD=
 cleanup() {
@@ -51,7 +53,7 @@ echo "== groups"
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" groups
 sleep 2.5   # one spec-decoding metrics interval
 echo "== from the log"
-grep -E "MTP|load plan|startup complete|spec decode metrics" "$LOGDIR/stepd.log" | sed 's/^<[0-9]>//'
+grep -E "MTP|load plan|control key in|startup complete|spec decode metrics" "$LOGDIR/stepd.log" | sed 's/^<[0-9]>//'
 echo "== stopping (SIGTERM: drain, then the ranks stop)"
 kill -TERM "$STEPD"
 rc=0; wait "$STEPD" || rc=$?

@@ -437,6 +437,10 @@ static int wait_pending(struct ucx *u, uint64_t deadline_usec)
         }
         if (++idle < 64)
             continue;
+        if (atomic_load(&u->c.interrupted)) {
+            r = comm__fail(&u->c, -ECANCELED, "%s: interrupted: the group is re-forming", u->op);
+            goto out_abort;
+        }
         check_local_peers(u);
         uint64_t now = now_usec();
         if (deadline_usec && now >= deadline_usec) {
@@ -881,6 +885,11 @@ int comm_ucx_new(int rank, int world_size, int timeout_msec, struct comm **ret)
      * UCX, have the same property; naming absent transports here would only warn.) */
     if (!getenv("UCX_TLS"))
         (void)ucp_config_modify(config, "TLS", "^cma");
+    /* UCX's TCP transport listens on every device it may use: on loopback only unless the
+     * operator names the devices (UCX_NET_DEVICES, stepd-worker --comm-net-devices), as
+     * every other listener of stepd binds loopback unless told otherwise */
+    if (!getenv("UCX_NET_DEVICES"))
+        (void)ucp_config_modify(config, "NET_DEVICES", "lo");
     s = ucp_init(&params, config, &u->ctx);
     ucp_config_release(config);
     if (s != UCS_OK) {

@@ -32,7 +32,18 @@ static int check_live(struct comm *c)
     ASSERT(c && c->ops);
     if (c->error)
         return -ECANCELED;
+    if (atomic_load(&c->interrupted)) {
+        comm__fail(c, -ECANCELED, "interrupted: the group is re-forming");
+        c->ops->abort(c);
+        return -ECANCELED;
+    }
     return 0;
+}
+
+void comm_interrupt(struct comm *c)
+{
+    if (c)
+        atomic_store(&c->interrupted, true);
 }
 
 static uint64_t now_usec(void)

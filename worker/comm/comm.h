@@ -68,6 +68,8 @@ struct comm {
     /* CLOCK_MONOTONIC usec at which the running collective began, 0 when none (or when it
      * runs without a deadline); read by the watchdog thread */
     _Atomic uint64_t busy_since_usec;
+    /* comm_interrupt() was called (any thread): the next wait fails with -ECANCELED */
+    _Atomic bool interrupted;
     struct comm_watchdog *watchdog;
     void *impl;
 };
@@ -79,6 +81,11 @@ int comm_broadcast(struct comm *c, void *buf, size_t nbytes, int root);
 int comm_broadcast_var(struct comm *c, void *buf, size_t *len, size_t cap, int root);
 int comm_barrier(struct comm *c);
 void comm_abort(struct comm *c);
+/* Any thread, async with the collectives: make the collective waiting now (or the next
+ * one) fail with -ECANCELED and abort the communicator on its own thread, e.g. a
+ * follower blocked without a deadline on the next step plan when the coordinator tells
+ * the group to re-form.  Only sets a flag; NULL-safe. */
+void comm_interrupt(struct comm *c);
 /* NULL-safe. */
 void comm_free(struct comm *c);
 /* The message that explains c->error ("" when none). */

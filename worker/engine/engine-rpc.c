@@ -63,7 +63,7 @@ struct ev {
     bool finished;
     enum engine_finish finish;
     int32_t stop_token;
-    char message[160];
+    char message[256];
     int n_prompt, n_cached, n_completion;
     struct spec_stats mtp;
     struct engine_timings tm;
@@ -487,6 +487,8 @@ static void ostream_handle_event(struct engine_rpc *s, struct gen *g, const stru
         ;                             /* the stream ended: dropped */
     else if (ev->finish == ENGINE_FINISH_DEADLINE)
         ostream_add_status(os, g, RPC_DEADLINE_EXCEEDED, ev->message);
+    else if (ev->finish == ENGINE_FINISH_ERROR)
+        ostream_add_status(os, g, RPC_UNAVAILABLE, ev->message);
     else if (ev->finish == ENGINE_FINISH_ABORT && s->stopping)
         ostream_add_status(os, g, RPC_UNAVAILABLE, "engine is shutting down");
     else {
@@ -570,6 +572,8 @@ static void handle_event(struct engine_rpc *s, struct ev *ev)
                         g->id);
     else if (ev->finish == ENGINE_FINISH_DEADLINE)
         rpc_call_finish(g->call, RPC_DEADLINE_EXCEEDED, "request %s: %s", g->id, ev->message);
+    else if (ev->finish == ENGINE_FINISH_ERROR)
+        rpc_call_finish(g->call, RPC_UNAVAILABLE, "%s", ev->message);
     else if (ev->finish == ENGINE_FINISH_ABORT && s->stopping)
         rpc_call_finish(g->call, RPC_UNAVAILABLE, "engine is shutting down");
     else if (send_final(g, ev) < 0)

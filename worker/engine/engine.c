@@ -68,7 +68,7 @@ struct ereq {
     bool done;
     enum engine_finish finish;
     int32_t stop_token;
-    char message[160];
+    char message[256];
     struct spec_stats mtp;
     int64_t t_arrival, t_sched, t_first, t_last;
 };
@@ -793,10 +793,17 @@ static void track_mtp(struct engine *e, int i, struct ereq *r)
     }
 }
 
+/* Every way a step can fail ends here: every live request finishes ERROR (its status is
+ * UNAVAILABLE, engine-rpc.c) with the failure in words, and the engine stops. */
 static void fail_all(struct engine *e, int rc, const char *what)
 {
-    char msg[128];
-    snprintf(msg, sizeof(msg), "%s failed: %s", what, err_str(rc));
+    char msg[256], why[200];
+
+    if (e->cfg.describe_failure)
+        e->cfg.describe_failure(e->cfg.describe_failure_ctx, rc, why, sizeof(why));
+    else
+        snprintf(why, sizeof(why), "%s", err_str(rc));
+    snprintf(msg, sizeof(msg), "%s failed: %s", what, why);
     log_error("engine: %s; failing every request", msg);
     for (struct ereq *r = e->live; r; r = r->live_next)
         finish(e, r, ENGINE_FINISH_ERROR, msg);

@@ -21,7 +21,7 @@
  *     engine_config_init(&cfg); cfg.eos_ids = ...; cfg.on_plan = bcast; ...
  *     engine_new(forward, &cfg, &eng, &err);
  *     engine_start(eng);
- *     struct engine_rpc_opts ro = { .addr = "127.0.0.1:50061", .group = "g0", ... };
+ *     struct engine_rpc_opts ro = { .addr = "127.0.0.1:20061", .group = "g0", ... };
  *     engine_rpc_start(eng, &ro, &rpc, &port, &err);     (engine-rpc.c, below)
  *     ... run until SIGTERM ...
  *     engine_rpc_stop(rpc); engine_free(eng);
@@ -70,6 +70,11 @@ struct engine_config {
     /* called once per step, before forward.step, with the plan (may be NULL) */
     int (*on_plan)(void *ctx, const struct step_plan *p);
     void *on_plan_ctx;
+    /* words for a failed step (rc < 0 from the plan broadcast, the forward or the MTP
+     * chain), e.g. which rank of the group was lost; NULL = the errno's text.  Engine
+     * thread. */
+    void (*describe_failure)(void *ctx, int rc, char *buf, size_t len);
+    void *describe_failure_ctx;
 };
 
 void engine_config_init(struct engine_config *cfg);
@@ -80,7 +85,8 @@ enum engine_finish {
     ENGINE_FINISH_LENGTH,     /* max_tokens or max_model_len */
     ENGINE_FINISH_ABORT,      /* engine_abort or engine shutdown */
     ENGINE_FINISH_DEADLINE,   /* deadline passed (queued or running) */
-    ENGINE_FINISH_ERROR,      /* forward failure; message says why */
+    ENGINE_FINISH_ERROR,      /* the step failed (a rank lost, ...): the request ends with
+                                 a status (UNAVAILABLE), never a final; message says why */
     _ENGINE_FINISH_MAX,
 };
 
@@ -224,7 +230,7 @@ int engine_max_spec(const struct engine *e);
 struct engine_rpc;
 
 struct engine_rpc_opts {
-    const char *addr;             /* "127.0.0.1:50061", "127.0.0.1:0", "unix:/path" */
+    const char *addr;             /* "127.0.0.1:20061", "127.0.0.1:0", "unix:/path" */
     const char *api_key;          /* NULL = none */
     const char *group;            /* worker group name reported in Final and GetLoads */
     const char *model_name;

@@ -1,0 +1,6 @@
+!
+
+system	Be brief.
+
+
+userHi

@@ -1,0 +1,4 @@
+9
+
+
+userHi+[{"type":"function","function":{"name":5}}]

@@ -1,0 +1,3 @@
+"
+Jother
+<3>stepd: x

@@ -30,10 +30,12 @@ static void usage(FILE *f)
         "  --coordinator ADDR      control service of the stepd coordinator (host:port, unix:path)\n"
         "  --rendezvous-dir DIR    file rendezvous in a directory shared by the ranks\n"
         "  --world-size N          1, 2, 4 or 8 ranks in the group\n"
-        "  --mtp K                 MTP speculative tokens on rank 0 (0..3)\n"
+        "  --mtp K                 MTP speculative tokens on rank 0 (0..3): the most per step\n"
         "  --speculative-config J  as vLLM: '{\"method\":\"mtp\",\"num_speculative_tokens\":K}'\n"
         "                          (+ \"draft_quantization\": \"auto\" (default: MXFP4 copies of\n"
-        "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\")\n"
+        "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\";\n"
+        "                          \"draft_policy\": \"adaptive\" (default: 0..K drafts per step,\n"
+        "                          whatever measures fastest) or \"fixed\" (always K))\n"
         "  --collective-timeout MS deadline of every collective (default 30000)\n"
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
         "  --load-timeout MS       how long ranks wait for each other to load (default 1800000)\n"
@@ -55,7 +57,7 @@ static int parse_int(const char *s, const char *flag, int lo, int hi, int *ret)
 }
 
 /* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */
-static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant)
+static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant, int *ret_draft_policy)
 {
     struct spec_config sc;
     struct err_buf e;
@@ -67,6 +69,7 @@ static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant)
     }
     *ret_k = sc.num_speculative_tokens;
     *ret_draft_quant = sc.draft_quant;
+    *ret_draft_policy = sc.draft_policy;
     return 0;
 }
 
@@ -129,7 +132,7 @@ int main(int argc, char **argv)
         case O_MODEL: o.model_dir = optarg; break;
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
         case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
-        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant); break;
+        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant, &o.draft_policy); break;
         case O_INSECURE: o.insecure_listen = true; break;
         case O_THREADS: r = parse_int(optarg, "--threads", 0, 1024, &o.threads); break;
         case O_EXACT: o.exact = true; break;

@@ -668,6 +668,7 @@ static int run_generate(struct worker *w, struct forward *f)
     cfg.max_model_len = o->max_model_len;
     cfg.sliding_window = w->sliding_window;
     cfg.num_speculative_tokens = o->mtp < w->n_mtp ? o->mtp : w->n_mtp;
+    cfg.spec_policy = (enum spec_draft_policy)o->draft_policy;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     if (o->step_delay_msec > 0) {
@@ -861,6 +862,7 @@ static int run_serve(struct worker *w, struct forward *f)
     cfg.max_model_len = w->o->max_model_len;
     cfg.sliding_window = w->sliding_window;
     cfg.num_speculative_tokens = w->o->mtp < w->n_mtp ? w->o->mtp : w->n_mtp;
+    cfg.spec_policy = (enum spec_draft_policy)w->o->draft_policy;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     r = engine_new(f, &cfg, &eng, &e);

@@ -48,7 +48,8 @@ struct engine_config {
     int max_model_len;            /* prompt + output cap in tokens (default 4096) */
     int max_waiting;              /* bounded waiting queue (default 256) */
     int sliding_window;           /* tokens seen by sliding layers; 0 = never release */
-    int num_speculative_tokens;   /* default K (0 .. min(3, forward->n_mtp)) */
+    int num_speculative_tokens;   /* default K (0 .. min(3, forward->n_mtp)): the most drafts */
+    enum spec_draft_policy spec_policy; /* drafts per step: adaptive (default) or fixed K */
     int32_t eos_ids[ENGINE_MAX_EOS];
     int n_eos;
     /* called once per step, before forward.step, with the plan (may be NULL) */

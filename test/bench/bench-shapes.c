@@ -2,7 +2,7 @@
  * beside its byte floor (suite bench, not in the default run).
  *
  *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16]
- *                [--contexts 1024,8192,32768] [--reps N] [--keep]
+ *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn]
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
  * The model: stepd-mkmodel's full-width checkpoint (hidden 4096, 288 experts x 1280 top-8,
@@ -26,6 +26,9 @@
  *     threads B >= 4 runs as per-core parts), and on 2 threads the same step whole;
  *   - one MTP depth after it (model_mtp_step 0: the layer, its draft head), and the draft
  *     head alone.
+ * --ab-attn adds each attention row with one KV head per work item (attention.c before
+ * its head groups), on sequences of their own (the sets swap from round to round; sliding
+ * rows share their window's blocks, so only the full-attention pair compares).
  * The sweep streams > 1.5 GB between two readings of the same weights, so every piece reads
  * its weights from DRAM, as in serving.  The KV caches are filled with values up front
  * (as a long prefill would leave them); every sequence has blocks of its own, except at
@@ -79,7 +82,7 @@ struct bench {
     const char *mkmodel, *model_dir;
     int threads[MAX_LIST], n_threads, batches[MAX_LIST], n_batches, ctxs[MAX_LIST], n_ctxs;
     int reps;
-    bool keep;
+    bool keep, ab_attn;
     /* probe */
     uint8_t *arena;
     size_t arena_bytes;
@@ -223,21 +226,22 @@ static void record(struct bench *b, const char *name, int B, int ctx, double t, 
 
 /* -------------------------------------------------------------- batches -- */
 
-/* B sequences decoding one token each at context ctx (position ctx - 1). */
-static void batch_make(struct bench *b, int B, int ctx, struct batch *bt)
+/* B sequences decoding one token each at context ctx (position ctx - 1); their FULL blocks
+ * start after those of `skip` sequences (a second, distinct set for A/B passes). */
+static void batch_make_at(struct bench *b, int B, int ctx, int skip, struct batch *bt)
 {
     struct model *m = b->m;
     const int nb = (ctx + BS - 1) / BS, window = m->cfg->sliding_window;
     const int first = window > 0 && ctx - window > 0 ? (ctx - window) / BS : 0;
 
     b->nb = nb;
-    b->shared = (int64_t)B * nb > b->nbf;
+    b->shared = (int64_t)(B + skip) * nb > b->nbf;
     for (int s = 0; s < B; s++) {
         int32_t *tf = b->tables[KV_GROUP_FULL] + (size_t)s * nb;
         int32_t *ts = b->tables[KV_GROUP_SLIDING] + (size_t)s * nb;
 
         for (int j = 0; j < nb; j++) {
-            tf[j] = b->shared ? (j < nb - 1 ? j : nb - 1 + s) : s * nb + j;
+            tf[j] = b->shared ? (j < nb - 1 ? j : nb - 1 + s) : (s + skip) * nb + j;
             ts[j] = j < first ? -1 : s * b->sps + j % b->sps;
         }
         b->ids[s] = (int32_t)(rnd(b) % (uint64_t)m->vocab);
@@ -264,6 +268,11 @@ static void batch_make(struct bench *b, int B, int ctx, struct batch *bt)
         bt->boff[g] = b->boff[g];
         bt->tables[g] = b->tables[g];
     }
+}
+
+static void batch_make(struct bench *b, int B, int ctx, struct batch *bt)
+{
+    batch_make_at(b, B, ctx, 0, bt);
 }
 
 static void plan_make(struct bench *b, int B, struct step_plan *p)
@@ -360,11 +369,17 @@ static void sweep(struct bench *b, int B)
                 L = &m->layers[l];
         if (!L)
             continue;
-        for (int ci = 0; ci < b->n_ctxs; ci++) {
-            int ctx = b->ctxs[ci];
+        for (int ci = 0; ci < b->n_ctxs * (b->ab_attn ? 2 : 1); ci++) {
+            int ctx = b->ctxs[ci % b->n_ctxs], off = ci >= b->n_ctxs;
             int g = L->group;
 
-            batch_make(b, B, ctx, &bt);
+            /* --ab-attn: the same attention with one KV head per work item (attention.c
+             * before head groups), on a set of sequences of its own; the two sets swap from
+             * round to round */
+            if (off && (int64_t)2 * B * ((ctx + BS - 1) / BS) > b->nbf)
+                continue;
+            batch_make_at(b, B, ctx, off != (b->rep % 2) ? B : 0, &bt);
+            cpu_attn_no_groups = off;
             fill_rows(b, m->q, (size_t)B * L->n_heads * L->head_dim);
             struct attn_args aa = {
                 .q = m->q, .out = m->att, .n_tok = B, .n_heads = L->n_heads,
@@ -378,9 +393,11 @@ static void sweep(struct bench *b, int B)
             t = now() - t0;
             if (r < 0)
                 die("attention", r, NULL);
-            snprintf(name, sizeof(name), "attention %s (%d heads)%s",
+            cpu_attn_no_groups = 0;
+            snprintf(name, sizeof(name), "attention %s (%d heads)%s%s",
                      L->window > 0 ? "sliding" : "full", L->n_heads,
-                     b->shared && !want_sliding ? " shared history" : "");
+                     b->shared && !want_sliding ? " shared history" : "",
+                     off ? ", a head per item" : "");
             record(b, name, B, ctx, t, B * kv_bytes(m, L, ctx));
         }
     }
@@ -730,6 +747,10 @@ int main(int argc, char **argv)
             b->keep = true;
             continue;
         }
+        if (strcmp(a, "--ab-attn") == 0) {
+            b->ab_attn = true;
+            continue;
+        }
         if (!v)
             ok = 0;
         else if (strcmp(a, "--mkmodel") == 0)
@@ -755,7 +776,7 @@ int main(int argc, char **argv)
         if (!ok) {
             fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
                             "[--batches 1,4,16 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
-                            "(1..%d)] [--keep]\n", MAX_B, MAX_REPS);
+                            "(1..%d)] [--keep] [--ab-attn]\n", MAX_B, MAX_REPS);
             return 2;
         }
         i++;

@@ -22,8 +22,9 @@
  *     fresh unit-variance rows, so the router spreads them over the experts);
  *   - attention alone of a full (64 heads) and a sliding (96 heads) layer at each context;
  *   - the lm_head (final norm + 128896 x 4096 BF16);
- *   - the real decode step of the model (model_step: embedding, the 4 layers, head; on 2
- *     threads B >= 4 runs as per-core parts), and on 2 threads the same step whole;
+ *   - the real decode step of the model (model_step: embedding, the 4 layers, head); on 2
+ *     threads at B >= 4 both as per-core parts and whole (at these shapes the model runs
+ *     steps whole, model-split.c: the model is built with split_any_size to show both);
  *   - one MTP depth after it (model_mtp_step 0: the layer, its draft head), and the draft
  *     head alone.
  * --ab-attn adds each attention row with one KV head per work item (attention.c before
@@ -434,7 +435,8 @@ static void sweep(struct bench *b, int B)
         if (r < 0)
             die("model_step", r, m);
         snprintf(name, sizeof(name), "real step: embed, %d layers, head%s", m->n_layers,
-                 b->T == 2 && B >= 4 ? (whole ? " (whole)" : " (per-core parts)") : "");
+                 b->T == 2 && B >= 4 ? (whole ? " (whole, the default)" : " (per-core parts)")
+                                     : "");
         record(b, name, B, CTX_LAYERS, t, step_bytes);
     }
     if (m->n_mtp > 0) {
@@ -686,6 +688,7 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
         .max_tokens_per_step = MAX_B, .max_seqs = MAX_B, .max_logit_rows = MAX_B,
         .block_size = BS, .n_blocks = { b->nbf, b->nbs }, .max_seq_len = max_ctx + BS,
         .draft_quant = MODEL_DRAFT_MXFP4,   /* the CPU default ("auto") */
+        .split_any_size = true,             /* parts beside whole steps (below) */
     };
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         b->tables[g] = calloc((size_t)MAX_B * ((max_ctx + BS - 1) / BS + 1), sizeof(int32_t));

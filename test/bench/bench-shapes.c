@@ -377,9 +377,11 @@ static void sweep(struct bench *b, int B)
             /* --ab-attn: the same attention with one KV head per work item (attention.c
              * before head groups), on a set of sequences of its own; the two sets swap from
              * round to round */
-            if (off && (int64_t)2 * B * ((ctx + BS - 1) / BS) > b->nbf)
+            bool ab = b->ab_attn && (int64_t)2 * B * ((ctx + BS - 1) / BS) <= b->nbf;
+
+            if (off && !ab)
                 continue;
-            batch_make_at(b, B, ctx, off != (b->rep % 2) ? B : 0, &bt);
+            batch_make_at(b, B, ctx, ab && off != (b->rep % 2) ? B : 0, &bt);
             cpu_attn_no_groups = off;
             fill_rows(b, m->q, (size_t)B * L->n_heads * L->head_dim);
             struct attn_args aa = {
@@ -410,7 +412,8 @@ static void sweep(struct bench *b, int B)
     t = now() - t0;
     if (r < 0)
         die("lm_head", r, NULL);
-    record(b, "lm_head (final norm + 128896 x 4096)", B, 0, t, wbytes(&m->lm_head));
+    snprintf(name, sizeof(name), "lm_head (final norm + %d x %d)", m->vocab, H);
+    record(b, name, B, 0, t, wbytes(&m->lm_head));
 
     /* the real decode step, then one MTP depth */
     double step_bytes = wbytes(&m->lm_head) + wbytes(&m->final_norm) + B * H * 2.0;

@@ -624,6 +624,7 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
             *ss = (struct spec_seq) {
                 .sp = &r->sp, .depth = r->k, .drafts = r->fill_drafts, .fill_only = true,
                 .forced = r->tokens + end + 1, .n_forced = s->n_known - end - 1,
+                .acc = &r->acc,
             };
             ps->mtp_depth = r->k;
             e->n_valid[i] = s->sched_tokens;

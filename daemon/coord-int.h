@@ -85,6 +85,7 @@ struct metrics {
     uint64_t aborts_sent;
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_accepted_pos[METRICS_MAX_POS];
+    uint64_t spec_steps_by_drafts[METRICS_MAX_POS];   /* decode steps by drafts verified */
     uint64_t accepted;              /* admitted Generate requests */
     uint64_t group_failures;
 };

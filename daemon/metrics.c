@@ -125,6 +125,12 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     for (int i = 0; i < 3; i++)
         strbuf_printf(&b, "stepd:spec_decode_num_accepted_tokens_per_pos_total{position=\"%d\"} %" PRIu64 "\n", i,
                   m->spec_accepted_pos[i]);
+    strbuf_printf(&b, "# HELP stepd:spec_decode_num_steps_by_drafts_total Decode steps by the number of drafts "
+                  "verified (the depth the draft policy chose).\n"
+                  "# TYPE stepd:spec_decode_num_steps_by_drafts_total counter\n");
+    for (int i = 0; i <= 3; i++)
+        strbuf_printf(&b, "stepd:spec_decode_num_steps_by_drafts_total{drafts=\"%d\"} %" PRIu64 "\n", i,
+                  m->spec_steps_by_drafts[i]);
     strbuf_printf(&b, "# HELP stepd:group_ready Worker group readiness (1 ready).\n# TYPE stepd:group_ready gauge\n");
     for (struct group *g = co->groups; g; g = g->next)
         strbuf_printf(&b, "stepd:group_ready{group=\"%s\"} %d\n", g->name, g->state == GROUP_READY);

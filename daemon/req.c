@@ -241,6 +241,8 @@ static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_rea
     co->m.spec_accepted += mtp.num_accepted_tokens;
     for (size_t i = 0; i < mtp.n_accepted_per_position && i < METRICS_MAX_POS; i++)
         co->m.spec_accepted_pos[i] += mtp.accepted_per_position[i];
+    for (size_t i = 0; i < mtp.n_steps_by_num_drafts && i < METRICS_MAX_POS; i++)
+        co->m.spec_steps_by_drafts[i] += mtp.steps_by_num_drafts[i];
 
     r->final_sent = true;
     if (!r->client)

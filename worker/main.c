@@ -38,10 +38,12 @@ static void usage(FILE *f)
         "  --coordinator ADDR      control service of the stepd coordinator (host:port, unix:path)\n"
         "  --rendezvous-dir DIR    file rendezvous in a directory shared by the ranks\n"
         "  --world-size N          1, 2, 4 or 8 ranks in the group\n"
-        "  --mtp K                 MTP speculative tokens on rank 0 (0..3)\n"
+        "  --mtp K                 MTP speculative tokens on rank 0 (0..3): the most per step\n"
         "  --speculative-config J  as vLLM: '{\"method\":\"mtp\",\"num_speculative_tokens\":K}'\n"
         "                          (+ \"draft_quantization\": \"auto\" (default: MXFP4 copies of\n"
-        "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\")\n"
+        "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\";\n"
+        "                          \"draft_policy\": \"adaptive\" (default: 0..K drafts per step,\n"
+        "                          whatever measures fastest) or \"fixed\" (always K))\n"
         "  --kv-cache-memory BYTES KV cache per rank, e.g. 8GiB (default: on CPU every sequence at\n"
         "                          --max-model-len, at most 90%% of the available memory; on a GPU\n"
         "                          --gpu-memory-utilization of it after weights and activations)\n"
@@ -121,7 +123,7 @@ static int parse_kv_dtype(const char *s, bool *ret_f32)
 }
 
 /* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */
-static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant)
+static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant, int *ret_draft_policy)
 {
     struct spec_config sc;
     struct err_buf e;
@@ -133,6 +135,7 @@ static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant)
     }
     *ret_k = sc.num_speculative_tokens;
     *ret_draft_quant = sc.draft_quant;
+    *ret_draft_policy = sc.draft_policy;
     return 0;
 }
 
@@ -241,7 +244,7 @@ int main(int argc, char **argv)
         case O_MODEL: o.model_dir = optarg; break;
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
         case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
-        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant); break;
+        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant, &o.draft_policy); break;
         case O_INSECURE: o.insecure_listen = true; break;
         case O_INSECURE_CTL: o.insecure_control = true; break;
         case O_NET_DEVS: net_devs = optarg; break;

@@ -968,6 +968,7 @@ static int run_generate(struct worker *w, struct forward *f)
     cfg.sliding_window = w->sliding_window;
     cfg.num_speculative_tokens = o->mtp < w->n_mtp ? o->mtp : w->n_mtp;
     cfg.max_waiting = waiting_limit(w);
+    cfg.spec_policy = (enum spec_draft_policy)o->draft_policy;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     cfg.enable_prefix_caching = !w->o->no_prefix_cache;
@@ -1172,6 +1173,7 @@ static int run_serve(struct worker *w, struct forward *f)
     cfg.num_speculative_tokens = w->o->mtp < w->n_mtp ? w->o->mtp : w->n_mtp;
     cfg.max_waiting = waiting_limit(w);
     cfg.logprobs_processed = w->o->logprobs_processed;
+    cfg.spec_policy = (enum spec_draft_policy)w->o->draft_policy;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     cfg.enable_prefix_caching = !w->o->no_prefix_cache;

@@ -51,6 +51,7 @@ struct worker_opts {
     bool mock;                      /* mock forward (no weights) */
     int mtp;                        /* speculative tokens K (0..3) */
     int draft_quant;                /* enum spec_draft_quant (spec config "draft_quantization") */
+    int draft_policy;               /* enum spec_draft_policy (spec config "draft_policy") */
     int max_seqs, max_batched_tokens, max_model_len, kv_blocks, block_size;
     /* KV cache (kvplan.h): per-rank budget in bytes (0 = on CPU max_seqs sequences of
      * max_model_len, at most 90 % of the available memory; on a device the share of

@@ -34,6 +34,9 @@
 #endif
 
 #define KEY_CHUNK 64     /* a multiple of 32 */
+
+/* nonzero: one KV head per work item, as before head groups (benchmarks; cpu.h) */
+int cpu_attn_no_groups;
 #define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
 struct attn_job {
@@ -41,7 +44,8 @@ struct attn_job {
     bool avx2;
     int avx512;             /* attn_avx512_level: 0, 1 (AVX-512), 2 (and vector exp tails) */
     int qb;                 /* query tokens per block (ATTN_MAX_ROWS / G) */
-    int64_t n_items;        /* (sequence, block, KV head) work items */
+    int n_groups;           /* KV head groups per (sequence, block) */
+    int64_t n_items;        /* (sequence, block, KV head group) work items */
     _Atomic int err;
 };
 
@@ -526,14 +530,25 @@ static void pv_chunk_avx512(const float *sc, float *acc, int R, const int *ka, c
 /* Query rows (token x query head) processed together against one pass over the keys;
  * bounds the per-thread stack (acc, scores, converted keys and values). */
 #define ATTN_MAX_ROWS 32
+/* floats of per-head state (acc, scaled queries, query pairs) a work item may keep on the
+ * stack for its group of KV heads: 256 KiB */
+#define ATTN_STATE_FLOATS 65536
+/* contexts from which KV heads are grouped (cpu_attention) */
+#define ATTN_GROUP_MIN_KEYS 4096
 
 /* Attention of query tokens [i0, i1) of sequence s (consecutive positions) for the G query
- * heads sharing KV head j: every K and V row of the union of their key ranges is read (and
- * converted from BF16 into a chunk buffer) once for all nq x G query rows.  Keys outside
- * a row's own range [lo, t] get no weight.  The P·V update runs per row over the chunk's
- * keys with 32 output columns held in registers.  Returns -EINVAL on a bad block id. */
+ * heads sharing each KV head j in [j0, j0 + nj): every K and V row of the union of their key
+ * ranges is read (and converted from BF16 into a chunk buffer) once for all nq x G query
+ * rows of its head.  Keys outside a row's own range [lo, t] get no weight.  The P·V update
+ * runs per row over the chunk's keys with 32 output columns held in registers.  The heads
+ * take each key chunk in turn: a head's rows are one cache row apart (the n_kv_heads rows of
+ * a slot are contiguous), so chunk after chunk the group reads its slots' rows side by
+ * side, where the hardware prefetchers follow, instead of one row per page (a decode at
+ * 8-32k context read its keys at about half the machine's read bandwidth with one head per
+ * pass, bench-shapes).  Every head's arithmetic is that of a pass of its own, in the same
+ * order: the results do not depend on the grouping.  Returns -EINVAL on a bad block id. */
 static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, int i0, int i1,
-                      int j)
+                      int j0, int nj)
 {
     const struct kv_layer *kv = a->kv;
     const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads, bs = kv->block_size;
@@ -541,28 +556,32 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
     const int64_t t0 = (int64_t)a->seq_pos0[s] + (i0 - a->seq_tok_start[s]), t_last = t0 + nq - 1;
     const int64_t lo0 = a->window > 0 && t0 - a->window + 1 > 0 ? t0 - a->window + 1 : 0;
     const int32_t *table = a->block_tables + a->block_table_off[s];
-    float acc[R][hd], qs[R][hd], kf[KEY_CHUNK][hd], vf[KEY_CHUNK][hd], sc[R][KEY_CHUNK];
-    float qp[avx512 ? (R + 1) / 2 : 1][2 * hd];   /* row pairs for scores_avx512 */
+    float acc[nj][R][hd], qs[nj][R][hd], kf[KEY_CHUNK][hd], vf[KEY_CHUNK][hd], sc[R][KEY_CHUNK];
+    float qp[avx512 ? nj : 1][avx512 ? (R + 1) / 2 : 1][2 * hd];   /* row pairs (avx512) */
     const float *kp[KEY_CHUNK], *vp[KEY_CHUNK];
-    float m[R], l[R];
+    float m[nj][R], l[nj][R];
     int ka[R], kb[R];
 
     memset(acc, 0, sizeof(acc));
-    for (int r = 0; r < R; r++) {
-        const float *q = a->q + ((int64_t)(i0 + r / G) * a->n_heads + (int64_t)j * G + r % G) * hd;
+    for (int h = 0; h < nj; h++) {
+        const int j = j0 + h;
 
-        for (int d = 0; d < hd; d++)
-            qs[r][d] = q[d] * a->scale;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
-    if (avx512) {
-        for (int r = 0; r < R; r += 2) {
-            const float *qb = qs[r + 1 < R ? r + 1 : r];
+        for (int r = 0; r < R; r++) {
+            const float *q = a->q + ((int64_t)(i0 + r / G) * a->n_heads + (int64_t)j * G + r % G) * hd;
 
-            for (int d = 0; d < hd; d += 8) {
-                memcpy(&qp[r / 2][2 * d], &qs[r][d], 8 * sizeof(float));
-                memcpy(&qp[r / 2][2 * d + 8], qb + d, 8 * sizeof(float));
+            for (int d = 0; d < hd; d++)
+                qs[h][r][d] = q[d] * a->scale;
+            m[h][r] = -INFINITY;
+            l[h][r] = 0.0f;
+        }
+        if (avx512) {
+            for (int r = 0; r < R; r += 2) {
+                const float *qb = qs[h][r + 1 < R ? r + 1 : r];
+
+                for (int d = 0; d < hd; d += 8) {
+                    memcpy(&qp[h][r / 2][2 * d], &qs[h][r][d], 8 * sizeof(float));
+                    memcpy(&qp[h][r / 2][2 * d + 8], qb + d, 8 * sizeof(float));
+                }
             }
         }
     }
@@ -575,98 +594,104 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
         const int64_t ce = cb + KEY_CHUNK < t_last + 1 ? cb + KEY_CHUNK : t_last + 1;
         const int nk = (int)(ce - c0);
 
-        /* walk the chunk's keys block by block (one table lookup and one division per
-         * block, not per key) */
-        for (int k = 0; k < nk;) {
-            const int64_t tau = c0 + k, bi = tau / bs, off = tau - bi * bs;
-            const int32_t blk = table[bi];
-            const int run = bs - off < nk - k ? (int)(bs - off) : nk - k;
-            int64_t slot;
+        for (int h = 0; h < nj; h++) {
+            const int j = j0 + h;
 
-            if (blk < 0 || blk >= kv->n_blocks) {
-                log_debug("attention: position %lld maps to block %d (pool has %d)",
-                          (long long)tau, blk, kv->n_blocks);
-                return -EINVAL;
-            }
-            slot = (int64_t)blk * bs + off;
-            if (kv->dtype_f32) {
-                /* FP32 cache: the rows themselves, one stride apart within a block */
-                const int64_t stride = (int64_t)kv->n_kv_heads * kv->head_dim;
-                const float *kr = (const float *)kv->k + (slot * kv->n_kv_heads + j) * kv->head_dim;
-                const float *vr = (const float *)kv->v + (slot * kv->n_kv_heads + j) * kv->head_dim;
+            /* walk the chunk's keys block by block (one table lookup and one division per
+             * block, not per key) */
+            for (int k = 0; k < nk;) {
+                const int64_t tau = c0 + k, bi = tau / bs, off = tau - bi * bs;
+                const int32_t blk = table[bi];
+                const int run = bs - off < nk - k ? (int)(bs - off) : nk - k;
+                int64_t slot;
 
-                for (int e = 0; e < run; e++, k++, kr += stride, vr += stride) {
-                    kp[k] = kr;
-                    vp[k] = vr;
+                if (blk < 0 || blk >= kv->n_blocks) {
+                    log_debug("attention: position %lld maps to block %d (pool has %d)",
+                              (long long)tau, blk, kv->n_blocks);
+                    return -EINVAL;
                 }
-                continue;
-            }
-            for (int e = 0; e < run; e++, k++, slot++) {
-                kp[k] = kv_row_f32(kv, kv->k, slot, j, kf[k], avx2);
-                vp[k] = kv_row_f32(kv, kv->v, slot, j, vf[k], avx2);
-            }
-        }
-#if defined(__x86_64__)
-        if (avx512)
-            scores_avx512(&qp[0][0], R, hd, kp, nk, &sc[0][0]);
-        else if (avx2 && hd % 8 == 0)
-            scores_avx2(&qs[0][0], R, hd, kp, nk, &sc[0][0]);
-        else
-#endif
-            scores_scalar(&qs[0][0], R, hd, kp, nk, &sc[0][0]);
-        for (int r = 0; r < R; r++) {
-            const int64_t t = t0 + r / G;
-            const int64_t lo = a->window > 0 && t - a->window + 1 > 0 ? t - a->window + 1 : 0;
-            float *srow = sc[r], cmax;
+                slot = (int64_t)blk * bs + off;
+                if (kv->dtype_f32) {
+                    /* FP32 cache: the rows themselves, one stride apart within a block */
+                    const int64_t stride = (int64_t)kv->n_kv_heads * kv->head_dim;
+                    const float *kr = (const float *)kv->k + (slot * kv->n_kv_heads + j) * kv->head_dim;
+                    const float *vr = (const float *)kv->v + (slot * kv->n_kv_heads + j) * kv->head_dim;
 
-            /* this row's keys within the chunk: [ka, kb) */
-            ka[r] = lo > c0 ? (int)(lo - c0) : 0;
-            kb[r] = t + 1 - c0 < nk ? (int)(t + 1 - c0) : nk;
-            if (ka[r] >= kb[r])
-                continue;
-            cmax = max_of(srow + ka[r], kb[r] - ka[r]);
-            if (cmax > m[r]) {
-                float corr = expf(m[r] - cmax);    /* 0 on the row's first keys */
-
-                l[r] *= corr;
-                for (int d = 0; d < hd; d++)
-                    acc[r][d] *= corr;
-                m[r] = cmax;
+                    for (int e = 0; e < run; e++, k++, kr += stride, vr += stride) {
+                        kp[k] = kr;
+                        vp[k] = vr;
+                    }
+                    continue;
+                }
+                for (int e = 0; e < run; e++, k++, slot++) {
+                    kp[k] = kv_row_f32(kv, kv->k, slot, j, kf[k], avx2);
+                    vp[k] = kv_row_f32(kv, kv->v, slot, j, vf[k], avx2);
+                }
             }
 #if defined(__x86_64__)
             if (avx512)
-                l[r] += exp_shift_sum_avx512(srow + ka[r], kb[r] - ka[r], m[r], avx512 > 1,
-                                              KEY_CHUNK - ka[r]);
-            else if (avx2)
-                l[r] += exp_shift_sum_avx2(srow + ka[r], kb[r] - ka[r], m[r]);
+                scores_avx512(&qp[h][0][0], R, hd, kp, nk, &sc[0][0]);
+            else if (avx2 && hd % 8 == 0)
+                scores_avx2(&qs[h][0][0], R, hd, kp, nk, &sc[0][0]);
             else
 #endif
-                l[r] += exp_shift_sum(srow + ka[r], kb[r] - ka[r], m[r]);
-        }
+                scores_scalar(&qs[h][0][0], R, hd, kp, nk, &sc[0][0]);
+            for (int r = 0; r < R; r++) {
+                const int64_t t = t0 + r / G;
+                const int64_t lo = a->window > 0 && t - a->window + 1 > 0 ? t - a->window + 1 : 0;
+                float *srow = sc[r], cmax;
+
+                /* this row's keys within the chunk: [ka, kb) */
+                ka[r] = lo > c0 ? (int)(lo - c0) : 0;
+                kb[r] = t + 1 - c0 < nk ? (int)(t + 1 - c0) : nk;
+                if (ka[r] >= kb[r])
+                    continue;
+                cmax = max_of(srow + ka[r], kb[r] - ka[r]);
+                if (cmax > m[h][r]) {
+                    float corr = expf(m[h][r] - cmax);    /* 0 on the row's first keys */
+
+                    l[h][r] *= corr;
+                    for (int d = 0; d < hd; d++)
+                        acc[h][r][d] *= corr;
+                    m[h][r] = cmax;
+                }
 #if defined(__x86_64__)
-        if (avx512) {
-            pv_chunk_avx512(&sc[0][0], &acc[0][0], R, ka, kb, vp, hd);
-            continue;
-        }
+                if (avx512)
+                    l[h][r] += exp_shift_sum_avx512(srow + ka[r], kb[r] - ka[r], m[h][r],
+                                                    avx512 > 1, KEY_CHUNK - ka[r]);
+                else if (avx2)
+                    l[h][r] += exp_shift_sum_avx2(srow + ka[r], kb[r] - ka[r], m[h][r]);
+                else
 #endif
-        for (int r = 0; r < R; r++) {
+                    l[h][r] += exp_shift_sum(srow + ka[r], kb[r] - ka[r], m[h][r]);
+            }
 #if defined(__x86_64__)
-            if (avx2) {
-                pv_avx2(sc[r], ka[r], kb[r], vp, hd, acc[r]);
+            if (avx512) {
+                pv_chunk_avx512(&sc[0][0], &acc[h][0][0], R, ka, kb, vp, hd);
                 continue;
             }
 #endif
-            for (int k = ka[r]; k < kb[r]; k++)
-                for (int d = 0; d < hd; d++)
-                    acc[r][d] += sc[r][k] * vp[k][d];
+            for (int r = 0; r < R; r++) {
+#if defined(__x86_64__)
+                if (avx2) {
+                    pv_avx2(sc[r], ka[r], kb[r], vp, hd, acc[h][r]);
+                    continue;
+                }
+#endif
+                for (int k = ka[r]; k < kb[r]; k++)
+                    for (int d = 0; d < hd; d++)
+                        acc[h][r][d] += sc[r][k] * vp[k][d];
+            }
         }
     }
-    for (int r = 0; r < R; r++) {
-        float *out = a->out + ((int64_t)(i0 + r / G) * a->n_heads + (int64_t)j * G + r % G) * hd;
+    for (int h = 0; h < nj; h++)
+        for (int r = 0; r < R; r++) {
+            float *out = a->out +
+                         ((int64_t)(i0 + r / G) * a->n_heads + (int64_t)(j0 + h) * G + r % G) * hd;
 
-        for (int d = 0; d < hd; d++)
-            out[d] = acc[r][d] / l[r];
-    }
+            for (int d = 0; d < hd; d++)
+                out[d] = acc[h][r][d] / l[h][r];
+        }
     return 0;
 }
 
@@ -683,29 +708,30 @@ static void attn_unit(void *arg, int unit, int n_units, int ith)
 {
     struct attn_job *jb = arg;
     const struct attn_args *a = jb->a;
-    const int nkv = a->n_kv_heads;
+    const int nkv = a->n_kv_heads, ng = jb->n_groups;
     int64_t u0, u1, base = 0;
     int s = 0, nb = attn_blocks(a, 0, jb->qb);
 
     (void)ith;
-    /* work items are (sequence, block of its tokens, KV head), in that order; a unit is a
-     * contiguous range of the jb->n_items of them.  A block's query tokens share one pass
-     * over its keys.  Results do not depend on the blocking (attn_chunk), so neither on
-     * the thread count. */
+    /* work items are (sequence, block of its tokens, group of KV heads), in that order; a
+     * unit is a contiguous range of the jb->n_items of them.  A block's query tokens share
+     * one pass over its keys, a group's heads each key chunk in turn.  Results depend on
+     * neither (attn_chunk), so neither on the thread count. */
     cpu_split(jb->n_items, 1, unit, n_units, &u0, &u1);
     for (int64_t u = u0; u < u1; u++) {
-        int b, j, len, st, r;
+        int b, g, j0, len, st, r;
 
-        while (u >= base + (int64_t)nb * nkv) {
-            base += (int64_t)nb * nkv;
+        while (u >= base + (int64_t)nb * ng) {
+            base += (int64_t)nb * ng;
             nb = attn_blocks(a, ++s, jb->qb);
         }
-        b = (int)((u - base) / nkv);
-        j = (int)((u - base) % nkv);
+        b = (int)((u - base) / ng);
+        g = (int)((u - base) % ng);
+        j0 = nkv * g / ng;
         st = a->seq_tok_start[s];
         len = a->seq_tok_start[s + 1] - st;
         r = attn_chunk(a, jb->avx2, jb->avx512, s, st + (int)((int64_t)len * b / nb),
-                       st + (int)((int64_t)len * (b + 1) / nb), j);
+                       st + (int)((int64_t)len * (b + 1) / nb), j0, nkv * (g + 1) / ng - j0);
         if (r < 0) {
             atomic_store(&jb->err, r);
             return;
@@ -803,9 +829,23 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
         int units = nth * CPU_UNITS_PER_THREAD;
         int G = a->n_heads / a->n_kv_heads;
 
+        int64_t blocks = 0;
+
         jb.qb = ATTN_MAX_ROWS / G > 1 ? ATTN_MAX_ROWS / G : 1;
         for (int s = 0; s < a->n_seqs; s++)
-            jb.n_items += (int64_t)attn_blocks(a, s, jb.qb) * a->n_kv_heads;
+            blocks += attn_blocks(a, s, jb.qb);
+        /* head groups: as few as give every thread two items, within the stack budget of
+         * attn_chunk's per-head state; short contexts keep a head per item (their keys come
+         * from the caches, where a group's larger state costs more than it saves:
+         * bench-shapes, full attention at 1k, groups 0.65-0.75x, at 8k 1.13-1.2x) */
+        jb.n_groups = cpu_attn_no_groups || keys < ATTN_GROUP_MIN_KEYS ? a->n_kv_heads : 1;
+        while (jb.n_groups < a->n_kv_heads &&
+               (blocks * jb.n_groups < 2 * nth ||
+                (double)ATTN_STATE_FLOATS * jb.n_groups <
+                    3.0 * a->n_kv_heads * jb.qb * G * a->head_dim))
+            jb.n_groups *= 2;
+        jb.n_groups = jb.n_groups < a->n_kv_heads ? jb.n_groups : a->n_kv_heads;
+        jb.n_items = blocks * jb.n_groups;
         units = units < jb.n_items ? units : (int)jb.n_items;
         cpu_pool_for(cpu_ctx(be)->pool, attn_unit, &jb, nth > 1 ? units : 1, nth);
     }

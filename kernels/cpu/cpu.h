@@ -217,6 +217,8 @@ void cpu_matmul_mxfp4_fast_rows(const struct bweight *w, const struct cpu_qact *
                                 int64_t r1);
 int64_t cpu_mxfp4_row_align(const struct bweight *w);
 extern int cpu_mxfp4_t16_off;
+/* attention.c: nonzero = one KV head per work item (no head groups; benchmarks) */
+extern int cpu_attn_no_groups;
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile

@@ -9,6 +9,11 @@
  * --threads 0): one per CPU this process may run on.
  * --profile K S: only batch-1 decode with K drafts, over and over for S seconds (to run
  * under perf), then its rate.
+ * --policy: only the draft policies: adaptive (spec-policy.h, max K = 3) against every fixed
+ * K in 0..3 at concurrency 1, 4 and 16, interleaved rounds, medians and per-round ratios,
+ * the depths the adaptive one chose, and its greedy outputs checked against K = 0's.
+ * --mock-mtp-usec U, --mock-accuracy A: the mock's cost of an MTP call and its drafts'
+ * accuracy (defaults 300 us, 0.8), to put the policy where drafts pay or do not.
  *
  * Prints, in one run: decode tokens/s at batch 1 with K = 0 and K = 3 and their ratio;
  * mean acceptance length and per-position acceptance; output throughput at concurrency
@@ -26,6 +31,7 @@
 #include <time.h>
 
 #include "engine.h"
+#include "log.h"
 #include "spec.h"
 #include "mock.h"
 #include "../engine/model-rig.h"
@@ -35,7 +41,11 @@ struct client {
     int id;
     int done_reqs;
     char rid[32];
+    int seq;                /* the running request's prompt index */
+    uint64_t hash;          /* FNV-1a of its output tokens so far */
 };
+
+#define MAX_HASHES 1024
 
 struct bench {
     struct engine *e;
@@ -54,6 +64,7 @@ struct bench {
     int decode_n;
     struct spec_stats mtp;
     int seq;
+    uint64_t hashes[MAX_HASHES];    /* output hash per prompt index (the run's seq) */
 };
 
 static double now_s(void)
@@ -69,9 +80,13 @@ static void on_out(void *ud, const struct engine_output *o)
 {
     struct client *c = ud;
     struct bench *b = c->b;
+    for (int i = 0; i < o->n_tokens; i++)
+        c->hash = (c->hash ^ (uint32_t) o->tokens[i]) * 0x100000001b3ull;
     if (!o->finished)
         return;
     pthread_mutex_lock(&b->lock);
+    if (c->seq < MAX_HASHES)
+        b->hashes[c->seq] = c->hash;
     b->tokens += o->n_completion;
     b->ttft_sum += o->timings.first_token_s;
     b->ttft_n++;
@@ -98,6 +113,8 @@ static void submit_next(struct client *c)
     int seq = b->seq++;
     int uid = global_seq++;
     pthread_mutex_unlock(&b->lock);
+    c->seq = seq;
+    c->hash = 0xcbf29ce484222325ull;
     for (int i = 0; i < b->n_prompt; i++)
         prompt[i] = (int32_t) ((i * 131 + seq * 977 + 7) % b->vocab);
     snprintf(c->rid, sizeof(c->rid), "c%d-%d", c->id, uid);
@@ -124,6 +141,8 @@ struct result {
     double decode_tps;      /* mean per-request decode tokens/s */
     double ttft;
     struct spec_stats mtp;
+    int n_reqs;
+    uint64_t hashes[MAX_HASHES];
 };
 
 static struct result run(struct engine *e, int vocab, int conc, int k, int n_prompt, int n_out,
@@ -163,6 +182,8 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
     }
     r.decode_tps = b.decode_n ? b.decode_tps_sum / b.decode_n : 0;
     r.ttft = b.ttft_n ? b.ttft_sum / b.ttft_n : 0;
+    r.n_reqs = b.seq < MAX_HASHES ? b.seq : MAX_HASHES;
+    memcpy(r.hashes, b.hashes, sizeof(r.hashes));
     free(cl);
     pthread_cond_destroy(&b.cond);
     pthread_mutex_destroy(&b.lock);
@@ -242,14 +263,107 @@ static const char *dq_name(enum model_draft_quant dq)
     return dq == MODEL_DRAFT_MXFP4 ? "MXFP4 drafts" : "the checkpoint's BF16 drafts";
 }
 
+/* --policy: the adaptive draft policy (max K = kmax) against every fixed K in 0..kmax, at
+ * concurrency 1, 4 and 16, over POLICY_REPS interleaved rounds (each round runs every
+ * policy at every concurrency, one after another).  ef: an engine with the fixed policy,
+ * ea: one with the adaptive policy (on a forward of its own), warmed up first.  Greedy
+ * outputs of every run are checked against K = 0's of the same round (the same prompts):
+ * returns the number of requests whose output differed. */
+#define POLICY_REPS 5
+static int policy_table(struct engine *ef, struct engine *ea, int vocab, int kmax, int n_out)
+{
+    static const int concs[3] = { 1, 4, 16 };
+    static struct result res[3][SPEC_MAX_K + 2][POLICY_REPS];
+    const int np = kmax + 2;    /* fixed K = 0 .. kmax, then adaptive */
+    int bad = 0;
+
+    for (int i = 0; i < 3; i++)   /* the adaptive engine learns its costs and acceptance */
+        (void) run(ea, vocab, concs[i], kmax, 32, n_out, 2);
+    for (int rep = 0; rep < POLICY_REPS; rep++)
+        for (int i = 0; i < 3; i++)
+            for (int pk = 0; pk < np; pk++) {
+                int c = concs[i];
+                res[i][pk][rep] = run(pk <= kmax ? ef : ea, vocab, c, pk <= kmax ? pk : kmax, 32,
+                                      n_out, c == 1 ? 6 : 3);
+            }
+    for (int i = 0; i < 3; i++) {
+        double med[SPEC_MAX_K + 2], tps[POLICY_REPS], r_best[POLICY_REPS], r_rnd[POLICY_REPS],
+               r_k0[POLICY_REPS];
+        int best = 0;
+        struct spec_stats ad = { 0 };
+
+        for (int pk = 0; pk < np; pk++) {
+            for (int rep = 0; rep < POLICY_REPS; rep++)
+                tps[rep] = res[i][pk][rep].out_tps;
+            med[pk] = median_of(tps, POLICY_REPS);
+            if (pk <= kmax && med[pk] > med[best])
+                best = pk;
+        }
+        for (int rep = 0; rep < POLICY_REPS; rep++) {
+            const struct result *a = &res[i][np - 1][rep];
+            double top = 0;
+
+            for (int pk = 0; pk <= kmax; pk++) {
+                const struct result *f = &res[i][pk][rep];
+                top = f->out_tps > top ? f->out_tps : top;
+                for (int q = 0; pk > 0 && q < f->n_reqs && q < res[i][0][rep].n_reqs; q++)
+                    bad += f->hashes[q] != res[i][0][rep].hashes[q];
+            }
+            for (int q = 0; q < a->n_reqs && q < res[i][0][rep].n_reqs; q++)
+                bad += a->hashes[q] != res[i][0][rep].hashes[q];
+            r_best[rep] = a->out_tps / res[i][best][rep].out_tps;
+            r_rnd[rep] = a->out_tps / top;
+            r_k0[rep] = a->out_tps / res[i][0][rep].out_tps;
+            spec_stats_add(&ad, &a->mtp);
+        }
+        printf("policy, concurrency %2d: output tok/s (median of %d interleaved rounds):", concs[i],
+               POLICY_REPS);
+        for (int pk = 0; pk <= kmax; pk++)
+            printf(" K=%d %.1f", pk, med[pk]);
+        printf(", adaptive (max %d) %.1f\n", kmax, med[np - 1]);
+        printf("  per step (round 1):");
+        for (int pk = 0; pk < np; pk++) {
+            const struct result *r = &res[i][pk][0];
+            printf(" %s%d: %.2f+%.2f+%.2f ms, %.2f tok;", pk <= kmax ? "K=" : "adaptive ",
+                   pk <= kmax ? pk : kmax, r->fwd_ms, r->mtp_ms, r->eng_ms, r->tok_per_step);
+        }
+        printf(" (forward + MTP + engine)\n");
+        printf("  adaptive / best fixed (K=%d): %.3f (per-round ratios: median; range %.3f .. %.3f); "
+               "/ the round's best fixed: %.3f (%.3f .. %.3f); / K=0: %.3f (%.3f .. %.3f)\n", best,
+               median_of(r_best, POLICY_REPS), min_of(r_best, POLICY_REPS),
+               max_of(r_best, POLICY_REPS), median_of(r_rnd, POLICY_REPS),
+               min_of(r_rnd, POLICY_REPS), max_of(r_rnd, POLICY_REPS),
+               median_of(r_k0, POLICY_REPS), min_of(r_k0, POLICY_REPS), max_of(r_k0, POLICY_REPS));
+        {
+            uint64_t tot = 0;
+            for (int k = 0; k <= SPEC_MAX_K; k++)
+                tot += ad.steps_by_drafts[k];
+            printf("  adaptive: drafts per decode step");
+            for (int k = 0; k <= kmax; k++)
+                printf(" K=%d %.1f %%", k, tot ? 100.0 * (double) ad.steps_by_drafts[k] / tot : 0.0);
+            printf("; acceptance per position");
+            for (int k = 0; k < kmax; k++)
+                printf(" %d: %.3f", k + 1, ad.n_drafts ? (double) ad.accepted_per_pos[k] / ad.n_drafts : 0.0);
+            printf("\n");
+        }
+    }
+    printf("policy: greedy outputs %s K=0's (%d requests differ)\n", bad ? "DIFFER from" : "identical to",
+           bad);
+    return bad;
+}
+
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
     bool mock = false;
     int threads = 0, n_out = 128, prof_k = -1;
     double prof_s = 0;
+    bool policy = false;
+    long mock_mtp_usec = 300;
+    float mock_accuracy = 0.8f;
     /* the MTP draft weights: the speculative config's default ("auto") on this CPU backend */
     enum spec_draft_quant sdq = SPEC_DRAFT_AUTO;
+    log_init("bench-engine", NULL);     /* $STEPD_LOG_LEVEL=debug: the engine's debug lines */
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--mock") == 0)
             mock = true;
@@ -262,6 +376,12 @@ int main(int argc, char **argv)
         }
         else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
             n_out = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--policy") == 0)
+            policy = true;
+        else if (strcmp(argv[i], "--mock-mtp-usec") == 0 && i + 1 < argc)
+            mock_mtp_usec = atol(argv[++i]);
+        else if (strcmp(argv[i], "--mock-accuracy") == 0 && i + 1 < argc)
+            mock_accuracy = (float) atof(argv[++i]);
         else if (strcmp(argv[i], "--profile") == 0 && i + 2 < argc) {
             prof_k = atoi(argv[++i]);
             prof_s = atof(argv[++i]);
@@ -273,8 +393,9 @@ int main(int argc, char **argv)
         else if (argv[i][0] != '-')
             dir = argv[i];
         else {
-            fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock] [--threads T] [--tokens N] "
-                            "[--draft-quant auto|none|mxfp4] [--profile K SECONDS]\n");
+            fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock [--mock-mtp-usec U] "
+                            "[--mock-accuracy A]] [--threads T] [--tokens N] [--draft-quant "
+                            "auto|none|mxfp4] [--profile K SECONDS] [--policy]\n");
             return 2;
         }
     }
@@ -283,7 +404,10 @@ int main(int argc, char **argv)
     int window = 0;
     int32_t eos[ENGINE_MAX_EOS];
     int n_eos = 0;
-    const char *what = "mock (2 ms/step + 20 us/token, 0.3 ms/MTP call, accuracy 0.8)";
+    char mock_what[160];
+    const char *what = mock_what;
+    snprintf(mock_what, sizeof(mock_what), "mock (2 ms/step + 20 us/token, %.2f ms/MTP call, "
+             "accuracy %.2f)", mock_mtp_usec / 1000.0, mock_accuracy);
     struct model_rig rig = { 0 };
     if (!mock) {
         if (!dir)
@@ -299,17 +423,17 @@ int main(int argc, char **argv)
             eos[n_eos++] = rig.cfg->eos_token_ids[i];
         what = dir;
     }
+    struct mock_config mc;
+    mock_config_init(&mc);
+    mc.vocab_size = 4096;
+    mc.max_seqs = 16;
+    mc.max_tokens_per_step = 256;
+    mc.n_blocks[0] = mc.n_blocks[1] = 2048;
+    mc.step_usec = 2000;
+    mc.token_usec = 20;
+    mc.mtp_usec = mock_mtp_usec;
+    mc.mtp_accuracy = mock_accuracy;
     if (mock) {
-        struct mock_config mc;
-        mock_config_init(&mc);
-        mc.vocab_size = 4096;
-        mc.max_seqs = 16;
-        mc.max_tokens_per_step = 256;
-        mc.n_blocks[0] = mc.n_blocks[1] = 2048;
-        mc.step_usec = 2000;
-        mc.token_usec = 20;
-        mc.mtp_usec = 300;
-        mc.mtp_accuracy = 0.8f;
         if (mock_forward_new(&mc, &f) < 0)
             return 1;
         window = 64;
@@ -321,6 +445,7 @@ int main(int argc, char **argv)
     ec.max_model_len = 1024;
     ec.sliding_window = window;
     ec.num_speculative_tokens = f->n_mtp < 3 ? f->n_mtp : 3;
+    ec.spec_policy = SPEC_POLICY_FIXED;     /* "K = k" below is exactly k drafts per step */
     memcpy(ec.eos_ids, eos, sizeof(eos));
     ec.n_eos = n_eos;
     struct engine *e;
@@ -346,6 +471,34 @@ int main(int argc, char **argv)
     /* the K = 3 engine with the other draft weights (below) */
     struct engine *eq = NULL;
     struct model_rig rigq = { 0 };
+    if (policy) {
+        /* the adaptive policy on a forward of its own (its per-slot MTP state stays apart) */
+        struct forward *fa = NULL;
+        struct engine_config eca = ec;
+        struct engine *ea;
+        int bad;
+        eca.spec_policy = SPEC_POLICY_ADAPTIVE;
+        if (mock ? mock_forward_new(&mc, &fa) < 0
+                 : model_rig_open_q(&rigq, dir, threads, 16, 256, 1024, dq_of(sdq), &err) < 0) {
+            fprintf(stderr, "bench-engine: second forward: %s\n", err.msg);
+            return 1;
+        }
+        if (!mock)
+            fa = rigq.f;
+        if (engine_new(fa, &eca, &ea, &err) < 0) {
+            fprintf(stderr, "bench-engine: %s\n", err.msg);
+            return 1;
+        }
+        engine_start(ea);
+        bad = policy_table(e, ea, vocab, ec.num_speculative_tokens, n_out);
+        engine_stop(ea);
+        engine_free(ea);
+        if (mock)
+            fa->ops->free(fa);
+        if (bad)
+            return 1;
+        goto done;
+    }
     if (prof_k >= 0) {
         double t0 = now_s(), toks = 0, secs = 0;
         while (now_s() - t0 < prof_s) {

@@ -28,11 +28,8 @@
 #include <string.h>
 #include <time.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "backend.h"
+#include "bw-probe.h"
 #include "cpu.h"
 
 static uint8_t *arena;
@@ -75,44 +72,15 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* ---- bandwidth probe ---- */
-struct bw_job {
-    const uint8_t *p;
-    size_t n;
-    double sink[64];
-};
-
-__attribute__((target("avx2")))
-static void bw_task(void *arg, int ith, int nth)
-{
-    struct bw_job *j = arg;
-    int64_t a, b;
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
-
-    cpu_split((int64_t)(j->n / 128), 1, ith, nth, &a, &b);
-    for (int64_t i = a; i < b; i++) {
-        const __m256i *q = (const __m256i *)(j->p + i * 128);
-        s0 = _mm256_xor_si256(s0, _mm256_load_si256(q));
-        s1 = _mm256_xor_si256(s1, _mm256_load_si256(q + 1));
-        s2 = _mm256_xor_si256(s2, _mm256_load_si256(q + 2));
-        s3 = _mm256_xor_si256(s3, _mm256_load_si256(q + 3));
-    }
-    s0 = _mm256_xor_si256(_mm256_xor_si256(s0, s1), _mm256_xor_si256(s2, s3));
-    j->sink[ith] = (double)_mm256_extract_epi32(s0, 0);
-}
-
-static double bw_once(void);
-
+/* ---- bandwidth probe (bw-probe.h) ---- */
 static double bench_bw(struct cpu_pool *pool)
 {
-    struct bw_job j = { .p = arena, .n = arena_bytes };
     double gbs[32], sh[32];
 
     for (int r = 0; r < reps; r++) {
         double t = now(), c = cpu_now();
-        cpu_pool_run(pool, bw_task, &j);
+        gbs[r] = bw_probe_once(pool, arena, arena_bytes);
         t = now() - t;
-        gbs[r] = arena_bytes / t / 1e9;
         sh[r] = (cpu_now() - c) / t;
     }
     last_share = median(sh, reps);
@@ -121,11 +89,7 @@ static double bench_bw(struct cpu_pool *pool)
 
 static double bw_once(void)
 {
-    struct bw_job j = { .p = arena, .n = arena_bytes };
-    double t = now();
-
-    cpu_pool_run(bw_pool, bw_task, &j);
-    return arena_bytes / (now() - t) / 1e9;
+    return bw_probe_once(bw_pool, arena, arena_bytes);
 }
 
 /* ---- GEMV over matrices carved from the arena ---- */

@@ -4,6 +4,7 @@ Every rank is a real stepd-worker process; they meet through a file rendezvous i
 temporary directory (or through the coordinator when one is given).  Optional
 per-rank command prefixes (e.g. `ip netns exec NS`) place ranks in network namespaces.
 """
+import json
 import os
 import signal
 import subprocess
@@ -102,3 +103,50 @@ def parse_generate(text):
         ids = ids_part.split("=", 1)[1]
         out[i] = (finish, [int(x) for x in ids.split(",") if x], msg.strip('"'))
     return out
+
+
+def _check_ranks(g, what, timeout):
+    rcs = g.wait(timeout=timeout)
+    for r, rc in rcs.items():
+        if rc != 0:
+            raise SystemExit("FAIL %s: rank %d exited %s\n%s" % (what, r, rc, g.stderr(r)))
+
+
+def run_generate(worker, model, n, k, tmp, tag, prompts, n_out, draft_quant=None, timeout=240):
+    """Greedy decode of `prompts` (n_out tokens each, on the exact path, FP32 KV) on an n-rank group
+    with MTP depth k (draft_quant: the speculative config's "draft_quantization", None for
+    the default): ({i: (finish, [ids], message)}, [per-rank --report records])."""
+    pf = os.path.join(tmp, "prompts-%s.txt" % tag)
+    with open(pf, "w") as f:
+        for p in prompts:
+            f.write(",".join(map(str, p)) + "\n")
+    rep = os.path.join(tmp, "report-%s.jsonl" % tag)
+    spec = ["--mtp", str(k)]
+    if draft_quant:
+        spec = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k,
+                                                    "draft_quantization": draft_quant})]
+    g = Group(worker, model, n, tag, args=spec + ["--report", rep, "--exact", "--kv-cache-dtype", "fp32"],
+              rank0_args=["--generate", pf, "--max-tokens", str(n_out)], workdir=tmp)
+    out = g.stdout0()
+    what = "N=%d K=%d" % (n, k)
+    _check_ranks(g, what, timeout)
+    res = parse_generate(out)
+    if len(res) != len(prompts):
+        raise SystemExit("FAIL %s: %d results in\n%s" % (what, len(res), out))
+    for i, (fin, ids, msg) in res.items():
+        if fin != "length" or len(ids) != n_out:
+            raise SystemExit("FAIL %s: request %d finished %s with %d tokens (%s)" %
+                             (what, i, fin, len(ids), msg))
+    return res, [json.loads(line) for line in open(rep)]
+
+
+def run_logits(worker, model, n, tmp, prompt, timeout=120):
+    """The logits of every position of one prefill of `prompt` on an n-rank group (exact
+    path, FP32 KV), as a [len(prompt), vocab] float32 numpy array."""
+    import numpy as np
+    lf = os.path.join(tmp, "logits-%d.bin" % n)
+    ids = ",".join(str(x) for x in prompt)
+    g = Group(worker, model, n, "logits%d" % n, args=["--exact", "--kv-cache-dtype", "fp32"],
+              rank0_args=["--dump-logits", lf, "--prompt-ids", ids], workdir=tmp)
+    _check_ranks(g, "logits N=%d" % n, timeout)
+    return np.fromfile(lf, dtype=np.float32).reshape(len(prompt), -1)

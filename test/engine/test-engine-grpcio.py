@@ -311,6 +311,11 @@ def main():
             assert f.finish_reason == pb.FINISH_REASON_LENGTH, f
             assert f.usage.prompt_tokens == 4 and f.usage.completion_tokens == len(toks) == 40
             assert f.mtp.num_draft_tokens > 0 and len(f.mtp.accepted_per_position) == 3
+            # decode steps by drafts verified: every verify step, with drafts or without
+            assert len(f.mtp.steps_by_num_drafts) == 4, f.mtp
+            assert sum(f.mtp.steps_by_num_drafts[1:]) == f.mtp.num_drafts, f.mtp
+            assert sum(k * n for k, n in enumerate(f.mtp.steps_by_num_drafts)) == \
+                f.mtp.num_draft_tokens, f.mtp
             assert f.timings.first_token_s > 0 and f.timings.e2e_s >= f.timings.first_token_s
             assert f.group == "g-mock"
             outs.append(toks)

@@ -47,6 +47,7 @@ static struct engine *open_engine(int k)
     ec.max_model_len = 512;
     ec.sliding_window = rig.cfg->sliding_window;
     ec.num_speculative_tokens = k;
+    ec.spec_policy = SPEC_POLICY_FIXED;     /* the MTP mechanics at exactly K drafts */
     for (int i = 0; i < rig.cfg->n_eos && i < ENGINE_MAX_EOS; i++)
         ec.eos_ids[ec.n_eos++] = rig.cfg->eos_token_ids[i];
     struct engine *e;

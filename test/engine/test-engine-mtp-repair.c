@@ -56,6 +56,7 @@ static void run(int k, struct coll *c)
     ec.max_model_len = 400;
     ec.sliding_window = rig.cfg->sliding_window;
     ec.num_speculative_tokens = k;
+    ec.spec_policy = SPEC_POLICY_FIXED;     /* the repair needs the drafts of every step */
     if (engine_new(rig.f, &ec, &e, &err) < 0)
         FAIL("engine_new: %s", err.msg);
     for (int i = 0; i < NREQ; i++)

@@ -82,6 +82,7 @@ struct final_msg {
     Stepd__V1__MtpStats mtp;
     Stepd__V1__Timings tm;
     uint32_t per_pos[SPEC_MAX_K];
+    uint32_t by_k[SPEC_MAX_K + 1];
 };
 
 /* One EngineOutput of a pending batch.  Its pointers are set by out_link just before the
@@ -275,6 +276,7 @@ static void final_link(struct final_msg *m)
     m->fin.mtp = &m->mtp;
     m->fin.timings = &m->tm;
     m->mtp.accepted_per_position = m->per_pos;
+    m->mtp.steps_by_num_drafts = m->by_k;
 }
 
 /* Fill m with the Final of request id from its final event (Generate and output streams
@@ -304,6 +306,9 @@ static void final_build(struct final_msg *m, struct engine_rpc *s, char *id, con
     for (int i = 0; i < k; i++)
         m->per_pos[i] = (uint32_t) ev->mtp.accepted_per_pos[i];
     m->mtp.n_accepted_per_position = (size_t) k;
+    for (int i = 0; i <= k; i++)
+        m->by_k[i] = (uint32_t) ev->mtp.steps_by_drafts[i];
+    m->mtp.n_steps_by_num_drafts = (size_t) k + 1;
     m->tm.queue_s = ev->tm.queue_s;
     m->tm.prefill_s = ev->tm.prefill_s;
     m->tm.first_token_s = ev->tm.first_token_s;
@@ -990,6 +995,11 @@ static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void 
     gl.requests_freed = l.n_requests_freed;
     gl.max_num_seqs = (uint32_t) l.max_num_seqs;
     gl.max_waiting = (uint32_t) l.max_waiting;
+    uint64_t by_k[SPEC_MAX_K + 1];
+    for (int i = 0; i <= engine_max_spec(s->e); i++)
+        by_k[i] = l.mtp.steps_by_drafts[i];
+    gl.steps_by_num_drafts = by_k;
+    gl.n_steps_by_num_drafts = (size_t) engine_max_spec(s->e) + 1;
     resp.n_loads = 1;
     resp.loads = list;
     (void) rpc_call_send(call, &resp.base);

@@ -28,6 +28,7 @@
 #include "kv.h"
 #include "log.h"
 #include "sha256.h"
+#include "spec-policy.h"
 
 #define RATE_SAMPLES 32
 
@@ -70,6 +71,7 @@ struct ereq {
     int32_t stop_token;
     char message[256];
     struct spec_stats mtp;
+    struct spec_accept acc;          /* recent acceptance, for the draft policy */
     int64_t t_arrival, t_sched, t_first, t_last;
 };
 
@@ -83,6 +85,7 @@ struct engine {
     struct batcher *b;
     struct sampler *smp;
     uint8_t salt[KV_DIGEST_BYTES];   /* deployment salt of the prefix-cache keys */
+    struct spec_policy *pol;
 
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -295,6 +298,8 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
         r = batcher_new(&bc, e->kv, &e->b);
     if (r == 0)
         r = sampler_new(e->vocab, &e->smp);
+    if (r == 0)
+        r = spec_policy_new(c.spec_policy, c.max_num_seqs, e->kmax, c.sliding_window, &e->pol);
     if (r == 0)
         r = alloc_buffers(e);
     if (r < 0) {
@@ -725,6 +730,7 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
             *ss = (struct spec_seq) {
                 .sp = &r->sp, .depth = r->k, .drafts = r->fill_drafts, .fill_only = true,
                 .forced = r->tokens + end + 1, .n_forced = s->n_known - end - 1,
+                .acc = &r->acc,
             };
             ps->mtp_depth = r->k;
             e->n_valid[i] = s->sched_tokens;
@@ -738,6 +744,7 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
         .out_index = (uint64_t) r->n_output,
         .drafts = r->drafts,
         .q = r->q,
+        .acc = &r->acc,
     };
     int32_t next;
     int a = spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next);
@@ -965,15 +972,20 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
         return r;
     }
     size_t row = 0;
-    bool any_mtp = false;
     for (int i = 0; i < n; i++) {
         int used = finish_seq(e, i, seqs[i], e->logits + row * (size_t) e->vocab, now);
         row += (size_t) used;
-        any_mtp |= e->sseqs[i].depth > 0;
-        /* finished ones committed in finish(); with MTP work, after the chain below */
+    }
+    /* the draft depths of the next step (spec-policy.h) */
+    bool any_mtp = spec_policy_step(e->pol, &e->plan, e->sseqs, n,
+                                    (double) (engine_now_usec() - t0) * 1e-6);
+    /* prefix cache: blocks of the requests without MTP work this step are committed now
+     * (finished ones in finish()); with MTP work, after the chain below.  A depth the
+     * policy skipped leaves its MTP positions unwritten: a later request that reuses the
+     * prefix drafts less well there, its outputs are the same (drafts are verified). */
+    for (int i = 0; i < n; i++)
         if (!req_of(seqs[i])->done && e->sseqs[i].depth == 0)
             commit_blocks(e, req_of(seqs[i]));
-    }
     if (!any_mtp)
         return 0;
     /* stream this step's tokens before drafting the next ones: the MTP chain then costs
@@ -981,7 +993,7 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     deliver(e);
     t0 = engine_now_usec();
     r = spec_propose(e->f, e->smp, &e->plan, e->sseqs, e->n_valid, e->tok_in, e->mtp_logits,
-                     e->tok_scratch);
+                     e->tok_scratch, e->pol);
     e->t_mtp_us += engine_now_usec() - t0;
     if (r < 0) {
         fail_all(e, r, "MTP step");
@@ -1109,6 +1121,7 @@ void engine_free(struct engine *e)
     batcher_free(e->b);
     kv_pool_free(e->kv);
     sampler_free(e->smp);
+    spec_policy_free(e->pol);
     free(e->pseqs);
     free(e->ptokens);
     for (int g = 0; g < _KV_GROUP_MAX; g++)

@@ -56,7 +56,8 @@ struct engine_config {
     int max_waiting;              /* waiting queue (default 256): at most max_num_seqs +
                                      max_waiting requests alive at once */
     int sliding_window;           /* tokens seen by sliding layers; 0 = never release */
-    int num_speculative_tokens;   /* default K (0 .. min(3, forward->n_mtp)) */
+    int num_speculative_tokens;   /* default K (0 .. min(3, forward->n_mtp)): the most drafts */
+    enum spec_draft_policy spec_policy; /* drafts per step: adaptive (default) or fixed K */
     int32_t eos_ids[ENGINE_MAX_EOS];
     int n_eos;
     /* what requests' logprobs report: false (default) the target model's distribution before

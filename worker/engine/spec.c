@@ -5,6 +5,9 @@
 #include <jansson.h>
 #include <string.h>
 
+#include "clock.h"
+#include "spec-policy.h"
+
 int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e)
 {
     struct spec_config cfg = { 0 };
@@ -53,6 +56,18 @@ int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf 
                             "\"auto\", \"none\" or \"mxfp4\"");
                 goto out;
             }
+        } else if (strcmp(key, "draft_policy") == 0) {
+            const char *q = json_is_string(val) ? json_string_value(val) : NULL;
+
+            if (json_is_null(val) || (q && strcmp(q, "adaptive") == 0)) {
+                cfg.draft_policy = SPEC_POLICY_ADAPTIVE;
+            } else if (q && strcmp(q, "fixed") == 0) {
+                cfg.draft_policy = SPEC_POLICY_FIXED;
+            } else {
+                r = err_set(e, -EINVAL, "--speculative-config: draft_policy: expected null, "
+                            "\"adaptive\" or \"fixed\"");
+                goto out;
+            }
         } else {
             r = err_set(e, -EINVAL, "--speculative-config: unknown key \"%s\"", key);
             goto out;
@@ -75,6 +90,8 @@ void spec_stats_add(struct spec_stats *dst, const struct spec_stats *src)
     dst->n_accepted += src->n_accepted;
     for (int k = 0; k < SPEC_MAX_K; k++)
         dst->accepted_per_pos[k] += src->accepted_per_pos[k];
+    for (int k = 0; k <= SPEC_MAX_K; k++)
+        dst->steps_by_drafts[k] += src->steps_by_drafts[k];
 }
 
 double spec_stats_mean_accept_len(const struct spec_stats *st)
@@ -91,7 +108,7 @@ static int32_t *draft_slot(struct spec_seq *s, int k)
 
 int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan *plan,
                  struct spec_seq *seqs, const int32_t *n_valid, const int32_t *tok_in,
-                 float *logits_buf, int32_t *tok_scratch)
+                 float *logits_buf, int32_t *tok_scratch, struct spec_policy *pol)
 {
     int max_depth = 0;
     for (int i = 0; i < plan->n_seqs; i++)
@@ -99,6 +116,10 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
             max_depth = seqs[i].depth;
     size_t v = (size_t) f->vocab_size;
     for (int k = 0; k < max_depth; k++) {
+        int64_t t0 = clk_now_us();
+        int n_at = 0;
+        bool fill = false;
+
         for (int i = 0; i < plan->n_seqs; i++) {
             const struct spec_seq *s = &seqs[i];
             if (k == 0)
@@ -136,6 +157,11 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
             s->drafts[k] = d;
             *draft_slot(s, k) = d;
         }
+        for (int i = 0; i < plan->n_seqs; i++) {
+            n_at += seqs[i].depth > k;
+            fill |= seqs[i].depth > k && seqs[i].fill_only;
+        }
+        spec_policy_draft_cost(pol, k, n_at, fill, (double)(clk_now_us() - t0) * 1e-6);
     }
     return 0;
 }
@@ -175,6 +201,10 @@ int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, in
         accepted = sampler_verify(p, q, seq->drafts, n_draft, vocab, seq->sp->seed, seq->out_index,
                                   tmp, &next);
     }
+    seq->verified = n_draft;
+    seq->accepted = accepted;
+    if (st)
+        st->steps_by_drafts[n_draft]++;
     if (n_draft > 0 && st) {
         st->n_drafts++;
         st->n_draft_tokens += (uint64_t) n_draft;

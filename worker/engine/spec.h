@@ -49,9 +49,19 @@ enum spec_draft_quant {
     SPEC_DRAFT_MXFP4,             /* "mxfp4": re-quantised copies, on every backend */
 };
 
+/* "draft_policy": how many drafts a step proposes (spec-policy.h).  ADAPTIVE ("adaptive",
+ * null or no key): per step and sequence, 0 up to num_speculative_tokens, whatever the
+ * engine's own measurements say gives the most tokens per second.  FIXED ("fixed"): always
+ * num_speculative_tokens (a request's own, or the engine's default). */
+enum spec_draft_policy {
+    SPEC_POLICY_ADAPTIVE = 0,
+    SPEC_POLICY_FIXED,
+};
+
 struct spec_config {
-    int num_speculative_tokens;   /* 0 .. SPEC_MAX_K */
+    int num_speculative_tokens;   /* 0 .. SPEC_MAX_K: the most drafts per step */
     enum spec_draft_quant draft_quant;
+    enum spec_draft_policy draft_policy;
 };
 
 /* The draft weights a backend named `backend` ("cpu", "cuda", ...) gets for q: true = MXFP4. */
@@ -64,7 +74,8 @@ static inline bool spec_draft_mxfp4(enum spec_draft_quant q, const char *backend
 
 /* Parse --speculative-config JSON, e.g. {"method":"mtp","num_speculative_tokens":3}, plus
  * the optional "draft_quantization": null | "auto" | "none" | "mxfp4" (enum
- * spec_draft_quant).
+ * spec_draft_quant) and "draft_policy": null | "adaptive" | "fixed" (enum
+ * spec_draft_policy).
  * NULL or "" means no speculation.  -EINVAL with a sentence in e on anything else
  * (unknown method, K out of range, unknown keys or values, bad JSON). */
 int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e);
@@ -74,7 +85,22 @@ struct spec_stats {
     uint64_t n_draft_tokens;
     uint64_t n_accepted;
     uint64_t accepted_per_pos[SPEC_MAX_K];   /* [k] = drafts accepted at position k */
+    uint64_t steps_by_drafts[SPEC_MAX_K + 1];/* [k] = decode steps that verified k drafts
+                                                (the depth actually used; k = 0: none) */
 };
+
+/* One sequence's state in the draft policy (spec-policy.h): decayed counts of the drafts
+ * tried and accepted at each position (all, and those drafted while the MTP layers' caches
+ * were complete over their window), and how many positions each MTP layer has written in
+ * a row (0 after a step that did not run it). */
+struct spec_accept {
+    float tried[SPEC_MAX_K], hit[SPEC_MAX_K];
+    float tried_c[SPEC_MAX_K], hit_c[SPEC_MAX_K];
+    int32_t covered[SPEC_MAX_K];
+    int32_t pos;                  /* positions known to the sequence's MTP chain */
+};
+
+struct spec_policy;
 
 void spec_stats_add(struct spec_stats *dst, const struct spec_stats *src);
 /* Mean tokens emitted per verification step: 1 + accepted / drafts (1 when no drafts). */
@@ -96,19 +122,23 @@ struct spec_seq {
     bool fill_only;
     const int32_t *forced;
     int n_forced;
+    struct spec_accept *acc;  /* the sequence's acceptance counts (NULL: none) */
+    int verified, accepted;   /* out of spec_verify: drafts verified, accepted */
 };
 
 /* Run the MTP chain for the plan's sequences (seqs[i] pairs with plan->seqs[i]; depth
  * also written to plan->seqs[i].mtp_depth by the caller).  n_valid/tok_in as in
  * forward.h (tok_in[i] is already the last token of seqs[i].hist).  logits_buf holds
- * n_seqs * vocab floats, tok_scratch n_seqs ids.  Returns 0 or the forward's error. */
+ * n_seqs * vocab floats, tok_scratch n_seqs ids.  Each depth's cost goes to pol
+ * (spec_policy_draft_cost; NULL: nowhere).  Returns 0 or the forward's error. */
 int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan *plan,
                  struct spec_seq *seqs, const int32_t *n_valid, const int32_t *tok_in,
-                 float *logits_buf, int32_t *tok_scratch);
+                 float *logits_buf, int32_t *tok_scratch, struct spec_policy *pol);
 
 /* Verify n_draft drafts of one sequence against its target rows (n_draft + 1 rows of
  * raw trunk logits, row i following draft i-1).  Writes the accepted count to the
- * return value and the token after them to *ret_next; updates st.  probs_buf holds
+ * return value (and seq->accepted, with seq->verified = n_draft) and the token after them
+ * to *ret_next; updates st.  probs_buf holds
  * (SPEC_MAX_K + 2) * vocab floats of scratch. */
 int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, int n_draft,
                 int vocab, float *probs_buf, struct spec_stats *st, int32_t *ret_next);

@@ -228,6 +228,9 @@ struct split_cut {
     bool inside;            /* t falls inside run `run` (else run `run` starts at t) */
 };
 bool model__split_choose(const struct model *m, const struct batch *b, struct split_cut *c);
+/* After the layers are loaded: no per-core parts when the trunk's shared weights are too
+ * big to be read twice (MODEL_SPLIT_MAX_SHARED). */
+void model__split_fit(struct model *m);
 /* Batch b (the trunk's embedding and layers, or MTP layer `mtp`) as two parts cut at c. */
 int model__split_layers(struct model *m, const struct batch *b, const struct split_cut *c,
                         struct mlayer *mtp);

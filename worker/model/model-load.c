@@ -833,6 +833,7 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
         m->group_used[m->layers[i].group] = true;
     }
     m->quant_now = false;
+    model__split_fit(m);
     r = model__build_mtp_tp(m, e);
     if (r < 0)
         goto out;

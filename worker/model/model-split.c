@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "log.h"
 #include "model-int.h"
 #include "mxfp4.h"
 
@@ -293,6 +294,49 @@ struct split_step {
     struct mlayer *mtp;     /* NULL: the trunk's embedding and layers; else this MTP layer */
     struct split_part part[2];
 };
+
+/* Bytes of w as the backend reads them (the format's own size). */
+static double weight_bytes(const struct bweight *w)
+{
+    double n = (double)w->rows * (double)w->cols;
+
+    switch (w->fmt) {
+    case WFMT_BF16: return 2.0 * n;
+    case WFMT_F32: return 4.0 * n;
+    case WFMT_MXFP4: return n * (0.5 + 1.0 / MXFP4_GROUP);
+    default: return 0.0;
+    }
+}
+
+/* Every part of a split step reads all the weights its tokens need: those every token
+ * needs (attention, dense MLPs, shared experts, routers) twice a step.  While they fit the
+ * last-level cache the second read is nearly free and the parts win (the tiny model's
+ * trunk: under 4 MB); Step-3.7-Flash's are ~180 MB per layer, read from DRAM twice, and
+ * the parts lost: bench-shapes, 2 threads, batch 4, 4 full-width layers + head: per-core
+ * parts 728 ms vs 598 ms whole.  Above this size a step runs whole (its big ops split by
+ * rows, so each weight is read once). */
+#define MODEL_SPLIT_MAX_SHARED (64.0 * 1024 * 1024)
+
+void model__split_fit(struct model *m)
+{
+    double shared = 0;
+
+    if (m->split_parts < 2 || m->o.split_any_size)
+        return;
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct mlayer *L = &m->layers[l];
+
+        shared += weight_bytes(&L->wq) + weight_bytes(&L->wk) + weight_bytes(&L->wv) +
+                  weight_bytes(&L->wg) + weight_bytes(&L->wo) + weight_bytes(&L->router);
+        if (L->has_ffn_dense)
+            shared += weight_bytes(&L->gate) + weight_bytes(&L->up) + weight_bytes(&L->down);
+    }
+    if (shared > MODEL_SPLIT_MAX_SHARED) {
+        log_info("model: trunk steps run whole, not as per-core parts: the trunk's shared "
+                 "weights (%.0f MB) would be read once per part", shared / 1e6);
+        m->split_parts = 1;
+    }
+}
 
 /* Where to cut batch b in two: token t, in or before run `run`.  A cut between runs
  * nearest half the tokens when the smaller part keeps a third of them; else half the tokens,

@@ -79,6 +79,8 @@ struct model_opts {
                                    (model_mtp_step), leaving stale MTP KV as before the repair */
     enum model_draft_quant draft_quant; /* weights of the MTP draft layers (see below) */
     bool no_split;              /* never run a trunk step as per-core parts (see model_step) */
+    bool split_any_size;        /* benchmarks: per-core parts even when the trunk's shared
+                                   weights are too big for them (model-split.c) */
     bool no_mtp_tp;             /* MTP layers whole, not as per-core halves (mtp_tp_run);
                                    drafts then differ in the order of some fp32 sums */
     bool no_mtp_tail;           /* diagnostics only: the last MTP depth runs every row

@@ -1,0 +1,844 @@
+/* bench-shapes.c - decode at Step-3.7-Flash's real shapes on the CPU backend, every piece
+ * beside its byte floor (suite bench, not in the default run).
+ *
+ *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16]
+ *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn]
+ *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
+ *
+ * The model: stepd-mkmodel's full-width checkpoint (hidden 4096, 288 experts x 1280 top-8,
+ * 64/96 query heads and 8 KV heads of 128, window 512, vocab 128896) with 4 trunk layers -
+ * the real layers 0 (dense, full attention), 1 (dense, sliding), 3 (MoE, sliding) and 4
+ * (MoE, full) - and 1 MTP layer, made at run time in a temporary directory (9.9 GB; about a
+ * minute) unless --model names one.  No tensor is written sparse: every one is read by a
+ * measured path (the embedding by the real decode step, whose routing needs real inputs;
+ * the MTP layer's BF16 weights once, to make its MXFP4 draft copies).
+ *
+ * For each thread count (one model after the other on a CPU backend of that many threads,
+ * set up as stepd-worker sets it up: int8 MXFP4 path, MXFP4 drafts, per-core split steps and
+ * MTP halves on 2 threads) and each of REPS rounds: the read-bandwidth probe (bw-probe.h),
+ * then, for every batch size B (B sequences decoding one token each, all at the same
+ * context), one sweep of:
+ *   - each trunk layer at context 1024 (the layer script on the whole backend; inputs are
+ *     fresh unit-variance rows, so the router spreads them over the experts);
+ *   - attention alone of a full (64 heads) and a sliding (96 heads) layer at each context;
+ *   - the lm_head (final norm + 128896 x 4096 BF16);
+ *   - the real decode step of the model (model_step: embedding, the 4 layers, head); on 2
+ *     threads at B >= 4 both as per-core parts and whole (at these shapes the model runs
+ *     steps whole, model-split.c: the model is built with split_any_size to show both);
+ *   - one MTP depth after it (model_mtp_step 0: the layer, its draft head), and the draft
+ *     head alone.
+ * --ab-attn adds each attention row with one KV head per work item (attention.c before
+ * its head groups), on sequences of their own (the sets swap from round to round; sliding
+ * rows share their window's blocks, so only the full-attention pair compares).
+ * The sweep streams > 1.5 GB between two readings of the same weights, so every piece reads
+ * its weights from DRAM, as in serving.  The KV caches are filled with values up front
+ * (as a long prefill would leave them); every sequence has blocks of its own, except at
+ * B x context beyond the reserved pool (16 x 32768: 4.3 GB per full layer), where the
+ * sequences share their history but for the last block ("shared history").
+ *
+ * Byte floor of a piece = the bytes it must read (each weight matrix once; MoE: the
+ * distinct experts its tokens were routed to; attention: the keys and values in its
+ * window) / the probe's rate of the same round.  "% of bw" = floor / time, median over the
+ * rounds of the per-round ratio.  The whole-model figures extrapolate to Step-3.7-Flash's
+ * 45 layers (1 dense/full, 2 dense/sliding, 11 MoE/full, 31 MoE/sliding) + head: each
+ * layer kind's time at context 1024 with its attention at 1024 replaced by the attention at
+ * the context, per round.  Figures only, no thresholds (targets on CPU: the MoE layer at
+ * batch 1 >= 80 % of the read bandwidth, the whole decode step >= 70 %).
+ */
+#include <errno.h>
+#include <math.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "bw-probe.h"
+#include "cpu-features.h"
+#include "loader.h"
+#include "model-int.h"
+
+extern char **environ;
+
+#define MAX_REPS 15
+#define MAX_CELLS 256
+#define MAX_B 16
+#define MAX_LIST 4
+#define BS 16                       /* KV block size */
+#define CTX_LAYERS 1024             /* context of the layer rows and the real step */
+#define REAL_LAYERS 45
+
+struct cell {
+    char name[96];
+    int B, ctx;
+    double t[MAX_REPS], floor[MAX_REPS], bytes[MAX_REPS];
+    int n;
+};
+
+struct bench {
+    /* options */
+    const char *mkmodel, *model_dir;
+    int threads[MAX_LIST], n_threads, batches[MAX_LIST], n_batches, ctxs[MAX_LIST], n_ctxs;
+    int reps;
+    bool keep, ab_attn;
+    /* probe */
+    uint8_t *arena;
+    size_t arena_bytes;
+    /* this thread count */
+    int T;
+    struct model *m;
+    struct backend *be;
+    struct cpu_pool *pool;
+    double bw[MAX_REPS];
+    struct cell cells[MAX_CELLS];
+    int n_cells;
+    int nbf, nbs;                   /* KV blocks per FULL / SLIDING layer */
+    int sps;                        /* sliding blocks per sequence */
+    uint64_t rng;
+    int rep;
+    /* a batch: B seqs at context ctx */
+    int32_t ids[MAX_B], pos[MAX_B], slots[_KV_GROUP_MAX][MAX_B], start[MAX_B + 1], pos0[MAX_B];
+    int32_t boff[_KV_GROUP_MAX][MAX_B];
+    int32_t *tables[_KV_GROUP_MAX];
+    bool shared;                    /* the batch's FULL tables share a history */
+    int nb;                         /* logical blocks per seq */
+    struct step_seq pseqs[MAX_B];
+    int32_t n_valid[MAX_B], tok_in[MAX_B];
+    float *logits;                  /* [MAX_B, vocab] */
+    double experts_seen;            /* distinct experts of the last MoE layer run */
+    double moe_distinct[MAX_B + 1]; /* per B: distinct experts per MoE layer, this round */
+    int moe_runs[MAX_B + 1];
+};
+
+static double now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+static double median(const double *v, int n)
+{
+    double s[MAX_REPS];
+
+    if (n <= 0)
+        return 0.0;
+    memcpy(s, v, sizeof(double) * (size_t)n);
+    qsort(s, (size_t)n, sizeof(double), cmp_d);
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+}
+
+static uint64_t rnd(struct bench *b)
+{
+    b->rng = b->rng * 6364136223846793005ull + 1442695040888963407ull;
+    return b->rng >> 33;
+}
+
+/* uniform on [-sqrt 3, sqrt 3): unit variance */
+static float rnd_unit(struct bench *b)
+{
+    return (float)(((double)rnd(b) / 2147483648.0 - 1.0) * 1.7320508);
+}
+
+/* ---------------------------------------------------------------- bytes -- */
+
+static double wbytes(const struct bweight *w)
+{
+    if (!w->rows || !w->cols || (!w->data && !w->priv))
+        return 0.0;
+    switch (w->fmt) {
+    case WFMT_BF16: return (double)w->rows * (double)w->cols * 2.0;
+    case WFMT_F32: return (double)w->rows * (double)w->cols * 4.0;
+    case WFMT_MXFP4: return (double)w->rows * (double)w->cols * (0.5 + 1.0 / 32.0);
+    default: return 0.0;
+    }
+}
+
+/* weights of the attention half and the FFN half of L (MoE: without routed experts) */
+static double attn_wbytes(const struct mlayer *L)
+{
+    return wbytes(&L->in_norm) + wbytes(&L->q_norm) + wbytes(&L->k_norm) + wbytes(&L->wq) +
+           wbytes(&L->wk) + wbytes(&L->wv) + wbytes(&L->wg) + wbytes(&L->wo);
+}
+
+static double ffn_wbytes(const struct mlayer *L)
+{
+    double s = wbytes(&L->post_norm) + wbytes(&L->router);
+
+    if (L->has_ffn_dense)
+        s += wbytes(&L->gate) + wbytes(&L->up) + wbytes(&L->down);
+    return s;
+}
+
+static double expert_bytes(const struct mlayer *L)
+{
+    if (!L->is_moe || L->n_local == 0)
+        return 0.0;
+    return wbytes(&L->experts[0].gate) + wbytes(&L->experts[0].up) + wbytes(&L->experts[0].down);
+}
+
+/* keys and values one decode query at context ctx reads in L */
+static double kv_bytes(const struct model *m, const struct mlayer *L, int ctx)
+{
+    int n = L->window > 0 && L->window < ctx ? L->window : ctx;
+
+    return (double)n * L->n_kv_heads * L->head_dim * 2.0 * (m->o.kv_bf16 ? 2.0 : 4.0);
+}
+
+/* ---------------------------------------------------------------- cells -- */
+
+static struct cell *cell_get(struct bench *b, const char *name, int B, int ctx)
+{
+    for (int i = 0; i < b->n_cells; i++)
+        if (b->cells[i].B == B && b->cells[i].ctx == ctx && strcmp(b->cells[i].name, name) == 0)
+            return &b->cells[i];
+    if (b->n_cells == MAX_CELLS) {
+        fprintf(stderr, "bench-shapes: too many cells\n");
+        exit(1);
+    }
+    struct cell *c = &b->cells[b->n_cells++];
+    memset(c, 0, sizeof(*c));
+    snprintf(c->name, sizeof(c->name), "%s", name);
+    c->B = B;
+    c->ctx = ctx;
+    return c;
+}
+
+static void record(struct bench *b, const char *name, int B, int ctx, double t, double bytes)
+{
+    struct cell *c = cell_get(b, name, B, ctx);
+
+    c->t[c->n] = t;
+    c->bytes[c->n] = bytes;
+    c->floor[c->n] = bytes / (b->bw[b->rep] * 1e9);
+    c->n++;
+}
+
+/* -------------------------------------------------------------- batches -- */
+
+/* B sequences decoding one token each at context ctx (position ctx - 1); their FULL blocks
+ * start after those of `skip` sequences (a second, distinct set for A/B passes). */
+static void batch_make_at(struct bench *b, int B, int ctx, int skip, struct batch *bt)
+{
+    struct model *m = b->m;
+    const int nb = (ctx + BS - 1) / BS, window = m->cfg->sliding_window;
+    const int first = window > 0 && ctx - window > 0 ? (ctx - window) / BS : 0;
+
+    b->nb = nb;
+    b->shared = (int64_t)(B + skip) * nb > b->nbf;
+    for (int s = 0; s < B; s++) {
+        int32_t *tf = b->tables[KV_GROUP_FULL] + (size_t)s * nb;
+        int32_t *ts = b->tables[KV_GROUP_SLIDING] + (size_t)s * nb;
+
+        for (int j = 0; j < nb; j++) {
+            tf[j] = b->shared ? (j < nb - 1 ? j : nb - 1 + s) : (s + skip) * nb + j;
+            ts[j] = j < first ? -1 : s * b->sps + j % b->sps;
+        }
+        b->ids[s] = (int32_t)(rnd(b) % (uint64_t)m->vocab);
+        b->pos[s] = b->pos0[s] = ctx - 1;
+        b->start[s] = s;
+        for (int g = 0; g < _KV_GROUP_MAX; g++) {
+            const int32_t *t = b->tables[g] + (size_t)s * nb;
+
+            b->boff[g][s] = s * nb;
+            b->slots[g][s] = t[nb - 1] * BS + (ctx - 1) % BS;
+        }
+        b->pseqs[s] = (struct step_seq){
+            .slot = s, .pos0 = ctx - 1, .n_tokens = 1, .n_logits = 1, .tok_off = s,
+            .n_blocks = nb, .block_off = { s * nb, s * nb }, .mtp_depth = 1,
+        };
+        b->n_valid[s] = 1;
+        b->tok_in[s] = (int32_t)(rnd(b) % (uint64_t)m->vocab);
+    }
+    b->start[B] = B;
+    *bt = (struct batch){ .n_tok = B, .n_seqs = B, .ids = b->ids, .pos = b->pos,
+                          .seq_start = b->start, .seq_pos0 = b->pos0 };
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        bt->slots[g] = b->slots[g];
+        bt->boff[g] = b->boff[g];
+        bt->tables[g] = b->tables[g];
+    }
+}
+
+static void batch_make(struct bench *b, int B, int ctx, struct batch *bt)
+{
+    batch_make_at(b, B, ctx, 0, bt);
+}
+
+static void plan_make(struct bench *b, int B, struct step_plan *p)
+{
+    static uint64_t step_id;
+
+    *p = (struct step_plan){ .step_id = ++step_id, .n_seqs = B, .n_tokens = B, .seqs = b->pseqs,
+                             .tokens = b->ids };
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        p->n_block_ids[g] = B * b->nb;
+        p->blocks[g] = b->tables[g];
+    }
+}
+
+static void fill_rows(struct bench *b, float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = rnd_unit(b);
+}
+
+/* distinct experts among the B x top_k routing ids of the last MoE layer run */
+static int distinct_experts(const struct model *m, int B)
+{
+    uint64_t seen[16] = { 0 };
+    int n = 0;
+
+    for (int i = 0; i < B * m->cfg->top_k; i++) {
+        int e = m->rids[i];
+
+        if (e >= 0 && e < 1024 && !(seen[e / 64] >> (e % 64) & 1)) {
+            seen[e / 64] |= 1ull << (e % 64);
+            n++;
+        }
+    }
+    return n;
+}
+
+/* ---------------------------------------------------------------- sweep -- */
+
+static void die(const char *what, int r, const struct model *m)
+{
+    fprintf(stderr, "bench-shapes: %s failed: %s%s%s\n", what, err_str(r), m ? ": " : "",
+            m ? model_last_error(m) : "");
+    exit(1);
+}
+
+static const char *kind_name(const struct mlayer *L)
+{
+    return L->is_moe ? (L->window > 0 ? "MoE/sliding" : "MoE/full")
+                     : (L->window > 0 ? "dense/sliding" : "dense/full");
+}
+
+static void sweep(struct bench *b, int B)
+{
+    struct model *m = b->m;
+    const struct model_config *cfg = m->cfg;
+    const int H = m->hidden;
+    struct batch bt;
+    struct step_plan p;
+    char name[96];
+    double t0, t, bytes;
+    int r;
+
+    /* trunk layers at context CTX_LAYERS, whole backend */
+    batch_make(b, B, CTX_LAYERS, &bt);
+    b->moe_distinct[B] = 0;
+    b->moe_runs[B] = 0;
+    for (int l = 0; l < m->n_layers; l++) {
+        struct mlayer *L = &m->layers[l];
+
+        fill_rows(b, m->hid, (size_t)B * H);
+        t0 = now();
+        r = model__layer_forward(m, L, m->hid, &bt);
+        t = now() - t0;
+        if (r < 0)
+            die("layer", r, NULL);
+        bytes = attn_wbytes(L) + ffn_wbytes(L) + B * kv_bytes(m, L, CTX_LAYERS);
+        if (L->is_moe) {
+            int d = distinct_experts(m, B);
+
+            bytes += d * expert_bytes(L);
+            b->moe_distinct[B] += d;
+            b->moe_runs[B]++;
+        }
+        snprintf(name, sizeof(name), "layer %d %s (%d heads)", L->idx, kind_name(L), L->n_heads);
+        record(b, name, B, CTX_LAYERS, t, bytes);
+    }
+    /* attention alone: a full and a sliding layer at every context */
+    for (int want_sliding = 0; want_sliding < 2; want_sliding++) {
+        struct mlayer *L = NULL;
+
+        for (int l = 0; l < m->n_layers && !L; l++)
+            if ((m->layers[l].window > 0) == want_sliding)
+                L = &m->layers[l];
+        if (!L)
+            continue;
+        for (int ci = 0; ci < b->n_ctxs * (b->ab_attn ? 2 : 1); ci++) {
+            int ctx = b->ctxs[ci % b->n_ctxs], off = ci >= b->n_ctxs;
+            int g = L->group;
+
+            /* --ab-attn: the same attention with one KV head per work item (attention.c
+             * before head groups), on a set of sequences of its own; the two sets swap from
+             * round to round */
+            bool ab = b->ab_attn && (int64_t)2 * B * ((ctx + BS - 1) / BS) <= b->nbf;
+
+            if (off && !ab)
+                continue;
+            batch_make_at(b, B, ctx, ab && off != (b->rep % 2) ? B : 0, &bt);
+            cpu_attn_no_groups = off;
+            fill_rows(b, m->q, (size_t)B * L->n_heads * L->head_dim);
+            struct attn_args aa = {
+                .q = m->q, .out = m->att, .n_tok = B, .n_heads = L->n_heads,
+                .n_kv_heads = L->n_kv_heads, .head_dim = L->head_dim,
+                .scale = 1.0f / sqrtf((float)L->head_dim), .window = L->window, .kv = &L->kv,
+                .n_seqs = B, .seq_tok_start = bt.seq_start, .seq_pos0 = bt.seq_pos0,
+                .block_tables = bt.tables[g], .block_table_off = bt.boff[g],
+            };
+            t0 = now();
+            r = backend_attention(m->be, &aa);
+            t = now() - t0;
+            if (r < 0)
+                die("attention", r, NULL);
+            cpu_attn_no_groups = 0;
+            snprintf(name, sizeof(name), "attention %s (%d heads)%s%s",
+                     L->window > 0 ? "sliding" : "full", L->n_heads,
+                     b->shared && !want_sliding ? " shared history" : "",
+                     off ? ", a head per item" : "");
+            record(b, name, B, ctx, t, B * kv_bytes(m, L, ctx));
+        }
+    }
+    /* lm_head */
+    fill_rows(b, m->rows_h, (size_t)B * H);
+    t0 = now();
+    r = backend_rmsnorm(m->be, m->rows_h, &m->final_norm, B, H, cfg->rms_norm_eps, m->rows_h);
+    r = r ? r : backend_matmul(m->be, &m->lm_head, m->rows_h, B, m->rows_logits);
+    t = now() - t0;
+    if (r < 0)
+        die("lm_head", r, NULL);
+    snprintf(name, sizeof(name), "lm_head (final norm + %d x %d)", m->vocab, H);
+    record(b, name, B, 0, t, wbytes(&m->lm_head));
+
+    /* the real decode step, then one MTP depth */
+    double step_bytes = wbytes(&m->lm_head) + wbytes(&m->final_norm) + B * H * 2.0;
+    double d = b->moe_runs[B] ? b->moe_distinct[B] / b->moe_runs[B] : 0;
+
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct mlayer *L = &m->layers[l];
+        step_bytes += attn_wbytes(L) + ffn_wbytes(L) + d * expert_bytes(L) +
+                      B * kv_bytes(m, L, CTX_LAYERS);
+    }
+    for (int whole = 0; whole < (b->T == 2 && B >= 4 ? 2 : 1); whole++) {
+        int parts = m->split_parts;
+
+        batch_make(b, B, CTX_LAYERS, &bt);
+        plan_make(b, B, &p);
+        if (whole)
+            m->split_parts = 1;
+        t0 = now();
+        r = model_step(m, &p, b->logits);
+        t = now() - t0;
+        m->split_parts = parts;
+        if (r < 0)
+            die("model_step", r, m);
+        snprintf(name, sizeof(name), "real step: embed, %d layers, head%s", m->n_layers,
+                 b->T == 2 && B >= 4 ? (whole ? " (whole, the default)" : " (per-core parts)")
+                                     : "");
+        record(b, name, B, CTX_LAYERS, t, step_bytes);
+    }
+    if (m->n_mtp > 0) {
+        const struct mlayer *L = &m->layers[m->n_layers];
+        double lb = attn_wbytes(L) + ffn_wbytes(L) + wbytes(&L->enorm) + wbytes(&L->hnorm) +
+                    wbytes(&L->eh_e) + wbytes(&L->eh_h) + B * kv_bytes(m, L, CTX_LAYERS);
+        double hb = wbytes(&L->head_norm) + wbytes(&L->head);
+
+        t0 = now();
+        r = model_mtp_step(m, 0, &p, b->n_valid, b->tok_in, b->logits);
+        t = now() - t0;
+        if (r < 0)
+            die("model_mtp_step", r, m);
+        snprintf(name, sizeof(name), "MTP depth (layer + draft head, %s)",
+                 L->head.fmt == WFMT_MXFP4 ? "MXFP4 drafts" : "BF16 drafts");
+        record(b, name, B, CTX_LAYERS, t, lb + hb);
+        fill_rows(b, m->rows_h, (size_t)B * H);
+        t0 = now();
+        r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, B, H, cfg->rms_norm_eps, m->rows_h);
+        r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, B, m->mtp_logits);
+        t = now() - t0;
+        if (r < 0)
+            die("draft head", r, NULL);
+        record(b, "MTP draft head alone", B, 0, t, hb);
+    }
+}
+
+/* ------------------------------------------------------------- reporting -- */
+
+static const struct cell *find(const struct bench *b, const char *prefix, int B, int ctx)
+{
+    for (int i = 0; i < b->n_cells; i++)
+        if (b->cells[i].B == B && b->cells[i].ctx == ctx &&
+            strncmp(b->cells[i].name, prefix, strlen(prefix)) == 0)
+            return &b->cells[i];
+    return NULL;
+}
+
+/* Step-3.7-Flash's 45 layers + head at batch B and context ctx, per round: time and floor */
+static void extrapolate(const struct bench *b, int B, int ctx, double *ret_t, double *ret_ratio,
+                        double *ret_floor)
+{
+    /* real layer counts per generated kind: dense/full 1 (layer 0), dense/sliding 2 (1, 2),
+     * MoE/full 11 (4, 8, .., 44), MoE/sliding 31 */
+    static const struct { const char *kind; int count; } kinds[] = {
+        { "dense/full", 1 }, { "dense/sliding", 2 }, { "MoE/full", 11 }, { "MoE/sliding", 31 },
+    };
+    const struct cell *head = find(b, "lm_head", B, 0);
+    double t[MAX_REPS], fl[MAX_REPS], ratio[MAX_REPS];
+    int n = head ? head->n : 0;
+
+    for (int r = 0; r < n; r++) {
+        t[r] = head->t[r];
+        fl[r] = head->floor[r];
+    }
+    for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+        const struct cell *layer = NULL, *a1k, *ac;
+        char pre[64];
+        bool sliding = strstr(kinds[k].kind, "sliding") != NULL;
+
+        for (int i = 0; i < b->n_cells && !layer; i++)
+            if (b->cells[i].B == B && strncmp(b->cells[i].name, "layer ", 6) == 0 &&
+                strstr(b->cells[i].name, kinds[k].kind))
+                layer = &b->cells[i];
+        snprintf(pre, sizeof(pre), "attention %s", sliding ? "sliding" : "full");
+        a1k = find(b, pre, B, CTX_LAYERS);
+        ac = find(b, pre, B, ctx);
+        if (!layer || !a1k || !ac) {
+            *ret_t = *ret_ratio = *ret_floor = 0;
+            return;
+        }
+        for (int r = 0; r < n; r++) {
+            t[r] += kinds[k].count * (layer->t[r] - a1k->t[r] + ac->t[r]);
+            fl[r] += kinds[k].count * (layer->floor[r] - a1k->floor[r] + ac->floor[r]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        ratio[r] = fl[r] / t[r];
+    *ret_t = median(t, n);
+    *ret_floor = median(fl, n);
+    *ret_ratio = median(ratio, n);
+}
+
+static void report(const struct bench *b)
+{
+    double lo = b->bw[0], hi = b->bw[0];
+
+    for (int r = 1; r < b->reps; r++) {
+        lo = b->bw[r] < lo ? b->bw[r] : lo;
+        hi = b->bw[r] > hi ? b->bw[r] : hi;
+    }
+    printf("\nthreads %d: read bandwidth %.2f GB/s (median of %d probes, %.2f .. %.2f; one before "
+           "each round)\n", b->T, median(b->bw, b->reps), b->reps, lo, hi);
+    for (int bi = 0; bi < b->n_batches; bi++) {
+        int B = b->batches[bi];
+
+        printf(" batch %d (medians of %d rounds; context in tokens)\n", B, b->reps);
+        for (int i = 0; i < b->n_cells; i++) {
+            const struct cell *c = &b->cells[i];
+            char ctx[16] = "";
+            double ratio[MAX_REPS];
+
+            if (c->B != B)
+                continue;
+            if (c->ctx)
+                snprintf(ctx, sizeof(ctx), "%dk", c->ctx / 1024);
+            for (int k = 0; k < c->n; k++)
+                ratio[k] = c->floor[k] / c->t[k];
+            printf("  %-56s %4s %9.2f ms %9.1f MB  floor %8.2f ms  %5.1f %% of bw\n", c->name, ctx,
+                   1e3 * median(c->t, c->n), median(c->bytes, c->n) / 1e6,
+                   1e3 * median(c->floor, c->n), 100.0 * median(ratio, c->n));
+        }
+        for (int ci = 0; ci < b->n_ctxs; ci++) {
+            double t, ratio, fl;
+
+            extrapolate(b, B, b->ctxs[ci], &t, &ratio, &fl);
+            if (t > 0)
+                printf("  Step-3.7-Flash decode step, 45 layers + head, context %2dk: %8.1f ms = "
+                       "%6.2f tok/s (floor %7.1f ms = %6.2f tok/s)  %5.1f %% of bw\n",
+                       b->ctxs[ci] / 1024, 1e3 * t, B / t, 1e3 * fl, B / fl, 100.0 * ratio);
+        }
+    }
+    {
+        const struct cell *moe = NULL;
+        double t, ratio, fl, rr[MAX_REPS];
+
+        for (int i = 0; i < b->n_cells && !moe; i++)
+            if (b->cells[i].B == 1 && strncmp(b->cells[i].name, "layer ", 6) == 0 &&
+                strstr(b->cells[i].name, "MoE/sliding"))
+                moe = &b->cells[i];
+        extrapolate(b, 1, CTX_LAYERS, &t, &ratio, &fl);
+        if (moe) {
+            for (int k = 0; k < moe->n; k++)
+                rr[k] = moe->floor[k] / moe->t[k];
+            printf(" targets, %d threads: MoE layer at batch 1 %.1f %% of the read bandwidth "
+                   "(target >= 80 %%); whole decode step at batch 1, context 1k %.1f %% (target "
+                   ">= 70 %%)\n", b->T, 100.0 * median(rr, moe->n), 100.0 * ratio);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- setup -- */
+
+static long mem_available_mb(void)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    long kb = -1;
+
+    if (!f)
+        return -1;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "MemAvailable: %ld kB", &kb) == 1)
+            break;
+    fclose(f);
+    return kb < 0 ? -1 : kb / 1024;
+}
+
+static void kv_fill(struct bench *b, struct mlayer *L)
+{
+    size_t n;
+    float *pat;
+    const size_t chunk = 1 << 18;      /* floats */
+
+    if (!L->kv.k)
+        return;
+    n = (size_t)L->kv.n_blocks * L->kv.block_size * L->kv.n_kv_heads * L->kv.head_dim;
+    pat = malloc(chunk * sizeof(float));
+    if (!pat) {
+        fprintf(stderr, "bench-shapes: out of memory\n");
+        exit(1);
+    }
+    fill_rows(b, pat, chunk);
+    for (int kv = 0; kv < 2; kv++) {
+        float *dst = kv ? L->kv.v : L->kv.k;
+
+        for (size_t i = 0; i < n; i += chunk)
+            memcpy(dst + i, pat, sizeof(float) * (n - i < chunk ? n - i : chunk));
+    }
+    free(pat);
+}
+
+static int run_model(const char *cmd0, char *const argv[])
+{
+    pid_t pid;
+    int st;
+
+    if (posix_spawn(&pid, cmd0, NULL, NULL, argv, environ) != 0)
+        return -errno;
+    if (waitpid(pid, &st, 0) < 0)
+        return -errno;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -EIO;
+}
+
+static int parse_list(const char *s, int *out, int max)
+{
+    int n = 0;
+
+    while (*s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+
+        if (end == s || v <= 0)
+            return -1;
+        out[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',')
+            return -1;
+    }
+    return n;
+}
+
+static void bench_threads(struct bench *b, struct ckpt *ck)
+{
+    const struct model_config *cfg = ckpt_config(ck);
+    struct backend_cfg bc = { .n_threads = b->T };
+    struct err_buf e = { { 0 } };
+    int max_ctx = CTX_LAYERS, r;
+    double t0;
+
+    for (int i = 0; i < b->n_ctxs; i++)
+        max_ctx = b->ctxs[i] > max_ctx ? b->ctxs[i] : max_ctx;
+    r = backend_new("cpu", &bc, &b->be);
+    if (r < 0)
+        die("cpu backend", r, NULL);
+    r = cpu_pool_new(b->T, &b->pool);
+    if (r < 0)
+        die("probe pool", r, NULL);
+    /* FULL blocks: every batch x context of distinct histories that fits ~2 GB for the
+     * trunk's full layers; the sliding pool: a window (+ 3 blocks) per sequence */
+    {
+        int n_full = 0;
+        double per_block = (double)BS * cfg->n_kv_heads * cfg->head_dim * 2 * 4;
+        int want = 0;
+
+        for (int i = 0; i < cfg->n_layers; i++)
+            n_full += cfg->layers[i].kind == LAYER_KIND_FULL;
+        for (int bi = 0; bi < b->n_batches; bi++)
+            for (int ci = 0; ci < b->n_ctxs; ci++) {
+                int64_t need = (int64_t)b->batches[bi] * ((b->ctxs[ci] + BS - 1) / BS) + MAX_B;
+                if (need * per_block * (n_full ? n_full : 1) <= 2.2e9 && need > want)
+                    want = (int)need;
+            }
+        b->nbf = want > (max_ctx + BS - 1) / BS + MAX_B ? want : (max_ctx + BS - 1) / BS + MAX_B;
+        b->sps = cfg->sliding_window / BS + 3;
+        b->nbs = MAX_B * b->sps;
+    }
+    struct model_opts mo = {
+        .max_tokens_per_step = MAX_B, .max_seqs = MAX_B, .max_logit_rows = MAX_B,
+        .block_size = BS, .n_blocks = { b->nbf, b->nbs }, .max_seq_len = max_ctx + BS,
+        .draft_quant = MODEL_DRAFT_MXFP4,   /* the CPU default ("auto") */
+        .split_any_size = true,             /* parts beside whole steps (below) */
+    };
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        b->tables[g] = calloc((size_t)MAX_B * ((max_ctx + BS - 1) / BS + 1), sizeof(int32_t));
+        if (!b->tables[g])
+            die("block tables", -ENOMEM, NULL);
+    }
+    b->logits = malloc(sizeof(float) * MAX_B * (size_t)cfg->vocab_size);
+    if (!b->logits)
+        die("logits", -ENOMEM, NULL);
+    t0 = now();
+    r = model_new(ck, b->be, NULL, &mo, &b->m, &e);
+    if (r < 0) {
+        fprintf(stderr, "bench-shapes: model: %s\n", e.msg);
+        exit(1);
+    }
+    for (int i = 0; i < b->m->n_layers + b->m->n_mtp; i++)
+        kv_fill(b, &b->m->layers[i]);
+    for (int i = 0; b->m->mtp_tp && i < 2 * b->m->n_mtp; i++)
+        kv_fill(b, &b->m->tp_half[i]);
+    printf("\nthreads %d: model built in %.1f s (KV: %d full blocks, %d sliding, FP32; split "
+           "steps %s, MTP halves %s); MemAvailable %ld MiB\n", b->T, now() - t0, b->nbf, b->nbs,
+           b->m->split_parts > 1 ? "on" : "off", b->m->mtp_tp ? "on" : "off", mem_available_mb());
+    b->n_cells = 0;
+    for (b->rep = 0; b->rep < b->reps; b->rep++) {
+        b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
+        for (int bi = 0; bi < b->n_batches; bi++)
+            sweep(b, b->batches[bi]);
+    }
+    report(b);
+    model_free(b->m);
+    b->m = NULL;
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        free(b->tables[g]);
+    free(b->logits);
+    backend_free(b->be);
+    cpu_pool_free(b->pool);
+}
+
+int main(int argc, char **argv)
+{
+    struct bench *b = calloc(1, sizeof(*b));
+    char tmp[4096] = "";
+    const char *env = getenv("STEPD_BENCH_MB");
+    struct ckpt *ck;
+    struct err_buf e = { { 0 } };
+    int r;
+
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    b->threads[0] = 1, b->threads[1] = 2, b->n_threads = 2;
+    b->batches[0] = 1, b->batches[1] = 4, b->batches[2] = 16, b->n_batches = 3;
+    b->ctxs[0] = 1024, b->ctxs[1] = 8192, b->ctxs[2] = 32768, b->n_ctxs = 3;
+    b->reps = 5;
+    b->rng = 0x9e3779b97f4a7c15ull;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int ok = 1;
+
+        if (strcmp(a, "--keep") == 0) {
+            b->keep = true;
+            continue;
+        }
+        if (strcmp(a, "--ab-attn") == 0) {
+            b->ab_attn = true;
+            continue;
+        }
+        if (!v)
+            ok = 0;
+        else if (strcmp(a, "--mkmodel") == 0)
+            b->mkmodel = v;
+        else if (strcmp(a, "--model") == 0)
+            b->model_dir = v;
+        else if (strcmp(a, "--threads") == 0)
+            ok = (b->n_threads = parse_list(v, b->threads, MAX_LIST)) > 0;
+        else if (strcmp(a, "--batches") == 0)
+            ok = (b->n_batches = parse_list(v, b->batches, MAX_LIST)) > 0;
+        else if (strcmp(a, "--contexts") == 0)
+            ok = (b->n_ctxs = parse_list(v, b->ctxs, MAX_LIST)) > 0;
+        else if (strcmp(a, "--reps") == 0)
+            ok = (b->reps = atoi(v)) >= 1 && b->reps <= MAX_REPS;
+        else
+            ok = 0;
+        for (int k = 0; ok && k < b->n_batches; k++)
+            ok = b->batches[k] <= MAX_B;
+        for (int k = 0; ok && strcmp(a, "--contexts") == 0 && k < b->n_ctxs; k++)
+            ok = b->ctxs[k] >= 1024 && b->ctxs[k] <= 262144;
+        for (int k = 0; ok && k < b->n_threads; k++)
+            ok = b->threads[k] <= 127;
+        if (!ok) {
+            fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
+                            "[--batches 1,4,16 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
+                            "(1..%d)] [--keep] [--ab-attn]\n", MAX_B, MAX_REPS);
+            return 2;
+        }
+        i++;
+    }
+    if (!b->model_dir && !b->mkmodel) {
+        fprintf(stderr, "bench-shapes: --mkmodel PATH or --model DIR is required\n");
+        return 2;
+    }
+    printf("bench-shapes: CPU isa %s (host %s), %ld online CPUs, MemAvailable %ld MiB\n",
+           cpu_isa_name(cpu_isa()), cpu_isa_name(cpu_isa_host()), sysconf(_SC_NPROCESSORS_ONLN),
+           mem_available_mb());
+    if (!b->model_dir) {
+        const char *td = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+        char out[4200];
+        double t0 = now();
+
+        snprintf(tmp, sizeof(tmp), "%s/stepd-bench-shapes-XXXXXX", td);
+        if (!mkdtemp(tmp)) {
+            fprintf(stderr, "bench-shapes: mkdtemp %s: %s\n", tmp, strerror(errno));
+            return 1;
+        }
+        snprintf(out, sizeof(out), "%s/model", tmp);
+        char *av[] = { (char *)b->mkmodel, "--layers", "4", "--mtp", "1", "--out", out, NULL };
+        r = run_model(b->mkmodel, av);
+        if (r < 0) {
+            fprintf(stderr, "bench-shapes: %s failed\n", b->mkmodel);
+            return 1;
+        }
+        printf("bench-shapes: model made in %.1f s\n", now() - t0);
+        b->model_dir = strdup(out);
+    }
+    b->arena_bytes = (size_t)(env ? strtoul(env, NULL, 10) : 1024) << 20;
+    b->arena = aligned_alloc(4096, b->arena_bytes);
+    if (!b->arena) {
+        fprintf(stderr, "bench-shapes: cannot allocate the probe's arena\n");
+        return 1;
+    }
+    for (size_t i = 0; i < b->arena_bytes; i++)
+        b->arena[i] = (uint8_t)(i * 2654435761u >> 13);
+    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 1 };
+    r = ckpt_open(b->model_dir, &co, &ck, &e);
+    if (r < 0) {
+        fprintf(stderr, "bench-shapes: %s: %s\n", b->model_dir, e.msg);
+        return 1;
+    }
+    for (int i = 0; i < b->n_threads; i++) {
+        b->T = b->threads[i];
+        bench_threads(b, ck);
+    }
+    ckpt_close(ck);
+    if (*tmp && !b->keep) {
+        char *av[] = { "/bin/rm", "-rf", tmp, NULL };
+        run_model("/bin/rm", av);
+    } else if (*tmp) {
+        printf("bench-shapes: model kept in %s\n", b->model_dir);
+    }
+    free(b->arena);
+    return 0;
+}

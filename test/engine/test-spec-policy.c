@@ -1,0 +1,255 @@
+/* test-spec-policy.c - the adaptive draft policy (worker/engine/spec-policy.h) against the
+ * mock forward with a dialled-in cost and acceptance (mock.h: step_usec + token_usec per
+ * token per step, mtp_usec per MTP call, mtp_accuracy per draft):
+ *   - drafts that pay (MTP calls 1/60 of a step, 95 % accurate): after the first requests
+ *     most decode steps verify 3 drafts;
+ *   - drafts that cost more than a step: most decode steps verify none;
+ *   - cheap drafts that are never right (2 % accepted): most decode steps verify none;
+ *   - the outputs are the greedy reference (K = 0) in every case, at concurrency 1 and 4;
+ *   - "draft_policy" in the speculative config, and the K-by-step counts in the stats.
+ * The mock sleeps, so the costs are wall-clock: the cases are chosen with margins of 25 %
+ * and more between the right depth and its neighbours (a sleep of 50 us takes 150-200 us
+ * on a loaded machine), beyond that machine's noise.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+#include "harness.h"
+#include "mock.h"
+#include "spec-policy.h"
+
+#define N_OUT 96
+#define MAX_REQ 8
+
+struct coll {
+    int32_t toks[N_OUT];
+    int n;
+    bool finished;
+    struct spec_stats mtp;
+};
+
+static void on_out(void *ud, const struct engine_output *o)
+{
+    struct coll *c = ud;
+
+    ASSERT_TRUE(c->n + o->n_tokens <= N_OUT);
+    memcpy(c->toks + c->n, o->tokens, (size_t)o->n_tokens * sizeof(int32_t));
+    c->n += o->n_tokens;
+    c->mtp = o->mtp;
+    c->finished = o->finished;
+}
+
+/* greedy reference: argmax of the mock's target rows */
+static void reference(struct forward *f, const int32_t *prompt, int np, int32_t *out)
+{
+    int32_t seq[64 + N_OUT];
+    float row[4096];
+
+    memcpy(seq, prompt, (size_t)np * sizeof(int32_t));
+    for (int t = 0; t < N_OUT; t++) {
+        int best = 0;
+
+        mock_forward_row(f, seq, np + t, row);
+        for (int v = 1; v < f->vocab_size; v++)
+            if (row[v] > row[best])
+                best = v;
+        seq[np + t] = best;
+        out[t] = best;
+    }
+}
+
+struct outcome {
+    struct spec_stats mtp;      /* summed over the measured requests */
+    double frac[SPEC_MAX_K + 1];/* decode steps by drafts verified (without each request's
+                                   first verify, which follows its prefill with no drafts) */
+};
+
+/* Requests of N_OUT tokens, conc at a time, 3 rounds to learn and `rounds` measured;
+ * every output checked against the greedy reference. */
+static struct outcome run_case(long step_us, long token_us, long mtp_us, float acc, int conc,
+                               int rounds)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    struct forward *f;
+    struct engine *e;
+    struct err_buf err = { { 0 } };
+    struct outcome res = { 0 };
+    uint64_t tot = 0;
+
+    mock_config_init(&mc);
+    mc.vocab_size = 512;
+    mc.max_seqs = 8;
+    mc.n_blocks[KV_GROUP_FULL] = mc.n_blocks[KV_GROUP_SLIDING] = 256;
+    mc.step_usec = step_us;
+    mc.token_usec = token_us;
+    mc.mtp_usec = mtp_us;
+    mc.mtp_accuracy = acc;
+    ASSERT_OK(mock_forward_new(&mc, &f));
+    engine_config_init(&ec);
+    ec.max_num_batched_tokens = 64;
+    ec.max_num_seqs = 8;
+    ec.max_model_len = 256;
+    ec.sliding_window = 32;
+    ec.num_speculative_tokens = 3;
+    ASSERT_EQ(ec.spec_policy, SPEC_POLICY_ADAPTIVE);     /* the default */
+    if (engine_new(f, &ec, &e, &err) < 0)
+        FAIL("engine_new: %s", err.msg);
+    for (int round = 0; round < 3 + rounds; round++) {
+        struct coll c[MAX_REQ];
+        int32_t prompt[MAX_REQ][16], ref[N_OUT];
+        char id[MAX_REQ][16];
+
+        memset(c, 0, sizeof(c));
+        for (int i = 0; i < conc; i++) {
+            struct engine_request q;
+
+            for (int t = 0; t < 16; t++)
+                prompt[i][t] = (int32_t)((t * 37 + round * 101 + i * 13 + 1) % mc.vocab_size);
+            snprintf(id[i], sizeof(id[i]), "r%d-%d", round, i);
+            engine_request_init(&q);
+            q.id = id[i];
+            q.prompt = prompt[i];
+            q.n_prompt = 16;
+            q.max_tokens = N_OUT;
+            q.ignore_eos = true;
+            ASSERT_OK(engine_submit(e, &q, on_out, &c[i], &err));
+        }
+        ASSERT_OK(engine_run_until_idle(e));
+        for (int i = 0; i < conc; i++) {
+            ASSERT_TRUE(c[i].finished);
+            ASSERT_EQ(c[i].n, N_OUT);
+            reference(f, prompt[i], 16, ref);
+            for (int t = 0; t < N_OUT; t++)
+                if (c[i].toks[t] != ref[t])
+                    FAIL("request %s token %d: %d, the greedy reference has %d", id[i], t,
+                         c[i].toks[t], ref[t]);
+            if (round >= 3) {
+                c[i].mtp.steps_by_drafts[0]--;      /* the verify after the prefill */
+                spec_stats_add(&res.mtp, &c[i].mtp);
+            }
+        }
+    }
+    ASSERT_OK(engine_check(e));
+    engine_free(e);
+    f->ops->free(f);
+    for (int k = 0; k <= SPEC_MAX_K; k++)
+        tot += res.mtp.steps_by_drafts[k];
+    ASSERT_TRUE(tot > 0);
+    for (int k = 0; k <= SPEC_MAX_K; k++)
+        res.frac[k] = (double)res.mtp.steps_by_drafts[k] / (double)tot;
+    printf("  step %ld us + %ld us/token, MTP call %ld us, accuracy %.2f, concurrency %d: decode "
+           "steps with K = 0/1/2/3 drafts: %.0f/%.0f/%.0f/%.0f %%\n", step_us, token_us, mtp_us,
+           acc, conc, 100 * res.frac[0], 100 * res.frac[1], 100 * res.frac[2], 100 * res.frac[3]);
+    return res;
+}
+
+static void test_drafts_pay(void)
+{
+    for (int conc = 1; conc <= 4; conc += 3) {
+        struct outcome o = run_case(3000, 10, 50, 0.95f, conc, 3);
+
+        /* (the last steps of a request allow fewer drafts; a load burst on a shared
+         * machine can make three look dearer than two for a while) */
+        ASSERT_TRUE(o.frac[3] >= (conc == 1 ? 0.7 : 0.5));
+        ASSERT_TRUE(o.frac[2] + o.frac[3] >= 0.85);
+        ASSERT_TRUE(o.frac[0] <= 0.1);
+    }
+}
+
+static void test_drafts_too_dear(void)
+{
+    for (int conc = 1; conc <= 4; conc += 3) {
+        struct outcome o = run_case(1000, 10, 2500, 0.8f, conc, 3);
+
+        ASSERT_TRUE(o.frac[0] >= 0.8);
+    }
+}
+
+static void test_drafts_rejected(void)
+{
+    struct outcome o = run_case(1000, 10, 100, 0.02f, 1, 3);
+
+    ASSERT_TRUE(o.frac[0] >= 0.8);
+}
+
+static void test_config(void)
+{
+    struct spec_config c;
+    struct err_buf e = { { 0 } };
+    struct spec_policy *p;
+
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3}", &c, &e));
+    ASSERT_EQ(c.draft_policy, SPEC_POLICY_ADAPTIVE);
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
+                                "\"draft_policy\":\"fixed\"}", &c, &e));
+    ASSERT_EQ(c.draft_policy, SPEC_POLICY_FIXED);
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
+                                "\"draft_policy\":null}", &c, &e));
+    ASSERT_EQ(c.draft_policy, SPEC_POLICY_ADAPTIVE);
+    ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
+                                 "\"draft_policy\":\"greedy\"}", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "draft_policy");
+    ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 0, 3, 64, &p), -EINVAL);
+    ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 8, 4, 64, &p), -EINVAL);
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_FIXED, 8, 3, 0, &p));
+    ASSERT_EQ(spec_policy_rate(p, 1, 0), 0.0);      /* nothing measured */
+    spec_policy_free(p);
+}
+
+/* the fixed policy: every decode step after the first verifies exactly K drafts */
+static void test_fixed(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    struct forward *f;
+    struct engine *e;
+    struct err_buf err = { { 0 } };
+    struct coll c = { 0 };
+    struct engine_request q;
+    int32_t prompt[16];
+
+    mock_config_init(&mc);
+    mc.mtp_accuracy = 0.0f;         /* never accepted: the adaptive policy would stop */
+    mc.mtp_usec = 2000;
+    ASSERT_OK(mock_forward_new(&mc, &f));
+    engine_config_init(&ec);
+    ec.max_num_batched_tokens = 64;
+    ec.max_model_len = 256;
+    ec.num_speculative_tokens = 2;
+    ec.spec_policy = SPEC_POLICY_FIXED;
+    ASSERT_OK(engine_new(f, &ec, &e, &err));
+    for (int t = 0; t < 16; t++)
+        prompt[t] = t + 3;
+    engine_request_init(&q);
+    q.id = "fixed";
+    q.prompt = prompt;
+    q.n_prompt = 16;
+    q.max_tokens = 40;
+    q.ignore_eos = true;
+    ASSERT_OK(engine_submit(e, &q, on_out, &c, &err));
+    ASSERT_OK(engine_run_until_idle(e));
+    ASSERT_EQ(c.n, 40);
+    ASSERT_EQ(c.mtp.steps_by_drafts[0], 2);         /* after the prefill, the last token */
+    ASSERT_EQ(c.mtp.steps_by_drafts[1], 1);         /* two tokens left: one draft */
+    ASSERT_EQ(c.mtp.steps_by_drafts[2], 37);
+    ASSERT_EQ(c.mtp.steps_by_drafts[3], 0);
+    ASSERT_EQ(c.mtp.n_accepted, 0);
+    engine_free(e);
+    f->ops->free(f);
+}
+
+int main(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    test_config();
+    test_fixed();
+    test_drafts_pay();
+    test_drafts_too_dear();
+    test_drafts_rejected();
+    printf("test-spec-policy: ok\n");
+    return 0;
+}

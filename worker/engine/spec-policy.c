@@ -1,0 +1,703 @@
+/* spec-policy.c - the draft depth of every decoding sequence, per step (spec-policy.h).
+ *
+ * Costs are kept per table cell: verify[B][n - B] (a decode step of B sequences, n
+ * tokens), draft[k][m] (MTP depth k for m sequences), and one for the rest of a step; a
+ * cell's value is the median of its last COST_RING measurements that are at most
+ * COST_FRESH decisions old (else the newest): one step that lost its core on a shared
+ * machine does not move it, and a cell that only probes measure (the choices not made)
+ * does not keep the load of long ago.  Acceptance: per sequence, decayed
+ * (ACC_DECAY per verify step) counts of the drafts tried and accepted at each position
+ * (position j is tried when drafts 1 .. j-1 were accepted), shrunk towards the engine-wide
+ * counts (decayed by GLOBAL_DECAY) with the weight of ACC_PRIOR verify steps.
+ */
+#include "spec-policy.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "log.h"
+
+#define COST_FRESH 128
+#define COST_TRUST 3
+#define ACC_DECAY 0.9f
+#define ACC_PRIOR 8.0
+#define GLOBAL_DECAY 0.995
+#define GLOBAL_PRIOR 0.7            /* engine-wide acceptance before any verify step */
+
+#define COST_RING 5
+
+struct cost {
+    double mean;                    /* median of the fresh measurements in ring (seconds) */
+    float ring[COST_RING];
+    uint64_t at[COST_RING];         /* the decision count at each measurement */
+    uint8_t head, n_ring;
+    uint8_t trust;                  /* measurements behind mean */
+    uint32_t n;
+};
+
+struct spec_policy {
+    enum spec_draft_policy mode;
+    int max_seqs, kmax, xmax;
+    struct cost *verify;            /* [(max_seqs + 1) * (xmax + 1)] */
+    struct cost *draft;             /* [kmax * (max_seqs + 1)] */
+    struct cost rest;
+    double g_tried[SPEC_MAX_K], g_hit[SPEC_MAX_K];      /* engine-wide, all drafts */
+    double g_tried_c[SPEC_MAX_K], g_hit_c[SPEC_MAX_K];  /* ... with complete caches */
+    int window;
+    int fill_depth;                 /* depth of fill-only chains (-1: as the engine asks) */
+    /* this decision's sampled sequences, which keep their depth (seeded sampling stays
+     * reproducible): their drafts, sequences per depth, expected accepted drafts */
+    int fix_x, fix_cnt[SPEC_MAX_K];
+    double fix_gain;
+    int64_t last_end_us;            /* end of the last decode step's work (0: none) */
+    bool last_decode;
+
+    /* decisions */
+    int prev_m[SPEC_MAX_K], prev_n;
+    uint64_t n_decisions, n_probes, next_probe;
+    int probe_interval, probe_dir;
+    bool probe_check;               /* the decision after a probe: compare with probe_m */
+    int probe_m[SPEC_MAX_K];
+
+    /* scratch [max_seqs] */
+    int *rank, *cand;
+    double *a1, *p;                 /* p[pos * kmax + k]: p_{i,k+1} by ranking position */
+    double *cv;                     /* [xmax + 1] */
+    double *cd;                     /* [kmax * (max_seqs + 1)] */
+    int *cnt;                       /* [kmax * (max_seqs + 1)] prefix counts */
+    double *gain;                   /* [kmax * (max_seqs + 1)] prefix gains */
+};
+
+int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int window,
+                    struct spec_policy **ret)
+{
+    struct spec_policy *p;
+    size_t S, X;
+
+    if (max_seqs < 1 || kmax < 0 || kmax > SPEC_MAX_K || window < 0 ||
+        (mode != SPEC_POLICY_ADAPTIVE && mode != SPEC_POLICY_FIXED))
+        return -EINVAL;
+    p = calloc(1, sizeof(*p));
+    if (!p)
+        return -ENOMEM;
+    p->mode = mode;
+    p->max_seqs = max_seqs;
+    p->kmax = kmax;
+    p->xmax = kmax * max_seqs;
+    S = (size_t)max_seqs + 1;
+    X = (size_t)p->xmax + 1;
+    p->verify = calloc(S * X, sizeof(*p->verify));
+    p->draft = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(*p->draft));
+    p->rank = calloc(S, sizeof(int));
+    p->cand = calloc(S, sizeof(int));
+    p->a1 = calloc(S, sizeof(double));
+    p->p = calloc(S * (size_t)(kmax ? kmax : 1), sizeof(double));
+    p->cv = calloc(X, sizeof(double));
+    p->cd = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(double));
+    p->cnt = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(int));
+    p->gain = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(double));
+    if (!p->verify || !p->draft || !p->rank || !p->cand || !p->a1 || !p->p || !p->cv || !p->cd ||
+        !p->cnt || !p->gain) {
+        spec_policy_free(p);
+        return -ENOMEM;
+    }
+    for (int k = 0; k < SPEC_MAX_K; k++) {
+        p->g_tried[k] = 2.0;
+        p->g_hit[k] = 2.0 * GLOBAL_PRIOR;
+    }
+    p->probe_interval = SPEC_POLICY_PROBE_MIN;
+    p->next_probe = SPEC_POLICY_PROBE_MIN;
+    p->window = window;
+    p->fill_depth = -1;
+    *ret = p;
+    return 0;
+}
+
+void spec_policy_free(struct spec_policy *p)
+{
+    if (!p)
+        return;
+    free(p->verify);
+    free(p->draft);
+    free(p->rank);
+    free(p->cand);
+    free(p->a1);
+    free(p->p);
+    free(p->cv);
+    free(p->cd);
+    free(p->cnt);
+    free(p->gain);
+    free(p);
+}
+
+/* ---------------------------------------------------------------- costs -- */
+
+static void cost_add(struct spec_policy *p, struct cost *c, double secs)
+{
+    float v[COST_RING];
+    int n = 0, newest = c->head;
+
+    if (!(secs >= 0.0))
+        return;
+    c->ring[c->head] = (float)secs;
+    c->at[c->head] = p->n_decisions;
+    c->head = (uint8_t)((c->head + 1) % COST_RING);
+    if (c->n_ring < COST_RING)
+        c->n_ring++;
+    /* the median of the last COST_RING measurements no older than COST_FRESH decisions:
+     * one step that lost its core moves nothing, and a cell measured only by probes
+     * forgets the load it was measured under */
+    for (int i = 0; i < c->n_ring; i++)
+        if (p->n_decisions - c->at[i] <= COST_FRESH) {
+            int j = n++;
+
+            for (; j > 0 && v[j - 1] > c->ring[i]; j--)
+                v[j] = v[j - 1];
+            v[j] = c->ring[i];
+        }
+    (void)newest;
+    c->mean = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    c->trust = (uint8_t)n;
+    if (c->n < UINT32_MAX)
+        c->n++;
+}
+
+static struct cost *verify_cell(struct spec_policy *p, int B, int x)
+{
+    return &p->verify[(size_t)B * (size_t)(p->xmax + 1) + (size_t)x];
+}
+
+static const struct cost *verify_cell_c(const struct spec_policy *p, int B, int x)
+{
+    return &p->verify[(size_t)B * (size_t)(p->xmax + 1) + (size_t)x];
+}
+
+/* The measured row nearest to B (B itself first), or -1. */
+static int verify_row(const struct spec_policy *p, int B)
+{
+    for (int d = 0; d <= p->max_seqs; d++) {
+        for (int s = -1; s <= 1; s += 2) {
+            int b = B + s * d;
+
+            if (b < 1 || b > p->max_seqs)
+                continue;
+            for (int x = 0; x <= p->xmax; x++)
+                if (verify_cell_c(p, b, x)->n)
+                    return b;
+            if (d == 0)
+                break;
+        }
+    }
+    return -1;
+}
+
+/* A cost curve out[0 .. xn] from cells[x * stride], x = 0 .. xcap (unmeasured: n == 0).
+ * A cell stands for itself once COST_TRUST measurements are behind its median; the others
+ * are replaced by the least-squares line (weighted by those counts) through every measured
+ * cell, or by the nearest measured cell's value while there is only one, so that one odd
+ * measurement of a rarely chosen configuration cannot steer the choice.  The curve is then
+ * made non-decreasing (pool-adjacent-violators weighted the same way: more tokens or more
+ * sequences never cost less); beyond the last measured x it stays flat.  false when no
+ * cell is measured. */
+static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, double *out)
+{
+    double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0, slope = 0, icpt = 0;
+    double v[SPEC_MAX_K * 256 + 2], w[SPEC_MAX_K * 256 + 2];
+    int len[SPEC_MAX_K * 256 + 2], nb = 0, n_meas = 0, first = -1, last = -1;
+
+    if (xn > SPEC_MAX_K * 256)
+        xn = SPEC_MAX_K * 256;
+    for (int x = 0; x <= xcap; x++) {
+        const struct cost *c = &cells[(size_t)x * (size_t)stride];
+        double wt;
+
+        if (!c->n)
+            continue;
+        wt = c->trust;
+        sw += wt;
+        sx += wt * x;
+        sy += wt * c->mean;
+        sxx += wt * x * x;
+        sxy += wt * x * c->mean;
+        n_meas++;
+        first = first < 0 ? x : first;
+        last = x;
+    }
+    if (!n_meas)
+        return false;
+    if (n_meas >= 2 && sw * sxx - sx * sx > 0) {
+        slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx);
+        slope = slope > 0 ? slope : 0;
+        icpt = (sy - slope * sx) / sw;
+    } else {
+        icpt = sy / sw;
+    }
+    for (int x = 0; x <= xn; x++) {
+        const struct cost *c = x <= xcap ? &cells[(size_t)x * (size_t)stride] : NULL;
+        int xc = x < first ? first : (x > last ? last : x);
+        double y = icpt + slope * xc, wt = 1.0;
+
+        if (c && c->n && c->trust >= COST_TRUST) {
+            y = c->mean;
+            wt = c->trust;
+        }
+        v[nb] = y;
+        w[nb] = wt;
+        len[nb] = 1;
+        nb++;
+        while (nb > 1 && v[nb - 2] > v[nb - 1]) {
+            double ww = w[nb - 2] + w[nb - 1];
+
+            v[nb - 2] = (v[nb - 2] * w[nb - 2] + v[nb - 1] * w[nb - 1]) / ww;
+            w[nb - 2] = ww;
+            len[nb - 2] += len[nb - 1];
+            nb--;
+        }
+    }
+    for (int bi = 0, x = 0; bi < nb; bi++)
+        for (int j = 0; j < len[bi]; j++)
+            out[x++] = v[bi];
+    return true;
+}
+
+/* C_verify over x = 0 .. xn extra tokens of row B (the nearest measured row) into out. */
+static bool verify_curve(const struct spec_policy *p, int B, int xn, double *out)
+{
+    int row = verify_row(p, B);
+
+    return row >= 0 && cost_curve(verify_cell_c(p, row, 0), 1, p->xmax, xn, out);
+}
+
+static const struct cost *draft_cell_c(const struct spec_policy *p, int k, int m)
+{
+    return &p->draft[(size_t)k * (size_t)(p->max_seqs + 1) + (size_t)m];
+}
+
+/* C_draft(k, m) for m = 0 .. n into out (out[0] = 0, no call): row k's curve over m; a
+ * depth never measured takes the nearest measured depth's. */
+static void draft_curve(const struct spec_policy *p, int k, int n, double *out)
+{
+    for (int d = 0; d < p->kmax; d++)
+        for (int s = -1; s <= 1; s += 2) {
+            int kk = k + s * d;
+
+            if (kk < 0 || kk >= p->kmax || (d == 0 && s > 0))
+                continue;
+            /* cells m = 1 .. max_seqs as x = 0 .. max_seqs - 1 */
+            if (cost_curve(draft_cell_c(p, kk, 1), 1, p->max_seqs - 1, n > 0 ? n - 1 : 0,
+                           out + 1)) {
+                out[0] = 0.0;
+                return;
+            }
+        }
+    for (int m = 0; m <= n; m++)
+        out[m] = 0.0;
+}
+
+void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, double seconds)
+{
+    if (!p || p->mode != SPEC_POLICY_ADAPTIVE)
+        return;
+    p->last_end_us = clk_now_us();
+    if (fill || k < 0 || k >= p->kmax || m < 1 || m > p->max_seqs)
+        return;
+    cost_add(p, &p->draft[(size_t)k * (size_t)(p->max_seqs + 1) + (size_t)m], seconds);
+}
+
+/* ----------------------------------------------------------- acceptance -- */
+
+/* Whether MTP layer j's cache is complete for sequence a: it wrote the last `window`
+ * positions (or every one since position 0). */
+static bool layer_clean(const struct spec_policy *p, const struct spec_accept *a, int j)
+{
+    return a->covered[j] >= a->pos || (p->window > 0 && a->covered[j] >= p->window);
+}
+
+/* The counts of a verify step of n_draft drafts of which `accepted` were: position j is
+ * tried when drafts 1 .. j-1 were accepted; the engine-wide counts too. */
+static void accept_add(struct spec_policy *p, struct spec_accept *a, int n_draft, int accepted)
+{
+    for (int j = 0; j < SPEC_MAX_K; j++) {
+        a->tried[j] *= ACC_DECAY;
+        a->hit[j] *= ACC_DECAY;
+        a->tried_c[j] *= ACC_DECAY;
+        a->hit_c[j] *= ACC_DECAY;
+    }
+    for (int j = 0; j < n_draft && j <= accepted; j++) {
+        float h = j < accepted ? 1.0f : 0.0f;
+        bool clean = layer_clean(p, a, j);
+
+        a->tried[j] += 1.0f;
+        a->hit[j] += h;
+        p->g_tried[j] = p->g_tried[j] * GLOBAL_DECAY + 1.0;
+        p->g_hit[j] = p->g_hit[j] * GLOBAL_DECAY + h;
+        if (clean) {
+            a->tried_c[j] += 1.0f;
+            a->hit_c[j] += h;
+            p->g_tried_c[j] = p->g_tried_c[j] * GLOBAL_DECAY + 1.0;
+            p->g_hit_c[j] = p->g_hit_c[j] * GLOBAL_DECAY + h;
+        }
+    }
+}
+
+/* a_{j+1} of a sequence with counts a (NULL: the engine-wide rate): the complete-cache
+ * counts where there are ACC_CLEAN_MIN of them (engine-wide) or ACC_CLEAN_SEQ (the
+ * sequence's own), else all counts */
+#define ACC_CLEAN_MIN 4.0
+#define ACC_CLEAN_SEQ 2.0
+static double accept_at(const struct spec_policy *p, const struct spec_accept *a, int j)
+{
+    double g;
+
+    if (p->g_tried_c[j] >= ACC_CLEAN_MIN)
+        g = p->g_hit_c[j] / p->g_tried_c[j];
+    else
+        g = p->g_tried[j] > 0 ? p->g_hit[j] / p->g_tried[j] : GLOBAL_PRIOR;
+    if (!a)
+        return g;
+    if (a->tried_c[j] >= ACC_CLEAN_SEQ)
+        return ((double)a->hit_c[j] + ACC_PRIOR * g) / ((double)a->tried_c[j] + ACC_PRIOR);
+    return ((double)a->hit[j] + ACC_PRIOR * g) / ((double)a->tried[j] + ACC_PRIOR);
+}
+
+/* After the decision: the positions the chain of this step writes (n_valid of seq s),
+ * layer by layer, for the cache-completeness test. */
+static void coverage_add(struct spec_accept *a, int depth, int32_t pos0, int n_valid, int kmax)
+{
+    if (pos0 == 0)
+        memset(a->covered, 0, sizeof(a->covered));
+    for (int j = 0; j < kmax; j++)
+        a->covered[j] = j < depth ? a->covered[j] + n_valid : 0;
+    a->pos = pos0 + n_valid;
+}
+
+/* ------------------------------------------------------------- decision -- */
+
+struct choice {
+    int m[SPEC_MAX_K];
+    double rate;
+};
+
+/* rate of prefix lengths m[0..kmax) given the prepared curves (p->cv, p->cd, cnt, gain) */
+static double rate_of(const struct spec_policy *p, int B, int n, const int *m)
+{
+    double tok = B + p->fix_gain, secs;
+    int x = p->fix_x;
+
+    for (int k = 0; k < p->kmax; k++) {
+        size_t o = (size_t)k * (size_t)(p->max_seqs + 1);
+        int c = p->cnt[o + (size_t)m[k]];
+
+        tok += p->gain[o + (size_t)m[k]];
+        x += c;
+    }
+    secs = p->cv[x > p->xmax ? p->xmax : x] + p->rest.mean;
+    for (int k = 0; k < p->kmax; k++) {
+        size_t o = (size_t)k * (size_t)(p->max_seqs + 1);
+        secs += p->cd[o + (size_t)(p->cnt[o + (size_t)m[k]] + p->fix_cnt[k])];
+    }
+    (void)n;
+    return secs > 0 ? tok / secs : 0.0;
+}
+
+/* candidate prefix lengths for n sequences: all of 0..n, or a grid of about
+ * SPEC_POLICY_FULL_SEARCH values with 0 and n */
+static int grid(int n, int *out)
+{
+    int c = 0;
+
+    if (n <= SPEC_POLICY_FULL_SEARCH) {
+        for (int m = 0; m <= n; m++)
+            out[c++] = m;
+        return c;
+    }
+    for (int i = 0; i <= SPEC_POLICY_FULL_SEARCH; i++) {
+        int m = (int)((int64_t)n * i / SPEC_POLICY_FULL_SEARCH);
+
+        if (c == 0 || out[c - 1] != m)
+            out[c++] = m;
+    }
+    return c;
+}
+
+static void search(const struct spec_policy *p, int B, int n, struct choice *best)
+{
+    int g[SPEC_POLICY_FULL_SEARCH + 2], ng = grid(n, g);
+    int m[SPEC_MAX_K] = { 0 };
+
+    best->rate = -1.0;
+    /* m[0] >= m[1] >= m[2]: indices into the grid, non-increasing */
+    for (int i0 = 0; i0 < ng; i0++) {
+        m[0] = g[i0];
+        for (int i1 = 0; i1 <= (p->kmax > 1 ? i0 : 0); i1++) {
+            m[1] = p->kmax > 1 ? g[i1] : 0;
+            for (int i2 = 0; i2 <= (p->kmax > 2 ? i1 : 0); i2++) {
+                double r;
+
+                m[2] = p->kmax > 2 ? g[i2] : 0;
+                r = rate_of(p, B, n, m);
+                if (r > best->rate) {
+                    best->rate = r;
+                    memcpy(best->m, m, sizeof(m));
+                }
+            }
+        }
+    }
+}
+
+/* The depths of the decoding sequences (candidates p->cand[0 .. nc)). */
+static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int B,
+                   int nc, int sum_cap)
+{
+    struct choice best;
+
+    if (!verify_curve(p, B, sum_cap + p->fix_x < p->xmax ? sum_cap + p->fix_x : p->xmax, p->cv))
+        return;                 /* nothing measured yet: the maximum (and learn) */
+    /* rank the candidates by first-position acceptance (insertion sort, stable) */
+    for (int c = 0; c < nc; c++) {
+        double a = accept_at(p, seqs[p->cand[c]].acc, 0);
+        int pos = c;
+
+        while (pos > 0 && p->a1[pos - 1] < a) {
+            p->a1[pos] = p->a1[pos - 1];
+            p->rank[pos] = p->rank[pos - 1];
+            pos--;
+        }
+        p->a1[pos] = a;
+        p->rank[pos] = p->cand[c];
+    }
+    for (int k = 0; k < p->kmax; k++) {
+        size_t o = (size_t)k * (size_t)(p->max_seqs + 1);
+
+        p->cnt[o] = 0;
+        p->gain[o] = 0.0;
+        draft_curve(p, k, nc + p->fix_cnt[k], p->cd + o);
+    }
+    for (int pos = 0; pos < nc; pos++) {
+        const struct spec_seq *s = &seqs[p->rank[pos]];
+        double pr = 1.0;
+
+        for (int k = 0; k < p->kmax; k++) {
+            size_t o = (size_t)k * (size_t)(p->max_seqs + 1);
+            bool in = s->depth > k;
+
+            pr *= accept_at(p, s->acc, k);
+            p->cnt[o + pos + 1] = p->cnt[o + pos] + in;
+            p->gain[o + pos + 1] = p->gain[o + pos] + (in ? pr : 0.0);
+        }
+    }
+    search(p, B, nc, &best);
+    /* hysteresis: keep the previous choice unless the new one is clearly better */
+    if (p->prev_n == nc) {
+        int m[SPEC_MAX_K];
+        double r;
+
+        memcpy(m, p->prev_m, sizeof(m));
+        r = rate_of(p, B, nc, m);
+        if (best.rate < r * (1.0 + SPEC_POLICY_HYSTERESIS)) {
+            memcpy(best.m, m, sizeof(m));
+            best.rate = r;
+        }
+    }
+    if (p->probe_check) {
+        /* after a probe: the interval doubles while probes confirm the choice, but stays
+         * short while a neighbour is estimated within a few per cent of it */
+        bool same = memcmp(best.m, p->probe_m, sizeof(best.m)) == 0;
+        double margin = 1.0;
+        int cap = SPEC_POLICY_PROBE_MIN;
+        int up[SPEC_MAX_K] = { 0 }, down[SPEC_MAX_K] = { 0 };
+
+        for (int k = 0; k < p->kmax; k++) {
+            up[k] = k == 0 ? nc : best.m[k - 1];
+            down[k] = k + 1 < p->kmax ? best.m[k + 1] : 0;
+        }
+        if (memcmp(up, best.m, sizeof(up)) != 0)
+            margin = best.rate / rate_of(p, B, nc, up) - 1.0;
+        if (memcmp(down, best.m, sizeof(down)) != 0) {
+            double md = best.rate / rate_of(p, B, nc, down) - 1.0;
+            margin = md < margin ? md : margin;
+        }
+        for (double t = 0.1; t <= margin && cap < SPEC_POLICY_PROBE_MAX; t += 0.1)
+            cap *= 2;
+        p->probe_interval = same ? p->probe_interval * 2 : SPEC_POLICY_PROBE_MIN;
+        p->probe_interval = p->probe_interval < cap ? p->probe_interval : cap;
+        p->next_probe = p->n_decisions + (uint64_t)p->probe_interval;
+        p->probe_check = false;
+    }
+    memcpy(p->prev_m, best.m, sizeof(best.m));
+    p->prev_n = nc;
+    p->n_decisions++;
+    if (p->n_decisions % 256 == 0 && log_get_level() >= LOG_LEVEL_DEBUG) {
+        int mu[SPEC_MAX_K];
+        char buf[160];
+        int o = 0;
+
+        for (int d = 0; d <= p->kmax; d++) {
+            for (int k = 0; k < p->kmax; k++)
+                mu[k] = k < d ? nc : 0;
+            o += snprintf(buf + o, sizeof(buf) - (size_t)o, " K=%d %.0f", d, rate_of(p, B, nc, mu));
+        }
+        log_debug("spec policy: B %d, %d drafting, chose m = %d/%d/%d (%.0f tok/s); uniform%s; "
+                  "rest %.0f us, acceptance %.2f %.2f %.2f", B, nc, best.m[0], best.m[1],
+                  best.m[2], best.rate, buf, p->rest.mean * 1e6, accept_at(p, NULL, 0),
+                  accept_at(p, NULL, 1), accept_at(p, NULL, 2));
+    }
+
+    /* depths: a prefix per depth, nested; on a probe one more (or one fewer) each */
+    {
+        int delta = 0;
+
+        if (p->n_decisions >= p->next_probe) {
+            bool all_cap = true, all_zero = true;
+
+            for (int pos = 0; pos < nc; pos++) {
+                int d = 0, cap = seqs[p->rank[pos]].depth;
+
+                while (d < p->kmax && pos < best.m[d] && cap > d)
+                    d++;
+                all_cap &= d == cap;
+                all_zero &= d == 0;
+            }
+            p->probe_dir = !p->probe_dir;
+            delta = all_cap ? -1 : all_zero ? 1 : (p->probe_dir ? 1 : -1);
+            if (all_cap && all_zero)
+                delta = 0;
+            p->n_probes += delta != 0;
+            memcpy(p->probe_m, best.m, sizeof(best.m));
+            p->probe_check = true;
+            p->next_probe = UINT64_MAX;
+        }
+        p->fill_depth = 0;
+        for (int pos = 0; pos < nc; pos++) {
+            int i = p->rank[pos], cap = seqs[i].depth, d = 0;
+
+            while (d < p->kmax && pos < best.m[d] && cap > d)
+                d++;
+            p->fill_depth = d > p->fill_depth ? d : p->fill_depth;
+            d += delta;
+            d = d < 0 ? 0 : (d > cap ? cap : d);
+            seqs[i].depth = d;
+            plan->seqs[i].mtp_depth = d;
+        }
+    }
+}
+
+bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int n,
+                      double step_s)
+{
+    int B = 0, nc = 0, tok = 0, sum_cap = 0;
+    bool decode = true, any = false;
+    int64_t now = clk_now_us();
+
+    if (!p || p->mode != SPEC_POLICY_ADAPTIVE) {
+        for (int i = 0; i < n; i++)
+            any |= seqs[i].depth > 0;
+        return any;
+    }
+    for (int i = 0; i < n; i++) {
+        const struct step_seq *ps = &plan->seqs[i];
+
+        if (ps->n_logits == ps->n_tokens)
+            B++;
+        else
+            decode = false;
+        tok += ps->n_tokens;
+    }
+    /* the acceptance of this step's verifications */
+    for (int i = 0; i < n; i++)
+        if (seqs[i].acc && seqs[i].verified > 0)
+            accept_add(p, seqs[i].acc, seqs[i].verified, seqs[i].accepted);
+    /* the step's cost, and the rest of the cycle since the previous decode step */
+    if (decode && B >= 1 && B <= p->max_seqs && tok - B <= p->xmax) {
+        int64_t start = now - (int64_t)(step_s * 1e6);
+
+        cost_add(p, verify_cell(p, B, tok - B), step_s);
+        if (p->last_decode && p->last_end_us > 0 && start >= p->last_end_us &&
+            (double)(start - p->last_end_us) * 1e-6 < 2.0 * step_s)
+            cost_add(p, &p->rest, (double)(start - p->last_end_us) * 1e-6);
+    }
+    p->last_decode = decode;
+    p->last_end_us = now;
+
+    /* candidates: greedy decoding sequences that may draft; sampled ones keep their depth
+     * (their tokens depend on the drafts they were verified against: a seed must give the
+     * same tokens whatever the machine's load) */
+    p->fix_x = 0;
+    p->fix_gain = 0.0;
+    memset(p->fix_cnt, 0, sizeof(p->fix_cnt));
+    for (int i = 0; i < n; i++) {
+        struct spec_seq *q = &seqs[i];
+
+        if (q->depth <= 0 || q->fill_only)
+            continue;
+        if (q->sp && !sampling_params_greedy(q->sp)) {
+            double pr = 1.0;
+
+            p->fix_x += q->depth;
+            for (int k = 0; k < q->depth && k < p->kmax; k++) {
+                pr *= accept_at(p, q->acc, k);
+                p->fix_gain += pr;
+                p->fix_cnt[k]++;
+            }
+            continue;
+        }
+        p->cand[nc++] = i;
+        sum_cap += q->depth;
+    }
+    if (nc > 0)
+        decide(p, plan, seqs, B < nc ? nc : (B > p->max_seqs ? p->max_seqs : B), nc, sum_cap);
+    /* prompt chunks fill the caches the decode steps will read; every chain's positions */
+    for (int i = 0; i < n; i++) {
+        const struct step_seq *ps = &plan->seqs[i];
+        struct spec_seq *s = &seqs[i];
+
+        if (s->fill_only && s->depth > p->fill_depth && p->fill_depth >= 0 &&
+            (!s->sp || sampling_params_greedy(s->sp))) {
+            s->depth = p->fill_depth;
+            plan->seqs[i].mtp_depth = s->depth;
+        }
+        if (s->acc)
+            coverage_add(s->acc, s->depth, ps->pos0, ps->n_tokens - s->verified + s->accepted,
+                         p->kmax);
+        any |= s->depth > 0;
+    }
+    return any;
+}
+
+/* ------------------------------------------------------------ diagnostics -- */
+
+double spec_policy_rate(const struct spec_policy *p, int B, int d)
+{
+    double cv[SPEC_MAX_K * 256 + 1], cd[SPEC_MAX_K][257], tok = B, secs;
+    struct spec_policy q;
+
+    if (!p || B < 1 || B > p->max_seqs || B > 256 || d < 0 || d > p->kmax)
+        return 0.0;
+    q = *p;
+    q.cv = cv;
+    if (!verify_curve(&q, B, B * d, cv))
+        return 0.0;
+    secs = cv[B * d] + p->rest.mean;
+    for (int k = 0; k < d; k++) {
+        double pr = 1.0;
+
+        draft_curve(p, k, B, cd[k]);
+        secs += cd[k][B];
+        for (int j = 0; j <= k; j++)
+            pr *= accept_at(p, NULL, j);
+        tok += B * pr;
+    }
+    return secs > 0 ? tok / secs : 0.0;
+}
+
+void spec_policy_counts(const struct spec_policy *p, uint64_t *ret_decisions, uint64_t *ret_probes)
+{
+    if (ret_decisions)
+        *ret_decisions = p ? p->n_decisions : 0;
+    if (ret_probes)
+        *ret_probes = p ? p->n_probes : 0;
+}

@@ -1,0 +1,96 @@
+/* spec-policy.h - how many MTP drafts each sequence gets, step by step (rank 0's engine).
+ *
+ * num_speculative_tokens (the engine's default and a request's own) stays the most drafts
+ * a sequence may get.  With the FIXED policy every decoding sequence gets exactly that many
+ * (as vLLM does).  The ADAPTIVE policy (the default) picks, after every step, a depth
+ * d_i in 0 .. cap_i for each decoding sequence i so that the output tokens per second of
+ * the next step is largest, from the engine's own running measurements:
+ *
+ *   rate = (B + sum_i sum_{j <= d_i} p_ij) / (C_verify(B, B + sum_i d_i)
+ *                                             + sum_k C_draft(k, m_k) + C_rest)
+ *
+ *   B            the decoding sequences of the step (each emits at least one token);
+ *   p_ij         the chance that sequence i's drafts 1..j are all accepted: the product of
+ *                its per-position acceptance a_i1 .. a_ij, estimated from its own recent
+ *                verify steps (decayed counts) with the engine-wide rates as the prior;
+ *                counted apart are the drafts made while the MTP layer behind them had
+ *                written every position of its window (a step that skips a layer leaves
+ *                a hole in its cache: on the tiny model the first-position acceptance
+ *                fell from 0.99 to 0.75 with holes), and those rates are the ones used
+ *                while there are enough of them: the policy chooses by the rate a depth
+ *                keeps once it runs, not by the transient after a switch or a probe;
+ *   C_verify     the seconds of a decode step of B sequences and n tokens (forward pass and
+ *                verification), measured per (B, n) and interpolated along n;
+ *   C_draft      the seconds of MTP depth k for m sequences, measured per (k, m);
+ *   C_rest       the rest of a step (scheduling, delivery), measured as the gap between
+ *                decode steps;
+ *   m_k          the sequences drafting at depth k (d_i > k).
+ *
+ * The sequences are ranked by their first-position acceptance; depth k goes to a prefix
+ * of the ranking (nested sets), and every combination of prefix lengths m_1 >= m_2 >= m_3
+ * is evaluated (a grid of them beyond SPEC_POLICY_FULL_SEARCH sequences).  A choice only
+ * changes when it is better by SPEC_POLICY_HYSTERESIS, so noise does not flap it.  What
+ * is never chosen is never measured, so every so often (an interval that doubles while
+ * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps) one step probes one draft
+ * more per sequence, or one fewer.  Unmeasured costs are extrapolated optimistically (no
+ * cost beyond the nearest measurement): a new engine starts at the maximum and learns
+ * down.  Greedy output never depends on the choice (the verify is exact).  Sampled
+ * sequences keep the depth they ask for: their tokens are distributed exactly either way,
+ * but which tokens a seed gives depends on the drafts they were verified against, and a
+ * seed must give the same tokens whatever the machine's load (their drafts still count in
+ * the costs the greedy sequences are chosen against).
+ *
+ * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
+ * deepest draft of the last decision (the whole chain before there is one): caches the
+ * decode steps will not read are not filled.
+ * Engine thread only (the engine's step).
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "plan.h"
+#include "spec.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SPEC_POLICY_FULL_SEARCH 24
+#define SPEC_POLICY_HYSTERESIS 0.03
+#define SPEC_POLICY_PROBE_MIN 8
+#define SPEC_POLICY_PROBE_MAX 32
+
+struct spec_policy;
+
+/* A policy for up to max_seqs sequences per step and kmax drafts (0 .. SPEC_MAX_K) whose
+ * MTP layers attend over `window` positions (0: all; then a cache counts as complete only
+ * when it covers everything from position 0).  -EINVAL, -ENOMEM. */
+int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int window,
+                    struct spec_policy **ret);
+void spec_policy_free(struct spec_policy *p);
+
+/* After the trunk step of plan p and the verification of its sequences (seqs[i] pairs
+ * with p->seqs[i]; seqs[i].depth = the most drafts sequence i may get now, 0 for none):
+ * records the step's cost (step_s: forward and verification, decode-only steps), then
+ * lowers seqs[i].depth and p->seqs[i].mtp_depth to the policy's choice.  Returns whether
+ * any sequence still runs the MTP chain (drafts or a fill). */
+bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int n,
+                      double step_s);
+
+/* spec_propose's report: MTP depth k took `seconds` for m sequences, `fill` if a fill-only
+ * chain ran in it too (the cost is then not a draft's). */
+void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, double seconds);
+
+
+/* Diagnostics and tests: the policy's estimate of the next-step rate (tokens/s) of B
+ * sequences that all get d drafts at first-position acceptance a (later positions at the
+ * engine-wide rates); 0 when nothing is measured yet. */
+double spec_policy_rate(const struct spec_policy *p, int B, int d);
+/* Decisions taken and probes run. */
+void spec_policy_counts(const struct spec_policy *p, uint64_t *ret_decisions, uint64_t *ret_probes);
+
+#ifdef __cplusplus
+}
+#endif

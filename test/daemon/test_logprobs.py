@@ -14,6 +14,7 @@ reference to 1e-4, and the top N must be the reference's N most likely tokens:
 Also: logprobs 0 (the sampled token only), 20 (the cap), and 21 refused by stepd naming the
 field; text input carries logprobs too.
 """
+import json
 import os
 import subprocess
 import sys
@@ -103,7 +104,9 @@ def test_raw():
     greedy = pb.SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
     sampled = pb.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, logprobs=5, ignore_eos=True)
     for mtp in (0, 3):
-        w = start_group(s, "lp%d" % mtp, "--mtp", str(mtp))
+        # exactly K drafts a step (the adaptive default may draft none on this host)
+        w = start_group(s, "lp%d" % mtp, "--speculative-config",
+                        json.dumps({"method": "mtp", "num_speculative_tokens": mtp, "draft_policy": "fixed"}))
         for name, sp in (("greedy", greedy), ("sampled", sampled)):
             toks, lps = generate(s, sp)
             worst = check(toks, lps, 5, raw, "%s mtp=%d" % (name, mtp))
@@ -119,7 +122,8 @@ def test_raw():
 
 def test_processed():
     s = Stepd("--tokenizer", os.path.join(TINY_MODEL, "tokenizer.json"))
-    start_group(s, "lpp", "--logprobs-mode", "processed_logprobs", "--mtp", "3")
+    start_group(s, "lpp", "--logprobs-mode", "processed_logprobs", "--speculative-config",
+                json.dumps({"method": "mtp", "num_speculative_tokens": 3, "draft_policy": "fixed"}))
     # greedy: after the repetition penalty (prompt + output so far), no temperature
     sp = pb.SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, logprobs=4, ignore_eos=True)
 

@@ -61,6 +61,7 @@ static struct engine *open_engine(struct model_rig *rig, bool cache, int k, int 
     ec.max_model_len = max_len;
     ec.sliding_window = rig->cfg->sliding_window;
     ec.num_speculative_tokens = k;
+    ec.spec_policy = SPEC_POLICY_FIXED;     /* on and off compare their drafts: exactly K */
     ec.enable_prefix_caching = cache;
     struct engine *e;
     struct err_buf err;

@@ -242,6 +242,56 @@ static void test_fixed(void)
     f->ops->free(f);
 }
 
+/* A K = 0 request's prompt chunk in the step entry a finished request held before: the
+ * policy must not touch the finished one's state (it was freed: a use after free, which
+ * ASan reports; CI runs this test under it).  r0 drafts and finishes while r1, with
+ * num_speculative_tokens 0, is still in its prompt chunks; r2 keeps decoding beside it. */
+static void test_stale_entry(void)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    struct forward *f;
+    struct engine *e;
+    struct err_buf err = { { 0 } };
+    struct coll c[3];
+    int32_t prompt[3][200];
+    const int n_prompt[3] = { 4, 200, 8 }, max_tokens[3] = { 3, 8, 60 }, k[3] = { -1, 0, -1 };
+    char id[3][8];
+
+    mock_config_init(&mc);
+    ASSERT_OK(mock_forward_new(&mc, &f));
+    engine_config_init(&ec);
+    ec.max_num_batched_tokens = 24;     /* r1's prompt takes many steps */
+    ec.max_model_len = 512;
+    ec.num_speculative_tokens = 3;
+    ec.spec_policy = SPEC_POLICY_ADAPTIVE;
+    ASSERT_OK(engine_new(f, &ec, &e, &err));
+    memset(c, 0, sizeof(c));
+    for (int i = 0; i < 3; i++) {
+        struct engine_request q;
+
+        for (int t = 0; t < n_prompt[i]; t++)
+            prompt[i][t] = (int32_t)((t * 31 + i * 7 + 2) % mc.vocab_size);
+        snprintf(id[i], sizeof(id[i]), "s%d", i);
+        engine_request_init(&q);
+        q.id = id[i];
+        q.prompt = prompt[i];
+        q.n_prompt = n_prompt[i];
+        q.max_tokens = max_tokens[i];
+        q.num_speculative_tokens = k[i];
+        q.ignore_eos = true;
+        ASSERT_OK(engine_submit(e, &q, on_out, &c[i], &err));
+    }
+    ASSERT_OK(engine_run_until_idle(e));
+    for (int i = 0; i < 3; i++) {
+        ASSERT_TRUE(c[i].finished);
+        ASSERT_EQ(c[i].n, max_tokens[i]);
+    }
+    ASSERT_OK(engine_check(e));
+    engine_free(e);
+    f->ops->free(f);
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -250,6 +300,7 @@ int main(void)
     test_drafts_pay();
     test_drafts_too_dear();
     test_drafts_rejected();
+    test_stale_entry();
     printf("test-spec-policy: ok\n");
     return 0;
 }

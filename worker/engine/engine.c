@@ -720,7 +720,9 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
     int n_drafts = s->sched_drafts;
     int rows_used = s->sched_final ? 1 + n_drafts : 0;
     int32_t n_plain = s->sched_tokens - n_drafts;
-    ss->depth = 0;
+    /* nothing of the sequence this slot of the step held before: the draft policy reads
+     * .acc of every entry (a K = 0 prompt chunk kept a finished request's, freed since) */
+    *ss = (struct spec_seq) { 0 };
     ps->mtp_depth = 0;
     if (!s->sched_final) {
         s->n_computed += s->sched_tokens;

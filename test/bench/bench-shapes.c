@@ -2,7 +2,7 @@
  * beside its byte floor (suite bench, not in the default run).
  *
  *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16]
- *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn]
+ *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn] [--kv-fp32]
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
  * The model: stepd-mkmodel's full-width checkpoint (hidden 4096, 288 experts x 1280 top-8,
@@ -56,6 +56,7 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "cpu.h"
 #include "bw-probe.h"
 #include "cpu-features.h"
 #include "loader.h"
@@ -83,7 +84,7 @@ struct bench {
     const char *mkmodel, *model_dir;
     int threads[MAX_LIST], n_threads, batches[MAX_LIST], n_batches, ctxs[MAX_LIST], n_ctxs;
     int reps;
-    bool keep, ab_attn;
+    bool keep, ab_attn, kv_f32;
     /* probe */
     uint8_t *arena;
     size_t arena_bytes;
@@ -193,7 +194,7 @@ static double kv_bytes(const struct model *m, const struct mlayer *L, int ctx)
 {
     int n = L->window > 0 && L->window < ctx ? L->window : ctx;
 
-    return (double)n * L->n_kv_heads * L->head_dim * 2.0 * (m->o.kv_bf16 ? 2.0 : 4.0);
+    return (double)n * L->n_kv_heads * L->head_dim * 2.0 * (m->o.kv_f32 ? 4.0 : 2.0);
 }
 
 /* ---------------------------------------------------------------- cells -- */
@@ -613,11 +614,15 @@ static void kv_fill(struct bench *b, struct mlayer *L)
         exit(1);
     }
     fill_rows(b, pat, chunk);
+    if (!L->kv.dtype_f32)       /* BF16 storage (the default): the pattern's halves */
+        for (size_t i = 0; i < chunk; i++)
+            ((uint16_t *)pat)[i] = cpu_f32_to_bf16(pat[i]);
     for (int kv = 0; kv < 2; kv++) {
-        float *dst = kv ? L->kv.v : L->kv.k;
+        char *dst = kv ? L->kv.v : L->kv.k;
+        size_t es = L->kv.dtype_f32 ? sizeof(float) : sizeof(uint16_t);
 
         for (size_t i = 0; i < n; i += chunk)
-            memcpy(dst + i, pat, sizeof(float) * (n - i < chunk ? n - i : chunk));
+            memcpy(dst + i * es, pat, es * (n - i < chunk ? n - i : chunk));
     }
     free(pat);
 }
@@ -692,6 +697,7 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
         .block_size = BS, .n_blocks = { b->nbf, b->nbs }, .max_seq_len = max_ctx + BS,
         .draft_quant = MODEL_DRAFT_MXFP4,   /* the CPU default ("auto") */
         .split_any_size = true,             /* parts beside whole steps (below) */
+        .kv_f32 = b->kv_f32,                /* BF16 KV unless --kv-fp32, as the worker */
     };
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         b->tables[g] = calloc((size_t)MAX_B * ((max_ctx + BS - 1) / BS + 1), sizeof(int32_t));
@@ -711,8 +717,9 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
         kv_fill(b, &b->m->layers[i]);
     for (int i = 0; b->m->mtp_tp && i < 2 * b->m->n_mtp; i++)
         kv_fill(b, &b->m->tp_half[i]);
-    printf("\nthreads %d: model built in %.1f s (KV: %d full blocks, %d sliding, FP32; split "
+    printf("\nthreads %d: model built in %.1f s (KV: %d full blocks, %d sliding, %s; split "
            "steps %s, MTP halves %s); MemAvailable %ld MiB\n", b->T, now() - t0, b->nbf, b->nbs,
+           mo.kv_f32 ? "FP32" : "BF16",
            b->m->split_parts > 1 ? "on" : "off", b->m->mtp_tp ? "on" : "off", mem_available_mb());
     b->n_cells = 0;
     for (b->rep = 0; b->rep < b->reps; b->rep++) {
@@ -757,6 +764,10 @@ int main(int argc, char **argv)
             b->ab_attn = true;
             continue;
         }
+        if (strcmp(a, "--kv-fp32") == 0) {     /* the worker's --kv-cache-dtype fp32 */
+            b->kv_f32 = true;
+            continue;
+        }
         if (!v)
             ok = 0;
         else if (strcmp(a, "--mkmodel") == 0)
@@ -782,7 +793,7 @@ int main(int argc, char **argv)
         if (!ok) {
             fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
                             "[--batches 1,4,16 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
-                            "(1..%d)] [--keep] [--ab-attn]\n", MAX_B, MAX_REPS);
+                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32]\n", MAX_B, MAX_REPS);
             return 2;
         }
         i++;

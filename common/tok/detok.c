@@ -49,7 +49,7 @@ static int set_out(struct tok_stream *s, const char *p, size_t n)
 static int stream_step(struct tok_stream *s, bool final, const char **ret_delta, size_t *ret_len)
 {
     struct tok_buf raw = {0}, prefix = {0}, full = {0};
-    const int32_t *ids = s->ids.ids + s->prefix_offset;
+    const int32_t *ids = s->ids.ids ? s->ids.ids + s->prefix_offset : NULL;    /* none yet */
     size_t n_prefix = s->read_offset - s->prefix_offset, n_full = s->ids.n - s->prefix_offset;
     int r;
 

@@ -73,6 +73,12 @@ void tok_parser_free(struct tok_parser *p)
     free(p);
 }
 
+/* The unparsed input (the buffer is NULL until the first bytes arrive). */
+static const char *cur(const struct tok_parser *p)
+{
+    return p->buf.p ? p->buf.p + p->pos : "";
+}
+
 static int emit(struct tok_parser *p, enum tok_ev_kind kind, const char *s, size_t n,
                 tok_ev_cb cb, void *ud)
 {
@@ -265,7 +271,7 @@ static int not_a_call(struct tok_parser *p, size_t consumed, tok_ev_cb cb, void 
     if (p->open_from_tag)
         r = emit(p, TOK_EV_CONTENT, TAG_CALL_OPEN, LEN(TAG_CALL_OPEN), cb, ud);
     if (r >= 0)
-        r = emit(p, TOK_EV_CONTENT, p->buf.p + p->pos, consumed, cb, ud);
+        r = emit(p, TOK_EV_CONTENT, cur(p), consumed, cb, ud);
     p->pos += consumed;
     p->st = P_CONTENT;
     p->after_tool = false;
@@ -282,7 +288,7 @@ static void enter_call(struct tok_parser *p, size_t consumed)
 /* Each step returns 1 to continue, 0 to wait for more input, < 0 on error. */
 static int step_reasoning(struct tok_parser *p, bool final, tok_ev_cb cb, void *ud)
 {
-    const char *s = p->buf.p + p->pos;
+    const char *s = cur(p);
     size_t n = p->buf.n - p->pos, at, hold;
     const char *tags[2] = { TAG_THINK_CLOSE, TAG_CALL_OPEN };
     int r;
@@ -324,7 +330,7 @@ static int step_reasoning(struct tok_parser *p, bool final, tok_ev_cb cb, void *
 
 static int step_content(struct tok_parser *p, bool final, tok_ev_cb cb, void *ud)
 {
-    const char *s = p->buf.p + p->pos;
+    const char *s = cur(p);
     size_t n = p->buf.n - p->pos, at, hold, nt = 0;
     const char *tags[2];
     int r;
@@ -389,7 +395,7 @@ static int step_content(struct tok_parser *p, bool final, tok_ev_cb cb, void *ud
 
 static int step_tool_open(struct tok_parser *p, bool final, tok_ev_cb cb, void *ud)
 {
-    const char *s = p->buf.p + p->pos;
+    const char *s = cur(p);
     size_t n = p->buf.n - p->pos, w = ws_len(s, n);
     const char *rest = s + w;
     size_t m = n - w;
@@ -445,7 +451,7 @@ static int emit_param(struct tok_parser *p, const char *name, size_t ln, const c
 
 static int step_tool_body(struct tok_parser *p, bool final, tok_ev_cb cb, void *ud)
 {
-    const char *s = p->buf.p + p->pos;
+    const char *s = cur(p);
     size_t n = p->buf.n - p->pos, w = ws_len(s, n), m = n - w, at, hold;
     const char *rest = s + w;
     const char *ends[3] = { TAG_PARAM_CLOSE, TAG_PARAM_OPEN, TAG_FUNC_CLOSE };
@@ -496,7 +502,7 @@ static int step_tool_body(struct tok_parser *p, bool final, tok_ev_cb cb, void *
 
 static int step_tool_close(struct tok_parser *p, bool final, tok_ev_cb cb, void *ud)
 {
-    const char *s = p->buf.p + p->pos;
+    const char *s = cur(p);
     size_t n = p->buf.n - p->pos, w = ws_len(s, n), m = n - w;
     const char *rest = s + w;
     int r;

@@ -461,10 +461,6 @@ int main(int argc, char **argv)
     naive_free(nv);
     model_free(m);
     backend_free(be);
-    ckpt_close(ck);
-    if (gen_dir) {
-        ckptw_rmtree(gen_dir);
-        free(gen_dir);
-    }
+    gen_close(ck, gen_dir);
     return 0;
 }

@@ -1,7 +1,8 @@
-/* engine-rig.h - what the engine tests on the tiny checkpoint (test-engine-model,
- * test-engine-mtp-repair, test-engine-prefix) share: a collector of one request's outputs,
- * an engine config from the rig's model, a run that submits each request before its step and
- * steps until all are done, and the idle accounting check before free.  Every request
+/* engine-rig.h - what the engine tests share (on the tiny checkpoint: test-engine-model,
+ * test-engine-mtp-repair, test-engine-prefix; on the mock: test-engine-rpc and
+ * engine-mock-server): a collector of one request's outputs, an engine config, a run that
+ * submits each request before its step and steps until all are done, the idle accounting
+ * check before free, and the mock engine of the RPC tests.  Every request of rig_submit
  * ignores EOS, so each one ends with exactly its max_tokens. */
 #pragma once
 
@@ -9,7 +10,7 @@
 
 #include "engine.h"
 #include "harness.h"
-#include "model-rig.h"
+#include "mock.h"
 
 #define RIG_MAXTOK 512
 
@@ -48,25 +49,43 @@ static inline void rig_on_out(void *ud, const struct engine_output *o)
     }
 }
 
-/* max_num_batched_tokens, max_num_seqs, max_model_len and K; the window of the rig's model */
-static inline void rig_engine_config(struct engine_config *ec, const struct model_rig *rig,
-                                     int max_tokens, int max_seqs, int max_len, int k)
+/* the defaults but max_num_batched_tokens, max_num_seqs, max_model_len, the sliding window
+ * and K */
+static inline void rig_engine_config(struct engine_config *ec, int max_tokens, int max_seqs,
+                                     int max_len, int window, int k)
 {
     engine_config_init(ec);
     ec->max_num_batched_tokens = max_tokens;
     ec->max_num_seqs = max_seqs;
     ec->max_model_len = max_len;
-    ec->sliding_window = rig->cfg->sliding_window;
+    ec->sliding_window = window;
     ec->num_speculative_tokens = k;
 }
 
-static inline struct engine *rig_engine_new(const struct model_rig *rig,
-                                            const struct engine_config *ec)
+static inline struct engine *rig_engine_new(struct forward *f, const struct engine_config *ec)
 {
     struct engine *e;
     struct err_buf err;
-    if (engine_new(rig->f, ec, &e, &err) < 0)
+    if (engine_new(f, ec, &e, &err) < 0)
         FAIL("engine_new: %s", err.msg);
+    return e;
+}
+
+/* The RPC tests' engine, started: on a mock forward (*ret_f) of step_usec per step, 64-token
+ * steps, 8 sequences of up to 512 tokens, max_waiting queued, K = k, window 64, EOS 255. */
+static inline struct engine *rig_mock_engine(long step_usec, int max_waiting, int k,
+                                             struct forward **ret_f)
+{
+    struct mock_config mc;
+    struct engine_config ec;
+    mock_config_init(&mc);
+    mc.step_usec = step_usec;
+    ASSERT_OK(mock_forward_new(&mc, ret_f));
+    rig_engine_config(&ec, 64, 8, 512, 64, k);
+    ec.max_waiting = max_waiting;
+    ec.eos_ids[ec.n_eos++] = 255;
+    struct engine *e = rig_engine_new(*ret_f, &ec);
+    ASSERT_OK(engine_start(e));
     return e;
 }
 
@@ -140,20 +159,4 @@ static inline void rig_same(const struct rig_out *a, const struct rig_out *b, co
     for (int t = 0; t < a->n; t++)
         if (a->toks[t] != b->toks[t])
             FAIL("%s: token %d differs (%d vs %d)", what, t, a->toks[t], b->toks[t]);
-}
-
-/* Open the rig on dir (model_rig_open_kv's arguments); exits 77 when dir is absent. */
-static inline void rig_open_or_skip(struct model_rig *r, const char *dir, int threads,
-                                    int max_seqs, int max_tokens, int max_len,
-                                    const int n_blocks[2], enum model_draft_quant dq)
-{
-    struct err_buf err = { { 0 } };
-    int rc = model_rig_open_kv(r, dir, threads, max_seqs, max_tokens, max_len, n_blocks, dq,
-                               &err);
-    if (rc == -ENOENT) {
-        printf("SKIP: no checkpoint at %s\n", dir);
-        exit(TEST_SKIP);
-    }
-    if (rc < 0)
-        FAIL("%s: %s", dir, err.msg);
 }

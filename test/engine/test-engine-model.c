@@ -7,6 +7,7 @@
  * With argv[2] = "mxfp4" the same, with the MTP drafts computed from MXFP4 copies. 
  * Exits 77 (skip) when the checkpoint is absent. */
 #include "engine-rig.h"
+#include "model-rig.h"
 
 static const char *model_dir;
 static struct model_rig rig;
@@ -14,11 +15,11 @@ static struct model_rig rig;
 static struct engine *open_engine(int k)
 {
     struct engine_config ec;
-    rig_engine_config(&ec, &rig, 64, 8, 512, k);
+    rig_engine_config(&ec, 64, 8, 512, rig.cfg->sliding_window, k);
     ec.spec_policy = SPEC_POLICY_FIXED;     /* the MTP mechanics at exactly K drafts */
     for (int i = 0; i < rig.cfg->n_eos && i < ENGINE_MAX_EOS; i++)
         ec.eos_ids[ec.n_eos++] = rig.cfg->eos_token_ids[i];
-    return rig_engine_new(&rig, &ec);
+    return rig_engine_new(rig.f, &ec);
 }
 
 static void submit(struct engine *e, const char *id, const int32_t *p, int n, int max_tokens,
@@ -152,7 +153,7 @@ int main(int argc, char **argv)
     enum model_draft_quant dq = argc > 2 && strcmp(argv[2], "mxfp4") == 0
                                     ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT;
     static const int def[2] = { 0, 0 };
-    rig_open_or_skip(&rig, model_dir, 1, 8, 64, 512, def, dq);
+    model_rig_open_or_exit(&rig, model_dir, 1, 8, 64, 512, def, dq);
     if (rig.f->n_mtp < 3) {
         printf("SKIP: %s has %d MTP layers\n", model_dir, rig.f->n_mtp);
         model_rig_close(&rig);

@@ -8,6 +8,7 @@
  * Greedy output still equals K = 0.  Exits 77 (skip) when the checkpoint is absent.
  * (Equality of the repaired MTP caches with a fresh prefill is test/model/test-mtp-repair.) */
 #include "engine-rig.h"
+#include "model-rig.h"
 
 #define NREQ 4
 
@@ -26,9 +27,9 @@ static void run(int k, struct rig_out *c)
     struct rig_req s[NREQ];
     int vocab = rig.f->vocab_size;
 
-    rig_engine_config(&ec, &rig, 64, 8, 400, k);
+    rig_engine_config(&ec, 64, 8, 400, rig.cfg->sliding_window, k);
     ec.spec_policy = SPEC_POLICY_FIXED;     /* the repair needs the drafts of every step */
-    struct engine *e = rig_engine_new(&rig, &ec);
+    struct engine *e = rig_engine_new(rig.f, &ec);
     for (int i = 0; i < NREQ; i++) {
         for (int t = 0; t < req_len[i]; t++)
             prompts[i][t] = (int32_t) ((t * 389 + i * 1013 + 5) % vocab);
@@ -51,7 +52,7 @@ int main(int argc, char **argv)
     if (argc < 2)
         FAIL("usage: test-engine-mtp-repair MODEL_DIR");
     static const int def[2] = { 0, 0 };
-    rig_open_or_skip(&rig, argv[1], 2, 8, 64, 400, def, MODEL_DRAFT_CHECKPOINT);
+    model_rig_open_or_exit(&rig, argv[1], 2, 8, 64, 400, def, MODEL_DRAFT_CHECKPOINT);
     struct model *m = model_from_forward(rig.f);
     ASSERT_TRUE(m != NULL);
     ASSERT_EQ(model_n_mtp(m), 3);

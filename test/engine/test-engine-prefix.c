@@ -14,6 +14,7 @@
  * and after every run the KV accounting invariant: nothing held, free + cached == total.
  * Exits 77 (skip) when the checkpoint is absent. */
 #include "engine-rig.h"
+#include "model-rig.h"
 
 #define MAXREQ 64
 
@@ -22,9 +23,9 @@ static struct model_rig big, small;
 static struct engine *open_engine(struct model_rig *rig, bool cache, int k, int max_len)
 {
     struct engine_config ec;
-    rig_engine_config(&ec, rig, 256, 16, max_len, k);
+    rig_engine_config(&ec, 256, 16, max_len, rig->cfg->sliding_window, k);
     ec.enable_prefix_caching = cache;
-    return rig_engine_new(rig, &ec);
+    return rig_engine_new(rig->f, &ec);
 }
 
 /* Run n requests, each submitted at its step; returns the loads at idle. */
@@ -260,8 +261,8 @@ int main(int argc, char **argv)
 {
     const char *dir = argc > 1 ? argv[1] : "models/tiny-step";
     static const int def[2] = { 0, 0 }, tight[2] = { 80, 60 };
-    rig_open_or_skip(&big, dir, 2, 16, 256, 2200, def, MODEL_DRAFT_CHECKPOINT);
-    rig_open_or_skip(&small, dir, 2, 16, 256, 600, tight, MODEL_DRAFT_CHECKPOINT);
+    model_rig_open_or_exit(&big, dir, 2, 16, 256, 2200, def, MODEL_DRAFT_CHECKPOINT);
+    model_rig_open_or_exit(&small, dir, 2, 16, 256, 600, tight, MODEL_DRAFT_CHECKPOINT);
     ASSERT_EQ(big.f->n_mtp, 3);
     vocab = big.f->vocab_size;
     test_shared_2k();

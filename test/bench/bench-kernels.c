@@ -29,20 +29,13 @@
 #include <time.h>
 
 #include "backend.h"
+#include "benchlib.h"
 #include "bw-probe.h"
 #include "cpu.h"
 
 static uint8_t *arena;
 static size_t arena_bytes;
 static int reps = 7;
-
-static double now(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* process CPU seconds (all threads): cpu / (wall * threads) = the share of the cores we
  * actually got, to judge how loaded the shared machine was during a figure */
@@ -59,32 +52,19 @@ static double last_ratio;           /* median over reps of (kernel GB/s / probe 
                                      * rep running the probe right before the kernel sweep */
 static struct cpu_pool *bw_pool;
 
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(double), cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* ---- bandwidth probe (bw-probe.h) ---- */
 static double bench_bw(struct cpu_pool *pool)
 {
     double gbs[32], sh[32];
 
     for (int r = 0; r < reps; r++) {
-        double t = now(), c = cpu_now();
+        double t = bench_now(), c = cpu_now();
         gbs[r] = bw_probe_once(pool, arena, arena_bytes);
-        t = now() - t;
+        t = bench_now() - t;
         sh[r] = (cpu_now() - c) / t;
     }
-    last_share = median(sh, reps);
-    return median(gbs, reps);
+    last_share = bench_median(sh, reps);
+    return bench_median(gbs, reps);
 }
 
 static double bw_once(void)
@@ -175,20 +155,20 @@ static double bench_gemv(struct backend *be, const struct mats *ms, int n)
 
     backend_matmul(be, &ms->w[0], x, n, y);  /* warm the pool and scratch */
     for (int r = 0; r < reps; r++) {
-        double bw = bw_once(), t0 = now(), c0 = cpu_now();
+        double bw = bw_once(), t0 = bench_now(), c0 = cpu_now();
 
         for (int i = 0; i < ms->count; i++)
             if (backend_matmul(be, &ms->w[i], x, n, y) < 0)
                 abort();
-        t[r] = (now() - t0) / ms->count;
+        t[r] = (bench_now() - t0) / ms->count;
         sh[r] = (cpu_now() - c0) / (t[r] * ms->count);
         ratio[r] = ms->bytes_each / t[r] / 1e9 / bw;
     }
     free(x);
     free(y);
-    last_share = median(sh, reps);
-    last_ratio = median(ratio, reps);
-    return median(t, reps);
+    last_share = bench_median(sh, reps);
+    last_ratio = bench_median(ratio, reps);
+    return bench_median(t, reps);
 }
 
 static void report(const char *what, int nth, double sec, int64_t rows, int64_t cols, size_t bytes,
@@ -241,32 +221,32 @@ static double bench_moe(struct backend *be, const struct mats *ms, int n_tok, in
                 w[k] = 0.125f;
             }
             memset(out, 0, sizeof(out));
-            double t0 = now(), c0 = cpu_now();
+            double t0 = bench_now(), c0 = cpu_now();
             if (backend_moe(be, &a) < 0)
                 abort();
-            acc += now() - t0;
+            acc += bench_now() - t0;
             cacc += cpu_now() - c0;
         }
         t[r] = acc / layers;
         sh[r] = cacc / acc;
         ratio[r] = 8.0 * 3 * (1280.0 * 4096 * 17 / 32) / t[r] / 1e9 / bw;
     }
-    last_share = median(sh, reps);
-    last_ratio = median(ratio, reps);
+    last_share = bench_median(sh, reps);
+    last_ratio = bench_median(ratio, reps);
     free(ex);
     *ret_pool = pool;
-    return median(t, reps);
+    return bench_median(t, reps);
 }
 
 /* ---- tiny-model BF16 shapes: AVX-512 vs AMX, side by side ---- */
 static double sweep_once(struct backend *be, const struct mats *ms, const float *x, int n, float *y)
 {
-    double t0 = now();
+    double t0 = bench_now();
 
     for (int i = 0; i < ms->count; i++)
         if (backend_matmul(be, &ms->w[i], x, n, y) < 0)
             abort();
-    return (now() - t0) / ms->count;
+    return (bench_now() - t0) / ms->count;
 }
 
 struct tiny_shape {
@@ -306,9 +286,9 @@ static void tiny_ab(struct backend *be, enum wfmt fmt, const struct tiny_shape *
                 t_new[r] = sweep_once(be, &ms, x, n, y);
                 ratio[r] = t_old[r] / t_new[r];
             }
-            m_old = median(t_old, reps);
-            m_new = median(t_new, reps);
-            printf(line, sh[s].name, n, ms.count, m_old * 1e6, m_new * 1e6, median(ratio, reps),
+            m_old = bench_median(t_old, reps);
+            m_new = bench_median(t_new, reps);
+            printf(line, sh[s].name, n, ms.count, m_old * 1e6, m_new * 1e6, bench_median(ratio, reps),
                    m_old * 1e6 / n, m_new * 1e6 / n);
             free(x);
             free(y);
@@ -414,13 +394,13 @@ static void bench_tiny_moe(struct backend *be)
                 double t0;
 
                 cpu_mxfp4_t16_off = side == 0;
-                t0 = now();
+                t0 = bench_now();
                 for (int l = 0; l < layers; l++) {
                     struct moe_args a = { .x = x, .out = out, .n_tok = n, .hidden = HID,
                                           .inter = INTER, .top_k = TOPK, .ids = ids, .weights = wt,
                                           .experts = ex + l * NEXP, .expert_first = 0,
                                           .n_local = NEXP, .limit = 7.0f };
-                    double tr = now();
+                    double tr = bench_now();
 
                     for (int q = 0; q < n * TOPK; q++) {
                         bool dup;
@@ -434,20 +414,20 @@ static void bench_tiny_moe(struct backend *be)
                         } while (dup);
                         wt[q] = 0.25f;
                     }
-                    t0 += now() - tr;   /* routing set-up not timed */
+                    t0 += bench_now() - tr;   /* routing set-up not timed */
                     if (backend_moe(be, &a) < 0)
                         abort();
                 }
-                acc[side] = now() - t0;
+                acc[side] = bench_now() - t0;
             }
             t_old[r] = acc[0] / layers;
             t_new[r] = acc[1] / layers;
             ratio[r] = t_old[r] / t_new[r];
         }
-        m_old = median(t_old, reps);
-        m_new = median(t_new, reps);
+        m_old = bench_median(t_old, reps);
+        m_new = bench_median(t_new, reps);
         printf("  moe tiny layer (16 x 128x256/256x128, top-4) n=%2d x%-3d old %7.2f us  new %7.2f us  "
-               "old/new %5.2fx\n", n, layers, m_old * 1e6, m_new * 1e6, median(ratio, reps));
+               "old/new %5.2fx\n", n, layers, m_old * 1e6, m_new * 1e6, bench_median(ratio, reps));
     }
     cpu_mxfp4_t16_off = 0;
     free(ex);

@@ -214,6 +214,14 @@ static int ct_any(const json_t *arr, const char *module, const char *where, stru
     return 0;
 }
 
+/* Whether config group k (g) targets module: 1, 0, or < 0 (its targets are malformed) */
+static int ct_group(const char *k, const json_t *g, const char *module, struct err_buf *e)
+{
+    char where[160];
+    snprintf(where, sizeof(where), "quantization_config.config_groups.%.64s.targets", k);
+    return ct_any(json_object_get(g, "targets"), module, where, e);
+}
+
 /* The engine runs MXFP4 for routed experts only: the groups must target the
  * experts and leave every dense linear alone (through ignore or by not matching). */
 static int check_quant_targets(const json_t *q, const json_t *groups, struct err_buf *e)
@@ -240,9 +248,7 @@ static int check_quant_targets(const json_t *q, const json_t *groups, struct err
     for (size_t i = 0; i < ARRAY_SIZE(experts); i++) {
         bool hit = false;
         json_object_foreach((json_t *) groups, k, g) {
-            char where[160];
-            snprintf(where, sizeof(where), "quantization_config.config_groups.%.64s.targets", k);
-            r = ct_any(json_object_get(g, "targets"), experts[i], where, e);
+            r = ct_group(k, g, experts[i], e);
             if (r < 0)
                 return r;
             hit |= r == 1;
@@ -257,9 +263,7 @@ static int check_quant_targets(const json_t *q, const json_t *groups, struct err
     }
     for (size_t i = 0; i < ARRAY_SIZE(dense); i++) {
         json_object_foreach((json_t *) groups, k, g) {
-            char where[160];
-            snprintf(where, sizeof(where), "quantization_config.config_groups.%.64s.targets", k);
-            r = ct_any(json_object_get(g, "targets"), dense[i], where, e);
+            r = ct_group(k, g, dense[i], e);
             if (r < 0)
                 return r;
             if (r == 1) {

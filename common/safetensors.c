@@ -155,6 +155,13 @@ static int jp_syntax(struct jp *p, const char *what)
     return err_set(p->e, -EBADMSG, "%s: invalid JSON at offset %zu: %s", p->fname, p->i, what);
 }
 
+/* after the top-level value: nothing but white space, else the syntax error `what` */
+static int jp_end(struct jp *p, const char *what)
+{
+    jp_ws(p);
+    return p->i == p->n ? 0 : jp_syntax(p, what);
+}
+
 static int jp_expect(struct jp *p, char c)
 {
     char msg[32];
@@ -613,13 +620,10 @@ int sft_header_parse(const char *text, size_t len, const char *fname, struct sft
         if (r < 0)
             goto out;
     }
+    if (r == 0)
+        r = jp_end(&p, "trailing characters after the header object");
     if (r < 0)
         goto out;
-    jp_ws(&p);
-    if (p.i != p.n) {
-        r = jp_syntax(&p, "trailing characters after the header object");
-        goto out;
-    }
     if (h.n_tensors > SFT_TENSORS_MAX) {
         r = err_set(e, -E2BIG, "%s: %zu tensors, more than %d", fname, h.n_tensors, SFT_TENSORS_MAX);
         goto out;
@@ -1129,13 +1133,10 @@ int sft_index_parse(const char *text, size_t len, const char *fname, struct sft_
         if (r < 0)
             goto out;
     }
+    if (r == 0)
+        r = jp_end(&p, "trailing characters after the index object");
     if (r < 0)
         goto out;
-    jp_ws(&p);
-    if (p.i != p.n) {
-        r = jp_syntax(&p, "trailing characters after the index object");
-        goto out;
-    }
     if (!have_wm) {
         r = err_set(e, -ENOENT, "%s: weight_map: required field is missing", fname);
         goto out;

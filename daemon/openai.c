@@ -36,65 +36,42 @@
 
 /* ------------------------------------------------------------------ field names */
 
-static const char *const names_chat[_RN_MAX] = {
-    [RN_REQUEST_ID] = "request_id",
-    [RN_MODEL] = "model",
-    [RN_TEXT] = "messages",
-    [RN_MESSAGES] = "messages",
-    [RN_TOOLS] = "tools",
-    [RN_CHAT_TEMPLATE_KWARGS] = "chat_template_kwargs",
-    [RN_REASONING_EFFORT] = "reasoning_effort",
-    [RN_TOKEN_IDS] = "messages",
-    [RN_TEMPERATURE] = "temperature",
-    [RN_TOP_P] = "top_p",
-    [RN_TOP_K] = "top_k",
-    [RN_MIN_P] = "min_p",
-    [RN_REPETITION_PENALTY] = "repetition_penalty",
-    [RN_PRESENCE_PENALTY] = "presence_penalty",
-    [RN_FREQUENCY_PENALTY] = "frequency_penalty",
-    [RN_MAX_TOKENS] = "max_tokens",
-    [RN_MIN_TOKENS] = "min_tokens",
-    [RN_SEED] = "seed",
-    [RN_LOGPROBS] = "top_logprobs",
-    [RN_N] = "n",
-    [RN_STOP] = "stop",
-    [RN_STOP_TOKEN_IDS] = "stop_token_ids",
-    [RN_LOGIT_BIAS] = "logit_bias",
-    [RN_NUM_SPECULATIVE_TOKENS] = "num_speculative_tokens",
-    [RN_CACHE_SALT] = "cache_salt",
-    [RN_TOOL_CHOICE] = "tool_choice",
-    [RN_INPUT] = "messages",
-};
+/* The two APIs name every field alike but the prompt (PROMPT: RN_TEXT, RN_MESSAGES,
+ * RN_TOKEN_IDS, RN_INPUT) and the number of top logprobs (LOGPROBS). */
+#define OPENAI_NAMES(PROMPT, LOGPROBS) {                       \
+    [RN_REQUEST_ID] = "request_id",                             \
+    [RN_MODEL] = "model",                                       \
+    [RN_TEXT] = PROMPT,                                         \
+    [RN_MESSAGES] = PROMPT,                                     \
+    [RN_TOOLS] = "tools",                                       \
+    [RN_CHAT_TEMPLATE_KWARGS] = "chat_template_kwargs",         \
+    [RN_REASONING_EFFORT] = "reasoning_effort",                 \
+    [RN_TOKEN_IDS] = PROMPT,                                    \
+    [RN_TEMPERATURE] = "temperature",                           \
+    [RN_TOP_P] = "top_p",                                       \
+    [RN_TOP_K] = "top_k",                                       \
+    [RN_MIN_P] = "min_p",                                       \
+    [RN_REPETITION_PENALTY] = "repetition_penalty",             \
+    [RN_PRESENCE_PENALTY] = "presence_penalty",                 \
+    [RN_FREQUENCY_PENALTY] = "frequency_penalty",               \
+    [RN_MAX_TOKENS] = "max_tokens",                             \
+    [RN_MIN_TOKENS] = "min_tokens",                             \
+    [RN_SEED] = "seed",                                         \
+    [RN_LOGPROBS] = LOGPROBS,                                   \
+    [RN_N] = "n",                                               \
+    [RN_STOP] = "stop",                                         \
+    [RN_STOP_TOKEN_IDS] = "stop_token_ids",                     \
+    [RN_LOGIT_BIAS] = "logit_bias",                             \
+    [RN_NUM_SPECULATIVE_TOKENS] = "num_speculative_tokens",     \
+    [RN_CACHE_SALT] = "cache_salt",                             \
+    [RN_TOOL_CHOICE] = "tool_choice",                           \
+    [RN_INPUT] = PROMPT,                                        \
+}
 
-static const char *const names_completion[_RN_MAX] = {
-    [RN_REQUEST_ID] = "request_id",
-    [RN_MODEL] = "model",
-    [RN_TEXT] = "prompt",
-    [RN_MESSAGES] = "prompt",
-    [RN_TOOLS] = "tools",
-    [RN_CHAT_TEMPLATE_KWARGS] = "chat_template_kwargs",
-    [RN_REASONING_EFFORT] = "reasoning_effort",
-    [RN_TOKEN_IDS] = "prompt",
-    [RN_TEMPERATURE] = "temperature",
-    [RN_TOP_P] = "top_p",
-    [RN_TOP_K] = "top_k",
-    [RN_MIN_P] = "min_p",
-    [RN_REPETITION_PENALTY] = "repetition_penalty",
-    [RN_PRESENCE_PENALTY] = "presence_penalty",
-    [RN_FREQUENCY_PENALTY] = "frequency_penalty",
-    [RN_MAX_TOKENS] = "max_tokens",
-    [RN_MIN_TOKENS] = "min_tokens",
-    [RN_SEED] = "seed",
-    [RN_LOGPROBS] = "logprobs",
-    [RN_N] = "n",
-    [RN_STOP] = "stop",
-    [RN_STOP_TOKEN_IDS] = "stop_token_ids",
-    [RN_LOGIT_BIAS] = "logit_bias",
-    [RN_NUM_SPECULATIVE_TOKENS] = "num_speculative_tokens",
-    [RN_CACHE_SALT] = "cache_salt",
-    [RN_TOOL_CHOICE] = "tool_choice",
-    [RN_INPUT] = "prompt",
-};
+static const char *const names_chat[_RN_MAX] = OPENAI_NAMES("messages", "top_logprobs");
+static const char *const names_completion[_RN_MAX] = OPENAI_NAMES("prompt", "logprobs");
+
+#undef OPENAI_NAMES
 
 /* ------------------------------------------------------------------ JSON text */
 

@@ -291,6 +291,21 @@ static int chat_from_proto(const Stepd__V1__ChatInput *c, struct request *in, ch
     return 0;
 }
 
+/* The end of a conversion from protobuf: r == 0 hands in to *ret; otherwise in is freed and
+ * r returned (msg says "out of memory" for -ENOMEM, else the conversion has written it). */
+static int request_conv_end(struct request *in, int r, struct request **ret, char *msg,
+                            size_t len)
+{
+    if (r < 0) {
+        if (r == -ENOMEM)
+            snprintf(msg, len, "out of memory");
+        request_free(in);
+        return r;
+    }
+    *ret = in;
+    return 0;
+}
+
 int request_from_proto_chat(const Stepd__V1__ChatInput *chat, struct request **ret, char *msg,
                             size_t len)
 {
@@ -301,14 +316,7 @@ int request_from_proto_chat(const Stepd__V1__ChatInput *chat, struct request **r
         in->input = REQUEST_INPUT_CHAT;
         r = chat_from_proto(chat, in, msg, len);
     }
-    if (r < 0) {
-        if (r == -ENOMEM)
-            snprintf(msg, len, "out of memory");
-        request_free(in);
-        return r;
-    }
-    *ret = in;
-    return 0;
+    return request_conv_end(in, r, ret, msg, len);
 }
 
 int request_from_proto(const Stepd__V1__GenerateRequest *pb, struct request **ret, char *msg,
@@ -364,12 +372,5 @@ int request_from_proto(const Stepd__V1__GenerateRequest *pb, struct request **re
         in->continuous_usage_stats = pb->stream_options && pb->stream_options->continuous_usage_stats;
         in->include_token_ids = pb->stream_options && pb->stream_options->include_token_ids;
     }
-    if (r < 0) {
-        if (r == -ENOMEM)
-            snprintf(msg, len, "out of memory");
-        request_free(in);
-        return r;
-    }
-    *ret = in;
-    return 0;
+    return request_conv_end(in, r, ret, msg, len);
 }

@@ -579,10 +579,56 @@ void ckptw_opts_default(struct ckptw_opts *o)
     o->init_scale = 0.05f;
 }
 
-void ckptw_config_tiny(struct model_config *c)
+/* What the tiny and the Step-3.7 configs share: c cleared to the family's constants
+ * (config_step_family), then, once the sizes are set, its layer pattern
+ * (config_step_layers: every 4th trunk layer full attention with llama3 RoPE on half the
+ * head, the rest sliding; MoE from trunk layer first_moe; SwiGLU limits on the last
+ * n_limited trunk layers). */
+static void config_step_family(struct model_config *c)
 {
     memset(c, 0, sizeof(*c));
     snprintf(c->model_type, sizeof(c->model_type), "step3p7");
+    c->rms_norm_eps = 1e-5f;
+    c->norm_expert_weight = true;
+    c->router_scaling_factor = 3.0f;
+    c->use_router_bias = true;
+    c->rope_scaling.present = true;
+    c->rope_scaling.factor = 2.0;
+    c->rope_scaling.low_freq_factor = 1.0;
+    c->rope_scaling.high_freq_factor = 32.0;
+    c->use_qk_norm = true;
+    c->use_head_wise_attn_gate = true;
+    c->bos_token_id = 0;
+    c->eos_token_ids[0] = 1;
+    c->eos_token_ids[1] = 2;
+    c->n_eos = 2;
+    c->quant = QUANT_MXFP4;
+    c->quant_group_size = 32;
+}
+
+static void config_step_layers(struct model_config *c, int first_moe, int n_limited)
+{
+    for (int i = 0; i < c->n_layers_total; i++) {
+        struct layer_config *L = &c->layers[i];
+        bool mtp = i >= c->n_layers;
+        bool limited = !mtp && i >= c->n_layers - n_limited;
+        L->kind = !mtp && i % 4 == 0 ? LAYER_KIND_FULL : LAYER_KIND_SLIDING;
+        L->n_heads = L->kind == LAYER_KIND_FULL ? c->n_heads_full : c->n_heads_sliding;
+        L->n_kv_heads = c->n_kv_heads;
+        L->head_dim = c->head_dim;
+        L->rotary_dims = L->kind == LAYER_KIND_FULL ? c->head_dim / 2 : c->head_dim;
+        L->rope_theta = L->kind == LAYER_KIND_FULL ? 5e6 : 1e4;
+        L->rope_llama3 = L->kind == LAYER_KIND_FULL;
+        L->is_moe = !mtp && i >= first_moe;
+        L->is_mtp = mtp;
+        L->swiglu_limit = limited ? 7.0f : 0.0f;
+        L->swiglu_limit_shared = limited ? 16.0f : 0.0f;
+    }
+}
+
+void ckptw_config_tiny(struct model_config *c)
+{
+    config_step_family(c);
     c->hidden_size = 64;
     c->intermediate_size = 128;
     c->n_layers = 4;
@@ -590,7 +636,6 @@ void ckptw_config_tiny(struct model_config *c)
     c->n_layers_total = 6;
     c->vocab_size = 256;
     c->max_position_embeddings = 4096;
-    c->rms_norm_eps = 1e-5f;
     c->n_heads_full = 8;
     c->n_heads_sliding = 16;
     c->n_kv_heads = 8;
@@ -600,44 +645,14 @@ void ckptw_config_tiny(struct model_config *c)
     c->top_k = 2;
     c->moe_intermediate_size = 64;
     c->shared_expert_dim = 32;
-    c->norm_expert_weight = true;
-    c->router_scaling_factor = 3.0f;
-    c->use_router_bias = true;
-    c->rope_scaling.present = true;
-    c->rope_scaling.factor = 2.0;
-    c->rope_scaling.low_freq_factor = 1.0;
-    c->rope_scaling.high_freq_factor = 32.0;
     c->rope_scaling.original_max_position_embeddings = 2048;
-    c->use_qk_norm = true;
-    c->use_head_wise_attn_gate = true;
     c->tie_word_embeddings = false;
-    c->bos_token_id = 0;
-    c->eos_token_ids[0] = 1;
-    c->eos_token_ids[1] = 2;
-    c->n_eos = 2;
-    c->quant = QUANT_MXFP4;
-    c->quant_group_size = 32;
-    for (int i = 0; i < c->n_layers_total; i++) {
-        struct layer_config *L = &c->layers[i];
-        bool mtp = i >= c->n_layers;
-        L->kind = !mtp && i % 4 == 0 ? LAYER_KIND_FULL : LAYER_KIND_SLIDING;
-        L->n_heads = L->kind == LAYER_KIND_FULL ? c->n_heads_full : c->n_heads_sliding;
-        L->n_kv_heads = c->n_kv_heads;
-        L->head_dim = c->head_dim;
-        L->rotary_dims = L->kind == LAYER_KIND_FULL ? c->head_dim / 2 : c->head_dim;
-        L->rope_theta = L->kind == LAYER_KIND_FULL ? 5e6 : 1e4;
-        L->rope_llama3 = L->kind == LAYER_KIND_FULL;
-        L->is_moe = !mtp && i >= 2;
-        L->is_mtp = mtp;
-        L->swiglu_limit = i == c->n_layers - 1 ? 7.0f : 0.0f;
-        L->swiglu_limit_shared = i == c->n_layers - 1 ? 16.0f : 0.0f;
-    }
+    config_step_layers(c, 2, 1);
 }
 
 void ckptw_config_step37(struct model_config *c)
 {
-    memset(c, 0, sizeof(*c));
-    snprintf(c->model_type, sizeof(c->model_type), "step3p7");
+    config_step_family(c);
     c->hidden_size = 4096;
     c->intermediate_size = 11264;
     c->n_layers = 45;
@@ -645,7 +660,6 @@ void ckptw_config_step37(struct model_config *c)
     c->n_layers_total = 48;
     c->vocab_size = 128896;
     c->max_position_embeddings = 262144;
-    c->rms_norm_eps = 1e-5f;
     c->n_heads_full = 64;
     c->n_heads_sliding = 96;
     c->n_kv_heads = 8;
@@ -655,38 +669,9 @@ void ckptw_config_step37(struct model_config *c)
     c->top_k = 8;
     c->moe_intermediate_size = 1280;
     c->shared_expert_dim = 1280;
-    c->norm_expert_weight = true;
-    c->router_scaling_factor = 3.0f;
-    c->use_router_bias = true;
-    c->rope_scaling.present = true;
-    c->rope_scaling.factor = 2.0;
-    c->rope_scaling.low_freq_factor = 1.0;
-    c->rope_scaling.high_freq_factor = 32.0;
     c->rope_scaling.original_max_position_embeddings = 131072;
-    c->use_qk_norm = true;
-    c->use_head_wise_attn_gate = true;
-    c->bos_token_id = 0;
-    c->eos_token_ids[0] = 1;
-    c->eos_token_ids[1] = 2;
-    c->eos_token_ids[2] = 128007;
-    c->n_eos = 3;
-    c->quant = QUANT_MXFP4;
-    c->quant_group_size = 32;
-    for (int i = 0; i < c->n_layers_total; i++) {
-        struct layer_config *L = &c->layers[i];
-        bool mtp = i >= c->n_layers;
-        L->kind = !mtp && i % 4 == 0 ? LAYER_KIND_FULL : LAYER_KIND_SLIDING;
-        L->n_heads = L->kind == LAYER_KIND_FULL ? 64 : 96;
-        L->n_kv_heads = 8;
-        L->head_dim = 128;
-        L->rotary_dims = L->kind == LAYER_KIND_FULL ? 64 : 128;
-        L->rope_theta = L->kind == LAYER_KIND_FULL ? 5e6 : 1e4;
-        L->rope_llama3 = L->kind == LAYER_KIND_FULL;
-        L->is_moe = !mtp && i >= 3;
-        L->is_mtp = mtp;
-        L->swiglu_limit = i == 43 || i == 44 ? 7.0f : 0.0f;
-        L->swiglu_limit_shared = i == 43 || i == 44 ? 16.0f : 0.0f;
-    }
+    c->eos_token_ids[c->n_eos++] = 128007;
+    config_step_layers(c, 3, 2);
 }
 
 static int write_group(const char *dir, const struct genlist *l, const bool *pick, int n_shards,

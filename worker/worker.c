@@ -1270,6 +1270,22 @@ static int run_serve(struct worker *w, struct forward *f)
     return rc;
 }
 
+/* A stage after the rendezvous failed (msg logged by the caller): reported to stepctl and
+ * the health endpoint as failed ("<what>: msg"), the group aborted (the others are waiting
+ * for this rank in a collective: they see a peer failure at once rather than their
+ * deadline).  Returns the exit code: WORKER_EXIT_COMM when a peer was already lost (a
+ * collective failure), else code. */
+static int stage_failed(struct worker *w, const char *what, const char *msg, int code)
+{
+    if (w->ctl)
+        worker_ctl_report(w->ctl, 3, 0.0f, msg, NULL);
+    worker_health_phase(w->health, WORKER_PHASE_FAILED, "%s: %s", what, msg);
+    if (w->comm->error)
+        code = WORKER_EXIT_COMM;
+    comm_abort(w->comm);
+    return code;
+}
+
 int worker_run(const struct worker_opts *o)
 {
     struct worker w = { .o = o };
@@ -1353,14 +1369,7 @@ int worker_run(const struct worker_opts *o)
     r = stage_load(&w, &e);
     if (r < 0) {
         log_error("load: %s", e.msg);
-        if (w.ctl)
-            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, NULL);
-        worker_health_phase(w.health, WORKER_PHASE_FAILED, "load failed: %s", e.msg);
-        /* a peer lost while the group agreed on its KV pools is a collective failure */
-        rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_FAILURE;
-        /* the others are waiting for us in the first collective: abort so they see a
-         * peer failure at once rather than their deadline */
-        comm_abort(w.comm);
+        rc = stage_failed(&w, "load failed", e.msg, WORKER_EXIT_FAILURE);
         goto out;
     }
     limits_init(&w);
@@ -1368,11 +1377,7 @@ int worker_run(const struct worker_opts *o)
     r = check_group_shape(&w, &e);
     if (r < 0) {
         log_error("%s", e.msg);
-        if (w.ctl)
-            worker_ctl_report(w.ctl, 3, 0.0f, e.msg, NULL);
-        worker_health_phase(w.health, WORKER_PHASE_FAILED, "group shape: %s", e.msg);
-        rc = w.comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
-        comm_abort(w.comm);
+        rc = stage_failed(&w, "group shape", e.msg, WORKER_EXIT_USAGE);
         goto out;
     }
 

@@ -25,6 +25,9 @@ int tok__buf_puts(struct tok_buf *b, const char *s);
 int tok__buf_printf(struct tok_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void tok__buf_done(struct tok_buf *b);
 
+/* p (an array of *cap elements of elem bytes) reallocated to twice *cap (64 from none), *cap
+ * updated; NULL when out of memory (p and *cap unchanged). */
+void *tok__grow(void *p, size_t *cap, size_t elem);
 int tok__ids_push(struct tok_ids *ids, int32_t id);
 
 uint64_t tok__hash(const void *p, size_t n);

@@ -144,12 +144,10 @@ static int pieces_push(struct pieces *ps, size_t off, size_t len)
     if (!len)
         return 0;
     if (ps->n == ps->cap) {
-        size_t cap = ps->cap ? ps->cap * 2 : 64;
-        struct piece *p = realloc(ps->p, cap * sizeof(*p));
+        struct piece *p = tok__grow(ps->p, &ps->cap, sizeof(*p));
         if (!p)
             return -ENOMEM;
         ps->p = p;
-        ps->cap = cap;
     }
     ps->p[ps->n++] = (struct piece){ off, len };
     return 0;
@@ -168,12 +166,10 @@ struct segs {
 static int segs_push(struct segs *v, size_t a, size_t b, bool match)
 {
     if (v->n == v->cap) {
-        size_t cap = v->cap ? v->cap * 2 : 64;
-        struct seg *s = realloc(v->s, cap * sizeof(*s));
+        struct seg *s = tok__grow(v->s, &v->cap, sizeof(*s));
         if (!s)
             return -ENOMEM;
         v->s = s;
-        v->cap = cap;
     }
     v->s[v->n++] = (struct seg){ a, b, match };
     return 0;
@@ -228,20 +224,14 @@ static void apply_behavior(enum tok_split_behavior beh, struct segs *v)
         v->n = k;
         return;
     case TOK_SPLIT_MERGED_PREV:
-        for (size_t i = 0; i < v->n; i++) {
-            struct seg g = v->s[i];
-            if (g.match && !prev_match && k > 0)
-                v->s[k - 1].b = g.b;
-            else
-                v->s[k++] = g;
-            prev_match = g.match;
-        }
-        v->n = k;
-        return;
     case TOK_SPLIT_CONTIGUOUS:
+        /* merged with previous: a match joins the gap before it; contiguous: neighbours of
+         * the same kind join */
         for (size_t i = 0; i < v->n; i++) {
             struct seg g = v->s[i];
-            if (g.match == prev_match && k > 0)
+            bool join = beh == TOK_SPLIT_CONTIGUOUS ? g.match == prev_match
+                                                    : g.match && !prev_match;
+            if (join && k > 0)
                 v->s[k - 1].b = g.b;
             else
                 v->s[k++] = g;

@@ -79,15 +79,22 @@ void tok__buf_done(struct tok_buf *b)
     b->n = b->cap = 0;
 }
 
+void *tok__grow(void *p, size_t *cap, size_t elem)
+{
+    size_t n = *cap ? *cap * 2 : 64;
+    void *q = realloc(p, n * elem);
+    if (q)
+        *cap = n;
+    return q;
+}
+
 int tok__ids_push(struct tok_ids *ids, int32_t id)
 {
     if (ids->n == ids->cap) {
-        size_t cap = ids->cap ? ids->cap * 2 : 64;
-        int32_t *p = realloc(ids->ids, cap * sizeof(*p));
+        int32_t *p = tok__grow(ids->ids, &ids->cap, sizeof(*p));
         if (!p)
             return -ENOMEM;
         ids->ids = p;
-        ids->cap = cap;
     }
     ids->ids[ids->n++] = id;
     return 0;

@@ -30,6 +30,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "benchlib.h"
 #include "engine.h"
 #include "log.h"
 #include "spec.h"
@@ -66,13 +67,6 @@ struct bench {
     int seq;
     uint64_t hashes[MAX_HASHES];    /* output hash per prompt index (the run's seq) */
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static void submit_next(struct client *c);
 
@@ -157,7 +151,7 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
     struct client *cl = calloc((size_t) conc, sizeof(*cl));
     struct engine_loads l0, l1;
     engine_get_loads(e, &l0);
-    double t0 = now_s();
+    double t0 = bench_now();
     for (int i = 0; i < conc; i++) {
         cl[i].b = &b;
         cl[i].id = i;
@@ -168,7 +162,7 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
         pthread_cond_wait(&b.cond, &b.lock);
     pthread_mutex_unlock(&b.lock);
     struct result r = {
-        .secs = now_s() - t0,
+        .secs = bench_now() - t0,
         .mtp = b.mtp,
     };
     r.out_tps = b.tokens / r.secs;
@@ -191,12 +185,6 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
 }
 
 #define BENCH_REPS 5
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *) a, y = *(const double *) b;
-    return x < y ? -1 : x > y;
-}
 
 #define CONC_REPS 3
 
@@ -221,7 +209,7 @@ static double median_of(const double *v, int n)
 {
     double s[BENCH_REPS];
     memcpy(s, v, (size_t) n * sizeof(*s));
-    qsort(s, (size_t) n, sizeof(*s), cmp_double);
+    qsort(s, (size_t) n, sizeof(*s), bench_cmp_double);
     return s[n / 2];
 }
 
@@ -500,14 +488,14 @@ int main(int argc, char **argv)
         goto done;
     }
     if (prof_k >= 0) {
-        double t0 = now_s(), toks = 0, secs = 0;
-        while (now_s() - t0 < prof_s) {
+        double t0 = bench_now(), toks = 0, secs = 0;
+        while (bench_now() - t0 < prof_s) {
             struct result r = run(e, vocab, 1, prof_k, 32, n_out, 3);
             toks += r.decode_tps > 0 ? 3.0 * n_out : 0;
             secs += r.decode_tps > 0 ? 3.0 * n_out / r.decode_tps : 0;
         }
         printf("profile: batch 1, K=%d: %.1f tok/s decode over %.1f s\n", prof_k, secs > 0 ? toks / secs : 0,
-               now_s() - t0);
+               bench_now() - t0);
         goto done;
     }
 

@@ -29,20 +29,13 @@
 #include <time.h>
 
 #include "backend.h"
+#include "benchlib.h"
 #include "bw-probe.h"
 #include "cpu.h"
 
 static uint8_t *arena;
 static size_t arena_bytes;
 static int reps = 7;
-
-static double now(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* process CPU seconds (all threads): cpu / (wall * threads) = the share of the cores we
  * actually got, to judge how loaded the shared machine was during a figure */
@@ -59,32 +52,19 @@ static double last_ratio;           /* median over reps of (kernel GB/s / probe 
                                      * rep running the probe right before the kernel sweep */
 static struct cpu_pool *bw_pool;
 
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(double), cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* ---- bandwidth probe (bw-probe.h) ---- */
 static double bench_bw(struct cpu_pool *pool)
 {
     double gbs[32], sh[32];
 
     for (int r = 0; r < reps; r++) {
-        double t = now(), c = cpu_now();
+        double t = bench_now(), c = cpu_now();
         gbs[r] = bw_probe_once(pool, arena, arena_bytes);
-        t = now() - t;
+        t = bench_now() - t;
         sh[r] = (cpu_now() - c) / t;
     }
-    last_share = median(sh, reps);
-    return median(gbs, reps);
+    last_share = bench_median(sh, reps);
+    return bench_median(gbs, reps);
 }
 
 static double bw_once(void)
@@ -175,20 +155,20 @@ static double bench_gemv(struct backend *be, const struct mats *ms, int n)
 
     backend_matmul(be, &ms->w[0], x, n, y);  /* warm the pool and scratch */
     for (int r = 0; r < reps; r++) {
-        double bw = bw_once(), t0 = now(), c0 = cpu_now();
+        double bw = bw_once(), t0 = bench_now(), c0 = cpu_now();
 
         for (int i = 0; i < ms->count; i++)
             if (backend_matmul(be, &ms->w[i], x, n, y) < 0)
                 abort();
-        t[r] = (now() - t0) / ms->count;
+        t[r] = (bench_now() - t0) / ms->count;
         sh[r] = (cpu_now() - c0) / (t[r] * ms->count);
         ratio[r] = ms->bytes_each / t[r] / 1e9 / bw;
     }
     free(x);
     free(y);
-    last_share = median(sh, reps);
-    last_ratio = median(ratio, reps);
-    return median(t, reps);
+    last_share = bench_median(sh, reps);
+    last_ratio = bench_median(ratio, reps);
+    return bench_median(t, reps);
 }
 
 static void report(const char *what, int nth, double sec, int64_t rows, int64_t cols, size_t bytes,
@@ -241,101 +221,55 @@ static double bench_moe(struct backend *be, const struct mats *ms, int n_tok, in
                 w[k] = 0.125f;
             }
             memset(out, 0, sizeof(out));
-            double t0 = now(), c0 = cpu_now();
+            double t0 = bench_now(), c0 = cpu_now();
             if (backend_moe(be, &a) < 0)
                 abort();
-            acc += now() - t0;
+            acc += bench_now() - t0;
             cacc += cpu_now() - c0;
         }
         t[r] = acc / layers;
         sh[r] = cacc / acc;
         ratio[r] = 8.0 * 3 * (1280.0 * 4096 * 17 / 32) / t[r] / 1e9 / bw;
     }
-    last_share = median(sh, reps);
-    last_ratio = median(ratio, reps);
+    last_share = bench_median(sh, reps);
+    last_ratio = bench_median(ratio, reps);
     free(ex);
     *ret_pool = pool;
-    return median(t, reps);
+    return bench_median(t, reps);
 }
 
 /* ---- tiny-model BF16 shapes: AVX-512 vs AMX, side by side ---- */
 static double sweep_once(struct backend *be, const struct mats *ms, const float *x, int n, float *y)
 {
-    double t0 = now();
+    double t0 = bench_now();
 
     for (int i = 0; i < ms->count; i++)
         if (backend_matmul(be, &ms->w[i], x, n, y) < 0)
             abort();
-    return (now() - t0) / ms->count;
+    return (bench_now() - t0) / ms->count;
 }
 
-static void bench_tiny_bf16(struct backend *be)
+struct tiny_shape {
+    const char *name;
+    int64_t rows, cols;
+};
+
+/* Old vs new kernel on tiny shapes at 1, 4 and 16 tokens, 1 thread, the weights of ~24 MiB of
+ * copies cycled: *off = 1 (old) and 0 (new) interleaved per rep, a warm-up before each side.
+ * line: the printf format of a result (shape name, n, copies, old us, new us, old/new,
+ * per-token old and new us). */
+static void tiny_ab(struct backend *be, enum wfmt fmt, const struct tiny_shape *sh, size_t n_sh,
+                    int *off, const char *line)
 {
-    static const struct { const char *name; int64_t rows, cols; } sh[] = {
-        { "4096x256", 4096, 256 }, { "768x256", 768, 256 }, { "256x768", 256, 768 },
-        { "128x256", 128, 256 },
-    };
     static const int ns[] = { 1, 4, 16 };
 
-    if (!cpu_amx_bf16_ok()) {
-        printf("  tiny bf16 shapes: AMX-BF16 not available here (or switched off), skipped\n");
-        return;
-    }
-    printf("  tiny bf16 shapes, 1 thread, ~24 MiB of copies, median of %d (old = AVX-512, amx = "
-           "AMX-BF16; interleaved per rep):\n", reps);
-    for (size_t s = 0; s < sizeof(sh) / sizeof(sh[0]); s++) {
+    for (size_t s = 0; s < n_sh; s++) {
         struct mats ms;
-        int max = (int)((24u << 20) / (size_t)(sh[s].rows * sh[s].cols * 2));
+        size_t bytes = fmt == WFMT_MXFP4 ? mxfp4_bytes(sh[s].rows, sh[s].cols)
+                                         : (size_t)(sh[s].rows * sh[s].cols * 2);
+        int max = (int)((24u << 20) / bytes);
 
-        mats_make(&ms, WFMT_BF16, sh[s].rows, sh[s].cols, max);
-        for (size_t k = 0; k < sizeof(ns) / sizeof(ns[0]); k++) {
-            const int n = ns[k];
-            float *x = malloc(sizeof(float) * n * sh[s].cols), *y = malloc(sizeof(float) * n * sh[s].rows);
-            double t_old[32], t_amx[32], ratio[32], m_old, m_amx;
-
-            for (int64_t i = 0; i < n * sh[s].cols; i++)
-                x[i] = sinf((float)i);
-            for (int r = 0; r < reps; r++) {
-                cpu_amx_off = 1;
-                sweep_once(be, &ms, x, n, y);       /* warm-up of this side's code path */
-                t_old[r] = sweep_once(be, &ms, x, n, y);
-                cpu_amx_off = 0;
-                sweep_once(be, &ms, x, n, y);
-                t_amx[r] = sweep_once(be, &ms, x, n, y);
-                ratio[r] = t_old[r] / t_amx[r];
-            }
-            m_old = median(t_old, reps);
-            m_amx = median(t_amx, reps);
-            printf("  bf16 %-9s n=%2d x%-3d old %8.1f us  amx %8.1f us  old/amx %5.2fx  "
-                   "(per token: old %6.1f, amx %6.1f us)\n", sh[s].name, n, ms.count, m_old * 1e6,
-                   m_amx * 1e6, median(ratio, reps), m_old * 1e6 / n, m_amx * 1e6 / n);
-            free(x);
-            free(y);
-        }
-        mats_free(&ms);
-    }
-    cpu_amx_off = 0;
-}
-
-/* ---- tiny-model MXFP4 expert shapes: 4-row vs 16-row kernel, side by side ---- */
-static void bench_tiny_mxfp4(struct backend *be)
-{
-    static const struct { const char *name; int64_t rows, cols; } sh[] = {
-        { "128x256", 128, 256 }, { "256x128", 256, 128 },
-    };
-    static const int ns[] = { 1, 4, 16 };
-
-    if (cpu_mxfp4_row_align(NULL) != 16) {
-        printf("  tiny mxfp4 shapes: 16-row kernel not available here (or switched off), skipped\n");
-        return;
-    }
-    printf("  tiny mxfp4 expert shapes, 1 thread, ~24 MiB of copies, median of %d (old = 4-row "
-           "kernel, new = 16-row; interleaved per rep):\n", reps);
-    for (size_t s = 0; s < sizeof(sh) / sizeof(sh[0]); s++) {
-        struct mats ms;
-        int max = (int)((24u << 20) / mxfp4_bytes(sh[s].rows, sh[s].cols));
-
-        mats_make(&ms, WFMT_MXFP4, sh[s].rows, sh[s].cols, max);
+        mats_make(&ms, fmt, sh[s].rows, sh[s].cols, max);
         for (size_t k = 0; k < sizeof(ns) / sizeof(ns[0]); k++) {
             const int n = ns[k];
             float *x = malloc(sizeof(float) * n * sh[s].cols), *y = malloc(sizeof(float) * n * sh[s].rows);
@@ -344,25 +278,66 @@ static void bench_tiny_mxfp4(struct backend *be)
             for (int64_t i = 0; i < n * sh[s].cols; i++)
                 x[i] = sinf((float)i);
             for (int r = 0; r < reps; r++) {
-                cpu_mxfp4_t16_off = 1;
-                sweep_once(be, &ms, x, n, y);
+                *off = 1;
+                sweep_once(be, &ms, x, n, y);       /* warm-up of this side's code path */
                 t_old[r] = sweep_once(be, &ms, x, n, y);
-                cpu_mxfp4_t16_off = 0;
+                *off = 0;
                 sweep_once(be, &ms, x, n, y);
                 t_new[r] = sweep_once(be, &ms, x, n, y);
                 ratio[r] = t_old[r] / t_new[r];
             }
-            m_old = median(t_old, reps);
-            m_new = median(t_new, reps);
-            printf("  mxfp4 tiny expert %-8s n=%2d x%-4d old %7.2f us  new %7.2f us  old/new %5.2fx  "
-                   "(per token: old %6.2f, new %6.2f us)\n", sh[s].name, n, ms.count, m_old * 1e6,
-                   m_new * 1e6, median(ratio, reps), m_old * 1e6 / n, m_new * 1e6 / n);
+            m_old = bench_median(t_old, reps);
+            m_new = bench_median(t_new, reps);
+            printf(line, sh[s].name, n, ms.count, m_old * 1e6, m_new * 1e6, bench_median(ratio, reps),
+                   m_old * 1e6 / n, m_new * 1e6 / n);
             free(x);
             free(y);
         }
         mats_free(&ms);
     }
-    cpu_mxfp4_t16_off = 0;
+    *off = 0;
+}
+
+/* The old/new comparisons on the tiny model's shapes (tiny_ab), each where its new kernel runs:
+ * BF16 with AMX vs AVX-512, the MXFP4 expert shapes with the 16-row vs the 4-row kernel. */
+static void bench_tiny_kernels(struct backend *be)
+{
+    static const struct tiny_shape bf16_sh[] = {
+        { "4096x256", 4096, 256 }, { "768x256", 768, 256 }, { "256x768", 256, 768 },
+        { "128x256", 128, 256 },
+    }, mxfp4_sh[] = {
+        { "128x256", 128, 256 }, { "256x128", 256, 128 },
+    };
+    const struct {
+        bool ok;
+        const char *skipped, *head, *line;
+        enum wfmt fmt;
+        const struct tiny_shape *sh;
+        size_t n_sh;
+        int *off;
+    } ab[] = {
+        { cpu_amx_bf16_ok(), "tiny bf16 shapes: AMX-BF16",
+          "  tiny bf16 shapes, 1 thread, ~24 MiB of copies, median of %d (old = AVX-512, amx = "
+          "AMX-BF16; interleaved per rep):\n",
+          "  bf16 %-9s n=%2d x%-3d old %8.1f us  amx %8.1f us  old/amx %5.2fx  "
+          "(per token: old %6.1f, amx %6.1f us)\n",
+          WFMT_BF16, bf16_sh, sizeof(bf16_sh) / sizeof(bf16_sh[0]), &cpu_amx_off },
+        { cpu_mxfp4_row_align(NULL) == 16, "tiny mxfp4 shapes: 16-row kernel",
+          "  tiny mxfp4 expert shapes, 1 thread, ~24 MiB of copies, median of %d (old = 4-row "
+          "kernel, new = 16-row; interleaved per rep):\n",
+          "  mxfp4 tiny expert %-8s n=%2d x%-4d old %7.2f us  new %7.2f us  old/new %5.2fx  "
+          "(per token: old %6.2f, new %6.2f us)\n",
+          WFMT_MXFP4, mxfp4_sh, sizeof(mxfp4_sh) / sizeof(mxfp4_sh[0]), &cpu_mxfp4_t16_off },
+    };
+
+    for (size_t i = 0; i < sizeof(ab) / sizeof(ab[0]); i++) {
+        if (!ab[i].ok) {
+            printf("  %s not available here (or switched off), skipped\n", ab[i].skipped);
+            continue;
+        }
+        printf(ab[i].head, reps);
+        tiny_ab(be, ab[i].fmt, ab[i].sh, ab[i].n_sh, ab[i].off, ab[i].line);
+    }
 }
 
 /* The tiny model's MoE layer (16 experts, 128x256 gate/up, 256x128 down, top-4) at 1, 4
@@ -419,13 +394,13 @@ static void bench_tiny_moe(struct backend *be)
                 double t0;
 
                 cpu_mxfp4_t16_off = side == 0;
-                t0 = now();
+                t0 = bench_now();
                 for (int l = 0; l < layers; l++) {
                     struct moe_args a = { .x = x, .out = out, .n_tok = n, .hidden = HID,
                                           .inter = INTER, .top_k = TOPK, .ids = ids, .weights = wt,
                                           .experts = ex + l * NEXP, .expert_first = 0,
                                           .n_local = NEXP, .limit = 7.0f };
-                    double tr = now();
+                    double tr = bench_now();
 
                     for (int q = 0; q < n * TOPK; q++) {
                         bool dup;
@@ -439,24 +414,38 @@ static void bench_tiny_moe(struct backend *be)
                         } while (dup);
                         wt[q] = 0.25f;
                     }
-                    t0 += now() - tr;   /* routing set-up not timed */
+                    t0 += bench_now() - tr;   /* routing set-up not timed */
                     if (backend_moe(be, &a) < 0)
                         abort();
                 }
-                acc[side] = now() - t0;
+                acc[side] = bench_now() - t0;
             }
             t_old[r] = acc[0] / layers;
             t_new[r] = acc[1] / layers;
             ratio[r] = t_old[r] / t_new[r];
         }
-        m_old = median(t_old, reps);
-        m_new = median(t_new, reps);
+        m_old = bench_median(t_old, reps);
+        m_new = bench_median(t_new, reps);
         printf("  moe tiny layer (16 x 128x256/256x128, top-4) n=%2d x%-3d old %7.2f us  new %7.2f us  "
-               "old/new %5.2fx\n", n, layers, m_old * 1e6, m_new * 1e6, median(ratio, reps));
+               "old/new %5.2fx\n", n, layers, m_old * 1e6, m_new * 1e6, bench_median(ratio, reps));
     }
     cpu_mxfp4_t16_off = 0;
     free(ex);
     mats_free(&ms);
+}
+
+/* The batch-1 GEMV figure of one shape over as many copies as the arena holds (*ms, for the
+ * caller to use further and free); false when not one fits (nothing to free). */
+static bool gemv_shape(struct backend *be, struct mats *ms, enum wfmt fmt, const char *name,
+                       int64_t rows, int64_t cols, int nth, double bw)
+{
+    mats_make(ms, fmt, rows, cols, 0);
+    if (ms->count == 0) {
+        mats_free(ms);
+        return false;
+    }
+    report(name, nth, bench_gemv(be, ms, 1), rows, cols, ms->bytes_each, bw, 1);
+    return true;
 }
 
 int main(void)
@@ -502,21 +491,15 @@ int main(void)
         bw = bench_bw(pool);
         printf("threads %d: read bandwidth %.2f GB/s  cpu %3.0f %%\n", nth, bw, 100.0 * last_share / nth);
         if (nth == 1) {
-            bench_tiny_bf16(be);
-            bench_tiny_mxfp4(be);
+            bench_tiny_kernels(be);
             bench_tiny_moe(be);
         }
         for (size_t i = 0; i < sizeof(mx) / sizeof(mx[0]); i++) {
             struct mats ms;
             double s;
 
-            mats_make(&ms, WFMT_MXFP4, mx[i].rows, mx[i].cols, 0);
-            if (ms.count == 0) {
-                mats_free(&ms);
+            if (!gemv_shape(be, &ms, WFMT_MXFP4, mx[i].name, mx[i].rows, mx[i].cols, nth, bw))
                 continue;
-            }
-            s = bench_gemv(be, &ms, 1);
-            report(mx[i].name, nth, s, mx[i].rows, mx[i].cols, ms.bytes_each, bw, 1);
             if (i == 0) {
                 char name[64];
 
@@ -532,17 +515,11 @@ int main(void)
         }
         for (size_t i = 0; i < sizeof(bf) / sizeof(bf[0]); i++) {
             struct mats ms;
-            double s;
 
-            mats_make(&ms, WFMT_BF16, bf[i].rows, bf[i].cols, 0);
-            if (ms.count == 0) {
-                mats_free(&ms);
+            if (!gemv_shape(be, &ms, WFMT_BF16, bf[i].name, bf[i].rows, bf[i].cols, nth, bw))
                 continue;
-            }
-            s = bench_gemv(be, &ms, 1);
-            report(bf[i].name, nth, s, bf[i].rows, bf[i].cols, ms.bytes_each, bw, 1);
             if (i == 0) {
-                s = bench_gemv(be, &ms, 4);
+                double s = bench_gemv(be, &ms, 4);
                 report("bf16 4096x4096 x4 tok", nth, s, bf[i].rows, bf[i].cols, ms.bytes_each, bw, 4);
             }
             mats_free(&ms);

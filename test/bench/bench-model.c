@@ -13,28 +13,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "benchlib.h"
 #include "model.h"
 
 #define BS 16
-
-static double now_sec(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct bplan {
     struct step_plan p;
@@ -112,13 +94,13 @@ int main(int argc, char **argv)
                 return 1;
             }
             for (int r = 0; r < runs && r < 64; r++) {
-                double t0 = now_sec();
+                double t0 = bench_now();
                 bplan_fill(&b, 1, 0, P, toks, nb);
                 if (model_step(m, &b.p, lg) < 0)
                     goto fail;
-                pf[r] = P / (now_sec() - t0);
+                pf[r] = P / (bench_now() - t0);
                 int32_t cur[4];
-                t0 = now_sec();
+                t0 = bench_now();
                 cur[0] = toks[P - 1];
                 for (int d = 0; d < D; d++) {
                     bplan_fill(&b, 1, P + d, 1, cur, nb);
@@ -129,14 +111,14 @@ int main(int argc, char **argv)
                         best = lg[i] > lg[best] ? i : best;
                     cur[0] = best;
                 }
-                dc[r] = D / (now_sec() - t0);
+                dc[r] = D / (bench_now() - t0);
                 /* batch of 4: prefill all four, then decode together */
                 bplan_fill(&b, 4, 0, P, toks, nb);
                 if (model_step(m, &b.p, lg) < 0)
                     goto fail;
                 for (int s = 0; s < 4; s++)
                     cur[s] = toks[s * P + P - 1];
-                t0 = now_sec();
+                t0 = bench_now();
                 for (int d = 0; d < D; d++) {
                     bplan_fill(&b, 4, P + d, 1, cur, nb);
                     if (model_step(m, &b.p, lg) < 0)
@@ -148,10 +130,10 @@ int main(int argc, char **argv)
                         cur[s] = best;
                     }
                 }
-                dc4[r] = 4.0 * D / (now_sec() - t0);
+                dc4[r] = 4.0 * D / (bench_now() - t0);
             }
             int n = runs < 64 ? runs : 64;
-            double mpf = median(pf, n), mdc = median(dc, n), mdc4 = median(dc4, n);
+            double mpf = bench_median(pf, n), mdc = bench_median(dc, n), mdc4 = bench_median(dc4, n);
             printf("%-6s %-7d %12.0f %14.1f %16.1f", exact ? "exact" : "fast", th, mpf, mdc, mdc4);
             if (exact && th == 1) {
                 base_pf = mpf;

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "benchlib.h"
 #include "engine.h"
 #include "../engine/model-rig.h"
 
@@ -47,13 +48,6 @@ struct client {
     int req;                    /* the request it waits for */
     char rid[32];
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static void submit_next(struct client *c);
 
@@ -114,12 +108,6 @@ static void submit_next(struct client *c)
     }
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *) a, y = *(const double *) b;
-    return x < y ? -1 : x > y;
-}
-
 /* the q-quantile (nearest rank) of n sorted values */
 static double quantile(const double *v, int n, double q)
 {
@@ -158,7 +146,7 @@ static struct result run(struct model_rig *rig, bool cache, int n_req, int conc,
     struct client *cl = calloc((size_t) conc, sizeof(*cl));
     if (engine_start(b.e) < 0)
         exit(1);
-    double t0 = now_s();
+    double t0 = bench_now();
     for (int i = 0; i < conc; i++) {
         cl[i].b = &b;
         submit_next(&cl[i]);
@@ -167,7 +155,7 @@ static struct result run(struct model_rig *rig, bool cache, int n_req, int conc,
     while (b.done < n_req)
         pthread_cond_wait(&b.cond, &b.lock);
     pthread_mutex_unlock(&b.lock);
-    struct result r = { .secs = now_s() - t0 };
+    struct result r = { .secs = bench_now() - t0 };
     engine_stop(b.e);
     if (engine_check(b.e) < 0) {
         fprintf(stderr, "bench-prefix: KV accounting broken at idle\n");
@@ -186,7 +174,7 @@ static struct result run(struct model_rig *rig, bool cache, int n_req, int conc,
             fprintf(stderr, "%s%.0f", i ? " " : "ttft ms: ", b.ttft[i] * 1e3);
         fprintf(stderr, "\n");
     }
-    qsort(b.ttft, (size_t) n_req, sizeof(double), cmp_double);
+    qsort(b.ttft, (size_t) n_req, sizeof(double), bench_cmp_double);
     r.p50 = quantile(b.ttft, n_req, 0.50);
     r.p99 = quantile(b.ttft, n_req, 0.99);
     r.tps = (double) n_req * n_out / r.secs;
@@ -198,7 +186,7 @@ static struct result run(struct model_rig *rig, bool cache, int n_req, int conc,
 
 static double median3(double *v, int n)
 {
-    qsort(v, (size_t) n, sizeof(double), cmp_double);
+    qsort(v, (size_t) n, sizeof(double), bench_cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 

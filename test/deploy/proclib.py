@@ -3,6 +3,7 @@
 (gRPC health, HTTP GET), free ports, and the independent gRPC client of test/daemon.
 """
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -150,3 +151,21 @@ class Proc:
 
 def tmpdir(prefix):
     return tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("TMPDIR", "/tmp"))
+
+
+def run_cases(cases, prefix, tail=4000):
+    """Run each (title, fn, *args) of cases as fn(d, *args) in a temporary directory d of its
+    own (removed afterwards); when an assertion fails, print the last tail characters of
+    every *.log in d before passing the failure on."""
+    for title, fn, *args in cases:
+        d = tmpdir(prefix)
+        print("== " + title)
+        try:
+            fn(d, *args)
+        except AssertionError:
+            for f in sorted(os.listdir(d)):
+                if f.endswith(".log"):
+                    print("---- %s\n%s" % (f, open(os.path.join(d, f), errors="replace").read()[-tail:]))
+            raise
+        finally:
+            shutil.rmtree(d, True)

@@ -25,7 +25,6 @@ has 4 KV heads, so 8 ranks cannot hold it; the rank pods' template is the same).
 """
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -208,18 +207,9 @@ def run_overlay(d, overlay, size=None):
 
 def main():
     os.environ["UCX_NET_DEVICES"] = "lo"
-    for overlay, size in (("1gpu", None), ("2node", 2)):
-        d = pl.tmpdir("stepd-k8s-")
-        print("== overlay %s%s" % (overlay, " (group cut to %d ranks)" % size if size else ""))
-        try:
-            run_overlay(d, overlay, size)
-        except AssertionError:
-            for f in sorted(os.listdir(d)):
-                if f.endswith(".log"):
-                    print("---- %s\n%s" % (f, open(os.path.join(d, f), errors="replace").read()[-4000:]))
-            raise
-        finally:
-            shutil.rmtree(d, True)
+    pl.run_cases([("overlay %s%s" % (overlay, " (group cut to %d ranks)" % size if size else ""),
+                   run_overlay, overlay, size) for overlay, size in (("1gpu", None), ("2node", 2))],
+                 "stepd-k8s-")
     print("Kubernetes containers as processes: every probe succeeded")
 
 

@@ -12,7 +12,6 @@
 """
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -139,19 +138,8 @@ def test_give_up(d):
 
 
 def main():
-    for name, fn in (("kill -9 a rank: restart and recovery", test_recovery),
-                     ("a rank that always crashes: given up", test_give_up)):
-        d = pl.tmpdir("stepd-serve-")
-        print("== " + name)
-        try:
-            fn(d)
-        except AssertionError:
-            for f in sorted(os.listdir(d)):
-                if f.endswith(".log"):
-                    print("---- %s\n%s" % (f, open(os.path.join(d, f), errors="replace").read()[-5000:]))
-            raise
-        finally:
-            shutil.rmtree(d, True)
+    pl.run_cases((("kill -9 a rank: restart and recovery", test_recovery),
+                  ("a rank that always crashes: given up", test_give_up)), "stepd-serve-", 5000)
     print("stepd serve supervision: all checks passed")
 
 

@@ -22,7 +22,6 @@ are the build's (/usr/bin/X -> build/.../X).  Checked as systemd would:
 """
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -188,19 +187,8 @@ def test_serve_unit(d):
 
 def main():
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    for name, fn in (("split units (stepd + stepd-worker@0,1)", test_split_units),
-                     ("stepd-serve.service", test_serve_unit)):
-        d = pl.tmpdir("stepd-units-")
-        print("== " + name)
-        try:
-            fn(d)
-        except AssertionError:
-            for f in sorted(os.listdir(d)):
-                if f.endswith(".log"):
-                    print("---- %s\n%s" % (f, open(os.path.join(d, f), errors="replace").read()[-4000:]))
-            raise
-        finally:
-            shutil.rmtree(d, True)
+    pl.run_cases((("split units (stepd + stepd-worker@0,1)", test_split_units),
+                  ("stepd-serve.service", test_serve_unit)), "stepd-units-")
     print("systemd units: all checks passed")
 
 

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "engine-rig.h"
 #include "engine.h"
 #include "log.h"
 #include "mock.h"
@@ -24,28 +25,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: engine-mock-server [--output-stream-buffer BYTES]\n");
         return 2;
     }
-    struct mock_config mc;
-    mock_config_init(&mc);
-    mc.step_usec = 300;
     struct forward *f;
-    if (mock_forward_new(&mc, &f) < 0)
-        return 1;
-    struct engine_config ec;
-    engine_config_init(&ec);
-    ec.max_num_batched_tokens = 64;
-    ec.max_num_seqs = 8;
-    ec.max_model_len = 512;
-    ec.max_waiting = 8;
-    ec.sliding_window = 64;
-    ec.num_speculative_tokens = 3;
-    ec.eos_ids[0] = 255;
-    ec.n_eos = 1;
-    struct engine *e;
+    struct engine *e = rig_mock_engine(300, 8, 3, &f);
     struct err_buf err;
-    if (engine_new(f, &ec, &e, &err) < 0 || engine_start(e) < 0) {
-        fprintf(stderr, "engine: %s\n", err.msg);
-        return 1;
-    }
     struct engine_rpc *srv;
     struct engine_rpc_opts o = { .addr = "127.0.0.1:0", .group = "g-mock", .model_name = "mock",
                                  .model_type = "mock", .output_stream_buffer = ostream_buffer };

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -75,4 +76,23 @@ static inline void model_rig_close(struct model_rig *r)
         r->f->ops->free(r->f);
     backend_free(r->be);
     ckpt_close(r->ck);
+}
+
+/* model_rig_open_kv for a test, or the process exits: 77 (skip) when dir holds no
+ * checkpoint, 1 on any other error. */
+static inline void model_rig_open_or_exit(struct model_rig *r, const char *dir, int threads,
+                                          int max_seqs, int max_tokens, int max_len,
+                                          const int n_blocks[2], enum model_draft_quant dq)
+{
+    struct err_buf err = { { 0 } };
+    int rc = model_rig_open_kv(r, dir, threads, max_seqs, max_tokens, max_len, n_blocks, dq,
+                               &err);
+    if (rc == -ENOENT) {
+        printf("SKIP: no checkpoint at %s\n", dir);
+        exit(77);
+    }
+    if (rc < 0) {
+        fprintf(stderr, "%s: %s\n", dir, err.msg);
+        exit(1);
+    }
 }

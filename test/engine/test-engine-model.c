@@ -6,34 +6,8 @@
  *   - the KV accounting invariant holds after each run.
  * With argv[2] = "mxfp4" the same, with the MTP drafts computed from MXFP4 copies. 
  * Exits 77 (skip) when the checkpoint is absent. */
-#include <stdlib.h>
-
-#include "engine.h"
-#include "harness.h"
+#include "engine-rig.h"
 #include "model-rig.h"
-
-#define MAXTOK 512
-
-struct coll {
-    int32_t toks[MAXTOK];
-    int n;
-    bool finished;
-    enum engine_finish why;
-    struct spec_stats mtp;
-};
-
-static void on_out(void *ud, const struct engine_output *o)
-{
-    struct coll *c = ud;
-    ASSERT_TRUE(c->n + o->n_tokens <= MAXTOK);
-    memcpy(c->toks + c->n, o->tokens, (size_t) o->n_tokens * sizeof(int32_t));
-    c->n += o->n_tokens;
-    c->mtp = o->mtp;
-    if (o->finished) {
-        c->finished = true;
-        c->why = o->finish;
-    }
-}
 
 static const char *model_dir;
 static struct model_rig rig;
@@ -41,44 +15,18 @@ static struct model_rig rig;
 static struct engine *open_engine(int k)
 {
     struct engine_config ec;
-    engine_config_init(&ec);
-    ec.max_num_batched_tokens = 64;
-    ec.max_num_seqs = 8;
-    ec.max_model_len = 512;
-    ec.sliding_window = rig.cfg->sliding_window;
-    ec.num_speculative_tokens = k;
+    rig_engine_config(&ec, 64, 8, 512, rig.cfg->sliding_window, k);
     ec.spec_policy = SPEC_POLICY_FIXED;     /* the MTP mechanics at exactly K drafts */
     for (int i = 0; i < rig.cfg->n_eos && i < ENGINE_MAX_EOS; i++)
         ec.eos_ids[ec.n_eos++] = rig.cfg->eos_token_ids[i];
-    struct engine *e;
-    struct err_buf err;
-    if (engine_new(rig.f, &ec, &e, &err) < 0)
-        FAIL("engine_new: %s", err.msg);
-    return e;
-}
-
-static void close_engine(struct engine *e)
-{
-    ASSERT_OK(engine_check(e));
-    struct engine_loads l;
-    engine_get_loads(e, &l);
-    ASSERT_EQ(l.kv_blocks_used, 0);
-    engine_free(e);
+    return rig_engine_new(rig.f, &ec);
 }
 
 static void submit(struct engine *e, const char *id, const int32_t *p, int n, int max_tokens,
-                   struct coll *c)
+                   struct rig_out *c)
 {
-    struct engine_request q;
-    struct err_buf err;
-    engine_request_init(&q);
-    q.id = id;
-    q.prompt = p;
-    q.n_prompt = n;
-    q.max_tokens = max_tokens;
-    q.ignore_eos = true;
-    if (engine_submit(e, &q, on_out, c, &err) < 0)
-        FAIL("submit: %s", err.msg);
+    struct rig_req s = { .prompt = p, .n_prompt = n, .max_tokens = max_tokens };
+    rig_submit(e, id, &s, c);
 }
 
 static void make_prompt(int32_t *p, int n, int salt, int vocab)
@@ -87,76 +35,54 @@ static void make_prompt(int32_t *p, int n, int salt, int vocab)
         p[i] = (int32_t) ((i * 131 + salt * 977 + 7) % vocab);
 }
 
-static void same(const struct coll *a, const struct coll *b, const char *what)
-{
-    ASSERT_EQ(a->n, b->n);
-    for (int i = 0; i < a->n; i++)
-        if (a->toks[i] != b->toks[i])
-            FAIL("%s: token %d differs (%d vs %d)", what, i, a->toks[i], b->toks[i]);
-}
-
 #define NMIX 5
 static const int mix_len[NMIX] = { 3, 17, 90, 150, 40 };
 static const int mix_out[NMIX] = { 40, 64, 30, 48, 56 };
 static const int mix_at[NMIX] = { 0, 0, 3, 5, 9 };
 
-static void run_mixed(int k, struct coll *c, uint64_t *ret_accepted)
+static void run_mixed(int k, struct rig_out *c, uint64_t *ret_accepted)
 {
     struct engine *e = open_engine(k);
     static int32_t prompts[NMIX][160];
-    int vocab = rig.f->vocab_size;
-    for (int i = 0; i < NMIX; i++)
-        make_prompt(prompts[i], mix_len[i], i + 1, vocab);
-    int next = 0;
-    for (int step = 0; step < 100000; step++) {
-        while (next < NMIX && mix_at[next] <= step) {
-            char id[16];
-            snprintf(id, sizeof(id), "m%d", next);
-            submit(e, id, prompts[next], mix_len[next], mix_out[next], &c[next]);
-            next++;
-        }
-        ASSERT_TRUE(engine_step(e) >= 0);
-        struct engine_loads l;
-        engine_get_loads(e, &l);
-        if (next == NMIX && !l.n_alive)
-            break;
-    }
-    *ret_accepted = 0;
+    struct rig_req s[NMIX];
     for (int i = 0; i < NMIX; i++) {
-        ASSERT_TRUE(c[i].finished);
-        ASSERT_EQ(c[i].n, mix_out[i]);
-        *ret_accepted += c[i].mtp.n_accepted;
+        make_prompt(prompts[i], mix_len[i], i + 1, rig.f->vocab_size);
+        s[i] = (struct rig_req) { prompts[i], mix_len[i], mix_out[i], mix_at[i] };
     }
-    close_engine(e);
+    rig_run(e, s, NMIX, c);
+    *ret_accepted = 0;
+    for (int i = 0; i < NMIX; i++)
+        *ret_accepted += c[i].mtp.n_accepted;
+    rig_engine_close(e, NULL);
 }
 
 static void test_single(void)
 {
     int32_t prompt[24];
     make_prompt(prompt, 24, 9, rig.f->vocab_size);
-    static struct coll base, other;
+    static struct rig_out base, other;
     memset(&base, 0, sizeof(base));
     struct engine *e = open_engine(0);
     submit(e, "solo", prompt, 24, 96, &base);
     ASSERT_OK(engine_run_until_idle(e));
-    close_engine(e);
+    rig_engine_close(e, NULL);
     for (int k = 1; k <= 3; k++) {
         memset(&other, 0, sizeof(other));
         e = open_engine(k);
         submit(e, "solo", prompt, 24, 96, &other);
         ASSERT_OK(engine_run_until_idle(e));
-        close_engine(e);
+        rig_engine_close(e, NULL);
         printf("single K=%d: drafts %llu accepted %llu\n", k,
                (unsigned long long) other.mtp.n_draft_tokens, (unsigned long long) other.mtp.n_accepted);
         ASSERT_TRUE(other.mtp.n_draft_tokens > 0);
         ASSERT_TRUE(other.mtp.n_accepted > 0);      /* the drafts are worth something */
-        same(&other, &base, "single K vs K=0");
+        rig_same(&other, &base, "single K vs K=0");
     }
 }
 
 static void test_mixed(void)
 {
-    static struct coll base[NMIX], other[NMIX];
+    static struct rig_out base[NMIX], other[NMIX];
     uint64_t acc;
     memset(base, 0, sizeof(base));
     run_mixed(0, base, &acc);
@@ -165,7 +91,7 @@ static void test_mixed(void)
         run_mixed(k, other, &acc);
         printf("mixed K=%d: accepted %llu\n", k, (unsigned long long) acc);
         for (int i = 0; i < NMIX; i++)
-            same(&other[i], &base[i], "mixed K vs K=0");
+            rig_same(&other[i], &base[i], "mixed K vs K=0");
     }
 }
 
@@ -173,7 +99,7 @@ static void test_batch_invariance(void)
 {
     int32_t prompt[30];
     make_prompt(prompt, 30, 4, rig.f->vocab_size);
-    static struct coll solo, many[8];
+    static struct rig_out solo, many[8];
     memset(&solo, 0, sizeof(solo));
     memset(many, 0, sizeof(many));
     struct engine *e = open_engine(2);
@@ -185,9 +111,9 @@ static void test_batch_invariance(void)
         submit(e, id, prompt, 30, 64, &many[i]);
     }
     ASSERT_OK(engine_run_until_idle(e));
-    close_engine(e);
+    rig_engine_close(e, NULL);
     for (int i = 0; i < 8; i++)
-        same(&many[i], &solo, "batch of 8 vs solo");
+        rig_same(&many[i], &solo, "batch of 8 vs solo");
 }
 
 /* sampled requests (temperature 0.8, top-p 0.95, seeded) with K = 2: the same tokens
@@ -196,35 +122,26 @@ static void test_sampled_reproducible(void)
 {
     int32_t prompt[16];
     make_prompt(prompt, 16, 12, rig.f->vocab_size);
-    static struct coll solo[4], many[4];
+    static struct rig_out solo[4], many[4];
     memset(solo, 0, sizeof(solo));
     memset(many, 0, sizeof(many));
     struct engine *e = open_engine(2);
     for (int pass = 0; pass < 2; pass++) {
         for (int i = 0; i < 4; i++) {
-            struct engine_request q;
-            struct err_buf err;
             char id[16];
+            struct rig_req q = { .prompt = prompt, .n_prompt = 16, .max_tokens = 48,
+                                 .temperature = 0.8f, .top_p = 0.95f,
+                                 .seed = 1000 + (uint64_t) i };
             snprintf(id, sizeof(id), "s%d-%d", pass, i);
-            engine_request_init(&q);
-            q.id = id;
-            q.prompt = prompt;
-            q.n_prompt = 16;
-            q.max_tokens = 48;
-            q.ignore_eos = true;
-            q.sampling.temperature = 0.8f;
-            q.sampling.top_p = 0.95f;
-            q.sampling.seed = 1000 + (uint64_t) i;
-            if (engine_submit(e, &q, on_out, pass ? &many[i] : &solo[i], &err) < 0)
-                FAIL("submit: %s", err.msg);
+            rig_submit(e, id, &q, pass ? &many[i] : &solo[i]);
             if (!pass)
                 ASSERT_OK(engine_run_until_idle(e));
         }
         ASSERT_OK(engine_run_until_idle(e));
     }
-    close_engine(e);
+    rig_engine_close(e, NULL);
     for (int i = 0; i < 4; i++)
-        same(&many[i], &solo[i], "sampled batch vs solo");
+        rig_same(&many[i], &solo[i], "sampled batch vs solo");
     ASSERT_TRUE(memcmp(solo[0].toks, solo[1].toks, 48 * sizeof(int32_t)) != 0);
 }
 
@@ -235,14 +152,8 @@ int main(int argc, char **argv)
      * (speculative config draft_quantization); outputs must stay identical to K = 0 */
     enum model_draft_quant dq = argc > 2 && strcmp(argv[2], "mxfp4") == 0
                                     ? MODEL_DRAFT_MXFP4 : MODEL_DRAFT_CHECKPOINT;
-    struct err_buf err = { { 0 } };
-    int r = model_rig_open_q(&rig, model_dir, 1, 8, 64, 512, dq, &err);
-    if (r == -ENOENT) {
-        printf("SKIP: no checkpoint at %s\n", model_dir);
-        return TEST_SKIP;
-    }
-    if (r < 0)
-        FAIL("%s: %s", model_dir, err.msg);
+    static const int def[2] = { 0, 0 };
+    model_rig_open_or_exit(&rig, model_dir, 1, 8, 64, 512, def, dq);
     if (rig.f->n_mtp < 3) {
         printf("SKIP: %s has %d MTP layers\n", model_dir, rig.f->n_mtp);
         model_rig_close(&rig);

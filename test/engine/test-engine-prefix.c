@@ -13,128 +13,45 @@
  *     no repair is missed);
  * and after every run the KV accounting invariant: nothing held, free + cached == total.
  * Exits 77 (skip) when the checkpoint is absent. */
-#include <stdlib.h>
-
-#include "engine.h"
-#include "harness.h"
+#include "engine-rig.h"
 #include "model-rig.h"
 
-#define MAXOUT 64
 #define MAXREQ 64
-
-struct res {
-    int32_t toks[MAXOUT];
-    int n;
-    bool finished;
-    int n_cached;
-    struct spec_stats mtp;
-};
-
-struct spec {
-    const int32_t *prompt;
-    int n_prompt;
-    int max_tokens;
-    int at_step;            /* submitted before this engine step */
-    int k;                  /* num_speculative_tokens override + 1 (0 = engine default) */
-};
-
-static void on_out(void *ud, const struct engine_output *o)
-{
-    struct res *c = ud;
-    ASSERT_TRUE(c->n + o->n_tokens <= MAXOUT);
-    memcpy(c->toks + c->n, o->tokens, (size_t) o->n_tokens * sizeof(int32_t));
-    c->n += o->n_tokens;
-    c->mtp = o->mtp;
-    c->n_cached = o->n_cached;
-    if (o->finished)
-        c->finished = true;
-}
 
 static struct model_rig big, small;
 
 static struct engine *open_engine(struct model_rig *rig, bool cache, int k, int max_len)
 {
     struct engine_config ec;
-    engine_config_init(&ec);
-    ec.max_num_batched_tokens = 256;
-    ec.max_num_seqs = 16;
-    ec.max_model_len = max_len;
-    ec.sliding_window = rig->cfg->sliding_window;
-    ec.num_speculative_tokens = k;
+    rig_engine_config(&ec, 256, 16, max_len, rig->cfg->sliding_window, k);
     ec.spec_policy = SPEC_POLICY_FIXED;     /* on and off compare their drafts: exactly K */
     ec.enable_prefix_caching = cache;
-    struct engine *e;
-    struct err_buf err;
-    if (engine_new(rig->f, &ec, &e, &err) < 0)
-        FAIL("engine_new: %s", err.msg);
-    return e;
-}
-
-/* the accounting invariant at idle, then free */
-static void close_engine(struct engine *e, struct engine_loads *ret)
-{
-    struct engine_loads l;
-    ASSERT_OK(engine_check(e));
-    engine_get_loads(e, &l);
-    ASSERT_EQ(l.n_alive, 0);
-    ASSERT_EQ(l.kv_blocks_used, 0);
-    ASSERT_TRUE(l.kv_blocks_cached <= l.kv_blocks_total);
-    if (ret)
-        *ret = l;
-    engine_free(e);
-}
-
-static void submit(struct engine *e, int i, const struct spec *s, struct res *r)
-{
-    struct engine_request q;
-    struct err_buf err;
-    char id[16];
-    snprintf(id, sizeof(id), "r%d", i);
-    engine_request_init(&q);
-    q.id = id;
-    q.prompt = s->prompt;
-    q.n_prompt = s->n_prompt;
-    q.max_tokens = s->max_tokens;
-    q.ignore_eos = true;
-    q.num_speculative_tokens = s->k - 1;
-    if (engine_submit(e, &q, on_out, r, &err) < 0)
-        FAIL("submit %d: %s", i, err.msg);
+    return rig_engine_new(rig->f, &ec);
 }
 
 /* Run n requests, each submitted at its step; returns the loads at idle. */
-static void run(struct model_rig *rig, bool cache, int k, int max_len, const struct spec *s, int n,
-                struct res *res, struct engine_loads *ret)
+static void run(struct model_rig *rig, bool cache, int k, int max_len, const struct rig_req *s,
+                int n, struct rig_out *res, struct engine_loads *ret)
 {
     struct engine *e = open_engine(rig, cache, k, max_len);
-    int next = 0;
-    memset(res, 0, (size_t) n * sizeof(*res));
-    for (int step = 0; step < 1000000; step++) {
-        while (next < n && s[next].at_step <= step) {
-            submit(e, next, &s[next], &res[next]);
-            next++;
-        }
-        ASSERT_TRUE(engine_step(e) >= 0);
-        struct engine_loads l;
-        engine_get_loads(e, &l);
-        if (next == n && !l.n_alive)
-            break;
-    }
-    for (int i = 0; i < n; i++) {
-        ASSERT_TRUE(res[i].finished);
-        ASSERT_EQ(res[i].n, s[i].max_tokens);
-    }
-    close_engine(e, ret);
+    rig_run(e, s, n, res);
+    rig_engine_close(e, ret);
 }
 
-static void same(const struct res *a, const struct res *b, int n, const char *what)
+static void same(const struct rig_out *a, const struct rig_out *b, int n, const char *what)
 {
     for (int i = 0; i < n; i++) {
-        ASSERT_EQ(a[i].n, b[i].n);
-        for (int t = 0; t < a[i].n; t++)
-            if (a[i].toks[t] != b[i].toks[t])
-                FAIL("%s: request %d token %d differs with the cache on (%d vs %d)", what, i, t,
-                     a[i].toks[t], b[i].toks[t]);
+        char w[128];
+        snprintf(w, sizeof(w), "%s: request %d with the cache on", what, i);
+        rig_same(&a[i], &b[i], w);
     }
+}
+
+static void submit(struct engine *e, int i, const struct rig_req *s, struct rig_out *r)
+{
+    char id[16];
+    snprintf(id, sizeof(id), "r%d", i);
+    rig_submit(e, id, s, r);
 }
 
 static int vocab;
@@ -145,19 +62,19 @@ static void fill(int32_t *p, int n, int salt)
         p[i] = (int32_t) (((int64_t) i * 389 + (int64_t) salt * 7919 + 11) % vocab);
 }
 
-static struct res on[MAXREQ], off[MAXREQ];
+static struct rig_out on[MAXREQ], off[MAXREQ];
 
 /* 64 requests: a 2048-token system prompt + 8 tokens of their own, 16 at a time */
 static void test_shared_2k(void)
 {
     enum { N = 64, P = 2048, U = 8 };
     static int32_t prompts[N][P + U];
-    struct spec s[N];
+    struct rig_req s[N];
     struct engine_loads lon, loff;
     for (int i = 0; i < N; i++) {
         fill(prompts[i], P, 1);
         fill(prompts[i] + P, U, 100 + i);
-        s[i] = (struct spec) { prompts[i], P + U, 8, i < 16 ? 0 : 40 + i };
+        s[i] = (struct rig_req) { prompts[i], P + U, 8, i < 16 ? 0 : 40 + i };
     }
     run(&big, false, 0, 2200, s, N, off, &loff);
     run(&big, true, 0, 2200, s, N, on, &lon);
@@ -180,7 +97,7 @@ static void test_shared_2k(void)
 }
 
 /* 10 turns: turn t's prompt is turn t-1's prompt, its answer and 20 new tokens */
-static void test_conversation(bool cache, struct res *out, int *ret_cached)
+static void test_conversation(bool cache, struct rig_out *out, int *ret_cached)
 {
     enum { TURNS = 10, NEW = 20, ANS = 24 };
     static int32_t conv[TURNS * (NEW + ANS)];
@@ -190,7 +107,7 @@ static void test_conversation(bool cache, struct res *out, int *ret_cached)
     for (int t = 0; t < TURNS; t++) {
         fill(conv + n, NEW, 500 + t);
         n += NEW;
-        struct spec s = { conv, n, ANS, 0 };
+        struct rig_req s = { conv, n, ANS, 0 };
         submit(e, t, &s, &out[t]);
         ASSERT_OK(engine_run_until_idle(e));
         ASSERT_TRUE(out[t].finished);
@@ -200,7 +117,7 @@ static void test_conversation(bool cache, struct res *out, int *ret_cached)
         ret_cached[t] = out[t].n_cached;
         ASSERT_OK(engine_check(e));
     }
-    close_engine(e, NULL);
+    rig_engine_close(e, NULL);
 }
 
 static void test_turns(void)
@@ -229,7 +146,7 @@ static void test_past_window(void)
     enum { N = 12 };
     static int32_t prompts[N][400];
     static const int lens[N] = { 210, 215, 200, 201, 340, 333, 331, 208, 350, 217, 199, 330 };
-    struct spec s[N];
+    struct rig_req s[N];
     struct engine_loads lon;
     ASSERT_TRUE(big.cfg->sliding_window > 0 && big.cfg->sliding_window < 199);
     for (int i = 0; i < N; i++) {
@@ -237,7 +154,7 @@ static void test_past_window(void)
         if (lens[i] > 330)
             fill(prompts[i] + 200, 130, 3);
         fill(prompts[i] + 200 + (lens[i] > 330 ? 130 : 0), 400 - 330, 30 + i);
-        s[i] = (struct spec) { prompts[i], lens[i], 40, i < 4 ? 0 : 2 * i };
+        s[i] = (struct rig_req) { prompts[i], lens[i], 40, i < 4 ? 0 : 2 * i };
     }
     run(&big, false, 0, 2200, s, N, off, NULL);
     run(&big, true, 0, 2200, s, N, on, &lon);
@@ -258,7 +175,7 @@ static void test_partial_eviction(void)
 {
     enum { N = 5 };
     static int32_t a[500], b[400], c[400], a2[500];
-    struct spec s[N];
+    struct rig_req s[N];
     struct engine_loads lon;
     fill(a, 480, 4);
     fill(a + 480, 10, 40);
@@ -266,14 +183,14 @@ static void test_partial_eviction(void)
     fill(c, 400, 6);
     memcpy(a2, a, 480 * sizeof(int32_t));
     fill(a2 + 480, 12, 41);
-    s[0] = (struct spec) { a, 490, 16, 0 };
-    s[1] = (struct spec) { b, 400, 16, 0 };
-    s[2] = (struct spec) { c, 400, 16, 0 };
-    s[3] = (struct spec) { a2, 492, 16, 0 };
-    s[4] = (struct spec) { a, 490, 16, 0 };
+    s[0] = (struct rig_req) { a, 490, 16, 0 };
+    s[1] = (struct rig_req) { b, 400, 16, 0 };
+    s[2] = (struct rig_req) { c, 400, 16, 0 };
+    s[3] = (struct rig_req) { a2, 492, 16, 0 };
+    s[4] = (struct rig_req) { a, 490, 16, 0 };
     for (int pass = 0; pass < 2; pass++) {
         bool cache = pass == 1;
-        struct res *res = cache ? on : off;
+        struct rig_out *res = cache ? on : off;
         struct engine *e = open_engine(&small, cache, 0, 600);
         memset(res, 0, N * sizeof(*res));
         for (int i = 0; i < N; i++) {
@@ -281,7 +198,7 @@ static void test_partial_eviction(void)
             ASSERT_OK(engine_run_until_idle(e));
             ASSERT_OK(engine_check(e));
         }
-        close_engine(e, &lon);
+        rig_engine_close(e, &lon);
     }
     same(on, off, N, "reuse after partial eviction");
     printf("partial eviction: cached tokens %d %d %d %d %d, %llu blocks evicted\n", on[0].n_cached,
@@ -300,14 +217,14 @@ static void test_mtp(void)
 {
     enum { N = 16, P = 304 };
     static int32_t prompts[N][P + 20];
-    struct spec s[N];
+    struct rig_req s[N];
     struct engine_loads lon;
     struct model *m = model_from_forward(big.f);
     uint64_t rr0, miss0, rr1, miss1;
     for (int i = 0; i < N; i++) {
         fill(prompts[i], P, 7);
         fill(prompts[i] + P, 20, 70 + i);
-        s[i] = (struct spec) { prompts[i], P + (i % 5) * 4 + 1, 48, i < 2 ? 30 * i : 40 + 3 * i,
+        s[i] = (struct rig_req) { prompts[i], P + (i % 5) * 4 + 1, 48, i < 2 ? 30 * i : 40 + 3 * i,
                                i == 0 ? 1 : 0 };
     }
     model_mtp_repair_stats(m, &rr0, &miss0);
@@ -344,18 +261,9 @@ static void test_mtp(void)
 int main(int argc, char **argv)
 {
     const char *dir = argc > 1 ? argv[1] : "models/tiny-step";
-    struct err_buf err = { { 0 } };
     static const int def[2] = { 0, 0 }, tight[2] = { 80, 60 };
-    int r = model_rig_open_kv(&big, dir, 2, 16, 256, 2200, def, MODEL_DRAFT_CHECKPOINT, &err);
-    if (r == -ENOENT) {
-        printf("SKIP: no checkpoint at %s\n", dir);
-        return TEST_SKIP;
-    }
-    if (r < 0)
-        FAIL("%s: %s", dir, err.msg);
-    r = model_rig_open_kv(&small, dir, 2, 16, 256, 600, tight, MODEL_DRAFT_CHECKPOINT, &err);
-    if (r < 0)
-        FAIL("%s: %s", dir, err.msg);
+    model_rig_open_or_exit(&big, dir, 2, 16, 256, 2200, def, MODEL_DRAFT_CHECKPOINT);
+    model_rig_open_or_exit(&small, dir, 2, 16, 256, 600, tight, MODEL_DRAFT_CHECKPOINT);
     ASSERT_EQ(big.f->n_mtp, 3);
     vocab = big.f->vocab_size;
     test_shared_2k();

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "engine-rig.h"
 #include "engine.h"
 #include "harness.h"
 #include "mock.h"
@@ -250,25 +251,9 @@ static void wait_idle(struct engine *e)
 
 int main(void)
 {
-    struct mock_config mc;
-    mock_config_init(&mc);
-    mc.step_usec = 500;
     struct forward *f;
-    ASSERT_OK(mock_forward_new(&mc, &f));
-    struct engine_config ec;
-    engine_config_init(&ec);
-    ec.max_num_batched_tokens = 64;
-    ec.max_num_seqs = 8;
-    ec.max_model_len = 512;
-    ec.max_waiting = 4;
-    ec.sliding_window = 64;
-    ec.num_speculative_tokens = 2;
-    ec.eos_ids[0] = 255;
-    ec.n_eos = 1;
-    struct engine *e;
+    struct engine *e = rig_mock_engine(500, 4, 2, &f);
     struct err_buf err;
-    ASSERT_OK(engine_new(f, &ec, &e, &err));
-    ASSERT_OK(engine_start(e));
     struct engine_rpc *srv;
     struct engine_rpc_opts o = { .addr = "127.0.0.1:0", .group = "g0", .model_name = "tiny" };
     int port = 0;

@@ -133,16 +133,23 @@ static void make_prompt(int32_t *p, int n, int salt)
         p[i] = (int32_t) ((i * 37 + salt * 101 + 11) % 250);
 }
 
+/* q initialised (engine_request_init) for id: prompt[0, n), up to max_tokens */
+static void req_init(struct engine_request *q, const char *id, const int32_t *prompt, int n,
+                     int max_tokens)
+{
+    engine_request_init(q);
+    q->id = id;
+    q->prompt = prompt;
+    q->n_prompt = n;
+    q->max_tokens = max_tokens;
+}
+
 static void submit_salted(struct rig *g, const char *id, const int32_t *prompt, int n,
                           int max_tokens, int k, const char *salt, struct coll *c)
 {
     struct engine_request q;
     struct err_buf err = { { 0 } };
-    engine_request_init(&q);
-    q.id = id;
-    q.prompt = prompt;
-    q.n_prompt = n;
-    q.max_tokens = max_tokens;
+    req_init(&q, id, prompt, n, max_tokens);
     q.num_speculative_tokens = k;
     q.cache_salt = salt;
     int r = engine_submit(g->e, &q, on_out, c, &err);
@@ -374,11 +381,7 @@ static void test_deadline_in_queue(void)
     struct coll a = { 0 }, b = { 0 };
     submit(&g, "a", prompt, 8, 30, -1, &a);
     struct engine_request q;
-    engine_request_init(&q);
-    q.id = "b";
-    q.prompt = prompt;
-    q.n_prompt = 8;
-    q.max_tokens = 5;
+    req_init(&q, "b", prompt, 8, 5);
     q.deadline_usec = engine_now_usec() + 100000;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &b, NULL));
     ASSERT_OK(engine_step(g.e));
@@ -425,11 +428,7 @@ static void test_priorities(void)
     reference(g.f, prompt, 8, 20, ref);
     struct coll lo = { 0 }, hi = { 0 };
     struct engine_request q;
-    engine_request_init(&q);
-    q.prompt = prompt;
-    q.n_prompt = 8;
-    q.max_tokens = 20;
-    q.id = "lo";
+    req_init(&q, "lo", prompt, 8, 20);
     q.priority = 5;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &lo, NULL));
     q.id = "hi";
@@ -553,11 +552,7 @@ static void test_stops(void)
     struct coll c1 = { 0 }, c2 = { 0 }, c3 = { 0 }, c4 = { 0 }, c5 = { 0 };
     submit(&g, "eos", prompt, 10, 40, -1, &c1);
     struct engine_request q;
-    engine_request_init(&q);
-    q.prompt = prompt;
-    q.n_prompt = 10;
-    q.max_tokens = 40;
-    q.id = "ignore";
+    req_init(&q, "ignore", prompt, 10, 40);
     q.ignore_eos = true;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &c2, NULL));
     q.id = "stopid";
@@ -619,10 +614,7 @@ static void test_validation(void)
     struct coll c = { 0 };
     struct engine_request q;
     struct err_buf err;
-    engine_request_init(&q);
-    q.id = "x";
-    q.prompt = prompt;
-    q.n_prompt = 4;
+    req_init(&q, "x", prompt, 4, 0);
     prompt[2] = 256;
     ASSERT_ERR(engine_submit(g.e, &q, on_out, &c, &err), -EINVAL);
     ASSERT_CONTAINS(err.msg, "token_ids[2]");
@@ -711,11 +703,7 @@ static void run_sampled(int k, int n_req, int max_tokens, uint64_t seed0, int vo
         struct engine_request q;
         char id[16];
         snprintf(id, sizeof(id), "s%d", i);
-        engine_request_init(&q);
-        q.id = id;
-        q.prompt = prompt;
-        q.n_prompt = 3;
-        q.max_tokens = max_tokens;
+        req_init(&q, id, prompt, 3, max_tokens);
         q.sampling.temperature = 1.0f;
         q.sampling.seed = seed0 + (uint64_t) i;
         ASSERT_OK(engine_submit(g.e, &q, on_out, &c[i], NULL));
@@ -977,11 +965,7 @@ static void test_churn(void)
             struct engine_request q;
             char id[16];
             snprintf(id, sizeof(id), "z%d", i);
-            engine_request_init(&q);
-            q.id = id;
-            q.prompt = prompts[i];
-            q.n_prompt = n;
-            q.max_tokens = 1 + (int) (r / 11 % 90);
+            req_init(&q, id, prompts[i], n, 1 + (int) (r / 11 % 90));
             q.priority = (int) (r / 13 % 3);
             q.num_speculative_tokens = (int) (r / 17 % 4);
             plen[i] = n;
@@ -1056,11 +1040,7 @@ static void on_reuse(void *ud, const struct engine_output *o)
         /* the id is free again as soon as its final is seen */
         struct engine_request q;
         struct err_buf err;
-        engine_request_init(&q);
-        q.id = o->id;
-        q.prompt = u->prompt;
-        q.n_prompt = 4;
-        q.max_tokens = 5;
+        req_init(&q, o->id, u->prompt, 4, 5);
         if (engine_submit(u->e, &q, on_reuse, u, &err) < 0)
             FAIL("resubmit from the final callback: %s", err.msg);
     }
@@ -1076,11 +1056,7 @@ static void test_id_reuse_in_callback(void)
     rig_open(&g, &mc, &ec);
     struct reuse u = { .e = g.e, .prompt = { 1, 2, 3, 4 } };
     struct engine_request q;
-    engine_request_init(&q);
-    q.id = "same";
-    q.prompt = u.prompt;
-    q.n_prompt = 4;
-    q.max_tokens = 5;
+    req_init(&q, "same", u.prompt, 4, 5);
     ASSERT_OK(engine_submit(g.e, &q, on_reuse, &u, NULL));
     ASSERT_OK(engine_run_until_idle(g.e));
     ASSERT_EQ(u.finals, 3);
@@ -1113,10 +1089,7 @@ static void test_on_plan_hook(void)
     ASSERT_EQ(b.why, ENGINE_FINISH_ERROR);
     struct err_buf err;
     struct engine_request q;
-    engine_request_init(&q);
-    q.id = "c";
-    q.prompt = prompt;
-    q.n_prompt = 4;
+    req_init(&q, "c", prompt, 4, 0);
     ASSERT_ERR(engine_submit(g.e, &q, on_out, &c, &err), -ESHUTDOWN);
     rig_close(&g);
 }
@@ -1184,10 +1157,7 @@ static void test_prefix_collisions(void)
         struct coll c = { 0 };
         struct err_buf err = { { 0 } };
         memset(big, 'x', sizeof(big) - 1);
-        engine_request_init(&q);
-        q.id = "long";
-        q.prompt = p1;
-        q.n_prompt = 4;
+        req_init(&q, "long", p1, 4, 0);
         q.cache_salt = big;
         ASSERT_ERR(engine_submit(g.e, &q, on_out, &c, &err), -EINVAL);
         ASSERT_CONTAINS(err.msg, "cache_salt");
@@ -1226,11 +1196,7 @@ static void test_prefix_preemption(void)
     while (lo.n < 30)
         ASSERT_OK(engine_step(g.e));
     struct engine_request q;
-    engine_request_init(&q);
-    q.id = "hi";
-    q.prompt = hi_p;
-    q.n_prompt = 20;
-    q.max_tokens = 10;
+    req_init(&q, "hi", hi_p, 20, 10);
     q.priority = -1;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &hi, NULL));
     ASSERT_OK(engine_run_until_idle(g.e));

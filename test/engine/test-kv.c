@@ -159,6 +159,8 @@ static void root_of(const char *salt, uint8_t root[KV_DIGEST_BYTES])
     kv_prefix_root(SALT, salt, salt ? strlen(salt) : 0, root);
 }
 
+static uint8_t root[KV_DIGEST_BYTES];     /* the chains' root without a cache salt (main) */
+
 /* run a whole sequence in slot: begin, grow over n tokens in chunks, commit each chunk
  * (MTP layers final up to the chunk end minus j + 1 when n_mtp > 0); returns the reuse */
 static int32_t run_seq(struct kv_pool *kv, int slot, const uint8_t *root, const int32_t *tok,
@@ -182,6 +184,22 @@ static int32_t run_seq(struct kv_pool *kv, int slot, const uint8_t *root, const 
     return cached;
 }
 
+/* a[i] = mul * i + add for i < n */
+static void seq_fill(int32_t *a, int n, int mul, int add)
+{
+    for (int i = 0; i < n; i++)
+        a[i] = mul * i + add;
+}
+
+/* what kv_seq_begin reuses of a[0, n) for slot (MTP depth), the slot released again */
+static int reuse_of(struct kv_pool *kv, int slot, const uint8_t *root, const int32_t *a, int n,
+                    int depth)
+{
+    int r = kv_seq_begin(kv, slot, root, a, n, depth);
+    kv_seq_release(kv, slot);
+    return r;
+}
+
 static void idle_balanced(const struct kv_pool *kv)
 {
     ASSERT_OK(kv_pool_check(kv));
@@ -192,13 +210,18 @@ static void idle_balanced(const struct kv_pool *kv)
     }
 }
 
+/* the idle balance (idle_balanced), then free */
+static void pool_done(struct kv_pool *kv)
+{
+    idle_balanced(kv);
+    kv_pool_free(kv);
+}
+
 static void test_prefix_hit(void)
 {
     struct kv_pool *kv = cache_pool(4, 32, 32, 0, 3, 128, 0, false);
-    uint8_t root[KV_DIGEST_BYTES];
     int32_t a[24], b[24];
     int n;
-    root_of(NULL, root);
     for (int i = 0; i < 24; i++)
         a[i] = b[i] = 100 + i;
     b[14] = 7;                                     /* differs in block 3 */
@@ -234,25 +257,22 @@ static void test_prefix_hit(void)
     /* with the cache off nothing is kept */
     kv_seq_release(kv, 1);
     kv_seq_release(kv, 2);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    pool_done(kv);
     kv = pool(4, 32, 32, 0, 2, 128);
     ASSERT_EQ(run_seq(kv, 0, root, a, 20, 8, 0), 0);
     kv_seq_release(kv, 0);
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_FULL), 0);
     ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 20, 0), 0);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    pool_done(kv);
 }
 
 /* every digest cut to zero: only the whole key tells prefixes apart */
 static void test_forced_collisions(void)
 {
     struct kv_pool *kv = cache_pool(4, 64, 64, 0, 4, 128, 256, false);
-    uint8_t root[KV_DIGEST_BYTES], other[KV_DIGEST_BYTES];
+    uint8_t other[KV_DIGEST_BYTES];
     int32_t p1[12], p2[12], p3[12];
     int n;
-    root_of(NULL, root);
     root_of("tenant-b", other);
     /* p1, p2: different block 0, the same blocks 1 and 2; p3: p1 with block 1 changed */
     for (int i = 0; i < 12; i++)
@@ -289,8 +309,7 @@ static void test_forced_collisions(void)
     ASSERT_OK(kv_pool_check(kv));
     for (int s = 0; s < 4; s++)
         kv_seq_release(kv, s);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    pool_done(kv);
 }
 
 /* released blocks are cached until space is needed; the least recently released go
@@ -298,9 +317,7 @@ static void test_forced_collisions(void)
 static void test_lru_eviction(void)
 {
     struct kv_pool *kv = cache_pool(4, 8, 8, 0, 2, 64, 0, false);
-    uint8_t root[KV_DIGEST_BYTES];
     int32_t a[33], b[32], c[32];        /* a: 32 tokens from a + 1 below */
-    root_of(NULL, root);
     for (int i = 0; i < 32; i++) {
         a[i] = i;
         b[i] = 1000 + i;
@@ -327,22 +344,17 @@ static void test_lru_eviction(void)
     ASSERT_EQ(run_seq(kv, 1, root, a + 1, 32, 32, 0), 0);
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_FULL), 0);
     kv_seq_release(kv, 1);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    pool_done(kv);
 }
 
 /* sliding blocks: cached as the window moves on, reused only with a complete window */
 static void test_sliding_prefix(void)
 {
     struct kv_pool *kv = cache_pool(4, 64, 10, 8, 2, 256, 0, false);
-    uint8_t root[KV_DIGEST_BYTES];
     int32_t a[64], filler[32];
     int n;
-    root_of(NULL, root);
-    for (int i = 0; i < 64; i++)
-        a[i] = 3 * i + 1;
-    for (int i = 0; i < 32; i++)
-        filler[i] = 5000 + i;
+    seq_fill(a, 64, 3, 1);
+    seq_fill(filler, 32, 1, 5000);
     /* 40 tokens in chunks of 4: sliding blocks 0..6 are released (cached) on the way, in
      * that order, then 9, 8, 7 at the end: the LRU order is 0 1 2 3 4 5 6 9 8 7 */
     ASSERT_EQ(run_seq(kv, 0, root, a, 40, 4, 0), 0);
@@ -372,8 +384,7 @@ static void test_sliding_prefix(void)
     ASSERT_OK(kv_seq_grow(kv, 1, 36, 41));
     ASSERT_OK(kv_pool_check(kv));
     kv_seq_release(kv, 1);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    pool_done(kv);
 
     /* without evictions the whole chain: 40 tokens, window blocks 8 and 9 */
     kv = cache_pool(4, 64, 10, 8, 2, 256, 0, false);
@@ -386,8 +397,7 @@ static void test_sliding_prefix(void)
     ASSERT_EQ(t[8], sl[8]);
     ASSERT_EQ(t[9], sl[9]);
     kv_seq_release(kv, 1);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    pool_done(kv);
 }
 
 /* MTP: a drafting sequence reuses only blocks whose MTP layers are final for its depth,
@@ -395,44 +405,32 @@ static void test_sliding_prefix(void)
 static void test_mtp_prefix(void)
 {
     struct kv_pool *kv = cache_pool(4, 64, 64, 0, 2, 256, 0, true);
-    uint8_t root[KV_DIGEST_BYTES];
     int32_t a[40];
-    root_of(NULL, root);
-    for (int i = 0; i < 40; i++)
-        a[i] = 11 * i + 3;
+    seq_fill(a, 40, 11, 3);
     /* written without MTP: trunk reuse only */
     ASSERT_EQ(run_seq(kv, 0, root, a, 24, 8, 0), 0);
     kv_seq_release(kv, 0);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 24, 0), 20);
-    kv_seq_release(kv, 0);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 24, 2), 0);
-    kv_seq_release(kv, 0);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 24, 0), 20);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 24, 2), 0);
     /* a sequence drafting 2 computes it again: its blocks replace the cached copies */
     ASSERT_EQ(run_seq(kv, 0, root, a, 24, 8, 2), 0);
     kv_seq_release(kv, 0);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 40, 2), 20);
-    kv_seq_release(kv, 0);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 40, 2), 20);
+    pool_done(kv);
 
     kv = cache_pool(4, 64, 64, 0, 2, 256, 0, true);
     /* written with 2 MTP layers final up to e - j - 1 (run_seq): blocks 0..4 hold 2 */
     ASSERT_EQ(run_seq(kv, 0, root, a, 24, 8, 2), 0);
     kv_seq_release(kv, 0);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 24, 0), 20);
-    kv_seq_release(kv, 0);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 24, 0), 20);
     /* depth 2: the chain verifies 6 blocks but the MTP KV of position 23 read tokens 24, 25:
      * reuse 5 blocks at most, and block 5 holds only 0 final layers anyway */
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 40, 2), 20);
-    kv_seq_release(kv, 0);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 40, 2), 20);
     /* depth 3 needs 3 final layers: none holds them */
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 40, 3), 0);
-    kv_seq_release(kv, 0);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 40, 3), 0);
     /* a prompt that ends inside the chain: reuse at most up to 4 tokens before its end */
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 13, 2), 8);
-    kv_seq_release(kv, 0);
-    idle_balanced(kv);
-    kv_pool_free(kv);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 13, 2), 8);
+    pool_done(kv);
 }
 
 /* two slots hold the same cached blocks; an identical prefix computed twice at once is
@@ -440,11 +438,8 @@ static void test_mtp_prefix(void)
 static void test_shared_and_duplicates(void)
 {
     struct kv_pool *kv = cache_pool(4, 32, 32, 0, 3, 128, 0, false);
-    uint8_t root[KV_DIGEST_BYTES];
     int32_t a[16];
-    root_of(NULL, root);
-    for (int i = 0; i < 16; i++)
-        a[i] = i + 40;
+    seq_fill(a, 16, 1, 40);
     ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 16, 0), 0);
     ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 16, 0), 0);
     ASSERT_OK(kv_seq_grow(kv, 0, 0, 16));
@@ -468,6 +463,7 @@ static void test_shared_and_duplicates(void)
 
 int main(void)
 {
+    root_of(NULL, root);
     test_bad_config();
     test_grow_release();
     test_all_or_nothing();

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine-rig.h"
 #include "engine.h"
 #include "harness.h"
 #include "mock.h"
@@ -23,24 +24,6 @@
 
 #define N_OUT 96
 #define MAX_REQ 8
-
-struct coll {
-    int32_t toks[N_OUT];
-    int n;
-    bool finished;
-    struct spec_stats mtp;
-};
-
-static void on_out(void *ud, const struct engine_output *o)
-{
-    struct coll *c = ud;
-
-    ASSERT_TRUE(c->n + o->n_tokens <= N_OUT);
-    memcpy(c->toks + c->n, o->tokens, (size_t)o->n_tokens * sizeof(int32_t));
-    c->n += o->n_tokens;
-    c->mtp = o->mtp;
-    c->finished = o->finished;
-}
 
 /* greedy reference: argmax of the mock's target rows */
 static void reference(struct forward *f, const int32_t *prompt, int np, int32_t *out)
@@ -99,24 +82,18 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
     if (engine_new(f, &ec, &e, &err) < 0)
         FAIL("engine_new: %s", err.msg);
     for (int round = 0; round < 3 + rounds; round++) {
-        struct coll c[MAX_REQ];
+        struct rig_out c[MAX_REQ];
         int32_t prompt[MAX_REQ][16], ref[N_OUT];
         char id[MAX_REQ][16];
 
         memset(c, 0, sizeof(c));
         for (int i = 0; i < conc; i++) {
-            struct engine_request q;
+            struct rig_req q = { .prompt = prompt[i], .n_prompt = 16, .max_tokens = N_OUT };
 
             for (int t = 0; t < 16; t++)
                 prompt[i][t] = (int32_t)((t * 37 + round * 101 + i * 13 + 1) % mc.vocab_size);
             snprintf(id[i], sizeof(id[i]), "r%d-%d", round, i);
-            engine_request_init(&q);
-            q.id = id[i];
-            q.prompt = prompt[i];
-            q.n_prompt = 16;
-            q.max_tokens = N_OUT;
-            q.ignore_eos = true;
-            ASSERT_OK(engine_submit(e, &q, on_out, &c[i], &err));
+            rig_submit(e, id[i], &q, &c[i]);
         }
         ASSERT_OK(engine_run_until_idle(e));
         for (int i = 0; i < conc; i++) {
@@ -208,9 +185,9 @@ static void test_fixed(void)
     struct forward *f;
     struct engine *e;
     struct err_buf err = { { 0 } };
-    struct coll c = { 0 };
-    struct engine_request q;
+    struct rig_out c = { 0 };
     int32_t prompt[16];
+    struct rig_req q = { .prompt = prompt, .n_prompt = 16, .max_tokens = 40 };
 
     mock_config_init(&mc);
     mc.mtp_accuracy = 0.0f;         /* never accepted: the adaptive policy would stop */
@@ -224,13 +201,7 @@ static void test_fixed(void)
     ASSERT_OK(engine_new(f, &ec, &e, &err));
     for (int t = 0; t < 16; t++)
         prompt[t] = t + 3;
-    engine_request_init(&q);
-    q.id = "fixed";
-    q.prompt = prompt;
-    q.n_prompt = 16;
-    q.max_tokens = 40;
-    q.ignore_eos = true;
-    ASSERT_OK(engine_submit(e, &q, on_out, &c, &err));
+    rig_submit(e, "fixed", &q, &c);
     ASSERT_OK(engine_run_until_idle(e));
     ASSERT_EQ(c.n, 40);
     ASSERT_EQ(c.mtp.steps_by_drafts[0], 2);         /* after the prefill, the last token */

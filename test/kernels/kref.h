@@ -90,26 +90,35 @@ static inline struct bweight kref_mxfp4_new(int64_t rows, int64_t cols, int e_lo
     return w;
 }
 
+/* A weight of fmt, rows x cols elements of elem bytes, not filled; *ret: its data. */
+static inline struct bweight kref_w_new(enum wfmt fmt, int64_t rows, int64_t cols, size_t elem,
+                                        void **ret)
+{
+    struct bweight w = { .fmt = fmt, .rows = rows, .cols = cols };
+
+    *ret = malloc((size_t)(rows * cols) * elem);
+    ASSERT_TRUE(*ret);
+    w.data = *ret;
+    return w;
+}
+
 static inline struct bweight kref_bf16_new(int64_t rows, int64_t cols, float amp)
 {
-    struct bweight w = { .fmt = WFMT_BF16, .rows = rows, .cols = cols };
-    uint16_t *p = malloc((size_t)(rows * cols) * 2);
+    void *d;
+    struct bweight w = kref_w_new(WFMT_BF16, rows, cols, 2, &d);
+    uint16_t *p = d;
 
-    ASSERT_TRUE(p);
     for (int64_t i = 0; i < rows * cols; i++)
         p[i] = kf32_to_bf16(amp * krng_f());
-    w.data = p;
     return w;
 }
 
 static inline struct bweight kref_f32_new(int64_t rows, int64_t cols, float amp)
 {
-    struct bweight w = { .fmt = WFMT_F32, .rows = rows, .cols = cols };
-    float *p = malloc((size_t)(rows * cols) * 4);
+    void *d;
+    struct bweight w = kref_w_new(WFMT_F32, rows, cols, 4, &d);
 
-    ASSERT_TRUE(p);
-    krng_fill(p, (size_t)(rows * cols), amp);
-    w.data = p;
+    krng_fill(d, (size_t)(rows * cols), amp);
     return w;
 }
 

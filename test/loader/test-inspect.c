@@ -26,17 +26,65 @@ static int run(const char *args, char **out)
     return test_run(cmd, out);
 }
 
-/* run inspect on dir with args: exit status want and every needle in the output */
+/* run inspect on dir (none: NULL) with args: exit status want and every needle in the output */
 static void expect(const char *dir, const char *args, int want, const char *const *needles)
 {
     char cmd[1200], *out;
 
-    snprintf(cmd, sizeof(cmd), "'%s' %s", dir, args);
+    if (dir)
+        snprintf(cmd, sizeof(cmd), "'%s' %s", dir, args);
+    else
+        snprintf(cmd, sizeof(cmd), "%s", args);
     ASSERT_EQ(run(cmd, &out), want);
     for (int i = 0; needles && needles[i]; i++)
         ASSERT_CONTAINS(out, needles[i]);
     free(out);
 }
+
+/* The text-mode cases: checkpoint (under the test's directory; NULL: none), arguments, exit
+ * status and what the output must contain. */
+static const struct icase {
+    const char *dir, *args;
+    int want;
+    const char *needles[9];     /* NULL-terminated */
+} cases[] = {
+    { "good", "--world-size 4", 0,
+      { "rank 0/4: ok:", "rank 3/4: ok:",
+        "experts 12..15 (4), MTP depth 2",  /* the group-wide depth; tensors on rank 0 only */
+        "rank 3/4: ok: 103 tensors",        /* the k/v scales: ignored by the KV cache */
+        "warning: 8 KV-quantisation parameters ignored: the KV cache does not use them",
+        "loadable" } },
+    { "bad", "--world-size 2", 1,
+      { "rank 0/2: NOT loadable", "problem: missing: model.layers.1.mlp.up_proj.weight",
+        "rank 1/2: NOT loadable",
+        "problem: missing: model.layers.3.moe.experts.12.up_proj.weight_scale" } },
+    /* incomplete MTP layers: every missing name, the trunk's plan, exit 0; --strict: 1 */
+    { "mtp-partial", "--world-size 2", 0,
+      { "rank 0/2: ok:", "MTP depth 0,",
+        "warning: MTP requested (K=2) but 2 of the 34 tensors of layers 4..5 are missing",
+        "serving without speculation (the trunk only)",
+        "warning: MTP tensor missing: model.layers.4.enorm.weight (BF16)",
+        "warning: MTP tensor missing: model.layers.5.eh_proj.weight (BF16)",
+        "note: MTP depth 0 of the 2 requested: a worker serves this plan without speculation",
+        "\nloadable" } },
+    { "mtp-partial", "--world-size 2 --strict", 1,
+      { "NOT loadable as requested (--strict): MTP depth 0 of the 2 requested" } },
+    { "mtp-partial", "--mtp 0 --strict", 0, { NULL } },
+    /* the memory plan: both pools, the group's; a budget too small names what it needs */
+    { "good", "--world-size 2 --kv-cache-memory 64MiB --max-model-len 2048 --max-num-seqs 4", 0,
+      { "memory plan: --max-model-len 2048, --max-num-seqs 4", "KV: full-attention pool",
+        "sliding-window pool", "group: full-attention pool",
+        "sequences of 2048 tokens at once" } },
+    { "good", "--kv-cache-memory 2MiB --max-model-len 2048", 1,
+      { "does NOT fit", "need at least", "the longest --max-model-len that fits is",
+        "loadable; the KV cache does NOT fit" } },
+    /* usage errors and a missing checkpoint */
+    { "good", "--device-memory 12x", 2, { "--device-memory '12x'" } },
+    { "good", "--world-size 3", 2, { "must be 1, 2, 4 or 8" } },
+    { "good", "--world-size 2 --rank 2", 2, { NULL } },
+    { NULL, "", 2, { "usage: stepd-inspect" } },
+    { "nonexistent", "", 1, { "cannot open" } },
+};
 
 int main(int argc, char **argv)
 {
@@ -65,16 +113,6 @@ int main(int argc, char **argv)
     o.omit = omit_mtp;
     ASSERT_OK(ckptw_write(mtp_partial, &cfg, &o, &e));
 
-    snprintf(args, sizeof(args), "'%s' --world-size 4", good);
-    ASSERT_EQ(run(args, &out), 0);
-    ASSERT_CONTAINS(out, "rank 0/4: ok:");
-    ASSERT_CONTAINS(out, "rank 3/4: ok:");
-    ASSERT_CONTAINS(out, "experts 12..15 (4), MTP depth 2");   /* the group-wide depth; tensors on rank 0 only */
-    ASSERT_CONTAINS(out, "rank 3/4: ok: 103 tensors");     /* the k/v scales: ignored by the KV cache */
-    ASSERT_CONTAINS(out, "warning: 8 KV-quantisation parameters ignored: the KV cache does not use them");
-    ASSERT_CONTAINS(out, "loadable");
-    free(out);
-
     snprintf(args, sizeof(args), "'%s' --world-size 2 --rank 1 --mtp 1 --json", good);
     ASSERT_EQ(run(args, &out), 0);
     j = json_loads(out, 0, &je);
@@ -85,13 +123,6 @@ int main(int argc, char **argv)
     json_decref(j);
     free(out);
 
-    snprintf(args, sizeof(args), "'%s' --world-size 2", bad);
-    ASSERT_EQ(run(args, &out), 1);
-    ASSERT_CONTAINS(out, "rank 0/2: NOT loadable");
-    ASSERT_CONTAINS(out, "problem: missing: model.layers.1.mlp.up_proj.weight");
-    ASSERT_CONTAINS(out, "rank 1/2: NOT loadable");
-    ASSERT_CONTAINS(out, "problem: missing: model.layers.3.moe.experts.12.up_proj.weight_scale");
-    free(out);
     /* rank 0 of 2 lacks only the dense tensor: still not loadable */
     snprintf(args, sizeof(args), "'%s' --world-size 2 --rank 0 --json", bad);
     ASSERT_EQ(run(args, &out), 1);
@@ -99,41 +130,6 @@ int main(int argc, char **argv)
     ASSERT_TRUE(strstr(out, "experts.12") == NULL);
     free(out);
 
-    /* incomplete MTP layers: every missing name, the trunk's plan, exit 0; --strict: 1 */
-    {
-        static const char *const partial[] = {
-            "rank 0/2: ok:", "MTP depth 0,",
-            "warning: MTP requested (K=2) but 2 of the 34 tensors of layers 4..5 are missing",
-            "serving without speculation (the trunk only)",
-            "warning: MTP tensor missing: model.layers.4.enorm.weight (BF16)",
-            "warning: MTP tensor missing: model.layers.5.eh_proj.weight (BF16)",
-            "note: MTP depth 0 of the 2 requested: a worker serves this plan without speculation",
-            "\nloadable", NULL,
-        };
-        static const char *const strict[] = {
-            "NOT loadable as requested (--strict): MTP depth 0 of the 2 requested", NULL,
-        };
-        expect(mtp_partial, "--world-size 2", 0, partial);
-        expect(mtp_partial, "--world-size 2 --strict", 1, strict);
-        expect(mtp_partial, "--mtp 0 --strict", 0, NULL);
-    }
-    /* the memory plan */
-    snprintf(args, sizeof(args), "'%s' --world-size 2 --kv-cache-memory 64MiB --max-model-len 2048 "
-             "--max-num-seqs 4", good);
-    ASSERT_EQ(run(args, &out), 0);
-    ASSERT_CONTAINS(out, "memory plan: --max-model-len 2048, --max-num-seqs 4");
-    ASSERT_CONTAINS(out, "KV: full-attention pool");
-    ASSERT_CONTAINS(out, "sliding-window pool");
-    ASSERT_CONTAINS(out, "group: full-attention pool");
-    ASSERT_CONTAINS(out, "sequences of 2048 tokens at once");
-    free(out);
-    snprintf(args, sizeof(args), "'%s' --kv-cache-memory 2MiB --max-model-len 2048", good);
-    ASSERT_EQ(run(args, &out), 1);
-    ASSERT_CONTAINS(out, "does NOT fit");
-    ASSERT_CONTAINS(out, "need at least");
-    ASSERT_CONTAINS(out, "the longest --max-model-len that fits is");
-    ASSERT_CONTAINS(out, "loadable; the KV cache does NOT fit");
-    free(out);
     snprintf(args, sizeof(args), "'%s' --device-memory 1GiB --overhead 64MiB --max-model-len 4096 "
              "--json", good);
     ASSERT_EQ(run(args, &out), 0);
@@ -149,26 +145,13 @@ int main(int argc, char **argv)
     }
     json_decref(j);
     free(out);
-    snprintf(args, sizeof(args), "'%s' --device-memory 12x", good);
-    ASSERT_EQ(run(args, &out), 2);
-    ASSERT_CONTAINS(out, "--device-memory '12x'");
-    free(out);
 
-    snprintf(args, sizeof(args), "'%s' --world-size 3", good);
-    ASSERT_EQ(run(args, &out), 2);
-    ASSERT_CONTAINS(out, "must be 1, 2, 4 or 8");
-    free(out);
-    snprintf(args, sizeof(args), "'%s' --world-size 2 --rank 2", good);
-    ASSERT_EQ(run(args, &out), 2);
-    free(out);
-    ASSERT_EQ(run("", &out), 2);
-    ASSERT_CONTAINS(out, "usage: stepd-inspect");
-    free(out);
-    snprintf(args, sizeof(args), "'%s/nonexistent'", root);
-    ASSERT_EQ(run(args, &out), 1);
-    ASSERT_CONTAINS(out, "cannot open");
-    free(out);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char dir[600];
 
+        snprintf(dir, sizeof(dir), "%s/%s", root, cases[i].dir ? cases[i].dir : "");
+        expect(cases[i].dir ? dir : NULL, cases[i].args, cases[i].want, cases[i].needles);
+    }
     ckptw_rmtree(root);
     free(root);
     return 0;

@@ -80,3 +80,19 @@ static inline int gen_open(const char *spec, struct ckpt **ret, char **ret_gen_d
         FAIL("ckpt_open %s: %s", dir, e.msg);
     return 0;
 }
+
+/* Remove the temporary directory gen_open made (gen_dir may be NULL) and free its name. */
+static inline void gen_remove(char *gen_dir)
+{
+    if (gen_dir) {
+        ckptw_rmtree(gen_dir);
+        free(gen_dir);
+    }
+}
+
+/* gen_open's undo: close the checkpoint, then gen_remove. */
+static inline void gen_close(struct ckpt *ck, char *gen_dir)
+{
+    ckpt_close(ck);
+    gen_remove(gen_dir);
+}

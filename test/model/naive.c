@@ -122,6 +122,14 @@ static void mat_free(struct nmat *m)
     m->w = NULL;
 }
 
+/* the n matrices of an array (NULL: none), then the array */
+static void mats_free(struct nmat *m, int n)
+{
+    for (int i = 0; m && i < n; i++)
+        mat_free(&m[i]);
+    free(m);
+}
+
 #define GETL(field, fmt) do { snprintf(n, sizeof(n), fmt, p); \
     if (get_linear(c, n, &L->field) < 0) return -1; } while (0)
 #define GETD(field, fmt) do { snprintf(n, sizeof(n), fmt, p); \
@@ -239,15 +247,9 @@ void naive_free(struct naive *nv)
                               &L->enorm, &L->hnorm, &L->eh, &L->head_norm, &L->head};
         for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
             mat_free(all[i]);
-        if (L->eg)
-            for (int e = 0; e < nv->cfg->n_experts; e++) {
-                mat_free(&L->eg[e]);
-                mat_free(&L->eu[e]);
-                mat_free(&L->ed[e]);
-            }
-        free(L->eg);
-        free(L->eu);
-        free(L->ed);
+        mats_free(L->eg, nv->cfg->n_experts);
+        mats_free(L->eu, nv->cfg->n_experts);
+        mats_free(L->ed, nv->cfg->n_experts);
         free(L->bias);
     }
     free(nv->L);

@@ -266,10 +266,6 @@ int main(int argc, char **argv)
     model_free(ms);
     model_free(mw);
     backend_free(be);
-    ckpt_close(ck);
-    if (gen_dir) {
-        ckptw_rmtree(gen_dir);
-        free(gen_dir);
-    }
+    gen_close(ck, gen_dir);
     return 0;
 }

@@ -236,9 +236,6 @@ int main(int argc, char **argv)
     free(base.logits);
     free(base.drafts);
     pthread_barrier_destroy(&sh.bar);
-    if (gen_dir) {
-        ckptw_rmtree(gen_dir);
-        free(gen_dir);
-    }
+    gen_remove(gen_dir);
     return 0;
 }

@@ -149,6 +149,18 @@ static void test_oneshot(const int32_t *X, int N)
     free(ref);
 }
 
+/* what test_chunked and test_reject allocate: the drafts' and the trunk's reference logits,
+ * the reference hidden states, the logits buffers */
+static void free_run(double **dr, double *ref, double *hid, float *lg, float *ml)
+{
+    for (int k = 0; k < K; k++)
+        free(dr[k]);
+    free(ref);
+    free(hid);
+    free(lg);
+    free(ml);
+}
+
 /* Chunked prefill + decode of slot `slot`, MTP after each step; chunk list ends with 0s
  * meaning single-token decode up to N. */
 static void test_chunked(const int32_t *X, int N, const int *chunks, int n_chunks, bool release)
@@ -202,12 +214,7 @@ static void test_chunked(const int32_t *X, int N, const int *chunks, int n_chunk
     }
     printf("chunked prefill + decode to %d tokens in %d steps (release %d): trunk and MTP (K=%d) "
            "within %g\n", N, steps, release, K, tol);
-    for (int k = 0; k < K; k++)
-        free(dr[k]);
-    free(ref);
-    free(hid);
-    free(lg);
-    free(ml);
+    free_run(dr, ref, hid, lg, ml);
 }
 
 /* Three sequences advancing together; each step's plan mixes a prefill chunk and decodes. */
@@ -248,6 +255,30 @@ static void test_batch(const int32_t *X0, const int32_t *X1, const int32_t *X2, 
     free(lg);
 }
 
+/* test_reject: rows [0, n) of lg within tol of ref's first n rows */
+static void reject_rows(const float *lg, const double *ref, int n, const char *what)
+{
+    for (int i = 0; i < n; i++) {
+        double d = maxabs_diff(lg + (size_t)i * V, ref + (size_t)i * V, V, NULL);
+        if (d > tol)
+            FAIL("%s row %d: max|dlogit| %g > %g", what, i, d, tol);
+    }
+}
+
+/* test_reject: the MTP chain over tp's step (n_valid rows valid, depth k fed tok_in[k])
+ * within tol of each depth's reference row */
+static void reject_mtp(struct tplan *tp, float *ml, int n_valid, const int32_t *tok_in,
+                       double *const *dr, int row, const char *what)
+{
+    for (int k = 0; k < K; k++) {
+        int32_t nvld = n_valid, tin = tok_in[k];
+        ASSERT_OK(model_mtp_step(m, k, &tp->p, &nvld, &tin, ml));
+        double dm = maxabs_diff(ml, dr[k] + (size_t)row * V, V, NULL);
+        if (dm > tol)
+            FAIL("MTP depth %d %s: max|dlogit| %g > %g", k, what, dm, tol);
+    }
+}
+
 /* Verify with wrong drafts: [x, d1, d2, d3] where d2, d3 are wrong; n_valid = 2. */
 static void test_reject(const int32_t *X, int N)
 {
@@ -281,42 +312,17 @@ static void test_reject(const int32_t *X, int N)
     tp_init(&tp);
     tp_add(&tp, 0, P0, run, 4, 4, K, false);
     ASSERT_OK(model_step(m, &tp.p, lg));
-    for (int i = 0; i < 2; i++) {       /* rows 0, 1 see only accepted tokens */
-        double d = maxabs_diff(lg + (size_t)i * V, ref + (size_t)(P0 + i) * V, V, NULL);
-        if (d > tol)
-            FAIL("verify row %d: max|dlogit| %g > %g", i, d, tol);
-    }
+    reject_rows(lg, ref + (size_t)P0 * V, 2, "verify");     /* rows 0, 1: accepted tokens only */
     /* accept 2 (x, d1); the true next token X[P0+2] is sampled; drafts continue from X */
-    for (int k = 0; k < K; k++) {
-        int32_t nvld = 2, tin = X[P0 + 2 + k];
-        ASSERT_OK(model_mtp_step(m, k, &tp.p, &nvld, &tin, ml));
-        double dm = maxabs_diff(ml, dr[k] + (size_t)(P0 + 1) * V, V, NULL);
-        if (dm > tol)
-            FAIL("MTP depth %d after partial accept: max|dlogit| %g > %g", k, dm, tol);
-    }
+    reject_mtp(&tp, ml, 2, X + P0 + 2, dr, P0 + 1, "after partial accept");
     /* next step overwrites positions P0+2, P0+3 with the true tokens */
     tp_init(&tp);
     tp_add(&tp, 0, P0 + 2, X + P0 + 2, 4, 4, K, false);
     ASSERT_OK(model_step(m, &tp.p, lg));
-    for (int i = 0; i < 4; i++) {
-        double d = maxabs_diff(lg + (size_t)i * V, ref + (size_t)(P0 + 2 + i) * V, V, NULL);
-        if (d > tol)
-            FAIL("after reject row %d: max|dlogit| %g > %g", i, d, tol);
-    }
-    for (int k = 0; k < K; k++) {
-        int32_t nvld = 4, tin = X[P0 + 6 + k];
-        ASSERT_OK(model_mtp_step(m, k, &tp.p, &nvld, &tin, ml));
-        double dm = maxabs_diff(ml, dr[k] + (size_t)(P0 + 5) * V, V, NULL);
-        if (dm > tol)
-            FAIL("MTP depth %d after overwrite: max|dlogit| %g > %g", k, dm, tol);
-    }
+    reject_rows(lg, ref + (size_t)(P0 + 2) * V, 4, "after reject");
+    reject_mtp(&tp, ml, 4, X + P0 + 6, dr, P0 + 5, "after overwrite");
     printf("verify with rejected drafts, overwrite, MTP with n_valid < n_tokens: within %g\n", tol);
-    for (int k = 0; k < K; k++)
-        free(dr[k]);
-    free(lg);
-    free(ml);
-    free(ref);
-    free(hid);
+    free_run(dr, ref, hid, lg, ml);
 }
 
 static void test_bad_plans(const int32_t *X)
@@ -461,10 +467,6 @@ int main(int argc, char **argv)
     naive_free(nv);
     model_free(m);
     backend_free(be);
-    ckpt_close(ck);
-    if (gen_dir) {
-        ckptw_rmtree(gen_dir);
-        free(gen_dir);
-    }
+    gen_close(ck, gen_dir);
     return 0;
 }

@@ -273,10 +273,6 @@ int main(int argc, char **argv)
            on.worst_first > on.worst_restart ? on.worst_first : on.worst_restart, off.worst_first);
 
     backend_free(be);
-    ckpt_close(ck);
-    if (gen_dir) {
-        ckptw_rmtree(gen_dir);
-        free(gen_dir);
-    }
+    gen_close(ck, gen_dir);
     return 0;
 }

@@ -224,39 +224,33 @@ static void test_stale_entry(void)
     struct forward *f;
     struct engine *e;
     struct err_buf err = { { 0 } };
-    struct coll c[3];
-    int32_t prompt[3][200];
-    const int n_prompt[3] = { 4, 200, 8 }, max_tokens[3] = { 3, 8, 60 }, k[3] = { -1, 0, -1 };
-    char id[3][8];
+    struct rig_out c[3];
+    static int32_t prompt[3][200];
+    struct rig_req q[3] = {
+        { .prompt = prompt[0], .n_prompt = 4, .max_tokens = 3 },
+        { .prompt = prompt[1], .n_prompt = 200, .max_tokens = 8, .k = 1 },    /* K = 0 */
+        { .prompt = prompt[2], .n_prompt = 8, .max_tokens = 60 },
+    };
+    static const char *const id[3] = { "s0", "s1", "s2" };
 
     mock_config_init(&mc);
     ASSERT_OK(mock_forward_new(&mc, &f));
     engine_config_init(&ec);
-    ec.max_num_batched_tokens = 24;     /* r1's prompt takes many steps */
+    ec.max_num_batched_tokens = 24;     /* s1's prompt takes many steps */
     ec.max_model_len = 512;
     ec.num_speculative_tokens = 3;
     ec.spec_policy = SPEC_POLICY_ADAPTIVE;
     ASSERT_OK(engine_new(f, &ec, &e, &err));
     memset(c, 0, sizeof(c));
     for (int i = 0; i < 3; i++) {
-        struct engine_request q;
-
-        for (int t = 0; t < n_prompt[i]; t++)
+        for (int t = 0; t < q[i].n_prompt; t++)
             prompt[i][t] = (int32_t)((t * 31 + i * 7 + 2) % mc.vocab_size);
-        snprintf(id[i], sizeof(id[i]), "s%d", i);
-        engine_request_init(&q);
-        q.id = id[i];
-        q.prompt = prompt[i];
-        q.n_prompt = n_prompt[i];
-        q.max_tokens = max_tokens[i];
-        q.num_speculative_tokens = k[i];
-        q.ignore_eos = true;
-        ASSERT_OK(engine_submit(e, &q, on_out, &c[i], &err));
+        rig_submit(e, id[i], &q[i], &c[i]);
     }
     ASSERT_OK(engine_run_until_idle(e));
     for (int i = 0; i < 3; i++) {
         ASSERT_TRUE(c[i].finished);
-        ASSERT_EQ(c[i].n, max_tokens[i]);
+        ASSERT_EQ(c[i].n, q[i].max_tokens);
     }
     ASSERT_OK(engine_check(e));
     engine_free(e);

@@ -30,6 +30,32 @@
 
 #define COST_RING 5
 
+/* The gate (spec-policy.h): per batch-size bucket (log2 of the decoding sequences), windows
+ * of GATE_WINDOW engine cycles (and GATE_WINDOW_S seconds), the first GATE_WARM not
+ * measured, and after a window without drafts a whole one (the skipped MTP positions are
+ * holes in their caches until the layer's window passes them), run with
+ * the drafts the model chooses or with none; the arm whose last windows emitted more
+ * tokens per second of wall time runs, by GATE_HYSTERESIS, and the other one gets a
+ * window every `explore` windows (GATE_EXPLORE_MIN, doubling up to GATE_EXPLORE_MAX while
+ * it confirms the choice). */
+#define GATE_BUCKETS 8
+#define GATE_WINDOW 32
+#define GATE_WINDOW_S 0.05
+#define GATE_WARM 8
+#define GATE_HYSTERESIS 0.02
+#define GATE_EXPLORE_MIN 8
+#define GATE_EXPLORE_MAX 128
+
+struct gate {
+    bool off;                       /* this window: no drafts, no fill chains */
+    bool warm;                      /* this window drafts again after one without: its MTP
+                                     * caches have holes, it is not measured */
+    int steps;                      /* cycles into the window */
+    double tok, sec;                /* its measured part */
+    double rate[2];                 /* tokens/s: [0] drafting as chosen, [1] none; 0 unknown */
+    int explore, since;             /* explore every `explore` windows; windows since */
+};
+
 struct cost {
     double mean;                    /* median of the fresh measurements in ring (seconds) */
     float ring[COST_RING];
@@ -62,6 +88,10 @@ struct spec_policy {
     int probe_interval, probe_dir;
     bool probe_check;               /* the decision after a probe: compare with probe_m */
     int probe_m[SPEC_MAX_K];
+
+    struct gate gate[GATE_BUCKETS];
+    int64_t gate_last_us;           /* the previous call (0: none) */
+    uint64_t gate_switches;
 
     /* scratch [max_seqs] */
     int *rank, *cand;
@@ -111,6 +141,8 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
     }
     p->probe_interval = SPEC_POLICY_PROBE_MIN;
     p->next_probe = SPEC_POLICY_PROBE_MIN;
+    for (int b = 0; b < GATE_BUCKETS; b++)
+        p->gate[b].explore = GATE_EXPLORE_MIN;
     p->window = window;
     p->fill_depth = -1;
     *ret = p;
@@ -586,11 +618,67 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
     }
 }
 
+/* The gate's bookkeeping for one engine cycle of B decoding sequences that emitted tok
+ * tokens; returns whether this step runs without drafts.  A window's end picks the next
+ * arm (the gate above). */
+static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
+{
+    int b = 0;
+    struct gate *g;
+    double dt = p->gate_last_us > 0 ? (double)(now - p->gate_last_us) * 1e-6 : 0.0;
+
+    p->gate_last_us = now;
+    if (B < 1)
+        return false;
+    while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
+        b++;
+    g = &p->gate[b];
+    if (g->steps++ >= GATE_WARM && dt > 0.0 && dt < 1.0) {
+        g->tok += tok;
+        g->sec += dt;
+    }
+    if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S && g->warm) {
+        g->warm = false;
+        g->steps = 0;
+        g->tok = g->sec = 0.0;
+    } else if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S) {
+        int arm = g->off, best;
+        double r = g->tok / g->sec;
+
+        g->rate[arm] = g->rate[arm] > 0.0 ? 0.5 * (g->rate[arm] + r) : r;
+        if (g->rate[!arm] <= 0.0)
+            best = !arm;                    /* the other arm is not measured yet */
+        else if (g->rate[!arm] > g->rate[arm] * (1.0 + GATE_HYSTERESIS))
+            best = !arm;
+        else if (g->rate[arm] > g->rate[!arm] * (1.0 + GATE_HYSTERESIS))
+            best = arm;
+        else
+            best = 0;                       /* a tie: drafting as chosen */
+        if (g->since == -1) {
+            /* this was an exploring window: did it confirm the arm it left? */
+            g->explore = best == !arm ? (g->explore * 2 > GATE_EXPLORE_MAX ? GATE_EXPLORE_MAX
+                                                                          : g->explore * 2)
+                                      : GATE_EXPLORE_MIN;
+            g->since = 0;
+        } else if (best == arm && ++g->since >= g->explore && g->rate[!arm] > 0.0) {
+            best = !arm;                    /* explore the other arm for one window */
+            g->since = -1;
+        }
+        if (best != arm)
+            p->gate_switches++;
+        g->warm = arm && !best;
+        g->off = best;
+        g->steps = 0;
+        g->tok = g->sec = 0.0;
+    }
+    return g->off;
+}
+
 bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int n,
                       double step_s)
 {
-    int B = 0, nc = 0, tok = 0, sum_cap = 0;
-    bool decode = true, any = false;
+    int B = 0, nc = 0, tok = 0, sum_cap = 0, out = 0;
+    bool decode = true, any = false, off;
     int64_t now = clk_now_us();
 
     if (!p || p->mode != SPEC_POLICY_ADAPTIVE) {
@@ -606,7 +694,10 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         else
             decode = false;
         tok += ps->n_tokens;
+        if (ps->n_logits > 0)
+            out += 1 + seqs[i].accepted;
     }
+    off = gate_step(p, B, out, now);
     /* the acceptance of this step's verifications */
     for (int i = 0; i < n; i++)
         if (seqs[i].acc && seqs[i].verified > 0)
@@ -648,8 +739,18 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         p->cand[nc++] = i;
         sum_cap += q->depth;
     }
-    if (nc > 0)
+    if (nc > 0 && off) {
+        /* the gate's window without drafts: no chain at all (sampled ones keep theirs) */
+        for (int c = 0; c < nc; c++) {
+            seqs[p->cand[c]].depth = 0;
+            plan->seqs[p->cand[c]].mtp_depth = 0;
+        }
+        p->fill_depth = 0;
+    } else if (nc > 0) {
         decide(p, plan, seqs, B < nc ? nc : (B > p->max_seqs ? p->max_seqs : B), nc, sum_cap);
+    } else if (off) {
+        p->fill_depth = 0;
+    }
     /* prompt chunks fill the caches the decode steps will read; every chain's positions */
     for (int i = 0; i < n; i++) {
         const struct step_seq *ps = &plan->seqs[i];

@@ -40,6 +40,13 @@
  * seed must give the same tokens whatever the machine's load (their drafts still count in
  * the costs the greedy sequences are chosen against).
  *
+ * Over the model sits a gate, measured rather than modelled: per batch-size bucket (log2 of
+ * the decoding sequences) windows of engine cycles run either with the depths chosen above
+ * or with no MTP work at all, and the arm whose windows emitted more tokens per second of
+ * wall time runs, the other one getting a window now and then (an interval that doubles
+ * while it confirms the choice); a window that drafts again after one without is not
+ * measured (the MTP caches have holes there).  It catches what the cost model misses (on
+ * the tiny model at concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the
  * decode steps will not read are not filled.

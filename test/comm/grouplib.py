@@ -121,10 +121,12 @@ def run_generate(worker, model, n, k, tmp, tag, prompts, n_out, draft_quant=None
         for p in prompts:
             f.write(",".join(map(str, p)) + "\n")
     rep = os.path.join(tmp, "report-%s.jsonl" % tag)
-    spec = ["--mtp", str(k)]
+    # exactly k drafts a step: the verify path and the MTP repair run at every depth (the
+    # adaptive default may draft none on a model whose drafts do not pay)
+    sc = {"method": "mtp", "num_speculative_tokens": k, "draft_policy": "fixed"}
     if draft_quant:
-        spec = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k,
-                                                    "draft_quantization": draft_quant})]
+        sc["draft_quantization"] = draft_quant
+    spec = ["--speculative-config", json.dumps(sc)]
     g = Group(worker, model, n, tag, args=spec + ["--report", rep, "--exact", "--kv-cache-dtype", "fp32"],
               rank0_args=["--generate", pf, "--max-tokens", str(n_out)], workdir=tmp)
     out = g.stdout0()

@@ -10,6 +10,7 @@ rank's UCX_NET_DEVICES names its own end), and checks:
     exits with status 4 (the time is printed) and rank 0's requests end with an error.
 The namespaces are torn down at the end, whatever happens.  Exit 77 with a message
 where namespaces cannot be created (not root, no `ip`, no CAP_NET_ADMIN)."""
+import json
 import os
 import shutil
 import subprocess
@@ -70,7 +71,8 @@ def write_prompts(tmp):
 
 def generate(worker, model, n, k, tmp, tag, net=None):
     prefix, env = placement(net, n) if net else (None, None)
-    g = Group(worker, model, n, tag, args=["--mtp", str(k), "--exact"],
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": k, "draft_policy": "fixed"})
+    g = Group(worker, model, n, tag, args=["--speculative-config", spec, "--exact"],
               rank0_args=["--generate", write_prompts(tmp), "--max-tokens", "24"],
               prefix=prefix, rank_env=env, workdir=tmp)
     out = g.stdout0()

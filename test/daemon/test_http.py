@@ -616,7 +616,9 @@ def grpc_generate(s, **kw):
 
 
 def test_equality():
-    for wargs in ((), ("--mtp", "3")):
+    # K = 3 drafting every step (draft_policy fixed: the adaptive default may draft none here)
+    for wargs in ((), ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3,
+                                                           "draft_policy": "fixed"}))):
         s = real_stepd(worker_args=wargs)
         c = client(s)
         # completions: text prompt, greedy

@@ -1223,7 +1223,7 @@ static int run_serve(struct worker *w, struct forward *f)
     signal(SIGINT, on_stop_signal);
     uint64_t last_steps = ld.n_steps;
     int64_t last_step_ms = clk_now_ms();
-    unsigned lost = 0, n_lost;
+    unsigned lost = 0, n_lost = 0;     /* control sessions lost (none without a coordinator) */
     while (!stop_requested) {
         usleep(20 * 1000);
         engine_get_loads(eng, &ld);

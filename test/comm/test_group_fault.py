@@ -158,7 +158,10 @@ def served_follower_lost(worker, model, tmp):
                                          sampling_params=pb.SamplingParams(max_tokens=4000, temperature=0.0))
     outs = eng.OpenOutputs(pb.OpenOutputsRequest(stream_id="fault-stream"), metadata=md, timeout=120)
     next(outs)                                          # the stream is open
-    eng.Submit(pb.SubmitRequest(stream_id="fault-stream", request=req("on-stream")), metadata=md, timeout=10)
+    try:
+        eng.Submit(pb.SubmitRequest(stream_id="fault-stream", request=req("on-stream")), metadata=md, timeout=10)
+    except grpc.RpcError as e:
+        fail("Submit on the open stream: %s: %s" % (e.code(), e.details()), g)
     call = eng.Generate(req("on-call"), metadata=md, timeout=120)
     first = next(call)
     if not first.HasField("chunk"):

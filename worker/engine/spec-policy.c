@@ -44,6 +44,7 @@
 #define GATE_WARM 8
 #define GATE_HYSTERESIS 0.02
 #define GATE_EXPLORE_MIN 8
+#define GATE_EXPLORE_SWITCH 2
 #define GATE_EXPLORE_MAX 128
 
 struct gate {
@@ -644,6 +645,7 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
     } else if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S) {
         int arm = g->off, best;
         double r = g->tok / g->sec;
+        bool explored = g->since == -1;     /* this window explored the other arm */
 
         g->rate[arm] = g->rate[arm] > 0.0 ? 0.5 * (g->rate[arm] + r) : r;
         if (g->rate[!arm] <= 0.0)
@@ -654,8 +656,8 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
             best = arm;
         else
             best = 0;                       /* a tie: drafting as chosen */
-        if (g->since == -1) {
-            /* this was an exploring window: did it confirm the arm it left? */
+        if (explored) {
+            /* did the exploring window confirm the arm it left? */
             g->explore = best == !arm ? (g->explore * 2 > GATE_EXPLORE_MAX ? GATE_EXPLORE_MAX
                                                                           : g->explore * 2)
                                       : GATE_EXPLORE_MIN;
@@ -663,6 +665,12 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         } else if (best == arm && ++g->since >= g->explore && g->rate[!arm] > 0.0) {
             best = !arm;                    /* explore the other arm for one window */
             g->since = -1;
+        }
+        if (best != arm && !explored && g->since != -1) {
+            /* a switch on measurements (not an exploration): the arm left is checked again
+             * soon, so that one disturbed window does not decide for long */
+            g->explore = GATE_EXPLORE_SWITCH;
+            g->since = 0;
         }
         if (best != arm)
             p->gate_switches++;

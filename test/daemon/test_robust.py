@@ -189,7 +189,9 @@ def test_reset_burst():
     assert r["by_name"].get("CANCELLED", 0) > BURST // 2, r["by_name"]
     assert_healthy(s, "the reset burst")
     created = engine_created(s)
-    assert created > BURST // 50, created          # ~20 % here, 7-35 % under ASan
+    # some of the burst reached the engine: ~20 % here, 7-35 % under ASan, 1.97 % once on a
+    # loaded 2-core CI run
+    assert created > BURST // 200, created
     # both at once, sampled, with logprobs (more work per token on every path)
     r2 = loadgen(s.addr, BURST, "--tokens", "32", "--cancel-after-ms", "0,10", "--deadline-ms", "1,20",
                  "--concurrency", "128", "--temperature", "0.8", "--logprobs", "3")

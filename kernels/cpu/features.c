@@ -67,11 +67,19 @@ static bool host_amx(void)
     return true;
 }
 
+/* F16C (CPUID.1:ECX bit 29): read directly, as clang's __builtin_cpu_supports does not
+ * know the name */
+static bool host_f16c(void)
+{
+    unsigned a, b, c, d;
+
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+}
+
 static enum cpu_isa host_probe(void)
 {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
-        !__builtin_cpu_supports("f16c"))
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !host_f16c())
         return CPU_ISA_SCALAR;
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512dq") ||
         !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl"))

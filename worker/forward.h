@@ -35,6 +35,7 @@
 
 #include <stdint.h>
 
+#include "err.h"
 #include "plan.h"
 
 #ifdef __cplusplus
@@ -49,6 +50,10 @@ struct forward_ops {
     int (*mtp_step)(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
                     const int32_t *tok_in, float *logits);
     void (*free)(struct forward *f);
+    /* Optional (NULL: not offered): install the draft vocabulary ids[0 .. n) that MTP
+     * steps of plans with draft_sub score instead of the whole vocabulary (model.h,
+     * model_set_draft_vocab); n = 0 removes it.  Between steps, engine thread. */
+    int (*set_draft_vocab)(struct forward *f, const int32_t *ids, int n, struct err_buf *e);
 };
 
 struct forward {

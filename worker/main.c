@@ -43,7 +43,9 @@ static void usage(FILE *f)
         "                          (+ \"draft_quantization\": \"auto\" (default: MXFP4 copies of\n"
         "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\";\n"
         "                          \"draft_policy\": \"adaptive\" (default: 0..K drafts per step,\n"
-        "                          whatever measures fastest) or \"fixed\" (always K))\n"
+        "                          whatever measures fastest) or \"fixed\" (always K);\n"
+        "                          \"draft_vocab\": N (a multiple of 64: drafts score only the N\n"
+        "                          tokens this worker has emitted most often; default 0, all))\n"
         "  --kv-cache-memory BYTES KV cache per rank, e.g. 8GiB (default: on CPU every sequence at\n"
         "                          --max-model-len, at most 90%% of the available memory; on a GPU\n"
         "                          --gpu-memory-utilization of it after weights and activations)\n"
@@ -123,7 +125,8 @@ static int parse_kv_dtype(const char *s, bool *ret_f32)
 }
 
 /* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */
-static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant, int *ret_draft_policy)
+static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant, int *ret_draft_policy,
+                      int *ret_draft_vocab)
 {
     struct spec_config sc;
     struct err_buf e;
@@ -136,6 +139,7 @@ static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant, int *r
     *ret_k = sc.num_speculative_tokens;
     *ret_draft_quant = sc.draft_quant;
     *ret_draft_policy = sc.draft_policy;
+    *ret_draft_vocab = sc.draft_vocab;
     return 0;
 }
 
@@ -244,7 +248,8 @@ int main(int argc, char **argv)
         case O_MODEL: o.model_dir = optarg; break;
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
         case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
-        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant, &o.draft_policy); break;
+        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant, &o.draft_policy,
+                                        &o.draft_vocab); break;
         case O_INSECURE: o.insecure_listen = true; break;
         case O_INSECURE_CTL: o.insecure_control = true; break;
         case O_NET_DEVS: net_devs = optarg; break;

@@ -18,6 +18,7 @@
  */
 #pragma once
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -54,6 +55,8 @@ struct step_plan {
     int32_t *tokens;        /* [n_tokens] */
     int32_t n_block_ids[_KV_GROUP_MAX];
     int32_t *blocks[_KV_GROUP_MAX]; /* concatenated block tables per group */
+    bool draft_sub;         /* rank 0 only, not on the wire: this step's MTP depths score
+                               the installed draft vocabulary (forward.h set_draft_vocab) */
 };
 
 #ifdef __cplusplus

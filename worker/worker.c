@@ -85,6 +85,20 @@ static int bcast_mtp_step(struct forward *f, int k, const struct step_plan *p, c
     return b->inner->ops->mtp_step(b->inner, k, p, n_valid, tok_in, logits);
 }
 
+/* rank 0's MTP layers only: nothing to broadcast */
+static int inner_set_draft_vocab(struct forward *inner, const int32_t *ids, int n,
+                                 struct err_buf *e)
+{
+    if (!inner->ops->set_draft_vocab)
+        return err_set(e, -ENOSYS, "forward '%s' has no draft vocabulary", inner->ops->name);
+    return inner->ops->set_draft_vocab(inner, ids, n, e);
+}
+
+static int bcast_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e)
+{
+    return inner_set_draft_vocab(((struct bcast_fwd *)f->impl)->inner, ids, n, e);
+}
+
 static void bcast_free(struct forward *f)
 {
     struct bcast_fwd *b;
@@ -101,6 +115,7 @@ static const struct forward_ops bcast_ops = {
     .step = bcast_step,
     .mtp_step = bcast_mtp_step,
     .free = bcast_free,
+    .set_draft_vocab = bcast_set_draft_vocab,
 };
 
 int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_cap,
@@ -156,12 +171,14 @@ static int dcomm_step(struct forward *f, const struct step_plan *p, float *logit
 static int dcomm_mtp_step(struct forward *f, int k, const struct step_plan *p,
                           const int32_t *n_valid, const int32_t *tok_in, float *logits);
 static void dcomm_free(struct forward *f);
+static int dcomm_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e);
 
 static const struct forward_ops dcomm_ops = {
     .name = "nccl-steps",
     .step = dcomm_step,
     .mtp_step = dcomm_mtp_step,
     .free = dcomm_free,
+    .set_draft_vocab = dcomm_set_draft_vocab,
 };
 
 /* ---- helpers --------------------------------------------------------------------- */
@@ -248,6 +265,11 @@ static void dcomm_free(struct forward *f)
 
     d->inner->ops->free(d->inner);
     free(d);
+}
+
+static int dcomm_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e)
+{
+    return inner_set_draft_vocab(((struct dcomm_fwd *)f->impl)->inner, ids, n, e);
 }
 
 static int dcomm_wrap(struct worker *w, struct err_buf *e)
@@ -969,6 +991,7 @@ static int run_generate(struct worker *w, struct forward *f)
     cfg.num_speculative_tokens = o->mtp < w->n_mtp ? o->mtp : w->n_mtp;
     cfg.max_waiting = waiting_limit(w);
     cfg.spec_policy = (enum spec_draft_policy)o->draft_policy;
+    cfg.draft_vocab = o->draft_vocab;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     cfg.enable_prefix_caching = !w->o->no_prefix_cache;
@@ -1174,6 +1197,7 @@ static int run_serve(struct worker *w, struct forward *f)
     cfg.max_waiting = waiting_limit(w);
     cfg.logprobs_processed = w->o->logprobs_processed;
     cfg.spec_policy = (enum spec_draft_policy)w->o->draft_policy;
+    cfg.draft_vocab = w->o->draft_vocab;
     memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
     cfg.n_eos = w->n_eos;
     cfg.enable_prefix_caching = !w->o->no_prefix_cache;

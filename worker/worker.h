@@ -52,6 +52,7 @@ struct worker_opts {
     int mtp;                        /* speculative tokens K (0..3) */
     int draft_quant;                /* enum spec_draft_quant (spec config "draft_quantization") */
     int draft_policy;               /* enum spec_draft_policy (spec config "draft_policy") */
+    int draft_vocab;                /* engine_config.draft_vocab (spec config "draft_vocab") */
     int max_seqs, max_batched_tokens, max_model_len, kv_blocks, block_size;
     /* KV cache (kvplan.h): per-rank budget in bytes (0 = on CPU max_seqs sequences of
      * max_model_len, at most 90 % of the available memory; on a device the share of

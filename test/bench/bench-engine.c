@@ -12,6 +12,11 @@
  * --policy: only the draft policies: adaptive (spec-policy.h, max K = 3) against every fixed
  * K in 0..3 at concurrency 1, 4 and 16, interleaved rounds, medians and per-round ratios,
  * the depths the adaptive one chose, and its greedy outputs checked against K = 0's.
+ * --policy-control: the same table with fixed K = 0 in the adaptive engine's place: the
+ * noise floor of the comparison (an A/A run; its ratio to K = 0 should be 1 within noise).
+ * --draft-vocab N: the same with K = 1 and K = 3 drafting over the engine's N most frequent
+ * output tokens (engine_config.draft_vocab) beside the whole head, and the adaptive policy
+ * with it: speed, acceptance per position and MTP time with and without.
  * --mock-mtp-usec U, --mock-accuracy A: the mock's cost of an MTP call and its drafts'
  * accuracy (defaults 300 us, 0.8), to put the policy where drafts pay or do not.
  *
@@ -204,10 +209,10 @@ static double max_of(const double *v, int n)
     return m;
 }
 
-/* median of n values (n odd) */
+/* median of n values (n odd, at most 16) */
 static double median_of(const double *v, int n)
 {
-    double s[BENCH_REPS];
+    double s[16];
     memcpy(s, v, (size_t) n * sizeof(*s));
     qsort(s, (size_t) n, sizeof(*s), bench_cmp_double);
     return s[n / 2];
@@ -251,91 +256,103 @@ static const char *dq_name(enum model_draft_quant dq)
     return dq == MODEL_DRAFT_MXFP4 ? "MXFP4 drafts" : "the checkpoint's BF16 drafts";
 }
 
-/* --policy: the adaptive draft policy (max K = kmax) against every fixed K in 0..kmax, at
- * concurrency 1, 4 and 16, over POLICY_REPS interleaved rounds (each round runs every
- * policy at every concurrency, one after another).  ef: an engine with the fixed policy,
- * ea: one with the adaptive policy (on a forward of its own), warmed up first.  Greedy
- * outputs of every run are checked against K = 0's of the same round (the same prompts):
- * returns the number of requests whose output differed. */
-#define POLICY_REPS 5
-static int policy_table(struct engine *ef, struct engine *ea, int vocab, int kmax, int n_out)
+/* --policy / --draft-vocab: arms (an engine and the K its requests ask for) at concurrency
+ * 1, 4 and 16, over POLICY_REPS interleaved rounds (each round runs every arm at every
+ * concurrency, one after another); arm 0 is fixed K = 0.  The engines learn first (what
+ * they measure, and the draft vocabulary's counts).  Greedy outputs of every run are
+ * checked against K = 0's of the same round (the same prompts): returns the number of
+ * requests whose output differed.  "best fixed": the fastest arm (median) that is fixed
+ * over the whole vocabulary (fixed_full). */
+#define POLICY_REPS 9
+#define MAX_ARMS 8
+struct arm {
+    struct engine *e;
+    int k;
+    const char *name;
+    bool fixed_full;            /* a fixed K over the whole vocabulary */
+    int twin;                   /* >= 0: the arm it is compared with (the same K, whole head) */
+};
+
+static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
 {
     static const int concs[3] = { 1, 4, 16 };
-    static struct result res[3][SPEC_MAX_K + 2][POLICY_REPS];
-    const int np = kmax + 2;    /* fixed K = 0 .. kmax, then adaptive */
+    static struct result res[3][MAX_ARMS][POLICY_REPS];
     int bad = 0;
 
-    for (int i = 0; i < 3; i++)   /* the adaptive engine learns its costs and acceptance */
-        (void) run(ea, vocab, concs[i], kmax, 32, n_out, 2);
+    for (int i = 0; i < 3; i++)     /* the engines learn their costs, acceptance, counts */
+        for (int a = 1; a < na; a++)
+            if (arms[a].e != arms[0].e)
+                (void) run(arms[a].e, vocab, concs[i], arms[a].k, 32, n_out, 4);
     for (int rep = 0; rep < POLICY_REPS; rep++)
         for (int i = 0; i < 3; i++)
-            for (int pk = 0; pk < np; pk++) {
+            for (int a = 0; a < na; a++) {
                 int c = concs[i];
-                res[i][pk][rep] = run(pk <= kmax ? ef : ea, vocab, c, pk <= kmax ? pk : kmax, 32,
-                                      n_out, c == 1 ? 6 : 3);
+                res[i][a][rep] = run(arms[a].e, vocab, c, arms[a].k, 32, n_out, c == 1 ? 6 : 3);
             }
     for (int i = 0; i < 3; i++) {
-        double med[SPEC_MAX_K + 2], tps[POLICY_REPS], r_best[POLICY_REPS], r_rnd[POLICY_REPS],
-               r_k0[POLICY_REPS];
+        double med[MAX_ARMS], tps[POLICY_REPS], r_best[POLICY_REPS], r_k0[POLICY_REPS],
+               r_twin[POLICY_REPS];
         int best = 0;
-        struct spec_stats ad = { 0 };
 
-        for (int pk = 0; pk < np; pk++) {
+        for (int a = 0; a < na; a++) {
             for (int rep = 0; rep < POLICY_REPS; rep++)
-                tps[rep] = res[i][pk][rep].out_tps;
-            med[pk] = median_of(tps, POLICY_REPS);
-            if (pk <= kmax && med[pk] > med[best])
-                best = pk;
+                tps[rep] = res[i][a][rep].out_tps;
+            med[a] = median_of(tps, POLICY_REPS);
+            if (arms[a].fixed_full && med[a] > med[best])
+                best = a;
         }
-        for (int rep = 0; rep < POLICY_REPS; rep++) {
-            const struct result *a = &res[i][np - 1][rep];
-            double top = 0;
-
-            for (int pk = 0; pk <= kmax; pk++) {
-                const struct result *f = &res[i][pk][rep];
-                top = f->out_tps > top ? f->out_tps : top;
-                for (int q = 0; pk > 0 && q < f->n_reqs && q < res[i][0][rep].n_reqs; q++)
-                    bad += f->hashes[q] != res[i][0][rep].hashes[q];
-            }
-            for (int q = 0; q < a->n_reqs && q < res[i][0][rep].n_reqs; q++)
-                bad += a->hashes[q] != res[i][0][rep].hashes[q];
-            r_best[rep] = a->out_tps / res[i][best][rep].out_tps;
-            r_rnd[rep] = a->out_tps / top;
-            r_k0[rep] = a->out_tps / res[i][0][rep].out_tps;
-            spec_stats_add(&ad, &a->mtp);
-        }
-        printf("policy, concurrency %2d: output tok/s (median of %d interleaved rounds):", concs[i],
+        printf("concurrency %2d: output tok/s (median of %d interleaved rounds):", concs[i],
                POLICY_REPS);
-        for (int pk = 0; pk <= kmax; pk++)
-            printf(" K=%d %.1f", pk, med[pk]);
-        printf(", adaptive (max %d) %.1f\n", kmax, med[np - 1]);
-        printf("  per step (round 1):");
-        for (int pk = 0; pk < np; pk++) {
-            const struct result *r = &res[i][pk][0];
-            printf(" %s%d: %.2f+%.2f+%.2f ms, %.2f tok;", pk <= kmax ? "K=" : "adaptive ",
-                   pk <= kmax ? pk : kmax, r->fwd_ms, r->mtp_ms, r->eng_ms, r->tok_per_step);
-        }
-        printf(" (forward + MTP + engine)\n");
-        printf("  adaptive / best fixed (K=%d): %.3f (per-round ratios: median; range %.3f .. %.3f); "
-               "/ the round's best fixed: %.3f (%.3f .. %.3f); / K=0: %.3f (%.3f .. %.3f)\n", best,
-               median_of(r_best, POLICY_REPS), min_of(r_best, POLICY_REPS),
-               max_of(r_best, POLICY_REPS), median_of(r_rnd, POLICY_REPS),
-               min_of(r_rnd, POLICY_REPS), max_of(r_rnd, POLICY_REPS),
-               median_of(r_k0, POLICY_REPS), min_of(r_k0, POLICY_REPS), max_of(r_k0, POLICY_REPS));
-        {
+        for (int a = 0; a < na; a++)
+            printf(" %s %.1f%s", arms[a].name, med[a], a + 1 < na ? "," : "\n");
+        for (int a = 0; a < na; a++) {
+            struct spec_stats st = { 0 };
             uint64_t tot = 0;
+            double fwd = 0, mtp = 0;
+
+            for (int rep = 0; rep < POLICY_REPS; rep++) {
+                const struct result *x = &res[i][a][rep];
+                for (int q = 0; a > 0 && q < x->n_reqs && q < res[i][0][rep].n_reqs; q++)
+                    bad += x->hashes[q] != res[i][0][rep].hashes[q];
+                r_best[rep] = x->out_tps / res[i][best][rep].out_tps;
+                r_k0[rep] = x->out_tps / res[i][0][rep].out_tps;
+                r_twin[rep] = arms[a].twin >= 0 ? x->out_tps / res[i][arms[a].twin][rep].out_tps : 0;
+                spec_stats_add(&st, &x->mtp);
+                fwd += x->fwd_ms / POLICY_REPS;
+                mtp += x->mtp_ms / POLICY_REPS;
+            }
             for (int k = 0; k <= SPEC_MAX_K; k++)
-                tot += ad.steps_by_drafts[k];
-            printf("  adaptive: drafts per decode step");
-            for (int k = 0; k <= kmax; k++)
-                printf(" K=%d %.1f %%", k, tot ? 100.0 * (double) ad.steps_by_drafts[k] / tot : 0.0);
-            printf("; acceptance per position");
-            for (int k = 0; k < kmax; k++)
-                printf(" %d: %.3f", k + 1, ad.n_drafts ? (double) ad.accepted_per_pos[k] / ad.n_drafts : 0.0);
+                tot += st.steps_by_drafts[k];
+            printf("  %-14s %8.1f tok/s; / best fixed (%s) %.3f (%.3f .. %.3f); / K=0 %.3f "
+                   "(%.3f .. %.3f)", arms[a].name, med[a], arms[best].name,
+                   median_of(r_best, POLICY_REPS), min_of(r_best, POLICY_REPS),
+                   max_of(r_best, POLICY_REPS), median_of(r_k0, POLICY_REPS),
+                   min_of(r_k0, POLICY_REPS), max_of(r_k0, POLICY_REPS));
+            if (arms[a].twin >= 0)
+                printf("; / %s %.3f (%.3f .. %.3f)", arms[arms[a].twin].name,
+                       median_of(r_twin, POLICY_REPS), min_of(r_twin, POLICY_REPS),
+                       max_of(r_twin, POLICY_REPS));
+            printf("\n  %-14s per step %.2f + %.2f ms (forward + MTP)", "", fwd, mtp);
+            if (st.n_drafts) {
+                printf("; drafts per decode step");
+                for (int k = 0; k <= SPEC_MAX_K; k++)
+                    printf(" %d: %.1f %%", k, tot ? 100.0 * (double) st.steps_by_drafts[k] / tot : 0.0);
+                printf("; acceptance per position");
+                for (int k = 0; k < SPEC_MAX_K; k++)
+                    printf(" %.3f", (double) st.accepted_per_pos[k] / (double) st.n_drafts);
+            }
             printf("\n");
         }
     }
-    printf("policy: greedy outputs %s K=0's (%d requests differ)\n", bad ? "DIFFER from" : "identical to",
+    for (int a = 0; a < na; a++) {
+        struct engine_loads l;
+        engine_get_loads(arms[a].e, &l);
+        if (l.draft_vocab_installs && (a == 0 || arms[a].e != arms[a - 1].e))
+            printf("%s: draft vocabulary of %d ids, %llu installs, the last covering %.1f %% of "
+                   "the output tokens counted\n", arms[a].name, l.draft_vocab,
+                   (unsigned long long) l.draft_vocab_installs, 100.0 * l.draft_vocab_cover);
+    }
+    printf("greedy outputs %s K=0's (%d requests differ)\n", bad ? "DIFFER from" : "identical to",
            bad);
     return bad;
 }
@@ -346,7 +363,8 @@ int main(int argc, char **argv)
     bool mock = false;
     int threads = 0, n_out = 128, prof_k = -1;
     double prof_s = 0;
-    bool policy = false;
+    bool policy = false, control = false;
+    int dv_n = 0;
     long mock_mtp_usec = 300;
     float mock_accuracy = 0.8f;
     /* the MTP draft weights: the speculative config's default ("auto") on this CPU backend */
@@ -366,6 +384,10 @@ int main(int argc, char **argv)
             n_out = atoi(argv[++i]);
         else if (strcmp(argv[i], "--policy") == 0)
             policy = true;
+        else if (strcmp(argv[i], "--policy-control") == 0)
+            policy = control = true;
+        else if (strcmp(argv[i], "--draft-vocab") == 0 && i + 1 < argc)
+            dv_n = atoi(argv[++i]);
         else if (strcmp(argv[i], "--mock-mtp-usec") == 0 && i + 1 < argc)
             mock_mtp_usec = atol(argv[++i]);
         else if (strcmp(argv[i], "--mock-accuracy") == 0 && i + 1 < argc)
@@ -383,7 +405,7 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock [--mock-mtp-usec U] "
                             "[--mock-accuracy A]] [--threads T] [--tokens N] [--draft-quant "
-                            "auto|none|mxfp4] [--profile K SECONDS] [--policy]\n");
+                            "auto|none|mxfp4] [--profile K SECONDS] [--policy | --policy-control | --draft-vocab N]\n");
             return 2;
         }
     }
@@ -434,6 +456,7 @@ int main(int argc, char **argv)
     ec.sliding_window = window;
     ec.num_speculative_tokens = f->n_mtp < 3 ? f->n_mtp : 3;
     ec.spec_policy = SPEC_POLICY_FIXED;     /* "K = k" below is exactly k drafts per step */
+    ec.enable_prefix_caching = !policy && dv_n <= 0;    /* engines that share one forward */
     memcpy(ec.eos_ids, eos, sizeof(eos));
     ec.n_eos = n_eos;
     struct engine *e;
@@ -459,30 +482,58 @@ int main(int argc, char **argv)
     /* the K = 3 engine with the other draft weights (below) */
     struct engine *eq = NULL;
     struct model_rig rigq = { 0 };
-    if (policy) {
-        /* the adaptive policy on a forward of its own (its per-slot MTP state stays apart) */
-        struct forward *fa = NULL;
-        struct engine_config eca = ec;
-        struct engine *ea;
-        int bad;
-        eca.spec_policy = SPEC_POLICY_ADAPTIVE;
-        if (mock ? mock_forward_new(&mc, &fa) < 0
-                 : model_rig_open_q(&rigq, dir, threads, 16, 256, 1024, dq_of(sdq), &err) < 0) {
-            fprintf(stderr, "bench-engine: second forward: %s\n", err.msg);
-            return 1;
+    if (policy || dv_n > 0) {
+        /* the adaptive policy (and the draft vocabulary) on the same forward as the fixed
+         * runs (the same weights, pages and threads: two copies of the model differed by up
+         * to 10 % by themselves), each in an engine of its own so that what it learns comes
+         * from its own steps only.  The engines take turns (run() returns when the last
+         * request has ended) and none caches prefixes: their block ids name the same KV
+         * memory of the one forward.  The draft vocabulary is the forward's: only engines
+         * with draft_vocab install one (from the same workload) or score it. */
+        struct engine_config c2 = ec;
+        struct engine *en[3] = { NULL, NULL, NULL };   /* adaptive, fixed + dv, adaptive + dv */
+        struct arm arms[MAX_ARMS];
+        int na = 0, kmax = ec.num_speculative_tokens, bad;
+        char names[MAX_ARMS][24];
+
+        for (int j = 0; j < 3; j++) {
+            if (j > 0 && dv_n <= 0)
+                break;
+            c2.spec_policy = j == 1 || control ? SPEC_POLICY_FIXED : SPEC_POLICY_ADAPTIVE;
+            c2.draft_vocab = j > 0 ? dv_n : 0;
+            if (engine_new(f, &c2, &en[j], &err) < 0) {
+                fprintf(stderr, "bench-engine: %s\n", err.msg);
+                return 1;
+            }
+            engine_start(en[j]);
         }
-        if (!mock)
-            fa = rigq.f;
-        if (engine_new(fa, &eca, &ea, &err) < 0) {
-            fprintf(stderr, "bench-engine: %s\n", err.msg);
-            return 1;
+        for (int k = 0; k <= kmax; k++) {
+            if (dv_n > 0 && k == 2)
+                continue;
+            snprintf(names[na], sizeof(names[na]), "K=%d", k);
+            arms[na] = (struct arm) { e, k, names[na], true, -1 };
+            na++;
         }
-        engine_start(ea);
-        bad = policy_table(e, ea, vocab, ec.num_speculative_tokens, n_out);
-        engine_stop(ea);
-        engine_free(ea);
-        if (mock)
-            fa->ops->free(fa);
+        if (dv_n > 0)
+            for (int k = 1; k <= kmax; k += 2) {
+                snprintf(names[na], sizeof(names[na]), "K=%d dv%d", k, dv_n);
+                arms[na] = (struct arm) { en[1], k, names[na], false, k == 1 ? 1 : 2 };
+                na++;
+            }
+        arms[na] = (struct arm) { en[0], control ? 0 : kmax,
+                                  control ? "K=0 again" : "adaptive", false, -1 };
+        na++;
+        if (dv_n > 0) {
+            snprintf(names[na], sizeof(names[na]), "adaptive dv%d", dv_n);
+            arms[na] = (struct arm) { en[2], kmax, names[na], false, na - 1 };
+            na++;
+        }
+        bad = arms_table(arms, na, vocab, n_out);
+        for (int j = 0; j < 3; j++)
+            if (en[j]) {
+                engine_stop(en[j]);
+                engine_free(en[j]);
+            }
         if (bad)
             return 1;
         goto done;

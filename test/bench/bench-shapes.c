@@ -3,6 +3,7 @@
  *
  *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16]
  *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn] [--kv-fp32]
+ *                [--draft-vocab N]
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
  * The model: stepd-mkmodel's full-width checkpoint (hidden 4096, 288 experts x 1280 top-8,
@@ -26,7 +27,9 @@
  *     threads at B >= 4 both as per-core parts and whole (at these shapes the model runs
  *     steps whole, model-split.c: the model is built with split_any_size to show both);
  *   - one MTP depth after it (model_mtp_step 0: the layer, its draft head), and the draft
- *     head alone.
+ *     head alone; then (after another step) the MTP depth over the draft vocabulary
+ *     (--draft-vocab N ids, default 32768; 0: not measured), whose floor counts the
+ *     gathered head rows only.
  * --ab-attn adds each attention row with one KV head per work item (attention.c before
  * its head groups), on sequences of their own (the sets swap from round to round; sliding
  * rows share their window's blocks, so only the full-attention pair compares).
@@ -85,6 +88,7 @@ struct bench {
     int threads[MAX_LIST], n_threads, batches[MAX_LIST], n_batches, ctxs[MAX_LIST], n_ctxs;
     int reps;
     bool keep, ab_attn, kv_f32;
+    int dv;                         /* --draft-vocab: ids of the draft vocabulary (0: none) */
     /* probe */
     uint8_t *arena;
     size_t arena_bytes;
@@ -465,6 +469,22 @@ static void sweep(struct bench *b, int B)
         if (r < 0)
             die("draft head", r, NULL);
         record(b, "MTP draft head alone", B, 0, t, hb);
+        if (b->dv > 0) {
+            /* the same depth over the draft vocabulary (a new step first: depth 0 follows a
+             * step) */
+            r = model_step(m, &p, b->logits);
+            if (r < 0)
+                die("model_step", r, m);
+            p.draft_sub = true;
+            t0 = now();
+            r = model_mtp_step(m, 0, &p, b->n_valid, b->tok_in, b->logits);
+            t = now() - t0;
+            p.draft_sub = false;
+            if (r < 0)
+                die("model_mtp_step (draft vocabulary)", r, m);
+            snprintf(name, sizeof(name), "MTP depth, draft vocabulary of %d ids", b->dv);
+            record(b, name, B, CTX_LAYERS, t, lb + hb * b->dv / m->vocab);
+        }
     }
 }
 
@@ -713,6 +733,20 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
         fprintf(stderr, "bench-shapes: model: %s\n", e.msg);
         exit(1);
     }
+    if (b->dv > 0 && b->m->n_mtp > 0) {
+        /* the cost of a draft does not depend on which ids: the first dv */
+        int32_t *ids = malloc(sizeof(*ids) * (size_t)b->dv);
+        if (!ids)
+            die("draft vocabulary", -ENOMEM, NULL);
+        for (int i = 0; i < b->dv; i++)
+            ids[i] = i;
+        r = model_set_draft_vocab(b->m, ids, b->dv, &e);
+        free(ids);
+        if (r < 0) {
+            fprintf(stderr, "bench-shapes: %s\n", e.msg);
+            exit(1);
+        }
+    }
     for (int i = 0; i < b->m->n_layers + b->m->n_mtp; i++)
         kv_fill(b, &b->m->layers[i]);
     for (int i = 0; b->m->mtp_tp && i < 2 * b->m->n_mtp; i++)
@@ -751,6 +785,7 @@ int main(int argc, char **argv)
     b->batches[0] = 1, b->batches[1] = 4, b->batches[2] = 16, b->n_batches = 3;
     b->ctxs[0] = 1024, b->ctxs[1] = 8192, b->ctxs[2] = 32768, b->n_ctxs = 3;
     b->reps = 5;
+    b->dv = 32768;
     b->rng = 0x9e3779b97f4a7c15ull;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -782,6 +817,8 @@ int main(int argc, char **argv)
             ok = (b->n_ctxs = parse_list(v, b->ctxs, MAX_LIST)) > 0;
         else if (strcmp(a, "--reps") == 0)
             ok = (b->reps = atoi(v)) >= 1 && b->reps <= MAX_REPS;
+        else if (strcmp(a, "--draft-vocab") == 0)
+            ok = (b->dv = atoi(v)) >= 0 && b->dv % 64 == 0;
         else
             ok = 0;
         for (int k = 0; ok && k < b->n_batches; k++)
@@ -793,7 +830,7 @@ int main(int argc, char **argv)
         if (!ok) {
             fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
                             "[--batches 1,4,16 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
-                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32]\n", MAX_B, MAX_REPS);
+                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N]\n", MAX_B, MAX_REPS);
             return 2;
         }
         i++;

@@ -3,7 +3,10 @@
  *   - the same for a batch of mixed prompt lengths (chunked prefill, sliding window)
  *     arriving at different steps;
  *   - batch invariance: 8 identical greedy requests at once equal a solo run;
- *   - the KV accounting invariant holds after each run.
+ *   - the KV accounting invariant holds after each run;
+ *   - the draft vocabulary (engine_config.draft_vocab): installed once the engine has
+ *     emitted 8 N tokens, greedy outputs before and after equal K = 0's, drafts still
+ *     accepted; a size that is not a multiple of 64 refused.
  * With argv[2] = "mxfp4" the same, with the MTP drafts computed from MXFP4 copies. 
  * Exits 77 (skip) when the checkpoint is absent. */
 #include "engine-rig.h"
@@ -12,13 +15,18 @@
 static const char *model_dir;
 static struct model_rig rig;
 
+static void engine_cfg(struct engine_config *ec, int k)
+{
+    rig_engine_config(ec, 64, 8, 512, rig.cfg->sliding_window, k);
+    ec->spec_policy = SPEC_POLICY_FIXED;    /* the MTP mechanics at exactly K drafts */
+    for (int i = 0; i < rig.cfg->n_eos && i < ENGINE_MAX_EOS; i++)
+        ec->eos_ids[ec->n_eos++] = rig.cfg->eos_token_ids[i];
+}
+
 static struct engine *open_engine(int k)
 {
     struct engine_config ec;
-    rig_engine_config(&ec, 64, 8, 512, rig.cfg->sliding_window, k);
-    ec.spec_policy = SPEC_POLICY_FIXED;     /* the MTP mechanics at exactly K drafts */
-    for (int i = 0; i < rig.cfg->n_eos && i < ENGINE_MAX_EOS; i++)
-        ec.eos_ids[ec.n_eos++] = rig.cfg->eos_token_ids[i];
+    engine_cfg(&ec, k);
     return rig_engine_new(rig.f, &ec);
 }
 
@@ -145,6 +153,65 @@ static void test_sampled_reproducible(void)
     ASSERT_TRUE(memcmp(solo[0].toks, solo[1].toks, 48 * sizeof(int32_t)) != 0);
 }
 
+/* The draft vocabulary: DV_REQS greedy requests of DV_OUT tokens each, K = 0 against K = 3
+ * with draft_vocab DV_N (installed after 8 DV_N output tokens, about a third of the way) */
+#define DV_N 128
+#define DV_REQS 32
+#define DV_OUT 64
+static void test_draft_vocab(void)
+{
+    static struct rig_out base[DV_REQS], other[DV_REQS];
+    static int32_t prompts[DV_REQS][20];
+    struct engine_config ec;
+    struct engine *e;
+    struct engine_loads l;
+    struct err_buf err;
+    uint64_t drafts[2] = { 0 }, acc[2] = { 0 };
+
+    engine_cfg(&ec, 3);
+    ec.draft_vocab = 100;
+    ASSERT_ERR(engine_new(rig.f, &ec, &e, &err), -EINVAL);
+    ASSERT_CONTAINS(err.msg, "draft_vocab");
+    memset(base, 0, sizeof(base));
+    memset(other, 0, sizeof(other));
+    for (int pass = 0; pass < 2; pass++) {
+        engine_cfg(&ec, pass ? 3 : 0);
+        ec.draft_vocab = pass ? DV_N : 0;
+        e = rig_engine_new(rig.f, &ec);
+        for (int i = 0; i < DV_REQS; i++) {
+            char id[16];
+            make_prompt(prompts[i], 20, 40 + i, rig.f->vocab_size);
+            snprintf(id, sizeof(id), "dv%d", i);
+            submit(e, id, prompts[i], 20, DV_OUT, pass ? &other[i] : &base[i]);
+            ASSERT_OK(engine_run_until_idle(e));    /* one at a time: the install lands
+                                                     * between requests */
+            if (pass) {
+                engine_get_loads(e, &l);
+                drafts[l.draft_vocab > 0] += other[i].mtp.n_draft_tokens;
+                acc[l.draft_vocab > 0] += other[i].mtp.n_accepted;
+            }
+        }
+        engine_get_loads(e, &l);
+        if (pass) {
+            ASSERT_EQ(l.draft_vocab, DV_N);
+            ASSERT_TRUE(l.draft_vocab_installs >= 1);
+            ASSERT_TRUE(l.draft_vocab_cover > 0.0 && l.draft_vocab_cover <= 1.0);
+        } else {
+            ASSERT_EQ(l.draft_vocab, 0);
+        }
+        rig_engine_close(e, NULL);
+    }
+    for (int i = 0; i < DV_REQS; i++)
+        rig_same(&other[i], &base[i], "draft vocabulary K=3 vs K=0");
+    ASSERT_TRUE(drafts[0] > 0 && drafts[1] > 0);  /* requests before and after the install */
+    ASSERT_TRUE(acc[1] > 0);
+    printf("draft vocabulary %d of %d ids (%.1f %% of the output tokens counted): acceptance "
+           "%.3f of %llu drafts before it, %.3f of %llu after; outputs equal K=0's\n", DV_N,
+           rig.f->vocab_size, 100.0 * l.draft_vocab_cover, (double) acc[0] / (double) drafts[0],
+           (unsigned long long) drafts[0], (double) acc[1] / (double) drafts[1],
+           (unsigned long long) drafts[1]);
+}
+
 int main(int argc, char **argv)
 {
     model_dir = argc > 1 ? argv[1] : "models/tiny-step";
@@ -163,6 +230,7 @@ int main(int argc, char **argv)
     test_mixed();
     test_batch_invariance();
     test_sampled_reproducible();
+    test_draft_vocab();
     model_rig_close(&rig);
     printf("engine-model (%s drafts): ok\n", dq == MODEL_DRAFT_MXFP4 ? "MXFP4" : "checkpoint");
     return 0;

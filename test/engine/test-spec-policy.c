@@ -170,6 +170,15 @@ static void test_config(void)
     ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
                                  "\"draft_policy\":\"greedy\"}", &c, &e), -EINVAL);
     ASSERT_CONTAINS(e.msg, "draft_policy");
+    ASSERT_EQ(c.draft_vocab, 0);
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
+                                "\"draft_vocab\":32768}", &c, &e));
+    ASSERT_EQ(c.draft_vocab, 32768);
+    ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
+                                 "\"draft_vocab\":1000}", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "draft_vocab");
+    ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
+                                 "\"draft_vocab\":\"all\"}", &c, &e), -EINVAL);
     ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 0, 3, 64, &p), -EINVAL);
     ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 8, 4, 64, &p), -EINVAL);
     ASSERT_OK(spec_policy_new(SPEC_POLICY_FIXED, 8, 3, 0, &p));

@@ -217,6 +217,97 @@ static void test_chunked(const int32_t *X, int N, const int *chunks, int n_chunk
     free_run(dr, ref, hid, lg, ml);
 }
 
+/* The draft vocabulary (model_set_draft_vocab) on model mm: with a plan's draft_sub, each
+ * depth's draft logits at the chosen ids are the oracle's, every other id -inf; the same
+ * plan without draft_sub still gets the whole head; bad id sets are refused and leave the
+ * installed one.  Slot 3, a new sequence of N tokens (X has N + K valid). */
+static void test_draft_vocab(struct model *mm, const char *what, const int32_t *X, int N)
+{
+    int D = V / 2 / 64 * 64;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)V), *bad = malloc(sizeof(int32_t) * (size_t)V);
+    double *ref = malloc(sizeof(double) * (size_t)(N + K) * V);
+    double *hid = malloc(sizeof(double) * (size_t)(N + K) * H);
+    double *dr[4] = {0};
+    float *lg = malloc(sizeof(float) * (size_t)V), *ml = malloc(sizeof(float) * (size_t)V);
+    bool *in = calloc((size_t)V, sizeof(bool));
+    struct err_buf e;
+    double worst = 0;
+
+    if (D < 64 || K == 0) {
+        printf("draft vocabulary (%s): vocab %d, K=%d: nothing to check\n", what, V, K);
+        free_run(dr, ref, hid, lg, ml);
+        free(ids);
+        free(bad);
+        free(in);
+        return;
+    }
+    for (int i = 0; i < V; i++)
+        ids[i] = i;
+    for (int i = V - 1; i > 0; i--) {       /* a shuffled half of the vocabulary */
+        int j = (int)(rnd() % (uint32_t)(i + 1));
+        int32_t t = ids[i];
+        ids[i] = ids[j];
+        ids[j] = t;
+    }
+    for (int j = 0; j < D; j++)
+        in[ids[j]] = true;
+
+    ASSERT_ERR(model_set_draft_vocab(mm, ids, D - 1, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "multiple of 64");
+    memcpy(bad, ids, sizeof(int32_t) * (size_t)D);
+    bad[D - 1] = bad[0];
+    ASSERT_ERR(model_set_draft_vocab(mm, bad, D, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "repeated");
+    bad[D - 1] = V;
+    ASSERT_ERR(model_set_draft_vocab(mm, bad, D, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "outside the vocabulary");
+    ASSERT_OK(model_set_draft_vocab(mm, ids, D, &e));
+    bad[D - 1] = -1;
+    ASSERT_ERR(model_set_draft_vocab(mm, bad, D, &e), -EINVAL);   /* the installed one stays */
+
+    naive_trunk(nv, X, N, hid, ref);
+    for (int k = 0; k < K; k++)
+        dr[k] = malloc(sizeof(double) * (size_t)N * V);
+    oracle_mtp(X, N, hid, dr);
+    for (int pass = 0; pass < 2; pass++) {
+        struct tplan tp;
+        int n = pass ? 1 : N - 1, pos = pass ? N - 1 : 0;
+
+        /* pass 0: prefill of N - 1 tokens over the draft vocabulary; pass 1: the decode of
+         * token N - 1, the whole head */
+        tp_init(&tp);
+        tp_add(&tp, 3, pos, X + pos, n, 1, K, false);
+        tp.p.draft_sub = pass == 0;
+        ASSERT_OK(model_step(mm, &tp.p, lg));
+        for (int k = 0; k < K; k++) {
+            int32_t nvld = n, tin = X[pos + n + k];
+            const double *o = dr[k] + (size_t)(pos + n - 1) * V;
+            ASSERT_OK(model_mtp_step(mm, k, &tp.p, &nvld, &tin, ml));
+            for (int i = 0; i < V; i++) {
+                if (pass == 0 && !in[i]) {
+                    if (!(isinf(ml[i]) && ml[i] < 0))
+                        FAIL("draft vocabulary (%s): depth %d: id %d outside it has draft logit "
+                             "%g, not -inf", what, k, i, ml[i]);
+                    continue;
+                }
+                double d = fabs((double)ml[i] - o[i]);
+                worst = d > worst ? d : worst;
+                if (d > tol)
+                    FAIL("draft vocabulary (%s, pass %d): depth %d id %d: |dlogit| %g > %g", what,
+                         pass, k, i, d, tol);
+            }
+        }
+    }
+    ASSERT_OK(model_set_draft_vocab(mm, NULL, 0, &e));
+    printf("draft vocabulary (%s): %d of %d ids, K=%d: their draft logits within %.3g of the "
+           "oracle, the rest -inf; the whole head beside it; bad sets refused\n", what, D, V, K,
+           worst);
+    free_run(dr, ref, hid, lg, ml);
+    free(ids);
+    free(bad);
+    free(in);
+}
+
 /* Three sequences advancing together; each step's plan mixes a prefill chunk and decodes. */
 static void test_batch(const int32_t *X0, const int32_t *X1, const int32_t *X2, int N)
 {
@@ -424,6 +515,7 @@ int main(int argc, char **argv)
     naive_bf16_kv = !mo.kv_f32;
     if (!mo.kv_f32)
         tol = exact ? TOL_KV_BF16 : TOL_FAST_KV_BF16;
+    struct model *mwhole;
     r = model_new(ck, be, NULL, &mo, &m, &e);
     if (r < 0)
         FAIL("model_new: %s", e.msg);
@@ -440,7 +532,7 @@ int main(int argc, char **argv)
         kvplan_bytes_per_token(cfg, 1, 0, K, mo.kv_f32 ? 4 : 2, bpt);
         ASSERT_EQ(act, kvplan_workspace_bytes(cfg, 1, 0, K, MAXLEN, NSEQ, MAXLEN));
         ASSERT_EQ(kv, (bpt[0] + bpt[1]) * BS * NBLK);
-        model_free(mw);
+        mwhole = mw;
     }
     nv = naive_new(ck);
     ASSERT_TRUE(nv != NULL);
@@ -449,6 +541,11 @@ int main(int argc, char **argv)
         for (int i = 0; i < MAXLEN; i++)
             X[s][i] = (int32_t)(rnd() % (uint32_t)V);
     tables_shuffle();
+    /* the MTP layers whole, and as per-core halves where this model has them */
+    test_draft_vocab(mwhole, "whole layers", X[3], 60);
+    model_free(mwhole);
+    if (model_mtp_halves(m))
+        test_draft_vocab(m, "per-core halves", X[3], 60);
 
     printf("%s path%s, K=%d MTP layers, window %d\n", exact ? "exact" : "fast",
            mo.kv_f32 ? "" : ", BF16 KV", K, cfg->sliding_window);

@@ -105,6 +105,11 @@ struct engine {
     uint64_t n_steps, n_generated;
     int64_t t_forward_us, t_mtp_us, t_engine_us;
     struct spec_stats mtp_total;
+    /* the draft vocabulary (engine_config.draft_vocab): output counts per token id */
+    uint32_t *dv_count;
+    uint64_t dv_counted, dv_next, dv_installs;
+    bool dv_on;
+    double dv_cover;
     int64_t rate_t[RATE_SAMPLES];
     uint64_t rate_n[RATE_SAMPLES];
     int rate_i;
@@ -192,6 +197,12 @@ static int check_config(struct engine_config *c, const struct forward *f, struct
         if (c->eos_ids[i] < 0 || c->eos_ids[i] >= f->vocab_size)
             return err_set(err, -EINVAL, "eos_ids[%d]: %d is outside the vocabulary (%d)", i,
                            c->eos_ids[i], f->vocab_size);
+    if (c->draft_vocab < 0 || c->draft_vocab % 64 || c->draft_vocab > f->vocab_size)
+        return err_set(err, -EINVAL, "draft_vocab: %d is not a multiple of 64 in 0..%d (the "
+                       "vocabulary)", c->draft_vocab, f->vocab_size);
+    if (c->draft_vocab > 0 && f->n_mtp > 0 && !f->ops->set_draft_vocab)
+        return err_set(err, -EINVAL, "draft_vocab: the forward '%s' has no draft vocabulary",
+                       f->ops->name);
     if (c->num_speculative_tokens > f->n_mtp) {
         log_warn("engine: %d speculative tokens requested but the forward has %d MTP layers; "
                  "using %d", c->num_speculative_tokens, f->n_mtp, f->n_mtp);
@@ -302,6 +313,11 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
         r = spec_policy_new(c.spec_policy, c.max_num_seqs, e->kmax, c.sliding_window, &e->pol);
     if (r == 0)
         r = alloc_buffers(e);
+    if (r == 0 && c.draft_vocab > 0 && e->kmax > 0) {
+        e->dv_count = calloc((size_t)e->vocab, sizeof(*e->dv_count));
+        e->dv_next = 8 * (uint64_t)c.draft_vocab;
+        r = e->dv_count ? 0 : -ENOMEM;
+    }
     if (r < 0) {
         err_set(err, r, "engine: cannot reserve buffers: %s", err_str(r));
         engine_free(e);
@@ -609,6 +625,10 @@ static bool append_token(struct engine *e, struct ereq *r, int32_t t, int64_t no
     BUG_ON(r->n_prompt + r->n_output >= r->cap_tokens);
     r->tokens[r->n_prompt + r->n_output++] = t;
     r->seq.n_known = r->n_prompt + r->n_output;
+    if (e->dv_count) {
+        e->dv_count[t]++;
+        e->dv_counted++;
+    }
     if (!r->t_first)
         r->t_first = now;
     r->t_last = now;
@@ -634,6 +654,7 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
     int32_t tok = 0;
     int32_t boff[_KV_GROUP_MAX] = { 0, 0 };
     p->step_id = e->n_steps;
+    p->draft_sub = e->dv_on;
     p->n_seqs = n;
     for (int i = 0; i < n; i++) {
         struct batch_seq *s = seqs[i];
@@ -895,6 +916,9 @@ static void update_snapshot(struct engine *e, int64_t now)
     l->tokens_per_s = dt > 0 ? (double) (e->n_generated - e->rate_n[old]) / dt : 0.0;
     l->mtp = e->mtp_total;
     l->mean_accept_len = spec_stats_mean_accept_len(&e->mtp_total);
+    l->draft_vocab = e->dv_on ? e->cfg.draft_vocab : 0;
+    l->draft_vocab_cover = e->dv_cover;
+    l->draft_vocab_installs = e->dv_installs;
 }
 
 /* Deliver outputs, then unlink and free finished requests. */
@@ -953,6 +977,64 @@ static void deliver(struct engine *e)
         dead = r->live_next;
         ereq_free(r);
     }
+}
+
+struct dv_rank {
+    uint32_t count;
+    int32_t id;
+};
+
+static int dv_rank_cmp(const void *a, const void *b)
+{
+    const struct dv_rank *x = a, *y = b;
+
+    if (x->count != y->count)
+        return x->count > y->count ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+/* The draft vocabulary from the output counts so far (engine_config.draft_vocab); a forward
+ * that refuses it turns the feature off for this engine (logged), drafting goes on over the
+ * whole vocabulary. */
+static void dv_rank(struct engine *e)
+{
+    const int V = e->vocab, N = e->cfg.draft_vocab;
+    struct dv_rank *rk = malloc(sizeof(*rk) * (size_t)V);
+    int32_t *ids = malloc(sizeof(*ids) * (size_t)N);
+    uint64_t in = 0;
+    struct err_buf err;
+    int r;
+
+    e->dv_next = 2 * e->dv_counted;
+    if (!rk || !ids) {
+        free(rk);
+        free(ids);
+        return;             /* tried again at the next doubling */
+    }
+    for (int i = 0; i < V; i++)
+        rk[i] = (struct dv_rank){ .count = e->dv_count[i], .id = i };
+    qsort(rk, (size_t)V, sizeof(*rk), dv_rank_cmp);
+    for (int j = 0; j < N; j++) {
+        ids[j] = rk[j].id;
+        in += rk[j].count;
+    }
+    r = e->f->ops->set_draft_vocab(e->f, ids, N, &err);
+    if (r < 0) {
+        log_warn("engine: draft vocabulary of %d ids refused, drafting over all %d: %s", N, V,
+                 err.msg);
+        free(e->dv_count);
+        e->dv_count = NULL;
+        e->dv_on = false;
+    } else {
+        e->dv_on = true;
+        e->dv_installs++;
+        e->dv_cover = e->dv_counted ? (double)in / (double)e->dv_counted : 0.0;
+        log_info("engine: draft vocabulary: the %d most frequent of %d token ids (%.1f %% of "
+                 "%llu output tokens)", N, V, 100.0 * e->dv_cover,
+                 (unsigned long long)e->dv_counted);
+    }
+    free(rk);
+    free(ids);
 }
 
 static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
@@ -1036,6 +1118,8 @@ static int engine_step_inner(struct engine *e)
     }
     expire_and_abort(e, engine_now_usec());
     struct batch_seq **seqs;
+    if (e->dv_count && e->dv_counted >= e->dv_next)
+        dv_rank(e);
     int n = batcher_schedule(e->b, &seqs);
     int r = 0;
     if (n > 0) {
@@ -1124,6 +1208,7 @@ void engine_free(struct engine *e)
     kv_pool_free(e->kv);
     sampler_free(e->smp);
     spec_policy_free(e->pol);
+    free(e->dv_count);
     free(e->pseqs);
     free(e->ptokens);
     for (int g = 0; g < _KV_GROUP_MAX; g++)

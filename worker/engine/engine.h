@@ -58,6 +58,12 @@ struct engine_config {
     int sliding_window;           /* tokens seen by sliding layers; 0 = never release */
     int num_speculative_tokens;   /* default K (0 .. min(3, forward->n_mtp)): the most drafts */
     enum spec_draft_policy spec_policy; /* drafts per step: adaptive (default) or fixed K */
+    /* the draft vocabulary (forward.h set_draft_vocab): 0 (default) the MTP heads score the
+     * whole vocabulary; N (a multiple of 64) the N token ids this engine has emitted most
+     * often, ranked from its own output counts once it has emitted 8 N tokens and again at
+     * every doubling (ties to the lower id).  Drafts are still verified by the trunk, so
+     * outputs are unchanged; only the cost of a draft and how many are accepted move. */
+    int draft_vocab;
     int32_t eos_ids[ENGINE_MAX_EOS];
     int n_eos;
     /* what requests' logprobs report: false (default) the target model's distribution before
@@ -207,6 +213,9 @@ struct engine_loads {
     double forward_s;           /* wall time in forward.step */
     double mtp_s;               /* wall time in the MTP chain (forward.mtp_step + drafting) */
     double engine_s;            /* wall time in the rest of engine_step */
+    int draft_vocab;            /* ids in the installed draft vocabulary (0: none yet) */
+    double draft_vocab_cover;   /* share of the counted output tokens inside it */
+    uint64_t draft_vocab_installs;
 };
 
 void engine_get_loads(struct engine *e, struct engine_loads *ret);

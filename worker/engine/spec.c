@@ -68,6 +68,18 @@ int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf 
                             "\"adaptive\" or \"fixed\"");
                 goto out;
             }
+        } else if (strcmp(key, "draft_vocab") == 0) {
+            json_int_t n = json_is_integer(val) ? json_integer_value(val) : -1;
+
+            if (json_is_null(val)) {
+                cfg.draft_vocab = 0;
+            } else if (n < 0 || n % 64 || n > (1 << 24)) {
+                r = err_set(e, -EINVAL, "--speculative-config: draft_vocab: expected null or a "
+                            "multiple of 64 (0: the whole vocabulary)");
+                goto out;
+            } else {
+                cfg.draft_vocab = (int)n;
+            }
         } else {
             r = err_set(e, -EINVAL, "--speculative-config: unknown key \"%s\"", key);
             goto out;

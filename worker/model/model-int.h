@@ -66,6 +66,8 @@ struct mlayer {
 
     /* MTP only */
     struct bweight enorm, hnorm, eh_e, eh_h, head_norm, head;
+    struct bweight head_sub;        /* head's rows of the draft vocabulary (model.h,
+                                     * model_set_draft_vocab); rows 0: none */
     uint16_t *eh_split;             /* host copy of eh_proj split into [H,H] | [H,H] (BF16) */
     float *eh_split_f32;            /* same when eh_proj is F32 */
 };
@@ -187,6 +189,14 @@ struct model {
     float *s_x, *s_me, *s_mn;
     float *tp_logits[2];            /* [part] [max_seqs, vocab / 2]: draft logits halves */
 
+    /* the draft vocabulary (model_set_draft_vocab): head_sub of every MTP layer (and of
+     * its halves) holds the rows dv_ids[0 .. dv_n); dv_buf their host rows */
+    int32_t *dv_ids;
+    int dv_n;
+    void *dv_buf;                   /* one allocation: dv_ids, dv_host, the rows */
+    float *dv_host;                 /* host [max_seqs, dv_n]: draft logits before scatter */
+    bool dv_on;                     /* this MTP step drafts over it (step_plan.draft_sub) */
+
     struct err_buf last_err;
 };
 
@@ -194,6 +204,10 @@ static const struct forward_ops model_forward_ops;
 
 #define TRY(expr) do { r = (expr); if (r < 0) return r; } while (0)
 #define PLAN_ERR(m, code, ...) err_set(&(m)->last_err, (code), __VA_ARGS__)
+
+/* ---- model-mtp.c ---- */
+/* Release the draft vocabulary's weights and buffers (model_free, and before a new one). */
+void model__draft_vocab_release(struct model *m);
 
 /* ---- model-load.c ---- */
 /* Prepare w on the model's backend and own the preparation (released in model_free). */

@@ -866,6 +866,7 @@ void model_free(struct model *m)
 {
     if (!m)
         return;
+    model__draft_vocab_release(m);
     for (int i = 0; m->layers && i < m->n_layers + m->n_mtp; i++) {
         backend_attn_release(m->be, &m->layers[i].aw);
         backend_ffn_release(m->be, &m->layers[i].fw);

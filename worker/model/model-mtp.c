@@ -4,10 +4,12 @@
  * Wh·hnorm(g) in front of the ordinary decoder layer.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "model-int.h"
+#include "mxfp4.h"
 
 /* MTP layer L over batch b (docs/MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
  * batch's rows of g_rows, then the decoder layer on x.  me, mn: scratch rows [n, H]. */
@@ -70,6 +72,7 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
         return PLAN_ERR(m, -EINVAL, "mtp_step: n_valid, tok_in and logits are required");
     L = &m->layers[m->n_layers + k];
     keep = !m->mtp_no_repair && k + 1 < NM;
+    m->dv_on = p->draft_sub && m->dv_n > 0;
 
     for (int i = 0; i < p->n_seqs; i++) {
         const struct step_seq *s = &p->seqs[i];
@@ -281,7 +284,32 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
         m->mh = m->x;
         m->x = t;
     }
-    if (m->mtp_tp) {
+    if (m->dv_on) {
+        /* over the draft vocabulary: its logits, then scattered into -inf rows */
+        const int D = m->dv_n, D2 = D / 2;
+        if (m->mtp_tp) {
+            for (int si = 0; si < ns && !r; si++)
+                for (int q = 0; q < 2 && !r; q++)
+                    r = backend_download(m->be, m->dv_host + (size_t)si * D + (size_t)q * D2,
+                                         m->tp_logits[q] + (size_t)si * D2,
+                                         sizeof(float) * (size_t)D2);
+        } else {
+            r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps,
+                                m->rows_h);
+            r = r ? r : backend_matmul(m->be, &L->head_sub, m->rows_h, ns, m->mtp_logits);
+            r = r ? r : backend_download(m->be, m->dv_host, m->mtp_logits,
+                                         sizeof(float) * (size_t)ns * (size_t)D);
+        }
+        r = r ? r : backend_sync(m->be);
+        for (int si = 0; si < ns && !r; si++) {
+            float *row = logits + (size_t)m->h_rows[si] * V;
+            const float *sub = m->dv_host + (size_t)si * D;
+            for (int j = 0; j < V; j++)
+                row[j] = -INFINITY;
+            for (int j = 0; j < D; j++)
+                row[m->dv_ids[j]] = sub[j];
+        }
+    } else if (m->mtp_tp) {
         const int V2 = V / 2;
         for (int si = 0; si < ns && !r; si++)
             for (int q = 0; q < 2 && !r; q++)
@@ -329,3 +357,148 @@ void model_mtp_repair_stats(const struct model *m, uint64_t *ret_rerun, uint64_t
         *ret_missed = m->n_mtp_missed;
 }
 
+
+/* ------------------------------------------------------- draft vocabulary -- */
+
+#define DV_MAX_LAYERS 8
+
+/* Bytes of one row of w in its host format (and of its scales, MXFP4); 0: unknown. */
+static size_t row_bytes(const struct bweight *w, size_t *ret_scale)
+{
+    *ret_scale = 0;
+    switch (w->fmt) {
+    case WFMT_BF16: return (size_t)w->cols * 2;
+    case WFMT_F32: return (size_t)w->cols * 4;
+    case WFMT_MXFP4:
+        *ret_scale = (size_t)w->cols / MXFP4_GROUP;
+        return (size_t)w->cols / 2;
+    default: return 0;
+    }
+}
+
+/* Rows r0 .. r1 of src (a gathered head) as a weight of its own view, prepared. */
+static int view_prepare(struct model *m, const struct bweight *src, int64_t r0, int64_t r1,
+                        struct bweight *out)
+{
+    size_t sb, rb = row_bytes(src, &sb);
+
+    memset(out, 0, sizeof(*out));
+    out->fmt = src->fmt;
+    out->rows = r1 - r0;
+    out->cols = src->cols;
+    out->data = (const uint8_t *)src->data + (size_t)r0 * rb;
+    out->scale = src->scale ? src->scale + (size_t)r0 * sb : NULL;
+    return backend_weight_prepare(m->be, out);
+}
+
+static void release_w(struct model *m, struct bweight *w)
+{
+    if (w->rows > 0)
+        backend_weight_release(m->be, w);
+    memset(w, 0, sizeof(*w));
+}
+
+void model__draft_vocab_release(struct model *m)
+{
+    for (int k = 0; k < m->n_mtp && m->dv_n > 0; k++) {
+        release_w(m, &m->layers[m->n_layers + k].head_sub);
+        for (int p = 0; m->tp_half && p < 2; p++)
+            release_w(m, &m->tp_half[2 * k + p].head_sub);
+    }
+    free(m->dv_buf);        /* ids, host logits and rows: one allocation */
+    m->dv_buf = NULL;
+    m->dv_ids = NULL;
+    m->dv_host = NULL;
+    m->dv_n = 0;
+}
+
+int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err_buf *e)
+{
+    const int V = m->vocab, NM = m->n_mtp;
+    struct bweight nw[DV_MAX_LAYERS] = { 0 }, nh[2 * DV_MAX_LAYERS] = { 0 };
+    size_t head = 0, off;
+    uint8_t *seen = NULL, *buf = NULL;
+    int32_t *nids;
+    int r = 0;
+
+    if (n == 0) {
+        model__draft_vocab_release(m);
+        return 0;
+    }
+    if (NM <= 0)
+        return err_set(e, -EINVAL, "draft vocabulary: this rank has no MTP layers");
+    if (NM > DV_MAX_LAYERS)
+        return err_set(e, -EINVAL, "draft vocabulary: %d MTP layers (at most %d)", NM,
+                       DV_MAX_LAYERS);
+    if (!ids || n < 0 || n % 64 || n > V)
+        return err_set(e, -EINVAL, "draft vocabulary: %d ids (a multiple of 64 up to the "
+                       "vocabulary's %d)", n, V);
+    for (int k = 0; k < NM; k++) {
+        size_t sb, rb = row_bytes(&m->layers[m->n_layers + k].head, &sb);
+        if (!rb || !m->layers[m->n_layers + k].head.data)
+            return err_set(e, -EINVAL, "draft vocabulary: MTP layer %d's head has no host rows "
+                           "of a known format", k);
+        head += (rb + sb) * (size_t)n;
+    }
+    /* one allocation: the ids, the host logits [max_seqs, n], every layer's rows */
+    off = (sizeof(int32_t) + sizeof(float) * (size_t)m->o.max_seqs) * (size_t)n;
+    seen = calloc((size_t)V, 1);
+    buf = malloc(off + head);
+    if (!seen || !buf) {
+        r = err_set(e, -ENOMEM, "draft vocabulary: out of memory (%zu bytes)", off + head);
+        goto out;
+    }
+    nids = (int32_t *)buf;
+    for (int j = 0; j < n; j++) {
+        if (ids[j] < 0 || ids[j] >= V || seen[ids[j]]) {
+            r = err_set(e, -EINVAL, "draft vocabulary: id %d at %d is %s", (int)ids[j], j,
+                        ids[j] < 0 || ids[j] >= V ? "outside the vocabulary" : "repeated");
+            goto out;
+        }
+        seen[ids[j]] = 1;
+        nids[j] = ids[j];
+    }
+    /* every layer's rows: [n rows][n scale rows], one after the other */
+    for (int k = 0; k < NM && !r; k++) {
+        const struct bweight *h = &m->layers[m->n_layers + k].head;
+        size_t sb, rb = row_bytes(h, &sb);
+        uint8_t *d = buf + off, *sc = d + rb * (size_t)n;
+        struct bweight g = { .fmt = h->fmt, .rows = n, .cols = h->cols, .data = d,
+                             .scale = sb ? sc : NULL };
+
+        for (int j = 0; j < n; j++) {
+            memcpy(d + (size_t)j * rb, (const uint8_t *)h->data + (size_t)nids[j] * rb, rb);
+            if (sb)
+                memcpy(sc + (size_t)j * sb, h->scale + (size_t)nids[j] * sb, sb);
+        }
+        off += (rb + sb) * (size_t)n;
+        r = view_prepare(m, &g, 0, n, &nw[k]);
+        for (int p = 0; m->mtp_tp && p < 2 && !r; p++)
+            r = view_prepare(m, &g, (int64_t)p * (n / 2), (int64_t)(p + 1) * (n / 2),
+                             &nh[2 * k + p]);
+        if (r < 0)
+            err_set(e, r, "draft vocabulary: backend '%s' cannot prepare MTP layer %d's head "
+                    "rows: %s", m->be->ops->name, k, err_str(r));
+    }
+    if (r < 0) {
+        for (int k = 0; k < NM; k++)
+            for (int p = -1; p < 2; p++)
+                release_w(m, p < 0 ? &nw[k] : &nh[2 * k + p]);
+        goto out;
+    }
+    model__draft_vocab_release(m);
+    for (int k = 0; k < NM; k++) {
+        m->layers[m->n_layers + k].head_sub = nw[k];
+        for (int p = 0; m->mtp_tp && p < 2; p++)
+            m->tp_half[2 * k + p].head_sub = nh[2 * k + p];
+    }
+    m->dv_buf = buf;
+    m->dv_ids = nids;
+    m->dv_host = (float *)(buf + sizeof(int32_t) * (size_t)n);
+    m->dv_n = n;
+    buf = NULL;
+out:
+    free(seen);
+    free(buf);
+    return r;
+}

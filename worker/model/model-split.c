@@ -573,7 +573,8 @@ static void tp_part_run(void *arg, int part, struct backend *sub)
                            x + (size_t)(t->tail ? si : b->seq_start[si + 1] - 1) * H,
                            sizeof(float) * (size_t)H);
     r = r ? r : backend_rmsnorm(sub, v.tmp, &L->head_norm, b->n_seqs, H, m->cfg->rms_norm_eps, v.tmp);
-    r = r ? r : backend_matmul(sub, &h->head, v.tmp, b->n_seqs, m->tp_logits[part]);
+    r = r ? r : backend_matmul(sub, m->dv_on ? &h->head_sub : &h->head, v.tmp, b->n_seqs,
+                               m->tp_logits[part]);
     if (r < 0)
         atomic_store_explicit(&t->failed, 1, memory_order_relaxed);
     t->r[part] = r;

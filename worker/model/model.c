@@ -555,11 +555,17 @@ static void fwd_free(struct forward *f)
         model_free(f->impl);
 }
 
+static int fwd_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e)
+{
+    return model_set_draft_vocab(f->impl, ids, n, e);
+}
+
 const struct forward_ops model__forward_ops = {
     .name = "model",
     .step = fwd_step,
     .mtp_step = fwd_mtp_step,
     .free = fwd_free,
+    .set_draft_vocab = fwd_set_draft_vocab,
 };
 
 int model_forward_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,

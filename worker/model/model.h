@@ -140,6 +140,15 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
                    const int32_t *tok_in, float *logits);
 const char *model_last_error(const struct model *m);
 
+/* The draft vocabulary: ids[0 .. n) (distinct, in 0 .. vocab-1; n a multiple of 64 up to
+ * the vocab) become the only tokens the MTP heads score when a plan sets draft_sub
+ * (plan.h); the other ids get -inf draft logits.  The heads' rows of those ids are
+ * gathered into weights of their own (the full heads stay), so a draft costs n / vocab
+ * of the head.  Drafts are verified by the trunk, so outputs do not change; only how
+ * many drafts are accepted.  n = 0 removes it.  Rank 0 (the MTP layers), between steps.
+ * -EINVAL (bad ids, no MTP layers), -ENOMEM; on error the previous one stays. */
+int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err_buf *e);
+
 /* The model as a struct forward for the engine; it owns the model: f->ops->free(f)
  * frees both.  On error nothing is kept and e says why. */
 int model_forward_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,

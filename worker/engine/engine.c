@@ -1154,6 +1154,7 @@ static void *engine_thread(void *arg)
     while (!e->stopping) {
         if (e->n_alive == 0 || (e->last_error && !e->inbox_head)) {
             pthread_cond_wait(&e->cond, &e->lock);
+            spec_policy_idle(e->pol);   /* the wait is no step's cost */
             continue;
         }
         pthread_mutex_unlock(&e->lock);

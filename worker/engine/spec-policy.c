@@ -46,6 +46,7 @@
 #define GATE_EXPLORE_MIN 8
 #define GATE_EXPLORE_SWITCH 2
 #define GATE_EXPLORE_MAX 128
+#define GATE_RING 3
 
 struct gate {
     bool off;                       /* this window: no drafts, no fill chains */
@@ -53,7 +54,10 @@ struct gate {
                                      * caches have holes, it is not measured */
     int steps;                      /* cycles into the window */
     double tok, sec;                /* its measured part */
-    double rate[2];                 /* tokens/s: [0] drafting as chosen, [1] none; 0 unknown */
+    double rate[2];                 /* tokens/s: [0] drafting as chosen, [1] none; 0 unknown:
+                                     * the median of the arm's last GATE_RING windows */
+    float ring[2][GATE_RING];
+    uint8_t ring_n[2], ring_head[2];
     int explore, since;             /* explore every `explore` windows; windows since */
 };
 
@@ -619,6 +623,28 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
     }
 }
 
+/* A window's rate into the arm's ring; returns the ring's median (of 1, 2 or 3: one
+ * disturbed window moves it no further than its neighbours) */
+static double gate_rate_add(struct gate *g, int arm, double r)
+{
+    float v[GATE_RING];
+    int n;
+
+    g->ring[arm][g->ring_head[arm]] = (float)r;
+    g->ring_head[arm] = (uint8_t)((g->ring_head[arm] + 1) % GATE_RING);
+    if (g->ring_n[arm] < GATE_RING)
+        g->ring_n[arm]++;
+    n = g->ring_n[arm];
+    memcpy(v, g->ring[arm], sizeof(v));
+    for (int i = 1; i < n; i++)         /* insertion sort of at most 3 */
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            float t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n == 2 ? 0.5 * ((double)v[0] + v[1]) : v[n / 2];
+}
+
 /* The gate's bookkeeping for one engine cycle of B decoding sequences that emitted tok
  * tokens; returns whether this step runs without drafts.  A window's end picks the next
  * arm (the gate above). */
@@ -647,7 +673,7 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         double r = g->tok / g->sec;
         bool explored = g->since == -1;     /* this window explored the other arm */
 
-        g->rate[arm] = g->rate[arm] > 0.0 ? 0.5 * (g->rate[arm] + r) : r;
+        g->rate[arm] = gate_rate_add(g, arm, r);
         if (g->rate[!arm] <= 0.0)
             best = !arm;                    /* the other arm is not measured yet */
         else if (g->rate[!arm] > g->rate[arm] * (1.0 + GATE_HYSTERESIS))
@@ -680,6 +706,14 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         g->tok = g->sec = 0.0;
     }
     return g->off;
+}
+
+void spec_policy_idle(struct spec_policy *p)
+{
+    if (!p)
+        return;
+    p->gate_last_us = 0;
+    p->last_end_us = 0;
 }
 
 bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int n,

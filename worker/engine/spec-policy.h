@@ -86,6 +86,10 @@ void spec_policy_free(struct spec_policy *p);
 bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int n,
                       double step_s);
 
+/* The engine had nothing to run and waited: the time until the next step is nobody's cost
+ * (the gate's windows and the rest of a cycle are measured over busy time only). */
+void spec_policy_idle(struct spec_policy *p);
+
 /* spec_propose's report: MTP depth k took `seconds` for m sequences, `fill` if a fill-only
  * chain ran in it too (the cost is then not a draft's). */
 void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, double seconds);

@@ -20,6 +20,7 @@
 
 #include "clock.h"
 #include "log.h"
+#include "slab.h"
 
 #define COST_FRESH 128
 #define COST_TRUST 3
@@ -101,13 +102,15 @@ struct spec_policy {
     double *cd;                     /* [kmax * (max_seqs + 1)] */
     int *cnt;                       /* [kmax * (max_seqs + 1)] prefix counts */
     double *gain;                   /* [kmax * (max_seqs + 1)] prefix gains */
+    void *mem;                      /* one slab: verify, draft and the scratch arrays */
 };
 
 int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int window,
                     struct spec_policy **ret)
 {
     struct spec_policy *p;
-    size_t S, X;
+    size_t S, X, K;
+    int r;
 
     if (max_seqs < 1 || kmax < 0 || kmax > SPEC_MAX_K || window < 0 ||
         (mode != SPEC_POLICY_ADAPTIVE && mode != SPEC_POLICY_FIXED))
@@ -121,20 +124,17 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
     p->xmax = kmax * max_seqs;
     S = (size_t)max_seqs + 1;
     X = (size_t)p->xmax + 1;
-    p->verify = calloc(S * X, sizeof(*p->verify));
-    p->draft = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(*p->draft));
-    p->rank = calloc(S, sizeof(int));
-    p->cand = calloc(S, sizeof(int));
-    p->a1 = calloc(S, sizeof(double));
-    p->p = calloc(S * (size_t)(kmax ? kmax : 1), sizeof(double));
-    p->cv = calloc(X, sizeof(double));
-    p->cd = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(double));
-    p->cnt = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(int));
-    p->gain = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(double));
-    if (!p->verify || !p->draft || !p->rank || !p->cand || !p->a1 || !p->p || !p->cv || !p->cd ||
-        !p->cnt || !p->gain) {
-        spec_policy_free(p);
-        return -ENOMEM;
+    K = (size_t)(kmax ? kmax : 1);
+    const struct slab_part parts[] = {
+        SLAB_PART(p->verify, S * X), SLAB_PART(p->cv, X),
+        SLAB_PART(p->rank, S), SLAB_PART(p->cand, S), SLAB_PART(p->a1, S),
+        SLAB_PART(p->draft, K * S), SLAB_PART(p->p, S * K), SLAB_PART(p->cd, K * S),
+        SLAB_PART(p->cnt, K * S), SLAB_PART(p->gain, K * S),
+    };
+    r = slab_alloc(parts, SLAB_N(parts), &p->mem);
+    if (r < 0) {
+        free(p);
+        return r;
     }
     for (int k = 0; k < SPEC_MAX_K; k++) {
         p->g_tried[k] = 2.0;
@@ -154,16 +154,7 @@ void spec_policy_free(struct spec_policy *p)
 {
     if (!p)
         return;
-    free(p->verify);
-    free(p->draft);
-    free(p->rank);
-    free(p->cand);
-    free(p->a1);
-    free(p->p);
-    free(p->cv);
-    free(p->cd);
-    free(p->cnt);
-    free(p->gain);
+    free(p->mem);
     free(p);
 }
 

@@ -102,40 +102,35 @@ struct spec_policy {
     double *cd;                     /* [kmax * (max_seqs + 1)] */
     int *cnt;                       /* [kmax * (max_seqs + 1)] prefix counts */
     double *gain;                   /* [kmax * (max_seqs + 1)] prefix gains */
-    void *mem;                      /* one slab: verify, draft and the scratch arrays */
 };
 
 int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int window,
                     struct spec_policy **ret)
 {
-    struct spec_policy *p;
+    struct spec_policy t = { 0 }, *p;
     size_t S, X, K;
     int r;
 
     if (max_seqs < 1 || kmax < 0 || kmax > SPEC_MAX_K || window < 0 ||
         (mode != SPEC_POLICY_ADAPTIVE && mode != SPEC_POLICY_FIXED))
         return -EINVAL;
-    p = calloc(1, sizeof(*p));
-    if (!p)
-        return -ENOMEM;
+    S = (size_t)max_seqs + 1;
+    X = (size_t)(kmax * max_seqs) + 1;
+    K = (size_t)(kmax ? kmax : 1);
+    /* the policy heads one slab with its arrays */
+    const struct slab_part parts[] = {
+        SLAB_PART(t.verify, S * X), SLAB_PART(t.cv, X),
+        SLAB_PART(t.rank, S), SLAB_PART(t.cand, S), SLAB_PART(t.a1, S),
+        SLAB_PART(t.draft, K * S), SLAB_PART(t.p, S * K), SLAB_PART(t.cd, K * S),
+        SLAB_PART(t.cnt, K * S), SLAB_PART(t.gain, K * S),
+    };
+    r = slab_new(&t, sizeof(t), parts, SLAB_N(parts), &p);
+    if (r < 0)
+        return r;
     p->mode = mode;
     p->max_seqs = max_seqs;
     p->kmax = kmax;
     p->xmax = kmax * max_seqs;
-    S = (size_t)max_seqs + 1;
-    X = (size_t)p->xmax + 1;
-    K = (size_t)(kmax ? kmax : 1);
-    const struct slab_part parts[] = {
-        SLAB_PART(p->verify, S * X), SLAB_PART(p->cv, X),
-        SLAB_PART(p->rank, S), SLAB_PART(p->cand, S), SLAB_PART(p->a1, S),
-        SLAB_PART(p->draft, K * S), SLAB_PART(p->p, S * K), SLAB_PART(p->cd, K * S),
-        SLAB_PART(p->cnt, K * S), SLAB_PART(p->gain, K * S),
-    };
-    r = slab_alloc(parts, SLAB_N(parts), &p->mem);
-    if (r < 0) {
-        free(p);
-        return r;
-    }
     for (int k = 0; k < SPEC_MAX_K; k++) {
         p->g_tried[k] = 2.0;
         p->g_hit[k] = 2.0 * GLOBAL_PRIOR;
@@ -152,9 +147,6 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
 
 void spec_policy_free(struct spec_policy *p)
 {
-    if (!p)
-        return;
-    free(p->mem);
     free(p);
 }
 

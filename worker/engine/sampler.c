@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "slab.h"
+#include "splitmix.h"
 
 struct sampler {       /* heads one slab with its arrays */
     int vocab;
@@ -75,14 +76,6 @@ int sampler_new(int vocab, struct sampler **ret)
 }
 
 /* --- randomness --- */
-
-static uint64_t splitmix64(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 double sampler_uniform(uint64_t seed, uint64_t index, uint32_t stream)
 {

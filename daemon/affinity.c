@@ -7,6 +7,7 @@
 
 #include "affinity.h"
 #include "prefix.h"
+#include "slab.h"
 
 #define NIL UINT32_MAX
 
@@ -17,7 +18,7 @@ struct aff_entry {
     uint32_t prev_lru, next_lru;    /* most recent at the head */
 };
 
-struct affinity {
+struct affinity {                   /* heads one slab with e and bucket */
     struct aff_entry *e;
     uint32_t *bucket;
     uint32_t cap, n, mask;
@@ -35,15 +36,11 @@ int affinity_new(uint32_t max_entries, struct affinity **ret)
         return 0;
     while (nb < max_entries && nb < (1u << 30))
         nb <<= 1;
-    a = calloc(1, sizeof(*a));
-    if (!a)
-        return -ENOMEM;
-    a->e = calloc(max_entries, sizeof(*a->e));
-    a->bucket = malloc(nb * sizeof(*a->bucket));
-    if (!a->e || !a->bucket) {
-        affinity_free(a);
-        return -ENOMEM;
-    }
+    struct affinity t = { 0 };
+    const struct slab_part parts[] = { SLAB_PART(t.e, max_entries), SLAB_PART(t.bucket, nb) };
+    int r = slab_new(&t, sizeof(t), parts, SLAB_N(parts), &a);
+    if (r < 0)
+        return r;
     memset(a->bucket, 0xff, nb * sizeof(*a->bucket));
     a->cap = max_entries;
     a->mask = nb - 1;
@@ -57,10 +54,6 @@ int affinity_new(uint32_t max_entries, struct affinity **ret)
 
 void affinity_free(struct affinity *a)
 {
-    if (!a)
-        return;
-    free(a->e);
-    free(a->bucket);
     free(a);
 }
 

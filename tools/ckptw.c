@@ -17,6 +17,7 @@
 #include <jansson.h>
 
 #include "mxfp4.h"
+#include "splitmix.h"
 #include "strbuf.h"
 
 /* ------------------------------------------------------------------------ */
@@ -38,14 +39,6 @@ float ckptw_bf16_to_f32(uint16_t b)
     float f;
     memcpy(&f, &u, sizeof(f));
     return f;
-}
-
-static uint64_t splitmix64(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
 }
 
 static uint64_t name_hash(const char *s)

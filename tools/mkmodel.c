@@ -73,6 +73,7 @@
 #include "file.h"
 #include "loader.h"
 #include "mxfp4.h"
+#include "splitmix.h"
 #include "stepd-config.h"
 
 #define REAL_LAYERS 45          /* trunk layers of Step-3.7-Flash */
@@ -132,14 +133,6 @@ static double code_m2;              /* E[value^2] of those codes */
 
 /* ---------------------------------------------------------------- random -- */
 
-static uint64_t mix64(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 struct rng {
     uint64_t s[4];
 };
@@ -169,9 +162,9 @@ static void rng_seed(struct rng *r, uint64_t seed, const char *name, uint32_t ch
 
     for (const char *p = name; *p; p++)
         h = (h ^ (unsigned char) *p) * 1099511628211ull;
-    x = mix64(mix64(seed) ^ h) ^ mix64((uint64_t) chunk + 0x5851f42d4c957f2dull);
+    x = splitmix64(splitmix64(seed) ^ h) ^ splitmix64((uint64_t) chunk + 0x5851f42d4c957f2dull);
     for (int i = 0; i < 4; i++)
-        r->s[i] = x = mix64(x);
+        r->s[i] = x = splitmix64(x);
 }
 
 /* Inverse of the standard normal CDF (Acklam's rational approximation, then one Halley

@@ -7,35 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-struct sbuf {
-    char *p;
-    size_t n, cap;
-};
+#include "strbuf.h"
 
-static int sb_put(struct sbuf *b, const void *s, size_t n)
-{
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1)
-            cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p)
-            return -ENOMEM;
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = '\0';
-    return 0;
-}
-
-static int sb_puts(struct sbuf *b, const char *s)
-{
-    return sb_put(b, s, strlen(s));
-}
-
-static int sb_cp(struct sbuf *b, uint32_t cp)
+static int sb_cp(struct strbuf *b, uint32_t cp)
 {
     char u[4];
     int n;
@@ -49,7 +23,7 @@ static int sb_cp(struct sbuf *b, uint32_t cp)
     else
         u[0] = (char)(0xf0 | (cp >> 18)), u[1] = (char)(0x80 | ((cp >> 12) & 0x3f)),
         u[2] = (char)(0x80 | ((cp >> 6) & 0x3f)), u[3] = (char)(0x80 | (cp & 0x3f)), n = 4;
-    return sb_put(b, u, (size_t) n);
+    return strbuf_add(b, u, (size_t) n);
 }
 
 static uint32_t rnd(uint64_t *s, uint32_t n)
@@ -73,7 +47,7 @@ static const char *const words[] = {
 static const char *const punct[] = { ".", ",", ";", ":", "!", "?", "...", " -", " --", "\u2014",
     "\u2026", "\"", "'", "(", ")", "[", "]", "\u00ab", "\u00bb", "\u201c", "\u201d" };
 
-static int gen_prose(struct sbuf *b, uint64_t *s)
+static int gen_prose(struct strbuf *b, uint64_t *s)
 {
     int r = 0;
     unsigned n = 20 + rnd(s, 200);
@@ -81,17 +55,17 @@ static int gen_prose(struct sbuf *b, uint64_t *s)
     for (unsigned i = 0; i < n && !r; i++) {
         const char *w = words[rnd(s, sizeof(words) / sizeof(words[0]))];
         if (i)
-            r = sb_puts(b, " ");
+            r = strbuf_adds(b, " ");
         if (!r && cap && w[0] >= 'a' && w[0] <= 'z') {
             char c = (char)(w[0] - 32);
-            r = sb_put(b, &c, 1);
+            r = strbuf_add(b, &c, 1);
             if (!r)
-                r = sb_puts(b, w + 1);
+                r = strbuf_adds(b, w + 1);
         } else if (!r)
-            r = sb_puts(b, w);
+            r = strbuf_adds(b, w);
         cap = false;
         if (!r && rnd(s, 8) == 0) {
-            r = sb_puts(b, punct[rnd(s, sizeof(punct) / sizeof(punct[0]))]);
+            r = strbuf_adds(b, punct[rnd(s, sizeof(punct) / sizeof(punct[0]))]);
             cap = rnd(s, 2);
         }
         if (!r && rnd(s, 20) == 0) {
@@ -104,11 +78,11 @@ static int gen_prose(struct sbuf *b, uint64_t *s)
             default: snprintf(num, sizeof(num), " 20%02u-%02u-%02u", rnd(s, 30), 1 + rnd(s, 12),
                               1 + rnd(s, 28));
             }
-            r = sb_puts(b, num);
+            r = strbuf_adds(b, num);
         }
     }
     if (!r)
-        r = sb_puts(b, rnd(s, 3) ? ".\n" : ".\n\n");
+        r = strbuf_adds(b, rnd(s, 3) ? ".\n" : ".\n\n");
     return r;
 }
 
@@ -129,16 +103,16 @@ static const char *const code[] = {
     "0x7fffffff 0b1010 1e-9 3.14159 6.022e23 -0.0 1_000_000 12345678901234567890\n",
 };
 
-static int gen_code(struct sbuf *b, uint64_t *s)
+static int gen_code(struct strbuf *b, uint64_t *s)
 {
     int r = 0;
     unsigned n = 1 + rnd(s, 6);
     for (unsigned i = 0; i < n && !r; i++)
-        r = sb_puts(b, code[rnd(s, sizeof(code) / sizeof(code[0]))]);
+        r = strbuf_adds(b, code[rnd(s, sizeof(code) / sizeof(code[0]))]);
     return r;
 }
 
-static int gen_cjk(struct sbuf *b, uint64_t *s)
+static int gen_cjk(struct strbuf *b, uint64_t *s)
 {
     static const uint32_t punct_cjk[] = { 0x3001, 0x3002, 0xff0c, 0xff01, 0xff1f, 0x300c, 0x300d,
                                           0x3000, 0xff08, 0xff09 };
@@ -151,16 +125,16 @@ static int gen_cjk(struct sbuf *b, uint64_t *s)
         case 5: r = sb_cp(b, 0x30a1 + rnd(s, 0x59)); break;            /* katakana */
         case 6: r = sb_cp(b, 0xac00 + rnd(s, 0xd7a3 - 0xac00)); break; /* hangul */
         case 7: r = sb_cp(b, punct_cjk[rnd(s, 10)]); break;
-        case 8: r = sb_puts(b, rnd(s, 2) ? " abc" : "123"); break;
+        case 8: r = strbuf_adds(b, rnd(s, 2) ? " abc" : "123"); break;
         default: r = sb_cp(b, 0xff10 + rnd(s, 10)); break;             /* full-width digits */
         }
     }
     if (!r)
-        r = sb_puts(b, "\n");
+        r = strbuf_adds(b, "\n");
     return r;
 }
 
-static int gen_emoji(struct sbuf *b, uint64_t *s)
+static int gen_emoji(struct strbuf *b, uint64_t *s)
 {
     int r = 0;
     unsigned n = 3 + rnd(s, 30);
@@ -173,22 +147,22 @@ static int gen_emoji(struct sbuf *b, uint64_t *s)
             if (!r)
                 r = sb_cp(b, 0x1f3fb + rnd(s, 5));
             break;
-        case 3: r = sb_puts(b, "\U0001F468\u200D\U0001F469\u200D\U0001F467"); break; /* ZWJ */
+        case 3: r = strbuf_adds(b, "\U0001F468\u200D\U0001F469\u200D\U0001F467"); break; /* ZWJ */
         case 4:                              /* flag */
             r = sb_cp(b, 0x1f1e6 + rnd(s, 26));
             if (!r)
                 r = sb_cp(b, 0x1f1e6 + rnd(s, 26));
             break;
-        case 5: r = sb_puts(b, "\u2764\ufe0f"); break;
-        default: r = sb_puts(b, rnd(s, 2) ? " " : " and "); break;
+        case 5: r = strbuf_adds(b, "\u2764\ufe0f"); break;
+        default: r = strbuf_adds(b, rnd(s, 2) ? " " : " and "); break;
         }
     }
     if (!r)
-        r = sb_puts(b, "\n");
+        r = strbuf_adds(b, "\n");
     return r;
 }
 
-static int gen_odd(struct sbuf *b, uint64_t *s)
+static int gen_odd(struct strbuf *b, uint64_t *s)
 {
     static const uint32_t odd[] = {
         0x0301, 0x0308, 0x0327, 0x200b, 0x200c, 0x200d, 0x2060, 0xfeff, 0x202a, 0x202b,
@@ -203,59 +177,59 @@ static int gen_odd(struct sbuf *b, uint64_t *s)
     unsigned n = 5 + rnd(s, 60);
     for (unsigned i = 0; i < n && !r; i++) {
         if (rnd(s, 3) == 0)
-            r = sb_puts(b, words[rnd(s, sizeof(words) / sizeof(words[0]))]);
+            r = strbuf_adds(b, words[rnd(s, sizeof(words) / sizeof(words[0]))]);
         else
             r = sb_cp(b, odd[rnd(s, sizeof(odd) / sizeof(odd[0]))]);
         if (!r && rnd(s, 4) == 0)
-            r = sb_puts(b, " ");
+            r = strbuf_adds(b, " ");
     }
     if (!r)
-        r = sb_puts(b, "\n");
+        r = strbuf_adds(b, "\n");
     return r;
 }
 
-static int gen_space(struct sbuf *b, uint64_t *s)
+static int gen_space(struct strbuf *b, uint64_t *s)
 {
     static const char *const ws[] = { " ", "\t", "\n", "\r\n", "  ", "\u3000", "\u00a0" };
     int r = 0;
     unsigned n = 1 + rnd(s, 300);
     unsigned k = rnd(s, 4);
     for (unsigned i = 0; i < n && !r; i++)
-        r = sb_puts(b, k == 0 ? ws[rnd(s, sizeof(ws) / sizeof(ws[0]))] : k == 1 ? " " : k == 2 ? "\n" : "\t");
+        r = strbuf_adds(b, k == 0 ? ws[rnd(s, sizeof(ws) / sizeof(ws[0]))] : k == 1 ? " " : k == 2 ? "\n" : "\t");
     if (!r)
-        r = sb_puts(b, rnd(s, 2) ? "x" : "");
+        r = strbuf_adds(b, rnd(s, 2) ? "x" : "");
     return r;
 }
 
-static int gen_special(struct sbuf *b, uint64_t *s, const char *const *sp, size_t nsp)
+static int gen_special(struct strbuf *b, uint64_t *s, const char *const *sp, size_t nsp)
 {
     int r;
     if (!nsp)
         return 0;
     const char *t = sp[rnd(s, (uint32_t) nsp)];
     switch (rnd(s, 4)) {
-    case 0: return sb_puts(b, t);
+    case 0: return strbuf_adds(b, t);
     case 1: {                                /* near miss: a proper prefix, whole chars */
         size_t k = strlen(t) > 1 ? strlen(t) - 1 - rnd(s, (uint32_t) strlen(t) - 1) : 1;
         while (k > 1 && ((unsigned char) t[k] & 0xc0) == 0x80)
             k--;
-        return sb_put(b, t, k);
+        return strbuf_add(b, t, k);
     }
     case 2:                                  /* doubled, glued to text */
-        r = sb_puts(b, "x");
+        r = strbuf_adds(b, "x");
         if (!r)
-            r = sb_puts(b, t);
+            r = strbuf_adds(b, t);
         if (!r)
-            r = sb_puts(b, t);
+            r = strbuf_adds(b, t);
         if (!r)
-            r = sb_puts(b, "y ");
+            r = strbuf_adds(b, "y ");
         return r;
     default:
-        r = sb_puts(b, " ");
+        r = strbuf_adds(b, " ");
         if (!r)
-            r = sb_puts(b, t);
+            r = strbuf_adds(b, t);
         if (!r)
-            r = sb_puts(b, "\n");
+            r = strbuf_adds(b, "\n");
         return r;
     }
 }
@@ -282,9 +256,9 @@ int tokt_corpus_synth(struct tokt_corpus *c, uint64_t seed, size_t target_bytes,
     size_t made = 0;
     int r = 0;
     while (made < target_bytes) {
-        struct sbuf b = {0};
+        struct strbuf b = STRBUF_INIT;
         size_t want = 512 + rnd(&s, 6000);
-        while (b.n < want && !r) {
+        while (b.len < want && !r) {
             switch (rnd(&s, 10)) {
             case 0: case 1: case 2: r = gen_prose(&b, &s); break;
             case 3: case 4: r = gen_code(&b, &s); break;
@@ -296,12 +270,12 @@ int tokt_corpus_synth(struct tokt_corpus *c, uint64_t seed, size_t target_bytes,
             }
         }
         if (!r && !b.p)
-            r = sb_puts(&b, "");
-        if (r || (r = add_doc(c, b.p, b.n)) < 0) {
-            free(b.p);
+            r = strbuf_adds(&b, "");
+        if (r || (r = add_doc(c, b.p, b.len)) < 0) {
+            strbuf_done(&b);
             return r;
         }
-        made += b.n;
+        made += b.len;
     }
     return 0;
 }
@@ -309,7 +283,7 @@ int tokt_corpus_synth(struct tokt_corpus *c, uint64_t seed, size_t target_bytes,
 int tokt_corpus_kjv(struct tokt_corpus *c)
 {
     FILE *f = popen(TOKT_KJV_CMD, "r");
-    struct sbuf all = {0};
+    struct strbuf all = STRBUF_INIT;
     char tmp[65536];
     size_t n;
     int r = 0;
@@ -317,16 +291,16 @@ int tokt_corpus_kjv(struct tokt_corpus *c)
     if (!f)
         return -ENOENT;
     while ((n = fread(tmp, 1, sizeof(tmp), f)) > 0)
-        if ((r = sb_put(&all, tmp, n)) < 0)
+        if ((r = strbuf_add(&all, tmp, n)) < 0)
             break;
     pclose(f);
-    if (r < 0 || all.n == 0) {
-        free(all.p);
+    if (r < 0 || all.len == 0) {
+        strbuf_done(&all);
         return r < 0 ? r : -ENOENT;
     }
-    for (size_t i = 0; i < all.n && !r;) {
-        size_t end = i + 4096 < all.n ? i + 4096 : all.n;
-        while (end < all.n && all.p[end - 1] != '\n')
+    for (size_t i = 0; i < all.len && !r;) {
+        size_t end = i + 4096 < all.len ? i + 4096 : all.len;
+        while (end < all.len && all.p[end - 1] != '\n')
             end++;
         char *d = malloc(end - i + 1);
         if (!d) {
@@ -339,7 +313,7 @@ int tokt_corpus_kjv(struct tokt_corpus *c)
             free(d);
         i = end;
     }
-    free(all.p);
+    strbuf_done(&all);
     return r;
 }
 

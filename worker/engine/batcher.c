@@ -6,8 +6,9 @@
 #include <string.h>
 
 #include "err.h"
+#include "slab.h"
 
-struct batcher {
+struct batcher {                  /* heads one slab with its four arrays */
     struct batcher_config cfg;
     struct kv_pool *kv;
     struct batch_seq **waiting;   /* sorted by (priority, arrival) */
@@ -28,20 +29,17 @@ int batcher_new(const struct batcher_config *cfg, struct kv_pool *kv, struct bat
     if (!cfg || !kv || cfg->max_num_batched_tokens <= 0 || cfg->max_seqs <= 0 ||
         cfg->max_waiting < 0)
         return -EINVAL;
-    struct batcher *b = calloc(1, sizeof(*b));
-    if (!b)
-        return -ENOMEM;
-    b->cfg = *cfg;
-    b->kv = kv;
-    b->cap_waiting = cfg->max_waiting + cfg->max_seqs;
-    b->waiting = calloc((size_t) b->cap_waiting, sizeof(*b->waiting));
-    b->running = calloc((size_t) cfg->max_seqs, sizeof(*b->running));
-    b->sched = calloc((size_t) cfg->max_seqs, sizeof(*b->sched));
-    b->free_slots = calloc((size_t) cfg->max_seqs, sizeof(int));
-    if (!b->waiting || !b->running || !b->sched || !b->free_slots) {
-        batcher_free(b);
-        return -ENOMEM;
-    }
+    struct batcher t = { .cfg = *cfg, .kv = kv, .cap_waiting = cfg->max_waiting + cfg->max_seqs };
+    const struct slab_part parts[] = {
+        SLAB_PART(t.waiting, t.cap_waiting),
+        SLAB_PART(t.running, cfg->max_seqs),
+        SLAB_PART(t.sched, cfg->max_seqs),
+        SLAB_PART(t.free_slots, cfg->max_seqs),
+    };
+    struct batcher *b;
+    int r = slab_new(&t, sizeof(t), parts, SLAB_N(parts), &b);
+    if (r < 0)
+        return r;
     for (int i = 0; i < cfg->max_seqs; i++)
         b->free_slots[b->n_free_slots++] = cfg->max_seqs - 1 - i;
     *ret = b;
@@ -50,12 +48,6 @@ int batcher_new(const struct batcher_config *cfg, struct kv_pool *kv, struct bat
 
 void batcher_free(struct batcher *b)
 {
-    if (!b)
-        return;
-    free(b->waiting);
-    free(b->running);
-    free(b->sched);
-    free(b->free_slots);
     free(b);
 }
 

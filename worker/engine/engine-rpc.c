@@ -30,6 +30,7 @@
 #include "log.h"
 #include "pb-util.h"
 #include "rpc.h"
+#include "splitmix.h"
 #include "stepd.pb-c.h"
 
 #define P_GENERATE "/stepd.v1.Engine/Generate"
@@ -749,14 +750,6 @@ static int status_of(int rc)
     }
 }
 
-static uint64_t mix64(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest *in,
                          struct engine_request *q, struct sampler_bias *bias, char *id,
                          struct err_buf *err)
@@ -788,7 +781,7 @@ static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest 
     if (r < 0)
         return r;
     if (!in->sampling_params || !PB_HAS(in->sampling_params, seed))
-        q->sampling.seed = mix64((uint64_t) engine_now_usec() ^ (s->id_ctr++ << 20));
+        q->sampling.seed = splitmix64((uint64_t) engine_now_usec() ^ (s->id_ctr++ << 20));
     return 0;
 }
 

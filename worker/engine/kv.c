@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "prefix.h"
+#include "slab.h"
 
 enum { B_FREE, B_CACHED, B_HELD };
 
@@ -45,7 +46,7 @@ struct slot_state {
     int32_t mtp_open;        /* first own block whose MTP count may still rise */
 };
 
-struct kv_pool {
+struct kv_pool {             /* heads one slab with every array it and its groups hold */
     int block_size;
     int window;
     int max_seqs;
@@ -74,33 +75,6 @@ struct kv_pool {
 
 void kv_pool_free(struct kv_pool *kv)
 {
-    if (!kv)
-        return;
-    for (int g = 0; g < _KV_GROUP_MAX; g++) {
-        struct kv_group_state *s = &kv->g[g];
-        free(s->free_stack);
-        free(s->state);
-        free(s->keyed);
-        free(s->mtp);
-        free(s->refs);
-        free(s->lru_prev);
-        free(s->lru_next);
-        free(s->tables);
-        free(s->held);
-    }
-    free(kv->slots);
-    free(kv->digest);
-    free(kv->root);
-    free(kv->tokens);
-    free(kv->parent);
-    free(kv->parent_gen);
-    free(kv->gen);
-    free(kv->sliding);
-    free(kv->bucket);
-    free(kv->chain);
-    free(kv->owner);
-    free(kv->owner_gen);
-    free(kv->walk);
     free(kv);
 }
 
@@ -120,39 +94,54 @@ int kv_pool_new(const struct kv_pool_config *cfg, struct kv_pool **ret)
         if (cfg->n_blocks[g] <= 0)
             return -EINVAL;
 
-    struct kv_pool *kv = calloc(1, sizeof(*kv));
-    if (!kv)
-        return -ENOMEM;
-    kv->block_size = cfg->block_size;
-    kv->window = cfg->sliding_window;
-    kv->max_seqs = cfg->max_seqs;
-    kv->max_blocks = (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size;
-    kv->prefix_cache = cfg->prefix_cache;
-    memcpy(kv->mtp_group, cfg->mtp_group, sizeof(kv->mtp_group));
-    kv->digest_bits = 8 * KV_DIGEST_BYTES - cfg->test_digest_cut_bits;
-    kv->slots = calloc((size_t) kv->max_seqs, sizeof(*kv->slots));
-    if (!kv->slots)
-        goto out_nomem;
+    struct kv_pool t = { 0 }, *kv;
+    t.block_size = cfg->block_size;
+    t.window = cfg->sliding_window;
+    t.max_seqs = cfg->max_seqs;
+    t.max_blocks = (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size;
+    t.prefix_cache = cfg->prefix_cache;
+    memcpy(t.mtp_group, cfg->mtp_group, sizeof(t.mtp_group));
+    t.digest_bits = 8 * KV_DIGEST_BYTES - cfg->test_digest_cut_bits;
+    size_t tab = (size_t) t.max_seqs * (size_t) t.max_blocks;
+    size_t nf = (size_t) cfg->n_blocks[KV_GROUP_FULL], ns = (size_t) cfg->n_blocks[KV_GROUP_SLIDING];
+    size_t nb = 1;
+    while (nb < nf)
+        nb <<= 1;
+    t.bucket_mask = (uint32_t) (nb - 1);
+    /* every array in one slab: the pool's, then each group's */
+    enum { POOL_PARTS = 13, GROUP_PARTS = 9 };
+    struct slab_part parts[POOL_PARTS + GROUP_PARTS * _KV_GROUP_MAX];
+    const struct slab_part pool_parts[] = {
+        SLAB_PART(t.slots, t.max_seqs), SLAB_PART(t.walk, t.max_blocks),
+        SLAB_PART(t.digest, nf), SLAB_PART(t.root, nf), SLAB_PART(t.parent, nf),
+        SLAB_PART(t.parent_gen, nf), SLAB_PART(t.gen, nf), SLAB_PART(t.sliding, nf),
+        SLAB_PART(t.chain, nf), SLAB_PART(t.tokens, nf * (size_t) t.block_size),
+        SLAB_PART(t.bucket, nb), SLAB_PART(t.owner, ns), SLAB_PART(t.owner_gen, ns),
+    };
+    _Static_assert(SLAB_N(pool_parts) == POOL_PARTS, "parts[] is sized for the pool's arrays");
+    memcpy(parts, pool_parts, sizeof(pool_parts));
+    size_t np = POOL_PARTS;
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        struct kv_group_state *s = &t.g[g];
+        size_t n = (size_t) cfg->n_blocks[g];
+        const struct slab_part group_parts[] = {
+            SLAB_PART(s->free_stack, n), SLAB_PART(s->state, n), SLAB_PART(s->keyed, n),
+            SLAB_PART(s->mtp, n), SLAB_PART(s->refs, n), SLAB_PART(s->lru_prev, n),
+            SLAB_PART(s->lru_next, n), SLAB_PART(s->tables, tab), SLAB_PART(s->held, t.max_seqs),
+        };
+        _Static_assert(SLAB_N(group_parts) == GROUP_PARTS, "parts[] is sized for a group's arrays");
+        memcpy(parts + np, group_parts, sizeof(group_parts));
+        np += GROUP_PARTS;
+    }
+    int r = slab_new(&t, sizeof(t), parts, np, &kv);
+    if (r < 0)
+        return r;
     for (int i = 0; i < kv->max_seqs; i++)
         slot_reset(&kv->slots[i]);
-    size_t tab = (size_t) kv->max_seqs * (size_t) kv->max_blocks;
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         struct kv_group_state *s = &kv->g[g];
-        size_t n = (size_t) cfg->n_blocks[g];
         s->n_total = s->n_free = cfg->n_blocks[g];
         s->lru_head = s->lru_tail = -1;
-        s->free_stack = malloc(n * sizeof(int32_t));
-        s->state = calloc(n, 1);
-        s->keyed = calloc(n, 1);
-        s->mtp = calloc(n, 1);
-        s->refs = calloc(n, sizeof(int32_t));
-        s->lru_prev = malloc(n * sizeof(int32_t));
-        s->lru_next = malloc(n * sizeof(int32_t));
-        s->tables = malloc(tab * sizeof(int32_t));
-        s->held = calloc((size_t) kv->max_seqs, sizeof(int32_t));
-        if (!s->free_stack || !s->state || !s->keyed || !s->mtp || !s->refs || !s->lru_prev ||
-            !s->lru_next || !s->tables || !s->held)
-            goto out_nomem;
         /* lowest ids on top so a fresh pool hands out 0, 1, 2, ... */
         for (int i = 0; i < s->n_total; i++) {
             s->free_stack[i] = s->n_total - 1 - i;
@@ -161,26 +150,6 @@ int kv_pool_new(const struct kv_pool_config *cfg, struct kv_pool **ret)
         for (size_t i = 0; i < tab; i++)
             s->tables[i] = -1;
     }
-    size_t nf = (size_t) cfg->n_blocks[KV_GROUP_FULL], ns = (size_t) cfg->n_blocks[KV_GROUP_SLIDING];
-    size_t nb = 1;
-    while (nb < nf)
-        nb <<= 1;
-    kv->bucket_mask = (uint32_t) (nb - 1);
-    kv->digest = calloc(nf, KV_DIGEST_BYTES);
-    kv->root = calloc(nf, KV_DIGEST_BYTES);
-    kv->tokens = calloc(nf * (size_t) kv->block_size, sizeof(int32_t));
-    kv->parent = malloc(nf * sizeof(int32_t));
-    kv->parent_gen = calloc(nf, sizeof(uint32_t));
-    kv->gen = calloc(nf, sizeof(uint32_t));
-    kv->sliding = malloc(nf * sizeof(int32_t));
-    kv->bucket = malloc(nb * sizeof(int32_t));
-    kv->chain = malloc(nf * sizeof(int32_t));
-    kv->owner = malloc(ns * sizeof(int32_t));
-    kv->owner_gen = calloc(ns, sizeof(uint32_t));
-    kv->walk = calloc((size_t) kv->max_blocks, sizeof(int32_t));
-    if (!kv->digest || !kv->root || !kv->tokens || !kv->parent || !kv->parent_gen || !kv->gen ||
-        !kv->sliding || !kv->bucket || !kv->chain || !kv->owner || !kv->owner_gen || !kv->walk)
-        goto out_nomem;
     for (size_t i = 0; i < nf; i++)
         kv->parent[i] = kv->sliding[i] = kv->chain[i] = -1;
     for (size_t i = 0; i < nb; i++)
@@ -189,10 +158,6 @@ int kv_pool_new(const struct kv_pool_config *cfg, struct kv_pool **ret)
         kv->owner[i] = -1;
     *ret = kv;
     return 0;
-
-out_nomem:
-    kv_pool_free(kv);
-    return -ENOMEM;
 }
 
 static int32_t *table_of(const struct kv_pool *kv, int slot, int g)

@@ -6,6 +6,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "splitmix.h"
+
 #define MOCK_MAX_CONTEXT 8
 #define MOCK_MAX_MTP 3
 
@@ -43,37 +45,31 @@ void mock_config_init(struct mock_config *cfg)
     cfg->seed = 1;
 }
 
-static uint64_t mix(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static uint64_t chain_start(uint64_t seed)
 {
-    return mix(seed ^ 0x452821e638d01377ull);
+    return splitmix64(seed ^ 0x452821e638d01377ull);
 }
 
 static uint64_t chain_step(uint64_t h, int32_t token)
 {
-    return mix(h ^ ((uint64_t) (uint32_t) token * 0x9e3779b97f4a7c15ull + 0x13198a2e03707344ull));
+    return splitmix64(h ^ ((uint64_t) (uint32_t) token * 0x9e3779b97f4a7c15ull +
+                           0x13198a2e03707344ull));
 }
 
 /* Hash of a context: first token of the sequence and the last n (<= context) tokens. */
 static uint64_t ctx_hash(uint64_t seed, int32_t first, const int32_t *last, int n)
 {
-    uint64_t h = mix(seed ^ 0x243f6a8885a308d3ull) ^ mix((uint64_t) (uint32_t) first + 17);
+    uint64_t h = splitmix64(seed ^ 0x243f6a8885a308d3ull) ^
+                 splitmix64((uint64_t) (uint32_t) first + 17);
     for (int i = 0; i < n; i++)
-        h = mix(h ^ ((uint64_t) (uint32_t) last[i] * 0x100000001b3ull + (uint64_t) i));
+        h = splitmix64(h ^ ((uint64_t) (uint32_t) last[i] * 0x100000001b3ull + (uint64_t) i));
     return h;
 }
 
 static void fill_row(const struct mock_config *cfg, uint64_t h, float *logits)
 {
     for (int v = 0; v < cfg->vocab_size; v++) {
-        uint64_t z = mix(h ^ ((uint64_t) v * 0x9e3779b97f4a7c15ull));
+        uint64_t z = splitmix64(h ^ ((uint64_t) v * 0x9e3779b97f4a7c15ull));
         double u = (double) (z >> 11) * (1.0 / 9007199254740992.0);
         /* cubing makes a few tokens stand out, like a real LM's peaked rows */
         logits[v] = cfg->logit_scale * (float) (u * u * u);
@@ -264,12 +260,12 @@ static int mock_mtp_step(struct forward *f, int k, const struct step_plan *p, co
         if (r < 0)
             return r;
         /* the accuracy coin depends on the context row itself: reproducible */
-        uint64_t h = mix(m->cfg.seed ^ 0xabcdefull ^ (uint64_t) k);
+        uint64_t h = splitmix64(m->cfg.seed ^ 0xabcdefull ^ (uint64_t) k);
         for (int j = 0; j < 4 && j < (int) v; j++)
-            h = mix(h ^ (uint64_t) (row[j] * 1e6f));
+            h = splitmix64(h ^ (uint64_t) (row[j] * 1e6f));
         double u = (double) (h >> 11) * (1.0 / 9007199254740992.0);
         if (u >= m->cfg.mtp_accuracy)
-            fill_row(&m->cfg, mix(h ^ 0x5151), row);
+            fill_row(&m->cfg, splitmix64(h ^ 0x5151), row);
     }
     m->stats.mtp_steps++;
     nap(m->cfg.mtp_usec);

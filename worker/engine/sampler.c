@@ -6,7 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-struct sampler {
+#include "slab.h"
+#include "splitmix.h"
+
+struct sampler {       /* heads one slab with its arrays */
     int vocab;
     float *x;          /* [vocab] processed logits */
     int32_t *idx;      /* [vocab] candidate ids */
@@ -57,14 +60,6 @@ int sampling_params_check(const struct sampling_params *sp, int vocab, const cha
 
 void sampler_free(struct sampler *s)
 {
-    if (!s)
-        return;
-    free(s->x);
-    free(s->idx);
-    free(s->count);
-    free(s->seen);
-    free(s->touched);
-    free(s->probs);
     free(s);
 }
 
@@ -72,33 +67,15 @@ int sampler_new(int vocab, struct sampler **ret)
 {
     if (vocab <= 0)
         return -EINVAL;
-    struct sampler *s = calloc(1, sizeof(*s));
-    if (!s)
-        return -ENOMEM;
-    s->vocab = vocab;
-    s->x = malloc((size_t) vocab * sizeof(float));
-    s->idx = malloc((size_t) vocab * sizeof(int32_t));
-    s->count = calloc((size_t) vocab, sizeof(int32_t));
-    s->seen = calloc((size_t) vocab, 1);
-    s->touched = malloc((size_t) vocab * sizeof(int32_t));
-    s->probs = malloc((size_t) vocab * sizeof(float));
-    if (!s->x || !s->idx || !s->count || !s->seen || !s->touched || !s->probs) {
-        sampler_free(s);
-        return -ENOMEM;
-    }
-    *ret = s;
-    return 0;
+    struct sampler t = { .vocab = vocab };
+    const struct slab_part parts[] = {
+        SLAB_PART(t.x, vocab), SLAB_PART(t.idx, vocab), SLAB_PART(t.count, vocab),
+        SLAB_PART(t.seen, vocab), SLAB_PART(t.touched, vocab), SLAB_PART(t.probs, vocab),
+    };
+    return slab_new(&t, sizeof(t), parts, SLAB_N(parts), ret);
 }
 
 /* --- randomness --- */
-
-static uint64_t splitmix64(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 double sampler_uniform(uint64_t seed, uint64_t index, uint32_t stream)
 {

@@ -20,6 +20,7 @@
 
 #include "clock.h"
 #include "log.h"
+#include "slab.h"
 
 #define COST_FRESH 128
 #define COST_TRUST 3
@@ -110,36 +111,30 @@ struct spec_policy {
 int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int window,
                     struct spec_policy **ret)
 {
-    struct spec_policy *p;
-    size_t S, X;
+    struct spec_policy t = { 0 }, *p;
+    size_t S, X, K;
+    int r;
 
     if (max_seqs < 1 || kmax < 0 || kmax > SPEC_MAX_K || window < 0 ||
         (mode != SPEC_POLICY_ADAPTIVE && mode != SPEC_POLICY_FIXED))
         return -EINVAL;
-    p = calloc(1, sizeof(*p));
-    if (!p)
-        return -ENOMEM;
+    S = (size_t)max_seqs + 1;
+    X = (size_t)(kmax * max_seqs) + 1;
+    K = (size_t)(kmax ? kmax : 1);
+    /* the policy heads one slab with its arrays */
+    const struct slab_part parts[] = {
+        SLAB_PART(t.verify, S * X), SLAB_PART(t.cv, X),
+        SLAB_PART(t.rank, S), SLAB_PART(t.cand, S), SLAB_PART(t.a1, S),
+        SLAB_PART(t.draft, K * S), SLAB_PART(t.p, S * K), SLAB_PART(t.cd, K * S),
+        SLAB_PART(t.cnt, K * S), SLAB_PART(t.gain, K * S),
+    };
+    r = slab_new(&t, sizeof(t), parts, SLAB_N(parts), &p);
+    if (r < 0)
+        return r;
     p->mode = mode;
     p->max_seqs = max_seqs;
     p->kmax = kmax;
     p->xmax = kmax * max_seqs;
-    S = (size_t)max_seqs + 1;
-    X = (size_t)p->xmax + 1;
-    p->verify = calloc(S * X, sizeof(*p->verify));
-    p->draft = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(*p->draft));
-    p->rank = calloc(S, sizeof(int));
-    p->cand = calloc(S, sizeof(int));
-    p->a1 = calloc(S, sizeof(double));
-    p->p = calloc(S * (size_t)(kmax ? kmax : 1), sizeof(double));
-    p->cv = calloc(X, sizeof(double));
-    p->cd = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(double));
-    p->cnt = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(int));
-    p->gain = calloc((size_t)(kmax ? kmax : 1) * S, sizeof(double));
-    if (!p->verify || !p->draft || !p->rank || !p->cand || !p->a1 || !p->p || !p->cv || !p->cd ||
-        !p->cnt || !p->gain) {
-        spec_policy_free(p);
-        return -ENOMEM;
-    }
     for (int k = 0; k < SPEC_MAX_K; k++) {
         p->g_tried[k] = 2.0;
         p->g_hit[k] = 2.0 * GLOBAL_PRIOR;
@@ -156,18 +151,6 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
 
 void spec_policy_free(struct spec_policy *p)
 {
-    if (!p)
-        return;
-    free(p->verify);
-    free(p->draft);
-    free(p->rank);
-    free(p->cand);
-    free(p->a1);
-    free(p->p);
-    free(p->cv);
-    free(p->cd);
-    free(p->cnt);
-    free(p->gain);
     free(p);
 }
 

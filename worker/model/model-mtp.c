@@ -10,6 +10,7 @@
 
 #include "model-int.h"
 #include "mxfp4.h"
+#include "slab.h"
 
 /* MTP layer L over batch b (docs/MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
  * batch's rows of g_rows, then the decoder layer on x.  me, mn: scratch rows [n, H]. */
@@ -416,9 +417,11 @@ int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err
 {
     const int V = m->vocab, NM = m->n_mtp;
     struct bweight nw[DV_MAX_LAYERS] = { 0 }, nh[2 * DV_MAX_LAYERS] = { 0 };
-    size_t head = 0, off;
-    uint8_t *seen = NULL, *buf = NULL;
-    int32_t *nids;
+    size_t head = 0, off = 0;
+    uint8_t *seen = NULL, *rows = NULL;
+    void *buf = NULL;
+    int32_t *nids = NULL;
+    float *host = NULL;
     int r = 0;
 
     if (n == 0) {
@@ -441,14 +444,18 @@ int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err
         head += (rb + sb) * (size_t)n;
     }
     /* one allocation: the ids, the host logits [max_seqs, n], every layer's rows */
-    off = (sizeof(int32_t) + sizeof(float) * (size_t)m->o.max_seqs) * (size_t)n;
-    seen = calloc((size_t)V, 1);
-    buf = malloc(off + head);
-    if (!seen || !buf) {
-        r = err_set(e, -ENOMEM, "draft vocabulary: out of memory (%zu bytes)", off + head);
-        goto out;
+    {
+        const struct slab_part parts[] = {
+            SLAB_PART(nids, n), SLAB_PART(host, (size_t)n * (size_t)m->o.max_seqs),
+            SLAB_PART(rows, head),
+        };
+        seen = calloc((size_t)V, 1);
+        r = seen ? slab_alloc(parts, SLAB_N(parts), &buf) : -ENOMEM;
+        if (r < 0) {
+            r = err_set(e, r, "draft vocabulary: out of memory (%zu bytes of head rows)", head);
+            goto out;
+        }
     }
-    nids = (int32_t *)buf;
     for (int j = 0; j < n; j++) {
         if (ids[j] < 0 || ids[j] >= V || seen[ids[j]]) {
             r = err_set(e, -EINVAL, "draft vocabulary: id %d at %d is %s", (int)ids[j], j,
@@ -462,7 +469,7 @@ int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err
     for (int k = 0; k < NM && !r; k++) {
         const struct bweight *h = &m->layers[m->n_layers + k].head;
         size_t sb, rb = row_bytes(h, &sb);
-        uint8_t *d = buf + off, *sc = d + rb * (size_t)n;
+        uint8_t *d = rows + off, *sc = d + rb * (size_t)n;
         struct bweight g = { .fmt = h->fmt, .rows = n, .cols = h->cols, .data = d,
                              .scale = sb ? sc : NULL };
 
@@ -494,7 +501,7 @@ int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err
     }
     m->dv_buf = buf;
     m->dv_ids = nids;
-    m->dv_host = (float *)(buf + sizeof(int32_t) * (size_t)n);
+    m->dv_host = host;
     m->dv_n = n;
     buf = NULL;
 out:

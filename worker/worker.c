@@ -51,94 +51,116 @@ static uint64_t now_msec(void)
     return (uint64_t)clk_now_ms();
 }
 
-/* ---- lockstep forward (rank 0) ----------------------------------------------------- */
+/* ---- forwards around the model (rank 0) -------------------------------------------- */
 
-struct bcast_fwd {
+/* The model behind a wrapper that adds something to every trunk step: the lockstep
+ * forward broadcasts the step plan to the group first (c, buf, cap); a CUDA group's
+ * forward ends it with the NCCL comm's step check (w).  MTP steps and the draft
+ * vocabulary pass through: the MTP layers are rank 0's alone. */
+struct wrap_fwd {
     struct forward f;
     struct forward *inner;
-    struct comm *c;
+    bool owns_inner;                /* free() frees the inner forward too */
+    struct comm *c;                 /* lockstep: the plan goes over c, encoded into buf */
     void *buf;
     size_t cap;
+    struct worker *w;               /* NCCL steps */
 };
 
-static int bcast_step(struct forward *f, const struct step_plan *p, float *logits)
+static int nccl_steps_step(struct wrap_fwd *x, const struct step_plan *p, float *logits);
+
+static int lockstep_step(struct wrap_fwd *x, const struct step_plan *p, float *logits)
 {
-    struct bcast_fwd *b = f->impl;
-    int r = comm_plan_send(b->c, p, b->buf, b->cap);
+    int r = comm_plan_send(x->c, p, x->buf, x->cap);
 
     if (r < 0) {
         log_error("step %llu: step-plan broadcast failed: %s",
-                  (unsigned long long)p->step_id, b->c->error_msg[0] ? b->c->error_msg : err_str(r));
+                  (unsigned long long)p->step_id, x->c->error_msg[0] ? x->c->error_msg : err_str(r));
         return r;
     }
-    r = b->inner->ops->step(b->inner, p, logits);
-    if (r < 0 && b->c->error)
-        log_error("step %llu: %s", (unsigned long long)p->step_id, b->c->error_msg);
+    r = x->inner->ops->step(x->inner, p, logits);
+    if (r < 0 && x->c->error)
+        log_error("step %llu: %s", (unsigned long long)p->step_id, x->c->error_msg);
     return r;
 }
 
-static int bcast_mtp_step(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
-                          const int32_t *tok_in, float *logits)
+static int wrap_step(struct forward *f, const struct step_plan *p, float *logits)
 {
-    struct bcast_fwd *b = f->impl;
+    struct wrap_fwd *x = f->impl;
 
-    return b->inner->ops->mtp_step(b->inner, k, p, n_valid, tok_in, logits);
+    return x->c ? lockstep_step(x, p, logits) : nccl_steps_step(x, p, logits);
 }
 
-/* rank 0's MTP layers only: nothing to broadcast */
-static int inner_set_draft_vocab(struct forward *inner, const int32_t *ids, int n,
-                                 struct err_buf *e)
+static int wrap_mtp_step(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
+                         const int32_t *tok_in, float *logits)
 {
+    struct wrap_fwd *x = f->impl;
+
+    return x->inner->ops->mtp_step(x->inner, k, p, n_valid, tok_in, logits);
+}
+
+static int wrap_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e)
+{
+    struct forward *inner = ((struct wrap_fwd *)f->impl)->inner;
+
     if (!inner->ops->set_draft_vocab)
         return err_set(e, -ENOSYS, "forward '%s' has no draft vocabulary", inner->ops->name);
     return inner->ops->set_draft_vocab(inner, ids, n, e);
 }
 
-static int bcast_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e)
+static void wrap_free(struct forward *f)
 {
-    return inner_set_draft_vocab(((struct bcast_fwd *)f->impl)->inner, ids, n, e);
-}
-
-static void bcast_free(struct forward *f)
-{
-    struct bcast_fwd *b;
+    struct wrap_fwd *x;
 
     if (!f)
         return;
-    b = f->impl;
-    free(b->buf);
-    free(b);
+    x = f->impl;
+    if (x->owns_inner)
+        x->inner->ops->free(x->inner);
+    free(x->buf);
+    free(x);
 }
 
-static const struct forward_ops bcast_ops = {
-    .name = "lockstep",
-    .step = bcast_step,
-    .mtp_step = bcast_mtp_step,
-    .free = bcast_free,
-    .set_draft_vocab = bcast_set_draft_vocab,
+static const struct forward_ops wrap_ops = {
+    .name = "rank 0",
+    .step = wrap_step,
+    .mtp_step = wrap_mtp_step,
+    .free = wrap_free,
+    .set_draft_vocab = wrap_set_draft_vocab,
 };
+
+/* A wrapper of inner (owned or borrowed), with plan_cap bytes of plan buffer (0: none). */
+static struct wrap_fwd *wrap_new(struct forward *inner, bool owns, size_t plan_cap)
+{
+    struct wrap_fwd *x = calloc(1, sizeof(*x));
+
+    if (!x)
+        return NULL;
+    x->buf = plan_cap ? malloc(plan_cap) : NULL;
+    if (plan_cap && !x->buf) {
+        free(x);
+        return NULL;
+    }
+    x->inner = inner;
+    x->owns_inner = owns;
+    x->cap = plan_cap;
+    x->f = *inner;
+    x->f.ops = &wrap_ops;
+    x->f.impl = x;
+    if (!inner->ops->mtp_step)
+        x->f.n_mtp = 0;
+    return x;
+}
 
 int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_cap,
                              struct forward **ret)
 {
-    struct bcast_fwd *b = calloc(1, sizeof(*b));
+    struct wrap_fwd *x = wrap_new(inner, false, plan_cap > 0 ? plan_cap : 1);
 
-    if (!b)
+    if (!x)
         return -ENOMEM;
-    b->buf = malloc(plan_cap);
-    if (!b->buf) {
-        free(b);
-        return -ENOMEM;
-    }
-    b->inner = inner;
-    b->c = c;
-    b->cap = plan_cap;
-    b->f = *inner;
-    b->f.ops = &bcast_ops;
-    b->f.impl = b;
-    if (!inner->ops->mtp_step)
-        b->f.n_mtp = 0;
-    *ret = &b->f;
+    x->c = c;
+    *ret = &x->f;
     return 0;
 }
 
@@ -157,29 +179,6 @@ static int hook_allgather(void *ctx, const float *in, float *out, size_t n)
 }
 
 /* ---- CUDA groups: the NCCL comm of the model's collectives --------------------------- */
-
-/* The model as a forward whose trunk steps end with the NCCL comm's step check (async
- * error, the watchdog's busy mark cleared): the collectives ran in stream order inside
- * the step, with no host wait of their own. */
-struct dcomm_fwd {
-    struct forward f;
-    struct forward *inner;
-    struct worker *w;
-};
-
-static int dcomm_step(struct forward *f, const struct step_plan *p, float *logits);
-static int dcomm_mtp_step(struct forward *f, int k, const struct step_plan *p,
-                          const int32_t *n_valid, const int32_t *tok_in, float *logits);
-static void dcomm_free(struct forward *f);
-static int dcomm_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e);
-
-static const struct forward_ops dcomm_ops = {
-    .name = "nccl-steps",
-    .step = dcomm_step,
-    .mtp_step = dcomm_mtp_step,
-    .free = dcomm_free,
-    .set_draft_vocab = dcomm_set_draft_vocab,
-};
 
 /* ---- helpers --------------------------------------------------------------------- */
 
@@ -242,50 +241,25 @@ struct worker {
     struct worker_health *health;       /* sd_notify and the HTTP probes */
 };
 
-static int dcomm_step(struct forward *f, const struct step_plan *p, float *logits)
+/* A CUDA group's trunk step ends with the NCCL comm's step check (async error, the
+ * watchdog's busy mark cleared): the collectives ran in stream order inside the step, with
+ * no host wait of their own. */
+static int nccl_steps_step(struct wrap_fwd *x, const struct step_plan *p, float *logits)
 {
-    struct dcomm_fwd *d = f->impl;
-    int r = d->inner->ops->step(d->inner, p, logits);
-    int r2 = d->w->nccl->step_done(d->w->dcomm);
+    int r = x->inner->ops->step(x->inner, p, logits);
+    int r2 = x->w->nccl->step_done(x->w->dcomm);
 
     return r < 0 ? r : r2;
 }
 
-static int dcomm_mtp_step(struct forward *f, int k, const struct step_plan *p,
-                          const int32_t *n_valid, const int32_t *tok_in, float *logits)
-{
-    struct dcomm_fwd *d = f->impl;
-
-    return d->inner->ops->mtp_step(d->inner, k, p, n_valid, tok_in, logits);
-}
-
-static void dcomm_free(struct forward *f)
-{
-    struct dcomm_fwd *d = f->impl;
-
-    d->inner->ops->free(d->inner);
-    free(d);
-}
-
-static int dcomm_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e)
-{
-    return inner_set_draft_vocab(((struct dcomm_fwd *)f->impl)->inner, ids, n, e);
-}
-
 static int dcomm_wrap(struct worker *w, struct err_buf *e)
 {
-    struct dcomm_fwd *d = calloc(1, sizeof(*d));
+    struct wrap_fwd *x = wrap_new(w->fwd, true, 0);
 
-    if (!d)
+    if (!x)
         return err_set(e, -ENOMEM, "out of memory");
-    d->inner = w->fwd;
-    d->w = w;
-    d->f = *w->fwd;
-    d->f.ops = &dcomm_ops;
-    d->f.impl = d;
-    if (!d->inner->ops->mtp_step)
-        d->f.n_mtp = 0;
-    w->fwd = &d->f;
+    x->w = w;
+    w->fwd = &x->f;
     return 0;
 }
 

@@ -156,7 +156,8 @@ void worker_ctl_free(struct worker_ctl *c);
 
 /* ---- lockstep forward -------------------------------------------------------------- */
 /* Wrap inner (borrowed) so that every step() first broadcasts its plan over c (rank 0).
- * mtp_step is rank 0 only and passes through.  free() frees the wrapper only. */
+ * mtp_step and set_draft_vocab are rank 0's only and pass through.  free() frees the
+ * wrapper only. */
 int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_cap,
                              struct forward **ret);
 

@@ -8,6 +8,19 @@
 #include "clock.h"
 #include "spec-policy.h"
 
+/* A string option: values[i] for names[i] (NULL-ended), null for values[0]; -1 otherwise. */
+static int choice_of(const json_t *val, const char *const *names, const int *values)
+{
+    const char *q = json_is_string(val) ? json_string_value(val) : NULL;
+
+    if (json_is_null(val))
+        return values[0];
+    for (int i = 0; q && names[i]; i++)
+        if (strcmp(q, names[i]) == 0)
+            return values[i];
+    return -1;
+}
+
 int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e)
 {
     struct spec_config cfg = { 0 };
@@ -43,31 +56,27 @@ int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf 
             }
             cfg.num_speculative_tokens = (int) json_integer_value(val);
         } else if (strcmp(key, "draft_quantization") == 0) {
-            const char *q = json_is_string(val) ? json_string_value(val) : NULL;
+            static const char *const names[] = { "auto", "none", "mxfp4", NULL };
+            static const int values[] = { SPEC_DRAFT_AUTO, SPEC_DRAFT_NONE, SPEC_DRAFT_MXFP4 };
+            int v = choice_of(val, names, values);
 
-            if (json_is_null(val) || (q && strcmp(q, "auto") == 0)) {
-                cfg.draft_quant = SPEC_DRAFT_AUTO;
-            } else if (q && strcmp(q, "none") == 0) {
-                cfg.draft_quant = SPEC_DRAFT_NONE;
-            } else if (q && strcmp(q, "mxfp4") == 0) {
-                cfg.draft_quant = SPEC_DRAFT_MXFP4;
-            } else {
+            if (v < 0) {
                 r = err_set(e, -EINVAL, "--speculative-config: draft_quantization: expected null, "
                             "\"auto\", \"none\" or \"mxfp4\"");
                 goto out;
             }
+            cfg.draft_quant = (enum spec_draft_quant)v;
         } else if (strcmp(key, "draft_policy") == 0) {
-            const char *q = json_is_string(val) ? json_string_value(val) : NULL;
+            static const char *const names[] = { "adaptive", "fixed", NULL };
+            static const int values[] = { SPEC_POLICY_ADAPTIVE, SPEC_POLICY_FIXED };
+            int v = choice_of(val, names, values);
 
-            if (json_is_null(val) || (q && strcmp(q, "adaptive") == 0)) {
-                cfg.draft_policy = SPEC_POLICY_ADAPTIVE;
-            } else if (q && strcmp(q, "fixed") == 0) {
-                cfg.draft_policy = SPEC_POLICY_FIXED;
-            } else {
+            if (v < 0) {
                 r = err_set(e, -EINVAL, "--speculative-config: draft_policy: expected null, "
                             "\"adaptive\" or \"fixed\"");
                 goto out;
             }
+            cfg.draft_policy = (enum spec_draft_policy)v;
         } else if (strcmp(key, "draft_vocab") == 0) {
             json_int_t n = json_is_integer(val) ? json_integer_value(val) : -1;
 

@@ -14,6 +14,7 @@
  * the depths the adaptive one chose, and its greedy outputs checked against K = 0's.
  * --policy-control: the same table with fixed K = 0 in the adaptive engine's place: the
  * noise floor of the comparison (an A/A run; its ratio to K = 0 should be 1 within noise).
+ * --rounds N: the interleaved rounds of those tables (odd, 3..15; default 9).
  * --draft-vocab N: the same with K = 1 and K = 3 drafting over the engine's N most frequent
  * output tokens (engine_config.draft_vocab) beside the whole head, and the adaptive policy
  * with it: speed, acceptance per position and MTP time with and without.
@@ -257,13 +258,14 @@ static const char *dq_name(enum model_draft_quant dq)
 }
 
 /* --policy / --draft-vocab: arms (an engine and the K its requests ask for) at concurrency
- * 1, 4 and 16, over POLICY_REPS interleaved rounds (each round runs every arm at every
- * concurrency, one after another); arm 0 is fixed K = 0.  The engines learn first (what
+ * 1, 4 and 16, over policy_reps interleaved rounds (--rounds N: odd, 3..15, default 9; each
+ * round runs every arm at every concurrency, one after another); arm 0 is fixed K = 0.  The engines learn first (what
  * they measure, and the draft vocabulary's counts).  Greedy outputs of every run are
  * checked against K = 0's of the same round (the same prompts): returns the number of
  * requests whose output differed.  "best fixed": the fastest arm (median) that is fixed
  * over the whole vocabulary (fixed_full). */
-#define POLICY_REPS 9
+#define POLICY_REPS_MAX 15
+static int policy_reps = 9;     /* --rounds */
 #define MAX_ARMS 8
 struct arm {
     struct engine *e;
@@ -276,33 +278,33 @@ struct arm {
 static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
 {
     static const int concs[3] = { 1, 4, 16 };
-    static struct result res[3][MAX_ARMS][POLICY_REPS];
+    static struct result res[3][MAX_ARMS][POLICY_REPS_MAX];
     int bad = 0;
 
     for (int i = 0; i < 3; i++)     /* the engines learn their costs, acceptance, counts */
         for (int a = 1; a < na; a++)
             if (arms[a].e != arms[0].e)
                 (void) run(arms[a].e, vocab, concs[i], arms[a].k, 32, n_out, 4);
-    for (int rep = 0; rep < POLICY_REPS; rep++)
+    for (int rep = 0; rep < policy_reps; rep++)
         for (int i = 0; i < 3; i++)
             for (int a = 0; a < na; a++) {
                 int c = concs[i];
                 res[i][a][rep] = run(arms[a].e, vocab, c, arms[a].k, 32, n_out, c == 1 ? 6 : 3);
             }
     for (int i = 0; i < 3; i++) {
-        double med[MAX_ARMS], tps[POLICY_REPS], r_best[POLICY_REPS], r_k0[POLICY_REPS],
-               r_twin[POLICY_REPS];
+        double med[MAX_ARMS], tps[POLICY_REPS_MAX], r_best[POLICY_REPS_MAX], r_k0[POLICY_REPS_MAX],
+               r_twin[POLICY_REPS_MAX];
         int best = 0;
 
         for (int a = 0; a < na; a++) {
-            for (int rep = 0; rep < POLICY_REPS; rep++)
+            for (int rep = 0; rep < policy_reps; rep++)
                 tps[rep] = res[i][a][rep].out_tps;
-            med[a] = median_of(tps, POLICY_REPS);
+            med[a] = median_of(tps, policy_reps);
             if (arms[a].fixed_full && med[a] > med[best])
                 best = a;
         }
         printf("concurrency %2d: output tok/s (median of %d interleaved rounds):", concs[i],
-               POLICY_REPS);
+               policy_reps);
         for (int a = 0; a < na; a++)
             printf(" %s %.1f%s", arms[a].name, med[a], a + 1 < na ? "," : "\n");
         for (int a = 0; a < na; a++) {
@@ -310,7 +312,7 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
             uint64_t tot = 0;
             double fwd = 0, mtp = 0;
 
-            for (int rep = 0; rep < POLICY_REPS; rep++) {
+            for (int rep = 0; rep < policy_reps; rep++) {
                 const struct result *x = &res[i][a][rep];
                 for (int q = 0; a > 0 && q < x->n_reqs && q < res[i][0][rep].n_reqs; q++)
                     bad += x->hashes[q] != res[i][0][rep].hashes[q];
@@ -318,20 +320,20 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
                 r_k0[rep] = x->out_tps / res[i][0][rep].out_tps;
                 r_twin[rep] = arms[a].twin >= 0 ? x->out_tps / res[i][arms[a].twin][rep].out_tps : 0;
                 spec_stats_add(&st, &x->mtp);
-                fwd += x->fwd_ms / POLICY_REPS;
-                mtp += x->mtp_ms / POLICY_REPS;
+                fwd += x->fwd_ms / policy_reps;
+                mtp += x->mtp_ms / policy_reps;
             }
             for (int k = 0; k <= SPEC_MAX_K; k++)
                 tot += st.steps_by_drafts[k];
             printf("  %-14s %8.1f tok/s; / best fixed (%s) %.3f (%.3f .. %.3f); / K=0 %.3f "
                    "(%.3f .. %.3f)", arms[a].name, med[a], arms[best].name,
-                   median_of(r_best, POLICY_REPS), min_of(r_best, POLICY_REPS),
-                   max_of(r_best, POLICY_REPS), median_of(r_k0, POLICY_REPS),
-                   min_of(r_k0, POLICY_REPS), max_of(r_k0, POLICY_REPS));
+                   median_of(r_best, policy_reps), min_of(r_best, policy_reps),
+                   max_of(r_best, policy_reps), median_of(r_k0, policy_reps),
+                   min_of(r_k0, policy_reps), max_of(r_k0, policy_reps));
             if (arms[a].twin >= 0)
                 printf("; / %s %.3f (%.3f .. %.3f)", arms[arms[a].twin].name,
-                       median_of(r_twin, POLICY_REPS), min_of(r_twin, POLICY_REPS),
-                       max_of(r_twin, POLICY_REPS));
+                       median_of(r_twin, policy_reps), min_of(r_twin, policy_reps),
+                       max_of(r_twin, policy_reps));
             printf("\n  %-14s per step %.2f + %.2f ms (forward + MTP)", "", fwd, mtp);
             if (st.n_drafts) {
                 printf("; drafts per decode step");
@@ -388,6 +390,10 @@ int main(int argc, char **argv)
             policy = control = true;
         else if (strcmp(argv[i], "--draft-vocab") == 0 && i + 1 < argc)
             dv_n = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc &&
+                 (policy_reps = atoi(argv[i + 1])) >= 3 && policy_reps <= POLICY_REPS_MAX &&
+                 policy_reps % 2 == 1)
+            i++;
         else if (strcmp(argv[i], "--mock-mtp-usec") == 0 && i + 1 < argc)
             mock_mtp_usec = atol(argv[++i]);
         else if (strcmp(argv[i], "--mock-accuracy") == 0 && i + 1 < argc)
@@ -405,7 +411,8 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock [--mock-mtp-usec U] "
                             "[--mock-accuracy A]] [--threads T] [--tokens N] [--draft-quant "
-                            "auto|none|mxfp4] [--profile K SECONDS] [--policy | --policy-control | --draft-vocab N]\n");
+                            "auto|none|mxfp4] [--profile K SECONDS] [--policy | --policy-control "
+                            "| --draft-vocab N] [--rounds N]\n");
             return 2;
         }
     }

@@ -822,8 +822,11 @@ static int regroup(struct worker *w)
         log_error("%s", e.msg);
         worker_ctl_report(w->ctl, 3, 0.0f, e.msg, NULL);
         worker_health_phase(w->health, WORKER_PHASE_FAILED, "group shape: %s", e.msg);
+        /* a lost peer or a shape the flags got wrong: asked before comm_abort, which sets
+         * the comm's error either way */
+        r = w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
         comm_abort(w->comm);
-        return w->comm->error ? WORKER_EXIT_COMM : WORKER_EXIT_USAGE;
+        return r;
     }
     limits_init(w);
     log_notice("group %s: rank %d joined the group again", o->group, o->rank);

@@ -191,6 +191,33 @@ static void test_draft_vocab(void)
                 acc[l.draft_vocab > 0] += other[i].mtp.n_accepted;
             }
         }
+        if (pass) {
+            /* sampled requests draft from the distribution over the draft vocabulary (the
+             * other ids -inf): they run to their length and their drafts are accepted */
+            static struct rig_out smp[4];
+            uint64_t s_drafts = 0, s_acc = 0;
+            memset(smp, 0, sizeof(smp));
+            for (int i = 0; i < 4; i++) {
+                char id[16];
+                struct rig_req q = { .prompt = prompts[i], .n_prompt = 20, .max_tokens = DV_OUT,
+                                     .temperature = 0.8f, .top_p = 0.95f,
+                                     .seed = 77 + (uint64_t) i };
+                snprintf(id, sizeof(id), "dvs%d", i);
+                rig_submit(e, id, &q, &smp[i]);
+            }
+            ASSERT_OK(engine_run_until_idle(e));
+            for (int i = 0; i < 4; i++) {
+                ASSERT_TRUE(smp[i].finished);
+                ASSERT_TRUE(smp[i].n > 0);
+                for (int t = 0; t < smp[i].n; t++)
+                    ASSERT_TRUE(smp[i].toks[t] >= 0 && smp[i].toks[t] < rig.f->vocab_size);
+                s_drafts += smp[i].mtp.n_draft_tokens;
+                s_acc += smp[i].mtp.n_accepted;
+            }
+            ASSERT_TRUE(s_drafts > 0 && s_acc > 0);
+            printf("draft vocabulary, sampled (T 0.8, top-p 0.95): %llu of %llu drafts accepted\n",
+                   (unsigned long long) s_acc, (unsigned long long) s_drafts);
+        }
         engine_get_loads(e, &l);
         if (pass) {
             ASSERT_EQ(l.draft_vocab, DV_N);

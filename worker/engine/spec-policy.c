@@ -156,10 +156,22 @@ void spec_policy_free(struct spec_policy *p)
 
 /* ---------------------------------------------------------------- costs -- */
 
+/* The median of v[0 .. n), n >= 1 (the mean of the middle two for even n); sorts v. */
+static double median_sort(float *v, int n)
+{
+    for (int i = 1; i < n; i++)         /* insertion sort: n is a ring's few entries */
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            float t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n % 2 ? v[n / 2] : 0.5 * ((double)v[n / 2 - 1] + v[n / 2]);
+}
+
 static void cost_add(struct spec_policy *p, struct cost *c, double secs)
 {
     float v[COST_RING];
-    int n = 0, newest = c->head;
+    int n = 0;
 
     if (!(secs >= 0.0))
         return;
@@ -172,15 +184,9 @@ static void cost_add(struct spec_policy *p, struct cost *c, double secs)
      * one step that lost its core moves nothing, and a cell measured only by probes
      * forgets the load it was measured under */
     for (int i = 0; i < c->n_ring; i++)
-        if (p->n_decisions - c->at[i] <= COST_FRESH) {
-            int j = n++;
-
-            for (; j > 0 && v[j - 1] > c->ring[i]; j--)
-                v[j] = v[j - 1];
-            v[j] = c->ring[i];
-        }
-    (void)newest;
-    c->mean = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+        if (p->n_decisions - c->at[i] <= COST_FRESH)
+            v[n++] = c->ring[i];
+    c->mean = median_sort(v, n);
     c->trust = (uint8_t)n;
     if (c->n < UINT32_MAX)
         c->n++;
@@ -619,13 +625,7 @@ static double gate_rate_add(struct gate *g, int arm, double r)
         g->ring_n[arm]++;
     n = g->ring_n[arm];
     memcpy(v, g->ring[arm], sizeof(v));
-    for (int i = 1; i < n; i++)         /* insertion sort of at most 3 */
-        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-            float t = v[j];
-            v[j] = v[j - 1];
-            v[j - 1] = t;
-        }
-    return n == 2 ? 0.5 * ((double)v[0] + v[1]) : v[n / 2];
+    return median_sort(v, n);
 }
 
 /* The gate's bookkeeping for one engine cycle of B decoding sequences that emitted tok

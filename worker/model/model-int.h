@@ -212,6 +212,12 @@ void model__draft_vocab_release(struct model *m);
 /* ---- model-load.c ---- */
 /* Prepare w on the model's backend and own the preparation (released in model_free). */
 int model__prepare(struct model *m, struct bweight *w, const char *name, struct err_buf *e);
+/* Bytes of one row of w in its host format, and (MXFP4) of its row of scales; 0: a format
+ * without host rows. */
+size_t model__row_bytes(const struct bweight *w, size_t *ret_scale);
+/* Rows [r0, r1) of w as a weight of their own over the same host memory, not prepared.
+ * -EINVAL for a format without host rows. */
+int model__row_view(const struct bweight *w, int64_t r0, int64_t r1, struct bweight *out);
 /* The model owns host buffer p (freed in model_free); on -ENOMEM p is not taken. */
 int model__own(struct model *m, void *p);
 

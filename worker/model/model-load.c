@@ -71,6 +71,34 @@ int model__prepare(struct model *m, struct bweight *w, const char *name, struct 
     return 0;
 }
 
+size_t model__row_bytes(const struct bweight *w, size_t *ret_scale)
+{
+    *ret_scale = 0;
+    switch (w->fmt) {
+    case WFMT_BF16: return (size_t)w->cols * 2;
+    case WFMT_F32: return (size_t)w->cols * 4;
+    case WFMT_MXFP4:
+        *ret_scale = (size_t)w->cols / MXFP4_GROUP;
+        return (size_t)w->cols / 2;
+    default: return 0;
+    }
+}
+
+int model__row_view(const struct bweight *w, int64_t r0, int64_t r1, struct bweight *out)
+{
+    size_t sb, rb = model__row_bytes(w, &sb);
+
+    memset(out, 0, sizeof(*out));
+    if (!rb)
+        return -EINVAL;
+    out->fmt = w->fmt;
+    out->rows = r1 - r0;
+    out->cols = w->cols;
+    out->data = (const uint8_t *)w->data + (size_t)r0 * rb;
+    out->scale = sb ? w->scale + (size_t)r0 * sb : NULL;
+    return 0;
+}
+
 /* Re-quantise a dense draft weight to MXFP4 in a model-owned buffer (model_opts
  * draft_quant); a weight whose in-features are not a multiple of 32 stays as it is. */
 static int quantize_draft(struct model *m, struct bweight *w, const char *name, struct err_buf *e)

@@ -9,7 +9,6 @@
 #include <string.h>
 
 #include "model-int.h"
-#include "mxfp4.h"
 #include "slab.h"
 
 /* MTP layer L over batch b (docs/MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
@@ -363,33 +362,14 @@ void model_mtp_repair_stats(const struct model *m, uint64_t *ret_rerun, uint64_t
 
 #define DV_MAX_LAYERS 8
 
-/* Bytes of one row of w in its host format (and of its scales, MXFP4); 0: unknown. */
-static size_t row_bytes(const struct bweight *w, size_t *ret_scale)
-{
-    *ret_scale = 0;
-    switch (w->fmt) {
-    case WFMT_BF16: return (size_t)w->cols * 2;
-    case WFMT_F32: return (size_t)w->cols * 4;
-    case WFMT_MXFP4:
-        *ret_scale = (size_t)w->cols / MXFP4_GROUP;
-        return (size_t)w->cols / 2;
-    default: return 0;
-    }
-}
-
-/* Rows r0 .. r1 of src (a gathered head) as a weight of its own view, prepared. */
+/* Rows r0 .. r1 of src (a gathered head) as a weight of their own, prepared (and released
+ * by model__draft_vocab_release, not in the model's list: an install replaces them). */
 static int view_prepare(struct model *m, const struct bweight *src, int64_t r0, int64_t r1,
                         struct bweight *out)
 {
-    size_t sb, rb = row_bytes(src, &sb);
+    int r = model__row_view(src, r0, r1, out);
 
-    memset(out, 0, sizeof(*out));
-    out->fmt = src->fmt;
-    out->rows = r1 - r0;
-    out->cols = src->cols;
-    out->data = (const uint8_t *)src->data + (size_t)r0 * rb;
-    out->scale = src->scale ? src->scale + (size_t)r0 * sb : NULL;
-    return backend_weight_prepare(m->be, out);
+    return r < 0 ? r : backend_weight_prepare(m->be, out);
 }
 
 static void release_w(struct model *m, struct bweight *w)
@@ -437,7 +417,7 @@ int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err
         return err_set(e, -EINVAL, "draft vocabulary: %d ids (a multiple of 64 up to the "
                        "vocabulary's %d)", n, V);
     for (int k = 0; k < NM; k++) {
-        size_t sb, rb = row_bytes(&m->layers[m->n_layers + k].head, &sb);
+        size_t sb, rb = model__row_bytes(&m->layers[m->n_layers + k].head, &sb);
         if (!rb || !m->layers[m->n_layers + k].head.data)
             return err_set(e, -EINVAL, "draft vocabulary: MTP layer %d's head has no host rows "
                            "of a known format", k);
@@ -468,7 +448,7 @@ int model_set_draft_vocab(struct model *m, const int32_t *ids, int n, struct err
     /* every layer's rows: [n rows][n scale rows], one after the other */
     for (int k = 0; k < NM && !r; k++) {
         const struct bweight *h = &m->layers[m->n_layers + k].head;
-        size_t sb, rb = row_bytes(h, &sb);
+        size_t sb, rb = model__row_bytes(h, &sb);
         uint8_t *d = rows + off, *sc = d + rb * (size_t)n;
         struct bweight g = { .fmt = h->fmt, .rows = n, .cols = h->cols, .data = d,
                              .scale = sb ? sc : NULL };

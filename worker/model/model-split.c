@@ -59,20 +59,8 @@ struct split_coop {
 static int slice_rows(struct model *m, const struct bweight *w, int64_t r0, int64_t r1,
                       struct bweight *out, struct err_buf *e)
 {
-    memset(out, 0, sizeof(*out));
-    out->fmt = w->fmt;
-    out->rows = r1 - r0;
-    out->cols = w->cols;
-    switch (w->fmt) {
-    case WFMT_BF16: out->data = (const uint8_t *)w->data + r0 * w->cols * 2; break;
-    case WFMT_F32: out->data = (const uint8_t *)w->data + r0 * w->cols * 4; break;
-    case WFMT_MXFP4:
-        out->data = (const uint8_t *)w->data + r0 * (w->cols / 2);
-        out->scale = w->scale + r0 * (w->cols / MXFP4_GROUP);
-        break;
-    default:
+    if (model__row_view(w, r0, r1, out) < 0)
         return err_set(e, -EINVAL, "MTP split: weight format %d", (int)w->fmt);
-    }
     return model__prepare(m, out, "MTP layer half (rows)", e);
 }
 

@@ -12,7 +12,10 @@
  *   B            the decoding sequences of the step (each emits at least one token);
  *   p_ij         the chance that sequence i's drafts 1..j are all accepted: the product of
  *                its per-position acceptance a_i1 .. a_ij, estimated from its own recent
- *                verify steps (decayed counts) with the engine-wide rates as the prior;
+ *                verify steps (decayed counts) with the engine-wide rates as the prior,
+ *                weighed by how far the sequences' own rates spread beyond their counts'
+ *                noise (an empirical Bayes prior: equal streams are drafted alike, not
+ *                by their lucky verifies);
  *                counted apart are the drafts made while the MTP layer behind them had
  *                written every position of its window (a step that skips a layer leaves
  *                a hole in its cache: on the tiny model the first-position acceptance
@@ -31,7 +34,8 @@
  * is evaluated (a grid of them beyond SPEC_POLICY_FULL_SEARCH sequences).  A choice only
  * changes when it is better by SPEC_POLICY_HYSTERESIS, so noise does not flap it.  What
  * is never chosen is never measured, so every so often (an interval that doubles while
- * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps) one step probes one draft
+ * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps when the neighbours are
+ * estimated 20 % or more behind) one step probes one draft
  * more per sequence, or one fewer.  Unmeasured costs are extrapolated optimistically (no
  * cost beyond the nearest measurement): a new engine starts at the maximum and learns
  * down.  Greedy output never depends on the choice (the verify is exact).  Sampled
@@ -44,7 +48,8 @@
  * the decoding sequences) windows of engine cycles run either with the depths chosen above
  * or with no MTP work at all, and the arm whose windows emitted more tokens per second of
  * wall time runs, the other one getting a window now and then (an interval that doubles
- * while it confirms the choice); a window that drafts again after one without is not
+ * while it confirms the choice, and is longer the wider the gap: an exploring window costs
+ * the gap); a window that drafts again after one without is not
  * measured (the MTP caches have holes there).  It catches what the cost model misses (on
  * the tiny model at concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
@@ -67,7 +72,7 @@ extern "C" {
 #define SPEC_POLICY_FULL_SEARCH 24
 #define SPEC_POLICY_HYSTERESIS 0.03
 #define SPEC_POLICY_PROBE_MIN 8
-#define SPEC_POLICY_PROBE_MAX 32
+#define SPEC_POLICY_PROBE_MAX 128
 
 struct spec_policy;
 

@@ -137,6 +137,7 @@ struct result {
     double secs;
     double fwd_ms, mtp_ms, eng_ms; /* per engine step */
     double tok_per_step;
+    double tokens, steps;   /* output tokens, engine steps */
     double out_tps;         /* output tokens / wall second over the run */
     double decode_tps;      /* mean per-request decode tokens/s */
     double ttft;
@@ -145,12 +146,14 @@ struct result {
     uint64_t hashes[MAX_HASHES];
 };
 
-static struct result run(struct engine *e, int vocab, int conc, int k, int n_prompt, int n_out,
-                         int reqs_per_client)
+/* conc clients, each submitting reqs_per_client requests one after another; the prompts
+ * are those of indices seq0, seq0 + 1, ... in the order the requests are submitted */
+static struct result run_from(struct engine *e, int vocab, int conc, int k, int n_prompt,
+                              int n_out, int reqs_per_client, int seq0)
 {
     struct bench b = {
         .e = e, .vocab = vocab, .n_prompt = n_prompt, .n_out = n_out, .k = k,
-        .reqs_per_client = reqs_per_client, .clients_left = conc,
+        .reqs_per_client = reqs_per_client, .clients_left = conc, .seq = seq0,
     };
     pthread_mutex_init(&b.lock, NULL);
     pthread_cond_init(&b.cond, NULL);
@@ -172,8 +175,10 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
         .mtp = b.mtp,
     };
     r.out_tps = b.tokens / r.secs;
+    r.tokens = (double) b.tokens;
     engine_get_loads(e, &l1);
     double steps = (double) (l1.n_steps - l0.n_steps);
+    r.steps = steps;
     if (steps > 0) {
         r.fwd_ms = (l1.forward_s - l0.forward_s) * 1e3 / steps;
         r.mtp_ms = (l1.mtp_s - l0.mtp_s) * 1e3 / steps;
@@ -188,6 +193,34 @@ static struct result run(struct engine *e, int vocab, int conc, int k, int n_pro
     pthread_cond_destroy(&b.cond);
     pthread_mutex_destroy(&b.lock);
     return r;
+}
+
+static struct result run(struct engine *e, int vocab, int conc, int k, int n_prompt, int n_out,
+                         int reqs_per_client)
+{
+    return run_from(e, vocab, conc, k, n_prompt, n_out, reqs_per_client, 0);
+}
+
+/* x's run into the sum acc (the policy table's sub-runs): tokens, seconds, steps and their
+ * per-step times, MTP counts, and the output hashes of x's prompt indices */
+static void result_merge(struct result *acc, const struct result *x)
+{
+    double steps = acc->steps + x->steps;
+
+    if (steps > 0) {
+        acc->fwd_ms = (acc->fwd_ms * acc->steps + x->fwd_ms * x->steps) / steps;
+        acc->mtp_ms = (acc->mtp_ms * acc->steps + x->mtp_ms * x->steps) / steps;
+        acc->eng_ms = (acc->eng_ms * acc->steps + x->eng_ms * x->steps) / steps;
+    }
+    acc->steps = steps;
+    acc->tokens += x->tokens;
+    acc->secs += x->secs;
+    acc->out_tps = acc->secs > 0 ? acc->tokens / acc->secs : 0;
+    acc->tok_per_step = steps > 0 ? acc->tokens / steps : 0;
+    spec_stats_add(&acc->mtp, &x->mtp);
+    for (int q = 0; q < x->n_reqs; q++)
+        acc->hashes[q] = x->hashes[q];
+    acc->n_reqs = x->n_reqs > acc->n_reqs ? x->n_reqs : acc->n_reqs;
 }
 
 #define BENCH_REPS 5
@@ -259,7 +292,8 @@ static const char *dq_name(enum model_draft_quant dq)
 
 /* --policy / --draft-vocab: arms (an engine and the K its requests ask for) at concurrency
  * 1, 4 and 16, over policy_reps interleaved rounds (--rounds N: odd, 3..15, default 9; each
- * round runs every arm at every concurrency, one after another); arm 0 is fixed K = 0.  The engines learn first (what
+ * round runs every arm at every concurrency, the arms taking turns in short sub-runs); arm 0
+ * is fixed K = 0.  The engines learn first (what
  * they measure, and the draft vocabulary's counts).  Greedy outputs of every run are
  * checked against K = 0's of the same round (the same prompts): returns the number of
  * requests whose output differed.  "best fixed": the fastest arm (median) that is fixed
@@ -285,12 +319,25 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
         for (int a = 1; a < na; a++)
             if (arms[a].e != arms[0].e)
                 (void) run(arms[a].e, vocab, concs[i], arms[a].k, 32, n_out, 4);
+    /* a round of one concurrency c: every arm serves the same S * c requests (S = 6 at
+     * c = 1, else 3), in S sub-runs of one request per client, the arms taking turns in an
+     * order that rotates from sub-run to sub-run: each arm's time is spread over the whole
+     * round, so that a load that comes and goes on a shared machine falls on every arm
+     * alike (one run per arm and round, one after the other, gave an A/A pair 0.75-1.26) */
+    memset(res, 0, sizeof(res));
     for (int rep = 0; rep < policy_reps; rep++)
-        for (int i = 0; i < 3; i++)
-            for (int a = 0; a < na; a++) {
-                int c = concs[i];
-                res[i][a][rep] = run(arms[a].e, vocab, c, arms[a].k, 32, n_out, c == 1 ? 6 : 3);
-            }
+        for (int i = 0; i < 3; i++) {
+            int c = concs[i], S = c == 1 ? 6 : 3;
+
+            for (int sub = 0; sub < S; sub++)
+                for (int j = 0; j < na; j++) {
+                    int a = (j + sub + rep) % na;
+                    struct result x = run_from(arms[a].e, vocab, c, arms[a].k, 32, n_out, 1,
+                                               sub * c);
+
+                    result_merge(&res[i][a][rep], &x);
+                }
+        }
     for (int i = 0; i < 3; i++) {
         double med[MAX_ARMS], tps[POLICY_REPS_MAX], r_best[POLICY_REPS_MAX], r_k0[POLICY_REPS_MAX],
                r_twin[POLICY_REPS_MAX];

@@ -357,7 +357,7 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
         for (int a = 0; a < na; a++) {
             struct spec_stats st = { 0 };
             uint64_t tot = 0;
-            double fwd = 0, mtp = 0;
+            double fwd = 0, mtp = 0, eng = 0, tpstep = 0, wall = 0;
 
             for (int rep = 0; rep < policy_reps; rep++) {
                 const struct result *x = &res[i][a][rep];
@@ -369,6 +369,9 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
                 spec_stats_add(&st, &x->mtp);
                 fwd += x->fwd_ms / policy_reps;
                 mtp += x->mtp_ms / policy_reps;
+                eng += x->eng_ms / policy_reps;
+                tpstep += x->tok_per_step / policy_reps;
+                wall += x->steps > 0 ? x->secs * 1e3 / x->steps / policy_reps : 0.0;
             }
             for (int k = 0; k <= SPEC_MAX_K; k++)
                 tot += st.steps_by_drafts[k];
@@ -381,7 +384,8 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
                 printf("; / %s %.3f (%.3f .. %.3f)", arms[arms[a].twin].name,
                        median_of(r_twin, policy_reps), min_of(r_twin, policy_reps),
                        max_of(r_twin, policy_reps));
-            printf("\n  %-14s per step %.2f + %.2f ms (forward + MTP)", "", fwd, mtp);
+            printf("\n  %-14s per step %.2f + %.2f + %.2f ms (forward + MTP + engine) of %.2f "
+                   "wall, %.1f output tokens", "", fwd, mtp, eng, wall, tpstep);
             if (st.n_drafts) {
                 printf("; drafts per decode step");
                 for (int k = 0; k <= SPEC_MAX_K; k++)

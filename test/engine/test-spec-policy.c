@@ -6,7 +6,9 @@
  *   - drafts that cost more than a step: most decode steps verify none;
  *   - cheap drafts that are never right (2 % accepted): most decode steps verify none;
  *   - the outputs are the greedy reference (K = 0) in every case, at concurrency 1 and 4;
- *   - "draft_policy" in the speculative config, and the K-by-step counts in the stats.
+ *   - "draft_policy" in the speculative config, and the K-by-step counts in the stats;
+ *   - the gate (driven directly): a new batch size next to a measured one infers the arm it
+ *     has not run from its neighbour's instead of trying it at once.
  * The mock sleeps, so the costs are wall-clock: the cases are chosen with margins of 25 %
  * and more between the right depth and its neighbours (a sleep of 50 us takes 150-200 us
  * on a loaded machine), beyond that machine's noise.
@@ -15,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine-rig.h"
 #include "engine.h"
@@ -285,6 +288,74 @@ static void test_stale_entry(void)
     f->ops->free(f);
 }
 
+/* The policy driven directly, B decoding sequences per cycle of `cycle_us` wall time: every
+ * draft is accepted (a cycle that drafted d per sequence emits (1 + d) * B tokens, one that
+ * did not B), so drafting wins by far.  Returns the cycles the gate ran without drafts. */
+static int drive(struct spec_policy *p, int B, int cycles, long cycle_us)
+{
+    struct step_seq ps[16];
+    struct spec_seq ss[16];
+    struct spec_accept acc[16];
+    int depth[16], off = 0;
+    static int32_t pos[16];
+    struct step_plan plan = { .seqs = ps, .n_seqs = B };
+
+    memset(acc, 0, sizeof(acc));
+    for (int i = 0; i < B; i++)
+        depth[i] = 3;
+    for (int c = 0; c < cycles; c++) {
+        struct timespec ts = { 0, cycle_us * 1000 };
+        int deepest = 0, n_tok = 0;
+
+        nanosleep(&ts, NULL);
+        memset(ss, 0, sizeof(ss));
+        for (int i = 0; i < B; i++) {
+            ps[i] = (struct step_seq){ .slot = i, .pos0 = pos[i], .n_tokens = 1 + depth[i],
+                                       .n_logits = 1 + depth[i] };
+            ss[i] = (struct spec_seq){ .depth = 3, .acc = &acc[i], .verified = depth[i],
+                                       .accepted = depth[i] };
+            pos[i] += 1 + depth[i];
+            n_tok += 1 + depth[i];
+        }
+        plan.n_tokens = n_tok;
+        (void)spec_policy_step(p, &plan, ss, B, (double)cycle_us * 1e-6);
+        for (int i = 0; i < B; i++) {
+            depth[i] = ss[i].depth;
+            deepest = depth[i] > deepest ? depth[i] : deepest;
+        }
+        off += deepest == 0;
+        for (int k = 0; k < deepest; k++) {
+            int m = 0;
+
+            for (int i = 0; i < B; i++)
+                m += depth[i] > k;
+            spec_policy_draft_cost(p, k, m, false, 1e-5);
+        }
+    }
+    return off;
+}
+
+/* A batch size seen for the first time (here 8, say the tail of a batch of 16) whose
+ * neighbour (4) has measured both of the gate's arms: the arm without drafts, 75 % slower
+ * there, is not tried in its first windows (its rate is inferred from the neighbour's),
+ * where before the second window of every new batch size ran without drafts (the mock's
+ * concurrency-16 tails spent 40 of their ~100 steps so).  The neighbour itself, with no
+ * neighbour of its own, does try it at once. */
+static void test_gate_inferred(void)
+{
+    struct spec_policy *p;
+    int off4, off8;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &p));
+    off4 = drive(p, 4, 200, 1500);
+    off8 = drive(p, 8, 400, 1500);
+    printf("  gate: cycles without drafts at 4 sequences %d of 200 (first seen), at 8 %d of 400 "
+           "(inferred from 4)\n", off4, off8);
+    ASSERT_TRUE(off4 >= 16);
+    ASSERT_EQ(off8, 0);
+    spec_policy_free(p);
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -295,6 +366,7 @@ int main(void)
     test_drafts_rejected();
     test_equal_streams();
     test_stale_entry();
+    test_gate_inferred();
     printf("test-spec-policy: ok\n");
     return 0;
 }

@@ -29,6 +29,7 @@
 
 #define COST_FRESH 128
 #define COST_TRUST 3
+#define COST_STALE_W 0.25           /* a stale cell's weight in its curve's line */
 #define ACC_DECAY 0.9f
 #define ACC_PRIOR 8.0
 #define ACC_PRIOR_MAX 256.0
@@ -36,7 +37,7 @@
 #define GLOBAL_DECAY 0.995
 #define GLOBAL_PRIOR 0.7            /* engine-wide acceptance before any verify step */
 
-#define COST_RING 5
+#define COST_RING 9
 
 /* The gate (spec-policy.h): per batch-size bucket (log2 of the decoding sequences), windows
  * of GATE_WINDOW engine cycles (and GATE_WINDOW_S seconds), the first GATE_WARM not
@@ -59,6 +60,8 @@
 #define GATE_EXPLORE_MAX 128
 #define GATE_RING 3
 #define GATE_GAP_UNIT 0.05
+#define GATE_INFER_DIST 2           /* buckets away a rate may be inferred from */
+#define GATE_INFER_MAX 16           /* the most windows an inferred arm waits for its first */
 
 struct gate {
     bool off;                       /* this window: no drafts, no fill chains */
@@ -71,6 +74,7 @@ struct gate {
     float ring[2][GATE_RING];
     uint8_t ring_n[2], ring_head[2];
     int explore, since;             /* explore every `explore` windows; windows since */
+    bool inferred;                  /* the other arm's rate is the neighbours' (gate_infer) */
 };
 
 struct cost {
@@ -234,15 +238,33 @@ static int verify_row(const struct spec_policy *p, int B)
     return -1;
 }
 
+/* A cell's value at decision `now`: the median of its measurements that are fresh now, or
+ * when none is, its last value (*ret_fresh = 0: a stale cell) */
+static double cell_read(const struct cost *c, uint64_t now, int *ret_fresh)
+{
+    float v[COST_RING];
+    int n = 0;
+
+    for (int i = 0; i < c->n_ring; i++)
+        if (now - c->at[i] <= COST_FRESH)
+            v[n++] = c->ring[i];
+    *ret_fresh = n;
+    /* as many as when the median was taken: the same ones (they only age) */
+    return n == 0 || n == c->trust ? c->mean : median_sort(v, n);
+}
+
 /* A cost curve out[0 .. xn] from cells[x * stride], x = 0 .. xcap (unmeasured: n == 0).
- * A cell stands for itself once COST_TRUST measurements are behind its median; the others
- * are replaced by the least-squares line (weighted by those counts) through every measured
- * cell, or by the nearest measured cell's value while there is only one, so that one odd
- * measurement of a rarely chosen configuration cannot steer the choice.  The curve is then
- * made non-decreasing (pool-adjacent-violators weighted the same way: more tokens or more
+ * A cell stands for itself while COST_TRUST measurements fresh at decision `now` are behind
+ * its median; the others are replaced by the least-squares line (weighted by those counts,
+ * a stale cell by COST_STALE_W) through every measured cell, or by the nearest measured
+ * cell's value while there is only one, so that one odd measurement of a rarely chosen
+ * configuration, or an old one taken under another load, cannot steer the choice (a
+ * cell's freshness is judged when it is read: one that is no longer measured ages out of
+ * its curve).  The curve is then made non-decreasing (pool-adjacent-violators weighted the same way: more tokens or more
  * sequences never cost less); beyond the last measured x it stays flat.  false when no
  * cell is measured. */
-static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, double *out)
+static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, uint64_t now,
+                       double *out)
 {
     double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0, slope = 0, icpt = 0;
     double v[SPEC_MAX_K * 256 + 2], w[SPEC_MAX_K * 256 + 2];
@@ -252,16 +274,18 @@ static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, d
         xn = SPEC_MAX_K * 256;
     for (int x = 0; x <= xcap; x++) {
         const struct cost *c = &cells[(size_t)x * (size_t)stride];
-        double wt;
+        double wt, y;
+        int fresh;
 
         if (!c->n)
             continue;
-        wt = c->trust;
+        y = cell_read(c, now, &fresh);
+        wt = fresh ? fresh : COST_STALE_W;
         sw += wt;
         sx += wt * x;
-        sy += wt * c->mean;
+        sy += wt * y;
         sxx += wt * x * x;
-        sxy += wt * x * c->mean;
+        sxy += wt * x * y;
         n_meas++;
         first = first < 0 ? x : first;
         last = x;
@@ -279,10 +303,12 @@ static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, d
         const struct cost *c = x <= xcap ? &cells[(size_t)x * (size_t)stride] : NULL;
         int xc = x < first ? first : (x > last ? last : x);
         double y = icpt + slope * xc, wt = 1.0;
+        int fresh = 0;
+        double yc = c && c->n ? cell_read(c, now, &fresh) : 0.0;
 
-        if (c && c->n && c->trust >= COST_TRUST) {
-            y = c->mean;
-            wt = c->trust;
+        if (fresh >= COST_TRUST) {
+            y = yc;
+            wt = fresh;
         }
         v[nb] = y;
         w[nb] = wt;
@@ -308,7 +334,7 @@ static bool verify_curve(const struct spec_policy *p, int B, int xn, double *out
 {
     int row = verify_row(p, B);
 
-    return row >= 0 && cost_curve(verify_cell_c(p, row, 0), 1, p->xmax, xn, out);
+    return row >= 0 && cost_curve(verify_cell_c(p, row, 0), 1, p->xmax, xn, p->n_decisions, out);
 }
 
 static const struct cost *draft_cell_c(const struct spec_policy *p, int k, int m)
@@ -328,7 +354,7 @@ static void draft_curve(const struct spec_policy *p, int k, int n, double *out)
                 continue;
             /* cells m = 1 .. max_seqs as x = 0 .. max_seqs - 1 */
             if (cost_curve(draft_cell_c(p, kk, 1), 1, p->max_seqs - 1, n > 0 ? n - 1 : 0,
-                           out + 1)) {
+                           p->n_decisions, out + 1)) {
                 out[0] = 0.0;
                 return;
             }
@@ -575,12 +601,18 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         }
     }
     search(p, B, nc, &best);
-    /* hysteresis: keep the previous choice unless the new one is clearly better */
-    if (p->prev_n == nc) {
+    /* hysteresis: keep the previous choice unless the new one is clearly better; a
+     * previous choice over a few more or fewer candidates (a quarter at most) is scaled to
+     * this one (the same share of them at each depth: a batch that grows or shrinks by a
+     * sequence keeps its depths, instead of a fresh pick among near-equal ones that noise
+     * decides; a batch of another size altogether chooses afresh) */
+    if (p->prev_n > 0 && 4 * abs(nc - p->prev_n) <= p->prev_n) {
         int m[SPEC_MAX_K];
         double r;
 
-        memcpy(m, p->prev_m, sizeof(m));
+        for (int k = 0; k < SPEC_MAX_K; k++)
+            m[k] = p->prev_n == nc ? p->prev_m[k]
+                                   : (int)(((int64_t)p->prev_m[k] * nc + p->prev_n / 2) / p->prev_n);
         r = rate_of(p, B, nc, m);
         if (best.rate < r * (1.0 + SPEC_POLICY_HYSTERESIS)) {
             memcpy(best.m, m, sizeof(m));
@@ -702,6 +734,33 @@ static int gate_interval(const struct gate *g)
                                 : (u > GATE_EXPLORE_MAX ? GATE_EXPLORE_MAX : (int)u);
 }
 
+/* While bucket b has measured only `arm`: the other arm's rate inferred from the nearest
+ * buckets that measured both (the ratio of theirs nearest to 1, at the least distance);
+ * false (and nothing set) when none did. */
+static bool gate_infer(struct spec_policy *p, int b, int arm)
+{
+    struct gate *g = &p->gate[b];
+    double q = 0.0;
+
+    for (int d = 1; d <= GATE_INFER_DIST && q <= 0.0; d++)
+        for (int s = -1; s <= 1; s += 2) {
+            int nb = b + s * d;
+            const struct gate *h = &p->gate[nb < 0 ? 0 : nb];
+            double x;
+
+            if (nb < 0 || nb >= GATE_BUCKETS || !h->ring_n[0] || !h->ring_n[1] ||
+                !(h->rate[0] > 0.0) || !(h->rate[1] > 0.0))
+                continue;
+            x = h->rate[!arm] / h->rate[arm];
+            if (q <= 0.0 || fabs(log(x)) < fabs(log(q)))
+                q = x;
+        }
+    if (!(q > 0.0))
+        return false;
+    g->rate[!arm] = g->rate[arm] * q;
+    return true;
+}
+
 /* The gate's bookkeeping for one engine cycle of B decoding sequences that emitted tok
  * tokens; returns whether this step runs without drafts.  A window's end picks the next
  * arm (the gate above). */
@@ -731,8 +790,18 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         bool explored = g->since == -1;     /* this window explored the other arm */
 
         g->rate[arm] = gate_rate_add(g, arm, r);
+        if (!g->ring_n[!arm] && gate_infer(p, b, arm) && !g->inferred) {
+            /* the other arm is not measured here, but it is nearby: its windows wait for
+             * the interval the neighbours' gap asks for (a batch size seen only in the
+             * tails of larger batches would otherwise spend its first windows on it) */
+            int gi = gate_interval(g);
+
+            g->inferred = true;
+            g->explore = gi < GATE_INFER_MAX ? gi : GATE_INFER_MAX;
+            g->since = 0;
+        }
         if (g->rate[!arm] <= 0.0)
-            best = !arm;                    /* the other arm is not measured yet */
+            best = !arm;                    /* the other arm is not known yet */
         else if (g->rate[!arm] > g->rate[arm] * (1.0 + GATE_HYSTERESIS))
             best = !arm;
         else if (g->rate[arm] > g->rate[!arm] * (1.0 + GATE_HYSTERESIS))

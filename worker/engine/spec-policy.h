@@ -32,7 +32,8 @@
  * The sequences are ranked by their first-position acceptance; depth k goes to a prefix
  * of the ranking (nested sets), and every combination of prefix lengths m_1 >= m_2 >= m_3
  * is evaluated (a grid of them beyond SPEC_POLICY_FULL_SEARCH sequences).  A choice only
- * changes when it is better by SPEC_POLICY_HYSTERESIS, so noise does not flap it.  What
+ * changes when it is better by SPEC_POLICY_HYSTERESIS, so noise does not flap it (a batch
+ * that gains or loses a few sequences keeps the same share at each depth).  What
  * is never chosen is never measured, so every so often (an interval that doubles while
  * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps when the neighbours are
  * estimated 20 % or more behind) one step probes one draft
@@ -50,8 +51,12 @@
  * wall time runs, the other one getting a window now and then (an interval that doubles
  * while it confirms the choice, and is longer the wider the gap: an exploring window costs
  * the gap); a window that drafts again after one without is not
- * measured (the MTP caches have holes there).  It catches what the cost model misses (on
- * the tiny model at concurrency 16 it drafted where K = 0 was faster).
+ * measured (the MTP caches have holes there).  A bucket that has run one arm only takes
+ * the other's rate from the nearest buckets (up to two away) that ran both, and tries it
+ * after the interval their gap asks for (at most 16 windows) rather than at once: the
+ * batch sizes a batch passes through as its requests finish are seen too seldom to spend
+ * their first windows on an arm that is far behind next door.  It catches what the cost
+ * model misses (on the tiny model at concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the
  * decode steps will not read are not filled.

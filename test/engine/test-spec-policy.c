@@ -53,10 +53,10 @@ struct outcome {
                                    first verify, which follows its prefill with no drafts) */
 };
 
-/* Requests of N_OUT tokens, conc at a time, 3 rounds to learn and `rounds` measured;
+/* Requests of N_OUT tokens, conc at a time, `learn` rounds to learn and `rounds` measured;
  * every output checked against the greedy reference. */
 static struct outcome run_case(long step_us, long token_us, long mtp_us, float acc, int conc,
-                               int rounds)
+                               int learn, int rounds)
 {
     struct mock_config mc;
     struct engine_config ec;
@@ -84,7 +84,7 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
     ASSERT_EQ(ec.spec_policy, SPEC_POLICY_ADAPTIVE);     /* the default */
     if (engine_new(f, &ec, &e, &err) < 0)
         FAIL("engine_new: %s", err.msg);
-    for (int round = 0; round < 3 + rounds; round++) {
+    for (int round = 0; round < learn + rounds; round++) {
         struct rig_out c[MAX_REQ];
         int32_t prompt[MAX_REQ][16], ref[N_OUT];
         char id[MAX_REQ][16];
@@ -107,7 +107,7 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
                 if (c[i].toks[t] != ref[t])
                     FAIL("request %s token %d: %d, the greedy reference has %d", id[i], t,
                          c[i].toks[t], ref[t]);
-            if (round >= 3) {
+            if (round >= learn) {
                 c[i].mtp.steps_by_drafts[0]--;      /* the verify after the prefill */
                 spec_stats_add(&res.mtp, &c[i].mtp);
             }
@@ -130,7 +130,7 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
 static void test_drafts_pay(void)
 {
     for (int conc = 1; conc <= 4; conc += 3) {
-        struct outcome o = run_case(3000, 10, 50, 0.95f, conc, 3);
+        struct outcome o = run_case(3000, 10, 50, 0.95f, conc, 3, 3);
 
         /* (the last steps of a request allow fewer drafts; a load burst on a shared
          * machine can make three look dearer than two for a while) */
@@ -143,7 +143,7 @@ static void test_drafts_pay(void)
 static void test_drafts_too_dear(void)
 {
     for (int conc = 1; conc <= 4; conc += 3) {
-        struct outcome o = run_case(1000, 10, 2500, 0.8f, conc, 3);
+        struct outcome o = run_case(1000, 10, 2500, 0.8f, conc, 3, 3);
 
         ASSERT_TRUE(o.frac[0] >= 0.8);
     }
@@ -151,7 +151,7 @@ static void test_drafts_too_dear(void)
 
 static void test_drafts_rejected(void)
 {
-    struct outcome o = run_case(1000, 10, 100, 0.02f, 1, 3);
+    struct outcome o = run_case(1000, 10, 100, 0.02f, 1, 3, 3);
 
     ASSERT_TRUE(o.frac[0] >= 0.8);
 }
@@ -162,16 +162,23 @@ static void test_drafts_rejected(void)
  * steps ran at a depth other than the common one).  The empirical prior (spec-policy.c,
  * prior_update) sees no spread beyond the counts' noise and keeps them together, and the
  * gate, which finds no drafts 30 % slower, tries them rarely (before: 30 % of the steps ran
- * without drafts, 58 % at the common depth; now 1-2 % and 83-84 %). */
+ * without drafts, 58 % at the common depth; now 1-3 % and 81-85 %, and 88-91 % at the two
+ * most common neighbouring depths). */
 static void test_equal_streams(void)
 {
-    struct outcome o = run_case(2000, 20, 700, 0.8f, 8, 3);
-    double mode = 0;
+    /* six rounds to learn: a round here is about one of the gate's windows, and its first
+     * window without drafts (the arm it has not measured) must fall in them, not in the
+     * measured rounds wherever the machine's timing puts it (it did once in six runs) */
+    struct outcome o = run_case(2000, 20, 700, 0.8f, 8, 6, 3);
+    double pair = 0;
 
-    for (int k = 0; k <= SPEC_MAX_K; k++)
-        mode = o.frac[k] > mode ? o.frac[k] : mode;
-    printf("  equal streams: %.0f %% of the decode steps at the common depth\n", 100 * mode);
-    ASSERT_TRUE(mode >= 0.7);
+    /* two and three drafts are within 1 % here (8 x 2.44 tokens in 3.88 ms, 8 x 2.95 in
+     * 4.74 ms): the policy may move between them as its measurements move, so the mass is
+     * counted over the best two neighbouring depths */
+    for (int k = 0; k < SPEC_MAX_K; k++)
+        pair = o.frac[k] + o.frac[k + 1] > pair ? o.frac[k] + o.frac[k + 1] : pair;
+    printf("  equal streams: %.0f %% of the decode steps at the two common depths\n", 100 * pair);
+    ASSERT_TRUE(pair >= 0.85);
     ASSERT_TRUE(o.frac[0] <= 0.15);
 }
 

@@ -8,7 +8,8 @@
  *   - the outputs are the greedy reference (K = 0) in every case, at concurrency 1 and 4;
  *   - "draft_policy" in the speculative config, and the K-by-step counts in the stats;
  *   - the gate (driven directly): a new batch size next to a measured one infers the arm it
- *     has not run from its neighbour's instead of trying it at once.
+ *     has not run from its neighbour's instead of trying it at once;
+ *   - probes (driven directly) do not count the cost of an MTP depth that ran cold.
  * The mock sleeps, so the costs are wall-clock: the cases are chosen with margins of 25 %
  * and more between the right depth and its neighbours (a sleep of 50 us takes 150-200 us
  * on a loaded machine), beyond that machine's noise.
@@ -19,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "engine-rig.h"
 #include "engine.h"
 #include "harness.h"
@@ -363,6 +365,64 @@ static void test_gate_inferred(void)
     spec_policy_free(p);
 }
 
+/* One sequence whose drafts are all accepted, trunk steps of 1.5 ms (+ 20 us a token) and
+ * MTP calls that cost `draft_us` each, or `cold_us` for a depth that did not run in the
+ * cycle before (a CPU's caches and sleeping threads: 530 against 87 us on the tiny model),
+ * all slept for real; returns the cycles that drafted. */
+static int drive_cold(struct spec_policy *p, int cycles, long draft_us, long cold_us)
+{
+    static struct spec_accept acc;
+    static int32_t pos;
+    static int depth = 3;
+    static bool ran[SPEC_MAX_K];
+    int drafted = 0;
+
+    for (int c = 0; c < cycles; c++) {
+        struct step_seq ps = { .pos0 = pos, .n_tokens = 1 + depth, .n_logits = 1 + depth };
+        struct spec_seq ss = { .depth = 3, .acc = &acc, .verified = depth, .accepted = depth };
+        struct step_plan plan = { .seqs = &ps, .n_seqs = 1, .n_tokens = 1 + depth };
+        struct timespec ts = { 0, (1500 + 20 * (1 + depth)) * 1000L };
+
+        nanosleep(&ts, NULL);
+        pos += 1 + depth;
+        (void)spec_policy_step(p, &plan, &ss, 1, (double)ts.tv_nsec * 1e-9);
+        depth = ss.depth;
+        drafted += depth > 0;
+        for (int k = 0; k < SPEC_MAX_K; k++) {
+            struct timespec td = { 0, (ran[k] ? draft_us : cold_us) * 1000L };
+            int64_t t0 = clk_now_us();
+
+            ran[k] = k < depth;
+            if (k >= depth)
+                continue;
+            nanosleep(&td, NULL);
+            spec_policy_draft_cost(p, k, 1, false, (double)(clk_now_us() - t0) * 1e-6);
+        }
+    }
+    return drafted;
+}
+
+/* Drafts that stop being dear: first each MTP call costs 6 ms (more than it saves: the
+ * policy stops drafting), then 100 us, but 3 ms for a depth that did not run in the step
+ * before.  A probe from no drafts meets that cold cost every time; counted, it would keep
+ * the policy from drafting for good (it did: 0 of the last 300 cycles drafted).  Probes
+ * that run a cold depth run it for two steps and count the second. */
+static void test_cold_probe(void)
+{
+    struct spec_policy *p;
+    int dear, cheap, last;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 4, 3, 0, &p));
+    dear = drive_cold(p, 150, 6000, 6000);
+    cheap = drive_cold(p, 1200, 100, 3000);
+    last = drive_cold(p, 300, 100, 3000);
+    printf("  cold drafts: cycles that drafted: %d of 150 while dear, then %d of 1200 and %d of the "
+           "last 300 while cheap once warm\n", dear, cheap, last);
+    ASSERT_TRUE(dear <= 50);
+    ASSERT_TRUE(last >= 200);
+    spec_policy_free(p);
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -374,6 +434,7 @@ int main(void)
     test_equal_streams();
     test_stale_entry();
     test_gate_inferred();
+    test_cold_probe();
     printf("test-spec-policy: ok\n");
     return 0;
 }

@@ -75,6 +75,7 @@ struct gate {
     uint8_t ring_n[2], ring_head[2];
     int explore, since;             /* explore every `explore` windows; windows since */
     bool inferred;                  /* the other arm's rate is the neighbours' (gate_infer) */
+    bool drafted;                   /* this window ran MTP work (the model's arm only) */
 };
 
 struct cost {
@@ -108,6 +109,10 @@ struct spec_policy {
     int prev_m[SPEC_MAX_K], prev_n;
     uint64_t n_decisions, n_probes, next_probe;
     int probe_interval, probe_dir;
+    int probe_delta, probe_more;    /* a probe's depth change, and its steps still to run */
+    uint64_t n_steps;               /* spec_policy_step calls */
+    uint64_t draft_ran[SPEC_MAX_K]; /* the step at which each MTP depth last ran */
+    bool last_any;                  /* the last step ran MTP work */
     bool probe_check;               /* the decision after a probe: compare with probe_m */
     int probe_m[SPEC_MAX_K];
 
@@ -365,10 +370,20 @@ static void draft_curve(const struct spec_policy *p, int k, int n, double *out)
 
 void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, double seconds)
 {
+    bool cold;
+
     if (!p || p->mode != SPEC_POLICY_ADAPTIVE)
         return;
     p->last_end_us = clk_now_us();
-    if (fill || k < 0 || k >= p->kmax || m < 1 || m > p->max_seqs)
+    if (k < 0 || k >= p->kmax)
+        return;
+    /* a depth that did not run in the previous step is cold (its weights left the caches,
+     * its threads slept: on the tiny model's 2 threads the first MTP call after a stretch
+     * without drafts took 530 us against 87 us in a run): its cost is not the one drafting
+     * would pay, and probes (two steps) measure the second */
+    cold = p->draft_ran[k] + 1 < p->n_steps;
+    p->draft_ran[k] = p->n_steps;
+    if (fill || cold || m < 1 || m > p->max_seqs)
         return;
     cost_add(p, &p->draft[(size_t)k * (size_t)(p->max_seqs + 1) + (size_t)m], seconds);
 }
@@ -619,7 +634,7 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             best.rate = r;
         }
     }
-    if (p->probe_check) {
+    if (p->probe_check && !p->probe_more) {
         /* after a probe: the interval doubles while probes confirm the choice, but stays
          * short while a neighbour is estimated within a few per cent of it */
         bool same = memcmp(best.m, p->probe_m, sizeof(best.m)) == 0;
@@ -669,6 +684,7 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
 
         if (p->n_decisions >= p->next_probe) {
             bool all_cap = true, all_zero = true;
+            int deep = 0;
 
             for (int pos = 0; pos < nc; pos++) {
                 int d = 0, cap = seqs[p->rank[pos]].depth;
@@ -677,6 +693,7 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
                     d++;
                 all_cap &= d == cap;
                 all_zero &= d == 0;
+                deep = d > deep ? d : deep;
             }
             p->probe_dir = !p->probe_dir;
             delta = all_cap ? -1 : all_zero ? 1 : (p->probe_dir ? 1 : -1);
@@ -686,6 +703,14 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             memcpy(p->probe_m, best.m, sizeof(best.m));
             p->probe_check = true;
             p->next_probe = UINT64_MAX;
+            /* a probe that runs a depth the step before did not runs it twice: the first
+             * time it is cold (spec_policy_draft_cost) */
+            p->probe_delta = delta;
+            p->probe_more = delta > 0 && deep < p->kmax && p->draft_ran[deep] + 1 < p->n_steps
+                                ? SPEC_POLICY_PROBE_STEPS - 1 : 0;
+        } else if (p->probe_more > 0) {
+            delta = p->probe_delta;     /* the probe's next step: the first one ran cold */
+            p->probe_more--;
         }
         p->fill_depth = 0;
         for (int pos = 0; pos < nc; pos++) {
@@ -776,12 +801,19 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
     while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
         b++;
     g = &p->gate[b];
+    g->drafted |= !g->off && p->last_any;
     if (g->steps++ >= GATE_WARM && dt > 0.0 && dt < 1.0) {
         g->tok += tok;
         g->sec += dt;
     }
-    if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S && g->warm) {
+    if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S &&
+        (g->warm || (!g->off && !g->drafted))) {
+        /* a warm window, or one whose model chose no drafts (then both arms are the same,
+         * and only the model's arm probes: it stays) */
+        if (!g->warm && g->since == -1)
+            g->since = 0;
         g->warm = false;
+        g->drafted = false;
         g->steps = 0;
         g->tok = g->sec = 0.0;
     } else if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S) {
@@ -835,6 +867,7 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
             p->gate_switches++;
         g->warm = arm && !best;
         g->off = best;
+        g->drafted = false;
         g->steps = 0;
         g->tok = g->sec = 0.0;
     }
@@ -872,6 +905,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         if (ps->n_logits > 0)
             out += 1 + seqs[i].accepted;
     }
+    p->n_steps++;
     off = gate_step(p, B, out, now);
     /* the acceptance of this step's verifications */
     for (int i = 0; i < n; i++)
@@ -941,6 +975,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
                          p->kmax);
         any |= s->depth > 0;
     }
+    p->last_any = any;
     return any;
 }
 

@@ -36,8 +36,10 @@
  * that gains or loses a few sequences keeps the same share at each depth).  What
  * is never chosen is never measured, so every so often (an interval that doubles while
  * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps when the neighbours are
- * estimated 20 % or more behind) one step probes one draft
- * more per sequence, or one fewer.  Unmeasured costs are extrapolated optimistically (no
+ * estimated 20 % or more behind) a step probes one draft more per sequence, or one fewer
+ * (an MTP depth that did not run in the step before is cold and its cost is not counted:
+ * a probe that runs one runs SPEC_POLICY_PROBE_STEPS steps, the first only warms it).
+ * Unmeasured costs are extrapolated optimistically (no
  * cost beyond the nearest measurement): a new engine starts at the maximum and learns
  * down.  Greedy output never depends on the choice (the verify is exact).  Sampled
  * sequences keep the depth they ask for: their tokens are distributed exactly either way,
@@ -55,7 +57,10 @@
  * the other's rate from the nearest buckets (up to two away) that ran both, and tries it
  * after the interval their gap asks for (at most 16 windows) rather than at once: the
  * batch sizes a batch passes through as its requests finish are seen too seldom to spend
- * their first windows on an arm that is far behind next door.  It catches what the cost
+ * their first windows on an arm that is far behind next door.  A window in which the
+ * model chose no drafts at all decides nothing (both arms ran alike, and only the model's
+ * keeps probing: leaving it would stop the probes that notice drafts paying again).  It
+ * catches what the cost
  * model misses (on the tiny model at concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the
@@ -78,6 +83,7 @@ extern "C" {
 #define SPEC_POLICY_HYSTERESIS 0.03
 #define SPEC_POLICY_PROBE_MIN 8
 #define SPEC_POLICY_PROBE_MAX 128
+#define SPEC_POLICY_PROBE_STEPS 2
 
 struct spec_policy;
 

@@ -265,26 +265,35 @@ static double cell_read(const struct cost *c, uint64_t now, int *ret_fresh)
  * cell's value while there is only one, so that one odd measurement of a rarely chosen
  * configuration, or an old one taken under another load, cannot steer the choice (a
  * cell's freshness is judged when it is read: one that is no longer measured ages out of
- * its curve).  The curve is then made non-decreasing (pool-adjacent-violators weighted the same way: more tokens or more
- * sequences never cost less); beyond the last measured x it stays flat.  false when no
- * cell is measured. */
+ * its curve).  The curve is then made non-decreasing (pool-adjacent-violators weighted the
+ * same way: more tokens or more sequences never cost less); beyond the last measured x it
+ * stays flat.  false when no cell is measured. */
 static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, uint64_t now,
                        double *out)
 {
     double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0, slope = 0, icpt = 0;
     double v[SPEC_MAX_K * 256 + 2], w[SPEC_MAX_K * 256 + 2];
+    double cy[SPEC_MAX_K * 256 + 2];    /* each measured cell's value now (cell_read) */
+    int cfresh[SPEC_MAX_K * 256 + 2];   /* ... and its fresh measurements (0: unmeasured) */
     int len[SPEC_MAX_K * 256 + 2], nb = 0, n_meas = 0, first = -1, last = -1;
 
     if (xn > SPEC_MAX_K * 256)
         xn = SPEC_MAX_K * 256;
     for (int x = 0; x <= xcap; x++) {
         const struct cost *c = &cells[(size_t)x * (size_t)stride];
+        bool kept = x <= xn;            /* the output below reads these */
         double wt, y;
         int fresh;
 
+        if (kept)
+            cfresh[x] = 0;
         if (!c->n)
             continue;
         y = cell_read(c, now, &fresh);
+        if (kept) {
+            cy[x] = y;
+            cfresh[x] = fresh;
+        }
         wt = fresh ? fresh : COST_STALE_W;
         sw += wt;
         sx += wt * x;
@@ -305,15 +314,12 @@ static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, u
         icpt = sy / sw;
     }
     for (int x = 0; x <= xn; x++) {
-        const struct cost *c = x <= xcap ? &cells[(size_t)x * (size_t)stride] : NULL;
         int xc = x < first ? first : (x > last ? last : x);
         double y = icpt + slope * xc, wt = 1.0;
-        int fresh = 0;
-        double yc = c && c->n ? cell_read(c, now, &fresh) : 0.0;
 
-        if (fresh >= COST_TRUST) {
-            y = yc;
-            wt = fresh;
+        if (x <= xcap && cfresh[x] >= COST_TRUST) {
+            y = cy[x];
+            wt = cfresh[x];
         }
         v[nb] = y;
         w[nb] = wt;
@@ -625,9 +631,8 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         int m[SPEC_MAX_K];
         double r;
 
-        for (int k = 0; k < SPEC_MAX_K; k++)
-            m[k] = p->prev_n == nc ? p->prev_m[k]
-                                   : (int)(((int64_t)p->prev_m[k] * nc + p->prev_n / 2) / p->prev_n);
+        for (int k = 0; k < SPEC_MAX_K; k++)     /* (the same choice when nc == prev_n) */
+            m[k] = (int)(((int64_t)p->prev_m[k] * nc + p->prev_n / 2) / p->prev_n);
         r = rate_of(p, B, nc, m);
         if (best.rate < r * (1.0 + SPEC_POLICY_HYSTERESIS)) {
             memcpy(best.m, m, sizeof(m));
@@ -770,11 +775,13 @@ static bool gate_infer(struct spec_policy *p, int b, int arm)
     for (int d = 1; d <= GATE_INFER_DIST && q <= 0.0; d++)
         for (int s = -1; s <= 1; s += 2) {
             int nb = b + s * d;
-            const struct gate *h = &p->gate[nb < 0 ? 0 : nb];
+            const struct gate *h;
             double x;
 
-            if (nb < 0 || nb >= GATE_BUCKETS || !h->ring_n[0] || !h->ring_n[1] ||
-                !(h->rate[0] > 0.0) || !(h->rate[1] > 0.0))
+            if (nb < 0 || nb >= GATE_BUCKETS)
+                continue;
+            h = &p->gate[nb];
+            if (!h->ring_n[0] || !h->ring_n[1] || !(h->rate[0] > 0.0) || !(h->rate[1] > 0.0))
                 continue;
             x = h->rate[!arm] / h->rate[arm];
             if (q <= 0.0 || fabs(log(x)) < fabs(log(q)))

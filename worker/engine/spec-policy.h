@@ -39,9 +39,8 @@
  * estimated 20 % or more behind) a step probes one draft more per sequence, or one fewer
  * (an MTP depth that did not run in the step before is cold and its cost is not counted:
  * a probe that runs one runs SPEC_POLICY_PROBE_STEPS steps, the first only warms it).
- * Unmeasured costs are extrapolated optimistically (no
- * cost beyond the nearest measurement): a new engine starts at the maximum and learns
- * down.  Greedy output never depends on the choice (the verify is exact).  Sampled
+ * Unmeasured costs are extrapolated optimistically (no cost beyond the nearest
+ * measurement): a new engine starts at the maximum and learns down.  Greedy output never depends on the choice (the verify is exact).  Sampled
  * sequences keep the depth they ask for: their tokens are distributed exactly either way,
  * but which tokens a seed gives depends on the drafts they were verified against, and a
  * seed must give the same tokens whatever the machine's load (their drafts still count in
@@ -60,8 +59,8 @@
  * their first windows on an arm that is far behind next door.  A window in which the
  * model chose no drafts at all decides nothing (both arms ran alike, and only the model's
  * keeps probing: leaving it would stop the probes that notice drafts paying again).  It
- * catches what the cost
- * model misses (on the tiny model at concurrency 16 it drafted where K = 0 was faster).
+ * catches what the cost model misses (on the tiny model at concurrency 16 it drafted where
+ * K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the
  * decode steps will not read are not filled.

@@ -365,7 +365,7 @@ static void test_gate_inferred(void)
     spec_policy_free(p);
 }
 
-/* One sequence whose drafts are all accepted, trunk steps of 1.5 ms (+ 20 us a token) and
+/* One sequence whose drafts are all accepted, trunk steps of 3 ms (+ 20 us a token) and
  * MTP calls that cost `draft_us` each, or `cold_us` for a depth that did not run in the
  * cycle before (a CPU's caches and sleeping threads: 530 against 87 us on the tiny model),
  * all slept for real; returns the cycles that drafted. */
@@ -381,7 +381,7 @@ static int drive_cold(struct spec_policy *p, int cycles, long draft_us, long col
         struct step_seq ps = { .pos0 = pos, .n_tokens = 1 + depth, .n_logits = 1 + depth };
         struct spec_seq ss = { .depth = 3, .acc = &acc, .verified = depth, .accepted = depth };
         struct step_plan plan = { .seqs = &ps, .n_seqs = 1, .n_tokens = 1 + depth };
-        struct timespec ts = { 0, (1500 + 20 * (1 + depth)) * 1000L };
+        struct timespec ts = { 0, (3000 + 20 * (1 + depth)) * 1000L };
 
         nanosleep(&ts, NULL);
         pos += 1 + depth;

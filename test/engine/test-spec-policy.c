@@ -416,8 +416,8 @@ static void test_cold_probe(void)
     dear = drive_cold(p, 150, 6000, 6000);
     cheap = drive_cold(p, 2000, 100, 3000);
     last = drive_cold(p, 300, 100, 3000);
-    printf("  cold drafts: cycles that drafted: %d of 150 while dear, then %d of 2000 and %d of the "
-           "last 300 while cheap once warm\n", dear, cheap, last);
+    printf("  cold drafts: cycles that drafted: %d of 150 while dear, then %d of 2000 and %d of "
+           "the last 300 while cheap once warm\n", dear, cheap, last);
     ASSERT_TRUE(dear <= 50);
     ASSERT_TRUE(last >= 200);
     spec_policy_free(p);

@@ -40,11 +40,12 @@
  * (an MTP depth that did not run in the step before is cold and its cost is not counted:
  * a probe that runs one runs SPEC_POLICY_PROBE_STEPS steps, the first only warms it).
  * Unmeasured costs are extrapolated optimistically (no cost beyond the nearest
- * measurement): a new engine starts at the maximum and learns down.  Greedy output never depends on the choice (the verify is exact).  Sampled
- * sequences keep the depth they ask for: their tokens are distributed exactly either way,
- * but which tokens a seed gives depends on the drafts they were verified against, and a
- * seed must give the same tokens whatever the machine's load (their drafts still count in
- * the costs the greedy sequences are chosen against).
+ * measurement): a new engine starts at the maximum and learns down.  Greedy output never
+ * depends on the choice (the verify is exact).  Sampled sequences keep the depth they ask
+ * for: their tokens are distributed exactly either way, but which tokens a seed gives
+ * depends on the drafts they were verified against, and a seed must give the same tokens
+ * whatever the machine's load (their drafts still count in the costs the greedy sequences
+ * are chosen against).
  *
  * Over the model sits a gate, measured rather than modelled: per batch-size bucket (log2 of
  * the decoding sequences) windows of engine cycles run either with the depths chosen above

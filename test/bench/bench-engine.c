@@ -19,7 +19,10 @@
  * output tokens (engine_config.draft_vocab) beside the whole head, and the adaptive policy
  * with it: speed, acceptance per position and MTP time with and without.
  * --mock-mtp-usec U, --mock-accuracy A: the mock's cost of an MTP call and its drafts'
- * accuracy (defaults 300 us, 0.8), to put the policy where drafts pay or do not.
+ * accuracy (defaults 300 us, 0.8), to put the policy where drafts pay or do not;
+ * --mock-step-usec U, --mock-token-usec U: its step cost, fixed and per token (defaults
+ * 2000 and 20: memory-bound, drafts pay at every batch size; a high per-token cost is a
+ * compute-bound model, where they pay at batch 1 and lose in large batches).
  *
  * Prints, in one run: decode tokens/s at batch 1 with K = 0 and K = 3 and their ratio;
  * mean acceptance length and per-position acceptance; output throughput at concurrency
@@ -418,7 +421,7 @@ int main(int argc, char **argv)
     double prof_s = 0;
     bool policy = false, control = false;
     int dv_n = 0;
-    long mock_mtp_usec = 300;
+    long mock_mtp_usec = 300, mock_step_usec = 2000, mock_token_usec = 20;
     float mock_accuracy = 0.8f;
     /* the MTP draft weights: the speculative config's default ("auto") on this CPU backend */
     enum spec_draft_quant sdq = SPEC_DRAFT_AUTO;
@@ -449,6 +452,10 @@ int main(int argc, char **argv)
             mock_mtp_usec = atol(argv[++i]);
         else if (strcmp(argv[i], "--mock-accuracy") == 0 && i + 1 < argc)
             mock_accuracy = (float) atof(argv[++i]);
+        else if (strcmp(argv[i], "--mock-step-usec") == 0 && i + 1 < argc)
+            mock_step_usec = atol(argv[++i]);
+        else if (strcmp(argv[i], "--mock-token-usec") == 0 && i + 1 < argc)
+            mock_token_usec = atol(argv[++i]);
         else if (strcmp(argv[i], "--profile") == 0 && i + 2 < argc) {
             prof_k = atoi(argv[++i]);
             prof_s = atof(argv[++i]);
@@ -461,7 +468,8 @@ int main(int argc, char **argv)
             dir = argv[i];
         else {
             fprintf(stderr, "usage: bench-engine [MODEL_DIR | --mock [--mock-mtp-usec U] "
-                            "[--mock-accuracy A]] [--threads T] [--tokens N] [--draft-quant "
+                            "[--mock-accuracy A] [--mock-step-usec U] [--mock-token-usec U]] "
+                            "[--threads T] [--tokens N] [--draft-quant "
                             "auto|none|mxfp4] [--profile K SECONDS] [--policy | --policy-control "
                             "| --draft-vocab N] [--rounds N]\n");
             return 2;
@@ -474,8 +482,9 @@ int main(int argc, char **argv)
     int n_eos = 0;
     char mock_what[160];
     const char *what = mock_what;
-    snprintf(mock_what, sizeof(mock_what), "mock (2 ms/step + 20 us/token, %.2f ms/MTP call, "
-             "accuracy %.2f)", mock_mtp_usec / 1000.0, mock_accuracy);
+    snprintf(mock_what, sizeof(mock_what), "mock (%.2f ms/step + %ld us/token, %.2f ms/MTP call, "
+             "accuracy %.2f)", mock_step_usec / 1000.0, mock_token_usec, mock_mtp_usec / 1000.0,
+             mock_accuracy);
     struct model_rig rig = { 0 };
     if (!mock) {
         if (!dir)
@@ -497,8 +506,8 @@ int main(int argc, char **argv)
     mc.max_seqs = 16;
     mc.max_tokens_per_step = 256;
     mc.n_blocks[0] = mc.n_blocks[1] = 2048;
-    mc.step_usec = 2000;
-    mc.token_usec = 20;
+    mc.step_usec = mock_step_usec;
+    mc.token_usec = mock_token_usec;
     mc.mtp_usec = mock_mtp_usec;
     mc.mtp_accuracy = mock_accuracy;
     if (mock) {

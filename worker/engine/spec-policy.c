@@ -30,6 +30,7 @@
 #define COST_FRESH 128
 #define COST_TRUST 3
 #define COST_STALE_W 0.25           /* a stale cell's weight in its curve's line */
+#define COST_WAKE_S 0.01            /* work this soon after an idle wait is cold */
 #define ACC_DECAY 0.9f
 #define ACC_PRIOR 8.0
 #define ACC_PRIOR_MAX 256.0
@@ -41,15 +42,22 @@
 
 /* The gate (spec-policy.h): per batch-size bucket (log2 of the decoding sequences), windows
  * of GATE_WINDOW engine cycles (and GATE_WINDOW_S seconds), the first GATE_WARM not
- * measured, and after a window without drafts a whole one (the skipped MTP positions are
- * holes in their caches until the layer's window passes them), run with
- * the drafts the model chooses or with none; the arm whose last windows emitted more
- * tokens per second of wall time runs, by GATE_HYSTERESIS, and the other one gets a
- * window every `explore` windows (GATE_EXPLORE_MIN, doubling up to GATE_EXPLORE_MAX while
- * it confirms the choice).  An exploring window costs the gap between the arms, and the
- * wider the gap the less likely the next one reverses it: the interval is at least
- * GATE_EXPLORE_MIN * (gap / GATE_GAP_UNIT)^2 (gate_interval; after a switch a quarter of
- * it), so an arm 20 % behind is tried again after 128 windows, not 8. */
+ * measured, run in one of two arms: the drafts the model chooses (0), or none of them (1:
+ * only its probes draft).  What a window measured is what ran: a window in which the model
+ * drafted in at least half the cycles measures drafting, one in which it drafted in none
+ * (or in arm 1) measures no drafts, one in between (or a warm one, below) nothing, and the
+ * windows either side of it still pair.  The evidence is paired: each window that
+ * measured one arm right after one that measured the other gives the log of their rates'
+ * ratio (a load that comes and goes on a shared machine falls on both), and the median
+ * of the last GATE_RING such pairs decides: drafting runs when it is ahead by
+ * GATE_HYSTERESIS, a tie runs without.
+ * The arm that loses gets a window every `explore` windows (GATE_EXPLORE_MIN, doubling up
+ * to GATE_EXPLORE_MAX while it confirms the choice); an exploring window costs the gap
+ * between the arms, and the wider the gap the less likely the next one reverses it: the
+ * interval is at least GATE_EXPLORE_MIN * (gap / GATE_GAP_UNIT)^2 (gate_interval; after a
+ * switch a quarter of it), so an arm 20 % behind is tried again after 128 windows, not 8.
+ * After a window without drafts the next drafting one is not measured at all (warm: the
+ * skipped MTP positions are holes in their caches until the layer's window passes them). */
 #define GATE_BUCKETS 8
 #define GATE_WINDOW 32
 #define GATE_WINDOW_S 0.05
@@ -58,24 +66,24 @@
 #define GATE_EXPLORE_MIN 8
 #define GATE_EXPLORE_SWITCH 2
 #define GATE_EXPLORE_MAX 128
-#define GATE_RING 3
+#define GATE_RING 5
 #define GATE_GAP_UNIT 0.05
-#define GATE_INFER_DIST 2           /* buckets away a rate may be inferred from */
+#define GATE_INFER_DIST 2           /* buckets away a ratio may be inferred from */
 #define GATE_INFER_MAX 16           /* the most windows an inferred arm waits for its first */
 
 struct gate {
-    bool off;                       /* this window: no drafts, no fill chains */
+    bool off;                       /* this window: the model's drafts suppressed (arm 1) */
     bool warm;                      /* this window drafts again after one without: its MTP
                                      * caches have holes, it is not measured */
-    int steps;                      /* cycles into the window */
+    int steps, chose;               /* cycles into the window; those the model drafted in */
     double tok, sec;                /* its measured part */
-    double rate[2];                 /* tokens/s: [0] drafting as chosen, [1] none; 0 unknown:
-                                     * the median of the arm's last GATE_RING windows */
-    float ring[2][GATE_RING];
-    uint8_t ring_n[2], ring_head[2];
+    int last;                       /* the arm the last measured window measured (-1: none) */
+    double last_rate;               /* ... and its tokens/s */
+    float ring[GATE_RING];          /* log(rate without drafts / rate with), adjacent pairs */
+    uint8_t ring_n, ring_head;
+    double lq;                      /* the ring's median, or the neighbours' (inferred) */
+    bool inferred;                  /* lq is the neighbours' (gate_infer) */
     int explore, since;             /* explore every `explore` windows; windows since */
-    bool inferred;                  /* the other arm's rate is the neighbours' (gate_infer) */
-    bool drafted;                   /* this window ran MTP work (the model's arm only) */
 };
 
 struct cost {
@@ -103,16 +111,18 @@ struct spec_policy {
     int fix_x, fix_cnt[SPEC_MAX_K];
     double fix_gain;
     int64_t last_end_us;            /* end of the last decode step's work (0: none) */
+    int64_t wake_us;                /* the end of the last idle wait (0: none) */
     bool last_decode;
 
     /* decisions */
     int prev_m[SPEC_MAX_K], prev_n;
     uint64_t n_decisions, n_probes, next_probe;
     int probe_interval, probe_dir;
-    int probe_delta, probe_more;    /* a probe's depth change, and its steps still to run */
+    int probe_k, probe_delta;       /* a probe's frontier and its direction (+1 / -1) */
+    int probe_more;                 /* the probe's steps still to run */
     uint64_t n_steps;               /* spec_policy_step calls */
     uint64_t draft_ran[SPEC_MAX_K]; /* the step at which each MTP depth last ran */
-    bool last_any;                  /* the last step ran MTP work */
+    bool chose;                     /* the last decision's model chose drafts (probes aside) */
     bool probe_check;               /* the decision after a probe: compare with probe_m */
     int probe_m[SPEC_MAX_K];
 
@@ -163,8 +173,10 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
     }
     p->probe_interval = SPEC_POLICY_PROBE_MIN;
     p->next_probe = SPEC_POLICY_PROBE_MIN;
-    for (int b = 0; b < GATE_BUCKETS; b++)
+    for (int b = 0; b < GATE_BUCKETS; b++) {
         p->gate[b].explore = GATE_EXPLORE_MIN;
+        p->gate[b].last = -1;
+    }
     p->window = window;
     p->fill_depth = -1;
     *ret = p;
@@ -266,8 +278,11 @@ static double cell_read(const struct cost *c, uint64_t now, int *ret_fresh)
  * configuration, or an old one taken under another load, cannot steer the choice (a
  * cell's freshness is judged when it is read: one that is no longer measured ages out of
  * its curve).  The curve is then made non-decreasing (pool-adjacent-violators weighted the
- * same way: more tokens or more sequences never cost less); beyond the last measured x it
- * stays flat.  false when no cell is measured. */
+ * same way: more tokens or more sequences never cost less).  Below the first measured x
+ * the curve stays flat (fewer drafts are not assumed cheaper than the fewest measured: a
+ * new engine starts at the maximum and learns down); beyond the last it follows the line
+ * (a probe moves a quarter of the sequences, and the line through it and the choice is
+ * what the whole batch would pay).  false when no cell is measured. */
 static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, uint64_t now,
                        double *out)
 {
@@ -275,7 +290,7 @@ static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, u
     double v[SPEC_MAX_K * 256 + 2], w[SPEC_MAX_K * 256 + 2];
     double cy[SPEC_MAX_K * 256 + 2];    /* each measured cell's value now (cell_read) */
     int cfresh[SPEC_MAX_K * 256 + 2];   /* ... and its fresh measurements (0: unmeasured) */
-    int len[SPEC_MAX_K * 256 + 2], nb = 0, n_meas = 0, first = -1, last = -1;
+    int len[SPEC_MAX_K * 256 + 2], nb = 0, n_meas = 0, first = -1;
 
     if (xn > SPEC_MAX_K * 256)
         xn = SPEC_MAX_K * 256;
@@ -302,7 +317,6 @@ static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, u
         sxy += wt * x * y;
         n_meas++;
         first = first < 0 ? x : first;
-        last = x;
     }
     if (!n_meas)
         return false;
@@ -314,7 +328,7 @@ static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, u
         icpt = sy / sw;
     }
     for (int x = 0; x <= xn; x++) {
-        int xc = x < first ? first : (x > last ? last : x);
+        int xc = x < first ? first : x;
         double y = icpt + slope * xc, wt = 1.0;
 
         if (x <= xcap && cfresh[x] >= COST_TRUST) {
@@ -374,22 +388,33 @@ static void draft_curve(const struct spec_policy *p, int k, int n, double *out)
         out[m] = 0.0;
 }
 
+/* Whether work that started at `start` (us) ran cold after an idle wait: within
+ * COST_WAKE_S of its end.  After a wait the first steps of the tiny model on 2 threads took
+ * 0.9, 0.8, 0.7 ms ... before they settled at 0.5 ms (at one sequence; the first step at 16):
+ * no configuration pays that in a run, and one that happens to be measured there reads dear
+ * until it is chosen again. */
+static bool woken(const struct spec_policy *p, int64_t start)
+{
+    return p->wake_us > 0 && start - p->wake_us < (int64_t)(COST_WAKE_S * 1e6);
+}
+
 void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, double seconds)
 {
-    bool cold;
+    bool cold, woke;
 
     if (!p || p->mode != SPEC_POLICY_ADAPTIVE)
         return;
     p->last_end_us = clk_now_us();
     if (k < 0 || k >= p->kmax)
         return;
+    woke = woken(p, p->last_end_us - (int64_t)(seconds * 1e6));
     /* a depth that did not run in the previous step is cold (its weights left the caches,
      * its threads slept: on the tiny model's 2 threads the first MTP call after a stretch
      * without drafts took 530 us against 87 us in a run): its cost is not the one drafting
      * would pay, and probes (two steps) measure the second */
     cold = p->draft_ran[k] + 1 < p->n_steps;
     p->draft_ran[k] = p->n_steps;
-    if (fill || cold || m < 1 || m > p->max_seqs)
+    if (fill || cold || woke || m < 1 || m > p->max_seqs)
         return;
     cost_add(p, &p->draft[(size_t)k * (size_t)(p->max_seqs + 1) + (size_t)m], seconds);
 }
@@ -579,14 +604,61 @@ static void search(const struct spec_policy *p, int B, int n, struct choice *bes
     }
 }
 
-/* The depths of the decoding sequences (candidates p->cand[0 .. nc)). */
-static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int B,
-                   int nc, int sum_cap)
+/* The depth of the sequence at ranking position pos under prefix lengths m, at most cap. */
+static int depth_of(const struct spec_policy *p, const int *m, int pos, int cap)
 {
+    int d = 0;
+
+    while (d < p->kmax && pos < m[d] && cap > d)
+        d++;
+    return d;
+}
+
+/* A probe's prefix lengths out: m with depth k's frontier moved by `share` sequences,
+ * dir > 0 down the ranking (the sequences just past it draft once more), dir < 0 up it
+ * (the last ones inside draft once less), kept nested (m[k - 1] >= m[k] >= m[k + 1]);
+ * false when that changes no candidate's depth (their caps included). */
+static bool probe_shift(const struct spec_policy *p, const struct spec_seq *seqs, int nc,
+                        const int *m, int k, int dir, int share, int *out)
+{
+    int lim;
+
+    memcpy(out, m, SPEC_MAX_K * sizeof(*out));
+    if (dir > 0) {
+        lim = k == 0 ? nc : m[k - 1];
+        out[k] = m[k] + share < lim ? m[k] + share : lim;
+    } else {
+        lim = k + 1 < p->kmax ? m[k + 1] : 0;
+        out[k] = m[k] - share > lim ? m[k] - share : lim;
+    }
+    for (int pos = 0; pos < nc; pos++) {
+        int cap = seqs[p->rank[pos]].depth;
+
+        if (depth_of(p, out, pos, cap) != depth_of(p, m, pos, cap))
+            return true;
+    }
+    return false;
+}
+
+/* The depths of the decoding sequences (candidates p->cand[0 .. nc)); `off`: the gate's
+ * window without drafts, where only the probes draft (p->chose still says whether the model
+ * would have). */
+static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int B,
+                   int nc, int sum_cap, bool off, int probe_floor)
+{
+    static const int none[SPEC_MAX_K];
     struct choice best;
 
-    if (!verify_curve(p, B, sum_cap + p->fix_x < p->xmax ? sum_cap + p->fix_x : p->xmax, p->cv))
-        return;                 /* nothing measured yet: the maximum (and learn) */
+    if (!verify_curve(p, B, sum_cap + p->fix_x < p->xmax ? sum_cap + p->fix_x : p->xmax, p->cv)) {
+        /* nothing measured yet: the maximum (and learn) */
+        p->chose = true;
+        for (int c = 0; off && c < nc; c++) {
+            seqs[p->cand[c]].depth = 0;
+            plan->seqs[p->cand[c]].mtp_depth = 0;
+        }
+        p->fill_depth = off ? 0 : p->fill_depth;
+        return;
+    }
     prior_update(p, seqs, nc);
     /* rank the candidates by first-position acceptance (insertion sort, stable) */
     for (int c = 0; c < nc; c++) {
@@ -661,6 +733,10 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             cap *= 2;
         p->probe_interval = same ? p->probe_interval * 2 : SPEC_POLICY_PROBE_MIN;
         p->probe_interval = p->probe_interval < cap ? p->probe_interval : cap;
+        /* where the gate has measured drafting slower and runs without, a probe that drafts
+         * costs that gap: probes come no oftener than the gate's own explorations, counted
+         * in decisions rather than windows */
+        p->probe_interval = p->probe_interval > probe_floor ? p->probe_interval : probe_floor;
         p->next_probe = p->n_decisions + (uint64_t)p->probe_interval;
         p->probe_check = false;
     }
@@ -683,201 +759,225 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
                   accept_at(p, NULL, 1), accept_at(p, NULL, 2));
     }
 
-    /* depths: a prefix per depth, nested; on a probe one more (or one fewer) each */
+    /* depths: a prefix per depth, nested (none in the gate's window without drafts); a
+     * probe moves one depth's frontier by `share` sequences (one draft more for the
+     * sequences ranked just below it, or one fewer for those just above: probe_shift), and
+     * runs again in the next step if the first one ran a depth cold */
     {
-        int delta = 0;
+        int pm[SPEC_MAX_K], share = (nc + SPEC_POLICY_PROBE_SHARE - 1) / SPEC_POLICY_PROBE_SHARE;
+        const int *base = off ? none : best.m;
+        bool probing = false;
 
         if (p->n_decisions >= p->next_probe) {
-            bool all_cap = true, all_zero = true;
-            int deep = 0;
+            double pr = -1.0;
 
-            for (int pos = 0; pos < nc; pos++) {
-                int d = 0, cap = seqs[p->rank[pos]].depth;
-
-                while (d < p->kmax && pos < best.m[d] && cap > d)
-                    d++;
-                all_cap &= d == cap;
-                all_zero &= d == 0;
-                deep = d > deep ? d : deep;
-            }
+            /* the preferred direction first (they alternate), and in it the frontier
+             * whose move the model rates best: the neighbour most likely to overturn
+             * the choice */
             p->probe_dir = !p->probe_dir;
-            delta = all_cap ? -1 : all_zero ? 1 : (p->probe_dir ? 1 : -1);
-            if (all_cap && all_zero)
-                delta = 0;
-            p->n_probes += delta != 0;
+            for (int t = 0; t < 2 && pr < 0.0; t++) {
+                int dir = (p->probe_dir ^ t) ? 1 : -1;
+
+                for (int k = 0; k < p->kmax; k++) {
+                    double r;
+
+                    if (!probe_shift(p, seqs, nc, base, k, dir, share, pm))
+                        continue;
+                    r = rate_of(p, B, nc, pm);
+                    if (r > pr) {
+                        pr = r;
+                        p->probe_k = k;
+                        p->probe_delta = dir;
+                    }
+                }
+            }
+            probing = pr >= 0.0;
+            p->n_probes += probing;
             memcpy(p->probe_m, best.m, sizeof(best.m));
             p->probe_check = true;
             p->next_probe = UINT64_MAX;
             /* a probe that runs a depth the step before did not runs it twice: the first
              * time it is cold (spec_policy_draft_cost) */
-            p->probe_delta = delta;
-            p->probe_more = delta > 0 && deep < p->kmax && p->draft_ran[deep] + 1 < p->n_steps
+            p->probe_more = probing && p->probe_delta > 0 &&
+                            p->draft_ran[p->probe_k] + 1 < p->n_steps
                                 ? SPEC_POLICY_PROBE_STEPS - 1 : 0;
         } else if (p->probe_more > 0) {
-            delta = p->probe_delta;     /* the probe's next step: the first one ran cold */
-            p->probe_more--;
+            p->probe_more--;            /* the probe's next step: the first one ran cold */
+            probing = true;
         }
+        if (probing)
+            probing = probe_shift(p, seqs, nc, base, p->probe_k, p->probe_delta, share, pm);
         p->fill_depth = 0;
         for (int pos = 0; pos < nc; pos++) {
-            int i = p->rank[pos], cap = seqs[i].depth, d = 0;
+            int i = p->rank[pos], cap = seqs[i].depth, d = depth_of(p, best.m, pos, cap);
 
-            while (d < p->kmax && pos < best.m[d] && cap > d)
-                d++;
+            p->chose |= d > 0;
+            d = off ? 0 : d;
             p->fill_depth = d > p->fill_depth ? d : p->fill_depth;
-            d += delta;
-            d = d < 0 ? 0 : (d > cap ? cap : d);
+            if (probing)
+                d = depth_of(p, pm, pos, cap);
             seqs[i].depth = d;
             plan->seqs[i].mtp_depth = d;
         }
     }
 }
 
-/* A window's rate into the arm's ring; returns the ring's median (of 1, 2 or 3: one
- * disturbed window moves it no further than its neighbours) */
-static double gate_rate_add(struct gate *g, int arm, double r)
+/* A pair's log ratio into the bucket's ring; lq becomes the ring's median (of up to
+ * GATE_RING: one disturbed pair moves it no further than its neighbours) */
+static void gate_pair_add(struct gate *g, double q)
 {
     float v[GATE_RING];
-    int n;
 
-    g->ring[arm][g->ring_head[arm]] = (float)r;
-    g->ring_head[arm] = (uint8_t)((g->ring_head[arm] + 1) % GATE_RING);
-    if (g->ring_n[arm] < GATE_RING)
-        g->ring_n[arm]++;
-    n = g->ring_n[arm];
-    memcpy(v, g->ring[arm], sizeof(v));
-    return median_sort(v, n);
+    g->ring[g->ring_head] = (float)q;
+    g->ring_head = (uint8_t)((g->ring_head + 1) % GATE_RING);
+    if (g->ring_n < GATE_RING)
+        g->ring_n++;
+    memcpy(v, g->ring, sizeof(v));
+    g->lq = median_sort(v, g->ring_n);
+    g->inferred = false;
 }
 
-/* The explore interval that the gap between the arms' rates asks for (windows):
+/* The explore interval that the gap between the arms asks for (windows):
  * GATE_EXPLORE_MIN * (gap / GATE_GAP_UNIT)^2, capped at GATE_EXPLORE_MAX */
 static int gate_interval(const struct gate *g)
 {
-    double hi = g->rate[0] > g->rate[1] ? g->rate[0] : g->rate[1];
-    double lo = g->rate[0] > g->rate[1] ? g->rate[1] : g->rate[0];
-    double u;
+    double u = (exp(fabs(g->lq)) - 1.0) / GATE_GAP_UNIT;
 
-    if (!(lo > 0.0))
-        return GATE_EXPLORE_MIN;
-    u = (hi / lo - 1.0) / GATE_GAP_UNIT;
     u = GATE_EXPLORE_MIN * u * u;
     return u < GATE_EXPLORE_MIN ? GATE_EXPLORE_MIN
                                 : (u > GATE_EXPLORE_MAX ? GATE_EXPLORE_MAX : (int)u);
 }
 
-/* While bucket b has measured only `arm`: the other arm's rate inferred from the nearest
- * buckets that measured both (the ratio of theirs nearest to 1, at the least distance);
- * false (and nothing set) when none did. */
-static bool gate_infer(struct spec_policy *p, int b, int arm)
+/* The fewest decisions between probes while gate g runs without drafts: its explore
+ * interval where it has measured (or inferred) the gap, else none. */
+static int gate_probe_floor(const struct gate *g)
+{
+    return g->ring_n || g->inferred ? gate_interval(g) : 0;
+}
+
+/* While bucket b has no pair of its own: the ratio of the nearest buckets that have (the
+ * one nearest to 1, at the least distance) into its lq; false (nothing set) when none has. */
+static bool gate_infer(struct spec_policy *p, int b)
 {
     struct gate *g = &p->gate[b];
+    bool found = false;
     double q = 0.0;
 
-    for (int d = 1; d <= GATE_INFER_DIST && q <= 0.0; d++)
+    for (int d = 1; d <= GATE_INFER_DIST && !found; d++)
         for (int s = -1; s <= 1; s += 2) {
             int nb = b + s * d;
-            const struct gate *h;
-            double x;
 
-            if (nb < 0 || nb >= GATE_BUCKETS)
+            if (nb < 0 || nb >= GATE_BUCKETS || !p->gate[nb].ring_n)
                 continue;
-            h = &p->gate[nb];
-            if (!h->ring_n[0] || !h->ring_n[1] || !(h->rate[0] > 0.0) || !(h->rate[1] > 0.0))
-                continue;
-            x = h->rate[!arm] / h->rate[arm];
-            if (q <= 0.0 || fabs(log(x)) < fabs(log(q)))
-                q = x;
+            if (!found || fabs(p->gate[nb].lq) < fabs(q))
+                q = p->gate[nb].lq;
+            found = true;
         }
-    if (!(q > 0.0))
-        return false;
-    g->rate[!arm] = g->rate[arm] * q;
-    return true;
+    if (found)
+        g->lq = q;
+    return found;
+}
+
+/* The gate of B decoding sequences (B >= 1): bucket log2(B). */
+static struct gate *gate_of(struct spec_policy *p, int B)
+{
+    int b = 0;
+
+    while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
+        b++;
+    return &p->gate[b];
 }
 
 /* The gate's bookkeeping for one engine cycle of B decoding sequences that emitted tok
- * tokens; returns whether this step runs without drafts.  A window's end picks the next
- * arm (the gate above). */
+ * tokens; returns whether this step runs without the model's drafts.  A window's end
+ * picks the next arm (the gate above). */
 static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
 {
-    int b = 0;
+    int b, arm, eff, best;
     struct gate *g;
     double dt = p->gate_last_us > 0 ? (double)(now - p->gate_last_us) * 1e-6 : 0.0;
+    bool explored, known, paired = false;
 
     p->gate_last_us = now;
     if (B < 1)
         return false;
-    while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
-        b++;
-    g = &p->gate[b];
-    g->drafted |= !g->off && p->last_any;
+    g = gate_of(p, B);
+    b = (int)(g - p->gate);
+    g->chose += p->chose;
     if (g->steps++ >= GATE_WARM && dt > 0.0 && dt < 1.0) {
         g->tok += tok;
         g->sec += dt;
     }
-    if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S &&
-        (g->warm || (!g->off && !g->drafted))) {
-        /* a warm window, or one whose model chose no drafts (then both arms are the same,
-         * and only the model's arm probes: it stays) */
-        if (!g->warm && g->since == -1)
-            g->since = 0;
-        g->warm = false;
-        g->drafted = false;
-        g->steps = 0;
-        g->tok = g->sec = 0.0;
-    } else if (g->steps >= GATE_WARM + GATE_WINDOW && g->sec >= GATE_WINDOW_S) {
-        int arm = g->off, best;
+    if (g->steps < GATE_WARM + GATE_WINDOW || g->sec < GATE_WINDOW_S)
+        return g->off;
+    arm = g->off;
+    explored = g->since == -1;          /* this window explored the arm that loses */
+    /* what the window measured: 0 drafting, 1 none, -1 nothing (warm, or drafting in
+     * fewer than half its cycles: a window the model began or stopped drafting in; the
+     * windows either side still pair) */
+    eff = g->warm ? -1 : (arm || !g->chose) ? 1 : 2 * g->chose >= g->steps ? 0 : -1;
+    if (eff >= 0) {
         double r = g->tok / g->sec;
-        bool explored = g->since == -1;     /* this window explored the other arm */
 
-        g->rate[arm] = gate_rate_add(g, arm, r);
-        if (!g->ring_n[!arm] && gate_infer(p, b, arm) && !g->inferred) {
-            /* the other arm is not measured here, but it is nearby: its windows wait for
-             * the interval the neighbours' gap asks for (a batch size seen only in the
-             * tails of larger batches would otherwise spend its first windows on it) */
-            int gi = gate_interval(g);
-
-            g->inferred = true;
-            g->explore = gi < GATE_INFER_MAX ? gi : GATE_INFER_MAX;
-            g->since = 0;
+        if (g->last == !eff && g->last_rate > 0.0 && r > 0.0) {
+            gate_pair_add(g, eff ? log(r / g->last_rate) : log(g->last_rate / r));
+            paired = true;
         }
-        if (g->rate[!arm] <= 0.0)
-            best = !arm;                    /* the other arm is not known yet */
-        else if (g->rate[!arm] > g->rate[arm] * (1.0 + GATE_HYSTERESIS))
-            best = !arm;
-        else if (g->rate[arm] > g->rate[!arm] * (1.0 + GATE_HYSTERESIS))
-            best = arm;
-        else
-            best = 0;                       /* a tie: drafting as chosen */
+        g->last = eff;
+        g->last_rate = r;
+    }
+    if (!g->ring_n && gate_infer(p, b) && !g->inferred) {
+        /* no pair here, but the neighbours have one: the arm they find slower waits for
+         * the interval their gap asks for (a batch size seen only in the tails of larger
+         * batches would otherwise spend its first windows on it) */
+        int gi = gate_interval(g);
+
+        g->inferred = true;
+        g->explore = gi < GATE_INFER_MAX ? gi : GATE_INFER_MAX;
+        g->since = 0;
+    }
+    known = g->ring_n || g->inferred;
+    if (g->warm) {
+        best = arm;                     /* the warm window ends: the measured one follows */
+    } else if (!known) {
+        best = eff == 0;                /* after a window that drafted, one without */
+    } else {
+        int v = g->lq > -log1p(GATE_HYSTERESIS);    /* a tie: no drafts */
+
         if (explored) {
             /* did the exploring window confirm the arm it left?  Then twice the interval,
-             * or what the gap asks for */
+             * or what the gap asks for (an exploration that measured no pair says nothing) */
             int gi = gate_interval(g);
 
-            g->explore = best == !arm ? (g->explore * 2 > GATE_EXPLORE_MAX ? GATE_EXPLORE_MAX
-                                                                          : g->explore * 2)
-                                      : GATE_EXPLORE_MIN;
-            if (best == !arm && gi > g->explore)
+            if (paired)
+                g->explore = v == !arm ? (g->explore * 2 > GATE_EXPLORE_MAX ? GATE_EXPLORE_MAX
+                                                                            : g->explore * 2)
+                                       : GATE_EXPLORE_MIN;
+            if (v == !arm && gi > g->explore)
                 g->explore = gi;
             g->since = 0;
-        } else if (best == arm && ++g->since >= g->explore && g->rate[!arm] > 0.0) {
-            best = !arm;                    /* explore the other arm for one window */
-            g->since = -1;
-        }
-        if (best != arm && !explored && g->since != -1) {
-            /* a switch on measurements (not an exploration): the arm left is checked again
-             * soon, so that one disturbed window does not decide for long */
+            best = v;
+        } else if (v == arm) {
+            best = ++g->since >= g->explore ? !v : v;   /* explore the other for a window */
+            g->since = best == v ? g->since : -1;
+        } else {
+            /* a switch on a pair from windows the model drafted in or not on its own: the
+             * arm left is checked again soon, so that one disturbed pair does not decide
+             * for long */
             int gi = gate_interval(g) / 4;
 
             g->explore = gi > GATE_EXPLORE_SWITCH ? gi : GATE_EXPLORE_SWITCH;
             g->since = 0;
+            best = v;
         }
-        if (best != arm)
-            p->gate_switches++;
-        g->warm = arm && !best;
-        g->off = best;
-        g->drafted = false;
-        g->steps = 0;
-        g->tok = g->sec = 0.0;
     }
+    if (best != arm)
+        p->gate_switches++;
+    g->warm = arm && !best;
+    g->off = best;
+    g->chose = 0;
+    g->steps = 0;
+    g->tok = g->sec = 0.0;
     return g->off;
 }
 
@@ -887,6 +987,7 @@ void spec_policy_idle(struct spec_policy *p)
         return;
     p->gate_last_us = 0;
     p->last_end_us = 0;
+    p->wake_us = clk_now_us();
 }
 
 bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int n,
@@ -894,7 +995,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
 {
     int B = 0, nc = 0, tok = 0, sum_cap = 0, out = 0;
     bool decode = true, any = false, off;
-    int64_t now = clk_now_us();
+    int64_t now = clk_now_us(), start;
 
     if (!p || p->mode != SPEC_POLICY_ADAPTIVE) {
         for (int i = 0; i < n; i++)
@@ -919,9 +1020,8 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         if (seqs[i].acc && seqs[i].verified > 0)
             accept_add(p, seqs[i].acc, seqs[i].verified, seqs[i].accepted);
     /* the step's cost, and the rest of the cycle since the previous decode step */
-    if (decode && B >= 1 && B <= p->max_seqs && tok - B <= p->xmax) {
-        int64_t start = now - (int64_t)(step_s * 1e6);
-
+    start = now - (int64_t)(step_s * 1e6);
+    if (decode && B >= 1 && B <= p->max_seqs && tok - B <= p->xmax && !woken(p, start)) {
         cost_add(p, verify_cell(p, B, tok - B), step_s);
         if (p->last_decode && p->last_end_us > 0 && start >= p->last_end_us &&
             (double)(start - p->last_end_us) * 1e-6 < 2.0 * step_s)
@@ -955,18 +1055,12 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         p->cand[nc++] = i;
         sum_cap += q->depth;
     }
-    if (nc > 0 && off) {
-        /* the gate's window without drafts: no chain at all (sampled ones keep theirs) */
-        for (int c = 0; c < nc; c++) {
-            seqs[p->cand[c]].depth = 0;
-            plan->seqs[p->cand[c]].mtp_depth = 0;
-        }
+    p->chose = false;
+    if (nc > 0)     /* (in the gate's window without drafts only the probes draft) */
+        decide(p, plan, seqs, B < nc ? nc : (B > p->max_seqs ? p->max_seqs : B), nc, sum_cap,
+               off, off && B >= 1 ? gate_probe_floor(gate_of(p, B)) : 0);
+    else if (off)
         p->fill_depth = 0;
-    } else if (nc > 0) {
-        decide(p, plan, seqs, B < nc ? nc : (B > p->max_seqs ? p->max_seqs : B), nc, sum_cap);
-    } else if (off) {
-        p->fill_depth = 0;
-    }
     /* prompt chunks fill the caches the decode steps will read; every chain's positions */
     for (int i = 0; i < n; i++) {
         const struct step_seq *ps = &plan->seqs[i];
@@ -982,7 +1076,6 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
                          p->kmax);
         any |= s->depth > 0;
     }
-    p->last_any = any;
     return any;
 }
 

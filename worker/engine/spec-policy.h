@@ -23,8 +23,10 @@
  *                while there are enough of them: the policy chooses by the rate a depth
  *                keeps once it runs, not by the transient after a switch or a probe;
  *   C_verify     the seconds of a decode step of B sequences and n tokens (forward pass and
- *                verification), measured per (B, n) and interpolated along n;
- *   C_draft      the seconds of MTP depth k for m sequences, measured per (k, m);
+ *                verification), measured per (B, n), interpolated along n and extended
+ *                along the line through the measured n beyond the largest;
+ *   C_draft      the seconds of MTP depth k for m sequences, measured per (k, m), and
+ *                interpolated and extended along m the same way;
  *   C_rest       the rest of a step (scheduling, delivery), measured as the gap between
  *                decode steps;
  *   m_k          the sequences drafting at depth k (d_i > k).
@@ -36,32 +38,46 @@
  * that gains or loses a few sequences keeps the same share at each depth).  What
  * is never chosen is never measured, so every so often (an interval that doubles while
  * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps when the neighbours are
- * estimated 20 % or more behind) a step probes one draft more per sequence, or one fewer
- * (an MTP depth that did not run in the step before is cold and its cost is not counted:
- * a probe that runs one runs SPEC_POLICY_PROBE_STEPS steps, the first only warms it).
- * Unmeasured costs are extrapolated optimistically (no cost beyond the nearest
- * measurement): a new engine starts at the maximum and learns down.  Greedy output never
- * depends on the choice (the verify is exact).  Sampled sequences keep the depth they ask
- * for: their tokens are distributed exactly either way, but which tokens a seed gives
- * depends on the drafts they were verified against, and a seed must give the same tokens
- * whatever the machine's load (their drafts still count in the costs the greedy sequences
- * are chosen against).
+ * estimated 20 % or more behind, and no shorter than the gate's own exploration interval
+ * while the gate runs without drafts) a step probes: one depth's frontier in the ranking
+ * moves by 1/SPEC_POLICY_PROBE_SHARE of the sequences (at least one), giving them one
+ * draft more or one fewer, the move the model rates best in the direction whose turn it
+ * is (at sixteen sequences four draft in a probe, not sixteen: the cost line through the
+ * probe and the choice says what all would pay).  An MTP depth that did not run in the
+ * step before is cold and its cost is not counted: a probe that runs one runs
+ * SPEC_POLICY_PROBE_STEPS steps, the first only warms it.  Nor is work that starts within
+ * 10 ms of an idle wait counted (the machine wakes up: the tiny model's first steps after
+ * one took up to twice their time, and a configuration measured only there read dear
+ * until it was chosen again, which it no longer was).  Fewer drafts than the fewest
+ * measured are not assumed cheaper: a new engine starts at the maximum and learns down.
+ * Greedy output never depends on the choice (the verify is exact).  Sampled sequences keep
+ * the depth they ask for: their tokens are distributed exactly either way, but which
+ * tokens a seed gives depends on the drafts they were verified against, and a seed must
+ * give the same tokens whatever the machine's load (their drafts still count in the costs
+ * the greedy sequences are chosen against).
  *
  * Over the model sits a gate, measured rather than modelled: per batch-size bucket (log2 of
- * the decoding sequences) windows of engine cycles run either with the depths chosen above
- * or with no MTP work at all, and the arm whose windows emitted more tokens per second of
- * wall time runs, the other one getting a window now and then (an interval that doubles
- * while it confirms the choice, and is longer the wider the gap: an exploring window costs
- * the gap); a window that drafts again after one without is not
- * measured (the MTP caches have holes there).  A bucket that has run one arm only takes
- * the other's rate from the nearest buckets (up to two away) that ran both, and tries it
- * after the interval their gap asks for (at most 16 windows) rather than at once: the
- * batch sizes a batch passes through as its requests finish are seen too seldom to spend
- * their first windows on an arm that is far behind next door.  A window in which the
- * model chose no drafts at all decides nothing (both arms ran alike, and only the model's
- * keeps probing: leaving it would stop the probes that notice drafts paying again).  It
- * catches what the cost model misses (on the tiny model at concurrency 16 it drafted where
- * K = 0 was faster).
+ * the decoding sequences) windows of engine cycles run in one of two arms, the depths
+ * chosen above or none of them (only the model's probes draft there).  A window measures
+ * what ran: drafting if the model drafted in at least half its cycles, no drafts if it
+ * drafted in none (or ran in the second arm).  The evidence is paired: each window that
+ * measured one arm right after one that measured the other gives the ratio of their
+ * tokens per second of wall time, so that a machine whose speed wanders (a shared VM ran
+ * the same steps 1.8 to 3.4 ms apart within seconds) moves both sides of a pair alike,
+ * where comparing each arm's own last windows set a slow spell of one against a fast one
+ * of the other; the median of the last pairs decides, and a tie runs without drafts.  The
+ * arm that loses gets a window now and then (an interval that doubles while it confirms
+ * the choice, and is longer the wider the gap: an exploring window costs the gap); a
+ * window that drafts again after one without is not measured (the MTP caches have holes
+ * there).  While the gate runs without drafts the model's choices are not run, so a model
+ * whose estimates favour drafting (probes measure drafting warm, where a run of it pays
+ * for the caches its draft layers take) drafts only in the gate's exploring windows.  A
+ * bucket with no pair of its own takes the ratio of the nearest buckets (up to two away)
+ * that have one, and tries the arm that loses after the interval their gap asks for (at
+ * most 16 windows) rather than at once: the batch sizes a batch passes through as its
+ * requests finish are seen too seldom to spend their first windows on an arm that is far
+ * behind next door.  It catches what the cost model misses (on the tiny model at
+ * concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the
  * decode steps will not read are not filled.
@@ -84,6 +100,7 @@ extern "C" {
 #define SPEC_POLICY_PROBE_MIN 8
 #define SPEC_POLICY_PROBE_MAX 128
 #define SPEC_POLICY_PROBE_STEPS 2
+#define SPEC_POLICY_PROBE_SHARE 4
 
 struct spec_policy;
 

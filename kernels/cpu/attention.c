@@ -14,6 +14,13 @@
  * processed together, so each K/V row is read and converted once per such block; a run
  * is cut into blocks of equal size so that the items cost about the same.
  *
+ * A pass (one KV head over one key chunk) prefetches the K and V rows of the next pass (the
+ * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
+ * hardware prefetchers do not follow.  On the AVX2 path with a BF16 cache the scores and
+ * P.V kernels read the cache rows themselves, converting each vector in registers once for
+ * up to 4 query rows (scores_bf16_avx2, pv_bf16_avx2; bit-identical to converting the rows
+ * into fp32 buffers first, which the other paths do).
+ *
  * On AVX-512 CPUs (builds for such a target; STEPD_CPU_NO_AVX512=1 forces the AVX2 path)
  * scores, exp and P.V run on zmm registers with the AVX2 path's arithmetic, bit for bit:
  * the same 8-lane FMA partials over d and reduction tree per score (two query rows per
@@ -37,6 +44,8 @@
 
 /* nonzero: one KV head per work item, as before head groups (benchmarks; cpu.h) */
 int cpu_attn_no_groups;
+/* nonzero: the AVX2 path converts BF16 rows into fp32 buffers first (tests; cpu.h) */
+int cpu_attn_no_fused;
 #define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
 struct attn_job {
@@ -202,6 +211,141 @@ AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *con
             for (int e = 0; e < kn; e++)
                 sc[(int64_t)r * KEY_CHUNK + k0 + e] = t4[e];
         }
+    }
+}
+
+/* The K and V rows (BF16) of the pass after this one (the next head of the group, or the
+ * next key chunk): prefetched during this pass, so that they come from the caches.  A
+ * head's rows are a slot apart (n_kv_heads rows), a stride the hardware prefetchers do not
+ * follow: without this, every row was a wait on memory (AVX2, 1 thread, 64 heads at 1k
+ * keys: about 2 GB/s). */
+struct next_rows {
+    const uint16_t *k[KEY_CHUNK], *v[KEY_CHUNK];
+    int n;
+};
+
+static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
+{
+    for (int k = k0; k < k1 && k < nx->n; k++)
+        for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
+            __builtin_prefetch(nx->k[k] + o, 0, 3);
+            __builtin_prefetch(nx->v[k] + o, 0, 3);
+        }
+}
+
+/* BF16 -> fp32 of 8 values at p (exact: the bits move up by 16) */
+#define BF16X8(p) _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+
+/* scores_avx2 straight from a BF16 cache, bit for bit (the same 8-lane FMA partial over d
+ * and reduction tree per score): nr (1..4) query rows x 2 keys per step, each key vector
+ * converted in registers once for the nr rows, 8 independent FMA chains; no fp32 copy of
+ * the keys (converting a chunk into a buffer first cost a store and a reload per value,
+ * and the chunk's two buffers did not fit in L1). */
+__attribute__((target(CPU_TARGET_AVX2), always_inline)) static inline void
+scores_bf16_rows(const float *q, int nr, int hd, const uint16_t *const *kr, int nk, float *sc,
+                 const struct next_rows *nx)
+{
+    for (int k0 = 0; k0 < nk; k0 += 2) {
+        const uint16_t *p0 = kr[k0], *p1 = k0 + 1 < nk ? kr[k0 + 1] : p0;
+        __m256 a[4][2];
+
+        if (nx)
+            next_rows_prefetch(nx, k0, k0 + 2 < nk ? k0 + 2 : nk, hd);
+
+        for (int i = 0; i < nr; i++)
+            a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 k0v = BF16X8(p0 + d), k1v = BF16X8(p1 + d);
+
+            for (int i = 0; i < nr; i++) {
+                const __m256 qv = _mm256_loadu_ps(q + (int64_t)i * hd + d);
+
+                a[i][0] = _mm256_fmadd_ps(qv, k0v, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(qv, k1v, a[i][1]);
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            /* per key ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as scores_avx2 */
+            const __m256 h = _mm256_hadd_ps(a[i][0], a[i][1]), h2 = _mm256_hadd_ps(h, h);
+            const __m128 s2 = _mm_add_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1));
+            float *o = sc + (int64_t)i * KEY_CHUNK + k0;
+
+            o[0] = _mm_cvtss_f32(s2);
+            if (k0 + 1 < nk)
+                o[1] = _mm_cvtss_f32(_mm_movehdup_ps(s2));
+        }
+    }
+}
+
+AVX2_FN static void scores_bf16_avx2(const float *qs, int R, int hd, const uint16_t *const *kr,
+                                     int nk, float *sc, const struct next_rows *nx)
+{
+    int r = 0;
+
+    /* the first rows' pass prefetches the next pass's rows, spread over its keys */
+    for (; r + 4 <= R; r += 4, nx = NULL)
+        scores_bf16_rows(qs + (int64_t)r * hd, 4, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx);
+    switch (R - r) {
+    case 3: scores_bf16_rows(qs + (int64_t)r * hd, 3, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx); break;
+    case 2: scores_bf16_rows(qs + (int64_t)r * hd, 2, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx); break;
+    case 1: scores_bf16_rows(qs + (int64_t)r * hd, 1, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx); break;
+    default: break;
+    }
+}
+
+/* pv_avx2 straight from a BF16 cache for nr (1..4) rows over the same keys [ka, kb), bit for
+ * bit (per lane the same FMAs in key order): 16 output columns of the nr rows in registers,
+ * each V vector converted once for them. */
+__attribute__((target(CPU_TARGET_AVX2), always_inline)) static inline void
+pv_bf16_rows(const float *sc, int nr, int ka, int kb, const uint16_t *const *vr, int hd, float *acc)
+{
+    for (int d0 = 0; d0 < hd; d0 += 16) {
+        __m256 a[4][2];
+
+        for (int i = 0; i < nr; i++) {
+            a[i][0] = _mm256_loadu_ps(acc + (int64_t)i * hd + d0);
+            a[i][1] = _mm256_loadu_ps(acc + (int64_t)i * hd + d0 + 8);
+        }
+        for (int k = ka; k < kb; k++) {
+            const __m256 v0 = BF16X8(vr[k] + d0), v1 = BF16X8(vr[k] + d0 + 8);
+
+            for (int i = 0; i < nr; i++) {
+                const __m256 pk = _mm256_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]);
+
+                a[i][0] = _mm256_fmadd_ps(pk, v0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(pk, v1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            _mm256_storeu_ps(acc + (int64_t)i * hd + d0, a[i][0]);
+            _mm256_storeu_ps(acc + (int64_t)i * hd + d0 + 8, a[i][1]);
+        }
+    }
+}
+
+/* P.V of R rows (scores sc, KEY_CHUNK apart; accumulators acc, hd apart; hd % 16 == 0) from
+ * a BF16 cache: runs of up to 4 consecutive rows with the same key range share the pass. */
+AVX2_FN static void pv_bf16_avx2(const float *sc, int R, const int *ka, const int *kb,
+                                 const uint16_t *const *vr, int hd, float *acc)
+{
+    for (int r = 0; r < R;) {
+        int n = 1;
+
+        while (n < 4 && r + n < R && ka[r + n] == ka[r] && kb[r + n] == kb[r])
+            n++;
+        if (ka[r] < kb[r]) {
+            const float *s = sc + (int64_t)r * KEY_CHUNK;
+            float *ac = acc + (int64_t)r * hd;
+
+            switch (n) {
+            case 4: pv_bf16_rows(s, 4, ka[r], kb[r], vr, hd, ac); break;
+            case 3: pv_bf16_rows(s, 3, ka[r], kb[r], vr, hd, ac); break;
+            case 2: pv_bf16_rows(s, 2, ka[r], kb[r], vr, hd, ac); break;
+            default: pv_bf16_rows(s, 1, ka[r], kb[r], vr, hd, ac); break;
+            }
+        }
+        r += n;
     }
 }
 
@@ -536,6 +680,43 @@ static void pv_chunk_avx512(const float *sc, float *acc, int R, const int *ka, c
 /* contexts from which KV heads are grouped (cpu_attention) */
 #define ATTN_GROUP_MIN_KEYS 4096
 
+/* Physical slots of the keys of the chunk that starts at cb (a multiple of KEY_CHUNK), from
+ * max(cb, lo0) to min(cb + KEY_CHUNK - 1, t_last), into slot[]: returns their count (0 past
+ * t_last), or -1 on a block id outside the pool.  One table lookup and one division per
+ * block, not per key. */
+static int chunk_slots(const struct kv_layer *kv, const int32_t *table, int64_t lo0, int64_t cb,
+                       int64_t t_last, int64_t *slot)
+{
+    const int64_t c0 = cb > lo0 ? cb : lo0;
+    const int64_t ce = cb + KEY_CHUNK < t_last + 1 ? cb + KEY_CHUNK : t_last + 1;
+    const int nk = ce > c0 ? (int)(ce - c0) : 0, bs = kv->block_size;
+
+    for (int k = 0; k < nk;) {
+        const int64_t tau = c0 + k, bi = tau / bs, off = tau - bi * bs;
+        const int32_t blk = table[bi];
+        const int run = bs - off < nk - k ? (int)(bs - off) : nk - k;
+
+        if (blk < 0 || blk >= kv->n_blocks) {
+            log_debug("attention: position %lld maps to block %d (pool has %d)", (long long)tau,
+                      blk, kv->n_blocks);
+            return -1;
+        }
+        for (int e = 0; e < run; e++, k++)
+            slot[k] = (int64_t)blk * bs + off + e;
+    }
+    return nk;
+}
+
+/* Prefetch row (slot, KV head j) of a K or V cache into the caches (never faults). */
+static inline void prefetch_row(const struct kv_layer *kv, const void *base, int64_t slot, int j)
+{
+    const size_t es = kv->dtype_f32 ? sizeof(float) : sizeof(uint16_t);
+    const uintptr_t p = (uintptr_t)base + (uintptr_t)(slot * kv->n_kv_heads + j) * kv->head_dim * es;
+
+    for (uintptr_t l = p & ~(uintptr_t)63; l < p + (uintptr_t)kv->head_dim * es; l += 64)
+        __builtin_prefetch((const void *)l, 0, 3);
+}
+
 /* Attention of query tokens [i0, i1) of sequence s (consecutive positions) for the G query
  * heads sharing each KV head j in [j0, j0 + nj): every K and V row of the union of their key
  * ranges is read (and converted from BF16 into a chunk buffer) once for all nq x G query
@@ -551,7 +732,7 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
                       int j0, int nj)
 {
     const struct kv_layer *kv = a->kv;
-    const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads, bs = kv->block_size;
+    const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads;
     const int nq = i1 - i0, R = nq * G;
     const int64_t t0 = (int64_t)a->seq_pos0[s] + (i0 - a->seq_tok_start[s]), t_last = t0 + nq - 1;
     const int64_t lo0 = a->window > 0 && t0 - a->window + 1 > 0 ? t0 - a->window + 1 : 0;
@@ -559,6 +740,11 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
     float acc[nj][R][hd], qs[nj][R][hd], kf[KEY_CHUNK][hd], vf[KEY_CHUNK][hd], sc[R][KEY_CHUNK];
     float qp[avx512 ? nj : 1][avx512 ? (R + 1) / 2 : 1][2 * hd];   /* row pairs (avx512) */
     const float *kp[KEY_CHUNK], *vp[KEY_CHUNK];
+    const uint16_t *kr[KEY_CHUNK], *vr[KEY_CHUNK];      /* BF16 rows (fused) */
+    /* AVX2 on a BF16 cache: scores and P.V read the cache rows themselves (the AVX-512 path
+     * and the FP32 cache keep fp32 rows) */
+    const bool fused = avx2 && !avx512 && !kv->dtype_f32 && hd % 16 == 0 && !cpu_attn_no_fused;
+    struct next_rows nx;
     float m[nj][R], l[nj][R];
     int ka[R], kb[R];
 
@@ -589,47 +775,59 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
      * its keys (and with it every rounding of the online softmax) depends only on its own
      * [lo, t], not on which other tokens share the pass: decode, verify and prefill agree
      * bit for bit */
-    for (int64_t cb = lo0 / KEY_CHUNK * KEY_CHUNK; cb <= t_last; cb += KEY_CHUNK) {
+    int64_t slots[2][KEY_CHUNK];
+    int nk_next = chunk_slots(kv, table, lo0, lo0 / KEY_CHUNK * KEY_CHUNK, t_last, slots[0]);
+
+    for (int64_t cb = lo0 / KEY_CHUNK * KEY_CHUNK, c = 0; cb <= t_last; cb += KEY_CHUNK, c ^= 1) {
         const int64_t c0 = cb > lo0 ? cb : lo0;
         const int64_t ce = cb + KEY_CHUNK < t_last + 1 ? cb + KEY_CHUNK : t_last + 1;
         const int nk = (int)(ce - c0);
+        const int64_t *slot = slots[c], *nslot = slots[c ^ 1];
 
+        if (nk_next < 0)
+            return -EINVAL;
+        /* the next chunk's slots now: its rows are prefetched during this one */
+        nk_next = chunk_slots(kv, table, lo0, cb + KEY_CHUNK, t_last, slots[c ^ 1]);
         for (int h = 0; h < nj; h++) {
             const int j = j0 + h;
 
-            /* walk the chunk's keys block by block (one table lookup and one division per
-             * block, not per key) */
-            for (int k = 0; k < nk;) {
-                const int64_t tau = c0 + k, bi = tau / bs, off = tau - bi * bs;
-                const int32_t blk = table[bi];
-                const int run = bs - off < nk - k ? (int)(bs - off) : nk - k;
-                int64_t slot;
+            /* the chunk's K and V rows of head j as fp32 (pointers into an FP32 cache, or
+             * converted from BF16), each key's rows of the next (head, chunk) pass
+             * prefetched on the way: a head's rows are a slot apart (n_kv_heads rows), a
+             * stride the hardware prefetchers do not follow, so without this every row
+             * was a wait on memory (AVX2, 1 thread, 64 heads at 1k keys: ~2 GB/s) */
+            const int64_t *ps = h + 1 < nj ? slot : nslot;
+            const int pj = h + 1 < nj ? j + 1 : j0, pn = h + 1 < nj ? nk : nk_next;
 
-                if (blk < 0 || blk >= kv->n_blocks) {
-                    log_debug("attention: position %lld maps to block %d (pool has %d)",
-                              (long long)tau, blk, kv->n_blocks);
-                    return -EINVAL;
+            if (fused) {
+                /* the kernels prefetch these, spread over their work */
+                nx.n = pn;
+                for (int k = 0; k < pn; k++) {
+                    nx.k[k] = (const uint16_t *)kv->k + (ps[k] * kv->n_kv_heads + pj) * hd;
+                    nx.v[k] = (const uint16_t *)kv->v + (ps[k] * kv->n_kv_heads + pj) * hd;
                 }
-                slot = (int64_t)blk * bs + off;
+            }
+            for (int k = 0; k < nk; k++) {
+                if (k < pn && !fused) {
+                    prefetch_row(kv, kv->k, ps[k], pj);
+                    prefetch_row(kv, kv->v, ps[k], pj);
+                }
                 if (kv->dtype_f32) {
-                    /* FP32 cache: the rows themselves, one stride apart within a block */
-                    const int64_t stride = (int64_t)kv->n_kv_heads * kv->head_dim;
-                    const float *kr = (const float *)kv->k + (slot * kv->n_kv_heads + j) * kv->head_dim;
-                    const float *vr = (const float *)kv->v + (slot * kv->n_kv_heads + j) * kv->head_dim;
-
-                    for (int e = 0; e < run; e++, k++, kr += stride, vr += stride) {
-                        kp[k] = kr;
-                        vp[k] = vr;
-                    }
-                    continue;
-                }
-                for (int e = 0; e < run; e++, k++, slot++) {
-                    kp[k] = kv_row_f32(kv, kv->k, slot, j, kf[k], avx2);
-                    vp[k] = kv_row_f32(kv, kv->v, slot, j, vf[k], avx2);
+                    kp[k] = (const float *)kv->k + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
+                    vp[k] = (const float *)kv->v + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
+                } else if (fused) {
+                    kr[k] = (const uint16_t *)kv->k + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
+                    vr[k] = (const uint16_t *)kv->v + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
+                } else {
+                    kp[k] = kv_row_f32(kv, kv->k, slot[k], j, kf[k], avx2);
+                    vp[k] = kv_row_f32(kv, kv->v, slot[k], j, vf[k], avx2);
                 }
             }
 #if defined(__x86_64__)
-            if (avx512)
+            if (fused) {
+                scores_bf16_avx2(&qs[h][0][0], R, hd, kr, nk, &sc[0][0], &nx);
+                next_rows_prefetch(&nx, nk, pn, hd);    /* a next chunk longer than this */
+            } else if (avx512)
                 scores_avx512(&qp[h][0][0], R, hd, kp, nk, &sc[0][0]);
             else if (avx2 && hd % 8 == 0)
                 scores_avx2(&qs[h][0][0], R, hd, kp, nk, &sc[0][0]);
@@ -666,6 +864,10 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
                     l[h][r] += exp_shift_sum(srow + ka[r], kb[r] - ka[r], m[h][r]);
             }
 #if defined(__x86_64__)
+            if (fused) {
+                pv_bf16_avx2(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
+                continue;
+            }
             if (avx512) {
                 pv_chunk_avx512(&sc[0][0], &acc[h][0][0], R, ka, kb, vp, hd);
                 continue;

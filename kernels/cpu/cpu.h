@@ -219,6 +219,9 @@ int64_t cpu_mxfp4_row_align(const struct bweight *w);
 extern int cpu_mxfp4_t16_off;
 /* attention.c: nonzero = one KV head per work item (no head groups; benchmarks) */
 extern int cpu_attn_no_groups;
+/* attention.c: nonzero = the AVX2 path converts BF16 K/V rows into fp32 buffers first
+ * instead of reading them in its kernels (tests: the two agree bit for bit; benchmarks) */
+extern int cpu_attn_no_fused;
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile

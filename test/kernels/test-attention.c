@@ -13,6 +13,10 @@
  *    run in a forked child) on random decode, verify and prefill
  *    batches of several head sizes, GQA groups, contexts, windows and cache dtypes, and
  *    matches the fp64 reference.
+ *  - at level avx2, the kernels that read a BF16 cache's rows themselves (scores and P.V
+ *    with the next pass's rows prefetched) are bit-identical to converting the rows into
+ *    fp32 buffers first (cpu_attn_no_fused), on those random batches with BF16 caches and
+ *    on long decodes whose KV heads are grouped (>= 4096 keys), and match the reference.
  */
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -251,6 +255,8 @@ struct id_case {
     float *q;
 };
 
+static bool id_bf16_only;       /* every case with a BF16 cache (test_fused_identity) */
+
 /* case c: decode (16 x 1 token), verify (2-4 seqs x 4 tokens), prefill chunks and mixes;
  * contexts 1..~300 keys (several KEY_CHUNKs), windows 0/5/37/64/100 */
 static void id_case_make(struct id_case *ic, int c)
@@ -262,7 +268,7 @@ static void id_case_make(struct id_case *ic, int c)
     size_t n;
 
     memset(ic, 0, sizeof(*ic));
-    ic->f32 = c % 5 != 4;
+    ic->f32 = !id_bf16_only && c % 5 != 4;
     ic->hd = hds[c % ARRAY_SIZE(hds)];
     ic->nkv = c % 3 == 0 ? 4 : 1 + (int)(krng_u64() % 4);
     ic->G = gs[c % ARRAY_SIZE(gs)];
@@ -451,6 +457,132 @@ static void test_avx512_identity(void)
     free(mine);
 }
 
+/* At level avx2: a BF16 cache read by the fused kernels against the rows converted into
+ * fp32 buffers first, bit for bit, on the random batches (every cache BF16) and on decodes
+ * of 4100-4400 keys, where KV heads are grouped and each pass prefetches the next head's
+ * rows; outputs also against the fp64 reference. */
+static void test_fused_identity(void)
+{
+    const size_t cap = (size_t)4 << 20;
+    float *a = malloc(cap * sizeof(float)), *b = malloc(cap * sizeof(float));
+    size_t na, nb;
+
+    ASSERT_TRUE(a && b);
+    id_bf16_only = true;
+    for (int th = 1; th <= 2; th++) {
+        struct backend *be = kref_backend(th, false);
+
+        cpu_attn_no_fused = 1;
+        na = id_cases_run(be, a, cap, false);
+        cpu_attn_no_fused = 0;
+        nb = id_cases_run(be, b, cap, th == 1);
+        ASSERT_EQ(na, nb);
+        for (size_t i = 0; i < na; i++)
+            if (memcmp(&a[i], &b[i], sizeof(float)) != 0)
+                FAIL("fused vs buffered BF16 attention differ at output %zu: %.9g vs %.9g", i,
+                     (double)b[i], (double)a[i]);
+        /* long decodes: 3 sequences, 4 KV heads x G 8, head dims 16 and 128 */
+        for (int hd = 16; hd <= 128; hd *= 8) {
+            struct id_case ic;
+            enum { NS = 3, LBS = 16 };
+            int ctx[NS] = { 4100, 4400, 4243 }, nblk = 0;
+            size_t n;
+
+            memset(&ic, 0, sizeof(ic));
+            ic.hd = hd;
+            ic.nkv = 4;
+            ic.G = 8;
+            ic.n_seqs = NS;
+            for (int s = 0; s < NS; s++) {
+                ic.start[s + 1] = s + 1;
+                ic.pos0[s] = ctx[s] - 1;
+                ic.toff[s] = nblk;
+                nblk += (ctx[s] + LBS - 1) / LBS;
+            }
+            {
+                int32_t *table = malloc(sizeof(int32_t) * (size_t)nblk);
+                uint16_t *k, *v;
+                float *o1, *o2;
+                const size_t nout = (size_t)NS * ic.nkv * ic.G * hd;
+
+                n = (size_t)nblk * LBS * ic.nkv * hd;
+                k = malloc(n * 2);
+                v = malloc(n * 2);
+                ic.q = malloc(sizeof(float) * nout);
+                o1 = malloc(sizeof(float) * nout);
+                o2 = malloc(sizeof(float) * nout);
+                ASSERT_TRUE(table && k && v && ic.q && o1 && o2);
+                for (int i = 0; i < nblk; i++)
+                    table[i] = nblk - 1 - i;
+                for (size_t i = 0; i < n; i++) {
+                    k[i] = kf32_to_bf16(1.5f * krng_f());
+                    v[i] = kf32_to_bf16(krng_f());
+                }
+                krng_fill(ic.q, nout, 2.0f);
+                ic.kv = (struct kv_layer){ .dtype_f32 = 0, .n_blocks = nblk, .block_size = LBS,
+                                           .n_kv_heads = ic.nkv, .head_dim = hd, .k = k, .v = v };
+                {
+                    struct attn_args aa = {
+                        .q = ic.q, .out = o1, .n_tok = NS, .n_heads = ic.nkv * ic.G,
+                        .n_kv_heads = ic.nkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd),
+                        .kv = &ic.kv, .n_seqs = NS, .seq_tok_start = ic.start,
+                        .seq_pos0 = ic.pos0, .block_tables = table, .block_table_off = ic.toff,
+                    };
+
+                    cpu_attn_no_fused = 1;
+                    ASSERT_OK(backend_attention(be, &aa));
+                    cpu_attn_no_fused = 0;
+                    aa.out = o2;
+                    ASSERT_OK(backend_attention(be, &aa));
+                }
+                ASSERT_TRUE(memcmp(o1, o2, sizeof(float) * nout) == 0);
+                for (int s = 0; s < NS; s++)    /* the reference reads rows via ic.table */
+                    for (int h = 0; h < ic.nkv * ic.G; h++) {
+                        const float *q = ic.q + ((size_t)s * ic.nkv * ic.G + h) * hd;
+                        const int j = h / ic.G;
+                        double m = -INFINITY, l = 0, o[128] = { 0 }, *sc = malloc(sizeof(double) * 4400);
+
+                        ASSERT_TRUE(sc != NULL);
+                        for (int tau = 0; tau < ctx[s]; tau++) {
+                            size_t row = (((size_t)table[ic.toff[s] + tau / LBS] * LBS + tau % LBS) *
+                                          ic.nkv + j) * hd;
+                            double d = 0;
+
+                            for (int e = 0; e < hd; e++)
+                                d += (double)q[e] * kbf16_to_f32(k[row + e]);
+                            sc[tau] = d / sqrt((double)hd);
+                            m = fmax(m, sc[tau]);
+                        }
+                        for (int tau = 0; tau < ctx[s]; tau++) {
+                            size_t row = (((size_t)table[ic.toff[s] + tau / LBS] * LBS + tau % LBS) *
+                                          ic.nkv + j) * hd;
+                            double p = exp(sc[tau] - m);
+
+                            l += p;
+                            for (int e = 0; e < hd; e++)
+                                o[e] += p * kbf16_to_f32(v[row + e]);
+                        }
+                        for (int e = 0; e < hd; e++)
+                            ASSERT_NEAR(o2[((size_t)s * ic.nkv * ic.G + h) * hd + e], o[e] / l, 1e-5);
+                        free(sc);
+                    }
+                free(table);
+                free(k);
+                free(v);
+                free(ic.q);
+                free(o1);
+                free(o2);
+            }
+        }
+        backend_free(be);
+    }
+    id_bf16_only = false;
+    printf("attention: fused BF16 kernels identical to buffered rows (%zu outputs + long decodes)\n",
+           na);
+    free(a);
+    free(b);
+}
+
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
@@ -458,6 +590,8 @@ int main(void)
         test_avx512_identity();             /* first: forks before any attention call */
         ASSERT_TRUE(cpu_attn_avx512_level() >= 1);
     }
+    if (kt_isa_require("attention", CPU_ISA_SCALAR) == CPU_ISA_AVX2)
+        test_fused_identity();
     for (int th = 1; th <= 3; th += 2) {
         struct backend *be = kref_backend(th, false);
 

@@ -72,12 +72,18 @@ CPU_FN_AVX2 static void bf16_row_avx2(const uint16_t *src, int n, float *dst)
 }
 #endif
 
+/* Element offset of row (slot, KV head j) in a K or V cache. */
+static inline int64_t kv_row_off(const struct kv_layer *kv, int64_t slot, int j)
+{
+    return (slot * kv->n_kv_heads + j) * kv->head_dim;
+}
+
 /* Row (slot, KV head j) of a K or V cache as fp32: the cache row itself (FP32 cache) or
  * buf[head_dim] filled from BF16. */
 static inline const float *kv_row_f32(const struct kv_layer *kv, const void *base, int64_t slot,
                                       int j, float *buf, bool avx2)
 {
-    int64_t off = (slot * kv->n_kv_heads + j) * kv->head_dim;
+    int64_t off = kv_row_off(kv, slot, j);
 
     if (kv->dtype_f32)
         return (const float *)base + off;
@@ -252,7 +258,6 @@ scores_bf16_rows(const float *q, int nr, int hd, const uint16_t *const *kr, int 
 
         if (nx)
             next_rows_prefetch(nx, k0, k0 + 2 < nk ? k0 + 2 : nk, hd);
-
         for (int i = 0; i < nr; i++)
             a[i][0] = a[i][1] = _mm256_setzero_ps();
         for (int d = 0; d < hd; d += 8) {
@@ -711,7 +716,7 @@ static int chunk_slots(const struct kv_layer *kv, const int32_t *table, int64_t 
 static inline void prefetch_row(const struct kv_layer *kv, const void *base, int64_t slot, int j)
 {
     const size_t es = kv->dtype_f32 ? sizeof(float) : sizeof(uint16_t);
-    const uintptr_t p = (uintptr_t)base + (uintptr_t)(slot * kv->n_kv_heads + j) * kv->head_dim * es;
+    const uintptr_t p = (uintptr_t)base + (uintptr_t)kv_row_off(kv, slot, j) * es;
 
     for (uintptr_t l = p & ~(uintptr_t)63; l < p + (uintptr_t)kv->head_dim * es; l += 64)
         __builtin_prefetch((const void *)l, 0, 3);
@@ -791,20 +796,18 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
         for (int h = 0; h < nj; h++) {
             const int j = j0 + h;
 
-            /* the chunk's K and V rows of head j as fp32 (pointers into an FP32 cache, or
-             * converted from BF16), each key's rows of the next (head, chunk) pass
-             * prefetched on the way: a head's rows are a slot apart (n_kv_heads rows), a
-             * stride the hardware prefetchers do not follow, so without this every row
-             * was a wait on memory (AVX2, 1 thread, 64 heads at 1k keys: ~2 GB/s) */
+            /* the chunk's K and V rows of head j (the cache's own rows: FP32, or BF16 for the
+             * fused kernels; else converted into kf/vf), and the next pass's rows (struct
+             * next_rows): the fused kernels prefetch them spread over their work, the
+             * others here */
             const int64_t *ps = h + 1 < nj ? slot : nslot;
             const int pj = h + 1 < nj ? j + 1 : j0, pn = h + 1 < nj ? nk : nk_next;
 
             if (fused) {
-                /* the kernels prefetch these, spread over their work */
                 nx.n = pn;
                 for (int k = 0; k < pn; k++) {
-                    nx.k[k] = (const uint16_t *)kv->k + (ps[k] * kv->n_kv_heads + pj) * hd;
-                    nx.v[k] = (const uint16_t *)kv->v + (ps[k] * kv->n_kv_heads + pj) * hd;
+                    nx.k[k] = (const uint16_t *)kv->k + kv_row_off(kv, ps[k], pj);
+                    nx.v[k] = (const uint16_t *)kv->v + kv_row_off(kv, ps[k], pj);
                 }
             }
             for (int k = 0; k < nk; k++) {
@@ -813,11 +816,11 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
                     prefetch_row(kv, kv->v, ps[k], pj);
                 }
                 if (kv->dtype_f32) {
-                    kp[k] = (const float *)kv->k + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
-                    vp[k] = (const float *)kv->v + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
+                    kp[k] = (const float *)kv->k + kv_row_off(kv, slot[k], j);
+                    vp[k] = (const float *)kv->v + kv_row_off(kv, slot[k], j);
                 } else if (fused) {
-                    kr[k] = (const uint16_t *)kv->k + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
-                    vr[k] = (const uint16_t *)kv->v + (slot[k] * kv->n_kv_heads + j) * kv->head_dim;
+                    kr[k] = (const uint16_t *)kv->k + kv_row_off(kv, slot[k], j);
+                    vr[k] = (const uint16_t *)kv->v + kv_row_off(kv, slot[k], j);
                 } else {
                     kp[k] = kv_row_f32(kv, kv->k, slot[k], j, kf[k], avx2);
                     vp[k] = kv_row_f32(kv, kv->v, slot[k], j, vf[k], avx2);

@@ -250,7 +250,7 @@ struct id_case {
     bool f32;
     int hd, nkv, G, window, n_seqs;
     int32_t start[ID_MAXSEQ + 1], pos0[ID_MAXSEQ], toff[ID_MAXSEQ];
-    int32_t table[ID_NBLK];
+    int32_t *table;             /* block table (ID_NBLK ids, or the case's own) */
     struct kv_layer kv;
     float *q;
 };
@@ -293,6 +293,8 @@ static void id_case_make(struct id_case *ic, int c)
         ic->start[ic->n_seqs] = 1;
         ic->pos0[ic->n_seqs - 1] = 0;
     }
+    ic->table = malloc(sizeof(int32_t) * ID_NBLK);
+    ASSERT_TRUE(ic->table != NULL);
     for (int i = 0; i < ID_NBLK; i++)
         ic->table[i] = i;
     for (int i = ID_NBLK - 1; i > 0; i--) {
@@ -360,7 +362,10 @@ static void id_case_check_ref(const struct id_case *ic, const float *out)
             for (int h = 0; h < nh; h++) {
                 const float *q = ic->q + ((size_t)i * nh + h) * hd;
                 const int j = h / ic->G;
-                double sc[512], m = -INFINITY, l = 0, o[128] = { 0 };
+                double *sc = malloc(sizeof(double) * (size_t)(t - lo + 1));
+                double m = -INFINITY, l = 0, o[128] = { 0 };
+
+                ASSERT_TRUE(sc != NULL);
 
                 for (int tau = lo; tau <= t; tau++) {
                     double d = 0;
@@ -379,6 +384,7 @@ static void id_case_check_ref(const struct id_case *ic, const float *out)
                 }
                 for (int e = 0; e < hd; e++)
                     ASSERT_NEAR(out[((size_t)i * nh + h) * hd + e], o[e] / l, 1e-5);
+                free(sc);
             }
         }
     }
@@ -386,6 +392,7 @@ static void id_case_check_ref(const struct id_case *ic, const float *out)
 
 static void id_case_free(struct id_case *ic)
 {
+    free(ic->table);
     free(ic->kv.k);
     free(ic->kv.v);
     free(ic->q);
@@ -483,96 +490,44 @@ static void test_fused_identity(void)
                      (double)b[i], (double)a[i]);
         /* long decodes: 3 sequences, 4 KV heads x G 8, head dims 16 and 128 */
         for (int hd = 16; hd <= 128; hd *= 8) {
-            struct id_case ic;
-            enum { NS = 3, LBS = 16 };
-            int ctx[NS] = { 4100, 4400, 4243 }, nblk = 0;
-            size_t n;
+            static const int ctx[3] = { 4100, 4400, 4243 };
+            struct id_case ic = { .hd = hd, .nkv = 4, .G = 8, .n_seqs = 3 };
+            int nblk = 0;
+            size_t n, nout;
+            float *o1, *o2;
 
-            memset(&ic, 0, sizeof(ic));
-            ic.hd = hd;
-            ic.nkv = 4;
-            ic.G = 8;
-            ic.n_seqs = NS;
-            for (int s = 0; s < NS; s++) {
+            for (int s = 0; s < ic.n_seqs; s++) {
                 ic.start[s + 1] = s + 1;
                 ic.pos0[s] = ctx[s] - 1;
                 ic.toff[s] = nblk;
-                nblk += (ctx[s] + LBS - 1) / LBS;
+                nblk += (ctx[s] + ID_BS - 1) / ID_BS;
             }
-            {
-                int32_t *table = malloc(sizeof(int32_t) * (size_t)nblk);
-                uint16_t *k, *v;
-                float *o1, *o2;
-                const size_t nout = (size_t)NS * ic.nkv * ic.G * hd;
-
-                n = (size_t)nblk * LBS * ic.nkv * hd;
-                k = malloc(n * 2);
-                v = malloc(n * 2);
-                ic.q = malloc(sizeof(float) * nout);
-                o1 = malloc(sizeof(float) * nout);
-                o2 = malloc(sizeof(float) * nout);
-                ASSERT_TRUE(table && k && v && ic.q && o1 && o2);
-                for (int i = 0; i < nblk; i++)
-                    table[i] = nblk - 1 - i;
-                for (size_t i = 0; i < n; i++) {
-                    k[i] = kf32_to_bf16(1.5f * krng_f());
-                    v[i] = kf32_to_bf16(krng_f());
-                }
-                krng_fill(ic.q, nout, 2.0f);
-                ic.kv = (struct kv_layer){ .dtype_f32 = 0, .n_blocks = nblk, .block_size = LBS,
-                                           .n_kv_heads = ic.nkv, .head_dim = hd, .k = k, .v = v };
-                {
-                    struct attn_args aa = {
-                        .q = ic.q, .out = o1, .n_tok = NS, .n_heads = ic.nkv * ic.G,
-                        .n_kv_heads = ic.nkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd),
-                        .kv = &ic.kv, .n_seqs = NS, .seq_tok_start = ic.start,
-                        .seq_pos0 = ic.pos0, .block_tables = table, .block_table_off = ic.toff,
-                    };
-
-                    cpu_attn_no_fused = 1;
-                    ASSERT_OK(backend_attention(be, &aa));
-                    cpu_attn_no_fused = 0;
-                    aa.out = o2;
-                    ASSERT_OK(backend_attention(be, &aa));
-                }
-                ASSERT_TRUE(memcmp(o1, o2, sizeof(float) * nout) == 0);
-                for (int s = 0; s < NS; s++)    /* the reference reads rows via ic.table */
-                    for (int h = 0; h < ic.nkv * ic.G; h++) {
-                        const float *q = ic.q + ((size_t)s * ic.nkv * ic.G + h) * hd;
-                        const int j = h / ic.G;
-                        double m = -INFINITY, l = 0, o[128] = { 0 }, *sc = malloc(sizeof(double) * 4400);
-
-                        ASSERT_TRUE(sc != NULL);
-                        for (int tau = 0; tau < ctx[s]; tau++) {
-                            size_t row = (((size_t)table[ic.toff[s] + tau / LBS] * LBS + tau % LBS) *
-                                          ic.nkv + j) * hd;
-                            double d = 0;
-
-                            for (int e = 0; e < hd; e++)
-                                d += (double)q[e] * kbf16_to_f32(k[row + e]);
-                            sc[tau] = d / sqrt((double)hd);
-                            m = fmax(m, sc[tau]);
-                        }
-                        for (int tau = 0; tau < ctx[s]; tau++) {
-                            size_t row = (((size_t)table[ic.toff[s] + tau / LBS] * LBS + tau % LBS) *
-                                          ic.nkv + j) * hd;
-                            double p = exp(sc[tau] - m);
-
-                            l += p;
-                            for (int e = 0; e < hd; e++)
-                                o[e] += p * kbf16_to_f32(v[row + e]);
-                        }
-                        for (int e = 0; e < hd; e++)
-                            ASSERT_NEAR(o2[((size_t)s * ic.nkv * ic.G + h) * hd + e], o[e] / l, 1e-5);
-                        free(sc);
-                    }
-                free(table);
-                free(k);
-                free(v);
-                free(ic.q);
-                free(o1);
-                free(o2);
+            n = (size_t)nblk * ID_BS * ic.nkv * hd;
+            nout = id_case_out_len(&ic);
+            ic.table = malloc(sizeof(int32_t) * (size_t)nblk);
+            ic.kv = (struct kv_layer){ .dtype_f32 = 0, .n_blocks = nblk, .block_size = ID_BS,
+                                       .n_kv_heads = ic.nkv, .head_dim = hd,
+                                       .k = malloc(n * 2), .v = malloc(n * 2) };
+            ic.q = malloc(sizeof(float) * nout);
+            o1 = malloc(sizeof(float) * nout);
+            o2 = malloc(sizeof(float) * nout);
+            ASSERT_TRUE(ic.table && ic.kv.k && ic.kv.v && ic.q && o1 && o2);
+            for (int i = 0; i < nblk; i++)
+                ic.table[i] = nblk - 1 - i;
+            for (size_t i = 0; i < n; i++) {
+                ((uint16_t *)ic.kv.k)[i] = kf32_to_bf16(1.5f * krng_f());
+                ((uint16_t *)ic.kv.v)[i] = kf32_to_bf16(krng_f());
             }
+            krng_fill(ic.q, nout, 2.0f);
+            cpu_attn_no_fused = 1;
+            id_case_run(be, &ic, o1);
+            cpu_attn_no_fused = 0;
+            id_case_run(be, &ic, o2);
+            ASSERT_TRUE(memcmp(o1, o2, sizeof(float) * nout) == 0);
+            id_case_check_ref(&ic, o2);
+            id_case_free(&ic);
+            free(o1);
+            free(o2);
         }
         backend_free(be);
     }
@@ -585,12 +540,16 @@ static void test_fused_identity(void)
 
 int main(void)
 {
+    enum cpu_isa level;
+
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
-    if (kt_isa_require("attention", CPU_ISA_SCALAR) >= CPU_ISA_AVX512) {
+    level = kt_isa_require("attention", CPU_ISA_SCALAR);
+
+    if (level >= CPU_ISA_AVX512) {
         test_avx512_identity();             /* first: forks before any attention call */
         ASSERT_TRUE(cpu_attn_avx512_level() >= 1);
     }
-    if (kt_isa_require("attention", CPU_ISA_SCALAR) == CPU_ISA_AVX2)
+    if (level == CPU_ISA_AVX2)
         test_fused_identity();
     for (int th = 1; th <= 3; th += 2) {
         struct backend *be = kref_backend(th, false);

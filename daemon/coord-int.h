@@ -394,6 +394,7 @@ struct coord {
     struct rpc_ctx *rpc;
     struct rpc_server *srv_pub, *srv_admin, *srv_ctl;
     int pub_port, admin_port, ctl_port, metrics_port;
+    struct resp_store *responses;   /* stored responses (responses.c) */
     unsigned servers_live;
     uv_signal_t sigterm, sigint;
     uv_timer_t t_heartbeat, t_loads, t_watchdog, t_drain, t_force;

@@ -36,6 +36,8 @@ void coord_opts_default(struct coord_opts *o)
     o->reasoning_parser = true;
     o->tool_parser = true;
     o->max_n = 16;
+    o->responses_store_size = 1024;
+    o->responses_store_ttl_s = 3600;
     o->http_max_body_bytes = 4 << 20;
     o->http_max_header_bytes = 32 << 10;
     o->http_max_connections = 1024;

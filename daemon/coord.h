@@ -38,6 +38,8 @@ struct coord_opts {
     bool reasoning_parser;          /* chat output: reasoning split from content (step3p5) */
     bool tool_parser;               /* chat output: tool calls parsed (step3p5) */
     unsigned max_n;                 /* HTTP: cap on n (choices per request) */
+    unsigned responses_store_size;  /* HTTP: stored responses kept (0 = no store) */
+    unsigned responses_store_ttl_s; /* HTTP: how long one is kept (0 = no store) */
     size_t http_max_body_bytes;     /* HTTP request body cap (413 above) */
     size_t http_max_header_bytes;   /* HTTP request line + headers cap (431 above) */
     unsigned http_max_connections;

@@ -484,6 +484,16 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
     free(hr);
 }
 
+/* A route's path: exact, or with a last segment "*": any one non-empty segment there. */
+static bool path_match(const char *pat, const char *path)
+{
+    size_t n = strlen(pat);
+
+    if (n >= 2 && pat[n - 1] == '*' && pat[n - 2] == '/')
+        return !strncmp(pat, path, n - 1) && path[n - 1] && !strchr(path + n - 1, '/');
+    return !strcmp(pat, path);
+}
+
 static const struct http_route *route_find(const struct http_server *s, const char *method, const char *path,
                                            bool *path_known)
 {
@@ -491,7 +501,7 @@ static const struct http_route *route_find(const struct http_server *s, const ch
     for (size_t i = 0; i < s->o.n_routes; i++) {
         const struct http_route *r = &s->o.routes[i];
 
-        if (strcmp(r->path, path))
+        if (!path_match(r->path, path))
             continue;
         *path_known = true;
         if (!strcmp(r->method, method) || (!strcmp(r->method, "GET") && !strcmp(method, "HEAD")))
@@ -516,7 +526,7 @@ static int req_begin(struct http_req *hr, struct MHD_Connection *mc)
 {
     struct http_server *s = hr->s;
     const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-    const char *auth;
+    const char *auth, *xkey = NULL;
     bool known;
 
     if (s->o.tls && s->o.tls->require_client_cert && !client_cert_ok(mc))
@@ -528,8 +538,11 @@ static int req_begin(struct http_req *hr, struct MHD_Connection *mc)
         return http_respond_error(hr, 404, NULL, "no such endpoint: %s %.200s", hr->method, hr->path);
     }
     auth = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (s->api_key && auth && strncasecmp(auth, "Bearer ", 7) == 0) {
-        const char *k = auth + 7;
+    /* Anthropic's clients send the key as x-api-key: the same key */
+    if (!auth && (xkey = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, "x-api-key")))
+        auth = "";
+    if (s->api_key && auth && (xkey || strncasecmp(auth, "Bearer ", 7) == 0)) {
+        const char *k = xkey ? xkey : auth + 7;
 
         while (*k == ' ')
             k++;

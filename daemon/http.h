@@ -14,7 +14,8 @@
  * above), max_connections, and timeout_ms both as the idle timeout and as the time a request
  * (headers and body) has to arrive in full, from the connection's start or the end of its
  * previous request (a slow-loris client gets 408 and its connection closed).  Routes marked
- * auth need "Authorization: Bearer <api_key>" when a key is set (401 otherwise).  Errors the
+ * auth need "Authorization: Bearer <api_key>" (or Anthropic's "x-api-key: <api_key>") when a
+ * key is set (401 otherwise).  Errors the
  * server answers itself are OpenAI error objects.
  *
  * Lifetime: a struct http_req is valid from its handler's call until on_close has run (it
@@ -39,7 +40,7 @@ typedef void (*http_close_fn)(struct http_req *hr, bool completed, void *ud);
 
 struct http_route {
     const char *method;             /* "GET", "POST" */
-    const char *path;               /* exact path, without the query */
+    const char *path;               /* exact path, without the query; a last segment "*" matches any one segment */
     bool auth;                      /* needs the API key (when one is set) */
     http_handler_fn fn;
 };

@@ -56,6 +56,8 @@ static void usage(FILE *f)
         "  --max-concurrent-streams N per connection (default 1024)\n"
         "  --stream-buffer-bytes N    per-stream send buffer before a slow client is cut (1 MiB)\n"
         "  --max-n N                  HTTP: cap on n, choices per request (default 16)\n"
+        "  --responses-store-size N   HTTP: /v1/responses kept for previous_response_id (default 1024; 0 = off)\n"
+        "  --responses-store-ttl SECONDS  how long a stored response is kept (default 3600; 0 = off)\n"
         "  --http-max-body-bytes N    HTTP request body cap, 413 above (default 4194304)\n"
         "  --http-max-header-bytes N  HTTP request line + headers cap, 431 above (default 32768)\n"
         "  --http-max-connections N   HTTP connections at once (default 1024)\n"
@@ -199,7 +201,7 @@ enum {
     OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
-    OPT_MAX_N, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
+    OPT_MAX_N, OPT_RESP_STORE, OPT_RESP_TTL, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
     OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
@@ -289,6 +291,8 @@ int main(int argc, char **argv)
         { "tool-call-parser", required_argument, NULL, OPT_TPARSER },
         { "enable-auto-tool-choice", no_argument, NULL, OPT_AUTO_TOOLS },
         { "max-n", required_argument, NULL, OPT_MAX_N },
+        { "responses-store-size", required_argument, NULL, OPT_RESP_STORE },
+        { "responses-store-ttl", required_argument, NULL, OPT_RESP_TTL },
         { "http-max-body-bytes", required_argument, NULL, OPT_HTTP_BODY },
         { "http-max-header-bytes", required_argument, NULL, OPT_HTTP_HEADER },
         { "http-max-connections", required_argument, NULL, OPT_HTTP_CONNS },
@@ -370,6 +374,8 @@ int main(int argc, char **argv)
         UINT_OPT(OPT_AFFINITY, "--prefix-affinity", 1u << 20, prefix_affinity)
         UINT_OPT(OPT_AFFINITY_N, "--prefix-affinity-entries", 1u << 24, prefix_affinity_entries)
         UINT_OPT(OPT_MAX_N, "--max-n", 128, max_n)
+        UINT_OPT(OPT_RESP_STORE, "--responses-store-size", 1u << 20, responses_store_size)
+        UINT_OPT(OPT_RESP_TTL, "--responses-store-ttl", 86400u * 365, responses_store_ttl_s)
         UINT_OPT(OPT_HTTP_BODY, "--http-max-body-bytes", 1u << 30, http_max_body_bytes)
         UINT_OPT(OPT_HTTP_HEADER, "--http-max-header-bytes", 1u << 24, http_max_header_bytes)
         UINT_OPT(OPT_HTTP_CONNS, "--http-max-connections", 1u << 20, http_max_connections)

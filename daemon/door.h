@@ -1,0 +1,142 @@
+/* door.h - what the agent-harness doors (OpenAI Responses: responses.c, Anthropic Messages:
+ * messages.c) share: one generation behind one HTTP answer, its output as a list of items.
+ *
+ * A door parses its body into a struct request (chat input, the door's field names) and
+ * hands it to door_submit(), which serves it through req_submit() exactly as chat
+ * completions does (the same prompt, the same reasoning and tool-call parsers).  The Chunks
+ * of the text pipeline become items in the order they come: a reasoning item, a text item,
+ * one item per tool call (a new item whenever the kind changes).  Streamed and whole answers
+ * are rendered from the same items by the door's ops: item_open / item_delta / item_close
+ * as they grow (streaming), whole at the end; so a streamed answer carries exactly what the
+ * whole one does.
+ *
+ * Lifetime of a door_gen: from door_submit until its request ended and the answer is handed
+ * to http.c, or the client went away and the request was cancelled; freed through its
+ * timer's close (the timer carries the request's deadline).  Loop thread only.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+#include <uv.h>
+
+#include "strbuf.h"
+
+struct coord;
+struct http_req;
+struct request;
+
+/* A door's field names (struct request's names table, [_RN_MAX]): chat completions' but the
+ * prompt's, the reasoning effort's, the token limit's and the stop strings'.  names is
+ * filled on the first call. */
+const char *const *door_names(const char **names, const char *prompt, const char *effort, const char *max_tokens,
+                              const char *stop);
+
+enum door_item_kind {
+    DOOR_REASONING,
+    DOOR_TEXT,
+    DOOR_CALL,
+};
+
+struct door_item {
+    enum door_item_kind kind;
+    struct strbuf text;             /* the reasoning, the text, or the call's arguments (JSON) */
+    char call_id[40];               /* DOOR_CALL: the pipeline's "call_..." id */
+    char *name;                     /* DOOR_CALL: the function */
+    uint32_t tool_index;            /* DOOR_CALL: the pipeline's index of the call */
+};
+
+/* How the request ended (the Final). */
+enum door_finish {
+    DOOR_FINISH_STOP,               /* end of turn, or a stop string (stop_str) */
+    DOOR_FINISH_LENGTH,             /* the token limit */
+    DOOR_FINISH_OTHER,              /* aborted, error */
+};
+
+struct door_gen;
+
+struct door_ops {
+    /* streaming: the events, appended to b */
+    void (*begin)(struct door_gen *g, struct strbuf *b);
+    void (*item_open)(struct door_gen *g, size_t i, struct strbuf *b);
+    void (*item_delta)(struct door_gen *g, size_t i, const char *s, size_t n, struct strbuf *b);
+    void (*item_close)(struct door_gen *g, size_t i, struct strbuf *b);
+    void (*end)(struct door_gen *g, struct strbuf *b);          /* after the Final */
+    void (*fail_event)(struct door_gen *g, struct strbuf *b);   /* a failure after the start */
+    /* the whole answer (not streaming); NULL: out of memory */
+    json_t *(*whole)(struct door_gen *g);
+    /* an error answer in the door's shape (rpc: enum rpc_status) */
+    void (*error)(struct http_req *hr, int rpc, const char *msg);
+    /* the request completed (Final, answer given): the door's own bookkeeping */
+    void (*completed)(struct door_gen *g);
+    /* the door's ud is let go */
+    void (*free_ud)(void *ud);
+};
+
+struct door_gen {
+    struct coord *co;
+    struct http_req *hr;            /* NULL once the client is gone or the answer is given */
+    struct req *r;                  /* watched (admitted) and not yet ended */
+    const struct door_ops *ops;
+    void *ud;                       /* the door's */
+    bool stream, started, live, failed, answered, freeing, busy, cancel_pending;
+    bool open;                      /* streaming: the last item is open */
+    int fail_status;                /* enum rpc_status */
+    char fail_msg[768];
+    char id[160];                   /* the door's id of the answer ("resp_...", "msg_...") */
+    char model[160];
+    int64_t created;
+    struct door_item *items;
+    size_t n_items;
+    uint64_t seq;                   /* the door's event counter */
+    enum door_finish finish;
+    char *stop_str;
+    uint32_t prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens;
+    uv_timer_t timer;
+};
+
+/* Serve `in` (owned from here, also on failure) for hr: stream or not, the answer id
+ * (id_prefix + the request id), the door's ops and ud (ud is the door's until free_ud). */
+void door_submit(struct coord *co, struct http_req *hr, struct request *in, bool stream, const char *id_prefix,
+                 const struct door_ops *ops, void *ud);
+
+/* What a door's parser fills in from the body: in's fields (door_common_fields among them)
+ * and the door's own (arg).  0, -ENOMEM, -EINVAL or -ENOENT (a thing named is not there),
+ * the reason in msg naming the field. */
+typedef int (*door_conv_fn)(struct coord *co, const json_t *body, struct request *in, void *arg, char *msg,
+                            size_t len);
+
+/* The request of hr's body (field names: names), converted by conv and its model checked;
+ * or NULL when refused: counted, logged and answered through error (RPC_INVALID_ARGUMENT,
+ * RPC_NOT_FOUND for -ENOENT and a model not served, RPC_INTERNAL). */
+struct request *door_request(struct coord *co, struct http_req *hr, const char *const *names, door_conv_fn conv,
+                             void *arg, void (*error)(struct http_req *hr, int rpc, const char *msg));
+
+/* A request's tools (the door's, converted) with tool_choice, checked alike on both doors:
+ * a named tool must be one of them, required/named need tools and the tool-call parser.
+ * field: the door's name of its tool choice.  0 or -EINVAL with msg. */
+int door_tool_choice_check(const struct coord *co, struct request *in, const char *field, char *msg, size_t len);
+
+/* The body's fields are all known (known: NULL-terminated lists, any of them): 0, or
+ * -EINVAL naming the first that is not. */
+int door_fields_known(const json_t *body, const char *const *const *known, char *msg, size_t len);
+
+/* The fields both doors share alike onto in: "model" (required), "temperature", "top_p",
+ * "stream" (into *stream).  0, -ENOMEM or -EINVAL naming the field. */
+int door_common_fields(const json_t *body, struct request *in, bool *stream, char *msg, size_t len);
+
+/* A message's content onto b: a string, or an array of parts {"type": one of text_types,
+ * "text": ...} joined by "\n"; media_types are refused as a text-only model's, other types
+ * as unknown.  Parts are named path[k] (dotted: path.k, Anthropic's style).  0 or -EINVAL
+ * naming the part. */
+int door_parts_text(const json_t *c, const char *path, bool dotted, const char *const *text_types,
+                    const char *const *media_types, struct strbuf *b, char *msg, size_t len);
+
+/* One server-sent event onto b: "event: TYPE", data o (stolen) with "type": TYPE added. */
+void door_event(struct strbuf *b, const char *type, json_t *o);
+
+/* An item's arguments as a JSON object (DOOR_CALL): parsed, or {} when empty. */
+json_t *door_call_args(const struct door_item *it);

@@ -511,31 +511,34 @@ def test_tiny_model():
     assert cc.choices[0].message.model_extra["reasoning_content"] == r.output[0].content[0].text, cc
     assert cc.usage.prompt_tokens == r.usage.input_tokens, (cc.usage, r.usage)
     # previous_response_id: the conversation continues, its prompt served from the prefix cache
+    # (instructions are not carried over, as in OpenAI's API: the same ones again, the same prefix)
     r2 = c.responses.create(model="tiny-step", previous_response_id=r.id, input="And then?", max_output_tokens=4,
-                            temperature=0)
+                            temperature=0, instructions="Be brief.", reasoning={"effort": "low"})
     assert r2.previous_response_id == r.id and r2.usage.input_tokens > r.usage.input_tokens, r2.usage
     assert r2.usage.input_tokens_details.cached_tokens > 0, r2.usage
-    # messages: plain text and thinking
+    # messages: thinking and usage, against chat completions without a reasoning effort
+    q = [{"role": "user", "content": "Who made the heaven and the earth?"}]
+    cc0 = c.chat.completions.create(model="tiny-step", max_tokens=16, temperature=0,
+                                    messages=[{"role": "system", "content": "Be brief."}] + q)
     a = ant(s)
-    m = a.messages.create(model="tiny-step", max_tokens=16, temperature=0, system="Be brief.",
-                          messages=[{"role": "user", "content": "Who made the heaven and the earth?"}])
+    m = a.messages.create(model="tiny-step", max_tokens=16, temperature=0, system="Be brief.", messages=q)
     assert m.stop_reason == "max_tokens" and m.content[0].type == "thinking", m
-    assert m.content[0].model_extra["thinking"] == cc.choices[0].message.model_extra["reasoning_content"], m
+    assert m.content[0].model_extra["thinking"] == cc0.choices[0].message.model_extra["reasoning_content"], m
     assert m.usage.output_tokens == 16 and m.usage.input_tokens + m.usage.cache_read_input_tokens == \
-        cc.usage.prompt_tokens, m.usage
-    with a.messages.stream(model="tiny-step", max_tokens=16, temperature=0, system="Be brief.",
-                           messages=[{"role": "user", "content": "Who made the heaven and the earth?"}]) as st:
+        cc0.usage.prompt_tokens and m.usage.cache_read_input_tokens > 0, m.usage     # cc0's prompt, cached
+    with a.messages.stream(model="tiny-step", max_tokens=16, temperature=0, system="Be brief.", messages=q) as st:
         events = list(st)
         final = st.get_final_message()
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 16, final
-    assert "".join(e.delta.model_extra["thinking"] for e in events if e.type == "content_block_delta") == \
+    assert "".join(e.delta.model_extra["thinking"] for e in events
+                   if e.type == "content_block_delta" and e.delta.type == "thinking_delta") == \
         m.content[0].model_extra["thinking"]
-    # a plain-text answer: thinking closed by the history's template? The tiny model never
-    # closes it greedily; the text path is the mock's (responses_tools, four_doors)
-    st_, d = request(s, "POST", "/v1/messages/count_tokens", {
-        "model": "tiny-step", "system": "Be brief.",
-        "messages": [{"role": "user", "content": "Who made the heaven and the earth?"}]})
-    assert st_ == 200 and d["input_tokens"] == cc.usage.prompt_tokens, (d, cc.usage)
+    # count_tokens: the prompt as served; a thinking budget up to 4096 is the template's "low"
+    for extra, want in (({}, cc0.usage.prompt_tokens),
+                        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, cc.usage.prompt_tokens)):
+        st_, d = request(s, "POST", "/v1/messages/count_tokens", dict(extra, model="tiny-step", system="Be brief.",
+                                                                      messages=q))
+        assert st_ == 200 and d["input_tokens"] == want, (extra, d, want)
     assert s.stop() == 0
 
 

@@ -237,7 +237,7 @@ static int message_conv(const json_t *m, size_t i, json_t *out, char *msg, size_
 {
     const json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content"), *blk;
     struct strbuf text = STRBUF_INIT, thinking = STRBUF_INIT;
-    json_t *calls = json_array();
+    json_t *calls;
     bool asst;
     size_t k;
     int r = 0;
@@ -250,15 +250,13 @@ static int message_conv(const json_t *m, size_t i, json_t *out, char *msg, size_
     if (!content)
         BAD("messages.%zu.content: required", i);
     asst = !strcmp(json_string_value(role), "assistant");
-    if (json_is_string(content)) {
-        json_decref(calls);
+    if (json_is_string(content))
         return json_array_append_new(out, json_pack("{s:O, s:O}", "role", role, "content", content)) ? -ENOMEM : 0;
-    }
-    if (!json_is_array(content)) {
-        json_decref(calls);
+    if (!json_is_array(content))
         BAD("messages.%zu.content: must be a string or an array of content blocks (got %s)", i,
             json_type_describe(content));
-    }
+    if (!(calls = json_array()))
+        return -ENOMEM;
 #define FAIL(...) do { snprintf(msg, len, __VA_ARGS__); r = -EINVAL; goto out; } while (0)
     json_array_foreach(content, k, blk) {
         const json_t *t = json_object_get(blk, "type");

@@ -14,6 +14,7 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
   four_doors         the same replayed output with two tool calls through gRPC, chat
                      completions, responses and messages, streamed and not: the same calls
   store_bounds       --responses-store-size evicts the oldest; store 0 / store false keep none
+  disconnect         a client of either door that goes away (streaming or not): one Abort
   bad_requests       at least 15 malformed requests per door -> 400 (404 for ids) in that
                      API's error shape naming the field; the server serves throughout
 Against the real CPU worker on the tiny model:
@@ -24,10 +25,11 @@ Against the real CPU worker on the tiny model:
 import http.client
 import json
 import os
+import socket
 import sys
 import time
 
-from stepd_harness import TOKENIZER, Stepd, collect, pb, run_tests
+from stepd_harness import TOKENIZER, Stepd, collect, pb, run_tests, wait_until
 
 try:
     import anthropic
@@ -259,6 +261,38 @@ def test_plain_text():
     m = a.messages.create(model="tiny", max_tokens=40, messages=msgs, stop_sequences=["was"])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "was", m
     assert m.content[-1].text == "In the beginning ", m
+    assert s.stop() == 0
+
+
+def test_disconnect():
+    s = Stepd("--tokenizer", TOKENIZER, "--served-model-name", "tiny")
+    s.start_engine("g0", "--vocab", str(VOCAB), "--delay-ms", "20")
+    s.wait_ready(1)
+    eng = s.engines[0]
+    msgs = [{"role": "user", "content": "x"}]
+    n = 0
+    for path, body in (("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 4000}),
+                       ("/v1/messages", {"model": "tiny", "max_tokens": 4000, "messages": msgs})):
+        for stream in (True, False):
+            c = socket.create_connection(("127.0.0.1", s.ports["http"]))
+            data = json.dumps(dict(body, stream=stream)).encode()
+            c.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d"
+                      b"\r\n\r\n%s" % (path.encode(), len(data), data))
+            if stream:
+                got = b""
+                c.settimeout(10)
+                while got.count(b"event: ") < 6:
+                    b = c.recv(4096)
+                    assert b, got
+                    got += b
+            else:
+                wait_until(lambda: s.metric("stepd:num_requests_running") == 1, what="running")
+            c.close()
+            n += 1
+            wait_until(lambda: s.metric("stepd:aborts_sent_total") == n, timeout=5, what="the Abort of %s" % path)
+            wait_until(lambda: eng.stats().get("abort", 0) == n, timeout=5, what="the engine's abort")
+            wait_until(lambda: s.metric("stepd:num_requests_running") == 0, what="idle")
+    still_serving(s)
     assert s.stop() == 0
 
 
@@ -549,6 +583,7 @@ if __name__ == "__main__":
         ("messages_tools", test_messages_tools),
         ("four_doors", test_four_doors),
         ("store_bounds", test_store_bounds),
+        ("disconnect", test_disconnect),
         ("bad_requests", test_bad_requests),
         ("tiny_model", test_tiny_model),
     ])

@@ -2,6 +2,10 @@
  * OpenAI's Responses API (responses.c) and Anthropic's Messages API (messages.c). */
 #pragma once
 
+#include <stdint.h>
+
+#include <jansson.h>
+
 struct coord;
 struct http_req;
 
@@ -9,6 +13,11 @@ struct http_req;
 void responses_create(struct http_req *hr, void *ud);
 /* GET and DELETE /v1/responses/{id} */
 void responses_get(struct http_req *hr, void *ud);
+/* The stored responses at time now_ms (rpc_now_ms(); a test's own clock): keep one (nothing
+ * when the store is off; 0 or -ENOMEM), the response object of id (NULL: not stored, or
+ * expired). */
+int responses_store_put(struct coord *co, const char *id, json_t *conv, json_t *response, int64_t now_ms);
+const json_t *responses_store_get(struct coord *co, const char *id, int64_t now_ms);
 /* Drop every stored response (the server's stop). */
 void responses_store_free(struct coord *co);
 

@@ -74,11 +74,10 @@ static bool store_on(const struct coord *co)
     return co->o.responses_store_size && co->o.responses_store_ttl_s;
 }
 
-/* The entry of id, expired ones dropped on the way. */
-static struct resp_entry *store_find(struct coord *co, const char *id)
+/* The entry of id at now (rpc_now_ms), expired ones dropped on the way. */
+static struct resp_entry *store_find(struct coord *co, const char *id, int64_t now)
 {
     struct resp_store *st = co->responses;
-    int64_t now = rpc_now_ms();
 
     while (st && st->head && st->head->expires_ms <= now)
         entry_free(st, st->head);
@@ -88,7 +87,7 @@ static struct resp_entry *store_find(struct coord *co, const char *id)
     return NULL;
 }
 
-static int store_put(struct coord *co, const char *id, json_t *conv, json_t *response)
+static int store_put(struct coord *co, const char *id, json_t *conv, json_t *response, int64_t now)
 {
     struct resp_store *st = co->responses;
     struct resp_entry *e;
@@ -101,7 +100,7 @@ static int store_put(struct coord *co, const char *id, json_t *conv, json_t *res
     }
     e->conv = json_incref(conv);
     e->response = json_incref(response);
-    e->expires_ms = rpc_now_ms() + (int64_t)co->o.responses_store_ttl_s * 1000;
+    e->expires_ms = now + (int64_t)co->o.responses_store_ttl_s * 1000;
     e->prev = st->tail;
     if (st->tail)
         st->tail->next = e;
@@ -112,6 +111,18 @@ static int store_put(struct coord *co, const char *id, json_t *conv, json_t *res
     while (st->n > co->o.responses_store_size)
         entry_free(st, st->head);
     return 0;
+}
+
+int responses_store_put(struct coord *co, const char *id, json_t *conv, json_t *response, int64_t now_ms)
+{
+    return store_on(co) ? store_put(co, id, conv, response, now_ms) : 0;
+}
+
+const json_t *responses_store_get(struct coord *co, const char *id, int64_t now_ms)
+{
+    struct resp_entry *e = store_find(co, id, now_ms);
+
+    return e ? e->response : NULL;
 }
 
 void responses_store_free(struct coord *co)
@@ -369,7 +380,7 @@ static void r_completed(struct door_gen *g)
         return;
     conv = conversation(g);
     resp = response_json(g, final_status(g));
-    if (!conv || !resp || store_put(g->co, g->id, conv, resp) < 0)
+    if (!conv || !resp || store_put(g->co, g->id, conv, resp, rpc_now_ms()) < 0)
         log_req_info(g->id, "response not stored: out of memory");
     json_decref(conv);
     json_decref(resp);
@@ -727,7 +738,7 @@ static int body_conv(struct coord *co, const json_t *body, struct request *in, s
             BAD("previous_response_id: must be a string");
         if (!store_on(co))
             BAD("previous_response_id: responses are not stored on this server (--responses-store-size 0)");
-        if (!(e = store_find(co, json_string_value(prev)))) {
+        if (!(e = store_find(co, json_string_value(prev), rpc_now_ms()))) {
             snprintf(msg, len, "previous_response_id: response \"%.64s\" not found", json_string_value(prev));
             return -ENOENT;
         }
@@ -785,7 +796,7 @@ void responses_get(struct http_req *hr, void *ud)
 {
     struct coord *co = ud;
     const char *id = http_req_path(hr) + strlen("/v1/responses/");
-    struct resp_entry *e = store_find(co, id);
+    struct resp_entry *e = store_find(co, id, rpc_now_ms());
     char *s;
 
     if (!e) {

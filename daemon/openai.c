@@ -80,7 +80,7 @@ static const char *const names_completion[_RN_MAX] = OPENAI_NAMES("prompt", "log
 /* s as a JSON string (quoted) onto b: valid UTF-8 is copied, control characters escaped,
  * invalid bytes replaced by U+FFFD (the pipeline's text is valid UTF-8; token bytes in
  * logprobs need not be). */
-void json_str(struct strbuf *b, const char *s, size_t n)
+static void json_str(struct strbuf *b, const char *s, size_t n)
 {
     static const char hex[] = "0123456789abcdef";
     size_t i = 0, run = 0;

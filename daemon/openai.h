@@ -8,7 +8,6 @@
 #include <jansson.h>
 
 struct coord;
-struct strbuf;
 struct http_req;
 
 /* Start the API server (--host/--port, unless the port is -1) and the metrics server
@@ -25,8 +24,6 @@ void openai_stop(struct coord *co);
 /* Pieces the other HTTP doors (door.c, responses.c, messages.c) share with this one. */
 /* Chat completions' field names (struct request's names table, [_RN_MAX]). */
 extern const char *const names_chat[];
-/* s as a JSON string (quoted) onto b; invalid UTF-8 bytes become U+FFFD. */
-void json_str(struct strbuf *b, const char *s, size_t n);
 /* The HTTP status of an enum rpc_status. */
 unsigned http_status_of(int rpc);
 /* Why a body is not JSON, into msg (a NaN or an infinity: the field that holds it). */

@@ -564,6 +564,11 @@ static int input_conv(const json_t *input, json_t *msgs, char *msg, size_t len)
         if (r)
             break;
     }
+    if (!r && pending) {
+        snprintf(msg, len, "input[%zu]: a reasoning item must come before the assistant turn it belongs to (a "
+                 "message or function_call)", json_array_size(input) - 1);
+        r = -EINVAL;
+    }
     json_decref(pending);
     return r;
 }

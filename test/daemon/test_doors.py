@@ -426,6 +426,10 @@ RESPONSES_BAD = [
     ({"model": "tiny", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]},
      "input[0].arguments"),
     ({"model": "tiny", "input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"model": "tiny", "input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "content": [
+        {"type": "reasoning_text", "text": "hm"}]}]}, "input[1]"),
+    ({"model": "tiny", "input": [{"type": "reasoning", "content": [{"type": "summary_text", "text": "x"}]}]},
+     "input[0].content[0]"),
     ({"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"model": "tiny", "input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"model": "tiny", "input": "hi", "tools": [dict(WEATHER, type="function")],

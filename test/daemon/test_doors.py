@@ -17,6 +17,8 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
   disconnect         a client of either door that goes away (streaming or not): one Abort
   bad_requests       at least 15 malformed requests per door -> 400 (404 for ids) in that
                      API's error shape naming the field; the server serves throughout
+  mutated_requests   a full request per door with one value replaced or removed (seeded,
+                     150 each, streamed and not): 200 or an error in the API's shape, no crash
 Against the real CPU worker on the tiny model:
   tiny_model         plain text through both doors, streamed and not; reasoning returned;
                      usage; previous_response_id continues a conversation with its prompt
@@ -519,6 +521,73 @@ def test_bad_requests():
     assert s.stop() == 0
 
 
+def mutations(body, rnd, n):
+    """n bodies like body with one value somewhere replaced by a value of another kind."""
+    odd = [None, True, -1, 0, 2 ** 40, 1.5e308, "", "x" * 300, [], {}, [None], {"type": None}, "\u00e9\ud7ff"]
+
+    def paths(v, p=()):
+        yield p
+        if isinstance(v, dict):
+            for k, x in v.items():
+                yield from paths(x, p + (k,))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                yield from paths(x, p + (i,))
+    all_paths = [p for p in paths(body) if p]
+    for _ in range(n):
+        b = json.loads(json.dumps(body))
+        p = rnd.choice(all_paths)
+        o = b
+        for k in p[:-1]:
+            o = o[k]
+        if isinstance(o, dict) and rnd.random() < 0.2:
+            del o[p[-1]]
+        else:
+            o[p[-1]] = rnd.choice(odd)
+        yield b
+
+
+def test_mutated_requests():
+    import random
+    rnd = random.Random(44)
+    s = mock_stepd(script=ids_of(CALL))
+    rtools = [dict(WEATHER, type="function")]
+    atools = [{"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}]
+    bodies = {
+        "/v1/responses": {"model": "tiny", "instructions": "Be brief.", "max_output_tokens": 8, "tools": rtools,
+                          "tool_choice": {"type": "function", "name": "get_weather"}, "reasoning": {"effort": "low"},
+                          "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                                    {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]},
+                                    {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                     "arguments": "{\"city\": \"Paris\"}"},
+                                    {"type": "function_call_output", "call_id": "c1", "output": "21"}]},
+        "/v1/messages": {"model": "tiny", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief."}],
+                         "tools": atools, "tool_choice": {"type": "tool", "name": "get_weather"},
+                         "stop_sequences": ["zz"], "temperature": 0.5, "top_k": 5,
+                         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                      {"role": "assistant", "content": [
+                                          {"type": "thinking", "thinking": "t", "signature": ""},
+                                          {"type": "tool_use", "id": "c1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+                                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                                                    "content": [{"type": "text", "text": "21"}]}]}]},
+    }
+    seen = {}
+    for path, body in bodies.items():
+        st, d = request(s, "POST", path, body)
+        assert st == 200, (path, d)
+        for b in mutations(body, rnd, 150):
+            for stream in (False, True):
+                st, d = request(s, "POST", path, dict(b, stream=True) if stream else b)
+                assert st in (200, 400, 404), (path, b, st, d)
+                if st != 200:
+                    assert ("error" in d and "message" in d["error"]), (path, b, d)
+                seen[st] = seen.get(st, 0) + 1
+    print("   300 mutated bodies per door, streamed and not: statuses %s" % sorted(seen.items()))
+    still_serving(s)
+    assert s.stop() == 0
+
+
 # ------------------------------------------------------------------ the real worker
 
 
@@ -586,5 +655,6 @@ if __name__ == "__main__":
         ("store_bounds", test_store_bounds),
         ("disconnect", test_disconnect),
         ("bad_requests", test_bad_requests),
+        ("mutated_requests", test_mutated_requests),
         ("tiny_model", test_tiny_model),
     ])

@@ -13,6 +13,8 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
                      tool_use, messages.stream's events, x-api-key
   four_doors         the same replayed output with two tool calls through gRPC, chat
                      completions, responses and messages, streamed and not: the same calls
+  forced_choice      a named tool choice and required/any open the call in the prompt on both
+                     doors (the replayed output holds only the rest of it); auto does not
   store_bounds       --responses-store-size evicts the oldest; store 0 / store false keep none
   disconnect         a client of either door that goes away (streaming or not): one Abort
   bad_requests       at least 15 malformed requests per door -> 400 (404 for ids) in that
@@ -387,6 +389,32 @@ def test_four_doors():
     assert s.stop() == 0
 
 
+def test_forced_choice():
+    # a named choice ends the prompt with the call opened and named, required/any with the call
+    # opened: the model writes the rest (the replayed outputs start there)
+    args = "\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
+    q = "Weather in Rome?"
+    rtools = [dict(WEATHER, type="function")]
+    atools = [{"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}]
+    for script, rchoice, achoice in ((args, {"type": "function", "name": "get_weather"},
+                                      {"type": "tool", "name": "get_weather"}),
+                                     ("get_weather>" + args, "required", {"type": "any"})):
+        s = mock_stepd(script=ids_of(script))
+        c, a = oai(s), ant(s)
+        r = c.responses.create(model="tiny", input=q, tools=rtools, tool_choice=rchoice, max_output_tokens=60)
+        fc = [o for o in r.output if o.type == "function_call"]
+        assert len(fc) == 1 and fc[0].name == "get_weather" and json.loads(fc[0].arguments) == {"city": "Rome"}, r
+        m = a.messages.create(model="tiny", max_tokens=60, messages=[{"role": "user", "content": q}], tools=atools,
+                              tool_choice=achoice)
+        assert m.stop_reason == "tool_use" and m.content[-1].input == {"city": "Rome"}, m
+        # auto: the same output is no call (none was opened)
+        r = c.responses.create(model="tiny", input=q, tools=rtools, max_output_tokens=60)
+        assert not [o for o in r.output if o.type == "function_call"], r.output
+        m = a.messages.create(model="tiny", max_tokens=60, messages=[{"role": "user", "content": q}], tools=atools)
+        assert m.stop_reason == "end_turn" and "tool_use" not in [b.type for b in m.content], m
+        assert s.stop() == 0
+
+
 def test_store_bounds():
     s = mock_stepd("--responses-store-size", "2")
     c = oai(s)
@@ -652,6 +680,7 @@ if __name__ == "__main__":
         ("responses_tools", test_responses_tools),
         ("messages_tools", test_messages_tools),
         ("four_doors", test_four_doors),
+        ("forced_choice", test_forced_choice),
         ("store_bounds", test_store_bounds),
         ("disconnect", test_disconnect),
         ("bad_requests", test_bad_requests),

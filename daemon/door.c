@@ -343,8 +343,12 @@ void door_submit(struct coord *co, struct http_req *hr, struct request *in, bool
     req_submit(co, in, &(struct req_origin){ .ops = &door_req_ops, .clients = clients, .n = 1,
                                              .deadline_ms = deadline, .caller = &caller });
     g->busy = false;
-    if (g->live && co->o.request_timeout_ms && !g->cancel_pending)
+    if (g->live && co->o.request_timeout_ms && !g->cancel_pending) {
+        /* the timer counts from the loop's time, which lags behind the deadline's clock
+         * (rpc_now_ms) under load: brought up to date, it cannot fire before the deadline */
+        uv_update_time(&co->loop);
         uv_timer_start(&g->timer, gen_timer_cb, co->o.request_timeout_ms + 1, 0);
+    }
     gen_done_check(g);
 }
 

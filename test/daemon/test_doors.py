@@ -15,6 +15,8 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
                      completions, responses and messages, streamed and not: the same calls
   forced_choice      a named tool choice and required/any open the call in the prompt on both
                      doors (the replayed output holds only the rest of it); auto does not
+  server_errors      429 (queue full) and 504 (deadline) in each door's shape; after the
+                     stream began: response.failed / an error event
   store_bounds       --responses-store-size evicts the oldest; store 0 / store false keep none
   disconnect         a client of either door that goes away (streaming or not): one Abort
   bad_requests       at least 15 malformed requests per door -> 400 (404 for ids) in that
@@ -31,6 +33,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
 from stepd_harness import TOKENIZER, Stepd, collect, pb, run_tests, wait_until
@@ -415,6 +418,40 @@ def test_forced_choice():
         assert s.stop() == 0
 
 
+def test_server_errors():
+    # 429 (the queue is full: one running, none queued) and 504 (the request's deadline) in
+    # each door's shape, streamed and not
+    s = Stepd("--tokenizer", TOKENIZER, "--served-model-name", "tiny", "--max-running", "1", "--max-queue", "0",
+              "--request-timeout", "0.5")
+    s.start_engine("g0", "--vocab", str(VOCAB), "--delay-ms", "100")
+    s.wait_ready(1)
+    q = [{"role": "user", "content": "x"}]
+    doors = (("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 50}),
+             ("/v1/messages", {"model": "tiny", "max_tokens": 50, "messages": q}))
+    for path, body in doors:
+        st, d = request(s, "POST", path, body)
+        assert st == 504, (path, st, d)
+        if path == "/v1/responses":
+            assert d["error"]["type"] == "timeout_error", d
+        else:
+            assert d["type"] == "error" and d["error"]["type"] == "api_error" and "deadline" in d["error"]["message"], d
+        ev = sse(s, path, body)             # the stream began: the failure is its last event
+        if path == "/v1/responses":
+            assert ev[-1][0] == "response.failed" and ev[-1][1]["response"]["status"] == "failed", ev[-1]
+            assert "deadline" in ev[-1][1]["response"]["error"]["message"], ev[-1]
+        else:
+            assert ev[-1][0] == "error" and ev[-1][1]["error"]["type"] == "api_error", ev[-1]
+        wait_until(lambda: s.metric("stepd:num_requests_running") == 0, what="idle")
+        hold = threading.Thread(target=lambda: request(s, "POST", path, body))
+        hold.start()
+        wait_until(lambda: s.metric("stepd:num_requests_running") == 1, what="one running")
+        st, d = request(s, "POST", path, dict(body, max_tokens=2) if "messages" in body else body)
+        assert st == 429, (path, st, d)
+        assert (d["error"]["type"] == "rate_limit_error"), d
+        hold.join()
+    assert s.stop() == 0
+
+
 def test_store_bounds():
     s = mock_stepd("--responses-store-size", "2")
     c = oai(s)
@@ -681,6 +718,7 @@ if __name__ == "__main__":
         ("messages_tools", test_messages_tools),
         ("four_doors", test_four_doors),
         ("forced_choice", test_forced_choice),
+        ("server_errors", test_server_errors),
         ("store_bounds", test_store_bounds),
         ("disconnect", test_disconnect),
         ("bad_requests", test_bad_requests),

@@ -429,12 +429,15 @@ def test_server_errors():
     doors = (("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 50}),
              ("/v1/messages", {"model": "tiny", "max_tokens": 50, "messages": q}))
     for path, body in doors:
+        wait_until(lambda: s.metric("stepd:num_requests_running") == 0, what="idle")
         st, d = request(s, "POST", path, body)
         assert st == 504, (path, st, d)
         if path == "/v1/responses":
             assert d["error"]["type"] == "timeout_error", d
         else:
             assert d["type"] == "error" and d["error"]["type"] == "api_error" and "deadline" in d["error"]["message"], d
+        # (the slot is free once the engine has let the request go, just after the answer)
+        wait_until(lambda: s.metric("stepd:num_requests_running") == 0, what="idle")
         ev = sse(s, path, body)             # the stream began: the failure is its last event
         if path == "/v1/responses":
             assert ev[-1][0] == "response.failed" and ev[-1][1]["response"]["status"] == "failed", ev[-1]

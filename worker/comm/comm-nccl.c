@@ -134,6 +134,8 @@ static int settle_state(void *ctx, int *st)
     struct nccl *n = ctx;
     ncclResult_t r = ncclSuccess;
 
+    if (atomic_load(&n->c.interrupted))
+        return -ECANCELED;
     pthread_mutex_lock(&n->lock);
     if (atomic_load(&n->aborting) || !n->comm) {
         pthread_mutex_unlock(&n->lock);
@@ -180,6 +182,8 @@ static int wait_comm(struct nccl *n, const char *op, ncclResult_t issued, bool s
     cudaError_t ce;
 
     r = nccl_settle(&s, (int)issued, &st);
+    if (r == -ECANCELED && !atomic_load(&n->aborting))
+        return fail_abort(n, -ECANCELED, op, "interrupted: ", "the group is re-forming");
     if (r == -ECANCELED)
         return n->c.error ? n->c.error : r;
     if (r == -EPROTO)
@@ -194,6 +198,8 @@ static int wait_comm(struct nccl *n, const char *op, ncclResult_t issued, bool s
             break;
         if (ce != cudaErrorNotReady)
             return fail_abort(n, err_from_cuda(ce), op, "CUDA error: ", cudaGetErrorString(ce));
+        if (atomic_load(&n->c.interrupted))
+            return fail_abort(n, -ECANCELED, op, "interrupted: ", "the group is re-forming");
         if (deadline && now_usec() >= deadline)
             return fail_abort(n, -ETIMEDOUT, op, "timed out after ", ms);
         settle_pause(n);

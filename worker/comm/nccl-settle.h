@@ -6,7 +6,8 @@
  * work that depends on it) until ncclCommGetAsyncError reports ncclSuccess.  So every
  * collective, in both stream modes, polls the state until it is no longer in progress;
  * the poll stops on an error, the deadline, or an abort from another thread (the state
- * callback answers -ECANCELED once comm-nccl.c's abort has begun).
+ * callback answers -ECANCELED once comm-nccl.c's abort has begun or comm_interrupt() was
+ * called; an interrupt then aborts the communicator on the polling thread).
  *
  * Plain C, no NCCL header: test/gpu/test-cuda-guard.c runs it against a fake communicator
  * on every machine.  comm-nccl.c asserts that the two values below are NCCL's. */

@@ -12,6 +12,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "flash.h"
+
 /* ---- the device of the calling thread ---- */
 
 /* CUDA's current device belongs to the host thread (a new thread starts on device 0), and
@@ -64,8 +66,9 @@ static inline bool sg_mask_padding(bool map_valid, int map_n_tok, int n_tok)
 
 /* ---- block ids ---- */
 
-/* Every block a sequence's queries read: positions max(0, last - window + 1) .. last of
- * each sequence (window 0: from 0).  0 when all are in [0, n_blocks); -EINVAL when one is
+/* Every block a sequence's queries read: the keys of its run, pos0 .. last, read by the
+ * kernel (flash_key_range: from max(0, pos0 - window + 1), from 0 with window 0, to last;
+ * the engine's pool keeps the same range for a run, kv.c sliding_lo_block(pos_lo)).  0 when all are in [0, n_blocks); -EINVAL when one is
  * released (-1) or outside the pool (*ret_seq: the sequence).  *ret_max_tab: the table
  * entries the step reads (offset + blocks of the longest reach). */
 static inline int sg_blocks_check(const int32_t *tables, const int32_t *off,
@@ -77,11 +80,12 @@ static inline int sg_blocks_check(const int32_t *tables, const int32_t *off,
 
     for (int s = 0; s < n_seqs; s++) {
         const int64_t last = (int64_t) pos0[s] + (seq_start[s + 1] - seq_start[s]) - 1;
-        const int64_t first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
         const int end = off[s] + (int) (last / block_size) + 1;
+        int64_t klo, khi;
 
+        flash_key_range(pos0[s], last, window, &klo, &khi);
         max_tab = end > max_tab ? end : max_tab;
-        for (int64_t b = first / block_size; b <= last / block_size; b++) {
+        for (int64_t b = klo / block_size; b <= last / block_size; b++) {
             const int32_t id = tables[off[s] + b];
 
             if (id < 0 || id >= n_blocks) {

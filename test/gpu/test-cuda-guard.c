@@ -296,6 +296,16 @@ static void test_blocks(void)
     ASSERT_OK(sg_blocks_check(tables, off, start, pos0, 2, 16, 16, 64, &max_tab, &seq));
     ASSERT_EQ(max_tab, 6);
     ASSERT_ERR(sg_blocks_check(tables, off, start, pos0, 2, 16, 16, 10, NULL, &seq), -EINVAL);
+    /* a verify run of 4 tokens at 44..47: the first query's window (29..44) reaches block 1,
+     * the last one's (32..47) not; the kernel reads from 29 */
+    {
+        const int32_t t2[] = { -1, -1, 9 }, o2[] = { 0 }, s2[] = { 0, 4 }, p2[] = { 44 };
+        const int32_t t3[] = { -1, 8, 9 };
+
+        ASSERT_ERR(sg_blocks_check(t2, o2, s2, p2, 1, 16, 16, 64, NULL, &seq), -EINVAL);
+        ASSERT_OK(sg_blocks_check(t3, o2, s2, p2, 1, 16, 16, 64, &max_tab, &seq));
+        ASSERT_EQ(max_tab, 3);
+    }
     /* a step of 45 layers, full and sliding alternating: two scans, every layer answered */
     for (int step = 0; step < 2; step++) {
         sg_blocks_reset(&m);

@@ -45,7 +45,7 @@ case "$call" in
 esac
 if [ -z "${DEVCHECK_UNDER_CAP:-}" ]; then
     export DEVCHECK_UNDER_CAP=1
-    exec timeout -k 5 "$CAP" bash "$0" "$@"
+    exec timeout -k 5 "$CAP" bash "$root/test/gpu/device-check.sh" "$@"
 fi
 
 W=${GPU_CHECK_DIR:-/tmp/gpu-check}

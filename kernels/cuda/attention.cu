@@ -544,19 +544,11 @@ int kcuda_attention(struct backend *be, const struct attn_args *a)
     if (a->n_tok == 0)
         return 0;
     int max_tab = 0;
-    for (int s = 0; s < a->n_seqs; s++) {
-        const int64_t last = a->seq_pos0[s] + (a->seq_tok_start[s + 1] - a->seq_tok_start[s]) - 1;
-        const int end = a->block_table_off[s] + (int) (last / a->kv->block_size) + 1;
-        if (end > max_tab)
-            max_tab = end;
-        for (int b = (int) ((a->window > 0 && last - a->window + 1 > 0 ? last - a->window + 1 : 0)
-                            / a->kv->block_size);
-             b <= last / a->kv->block_size; b++) {
-            const int32_t id = a->block_tables[a->block_table_off[s] + b];
-            if (id < 0 || id >= a->kv->n_blocks)
-                return -EINVAL;     // a needed block is released or outside the pool
-        }
-    }
+    // a needed block released or outside the pool: an error here, not an illegal address
+    if (sg_blocks_check(a->block_tables, a->block_table_off, a->seq_tok_start, a->seq_pos0,
+                        a->n_seqs, a->window, a->kv->block_size, a->kv->n_blocks, &max_tab,
+                        NULL) < 0)
+        return -EINVAL;
     int r = cuda_ws_ensure(c, kcu_attention_ws(c, a->n_tok + a->n_seqs, a->n_heads, a->head_dim));
     if (r < 0)
         return r;

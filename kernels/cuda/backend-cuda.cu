@@ -47,6 +47,32 @@ static void warn(const char *what, cudaError_t e)
     fprintf(stderr, "stepd-cuda: %s: %s\n", what, cudaGetErrorString(e));
 }
 
+// ---- the calling thread's device ----
+
+static int dev_get(int *dev)
+{
+    return err_from_cuda(cudaGetDevice(dev));
+}
+
+static int dev_set(int dev)
+{
+    return err_from_cuda(cudaSetDevice(dev));
+}
+
+static const struct sg_dev_ops dev_ops = { dev_get, dev_set };
+
+void cuda_use_device(const struct cuda_ctx *c)
+{
+    // a failure here fails the op's first CUDA call, which reports it
+    (void) sg_use_device(&dev_ops, c->device);
+}
+
+// The workspace or step area moved: every graph captured so far reads the old addresses.
+static void mem_moved(struct cuda_ctx *c)
+{
+    c->mem_epoch++;
+}
+
 // ---- staging and workspace ----
 
 void cuda_stage_reset(struct cuda_ctx *c)
@@ -103,6 +129,7 @@ int cuda_ws_ensure(struct cuda_ctx *c, size_t bytes)
     cudaFree(c->ws);
     c->ws = NULL;
     c->ws_size = 0;
+    mem_moved(c);
     r = err_from_cuda(cudaMalloc((void **) &c->ws, bytes));
     if (r == 0)
         c->ws_size = bytes;
@@ -273,6 +300,7 @@ static int cuda_step_begin(struct backend *be, const struct backend_step *s)
     int r;
 
     m->valid = false;
+    sg_blocks_reset(&c->blocks);
     if (!c->d_step || s->n_tok <= 0 || s->n_seqs <= 0)
         return 0;
     int bucket = 0;
@@ -372,9 +400,16 @@ static int cuda_capture_begin(struct backend *be)
     const int bi = graph_bucket_index(c->map.bucket), q = c->map.qclass;
     if (bi < 0)
         return 0;
-    if (c->exec[bi][q]) {
+    switch (sg_graph_lookup(c->exec[bi][q] != NULL, c->exec_epoch[bi][q], c->mem_epoch)) {
+    case SG_GRAPH_REPLAY:
         c->replay = true;
         return 1;
+    case SG_GRAPH_RECAPTURE:
+        cudaGraphExecDestroy(c->exec[bi][q]);
+        c->exec[bi][q] = NULL;
+        break;
+    case SG_GRAPH_CAPTURE:
+        break;
     }
     int r = err_from_cuda(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     if (r < 0) {
@@ -420,6 +455,7 @@ static int cuda_capture_end(struct backend *be, bool ok)
         return -EAGAIN;
     }
     c->exec[bi][q] = x;
+    c->exec_epoch[bi][q] = c->mem_epoch;
     return err_from_cuda(cudaGraphLaunch(x, c->stream));
 }
 
@@ -490,6 +526,7 @@ static int cuda_buf_alloc(struct backend *be, size_t bytes, size_t align, void *
 {
     void *p = NULL;
     (void) align;   // cudaMalloc returns 256-byte aligned memory
+    (void) cuda_ctx_of(be);     // on the backend's device
     int r = err_from_cuda(cudaMalloc(&p, bytes ? bytes : 1));
     if (r < 0)
         return r;
@@ -499,8 +536,10 @@ static int cuda_buf_alloc(struct backend *be, size_t bytes, size_t align, void *
 
 static void cuda_buf_free(struct backend *be, void *p)
 {
-    if (p)
+    if (p) {
+        (void) cuda_ctx_of(be);
         cudaFree(p);
+    }
 }
 
 static int cuda_upload(struct backend *be, void *dst, const void *src, size_t n)
@@ -549,6 +588,7 @@ static void cuda_weight_release(struct backend *be, struct bweight *w)
     struct cuda_weight *cw = (struct cuda_weight *) w->priv;
     if (!cw)
         return;
+    (void) cuda_ctx_of(be);     // free on the backend's device
     if (!cw->borrowed)
         cudaFree(cw->data);
     cudaFree(cw->scale);
@@ -677,12 +717,14 @@ static int cuda_reserve(struct backend *be, const struct backend_reserve *res)
         cudaFree(c->ws);
         c->ws = NULL;
         c->ws_size = 0;
+        mem_moved(c);
         r = err_from_cuda(cudaMalloc((void **) &c->ws, need));
         if (r < 0)
             return r;
         c->ws_size = need;
     }
     step_area_free(c);
+    mem_moved(c);
     r = step_area_alloc(c, res->max_tokens, res->max_seqs,
                         res->max_block_ids > 0 ? res->max_block_ids : 1);
     if (r < 0)
@@ -735,6 +777,7 @@ static void *cuda_native(struct backend *be, const char *what)
 
 static int cuda_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total)
 {
+    (void) cuda_ctx_of(be);     // the backend's device, not the calling thread's
     return err_from_cuda(cudaMemGetInfo(ret_free, ret_total));
 }
 

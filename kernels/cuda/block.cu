@@ -13,6 +13,7 @@
 // prepare fuses the parts' device copies (QKV + gate rows, gate + up rows) into one
 // buffer that the parts then borrow, uploads the rotary table and router bias, and builds
 // the layer's table of expert pointers: done once at load for every layer.
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -126,6 +127,7 @@ void kcuda_attn_release(struct backend *be, struct attn_weights *w)
     struct attn_priv *p = (struct attn_priv *) w->priv;
     if (!p)
         return;
+    (void) cuda_ctx_of(be);     // free on the backend's device
     cudaFree(p->qkvg);
     cudaFree(p->inv_freq);
     free(p);
@@ -215,6 +217,7 @@ void kcuda_ffn_release(struct backend *be, struct ffn_weights *w)
     struct ffn_priv *p = (struct ffn_priv *) w->priv;
     if (!p)
         return;
+    (void) cuda_ctx_of(be);     // free on the backend's device
     cudaFree(p->gu);
     if (p->router_owned)
         cudaFree(p->router32);
@@ -261,15 +264,23 @@ int kcuda_attn_block(struct backend *be, const struct attn_block_args *a)
         return r;
     cuda_stage_reset(c);
     cuda_ws_reset(c);
+    // a released block would be an illegal address in the kernel: checked on the host, once
+    // per step for the step area's tables (each table, window and pool), else per call
+    int bad_seq = -1, max_tab = 0;
+    r = in_step ? sg_blocks_once(&c->blocks, a->block_tables, a->block_table_off,
+                                 a->seq_tok_start, a->seq_pos0, a->n_seqs, a->window,
+                                 a->kv->block_size, a->kv->n_blocks, &bad_seq)
+                : sg_blocks_check(a->block_tables, a->block_table_off, a->seq_tok_start,
+                                  a->seq_pos0, a->n_seqs, a->window, a->kv->block_size,
+                                  a->kv->n_blocks, &max_tab, &bad_seq);
+    if (r < 0) {
+        fprintf(stderr, "stepd-cuda: attention: sequence %d reads a released or out-of-pool KV block\n",
+                bad_seq);
+        return r;
+    }
     if (!in_step) {
         if (c->capturing)
             return -EINVAL;     // a graph reads only the step area
-        int max_tab = 0;
-        for (int s = 0; s < a->n_seqs; s++) {
-            const int64_t last = a->seq_pos0[s] + (a->seq_tok_start[s + 1] - a->seq_tok_start[s]) - 1;
-            const int end = a->block_table_off[s] + (int) (last / a->kv->block_size) + 1;
-            max_tab = end > max_tab ? end : max_tab;
-        }
         int32_t *ht = (int32_t *) malloc(sizeof(int32_t) * 4 * (size_t) (a->n_tok + a->n_seqs));
         if (!ht)
             return -ENOMEM;
@@ -366,9 +377,11 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     if (a->n_tok == 0)
         return 0;
     const int rows = cuda_rows(c, a->n_tok);
-    // graph padding: rows past the step's real tokens route nowhere
-    const int32_t *n_real = c->map.valid && a->n_tok == c->map.n_tok && rows > a->n_tok
-                                ? c->sd.hdr : NULL;
+    // graph padding: rows past the step's real tokens route nowhere; decided for every
+    // launch, not by the rows of the capturing step (a graph captured full is replayed
+    // with padding)
+    const int32_t *n_real = sg_mask_padding(c->map.valid, c->map.n_tok, a->n_tok) ? c->sd.hdr
+                                                                                  : NULL;
     float *y = a->out ? a->out : a->x;
     const bool acc = a->out == NULL;
 

@@ -26,6 +26,7 @@
 
 #include "backend.h"
 #include "graph-pad.h"
+#include "step-guard.h"
 
 typedef __nv_bfloat16 bf16;
 
@@ -97,13 +98,25 @@ struct cuda_ctx {
     int capturing;          // 1 while the stream is captured
     bool replay;            // capture_begin found the graph: capture_end launches it
     int launch_rows;        // rows kernels are launched for while capturing (bucket), else 0
+    // the workspace or step area moved: graphs of an older epoch are captured again
+    uint32_t mem_epoch;
+    uint32_t exec_epoch[GRAPH_N_BUCKETS][GRAPH_QCLASSES];
+    struct sg_blocks_memo blocks;   // block ids checked once per step (step-guard.h)
+    bool lt_warned;         // a cuBLASLt heuristic miss was reported (gemm.cu)
     // MoE tables of the ffn halves are per layer (ffn_prepare); the op path builds one
     // table per call into the workspace
 };
 
+// Make the backend's device current on the calling thread (step-guard.h); every entry
+// point does it through cuda_ctx_of().
+void cuda_use_device(const struct cuda_ctx *c);
+
 static inline struct cuda_ctx *cuda_ctx_of(struct backend *be)
 {
-    return (struct cuda_ctx *) be->ctx;
+    struct cuda_ctx *c = (struct cuda_ctx *) be->ctx;
+    if (c)
+        cuda_use_device(c);
+    return c;
 }
 
 // The one translation point for cudaError_t -> negative errno.

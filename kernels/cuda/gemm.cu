@@ -6,6 +6,9 @@
 // adds into y (the residual stream).  One matmul descriptor, four layouts and the
 // heuristic's first algorithm are kept per shape (the cache below): chosen once, then
 // every call is one cublasLtMatmul on the backend's stream with the workspace of init.
+// A shape the heuristic has no algorithm for (or that cublasLtMatmul rejects as not
+// supported) runs on plain_gemm_kernel instead, with one warning per backend
+// (step-guard.h sg_gemm_pick).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +26,7 @@ struct lt_entry {
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
+    bool plain;             // no cuBLASLt algorithm: plain_gemm_kernel
 };
 
 static int err_from_lt(cublasStatus_t s)
@@ -56,6 +60,8 @@ static void lt_entry_free(struct lt_entry *e)
         cublasLtMatrixLayoutDestroy(e->lb);
     if (e->lc)
         cublasLtMatrixLayoutDestroy(e->lc);
+    e->op = NULL;
+    e->la = e->lb = e->lc = NULL;
 }
 
 void kcu_lt_free(struct cuda_ctx *c)
@@ -77,12 +83,34 @@ static cudaDataType_t lt_type(kdt t)
     return t == KDT_F32 ? CUDA_R_32F : CUDA_R_16BF;
 }
 
+struct lt_pick {
+    struct cuda_ctx *c;
+    struct lt_entry *e;
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulHeuristicResult_t res;
+};
+
+static int lt_heuristic(void *ctx, int *found)
+{
+    struct lt_pick *p = (struct lt_pick *) ctx;
+    return err_from_lt(cublasLtMatmulAlgoGetHeuristic(p->c->lt, p->e->op, p->e->la, p->e->lb,
+                                                      p->e->lc, p->e->lc, p->pref, 1, &p->res,
+                                                      found));
+}
+
+static void lt_miss_warn(void *ctx)
+{
+    const struct lt_entry *e = ((struct lt_pick *) ctx)->e;
+    fprintf(stderr, "stepd-cuda: cuBLASLt has no algorithm for a %d x %d x %d GEMM; such shapes "
+            "run on a plain kernel (slower)\n", e->m, e->n, e->k);
+}
+
 static int lt_entry_make(struct cuda_ctx *c, struct lt_entry *e)
 {
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0, r;
+    struct lt_pick pick = { c, e, NULL, {} };
+    const struct sg_gemm_ops ops = { lt_heuristic, lt_miss_warn, &pick };
+    int r;
 
     r = err_from_lt(cublasLtMatmulDescCreate(&e->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     if (!r)
@@ -98,22 +126,20 @@ static int lt_entry_make(struct cuda_ctx *c, struct lt_entry *e)
     if (!r)
         r = err_from_lt(cublasLtMatrixLayoutCreate(&e->lc, lt_type(e->yt), e->n, e->m, e->ldy));
     if (!r)
-        r = err_from_lt(cublasLtMatmulPreferenceCreate(&pref));
+        r = err_from_lt(cublasLtMatmulPreferenceCreate(&pick.pref));
     if (!r)
         r = err_from_lt(cublasLtMatmulPreferenceSetAttribute(
-            pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &c->lt_ws_size, sizeof(c->lt_ws_size)));
+            pick.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &c->lt_ws_size,
+            sizeof(c->lt_ws_size)));
     if (!r)
-        r = err_from_lt(cublasLtMatmulAlgoGetHeuristic(c->lt, e->op, e->la, e->lb, e->lc, e->lc,
-                                                       pref, 1, &res, &found));
-    if (pref)
-        cublasLtMatmulPreferenceDestroy(pref);
-    if (!r && found < 1)
-        r = -ENOTSUP;
-    if (r < 0) {
+        r = sg_gemm_pick(&ops, &c->lt_warned, &e->plain);
+    if (pick.pref)
+        cublasLtMatmulPreferenceDestroy(pick.pref);
+    if (r < 0 || e->plain) {
         lt_entry_free(e);
         return r;
     }
-    e->algo = res.algo;
+    e->algo = pick.res.algo;
     return 0;
 }
 
@@ -153,6 +179,70 @@ static struct lt_entry *lt_lookup(struct cuda_ctx *c, int m, int n, int k, kdt w
     return e;
 }
 
+// The fallback: a warp per output element, FP32 accumulation; W [n, k] and x [m, ldx] of
+// type WT (FP32 or BF16), y [m, ldy] of type YT, beta 1 adds into y.
+template <typename WT>
+static __device__ __forceinline__ float plain_ld(const WT *p, int64_t i);
+template <>
+__device__ __forceinline__ float plain_ld<float>(const float *p, int64_t i)
+{
+    return p[i];
+}
+template <>
+__device__ __forceinline__ float plain_ld<bf16>(const bf16 *p, int64_t i)
+{
+    return __bfloat162float(p[i]);
+}
+
+static __device__ __forceinline__ void plain_st(float *p, float v)
+{
+    *p = v;
+}
+static __device__ __forceinline__ void plain_st(bf16 *p, float v)
+{
+    *p = __float2bfloat16_rn(v);
+}
+
+template <typename WT, typename YT>
+static __global__ void plain_gemm_kernel(int m, int n, int k, const WT *w, const WT *x, int ldx,
+                                         YT *y, int ldy, bool acc)
+{
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, row = blockIdx.y;
+    const int lane = threadIdx.x % 32;
+    if (col >= n || row >= m)
+        return;
+    const WT *wr = w + (int64_t) col * k, *xr = x + (int64_t) row * ldx;
+    float s = 0.0f;
+    for (int i = lane; i < k; i += 32)
+        s += plain_ld<WT>(wr, i) * plain_ld<WT>(xr, i);
+    s = warp_sum(s);
+    if (lane == 0) {
+        YT *yp = y + (int64_t) row * ldy + col;
+        if (acc)
+            s += plain_ld<YT>(yp, 0);
+        plain_st(yp, s);
+    }
+}
+
+static int plain_gemm(struct cuda_ctx *c, int m, int n, int k, const void *w, kdt wt,
+                      const void *x, int ldx, void *y, kdt yt, int ldy, bool acc)
+{
+    const dim3 grid((unsigned) ((n + 7) / 8), (unsigned) m);
+    if (wt == KDT_F32 && yt == KDT_F32)
+        plain_gemm_kernel<float, float><<<grid, 256, 0, c->stream>>>(
+            m, n, k, (const float *) w, (const float *) x, ldx, (float *) y, ldy, acc);
+    else if (wt == KDT_F32)
+        plain_gemm_kernel<float, bf16><<<grid, 256, 0, c->stream>>>(
+            m, n, k, (const float *) w, (const float *) x, ldx, (bf16 *) y, ldy, acc);
+    else if (yt == KDT_F32)
+        plain_gemm_kernel<bf16, float><<<grid, 256, 0, c->stream>>>(
+            m, n, k, (const bf16 *) w, (const bf16 *) x, ldx, (float *) y, ldy, acc);
+    else
+        plain_gemm_kernel<bf16, bf16><<<grid, 256, 0, c->stream>>>(
+            m, n, k, (const bf16 *) w, (const bf16 *) x, ldx, (bf16 *) y, ldy, acc);
+    return CUDA_LAUNCH_CHECK();
+}
+
 int kcu_gemm(struct cuda_ctx *c, int m, int n, int k, const void *w, kdt wt, const void *x,
              int ldx, void *y, kdt yt, int ldy, bool acc)
 {
@@ -164,8 +254,22 @@ int kcu_gemm(struct cuda_ctx *c, int m, int n, int k, const void *w, kdt wt, con
     struct lt_entry *e = lt_lookup(c, m, n, k, wt, ldx, yt, ldy, acc, &r);
     if (!e)
         return r;
-    return err_from_lt(cublasLtMatmul(c->lt, e->op, &alpha, w, e->la, x, e->lb, &beta, y, e->lc,
-                                      y, e->lc, &e->algo, c->lt_ws, c->lt_ws_size, c->stream));
+    if (!e->plain) {
+        r = err_from_lt(cublasLtMatmul(c->lt, e->op, &alpha, w, e->la, x, e->lb, &beta, y,
+                                       e->lc, y, e->lc, &e->algo, c->lt_ws, c->lt_ws_size,
+                                       c->stream));
+        if (r != -ENOTSUP)
+            return r;
+        // the algorithm the heuristic chose is refused at run time: a miss as well
+        if (!c->lt_warned) {
+            struct lt_pick pick = { c, e, NULL, {} };
+            c->lt_warned = true;
+            lt_miss_warn(&pick);
+        }
+        lt_entry_free(e);
+        e->plain = true;
+    }
+    return plain_gemm(c, m, n, k, w, wt, x, ldx, y, yt, ldy, acc);
 }
 
 static __global__ void to_bf16_kernel(const float *x, bf16 *y, size_t n)

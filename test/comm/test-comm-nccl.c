@@ -3,7 +3,12 @@
  * One GPU cannot host two ranks of one communicator ("may lead to hangs", NCCL docs), so
  * with one device this runs world size 1 through the full non-blocking path (unique id,
  * init, all-reduce, all-gather, broadcast, barrier, finalize); with two or more devices
- * it forks one rank per device (up to 4) and checks the sums across ranks. */
+ * it forks one rank per device (up to 4) and checks the sums across ranks.
+ *
+ * Each rank then joins a second communicator on a compute stream of its own (the id
+ * travels over the first), the way the CUDA backend's ranks use it: an all-reduce with
+ * dependent work queued behind it in stream order, then the same captured in a CUDA graph
+ * (copy in, all-reduce, copy out) replayed twice with new inputs. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +19,92 @@
 
 #include "comm-nccl.h"
 #include "harness.h"
+
+static float cs_value(int rank, size_t i, int scale)
+{
+    return (float)(scale * ((int)((rank * 7 + i) % 13) - 6));
+}
+
+static void cs_check(const float *h, size_t cnt, int rank, int n, int scale, const char *what)
+{
+    for (size_t i = 0; i < cnt; i++) {
+        float ref = 0;
+
+        for (int r = 0; r < n; r++)
+            ref += cs_value(r, i, scale);
+        if (h[i] != ref)
+            FAIL("rank %d: %s [%zu] = %g, expected %g", rank, what, i, h[i], ref);
+    }
+}
+
+/* A communicator on a compute stream: collectives in stream order with dependent work,
+ * eagerly and captured in a graph.  c (own stream) carries rank 0's id for it. */
+static void run_compute_stream(struct comm *c, int rank, int n)
+{
+    const size_t cnt = 65536;
+    unsigned char id[COMM_NCCL_ID_BYTES], *did;
+    float *src, *buf, *out, *h = malloc(cnt * sizeof(float));
+    cudaStream_t s;
+    cudaGraph_t g;
+    cudaGraphExec_t x;
+    struct comm *cs;
+
+    ASSERT_TRUE(h);
+    if (rank == 0)
+        ASSERT_OK(comm_nccl_unique_id(id, sizeof(id)));
+    ASSERT_EQ(cudaMalloc((void **)&did, sizeof(id)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(did, id, sizeof(id), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_OK(comm_broadcast(c, did, sizeof(id), 0));
+    ASSERT_EQ(cudaMemcpy(id, did, sizeof(id), cudaMemcpyDeviceToHost), cudaSuccess);
+    cudaFree(did);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_OK(comm_nccl_new(rank, n, rank, id, COMM_NCCL_ID_BYTES, 30000, s, &cs));
+    ASSERT_EQ(cudaMalloc((void **)&src, cnt * sizeof(float)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc((void **)&buf, cnt * sizeof(float)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc((void **)&out, cnt * sizeof(float)), cudaSuccess);
+
+    /* eager: the copy behind the all-reduce sees its result */
+    for (size_t i = 0; i < cnt; i++)
+        h[i] = cs_value(rank, i, 1);
+    ASSERT_EQ(cudaMemcpyAsync(buf, h, cnt * sizeof(float), cudaMemcpyHostToDevice, s), cudaSuccess);
+    ASSERT_OK(comm_allreduce_sum(cs, buf, cnt));
+    ASSERT_EQ(cudaMemcpyAsync(out, buf, cnt * sizeof(float), cudaMemcpyDeviceToDevice, s),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    ASSERT_OK(comm_nccl_step_done(cs));
+    ASSERT_EQ(cudaMemcpy(h, out, cnt * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    cs_check(h, cnt, rank, n, 1, "compute-stream all-reduce");
+
+    /* captured: copy in, all-reduce, copy out; replayed with new inputs */
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(buf, src, cnt * sizeof(float), cudaMemcpyDeviceToDevice, s),
+              cudaSuccess);
+    ASSERT_OK(comm_allreduce_sum(cs, buf, cnt));
+    ASSERT_EQ(cudaMemcpyAsync(out, buf, cnt * sizeof(float), cudaMemcpyDeviceToDevice, s),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&x, g, 0), cudaSuccess);
+    for (int scale = 2; scale <= 3; scale++) {
+        for (size_t i = 0; i < cnt; i++)
+            h[i] = cs_value(rank, i, scale);
+        ASSERT_EQ(cudaMemcpy(src, h, cnt * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaGraphLaunch(x, s), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        ASSERT_OK(comm_nccl_step_done(cs));
+        ASSERT_EQ(cudaMemcpy(h, out, cnt * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+        cs_check(h, cnt, rank, n, scale, "graph-captured all-reduce");
+    }
+    cudaGraphExecDestroy(x);
+    cudaGraphDestroy(g);
+    comm_free(cs);
+    cudaFree(src);
+    cudaFree(buf);
+    cudaFree(out);
+    cudaStreamDestroy(s);
+    free(h);
+    printf("rank %d of %d: compute-stream all-reduce, eager and graph-captured (2 replays) ok\n",
+           rank, n);
+}
 
 static void run_rank(int rank, int n, const unsigned char *id)
 {
@@ -52,6 +143,7 @@ static void run_rank(int rank, int n, const unsigned char *id)
     ASSERT_OK(comm_broadcast(c, dg, 7, 0));
     ASSERT_OK(comm_barrier(c));
     ASSERT_ERR(comm_broadcast_var(c, hg, &(size_t){ 3 }, sizeof(hg), 0), -EOPNOTSUPP);
+    run_compute_stream(c, rank, n);
     cudaFree(d);
     cudaFree(dg);
     comm_free(c);

@@ -1,22 +1,29 @@
 /* bench-cuda.c - the GPU path's table (issue: "The GPU path for real"), on one GPU.
  *
- *   bench-cuda [--model DIR] [--quick]
+ *   bench-cuda [--model DIR [--mtp]] [--quick]
  *
  * Rows, each the median of repeated runs timed on the host around a stream sync (the
  * launch costs are in: that is what a step pays outside a graph):
  *   copy ceiling     a device-to-device copy of 2 GiB (bytes read + written / time)
  *   MXFP4 MoE        the routed experts of one layer (moe op: plan, gate+up with SwiGLU,
- *                    down with the routing weights, combine) for T = 1, 4, 16, 64 tokens
- *                    all routed to the same 8 experts of 4096x1280 / 1280x4096: weight
- *                    bytes / time, and % of the copy ceiling; T = 2048 routed top-8 over
- *                    288 experts: TFLOP/s
+ *                    down with the routing weights, combine), experts of 4096x1280 /
+ *                    1280x4096, decode of T = 1, 8, 32, 64 tokens routed top-8 over 288
+ *                    experts, uniformly and by a Zipf(1) popularity (real decode batches
+ *                    touch ~60-170 experts at T = 32): the experts touched, their weight
+ *                    bytes / time and % of the copy ceiling; T = 2048: TFLOP/s.  --quick:
+ *                    T = 1, 4, 16, 64 on the same 8 experts (the ncu run)
  *   projection       a BF16 matmul of the fused QKV + gate shape [14432, 4096] at batch 1
  *                    (cuBLASLt): weight bytes / time, % of the ceiling
  *   attention        decode of one sequence, 64 query / 8 KV heads of 128, BF16 KV, at 4k
  *                    and 32k keys: KV bytes / time
  *   model step       with --model (stepd-mkmodel's synthetic full-width checkpoint): one
  *                    decode step at batch 1, 8, 64, with graphs and without, and the byte
- *                    floor of batch 1 (every weight the step reads, once, at the ceiling)
+ *                    floor of batch 1 (every weight the step reads, once, at the ceiling);
+ *                    the per-layer time (step - lm_head and logits download, over the
+ *                    layers) and the 45-layer extrapolation (45 layers + the head): ms,
+ *                    tok/s per sequence and the bytes it reads / time as % of the copy
+ *                    ceiling; --mtp (a checkpoint with an MTP layer): one MTP depth after
+ *                    the batch-1 step
  * Exits 77 without a GPU.
  */
 #include <errno.h>
@@ -161,6 +168,49 @@ static int run_moe(void *p)
     return backend_moe(gpu, &((struct moe_arg *)p)->a);
 }
 
+/* ids[T, K]: K distinct experts of n_exp per token, uniformly or with expert e's
+ * popularity proportional to 1 / (1 + rank(e)) (Zipf, a fixed random ranking); returns
+ * the number of experts the T tokens touch */
+static int route_top8(int32_t *ids, int T, int K, int n_exp, bool zipf)
+{
+    double cdf[512], sum = 0;
+    int32_t rank[512];
+    bool used[512] = { false };
+    int touched = 0;
+
+    ASSERT_TRUE(n_exp <= 512);
+    for (int e = 0; e < n_exp; e++)
+        rank[e] = e;
+    for (int e = n_exp - 1; e > 0; e--) {
+        int j = (int)(rnd() % (uint32_t)(e + 1)), tmp = rank[e];
+        rank[e] = rank[j];
+        rank[j] = tmp;
+    }
+    for (int e = 0; e < n_exp; e++) {
+        sum += zipf ? 1.0 / (1 + rank[e]) : 1.0;
+        cdf[e] = sum;
+    }
+    for (int t = 0; t < T; t++) {
+        for (int k = 0; k < K; k++) {
+            int e;
+            bool dup;
+            do {
+                double u = (double)(rnd() & 0xFFFFFF) / 16777216.0 * sum;
+                e = 0;
+                while (e < n_exp - 1 && cdf[e] <= u)
+                    e++;
+                dup = false;
+                for (int j = 0; j < k; j++)
+                    dup |= ids[t * K + j] == e;
+            } while (dup);
+            ids[t * K + k] = e;
+            touched += !used[e];
+            used[e] = true;
+        }
+    }
+    return touched;
+}
+
 static void bench_moe(void)
 {
     const int H = 4096, I = 1280, K = 8, E_dec = 8, E_pre = 288;
@@ -180,7 +230,7 @@ static void bench_moe(void)
         }
     }
     const double wbytes = 3.0 * H * I * (0.5 + 1.0 / 32);   /* one expert */
-    const int decode[4] = { 1, 4, 16, 64 };
+    const int decode_quick[4] = { 1, 4, 16, 64 }, decode_real[4] = { 1, 8, 32, 64 };
     float *x = dev_floats((size_t)2048 * H, 1.0f), *out = dev_floats((size_t)2048 * H, 0.0f);
     int32_t *ids_h = malloc(sizeof(int32_t) * 2048 * K);
     float *w_h = malloc(sizeof(float) * 2048 * K);
@@ -190,8 +240,8 @@ static void bench_moe(void)
     for (int i = 0; i < 2048 * K; i++)
         w_h[i] = 0.125f;
     ASSERT_OK(backend_upload(gpu, wts, w_h, sizeof(float) * 2048 * K));
-    for (int d = 0; d < 4; d++) {
-        int T = decode[d];
+    for (int d = 0; d < 4 && quick; d++) {
+        int T = decode_quick[d];
         for (int t = 0; t < T; t++)
             for (int k = 0; k < K; k++)
                 ids_h[t * K + k] = k;           /* every token on experts 0..7 */
@@ -203,21 +253,23 @@ static void bench_moe(void)
                "%.0f GB/s | %.0f %% |\n", T, T > 1 ? "s" : " ", t * 1e6, bw / 1e9,
                100 * bw / copy_bw);
     }
+    for (int zipf = 0; zipf < 2 && !quick; zipf++) {
+        for (int d = 0; d < 4; d++) {
+            const int T = decode_real[d];
+            int touched = route_top8(ids_h, T, K, E_pre, zipf);
+            ASSERT_OK(backend_upload(gpu, ids, ids_h, sizeof(int32_t) * T * K));
+            struct moe_arg ma = { { x, out, T, H, I, K, ids, wts, ex, 0, E_pre, 0.0f } };
+            double t = time_median(run_moe, &ma, 15, 10);
+            double bw = touched * wbytes / t;
+            printf("| MXFP4 MoE decode, %2d token%s top-8 of 288 (%s), %3d experts touched | "
+                   "%.1f us | %.0f GB/s | %.0f %% |\n", T, T > 1 ? "s" : " ",
+                   zipf ? "Zipf(1) popularity" : "uniform", touched, t * 1e6, bw / 1e9,
+                   100 * bw / copy_bw);
+        }
+    }
     if (!quick) {
         const int T = 2048;
-        for (int t = 0; t < T; t++) {
-            for (int k = 0; k < K; k++) {
-                int e;
-                bool dup;
-                do {
-                    e = (int)(rnd() % (uint32_t)E_pre);
-                    dup = false;
-                    for (int j = 0; j < k; j++)
-                        dup |= ids_h[t * K + j] == e;
-                } while (dup);
-                ids_h[t * K + k] = e;
-            }
-        }
+        route_top8(ids_h, T, K, E_pre, 0);
         ASSERT_OK(backend_upload(gpu, ids, ids_h, sizeof(int32_t) * T * K));
         struct moe_arg ma = { { x, out, T, H, I, K, ids, wts, ex, 0, E_pre, 0.0f } };
         double t = time_median(run_moe, &ma, 9, 2);
@@ -355,17 +407,70 @@ static int run_step(void *p)
     return model_step(s->m, &s->tp.p, s->logits);
 }
 
-static void bench_model(const char *dir)
+struct mtp_arg {
+    struct step_arg *s;
+    int32_t n_valid[NSEQ], tok[NSEQ];
+    float *logits;
+};
+
+/* the trunk step, then MTP depth 0 of the same plan */
+static int run_step_mtp(void *p)
+{
+    struct mtp_arg *a = p;
+    int r = model_step(a->s->m, &a->s->tp.p, a->s->logits);
+    return r < 0 ? r : model_mtp_step(a->s->m, 0, &a->s->tp.p, a->n_valid, a->tok, a->logits);
+}
+
+struct head_arg {
+    struct bweight w;
+    float *x, *y, *host;
+    int n;
+};
+
+/* what a step costs besides its layers: the lm_head [vocab, hidden] BF16 and the logits'
+ * download */
+static int run_head(void *p)
+{
+    struct head_arg *h = p;
+    int r = backend_matmul(gpu, &h->w, h->x, h->n, h->y);
+    return r < 0 ? r : backend_download(gpu, h->host, h->y, sizeof(float) * h->n * h->w.rows);
+}
+
+static double time_head(int V, int H, int B)
+{
+    uint16_t *hw = malloc(sizeof(uint16_t) * (size_t)V * H);
+    struct head_arg h = { { WFMT_BF16, V, H, hw, NULL, NULL }, NULL, NULL, NULL, B };
+
+    ASSERT_TRUE(hw);
+    for (size_t i = 0; i < (size_t)H; i++)
+        hw[i] = (uint16_t)(0x3c00 + (rnd() & 0x3ff)) ^ (uint16_t)((rnd() & 1) << 15);
+    for (size_t r = 1; r < (size_t)V; r++)
+        memcpy(hw + r * H, hw, sizeof(uint16_t) * H);
+    ASSERT_OK(backend_weight_prepare(gpu, &h.w));
+    h.x = dev_floats((size_t)B * H, 1.0f);
+    ASSERT_OK(backend_buf_alloc(gpu, sizeof(float) * (size_t)B * V, 256, (void **)&h.y));
+    h.host = malloc(sizeof(float) * (size_t)B * V);
+    ASSERT_TRUE(h.host);
+    double t = time_median(run_head, &h, quick ? 5 : 15, 5);
+    backend_weight_release(gpu, &h.w);
+    backend_buf_free(gpu, h.x);
+    backend_buf_free(gpu, h.y);
+    free(h.host);
+    free(hw);
+    return t;
+}
+
+static void bench_model(const char *dir, bool mtp)
 {
     struct err_buf e = {{0}};
     struct ckpt *ck;
-    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 0 };
+    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = mtp ? 1 : 0 };
 
     if (ckpt_open(dir, &co, &ck, &e) < 0)
         FAIL("ckpt_open %s: %s", dir, e.msg);
     const struct model_config *cfg = ckpt_config(ck);
     const int batches[3] = { 1, 8, 64 };
-    double t_graph[3] = { 0 }, t_eager[3] = { 0 };
+    double t_graph[3] = { 0 }, t_eager[3] = { 0 }, t_head[3] = { 0 }, t_mtp = 0;
     tables_shuffle();
     for (int pass = 0; pass < 2; pass++) {
         struct backend *be;
@@ -398,9 +503,18 @@ static void bench_model(const char *dir)
                 }
             tp_init(&sa.tp);
             for (int s = 0; s < B; s++)
-                tp_add_run(&sa.tp, s, ctx, toks, 1, 1, 0, 0);
+                tp_add_run(&sa.tp, s, ctx, toks, 1, 1, mtp ? 1 : 0, 0);
             double t = time_median(run_step, &sa, quick ? 5 : 15, 5);
             (pass ? t_eager : t_graph)[bi] = t;
+            if (pass == 0)
+                t_head[bi] = time_head(cfg->vocab_size, cfg->hidden_size, B);
+            if (pass == 0 && mtp && B == 1) {
+                struct mtp_arg ma = { &sa, { 1 }, { toks[1] }, NULL };
+                ma.logits = malloc(sizeof(float) * (size_t)cfg->vocab_size);
+                ASSERT_TRUE(ma.logits);
+                t_mtp = time_median(run_step_mtp, &ma, quick ? 5 : 15, 5) - t;
+                free(ma.logits);
+            }
             free(sa.logits);
         }
         gpu = keep;
@@ -417,12 +531,30 @@ static void bench_model(const char *dir)
                step_bytes(cfg, batches[bi]) / (copy_bw / 2) * 1e3,
                t_graph[bi] / (step_bytes(cfg, batches[bi]) / (copy_bw / 2)));
     printf("batch-1 step over its byte floor (target <= 1.5x): %.2fx\n", t_graph[0] / floor1);
+    /* per layer: the step less its head (lm_head + logits download), over the layers; the
+     * 45-layer model: 45 such layers + the head */
+    const double head_bytes = (double)cfg->vocab_size * cfg->hidden_size * 2;
+    for (int bi = 0; bi < 3; bi++) {
+        const int B = batches[bi];
+        const double t_layer = (t_graph[bi] - t_head[bi]) / cfg->n_layers;
+        const double layer_bytes = (step_bytes(cfg, B) - head_bytes) / cfg->n_layers;
+        const double t45 = 45 * t_layer + t_head[bi], b45 = 45 * layer_bytes + head_bytes;
+        printf("| per layer (graphs), batch %d | head %.3f ms, layer %.3f ms | %.0f GB/s | %.0f %% |\n",
+               B, t_head[bi] * 1e3, t_layer * 1e3, layer_bytes / t_layer / 1e9,
+               100 * layer_bytes / t_layer / copy_bw);
+        printf("| 45-layer extrapolation, batch %d | %.2f ms/step, %.1f tok/s per sequence | "
+               "%.0f GB/s | %.0f %% |\n", B, t45 * 1e3, 1 / t45, b45 / t45 / 1e9,
+               100 * b45 / t45 / copy_bw);
+    }
+    if (mtp)
+        printf("| one MTP depth after the batch-1 step (eager) | %.3f ms | | |\n", t_mtp * 1e3);
     ckpt_close(ck);
 }
 
 int main(int argc, char **argv)
 {
     const char *model = NULL;
+    bool mtp = false;
     struct backend_cfg cfg = { .device = 0 };
 
     for (int i = 1; i < argc; i++) {
@@ -430,8 +562,10 @@ int main(int argc, char **argv)
             model = argv[++i];
         else if (strcmp(argv[i], "--quick") == 0)
             quick = true;
+        else if (strcmp(argv[i], "--mtp") == 0)
+            mtp = true;
         else
-            FAIL("usage: bench-cuda [--model DIR] [--quick]");
+            FAIL("usage: bench-cuda [--model DIR [--mtp]] [--quick]");
     }
     int r = backend_new("cuda", &cfg, &gpu);
     if (r == -ENODEV || r == -EINVAL) {
@@ -445,7 +579,7 @@ int main(int argc, char **argv)
     bench_projection();
     bench_attention();
     if (model)
-        bench_model(model);
+        bench_model(model, mtp);
     backend_free(gpu);
     return 0;
 }

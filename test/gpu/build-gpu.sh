@@ -7,10 +7,15 @@
 #
 # PREFIX holds include/ and lib/ of the few libraries the tests need (jansson, pcre2-8: the
 # checkpoint loader), as test/gpu/prepare-carry.sh lays them out; default: the system's.
+# CARRY=1 (prepare-carry.sh): binaries that move with their folder: the programs find
+# PREFIX/lib through $ORIGIN/../prefix/lib (OUT_DIR and PREFIX side by side), the plugin
+# looks in $ORIGIN, then in this toolkit's lib64 (the device's toolkit comes first through
+# LD_LIBRARY_PATH, which device-check.sh sets from its probe).
 # Builds in OUT_DIR: libstepd-cuda.so (sm_90a + sm_80, as meson does), test-cuda-host,
-# test-cuda-ops, test-cuda-logits, bench-cuda, and stepd-mkmodel when tools/mkmodel.c is in
-# the tree.  Sources are taken by directory (common/, kernels/, worker/model/), so the list
-# follows the tree; objects compile in parallel (nproc jobs).
+# test-cuda-guard, test-cuda-ops, test-cuda-logits, bench-cuda, test-comm-nccl when nccl.h
+# is found, and stepd-mkmodel when tools/mkmodel.c is in the tree.  Sources are taken by
+# directory (common/, kernels/, worker/model/), so the list follows the tree; objects
+# compile in parallel (nproc jobs).
 set -euo pipefail
 out=${1:?usage: build-gpu.sh OUT_DIR [PREFIX]}
 prefix=${2:-}
@@ -40,7 +45,11 @@ libs=(-lm -ldl -lpthread)
 if [ -n "$prefix" ]; then
     prefix=$(cd "$prefix" && pwd)
     inc+=(-I"$prefix/include")
-    libs=(-L"$prefix/lib" -Wl,-rpath,"$prefix/lib" "${libs[@]}")
+    if [ "${CARRY:-0}" = 1 ]; then
+        libs=(-L"$prefix/lib" -Wl,-rpath,'$ORIGIN/../prefix/lib' "${libs[@]}")
+    else
+        libs=(-L"$prefix/lib" -Wl,-rpath,"$prefix/lib" "${libs[@]}")
+    fi
 fi
 libs=(-ljansson -lpcre2-8 "${libs[@]}")
 cflags=(-std=gnu17 -O2 -g -D_GNU_SOURCE -fno-strict-aliasing -pthread -Wno-unused-parameter
@@ -68,8 +77,10 @@ for s in "$root"/kernels/cuda/*.cu; do
     printf '%q ' "$NVCC" "${nvflags[@]}" -c "$s" -o "$o"; echo
 done > "$out/obj/cu.jobs"
 run_jobs "$out/obj/cu.jobs"
+plugin_rpath="$cuda_root/lib64"
+[ "${CARRY:-0}" = 1 ] && plugin_rpath='$ORIGIN:'"$plugin_rpath"
 g++ -shared -o "$out/libstepd-cuda.so" "${cuobjs[@]}" -L"$cuda_root/lib64" \
-    -Wl,-rpath,"$cuda_root/lib64" -Wl,--no-undefined -lcudart_static -lcublasLt -lrt -ldl \
+    -Wl,-rpath,"$plugin_rpath" -Wl,--no-undefined -lcudart_static -lcublasLt -lrt -ldl \
     -lpthread -lm
 
 ar rcs "$out/libstepd-gpucheck.a" "${objs[@]}"
@@ -78,9 +89,20 @@ prog() {    # prog NAME SOURCES...
     $CC "${cflags[@]}" "${inc[@]}" -o "$out/$name" "$@" "$out/libstepd-gpucheck.a" "${libs[@]}"
 }
 prog test-cuda-host "$root/test/gpu/test-cuda-host.c"
+$CC "${cflags[@]}" -I"$root/test" -I"$root/kernels/cuda" -I"$root/worker/comm" \
+    -o "$out/test-cuda-guard" "$root/test/gpu/test-cuda-guard.c" -lpthread
 prog test-cuda-ops "$root/test/gpu/test-cuda-ops.c"
 prog test-cuda-logits "$root/test/gpu/test-cuda-logits.c"
 prog bench-cuda "$root/test/gpu/bench-cuda.c"
+# the NCCL communicator's GPU test (libnccl is opened with dlopen at run time: only nccl.h,
+# from the toolkit or $NCCL_INC, is needed here)
+nccl_inc=${NCCL_INC:-$cuda_root/include}
+if [ -f "$nccl_inc/nccl.h" ]; then
+    $CC "${cflags[@]}" "${inc[@]}" -I"$root/worker/comm" -I"$cuda_root/include" -I"$nccl_inc" \
+        -o "$out/test-comm-nccl" "$root/test/comm/test-comm-nccl.c" "$root/worker/comm/comm-nccl.c" \
+        "$root/worker/comm/comm.c" "$root/worker/comm/plan-wire.c" "$out/libstepd-gpucheck.a" \
+        -L"$cuda_root/lib64" -lcudart_static -lrt "${libs[@]}"
+fi
 if [ -f "$root/tools/mkmodel.c" ]; then
     prog stepd-mkmodel "$root/tools/mkmodel.c" "$root/tools/ckptw.c"
 fi

@@ -1,62 +1,206 @@
 #!/usr/bin/env bash
-# device-check.sh - everything an H200 check of the GPU path needs, in one run of at most
-# 8 minutes, on the GPU machine's image (nvcc, a C compiler, no meson dependencies):
-#   1. build the plugin and the GPU tests (test/gpu/build-gpu.sh; jansson and pcre2 from
-#      .gpu-carry/prefix, laid out by test/gpu/prepare-carry.sh on the build machine);
-#   2. test-cuda-host, then every CUDA op against the CPU backend on odd shapes with fresh
-#      random inputs and poisoned outputs, on both CUDA paths (test-cuda-ops);
-#   3. the tiny model: logits of prefill and graph decode steps against the CPU, and greedy
-#      tokens equal to the CPU exact path's for 48 tokens with K = 0 and K = 3;
-#   4. a synthetic full-width checkpoint (stepd-mkmodel: hidden 4096, 288 experts of 1280,
-#      top-8, real heads, 3 layers), its logits against the CPU within the test's stated
-#      tolerances;
-#   5. the table (bench-cuda): copy ceiling, MXFP4 MoE GB/s at 1/4/16/64 tokens and TFLOP/s
-#      at 2048, cuBLASLt projection at batch 1, attention decode at 4k and 32k, the
-#      synthetic model's decode step at batch 1, 8, 64 with and without graphs.
-# Logs go to $OUT (when set) and the table is printed last.  Each stage has a deadline;
-# a failed stage is reported and the next ones still run.
+# device-check.sh - the GPU check of the CUDA path in two device calls that fit a lease of
+# 15 minutes (start-up included), each under a hard cap (docs/GPU.md §device check):
+#
+#   device-check.sh 1     correctness, cap 285 s (run it with timeout_s 300):
+#     probe (driver, nvcc, toolkit libraries, NCCL, memory, profilers) -> binaries (those
+#     built here by prepare-carry.sh when their fingerprint matches, else a build there)
+#     -> host checks -> every op against the CPU backend -> the NCCL communicator on the
+#     compute stream, graph-captured -> the tiny model's logits -> greedy tokens (exact path
+#     token for token, fast path margin-aware);
+#   device-check.sh 2     figures, cap 405 s (timeout_s 420): probe -> binaries -> a
+#     synthetic full-width checkpoint (3 layers + 1 MTP layer) -> bench-cuda (MoE decode
+#     with realistic routing at batch 1/8/32/64 over 288 experts, attention at 4k/32k, the
+#     model step with graphs and eagerly, one MTP depth, per-layer time and the 45-layer
+#     batch-1 extrapolation, each as % of HBM bandwidth) -> ncu Speed-of-Light of the MoE
+#     (mx4_gemm) and attention (flash_kernel) kernels -> compute-sanitizer on the ops if
+#     time remains;
+#   device-check.sh --fingerprint     what prepare-carry.sh records beside the binaries.
+#
+# Before the calls, here: bash test/gpu/prepare-carry.sh (then carry [".gpu-carry"]).
+# Each stage's deadline is the smaller of its own and what is left of the call's cap, and
+# the whole call runs under `timeout` at the cap.  Output goes to $OUT as it goes, in at
+# most four files (the device returns eight): callN.log (every stage's output), callN-
+# summary.txt (one line per stage: rc, seconds, deadline; appended as each ends), probe.txt
+# and, in call 2, figures.txt and ncu.txt.  Without a GPU (a rehearsal) the GPU programs
+# exit 77 and their stages read "skip".
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 1
+
+fingerprint() {
+    local nv=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    echo "toolkit $("$nv" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
+    echo "sources $(find common kernels worker/model worker/comm test/gpu test/comm tools \
+        -type f \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null |
+        LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"
+}
+
+call=${1:-}
+case "$call" in
+    1) CAP=285 ;;
+    2) CAP=405 ;;
+    --fingerprint) fingerprint; exit 0 ;;
+    *) echo "usage: device-check.sh 1|2|--fingerprint" >&2; exit 2 ;;
+esac
+if [ -z "${DEVCHECK_UNDER_CAP:-}" ]; then
+    export DEVCHECK_UNDER_CAP=1
+    exec timeout -k 5 "$CAP" bash "$root/test/gpu/device-check.sh" "$@"
+fi
+
 W=${GPU_CHECK_DIR:-/tmp/gpu-check}
-LOG=${OUT:-$W}
-mkdir -p "$W" "$LOG"
+OUT=${OUT:-$W/out}
+mkdir -p "$W" "$OUT"
+LOG=$OUT/call$call.log
+SUM=$OUT/call$call-summary.txt
+: > "$LOG"
+: > "$SUM"
 t0=$(date +%s)
-status=()
-stage() {   # stage NAME SECONDS COMMAND...
+echo "call $call: cap ${CAP}s, started $(date -u +%FT%TZ)" | tee -a "$SUM"
+
+left() { echo $(( CAP - ($(date +%s) - t0) - 5 )); }
+# stage NAME SECONDS COMMAND...: run under min(SECONDS, what is left), output to the log
+stage() {
     local name=$1 secs=$2; shift 2
-    local a=$(date +%s)
-    echo "=== $name (deadline ${secs}s, at $(( a - t0 ))s)"
-    timeout "$secs" "$@" > "$LOG/$name.log" 2>&1
-    local rc=$?
-    tail -n 25 "$LOG/$name.log"
-    status+=("$name: rc $rc in $(( $(date +%s) - a ))s")
+    local a rc l
+    a=$(date +%s)
+    l=$(left)
+    [ "$secs" -gt "$l" ] && secs=$l
+    if [ "$secs" -lt 3 ]; then
+        printf '%-14s not run: %ss of the cap left\n' "$name" "$l" | tee -a "$SUM"
+        return 124
+    fi
+    echo "=== $name (deadline ${secs}s, at $(( a - t0 ))s)" | tee -a "$LOG"
+    timeout -k 3 "$secs" "$@" >> "$LOG" 2>&1
+    rc=$?
+    local what="rc $rc"
+    [ $rc -eq 77 ] && what="skip (no GPU)"
+    [ $rc -eq 124 ] && what="TIMEOUT"
+    printf '%-14s %-14s %4ss of %4ss  (at %ss)\n' "$name" "$what" "$(( $(date +%s) - a ))" \
+        "$secs" "$(( $(date +%s) - t0 ))" | tee -a "$SUM"
     return $rc
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
-    > "$LOG/gpu.txt" 2>&1; cat "$LOG/gpu.txt"
-prefix=.gpu-carry/prefix
-[ -d "$prefix" ] || prefix=""
-B=$W/build
-stage build 300 bash test/gpu/build-gpu.sh "$B" $prefix || { printf '%s\n' "${status[@]}"; exit 1; }
-stage host 60 "$B/test-cuda-host"
-stage ops 120 "$B/test-cuda-ops"
-stage tiny-logits 90 sh -c "'$B/test-cuda-logits' models/tiny-step fast --steps 6 --seqs 3 &&
-    STEPD_CUDA_NO_GRAPHS=1 '$B/test-cuda-logits' models/tiny-step fast --steps 3 &&
-    '$B/test-cuda-logits' models/tiny-step exact --steps 3"
-stage tiny-greedy 150 sh test/gpu/run-greedy.sh "$B/test-cuda-logits" models/tiny-step
-syn=$W/syn3
-if [ -x "$B/stepd-mkmodel" ]; then
-    [ -f "$syn/config.json" ] || stage mkmodel 120 "$B/stepd-mkmodel" --out "$syn" --preset full \
-        --layers 3 --mtp 0 --threads "$(nproc)" --force
-    stage syn-logits 150 "$B/test-cuda-logits" "$syn" fast --steps 3 --prompt 10 --seqs 2
-    stage bench 240 "$B/bench-cuda" --model "$syn"
-else
-    echo "=== no tools/mkmodel.c in this tree: the synthetic checkpoint and the model rows are skipped"
-    stage bench 180 "$B/bench-cuda"
+
+# ---- probe: what this machine has, before anything is built or run ----
+probe() {
+    local nv cuda_root dirs d lt nccl
+    echo "== GPU"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,memory.free,driver_version,clocks.max.sm,clocks.max.mem \
+            --format=csv 2>&1
+    else
+        echo "nvidia-smi: none (no driver)"
+    fi
+    echo "driver CUDA: $(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p')"
+    echo "== toolkit"
+    nv=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
+    echo "nvcc: ${nv:-none} $( [ -n "$nv" ] && "$nv" --version | tail -1)"
+    cuda_root=$( [ -n "$nv" ] && dirname "$(dirname "$(readlink -f "$nv")")")
+    case "$cuda_root" in *site-packages*) echo "note: nvcc is a pip toolkit ($cuda_root)" ;; esac
+    dirs="$cuda_root/lib64 $cuda_root/lib /usr/local/cuda/lib64"
+    for d in $(python3 -c 'import nvidia, os; [print(os.path.join(p, n, "lib")) for p in nvidia.__path__ for n in os.listdir(p)]' 2>/dev/null); do
+        dirs="$dirs $d"
+    done
+    lt=""; nccl=""
+    for d in $dirs; do
+        [ -z "$lt" ] && ls "$d"/libcublasLt.so* >/dev/null 2>&1 && lt=$d
+        [ -z "$nccl" ] && [ -e "$d/libnccl.so.2" ] && nccl=$d/libnccl.so.2
+    done
+    [ -z "$nccl" ] && nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl.so.2 /{print $NF; exit}')
+    echo "libcublasLt: ${lt:-NOT FOUND}"
+    echo "libcudart_static: $(ls "$cuda_root"/lib64/libcudart_static.a 2>/dev/null || echo 'NOT FOUND (a build there cannot link)')"
+    echo "libnccl.so.2: ${nccl:-NOT FOUND (the NCCL test skips)}"
+    echo "ncu: $(command -v ncu || echo none)  compute-sanitizer: $(command -v compute-sanitizer || echo none)"
+    echo "== host"
+    echo "cores $(nproc), memory $(free -g 2>/dev/null | awk '/Mem:/{print $2 " GiB, " $7 " GiB available"}'), /tmp $(df -h /tmp | awk 'NR==2{print $4}') free"
+    echo "== carried binaries"
+    if [ -f .gpu-carry/bin/BUILT_WITH ]; then
+        echo "built with: $(tr '\n' ' ' < .gpu-carry/bin/BUILT_WITH)"
+    else
+        echo "none (.gpu-carry/bin/BUILT_WITH missing): a build there"
+    fi
+    {
+        echo "NVCC=${nv}"
+        echo "CUDA_ROOT=${cuda_root}"
+        echo "LT_DIR=${lt}"
+        echo "NCCL_LIB=${nccl}"
+        echo "DRIVER_CUDA=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p')"
+        echo "GPU_NAME='$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)'"
+    } > "$W/probe.env"
+}
+
+# ---- binaries: carried when their fingerprint matches and they load, else built here ----
+bins_carried() {
+    local want have tk
+    [ -f .gpu-carry/bin/BUILT_WITH ] || { echo "no carried binaries"; return 1; }
+    want=$(NVCC=$NVCC fingerprint | grep '^sources')
+    have=$(grep '^sources' .gpu-carry/bin/BUILT_WITH)
+    [ "$want" = "$have" ] || { echo "carried binaries are of other sources ($have, tree $want)"; return 1; }
+    tk=$(sed -n 's/^toolkit //p' .gpu-carry/bin/BUILT_WITH)
+    if [ -n "$DRIVER_CUDA" ] && [ "$(printf '%s\n%s\n' "$tk" "$DRIVER_CUDA" | sort -V | head -1)" != "$tk" ]; then
+        echo "carried binaries need CUDA $tk, the driver has $DRIVER_CUDA"
+        return 1
+    fi
+    if ldd .gpu-carry/bin/libstepd-cuda.so .gpu-carry/bin/test-cuda-ops | grep 'not found'; then
+        echo "carried binaries miss a library"
+        return 1
+    fi
+    echo "carried binaries: $(tr '\n' ' ' < .gpu-carry/bin/BUILT_WITH)"
+}
+
+export -f probe bins_carried fingerprint
+export W
+stage probe 20 bash -c probe
+cat "$LOG" > "$OUT/probe.txt"
+# shellcheck disable=SC1091
+. "$W/probe.env" 2>/dev/null || true
+export NVCC CUDA_ROOT LT_DIR NCCL_LIB DRIVER_CUDA
+export LD_LIBRARY_PATH="${LT_DIR:+$LT_DIR:}${LD_LIBRARY_PATH:-}"
+[ -n "${NCCL_LIB:-}" ] && export STEPD_NCCL_LIB=$NCCL_LIB
+B=$root/.gpu-carry/bin
+if ! stage bins 15 bash -c bins_carried; then
+    B=$W/build
+    prefix=.gpu-carry/prefix
+    [ -d "$prefix" ] || prefix=""
+    stage build 170 env ${NVCC:+NVCC=$NVCC} bash test/gpu/build-gpu.sh "$B" $prefix ||
+        { echo "no binaries: stopping" | tee -a "$SUM"; exit 1; }
 fi
-echo "=== stages"
-printf '%s\n' "${status[@]}"
-echo "=== table ($(( $(date +%s) - t0 ))s in all)"
-grep -h '^|' "$LOG/bench.log" || true
-grep -h 'batch-1 step over' "$LOG/bench.log" || true
+export STEPD_PLUGIN_DIR=$B
+
+if [ "$call" = 1 ]; then
+    stage host 20 sh -c "'$B/test-cuda-guard' && '$B/test-cuda-host'"
+    stage ops 60 "$B/test-cuda-ops"
+    if [ -x "$B/test-comm-nccl" ]; then
+        stage nccl 30 "$B/test-comm-nccl"
+    fi
+    stage tiny-logits 45 sh -c "'$B/test-cuda-logits' models/tiny-step fast --steps 6 --seqs 3 &&
+        STEPD_CUDA_NO_GRAPHS=1 '$B/test-cuda-logits' models/tiny-step fast --steps 3 &&
+        '$B/test-cuda-logits' models/tiny-step exact --steps 3"
+    stage tiny-greedy 70 sh test/gpu/run-greedy.sh "$B/test-cuda-logits" models/tiny-step
+else
+    syn=$W/syn3
+    if [ -z "${GPU_NAME:-}" ]; then
+        # a rehearsal: no multi-GB checkpoint for a bench that would skip
+        printf '%-14s %s\n' mkmodel "skip (no GPU)" | tee -a "$SUM"
+        stage bench 150 "$B/bench-cuda"
+    elif [ -x "$B/stepd-mkmodel" ]; then
+        [ -f "$syn/config.json" ] || stage mkmodel 100 "$B/stepd-mkmodel" --out "$syn" \
+            --preset full --layers 3 --mtp 1 --threads "$(nproc)" --force
+        stage bench 150 "$B/bench-cuda" --model "$syn" --mtp
+    else
+        stage bench 150 "$B/bench-cuda"
+    fi
+    grep -h -e '^|' -e 'byte floor' -e '45-layer' "$LOG" > "$OUT/figures.txt" || true
+    if command -v ncu >/dev/null && [ -n "${GPU_NAME:-}" ]; then
+        # the MoE decode kernels (gate+up, down) and decode attention, after warm-up launches
+        stage ncu-moe 40 ncu --section SpeedOfLight --clock-control none -k regex:mx4_gemm \
+            --launch-skip 8 --launch-count 4 "$B/bench-cuda" --quick
+        stage ncu-attn 40 ncu --section SpeedOfLight --clock-control none -k regex:flash_kernel \
+            --launch-skip 4 --launch-count 2 "$B/bench-cuda" --quick
+        sed -n '/=== ncu-moe/,$p' "$LOG" > "$OUT/ncu.txt"
+    fi
+    if command -v compute-sanitizer >/dev/null && [ -n "${GPU_NAME:-}" ] && [ "$(left)" -gt 40 ]; then
+        stage sanitizer $(( $(left) - 5 )) compute-sanitizer --error-exitcode 9 "$B/test-cuda-ops"
+    fi
+fi
+echo "call $call: done in $(( $(date +%s) - t0 ))s of ${CAP}s" | tee -a "$SUM"

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # prepare-carry.sh - lay out, inside the checkout, what the GPU check needs and the GPU
-# machine's image lacks: the headers and shared libraries of jansson and pcre2-8 (the
-# checkpoint loader's), copied from this machine's installed Debian packages into
-# .gpu-carry/prefix/{include,lib}.  .git/info/exclude gets /.gpu-carry/ so git ignores it.
-# Run it here, then run the check with carry [".gpu-carry"]:
-#   bash test/gpu/prepare-carry.sh && <device run> bash test/gpu/device-check.sh
+# machine's image lacks, so that the device's time goes to the GPU and not to a build:
+#   .gpu-carry/prefix/{include,lib}: the headers and shared libraries of jansson and
+#     pcre2-8 (the checkpoint loader's), copied from this machine's Debian packages;
+#   .gpu-carry/bin: the plugin and the GPU test programs built here by build-gpu.sh with
+#     CARRY=1 ($ORIGIN-relative run paths), and BUILT_WITH (toolkit, commit, source hash)
+#     that device-check.sh compares before it trusts them (else it builds there).
+# .git/info/exclude gets /.gpu-carry/ so git ignores it.  Run it here, then the two calls
+# of test/gpu/device-check.sh with carry [".gpu-carry"] (docs/GPU.md §device check).
+#   prepare-carry.sh [--no-build]     (--no-build: the prefix only)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 dest="$root/.gpu-carry/prefix"
@@ -24,5 +28,14 @@ for pkg in libjansson-dev libjansson4 libpcre2-dev libpcre2-8-0; do
         esac
     done
 done
-du -sh "$dest"
-echo "prepare-carry: $dest ready; carry .gpu-carry"
+if [ "${1:-}" != --no-build ]; then
+    bin="$root/.gpu-carry/bin"
+    rm -rf "$bin"
+    a=$(date +%s)
+    CARRY=1 bash "$root/test/gpu/build-gpu.sh" "$bin" "$dest"
+    rm -rf "$bin/obj" "$bin/libstepd-gpucheck.a"
+    bash "$root/test/gpu/device-check.sh" --fingerprint > "$bin/BUILT_WITH"
+    echo "prepare-carry: built in $(( $(date +%s) - a ))s"
+fi
+du -sh "$root/.gpu-carry"/*
+echo "prepare-carry: $root/.gpu-carry ready; carry .gpu-carry"

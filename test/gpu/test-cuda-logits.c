@@ -14,7 +14,11 @@
  * the check covers capture and replay; STEPD_CUDA_NO_GRAPHS=1 runs them eagerly.
  * --greedy: both models decode N tokens greedily from a fixed prompt, speculatively with K
  * MTP drafts (verify runs of K + 1 tokens, the longest prefix equal to the argmax kept):
- * the GPU's tokens must equal the CPU exact path's, token for token.
+ * the GPU's tokens must equal the CPU exact path's: token for token on the exact path; on
+ * the fast path (BF16 activations, logits within TOL_RMS) up to the first token whose CPU
+ * top-2 margin is at most MARGIN * rms(cpu logits), where a flip is within the tolerance
+ * and the two sequences may part (margin-aware; the tiny model's margin at token 28 is
+ * 0.71 % of the RMS).
  * STEPD_TEST_CPU_ONLY=1 puts the second model on the CPU backend too (a check of the test
  * itself where there is no GPU: K drafts must not change the greedy tokens).
  * Exits 77 without a GPU or the plugin.
@@ -99,8 +103,19 @@ static double compare_rows(const char *what, const float *cpu, const float *gpu,
 
 /* Greedy decoding of n_gen tokens after `prompt`, with K MTP drafts per verify step
  * (model.h: model_mtp_step after each trunk step of the same plan). */
+static double rms_of(const float *v, int n)
+{
+    double s = 0;
+
+    for (int i = 0; i < n; i++)
+        s += (double)v[i] * v[i];
+    return sqrt(s / n);
+}
+
+/* out[i]: the greedy tokens; rel_margin[i] (when not NULL): the top-2 margin of the row
+ * that chose out[i] over that row's RMS */
 static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, int n_gen, int K,
-                   int32_t *out)
+                   int32_t *out, double *rel_margin)
 {
     float *logits = malloc(sizeof(float) * (size_t)(K + 1) * V), *ml = malloc(sizeof(float) * V);
     int32_t run[16], drafts[16];
@@ -114,6 +129,8 @@ static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, 
     if (model_step(m, &tp.p, logits) < 0)
         FAIL("prefill: %s", model_last_error(m));
     out[n_out++] = argmax(logits, V, &mg);
+    if (rel_margin)
+        rel_margin[n_out - 1] = mg / rms_of(logits, V);
     n_valid = n_prompt;
     while (n_out < n_gen) {
         /* drafts from the MTP chain of the step just run: depth 0 reads the token that
@@ -137,6 +154,8 @@ static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, 
         n_valid = 1;
         for (int i = 0; i <= K && n_out < n_gen; i++) {
             int32_t g = argmax(logits + (size_t)i * V, V, &mg);
+            if (rel_margin)
+                rel_margin[n_out] = mg / rms_of(logits + (size_t)i * V, V);
             out[n_out++] = g;
             if (i == K || run[i + 1] != g)
                 break;
@@ -217,19 +236,41 @@ int main(int argc, char **argv)
                                        402, 88, 19, 3000 };
         const int np = (int)(sizeof(ids) / sizeof(ids[0]));
         int32_t *oc = malloc(sizeof(int32_t) * n_greedy), *og = malloc(sizeof(int32_t) * n_greedy);
+        double *mc_rel = malloc(sizeof(double) * n_greedy);
+        const bool strict = cpu_only || exact;
+        const char *who = cpu_only ? "cpu" : exact ? "cuda exact" : "cuda fast";
         int32_t pr[17];
+        int same = n_greedy;
 
-        ASSERT_TRUE(oc && og && ckpt_mtp_depth(ck) >= K);
+        ASSERT_TRUE(oc && og && mc_rel && ckpt_mtp_depth(ck) >= K);
         for (int i = 0; i < np; i++)
             pr[i] = ids[i] % V;
-        greedy(mc, V, pr, np, n_greedy, 0, oc);             /* the reference: no drafts */
-        greedy(mg, V, pr, np, n_greedy, K, og);
-        for (int i = 0; i < n_greedy; i++)
-            if (oc[i] != og[i])
-                FAIL("greedy token %d: %d (cpu exact, K = 0) vs %d (%s, K = %d)", i, oc[i], og[i],
-                     cpu_only ? "cpu" : exact ? "cuda exact" : "cuda fast", K);
-        printf("greedy: %d tokens with K = %d on %s equal the CPU exact path's\n", n_greedy, K,
-               cpu_only ? "the CPU" : "CUDA");
+        greedy(mc, V, pr, np, n_greedy, 0, oc, mc_rel);     /* the reference: no drafts */
+        greedy(mg, V, pr, np, n_greedy, K, og, NULL);
+        for (int i = 0; i < n_greedy; i++) {
+            if (oc[i] == og[i])
+                continue;
+            if (strict || mc_rel[i] > MARGIN)
+                FAIL("greedy token %d: %d (cpu exact, K = 0) vs %d (%s, K = %d), CPU top-2 "
+                     "margin %.2f%% of the logit RMS", i, oc[i], og[i], who, K, 100 * mc_rel[i]);
+            printf("greedy token %d: %d (cpu exact) vs %d (%s, K = %d) where the CPU top-2 margin "
+                   "is %.2f%% of the logit RMS (<= %.0f%%: within the fast path's tolerance)\n",
+                   i, oc[i], og[i], who, K, 100 * mc_rel[i], 100 * MARGIN);
+            same = i;
+            break;
+        }
+        int lo = 0;
+        for (int i = 1; i < n_greedy; i++)
+            lo = mc_rel[i] < mc_rel[lo] ? i : lo;
+        printf("greedy: the CPU's smallest top-2 margin is %.2f%% of the logit RMS, at token %d\n",
+               100 * mc_rel[lo], lo);
+        if (same == n_greedy)
+            printf("greedy: %d tokens with K = %d on %s equal the CPU exact path's\n", n_greedy, K,
+                   cpu_only ? "the CPU" : "CUDA");
+        else
+            printf("greedy: %d of %d tokens with K = %d on %s equal the CPU exact path's, then a "
+                   "near-tie\n", same, n_greedy, K, who);
+        free(mc_rel);
         model_free(mg);
         model_free(mc);
         ckpt_close(ck);

@@ -15,6 +15,10 @@
 #include "clock.h"
 #include "comm-nccl.h"
 #include "err.h"
+#include "nccl-settle.h"
+
+_Static_assert(NS_SUCCESS == ncclSuccess && NS_IN_PROGRESS == ncclInProgress,
+               "nccl-settle.h names NCCL's values");
 
 struct nccl {
     struct comm c;
@@ -23,6 +27,10 @@ struct nccl {
     bool own_stream;        /* false: a backend's compute stream (no wait per collective) */
     int device;
     float *scratch;         /* one float on the device, for the barrier */
+    /* an abort from another thread (the owner's comm_abort while this one polls): the
+     * flag first, then the lock, so a poll never reads a communicator being destroyed */
+    atomic_bool aborting;
+    pthread_mutex_t lock;
 };
 
 /* the NCCL functions this file uses, from libnccl.so.2 */
@@ -121,68 +129,94 @@ static struct nccl *to_nccl(struct comm *c)
     return (struct nccl *)c;
 }
 
-/* Poll the communicator (and, when stream_too, the stream) until idle, an error or the
- * deadline.  Any failure aborts the communicator. */
-static int wait_comm(struct nccl *n, const char *op, bool stream_too)
+static int settle_state(void *ctx, int *st)
 {
-    uint64_t deadline = n->c.timeout_msec > 0 ? now_usec() + (uint64_t)n->c.timeout_msec * 1000u : 0;
-    ncclResult_t st;
+    struct nccl *n = ctx;
+    ncclResult_t r = ncclSuccess;
+
+    if (atomic_load(&n->c.interrupted))
+        return -ECANCELED;
+    pthread_mutex_lock(&n->lock);
+    if (atomic_load(&n->aborting) || !n->comm) {
+        pthread_mutex_unlock(&n->lock);
+        return -ECANCELED;
+    }
+    nccl_lib.CommGetAsyncError(n->comm, &r);
+    pthread_mutex_unlock(&n->lock);
+    *st = (int)r;
+    return 0;
+}
+
+static uint64_t settle_now(void *ctx)
+{
+    (void)ctx;
+    return now_usec();
+}
+
+static void settle_pause(void *ctx)
+{
+    struct timespec ts = { 0, 10000 };
+
+    (void)ctx;
+    nanosleep(&ts, NULL);
+}
+
+static int fail_abort(struct nccl *n, int err, const char *op, const char *what, const char *why)
+{
+    int r = comm__fail(&n->c, err, "%s: %s%s", op, what, why);
+
+    n->c.ops->abort(&n->c);
+    return r;
+}
+
+/* After a call that returned `issued`: poll the communicator until its state is
+ * ncclSuccess (nccl-settle.h: no dependent work before that, in either stream mode), then,
+ * when stream_too, the stream until idle; an error or the deadline aborts the
+ * communicator. */
+static int wait_comm(struct nccl *n, const char *op, ncclResult_t issued, bool stream_too)
+{
+    const uint64_t deadline = n->c.timeout_msec > 0 ? now_usec() + (uint64_t)n->c.timeout_msec * 1000u : 0;
+    const struct nccl_settle s = { settle_state, settle_now, settle_pause, n, deadline };
+    char ms[32];
+    int st, r;
     cudaError_t ce;
 
-    for (;;) {
-        st = ncclSuccess;
-        nccl_lib.CommGetAsyncError(n->comm, &st);
-        if (st != ncclSuccess && st != ncclInProgress) {
-            int r = comm__fail(&n->c, err_from_nccl(st), "%s: NCCL error: %s", op,
-                               nccl_lib.GetErrorString(st));
-
-            n->c.ops->abort(&n->c);
-            return r;
-        }
-        if (st == ncclSuccess) {
-            if (!stream_too)
-                return 0;
-            ce = cudaStreamQuery(n->stream);
-            if (ce == cudaSuccess)
-                return 0;
-            if (ce != cudaErrorNotReady) {
-                int r = comm__fail(&n->c, err_from_cuda(ce), "%s: CUDA error: %s", op,
-                                   cudaGetErrorString(ce));
-
-                n->c.ops->abort(&n->c);
-                return r;
-            }
-        }
-        if (deadline && now_usec() >= deadline) {
-            int r = comm__fail(&n->c, -ETIMEDOUT, "%s: timed out after %d ms", op,
-                               n->c.timeout_msec);
-
-            n->c.ops->abort(&n->c);
-            return r;
-        }
-        struct timespec ts = { 0, 10000 };
-        nanosleep(&ts, NULL);
+    r = nccl_settle(&s, (int)issued, &st);
+    if (r == -ECANCELED && !atomic_load(&n->aborting))
+        return fail_abort(n, -ECANCELED, op, "interrupted: ", "the group is re-forming");
+    if (r == -ECANCELED)
+        return n->c.error ? n->c.error : r;
+    if (r == -EPROTO)
+        return fail_abort(n, err_from_nccl((ncclResult_t)st), op, "NCCL error: ",
+                          nccl_lib.GetErrorString((ncclResult_t)st));
+    snprintf(ms, sizeof(ms), "%d ms", n->c.timeout_msec);
+    if (r == -ETIMEDOUT)
+        return fail_abort(n, -ETIMEDOUT, op, "timed out after ", ms);
+    while (stream_too) {
+        ce = cudaStreamQuery(n->stream);
+        if (ce == cudaSuccess)
+            break;
+        if (ce != cudaErrorNotReady)
+            return fail_abort(n, err_from_cuda(ce), op, "CUDA error: ", cudaGetErrorString(ce));
+        if (atomic_load(&n->c.interrupted))
+            return fail_abort(n, -ECANCELED, op, "interrupted: ", "the group is re-forming");
+        if (deadline && now_usec() >= deadline)
+            return fail_abort(n, -ETIMEDOUT, op, "timed out after ", ms);
+        settle_pause(n);
     }
+    return 0;
 }
 
 static int enqueued(struct nccl *n, ncclResult_t r, const char *op)
 {
-    if (r != ncclSuccess && r != ncclInProgress) {
-        int e = comm__fail(&n->c, err_from_nccl(r), "%s: %s", op, nccl_lib.GetErrorString(r));
-
-        n->c.ops->abort(&n->c);
-        return e;
-    }
-    if (!n->own_stream) {
+    if (!n->own_stream && n->c.timeout_msec > 0) {
         /* in stream order with the compute: the step's sync waits, comm_nccl_step_done
          * checks; the watchdog sees how long the step has been in collectives */
         uint64_t zero = 0;
 
-        if (n->c.timeout_msec > 0)
-            atomic_compare_exchange_strong(&n->c.busy_since_usec, &zero, now_usec());
-        return 0;
+        atomic_compare_exchange_strong(&n->c.busy_since_usec, &zero, now_usec());
     }
-    return wait_comm(n, op, true);
+    return wait_comm(n, op, r, n->own_stream);
 }
 
 int comm_nccl_step_done(struct comm *c)
@@ -241,7 +275,7 @@ static int nccl_barrier(struct comm *c)
                                            n->comm, n->stream), "barrier");
 
     /* a barrier is a host-side rendezvous in either mode */
-    return r < 0 || n->own_stream ? r : wait_comm(n, "barrier", true);
+    return r < 0 || n->own_stream ? r : wait_comm(n, "barrier", ncclSuccess, true);
 }
 
 static void nccl_abort(struct comm *c)
@@ -250,10 +284,13 @@ static void nccl_abort(struct comm *c)
 
     if (!c->error)
         comm__fail(c, -ECANCELED, "communicator aborted");
+    atomic_store(&n->aborting, true);
+    pthread_mutex_lock(&n->lock);
     if (n->comm) {
         nccl_lib.CommAbort(n->comm);
         n->comm = NULL;
     }
+    pthread_mutex_unlock(&n->lock);
 }
 
 static void nccl_free(struct comm *c)
@@ -265,7 +302,7 @@ static void nccl_free(struct comm *c)
          * and clears n->comm), then destroy */
         ncclResult_t fr = nccl_lib.CommFinalize(n->comm);
 
-        if ((fr == ncclSuccess || fr == ncclInProgress) && wait_comm(n, "finalize", false) == 0) {
+        if (wait_comm(n, "finalize", fr, false) == 0) {
             nccl_lib.CommDestroy(n->comm);
             n->comm = NULL;
         }
@@ -278,6 +315,7 @@ static void nccl_free(struct comm *c)
         cudaFree(n->scratch);
     if (n->stream && n->own_stream)
         cudaStreamDestroy(n->stream);
+    pthread_mutex_destroy(&n->lock);
     free(n);
 }
 
@@ -337,6 +375,8 @@ int comm_nccl_new(int rank, int world_size, int device, const void *id, size_t i
     n = calloc(1, sizeof(*n));
     if (!n)
         return -ENOMEM;
+    pthread_mutex_init(&n->lock, NULL);
+    atomic_init(&n->aborting, false);
     n->c.ops = &nccl_ops;
     n->c.rank = rank;
     n->c.world_size = world_size;
@@ -362,7 +402,7 @@ int comm_nccl_new(int rank, int world_size, int device, const void *id, size_t i
         r = err_from_nccl(nr);
         goto out_free;
     }
-    r = wait_comm(n, "init", false);
+    r = wait_comm(n, "init", nr, false);
     if (r < 0)
         goto out_free;
     *ret = &n->c;

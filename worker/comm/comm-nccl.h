@@ -12,14 +12,15 @@
  *   own stream (stream NULL): every collective is enqueued and then polled with
  *     ncclCommGetAsyncError + cudaStreamQuery until done, an async error, or the deadline;
  *   compute stream (a backend's stream): collectives are enqueued in stream order with the
- *     model's kernels and return at once (no host wait per collective; CUDA graphs may
- *     capture them).  busy_since_usec is set at the first collective of a step and
+ *     model's kernels and return once the communicator's state is ncclSuccess (a call
+ *     that answers ncclInProgress is not yet enqueued, nccl-settle.h), without waiting for
+ *     the stream (CUDA graphs may capture them).  busy_since_usec is set at the first collective of a step and
  *     comm_nccl_step_done(), after the step's sync, checks for an async error and clears
  *     it: a collective stuck past its deadline is the watchdog's (comm_watchdog_start).
  * Failure model (docs/RELIABILITY.md §1.2, B5): the communicator is non-blocking
  * (config.blocking = 0); a failure calls ncclCommAbort() and sets a sticky error: the
  * worker exits non-zero and the group re-forms.  If the abort itself never returns, the
- * caller's watchdog _exit()s.
+ * caller's watchdog _exit()s.  comm_abort() from another thread stops a poll in progress.
  */
 #pragma once
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# static-figures.sh - the figures of the GPU path that need no GPU, from the built plugin:
+#   SASS instructions per KB of MXFP4 weights in the MoE decode loop: the sm_90a code of
+#   mx4_gemm<NT 1, D 4, WB 1, MODE, bf16> (the decode shape: up to 8 tokens an expert),
+#   its stage loop (the backward branch whose body holds the most HMMA instructions), the
+#   instructions of one pass over its weights (gate+up: 2 x 4 tiles of 16x64, 544 bytes
+#   each = 4352 bytes; down: 4 tiles = 2176 bytes).
+#   static-figures.sh [PLUGIN]   (default build/kernels/cuda/libstepd-cuda.so)
+# Needs cuobjdump and nvdisasm (the toolkit's, or CUOBJDUMP / NVDISASM_PATH).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+plugin=${1:-$root/build/kernels/cuda/libstepd-cuda.so}
+cuobjdump=${CUOBJDUMP:-$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)}
+[ -x "$cuobjdump" ] || { echo "static-figures: no cuobjdump (set CUOBJDUMP)" >&2; exit 77; }
+"$cuobjdump" -sass -arch sm_90a "$plugin" | python3 -c '
+import re, sys
+funcs, cur = {}, None
+for line in sys.stdin:
+    m = re.search(r"Function : (\S+)", line)
+    if m:
+        cur = m.group(1); funcs.setdefault(cur, []); continue
+    m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+    if m and cur:
+        funcs[cur].append((int(m.group(1), 16), m.group(2).strip()))
+for mode, name, nbytes in ((0, "gate+up", 2 * 4 * 544), (1, "down", 4 * 544)):
+    f = "_Z8mx4_gemmILi1ELi4ELi1ELi%dE13__nv_bfloat16Ev8mx4_args" % mode
+    ins = funcs.get(f)
+    if not ins:
+        sys.exit("static-figures: %s not in the plugin" % f)
+    best = None
+    for a, t in ins:
+        m = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)
+        if not m:
+            continue
+        tgt = int(m.group(1), 16)
+        if tgt >= a:
+            continue
+        body = [x for x in ins if tgt <= x[0] <= a]
+        h = sum("HMMA" in x[1] for x in body)
+        if best is None or h > best[2] or (h == best[2] and len(body) > len(best[3])):
+            best = (tgt, a, h, body)
+    tgt, a, h, body = best
+    n = sum(not x[1].startswith("NOP") for x in body)
+    kinds = {}
+    for _, t in body:
+        op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+        kinds[op] = kinds.get(op, 0) + 1
+    top = ", ".join("%s %d" % kv for kv in sorted(kinds.items(), key=lambda kv: -kv[1])[:8])
+    print("mx4_gemm decode %-7s stage loop 0x%x-0x%x: %d instructions (%d HMMA) per %d bytes "
+          "of weights = %.0f per KB (1000 B); %s" % (name, tgt, a, n, h, nbytes,
+                                                     n * 1000.0 / nbytes, top))
+'

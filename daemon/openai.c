@@ -248,6 +248,7 @@ struct oai_gen {
     struct coord *co;
     struct http_req *hr;            /* NULL once the client is gone or the answer is given */
     bool chat, stream, include_usage, continuous_usage, logprobs, return_ids;
+    bool tools_parsed;              /* chat through the tool-call parser: content may stay null */
     bool started;                   /* stream: headers and role chunks sent */
     bool failed, busy, answered, freeing, cancel_pending;
     int fail_status;
@@ -553,8 +554,10 @@ static int stream_begin(struct oai_gen *g)
         return 0;
     for (uint32_t i = 0; i < g->n; i++) {
         chunk_head(&b, g);
-        strbuf_printf(&b, "{\"index\":%u,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,"
-                      "\"finish_reason\":null}]%s}\n\n", i, g->include_usage ? ",\"usage\":null" : "");
+        /* as OpenAI's: content null until there is some when the reply may be tool calls only */
+        strbuf_printf(&b, "{\"index\":%u,\"delta\":{\"role\":\"assistant\",\"content\":%s},\"logprobs\":null,"
+                      "\"finish_reason\":null}]%s}\n\n", i, g->tools_parsed ? "null" : "\"\"",
+                      g->include_usage ? ",\"usage\":null" : "");
     }
     e = gen_write(g, &b);
     strbuf_done(&b);
@@ -1310,6 +1313,10 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
         }
         if ((r = tool_choice_conv(body, in, msg, len)) < 0)
             return r;
+        if ((r = get_bool(body, "parallel_tool_calls", &bv, msg, len)) < 0)
+            return r;
+        if (r)
+            in->single_tool_call = !bv;
         if ((in->tool_choice == REQUEST_TOOLS_AUTO || in->tool_choice == REQUEST_TOOLS_REQUIRED ||
              in->tool_choice == REQUEST_TOOLS_NAMED) && !co->o.tool_parser)
             BAD("tool_choice: tool calls need the tool-call parser (stepd runs without it: --tool-call-parser "
@@ -1586,6 +1593,7 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
     g->continuous_usage = x.continuous_usage;
     g->logprobs = x.logprobs;
     g->return_ids = x.return_ids;
+    g->tools_parsed = chat && co->o.tool_parser && in->tool_choice != REQUEST_TOOLS_NONE;
     g->created = (int64_t)time(NULL);
     g->n = g->live = (uint32_t)x.n;
     snprintf(g->model, sizeof(g->model), "%s", in->model);

@@ -1,6 +1,13 @@
 #!/usr/bin/env python3
 """The request fields of the OpenAI HTTP API and the replies they shape, against a mock engine
 with the `openai` client:
+  structured_output   no field that changes the output is silently ignored (docs/OPERATIONS.md
+                      §12's field table): guided_json / guided_regex / guided_choice / guided_grammar /
+                      guided_decoding_backend / structured_outputs / response_format json_object
+                      and json_schema / prompt_logprobs: 400 naming the field, on chat and
+                      completions; a field stepd does not know: 400 naming it; the fields that
+                      cannot change the output (user, metadata, store, ...) and the no-op values
+                      of refused ones (use_beam_search false, modalities ["text"]): 200
   tool_reply_shape    a reply of tool calls only: content null (was the "\\n" of the model's
                       blank line after </think>), streaming (the role chunk's content null, no
                       content delta) and not; parallel_tool_calls false: one call (was two),
@@ -39,6 +46,57 @@ def mock_stepd(script=None):
 
 def client(s):
     return openai.OpenAI(base_url=s.http + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def refused(fn, field, **kw):
+    try:
+        r = fn(**kw)
+    except openai.BadRequestError as e:
+        assert e.status_code == 400 and e.body["param"] == field, (field, e.body)
+        assert e.body["message"].startswith(field + ": "), e.body
+        return e.body["message"]
+    raise AssertionError("%s accepted: %s" % (field, r))
+
+
+def test_structured_output():
+    s = mock_stepd()
+    c = client(s)
+    chat = lambda **kw: c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, **kw)  # noqa: E731
+    comp = lambda **kw: c.completions.create(model="tiny", prompt="In the beginning", max_tokens=4, **kw)  # noqa: E731
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    asks = {
+        "guided_json": schema,
+        "guided_regex": "[0-9]+",
+        "guided_choice": ["yes", "no"],
+        "guided_grammar": "root ::= \"yes\"",
+        "guided_decoding_backend": "xgrammar",
+        "structured_outputs": {"json": schema},
+        "prompt_logprobs": 1,
+    }
+    for door in (chat, comp):
+        for field, value in asks.items():
+            msg = refused(door, field, extra_body={field: value})
+            print("   %s: %s" % (field, msg))
+        for rf in ({"type": "json_object"},
+                   {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}):
+            refused(door, "response_format", extra_body={"response_format": rf})
+        # a field nobody defined is refused, never ignored
+        refused(door, "frobnicate", extra_body={"frobnicate": 1})
+        # what cannot change the output, and the no-op values of refused fields
+        r = door(user="u1", extra_body={"metadata": {"k": "v"}, "service_tier": "auto", "use_beam_search": False,
+                                        "guided_json": None, "response_format": {"type": "text"}})
+        assert r.choices[0].finish_reason == "length", r
+        refused(door, "use_beam_search", extra_body={"use_beam_search": True})
+    r = chat(store=False, extra_body={"modalities": ["text"], "parallel_tool_calls": True})
+    assert r.choices[0].finish_reason == "length", r
+    refused(chat, "modalities", extra_body={"modalities": ["text", "audio"]})
+    refused(chat, "chat_template", extra_body={"chat_template": "{{ messages }}"})
+    refused(chat, "include_reasoning", extra_body={"include_reasoning": False})
+    # a field of the other endpoint
+    msg = refused(comp, "messages", extra_body={"messages": MSGS})
+    assert "/v1/completions" in msg, msg
+    refused(chat, "suffix", extra_body={"suffix": "x"})
+    assert s.stop() == 0
 
 
 # the model's blank line after </think> (one newline is the tag's, the other was content: "\n")
@@ -101,5 +159,6 @@ def test_tool_reply_shape():
 
 if __name__ == "__main__":
     run_tests([
+        ("structured_output", test_structured_output),
         ("tool_reply_shape", test_tool_reply_shape),
     ])

@@ -277,6 +277,12 @@ struct req {
     bool continuous_usage;
     bool in_reasoning;              /* chat output still inside the reasoning (reasoning tokens) */
     bool primed;                    /* the parsers have seen the prompt's forced opening */
+    bool tools_parsed;              /* chat output through the tool-call parser */
+    bool content_seen;              /* tools_parsed: content other than whitespace sent */
+    bool calls_seen;                /* tools_parsed: a tool call started */
+    bool calls_cut;                 /* single_tool_call: a second call started, the output ends */
+    char *ws_held;                  /* tools_parsed: whitespace-only content not sent yet */
+    size_t n_ws_held;
     int64_t deadline_ms;
     int64_t t_arrival, t_dispatch, t_first, t_last;
     uint32_t n_out;

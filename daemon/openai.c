@@ -250,6 +250,7 @@ struct oai_gen {
     struct coord *co;
     struct http_req *hr;            /* NULL once the client is gone or the answer is given */
     bool chat, stream, include_usage, continuous_usage, logprobs, return_ids;
+    bool tools_parsed;              /* chat through the tool-call parser: content may stay null */
     bool started;                   /* stream: headers and role chunks sent */
     bool failed, busy, answered, freeing, cancel_pending;
     int fail_status;
@@ -555,8 +556,10 @@ static int stream_begin(struct oai_gen *g)
         return 0;
     for (uint32_t i = 0; i < g->n; i++) {
         chunk_head(&b, g);
-        strbuf_printf(&b, "{\"index\":%u,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,"
-                      "\"finish_reason\":null}]%s}\n\n", i, g->include_usage ? ",\"usage\":null" : "");
+        /* as OpenAI's: content null until there is some when the reply may be tool calls only */
+        strbuf_printf(&b, "{\"index\":%u,\"delta\":{\"role\":\"assistant\",\"content\":%s},\"logprobs\":null,"
+                      "\"finish_reason\":null}]%s}\n\n", i, g->tools_parsed ? "null" : "\"\"",
+                      g->include_usage ? ",\"usage\":null" : "");
     }
     e = gen_write(g, &b);
     strbuf_done(&b);
@@ -1272,6 +1275,188 @@ struct oai_opts {
     const char *model;
 };
 
+/* Every field a client may send to /v1/chat/completions or /v1/completions (OpenAI's and
+ * vLLM's ChatCompletionRequest / CompletionRequest), and what stepd does with it
+ * (docs/OPERATIONS.md §12 has the same table).  A field that would change the output is
+ * read by body_conv or refused with a 400 naming it; one that cannot change the output is
+ * accepted and left unread; a field of neither list is refused, never ignored. */
+enum field_use {
+    FU_READ,                /* body_conv reads it (and refuses what it cannot do) */
+    FU_INERT,               /* cannot change the output */
+    FU_REFUSED,             /* refused with any value but null */
+    FU_REFUSED_SET,         /* refused unless null, false or empty ("", [], {}) */
+    FU_REFUSED_UNSET,       /* refused unless null or true */
+    FU_TEXT_ONLY,           /* refused unless null or ["text"] */
+};
+
+#define FD_CHAT 1u
+#define FD_COMPLETIONS 2u
+#define FD_BOTH 3u
+
+struct field_rule {
+    const char *name;
+    unsigned doors;
+    enum field_use use;
+    const char *why;        /* refused: what stepd lacks */
+};
+
+#define NO_SO "structured output (guided decoding) is not supported"
+static const struct field_rule field_rules[] = {
+    /* read */
+    { "model", FD_BOTH, FU_READ, NULL },
+    { "messages", FD_CHAT, FU_READ, NULL },
+    { "prompt", FD_COMPLETIONS, FU_READ, NULL },
+    { "request_id", FD_BOTH, FU_READ, NULL },
+    { "tools", FD_CHAT, FU_READ, NULL },
+    { "tool_choice", FD_CHAT, FU_READ, NULL },
+    { "parallel_tool_calls", FD_CHAT, FU_READ, NULL },
+    { "chat_template_kwargs", FD_CHAT, FU_READ, NULL },
+    { "reasoning_effort", FD_CHAT, FU_READ, NULL },
+    { "add_generation_prompt", FD_CHAT, FU_READ, NULL },
+    { "logprobs", FD_BOTH, FU_READ, NULL },
+    { "top_logprobs", FD_CHAT, FU_READ, NULL },
+    { "echo", FD_COMPLETIONS, FU_READ, NULL },
+    { "best_of", FD_COMPLETIONS, FU_READ, NULL },
+    { "suffix", FD_COMPLETIONS, FU_READ, NULL },
+    { "response_format", FD_BOTH, FU_READ, NULL },
+    { "temperature", FD_BOTH, FU_READ, NULL },
+    { "top_p", FD_BOTH, FU_READ, NULL },
+    { "top_k", FD_BOTH, FU_READ, NULL },
+    { "min_p", FD_BOTH, FU_READ, NULL },
+    { "presence_penalty", FD_BOTH, FU_READ, NULL },
+    { "frequency_penalty", FD_BOTH, FU_READ, NULL },
+    { "repetition_penalty", FD_BOTH, FU_READ, NULL },
+    { "max_tokens", FD_BOTH, FU_READ, NULL },
+    { "max_completion_tokens", FD_BOTH, FU_READ, NULL },
+    { "min_tokens", FD_BOTH, FU_READ, NULL },
+    { "seed", FD_BOTH, FU_READ, NULL },
+    { "ignore_eos", FD_BOTH, FU_READ, NULL },
+    { "skip_special_tokens", FD_BOTH, FU_READ, NULL },
+    { "include_stop_str_in_output", FD_BOTH, FU_READ, NULL },
+    { "stop", FD_BOTH, FU_READ, NULL },
+    { "stop_token_ids", FD_BOTH, FU_READ, NULL },
+    { "logit_bias", FD_BOTH, FU_READ, NULL },
+    { "n", FD_BOTH, FU_READ, NULL },
+    { "priority", FD_BOTH, FU_READ, NULL },
+    { "num_speculative_tokens", FD_BOTH, FU_READ, NULL },
+    { "cache_salt", FD_BOTH, FU_READ, NULL },
+    { "stream", FD_BOTH, FU_READ, NULL },
+    { "stream_options", FD_BOTH, FU_READ, NULL },
+    { "return_token_ids", FD_BOTH, FU_READ, NULL },
+    { "user", FD_BOTH, FU_READ, NULL },
+    /* cannot change the output */
+    { "metadata", FD_BOTH, FU_INERT, NULL },
+    { "store", FD_BOTH, FU_INERT, NULL },
+    { "service_tier", FD_BOTH, FU_INERT, NULL },
+    { "session_id", FD_BOTH, FU_INERT, NULL },
+    { "prediction", FD_CHAT, FU_INERT, NULL },
+    { "stream_interval", FD_BOTH, FU_INERT, NULL },
+    { "length_penalty", FD_BOTH, FU_INERT, NULL },
+    { "truncation_side", FD_BOTH, FU_INERT, NULL },
+    { "mm_processor_kwargs", FD_BOTH, FU_INERT, NULL },
+    { "media_io_kwargs", FD_CHAT, FU_INERT, NULL },
+    { "return_token_offsets", FD_BOTH, FU_INERT, NULL },
+    { "return_mm_kwargs", FD_BOTH, FU_INERT, NULL },
+    { "routed_experts_prompt_start", FD_BOTH, FU_INERT, NULL },
+    /* would change the output: refused until supported */
+    { "guided_json", FD_BOTH, FU_REFUSED, NO_SO },
+    { "guided_regex", FD_BOTH, FU_REFUSED, NO_SO },
+    { "guided_choice", FD_BOTH, FU_REFUSED, NO_SO },
+    { "guided_grammar", FD_BOTH, FU_REFUSED, NO_SO },
+    { "guided_decoding_backend", FD_BOTH, FU_REFUSED, NO_SO },
+    { "guided_whitespace_pattern", FD_BOTH, FU_REFUSED, NO_SO },
+    { "structural_tag", FD_BOTH, FU_REFUSED, NO_SO },
+    { "structured_outputs", FD_BOTH, FU_REFUSED, NO_SO },
+    { "prompt_logprobs", FD_BOTH, FU_REFUSED, "prompt logprobs are not supported" },
+    { "logprob_token_ids", FD_BOTH, FU_REFUSED, "logprobs of chosen token ids are not supported" },
+    { "truncate_prompt_tokens", FD_BOTH, FU_REFUSED, "prompts are never truncated" },
+    { "thinking_token_budget", FD_BOTH, FU_REFUSED, "a reasoning budget is not supported" },
+    { "repetition_detection", FD_BOTH, FU_REFUSED, "repetition detection is not supported" },
+    { "kv_transfer_params", FD_BOTH, FU_REFUSED, "disaggregated KV transfer is not supported" },
+    { "ec_transfer_params", FD_BOTH, FU_REFUSED, "disaggregated encoder-cache transfer is not supported" },
+    { "chat_template", FD_CHAT, FU_REFUSED, "the model's own chat template is the only one" },
+    { "documents", FD_CHAT, FU_REFUSED, "the chat template has no documents" },
+    { "prompt_embeds", FD_COMPLETIONS, FU_REFUSED, "prompt embeddings are not supported" },
+    { "functions", FD_CHAT, FU_REFUSED, "the legacy function-calling fields are not supported, tools are" },
+    { "function_call", FD_CHAT, FU_REFUSED, "the legacy function-calling fields are not supported, tool_choice is" },
+    { "audio", FD_CHAT, FU_REFUSED, "audio output is not supported" },
+    { "web_search_options", FD_CHAT, FU_REFUSED, "web search is not supported" },
+    { "verbosity", FD_CHAT, FU_REFUSED, "verbosity is not supported" },
+    { "use_beam_search", FD_BOTH, FU_REFUSED_SET, "beam search is not supported" },
+    { "allowed_token_ids", FD_BOTH, FU_REFUSED_SET, "restricting the vocabulary is not supported" },
+    { "bad_words", FD_BOTH, FU_REFUSED_SET, "bad words are not supported" },
+    { "logits_processors", FD_BOTH, FU_REFUSED_SET, "logits processors are not supported" },
+    { "vllm_xargs", FD_BOTH, FU_REFUSED_SET, "vLLM extension arguments are not supported" },
+    { "watermarking", FD_BOTH, FU_REFUSED_SET, "watermarking is not supported" },
+    { "return_tokens_as_token_ids", FD_BOTH, FU_REFUSED_SET, "logprob tokens are always strings" },
+    { "return_prompt_text", FD_BOTH, FU_REFUSED_SET, "the rendered prompt is not returned, POST /tokenize gives it" },
+    { "echo", FD_CHAT, FU_REFUSED_SET, "the answer never repeats the last message" },
+    { "continue_final_message", FD_CHAT, FU_REFUSED_SET, "continuing the final message is not supported" },
+    { "add_special_tokens", FD_CHAT, FU_REFUSED_SET, "the chat template places the special tokens" },
+    { "add_special_tokens", FD_COMPLETIONS, FU_REFUSED_UNSET, "a text prompt always starts with BOS" },
+    { "include_reasoning", FD_CHAT, FU_REFUSED_UNSET, "the reasoning is always returned, in reasoning_content" },
+    { "spaces_between_special_tokens", FD_BOTH, FU_REFUSED_UNSET, "the detokenizer adds no spaces" },
+    { "modalities", FD_CHAT, FU_TEXT_ONLY, "text is the only output" },
+};
+#undef NO_SO
+
+static bool json_is_unset(const json_t *v)
+{
+    return json_is_null(v) || json_is_false(v) || (json_is_string(v) && !json_string_length(v)) ||
+           (json_is_array(v) && !json_array_size(v)) || (json_is_object(v) && !json_object_size(v));
+}
+
+/* Every key of body against field_rules: 0, or -EINVAL naming the first one refused. */
+static int fields_check(const json_t *body, bool chat, char *msg, size_t len)
+{
+    unsigned door = chat ? FD_CHAT : FD_COMPLETIONS;
+    const char *key;
+    json_t *v;
+
+    json_object_foreach((json_t *)body, key, v) {
+        const struct field_rule *f = NULL;
+        bool other_door = false;
+
+        for (size_t i = 0; i < sizeof(field_rules) / sizeof(field_rules[0]) && !f; i++) {
+            if (strcmp(field_rules[i].name, key))
+                continue;
+            if (field_rules[i].doors & door)
+                f = &field_rules[i];
+            else
+                other_door = true;
+        }
+        if (!f && other_door)
+            BAD("%.64s: not a field of %s", key, chat ? "/v1/chat/completions" : "/v1/completions");
+        if (!f)
+            BAD("%.64s: not a request field stepd knows (refused rather than ignored; docs/OPERATIONS.md "
+                "§12 lists them)", key);
+        switch (f->use) {
+        case FU_READ:
+        case FU_INERT:
+            break;
+        case FU_REFUSED:
+            if (!json_is_null(v))
+                BAD("%s: %s", key, f->why);
+            break;
+        case FU_REFUSED_SET:
+            if (!json_is_unset(v))
+                BAD("%s: %s (only null, false or empty)", key, f->why);
+            break;
+        case FU_REFUSED_UNSET:
+            if (!json_is_null(v) && !json_is_true(v))
+                BAD("%s: only true: %s", key, f->why);
+            break;
+        case FU_TEXT_ONLY:
+            if (!json_is_null(v) && !(json_is_array(v) && json_array_size(v) == 1 &&
+                                      json_is_string(json_array_get(v, 0)) &&
+                                      !strcmp(json_string_value(json_array_get(v, 0)), "text")))
+                BAD("%s: only [\"text\"]: %s", key, f->why);
+            break;
+        }
+    }
+    return 0;
+}
+
 /* The request's fields (OpenAI's, vLLM's extensions, stepd's num_speculative_tokens) onto in. */
 static int body_conv(const struct coord *co, const json_t *body, bool chat, struct request *in,
                      struct oai_opts *x, char *msg, size_t len)
@@ -1286,6 +1471,8 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
 
     if (!json_is_object(body))
         BAD("the request body must be a JSON object (got %s)", json_type_describe(body));
+    if ((r = fields_check(body, chat, msg, len)) < 0)
+        return r;
     if ((r = get_str(body, "model", &x->model, msg, len)) < 0)
         return r;
     if (!x->model)
@@ -1312,6 +1499,10 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
         }
         if ((r = tool_choice_conv(body, in, msg, len)) < 0)
             return r;
+        if ((r = get_bool(body, "parallel_tool_calls", &bv, msg, len)) < 0)
+            return r;
+        if (r)
+            in->single_tool_call = !bv;
         if ((in->tool_choice == REQUEST_TOOLS_AUTO || in->tool_choice == REQUEST_TOOLS_REQUIRED ||
              in->tool_choice == REQUEST_TOOLS_NAMED) && !co->o.tool_parser)
             BAD("tool_choice: tool calls need the tool-call parser (stepd runs without it: --tool-call-parser "
@@ -1588,6 +1779,7 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
     g->continuous_usage = x.continuous_usage;
     g->logprobs = x.logprobs;
     g->return_ids = x.return_ids;
+    g->tools_parsed = chat && co->o.tool_parser && in->tool_choice != REQUEST_TOOLS_NONE;
     g->created = (int64_t)time(NULL);
     g->n = g->live = (uint32_t)x.n;
     snprintf(g->model, sizeof(g->model), "%s", in->model);

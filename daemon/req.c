@@ -114,6 +114,7 @@ void req_free_if_done(struct req *r)
         r->next->prev = r->prev;
     co->n_reqs--;
     tok_gen_free(r->gen);
+    free(r->ws_held);
     request_free(r->in);
     free(r->aff_keys);
     free(r->prompt);
@@ -281,21 +282,64 @@ static void tool_call_id(const struct req *r, int index, char *buf, size_t n)
     snprintf(buf, n, "call_%016" PRIx64 "%08x", h, (unsigned)index);
 }
 
+static bool all_space(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (s[i] != ' ' && s[i] != '\n' && s[i] != '\t' && s[i] != '\r')
+            return false;
+    return true;
+}
+
+/* Content when the tool-call parser runs: whitespace before any other content is held
+ * back, sent with the content that follows it, dropped when a tool call follows it (so a
+ * reply of tool calls only has no content, as OpenAI's), sent at the end otherwise. */
+static int acc_content(struct chunk_acc *a, const char *text, size_t len)
+{
+    struct req *r = a->r;
+
+    if (!r->tools_parsed || r->content_seen)
+        return strbuf_add(&a->content, text, len);
+    if (all_space(text, len)) {
+        char *p = realloc(r->ws_held, r->n_ws_held + len);
+
+        if (!p)
+            return -ENOMEM;
+        memcpy(p + r->n_ws_held, text, len);
+        r->ws_held = p;
+        r->n_ws_held += len;
+        return 0;
+    }
+    r->content_seen = true;
+    if (r->n_ws_held && strbuf_add(&a->content, r->ws_held, r->n_ws_held) < 0)
+        return -ENOMEM;
+    r->n_ws_held = 0;
+    return strbuf_add(&a->content, text, len);
+}
+
 static int acc_event(void *ud, const struct tok_ev *ev)
 {
     struct chunk_acc *a = ud;
     Stepd__V1__ToolCallDelta *t;
     size_t k;
 
+    if (a->r->calls_cut && ev->kind != TOK_EV_TEXT)
+        return 0;
+    if (a->r->in->single_tool_call && ev->tool_index >= 1 &&
+        (ev->kind == TOK_EV_TOOL_START || ev->kind == TOK_EV_TOOL_ARGS)) {
+        a->r->calls_cut = true;     /* parallel_tool_calls false: the output ends before it */
+        return 0;
+    }
     switch (ev->kind) {
     case TOK_EV_TEXT:
         return strbuf_add(&a->text, ev->text, ev->len);
     case TOK_EV_REASONING:
         return strbuf_add(&a->reasoning, ev->text, ev->len);
     case TOK_EV_CONTENT:
-        return strbuf_add(&a->content, ev->text, ev->len);
+        return acc_content(a, ev->text, ev->len);
     case TOK_EV_TOOL_START:
     case TOK_EV_TOOL_ARGS:
+        a->r->calls_seen = true;
+        a->r->n_ws_held = 0;
         t = a->n_tc ? &a->tc[a->n_tc - 1] : NULL;
         if (ev->kind == TOK_EV_TOOL_START || !t || t->index != (uint32_t)ev->tool_index) {
             if (a->n_tc == MAX_TC_DELTAS)
@@ -398,6 +442,7 @@ static int req_text_start(struct req *r)
         o.parser.reasoning = r->co->o.reasoning_parser;
         o.parser.tools = r->co->o.tool_parser && in->tool_choice != REQUEST_TOOLS_NONE;
         o.parser.tools_json = in->tools;
+        r->tools_parsed = o.parser.tools;
     }
     e = tok_gen_new(r->co->tok, &o, &r->gen);
     free(ids);
@@ -471,12 +516,18 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
         }
         struct chunk_acc acc = { .r = r };
         int e = req_prime(r, &acc);
-        for (size_t i = 0; i < n && e == 0; i++) {
+        for (size_t i = 0; i < n && e == 0 && !r->calls_cut; i++) {
             if (r->in_reasoning)
                 req_count_reasoning(r, ec->token_ids[i]);
             e = tok_gen_push(r->gen, ec->token_ids[i], acc_event, &acc);
             if (e == -EINVAL || e == -EALREADY)
                 e = 0;      /* past the tokenizer's vocabulary, or after the pipeline ended */
+        }
+        if (e == 1 && r->n_ws_held && !r->calls_seen) {
+            /* a stop string ended the output: the held whitespace was its content */
+            if (strbuf_add(&acc.content, r->ws_held, r->n_ws_held) < 0)
+                e = -ENOMEM;
+            r->n_ws_held = 0;
         }
         if (e < 0) {
             acc_done(&acc);
@@ -488,6 +539,12 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
         int se = send_chunk(r, &ch);
         acc_done(&acc);
         int idx;
+        if (se == 0 && r->calls_cut && !r->final_sent) {
+            log_req_debug(r->id, "a second tool call with parallel_tool_calls false: the output ends");
+            req_stop_engine(r);
+            send_final(r, NULL, STEPD__V1__FINISH_REASON__FINISH_REASON_STOP, NULL);
+            return;
+        }
         if (se == 0 && e == 1 && tok_gen_finish_reason(r->gen, &idx) == TOK_FINISH_STOP) {
             log_req_debug(r->id, "stop string %d matched", idx);
             req_stop_engine(r);
@@ -502,6 +559,7 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
             int se = 0;
 
             if (req_prime(r, &acc) == 0 && tok_gen_finish(r->gen, acc_event, &acc) == 0 &&
+                (r->calls_seen || !r->n_ws_held || strbuf_add(&acc.content, r->ws_held, r->n_ws_held) == 0) &&
                 !acc_empty(&acc)) {
                 acc_fill(&acc, &ch);
                 se = send_chunk(r, &ch);

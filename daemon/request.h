@@ -121,6 +121,7 @@ struct request {
     bool add_generation_prompt;     /* CHAT: default true */
     enum request_tool_choice tool_choice;   /* CHAT */
     char *tool_choice_name;         /* CHAT, REQUEST_TOOLS_NAMED */
+    bool single_tool_call;          /* CHAT: at most one tool call (parallel_tool_calls false) */
     int32_t *token_ids;             /* TOKENS */
     size_t n_token_ids;
     struct request_sampling sp;

@@ -45,10 +45,18 @@ echo "== chat"
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" chat --max-tokens 48 "Who made the heaven and the earth?"
 echo
 echo
-echo "== the same chat over the OpenAI HTTP API (curl, 127.0.0.1:$HTTP)"
+echo "== the same chat over the OpenAI HTTP API (curl, 127.0.0.1:$HTTP; the tiny model's answer is"
+echo "   all reasoning: the template opens <think> and the model never closes it, README.md)"
 curl -sS "http://127.0.0.1:$HTTP/v1/chat/completions" -H 'Content-Type: application/json' \
-  -d '{"model": "tiny-step", "max_tokens": 48, "messages": [{"role": "user", "content": "Who made the heaven and the earth?"}]}'
-echo
+  -d '{"model": "tiny-step", "max_tokens": 48, "messages": [{"role": "user", "content": "Who made the heaven and the earth?"}]}' |
+  /usr/bin/python3 -c 'import json, sys
+r = json.load(sys.stdin)
+if "choices" not in r:
+    sys.exit("no answer: %s" % json.dumps(r))
+m = r["choices"][0]["message"]
+print("reasoning_content: %s" % m["reasoning_content"])
+print("content: %s" % json.dumps(m["content"]))
+print("finish_reason: %s, usage: %s" % (r["choices"][0]["finish_reason"], json.dumps(r["usage"])))'
 echo "== groups"
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" groups
 sleep 2.5   # one spec-decoding metrics interval

@@ -2,6 +2,9 @@
 # The whole test suite: install what it needs (tools/dev/install-deps.sh, idempotent),
 # configure (or reconfigure a build whose Python lacks the test tools), build, run every
 # suite except benchmarks, and end with one line "N passed, N failed, N skipped".
+# BUILD names the build directory (default build); SETUP_ARGS are meson options for it (e.g.
+# -Dcuda=disabled, .ci/run's stage without the CUDA toolkit); arguments go to meson test (test
+# names, --suite).
 #
 # Only tests of hardware this host does not have may skip: suite 'gpu' (no GPU) and suite
 # 'isa' (a CPU dispatch level above this host's).  Any other skip - a missing test tool,
@@ -9,6 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
+read -r -a SETUP <<< "${SETUP_ARGS:-}"
 export PATH="$PWD/.venv/bin:$PATH"
 fail() { echo "$1"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
 
@@ -18,10 +22,10 @@ if [ -f "$BUILD/build.ninja" ]; then
   py=$(cat "$BUILD/test/test-python.txt" 2>/dev/null || true)
   if [ -z "$py" ] || ! "$py" -c "$tools_py" 2>/dev/null; then
     echo "== $BUILD runs its tests with Python '${py:-unknown}', which lacks the test tools: reconfiguring"
-    meson setup --reconfigure "$BUILD" || fail "== meson setup --reconfigure $BUILD failed"
+    meson setup --reconfigure "$BUILD" "${SETUP[@]}" || fail "== meson setup --reconfigure $BUILD failed"
   fi
 else
-  meson setup "$BUILD" || fail "== meson setup $BUILD failed"
+  meson setup "$BUILD" "${SETUP[@]}" || fail "== meson setup $BUILD failed"
 fi
 ninja -C "$BUILD" || fail "== the build failed"
 

@@ -2,7 +2,7 @@
 """lint_deploy.py - docs/RELIABILITY.md E5/E6/B11: the shipped deployment files checked
 without a service manager, a cluster or a container engine.
 
-systemd (systemd/): `systemd-analyze verify` with no complaint at all (it exits 0 on unknown
+systemd (systemd/*.in as this build installs them): `systemd-analyze verify` with no complaint at all (it exits 0 on unknown
 keys and bad values, so any output fails), `systemd-analyze security --offline=yes
 --threshold=25` (exposure at most 2.5), Type=notify with NotifyAccess=main and WatchdogSec,
 non-root User, KillMode=mixed, NoNewPrivileges, stop timeouts ordered (B11: TimeoutStopSec
@@ -146,7 +146,7 @@ def check_unit(path, env_path):
     return u
 
 
-def systemd_analyze(unit_paths):
+def systemd_analyze(unit_paths, bindirs):
     sa = shutil.which("systemd-analyze")
     if not sa:
         err("systemd-analyze is missing (Debian package systemd; tools/dev/install-deps.sh)")
@@ -160,7 +160,8 @@ def systemd_analyze(unit_paths):
             for prog in ("stepd-worker", "stepd"):
                 b = dl.build_binary(prog)
                 if b:
-                    text = text.replace("/usr/bin/%s " % prog, "%s " % b)
+                    for bindir in bindirs:
+                        text = text.replace("%s/%s " % (bindir, prog), "%s " % b)
             n = os.path.basename(p)
             open(os.path.join(tmp, n), "w").write(text)
             if n.endswith("@.service"):
@@ -187,24 +188,40 @@ def systemd_analyze(unit_paths):
 
 
 def check_systemd(unit_paths=None):
+    """The units as this build installs them (systemd/*.in configured by systemd/meson.build),
+    or the unit files given."""
     d = os.path.join(ROOT, "systemd")
     shipped = unit_paths is None
-    if shipped:
-        unit_paths = [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".service")]
-    env_path = os.path.join(d, "stepd.env")
-    for p in unit_paths:
-        check_unit(p, env_path)
-    if shipped:
-        if not os.path.exists(os.path.join(d, "stepd-workers.target")):
-            err("systemd/stepd-workers.target missing")
-        units = unit_paths + [os.path.join(d, "stepd-workers.target")]
-        systemd_analyze(units)
-        mb = open(os.path.join(ROOT, "daemon", "meson.build")).read()
-        for f in sorted(os.listdir(d)):
-            if "'../systemd/%s'" % f not in mb:
-                err("systemd/%s is not installed by meson (daemon/meson.build)" % f)
-    else:
-        systemd_analyze(unit_paths)
+    dest = tempfile.mkdtemp(prefix="stepd-lint-install-")
+    try:
+        try:
+            unit_dir, dirs = dl.installed_units(dl.BUILD, dest)
+        except (RuntimeError, KeyError) as e:
+            err("the build's systemd files could not be installed: %s" % e)
+            return
+        env_path = dest + os.path.join(dirs["sysconfdir"], "stepd", "stepd.env")
+        if not os.path.exists(env_path):
+            err("meson install puts no stepd.env in %s/stepd" % dirs["sysconfdir"])
+        if shipped:
+            unit_paths = [os.path.join(unit_dir, f) for f in sorted(os.listdir(unit_dir))
+                          if f.endswith(".service")]
+        for p in unit_paths:
+            check_unit(p, env_path)
+        if shipped:
+            target = os.path.join(unit_dir, "stepd-workers.target")
+            if not os.path.exists(target):
+                err("systemd/stepd-workers.target missing")
+            systemd_analyze(unit_paths + [target], [dirs["bindir"]])
+            mb = open(os.path.join(d, "meson.build")).read()
+            for f in sorted(os.listdir(d)):
+                if f == "meson.build":
+                    continue
+                if "'%s'" % re.sub(r"\.in$", "", f) not in mb and "'%s'" % f not in mb:
+                    err("systemd/%s is not installed by meson (systemd/meson.build)" % f)
+        else:
+            systemd_analyze(unit_paths, [dirs["bindir"], "/usr/bin"])
+    finally:
+        shutil.rmtree(dest, True)
 
 
 # ================================================================ container
@@ -252,6 +269,18 @@ def installed_paths():
         rel = re.sub(r"^%s/" % re.escape(libdir), "lib/x86_64-linux-gnu/", rel)
         out.add("/usr/" + rel)
     return out
+
+
+def cuda_plugin_declared():
+    """Where the Containerfile's build (--libdir=lib/x86_64-linux-gnu) installs the CUDA
+    plugin, from its declaration in kernels/cuda/meson.build: a build without nvcc
+    (-Dcuda=disabled, no /usr/local/cuda) does not configure that directory, so meson
+    introspect cannot list it there."""
+    mb = open(os.path.join(ROOT, "kernels", "cuda", "meson.build")).read()
+    m = re.search(r"shared_module\('([\w-]+)'.*?install_dir: get_option\('libdir'\) / '([\w-]+)'\)", mb, re.S)
+    if not m:
+        return None
+    return "/usr/lib/x86_64-linux-gnu/%s/lib%s.so" % (m.group(2), m.group(1))
 
 
 def check_container(k8s_binaries, run_as_users):
@@ -319,7 +348,13 @@ def check_container(k8s_binaries, run_as_users):
                         if not any(i.startswith(rel) for i in inst):
                             err("Containerfile: %s: meson installs nothing under %s" % (src, rel))
                     elif rel not in inst:
-                        err("Containerfile: %s is not a file meson installs (meson introspect --installed)" % src)
+                        plugin = cuda_plugin_declared()
+                        if rel == plugin and not any("libstepd-cuda" in i for i in inst):
+                            note("Containerfile: %s: this build has no CUDA plugin; checked against its "
+                                 "declaration in kernels/cuda/meson.build" % src)
+                        else:
+                            err("Containerfile: %s is not a file meson installs (meson introspect "
+                                "--installed)" % src)
     if inst is None:
         err("meson introspect %s --installed failed: cannot check the Containerfile's paths" % dl.BUILD)
     for binary in sorted(k8s_binaries):

@@ -23,7 +23,9 @@ the list), by LeaderWorkerSet (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_IN
 Kubernetes (service links); terminationGracePeriodSeconds above the drain timeout the args
 give, with a preStop drain on the coordinator; RecreateGroupOnPodRestart; memory-backed
 /dev/shm, read-only model volume and GPU limits on GPU ranks; an engine address the
-coordinator's pod can reach; multi-rank CUDA groups marked as needing the NCCL worker;
+coordinator's pod can reach; multi-rank CUDA groups marked as needing NCCL; HTTPS probes
+on TLS ports and plain HTTP ones elsewhere; the examples of deploy/kubernetes/examples/
+against the schemas and the restricted pod security standard;
 Services whose target ports exist; scrape annotations naming the metrics listener; images
 built by deploy/container/Containerfile.
 
@@ -497,6 +499,10 @@ def check_probe(cn, kind, probe, argv, container, image_bins):
         elif lis[0]["proto"] != "http" or path not in lis[0]["paths"]:
             err("%s: %s: GET %s on port %s (%s), which serves %s" % (cn, kind, path, port, lis[0]["flag"],
                                                                     sorted(lis[0]["paths"]) or "no HTTP"))
+        elif (probe["httpGet"].get("scheme", "HTTP") == "HTTPS") != bool(lis[0]["tls"]):
+            err("%s: %s: scheme %s on port %s (%s), which speaks %s" % (
+                cn, kind, probe["httpGet"].get("scheme", "HTTP"), port, lis[0]["flag"],
+                "HTTPS (--tls-cert)" if lis[0]["tls"] else "plain HTTP"))
         elif dl.is_loopback(lis[0]["host"]):
             err("%s: %s: port %s listens on loopback: the kubelet probes the pod IP" % (cn, kind, port))
     elif "exec" in probe:
@@ -513,7 +519,7 @@ def expand_refs(s, env):
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), s)
 
 
-def check_k8s_docs(docs, where, image_bins, worker_multirank_cuda):
+def check_k8s_docs(docs, where, image_bins):
     pods, run_as, binaries = 0, set(), set()
     svc_env = service_env(docs)
     img = image_name()
@@ -649,10 +655,10 @@ def check_k8s_docs(docs, where, image_bins, worker_multirank_cuda):
                     if is_lws and dev.startswith("cuda") and doc["spec"]["leaderWorkerTemplate"].get("size", 1) > 1:
                         need = doc.get("metadata", {}).get("annotations", {}).get("stepd.io/requires")
                         if need != "multi-rank-cuda":
-                            err("%s: a %d-rank CUDA group, which this stepd-worker %s; mark the "
-                                "LeaderWorkerSet with the annotation stepd.io/requires: multi-rank-cuda" %
-                                (cn, doc["spec"]["leaderWorkerTemplate"]["size"],
-                                 "refuses (no NCCL comm yet)" if not worker_multirank_cuda else "runs"))
+                            err("%s: a %d-rank CUDA group, whose ranks join NCCL (the image's CUDA plugin "
+                                "built with nccl.h, libnccl at run time); mark the LeaderWorkerSet with "
+                                "the annotation stepd.io/requires: multi-rank-cuda" %
+                                (cn, doc["spec"]["leaderWorkerTemplate"]["size"]))
                 for vm in c.get("volumeMounts", []):
                     v = vols.get(vm["name"], {})
                     if vm["name"] in ("models", "keys", "tls") and not vm.get("readOnly"):
@@ -680,15 +686,23 @@ def check_k8s_docs(docs, where, image_bins, worker_multirank_cuda):
     return run_as, binaries
 
 
-def worker_runs_multirank_cuda():
-    b = dl.build_binary("stepd-worker")
-    if not b:
-        return False
-    with tempfile.TemporaryDirectory() as d:
-        p = subprocess.run([b, "--world-size", "2", "--rank", "1", "--device", "cuda:0", "--model", d,
-                            "--rendezvous-dir", d, "--rendezvous-timeout", "1"], capture_output=True, text=True,
-                           timeout=60)
-    return not ("multi-rank CUDA" in p.stderr and p.returncode == 2)
+def check_example_pods(docs, where):
+    """An example's pods must be admitted in the namespace (restricted pod security) too."""
+    for d in docs:
+        if d.get("kind") != "Pod":
+            continue
+        spec = d["spec"]
+        sc = spec.get("securityContext", {})
+        if d["metadata"].get("namespace") != "stepd":
+            err("%s: Pod %s: namespace stepd expected" % (where, d["metadata"]["name"]))
+        if not sc.get("runAsNonRoot") or sc.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+            err("%s: Pod %s: runAsNonRoot and seccompProfile RuntimeDefault required (restricted)" %
+                (where, d["metadata"]["name"]))
+        for c in spec.get("containers", []):
+            cs = c.get("securityContext", {})
+            if cs.get("allowPrivilegeEscalation") is not False or "ALL" not in cs.get("capabilities", {}).get("drop", []):
+                err("%s: Pod %s/%s: allowPrivilegeEscalation false and capabilities.drop [ALL] required "
+                    "(restricted)" % (where, d["metadata"]["name"], c["name"]))
 
 
 def image_binaries():
@@ -706,8 +720,6 @@ def image_binaries():
 
 def check_kubernetes(files=None):
     bins = image_binaries()
-    mr = worker_runs_multirank_cuda()
-    note("this stepd-worker %s multi-rank CUDA groups" % ("runs" if mr else "refuses"))
     run_as, binaries = set(), set()
     if files:
         sets = [(f, [d for d in yaml.safe_load_all(open(f)) if d]) for f in files]
@@ -721,9 +733,17 @@ def check_kubernetes(files=None):
                 sets.append((os.path.relpath(o, ROOT), dl.render(o)))
             except RuntimeError as e:
                 err(str(e))
+    if not files:
+        # the examples the walk-through applies (deploy/kubernetes/README.md): schemas only
+        ex = os.path.join(ROOT, "deploy", "kubernetes", "examples")
+        for f in sorted(os.listdir(ex)) if os.path.isdir(ex) else []:
+            if f.endswith(".yaml"):
+                docs = [d for d in yaml.safe_load_all(open(os.path.join(ex, f))) if d]
+                validate_schemas(docs, os.path.relpath(os.path.join(ex, f), ROOT))
+                check_example_pods(docs, os.path.relpath(os.path.join(ex, f), ROOT))
     for where, docs in sets:
         validate_schemas(docs, where)
-        r, b = check_k8s_docs(docs, where, bins, mr)
+        r, b = check_k8s_docs(docs, where, bins)
         run_as |= r
         binaries |= b
     return run_as, binaries

@@ -173,6 +173,75 @@ def installed_units(build, destdir):
     return destdir + os.path.join(dirs["prefix"], "lib", "systemd", "system"), dirs
 
 
+# ---------------------------------------------------------------- container build context
+
+
+def ignore_patterns(path):
+    """The patterns of a .containerignore / .dockerignore: (regex, exclude) in order, the last
+    match deciding (a '!' pattern re-includes).  Go filepath.Match syntax as the container
+    engines read it: '*' and '?' within one path element, '**' any number of elements; a
+    pattern matching a directory excludes everything below it."""
+    out = []
+    for raw in open(path):
+        s = raw.strip()
+        if not s or s.startswith("#"):
+            continue
+        neg = s.startswith("!")
+        s = s[1:].strip() if neg else s
+        s = os.path.normpath(s.lstrip("/"))
+        rx, i = "", 0
+        while i < len(s):
+            if s.startswith("**/", i):
+                rx += "(?:.*/)?"
+                i += 3
+            elif s.startswith("**", i):
+                rx += ".*"
+                i += 2
+            elif s[i] == "*":
+                rx += "[^/]*"
+                i += 1
+            elif s[i] == "?":
+                rx += "[^/]"
+                i += 1
+            else:
+                rx += re.escape(s[i])
+                i += 1
+        out.append((re.compile(rx + "(?:/.*)?$"), not neg))
+    return out
+
+
+def context_ignored(rel, patterns):
+    ignored = False
+    for rx, exclude in patterns:
+        if rx.match(rel):
+            ignored = exclude
+    return ignored
+
+
+def context_size(root, patterns=()):
+    """(bytes, files) of the build context a container engine sends from root: regular files
+    and symlinks (not followed), less what the patterns exclude."""
+    total = files = 0
+    for d, dirs, names in os.walk(root):
+        reld = os.path.relpath(d, root)
+        keep = []
+        for n in dirs:
+            rel = os.path.normpath(os.path.join(reld, n))
+            if os.path.islink(os.path.join(d, n)):
+                names.append(n)         # sent as a link, not followed
+            elif not context_ignored(rel, patterns):
+                keep.append(n)
+        dirs[:] = keep
+        for n in names:
+            rel = os.path.normpath(os.path.join(reld, n))
+            if context_ignored(rel, patterns):
+                continue
+            st = os.lstat(os.path.join(d, n))
+            total += st.st_size
+            files += 1
+    return total, files
+
+
 # ---------------------------------------------------------------- kustomize
 
 

@@ -9,16 +9,13 @@
 #include <stdlib.h>
 
 #include "clock.h"
-#include "health.h"
 #include "loader.h"
 #include "log.h"
 #include "progress.h"
-#include "worker.h"
 
 struct load_watch {
-    struct worker_ctl *ctl;
-    struct worker_health *h;
-    char who[96];
+    struct load_watch_opts o;
+    bool tty_line;                  /* a line is on the terminal, not yet ended */
     pthread_t thread;
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -35,11 +32,12 @@ static void report(struct load_watch *lw, struct ckpt *ck, int64_t now)
     ckpt_load_progress(ck, &done, &total);
     progress_line(line, sizeof(line), done, total, now - lw->t0_ms);
     snprintf(msg, sizeof(msg), "loading: %s", line);
-    worker_health_phase(lw->h, WORKER_PHASE_LOADING, "loading: %s: %s", lw->who, line);
-    if (lw->ctl)
-        (void)worker_ctl_report(lw->ctl, 1, total > 0 ? (float)done / (float)total : 0.0f, msg,
-                                NULL);
-    if (now >= lw->next_log_ms) {
+    if (lw->o.report)
+        lw->o.report(lw->o.ctx, total > 0 ? (float)done / (float)total : 0.0f, msg);
+    if (lw->o.tty) {
+        fprintf(stderr, "\r%s\033[K", msg);
+        lw->tty_line = true;
+    } else if (now >= lw->next_log_ms) {
         log_info("%s", msg);
         lw->next_log_ms = now + LOAD_WATCH_LOG_MS;
     }
@@ -69,17 +67,14 @@ static void *watch_main(void *arg)
     return NULL;
 }
 
-int load_watch_start(struct worker_ctl *ctl, struct worker_health *h, const char *who,
-                     struct load_watch **ret)
+int load_watch_start(const struct load_watch_opts *o, struct load_watch **ret)
 {
     struct load_watch *lw = calloc(1, sizeof(*lw));
     int r;
 
     if (!lw)
         return -ENOMEM;
-    lw->ctl = ctl;
-    lw->h = h;
-    snprintf(lw->who, sizeof(lw->who), "%s", who);
+    lw->o = *o;
     lw->t0_ms = clk_now_ms();
     lw->next_log_ms = lw->t0_ms + LOAD_WATCH_LOG_MS;
     pthread_mutex_init(&lw->lock, NULL);
@@ -110,6 +105,8 @@ void load_watch_stop(struct load_watch *lw)
     pthread_cond_signal(&lw->cond);
     pthread_mutex_unlock(&lw->lock);
     pthread_join(lw->thread, NULL);
+    if (lw->tty_line)
+        fputc('\n', stderr);
     pthread_cond_destroy(&lw->cond);
     pthread_mutex_destroy(&lw->lock);
     free(lw);

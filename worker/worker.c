@@ -654,6 +654,17 @@ static int stage_load(struct worker *w, struct err_buf *e)
     return w->dcomm ? dcomm_wrap(w, e) : 0;
 }
 
+/* The load's progress (loadwatch.c, on its thread): to the coordinator and STATUS=. */
+static void load_report(void *ctx, float frac, const char *line)
+{
+    struct worker *w = ctx;
+
+    worker_health_phase(w->health, WORKER_PHASE_LOADING, "%s: group %s rank %d of %d", line,
+                        w->o->group, w->o->rank, w->o->world_size);
+    if (w->ctl)
+        (void)worker_ctl_report(w->ctl, 1, frac, line, NULL);
+}
+
 static void report_memory(struct worker *w, const struct rss *before, int64_t load_ms)
 {
     struct ckpt_plan_stats ps = { 0 };
@@ -1371,12 +1382,11 @@ int worker_run(const struct worker_opts *o)
     worker_health_phase(w.health, WORKER_PHASE_LOADING, "loading: group %s rank %d of %d, %s",
                         o->group, o->rank, o->world_size, o->mock ? "mock forward" : o->model_dir);
     struct rss before;
-    char who[96];
+    struct load_watch_opts lwo = { .report = load_report, .ctx = &w };
     int64_t load_ms, t_load = clk_now_ms();
 
     rss_read(&before);
-    snprintf(who, sizeof(who), "group %s rank %d of %d", o->group, o->rank, o->world_size);
-    r = load_watch_start(w.ctl, w.health, who, &w.lw);
+    r = load_watch_start(&lwo, &w.lw);
     if (r < 0)
         log_warn("no load progress reports: %s", err_str(r));
     r = stage_load(&w, &e);

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,6 +84,7 @@ struct pent {
     int64_t off, len;                 /* slice along dim 0 (rows) or dim 1 (cols) */
     int src;                          /* index in sources, -1 absent */
     void *copy;                       /* column slice, loader-owned */
+    atomic_flag counted;              /* its bytes are in ckpt.got_bytes */
 };
 
 /* open-addressing string -> index map */
@@ -107,6 +109,7 @@ struct ckpt {
     int expert_first, expert_count;
     struct strbuf warnings;
     pthread_mutex_t copy_lock;
+    _Atomic int64_t got_bytes;        /* planned bytes handed out by ckpt_get() so far */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -947,6 +950,15 @@ void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret)
     ret->expert_count = c->expert_count;
 }
 
+void ckpt_load_progress(const struct ckpt *c, int64_t *done, int64_t *total)
+{
+    struct ckpt_plan_stats ps;
+
+    ckpt_plan_stats(c, &ps);
+    *total = ps.bytes;
+    *done = atomic_load(&((struct ckpt *)c)->got_bytes);
+}
+
 static struct pent *ent_find(struct ckpt *c, const char *name)
 {
     char buf[SFT_NAME_MAX + 16];
@@ -979,6 +991,8 @@ int ckpt_get(struct ckpt *c, const char *name, struct tview *ret)
         full.ndim = 1;
     }
     *ret = full;
+    if (!atomic_flag_test_and_set(&p->counted))
+        atomic_fetch_add(&c->got_bytes, ent_slice_bytes(p, s->t));
     if (p->slice == SLICE_NONE)
         return 0;
     esz = (size_t) dtype_bits(full.dtype) / 8;

@@ -87,6 +87,11 @@ struct ckpt_plan_stats {
 };
 void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret);
 
+/* Load progress by bytes: *total = ckpt_plan_stats().bytes, *done = the bytes of the planned
+ * tensors (this rank's slices) ckpt_get() has handed out so far, each counted once, as the
+ * model reads them in.  Thread-safe: another thread may ask while the model loads. */
+void ckpt_load_progress(const struct ckpt *c, int64_t *done, int64_t *total);
+
 /* Optional per-head parameter (the optional-parameter rule) of a kind in kv_params: fills
  * out[0..n-1] (n = this rank's heads of that kind) from the tensor `name` when present
  * (a scalar is broadcast, per-head values are this rank's slice, BF16 or F32), else with

@@ -1,15 +1,35 @@
 /* log.c - see log.h. */
 #include "log.h"
 
+#include <stdbool.h>
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static char log_role[32] = "stepd";
 static char log_tag[48];
 static enum log_level log_level = LOG_LEVEL_INFO;
+static bool log_journal;        /* stderr is the journal: "<N>" priority prefixes */
+
+/* systemd.exec(5): $JOURNAL_STREAM is "DEVICE:INODE" of the stream connected to the journal;
+ * stderr is the journal when its fstat() matches (and not when a program redirected it). */
+static bool stderr_is_journal(void)
+{
+    const char *js = getenv("JOURNAL_STREAM");
+    unsigned long long dev, ino;
+    struct stat st;
+    int n = 0;
+
+    if (!js || sscanf(js, "%llu:%llu%n", &dev, &ino, &n) != 2 || js[n] != 0)
+        return false;
+    if (fstat(STDERR_FILENO, &st) != 0)
+        return false;
+    return (unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino;
+}
 
 int log_level_parse(const char *s, enum log_level *ret)
 {
@@ -31,6 +51,7 @@ void log_init(const char *role, const char *tag)
 
     snprintf(log_role, sizeof(log_role), "%s", role ? role : "stepd");
     snprintf(log_tag, sizeof(log_tag), "%s", tag ? tag : "");
+    log_journal = stderr_is_journal();
     if (log_level_parse(getenv("STEPD_LOG_LEVEL"), &lvl) == 0)
         log_level = lvl;
 }
@@ -67,9 +88,14 @@ void log_emitv(enum log_level lvl, const char *req_id, const char *fmt, va_list 
 
     if (lvl > log_level)
         return;
-    k = snprintf(line, sizeof(line), "<%d>%s%s%s%s: ", (int) lvl, log_role,
+    n = 0;
+    if (log_journal) {
+        k = snprintf(line, sizeof(line), "<%d>", (int) lvl);
+        n = k > 0 && (size_t)k < sizeof(line) ? (size_t)k : 0;
+    }
+    k = snprintf(line + n, sizeof(line) - n, "%s%s%s%s: ", log_role,
                  log_tag[0] ? "[" : "", log_tag, log_tag[0] ? "]" : "");
-    n = k > 0 && (size_t)k < sizeof(line) ? (size_t)k : 0;
+    n += k > 0 && (size_t)k < sizeof(line) - n ? (size_t)k : 0;
     if (req_id) {
         put_escaped(line, sizeof(line), &n, "req=");
         put_escaped(line, sizeof(line), &n, req_id);

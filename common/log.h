@@ -1,7 +1,10 @@
-/* log.h - leveled logging to stderr with journald "<N>" priority prefixes.
+/* log.h - leveled logging to stderr, with journald "<N>" priority prefixes when stderr is
+ * the journal ($JOURNAL_STREAM names stderr's device:inode, as systemd sets it; decided by
+ * log_init()), without them on a terminal, a file or a pipe.
  *
  * Every line carries the process role and rank set by log_init() and, when given,
- * a request id: "<6>stepd-worker[g0/r1] req=abc: message".  Lines are written with
+ * a request id: "<6>stepd-worker[g0/r1] req=abc: message" in the journal,
+ * "stepd-worker[g0/r1] req=abc: message" elsewhere.  Lines are written with
  * one write(2) so concurrent threads never interleave.  Control characters (newlines
  * included) and DEL in the request id and the message are written as \xNN, so a line
  * never carries text that a journal would read as a line of its own: client-supplied
@@ -25,7 +28,7 @@ enum log_level {
 };
 
 /* role: "stepd", "stepd-worker", ...; tag: e.g. "g0/r1" or NULL. Not thread-safe;
- * call once at start-up. Level from $STEPD_LOG_LEVEL (error|warn|info|debug) if set. */
+ * call once at start-up (after any redirection of stderr: it checks $JOURNAL_STREAM). Level from $STEPD_LOG_LEVEL (error|warn|info|debug) if set. */
 void log_init(const char *role, const char *tag);
 void log_set_level(enum log_level lvl);
 enum log_level log_get_level(void);

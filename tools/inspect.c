@@ -32,7 +32,9 @@
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stdbool.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include <jansson.h>
@@ -332,6 +334,8 @@ int main(int argc, char **argv)
         else
             printf(", %s per device x %.2f\n", fb(mp.device), mp.util);
     }
+    const bool tty = isatty(STDERR_FILENO);
+
     for (int r = 0; r < ws; r++) {
         struct ckpt_opts o = { .mtp_dir = mtp_dir, .world_size = ws, .rank = r, .mtp_depth = K,
                                .headers_only = true };
@@ -344,11 +348,15 @@ int main(int argc, char **argv)
         if (only_rank >= 0 && r != only_rank)
             continue;
         o.ret_report = &report;
+        if (tty)    /* on a terminal: which rank is being planned (the shards' headers read) */
+            fprintf(stderr, "\rstepd-inspect: planning rank %d of %d ...\033[K", r, ws);
         t0 = now_ms();
         c0 = cpu_ms();
         rc = ckpt_open(dir, &o, &c, &e);
         ms = now_ms() - t0;
         cms = cpu_ms() - c0;
+        if (tty)
+            fprintf(stderr, "\r\033[K");
         if (rc < 0) {
             bad = 1;
             if (as_json) {

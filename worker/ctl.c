@@ -100,6 +100,9 @@ struct worker_ctl {
     bool quit;                          /* worker_ctl_free: stop the loop */
     bool in_group;                      /* the rendezvous is done: the rank belongs to a group */
     unsigned n_lost;                    /* sessions lost after the rendezvous */
+    bool ever_registered;               /* some session got Registered */
+    unsigned n_dial_failed;             /* sessions that ended before registering, none ever */
+    char last_failure[256];             /* the last of those: status and reason */
     uint64_t epoch;                     /* the group's epoch (rendezvous) */
     int state;                          /* last reported (1 loading, 2 ready, 3 failed), 0 none */
     struct worker_ctl_engine eng;       /* rank 0, with READY */
@@ -193,6 +196,7 @@ static void on_event(struct rpc_client_call *call, const ProtobufCMessage *msg, 
     switch (ev->event_case) {
     case STEPD__CTL__V1__CONTROL_EVENT__EVENT_REGISTERED:
         c->registered = true;
+        c->ever_registered = true;
         c->backoff_ms = BACKOFF_FIRST_MS;
         snprintf(c->session_id, sizeof(c->session_id), "%s", ev->registered->session_id);
         if (c->in_group)
@@ -262,6 +266,18 @@ static void on_session_done(struct rpc_client_call *call, int status, const char
                  details);
         c->ended = true;
         quit = true;
+    }
+    if (!quit && !was_registered && !c->ever_registered) {
+        /* never reached the coordinator: say so at once (and every 10th time), not only at
+         * the rendezvous deadline; "connection refused" means nothing listens there */
+        c->n_dial_failed++;
+        snprintf(c->last_failure, sizeof(c->last_failure), "%s: %s", rpc_status_name(status),
+                 strcasestr(details, "connection refused") ? "connection refused" : details);
+        if (c->n_dial_failed % 10 == 1)
+            log_warn("coordinator %s: %s%s; dialling again (%u attempt%s so far)", c->target,
+                     c->last_failure, strcasestr(details, "connection refused")
+                         ? " (nothing listens there: is it the coordinator's --control-listen?)" : "",
+                     c->n_dial_failed, c->n_dial_failed == 1 ? "" : "s");
     }
     if (!quit && c->in_group && was_registered) {
         c->n_lost++;
@@ -541,6 +557,10 @@ int worker_ctl_open(const char *target, const struct worker_ctl_register *reg, i
         r = err_set(e, -ETIMEDOUT, "rendezvous of group %s timed out after %d ms at %s (%s): the "
                     "coordinator did not complete the group; see its log for the missing ranks",
                     reg->group, timeout_msec, target, c->registered ? "registered" : "never registered");
+        if (!c->ever_registered && c->n_dial_failed)
+            r = err_set(e, -ETIMEDOUT, "rendezvous of group %s timed out after %d ms: the coordinator "
+                        "%s was never reached (%u attempts, the last: %s)", reg->group, timeout_msec,
+                        target, c->n_dial_failed, c->last_failure);
     }
     pthread_mutex_unlock(&c->lock);
     if (r < 0) {

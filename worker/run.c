@@ -15,12 +15,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "clock.h"
 #include "backend.h"
 #include "cli.h"
 #include "loader.h"
+#include "loadwatch.h"
 #include "log.h"
 #include "model.h"
 #include "spec.h"
@@ -277,7 +279,13 @@ int main(int argc, char **argv)
         .draft_quant = spec_draft_mxfp4(a.draft_quant, a.backend) ? MODEL_DRAFT_MXFP4
                                                                   : MODEL_DRAFT_CHECKPOINT,
     };
+    /* on a terminal, the load's progress in place (loadwatch.c); elsewhere a log line each 5 s */
+    struct load_watch *lw = NULL;
+    struct load_watch_opts lwo = { .tty = isatty(STDERR_FILENO) };
+    if (load_watch_start(&lwo, &lw) == 0)
+        load_watch_set(lw, ck);
     r = model_new(ck, be, NULL, &mo, &m, &e);
+    load_watch_stop(lw);
     if (r < 0) {
         fprintf(stderr, "stepd-run: %s\n", e.msg);
         goto out;

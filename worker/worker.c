@@ -20,9 +20,11 @@
 #include "health.h"
 #include "kvplan.h"
 #include "loader.h"
+#include "loadwatch.h"
 #include "log.h"
 #include "net.h"
 #include "mock.h"
+#include "progress.h"
 #include "model.h"
 #include "cli.h"
 #include "rpc.h"
@@ -239,6 +241,7 @@ struct worker {
     int n_eos, sliding_window;
     const struct model_config *mc;      /* NULL with --mock */
     struct worker_health *health;       /* sd_notify and the HTTP probes */
+    struct load_watch *lw;              /* load progress, while stage_load() runs */
 };
 
 /* A CUDA group's trunk step ends with the NCCL comm's step check (async error, the
@@ -582,6 +585,7 @@ static int stage_load(struct worker *w, struct err_buf *e)
     r = ckpt_open(o->model_dir, &co, &w->ck, e);
     if (r < 0)
         return r;
+    load_watch_set(w->lw, w->ck);
     for (const char *wl = ckpt_warnings(w->ck); *wl;) {
         size_t n = strcspn(wl, "\n");
 
@@ -650,11 +654,22 @@ static int stage_load(struct worker *w, struct err_buf *e)
     return w->dcomm ? dcomm_wrap(w, e) : 0;
 }
 
-static void report_memory(struct worker *w, const struct rss *before)
+/* The load's progress (loadwatch.c, on its thread): to the coordinator and STATUS=. */
+static void load_report(void *ctx, float frac, const char *line)
+{
+    struct worker *w = ctx;
+
+    worker_health_phase(w->health, WORKER_PHASE_LOADING, "%s: group %s rank %d of %d", line,
+                        w->o->group, w->o->rank, w->o->world_size);
+    if (w->ctl)
+        (void)worker_ctl_report(w->ctl, 1, frac, line, NULL);
+}
+
+static void report_memory(struct worker *w, const struct rss *before, int64_t load_ms)
 {
     struct ckpt_plan_stats ps = { 0 };
     struct rss now;
-    char line[640];
+    char line[640], took[96];
     int fd;
 
     rss_read(&now);
@@ -667,10 +682,11 @@ static void report_memory(struct worker *w, const struct rss *before)
              w->o->group, w->o->rank, w->o->world_size, (long long)ps.bytes,
              (long long)ps.n_tensors, ps.expert_first, ps.expert_count, now.total, now.anon,
              now.file, before->total);
+    progress_done(took, sizeof(took), ps.bytes, load_ms);
     log_info("loaded: %lld planned bytes in %lld tensors, experts [%d, +%d); resident %ld bytes "
-             "(%ld anonymous, %ld file-backed; %ld before loading)",
+             "(%ld anonymous, %ld file-backed; %ld before loading); loaded %s",
              (long long)ps.bytes, (long long)ps.n_tensors, ps.expert_first, ps.expert_count,
-             now.total, now.anon, now.file, before->total);
+             now.total, now.anon, now.file, before->total, took);
     if (!w->o->report_file)
         return;
     fd = open(w->o->report_file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -1366,15 +1382,24 @@ int worker_run(const struct worker_opts *o)
     worker_health_phase(w.health, WORKER_PHASE_LOADING, "loading: group %s rank %d of %d, %s",
                         o->group, o->rank, o->world_size, o->mock ? "mock forward" : o->model_dir);
     struct rss before;
+    struct load_watch_opts lwo = { .report = load_report, .ctx = &w };
+    int64_t load_ms, t_load = clk_now_ms();
+
     rss_read(&before);
+    r = load_watch_start(&lwo, &w.lw);
+    if (r < 0)
+        log_warn("no load progress reports: %s", err_str(r));
     r = stage_load(&w, &e);
+    load_watch_stop(w.lw);
+    w.lw = NULL;
+    load_ms = clk_now_ms() - t_load;
     if (r < 0) {
         log_error("load: %s", e.msg);
         rc = stage_failed(&w, "load failed", e.msg, WORKER_EXIT_FAILURE);
         goto out;
     }
     limits_init(&w);
-    report_memory(&w, &before);
+    report_memory(&w, &before, load_ms);
     r = check_group_shape(&w, &e);
     if (r < 0) {
         log_error("%s", e.msg);

@@ -2,6 +2,7 @@
 environment-file parsing with systemd's own word expansion, kustomize rendering, and what a
 stepd / stepd-worker command line listens on (so that probes can be checked against it).
 """
+import json
 import os
 import re
 import shutil
@@ -57,9 +58,9 @@ def specifiers(s, instance):
     return s.replace("%i", instance).replace("%I", instance).replace("%%", "%")
 
 
-def unit_environment(unit, instance, etc_dir, base_env=None):
+def unit_environment(unit, instance, etc_dir, base_env=None, sysconfdir="/etc"):
     """The environment systemd gives the service: Environment= first, then the
-    EnvironmentFile=s in order ('-' = optional), /etc/stepd mapped to etc_dir."""
+    EnvironmentFile=s in order ('-' = optional), <sysconfdir>/stepd mapped to etc_dir."""
     svc = unit.get("Service", {})
     env = dict(base_env or {})
     for e in svc.get("Environment", []):
@@ -69,8 +70,9 @@ def unit_environment(unit, instance, etc_dir, base_env=None):
     for f in svc.get("EnvironmentFile", []):
         optional = f.startswith("-")
         f = specifiers(f.lstrip("-"), instance)
-        if f.startswith("/etc/stepd/"):
-            f = os.path.join(etc_dir, f[len("/etc/stepd/"):])
+        conf = sysconfdir.rstrip("/") + "/stepd/"
+        if f.startswith(conf):
+            f = os.path.join(etc_dir, f[len(conf):])
         if not os.path.exists(f):
             if optional:
                 continue
@@ -137,6 +139,107 @@ def seconds(v):
     if not m:
         return None
     return int(m.group(1)) * (60 if m.group(2) == "min" else 1)
+
+
+def meson_dirs(build):
+    """{prefix, bindir, sysconfdir, libdir, datadir} of a configured build, absolute (as
+    meson install places files and systemd/meson.build writes them into the units)."""
+    p = subprocess.run(["meson", "introspect", build, "--buildoptions"], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError("meson introspect %s --buildoptions: %s" % (build, p.stderr.strip()))
+    opts = {o["name"]: o["value"] for o in json.loads(p.stdout)}
+    pre = opts["prefix"]
+    return {k: os.path.join(pre, opts[k]) if k != "prefix" else pre
+            for k in ("prefix", "bindir", "sysconfdir", "libdir", "datadir")}
+
+
+def meson_install(build, destdir, tags=None):
+    """`meson install --no-rebuild` of a build into destdir (only the install tags given);
+    returns destdir."""
+    cmd = ["meson", "install", "-C", build, "--no-rebuild", "--quiet", "--destdir", destdir]
+    if tags:
+        cmd += ["--tags", ",".join(tags)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError("%s: %s" % (" ".join(cmd), (p.stdout + p.stderr).strip()[-2000:]))
+    return destdir
+
+
+def installed_units(build, destdir):
+    """Install the build's systemd files (install tag 'systemd') into destdir; returns
+    (unit directory in destdir, meson_dirs)."""
+    meson_install(build, destdir, ["systemd"])
+    dirs = meson_dirs(build)
+    return destdir + os.path.join(dirs["prefix"], "lib", "systemd", "system"), dirs
+
+
+# ---------------------------------------------------------------- container build context
+
+
+def ignore_patterns(path):
+    """The patterns of a .containerignore / .dockerignore: (regex, exclude) in order, the last
+    match deciding (a '!' pattern re-includes).  Go filepath.Match syntax as the container
+    engines read it: '*' and '?' within one path element, '**' any number of elements; a
+    pattern matching a directory excludes everything below it."""
+    out = []
+    for raw in open(path):
+        s = raw.strip()
+        if not s or s.startswith("#"):
+            continue
+        neg = s.startswith("!")
+        s = s[1:].strip() if neg else s
+        s = os.path.normpath(s.lstrip("/"))
+        rx, i = "", 0
+        while i < len(s):
+            if s.startswith("**/", i):
+                rx += "(?:.*/)?"
+                i += 3
+            elif s.startswith("**", i):
+                rx += ".*"
+                i += 2
+            elif s[i] == "*":
+                rx += "[^/]*"
+                i += 1
+            elif s[i] == "?":
+                rx += "[^/]"
+                i += 1
+            else:
+                rx += re.escape(s[i])
+                i += 1
+        out.append((re.compile(rx + "(?:/.*)?$"), not neg))
+    return out
+
+
+def context_ignored(rel, patterns):
+    ignored = False
+    for rx, exclude in patterns:
+        if rx.match(rel):
+            ignored = exclude
+    return ignored
+
+
+def context_size(root, patterns=()):
+    """(bytes, files) of the build context a container engine sends from root: regular files
+    and symlinks (not followed), less what the patterns exclude."""
+    total = files = 0
+    for d, dirs, names in os.walk(root):
+        reld = os.path.relpath(d, root)
+        keep = []
+        for n in dirs:
+            rel = os.path.normpath(os.path.join(reld, n))
+            if os.path.islink(os.path.join(d, n)):
+                names.append(n)         # sent as a link, not followed
+            elif not context_ignored(rel, patterns):
+                keep.append(n)
+        dirs[:] = keep
+        for n in names:
+            rel = os.path.normpath(os.path.join(reld, n))
+            if context_ignored(rel, patterns):
+                continue
+            st = os.lstat(os.path.join(d, n))
+            total += st.st_size
+            files += 1
+    return total, files
 
 
 # ---------------------------------------------------------------- kustomize

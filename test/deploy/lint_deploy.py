@@ -2,7 +2,7 @@
 """lint_deploy.py - docs/RELIABILITY.md E5/E6/B11: the shipped deployment files checked
 without a service manager, a cluster or a container engine.
 
-systemd (systemd/): `systemd-analyze verify` with no complaint at all (it exits 0 on unknown
+systemd (systemd/*.in as this build installs them): `systemd-analyze verify` with no complaint at all (it exits 0 on unknown
 keys and bad values, so any output fails), `systemd-analyze security --offline=yes
 --threshold=25` (exposure at most 2.5), Type=notify with NotifyAccess=main and WatchdogSec,
 non-root User, KillMode=mixed, NoNewPrivileges, stop timeouts ordered (B11: TimeoutStopSec
@@ -23,7 +23,9 @@ the list), by LeaderWorkerSet (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_IN
 Kubernetes (service links); terminationGracePeriodSeconds above the drain timeout the args
 give, with a preStop drain on the coordinator; RecreateGroupOnPodRestart; memory-backed
 /dev/shm, read-only model volume and GPU limits on GPU ranks; an engine address the
-coordinator's pod can reach; multi-rank CUDA groups marked as needing the NCCL worker;
+coordinator's pod can reach; multi-rank CUDA groups marked as needing NCCL; HTTPS probes
+on TLS ports and plain HTTP ones elsewhere; the examples of deploy/kubernetes/examples/
+against the schemas and the restricted pod security standard;
 Services whose target ports exist; scrape annotations naming the metrics listener; images
 built by deploy/container/Containerfile.
 
@@ -146,7 +148,7 @@ def check_unit(path, env_path):
     return u
 
 
-def systemd_analyze(unit_paths):
+def systemd_analyze(unit_paths, bindirs):
     sa = shutil.which("systemd-analyze")
     if not sa:
         err("systemd-analyze is missing (Debian package systemd; tools/dev/install-deps.sh)")
@@ -160,7 +162,8 @@ def systemd_analyze(unit_paths):
             for prog in ("stepd-worker", "stepd"):
                 b = dl.build_binary(prog)
                 if b:
-                    text = text.replace("/usr/bin/%s " % prog, "%s " % b)
+                    for bindir in bindirs:
+                        text = text.replace("%s/%s " % (bindir, prog), "%s " % b)
             n = os.path.basename(p)
             open(os.path.join(tmp, n), "w").write(text)
             if n.endswith("@.service"):
@@ -187,24 +190,40 @@ def systemd_analyze(unit_paths):
 
 
 def check_systemd(unit_paths=None):
+    """The units as this build installs them (systemd/*.in configured by systemd/meson.build),
+    or the unit files given."""
     d = os.path.join(ROOT, "systemd")
     shipped = unit_paths is None
-    if shipped:
-        unit_paths = [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".service")]
-    env_path = os.path.join(d, "stepd.env")
-    for p in unit_paths:
-        check_unit(p, env_path)
-    if shipped:
-        if not os.path.exists(os.path.join(d, "stepd-workers.target")):
-            err("systemd/stepd-workers.target missing")
-        units = unit_paths + [os.path.join(d, "stepd-workers.target")]
-        systemd_analyze(units)
-        mb = open(os.path.join(ROOT, "daemon", "meson.build")).read()
-        for f in sorted(os.listdir(d)):
-            if "'../systemd/%s'" % f not in mb:
-                err("systemd/%s is not installed by meson (daemon/meson.build)" % f)
-    else:
-        systemd_analyze(unit_paths)
+    dest = tempfile.mkdtemp(prefix="stepd-lint-install-")
+    try:
+        try:
+            unit_dir, dirs = dl.installed_units(dl.BUILD, dest)
+        except (RuntimeError, KeyError) as e:
+            err("the build's systemd files could not be installed: %s" % e)
+            return
+        env_path = dest + os.path.join(dirs["sysconfdir"], "stepd", "stepd.env")
+        if not os.path.exists(env_path):
+            err("meson install puts no stepd.env in %s/stepd" % dirs["sysconfdir"])
+        if shipped:
+            unit_paths = [os.path.join(unit_dir, f) for f in sorted(os.listdir(unit_dir))
+                          if f.endswith(".service")]
+        for p in unit_paths:
+            check_unit(p, env_path)
+        if shipped:
+            target = os.path.join(unit_dir, "stepd-workers.target")
+            if not os.path.exists(target):
+                err("systemd/stepd-workers.target missing")
+            systemd_analyze(unit_paths + [target], [dirs["bindir"]])
+            mb = open(os.path.join(d, "meson.build")).read()
+            for f in sorted(os.listdir(d)):
+                if f == "meson.build":
+                    continue
+                if "'%s'" % re.sub(r"\.in$", "", f) not in mb and "'%s'" % f not in mb:
+                    err("systemd/%s is not installed by meson (systemd/meson.build)" % f)
+        else:
+            systemd_analyze(unit_paths, [dirs["bindir"], "/usr/bin"])
+    finally:
+        shutil.rmtree(dest, True)
 
 
 # ================================================================ container
@@ -254,6 +273,22 @@ def installed_paths():
     return out
 
 
+GLIBC = {"debian12": (2, 36), "ubuntu22.04": (2, 35), "ubuntu24.04": (2, 39)}
+NVIDIA_PKG = re.compile(r"cuda-[a-z0-9-]+-\d+-\d+|libcublas(-dev)?-\d+-\d+|libnccl2|libnccl-dev|cuda-keyring")
+
+
+def cuda_plugin_declared():
+    """Where the Containerfile's build (--libdir=lib/x86_64-linux-gnu) installs the CUDA
+    plugin, from its declaration in kernels/cuda/meson.build: a build without nvcc
+    (-Dcuda=disabled, no /usr/local/cuda) does not configure that directory, so meson
+    introspect cannot list it there."""
+    mb = open(os.path.join(ROOT, "kernels", "cuda", "meson.build")).read()
+    m = re.search(r"shared_module\('([\w-]+)'.*?install_dir: get_option\('libdir'\) / '([\w-]+)'\)", mb, re.S)
+    if not m:
+        return None
+    return "/usr/lib/x86_64-linux-gnu/%s/lib%s.so" % (m.group(2), m.group(1))
+
+
 def check_container(k8s_binaries, run_as_users):
     cf = containerfile()
     if not cf:
@@ -264,8 +299,9 @@ def check_container(k8s_binaries, run_as_users):
     stages = []
     for s in lines:
         if s.startswith("ARG "):
-            k, _, v = s[4:].partition("=")
-            args[k.strip()] = v.strip()
+            k, eq, v = s[4:].partition("=")
+            if eq or k.strip() not in args:     # `ARG NAME` in a stage keeps the global default
+                args[k.strip()] = v.strip()
         elif s.startswith("FROM "):
             img = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), ""), s.split()[1])
             stages.append({"image": img, "name": s.split()[-1] if " AS " in s else None, "lines": []})
@@ -275,53 +311,102 @@ def check_container(k8s_binaries, run_as_users):
         err("Containerfile: multi-stage expected (a build stage and a runtime stage)")
         return
     b, r = stages[0], stages[-1]
-    mb = re.fullmatch(r"docker\.io/nvidia/cuda:([\d.]+)-devel-(ubuntu[\d.]+)", b["image"])
-    mr = re.fullmatch(r"docker\.io/nvidia/cuda:([\d.]+)-runtime-(ubuntu[\d.]+)", r["image"])
+    # build: Debian 12 with CUDA from NVIDIA's debian12 repository (the tested toolchain);
+    # runtime: NVIDIA's CUDA runtime image of the same CUDA major.minor, whose glibc is not
+    # older than the build's (the programs and bundled libraries need the build's)
+    mb = re.fullmatch(r"docker\.io/library/debian:(12)(?:\.\d+)?(?:-slim)?", b["image"])
+    mr = re.fullmatch(r"docker\.io/nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-(ubuntu[\d.]+)", r["image"])
     if not mb or not mr:
-        err("Containerfile: build FROM nvidia/cuda:*-devel-*, runtime FROM nvidia/cuda:*-runtime-* expected "
-            "(got %s, %s)" % (b["image"], r["image"]))
-    elif mb.groups() != mr.groups():
-        err("Containerfile: build and runtime stages on different CUDA/Ubuntu releases (%s vs %s)" %
-            (mb.groups(), mr.groups()))
+        err("Containerfile: build FROM docker.io/library/debian:12 (the tested toolchain), runtime FROM "
+            "docker.io/nvidia/cuda:X.Y.Z-runtime-ubuntuNN.NN expected (got %s, %s)" % (b["image"], r["image"]))
+    elif GLIBC.get(mr.group(3), (0, 0)) < GLIBC["debian12"]:
+        err("Containerfile: the runtime base %s has glibc %s, older than Debian 12's %s, which built "
+            "the programs" % (mr.group(3), GLIBC.get(mr.group(3)), GLIBC["debian12"]))
     text = "\n".join(b["lines"])
     if "-march=native" in text or "-Dnative=true" in text or "-Dnative=false" not in text:
         err("Containerfile: the portable build (-Dnative=false, no -march=native) expected")
-    # packages: in the archive, and every build dependency of install-deps.sh among them
-    pkgs = []
+    # packages: in the archive (Debian's here, apt-cache) or NVIDIA's CUDA repository for
+    # debian12 (named by the CUDA release the runtime image carries), and every build
+    # dependency of install-deps.sh among them
+    pkgs, nvidia = [], []
     for s in b["lines"] + r["lines"]:
-        m = re.search(r"apt-get install (.*?)(&&|$)", s)
-        if m:
+        s = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), s)
+        for m in re.finditer(r"apt-get install (.*?)(?=&&|$)", s):
             pkgs += [w for w in m.group(1).split() if not w.startswith("-")]
     for p in pkgs:
+        if NVIDIA_PKG.fullmatch(p):
+            nvidia.append(p)
+            continue
         q = subprocess.run(["apt-cache", "show", "--no-all-versions", p], capture_output=True, text=True)
         if q.returncode != 0 or not q.stdout.strip():
             err("Containerfile: package %s is not in the archive (apt-cache show)" % p)
+    if nvidia:
+        if "cuda-keyring" not in text or "repos/debian12/x86_64" not in text:
+            err("Containerfile: %s come from NVIDIA's debian12 repository, which the build stage does not "
+                "add (cuda-keyring)" % ", ".join(nvidia))
+        want = "%s-%s" % (mr.group(1), mr.group(2)) if mr else None
+        for p in nvidia:
+            m = re.search(r"-(\d+-\d+)$", p)
+            if m and want and m.group(1) != want:
+                err("Containerfile: %s is CUDA %s, the runtime image CUDA %s" % (p, m.group(1), want))
+        note("Containerfile: %d packages from NVIDIA's debian12 CUDA repository (not in this host's "
+             "archive): %s" % (len(nvidia), " ".join(nvidia)))
     deps = open(os.path.join(ROOT, "tools", "dev", "install-deps.sh")).read()
     for p in re.findall(r"\b(lib[a-z0-9-]+-dev|protobuf-c-compiler|meson|ninja-build)\b", deps):
         if p in ("libclang-rt-14-dev",):
             continue            # fuzzing only
         if p not in pkgs:
             err("Containerfile: build dependency %s (tools/dev/install-deps.sh) not installed" % p)
-    # paths copied from the build stage are what meson installs
+    # the runtime stage's file list: only what meson installs (/opt/stepd = DESTDIR) and the
+    # bundle of libraries (bundle-libs.sh's destination), and all of it that a server needs:
+    # every installed program, the CUDA plugin, the docs
     inst = installed_paths()
-    copied = []
+    bm = re.search(r"bundle-libs\.sh (\S+)", text)
+    bundle_dir = bm.group(1).rstrip("/") + "/" if bm else None
+    copied, copied_src = [], []
     for s in r["lines"]:
+        if s.startswith("COPY ") and not s.startswith("COPY --from=build "):
+            err("Containerfile: the runtime stage copies from the build context (%s): only the build "
+                "stage's install belongs there" % s)
         if s.startswith("COPY --from=build "):
             parts = s.split()[2:]
             dst = parts[-1]
             for src in parts[:-1]:
-                if src.startswith("/opt/stepd/"):
-                    rel = src[len("/opt/stepd"):]
-                    copied.append(os.path.join(dst, os.path.basename(rel)) if dst.endswith("/") else dst)
-                    if inst is None:
-                        continue
-                    if rel.endswith("/"):
-                        if not any(i.startswith(rel) for i in inst):
-                            err("Containerfile: %s: meson installs nothing under %s" % (src, rel))
-                    elif rel not in inst:
-                        err("Containerfile: %s is not a file meson installs (meson introspect --installed)" % src)
+                copied_src.append(src)
+                if bundle_dir and src.rstrip("/") + "/" == bundle_dir:
+                    continue
+                if not src.startswith("/opt/stepd/"):
+                    err("Containerfile: the runtime stage copies %s from the build stage: neither meson's "
+                        "install (/opt/stepd) nor the library bundle (%s)" % (src, bundle_dir))
+                    continue
+                rel = src[len("/opt/stepd"):]
+                copied.append(os.path.join(dst, os.path.basename(rel)) if dst.endswith("/") else dst)
+                if inst is None:
+                    continue
+                if rel.endswith("/"):
+                    if not any(i.startswith(rel) for i in inst):
+                        err("Containerfile: %s: meson installs nothing under %s" % (src, rel))
+                elif rel not in inst:
+                    plugin = cuda_plugin_declared()
+                    if rel == plugin and not any("libstepd-cuda" in i for i in inst):
+                        note("Containerfile: %s: this build has no CUDA plugin; checked against its "
+                             "declaration in kernels/cuda/meson.build" % src)
+                    else:
+                        err("Containerfile: %s is not a file meson installs (meson introspect "
+                            "--installed)" % src)
     if inst is None:
         err("meson introspect %s --installed failed: cannot check the Containerfile's paths" % dl.BUILD)
+    else:
+        need = sorted(i for i in inst if i.startswith("/usr/bin/")) + [cuda_plugin_declared()]
+        for n in need:
+            if "/opt/stepd" + n not in copied_src:
+                err("Containerfile: the runtime stage lacks %s (meson installs it)" % n)
+        if not any(c.startswith("/opt/stepd/usr/share/doc/stepd") for c in copied_src):
+            err("Containerfile: the runtime stage lacks the docs (/usr/share/doc/stepd)")
+        if bundle_dir and bundle_dir not in [c.rstrip("/") + "/" for c in copied_src]:
+            err("Containerfile: the runtime stage lacks the library bundle %s" % bundle_dir)
+        note("Containerfile: runtime file list: %d programs, the CUDA plugin, the docs, the library "
+             "bundle; nothing else from the build stage" % (len(need) - 1))
     for binary in sorted(k8s_binaries):
         if binary not in copied:
             err("Containerfile: the manifests run %s, which the image does not contain" % binary)
@@ -333,24 +418,96 @@ def check_container(k8s_binaries, run_as_users):
         for u in run_as_users:
             if u != uid:
                 err("Containerfile: USER %d but the manifests run as %d" % (uid, u))
-    bundle = os.path.join(ROOT, "deploy", "container", "bundle-libs.sh")
-    if "bundle-libs.sh" in text and os.path.exists(bundle) and dl.build_binary("stepd"):
-        tmp = tempfile.mkdtemp(prefix="stepd-bundle-")
-        try:
-            q = subprocess.run(["sh", bundle, tmp, dl.build_binary("stepd"), dl.build_binary("stepd-worker")],
-                               capture_output=True, text=True)
-            got = set(os.listdir(tmp))
-            if q.returncode != 0 or not any(g.startswith("libgrpc") for g in got) or \
-                    any(g.startswith("libc.so") for g in got):
-                err("bundle-libs.sh: expected the programs' libraries (libgrpc...) and not libc: %s %s" %
-                    (sorted(got), q.stderr))
-            else:
-                note("bundle-libs.sh: %d libraries for stepd and stepd-worker%s" %
-                     (len(got), ", with UCX's modules" if "ucx" in got else ""))
-        finally:
-            shutil.rmtree(tmp, True)
+    check_bundle(text)
+    check_context()
     note("%s: %d stages, %d packages, %d files copied from the build" % (os.path.relpath(path, ROOT),
                                                                       len(stages), len(pkgs), len(copied)))
+
+
+# docs/GPU.md §9: the image's size budget, the parts checked here
+BUNDLE_BUDGET = 80 * 1000 * 1000        # bundle-libs.sh's output for every program and the plugin
+CONTEXT_BUDGET = 40 * 1000 * 1000       # the build context the ignore file leaves
+RUNTIME_BASE_LIBS = re.compile(r"lib(c|m|dl|rt|pthread|resolv|stdc\+\+|gcc_s|cuda|cudart|nccl|cublas|cublasLt|"
+                               r"nvrtc[\w-]*|nvJitLink)\.so|ld-linux")
+
+
+def cuda_lib(name):
+    for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/lib", "/usr/local/cuda/targets/x86_64-linux/lib"):
+        if os.path.exists(os.path.join(d, name)):
+            return d
+    return None
+
+
+def check_bundle(text):
+    """bundle-libs.sh on this build's programs (and, where a CUDA toolkit is here, a stand-in
+    for the plugin that links cuBLASLt as it does): the programs' libraries, none that the
+    runtime base has (glibc, libstdc++, CUDA runtime, cuBLAS/cuBLASLt, NCCL), within budget."""
+    bundle = os.path.join(ROOT, "deploy", "container", "bundle-libs.sh")
+    progs = [dl.build_binary(p) for p in ("stepd", "stepd-worker", "stepctl", "stepd-inspect", "stepd-run",
+                                          "stepd-mkmodel")]
+    if "bundle-libs.sh" not in text or not os.path.exists(bundle) or not all(progs):
+        err("bundle-libs.sh: not run by the build stage, or the build lacks a program")
+        return
+    tmp = tempfile.mkdtemp(prefix="stepd-bundle-")
+    try:
+        cublas = cuda_lib("libcublasLt.so")
+        if cublas:
+            stub = os.path.join(tmp, "libstepd-cuda.so")
+            src = os.path.join(tmp, "stub.c")
+            open(src, "w").write("int stepd_stub(void) { return 0; }\n")
+            q = subprocess.run(["cc", "-shared", "-fPIC", "-o", stub, src, "-L" + cublas, "-Wl,-rpath," + cublas,
+                                "-Wl,--no-as-needed", "-lcublasLt", "-lstdc++"], capture_output=True, text=True)
+            if q.returncode == 0:
+                progs.append(stub)
+            else:
+                note("bundle-libs.sh: no stand-in plugin (%s)" % q.stderr.strip()[:200])
+        out = os.path.join(tmp, "bundle")
+        q = subprocess.run(["sh", bundle, out] + progs, capture_output=True, text=True)
+        got = set(os.listdir(out)) if os.path.isdir(out) else set()
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+        base = sorted(g for g in got if RUNTIME_BASE_LIBS.match(g))
+        if q.returncode != 0 or not any(g.startswith("libgrpc") for g in got):
+            err("bundle-libs.sh: expected the programs' libraries (libgrpc...): %s %s" % (sorted(got), q.stderr))
+        elif base:
+            err("bundle-libs.sh: bundles %s, which the runtime base has" % ", ".join(base))
+        elif size > BUNDLE_BUDGET:
+            err("bundle-libs.sh: %.1f MB, over the budget of %.0f MB (docs/GPU.md §9)" %
+                (size / 1e6, BUNDLE_BUDGET / 1e6))
+        else:
+            note("bundle-libs.sh: %d libraries, %.1f MB (budget %.0f MB) for the 6 programs%s%s" %
+                 (len(got), size / 1e6, BUNDLE_BUDGET / 1e6,
+                  " and a stand-in plugin linking cuBLASLt (not bundled)" if len(progs) > 6 else
+                  " (no CUDA toolkit here: the plugin's cuBLASLt not tried)", ", with UCX's modules" if "ucx" in got else ""))
+    finally:
+        shutil.rmtree(tmp, True)
+
+
+def check_context():
+    """The build context: .containerignore (and .dockerignore, the same file) keeps build
+    outputs, virtual environments, the VCS and the test models out; its size within budget."""
+    ci = os.path.join(ROOT, ".containerignore")
+    if not os.path.exists(ci):
+        err(".containerignore missing: `COPY . /src` would send build/, .venv/ and .git")
+        return
+    di = os.path.join(ROOT, ".dockerignore")
+    if not os.path.exists(di) or os.path.realpath(di) != os.path.realpath(ci):
+        err(".dockerignore should be a link to .containerignore (docker reads only it)")
+    pats = dl.ignore_patterns(ci)
+    for must in (".git", "build", "build-cuda", ".venv", "models/tiny-step", "common/x.o",
+                 "test/__pycache__/x.pyc"):
+        if not dl.context_ignored(must, pats):
+            err(".containerignore does not exclude %s" % must)
+    for keep in ("meson.build", "common/loader.c", "deploy/container/bundle-libs.sh", "docs/GPU.md",
+                 "test/meson.build"):
+        if dl.context_ignored(keep, pats):
+            err(".containerignore excludes %s, which the build needs" % keep)
+    size, files = dl.context_size(ROOT, pats)
+    full, nfull = dl.context_size(ROOT)
+    if size > CONTEXT_BUDGET:
+        err("the build context is %.1f MB, over the budget of %.0f MB (docs/GPU.md §9)" %
+            (size / 1e6, CONTEXT_BUDGET / 1e6))
+    note("build context: %.1f MB in %d files with .containerignore (%.1f MB in %d files without)" %
+         (size / 1e6, files, full / 1e6, nfull))
 
 
 # ================================================================ Kubernetes
@@ -462,6 +619,10 @@ def check_probe(cn, kind, probe, argv, container, image_bins):
         elif lis[0]["proto"] != "http" or path not in lis[0]["paths"]:
             err("%s: %s: GET %s on port %s (%s), which serves %s" % (cn, kind, path, port, lis[0]["flag"],
                                                                     sorted(lis[0]["paths"]) or "no HTTP"))
+        elif (probe["httpGet"].get("scheme", "HTTP") == "HTTPS") != bool(lis[0]["tls"]):
+            err("%s: %s: scheme %s on port %s (%s), which speaks %s" % (
+                cn, kind, probe["httpGet"].get("scheme", "HTTP"), port, lis[0]["flag"],
+                "HTTPS (--tls-cert)" if lis[0]["tls"] else "plain HTTP"))
         elif dl.is_loopback(lis[0]["host"]):
             err("%s: %s: port %s listens on loopback: the kubelet probes the pod IP" % (cn, kind, port))
     elif "exec" in probe:
@@ -478,7 +639,7 @@ def expand_refs(s, env):
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), s)
 
 
-def check_k8s_docs(docs, where, image_bins, worker_multirank_cuda):
+def check_k8s_docs(docs, where, image_bins):
     pods, run_as, binaries = 0, set(), set()
     svc_env = service_env(docs)
     img = image_name()
@@ -614,10 +775,10 @@ def check_k8s_docs(docs, where, image_bins, worker_multirank_cuda):
                     if is_lws and dev.startswith("cuda") and doc["spec"]["leaderWorkerTemplate"].get("size", 1) > 1:
                         need = doc.get("metadata", {}).get("annotations", {}).get("stepd.io/requires")
                         if need != "multi-rank-cuda":
-                            err("%s: a %d-rank CUDA group, which this stepd-worker %s; mark the "
-                                "LeaderWorkerSet with the annotation stepd.io/requires: multi-rank-cuda" %
-                                (cn, doc["spec"]["leaderWorkerTemplate"]["size"],
-                                 "refuses (no NCCL comm yet)" if not worker_multirank_cuda else "runs"))
+                            err("%s: a %d-rank CUDA group, whose ranks join NCCL (the image's CUDA plugin "
+                                "built with nccl.h, libnccl at run time); mark the LeaderWorkerSet with "
+                                "the annotation stepd.io/requires: multi-rank-cuda" %
+                                (cn, doc["spec"]["leaderWorkerTemplate"]["size"]))
                 for vm in c.get("volumeMounts", []):
                     v = vols.get(vm["name"], {})
                     if vm["name"] in ("models", "keys", "tls") and not vm.get("readOnly"):
@@ -645,15 +806,23 @@ def check_k8s_docs(docs, where, image_bins, worker_multirank_cuda):
     return run_as, binaries
 
 
-def worker_runs_multirank_cuda():
-    b = dl.build_binary("stepd-worker")
-    if not b:
-        return False
-    with tempfile.TemporaryDirectory() as d:
-        p = subprocess.run([b, "--world-size", "2", "--rank", "1", "--device", "cuda:0", "--model", d,
-                            "--rendezvous-dir", d, "--rendezvous-timeout", "1"], capture_output=True, text=True,
-                           timeout=60)
-    return not ("multi-rank CUDA" in p.stderr and p.returncode == 2)
+def check_example_pods(docs, where):
+    """An example's pods must be admitted in the namespace (restricted pod security) too."""
+    for d in docs:
+        if d.get("kind") != "Pod":
+            continue
+        spec = d["spec"]
+        sc = spec.get("securityContext", {})
+        if d["metadata"].get("namespace") != "stepd":
+            err("%s: Pod %s: namespace stepd expected" % (where, d["metadata"]["name"]))
+        if not sc.get("runAsNonRoot") or sc.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+            err("%s: Pod %s: runAsNonRoot and seccompProfile RuntimeDefault required (restricted)" %
+                (where, d["metadata"]["name"]))
+        for c in spec.get("containers", []):
+            cs = c.get("securityContext", {})
+            if cs.get("allowPrivilegeEscalation") is not False or "ALL" not in cs.get("capabilities", {}).get("drop", []):
+                err("%s: Pod %s/%s: allowPrivilegeEscalation false and capabilities.drop [ALL] required "
+                    "(restricted)" % (where, d["metadata"]["name"], c["name"]))
 
 
 def image_binaries():
@@ -671,8 +840,6 @@ def image_binaries():
 
 def check_kubernetes(files=None):
     bins = image_binaries()
-    mr = worker_runs_multirank_cuda()
-    note("this stepd-worker %s multi-rank CUDA groups" % ("runs" if mr else "refuses"))
     run_as, binaries = set(), set()
     if files:
         sets = [(f, [d for d in yaml.safe_load_all(open(f)) if d]) for f in files]
@@ -686,9 +853,17 @@ def check_kubernetes(files=None):
                 sets.append((os.path.relpath(o, ROOT), dl.render(o)))
             except RuntimeError as e:
                 err(str(e))
+    if not files:
+        # the examples the walk-through applies (deploy/kubernetes/README.md): schemas only
+        ex = os.path.join(ROOT, "deploy", "kubernetes", "examples")
+        for f in sorted(os.listdir(ex)) if os.path.isdir(ex) else []:
+            if f.endswith(".yaml"):
+                docs = [d for d in yaml.safe_load_all(open(os.path.join(ex, f))) if d]
+                validate_schemas(docs, os.path.relpath(os.path.join(ex, f), ROOT))
+                check_example_pods(docs, os.path.relpath(os.path.join(ex, f), ROOT))
     for where, docs in sets:
         validate_schemas(docs, where)
-        r, b = check_k8s_docs(docs, where, bins, mr)
+        r, b = check_k8s_docs(docs, where, bins)
         run_as |= r
         binaries |= b
     return run_as, binaries

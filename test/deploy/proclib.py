@@ -102,10 +102,17 @@ def grpc_health(addr, service, timeout=2.0, creds=None):
         ch.close()
 
 
-def http_get(port, path, timeout=2.0):
-    """(status, body) of GET http://127.0.0.1:port/path; (None, error) when it fails."""
+def http_get(port, path, timeout=2.0, scheme="HTTP", ca=None, headers=None, host="127.0.0.1"):
+    """(status, body) of GET http(s)://host:port/path; (None, error) when it fails.  HTTPS
+    without ca: the certificate is not verified (as the kubelet's HTTPS probes); with ca:
+    verified against it."""
+    ctx = None
+    if scheme == "HTTPS":
+        import ssl
+        ctx = ssl.create_default_context(cafile=ca) if ca else ssl._create_unverified_context()
+    req = urllib.request.Request("%s://%s:%d%s" % (scheme.lower(), host, port, path), headers=headers or {})
     try:
-        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()

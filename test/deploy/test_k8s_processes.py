@@ -16,8 +16,10 @@ that the manifests' fixed ports cannot meet other tests'), rank i's health port 
 (--comm-net-devices=eth0) -> lo.
 
 Then, as the kubelet: each startupProbe until it succeeds (within periodSeconds x
-failureThreshold), then every readinessProbe and livenessProbe once; a request through the
-public port (TLS + API key); the coordinator's preStop hook (stepctl drain), after which it
+failureThreshold), then every readinessProbe and livenessProbe once (HTTPS probes without
+verifying the certificate, as the kubelet); a request through the public gRPC port (TLS + API
+key); GET /v1/models through the Service stepd-http (its targetPort on the coordinator's pod;
+HTTPS verified, with the API key: 200 with the model list; without it: 401); the coordinator's preStop hook (stepctl drain), after which it
 must exit 0 within terminationGracePeriodSeconds; the ranks then exit 0.
 
 Overlays run: 1gpu (a group of 1) and 2node with the group cut to 2 ranks (the tiny model
@@ -107,8 +109,10 @@ def run_probe(probe, c, tls_ca):
         port = probe["httpGet"]["port"]
         if not isinstance(port, int):
             port = [p["containerPort"] for p in c["ports"] if p["name"] == port][0]
-        code, body = pl.http_get(port, probe["httpGet"]["path"], timeout=probe.get("timeoutSeconds", 1))
-        return code is not None and 200 <= code < 400, "HTTP %s %s" % (code, body.strip()[:120])
+        scheme = probe["httpGet"].get("scheme", "HTTP")
+        code, body = pl.http_get(port, probe["httpGet"]["path"], timeout=probe.get("timeoutSeconds", 1),
+                                 scheme=scheme)
+        return code is not None and 200 <= code < 400, "%s %s %s" % (scheme, code, body.strip()[:120])
     raise AssertionError("probe kind not run by this test: %s" % probe)
 
 
@@ -184,6 +188,24 @@ def run_overlay(d, overlay, size=None):
                              "In the beginning"], capture_output=True, text=True, timeout=60)
         assert st.returncode == 0, "request over TLS failed: %s %s" % (st.stdout, st.stderr)
         print("   request over TLS with the API key: %r" % st.stdout.strip()[:80])
+        # the OpenAI API through its Service (stepd-http: port -> targetPort on the pod):
+        # HTTPS verified against the certificate, the API key, GET /v1/models
+        svc = [x for x in docs if x["kind"] == "Service" and x["metadata"]["name"] == "stepd-http"]
+        assert svc, "no Service stepd-http exposes the OpenAI API"
+        sp = svc[0]["spec"]["ports"][0]
+        tp = sp.get("targetPort", sp["port"])
+        cport = tp if isinstance(tp, int) else [p["containerPort"] for p in cc["ports"] if p["name"] == tp][0]
+        key = open(os.path.join(paths["/etc/stepd/keys"], "api-key")).read().strip()
+        code, body = pl.http_get(cport, "/v1/models", timeout=10, scheme="HTTPS", host="localhost",
+                                 ca=os.path.join(paths["/etc/stepd/tls"], "tls.crt"),
+                                 headers={"Authorization": "Bearer " + key})
+        assert code == 200 and '"object":"list"' in body.replace(" ", ""), \
+            "GET /v1/models through Service stepd-http (port %s -> %s): %s %s" % (sp["port"], cport, code, body[:300])
+        print("   Service stepd-http port %d -> container port %d: GET /v1/models 200 %s" %
+              (sp["port"], cport, body.strip()[:100]))
+        code, _ = pl.http_get(cport, "/v1/models", timeout=10, scheme="HTTPS", host="localhost",
+                              ca=os.path.join(paths["/etc/stepd/tls"], "tls.crt"))
+        assert code == 401, "GET /v1/models without the API key: %s, expected 401" % code
         # termination: preStop, then SIGTERM; the coordinator exits 0 within the grace period
         pre = cc["lifecycle"]["preStop"]["exec"]["command"]
         pre = [map_arg(a, paths, services, d) for a in pre]

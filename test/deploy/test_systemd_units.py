@@ -2,13 +2,15 @@
 """test_systemd_units.py - the systemd units run as systemd would run them (this host has no
 systemd as PID 1, so a notification-socket harness stands in for it).
 
-Each process gets exactly the unit's ExecStart= with systemd's word expansion, its
-Environment= and EnvironmentFile=s in order (/etc/stepd/ mapped to a temporary directory
-holding the shipped systemd/stepd.env plus the per-site files the units read:
+The units and stepd.env are the ones `meson install` puts in place for this build (install
+tag systemd, into a DESTDIR): paths as the build's prefix makes them.  Each process gets
+exactly the installed unit's ExecStart= with systemd's word expansion, its Environment= and
+EnvironmentFile=s in order (<sysconfdir>/stepd/ mapped to a temporary directory holding the
+installed stepd.env plus the per-site files the units read:
 worker-N.env, and for this host a stepd.env with free ports, the tiny model and the CPU
 device), $CREDENTIALS_DIRECTORY for LoadCredential=, $NOTIFY_SOCKET and $WATCHDOG_USEC (from
 WatchdogSec=, lowered by a drop-in to WATCHDOG_S so the test takes seconds).  The binaries
-are the build's (/usr/bin/X -> build/.../X).  Checked as systemd would:
+are the build's (<bindir>/X -> build/.../X).  Checked as systemd would:
 
   1. stepd.service + stepd-worker@0 + stepd-worker@1 (one group of 2 CPU ranks): the
      coordinator sends READY=1; each rank sends STATUS= lines and READY=1 only after its
@@ -22,8 +24,10 @@ are the build's (/usr/bin/X -> build/.../X).  Checked as systemd would:
 """
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,12 +37,13 @@ import proclib as pl  # noqa: E402
 WATCHDOG_S = 3
 ROOT = os.path.abspath(dl.ROOT)
 MODEL = os.path.join(ROOT, "models", "tiny-step")
+INSTALLED = {}      # unit_dir, env, dirs: main() installs the build's systemd files
 
 
 def binary_map(words):
     out = []
     for w in words:
-        if w.startswith("/usr/bin/"):
+        if w.startswith(INSTALLED["dirs"]["bindir"] + "/"):
             b = dl.build_binary(os.path.basename(w))
             assert b, "the build has no %s" % w
             w = os.path.abspath(b)
@@ -49,10 +54,10 @@ def binary_map(words):
 def site(d, env_over, worker_env):
     etc = os.path.join(d, "etc")
     os.makedirs(etc)
-    text = open(os.path.join(ROOT, "systemd", "stepd.env")).read()
+    text = open(INSTALLED["env"]).read()
     for k, v in env_over.items():
         text, n = re.subn(r"^%s=.*$" % k, "%s=%s" % (k, v), text, flags=re.M)
-        assert n == 1, "systemd/stepd.env has no %s" % k
+        assert n == 1, "the installed stepd.env has no %s" % k
     open(os.path.join(etc, "stepd.env"), "w").write(text)
     for i, extra in worker_env.items():
         open(os.path.join(etc, "worker-%s.env" % i), "w").write(
@@ -65,11 +70,11 @@ def site(d, env_over, worker_env):
 
 
 def start_unit(d, unit_name, instance, etc, cred, name):
-    u = dl.unit_parse(os.path.join(ROOT, "systemd", unit_name))
+    u = dl.unit_parse(os.path.join(INSTALLED["unit_dir"], unit_name))
     svc = u["Service"]
     assert svc["Type"] == ["notify"], unit_name
     base = {k: v for k, v in os.environ.items() if k.startswith(("PATH", "LANG", "UCX_", "TMPDIR", "HOME"))}
-    env = dl.unit_environment(u, instance, etc, base)
+    env = dl.unit_environment(u, instance, etc, base, INSTALLED["dirs"]["sysconfdir"])
     env["CREDENTIALS_DIRECTORY"] = cred
     rt = os.path.join(d, "run-" + name)
     os.makedirs(rt)
@@ -187,6 +192,18 @@ def test_serve_unit(d):
 
 def main():
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    dest = tempfile.mkdtemp(prefix="stepd-units-install-")
+    try:
+        INSTALLED["unit_dir"], INSTALLED["dirs"] = dl.installed_units(dl.BUILD, dest)
+        INSTALLED["env"] = dest + os.path.join(INSTALLED["dirs"]["sysconfdir"], "stepd", "stepd.env")
+        print("   installed units: %s (bindir %s, sysconfdir %s)" % (
+            INSTALLED["unit_dir"], INSTALLED["dirs"]["bindir"], INSTALLED["dirs"]["sysconfdir"]))
+        run(dest)
+    finally:
+        shutil.rmtree(dest, True)
+
+
+def run(dest):
     pl.run_cases((("split units (stepd + stepd-worker@0,1)", test_split_units),
                   ("stepd-serve.service", test_serve_unit)), "stepd-units-")
     print("systemd units: all checks passed")

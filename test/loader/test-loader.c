@@ -427,6 +427,60 @@ static void test_slices(void)
     free(dir);
 }
 
+/* Load progress counts bytes: 0 of the plan's bytes after open; each planned tensor adds
+ * exactly the bytes of this rank's slice the first time ckpt_get() hands it out (rows,
+ * columns, whole tensors), never twice; after every planned tensor, done == total. */
+static void test_load_progress(void)
+{
+    struct model_config cfg;
+    struct ckptw_opts o;
+    struct err_buf e = { "" };
+    struct ckpt_plan_stats st;
+    struct ckpt *c;
+    char *dir = mkdir_case("progress"), *plan = NULL, *line, *save = NULL;
+    size_t plan_len = 0;
+    int64_t done, total, expect = 0;
+    int n = 0, cols = 0;
+    FILE *f;
+
+    ckptw_config_tiny(&cfg);
+    ckptw_opts_default(&o);
+    ASSERT_OK(ckptw_write(dir, &cfg, &o, &e));
+    ASSERT_OK(open_ckpt(dir, 2, 1, 0, NULL, &c, &e, NULL));
+    ckpt_plan_stats(c, &st);
+    ckpt_load_progress(c, &done, &total);
+    ASSERT_EQ(done, 0);
+    ASSERT_EQ(total, st.bytes);
+    ASSERT_TRUE(total > 0);
+    f = open_memstream(&plan, &plan_len);
+    ASSERT_TRUE(f != NULL);
+    ckpt_plan_dump(c, f);
+    fclose(f);
+    for (line = strtok_r(plan, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        char name[256], slice[64];
+        long long bytes;
+        struct tview v;
+
+        ASSERT_EQ(sscanf(line, "%255s %*s %*s %63s %lld", name, slice, &bytes), 3);
+        ASSERT_OK(ckpt_get(c, name, &v));
+        expect += bytes;
+        ckpt_load_progress(c, &done, &total);
+        ASSERT_EQ(done, expect);
+        ASSERT_EQ((long long)v.nbytes, bytes);
+        ASSERT_OK(ckpt_get(c, name, &v));           /* again: not counted twice */
+        ckpt_load_progress(c, &done, &total);
+        ASSERT_EQ(done, expect);
+        cols += strncmp(slice, "cols", 4) == 0;
+        n++;
+    }
+    ASSERT_EQ(n, st.n_tensors);
+    ASSERT_TRUE(cols > 0);                          /* column slices (copies) counted too */
+    ASSERT_EQ(done, total);
+    free(plan);
+    ckpt_close(c);
+    free(dir);
+}
+
 /* Property: a world size that does not divide the heads is refused, naming the field. */
 static void test_not_divisible(void)
 {
@@ -743,6 +797,7 @@ int main(void)
     test_damaged_shard();
     test_given_weights();
     test_tied_embeddings();
+    test_load_progress();
     if (!getenv("STEPD_KEEP_TMP"))
         ckptw_rmtree(root);
     free(root);

@@ -1,11 +1,14 @@
 /* test-log.c - one log call is one line: control characters and DEL in the message and
  * in the request id come out as \xNN (a client's "x\n<3>stepd: forged" cannot start a
- * journal line of its own), the priority prefix and the request tag are there, and an
- * overlong message is cut, still ending in exactly one newline. */
+ * journal line of its own), the priority prefix is there when stderr is the journal
+ * ($JOURNAL_STREAM = its device:inode) and absent otherwise (a terminal, a file, another
+ * stream's JOURNAL_STREAM), the request tag is there, and an overlong message is cut,
+ * still ending in exactly one newline. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -31,8 +34,44 @@ static char *capture(void (*fn)(void))
     return buf;
 }
 
+/* log_init() as a program under systemd calls it: with stderr already what it is */
+static void init_journal(void)
+{
+    struct stat st;
+    char js[64];
+
+    ASSERT_TRUE(fstat(STDERR_FILENO, &st) == 0);
+    snprintf(js, sizeof(js), "%llu:%llu", (unsigned long long)st.st_dev,
+             (unsigned long long)st.st_ino);
+    setenv("JOURNAL_STREAM", js, 1);
+    log_init("stepd", "g0/r1");
+}
+
+static void emit_plain(void)
+{
+    unsetenv("JOURNAL_STREAM");
+    log_init("stepd", "g0/r1");
+    log_warn("plain %d", 1);
+}
+
+static void emit_other_stream(void)
+{
+    setenv("JOURNAL_STREAM", "1:2", 1);     /* stdout's, say: not stderr */
+    log_init("stepd", "g0/r1");
+    log_warn("other %d", 2);
+    unsetenv("JOURNAL_STREAM");
+}
+
+static void emit_journal_warn(void)
+{
+    init_journal();
+    log_warn("journal %d", 3);
+    unsetenv("JOURNAL_STREAM");
+}
+
 static void emit_forged(void)
 {
+    init_journal();
     log_req_info("id\r\n<3>x", "rejected: model \"%s\"", "evil\n<3>stepd: forged\x7f\x01");
 }
 
@@ -51,6 +90,12 @@ int main(void)
     char *out;
 
     log_init("stepd", "g0/r1");
+    out = capture(emit_plain);
+    ASSERT_STREQ(out, "stepd[g0/r1]: plain 1\n");
+    out = capture(emit_other_stream);
+    ASSERT_STREQ(out, "stepd[g0/r1]: other 2\n");
+    out = capture(emit_journal_warn);
+    ASSERT_STREQ(out, "<4>stepd[g0/r1]: journal 3\n");
     out = capture(emit_forged);
     ASSERT_STREQ(out, "<6>stepd[g0/r1]: req=id\\x0d\\x0a<3>x: rejected: model "
                       "\"evil\\x0a<3>stepd: forged\\x7f\\x01\"\n");

@@ -15,9 +15,24 @@ MODEL=${MODEL:-models/tiny-step}
 PROMPT=${PROMPT:-"And God said, Let there be light"}
 BUILD=${BUILD:-build}
 
+# one line per phase, with its time; on a terminal ninja shows its own [k/N] progress
+T0=$SECONDS
+phase() { echo "== [$1/6] $2"; T0=$SECONDS; }
+took() { echo "   done in $((SECONDS - T0)) s"; }
+phase 1 "dependencies: Debian packages (apt-get) and the Python venv (pip): minutes on a first run"
 bash tools/dev/install-deps.sh
-[ -f "$BUILD/build.ninja" ] || meson setup "$BUILD" >/dev/null
-ninja -C "$BUILD" >/dev/null
+took
+if [ -f "$BUILD/build.ninja" ]; then
+  phase 2 "configure: $BUILD is configured already"
+else
+  phase 2 "configure: meson setup $BUILD"
+  meson setup "$BUILD" >/dev/null
+  took
+fi
+todo=$(ninja -C "$BUILD" -n 2>/dev/null | grep -c '^\[' || true)
+phase 3 "build: ninja -C $BUILD ($todo steps to run)"
+if [ -t 1 ]; then ninja -C "$BUILD"; else ninja -C "$BUILD" >/dev/null; fi
+took
 
 LOGDIR=$(mktemp -d /tmp/stepd-demo.XXXXXX)
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -29,7 +44,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== stepd serve $MODEL --tensor-parallel-size $WORLD (public 127.0.0.1:$PUB, log $LOGDIR/stepd.log)"
+phase 4 "serve: stepd serve $MODEL --tensor-parallel-size $WORLD (public 127.0.0.1:$PUB, log $LOGDIR/stepd.log)"
 "$BUILD/daemon/stepd" serve "$MODEL" --tensor-parallel-size "$WORLD" --threads 1 \
   --speculative-config '{"method":"mtp","num_speculative_tokens":3}' --spec-log-interval 2 \
   --listen "127.0.0.1:$PUB" --control-listen "127.0.0.1:$CTL" \
@@ -37,7 +52,10 @@ echo "== stepd serve $MODEL --tensor-parallel-size $WORLD (public 127.0.0.1:$PUB
 STEPD=$!
 
 CTLARGS=(--addr "127.0.0.1:$PUB" --admin-addr "127.0.0.1:$ADM")
+phase 5 "wait for readiness: the ranks load the model and form their group (stepctl wait-ready)"
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" wait-ready --timeout 180
+took
+phase 6 "requests"
 echo "== generate: \"$PROMPT\""
 "$BUILD/tools/stepctl" "${CTLARGS[@]}" generate --max-tokens 48 "$PROMPT"
 echo

@@ -367,13 +367,17 @@ static void test_aborts(void)
     rig_close(&g);
 }
 
+/* deadlines on simulated time (engine_config.clock): a step takes none of it, the test
+ * moves it past a deadline */
 static void test_deadline_in_queue(void)
 {
     struct mock_config mc;
     struct engine_config ec;
+    struct clk_sim sim = { .us = 1000000 };
     mock_defaults(&mc);
     engine_defaults(&ec, 0);
     ec.max_num_seqs = 1;
+    ec.clock = clk_sim_src(&sim);
     struct rig g;
     rig_open(&g, &mc, &ec);
     int32_t prompt[8];
@@ -382,11 +386,13 @@ static void test_deadline_in_queue(void)
     submit(&g, "a", prompt, 8, 30, -1, &a);
     struct engine_request q;
     req_init(&q, "b", prompt, 8, 5);
-    q.deadline_usec = engine_now_usec() + 100000;
+    q.deadline_usec = sim.us + 100000;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &b, NULL));
     ASSERT_OK(engine_step(g.e));
+    clk_sim_advance_us(&sim, 99999);
+    ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(!b.finished);
-    usleep(110000);
+    clk_sim_advance_us(&sim, 1);
     ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(b.finished);
     ASSERT_EQ(b.why, ENGINE_FINISH_DEADLINE);
@@ -400,12 +406,12 @@ static void test_deadline_in_queue(void)
     struct coll c = { 0 };
     q.id = "c";
     q.max_tokens = 500;
-    q.deadline_usec = engine_now_usec() + 100000;
+    q.deadline_usec = sim.us + 100000;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &c, NULL));
     for (int i = 0; i < 3; i++)
         ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(c.n > 0 && !c.finished);
-    usleep(110000);
+    clk_sim_advance_us(&sim, 100000);
     ASSERT_TRUE(engine_step(g.e) >= 0);
     ASSERT_EQ(c.why, ENGINE_FINISH_DEADLINE);
     ASSERT_CONTAINS(c.msg, "running");
@@ -806,13 +812,39 @@ static void test_sampled_spec_distribution(void)
 
 /* --- thread mode and hooks --- */
 
+/* Holds the engine thread in its step `at` (the on_plan hook) until the test thread has
+ * done what it must do while the engine is mid-run: an event, not a sleep. */
+struct step_gate {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    uint64_t at;
+    bool reached, released;
+};
+
+static int gate_on_plan(void *ctx, const struct step_plan *p)
+{
+    struct step_gate *sg = ctx;
+    if (p->step_id != sg->at)
+        return 0;
+    pthread_mutex_lock(&sg->lock);
+    sg->reached = true;
+    pthread_cond_broadcast(&sg->cond);
+    while (!sg->released)
+        pthread_cond_wait(&sg->cond, &sg->lock);
+    pthread_mutex_unlock(&sg->lock);
+    return 0;
+}
+
 static void test_thread(void)
 {
     struct mock_config mc;
     struct engine_config ec;
+    static struct step_gate sg = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 20,
+                                   false, false };
     mock_defaults(&mc);
-    mc.step_usec = 300;
     engine_defaults(&ec, 2);
+    ec.on_plan = gate_on_plan;
+    ec.on_plan_ctx = &sg;
     struct rig g;
     rig_open(&g, &mc, &ec);
     ASSERT_OK(engine_start(g.e));
@@ -832,10 +864,17 @@ static void test_thread(void)
         c[i].n_done = &done;
         submit(&g, id, prompt, 12, i == 3 ? 450 : 60, -1, &c[i]);
     }
-    /* abort one while the engine is stepping (300 us/step: t3 needs >= 150 steps) */
-    usleep(3000);
+    /* abort one while the engine is held in its step 20 (t3 needs >= 150 steps) */
+    pthread_mutex_lock(&sg.lock);
+    while (!sg.reached)
+        pthread_cond_wait(&sg.cond, &sg.lock);
+    pthread_mutex_unlock(&sg.lock);
     const char *ids[] = { "t3" };
     ASSERT_EQ(engine_abort(g.e, ids, 1), 1);
+    pthread_mutex_lock(&sg.lock);
+    sg.released = true;
+    pthread_cond_broadcast(&sg.cond);
+    pthread_mutex_unlock(&sg.lock);
     pthread_mutex_lock(&lock);
     while (done < 10)
         pthread_cond_wait(&cond, &lock);

@@ -17,7 +17,8 @@
  *     differ in one block never share it (the whole key is compared) and output stays
  *     the reference (the mock's rows hash the whole history there); cache_salt isolates
  *     tenants with the same prompt; a request preempted by recompute resumes from its
- *     own cached blocks;
+ *     own cached blocks; under the default (adaptive) draft policy a conversation reuses
+ *     its previous turns though the policy drafted nothing on most of their steps;
  *   - a sliding pool sized by kvplan_compute (the window, not the length) serves 16
  *     concurrent sequences past the window with drafts, without a preemption.
  */
@@ -1249,6 +1250,77 @@ static void test_prefix_preemption(void)
     rig_close(&g);
 }
 
+/* The prefix cache under speculative decoding with the default (adaptive) draft policy: a
+ * 5-turn conversation (each turn's prompt is the previous one, its answer and 40 new
+ * tokens) on a mock whose MTP layers keep KV in the sliding group and whose drafts cost
+ * three trunk steps (simulated time: the policy soon drafts nothing, so the blocks of
+ * those steps hold no MTP KV).  Greedy output does not depend on the drafts: every turn
+ * reuses >= 90 % of the previous turn's prompt (before, a drafting sequence reused only
+ * blocks whose MTP KV was final: 0 tokens from the second turn on), and equals the
+ * reference and the run with the cache off. */
+static void test_prefix_adaptive(void)
+{
+    enum { TURNS = 5, NEW = 40, ANS = 24 };
+    static int32_t conv[2][TURNS * (NEW + ANS)];
+    static struct coll c[2][TURNS];
+    int32_t ref[ANS];
+    for (int pass = 0; pass < 2; pass++) {
+        struct clk_sim sim = { .us = 1000000 };
+        struct mock_config mc;
+        struct engine_config ec;
+        struct rig g;
+        struct engine_loads l;
+        bool cache = pass == 0;
+        int n = 0;
+        uint64_t no_drafts = 0, steps = 0;
+        mock_defaults(&mc);
+        mc.full_history = true;         /* a reused block of another history shows */
+        mc.mtp_kv_groups = 1u << KV_GROUP_SLIDING;
+        mc.clock = &sim;
+        mc.step_usec = 1000;
+        mc.token_usec = 10;
+        mc.mtp_usec = 3000;
+        engine_defaults(&ec, 3);
+        ec.spec_policy = SPEC_POLICY_ADAPTIVE;
+        ec.clock = clk_sim_src(&sim);
+        ec.enable_prefix_caching = cache;
+        rig_open(&g, &mc, &ec);
+        memset(c[pass], 0, sizeof(c[pass]));
+        for (int t = 0; t < TURNS; t++) {
+            char id[16];
+            make_prompt(conv[pass] + n, NEW, 40 + t);
+            n += NEW;
+            snprintf(id, sizeof(id), "turn%d", t);
+            submit(&g, id, conv[pass], n, ANS, -1, &c[pass][t]);
+            ASSERT_OK(engine_run_until_idle(g.e));
+            ASSERT_OK(engine_check(g.e));
+            reference(g.f, conv[pass], n, ANS, ref);
+            assert_same(&c[pass][t], ref, ANS);
+            if (!cache)
+                ASSERT_EQ(c[pass][t].n_cached, 0);
+            else if (t > 0)
+                ASSERT_TRUE(c[pass][t].n_cached * 10 >= (n - NEW - ANS) * 9);
+            memcpy(conv[pass] + n, c[pass][t].toks, ANS * sizeof(int32_t));
+            n += ANS;
+            for (int k = 0; k <= SPEC_MAX_K; k++)
+                steps += c[pass][t].mtp.steps_by_drafts[k];
+            no_drafts += c[pass][t].mtp.steps_by_drafts[0];
+        }
+        engine_get_loads(g.e, &l);
+        printf("prefix cache %s, adaptive policy: %llu of %llu decode steps without drafts, "
+               "cached tokens per turn %d %d %d %d %d\n", cache ? "on" : "off",
+               (unsigned long long) no_drafts, (unsigned long long) steps, c[pass][0].n_cached,
+               c[pass][1].n_cached, c[pass][2].n_cached, c[pass][3].n_cached,
+               c[pass][4].n_cached);
+        /* the case in question: most steps drafted nothing (not only each turn's first) */
+        ASSERT_TRUE(no_drafts * 2 >= steps);
+        rig_close(&g);
+    }
+    for (int t = 0; t < TURNS; t++)
+        for (int i = 0; i < ANS; i++)
+            ASSERT_EQ(c[0][t].toks[i], c[1][t].toks[i]);
+}
+
 /* the sliding pool of kvplan.h (16 sequences x window 32 + 3, 48 tokens a step) holds 16
  * sequences decoding with 3 drafts far past the window: no preemption, reference output */
 static void test_sliding_pool_sized(void)
@@ -1315,6 +1387,7 @@ int main(void)
     test_on_plan_hook();
     test_prefix_collisions();
     test_prefix_preemption();
+    test_prefix_adaptive();
     test_sliding_pool_sized();
     printf("engine: ok\n");
     return 0;

@@ -466,6 +466,13 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
     r->seq.slot = -1;
     r->seq.tokens = r->tokens;
     r->seq.mtp_depth = r->k;
+    /* the prefix cache's MTP bound: a sampled sequence's tokens depend on its drafts (a seed
+     * gives the same tokens whatever the cache holds), and under the fixed policy the drafts
+     * equal those of a fresh prefill; a greedy one under the adaptive policy reuses the
+     * trunk's prefix whatever its MTP KV (blocks of steps that drafted nothing hold none):
+     * its output is the same, only its drafts may be worse until the window passes */
+    r->seq.mtp_exact = r->k > 0 && (!sampling_params_greedy(&r->sp) ||
+                                    e->cfg.spec_policy == SPEC_POLICY_FIXED);
     if (e->cfg.enable_prefix_caching) {
         kv_prefix_root(e->salt, q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0, r->root);
         r->seq.cache_root = r->root;
@@ -691,10 +698,16 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
         BUG_ON(!kv_seq_writable(e->kv, s->slot, ps->pos0));
         if (s->sched_new) {
             /* the MTP layers start at pos0, final below it (kv_seq_begin's guarantee for
-             * the r->k layers this request drafts with) */
+             * the r->k layers this request drafts with), or below n_cached_mtp after a
+             * reuse of the trunk's prefix alone: then never final again (a hole that no
+             * later run repairs; below pos0 - SPEC_MAX_K track_mtp never extends it) */
+            int32_t fin = s->n_cached_mtp;
+            bool whole = fin >= ps->pos0;
+            if (!whole && fin > ps->pos0 - SPEC_MAX_K - 1)
+                fin = ps->pos0 - SPEC_MAX_K - 1 > 0 ? ps->pos0 - SPEC_MAX_K - 1 : 0;
             for (int j = 0; j < SPEC_MAX_K; j++) {
-                r->mtp_end[j] = j < r->k ? ps->pos0 : -1;
-                r->mtp_final[j] = j < r->k ? ps->pos0 : 0;
+                r->mtp_end[j] = j < r->k && whole ? ps->pos0 : -1;
+                r->mtp_final[j] = j < r->k ? (whole ? ps->pos0 : fin) : 0;
             }
         }
         if (!r->t_sched) {
@@ -1072,8 +1085,9 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
                                     (double) (clock_us(e) - t0) * 1e-6);
     /* prefix cache: blocks of the requests without MTP work this step are committed now
      * (finished ones in finish()); with MTP work, after the chain below.  A depth the
-     * policy skipped leaves its MTP positions unwritten: a later request that reuses the
-     * prefix drafts less well there, its outputs are the same (drafts are verified). */
+     * policy skipped leaves its MTP positions unwritten: a later greedy request reuses the
+     * prefix's trunk KV and drafts less well there, its outputs are the same (drafts are
+     * verified); a sampled one reuses only blocks with final MTP KV (kv.h). */
     for (int i = 0; i < n; i++)
         if (!req_of(seqs[i])->done && e->sseqs[i].depth == 0)
             commit_blocks(e, req_of(seqs[i]));

@@ -328,6 +328,7 @@ int mock_forward_new(const struct mock_config *cfg, struct forward **ret)
         goto out_nomem;
     f->vocab_size = cfg->vocab_size;
     f->n_mtp = cfg->n_mtp;
+    f->mtp_kv_groups = cfg->mtp_kv_groups;
     f->max_tokens_per_step = cfg->max_tokens_per_step;
     f->max_seqs = cfg->max_seqs;
     f->block_size = cfg->block_size;

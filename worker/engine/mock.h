@@ -48,6 +48,8 @@ struct mock_config {
     long token_usec;
     long mtp_usec;
     struct clk_sim *clock;     /* NULL: sleep the step times; else advance this clock */
+    unsigned mtp_kv_groups;    /* forward.mtp_kv_groups: the groups the engine's prefix cache
+                                  takes to hold MTP KV (the mock keeps none; 0: none) */
 };
 
 struct mock_stats {

@@ -1,6 +1,7 @@
 /* clock.h - the monotonic clock in the units its callers count in (header only). */
 #pragma once
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -57,14 +58,15 @@ static inline int64_t clk_src_now_us(const struct clk_src *c)
     return c && c->now_us ? c->now_us(c->ctx) : clk_now_us();
 }
 
-/* A simulated clock: time moves only when its owner advances it (clk_sim_advance_us). */
+/* A simulated clock: time moves only when its owner advances it (clk_sim_advance_us); any
+ * thread may read it (a watchdog thread while a test advances it). */
 struct clk_sim {
-    int64_t us;
+    _Atomic int64_t us;
 };
 
 static inline int64_t clk_sim_now_us(void *ctx)
 {
-    return ((const struct clk_sim *)ctx)->us;
+    return atomic_load(&((struct clk_sim *)ctx)->us);
 }
 
 /* The clk_src that reads sim. */
@@ -76,5 +78,5 @@ static inline struct clk_src clk_sim_src(struct clk_sim *sim)
 static inline void clk_sim_advance_us(struct clk_sim *sim, int64_t us)
 {
     if (us > 0)
-        sim->us += us;
+        atomic_fetch_add(&sim->us, us);
 }

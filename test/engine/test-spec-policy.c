@@ -79,7 +79,7 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
     uint64_t tot = 0;
 
     mock_config_init(&mc);
-    mc.vocab_size = 512;
+    mc.vocab_size = 128;
     mc.max_seqs = 8;
     mc.n_blocks[KV_GROUP_FULL] = mc.n_blocks[KV_GROUP_SLIDING] = 256;
     mc.step_usec = step_us;

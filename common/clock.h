@@ -1,6 +1,7 @@
 /* clock.h - the monotonic clock in the units its callers count in (header only). */
 #pragma once
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -42,4 +43,40 @@ static inline struct timespec clk_realtime_in_ms(int64_t ms)
         ts.tv_nsec -= 1000000000L;
     }
     return ts;
+}
+
+/* A time source handed to code that measures time, so that its tests drive simulated time
+ * instead of sleeping (no test asserts what a real clock measured).
+ * A zeroed one (now_us NULL) is the monotonic clock. */
+struct clk_src {
+    int64_t (*now_us)(void *ctx);
+    void *ctx;
+};
+
+static inline int64_t clk_src_now_us(const struct clk_src *c)
+{
+    return c && c->now_us ? c->now_us(c->ctx) : clk_now_us();
+}
+
+/* A simulated clock: time moves only when its owner advances it (clk_sim_advance_us); any
+ * thread may read it (a watchdog thread while a test advances it). */
+struct clk_sim {
+    _Atomic int64_t us;
+};
+
+static inline int64_t clk_sim_now_us(void *ctx)
+{
+    return atomic_load(&((struct clk_sim *)ctx)->us);
+}
+
+/* The clk_src that reads sim. */
+static inline struct clk_src clk_sim_src(struct clk_sim *sim)
+{
+    return (struct clk_src){ .now_us = clk_sim_now_us, .ctx = sim };
+}
+
+static inline void clk_sim_advance_us(struct clk_sim *sim, int64_t us)
+{
+    if (us > 0)
+        atomic_fetch_add(&sim->us, us);
 }

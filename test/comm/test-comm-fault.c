@@ -69,16 +69,22 @@ static void t_killed_rank(int n, int victim, int timeout_msec)
     }
 }
 
+/* Rank 1 stays alive without calling the collective until rank 0's has ended (it creates
+ * the file arg names then): an event, not a sleep, so rank 0's deadline (300 ms) always
+ * passes first, whatever the load (30 s: a hang guard). */
 static int never_joins(struct comm *c, void *arg)
 {
+    const char *done = arg;
     float v[4] = { 1, 2, 3, 4 };
     int r;
 
     if (c->rank == 1) {
-        sleep(3);               /* never calls the collective */
-        return 0;
+        for (int i = 0; i < 3000 && access(done, F_OK) != 0; i++)
+            usleep(10000);
+        return access(done, F_OK) == 0 ? 0 : 1;
     }
     r = comm_allreduce_sum(c, v, 4);
+    fclose(fopen(done, "w"));
     ASSERT_ERR(r, -ETIMEDOUT);
     ASSERT_CONTAINS(comm_last_error(c), "rank 1");
     ASSERT_CONTAINS(comm_last_error(c), "timed out");
@@ -164,6 +170,7 @@ static void t_bad_addresses(void)
 int main(void)
 {
     struct group_ctl g;
+    char done[256];
 
     t_bad_addresses();
 
@@ -174,7 +181,11 @@ int main(void)
     /* a short deadline bounds the exit even where a transport detects death late */
     t_killed_rank(4, 0, 1000);
 
-    ASSERT_OK(group_run(2, 300, never_joins, NULL, NULL, 30000, &g));
+    snprintf(done, sizeof(done), "%s/test-comm-fault.%d.done",
+             getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
+    unlink(done);
+    ASSERT_OK(group_run(2, 300, never_joins, done, NULL, 40000, &g));
+    unlink(done);
     ASSERT_TRUE(WIFEXITED(g.status[0]) && WEXITSTATUS(g.status[0]) == EXIT_COLLECTIVE_FAILED);
     ASSERT_TRUE(WIFEXITED(g.status[1]) && WEXITSTATUS(g.status[1]) == 0);
     printf("never-joining rank: rank 0 timed out after %.0f ms\n", g.exit_msec[0]);

@@ -1,7 +1,9 @@
 /* test-comm-watchdog.c - the watchdog of the watchdog (docs/RELIABILITY.md B5): a collective
  * stuck inside its transport past deadline + grace makes the process _exit() with the
  * given code; collectives that return in time, and waits without a deadline (an idle
- * follower waiting for the next step plan), never trigger it. */
+ * follower waiting for the next step plan), never trigger it.  The collectives run on
+ * simulated time (struct comm.clock): a stall moves it, so the outcome does not depend on
+ * how fast a loaded machine runs the child. */
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -12,13 +14,22 @@
 #include "harness.h"
 
 static int stall_msec;
+static bool stuck;
+static struct clk_sim sim = { .us = 1000000 };
 
+/* The transport takes stall_msec of simulated time, then returns after half a second of
+ * real time (two or three of the watchdog's checks, which must not fire: a watchdog that
+ * would is given the chance), or never (stuck: only the watchdog ends the process). */
 static int slow_allreduce(struct comm *c, float *buf, size_t count)
 {
-    struct timespec ts = { stall_msec / 1000, (long)(stall_msec % 1000) * 1000000L };
+    struct timespec ts = { 0, 500000000L };
 
-    while (nanosleep(&ts, &ts) < 0)
-        ;
+    clk_sim_advance_us(&sim, (int64_t)stall_msec * 1000);
+    do {
+        while (nanosleep(&ts, &ts) < 0)
+            ;
+        ts.tv_nsec = 500000000L;
+    } while (stuck);
     return 0;
 }
 
@@ -33,9 +44,10 @@ static const struct comm_ops slow_ops = {
     .free = plain_free,
 };
 
-/* Run one collective that stalls for stall ms under a deadline of timeout ms and a
- * watchdog grace of grace ms, in a child; returns its wait status. */
-static int run(int stall, int timeout, int grace)
+/* Run one collective that stalls for stall ms (then sticks for good when stick) under a
+ * deadline of timeout ms and a watchdog grace of grace ms, in a child; returns its wait
+ * status. */
+static int run(int stall, bool stick, int timeout, int grace)
 {
     pid_t pid = fork();
     int st;
@@ -47,7 +59,9 @@ static int run(int stall, int timeout, int grace)
         c->ops = &slow_ops;
         c->world_size = 2;
         c->timeout_msec = timeout;
+        c->clock = clk_sim_src(&sim);
         stall_msec = stall;
+        stuck = stick;
         if (comm_watchdog_start(c, grace, 42) < 0)
             _exit(3);
         comm_allreduce_sum(c, &v, 1);
@@ -69,13 +83,13 @@ int main(void)
 {
     int st;
 
-    st = run(5000, 200, 300);           /* stuck well past 200 + 300 ms */
+    st = run(501, true, 200, 300);      /* stuck past 200 + 300 ms */
     ASSERT_TRUE(WIFEXITED(st));
     ASSERT_EQ(WEXITSTATUS(st), 42);
-    st = run(100, 200, 300);            /* returns in time */
+    st = run(500, false, 200, 300);     /* returns in time (at the limit) */
     ASSERT_TRUE(WIFEXITED(st));
     ASSERT_EQ(WEXITSTATUS(st), 0);
-    st = run(1200, 0, 300);             /* no deadline: waiting is not a failure */
+    st = run(1200, false, 0, 300);      /* no deadline: waiting is not a failure */
     ASSERT_TRUE(WIFEXITED(st));
     ASSERT_EQ(WEXITSTATUS(st), 0);
     return 0;

@@ -17,7 +17,8 @@
  *     differ in one block never share it (the whole key is compared) and output stays
  *     the reference (the mock's rows hash the whole history there); cache_salt isolates
  *     tenants with the same prompt; a request preempted by recompute resumes from its
- *     own cached blocks;
+ *     own cached blocks; under the default (adaptive) draft policy a conversation reuses
+ *     its previous turns though the policy drafted nothing on most of their steps;
  *   - a sliding pool sized by kvplan_compute (the window, not the length) serves 16
  *     concurrent sequences past the window with drafts, without a preemption.
  */
@@ -367,13 +368,17 @@ static void test_aborts(void)
     rig_close(&g);
 }
 
+/* deadlines on simulated time (engine_config.clock): a step takes none of it, the test
+ * moves it past a deadline */
 static void test_deadline_in_queue(void)
 {
     struct mock_config mc;
     struct engine_config ec;
+    struct clk_sim sim = { .us = 1000000 };
     mock_defaults(&mc);
     engine_defaults(&ec, 0);
     ec.max_num_seqs = 1;
+    ec.clock = clk_sim_src(&sim);
     struct rig g;
     rig_open(&g, &mc, &ec);
     int32_t prompt[8];
@@ -382,11 +387,13 @@ static void test_deadline_in_queue(void)
     submit(&g, "a", prompt, 8, 30, -1, &a);
     struct engine_request q;
     req_init(&q, "b", prompt, 8, 5);
-    q.deadline_usec = engine_now_usec() + 100000;
+    q.deadline_usec = sim.us + 100000;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &b, NULL));
     ASSERT_OK(engine_step(g.e));
+    clk_sim_advance_us(&sim, 99999);
+    ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(!b.finished);
-    usleep(110000);
+    clk_sim_advance_us(&sim, 1);
     ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(b.finished);
     ASSERT_EQ(b.why, ENGINE_FINISH_DEADLINE);
@@ -400,12 +407,12 @@ static void test_deadline_in_queue(void)
     struct coll c = { 0 };
     q.id = "c";
     q.max_tokens = 500;
-    q.deadline_usec = engine_now_usec() + 100000;
+    q.deadline_usec = sim.us + 100000;
     ASSERT_OK(engine_submit(g.e, &q, on_out, &c, NULL));
     for (int i = 0; i < 3; i++)
         ASSERT_OK(engine_step(g.e));
     ASSERT_TRUE(c.n > 0 && !c.finished);
-    usleep(110000);
+    clk_sim_advance_us(&sim, 100000);
     ASSERT_TRUE(engine_step(g.e) >= 0);
     ASSERT_EQ(c.why, ENGINE_FINISH_DEADLINE);
     ASSERT_CONTAINS(c.msg, "running");
@@ -806,13 +813,39 @@ static void test_sampled_spec_distribution(void)
 
 /* --- thread mode and hooks --- */
 
+/* Holds the engine thread in its step `at` (the on_plan hook) until the test thread has
+ * done what it must do while the engine is mid-run: an event, not a sleep. */
+struct step_gate {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    uint64_t at;
+    bool reached, released;
+};
+
+static int gate_on_plan(void *ctx, const struct step_plan *p)
+{
+    struct step_gate *sg = ctx;
+    if (p->step_id != sg->at)
+        return 0;
+    pthread_mutex_lock(&sg->lock);
+    sg->reached = true;
+    pthread_cond_broadcast(&sg->cond);
+    while (!sg->released)
+        pthread_cond_wait(&sg->cond, &sg->lock);
+    pthread_mutex_unlock(&sg->lock);
+    return 0;
+}
+
 static void test_thread(void)
 {
     struct mock_config mc;
     struct engine_config ec;
+    static struct step_gate sg = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 20,
+                                   false, false };
     mock_defaults(&mc);
-    mc.step_usec = 300;
     engine_defaults(&ec, 2);
+    ec.on_plan = gate_on_plan;
+    ec.on_plan_ctx = &sg;
     struct rig g;
     rig_open(&g, &mc, &ec);
     ASSERT_OK(engine_start(g.e));
@@ -832,10 +865,17 @@ static void test_thread(void)
         c[i].n_done = &done;
         submit(&g, id, prompt, 12, i == 3 ? 450 : 60, -1, &c[i]);
     }
-    /* abort one while the engine is stepping (300 us/step: t3 needs >= 150 steps) */
-    usleep(3000);
+    /* abort one while the engine is held in its step 20 (t3 needs >= 150 steps) */
+    pthread_mutex_lock(&sg.lock);
+    while (!sg.reached)
+        pthread_cond_wait(&sg.cond, &sg.lock);
+    pthread_mutex_unlock(&sg.lock);
     const char *ids[] = { "t3" };
     ASSERT_EQ(engine_abort(g.e, ids, 1), 1);
+    pthread_mutex_lock(&sg.lock);
+    sg.released = true;
+    pthread_cond_broadcast(&sg.cond);
+    pthread_mutex_unlock(&sg.lock);
     pthread_mutex_lock(&lock);
     while (done < 10)
         pthread_cond_wait(&cond, &lock);
@@ -1210,6 +1250,77 @@ static void test_prefix_preemption(void)
     rig_close(&g);
 }
 
+/* The prefix cache under speculative decoding with the default (adaptive) draft policy: a
+ * 5-turn conversation (each turn's prompt is the previous one, its answer and 40 new
+ * tokens) on a mock whose MTP layers keep KV in the sliding group and whose drafts cost
+ * three trunk steps (simulated time: the policy soon drafts nothing, so the blocks of
+ * those steps hold no MTP KV).  Greedy output does not depend on the drafts: every turn
+ * reuses >= 90 % of the previous turn's prompt (before, a drafting sequence reused only
+ * blocks whose MTP KV was final: 0 tokens from the second turn on), and equals the
+ * reference and the run with the cache off. */
+static void test_prefix_adaptive(void)
+{
+    enum { TURNS = 5, NEW = 40, ANS = 24 };
+    static int32_t conv[2][TURNS * (NEW + ANS)];
+    static struct coll c[2][TURNS];
+    int32_t ref[ANS];
+    for (int pass = 0; pass < 2; pass++) {
+        struct clk_sim sim = { .us = 1000000 };
+        struct mock_config mc;
+        struct engine_config ec;
+        struct rig g;
+        struct engine_loads l;
+        bool cache = pass == 0;
+        int n = 0;
+        uint64_t no_drafts = 0, steps = 0;
+        mock_defaults(&mc);
+        mc.full_history = true;         /* a reused block of another history shows */
+        mc.mtp_kv_groups = 1u << KV_GROUP_SLIDING;
+        mc.clock = &sim;
+        mc.step_usec = 1000;
+        mc.token_usec = 10;
+        mc.mtp_usec = 3000;
+        engine_defaults(&ec, 3);
+        ec.spec_policy = SPEC_POLICY_ADAPTIVE;
+        ec.clock = clk_sim_src(&sim);
+        ec.enable_prefix_caching = cache;
+        rig_open(&g, &mc, &ec);
+        memset(c[pass], 0, sizeof(c[pass]));
+        for (int t = 0; t < TURNS; t++) {
+            char id[16];
+            make_prompt(conv[pass] + n, NEW, 40 + t);
+            n += NEW;
+            snprintf(id, sizeof(id), "turn%d", t);
+            submit(&g, id, conv[pass], n, ANS, -1, &c[pass][t]);
+            ASSERT_OK(engine_run_until_idle(g.e));
+            ASSERT_OK(engine_check(g.e));
+            reference(g.f, conv[pass], n, ANS, ref);
+            assert_same(&c[pass][t], ref, ANS);
+            if (!cache)
+                ASSERT_EQ(c[pass][t].n_cached, 0);
+            else if (t > 0)
+                ASSERT_TRUE(c[pass][t].n_cached * 10 >= (n - NEW - ANS) * 9);
+            memcpy(conv[pass] + n, c[pass][t].toks, ANS * sizeof(int32_t));
+            n += ANS;
+            for (int k = 0; k <= SPEC_MAX_K; k++)
+                steps += c[pass][t].mtp.steps_by_drafts[k];
+            no_drafts += c[pass][t].mtp.steps_by_drafts[0];
+        }
+        engine_get_loads(g.e, &l);
+        printf("prefix cache %s, adaptive policy: %llu of %llu decode steps without drafts, "
+               "cached tokens per turn %d %d %d %d %d\n", cache ? "on" : "off",
+               (unsigned long long) no_drafts, (unsigned long long) steps, c[pass][0].n_cached,
+               c[pass][1].n_cached, c[pass][2].n_cached, c[pass][3].n_cached,
+               c[pass][4].n_cached);
+        /* the case in question: most steps drafted nothing (not only each turn's first) */
+        ASSERT_TRUE(no_drafts * 2 >= steps);
+        rig_close(&g);
+    }
+    for (int t = 0; t < TURNS; t++)
+        for (int i = 0; i < ANS; i++)
+            ASSERT_EQ(c[0][t].toks[i], c[1][t].toks[i]);
+}
+
 /* the sliding pool of kvplan.h (16 sequences x window 32 + 3, 48 tokens a step) holds 16
  * sequences decoding with 3 drafts far past the window: no preemption, reference output */
 static void test_sliding_pool_sized(void)
@@ -1276,6 +1387,7 @@ int main(void)
     test_on_plan_hook();
     test_prefix_collisions();
     test_prefix_preemption();
+    test_prefix_adaptive();
     test_sliding_pool_sized();
     printf("engine: ok\n");
     return 0;

@@ -166,7 +166,7 @@ static uint8_t root[KV_DIGEST_BYTES];     /* the chains' root without a cache sa
 static int32_t run_seq(struct kv_pool *kv, int slot, const uint8_t *root, const int32_t *tok,
                        int32_t n, int chunk, int n_mtp)
 {
-    int32_t cached = kv_seq_begin(kv, slot, root, tok, n, n_mtp);
+    int32_t cached = kv_seq_begin(kv, slot, root, tok, n, n_mtp, NULL);
     ASSERT_OK(kv_pool_check(kv));
     ASSERT_TRUE(cached < n);
     ASSERT_TRUE(kv_seq_writable(kv, slot, cached));
@@ -195,7 +195,7 @@ static void seq_fill(int32_t *a, int n, int mul, int add)
 static int reuse_of(struct kv_pool *kv, int slot, const uint8_t *root, const int32_t *a, int n,
                     int depth)
 {
-    int r = kv_seq_begin(kv, slot, root, a, n, depth);
+    int r = kv_seq_begin(kv, slot, root, a, n, depth, NULL);
     kv_seq_release(kv, slot);
     return r;
 }
@@ -233,7 +233,7 @@ static void test_prefix_hit(void)
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_FULL), 5);
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_SLIDING), 5);
     /* same 20 tokens: 4 blocks back, the last token is always computed */
-    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 20, 0), 16);
+    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 20, 0, NULL), 16);
     const int32_t *t = kv_seq_table(kv, 1, KV_GROUP_FULL, &n);
     ASSERT_EQ(n, 4);
     for (int i = 0; i < 4; i++)
@@ -243,7 +243,7 @@ static void test_prefix_hit(void)
     ASSERT_OK(kv_seq_grow(kv, 1, 16, 21));
     ASSERT_OK(kv_pool_check(kv));
     /* a prefix that differs in block 3 shares blocks 0..2 only, while slot 1 holds them */
-    ASSERT_EQ(kv_seq_begin(kv, 2, root, b, 24, 0), 12);
+    ASSERT_EQ(kv_seq_begin(kv, 2, root, b, 24, 0, NULL), 12);
     t = kv_seq_table(kv, 2, KV_GROUP_FULL, &n);
     ASSERT_EQ(n, 3);
     ASSERT_EQ(t[2], ta[2]);
@@ -252,8 +252,8 @@ static void test_prefix_hit(void)
     uint8_t other[KV_DIGEST_BYTES];
     root_of("tenant-b", other);
     kv_seq_release(kv, 2);
-    ASSERT_EQ(kv_seq_begin(kv, 2, other, a, 20, 0), 0);
-    ASSERT_EQ(kv_seq_begin(kv, 2, NULL, a, 20, 0), 0);      /* no root: no lookup */
+    ASSERT_EQ(kv_seq_begin(kv, 2, other, a, 20, 0, NULL), 0);
+    ASSERT_EQ(kv_seq_begin(kv, 2, NULL, a, 20, 0, NULL), 0);      /* no root: no lookup */
     /* with the cache off nothing is kept */
     kv_seq_release(kv, 1);
     kv_seq_release(kv, 2);
@@ -262,7 +262,7 @@ static void test_prefix_hit(void)
     ASSERT_EQ(run_seq(kv, 0, root, a, 20, 8, 0), 0);
     kv_seq_release(kv, 0);
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_FULL), 0);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 20, 0), 0);
+    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 20, 0, NULL), 0);
     pool_done(kv);
 }
 
@@ -300,7 +300,7 @@ static void test_forced_collisions(void)
     const int32_t *want[4] = { t[0], t[1], t[2], t[3] };
     const int32_t *prm[4] = { p1, p2, p3, p1 };
     for (int s = 0; s < 4; s++) {
-        ASSERT_EQ(kv_seq_begin(kv, s, s == 3 ? other : root, prm[s], 12, 0), 8);
+        ASSERT_EQ(kv_seq_begin(kv, s, s == 3 ? other : root, prm[s], 12, 0, NULL), 8);
         const int32_t *got = kv_seq_table(kv, s, KV_GROUP_FULL, &n);
         ASSERT_EQ(n, 2);
         ASSERT_EQ(got[0], want[s][0]);
@@ -335,9 +335,9 @@ static void test_lru_eviction(void)
     ASSERT_EQ(kv_pool_evictions(kv), 2);      /* their sliding blocks are dropped with them */
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_SLIDING), 6);
     kv_seq_release(kv, 0);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 16, 0), 8);    /* a keeps blocks 0 and 1 */
+    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 16, 0, NULL), 8);    /* a keeps blocks 0 and 1 */
     kv_seq_release(kv, 0);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, b, 16, 0), 12);   /* b intact */
+    ASSERT_EQ(kv_seq_begin(kv, 0, root, b, 16, 0, NULL), 12);   /* b intact */
     kv_seq_release(kv, 0);
     idle_balanced(kv);
     /* a sequence of the whole pool evicts everything rather than failing */
@@ -373,7 +373,7 @@ static void test_sliding_prefix(void)
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_FULL), 10);
     /* 41 tokens: at 40 the window (8) needs sliding blocks 8 and 9, and 9 is gone; at 36
      * it needs 7 and 8: reuse 36 */
-    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 41, 0), 36);
+    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 41, 0, NULL), 36);
     const int32_t *t = kv_seq_table(kv, 1, KV_GROUP_SLIDING, &n);
     ASSERT_EQ(n, 9);
     for (int b = 0; b < 7; b++)
@@ -390,7 +390,7 @@ static void test_sliding_prefix(void)
     kv = cache_pool(4, 64, 10, 8, 2, 256, 0, false);
     ASSERT_EQ(run_seq(kv, 0, root, a, 40, 4, 0), 0);
     kv_seq_release(kv, 0);
-    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 41, 0), 40);
+    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 41, 0, NULL), 40);
     t = kv_seq_table(kv, 1, KV_GROUP_SLIDING, &n);
     ASSERT_EQ(n, 10);
     ASSERT_EQ(t[7], -1);
@@ -433,6 +433,49 @@ static void test_mtp_prefix(void)
     pool_done(kv);
 }
 
+/* what a sequence whose output does not depend on its drafts reuses of a[0, n) (the
+ * trunk's prefix), and how far the MTP KV of `depth` layers is final for it */
+static int trunk_reuse_of(struct kv_pool *kv, const int32_t *a, int n, int depth,
+                          int32_t *ret_mtp_final)
+{
+    int r = kv_seq_begin(kv, 0, root, a, n, depth, ret_mtp_final);
+    ASSERT_OK(kv_pool_check(kv));
+    ASSERT_TRUE(kv_seq_writable(kv, 0, r));
+    kv_seq_release(kv, 0);
+    return r;
+}
+
+/* MTP, trunk only: blocks written without MTP KV (a step whose policy drafted nothing)
+ * are reused by a drafting sequence that may read holes, with no MTP KV final; blocks
+ * with final MTP KV report it up to the strict reuse */
+static void test_mtp_trunk_only(void)
+{
+    struct kv_pool *kv = cache_pool(4, 64, 64, 0, 2, 256, 0, true);
+    int32_t a[40], fin = -1;
+    seq_fill(a, 40, 13, 5);
+    ASSERT_EQ(run_seq(kv, 0, root, a, 24, 8, 0), 0);
+    kv_seq_release(kv, 0);
+    ASSERT_EQ(trunk_reuse_of(kv, a, 24, 2, &fin), 20);
+    ASSERT_EQ(fin, 0);
+    ASSERT_EQ(trunk_reuse_of(kv, a, 40, 3, &fin), 24);  /* the whole chain, past the bound */
+    ASSERT_EQ(fin, 0);
+    ASSERT_EQ(reuse_of(kv, 0, root, a, 40, 2), 0);      /* strict: still nothing */
+    pool_done(kv);
+
+    kv = cache_pool(4, 64, 64, 0, 2, 256, 0, true);
+    ASSERT_EQ(run_seq(kv, 0, root, a, 24, 8, 2), 0);     /* blocks 0..4 hold 2 final layers */
+    kv_seq_release(kv, 0);
+    ASSERT_EQ(trunk_reuse_of(kv, a, 40, 2, &fin), 24);
+    ASSERT_EQ(fin, 20);
+    ASSERT_EQ(trunk_reuse_of(kv, a, 40, 3, &fin), 24);
+    ASSERT_EQ(fin, 0);
+    ASSERT_EQ(trunk_reuse_of(kv, a, 13, 2, &fin), 12);
+    ASSERT_EQ(fin, 8);
+    ASSERT_EQ(trunk_reuse_of(kv, a, 40, 0, &fin), 24);
+    ASSERT_EQ(fin, 24);
+    pool_done(kv);
+}
+
 /* two slots hold the same cached blocks; an identical prefix computed twice at once is
  * indexed once, the second copy is freed on release */
 static void test_shared_and_duplicates(void)
@@ -440,14 +483,14 @@ static void test_shared_and_duplicates(void)
     struct kv_pool *kv = cache_pool(4, 32, 32, 0, 3, 128, 0, false);
     int32_t a[16];
     seq_fill(a, 16, 1, 40);
-    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 16, 0), 0);
-    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 16, 0), 0);
+    ASSERT_EQ(kv_seq_begin(kv, 0, root, a, 16, 0, NULL), 0);
+    ASSERT_EQ(kv_seq_begin(kv, 1, root, a, 16, 0, NULL), 0);
     ASSERT_OK(kv_seq_grow(kv, 0, 0, 16));
     ASSERT_OK(kv_seq_grow(kv, 1, 0, 16));
     kv_seq_commit(kv, 0, a, 16, NULL, 0);
     kv_seq_commit(kv, 1, a, 16, NULL, 0);
     ASSERT_OK(kv_pool_check(kv));
-    ASSERT_EQ(kv_seq_begin(kv, 2, root, a, 16, 0), 12);
+    ASSERT_EQ(kv_seq_begin(kv, 2, root, a, 16, 0, NULL), 12);
     ASSERT_EQ(kv_pool_held_count(kv, KV_GROUP_FULL), 8);     /* shared, not copied */
     kv_seq_release(kv, 0);
     ASSERT_EQ(kv_pool_cached_count(kv, KV_GROUP_FULL), 1);   /* block 3 of slot 0 */
@@ -474,6 +517,7 @@ int main(void)
     test_lru_eviction();
     test_sliding_prefix();
     test_mtp_prefix();
+    test_mtp_trunk_only();
     test_shared_and_duplicates();
     printf("kv: ok\n");
     return 0;

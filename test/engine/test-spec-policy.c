@@ -21,7 +21,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "clock.h"
 #include "engine-rig.h"
@@ -33,6 +32,13 @@
 
 #define N_OUT 96
 #define MAX_REQ 8
+
+/* Simulated time: the mock forward and the simulated machines below advance it by what
+ * their steps cost, the policy (and the engine) read it; nothing sleeps, so every case
+ * takes the same decisions on any machine, however loaded.  It starts at 1 s (0 reads as
+ * "never" to the policy's timestamps). */
+static struct clk_sim sim = { .us = 1000000 };
+static struct clk_src sim_src;
 
 /* greedy reference: argmax of the mock's target rows */
 static void reference(struct forward *f, const int32_t *prompt, int np, int32_t *out)
@@ -73,15 +79,17 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
     uint64_t tot = 0;
 
     mock_config_init(&mc);
-    mc.vocab_size = 512;
+    mc.vocab_size = 128;
     mc.max_seqs = 8;
     mc.n_blocks[KV_GROUP_FULL] = mc.n_blocks[KV_GROUP_SLIDING] = 256;
     mc.step_usec = step_us;
     mc.token_usec = token_us;
     mc.mtp_usec = mtp_us;
     mc.mtp_accuracy = acc;
+    mc.clock = &sim;
     ASSERT_OK(mock_forward_new(&mc, &f));
     engine_config_init(&ec);
+    ec.clock = sim_src;
     ec.max_num_batched_tokens = 64;
     ec.max_num_seqs = 8;
     ec.max_model_len = 256;
@@ -214,9 +222,9 @@ static void test_config(void)
     ASSERT_CONTAINS(e.msg, "draft_vocab");
     ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"num_speculative_tokens\":3,"
                                  "\"draft_vocab\":\"all\"}", &c, &e), -EINVAL);
-    ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 0, 3, 64, &p), -EINVAL);
-    ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 8, 4, 64, &p), -EINVAL);
-    ASSERT_OK(spec_policy_new(SPEC_POLICY_FIXED, 8, 3, 0, &p));
+    ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 0, 3, 64, &sim_src, &p), -EINVAL);
+    ASSERT_ERR(spec_policy_new(SPEC_POLICY_ADAPTIVE, 8, 4, 64, &sim_src, &p), -EINVAL);
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_FIXED, 8, 3, 0, &sim_src, &p));
     ASSERT_EQ(spec_policy_rate(p, 1, 0), 0.0);      /* nothing measured */
     spec_policy_free(p);
 }
@@ -236,8 +244,10 @@ static void test_fixed(void)
     mock_config_init(&mc);
     mc.mtp_accuracy = 0.0f;         /* never accepted: the adaptive policy would stop */
     mc.mtp_usec = 2000;
+    mc.clock = &sim;
     ASSERT_OK(mock_forward_new(&mc, &f));
     engine_config_init(&ec);
+    ec.clock = sim_src;
     ec.max_num_batched_tokens = 64;
     ec.max_model_len = 256;
     ec.num_speculative_tokens = 2;
@@ -302,7 +312,7 @@ static void test_stale_entry(void)
 }
 
 /* A simulated machine for the policy driven directly: B sequences whose drafts are each
- * accepted with probability `accuracy` (a fixed random stream), cycles slept for real:
+ * accepted with probability `accuracy` (a fixed random stream), cycles on simulated time:
  * base_us + token_us per draft verified (the trunk step, reported as its cost), then
  * mtp_us per MTP depth run (each reported), all `slow` times as long (0: 1).  Every
  * `idle_every` cycles the engine waits idle for 20 ms, and the `wake_cycles` cycles after
@@ -329,10 +339,7 @@ struct sim_out {
 
 static void sleep_us(double us)
 {
-    struct timespec ts = { (time_t)(us * 1e-6), (long)(us * 1e3) % 1000000000L };
-
-    if (us > 0)
-        nanosleep(&ts, NULL);
+    clk_sim_advance_us(&sim, (int64_t)us);
 }
 
 /* `cycles` cycles of machine sm */
@@ -371,9 +378,9 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
             trunk += (double)(sm->token_us * sm->depth[i]);
         }
         plan.n_tokens = n_tok;
-        t0 = clk_now_us();
+        t0 = sim.us;
         sleep_us(trunk * slow);
-        (void)spec_policy_step(p, &plan, ss, sm->B, (double)(clk_now_us() - t0) * 1e-6);
+        (void)spec_policy_step(p, &plan, ss, sm->B, (double)(sim.us - t0) * 1e-6);
         for (int i = 0; i < sm->B; i++) {
             sm->depth[i] = ss[i].depth;
             deepest = sm->depth[i] > deepest ? sm->depth[i] : deepest;
@@ -384,9 +391,9 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
 
             for (int i = 0; i < sm->B; i++)
                 m += sm->depth[i] > k;
-            t0 = clk_now_us();
+            t0 = sim.us;
             sleep_us((double)sm->mtp_us * slow);
-            spec_policy_draft_cost(p, k, m, false, (double)(clk_now_us() - t0) * 1e-6);
+            spec_policy_draft_cost(p, k, m, false, (double)(sim.us - t0) * 1e-6);
         }
         o.cycles++;
         o.drafted += deepest > 0;
@@ -410,7 +417,7 @@ static void test_gate_inferred(void)
     struct sim_out o;
     int off4, off8;
 
-    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &p));
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
     o = sim_run(p, &s4, 200);
     off4 = o.cycles - o.drafted;
     o = sim_run(p, &s8, 400);
@@ -425,7 +432,7 @@ static void test_gate_inferred(void)
 /* One sequence whose drafts are all accepted, trunk steps of 3 ms (+ 20 us a token) and
  * MTP calls that cost `draft_us` each, or `cold_us` for a depth that did not run in the
  * cycle before (a CPU's caches and sleeping threads: 530 against 87 us on the tiny model),
- * all slept for real; returns the cycles that drafted. */
+ * all on simulated time; returns the cycles that drafted. */
 static int drive_cold(struct spec_policy *p, int cycles, long draft_us, long cold_us)
 {
     static struct spec_accept acc;
@@ -438,22 +445,22 @@ static int drive_cold(struct spec_policy *p, int cycles, long draft_us, long col
         struct step_seq ps = { .pos0 = pos, .n_tokens = 1 + depth, .n_logits = 1 + depth };
         struct spec_seq ss = { .depth = 3, .acc = &acc, .verified = depth, .accepted = depth };
         struct step_plan plan = { .seqs = &ps, .n_seqs = 1, .n_tokens = 1 + depth };
-        struct timespec ts = { 0, (3000 + 20 * (1 + depth)) * 1000L };
+        long trunk_us = 3000 + 20 * (1 + depth);
 
-        nanosleep(&ts, NULL);
+        sleep_us((double)trunk_us);
         pos += 1 + depth;
-        (void)spec_policy_step(p, &plan, &ss, 1, (double)ts.tv_nsec * 1e-9);
+        (void)spec_policy_step(p, &plan, &ss, 1, (double)trunk_us * 1e-6);
         depth = ss.depth;
         drafted += depth > 0;
         for (int k = 0; k < SPEC_MAX_K; k++) {
-            struct timespec td = { 0, (ran[k] ? draft_us : cold_us) * 1000L };
-            int64_t t0 = clk_now_us();
+            int64_t t0 = sim.us;
+            bool ran_before = ran[k];
 
             ran[k] = k < depth;
             if (k >= depth)
                 continue;
-            nanosleep(&td, NULL);
-            spec_policy_draft_cost(p, k, 1, false, (double)(clk_now_us() - t0) * 1e-6);
+            sleep_us((double)(ran_before ? draft_us : cold_us));
+            spec_policy_draft_cost(p, k, 1, false, (double)(sim.us - t0) * 1e-6);
         }
     }
     return drafted;
@@ -469,7 +476,7 @@ static void test_cold_probe(void)
     struct spec_policy *p;
     int dear, cheap, last;
 
-    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 4, 3, 0, &p));
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 4, 3, 0, &sim_src, &p));
     dear = drive_cold(p, 150, 6000, 6000);
     cheap = drive_cold(p, 2000, 100, 3000);
     last = drive_cold(p, 300, 100, 3000);
@@ -490,7 +497,7 @@ static void test_probe_share(void)
     struct spec_policy *p;
     struct sim_out o;
 
-    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &p));
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
     (void)sim_run(p, &sm, 400);
     o = sim_run(p, &sm, 600);
     printf("  sixteen sequences, drafts 40 %% slower: %d of %d cycles drafted, at most %d "
@@ -514,7 +521,7 @@ static void test_gate_slowdown(void)
     struct spec_policy *p;
     struct sim_out o;
 
-    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &p));
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
     (void)sim_run(p, &sm, 2000);
     sm.slow = 2.0;
     o = sim_run(p, &sm, 300);
@@ -539,7 +546,7 @@ static void test_wake(void)
     struct spec_policy *p;
     double before, after;
 
-    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &p));
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
     (void)sim_run(p, &sm, 300);
     before = spec_policy_rate(p, 1, 0);
     sm.idle_every = 1;          /* an idle wait now, then 6 cycles at 2.5 times the cost */
@@ -558,6 +565,7 @@ static void test_wake(void)
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
+    sim_src = clk_sim_src(&sim);
     test_config();
     test_fixed();
     test_drafts_pay();

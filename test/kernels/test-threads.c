@@ -1,7 +1,8 @@
 /* test-threads.c - the CPU backend's worker pool: every run executes each ith exactly
  * once and returns only after all finished; barriers separate phases; cpu_pool_for runs
  * every unit exactly once and returns only when all are done, also when one thread is
- * slow (sleeps inside a unit) - the others take over the remaining units; more threads
+ * slow (stops inside its first unit until another has taken one of its units over: an
+ * event, so it holds on any load) - the others take over the remaining units; more threads
  * than cores (oversubscription, as with a busy neighbour) still completes.  Busy mode
  * (cpu_pool_busy_begin/end, nesting) keeps all of that, also across idle gaps long enough
  * for the workers to fall asleep, and a pool is freed cleanly in the middle of it.
@@ -45,16 +46,36 @@ struct for_job {
     _Atomic int last_own[8];        /* last unit thread t ran from its own segment, + 1 */
     int slow_ith;
     int nth;                        /* threads of the run (segment bounds) */
+    _Atomic int slow_held;          /* the slow thread stopped in its first own unit */
+    _Atomic int stolen;             /* units of its segment that other threads ran */
+    _Atomic int slow_timed_out;     /* nobody took one over within 10 s */
 };
+
+/* The slow thread (a descheduled core) stops in its first unit until another thread has
+ * taken a unit of its segment over: an event, not a sleep, so on any load the others must
+ * steal for the run to go on (10 s: a pool that never steals). */
+static void slow_hold(struct for_job *j)
+{
+    for (int i = 0; i < 100000 && !atomic_load(&j->stolen); i++) {
+        struct timespec ts = { 0, 100000 };
+        nanosleep(&ts, NULL);
+    }
+    if (!atomic_load(&j->stolen))
+        atomic_store(&j->slow_timed_out, 1);
+}
 
 static void unit_fn(void *arg, int unit, int n_units, int ith)
 {
     struct for_job *j = arg;
 
     ASSERT_TRUE(unit >= 0 && unit < n_units && ith >= 0 && ith < 8);
-    if (ith == j->slow_ith) {
-        struct timespec ts = { 0, 2000000 };    /* a descheduled core, 2 ms */
-        nanosleep(&ts, NULL);
+    if (j->slow_ith >= 0 && j->slow_ith < j->nth) {
+        int lo = n_units * j->slow_ith / j->nth, hi = n_units * (j->slow_ith + 1) / j->nth;
+        bool own = unit >= lo && unit < hi;
+        if (own && ith == j->slow_ith && hi - lo >= 2 && !atomic_exchange(&j->slow_held, 1))
+            slow_hold(j);
+        else if (own && ith != j->slow_ith)
+            atomic_fetch_add(&j->stolen, 1);
     }
     if (ith < j->nth && unit >= n_units * ith / j->nth && unit < n_units * (ith + 1) / j->nth) {
         /* own segment: front to back, in order */
@@ -97,6 +118,8 @@ static void test_for(bool busy)
                 ASSERT_EQ(atomic_load(&j.count[u]), 0);
             if (j.slow_ith == 1 && n > 1 && units > 8)
                 ASSERT_LT(atomic_load(&j.by_thread[1]), units);  /* others took over */
+            if (atomic_load(&j.slow_held))
+                ASSERT_TRUE(!atomic_load(&j.slow_timed_out) && atomic_load(&j.stolen) > 0);
         }
         if (busy)
             cpu_pool_busy_end(pool);

@@ -46,16 +46,16 @@ void comm_interrupt(struct comm *c)
         atomic_store(&c->interrupted, true);
 }
 
-static uint64_t now_usec(void)
+static uint64_t now_usec(const struct comm *c)
 {
-    return (uint64_t)clk_now_us();
+    return (uint64_t)clk_src_now_us(&c->clock);
 }
 
 /* Mark a collective running (only when it has a deadline the watchdog can hold it to). */
 static void busy_begin(struct comm *c)
 {
     if (c->timeout_msec > 0)
-        atomic_store(&c->busy_since_usec, now_usec());
+        atomic_store(&c->busy_since_usec, now_usec(c));
 }
 
 static int busy_end(struct comm *c, int r)
@@ -87,7 +87,7 @@ static void *watchdog_main(void *arg)
         since = atomic_load(&w->c->busy_since_usec);
         limit = (uint64_t)(w->c->timeout_msec > 0 ? w->c->timeout_msec : 0) * 1000u +
                 (uint64_t)w->grace_msec * 1000u;
-        if (since && now_usec() - since > limit) {
+        if (since && now_usec(w->c) - since > limit) {
             /* async-signal-safe path only: the comm thread may hold any lock */
             int n = snprintf(msg, sizeof(msg), "<2>comm watchdog: a collective has run for more "
                              "than its %d ms deadline + %d ms; exiting\n", w->c->timeout_msec,

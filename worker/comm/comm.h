@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "clock.h"
 #include "err.h"
 #include "plan.h"
 
@@ -65,9 +66,12 @@ struct comm {
     /* counters (read by stats and benchmarks) */
     uint64_t n_ops;
     uint64_t n_bytes_sent;
-    /* CLOCK_MONOTONIC usec at which the running collective began, 0 when none (or when it
+    /* usec on `clock` at which the running collective began, 0 when none (or when it
      * runs without a deadline); read by the watchdog thread */
     _Atomic uint64_t busy_since_usec;
+    /* the time source of busy_since_usec and the watchdog (zeroed: CLOCK_MONOTONIC; tests
+     * drive simulated time with it, common/clock.h) */
+    struct clk_src clock;
     /* comm_interrupt() was called (any thread): the next wait fails with -ECANCELED */
     _Atomic bool interrupted;
     struct comm_watchdog *watchdog;

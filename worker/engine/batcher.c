@@ -94,6 +94,7 @@ int batcher_add(struct batcher *b, struct batch_seq *s)
     s->sched_final = false;
     s->sched_new = false;
     s->n_cached = 0;
+    s->n_cached_mtp = 0;
     list_insert(b->waiting, &b->n_waiting, s);
     return 0;
 }
@@ -215,8 +216,9 @@ static int32_t admit(struct batcher *b, struct batch_seq *s, int budget)
             int slot = b->free_slots[b->n_free_slots - 1];
             int drafts;
             bool final;
+            int32_t mtp_final = 0;
             int32_t cached = kv_seq_begin(b->kv, slot, s->cache_root, s->tokens, s->n_known,
-                                          s->mtp_depth);
+                                          s->mtp_depth, s->mtp_exact ? NULL : &mtp_final);
             s->n_computed = cached;
             int32_t n = run_size(s, budget, &drafts, &final);
             int r = n > 0 ? kv_seq_grow(b->kv, slot, cached, cached + n) : -ENOSPC;
@@ -226,6 +228,7 @@ static int32_t admit(struct batcher *b, struct batch_seq *s, int budget)
                 s->slot = slot;
                 s->state = BATCH_STATE_RUNNING;
                 s->n_cached = cached;
+                s->n_cached_mtp = s->mtp_exact ? cached : mtp_final;
                 if (s->cache_root) {
                     b->prefix_queries += (uint64_t) s->n_known;
                     b->prefix_hits += (uint64_t) cached;

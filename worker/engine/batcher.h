@@ -41,12 +41,15 @@ struct batch_seq {
     const int32_t *tokens;    /* the n_known tokens (read at admission for the prefix cache) */
     const uint8_t *cache_root;/* prefix-cache chain root (kv_prefix_root); NULL = none */
     int mtp_depth;            /* drafts it proposes per step (bounds its prefix reuse) */
+    bool mtp_exact;           /* its drafts must equal those of its own fresh prefill: reuse
+                                 only where the MTP KV is final (else the trunk's prefix) */
     /* read-only: scheduler state */
     enum batch_state state;
     int slot;                 /* -1 unless running */
     int32_t n_computed;       /* positions whose KV is valid */
     int n_preempted;          /* times preempted */
     int32_t n_cached;         /* tokens reused from the prefix cache at the last admission */
+    int32_t n_cached_mtp;     /* ... below which its MTP layers' KV is final (<= n_cached) */
     /* read-only: this step (valid after batch_schedule) */
     int32_t sched_tokens;     /* tokens scheduled, drafts included (0 = not scheduled) */
     int sched_drafts;         /* drafts included (may be fewer than n_draft when tight) */

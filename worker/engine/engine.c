@@ -133,6 +133,12 @@ int64_t engine_now_usec(void)
     return clk_now_us();
 }
 
+/* engine_config.clock now: what deadlines and the engine's own costs are measured on */
+static int64_t clock_us(const struct engine *e)
+{
+    return clk_src_now_us(&e->cfg.clock);
+}
+
 static const char *const finish_names[_ENGINE_FINISH_MAX] = {
     [ENGINE_FINISH_NONE] = "none",     [ENGINE_FINISH_STOP] = "stop",
     [ENGINE_FINISH_LENGTH] = "length", [ENGINE_FINISH_ABORT] = "abort",
@@ -310,7 +316,8 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
     if (r == 0)
         r = sampler_new(e->vocab, &e->smp);
     if (r == 0)
-        r = spec_policy_new(c.spec_policy, c.max_num_seqs, e->kmax, c.sliding_window, &e->pol);
+        r = spec_policy_new(c.spec_policy, c.max_num_seqs, e->kmax, c.sliding_window, &c.clock,
+                            &e->pol);
     if (r == 0)
         r = alloc_buffers(e);
     if (r == 0 && c.draft_vocab > 0 && e->kmax > 0) {
@@ -459,6 +466,13 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
     r->seq.slot = -1;
     r->seq.tokens = r->tokens;
     r->seq.mtp_depth = r->k;
+    /* the prefix cache's MTP bound: a sampled sequence's tokens depend on its drafts (a seed
+     * gives the same tokens whatever the cache holds), and under the fixed policy the drafts
+     * equal those of a fresh prefill; a greedy one under the adaptive policy reuses the
+     * trunk's prefix whatever its MTP KV (blocks of steps that drafted nothing hold none):
+     * its output is the same, only its drafts may be worse until the window passes */
+    r->seq.mtp_exact = r->k > 0 && (!sampling_params_greedy(&r->sp) ||
+                                    e->cfg.spec_policy == SPEC_POLICY_FIXED);
     if (e->cfg.enable_prefix_caching) {
         kv_prefix_root(e->salt, q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0, r->root);
         r->seq.cache_root = r->root;
@@ -684,10 +698,16 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
         BUG_ON(!kv_seq_writable(e->kv, s->slot, ps->pos0));
         if (s->sched_new) {
             /* the MTP layers start at pos0, final below it (kv_seq_begin's guarantee for
-             * the r->k layers this request drafts with) */
+             * the r->k layers this request drafts with), or below n_cached_mtp after a
+             * reuse of the trunk's prefix alone: then never final again (a hole that no
+             * later run repairs; below pos0 - SPEC_MAX_K track_mtp never extends it) */
+            int32_t fin = s->n_cached_mtp;
+            bool whole = fin >= ps->pos0;
+            if (!whole && fin > ps->pos0 - SPEC_MAX_K - 1)
+                fin = ps->pos0 - SPEC_MAX_K - 1 > 0 ? ps->pos0 - SPEC_MAX_K - 1 : 0;
             for (int j = 0; j < SPEC_MAX_K; j++) {
-                r->mtp_end[j] = j < r->k ? ps->pos0 : -1;
-                r->mtp_final[j] = j < r->k ? ps->pos0 : 0;
+                r->mtp_end[j] = j < r->k && whole ? ps->pos0 : -1;
+                r->mtp_final[j] = j < r->k ? (whole ? ps->pos0 : fin) : 0;
             }
         }
         if (!r->t_sched) {
@@ -1047,10 +1067,10 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
         fail_all(e, r, "step plan broadcast");
         return r;
     }
-    int64_t t0 = engine_now_usec();
+    int64_t t0 = clock_us(e);
     r = e->f->ops->step(e->f, &e->plan, e->logits);
     int64_t now = engine_now_usec();
-    e->t_forward_us += now - t0;
+    e->t_forward_us += clock_us(e) - t0;
     if (r < 0) {
         fail_all(e, r, "forward step");
         return r;
@@ -1062,11 +1082,12 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     }
     /* the draft depths of the next step (spec-policy.h) */
     bool any_mtp = spec_policy_step(e->pol, &e->plan, e->sseqs, n,
-                                    (double) (engine_now_usec() - t0) * 1e-6);
+                                    (double) (clock_us(e) - t0) * 1e-6);
     /* prefix cache: blocks of the requests without MTP work this step are committed now
      * (finished ones in finish()); with MTP work, after the chain below.  A depth the
-     * policy skipped leaves its MTP positions unwritten: a later request that reuses the
-     * prefix drafts less well there, its outputs are the same (drafts are verified). */
+     * policy skipped leaves its MTP positions unwritten: a later greedy request reuses the
+     * prefix's trunk KV and drafts less well there, its outputs are the same (drafts are
+     * verified); a sampled one reuses only blocks with final MTP KV (kv.h). */
     for (int i = 0; i < n; i++)
         if (!req_of(seqs[i])->done && e->sseqs[i].depth == 0)
             commit_blocks(e, req_of(seqs[i]));
@@ -1075,10 +1096,10 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     /* stream this step's tokens before drafting the next ones: the MTP chain then costs
      * no latency.  Finished requests are reaped here; they have no MTP work (depth 0). */
     deliver(e);
-    t0 = engine_now_usec();
+    t0 = clock_us(e);
     r = spec_propose(e->f, e->smp, &e->plan, e->sseqs, e->n_valid, e->tok_in, e->mtp_logits,
                      e->tok_scratch, e->pol);
-    e->t_mtp_us += engine_now_usec() - t0;
+    e->t_mtp_us += clock_us(e) - t0;
     if (r < 0) {
         fail_all(e, r, "MTP step");
         return r;
@@ -1096,10 +1117,10 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
 
 int engine_step(struct engine *e)
 {
-    int64_t t_start = engine_now_usec();
+    int64_t t_start = clock_us(e);
     int64_t fwd0 = e->t_forward_us, mtp0 = e->t_mtp_us;
     int r = engine_step_inner(e);
-    e->t_engine_us += engine_now_usec() - t_start - (e->t_forward_us - fwd0) - (e->t_mtp_us - mtp0);
+    e->t_engine_us += clock_us(e) - t_start - (e->t_forward_us - fwd0) - (e->t_mtp_us - mtp0);
     pthread_mutex_lock(&e->lock);
     e->snap.forward_s = (double) e->t_forward_us * 1e-6;
     e->snap.mtp_s = (double) e->t_mtp_us * 1e-6;
@@ -1116,7 +1137,7 @@ static int engine_step_inner(struct engine *e)
         deliver(e);
         return e->last_error;
     }
-    expire_and_abort(e, engine_now_usec());
+    expire_and_abort(e, clock_us(e));
     struct batch_seq **seqs;
     if (e->dv_count && e->dv_counted >= e->dv_next)
         dv_rank(e);

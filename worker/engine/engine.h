@@ -31,6 +31,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "clock.h"
 #include "err.h"
 #include "forward.h"
 #include "plan.h"
@@ -82,6 +83,12 @@ struct engine_config {
      * thread. */
     void (*describe_failure)(void *ctx, int rc, char *buf, size_t len);
     void *describe_failure_ctx;
+    /* the time source of deadlines (engine_request.deadline_usec) and of the engine's
+     * measurements: the draft policy's costs and clock (spec_policy_new), forward_s, mtp_s
+     * and engine_s; zeroed (default) the monotonic clock of engine_now_usec().  Tests drive
+     * simulated time with it (a mock forward that advances it instead of sleeping).
+     * Request timings (engine_timings) stay on engine_now_usec(). */
+    struct clk_src clock;
 };
 
 void engine_config_init(struct engine_config *cfg);
@@ -111,7 +118,8 @@ struct engine_request {
     int n_stop_token_ids;
     int priority;                     /* lower = earlier */
     int num_speculative_tokens;       /* -1 = engine default, else 0..3 */
-    int64_t deadline_usec;            /* absolute engine_now_usec(); 0 = none */
+    int64_t deadline_usec;            /* absolute, on engine_config.clock (by default
+                                         engine_now_usec()); 0 = none */
     int logprobs;                     /* -1 = none; N in 0..ENGINE_MAX_LOGPROBS: each output
                                          token's logprob and the N most likely tokens' */
     const char *cache_salt;           /* prefix-cache tenant: requests share cached KV only
@@ -265,7 +273,8 @@ void engine_rpc_stop(struct engine_rpc *s);
  * keeps serving.  For a rank that lost its coordinator.  NULL-safe. */
 void engine_rpc_fail_all(struct engine_rpc *s, const char *msg);
 
-/* CLOCK_MONOTONIC in microseconds (the clock of deadline_usec). */
+/* CLOCK_MONOTONIC in microseconds (the clock of deadline_usec unless engine_config.clock
+ * says otherwise). */
 int64_t engine_now_usec(void);
 
 #ifdef __cplusplus

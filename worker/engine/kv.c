@@ -461,9 +461,36 @@ static bool mtp_ok(const struct kv_pool *kv, const int32_t *full, int32_t lo, in
     return true;
 }
 
-int32_t kv_seq_begin(struct kv_pool *kv, int slot, const uint8_t *root, const int32_t *tokens,
-                     int32_t n_tokens, int mtp_depth)
+/* The most leading blocks of kv->walk[0 .. hit) a sequence at a position below
+ * reuse_max * bs may reuse when it drafts `depth` tokens: the sliding blocks of its window
+ * all cached, and with depth > 0 every block's MTP KV final and the chain verified depth
+ * tokens beyond (the MTP layers' KV at a position depends on up to depth tokens after
+ * it).  Writes the window's first block to *ret_lo. */
+static int32_t reuse_blocks(const struct kv_pool *kv, int32_t hit, int32_t reuse_max, int depth,
+                            int32_t *ret_lo)
 {
+    int32_t bs = kv->block_size, m = hit, lo = 0;
+    if (depth > 0)
+        m = ((int64_t) hit * bs - depth) / bs;
+    if (m > reuse_max)
+        m = reuse_max;
+    for (; m > 0; m--) {
+        lo = sliding_lo_block(kv, m * bs);
+        bool ok = true;
+        for (int32_t b = lo; b < m && ok; b++)
+            ok = kv->sliding[kv->walk[b]] >= 0;
+        if (ok && mtp_ok(kv, kv->walk, lo, m, depth))
+            break;
+    }
+    *ret_lo = lo;
+    return m;
+}
+
+int32_t kv_seq_begin(struct kv_pool *kv, int slot, const uint8_t *root, const int32_t *tokens,
+                     int32_t n_tokens, int mtp_depth, int32_t *ret_mtp_final)
+{
+    if (ret_mtp_final)
+        *ret_mtp_final = 0;
     if (slot < 0 || slot >= kv->max_seqs || n_tokens <= 0)
         return 0;
     struct slot_state *st = &kv->slots[slot];
@@ -498,20 +525,12 @@ int32_t kv_seq_begin(struct kv_pool *kv, int slot, const uint8_t *root, const in
         parent_gen = kv->gen[id];
     }
     /* the MTP layers' KV at a position depends on up to mtp_depth tokens after it */
-    int32_t m = hit;
-    if (mtp_depth > 0)
-        m = ((int64_t) hit * bs - mtp_depth) / bs;
-    if (m > reuse_max)
-        m = reuse_max;
-    /* the largest m whose window's sliding blocks are all cached (and MTP-final) */
-    int32_t lo = 0;
-    for (; m > 0; m--) {
-        lo = sliding_lo_block(kv, m * bs);
-        bool ok = true;
-        for (int32_t b = lo; b < m && ok; b++)
-            ok = kv->sliding[kv->walk[b]] >= 0;
-        if (ok && mtp_ok(kv, kv->walk, lo, m, mtp_depth))
-            break;
+    int32_t lo, m_mtp = reuse_blocks(kv, hit, reuse_max, mtp_depth, &lo);
+    int32_t m = m_mtp;
+    if (ret_mtp_final) {
+        /* the trunk's longest prefix; the MTP layers' KV is final below m_mtp's */
+        m = reuse_blocks(kv, hit, reuse_max, 0, &lo);
+        *ret_mtp_final = m_mtp * bs;
     }
     if (m <= 0)
         return 0;

@@ -32,7 +32,10 @@
  * layers hold final KV for all of its positions (for the groups of
  * kv_pool_config.mtp_group); a sequence that drafts K tokens reuses a prefix only where
  * every block its MTP layers read holds K, and only up to K tokens short of the chain it
- * verified, so the MTP layers' KV it inherits equals that of its own fresh prefill.
+ * verified, so the MTP layers' KV it inherits equals that of its own fresh prefill;
+ * a sequence whose output does not depend on its drafts may instead reuse the trunk's
+ * prefix alone, its MTP layers then read what the blocks hold (holes, as after a step
+ * that skipped them) and it learns how far their KV is final for it.
  * Not thread-safe: the engine thread owns the pool.
  */
 #pragma once
@@ -78,10 +81,15 @@ void kv_prefix_root(const uint8_t deploy_salt[KV_DIGEST_BYTES], const char *cach
  * the prefix cache on and root non-NULL, hold the longest cached prefix that leaves at
  * least one token to compute and that a sequence drafting mtp_depth tokens may use (see
  * above), and remember root so that kv_seq_commit keys the blocks the slot computes.
- * Returns the tokens reused (a multiple of block_size; 0 when nothing matches, the cache
- * is off or root is NULL); kv_seq_grow from there. */
+ * ret_mtp_final NULL: the MTP layers' KV must be final wherever the prefix is reused (a
+ * sequence whose drafts must equal those of its own fresh prefill).  Non-NULL: the trunk's
+ * longest cached prefix is reused whatever its MTP KV (a sequence whose output does not
+ * depend on its drafts: greedy), and *ret_mtp_final gets the tokens below which the KV of
+ * the first mtp_depth MTP layers is final for it (the reuse above with the MTP bound; at
+ * most the return value).  Returns the tokens reused (a multiple of block_size; 0 when
+ * nothing matches, the cache is off or root is NULL); kv_seq_grow from there. */
 int32_t kv_seq_begin(struct kv_pool *kv, int slot, const uint8_t *root, const int32_t *tokens,
-                     int32_t n_tokens, int mtp_depth);
+                     int32_t n_tokens, int mtp_depth, int32_t *ret_mtp_final);
 /* The slot's KV is final at positions < n_computed (tokens[0 .. n_computed) known), and
  * that of MTP layer j < n_mtp at positions < mtp_final[j]: key the blocks that became
  * complete, index each unless an identical one is indexed already, and record the MTP

@@ -90,10 +90,15 @@ void mock_forward_row(const struct forward *f, const int32_t *tokens, int n, flo
     fill_row(&m->cfg, ctx_hash(m->cfg.seed, tokens[0], tokens + n - c, c), logits);
 }
 
-static void nap(long usec)
+/* A step's time: slept, or added to the simulated clock (mock_config.clock). */
+static void nap(const struct mock *m, long usec)
 {
     if (usec <= 0)
         return;
+    if (m->cfg.clock) {
+        clk_sim_advance_us(m->cfg.clock, usec);
+        return;
+    }
     struct timespec ts = { .tv_sec = usec / 1000000, .tv_nsec = (usec % 1000000) * 1000 };
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR)
         ;
@@ -236,7 +241,7 @@ static int mock_step(struct forward *f, const struct step_plan *p, float *logits
         m->stats.max_seqs_in_step = p->n_seqs;
     if (p->n_tokens > m->stats.max_tokens_in_step)
         m->stats.max_tokens_in_step = p->n_tokens;
-    nap(m->cfg.step_usec + m->cfg.token_usec * p->n_tokens);
+    nap(m, m->cfg.step_usec + m->cfg.token_usec * p->n_tokens);
     return 0;
 }
 
@@ -268,7 +273,7 @@ static int mock_mtp_step(struct forward *f, int k, const struct step_plan *p, co
             fill_row(&m->cfg, splitmix64(h ^ 0x5151), row);
     }
     m->stats.mtp_steps++;
-    nap(m->cfg.mtp_usec);
+    nap(m, m->cfg.mtp_usec);
     return 0;
 }
 
@@ -323,6 +328,7 @@ int mock_forward_new(const struct mock_config *cfg, struct forward **ret)
         goto out_nomem;
     f->vocab_size = cfg->vocab_size;
     f->n_mtp = cfg->n_mtp;
+    f->mtp_kv_groups = cfg->mtp_kv_groups;
     f->max_tokens_per_step = cfg->max_tokens_per_step;
     f->max_seqs = cfg->max_seqs;
     f->block_size = cfg->block_size;

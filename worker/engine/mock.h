@@ -14,14 +14,17 @@
  * MTP: at depth k the draft row is the exact target row of the drafted context with
  * probability mtp_accuracy (a deterministic coin of the context), otherwise an
  * unrelated row, so acceptance rates can be dialled in tests.
- * Step time: sleeps step_usec + token_usec * tokens per step (and mtp_usec per MTP
- * step), so throughput experiments cost no CPU.
+ * Step time: step_usec + token_usec * tokens per step (and mtp_usec per MTP step),
+ * slept, or with a simulated clock added to it (the engine reading the same clock:
+ * engine_config.clock), so throughput experiments cost no CPU and, simulated, no wall
+ * time and come out the same on any machine.
  */
 #pragma once
 
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "clock.h"
 #include "forward.h"
 
 #ifdef __cplusplus
@@ -44,6 +47,9 @@ struct mock_config {
     long step_usec;
     long token_usec;
     long mtp_usec;
+    struct clk_sim *clock;     /* NULL: sleep the step times; else advance this clock */
+    unsigned mtp_kv_groups;    /* forward.mtp_kv_groups: the groups the engine's prefix cache
+                                  takes to hold MTP KV (the mock keeps none; 0: none) */
 };
 
 struct mock_stats {

@@ -97,6 +97,7 @@ struct cost {
 
 struct spec_policy {
     enum spec_draft_policy mode;
+    struct clk_src clock;           /* the caller's time source (every time read here) */
     int max_seqs, kmax, xmax;
     struct cost *verify;            /* [(max_seqs + 1) * (xmax + 1)] */
     struct cost *draft;             /* [kmax * (max_seqs + 1)] */
@@ -140,7 +141,7 @@ struct spec_policy {
 };
 
 int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int window,
-                    struct spec_policy **ret)
+                    const struct clk_src *clock, struct spec_policy **ret)
 {
     struct spec_policy t = { 0 }, *p;
     size_t S, X, K;
@@ -163,6 +164,8 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
     if (r < 0)
         return r;
     p->mode = mode;
+    if (clock)
+        p->clock = *clock;
     p->max_seqs = max_seqs;
     p->kmax = kmax;
     p->xmax = kmax * max_seqs;
@@ -186,6 +189,11 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
 void spec_policy_free(struct spec_policy *p)
 {
     free(p);
+}
+
+int64_t spec_policy_now_us(const struct spec_policy *p)
+{
+    return clk_src_now_us(p ? &p->clock : NULL);
 }
 
 /* ---------------------------------------------------------------- costs -- */
@@ -404,7 +412,7 @@ void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, doub
 
     if (!p || p->mode != SPEC_POLICY_ADAPTIVE)
         return;
-    p->last_end_us = clk_now_us();
+    p->last_end_us = clk_src_now_us(&p->clock);
     if (k < 0 || k >= p->kmax)
         return;
     woke = woken(p, p->last_end_us - (int64_t)(seconds * 1e6));
@@ -987,7 +995,7 @@ void spec_policy_idle(struct spec_policy *p)
         return;
     p->gate_last_us = 0;
     p->last_end_us = 0;
-    p->wake_us = clk_now_us();
+    p->wake_us = clk_src_now_us(&p->clock);
 }
 
 bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int n,
@@ -995,7 +1003,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
 {
     int B = 0, nc = 0, tok = 0, sum_cap = 0, out = 0;
     bool decode = true, any = false, off;
-    int64_t now = clk_now_us(), start;
+    int64_t now = clk_src_now_us(&p->clock), start;
 
     if (!p || p->mode != SPEC_POLICY_ADAPTIVE) {
         for (int i = 0; i < n; i++)

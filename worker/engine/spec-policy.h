@@ -88,6 +88,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "clock.h"
 #include "plan.h"
 #include "spec.h"
 
@@ -106,10 +107,17 @@ struct spec_policy;
 
 /* A policy for up to max_seqs sequences per step and kmax drafts (0 .. SPEC_MAX_K) whose
  * MTP layers attend over `window` positions (0: all; then a cache counts as complete only
- * when it covers everything from position 0).  -EINVAL, -ENOMEM. */
+ * when it covers everything from position 0).  clock: the caller's time source, the one
+ * its step_s and seconds are measured on (copied; NULL: the monotonic clock); the policy
+ * reads no other (the gate's windows, the rest of a cycle, the wake-up after an idle
+ * wait), so a caller that drives simulated time gets the same decisions on any machine.
+ * -EINVAL, -ENOMEM. */
 int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int window,
-                    struct spec_policy **ret);
+                    const struct clk_src *clock, struct spec_policy **ret);
 void spec_policy_free(struct spec_policy *p);
+/* The policy's clock now, in microseconds (p NULL: the monotonic clock): what the costs
+ * reported to it are measured on. */
+int64_t spec_policy_now_us(const struct spec_policy *p);
 
 /* After the trunk step of plan p and the verification of its sequences (seqs[i] pairs
  * with p->seqs[i]; seqs[i].depth = the most drafts sequence i may get now, 0 for none):

@@ -137,7 +137,7 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
             max_depth = seqs[i].depth;
     size_t v = (size_t) f->vocab_size;
     for (int k = 0; k < max_depth; k++) {
-        int64_t t0 = clk_now_us();
+        int64_t t0 = spec_policy_now_us(pol);      /* on the policy's clock */
         int n_at = 0;
         bool fill = false;
 
@@ -182,7 +182,7 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
             n_at += seqs[i].depth > k;
             fill |= seqs[i].depth > k && seqs[i].fill_only;
         }
-        spec_policy_draft_cost(pol, k, n_at, fill, (double)(clk_now_us() - t0) * 1e-6);
+        spec_policy_draft_cost(pol, k, n_at, fill, (double)(spec_policy_now_us(pol) - t0) * 1e-6);
     }
     return 0;
 }

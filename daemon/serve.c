@@ -27,6 +27,8 @@
 #include <jansson.h>
 
 #include "config.h"
+#include "kvplan.h"
+#include "specconf.h"
 #include "coord-int.h"
 #include "err.h"
 #include "loader.h"
@@ -79,7 +81,8 @@ struct serve {
     char *worker_args;              /* NUL-separated, n_wargs of them */
     size_t n_wargs;
     unsigned n_groups, world, threads;
-    int spec_k;                     /* num_speculative_tokens from --speculative-config */
+    struct spec_config spec;        /* --speculative-config, parsed as the ranks parse it */
+    int spec_k;                     /* the drafts per step rank 0 will make (0: none) */
     bool pass_gpu_mem;              /* this stepd-worker knows --gpu-memory-utilization */
     struct sgroup groups[SERVE_MAX_GROUPS];
     uv_timer_t t_tick, t_stop;
@@ -102,49 +105,65 @@ void serve_opts_default(struct serve_opts *o)
     o->backoff_max_ms = 30000;
     o->worker_stop_timeout_ms = 15000;
     o->spec_log_interval_ms = 10000;
+    o->prefix_caching = -1;
 }
 
 /* ------------------------------------------------------------------ preparation */
 
-/* K from a vLLM-style speculative config; the worker parses it fully (and refuses what
- * it does not accept, with exit 2, which gives the group up at once). */
-static int spec_k_parse(const char *json, int *ret)
+/* --kv-cache-memory against what rank `rank` needs for one sequence of --max-model-len (the
+ * rank's own plan, kvplan.h, as the worker makes it). */
+static int check_kv_budget(const struct serve *s, const struct ckpt *ck, unsigned rank, struct err_buf *e)
 {
-    json_error_t je;
-    json_t *j = json_loads(json, 0, &je), *m, *k;
-    int r = 0;
+    const struct serve_opts *o = &s->o;
+    const struct model_config *mc = ckpt_config(ck);
+    int depth = ckpt_mtp_depth(ck);
+    int bs = o->block_size ? (int)o->block_size : KVPLAN_DEFAULT_BLOCK_SIZE;
+    struct kvplan_req q = {
+        .block_size = bs,
+        .max_num_seqs = o->max_num_seqs ? (int)o->max_num_seqs : KVPLAN_DEFAULT_MAX_SEQS,
+        .max_model_len = o->max_model_len ? (int)o->max_model_len : KVPLAN_DEFAULT_MAX_MODEL_LEN,
+        .max_batched_tokens = o->max_num_batched_tokens ? (int)o->max_num_batched_tokens
+                                                        : KVPLAN_DEFAULT_MAX_BATCHED_TOKENS,
+        .sliding_window = mc->sliding_window,
+        .mtp_margin = depth < KVPLAN_MAX_DRAFTS ? depth : KVPLAN_MAX_DRAFTS,
+    };
+    int64_t bpt[_KVPLAN_POOLS];
+    struct kvplan p;
+    int r;
 
-    *ret = 0;
-    if (!j || !json_is_object(j)) {
-        log_error("--speculative-config: not a JSON object: %s", j ? "" : je.text);
-        r = -EINVAL;
-        goto out;
-    }
-    m = json_object_get(j, "method");
-    k = json_object_get(j, "num_speculative_tokens");
-    if (m && (!json_is_string(m) || strcmp(json_string_value(m), "mtp") != 0)) {
-        log_error("--speculative-config: method must be \"mtp\" (the model's own draft layers)");
-        r = -EINVAL;
-    } else if (!k || !json_is_integer(k) || json_integer_value(k) < 0 || json_integer_value(k) > 3) {
-        log_error("--speculative-config: num_speculative_tokens must be an integer in 0..3");
-        r = -EINVAL;
-    } else {
-        *ret = (int)json_integer_value(k);
-    }
-out:
-    json_decref(j);
+    if (o->kv_cache_memory <= 0)
+        return 0;
+    kvplan_bytes_per_token(mc, (int)s->world, (int)rank, depth,
+                           o->kv_cache_dtype && strcmp(o->kv_cache_dtype, "fp32") == 0 ? 4 : 2, bpt);
+    for (int g = 0; g < _KVPLAN_POOLS; g++)
+        q.bytes_per_token[g] = bpt[g];
+    r = kvplan_compute(&q, o->kv_cache_memory, &p, e);
+    if (r < 0)
+        err_prefix(e, "--kv-cache-memory (rank %u)", rank);
     return r;
 }
 
-/* The model and every rank's load plan, as the ranks will see them (headers only). */
+/* The model and every rank's load plan, as the ranks will see them (headers only), and
+ * what a rank would refuse in them: --max-model-len, --quantization, the KV budget. */
 static int log_model(struct serve *s)
 {
     struct err_buf e = { "" };
     int r = 0;
+    bool spec_on = s->o.speculative_config != NULL;
 
+    struct model_config declared;
+    char cfg_path[PATH_MAX + 16];
+
+    snprintf(cfg_path, sizeof(cfg_path), "%s/config.json", s->model_dir);
+    if ((r = model_config_load(cfg_path, &declared, &e)) < 0) {
+        log_error("%s", e.msg);
+        return r;
+    }
     for (unsigned rank = 0; rank < s->world; rank++) {
         struct ckpt_opts co = { .world_size = (int)s->world, .rank = (int)rank,
-                                .mtp_depth = rank == 0 ? s->spec_k : 0, .headers_only = true };
+                                .mtp_depth = rank == 0 && spec_on ? spec_config_depth(&s->spec, declared.n_mtp_layers)
+                                                                  : 0,
+                                .headers_only = true };
         struct ckpt *ck = NULL;
         struct ckpt_plan_stats ps;
 
@@ -158,25 +177,51 @@ static int log_model(struct serve *s)
             const struct model_config *mc = ckpt_config(ck);
             int depth = ckpt_mtp_depth(ck);
 
+            s->spec_k = spec_on ? spec_config_k(&s->spec, depth) : 0;
+            if (spec_on && s->spec.num_speculative_tokens > s->spec_k)
+                log_warn("--speculative-config: num_speculative_tokens %d, but the checkpoint has %d usable MTP "
+                         "layer%s: speculating %d token%s per step", s->spec.num_speculative_tokens, depth,
+                         depth == 1 ? "" : "s", s->spec_k, s->spec_k == 1 ? "" : "s");
+            r = model_config_check_len(mc, s->o.max_model_len ? (int)s->o.max_model_len
+                                                              : KVPLAN_DEFAULT_MAX_MODEL_LEN,
+                                       s->o.allow_long_max_model_len, &e);
+            if (r == 0 && s->o.quantization && mc->quant != QUANT_MXFP4)
+                r = err_set(&e, -EINVAL, "--quantization %s: %s holds BF16 routed experts, not MXFP4 (serve it "
+                            "without --quantization)", s->o.quantization, s->model_dir);
+            if (r < 0) {
+                log_error("%s", e.msg);
+                ckpt_close(ck);
+                return r;
+            }
+
             log_info("model %s: %s, %d layers, hidden %d, %d experts (top %d), vocabulary %d, %s", s->model_dir,
                      mc->model_type, mc->n_layers, mc->hidden_size, mc->n_experts, mc->top_k, mc->vocab_size,
                      mc->quant == QUANT_MXFP4 ? "MXFP4 routed experts" : "BF16");
-            if (mc->n_mtp_layers > 0 && s->spec_k > 0 && depth > 0)
+            if (mc->n_mtp_layers > 0 && s->spec_k > 0 && depth > 0) {
                 log_info("MTP detected: %d draft layer%s in the checkpoint (num_nextn_predict_layers); "
                          "speculating %d token%s per step; the drafts share the target's embedding "
                          "(model.embed_tokens.weight) and use their own heads (shared_head)",
-                         mc->n_mtp_layers, mc->n_mtp_layers == 1 ? "" : "s", depth, depth == 1 ? "" : "s");
-            else if (mc->n_mtp_layers > 0)
+                         mc->n_mtp_layers, mc->n_mtp_layers == 1 ? "" : "s", s->spec_k,
+                         s->spec_k == 1 ? "" : "s");
+                log_info("Detected MTP model. Sharing target model embedding weights with the draft model "
+                         "(%d MTP layer%s, method mtp, num_speculative_tokens %d)", depth, depth == 1 ? "" : "s",
+                         s->spec_k);
+            } else if (mc->n_mtp_layers > 0)
                 log_info("MTP detected: %d draft layer%s in the checkpoint, not used (enable with "
                          "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":%d}')",
                          mc->n_mtp_layers, mc->n_mtp_layers == 1 ? "" : "s",
                          mc->n_mtp_layers < 3 ? mc->n_mtp_layers : 3);
-            else if (s->spec_k > 0)
-                log_warn("--speculative-config asks for %d MTP tokens, but the checkpoint has no MTP layers: "
-                         "no speculation", s->spec_k);
+            else if (spec_on && s->spec.num_speculative_tokens != 0)
+                log_warn("--speculative-config asks for MTP drafts, but the checkpoint has no MTP layers: "
+                         "no speculation");
             const char *w = ckpt_warnings(ck);
             if (w && *w)
                 log_warn("checkpoint: %s", w);
+        }
+        if ((r = check_kv_budget(s, ck, rank, &e)) < 0) {
+            log_error("%s", e.msg);
+            ckpt_close(ck);
+            return r;
         }
         ckpt_plan_stats(ck, &ps);
         log_info("load plan rank %u of %u: %" PRId64 " tensors, %.1f MiB, experts [%d, %d)%s", rank, s->world,
@@ -236,6 +281,39 @@ static bool worker_has_flag(const struct serve *s, const char *flag)
         found |= strstr(line, flag) != NULL;
     pclose(p);
     return found;
+}
+
+/* --device cuda: every rank's device must be there (the worker's own backend says), or no
+ * rank can ever start: refused now, with the reason, rather than restarted in vain. */
+static int check_devices(const struct serve *s)
+{
+    char cmd[PATH_MAX + 64], line[512];
+    unsigned n = s->n_groups * s->world;
+
+    if (strcmp(s->o.device, "cuda") != 0)
+        return 0;
+    if (strchr(s->worker_bin, '\''))
+        return 0;
+    for (unsigned i = 0; i < n; i++) {
+        FILE *p;
+        int st;
+
+        snprintf(cmd, sizeof(cmd), "'%s' --check-device cuda:%u 2>&1", s->worker_bin, i);
+        p = popen(cmd, "r");
+        if (!p)
+            return -errno;
+        line[0] = '\0';
+        while (fgets(line, sizeof(line), p) && strstr(line, ": available") == NULL && line[0] == '<')
+            ;                       /* journal-prefixed log lines before the answer */
+        st = pclose(p);
+        if (st != 0) {
+            line[strcspn(line, "\n")] = '\0';
+            log_error("--device cuda: rank %u of %u needs %s (%s --check-device)", i, n,
+                      line[0] ? line : "a CUDA device", s->worker_bin);
+            return -ENODEV;
+        }
+    }
+    return 0;
 }
 
 static int make_rundir(struct serve *s)
@@ -359,11 +437,17 @@ int serve_prepare(const struct serve_opts *o, const char *ctl_key, struct serve 
         log_error("model directory %s: %s", o->model_dir, strerror(errno));
         goto fail;
     }
-    if (o->speculative_config && (r = spec_k_parse(o->speculative_config, &s->spec_k)) < 0)
-        goto fail;
+    if (o->speculative_config) {
+        struct err_buf e;
+
+        if ((r = spec_config_parse(o->speculative_config, &s->spec, &e)) < 0) {
+            log_error("%s", e.msg);
+            goto fail;
+        }
+    }
     if ((r = log_model(s)) < 0)
         goto fail;
-    if ((r = find_worker(s)) < 0)
+    if ((r = find_worker(s)) < 0 || (r = check_devices(s)) < 0)
         goto fail;
     if (o->gpu_memory_utilization > 0) {
         s->pass_gpu_mem = worker_has_flag(s, "--gpu-memory-utilization");
@@ -564,6 +648,19 @@ static void rank_start(struct srank *rk)
     if (s->pass_gpu_mem) {
         ARG("--gpu-memory-utilization"); ARG("%g", s->o.gpu_memory_utilization);
     }
+    if (s->o.kv_cache_dtype) {
+        ARG("--kv-cache-dtype"); ARG("%s", s->o.kv_cache_dtype);
+    }
+    if (s->o.kv_cache_memory > 0) {
+        ARG("--kv-cache-memory"); ARG("%" PRId64, s->o.kv_cache_memory);
+    }
+    if (s->o.block_size) {
+        ARG("--block-size"); ARG("%u", s->o.block_size);
+    }
+    if (s->o.prefix_caching == 0)
+        ARG("--no-enable-prefix-caching");
+    if (s->o.allow_long_max_model_len)
+        ARG("--allow-long-max-model-len");
 #undef ARG
     for (int i = 0; i < n; i++)
         argv[i] = a[i];

@@ -16,7 +16,8 @@
      draft_policy, --device cuda on a machine without a GPU or the CUDA plugin, a KV budget
      below one sequence) end `stepd serve` with exit status 2 and the reason before any
      rank starts (the time to exit is printed, not asserted); an unknown flag names the
-     nearest one in one line; --port-offset moves every port.
+     nearest one in one line; --port-offset moves every port; `stepctl wait-ready` says why
+     the server is not ready and stops waiting when every group was given up.
 
   test_serve_vllm.py [--only seed,recipe8,refusals]
 """
@@ -39,6 +40,7 @@ MODEL = os.path.join(ROOT, "models", "tiny-step")
 STEPD = os.path.abspath(dl.build_binary("stepd"))
 WORKER = os.path.abspath(dl.build_binary("stepd-worker"))
 MKMODEL = os.path.abspath(dl.build_binary("stepd-mkmodel"))
+STEPCTL = os.path.abspath(dl.build_binary("stepctl"))
 
 SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
 # the checkpoint's own command line (after `stepd serve MODEL`), word for word
@@ -254,12 +256,51 @@ def test_port_offset(d):
         p.kill()
 
 
+def wait_ready(pub, adm, timeout):
+    t0 = time.monotonic()
+    r = subprocess.run([STEPCTL, "--addr", "127.0.0.1:%d" % pub, "--admin-addr", "127.0.0.1:%d" % adm, "wait-ready",
+                        "--timeout", str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=timeout + 30)
+    return r, time.monotonic() - t0
+
+
+def test_wait_ready(d):
+    # a rank that can never start (a flag it does not know: exit 2, the group is given up):
+    # wait-ready says why and does not wait out its timeout
+    ports, pargs = ports_args()
+    p = pl.Proc("serve", [STEPD, "serve", MODEL, "--device", "cpu", "--worker-arg", "--no-such-flag"] + pargs,
+                dict(os.environ, TMPDIR=d), d)
+    try:
+        r, dt = wait_ready(ports[0], ports[1], 60)
+        assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+        assert re.search(r"not ready and will not be: group g0: failed \(not restarted: rank 0 .*exited with "
+                         r"status 2", r.stderr), r.stderr
+        print("   given up: wait-ready exit %d after %.2f s: %s" % (r.returncode, dt, r.stderr.strip().splitlines()[-1]))
+    finally:
+        p.kill()
+    # nothing listening: the reason names the address
+    r, dt = wait_ready(ports[0], ports[1], 1)
+    assert r.returncode == 1 and "cannot reach 127.0.0.1:%d" % ports[0] in r.stderr, r.stderr
+    # a server that comes up: "ready"
+    ports, pargs = ports_args()
+    p = pl.Proc("serve2", [STEPD, "serve", MODEL, "--device", "cpu"] + pargs, dict(os.environ, TMPDIR=d), d)
+    try:
+        r, dt = wait_ready(ports[0], ports[1], 60)
+        assert r.returncode == 0 and r.stdout.strip() == "ready", (r.returncode, r.stdout, r.stderr)
+        print("   a starting server: ready after %.2f s; on the way: %s" % (dt, r.stderr.strip().replace("\n", " | ")))
+        p.p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    finally:
+        p.kill()
+
+
 def main():
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     cases = (("the seed's command line on the tiny model", test_seed, "seed"),
              ("the 8-way recipe line on narrow8", test_recipe8, "recipe8"),
              ("settings that can never serve, flags", test_refusals, "refusals"),
-             ("--port-offset", test_port_offset, "refusals"))
+             ("--port-offset", test_port_offset, "refusals"),
+             ("stepctl wait-ready says why", test_wait_ready, "refusals"))
     pl.run_cases([(t, fn) for t, fn, k in cases if not only or k in only], "stepd-serve-vllm-", 5000)
     print("stepd serve with vLLM's command lines: all checks passed")
 

@@ -58,7 +58,8 @@ static void usage(FILE *f)
         "  --kv-cache-dtype D      auto or bf16 (default; FP32 accumulation), fp32\n"
         "  --kv-blocks B           full-attention pool blocks, overriding the budget (the\n"
         "                          sliding-window pool is sized by the window either way)\n"
-        "  --no-enable-prefix-caching  recompute every prompt (default: reuse cached KV blocks)\n"
+        "  --no-enable-prefix-caching  recompute every prompt (--enable-prefix-caching, the\n"
+        "                          default: reuse cached KV blocks)\n"
         "  --prefix-cache-salt S   deployment salt of the prefix-cache keys (default: random)\n"
         "  --collective-timeout MS deadline of every collective (default 30000)\n"
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
@@ -82,7 +83,7 @@ static void usage(FILE *f)
         "                          processed_logprobs (after penalties, temperature, top-k/p)\n"
         "  --insecure-listen       allow a non-loopback --engine-listen (it has no authentication)\n"
         "  --health-listen ADDR    HTTP probes: GET /livez (alive), GET /readyz (loaded, group formed)\n"
-        "  --version               print the version and exit\n"
+        "  --version, --help       print the version, or this text, and exit\n"
         "  --check-device DEV      open the backend of DEV (cpu, cuda:N) and exit: 0 when this\n"
         "                          machine has it, 2 with the reason (`stepd serve` asks first)\n"
         "Exit status: 0 ok, 1 failure, 2 usage, 3 rendezvous, 4 collective failed (peer gone).\n");

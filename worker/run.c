@@ -64,7 +64,7 @@ static void usage(FILE *f)
                "  --draft-quant Q MTP draft weights: auto (default: mxfp4 on cpu, none elsewhere),\n"
                "                  none (the checkpoint's) or mxfp4 (re-quantised copies)\n"
                "  --kv-cache-dtype D  KV cache rows: auto or bf16 (default), fp32 (as stepd-worker)\n"
-               "  --version       print the version and exit\n");
+               "  --version, --help  print the version, or this text, and exit\n");
 }
 
 static int parse_int(const char *s, const char *what, int lo, int hi, int *ret)

@@ -232,6 +232,30 @@ def test_refusals(d):
     assert len(r.stdout.strip().splitlines()) == 1, "more than one line for an unknown flag:\n" + r.stdout
 
 
+def test_port_in_use(d):
+    """A port another process holds: one line naming the flag that sets it, no gRPC error dump."""
+    import socket
+    for flag in ("--listen", "--admin-listen", "--control-listen", "--metrics-listen", "--port"):
+        ports, pargs = ports_args()
+        i = ["--listen", "--admin-listen", "--control-listen", "--metrics-listen", "--port"].index(flag)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", ports[i]))
+        s.listen()
+        try:
+            t0 = time.monotonic()
+            r = subprocess.run([STEPD, "serve", MODEL, "--device", "cpu"] + pargs, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=60, env=dict(os.environ, TMPDIR=d))
+        finally:
+            s.close()
+        name = "--host/--port" if flag == "--port" else flag
+        assert r.returncode == 1, (flag, r.returncode, r.stdout)
+        assert re.search(r"%s .*%d: address in use \(another stepd\? --port-offset N moves every port" %
+                         (re.escape(name), ports[i]), r.stdout), (flag, r.stdout)
+        assert "chttp2" not in r.stdout and len(r.stdout.strip().splitlines()) == 1, r.stdout
+        print("   %-16s in use: exit 1 in %.2f s: %s" % (flag, time.monotonic() - t0, r.stdout.strip()))
+
+
 def test_port_offset(d):
     ports, pargs = ports_args()
     off = 3
@@ -300,6 +324,7 @@ def main():
              ("the 8-way recipe line on narrow8", test_recipe8, "recipe8"),
              ("settings that can never serve, flags", test_refusals, "refusals"),
              ("--port-offset", test_port_offset, "refusals"),
+             ("a port in use names its flag", test_port_in_use, "refusals"),
              ("stepctl wait-ready says why", test_wait_ready, "refusals"))
     pl.run_cases([(t, fn) for t, fn, k in cases if not only or k in only], "stepd-serve-vllm-", 5000)
     print("stepd serve with vLLM's command lines: all checks passed")

@@ -132,7 +132,7 @@ enum {
     OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
     OPT_S_BACKOFF_MAX, OPT_S_STOP, OPT_S_SPECLOG, OPT_S_KV_DTYPE, OPT_S_KV_MEM, OPT_S_PREFIX_ON,
     OPT_S_PREFIX_OFF, OPT_S_BLOCK, OPT_S_DTYPE, OPT_S_QUANT, OPT_S_CHAT_TEMPLATE, OPT_S_TEMPLATE_KW,
-    OPT_S_LIMIT_MM, OPT_S_ALLOW_LONG, OPT_S_NOTE,
+    OPT_S_LIMIT_MM, OPT_S_ALLOW_LONG, OPT_S_NOTE, OPT_S_PASS, OPT_S_PASS_UINT,
 };
 
 /* What an option is: where it applies, and how the docs' table of vLLM flags shows it. */
@@ -283,7 +283,22 @@ static const struct optdecl optdecls[] = {
       "always on: prompts longer than --max-num-batched-tokens are prefilled in chunks" },
     { "enable-eplb", NULL, OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
       "stepd places the routed experts statically (a contiguous share per rank); no load balancer" },
+    { "logprobs-mode", "M", OPT_S_PASS, SERVE_VLLM, "raw_logprobs (default) or processed_logprobs: what logprobs\n"
+      "report (the worker's flag)", "raw_logprobs (default) or processed_logprobs, as vLLM" },
     { "threads", "T", OPT_S_THREADS, OPTF_SERVE, "CPU threads per rank (default: the CPUs shared out)", NULL },
+    { "max-waiting", "N", OPT_S_PASS_UINT, OPTF_SERVE, "requests an engine queues beyond --max-num-seqs (the worker's\n"
+      "flag; default: the KV pool's block count, within 64..4096)", NULL },
+    { "kv-blocks", "B", OPT_S_PASS_UINT, OPTF_SERVE, "full-attention KV blocks per rank, overriding the budget", NULL },
+    { "prefix-cache-salt", "S", OPT_S_PASS, OPTF_SERVE, "deployment salt of the prefix-cache keys (default: random)", NULL },
+    { "exact", NULL, OPT_S_PASS, OPTF_SERVE, "CPU: the exact W4A32 MXFP4 path instead of the int8 fast path", NULL },
+    { "mtp-model", "DIR", OPT_S_PASS, OPTF_SERVE, "MTP layers from another directory", NULL },
+    { "comm-net-devices", "DEVS", OPT_S_PASS, OPTF_SERVE, "network devices the groups' UCX transports bind (default lo)",
+      NULL },
+    { "collective-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "deadline of every collective (default 30000)", NULL },
+    { "rendezvous-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "how long a rank waits for the others (default 60000)",
+      NULL },
+    { "load-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "how long ranks wait for each other to load (default 1800000)",
+      NULL },
     { "worker-binary", "PATH", OPT_S_WBIN, OPTF_SERVE, "stepd-worker to run (default: beside stepd, else $PATH)", NULL },
     { "worker-arg", "ARG", OPT_S_WARG, OPTF_SERVE, "one more flag for every rank (repeatable)", NULL },
     { "worker-restart-limit", "N", OPT_S_LIMIT, OPTF_SERVE, "failures in a row before a group is given up (default 5)", NULL },
@@ -602,6 +617,8 @@ int main(int argc, char **argv)
     size_t n_names = 0;
     bool serve_mode = argc > 1 && strcmp(argv[1], "serve") == 0;
     unsigned port_offset = 0;
+    char pass_flags[SERVE_MAX_WORKER_ARGS][48];
+    size_t n_pass = 0;
     char ports[4][300], msg[256];
 
     malloc_tune(argv);
@@ -633,6 +650,34 @@ int main(int argc, char **argv)
         if (d && (d->flags & OPTF_SERVE) && !serve_flag)
             serve_flag = d->name;
         switch (c) {
+        case OPT_S_PASS_UINT: {
+            char fl[64];
+
+            snprintf(fl, sizeof(fl), "--%s", d->name);
+            if (parse_uint(fl, optarg, INT32_MAX, &v) < 0)
+                return 2;
+            if (v == 0) {
+                log_error("%s: at least 1", fl);
+                return 2;
+            }
+        }
+            /* fall through */
+        case OPT_S_PASS:
+            /* the worker's own flag, passed to every rank as it is */
+            if (d->name && !strcmp(d->name, "logprobs-mode") && strcmp(optarg, "raw_logprobs") &&
+                strcmp(optarg, "processed_logprobs")) {
+                log_error("--logprobs-mode %s: expected raw_logprobs or processed_logprobs", optarg);
+                return 2;
+            }
+            if (so.n_worker_args + 2 > SERVE_MAX_WORKER_ARGS) {
+                log_error("--%s: at most %d worker flags in all", d->name, SERVE_MAX_WORKER_ARGS);
+                return 2;
+            }
+            snprintf(pass_flags[n_pass], sizeof(pass_flags[n_pass]), "--%s", d->name);
+            worker_args[so.n_worker_args++] = pass_flags[n_pass++];
+            if (d->arg)
+                worker_args[so.n_worker_args++] = optarg;
+            break;
         case OPT_S_NOTE:
             log_notice("--%s%s%s: %s", d->name, d->arg ? " " : "", d->arg ? optarg : "", d->vllm);
             break;
@@ -768,6 +813,7 @@ int main(int argc, char **argv)
         SERVE_UINT(OPT_S_MAXLEN, "--max-model-len", 2, 1u << 22, max_model_len)
         SERVE_UINT(OPT_S_MAXBT, "--max-num-batched-tokens", 4, 1u << 20, max_num_batched_tokens)
         SERVE_UINT(OPT_S_MAXSEQS, "--max-num-seqs", 1, 4096, max_num_seqs)
+        SERVE_UINT(OPT_S_BLOCK, "--block-size", 1, 4096, block_size)
         SERVE_UINT(OPT_S_LIMIT, "--worker-restart-limit", 1, 1000, restart_limit)
         SERVE_UINT(OPT_S_BACKOFF, "--worker-backoff-ms", 1, 3600000, backoff_ms)
         SERVE_UINT(OPT_S_BACKOFF_MAX, "--worker-backoff-max-ms", 1, 3600000, backoff_max_ms)
@@ -863,9 +909,11 @@ int main(int argc, char **argv)
         case ':':
             log_error("%s: needs a value (stepd --help)", argv[optind - 1]);
             return 2;
-        default:
+        case '?':
             unknown_flag(argv[optind - 1]);
             return 2;
+        default:
+            ASSERT(!"an option without a handler");
         }
     }
     if (port_offset && apply_port_offset(&o, port_offset, ports, sizeof(ports[0])) < 0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """test_cli_help.py - every program says its version (--version: "PROGRAM X.Y.Z") and its
 --help names every long option the program takes (read from its getopt table, or stepd's
-option declarations, in the source)."""
+option declarations, in the source); every option stepd declares has a handler."""
 import os
 import re
 import subprocess
@@ -41,6 +41,16 @@ def main():
         missing = [n for n in names if not re.search(r"--%s\b(?!-)" % re.escape(n), h.stdout)]
         assert not missing, "%s --help does not describe %s" % (prog, ", ".join("--" + n for n in missing))
         print("%s %s: --help names all %d options" % (prog, version, len(names)))
+    # every option stepd declares has a handler: none ends in an assertion (a value of "1",
+    # a model directory that is not there)
+    text = open(os.path.join(ROOT, "daemon/main.c")).read()
+    decls = re.findall(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(NULL|"[^"]*"),\s*OPT_', text)
+    exe = os.path.abspath(dl.build_binary("stepd"))
+    for name, arg in decls:
+        argv = [exe, "serve", "/nonexistent-model-dir", "--" + name] + (["1"] if arg != "NULL" else [])
+        r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30)
+        assert r.returncode >= 0 and "without a handler" not in r.stdout, (argv, r.returncode, r.stdout)
+    print("stepd: each of %d declared options parsed without an assertion" % len(decls))
     print("every program: --version and --help: ok")
 
 

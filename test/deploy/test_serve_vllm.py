@@ -232,6 +232,33 @@ def test_refusals(d):
     assert len(r.stdout.strip().splitlines()) == 1, "more than one line for an unknown flag:\n" + r.stdout
 
 
+def test_worker_settings(d):
+    """The worker settings the docs name, given to `stepd serve` directly (no --worker-arg)."""
+    ports, pargs = ports_args()
+    extra = ["--kv-cache-dtype", "fp32", "--kv-cache-memory", "64MiB", "--no_enable_prefix_caching",
+             "--logprobs-mode=processed_logprobs", "--max-waiting", "7", "--block-size", "32", "--exact"]
+    p = pl.Proc("serve", [STEPD, "serve", MODEL, "--device", "cpu", "--threads", "1"] + extra + pargs,
+                dict(os.environ, TMPDIR=d), d)
+    try:
+        pl.wait_until(lambda: "startup complete in" in p.text() or p.p.poll() is not None, 120, "startup complete",
+                      step=0.05)
+        log = p.text()
+        assert p.p.poll() is None, log[-3000:]
+        pid = int(re.search(r"group g0 rank 0 started: pid (\d+)", log).group(1))
+        argv = open("/proc/%d/cmdline" % pid).read().split("\0")
+        for a, b in (("--kv-cache-dtype", "fp32"), ("--kv-cache-memory", str(64 << 20)), ("--max-waiting", "7"),
+                     ("--logprobs-mode", "processed_logprobs"), ("--block-size", "32")):
+            assert a in argv and argv[argv.index(a) + 1] == b, (a, b, argv)
+        assert "--no-enable-prefix-caching" in argv and "--exact" in argv, argv
+        assert re.search(r"KV cache \(FP32, --kv-cache-memory\)", log), log[-3000:]
+        assert "(8 running + 7 waiting)" in log, log[-3000:]
+        print("   rank 0 runs with %s" % " ".join(argv[argv.index("--kv-cache-dtype"):]))
+        p.p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    finally:
+        p.kill()
+
+
 def test_port_in_use(d):
     """A port another process holds: one line naming the flag that sets it, no gRPC error dump."""
     import socket
@@ -325,6 +352,7 @@ def main():
              ("settings that can never serve, flags", test_refusals, "refusals"),
              ("--port-offset", test_port_offset, "refusals"),
              ("a port in use names its flag", test_port_in_use, "refusals"),
+             ("the worker's settings directly", test_worker_settings, "refusals"),
              ("stepctl wait-ready says why", test_wait_ready, "refusals"))
     pl.run_cases([(t, fn) for t, fn, k in cases if not only or k in only], "stepd-serve-vllm-", 5000)
     print("stepd serve with vLLM's command lines: all checks passed")

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <stdio.h>
 #include <string.h>
 
 /* A string option: values[i] for names[i] (NULL-ended), null for values[0]; -1 otherwise. */
@@ -89,9 +90,20 @@ int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf 
             } else {
                 cfg.draft_vocab = (int)n;
             }
+        } else if (strcmp(key, "model") == 0) {
+            if (json_is_null(val)) {
+                cfg.model[0] = '\0';
+            } else if (!json_is_string(val) || !json_string_value(val)[0] ||
+                       strlen(json_string_value(val)) >= sizeof(cfg.model)) {
+                r = err_set(e, -EINVAL, "--speculative-config: model: expected null or the directory of the "
+                            "MTP layers (at most %zu bytes)", sizeof(cfg.model) - 1);
+                goto out;
+            } else {
+                snprintf(cfg.model, sizeof(cfg.model), "%s", json_string_value(val));
+            }
         } else {
             r = err_set(e, -EINVAL, "--speculative-config: unknown key \"%s\" (stepd takes method, "
-                        "num_speculative_tokens, draft_quantization, draft_policy, draft_vocab)", key);
+                        "num_speculative_tokens, model, draft_quantization, draft_policy, draft_vocab)", key);
             goto out;
         }
     }

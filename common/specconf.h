@@ -47,6 +47,8 @@ struct spec_config {
     enum spec_draft_quant draft_quant;
     enum spec_draft_policy draft_policy;
     int draft_vocab;              /* engine_config.draft_vocab: 0 or a multiple of 64 */
+    char model[512];              /* "model": a directory holding the MTP layers ("": the
+                                     checkpoint's own; stepd-worker --mtp-model) */
 };
 
 /* The draft weights a backend named `backend` ("cpu", "cuda", ...) gets for q: true = MXFP4. */
@@ -60,8 +62,9 @@ static inline bool spec_draft_mxfp4(enum spec_draft_quant q, const char *backend
 /* Parse --speculative-config JSON, e.g. {"method":"mtp","num_speculative_tokens":3}, plus
  * the optional "draft_quantization": null | "auto" | "none" | "mxfp4" (enum
  * spec_draft_quant), "draft_policy": null | "adaptive" | "fixed" (enum
- * spec_draft_policy) and "draft_vocab": null | N (engine_config.draft_vocab; N a multiple
- * of 64, checked against the vocabulary by the engine).
+ * spec_draft_policy), "draft_vocab": null | N (engine_config.draft_vocab; N a multiple
+ * of 64, checked against the vocabulary by the engine) and "model": null | DIR (vLLM's draft
+ * model: a directory with the MTP layers, as stepd-worker --mtp-model).
  * NULL or "" means no speculation.  -EINVAL with a sentence in e on anything else
  * (unknown method, K out of range, unknown keys or values, bad JSON). */
 int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e);

@@ -231,8 +231,8 @@ static const struct optdecl optdecls[] = {
       "accepted: routed experts are always split over the ranks of a group (expert parallel)" },
     { "speculative-config", "JSON", OPT_S_SPEC, SERVE_VLLM, "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}', K 0..3 (plus\n"
       "draft_quantization, draft_policy, draft_vocab); checked before any rank starts",
-      "method \"mtp\" (the checkpoint's MTP layers), num_speculative_tokens 0..3 (default: the layers there are); "
-      "other methods and unknown keys are refused before any rank starts" },
+      "method \"mtp\" (the checkpoint's MTP layers), num_speculative_tokens 0..3 (default: the layers there are), "
+      "model (a directory with the MTP layers); other methods and unknown keys are refused before any rank starts" },
     { "max-model-len", "L", OPT_S_MAXLEN, SERVE_VLLM, "longest sequence (default 1024); above the model's\n"
       "max_position_embeddings only with --allow-long-max-model-len",
       "longest sequence; above the model's max_position_embeddings refused unless --allow-long-max-model-len" },

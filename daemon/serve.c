@@ -161,6 +161,7 @@ static int log_model(struct serve *s)
     }
     for (unsigned rank = 0; rank < s->world; rank++) {
         struct ckpt_opts co = { .world_size = (int)s->world, .rank = (int)rank,
+                                .mtp_dir = spec_on && s->spec.model[0] ? s->spec.model : NULL,
                                 .mtp_depth = rank == 0 && spec_on ? spec_config_depth(&s->spec, declared.n_mtp_layers)
                                                                   : 0,
                                 .headers_only = true };

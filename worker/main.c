@@ -42,7 +42,8 @@ static void usage(FILE *f)
         "  --world-size N          1, 2, 4 or 8 ranks in the group\n"
         "  --mtp K                 MTP speculative tokens on rank 0 (0..3): the most per step\n"
         "  --speculative-config J  as vLLM: '{\"method\":\"mtp\",\"num_speculative_tokens\":K}'\n"
-        "                          (without num_speculative_tokens: the checkpoint's MTP layers, up to 3)\n"
+        "                          (without num_speculative_tokens: the checkpoint's MTP layers, up to 3;\n"
+        "                          \"model\": DIR, the MTP layers from DIR as --mtp-model)\n"
         "                          (+ \"draft_quantization\": \"auto\" (default: MXFP4 copies of\n"
         "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\";\n"
         "                          \"draft_policy\": \"adaptive\" (default: 0..K drafts per step,\n"
@@ -332,6 +333,8 @@ int main(int argc, char **argv)
         if (r < 0)
             return WORKER_EXIT_USAGE;
     }
+    if (o.spec.model[0] && !o.mtp_dir)
+        o.mtp_dir = o.spec.model;           /* --speculative-config's "model" */
     if (optind < argc) {
         fprintf(stderr, "stepd-worker: unexpected argument '%s'\n", argv[optind]);
         usage(stderr);

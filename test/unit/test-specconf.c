@@ -42,7 +42,14 @@ int main(void)
     ASSERT_ERR(spec_config_parse("{\"method\": \"mtp\", \"draft_policy\": \"sometimes\"}", &c, &e), -EINVAL);
     ASSERT_CONTAINS(e.msg, "draft_policy");
     ASSERT_ERR(spec_config_parse("{\"method\": \"ngram\", \"num_speculative_tokens\": 3}", &c, &e), -EINVAL);
+    /* vLLM's draft "model": the MTP layers from another directory (--mtp-model) */
+    ASSERT_OK(spec_config_parse("{\"method\":\"mtp\",\"model\":\"/draft\",\"num_speculative_tokens\":1}", &c, &e));
+    ASSERT_STREQ(c.model, "/draft");
+    ASSERT_EQ(c.num_speculative_tokens, 1);
+    ASSERT_ERR(spec_config_parse("{\"method\":\"mtp\",\"model\":5}", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "model");
     ASSERT_OK(spec_config_parse(NULL, &c, &e));
+    ASSERT_STREQ(c.model, "");
     ASSERT_EQ(c.num_speculative_tokens, 0);
 
     memset(&mc, 0, sizeof(mc));

@@ -79,25 +79,25 @@ int coord_chat_render(struct coord *co, const struct request *in, char **ret, ch
     struct tok_chat_opts opts = { 0 };
     struct err_buf eb;
     int32_t bos = tok_bos_id(co->tok);
+    /* --default-chat-template-kwargs (checked at start-up), under the request's own; held
+     * until the template is rendered (opts points into it) */
+    json_t *def = co->o.default_chat_template_kwargs ? json_loads(co->o.default_chat_template_kwargs, 0, NULL)
+                                                     : NULL;
     int r;
 
     opts.bos_token = bos >= 0 ? tok_id_to_token(co->tok, bos) : NULL;
     opts.reasoning_effort = in->reasoning_effort;
     opts.add_generation_prompt = in->add_generation_prompt;
-    if (co->o.default_chat_template_kwargs) {
-        /* --default-chat-template-kwargs (checked at start-up), under the request's own */
-        json_t *def = json_loads(co->o.default_chat_template_kwargs, 0, NULL);
-
-        r = kwargs_apply(def, "--default-chat-template-kwargs", in->reasoning_effort != NULL, &opts, msg, len);
+    r = kwargs_apply(def, "--default-chat-template-kwargs", in->reasoning_effort != NULL, &opts, msg, len);
+    if (r >= 0)
+        r = kwargs_apply(in->chat_template_kwargs, in->names[RN_CHAT_TEMPLATE_KWARGS], in->reasoning_effort != NULL,
+                         &opts, msg, len);
+    if (r < 0) {
         json_decref(def);
-        if (r < 0)
-            return r;
-    }
-    r = kwargs_apply(in->chat_template_kwargs, in->names[RN_CHAT_TEMPLATE_KWARGS], in->reasoning_effort != NULL,
-                     &opts, msg, len);
-    if (r < 0)
         return r;
+    }
     r = tok_chat_render(in->messages, in->tools, &opts, ret, NULL, &eb);
+    json_decref(def);
     if (r == 0 && opts.add_generation_prompt) {
         char pre[128];
         size_t pl = coord_chat_forced_prefix(in, pre, sizeof(pre));

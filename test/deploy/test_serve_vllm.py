@@ -236,7 +236,8 @@ def test_worker_settings(d):
     """The worker settings the docs name, given to `stepd serve` directly (no --worker-arg)."""
     ports, pargs = ports_args()
     extra = ["--kv-cache-dtype", "fp32", "--kv-cache-memory", "64MiB", "--no_enable_prefix_caching",
-             "--logprobs-mode=processed_logprobs", "--max-waiting", "7", "--block-size", "32", "--exact"]
+             "--logprobs-mode=processed_logprobs", "--max-waiting", "7", "--block-size", "32", "--exact",
+             "--default-chat-template-kwargs", '{"reasoning_effort": "low"}']
     p = pl.Proc("serve", [STEPD, "serve", MODEL, "--device", "cpu", "--threads", "1"] + extra + pargs,
                 dict(os.environ, TMPDIR=d), d)
     try:
@@ -253,6 +254,18 @@ def test_worker_settings(d):
         assert re.search(r"KV cache \(FP32, --kv-cache-memory\)", log), log[-3000:]
         assert "(8 running + 7 waiting)" in log, log[-3000:]
         print("   rank 0 runs with %s" % " ".join(argv[argv.index("--kv-cache-dtype"):]))
+        # --default-chat-template-kwargs: under a request's own chat_template_kwargs
+        msgs = [{"role": "user", "content": "Hello there"}]
+
+        def toks(**kw):
+            code, body = post(ports[4], "/tokenize", dict(model="tiny-step", messages=msgs, **kw))
+            assert code == 200, (code, body)
+            return body["tokens"]
+        dflt, low = toks(), toks(chat_template_kwargs={"reasoning_effort": "low"})
+        high = toks(chat_template_kwargs={"reasoning_effort": "high"})
+        assert dflt == low and dflt != high, (dflt, low, high)
+        print("   --default-chat-template-kwargs: a chat without kwargs renders as reasoning_effort low "
+              "(%d tokens), a request's own \"high\" wins" % len(dflt))
         p.p.send_signal(signal.SIGTERM)
         p.wait(60)
     finally:
@@ -284,8 +297,12 @@ def test_port_in_use(d):
 
 
 def test_port_offset(d):
-    ports, pargs = ports_args()
     off = 3
+    # free ports once moved: the flags name them less the offset
+    ports = [pl.free_port() - off for _ in range(5)]
+    pargs = ["--listen", "127.0.0.1:%d" % ports[0], "--admin-listen", "127.0.0.1:%d" % ports[1],
+             "--control-listen", "127.0.0.1:%d" % ports[2], "--metrics-listen", "127.0.0.1:%d" % ports[3],
+             "--port", str(ports[4])]
     argv = [STEPD, "--insecure-control", "--port-offset", str(off)] + pargs
     p = pl.Proc("stepd", argv, dict(os.environ, TMPDIR=d), d)
     try:

@@ -269,19 +269,19 @@ static const struct optdecl optdecls[] = {
     { "limit-mm-per-prompt", "JSON", OPT_S_LIMIT_MM, SERVE_VLLM, "'{\"image\":0}' and other zero limits: stepd serves text\n"
       "only (images are not supported yet: a limit above 0 is refused)",
       "accepted with every limit 0 (stepd serves text only); images > 0 refused (not supported yet)" },
-    { "disable-cascade-attn", NULL, OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
+    { "disable-cascade-attn", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
       "stepd has no cascade attention: every sequence's attention is computed on its own blocks" },
-    { "enforce-eager", NULL, OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
+    { "enforce-eager", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
       "stepd captures no CUDA graphs: every step runs eagerly already" },
-    { "trust-remote-code", NULL, OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
+    { "trust-remote-code", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
       "stepd runs no code from the model directory: config.json and the safetensors are read by its own loader" },
-    { "linear-backend", "B", OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
+    { "linear-backend", "B", OPT_S_NOTE, SERVE_VLLM, NULL,
       "stepd picks its own matmul kernels per device and CPU (MXFP4 experts included); the value is not used" },
-    { "async-scheduling", NULL, OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
+    { "async-scheduling", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
       "stepd's engine has one scheduler (continuous batching); nothing to switch" },
-    { "enable-chunked-prefill", NULL, OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
+    { "enable-chunked-prefill", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
       "always on: prompts longer than --max-num-batched-tokens are prefilled in chunks" },
-    { "enable-eplb", NULL, OPT_S_NOTE, SERVE_VLLM, "accepted, changes nothing",
+    { "enable-eplb", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
       "stepd places the routed experts statically (a contiguous share per rank); no load balancer" },
     { "logprobs-mode", "M", OPT_S_PASS, SERVE_VLLM, "raw_logprobs (default) or processed_logprobs: what logprobs\n"
       "report (the worker's flag)", "raw_logprobs (default) or processed_logprobs, as vLLM" },
@@ -317,7 +317,7 @@ static void usage(FILE *f)
                "Admin, worker control service, health and Prometheus metrics.\n");
     for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
         const struct optdecl *d = &optdecls[i];
-        const char *h = d->help;
+        const char *h = d->id == OPT_S_NOTE ? d->vllm : d->help;    /* what stepd does instead */
         char head[64];
         int n;
 

@@ -186,6 +186,9 @@ static int log_model(struct serve *s)
             r = model_config_check_len(mc, s->o.max_model_len ? (int)s->o.max_model_len
                                                               : KVPLAN_DEFAULT_MAX_MODEL_LEN,
                                        s->o.allow_long_max_model_len, &e);
+            if (r == 0 && spec_on && s->spec.draft_vocab > mc->vocab_size)
+                r = err_set(&e, -EINVAL, "--speculative-config: draft_vocab: %d is above the model's vocabulary "
+                            "(%d tokens)", s->spec.draft_vocab, mc->vocab_size);
             if (r == 0 && s->o.quantization && mc->quant != QUANT_MXFP4)
                 r = err_set(&e, -EINVAL, "--quantization %s: %s holds BF16 routed experts, not MXFP4 (serve it "
                             "without --quantization)", s->o.quantization, s->model_dir);

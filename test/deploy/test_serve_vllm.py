@@ -219,6 +219,9 @@ def test_refusals(d):
             "a KV budget below one sequence")
     refused(d, ["--speculative_config={\"num_speculative_tokens\": 2}"], r"--speculative-config: method: missing",
             "no method (--a_b=value spelling)")
+    refused(d, ["--speculative-config", '{"method": "mtp", "draft_vocab": 8192}'],
+            r"--speculative-config: draft_vocab: 8192 is above the model's vocabulary \(4096 tokens\)",
+            "draft_vocab above the vocabulary")
     refused(d, ["--kv-cache-dtype", "fp8"], r"--kv-cache-dtype 'fp8': stepd stores the KV cache as auto",
             "a KV dtype stepd lacks")
     refused(d, ["--quantization", "awq"], r"--quantization awq: stepd serves the checkpoint's own weights",

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -92,7 +93,15 @@ struct serve {
     uint64_t spec_drafts, spec_tokens, spec_accepted, spec_pos[METRICS_MAX_POS];
 };
 
+/* A rank's command line: argv (NULL-ended, n entries; room for 2 more) pointing into a. */
+struct rank_argv {
+    char a[SERVE_MAX_ARGS][PATH_MAX + 32];
+    char *argv[SERVE_MAX_ARGS + 3];
+    int n;
+};
+
 static void rank_start(struct srank *rk);
+static void rank_argv(const struct serve *s, unsigned group, unsigned rank, struct rank_argv *ra);
 
 void serve_opts_default(struct serve_opts *o)
 {
@@ -287,37 +296,93 @@ static bool worker_has_flag(const struct serve *s, const char *flag)
     return found;
 }
 
-/* --device cuda: every rank's device must be there (the worker's own backend says), or no
- * rank can ever start: refused now, with the reason, rather than restarted in vain. */
-static int check_devices(const struct serve *s)
+/* Run `argv` (stepd-worker ... --check-device DEV) and read what it says into out: its exit
+ * status, or -errno when it cannot run. */
+static int run_capture(char *const argv[], char *out, size_t n)
 {
-    char cmd[PATH_MAX + 64], line[512];
-    unsigned n = s->n_groups * s->world;
+    int fd[2], st;
+    size_t off = 0;
+    ssize_t got;
+    pid_t pid;
 
-    if (strcmp(s->o.device, "cuda") != 0)
-        return 0;
-    if (strchr(s->worker_bin, '\''))
-        return 0;
-    for (unsigned i = 0; i < n; i++) {
-        FILE *p;
+    out[0] = '\0';
+    if (pipe2(fd, O_CLOEXEC) < 0)
+        return -errno;
+    pid = fork();
+    if (pid < 0) {
+        close(fd[0]);
+        close(fd[1]);
+        return -errno;
+    }
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        dup2(fd[1], 2);
+        execv(argv[0], argv);
+        execvp(argv[0], argv);          /* "stepd-worker" from $PATH */
+        _exit(127);
+    }
+    close(fd[1]);
+    while (off + 1 < n && (got = read(fd[0], out + off, n - 1 - off)) > 0)
+        off += (size_t)got;
+    out[off] = '\0';
+    char rest[256];
+    while (read(fd[0], rest, sizeof(rest)) > 0)
+        ;                               /* drain the rest */
+    close(fd[0]);
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR)
+            return -errno;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* Every rank's command line as the worker itself parses it (its flags, the speculative
+ * config, --worker-arg flags: `--check-device DEV` last answers once all before it were
+ * taken), and on --device cuda every rank's device: what would make a rank exit 2, or fail
+ * on every start, ends `stepd serve` now with the worker's own reason. */
+static int check_ranks(const struct serve *s)
+{
+    bool cuda = strcmp(s->o.device, "cuda") == 0;
+    unsigned n = cuda ? s->n_groups * s->world : 1;
+    struct rank_argv *ra = malloc(sizeof(*ra));
+    char out[1024], dev[32];
+    int r = 0;
+
+    if (!ra)
+        return -ENOMEM;
+    for (unsigned i = 0; i < n && r == 0; i++) {
         int st;
 
-        snprintf(cmd, sizeof(cmd), "'%s' --check-device cuda:%u 2>&1", s->worker_bin, i);
-        p = popen(cmd, "r");
-        if (!p)
-            return -errno;
-        line[0] = '\0';
-        while (fgets(line, sizeof(line), p) && strstr(line, ": available") == NULL && line[0] == '<')
-            ;                       /* journal-prefixed log lines before the answer */
-        st = pclose(p);
-        if (st != 0) {
-            line[strcspn(line, "\n")] = '\0';
-            log_error("--device cuda: rank %u of %u needs %s (%s --check-device)", i, n,
-                      line[0] ? line : "a CUDA device", s->worker_bin);
-            return -ENODEV;
-        }
+        rank_argv(s, i / s->world, i % s->world, ra);
+        snprintf(dev, sizeof(dev), cuda ? "cuda:%u" : "cpu", i);
+        ra->argv[ra->n] = "--check-device";
+        ra->argv[ra->n + 1] = dev;
+        ra->argv[ra->n + 2] = NULL;
+        st = run_capture(ra->argv, out, sizeof(out));
+        if (st == 0)
+            continue;
+        /* the worker's first line that is not a log line says why ("stepd-worker: ..." or
+         * getopt's "PATH: unrecognized option ...", before its usage) */
+        char *last = out;
+        while (last[0] == '<' && last[1] >= '0' && last[1] <= '7' && last[2] == '>' && strchr(last, '\n'))
+            last = strchr(last, '\n') + 1;
+        last[strcspn(last, "\n")] = '\0';
+        size_t bl = strlen(s->worker_bin);
+        if (strncmp(last, "stepd-worker: ", 14) == 0)
+            last += 14;
+        else if (strncmp(last, s->worker_bin, bl) == 0 && strncmp(last + bl, ": ", 2) == 0)
+            last += bl + 2;
+        if (st < 0)
+            log_error("cannot run %s: %s", s->worker_bin, strerror(-st));
+        else if (strncmp(last, "usage:", 6) == 0 || !last[0])
+            log_error("%s refuses the ranks' flags (exit %d); see %s --help", s->worker_bin, st, s->worker_bin);
+        else if (cuda && strncmp(last, dev, strlen(dev)) == 0)
+            log_error("--device cuda: rank %u of %u needs %s (%s --check-device)", i, n, last, s->worker_bin);
+        else
+            log_error("a rank would refuse its flags: %s", last);
+        r = st < 0 ? st : cuda && strncmp(last, dev, strlen(dev)) == 0 ? -ENODEV : -EINVAL;
     }
-    return 0;
+    free(ra);
+    return r;
 }
 
 static int make_rundir(struct serve *s)
@@ -451,7 +516,7 @@ int serve_prepare(const struct serve_opts *o, const char *ctl_key, struct serve 
     }
     if ((r = log_model(s)) < 0)
         goto fail;
-    if ((r = find_worker(s)) < 0 || (r = check_devices(s)) < 0)
+    if ((r = find_worker(s)) < 0)
         goto fail;
     if (o->gpu_memory_utilization > 0) {
         s->pass_gpu_mem = worker_has_flag(s, "--gpu-memory-utilization");
@@ -475,7 +540,7 @@ int serve_prepare(const struct serve_opts *o, const char *ctl_key, struct serve 
         unsigned n = cpus_allowed() / (s->world * s->n_groups);
         s->threads = n ? n : 1;
     }
-    if ((r = make_rundir(s)) < 0 || (r = write_key(s, ctl_key, ret_key)) < 0)
+    if ((r = check_ranks(s)) < 0 || (r = make_rundir(s)) < 0 || (r = write_key(s, ctl_key, ret_key)) < 0)
         goto fail;
     *ret = s;
     return 0;
@@ -612,28 +677,26 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
     coord_health_update(s->co);
 }
 
-/* The flags a unit file gives a rank (systemd/stepd-worker@.service), plus the sizes. */
-static void rank_start(struct srank *rk)
+/* The flags a unit file gives rank `rank` of group `group` (systemd/stepd-worker@.service),
+ * plus the sizes and the operator's worker flags. */
+static void rank_argv(const struct serve *s, unsigned group, unsigned rank, struct rank_argv *ra)
 {
-    struct serve *s = rk->s;
-    char a[SERVE_MAX_ARGS][PATH_MAX + 32];
-    char *argv[SERVE_MAX_ARGS + 1];
     int n = 0;
 
-#define ARG(...) snprintf(a[n], sizeof(a[n]), __VA_ARGS__), n++
+#define ARG(...) snprintf(ra->a[n], sizeof(ra->a[n]), __VA_ARGS__), n++
     ARG("%s", s->worker_bin);
     ARG("--coordinator"); ARG("%s", s->ctl_addr);
-    ARG("--group"); ARG("%s", rk->g->name);
-    ARG("--rank"); ARG("%u", rk->rank);
+    ARG("--group"); ARG("g%u", group);
+    ARG("--rank"); ARG("%u", rank);
     ARG("--world-size"); ARG("%u", s->world);
     ARG("--device");
     if (strcmp(s->o.device, "cuda") == 0)
-        ARG("cuda:%u", (unsigned)(rk->g - s->groups) * s->world + rk->rank);
+        ARG("cuda:%u", group * s->world + rank);
     else
         ARG("cpu");
     ARG("--model"); ARG("%s", s->model_dir);
     ARG("--control-key-file"); ARG("%s", s->key_file);
-    ARG("--engine-listen"); ARG("unix:%s/engine-%s.sock", s->rundir, rk->g->name);
+    ARG("--engine-listen"); ARG("unix:%s/engine-g%u.sock", s->rundir, group);
     if (s->threads) {
         ARG("--threads"); ARG("%u", s->threads);
     }
@@ -667,13 +730,28 @@ static void rank_start(struct srank *rk)
         ARG("--allow-long-max-model-len");
 #undef ARG
     for (int i = 0; i < n; i++)
-        argv[i] = a[i];
+        ra->argv[i] = ra->a[i];
     const char *wa = s->worker_args;
     for (size_t i = 0; wa && i < s->n_wargs && n < SERVE_MAX_ARGS; i++) {
-        argv[n++] = (char *)wa;
+        ra->argv[n++] = (char *)wa;
         wa += strlen(wa) + 1;
     }
-    argv[n] = NULL;
+    ra->argv[n] = NULL;
+    ra->n = n;
+}
+
+static void rank_start(struct srank *rk)
+{
+    struct serve *s = rk->s;
+    struct rank_argv *ra = malloc(sizeof(*ra));
+    char **argv;
+
+    if (!ra) {
+        log_error("group %s rank %u: out of memory", rk->g->name, rk->rank);
+        return;
+    }
+    rank_argv(s, (unsigned)(rk->g - s->groups), rk->rank, ra);
+    argv = ra->argv;
 
     /* the environment, less what belongs to this process only (its service manager's
      * notification socket and watchdog), plus the supervisor's pid (the rank ends with us) */
@@ -685,6 +763,7 @@ static void rank_start(struct srank *rk)
     size_t k = 0;
     if (!env) {
         log_error("group %s rank %u: out of memory", rk->g->name, rk->rank);
+        free(ra);
         return;
     }
     for (char **e = environ; *e; e++)
@@ -710,6 +789,7 @@ static void rank_start(struct srank *rk)
     uv_process_t *p = calloc(1, sizeof(*p));
     int r = p ? uv_spawn(&s->co->loop, p, &po) : UV_ENOMEM;
     free(env);
+    free(ra);
     if (r < 0) {
         char why[256];
         snprintf(why, sizeof(why), "cannot start %.160s: %s", s->worker_bin, uv_strerror(r));

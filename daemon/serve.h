@@ -51,7 +51,8 @@ struct serve_opts {
 void serve_opts_default(struct serve_opts *o);
 /* Check the options and the model directory (config, load plan per rank; both logged) for
  * everything a rank would refuse (the speculative config, --max-model-len against the
- * model, the KV budget against one sequence, the device), before any rank starts, make the
+ * model, the KV budget against one sequence, each rank's command line and device as
+ * stepd-worker --check-device parses them), before any rank starts, make the
  * private runtime directory and the control key file.  *ret_key receives the
  * control key for the coordinator (malloc'd; the operator's when ctl_key is set). */
 int serve_prepare(const struct serve_opts *o, const char *ctl_key, struct serve **ret, char **ret_key);

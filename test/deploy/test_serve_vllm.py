@@ -164,7 +164,7 @@ def serve_line(d, model, line, ranks, mtp_layers, timeout):
 def test_seed(d):
     # the unchanged tiny model: its 4096 positions refuse the line's --max-model-len 8192
     t0 = time.monotonic()
-    r = subprocess.run([STEPD, "serve", MODEL] + SEED + ["--device", "cpu"], stdout=subprocess.PIPE,
+    r = subprocess.run([STEPD, "serve", MODEL] + SEED + ["--device", "cpu"] + ports_args()[1], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=60, env=dict(os.environ, TMPDIR=d))
     assert r.returncode == 2 and "--max-model-len 8192 is above the model's max_position_embeddings 4096" \
         in r.stdout and "--allow-long-max-model-len" in r.stdout, (r.returncode, r.stdout)
@@ -222,6 +222,10 @@ def test_refusals(d):
     refused(d, ["--speculative-config", '{"method": "mtp", "draft_vocab": 8192}'],
             r"--speculative-config: draft_vocab: 8192 is above the model's vocabulary \(4096 tokens\)",
             "draft_vocab above the vocabulary")
+    refused(d, ["--worker-arg", "--no-such-flag"], r"a rank would refuse its flags: unrecognized option "
+            r"'--no-such-flag'", "a worker flag the ranks refuse")
+    refused(d, ["--worker-arg", "--max-seqs", "--worker-arg", "0"], r"a rank would refuse its flags: --max-seqs '0'",
+            "a worker value the ranks refuse")
     refused(d, ["--kv-cache-dtype", "fp8"], r"--kv-cache-dtype 'fp8': stepd stores the KV cache as auto",
             "a KV dtype stepd lacks")
     refused(d, ["--quantization", "awq"], r"--quantization awq: stepd serves the checkpoint's own weights",
@@ -336,10 +340,15 @@ def wait_ready(pub, adm, timeout):
 
 
 def test_wait_ready(d):
-    # a rank that can never start (a flag it does not know: exit 2, the group is given up):
-    # wait-ready says why and does not wait out its timeout
+    # a rank that exits 2 at every start (a worker that passes stepd serve's check of its
+    # flags, then refuses to run): the group is given up; wait-ready says why and does not
+    # wait out its timeout
+    wrapper = os.path.join(d, "refusing-worker")
+    open(wrapper, "w").write("#!/bin/sh\ncase \" $* \" in *\" --check-device \"*) exec '%s' \"$@\" ;; esac\n"
+                             "echo 'stepd-worker: refused at start' >&2\nexit 2\n" % WORKER)
+    os.chmod(wrapper, 0o755)
     ports, pargs = ports_args()
-    p = pl.Proc("serve", [STEPD, "serve", MODEL, "--device", "cpu", "--worker-arg", "--no-such-flag"] + pargs,
+    p = pl.Proc("serve", [STEPD, "serve", MODEL, "--device", "cpu", "--worker-binary", wrapper] + pargs,
                 dict(os.environ, TMPDIR=d), d)
     try:
         r, dt = wait_ready(ports[0], ports[1], 60)

@@ -3,8 +3,6 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
-#include <netdb.h>
-#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -538,62 +536,6 @@ static int apply_port_offset(struct coord_opts *o, unsigned off, char (*bufs)[30
     return 0;
 }
 
-/* A TCP listen address that another process holds: one line naming the flag that sets it
- * (and --port-offset), before gRPC would log its own error tree.  0 when it is free, a unix
- * socket, port 0 or not resolvable here (coord_new then says why). */
-static int port_free(const char *flag, const char *addr, int port_override)
-{
-    struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE };
-    struct addrinfo *res = NULL;
-    char host[256], port[16];
-    const char *colon;
-    int r = 0;
-
-    if (!addr || !addr[0] || strncmp(addr, "unix:", 5) == 0)
-        return 0;
-    colon = strrchr(addr, ':');
-    if (port_override >= 0) {
-        snprintf(host, sizeof(host), "%s", addr);
-        snprintf(port, sizeof(port), "%d", port_override);
-    } else {
-        if (!colon)
-            return 0;
-        snprintf(host, sizeof(host), "%.*s", (int)(colon - addr), addr);
-        snprintf(port, sizeof(port), "%s", colon + 1);
-    }
-    if (host[0] == '[') {                   /* [v6]:port */
-        memmove(host, host + 1, strlen(host));
-        host[strcspn(host, "]")] = '\0';
-    }
-    if (strcmp(port, "0") == 0 || getaddrinfo(host[0] ? host : NULL, port, &hints, &res) != 0)
-        return 0;
-    for (struct addrinfo *a = res; a && r == 0; a = a->ai_next) {
-        int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol), one = 1;
-
-        if (fd < 0)
-            continue;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-        if (bind(fd, a->ai_addr, a->ai_addrlen) < 0 && errno == EADDRINUSE) {
-            log_error("%s %s%s%s: address in use (another stepd? --port-offset N moves every port of this one)",
-                      flag, addr, port_override >= 0 ? " port " : "", port_override >= 0 ? port : "");
-            r = -EADDRINUSE;
-        }
-        close(fd);
-    }
-    freeaddrinfo(res);
-    return r;
-}
-
-static int ports_free(const struct coord_opts *o)
-{
-    if (port_free("--listen", o->listen, -1) < 0 || port_free("--admin-listen", o->admin_listen, -1) < 0 ||
-        port_free("--control-listen", o->control_listen, -1) < 0 ||
-        port_free("--metrics-listen", o->metrics_listen, -1) < 0 ||
-        (o->http_port > 0 && port_free("--host/--port", o->http_host, o->http_port) < 0))
-        return -EADDRINUSE;
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
     struct option longopts[ARRAY_SIZE(optdecls) + 1];
@@ -984,10 +926,6 @@ int main(int argc, char **argv)
         log_error("--tls-cert and --tls-key go together");
         goto out;
     }
-    if ((r = ports_free(&o)) < 0) {
-        rc = 1;
-        goto out;
-    }
     if (serve_mode) {
         char *key = NULL;
         /* the model directory's tokenizer and name, unless given */
@@ -1019,7 +957,8 @@ int main(int argc, char **argv)
         o.control_key = ctl_key;
     }
     if ((r = coord_new(&o, &co)) < 0) {
-        log_error("cannot start: %s", err_str(r));
+        if (r != -EADDRINUSE)           /* coord_new named the flag of the port in use */
+            log_error("cannot start: %s", err_str(r));
         rc = 1;
         goto out;
     }

@@ -107,3 +107,16 @@ int cli_parse_ids(const char *flag, const char *s, int vocab, int32_t **ret, int
     *ret_n = n;
     return 0;
 }
+
+int cli_parse_kv_dtype(const char *flag, const char *s, bool *ret_f32, struct err_buf *e)
+{
+    if (strcmp(s, "auto") == 0 || strcmp(s, "bf16") == 0 || strcmp(s, "bfloat16") == 0) {
+        *ret_f32 = false;
+        return 0;
+    }
+    if (strcmp(s, "fp32") == 0 || strcmp(s, "float32") == 0) {
+        *ret_f32 = true;
+        return 0;
+    }
+    return err_set(e, -EINVAL, "%s '%s': stepd stores the KV cache as auto (bf16) or fp32", flag, s);
+}

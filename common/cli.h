@@ -3,6 +3,7 @@
  * each program prints them with its own name. */
 #pragma once
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "err.h"
@@ -31,6 +32,11 @@ int cli_parse_fraction(const char *flag, const char *s, double lo, double hi, do
  * the bad item, -ENOMEM. */
 int cli_parse_ids(const char *flag, const char *s, int vocab, int32_t **ret, int *ret_n,
                   struct err_buf *e);
+
+/* A KV cache dtype as vLLM spells it: "auto", "bf16", "bfloat16" -> false (BF16 rows, FP32
+ * accumulation), "fp32", "float32" -> true.  -EINVAL naming the flag and what stepd stores
+ * otherwise (fp8 and the other dtypes vLLM knows are not implemented). */
+int cli_parse_kv_dtype(const char *flag, const char *s, bool *ret_f32, struct err_buf *e);
 
 #ifdef __cplusplus
 }

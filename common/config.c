@@ -731,3 +731,14 @@ int model_config_load(const char *path, struct model_config *ret, struct err_buf
     free(text);
     return r;
 }
+
+int model_config_check_len(const struct model_config *c, int max_model_len, bool allow_long,
+                           struct err_buf *e)
+{
+    if (max_model_len <= c->max_position_embeddings || allow_long)
+        return 0;
+    return err_set(e, -EINVAL, "--max-model-len %d is above the model's max_position_embeddings %d "
+                   "(config.json); serve at most %d, or give --allow-long-max-model-len to go past what "
+                   "the model was trained for", max_model_len, c->max_position_embeddings,
+                   c->max_position_embeddings);
+}

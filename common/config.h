@@ -103,6 +103,11 @@ struct model_config {
  * writes one sentence into e naming the file and the JSON path of the bad field
  * (e.g. "config.json: text_config.layer_types: has 7 entries, expected 8"). */
 int model_config_load(const char *path, struct model_config *ret, struct err_buf *e);
+/* --max-model-len L against the model's max_position_embeddings: 0, or -EINVAL with a
+ * sentence naming the model's limit and the override (allow_long: --allow-long-max-model-len,
+ * as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) when L is above it and allow_long is false. */
+int model_config_check_len(const struct model_config *c, int max_model_len, bool allow_long,
+                           struct err_buf *e);
 /* Same, from a JSON text already in memory; name is used in messages. */
 int model_config_parse(const char *json, size_t len, const char *name,
                        struct model_config *ret, struct err_buf *e);

@@ -27,6 +27,12 @@ extern "C" {
 
 enum { KVPLAN_FULL, KVPLAN_SLIDING, _KVPLAN_POOLS };   /* = enum kv_group */
 
+/* stepd-worker's defaults of the sizes (worker_opts_init; `stepd serve` plans with them) */
+#define KVPLAN_DEFAULT_BLOCK_SIZE 16
+#define KVPLAN_DEFAULT_MAX_SEQS 8
+#define KVPLAN_DEFAULT_MAX_BATCHED_TOKENS 256
+#define KVPLAN_DEFAULT_MAX_MODEL_LEN 1024
+
 #define KVPLAN_MAX_DRAFTS 3     /* positions a sequence may hold past max_model_len (SPEC_MAX_K) */
 
 /* KV bytes one token costs on `rank` of a `world`-rank group, per pool: K and V of the

@@ -675,6 +675,28 @@ static int server_new(struct coord *co, const char *addr, bool tls, const char *
     return rpc_server_start(*ret);
 }
 
+/* A port another process holds: one line naming the flag that sets it (and --port-offset),
+ * before gRPC would log its own error tree for it. */
+static int listen_check(const struct coord_opts *o)
+{
+    static const char hint[] = "address in use (another stepd? --port-offset N moves every port of this one)";
+    const struct { const char *flag, *addr; } l[] = {
+        { "--listen", o->listen }, { "--admin-listen", o->admin_listen },
+        { "--control-listen", o->control_listen }, { "--metrics-listen", o->metrics_listen },
+    };
+
+    for (size_t i = 0; i < ARRAY_SIZE(l); i++)
+        if (l[i].addr && l[i].addr[0] && net_port_in_use(l[i].addr, -1)) {
+            log_error("%s %s: %s", l[i].flag, l[i].addr, hint);
+            return -EADDRINUSE;
+        }
+    if (o->http_port > 0 && net_port_in_use(o->http_host, o->http_port)) {
+        log_error("--host/--port %s port %d: %s", o->http_host, o->http_port, hint);
+        return -EADDRINUSE;
+    }
+    return 0;
+}
+
 int coord_new(const struct coord_opts *o, struct coord **ret)
 {
     struct coord *co;
@@ -769,6 +791,8 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
 #ifdef STEPD_HAVE_ABSL_TUNE
     coord_absl_tune();      /* before gRPC starts its threads */
 #endif
+    if ((r = listen_check(o)) < 0)
+        goto fail;
     if ((r = rpc_ctx_create(&co->loop, &co->rpc)) < 0)
         goto fail;
     /* a second thread starts the sends of an engine's output batch (rpc_ctx_cork);

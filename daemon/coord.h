@@ -32,6 +32,9 @@ struct coord_opts {
     const char *control_key;
     bool insecure_control;          /* no control key: accept keyless workers and engines */
     const char *tokenizer_path;     /* tokenizer.json for text/chat input */
+    /* --default-chat-template-kwargs: a JSON object (checked with coord_chat_kwargs_check)
+     * applied under every chat request's own chat_template_kwargs, or NULL */
+    const char *default_chat_template_kwargs;
     const char *model_name;         /* served model name (default: from rank 0) */
     const char *const *model_aliases;   /* more names the model answers to (--served-model-name) */
     size_t n_model_aliases;
@@ -74,4 +77,8 @@ int coord_new(const struct coord_opts *o, struct coord **ret);
 /* Run until drained or forced; returns the process exit code. */
 int coord_run(struct coord *co);
 void coord_free(struct coord *co);
+/* Check a JSON object of chat_template_kwargs (--default-chat-template-kwargs): 0, or
+ * -EINVAL with a sentence in msg. */
+int coord_chat_kwargs_check(const char *json, char *msg, size_t len);
+
 /* True when host:port / unix: address is loopback-only. */

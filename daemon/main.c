@@ -1,99 +1,21 @@
 /* main.c - `stepd`, the coordinator: flags, logging, coord_new/coord_run. */
 #include <errno.h>
 #include <getopt.h>
+#include <jansson.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "file.h"
 #include "coord.h"
 #include "err.h"
 #include "log.h"
 #include "serve.h"
 #include "stepd-config.h"
-
-static void usage(FILE *f)
-{
-    fprintf(f,
-        "usage: stepd [options]\n"
-        "       stepd serve MODEL_DIR [options] [serve options]\n"
-        "Coordinator for stepd worker groups: public gRPC API (stepd.v1.Inference),\n"
-        "Admin, worker control service, health and Prometheus metrics.\n\n"
-        "Listening (loopback by default):\n"
-        "  --listen ADDR              public gRPC (default 127.0.0.1:20051; unix:/path allowed)\n"
-        "  --admin-listen ADDR        Admin + health (default 127.0.0.1:20053)\n"
-        "  --control-listen ADDR      worker control (default 127.0.0.1:20052)\n"
-        "  --metrics-listen ADDR      HTTP /metrics, /healthz, /health, /ready (default 127.0.0.1:9464;\n"
-        "                             \"\" = off; /metrics is also on the API port)\n"
-        "  --host HOST --port PORT    OpenAI HTTP API (default 127.0.0.1 port 8000; --port off = none)\n"
-        "  --insecure-listen          allow non-loopback listens without TLS + API key\n"
-        "Security:\n"
-        "  --tls-cert FILE --tls-key FILE   TLS on the public port\n"
-        "  --tls-client-ca FILE       CA for client certificates\n"
-        "  --tls-require-client-cert  mTLS (needs --tls-client-ca)\n"
-        "  --api-key-file FILE        API key for every RPC except health (or $STEPD_API_KEY)\n"
-        "  --control-key-file FILE    the cluster key: workers send it, their engines check it\n"
-        "                             (or $STEPD_CONTROL_KEY; required, as `stepd serve` makes one)\n"
-        "  --insecure-control         no control key: accept keyless workers (and engines)\n"
-        "Text:\n"
-        "  --tokenizer FILE           tokenizer.json (enables text/chat input, Tokenize)\n"
-        "  --model-name NAME          served model name (default: reported by rank 0)\n"
-        "  --served-model-name NAME   the same; repeat it (or NAME,ALIAS,...) for aliases the model\n"
-        "                             answers to (the first is the one reported)\n"
-        "  --reasoning-parser P       step3p5 (default) or none: reasoning split from the content\n"
-        "  --tool-call-parser P       step3p5 (default) or none: tool calls parsed from the output\n"
-        "  --enable-auto-tool-choice  accepted (tool_choice \"auto\" is served with the parser)\n"
-        "  --vocab-size N             vocabulary size until an engine reports one\n"
-        "Limits:\n"
-        "  --max-running N            requests in flight to engines (default 1024)\n"
-        "  --max-queue N              requests waiting for a slot (default 1024)\n"
-        "  --max-input-tokens N       prompt cap (default: context length)\n"
-        "  --max-tokens-cap N         cap on max_tokens (default 32768)\n"
-        "  --default-max-tokens N     max_tokens when unset (default 256)\n"
-        "  --max-recv-msg-bytes N     gRPC receive limit (default 4194304)\n"
-        "  --max-concurrent-streams N per connection (default 1024)\n"
-        "  --stream-buffer-bytes N    per-stream send buffer before a slow client is cut (1 MiB)\n"
-        "  --max-n N                  HTTP: cap on n, choices per request (default 16)\n"
-        "  --responses-store-size N   HTTP: /v1/responses kept for previous_response_id (default 1024; 0 = off)\n"
-        "  --responses-store-ttl SECONDS  how long a stored response is kept (default 3600; 0 = off)\n"
-        "  --http-max-body-bytes N    HTTP request body cap, 413 above (default 4194304)\n"
-        "  --http-max-header-bytes N  HTTP request line + headers cap, 431 above (default 32768)\n"
-        "  --http-max-connections N   HTTP connections at once (default 1024)\n"
-        "  --http-timeout SECONDS     HTTP: a request must arrive within this; idle connections close\n"
-        "                             after it (default 30)\n"
-        "  --request-timeout SECONDS  HTTP: deadline of a generation request, 504 past it (0 = none)\n"
-        "Behaviour:\n"
-        "  --drain-timeout SECONDS    finish in-flight work within this on SIGTERM (default 30)\n"
-        "  --heartbeat-ms N           control heartbeat period (default 1000)\n"
-        "  --loads-poll-ms N          engine GetLoads period (default 250)\n"
-        "  --worker-timeout-ms N      declare a silent rank gone after N ms (default 10000)\n"
-        "  --prefix-affinity N        route a request to the group that holds the longest prefix of\n"
-        "                             its prompt, in blocks of N tokens (default 16; 0 = off)\n"
-        "  --prefix-affinity-entries N  prompt blocks remembered for that (default 65536)\n"
-        "  --log-level LEVEL          error|warn|info|debug\n"
-        "  --version, --help\n"
-        "stepd serve MODEL_DIR: this coordinator starts and supervises its worker ranks\n"
-        "(names as vLLM's where the meaning is the same):\n"
-        "  --tensor-parallel-size N   ranks per group: 1, 2, 4, 8 (default 1)\n"
-        "  --data-parallel-size D     groups (default 1)\n"
-        "  --device cpu|cuda          rank r of group d runs on cuda:(d*N + r) (default cpu)\n"
-        "  --enable-expert-parallel   accepted: routed experts are always expert-parallel over a group\n"
-        "  --speculative-config JSON  '{\"method\":\"mtp\",\"num_speculative_tokens\":K}', K 0..3\n"
-        "  --max-model-len L, --max-num-batched-tokens T, --max-num-seqs S   engine sizes\n"
-        "  --gpu-memory-utilization F passed to workers that take it\n"
-        "  --threads T                CPU threads per rank (default: the CPUs shared out)\n"
-        "  --worker-binary PATH       stepd-worker to run (default: beside stepd, else $PATH)\n"
-        "  --worker-arg ARG           one more flag for every rank (repeatable)\n"
-        "  --worker-restart-limit N   failures in a row before a group is given up (default 5)\n"
-        "  --worker-backoff-ms MS     first restart delay, doubling up to --worker-backoff-max-ms\n"
-        "                             (defaults 500 and 30000)\n"
-        "  --worker-stop-timeout S    seconds ranks get to stop before SIGTERM (default 15)\n"
-        "  --spec-log-interval S      spec-decoding metrics in the log every S s (default 10, 0 = off)\n"
-        "The control key is generated per run (or --control-key-file) and handed to the ranks in\n"
-        "a file; the tokenizer defaults to MODEL_DIR/tokenizer.json.\n");
-}
 
 static int parse_uint(const char *flag, const char *s, unsigned long max, unsigned long *ret)
 {
@@ -202,11 +124,319 @@ enum {
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
     OPT_MAX_N, OPT_RESP_STORE, OPT_RESP_TTL, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
+    OPT_PORT_OFFSET, OPT_HELP, OPT_HELP_VLLM,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
     OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
-    OPT_S_BACKOFF_MAX, OPT_S_STOP, OPT_S_SPECLOG,
+    OPT_S_BACKOFF_MAX, OPT_S_STOP, OPT_S_SPECLOG, OPT_S_KV_DTYPE, OPT_S_KV_MEM, OPT_S_PREFIX_ON,
+    OPT_S_PREFIX_OFF, OPT_S_BLOCK, OPT_S_DTYPE, OPT_S_QUANT, OPT_S_CHAT_TEMPLATE, OPT_S_TEMPLATE_KW,
+    OPT_S_LIMIT_MM, OPT_S_ALLOW_LONG, OPT_S_NOTE, OPT_S_PASS, OPT_S_PASS_UINT,
 };
+
+/* What an option is: where it applies, and how the docs' table of vLLM flags shows it. */
+#define OPTF_SERVE 1u           /* a flag of `stepd serve MODEL_DIR` only */
+#define OPTF_VLLM 2u            /* vLLM's flag (same name, same meaning): in the docs' table */
+#define OPTF_HIDDEN 4u          /* not in --help (the docs' table generator) */
+
+/* One declaration per option: getopt_long's table, --help and the docs' table of vLLM
+ * flags (`stepd --help-vllm-flags`, docs/OPERATIONS.md §1) all come from it.  An entry
+ * without a name is a heading of --help.  OPT_S_NOTE options are accepted with one log line,
+ * `vllm`: what stepd does instead. */
+struct optdecl {
+    const char *name;
+    const char *arg;            /* the value's name in --help; NULL: a switch */
+    int id;
+    unsigned flags;
+    const char *help;           /* --help text ("\n" continues it on the next line) */
+    const char *vllm;           /* OPTF_VLLM: what stepd does with vLLM's flag */
+};
+
+#define SERVE_VLLM (OPTF_SERVE | OPTF_VLLM)
+
+static const struct optdecl optdecls[] = {
+    { NULL, NULL, 0, 0, "Listening (loopback by default):", NULL },
+    { "listen", "ADDR", OPT_LISTEN, 0, "public gRPC (default 127.0.0.1:20051; unix:/path allowed)", NULL },
+    { "admin-listen", "ADDR", OPT_ADMIN, 0, "Admin + health (default 127.0.0.1:20053)", NULL },
+    { "control-listen", "ADDR", OPT_CONTROL, 0, "worker control (default 127.0.0.1:20052)", NULL },
+    { "metrics-listen", "ADDR", OPT_METRICS, 0, "HTTP /metrics, /healthz, /health, /ready (default 127.0.0.1:9464;\n"
+      "\"\" = off; /metrics is also on the API port)", NULL },
+    { "host", "HOST", OPT_HOST, OPTF_VLLM, "OpenAI HTTP API host (default 127.0.0.1)", "the OpenAI HTTP API's address" },
+    { "port", "PORT", OPT_PORT, OPTF_VLLM, "OpenAI HTTP API port (default 8000; off = none)", "the OpenAI HTTP API's port" },
+    { "port-offset", "N", OPT_PORT_OFFSET, 0, "add N to every port above (given or default; 0 stays 0): a second\n"
+      "instance on one host moves all of them at once", NULL },
+    { "insecure-listen", NULL, OPT_INSECURE, 0, "allow non-loopback listens without TLS + API key", NULL },
+    { NULL, NULL, 0, 0, "Security:", NULL },
+    { "tls-cert", "FILE", OPT_TLS_CERT, 0, "TLS certificate of the public port (with --tls-key)", NULL },
+    { "tls-key", "FILE", OPT_TLS_KEY, 0, "its key", NULL },
+    { "tls-client-ca", "FILE", OPT_TLS_CA, 0, "CA for client certificates", NULL },
+    { "tls-require-client-cert", NULL, OPT_TLS_REQ, 0, "mTLS (needs --tls-client-ca)", NULL },
+    { "api-key-file", "FILE", OPT_KEY_FILE, 0, "API key for every RPC except health (or $STEPD_API_KEY)", NULL },
+    { "api-key", "KEY", OPT_API_KEY, OPTF_VLLM, "refused: a key on the command line is visible in ps", "refused (a key in argv "
+      "is visible in ps): use --api-key-file FILE or $STEPD_API_KEY" },
+    { "control-key-file", "FILE", OPT_CKEY_FILE, 0, "the cluster key: workers send it, their engines check it\n"
+      "(or $STEPD_CONTROL_KEY; `stepd serve` makes one per run)", NULL },
+    { "insecure-control", NULL, OPT_INSECURE_CTL, 0, "no control key: accept keyless workers (and engines)", NULL },
+    { NULL, NULL, 0, 0, "Text:", NULL },
+    { "tokenizer", "FILE", OPT_TOKENIZER, OPTF_VLLM, "tokenizer.json (enables text/chat input, Tokenize; `stepd serve`:\n"
+      "default MODEL_DIR/tokenizer.json)", "the tokenizer.json file (default MODEL_DIR/tokenizer.json)" },
+    { "model-name", "NAME", OPT_MODEL, 0, "served model name (default: reported by rank 0)", NULL },
+    { "served-model-name", "NAME", OPT_SERVED, OPTF_VLLM, "the same; repeat it (or NAME,ALIAS,...) for aliases the\n"
+      "model answers to (the first is the one reported)", "the model's name in the API, aliases after it" },
+    { "reasoning-parser", "P", OPT_RPARSER, OPTF_VLLM, "step3p5 (default) or none: reasoning split from the content",
+      "step3p5 (built in, the default) or none; others are refused" },
+    { "tool-call-parser", "P", OPT_TPARSER, OPTF_VLLM, "step3p5 (default) or none: tool calls parsed from the output",
+      "step3p5 (built in, the default) or none; others are refused" },
+    { "enable-auto-tool-choice", NULL, OPT_AUTO_TOOLS, OPTF_VLLM, "accepted (tool_choice \"auto\" is served with the parser)",
+      "accepted: tool_choice \"auto\" is always served with the tool-call parser" },
+    { "vocab-size", "N", OPT_VOCAB, 0, "vocabulary size until an engine reports one", NULL },
+    { NULL, NULL, 0, 0, "Limits:", NULL },
+    { "max-running", "N", OPT_MAX_RUNNING, 0, "requests in flight to engines (default 1024)", NULL },
+    { "max-queue", "N", OPT_MAX_QUEUE, 0, "requests waiting for a slot (default 1024)", NULL },
+    { "max-input-tokens", "N", OPT_MAX_INPUT, 0, "prompt cap (default: context length)", NULL },
+    { "max-tokens-cap", "N", OPT_MAX_TOKENS_CAP, 0, "cap on max_tokens (default 32768)", NULL },
+    { "default-max-tokens", "N", OPT_DEF_MAX_TOKENS, 0, "max_tokens when unset (default 256)", NULL },
+    { "max-recv-msg-bytes", "N", OPT_MAX_RECV, 0, "gRPC receive limit (default 4194304)", NULL },
+    { "max-concurrent-streams", "N", OPT_MAX_STREAMS, 0, "per connection (default 1024)", NULL },
+    { "stream-buffer-bytes", "N", OPT_STREAM_BUF, 0, "per-stream send buffer before a slow client is cut (1 MiB)", NULL },
+    { "max-n", "N", OPT_MAX_N, 0, "HTTP: cap on n, choices per request (default 16)", NULL },
+    { "responses-store-size", "N", OPT_RESP_STORE, 0,
+      "HTTP: /v1/responses kept for previous_response_id (default 1024; 0 = off)", NULL },
+    { "responses-store-ttl", "SECONDS", OPT_RESP_TTL, 0,
+      "how long a stored response is kept (default 3600; 0 = off)", NULL },
+    { "http-max-body-bytes", "N", OPT_HTTP_BODY, 0, "HTTP request body cap, 413 above (default 4194304)", NULL },
+    { "http-max-header-bytes", "N", OPT_HTTP_HEADER, 0, "HTTP request line + headers cap, 431 above (default 32768)", NULL },
+    { "http-max-connections", "N", OPT_HTTP_CONNS, 0, "HTTP connections at once (default 1024)", NULL },
+    { "http-timeout", "SECONDS", OPT_HTTP_TIMEOUT, 0, "HTTP: a request must arrive within this; idle connections\n"
+      "close after it (default 30)", NULL },
+    { "request-timeout", "SECONDS", OPT_REQ_TIMEOUT, 0, "HTTP: deadline of a generation request, 504 past it (0 = none)", NULL },
+    { NULL, NULL, 0, 0, "Behaviour:", NULL },
+    { "drain-timeout", "SECONDS", OPT_DRAIN, 0, "finish in-flight work within this on SIGTERM (default 30)", NULL },
+    { "heartbeat-ms", "N", OPT_HEARTBEAT, 0, "control heartbeat period (default 1000)", NULL },
+    { "loads-poll-ms", "N", OPT_LOADS, 0, "engine GetLoads period (default 250)", NULL },
+    { "worker-timeout-ms", "N", OPT_WTIMEOUT, 0, "declare a silent rank gone after N ms (default 10000)", NULL },
+    { "prefix-affinity", "N", OPT_AFFINITY, 0, "route a request to the group that holds the longest prefix of\n"
+      "its prompt, in blocks of N tokens (default 16; 0 = off)", NULL },
+    { "prefix-affinity-entries", "N", OPT_AFFINITY_N, 0, "prompt blocks remembered for that (default 65536)", NULL },
+    { "log-level", "LEVEL", OPT_LOG, 0, "error|warn|info|debug", NULL },
+    { "version", NULL, OPT_VERSION, 0, "print the version and exit", NULL },
+    { "help", NULL, OPT_HELP, 0, "this text", NULL },
+    { "help-vllm-flags", NULL, OPT_HELP_VLLM, OPTF_HIDDEN, "", NULL },
+    { NULL, NULL, 0, OPTF_SERVE, "stepd serve MODEL_DIR: this coordinator starts and supervises its worker ranks\n"
+      "(vLLM's flag names and meanings; --a_b is --a-b, --flag=value is --flag value):", NULL },
+    { "tensor-parallel-size", "N", OPT_S_TP, SERVE_VLLM, "ranks per group: 1, 2, 4, 8 (default 1)",
+      "ranks per group (1, 2, 4, 8): attention heads and experts sharded over them" },
+    { "data-parallel-size", "D", OPT_S_DP, SERVE_VLLM, "groups (default 1)", "groups g0..g{D-1}, requests spread over them" },
+    { "device", "cpu|cuda", OPT_S_DEVICE, SERVE_VLLM, "rank r of group d runs on cuda:(d*N + r) (default cpu); cuda\n"
+      "without a GPU or the CUDA plugin is refused before any rank starts",
+      "cpu (default) or cuda: rank r of group d on cuda:(d*N + r)" },
+    { "enable-expert-parallel", NULL, OPT_S_EP, SERVE_VLLM, "accepted: routed experts are always expert-parallel over a group",
+      "accepted: routed experts are always split over the ranks of a group (expert parallel)" },
+    { "speculative-config", "JSON", OPT_S_SPEC, SERVE_VLLM, "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}', K 0..3 (plus\n"
+      "draft_quantization, draft_policy, draft_vocab); checked before any rank starts",
+      "method \"mtp\" (the checkpoint's MTP layers), num_speculative_tokens 0..3 (default: the layers there are), "
+      "model (a directory with the MTP layers); other methods and unknown keys are refused before any rank starts" },
+    { "max-model-len", "L", OPT_S_MAXLEN, SERVE_VLLM, "longest sequence (default 1024); above the model's\n"
+      "max_position_embeddings only with --allow-long-max-model-len",
+      "longest sequence; above the model's max_position_embeddings refused unless --allow-long-max-model-len" },
+    { "allow-long-max-model-len", NULL, OPT_S_ALLOW_LONG, OPTF_SERVE, "serve a --max-model-len above the model's\n"
+      "max_position_embeddings (or $VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)", NULL },
+    { "max-num-batched-tokens", "T", OPT_S_MAXBT, SERVE_VLLM, "tokens per engine step (default 256)",
+      "tokens per engine step; longer prompts are prefilled in chunks of it" },
+    { "max-num-seqs", "S", OPT_S_MAXSEQS, SERVE_VLLM, "sequences per engine step (default 8)", "sequences per engine step" },
+    { "block-size", "BS", OPT_S_BLOCK, SERVE_VLLM, "KV cache block, in tokens (default 16)", "KV cache block, in tokens" },
+    { "gpu-memory-utilization", "F", OPT_S_GPUMEM, SERVE_VLLM, "share of a GPU's memory for a CUDA rank (default 0.9)",
+      "share of each GPU's memory a CUDA rank uses (the KV cache takes what the weights leave); "
+      "no effect on CPU ranks" },
+    { "kv-cache-memory", "BYTES", OPT_S_KV_MEM, SERVE_VLLM, "KV cache per rank, e.g. 8GiB (default: on CPU every sequence\n"
+      "at --max-model-len, on a GPU --gpu-memory-utilization); one too small for\n"
+      "one sequence is refused before any rank starts",
+      "KV cache bytes per rank (e.g. 8GiB); below one sequence of --max-model-len refused before any rank starts" },
+    { "kv-cache-dtype", "D", OPT_S_KV_DTYPE, SERVE_VLLM, "auto or bf16 (default), fp32",
+      "auto/bf16 (default) or fp32; fp8 and others are refused" },
+    { "enable-prefix-caching", NULL, OPT_S_PREFIX_ON, SERVE_VLLM, "reuse cached KV blocks of prompts (the default)",
+      "the default: prompts reuse cached KV blocks" },
+    { "no-enable-prefix-caching", NULL, OPT_S_PREFIX_OFF, SERVE_VLLM, "recompute every prompt", "every prompt is recomputed" },
+    { "dtype", "D", OPT_S_DTYPE, SERVE_VLLM, "auto, bfloat16 or bf16: stepd computes with BF16 weights\n"
+      "and FP32 accumulation; float16 and float32 are refused",
+      "auto, bfloat16: BF16 weights, FP32 accumulation; float16/float32 are refused" },
+    { "quantization", "Q", OPT_S_QUANT, SERVE_VLLM, "mxfp4: the checkpoint's MXFP4 routed experts (the only\n"
+      "quantization; a BF16 checkpoint is served as it is, without the flag)",
+      "mxfp4 (the checkpoint's MXFP4 routed experts; refused for a BF16 checkpoint); other methods are refused" },
+    { "chat-template", "FILE", OPT_S_CHAT_TEMPLATE, SERVE_VLLM, "refused: stepd renders the Step-3.x chat template built in",
+      "refused: stepd renders the Step-3.x chat template built in (no Jinja)" },
+    { "default-chat-template-kwargs", "JSON", OPT_S_TEMPLATE_KW, SERVE_VLLM, "defaults of chat_template_kwargs for every\n"
+      "chat request (reasoning_effort, preserve_thinking, add_generation_prompt);\n"
+      "a request's own keys win",
+      "defaults of chat_template_kwargs (reasoning_effort, preserve_thinking, add_generation_prompt); a request's own win" },
+    { "limit-mm-per-prompt", "JSON", OPT_S_LIMIT_MM, SERVE_VLLM, "'{\"image\":0}' and other zero limits: stepd serves text\n"
+      "only (images are not supported yet: a limit above 0 is refused)",
+      "accepted with every limit 0 (stepd serves text only); images > 0 refused (not supported yet)" },
+    { "disable-cascade-attn", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+      "stepd has no cascade attention: every sequence's attention is computed on its own blocks" },
+    { "enforce-eager", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+      "stepd captures no CUDA graphs: every step runs eagerly already" },
+    { "trust-remote-code", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+      "stepd runs no code from the model directory: config.json and the safetensors are read by its own loader" },
+    { "linear-backend", "B", OPT_S_NOTE, SERVE_VLLM, NULL,
+      "stepd picks its own matmul kernels per device and CPU (MXFP4 experts included); the value is not used" },
+    { "async-scheduling", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+      "stepd's engine has one scheduler (continuous batching); nothing to switch" },
+    { "enable-chunked-prefill", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+      "always on: prompts longer than --max-num-batched-tokens are prefilled in chunks" },
+    { "enable-eplb", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+      "stepd places the routed experts statically (a contiguous share per rank); no load balancer" },
+    { "logprobs-mode", "M", OPT_S_PASS, SERVE_VLLM, "raw_logprobs (default) or processed_logprobs: what logprobs\n"
+      "report (the worker's flag)", "raw_logprobs (default) or processed_logprobs, as vLLM" },
+    { "threads", "T", OPT_S_THREADS, OPTF_SERVE, "CPU threads per rank (default: the CPUs shared out)", NULL },
+    { "max-waiting", "N", OPT_S_PASS_UINT, OPTF_SERVE, "requests an engine queues beyond --max-num-seqs (the worker's\n"
+      "flag; default: the KV pool's block count, within 64..4096)", NULL },
+    { "kv-blocks", "B", OPT_S_PASS_UINT, OPTF_SERVE, "full-attention KV blocks per rank, overriding the budget", NULL },
+    { "prefix-cache-salt", "S", OPT_S_PASS, OPTF_SERVE, "deployment salt of the prefix-cache keys (default: random)", NULL },
+    { "exact", NULL, OPT_S_PASS, OPTF_SERVE, "CPU: the exact W4A32 MXFP4 path instead of the int8 fast path", NULL },
+    { "mtp-model", "DIR", OPT_S_PASS, OPTF_SERVE, "MTP layers from another directory", NULL },
+    { "comm-net-devices", "DEVS", OPT_S_PASS, OPTF_SERVE, "network devices the groups' UCX transports bind (default lo)",
+      NULL },
+    { "collective-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "deadline of every collective (default 30000)", NULL },
+    { "rendezvous-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "how long a rank waits for the others (default 60000)",
+      NULL },
+    { "load-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "how long ranks wait for each other to load (default 1800000)",
+      NULL },
+    { "worker-binary", "PATH", OPT_S_WBIN, OPTF_SERVE, "stepd-worker to run (default: beside stepd, else $PATH)", NULL },
+    { "worker-arg", "ARG", OPT_S_WARG, OPTF_SERVE, "one more flag for every rank (repeatable)", NULL },
+    { "worker-restart-limit", "N", OPT_S_LIMIT, OPTF_SERVE, "failures in a row before a group is given up (default 5)", NULL },
+    { "worker-backoff-ms", "MS", OPT_S_BACKOFF, OPTF_SERVE, "first restart delay, doubling (default 500)", NULL },
+    { "worker-backoff-max-ms", "MS", OPT_S_BACKOFF_MAX, OPTF_SERVE, "longest restart delay (default 30000)", NULL },
+    { "worker-stop-timeout", "S", OPT_S_STOP, OPTF_SERVE, "seconds ranks get to stop before SIGTERM (default 15)", NULL },
+    { "spec-log-interval", "S", OPT_S_SPECLOG, OPTF_SERVE, "spec-decoding metrics in the log every S s (default 10, 0 = off)",
+      NULL },
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: stepd [options]\n"
+               "       stepd serve MODEL_DIR [options] [serve options]\n"
+               "Coordinator for stepd worker groups: public gRPC API (stepd.v1.Inference),\n"
+               "Admin, worker control service, health and Prometheus metrics.\n");
+    for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
+        const struct optdecl *d = &optdecls[i];
+        const char *h = d->id == OPT_S_NOTE ? d->vllm : d->help;    /* what stepd does instead */
+        char head[64];
+        int n;
+
+        if (d->flags & OPTF_HIDDEN)
+            continue;
+        if (!d->name) {
+            fprintf(f, "%s\n", h);
+            continue;
+        }
+        n = snprintf(head, sizeof(head), "  --%s%s%s", d->name, d->arg ? " " : "", d->arg ? d->arg : "");
+        for (bool first = true; first || *h; first = false) {
+            size_t len = strcspn(h, "\n");
+
+            fprintf(f, "%-*s %.*s\n", first ? (n > 28 ? n : 28) : 28, first ? head : "", (int)len, h);
+            h += len + (h[len] == '\n');
+        }
+    }
+    fprintf(f, "The control key is generated per run (or --control-key-file) and handed to the ranks in\n"
+               "a file.  docs/OPERATIONS.md §1 has the table of vLLM's flags (stepd --help-vllm-flags).\n");
+}
+
+/* docs/OPERATIONS.md's table: each vLLM flag stepd takes, and what stepd does with it. */
+static void usage_vllm(FILE *f)
+{
+    fprintf(f, "| vLLM flag | stepd |\n|---|---|\n");
+    for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
+        const struct optdecl *d = &optdecls[i];
+        const char *a = d->arg ? d->arg : "";
+
+        if (!d->name || !(d->flags & OPTF_VLLM))
+            continue;
+        fprintf(f, "| `--%s%s", d->name, d->arg ? " " : "");
+        for (; *a; a++)                 /* a '|' in a table cell is escaped */
+            fprintf(f, *a == '|' ? "\\|" : "%c", *a);
+        fprintf(f, "` | %s |\n", d->vllm);
+    }
+}
+
+/* Levenshtein distance of a and the first nb bytes of b. */
+static size_t edit_distance(const char *a, const char *b, size_t nb)
+{
+    size_t na = strlen(a), row[128];
+
+    if (na >= ARRAY_SIZE(row) || nb >= ARRAY_SIZE(row))
+        return SIZE_MAX;
+    for (size_t j = 0; j <= nb; j++)
+        row[j] = j;
+    for (size_t i = 1; i <= na; i++) {
+        size_t diag = row[0];
+
+        row[0] = i;
+        for (size_t j = 1; j <= nb; j++) {
+            size_t up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+
+            if (up + 1 < best)
+                best = up + 1;
+            if (row[j - 1] + 1 < best)
+                best = row[j - 1] + 1;
+            diag = up;
+            row[j] = best;
+        }
+    }
+    return row[nb];
+}
+
+/* One line for a flag getopt did not know: the nearest known one, not the usage. */
+static void unknown_flag(const char *arg)
+{
+    const char *name = arg + (arg[0] == '-') + (arg[0] == '-' && arg[1] == '-');
+    size_t n = strcspn(name, "="), best = SIZE_MAX;
+    const char *near = NULL;
+
+    for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
+        if (!optdecls[i].name || (optdecls[i].flags & OPTF_HIDDEN))
+            continue;
+        size_t d = edit_distance(optdecls[i].name, name, n);
+        if (d < best) {
+            best = d;
+            near = optdecls[i].name;
+        }
+    }
+    if (near && best <= (n / 3 > 2 ? n / 3 : 2))
+        log_error("unknown flag %.*s: did you mean --%s? (stepd --help lists them)", (int)(n + (name - arg)), arg,
+                  near);
+    else
+        log_error("unknown flag %.*s (stepd --help lists them)", (int)(n + (name - arg)), arg);
+}
+
+/* vLLM's spellings: --a_b is --a-b (the name, not a value after '=').  Every flag must be
+ * spelled whole (getopt_long would take a unique prefix: --enable-prefix-cachin is a typo,
+ * not --enable-prefix-caching): -EINVAL after one line naming the nearest flag. */
+static int normalize_flags(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        const struct optdecl *d = NULL;
+        size_t n;
+
+        if (strcmp(argv[i], "--") == 0)
+            break;
+        if (strncmp(argv[i], "--", 2) != 0)
+            continue;
+        for (char *p = argv[i] + 2; *p && *p != '='; p++)
+            if (*p == '_')
+                *p = '-';
+        n = strcspn(argv[i] + 2, "=");
+        for (size_t k = 0; k < ARRAY_SIZE(optdecls) && !d; k++)
+            if (optdecls[k].name && strlen(optdecls[k].name) == n && strncmp(optdecls[k].name, argv[i] + 2, n) == 0)
+                d = &optdecls[k];
+        if (!d) {
+            unknown_flag(argv[i]);
+            return -EINVAL;
+        }
+        if (d->arg && !argv[i][2 + n])
+            i++;                    /* its value, which may begin with "--" (--worker-arg) */
+    }
+    return 0;
+}
 
 #define SERVE_MAX_WORKER_ARGS 32
 #define SERVE_MAX_NAMES 16
@@ -240,75 +470,82 @@ static int parse_parser(const char *flag, const char *s, bool *ret)
     return -EINVAL;
 }
 
+/* --limit-mm-per-prompt JSON: stepd serves text only, so every limit must be 0. */
+static int limit_mm_check(const char *s)
+{
+    json_error_t je;
+    json_t *j = json_loads(s, 0, &je), *v;
+    const char *k;
+    int r = 0;
+
+    if (!json_is_object(j)) {
+        log_error("--limit-mm-per-prompt: expected a JSON object such as '{\"image\": 0}'");
+        r = -EINVAL;
+    } else {
+        json_object_foreach(j, k, v) {
+            if (!json_is_integer(v) || json_integer_value(v) != 0) {
+                log_error("--limit-mm-per-prompt: %s: stepd serves text only (images and other media are not "
+                          "supported yet); every limit must be 0", k);
+                r = -EINVAL;
+                break;
+            }
+        }
+    }
+    json_decref(j);
+    if (r == 0)
+        log_notice("--limit-mm-per-prompt %s: stepd serves text only; requests with media are refused", s);
+    return r;
+}
+
+/* --port-offset N: every port moved by N (0, any free port, stays 0; unix: sockets stay). */
+static int shift_addr(const char *flag, const char **addr, unsigned off, char *buf, size_t len)
+{
+    const char *a = *addr, *colon;
+    char *end;
+    unsigned long port;
+
+    if (!a || !a[0] || strncmp(a, "unix:", 5) == 0)
+        return 0;
+    colon = strrchr(a, ':');
+    port = colon ? strtoul(colon + 1, &end, 10) : 0;
+    if (!colon || end == colon + 1 || *end) {
+        log_error("%s %s: expected HOST:PORT for --port-offset", flag, a);
+        return -EINVAL;
+    }
+    if (port == 0)
+        return 0;
+    if (port + off > 65535) {
+        log_error("%s %s: port %lu + --port-offset %u is above 65535", flag, a, port, off);
+        return -EINVAL;
+    }
+    snprintf(buf, len, "%.*s:%lu", (int)(colon - a), a, port + off);
+    *addr = buf;
+    return 0;
+}
+
+static int apply_port_offset(struct coord_opts *o, unsigned off, char (*bufs)[300], size_t len)
+{
+    if (shift_addr("--listen", &o->listen, off, bufs[0], len) < 0 ||
+        shift_addr("--admin-listen", &o->admin_listen, off, bufs[1], len) < 0 ||
+        shift_addr("--control-listen", &o->control_listen, off, bufs[2], len) < 0 ||
+        shift_addr("--metrics-listen", &o->metrics_listen, off, bufs[3], len) < 0)
+        return -EINVAL;
+    if (o->http_port > 0) {
+        if (o->http_port + (int)off > 65535) {
+            log_error("--port %d + --port-offset %u is above 65535", o->http_port, off);
+            return -EINVAL;
+        }
+        o->http_port += (int)off;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    static const struct option longopts[] = {
-        { "listen", required_argument, NULL, OPT_LISTEN },
-        { "admin-listen", required_argument, NULL, OPT_ADMIN },
-        { "control-listen", required_argument, NULL, OPT_CONTROL },
-        { "metrics-listen", required_argument, NULL, OPT_METRICS },
-        { "insecure-listen", no_argument, NULL, OPT_INSECURE },
-        { "insecure-control", no_argument, NULL, OPT_INSECURE_CTL },
-        { "tls-cert", required_argument, NULL, OPT_TLS_CERT },
-        { "tls-key", required_argument, NULL, OPT_TLS_KEY },
-        { "tls-client-ca", required_argument, NULL, OPT_TLS_CA },
-        { "tls-require-client-cert", no_argument, NULL, OPT_TLS_REQ },
-        { "api-key-file", required_argument, NULL, OPT_KEY_FILE },
-        { "api-key", required_argument, NULL, OPT_API_KEY },
-        { "control-key-file", required_argument, NULL, OPT_CKEY_FILE },
-        { "tokenizer", required_argument, NULL, OPT_TOKENIZER },
-        { "model-name", required_argument, NULL, OPT_MODEL },
-        { "vocab-size", required_argument, NULL, OPT_VOCAB },
-        { "max-running", required_argument, NULL, OPT_MAX_RUNNING },
-        { "max-queue", required_argument, NULL, OPT_MAX_QUEUE },
-        { "max-input-tokens", required_argument, NULL, OPT_MAX_INPUT },
-        { "max-tokens-cap", required_argument, NULL, OPT_MAX_TOKENS_CAP },
-        { "default-max-tokens", required_argument, NULL, OPT_DEF_MAX_TOKENS },
-        { "max-recv-msg-bytes", required_argument, NULL, OPT_MAX_RECV },
-        { "max-concurrent-streams", required_argument, NULL, OPT_MAX_STREAMS },
-        { "stream-buffer-bytes", required_argument, NULL, OPT_STREAM_BUF },
-        { "drain-timeout", required_argument, NULL, OPT_DRAIN },
-        { "heartbeat-ms", required_argument, NULL, OPT_HEARTBEAT },
-        { "loads-poll-ms", required_argument, NULL, OPT_LOADS },
-        { "worker-timeout-ms", required_argument, NULL, OPT_WTIMEOUT },
-        { "prefix-affinity", required_argument, NULL, OPT_AFFINITY },
-        { "prefix-affinity-entries", required_argument, NULL, OPT_AFFINITY_N },
-        { "log-level", required_argument, NULL, OPT_LOG },
-        { "version", no_argument, NULL, OPT_VERSION },
-        { "tensor-parallel-size", required_argument, NULL, OPT_S_TP },
-        { "data-parallel-size", required_argument, NULL, OPT_S_DP },
-        { "device", required_argument, NULL, OPT_S_DEVICE },
-        { "enable-expert-parallel", no_argument, NULL, OPT_S_EP },
-        { "speculative-config", required_argument, NULL, OPT_S_SPEC },
-        { "max-model-len", required_argument, NULL, OPT_S_MAXLEN },
-        { "max-num-batched-tokens", required_argument, NULL, OPT_S_MAXBT },
-        { "max-num-seqs", required_argument, NULL, OPT_S_MAXSEQS },
-        { "gpu-memory-utilization", required_argument, NULL, OPT_S_GPUMEM },
-        { "served-model-name", required_argument, NULL, OPT_SERVED },
-        { "host", required_argument, NULL, OPT_HOST },
-        { "port", required_argument, NULL, OPT_PORT },
-        { "reasoning-parser", required_argument, NULL, OPT_RPARSER },
-        { "tool-call-parser", required_argument, NULL, OPT_TPARSER },
-        { "enable-auto-tool-choice", no_argument, NULL, OPT_AUTO_TOOLS },
-        { "max-n", required_argument, NULL, OPT_MAX_N },
-        { "responses-store-size", required_argument, NULL, OPT_RESP_STORE },
-        { "responses-store-ttl", required_argument, NULL, OPT_RESP_TTL },
-        { "http-max-body-bytes", required_argument, NULL, OPT_HTTP_BODY },
-        { "http-max-header-bytes", required_argument, NULL, OPT_HTTP_HEADER },
-        { "http-max-connections", required_argument, NULL, OPT_HTTP_CONNS },
-        { "http-timeout", required_argument, NULL, OPT_HTTP_TIMEOUT },
-        { "request-timeout", required_argument, NULL, OPT_REQ_TIMEOUT },
-        { "threads", required_argument, NULL, OPT_S_THREADS },
-        { "worker-binary", required_argument, NULL, OPT_S_WBIN },
-        { "worker-arg", required_argument, NULL, OPT_S_WARG },
-        { "worker-restart-limit", required_argument, NULL, OPT_S_LIMIT },
-        { "worker-backoff-ms", required_argument, NULL, OPT_S_BACKOFF },
-        { "worker-backoff-max-ms", required_argument, NULL, OPT_S_BACKOFF_MAX },
-        { "worker-stop-timeout", required_argument, NULL, OPT_S_STOP },
-        { "spec-log-interval", required_argument, NULL, OPT_S_SPECLOG },
-        { "help", no_argument, NULL, 'h' },
-        { NULL, 0, NULL, 0 },
-    };
+    struct option longopts[ARRAY_SIZE(optdecls) + 1];
+    const struct optdecl *lo_decl[ARRAY_SIZE(optdecls)];
+    size_t n_lo = 0;
+    int lo_index;
     struct coord_opts o;
     struct coord *co = NULL;
     char *api_key = NULL, *ctl_key = NULL;
@@ -325,6 +562,10 @@ int main(int argc, char **argv)
     const char *aliases[SERVE_MAX_NAMES];
     size_t n_names = 0;
     bool serve_mode = argc > 1 && strcmp(argv[1], "serve") == 0;
+    unsigned port_offset = 0;
+    char pass_flags[SERVE_MAX_WORKER_ARGS][48];
+    size_t n_pass = 0;
+    char ports[4][300], msg[256];
 
     malloc_tune(argv);
     log_init("stepd", NULL);
@@ -337,8 +578,116 @@ int main(int argc, char **argv)
     log_debug("malloc: %s", malloc_tuned ? "glibc per-thread caches off, one arena (STEPD_MALLOC_TUNE=0 keeps "
                                            "glibc's defaults)" : "glibc's defaults");
     coord_opts_default(&o);
-    while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+    for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
+        const struct optdecl *d = &optdecls[i];
+
+        if (!d->name)
+            continue;
+        lo_decl[n_lo] = d;
+        longopts[n_lo++] = (struct option){ d->name, d->arg ? required_argument : no_argument, NULL, d->id };
+    }
+    longopts[n_lo] = (struct option){ NULL, 0, NULL, 0 };
+    if (normalize_flags(argc, argv) < 0)
+        return 2;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, ":h", longopts, (lo_index = -1, &lo_index))) != -1) {
+        const struct optdecl *d = lo_index >= 0 && (size_t)lo_index < n_lo ? lo_decl[lo_index] : NULL;
+
+        if (d && (d->flags & OPTF_SERVE) && !serve_flag)
+            serve_flag = d->name;
         switch (c) {
+        case OPT_S_PASS_UINT: {
+            char fl[64];
+
+            snprintf(fl, sizeof(fl), "--%s", d->name);
+            if (parse_uint(fl, optarg, INT32_MAX, &v) < 0)
+                return 2;
+            if (v == 0) {
+                log_error("%s: at least 1", fl);
+                return 2;
+            }
+        }
+            /* fall through */
+        case OPT_S_PASS:
+            /* the worker's own flag, passed to every rank as it is */
+            if (d->name && !strcmp(d->name, "logprobs-mode") && strcmp(optarg, "raw_logprobs") &&
+                strcmp(optarg, "processed_logprobs")) {
+                log_error("--logprobs-mode %s: expected raw_logprobs or processed_logprobs", optarg);
+                return 2;
+            }
+            if (so.n_worker_args + 2 > SERVE_MAX_WORKER_ARGS) {
+                log_error("--%s: at most %d worker flags in all", d->name, SERVE_MAX_WORKER_ARGS);
+                return 2;
+            }
+            snprintf(pass_flags[n_pass], sizeof(pass_flags[n_pass]), "--%s", d->name);
+            worker_args[so.n_worker_args++] = pass_flags[n_pass++];
+            if (d->arg)
+                worker_args[so.n_worker_args++] = optarg;
+            break;
+        case OPT_S_NOTE:
+            log_notice("--%s%s%s: %s", d->name, d->arg ? " " : "", d->arg ? optarg : "", d->vllm);
+            break;
+        case OPT_S_KV_DTYPE: {
+            struct err_buf e;
+            bool f32;
+
+            if (cli_parse_kv_dtype("--kv-cache-dtype", optarg, &f32, &e) < 0) {
+                log_error("%s", e.msg);
+                return 2;
+            }
+            so.kv_cache_dtype = f32 ? "fp32" : "bf16";
+            break;
+        }
+        case OPT_S_KV_MEM: {
+            struct err_buf e;
+
+            if (cli_parse_bytes("--kv-cache-memory", optarg, 1, INT64_MAX / 2, &so.kv_cache_memory, &e) < 0) {
+                log_error("%s", e.msg);
+                return 2;
+            }
+            break;
+        }
+        case OPT_S_PREFIX_ON: so.prefix_caching = 1; break;
+        case OPT_S_PREFIX_OFF: so.prefix_caching = 0; break;
+        case OPT_S_ALLOW_LONG: so.allow_long_max_model_len = true; break;
+        case OPT_S_DTYPE:
+            if (strcmp(optarg, "auto") && strcmp(optarg, "bfloat16") && strcmp(optarg, "bf16")) {
+                log_error("--dtype %s: stepd computes with the checkpoint's BF16 weights and FP32 accumulation "
+                          "(auto, bfloat16)", optarg);
+                return 2;
+            }
+            break;
+        case OPT_S_QUANT:
+            if (strcmp(optarg, "mxfp4") != 0) {
+                log_error("--quantization %s: stepd serves the checkpoint's own weights, BF16 or MXFP4 routed "
+                          "experts (--quantization mxfp4)", optarg);
+                return 2;
+            }
+            so.quantization = optarg;
+            break;
+        case OPT_S_CHAT_TEMPLATE:
+            log_error("--chat-template %s: stepd renders the Step-3.x chat template built in and takes no "
+                      "template file (--default-chat-template-kwargs sets its variables)", optarg);
+            return 2;
+        case OPT_S_TEMPLATE_KW:
+            if (coord_chat_kwargs_check(optarg, msg, sizeof(msg)) < 0) {
+                log_error("--default-chat-template-kwargs: %s", msg);
+                return 2;
+            }
+            o.default_chat_template_kwargs = optarg;
+            break;
+        case OPT_S_LIMIT_MM:
+            if (limit_mm_check(optarg) < 0)
+                return 2;
+            break;
+        case OPT_PORT_OFFSET:
+            if (parse_uint("--port-offset", optarg, 65535, &v) < 0)
+                return 2;
+            port_offset = (unsigned)v;
+            break;
+        case OPT_HELP_VLLM:
+            usage_vllm(stdout);
+            return 0;
         case OPT_LISTEN: o.listen = optarg; break;
         case OPT_ADMIN: o.admin_listen = optarg; break;
         case OPT_CONTROL: o.control_listen = optarg; break;
@@ -412,6 +761,7 @@ int main(int argc, char **argv)
         SERVE_UINT(OPT_S_MAXLEN, "--max-model-len", 2, 1u << 22, max_model_len)
         SERVE_UINT(OPT_S_MAXBT, "--max-num-batched-tokens", 4, 1u << 20, max_num_batched_tokens)
         SERVE_UINT(OPT_S_MAXSEQS, "--max-num-seqs", 1, 4096, max_num_seqs)
+        SERVE_UINT(OPT_S_BLOCK, "--block-size", 1, 4096, block_size)
         SERVE_UINT(OPT_S_LIMIT, "--worker-restart-limit", 1, 1000, restart_limit)
         SERVE_UINT(OPT_S_BACKOFF, "--worker-backoff-ms", 1, 3600000, backoff_ms)
         SERVE_UINT(OPT_S_BACKOFF_MAX, "--worker-backoff-max-ms", 1, 3600000, backoff_max_ms)
@@ -501,13 +851,24 @@ int main(int argc, char **argv)
             worker_args[so.n_worker_args++] = optarg;
             break;
         case 'h':
+        case OPT_HELP:
             usage(stdout);
             return 0;
-        default:
-            usage(stderr);
+        case ':':
+            log_error("%s: needs a value (stepd --help)", argv[optind - 1]);
             return 2;
+        case '?':
+            unknown_flag(argv[optind - 1]);
+            return 2;
+        default:
+            ASSERT(!"an option without a handler");
         }
     }
+    if (port_offset && apply_port_offset(&o, port_offset, ports, sizeof(ports[0])) < 0)
+        return 2;
+    if (getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN") && (!strcmp(getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN"), "1") ||
+                                                    !strcasecmp(getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN"), "true")))
+        so.allow_long_max_model_len = true;
     if (serve_mode) {
         if (optind >= argc) {
             log_error("stepd serve: MODEL_DIR is required (stepd serve MODEL_DIR [options])");
@@ -602,7 +963,8 @@ int main(int argc, char **argv)
         o.control_key = ctl_key;
     }
     if ((r = coord_new(&o, &co)) < 0) {
-        log_error("cannot start: %s", err_str(r));
+        if (r != -EADDRINUSE)           /* coord_new named the flag of the port in use */
+            log_error("cannot start: %s", err_str(r));
         rc = 1;
         goto out;
     }

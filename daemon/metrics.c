@@ -120,6 +120,9 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     counter(&b, "stepd:spec_decode_num_drafts_total", "MTP verification steps with drafts.", m->spec_drafts);
     counter(&b, "stepd:spec_decode_num_draft_tokens_total", "MTP draft tokens proposed.", m->spec_draft_tokens);
     counter(&b, "stepd:spec_decode_num_accepted_tokens_total", "MTP draft tokens accepted.", m->spec_accepted);
+    gauge(&b, "stepd:spec_decode_mean_acceptance_length", "Tokens per verification step with drafts since the "
+          "start, 1 + accepted / drafts (vLLM's mean acceptance length; 0 before any draft).",
+          m->spec_drafts ? 1.0 + (double)m->spec_accepted / (double)m->spec_drafts : 0.0);
     strbuf_printf(&b, "# HELP stepd:spec_decode_num_accepted_tokens_per_pos_total Accepted drafts by position.\n"
                   "# TYPE stepd:spec_decode_num_accepted_tokens_per_pos_total counter\n");
     for (int i = 0; i < 3; i++)

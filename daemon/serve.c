@@ -22,11 +22,14 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <jansson.h>
 
 #include "config.h"
+#include "kvplan.h"
+#include "specconf.h"
 #include "coord-int.h"
 #include "err.h"
 #include "loader.h"
@@ -79,7 +82,8 @@ struct serve {
     char *worker_args;              /* NUL-separated, n_wargs of them */
     size_t n_wargs;
     unsigned n_groups, world, threads;
-    int spec_k;                     /* num_speculative_tokens from --speculative-config */
+    struct spec_config spec;        /* --speculative-config, parsed as the ranks parse it */
+    int spec_k;                     /* the drafts per step rank 0 will make (0: none) */
     bool pass_gpu_mem;              /* this stepd-worker knows --gpu-memory-utilization */
     struct sgroup groups[SERVE_MAX_GROUPS];
     uv_timer_t t_tick, t_stop;
@@ -89,7 +93,15 @@ struct serve {
     uint64_t spec_drafts, spec_tokens, spec_accepted, spec_pos[METRICS_MAX_POS];
 };
 
+/* A rank's command line: argv (NULL-ended, n entries; room for 2 more) pointing into a. */
+struct rank_argv {
+    char a[SERVE_MAX_ARGS][PATH_MAX + 32];
+    char *argv[SERVE_MAX_ARGS + 3];
+    int n;
+};
+
 static void rank_start(struct srank *rk);
+static void rank_argv(const struct serve *s, unsigned group, unsigned rank, struct rank_argv *ra);
 
 void serve_opts_default(struct serve_opts *o)
 {
@@ -102,49 +114,66 @@ void serve_opts_default(struct serve_opts *o)
     o->backoff_max_ms = 30000;
     o->worker_stop_timeout_ms = 15000;
     o->spec_log_interval_ms = 10000;
+    o->prefix_caching = -1;
 }
 
 /* ------------------------------------------------------------------ preparation */
 
-/* K from a vLLM-style speculative config; the worker parses it fully (and refuses what
- * it does not accept, with exit 2, which gives the group up at once). */
-static int spec_k_parse(const char *json, int *ret)
+/* --kv-cache-memory against what rank `rank` needs for one sequence of --max-model-len (the
+ * rank's own plan, kvplan.h, as the worker makes it). */
+static int check_kv_budget(const struct serve *s, const struct ckpt *ck, unsigned rank, struct err_buf *e)
 {
-    json_error_t je;
-    json_t *j = json_loads(json, 0, &je), *m, *k;
-    int r = 0;
+    const struct serve_opts *o = &s->o;
+    const struct model_config *mc = ckpt_config(ck);
+    int depth = ckpt_mtp_depth(ck);
+    int bs = o->block_size ? (int)o->block_size : KVPLAN_DEFAULT_BLOCK_SIZE;
+    struct kvplan_req q = {
+        .block_size = bs,
+        .max_num_seqs = o->max_num_seqs ? (int)o->max_num_seqs : KVPLAN_DEFAULT_MAX_SEQS,
+        .max_model_len = o->max_model_len ? (int)o->max_model_len : KVPLAN_DEFAULT_MAX_MODEL_LEN,
+        .max_batched_tokens = o->max_num_batched_tokens ? (int)o->max_num_batched_tokens
+                                                        : KVPLAN_DEFAULT_MAX_BATCHED_TOKENS,
+        .sliding_window = mc->sliding_window,
+        .mtp_margin = depth < KVPLAN_MAX_DRAFTS ? depth : KVPLAN_MAX_DRAFTS,
+    };
+    int64_t bpt[_KVPLAN_POOLS];
+    struct kvplan p;
+    int r;
 
-    *ret = 0;
-    if (!j || !json_is_object(j)) {
-        log_error("--speculative-config: not a JSON object: %s", j ? "" : je.text);
-        r = -EINVAL;
-        goto out;
-    }
-    m = json_object_get(j, "method");
-    k = json_object_get(j, "num_speculative_tokens");
-    if (m && (!json_is_string(m) || strcmp(json_string_value(m), "mtp") != 0)) {
-        log_error("--speculative-config: method must be \"mtp\" (the model's own draft layers)");
-        r = -EINVAL;
-    } else if (!k || !json_is_integer(k) || json_integer_value(k) < 0 || json_integer_value(k) > 3) {
-        log_error("--speculative-config: num_speculative_tokens must be an integer in 0..3");
-        r = -EINVAL;
-    } else {
-        *ret = (int)json_integer_value(k);
-    }
-out:
-    json_decref(j);
+    if (o->kv_cache_memory <= 0)
+        return 0;
+    kvplan_bytes_per_token(mc, (int)s->world, (int)rank, depth,
+                           o->kv_cache_dtype && strcmp(o->kv_cache_dtype, "fp32") == 0 ? 4 : 2, bpt);
+    for (int g = 0; g < _KVPLAN_POOLS; g++)
+        q.bytes_per_token[g] = bpt[g];
+    r = kvplan_compute(&q, o->kv_cache_memory, &p, e);
+    if (r < 0)
+        err_prefix(e, "--kv-cache-memory (rank %u)", rank);
     return r;
 }
 
-/* The model and every rank's load plan, as the ranks will see them (headers only). */
+/* The model and every rank's load plan, as the ranks will see them (headers only), and
+ * what a rank would refuse in them: --max-model-len, --quantization, the KV budget. */
 static int log_model(struct serve *s)
 {
     struct err_buf e = { "" };
     int r = 0;
+    bool spec_on = s->o.speculative_config != NULL;
 
+    struct model_config declared;
+    char cfg_path[PATH_MAX + 16];
+
+    snprintf(cfg_path, sizeof(cfg_path), "%s/config.json", s->model_dir);
+    if ((r = model_config_load(cfg_path, &declared, &e)) < 0) {
+        log_error("%s", e.msg);
+        return r;
+    }
     for (unsigned rank = 0; rank < s->world; rank++) {
         struct ckpt_opts co = { .world_size = (int)s->world, .rank = (int)rank,
-                                .mtp_depth = rank == 0 ? s->spec_k : 0, .headers_only = true };
+                                .mtp_dir = spec_on && s->spec.model[0] ? s->spec.model : NULL,
+                                .mtp_depth = rank == 0 && spec_on ? spec_config_depth(&s->spec, declared.n_mtp_layers)
+                                                                  : 0,
+                                .headers_only = true };
         struct ckpt *ck = NULL;
         struct ckpt_plan_stats ps;
 
@@ -158,25 +187,54 @@ static int log_model(struct serve *s)
             const struct model_config *mc = ckpt_config(ck);
             int depth = ckpt_mtp_depth(ck);
 
+            s->spec_k = spec_on ? spec_config_k(&s->spec, depth) : 0;
+            if (spec_on && s->spec.num_speculative_tokens > s->spec_k)
+                log_warn("--speculative-config: num_speculative_tokens %d, but the checkpoint has %d usable MTP "
+                         "layer%s: speculating %d token%s per step", s->spec.num_speculative_tokens, depth,
+                         depth == 1 ? "" : "s", s->spec_k, s->spec_k == 1 ? "" : "s");
+            r = model_config_check_len(mc, s->o.max_model_len ? (int)s->o.max_model_len
+                                                              : KVPLAN_DEFAULT_MAX_MODEL_LEN,
+                                       s->o.allow_long_max_model_len, &e);
+            if (r == 0 && spec_on && s->spec.draft_vocab > mc->vocab_size)
+                r = err_set(&e, -EINVAL, "--speculative-config: draft_vocab: %d is above the model's vocabulary "
+                            "(%d tokens)", s->spec.draft_vocab, mc->vocab_size);
+            if (r == 0 && s->o.quantization && mc->quant != QUANT_MXFP4)
+                r = err_set(&e, -EINVAL, "--quantization %s: %s holds BF16 routed experts, not MXFP4 (serve it "
+                            "without --quantization)", s->o.quantization, s->model_dir);
+            if (r < 0) {
+                log_error("%s", e.msg);
+                ckpt_close(ck);
+                return r;
+            }
+
             log_info("model %s: %s, %d layers, hidden %d, %d experts (top %d), vocabulary %d, %s", s->model_dir,
                      mc->model_type, mc->n_layers, mc->hidden_size, mc->n_experts, mc->top_k, mc->vocab_size,
                      mc->quant == QUANT_MXFP4 ? "MXFP4 routed experts" : "BF16");
-            if (mc->n_mtp_layers > 0 && s->spec_k > 0 && depth > 0)
+            if (mc->n_mtp_layers > 0 && s->spec_k > 0 && depth > 0) {
                 log_info("MTP detected: %d draft layer%s in the checkpoint (num_nextn_predict_layers); "
                          "speculating %d token%s per step; the drafts share the target's embedding "
                          "(model.embed_tokens.weight) and use their own heads (shared_head)",
-                         mc->n_mtp_layers, mc->n_mtp_layers == 1 ? "" : "s", depth, depth == 1 ? "" : "s");
-            else if (mc->n_mtp_layers > 0)
+                         mc->n_mtp_layers, mc->n_mtp_layers == 1 ? "" : "s", s->spec_k,
+                         s->spec_k == 1 ? "" : "s");
+                log_info("Detected MTP model. Sharing target model embedding weights with the draft model "
+                         "(%d MTP layer%s, method mtp, num_speculative_tokens %d)", depth, depth == 1 ? "" : "s",
+                         s->spec_k);
+            } else if (mc->n_mtp_layers > 0)
                 log_info("MTP detected: %d draft layer%s in the checkpoint, not used (enable with "
                          "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":%d}')",
                          mc->n_mtp_layers, mc->n_mtp_layers == 1 ? "" : "s",
                          mc->n_mtp_layers < 3 ? mc->n_mtp_layers : 3);
-            else if (s->spec_k > 0)
-                log_warn("--speculative-config asks for %d MTP tokens, but the checkpoint has no MTP layers: "
-                         "no speculation", s->spec_k);
+            else if (spec_on && s->spec.num_speculative_tokens != 0)
+                log_warn("--speculative-config asks for MTP drafts, but the checkpoint has no MTP layers: "
+                         "no speculation");
             const char *w = ckpt_warnings(ck);
             if (w && *w)
                 log_warn("checkpoint: %s", w);
+        }
+        if ((r = check_kv_budget(s, ck, rank, &e)) < 0) {
+            log_error("%s", e.msg);
+            ckpt_close(ck);
+            return r;
         }
         ckpt_plan_stats(ck, &ps);
         log_info("load plan rank %u of %u: %" PRId64 " tensors, %.1f MiB, experts [%d, %d)%s", rank, s->world,
@@ -236,6 +294,95 @@ static bool worker_has_flag(const struct serve *s, const char *flag)
         found |= strstr(line, flag) != NULL;
     pclose(p);
     return found;
+}
+
+/* Run `argv` (stepd-worker ... --check-device DEV) and read what it says into out: its exit
+ * status, or -errno when it cannot run. */
+static int run_capture(char *const argv[], char *out, size_t n)
+{
+    int fd[2], st;
+    size_t off = 0;
+    ssize_t got;
+    pid_t pid;
+
+    out[0] = '\0';
+    if (pipe2(fd, O_CLOEXEC) < 0)
+        return -errno;
+    pid = fork();
+    if (pid < 0) {
+        close(fd[0]);
+        close(fd[1]);
+        return -errno;
+    }
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        dup2(fd[1], 2);
+        execv(argv[0], argv);
+        execvp(argv[0], argv);          /* "stepd-worker" from $PATH */
+        _exit(127);
+    }
+    close(fd[1]);
+    while (off + 1 < n && (got = read(fd[0], out + off, n - 1 - off)) > 0)
+        off += (size_t)got;
+    out[off] = '\0';
+    char rest[256];
+    while (read(fd[0], rest, sizeof(rest)) > 0)
+        ;                               /* drain the rest */
+    close(fd[0]);
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR)
+            return -errno;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* Every rank's command line as the worker itself parses it (its flags, the speculative
+ * config, --worker-arg flags: `--check-device DEV` last answers once all before it were
+ * taken), and on --device cuda every rank's device: what would make a rank exit 2, or fail
+ * on every start, ends `stepd serve` now with the worker's own reason. */
+static int check_ranks(const struct serve *s)
+{
+    bool cuda = strcmp(s->o.device, "cuda") == 0;
+    unsigned n = cuda ? s->n_groups * s->world : 1;
+    struct rank_argv *ra = malloc(sizeof(*ra));
+    char out[1024], dev[32];
+    int r = 0;
+
+    if (!ra)
+        return -ENOMEM;
+    for (unsigned i = 0; i < n && r == 0; i++) {
+        int st;
+
+        rank_argv(s, i / s->world, i % s->world, ra);
+        snprintf(dev, sizeof(dev), cuda ? "cuda:%u" : "cpu", i);
+        ra->argv[ra->n] = "--check-device";
+        ra->argv[ra->n + 1] = dev;
+        ra->argv[ra->n + 2] = NULL;
+        st = run_capture(ra->argv, out, sizeof(out));
+        if (st == 0)
+            continue;
+        /* the worker's first line that is not a log line says why ("stepd-worker: ..." or
+         * getopt's "PATH: unrecognized option ...", before its usage) */
+        char *last = out;
+        while (last[0] == '<' && last[1] >= '0' && last[1] <= '7' && last[2] == '>' && strchr(last, '\n'))
+            last = strchr(last, '\n') + 1;
+        last[strcspn(last, "\n")] = '\0';
+        size_t bl = strlen(s->worker_bin);
+        if (strncmp(last, "stepd-worker: ", 14) == 0)
+            last += 14;
+        else if (strncmp(last, s->worker_bin, bl) == 0 && strncmp(last + bl, ": ", 2) == 0)
+            last += bl + 2;
+        if (st < 0)
+            log_error("cannot run %s: %s", s->worker_bin, strerror(-st));
+        else if (strncmp(last, "usage:", 6) == 0 || !last[0])
+            log_error("%s refuses the ranks' flags (exit %d); see %s --help", s->worker_bin, st, s->worker_bin);
+        else if (cuda && strncmp(last, dev, strlen(dev)) == 0)
+            log_error("--device cuda: rank %u of %u needs %s (%s --check-device)", i, n, last, s->worker_bin);
+        else
+            log_error("a rank would refuse its flags: %s", last);
+        r = st < 0 ? st : cuda && strncmp(last, dev, strlen(dev)) == 0 ? -ENODEV : -EINVAL;
+    }
+    free(ra);
+    return r;
 }
 
 static int make_rundir(struct serve *s)
@@ -359,8 +506,14 @@ int serve_prepare(const struct serve_opts *o, const char *ctl_key, struct serve 
         log_error("model directory %s: %s", o->model_dir, strerror(errno));
         goto fail;
     }
-    if (o->speculative_config && (r = spec_k_parse(o->speculative_config, &s->spec_k)) < 0)
-        goto fail;
+    if (o->speculative_config) {
+        struct err_buf e;
+
+        if ((r = spec_config_parse(o->speculative_config, &s->spec, &e)) < 0) {
+            log_error("%s", e.msg);
+            goto fail;
+        }
+    }
     if ((r = log_model(s)) < 0)
         goto fail;
     if ((r = find_worker(s)) < 0)
@@ -387,7 +540,7 @@ int serve_prepare(const struct serve_opts *o, const char *ctl_key, struct serve 
         unsigned n = cpus_allowed() / (s->world * s->n_groups);
         s->threads = n ? n : 1;
     }
-    if ((r = make_rundir(s)) < 0 || (r = write_key(s, ctl_key, ret_key)) < 0)
+    if ((r = check_ranks(s)) < 0 || (r = make_rundir(s)) < 0 || (r = write_key(s, ctl_key, ret_key)) < 0)
         goto fail;
     *ret = s;
     return 0;
@@ -524,28 +677,26 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
     coord_health_update(s->co);
 }
 
-/* The flags a unit file gives a rank (systemd/stepd-worker@.service), plus the sizes. */
-static void rank_start(struct srank *rk)
+/* The flags a unit file gives rank `rank` of group `group` (systemd/stepd-worker@.service),
+ * plus the sizes and the operator's worker flags. */
+static void rank_argv(const struct serve *s, unsigned group, unsigned rank, struct rank_argv *ra)
 {
-    struct serve *s = rk->s;
-    char a[SERVE_MAX_ARGS][PATH_MAX + 32];
-    char *argv[SERVE_MAX_ARGS + 1];
     int n = 0;
 
-#define ARG(...) snprintf(a[n], sizeof(a[n]), __VA_ARGS__), n++
+#define ARG(...) snprintf(ra->a[n], sizeof(ra->a[n]), __VA_ARGS__), n++
     ARG("%s", s->worker_bin);
     ARG("--coordinator"); ARG("%s", s->ctl_addr);
-    ARG("--group"); ARG("%s", rk->g->name);
-    ARG("--rank"); ARG("%u", rk->rank);
+    ARG("--group"); ARG("g%u", group);
+    ARG("--rank"); ARG("%u", rank);
     ARG("--world-size"); ARG("%u", s->world);
     ARG("--device");
     if (strcmp(s->o.device, "cuda") == 0)
-        ARG("cuda:%u", (unsigned)(rk->g - s->groups) * s->world + rk->rank);
+        ARG("cuda:%u", group * s->world + rank);
     else
         ARG("cpu");
     ARG("--model"); ARG("%s", s->model_dir);
     ARG("--control-key-file"); ARG("%s", s->key_file);
-    ARG("--engine-listen"); ARG("unix:%s/engine-%s.sock", s->rundir, rk->g->name);
+    ARG("--engine-listen"); ARG("unix:%s/engine-g%u.sock", s->rundir, group);
     if (s->threads) {
         ARG("--threads"); ARG("%u", s->threads);
     }
@@ -564,15 +715,43 @@ static void rank_start(struct srank *rk)
     if (s->pass_gpu_mem) {
         ARG("--gpu-memory-utilization"); ARG("%g", s->o.gpu_memory_utilization);
     }
+    if (s->o.kv_cache_dtype) {
+        ARG("--kv-cache-dtype"); ARG("%s", s->o.kv_cache_dtype);
+    }
+    if (s->o.kv_cache_memory > 0) {
+        ARG("--kv-cache-memory"); ARG("%" PRId64, s->o.kv_cache_memory);
+    }
+    if (s->o.block_size) {
+        ARG("--block-size"); ARG("%u", s->o.block_size);
+    }
+    if (s->o.prefix_caching == 0)
+        ARG("--no-enable-prefix-caching");
+    if (s->o.allow_long_max_model_len)
+        ARG("--allow-long-max-model-len");
 #undef ARG
     for (int i = 0; i < n; i++)
-        argv[i] = a[i];
+        ra->argv[i] = ra->a[i];
     const char *wa = s->worker_args;
     for (size_t i = 0; wa && i < s->n_wargs && n < SERVE_MAX_ARGS; i++) {
-        argv[n++] = (char *)wa;
+        ra->argv[n++] = (char *)wa;
         wa += strlen(wa) + 1;
     }
-    argv[n] = NULL;
+    ra->argv[n] = NULL;
+    ra->n = n;
+}
+
+static void rank_start(struct srank *rk)
+{
+    struct serve *s = rk->s;
+    struct rank_argv *ra = malloc(sizeof(*ra));
+    char **argv;
+
+    if (!ra) {
+        log_error("group %s rank %u: out of memory", rk->g->name, rk->rank);
+        return;
+    }
+    rank_argv(s, (unsigned)(rk->g - s->groups), rk->rank, ra);
+    argv = ra->argv;
 
     /* the environment, less what belongs to this process only (its service manager's
      * notification socket and watchdog), plus the supervisor's pid (the rank ends with us) */
@@ -584,6 +763,7 @@ static void rank_start(struct srank *rk)
     size_t k = 0;
     if (!env) {
         log_error("group %s rank %u: out of memory", rk->g->name, rk->rank);
+        free(ra);
         return;
     }
     for (char **e = environ; *e; e++)
@@ -609,6 +789,7 @@ static void rank_start(struct srank *rk)
     uv_process_t *p = calloc(1, sizeof(*p));
     int r = p ? uv_spawn(&s->co->loop, p, &po) : UV_ENOMEM;
     free(env);
+    free(ra);
     if (r < 0) {
         char why[256];
         snprintf(why, sizeof(why), "cannot start %.160s: %s", s->worker_bin, uv_strerror(r));

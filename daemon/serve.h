@@ -19,6 +19,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 struct coord;
 struct serve;
@@ -39,11 +40,20 @@ struct serve_opts {
     unsigned backoff_ms, backoff_max_ms;
     unsigned worker_stop_timeout_ms;
     unsigned spec_log_interval_ms;  /* spec-decoding metrics in the log; 0 = off */
+    const char *kv_cache_dtype;     /* "bf16", "fp32"; NULL: the worker's default */
+    int64_t kv_cache_memory;        /* KV bytes per rank; 0: the worker's default */
+    int prefix_caching;             /* -1: the worker's default (on), 0 off, 1 on */
+    unsigned block_size;            /* 0: the worker's default */
+    const char *quantization;       /* "mxfp4" or NULL */
+    bool allow_long_max_model_len;  /* --max-model-len above max_position_embeddings */
 };
 
 void serve_opts_default(struct serve_opts *o);
-/* Check the options and the model directory (config, load plan per rank; both logged),
- * make the private runtime directory and the control key file.  *ret_key receives the
+/* Check the options and the model directory (config, load plan per rank; both logged) for
+ * everything a rank would refuse (the speculative config, --max-model-len against the
+ * model, the KV budget against one sequence, each rank's command line and device as
+ * stepd-worker --check-device parses them), before any rank starts, make the
+ * private runtime directory and the control key file.  *ret_key receives the
  * control key for the coordinator (malloc'd; the operator's when ctl_key is set). */
 int serve_prepare(const struct serve_opts *o, const char *ctl_key, struct serve **ret, char **ret_key);
 /* Start every rank (after coord_new: the control port is bound). */

@@ -51,7 +51,27 @@ static void usage(FILE *f)
     fprintf(f, "usage: stepd-inspect MODEL_DIR [--world-size N] [--rank R] [--mtp K] [--mtp-model DIR] [--json] [--list]\n"
                "         [--device-memory BYTES [--gpu-memory-utilization F] [--overhead BYTES] | --kv-cache-memory BYTES]\n"
                "         [--max-model-len L] [--max-num-seqs S] [--max-batched-tokens T] [--block-size BS]\n"
-               "         [--kv-cache-dtype bf16|fp32] [--strict]\n");
+               "         [--kv-cache-dtype auto|bf16|fp32] [--strict]\n"
+               "Validate a checkpoint and print each rank's load plan without reading tensor data.\n"
+               "  -n, --world-size N          ranks in the group: 1, 2, 4, 8 (default 1)\n"
+               "  -r, --rank R                only this rank (default: every rank)\n"
+               "  -k, --mtp K                 MTP layers to plan (default: every one config.json declares)\n"
+               "  -m, --mtp-model DIR         MTP layers from another directory\n"
+               "  -j, --json                  one JSON document instead of text\n"
+               "  -l, --list                  list every tensor of the plan\n"
+               "  -s, --strict                a plan whose MTP depth is below --mtp fails the rank\n"
+               "Memory plan (with --device-memory or --kv-cache-memory):\n"
+               "  --device-memory BYTES       one device's memory (e.g. 80GiB)\n"
+               "  --gpu-memory-utilization F  share of it the worker uses (default 0.9)\n"
+               "  --overhead BYTES            runtime and backend scratch allowed (default 1GiB)\n"
+               "  --kv-cache-memory BYTES     the KV budget per rank instead of the device's\n"
+               "  --max-model-len L           longest sequence (default: max_position_embeddings)\n"
+               "  --max-num-seqs S            sequences per step (default 8)\n"
+               "  --max-batched-tokens T      tokens per step (default 256)\n"
+               "  --block-size BS             tokens per KV block (default 16)\n"
+               "  --kv-cache-dtype D          auto or bf16 (default), fp32\n"
+               "  -V, --version, -h, --help\n"
+               "Exit status: 0 every rank loadable (and fits), 1 some rank not, 2 usage.\n");
 }
 
 /* The memory plan's inputs (see the header). */
@@ -245,14 +265,16 @@ int main(int argc, char **argv)
             if (parse_int(optarg, "--block-size", 1, 4096, &mp.block_size) < 0)
                 return 2;
             break;
-        case 'd':
-            if (strcmp(optarg, "bf16") && strcmp(optarg, "auto") && strcmp(optarg, "fp32")) {
-                fprintf(stderr, "stepd-inspect: --kv-cache-dtype '%s': expected auto, bf16 or fp32\n",
-                        optarg);
+        case 'd': {
+            bool f32;
+
+            if (cli_parse_kv_dtype("--kv-cache-dtype", optarg, &f32, &pe) < 0) {
+                fprintf(stderr, "stepd-inspect: %s\n", pe.msg);
                 return 2;
             }
-            mp.elem = strcmp(optarg, "fp32") == 0 ? 4 : 2;
+            mp.elem = f32 ? 4 : 2;
             break;
+        }
         case 'n':
             if (parse_int(optarg, "--world-size", 1, 8, &ws) < 0)
                 return 2;

@@ -848,7 +848,8 @@ static void usage(FILE *f)
         "  --tokenizer PATH    copy tokenizer.json (+ tokenizer_config.json) from a file or model dir\n"
         "                      (a model dir's config.json also gives the BOS/EOS ids)\n"
         "  --force             replace the checkpoint files already in DIR\n"
-        "  --hidden ... --window   override one width of the preset (--window: sliding window)\n");
+        "  --hidden ... --window   override one width of the preset (--window: sliding window)\n"
+        "  --version, --help   print the version, or this text, and exit\n");
 }
 
 static int parse_u64(const char *flag, const char *s, bool suffix, uint64_t *ret, struct err_buf *e)

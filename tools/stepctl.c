@@ -4,7 +4,7 @@
  *                                     [--seed S] [--stop STR]... [--ids] PROMPT|IDS
  *   stepctl chat [--system TEXT] [--effort low|medium|high] [--max-tokens N] MESSAGE
  *   stepctl health [SERVICE]          exit 0 when SERVING
- *   stepctl wait-ready [--timeout S]  poll readiness until SERVING
+ *   stepctl wait-ready [--timeout S]  poll readiness (50 ms) until SERVING; say why not
  *   stepctl info | loads | groups
  *   stepctl drain [--timeout S] [--stay]
  *
@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "file.h"
+#include "stepd-config.h"
 #include "log.h"
 #include "pb-util.h"
 #include "rpc.h"
@@ -45,18 +46,28 @@ struct ctl {
     bool tty;
     const ProtobufCMessageDescriptor *resp_desc;
     void (*on_resp)(struct ctl *c, const ProtobufCMessage *m);
+    void *ud;                       /* for on_resp */
 };
 
 static void usage(FILE *f)
 {
     fprintf(f,
         "usage: stepctl [--addr A] [--admin-addr A] [--api-key-file F] [--tls-ca F] [--timeout S] COMMAND ...\n"
+        "  --addr HOST:PORT       public port (default $STEPD_ADDR or 127.0.0.1:20051)\n"
+        "  --admin-addr HOST:PORT Admin port (default $STEPD_ADMIN_ADDR or 127.0.0.1:20053)\n"
+        "  --api-key-file F       API key (or $STEPD_API_KEY)\n"
+        "  --tls-ca F             TLS to the server, verified with this CA\n"
+        "  --timeout S            deadline per call (generate 300 s, others 5 s)\n"
+        "  --version, --help\n"
         "commands:\n"
         "  generate [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]\n"
-        "           [--stop STR]... [--ids] PROMPT      stream a completion (--ids: PROMPT is \"1,2,3\")\n"
-        "  chat [--system TEXT] [--effort low|medium|high] [--max-tokens N] MESSAGE\n"
+        "           [--stop STR]... [--ids] [--request-id ID] PROMPT   stream a completion (--ids: PROMPT\n"
+        "                         is \"1,2,3\"; --request-id: the id the server logs and aborts by)\n"
+        "  chat [--system TEXT] [--effort low|medium|high] [--max-tokens N] [--request-id ID] MESSAGE\n"
         "  health [SERVICE]       \"\" liveness (default), readiness, stepd.v1.Inference\n"
-        "  wait-ready [--timeout S]\n"
+        "  wait-ready [--timeout S]   poll readiness every 50 ms (default 60 s); while not ready,\n"
+        "                         say why (the groups' states and messages, Admin port); exit 1\n"
+        "                         at the timeout, or at once when every group was given up\n"
         "  info                   server and model information\n"
         "  loads                  per-group load\n"
         "  groups                 worker groups and ranks (Admin port)\n"
@@ -402,12 +413,122 @@ static void drain_resp(struct ctl *c, const ProtobufCMessage *m)
     printf("draining: %u in flight, %u waiting\n", r->in_flight, r->waiting);
 }
 
+/* ------------------------------------------------------------------ wait-ready */
+
+#define WAIT_READY_POLL_MS 50
+
+/* Why the server is not ready, from Admin.GetGroups: each group not ready with its state and
+ * its ranks' messages ("not restarted: ...", "loading 40%"); *ret_hopeless when every group
+ * was given up (failed: the supervisor will not start it again). */
+struct why_ctx {
+    char *buf;
+    size_t n;
+    bool hopeless;
+};
+
+static void why_resp(struct ctl *c, const ProtobufCMessage *m)
+{
+    const Stepd__V1__GetGroupsResponse *r = (const void *)m;
+    struct why_ctx *w = c->ud;
+    size_t off = 0, failed = 0;
+
+    w->buf[0] = '\0';
+    if (r->n_groups == 0)
+        snprintf(w->buf, w->n, "no worker group has registered");
+    for (size_t i = 0; i < r->n_groups && off + 1 < w->n; i++) {
+        const Stepd__V1__GroupInfo *g = r->groups[i];
+        const char *msg = "";
+        float prog = 0;
+
+        if (g->state == STEPD__V1__WORKER_STATE__WORKER_STATE_READY)
+            continue;
+        failed += g->state == STEPD__V1__WORKER_STATE__WORKER_STATE_FAILED;
+        for (size_t k = 0; k < g->n_ranks; k++) {
+            prog += g->ranks[k]->load_progress / (float)g->n_ranks;
+            if (!msg[0] && g->ranks[k]->message[0])
+                msg = g->ranks[k]->message;
+        }
+        off += (size_t)snprintf(w->buf + off, w->n - off, "%sgroup %s: %s", off ? "; " : "", g->group,
+                                wstate(g->state));
+        if (g->state == STEPD__V1__WORKER_STATE__WORKER_STATE_LOADING && off < w->n)
+            off += (size_t)snprintf(w->buf + off, w->n - off, " %.0f%%", 100.0 * prog);
+        if (msg[0] && off < w->n)
+            off += (size_t)snprintf(w->buf + off, w->n - off, " (%s)", msg);
+    }
+    w->hopeless = r->n_groups > 0 && failed == r->n_groups;
+}
+
+static int ask_why(struct ctl *c, struct rpc_channel *adm, struct why_ctx *w)
+{
+    Stepd__V1__GetGroupsRequest req = STEPD__V1__GET_GROUPS_REQUEST__INIT;
+
+    c->resp_desc = &stepd__v1__get_groups_response__descriptor;
+    c->on_resp = why_resp;
+    c->ud = w;
+    c->done = false;
+    if (rpc_client_start(adm, "/stepd.v1.Admin/GetGroups", &req.base, c->resp_desc, rpc_now_ms() + 1000, on_msg,
+                         on_done, c, NULL) < 0)
+        return -1;
+    while (!c->done)
+        uv_run(c->loop, UV_RUN_ONCE);
+    return c->status == RPC_OK ? 0 : -1;
+}
+
+/* Poll readiness every WAIT_READY_POLL_MS until SERVING (0) or the timeout (1), then say why
+ * not: the groups' states and messages (Admin port), or that the server cannot be reached.
+ * Ends early when every group was given up.  A channel whose connection failed is made anew
+ * (a new connection is tried at once, not after gRPC's reconnect backoff of ~1 s). */
+static int cmd_wait_ready(struct ctl *c, const char *addr, struct rpc_channel *adm, double t,
+                          const char *target, const struct rpc_channel_opts *co)
+{
+    int64_t end = rpc_now_ms() + (int64_t)(t * 1000), next_why = 0;
+    char why[1024] = "", last[1024] = "";
+    struct why_ctx w = { why, sizeof(why), false };
+
+    for (;;) {
+        int64_t now = rpc_now_ms();
+
+        if (cmd_health(c, "readiness", 1, true) == 0) {
+            printf("ready\n");
+            return 0;
+        }
+        if (c->status != RPC_OK) {
+            snprintf(why, sizeof(why), "cannot reach %s: %s: %.600s", addr, rpc_status_name(c->status), c->details);
+            rpc_channel_destroy(c->ch);
+            c->ch = NULL;
+            if (rpc_channel_create(c->rpc, target, co, &c->ch) < 0) {
+                fprintf(stderr, "stepctl: cannot create a channel to %s\n", target);
+                return 1;
+            }
+        } else if (now >= next_why) {
+            next_why = now + 500;
+            if (ask_why(c, adm, &w) < 0)
+                snprintf(why, sizeof(why), "readiness NOT_SERVING (the Admin port says no more: %s)",
+                         rpc_status_name(c->status));
+            if (w.hopeless) {
+                fprintf(stderr, "stepctl: not ready and will not be: %s\n", why);
+                return 1;
+            }
+        }
+        if (why[0] && strcmp(why, last) != 0) {
+            fprintf(stderr, "stepctl: not ready: %s\n", why);
+            snprintf(last, sizeof(last), "%s", why);
+        }
+        if (now >= end)
+            break;
+        usleep(WAIT_READY_POLL_MS * 1000);
+    }
+    fprintf(stderr, "stepctl: not ready before the timeout (%.0f s): %s\n", t, why[0] ? why : "no answer");
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     static const struct option lo[] = {
         { "addr", required_argument, NULL, 'a' }, { "admin-addr", required_argument, NULL, 'A' },
         { "api-key-file", required_argument, NULL, 'K' }, { "tls-ca", required_argument, NULL, 'C' },
-        { "timeout", required_argument, NULL, 'T' }, { "help", no_argument, NULL, 'h' }, { NULL, 0, NULL, 0 },
+        { "timeout", required_argument, NULL, 'T' }, { "help", no_argument, NULL, 'h' },
+        { "version", no_argument, NULL, 'V' }, { NULL, 0, NULL, 0 },
     };
     struct ctl c = { 0 };
     const char *addr = getenv("STEPD_ADDR") ? getenv("STEPD_ADDR") : "127.0.0.1:20051";
@@ -427,6 +548,7 @@ int main(int argc, char **argv)
         case 'C': ca = optarg; break;
         case 'T': timeout_s = strtod(optarg, NULL); break;
         case 'h': usage(stdout); return 0;
+        case 'V': printf("stepctl %s\n", STEPD_VERSION); return 0;
         default: usage(stderr); return 2;
         }
     }
@@ -465,18 +587,20 @@ int main(int argc, char **argv)
         rc = cmd_health(&c, sargc > 1 ? sargv[1] : "", timeout_s > 0 ? timeout_s : 5, false);
     } else if (!strcmp(cmd, "wait-ready")) {
         double t = timeout_s > 0 ? timeout_s : 60;
+        struct rpc_channel *adm = NULL;
+        struct rpc_channel_opts wco = co;
+
         if (sargc == 3 && !strcmp(sargv[1], "--timeout"))
             t = strtod(sargv[2], NULL);
-        int64_t end = rpc_now_ms() + (int64_t)(t * 1000);
-        rc = 1;
-        while (rpc_now_ms() < end) {
-            if (cmd_health(&c, "readiness", 1, true) == 0) {
-                rc = 0;
-                break;
-            }
-            usleep(100000);
+        wco.own_connection = true;
+        rpc_channel_destroy(c.ch);
+        c.ch = NULL;
+        if (rpc_channel_create(c.rpc, addr, &wco, &c.ch) < 0 || rpc_channel_create(c.rpc, admin, &co, &adm) < 0) {
+            fprintf(stderr, "stepctl: cannot create a channel to %s or %s\n", addr, admin);
+            goto out;
         }
-        fprintf(rc ? stderr : stdout, "%s\n", rc ? "stepctl: not ready before the timeout" : "ready");
+        rc = cmd_wait_ready(&c, addr, adm, t, addr, &wco);
+        rpc_channel_destroy(adm);
     } else if (!strcmp(cmd, "info")) {
         rc = cmd_info(&c, timeout_s > 0 ? timeout_s : 5);
     } else if (!strcmp(cmd, "loads")) {
@@ -510,7 +634,8 @@ int main(int argc, char **argv)
         usage(stderr);
     }
 out:
-    rpc_channel_destroy(c.ch);
+    if (c.ch)
+        rpc_channel_destroy(c.ch);
     rpc_ctx_destroy(c.rpc);
     uv_run(c.loop, UV_RUN_DEFAULT);
     return rc;

@@ -9,10 +9,12 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "file.h"
 #include "cli.h"
 #include "log.h"
-#include "spec.h"
+#include "specconf.h"
+#include "stepd-config.h"
 #include "worker.h"
 
 static void usage(FILE *f)
@@ -23,7 +25,7 @@ static void usage(FILE *f)
         "                    [--mtp-model DIR] [--mtp K | --speculative-config JSON]\n"
         "                    [--threads T] [--exact]\n"
         "                    [--max-seqs|--max-num-seqs S] [--max-batched-tokens T]\n"
-        "                    [--max-model-len L]\n"
+        "                    [--max-model-len L [--allow-long-max-model-len]]\n"
         "                    [--kv-cache-memory BYTES] [--gpu-memory-utilization F]\n"
         "                    [--kv-cache-dtype auto|bf16|fp32] [--kv-blocks B] [--block-size BS]\n"
         "                    [--no-enable-prefix-caching] [--prefix-cache-salt S]\n"
@@ -40,12 +42,16 @@ static void usage(FILE *f)
         "  --world-size N          1, 2, 4 or 8 ranks in the group\n"
         "  --mtp K                 MTP speculative tokens on rank 0 (0..3): the most per step\n"
         "  --speculative-config J  as vLLM: '{\"method\":\"mtp\",\"num_speculative_tokens\":K}'\n"
+        "                          (without num_speculative_tokens: the checkpoint's MTP layers, up to 3;\n"
+        "                          \"model\": DIR, the MTP layers from DIR as --mtp-model)\n"
         "                          (+ \"draft_quantization\": \"auto\" (default: MXFP4 copies of\n"
         "                          the MTP weights on CPU, the checkpoint's on CUDA), \"none\", \"mxfp4\";\n"
         "                          \"draft_policy\": \"adaptive\" (default: 0..K drafts per step,\n"
         "                          whatever measures fastest) or \"fixed\" (always K);\n"
         "                          \"draft_vocab\": N (a multiple of 64: drafts score only the N\n"
         "                          tokens this worker has emitted most often; default 0, all))\n"
+        "  --max-model-len L       longest sequence (default 1024); above the model's\n"
+        "                          max_position_embeddings refused unless --allow-long-max-model-len\n"
         "  --kv-cache-memory BYTES KV cache per rank, e.g. 8GiB (default: on CPU every sequence at\n"
         "                          --max-model-len, at most 90%% of the available memory; on a GPU\n"
         "                          --gpu-memory-utilization of it after weights and activations)\n"
@@ -53,7 +59,8 @@ static void usage(FILE *f)
         "  --kv-cache-dtype D      auto or bf16 (default; FP32 accumulation), fp32\n"
         "  --kv-blocks B           full-attention pool blocks, overriding the budget (the\n"
         "                          sliding-window pool is sized by the window either way)\n"
-        "  --no-enable-prefix-caching  recompute every prompt (default: reuse cached KV blocks)\n"
+        "  --no-enable-prefix-caching  recompute every prompt (--enable-prefix-caching, the\n"
+        "                          default: reuse cached KV blocks)\n"
         "  --prefix-cache-salt S   deployment salt of the prefix-cache keys (default: random)\n"
         "  --collective-timeout MS deadline of every collective (default 30000)\n"
         "  --rendezvous-timeout MS how long to wait for the other ranks (default 60000)\n"
@@ -77,6 +84,9 @@ static void usage(FILE *f)
         "                          processed_logprobs (after penalties, temperature, top-k/p)\n"
         "  --insecure-listen       allow a non-loopback --engine-listen (it has no authentication)\n"
         "  --health-listen ADDR    HTTP probes: GET /livez (alive), GET /readyz (loaded, group formed)\n"
+        "  --version, --help       print the version, or this text, and exit\n"
+        "  --check-device DEV      open the backend of DEV (cpu, cuda:N) and exit: 0 when this\n"
+        "                          machine has it, 2 with the reason (`stepd serve` asks first)\n"
         "Exit status: 0 ok, 1 failure, 2 usage, 3 rendezvous, 4 collective failed (peer gone).\n");
 }
 
@@ -112,35 +122,51 @@ static int parse_fraction(const char *s, const char *flag, double *ret)
 
 static int parse_kv_dtype(const char *s, bool *ret_f32)
 {
-    if (strcmp(s, "auto") == 0 || strcmp(s, "bf16") == 0 || strcmp(s, "bfloat16") == 0) {
-        *ret_f32 = false;
-        return 0;
-    }
-    if (strcmp(s, "fp32") == 0 || strcmp(s, "float32") == 0) {
-        *ret_f32 = true;
-        return 0;
-    }
-    fprintf(stderr, "stepd-worker: --kv-cache-dtype '%s': expected auto, bf16 or fp32\n", s);
-    return -EINVAL;
+    struct err_buf e;
+    int r = cli_parse_kv_dtype("--kv-cache-dtype", s, ret_f32, &e);
+
+    if (r < 0)
+        fprintf(stderr, "stepd-worker: %s\n", e.msg);
+    return r;
 }
 
-/* --speculative-config JSON (vLLM's spelling) -> K; the engine's parser names the problem. */
-static int parse_spec(const char *json, int *ret_k, int *ret_draft_quant, int *ret_draft_policy,
-                      int *ret_draft_vocab)
+/* --speculative-config JSON (vLLM's spelling): the one parser (common/specconf.c). */
+static int parse_spec(const char *json, struct spec_config *ret)
 {
-    struct spec_config sc;
     struct err_buf e;
-    int r = spec_config_parse(json, &sc, &e);
+    int r = spec_config_parse(json, ret, &e);
 
-    if (r < 0) {
+    if (r < 0)
         fprintf(stderr, "stepd-worker: %s\n", e.msg);
-        return r;
+    return r;
+}
+
+/* --check-device DEV: can this machine run a rank on DEV?  What `stepd serve` asks before it
+ * starts any rank, so that a device that is not there ends it at once with the reason. */
+static int check_device(const char *dev)
+{
+    struct backend_cfg bc = { .n_threads = 1 };
+    struct backend *be = NULL;
+    const char *name = "cpu";
+    int r;
+
+    if (strncmp(dev, "cuda:", 5) == 0) {
+        name = "cuda";
+        bc.device = atoi(dev + 5);
+    } else if (strcmp(dev, "cpu") != 0) {
+        fprintf(stderr, "stepd-worker: --check-device '%s': expected cpu or cuda:N\n", dev);
+        return WORKER_EXIT_USAGE;
     }
-    *ret_k = sc.num_speculative_tokens;
-    *ret_draft_quant = sc.draft_quant;
-    *ret_draft_policy = sc.draft_policy;
-    *ret_draft_vocab = sc.draft_vocab;
-    return 0;
+    r = backend_new(name, &bc, &be);
+    if (r < 0) {
+        printf("%s: %s\n", dev, r == -ENODEV ? (strcmp(name, "cuda") == 0 ?
+               "no CUDA device or no CUDA plugin (libstepd-cuda.so) on this machine" : "not available") :
+               strerror(-r));
+        return WORKER_EXIT_USAGE;
+    }
+    backend_free(be);
+    printf("%s: available\n", dev);
+    return WORKER_EXIT_OK;
 }
 
 /* Started by `stepd serve` ($STEPD_SUPERVISOR_PID is its pid): end with it.  A rank outlives
@@ -179,7 +205,7 @@ int main(int argc, char **argv)
         O_THREADS, O_EXACT, O_MOCK, O_MAX_SEQS, O_MAX_BT, O_MAX_LEN, O_KV, O_BS, O_RDV_TO,
         O_COLL_TO, O_GEN, O_MAX_TOK, O_OUT, O_LOGITS, O_PROMPT, O_DELAY, O_REPORT, O_ENGINE, O_CKEY, O_LOAD_TO, O_SPEC, O_INSECURE, O_HEALTH, O_HELP,
         O_KV_MEM, O_GPU_UTIL, O_KV_DTYPE, O_PREFIX_ON, O_PREFIX_OFF, O_PREFIX_SALT,
-        O_TLS_CA, O_TLS_CERT, O_TLS_KEY, O_MAX_WAIT, O_LP_MODE, O_INSECURE_CTL, O_NET_DEVS,
+        O_TLS_CA, O_TLS_CERT, O_TLS_KEY, O_MAX_WAIT, O_LP_MODE, O_INSECURE_CTL, O_NET_DEVS, O_VERSION, O_CHECK_DEV, O_ALLOW_LONG,
     };
     static const struct option opts[] = {
         { "coordinator", required_argument, NULL, O_COORD },
@@ -229,6 +255,9 @@ int main(int argc, char **argv)
         { "max-waiting", required_argument, NULL, O_MAX_WAIT },
         { "logprobs-mode", required_argument, NULL, O_LP_MODE },
         { "help", no_argument, NULL, O_HELP },
+        { "version", no_argument, NULL, O_VERSION },
+        { "check-device", required_argument, NULL, O_CHECK_DEV },
+        { "allow-long-max-model-len", no_argument, NULL, O_ALLOW_LONG },
         { 0 },
     };
     struct worker_opts o;
@@ -247,9 +276,8 @@ int main(int argc, char **argv)
         case O_DEVICE: o.device = optarg; break;
         case O_MODEL: o.model_dir = optarg; break;
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
-        case O_MTP: r = parse_int(optarg, "--mtp", 0, 3, &o.mtp); break;
-        case O_SPEC: r = parse_spec(optarg, &o.mtp, &o.draft_quant, &o.draft_policy,
-                                        &o.draft_vocab); break;
+        case O_MTP: r = parse_int(optarg, "--mtp", 0, SPEC_MAX_K, &o.spec.num_speculative_tokens); break;
+        case O_SPEC: r = parse_spec(optarg, &o.spec); break;
         case O_INSECURE: o.insecure_listen = true; break;
         case O_INSECURE_CTL: o.insecure_control = true; break;
         case O_NET_DEVS: net_devs = optarg; break;
@@ -297,11 +325,16 @@ int main(int argc, char **argv)
             }
             break;
         case O_HELP: usage(stdout); return 0;
+        case O_VERSION: printf("stepd-worker %s\n", STEPD_VERSION); return 0;
+        case O_CHECK_DEV: return check_device(optarg);
+        case O_ALLOW_LONG: o.allow_long_max_model_len = true; break;
         default: usage(stderr); return WORKER_EXIT_USAGE;
         }
         if (r < 0)
             return WORKER_EXIT_USAGE;
     }
+    if (o.spec.model[0] && !o.mtp_dir)
+        o.mtp_dir = o.spec.model;           /* --speculative-config's "model" */
     if (optind < argc) {
         fprintf(stderr, "stepd-worker: unexpected argument '%s'\n", argv[optind]);
         usage(stderr);

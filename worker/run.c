@@ -2,6 +2,7 @@
  *
  *   stepd-run MODEL_DIR [--prompt-ids 1,2,3 | --prompt TEXT] [-n N] [--threads T]
  *             [--mtp K] [--exact] [--chunk C] [--backend NAME] [--ids-only]
+ *             [--kv-cache-dtype auto|bf16|fp32]
  *
  * Loads the checkpoint with the loader (world size 1), builds the model on the chosen
  * backend, runs the prompt as prefill chunks of C tokens (default: one chunk), then N
@@ -26,6 +27,7 @@
 #include "log.h"
 #include "model.h"
 #include "spec.h"
+#include "stepd-config.h"
 
 #include "tok/tokenizer.h"
 
@@ -38,7 +40,7 @@ struct run_args {
     const char *backend;
     int n_gen, threads, mtp, chunk;
     enum spec_draft_quant draft_quant;
-    bool exact, ids_only;
+    bool exact, ids_only, kv_f32;
 };
 
 static double now_sec(void)
@@ -51,6 +53,7 @@ static void usage(FILE *f)
     fprintf(f, "usage: stepd-run MODEL_DIR [--prompt-ids 1,2,3 | --prompt TEXT] [-n N]\n"
                "                 [--threads T] [--mtp K] [--exact] [--chunk C] [--backend NAME]\n"
                "                 [--ids-only] [--draft-quant auto|none|mxfp4]\n"
+               "                 [--kv-cache-dtype auto|bf16|fp32]\n"
                "  --prompt-ids L  comma-separated token ids\n"
                "  --prompt TEXT   text, encoded with MODEL_DIR/tokenizer.json (BOS prepended)\n"
                "  -n N            tokens to generate (default 32)\n"
@@ -61,7 +64,9 @@ static void usage(FILE *f)
                "  --backend NAME  cpu (default) or cuda\n"
                "  --ids-only      print only the generated ids, one line\n"
                "  --draft-quant Q MTP draft weights: auto (default: mxfp4 on cpu, none elsewhere),\n"
-               "                  none (the checkpoint's) or mxfp4 (re-quantised copies)\n");
+               "                  none (the checkpoint's) or mxfp4 (re-quantised copies)\n"
+               "  --kv-cache-dtype D  KV cache rows: auto or bf16 (default), fp32 (as stepd-worker)\n"
+               "  --version, --help  print the version, or this text, and exit\n");
 }
 
 static int parse_int(const char *s, const char *what, int lo, int hi, int *ret)
@@ -86,7 +91,9 @@ static int parse_args(int argc, char **argv, struct run_args *a)
         {"backend", required_argument, NULL, 'b'},
         {"ids-only", no_argument, NULL, 'q'},
         {"draft-quant", required_argument, NULL, 'd'},
+        {"kv-cache-dtype", required_argument, NULL, 'K'},
         {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},
         {0},
     };
     int c;
@@ -116,7 +123,17 @@ static int parse_args(int argc, char **argv, struct run_args *a)
         case 't': if (parse_int(optarg, "--threads", 0, 1024, &a->threads) < 0) return -EINVAL; break;
         case 'k': if (parse_int(optarg, "--mtp", 0, 16, &a->mtp) < 0) return -EINVAL; break;
         case 'c': if (parse_int(optarg, "--chunk", 1, 1 << 20, &a->chunk) < 0) return -EINVAL; break;
+        case 'K': {
+            struct err_buf e;
+
+            if (cli_parse_kv_dtype("--kv-cache-dtype", optarg, &a->kv_f32, &e) < 0) {
+                fprintf(stderr, "stepd-run: %s\n", e.msg);
+                return -EINVAL;
+            }
+            break;
+        }
         case 'h': usage(stdout); exit(0);
+        case 'V': printf("stepd-run %s\n", STEPD_VERSION); exit(0);
         default: usage(stderr); return -EINVAL;
         }
     }
@@ -276,6 +293,7 @@ int main(int argc, char **argv)
     struct model_opts mo = {
         .max_tokens_per_step = T, .max_seqs = 1, .max_logit_rows = K + 1,
         .block_size = RUN_BLOCK_SIZE, .n_blocks = {n_blocks, n_blocks}, .max_seq_len = max_len,
+        .kv_f32 = a.kv_f32,
         .draft_quant = spec_draft_mxfp4(a.draft_quant, a.backend) ? MODEL_DRAFT_MXFP4
                                                                   : MODEL_DRAFT_CHECKPOINT,
     };
@@ -409,7 +427,8 @@ int main(int argc, char **argv)
         if (K > 0)
             printf("; mtp K=%d: %ld steps, accepted %ld of %ld drafts (%.2f per step)", K, n_steps,
                    n_accepted, n_drafted, n_steps ? (double)n_accepted / n_steps : 0.0);
-        printf("; backend %s%s, threads %d\n", a.backend, a.exact ? " (exact MXFP4)" : "", a.threads);
+        printf("; backend %s%s, threads %d, KV cache %s\n", a.backend, a.exact ? " (exact MXFP4)" : "", a.threads,
+               a.kv_f32 ? "FP32" : "BF16");
     }
     rc = 0;
 out:

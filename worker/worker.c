@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,10 +37,10 @@ void worker_opts_init(struct worker_opts *o)
     o->group = "g0";
     o->world_size = 1;
     o->device = "cpu";
-    o->max_seqs = 8;
-    o->max_batched_tokens = 256;
-    o->max_model_len = 1024;
-    o->block_size = 16;
+    o->max_seqs = KVPLAN_DEFAULT_MAX_SEQS;
+    o->max_batched_tokens = KVPLAN_DEFAULT_MAX_BATCHED_TOKENS;
+    o->max_model_len = KVPLAN_DEFAULT_MAX_MODEL_LEN;
+    o->block_size = KVPLAN_DEFAULT_BLOCK_SIZE;
     o->gpu_memory_utilization = 0.9;
     o->rendezvous_timeout_msec = 60000;
     o->collective_timeout_msec = 30000;
@@ -566,7 +567,7 @@ static int stage_load(struct worker *w, struct err_buf *e)
         struct mock_config mc;
 
         mock_config_init(&mc);
-        mc.n_mtp = o->mtp;
+        mc.n_mtp = spec_config_depth(&o->spec, SPEC_MAX_K);
         mc.max_tokens_per_step = o->max_batched_tokens;
         mc.max_seqs = o->max_seqs;
         mc.block_size = o->block_size;
@@ -575,13 +576,20 @@ static int stage_load(struct worker *w, struct err_buf *e)
         if (r < 0)
             return err_set(e, r, "mock forward: %s", err_str(r));
         w->vocab = w->fwd->vocab_size;
-        w->n_mtp = o->mtp;
+        w->n_mtp = spec_config_depth(&o->spec, SPEC_MAX_K);
         w->eos[0] = 1;
         w->n_eos = 0;
         return 0;
     }
+    struct model_config declared;
+    char cfg_path[PATH_MAX];
+
+    snprintf(cfg_path, sizeof(cfg_path), "%s/config.json", o->model_dir);
+    r = model_config_load(cfg_path, &declared, e);
+    if (r < 0)
+        return r;
     struct ckpt_opts co = { .mtp_dir = o->mtp_dir, .world_size = o->world_size, .rank = o->rank,
-                            .mtp_depth = o->rank == 0 ? o->mtp : 0 };
+                            .mtp_depth = o->rank == 0 ? spec_config_depth(&o->spec, declared.n_mtp_layers) : 0 };
     r = ckpt_open(o->model_dir, &co, &w->ck, e);
     if (r < 0)
         return r;
@@ -594,10 +602,13 @@ static int stage_load(struct worker *w, struct err_buf *e)
     }
     const struct model_config *mc = ckpt_config(w->ck);
     w->mc = mc;
+    r = model_config_check_len(mc, o->max_model_len, o->allow_long_max_model_len, e);
+    if (r < 0)
+        return r;
     w->vocab = mc->vocab_size;
     w->n_mtp = o->rank == 0 ? ckpt_mtp_depth(w->ck) : 0;
-    if (o->rank == 0 && o->mtp > w->n_mtp)
-        log_warn("--mtp %d requested but %s: serving %s", o->mtp,
+    if (o->rank == 0 && o->spec.num_speculative_tokens > w->n_mtp)
+        log_warn("--mtp %d requested but %s: serving %s", o->spec.num_speculative_tokens,
                  w->n_mtp ? "fewer MTP layers are available" : "the MTP layers are absent or incomplete",
                  w->n_mtp ? "with fewer drafts" : "without speculation (the trunk only)");
     w->sliding_window = mc->sliding_window;
@@ -626,7 +637,7 @@ static int stage_load(struct worker *w, struct err_buf *e)
         .max_tokens_per_step = o->max_batched_tokens, .max_seqs = o->max_seqs,
         .max_logit_rows = w->logit_rows, .block_size = o->block_size,
         .max_seq_len = o->max_model_len + 4, .kv_f32 = o->kv_f32,
-        .draft_quant = spec_draft_mxfp4(o->draft_quant, bname) ? MODEL_DRAFT_MXFP4
+        .draft_quant = spec_draft_mxfp4(o->spec.draft_quant, bname) ? MODEL_DRAFT_MXFP4
                                                                : MODEL_DRAFT_CHECKPOINT,
     };
     size_t dev_free, dev_total;
@@ -951,6 +962,32 @@ static void gen_cb(void *ud, const struct engine_output *out)
     }
 }
 
+static void describe_failure(void *ctx, int rc, char *buf, size_t len);
+
+/* The engine's configuration from the options, the only place it is filled (the offline
+ * drivers and the served engine run the same engine). */
+static void engine_config_fill(struct worker *w, struct engine_config *cfg)
+{
+    const struct worker_opts *o = w->o;
+
+    engine_config_init(cfg);
+    cfg->max_num_batched_tokens = o->max_batched_tokens;
+    cfg->max_num_seqs = o->max_seqs;
+    cfg->max_model_len = o->max_model_len;
+    cfg->sliding_window = w->sliding_window;
+    cfg->num_speculative_tokens = spec_config_k(&o->spec, w->n_mtp);
+    cfg->max_waiting = waiting_limit(w);
+    cfg->logprobs_processed = o->logprobs_processed;
+    cfg->spec_policy = o->spec.draft_policy;
+    cfg->draft_vocab = o->spec.draft_vocab;
+    memcpy(cfg->eos_ids, w->eos, sizeof(w->eos));
+    cfg->n_eos = w->n_eos;
+    cfg->enable_prefix_caching = !o->no_prefix_cache;
+    cfg->prefix_cache_salt = o->prefix_cache_salt;
+    cfg->describe_failure = describe_failure;
+    cfg->describe_failure_ctx = w;
+}
+
 static int step_delay_hook(void *ctx, const struct step_plan *p)
 {
     const struct worker_opts *o = ctx;
@@ -976,19 +1013,7 @@ static int run_generate(struct worker *w, struct forward *f)
         log_error("--generate %s: %s", o->generate_file, strerror(errno));
         return WORKER_EXIT_USAGE;
     }
-    engine_config_init(&cfg);
-    cfg.max_num_batched_tokens = o->max_batched_tokens;
-    cfg.max_num_seqs = o->max_seqs;
-    cfg.max_model_len = o->max_model_len;
-    cfg.sliding_window = w->sliding_window;
-    cfg.num_speculative_tokens = o->mtp < w->n_mtp ? o->mtp : w->n_mtp;
-    cfg.max_waiting = waiting_limit(w);
-    cfg.spec_policy = (enum spec_draft_policy)o->draft_policy;
-    cfg.draft_vocab = o->draft_vocab;
-    memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
-    cfg.n_eos = w->n_eos;
-    cfg.enable_prefix_caching = !w->o->no_prefix_cache;
-    cfg.prefix_cache_salt = w->o->prefix_cache_salt;
+    engine_config_fill(w, &cfg);
     if (o->step_delay_msec > 0) {
         cfg.on_plan = step_delay_hook;
         cfg.on_plan_ctx = (void *)o;
@@ -1181,22 +1206,7 @@ static int run_serve(struct worker *w, struct forward *f)
     struct engine_loads ld;
     int r, port = 0, rc = WORKER_EXIT_OK;
 
-    engine_config_init(&cfg);
-    cfg.max_num_batched_tokens = w->o->max_batched_tokens;
-    cfg.max_num_seqs = w->o->max_seqs;
-    cfg.max_model_len = w->o->max_model_len;
-    cfg.sliding_window = w->sliding_window;
-    cfg.num_speculative_tokens = w->o->mtp < w->n_mtp ? w->o->mtp : w->n_mtp;
-    cfg.max_waiting = waiting_limit(w);
-    cfg.logprobs_processed = w->o->logprobs_processed;
-    cfg.spec_policy = (enum spec_draft_policy)w->o->draft_policy;
-    cfg.draft_vocab = w->o->draft_vocab;
-    memcpy(cfg.eos_ids, w->eos, sizeof(w->eos));
-    cfg.n_eos = w->n_eos;
-    cfg.enable_prefix_caching = !w->o->no_prefix_cache;
-    cfg.prefix_cache_salt = w->o->prefix_cache_salt;
-    cfg.describe_failure = describe_failure;
-    cfg.describe_failure_ctx = w;
+    engine_config_fill(w, &cfg);
     r = engine_new(f, &cfg, &eng, &e);
     if (r < 0) {
         log_error("engine: %s", e.msg);
@@ -1354,8 +1364,8 @@ int worker_run(const struct worker_opts *o)
             log_warn("engine service on non-loopback %s without authentication (--insecure-listen)",
                      o->engine_listen);
     }
-    if (o->mtp < 0 || o->mtp > 3) {
-        log_error("--mtp %d: must be 0..3", o->mtp);
+    if (o->spec.num_speculative_tokens < SPEC_K_MODEL || o->spec.num_speculative_tokens > SPEC_MAX_K) {
+        log_error("--mtp %d: must be 0..%d", o->spec.num_speculative_tokens, SPEC_MAX_K);
         return WORKER_EXIT_USAGE;
     }
     if (o->max_seqs < 1 || o->max_batched_tokens < 4 || o->max_model_len < 2 || o->block_size < 1) {

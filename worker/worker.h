@@ -26,6 +26,7 @@
 #include "err.h"
 #include "forward.h"
 #include "rpc.h"
+#include "specconf.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -49,11 +50,9 @@ struct worker_opts {
     int threads;
     bool exact;                     /* exact MXFP4 path on CPU */
     bool mock;                      /* mock forward (no weights) */
-    int mtp;                        /* speculative tokens K (0..3) */
-    int draft_quant;                /* enum spec_draft_quant (spec config "draft_quantization") */
-    int draft_policy;               /* enum spec_draft_policy (spec config "draft_policy") */
-    int draft_vocab;                /* engine_config.draft_vocab (spec config "draft_vocab") */
+    struct spec_config spec;        /* --speculative-config (or --mtp K), kept whole */
     int max_seqs, max_batched_tokens, max_model_len, kv_blocks, block_size;
+    bool allow_long_max_model_len;  /* max_model_len above the model's max_position_embeddings */
     /* KV cache (kvplan.h): per-rank budget in bytes (0 = on CPU max_seqs sequences of
      * max_model_len, at most 90 % of the available memory; on a device the share of
      * gpu_memory_utilization left after weights and activations); kv_blocks > 0 overrides

@@ -890,14 +890,14 @@ def test_real_worker():
     # needed and how much there is
     small = subprocess.run([worker, "--rendezvous-dir", s.workdir, "--group", "kv0", "--rank", "0",
                             "--world-size", "1", "--model", model, "--max-model-len", "8192",
-                            "--kv-cache-memory", "1MiB", "--generate", "/dev/null"],
+                            "--allow-long-max-model-len", "--kv-cache-memory", "1MiB", "--generate", "/dev/null"],
                            capture_output=True, text=True, timeout=60)
     assert small.returncode == 1 and "need at least" in small.stderr and \
         "the budget is 1.00 MiB" in small.stderr, small.stderr
     log = open(os.path.join(s.workdir, "worker.log"), "w")
     cmd = [worker, "--coordinator", "127.0.0.1:%d" % s.ports["control"], "--group", "cpu0", "--rank", "0",
            "--world-size", "1", "--device", "cpu", "--model", model, "--engine-listen", "127.0.0.1:%d" % eport,
-           "--max-model-len", "8192", "--kv-cache-memory", "32MiB", *s.key_args()]
+           "--max-model-len", "8192", "--allow-long-max-model-len", "--kv-cache-memory", "32MiB", *s.key_args()]
     w = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         s.wait_ready(1, timeout=120)

@@ -31,56 +31,11 @@
 #include "err.h"
 #include "forward.h"
 #include "sampler.h"
+#include "specconf.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#define SPEC_MAX_K 3
-
-/* "draft_quantization": how the MTP draft layers hold their weights (model_opts.draft_quant;
- * outputs stay exact either way, see worker/model.h).  AUTO (null, "auto" or no key):
- * MXFP4 copies on the CPU backend, where batch-1 drafting is bound by the bytes each draft
- * reads (on the tiny model K=3 decodes ~1.2x faster than from the BF16 weights, for ~0.07
- * less mean acceptance length), the checkpoint's weights on any other backend. */
-enum spec_draft_quant {
-    SPEC_DRAFT_AUTO = 0,
-    SPEC_DRAFT_NONE,              /* "none": the checkpoint's weights */
-    SPEC_DRAFT_MXFP4,             /* "mxfp4": re-quantised copies, on every backend */
-};
-
-/* "draft_policy": how many drafts a step proposes (spec-policy.h).  ADAPTIVE ("adaptive",
- * null or no key): per step and sequence, 0 up to num_speculative_tokens, whatever the
- * engine's own measurements say gives the most tokens per second.  FIXED ("fixed"): always
- * num_speculative_tokens (a request's own, or the engine's default). */
-enum spec_draft_policy {
-    SPEC_POLICY_ADAPTIVE = 0,
-    SPEC_POLICY_FIXED,
-};
-
-struct spec_config {
-    int num_speculative_tokens;   /* 0 .. SPEC_MAX_K: the most drafts per step */
-    enum spec_draft_quant draft_quant;
-    enum spec_draft_policy draft_policy;
-    int draft_vocab;              /* engine_config.draft_vocab: 0 or a multiple of 64 */
-};
-
-/* The draft weights a backend named `backend` ("cpu", "cuda", ...) gets for q: true = MXFP4. */
-static inline bool spec_draft_mxfp4(enum spec_draft_quant q, const char *backend)
-{
-    if (q == SPEC_DRAFT_AUTO)
-        return backend && strcmp(backend, "cpu") == 0;
-    return q == SPEC_DRAFT_MXFP4;
-}
-
-/* Parse --speculative-config JSON, e.g. {"method":"mtp","num_speculative_tokens":3}, plus
- * the optional "draft_quantization": null | "auto" | "none" | "mxfp4" (enum
- * spec_draft_quant), "draft_policy": null | "adaptive" | "fixed" (enum
- * spec_draft_policy) and "draft_vocab": null | N (engine_config.draft_vocab; N a multiple
- * of 64, checked against the vocabulary by the engine).
- * NULL or "" means no speculation.  -EINVAL with a sentence in e on anything else
- * (unknown method, K out of range, unknown keys or values, bad JSON). */
-int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e);
 
 struct spec_stats {
     uint64_t n_drafts;                       /* verification steps that carried drafts */

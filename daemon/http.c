@@ -51,6 +51,8 @@ struct http_conn {
     int kill_stage;                 /* 1: 408 sent and write side shut; 2: shut down */
     unsigned served;                /* requests completed on it (keep-alive) */
     bool watch_init, watching, closing;
+    bool bad_target;                /* the current request target decoded to a NUL or control
+                                       byte (unescape_cb; req_begin refuses it) */
     uv_poll_t watch;                /* while suspended: the peer's hang-up */
     char peer[96];
 };
@@ -511,14 +513,119 @@ static bool client_cert_ok(struct MHD_Connection *mc)
     return gnutls_certificate_verify_peers2((gnutls_session_t)ci->tls_session, &st) == 0 && st == 0;
 }
 
-/* The request's first call: route, key, size; an error answer now, or 0 to read on. */
-static int req_begin(struct http_req *hr, struct MHD_Connection *mc)
+/* ------------------------------------------------------------------ framing (RFC 9112) */
+
+/* A NUL, a C0 control other than HTAB, or DEL in s[0..n). */
+static bool has_ctl(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+
+        if ((ch < 0x20 && ch != '\t') || ch == 0x7f)
+            return true;
+    }
+    return false;
+}
+
+/* MHD's percent-decoding of the request target (the path, each query key and value), with
+ * what a C string would hide flagged: "/v1/chat/completions%00junk" decodes to a path whose
+ * strlen() is a route's; req_begin refuses the request instead. */
+static size_t unescape_cb(void *cls, struct MHD_Connection *mc, char *val)
+{
+    const union MHD_ConnectionInfo *sc = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    struct http_conn *c = sc ? sc->socket_context : NULL;
+    size_t n = MHD_http_unescape(val);
+
+    (void)cls;
+    if (c && has_ctl(val, n))
+        c->bad_target = true;
+    return n;
+}
+
+struct framing {
+    unsigned n_cl, n_te;
+    const char *cl, *te;
+    const char *bad_header;         /* a header holding a control byte */
+};
+
+static enum MHD_Result framing_header(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_size,
+                                      const char *value, size_t value_size)
+{
+    struct framing *f = cls;
+
+    (void)kind;
+    if (!f->bad_header && (has_ctl(key, key_size) || (value && has_ctl(value, value_size))))
+        f->bad_header = key;
+    if (!strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) {
+        f->n_cl++;
+        f->cl = value;
+    } else if (!strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) {
+        f->n_te++;
+        f->te = value;
+    }
+    return MHD_YES;
+}
+
+/* The message framing a front proxy could read otherwise than MHD does (request smuggling,
+ * RFC 9112 6.1-6.3): Content-Length with Transfer-Encoding, Content-Length twice or not a
+ * plain decimal, a transfer coding other than chunked, Transfer-Encoding on HTTP/1.0; and a
+ * control byte in the decoded target or in a header.  The reason, or NULL. */
+static const char *framing_error(struct http_conn *c, struct MHD_Connection *mc, const char *version,
+                                 char *buf, size_t n)
+{
+    struct framing f = { 0 };
+
+    if (c && c->bad_target)
+        return "the request target decodes to a NUL or control byte";
+    MHD_get_connection_values_n(mc, MHD_HEADER_KIND, framing_header, &f);
+    if (f.bad_header) {
+        snprintf(buf, n, "header %.64s holds a control byte", f.bad_header);
+        return buf;
+    }
+    if (f.n_cl && f.n_te)
+        return "Content-Length together with Transfer-Encoding";
+    if (f.n_cl > 1)
+        return "more than one Content-Length";
+    if (f.n_cl && (!f.cl || !f.cl[0] || strspn(f.cl, "0123456789") != strlen(f.cl) || strlen(f.cl) > 18))
+        return "Content-Length is not a decimal number of bytes";
+    if (f.n_te && version && !strcmp(version, MHD_HTTP_VERSION_1_0))
+        return "Transfer-Encoding on an HTTP/1.0 request";
+    if (f.n_te > 1 || (f.n_te && (!f.te || strcasecmp(f.te, "chunked"))))
+        return "a transfer coding other than chunked";
+    return NULL;
+}
+
+/* A framing error: 400 naming it, and the connection closed after the answer (what follows
+ * on it cannot be delimited). */
+static int framing_refuse(struct http_req *hr, const char *why)
+{
+    static const char *const hdrs[] = { "Connection", "close", NULL };
+    char msg[256];
+    char *body;
+    int r;
+
+    log_info("%s: client %s: bad request framing (%s): closing", hr->s->name, http_req_peer(hr), why);
+    snprintf(msg, sizeof(msg), "bad request framing: %s", why);
+    body = error_json(400, NULL, msg);
+    r = body ? http_respond(hr, 400, "application/json", body, strlen(body), hdrs) : -ENOMEM;
+    free(body);
+    return r;
+}
+
+/* The request's first call: framing, route, key, size; an error answer now, or 0 to read on. */
+static int req_begin(struct http_req *hr, struct MHD_Connection *mc, const char *version)
 {
     struct http_server *s = hr->s;
     const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-    const char *auth;
+    const char *auth, *why;
+    char why_buf[128];
     bool known;
 
+    why = framing_error(hr->c, mc, version, why_buf, sizeof(why_buf));
+    if (hr->c)
+        hr->c->bad_target = false;
+    if (why)
+        return framing_refuse(hr, why);
     if (s->o.tls && s->o.tls->require_client_cert && !client_cert_ok(mc))
         return http_respond_error(hr, 403, NULL, "a client certificate signed by the server's CA is required");
     hr->route = route_find(s, hr->method, hr->path, &known);
@@ -566,7 +673,6 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
     struct http_req *hr = *con_cls;
     const union MHD_ConnectionInfo *sc;
 
-    (void)version;
     if (!hr) {
         hr = calloc(1, sizeof(*hr));
         if (!hr)
@@ -583,7 +689,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
         *con_cls = hr;
         s->active++;
         hr->in_handler = true;
-        (void)req_begin(hr, mc);
+        (void)req_begin(hr, mc, version);
         hr->in_handler = false;
         if (hr->resp)
             goto queue;
@@ -812,6 +918,7 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_NOTIFY_CONNECTION, (intptr_t)on_connection, s };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_EXTERNAL_LOGGER, (intptr_t)mhd_log, s };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_STRICT_FOR_CLIENT, 1, NULL };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_UNESCAPE_CALLBACK, (intptr_t)unescape_cb, s };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_END, 0, NULL };
     s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_access, s, MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (!s->d) {

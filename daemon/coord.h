@@ -44,6 +44,8 @@ struct coord_opts {
     unsigned http_timeout_ms;       /* HTTP: a request must arrive within this, idle connections
                                        are closed after it */
     unsigned request_timeout_ms;    /* HTTP: a generation request's deadline; 0 = none */
+    const char *http_allowed_hosts;     /* --allowed-hosts (http.h), or NULL */
+    const char *http_allowed_origins;   /* --allowed-origins (http.h), or NULL: CORS off */
     unsigned max_running;           /* requests dispatched to engines at once */
     unsigned max_queue;             /* requests waiting for a slot */
     unsigned max_input_tokens;      /* 0 = model context - 1 */

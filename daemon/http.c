@@ -69,6 +69,7 @@ struct http_req {
     bool dispatched, in_handler, queued, suspended, aborted;
     bool keyed;
     uint64_t key_hash;
+    char origin[256];               /* an allowed Origin: echoed with CORS headers */
     /* the answer */
     struct MHD_Response *resp;      /* made, not yet queued */
     unsigned status;
@@ -96,6 +97,7 @@ struct http_server {
     int closing;                    /* handles still closing (stop) */
     bool run_soon;                  /* the timer is set to run MHD at the next turn */
     char *tls_cert, *tls_key, *tls_ca;
+    struct http_list { char **v; size_t n; bool any; } hosts, origins;  /* allowed (http.h) */
 };
 
 static void server_run(struct http_server *s);
@@ -117,6 +119,7 @@ static char *error_json(unsigned status, const char *param, const char *msg)
     case 404: code = "not_found"; break;
     case 408: type = "timeout_error"; code = "request_timeout"; break;
     case 413: code = "request_too_large"; break;
+    case 415: code = "unsupported_media_type"; break;
     case 429: type = "rate_limit_error"; code = "server_overloaded"; break;
     case 503: type = "service_unavailable_error"; code = "unavailable"; break;
     case 504: type = "timeout_error"; code = "deadline_exceeded"; break;
@@ -176,6 +179,11 @@ static int req_answer(struct http_req *hr, struct MHD_Response *resp, unsigned s
     if (hr->resp || hr->queued) {
         MHD_destroy_response(resp);
         return -EALREADY;
+    }
+    if (hr->origin[0] && (MHD_add_response_header(resp, "Access-Control-Allow-Origin", hr->origin) != MHD_YES ||
+                          MHD_add_response_header(resp, "Vary", "Origin") != MHD_YES)) {
+        MHD_destroy_response(resp);
+        return -ENOMEM;
     }
     hr->status = status;
     if (hr->in_handler) {
@@ -612,6 +620,186 @@ static int framing_refuse(struct http_req *hr, const char *why)
     return r;
 }
 
+/* ------------------------------------------------------------------ browsers */
+
+static void list_free(struct http_list *l)
+{
+    for (size_t i = 0; i < l->n; i++)
+        free(l->v[i]);
+    free(l->v);
+    *l = (struct http_list){ 0 };
+}
+
+static int list_add(struct http_list *l, const char *item, size_t len)
+{
+    char **v;
+
+    while (len && (*item == ' ' || *item == '\t'))
+        item++, len--;
+    while (len && (item[len - 1] == ' ' || item[len - 1] == '\t'))
+        len--;
+    if (!len)
+        return 0;
+    if (len == 1 && *item == '*') {
+        l->any = true;
+        return 0;
+    }
+    v = realloc(l->v, (l->n + 1) * sizeof(*v));
+    if (!v)
+        return -ENOMEM;
+    l->v = v;
+    if (!(v[l->n] = strndup(item, len)))
+        return -ENOMEM;
+    l->n++;
+    return 0;
+}
+
+/* --allowed-hosts / --allowed-origins: a JSON list of strings (vLLM's form) or a
+ * comma-separated list. */
+static int list_parse(const char *flag, const char *spec, struct http_list *l)
+{
+    int r = 0;
+
+    if (!spec)
+        return 0;
+    if (spec[0] == '[') {
+        json_error_t je;
+        json_t *a = json_loads(spec, 0, &je), *it;
+        size_t i;
+
+        if (!json_is_array(a)) {
+            json_decref(a);
+            log_error("%s: not a JSON list of strings: %s", flag, je.text);
+            return -EINVAL;
+        }
+        json_array_foreach(a, i, it) {
+            if (!json_is_string(it)) {
+                log_error("%s: item %zu is not a string", flag, i);
+                r = -EINVAL;
+                break;
+            }
+            if ((r = list_add(l, json_string_value(it), json_string_length(it))) < 0)
+                break;
+        }
+        json_decref(a);
+        return r;
+    }
+    for (const char *p = spec; r == 0; p++) {
+        size_t n = strcspn(p, ",");
+
+        r = list_add(l, p, n);
+        p += n;
+        if (!*p)
+            break;
+    }
+    return r;
+}
+
+static bool list_has(const struct http_list *l, const char *item)
+{
+    if (l->any)
+        return true;
+    for (size_t i = 0; i < l->n; i++)
+        if (!strcasecmp(l->v[i], item))
+            return true;
+    return false;
+}
+
+/* The Host header names this server: an IP literal (no DNS name to rebind), localhost, the
+ * listen host, or an --allowed-hosts name; the port is not checked. */
+static bool host_ok(const struct http_server *s, const char *host)
+{
+    char name[256];
+    const char *end;
+    size_t n;
+    struct in6_addr a6;
+    struct in_addr a4;
+
+    if (host[0] == '[') {
+        end = strchr(host, ']');
+        if (!end || (end[1] && end[1] != ':'))
+            return false;
+        host++;
+    } else {
+        end = strchr(host, ':');
+        if (end && strchr(end + 1, ':'))
+            return false;       /* an IPv6 address without brackets */
+        if (!end)
+            end = host + strlen(host);
+    }
+    n = (size_t)(end - host);
+    if (n == 0 || n >= sizeof(name))
+        return false;
+    memcpy(name, host, n);
+    name[n] = '\0';
+    if (*end == ']' ? inet_pton(AF_INET6, name, &a6) == 1 : inet_pton(AF_INET, name, &a4) == 1)
+        return true;
+    if (n > 1 && name[n - 1] == '.')
+        name[n - 1] = '\0';   /* "localhost." */
+    return !strcasecmp(name, "localhost") || (s->o.host && !strcasecmp(name, s->o.host)) ||
+           list_has(&s->hosts, name);
+}
+
+/* A media type is application/json (parameters such as charset aside). */
+static bool is_json(const char *ctype)
+{
+    size_t n;
+
+    if (!ctype)
+        return false;
+    while (*ctype == ' ')
+        ctype++;
+    n = strcspn(ctype, "; \t");
+    return n == 16 && !strncasecmp(ctype, "application/json", 16);
+}
+
+/* A CORS preflight (OPTIONS with an allowed Origin) for a known path. */
+static int preflight(struct http_req *hr, struct MHD_Connection *mc)
+{
+    const char *req_hdrs = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+    const char *const hdrs[] = { "Access-Control-Allow-Methods", "GET, POST, OPTIONS",
+                                 "Access-Control-Allow-Headers",
+                                 req_hdrs && !has_ctl(req_hdrs, strlen(req_hdrs)) ? req_hdrs
+                                                                                  : "Authorization, Content-Type",
+                                 "Access-Control-Max-Age", "600", NULL };
+
+    return http_respond(hr, 204, NULL, "", 0, hdrs);
+}
+
+/* Browsers: a foreign Host (DNS rebinding) or Origin is refused, a preflight answered. 1 when
+ * answered, 0 to go on. */
+static int req_browser(struct http_req *hr, struct MHD_Connection *mc)
+{
+    struct http_server *s = hr->s;
+    const char *host = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST);
+    const char *origin = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, "Origin");
+    bool known;
+
+    if (host && !host_ok(s, host)) {
+        http_respond_error(hr, 403, NULL, "Host %.100s is not a name of this server (allow it with "
+                           "--allowed-hosts)", host);
+        return 1;
+    }
+    if (origin) {
+        if (!list_has(&s->origins, origin) || strlen(origin) >= sizeof(hr->origin)) {
+            http_respond_error(hr, 403, NULL, "cross-origin request from %.100s refused (allow it with "
+                               "--allowed-origins)", origin);
+            return 1;
+        }
+        snprintf(hr->origin, sizeof(hr->origin), "%s", origin);
+    }
+    if (!strcmp(hr->method, "OPTIONS")) {
+        (void)route_find(s, "", hr->path, &known);
+        if (!origin || !known)
+            http_respond_error(hr, known ? 405 : 404, NULL, "%s", known ? "OPTIONS is a CORS preflight: it "
+                               "needs an Origin header" : "no such endpoint");
+        else
+            preflight(hr, mc);
+        return 1;
+    }
+    return 0;
+}
+
 /* The request's first call: framing, route, key, size; an error answer now, or 0 to read on. */
 static int req_begin(struct http_req *hr, struct MHD_Connection *mc, const char *version)
 {
@@ -626,6 +814,8 @@ static int req_begin(struct http_req *hr, struct MHD_Connection *mc, const char 
         hr->c->bad_target = false;
     if (why)
         return framing_refuse(hr, why);
+    if (req_browser(hr, mc))
+        return 0;
     if (s->o.tls && s->o.tls->require_client_cert && !client_cert_ok(mc))
         return http_respond_error(hr, 403, NULL, "a client certificate signed by the server's CA is required");
     hr->route = route_find(s, hr->method, hr->path, &known);
@@ -661,6 +851,15 @@ static int req_begin(struct http_req *hr, struct MHD_Connection *mc, const char 
         if (end != cl && !*end && v > s->o.max_body_bytes)
             return http_respond_error(hr, 413, NULL, "request body of %llu bytes is over the limit of %zu bytes",
                                       v, s->o.max_body_bytes);
+    }
+    /* a JSON body only: a browser's "simple" cross-origin POST (text/plain, a form) needs no
+     * preflight, so it is refused here */
+    if (!strcmp(hr->route->method, "POST")) {
+        const char *ct = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
+
+        if (!is_json(ct))
+            return http_respond_error(hr, 415, NULL, "Content-Type must be application/json%s%.100s",
+                                      ct ? ", not " : " (none given)", ct ? ct : "");
     }
     return 0;
 }
@@ -894,6 +1093,9 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
         r = -ENOMEM;
         goto fail;
     }
+    if ((r = list_parse("--allowed-hosts", o->allowed_hosts, &s->hosts)) < 0 ||
+        (r = list_parse("--allowed-origins", o->allowed_origins, &s->origins)) < 0)
+        goto fail;
     if (o->tls) {
         if ((r = read_pem(o->tls->cert_file, "--tls-cert", &s->tls_cert)) < 0 ||
             (r = read_pem(o->tls->key_file, "--tls-key", &s->tls_key)) < 0 ||
@@ -955,6 +1157,8 @@ fail:
     free(s->tls_ca);
     free(s->api_key);
     free(s->name);
+    list_free(&s->hosts);
+    list_free(&s->origins);
     free(s);
     return r;
 }
@@ -997,6 +1201,8 @@ static void server_freed(uv_handle_t *h)
         free(s->api_key);
     }
     free(s->name);
+    list_free(&s->hosts);
+    list_free(&s->origins);
     free(s);
 }
 

@@ -58,6 +58,12 @@ struct http_server_opts {
     size_t n_routes;
     void *ud;                       /* handed to every handler */
     const char *name;               /* for the log: "http", "metrics" */
+    /* browsers (DNS rebinding, cross-origin requests): both a JSON list '["a","b"]' or a
+     * comma-separated one; "*" matches everything */
+    const char *allowed_hosts;      /* Host names served beside IP literals, localhost and
+                                       host; NULL: those only (403 otherwise) */
+    const char *allowed_origins;    /* Origins served, with CORS headers and preflights;
+                                       NULL: a request with an Origin is refused (403) */
 };
 
 /* Bind and start serving on loop.  -EADDRINUSE, -EINVAL (bad host or TLS files), ... with

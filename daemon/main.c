@@ -62,6 +62,10 @@ static void usage(FILE *f)
         "  --http-timeout SECONDS     HTTP: a request must arrive within this; idle connections close\n"
         "                             after it (default 30)\n"
         "  --request-timeout SECONDS  HTTP: deadline of a generation request, 504 past it (0 = none)\n"
+        "  --allowed-hosts LIST       HTTP: Host names served beside IP literals, localhost and --host\n"
+        "                             (comma-separated or a JSON list; \"*\" any)\n"
+        "  --allowed-origins LIST     HTTP: browser origins served with CORS (default none: a request\n"
+        "                             with an Origin header is refused)\n"
         "Behaviour:\n"
         "  --drain-timeout SECONDS    finish in-flight work within this on SIGTERM (default 30)\n"
         "  --heartbeat-ms N           control heartbeat period (default 1000)\n"
@@ -200,6 +204,7 @@ enum {
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
     OPT_MAX_N, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
+    OPT_ALLOWED_HOSTS, OPT_ALLOWED_ORIGINS,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
     OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
@@ -294,6 +299,8 @@ int main(int argc, char **argv)
         { "http-max-connections", required_argument, NULL, OPT_HTTP_CONNS },
         { "http-timeout", required_argument, NULL, OPT_HTTP_TIMEOUT },
         { "request-timeout", required_argument, NULL, OPT_REQ_TIMEOUT },
+        { "allowed-hosts", required_argument, NULL, OPT_ALLOWED_HOSTS },
+        { "allowed-origins", required_argument, NULL, OPT_ALLOWED_ORIGINS },
         { "threads", required_argument, NULL, OPT_S_THREADS },
         { "worker-binary", required_argument, NULL, OPT_S_WBIN },
         { "worker-arg", required_argument, NULL, OPT_S_WARG },
@@ -481,6 +488,8 @@ int main(int argc, char **argv)
                 return 2;
             }
             break;
+        case OPT_ALLOWED_HOSTS: o.http_allowed_hosts = optarg; break;
+        case OPT_ALLOWED_ORIGINS: o.http_allowed_origins = optarg; break;
         case OPT_REQ_TIMEOUT:
             if (parse_seconds("--request-timeout", optarg, &o.request_timeout_ms) < 0)
                 return 2;

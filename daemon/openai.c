@@ -1956,6 +1956,8 @@ int openai_start(struct coord *co)
         .n_routes = sizeof(api_routes) / sizeof(api_routes[0]),
         .ud = co,
         .name = "http",
+        .allowed_hosts = o->http_allowed_hosts,
+        .allowed_origins = o->http_allowed_origins,
     };
     char host[256];
     int r;

@@ -41,6 +41,8 @@ struct coord_opts {
     size_t http_max_body_bytes;     /* HTTP request body cap (413 above) */
     size_t http_max_header_bytes;   /* HTTP request line + headers cap (431 above) */
     unsigned http_max_connections;
+    unsigned http_max_connections_per_ip;   /* 0 = none beyond http_max_connections */
+    unsigned http_header_timeout_ms;    /* HTTP: a request head must arrive within this */
     unsigned http_timeout_ms;       /* HTTP: a request must arrive within this, idle connections
                                        are closed after it */
     unsigned request_timeout_ms;    /* HTTP: a generation request's deadline; 0 = none */

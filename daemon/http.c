@@ -1,12 +1,13 @@
 /* http.c - the HTTP server of the coordinator (see http.h): libmicrohttpd in external epoll
  * mode on the libuv loop.
  *
- * Owns: the MHD daemon, its listen socket, a uv_poll_t on MHD's epoll fd and a uv_timer_t for
- * MHD's timeouts (every MHD callback runs from those, on the loop), a per-connection record
+ * Owns: the MHD daemon, the listen socket (accepted here, under the connection limits, and
+ * handed to MHD: conn_admit), a uv_poll_t on MHD's epoll fd and a uv_timer_t for MHD's
+ * timeouts (every MHD callback runs from those, on the loop), a per-connection record
  * (struct http_conn: when its current request began, a watch on its socket while suspended)
  * and a per-request record (struct http_req: route, body, the pending or streamed response).
- * A sweep timer enforces the request-arrival deadline (slow-loris) that MHD's idle timeout
- * alone does not (a byte every few seconds keeps a connection from being idle).
+ * A sweep timer enforces the request-head and request-arrival deadlines (slow-loris) that MHD's
+ * idle timeout alone does not (a byte every few seconds keeps a connection from being idle).
  *
  * Invariant: a suspended connection (waiting for its handler's answer, or for stream data) is
  * not polled by MHD, so its socket is watched here for the peer's hang-up; the watch is
@@ -14,6 +15,7 @@
  * connection suspended.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -53,6 +55,8 @@ struct http_conn {
     bool watch_init, watching, closing;
     bool bad_target;                /* the current request target decoded to a NUL or control
                                        byte (unescape_cb; req_begin refuses it) */
+    bool evicted;                   /* shut down to make room for a new one (conn_admit) */
+    struct sockaddr_storage sa;     /* the client's address (per-address limit) */
     uv_poll_t watch;                /* while suspended: the peer's hang-up */
     char peer[96];
 };
@@ -88,10 +92,13 @@ struct http_server {
     uv_loop_t *loop;
     struct MHD_Daemon *d;
     int listen_fd;
-    bool mhd_listen;                /* MHD owns listen_fd */
     int port;
     uv_poll_t poll;
+    uv_poll_t lpoll;                /* listen_fd: accepted here, handed to MHD */
     uv_timer_t timer, sweep;
+    int reserve_fd;                 /* /dev/null: given up to answer a client at EMFILE */
+    uint64_t n_evicted, n_refused;  /* connections closed to make room, refused (log) */
+    int64_t t_refusal_log;
     struct http_conn *conns;
     unsigned active;
     int closing;                    /* handles still closing (stop) */
@@ -441,6 +448,9 @@ static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_co
         c->tls = s->o.tls != NULL;
         c->t_base = rpc_now_ms();
         format_peer(ai ? ai->client_addr : NULL, c->peer, sizeof(c->peer));
+        if (ai && ai->client_addr)
+            memcpy(&c->sa, ai->client_addr, ai->client_addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6)
+                                                                                 : sizeof(struct sockaddr_in));
         c->next = s->conns;
         if (s->conns)
             s->conns->prev = c;
@@ -988,14 +998,18 @@ static void sweep_cb(uv_timer_t *t)
         struct http_req *hr = c->cur;
         int64_t since = hr ? hr->t_start : c->t_base;
 
+        /* no request head yet: the shorter header deadline */
+        unsigned limit = !hr && s->o.header_timeout_ms && s->o.header_timeout_ms < s->o.timeout_ms
+                         ? s->o.header_timeout_ms : s->o.timeout_ms;
+
         if (c->fd < 0 || (hr && (hr->dispatched || hr->queued || hr->resp)))
             continue;
-        if (now - since < (int64_t)s->o.timeout_ms)
+        if (now - since < (int64_t)limit)
             continue;
         if (c->kill_stage == 0) {
             if (hr || !c->served)
-                log_info("%s: client %s did not send its request within %u ms: closing", s->name, c->peer,
-                         s->o.timeout_ms);
+                log_info("%s: client %s did not send its request %s within %u ms: closing", s->name, c->peer,
+                         hr ? "body" : "head", limit);
             /* an idle keep-alive connection is closed without a word (a client that sends its
              * next request just then must not read a 408 as its answer) */
             if (!c->tls && (hr || !c->served)) {
@@ -1004,7 +1018,7 @@ static void sweep_cb(uv_timer_t *t)
                 char *body;
                 int hl;
 
-                snprintf(msg, sizeof(msg), "the request did not arrive within the %u ms limit", s->o.timeout_ms);
+                snprintf(msg, sizeof(msg), "the request did not arrive within the %u ms limit", limit);
                 body = error_json(408, NULL, msg);
                 if (body) {
                     hl = snprintf(head, sizeof(head), "HTTP/1.1 408 Request Timeout\r\nContent-Type: "
@@ -1021,6 +1035,133 @@ static void sweep_cb(uv_timer_t *t)
             shutdown(c->fd, SHUT_RDWR);
             c->kill_stage = 2;
         }
+    }
+    server_run(s);
+}
+
+/* ------------------------------------------------------------------ accepting */
+
+static bool same_address(const struct sockaddr_storage *a, const struct sockaddr *b)
+{
+    if (a->ss_family != b->sa_family)
+        return false;
+    if (b->sa_family == AF_INET)
+        return ((const struct sockaddr_in *)a)->sin_addr.s_addr == ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+    if (b->sa_family == AF_INET6)
+        return !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr, &((const struct sockaddr_in6 *)b)->sin6_addr,
+                       sizeof(struct in6_addr));
+    return true;
+}
+
+/* A connection not taken: an answer (plaintext only: TLS has not begun), what the client
+ * sent read and dropped so that the close is not a reset that loses the answer, closed. */
+static void conn_refuse(struct http_server *s, int fd, const struct sockaddr *sa, unsigned status, const char *msg)
+{
+    char head[256], peer[96], junk[4096];
+    char *body = s->o.tls ? NULL : error_json(status, NULL, msg);
+    int64_t now = rpc_now_ms();
+
+    if (body) {
+        int hl = snprintf(head, sizeof(head), "HTTP/1.1 %u %s\r\nContent-Type: application/json\r\nContent-Length: "
+                          "%zu\r\nRetry-After: 1\r\nConnection: close\r\n\r\n", status,
+                          status == 429 ? "Too Many Requests" : "Service Unavailable", strlen(body));
+
+        (void)!send(fd, head, (size_t)hl, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)!send(fd, body, strlen(body), MSG_NOSIGNAL | MSG_DONTWAIT);
+        free(body);
+    }
+    shutdown(fd, SHUT_WR);
+    while (recv(fd, junk, sizeof(junk), MSG_DONTWAIT) > 0)
+        ;
+    close(fd);
+    s->n_refused++;
+    if (now - s->t_refusal_log >= 1000) {
+        s->t_refusal_log = now;
+        format_peer(sa, peer, sizeof(peer));
+        log_warn("%s: client %s refused %u: %s (%" PRIu64 " refused, %" PRIu64 " idle connections closed to make "
+                 "room so far)", s->name, peer, status, msg, s->n_refused, s->n_evicted);
+    }
+}
+
+/* Make room: an idle connection (no request in progress) is shut down; MHD closes it at its
+ * next run. */
+static void conn_evict(struct http_server *s, struct http_conn *c)
+{
+    shutdown(c->fd, SHUT_RDWR);
+    c->evicted = true;
+    s->n_evicted++;
+}
+
+/* A new connection within the limits, by closing the oldest idle one of its address or of
+ * all when one is full, else refused; then MHD's. */
+static void conn_admit(struct http_server *s, int fd, const struct sockaddr *sa, socklen_t sl)
+{
+    struct http_conn *idle_mine = NULL, *idle_any = NULL;
+    unsigned mine = 0, total = 0;
+    char msg[160];
+
+    /* newest first: the last idle one seen is the oldest */
+    for (struct http_conn *c = s->conns; c; c = c->next) {
+        bool idle = !c->cur && c->fd >= 0;
+
+        if (c->evicted || c->kill_stage)
+            continue;
+        total++;
+        if (same_address(&c->sa, sa)) {
+            mine++;
+            if (idle)
+                idle_mine = c;
+        }
+        if (idle)
+            idle_any = c;
+    }
+    if (s->o.max_connections_per_client && mine >= s->o.max_connections_per_client) {
+        if (!idle_mine) {
+            snprintf(msg, sizeof(msg), "%u connections of this client address are busy (the limit)", mine);
+            conn_refuse(s, fd, sa, 429, msg);
+            return;
+        }
+        conn_evict(s, idle_mine);
+    } else if (total >= s->o.max_connections) {
+        if (!idle_any) {
+            snprintf(msg, sizeof(msg), "%u connections are busy (the limit)", total);
+            conn_refuse(s, fd, sa, 503, msg);
+            return;
+        }
+        conn_evict(s, idle_any);
+    }
+    if (MHD_add_connection(s->d, fd, sa, sl) != MHD_YES)     /* it closed fd */
+        log_warn("%s: a connection was not taken: %s", s->name, strerror(errno));
+}
+
+static void accept_cb(uv_poll_t *h, int status, int events)
+{
+    struct http_server *s = h->data;
+
+    (void)status;
+    (void)events;
+    for (int i = 0; i < 64 && s->listen_fd >= 0; i++) {
+        struct sockaddr_storage sa;
+        socklen_t sl = sizeof(sa);
+        int fd = accept4(s->listen_fd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE) && s->reserve_fd >= 0) {
+            /* out of descriptors: one given up to answer this client, then taken back */
+            close(s->reserve_fd);
+            sl = sizeof(sa);
+            fd = accept4(s->listen_fd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd >= 0)
+                conn_refuse(s, fd, (struct sockaddr *)&sa, 503, "the server is out of file descriptors");
+            s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            if (fd >= 0)
+                continue;
+        }
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            break;      /* EAGAIN: all taken; another error: again at the next readiness */
+        }
+        conn_admit(s, fd, (struct sockaddr *)&sa, sl);
     }
     server_run(s);
 }
@@ -1077,7 +1218,7 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
 {
     struct http_server *s = calloc(1, sizeof(*s));
     struct MHD_OptionItem opts[16];
-    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET;
     const union MHD_DaemonInfo *di;
     size_t k = 0;
     int r;
@@ -1087,6 +1228,7 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
     s->o = *o;
     s->loop = loop;
     s->listen_fd = -1;
+    s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     s->name = strdup(o->name ? o->name : "http");
     s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;
     if (!s->name || (o->api_key && o->api_key[0] && !s->api_key)) {
@@ -1112,8 +1254,8 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
                   r == -EINVAL ? "not an address of this host" : err_str(r));
         goto fail;
     }
-    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_LISTEN_SOCKET, s->listen_fd, NULL };
-    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_LIMIT, o->max_connections, NULL };
+    /* conn_admit keeps the limits; MHD's is room for those it has yet to close */
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_LIMIT, 2 * (intptr_t)o->max_connections + 64, NULL };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_TIMEOUT, (o->timeout_ms + 999) / 1000, NULL };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_MEMORY_LIMIT, (intptr_t)o->max_header_bytes, NULL };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, s };
@@ -1131,14 +1273,21 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
     }
     di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_EPOLL_FD);
     if (!di || (r = uv_poll_init(loop, &s->poll, di->epoll_fd)) < 0) {
-        MHD_stop_daemon(s->d);     /* closes the listen socket */
+        MHD_stop_daemon(s->d);
         s->d = NULL;
-        s->listen_fd = -1;
         r = -EIO;
         goto fail;
     }
-    s->mhd_listen = true;          /* MHD closes it (MHD_stop_daemon) unless quiesced */
-    s->poll.data = s;
+    if (uv_poll_init(loop, &s->lpoll, s->listen_fd) < 0) {
+        MHD_stop_daemon(s->d);
+        s->d = NULL;
+        uv_close((uv_handle_t *)&s->poll, NULL);
+        uv_run(loop, UV_RUN_NOWAIT);
+        r = -EIO;
+        goto fail;
+    }
+    s->poll.data = s->lpoll.data = s;
+    uv_poll_start(&s->lpoll, UV_READABLE, accept_cb);
     uv_timer_init(loop, &s->timer);
     uv_timer_init(loop, &s->sweep);
     s->timer.data = s->sweep.data = s;
@@ -1149,6 +1298,8 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
 fail:
     if (s->listen_fd >= 0)
         close(s->listen_fd);
+    if (s->reserve_fd >= 0)
+        close(s->reserve_fd);
     free(s->tls_cert);
     if (s->tls_key) {
         memset(s->tls_key, 0, strlen(s->tls_key));
@@ -1177,9 +1328,8 @@ void http_server_quiesce(struct http_server *s)
 {
     if (!s || !s->d || s->listen_fd < 0)
         return;
-    MHD_socket fd = MHD_quiesce_daemon(s->d);
-    if (fd != MHD_INVALID_SOCKET)
-        close(fd);
+    uv_poll_stop(&s->lpoll);
+    close(s->listen_fd);
     s->listen_fd = -1;
     server_run(s);
 }
@@ -1189,7 +1339,7 @@ static void server_freed(uv_handle_t *h)
     struct http_server *s = h->data;
 
     if (--s->closing > 0)
-        return;     /* the last of its three handles frees it */
+        return;     /* the last of its four handles frees it */
     if (s->tls_key) {
         memset(s->tls_key, 0, strlen(s->tls_key));
         free(s->tls_key);
@@ -1203,6 +1353,8 @@ static void server_freed(uv_handle_t *h)
     free(s->name);
     list_free(&s->hosts);
     list_free(&s->origins);
+    if (s->reserve_fd >= 0)
+        close(s->reserve_fd);
     free(s);
 }
 
@@ -1219,11 +1371,15 @@ void http_server_stop(struct http_server *s)
         }
     if (s->d) {
         MHD_run(s->d);
-        MHD_stop_daemon(s->d);     /* closes the listen socket unless quiesced */
+        MHD_stop_daemon(s->d);
         s->d = NULL;
     }
-    s->closing = 3;
+    s->closing = 4;
     uv_close((uv_handle_t *)&s->timer, server_freed);
     uv_close((uv_handle_t *)&s->sweep, server_freed);
     uv_close((uv_handle_t *)&s->poll, server_freed);
+    uv_close((uv_handle_t *)&s->lpoll, server_freed);   /* leaves epoll before the close */
+    if (s->listen_fd >= 0)
+        close(s->listen_fd);
+    s->listen_fd = -1;
 }

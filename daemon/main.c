@@ -58,7 +58,9 @@ static void usage(FILE *f)
         "  --max-n N                  HTTP: cap on n, choices per request (default 16)\n"
         "  --http-max-body-bytes N    HTTP request body cap, 413 above (default 4194304)\n"
         "  --http-max-header-bytes N  HTTP request line + headers cap, 431 above (default 32768)\n"
-        "  --http-max-connections N   HTTP connections at once (default 1024)\n"
+        "  --http-max-connections N   HTTP connections at once (default 1024; idle ones make room)\n"
+        "  --http-max-connections-per-ip N  HTTP connections of one client address (default 256)\n"
+        "  --http-header-timeout SECONDS  HTTP: a request head must arrive within this (default 10)\n"
         "  --http-timeout SECONDS     HTTP: a request must arrive within this; idle connections close\n"
         "                             after it (default 30)\n"
         "  --request-timeout SECONDS  HTTP: deadline of a generation request, 504 past it (0 = none)\n"
@@ -204,7 +206,7 @@ enum {
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
     OPT_MAX_N, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
-    OPT_ALLOWED_HOSTS, OPT_ALLOWED_ORIGINS,
+    OPT_ALLOWED_HOSTS, OPT_ALLOWED_ORIGINS, OPT_HTTP_CONNS_IP, OPT_HTTP_HEAD_TIMEOUT,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
     OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
@@ -300,6 +302,8 @@ int main(int argc, char **argv)
         { "http-timeout", required_argument, NULL, OPT_HTTP_TIMEOUT },
         { "request-timeout", required_argument, NULL, OPT_REQ_TIMEOUT },
         { "allowed-hosts", required_argument, NULL, OPT_ALLOWED_HOSTS },
+        { "http-max-connections-per-ip", required_argument, NULL, OPT_HTTP_CONNS_IP },
+        { "http-header-timeout", required_argument, NULL, OPT_HTTP_HEAD_TIMEOUT },
         { "allowed-origins", required_argument, NULL, OPT_ALLOWED_ORIGINS },
         { "threads", required_argument, NULL, OPT_S_THREADS },
         { "worker-binary", required_argument, NULL, OPT_S_WBIN },
@@ -380,6 +384,7 @@ int main(int argc, char **argv)
         UINT_OPT(OPT_HTTP_BODY, "--http-max-body-bytes", 1u << 30, http_max_body_bytes)
         UINT_OPT(OPT_HTTP_HEADER, "--http-max-header-bytes", 1u << 24, http_max_header_bytes)
         UINT_OPT(OPT_HTTP_CONNS, "--http-max-connections", 1u << 20, http_max_connections)
+        UINT_OPT(OPT_HTTP_CONNS_IP, "--http-max-connections-per-ip", 1u << 20, http_max_connections_per_ip)
 #undef UINT_OPT
         case OPT_DRAIN: {
             char *end;
@@ -489,6 +494,14 @@ int main(int argc, char **argv)
             }
             break;
         case OPT_ALLOWED_HOSTS: o.http_allowed_hosts = optarg; break;
+        case OPT_HTTP_HEAD_TIMEOUT:
+            if (parse_seconds("--http-header-timeout", optarg, &o.http_header_timeout_ms) < 0)
+                return 2;
+            if (o.http_header_timeout_ms < 1000) {
+                log_error("--http-header-timeout: at least 1 second");
+                return 2;
+            }
+            break;
         case OPT_ALLOWED_ORIGINS: o.http_allowed_origins = optarg; break;
         case OPT_REQ_TIMEOUT:
             if (parse_seconds("--request-timeout", optarg, &o.request_timeout_ms) < 0)

@@ -1610,8 +1610,12 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
                                              .deadline_ms = deadline, .caller = &caller });
     g->busy = false;
     free(clients);
-    if (g->live && co->o.request_timeout_ms && !g->cancel_pending)
+    if (g->live && co->o.request_timeout_ms && !g->cancel_pending) {
+        /* from now, not from the loop's cached time: the timer must not fire before the
+         * deadline (gen_timer_cb would read it as the client's cancel) */
+        uv_update_time(&co->loop);
         uv_timer_start(&g->timer, gen_timer_cb, co->o.request_timeout_ms + 1, 0);
+    }
     gen_done_check(g);
     return;
 bad:
@@ -1950,6 +1954,8 @@ int openai_start(struct coord *co)
         .max_body_bytes = o->http_max_body_bytes,
         .max_header_bytes = o->http_max_header_bytes,
         .max_connections = o->http_max_connections,
+        .max_connections_per_client = o->http_max_connections_per_ip,
+        .header_timeout_ms = o->http_header_timeout_ms,
         .timeout_ms = o->http_timeout_ms,
         .stream_buffer_bytes = o->max_call_buffer_bytes,
         .routes = api_routes,
@@ -1978,7 +1984,9 @@ int openai_start(struct coord *co)
         ho.max_body_bytes = 0;
         ho.max_header_bytes = 8192;
         ho.max_connections = 64;
+        ho.max_connections_per_client = 0;
         ho.timeout_ms = 5000;
+        ho.header_timeout_ms = 5000;
         ho.routes = metrics_routes;
         ho.n_routes = sizeof(metrics_routes) / sizeof(metrics_routes[0]);
         ho.name = "metrics";

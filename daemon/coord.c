@@ -664,6 +664,7 @@ static int server_new(struct coord *co, const char *addr, bool tls, const char *
         .max_call_buffer_bytes = co->o.max_call_buffer_bytes,
         .tls = tls ? &co->o.tls : NULL,
         .api_key = key,
+        .key_name = ctl ? "cluster key" : NULL,
     };
     int r = rpc_server_create(co->rpc, &so, ret);
     if (r < 0)

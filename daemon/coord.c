@@ -41,6 +41,8 @@ void coord_opts_default(struct coord_opts *o)
     o->http_max_body_bytes = 4 << 20;
     o->http_max_header_bytes = 32 << 10;
     o->http_max_connections = 1024;
+    o->http_max_connections_per_ip = 256;
+    o->http_header_timeout_ms = 10000;
     o->http_timeout_ms = 30000;
     o->max_running = 1024;
     o->prefix_affinity = 16;        /* the engines' default KV block size */
@@ -664,6 +666,7 @@ static int server_new(struct coord *co, const char *addr, bool tls, const char *
         .max_call_buffer_bytes = co->o.max_call_buffer_bytes,
         .tls = tls ? &co->o.tls : NULL,
         .api_key = key,
+        .key_name = ctl ? "cluster key" : NULL,
     };
     int r = rpc_server_create(co->rpc, &so, ret);
     if (r < 0)

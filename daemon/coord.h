@@ -46,9 +46,13 @@ struct coord_opts {
     size_t http_max_body_bytes;     /* HTTP request body cap (413 above) */
     size_t http_max_header_bytes;   /* HTTP request line + headers cap (431 above) */
     unsigned http_max_connections;
+    unsigned http_max_connections_per_ip;   /* 0 = none beyond http_max_connections */
+    unsigned http_header_timeout_ms;    /* HTTP: a request head must arrive within this */
     unsigned http_timeout_ms;       /* HTTP: a request must arrive within this, idle connections
                                        are closed after it */
     unsigned request_timeout_ms;    /* HTTP: a generation request's deadline; 0 = none */
+    const char *http_allowed_hosts;     /* --allowed-hosts (http.h), or NULL */
+    const char *http_allowed_origins;   /* --allowed-origins (http.h), or NULL: CORS off */
     unsigned max_running;           /* requests dispatched to engines at once */
     unsigned max_queue;             /* requests waiting for a slot */
     unsigned max_input_tokens;      /* 0 = model context - 1 */

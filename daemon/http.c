@@ -1,12 +1,13 @@
 /* http.c - the HTTP server of the coordinator (see http.h): libmicrohttpd in external epoll
  * mode on the libuv loop.
  *
- * Owns: the MHD daemon, its listen socket, a uv_poll_t on MHD's epoll fd and a uv_timer_t for
- * MHD's timeouts (every MHD callback runs from those, on the loop), a per-connection record
+ * Owns: the MHD daemon, the listen socket (accepted here, under the connection limits, and
+ * handed to MHD: conn_admit), a uv_poll_t on MHD's epoll fd and a uv_timer_t for MHD's
+ * timeouts (every MHD callback runs from those, on the loop), a per-connection record
  * (struct http_conn: when its current request began, a watch on its socket while suspended)
  * and a per-request record (struct http_req: route, body, the pending or streamed response).
- * A sweep timer enforces the request-arrival deadline (slow-loris) that MHD's idle timeout
- * alone does not (a byte every few seconds keeps a connection from being idle).
+ * A sweep timer enforces the request-head and request-arrival deadlines (slow-loris) that MHD's
+ * idle timeout alone does not (a byte every few seconds keeps a connection from being idle).
  *
  * Invariant: a suspended connection (waiting for its handler's answer, or for stream data) is
  * not polled by MHD, so its socket is watched here for the peer's hang-up; the watch is
@@ -14,6 +15,7 @@
  * connection suspended.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -51,6 +53,10 @@ struct http_conn {
     int kill_stage;                 /* 1: 408 sent and write side shut; 2: shut down */
     unsigned served;                /* requests completed on it (keep-alive) */
     bool watch_init, watching, closing;
+    bool bad_target;                /* the current request target decoded to a NUL or control
+                                       byte (unescape_cb; req_begin refuses it) */
+    bool evicted;                   /* shut down to make room for a new one (conn_admit) */
+    struct sockaddr_storage sa;     /* the client's address (per-address limit) */
     uv_poll_t watch;                /* while suspended: the peer's hang-up */
     char peer[96];
 };
@@ -67,6 +73,7 @@ struct http_req {
     bool dispatched, in_handler, queued, suspended, aborted;
     bool keyed;
     uint64_t key_hash;
+    char origin[256];               /* an allowed Origin: echoed with CORS headers */
     /* the answer */
     struct MHD_Response *resp;      /* made, not yet queued */
     unsigned status;
@@ -85,15 +92,19 @@ struct http_server {
     uv_loop_t *loop;
     struct MHD_Daemon *d;
     int listen_fd;
-    bool mhd_listen;                /* MHD owns listen_fd */
     int port;
     uv_poll_t poll;
+    uv_poll_t lpoll;                /* listen_fd: accepted here, handed to MHD */
     uv_timer_t timer, sweep;
+    int reserve_fd;                 /* /dev/null: given up to answer a client at EMFILE */
+    uint64_t n_evicted, n_refused;  /* connections closed to make room, refused (log) */
+    int64_t t_refusal_log;
     struct http_conn *conns;
     unsigned active;
     int closing;                    /* handles still closing (stop) */
     bool run_soon;                  /* the timer is set to run MHD at the next turn */
     char *tls_cert, *tls_key, *tls_ca;
+    struct http_list { char **v; size_t n; bool any; } hosts, origins;  /* allowed (http.h) */
 };
 
 static void server_run(struct http_server *s);
@@ -115,6 +126,7 @@ static char *error_json(unsigned status, const char *param, const char *msg)
     case 404: code = "not_found"; break;
     case 408: type = "timeout_error"; code = "request_timeout"; break;
     case 413: code = "request_too_large"; break;
+    case 415: code = "unsupported_media_type"; break;
     case 429: type = "rate_limit_error"; code = "server_overloaded"; break;
     case 503: type = "service_unavailable_error"; code = "unavailable"; break;
     case 504: type = "timeout_error"; code = "deadline_exceeded"; break;
@@ -174,6 +186,11 @@ static int req_answer(struct http_req *hr, struct MHD_Response *resp, unsigned s
     if (hr->resp || hr->queued) {
         MHD_destroy_response(resp);
         return -EALREADY;
+    }
+    if (hr->origin[0] && (MHD_add_response_header(resp, "Access-Control-Allow-Origin", hr->origin) != MHD_YES ||
+                          MHD_add_response_header(resp, "Vary", "Origin") != MHD_YES)) {
+        MHD_destroy_response(resp);
+        return -ENOMEM;
     }
     hr->status = status;
     if (hr->in_handler) {
@@ -431,6 +448,9 @@ static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_co
         c->tls = s->o.tls != NULL;
         c->t_base = rpc_now_ms();
         format_peer(ai ? ai->client_addr : NULL, c->peer, sizeof(c->peer));
+        if (ai && ai->client_addr)
+            memcpy(&c->sa, ai->client_addr, ai->client_addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6)
+                                                                                 : sizeof(struct sockaddr_in));
         c->next = s->conns;
         if (s->conns)
             s->conns->prev = c;
@@ -521,14 +541,301 @@ static bool client_cert_ok(struct MHD_Connection *mc)
     return gnutls_certificate_verify_peers2((gnutls_session_t)ci->tls_session, &st) == 0 && st == 0;
 }
 
-/* The request's first call: route, key, size; an error answer now, or 0 to read on. */
-static int req_begin(struct http_req *hr, struct MHD_Connection *mc)
+/* ------------------------------------------------------------------ framing (RFC 9112) */
+
+/* A NUL, a C0 control other than HTAB, or DEL in s[0..n). */
+static bool has_ctl(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+
+        if ((ch < 0x20 && ch != '\t') || ch == 0x7f)
+            return true;
+    }
+    return false;
+}
+
+/* MHD's percent-decoding of the request target (the path, each query key and value), with
+ * what a C string would hide flagged: "/v1/chat/completions%00junk" decodes to a path whose
+ * strlen() is a route's; req_begin refuses the request instead. */
+static size_t unescape_cb(void *cls, struct MHD_Connection *mc, char *val)
+{
+    const union MHD_ConnectionInfo *sc = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    struct http_conn *c = sc ? sc->socket_context : NULL;
+    size_t n = MHD_http_unescape(val);
+
+    (void)cls;
+    if (c && has_ctl(val, n))
+        c->bad_target = true;
+    return n;
+}
+
+struct framing {
+    unsigned n_cl, n_te;
+    const char *cl, *te;
+    const char *bad_header;         /* a header holding a control byte */
+};
+
+static enum MHD_Result framing_header(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_size,
+                                      const char *value, size_t value_size)
+{
+    struct framing *f = cls;
+
+    (void)kind;
+    if (!f->bad_header && (has_ctl(key, key_size) || (value && has_ctl(value, value_size))))
+        f->bad_header = key;
+    if (!strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) {
+        f->n_cl++;
+        f->cl = value;
+    } else if (!strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) {
+        f->n_te++;
+        f->te = value;
+    }
+    return MHD_YES;
+}
+
+/* The message framing a front proxy could read otherwise than MHD does (request smuggling,
+ * RFC 9112 6.1-6.3): Content-Length with Transfer-Encoding, Content-Length twice or not a
+ * plain decimal, a transfer coding other than chunked, Transfer-Encoding on HTTP/1.0; and a
+ * control byte in the decoded target or in a header.  The reason, or NULL. */
+static const char *framing_error(struct http_conn *c, struct MHD_Connection *mc, const char *version,
+                                 char *buf, size_t n)
+{
+    struct framing f = { 0 };
+
+    if (c && c->bad_target)
+        return "the request target decodes to a NUL or control byte";
+    MHD_get_connection_values_n(mc, MHD_HEADER_KIND, framing_header, &f);
+    if (f.bad_header) {
+        snprintf(buf, n, "header %.64s holds a control byte", f.bad_header);
+        return buf;
+    }
+    if (f.n_cl && f.n_te)
+        return "Content-Length together with Transfer-Encoding";
+    if (f.n_cl > 1)
+        return "more than one Content-Length";
+    if (f.n_cl && (!f.cl || !f.cl[0] || strspn(f.cl, "0123456789") != strlen(f.cl) || strlen(f.cl) > 18))
+        return "Content-Length is not a decimal number of bytes";
+    if (f.n_te && version && !strcmp(version, MHD_HTTP_VERSION_1_0))
+        return "Transfer-Encoding on an HTTP/1.0 request";
+    if (f.n_te > 1 || (f.n_te && (!f.te || strcasecmp(f.te, "chunked"))))
+        return "a transfer coding other than chunked";
+    return NULL;
+}
+
+/* A framing error: 400 naming it, and the connection closed after the answer (what follows
+ * on it cannot be delimited). */
+static int framing_refuse(struct http_req *hr, const char *why)
+{
+    static const char *const hdrs[] = { "Connection", "close", NULL };
+    char msg[256];
+    char *body;
+    int r;
+
+    log_info("%s: client %s: bad request framing (%s): closing", hr->s->name, http_req_peer(hr), why);
+    snprintf(msg, sizeof(msg), "bad request framing: %s", why);
+    body = error_json(400, NULL, msg);
+    r = body ? http_respond(hr, 400, "application/json", body, strlen(body), hdrs) : -ENOMEM;
+    free(body);
+    return r;
+}
+
+/* ------------------------------------------------------------------ browsers */
+
+static void list_free(struct http_list *l)
+{
+    for (size_t i = 0; i < l->n; i++)
+        free(l->v[i]);
+    free(l->v);
+    *l = (struct http_list){ 0 };
+}
+
+static int list_add(struct http_list *l, const char *item, size_t len)
+{
+    char **v;
+
+    while (len && (*item == ' ' || *item == '\t'))
+        item++, len--;
+    while (len && (item[len - 1] == ' ' || item[len - 1] == '\t'))
+        len--;
+    if (!len)
+        return 0;
+    if (len == 1 && *item == '*') {
+        l->any = true;
+        return 0;
+    }
+    v = realloc(l->v, (l->n + 1) * sizeof(*v));
+    if (!v)
+        return -ENOMEM;
+    l->v = v;
+    if (!(v[l->n] = strndup(item, len)))
+        return -ENOMEM;
+    l->n++;
+    return 0;
+}
+
+/* --allowed-hosts / --allowed-origins: a JSON list of strings (vLLM's form) or a
+ * comma-separated list. */
+static int list_parse(const char *flag, const char *spec, struct http_list *l)
+{
+    int r = 0;
+
+    if (!spec)
+        return 0;
+    if (spec[0] == '[') {
+        json_error_t je;
+        json_t *a = json_loads(spec, 0, &je), *it;
+        size_t i;
+
+        if (!json_is_array(a)) {
+            json_decref(a);
+            log_error("%s: not a JSON list of strings: %s", flag, je.text);
+            return -EINVAL;
+        }
+        json_array_foreach(a, i, it) {
+            if (!json_is_string(it)) {
+                log_error("%s: item %zu is not a string", flag, i);
+                r = -EINVAL;
+                break;
+            }
+            if ((r = list_add(l, json_string_value(it), json_string_length(it))) < 0)
+                break;
+        }
+        json_decref(a);
+        return r;
+    }
+    for (const char *p = spec; r == 0; p++) {
+        size_t n = strcspn(p, ",");
+
+        r = list_add(l, p, n);
+        p += n;
+        if (!*p)
+            break;
+    }
+    return r;
+}
+
+static bool list_has(const struct http_list *l, const char *item)
+{
+    if (l->any)
+        return true;
+    for (size_t i = 0; i < l->n; i++)
+        if (!strcasecmp(l->v[i], item))
+            return true;
+    return false;
+}
+
+/* The Host header names this server: an IP literal (no DNS name to rebind), localhost, the
+ * listen host, or an --allowed-hosts name; the port is not checked. */
+static bool host_ok(const struct http_server *s, const char *host)
+{
+    char name[256];
+    const char *end;
+    size_t n;
+    struct in6_addr a6;
+    struct in_addr a4;
+
+    if (host[0] == '[') {
+        end = strchr(host, ']');
+        if (!end || (end[1] && end[1] != ':'))
+            return false;
+        host++;
+    } else {
+        end = strchr(host, ':');
+        if (end && strchr(end + 1, ':'))
+            return false;       /* an IPv6 address without brackets */
+        if (!end)
+            end = host + strlen(host);
+    }
+    n = (size_t)(end - host);
+    if (n == 0 || n >= sizeof(name))
+        return false;
+    memcpy(name, host, n);
+    name[n] = '\0';
+    if (*end == ']' ? inet_pton(AF_INET6, name, &a6) == 1 : inet_pton(AF_INET, name, &a4) == 1)
+        return true;
+    if (n > 1 && name[n - 1] == '.')
+        name[n - 1] = '\0';   /* "localhost." */
+    return !strcasecmp(name, "localhost") || (s->o.host && !strcasecmp(name, s->o.host)) ||
+           list_has(&s->hosts, name);
+}
+
+/* A media type is application/json (parameters such as charset aside). */
+static bool is_json(const char *ctype)
+{
+    size_t n;
+
+    if (!ctype)
+        return false;
+    while (*ctype == ' ')
+        ctype++;
+    n = strcspn(ctype, "; \t");
+    return n == 16 && !strncasecmp(ctype, "application/json", 16);
+}
+
+/* A CORS preflight (OPTIONS with an allowed Origin) for a known path. */
+static int preflight(struct http_req *hr, struct MHD_Connection *mc)
+{
+    const char *req_hdrs = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+    const char *const hdrs[] = { "Access-Control-Allow-Methods", "GET, POST, OPTIONS",
+                                 "Access-Control-Allow-Headers",
+                                 req_hdrs && !has_ctl(req_hdrs, strlen(req_hdrs)) ? req_hdrs
+                                                                                  : "Authorization, Content-Type",
+                                 "Access-Control-Max-Age", "600", NULL };
+
+    return http_respond(hr, 204, NULL, "", 0, hdrs);
+}
+
+/* Browsers: a foreign Host (DNS rebinding) or Origin is refused, a preflight answered. 1 when
+ * answered, 0 to go on. */
+static int req_browser(struct http_req *hr, struct MHD_Connection *mc)
+{
+    struct http_server *s = hr->s;
+    const char *host = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST);
+    const char *origin = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, "Origin");
+    bool known;
+
+    if (host && !host_ok(s, host)) {
+        http_respond_error(hr, 403, NULL, "Host %.100s is not a name of this server (allow it with "
+                           "--allowed-hosts)", host);
+        return 1;
+    }
+    if (origin) {
+        if (!list_has(&s->origins, origin) || strlen(origin) >= sizeof(hr->origin)) {
+            http_respond_error(hr, 403, NULL, "cross-origin request from %.100s refused (allow it with "
+                               "--allowed-origins)", origin);
+            return 1;
+        }
+        snprintf(hr->origin, sizeof(hr->origin), "%s", origin);
+    }
+    if (!strcmp(hr->method, "OPTIONS")) {
+        (void)route_find(s, "", hr->path, &known);
+        if (!origin || !known)
+            http_respond_error(hr, known ? 405 : 404, NULL, "%s", known ? "OPTIONS is a CORS preflight: it "
+                               "needs an Origin header" : "no such endpoint");
+        else
+            preflight(hr, mc);
+        return 1;
+    }
+    return 0;
+}
+
+/* The request's first call: framing, route, key, size; an error answer now, or 0 to read on. */
+static int req_begin(struct http_req *hr, struct MHD_Connection *mc, const char *version)
 {
     struct http_server *s = hr->s;
     const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-    const char *auth, *xkey = NULL;
+    const char *auth, *xkey = NULL, *why;
+    char why_buf[128];
     bool known;
 
+    why = framing_error(hr->c, mc, version, why_buf, sizeof(why_buf));
+    if (hr->c)
+        hr->c->bad_target = false;
+    if (why)
+        return framing_refuse(hr, why);
+    if (req_browser(hr, mc))
+        return 0;
     if (s->o.tls && s->o.tls->require_client_cert && !client_cert_ok(mc))
         return http_respond_error(hr, 403, NULL, "a client certificate signed by the server's CA is required");
     hr->route = route_find(s, hr->method, hr->path, &known);
@@ -568,6 +875,15 @@ static int req_begin(struct http_req *hr, struct MHD_Connection *mc)
             return http_respond_error(hr, 413, NULL, "request body of %llu bytes is over the limit of %zu bytes",
                                       v, s->o.max_body_bytes);
     }
+    /* a JSON body only: a browser's "simple" cross-origin POST (text/plain, a form) needs no
+     * preflight, so it is refused here */
+    if (!strcmp(hr->route->method, "POST")) {
+        const char *ct = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
+
+        if (!is_json(ct))
+            return http_respond_error(hr, 415, NULL, "Content-Type must be application/json%s%.100s",
+                                      ct ? ", not " : " (none given)", ct ? ct : "");
+    }
     return 0;
 }
 
@@ -579,7 +895,6 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
     struct http_req *hr = *con_cls;
     const union MHD_ConnectionInfo *sc;
 
-    (void)version;
     if (!hr) {
         hr = calloc(1, sizeof(*hr));
         if (!hr)
@@ -596,7 +911,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
         *con_cls = hr;
         s->active++;
         hr->in_handler = true;
-        (void)req_begin(hr, mc);
+        (void)req_begin(hr, mc, version);
         hr->in_handler = false;
         if (hr->resp)
             goto queue;
@@ -696,14 +1011,18 @@ static void sweep_cb(uv_timer_t *t)
         struct http_req *hr = c->cur;
         int64_t since = hr ? hr->t_start : c->t_base;
 
+        /* no request head yet: the shorter header deadline */
+        unsigned limit = !hr && s->o.header_timeout_ms && s->o.header_timeout_ms < s->o.timeout_ms
+                         ? s->o.header_timeout_ms : s->o.timeout_ms;
+
         if (c->fd < 0 || (hr && (hr->dispatched || hr->queued || hr->resp)))
             continue;
-        if (now - since < (int64_t)s->o.timeout_ms)
+        if (now - since < (int64_t)limit)
             continue;
         if (c->kill_stage == 0) {
             if (hr || !c->served)
-                log_info("%s: client %s did not send its request within %u ms: closing", s->name, c->peer,
-                         s->o.timeout_ms);
+                log_info("%s: client %s did not send its request %s within %u ms: closing", s->name, c->peer,
+                         hr ? "body" : "head", limit);
             /* an idle keep-alive connection is closed without a word (a client that sends its
              * next request just then must not read a 408 as its answer) */
             if (!c->tls && (hr || !c->served)) {
@@ -712,7 +1031,7 @@ static void sweep_cb(uv_timer_t *t)
                 char *body;
                 int hl;
 
-                snprintf(msg, sizeof(msg), "the request did not arrive within the %u ms limit", s->o.timeout_ms);
+                snprintf(msg, sizeof(msg), "the request did not arrive within the %u ms limit", limit);
                 body = error_json(408, NULL, msg);
                 if (body) {
                     hl = snprintf(head, sizeof(head), "HTTP/1.1 408 Request Timeout\r\nContent-Type: "
@@ -729,6 +1048,133 @@ static void sweep_cb(uv_timer_t *t)
             shutdown(c->fd, SHUT_RDWR);
             c->kill_stage = 2;
         }
+    }
+    server_run(s);
+}
+
+/* ------------------------------------------------------------------ accepting */
+
+static bool same_address(const struct sockaddr_storage *a, const struct sockaddr *b)
+{
+    if (a->ss_family != b->sa_family)
+        return false;
+    if (b->sa_family == AF_INET)
+        return ((const struct sockaddr_in *)a)->sin_addr.s_addr == ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+    if (b->sa_family == AF_INET6)
+        return !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr, &((const struct sockaddr_in6 *)b)->sin6_addr,
+                       sizeof(struct in6_addr));
+    return true;
+}
+
+/* A connection not taken: an answer (plaintext only: TLS has not begun), what the client
+ * sent read and dropped so that the close is not a reset that loses the answer, closed. */
+static void conn_refuse(struct http_server *s, int fd, const struct sockaddr *sa, unsigned status, const char *msg)
+{
+    char head[256], peer[96], junk[4096];
+    char *body = s->o.tls ? NULL : error_json(status, NULL, msg);
+    int64_t now = rpc_now_ms();
+
+    if (body) {
+        int hl = snprintf(head, sizeof(head), "HTTP/1.1 %u %s\r\nContent-Type: application/json\r\nContent-Length: "
+                          "%zu\r\nRetry-After: 1\r\nConnection: close\r\n\r\n", status,
+                          status == 429 ? "Too Many Requests" : "Service Unavailable", strlen(body));
+
+        (void)!send(fd, head, (size_t)hl, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)!send(fd, body, strlen(body), MSG_NOSIGNAL | MSG_DONTWAIT);
+        free(body);
+    }
+    shutdown(fd, SHUT_WR);
+    while (recv(fd, junk, sizeof(junk), MSG_DONTWAIT) > 0)
+        ;
+    close(fd);
+    s->n_refused++;
+    if (now - s->t_refusal_log >= 1000) {
+        s->t_refusal_log = now;
+        format_peer(sa, peer, sizeof(peer));
+        log_warn("%s: client %s refused %u: %s (%" PRIu64 " refused, %" PRIu64 " idle connections closed to make "
+                 "room so far)", s->name, peer, status, msg, s->n_refused, s->n_evicted);
+    }
+}
+
+/* Make room: an idle connection (no request in progress) is shut down; MHD closes it at its
+ * next run. */
+static void conn_evict(struct http_server *s, struct http_conn *c)
+{
+    shutdown(c->fd, SHUT_RDWR);
+    c->evicted = true;
+    s->n_evicted++;
+}
+
+/* A new connection within the limits, by closing the oldest idle one of its address or of
+ * all when one is full, else refused; then MHD's. */
+static void conn_admit(struct http_server *s, int fd, const struct sockaddr *sa, socklen_t sl)
+{
+    struct http_conn *idle_mine = NULL, *idle_any = NULL;
+    unsigned mine = 0, total = 0;
+    char msg[160];
+
+    /* newest first: the last idle one seen is the oldest */
+    for (struct http_conn *c = s->conns; c; c = c->next) {
+        bool idle = !c->cur && c->fd >= 0;
+
+        if (c->evicted || c->kill_stage)
+            continue;
+        total++;
+        if (same_address(&c->sa, sa)) {
+            mine++;
+            if (idle)
+                idle_mine = c;
+        }
+        if (idle)
+            idle_any = c;
+    }
+    if (s->o.max_connections_per_client && mine >= s->o.max_connections_per_client) {
+        if (!idle_mine) {
+            snprintf(msg, sizeof(msg), "%u connections of this client address are busy (the limit)", mine);
+            conn_refuse(s, fd, sa, 429, msg);
+            return;
+        }
+        conn_evict(s, idle_mine);
+    } else if (total >= s->o.max_connections) {
+        if (!idle_any) {
+            snprintf(msg, sizeof(msg), "%u connections are busy (the limit)", total);
+            conn_refuse(s, fd, sa, 503, msg);
+            return;
+        }
+        conn_evict(s, idle_any);
+    }
+    if (MHD_add_connection(s->d, fd, sa, sl) != MHD_YES)     /* it closed fd */
+        log_warn("%s: a connection was not taken: %s", s->name, strerror(errno));
+}
+
+static void accept_cb(uv_poll_t *h, int status, int events)
+{
+    struct http_server *s = h->data;
+
+    (void)status;
+    (void)events;
+    for (int i = 0; i < 64 && s->listen_fd >= 0; i++) {
+        struct sockaddr_storage sa;
+        socklen_t sl = sizeof(sa);
+        int fd = accept4(s->listen_fd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE) && s->reserve_fd >= 0) {
+            /* out of descriptors: one given up to answer this client, then taken back */
+            close(s->reserve_fd);
+            sl = sizeof(sa);
+            fd = accept4(s->listen_fd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd >= 0)
+                conn_refuse(s, fd, (struct sockaddr *)&sa, 503, "the server is out of file descriptors");
+            s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            if (fd >= 0)
+                continue;
+        }
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            break;      /* EAGAIN: all taken; another error: again at the next readiness */
+        }
+        conn_admit(s, fd, (struct sockaddr *)&sa, sl);
     }
     server_run(s);
 }
@@ -785,7 +1231,7 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
 {
     struct http_server *s = calloc(1, sizeof(*s));
     struct MHD_OptionItem opts[16];
-    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET;
     const union MHD_DaemonInfo *di;
     size_t k = 0;
     int r;
@@ -795,12 +1241,16 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
     s->o = *o;
     s->loop = loop;
     s->listen_fd = -1;
+    s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     s->name = strdup(o->name ? o->name : "http");
     s->api_key = o->api_key && o->api_key[0] ? strdup(o->api_key) : NULL;
     if (!s->name || (o->api_key && o->api_key[0] && !s->api_key)) {
         r = -ENOMEM;
         goto fail;
     }
+    if ((r = list_parse("--allowed-hosts", o->allowed_hosts, &s->hosts)) < 0 ||
+        (r = list_parse("--allowed-origins", o->allowed_origins, &s->origins)) < 0)
+        goto fail;
     if (o->tls) {
         if ((r = read_pem(o->tls->cert_file, "--tls-cert", &s->tls_cert)) < 0 ||
             (r = read_pem(o->tls->key_file, "--tls-key", &s->tls_key)) < 0 ||
@@ -817,14 +1267,15 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
                   r == -EINVAL ? "not an address of this host" : err_str(r));
         goto fail;
     }
-    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_LISTEN_SOCKET, s->listen_fd, NULL };
-    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_LIMIT, o->max_connections, NULL };
+    /* conn_admit keeps the limits; MHD's is room for those it has yet to close */
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_LIMIT, 2 * (intptr_t)o->max_connections + 64, NULL };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_TIMEOUT, (o->timeout_ms + 999) / 1000, NULL };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_CONNECTION_MEMORY_LIMIT, (intptr_t)o->max_header_bytes, NULL };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, s };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_NOTIFY_CONNECTION, (intptr_t)on_connection, s };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_EXTERNAL_LOGGER, (intptr_t)mhd_log, s };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_STRICT_FOR_CLIENT, 1, NULL };
+    opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_UNESCAPE_CALLBACK, (intptr_t)unescape_cb, s };
     opts[k++] = (struct MHD_OptionItem){ MHD_OPTION_END, 0, NULL };
     s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_access, s, MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (!s->d) {
@@ -835,14 +1286,21 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
     }
     di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_EPOLL_FD);
     if (!di || (r = uv_poll_init(loop, &s->poll, di->epoll_fd)) < 0) {
-        MHD_stop_daemon(s->d);     /* closes the listen socket */
+        MHD_stop_daemon(s->d);
         s->d = NULL;
-        s->listen_fd = -1;
         r = -EIO;
         goto fail;
     }
-    s->mhd_listen = true;          /* MHD closes it (MHD_stop_daemon) unless quiesced */
-    s->poll.data = s;
+    if (uv_poll_init(loop, &s->lpoll, s->listen_fd) < 0) {
+        MHD_stop_daemon(s->d);
+        s->d = NULL;
+        uv_close((uv_handle_t *)&s->poll, NULL);
+        uv_run(loop, UV_RUN_NOWAIT);
+        r = -EIO;
+        goto fail;
+    }
+    s->poll.data = s->lpoll.data = s;
+    uv_poll_start(&s->lpoll, UV_READABLE, accept_cb);
     uv_timer_init(loop, &s->timer);
     uv_timer_init(loop, &s->sweep);
     s->timer.data = s->sweep.data = s;
@@ -853,6 +1311,8 @@ int http_server_start(uv_loop_t *loop, const struct http_server_opts *o, struct 
 fail:
     if (s->listen_fd >= 0)
         close(s->listen_fd);
+    if (s->reserve_fd >= 0)
+        close(s->reserve_fd);
     free(s->tls_cert);
     if (s->tls_key) {
         memset(s->tls_key, 0, strlen(s->tls_key));
@@ -861,6 +1321,8 @@ fail:
     free(s->tls_ca);
     free(s->api_key);
     free(s->name);
+    list_free(&s->hosts);
+    list_free(&s->origins);
     free(s);
     return r;
 }
@@ -879,9 +1341,8 @@ void http_server_quiesce(struct http_server *s)
 {
     if (!s || !s->d || s->listen_fd < 0)
         return;
-    MHD_socket fd = MHD_quiesce_daemon(s->d);
-    if (fd != MHD_INVALID_SOCKET)
-        close(fd);
+    uv_poll_stop(&s->lpoll);
+    close(s->listen_fd);
     s->listen_fd = -1;
     server_run(s);
 }
@@ -891,7 +1352,7 @@ static void server_freed(uv_handle_t *h)
     struct http_server *s = h->data;
 
     if (--s->closing > 0)
-        return;     /* the last of its three handles frees it */
+        return;     /* the last of its four handles frees it */
     if (s->tls_key) {
         memset(s->tls_key, 0, strlen(s->tls_key));
         free(s->tls_key);
@@ -903,6 +1364,10 @@ static void server_freed(uv_handle_t *h)
         free(s->api_key);
     }
     free(s->name);
+    list_free(&s->hosts);
+    list_free(&s->origins);
+    if (s->reserve_fd >= 0)
+        close(s->reserve_fd);
     free(s);
 }
 
@@ -919,11 +1384,15 @@ void http_server_stop(struct http_server *s)
         }
     if (s->d) {
         MHD_run(s->d);
-        MHD_stop_daemon(s->d);     /* closes the listen socket unless quiesced */
+        MHD_stop_daemon(s->d);
         s->d = NULL;
     }
-    s->closing = 3;
+    s->closing = 4;
     uv_close((uv_handle_t *)&s->timer, server_freed);
     uv_close((uv_handle_t *)&s->sweep, server_freed);
     uv_close((uv_handle_t *)&s->poll, server_freed);
+    uv_close((uv_handle_t *)&s->lpoll, server_freed);   /* leaves epoll before the close */
+    if (s->listen_fd >= 0)
+        close(s->listen_fd);
+    s->listen_fd = -1;
 }

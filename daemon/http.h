@@ -11,9 +11,14 @@
  * chunked transfer, the connection resumed whenever there is something to send).
  *
  * Limits: max_header_bytes for the request line and headers (MHD's connection memory: 431
- * above), max_connections, and timeout_ms both as the idle timeout and as the time a request
- * (headers and body) has to arrive in full, from the connection's start or the end of its
- * previous request (a slow-loris client gets 408 and its connection closed).  Routes marked
+ * above); max_connections and max_connections_per_client, counted as connections are accepted
+ * (here, not by MHD): past either, the oldest idle connection (no request in progress) of all
+ * or of that address is closed to make room, and only when none is idle is the new one
+ * refused (503, or 429 for one address, then closed), so idle clients cannot starve the port;
+ * header_timeout_ms for a request head to arrive, and timeout_ms both as the idle timeout and
+ * as the time a request (headers and body) has to arrive in full, from the connection's start
+ * or the end of its previous request (a slow-loris client gets 408 and its connection
+ * closed).  Routes marked
  * auth need "Authorization: Bearer <api_key>" (or Anthropic's "x-api-key: <api_key>") when a
  * key is set (401 otherwise).  Errors the
  * server answers itself are OpenAI error objects.
@@ -52,13 +57,23 @@ struct http_server_opts {
     const char *api_key;            /* NULL: none */
     size_t max_body_bytes;
     size_t max_header_bytes;
-    unsigned max_connections;
-    unsigned timeout_ms;
+    unsigned max_connections;       /* at once; a new one past it closes the oldest idle one
+                                       (no request in progress), else is refused 503 */
+    unsigned max_connections_per_client;    /* of one client address, the same way but 429;
+                                               0: none */
+    unsigned timeout_ms;            /* a request, head and body, must arrive within this */
+    unsigned header_timeout_ms;     /* a request head must arrive within this (0: timeout_ms) */
     size_t stream_buffer_bytes;     /* queued stream bytes before a slow reader is cut */
     const struct http_route *routes;
     size_t n_routes;
     void *ud;                       /* handed to every handler */
     const char *name;               /* for the log: "http", "metrics" */
+    /* browsers (DNS rebinding, cross-origin requests): both a JSON list '["a","b"]' or a
+     * comma-separated one; "*" matches everything */
+    const char *allowed_hosts;      /* Host names served beside IP literals, localhost and
+                                       host; NULL: those only (403 otherwise) */
+    const char *allowed_origins;    /* Origins served, with CORS headers and preflights;
+                                       NULL: a request with an Origin is refused (403) */
 };
 
 /* Bind and start serving on loop.  -EADDRINUSE, -EINVAL (bad host or TLS files), ... with

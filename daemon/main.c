@@ -124,6 +124,7 @@ enum {
     OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
     OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
     OPT_MAX_N, OPT_RESP_STORE, OPT_RESP_TTL, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
+    OPT_ALLOWED_HOSTS, OPT_ALLOWED_ORIGINS, OPT_HTTP_CONNS_IP, OPT_HTTP_HEAD_TIMEOUT,
     OPT_PORT_OFFSET, OPT_HELP, OPT_HELP_VLLM,
     /* stepd serve */
     OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
@@ -205,10 +206,16 @@ static const struct optdecl optdecls[] = {
       "how long a stored response is kept (default 3600; 0 = off)", NULL },
     { "http-max-body-bytes", "N", OPT_HTTP_BODY, 0, "HTTP request body cap, 413 above (default 4194304)", NULL },
     { "http-max-header-bytes", "N", OPT_HTTP_HEADER, 0, "HTTP request line + headers cap, 431 above (default 32768)", NULL },
-    { "http-max-connections", "N", OPT_HTTP_CONNS, 0, "HTTP connections at once (default 1024)", NULL },
+    { "http-max-connections", "N", OPT_HTTP_CONNS, 0, "HTTP connections at once (default 1024; idle ones make room)", NULL },
+    { "http-max-connections-per-ip", "N", OPT_HTTP_CONNS_IP, 0, "HTTP connections of one client address (default 256)", NULL },
+    { "http-header-timeout", "SECONDS", OPT_HTTP_HEAD_TIMEOUT, 0, "HTTP: a request head must arrive within this (default 10)", NULL },
     { "http-timeout", "SECONDS", OPT_HTTP_TIMEOUT, 0, "HTTP: a request must arrive within this; idle connections\n"
       "close after it (default 30)", NULL },
     { "request-timeout", "SECONDS", OPT_REQ_TIMEOUT, 0, "HTTP: deadline of a generation request, 504 past it (0 = none)", NULL },
+    { "allowed-hosts", "LIST", OPT_ALLOWED_HOSTS, 0, "HTTP: Host names served beside IP literals, localhost and --host\n"
+      "(comma-separated or a JSON list; \"*\" any)", NULL },
+    { "allowed-origins", "LIST", OPT_ALLOWED_ORIGINS, OPTF_VLLM, "HTTP: browser origins served with CORS (default none: a request\n"
+      "with an Origin header is refused)", "CORS for the browser origins listed (default none)" },
     { NULL, NULL, 0, 0, "Behaviour:", NULL },
     { "drain-timeout", "SECONDS", OPT_DRAIN, 0, "finish in-flight work within this on SIGTERM (default 30)", NULL },
     { "heartbeat-ms", "N", OPT_HEARTBEAT, 0, "control heartbeat period (default 1000)", NULL },
@@ -728,6 +735,7 @@ int main(int argc, char **argv)
         UINT_OPT(OPT_HTTP_BODY, "--http-max-body-bytes", 1u << 30, http_max_body_bytes)
         UINT_OPT(OPT_HTTP_HEADER, "--http-max-header-bytes", 1u << 24, http_max_header_bytes)
         UINT_OPT(OPT_HTTP_CONNS, "--http-max-connections", 1u << 20, http_max_connections)
+        UINT_OPT(OPT_HTTP_CONNS_IP, "--http-max-connections-per-ip", 1u << 20, http_max_connections_per_ip)
 #undef UINT_OPT
         case OPT_DRAIN: {
             char *end;
@@ -834,6 +842,16 @@ int main(int argc, char **argv)
                 return 2;
             if (o.http_timeout_ms < 1000) {
                 log_error("--http-timeout: at least 1 second");
+                return 2;
+            }
+            break;
+        case OPT_ALLOWED_HOSTS: o.http_allowed_hosts = optarg; break;
+        case OPT_ALLOWED_ORIGINS: o.http_allowed_origins = optarg; break;
+        case OPT_HTTP_HEAD_TIMEOUT:
+            if (parse_seconds("--http-header-timeout", optarg, &o.http_header_timeout_ms) < 0)
+                return 2;
+            if (o.http_header_timeout_ms < 1000) {
+                log_error("--http-header-timeout: at least 1 second");
                 return 2;
             }
             break;

@@ -39,8 +39,9 @@
 /* ------------------------------------------------------------------ field names */
 
 /* The two APIs name every field alike but the prompt (PROMPT: RN_TEXT, RN_MESSAGES,
- * RN_TOKEN_IDS, RN_INPUT) and the number of top logprobs (LOGPROBS). */
-#define OPENAI_NAMES(PROMPT, LOGPROBS) {                       \
+ * RN_TOKEN_IDS, RN_INPUT), the number of top logprobs (LOGPROBS) and the output cap (MAXT:
+ * a chat may name it max_completion_tokens). */
+#define OPENAI_NAMES(PROMPT, LOGPROBS, MAXT) {                 \
     [RN_REQUEST_ID] = "request_id",                             \
     [RN_MODEL] = "model",                                       \
     [RN_TEXT] = PROMPT,                                         \
@@ -56,7 +57,7 @@
     [RN_REPETITION_PENALTY] = "repetition_penalty",             \
     [RN_PRESENCE_PENALTY] = "presence_penalty",                 \
     [RN_FREQUENCY_PENALTY] = "frequency_penalty",               \
-    [RN_MAX_TOKENS] = "max_tokens",                             \
+    [RN_MAX_TOKENS] = MAXT,                                     \
     [RN_MIN_TOKENS] = "min_tokens",                             \
     [RN_SEED] = "seed",                                         \
     [RN_LOGPROBS] = LOGPROBS,                                   \
@@ -70,8 +71,10 @@
     [RN_INPUT] = PROMPT,                                        \
 }
 
-const char *const names_chat[_RN_MAX] = OPENAI_NAMES("messages", "top_logprobs");
-static const char *const names_completion[_RN_MAX] = OPENAI_NAMES("prompt", "logprobs");
+const char *const names_chat[_RN_MAX] = OPENAI_NAMES("messages", "top_logprobs", "max_tokens");
+/* a chat that gave max_completion_tokens: its errors name that field */
+static const char *const names_chat_mct[_RN_MAX] = OPENAI_NAMES("messages", "top_logprobs", "max_completion_tokens");
+static const char *const names_completion[_RN_MAX] = OPENAI_NAMES("prompt", "logprobs", "max_tokens");
 
 #undef OPENAI_NAMES
 
@@ -1592,6 +1595,8 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
     if ((r = get_int(body, "max_completion_tokens", INT64_MIN, INT64_MAX, &v, msg, len)) < 0)
         return r;
     if (r) {
+        if (in->names == names_chat)
+            in->names = names_chat_mct;
         REQUEST_SET(sp, RO_MAX_TOKENS, max_tokens, v);
     } else if ((r = get_int(body, "max_tokens", INT64_MIN, INT64_MAX, &v, msg, len)) < 0) {
         return r;
@@ -1673,12 +1678,86 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
     return 0;
 }
 
-/* A body that is not JSON: where, and, when the bad token is a NaN or an infinity, which
- * field holds it (JSON has no such numbers). */
+/* The path ("messages[0].content") of the value the parser was in at byte pos of body, or ""
+ * at the top level: a scan that follows only strings, objects and arrays (the body is
+ * well-formed up to pos, or the parser would have stopped earlier). */
+static void json_path_at(const char *b, size_t pos, char *out, size_t n)
+{
+    struct { bool arr; size_t idx; char key[48]; } st[12];
+    int depth = 0;                  /* open containers */
+    bool in_str = false, esc = false, is_key = false, want_key = false;
+    size_t kstart = 0, o = 0;
+
+    for (size_t i = 0; i < pos; i++) {
+        char ch = b[i];
+        int d = depth - 1;
+
+        if (in_str) {
+            if (esc) {
+                esc = false;
+            } else if (ch == '\\') {
+                esc = true;
+            } else if (ch == '"') {
+                in_str = false;
+                if (is_key && d >= 0 && d < 12)
+                    snprintf(st[d].key, sizeof(st[d].key), "%.*s", (int)(i - kstart), b + kstart);
+            }
+            continue;
+        }
+        switch (ch) {
+        case '"':
+            in_str = true;
+            is_key = want_key;
+            want_key = false;
+            kstart = i + 1;
+            break;
+        case '{':
+        case '[':
+            if (depth < 12)
+                st[depth] = (typeof(st[0])){ .arr = ch == '[' };
+            depth++;
+            want_key = ch == '{';
+            break;
+        case '}':
+        case ']':
+            depth -= depth > 0;
+            break;
+        case ',':
+            if (d >= 0 && d < 12 && st[d].arr)
+                st[d].idx++;
+            else
+                want_key = true;
+            break;
+        }
+    }
+    out[0] = '\0';
+    for (int d = 0; d < depth && d < 12 && o < n; d++) {
+        if (st[d].arr)
+            o += (size_t)snprintf(out + o, n - o, "[%zu]", st[d].idx);
+        else if (st[d].key[0])
+            o += (size_t)snprintf(out + o, n - o, "%s%s", d ? "." : "", st[d].key);
+    }
+    if (o >= n || strcspn(out, ": ") != strlen(out))
+        out[0] = '\0';             /* too long, or not a name param_of can take */
+}
+
+/* A body that is not JSON: where, and, when the bad token is a NaN or an infinity, an integer
+ * past 64 bits or an escaped NUL, which field holds it. */
 void bad_json(const char *body, size_t blen, const json_error_t *je, char *msg, size_t len)
 {
     size_t pos = je->position > 0 && (size_t)je->position <= blen ? (size_t)je->position : 0;
     size_t at = pos;
+    char path[160];
+    bool big = strstr(je->text, "too big") != NULL, nul = strstr(je->text, "\\u0000") != NULL;
+
+    if (big || nul) {
+        json_path_at(body, pos, path, sizeof(path));
+        if (path[0]) {
+            snprintf(msg, len, "%s: %s", path, big ? "an integer past 64 bits (JSON numbers here are at most "
+                     "2^63-1 in magnitude)" : "a NUL character (\\u0000) is not allowed");
+            return;
+        }
+    }
 
     /* jansson's position is just past the token it could not take: back to its start */
     while (at > 0 && strchr("NaIfinty-", body[at - 1]))
@@ -1804,8 +1883,12 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
                                              .deadline_ms = deadline, .caller = &caller });
     g->busy = false;
     free(clients);
-    if (g->live && co->o.request_timeout_ms && !g->cancel_pending)
+    if (g->live && co->o.request_timeout_ms && !g->cancel_pending) {
+        /* from now, not from the loop's cached time: the timer must not fire before the
+         * deadline (gen_timer_cb would read it as the client's cancel) */
+        uv_update_time(&co->loop);
         uv_timer_start(&g->timer, gen_timer_cb, co->o.request_timeout_ms + 1, 0);
+    }
     gen_done_check(g);
     return;
 bad:
@@ -2149,12 +2232,16 @@ int openai_start(struct coord *co)
         .max_body_bytes = o->http_max_body_bytes,
         .max_header_bytes = o->http_max_header_bytes,
         .max_connections = o->http_max_connections,
+        .max_connections_per_client = o->http_max_connections_per_ip,
+        .header_timeout_ms = o->http_header_timeout_ms,
         .timeout_ms = o->http_timeout_ms,
         .stream_buffer_bytes = o->max_call_buffer_bytes,
         .routes = api_routes,
         .n_routes = sizeof(api_routes) / sizeof(api_routes[0]),
         .ud = co,
         .name = "http",
+        .allowed_hosts = o->http_allowed_hosts,
+        .allowed_origins = o->http_allowed_origins,
     };
     char host[256];
     int r;
@@ -2175,7 +2262,9 @@ int openai_start(struct coord *co)
         ho.max_body_bytes = 0;
         ho.max_header_bytes = 8192;
         ho.max_connections = 64;
+        ho.max_connections_per_client = 0;
         ho.timeout_ms = 5000;
+        ho.header_timeout_ms = 5000;
         ho.routes = metrics_routes;
         ho.n_routes = sizeof(metrics_routes) / sizeof(metrics_routes[0]);
         ho.name = "metrics";

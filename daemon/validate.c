@@ -10,6 +10,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
 #include "coord-int.h"
 
 #define BAD(...) do { snprintf(msg, len, __VA_ARGS__); return -EINVAL; } while (0)
@@ -203,8 +206,200 @@ static int validate_messages(const struct coord *co, const struct request *in, c
     return 0;
 }
 
+/* ---- JSON Schema, structurally ---------------------------------------------------
+ * No JSON Schema validator library is packaged for C, so a tool's parameters are held to
+ * the meta-schema's structural rules (draft 2020-12, with draft-07's array "items",
+ * "additionalItems" and "definitions"): every subschema an object or a boolean; "type" a
+ * type name or an array of unique ones; the applicators' values schemas, arrays of schemas
+ * or objects of schemas as the keyword takes; "required" and "dependentRequired" arrays of
+ * unique strings; counts non-negative integers, bounds numbers, "multipleOf" > 0; "pattern"
+ * and "patternProperties" keys regular expressions (PCRE2 compiles them); "enum" an array;
+ * the annotations strings.  Other keywords are left alone, as JSON Schema does; nesting stops
+ * at 32 levels.  sch_check returns NULL or what is wrong, with the JSON pointer in where. */
+
+#define SCH_DEPTH 32
+
+static const char *sch_check(const json_t *sc, char *where, size_t wn, size_t wl, int depth);
+
+/* where[0..wl) + "/key" (JSON pointer escapes of '~' and '/'), the new length */
+static size_t sch_push(char *where, size_t wn, size_t wl, const char *key)
+{
+    size_t o = wl;
+
+    if (o + 1 < wn)
+        where[o++] = '/';
+    for (; *key && o + 2 < wn; key++) {
+        if (*key == '~' || *key == '/') {
+            where[o++] = '~';
+            where[o++] = *key == '~' ? '0' : '1';
+        } else {
+            where[o++] = *key;
+        }
+    }
+    where[o] = '\0';
+    return o;
+}
+
+static bool sch_type_name(const json_t *t)
+{
+    static const char *const names[] = { "null", "boolean", "object", "array", "number", "string", "integer" };
+    const char *v = json_string_value(t);
+
+    for (size_t i = 0; v && i < sizeof(names) / sizeof(names[0]); i++)
+        if (!strcmp(v, names[i]))
+            return true;
+    return false;
+}
+
+static bool sch_unique_strings(const json_t *a)
+{
+    size_t i, j;
+    json_t *x;
+
+    if (!json_is_array(a))
+        return false;
+    json_array_foreach(a, i, x) {
+        if (!json_is_string(x))
+            return false;
+        for (j = 0; j < i; j++)
+            if (json_equal(x, json_array_get(a, j)))
+                return false;
+    }
+    return true;
+}
+
+static bool sch_regex_ok(const char *re)
+{
+    int err;
+    PCRE2_SIZE off;
+    pcre2_code *c = pcre2_compile((PCRE2_SPTR)re, PCRE2_ZERO_TERMINATED, PCRE2_UTF, &err, &off, NULL);
+
+    pcre2_code_free(c);
+    return c != NULL;
+}
+
+static bool sch_in(const char *k, const char *const *list, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(k, list[i]))
+            return true;
+    return false;
+}
+
+static const char *sch_keyword(const char *k, const json_t *v, char *where, size_t wn, size_t wl, int depth)
+{
+    static const char *const one[] = { "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+                                       "contains", "propertyNames", "not", "if", "then", "else",
+                                       "additionalItems", "contentSchema" };
+    static const char *const many[] = { "allOf", "anyOf", "oneOf", "prefixItems" };
+    static const char *const named[] = { "properties", "patternProperties", "$defs", "definitions",
+                                         "dependentSchemas" };
+    static const char *const counts[] = { "minLength", "maxLength", "minItems", "maxItems", "minProperties",
+                                          "maxProperties", "minContains", "maxContains" };
+    static const char *const bounds[] = { "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" };
+    static const char *const strs[] = { "title", "description", "$comment", "format", "$id", "$schema", "$ref",
+                                        "$anchor", "$dynamicRef", "$dynamicAnchor", "contentEncoding",
+                                        "contentMediaType" };
+#define IN(list) sch_in(k, list, sizeof(list) / sizeof(list[0]))
+    size_t i, l = sch_push(where, wn, wl, k);
+    const char *key, *e;
+    json_t *x;
+
+    if (!strcmp(k, "type")) {
+        if (sch_type_name(v))
+            return NULL;
+        if (!sch_unique_strings(v) || !json_array_size(v))
+            return "must be a type name (null, boolean, object, array, number, string, integer) or an array "
+                   "of unique ones";
+        json_array_foreach(v, i, x)
+            if (!sch_type_name(x))
+                return "must be a type name (null, boolean, object, array, number, string, integer) or an "
+                       "array of unique ones";
+        return NULL;
+    }
+    if (!strcmp(k, "items"))        /* a schema, or (draft-07) an array of schemas */
+        k = json_is_array(v) ? "allOf" : "not";
+    if (IN(one))
+        return sch_check(v, where, wn, l, depth + 1);
+    if (IN(many)) {
+        if (!json_is_array(v) || !json_array_size(v))
+            return "must be a non-empty array of schemas";
+        json_array_foreach(v, i, x) {
+            char idx[24];
+
+            snprintf(idx, sizeof(idx), "%zu", i);
+            if ((e = sch_check(x, where, wn, sch_push(where, wn, l, idx), depth + 1)))
+                return e;
+        }
+        return NULL;
+    }
+    if (IN(named)) {
+        if (!json_is_object(v))
+            return "must be an object of schemas";
+        json_object_foreach((json_t *)v, key, x) {
+            if (!strcmp(k, "patternProperties") && !sch_regex_ok(key)) {
+                sch_push(where, wn, l, key);
+                return "is not a regular expression";
+            }
+            if ((e = sch_check(x, where, wn, sch_push(where, wn, l, key), depth + 1)))
+                return e;
+        }
+        return NULL;
+    }
+    if (!strcmp(k, "required"))
+        return sch_unique_strings(v) ? NULL : "must be an array of unique strings";
+    if (!strcmp(k, "dependentRequired")) {
+        if (!json_is_object(v))
+            return "must be an object of arrays of unique strings";
+        json_object_foreach((json_t *)v, key, x)
+            if (!sch_unique_strings(x)) {
+                sch_push(where, wn, l, key);
+                return "must be an array of unique strings";
+            }
+        return NULL;
+    }
+    if (IN(counts))
+        return json_is_integer(v) && json_integer_value(v) >= 0 ? NULL : "must be a non-negative integer";
+    if (IN(bounds))
+        return json_is_number(v) ? NULL : "must be a number";
+    if (!strcmp(k, "multipleOf"))
+        return json_is_number(v) && json_number_value(v) > 0 ? NULL : "must be a number greater than 0";
+    if (!strcmp(k, "pattern"))
+        return !json_is_string(v) ? "must be a string" : sch_regex_ok(json_string_value(v)) ? NULL
+               : "is not a regular expression";
+    if (!strcmp(k, "enum") || !strcmp(k, "examples"))
+        return json_is_array(v) ? NULL : "must be an array";
+    if (!strcmp(k, "uniqueItems") || !strcmp(k, "readOnly") || !strcmp(k, "writeOnly") ||
+        !strcmp(k, "deprecated"))
+        return json_is_boolean(v) ? NULL : "must be true or false";
+    if (IN(strs))
+        return json_is_string(v) ? NULL : "must be a string";
+    where[wl] = '\0';
+    return NULL;    /* another keyword: an annotation JSON Schema ignores */
+#undef IN
+}
+
+static const char *sch_check(const json_t *sc, char *where, size_t wn, size_t wl, int depth)
+{
+    const char *k, *e;
+    json_t *v;
+
+    if (depth > SCH_DEPTH)
+        return "nests deeper than 32 schemas";
+    if (json_is_boolean(sc))
+        return NULL;
+    if (!json_is_object(sc))
+        return "must be a schema (an object or a boolean)";
+    json_object_foreach((json_t *)sc, k, v)
+        if ((e = sch_keyword(k, v, where, wn, wl, depth)))
+            return e;
+    where[wl] = '\0';
+    return NULL;
+}
+
 /* OpenAI-style tool definitions: [{type: "function", function: {name, description?,
- * parameters?}}]; names as OpenAI allows them, and unique. */
+ * parameters?}}]; names as OpenAI allows them, and unique; parameters a JSON Schema
+ * object (sch_check). */
 static int validate_tools(const struct request *in, char *msg, size_t len)
 {
     size_t i;
@@ -229,6 +424,14 @@ static int validate_tools(const struct request *in, char *msg, size_t len)
                 N(RN_TOOLS), i);
         if (params && !json_is_null(params) && !json_is_object(params))
             BAD("%s[%zu].function.parameters: must be a JSON Schema object", N(RN_TOOLS), i);
+        if (params && json_is_object(params)) {
+            char where[256] = "";
+            const char *e = sch_check(params, where, sizeof(where), 0, 0);
+
+            if (e)
+                BAD("%s[%zu].function.parameters: not a valid JSON Schema: %s %s (tool \"%s\")", N(RN_TOOLS), i,
+                    where[0] ? where : "the schema", e, name);
+        }
         if (desc && !json_is_null(desc) && !json_is_string(desc))
             BAD("%s[%zu].function.description: must be a string", N(RN_TOOLS), i);
         for (size_t j = 0; j < i; j++) {

@@ -453,7 +453,8 @@ static void call_on_new(struct rpc_op *op, bool ok)
         return;
     }
     if (!call_authorized(c)) {
-        call_end_early(c, RPC_UNAUTHENTICATED, "missing or invalid API key");
+        call_end_early(c, RPC_UNAUTHENTICATED, "missing or invalid %s",
+                       c->s->opts.key_name ? c->s->opts.key_name : "API key");
         return;
     }
     if (rpc_call_deadline_ms(c) <= rpc_now_ms()) {

@@ -189,6 +189,8 @@ struct rpc_server_opts {
     /* Security. Without tls the server is plaintext. */
     const struct rpc_tls_files *tls;
     const char *api_key;            /* NULL = no key; else "authorization: Bearer <key>" */
+    const char *key_name;           /* what the refusal calls the key (a static string):
+                                       NULL "API key"; "cluster key" on internal ports */
 };
 
 /* Handler: req is the decoded request (owned by the call; valid until finish). */

@@ -819,7 +819,7 @@ static int regroup(struct worker *w)
     worker_health_phase(w->health, WORKER_PHASE_RENDEZVOUS, "re-forming: group %s rank %d of %d",
                         o->group, o->rank, o->world_size);
     comm_abort(w->comm);            /* the live peers learn it at once */
-    worker_ctl_free(w->ctl);
+    worker_ctl_free(w->ctl);        /* joins the control thread, whose hook holds w->comm */
     w->ctl = NULL;
     comm_free(w->comm);
     w->comm = NULL;
@@ -1465,6 +1465,10 @@ int worker_run(const struct worker_opts *o)
 out:
     if (w.comm && w.comm->error && rc == WORKER_EXIT_OK)
         rc = WORKER_EXIT_COMM;
+    /* the control thread's abort hook points at w.comm (a GroupAbort may arrive while this
+     * rank stops): the thread is joined before the comm is freed (RELIABILITY.md 1.4) */
+    worker_ctl_free(w.ctl);
+    w.ctl = NULL;
     if (w.lock)
         w.lock->ops->free(w.lock);
     if (w.fwd)
@@ -1474,7 +1478,6 @@ out:
     if (w.be)
         backend_free(w.be);
     comm_free(w.comm);
-    worker_ctl_free(w.ctl);
     worker_health_stop(w.health);
     return rc;
 }

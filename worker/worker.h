@@ -123,7 +123,9 @@ struct worker_ctl_register {
     const void *nccl_id;            /* rank 0 with NCCL: ncclUniqueId bytes (128) */
     size_t nccl_id_len;
     const struct rpc_tls_files *tls;    /* NULL = plaintext; root_file verifies the coordinator */
-    /* in a group, on GroupAbort: run on the control thread (e.g. comm_interrupt), or NULL */
+    /* in a group, on GroupAbort: run on the control thread (e.g. comm_interrupt), or NULL.
+     * The hook may run until worker_ctl_free() returns: abort_ud must outlive the client
+     * (free the client first; RELIABILITY.md 1.4) */
     void (*on_group_abort)(void *ud);
     void *abort_ud;
 };
@@ -151,6 +153,7 @@ int worker_ctl_report(struct worker_ctl *c, int state, float progress, const cha
  * the rank registers again with a new client), with the reason in e; 0 otherwise.  *ret_lost (may be NULL): sessions lost so far after the
  * rendezvous (each one dialled again): rank 0 fails its in-flight requests on a new one. */
 int worker_ctl_poll(struct worker_ctl *c, unsigned *ret_lost, struct err_buf *e);
+/* End the session and join the control thread: no hook runs after it returns. */
 void worker_ctl_free(struct worker_ctl *c);
 
 /* ---- lockstep forward -------------------------------------------------------------- */

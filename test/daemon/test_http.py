@@ -253,15 +253,16 @@ def test_sse_framing():
     assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 4, objs[-1]
     # completions: text deltas, no role chunk
     body = json.dumps({"model": "tiny", "prompt": "In the beginning", "max_tokens": 3, "stream": True})
-    p = subprocess.run(["curl", "-sS", "-N", "-d", body, s.http + "/v1/completions"], capture_output=True, timeout=30)
+    p = subprocess.run(["curl", "-sS", "-N", "-H", "Content-Type: application/json", "-d", body,
+                        s.http + "/v1/completions"], capture_output=True, timeout=30)
     frames = p.stdout.split(b"\n\n")[:-1]
     assert frames[-1] == b"data: [DONE]", frames
     objs = [json.loads(f[6:]) for f in frames[:-1]]
     assert objs[0]["object"] == "text_completion" and objs[0]["choices"][0]["text"], objs
     # an error before any output is a plain HTTP error, not a stream
     body = json.dumps({"model": "tiny", "messages": [{"role": "robot", "content": "x"}], "stream": True})
-    p = subprocess.run(["curl", "-sS", "-N", "-w", "\n%{http_code}", "-d", body, s.http + "/v1/chat/completions"],
-                       capture_output=True, timeout=30)
+    p = subprocess.run(["curl", "-sS", "-N", "-w", "\n%{http_code}", "-H", "Content-Type: application/json", "-d", body,
+                        s.http + "/v1/chat/completions"], capture_output=True, timeout=30)
     out, code = p.stdout.rsplit(b"\n", 1)
     assert code == b"400" and json.loads(out)["error"]["param"] == "messages[0].role", p.stdout
     assert s.stop() == 0
@@ -343,7 +344,7 @@ def test_disconnect():
     eng = s.engines[0]
     c = socket.create_connection(("127.0.0.1", s.ports["http"]))
     body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 4000, "stream": True}).encode()
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d"
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d"
               b"\r\n\r\n%s" % (len(body), body))
     got = b""
     c.settimeout(10)
@@ -365,7 +366,8 @@ def test_disconnect():
     wait_until(lambda: s2.metric("stepd:num_requests_running") == 1, what="one running")
     c = socket.create_connection(("127.0.0.1", s2.ports["http"]))
     body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 50}).encode()
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     wait_until(lambda: s2.metric("stepd:num_requests_waiting") == 1, what="one queued")
     c.close()
     wait_until(lambda: s2.metric("stepd:num_requests_waiting") == 0, timeout=3, what="the queued one gone")
@@ -433,17 +435,18 @@ def test_bad_inputs():
     rss0 = s.rss_kib()
     # oversized body: refused from its Content-Length, before it is read; the connection closed
     big = b"x" * (1 << 20)
-    out = raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(big)
+    out = raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(big)
               + big[:1000])
     assert out.startswith(b"HTTP/1.1 413") and b"65536 bytes" in out and b"request_too_large" in out, out[:300]
     assert CLOSED[-1], "the connection stayed open after a 413"
     # ... and one sent chunked, without a length: read and dropped, then 413
     chunk = b"%x\r\n%s\r\n" % (32768, b"y" * 32768)
-    out = raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
+    out = raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n" +
               chunk * 4 + b"0\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 413"), out[:300]
     # a 1 MB header: 431, the connection closed
-    out = raw(s.ports["http"], b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+    out = raw(s.ports["http"], b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 431") and CLOSED[-1], out[:300]
     # slow loris: headers a byte at a time; cut after --http-timeout (2 s) with 408, while
     # others are served
@@ -451,7 +454,7 @@ def test_bad_inputs():
     t0 = time.time()
     closed = None
     got = b""
-    for ch in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 100:
+    for ch in b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"z" * 100:
         try:
             lor.sendall(bytes([ch]))
         except OSError:
@@ -474,7 +477,8 @@ def test_bad_inputs():
     # slowly sent body: the same deadline
     body = json.dumps(base).encode()
     lor = socket.create_connection(("127.0.0.1", s.ports["http"]))
-    lor.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+    lor.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
     lor.settimeout(5)
     t0 = time.time()
     out = b""
@@ -500,8 +504,8 @@ def test_bad_inputs():
     # memory stays bounded over a few hundred refusals of each kind
     for _ in range(100):
         post(s, "/v1/chat/completions", dict(base, temperature="x"))
-        raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 9999999\r\n\r\n")
-        raw(s.ports["http"], b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100000 + b"\r\n\r\n")
+        raw(s.ports["http"], b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9999999\r\n\r\n")
+        raw(s.ports["http"], b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 100000 + b"\r\n\r\n")
     rss1 = s.rss_kib()
     print("   RSS %d -> %d KiB over 300 refused requests" % (rss0, rss1))
     assert rss1 - rss0 < 16 * 1024, (rss0, rss1)
@@ -595,7 +599,7 @@ def test_tls_and_key():
     assert c.getresponse().status == 200
     c.close()
     # plaintext to the TLS port gets nowhere
-    out = raw(s.ports["http"], b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", timeout=3)
+    out = raw(s.ports["http"], b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n", timeout=3)
     assert not out.startswith(b"HTTP/1.1 200"), out
     assert s.stop() == 0
 

@@ -1053,7 +1053,8 @@ static int serve_setup(struct engine_rpc *s)
     int r = rpc_ctx_create(&s->loop, &s->ctx);
     if (r < 0)
         return err_set(err, r, "engine service: cannot create the gRPC context: %s", err_str(r));
-    struct rpc_server_opts so = { .api_key = s->o.api_key, .max_recv_msg_bytes = s->o.max_recv_msg_bytes };
+    struct rpc_server_opts so = { .api_key = s->o.api_key, .key_name = "cluster key",
+                                  .max_recv_msg_bytes = s->o.max_recv_msg_bytes };
     r = rpc_server_create(s->ctx, &so, &s->srv);
     if (r < 0)
         return err_set(err, r, "engine service: cannot create the server: %s", err_str(r));

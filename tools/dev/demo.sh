@@ -35,8 +35,13 @@ if [ -t 1 ]; then ninja -C "$BUILD"; else ninja -C "$BUILD" >/dev/null; fi
 took
 
 LOGDIR=$(mktemp -d /tmp/stepd-demo.XXXXXX)
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-PUB=$(free_port); CTL=$(free_port); ADM=$(free_port); MET=$(free_port); HTTP=$(free_port)
+# five distinct free ports: all bound at once (ports picked one at a time, each socket closed
+# before the next pick, may be the same port twice)
+read -r PUB CTL ADM MET HTTP < <(/usr/bin/python3 -c 'import socket
+ss = [socket.socket() for _ in range(5)]
+for s in ss:
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in ss])')
 
 STEPD=
 cleanup() {

@@ -592,6 +592,7 @@ static void loads_cb(uv_timer_t *t)
         if (idle >= co->trim_idle_ms || free_b > co->trim_free + IDLE_TRIM_STEP) {
             rpc_ctx_compact(co->rpc);
             malloc_trim(0);
+            co->m.idle_trims++;
             co->trim_free = free_b;
             co->trim_idle_ms = idle < 4000 ? idle + 500 : 2 * idle;
         } else if (free_b < co->trim_free) {
@@ -737,6 +738,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         return -ENOMEM;
     co->o = *o;
     co->start_ms = rpc_now_ms();
+    co->busy_ms = co->start_ms;     /* the idle trims' schedule counts from the start */
     co->last_ready = -1;
     metrics_init(&co->m);
     admit_init(&co->admit, o->max_running, o->max_queue);

@@ -850,7 +850,11 @@ int coord_run(struct coord *co)
     uv_timer_start(&co->t_heartbeat, heartbeat_cb, co->o.heartbeat_ms, co->o.heartbeat_ms);
     uv_timer_start(&co->t_loads, loads_cb, co->o.loads_poll_ms, co->o.loads_poll_ms);
     /* WATCHDOG=1 from the loop itself, at half the interval; STATUS every 5 s otherwise */
-    uv_timer_start(&co->t_watchdog, watchdog_cb, 0, wd ? (wd / 2000 ? wd / 2000 : 1) : 5000);
+    uint64_t wd_ms = wd ? (wd / 2000 ? wd / 2000 : 1) : 5000;
+    uv_timer_start(&co->t_watchdog, watchdog_cb, 0, wd_ms);
+    if (wd)
+        log_info("systemd watchdog: WATCHDOG=1 every %" PRIu64 " ms (WatchdogSec %" PRIu64 " ms)", wd_ms,
+                 wd / 1000);
     coord_health_update(co);
     /* stepd serve: READY once its groups are ready or given up (serve.c) */
     if (!co->serve)

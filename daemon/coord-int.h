@@ -88,6 +88,7 @@ struct metrics {
     uint64_t spec_steps_by_drafts[METRICS_MAX_POS];   /* decode steps by drafts verified */
     uint64_t accepted;              /* admitted Generate requests */
     uint64_t group_failures;
+    uint64_t idle_trims;            /* heap given back while idle (loads_cb) */
 };
 
 void metrics_init(struct metrics *m);

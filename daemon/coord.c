@@ -596,6 +596,7 @@ static void loads_cb(uv_timer_t *t)
         if (idle >= co->trim_idle_ms || free_b > co->trim_free + IDLE_TRIM_STEP) {
             rpc_ctx_compact(co->rpc);
             malloc_trim(0);
+            co->m.idle_trims++;
             co->trim_free = free_b;
             co->trim_idle_ms = idle < 4000 ? idle + 500 : 2 * idle;
         } else if (free_b < co->trim_free) {
@@ -764,6 +765,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
         return -ENOMEM;
     co->o = *o;
     co->start_ms = rpc_now_ms();
+    co->busy_ms = co->start_ms;     /* the idle trims' schedule counts from the start */
     co->last_ready = -1;
     metrics_init(&co->m);
     admit_init(&co->admit, o->max_running, o->max_queue);
@@ -877,7 +879,11 @@ int coord_run(struct coord *co)
     uv_timer_start(&co->t_heartbeat, heartbeat_cb, co->o.heartbeat_ms, co->o.heartbeat_ms);
     uv_timer_start(&co->t_loads, loads_cb, co->o.loads_poll_ms, co->o.loads_poll_ms);
     /* WATCHDOG=1 from the loop itself, at half the interval; STATUS every 5 s otherwise */
-    uv_timer_start(&co->t_watchdog, watchdog_cb, 0, wd ? (wd / 2000 ? wd / 2000 : 1) : 5000);
+    uint64_t wd_ms = wd ? (wd / 2000 ? wd / 2000 : 1) : 5000;
+    uv_timer_start(&co->t_watchdog, watchdog_cb, 0, wd_ms);
+    if (wd)
+        log_info("systemd watchdog: WATCHDOG=1 every %" PRIu64 " ms (WatchdogSec %" PRIu64 " ms)", wd_ms,
+                 wd / 1000);
     coord_health_update(co);
     /* stepd serve: READY once its groups are ready or given up (serve.c) */
     if (!co->serve)

@@ -117,6 +117,8 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     counter(&b, "stepd:requests_accepted_total", "Admitted Generate requests.", m->accepted);
     counter(&b, "stepd:aborts_sent_total", "Abort RPCs sent to engines.", m->aborts_sent);
     counter(&b, "stepd:group_failures_total", "Times a ready or loading worker group went down.", m->group_failures);
+    counter(&b, "stepd:idle_trims_total", "Times the idle coordinator gave freed heap back to the system.",
+            m->idle_trims);
     counter(&b, "stepd:spec_decode_num_drafts_total", "MTP verification steps with drafts.", m->spec_drafts);
     counter(&b, "stepd:spec_decode_num_draft_tokens_total", "MTP draft tokens proposed.", m->spec_draft_tokens);
     counter(&b, "stepd:spec_decode_num_accepted_tokens_total", "MTP draft tokens accepted.", m->spec_accepted);

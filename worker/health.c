@@ -169,6 +169,9 @@ static void *health_main(void *arg)
         tick = 1000;
     if (tick < 20)
         tick = 20;
+    if (wd)
+        log_info("systemd watchdog: WATCHDOG=1 every %d ms (WatchdogSec %llu ms)", tick,
+                 (unsigned long long)(wd / 1000));
     for (;;) {
         struct pollfd pf[2] = { { .fd = h->wake[0], .events = POLLIN }, { .fd = h->lfd, .events = POLLIN } };
         int n = poll(pf, h->lfd >= 0 ? 2 : 1, tick);

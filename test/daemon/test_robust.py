@@ -209,6 +209,16 @@ def snapshot(s):
     return dict(rss_kib=s.rss_kib(), fds=s.fds(), threads=s.threads(), own_threads=own_threads(s.proc.pid))
 
 
+def idle_trim(s):
+    """Wait for the idle coordinator's next heap trim (stepd:idle_trims_total), instead of
+    sleeping past it: its first comes 1 s after the last request ended.  Then until the
+    metrics scrapes' connections are closed on stepd's side too (its fd count back)."""
+    fds = s.fds()
+    n = s.metric("stepd:idle_trims_total")
+    wait_until(lambda: s.metric("stepd:idle_trims_total") > n, timeout=60, step=0.1, what="an idle trim")
+    wait_until(lambda: s.fds() <= fds, timeout=60, what="the metrics connections closed")
+
+
 def test_streams_2000():
     s = Stepd("--max-running", "1024", "--max-queue", "1024", "--max-concurrent-streams", "4096")
     # the engine admits 8 running + 248 waiting = 256 at once
@@ -217,7 +227,7 @@ def test_streams_2000():
     warm = loadgen(s.addr, 300, "--tokens", "4")         # channels, arenas, thread pools
     assert warm["ok"] == 300, warm
     wait_until(lambda: in_flight(s) == 0, what="idle after the warm-up")
-    time.sleep(2)                                         # past stepd's idle trim
+    idle_trim(s)
     before = snapshot(s)
     t0 = time.time()
     r = loadgen(s.addr, STREAMS, "--tokens", "8", "--deadline-s", "300")
@@ -230,8 +240,12 @@ def test_streams_2000():
     # back to the baseline
     asan = sanitized(STEPD_BIN)
     t1 = time.time()
+    wait_until(lambda: in_flight(s) == 0, what="idle after the load")
+    idle_trim(s)
     after = snapshot(s)
-    while time.time() - t1 < 10 and (after["fds"] != before["fds"] or after["own_threads"] != before["own_threads"] or
+    # an event wait (gRPC core frees connections' buffers some time after the last call; more
+    # trims follow): 60 s is a hang guard, not a measurement
+    while time.time() - t1 < 60 and (after["fds"] != before["fds"] or after["own_threads"] != before["own_threads"] or
                                      (not asan and after["rss_kib"] > 1.05 * before["rss_kib"])):
         time.sleep(0.2)
         after = snapshot(s)

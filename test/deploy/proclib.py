@@ -84,12 +84,6 @@ class NotifySocket:
         self.sock.close()
 
 
-def watchdog_gaps(ns, t0, t1):
-    """The longest gap between WATCHDOG=1 pings in [t0, t1] (edges included)."""
-    ts = [t0] + [t for t in ns.times("WATCHDOG", "1") if t0 <= t <= t1] + [t1]
-    return max(b - a for a, b in zip(ts, ts[1:]))
-
-
 def grpc_health(addr, service, timeout=2.0, creds=None):
     """The serving status a gRPC health probe sees (None when the call fails)."""
     ch = grpc.secure_channel(addr, creds) if creds else grpc.insecure_channel(addr)

@@ -8,9 +8,9 @@
  *     compute the same prefix;
  *   - reuse after partial eviction (a pool too small to keep everything: the chain's tail
  *     goes first, the head is reused);
- *   - MTP K = 3 (the MTP layers' KV inherited from the cache equals a fresh prefill's:
- *     the drafts, and so the acceptance counts, are the same as with the cache off, and
- *     no repair is missed);
+ *   - MTP K = 3, a client's seed under the fixed policy (the MTP layers' KV inherited
+ *     from the cache equals a fresh prefill's: the drafts, the acceptance counts and the
+ *     seed's tokens are the same as with the cache off, and no repair is missed);
  * and after every run the KV accounting invariant: nothing held, free + cached == total.
  * Exits 77 (skip) when the checkpoint is absent. */
 #include "engine-rig.h"
@@ -209,10 +209,13 @@ static void test_partial_eviction(void)
     ASSERT_TRUE(on[4].n_cached >= 480);     /* a2 recomputed and cached the prefix again */
 }
 
-/* K = 3: 16 requests over a 304-token prefix (19 blocks; they differ right after it, so
- * the MTP KV of its last positions, which read the tokens after them, must not be
- * reused); the first one drafts nothing (per-request K = 0), so its blocks hold no MTP KV
- * and the next one replaces them; the rest arrive while others still run */
+/* K = 3, requests sampled with a client's seed under the fixed policy (the one kind whose
+ * tokens depend on its drafts and must equal a run with the cache off, so it reuses only
+ * blocks whose MTP KV is final; docs/ARCHITECTURE.md): 16 requests over a 304-token prefix
+ * (19 blocks; they differ right after it, so the MTP KV of its last positions, which read
+ * the tokens after them, must not be reused); the first one drafts nothing (per-request
+ * K = 0), so its blocks hold no MTP KV and the next one replaces them; the rest arrive
+ * while others still run */
 static void test_mtp(void)
 {
     enum { N = 16, P = 304 };
@@ -225,7 +228,7 @@ static void test_mtp(void)
         fill(prompts[i], P, 7);
         fill(prompts[i] + P, 20, 70 + i);
         s[i] = (struct rig_req) { prompts[i], P + (i % 5) * 4 + 1, 48, i < 2 ? 30 * i : 40 + 3 * i,
-                               i == 0 ? 1 : 0 };
+                               i == 0 ? 1 : 0, 0.8f, 0.0f, 500 + (uint64_t) i };
     }
     model_mtp_repair_stats(m, &rr0, &miss0);
     run(&big, false, 3, 2200, s, N, off, NULL);

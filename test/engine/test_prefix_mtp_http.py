@@ -7,7 +7,9 @@ reports usage.prompt_tokens_details.cached_tokens >= 90 % of the previous turn's
 the answers equal those of the same conversation on a server with the prefix cache off
 (`--no-enable-prefix-caching`, a worker flag).  Before, a drafting greedy request reused only
 blocks whose MTP KV was final, which the adaptive policy leaves out wherever it drafted
-nothing: 0 cached tokens.
+nothing: 0 cached tokens.  Sampled conversations (temperature 0.8, no seed) reuse >= 90 %
+too, under the default policy and under "fixed" (docs/ARCHITECTURE.md §6.3: only a client's
+seed under "fixed" keeps to blocks whose MTP KV is final).
 
 Usage: test_prefix_mtp_http.py STEPD_BINARY MODEL_DIR
 """
@@ -59,11 +61,11 @@ def http(port, path, body=None, timeout=120.0):
 
 
 class Server:
-    def __init__(self, stepd, model, d, name, extra):
+    def __init__(self, stepd, model, d, name, extra, spec=SPEC):
         ports = [pl.free_port() for _ in range(5)]
         self.port = ports[4]
         self.log = os.path.join(d, name + ".log")
-        argv = [stepd, "serve", model, "--threads", "1", "--speculative-config", SPEC,
+        argv = [stepd, "serve", model, "--threads", "1", "--speculative-config", spec,
                 "--listen", "127.0.0.1:%d" % ports[0], "--admin-listen", "127.0.0.1:%d" % ports[1],
                 "--control-listen", "127.0.0.1:%d" % ports[2],
                 "--metrics-listen", "127.0.0.1:%d" % ports[3], "--port", str(ports[4])] + extra
@@ -95,13 +97,15 @@ class Server:
         self.f.close()
 
 
-def conversation(srv):
-    """The 5 turns: (prompt_tokens, cached_tokens, the answer as the API returned it)."""
+def conversation(srv, sampling=None):
+    """The 5 turns: (prompt_tokens, cached_tokens, the answer as the API returned it);
+    greedy unless sampling (request fields) says otherwise."""
     msgs, turns = [{"role": "system", "content": SYSTEM}], []
     for q in QUESTIONS[:TURNS]:
         msgs.append({"role": "user", "content": q})
         st, body = http(srv.port, "/v1/chat/completions",
-                        {"model": "tiny-step", "messages": msgs, "max_tokens": 40, "temperature": 0})
+                        dict({"model": "tiny-step", "messages": msgs, "max_tokens": 40, "temperature": 0},
+                             **(sampling or {})))
         assert st == 200, "chat: %s %s\n%s" % (st, body, srv.text())
         r = json.loads(body)
         m = r["choices"][0]["message"]
@@ -123,10 +127,17 @@ def main():
     d = tempfile.mkdtemp(prefix="prefix-mtp-http-")
     try:
         res = {}
-        for name, extra in (("cache-on", []), ("cache-off", ["--worker-arg", "--no-enable-prefix-caching"])):
-            srv = Server(stepd, model, d, name, extra)
+        for name, extra in (("cache-on", []), ("cache-off", ["--worker-arg", "--no-enable-prefix-caching"]),
+                            ("fixed", [])):
+            srv = Server(stepd, model, d, name, extra,
+                         SPEC[:-1] + ',"draft_policy":"fixed"}' if name == "fixed" else SPEC)
             try:
-                res[name] = conversation(srv)
+                if name != "fixed":
+                    res[name] = conversation(srv)
+                # sampled: exact in distribution whatever the drafts, so the trunk's prefix is
+                # reused under either policy; "fixed" with no seed (the worker draws one)
+                if name != "cache-off":
+                    res[name + " sampled"] = conversation(srv, {"temperature": 0.8, "top_p": 0.95})
             finally:
                 srv.stop()
         on, off = res["cache-on"], res["cache-off"]
@@ -141,7 +152,19 @@ def main():
                 prev = on[t - 1][0]
                 assert on[t][1] * 10 >= prev * 9, "turn %d: %d cached tokens, under 90 %% of the previous " \
                     "prompt's %d" % (t + 1, on[t][1], prev)
-        print("prefix cache under MTP (adaptive policy) over HTTP: ok")
+        for name in ("cache-on sampled", "fixed sampled"):
+            t = res[name]
+            print("%s: cached %s of previous prompts %s" % (name, [x[1] for x in t[1:]], [x[0] for x in t[:-1]]))
+            for i in range(1, TURNS):
+                assert t[i][1] * 10 >= t[i - 1][0] * 9, "%s, turn %d: %d cached tokens, under 90 %% of the " \
+                    "previous prompt's %d" % (name, i + 1, t[i][1], t[i - 1][0])
+                # the trunk's prefix: every whole block (16 tokens, the worker's default) of the
+                # previous prompt, not one block less as where the MTP KV must be final (the
+                # worker drew the seed, so the tokens need not reproduce one)
+                whole = t[i - 1][0] // 16 * 16
+                assert t[i][1] >= whole, "%s, turn %d: %d cached tokens, the previous prompt's whole blocks " \
+                    "are %d" % (name, i + 1, t[i][1], whole)
+        print("prefix cache under MTP (adaptive and fixed policies) over HTTP: ok")
         return 0
     except AssertionError:
         for f in sorted(os.listdir(d)):

@@ -175,14 +175,21 @@ def test_forged_report_refused():
 
 # ---------------------------------------------------------------- E9
 
+def idle_trim(s, n):
+    """Wait for an idle heap trim counted after n (stepd:idle_trims_total: the coordinator
+    gives freed heap back once more is free than after its last trim), instead of sleeping
+    past it; 60 s is a hang guard."""
+    h.wait_until(lambda: s.metric("stepd:idle_trims_total") > n, timeout=60, step=0.1, what="an idle trim")
+
+
 def test_registrations_pruned(n=3000):
     s = h.Stepd()
     fake("churn", ctl_addr(s), 50, key=s.control_key)         # warm-up: gRPC's own first allocations
-    time.sleep(2.5)                                            # the idle trim
+    idle_trim(s, s.metric("stepd:idle_trims_total"))
     rss0 = s.rss_kib()
     r = fake("churn", ctl_addr(s), n, key=s.control_key)
     assert r["registered"] == n, r
-    time.sleep(2.5)
+    idle_trim(s, s.metric("stepd:idle_trims_total"))
     rss1 = s.rss_kib()
     gs = groups(s)
     grow = (rss1 - rss0) / 1024.0

@@ -780,8 +780,10 @@ static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest 
     int r = convert_sampling(in->sampling_params, q, bias, err);
     if (r < 0)
         return r;
-    if (!in->sampling_params || !PB_HAS(in->sampling_params, seed))
+    if (!in->sampling_params || !PB_HAS(in->sampling_params, seed)) {
         q->sampling.seed = splitmix64((uint64_t) engine_now_usec() ^ (s->id_ctr++ << 20));
+        q->seed_random = true;
+    }
     return 0;
 }
 

@@ -466,13 +466,14 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
     r->seq.slot = -1;
     r->seq.tokens = r->tokens;
     r->seq.mtp_depth = r->k;
-    /* the prefix cache's MTP bound: a sampled sequence's tokens depend on its drafts (a seed
-     * gives the same tokens whatever the cache holds), and under the fixed policy the drafts
-     * equal those of a fresh prefill; a greedy one under the adaptive policy reuses the
-     * trunk's prefix whatever its MTP KV (blocks of steps that drafted nothing hold none):
-     * its output is the same, only its drafts may be worse until the window passes */
-    r->seq.mtp_exact = r->k > 0 && (!sampling_params_greedy(&r->sp) ||
-                                    e->cfg.spec_policy == SPEC_POLICY_FIXED);
+    /* the prefix cache's MTP bound (docs/ARCHITECTURE.md): only a client's seed promises a
+     * realisation, and a sampled sequence's tokens depend on the drafts they were verified
+     * against (either policy keeps its depth), so only it reuses blocks whose MTP KV is
+     * final alone: the same tokens as with the cache off.  Every other request reuses the
+     * trunk's prefix whatever its MTP KV (its drafts read holes until the window passes):
+     * greedy output does not depend on the drafts, sampled output with a drawn seed need
+     * only be the target's distribution, which it is whatever they are (the rejection test) */
+    r->seq.mtp_exact = r->k > 0 && !sampling_params_greedy(&r->sp) && !q->seed_random;
     if (e->cfg.enable_prefix_caching) {
         kv_prefix_root(e->salt, q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0, r->root);
         r->seq.cache_root = r->root;
@@ -1085,9 +1086,10 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
                                     (double) (clock_us(e) - t0) * 1e-6);
     /* prefix cache: blocks of the requests without MTP work this step are committed now
      * (finished ones in finish()); with MTP work, after the chain below.  A depth the
-     * policy skipped leaves its MTP positions unwritten: a later greedy request reuses the
-     * prefix's trunk KV and drafts less well there, its outputs are the same (drafts are
-     * verified); a sampled one reuses only blocks with final MTP KV (kv.h). */
+     * policy skipped leaves its MTP positions unwritten: a later request reuses the
+     * prefix's trunk KV and drafts less well there, its outputs are the same or, sampled,
+     * equally distributed (drafts are verified); one with a client's seed reuses only
+     * blocks with final MTP KV (ereq_new, kv.h). */
     for (int i = 0; i < n; i++)
         if (!req_of(seqs[i])->done && e->sseqs[i].depth == 0)
             commit_blocks(e, req_of(seqs[i]));

@@ -124,6 +124,10 @@ struct engine_request {
                                          token's logprob and the N most likely tokens' */
     const char *cache_salt;           /* prefix-cache tenant: requests share cached KV only
                                          with requests of the same salt; NULL/"" = none */
+    bool seed_random;                 /* sampling.seed was drawn at random (the client gave
+                                         none): the tokens need be exact in distribution
+                                         only, not the seed's realisation (the prefix
+                                         cache's MTP rule, docs/ARCHITECTURE.md) */
 };
 
 void engine_request_init(struct engine_request *r);

@@ -33,7 +33,8 @@
  * kv_pool_config.mtp_group); a sequence that drafts K tokens reuses a prefix only where
  * every block its MTP layers read holds K, and only up to K tokens short of the chain it
  * verified, so the MTP layers' KV it inherits equals that of its own fresh prefill;
- * a sequence whose output does not depend on its drafts may instead reuse the trunk's
+ * a sequence whose output does not depend on its drafts (or only in realisation, not in
+ * distribution) may instead reuse the trunk's
  * prefix alone, its MTP layers then read what the blocks hold (holes, as after a step
  * that skipped them) and it learns how far their KV is final for it.
  * Not thread-safe: the engine thread owns the pool.
@@ -84,7 +85,7 @@ void kv_prefix_root(const uint8_t deploy_salt[KV_DIGEST_BYTES], const char *cach
  * ret_mtp_final NULL: the MTP layers' KV must be final wherever the prefix is reused (a
  * sequence whose drafts must equal those of its own fresh prefill).  Non-NULL: the trunk's
  * longest cached prefix is reused whatever its MTP KV (a sequence whose output does not
- * depend on its drafts: greedy), and *ret_mtp_final gets the tokens below which the KV of
+ * depend on its drafts, or only in realisation, not in distribution), and *ret_mtp_final gets the tokens below which the KV of
  * the first mtp_depth MTP layers is final for it (the reuse above with the MTP bound; at
  * most the return value).  Returns the tokens reused (a multiple of block_size; 0 when
  * nothing matches, the cache is off or root is NULL); kv_seq_grow from there. */

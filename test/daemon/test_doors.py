@@ -280,7 +280,7 @@ def test_disconnect():
         for stream in (True, False):
             c = socket.create_connection(("127.0.0.1", s.ports["http"]))
             data = json.dumps(dict(body, stream=stream)).encode()
-            c.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d"
+            c.sendall(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d"
                       b"\r\n\r\n%s" % (path.encode(), len(data), data))
             if stream:
                 got = b""

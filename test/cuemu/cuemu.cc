@@ -133,7 +133,7 @@ static void *g_ctx;
 static void *g_main_sp;
 static const void *g_main_bottom;
 static size_t g_main_size;
-static uint64_t g_rng;
+static uint64_t g_rng, g_seed;
 static bool g_race_check = true;
 
 static uint64_t rnd()
@@ -910,8 +910,27 @@ static void run_block(const launch_rec &L, uint3 bi)
     g_sh_lo = g_sh_hi = 0;
 }
 
+// launches and blocks per kernel, printed at exit: which kernels a test ran
+static std::map<std::string, std::pair<uint64_t, uint64_t>> *g_ran;
+
+static void print_ran()
+{
+    fprintf(stderr, "cuemu: kernels run (launches, blocks; seed 0x%llx):\n",
+            (unsigned long long) g_seed);
+    for (const auto &k : *g_ran)
+        fprintf(stderr, "cuemu:   %-36s %8llu %10llu\n", k.first.c_str(),
+                (unsigned long long) k.second.first, (unsigned long long) k.second.second);
+}
+
 static void run_launch(const launch_rec &L)
 {
+    if (!g_ran) {
+        g_ran = new std::map<std::string, std::pair<uint64_t, uint64_t>>;
+        atexit(print_ran);
+    }
+    auto &ran = (*g_ran)[L.name];
+    ran.first++;
+    ran.second += (uint64_t) L.grid.x * L.grid.y * L.grid.z;
     g_kernel = L.name.c_str();
     g_blk.grid = L.grid;
     const size_t nb = (size_t) L.grid.x * L.grid.y * L.grid.z;
@@ -963,6 +982,7 @@ static void init_seed()
     const char *s = getenv("CUEMU_SEED");
     g_rng = s ? strtoull(s, nullptr, 0) : 0x9E3779B97F4A7C15ull;
     g_rng |= 1;
+    g_seed = g_rng;
     if (getenv("CUEMU_NO_RACE_CHECK"))
         g_race_check = false;
 }

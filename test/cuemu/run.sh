@@ -9,6 +9,9 @@ shift 2
 dir=$(mktemp -d) || exit 1
 trap 'rm -rf "$dir"' EXIT
 ln -s "$plugin" "$dir/libstepd-cuda.so"
+# a fresh fiber order each run; the runtime prints the seed at exit (CUEMU_SEED replays it)
+CUEMU_SEED=${CUEMU_SEED:-$(od -An -N8 -tu8 /dev/urandom | tr -d ' ')}
+export CUEMU_SEED
 STEPD_TEST_EMULATED=1 STEPD_PLUGIN_DIR=$dir LD_PRELOAD=$CUEMU_ASAN_RT \
   ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=0 "$@" >"$dir/log" 2>&1
 rc=$?

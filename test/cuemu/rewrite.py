@@ -129,11 +129,13 @@ def rewrite_shared(s):
 
     def static(m):
         SHARED_ID[0] += 1
-        t, name, dims = m.group(1), m.group(2), m.group(3)
-        return "%s (&%s)%s = *(%s (*)%s) cuemu::static_smem(%d, sizeof(%s%s), alignof(%s));" % (
-            t, name, dims, t, dims, SHARED_ID[0], t, dims, t)
+        al, t, name, dims = m.group(1) or "1", m.group(2), m.group(3), m.group(4)
+        return ("%s (&%s)%s = *(%s (*)%s) cuemu::static_smem(%d, sizeof(%s%s), "
+                "alignof(%s) > %s ? alignof(%s) : %s);" % (t, name, dims, t, dims, SHARED_ID[0], t,
+                                                           dims, t, al, t, al))
 
-    s = re.sub(r"__shared__\s+([A-Za-z_][\w ]*?)\s+(\w+)\s*((?:\[[^\]]+\])+)\s*;", static, s)
+    s = re.sub(r"__shared__\s+(?:__align__\((\d+)\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\s*"
+               r"((?:\[[^\]]+\])+)\s*;", static, s)
     if "__shared__" in re.sub(r"//.*|/\*.*?\*/", "", s, flags=re.S):
         fail("a __shared__ declaration this script does not know")
     return s

@@ -2,8 +2,9 @@
  *
  * "cpu" is built in.  "cuda" is a plugin, libstepd-cuda.so, opened with dlopen() from
  * $STEPD_PLUGIN_DIR, then the build tree, then the install libdir; it exports
- * stepd_backend_cuda_ops().  This file is the only place that knows HAVE_CUDA
- * (ggml-backend-reg.cpp does the same).
+ * stepd_backend_cuda_ops().  A build without CUDA looks in $STEPD_PLUGIN_DIR only (where
+ * the suite puts the host emulator's build of the plugin, test/cuemu).  This file is the
+ * only place that knows HAVE_CUDA (ggml-backend-reg.cpp does the same).
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -42,7 +43,6 @@ const char *backend_names(void)
 #endif
 }
 
-#ifdef HAVE_CUDA
 static void *plugin_try(const char *dir)
 {
     char path[4096];
@@ -66,10 +66,12 @@ static int plugin_open(void **ret_dl, const struct backend_ops **ret_ops)
     void *dl;
 
     dl = plugin_try(getenv("STEPD_PLUGIN_DIR"));
+#ifdef HAVE_CUDA
     if (!dl)
         dl = plugin_try(STEPD_PLUGIN_BUILD_DIR);
     if (!dl)
         dl = plugin_try(STEPD_PLUGIN_LIBDIR);
+#endif
     if (!dl)
         return -ENODEV;
     *(void **)&entry = dlsym(dl, CUDA_PLUGIN_SYM);
@@ -88,7 +90,6 @@ static int plugin_open(void **ret_dl, const struct backend_ops **ret_ops)
     *ret_ops = ops;
     return 0;
 }
-#endif
 
 int backend_new(const char *name, const struct backend_cfg *cfg, struct backend **ret)
 {
@@ -108,13 +109,9 @@ int backend_new(const char *name, const struct backend_cfg *cfg, struct backend 
     if (strcmp(name, "cpu") == 0) {
         ops = &backend_cpu_ops;
     } else if (strcmp(name, "cuda") == 0) {
-#ifdef HAVE_CUDA
         r = plugin_open(&dl, &ops);
         if (r < 0)
             return r;
-#else
-        return -ENODEV;
-#endif
     } else {
         log_debug("backend: unknown backend '%s' (known: %s)", name, backend_names());
         return -EINVAL;

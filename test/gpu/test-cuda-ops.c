@@ -25,6 +25,14 @@ static bool fast;           /* the tensor-core path (not mxfp4_exact) */
 
 /* tolerances: the FP32 op path, or BF16 activations on the tensor-core path */
 #define TOL(exact, bf16) (fast ? (bf16) : (exact))
+/* a GEMM of BF16-rounded activations: the rounding errors (2^-9 relative) add up over k
+ * like a random walk, ~sqrt(k): at k = 4096 the worst of 1000 outputs is ~3e-2 of 1 + |y|
+ * (measured on the host emulator at k = 1024: 1.5e-2, above the former flat 1e-2) */
+#define TOL_BF16_GEMM(k) (2e-2 * sqrt((k) / 256.0))
+/* the same for the W4A16 MXFP4 GEMM, whose weights (E2M1 up to 6 times the scale) are
+ * larger: measured on the emulator up to 2.2e-2 at k = 320, 2.3e-2 at k = 96 (70 rows),
+ * above the former flat 2e-2 */
+#define TOL_MX4_GEMM(k) (4e-2 * sqrt((k) / 96.0))
 
 static float frand(void)
 {
@@ -84,6 +92,33 @@ static void compare(const char *what, const float *ref, const void *dev, size_t 
     printf("%-22s n=%-8zu max rel err %.3g (tol %.1g)\n", what, n, worst, tol);
     if (!(worst <= tol))
         FAIL("%s: max relative error %g above %g", what, worst, tol);
+    free(got);
+}
+
+/* The error relative to the output's scale: max |got - ref| / max(1, max |ref|).  For ops
+ * whose outputs span orders of magnitude (the MoE layer of random MXFP4 weights reaches
+ * |y| ~ 1e4), where BF16 roundings of intermediate activations give errors proportional
+ * to the largest terms: measured on the host emulator 2.8e-3 to 1.25e-2 (clamped) of the
+ * largest output, while the error relative to 1 + |y| of the outputs near 0 reached 2.7. */
+static void compare_scaled(const char *what, const float *ref, const void *dev, size_t n,
+                           double tol)
+{
+    float *got = malloc(n * sizeof(float));
+    double worst = 0, scale = 1;
+    ASSERT_TRUE(got);
+    ASSERT_OK(backend_download(gpu, got, dev, n * sizeof(float)));
+    ASSERT_OK(backend_sync(gpu));
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - ref[i]);
+        if (!(d <= worst))
+            worst = isnan(d) ? INFINITY : (d > worst ? d : worst);
+        if (fabs(ref[i]) > scale)
+            scale = fabs(ref[i]);
+    }
+    printf("%-22s n=%-8zu max err %.3g of max |ref| %.3g: %.3g (tol %.1g)\n", what, n, worst,
+           scale, worst / scale, tol);
+    if (!(worst / scale <= tol))
+        FAIL("%s: max error %g of the largest output %g above %g", what, worst, scale, tol);
     free(got);
 }
 
@@ -251,7 +286,10 @@ static void test_router_moe(int n_tok, int hidden, int inter, int n_exp, int top
     ASSERT_OK(backend_moe(cpu, &ca));
     ASSERT_OK(backend_moe(gpu, &ga));
     snprintf(name, sizeof(name), "moe %d tok %dx%d local %d+%d", n_tok, hidden, inter, first, n_local);
-    compare(name, out, dmo, (size_t)n_tok * hidden, TOL(2e-3, 3e-2));
+    if (fast)
+        compare_scaled(name, out, dmo, (size_t)n_tok * hidden, 3e-2);
+    else
+        compare(name, out, dmo, (size_t)n_tok * hidden, 2e-3);
     for (int e = 0; e < n_local; e++)
         for (int m = 0; m < 3; m++) {
             backend_weight_release(gpu, &wp[e][m].g);
@@ -315,27 +353,52 @@ static void test_attention(int heads, int kvh, int hd, int window, int kv_f32, i
     free(ckv.k); free(ckv.v); free(q); free(out); free(tables);
 }
 
-static void run_all(void)
+/* Under the host emulator (test/cuemu/run.sh sets STEPD_TEST_EMULATED) every kernel runs
+ * thread by thread: the same cases on smaller shapes, each feature kept (every mx4_gemm
+ * shape and mode, multi-stage pipelines with 4 warps, 288 experts, context splits, sliding
+ * windows, FP32 KV, verify runs, prefill tiles). */
+static void run_all(bool emulated)
 {
     test_matmul(WFMT_F32, 37, 96, 3, 1e-5);
-    test_matmul(WFMT_BF16, 129, 256, 5, TOL(1e-5, 1e-2));
-    test_matmul(WFMT_BF16, 1000, 4096, 1, TOL(1e-5, 1e-2));
-    test_matmul(WFMT_MXFP4, 77, 320, 1, TOL(1e-5, 2e-2));
-    test_matmul(WFMT_MXFP4, 256, 1280, 9, TOL(1e-5, 2e-2));
-    test_matmul(WFMT_MXFP4, 130, 96, 70, TOL(1e-5, 2e-2));
+    test_matmul(WFMT_BF16, 129, 256, 5, TOL(1e-5, TOL_BF16_GEMM(256)));
+    if (emulated)
+        test_matmul(WFMT_BF16, 300, 1024, 1, TOL(1e-5, TOL_BF16_GEMM(1024)));
+    else
+        test_matmul(WFMT_BF16, 1000, 4096, 1, TOL(1e-5, TOL_BF16_GEMM(4096)));
+    test_matmul(WFMT_MXFP4, 77, 320, 1, TOL(1e-5, TOL_MX4_GEMM(320)));
+    if (emulated)
+        test_matmul(WFMT_MXFP4, 96, 320, 9, TOL(1e-5, TOL_MX4_GEMM(320)));
+    else
+        test_matmul(WFMT_MXFP4, 256, 1280, 9, TOL(1e-5, TOL_MX4_GEMM(1280)));
+    test_matmul(WFMT_MXFP4, 130, 96, 70, TOL(1e-5, TOL_MX4_GEMM(96)));
+    test_matmul(WFMT_MXFP4, 40, 320, 24, TOL(1e-5, TOL_MX4_GEMM(320)));
     test_elementwise();
     test_embed();
     test_router_moe(5, 64, 32, 12, 3, 4, 6, 7.0f);
-    test_router_moe(1, 256, 128, 288, 8, 0, 288, 0.0f);
-    test_router_moe(13, 256, 128, 288, 8, 72, 72, 2.5f);
-    test_router_moe(37, 512, 96, 40, 8, 0, 40, 0.0f);
+    if (emulated) {
+        test_router_moe(1, 128, 64, 288, 8, 0, 288, 0.0f);
+        test_router_moe(13, 128, 64, 288, 8, 72, 72, 2.5f);
+    } else {
+        test_router_moe(1, 256, 128, 288, 8, 0, 288, 0.0f);
+        test_router_moe(13, 256, 128, 288, 8, 72, 72, 2.5f);
+    }
+    if (emulated)
+        test_router_moe(20, 512, 32, 40, 8, 0, 40, 0.0f);   /* 4 warps, 4 stages */
+    else
+        test_router_moe(37, 512, 96, 40, 8, 0, 40, 0.0f);
     test_router_moe(70, 256, 64, 16, 4, 3, 9, 0.0f);
     test_attention(6, 2, 32, 0, 1, 9, 2, 37);
     test_attention(6, 2, 32, 5, 1, 9, 2, 37);
     test_attention(6, 2, 32, 5, 0, 9, 2, 37);
-    test_attention(64, 8, 128, 0, 0, 21, 1, 4000);      /* decode over 4k keys: splits */
-    test_attention(96, 8, 128, 512, 0, 3, 4, 1500);     /* sliding, a verify run of 4 */
-    test_attention(12, 4, 32, 64, 1, 130, 1, 700);      /* prefill tiles + decode */
+    if (emulated) {
+        test_attention(16, 2, 128, 0, 0, 5, 1, 1100);   /* decode over 1k keys: splits */
+        test_attention(16, 2, 128, 160, 0, 3, 4, 600);  /* sliding, a verify run of 4 */
+        test_attention(12, 4, 32, 64, 1, 40, 1, 300);   /* prefill tiles + decode */
+    } else {
+        test_attention(64, 8, 128, 0, 0, 21, 1, 4000);  /* decode over 4k keys: splits */
+        test_attention(96, 8, 128, 512, 0, 3, 4, 1500); /* sliding, a verify run of 4 */
+        test_attention(12, 4, 32, 64, 1, 130, 1, 700);  /* prefill tiles + decode */
+    }
 }
 
 int main(void)
@@ -347,7 +410,8 @@ int main(void)
         seed = strtoull(getenv("STEPD_TEST_SEED"), NULL, 0) | 1;
 
     ASSERT_OK(backend_new("cpu", &cc, &cpu));
-    for (int pass = 0; pass < 2; pass++) {
+    /* STEPD_TEST_FAST_ONLY: the tensor-core path only (the emulator's fault tests) */
+    for (int pass = getenv("STEPD_TEST_FAST_ONLY") ? 1 : 0; pass < 2; pass++) {
         struct backend_cfg cfg = { .n_threads = 1, .device = 0, .mxfp4_exact = pass == 0 };
         int r = backend_new("cuda", &cfg, &gpu);
 
@@ -361,7 +425,7 @@ int main(void)
         rng = seed;     /* fresh inputs every run; the seed is printed to replay one */
         printf("== %s path (seed %llu)\n", fast ? "tensor-core" : "FP32 op",
                (unsigned long long)seed);
-        run_all();
+        run_all(getenv("STEPD_TEST_EMULATED") != NULL);
         backend_free(gpu);
     }
     backend_free(cpu);

@@ -45,7 +45,8 @@ struct moe_job {
     int32_t *active;        /* [n_active] local experts with tokens */
     int n_active, p1;       /* phase 1: units per expert */
     int64_t tcols;
-    float *rowbuf;          /* per thread: [max(hidden, inter)] for the exact path */
+    float *rowbuf;          /* per thread: [2 * max(hidden, inter)]: a decoded row (FP8 and
+                             * NVFP4 as fp64) */
 };
 
 /* y[i*ldy + r - r0] for rows [r0, r1) of w over n activation rows picked by xidx. */
@@ -66,7 +67,13 @@ static void rows_run(const struct moe_job *j, const struct bweight *w, const flo
         if (fast)
             cpu_matmul_mxfp4_fast_rows(w, qa, xidx, n, y, ldy, r0, r1);
         else
-            cpu_matmul_mxfp4_exact_rows(w, x, xidx, n, y, ldy, r0, r1, j->rowbuf + ith * rb);
+            cpu_matmul_mxfp4_exact_rows(w, x, xidx, n, y, ldy, r0, r1, j->rowbuf + ith * 2 * rb);
+        break;
+    case WFMT_FP8:
+        cpu_matmul_fp8_rows(w, x, xidx, n, y, ldy, r0, r1, cpu_lowp_exact(j->c), j->rowbuf + ith * 2 * rb);
+        break;
+    case WFMT_NVFP4:
+        cpu_matmul_nvfp4_rows(w, x, xidx, n, y, ldy, r0, r1, cpu_lowp_exact(j->c), j->rowbuf + ith * 2 * rb);
         break;
     default:
         BUG_ON(1);
@@ -223,7 +230,7 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
         mem += sz_qa;
     }
     CARVE(j.tbuf, (size_t)nth * j.max_m * j.tcols * 4);
-    CARVE(j.rowbuf, (size_t)nth * (a->hidden > a->inter ? a->hidden : a->inter) * 4);
+    CARVE(j.rowbuf, (size_t)nth * (a->hidden > a->inter ? a->hidden : a->inter) * 8);   /* fp64 rows */
 #undef CARVE
 
     /* counting sort of the local pairs by expert, token order kept */

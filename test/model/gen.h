@@ -3,7 +3,11 @@
  *   clamp        ckptw's tiny config (window 8, MXFP4 experts, 2 MTP layers) with weights
  *                large enough and SwiGLU limits small enough that the clamps bind;
  *   dense-tied   BF16 experts (no quantization), tied embeddings, no router bias, no
- *                renormalisation, flat Step-3.5 config with trunk-only per-layer lists.
+ *                renormalisation, flat Step-3.5 config with trunk-only per-layer lists;
+ *   fp8, nvfp4, bf16-stacked
+ *                the tiny config with its routed experts as the FP8 release (block-scaled,
+ *                32 x 32 blocks, stacked [E, out, in]), NVFP4 (modelopt, per expert) and the
+ *                BF16 release (stacked) store them.
  *
  * gen_model("gen:VARIANT") returns a malloc'd temporary directory (remove it with
  * ckptw_rmtree) or aborts the test; any other string is returned as NULL. */
@@ -44,6 +48,15 @@ static inline char *gen_model(const char *spec)
         wo.lists_trunk_only = true;
         wo.n_shards = 1;
         wo.init_scale = 0.2f;
+    } else if (strcmp(spec + 4, "fp8") == 0 || strcmp(spec + 4, "nvfp4") == 0 ||
+               strcmp(spec + 4, "bf16-stacked") == 0) {
+        /* the releases' formats: FP8 (32 x 32 blocks: the tiny widths are 64) and BF16 with
+         * stacked experts, NVFP4 per expert */
+        bool fp8 = spec[4] == 'f', nv = spec[4] == 'n';
+        model_config_set_quant(&gc, fp8 ? QUANT_FP8 : nv ? QUANT_NVFP4 : QUANT_NONE);
+        if (fp8)
+            gc.quant_block_rows = gc.quant_group_size = 32;
+        wo.stacked_experts = !nv;
     } else {
         FAIL("unknown test model variant %s", spec);
     }

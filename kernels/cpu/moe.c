@@ -207,7 +207,7 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
     if (j.act_fast)
         sz_qa = cpu_qact_bytes(j.n_pairs, a->inter);
     sz_t = (size_t)nth * j.max_m * j.tcols * 4 + 64;
-    sz_rb = (size_t)nth * (a->hidden > a->inter ? a->hidden : a->inter) * 4 + 64;
+    sz_rb = (size_t)nth * (a->hidden > a->inter ? a->hidden : a->inter) * 8 + 64;   /* fp64 rows */
     /* + 64 per carved piece for alignment padding */
     mem = cpu_scratch(c, sz_idx + sz_act + sz_qx + sz_qa + sz_t + sz_rb + 16 * 64);
     if (!mem) {

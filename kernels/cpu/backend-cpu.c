@@ -250,6 +250,8 @@ static int cpu_weight_prepare(struct backend *be, struct bweight *w)
         return 0;               /* already prepared */
     if (w->fmt == WFMT_MXFP4)
         return cpu_mxfp4_prepare(w);
+    if (w->fmt == WFMT_FP8 || w->fmt == WFMT_NVFP4)
+        return cpu_lowp_check(w);   /* used in place */
     return 0;                   /* F32/BF16 are used in place */
 }
 

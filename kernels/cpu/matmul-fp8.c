@@ -7,8 +7,9 @@
  * is exact there: 4 + 24 significant bits), every product exact in fp64, the MXFP4 exact
  * path's 16-lane fp64 accumulation order (lane = col % 16, folded l += l+8, +4, +2, +1),
  * one rounding to fp32: the scalar and AVX2 dots are bit-identical, and an fp64 reference
- * of the same sum matches to its rounding.  Fast path: the row decoded to fp32, then the
- * F32 matmul kernel (AVX2 FMA where the CPU has it). */
+ * of the same sum matches to its rounding.  Fast path: CPU_LOWP_TILE rows decoded to fp32
+ * (AVX2 decode where the CPU has it), then the F32 matmul kernel over them (AVX2 FMA). */
+#include <errno.h>
 #include <math.h>
 #include <string.h>
 
@@ -36,9 +37,40 @@ static float fp8_scale(const struct bweight *w, int64_t r, int64_t col)
     return s;
 }
 
+#if defined(__x86_64__)
+/* the fp32 row with AVX2: an E4M3 byte's bits moved into an fp32 (sign to bit 31, exponent
+ * and mantissa to bits 20-26) are its value times 2^-120, subnormals included; x 2^120 is
+ * exact, x scale rounds once: bit for bit the scalar decode.  (NaN codes are refused at
+ * prepare.)  blk_cols is a multiple of 16 (model-load), so 8-wide steps stay in a block. */
+CPU_FN_AVX2
+static void fp8_row_decode32_avx2(const struct bweight *w, int64_t r, float *out)
+{
+    const uint8_t *q = (const uint8_t *)w->data + r * w->cols;
+    const __m256i m7f = _mm256_set1_epi32(0x7f), m80 = _mm256_set1_epi32(0x80);
+    const __m256 p120 = _mm256_set1_ps(0x1p120f);
+
+    for (int64_t b = 0; b < w->cols; b += w->blk_cols) {
+        const __m256 s = _mm256_set1_ps(fp8_scale(w, r, b));
+        for (int64_t j = b; j < b + w->blk_cols; j += 8) {
+            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+            __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, m80), 24),
+                                           _mm256_slli_epi32(_mm256_and_si256(c, m7f), 20));
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), p120), s));
+        }
+    }
+}
+#endif
+
 static void fp8_row_decode(const struct bweight *w, int64_t r, double *out64, float *out32)
 {
     const uint8_t *q = (const uint8_t *)w->data + r * w->cols;
+
+#if defined(__x86_64__)
+    if (!out64 && cpu_isa_has(CPU_ISA_AVX2)) {
+        fp8_row_decode32_avx2(w, r, out32);
+        return;
+    }
+#endif
 
     for (int64_t b = 0; b < w->cols; b += w->blk_cols) {
         float s = fp8_scale(w, r, b);
@@ -104,11 +136,32 @@ void cpu_matmul_decoded_rows(const struct bweight *w, cpu_row_decode_fn decode, 
                 y[(int64_t)i * ldy + (r - r0)] = cpu_exact_fold(acc);
             }
         } else {
-            struct bweight f = { .fmt = WFMT_F32, .rows = 1, .cols = cols, .data = rowbuf };
-            decode(w, r, NULL, rowbuf);
-            cpu_matmul_f32_rows(&f, x, xidx, n, y + (r - r0), ldy, 0, 1, avx2);
+            /* CPU_LOWP_TILE rows decoded, then one F32 call (its register blocking spans rows) */
+            int64_t k = r1 - r < CPU_LOWP_TILE ? r1 - r : CPU_LOWP_TILE;
+            struct bweight f = { .fmt = WFMT_F32, .rows = k, .cols = cols, .data = rowbuf };
+            for (int64_t t = 0; t < k; t++)
+                decode(w, r + t, NULL, (float *)rowbuf + t * cols);
+            cpu_matmul_f32_rows(&f, x, xidx, n, y + (r - r0), ldy, 0, k, avx2);
+            r += k - 1;
         }
     }
+}
+
+int cpu_lowp_check(const struct bweight *w)
+{
+    const uint8_t *p = w->fmt == WFMT_FP8 ? w->data : w->scale;
+    int64_t n = w->fmt == WFMT_FP8 ? w->rows * w->cols : w->rows * (w->cols / 16);
+
+    if (w->fmt == WFMT_FP8 && (w->blk_rows <= 0 || w->blk_cols <= 0 || w->rows % w->blk_rows ||
+                               w->cols % w->blk_cols || w->blk_cols % 16))
+        return -EINVAL;
+    if (w->fmt == WFMT_NVFP4 && (w->cols % 16 || !isfinite(w->gscale)))
+        return -EINVAL;
+    /* E4M3 NaN (0x7f, 0xff) marks a corrupt file, as an E8M0 255 does for MXFP4 */
+    for (int64_t i = 0; i < n; i++)
+        if ((p[i] & 0x7f) == 0x7f)
+            return -EINVAL;
+    return 0;
 }
 
 bool cpu_lowp_exact(const struct cpu_ctx *c)

@@ -54,11 +54,11 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
         break;
     case WFMT_FP8:
         cpu_matmul_fp8_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1, cpu_lowp_exact(j->c),
-                            j->rowbuf + (int64_t)ith * 2 * w->cols);
+                            j->rowbuf + (int64_t)ith * CPU_LOWP_BUF(w->cols));
         break;
     case WFMT_NVFP4:
         cpu_matmul_nvfp4_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1, cpu_lowp_exact(j->c),
-                              j->rowbuf + (int64_t)ith * 2 * w->cols);
+                              j->rowbuf + (int64_t)ith * CPU_LOWP_BUF(w->cols));
         break;
     default:
         BUG_ON(1);
@@ -101,8 +101,8 @@ int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x,
                 return -ENOMEM;
         }
     } else if (w->fmt == WFMT_FP8 || w->fmt == WFMT_NVFP4) {
-        /* one decoded row per thread, room for fp64 */
-        j.rowbuf = cpu_scratch(c, (size_t)c->n_threads * w->cols * sizeof(double));
+        /* per thread: a tile of fp32 rows, or one fp64 row */
+        j.rowbuf = cpu_scratch(c, (size_t)c->n_threads * (size_t)CPU_LOWP_BUF(w->cols) * sizeof(float));
         if (!j.rowbuf)
             return -ENOMEM;
     }

@@ -4,7 +4,9 @@
  * docs/MODEL.md §5.6-§5.7, not the kernels' tables):
  *   - exact path: bit for bit the reference summed in the documented 16-lane order;
  *   - fast path: within 1e-5 of Σ|w·x| of each output (fp32 decode and FMA order);
- *   - the weights stay in their format: the backend reads the checkpoint's bytes. */
+ *   - the weights stay in their format: the backend reads the checkpoint's bytes;
+ *   - an E4M3 NaN code is refused at weight_prepare. */
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,6 +172,24 @@ static void check_moe(enum wfmt fmt, int nth)
     backend_free(bx);
 }
 
+/* weight_prepare refuses an E4M3 NaN code (FP8 weight, NVFP4 group scale), as MXFP4's
+ * E8M0 255: a corrupt file, not a value */
+static void check_nan_refused(void)
+{
+    struct backend *be = kref_backend(1, false);
+
+    for (int f = 0; f < 2; f++) {
+        struct bweight w = lowp_new(f ? WFMT_NVFP4 : WFMT_FP8, 4, 32, 2, 16);
+        uint8_t *p = (uint8_t *)(f ? w.scale : w.data);
+        ASSERT_OK(backend_weight_prepare(be, &w));
+        backend_weight_release(be, &w);
+        p[5] = f ? 0xff : 0x7f;
+        ASSERT_ERR(backend_weight_prepare(be, &w), -EINVAL);
+        lowp_free(&w);
+    }
+    backend_free(be);
+}
+
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
@@ -187,6 +207,7 @@ int main(void)
         }
     check_moe(WFMT_FP8, 2);
     check_moe(WFMT_NVFP4, 1);
+    check_nan_refused();
     printf("test-lowp: all passed\n");
     return 0;
 }

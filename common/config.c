@@ -6,13 +6,17 @@
  * n_layers + n_mtp entries, or n_layers entries; then the MTP layers get the
  * docs/MODEL.md §1.3 defaults (sliding attention, the sliding layers' theta and
  * rotary factor, no clamp) and model_config.notes says so.  rope_theta may be a
- * single number.  quantization_config must be compressed-tensors with MXFP4
- * groups only (num_bits 4, type float, group_size 32); experts are MXFP4 and
- * everything else stays dense.  Every error names the JSON path.
+ * single number.  quantization_config selects each linear module's format
+ * (layer_config.qfmt): compressed-tensors with MXFP4 groups only (num_bits 4, type
+ * float, group_size 32; experts MXFP4, everything else dense), "fp8" with
+ * weight_block_size (every linear FP8 unless modules_to_not_convert names it) or
+ * modelopt NVFP4 (every linear unless exclude_modules names or globs it); no
+ * quantization_config: all BF16.  Every error names the JSON path.
  */
 #include "config.h"
 
 #include <errno.h>
+#include <fnmatch.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -280,25 +284,12 @@ static int check_quant_targets(const json_t *q, const json_t *groups, struct err
     return 0;
 }
 
-static int parse_quant(const json_t *q, struct model_config *c, struct err_buf *e)
+static int parse_ct(const json_t *q, struct model_config *c, struct err_buf *e)
 {
-    const char *method = NULL, *k;
+    const char *k;
     json_t *groups, *g;
     int r;
 
-    c->quant = QUANT_NONE;
-    c->quant_group_size = 0;
-    if (!q || json_is_null(q))
-        return 0;
-    if (!json_is_object(q))
-        return err_set(e, -EINVAL, "quantization_config: expected an object, got %s", json_type_describe(q));
-    r = json_get_str(q, "quantization_config", "quant_method", REQ, &method, e);
-    if (r < 0)
-        return r;
-    if (strcmp(method, "compressed-tensors") != 0)
-        return err_set(e, -ENOTSUP,
-                       "quantization_config.quant_method: '%.40s' is not supported (only compressed-tensors MXFP4 experts)",
-                       method);
     r = json_get_obj(q, "quantization_config", "config_groups", REQ, &groups, e);
     if (r < 0)
         return r;
@@ -357,7 +348,233 @@ static int parse_quant(const json_t *q, struct model_config *c, struct err_buf *
         return r;
     c->quant = QUANT_MXFP4;
     c->quant_group_size = 32;
+    for (int l = 0; l < c->n_layers_total; l++)
+        if (c->layers[l].is_moe)
+            for (int m = QMOD_EXPERT_GATE; m <= QMOD_EXPERT_DOWN; m++)
+                c->layers[l].qfmt[m] = QUANT_MXFP4;
     return 0;
+}
+
+static const char *const qmod_names[_QMOD_MAX] = {
+    [QMOD_Q] = "self_attn.q_proj", [QMOD_K] = "self_attn.k_proj", [QMOD_V] = "self_attn.v_proj",
+    [QMOD_O] = "self_attn.o_proj", [QMOD_G] = "self_attn.g_proj",
+    [QMOD_MLP_GATE] = "mlp.gate_proj", [QMOD_MLP_UP] = "mlp.up_proj", [QMOD_MLP_DOWN] = "mlp.down_proj",
+    [QMOD_ROUTER] = "moe.gate",
+    [QMOD_SHARED_GATE] = "share_expert.gate_proj", [QMOD_SHARED_UP] = "share_expert.up_proj",
+    [QMOD_SHARED_DOWN] = "share_expert.down_proj",
+    [QMOD_EXPERT_GATE] = "moe.experts.%d.gate_proj", [QMOD_EXPERT_UP] = "moe.experts.%d.up_proj",
+    [QMOD_EXPERT_DOWN] = "moe.experts.%d.down_proj",
+    [QMOD_EH_PROJ] = "eh_proj", [QMOD_HEAD_OUT] = "transformer.shared_head.output",
+};
+
+const char *quant_module_name(enum quant_module m, int expert, char *buf, size_t size)
+{
+    if (m >= QMOD_EXPERT_GATE && m <= QMOD_EXPERT_DOWN)
+        snprintf(buf, size, qmod_names[m], expert);
+    else
+        snprintf(buf, size, "%s", qmod_names[m]);
+    return buf;
+}
+
+const char *quant_scheme_name(enum quant_scheme q)
+{
+    static const char *const n[_QUANT_MAX] = { "BF16", "MXFP4", "FP8", "NVFP4" };
+    return (unsigned) q < _QUANT_MAX ? n[q] : "?";
+}
+
+bool model_config_has_module(const struct model_config *c, int l, enum quant_module m)
+{
+    const struct layer_config *L = &c->layers[l];
+
+    switch (m) {
+    case QMOD_G: return c->use_head_wise_attn_gate;
+    case QMOD_MLP_GATE: case QMOD_MLP_UP: case QMOD_MLP_DOWN: return !L->is_moe;
+    case QMOD_ROUTER: case QMOD_SHARED_GATE: case QMOD_SHARED_UP: case QMOD_SHARED_DOWN:
+    case QMOD_EXPERT_GATE: case QMOD_EXPERT_UP: case QMOD_EXPERT_DOWN: return L->is_moe;
+    case QMOD_EH_PROJ: case QMOD_HEAD_OUT: return L->is_mtp;
+    default: return true;
+    }
+}
+
+void model_config_set_quant(struct model_config *c, enum quant_scheme q)
+{
+    c->quant = q;
+    c->quant_group_size = q == QUANT_MXFP4 ? 32 : q == QUANT_NVFP4 ? 16 : q == QUANT_FP8 ? 128 : 0;
+    c->quant_block_rows = q == QUANT_FP8 ? 128 : 1;
+    c->lm_head_qfmt = QUANT_NONE;
+    for (int l = 0; l < c->n_layers_total; l++) {
+        memset(c->layers[l].qfmt, 0, sizeof(c->layers[l].qfmt));
+        if (c->layers[l].is_moe)
+            for (int m = QMOD_EXPERT_GATE; m <= QMOD_EXPERT_DOWN; m++)
+                c->layers[l].qfmt[m] = (uint8_t) q;
+    }
+}
+
+/* pat occurs in name on component boundaries ("moe.gate" matches "model.layers.3.moe.gate"
+ * but not "...moe.gate_proj"; "layers.45" matches every module of layer 45) */
+static bool aligned_substr(const char *name, const char *pat)
+{
+    size_t k = strlen(pat);
+    if (!k)
+        return false;
+    for (const char *p = strstr(name, pat); p; p = strstr(p + 1, pat))
+        if ((p == name || p[-1] == '.' || pat[0] == '.') && (p[k] == 0 || p[k] == '.' || pat[k - 1] == '.'))
+            return true;
+    return false;
+}
+
+/* Whether an exclusion list (fp8 modules_to_not_convert: names; modelopt exclude_modules:
+ * names or fnmatch globs) names module (both spellings of the name are tried) */
+static int excluded(const json_t *list, const char *where, const char *module, bool globs, struct err_buf *e)
+{
+    char lm[224];
+    const char *alt = module;
+
+    if (strncmp(module, "model.", 6) == 0) {
+        snprintf(lm, sizeof(lm), "model.language_model.%s", module + 6);
+        alt = lm;
+    }
+    for (size_t i = 0; list && i < json_array_size(list); i++) {
+        const json_t *it = json_array_get(list, i);
+        const char *p;
+        if (!json_is_string(it))
+            return err_set(e, -EINVAL, "%s[%zu]: expected a string, got %s", where, i, json_type_describe(it));
+        p = json_string_value(it);
+        if (aligned_substr(module, p) || aligned_substr(alt, p))
+            return 1;
+        if (globs && (fnmatch(p, module, 0) == 0 || fnmatch(p, alt, 0) == 0))
+            return 1;
+    }
+    return 0;
+}
+
+/* Every linear module of every layer gets scheme q unless the exclusion list names it
+ * (the routed experts by expert 0's name: "model.layers.L.moe.experts" excludes them) */
+static int assign_modules(struct model_config *c, enum quant_scheme q, const json_t *list, const char *where,
+                          bool globs, struct err_buf *e)
+{
+    char mod[192], m1[128];
+    int r;
+
+    if (list && !json_is_null(list) && !json_is_array(list))
+        return err_set(e, -EINVAL, "%s: expected an array, got %s", where, json_type_describe(list));
+    for (int l = 0; l < c->n_layers_total; l++) {
+        struct layer_config *L = &c->layers[l];
+        for (int m = 0; m < _QMOD_MAX; m++) {
+            if (!model_config_has_module(c, l, (enum quant_module) m))
+                continue;
+            snprintf(mod, sizeof(mod), "model.layers.%d.%s", l, quant_module_name((enum quant_module) m, 0, m1, sizeof(m1)));
+            r = excluded(list, where, mod, globs, e);
+            if (r < 0)
+                return r;
+            L->qfmt[m] = r ? QUANT_NONE : q;
+        }
+    }
+    r = excluded(list, where, "lm_head", globs, e);
+    if (r < 0)
+        return r;
+    c->lm_head_qfmt = r ? QUANT_NONE : q;
+    return 0;
+}
+
+/* "fp8" (block-scaled, as DeepSeek-V3 and the Step FP8 releases write it) */
+static int parse_fp8(const json_t *q, struct model_config *c, struct err_buf *e)
+{
+    const char *fmt = NULL, *act = NULL;
+    json_t *bs;
+    int r;
+
+    r = json_get_str(q, "quantization_config", "fmt", OPT, &fmt, e);
+    if (r < 0)
+        return r;
+    if (r == 1 && strcmp(fmt, "e4m3") != 0)
+        return err_set(e, -ENOTSUP, "quantization_config.fmt: '%.40s' is not supported (only e4m3)", fmt);
+    r = json_get_str(q, "quantization_config", "activation_scheme", OPT, &act, e);
+    if (r < 0)
+        return r;
+    if (r == 1 && strcmp(act, "dynamic") != 0)
+        return err_set(e, -ENOTSUP,
+                       "quantization_config.activation_scheme: '%.40s' is not supported (only dynamic: activations are not quantised)",
+                       act);
+    r = json_get_arr(q, "quantization_config", "weight_block_size", OPT, &bs, e);
+    if (r < 0)
+        return r;
+    if (r == 0)
+        return err_set(e, -ENOTSUP,
+                       "quantization_config.weight_block_size: required field is missing (only block-scaled FP8 is supported)");
+    if (json_array_size(bs) != 2 || !json_is_integer(json_array_get(bs, 0)) || !json_is_integer(json_array_get(bs, 1)) ||
+        json_integer_value(json_array_get(bs, 0)) < 1 || json_integer_value(json_array_get(bs, 0)) > 4096 ||
+        json_integer_value(json_array_get(bs, 1)) < 1 || json_integer_value(json_array_get(bs, 1)) > 4096)
+        return err_set(e, -EINVAL, "quantization_config.weight_block_size: expected [rows, columns] of 1..4096");
+    c->quant = QUANT_FP8;
+    c->quant_block_rows = (int) json_integer_value(json_array_get(bs, 0));
+    c->quant_group_size = (int) json_integer_value(json_array_get(bs, 1));
+    return assign_modules(c, QUANT_FP8, json_object_get(q, "modules_to_not_convert"),
+                          "quantization_config.modules_to_not_convert", false, e);
+}
+
+/* "modelopt" NVFP4; the fields may sit in a nested "quantization" object (hf_quant_config) */
+static int parse_modelopt(const json_t *q, struct model_config *c, struct err_buf *e)
+{
+    const json_t *inner = json_object_get(q, "quantization");
+    const char *algo = NULL, *kv = NULL, *where = "quantization_config";
+    int gs = 16, r;
+
+    if (inner && json_is_object(inner)) {
+        q = inner;
+        where = "quantization_config.quantization";
+    }
+    r = json_get_str(q, where, "quant_algo", REQ, &algo, e);
+    if (r < 0)
+        return r;
+    if (strcmp(algo, "NVFP4") != 0)
+        return err_set(e, -ENOTSUP, "%s.quant_algo: '%.40s' is not supported (only NVFP4)", where, algo);
+    r = json_get_i32(q, where, "group_size", OPT, 1, 1 << 20, &gs, e);
+    if (r < 0)
+        return r;
+    if (gs != 16)
+        return err_set(e, -ENOTSUP, "%s.group_size: %d is not supported (NVFP4 groups are 16)", where, gs);
+    r = json_is_null(json_object_get(q, "kv_cache_quant_algo")) ? 0
+        : json_get_str(q, where, "kv_cache_quant_algo", OPT, &kv, e);
+    if (r < 0)
+        return r;
+    if (r == 1)
+        note_add(c, "kv_cache_quant_algo %s: the KV cache stays unquantised (its k/v scales are optional parameters)", kv);
+    c->quant = QUANT_NVFP4;
+    c->quant_block_rows = 1;
+    c->quant_group_size = 16;
+    return assign_modules(c, QUANT_NVFP4, json_object_get(q, "exclude_modules"),
+                          inner ? "quantization_config.quantization.exclude_modules" : "quantization_config.exclude_modules",
+                          true, e);
+}
+
+static int parse_quant(const json_t *q, struct model_config *c, struct err_buf *e)
+{
+    const char *method = NULL;
+    int r;
+
+    c->quant = QUANT_NONE;
+    c->quant_group_size = 0;
+    c->quant_block_rows = 1;
+    c->lm_head_qfmt = QUANT_NONE;
+    for (int l = 0; l < c->n_layers_total; l++)
+        memset(c->layers[l].qfmt, 0, sizeof(c->layers[l].qfmt));
+    if (!q || json_is_null(q))
+        return 0;
+    if (!json_is_object(q))
+        return err_set(e, -EINVAL, "quantization_config: expected an object, got %s", json_type_describe(q));
+    r = json_get_str(q, "quantization_config", "quant_method", REQ, &method, e);
+    if (r < 0)
+        return r;
+    if (strcmp(method, "compressed-tensors") == 0)
+        return parse_ct(q, c, e);
+    if (strcmp(method, "fp8") == 0)
+        return parse_fp8(q, c, e);
+    if (strcmp(method, "modelopt") == 0)
+        return parse_modelopt(q, c, e);
+    return err_set(e, -ENOTSUP,
+                   "quantization_config.quant_method: '%.40s' is not supported (compressed-tensors MXFP4, fp8 block-scaled or modelopt NVFP4)",
+                   method);
 }
 
 static int parse_text(struct cfg_ctx *x, struct model_config *c)

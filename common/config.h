@@ -9,6 +9,7 @@
 #pragma once
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "err.h"
@@ -27,8 +28,23 @@ enum layer_kind {
 };
 
 enum quant_scheme {
-    QUANT_NONE,          /* every linear dense (BF16) */
+    QUANT_NONE,          /* dense BF16 "<base>.weight" */
     QUANT_MXFP4,         /* compressed-tensors mxfp4-pack-quantized: group 32, E2M1 + E8M0 */
+    QUANT_FP8,           /* "fp8" with weight_block_size [128, 128]: E4M3 + F32 weight_scale_inv */
+    QUANT_NVFP4,         /* modelopt NVFP4: E2M1 + E4M3 scale per 16 + F32 weight_scale_2 */
+    _QUANT_MAX,
+};
+
+/* The linear modules of a layer whose format quantization_config selects (the
+ * routed experts' three projections share one entry each for every expert). */
+enum quant_module {
+    QMOD_Q, QMOD_K, QMOD_V, QMOD_O, QMOD_G,
+    QMOD_MLP_GATE, QMOD_MLP_UP, QMOD_MLP_DOWN,
+    QMOD_ROUTER,
+    QMOD_SHARED_GATE, QMOD_SHARED_UP, QMOD_SHARED_DOWN,
+    QMOD_EXPERT_GATE, QMOD_EXPERT_UP, QMOD_EXPERT_DOWN,
+    QMOD_EH_PROJ, QMOD_HEAD_OUT,
+    _QMOD_MAX,
 };
 
 struct layer_config {
@@ -43,6 +59,7 @@ struct layer_config {
     bool is_mtp;
     float swiglu_limit;       /* routed experts; 0 = no clamp */
     float swiglu_limit_shared;/* dense MLP and shared expert; 0 = no clamp */
+    uint8_t qfmt[_QMOD_MAX];  /* enum quant_scheme of each linear module (QUANT_NONE: BF16) */
 };
 
 struct model_config {
@@ -88,9 +105,11 @@ struct model_config {
     int eos_token_ids[MODEL_MAX_EOS];
     int n_eos;
 
-    /* quantization_config (compressed-tensors) */
+    /* quantization_config: the checkpoint's scheme, and per module layers[l].qfmt */
     enum quant_scheme quant;
-    int quant_group_size;     /* 32 for MXFP4 */
+    int quant_group_size;     /* elements per scale: 32 MXFP4, 16 NVFP4, 128 FP8 (block columns) */
+    int quant_block_rows;     /* FP8: rows per scale block (128); 1 otherwise */
+    uint8_t lm_head_qfmt;     /* enum quant_scheme of lm_head (QUANT_NONE unless quantised) */
 
     struct layer_config layers[MODEL_MAX_LAYERS];
 
@@ -98,6 +117,18 @@ struct model_config {
      * cover the trunk); "" if nothing. For logs and stepd-inspect. */
     char notes[512];
 };
+
+/* "self_attn.q_proj", "moe.experts.E.gate_proj" (E = the expert), ...: the module's
+ * name after "model.layers.L." (buf holds it). */
+const char *quant_module_name(enum quant_module m, int expert, char *buf, size_t size);
+/* Whether layer l of c has linear module m (g_proj with the head-wise gate, the dense
+ * MLP or the MoE modules, eh_proj / shared_head.output on MTP layers, ...). */
+bool model_config_has_module(const struct model_config *c, int l, enum quant_module m);
+/* Set quant to q with its group sizes (FP8: 128 x 128 blocks) and the layout the
+ * writers use: the routed experts in q, every other module BF16. */
+void model_config_set_quant(struct model_config *c, enum quant_scheme q);
+/* "BF16", "MXFP4", "FP8", "NVFP4" */
+const char *quant_scheme_name(enum quant_scheme q);
 
 /* Parse config.json at path into *ret.  On error returns a negative errno and
  * writes one sentence into e naming the file and the JSON path of the bad field

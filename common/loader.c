@@ -68,6 +68,7 @@ struct src {
     int shard;
     const struct sft_tensor *t;
     bool matched;
+    bool reported;                    /* a stacked tensor's mismatch is listed once */
 };
 
 /* one expected tensor of the whole model */
@@ -83,6 +84,8 @@ struct pent {
     enum slice_kind slice;
     int64_t off, len;                 /* slice along dim 0 (rows) or dim 1 (cols) */
     int src;                          /* index in sources, -1 absent */
+    bool stacked;                     /* src is the layer's 3-D [n_experts, ...] tensor: this
+                                       * expert's slice of it */
     void *copy;                       /* column slice, loader-owned */
     atomic_flag counted;              /* its bytes are in ckpt.got_bytes */
 };
@@ -232,72 +235,130 @@ static int ent_add(struct ckpt *c, const char *name, enum dtype dt, int ndim, in
 
 #define ADD(...) do { int _r = ent_add(c, __VA_ARGS__); if (_r < 0) return _r; } while (0)
 
-static int build_layer(struct ckpt *c, int l)
+/* The tensors of one linear module "<base>" of logical shape [out, in] in format q:
+ *   BF16   .weight BF16 [out, in]
+ *   MXFP4  .weight_packed U8 [out, in/2], .weight_scale U8 (E8M0) [out, in/32]
+ *   FP8    .weight F8_E4M3 [out, in], .weight_scale_inv F32 [out/br, in/bc]
+ *   NVFP4  .weight U8 [out, in/2], .weight_scale F8_E4M3 [out, in/16], .weight_scale_2 F32 []
+ * A group or block size that does not divide the shape is a problem of its own. */
+static int add_linear(struct ckpt *c, const char *base, enum quant_scheme q, int64_t out, int64_t in,
+                      int layer, int expert, enum slice_kind slice, struct strbuf *probs)
+{
+    const struct model_config *m = &c->cfg;
+    int64_t br = m->quant_block_rows, bc = m->quant_group_size;
+    char n[200];
+
+#define NM(sfx) (snprintf(n, sizeof(n), "%s%s", base, sfx), n)
+    switch (q) {
+    case QUANT_NONE:
+    case _QUANT_MAX:
+        ADD(NM(".weight"), DTYPE_BF16, 2, out, in, layer, expert, slice);
+        return 0;
+    case QUANT_MXFP4:
+    case QUANT_NVFP4: {
+        int64_t g = q == QUANT_MXFP4 ? 32 : 16;
+        if (in % g) {
+            line_add(probs, "%s: %s needs in-features divisible by its group size %lld, got [%lld, %lld]", base,
+                     quant_scheme_name(q), (long long) g, (long long) out, (long long) in);
+            return 1;
+        }
+        ADD(NM(q == QUANT_MXFP4 ? ".weight_packed" : ".weight"), DTYPE_U8, 2, out, in / 2, layer, expert, slice);
+        ADD(NM(".weight_scale"), q == QUANT_MXFP4 ? DTYPE_U8 : DTYPE_F8_E4M3, 2, out, in / g, layer, expert, slice);
+        if (q == QUANT_NVFP4)
+            ADD(NM(".weight_scale_2"), DTYPE_F32, 0, 0, 0, layer, expert, SLICE_NONE);
+        return 0;
+    }
+    case QUANT_FP8:
+        if (out % br || in % bc) {
+            line_add(probs, "%s: FP8 weight_block_size [%lld, %lld] does not divide its shape [%lld, %lld]", base,
+                     (long long) br, (long long) bc, (long long) out, (long long) in);
+            return 1;
+        }
+        ADD(NM(".weight"), DTYPE_F8_E4M3, 2, out, in, layer, expert, slice);
+        ADD(NM(".weight_scale_inv"), DTYPE_F32, 2, out / br, in / bc, layer, expert, slice);
+        return 0;
+    }
+#undef NM
+    return 0;
+}
+
+#define LIN(mod, out, in, slice) do { \
+        int _r = add_linear(c, base_name(base, sizeof(base), l, mod, -1), L->qfmt[mod], out, in, l, -1, slice, probs); \
+        if (_r < 0) return _r; \
+    } while (0)
+
+static const char *base_name(char *buf, size_t size, int l, enum quant_module mod, int expert)
+{
+    char m[128];
+    snprintf(buf, size, "model.layers.%d.%s", l, quant_module_name(mod, expert, m, sizeof(m)));
+    return buf;
+}
+
+static int build_layer(struct ckpt *c, int l, struct strbuf *probs)
 {
     const struct model_config *m = &c->cfg;
     const struct layer_config *L = &m->layers[l];
     const int64_t H = m->hidden_size, hd = L->head_dim, nh = L->n_heads, kv = L->n_kv_heads;
     enum slice_kind rows = L->is_mtp ? SLICE_NONE : SLICE_ROWS;
     enum slice_kind cols = L->is_mtp ? SLICE_NONE : SLICE_COLS;
-    char n[160];
+    char n[160], base[160];
 
 #define NM(...) (snprintf(n, sizeof(n), __VA_ARGS__), n)
     ADD(NM("model.layers.%d.input_layernorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
     ADD(NM("model.layers.%d.post_attention_layernorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-    ADD(NM("model.layers.%d.self_attn.q_proj.weight", l), DTYPE_BF16, 2, nh * hd, H, l, -1, rows);
-    ADD(NM("model.layers.%d.self_attn.k_proj.weight", l), DTYPE_BF16, 2, kv * hd, H, l, -1, rows);
-    ADD(NM("model.layers.%d.self_attn.v_proj.weight", l), DTYPE_BF16, 2, kv * hd, H, l, -1, rows);
-    ADD(NM("model.layers.%d.self_attn.o_proj.weight", l), DTYPE_BF16, 2, H, nh * hd, l, -1, cols);
+    LIN(QMOD_Q, nh * hd, H, rows);
+    LIN(QMOD_K, kv * hd, H, rows);
+    LIN(QMOD_V, kv * hd, H, rows);
+    LIN(QMOD_O, H, nh * hd, cols);
     if (m->use_head_wise_attn_gate)
-        ADD(NM("model.layers.%d.self_attn.g_proj.weight", l), DTYPE_BF16, 2, nh, H, l, -1, rows);
+        LIN(QMOD_G, nh, H, rows);
     if (m->use_qk_norm) {
         ADD(NM("model.layers.%d.self_attn.q_norm.weight", l), DTYPE_BF16, 1, hd, 0, l, -1, SLICE_NONE);
         ADD(NM("model.layers.%d.self_attn.k_norm.weight", l), DTYPE_BF16, 1, hd, 0, l, -1, SLICE_NONE);
     }
     if (!L->is_moe) {
         const int64_t I = m->intermediate_size;
-        ADD(NM("model.layers.%d.mlp.gate_proj.weight", l), DTYPE_BF16, 2, I, H, l, -1, rows);
-        ADD(NM("model.layers.%d.mlp.up_proj.weight", l), DTYPE_BF16, 2, I, H, l, -1, rows);
-        ADD(NM("model.layers.%d.mlp.down_proj.weight", l), DTYPE_BF16, 2, H, I, l, -1, cols);
+        LIN(QMOD_MLP_GATE, I, H, rows);
+        LIN(QMOD_MLP_UP, I, H, rows);
+        LIN(QMOD_MLP_DOWN, H, I, cols);
     } else {
         const int64_t E = m->n_experts, S = m->shared_expert_dim, M = m->moe_intermediate_size;
-        ADD(NM("model.layers.%d.moe.gate.weight", l), DTYPE_BF16, 2, E, H, l, -1, SLICE_NONE);
+        LIN(QMOD_ROUTER, E, H, SLICE_NONE);
         if (m->use_router_bias) {
             ADD(NM("model.layers.%d.moe.router_bias", l), DTYPE_F32, 1, E, 0, l, -1, SLICE_NONE);
             c->ents[c->n_ents - 1].dtype_alt = DTYPE_BF16;
         }
-        ADD(NM("model.layers.%d.share_expert.gate_proj.weight", l), DTYPE_BF16, 2, S, H, l, -1, SLICE_ROWS);
-        ADD(NM("model.layers.%d.share_expert.up_proj.weight", l), DTYPE_BF16, 2, S, H, l, -1, SLICE_ROWS);
-        ADD(NM("model.layers.%d.share_expert.down_proj.weight", l), DTYPE_BF16, 2, H, S, l, -1, SLICE_COLS);
+        LIN(QMOD_SHARED_GATE, S, H, SLICE_ROWS);
+        LIN(QMOD_SHARED_UP, S, H, SLICE_ROWS);
+        LIN(QMOD_SHARED_DOWN, H, S, SLICE_COLS);
         for (int e = 0; e < m->n_experts; e++) {
-            static const char *const proj[3] = { "gate_proj", "up_proj", "down_proj" };
             for (int k = 0; k < 3; k++) {
+                enum quant_module mod = (enum quant_module) (QMOD_EXPERT_GATE + k);
                 int64_t out = k < 2 ? M : H, in = k < 2 ? H : M;
-                if (m->quant == QUANT_MXFP4) {
-                    ADD(NM("model.layers.%d.moe.experts.%d.%s.weight_packed", l, e, proj[k]), DTYPE_U8, 2,
-                        out, in / 2, l, e, SLICE_NONE);
-                    ADD(NM("model.layers.%d.moe.experts.%d.%s.weight_scale", l, e, proj[k]), DTYPE_U8, 2,
-                        out, in / 32, l, e, SLICE_NONE);
-                } else {
-                    ADD(NM("model.layers.%d.moe.experts.%d.%s.weight", l, e, proj[k]), DTYPE_BF16, 2,
-                        out, in, l, e, SLICE_NONE);
-                }
+                int r = add_linear(c, base_name(base, sizeof(base), l, mod, e), L->qfmt[mod], out, in, l, e,
+                                   SLICE_NONE, probs);
+                if (r < 0)
+                    return r;
+                if (r > 0)      /* the same shape problem for every expert: listed once */
+                    goto experts_done;
             }
         }
+experts_done:;
     }
     if (L->is_mtp) {
         const int64_t V = m->vocab_size;
         ADD(NM("model.layers.%d.enorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
         ADD(NM("model.layers.%d.hnorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-        ADD(NM("model.layers.%d.eh_proj.weight", l), DTYPE_BF16, 2, H, 2 * H, l, -1, SLICE_NONE);
+        LIN(QMOD_EH_PROJ, H, 2 * H, SLICE_NONE);
         ADD(NM("model.layers.%d.transformer.shared_head.norm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-        ADD(NM("model.layers.%d.transformer.shared_head.output.weight", l), DTYPE_BF16, 2, V, H, l, -1, SLICE_NONE);
+        LIN(QMOD_HEAD_OUT, V, H, SLICE_NONE);
     }
 #undef NM
     return 0;
 }
+#undef LIN
 
-static int build_expected(struct ckpt *c)
+static int build_expected(struct ckpt *c, struct strbuf *probs)
 {
     const struct model_config *m = &c->cfg;
     int r;
@@ -305,9 +366,12 @@ static int build_expected(struct ckpt *c)
     ADD("model.embed_tokens.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_NONE);
     ADD("model.norm.weight", DTYPE_BF16, 1, m->hidden_size, 0, -1, -1, SLICE_NONE);
     /* tied: lm_head.weight is served from the embedding (see plan()) */
-    ADD("lm_head.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_ROWS);
+    r = add_linear(c, "lm_head", m->tie_word_embeddings ? QUANT_NONE : (enum quant_scheme) m->lm_head_qfmt,
+                   m->vocab_size, m->hidden_size, -1, -1, SLICE_ROWS, probs);
+    if (r < 0)
+        return r;
     for (int l = 0; l < m->n_layers_total; l++) {
-        r = build_layer(c, l);
+        r = build_layer(c, l, probs);
         if (r < 0)
             return r;
     }
@@ -577,21 +641,38 @@ static void slice_plan(struct ckpt *c, struct pent *p)
     p->off = p->len * r;
 }
 
-static bool ent_matches(const struct pent *p, const struct sft_tensor *t)
+static bool ent_matches(const struct ckpt *c, const struct pent *p, const struct sft_tensor *t)
 {
+    int lead = p->stacked ? 1 : 0;
+
     if (t->dtype != p->dtype && (p->dtype_alt == DTYPE_INVALID || t->dtype != p->dtype_alt))
         return false;
-    if (t->ndim != p->ndim)
+    if (t->ndim != p->ndim + lead || (p->stacked && t->shape[0] != c->cfg.n_experts))
         return false;
     for (int i = 0; i < p->ndim; i++)
-        if (t->shape[i] != p->shape[i])
+        if (t->shape[i + lead] != p->shape[i])
             return false;
     return true;
+}
+
+/* "model.layers.L.moe.experts.E.gate_proj.weight" -> "model.layers.L.moe.gate_proj.weight" */
+static void stacked_name(const char *name, char *buf, size_t size)
+{
+    const char *x = strstr(name, ".experts."), *after;
+
+    if (!x) {
+        snprintf(buf, size, "%s", name);
+        return;
+    }
+    after = strchr(x + 9, '.');
+    snprintf(buf, size, "%.*s%s", (int) (x - name), name, after ? after : "");
 }
 
 static int64_t ent_slice_bytes(const struct pent *p, const struct sft_tensor *t)
 {
     int64_t bytes = (int64_t) (t->end - t->begin);
+    if (p->stacked)
+        return t->ndim && t->shape[0] ? bytes / t->shape[0] : 0;
     if (p->slice == SLICE_NONE || p->shape[p->slice == SLICE_ROWS ? 0 : 1] == 0)
         return bytes;
     return bytes / (p->slice == SLICE_ROWS ? p->shape[0] : p->shape[1]) * p->len;
@@ -603,7 +684,7 @@ static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
     int N = c->opts.world_size, rank = c->opts.rank, K = c->opts.mtp_depth;
     int n_mtp_req = 0, r;
     struct strbuf unknown = STRBUF_INIT;
-    int n_unknown = 0, n_vision = 0, n_kvq_ignored = 0;
+    int n_unknown = 0, n_vision = 0, n_kvq_ignored = 0, n_input_scale = 0;
     char kvq_example[SFT_NAME_MAX + 1] = "";
 
     c->expert_count = m->n_experts / N;
@@ -619,6 +700,14 @@ static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
         *slot = (int32_t) i;
         HMAP_LOOKUP(&c->src_map, p->name, SRC_KEY, slot);
         p->src = *slot;
+        if (p->src < 0 && p->expert >= 0) {
+            /* the release's 3-D spelling: every expert of the layer in one tensor */
+            char sn[SFT_NAME_MAX + 16];
+            stacked_name(p->name, sn, sizeof(sn));
+            HMAP_LOOKUP(&c->src_map, sn, SRC_KEY, slot);
+            p->src = *slot;
+            p->stacked = p->src >= 0;
+        }
         if (p->src >= 0)
             c->srcs[p->src].matched = true;
     }
@@ -681,19 +770,41 @@ static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
         slice_plan(c, p);
         if (p->src < 0) {
             format_shape(want, sizeof(want), p->ndim, p->shape);
-            line_add(probs, "missing: %s (%s %s): in no shard of %s", p->name, dtype_name(p->dtype), want,
-                     p->layer >= m->n_layers && c->mtp_dir ? c->mtp_dir : c->dir);
+            if (p->expert >= 0) {
+                char sn[SFT_NAME_MAX + 16];
+                stacked_name(p->name, sn, sizeof(sn));
+                line_add(probs, "missing: %s (%s %s, or %s stacked [%d, ...]): in no shard of %s", p->name,
+                         dtype_name(p->dtype), want, sn, m->n_experts,
+                         p->layer >= m->n_layers && c->mtp_dir ? c->mtp_dir : c->dir);
+            } else {
+                line_add(probs, "missing: %s (%s %s): in no shard of %s", p->name, dtype_name(p->dtype), want,
+                         p->layer >= m->n_layers && c->mtp_dir ? c->mtp_dir : c->dir);
+            }
             *first_err = *first_err ? *first_err : -ENOENT;
             continue;
         }
         t = c->srcs[p->src].t;
-        if (!ent_matches(p, t)) {
-            format_shape(want, sizeof(want), p->ndim, p->shape);
+        if (!ent_matches(c, p, t)) {
+            int64_t sh[TENSOR_MAX_DIMS] = { m->n_experts };
+            if (c->srcs[p->src].reported)
+                continue;
+            c->srcs[p->src].reported = p->stacked;
+            for (int d = 0; d < p->ndim; d++)
+                sh[d + p->stacked] = p->shape[d];
+            format_shape(want, sizeof(want), p->ndim + p->stacked, sh);
             format_shape(got, sizeof(got), t->ndim, t->shape);
-            line_add(probs, "mismatch: %s in %s: %s %s, expected %s%s%s %s", p->name,
+            line_add(probs, "mismatch: %s in %s: %s %s, expected %s%s%s %s", p->stacked ? t->name : p->name,
                      sft_file_path(c->shards[c->srcs[p->src].shard].f), dtype_name(t->dtype), got,
                      dtype_name(p->dtype), p->dtype_alt ? " or " : "",
                      p->dtype_alt ? dtype_name(p->dtype_alt) : "", want);
+            *first_err = *first_err ? *first_err : -EINVAL;
+            continue;
+        }
+        if (p->slice != SLICE_NONE && p->shape[p->slice == SLICE_ROWS ? 0 : 1] % N) {
+            /* a scale tensor whose blocks or groups do not split evenly over the ranks */
+            line_add(probs, "%s: its %s (%lld) do not split over world size %d", p->name,
+                     p->slice == SLICE_ROWS ? "rows" : "columns",
+                     (long long) p->shape[p->slice == SLICE_ROWS ? 0 : 1], N);
             *first_err = *first_err ? *first_err : -EINVAL;
         }
     }
@@ -763,6 +874,12 @@ static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
             continue;
         }
 unknown:
+        if (m->quant == QUANT_NVFP4 && strlen(s->canon) > 12 &&
+            strcmp(s->canon + strlen(s->canon) - 12, ".input_scale") == 0) {
+            /* W4A4 activation scales: the kernels keep activations unquantised */
+            n_input_scale++;
+            continue;
+        }
         if (strncmp(s->canon, "vision_model.", 13) == 0 || strncmp(s->canon, "vit_large_projector.", 20) == 0 ||
             strncmp(s->canon, "model.vision_model.", 19) == 0) {
             n_vision++;
@@ -778,6 +895,9 @@ unknown:
         line_add(&c->warnings, "... and %d more unknown tensors (ignored)", n_unknown - WARN_LIST_MAX);
     if (n_vision)
         line_add(&c->warnings, "%d vision tensors ignored (text path only)", n_vision);
+    if (n_input_scale)
+        line_add(&c->warnings, "%d NVFP4 input_scale tensors ignored: activations are not quantised (W4A16)",
+                 n_input_scale);
     if (n_kvq_ignored)
         line_add(&c->warnings, "%d KV-quantisation parameters ignored: the KV cache does not use them "
                  "(e.g. %s)", n_kvq_ignored, kvq_example);
@@ -850,9 +970,11 @@ int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, 
     r = build_sources(c, &probs, &first_err);
     if (r < 0)
         goto oom;
-    r = build_expected(c);
+    r = build_expected(c, &probs);
     if (r < 0)
         goto oom;
+    if (probs.len && !first_err)
+        first_err = -EINVAL;
     r = plan(c, &probs, &first_err);
     if (r < 0)
         goto oom;
@@ -985,6 +1107,15 @@ int ckpt_get(struct ckpt *c, const char *name, struct tview *ret)
         return -ENODATA;
     s = &c->srcs[p->src];
     sft_file_view(c->shards[s->shard].f, s->t, &full);
+    if (p->stacked) {
+        /* this expert's [out, in] of the [n_experts, out, in] tensor: a view, so a rank
+         * touches the pages of its own experts only */
+        size_t per = full.nbytes / (size_t) full.shape[0];
+        full.data = (const unsigned char *) full.data + per * (size_t) p->expert;
+        full.nbytes = per;
+        full.ndim--;
+        memmove(full.shape, full.shape + 1, (size_t) full.ndim * sizeof(full.shape[0]));
+    }
     if (p->optional && full.ndim > 1) {
         /* an optional parameter of any shape is read as its flat values */
         full.shape[0] = tview_numel(&full);

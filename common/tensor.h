@@ -24,6 +24,30 @@ int dtype_bits(enum dtype t);
 const char *dtype_name(enum dtype t);
 enum dtype dtype_parse(const char *s);
 
+/* FP8 E4M3 (the "fn" variant: bias 7, no infinities, 0x7f/0xff NaN, largest 448). */
+#define FP8_E4M3_MAX 448.0f
+float fp8_e4m3_value(uint8_t b);
+/* The nearest E4M3 code to x (ties to the even code), saturating at +-448; NaN -> 0x7f. */
+uint8_t fp8_e4m3_nearest(float x);
+
+/* Block-scaled FP8 (the "fp8" checkpoints): w[rows x cols] in blocks of br x bc (both
+ * dividing the shape) -> codes[rows x cols] and scale_inv[rows/br x cols/bc] with
+ * w ~ fp8_e4m3_value(code) * scale_inv (scale_inv = block amax / 448, 1 for a zero
+ * block).  -EINVAL if a block size does not divide the shape or w is not finite. */
+int fp8_block_quantize(const float *w, int64_t rows, int64_t cols, int br, int bc, uint8_t *codes,
+                       float *scale_inv);
+
+/* NVFP4 (modelopt): E2M1 nibbles packed as MXFP4 (element 2j in the low nibble), one E4M3
+ * scale per 16 elements of a row and one F32 global scale for the tensor:
+ * w ~ e2m1(code) * fp8_e4m3_value(scale) * scale_2.  The global scale of w[n]: amax /
+ * (6 * 448) (1 if w is all zero). */
+#define NVFP4_GROUP 16
+float nvfp4_global_scale(const float *w, int64_t n);
+/* One row of k (a multiple of 16) elements under global scale scale_2 -> packed[k/2],
+ * scale[k/16].  -EINVAL on a bad k or a non-finite value. */
+int nvfp4_row_quantize(const float *in, int64_t k, float scale_2, uint8_t *packed, uint8_t *scale);
+int nvfp4_row_decode(const uint8_t *packed, const uint8_t *scale, float scale_2, int64_t k, float *out);
+
 /* A borrowed view of tensor data (mmap or a loader-owned buffer). Row-major. */
 struct tview {
     enum dtype dtype;

@@ -51,6 +51,8 @@ enum wfmt {
     WFMT_F32,
     WFMT_BF16,
     WFMT_MXFP4,     /* data = packed U8 [rows, cols/2] (low nibble = even col), scale = U8 [rows, cols/32] E8M0 */
+    WFMT_FP8,       /* data = E4M3 [rows, cols], scale = F32 [rows/blk_rows, cols/blk_cols] (bytes) */
+    WFMT_NVFP4,     /* data = packed U8 as MXFP4, scale = E4M3 [rows, cols/16], gscale the F32 global scale */
     _WFMT_MAX,
 };
 
@@ -62,6 +64,8 @@ struct bweight {
     const void *data;
     const uint8_t *scale;
     void *priv;
+    int32_t blk_rows, blk_cols;     /* WFMT_FP8: the scale blocks */
+    float gscale;                   /* WFMT_NVFP4: weight_scale_2 */
 };
 
 /* KV cache of one layer: a pool of blocks, each block_size tokens × n_kv_heads × head_dim,

@@ -127,6 +127,66 @@ static int add_optional(struct genlist *l, const struct ckptw_opts *o, int layer
     return 0;
 }
 
+
+/* The tensors of linear module base (docs/MODEL.md §5; the loader's add_linear): the
+ * logical float tensor "<base>.weight" [out, in] in format q, stacked [stack, ...] when
+ * stack > 0. */
+static int add_linear(struct genlist *l, const struct model_config *c, const char *base, enum quant_scheme q,
+                      int64_t out, int64_t in, int stack, bool mtp)
+{
+    struct { const char *sfx; enum ckptw_kind k; enum dtype dt; int ndim; int64_t d0, d1; } t[3];
+    int n = 0;
+
+    switch (q) {
+    case QUANT_MXFP4:
+        t[n++] = (typeof(t[0])) { ".weight_packed", CKPTW_PACKED, DTYPE_U8, 2, out, in / 2 };
+        t[n++] = (typeof(t[0])) { ".weight_scale", CKPTW_SCALE, DTYPE_U8, 2, out, in / 32 };
+        break;
+    case QUANT_FP8:
+        t[n++] = (typeof(t[0])) { ".weight", CKPTW_FP8, DTYPE_F8_E4M3, 2, out, in };
+        t[n++] = (typeof(t[0])) { ".weight_scale_inv", CKPTW_FP8_SCALE, DTYPE_F32, 2,
+                                  out / c->quant_block_rows, in / c->quant_group_size };
+        break;
+    case QUANT_NVFP4:
+        t[n++] = (typeof(t[0])) { ".weight", CKPTW_NV_PACKED, DTYPE_U8, 2, out, in / 2 };
+        t[n++] = (typeof(t[0])) { ".weight_scale", CKPTW_NV_SCALE, DTYPE_F8_E4M3, 2, out, in / 16 };
+        t[n++] = (typeof(t[0])) { ".weight_scale_2", CKPTW_NV_GSCALE, DTYPE_F32, 0, 0, 0 };
+        break;
+    default:
+        t[n++] = (typeof(t[0])) { ".weight", CKPTW_DENSE, DTYPE_BF16, 2, out, in };
+        break;
+    }
+    for (int i = 0; i < n; i++) {
+        struct ckptw_entry *g;
+        A(l, t[i].k, t[i].dt, t[i].ndim, t[i].d0, t[i].d1, mtp, "%s%s", base, t[i].sfx);
+        g = &l->v[l->n - 1];
+        if (stack) {
+            memmove(g->shape + 1, g->shape, 2 * sizeof(g->shape[0]));
+            g->shape[0] = stack;
+            g->ndim++;
+        }
+        g->lout = out;
+        g->lin = in;
+        g->br = c->quant_block_rows;
+        g->bc = c->quant_group_size;
+        g->stack = stack;
+        snprintf(g->base, sizeof(g->base), "%s.weight", base);
+    }
+    return 0;
+}
+
+/* module mod of layer i (expert e, or -1) */
+#define LIN(mod, e, out, in) do { \
+        char _b[160], _m[128]; \
+        snprintf(_b, sizeof(_b), "model.layers.%d.%s", i, quant_module_name(mod, e, _m, sizeof(_m))); \
+        int _r = add_linear(l, c, _b, c->quant ? (enum quant_scheme) L->qfmt[mod] : QUANT_NONE, out, in, 0, m); \
+        if (_r < 0) return _r; \
+    } while (0)
+#define L2(base, mod, out, in, stack) do { \
+        int _r = add_linear(l, c, base, c->quant ? (enum quant_scheme) L->qfmt[mod] : QUANT_NONE, out, in, stack, m); \
+        if (_r < 0) return _r; \
+    } while (0)
+
 static int build_list(const struct model_config *c, const struct ckptw_opts *o, struct genlist *l)
 {
     const int64_t H = c->hidden_size, V = c->vocab_size;
@@ -141,16 +201,16 @@ static int build_list(const struct model_config *c, const struct ckptw_opts *o, 
         if (m) {
             A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.enorm.weight", i);
             A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.hnorm.weight", i);
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, 2 * H, m, "model.layers.%d.eh_proj.weight", i);
+            LIN(QMOD_EH_PROJ, -1, H, 2 * H);
         }
         A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.input_layernorm.weight", i);
         A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.post_attention_layernorm.weight", i);
-        A(l, CKPTW_DENSE, DTYPE_BF16, 2, nh * hd, H, m, "model.layers.%d.self_attn.q_proj.weight", i);
-        A(l, CKPTW_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.k_proj.weight", i);
-        A(l, CKPTW_DENSE, DTYPE_BF16, 2, kv * hd, H, m, "model.layers.%d.self_attn.v_proj.weight", i);
-        A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, nh * hd, m, "model.layers.%d.self_attn.o_proj.weight", i);
+        LIN(QMOD_Q, -1, nh * hd, H);
+        LIN(QMOD_K, -1, kv * hd, H);
+        LIN(QMOD_V, -1, kv * hd, H);
+        LIN(QMOD_O, -1, H, nh * hd);
         if (c->use_head_wise_attn_gate)
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, nh, H, m, "model.layers.%d.self_attn.g_proj.weight", i);
+            LIN(QMOD_G, -1, nh, H);
         if (c->use_qk_norm) {
             A(l, CKPTW_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.q_norm.weight", i);
             A(l, CKPTW_DENSE, DTYPE_BF16, 1, hd, 0, m, "model.layers.%d.self_attn.k_norm.weight", i);
@@ -162,45 +222,45 @@ static int build_list(const struct model_config *c, const struct ckptw_opts *o, 
         }
         if (!L->is_moe) {
             const int64_t I = c->intermediate_size;
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.gate_proj.weight", i);
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, I, H, m, "model.layers.%d.mlp.up_proj.weight", i);
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, I, m, "model.layers.%d.mlp.down_proj.weight", i);
+            LIN(QMOD_MLP_GATE, -1, I, H);
+            LIN(QMOD_MLP_UP, -1, I, H);
+            LIN(QMOD_MLP_DOWN, -1, H, I);
         } else {
             const int64_t E = c->n_experts, S = c->shared_expert_dim, M = c->moe_intermediate_size;
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, E, H, m, "model.layers.%d.moe.gate.weight", i);
+            LIN(QMOD_ROUTER, -1, E, H);
             if (c->use_router_bias)
                 A(l, CKPTW_F32, DTYPE_F32, 1, E, 0, m, "model.layers.%d.moe.router_bias", i);
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.gate_proj.weight", i);
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, S, H, m, "model.layers.%d.share_expert.up_proj.weight", i);
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, H, S, m, "model.layers.%d.share_expert.down_proj.weight", i);
-            for (int e = 0; e < E; e++) {
-                static const char *const pj[3] = { "gate_proj", "up_proj", "down_proj" };
+            LIN(QMOD_SHARED_GATE, -1, S, H);
+            LIN(QMOD_SHARED_UP, -1, S, H);
+            LIN(QMOD_SHARED_DOWN, -1, H, S);
+            if (o->stacked_experts) {
                 for (int k = 0; k < 3; k++) {
-                    int64_t out = k < 2 ? M : H, in = k < 2 ? H : M;
-                    if (c->quant == QUANT_MXFP4) {
-                        A(l, CKPTW_PACKED, DTYPE_U8, 2, out, in / 2, m, "model.layers.%d.moe.experts.%d.%s.weight_packed", i, e, pj[k]);
-                        l->v[l->n - 1].lout = out, l->v[l->n - 1].lin = in;
-                        A(l, CKPTW_SCALE, DTYPE_U8, 2, out, in / 32, m, "model.layers.%d.moe.experts.%d.%s.weight_scale", i, e, pj[k]);
-                        l->v[l->n - 1].lout = out, l->v[l->n - 1].lin = in;
-                    } else {
-                        A(l, CKPTW_DENSE, DTYPE_BF16, 2, out, in, m, "model.layers.%d.moe.experts.%d.%s.weight", i, e, pj[k]);
-                    }
+                    enum quant_module q = (enum quant_module) (QMOD_EXPERT_GATE + k);
+                    char b[160], mn[128];
+                    snprintf(b, sizeof(b), "model.layers.%d.moe.%s", i, strrchr(quant_module_name(q, 0, mn, sizeof(mn)), '.') + 1);
+                    L2(b, q, k < 2 ? M : H, k < 2 ? H : M, (int) E);
                 }
+            } else {
+                for (int e = 0; e < E; e++)
+                    for (int k = 0; k < 3; k++)
+                        LIN((enum quant_module) (QMOD_EXPERT_GATE + k), e, k < 2 ? M : H, k < 2 ? H : M);
             }
         }
         if (m) {
             A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, m, "model.layers.%d.transformer.shared_head.norm.weight", i);
-            A(l, CKPTW_DENSE, DTYPE_BF16, 2, V, H, m, "model.layers.%d.transformer.shared_head.output.weight", i);
+            LIN(QMOD_HEAD_OUT, -1, V, H);
         }
     }
     A(l, CKPTW_DENSE, DTYPE_BF16, 1, H, 0, false, "model.norm.weight");
     if (!c->tie_word_embeddings)
-        A(l, CKPTW_DENSE, DTYPE_BF16, 2, V, H, false, "lm_head.weight");
+        { int _r = add_linear(l, c, "lm_head", c->quant ? (enum quant_scheme) c->lm_head_qfmt : QUANT_NONE, V, H, 0, false); if (_r < 0) return _r; }
     for (int i = 0; o->extra && o->extra[i]; i++)
         A(l, CKPTW_RAW, DTYPE_BF16, 1, 4, 0, false, "%s", o->extra[i]);
     return 0;
 }
 #undef A
+#undef LIN
+#undef L2
 
 int ckptw_layout(const struct model_config *cfg, const struct ckptw_opts *o,
                  struct ckptw_entry **ret, size_t *ret_n)
@@ -237,13 +297,57 @@ static int gen_floats(const struct ckptw_opts *o, const char *name, int ndim, co
     return 0;
 }
 
+/* "model.layers.L.moe.X" -> "model.layers.L.moe.experts.E.X" (a stacked name's expert e) */
+static void expert_name(char *buf, size_t size, const char *stacked, int e)
+{
+    const char *p = strstr(stacked, ".moe.");
+    if (!p)
+        snprintf(buf, size, "%s", stacked);
+    else
+        snprintf(buf, size, "%.*s.moe.experts.%d.%s", (int) (p - stacked), stacked, e, p + 5);
+}
+
+static int gen_bytes(const struct ckptw_opts *o, const struct ckptw_entry *g, int64_t nbytes, unsigned char **ret);
+
+/* a stacked tensor: expert e's bytes are those of its per-expert tensor */
+static int gen_stacked(const struct ckptw_opts *o, const struct ckptw_entry *g, int64_t nbytes, unsigned char **ret)
+{
+    struct ckptw_entry one = *g;
+    int64_t per = nbytes / g->stack;
+    unsigned char *b = malloc((size_t) (nbytes ? nbytes : 1));
+
+    if (!b)
+        return -ENOMEM;
+    one.stack = 0;
+    one.ndim = g->ndim - 1;
+    memmove(one.shape, g->shape + 1, (size_t) one.ndim * sizeof(one.shape[0]));
+    for (int e = 0; e < g->stack; e++) {
+        unsigned char *piece;
+        int r;
+        expert_name(one.name, sizeof(one.name), g->name, e);
+        expert_name(one.base, sizeof(one.base), g->base, e);
+        r = gen_bytes(o, &one, per, &piece);
+        if (r < 0) {
+            free(b);
+            return r;
+        }
+        memcpy(b + per * e, piece, (size_t) per);
+        free(piece);
+    }
+    *ret = b;
+    return 0;
+}
+
 /* Produce the bytes of g (nbytes); caller frees. */
 static int gen_bytes(const struct ckptw_opts *o, const struct ckptw_entry *g, int64_t nbytes, unsigned char **ret)
 {
-    unsigned char *b = calloc(1, (size_t) (nbytes ? nbytes : 1));
+    unsigned char *b;
     float *f = NULL;
     int r = 0;
 
+    if (g->stack > 0)
+        return gen_stacked(o, g, nbytes, ret);
+    b = calloc(1, (size_t) (nbytes ? nbytes : 1));
     if (!b)
         return -ENOMEM;
     switch (g->kind) {
@@ -266,18 +370,15 @@ static int gen_bytes(const struct ckptw_opts *o, const struct ckptw_entry *g, in
     }
     case CKPTW_PACKED:
     case CKPTW_SCALE: {
-        char base[180];
         int64_t lshape[2] = { g->lout, g->lin };
-        size_t bl = strlen(g->name) - strlen(g->kind == CKPTW_PACKED ? "_packed" : "_scale");
         uint8_t *scale_row = malloc((size_t) g->lin / 32), *packed_row = malloc((size_t) g->lin / 2);
-        snprintf(base, sizeof(base), "%.*s", (int) bl, g->name);   /* X.weight */
         if (!scale_row || !packed_row) {
             free(scale_row);
             free(packed_row);
             r = -ENOMEM;
             break;
         }
-        r = gen_floats(o, base, 2, lshape, &f);
+        r = gen_floats(o, g->base, 2, lshape, &f);
         for (int64_t row = 0; r == 0 && row < g->lout; row++) {
             r = mxfp4_row_quantize(f + row * g->lin, g->lin, packed_row, scale_row);
             if (g->kind == CKPTW_PACKED)
@@ -287,6 +388,45 @@ static int gen_bytes(const struct ckptw_opts *o, const struct ckptw_entry *g, in
         }
         free(scale_row);
         free(packed_row);
+        break;
+    }
+    case CKPTW_FP8:
+    case CKPTW_FP8_SCALE: {
+        int64_t lshape[2] = { g->lout, g->lin };
+        int64_t nb = (g->lout / g->br) * (g->lin / g->bc);
+        uint8_t *codes = malloc((size_t) (g->lout * g->lin));
+        float *sinv = malloc((size_t) nb * sizeof(float));
+        r = codes && sinv ? gen_floats(o, g->base, 2, lshape, &f) : -ENOMEM;
+        if (r == 0)
+            r = fp8_block_quantize(f, g->lout, g->lin, g->br, g->bc, codes, sinv);
+        if (r == 0 && g->kind == CKPTW_FP8)
+            memcpy(b, codes, (size_t) (g->lout * g->lin));
+        else if (r == 0)
+            memcpy(b, sinv, (size_t) nb * sizeof(float));
+        free(codes);
+        free(sinv);
+        break;
+    }
+    case CKPTW_NV_PACKED:
+    case CKPTW_NV_SCALE:
+    case CKPTW_NV_GSCALE: {
+        int64_t lshape[2] = { g->lout, g->lin };
+        uint8_t *packed = malloc((size_t) g->lin / 2), *sc = malloc((size_t) g->lin / 16);
+        float gs = 1.0f;
+        r = packed && sc ? gen_floats(o, g->base, 2, lshape, &f) : -ENOMEM;
+        if (r == 0)
+            gs = nvfp4_global_scale(f, g->lout * g->lin);
+        if (r == 0 && g->kind == CKPTW_NV_GSCALE)
+            memcpy(b, &gs, 4);
+        for (int64_t row = 0; r == 0 && g->kind != CKPTW_NV_GSCALE && row < g->lout; row++) {
+            r = nvfp4_row_quantize(f + row * g->lin, g->lin, gs, packed, sc);
+            if (g->kind == CKPTW_NV_PACKED)
+                memcpy(b + row * (g->lin / 2), packed, (size_t) g->lin / 2);
+            else
+                memcpy(b + row * (g->lin / 16), sc, (size_t) g->lin / 16);
+        }
+        free(packed);
+        free(sc);
         break;
     }
     case CKPTW_OPT_SCALE:
@@ -408,6 +548,40 @@ out:
 }
 
 /* ------------------------------------------------------------------------ */
+/* The modules cfg keeps in BF16, for fp8 modules_to_not_convert / modelopt
+ * exclude_modules: a whole layer as "model.layers.L", a routed projection by expert 0's
+ * name (config.c decides the experts' format from it). */
+static json_t *exclusions(const struct model_config *c)
+{
+    json_t *a = json_array();
+    char b[200], m[128];
+
+    for (int l = 0; a && l < c->n_layers_total; l++) {
+        bool all = true;
+        for (int k = 0; k < _QMOD_MAX; k++)
+            if (model_config_has_module(c, l, (enum quant_module) k) && c->layers[l].qfmt[k] != QUANT_NONE)
+                all = false;
+        if (all) {
+            snprintf(b, sizeof(b), "model.layers.%d", l);
+            json_array_append_new(a, json_string(b));
+            continue;
+        }
+        for (int k = 0; k < _QMOD_MAX; k++) {
+            if (!model_config_has_module(c, l, (enum quant_module) k) || c->layers[l].qfmt[k] != QUANT_NONE)
+                continue;
+            if (k >= QMOD_EXPERT_GATE && k <= QMOD_EXPERT_DOWN)
+                snprintf(b, sizeof(b), "model.layers.%d.moe.experts.0.%s", l,
+                         strrchr(quant_module_name((enum quant_module) k, 0, m, sizeof(m)), '.') + 1);
+            else
+                snprintf(b, sizeof(b), "model.layers.%d.%s", l, quant_module_name((enum quant_module) k, 0, m, sizeof(m)));
+            json_array_append_new(a, json_string(b));
+        }
+    }
+    if (a && c->lm_head_qfmt == QUANT_NONE)
+        json_array_append_new(a, json_string("lm_head"));
+    return a;
+}
+
 /* config.json */
 
 static json_t *num_list(const struct model_config *c, int n, int which)
@@ -550,6 +724,28 @@ int ckptw_write_config(const char *path, const struct model_config *c, bool nest
             goto out;
         }
         json_object_set_new(root, "quantization_config", q);
+    } else if (c->quant == QUANT_FP8 || c->quant == QUANT_NVFP4) {
+        json_t *q = json_object(), *ex = exclusions(c);
+        if (!q || !ex) {
+            json_decref(q);
+            json_decref(ex);
+            r = err_set(e, -ENOMEM, "ckptw: cannot build quantization_config");
+            goto out;
+        }
+        if (c->quant == QUANT_FP8) {
+            json_object_set_new(q, "quant_method", json_string("fp8"));
+            json_object_set_new(q, "fmt", json_string("e4m3"));
+            json_object_set_new(q, "activation_scheme", json_string("dynamic"));
+            json_object_set_new(q, "weight_block_size", json_pack("[i, i]", c->quant_block_rows, c->quant_group_size));
+            json_object_set_new(q, "modules_to_not_convert", ex);
+        } else {
+            json_object_set_new(q, "quant_method", json_string("modelopt"));
+            json_object_set_new(q, "quant_algo", json_string("NVFP4"));
+            json_object_set_new(q, "group_size", json_integer(16));
+            json_object_set_new(q, "kv_cache_quant_algo", json_null());
+            json_object_set_new(q, "exclude_modules", ex);
+        }
+        json_object_set_new(root, "quantization_config", q);
     }
     if (json_dump_file(root, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(17)) < 0)
         r = err_set(e, -EIO, "%s: cannot write", path);
@@ -617,6 +813,7 @@ static void config_step_layers(struct model_config *c, int first_moe, int n_limi
         L->swiglu_limit = limited ? 7.0f : 0.0f;
         L->swiglu_limit_shared = limited ? 16.0f : 0.0f;
     }
+    model_config_set_quant(c, c->quant);
 }
 
 void ckptw_config_tiny(struct model_config *c)

@@ -2,7 +2,9 @@
  * (tiny random models) and stepd-mkmodel (synthetic full-width models).
  *
  * Writes DIR/config.json (flat Step-3.5 or nested Step-3.7 text_config, with the
- * compressed-tensors quantization_config when cfg->quant == QUANT_MXFP4), the
+ * quantization_config of cfg->quant: compressed-tensors MXFP4, fp8 block-scaled with
+ * modules_to_not_convert, modelopt NVFP4 with exclude_modules, each module's format
+ * from cfg->layers[].qfmt), the
  * safetensors shards "model-0000i-of-0000N.safetensors" plus
  * model.safetensors.index.json (or one model.safetensors), with every tensor of
  * docs/MODEL.md §4 for cfg: BF16 dense weights, F32 router_bias, MXFP4 experts packed
@@ -70,6 +72,9 @@ struct ckptw_opts {
     bool nested;                       /* Step-3.7 "text_config" layout (else flat Step-3.5) */
     bool lists_trunk_only;             /* per-layer lists with num_hidden_layers entries */
     bool language_model_prefix;        /* spell names model.language_model.* */
+    bool stacked_experts;              /* routed experts as one [n_experts, out, in] tensor per
+                                        * projection ("model.layers.L.moe.gate_proj.weight",
+                                        * as the BF16 and FP8 releases store them) */
     uint64_t seed;
     float init_scale;
     ckptw_fill_t fill;
@@ -89,6 +94,11 @@ enum ckptw_kind {
     CKPTW_OPT_SCALE,    /* optional scale: 1 + h/8 */
     CKPTW_OPT_ZP,       /* optional zero point: h */
     CKPTW_RAW,          /* override / extra: deterministic bytes */
+    CKPTW_FP8,          /* E4M3 codes of base (block-scaled FP8) */
+    CKPTW_FP8_SCALE,    /* F32 weight_scale_inv of base, one per br x bc block */
+    CKPTW_NV_PACKED,    /* NVFP4 E2M1 codes of base */
+    CKPTW_NV_SCALE,     /* NVFP4 E4M3 group-16 scales of base */
+    CKPTW_NV_GSCALE,    /* NVFP4 F32 weight_scale_2 of base */
 };
 
 struct ckptw_entry {
@@ -97,7 +107,10 @@ struct ckptw_entry {
     int ndim;
     int64_t shape[TENSOR_MAX_DIMS];
     enum ckptw_kind kind;
-    int64_t lout, lin;  /* logical [out, in] for MXFP4 */
+    int64_t lout, lin;  /* logical [out, in] of a quantised tensor (one expert's when stacked) */
+    int br, bc;         /* FP8 block rows, columns */
+    int stack;          /* > 0: the routed experts of a layer stacked, shape [stack, ...] */
+    char base[160];     /* the logical float tensor ("<module>.weight") the data come from */
     bool mtp;
 };
 

@@ -7,13 +7,15 @@
  *                 [--threads T] [--tokenizer PATH] [--force]
  *                 [--hidden H] [--intermediate I] [--moe-inter M] [--shared-inter S]
  *                 [--experts E] [--top-k K] [--vocab V] [--head-dim D] [--window W]
+ *                 [--format bf16|fp8|nvfp4|mxfp4]
  *
  * Format: exactly what the loader reads for the real model (ckptw writes the nested
- * Step-3.7 config.json with its compressed-tensors quantization_config; the tensor
- * list is ckptw_layout's, the real one of test/data/step37-mxfp4-expected-tensors.tsv):
- * sharded safetensors + model.safetensors.index.json, routed experts as MXFP4
- * (U8 E2M1 nibbles [out, in/2] + U8 E8M0 scales [out, in/32]), router bias F32,
- * everything else BF16.
+ * Step-3.7 config.json with its quantization_config; the tensor list is ckptw_layout's,
+ * the real one of test/data/step37-mxfp4-expected-tensors.tsv): sharded safetensors +
+ * model.safetensors.index.json, routed experts as MXFP4 (U8 E2M1 nibbles [out, in/2] +
+ * U8 E8M0 scales [out, in/32]) or, with --format, BF16 / block-FP8 stacked
+ * [experts, out, in] per projection, NVFP4 per expert (docs/MODEL.md §5); router bias
+ * F32, everything else BF16.
  *
  * Layers: generated layer i is a copy of real layer map[i] (kind, head count, RoPE,
  * dense or MoE, SwiGLU clamps); MTP layer L+k of real layer 45+k.  --layers L picks
@@ -87,13 +89,15 @@
 #define E_SILU2 0.35531         /* E[silu(u)^2], u ~ N(0,1): SwiGLU with unit gate and up */
 #define MAX_THREADS 64
 
-enum fill_kind { FILL_BF16, FILL_F32, FILL_CODES, FILL_SCALES };
+enum fill_kind { FILL_BF16, FILL_F32, FILL_CODES, FILL_SCALES, FILL_FP8, FILL_BYTE, FILL_CONST_F32 };
+#define FP8_RHO 64.0           /* E4M3 codes ~ quantised N(0, FP8_RHO^2) (std / scale_inv) */
+#define NV_SCALE_BYTE 0x68     /* NVFP4 group scales: E4M3 64.0; weight_scale_2 sets the std */
 
 /* how one tensor's data are drawn */
 struct fill {
     enum fill_kind kind;
-    float sigma;                /* BF16/F32: std of the values */
-    uint8_t scale_lo;           /* FILL_SCALES: E8M0 byte e0 + 127 ... */
+    float sigma;                /* BF16/F32: std of the values; FILL_CONST_F32: the value */
+    uint8_t scale_lo;           /* FILL_SCALES: E8M0 byte e0 + 127 ...; FILL_BYTE: the byte */
     uint32_t p_hi;              /* ... or e0 + 128 when a 16-bit draw is below p_hi */
     bool hole;
 };
@@ -115,6 +119,7 @@ struct mk {
     int hidden, inter, moe_inter, shared_inter, experts, top_k, vocab, head_dim, window;
     bool sparse_all, sparse_embed, sparse_heads, sparse_experts;
     int sparse_experts_from;    /* experts with index >= this are holes (INT_MAX: none) */
+    enum quant_scheme format;   /* --format: the routed experts' (the rest BF16) */
 
     struct model_config cfg;
     struct ckptw_entry *ents;
@@ -129,6 +134,7 @@ struct mk {
 
 static float unit_normal[65536];    /* quantiles of N(0,1) at (i + 0.5) / 65536 */
 static uint8_t code_pair[65536];    /* two E2M1 codes (low nibble first) per 16-bit draw */
+static uint8_t fp8_code[65536];     /* E4M3 code of unit_normal[i] * FP8_RHO */
 static double code_m2;              /* E[value^2] of those codes */
 
 /* ---------------------------------------------------------------- random -- */
@@ -214,6 +220,8 @@ static void tables_init(void)
     }
     for (int i = 0; i < 65536; i++)
         code_pair[i] = (uint8_t) (nib[i & 255] | (nib[i >> 8] << 4));
+    for (int i = 0; i < 65536; i++)
+        fp8_code[i] = fp8_e4m3_nearest(unit_normal[i] * (float) FP8_RHO);
     code_m2 = m2;
 }
 
@@ -256,6 +264,20 @@ static void fill_chunk(const struct mk *m, const struct fill *f, const char *nam
             for (int k = 0; k < 4 && i + k < len; k++)
                 buf[i + k] = code_pair[(x >> (16 * k)) & 0xffff];
         }
+        break;
+    case FILL_FP8:
+        for (; i < len; i += 4) {
+            uint64_t x = rng_next(&r);
+            for (int k = 0; k < 4 && i + k < len; k++)
+                buf[i + k] = fp8_code[(x >> (16 * k)) & 0xffff];
+        }
+        break;
+    case FILL_BYTE:
+        memset(buf, f->scale_lo, len);
+        break;
+    case FILL_CONST_F32:
+        for (; i + 4 <= len; i += 4)
+            memcpy(buf + i, &f->sigma, 4);
         break;
     case FILL_SCALES:
         for (; i < len; i += 4) {
@@ -366,9 +388,10 @@ static int build_config(struct mk *m, struct err_buf *e)
         }
         c->head_dim = m->head_dim;
     }
-    if (c->hidden_size % 32 || c->moe_intermediate_size % 32)
-        return err_set(e, -EINVAL, "MXFP4 experts need --hidden (%d) and --moe-inter (%d) divisible by 32",
-                       c->hidden_size, c->moe_intermediate_size);
+    model_config_set_quant(c, m->format);
+    if (m->format != QUANT_NONE && (c->hidden_size % c->quant_group_size || c->moe_intermediate_size % c->quant_group_size))
+        return err_set(e, -EINVAL, "%s experts need --hidden (%d) and --moe-inter (%d) divisible by %d",
+                       quant_scheme_name(m->format), c->hidden_size, c->moe_intermediate_size, c->quant_group_size);
     if (c->top_k > c->n_experts)
         return err_set(e, -EINVAL, "--top-k %d is more than the %d experts", c->top_k, c->n_experts);
     /* the real stop ids that fit the vocabulary */
@@ -416,11 +439,13 @@ static int plan_fill(const struct mk *m, const struct ckptw_entry *t, struct fil
 {
     const struct model_config *c = &m->cfg;
     const double t2 = RESID_GROWTH / (2.0 * c->n_layers);    /* variance each sub-layer adds */
-    const double fan_in = t->kind == CKPTW_PACKED || t->kind == CKPTW_SCALE ? (double) t->lin
-                        : t->ndim == 2 ? (double) t->shape[1] : 1.0;
-    const char *n = t->name;
+    const bool quantised = t->kind == CKPTW_PACKED || t->kind == CKPTW_SCALE || t->kind == CKPTW_FP8 ||
+                           t->kind == CKPTW_FP8_SCALE || t->kind == CKPTW_NV_PACKED ||
+                           t->kind == CKPTW_NV_SCALE || t->kind == CKPTW_NV_GSCALE;
+    const double fan_in = quantised || t->stack ? (double) t->lin : t->ndim == 2 ? (double) t->shape[1] : 1.0;
+    const char *n = t->base[0] ? t->base : t->name;    /* the logical tensor */
     double s;
-    int ex = expert_of(n);
+    int ex = t->stack ? 0 : expert_of(n);
 
     memset(f, 0, sizeof(*f));
     f->kind = FILL_BF16;
@@ -436,7 +461,7 @@ static int plan_fill(const struct mk *m, const struct ckptw_entry *t, struct fil
         s = sqrt(t2 / (fan_in * E_SILU2));
     else if (ends_with(n, ".share_expert.down_proj.weight"))
         s = sqrt(t2 / 2 / (fan_in * E_SILU2));
-    else if (ex >= 0 && strstr(n, ".down_proj.weight_"))
+    else if (ex >= 0 && ends_with(n, ".down_proj.weight"))
         /* k routed experts weighted ~f/k each: variance k (f/k)^2 v = t2/2 */
         s = sqrt(t2 / 2 * c->top_k / ((double) c->router_scaling_factor * c->router_scaling_factor) /
                  (fan_in * E_SILU2));
@@ -447,18 +472,28 @@ static int plan_fill(const struct mk *m, const struct ckptw_entry *t, struct fil
     else
         return err_set(e, -EINVAL, "no fill rule for tensor '%s'", n);
 
-    if (t->kind == CKPTW_PACKED)
+    f->sigma = (float) s;
+    if (t->kind == CKPTW_PACKED || t->kind == CKPTW_NV_PACKED)
         f->kind = FILL_CODES;
     else if (t->kind == CKPTW_SCALE)
         scale_fill((float) s, f);
+    else if (t->kind == CKPTW_FP8)
+        f->kind = FILL_FP8;
+    else if (t->kind == CKPTW_FP8_SCALE)
+        f->kind = FILL_CONST_F32, f->sigma = (float) (s / FP8_RHO);
+    else if (t->kind == CKPTW_NV_SCALE)
+        f->kind = FILL_BYTE, f->scale_lo = NV_SCALE_BYTE;
+    else if (t->kind == CKPTW_NV_GSCALE)
+        f->kind = FILL_CONST_F32, f->sigma = (float) (s / sqrt(code_m2) / fp8_e4m3_value(NV_SCALE_BYTE));
     else if (t->kind != CKPTW_DENSE && t->kind != CKPTW_F32)
-        return err_set(e, -EINVAL, "tensor '%s': unexpected kind %d", n, t->kind);
-    f->sigma = (float) s;
+        return err_set(e, -EINVAL, "tensor '%s': unexpected kind %d", t->name, t->kind);
 
     f->hole = m->sparse_all ||
               (m->sparse_embed && strcmp(n, "model.embed_tokens.weight") == 0) ||
               (m->sparse_heads && (strcmp(n, "lm_head.weight") == 0 || ends_with(n, ".shared_head.output.weight"))) ||
               (ex >= 0 && (m->sparse_experts || ex >= m->sparse_experts_from));
+    /* stacked experts are one tensor: a hole with --sparse experts (experts-from:N holes
+     * them only for N = 0; otherwise they are written whole) */
     return 0;
 }
 
@@ -678,6 +713,7 @@ static int write_model(struct mk *m, struct err_buf *e)
     }
     ckptw_opts_default(&wo);
     wo.write_mtp = true;
+    wo.stacked_experts = m->format == QUANT_NONE || m->format == QUANT_FP8;   /* as those releases */
     r = ckptw_layout(&m->cfg, &wo, &m->ents, &m->n_ents);
     if (r < 0)
         return err_set(e, r, "out of memory");
@@ -830,6 +866,10 @@ static void usage(FILE *f)
         "                     [--threads T] [--tokenizer PATH] [--force]\n"
         "                     [--hidden H] [--intermediate I] [--moe-inter M] [--shared-inter S]\n"
         "                     [--experts E] [--top-k K] [--vocab V] [--head-dim D] [--window W]\n"
+        "                     [--format bf16|fp8|nvfp4|mxfp4]\n"
+        "  --format F          the routed experts' format (default mxfp4): bf16 and fp8 write them\n"
+        "                      stacked [experts, out, in] per projection as those releases do, fp8\n"
+        "                      with 128x128 block scales, nvfp4 (modelopt) and mxfp4 per expert\n"
         "  --preset P          full (default): Step-3.7-Flash widths (hidden 4096, 288 experts x 1280\n"
         "                      top-8, vocab 128896); narrow8: the real head counts (64/96 query, 8 KV\n"
         "                      heads of 128) with hidden 256, dense MLP 768, 32 experts x 128 top-8,\n"
@@ -920,7 +960,7 @@ int main(int argc, char **argv)
 {
     enum { O_PRESET = 256, O_LAYERS, O_REAL, O_MTP, O_SEED, O_SHARDS, O_SHARD_SIZE, O_SPARSE,
            O_THREADS, O_TOK, O_FORCE, O_HIDDEN, O_INTER, O_MOE, O_SHARED, O_EXPERTS, O_TOPK,
-           O_VOCAB, O_HEADDIM, O_WINDOW, O_OUT };
+           O_VOCAB, O_HEADDIM, O_WINDOW, O_OUT, O_FORMAT };
     static const struct option lo[] = {
         { "out", required_argument, NULL, O_OUT },
         { "preset", required_argument, NULL, O_PRESET },
@@ -943,6 +983,7 @@ int main(int argc, char **argv)
         { "vocab", required_argument, NULL, O_VOCAB },
         { "head-dim", required_argument, NULL, O_HEADDIM },
         { "window", required_argument, NULL, O_WINDOW },
+        { "format", required_argument, NULL, O_FORMAT },
         { "help", no_argument, NULL, 'h' },
         { "version", no_argument, NULL, 'V' },
         { 0 },
@@ -963,6 +1004,7 @@ int main(int argc, char **argv)
     m->shard_size = (int64_t) 5 << 30;
     m->threads = nproc > 0 ? (int) (nproc < MAX_THREADS ? nproc : MAX_THREADS) : 1;
     m->sparse_experts_from = INT_MAX;
+    m->format = QUANT_MXFP4;
     m->err_entry = -1;
 #define INT_ARG(flag, lo_, hi_, dst) do { if (cli_parse_int(flag, optarg, lo_, hi_, dst, &e) < 0) goto usage_err; } while (0)
     while ((opt = getopt_long(argc, argv, "hV", lo, NULL)) != -1) {
@@ -1016,6 +1058,20 @@ int main(int argc, char **argv)
         case O_VOCAB: INT_ARG("--vocab", 8, 1 << 24, &m->vocab); break;
         case O_HEADDIM: INT_ARG("--head-dim", 2, 1024, &m->head_dim); break;
         case O_WINDOW: INT_ARG("--window", 1, 1 << 20, &m->window); break;
+        case O_FORMAT:
+            if (strcmp(optarg, "bf16") == 0)
+                m->format = QUANT_NONE;
+            else if (strcmp(optarg, "fp8") == 0)
+                m->format = QUANT_FP8;
+            else if (strcmp(optarg, "nvfp4") == 0)
+                m->format = QUANT_NVFP4;
+            else if (strcmp(optarg, "mxfp4") == 0)
+                m->format = QUANT_MXFP4;
+            else {
+                err_set(&e, -EINVAL, "--format '%s': expected bf16, fp8, nvfp4 or mxfp4", optarg);
+                goto usage_err;
+            }
+            break;
         case 'h': usage(stdout); return 0;
         case 'V': printf("stepd-mkmodel %s\n", STEPD_VERSION); return 0;
         default: fputs(usage_line, stderr); free(m); return 2;

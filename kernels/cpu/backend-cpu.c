@@ -250,6 +250,8 @@ static int cpu_weight_prepare(struct backend *be, struct bweight *w)
         return 0;               /* already prepared */
     if (w->fmt == WFMT_MXFP4)
         return cpu_mxfp4_prepare(w);
+    if (w->fmt == WFMT_FP8 || w->fmt == WFMT_NVFP4)
+        return cpu_lowp_check(w);   /* used in place */
     return 0;                   /* F32/BF16 are used in place */
 }
 
@@ -286,6 +288,10 @@ float cpu_weight_get(const struct bweight *w, int64_t row, int64_t col)
             uint8_t e = w->scale[row * (w->cols / 32) + col / 32];
             return cpu_e2m1[(qs[col / 2] >> (4 * (col % 2))) & 15] * __builtin_ldexpf(1.0f, e - 127);
         }
+    case WFMT_FP8:
+        return cpu_fp8_get(w, row, col);
+    case WFMT_NVFP4:
+        return cpu_nvfp4_get(w, row, col);
     default:
         BUG_ON(1);
     }

@@ -199,9 +199,39 @@ void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t 
                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2);
 void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
                           float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2);
+/* FP8 (matmul-fp8.c) and NVFP4 (matmul-nvfp4.c): rows decoded on the fly into rowbuf
+ * (CPU_LOWP_BUF(cols) floats per thread) and multiplied on the exact path (one row in fp64,
+ * the 16-lane fp64 order below, one rounding) or the fast one (CPU_LOWP_TILE rows in fp32,
+ * the F32 kernel).  cpu_lowp_exact: the exact path is in use (backend_cfg.mxfp4_exact, or
+ * no AVX2). */
+#define CPU_LOWP_TILE 8
+#define CPU_LOWP_BUF(cols) ((int64_t)(cols) * CPU_LOWP_TILE)
+extern float cpu_e4m3[256];
+typedef void (*cpu_row_decode_fn)(const struct bweight *w, int64_t r, double *out64, float *out32);
+void cpu_matmul_decoded_rows(const struct bweight *w, cpu_row_decode_fn decode, const float *x,
+                             const int32_t *xidx, int n, float *y, int64_t ldy, int64_t r0, int64_t r1,
+                             bool exact, void *rowbuf);
+void cpu_matmul_fp8_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                         int64_t ldy, int64_t r0, int64_t r1, bool exact, void *rowbuf);
+void cpu_matmul_nvfp4_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                           int64_t ldy, int64_t r0, int64_t r1, bool exact, void *rowbuf);
+float cpu_fp8_get(const struct bweight *w, int64_t row, int64_t col);
+float cpu_nvfp4_get(const struct bweight *w, int64_t row, int64_t col);
+bool cpu_lowp_exact(const struct cpu_ctx *c);
+/* weight_prepare of both: shapes the kernels need, and no E4M3 NaN code (-EINVAL) */
+int cpu_lowp_check(const struct bweight *w);
+
 /* Exact W4A32: every product exact in fp64, fixed 16-lane fp64 accumulation order
  * (lane = col % 16; lanes folded l += l+8, +4, +2, +1), one rounding to fp32. */
 #define MXFP4_EXACT_LANES 16
+/* the exact paths' fold of their 16 fp64 lanes into one fp32 */
+static inline float cpu_exact_fold(double *acc)
+{
+    for (int s = MXFP4_EXACT_LANES / 2; s > 0; s /= 2)
+        for (int l = 0; l < s; l++)
+            acc[l] += acc[l + s];
+    return (float)acc[0];
+}
 void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const int32_t *xidx,
                                  int n, float *y, int64_t ldy, int64_t r0, int64_t r1,
                                  float *rowbuf);

@@ -231,10 +231,7 @@ void cpu_matmul_mxfp4_exact_rows(const struct bweight *w, const float *x, const 
             else
 #endif
                 exact_dot_scalar(rowbuf, xi, cols, acc);
-            for (int s = MXFP4_EXACT_LANES / 2; s > 0; s /= 2)
-                for (int l = 0; l < s; l++)
-                    acc[l] += acc[l + s];
-            y[(int64_t)i * ldy + (r - r0)] = (float)acc[0];
+            y[(int64_t)i * ldy + (r - r0)] = cpu_exact_fold(acc);
         }
     }
 }

@@ -52,6 +52,14 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
             cpu_matmul_mxfp4_exact_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1,
                                         j->rowbuf + (int64_t)ith * w->cols);
         break;
+    case WFMT_FP8:
+        cpu_matmul_fp8_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1, cpu_lowp_exact(j->c),
+                            j->rowbuf + (int64_t)ith * CPU_LOWP_BUF(w->cols));
+        break;
+    case WFMT_NVFP4:
+        cpu_matmul_nvfp4_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1, cpu_lowp_exact(j->c),
+                              j->rowbuf + (int64_t)ith * CPU_LOWP_BUF(w->cols));
+        break;
     default:
         BUG_ON(1);
     }
@@ -92,6 +100,11 @@ int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x,
             if (!j.rowbuf)
                 return -ENOMEM;
         }
+    } else if (w->fmt == WFMT_FP8 || w->fmt == WFMT_NVFP4) {
+        /* per thread: a tile of fp32 rows, or one fp64 row */
+        j.rowbuf = cpu_scratch(c, (size_t)c->n_threads * (size_t)CPU_LOWP_BUF(w->cols) * sizeof(float));
+        if (!j.rowbuf)
+            return -ENOMEM;
     }
     {
         /* AMX tiles do ~8x the multiply-adds of the vector kernels per cycle: weigh the

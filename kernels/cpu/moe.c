@@ -45,7 +45,8 @@ struct moe_job {
     int32_t *active;        /* [n_active] local experts with tokens */
     int n_active, p1;       /* phase 1: units per expert */
     int64_t tcols;
-    float *rowbuf;          /* per thread: [max(hidden, inter)] for the exact path */
+    float *rowbuf;          /* per thread: CPU_LOWP_BUF(max(hidden, inter)) floats: decoded
+                             * rows (MXFP4 exact: one; FP8/NVFP4: a tile, or one in fp64) */
 };
 
 /* y[i*ldy + r - r0] for rows [r0, r1) of w over n activation rows picked by xidx. */
@@ -66,7 +67,13 @@ static void rows_run(const struct moe_job *j, const struct bweight *w, const flo
         if (fast)
             cpu_matmul_mxfp4_fast_rows(w, qa, xidx, n, y, ldy, r0, r1);
         else
-            cpu_matmul_mxfp4_exact_rows(w, x, xidx, n, y, ldy, r0, r1, j->rowbuf + ith * rb);
+            cpu_matmul_mxfp4_exact_rows(w, x, xidx, n, y, ldy, r0, r1, j->rowbuf + ith * CPU_LOWP_BUF(rb));
+        break;
+    case WFMT_FP8:
+        cpu_matmul_fp8_rows(w, x, xidx, n, y, ldy, r0, r1, cpu_lowp_exact(j->c), j->rowbuf + ith * CPU_LOWP_BUF(rb));
+        break;
+    case WFMT_NVFP4:
+        cpu_matmul_nvfp4_rows(w, x, xidx, n, y, ldy, r0, r1, cpu_lowp_exact(j->c), j->rowbuf + ith * CPU_LOWP_BUF(rb));
         break;
     default:
         BUG_ON(1);
@@ -200,7 +207,7 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
     if (j.act_fast)
         sz_qa = cpu_qact_bytes(j.n_pairs, a->inter);
     sz_t = (size_t)nth * j.max_m * j.tcols * 4 + 64;
-    sz_rb = (size_t)nth * (a->hidden > a->inter ? a->hidden : a->inter) * 4 + 64;
+    sz_rb = (size_t)nth * (size_t)CPU_LOWP_BUF(a->hidden > a->inter ? a->hidden : a->inter) * 4 + 64;
     /* + 64 per carved piece for alignment padding */
     mem = cpu_scratch(c, sz_idx + sz_act + sz_qx + sz_qa + sz_t + sz_rb + 16 * 64);
     if (!mem) {
@@ -223,7 +230,7 @@ int cpu_moe(struct backend *be, const struct moe_args *a)
         mem += sz_qa;
     }
     CARVE(j.tbuf, (size_t)nth * j.max_m * j.tcols * 4);
-    CARVE(j.rowbuf, (size_t)nth * (a->hidden > a->inter ? a->hidden : a->inter) * 4);
+    CARVE(j.rowbuf, (size_t)nth * (size_t)CPU_LOWP_BUF(a->hidden > a->inter ? a->hidden : a->inter) * 4);
 #undef CARVE
 
     /* counting sort of the local pairs by expert, token order kept */

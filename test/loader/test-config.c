@@ -71,8 +71,12 @@ static void check_same(const struct model_config *a, const struct model_config *
         ASSERT_EQ(a->eos_token_ids[i], b->eos_token_ids[i]);
     ASSERT_EQ(a->quant, b->quant);
     ASSERT_EQ(a->quant_group_size, b->quant_group_size);
+    ASSERT_EQ(a->quant_block_rows, b->quant_block_rows);
+    ASSERT_EQ(a->lm_head_qfmt, b->lm_head_qfmt);
     for (int i = 0; i < a->n_layers_total; i++) {
         const struct layer_config *x = &a->layers[i], *y = &b->layers[i];
+        if (memcmp(x->qfmt, y->qfmt, sizeof(x->qfmt)) != 0)
+            FAIL("layer %d: module formats differ", i);
         if (x->kind != y->kind || x->n_heads != y->n_heads || x->n_kv_heads != y->n_kv_heads ||
             x->head_dim != y->head_dim || x->rotary_dims != y->rotary_dims || x->rope_theta != y->rope_theta ||
             x->rope_llama3 != y->rope_llama3 || x->is_moe != y->is_moe || x->is_mtp != y->is_mtp ||
@@ -234,7 +238,7 @@ static void test_quant(void)
         int err;
         const char *msg;
     } cases[] = {
-        { "quant_method", "\"gptq\"", -ENOTSUP, "quantization_config.quant_method: 'gptq' is not supported" },
+        { "quant_method", "\"gptq\"", -ENOTSUP, "quantization_config.quant_method: 'gptq' is not supported (compressed-tensors MXFP4, fp8 block-scaled or modelopt NVFP4)" },
         { "quant_method", NULL, -ENOENT, "quantization_config.quant_method: required field is missing" },
         { "config_groups", NULL, -ENOENT, "quantization_config.config_groups: required field is missing" },
         { "config_groups", "{}", -EINVAL, "quantization_config.config_groups: empty" },
@@ -301,6 +305,111 @@ static void test_quant(void)
     }
 }
 
+/* Property: the fp8 (modules_to_not_convert) and modelopt NVFP4 (exclude_modules) dialects
+ * select each module's format: what the writer excluded round-trips, names match on
+ * whole components ("moe.gate" is the router, not the experts' gate_proj), globs apply
+ * to modelopt, both name spellings match, and every bad field is named. */
+static void test_quant_dialects(void)
+{
+    struct model_config want, got;
+    struct err_buf e = { "" };
+    json_t *j, *q;
+
+    ckptw_config_step37(&want);
+    for (int f = 0; f < 3; f++) {
+        enum quant_scheme qs = f == 0 ? QUANT_FP8 : f == 1 ? QUANT_NVFP4 : QUANT_NONE;
+        model_config_set_quant(&want, qs);
+        j = base_json(&want, true, false);
+        if (parse_json(j, &got, &e) < 0)
+            FAIL("%s: %s", quant_scheme_name(qs), e.msg);
+        check_same(&want, &got);
+        ASSERT_EQ(got.layers[3].qfmt[QMOD_EXPERT_DOWN], qs);
+        ASSERT_EQ(got.layers[3].qfmt[QMOD_ROUTER], QUANT_NONE);
+        ASSERT_EQ(got.layers[0].qfmt[QMOD_Q], QUANT_NONE);
+        json_decref(j);
+    }
+    /* fp8: everything converted but the listed modules */
+    model_config_set_quant(&want, QUANT_FP8);
+    j = base_json(&want, true, false);
+    q = json_object_get(j, "quantization_config");
+    json_object_set_new(q, "modules_to_not_convert",
+                        json_pack("[s, s, s, s]", "lm_head", "model.language_model.layers.45", "self_attn.g_proj", "moe.gate"));
+    ASSERT_OK(parse_json(j, &got, &e));
+    ASSERT_EQ(got.quant, QUANT_FP8);
+    ASSERT_EQ(got.quant_block_rows, 128);
+    ASSERT_EQ(got.quant_group_size, 128);
+    ASSERT_EQ(got.layers[0].qfmt[QMOD_Q], QUANT_FP8);
+    ASSERT_EQ(got.layers[0].qfmt[QMOD_G], QUANT_NONE);
+    ASSERT_EQ(got.layers[0].qfmt[QMOD_MLP_DOWN], QUANT_FP8);
+    ASSERT_EQ(got.layers[3].qfmt[QMOD_ROUTER], QUANT_NONE);
+    ASSERT_EQ(got.layers[3].qfmt[QMOD_EXPERT_GATE], QUANT_FP8);
+    ASSERT_EQ(got.layers[3].qfmt[QMOD_SHARED_UP], QUANT_FP8);
+    ASSERT_EQ(got.layers[45].qfmt[QMOD_EH_PROJ], QUANT_NONE);
+    ASSERT_EQ(got.layers[45].qfmt[QMOD_Q], QUANT_NONE);
+    ASSERT_EQ(got.layers[46].qfmt[QMOD_EH_PROJ], QUANT_FP8);
+    ASSERT_EQ(got.lm_head_qfmt, QUANT_NONE);
+    json_decref(j);
+    /* modelopt: globs, the nested "quantization" object, the KV-cache algorithm noted */
+    model_config_set_quant(&want, QUANT_NVFP4);
+    j = base_json(&want, true, false);
+    q = json_object_get(j, "quantization_config");
+    json_object_del(q, "exclude_modules");
+    json_object_del(q, "quant_algo");
+    json_object_del(q, "group_size");
+    json_object_set_new(q, "quantization", json_pack("{s:s, s:i, s:s, s:[s, s, s]}", "quant_algo", "NVFP4",
+                        "group_size", 16, "kv_cache_quant_algo", "FP8", "exclude_modules", "lm_head",
+                        "*.moe.gate", "model.layers.4[5-7]*"));
+    ASSERT_OK(parse_json(j, &got, &e));
+    ASSERT_EQ(got.quant, QUANT_NVFP4);
+    ASSERT_EQ(got.quant_group_size, 16);
+    ASSERT_EQ(got.layers[3].qfmt[QMOD_ROUTER], QUANT_NONE);
+    ASSERT_EQ(got.layers[3].qfmt[QMOD_EXPERT_UP], QUANT_NVFP4);
+    ASSERT_EQ(got.layers[1].qfmt[QMOD_O], QUANT_NVFP4);
+    ASSERT_EQ(got.layers[44].qfmt[QMOD_O], QUANT_NVFP4);
+    ASSERT_EQ(got.layers[47].qfmt[QMOD_HEAD_OUT], QUANT_NONE);
+    ASSERT_EQ(got.lm_head_qfmt, QUANT_NONE);
+    ASSERT_CONTAINS(got.notes, "kv_cache_quant_algo FP8: the KV cache stays unquantised");
+    json_decref(j);
+
+    {
+        static const struct {
+            enum quant_scheme q;
+            const char *key, *value;   /* value NULL: delete key */
+            int err;
+            const char *msg;
+        } cases[] = {
+            { QUANT_FP8, "weight_block_size", NULL, -ENOTSUP, "quantization_config.weight_block_size: required field is missing (only block-scaled FP8" },
+            { QUANT_FP8, "weight_block_size", "[128]", -EINVAL, "quantization_config.weight_block_size: expected [rows, columns]" },
+            { QUANT_FP8, "weight_block_size", "[0, 128]", -EINVAL, "weight_block_size: expected [rows, columns] of 1..4096" },
+            { QUANT_FP8, "fmt", "\"e5m2\"", -ENOTSUP, "quantization_config.fmt: 'e5m2' is not supported (only e4m3)" },
+            { QUANT_FP8, "activation_scheme", "\"static\"", -ENOTSUP, "quantization_config.activation_scheme: 'static' is not supported" },
+            { QUANT_FP8, "modules_to_not_convert", "\"lm_head\"", -EINVAL, "quantization_config.modules_to_not_convert: expected an array, got a string" },
+            { QUANT_FP8, "modules_to_not_convert", "[7]", -EINVAL, "quantization_config.modules_to_not_convert[0]: expected a string, got an integer" },
+            { QUANT_NVFP4, "quant_algo", "\"FP8\"", -ENOTSUP, "quantization_config.quant_algo: 'FP8' is not supported (only NVFP4)" },
+            { QUANT_NVFP4, "quant_algo", NULL, -ENOENT, "quantization_config.quant_algo: required field is missing" },
+            { QUANT_NVFP4, "group_size", "32", -ENOTSUP, "quantization_config.group_size: 32 is not supported (NVFP4 groups are 16)" },
+            { QUANT_NVFP4, "exclude_modules", "{}", -EINVAL, "quantization_config.exclude_modules: expected an array, got an object" },
+            { QUANT_NVFP4, "quant_method", "\"modelopt_fp4\"", -ENOTSUP, "quant_method: 'modelopt_fp4' is not supported" },
+        };
+        for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
+            model_config_set_quant(&want, cases[i].q);
+            j = base_json(&want, true, false);
+            q = json_object_get(j, "quantization_config");
+            if (cases[i].value) {
+                json_error_t je;
+                json_object_set_new(q, cases[i].key, json_loads(cases[i].value, JSON_DECODE_ANY, &je));
+            } else {
+                json_object_del(q, cases[i].key);
+            }
+            e.msg[0] = 0;
+            int r = parse_json(j, &got, &e);
+            if (r != cases[i].err || !strstr(e.msg, cases[i].msg))
+                FAIL("dialect case %zu: got %d \"%s\"", i, r, e.msg);
+            json_decref(j);
+        }
+    }
+}
+
 /* Property: JSON-level problems (duplicates, not an object, oversize) are refused. */
 static void test_json_level(void)
 {
@@ -325,6 +434,7 @@ int main(void)
     test_trunk_only_lists();
     test_bad_fields();
     test_quant();
+    test_quant_dialects();
     test_json_level();
     ckptw_rmtree(tmp);
     free(tmp);

@@ -5,6 +5,7 @@
  * every rank, and the index path-escape cases (docs/RELIABILITY.md C3). */
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -779,6 +780,295 @@ static void test_damaged_shard(void)
     free(dir);
 }
 
+/* ------------------------------------------------------------------------ */
+/* formats (issue 43) */
+
+/* the tiny config with its experts in q; FP8 in 32 x 32 blocks (the tiny widths are 64) */
+static void tiny_in(struct model_config *cfg, enum quant_scheme q)
+{
+    ckptw_config_tiny(cfg);
+    model_config_set_quant(cfg, q);
+    if (q == QUANT_FP8)
+        cfg->quant_block_rows = cfg->quant_group_size = 32;
+}
+
+static const char *const fmt_suffixes[_QUANT_MAX][4] = {
+    [QUANT_NONE] = { ".weight" },
+    [QUANT_MXFP4] = { ".weight_packed", ".weight_scale" },
+    [QUANT_FP8] = { ".weight", ".weight_scale_inv" },
+    [QUANT_NVFP4] = { ".weight", ".weight_scale", ".weight_scale_2" },
+};
+
+/* Property: in every format the routed experts load from one tensor per expert and from
+ * the releases' stacked [n_experts, out, in] tensor per projection alike: every rank of
+ * an expert-parallel group gets the same bytes for its own experts from both, as views
+ * into the stacked tensor (expert e + 1's view starts one expert's bytes after e's), the
+ * same per-rank byte plan, and no view of another rank's experts. */
+static void test_formats_layouts(void)
+{
+    static const char *const pj[3] = { "gate_proj", "up_proj", "down_proj" };
+
+    for (int q = 0; q < _QUANT_MAX; q++) {
+        struct model_config cfg;
+        struct ckptw_opts o;
+        struct err_buf e = { "" };
+        char name[32], *dir[2];
+
+        tiny_in(&cfg, (enum quant_scheme) q);
+        for (int st = 0; st < 2; st++) {
+            snprintf(name, sizeof(name), "layout-%s-%d", quant_scheme_name((enum quant_scheme) q), st);
+            dir[st] = mkdir_case(name);
+            ckptw_opts_default(&o);
+            o.stacked_experts = st;
+            ASSERT_OK(ckptw_write(dir[st], &cfg, &o, &e));
+        }
+        for (int ws = 1; ws <= 4; ws *= 4) {
+            for (int r = 0; r < ws; r += ws > 1 ? ws - 1 : 1) {
+                struct ckpt *c[2];
+                struct ckpt_plan_stats ps[2];
+                int first, count;
+                for (int st = 0; st < 2; st++) {
+                    if (open_ckpt(dir[st], ws, r, 2, NULL, &c[st], &e, NULL) < 0)
+                        FAIL("%s layout %d, ws %d rank %d: %s", quant_scheme_name((enum quant_scheme) q), st, ws, r, e.msg);
+                    ckpt_plan_stats(c[st], &ps[st]);
+                }
+                ASSERT_EQ(ps[0].bytes, ps[1].bytes);
+                ASSERT_EQ(ps[0].n_tensors, ps[1].n_tensors);
+                ckpt_expert_range(c[1], &first, &count);
+                for (int l = 2; l < 4; l++)
+                    for (int k = 0; k < 3; k++)
+                        for (int sfx = 0; fmt_suffixes[q][sfx]; sfx++) {
+                            const void *prev = NULL;
+                            for (int x = first; x < first + count; x++) {
+                                struct tview a, b;
+                                char n[160];
+                                snprintf(n, sizeof(n), "model.layers.%d.moe.experts.%d.%s%s", l, x, pj[k], fmt_suffixes[q][sfx]);
+                                ASSERT_OK(ckpt_get(c[0], n, &a));
+                                ASSERT_OK(ckpt_get(c[1], n, &b));
+                                ASSERT_EQ(a.dtype, b.dtype);
+                                ASSERT_EQ(a.ndim, b.ndim);
+                                for (int d = 0; d < a.ndim; d++)
+                                    ASSERT_EQ(a.shape[d], b.shape[d]);
+                                ASSERT_EQ(a.nbytes, b.nbytes);
+                                ASSERT_TRUE(memcmp(a.data, b.data, a.nbytes) == 0);
+                                if (prev)
+                                    ASSERT_TRUE((const char *) b.data == (const char *) prev + b.nbytes);
+                                prev = b.data;
+                            }
+                            if (ws > 1) {
+                                struct tview b;
+                                char n[160];
+                                snprintf(n, sizeof(n), "model.layers.%d.moe.experts.%d.%s%s", l,
+                                         (first + count) % cfg.n_experts, pj[k], fmt_suffixes[q][sfx]);
+                                ASSERT_ERR(ckpt_get(c[1], n, &b), -ENOENT);
+                            }
+                        }
+                ckpt_close(c[0]);
+                ckpt_close(c[1]);
+            }
+        }
+        free(dir[0]);
+        free(dir[1]);
+    }
+}
+
+/* Property: the FP8 and NVFP4 bytes the writer stores decode (codes x block or group
+ * scales x global scale) to the weights they were made from, within the format's
+ * rounding: E4M3 keeps 3 mantissa bits (|error| <= |w| / 16 + the subnormal step),
+ * NVFP4 a half E2M1 step of the group plus the E4M3 rounding of the group scale. */
+static void test_formats_decode(void)
+{
+    for (int q = QUANT_FP8; q <= QUANT_NVFP4; q++) {
+        struct model_config cfg;
+        struct ckptw_opts o;
+        struct err_buf e = { "" };
+        struct ckpt *c;
+        struct tview w, s, g;
+        char *dir = mkdir_case(q == QUANT_FP8 ? "decode-fp8" : "decode-nvfp4");
+        const char *base = "model.layers.3.moe.experts.5.down_proj";
+        char n[160], wn[160];
+        double worst = 0;
+
+        tiny_in(&cfg, (enum quant_scheme) q);
+        ckptw_opts_default(&o);
+        o.stacked_experts = q == QUANT_FP8;
+        ASSERT_OK(ckptw_write(dir, &cfg, &o, &e));
+        ASSERT_OK(open_ckpt(dir, 1, 0, 0, NULL, &c, &e, NULL));
+        snprintf(n, sizeof(n), "%s.weight", base);
+        ASSERT_OK(ckpt_get(c, n, &w));
+        snprintf(n, sizeof(n), "%s.%s", base, q == QUANT_FP8 ? "weight_scale_inv" : "weight_scale");
+        ASSERT_OK(ckpt_get(c, n, &s));
+        snprintf(wn, sizeof(wn), "%s.weight", base);
+        if (q == QUANT_FP8) {
+            const int64_t rows = w.shape[0], cols = w.shape[1];
+            ASSERT_EQ(w.dtype, DTYPE_F8_E4M3);
+            ASSERT_EQ(s.shape[0], rows / 32);
+            ASSERT_EQ(s.shape[1], cols / 32);
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t j = 0; j < cols; j++) {
+                    float si, ref = ckptw_random_value(o.seed, wn, i * cols + j, o.init_scale);
+                    memcpy(&si, (const char *) s.data + 4 * ((i / 32) * (cols / 32) + j / 32), 4);
+                    double got = fp8_e4m3_value(((const uint8_t *) w.data)[i * cols + j]) * si;
+                    double err = fabs(got - ref), tol = fabs(ref) / 16 + si * ldexp(1, -10);
+                    if (err > tol)
+                        FAIL("fp8 [%lld,%lld]: %g, expected %g", (long long) i, (long long) j, got, (double) ref);
+                    worst = fmax(worst, err);
+                }
+        } else {
+            const int64_t rows = w.shape[0], cols = w.shape[1] * 2;
+            float gs;
+            float *row = malloc((size_t) cols * sizeof(float));
+            snprintf(n, sizeof(n), "%s.weight_scale_2", base);
+            ASSERT_OK(ckpt_get(c, n, &g));
+            ASSERT_EQ(g.dtype, DTYPE_F32);
+            ASSERT_EQ(g.ndim, 0);
+            ASSERT_EQ(s.dtype, DTYPE_F8_E4M3);
+            memcpy(&gs, g.data, 4);
+            for (int64_t i = 0; i < rows; i++) {
+                ASSERT_OK(nvfp4_row_decode((const uint8_t *) w.data + i * cols / 2,
+                                           (const uint8_t *) s.data + i * cols / 16, gs, cols, row));
+                for (int64_t j = 0; j < cols; j++) {
+                    float ref = ckptw_random_value(o.seed, wn, i * cols + j, o.init_scale), amax = 0;
+                    double eff = fp8_e4m3_value(((const uint8_t *) s.data)[i * cols / 16 + j / 16]) * gs;
+                    for (int t = 0; t < 16; t++)
+                        amax = fmaxf(amax, fabsf(ckptw_random_value(o.seed, wn, i * cols + j / 16 * 16 + t, o.init_scale)));
+                    double err = fabs(row[j] - ref), tol = eff + amax / 16;
+                    if (err > tol)
+                        FAIL("nvfp4 [%lld,%lld]: %g, expected %g", (long long) i, (long long) j, row[j], (double) ref);
+                    worst = fmax(worst, err);
+                }
+            }
+            free(row);
+        }
+        ASSERT_TRUE(worst > 0);   /* quantised, not a copy */
+        ckpt_close(c);
+        free(dir);
+    }
+}
+
+/* Write cfg under o into a fresh case directory and open it at world size ws, which must
+ * fail with err; returns the full problem report (caller frees). */
+static int lines_in(const char *s)
+{
+    int n = 0;
+    for (; *s; s++)
+        n += *s == '\n';
+    return n + (s[-1] != '\n');
+}
+
+static char *problems_of(const char *name, const struct model_config *cfg, const struct ckptw_opts *o,
+                         const struct model_config *claimed, int ws, int err)
+{
+    struct err_buf e = { "" };
+    struct ckpt *c = NULL;
+    char *dir = mkdir_case(name), *report = NULL;
+
+    ASSERT_OK(ckptw_write(dir, cfg, o, &e));
+    if (claimed) {
+        /* the same files under another config.json */
+        char p[512];
+        snprintf(p, sizeof(p), "%s/config.json", dir);
+        ASSERT_OK(ckptw_write_config(p, claimed, true, false, &e));
+    }
+    ASSERT_ERR(open_ckpt(dir, ws, ws - 1, 0, NULL, &c, &e, &report), err);
+    ASSERT_TRUE(c == NULL && report != NULL);
+    free(dir);
+    return report;
+}
+
+/* Property: format problems are listed with every other problem, each naming the tensor
+ * and what was expected: a missing scale, scales of the wrong dtype (per expert and
+ * stacked, the stacked one once), an FP8 block size that does not divide a shape, and
+ * block scales that would not split over the ranks. */
+static void test_formats_bad_input(void)
+{
+    struct model_config cfg;
+    struct ckptw_opts o;
+    struct err_buf e = { "" };
+    struct ckpt *c = NULL;
+    char *report, *dir;
+
+    /* FP8, stacked: a missing stacked scale, a stacked scale of the wrong dtype */
+    {
+        static const char *const omit[] = { "model.layers.2.moe.up_proj.weight_scale_inv", NULL };
+        struct ckptw_override ov[] = {
+            { "model.layers.3.moe.down_proj.weight_scale_inv", DTYPE_BF16, 3, { 16, 2, 2 } },
+            { "model.layers.1.self_attn.q_proj.weight", DTYPE_BF16, 2, { 256, 64 } },
+        };
+        tiny_in(&cfg, QUANT_FP8);
+        cfg.layers[1].qfmt[QMOD_Q] = QUANT_FP8;   /* a dense FP8 module stored as BF16 */
+        ckptw_opts_default(&o);
+        o.stacked_experts = true;
+        o.omit = omit;
+        o.overrides = ov;
+        o.n_overrides = 2;
+        report = problems_of("bad-fp8", &cfg, &o, NULL, 1, -EINVAL);
+        ASSERT_CONTAINS(report, "missing: model.layers.2.moe.experts.0.up_proj.weight_scale_inv (F32 [2,2], or "
+                        "model.layers.2.moe.up_proj.weight_scale_inv stacked [16, ...])");
+        ASSERT_CONTAINS(report, "mismatch: model.layers.3.moe.down_proj.weight_scale_inv in ");
+        ASSERT_CONTAINS(report, "BF16 [16,2,2], expected F32 [16,2,2]");
+        ASSERT_TRUE(strstr(strstr(report, "mismatch: model.layers.3.moe.down_proj") + 1, "mismatch: model.layers.3.moe.down_proj") == NULL);
+        ASSERT_CONTAINS(report, "mismatch: model.layers.1.self_attn.q_proj.weight in ");
+        ASSERT_CONTAINS(report, "BF16 [256,64], expected F8_E4M3 [256,64]");
+        free(report);
+    }
+    /* FP8 whose 128 x 128 blocks do not divide the tiny widths (64): one line per module,
+     * the experts' once per layer and projection kind */
+    {
+        struct model_config c128;
+        tiny_in(&cfg, QUANT_FP8);
+        c128 = cfg;
+        c128.quant_block_rows = c128.quant_group_size = 128;
+        ckptw_opts_default(&o);
+        report = problems_of("bad-fp8-block", &cfg, &o, &c128, 1, -EINVAL);
+        ASSERT_CONTAINS(report, "model.layers.2.moe.experts.0.gate_proj: FP8 weight_block_size [128, 128] does not divide its shape [64, 64]");
+        ASSERT_TRUE(strstr(report, "model.layers.2.moe.experts.1.gate_proj: FP8") == NULL);
+        free(report);
+    }
+    /* NVFP4: group scales stored as U8, the global scale missing, listed together */
+    {
+        static const char *const omit[] = { "model.layers.3.moe.experts.9.gate_proj.weight_scale_2", NULL };
+        struct ckptw_override ov[] = {
+            { "model.layers.2.moe.experts.4.up_proj.weight_scale", DTYPE_U8, 2, { 64, 4 } },
+        };
+        tiny_in(&cfg, QUANT_NVFP4);
+        ckptw_opts_default(&o);
+        o.omit = omit;
+        o.overrides = ov;
+        o.n_overrides = 1;
+        report = problems_of("bad-nvfp4", &cfg, &o, NULL, 1, -EINVAL);
+        ASSERT_EQ(lines_in(report), 2);
+        ASSERT_CONTAINS(report, "missing: model.layers.3.moe.experts.9.gate_proj.weight_scale_2 (F32 [], or "
+                        "model.layers.3.moe.gate_proj.weight_scale_2 stacked [16, ...])");
+        ASSERT_CONTAINS(report, "mismatch: model.layers.2.moe.experts.4.up_proj.weight_scale in ");
+        ASSERT_CONTAINS(report, "U8 [64,4], expected F8_E4M3 [64,4]");
+        free(report);
+    }
+    /* FP8 dense modules in 32-row blocks: 8 ranks would cut the k_proj's 4 block rows */
+    {
+        tiny_in(&cfg, QUANT_FP8);
+        cfg.layers[0].qfmt[QMOD_K] = QUANT_FP8;
+        ckptw_opts_default(&o);
+        report = problems_of("bad-fp8-split", &cfg, &o, NULL, 8, -EINVAL);
+        ASSERT_CONTAINS(report, "model.layers.0.self_attn.k_proj.weight_scale_inv: its rows (4) do not split over world size 8");
+        ASSERT_EQ(lines_in(report), 1);
+        free(report);
+    }
+    /* NVFP4 input_scale (W4A4 activation scales) is named in the warnings, not planned */
+    {
+        static const char *const extra[] = { "model.layers.2.moe.experts.0.up_proj.input_scale", NULL };
+        dir = mkdir_case("nvfp4-input-scale");
+        tiny_in(&cfg, QUANT_NVFP4);
+        ckptw_opts_default(&o);
+        o.extra = extra;
+        ASSERT_OK(ckptw_write(dir, &cfg, &o, &e));
+        ASSERT_OK(open_ckpt(dir, 1, 0, 0, NULL, &c, &e, NULL));
+        ASSERT_CONTAINS(ckpt_warnings(c), "1 NVFP4 input_scale tensors ignored: activations are not quantised (W4A16)");
+        ckpt_close(c);
+        free(dir);
+    }
+}
+
 int main(void)
 {
     root = ckptw_tmpdir("stepd-test-loader");
@@ -798,6 +1088,9 @@ int main(void)
     test_given_weights();
     test_tied_embeddings();
     test_load_progress();
+    test_formats_layouts();
+    test_formats_decode();
+    test_formats_bad_input();
     if (!getenv("STEPD_KEEP_TMP"))
         ckptw_rmtree(root);
     free(root);

@@ -3,7 +3,14 @@
  *   clamp        ckptw's tiny config (window 8, MXFP4 experts, 2 MTP layers) with weights
  *                large enough and SwiGLU limits small enough that the clamps bind;
  *   dense-tied   BF16 experts (no quantization), tied embeddings, no router bias, no
- *                renormalisation, flat Step-3.5 config with trunk-only per-layer lists.
+ *                renormalisation, flat Step-3.5 config with trunk-only per-layer lists;
+ *   fp8, nvfp4, bf16-stacked
+ *                the tiny config with its routed experts as the FP8 release (block-scaled,
+ *                32 x 32 blocks, stacked [E, out, in]), NVFP4 (modelopt, per expert) and the
+ *                BF16 release (stacked) store them;
+ *   fp8-all, nvfp4-all
+ *                every linear module of the trunk and lm_head in the format but the router
+ *                (and FP8's g_proj); MTP layers BF16.
  *
  * gen_model("gen:VARIANT") returns a malloc'd temporary directory (remove it with
  * ckptw_rmtree) or aborts the test; any other string is returned as NULL. */
@@ -44,6 +51,29 @@ static inline char *gen_model(const char *spec)
         wo.lists_trunk_only = true;
         wo.n_shards = 1;
         wo.init_scale = 0.2f;
+    } else if (strcmp(spec + 4, "fp8") == 0 || strcmp(spec + 4, "nvfp4") == 0 ||
+               strcmp(spec + 4, "bf16-stacked") == 0) {
+        /* the releases' formats: FP8 (32 x 32 blocks: the tiny widths are 64) and BF16 with
+         * stacked experts, NVFP4 per expert */
+        bool fp8 = spec[4] == 'f', nv = spec[4] == 'n';
+        model_config_set_quant(&gc, fp8 ? QUANT_FP8 : nv ? QUANT_NVFP4 : QUANT_NONE);
+        if (fp8)
+            gc.quant_block_rows = gc.quant_group_size = 32;
+        wo.stacked_experts = !nv;
+    } else if (strcmp(spec + 4, "fp8-all") == 0 || strcmp(spec + 4, "nvfp4-all") == 0) {
+        /* every linear module of the trunk and lm_head in the format but the router and, for
+         * FP8 (16 x 16 blocks), the head-wise gate (8 rows on full layers); the MTP layers
+         * stay BF16 as in every release (the draft split takes BF16/MXFP4 only) */
+        bool fp8 = spec[4] == 'f';
+        model_config_set_quant(&gc, fp8 ? QUANT_FP8 : QUANT_NVFP4);
+        if (fp8)
+            gc.quant_block_rows = gc.quant_group_size = 16;
+        for (int l = 0; l < gc.n_layers; l++)
+            for (int m = 0; m < _QMOD_MAX; m++)
+                if (model_config_has_module(&gc, l, (enum quant_module)m) && m != QMOD_ROUTER && (!fp8 || m != QMOD_G))
+                    gc.layers[l].qfmt[m] = (uint8_t)gc.quant;
+        gc.lm_head_qfmt = (uint8_t)gc.quant;
+        wo.stacked_experts = fp8;
     } else {
         FAIL("unknown test model variant %s", spec);
     }

@@ -86,12 +86,70 @@ static int get_dense(struct ckpt *c, const char *name, struct nmat *m)
 
 static const double e2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
 
-/* "<base>.weight" or MXFP4 "<base>.weight_packed/.weight_scale" */
+/* E4M3 (docs/MODEL.md §5.6) from its bit fields */
+static double e4m3(uint8_t b)
+{
+    int ex = (b >> 3) & 15, man = b & 7;
+    double v = ex ? ldexp(1.0 + man / 8.0, ex - 7) : ldexp(man, -9);
+    if (ex == 15 && man == 7)
+        return NAN;
+    return (b & 0x80) ? -v : v;
+}
+
+static float f32_at(const void *p, int64_t i)
+{
+    float f;
+    memcpy(&f, (const char *)p + 4 * i, 4);
+    return f;
+}
+
+/* FP8 "<base>.weight" E4M3 + ".weight_scale_inv" blocks, or NVFP4 "<base>.weight" U8 +
+ * ".weight_scale" E4M3 per 16 + ".weight_scale_2": 1 if base is neither (no such .weight) */
+static int get_lowp(struct ckpt *c, const char *base, struct nmat *m)
+{
+    char n1[256], n2[256];
+    struct tview w, s, g;
+
+    snprintf(n1, sizeof(n1), "%s.weight", base);
+    if (ckpt_get(c, n1, &w) < 0 || (w.dtype != DTYPE_F8_E4M3 && w.dtype != DTYPE_U8))
+        return 1;
+    snprintf(n2, sizeof(n2), "%s.%s", base, w.dtype == DTYPE_F8_E4M3 ? "weight_scale_inv" : "weight_scale");
+    if (ckpt_get(c, n2, &s) < 0)
+        return -1;
+    m->rows = w.shape[0];
+    m->cols = w.dtype == DTYPE_F8_E4M3 ? w.shape[1] : w.shape[1] * 2;
+    m->w = malloc(sizeof(double) * (size_t)(m->rows * m->cols));
+    if (w.dtype == DTYPE_F8_E4M3) {
+        int64_t br = m->rows / s.shape[0], bc = m->cols / s.shape[1];
+        for (int64_t o = 0; o < m->rows; o++)
+            for (int64_t i = 0; i < m->cols; i++)
+                m->w[o * m->cols + i] = e4m3(((const uint8_t *)w.data)[o * m->cols + i]) *
+                                        f32_at(s.data, (o / br) * s.shape[1] + i / bc);
+        return 0;
+    }
+    snprintf(n2, sizeof(n2), "%s.weight_scale_2", base);
+    if (ckpt_get(c, n2, &g) < 0)
+        return -1;
+    for (int64_t o = 0; o < m->rows; o++)
+        for (int64_t i = 0; i < m->cols; i++) {
+            uint8_t byte = ((const uint8_t *)w.data)[o * (m->cols / 2) + i / 2];
+            uint8_t code = (byte >> (4 * (i % 2))) & 0xF;
+            double val = e2m1[code & 7] * ((code & 8) ? -1 : 1);
+            m->w[o * m->cols + i] = val * e4m3(((const uint8_t *)s.data)[o * (m->cols / 16) + i / 16]) *
+                                    f32_at(g.data, 0);
+        }
+    return 0;
+}
+
+/* "<base>.weight", FP8 / NVFP4 (get_lowp) or MXFP4 "<base>.weight_packed/.weight_scale" */
 static int get_linear(struct ckpt *c, const char *base, struct nmat *m)
 {
     char n1[256], n2[256];
     struct tview p, s;
+    int r = get_lowp(c, base, m);
 
+    if (r <= 0)
+        return r;
     snprintf(n1, sizeof(n1), "%s.weight", base);
     if (get_dense(c, n1, m) == 0)
         return 0;

@@ -214,8 +214,56 @@ static int load_vec(struct model *m, const char *name, int64_t n, struct bweight
     return model__prepare(m, w, name, e);
 }
 
-/* A linear layer "<base>.weight" (dense) or "<base>.weight_packed" + ".weight_scale"
- * (MXFP4).  rows/cols: expected local shape [out, in]. */
+/* A block-scaled FP8 ("<base>.weight" E4M3 + ".weight_scale_inv" F32 blocks) or NVFP4
+ * ("<base>.weight" U8 nibbles + ".weight_scale" E4M3 per 16 + ".weight_scale_2" F32) linear
+ * layer, v its .weight: kept in its format (docs/MODEL.md §5.6, §5.7). */
+static int load_lowp(struct model *m, const char *base, const struct tview *v, int64_t rows, int64_t cols,
+                     struct bweight *w, struct err_buf *e)
+{
+    char name[256];
+    struct tview s, g;
+    bool fp8 = v->dtype == DTYPE_F8_E4M3;
+    int r;
+
+    snprintf(name, sizeof(name), "%s.%s", base, fp8 ? "weight_scale_inv" : "weight_scale");
+    r = ckpt_get(m->ckpt, name, &s);
+    if (r < 0)
+        return err_set(e, r, "tensor '%s' not available from the loader: %s", name, err_str(r));
+    memset(w, 0, sizeof(*w));
+    w->rows = rows;
+    w->cols = cols;
+    w->data = v->data;
+    w->scale = s.data;
+    if (fp8) {
+        if (v->ndim != 2 || v->shape[0] != rows || v->shape[1] != cols || s.dtype != DTYPE_F32 || s.ndim != 2 ||
+            s.shape[0] <= 0 || s.shape[1] <= 0 || rows % s.shape[0] || cols % s.shape[1] ||
+            (cols / s.shape[1]) % 16)
+            return err_set(e, -EINVAL, "%s: FP8 weight %s [%lld, %lld] with scales %s [%lld, %lld] does not fit "
+                           "[%lld, %lld] in blocks of a multiple of 16 columns", base, dtype_name(v->dtype),
+                           (long long)v->shape[0], (long long)(v->ndim > 1 ? v->shape[1] : 0), dtype_name(s.dtype),
+                           (long long)s.shape[0], (long long)(s.ndim > 1 ? s.shape[1] : 0), (long long)rows,
+                           (long long)cols);
+        w->fmt = WFMT_FP8;
+        w->blk_rows = (int32_t)(rows / s.shape[0]);
+        w->blk_cols = (int32_t)(cols / s.shape[1]);
+        return model__prepare(m, w, base, e);
+    }
+    snprintf(name, sizeof(name), "%s.weight_scale_2", base);
+    r = ckpt_get(m->ckpt, name, &g);
+    if (r < 0)
+        return err_set(e, r, "%s.weight: U8 without '%s' (NVFP4) from the loader: %s", base, name, err_str(r));
+    if (cols % 16 || v->ndim != 2 || v->shape[0] != rows || v->shape[1] != cols / 2 || s.dtype != DTYPE_F8_E4M3 ||
+        s.ndim != 2 || s.shape[0] != rows || s.shape[1] != cols / 16 || g.dtype != DTYPE_F32 || tview_numel(&g) != 1)
+        return err_set(e, -EINVAL, "%s: NVFP4 tensors do not fit [%lld, %lld] (U8 [%lld, %lld], E4M3 [%lld, %lld], "
+                       "one F32 global scale expected)", base, (long long)rows, (long long)cols, (long long)rows,
+                       (long long)cols / 2, (long long)rows, (long long)cols / 16);
+    w->fmt = WFMT_NVFP4;
+    memcpy(&w->gscale, g.data, sizeof(float));
+    return model__prepare(m, w, base, e);
+}
+
+/* A linear layer "<base>.weight" (dense BF16/F32, or FP8 / NVFP4: load_lowp) or
+ * "<base>.weight_packed" + ".weight_scale" (MXFP4).  rows/cols: expected local shape [out, in]. */
 static int load_linear(struct model *m, const char *base, int64_t rows, int64_t cols,
                        struct bweight *w, struct err_buf *e)
 {
@@ -225,6 +273,8 @@ static int load_linear(struct model *m, const char *base, int64_t rows, int64_t 
 
     snprintf(name, sizeof(name), "%s.weight", base);
     r = ckpt_get(m->ckpt, name, &v);
+    if (r == 0 && (v.dtype == DTYPE_F8_E4M3 || v.dtype == DTYPE_U8))
+        return load_lowp(m, base, &v, rows, cols, w, e);
     if (r == 0) {
         r = view_to_weight(&v, name, w, e);
         if (r < 0)

@@ -1,0 +1,213 @@
+/* test-lowp.c - the FP8 (block-scaled E4M3) and NVFP4 matmul kernels (matmul-fp8.c,
+ * matmul-nvfp4.c) at this run's dispatch level, through backend_matmul (matmul.c) and
+ * backend_moe (moe.c), against an fp64 reference with its own decode (the bit fields of
+ * docs/MODEL.md §5.6-§5.7, not the kernels' tables):
+ *   - exact path: bit for bit the reference summed in the documented 16-lane order;
+ *   - fast path: within 1e-5 of Σ|w·x| of each output (fp32 decode and FMA order);
+ *   - the weights stay in their format: the backend reads the checkpoint's bytes;
+ *   - an E4M3 NaN code is refused at weight_prepare. */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "cpu.h"
+#include "harness.h"
+#include "kisa.h"
+#include "kref.h"
+#include "tensor.h"
+
+static double e4m3_ref(uint8_t b)
+{
+    int ex = (b >> 3) & 15, man = b & 7;
+    double v = ex ? ldexp(1.0 + man / 8.0, ex - 7) : ldexp(man, -9);
+    return (b & 0x80) ? -v : v;
+}
+
+static double w_ref(const struct bweight *w, int64_t o, int64_t i)
+{
+    static const double e2m1[8] = { 0, 0.5, 1, 1.5, 2, 3, 4, 6 };
+    if (w->fmt == WFMT_FP8) {
+        float s;
+        memcpy(&s, w->scale + 4 * ((o / w->blk_rows) * (w->cols / w->blk_cols) + i / w->blk_cols), 4);
+        return e4m3_ref(((const uint8_t *)w->data)[o * w->cols + i]) * s;
+    }
+    uint8_t c = (((const uint8_t *)w->data)[o * (w->cols / 2) + i / 2] >> (4 * (i % 2))) & 15;
+    return e2m1[c & 7] * ((c & 8) ? -1 : 1) * e4m3_ref(w->scale[o * (w->cols / 16) + i / 16]) * w->gscale;
+}
+
+/* a random weight in fmt, quantised from uniform values by tensor.c's quantisers */
+static struct bweight lowp_new(enum wfmt fmt, int64_t rows, int64_t cols, int br, int bc)
+{
+    struct bweight w = { .fmt = fmt, .rows = rows, .cols = cols };
+    float *f = malloc(sizeof(float) * (size_t)(rows * cols));
+
+    krng_fill(f, (size_t)(rows * cols), 0.5f);
+    f[0] = 0.0f;
+    if (fmt == WFMT_FP8) {
+        uint8_t *q = malloc((size_t)(rows * cols));
+        float *s = malloc(sizeof(float) * (size_t)((rows / br) * (cols / bc)));
+        ASSERT_OK(fp8_block_quantize(f, rows, cols, br, bc, q, s));
+        w.data = q;
+        w.scale = (const uint8_t *)s;
+        w.blk_rows = br;
+        w.blk_cols = bc;
+    } else {
+        uint8_t *q = malloc((size_t)(rows * cols / 2)), *s = malloc((size_t)(rows * cols / 16));
+        w.gscale = nvfp4_global_scale(f, rows * cols);
+        for (int64_t r = 0; r < rows; r++)
+            ASSERT_OK(nvfp4_row_quantize(f + r * cols, cols, w.gscale, q + r * cols / 2, s + r * cols / 16));
+        w.data = q;
+        w.scale = s;
+    }
+    free(f);
+    return w;
+}
+
+static void lowp_free(struct bweight *w)
+{
+    free((void *)w->data);
+    free((void *)w->scale);
+}
+
+static double ref_dot(const struct bweight *w, int64_t o, const float *x, double *mag)
+{
+    double acc[16] = { 0 };
+    *mag = 0;
+    for (int64_t i = 0; i < w->cols; i++) {
+        acc[i % 16] += w_ref(w, o, i) * (double)x[i];
+        *mag += fabs(w_ref(w, o, i) * (double)x[i]);
+    }
+    for (int s = 8; s > 0; s /= 2)
+        for (int l = 0; l < s; l++)
+            acc[l] += acc[l + s];
+    return acc[0];
+}
+
+static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int bc, int n, int nth)
+{
+    struct bweight w = lowp_new(fmt, rows, cols, br, bc);
+    struct backend *bx = kref_backend(nth, true), *bf = kref_backend(nth, false);
+    float *x = malloc(sizeof(float) * (size_t)(n * cols));
+    float *ye = malloc(sizeof(float) * (size_t)(n * rows)), *yf = malloc(sizeof(float) * (size_t)(n * rows));
+
+    krng_fill(x, (size_t)(n * cols), 2.0f);
+    ASSERT_OK(backend_weight_prepare(bx, &w));
+    ASSERT_OK(backend_matmul(bx, &w, x, n, ye));
+    ASSERT_OK(backend_matmul(bf, &w, x, n, yf));
+    for (int t = 0; t < n; t++)
+        for (int64_t o = 0; o < rows; o++) {
+            double mag, ref = ref_dot(&w, o, x + (int64_t)t * cols, &mag);
+            float e = ye[(int64_t)t * rows + o], f = yf[(int64_t)t * rows + o];
+            if (e != (float)ref)
+                FAIL("%s exact [%lldx%lld] n=%d t=%d row %lld: %.9g, reference %.9g", fmt == WFMT_FP8 ? "fp8" : "nvfp4",
+                     (long long)rows, (long long)cols, n, t, (long long)o, e, (float)ref);
+            if (fabs(f - ref) > 1e-5 * mag + 1e-30)
+                FAIL("%s fast [%lldx%lld] t=%d row %lld: %.9g, reference %.9g (sum |w x| %g)",
+                     fmt == WFMT_FP8 ? "fp8" : "nvfp4", (long long)rows, (long long)cols, t, (long long)o, f, ref, mag);
+        }
+    backend_weight_release(bx, &w);
+    backend_free(bx);
+    backend_free(bf);
+    lowp_free(&w);
+    free(x);
+    free(ye);
+    free(yf);
+}
+
+/* The MoE op with FP8 / NVFP4 experts: out += Σ weight · down(swiglu(gate x, up x)),
+ * against the same computation from the fp64-decoded weights (exact path: within the
+ * fp32 rounding of the intermediate activations) */
+static void check_moe(enum wfmt fmt, int nth)
+{
+    const int H = 64, I = 64, E = 4, T = 3, K = 2;
+    struct moe_expert ex[4];
+    struct backend *bx = kref_backend(nth, true);
+    float x[3 * 64], out[3 * 64] = { 0 }, wts[3 * 2] = { 0.7f, 0.3f, 0.5f, 0.5f, 1.0f, 0.25f };
+    int32_t ids[3 * 2] = { 0, 3, 1, 2, 3, 0 };
+
+    krng_fill(x, sizeof(x) / sizeof(x[0]), 1.0f);
+    for (int e = 0; e < E; e++) {
+        ex[e].gate = lowp_new(fmt, I, H, 32, 32);
+        ex[e].up = lowp_new(fmt, I, H, 32, 32);
+        ex[e].down = lowp_new(fmt, H, I, 32, 32);
+    }
+    struct moe_args a = { .x = x, .out = out, .n_tok = T, .hidden = H, .inter = I, .top_k = K, .ids = ids,
+                          .weights = wts, .experts = ex, .expert_first = 0, .n_local = E };
+    ASSERT_OK(backend_moe(bx, &a));
+    for (int t = 0; t < T; t++) {
+        double ref[64] = { 0 }, mag[64] = { 0 };
+        for (int k = 0; k < K; k++) {
+            const struct moe_expert *m = &ex[ids[t * K + k]];
+            double act[64];
+            for (int i = 0; i < I; i++) {
+                double g = 0, u = 0;
+                for (int h = 0; h < H; h++) {
+                    g += w_ref(&m->gate, i, h) * x[t * H + h];
+                    u += w_ref(&m->up, i, h) * x[t * H + h];
+                }
+                act[i] = g / (1 + exp(-g)) * u;
+            }
+            for (int h = 0; h < H; h++) {
+                double d = 0, dm = 0;
+                for (int i = 0; i < I; i++) {
+                    d += w_ref(&m->down, h, i) * act[i];
+                    dm += fabs(w_ref(&m->down, h, i) * act[i]);
+                }
+                ref[h] += wts[t * K + k] * d;
+                mag[h] += fabs(wts[t * K + k]) * dm;
+            }
+        }
+        for (int h = 0; h < H; h++)
+            if (fabs(out[t * H + h] - ref[h]) > 1e-5 * mag[h] + 1e-12)
+                FAIL("%s moe t=%d h=%d: %.9g, reference %.9g", fmt == WFMT_FP8 ? "fp8" : "nvfp4", t, h,
+                     out[t * H + h], ref[h]);
+    }
+    for (int e = 0; e < E; e++) {
+        lowp_free(&ex[e].gate);
+        lowp_free(&ex[e].up);
+        lowp_free(&ex[e].down);
+    }
+    backend_free(bx);
+}
+
+/* weight_prepare refuses an E4M3 NaN code (FP8 weight, NVFP4 group scale), as MXFP4's
+ * E8M0 255: a corrupt file, not a value */
+static void check_nan_refused(void)
+{
+    struct backend *be = kref_backend(1, false);
+
+    for (int f = 0; f < 2; f++) {
+        struct bweight w = lowp_new(f ? WFMT_NVFP4 : WFMT_FP8, 4, 32, 2, 16);
+        uint8_t *p = (uint8_t *)(f ? w.scale : w.data);
+        ASSERT_OK(backend_weight_prepare(be, &w));
+        backend_weight_release(be, &w);
+        p[5] = f ? 0xff : 0x7f;
+        ASSERT_ERR(backend_weight_prepare(be, &w), -EINVAL);
+        lowp_free(&w);
+    }
+    backend_free(be);
+}
+
+int main(void)
+{
+    setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
+    kt_isa_require("lowp", CPU_ISA_SCALAR);
+    static const int64_t shapes[][4] = { { 1, 32, 1, 32 }, { 7, 96, 7, 16 }, { 64, 256, 32, 128 },
+                                         { 128, 4096, 128, 128 }, { 33, 160, 11, 32 } };
+    static const int ns[] = { 1, 3, 9 };
+
+    krng_seed(4321);
+    for (size_t s = 0; s < ARRAY_SIZE(shapes); s++)
+        for (size_t k = 0; k < ARRAY_SIZE(ns); k++) {
+            check_matmul(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], ns[k],
+                         1 + (int)((s + k) % 3));
+            check_matmul(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, ns[k], 1 + (int)((s + k) % 3));
+        }
+    check_moe(WFMT_FP8, 2);
+    check_moe(WFMT_NVFP4, 1);
+    check_nan_refused();
+    printf("test-lowp: all passed\n");
+    return 0;
+}

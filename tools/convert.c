@@ -1,6 +1,6 @@
-/* convert.c - stepd-convert: one checkpoint rewritten in another release format.
+/* convert.c - stepd-mkmodel --from: one checkpoint rewritten in another release format.
  *
- *   stepd-convert --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 [--stacked yes|no]
+ *   stepd-mkmodel --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 [--stacked yes|no]
  *                 [--block N] [--force]
  *
  * Reads every tensor of DIR through the loader (any format it loads: BF16, MXFP4, FP8,
@@ -152,7 +152,7 @@ static int copy_file(const char *from, const char *to)
     return r;
 }
 
-int main(int argc, char **argv)
+int mkmodel_convert(int argc, char **argv)
 {
     static const struct option lo[] = {
         { "from", required_argument, NULL, 'f' }, { "out", required_argument, NULL, 'o' },
@@ -183,7 +183,7 @@ int main(int argc, char **argv)
                 goto usage;
             break;
         case 'h':
-            printf("usage: stepd-convert --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 [--stacked yes|no]\n"
+            printf("usage: stepd-mkmodel --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 [--stacked yes|no]\n"
                    "                     [--block N] [--force]\n");
             return 0;
         default:
@@ -215,7 +215,7 @@ int main(int argc, char **argv)
         char p[PATH_MAX];
         snprintf(p, sizeof(p), "%s/config.json", out);
         if (stat(p, &st) == 0) {
-            fprintf(stderr, "stepd-convert: --out %s already holds a checkpoint (--force replaces it)\n", out);
+            fprintf(stderr, "stepd-mkmodel: --out %s already holds a checkpoint (--force replaces it)\n", out);
             return 1;
         }
     }
@@ -260,16 +260,16 @@ int main(int argc, char **argv)
             goto fail;
         }
     }
-    printf("stepd-convert: %s -> %s (%s experts%s, every other module BF16)\n", from, out,
+    printf("stepd-mkmodel: %s -> %s (%s experts%s, every other module BF16)\n", from, out,
            quant_scheme_name(q), o.stacked_experts ? ", stacked" : "");
     ckpt_close(cv.src);
     return 0;
 usage:
-    fprintf(stderr, "stepd-convert: %s\nusage: stepd-convert --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 (--help)\n",
+    fprintf(stderr, "stepd-mkmodel: %s\nusage: stepd-mkmodel --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 (--help)\n",
             e.msg);
     return 2;
 fail:
-    fprintf(stderr, "stepd-convert: %s\n", e.msg);
+    fprintf(stderr, "stepd-mkmodel: %s\n", e.msg);
     ckpt_close(cv.src);
     return 1;
 }

@@ -867,6 +867,10 @@ static void usage(FILE *f)
         "                     [--hidden H] [--intermediate I] [--moe-inter M] [--shared-inter S]\n"
         "                     [--experts E] [--top-k K] [--vocab V] [--head-dim D] [--window W]\n"
         "                     [--format bf16|fp8|nvfp4|mxfp4]\n"
+        "       stepd-mkmodel --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 [--stacked yes|no]\n"
+        "                     [--block N] [--force]\n"
+        "  --from DIR          rewrite the checkpoint in DIR in another release format (its routed\n"
+        "                      experts; every other module BF16) instead of making a synthetic one\n"
         "  --format F          the routed experts' format (default mxfp4): bf16 and fp8 write them\n"
         "                      stacked [experts, out, in] per projection as those releases do, fp8\n"
         "                      with 128x128 block scales, nvfp4 (modelopt) and mxfp4 per expert\n"
@@ -956,8 +960,15 @@ static int parse_layers(struct mk *m, const char *s, struct err_buf *e)
     return 0;
 }
 
+int mkmodel_convert(int argc, char **argv);  /* convert.c */
+
 int main(int argc, char **argv)
 {
+    /* --from DIR: rewrite an existing checkpoint in another release format (convert.c) */
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--from") == 0 || strncmp(argv[i], "--from=", 7) == 0)
+            return mkmodel_convert(argc, argv);
+
     enum { O_PRESET = 256, O_LAYERS, O_REAL, O_MTP, O_SEED, O_SHARDS, O_SHARD_SIZE, O_SPARSE,
            O_THREADS, O_TOK, O_FORCE, O_HIDDEN, O_INTER, O_MOE, O_SHARED, O_EXPERTS, O_TOPK,
            O_VOCAB, O_HEADDIM, O_WINDOW, O_OUT, O_FORMAT };

@@ -1,6 +1,6 @@
 #!/bin/sh
 # run-formats.sh - the tiny model (models/tiny-step, MXFP4) in every release format
-# (issue 43): stepd-convert writes it as BF16 (experts stacked), FP8 (128 x 128 blocks,
+# (issue 43): stepd-mkmodel --from writes it as BF16 (experts stacked), FP8 (128 x 128 blocks,
 # stacked), NVFP4 (per expert) and MXFP4 again; for each:
 #   - it loads and the exact path equals the independent fp64 oracle (test-model, naive.c
 #     decodes every format itself);
@@ -26,7 +26,7 @@ base=$("$run" "$tiny" --prompt-ids "$ids" -n 40 --threads 2 --exact --ids-only)
 [ -n "$base" ] || fail "empty output from the original"
 for f in bf16 fp8 nvfp4 mxfp4; do
     d=$tmp/$f
-    "$conv" --from "$tiny" --out "$d" --format "$f" >/dev/null || fail "$f: stepd-convert"
+    "$conv" --from "$tiny" --out "$d" --format "$f" >/dev/null || fail "$f: stepd-mkmodel --from"
     "$tm" "$d" exact >"$tmp/tm.log" 2>&1 || { tail -5 "$tmp/tm.log"; fail "$f: exact path vs the oracle"; }
     echo "$f: $(tail -1 "$tmp/tm.log")"
     k0=$("$run" "$d" --prompt-ids "$ids" -n 40 --threads 2 --exact --ids-only) || fail "$f: stepd-run K=0"

@@ -4,7 +4,7 @@ written from the spec alone, checked against the bytes stepd writes (issue 43).
 
 Usage: check_formats.py STEPD_CONVERT TINY_MODEL_DIR
 
-The tiny model (MXFP4) is converted by stepd-convert to BF16, FP8 (128 x 128 blocks, experts
+The tiny model (MXFP4) is converted by stepd-mkmodel --from to BF16, FP8 (128 x 128 blocks, experts
 stacked [E, out, in]) and NVFP4 (per expert).  This script reads the safetensors files itself
 (8-byte header length, JSON header, raw data) and, for every routed expert projection:
   - BF16: the stacked expert equals the original's MXFP4 decode exactly (lossless);

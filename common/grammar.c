@@ -68,6 +68,7 @@ static struct {
     int32_t (*mask_into)(void *, uint32_t *, size_t);
     int32_t (*consume)(void *, uint32_t);
     int32_t (*rollback)(void *, size_t);
+    bool (*is_stopped)(const void *);
 } llg;
 
 static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
@@ -143,6 +144,7 @@ static void lib_load(void)
     SYM(mask_into, "llg_matcher_compute_mask_into");
     SYM(consume, "llg_matcher_consume_token");
     SYM(rollback, "llg_matcher_rollback");
+    SYM(is_stopped, "llg_matcher_is_stopped");
 #undef SYM
 }
 
@@ -356,8 +358,10 @@ int grammar_matcher_accept(struct grammar_matcher *g, int32_t tok)
         }
         return 0;
     }
+    /* nothing follows the end (a token after it would put the matcher in its error state,
+     * which no rollback leaves) */
     const uint32_t *m = grammar_matcher_mask(g);
-    if (!grammar_mask_has(m, tok) || llg.consume(g->m, (uint32_t) tok) < 0)
+    if (llg.is_stopped(g->m) || !grammar_mask_has(m, tok) || llg.consume(g->m, (uint32_t) tok) < 0)
         return -EINVAL;
     g->n_acc++;
     g->mask_ok = false;

@@ -266,6 +266,16 @@ static void process_logits(struct sampler *s, const struct sampling_params *sp,
     for (int i = 0; i < sp->n_logit_bias; i++)
         s->x[sp->logit_bias[i].token] += sp->logit_bias[i].bias;
     apply_penalties(s, sp, h);
+    if (sp->allow) {
+        for (int w = 0; w * 32 < v; w++) {
+            uint32_t m = sp->allow[w];
+            if (m == UINT32_MAX)
+                continue;
+            for (int b = 0; b < 32 && w * 32 + b < v; b++)
+                if (!(m >> b & 1u))
+                    s->x[w * 32 + b] = -INFINITY;
+        }
+    }
 }
 
 /* out = log_softmax(x), in double where it sums. */
@@ -349,7 +359,7 @@ int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,
                        uint32_t stream)
 {
     if (sampling_params_greedy(sp) && sp->n_logit_bias == 0 && sp->repetition_penalty == 1.0f &&
-        sp->presence_penalty == 0.0f && sp->frequency_penalty == 0.0f &&
+        sp->presence_penalty == 0.0f && sp->frequency_penalty == 0.0f && !sp->allow &&
         (!h || h->n_output >= sp->min_tokens || sp->n_ban == 0))
         return argmax(logits, s->vocab);
     float *probs = s->probs;

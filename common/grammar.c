@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <glob.h>
+#include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -219,12 +220,24 @@ static void init_of(const struct grammar_vocab *v, struct llg_init *in)
     in->limits.verbose_errors = false;
 }
 
-/* llguidance's JSON-object shorthand is a schema here: older libraries lack the kind. */
-static const char *norm(const char *kind, const char **text)
+/* JSON is compact (no free whitespace between tokens, which a model can repeat until
+ * max_tokens): a schema object without its own "x-guidance" options gets whitespace_flexible
+ * false.  json_object is the schema {"type": "object"}.  *owned: text to free. */
+static const char *norm(const char *kind, const char **text, char **owned)
 {
+    *owned = NULL;
     if (!strcmp(kind, "json_object")) {
-        *text = "{\"type\": \"object\"}";
+        *text = "{\"type\": \"object\", \"x-guidance\": {\"whitespace_flexible\": false}}";
         return "json_schema";
+    }
+    if (!strcmp(kind, "json_schema")) {
+        json_t *j = json_loads(*text, JSON_DECODE_ANY, NULL);
+        if (json_is_object(j) && !json_object_get(j, "x-guidance")) {
+            json_object_set_new(j, "x-guidance", json_pack("{s:b}", "whitespace_flexible", 0));
+            if ((*owned = json_dumps(j, JSON_COMPACT)))
+                *text = *owned;
+        }
+        json_decref(j);
     }
     return kind;
 }
@@ -256,11 +269,12 @@ int grammar_check(const struct grammar_vocab *v, const char *kind, const char *t
 
     if (strlen(text) > GRAMMAR_MAX_TEXT)
         return err_set(err, -EINVAL, "longer than %u bytes", GRAMMAR_MAX_TEXT);
+    char *owned;
     init_of(v, &in);
-    kind = norm(kind, &text);
-    if (llg.validate(&in, kind, text, msg, sizeof(msg)) < 0)
-        return bad(err, msg);
-    return 0;
+    kind = norm(kind, &text, &owned);
+    int r = llg.validate(&in, kind, text, msg, sizeof(msg));
+    free(owned);
+    return r < 0 ? bad(err, msg) : 0;
 }
 
 struct grammar_matcher {
@@ -288,9 +302,11 @@ int grammar_matcher_new(const struct grammar_vocab *v, const char *kind, const c
         free(g);
         return err_set(err, -EINVAL, "longer than %u bytes", GRAMMAR_MAX_TEXT);
     }
+    char *owned;
     init_of(v, &in);
-    kind = norm(kind, &text);
+    kind = norm(kind, &text, &owned);
     g->m = llg.new_matcher(&in, kind, text);
+    free(owned);
     if (!g->m || llg.matcher_error(g->m)) {
         int r = bad(err, g->m ? llg.matcher_error(g->m) : "out of memory");
         grammar_matcher_free(g);

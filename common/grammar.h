@@ -1,6 +1,6 @@
 /* grammar.h - constrained decoding (structured output) through llguidance.
  *
- * The grammar engine is llguidance's C API (docs/ARCHITECTURE.md §10): the shared library the
+ * The grammar engine is llguidance's C API (docs/OPERATIONS.md §14): the shared library the
  * `llguidance` PyPI wheel ships (llguidance/_lib.abi3.so, no dependency beyond libc), opened
  * with dlopen() on first use, so a process that never sees a constrained request neither
  * needs nor loads it.  Search order: $STEPD_LLGUIDANCE (the .so itself), then the wheel in

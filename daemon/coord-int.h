@@ -32,6 +32,7 @@
 
 #include "chat.h"
 #include "gen.h"
+#include "grammar.h"
 #include "parser.h"
 #include "request.h"
 #include "tokenizer.h"
@@ -353,6 +354,14 @@ void req_engine_end(struct req *r, int status, const char *details);
 /* validate.c: in against the server's limits and the model: 0 or -EINVAL with the field
  * named in msg (in->names). */
 int request_validate(const struct coord *co, const struct request *in, char *msg, size_t len);
+/* Structured output (structured.c): set in's one constraint (0, or -EINVAL naming field
+ * when another is set); the OpenAI doors' fields (response_format, structured_outputs,
+ * guided_*) and the gRPC door's; compile in's constraint with the grammar engine: 0,
+ * -EINVAL naming the field with the engine's message, -EOPNOTSUPP without llguidance. */
+int request_set_structured(struct request *in, const char *field, const char *kind,
+                           const char *text, char *msg, size_t len);
+int door_structured_openai(const json_t *body, struct request *in, char *msg, size_t len);
+int coord_structured_check(struct coord *co, const struct request *in, char *msg, size_t len);
 /* The chat part only (messages, tools, template kwargs, reasoning effort). */
 int request_validate_chat(const struct coord *co, const struct request *in, char *msg, size_t len);
 
@@ -423,6 +432,7 @@ struct coord {
     size_t trim_free;               /* heap bytes free at the last idle malloc_trim */
     int64_t trim_idle_ms;           /* next scheduled idle trim, in ms of idle */
     struct tokenizer *tok;          /* NULL without --tokenizer: token input only */
+    struct grammar_vocab *gv;       /* structured output: built at the first constraint */
     struct affinity *aff;           /* prefix-affine routing (NULL: off) */
     int32_t tok_think_start, tok_think_end, tok_tool_call;  /* the parsers' tags (-1: none) */
     struct http_server *http;       /* the OpenAI HTTP API (--host/--port), or NULL */

@@ -1,0 +1,227 @@
+"""Structured output through the OpenAI doors on the real CPU worker with the tiny model
+(issue 39), checked with independent tools: the `openai` client and the `jsonschema`
+validator.
+
+  json_schema     response_format json_schema (strict) over nested objects, arrays, enums,
+                  bounded numbers and required fields: every reply parses and validates;
+                  chat and completions, streamed and not, K = 0 and K = 3 (MTP), greedy and
+                  sampled; greedy K = 3 equals K = 0; chat replies pass the reasoning first
+                  (a bias on </think> ends it: the constraint starts after it)
+  regex_choice    structured_outputs regex/choice and guided_regex/guided_choice: every
+                  reply matches; json_object parses as an object; a Lark grammar matches
+  lengths         a constraint that max_tokens cuts short ends with finish_reason "length"
+  malformed       20 malformed schemas, regexes, choices and grammars: each a 400 naming the
+                  field with the grammar engine's message; the server serves throughout
+"""
+import json
+import re
+import sys
+
+from stepd_harness import TOKENIZER, Stepd, run_tests
+
+try:
+    import jsonschema
+    import openai
+except ImportError as e:  # tools/dev/install-deps.sh installs them: their absence is a failure
+    print("openai/jsonschema Python packages not importable: %s" % e)
+    sys.exit(1)
+
+THINK_END = 4
+
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]}},
+     "required": ["name", "age", "role"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {
+            "x": {"type": "integer", "minimum": -5, "maximum": 5},
+            "y": {"type": "integer", "minimum": -50, "maximum": 50}},
+            "required": ["x", "y"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
+     "required": ["point", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "ok": {"type": "boolean"},
+        "items": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {
+                "id": {"type": "integer", "minimum": 1, "maximum": 9},
+                "kind": {"enum": ["x", "y"]}},
+            "required": ["id", "kind"], "additionalProperties": False}}},
+     "required": ["ok", "items"], "additionalProperties": False},
+]
+
+
+def server():
+    s = Stepd("--tokenizer", TOKENIZER)
+    s.start_worker("g0", "--threads", "1", "--mtp", "3")
+    s.wait_ready(1, timeout=120)
+    return s
+
+
+def oai(s):
+    return openai.OpenAI(base_url=s.http + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def rf(schema, i):
+    return {"type": "json_schema", "json_schema": {"name": "s%d" % i, "schema": schema, "strict": True}}
+
+
+def chat_reply(c, schema, i, k, stream, temperature, max_tokens=120):
+    """One chat reply under schema: its content, finish reason and reasoning."""
+    kw = dict(model="tiny-step", messages=[{"role": "user", "content": "Describe item %d as JSON." % i}],
+              max_tokens=max_tokens, temperature=temperature, seed=i, response_format=rf(schema, i),
+              logit_bias={str(THINK_END): 100},
+              extra_body={"num_speculative_tokens": k})
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, finish = "", None
+    for ch in c.chat.completions.create(stream=True, **kw):
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+    return text, finish
+
+
+def completion_reply(c, schema, i, k, stream, temperature, max_tokens=120):
+    kw = dict(model="tiny-step", prompt="Item %d as JSON:" % i, max_tokens=max_tokens, temperature=temperature,
+              seed=i, extra_body={"num_speculative_tokens": k, "response_format": rf(schema, i)})
+    if not stream:
+        r = c.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason
+    text, finish = "", None
+    for ch in c.completions.create(stream=True, **kw):
+        if ch.choices:
+            text += ch.choices[0].text or ""
+            finish = ch.choices[0].finish_reason or finish
+    return text, finish
+
+
+def test_json_schema():
+    s = server()
+    c = oai(s)
+    n = 0
+    greedy = {}
+    for i in range(48):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        k = 3 if (i // 3) % 2 else 0
+        stream = (i // 6) % 2 == 1
+        temperature = 0 if (i // 12) % 2 == 0 else 1.0
+        door = chat_reply if i < 24 else completion_reply
+        text, finish = door(c, schema, i % 3, k, stream, temperature)
+        assert finish == "stop", (i, finish, text)
+        doc = json.loads(text)
+        jsonschema.validate(doc, schema)
+        if temperature == 0:
+            greedy.setdefault((door.__name__, i % 3, stream), {})[k] = text
+        n += 1
+    # greedy K = 3 equals K = 0 under the same constraint (same prompt, schema and door)
+    pairs = [v for v in greedy.values() if len(v) == 2]
+    assert len(pairs) == 12, greedy
+    for v in pairs:
+        assert v[0] == v[3], v
+    print("json_schema: %d replies valid, %d greedy K=3/K=0 pairs equal" % (n, len(pairs)))
+    assert s.stop() == 0
+
+
+def test_regex_choice():
+    s = server()
+    c = oai(s)
+    rx = r"[A-Z][a-z]{2,6} [0-9]{1,3}"
+    choices = ["red apple", "green pear", "blue (berry)"]
+    for i in range(6):
+        k = 3 if i % 2 else 0
+        r = c.completions.create(model="tiny-step", prompt="Name %d:" % i, max_tokens=40, temperature=1.0, seed=i,
+                                 extra_body={"structured_outputs": {"regex": rx}, "num_speculative_tokens": k})
+        assert re.fullmatch(rx, r.choices[0].text), r.choices[0].text
+        r = c.chat.completions.create(model="tiny-step", messages=[{"role": "user", "content": "Pick %d" % i}],
+                                      max_tokens=40, temperature=1.0, seed=i, logit_bias={str(THINK_END): 100},
+                                      extra_body={"guided_choice": choices, "num_speculative_tokens": k})
+        assert r.choices[0].message.content in choices, r.choices[0].message
+        r = c.completions.create(model="tiny-step", prompt="Pick %d:" % i, max_tokens=40, temperature=1.0, seed=i,
+                                 extra_body={"structured_outputs": {"choice": choices}})
+        assert r.choices[0].text in choices, r.choices[0].text
+        r = c.completions.create(model="tiny-step", prompt="Id %d:" % i, max_tokens=40, temperature=1.0, seed=i,
+                                 extra_body={"guided_regex": r"(ab|cd)[0-9]{2}"})
+        assert re.fullmatch(r"(ab|cd)[0-9]{2}", r.choices[0].text), r.choices[0].text
+    r = c.completions.create(model="tiny-step", prompt="Object:", max_tokens=60, temperature=0,
+                             extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].text), dict), r
+    g = 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/'
+    r = c.completions.create(model="tiny-step", prompt="Answer:", max_tokens=20, temperature=1.0, seed=3,
+                             extra_body={"structured_outputs": {"grammar": g}})
+    assert re.fullmatch(r"yes|no|maybe [0-9]", r.choices[0].text), r.choices[0].text
+    # without the bias the tiny model reasons to max_tokens: the constraint never started and
+    # the reasoning is free text
+    r = c.chat.completions.create(model="tiny-step", messages=[{"role": "user", "content": "Pick"}], max_tokens=12,
+                                  temperature=0, extra_body={"guided_choice": choices})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.model_extra["reasoning_content"], r
+    assert s.stop() == 0
+
+
+def test_lengths():
+    s = server()
+    c = oai(s)
+    r = c.completions.create(model="tiny-step", prompt="x", max_tokens=3, temperature=0,
+                             extra_body={"guided_regex": "a{30}"})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text == "a" * len(r.choices[0].text), r
+    assert s.stop() == 0
+
+
+MALFORMED = [
+    ("response_format.json_schema.schema", {"response_format": rf({"type": "nonsense"}, 0)}),
+    ("response_format.json_schema.schema", {"response_format": rf({"type": "integer", "minimum": 5,
+                                                                  "maximum": 1}, 0)}),
+    ("response_format.json_schema.schema", {"response_format": rf({"type": "object", "required": 3}, 0)}),
+    ("response_format.json_schema.schema", {"response_format": rf({"$ref": "#/nowhere"}, 0)}),
+    ("response_format.json_schema.schema", {"response_format": rf({"type": "string", "pattern": "(["}, 0)}),
+    ("response_format.json_schema", {"response_format": {"type": "json_schema"}}),
+    ("response_format.json_schema.schema", {"response_format": {"type": "json_schema", "json_schema": {}}}),
+    ("response_format.type", {"response_format": {"type": "xml"}}),
+    ("structured_outputs.json", {"structured_outputs": {"json": "{not json"}}),
+    ("structured_outputs.json", {"structured_outputs": {"json": 7}}),
+    ("structured_outputs.regex", {"structured_outputs": {"regex": "(unclosed"}}),
+    ("structured_outputs.regex", {"structured_outputs": {"regex": "a{5,2}"}}),
+    ("structured_outputs.choice", {"structured_outputs": {"choice": []}}),
+    ("structured_outputs.choice", {"structured_outputs": {"choice": ["a", 1]}}),
+    ("structured_outputs.grammar", {"structured_outputs": {"grammar": "start: undefined_rule"}}),
+    ("structured_outputs.grammar", {"structured_outputs": {"grammar": "start: (\"a\""}}),
+    ("structured_outputs.frob", {"structured_outputs": {"frob": "x"}}),
+    ("guided_json", {"guided_json": {"type": "object", "properties": {"a": {"type": "wrong"}}}}),
+    ("guided_regex", {"guided_regex": "[z-a]"}),
+    ("guided_grammar", {"guided_grammar": "start: ::= nonsense"}),
+    ("guided_regex", {"guided_json": {"type": "object"}, "guided_regex": "a"}),
+]
+
+
+def test_malformed():
+    s = server()
+    c = oai(s)
+    for field, extra in MALFORMED:
+        for door in ("chat", "completions"):
+            try:
+                if door == "chat":
+                    c.chat.completions.create(model="tiny-step", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, extra_body=extra)
+                else:
+                    c.completions.create(model="tiny-step", prompt="hi", max_tokens=4, extra_body=extra)
+            except openai.BadRequestError as e:
+                msg = e.body["message"] if isinstance(e.body, dict) else str(e)
+                assert msg.startswith(field + ":") or msg.startswith(field + "["), (field, msg)
+            else:
+                raise AssertionError("accepted: %s" % extra)
+        # the server serves throughout
+        r = c.completions.create(model="tiny-step", prompt="hi", max_tokens=2, temperature=0)
+        assert r.choices[0].finish_reason == "length", r
+    print("malformed: %d refused with the field named (each through both doors)" % len(MALFORMED))
+    assert s.stop() == 0
+
+
+if __name__ == "__main__":
+    run_tests([
+        ("json_schema", test_json_schema),
+        ("regex_choice", test_regex_choice),
+        ("lengths", test_lengths),
+        ("malformed", test_malformed),
+    ])

@@ -10,6 +10,8 @@ validator.
   regex_choice    structured_outputs regex/choice and guided_regex/guided_choice: every
                   reply matches; json_object parses as an object; a Lark grammar matches
   lengths         a constraint that max_tokens cuts short ends with finish_reason "length"
+  grpc            GenerateRequest.structured_output: a regex and a choice constrain the text,
+                  a bad regex is INVALID_ARGUMENT naming structured_output.text
   malformed       20 malformed schemas, regexes, choices and grammars: each a 400 naming the
                   field with the grammar engine's message; the server serves throughout
 """
@@ -17,7 +19,9 @@ import json
 import re
 import sys
 
-from stepd_harness import TOKENIZER, Stepd, run_tests
+import grpc
+
+from stepd_harness import TOKENIZER, Stepd, collect, pb, run_tests
 
 try:
     import jsonschema
@@ -218,10 +222,36 @@ def test_malformed():
     assert s.stop() == 0
 
 
+def test_grpc():
+    s = server()
+    for i, (so, rx) in enumerate(((pb.StructuredOutput(kind="regex", text="[a-z]{3}-[0-9]"), r"[a-z]{3}-[0-9]"),
+                                  (pb.StructuredOutput(kind="choice", text='["north", "south"]'), r"north|south"),
+                                  (pb.StructuredOutput(kind="json_schema", text=json.dumps(SCHEMAS[0])), None))):
+        req = pb.GenerateRequest(text="Direction %d:" % i, structured_output=so, num_speculative_tokens=3,
+                                 sampling_params=pb.SamplingParams(max_tokens=60, temperature=1.0, seed=i))
+        toks, text, finals, chunks = collect(s.inf.Generate(req, timeout=120))
+        assert finals[-1].finish_reason == pb.FINISH_REASON_STOP, finals
+        if rx:
+            assert re.fullmatch(rx, text), text
+        else:
+            jsonschema.validate(json.loads(text), SCHEMAS[0])
+    for so in (pb.StructuredOutput(kind="regex", text="(x"), pb.StructuredOutput(kind="choice", text="[1]"),
+               pb.StructuredOutput(kind="yaml", text="a: 1")):
+        try:
+            list(s.inf.Generate(pb.GenerateRequest(text="x", structured_output=so), timeout=30))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+            assert e.details().startswith("structured_output."), e.details()
+        else:
+            raise AssertionError("accepted: %s" % so)
+    assert s.stop() == 0
+
+
 if __name__ == "__main__":
     run_tests([
         ("json_schema", test_json_schema),
         ("regex_choice", test_regex_choice),
         ("lengths", test_lengths),
+        ("grpc", test_grpc),
         ("malformed", test_malformed),
     ])

@@ -354,14 +354,29 @@ void sampler_probs(struct sampler *s, const struct sampling_params *sp,
         probs[i] = (float) (probs[i] / sum);
 }
 
+/* Greedy under a grammar mask alone: the lowest id of the largest allowed logit (0 when none
+ * is allowed, as the argmax of an all -inf row). */
+static int32_t masked_argmax(const float *x, const uint32_t *allow, int v)
+{
+    int32_t best = -1;
+    for (int w = 0; w * 32 < v; w++) {
+        for (uint32_t m = allow[w]; m; m &= m - 1) {
+            int i = w * 32 + __builtin_ctz(m);
+            if (i < v && (best < 0 || x[i] > x[best]))
+                best = i;
+        }
+    }
+    return best < 0 ? 0 : best;
+}
+
 int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,
                        const struct sampler_hist *h, const float *logits, uint64_t index,
                        uint32_t stream)
 {
     if (sampling_params_greedy(sp) && sp->n_logit_bias == 0 && sp->repetition_penalty == 1.0f &&
-        sp->presence_penalty == 0.0f && sp->frequency_penalty == 0.0f && !sp->allow &&
+        sp->presence_penalty == 0.0f && sp->frequency_penalty == 0.0f &&
         (!h || h->n_output >= sp->min_tokens || sp->n_ban == 0))
-        return argmax(logits, s->vocab);
+        return sp->allow ? masked_argmax(logits, sp->allow, s->vocab) : argmax(logits, s->vocab);
     float *probs = s->probs;
     sampler_probs(s, sp, h, logits, probs);
     if (sampling_params_greedy(sp))

@@ -362,6 +362,9 @@ int request_set_structured(struct request *in, const char *field, const char *ki
                            const char *text, char *msg, size_t len);
 int door_structured_openai(const json_t *body, struct request *in, char *msg, size_t len);
 int coord_structured_check(struct coord *co, const struct request *in, char *msg, size_t len);
+/* tool_choice "required" or named on chat input: the rest of the call (the function's name
+ * among the tools, each parameter following its schema) as in's constraint; 0 or -EINVAL */
+int door_tool_constraint(struct request *in, char *msg, size_t len);
 /* The chat part only (messages, tools, template kwargs, reasoning effort). */
 int request_validate_chat(const struct coord *co, const struct request *in, char *msg, size_t len);
 

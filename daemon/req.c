@@ -1101,7 +1101,8 @@ void req_submit(struct coord *co, struct request *in, const struct req_origin *o
         refuse_all(co, o, in->id, RPC_INVALID_ARGUMENT, 0, true, "%s", err);
         goto out;
     }
-    if ((rc = coord_structured_check(co, in, err, sizeof(err))) < 0) {
+    if ((rc = door_tool_constraint(in, err, sizeof(err))) < 0 ||
+        (rc = coord_structured_check(co, in, err, sizeof(err))) < 0) {
         co->m.rejected_invalid++;
         log_req_info(in->id[0] ? in->id : "-", "rejected: %s", err);
         refuse_all(co, o, in->id, rc == -EOPNOTSUPP ? RPC_UNAVAILABLE : RPC_INVALID_ARGUMENT, 0,

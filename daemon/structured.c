@@ -268,3 +268,140 @@ int request_structured_from_proto(const Stepd__V1__StructuredOutput *so, struct 
     BAD("structured_output.kind: \"%.32s\" is not one of json_schema, json_object, regex, "
         "choice, grammar", k);
 }
+
+/* --- tool calls ------------------------------------------------------------------------------ */
+
+/* A Lark string literal of s (JSON's escapes, which the dialect reads). */
+static void lark_lit(struct strbuf *g, const char *s)
+{
+    json_t *j = json_string(s);
+    char *t = j ? json_dumps(j, JSON_ENCODE_ANY) : NULL;
+    strbuf_adds(g, t ? t : "\"\"");
+    free(t);
+    json_decref(j);
+}
+
+/* The value of one parameter as the chat template writes it (daemon/chat.c, MODEL.md §7): a
+ * string raw, on one line without '<' (enum: one of its strings), anything else as JSON
+ * following the property's schema. */
+static int lark_value(struct strbuf *g, const json_t *prop)
+{
+    const char *type = json_string_value(json_object_get(prop, "type"));
+    const json_t *en = json_object_get(prop, "enum");
+    bool all_str = json_is_array(en) && json_array_size(en) > 0;
+    size_t i;
+    const json_t *v;
+
+    json_array_foreach(en, i, v)
+        all_str &= json_is_string(v) && strcmp(json_string_value(v), "null") != 0;
+    if (all_str) {
+        strbuf_adds(g, "(");
+        json_array_foreach(en, i, v) {
+            if (i)
+                strbuf_adds(g, " | ");
+            lark_lit(g, json_string_value(v));
+        }
+        strbuf_adds(g, ")");
+        return 0;
+    }
+    if (type && !strcmp(type, "string") && !en) {
+        strbuf_adds(g, "/[^<\\n]{1,200}/");
+        return 0;
+    }
+    /* compact JSON, as for response_format (common/grammar.c) */
+    json_t *cp = json_is_object(prop) ? json_deep_copy(prop) : json_object();
+    if (cp && !json_object_get(cp, "x-guidance"))
+        json_object_set_new(cp, "x-guidance", json_pack("{s:b}", "whitespace_flexible", 0));
+    char *schema = cp ? json_dumps(cp, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+    json_decref(cp);
+    if (!schema)
+        return -ENOMEM;
+    strbuf_printf(g, "%%json %s", schema);
+    free(schema);
+    return 0;
+}
+
+/* Rule fI: the parameters of tools[i] and the end of the call: each property in order,
+ * required ones once, the others at most once. */
+static int lark_function(struct strbuf *g, size_t fi, const json_t *fn, char *msg, size_t len)
+{
+    const json_t *params = json_object_get(fn, "parameters");
+    const json_t *props = json_object_get(params, "properties");
+    const json_t *req = json_object_get(params, "required");
+    const char *k;
+    json_t *prop;
+    size_t pi = 0;
+
+    strbuf_printf(g, "f%zu_args:", fi);
+    json_object_foreach((json_t *) props, k, prop) {
+        bool required = false;
+        size_t j;
+        const json_t *r;
+        json_array_foreach(req, j, r)
+            required |= json_is_string(r) && !strcmp(json_string_value(r), k);
+        strbuf_printf(g, " f%zu_p%zu%s", fi, pi++, required ? "" : "?");
+    }
+    strbuf_adds(g, " \"</function>\\n</tool_call>\"\n");
+    pi = 0;
+    json_object_foreach((json_t *) props, k, prop) {
+        char head[300];
+        if (strlen(k) > 200 || strpbrk(k, "<>\n"))
+            BAD("tools[%zu].function.parameters.properties: \"%.64s\" cannot be a parameter name", fi, k);
+        snprintf(head, sizeof(head), "<parameter=%s>\n", k);
+        strbuf_printf(g, "f%zu_p%zu: ", fi, pi++);
+        lark_lit(g, head);
+        strbuf_adds(g, " ");
+        if (lark_value(g, prop) < 0)
+            BAD("out of memory");
+        strbuf_adds(g, " \"\\n</parameter>\\n\"\n");
+    }
+    return 0;
+}
+
+int door_tool_constraint(struct request *in, char *msg, size_t len)
+{
+    struct strbuf g = STRBUF_INIT;
+    size_t i, n = 0;
+    const json_t *t;
+    int r = 0;
+
+    if (in->input != REQUEST_INPUT_CHAT || !json_is_array(in->tools) ||
+        (in->tool_choice != REQUEST_TOOLS_REQUIRED && in->tool_choice != REQUEST_TOOLS_NAMED))
+        return 0;
+    if (in->so_kind)
+        BAD("%s: a required tool call cannot also follow %s", in->names[RN_TOOL_CHOICE], in->so_field);
+    /* the prompt ends with "<tool_call>\n<function=" (required) or with the named function's
+     * opening tag (chat.c): what follows is the name and the arguments */
+    strbuf_adds(&g, "start:");
+    json_array_foreach(in->tools, i, t) {
+        const json_t *fn = json_object_get(t, "function");
+        const char *name = json_string_value(json_object_get(fn ? fn : t, "name"));
+        if (!name)
+            continue;
+        if (in->tool_choice == REQUEST_TOOLS_NAMED && strcmp(name, in->tool_choice_name))
+            continue;
+        strbuf_adds(&g, n++ ? " | " : " ");
+        if (in->tool_choice == REQUEST_TOOLS_REQUIRED) {
+            char head[300];
+            snprintf(head, sizeof(head), "%.256s>\n", name);
+            lark_lit(&g, head);
+            strbuf_adds(&g, " ");
+        }
+        strbuf_printf(&g, "f%zu_args", i);
+    }
+    strbuf_adds(&g, "\n");
+    json_array_foreach(in->tools, i, t) {
+        const json_t *fn = json_object_get(t, "function");
+        const char *name = json_string_value(json_object_get(fn ? fn : t, "name"));
+        if (!name || (in->tool_choice == REQUEST_TOOLS_NAMED && strcmp(name, in->tool_choice_name)))
+            continue;
+        if ((r = lark_function(&g, i, fn ? fn : t, msg, len)) < 0)
+            break;
+    }
+    if (r == 0 && n == 0)
+        r = -EINVAL, snprintf(msg, len, "%s: no function to call", in->names[RN_TOOL_CHOICE]);
+    if (r == 0)
+        r = request_set_structured(in, in->names[RN_TOOLS], "lark", strbuf_str(&g), msg, len);
+    strbuf_done(&g);
+    return r;
+}

@@ -10,6 +10,9 @@ validator.
   regex_choice    structured_outputs regex/choice and guided_regex/guided_choice: every
                   reply matches; json_object parses as an object; a Lark grammar matches
   lengths         a constraint that max_tokens cuts short ends with finish_reason "length"
+  tools           tool_choice "required" and named: every reply is one call of a declared
+                  function (the named one) with arguments valid against its schema, streamed
+                  and not, K = 0 and K = 3
   grpc            GenerateRequest.structured_output: a regex and a choice constrain the text,
                   a bad regex is INVALID_ARGUMENT naming structured_output.text
   malformed       20 malformed schemas, regexes, choices and grammars: each a 400 naming the
@@ -222,6 +225,67 @@ def test_malformed():
     assert s.stop() == 0
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+        "type": "object", "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "send_email", "description": "Send an email", "parameters": {
+        "type": "object", "properties": {
+            "to": {"type": "string"},
+            "urgent": {"type": "boolean"},
+            "cc": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 2}},
+        "required": ["to", "urgent"]}}},
+]
+
+
+def test_tools():
+    s = server()
+    c = oai(s)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    n = 0
+    for i in range(12):
+        choice = "required" if i < 8 else {"type": "function", "function": {"name": TOOLS[i % 2]["function"]["name"]}}
+        kw = dict(model="tiny-step", messages=[{"role": "user", "content": "Task %d: weather or mail?" % i}],
+                  tools=TOOLS, tool_choice=choice, max_tokens=200, temperature=0 if i % 4 == 0 else 1.0, seed=i,
+                  extra_body={"num_speculative_tokens": 3 if i % 2 else 0})
+        if i % 3 == 2:
+            calls, finish = {}, None
+            for ch in c.chat.completions.create(stream=True, **kw):
+                for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+                    e = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                    e["name"] += d.function.name or ""
+                    e["arguments"] += d.function.arguments or ""
+                if ch.choices and ch.choices[0].finish_reason:
+                    finish = ch.choices[0].finish_reason
+            got = list(calls.values())
+        else:
+            r = c.chat.completions.create(**kw)
+            finish = r.choices[0].finish_reason
+            got = [{"name": t.function.name, "arguments": t.function.arguments}
+                   for t in r.choices[0].message.tool_calls or []]
+        assert finish == "tool_calls" and len(got) == 1, (i, finish, got)
+        name = got[0]["name"]
+        assert name in schemas, got
+        if isinstance(choice, dict):
+            assert name == choice["function"]["name"], got
+        jsonschema.validate(json.loads(got[0]["arguments"]), schemas[name])
+        n += 1
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["x"]}}}]
+    try:
+        c.chat.completions.create(model="tiny-step", messages=[{"role": "user", "content": "x"}], tools=bad,
+                                  tool_choice="required", max_tokens=8)
+    except openai.BadRequestError as e:
+        assert e.body["message"].startswith("tools: "), e.body
+    else:
+        raise AssertionError("an unsatisfiable tool schema was accepted")
+    print("tools: %d calls valid" % n)
+    assert s.stop() == 0
+
+
 def test_grpc():
     s = server()
     for i, (so, rx) in enumerate(((pb.StructuredOutput(kind="regex", text="[a-z]{3}-[0-9]"), r"[a-z]{3}-[0-9]"),
@@ -252,6 +316,7 @@ if __name__ == "__main__":
         ("json_schema", test_json_schema),
         ("regex_choice", test_regex_choice),
         ("lengths", test_lengths),
+        ("tools", test_tools),
         ("grpc", test_grpc),
         ("malformed", test_malformed),
     ])

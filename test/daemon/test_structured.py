@@ -13,6 +13,8 @@ validator.
   tools           tool_choice "required" and named: every reply is one call of a declared
                   function (the named one) with arguments valid against its schema, streamed
                   and not, K = 0 and K = 3
+  responses       the Responses door's text.format json_schema and json_object (a server without
+                  the reasoning parser: the Responses API has no logit_bias to end the reasoning)
   grpc            GenerateRequest.structured_output: a regex and a choice constrain the text,
                   a bad regex is INVALID_ARGUMENT naming structured_output.text
   malformed       20 malformed schemas, regexes, choices and grammars: each a 400 naming the
@@ -59,8 +61,8 @@ SCHEMAS = [
 ]
 
 
-def server():
-    s = Stepd("--tokenizer", TOKENIZER)
+def server(*args):
+    s = Stepd("--tokenizer", TOKENIZER, *args)
     s.start_worker("g0", "--threads", "1", "--mtp", "3")
     s.wait_ready(1, timeout=120)
     return s
@@ -286,6 +288,23 @@ def test_tools():
     assert s.stop() == 0
 
 
+def test_responses():
+    s = server("--reasoning-parser", "none")
+    c = oai(s)
+    for i in range(6):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        r = c.responses.create(model="tiny-step", input="Item %d as JSON" % i, max_output_tokens=120,
+                               temperature=0 if i < 3 else 1.0,
+                               text={"format": {"type": "json_schema", "name": "s%d" % i, "schema": schema,
+                                                "strict": True}})
+        assert r.status == "completed", r
+        jsonschema.validate(json.loads(r.output_text), schema)
+    r = c.responses.create(model="tiny-step", input="Any object", max_output_tokens=120, temperature=0,
+                           text={"format": {"type": "json_object"}})
+    assert r.status == "incomplete" or isinstance(json.loads(r.output_text), dict), r
+    assert s.stop() == 0
+
+
 def test_grpc():
     s = server()
     for i, (so, rx) in enumerate(((pb.StructuredOutput(kind="regex", text="[a-z]{3}-[0-9]"), r"[a-z]{3}-[0-9]"),
@@ -317,6 +336,7 @@ if __name__ == "__main__":
         ("regex_choice", test_regex_choice),
         ("lengths", test_lengths),
         ("tools", test_tools),
+        ("responses", test_responses),
         ("grpc", test_grpc),
         ("malformed", test_malformed),
     ])

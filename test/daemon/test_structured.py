@@ -5,7 +5,7 @@ validator.
   json_schema     response_format json_schema (strict) over nested objects, arrays, enums,
                   bounded numbers and required fields: every reply parses and validates;
                   chat and completions, streamed and not, K = 0 and K = 3 (MTP), greedy and
-                  sampled; greedy K = 3 equals K = 0; chat replies pass the reasoning first
+                  sampled, n = 3; greedy K = 3 equals K = 0; chat replies pass the reasoning first
                   (a bias on </think> ends it: the constraint starts after it)
   regex_choice    structured_outputs regex/choice and guided_regex/guided_choice: every
                   reply matches; json_object parses as an object; a Lark grammar matches
@@ -130,6 +130,15 @@ def test_json_schema():
     assert len(pairs) == 12, greedy
     for v in pairs:
         assert v[0] == v[3], v
+    # n > 1: a matcher per choice (each choice is its own engine request, its own seed)
+    r = c.chat.completions.create(model="tiny-step", messages=[{"role": "user", "content": "Two items"}], n=3,
+                                  max_tokens=120, temperature=1.0, seed=7, response_format=rf(SCHEMAS[2], 0),
+                                  logit_bias={str(THINK_END): 100}, extra_body={"num_speculative_tokens": 3})
+    assert len(r.choices) == 3, r
+    for ch in r.choices:
+        assert ch.finish_reason == "stop", ch
+        jsonschema.validate(json.loads(ch.message.content), SCHEMAS[2])
+    n += 3
     print("json_schema: %d replies valid, %d greedy K=3/K=0 pairs equal" % (n, len(pairs)))
     assert s.stop() == 0
 

@@ -288,7 +288,96 @@ struct grammar_matcher {
     size_t llg_bytes;   /* the library's mask size */
     uint32_t *llg_mask; /* the library's mask (NULL when it is n_vocab bits already) */
     uint32_t *mask;
+    int pend;           /* prefetch: 0 none, 1 queued, 2 computing (under pool.lock) */
+    struct grammar_matcher *q_next;
 };
+
+/* Prefetch: one thread computes queued matchers' masks while the caller runs the forward.
+ * A matcher is only touched by the pool while pend == 2; every other call first takes it
+ * back (sync), so the library never sees one matcher from two threads. */
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;            /* queue non-empty, or a computation ended */
+    struct grammar_matcher *head, *tail;
+    bool started;
+} pool = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, false };
+
+static void compute_mask(struct grammar_matcher *g);
+
+static void *pool_main(void *arg)
+{
+    (void) arg;
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (!pool.head)
+            pthread_cond_wait(&pool.cond, &pool.lock);
+        struct grammar_matcher *g = pool.head;
+        pool.head = g->q_next;
+        if (!pool.head)
+            pool.tail = NULL;
+        g->pend = 2;
+        pthread_mutex_unlock(&pool.lock);
+        compute_mask(g);
+        pthread_mutex_lock(&pool.lock);
+        g->pend = 0;
+        pthread_cond_broadcast(&pool.cond);
+    }
+    return NULL;
+}
+
+/* Take g back from the pool: dequeued if waiting, waited for if being computed. */
+static void sync_g(struct grammar_matcher *g)
+{
+    if (!pool.started)
+        return;
+    pthread_mutex_lock(&pool.lock);
+    if (g->pend == 1) {
+        struct grammar_matcher **pp = &pool.head, *prev = NULL;
+        while (*pp != g) {
+            prev = *pp;
+            pp = &(*pp)->q_next;
+        }
+        *pp = g->q_next;
+        if (pool.tail == g)
+            pool.tail = prev;
+        g->pend = 0;
+    }
+    while (g->pend == 2)
+        pthread_cond_wait(&pool.cond, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+void grammar_matcher_prefetch(struct grammar_matcher *g)
+{
+    if (!g || !g->active)
+        return;
+    pthread_mutex_lock(&pool.lock);
+    if (g->mask_ok || g->pend) {
+        pthread_mutex_unlock(&pool.lock);
+        return;
+    }
+    if (!pool.started) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        pool.started = pthread_create(&t, &a, pool_main, NULL) == 0;
+        pthread_attr_destroy(&a);
+        if (!pool.started) {            /* computed at the draw instead */
+            pthread_mutex_unlock(&pool.lock);
+            return;
+        }
+    }
+    g->pend = 1;
+    g->q_next = NULL;
+    if (pool.tail)
+        pool.tail->q_next = g;
+    else
+        pool.head = g;
+    pool.tail = g;
+    pthread_cond_signal(&pool.cond);
+    pthread_mutex_unlock(&pool.lock);
+}
 
 int grammar_matcher_new(const struct grammar_vocab *v, const char *kind, const char *text,
                         int32_t start_after, struct grammar_matcher **ret, struct err_buf *err)
@@ -332,6 +421,7 @@ void grammar_matcher_free(struct grammar_matcher *g)
 {
     if (!g)
         return;
+    sync_g(g);
     if (g->m)
         llg.free_matcher(g->m);
     free(g->llg_mask);
@@ -343,8 +433,14 @@ const uint32_t *grammar_matcher_mask(struct grammar_matcher *g)
 {
     if (!g->active)
         return NULL;
-    if (g->mask_ok)
-        return g->mask;
+    sync_g(g);
+    if (!g->mask_ok)
+        compute_mask(g);
+    return g->mask;
+}
+
+static void compute_mask(struct grammar_matcher *g)
+{
     size_t words = grammar_mask_words(g->n_vocab);
     if (!g->llg_mask) {
         if (llg.mask_into(g->m, g->mask, g->llg_bytes) < 0)
@@ -358,11 +454,11 @@ const uint32_t *grammar_matcher_mask(struct grammar_matcher *g)
             g->mask[words - 1] &= (1u << (g->n_vocab % 32)) - 1;
     }
     g->mask_ok = true;
-    return g->mask;
 }
 
 int grammar_matcher_accept(struct grammar_matcher *g, int32_t tok)
 {
+    sync_g(g);
     if (tok < 0 || tok >= g->n_vocab)
         return -EINVAL;
     if (!g->active) {
@@ -386,6 +482,7 @@ int grammar_matcher_accept(struct grammar_matcher *g, int32_t tok)
 
 int grammar_matcher_rollback(struct grammar_matcher *g, int n)
 {
+    sync_g(g);
     if (n < 0 || n > g->n_acc)
         return -EINVAL;
     if (n == 0)

@@ -15,7 +15,7 @@
  * A matcher may start inactive: with start_after >= 0 every token is free until the token
  * start_after has been accepted (the end of the reasoning, </think>); the next token is the
  * first one constrained.  Threads: a vocab is immutable and shared; a matcher belongs to one
- * thread at a time.
+ * thread at a time (a prefetch lends it to the engine's thread until the next call).
  */
 #pragma once
 
@@ -55,6 +55,11 @@ void grammar_matcher_free(struct grammar_matcher *m);
 /* The allowed-token bitmask of the current state (bit t of word t/32), n_vocab bits, or NULL
  * while the matcher is inactive (every token allowed).  Computed at most once per state. */
 const uint32_t *grammar_matcher_mask(struct grammar_matcher *m);
+/* Start computing the current state's mask on the grammar engine's thread (one per process,
+ * started at the first call), so that it is ready when grammar_matcher_mask() asks: called
+ * after a step's tokens are accepted, it overlaps the next forward.  Every other call on the
+ * matcher first waits for (or cancels) it.  No-op when inactive or already computed. */
+void grammar_matcher_prefetch(struct grammar_matcher *m);
 /* Advance by one sampled token.  -EINVAL when the grammar forbids it (the matcher stays
  * in its state). */
 int grammar_matcher_accept(struct grammar_matcher *m, int32_t tok);

@@ -3,7 +3,8 @@
  * JSON schema with required fields, enum and bounds); a forbidden token is refused and
  * leaves the state; rollback restores an earlier mask; a matcher started after </think>
  * allows everything until that token; bad schemas, regexes and grammars fail with the
- * engine's message.  Skips (77) when llguidance is not installed. */
+ * engine's message; masks prefetched on the engine's thread equal those computed at the draw.
+ * Skips (77) when llguidance is not installed. */
 #include <errno.h>
 #include <jansson.h>
 #include <regex.h>
@@ -185,6 +186,41 @@ int main(int argc, char **argv)
     ASSERT_OK(grammar_matcher_rollback(m, 2));
     ASSERT_TRUE(grammar_matcher_mask(m) == NULL);
     grammar_matcher_free(m);
+
+    /* prefetch (the engine's thread): the same masks as computed at the draw; accept,
+     * rollback and free right after a prefetch wait for it or cancel it */
+    for (int w = 0; w < 5; w++) {
+        struct grammar_matcher *a, *b;
+        ASSERT_OK(grammar_matcher_new(gv, "json_schema", schema, -1, &a, &eb));
+        ASSERT_OK(grammar_matcher_new(gv, "json_schema", schema, -1, &b, &eb));
+        for (int step = 0; step < 60; step++) {
+            grammar_matcher_prefetch(b);
+            if (step % 7 == 3) {                /* take it back at once, then again */
+                ASSERT_OK(grammar_matcher_rollback(b, 0));
+                grammar_matcher_prefetch(b);
+            }
+            const uint32_t *ma = grammar_matcher_mask(a), *mb = grammar_matcher_mask(b);
+            ASSERT_TRUE(memcmp(ma, mb, sizeof(first)) == 0);
+            int k = count_allowed(ma), t = 0;
+            if (k == 0 || (k == 1 && grammar_mask_has(ma, EOS)))
+                break;
+            for (int pick = (int) (next_rand() % (uint32_t) k);; t++)
+                if (grammar_mask_has(ma, t) && t != EOS && pick-- == 0)
+                    break;
+            ASSERT_OK(grammar_matcher_accept(a, t));
+            ASSERT_OK(grammar_matcher_accept(b, t));
+            if (step % 5 == 4) {
+                grammar_matcher_prefetch(b);
+                ASSERT_OK(grammar_matcher_rollback(a, 1));
+                ASSERT_OK(grammar_matcher_rollback(b, 1));
+                ASSERT_OK(grammar_matcher_accept(a, t));
+                ASSERT_OK(grammar_matcher_accept(b, t));
+            }
+        }
+        grammar_matcher_prefetch(b);
+        grammar_matcher_free(b);
+        grammar_matcher_free(a);
+    }
 
     /* malformed input: the engine's message, one line */
     check_bad("json_schema", "{\"type\": \"object\"", NULL);

@@ -194,8 +194,10 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
         spec_policy_draft_cost(pol, k, n_at, fill, (double)(clk_now_us() - t0) * 1e-6);
     }
     for (int i = 0; i < plan->n_seqs; i++) {
-        if (seqs[i].gm && seqs[i].gm_drafted)
+        if (seqs[i].gm && seqs[i].gm_drafted) {
             BUG_ON(grammar_matcher_rollback(seqs[i].gm, seqs[i].gm_drafted) < 0);
+            grammar_matcher_prefetch(seqs[i].gm);
+        }
         seqs[i].gm_drafted = 0;
     }
     return 0;
@@ -255,6 +257,7 @@ static int verify_constrained(struct sampler *smp, struct spec_seq *seq, const f
     /* a token the grammar refuses (only when every allowed one was banned, e.g. EOS under
      * min_tokens) leaves the matcher where it was */
     (void) grammar_matcher_accept(seq->gm, next);
+    grammar_matcher_prefetch(seq->gm);     /* the next draw's mask, during the next forward */
     *ret_next = next;
     return accepted;
 }

@@ -15,6 +15,9 @@ validator.
                   and not, K = 0 and K = 3
   responses       the Responses door's text.format json_schema and json_object (a server without
                   the reasoning parser: the Responses API has no logit_bias to end the reasoning)
+  no_engine       without llguidance (STEPD_LLGUIDANCE names a missing file) the daemon and
+                  the worker start and serve free requests; a constrained one is a 503 saying
+                  structured output needs llguidance
   grpc            GenerateRequest.structured_output: a regex and a choice constrain the text,
                   a bad regex is INVALID_ARGUMENT naming structured_output.text
   malformed       20 malformed schemas, regexes, choices and grammars: each a 400 naming the
@@ -61,9 +64,9 @@ SCHEMAS = [
 ]
 
 
-def server(*args):
-    s = Stepd("--tokenizer", TOKENIZER, *args)
-    s.start_worker("g0", "--threads", "1", "--mtp", "3")
+def server(*args, env=None):
+    s = Stepd("--tokenizer", TOKENIZER, *args, env=env)
+    s.start_worker("g0", "--threads", "1", "--mtp", "3", env=env)
     s.wait_ready(1, timeout=120)
     return s
 
@@ -314,6 +317,22 @@ def test_responses():
     assert s.stop() == 0
 
 
+def test_no_engine():
+    s = server(env={"STEPD_LLGUIDANCE": "/nonexistent/_lib.abi3.so"})
+    c = oai(s)
+    r = c.completions.create(model="tiny-step", prompt="hi", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length", r
+    try:
+        c.completions.create(model="tiny-step", prompt="hi", max_tokens=3, extra_body={"guided_regex": "a+"})
+    except openai.APIStatusError as e:
+        assert e.status_code == 503 and "structured output needs llguidance" in str(e.body), (e.status_code, e.body)
+    else:
+        raise AssertionError("a constrained request was served without the grammar engine")
+    r = c.completions.create(model="tiny-step", prompt="hi", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length", r
+    assert s.stop() == 0
+
+
 def test_grpc():
     s = server()
     for i, (so, rx) in enumerate(((pb.StructuredOutput(kind="regex", text="[a-z]{3}-[0-9]"), r"[a-z]{3}-[0-9]"),
@@ -346,6 +365,7 @@ if __name__ == "__main__":
         ("lengths", test_lengths),
         ("tools", test_tools),
         ("responses", test_responses),
+        ("no_engine", test_no_engine),
         ("grpc", test_grpc),
         ("malformed", test_malformed),
     ])

@@ -12,7 +12,7 @@ validator.
   lengths         a constraint that max_tokens cuts short ends with finish_reason "length"
   tools           tool_choice "required" and named: every reply is one call of a declared
                   function (the named one) with arguments valid against its schema, streamed
-                  and not, K = 0 and K = 3
+                  and not, K = 0 and K = 3; the Messages door's tool_choice any and tool too
   responses       the Responses door's text.format json_schema and json_object (a server without
                   the reasoning parser: the Responses API has no logit_bias to end the reasoning)
   no_engine       without llguidance (STEPD_LLGUIDANCE names a missing file) the daemon and
@@ -286,6 +286,19 @@ def test_tools():
         if isinstance(choice, dict):
             assert name == choice["function"]["name"], got
         jsonschema.validate(json.loads(got[0]["arguments"]), schemas[name])
+        n += 1
+    # the Messages door: tool_choice any / tool
+    import anthropic
+    a = anthropic.Anthropic(base_url=s.http, api_key="none", max_retries=0, timeout=120)
+    atools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+               "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    for i, tc in enumerate(({"type": "any"}, {"type": "tool", "name": "send_email"})):
+        m = a.messages.create(model="tiny-step", max_tokens=200, temperature=1.0, tools=atools, tool_choice=tc,
+                              messages=[{"role": "user", "content": "Task %d" % i}])
+        uses = [b for b in m.content if b.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and len(uses) == 1, m
+        assert uses[0].name in schemas and (tc["type"] == "any" or uses[0].name == tc["name"]), uses
+        jsonschema.validate(uses[0].input, schemas[uses[0].name])
         n += 1
     bad = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["x"]}}}]

@@ -362,9 +362,11 @@ int request_set_structured(struct request *in, const char *field, const char *ki
                            const char *text, char *msg, size_t len);
 int door_structured_openai(const json_t *body, struct request *in, char *msg, size_t len);
 int coord_structured_check(struct coord *co, const struct request *in, char *msg, size_t len);
-/* tool_choice "required" or named on chat input: the rest of the call (the function's name
- * among the tools, each parameter following its schema) as in's constraint; 0 or -EINVAL */
-int door_tool_constraint(struct request *in, char *msg, size_t len);
+/* Tool calls on chat input as in's constraint: tool_choice "required" or named, the rest of the
+ * opened call (the function's name among the tools, each parameter following its schema);
+ * "auto" (unless another constraint is set), every call from the <tool_call> token call_id
+ * on (in->so_start).  end_id: the </tool_call> token (-1: its text).  0 or -EINVAL. */
+int door_tool_constraint(struct request *in, int32_t call_id, int32_t end_id, char *msg, size_t len);
 /* The chat part only (messages, tools, template kwargs, reasoning effort). */
 int request_validate_chat(const struct coord *co, const struct request *in, char *msg, size_t len);
 

@@ -714,7 +714,9 @@ static int req_send(struct req *r, struct group *g)
         so.text = in->so_text;
         /* reasoning is free: the constraint starts after </think> (the forced prefix of a
          * required tool call has closed it already) */
-        if (r->in_reasoning && co->tok_think_end >= 0)
+        if (in->so_start >= 0)
+            PB_SET(&so, start_token, in->so_start);
+        else if (r->in_reasoning && co->tok_think_end >= 0)
             PB_SET(&so, start_token, co->tok_think_end);
         er.structured_output = &so;
     }
@@ -1101,7 +1103,9 @@ void req_submit(struct coord *co, struct request *in, const struct req_origin *o
         refuse_all(co, o, in->id, RPC_INVALID_ARGUMENT, 0, true, "%s", err);
         goto out;
     }
-    if ((rc = door_tool_constraint(in, err, sizeof(err))) < 0 ||
+    if ((rc = door_tool_constraint(in, co->o.tool_parser ? co->tok_tool_call : -1,
+                                   co->tok ? tok_added_id(co->tok, "</tool_call>") : -1, err,
+                                   sizeof(err))) < 0 ||
         (rc = coord_structured_check(co, in, err, sizeof(err))) < 0) {
         co->m.rejected_invalid++;
         log_req_info(in->id[0] ? in->id : "-", "rejected: %s", err);

@@ -53,6 +53,7 @@ struct request *request_new(const char *const *names)
         return NULL;
     }
     in->add_generation_prompt = true;
+    in->so_start = -1;
     in->names = names;
     in->refs = 1;
     return in;

@@ -134,6 +134,8 @@ struct request {
     const char *so_kind;
     char *so_text;
     const char *so_field;
+    int32_t so_start;               /* >= 0: constrained from the token after this id (a tool
+                                       call the model opens under tool_choice auto) */
     bool continuous_usage_stats;
     bool include_token_ids;
     bool text_output;               /* TOKENS: detokenize the output too (the HTTP door) */

@@ -321,9 +321,11 @@ static int lark_value(struct strbuf *g, const json_t *prop)
     return 0;
 }
 
-/* Rule fI: the parameters of tools[i] and the end of the call: each property in order,
- * required ones once, the others at most once. */
-static int lark_function(struct strbuf *g, size_t fi, const json_t *fn, char *msg, size_t len)
+/* Rule fI_args: the parameters of tools[i] and the end of the call (</tool_call>: the token
+ * end_id, or its text when the tokenizer has none): each property in order, required ones
+ * once, the others at most once. */
+static int lark_function(struct strbuf *g, size_t fi, const json_t *fn, int32_t end_id, char *msg,
+                         size_t len)
 {
     const json_t *params = json_object_get(fn, "parameters");
     const json_t *props = json_object_get(params, "properties");
@@ -341,7 +343,11 @@ static int lark_function(struct strbuf *g, size_t fi, const json_t *fn, char *ms
             required |= json_is_string(r) && !strcmp(json_string_value(r), k);
         strbuf_printf(g, " f%zu_p%zu%s", fi, pi++, required ? "" : "?");
     }
-    strbuf_adds(g, " \"</function>\\n</tool_call>\"\n");
+    strbuf_adds(g, " \"</function>\\n\" ");
+    if (end_id >= 0)
+        strbuf_printf(g, "<[%d]>\n", end_id);    /* the special token the model emits */
+    else
+        strbuf_adds(g, "\"</tool_call>\"\n");
     pi = 0;
     json_object_foreach((json_t *) props, k, prop) {
         char head[300];
@@ -358,21 +364,28 @@ static int lark_function(struct strbuf *g, size_t fi, const json_t *fn, char *ms
     return 0;
 }
 
-int door_tool_constraint(struct request *in, char *msg, size_t len)
+int door_tool_constraint(struct request *in, int32_t call_id, int32_t end_id, char *msg, size_t len)
 {
     struct strbuf g = STRBUF_INIT;
     size_t i, n = 0;
     const json_t *t;
+    bool forced = in->tool_choice == REQUEST_TOOLS_REQUIRED || in->tool_choice == REQUEST_TOOLS_NAMED;
     int r = 0;
 
-    if (in->input != REQUEST_INPUT_CHAT || !json_is_array(in->tools) ||
-        (in->tool_choice != REQUEST_TOOLS_REQUIRED && in->tool_choice != REQUEST_TOOLS_NAMED))
+    if (in->input != REQUEST_INPUT_CHAT || !json_is_array(in->tools) || !json_array_size(in->tools))
         return 0;
+    if (!forced && (in->tool_choice != REQUEST_TOOLS_AUTO || in->so_kind || call_id < 0))
+        return 0;           /* auto beside another constraint: the calls stay free */
     if (in->so_kind)
         BAD("%s: a required tool call cannot also follow %s", in->names[RN_TOOL_CHOICE], in->so_field);
-    /* the prompt ends with "<tool_call>\n<function=" (required) or with the named function's
-     * opening tag (chat.c): what follows is the name and the arguments */
-    strbuf_adds(&g, "start:");
+    /* required/named: the prompt ends with "<tool_call>\n<function=" or with the named
+     * function's opening tag (chat.c), and what follows is the name and the arguments; auto:
+     * the text is free until the model emits <tool_call> (call_id), then each call is
+     * constrained, and only another call or the end may follow one */
+    if (forced)
+        strbuf_adds(&g, "start:");
+    else
+        strbuf_printf(&g, "start: call (<[%d]> call)*\ncall: \"\\n<function=\" (", call_id);
     json_array_foreach(in->tools, i, t) {
         const json_t *fn = json_object_get(t, "function");
         const char *name = json_string_value(json_object_get(fn ? fn : t, "name"));
@@ -381,7 +394,7 @@ int door_tool_constraint(struct request *in, char *msg, size_t len)
         if (in->tool_choice == REQUEST_TOOLS_NAMED && strcmp(name, in->tool_choice_name))
             continue;
         strbuf_adds(&g, n++ ? " | " : " ");
-        if (in->tool_choice == REQUEST_TOOLS_REQUIRED) {
+        if (in->tool_choice != REQUEST_TOOLS_NAMED) {
             char head[300];
             snprintf(head, sizeof(head), "%.256s>\n", name);
             lark_lit(&g, head);
@@ -389,19 +402,21 @@ int door_tool_constraint(struct request *in, char *msg, size_t len)
         }
         strbuf_printf(&g, "f%zu_args", i);
     }
-    strbuf_adds(&g, "\n");
+    strbuf_adds(&g, forced ? "\n" : " )\n");
     json_array_foreach(in->tools, i, t) {
         const json_t *fn = json_object_get(t, "function");
         const char *name = json_string_value(json_object_get(fn ? fn : t, "name"));
         if (!name || (in->tool_choice == REQUEST_TOOLS_NAMED && strcmp(name, in->tool_choice_name)))
             continue;
-        if ((r = lark_function(&g, i, fn ? fn : t, msg, len)) < 0)
+        if ((r = lark_function(&g, i, fn ? fn : t, end_id, msg, len)) < 0)
             break;
     }
     if (r == 0 && n == 0)
         r = -EINVAL, snprintf(msg, len, "%s: no function to call", in->names[RN_TOOL_CHOICE]);
     if (r == 0)
         r = request_set_structured(in, in->names[RN_TOOLS], "lark", strbuf_str(&g), msg, len);
+    if (r == 0)
+        in->so_start = forced ? -1 : call_id;
     strbuf_done(&g);
     return r;
 }

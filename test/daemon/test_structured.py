@@ -12,7 +12,8 @@ validator.
   lengths         a constraint that max_tokens cuts short ends with finish_reason "length"
   tools           tool_choice "required" and named: every reply is one call of a declared
                   function (the named one) with arguments valid against its schema, streamed
-                  and not, K = 0 and K = 3; the Messages door's tool_choice any and tool too
+                  and not, K = 0 and K = 3; the Messages door's tool_choice any and tool too;
+                  auto: a call the model opens (a bias on <tool_call>) is constrained the same way
   responses       the Responses door's text.format json_schema and json_object (a server without
                   the reasoning parser: the Responses API has no logit_bias to end the reasoning)
   no_engine       without llguidance (STEPD_LLGUIDANCE names a missing file) the daemon and
@@ -39,6 +40,7 @@ except ImportError as e:  # tools/dev/install-deps.sh installs them: their absen
     sys.exit(1)
 
 THINK_END = 4
+TOOL_CALL = 6
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -286,6 +288,18 @@ def test_tools():
         if isinstance(choice, dict):
             assert name == choice["function"]["name"], got
         jsonschema.validate(json.loads(got[0]["arguments"]), schemas[name])
+        n += 1
+    # auto: free until the model opens a call (a bias on <tool_call> makes it), then the call
+    # is constrained; parallel_tool_calls false ends the reply where a second call would start
+    for i in range(4):
+        r = c.chat.completions.create(model="tiny-step", messages=[{"role": "user", "content": "Auto %d" % i}],
+                                      tools=TOOLS, tool_choice="auto", max_tokens=200, parallel_tool_calls=False,
+                                      temperature=1.0, seed=i, logit_bias={str(TOOL_CALL): 100},
+                                      extra_body={"num_speculative_tokens": 3 if i % 2 else 0})
+        got = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls" and len(got) == 1, r
+        assert got[0].function.name in schemas, got
+        jsonschema.validate(json.loads(got[0].function.arguments), schemas[got[0].function.name])
         n += 1
     # the Messages door: tool_choice any / tool
     import anthropic

@@ -88,6 +88,8 @@ struct metrics {
     uint64_t spec_accepted_pos[METRICS_MAX_POS];
     uint64_t spec_steps_by_drafts[METRICS_MAX_POS];   /* decode steps by drafts verified */
     uint64_t accepted;              /* admitted Generate requests */
+    uint64_t so_requests;           /* structured-output requests checked (structured.c) */
+    uint64_t so_compiles;           /* ... of which compiled (not in the checked cache) */
     uint64_t group_failures;
 };
 
@@ -438,6 +440,8 @@ struct coord {
     int64_t trim_idle_ms;           /* next scheduled idle trim, in ms of idle */
     struct tokenizer *tok;          /* NULL without --tokenizer: token input only */
     struct grammar_vocab *gv;       /* structured output: built at the first constraint */
+    uint8_t so_ok[64][32];          /* digests of constraints that compiled (a ring) */
+    unsigned so_ok_n;               /* entries written so far */
     struct affinity *aff;           /* prefix-affine routing (NULL: off) */
     int32_t tok_think_start, tok_think_end, tok_tool_call;  /* the parsers' tags (-1: none) */
     struct http_server *http;       /* the OpenAI HTTP API (--host/--port), or NULL */

@@ -9,7 +9,8 @@ validator.
                   (a bias on </think> ends it: the constraint starts after it)
   regex_choice    structured_outputs regex/choice and guided_regex/guided_choice: every
                   reply matches; json_object parses as an object; a Lark grammar matches
-  lengths         a constraint that max_tokens cuts short ends with finish_reason "length"
+  lengths         a constraint that max_tokens cuts short ends with finish_reason "length"; a
+                  constraint seen before is not compiled again (the metrics count)
   tools           tool_choice "required" and named: every reply is one call of a declared
                   function (the named one) with arguments valid against its schema, streamed
                   and not, K = 0 and K = 3; the Messages door's tool_choice any and tool too;
@@ -186,6 +187,14 @@ def test_regex_choice():
 def test_lengths():
     s = server()
     c = oai(s)
+    # a constraint compiled once is known good: the same regex again is not compiled again
+    req0, comp0 = s.metric("stepd:structured_output_requests_total"), s.metric("stepd:structured_output_compiles_total")
+    for rx in ("[0-9]{3}", "[0-9]{3}", "[a-z]{3}", "[0-9]{3}"):
+        r = c.completions.create(model="tiny-step", prompt="x", max_tokens=8, temperature=0,
+                                 extra_body={"guided_regex": rx})
+        assert re.fullmatch(rx, r.choices[0].text), r
+    assert s.metric("stepd:structured_output_requests_total") - req0 == 4
+    assert s.metric("stepd:structured_output_compiles_total") - comp0 == 2
     r = c.completions.create(model="tiny-step", prompt="x", max_tokens=3, temperature=0,
                              extra_body={"guided_regex": "a{30}"})
     assert r.choices[0].finish_reason == "length" and r.choices[0].text == "a" * len(r.choices[0].text), r

@@ -32,6 +32,7 @@
 
 #include "chat.h"
 #include "gen.h"
+#include "grammar.h"
 #include "parser.h"
 #include "request.h"
 #include "tokenizer.h"
@@ -87,6 +88,8 @@ struct metrics {
     uint64_t spec_accepted_pos[METRICS_MAX_POS];
     uint64_t spec_steps_by_drafts[METRICS_MAX_POS];   /* decode steps by drafts verified */
     uint64_t accepted;              /* admitted Generate requests */
+    uint64_t so_requests;           /* structured-output requests checked (structured.c) */
+    uint64_t so_compiles;           /* ... of which compiled (not in the checked cache) */
     uint64_t group_failures;
     uint64_t idle_trims;            /* heap given back while idle (loads_cb) */
 };
@@ -354,6 +357,19 @@ void req_engine_end(struct req *r, int status, const char *details);
 /* validate.c: in against the server's limits and the model: 0 or -EINVAL with the field
  * named in msg (in->names). */
 int request_validate(const struct coord *co, const struct request *in, char *msg, size_t len);
+/* Structured output (structured.c): set in's one constraint (0, or -EINVAL naming field
+ * when another is set); the OpenAI doors' fields (response_format, structured_outputs,
+ * guided_*) and the gRPC door's; compile in's constraint with the grammar engine: 0,
+ * -EINVAL naming the field with the engine's message, -EOPNOTSUPP without llguidance. */
+int request_set_structured(struct request *in, const char *field, const char *kind,
+                           const char *text, char *msg, size_t len);
+int door_structured_openai(const json_t *body, struct request *in, char *msg, size_t len);
+int coord_structured_check(struct coord *co, const struct request *in, char *msg, size_t len);
+/* Tool calls on chat input as in's constraint: tool_choice "required" or named, the rest of the
+ * opened call (the function's name among the tools, each parameter following its schema);
+ * "auto" (unless another constraint is set), every call from the <tool_call> token call_id
+ * on (in->so_start).  end_id: the </tool_call> token (-1: its text).  0 or -EINVAL. */
+int door_tool_constraint(struct request *in, int32_t call_id, int32_t end_id, char *msg, size_t len);
 /* The chat part only (messages, tools, template kwargs, reasoning effort). */
 int request_validate_chat(const struct coord *co, const struct request *in, char *msg, size_t len);
 
@@ -424,6 +440,9 @@ struct coord {
     size_t trim_free;               /* heap bytes free at the last idle malloc_trim */
     int64_t trim_idle_ms;           /* next scheduled idle trim, in ms of idle */
     struct tokenizer *tok;          /* NULL without --tokenizer: token input only */
+    struct grammar_vocab *gv;       /* structured output: built at the first constraint */
+    uint8_t so_ok[64][32];          /* digests of constraints that compiled (a ring) */
+    unsigned so_ok_n;               /* entries written so far */
     struct affinity *aff;           /* prefix-affine routing (NULL: off) */
     int32_t tok_think_start, tok_think_end, tok_tool_call;  /* the parsers' tags (-1: none) */
     struct http_server *http;       /* the OpenAI HTTP API (--host/--port), or NULL */

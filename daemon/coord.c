@@ -903,6 +903,7 @@ void coord_free(struct coord *co)
     if (!co)
         return;
     tok_free(co->tok);
+    grammar_vocab_free(co->gv);
     affinity_free(co->aff);
     if (uv_loop_close(&co->loop) < 0)
         log_warn("event loop closed with live handles");

@@ -116,6 +116,11 @@ char *metrics_render(struct coord *co, size_t *ret_len)
               m->rejected_full, m->rejected_invalid, m->rejected_draining, m->rejected_unavailable);
     counter(&b, "stepd:requests_accepted_total", "Admitted Generate requests.", m->accepted);
     counter(&b, "stepd:aborts_sent_total", "Abort RPCs sent to engines.", m->aborts_sent);
+    counter(&b, "stepd:structured_output_requests_total",
+            "Requests with a structured-output constraint checked by the coordinator.", m->so_requests);
+    counter(&b, "stepd:structured_output_compiles_total",
+            "Structured-output constraints compiled by the coordinator (the rest were known good).",
+            m->so_compiles);
     counter(&b, "stepd:group_failures_total", "Times a ready or loading worker group went down.", m->group_failures);
     counter(&b, "stepd:idle_trims_total", "Times the idle coordinator gave freed heap back to the system.",
             m->idle_trims);

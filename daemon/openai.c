@@ -1303,7 +1303,7 @@ struct field_rule {
     const char *why;        /* refused: what stepd lacks */
 };
 
-#define NO_SO "structured output (guided decoding) is not supported"
+#define NO_SO "structural tags are not supported (response_format, structured_outputs and guided_* are)"
 static const struct field_rule field_rules[] = {
     /* read */
     { "model", FD_BOTH, FU_READ, NULL },
@@ -1322,6 +1322,14 @@ static const struct field_rule field_rules[] = {
     { "best_of", FD_COMPLETIONS, FU_READ, NULL },
     { "suffix", FD_COMPLETIONS, FU_READ, NULL },
     { "response_format", FD_BOTH, FU_READ, NULL },
+    /* structured output (daemon/structured.c) */
+    { "structured_outputs", FD_BOTH, FU_READ, NULL },
+    { "guided_json", FD_BOTH, FU_READ, NULL },
+    { "guided_regex", FD_BOTH, FU_READ, NULL },
+    { "guided_choice", FD_BOTH, FU_READ, NULL },
+    { "guided_grammar", FD_BOTH, FU_READ, NULL },
+    { "guided_decoding_backend", FD_BOTH, FU_READ, NULL },
+    { "guided_whitespace_pattern", FD_BOTH, FU_READ, NULL },
     { "temperature", FD_BOTH, FU_READ, NULL },
     { "top_p", FD_BOTH, FU_READ, NULL },
     { "top_k", FD_BOTH, FU_READ, NULL },
@@ -1362,14 +1370,7 @@ static const struct field_rule field_rules[] = {
     { "return_mm_kwargs", FD_BOTH, FU_INERT, NULL },
     { "routed_experts_prompt_start", FD_BOTH, FU_INERT, NULL },
     /* would change the output: refused until supported */
-    { "guided_json", FD_BOTH, FU_REFUSED, NO_SO },
-    { "guided_regex", FD_BOTH, FU_REFUSED, NO_SO },
-    { "guided_choice", FD_BOTH, FU_REFUSED, NO_SO },
-    { "guided_grammar", FD_BOTH, FU_REFUSED, NO_SO },
-    { "guided_decoding_backend", FD_BOTH, FU_REFUSED, NO_SO },
-    { "guided_whitespace_pattern", FD_BOTH, FU_REFUSED, NO_SO },
     { "structural_tag", FD_BOTH, FU_REFUSED, NO_SO },
-    { "structured_outputs", FD_BOTH, FU_REFUSED, NO_SO },
     { "prompt_logprobs", FD_BOTH, FU_REFUSED, "prompt logprobs are not supported" },
     { "logprob_token_ids", FD_BOTH, FU_REFUSED, "logprobs of chosen token ids are not supported" },
     { "truncate_prompt_tokens", FD_BOTH, FU_REFUSED, "prompts are never truncated" },
@@ -1568,12 +1569,8 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
         if ((j = json_object_get(body, "suffix")) && !json_is_null(j))
             BAD("suffix: not supported");
     }
-    if ((j = json_object_get(body, "response_format")) && !json_is_null(j)) {
-        const json_t *t = json_object_get(j, "type");
-
-        if (!json_is_object(j) || !json_is_string(t) || strcmp(json_string_value(t), "text"))
-            BAD("response_format: only {\"type\": \"text\"} (structured output is not supported)");
-    }
+    if ((r = door_structured_openai(body, in, msg, len)) < 0)
+        return r;
     /* sampling */
 #define NUM(key, o, f) do { \
         if ((r = get_num(body, key, &d, msg, len)) < 0) \

@@ -708,6 +708,18 @@ static int req_send(struct req *r, struct group *g)
     if (in->has_num_speculative_tokens)
         PB_SET(&er, num_speculative_tokens, in->num_speculative_tokens);
     er.cache_salt = in->cache_salt;     /* the engine validates it */
+    Stepd__V1__StructuredOutput so = STEPD__V1__STRUCTURED_OUTPUT__INIT;
+    if (in->so_kind) {
+        so.kind = (char *)in->so_kind;
+        so.text = in->so_text;
+        /* reasoning is free: the constraint starts after </think> (the forced prefix of a
+         * required tool call has closed it already) */
+        if (in->so_start >= 0)
+            PB_SET(&so, start_token, in->so_start);
+        else if (r->in_reasoning && co->tok_think_end >= 0)
+            PB_SET(&so, start_token, co->tok_think_end);
+        er.structured_output = &so;
+    }
     struct engine_conn *ec = g->eng;
     engine_out_open(ec);
     if (ec->out_state == OUT_READY && engine_out_find(ec, r->id)) {
@@ -1063,6 +1075,7 @@ static void req_admit(struct req *r)
 void req_submit(struct coord *co, struct request *in, const struct req_origin *o)
 {
     char err[768] = "", base[136];
+    int rc;
     struct req **rs = NULL;
     int e;
 
@@ -1088,6 +1101,16 @@ void req_submit(struct coord *co, struct request *in, const struct req_origin *o
         co->m.rejected_invalid++;
         log_req_info(in->id[0] ? in->id : "-", "rejected: %s", err);
         refuse_all(co, o, in->id, RPC_INVALID_ARGUMENT, 0, true, "%s", err);
+        goto out;
+    }
+    if ((rc = door_tool_constraint(in, co->o.tool_parser ? co->tok_tool_call : -1,
+                                   co->tok ? tok_added_id(co->tok, "</tool_call>") : -1, err,
+                                   sizeof(err))) < 0 ||
+        (rc = coord_structured_check(co, in, err, sizeof(err))) < 0) {
+        co->m.rejected_invalid++;
+        log_req_info(in->id[0] ? in->id : "-", "rejected: %s", err);
+        refuse_all(co, o, in->id, rc == -EOPNOTSUPP ? RPC_UNAVAILABLE : RPC_INVALID_ARGUMENT, 0,
+                   true, "%s", err);
         goto out;
     }
     if (wpool_ready_count(co) == 0) {

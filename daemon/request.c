@@ -53,6 +53,7 @@ struct request *request_new(const char *const *names)
         return NULL;
     }
     in->add_generation_prompt = true;
+    in->so_start = -1;
     in->names = names;
     in->refs = 1;
     return in;
@@ -64,6 +65,7 @@ void request_free(struct request *in)
         return;
     free(in->model);
     free(in->cache_salt);
+    free(in->so_text);
     free(in->text);
     json_decref(in->messages);
     json_decref(in->tools);
@@ -371,6 +373,10 @@ int request_from_proto(const Stepd__V1__GenerateRequest *pb, struct request **re
             r = -ENOMEM;
         in->continuous_usage_stats = pb->stream_options && pb->stream_options->continuous_usage_stats;
         in->include_token_ids = pb->stream_options && pb->stream_options->include_token_ids;
+    }
+    if (r == 0 && (r = request_structured_from_proto(pb->structured_output, in, msg, len)) < 0) {
+        request_free(in);
+        return r;
     }
     return request_conv_end(in, r, ret, msg, len);
 }

@@ -129,6 +129,13 @@ struct request {
     bool has_num_speculative_tokens;
     int32_t num_speculative_tokens; /* MTP drafts for this request (0..3), when has_ */
     char *cache_salt;               /* prefix-cache isolation ("" = the deployment's only) */
+    /* structured output (daemon/structured.c): NULL = free text; else "json_schema",
+     * "json_object", "regex" or "lark" with its text, named so_field in messages */
+    const char *so_kind;
+    char *so_text;
+    const char *so_field;
+    int32_t so_start;               /* >= 0: constrained from the token after this id (a tool
+                                       call the model opens under tool_choice auto) */
     bool continuous_usage_stats;
     bool include_token_ids;
     bool text_output;               /* TOKENS: detokenize the output too (the HTTP door) */
@@ -170,6 +177,11 @@ void engine_sampling_done(struct engine_sampling *es);
 struct Stepd__V1__GenerateRequest;
 int request_from_proto(const struct Stepd__V1__GenerateRequest *pb, struct request **ret,
                        char *msg, size_t len);
+/* GenerateRequest.structured_output onto in (daemon/structured.c): 0 or -EINVAL naming the
+ * field. */
+struct Stepd__V1__StructuredOutput;
+int request_structured_from_proto(const struct Stepd__V1__StructuredOutput *so, struct request *in,
+                                  char *msg, size_t len);
 /* A chat-only request from a proto ChatInput (Inference.Tokenize), the same way. */
 struct Stepd__V1__ChatInput;
 int request_from_proto_chat(const struct Stepd__V1__ChatInput *chat, struct request **ret,

@@ -603,7 +603,8 @@ static int tools_conv(const json_t *tools, struct request *in, char *msg, size_t
         if (params && !json_is_null(params) && !json_is_object(params))
             BAD("tools[%zu].parameters: must be a JSON schema object", i);
         if (json_is_true(strict))
-            BAD("tools[%zu].strict: strict schemas need structured output, which this server does not have", i);
+            BAD("tools[%zu].strict: not enforced on calls the model opens itself; tool_choice "
+                "\"required\" or a named function constrains the arguments to the schema", i);
         fn = json_pack("{s:O}", "name", name);
         if (fn && json_is_string(desc))
             json_object_set(fn, "description", (json_t *)desc);
@@ -721,8 +722,30 @@ static int body_conv(struct coord *co, const json_t *body, struct request *in, s
 
         if (!json_is_object(v))
             BAD("text: must be an object");
-        if (f && !json_is_null(f) && (!json_is_string(ft) || strcmp(json_string_value(ft), "text")))
-            BAD("text.format: only {\"type\": \"text\"} (structured output is not supported)");
+        if (f && !json_is_null(f)) {
+            /* structured output (daemon/structured.c) */
+            const json_t *sc = json_object_get(f, "schema");
+            const char *t = json_string_value(ft);
+            int rs = 0;
+
+            if (!json_is_object(f) || !t)
+                BAD("text.format: must be an object with a \"type\"");
+            if (!strcmp(t, "json_object")) {
+                rs = request_set_structured(in, "text.format", "json_object", "", msg, len);
+            } else if (!strcmp(t, "json_schema")) {
+                char *st;
+                if (!json_is_object(sc))
+                    BAD("text.format.schema: must be a JSON schema object");
+                if (!(st = json_dumps(sc, JSON_COMPACT)))
+                    return -ENOMEM;
+                rs = request_set_structured(in, "text.format.schema", "json_schema", st, msg, len);
+                free(st);
+            } else if (strcmp(t, "text")) {
+                BAD("text.format.type: must be \"text\", \"json_object\" or \"json_schema\"");
+            }
+            if (rs < 0)
+                return rs;
+        }
         json_object_foreach((json_t *)v, key, j)
             if (strcmp(key, "format"))
                 BAD("text.%.32s: unknown or unsupported field", key);

@@ -1207,6 +1207,11 @@ static int run_serve(struct worker *w, struct forward *f)
     int r, port = 0, rc = WORKER_EXIT_OK;
 
     engine_config_fill(w, &cfg);
+    /* structured output reads the model's tokenizer at the first constrained request */
+    char tokjson[4096];
+    if (w->o->model_dir && snprintf(tokjson, sizeof(tokjson), "%s/tokenizer.json",
+                                    w->o->model_dir) < (int) sizeof(tokjson))
+        cfg.grammar_tokenizer = tokjson;
     r = engine_new(f, &cfg, &eng, &e);
     if (r < 0) {
         log_error("engine: %s", e.msg);

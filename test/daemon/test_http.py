@@ -410,7 +410,7 @@ def test_bad_inputs():
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"tools": {"a": 1}}, "tools"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"request_id": "has space"}, "request_id"),
         ({"model": None}, "model"),
         ({"model": 7}, "model"),

@@ -2,10 +2,11 @@
 """The request fields of the OpenAI HTTP API and the replies they shape, against a mock engine
 with the `openai` client:
   structured_output   no field that changes the output is silently ignored (docs/OPERATIONS.md
-                      §12's field table): guided_json / guided_regex / guided_choice / guided_grammar /
-                      guided_decoding_backend / structured_outputs / response_format json_object
-                      and json_schema / prompt_logprobs: 400 naming the field, on chat and
-                      completions; a field stepd does not know: 400 naming it; the fields that
+                      §12's field table): a GBNF guided_grammar, guided_decoding_backend other than
+                      guidance, guided_whitespace_pattern, structural_tag, prompt_logprobs: 400
+                      naming the field, on chat and completions (guided_json/regex/choice, Lark
+                      grammars, structured_outputs and response_format json_object/json_schema
+                      are served); a field stepd does not know: 400 naming it; the fields that
                       cannot change the output (user, metadata, store, ...) and the no-op values
                       of refused ones (use_beam_search false, modalities ["text"]): 200
   tool_reply_shape    a reply of tool calls only: content null (was the "\\n" of the model's
@@ -65,21 +66,25 @@ def test_structured_output():
     comp = lambda **kw: c.completions.create(model="tiny", prompt="In the beginning", max_tokens=4, **kw)  # noqa: E731
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     asks = {
-        "guided_json": schema,
-        "guided_regex": "[0-9]+",
-        "guided_choice": ["yes", "no"],
-        "guided_grammar": "root ::= \"yes\"",
+        "guided_grammar": "root ::= \"yes\"",        # GBNF: the grammar is Lark (llguidance)
         "guided_decoding_backend": "xgrammar",
-        "structured_outputs": {"json": schema},
+        "guided_whitespace_pattern": " *",
+        "structural_tag": "{}",
         "prompt_logprobs": 1,
     }
+    # structured output is served (test_structured.py checks the replies on the real worker)
+    served = [{"guided_json": schema}, {"guided_regex": "[0-9]+"}, {"guided_choice": ["yes", "no"]},
+              {"guided_grammar": 'start: "yes"'}, {"structured_outputs": {"json": schema}},
+              {"response_format": {"type": "json_object"}},
+              {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}]
     for door in (chat, comp):
         for field, value in asks.items():
             msg = refused(door, field, extra_body={field: value})
             print("   %s: %s" % (field, msg))
-        for rf in ({"type": "json_object"},
-                   {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}):
-            refused(door, "response_format", extra_body={"response_format": rf})
+        for extra in served:
+            r = door(extra_body=extra)
+            assert r.choices[0].finish_reason == "length", (extra, r)
+        refused(door, "response_format.type", extra_body={"response_format": {"type": "yaml"}})
         # a field nobody defined is refused, never ignored
         refused(door, "frobnicate", extra_body={"frobnicate": 1})
         # what cannot change the output, and the no-op values of refused fields

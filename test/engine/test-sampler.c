@@ -323,6 +323,51 @@ static void test_spec_config(void)
     ASSERT_TRUE(strstr(e.msg, "draft_quantization") != NULL);
 }
 
+/* The grammar mask (sampling_params.allow): only allowed ids are drawn, greedy (its fast path
+ * and the processors' path agree, lowest id on ties) and sampled; none allowed gives id 0. */
+#define NV 1000
+static void test_allow_mask(void)
+{
+    struct sampler *s;
+    struct sampling_params sp;
+    struct sampler_bias nop = { .token = 3, .bias = 0.0f };
+    float x[NV];
+    uint32_t allow[(NV + 31) / 32];
+
+    ASSERT_OK(sampler_new(NV, &s));
+    for (int round = 0; round < 50; round++) {
+        memset(allow, 0, sizeof(allow));
+        for (int i = 0; i < NV; i++) {
+            x[i] = (float) ((i * 7919 + round * 104729) % 97) * 0.1f;   /* ties on purpose */
+            if ((i * 31 + round) % 13 == 0)
+                allow[i / 32] |= 1u << (i % 32);
+        }
+        sampling_params_init(&sp);
+        sp.allow = allow;
+        int32_t fast = sampler_sample(s, &sp, NULL, x, 0, 0);
+        sp.n_logit_bias = 1;                /* a no-op processor: the full path */
+        sp.logit_bias = &nop;
+        int32_t full = sampler_sample(s, &sp, NULL, x, 0, 0);
+        ASSERT_EQ(fast, full);
+        ASSERT_TRUE(allow[fast / 32] >> (fast % 32) & 1u);
+        for (int i = 0; i < NV; i++)
+            if (allow[i / 32] >> (i % 32) & 1u)
+                ASSERT_TRUE(x[i] < x[fast] || (x[i] == x[fast] && i >= fast));
+        sp.n_logit_bias = 0;
+        sp.temperature = 1.0f;
+        sp.seed = (uint64_t) round;
+        for (int k = 0; k < 20; k++) {
+            int32_t t = sampler_sample(s, &sp, NULL, x, (uint64_t) k, 0);
+            ASSERT_TRUE(allow[t / 32] >> (t % 32) & 1u);
+        }
+    }
+    memset(allow, 0, sizeof(allow));
+    sampling_params_init(&sp);
+    sp.allow = allow;
+    ASSERT_EQ(sampler_sample(s, &sp, NULL, x, 0, 0), 0);
+    sampler_free(s);
+}
+
 int main(void)
 {
     test_params_check();
@@ -332,6 +377,7 @@ int main(void)
     test_chisq_helper();
     test_rejection_chi_square();
     test_spec_config();
+    test_allow_mask();
     printf("sampler: ok\n");
     return 0;
 }

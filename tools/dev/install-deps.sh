@@ -16,6 +16,7 @@ pkgs=(
   python3 python3-venv python3-pip
   libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv util-linux
   libmicrohttpd-dev libgnutls28-dev curl
+  libpython3.11
 )
 # the deploy tests render the Kubernetes manifests with kubectl's kustomize: Debian's
 # kubernetes-client, unless a kubectl with kustomize is there already (a packaged kubectl of
@@ -46,4 +47,10 @@ fi
 # a real byte-level BPE tokenizer.json shipped by a PyPI package (tokenizer equality test)
 if ! .venv/bin/python -c 'import importlib.util as u; assert u.find_spec("anthropic")' 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check --no-deps anthropic==0.34.2
+fi
+# structured output: llguidance's wheel ships the grammar engine's C API (common/grammar.c opens
+# .venv/lib/python3*/site-packages/llguidance/_lib.abi3.so; its Python symbols are bound from
+# libpython3.11, above); jsonschema validates the constrained replies in the tests
+if ! .venv/bin/python -c 'import llguidance, jsonschema' 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check llguidance jsonschema
 fi

@@ -744,6 +744,7 @@ static int status_of(int rc)
     case -EEXIST:
         return RPC_ALREADY_EXISTS;
     case -ESHUTDOWN:
+    case -EOPNOTSUPP:           /* structured output without the grammar engine */
         return RPC_UNAVAILABLE;
     default:
         return RPC_INTERNAL;
@@ -780,6 +781,17 @@ static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest 
     int r = convert_sampling(in->sampling_params, q, bias, err);
     if (r < 0)
         return r;
+    const Stepd__V1__StructuredOutput *so = in->structured_output;
+    if (so && so->kind && so->kind[0]) {
+        if (strcmp(so->kind, "json_schema") && strcmp(so->kind, "json_object") &&
+            strcmp(so->kind, "regex") && strcmp(so->kind, "lark"))
+            return err_set(err, -EINVAL, "structured_output.kind: \"%.32s\" is not one of "
+                           "json_schema, json_object, regex, lark", so->kind);
+        q->constraint_kind = so->kind;
+        q->constraint = so->text ? so->text : "";
+        if (PB_HAS(so, start_token))
+            q->constraint_start = so->start_token;
+    }
     if (!in->sampling_params || !PB_HAS(in->sampling_params, seed)) {
         q->sampling.seed = splitmix64((uint64_t) engine_now_usec() ^ (s->id_ctr++ << 20));
         q->seed_random = true;

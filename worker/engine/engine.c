@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "batcher.h"
+#include "grammar.h"
 #include "kv.h"
 #include "log.h"
 #include "sha256.h"
@@ -61,6 +62,7 @@ struct ereq {
     float *q;                        /* [k * vocab] draft distributions (sampled + k > 0) */
     int logprobs;                    /* -1 none, else top-N */
     struct engine_logprob *lp;       /* [1 + SPEC_MAX_K]: the tokens not yet delivered */
+    struct grammar_matcher *gm;      /* structured output (NULL: free) */
     engine_output_cb cb;
     void *ud;
     atomic_bool abort_flag;
@@ -86,6 +88,8 @@ struct engine {
     struct sampler *smp;
     uint8_t salt[KV_DIGEST_BYTES];   /* deployment salt of the prefix-cache keys */
     struct spec_policy *pol;
+    pthread_mutex_t gv_lock;          /* the grammar vocabulary, built at first use */
+    struct grammar_vocab *gv;
 
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -165,6 +169,7 @@ void engine_request_init(struct engine_request *r)
     sampling_params_init(&r->sampling);
     r->num_speculative_tokens = -1;
     r->logprobs = -1;
+    r->constraint_start = -1;
 }
 
 /* --- creation --- */
@@ -280,6 +285,7 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
     int max_len = c.max_model_len + SPEC_MAX_K + 1;
     e->max_blocks_per_seq = (max_len + f->block_size - 1) / f->block_size;
     pthread_mutex_init(&e->lock, NULL);
+    pthread_mutex_init(&e->gv_lock, NULL);
     pthread_cond_init(&e->cond, NULL);
     if (c.prefix_cache_salt) {
         sha256(c.prefix_cache_salt, strlen(c.prefix_cache_salt), e->salt);
@@ -346,6 +352,7 @@ static void ereq_free(struct ereq *r)
     free(r->ban);
     free(r->q);
     free(r->lp);
+    grammar_matcher_free(r->gm);
     free(r);
 }
 
@@ -488,6 +495,34 @@ out_free:
     return NULL;
 }
 
+/* The request's grammar matcher, compiled on the caller's thread (never the step's); the
+ * vocabulary is built by the first constrained request. */
+static int constraint_new(struct engine *e, const struct engine_request *q,
+                          struct grammar_matcher **ret, struct err_buf *err)
+{
+    int r = 0;
+
+    if (!q->constraint_kind)
+        return err_set(err, -EINVAL, "structured_output: a constraint needs its kind");
+    if (!e->cfg.grammar_tokenizer)
+        return err_set(err, -EINVAL, "structured_output: this engine has no tokenizer for "
+                       "the grammar engine");
+    if (q->constraint_start >= e->vocab)
+        return err_set(err, -EINVAL, "structured_output.start_token: %d is outside the vocabulary",
+                       q->constraint_start);
+    pthread_mutex_lock(&e->gv_lock);
+    if (!e->gv)
+        r = grammar_vocab_new(e->cfg.grammar_tokenizer, e->vocab, e->cfg.eos_ids,
+                              e->cfg.n_eos, &e->gv, err);
+    pthread_mutex_unlock(&e->gv_lock);
+    if (r < 0)
+        return r == -ENOENT || r == -ENOEXEC ? err_set(err, -EOPNOTSUPP, "%s", err->msg) : r;
+    r = grammar_matcher_new(e->gv, q->constraint_kind, q->constraint, q->constraint_start, ret, err);
+    if (r < 0)
+        err_prefix(err, "structured_output.%s", q->constraint_kind);
+    return r;
+}
+
 int engine_submit(struct engine *e, const struct engine_request *q, engine_output_cb cb, void *ud,
                   struct err_buf *err)
 {
@@ -496,9 +531,15 @@ int engine_submit(struct engine *e, const struct engine_request *q, engine_outpu
     int r = check_request(e, q, err);
     if (r < 0)
         return r;
+    struct grammar_matcher *gm = NULL;
+    if (q->constraint && (r = constraint_new(e, q, &gm, err)) < 0)
+        return r;
     struct ereq *req = ereq_new(e, q);
-    if (!req)
+    if (!req) {
+        grammar_matcher_free(gm);
         return err_set(err, -ENOMEM, "out of memory");
+    }
+    req->gm = gm;
     req->cb = cb;
     req->ud = ud;
     req->t_arrival = engine_now_usec();
@@ -789,6 +830,7 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
         .drafts = r->drafts,
         .q = r->q,
         .acc = &r->acc,
+        .gm = r->gm,
     };
     int32_t next;
     int a = spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next);
@@ -1248,6 +1290,8 @@ void engine_free(struct engine *e)
     free(e->sched);
     pthread_cond_destroy(&e->cond);
     pthread_mutex_destroy(&e->lock);
+    grammar_vocab_free(e->gv);
+    pthread_mutex_destroy(&e->gv_lock);
     free(e);
 }
 

@@ -72,6 +72,10 @@ struct engine_config {
      * from (processed_logprobs: after penalties, temperature, top-k/p; sampler_logprobs) */
     bool logprobs_processed;
     bool enable_prefix_caching;   /* reuse cached KV blocks of shared prefixes (default on) */
+    /* structured output: the model's tokenizer.json (borrowed, outlives the engine), read by
+     * the grammar engine (common/grammar.h) at the first constrained request; NULL = such
+     * requests are refused.  An engine that never sees one never loads llguidance. */
+    const char *grammar_tokenizer;
     const char *prefix_cache_salt;/* deployment salt of the cache keys; NULL = 32 random bytes
                                      drawn at engine_new (kv.h, kv_prefix_root) */
     int test_digest_cut_bits;     /* tests only (kv_pool_config.test_digest_cut_bits) */
@@ -128,6 +132,13 @@ struct engine_request {
                                          none): the tokens need be exact in distribution
                                          only, not the seed's realisation (the prefix
                                          cache's MTP rule, docs/ARCHITECTURE.md) */
+    /* structured output (grammar.h): kind "json_schema", "json_object", "regex" or "lark"
+     * and its text (NULL = free); every output token is drawn under the grammar's mask,
+     * from the one after the first constraint_start token when that is >= 0 (the end of
+     * the reasoning), else from the first.  MTP drafts are checked against it. */
+    const char *constraint_kind;
+    const char *constraint;
+    int32_t constraint_start;
 };
 
 void engine_request_init(struct engine_request *r);

@@ -266,6 +266,16 @@ static void process_logits(struct sampler *s, const struct sampling_params *sp,
     for (int i = 0; i < sp->n_logit_bias; i++)
         s->x[sp->logit_bias[i].token] += sp->logit_bias[i].bias;
     apply_penalties(s, sp, h);
+    if (sp->allow) {
+        for (int w = 0; w * 32 < v; w++) {
+            uint32_t m = sp->allow[w];
+            if (m == UINT32_MAX)
+                continue;
+            for (int b = 0; b < 32 && w * 32 + b < v; b++)
+                if (!(m >> b & 1u))
+                    s->x[w * 32 + b] = -INFINITY;
+        }
+    }
 }
 
 /* out = log_softmax(x), in double where it sums. */
@@ -344,6 +354,21 @@ void sampler_probs(struct sampler *s, const struct sampling_params *sp,
         probs[i] = (float) (probs[i] / sum);
 }
 
+/* Greedy under a grammar mask alone: the lowest id of the largest allowed logit (0 when none
+ * is allowed, as the argmax of an all -inf row). */
+static int32_t masked_argmax(const float *x, const uint32_t *allow, int v)
+{
+    int32_t best = -1;
+    for (int w = 0; w * 32 < v; w++) {
+        for (uint32_t m = allow[w]; m; m &= m - 1) {
+            int i = w * 32 + __builtin_ctz(m);
+            if (i < v && (best < 0 || x[i] > x[best]))
+                best = i;
+        }
+    }
+    return best < 0 ? 0 : best;
+}
+
 int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,
                        const struct sampler_hist *h, const float *logits, uint64_t index,
                        uint32_t stream)
@@ -351,7 +376,7 @@ int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,
     if (sampling_params_greedy(sp) && sp->n_logit_bias == 0 && sp->repetition_penalty == 1.0f &&
         sp->presence_penalty == 0.0f && sp->frequency_penalty == 0.0f &&
         (!h || h->n_output >= sp->min_tokens || sp->n_ban == 0))
-        return argmax(logits, s->vocab);
+        return sp->allow ? masked_argmax(logits, sp->allow, s->vocab) : argmax(logits, s->vocab);
     float *probs = s->probs;
     sampler_probs(s, sp, h, logits, probs);
     if (sampling_params_greedy(sp))

@@ -3,7 +3,7 @@
  *
  * The processors run in a fixed order on a copy of one logits row: min-tokens ban, logit bias,
  * repetition penalty (prompt + output, HF/vLLM semantics), presence and frequency
- * penalties (output only, OpenAI semantics), then temperature, top-k, top-p and min-p
+ * penalties (output only, OpenAI semantics), the grammar's allowed-token mask, then temperature, top-k, top-p and min-p
  * turn it into a probability vector.  temperature == 0 is greedy: the processed argmax
  * (lowest id on ties).  Randomness is counter-based: every draw is a pure function of
  * (seed, output index, stream), so a request gives the same tokens whatever else is in
@@ -39,6 +39,10 @@ struct sampling_params {
     int min_tokens;
     int n_ban;
     const int32_t *ban;                    /* borrowed; [n_ban] */
+    /* structured output: a bitmask of the tokens the grammar allows now (bit t of word
+     * t/32, vocab bits; NULL = all).  The others get -inf after every other processor,
+     * greedy and sampled alike.  Set by spec_verify around each draw (spec.h). */
+    const uint32_t *allow;
 };
 
 /* Defaults: greedy, every processor off, seed 0. */

@@ -5,6 +5,8 @@
 #include <string.h>
 
 #include "clock.h"
+#include "err.h"
+#include "grammar.h"
 #include "spec-policy.h"
 
 void spec_stats_add(struct spec_stats *dst, const struct spec_stats *src)
@@ -70,14 +72,21 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
                 s->drafts[k] = sampler_argmax(row, (int) v);
                 continue;
             }
-            if (sampling_params_greedy(s->sp)) {
-                d = sampler_sample(smp, s->sp, &h, row, 0, SAMPLER_STREAM_DRAFT);
+            /* structured output: drafts under the grammar too (the matcher follows them
+             * and is rolled back below), so that they can be accepted */
+            struct sampling_params sp = *s->sp;
+            if (s->gm && s->gm_drafted == k)
+                sp.allow = grammar_matcher_mask(s->gm);
+            if (sampling_params_greedy(&sp)) {
+                d = sampler_sample(smp, &sp, &h, row, 0, SAMPLER_STREAM_DRAFT);
             } else {
                 float *q = s->q + (size_t) k * v;
-                sampler_probs(smp, s->sp, &h, row, q);
+                sampler_probs(smp, &sp, &h, row, q);
                 d = sampler_draw(q, (int) v, sampler_uniform(s->sp->seed, s->out_index + (uint64_t) k,
                                                              SAMPLER_STREAM_DRAFT));
             }
+            if (s->gm && s->gm_drafted == k && grammar_matcher_accept(s->gm, d) == 0)
+                s->gm_drafted++;
             s->drafts[k] = d;
             *draft_slot(s, k) = d;
         }
@@ -87,7 +96,73 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
         }
         spec_policy_draft_cost(pol, k, n_at, fill, (double)(spec_policy_now_us(pol) - t0) * 1e-6);
     }
+    for (int i = 0; i < plan->n_seqs; i++) {
+        if (seqs[i].gm && seqs[i].gm_drafted) {
+            BUG_ON(grammar_matcher_rollback(seqs[i].gm, seqs[i].gm_drafted) < 0);
+            grammar_matcher_prefetch(seqs[i].gm);
+        }
+        seqs[i].gm_drafted = 0;
+    }
     return 0;
+}
+
+/* Grammar-constrained verification (seq->gm): position i is drawn under the mask after the
+ * drafts accepted before it, so greedy output is the same for every K; a draft the mask
+ * forbids ends the drafts checked (the token at its place is drawn from the masked target).  The
+ * matcher consumes drafts while they are allowed, is rolled back to the accepted prefix,
+ * then takes the token that follows. */
+static int verify_constrained(struct sampler *smp, struct spec_seq *seq, const float *rows,
+                              int n_draft, int vocab, float *probs_buf, int32_t *ret_next)
+{
+    size_t v = (size_t) vocab;
+    struct sampling_params sp = *seq->sp;
+    int accepted = 0, consumed = 0;
+    int32_t next;
+
+    if (n_draft == 0 || sampling_params_greedy(&sp)) {
+        for (;;) {
+            struct sampler_hist h = seq->hist;
+            h.n_output += accepted;
+            sp.allow = grammar_matcher_mask(seq->gm);
+            next = sampler_sample(smp, &sp, &h, rows + (size_t) accepted * v,
+                                  n_draft == 0 ? seq->out_index : 0, SAMPLER_STREAM_TOKEN);
+            if (accepted == n_draft || next != seq->drafts[accepted] ||
+                grammar_matcher_accept(seq->gm, next) < 0)
+                break;
+            accepted++;
+        }
+    } else {
+        const float *p[SPEC_MAX_K + 1], *q[SPEC_MAX_K];
+        int n_check = n_draft;
+        for (int i = 0; i <= n_check; i++) {
+            struct sampler_hist h = seq->hist;
+            h.n_output += i;
+            float *pi = probs_buf + (size_t) i * v;
+            sp.allow = grammar_matcher_mask(seq->gm);
+            sampler_probs(smp, &sp, &h, rows + (size_t) i * v, pi);
+            p[i] = pi;
+            if (i == n_check)
+                break;
+            q[i] = seq->q + (size_t) i * v;
+            if (grammar_matcher_accept(seq->gm, seq->drafts[i]) < 0) {
+                /* the grammar forbids draft i: only the drafts before it are verified, and
+                 * p[i] (under the mask) draws the token after them */
+                n_check = i;
+                break;
+            }
+            consumed++;
+        }
+        float *tmp = probs_buf + (size_t) (SPEC_MAX_K + 1) * v;
+        accepted = sampler_verify(p, q, seq->drafts, n_check, vocab, seq->sp->seed, seq->out_index,
+                                  tmp, &next);
+        BUG_ON(grammar_matcher_rollback(seq->gm, consumed - accepted) < 0);
+    }
+    /* a token the grammar refuses (only when every allowed one was banned, e.g. EOS under
+     * min_tokens) leaves the matcher where it was */
+    (void) grammar_matcher_accept(seq->gm, next);
+    grammar_matcher_prefetch(seq->gm);     /* the next draw's mask, during the next forward */
+    *ret_next = next;
+    return accepted;
 }
 
 int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, int n_draft,
@@ -98,7 +173,9 @@ int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, in
     int32_t next;
     for (int k = 0; k < n_draft; k++)
         *draft_slot(seq, k) = seq->drafts[k];
-    if (n_draft == 0) {
+    if (seq->gm) {
+        accepted = verify_constrained(smp, seq, rows, n_draft, vocab, probs_buf, &next);
+    } else if (n_draft == 0) {
         next = sampler_sample(smp, seq->sp, &seq->hist, rows, seq->out_index, SAMPLER_STREAM_TOKEN);
     } else if (sampling_params_greedy(seq->sp)) {
         for (;;) {

@@ -81,6 +81,13 @@ struct spec_seq {
     int n_forced;
     struct spec_accept *acc;  /* the sequence's acceptance counts (NULL: none) */
     int verified, accepted;   /* out of spec_verify: drafts verified, accepted */
+    /* structured output (grammar.h; NULL: none): spec_verify draws every token under the
+     * matcher's mask after the drafts accepted before it, checks each draft against the
+     * grammar (a forbidden draft is rejected), and leaves the matcher advanced by the
+     * accepted drafts and the token that follows them; spec_propose drafts under the mask
+     * too (the matcher is returned to its state afterwards) */
+    struct grammar_matcher *gm;
+    int gm_drafted;           /* spec_propose: drafts the matcher follows (0 after it) */
 };
 
 /* Run the MTP chain for the plan's sequences (seqs[i] pairs with plan->seqs[i]; depth

@@ -325,10 +325,12 @@ static int lark_value(struct strbuf *g, const json_t *prop)
         strbuf_adds(g, "/[^<\\n]{1,200}/");
         return 0;
     }
-    /* compact JSON, as for response_format (common/grammar.c) */
+    /* compact JSON, as for response_format (common/grammar.c); lenient: a keyword the grammar
+     * engine cannot enforce (uniqueItems, ...) is left unenforced rather than refusing a
+     * valid tool declaration (validate.c checks the schema itself; OPERATIONS.md §14) */
     json_t *cp = json_is_object(prop) ? json_deep_copy(prop) : json_object();
     if (cp && !json_object_get(cp, "x-guidance"))
-        json_object_set_new(cp, "x-guidance", json_pack("{s:b}", "whitespace_flexible", 0));
+        json_object_set_new(cp, "x-guidance", json_pack("{s:b,s:b}", "whitespace_flexible", 0, "lenient", 1));
     char *schema = cp ? json_dumps(cp, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
     json_decref(cp);
     if (!schema)

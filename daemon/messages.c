@@ -385,7 +385,7 @@ static int tools_conv(const json_t *tools, struct request *in, char *msg, size_t
 
 static int tool_choice_conv(const json_t *tc, struct request *in, char *msg, size_t len)
 {
-    const json_t *t = json_object_get(tc, "type"), *name = json_object_get(tc, "name");
+    const json_t *t = json_object_get(tc, "type"), *name = json_object_get(tc, "name"), *dp;
     const char *s = json_is_string(t) ? json_string_value(t) : "";
 
     in->tool_choice = REQUEST_TOOLS_AUTO;
@@ -393,8 +393,11 @@ static int tool_choice_conv(const json_t *tc, struct request *in, char *msg, siz
         return 0;
     if (!json_is_object(tc))
         BAD("tool_choice: must be an object (got %s)", json_type_describe(tc));
-    if (json_is_true(json_object_get(tc, "disable_parallel_tool_use")))
-        BAD("tool_choice.disable_parallel_tool_use: not supported (the model may call several tools in one turn)");
+    dp = json_object_get(tc, "disable_parallel_tool_use");
+    if (dp && !json_is_null(dp) && !json_is_boolean(dp))
+        BAD("tool_choice.disable_parallel_tool_use: must be a boolean (got %s)", json_type_describe(dp));
+    /* true: at most one call, the output ends where a second starts */
+    in->single_tool_call = json_is_true(dp);
     if (!strcmp(s, "none"))
         in->tool_choice = REQUEST_TOOLS_NONE;
     else if (!strcmp(s, "any"))

@@ -13,6 +13,8 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
                      tool_use, messages.stream's events, x-api-key
   four_doors         the same replayed output with two tool calls through gRPC, chat
                      completions, responses and messages, streamed and not: the same calls
+  single_call        parallel_tool_calls false / tool_choice.disable_parallel_tool_use: the
+                     first of two calls only, streamed and not, on both doors
   forced_choice      a named tool choice and required/any open the call in the prompt on both
                      doors (the replayed output holds only the rest of it); auto does not
   server_errors      429 (queue full) and 504 (deadline) in each door's shape; after the
@@ -107,6 +109,9 @@ def sse(s, path, body):
     return out
 
 
+TWO_CALLS = ("Two calls.\n</think>\nLet me check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+             "Paris\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+             "Rome\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                           "required": ["city"]}}
@@ -307,10 +312,7 @@ def calls_of_chat(r):
 
 
 def test_four_doors():
-    text = ("Two calls.\n</think>\nLet me check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"
-            "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
-            "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
-    script = ids_of(text)
+    script = ids_of(TWO_CALLS)
     s = mock_stepd(script=script)
     msgs = [{"role": "user", "content": "Weather in Paris and Rome?"}]
     tools = [{"type": "function", "function": WEATHER}]
@@ -389,6 +391,54 @@ def test_four_doors():
                 "".join(parts[i] for i, b in starts.items() if b["type"] == "text"),
                 [(b["name"], json.loads(parts[i])) for i, b in sorted(starts.items()) if b["type"] == "tool_use"])
     assert streamed == want, streamed
+    assert s.stop() == 0
+
+
+def test_single_call():
+    # parallel_tool_calls false (Responses) and tool_choice.disable_parallel_tool_use (Messages):
+    # the first call only, the output ends where the second would start, streamed and not
+    script = ids_of(TWO_CALLS)
+    s = mock_stepd(script=script)
+    c, a = oai(s), ant(s)
+    msgs = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    rtools = [dict(WEATHER, type="function")]
+    n = len(script) + 5
+    r = c.responses.create(model="tiny", input=msgs, tools=rtools, max_output_tokens=n)
+    assert [o.type for o in r.output].count("function_call") == 2, r.output     # the default: both
+    r = c.responses.create(model="tiny", input=msgs, tools=rtools, max_output_tokens=n, parallel_tool_calls=False)
+    fc = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(fc) == 1 and json.loads(fc[0].arguments) == {"city": "Paris"}, r.output
+    assert r.parallel_tool_calls is False and r.usage.output_tokens < len(script), r
+    ev = list(c.responses.create(model="tiny", input=msgs, tools=rtools, max_output_tokens=n,
+                                 parallel_tool_calls=False, stream=True))
+    added = [e.item for e in ev if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    args = "".join(e.delta for e in ev if e.type == "response.function_call_arguments.delta")
+    assert len(added) == 1 and json.loads(args) == {"city": "Paris"}, [e.type for e in ev]
+    assert ev[-1].type == "response.completed" and [o.arguments for o in ev[-1].response.output
+                                                    if o.type == "function_call"] == [fc[0].arguments], ev[-1]
+    atools = [{"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}]
+    for choice in ({"type": "auto", "disable_parallel_tool_use": True}, {"type": "any", "disable_parallel_tool_use": True}):
+        body = {"model": "tiny", "max_tokens": n, "messages": msgs, "tools": atools, "tool_choice": choice}
+        if choice["type"] == "any":     # the call opened in the prompt: the replayed output starts inside it
+            s.stop()
+            s = mock_stepd(script=ids_of(TWO_CALLS.split("<function=", 1)[1]))
+            a = ant(s)
+        m = a.messages.create(**body)
+        tu = [b for b in m.content if b.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and len(tu) == 1 and tu[0].input == {"city": "Paris"}, (choice, m)
+        assert m.usage.output_tokens < len(script), m.usage
+        starts, parts = {}, {}
+        for name, d in sse(s, "/v1/messages", body):
+            if name == "content_block_start":
+                starts[d["index"]] = d["content_block"]
+            elif name == "content_block_delta" and d["delta"]["type"] == "input_json_delta":
+                parts[d["index"]] = parts.get(d["index"], "") + d["delta"]["partial_json"]
+            elif name == "message_delta":
+                assert d["delta"]["stop_reason"] == "tool_use", d
+        calls = [(b["name"], json.loads(parts[i])) for i, b in sorted(starts.items()) if b["type"] == "tool_use"]
+        assert calls == [("get_weather", {"city": "Paris"})], (choice, calls)
+        m = a.messages.create(**dict(body, tool_choice=dict(choice, disable_parallel_tool_use=False)))
+        assert [b.type for b in m.content].count("tool_use") == 2, (choice, m.content)
     assert s.stop() == 0
 
 
@@ -513,7 +563,7 @@ RESPONSES_BAD = [
     ({"model": "tiny", "input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
      "text.format.schema"),
     ({"model": "tiny", "input": "hi", "frobnicate": 1}, "frobnicate"),
-    ({"model": "tiny", "input": "hi", "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"model": "tiny", "input": "hi", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"model": "tiny", "input": "hi", "stream": "yes"}, "stream"),
     ({"model": "tiny", "input": "hi", "truncation": "auto"}, "truncation"),
 ]
@@ -541,6 +591,8 @@ MESSAGES_BAD = [
       "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type"),
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
       "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+      "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}, "tool_choice.disable_parallel_tool_use"),
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},
      "tool_choice"),
@@ -722,6 +774,7 @@ if __name__ == "__main__":
         ("responses_tools", test_responses_tools),
         ("messages_tools", test_messages_tools),
         ("four_doors", test_four_doors),
+        ("single_call", test_single_call),
         ("forced_choice", test_forced_choice),
         ("server_errors", test_server_errors),
         ("store_bounds", test_store_bounds),

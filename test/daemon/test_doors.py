@@ -23,6 +23,9 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
   disconnect         a client of either door that goes away (streaming or not): one Abort
   bad_requests       at least 15 malformed requests per door -> 400 (404 for ids) in that
                      API's error shape naming the field; the server serves throughout
+  http_errors        401 (no key, a wrong one), 403 (Host, Origin), 413, 415, framing 400 and
+                     405, answered before a route runs: Anthropic's shape under /v1/messages,
+                     OpenAI's on /v1/chat/completions
   mutated_requests   a full request per door with one value replaced or removed (seeded,
                      150 each, streamed and not): 200 or an error in the API's shape, no crash
 Against the real CPU worker on the tiny model:
@@ -643,6 +646,67 @@ def test_bad_requests():
     assert s.stop() == 0
 
 
+def raw(s, data):
+    """Raw bytes to the HTTP port; the answer's status and JSON body (the server closes or
+    keeps the connection: the body is read by its Content-Length)."""
+    c = socket.create_connection(("127.0.0.1", s.ports["http"]), timeout=10)
+    c.sendall(data)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        b = c.recv(65536)
+        assert b, got
+        got += b
+    head, body = got.split(b"\r\n\r\n", 1)
+    n = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0])
+    while len(body) < n:
+        b = c.recv(65536)
+        assert b, (head, body)
+        body += b
+    c.close()
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+def test_http_errors():
+    # what http.c answers before a route runs, in the shape of the path's API: Anthropic's under
+    # /v1/messages, OpenAI's elsewhere
+    s = mock_stepd("--http-max-body-bytes", "65536", env={"STEPD_API_KEY": "sekrit"})
+    body = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    key = b"x-api-key: sekrit\r\n"
+    cases = [  # (status, Anthropic's error type, the request's head lines after the request line)
+        (401, "authentication_error", b"Content-Type: application/json\r\n"),
+        (401, "authentication_error", b"x-api-key: wrong\r\nContent-Type: application/json\r\n"),
+        (403, "permission_error", b"Host: evil.example\r\n" + key),
+        (403, "permission_error", b"Origin: http://evil.example\r\n" + key),
+        (413, "request_too_large", key + b"Content-Type: application/json\r\nContent-Length: 100000\r\n"),
+        (415, "invalid_request_error", key + b"Content-Type: text/plain\r\n"),
+        (400, "invalid_request_error", key + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"),
+    ]
+    for path in (b"/v1/messages", b"/v1/messages/count_tokens", b"/v1/chat/completions"):
+        for status, etype, head in cases:
+            if b"Host:" not in head:
+                head = b"Host: localhost\r\n" + head
+            if b"Content-Length" not in head:
+                head += b"Content-Length: %d\r\n" % len(body)
+            st, d = raw(s, b"POST " + path + b" HTTP/1.1\r\n" + head + b"\r\n" + (b"" if b"100000" in head else body))
+            assert st == status, (path, head, st, d)
+            if path.startswith(b"/v1/messages"):
+                assert d["type"] == "error" and d["error"]["type"] == etype and d["error"]["message"], (path, head, d)
+            else:
+                assert set(d) == {"error"} and d["error"]["message"] and "param" in d["error"], (path, head, d)
+        still_serving_keyed = request(s, "POST", "/v1/messages", json.loads(body), headers={"x-api-key": "sekrit"})
+        assert still_serving_keyed[0] == 200, still_serving_keyed
+    # a method the path does not serve: 405 in the path's shape too
+    st, d = request(s, "GET", "/v1/messages", headers={"x-api-key": "sekrit"})
+    assert st == 405 and d["type"] == "error" and d["error"]["type"] == "invalid_request_error", (st, d)
+    # through the anthropic client: its exception classes
+    try:
+        ant(s, key="wrong").messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("a wrong key was accepted")
+    except anthropic.AuthenticationError as e:
+        assert e.body["type"] == "error" and e.body["error"]["type"] == "authentication_error", e.body
+    assert s.stop() == 0
+
+
 def mutations(body, rnd, n):
     """n bodies like body with one value somewhere replaced by a value of another kind."""
     odd = [None, True, -1, 0, 2 ** 40, 1.5e308, "", "x" * 300, [], {}, [None], {"type": None}, "\u00e9\ud7ff"]
@@ -780,6 +844,7 @@ if __name__ == "__main__":
         ("store_bounds", test_store_bounds),
         ("disconnect", test_disconnect),
         ("bad_requests", test_bad_requests),
+        ("http_errors", test_http_errors),
         ("mutated_requests", test_mutated_requests),
         ("tiny_model", test_tiny_model),
     ])

@@ -9,7 +9,8 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
   responses_tools    a two-turn tool round trip (reasoning, a function_call item, its
                      function_call_output, the answer), streamed and not, usage, the event
                      sequence, GET/DELETE of a stored response, a missing id -> 404 naming it
-  messages_tools     the same with tool_use / tool_result blocks, thinking blocks, stop_reason
+  messages_tools     the same with tool_use / tool_result blocks, thinking blocks (thinking
+                     disabled: none returned, its tokens counted, the same prompt), stop_reason
                      tool_use, messages.stream's events, x-api-key
   four_doors         the same replayed output with two tool calls through gRPC, chat
                      completions, responses and messages, streamed and not: the same calls
@@ -235,6 +236,24 @@ def test_messages_tools():
     m3 = a.messages.create(model="tiny", max_tokens=80, messages=msgs, tools=tools, extra_body={
         "thinking": {"type": "disabled"}})
     assert [b.type for b in m3.content] == ["tool_use"], m3.content
+    # ... the model still thinks (the template has no switch): its tokens are counted and
+    # streamed as no event; the prompt is the one without a thinking field
+    assert m3.usage.output_tokens == m.usage.output_tokens and m3.usage.input_tokens + \
+        m3.usage.cache_read_input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens, m3.usage
+    body = {"model": "tiny", "messages": msgs, "tools": tools}
+    with a.messages.stream(model="tiny", max_tokens=80, messages=msgs, tools=tools,
+                           extra_body={"thinking": {"type": "disabled"}}) as st:
+        events = list(st)
+    assert not [e for e in events if e.type == "content_block_start" and e.content_block.type != "tool_use"], events
+    assert not [e for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"], events
+    for extra in ({}, {"thinking": {"type": "disabled"}}):
+        st_, d = request(s, "POST", "/v1/messages/count_tokens", dict(body, **extra), headers={"x-api-key": "sekrit"})
+        assert st_ == 200 and d["input_tokens"] == m.usage.input_tokens + m.usage.cache_read_input_tokens, (extra, d)
+    # cut while it thinks: no block at all
+    st_, d = request(s, "POST", "/v1/messages", dict(body, max_tokens=3, thinking={"type": "disabled"}),
+                     headers={"x-api-key": "sekrit"})
+    assert st_ == 200 and d["content"] == [] and d["stop_reason"] == "max_tokens" and \
+        d["usage"]["output_tokens"] == 3, (st_, d)
     # the key: x-api-key as the Bearer key; a wrong one is 401
     try:
         ant(s, key="wrong").messages.create(model="tiny", max_tokens=4, messages=msgs)

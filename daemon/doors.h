@@ -25,3 +25,5 @@ void responses_store_free(struct coord *co);
 void messages_create(struct http_req *hr, void *ud);
 /* POST /v1/messages/count_tokens */
 void messages_count_tokens(struct http_req *hr, void *ud);
+/* Anthropic's error body for status and msg (http_route.error_body of the /v1/messages paths). */
+char *messages_error_body(unsigned status, const char *param, const char *msg);

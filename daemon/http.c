@@ -109,6 +109,7 @@ struct http_server {
 
 static void server_run(struct http_server *s);
 static void conn_suspend(struct http_req *hr);
+static bool path_match(const char *pat, const char *path);
 
 /* ------------------------------------------------------------------ errors */
 
@@ -139,6 +140,19 @@ static char *error_json(unsigned status, const char *param, const char *msg)
     out = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return out;
+}
+
+/* The error body of a request in the shape of the API its path belongs to: its route's
+ * error_body (a route of the path under any method before the route is known), OpenAI's
+ * without one or without a request yet. */
+static char *req_error_json(const struct http_req *hr, unsigned status, const char *param, const char *msg)
+{
+    const struct http_route *r = hr ? hr->route : NULL;
+
+    for (size_t i = 0; !r && hr && i < hr->s->o.n_routes; i++)
+        if (path_match(hr->s->o.routes[i].path, hr->path))
+            r = &hr->s->o.routes[i];
+    return r && r->error_body ? r->error_body(status, param, msg) : error_json(status, param, msg);
 }
 
 /* ------------------------------------------------------------------ responses */
@@ -236,7 +250,7 @@ int http_respond_error(struct http_req *hr, unsigned status, const char *param, 
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    body = error_json(status, param, msg);
+    body = req_error_json(hr, status, param, msg);
     if (!body)
         return -ENOMEM;
     r = http_respond(hr, status, "application/json", body, strlen(body), NULL);
@@ -634,7 +648,7 @@ static int framing_refuse(struct http_req *hr, const char *why)
 
     log_info("%s: client %s: bad request framing (%s): closing", hr->s->name, http_req_peer(hr), why);
     snprintf(msg, sizeof(msg), "bad request framing: %s", why);
-    body = error_json(400, NULL, msg);
+    body = req_error_json(hr, 400, NULL, msg);
     r = body ? http_respond(hr, 400, "application/json", body, strlen(body), hdrs) : -ENOMEM;
     free(body);
     return r;
@@ -860,7 +874,7 @@ static int req_begin(struct http_req *hr, struct MHD_Connection *mc, const char 
     }
     if (s->api_key && hr->route->auth && !hr->keyed) {
         static const char *const hdrs[] = { "WWW-Authenticate", "Bearer", NULL };
-        char *body = error_json(401, NULL, auth ? "invalid API key" : "an API key is required "
+        char *body = req_error_json(hr, 401, NULL, auth ? "invalid API key" : "an API key is required "
                                 "(Authorization: Bearer <key>)");
         int r = body ? http_respond(hr, 401, "application/json", body, strlen(body), hdrs) : -ENOMEM;
 
@@ -1032,7 +1046,7 @@ static void sweep_cb(uv_timer_t *t)
                 int hl;
 
                 snprintf(msg, sizeof(msg), "the request did not arrive within the %u ms limit", limit);
-                body = error_json(408, NULL, msg);
+                body = req_error_json(hr, 408, NULL, msg);
                 if (body) {
                     hl = snprintf(head, sizeof(head), "HTTP/1.1 408 Request Timeout\r\nContent-Type: "
                                   "application/json\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",

@@ -42,12 +42,16 @@ struct http_req;
 
 typedef void (*http_handler_fn)(struct http_req *hr, void *ud);
 typedef void (*http_close_fn)(struct http_req *hr, bool completed, void *ud);
+/* An error answer's body (malloc'd JSON text) in an API's shape; NULL when out of memory. */
+typedef char *(*http_error_fn)(unsigned status, const char *param, const char *msg);
 
 struct http_route {
     const char *method;             /* "GET", "POST" */
     const char *path;               /* exact path, without the query; a last segment "*" matches any one segment */
     bool auth;                      /* needs the API key (when one is set) */
     http_handler_fn fn;
+    http_error_fn error_body;       /* the errors of a request to this path, those http.c answers
+                                       itself too (401, 403, 408, 413, 415, framing); NULL: OpenAI's */
 };
 
 struct http_server_opts {

@@ -6,7 +6,8 @@
  * answer's content blocks (thinking, text, tool_use), streamed as Anthropic's events
  * (message_start, content_block_start/delta/stop, message_delta, message_stop, ping) or
  * answered whole.  Errors are Anthropic's {"type": "error", "error": {"type", "message"}},
- * the message naming the field ("messages.0.content.1.type: ...").  The model always
+ * the message naming the field ("messages.0.content.1.type: ..."), those http.c answers
+ * itself for these paths too (messages_error_body, the routes' error_body).  The model always
  * reasons: its reasoning comes back as thinking blocks unless thinking is {"type":
  * "disabled"}; an enabled thinking budget picks the template's reasoning effort (up to 4096
  * tokens low, up to 16384 medium, above high).  Loop thread only.
@@ -56,13 +57,21 @@ static json_t *error_json(unsigned status, const char *msg)
     return json_pack("{s:s, s:{s:s, s:s}}", "type", "error", "error", "type", error_type(status), "message", msg);
 }
 
-static void respond_error(struct http_req *hr, unsigned status, const char *msg)
+char *messages_error_body(unsigned status, const char *param, const char *msg)
 {
     json_t *o = error_json(status, msg);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+
+    (void)param;                    /* Anthropic's errors name the field in the message */
+    json_decref(o);
+    return s;
+}
+
+static void respond_error(struct http_req *hr, unsigned status, const char *msg)
+{
+    char *s = messages_error_body(status, NULL, msg);
     static const char *const retry[] = { "Retry-After", "1", NULL };
 
-    json_decref(o);
     if (s)
         http_respond(hr, status, "application/json", s, strlen(s), status == 429 || status == 503 ? retry : NULL);
     else
@@ -385,7 +394,7 @@ static int tools_conv(const json_t *tools, struct request *in, char *msg, size_t
 
 static int tool_choice_conv(const json_t *tc, struct request *in, char *msg, size_t len)
 {
-    const json_t *t = json_object_get(tc, "type"), *name = json_object_get(tc, "name");
+    const json_t *t = json_object_get(tc, "type"), *name = json_object_get(tc, "name"), *dp;
     const char *s = json_is_string(t) ? json_string_value(t) : "";
 
     in->tool_choice = REQUEST_TOOLS_AUTO;
@@ -393,8 +402,11 @@ static int tool_choice_conv(const json_t *tc, struct request *in, char *msg, siz
         return 0;
     if (!json_is_object(tc))
         BAD("tool_choice: must be an object (got %s)", json_type_describe(tc));
-    if (json_is_true(json_object_get(tc, "disable_parallel_tool_use")))
-        BAD("tool_choice.disable_parallel_tool_use: not supported (the model may call several tools in one turn)");
+    dp = json_object_get(tc, "disable_parallel_tool_use");
+    if (dp && !json_is_null(dp) && !json_is_boolean(dp))
+        BAD("tool_choice.disable_parallel_tool_use: must be a boolean (got %s)", json_type_describe(dp));
+    /* true: at most one call, the output ends where a second starts */
+    in->single_tool_call = json_is_true(dp);
     if (!strcmp(s, "none"))
         in->tool_choice = REQUEST_TOOLS_NONE;
     else if (!strcmp(s, "any"))

@@ -2159,27 +2159,27 @@ static void h_metrics(struct http_req *hr, void *ud)
 }
 
 static const struct http_route api_routes[] = {
-    { "POST", "/v1/chat/completions", true, h_chat },
-    { "POST", "/v1/completions", true, h_completions },
-    { "GET", "/v1/models", true, h_models },
-    { "POST", "/v1/responses", true, responses_create },
-    { "GET", "/v1/responses/*", true, responses_get },
-    { "DELETE", "/v1/responses/*", true, responses_get },
-    { "POST", "/v1/messages", true, messages_create },
-    { "POST", "/v1/messages/count_tokens", true, messages_count_tokens },
-    { "POST", "/tokenize", true, h_tokenize },
-    { "POST", "/detokenize", true, h_detokenize },
-    { "GET", "/health", false, h_health },
-    { "GET", "/ready", false, h_ready },
-    { "GET", "/healthz", false, h_healthz },
-    { "GET", "/metrics", false, h_metrics },
+    { "POST", "/v1/chat/completions", true, h_chat, NULL },
+    { "POST", "/v1/completions", true, h_completions, NULL },
+    { "GET", "/v1/models", true, h_models, NULL },
+    { "POST", "/v1/responses", true, responses_create, NULL },
+    { "GET", "/v1/responses/*", true, responses_get, NULL },
+    { "DELETE", "/v1/responses/*", true, responses_get, NULL },
+    { "POST", "/v1/messages", true, messages_create, messages_error_body },
+    { "POST", "/v1/messages/count_tokens", true, messages_count_tokens, messages_error_body },
+    { "POST", "/tokenize", true, h_tokenize, NULL },
+    { "POST", "/detokenize", true, h_detokenize, NULL },
+    { "GET", "/health", false, h_health, NULL },
+    { "GET", "/ready", false, h_ready, NULL },
+    { "GET", "/healthz", false, h_healthz, NULL },
+    { "GET", "/metrics", false, h_metrics, NULL },
 };
 
 static const struct http_route metrics_routes[] = {
-    { "GET", "/metrics", false, h_metrics },
-    { "GET", "/healthz", false, h_healthz },
-    { "GET", "/health", false, h_health },
-    { "GET", "/ready", false, h_ready },
+    { "GET", "/metrics", false, h_metrics, NULL },
+    { "GET", "/healthz", false, h_healthz, NULL },
+    { "GET", "/health", false, h_health, NULL },
+    { "GET", "/ready", false, h_ready, NULL },
 };
 
 /* host:port (or [v6]:port) into host and port. */

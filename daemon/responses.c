@@ -674,8 +674,7 @@ static int body_conv(struct coord *co, const json_t *body, struct request *in, s
     GET(json_get_bool, "store", JSON_GET_OPTIONAL, &u->store);
     bv = true;
     GET(json_get_bool, "parallel_tool_calls", JSON_GET_OPTIONAL, &bv);
-    if (!bv)
-        BAD("parallel_tool_calls: false is not supported (the model may call several tools in one turn)");
+    in->single_tool_call = !bv;     /* false: at most one call, the output ends where a second starts */
     GET(json_get_int, "max_output_tokens", JSON_GET_OPTIONAL, 1, INT32_MAX, &n);
     if (r)
         REQUEST_SET(&in->sp, RO_MAX_TOKENS, max_tokens, n);

@@ -9,10 +9,13 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
   responses_tools    a two-turn tool round trip (reasoning, a function_call item, its
                      function_call_output, the answer), streamed and not, usage, the event
                      sequence, GET/DELETE of a stored response, a missing id -> 404 naming it
-  messages_tools     the same with tool_use / tool_result blocks, thinking blocks, stop_reason
+  messages_tools     the same with tool_use / tool_result blocks, thinking blocks (thinking
+                     disabled: none returned, its tokens counted, the same prompt), stop_reason
                      tool_use, messages.stream's events, x-api-key
   four_doors         the same replayed output with two tool calls through gRPC, chat
                      completions, responses and messages, streamed and not: the same calls
+  single_call        parallel_tool_calls false / tool_choice.disable_parallel_tool_use: the
+                     first of two calls only, streamed and not, on both doors
   forced_choice      a named tool choice and required/any open the call in the prompt on both
                      doors (the replayed output holds only the rest of it); auto does not
   server_errors      429 (queue full) and 504 (deadline) in each door's shape; after the
@@ -21,6 +24,9 @@ Against mock engines (--script replays a chosen model output in the tiny tokeniz
   disconnect         a client of either door that goes away (streaming or not): one Abort
   bad_requests       at least 15 malformed requests per door -> 400 (404 for ids) in that
                      API's error shape naming the field; the server serves throughout
+  http_errors        401 (no key, a wrong one), 403 (Host, Origin), 413, 415, framing 400 and
+                     405, answered before a route runs: Anthropic's shape under /v1/messages,
+                     OpenAI's on /v1/chat/completions
   mutated_requests   a full request per door with one value replaced or removed (seeded,
                      150 each, streamed and not): 200 or an error in the API's shape, no crash
 Against the real CPU worker on the tiny model:
@@ -107,6 +113,9 @@ def sse(s, path, body):
     return out
 
 
+TWO_CALLS = ("Two calls.\n</think>\nLet me check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+             "Paris\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+             "Rome\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                           "required": ["city"]}}
@@ -227,6 +236,24 @@ def test_messages_tools():
     m3 = a.messages.create(model="tiny", max_tokens=80, messages=msgs, tools=tools, extra_body={
         "thinking": {"type": "disabled"}})
     assert [b.type for b in m3.content] == ["tool_use"], m3.content
+    # ... the model still thinks (the template has no switch): its tokens are counted and
+    # streamed as no event; the prompt is the one without a thinking field
+    assert m3.usage.output_tokens == m.usage.output_tokens and m3.usage.input_tokens + \
+        m3.usage.cache_read_input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens, m3.usage
+    body = {"model": "tiny", "messages": msgs, "tools": tools}
+    with a.messages.stream(model="tiny", max_tokens=80, messages=msgs, tools=tools,
+                           extra_body={"thinking": {"type": "disabled"}}) as st:
+        events = list(st)
+    assert not [e for e in events if e.type == "content_block_start" and e.content_block.type != "tool_use"], events
+    assert not [e for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"], events
+    for extra in ({}, {"thinking": {"type": "disabled"}}):
+        st_, d = request(s, "POST", "/v1/messages/count_tokens", dict(body, **extra), headers={"x-api-key": "sekrit"})
+        assert st_ == 200 and d["input_tokens"] == m.usage.input_tokens + m.usage.cache_read_input_tokens, (extra, d)
+    # cut while it thinks: no block at all
+    st_, d = request(s, "POST", "/v1/messages", dict(body, max_tokens=3, thinking={"type": "disabled"}),
+                     headers={"x-api-key": "sekrit"})
+    assert st_ == 200 and d["content"] == [] and d["stop_reason"] == "max_tokens" and \
+        d["usage"]["output_tokens"] == 3, (st_, d)
     # the key: x-api-key as the Bearer key; a wrong one is 401
     try:
         ant(s, key="wrong").messages.create(model="tiny", max_tokens=4, messages=msgs)
@@ -307,10 +334,7 @@ def calls_of_chat(r):
 
 
 def test_four_doors():
-    text = ("Two calls.\n</think>\nLet me check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"
-            "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
-            "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
-    script = ids_of(text)
+    script = ids_of(TWO_CALLS)
     s = mock_stepd(script=script)
     msgs = [{"role": "user", "content": "Weather in Paris and Rome?"}]
     tools = [{"type": "function", "function": WEATHER}]
@@ -389,6 +413,54 @@ def test_four_doors():
                 "".join(parts[i] for i, b in starts.items() if b["type"] == "text"),
                 [(b["name"], json.loads(parts[i])) for i, b in sorted(starts.items()) if b["type"] == "tool_use"])
     assert streamed == want, streamed
+    assert s.stop() == 0
+
+
+def test_single_call():
+    # parallel_tool_calls false (Responses) and tool_choice.disable_parallel_tool_use (Messages):
+    # the first call only, the output ends where the second would start, streamed and not
+    script = ids_of(TWO_CALLS)
+    s = mock_stepd(script=script)
+    c, a = oai(s), ant(s)
+    msgs = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    rtools = [dict(WEATHER, type="function")]
+    n = len(script) + 5
+    r = c.responses.create(model="tiny", input=msgs, tools=rtools, max_output_tokens=n)
+    assert [o.type for o in r.output].count("function_call") == 2, r.output     # the default: both
+    r = c.responses.create(model="tiny", input=msgs, tools=rtools, max_output_tokens=n, parallel_tool_calls=False)
+    fc = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(fc) == 1 and json.loads(fc[0].arguments) == {"city": "Paris"}, r.output
+    assert r.parallel_tool_calls is False and r.usage.output_tokens < len(script), r
+    ev = list(c.responses.create(model="tiny", input=msgs, tools=rtools, max_output_tokens=n,
+                                 parallel_tool_calls=False, stream=True))
+    added = [e.item for e in ev if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    args = "".join(e.delta for e in ev if e.type == "response.function_call_arguments.delta")
+    assert len(added) == 1 and json.loads(args) == {"city": "Paris"}, [e.type for e in ev]
+    assert ev[-1].type == "response.completed" and [o.arguments for o in ev[-1].response.output
+                                                    if o.type == "function_call"] == [fc[0].arguments], ev[-1]
+    atools = [{"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}]
+    for choice in ({"type": "auto", "disable_parallel_tool_use": True}, {"type": "any", "disable_parallel_tool_use": True}):
+        body = {"model": "tiny", "max_tokens": n, "messages": msgs, "tools": atools, "tool_choice": choice}
+        if choice["type"] == "any":     # the call opened in the prompt: the replayed output starts inside it
+            s.stop()
+            s = mock_stepd(script=ids_of(TWO_CALLS.split("<function=", 1)[1]))
+            a = ant(s)
+        m = a.messages.create(**body)
+        tu = [b for b in m.content if b.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and len(tu) == 1 and tu[0].input == {"city": "Paris"}, (choice, m)
+        assert m.usage.output_tokens < len(script), m.usage
+        starts, parts = {}, {}
+        for name, d in sse(s, "/v1/messages", body):
+            if name == "content_block_start":
+                starts[d["index"]] = d["content_block"]
+            elif name == "content_block_delta" and d["delta"]["type"] == "input_json_delta":
+                parts[d["index"]] = parts.get(d["index"], "") + d["delta"]["partial_json"]
+            elif name == "message_delta":
+                assert d["delta"]["stop_reason"] == "tool_use", d
+        calls = [(b["name"], json.loads(parts[i])) for i, b in sorted(starts.items()) if b["type"] == "tool_use"]
+        assert calls == [("get_weather", {"city": "Paris"})], (choice, calls)
+        m = a.messages.create(**dict(body, tool_choice=dict(choice, disable_parallel_tool_use=False)))
+        assert [b.type for b in m.content].count("tool_use") == 2, (choice, m.content)
     assert s.stop() == 0
 
 
@@ -513,7 +585,7 @@ RESPONSES_BAD = [
     ({"model": "tiny", "input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
      "text.format.schema"),
     ({"model": "tiny", "input": "hi", "frobnicate": 1}, "frobnicate"),
-    ({"model": "tiny", "input": "hi", "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"model": "tiny", "input": "hi", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"model": "tiny", "input": "hi", "stream": "yes"}, "stream"),
     ({"model": "tiny", "input": "hi", "truncation": "auto"}, "truncation"),
 ]
@@ -541,6 +613,8 @@ MESSAGES_BAD = [
       "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type"),
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
       "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+      "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}, "tool_choice.disable_parallel_tool_use"),
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},
      "tool_choice"),
@@ -588,6 +662,67 @@ def test_bad_requests():
         raise AssertionError("accepted")
     except anthropic.NotFoundError as e:
         assert e.body["error"]["type"] == "not_found_error", e.body
+    assert s.stop() == 0
+
+
+def raw(s, data):
+    """Raw bytes to the HTTP port; the answer's status and JSON body (the server closes or
+    keeps the connection: the body is read by its Content-Length)."""
+    c = socket.create_connection(("127.0.0.1", s.ports["http"]), timeout=10)
+    c.sendall(data)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        b = c.recv(65536)
+        assert b, got
+        got += b
+    head, body = got.split(b"\r\n\r\n", 1)
+    n = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0])
+    while len(body) < n:
+        b = c.recv(65536)
+        assert b, (head, body)
+        body += b
+    c.close()
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+def test_http_errors():
+    # what http.c answers before a route runs, in the shape of the path's API: Anthropic's under
+    # /v1/messages, OpenAI's elsewhere
+    s = mock_stepd("--http-max-body-bytes", "65536", env={"STEPD_API_KEY": "sekrit"})
+    body = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    key = b"x-api-key: sekrit\r\n"
+    cases = [  # (status, Anthropic's error type, the request's head lines after the request line)
+        (401, "authentication_error", b"Content-Type: application/json\r\n"),
+        (401, "authentication_error", b"x-api-key: wrong\r\nContent-Type: application/json\r\n"),
+        (403, "permission_error", b"Host: evil.example\r\n" + key),
+        (403, "permission_error", b"Origin: http://evil.example\r\n" + key),
+        (413, "request_too_large", key + b"Content-Type: application/json\r\nContent-Length: 100000\r\n"),
+        (415, "invalid_request_error", key + b"Content-Type: text/plain\r\n"),
+        (400, "invalid_request_error", key + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"),
+    ]
+    for path in (b"/v1/messages", b"/v1/messages/count_tokens", b"/v1/chat/completions"):
+        for status, etype, head in cases:
+            if b"Host:" not in head:
+                head = b"Host: localhost\r\n" + head
+            if b"Content-Length" not in head:
+                head += b"Content-Length: %d\r\n" % len(body)
+            st, d = raw(s, b"POST " + path + b" HTTP/1.1\r\n" + head + b"\r\n" + (b"" if b"100000" in head else body))
+            assert st == status, (path, head, st, d)
+            if path.startswith(b"/v1/messages"):
+                assert d["type"] == "error" and d["error"]["type"] == etype and d["error"]["message"], (path, head, d)
+            else:
+                assert set(d) == {"error"} and d["error"]["message"] and "param" in d["error"], (path, head, d)
+        still_serving_keyed = request(s, "POST", "/v1/messages", json.loads(body), headers={"x-api-key": "sekrit"})
+        assert still_serving_keyed[0] == 200, still_serving_keyed
+    # a method the path does not serve: 405 in the path's shape too
+    st, d = request(s, "GET", "/v1/messages", headers={"x-api-key": "sekrit"})
+    assert st == 405 and d["type"] == "error" and d["error"]["type"] == "invalid_request_error", (st, d)
+    # through the anthropic client: its exception classes
+    try:
+        ant(s, key="wrong").messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("a wrong key was accepted")
+    except anthropic.AuthenticationError as e:
+        assert e.body["type"] == "error" and e.body["error"]["type"] == "authentication_error", e.body
     assert s.stop() == 0
 
 
@@ -722,11 +857,13 @@ if __name__ == "__main__":
         ("responses_tools", test_responses_tools),
         ("messages_tools", test_messages_tools),
         ("four_doors", test_four_doors),
+        ("single_call", test_single_call),
         ("forced_choice", test_forced_choice),
         ("server_errors", test_server_errors),
         ("store_bounds", test_store_bounds),
         ("disconnect", test_disconnect),
         ("bad_requests", test_bad_requests),
+        ("http_errors", test_http_errors),
         ("mutated_requests", test_mutated_requests),
         ("tiny_model", test_tiny_model),
     ])

@@ -259,8 +259,11 @@ struct req {
     struct req_caller caller;
     /* who created it, as its front door authenticated the caller ("api-key", or without a
      * key the connection: "peer:ipv4:127.0.0.1:40312"); Abort by id reaches only requests
-     * of the same owner (req_caller_owner, coord_call_owner for an Abort call). */
+     * of the same owner (req_caller_owner, coord_call_owner for an Abort call), or an
+     * Abort that lists abort_token (sent in the gRPC stream's first message). */
     char owner[REQ_OWNER_LEN];
+    char abort_token[COORD_RANDOM_HEX];
+    bool token_sent;
     struct request *in;             /* as asked, validated (shared by the n choices) */
     int32_t *prompt;
     size_t n_prompt;
@@ -342,8 +345,8 @@ int req_dispatch_promoted(struct req *r);
  * free (req_sweep_deadlines starts again, req_fail_all ends the waiting ones first). */
 void req_free_if_done(struct req *r);
 /* Abort by client-visible id (Inference.Abort) among the requests of owner (struct
- * req.owner). Returns 1 if found. */
-int req_abort_by_id(struct coord *co, const char *id, const char *owner);
+ * req.owner) or whose abort_token is among the n_tokens tokens. Returns 1 if found. */
+int req_abort_by_id(struct coord *co, const char *id, const char *owner, char *const *tokens, size_t n_tokens);
 /* End requests on an output stream whose engine let their deadline pass by more than
  * a second (a Generate call has its own gRPC deadline; a Submit-ed request does not). */
 void req_sweep_deadlines(struct coord *co);

@@ -285,9 +285,13 @@ static void h_abort(struct rpc_call *call, const ProtobufCMessage *msg, void *ud
         rpc_call_finish(call, RPC_INVALID_ARGUMENT, "request_ids: at most 1024 ids (got %zu)", r->n_request_ids);
         return;
     }
+    if (r->n_abort_tokens > 1024) {
+        rpc_call_finish(call, RPC_INVALID_ARGUMENT, "abort_tokens: at most 1024 tokens (got %zu)", r->n_abort_tokens);
+        return;
+    }
     coord_call_owner(co, call, owner, sizeof(owner));
     for (size_t i = 0; i < r->n_request_ids; i++)
-        resp.aborted += (uint32_t)req_abort_by_id(co, r->request_ids[i], owner);
+        resp.aborted += (uint32_t)req_abort_by_id(co, r->request_ids[i], owner, r->abort_tokens, r->n_abort_tokens);
     rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
 }

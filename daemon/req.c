@@ -1025,6 +1025,7 @@ static struct req *req_new(struct coord *co, struct request *in, const struct re
     if (o->caller)
         r->caller = *o->caller;
     req_caller_owner(co, &r->caller, r->owner, sizeof(r->owner));
+    coord_random_hex(r->abort_token);
     r->in = request_ref(in);
     r->engine_done = true;      /* nothing dispatched yet */
     r->t_arrival = rpc_now_ms();
@@ -1201,6 +1202,10 @@ static int grpc_chunk(struct req *r, const Stepd__V1__Chunk *ch)
     int e;
 
     resp.request_id = r->id;
+    if (!r->token_sent) {
+        resp.abort_token = r->abort_token;
+        r->token_sent = true;
+    }
     resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
     resp.chunk = (Stepd__V1__Chunk *)ch;
     e = rpc_call_send(c, &resp.base);
@@ -1224,6 +1229,10 @@ static void grpc_final(struct req *r, const Stepd__V1__Final *f)
     struct rpc_call *c = r->client;
 
     resp.request_id = r->id;
+    if (!r->token_sent) {
+        resp.abort_token = r->abort_token;
+        r->token_sent = true;
+    }
     resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
     resp.final = (Stepd__V1__Final *)f;
     (void)rpc_call_send(c, &resp.base);
@@ -1345,10 +1354,22 @@ void req_fail_group(struct group *g, const char *why)
     }
 }
 
-int req_abort_by_id(struct coord *co, const char *id, const char *owner)
+/* A listed token equal to r's (rpc_secret_equal: the token is a secret). */
+static bool token_listed(const struct req *r, char *const *tokens, size_t n)
+{
+    bool hit = false;
+
+    for (size_t i = 0; i < n; i++)
+        hit |= rpc_secret_equal(r->abort_token, tokens[i]);
+    return hit;
+}
+
+int req_abort_by_id(struct coord *co, const char *id, const char *owner, char *const *tokens, size_t n_tokens)
 {
     for (struct req *r = co->reqs; r; r = r->next) {
-        if (!r->client || strcmp(r->id, id) != 0 || strcmp(r->owner, owner) != 0)
+        if (!r->client || strcmp(r->id, id) != 0)
+            continue;
+        if (strcmp(r->owner, owner) != 0 && !token_listed(r, tokens, n_tokens))
             continue;
         if (r->ai.queued || req_held(r)) {
             req_end_waiting(r, RPC_OK, NULL);

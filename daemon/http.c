@@ -148,11 +148,27 @@ static char *error_json(unsigned status, const char *param, const char *msg)
 static char *req_error_json(const struct http_req *hr, unsigned status, const char *param, const char *msg)
 {
     const struct http_route *r = hr ? hr->route : NULL;
+    size_t n = strlen(msg), i = 0, ok;
+    char *clean = malloc(n + 1), *out;
 
-    for (size_t i = 0; !r && hr && i < hr->s->o.n_routes; i++)
-        if (path_match(hr->s->o.routes[i].path, hr->path))
-            r = &hr->s->o.routes[i];
-    return r && r->error_body ? r->error_body(status, param, msg) : error_json(status, param, msg);
+    if (!clean)
+        return NULL;
+    /* the message quotes the client's bytes (a Host, a path): what is not UTF-8 becomes '?',
+     * or JSON could not hold it and there would be no answer */
+    while (i < n) {
+        ok = tok_utf8_valid_prefix(msg + i, n - i);
+        memcpy(clean + i, msg + i, ok);
+        i += ok;
+        if (i < n)
+            clean[i++] = '?';
+    }
+    clean[n] = '\0';
+    for (size_t k = 0; !r && hr && k < hr->s->o.n_routes; k++)
+        if (path_match(hr->s->o.routes[k].path, hr->path))
+            r = &hr->s->o.routes[k];
+    out = r && r->error_body ? r->error_body(status, param, clean) : error_json(status, param, clean);
+    free(clean);
+    return out;
 }
 
 /* ------------------------------------------------------------------ responses */
@@ -951,6 +967,12 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *mc, const cha
     if (!hr->dispatched) {
         hr->dispatched = true;
         hr->in_handler = true;
+        if (!hr->route) {
+            /* req_begin refused it but its answer could not be made (out of memory) */
+            log_warn("%s: client %s: no answer could be made for %s %.200s: closing", s->name,
+                     http_req_peer(hr), hr->method, hr->path);
+            return MHD_NO;
+        }
         if (hr->too_big)
             http_respond_error(hr, 413, NULL, "request body is over the limit of %zu bytes", s->o.max_body_bytes);
         else

@@ -13,6 +13,10 @@ is served as a request of its own:
   ctl_header      a control byte in a header value
 Plus the control: two well-framed requests, one after the other on one connection, are both
 served, and nothing refused reached the engine.
+  not_utf8        bytes that are not UTF-8 in a path (404), a Host (403) or an Origin (403):
+                  each answered with its status and a JSON error ('?' for those bytes), and
+                  stepd still serves a chat (found by test/daemon/fuzz-http: the error body
+                  could not be made, and stepd crashed on a NULL route)
 """
 import json
 import socket
@@ -154,6 +158,29 @@ def test_framing():
         assert s.stop() == 0
 
 
+def test_not_utf8():
+    s = h.Stepd("--tokenizer", h.TOKENIZER, "--served-model-name", "tiny")
+    try:
+        s.start_engine("g0", "--vocab", str(VOCAB))
+        s.wait_ready(1)
+        cases = [(b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: localhost\r\n\r\n", "404"),
+                 (b"GET /v1/models HTTP/1.1\r\nHost: 127.0\xd2.0.1\r\n\r\n", "403"),
+                 (b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nOrigin: http://\xc3(\r\n\r\n", "403")]
+        for data, status in cases:
+            c = socket.create_connection(("127.0.0.1", s.ports["http"]), timeout=10)
+            c.sendall(data)
+            st, body = one_response(c)
+            c.close()
+            err = json.loads(body)["error"]
+            assert st == status and "?" in err["message"], (data, st, body)
+        out, _ = raw(s.ports["http"], chat_req(), timeout=5)
+        assert responses(out) == ["200"], out[:600]
+        print("   a path, a Host and an Origin that are not UTF-8: 404, 403, 403 with JSON errors; "
+              "a chat served after them")
+    finally:
+        assert s.stop() == 0
+
+
 if __name__ == "__main__":
-    h.run_tests([("framing", test_framing)])
+    h.run_tests([("framing", test_framing), ("not_utf8", test_not_utf8)])
     sys.exit(0)

@@ -177,32 +177,51 @@ bool cpu_lowp_exact(const struct cpu_ctx *c)
  * E4M3 subnormals land on fp16 subnormals, the same factor), and vcvtph2ps widens them
  * exactly to normal fp32s, so no denormal reaches the FMAs.  The block scale (times 2^8)
  * multiplies each block's partial sums once per token, so the inner loop is decode + FMA. */
+/* codes j..j+15 of the row into c0[t] (j..j+7) and c1[t] (j+8..j+15) of each token */
+CPU_FN_AVX2
+static inline void fp8_16_fused(const uint8_t *q, int64_t j, __m256i mask, const float *const *xt, int nt,
+                                __m256 *c0, __m256 *c1)
+{
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + j)));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), mask);
+    __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+
+    for (int t = 0; t < nt; t++) {
+        c0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt[t] + j), c0[t]);
+        c1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt[t] + j + 8), c1[t]);
+    }
+}
+
 CPU_FN_AVX2
 static inline void fp8_row_fused_avx2(const struct bweight *w, int64_t r, const float *const *xt, int nt,
                                       float *acc_out)
 {
     const uint8_t *q = (const uint8_t *)w->data + r * w->cols;
     const __m256i mask = _mm256_set1_epi16((short)0xbf80);
-    __m256 acc[CPU_FUSED_NT], p0[CPU_FUSED_NT], p1[CPU_FUSED_NT];
+    __m256 acc[CPU_FUSED_NT], p[4][CPU_FUSED_NT];
 
     for (int t = 0; t < nt; t++)
         acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w->cols; b += w->blk_cols) {
         const __m256 s = _mm256_set1_ps(fp8_scale(w, r, b) * 0x1p8f);
-        for (int t = 0; t < nt; t++)
-            p0[t] = p1[t] = _mm256_setzero_ps();
-        for (int64_t j = b; j < b + w->blk_cols; j += 16) {
-            __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + j)));
-            h = _mm256_and_si256(_mm256_slli_epi16(h, 7), mask);
-            __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-            __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-            for (int t = 0; t < nt; t++) {
-                p0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt[t] + j), p0[t]);
-                p1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt[t] + j + 8), p1[t]);
+        int64_t j = b;
+
+        for (int k = 0; k < 4; k++)
+            for (int t = 0; t < nt; t++)
+                p[k][t] = _mm256_setzero_ps();
+        /* up to 2 tokens, 4 FMA chains per token (blk_cols is a multiple of 16): one token
+         * on 2 chains was bound by the FMA latency at ~4 weights per cycle */
+        if (nt <= 2)
+            for (; j + 16 < b + w->blk_cols; j += 32) {
+                fp8_16_fused(q, j, mask, xt, nt, p[0], p[1]);
+                fp8_16_fused(q, j + 16, mask, xt, nt, p[2], p[3]);
             }
-        }
+        for (; j < b + w->blk_cols; j += 16)
+            fp8_16_fused(q, j, mask, xt, nt, p[0], p[1]);
         for (int t = 0; t < nt; t++)
-            acc[t] = _mm256_fmadd_ps(_mm256_add_ps(p0[t], p1[t]), s, acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(p[0][t], p[1][t]), _mm256_add_ps(p[2][t], p[3][t])),
+                                     s, acc[t]);
     }
     for (int t = 0; t < nt; t++) {
         float f[8];

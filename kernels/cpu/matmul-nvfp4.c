@@ -89,6 +89,27 @@ __attribute__((constructor)) static void nvfp4_lut_init(void)
     }
 }
 
+/* group g of the row into c0[t] (columns 0-7) and c1[t] (8-15) of each token */
+CPU_FN_AVX2
+static inline void nvfp4_group_fused(const uint32_t *q, const uint8_t *sc, int64_t g, __m256 lut, __m256i sh,
+                                     const float *const *xt, int nt, __m256 *c0, __m256 *c1)
+{
+    const __m256 s = _mm256_broadcast_ss(&cpu_e4m3[sc[g]]);
+    uint32_t u0, u1;
+    memcpy(&u0, q + 2 * g, 4);
+    memcpy(&u1, q + 2 * g + 1, 4);
+    __m256i n0 = _mm256_srlv_epi32(_mm256_set1_epi32((int)u0), sh);
+    __m256i n1 = _mm256_srlv_epi32(_mm256_set1_epi32((int)u1), sh);
+    __m256 w0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, n0), _mm256_castsi256_ps(_mm256_slli_epi32(n0, 28)));
+    __m256 w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, n1), _mm256_castsi256_ps(_mm256_slli_epi32(n1, 28)));
+    w0 = _mm256_mul_ps(w0, s);
+    w1 = _mm256_mul_ps(w1, s);
+    for (int t = 0; t < nt; t++) {
+        c0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt[t] + g * NVFP4_GROUP), c0[t]);
+        c1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt[t] + g * NVFP4_GROUP + 8), c1[t]);
+    }
+}
+
 CPU_FN_AVX2
 static inline void nvfp4_row_fused_avx2(const struct bweight *w, int64_t r, const float *const *xt, int nt,
                                         float *acc_out)
@@ -97,29 +118,24 @@ static inline void nvfp4_row_fused_avx2(const struct bweight *w, int64_t r, cons
     const uint8_t *sc = w->scale + r * (w->cols / NVFP4_GROUP);
     const __m256 lut = _mm256_loadu_ps((const float *)nvfp4_lut_x);
     const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    __m256 a0[CPU_FUSED_NT], a1[CPU_FUSED_NT];
+    __m256 a[4][CPU_FUSED_NT];
+    int64_t ng = w->cols / NVFP4_GROUP, g = 0;
 
-    for (int t = 0; t < nt; t++)
-        a0[t] = a1[t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < w->cols / NVFP4_GROUP; g++) {
-        const __m256 s = _mm256_broadcast_ss(&cpu_e4m3[sc[g]]);
-        uint32_t u0, u1;
-        memcpy(&u0, q + 2 * g, 4);
-        memcpy(&u1, q + 2 * g + 1, 4);
-        __m256i n0 = _mm256_srlv_epi32(_mm256_set1_epi32((int)u0), sh);
-        __m256i n1 = _mm256_srlv_epi32(_mm256_set1_epi32((int)u1), sh);
-        __m256 w0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, n0), _mm256_castsi256_ps(_mm256_slli_epi32(n0, 28)));
-        __m256 w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, n1), _mm256_castsi256_ps(_mm256_slli_epi32(n1, 28)));
-        w0 = _mm256_mul_ps(w0, s);
-        w1 = _mm256_mul_ps(w1, s);
-        for (int t = 0; t < nt; t++) {
-            a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt[t] + g * NVFP4_GROUP), a0[t]);
-            a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt[t] + g * NVFP4_GROUP + 8), a1[t]);
+    for (int k = 0; k < 4; k++)
+        for (int t = 0; t < nt; t++)
+            a[k][t] = _mm256_setzero_ps();
+    /* up to 2 tokens, even and odd groups on separate chains: 4 FMA chains per token hide
+     * the FMA latency, which bounded one token at ~4 weights per cycle */
+    if (nt <= 2)
+        for (; g + 1 < ng; g += 2) {
+            nvfp4_group_fused(q, sc, g, lut, sh, xt, nt, a[0], a[1]);
+            nvfp4_group_fused(q, sc, g + 1, lut, sh, xt, nt, a[2], a[3]);
         }
-    }
+    for (; g < ng; g++)
+        nvfp4_group_fused(q, sc, g, lut, sh, xt, nt, a[0], a[1]);
     for (int t = 0; t < nt; t++) {
         float f[8];
-        _mm256_storeu_ps(f, _mm256_add_ps(a0[t], a1[t]));
+        _mm256_storeu_ps(f, _mm256_add_ps(_mm256_add_ps(a[0][t], a[1][t]), _mm256_add_ps(a[2][t], a[3][t])));
         acc_out[t] = cpu_lowp_hsum8(f) * w->gscale;
     }
 }

@@ -218,6 +218,18 @@ void cpu_matmul_nvfp4_rows(const struct bweight *w, const float *x, const int32_
 float cpu_fp8_get(const struct bweight *w, int64_t row, int64_t col);
 float cpu_nvfp4_get(const struct bweight *w, int64_t row, int64_t col);
 bool cpu_lowp_exact(const struct cpu_ctx *c);
+/* Fast paths with AVX2 fuse the decode into the dot for calls of up to CPU_FUSED_MAX_N
+ * tokens: one row's values in registers against up to CPU_FUSED_NT tokens at a time.  More
+ * tokens, or cpu_lowp_fused_off nonzero: the decode-to-buffer form (bench-kernels "old"),
+ * whose F32 kernel blocks rows x tokens and wins from 4 tokens on (docs/PERFORMANCE.md). */
+#define CPU_FUSED_NT 4
+#define CPU_FUSED_MAX_N 3
+extern int cpu_lowp_fused_off;
+typedef void (*cpu_row_fused_fn)(const struct bweight *w, int64_t r, const float *const *xt, int nt, float *out);
+void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const float *x, const int32_t *xidx,
+                           int n, float *y, int64_t ldy, int64_t r0, int64_t r1);
+/* the sum of 8 floats in lane order (the fused paths' accumulator, stored) */
+float cpu_lowp_hsum8(const float *f);
 /* weight_prepare of both: shapes the kernels need, and no E4M3 NaN code (-EINVAL) */
 int cpu_lowp_check(const struct bweight *w);
 

@@ -7,8 +7,9 @@
  * is exact there: 4 + 24 significant bits), every product exact in fp64, the MXFP4 exact
  * path's 16-lane fp64 accumulation order (lane = col % 16, folded l += l+8, +4, +2, +1),
  * one rounding to fp32: the scalar and AVX2 dots are bit-identical, and an fp64 reference
- * of the same sum matches to its rounding.  Fast path: CPU_LOWP_TILE rows decoded to fp32
- * (AVX2 decode where the CPU has it), then the F32 matmul kernel over them (AVX2 FMA). */
+ * of the same sum matches to its rounding.  Fast path (AVX2): decode fused into the dot,
+ * cpu_matmul_fused_rows (one row's values in registers against up to CPU_FUSED_NT tokens);
+ * with cpu_lowp_fused_off, CPU_LOWP_TILE rows decoded to fp32 and the F32 kernel over them. */
 #include <errno.h>
 #include <math.h>
 #include <string.h>
@@ -21,6 +22,7 @@
 #include "tensor.h"
 
 float cpu_e4m3[256];
+int cpu_lowp_fused_off;
 
 __attribute__((constructor)) static void e4m3_table_init(void)
 {
@@ -169,8 +171,114 @@ bool cpu_lowp_exact(const struct cpu_ctx *c)
     return c->mxfp4_exact || !c->have_avx2;
 }
 
+#if defined(__x86_64__)
+/* Fused fast path: E4M3 bytes sign-extended to 16 bits and shifted left 7, masked, are an
+ * fp16 of the code's value times 2^-8 (exponent and mantissa at bits 7-13, the sign at 15;
+ * E4M3 subnormals land on fp16 subnormals, the same factor), and vcvtph2ps widens them
+ * exactly to normal fp32s, so no denormal reaches the FMAs.  The block scale (times 2^8)
+ * multiplies each block's partial sums once per token, so the inner loop is decode + FMA. */
+/* codes j..j+15 of the row into c0[t] (j..j+7) and c1[t] (j+8..j+15) of each token */
+CPU_FN_AVX2
+static inline void fp8_16_fused(const uint8_t *q, int64_t j, __m256i mask, const float *const *xt, int nt,
+                                __m256 *c0, __m256 *c1)
+{
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + j)));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), mask);
+    __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+
+    for (int t = 0; t < nt; t++) {
+        c0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt[t] + j), c0[t]);
+        c1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt[t] + j + 8), c1[t]);
+    }
+}
+
+CPU_FN_AVX2
+static inline void fp8_row_fused_avx2(const struct bweight *w, int64_t r, const float *const *xt, int nt,
+                                      float *acc_out)
+{
+    const uint8_t *q = (const uint8_t *)w->data + r * w->cols;
+    const __m256i mask = _mm256_set1_epi16((short)0xbf80);
+    __m256 acc[CPU_FUSED_NT], p[4][CPU_FUSED_NT];
+
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w->cols; b += w->blk_cols) {
+        const __m256 s = _mm256_set1_ps(fp8_scale(w, r, b) * 0x1p8f);
+        int64_t j = b;
+
+        for (int k = 0; k < 4; k++)
+            for (int t = 0; t < nt; t++)
+                p[k][t] = _mm256_setzero_ps();
+        /* up to 2 tokens, 4 FMA chains per token (blk_cols is a multiple of 16): one token
+         * on 2 chains was bound by the FMA latency at ~4 weights per cycle */
+        if (nt <= 2)
+            for (; j + 16 < b + w->blk_cols; j += 32) {
+                fp8_16_fused(q, j, mask, xt, nt, p[0], p[1]);
+                fp8_16_fused(q, j + 16, mask, xt, nt, p[2], p[3]);
+            }
+        for (; j < b + w->blk_cols; j += 16)
+            fp8_16_fused(q, j, mask, xt, nt, p[0], p[1]);
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(p[0][t], p[1][t]), _mm256_add_ps(p[2][t], p[3][t])),
+                                     s, acc[t]);
+    }
+    for (int t = 0; t < nt; t++) {
+        float f[8];
+        _mm256_storeu_ps(f, acc[t]);
+        acc_out[t] = cpu_lowp_hsum8(f);
+    }
+}
+
+float cpu_lowp_hsum8(const float *f)
+{
+    float s = 0.0f;
+
+    for (int k = 0; k < 8; k++)
+        s += f[k];
+    return s;
+}
+
+/* nt tokens (1..CPU_FUSED_NT), each count compiled with its accumulators in registers */
+CPU_FN_AVX2
+static void fp8_row_fused(const struct bweight *w, int64_t r, const float *const *xt, int nt, float *out)
+{
+    switch (nt) {
+    case 1: fp8_row_fused_avx2(w, r, xt, 1, out); break;
+    case 2: fp8_row_fused_avx2(w, r, xt, 2, out); break;
+    case 3: fp8_row_fused_avx2(w, r, xt, 3, out); break;
+    default: fp8_row_fused_avx2(w, r, xt, CPU_FUSED_NT, out); break;
+    }
+}
+#endif
+
+/* The fused fast paths' driver: row by row (the row stays in L1), CPU_FUSED_NT tokens at
+ * a time. */
+void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const float *x, const int32_t *xidx,
+                           int n, float *y, int64_t ldy, int64_t r0, int64_t r1)
+{
+    for (int64_t r = r0; r < r1; r++)
+        for (int i0 = 0; i0 < n; i0 += CPU_FUSED_NT) {
+            int nt = n - i0 < CPU_FUSED_NT ? n - i0 : CPU_FUSED_NT;
+            const float *xt[CPU_FUSED_NT];
+            float out[CPU_FUSED_NT];
+
+            for (int t = 0; t < nt; t++)
+                xt[t] = x + (int64_t)(xidx ? xidx[i0 + t] : i0 + t) * w->cols;
+            row(w, r, xt, nt, out);
+            for (int t = 0; t < nt; t++)
+                y[(int64_t)(i0 + t) * ldy + (r - r0)] = out[t];
+        }
+}
+
 void cpu_matmul_fp8_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                          int64_t ldy, int64_t r0, int64_t r1, bool exact, void *rowbuf)
 {
+#if defined(__x86_64__)
+    if (!exact && !cpu_lowp_fused_off && n <= CPU_FUSED_MAX_N && cpu_isa_has(CPU_ISA_AVX2)) {
+        cpu_matmul_fused_rows(w, fp8_row_fused, x, xidx, n, y, ldy, r0, r1);
+        return;
+    }
+#endif
     cpu_matmul_decoded_rows(w, fp8_row_decode, x, xidx, n, y, ldy, r0, r1, exact, rowbuf);
 }

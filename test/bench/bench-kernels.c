@@ -20,6 +20,9 @@
  * 16-row ("new") int8 kernels the same way, and the tiny model's MoE layer at 1, 4 and 16
  * tokens on each.  "cpu" is process CPU time / (wall x
  * threads): how much of the cores the run actually got.
+ * First, with 1 thread, FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert at 1, 2, 4 and
+ * 16 tokens (buffered "old" and fused "new" decode, 256 MiB of copies each, 3 interleaved
+ * rounds); STEPD_BENCH_FORMATS_ONLY=1 stops after that table.
  */
 #include <math.h>
 #include <stdbool.h>
@@ -135,6 +138,36 @@ static void mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t cols
             arena_is_bf16 = false;
         }
     }
+}
+
+/* FP8 ([rows, cols] E4M3, F32 scales per 128x128) and NVFP4 (nibbles, E4M3 per 16, F32
+ * global) copies of one shape, up to max_mb MiB of them (>> L3), carved from the arena: the
+ * codes are the arena's bytes, the scales set to realistic values (no NaN, no denormal). */
+static void lowp_mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t cols, size_t max_mb)
+{
+    size_t data = fmt == WFMT_FP8 ? (size_t)(rows * cols) : (size_t)(rows * cols / 2);
+    size_t sc = fmt == WFMT_FP8 ? (size_t)(rows / 128 * (cols / 128) * 4) : (size_t)(rows * cols / 16);
+    size_t each = (data + sc + 63) & ~(size_t)63, lim = (max_mb << 20) / each;
+    int n = (int)(arena_bytes / each < lim ? arena_bytes / each : lim);
+
+    ms->count = n;
+    ms->bytes_each = data + sc;
+    ms->w = calloc((size_t)n, sizeof(*ms->w));
+    ms->m = NULL;
+    for (int i = 0; i < n; i++) {
+        uint8_t *base = arena + (size_t)i * each;
+
+        ms->w[i] = (struct bweight){ .fmt = fmt, .rows = rows, .cols = cols, .data = base, .scale = base + data,
+                                     .blk_rows = 128, .blk_cols = 128, .gscale = 1.0f / 448 };
+        for (size_t k = 0; k < sc; k += fmt == WFMT_FP8 ? 4 : 1) {
+            float f = 0x1p-8f * (float)(1 + k % 7);
+            if (fmt == WFMT_FP8)
+                memcpy(base + data + k, &f, 4);
+            else
+                base[data + k] = (uint8_t)(0x30 + (k * 5) % 16);    /* E4M3 0.5 .. 1.875 */
+        }
+    }
+    arena_is_bf16 = false;
 }
 
 static void mats_free(struct mats *ms)
@@ -434,6 +467,46 @@ static void bench_tiny_moe(struct backend *be)
     mats_free(&ms);
 }
 
+/* FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert projection at 1, 2, 4 and 16 tokens: GB/s
+ * of weight bytes, % of the read bandwidth probed in each rep, and that share as a fraction
+ * of MXFP4's; FP8/NVFP4 on the buffered decode ("old", cpu_lowp_fused_off) and as dispatched
+ * ("new": fused up to CPU_FUSED_MAX_N tokens).  Rounds interleave every side; each figure is the median over the rounds of
+ * bench_gemv's medians. */
+static void bench_lowp_formats(struct backend *be)
+{
+    enum { ROUNDS = 3, ROWS = 1280, COLS = 4096 };
+    static const int ns[] = { 1, 2, 4, 16 };
+    static const char *names[] = { "mxfp4", "fp8 old", "fp8 new", "nvfp4 old", "nvfp4 new" };
+    double gbs[4][5][ROUNDS], pct[4][5][ROUNDS];
+
+    printf("  expert [1280,4096] per format, 1 thread, %d rounds interleaved (medians)\n", ROUNDS);
+    for (int r = 0; r < ROUNDS; r++)
+        for (int side = 0; side < 5; side++) {
+            struct mats ms;
+
+            if (side == 0)
+                mats_make(&ms, WFMT_MXFP4, ROWS, COLS, (int)((256u << 20) / mxfp4_bytes(ROWS, COLS)));
+            else
+                lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 256);
+            cpu_lowp_fused_off = side == 1 || side == 3;
+            for (int k = 0; k < 4; k++) {
+                double s = bench_gemv(be, &ms, ns[k]);
+                gbs[k][side][r] = ms.bytes_each / s / 1e9;
+                pct[k][side][r] = 100.0 * last_ratio;
+            }
+            mats_free(&ms);
+        }
+    cpu_lowp_fused_off = 0;
+    for (int k = 0; k < 4; k++)
+        for (int side = 0; side < 5; side++) {
+            double g = bench_median(gbs[k][side], ROUNDS), p = bench_median(pct[k][side], ROUNDS);
+            double p0 = bench_median(pct[k][0], ROUNDS);
+
+            printf("  %-10s n=%2d %7.2f GB/s %5.1f %% of bw  x%.2f of mxfp4's share\n", names[side], ns[k], g, p,
+                   p / p0);
+        }
+}
+
 /* The batch-1 GEMV figure of one shape over as many copies as the arena holds (*ms, for the
  * caller to use further and free); false when not one fits (nothing to free). */
 static bool gemv_shape(struct backend *be, struct mats *ms, enum wfmt fmt, const char *name,
@@ -491,6 +564,14 @@ int main(void)
         bw = bench_bw(pool);
         printf("threads %d: read bandwidth %.2f GB/s  cpu %3.0f %%\n", nth, bw, 100.0 * last_share / nth);
         if (nth == 1) {
+            bench_lowp_formats(be);
+            if (getenv("STEPD_BENCH_FORMATS_ONLY")) {
+                cpu_pool_free(pool);
+                backend_free(be);
+                backend_free(bx);
+                free(arena);
+                return 0;
+            }
             bench_tiny_kernels(be);
             bench_tiny_moe(be);
         }

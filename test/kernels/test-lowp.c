@@ -195,8 +195,10 @@ int main(void)
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
     kt_isa_require("lowp", CPU_ISA_SCALAR);
     static const int64_t shapes[][4] = { { 1, 32, 1, 32 }, { 7, 96, 7, 16 }, { 64, 256, 32, 128 },
-                                         { 128, 4096, 128, 128 }, { 33, 160, 11, 32 } };
-    static const int ns[] = { 1, 3, 9 };
+                                         { 128, 4096, 128, 128 }, { 33, 160, 11, 32 }, { 5, 48, 5, 16 } };
+    /* 1-3 tokens: the fused fast path (2: its four-chain form), 9: the buffered one; 48
+     * columns: an odd count of 16-column groups, the fused loops' tails */
+    static const int ns[] = { 1, 2, 3, 9 };
 
     krng_seed(4321);
     for (size_t s = 0; s < ARRAY_SIZE(shapes); s++)

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""The docs name only things that exist, and name every flag the programs take.
+
+Reads README.md and docs/*.md and checks:
+
+  (a) path      every repository path named in backticks (`daemon/http.c`, `test/cuemu/`)
+                exists in the source tree;
+  (b) function  every C function named in backticks as `name()` has a definition in the
+                sources (or a declaration in a system header: libc, CUDA, NCCL, ...);
+  (c) metric    every Prometheus metric named `stepd:...` or `stepd_...` is a string in the
+                sources (daemon/metrics.c, the workers);
+  (d) flag      every `--flag` named in backticks is accepted by one of the programs (read
+                from their --help output);
+  (e) undoc     every --flag a program's --help lists is mentioned somewhere in the docs.
+
+Prints each finding as 'KIND NAME (WHERE)' and exits 1 when there is one.
+Usage: check-docs.py SRC_ROOT PROGRAM...   (stepd's 'serve --help' is read as well)
+       check-docs.py --self-test SRC_ROOT PROGRAM...   (checks that each kind is caught)
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# Names the docs use deliberately although no stepd program or source defines them.
+ALLOW = {
+    # meson test's own flags, in the docs' "how to run the suite" lines
+    "--benchmark", "--suite", "--no-suite", "--print-errorlogs",
+    # meson setup, systemd-tmpfiles and systemctl in the install steps (OPERATIONS.md §9)
+    "--buildtype", "--create", "--now",
+    # an error message quoted verbatim: stepd's reply to a misspelt flag (OPERATIONS.md §1.1)
+    "--enable-prefix-cachin",
+    # upstream NCCL; the headers are not installed where the suite runs
+    "ncclCommAbort",
+    # llama.cpp's copy of the chat template, named as the template's origin (MODEL.md §7)
+    "models/templates/StepFun3.7-Flash.jinja",
+}
+
+TOP = None                      # top-level entries of the source tree
+SRC_EXT = (".c", ".h", ".cu", ".cuh", ".cc", ".cpp", ".py", ".sh", ".build", ".proto")
+SPAN = re.compile(r"``?([^`\n]+?)``?")
+# a C function: not a method (`json.dumps()`), not STYLE.md's naming patterns (`x_new()`,
+# `*_init()`)
+FUNC = re.compile(r"(?<![\w.*])(?!x_|_)([A-Za-z_][A-Za-z0-9_]*)\(\)")
+METRIC = re.compile(r"\bstepd[:_][a-z0-9_:]*[a-z0-9]")
+FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*[a-z0-9])(?![\w-])")   # not `--tls-*`
+# flags of the test and developer programs (bench-*, the mock engine, scripts): C getopt
+# tables, and '--name' literals in Python and shell
+GETOPT = re.compile(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(?:no|required|optional)_argument')
+LITERAL = re.compile(r"""["'](?:--)([a-z0-9][a-z0-9-]*[a-z0-9])["'=]|^\s*--([a-z0-9][a-z0-9-]*[a-z0-9])\)""", re.M)
+SELF = os.path.abspath(__file__)
+SYS_INCLUDE = ["/usr/include", "/usr/local/cuda/include"]
+
+
+def spans(text):
+    """(line number, inline code span, True) outside fenced blocks and (line number, line,
+    False) for each line of a fenced block (checked for flags only)."""
+    out = []
+    fenced = False
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            out.append((n, line, False))
+        else:
+            out += [(n, m.group(1), True) for m in SPAN.finditer(line)]
+    return out
+
+
+def looks_like_path(tok):
+    tok = tok.rstrip(".,;:)")
+    if "/" not in tok or tok.startswith(("/", "build/", "http")) or "://" in tok:
+        return None
+    first = tok.split("/")[0]
+    if first not in TOP:
+        return None
+    tok = re.sub(r":\d+(-\d+)?$", "", tok)
+    return tok
+
+
+def path_exists(root, tok):
+    if any(c in tok for c in "*?[{<…"):
+        return bool(glob.glob(os.path.join(root, re.sub(r"[{<…].*", "*", tok))))
+    # a program built from one source names it without the suffix (`test/bench/bench-shapes`)
+    return os.path.exists(os.path.join(root, tok)) or os.path.exists(os.path.join(root, tok + ".c"))
+
+
+class Sources:
+    def __init__(self, root):
+        self.text = []
+        for d, dirs, files in os.walk(root):
+            dirs[:] = [x for x in dirs if not x.startswith(".") and x not in ("build", "docs", "node_modules")
+                       and not x.startswith("build")]
+            for f in files:
+                if os.path.join(d, f) == SELF:      # its self-test names missing things
+                    continue
+                if f.endswith(SRC_EXT) or f == "meson.build":
+                    try:
+                        self.text.append(open(os.path.join(d, f), errors="replace").read())
+                    except OSError:
+                        pass
+        self.all = "\n".join(self.text)
+        self.tool_flags = set()
+        for d in ("test", "tools"):
+            for path in glob.glob(os.path.join(root, d, "**", "*"), recursive=True):
+                if path == SELF:
+                    continue
+                if path.endswith((".c", ".py", ".sh")) or os.access(path, os.X_OK) and os.path.isfile(path):
+                    t = open(path, errors="replace").read()
+                    self.tool_flags.update(GETOPT.findall(t))
+                    self.tool_flags.update(a or b for a, b in LITERAL.findall(t))
+        self.sys_cache = {}
+
+    def defines(self, name):
+        # a definition or declaration starting a line: 'type name(', 'name(' after a
+        # type line, '#define name(', 'def name(' (Python helpers the docs name)
+        pat = re.compile(r"^(?:[A-Za-z_][\w \t\*]*[\s\*])?%s\s*\(|^#\s*define\s+%s\(|^\s*def %s\(" %
+                         ((re.escape(name),) * 3), re.M)
+        if pat.search(self.all):
+            return True
+        if name not in self.sys_cache:
+            r = subprocess.run(["grep", "-rlqwE", r"%s\s*\(" % name] + [d for d in SYS_INCLUDE if os.path.isdir(d)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.sys_cache[name] = r.returncode == 0
+        return self.sys_cache[name]
+
+    def has_string(self, s):
+        return s in self.all
+
+
+def help_flags(programs):
+    flags = {}
+    for exe in programs:
+        runs = [[exe, "--help"]]
+        if os.path.basename(exe) == "stepd":
+            runs.append([exe, "serve", "--help"])
+        for argv in runs:
+            r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+            if r.returncode != 0:
+                sys.exit("check-docs: %s exited %d" % (" ".join(argv), r.returncode))
+            for f in FLAG.findall(r.stdout):
+                flags.setdefault(f, " ".join([os.path.basename(argv[0])] + argv[1:-1]))
+    return flags
+
+
+def check(root, docs, flags, src, seen=None):
+    """The findings; seen (a dict) gets the distinct names checked of each kind."""
+    seen = {} if seen is None else seen
+    for k in ("path", "function", "metric", "flag"):
+        seen.setdefault(k, set())
+    found = []
+    mentioned = set()
+    for doc in docs:
+        text = open(doc).read()
+        rel = os.path.relpath(doc, root)
+        mentioned.update(FLAG.findall(text))
+        for n, s, inline in spans(text):
+            where = "%s:%d" % (rel, n)
+            for f in FLAG.findall(s):
+                seen["flag"].add(f)
+                if f not in flags and f not in src.tool_flags and "--" + f not in ALLOW:
+                    found.append(("flag", "--" + f, where))
+            if not inline:
+                continue
+            for tok in s.split():
+                p = looks_like_path(tok)
+                if p:
+                    seen["path"].add(p)
+                if p and not path_exists(root, p) and p not in ALLOW:
+                    found.append(("path", p, where))
+            for f in FUNC.findall(s):
+                seen["function"].add(f)
+                if f not in ALLOW and not src.defines(f):
+                    found.append(("function", f + "()", where))
+        for n, line in enumerate(text.split("\n"), 1):
+            for m in METRIC.findall(line):
+                seen["metric"].add(m)
+                if m not in ALLOW and not src.has_string(m) and not src.has_string(m.replace(":", "_", 1)):
+                    found.append(("metric", m, "%s:%d" % (rel, n)))
+    for f, prog in sorted(flags.items()):
+        if f not in mentioned:
+            found.append(("undoc", "--" + f, prog + " --help"))
+    return found
+
+
+def docs_of(root):
+    return [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
+
+
+def self_test(root, flags, src):
+    """A doc naming one missing thing of each kind, and a program flag no doc names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = os.path.join(tmp, "BAD.md")
+        with open(bad, "w") as f:
+            f.write("See `daemon/no-such-file.c` and `no_such_function_xyz()`,\n"
+                    "the metric stepd:no_such_metric_total and the flag `--zz-no-such-doc-flag`.\n")
+        flags = dict(flags, **{"zz-undocumented-flag": "stepd"})
+        got = {(k, n) for k, n, _ in check(root, docs_of(root) + [bad], flags, src)}
+        want = {("path", "daemon/no-such-file.c"), ("function", "no_such_function_xyz()"),
+                ("metric", "stepd:no_such_metric_total"), ("flag", "--zz-no-such-doc-flag"),
+                ("undoc", "--zz-undocumented-flag")}
+        missed = want - got
+        for k, n in sorted(missed):
+            print("self-test: %s %s was not caught" % (k, n))
+        print("self-test: %d of %d planted names caught" % (len(want) - len(missed), len(want)))
+        return 1 if missed else 0
+
+
+def main():
+    global TOP
+    args = sys.argv[1:]
+    selftest = bool(args) and args[0] == "--self-test"
+    if selftest:
+        args = args[1:]
+    if len(args) < 2:
+        sys.exit(__doc__)
+    root, programs = os.path.abspath(args[0]), args[1:]
+    TOP = set(os.listdir(root)) - {"build"}
+    src = Sources(root)
+    flags = help_flags(programs)
+    if selftest:
+        return self_test(root, flags, src)
+    seen = {}
+    found = check(root, docs_of(root), flags, src, seen)
+    for k, n, w in found:
+        print("%s %s (%s)" % (k, n, w))
+    kinds = {}
+    for k, _, _ in found:
+        kinds[k] = kinds.get(k, 0) + 1
+    print("check-docs: %d docs name %s; the programs' --help lists %d flags; %s" % (
+        len(docs_of(root)), ", ".join("%d %ss" % (len(v), k) for k, v in sorted(seen.items())), len(flags),
+        ", ".join("%d %s" % (v, k) for k, v in sorted(kinds.items())) or "0 findings"))
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,8 +9,11 @@ Reads README.md and docs/*.md and checks:
                 sources (or a declaration in a system header: libc, CUDA, NCCL, ...);
   (c) metric    every Prometheus metric named `stepd:...` or `stepd_...` is a string in the
                 sources (daemon/metrics.c, the workers);
-  (d) flag      every `--flag` named in backticks is accepted by one of the programs (read
-                from their --help output);
+  (d) flag      every --flag the docs name (in text, code spans or code blocks) is
+                accepted by one of the programs (read from their --help output: stepd,
+                stepd serve, stepd-worker, stepctl, stepd-inspect, stepd-run,
+                stepd-mkmodel) or by a test or developer program of the tree (test/,
+                tools/: getopt tables, '--name' literals);
   (e) undoc     every --flag a program's --help lists is mentioned somewhere in the docs.
 
 Prints each finding as 'KIND NAME (WHERE)' and exits 1 when there is one.
@@ -55,18 +58,14 @@ SYS_INCLUDE = ["/usr/include", "/usr/local/cuda/include"]
 
 
 def spans(text):
-    """(line number, inline code span, True) outside fenced blocks and (line number, line,
-    False) for each line of a fenced block (checked for flags only)."""
+    """Inline code spans outside fenced blocks, with their line numbers."""
     out = []
     fenced = False
     for n, line in enumerate(text.split("\n"), 1):
         if line.lstrip().startswith("```"):
             fenced = not fenced
-            continue
-        if fenced:
-            out.append((n, line, False))
-        else:
-            out += [(n, m.group(1), True) for m in SPAN.finditer(line)]
+        elif not fenced:
+            out += [(n, m.group(1)) for m in SPAN.finditer(line)]
     return out
 
 
@@ -157,14 +156,8 @@ def check(root, docs, flags, src, seen=None):
         text = open(doc).read()
         rel = os.path.relpath(doc, root)
         mentioned.update(FLAG.findall(text))
-        for n, s, inline in spans(text):
+        for n, s in spans(text):
             where = "%s:%d" % (rel, n)
-            for f in FLAG.findall(s):
-                seen["flag"].add(f)
-                if f not in flags and f not in src.tool_flags and "--" + f not in ALLOW:
-                    found.append(("flag", "--" + f, where))
-            if not inline:
-                continue
             for tok in s.split():
                 p = looks_like_path(tok)
                 if p:
@@ -176,6 +169,10 @@ def check(root, docs, flags, src, seen=None):
                 if f not in ALLOW and not src.defines(f):
                     found.append(("function", f + "()", where))
         for n, line in enumerate(text.split("\n"), 1):
+            for f in FLAG.findall(line):
+                seen["flag"].add(f)
+                if f not in flags and f not in src.tool_flags and "--" + f not in ALLOW:
+                    found.append(("flag", "--" + f, "%s:%d" % (rel, n)))
             for m in METRIC.findall(line):
                 seen["metric"].add(m)
                 if m not in ALLOW and not src.has_string(m) and not src.has_string(m.replace(":", "_", 1)):
@@ -196,7 +193,7 @@ def self_test(root, flags, src):
         bad = os.path.join(tmp, "BAD.md")
         with open(bad, "w") as f:
             f.write("See `daemon/no-such-file.c` and `no_such_function_xyz()`,\n"
-                    "the metric stepd:no_such_metric_total and the flag `--zz-no-such-doc-flag`.\n")
+                    "the metric stepd:no_such_metric_total and the flag --zz-no-such-doc-flag.\n")
         flags = dict(flags, **{"zz-undocumented-flag": "stepd"})
         got = {(k, n) for k, n, _ in check(root, docs_of(root) + [bad], flags, src)}
         want = {("path", "daemon/no-such-file.c"), ("function", "no_such_function_xyz()"),

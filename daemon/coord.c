@@ -870,6 +870,7 @@ fail_servers:
 fail:
     tok_free(co->tok);
     uv_loop_close(&co->loop);
+    affinity_free(co->aff);
     free(co);
     return r;
 }

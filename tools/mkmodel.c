@@ -1083,8 +1083,8 @@ int main(int argc, char **argv)
                 goto usage_err;
             }
             break;
-        case 'h': usage(stdout); return 0;
-        case 'V': printf("stepd-mkmodel %s\n", STEPD_VERSION); return 0;
+        case 'h': usage(stdout); free(m); return 0;
+        case 'V': printf("stepd-mkmodel %s\n", STEPD_VERSION); free(m); return 0;
         default: fputs(usage_line, stderr); free(m); return 2;
         }
     }

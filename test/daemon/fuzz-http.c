@@ -106,12 +106,32 @@ static int dial(void)
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
 
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
+    if (fd < 0 || fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) < 0 ||
+        (connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0 && errno != EINPROGRESS && errno != EINTR)) {
         fprintf(stderr, "fuzz-http: connect: %s\n", strerror(errno));
         abort();
     }
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-    return fd;
+    /* the connect completes once the server's loop (this thread's) makes room in its accept
+     * backlog: run it until the socket is writable.  A blocking connect here was interrupted by
+     * libFuzzer's timer signal (EINTR) when the backlog was full. */
+    for (int spin = 0;; spin++) {
+        struct pollfd p = { .fd = fd, .events = POLLOUT };
+        int err = 0;
+        socklen_t len = sizeof(err);
+
+        if (poll(&p, 1, 0) > 0) {
+            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0 || err) {
+                fprintf(stderr, "fuzz-http: connect: %s\n", strerror(err ? err : errno));
+                abort();
+            }
+            return fd;
+        }
+        if (spin == 1000000) {
+            fprintf(stderr, "fuzz-http: connect: the server never accepted\n");
+            abort();
+        }
+        uv_run(&loop, UV_RUN_NOWAIT);
+    }
 }
 
 /* Send data on a new connection, shut the write side, collect the answer (its first bytes in

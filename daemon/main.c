@@ -5,6 +5,8 @@
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 #include <strings.h>
 #include <unistd.h>
@@ -117,205 +119,280 @@ out:
 #endif
 }
 
-enum {
-    OPT_LISTEN = 256, OPT_ADMIN, OPT_CONTROL, OPT_METRICS, OPT_INSECURE, OPT_TLS_CERT, OPT_TLS_KEY,
-    OPT_TLS_CA, OPT_TLS_REQ, OPT_KEY_FILE, OPT_CKEY_FILE, OPT_TOKENIZER, OPT_MODEL, OPT_VOCAB,
-    OPT_MAX_RUNNING, OPT_MAX_QUEUE, OPT_MAX_INPUT, OPT_MAX_TOKENS_CAP, OPT_DEF_MAX_TOKENS, OPT_MAX_RECV,
-    OPT_MAX_STREAMS, OPT_STREAM_BUF, OPT_DRAIN, OPT_HEARTBEAT, OPT_LOADS, OPT_AFFINITY, OPT_AFFINITY_N, OPT_LOG, OPT_VERSION,
-    OPT_API_KEY, OPT_WTIMEOUT, OPT_HOST, OPT_PORT, OPT_SERVED, OPT_RPARSER, OPT_TPARSER, OPT_AUTO_TOOLS,
-    OPT_MAX_N, OPT_RESP_STORE, OPT_RESP_TTL, OPT_HTTP_BODY, OPT_HTTP_HEADER, OPT_HTTP_CONNS, OPT_HTTP_TIMEOUT, OPT_REQ_TIMEOUT, OPT_INSECURE_CTL,
-    OPT_ALLOWED_HOSTS, OPT_ALLOWED_ORIGINS, OPT_HTTP_CONNS_IP, OPT_HTTP_HEAD_TIMEOUT,
-    OPT_PORT_OFFSET, OPT_HELP, OPT_HELP_VLLM,
-    /* stepd serve */
-    OPT_S_TP, OPT_S_DP, OPT_S_DEVICE, OPT_S_EP, OPT_S_SPEC, OPT_S_MAXLEN, OPT_S_MAXBT, OPT_S_MAXSEQS,
-    OPT_S_GPUMEM, OPT_S_THREADS, OPT_S_WBIN, OPT_S_WARG, OPT_S_LIMIT, OPT_S_BACKOFF,
-    OPT_S_BACKOFF_MAX, OPT_S_STOP, OPT_S_SPECLOG, OPT_S_KV_DTYPE, OPT_S_KV_MEM, OPT_S_PREFIX_ON,
-    OPT_S_PREFIX_OFF, OPT_S_BLOCK, OPT_S_DTYPE, OPT_S_QUANT, OPT_S_CHAT_TEMPLATE, OPT_S_TEMPLATE_KW,
-    OPT_S_LIMIT_MM, OPT_S_ALLOW_LONG, OPT_S_NOTE, OPT_S_PASS, OPT_S_PASS_UINT,
+#define SERVE_MAX_WORKER_ARGS 32
+#define SERVE_MAX_NAMES 16
+
+/* What the command line sets: the coordinator's and `stepd serve`'s options and what main()
+ * still has to do with some of them (keys read from files, names split, ports moved). */
+struct cli {
+    struct coord_opts o;
+    struct serve_opts so;
+    const char *key_file, *ckey_file;
+    char *served;                   /* --served-model-name NAME[,ALIAS...], repeated: all of them */
+    unsigned port_offset;
+    const char *worker_args[SERVE_MAX_WORKER_ARGS];
+    char pass_flags[SERVE_MAX_WORKER_ARGS][48];
+    size_t n_pass;
+};
+
+/* How an option's value is taken. */
+enum optkind {
+    K_HEAD,             /* no option: a heading of --help */
+    K_STR,              /* the value itself, in a const char * field */
+    K_SET,              /* a switch: the field (bool or int) set to .lo */
+    K_UINT,             /* a decimal integer in [.lo, .hi], in an unsigned, int or size_t field */
+    K_SECONDS,          /* seconds in [0, 86400] (at least .lo ms), as milliseconds in an unsigned */
+    K_ACCEPT,           /* accepted, nothing to do (vLLM's flag for what stepd always does) */
+    K_NOTE,             /* accepted with one log line: .vllm, what stepd does instead */
+    K_PASS,             /* the worker's own flag, passed to every rank as it is (.hi: an integer
+                         * in [.lo, .hi]) */
+    K_FN,               /* .fn (with .off/.size when it stores into a field) */
 };
 
 /* What an option is: where it applies, and how the docs' table of vLLM flags shows it. */
 #define OPTF_SERVE 1u           /* a flag of `stepd serve MODEL_DIR` only */
 #define OPTF_VLLM 2u            /* vLLM's flag (same name, same meaning): in the docs' table */
 #define OPTF_HIDDEN 4u          /* not in --help (the docs' table generator) */
-
-/* One declaration per option: getopt_long's table, --help and the docs' table of vLLM
- * flags (`stepd --help-vllm-flags`, docs/OPERATIONS.md §1) all come from it.  An entry
- * without a name is a heading of --help.  OPT_S_NOTE options are accepted with one log line,
- * `vllm`: what stepd does instead. */
-struct optdecl {
-    const char *name;
-    const char *arg;            /* the value's name in --help; NULL: a switch */
-    int id;
-    unsigned flags;
-    const char *help;           /* --help text ("\n" continues it on the next line) */
-    const char *vllm;           /* OPTF_VLLM: what stepd does with vLLM's flag */
-};
-
 #define SERVE_VLLM (OPTF_SERVE | OPTF_VLLM)
 
+#define OPT_EXIT 1              /* a handler's return: done, exit 0 (--help, --version) */
+
+struct optdecl;
+typedef int opt_fn(struct cli *c, const struct optdecl *d, const char *flag, const char *val);
+
+/* One declaration per option, one row each: its name, value, where it applies, how its
+ * value is taken, its default and its help.  getopt_long's table, the defaults, the
+ * handling, --help and the docs' table of vLLM flags (`stepd --help-vllm-flags`,
+ * docs/OPERATIONS.md §1.1) all come from the rows; a new option is one more row. */
+struct optdecl {
+    const char *name;           /* NULL: a heading of --help */
+    const char *arg;            /* the value's name in --help; NULL: a switch */
+    unsigned flags;             /* OPTF_* */
+    enum optkind kind;
+    size_t off, size;           /* the field in struct cli (V_FIELD) */
+    unsigned long lo, hi;       /* see enum optkind */
+    opt_fn *fn;                 /* K_FN */
+    const char *def;            /* the default: given to the handler before the command line
+                                 * (NULL: none, or the worker's, which --help states in words) */
+    const char *help;           /* --help text ("\n" continues it on the next line; "{}" is .def) */
+    const char *vllm;           /* OPTF_VLLM: what stepd does with vLLM's flag; K_NOTE: its log line */
+};
+
+/* The handler part of a row: kind, field, bounds, function. */
+#define V_FIELD(f) offsetof(struct cli, f), sizeof(((struct cli *)0)->f)
+#define V_HEAD K_HEAD, 0, 0, 0, 0, NULL
+#define V_STR(f) K_STR, V_FIELD(f), 0, 0, NULL
+#define V_SET(f, v) K_SET, V_FIELD(f), v, 0, NULL
+#define V_UINT(f, lo, hi) K_UINT, V_FIELD(f), lo, hi, NULL
+#define V_SECONDS(f, least_ms) K_SECONDS, V_FIELD(f), least_ms, 0, NULL
+#define V_ACCEPT K_ACCEPT, 0, 0, 0, 0, NULL
+#define V_NOTE K_NOTE, 0, 0, 0, 0, NULL
+#define V_PASS K_PASS, 0, 0, 0, 0, NULL
+#define V_PASS_UINT K_PASS, 0, 0, 1, INT32_MAX, NULL
+#define V_FN(fn) K_FN, 0, 0, 0, 0, fn
+#define V_FN_AT(fn, f) K_FN, V_FIELD(f), 0, 0, fn
+
+static opt_fn opt_api_key, opt_served, opt_parser, opt_port, opt_log_level, opt_version, opt_help,
+    opt_help_vllm, opt_gpumem, opt_kv_dtype, opt_kv_mem, opt_dtype, opt_quant, opt_chat_template,
+    opt_template_kwargs, opt_limit_mm, opt_logprobs_mode, opt_worker_arg;
+
 static const struct optdecl optdecls[] = {
-    { NULL, NULL, 0, 0, "Listening (loopback by default):", NULL },
-    { "listen", "ADDR", OPT_LISTEN, 0, "public gRPC (default 127.0.0.1:20051; unix:/path allowed)", NULL },
-    { "admin-listen", "ADDR", OPT_ADMIN, 0, "Admin + health (default 127.0.0.1:20053)", NULL },
-    { "control-listen", "ADDR", OPT_CONTROL, 0, "worker control (default 127.0.0.1:20052)", NULL },
-    { "metrics-listen", "ADDR", OPT_METRICS, 0, "HTTP /metrics, /healthz, /health, /ready (default 127.0.0.1:9464;\n"
-      "\"\" = off; /metrics is also on the API port)", NULL },
-    { "host", "HOST", OPT_HOST, OPTF_VLLM, "OpenAI HTTP API host (default 127.0.0.1)", "the OpenAI HTTP API's address" },
-    { "port", "PORT", OPT_PORT, OPTF_VLLM, "OpenAI HTTP API port (default 8000; off = none)", "the OpenAI HTTP API's port" },
-    { "port-offset", "N", OPT_PORT_OFFSET, 0, "add N to every port above (given or default; 0 stays 0): a second\n"
-      "instance on one host moves all of them at once", NULL },
-    { "insecure-listen", NULL, OPT_INSECURE, 0, "allow non-loopback listens without TLS + API key", NULL },
-    { NULL, NULL, 0, 0, "Security:", NULL },
-    { "tls-cert", "FILE", OPT_TLS_CERT, 0, "TLS certificate of the public port (with --tls-key)", NULL },
-    { "tls-key", "FILE", OPT_TLS_KEY, 0, "its key", NULL },
-    { "tls-client-ca", "FILE", OPT_TLS_CA, 0, "CA for client certificates", NULL },
-    { "tls-require-client-cert", NULL, OPT_TLS_REQ, 0, "mTLS (needs --tls-client-ca)", NULL },
-    { "api-key-file", "FILE", OPT_KEY_FILE, 0, "API key for every RPC except health (or $STEPD_API_KEY)", NULL },
-    { "api-key", "KEY", OPT_API_KEY, OPTF_VLLM, "refused: a key on the command line is visible in ps", "refused (a key in argv "
-      "is visible in ps): use --api-key-file FILE or $STEPD_API_KEY" },
-    { "control-key-file", "FILE", OPT_CKEY_FILE, 0, "the cluster key: workers send it, their engines check it\n"
-      "(or $STEPD_CONTROL_KEY; `stepd serve` makes one per run)", NULL },
-    { "insecure-control", NULL, OPT_INSECURE_CTL, 0, "no control key: accept keyless workers (and engines)", NULL },
-    { NULL, NULL, 0, 0, "Text:", NULL },
-    { "tokenizer", "FILE", OPT_TOKENIZER, OPTF_VLLM, "tokenizer.json (enables text/chat input, Tokenize; `stepd serve`:\n"
-      "default MODEL_DIR/tokenizer.json)", "the tokenizer.json file (default MODEL_DIR/tokenizer.json)" },
-    { "model-name", "NAME", OPT_MODEL, 0, "served model name (default: reported by rank 0)", NULL },
-    { "served-model-name", "NAME", OPT_SERVED, OPTF_VLLM, "the same; repeat it (or NAME,ALIAS,...) for aliases the\n"
-      "model answers to (the first is the one reported)", "the model's name in the API, aliases after it" },
-    { "reasoning-parser", "P", OPT_RPARSER, OPTF_VLLM, "step3p5 (default) or none: reasoning split from the content",
+    { NULL, NULL, 0, V_HEAD, NULL, "Listening (loopback by default):" },
+    { "listen", "ADDR", 0, V_STR(o.listen), "127.0.0.1:20051", "public gRPC (default {}; unix:/path allowed)" },
+    { "admin-listen", "ADDR", 0, V_STR(o.admin_listen), "127.0.0.1:20053", "Admin + health (default {})" },
+    { "control-listen", "ADDR", 0, V_STR(o.control_listen), "127.0.0.1:20052", "worker control (default {})" },
+    { "metrics-listen", "ADDR", 0, V_STR(o.metrics_listen), "127.0.0.1:9464",
+      "HTTP /metrics, /healthz, /health, /ready (default {};\n\"\" = off; /metrics is also on the API port)" },
+    { "host", "HOST", OPTF_VLLM, V_STR(o.http_host), "127.0.0.1", "OpenAI HTTP API host (default {})",
+      "the OpenAI HTTP API's address" },
+    { "port", "PORT", OPTF_VLLM, V_FN_AT(opt_port, o.http_port), "8000", "OpenAI HTTP API port (default {}; off = none)",
+      "the OpenAI HTTP API's port" },
+    { "port-offset", "N", 0, V_UINT(port_offset, 0, 65535), NULL, "add N to every port above (given or default; 0 "
+      "stays 0): a second\ninstance on one host moves all of them at once" },
+    { "insecure-listen", NULL, 0, V_SET(o.insecure_listen, 1), NULL, "allow non-loopback listens without TLS + API key" },
+    { NULL, NULL, 0, V_HEAD, NULL, "Security:" },
+    { "tls-cert", "FILE", 0, V_STR(o.tls.cert_file), NULL, "TLS certificate of the public port (with --tls-key)" },
+    { "tls-key", "FILE", 0, V_STR(o.tls.key_file), NULL, "its key" },
+    { "tls-client-ca", "FILE", 0, V_STR(o.tls.root_file), NULL, "CA for client certificates" },
+    { "tls-require-client-cert", NULL, 0, V_SET(o.tls.require_client_cert, 1), NULL, "mTLS (needs --tls-client-ca)" },
+    { "api-key-file", "FILE", 0, V_STR(key_file), NULL, "API key for every RPC except health (or $STEPD_API_KEY)" },
+    { "api-key", "KEY", OPTF_VLLM, V_FN(opt_api_key), NULL, "refused: a key on the command line is visible in ps",
+      "refused (a key in argv is visible in ps): use --api-key-file FILE or $STEPD_API_KEY" },
+    { "control-key-file", "FILE", 0, V_STR(ckey_file), NULL, "the cluster key: workers send it, their engines check "
+      "it\n(or $STEPD_CONTROL_KEY; `stepd serve` makes one per run)" },
+    { "insecure-control", NULL, 0, V_SET(o.insecure_control, 1), NULL,
+      "no control key: accept keyless workers (and engines)" },
+    { NULL, NULL, 0, V_HEAD, NULL, "Text:" },
+    { "tokenizer", "FILE", OPTF_VLLM, V_STR(o.tokenizer_path), NULL, "tokenizer.json (enables text/chat input, "
+      "Tokenize; `stepd serve`:\ndefault MODEL_DIR/tokenizer.json)",
+      "the tokenizer.json file (default MODEL_DIR/tokenizer.json)" },
+    { "model-name", "NAME", 0, V_STR(o.model_name), NULL, "served model name (default: reported by rank 0)" },
+    { "served-model-name", "NAME", OPTF_VLLM, V_FN(opt_served), NULL, "the same; repeat it (or NAME,ALIAS,...) for "
+      "aliases the\nmodel answers to (the first is the one reported)",
+      "the model's name in the API, aliases after it" },
+    { "reasoning-parser", "P", OPTF_VLLM, V_FN_AT(opt_parser, o.reasoning_parser), "step3p5",
+      "{} (default) or none: reasoning split from the content",
       "step3p5 (built in, the default) or none; others are refused" },
-    { "tool-call-parser", "P", OPT_TPARSER, OPTF_VLLM, "step3p5 (default) or none: tool calls parsed from the output",
+    { "tool-call-parser", "P", OPTF_VLLM, V_FN_AT(opt_parser, o.tool_parser), "step3p5",
+      "{} (default) or none: tool calls parsed from the output",
       "step3p5 (built in, the default) or none; others are refused" },
-    { "enable-auto-tool-choice", NULL, OPT_AUTO_TOOLS, OPTF_VLLM, "accepted (tool_choice \"auto\" is served with the parser)",
+    { "enable-auto-tool-choice", NULL, OPTF_VLLM, V_ACCEPT, NULL,
+      "accepted (tool_choice \"auto\" is served with the parser)",
       "accepted: tool_choice \"auto\" is always served with the tool-call parser" },
-    { "vocab-size", "N", OPT_VOCAB, 0, "vocabulary size until an engine reports one", NULL },
-    { NULL, NULL, 0, 0, "Limits:", NULL },
-    { "max-running", "N", OPT_MAX_RUNNING, 0, "requests in flight to engines (default 1024)", NULL },
-    { "max-queue", "N", OPT_MAX_QUEUE, 0, "requests waiting for a slot (default 1024)", NULL },
-    { "max-input-tokens", "N", OPT_MAX_INPUT, 0, "prompt cap (default: context length)", NULL },
-    { "max-tokens-cap", "N", OPT_MAX_TOKENS_CAP, 0, "cap on max_tokens (default 32768)", NULL },
-    { "default-max-tokens", "N", OPT_DEF_MAX_TOKENS, 0, "max_tokens when unset (default 256)", NULL },
-    { "max-recv-msg-bytes", "N", OPT_MAX_RECV, 0, "gRPC receive limit (default 4194304)", NULL },
-    { "max-concurrent-streams", "N", OPT_MAX_STREAMS, 0, "per connection (default 1024)", NULL },
-    { "stream-buffer-bytes", "N", OPT_STREAM_BUF, 0, "per-stream send buffer before a slow client is cut (1 MiB)", NULL },
-    { "max-n", "N", OPT_MAX_N, 0, "HTTP: cap on n, choices per request (default 16)", NULL },
-    { "responses-store-size", "N", OPT_RESP_STORE, 0,
-      "HTTP: /v1/responses kept for previous_response_id (default 1024; 0 = off)", NULL },
-    { "responses-store-ttl", "SECONDS", OPT_RESP_TTL, 0,
-      "how long a stored response is kept (default 3600; 0 = off)", NULL },
-    { "http-max-body-bytes", "N", OPT_HTTP_BODY, 0, "HTTP request body cap, 413 above (default 4194304)", NULL },
-    { "http-max-header-bytes", "N", OPT_HTTP_HEADER, 0, "HTTP request line + headers cap, 431 above (default 32768)", NULL },
-    { "http-max-connections", "N", OPT_HTTP_CONNS, 0, "HTTP connections at once (default 1024; idle ones make room)", NULL },
-    { "http-max-connections-per-ip", "N", OPT_HTTP_CONNS_IP, 0, "HTTP connections of one client address (default 256)", NULL },
-    { "http-header-timeout", "SECONDS", OPT_HTTP_HEAD_TIMEOUT, 0, "HTTP: a request head must arrive within this (default 10)", NULL },
-    { "http-timeout", "SECONDS", OPT_HTTP_TIMEOUT, 0, "HTTP: a request must arrive within this; idle connections\n"
-      "close after it (default 30)", NULL },
-    { "request-timeout", "SECONDS", OPT_REQ_TIMEOUT, 0, "HTTP: deadline of a generation request, 504 past it (0 = none)", NULL },
-    { "allowed-hosts", "LIST", OPT_ALLOWED_HOSTS, 0, "HTTP: Host names served beside IP literals, localhost and --host\n"
-      "(comma-separated or a JSON list; \"*\" any)", NULL },
-    { "allowed-origins", "LIST", OPT_ALLOWED_ORIGINS, OPTF_VLLM, "HTTP: browser origins served with CORS (default none: a request\n"
-      "with an Origin header is refused)", "CORS for the browser origins listed (default none)" },
-    { NULL, NULL, 0, 0, "Behaviour:", NULL },
-    { "drain-timeout", "SECONDS", OPT_DRAIN, 0, "finish in-flight work within this on SIGTERM (default 30)", NULL },
-    { "heartbeat-ms", "N", OPT_HEARTBEAT, 0, "control heartbeat period (default 1000)", NULL },
-    { "loads-poll-ms", "N", OPT_LOADS, 0, "engine GetLoads period (default 250)", NULL },
-    { "worker-timeout-ms", "N", OPT_WTIMEOUT, 0, "declare a silent rank gone after N ms (default 10000)", NULL },
-    { "prefix-affinity", "N", OPT_AFFINITY, 0, "route a request to the group that holds the longest prefix of\n"
-      "its prompt, in blocks of N tokens (default 16; 0 = off)", NULL },
-    { "prefix-affinity-entries", "N", OPT_AFFINITY_N, 0, "prompt blocks remembered for that (default 65536)", NULL },
-    { "log-level", "LEVEL", OPT_LOG, 0, "error|warn|info|debug", NULL },
-    { "version", NULL, OPT_VERSION, 0, "print the version and exit", NULL },
-    { "help", NULL, OPT_HELP, 0, "this text", NULL },
-    { "help-vllm-flags", NULL, OPT_HELP_VLLM, OPTF_HIDDEN, "", NULL },
-    { NULL, NULL, 0, OPTF_SERVE, "stepd serve MODEL_DIR: this coordinator starts and supervises its worker ranks\n"
-      "(vLLM's flag names and meanings; --a_b is --a-b, --flag=value is --flag value):", NULL },
-    { "tensor-parallel-size", "N", OPT_S_TP, SERVE_VLLM, "ranks per group: 1, 2, 4, 8 (default 1)",
+    { "vocab-size", "N", 0, V_UINT(o.fallback_vocab_size, 0, 1u << 30), NULL,
+      "vocabulary size until an engine reports one" },
+    { NULL, NULL, 0, V_HEAD, NULL, "Limits:" },
+    { "max-running", "N", 0, V_UINT(o.max_running, 0, 1u << 20), "1024", "requests in flight to engines (default {})" },
+    { "max-queue", "N", 0, V_UINT(o.max_queue, 0, 1u << 20), "1024", "requests waiting for a slot (default {})" },
+    { "max-input-tokens", "N", 0, V_UINT(o.max_input_tokens, 0, 1u << 24), NULL, "prompt cap (default: context length)" },
+    { "max-tokens-cap", "N", 0, V_UINT(o.max_tokens_cap, 0, 1u << 24), "32768", "cap on max_tokens (default {})" },
+    { "default-max-tokens", "N", 0, V_UINT(o.default_max_tokens, 0, 1u << 24), "256",
+      "max_tokens when unset (default {})" },
+    { "max-recv-msg-bytes", "N", 0, V_UINT(o.max_recv_msg_bytes, 0, 1u << 30), "4194304",
+      "gRPC receive limit (default {})" },
+    { "max-concurrent-streams", "N", 0, V_UINT(o.max_concurrent_streams, 0, 1u << 20), "1024",
+      "per connection (default {})" },
+    { "stream-buffer-bytes", "N", 0, V_UINT(o.max_call_buffer_bytes, 0, 1u << 30), "1048576",
+      "per-stream send buffer before a slow client is cut (1 MiB)" },
+    { "max-n", "N", 0, V_UINT(o.max_n, 1, 128), "16", "HTTP: cap on n, choices per request (default {})" },
+    { "responses-store-size", "N", 0, V_UINT(o.responses_store_size, 0, 1u << 20), "1024",
+      "HTTP: /v1/responses kept for previous_response_id (default {}; 0 = off)" },
+    { "responses-store-ttl", "SECONDS", 0, V_UINT(o.responses_store_ttl_s, 0, 86400u * 365), "3600",
+      "how long a stored response is kept (default {}; 0 = off)" },
+    { "http-max-body-bytes", "N", 0, V_UINT(o.http_max_body_bytes, 0, 1u << 30), "4194304",
+      "HTTP request body cap, 413 above (default {})" },
+    { "http-max-header-bytes", "N", 0, V_UINT(o.http_max_header_bytes, 4096, 1u << 24), "32768",
+      "HTTP request line + headers cap, 431 above (default {})" },
+    { "http-max-connections", "N", 0, V_UINT(o.http_max_connections, 1, 1u << 20), "1024",
+      "HTTP connections at once (default {}; idle ones make room)" },
+    { "http-max-connections-per-ip", "N", 0, V_UINT(o.http_max_connections_per_ip, 0, 1u << 20), "256",
+      "HTTP connections of one client address (default {})" },
+    { "http-header-timeout", "SECONDS", 0, V_SECONDS(o.http_header_timeout_ms, 1000), "10",
+      "HTTP: a request head must arrive within this (default {})" },
+    { "http-timeout", "SECONDS", 0, V_SECONDS(o.http_timeout_ms, 1000), "30",
+      "HTTP: a request must arrive within this; idle connections\nclose after it (default {})" },
+    { "request-timeout", "SECONDS", 0, V_SECONDS(o.request_timeout_ms, 0), NULL,
+      "HTTP: deadline of a generation request, 504 past it (0 = none)" },
+    { "allowed-hosts", "LIST", 0, V_STR(o.http_allowed_hosts), NULL, "HTTP: Host names served beside IP literals, "
+      "localhost and --host\n(comma-separated or a JSON list; \"*\" any)" },
+    { "allowed-origins", "LIST", OPTF_VLLM, V_STR(o.http_allowed_origins), NULL, "HTTP: browser origins served with "
+      "CORS (default none: a request\nwith an Origin header is refused)",
+      "CORS for the browser origins listed (default none)" },
+    { NULL, NULL, 0, V_HEAD, NULL, "Behaviour:" },
+    { "drain-timeout", "SECONDS", 0, V_SECONDS(o.drain_timeout_ms, 0), "30",
+      "finish in-flight work within this on SIGTERM (default {})" },
+    { "heartbeat-ms", "N", 0, V_UINT(o.heartbeat_ms, 1, 3600000), "1000", "control heartbeat period (default {})" },
+    { "loads-poll-ms", "N", 0, V_UINT(o.loads_poll_ms, 1, 3600000), "250", "engine GetLoads period (default {})" },
+    { "worker-timeout-ms", "N", 0, V_UINT(o.worker_timeout_ms, 200, 3600000), "10000",
+      "declare a silent rank gone after N ms (default {})" },
+    { "prefix-affinity", "N", 0, V_UINT(o.prefix_affinity, 0, 1u << 20), "16", "route a request to the group that "
+      "holds the longest prefix of\nits prompt, in blocks of N tokens (default {}; 0 = off)" },
+    { "prefix-affinity-entries", "N", 0, V_UINT(o.prefix_affinity_entries, 0, 1u << 24), "65536",
+      "prompt blocks remembered for that (default {})" },
+    { "log-level", "LEVEL", 0, V_FN(opt_log_level), NULL, "error|warn|info|debug" },
+    { "version", NULL, 0, V_FN(opt_version), NULL, "print the version and exit" },
+    { "help", NULL, 0, V_FN(opt_help), NULL, "this text" },
+    { "help-vllm-flags", NULL, OPTF_HIDDEN, V_FN(opt_help_vllm), NULL, "" },
+    { NULL, NULL, OPTF_SERVE, V_HEAD, NULL, "stepd serve MODEL_DIR: this coordinator starts and supervises its worker "
+      "ranks\n(vLLM's flag names and meanings; --a_b is --a-b, --flag=value is --flag value):" },
+    { "tensor-parallel-size", "N", SERVE_VLLM, V_UINT(so.tensor_parallel, 1, 8), "1",
+      "ranks per group: 1, 2, 4, 8 (default {})",
       "ranks per group (1, 2, 4, 8): attention heads and experts sharded over them" },
-    { "data-parallel-size", "D", OPT_S_DP, SERVE_VLLM, "groups (default 1)", "groups g0..g{D-1}, requests spread over them" },
-    { "device", "cpu|cuda", OPT_S_DEVICE, SERVE_VLLM, "rank r of group d runs on cuda:(d*N + r) (default cpu); cuda\n"
-      "without a GPU or the CUDA plugin is refused before any rank starts",
+    { "data-parallel-size", "D", SERVE_VLLM, V_UINT(so.data_parallel, 1, 64), "1", "groups (default {})",
+      "groups g0..g{D-1}, requests spread over them" },
+    { "device", "cpu|cuda", SERVE_VLLM, V_STR(so.device), "cpu", "rank r of group d runs on cuda:(d*N + r) (default "
+      "{}); cuda\nwithout a GPU or the CUDA plugin is refused before any rank starts",
       "cpu (default) or cuda: rank r of group d on cuda:(d*N + r)" },
-    { "enable-expert-parallel", NULL, OPT_S_EP, SERVE_VLLM, "accepted: routed experts are always expert-parallel over a group",
+    { "enable-expert-parallel", NULL, SERVE_VLLM, V_ACCEPT, NULL,
+      "accepted: routed experts are always expert-parallel over a group",
       "accepted: routed experts are always split over the ranks of a group (expert parallel)" },
-    { "speculative-config", "JSON", OPT_S_SPEC, SERVE_VLLM, "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}', K 0..3 (plus\n"
+    { "speculative-config", "JSON", SERVE_VLLM, V_STR(so.speculative_config), NULL,
+      "'{\"method\":\"mtp\",\"num_speculative_tokens\":K}', K 0..3 (plus\n"
       "draft_quantization, draft_policy, draft_vocab); checked before any rank starts",
       "method \"mtp\" (the checkpoint's MTP layers), num_speculative_tokens 0..3 (default: the layers there are), "
       "model (a directory with the MTP layers); other methods and unknown keys are refused before any rank starts" },
-    { "max-model-len", "L", OPT_S_MAXLEN, SERVE_VLLM, "longest sequence (default 1024); above the model's\n"
-      "max_position_embeddings only with --allow-long-max-model-len",
+    { "max-model-len", "L", SERVE_VLLM, V_UINT(so.max_model_len, 2, 1u << 22), NULL, "longest sequence (default "
+      "1024); above the model's\nmax_position_embeddings only with --allow-long-max-model-len",
       "longest sequence; above the model's max_position_embeddings refused unless --allow-long-max-model-len" },
-    { "allow-long-max-model-len", NULL, OPT_S_ALLOW_LONG, OPTF_SERVE, "serve a --max-model-len above the model's\n"
-      "max_position_embeddings (or $VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)", NULL },
-    { "max-num-batched-tokens", "T", OPT_S_MAXBT, SERVE_VLLM, "tokens per engine step (default 256)",
-      "tokens per engine step; longer prompts are prefilled in chunks of it" },
-    { "max-num-seqs", "S", OPT_S_MAXSEQS, SERVE_VLLM, "sequences per engine step (default 8)", "sequences per engine step" },
-    { "block-size", "BS", OPT_S_BLOCK, SERVE_VLLM, "KV cache block, in tokens (default 16)", "KV cache block, in tokens" },
-    { "gpu-memory-utilization", "F", OPT_S_GPUMEM, SERVE_VLLM, "share of a GPU's memory for a CUDA rank (default 0.9)",
+    { "allow-long-max-model-len", NULL, OPTF_SERVE, V_SET(so.allow_long_max_model_len, 1), NULL,
+      "serve a --max-model-len above the model's\nmax_position_embeddings (or $VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)" },
+    { "max-num-batched-tokens", "T", SERVE_VLLM, V_UINT(so.max_num_batched_tokens, 4, 1u << 20), NULL,
+      "tokens per engine step (default 256)", "tokens per engine step; longer prompts are prefilled in chunks of it" },
+    { "max-num-seqs", "S", SERVE_VLLM, V_UINT(so.max_num_seqs, 1, 4096), NULL, "sequences per engine step (default 8)",
+      "sequences per engine step" },
+    { "block-size", "BS", SERVE_VLLM, V_UINT(so.block_size, 1, 4096), NULL, "KV cache block, in tokens (default 16)",
+      "KV cache block, in tokens" },
+    { "gpu-memory-utilization", "F", SERVE_VLLM, V_FN(opt_gpumem), NULL,
+      "share of a GPU's memory for a CUDA rank (default 0.9)",
       "share of each GPU's memory a CUDA rank uses (the KV cache takes what the weights leave); "
       "no effect on CPU ranks" },
-    { "kv-cache-memory", "BYTES", OPT_S_KV_MEM, SERVE_VLLM, "KV cache per rank, e.g. 8GiB (default: on CPU every sequence\n"
-      "at --max-model-len, on a GPU --gpu-memory-utilization); one too small for\n"
+    { "kv-cache-memory", "BYTES", SERVE_VLLM, V_FN(opt_kv_mem), NULL, "KV cache per rank, e.g. 8GiB (default: on CPU "
+      "every sequence\nat --max-model-len, on a GPU --gpu-memory-utilization); one too small for\n"
       "one sequence is refused before any rank starts",
       "KV cache bytes per rank (e.g. 8GiB); below one sequence of --max-model-len refused before any rank starts" },
-    { "kv-cache-dtype", "D", OPT_S_KV_DTYPE, SERVE_VLLM, "auto or bf16 (default), fp32",
+    { "kv-cache-dtype", "D", SERVE_VLLM, V_FN(opt_kv_dtype), NULL, "auto or bf16 (default), fp32",
       "auto/bf16 (default) or fp32; fp8 and others are refused" },
-    { "enable-prefix-caching", NULL, OPT_S_PREFIX_ON, SERVE_VLLM, "reuse cached KV blocks of prompts (the default)",
-      "the default: prompts reuse cached KV blocks" },
-    { "no-enable-prefix-caching", NULL, OPT_S_PREFIX_OFF, SERVE_VLLM, "recompute every prompt", "every prompt is recomputed" },
-    { "dtype", "D", OPT_S_DTYPE, SERVE_VLLM, "auto, bfloat16 or bf16: stepd computes with BF16 weights\n"
+    { "enable-prefix-caching", NULL, SERVE_VLLM, V_SET(so.prefix_caching, 1), NULL,
+      "reuse cached KV blocks of prompts (the default)", "the default: prompts reuse cached KV blocks" },
+    { "no-enable-prefix-caching", NULL, SERVE_VLLM, V_SET(so.prefix_caching, 0), NULL, "recompute every prompt",
+      "every prompt is recomputed" },
+    { "dtype", "D", SERVE_VLLM, V_FN(opt_dtype), NULL, "auto, bfloat16 or bf16: stepd computes with BF16 weights\n"
       "and FP32 accumulation; float16 and float32 are refused",
       "auto, bfloat16: BF16 weights, FP32 accumulation; float16/float32 are refused" },
-    { "quantization", "Q", OPT_S_QUANT, SERVE_VLLM, "mxfp4: the checkpoint's MXFP4 routed experts (the only\n"
-      "quantization; a BF16 checkpoint is served as it is, without the flag)",
+    { "quantization", "Q", SERVE_VLLM, V_FN(opt_quant), NULL, "mxfp4: the checkpoint's MXFP4 routed experts (the "
+      "only\nquantization; a BF16 checkpoint is served as it is, without the flag)",
       "mxfp4 (the checkpoint's MXFP4 routed experts; refused for a BF16 checkpoint); other methods are refused" },
-    { "chat-template", "FILE", OPT_S_CHAT_TEMPLATE, SERVE_VLLM, "refused: stepd renders the Step-3.x chat template built in",
+    { "chat-template", "FILE", SERVE_VLLM, V_FN(opt_chat_template), NULL,
+      "refused: stepd renders the Step-3.x chat template built in",
       "refused: stepd renders the Step-3.x chat template built in (no Jinja)" },
-    { "default-chat-template-kwargs", "JSON", OPT_S_TEMPLATE_KW, SERVE_VLLM, "defaults of chat_template_kwargs for every\n"
-      "chat request (reasoning_effort, preserve_thinking, add_generation_prompt);\n"
+    { "default-chat-template-kwargs", "JSON", SERVE_VLLM, V_FN(opt_template_kwargs), NULL, "defaults of "
+      "chat_template_kwargs for every\nchat request (reasoning_effort, preserve_thinking, add_generation_prompt);\n"
       "a request's own keys win",
-      "defaults of chat_template_kwargs (reasoning_effort, preserve_thinking, add_generation_prompt); a request's own win" },
-    { "limit-mm-per-prompt", "JSON", OPT_S_LIMIT_MM, SERVE_VLLM, "'{\"image\":0}' and other zero limits: stepd serves text\n"
-      "only (images are not supported yet: a limit above 0 is refused)",
+      "defaults of chat_template_kwargs (reasoning_effort, preserve_thinking, add_generation_prompt); a request's "
+      "own win" },
+    { "limit-mm-per-prompt", "JSON", SERVE_VLLM, V_FN(opt_limit_mm), NULL, "'{\"image\":0}' and other zero limits: "
+      "stepd serves text\nonly (images are not supported yet: a limit above 0 is refused)",
       "accepted with every limit 0 (stepd serves text only); images > 0 refused (not supported yet)" },
-    { "disable-cascade-attn", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+    { "disable-cascade-attn", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd has no cascade attention: every sequence's attention is computed on its own blocks" },
-    { "enforce-eager", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+    { "enforce-eager", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd captures no CUDA graphs: every step runs eagerly already" },
-    { "trust-remote-code", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+    { "trust-remote-code", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd runs no code from the model directory: config.json and the safetensors are read by its own loader" },
-    { "linear-backend", "B", OPT_S_NOTE, SERVE_VLLM, NULL,
+    { "linear-backend", "B", SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd picks its own matmul kernels per device and CPU (MXFP4 experts included); the value is not used" },
-    { "async-scheduling", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+    { "async-scheduling", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd's engine has one scheduler (continuous batching); nothing to switch" },
-    { "enable-chunked-prefill", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+    { "enable-chunked-prefill", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "always on: prompts longer than --max-num-batched-tokens are prefilled in chunks" },
-    { "enable-eplb", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
+    { "enable-eplb", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd places the routed experts statically (a contiguous share per rank); no load balancer" },
-    { "logprobs-mode", "M", OPT_S_PASS, SERVE_VLLM, "raw_logprobs (default) or processed_logprobs: what logprobs\n"
-      "report (the worker's flag)", "raw_logprobs (default) or processed_logprobs, as vLLM" },
-    { "threads", "T", OPT_S_THREADS, OPTF_SERVE, "CPU threads per rank (default: the CPUs shared out)", NULL },
-    { "max-waiting", "N", OPT_S_PASS_UINT, OPTF_SERVE, "requests an engine queues beyond --max-num-seqs (the worker's\n"
-      "flag; default: the KV pool's block count, within 64..4096)", NULL },
-    { "kv-blocks", "B", OPT_S_PASS_UINT, OPTF_SERVE, "full-attention KV blocks per rank, overriding the budget", NULL },
-    { "prefix-cache-salt", "S", OPT_S_PASS, OPTF_SERVE, "deployment salt of the prefix-cache keys (default: random)", NULL },
-    { "exact", NULL, OPT_S_PASS, OPTF_SERVE, "CPU: the exact W4A32 MXFP4 path instead of the int8 fast path", NULL },
-    { "mtp-model", "DIR", OPT_S_PASS, OPTF_SERVE, "MTP layers from another directory", NULL },
-    { "comm-net-devices", "DEVS", OPT_S_PASS, OPTF_SERVE, "network devices the groups' UCX transports bind (default lo)",
-      NULL },
-    { "collective-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "deadline of every collective (default 30000)", NULL },
-    { "rendezvous-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "how long a rank waits for the others (default 60000)",
-      NULL },
-    { "load-timeout", "MS", OPT_S_PASS_UINT, OPTF_SERVE, "how long ranks wait for each other to load (default 1800000)",
-      NULL },
-    { "worker-binary", "PATH", OPT_S_WBIN, OPTF_SERVE, "stepd-worker to run (default: beside stepd, else $PATH)", NULL },
-    { "worker-arg", "ARG", OPT_S_WARG, OPTF_SERVE, "one more flag for every rank (repeatable)", NULL },
-    { "worker-restart-limit", "N", OPT_S_LIMIT, OPTF_SERVE, "failures in a row before a group is given up (default 5)", NULL },
-    { "worker-backoff-ms", "MS", OPT_S_BACKOFF, OPTF_SERVE, "first restart delay, doubling (default 500)", NULL },
-    { "worker-backoff-max-ms", "MS", OPT_S_BACKOFF_MAX, OPTF_SERVE, "longest restart delay (default 30000)", NULL },
-    { "worker-stop-timeout", "S", OPT_S_STOP, OPTF_SERVE, "seconds ranks get to stop before SIGTERM (default 15)", NULL },
-    { "spec-log-interval", "S", OPT_S_SPECLOG, OPTF_SERVE, "spec-decoding metrics in the log every S s (default 10, 0 = off)",
-      NULL },
+    { "logprobs-mode", "M", SERVE_VLLM, V_FN(opt_logprobs_mode), NULL, "raw_logprobs (default) or "
+      "processed_logprobs: what logprobs\nreport (the worker's flag)", "raw_logprobs (default) or processed_logprobs, as vLLM" },
+    { "threads", "T", OPTF_SERVE, V_UINT(so.threads, 0, 1024), NULL, "CPU threads per rank (default: the CPUs shared out)" },
+    { "max-waiting", "N", OPTF_SERVE, V_PASS_UINT, NULL, "requests an engine queues beyond --max-num-seqs (the "
+      "worker's\nflag; default: the KV pool's block count, within 64..4096)" },
+    { "kv-blocks", "B", OPTF_SERVE, V_PASS_UINT, NULL, "full-attention KV blocks per rank, overriding the budget" },
+    { "prefix-cache-salt", "S", OPTF_SERVE, V_PASS, NULL, "deployment salt of the prefix-cache keys (default: random)" },
+    { "exact", NULL, OPTF_SERVE, V_PASS, NULL, "CPU: the exact W4A32 MXFP4 path instead of the int8 fast path" },
+    { "mtp-model", "DIR", OPTF_SERVE, V_PASS, NULL, "MTP layers from another directory" },
+    { "comm-net-devices", "DEVS", OPTF_SERVE, V_PASS, NULL, "network devices the groups' UCX transports bind (default lo)" },
+    { "collective-timeout", "MS", OPTF_SERVE, V_PASS_UINT, NULL, "deadline of every collective (default 30000)" },
+    { "rendezvous-timeout", "MS", OPTF_SERVE, V_PASS_UINT, NULL, "how long a rank waits for the others (default 60000)" },
+    { "load-timeout", "MS", OPTF_SERVE, V_PASS_UINT, NULL, "how long ranks wait for each other to load (default 1800000)" },
+    { "worker-binary", "PATH", OPTF_SERVE, V_STR(so.worker_binary), NULL,
+      "stepd-worker to run (default: beside stepd, else $PATH)" },
+    { "worker-arg", "ARG", OPTF_SERVE, V_FN(opt_worker_arg), NULL, "one more flag for every rank (repeatable)" },
+    { "worker-restart-limit", "N", OPTF_SERVE, V_UINT(so.restart_limit, 1, 1000), "5",
+      "failures in a row before a group is given up (default {})" },
+    { "worker-backoff-ms", "MS", OPTF_SERVE, V_UINT(so.backoff_ms, 1, 3600000), "500",
+      "first restart delay, doubling (default {})" },
+    { "worker-backoff-max-ms", "MS", OPTF_SERVE, V_UINT(so.backoff_max_ms, 1, 3600000), "30000",
+      "longest restart delay (default {})" },
+    { "worker-stop-timeout", "S", OPTF_SERVE, V_SECONDS(so.worker_stop_timeout_ms, 0), "15",
+      "seconds ranks get to stop before SIGTERM (default {})" },
+    { "spec-log-interval", "S", OPTF_SERVE, V_SECONDS(so.spec_log_interval_ms, 0), "10",
+      "spec-decoding metrics in the log every S s (default {}, 0 = off)" },
 };
 
 static void usage(FILE *f)
@@ -326,12 +403,18 @@ static void usage(FILE *f)
                "Admin, worker control service, health and Prometheus metrics.\n");
     for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
         const struct optdecl *d = &optdecls[i];
-        const char *h = d->id == OPT_S_NOTE ? d->vllm : d->help;    /* what stepd does instead */
-        char head[64];
+        const char *h = d->kind == K_NOTE ? d->vllm : d->help;     /* what stepd does instead */
+        const char *dflt = strstr(h, "{}");
+        char head[64], text[512];
         int n;
 
         if (d->flags & OPTF_HIDDEN)
             continue;
+        if (dflt) {                     /* the default, from the row */
+            ASSERT(d->def);
+            snprintf(text, sizeof(text), "%.*s%s%s", (int)(dflt - h), h, d->def, dflt + 2);
+            h = text;
+        }
         if (!d->name) {
             fprintf(f, "%s\n", h);
             continue;
@@ -445,9 +528,6 @@ static int normalize_flags(int argc, char **argv)
     return 0;
 }
 
-#define SERVE_MAX_WORKER_ARGS 32
-#define SERVE_MAX_NAMES 16
-
 /* Seconds as milliseconds, in [0, 86400]. */
 static int parse_seconds(const char *flag, const char *s, unsigned *ret)
 {
@@ -547,429 +627,431 @@ static int apply_port_offset(struct coord_opts *o, unsigned off, char (*bufs)[30
     return 0;
 }
 
+/* ------------------------------------------------------------------ option handlers */
+
+static void *opt_field(struct cli *c, const struct optdecl *d)
+{
+    return (char *)c + d->off;
+}
+
+/* v into the row's field: a bool, 32 or 64 bits. */
+static void opt_store(struct cli *c, const struct optdecl *d, unsigned long v)
+{
+    void *p = opt_field(c, d);
+
+    if (d->size == sizeof(bool)) {
+        bool b = v != 0;
+        memcpy(p, &b, sizeof(b));
+    } else if (d->size == sizeof(uint32_t)) {
+        uint32_t u = (uint32_t)v;
+        memcpy(p, &u, sizeof(u));
+    } else {
+        uint64_t u = v;
+        ASSERT(d->size == sizeof(u));
+        memcpy(p, &u, sizeof(u));
+    }
+}
+
+/* An integer in the row's [lo, hi]. */
+static int opt_uint(const char *flag, const struct optdecl *d, const char *val, unsigned long *ret)
+{
+    if (parse_uint(flag, val, d->hi, ret) < 0)
+        return -EINVAL;
+    if (*ret < d->lo) {
+        log_error("%s: at least %lu", flag, d->lo);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* The worker's own flag (and its value), passed to every rank as it is. */
+static int opt_pass(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    if (c->so.n_worker_args + 2 > SERVE_MAX_WORKER_ARGS) {
+        log_error("%s: at most %d worker flags in all", flag, SERVE_MAX_WORKER_ARGS);
+        return -EINVAL;
+    }
+    snprintf(c->pass_flags[c->n_pass], sizeof(c->pass_flags[c->n_pass]), "%s", flag);
+    c->worker_args[c->so.n_worker_args++] = c->pass_flags[c->n_pass++];
+    if (d->arg)
+        c->worker_args[c->so.n_worker_args++] = val;
+    return 0;
+}
+
+/* One option's value (NULL for a switch) as its row says: 0, OPT_EXIT, -EINVAL after one
+ * line naming the flag, -ENOMEM. */
+static int opt_apply(struct cli *c, const struct optdecl *d, const char *val)
+{
+    char flag[64];
+    unsigned long v;
+    unsigned ms;
+
+    snprintf(flag, sizeof(flag), "--%s", d->name);
+    switch (d->kind) {
+    case K_STR:
+        memcpy(opt_field(c, d), &val, sizeof(val));
+        return 0;
+    case K_SET:
+        opt_store(c, d, d->lo);
+        return 0;
+    case K_UINT:
+        if (opt_uint(flag, d, val, &v) < 0)
+            return -EINVAL;
+        opt_store(c, d, v);
+        return 0;
+    case K_SECONDS:
+        if (parse_seconds(flag, val, &ms) < 0)
+            return -EINVAL;
+        if (ms < d->lo) {
+            log_error("%s: at least %lu second%s", flag, d->lo / 1000, d->lo / 1000 == 1 ? "" : "s");
+            return -EINVAL;
+        }
+        opt_store(c, d, ms);
+        return 0;
+    case K_ACCEPT:
+        return 0;
+    case K_NOTE:
+        log_notice("%s%s%s: %s", flag, d->arg ? " " : "", d->arg ? val : "", d->vllm);
+        return 0;
+    case K_PASS:
+        if (d->hi && opt_uint(flag, d, val, &v) < 0)
+            return -EINVAL;
+        return opt_pass(c, d, flag, val);
+    case K_FN:
+        return d->fn(c, d, flag, val);
+    case K_HEAD:
+        break;
+    }
+    ASSERT(!"an option without a handler");
+    return -EINVAL;
+}
+
+static int opt_api_key(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    log_error("%s: keys are never taken from the command line (visible in ps); "
+              "use --api-key-file FILE or $STEPD_API_KEY", flag);
+    return -EINVAL;
+}
+
+/* Every --served-model-name, joined by commas: main() splits them into the name and aliases. */
+static int opt_served(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    size_t old = c->served ? strlen(c->served) : 0;
+    char *n = realloc(c->served, old + strlen(val) + 2);
+
+    if (!n)
+        return -ENOMEM;
+    if (!c->served)
+        n[0] = '\0';
+    c->served = n;
+    snprintf(c->served + old, strlen(val) + 2, "%s%s", old ? "," : "", val);
+    return 0;
+}
+
+static int opt_parser(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    bool on;
+
+    if (parse_parser(flag, val, &on) < 0)
+        return -EINVAL;
+    opt_store(c, d, on);
+    return 0;
+}
+
+/* A port, or "off" (or "") for none: -1. */
+static int opt_port(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    unsigned long v;
+    int port;
+
+    if (!strcmp(val, "off") || !val[0])
+        port = -1;
+    else if (parse_uint(flag, val, 65535, &v) < 0)
+        return -EINVAL;
+    else
+        port = (int)v;
+    ASSERT(d->size == sizeof(port));
+    memcpy(opt_field(c, d), &port, sizeof(port));
+    return 0;
+}
+
+static int opt_log_level(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    enum log_level l;
+
+    if (log_level_parse(val, &l) < 0) {
+        log_error("%s: expected error|warn|info|debug, got '%s'", flag, val);
+        return -EINVAL;
+    }
+    log_set_level(l);
+    return 0;
+}
+
+static int opt_version(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    printf("stepd %s\n", STEPD_VERSION);
+    return OPT_EXIT;
+}
+
+static int opt_help(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    usage(stdout);
+    return OPT_EXIT;
+}
+
+static int opt_help_vllm(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    usage_vllm(stdout);
+    return OPT_EXIT;
+}
+
+static int opt_gpumem(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    char *end;
+
+    c->so.gpu_memory_utilization = strtod(val, &end);
+    if (end == val || *end || !(c->so.gpu_memory_utilization > 0 && c->so.gpu_memory_utilization <= 1)) {
+        log_error("%s: expected a fraction in (0, 1], got '%s'", flag, val);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static int opt_kv_dtype(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    struct err_buf e;
+    bool f32;
+
+    if (cli_parse_kv_dtype(flag, val, &f32, &e) < 0) {
+        log_error("%s", e.msg);
+        return -EINVAL;
+    }
+    c->so.kv_cache_dtype = f32 ? "fp32" : "bf16";
+    return 0;
+}
+
+static int opt_kv_mem(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    struct err_buf e;
+
+    if (cli_parse_bytes(flag, val, 1, INT64_MAX / 2, &c->so.kv_cache_memory, &e) < 0) {
+        log_error("%s", e.msg);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static int opt_dtype(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    if (strcmp(val, "auto") && strcmp(val, "bfloat16") && strcmp(val, "bf16")) {
+        log_error("%s %s: stepd computes with the checkpoint's BF16 weights and FP32 accumulation "
+                  "(auto, bfloat16)", flag, val);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static int opt_quant(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    if (strcmp(val, "mxfp4") != 0) {
+        log_error("%s %s: stepd serves the checkpoint's own weights, BF16 or MXFP4 routed "
+                  "experts (--quantization mxfp4)", flag, val);
+        return -EINVAL;
+    }
+    c->so.quantization = val;
+    return 0;
+}
+
+static int opt_chat_template(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    log_error("%s %s: stepd renders the Step-3.x chat template built in and takes no "
+              "template file (--default-chat-template-kwargs sets its variables)", flag, val);
+    return -EINVAL;
+}
+
+static int opt_template_kwargs(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    char msg[256];
+
+    if (coord_chat_kwargs_check(val, msg, sizeof(msg)) < 0) {
+        log_error("%s: %s", flag, msg);
+        return -EINVAL;
+    }
+    c->o.default_chat_template_kwargs = val;
+    return 0;
+}
+
+static int opt_limit_mm(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    return limit_mm_check(val);
+}
+
+/* The worker's flag, checked here so that a bad value ends `stepd serve` before any rank. */
+static int opt_logprobs_mode(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    if (strcmp(val, "raw_logprobs") && strcmp(val, "processed_logprobs")) {
+        log_error("%s %s: expected raw_logprobs or processed_logprobs", flag, val);
+        return -EINVAL;
+    }
+    return opt_pass(c, d, flag, val);
+}
+
+static int opt_worker_arg(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    if (c->so.n_worker_args == SERVE_MAX_WORKER_ARGS) {
+        log_error("%s: at most %d", flag, SERVE_MAX_WORKER_ARGS);
+        return -EINVAL;
+    }
+    c->worker_args[c->so.n_worker_args++] = val;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct option longopts[ARRAY_SIZE(optdecls) + 1];
-    const struct optdecl *lo_decl[ARRAY_SIZE(optdecls)];
     size_t n_lo = 0;
-    int lo_index;
-    struct coord_opts o;
+    struct cli cl = { 0 };
     struct coord *co = NULL;
     char *api_key = NULL, *ctl_key = NULL;
-    const char *key_file = NULL, *ckey_file = NULL;
-    unsigned long v;
     int c, r, rc = 2;
     /* stepd serve */
-    struct serve_opts so;
     struct serve *sv = NULL;
-    const char *worker_args[SERVE_MAX_WORKER_ARGS];
-    const char *serve_flag = NULL;  /* the first serve-only flag seen */
+    const struct optdecl *serve_flag = NULL;   /* the first serve-only flag seen */
     char tokenizer[4096], model_name[256];
-    char *served = NULL;            /* --served-model-name NAME[,ALIAS...], repeated: all of them */
     const char *aliases[SERVE_MAX_NAMES];
     size_t n_names = 0;
     bool serve_mode = argc > 1 && strcmp(argv[1], "serve") == 0;
-    unsigned port_offset = 0;
-    char pass_flags[SERVE_MAX_WORKER_ARGS][48];
-    size_t n_pass = 0;
-    char ports[4][300], msg[256];
+    char ports[4][300];
 
     malloc_tune(argv);
     log_init("stepd", NULL);
-    serve_opts_default(&so);
-    so.worker_args = worker_args;
     if (serve_mode) {
         argv++;                     /* getopt sees "serve" as the program name */
         argc--;
     }
     log_debug("malloc: %s", malloc_tuned ? "glibc per-thread caches off, one arena (STEPD_MALLOC_TUNE=0 keeps "
                                            "glibc's defaults)" : "glibc's defaults");
-    coord_opts_default(&o);
+    coord_opts_default(&cl.o);
+    serve_opts_default(&cl.so);
+    cl.so.worker_args = cl.worker_args;
     for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
         const struct optdecl *d = &optdecls[i];
 
         if (!d->name)
             continue;
-        lo_decl[n_lo] = d;
-        longopts[n_lo++] = (struct option){ d->name, d->arg ? required_argument : no_argument, NULL, d->id };
+        if (d->def && opt_apply(&cl, d, d->def) != 0)
+            ASSERT(!"an option's default that its own handler refuses");
+        longopts[n_lo++] = (struct option){ d->name, d->arg ? required_argument : no_argument, NULL, 256 + (int)i };
     }
     longopts[n_lo] = (struct option){ NULL, 0, NULL, 0 };
     if (normalize_flags(argc, argv) < 0)
         return 2;
     opterr = 0;
-    while ((c = getopt_long(argc, argv, ":h", longopts, (lo_index = -1, &lo_index))) != -1) {
-        const struct optdecl *d = lo_index >= 0 && (size_t)lo_index < n_lo ? lo_decl[lo_index] : NULL;
+    while ((c = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+        const struct optdecl *d;
 
-        if (d && (d->flags & OPTF_SERVE) && !serve_flag)
-            serve_flag = d->name;
-        switch (c) {
-        case OPT_S_PASS_UINT: {
-            char fl[64];
-
-            snprintf(fl, sizeof(fl), "--%s", d->name);
-            if (parse_uint(fl, optarg, INT32_MAX, &v) < 0)
-                return 2;
-            if (v == 0) {
-                log_error("%s: at least 1", fl);
-                return 2;
-            }
-        }
-            /* fall through */
-        case OPT_S_PASS:
-            /* the worker's own flag, passed to every rank as it is */
-            if (d->name && !strcmp(d->name, "logprobs-mode") && strcmp(optarg, "raw_logprobs") &&
-                strcmp(optarg, "processed_logprobs")) {
-                log_error("--logprobs-mode %s: expected raw_logprobs or processed_logprobs", optarg);
-                return 2;
-            }
-            if (so.n_worker_args + 2 > SERVE_MAX_WORKER_ARGS) {
-                log_error("--%s: at most %d worker flags in all", d->name, SERVE_MAX_WORKER_ARGS);
-                return 2;
-            }
-            snprintf(pass_flags[n_pass], sizeof(pass_flags[n_pass]), "--%s", d->name);
-            worker_args[so.n_worker_args++] = pass_flags[n_pass++];
-            if (d->arg)
-                worker_args[so.n_worker_args++] = optarg;
-            break;
-        case OPT_S_NOTE:
-            log_notice("--%s%s%s: %s", d->name, d->arg ? " " : "", d->arg ? optarg : "", d->vllm);
-            break;
-        case OPT_S_KV_DTYPE: {
-            struct err_buf e;
-            bool f32;
-
-            if (cli_parse_kv_dtype("--kv-cache-dtype", optarg, &f32, &e) < 0) {
-                log_error("%s", e.msg);
-                return 2;
-            }
-            so.kv_cache_dtype = f32 ? "fp32" : "bf16";
-            break;
-        }
-        case OPT_S_KV_MEM: {
-            struct err_buf e;
-
-            if (cli_parse_bytes("--kv-cache-memory", optarg, 1, INT64_MAX / 2, &so.kv_cache_memory, &e) < 0) {
-                log_error("%s", e.msg);
-                return 2;
-            }
-            break;
-        }
-        case OPT_S_PREFIX_ON: so.prefix_caching = 1; break;
-        case OPT_S_PREFIX_OFF: so.prefix_caching = 0; break;
-        case OPT_S_ALLOW_LONG: so.allow_long_max_model_len = true; break;
-        case OPT_S_DTYPE:
-            if (strcmp(optarg, "auto") && strcmp(optarg, "bfloat16") && strcmp(optarg, "bf16")) {
-                log_error("--dtype %s: stepd computes with the checkpoint's BF16 weights and FP32 accumulation "
-                          "(auto, bfloat16)", optarg);
-                return 2;
-            }
-            break;
-        case OPT_S_QUANT:
-            if (strcmp(optarg, "mxfp4") != 0) {
-                log_error("--quantization %s: stepd serves the checkpoint's own weights, BF16 or MXFP4 routed "
-                          "experts (--quantization mxfp4)", optarg);
-                return 2;
-            }
-            so.quantization = optarg;
-            break;
-        case OPT_S_CHAT_TEMPLATE:
-            log_error("--chat-template %s: stepd renders the Step-3.x chat template built in and takes no "
-                      "template file (--default-chat-template-kwargs sets its variables)", optarg);
-            return 2;
-        case OPT_S_TEMPLATE_KW:
-            if (coord_chat_kwargs_check(optarg, msg, sizeof(msg)) < 0) {
-                log_error("--default-chat-template-kwargs: %s", msg);
-                return 2;
-            }
-            o.default_chat_template_kwargs = optarg;
-            break;
-        case OPT_S_LIMIT_MM:
-            if (limit_mm_check(optarg) < 0)
-                return 2;
-            break;
-        case OPT_PORT_OFFSET:
-            if (parse_uint("--port-offset", optarg, 65535, &v) < 0)
-                return 2;
-            port_offset = (unsigned)v;
-            break;
-        case OPT_HELP_VLLM:
-            usage_vllm(stdout);
-            return 0;
-        case OPT_LISTEN: o.listen = optarg; break;
-        case OPT_ADMIN: o.admin_listen = optarg; break;
-        case OPT_CONTROL: o.control_listen = optarg; break;
-        case OPT_METRICS: o.metrics_listen = optarg; break;
-        case OPT_INSECURE: o.insecure_listen = true; break;
-        case OPT_INSECURE_CTL: o.insecure_control = true; break;
-        case OPT_TLS_CERT: o.tls.cert_file = optarg; break;
-        case OPT_TLS_KEY: o.tls.key_file = optarg; break;
-        case OPT_TLS_CA: o.tls.root_file = optarg; break;
-        case OPT_TLS_REQ: o.tls.require_client_cert = true; break;
-        case OPT_KEY_FILE: key_file = optarg; break;
-        case OPT_CKEY_FILE: ckey_file = optarg; break;
-        case OPT_API_KEY:
-            log_error("--api-key: keys are never taken from the command line (visible in ps); "
-                      "use --api-key-file FILE or $STEPD_API_KEY");
-            return 2;
-        case OPT_TOKENIZER: o.tokenizer_path = optarg; break;
-        case OPT_MODEL: o.model_name = optarg; break;
-#define UINT_OPT(id, flag, max, field) \
-        case id: if (parse_uint(flag, optarg, max, &v) < 0) return 2; o.field = v; break;
-        UINT_OPT(OPT_VOCAB, "--vocab-size", 1u << 30, fallback_vocab_size)
-        UINT_OPT(OPT_MAX_RUNNING, "--max-running", 1u << 20, max_running)
-        UINT_OPT(OPT_MAX_QUEUE, "--max-queue", 1u << 20, max_queue)
-        UINT_OPT(OPT_MAX_INPUT, "--max-input-tokens", 1u << 24, max_input_tokens)
-        UINT_OPT(OPT_MAX_TOKENS_CAP, "--max-tokens-cap", 1u << 24, max_tokens_cap)
-        UINT_OPT(OPT_DEF_MAX_TOKENS, "--default-max-tokens", 1u << 24, default_max_tokens)
-        UINT_OPT(OPT_MAX_RECV, "--max-recv-msg-bytes", 1u << 30, max_recv_msg_bytes)
-        UINT_OPT(OPT_MAX_STREAMS, "--max-concurrent-streams", 1u << 20, max_concurrent_streams)
-        UINT_OPT(OPT_STREAM_BUF, "--stream-buffer-bytes", 1u << 30, max_call_buffer_bytes)
-        UINT_OPT(OPT_HEARTBEAT, "--heartbeat-ms", 3600000, heartbeat_ms)
-        UINT_OPT(OPT_LOADS, "--loads-poll-ms", 3600000, loads_poll_ms)
-        UINT_OPT(OPT_WTIMEOUT, "--worker-timeout-ms", 3600000, worker_timeout_ms)
-        UINT_OPT(OPT_AFFINITY, "--prefix-affinity", 1u << 20, prefix_affinity)
-        UINT_OPT(OPT_AFFINITY_N, "--prefix-affinity-entries", 1u << 24, prefix_affinity_entries)
-        UINT_OPT(OPT_MAX_N, "--max-n", 128, max_n)
-        UINT_OPT(OPT_RESP_STORE, "--responses-store-size", 1u << 20, responses_store_size)
-        UINT_OPT(OPT_RESP_TTL, "--responses-store-ttl", 86400u * 365, responses_store_ttl_s)
-        UINT_OPT(OPT_HTTP_BODY, "--http-max-body-bytes", 1u << 30, http_max_body_bytes)
-        UINT_OPT(OPT_HTTP_HEADER, "--http-max-header-bytes", 1u << 24, http_max_header_bytes)
-        UINT_OPT(OPT_HTTP_CONNS, "--http-max-connections", 1u << 20, http_max_connections)
-        UINT_OPT(OPT_HTTP_CONNS_IP, "--http-max-connections-per-ip", 1u << 20, http_max_connections_per_ip)
-#undef UINT_OPT
-        case OPT_DRAIN: {
-            char *end;
-            double s = strtod(optarg, &end);
-            if (end == optarg || *end || !(s >= 0 && s <= 86400)) {
-                log_error("--drain-timeout: expected seconds in [0, 86400], got '%s'", optarg);
-                return 2;
-            }
-            o.drain_timeout_ms = (unsigned)(s * 1000.0);
-            break;
-        }
-        case OPT_LOG: {
-            enum log_level l;
-            if (log_level_parse(optarg, &l) < 0) {
-                log_error("--log-level: expected error|warn|info|debug, got '%s'", optarg);
-                return 2;
-            }
-            log_set_level(l);
-            break;
-        }
-        case OPT_VERSION:
-            printf("stepd %s\n", STEPD_VERSION);
-            return 0;
-#define SERVE_UINT(id, flag, lo, hi, field) \
-        case id: serve_flag = serve_flag ? serve_flag : flag; \
-            if (parse_uint(flag, optarg, hi, &v) < 0) return 2; \
-            if (v < lo) { log_error("%s: at least %lu", flag, (unsigned long)(lo)); return 2; } \
-            so.field = (unsigned)v; break;
-        SERVE_UINT(OPT_S_TP, "--tensor-parallel-size", 1, 8, tensor_parallel)
-        SERVE_UINT(OPT_S_DP, "--data-parallel-size", 1, 64, data_parallel)
-        SERVE_UINT(OPT_S_MAXLEN, "--max-model-len", 2, 1u << 22, max_model_len)
-        SERVE_UINT(OPT_S_MAXBT, "--max-num-batched-tokens", 4, 1u << 20, max_num_batched_tokens)
-        SERVE_UINT(OPT_S_MAXSEQS, "--max-num-seqs", 1, 4096, max_num_seqs)
-        SERVE_UINT(OPT_S_BLOCK, "--block-size", 1, 4096, block_size)
-        SERVE_UINT(OPT_S_LIMIT, "--worker-restart-limit", 1, 1000, restart_limit)
-        SERVE_UINT(OPT_S_BACKOFF, "--worker-backoff-ms", 1, 3600000, backoff_ms)
-        SERVE_UINT(OPT_S_BACKOFF_MAX, "--worker-backoff-max-ms", 1, 3600000, backoff_max_ms)
-#undef SERVE_UINT
-        case OPT_S_STOP:
-        case OPT_S_SPECLOG: {
-            const char *flag = c == OPT_S_STOP ? "--worker-stop-timeout" : "--spec-log-interval";
-            char *end;
-            double sec = strtod(optarg, &end);
-            serve_flag = serve_flag ? serve_flag : flag;
-            if (end == optarg || *end || !(sec >= 0 && sec <= 86400)) {
-                log_error("%s: expected seconds in [0, 86400], got '%s'", flag, optarg);
-                return 2;
-            }
-            if (c == OPT_S_STOP)
-                so.worker_stop_timeout_ms = (unsigned)(sec * 1000.0);
-            else
-                so.spec_log_interval_ms = (unsigned)(sec * 1000.0);
-            break;
-        }
-        case OPT_S_THREADS:
-            serve_flag = serve_flag ? serve_flag : "--threads";
-            if (parse_uint("--threads", optarg, 1024, &v) < 0)
-                return 2;
-            so.threads = (unsigned)v;
-            break;
-        case OPT_S_DEVICE: serve_flag = serve_flag ? serve_flag : "--device"; so.device = optarg; break;
-        case OPT_S_EP: serve_flag = serve_flag ? serve_flag : "--enable-expert-parallel"; break;
-        case OPT_S_SPEC:
-            serve_flag = serve_flag ? serve_flag : "--speculative-config";
-            so.speculative_config = optarg;
-            break;
-        case OPT_S_GPUMEM: {
-            char *end;
-            serve_flag = serve_flag ? serve_flag : "--gpu-memory-utilization";
-            so.gpu_memory_utilization = strtod(optarg, &end);
-            if (end == optarg || *end || !(so.gpu_memory_utilization > 0 && so.gpu_memory_utilization <= 1)) {
-                log_error("--gpu-memory-utilization: expected a fraction in (0, 1], got '%s'", optarg);
-                return 2;
-            }
-            break;
-        }
-        case OPT_SERVED: {
-            size_t old = served ? strlen(served) : 0;
-            char *n = realloc(served, old + strlen(optarg) + 2);
-
-            if (!n)
-                return 1;
-            if (!served)
-                n[0] = '\0';
-            served = n;
-            snprintf(served + old, strlen(optarg) + 2, "%s%s", old ? "," : "", optarg);
-            break;
-        }
-        case OPT_HOST: o.http_host = optarg; break;
-        case OPT_PORT:
-            if (!strcmp(optarg, "off") || !optarg[0]) {
-                o.http_port = -1;
-                break;
-            }
-            if (parse_uint("--port", optarg, 65535, &v) < 0)
-                return 2;
-            o.http_port = (int)v;
-            break;
-        case OPT_RPARSER: if (parse_parser("--reasoning-parser", optarg, &o.reasoning_parser) < 0) return 2; break;
-        case OPT_TPARSER: if (parse_parser("--tool-call-parser", optarg, &o.tool_parser) < 0) return 2; break;
-        case OPT_AUTO_TOOLS: break;
-        case OPT_HTTP_TIMEOUT:
-            if (parse_seconds("--http-timeout", optarg, &o.http_timeout_ms) < 0)
-                return 2;
-            if (o.http_timeout_ms < 1000) {
-                log_error("--http-timeout: at least 1 second");
-                return 2;
-            }
-            break;
-        case OPT_ALLOWED_HOSTS: o.http_allowed_hosts = optarg; break;
-        case OPT_ALLOWED_ORIGINS: o.http_allowed_origins = optarg; break;
-        case OPT_HTTP_HEAD_TIMEOUT:
-            if (parse_seconds("--http-header-timeout", optarg, &o.http_header_timeout_ms) < 0)
-                return 2;
-            if (o.http_header_timeout_ms < 1000) {
-                log_error("--http-header-timeout: at least 1 second");
-                return 2;
-            }
-            break;
-        case OPT_REQ_TIMEOUT:
-            if (parse_seconds("--request-timeout", optarg, &o.request_timeout_ms) < 0)
-                return 2;
-            break;
-        case OPT_S_WBIN: serve_flag = serve_flag ? serve_flag : "--worker-binary"; so.worker_binary = optarg; break;
-        case OPT_S_WARG:
-            serve_flag = serve_flag ? serve_flag : "--worker-arg";
-            if (so.n_worker_args == SERVE_MAX_WORKER_ARGS) {
-                log_error("--worker-arg: at most %d", SERVE_MAX_WORKER_ARGS);
-                return 2;
-            }
-            worker_args[so.n_worker_args++] = optarg;
-            break;
-        case 'h':
-        case OPT_HELP:
+        if (c == 'h') {
             usage(stdout);
-            return 0;
-        case ':':
+            rc = 0;
+            goto out;
+        }
+        if (c == ':') {
             log_error("%s: needs a value (stepd --help)", argv[optind - 1]);
-            return 2;
-        case '?':
+            goto out;
+        }
+        if (c < 256 || (size_t)(c - 256) >= ARRAY_SIZE(optdecls)) {
             unknown_flag(argv[optind - 1]);
-            return 2;
-        default:
-            ASSERT(!"an option without a handler");
+            goto out;
+        }
+        d = &optdecls[c - 256];
+        if ((d->flags & OPTF_SERVE) && !serve_flag)
+            serve_flag = d;
+        r = opt_apply(&cl, d, optarg);
+        if (r != 0) {
+            rc = r == OPT_EXIT ? 0 : r == -ENOMEM ? 1 : 2;
+            goto out;
         }
     }
-    if (port_offset && apply_port_offset(&o, port_offset, ports, sizeof(ports[0])) < 0)
-        return 2;
+    if (cl.port_offset && apply_port_offset(&cl.o, cl.port_offset, ports, sizeof(ports[0])) < 0)
+        goto out;
     if (getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN") && (!strcmp(getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN"), "1") ||
                                                     !strcasecmp(getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN"), "true")))
-        so.allow_long_max_model_len = true;
+        cl.so.allow_long_max_model_len = true;
     if (serve_mode) {
         if (optind >= argc) {
             log_error("stepd serve: MODEL_DIR is required (stepd serve MODEL_DIR [options])");
-            return 2;
+            goto out;
         }
-        so.model_dir = argv[optind++];
+        cl.so.model_dir = argv[optind++];
     } else if (serve_flag) {
-        log_error("%s is a flag of `stepd serve MODEL_DIR`", serve_flag);
-        return 2;
+        log_error("--%s is a flag of `stepd serve MODEL_DIR`", serve_flag->name);
+        goto out;
     }
     if (optind < argc) {
         log_error("unexpected argument '%s'", argv[optind]);
-        return 2;
+        goto out;
     }
-    if (served) {
+    if (cl.served) {
         /* the first name is the one reported, the others are aliases */
         char *save = NULL;
 
-        for (char *t = strtok_r(served, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        for (char *t = strtok_r(cl.served, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             if (!t[0])
                 continue;
             if (n_names == SERVE_MAX_NAMES) {
-                log_error("--served-model-name: at most %d names", SERVE_MAX_NAMES);
-                return 2;
+                log_error("--cl.served-model-name: at most %d names", SERVE_MAX_NAMES);
+                goto out;
             }
             aliases[n_names++] = t;
         }
         if (n_names) {
-            o.model_name = aliases[0];
-            o.model_aliases = aliases + 1;
-            o.n_model_aliases = n_names - 1;
+            cl.o.model_name = aliases[0];
+            cl.o.model_aliases = aliases + 1;
+            cl.o.n_model_aliases = n_names - 1;
         }
     }
-    if (o.max_n == 0 || o.http_max_connections == 0 || o.http_max_header_bytes < 4096) {
-        log_error("--max-n and --http-max-connections must be at least 1, --http-max-header-bytes at least 4096");
-        return 2;
-    }
-    if (o.heartbeat_ms == 0 || o.loads_poll_ms == 0 || o.worker_timeout_ms < 200) {
-        log_error("--heartbeat-ms and --loads-poll-ms must be at least 1, --worker-timeout-ms at least 200");
-        return 2;
-    }
-    if (key_file) {
-        if ((r = file_read_secret(key_file, &api_key)) < 0) {
-            log_error("--api-key-file %s: %s", key_file, r == -ENODATA ? "file is empty" : err_str(r));
-            return 2;
+    if (cl.key_file) {
+        if ((r = file_read_secret(cl.key_file, &api_key)) < 0) {
+            log_error("--api-key-file %s: %s", cl.key_file, r == -ENODATA ? "file is empty" : err_str(r));
+            goto out;
         }
     } else if (getenv("STEPD_API_KEY") && getenv("STEPD_API_KEY")[0]) {
         api_key = strdup(getenv("STEPD_API_KEY"));
     }
-    if (ckey_file) {
-        if ((r = file_read_secret(ckey_file, &ctl_key)) < 0) {
-            log_error("--control-key-file %s: %s", ckey_file, r == -ENODATA ? "file is empty" : err_str(r));
+    if (cl.ckey_file) {
+        if ((r = file_read_secret(cl.ckey_file, &ctl_key)) < 0) {
+            log_error("--control-key-file %s: %s", cl.ckey_file, r == -ENODATA ? "file is empty" : err_str(r));
             goto out;
         }
     } else if (getenv("STEPD_CONTROL_KEY") && getenv("STEPD_CONTROL_KEY")[0]) {
         ctl_key = strdup(getenv("STEPD_CONTROL_KEY"));
     }
-    o.api_key = api_key;
-    o.control_key = ctl_key;
-    if ((o.tls.cert_file != NULL) != (o.tls.key_file != NULL)) {
+    cl.o.api_key = api_key;
+    cl.o.control_key = ctl_key;
+    if ((cl.o.tls.cert_file != NULL) != (cl.o.tls.key_file != NULL)) {
         log_error("--tls-cert and --tls-key go together");
         goto out;
     }
     if (serve_mode) {
         char *key = NULL;
         /* the model directory's tokenizer and name, unless given */
-        if (!o.tokenizer_path) {
-            snprintf(tokenizer, sizeof(tokenizer), "%s/tokenizer.json", so.model_dir);
+        if (!cl.o.tokenizer_path) {
+            snprintf(tokenizer, sizeof(tokenizer), "%s/tokenizer.json", cl.so.model_dir);
             if (access(tokenizer, R_OK) == 0)
-                o.tokenizer_path = tokenizer;
+                cl.o.tokenizer_path = tokenizer;
         }
-        if (!o.model_name) {
-            const char *b = so.model_dir + strlen(so.model_dir);
-            while (b > so.model_dir && b[-1] == '/')
+        if (!cl.o.model_name) {
+            const char *b = cl.so.model_dir + strlen(cl.so.model_dir);
+            while (b > cl.so.model_dir && b[-1] == '/')
                 b--;
             const char *e = b;
-            while (b > so.model_dir && b[-1] != '/')
+            while (b > cl.so.model_dir && b[-1] != '/')
                 b--;
             snprintf(model_name, sizeof(model_name), "%.*s", (int)(e - b), b);
             if (model_name[0])
-                o.model_name = model_name;
+                cl.o.model_name = model_name;
         }
-        if ((r = serve_prepare(&so, ctl_key, &sv, &key)) < 0) {
+        if ((r = serve_prepare(&cl.so, ctl_key, &sv, &key)) < 0) {
             rc = 2;
             goto out;
         }
@@ -978,9 +1060,9 @@ int main(int argc, char **argv)
             free(ctl_key);
         }
         ctl_key = key;
-        o.control_key = ctl_key;
+        cl.o.control_key = ctl_key;
     }
-    if ((r = coord_new(&o, &co)) < 0) {
+    if ((r = coord_new(&cl.o, &co)) < 0) {
         if (r != -EADDRINUSE)           /* coord_new named the flag of the port in use */
             log_error("cannot start: %s", err_str(r));
         rc = 1;
@@ -1002,6 +1084,6 @@ out:
         memset(ctl_key, 0, strlen(ctl_key));
         free(ctl_key);
     }
-    free(served);
+    free(cl.served);
     return rc;
 }

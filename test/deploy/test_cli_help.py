@@ -15,12 +15,14 @@ PROGRAMS = [("stepd", "daemon/main.c"), ("stepd-worker", "worker/main.c"), ("ste
             ("stepctl", "tools/stepctl.c"), ("stepd-inspect", "tools/inspect.c"),
             ("stepd-mkmodel", "tools/mkmodel.c")]
 HIDDEN = {"help-vllm-flags"}        # stepd: the docs' table generator (OPTF_HIDDEN)
+# a row of stepd's optdecls: name, value, flags, then the handler (V_STR(...), V_FN(...), ...)
+DECL = re.compile(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(NULL|"[^"]*"),\s*(?:0|OPTF_\w+|SERVE_VLLM),\s*V_')
 
 
 def options(src):
     text = open(os.path.join(ROOT, src)).read()
     names = re.findall(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(?:no_argument|required_argument|optional_argument)', text)
-    names += re.findall(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(?:NULL|"[^"]*"),\s*OPT_', text)   # stepd's optdecls
+    names += [n for n, _ in DECL.findall(text)]                                       # stepd's optdecls
     return sorted(set(names) - HIDDEN)
 
 
@@ -44,13 +46,18 @@ def main():
     # every option stepd declares has a handler: none ends in an assertion (a value of "1",
     # a model directory that is not there)
     text = open(os.path.join(ROOT, "daemon/main.c")).read()
-    decls = re.findall(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(NULL|"[^"]*"),\s*OPT_', text)
+    decls = DECL.findall(text)
+    assert len(decls) >= 90, "daemon/main.c: %d option rows found" % len(decls)
     exe = os.path.abspath(dl.build_binary("stepd"))
     for name, arg in decls:
         argv = [exe, "serve", "/nonexistent-model-dir", "--" + name] + (["1"] if arg != "NULL" else [])
         r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30)
         assert r.returncode >= 0 and "without a handler" not in r.stdout, (argv, r.returncode, r.stdout)
     print("stepd: each of %d declared options parsed without an assertion" % len(decls))
+    # a serve-only flag without `serve` is named as it is spelled
+    r = subprocess.run([exe, "--tensor-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and "--tensor-parallel-size is a flag of `stepd serve MODEL_DIR`" in r.stdout, r.stdout
     print("every program: --version and --help: ok")
 
 

@@ -21,7 +21,7 @@ extern "C" {
 #define SPEC_K_MODEL (-1)         /* num_speculative_tokens absent: the checkpoint's layers */
 
 /* "draft_quantization": how the MTP draft layers hold their weights (model_opts.draft_quant;
- * outputs stay exact either way, see worker/model.h).  AUTO (null, "auto" or no key):
+ * outputs stay exact either way, see worker/model/model.h).  AUTO (null, "auto" or no key):
  * MXFP4 copies on the CPU backend, where batch-1 drafting is bound by the bytes each draft
  * reads (on the tiny model K=3 decodes ~1.2x faster than from the BF16 weights, for ~0.07
  * less mean acceptance length), the checkpoint's weights on any other backend. */

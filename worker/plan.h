@@ -1,6 +1,6 @@
 /* plan.h - the step plan: what one engine step computes (docs/ARCHITECTURE.md §1, §6).
  *
- * Rank 0's scheduler builds a plan per step; the forward pass (worker/model.c) executes
+ * Rank 0's scheduler builds a plan per step; the forward pass (worker/model/) executes
  * it; in a group, rank 0 broadcasts it (serialised with step_plan_pack) to ranks 1..N-1,
  * which execute it in lockstep.  Everything is ids and offsets, never pointers, so the
  * packed form crosses process boundaries.  A sequence contributes a run of consecutive

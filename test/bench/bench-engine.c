@@ -29,7 +29,7 @@
  * 1, 4 and 16 (closed loop: each client resubmits when its request ends) with the ratio
  * to concurrency 1; time to first token.  Figures only, no thresholds (targets on the
  * 2-core CI box: K=3 >= 1.5x at batch 1; concurrency 16 >= 4x concurrency 1).
- * --mock replaces the forward by worker/mock.c with a memory-bound cost model (fixed
+ * --mock replaces the forward by worker/engine/mock.c with a memory-bound cost model (fixed
  * 2 ms per step + 20 us per token, 0.3 ms per MTP layer call, 80 % draft accuracy).
  */
 #include <pthread.h>

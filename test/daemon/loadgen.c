@@ -1,5 +1,5 @@
 /* loadgen.c - gRPC load generator for stepd (and for an engine directly), built on
- * daemon/rpc (gRPC C core on one libuv loop, so the client is cheap per stream).
+ * rpc/ (gRPC C core on one libuv loop, so the client is cheap per stream).
  *
  *   loadgen --addr HOST:PORT[,HOST:PORT...] [--method /stepd.v1.Inference/Generate] [--streams N]
  *           [--tokens T] [--prompt-len P] [--deadline-s S] [--api-key K] [--send-log F]

@@ -1,4 +1,4 @@
-/* mock-engine.c - a fake worker rank for coordinator tests, built on daemon/rpc.
+/* mock-engine.c - a fake worker rank for coordinator tests, built on rpc/.
  *
  * Registers with the coordinator's control service exactly like a worker (Session,
  * ReportState LOADING then READY after the rendezvous) and, as rank 0, serves

@@ -1,4 +1,4 @@
-/* test-engine-mtp-repair.c - the engine drives the MTP "no trace" repair (worker/model.h)
+/* test-engine-mtp-repair.c - the engine drives the MTP "no trace" repair (worker/model/model.h)
  * on the REAL tiny checkpoint (models/tiny-step, CPU): greedy and sampled requests with
  * K = 3 (one with a per-request K = 1), prompts and outputs well past the sliding window
  * (so sliding blocks are released while drafts are rejected), arriving at different steps.

@@ -1,6 +1,6 @@
 /* naive.h - an independent, plain-loop, double-precision Step forward (docs/MODEL.md §2, §3)
  * used as the oracle of the model tests.  It reads the checkpoint through the loader
- * (ckpt_get) and decodes BF16 / MXFP4 itself; no backend code is shared with worker/model.c.
+ * (ckpt_get) and decodes BF16 / MXFP4 itself; no backend code is shared with worker/model/.
  * It processes whole sequences at once (no KV cache, no paging). */
 #pragma once
 

@@ -1,7 +1,7 @@
 #!/bin/sh
 # run-narrow8.sh STEPD_MKMODEL TEST_MODEL STEPD_RUN TOKENIZER_DIR: a narrow8 checkpoint of
 # stepd-mkmodel (2 MTP layers, 64-token window, the tiny model's tokenizer) through
-#   1. worker/model.c against the oracle (test-model, fast path);
+#   1. worker/model/ against the oracle (test-model, fast path);
 #   2. stepd-run at world size 1: a text prompt, 8 greedy tokens, with and without MTP
 #      drafts (speculative greedy output must equal plain greedy).
 set -eu

@@ -1,4 +1,4 @@
-/* test-golden.c - worker/model.c against the goldens of the PyTorch reference
+/* test-golden.c - worker/model/ against the goldens of the PyTorch reference
  * (tools/reference/make_goldens.py; layout in test/data/golden/README.md).
  *
  *   test-golden GOLDEN_JSON MODEL_DIR [exact|fast]

@@ -1,4 +1,4 @@
-/* test-model.c - worker/model.c against the independent double-precision forward (naive.c).
+/* test-model.c - worker/model/ against the independent double-precision forward (naive.c).
  *
  *   test-model MODEL_DIR|gen:VARIANT [exact|fast] [kv-bf16]
  * (gen:VARIANT: a random checkpoint written by ckptw, see gen.h)

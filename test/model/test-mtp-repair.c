@@ -12,7 +12,7 @@
  * ran the chain with the same tok_in: they must agree within TOL (exact MXFP4 path, CPU).
  * Later one slot restarts a different sequence from position 0 (preemption by recompute /
  * slot reuse) and is checked the same way.  Sliding blocks are released as the engine's
- * KV pool does (window + n_mtp positions kept, worker/kv.c).
+ * KV pool does (window + n_mtp positions kept, worker/engine/kv.c).
  *
  * The same plans run on a second model built with mtp_no_repair: there the comparison
  * must FAIL (max diff above STALE_MIN), which shows the scenario does leave stale MTP KV

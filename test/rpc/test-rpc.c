@@ -1,4 +1,4 @@
-/* test-rpc.c - daemon/rpc glue over loopback: unary and streaming calls, an undecodable
+/* test-rpc.c - rpc/ glue over loopback: unary and streaming calls, an undecodable
  * response, cancel and deadline callbacks, UNIMPLEMENTED, API key, message-size limit, UTF-8 check,
  * shutdown with no leaked calls, the CQ-thread fast path (cq_hook) answering while
  * the server's loop is not running, rpc_ctx_run (callbacks on the CQ thread while the

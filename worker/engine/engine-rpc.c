@@ -1,6 +1,6 @@
 /* engine-rpc.c - the stepd.v1.Engine gRPC service of rank 0 over the engine's C API.
  *
- * Two threads meet here.  The service thread runs a libuv loop with the daemon/rpc glue;
+ * Two threads meet here.  The service thread runs a libuv loop with the rpc/ glue;
  * every gRPC callback and every rpc_* call happens on it.  The engine thread calls
  * on_engine_out, which copies the output into an event, queues it under s->lock and
  * wakes the loop with uv_async_send.  A struct gen (one request) lives until the

@@ -255,7 +255,7 @@ int engine_max_spec(const struct engine *e);
 /* --- the engine gRPC service (engine-rpc.c): stepd.v1.Engine on rank 0 ---
  * Generate (token_ids input only; server-streaming Chunk token deltas then one Final
  * with finish reason, usage, MTP statistics and timings), Abort, GetLoads, GetModelInfo.
- * Runs its own thread (libuv loop + daemon/rpc.h glue); engine outputs are handed to it
+ * Runs its own thread (libuv loop + rpc/rpc.h glue); engine outputs are handed to it
  * through a queue.  The gRPC deadline becomes the request's deadline; a cancelled call
  * aborts the request.  Errors are status codes: INVALID_ARGUMENT naming the field,
  * RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (id in flight), UNAVAILABLE (engine

@@ -14,9 +14,14 @@ Reads README.md and docs/*.md and checks:
                 stepd serve, stepd-worker, stepctl, stepd-inspect, stepd-run,
                 stepd-mkmodel) or by a test or developer program of the tree (test/,
                 tools/: getopt tables, '--name' literals);
-  (e) undoc     every --flag a program's --help lists is mentioned somewhere in the docs.
+  (e) undoc     every --flag a program takes is mentioned somewhere in the docs: the flags its
+                --help lists and those of its option table in the source (getopt_long's
+                table; stepd's optdecls rows), so a flag left out of --help is caught too;
+  (f) comment   every repository path a comment in the sources names (`daemon/rpc.h`,
+                `worker/model/`) exists.
 
 Prints each finding as 'KIND NAME (WHERE)' and exits 1 when there is one.
+Each PROGRAM must be one PROGRAM_SOURCES knows (its option table is read from there).
 Usage: check-docs.py SRC_ROOT PROGRAM...   (stepd's 'serve --help' is read as well)
        check-docs.py --self-test SRC_ROOT PROGRAM...   (checks that each kind is caught)
 """
@@ -40,6 +45,26 @@ ALLOW = {
     # llama.cpp's copy of the chat template, named as the template's origin (MODEL.md §7)
     "models/templates/StepFun3.7-Flash.jinja",
 }
+
+# Paths that comments name deliberately although the tree has no such file.
+ALLOW_COMMENT = {
+    "test/task.h",              # libuv's test header, the origin of test/harness.h
+    "systemd/Kubernetes",       # "restarted by systemd/Kubernetes": not a path
+    "models/templates/StepFun3.7-Flash.jinja",   # llama.cpp's copy of the chat template
+}
+
+# Where each program's options are declared: getopt_long tables, or stepd's optdecls rows.
+PROGRAM_SOURCES = {
+    "stepd": ["daemon/main.c"],
+    "stepd-worker": ["worker/main.c"],
+    "stepd-run": ["worker/run.c"],
+    "stepctl": ["tools/stepctl.c"],
+    "stepd-inspect": ["tools/inspect.c"],
+    "stepd-mkmodel": ["tools/mkmodel.c"],
+}
+# stepd's optdecls row: name, value, flags, then the handler (V_STR(...), V_FN(...), ...)
+OPTDECL = re.compile(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(?:NULL|"[^"]*"),\s*(?:0|OPTF_\w+|SERVE_VLLM),\s*V_')
+HIDDEN = {"help-vllm-flags"}    # stepd: the generator of the docs' table (OPTF_HIDDEN)
 
 TOP = None                      # top-level entries of the source tree
 SRC_EXT = (".c", ".h", ".cu", ".cuh", ".cc", ".cpp", ".py", ".sh", ".build", ".proto")
@@ -141,8 +166,76 @@ def help_flags(programs):
             if r.returncode != 0:
                 sys.exit("check-docs: %s exited %d" % (" ".join(argv), r.returncode))
             for f in FLAG.findall(r.stdout):
-                flags.setdefault(f, " ".join([os.path.basename(argv[0])] + argv[1:-1]))
+                flags.setdefault(f, " ".join([os.path.basename(argv[0])] + argv[1:]))
     return flags
+
+
+def source_flags(root, programs):
+    """The flags each program's option table declares, by flag: the program's name."""
+    flags = {}
+    for exe in programs:
+        name = os.path.basename(exe)
+        if name not in PROGRAM_SOURCES:
+            sys.exit("check-docs: %s: no option table known (add it to PROGRAM_SOURCES)" % name)
+        for rel in PROGRAM_SOURCES[name]:
+            text = open(os.path.join(root, rel), errors="replace").read()
+            found = GETOPT.findall(text) + OPTDECL.findall(text)
+            if not found:
+                sys.exit("check-docs: %s declares no options (its table's shape changed?)" % rel)
+            for f in set(found) - HIDDEN:
+                flags.setdefault(f, "%s (%s)" % (name, rel))
+    return flags
+
+
+# a comment: C and CUDA (/*, //, a continuation line ' * '), Python, shell and meson (#)
+COMMENT = re.compile(r"//|/\*|^\s*\*|(?<![\w'\"])#(?!\s*(?:include|define|if|ifdef|ifndef|endif|else|elif|"
+                     r"pragma|undef|error)\b)")
+
+
+def comment_paths(root, text, top):
+    """(line, path) for each repository path named in a comment of text."""
+    pat = re.compile(r"(?<![\w./$-])((?:%s)/[A-Za-z0-9_.*{}@\-/]*[A-Za-z0-9_*}/@])" %
+                     "|".join(re.escape(t) for t in sorted(top) if os.path.isdir(os.path.join(root, t))))
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        m = COMMENT.search(line)
+        if m:
+            c = line[m.start():]
+            # a path broken at a hyphen continues on the next line: not checked
+            out += [(n, p.group(1).rstrip(".")) for p in pat.finditer(c) if c[p.end():].rstrip() != "-"]
+    return out
+
+
+def source_path_exists(root, p):
+    # a generated file is named without its template's .in (systemd/stepd-worker@.service)
+    return path_exists(root, p) or os.path.exists(os.path.join(root, p + ".in"))
+
+
+def check_comments(root, files, seen=None):
+    """Findings for the paths the comments of files (relative paths) name."""
+    found = []
+    for rel in files:
+        try:
+            text = open(os.path.join(root, rel), errors="replace").read()
+        except OSError:
+            continue
+        for n, p in comment_paths(root, text, TOP):
+            if seen is not None:
+                seen.setdefault("comment path", set()).add(p)
+            if p not in ALLOW_COMMENT and not source_path_exists(root, p):
+                found.append(("comment", p, "%s:%d" % (rel, n)))
+    return found
+
+
+def source_files(root):
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith((".", "build")) and x not in ("node_modules",)]
+        for f in files:
+            path = os.path.join(d, f)
+            if path != SELF and (f.endswith(SRC_EXT) or f == "meson.build"):
+                out.append(os.path.relpath(path, root))
+    return sorted(out)
 
 
 def check(root, docs, flags, src, seen=None):
@@ -179,7 +272,7 @@ def check(root, docs, flags, src, seen=None):
                     found.append(("metric", m, "%s:%d" % (rel, n)))
     for f, prog in sorted(flags.items()):
         if f not in mentioned:
-            found.append(("undoc", "--" + f, prog + " --help"))
+            found.append(("undoc", "--" + f, prog))
     return found
 
 
@@ -195,10 +288,26 @@ def self_test(root, flags, src):
             f.write("See `daemon/no-such-file.c` and `no_such_function_xyz()`,\n"
                     "the metric stepd:no_such_metric_total and the flag --zz-no-such-doc-flag.\n")
         flags = dict(flags, **{"zz-undocumented-flag": "stepd"})
+        # an option table with a flag that no --help lists, and a comment naming a moved file
+        os.makedirs(os.path.join(tmp, "daemon"))
+        with open(os.path.join(tmp, "daemon", "main.c"), "w") as f:
+            f.write('/* see daemon/rpc.h and daemon/main.c */\n'
+                    'static const struct option o[] = { { "zz-table-only-flag", no_argument, NULL, 1 } };\n'
+                    '    { "zz-table-only-decl", "N", 0, V_UINT(o.x, 0, 1), "1", "help" },\n')
+        saved = dict(PROGRAM_SOURCES)
+        PROGRAM_SOURCES.clear()
+        PROGRAM_SOURCES["stepd"] = ["daemon/main.c"]
+        try:
+            flags.update((f, "stepd") for f in source_flags(tmp, ["stepd"]))
+        finally:
+            PROGRAM_SOURCES.clear()
+            PROGRAM_SOURCES.update(saved)
         got = {(k, n) for k, n, _ in check(root, docs_of(root) + [bad], flags, src)}
+        got |= {(k, n) for k, n, _ in check_comments(tmp, ["daemon/main.c"])}
         want = {("path", "daemon/no-such-file.c"), ("function", "no_such_function_xyz()"),
                 ("metric", "stepd:no_such_metric_total"), ("flag", "--zz-no-such-doc-flag"),
-                ("undoc", "--zz-undocumented-flag")}
+                ("undoc", "--zz-undocumented-flag"), ("undoc", "--zz-table-only-flag"),
+                ("undoc", "--zz-table-only-decl"), ("comment", "daemon/rpc.h")}
         missed = want - got
         for k, n in sorted(missed):
             print("self-test: %s %s was not caught" % (k, n))
@@ -218,16 +327,18 @@ def main():
     TOP = set(os.listdir(root)) - {"build"}
     src = Sources(root)
     flags = help_flags(programs)
+    for f, where in source_flags(root, programs).items():
+        flags.setdefault(f, where)
     if selftest:
         return self_test(root, flags, src)
     seen = {}
-    found = check(root, docs_of(root), flags, src, seen)
+    found = check(root, docs_of(root), flags, src, seen) + check_comments(root, source_files(root), seen)
     for k, n, w in found:
         print("%s %s (%s)" % (k, n, w))
     kinds = {}
     for k, _, _ in found:
         kinds[k] = kinds.get(k, 0) + 1
-    print("check-docs: %d docs name %s; the programs' --help lists %d flags; %s" % (
+    print("check-docs: %d docs name %s; the programs take %d flags; %s" % (
         len(docs_of(root)), ", ".join("%d %ss" % (len(v), k) for k, v in sorted(seen.items())), len(flags),
         ", ".join("%d %s" % (v, k) for k, v in sorted(kinds.items())) or "0 findings"))
     return 1 if found else 0

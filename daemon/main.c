@@ -356,7 +356,8 @@ static const struct optdecl optdecls[] = {
     { "disable-cascade-attn", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd has no cascade attention: every sequence's attention is computed on its own blocks" },
     { "enforce-eager", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
-      "stepd captures no CUDA graphs: every step runs eagerly already" },
+      "not used: CUDA ranks replay CUDA graphs for decode and verify steps ($STEPD_CUDA_NO_GRAPHS=1 "
+      "runs every step eagerly)" },
     { "trust-remote-code", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd runs no code from the model directory: config.json and the safetensors are read by its own loader" },
     { "linear-backend", "B", SERVE_VLLM, V_NOTE, NULL, NULL,

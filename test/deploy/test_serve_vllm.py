@@ -54,7 +54,8 @@ RECIPE8 = ["--served-model-name", "step3p7-flash", "--tensor-parallel-size", "8"
            "--disable-cascade-attn", "--reasoning-parser", "step3p5", "--tool-call-parser", "step3p5",
            "--enable-auto-tool-choice", "--speculative-config", SPEC, "--trust-remote-code"]
 # the flags with no meaning for stepd, each accepted with one log line
-NOTES = {"--disable-cascade-attn": "no cascade attention", "--enforce-eager": "captures no CUDA graphs",
+NOTES = {"--disable-cascade-attn": "no cascade attention",
+         "--enforce-eager": "replay CUDA graphs for decode and verify steps",
          "--linear-backend marlin": "picks its own matmul kernels", "--trust-remote-code": "runs no code"}
 
 TOOLS = [{"type": "function", "function": {

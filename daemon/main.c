@@ -152,7 +152,7 @@ enum optkind {
 /* What an option is: where it applies, and how the docs' table of vLLM flags shows it. */
 #define OPTF_SERVE 1u           /* a flag of `stepd serve MODEL_DIR` only */
 #define OPTF_VLLM 2u            /* vLLM's flag (same name, same meaning): in the docs' table */
-#define OPTF_HIDDEN 4u          /* not in --help (the docs' table generator) */
+#define OPTF_HIDDEN 4u          /* not in --help (the docs' table generators) */
 #define SERVE_VLLM (OPTF_SERVE | OPTF_VLLM)
 
 #define OPT_EXIT 1              /* a handler's return: done, exit 0 (--help, --version) */
@@ -162,8 +162,8 @@ typedef int opt_fn(struct cli *c, const struct optdecl *d, const char *flag, con
 
 /* One declaration per option, one row each: its name, value, where it applies, how its
  * value is taken, its default and its help.  getopt_long's table, the defaults, the
- * handling, --help and the docs' table of vLLM flags (`stepd --help-vllm-flags`,
- * docs/OPERATIONS.md §1.1) all come from the rows; a new option is one more row. */
+ * handling, --help and the docs' tables (`stepd --help-vllm-flags`, docs/OPERATIONS.md §1.1,
+ * and `stepd --help-flags-md`, §7.1) all come from the rows; a new option is one more row. */
 struct optdecl {
     const char *name;           /* NULL: a heading of --help */
     const char *arg;            /* the value's name in --help; NULL: a switch */
@@ -176,6 +176,9 @@ struct optdecl {
                                  * (NULL: none, or the worker's, which --help states in words) */
     const char *help;           /* --help text ("\n" continues it on the next line; "{}" is .def) */
     const char *vllm;           /* OPTF_VLLM: what stepd does with vLLM's flag; K_NOTE: its log line */
+    /* docs/OPERATIONS.md §7.1's table of stepd's own flags (`stepd --help-flags-md`) */
+    const char *doc_def;        /* its default column when .def does not say it (NULL: .def or "—") */
+    const char *doc;            /* its meaning column (NULL: the help text) */
 };
 
 /* The handler part of a row: kind, field, bounds, function. */
@@ -193,106 +196,170 @@ struct optdecl {
 #define V_FN_AT(fn, f) K_FN, V_FIELD(f), 0, 0, fn
 
 static opt_fn opt_api_key, opt_served, opt_parser, opt_port, opt_log_level, opt_version, opt_help,
-    opt_help_vllm, opt_gpumem, opt_kv_dtype, opt_kv_mem, opt_dtype, opt_quant, opt_chat_template,
+    opt_help_vllm, opt_help_flags, opt_gpumem, opt_kv_dtype, opt_kv_mem, opt_dtype, opt_quant, opt_chat_template,
     opt_template_kwargs, opt_limit_mm, opt_logprobs_mode, opt_worker_arg;
 
 static const struct optdecl optdecls[] = {
     { NULL, NULL, 0, V_HEAD, NULL, "Listening (loopback by default):" },
-    { "listen", "ADDR", 0, V_STR(o.listen), "127.0.0.1:20051", "public gRPC (default {}; unix:/path allowed)" },
-    { "admin-listen", "ADDR", 0, V_STR(o.admin_listen), "127.0.0.1:20053", "Admin + health (default {})" },
-    { "control-listen", "ADDR", 0, V_STR(o.control_listen), "127.0.0.1:20052", "worker control (default {})" },
+    { "listen", "ADDR", 0, V_STR(o.listen), "127.0.0.1:20051", "public gRPC (default {}; unix:/path allowed)",
+      .doc = "public gRPC: `stepd.v1.Inference` + health (§1; `unix:/path` allowed)" },
+    { "admin-listen", "ADDR", 0, V_STR(o.admin_listen), "127.0.0.1:20053", "Admin + health (default {})",
+      .doc = "`stepd.v1.Admin` (Drain, GetGroups) + health" },
+    { "control-listen", "ADDR", 0, V_STR(o.control_listen), "127.0.0.1:20052", "worker control (default {})",
+      .doc = "`stepd.ctl.v1.Control` for workers + health" },
     { "metrics-listen", "ADDR", 0, V_STR(o.metrics_listen), "127.0.0.1:9464",
-      "HTTP /metrics, /healthz, /health, /ready (default {};\n\"\" = off; /metrics is also on the API port)" },
+      "HTTP /metrics, /healthz, /health, /ready (default {};\n\"\" = off; /metrics is also on the API port)",
+      .doc = "HTTP `GET /metrics`, `/healthz`, `/health`, `/ready` (`\"\"` = off)" },
     { "host", "HOST", OPTF_VLLM, V_STR(o.http_host), "127.0.0.1", "OpenAI HTTP API host (default {})",
-      "the OpenAI HTTP API's address" },
+      "the OpenAI HTTP API's address",
+      .doc = "the OpenAI HTTP API's address (§12)" },
     { "port", "PORT", OPTF_VLLM, V_FN_AT(opt_port, o.http_port), "8000", "OpenAI HTTP API port (default {}; off = none)",
-      "the OpenAI HTTP API's port" },
+      "the OpenAI HTTP API's port",
+      .doc = "the OpenAI HTTP API's port (§12); `--port 0` any free port, `--port off` none" },
     { "port-offset", "N", 0, V_UINT(port_offset, 0, 65535), NULL, "add N to every port above (given or default; 0 "
-      "stays 0): a second\ninstance on one host moves all of them at once" },
-    { "insecure-listen", NULL, 0, V_SET(o.insecure_listen, 1), NULL, "allow non-loopback listens without TLS + API key" },
+      "stays 0): a second\ninstance on one host moves all of them at once",
+      .doc_def = "0", .doc = "adds N to every port: `--listen`, `--admin-listen`, `--control-listen`, "
+      "`--metrics-listen` and `--port`, given or default (port 0 and unix sockets stay); a "
+      "second instance on one host moves all five at once" },
+    { "insecure-listen", NULL, 0, V_SET(o.insecure_listen, 1), NULL, "allow non-loopback listens without TLS + API key",
+      .doc_def = "off", .doc = "allow the non-loopback listens of §6" },
     { NULL, NULL, 0, V_HEAD, NULL, "Security:" },
-    { "tls-cert", "FILE", 0, V_STR(o.tls.cert_file), NULL, "TLS certificate of the public port (with --tls-key)" },
-    { "tls-key", "FILE", 0, V_STR(o.tls.key_file), NULL, "its key" },
-    { "tls-client-ca", "FILE", 0, V_STR(o.tls.root_file), NULL, "CA for client certificates" },
-    { "tls-require-client-cert", NULL, 0, V_SET(o.tls.require_client_cert, 1), NULL, "mTLS (needs --tls-client-ca)" },
-    { "api-key-file", "FILE", 0, V_STR(key_file), NULL, "API key for every RPC except health (or $STEPD_API_KEY)" },
+    { "tls-cert", "FILE", 0, V_STR(o.tls.cert_file), NULL, "TLS certificate of the public port (with --tls-key)",
+      .doc_def = "none", .doc = "TLS on the public port (with `--tls-key`)" },
+    { "tls-key", "FILE", 0, V_STR(o.tls.key_file), NULL, "its key",
+      .doc_def = "none", .doc = "its key" },
+    { "tls-client-ca", "FILE", 0, V_STR(o.tls.root_file), NULL, "CA for client certificates",
+      .doc_def = "none", .doc = "CA for client certificates (mTLS)" },
+    { "tls-require-client-cert", NULL, 0, V_SET(o.tls.require_client_cert, 1), NULL, "mTLS (needs --tls-client-ca)",
+      .doc_def = "off", .doc = "mTLS (needs `--tls-client-ca`)" },
+    { "api-key-file", "FILE", 0, V_STR(key_file), NULL, "API key for every RPC except health (or $STEPD_API_KEY)",
+      .doc_def = "none", .doc = "API key for every RPC except health (or `$STEPD_API_KEY`)" },
     { "api-key", "KEY", OPTF_VLLM, V_FN(opt_api_key), NULL, "refused: a key on the command line is visible in ps",
       "refused (a key in argv is visible in ps): use --api-key-file FILE or $STEPD_API_KEY" },
     { "control-key-file", "FILE", 0, V_STR(ckey_file), NULL, "the cluster key: workers send it, their engines check "
-      "it\n(or $STEPD_CONTROL_KEY; `stepd serve` makes one per run)" },
+      "it\n(or $STEPD_CONTROL_KEY; `stepd serve` makes one per run)",
+      .doc_def = "none", .doc = "the cluster key: workers send it, their engines check it (or `$STEPD_CONTROL_KEY`; `stepd "
+      "serve` makes one per run)" },
     { "insecure-control", NULL, 0, V_SET(o.insecure_control, 1), NULL,
-      "no control key: accept keyless workers (and engines)" },
+      "no control key: accept keyless workers (and engines)",
+      .doc_def = "off", .doc = "no control key: accept keyless workers (and engines)" },
     { NULL, NULL, 0, V_HEAD, NULL, "Text:" },
     { "tokenizer", "FILE", OPTF_VLLM, V_STR(o.tokenizer_path), NULL, "tokenizer.json (enables text/chat input, "
       "Tokenize; `stepd serve`:\ndefault MODEL_DIR/tokenizer.json)",
-      "the tokenizer.json file (default MODEL_DIR/tokenizer.json)" },
-    { "model-name", "NAME", 0, V_STR(o.model_name), NULL, "served model name (default: reported by rank 0)" },
+      "the tokenizer.json file (default MODEL_DIR/tokenizer.json)",
+      .doc_def = "none", .doc = "tokenizer.json: enables text and chat input, Tokenize, Detokenize (`stepd serve`: "
+      "MODEL_DIR/tokenizer.json)" },
+    { "model-name", "NAME", 0, V_STR(o.model_name), NULL, "served model name (default: reported by rank 0)",
+      .doc_def = "from rank 0", .doc = "served model name" },
     { "served-model-name", "NAME", OPTF_VLLM, V_FN(opt_served), NULL, "the same; repeat it (or NAME,ALIAS,...) for "
       "aliases the\nmodel answers to (the first is the one reported)",
-      "the model's name in the API, aliases after it" },
+      "the model's name in the API, aliases after it",
+      .doc_def = "from rank 0", .doc = "the same (vLLM's name); repeat it or list aliases the model also answers to: both doors "
+      "accept each, `/v1/models` lists them" },
     { "reasoning-parser", "P", OPTF_VLLM, V_FN_AT(opt_parser, o.reasoning_parser), "step3p5",
       "{} (default) or none: reasoning split from the content",
-      "step3p5 (built in, the default) or none; others are refused" },
+      "step3p5 (built in, the default) or none; others are refused",
+      .doc = "`none` turns the reasoning split off (both doors)" },
     { "tool-call-parser", "P", OPTF_VLLM, V_FN_AT(opt_parser, o.tool_parser), "step3p5",
       "{} (default) or none: tool calls parsed from the output",
-      "step3p5 (built in, the default) or none; others are refused" },
+      "step3p5 (built in, the default) or none; others are refused",
+      .doc = "`none` turns the tool-call parsing off (both doors)" },
     { "enable-auto-tool-choice", NULL, OPTF_VLLM, V_ACCEPT, NULL,
       "accepted (tool_choice \"auto\" is served with the parser)",
-      "accepted: tool_choice \"auto\" is always served with the tool-call parser" },
+      "accepted: tool_choice \"auto\" is always served with the tool-call parser",
+      .doc = "accepted (vLLM's flag; `tool_choice` auto is served with the parser)" },
     { "vocab-size", "N", 0, V_UINT(o.fallback_vocab_size, 0, 1u << 30), NULL,
-      "vocabulary size until an engine reports one" },
+      "vocabulary size until an engine reports one",
+      .doc_def = "0", .doc = "vocabulary for validation until an engine reports one" },
     { NULL, NULL, 0, V_HEAD, NULL, "Limits:" },
-    { "max-running", "N", 0, V_UINT(o.max_running, 0, 1u << 20), "1024", "requests in flight to engines (default {})" },
-    { "max-queue", "N", 0, V_UINT(o.max_queue, 0, 1u << 20), "1024", "requests waiting for a slot (default {})" },
-    { "max-input-tokens", "N", 0, V_UINT(o.max_input_tokens, 0, 1u << 24), NULL, "prompt cap (default: context length)" },
-    { "max-tokens-cap", "N", 0, V_UINT(o.max_tokens_cap, 0, 1u << 24), "32768", "cap on max_tokens (default {})" },
+    { "max-running", "N", 0, V_UINT(o.max_running, 0, 1u << 20), "1024", "requests in flight to engines (default {})",
+      .doc = "requests dispatched to engines at once" },
+    { "max-queue", "N", 0, V_UINT(o.max_queue, 0, 1u << 20), "1024", "requests waiting for a slot (default {})",
+      .doc = "requests waiting for a running slot" },
+    { "max-input-tokens", "N", 0, V_UINT(o.max_input_tokens, 0, 1u << 24), NULL, "prompt cap (default: context length)",
+      .doc_def = "context − 1", .doc = "prompt cap" },
+    { "max-tokens-cap", "N", 0, V_UINT(o.max_tokens_cap, 0, 1u << 24), "32768", "cap on max_tokens (default {})",
+      .doc = "cap on `max_tokens`" },
     { "default-max-tokens", "N", 0, V_UINT(o.default_max_tokens, 0, 1u << 24), "256",
-      "max_tokens when unset (default {})" },
+      "max_tokens when unset (default {})",
+      .doc = "`max_tokens` when unset (clipped to the context)" },
     { "max-recv-msg-bytes", "N", 0, V_UINT(o.max_recv_msg_bytes, 0, 1u << 30), "4194304",
-      "gRPC receive limit (default {})" },
+      "gRPC receive limit (default {})",
+      .doc = "gRPC receive limit" },
     { "max-concurrent-streams", "N", 0, V_UINT(o.max_concurrent_streams, 0, 1u << 20), "1024",
-      "per connection (default {})" },
+      "per connection (default {})",
+      .doc = "per connection" },
     { "stream-buffer-bytes", "N", 0, V_UINT(o.max_call_buffer_bytes, 0, 1u << 30), "1048576",
-      "per-stream send buffer before a slow client is cut (1 MiB)" },
-    { "max-n", "N", 0, V_UINT(o.max_n, 1, 128), "16", "HTTP: cap on n, choices per request (default {})" },
+      "per-stream send buffer before a slow client is cut (1 MiB)",
+      .doc_def = "1 MiB", .doc = "queued bytes per client stream before a slow reader is cut" },
+    { "max-n", "N", 0, V_UINT(o.max_n, 1, 128), "16", "HTTP: cap on n, choices per request (default {})",
+      .doc = "HTTP: choices per request (at most 128)" },
     { "responses-store-size", "N", 0, V_UINT(o.responses_store_size, 0, 1u << 20), "1024",
-      "HTTP: /v1/responses kept for previous_response_id (default {}; 0 = off)" },
+      "HTTP: /v1/responses kept for previous_response_id (default {}; 0 = off)",
+      .doc = "HTTP: responses kept for `previous_response_id` and `GET /v1/responses/{id}` (oldest "
+      "dropped first; 0 = no store) (§13)" },
     { "responses-store-ttl", "SECONDS", 0, V_UINT(o.responses_store_ttl_s, 0, 86400u * 365), "3600",
-      "how long a stored response is kept (default {}; 0 = off)" },
+      "how long a stored response is kept (default {}; 0 = off)",
+      .doc = "how long a stored response is kept (0 = no store)" },
     { "http-max-body-bytes", "N", 0, V_UINT(o.http_max_body_bytes, 0, 1u << 30), "4194304",
-      "HTTP request body cap, 413 above (default {})" },
+      "HTTP request body cap, 413 above (default {})",
+      .doc_def = "4 MiB", .doc = "HTTP: request body cap, 413 above (§12)" },
     { "http-max-header-bytes", "N", 0, V_UINT(o.http_max_header_bytes, 4096, 1u << 24), "32768",
-      "HTTP request line + headers cap, 431 above (default {})" },
+      "HTTP request line + headers cap, 431 above (default {})",
+      .doc_def = "32 KiB", .doc = "HTTP: request line + headers cap, 431 above (§12)" },
     { "http-max-connections", "N", 0, V_UINT(o.http_max_connections, 1, 1u << 20), "1024",
-      "HTTP connections at once (default {}; idle ones make room)" },
+      "HTTP connections at once (default {}; idle ones make room)",
+      .doc = "HTTP: connections at once; idle ones make room (§12)" },
     { "http-max-connections-per-ip", "N", 0, V_UINT(o.http_max_connections_per_ip, 0, 1u << 20), "256",
-      "HTTP connections of one client address (default {})" },
+      "HTTP connections of one client address (default {})",
+      .doc = "HTTP: connections of one client address (§12: the oldest idle one closes to make room, "
+      "else 429; 0 none)" },
     { "http-header-timeout", "SECONDS", 0, V_SECONDS(o.http_header_timeout_ms, 1000), "10",
-      "HTTP: a request head must arrive within this (default {})" },
+      "HTTP: a request head must arrive within this (default {})",
+      .doc = "HTTP: a request head must arrive within it, from the connection's start or its previous "
+      "request (408, closed)" },
     { "http-timeout", "SECONDS", 0, V_SECONDS(o.http_timeout_ms, 1000), "30",
-      "HTTP: a request must arrive within this; idle connections\nclose after it (default {})" },
+      "HTTP: a request must arrive within this; idle connections\nclose after it (default {})",
+      .doc = "HTTP: idle connections close; a request must arrive within it" },
     { "request-timeout", "SECONDS", 0, V_SECONDS(o.request_timeout_ms, 0), NULL,
-      "HTTP: deadline of a generation request, 504 past it (0 = none)" },
+      "HTTP: deadline of a generation request, 504 past it (0 = none)",
+      .doc_def = "0 (none)", .doc = "HTTP: a generation request's deadline (504)" },
     { "allowed-hosts", "LIST", 0, V_STR(o.http_allowed_hosts), NULL, "HTTP: Host names served beside IP literals, "
-      "localhost and --host\n(comma-separated or a JSON list; \"*\" any)" },
+      "localhost and --host\n(comma-separated or a JSON list; \"*\" any)",
+      .doc_def = "none", .doc = "HTTP: `Host` names served beside IP literals, `localhost` and `--host` (403 otherwise; "
+      "comma-separated or a JSON list, `*` any; §12)" },
     { "allowed-origins", "LIST", OPTF_VLLM, V_STR(o.http_allowed_origins), NULL, "HTTP: browser origins served with "
       "CORS (default none: a request\nwith an Origin header is refused)",
-      "CORS for the browser origins listed (default none)" },
+      "CORS for the browser origins listed (default none)",
+      .doc_def = "none", .doc = "HTTP: browser origins served, with CORS headers and preflights (403 for any other "
+      "`Origin`; as vLLM's flag, a JSON list or comma-separated, `*` any; §12)" },
     { NULL, NULL, 0, V_HEAD, NULL, "Behaviour:" },
     { "drain-timeout", "SECONDS", 0, V_SECONDS(o.drain_timeout_ms, 0), "30",
-      "finish in-flight work within this on SIGTERM (default {})" },
-    { "heartbeat-ms", "N", 0, V_UINT(o.heartbeat_ms, 1, 3600000), "1000", "control heartbeat period (default {})" },
-    { "loads-poll-ms", "N", 0, V_UINT(o.loads_poll_ms, 1, 3600000), "250", "engine GetLoads period (default {})" },
+      "finish in-flight work within this on SIGTERM (default {})",
+      .doc = "finish in-flight work within this on SIGTERM (§3)" },
+    { "heartbeat-ms", "N", 0, V_UINT(o.heartbeat_ms, 1, 3600000), "1000", "control heartbeat period (default {})",
+      .doc = "control-session heartbeat period (also the deadline sweep of output-stream requests)" },
+    { "loads-poll-ms", "N", 0, V_UINT(o.loads_poll_ms, 1, 3600000), "250", "engine GetLoads period (default {})",
+      .doc = "engine `GetLoads` period" },
     { "worker-timeout-ms", "N", 0, V_UINT(o.worker_timeout_ms, 200, 3600000), "10000",
-      "declare a silent rank gone after N ms (default {})" },
+      "declare a silent rank gone after N ms (default {})",
+      .doc = "a rank silent this long is declared gone (≥ 200)" },
     { "prefix-affinity", "N", 0, V_UINT(o.prefix_affinity, 0, 1u << 20), "16", "route a request to the group that "
-      "holds the longest prefix of\nits prompt, in blocks of N tokens (default {}; 0 = off)" },
+      "holds the longest prefix of\nits prompt, in blocks of N tokens (default {}; 0 = off)",
+      .doc = "prefix-affine routing in blocks of N tokens: a request prefers the group that served the "
+      "longest prefix of its prompt (0 = off)" },
     { "prefix-affinity-entries", "N", 0, V_UINT(o.prefix_affinity_entries, 0, 1u << 24), "65536",
-      "prompt blocks remembered for that (default {})" },
-    { "log-level", "LEVEL", 0, V_FN(opt_log_level), NULL, "error|warn|info|debug" },
-    { "version", NULL, 0, V_FN(opt_version), NULL, "print the version and exit" },
-    { "help", NULL, 0, V_FN(opt_help), NULL, "this text" },
+      "prompt blocks remembered for that (default {})",
+      .doc = "prompt blocks the router remembers a group for (LRU)" },
+    { "log-level", "LEVEL", 0, V_FN(opt_log_level), NULL, "error|warn|info|debug",
+      .doc_def = "info", .doc = "error, warn, info, debug (or `$STEPD_LOG_LEVEL`)" },
+    { "version", NULL, 0, V_FN(opt_version), NULL, "print the version and exit",
+      .doc = "the version" },
+    { "help", NULL, 0, V_FN(opt_help), NULL, "this text",
+      .doc = "every option with its meaning (`--help-vllm-flags`: the table of §1.1; `--help-flags-md`: "
+      "this table)" },
     { "help-vllm-flags", NULL, OPTF_HIDDEN, V_FN(opt_help_vllm), NULL, "" },
+    { "help-flags-md", NULL, OPTF_HIDDEN, V_FN(opt_help_flags), NULL, "" },
     { NULL, NULL, OPTF_SERVE, V_HEAD, NULL, "stepd serve MODEL_DIR: this coordinator starts and supervises its worker "
       "ranks\n(vLLM's flag names and meanings; --a_b is --a-b, --flag=value is --flag value):" },
     { "tensor-parallel-size", "N", SERVE_VLLM, V_UINT(so.tensor_parallel, 1, 8), "1",
@@ -396,6 +463,19 @@ static const struct optdecl optdecls[] = {
       "spec-decoding metrics in the log every S s (default {}, 0 = off)" },
 };
 
+/* The row's --help text ("\n" for its line breaks), "{}" replaced by its default. */
+static const char *help_text(const struct optdecl *d, char *buf, size_t len)
+{
+    const char *h = d->kind == K_NOTE ? d->vllm : d->help;     /* what stepd does instead */
+    const char *dflt = strstr(h, "{}");
+
+    if (!dflt)
+        return h;
+    ASSERT(d->def);
+    snprintf(buf, len, "%.*s%s%s", (int)(dflt - h), h, d->def, dflt + 2);
+    return buf;
+}
+
 static void usage(FILE *f)
 {
     fprintf(f, "usage: stepd [options]\n"
@@ -404,18 +484,12 @@ static void usage(FILE *f)
                "Admin, worker control service, health and Prometheus metrics.\n");
     for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
         const struct optdecl *d = &optdecls[i];
-        const char *h = d->kind == K_NOTE ? d->vllm : d->help;     /* what stepd does instead */
-        const char *dflt = strstr(h, "{}");
         char head[64], text[512];
+        const char *h = help_text(d, text, sizeof(text));
         int n;
 
         if (d->flags & OPTF_HIDDEN)
             continue;
-        if (dflt) {                     /* the default, from the row */
-            ASSERT(d->def);
-            snprintf(text, sizeof(text), "%.*s%s%s", (int)(dflt - h), h, d->def, dflt + 2);
-            h = text;
-        }
         if (!d->name) {
             fprintf(f, "%s\n", h);
             continue;
@@ -432,20 +506,46 @@ static void usage(FILE *f)
                "a file.  docs/OPERATIONS.md §1 has the table of vLLM's flags (stepd --help-vllm-flags).\n");
 }
 
+/* A markdown table cell: '|' escaped, "\n" (a --help line break) a space. */
+static void md_cell(FILE *f, const char *s)
+{
+    for (; *s; s++)
+        fprintf(f, *s == '|' ? "\\|" : *s == '\n' ? " " : "%c", *s);
+}
+
 /* docs/OPERATIONS.md's table: each vLLM flag stepd takes, and what stepd does with it. */
 static void usage_vllm(FILE *f)
 {
     fprintf(f, "| vLLM flag | stepd |\n|---|---|\n");
     for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
         const struct optdecl *d = &optdecls[i];
-        const char *a = d->arg ? d->arg : "";
 
         if (!d->name || !(d->flags & OPTF_VLLM))
             continue;
         fprintf(f, "| `--%s%s", d->name, d->arg ? " " : "");
-        for (; *a; a++)                 /* a '|' in a table cell is escaped */
-            fprintf(f, *a == '|' ? "\\|" : "%c", *a);
+        md_cell(f, d->arg ? d->arg : "");
         fprintf(f, "` | %s |\n", d->vllm);
+    }
+}
+
+/* docs/OPERATIONS.md §7.1's table: stepd's own flags (not `stepd serve`'s), default, meaning. */
+static void usage_flags_md(FILE *f)
+{
+    fprintf(f, "| flag | default | meaning |\n|---|---|---|\n");
+    for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
+        const struct optdecl *d = &optdecls[i];
+        const char *def = d->doc_def ? d->doc_def : d->def ? d->def : "—";
+        char text[512];
+
+        if (!d->name || (d->flags & (OPTF_SERVE | OPTF_HIDDEN)))
+            continue;
+        fprintf(f, "| `--%s%s", d->name, d->arg ? " " : "");
+        md_cell(f, d->arg ? d->arg : "");
+        fprintf(f, "` | ");
+        md_cell(f, def);
+        fprintf(f, " | ");
+        md_cell(f, d->doc ? d->doc : help_text(d, text, sizeof(text)));
+        fprintf(f, " |\n");
     }
 }
 
@@ -803,6 +903,12 @@ static int opt_help(struct cli *c, const struct optdecl *d, const char *flag, co
 static int opt_help_vllm(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
 {
     usage_vllm(stdout);
+    return OPT_EXIT;
+}
+
+static int opt_help_flags(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    usage_flags_md(stdout);
     return OPT_EXIT;
 }
 

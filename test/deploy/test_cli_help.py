@@ -14,7 +14,7 @@ ROOT = os.path.abspath(dl.ROOT)
 PROGRAMS = [("stepd", "daemon/main.c"), ("stepd-worker", "worker/main.c"), ("stepd-run", "worker/run.c"),
             ("stepctl", "tools/stepctl.c"), ("stepd-inspect", "tools/inspect.c"),
             ("stepd-mkmodel", "tools/mkmodel.c")]
-HIDDEN = {"help-vllm-flags"}        # stepd: the docs' table generator (OPTF_HIDDEN)
+HIDDEN = {"help-vllm-flags", "help-flags-md"}     # stepd: the docs' table generators (OPTF_HIDDEN)
 # a row of stepd's optdecls: name, value, flags, then the handler (V_STR(...), V_FN(...), ...)
 DECL = re.compile(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(NULL|"[^"]*"),\s*(?:0|OPTF_\w+|SERVE_VLLM),\s*V_')
 
@@ -58,6 +58,13 @@ def main():
     r = subprocess.run([exe, "--tensor-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, timeout=30)
     assert r.returncode == 2 and "--tensor-parallel-size is a flag of `stepd serve MODEL_DIR`" in r.stdout, r.stdout
+    # docs/OPERATIONS.md §7.1 is stepd --help-flags-md, from the same rows as the parser
+    doc = open(os.path.join(ROOT, "docs/OPERATIONS.md")).read()
+    m = re.search(r"<!-- stepd --help-flags-md -->\n(.*?)<!-- end of stepd --help-flags-md -->", doc, re.S)
+    table = subprocess.run([exe, "--help-flags-md"], stdout=subprocess.PIPE, text=True, timeout=30).stdout
+    assert m and m.group(1) == table, "docs/OPERATIONS.md §7.1 differs from stepd --help-flags-md:\n" + table
+    rows = [ln for ln in table.splitlines() if ln.startswith("| `--")]
+    print("stepd: docs/OPERATIONS.md §7.1 is stepd --help-flags-md (%d flags)" % len(rows))
     print("every program: --version and --help: ok")
 
 

@@ -64,7 +64,7 @@ PROGRAM_SOURCES = {
 }
 # stepd's optdecls row: name, value, flags, then the handler (V_STR(...), V_FN(...), ...)
 OPTDECL = re.compile(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(?:NULL|"[^"]*"),\s*(?:0|OPTF_\w+|SERVE_VLLM),\s*V_')
-HIDDEN = {"help-vllm-flags"}    # stepd: the generator of the docs' table (OPTF_HIDDEN)
+HIDDEN = {"help-vllm-flags", "help-flags-md"}  # stepd: the docs' table generators (OPTF_HIDDEN)
 
 TOP = None                      # top-level entries of the source tree
 SRC_EXT = (".c", ".h", ".cu", ".cuh", ".cc", ".cpp", ".py", ".sh", ".build", ".proto")

@@ -80,7 +80,7 @@ static void put_escaped(char *line, size_t cap, size_t *n, const char *s)
     }
 }
 
-void log_emitv(enum log_level lvl, const char *req_id, const char *fmt, va_list ap)
+static void log_emitv(enum log_level lvl, const char *req_id, const char *fmt, va_list ap)
 {
     char line[4096], msg[3072];
     size_t n;

@@ -37,7 +37,6 @@ int log_level_parse(const char *s, enum log_level *ret);
 
 void log_emit(enum log_level lvl, const char *req_id, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-void log_emitv(enum log_level lvl, const char *req_id, const char *fmt, va_list ap);
 
 #define log_error(...) log_emit(LOG_LEVEL_ERROR, NULL, __VA_ARGS__)
 #define log_warn(...) log_emit(LOG_LEVEL_WARN, NULL, __VA_ARGS__)

@@ -17,7 +17,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-int notify_send(const char *state)
+/* One datagram of VAR=value lines, as given. */
+static int notify_send(const char *state)
 {
     const char *path = getenv("NOTIFY_SOCKET");
     struct sockaddr_un sa = { .sun_family = AF_UNIX };

@@ -13,8 +13,6 @@
 extern "C" {
 #endif
 
-/* One datagram of VAR=value lines, as given. */
-int notify_send(const char *state);
 int notify_ready(void);
 int notify_stopping(void);
 int notify_watchdog(void);

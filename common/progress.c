@@ -3,7 +3,8 @@
 
 #include <stdio.h>
 
-void progress_bytes(char *buf, size_t n, double b)
+/* bytes in the unit a person reads (B, kB, MB, GB: decimal, as disks and rates are counted). */
+static void progress_bytes(char *buf, size_t n, double b)
 {
     if (b >= 1e9)
         snprintf(buf, n, "%.1f GB", b / 1e9);

@@ -19,8 +19,6 @@ extern "C" {
 void progress_line(char *buf, size_t n, int64_t done, int64_t total, int64_t elapsed_ms);
 /* The finished load: bytes, duration and average rate. */
 void progress_done(char *buf, size_t n, int64_t bytes, int64_t elapsed_ms);
-/* bytes in the unit a person reads (B, kB, MB, GB: decimal, as disks and rates are counted). */
-void progress_bytes(char *buf, size_t n, double bytes);
 
 #ifdef __cplusplus
 }

@@ -96,7 +96,9 @@ static int header_prescan(const char *text, size_t len, const char *fname, size_
 
 /* ------------------------------------------------------------------------ */
 
-int sft_name_check(const char *name, size_t len, struct err_buf *e)
+/* Check one tensor name against the naming rules (safetensors.h); returns 0 or -EINVAL with
+ * the reason in e ("tensor name is empty", ...). */
+static int sft_name_check(const char *name, size_t len, struct err_buf *e)
 {
     if (len == 0)
         return err_set(e, -EINVAL, "tensor name is empty");

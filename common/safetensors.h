@@ -82,10 +82,6 @@ const struct sft_tensor *sft_header_find(const struct sft_header *h, const char 
 int sft_parse_mem(const void *buf, size_t size, const char *fname, struct sft_header *ret,
                   struct err_buf *e);
 
-/* Check one tensor name against the naming rules above; returns 0 or -EINVAL with
- * the reason in e ("tensor name is empty", ...). */
-int sft_name_check(const char *name, size_t len, struct err_buf *e);
-
 enum sft_open_flags {
     SFT_OPEN_HEADERS_ONLY = 1 << 0,   /* validate, do not map the data */
 };

@@ -23,7 +23,7 @@ static void call_pump(struct rpc_call *c);
 static void call_send_failed(struct rpc_call *c, grpc_call_error e);
 static void call_on_new(struct rpc_op *op, bool ok);
 
-void rpc__call_free(struct rpc_call *c)
+static void call_free(struct rpc_call *c)
 {
     struct rpc_server *s = c->s;
 
@@ -64,7 +64,7 @@ static void call_maybe_free(struct rpc_call *c)
 {
     if (!c->close_started || c->close_done)
         if (c->finish_requested && c->status_done && !c->send_in_flight)
-            rpc__call_free(c);
+            call_free(c);
 }
 
 static void call_on_close(struct rpc_op *op, bool ok)
@@ -87,7 +87,7 @@ static void call_on_close(struct rpc_op *op, bool ok)
     call_maybe_free(c);
 }
 
-void rpc__call_on_send(struct rpc_op *op, bool ok)
+static void call_on_send(struct rpc_op *op, bool ok)
 {
     struct rpc_call *c = (struct rpc_call *)((char *)op - offsetof(struct rpc_call, op_send));
 
@@ -344,7 +344,7 @@ static void call_start_close(struct rpc_call *c)
     op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
     op.data.recv_close_on_server.cancelled = &c->close_cancelled;
     c->op_close.fn = call_on_close;
-    c->op_send.fn = rpc__call_on_send;
+    c->op_send.fn = call_on_send;
     c->op_send.direct = true;
     c->close_started = true;
     if (grpc_call_start_batch(c->call, &op, 1, &c->op_close, NULL) != GRPC_CALL_OK) {
@@ -494,7 +494,7 @@ static bool call_fast_done(struct rpc_op **opp, bool ok)
         grpc_byte_buffer_destroy(c->cur_send);
         c->cur_send = NULL;
     }
-    rpc__call_free(c);
+    call_free(c);
     return true;
 }
 

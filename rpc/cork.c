@@ -111,7 +111,7 @@ int rpc__pend_add(struct rpc_ctx *ctx, struct rpc_call *c, unsigned what)
 
 /* Start held sends until none is left (either thread; h->v and h->len do not change
  * while h has takers).  A send gRPC refuses to start is handed to the loop as a send
- * that failed (rpc__call_on_send, not ok): the call is cancelled and released there. */
+ * that failed (call.c's call_on_send, not ok): the call is cancelled and released there. */
 static size_t held_run(struct rpc_ctx *ctx, struct rpc_held *h, bool sender)
 {
     size_t done = 0;
@@ -148,7 +148,7 @@ static size_t held_run(struct rpc_ctx *ctx, struct rpc_held *h, bool sender)
     }
 }
 
-/* rpc__call_free (loop): a call's send can complete, and the call be released, while the
+/* call.c's call_free (loop): a call's send can complete, and the call be released, while the
  * sender thread is still inside the grpc_call_start_batch() that started it; the
  * grpc_call is then unreferenced by the sender thread once that returns (gRPC's calls
  * are thread-compatible for unref). True: deferred. */

@@ -206,8 +206,6 @@ struct rpc_call {
 
 /* ---- functions one file defines for the others (rpc__: private to rpc/) ---- */
 /* call.c */
-void rpc__call_free(struct rpc_call *c);
-void rpc__call_on_send(struct rpc_op *op, bool ok);
 size_t rpc__call_send_ops(struct rpc_call *c, unsigned what, grpc_op ops[3]);
 bool rpc__slot_new_cq(struct rpc_op **opp, bool ok);
 void rpc__slot_on_new(struct rpc_op *op, bool ok);

@@ -200,8 +200,6 @@ struct group *wpool_group_get(struct coord *co, const char *name, unsigned world
  * would hold the request once it has room. */
 struct group *wpool_pick(struct coord *co, const uint64_t *keys, size_t n_keys, uint32_t need_len,
                          bool *ret_full);
-/* Requests g may still take (UINT32_MAX when its engine reported no capacity). */
-uint32_t wpool_room(const struct group *g);
 unsigned wpool_ready_count(const struct coord *co);
 /* GetLoads/GetGroups: a group's load as the coordinator knows it (its in-flight count and
  * the engine's last GetLoads answer); the message points into m and g. */
@@ -215,7 +213,6 @@ unsigned wpool_count(const struct coord *co);
 void wpool_heartbeat(struct coord *co);
 void wpool_poll_loads(struct coord *co);
 void wpool_shutdown_sessions(struct coord *co);
-const char *group_state_name(enum group_state s);
 
 /* ------------------------------------------------------------------ requests (req.c) */
 
@@ -472,9 +469,6 @@ int health_register_methods(struct coord *co, struct rpc_server *s);
 bool req_generate_cq(struct rpc_call *call, void *ud);
 void req_generate_unmark(int mark, void *ud);
 bool coord_ready(const struct coord *co);
-/* The caller's identity for struct req.owner: "api-key" when the server has an API key
- * (every call that got here presented it), else the call's connection. */
-void coord_call_owner(const struct coord *co, const struct rpc_call *call, char *buf, size_t n);
 /* The same owner string for a request's caller, whichever door it came through. */
 void req_caller_owner(const struct coord *co, const struct req_caller *c, char *buf, size_t n);
 /* Why readiness is NOT_SERVING, for people (/healthz, logs): "" when ready. */

@@ -251,7 +251,9 @@ static void shutdown_servers(struct coord *co)
 
 /* ------------------------------------------------------------------ Inference unary */
 
-void coord_call_owner(const struct coord *co, const struct rpc_call *call, char *buf, size_t n)
+/* The caller's identity for struct req.owner: "api-key" when the server has an API key
+ * (every call that got here presented it), else the call's connection. */
+static void coord_call_owner(const struct coord *co, const struct rpc_call *call, char *buf, size_t n)
 {
     char peer[REQ_OWNER_LEN];
 

@@ -361,17 +361,11 @@ void http_req_abort(struct http_req *hr)
 const char *http_req_method(const struct http_req *hr) { return hr->method; }
 const char *http_req_path(const struct http_req *hr) { return hr->path; }
 const char *http_req_peer(const struct http_req *hr) { return hr->c ? hr->c->peer : "unknown"; }
-void *http_req_ud(const struct http_req *hr) { return hr->s->o.ud; }
 
 const char *http_req_body(const struct http_req *hr, size_t *len)
 {
     *len = hr->body.len;
     return strbuf_str(&hr->body);
-}
-
-const char *http_req_header(const struct http_req *hr, const char *name)
-{
-    return MHD_lookup_connection_value(hr->mc, MHD_HEADER_KIND, name);
 }
 
 bool http_req_keyed(const struct http_req *hr, uint64_t *key_hash)

@@ -97,13 +97,10 @@ const char *http_req_method(const struct http_req *hr);
 const char *http_req_path(const struct http_req *hr);
 /* The body as received (NUL-terminated; may hold NULs before len). */
 const char *http_req_body(const struct http_req *hr, size_t *len);
-/* A request header (case-insensitive), or NULL. */
-const char *http_req_header(const struct http_req *hr, const char *name);
 /* The client's address ("ipv4:127.0.0.1:4242") and whether it presented the API key (with the
  * key's hash, coord_fnv1a, in *key_hash). */
 const char *http_req_peer(const struct http_req *hr);
 bool http_req_keyed(const struct http_req *hr, uint64_t *key_hash);
-void *http_req_ud(const struct http_req *hr);
 /* Called when MHD is done with the request (completed: the whole response went out). */
 void http_req_on_close(struct http_req *hr, http_close_fn fn, void *ud);
 

@@ -839,7 +839,8 @@ static void log_spec_metrics(struct serve *s)
     memcpy(s->spec_pos, m->spec_accepted_pos, sizeof(s->spec_pos));
 }
 
-bool serve_settled(const struct serve *s)
+/* True once every group is ready or given up (the READY=1 point in serve mode). */
+static bool serve_settled(const struct serve *s)
 {
     for (unsigned d = 0; d < s->n_groups; d++) {
         const struct sgroup *g = &s->groups[d];

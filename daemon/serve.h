@@ -75,5 +75,3 @@ void serve_status(const struct serve *s, char *buf, size_t n);
 /* Readiness changed (coord_health_update) or the periodic tick: reset the failure counts
  * of groups that are ready, log "startup complete" and send READY=1 when the time comes. */
 void serve_check(struct serve *s);
-/* True once every group is ready or given up (the READY=1 point in serve mode). */
-bool serve_settled(const struct serve *s);

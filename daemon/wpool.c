@@ -25,7 +25,7 @@
 #define ENGINE_GETLOADS "/stepd.v1.Engine/GetLoads"
 #define WPOOL_DEAD_KEEP 16      /* groups without ranks kept for GetGroups (the latest) */
 
-const char *group_state_name(enum group_state s)
+static const char *group_state_name(enum group_state s)
 {
     switch (s) {
     case GROUP_FORMING: return "forming";
@@ -977,7 +977,8 @@ void wpool_load_fill(const struct group *g, struct group_load_msg *m)
 
 
 
-uint32_t wpool_room(const struct group *g)
+/* Requests g may still take (UINT32_MAX when its engine reported no capacity). */
+static uint32_t wpool_room(const struct group *g)
 {
     uint32_t cap = g->cap_seqs + g->cap_waiting;
 

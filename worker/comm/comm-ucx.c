@@ -829,7 +829,7 @@ static const struct comm_ops ucx_ops = {
     .free = ucx_free,
 };
 
-bool comm_is_ucx(const struct comm *c)
+static bool comm_is_ucx(const struct comm *c)
 {
     return c && c->ops == &ucx_ops;
 }

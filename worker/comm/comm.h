@@ -119,7 +119,6 @@ int comm_single_new(struct comm **ret);
 int comm_ucx_new(int rank, int world_size, int timeout_msec, struct comm **ret);
 int comm_ucx_address(struct comm *c, const void **ret_addr, size_t *ret_len);
 int comm_ucx_connect(struct comm *c, const void *const *addrs, const size_t *lens);
-bool comm_is_ucx(const struct comm *c);
 
 /* ---- step-plan wire format (plan-wire.c) ----------------------------------------- */
 /* Message kinds carried by the step-plan broadcast. */

@@ -296,8 +296,3 @@ void batcher_prefix_stats(const struct batcher *b, uint64_t *ret_queries, uint64
     *ret_queries = b->prefix_queries;
     *ret_hits = b->prefix_hits;
 }
-
-struct batch_seq *batcher_waiting_at(const struct batcher *b, int i)
-{
-    return i >= 0 && i < b->n_waiting ? b->waiting[i] : NULL;
-}

@@ -87,8 +87,6 @@ uint64_t batcher_n_preemptions(const struct batcher *b);
 /* Prefix cache since batcher_new: known tokens of admitted sequences that have a cache
  * root (queries) and the tokens reused from cached blocks among them (hits). */
 void batcher_prefix_stats(const struct batcher *b, uint64_t *ret_queries, uint64_t *ret_hits);
-/* Waiting sequences in queue order (for deadline scans). */
-struct batch_seq *batcher_waiting_at(const struct batcher *b, int i);
 
 #ifdef __cplusplus
 }

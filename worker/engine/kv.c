@@ -685,11 +685,6 @@ bool kv_seq_writable(const struct kv_pool *kv, int slot, int32_t pos)
 
 /* ------------------------------------------------------------- counters -- */
 
-int kv_pool_block_size(const struct kv_pool *kv)
-{
-    return kv->block_size;
-}
-
 int kv_pool_total(const struct kv_pool *kv, enum kv_group g)
 {
     return kv->g[g].n_total;

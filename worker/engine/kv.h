@@ -121,7 +121,6 @@ int kv_seq_held(const struct kv_pool *kv, int slot, enum kv_group g);
  * is held by the slot alone and unkeyed (where a step may write). */
 bool kv_seq_writable(const struct kv_pool *kv, int slot, int32_t pos);
 
-int kv_pool_block_size(const struct kv_pool *kv);
 int kv_pool_total(const struct kv_pool *kv, enum kv_group g);
 /* Blocks of group g by state: plain free, cached (keyed, no reference), held.  free +
  * cached can be handed out; free + cached + held == total. */

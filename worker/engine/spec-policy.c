@@ -1112,11 +1112,3 @@ double spec_policy_rate(const struct spec_policy *p, int B, int d)
     }
     return secs > 0 ? tok / secs : 0.0;
 }
-
-void spec_policy_counts(const struct spec_policy *p, uint64_t *ret_decisions, uint64_t *ret_probes)
-{
-    if (ret_decisions)
-        *ret_decisions = p ? p->n_decisions : 0;
-    if (ret_probes)
-        *ret_probes = p ? p->n_probes : 0;
-}

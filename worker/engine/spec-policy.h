@@ -140,8 +140,6 @@ void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, doub
  * sequences that all get d drafts at first-position acceptance a (later positions at the
  * engine-wide rates); 0 when nothing is measured yet. */
 double spec_policy_rate(const struct spec_policy *p, int B, int d);
-/* Decisions taken and probes run. */
-void spec_policy_counts(const struct spec_policy *p, uint64_t *ret_decisions, uint64_t *ret_probes);
 
 #ifdef __cplusplus
 }

@@ -1013,6 +1013,42 @@ static int opt_worker_arg(struct cli *c, const struct optdecl *d, const char *fl
     return 0;
 }
 
+/* Where coord_opts_default or serve_opts_default (what the tests and fuzzers use without a
+ * command line) set a field, the row's default, given to c, must be the same: one line
+ * naming the flag, then an assertion (every start checks).  A field they leave zero takes
+ * the row's default alone, so a new option is still one row. */
+static void check_defaults(const struct cli *c)
+{
+    struct cli ref = { 0 };
+
+    coord_opts_default(&ref.o);
+    serve_opts_default(&ref.so);
+    for (size_t i = 0; i < ARRAY_SIZE(optdecls); i++) {
+        const struct optdecl *d = &optdecls[i];
+        const char *a = (const char *)c + d->off, *b = (const char *)&ref + d->off;
+        bool same;
+
+        if (!d->def || !d->size)
+            continue;
+        if (d->kind == K_STR) {
+            const char *x, *y;
+
+            memcpy(&x, a, sizeof(x));
+            memcpy(&y, b, sizeof(y));
+            same = !y || (x && strcmp(x, y) == 0);
+        } else {
+            static const char zero[sizeof(uint64_t)];
+
+            ASSERT(d->size <= sizeof(zero));
+            same = memcmp(a, b, d->size) == 0 || memcmp(b, zero, d->size) == 0;
+        }
+        if (!same)
+            log_error("--%s: its default %s is not the one coord_opts_default or serve_opts_default sets",
+                      d->name, d->def);
+        ASSERT(same);
+    }
+}
+
 int main(int argc, char **argv)
 {
     struct option longopts[ARRAY_SIZE(optdecls) + 1];
@@ -1051,6 +1087,7 @@ int main(int argc, char **argv)
         longopts[n_lo++] = (struct option){ d->name, d->arg ? required_argument : no_argument, NULL, 256 + (int)i };
     }
     longopts[n_lo] = (struct option){ NULL, 0, NULL, 0 };
+    check_defaults(&cl);
     if (normalize_flags(argc, argv) < 0)
         return 2;
     opterr = 0;

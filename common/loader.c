@@ -2,7 +2,8 @@
  *
  * Open sequence: config.json -> shard list (index or model.safetensors) -> every
  * shard header validated (and mapped unless headers_only) -> source table of
- * canonical names -> expected tensor list of the whole model -> this rank's plan
+ * canonical names -> expected tensor list of the whole model (the tensor table of
+ * tensors.c, which the model's load_layer walks too) -> this rank's plan
  * (needed entries + slices) -> check needed entries against the sources, collect
  * EVERY problem, fail once with all of them.
  */
@@ -21,15 +22,11 @@
 #include "json.h"
 #include "safetensors.h"
 #include "strbuf.h"
+#include "tensors.h"
 
 #define INDEX_NAME "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
 #define WARN_LIST_MAX 20
-
-static const char *const optional_suffixes[] = {
-    ".k_scale", ".v_scale", ".q_scale", ".prob_scale",
-    ".k_zero_point", ".v_zero_point", ".q_zero_point", ".prob_zero_point",
-};
 
 enum slice_kind { SLICE_NONE, SLICE_ROWS, SLICE_COLS };
 
@@ -117,21 +114,9 @@ struct ckpt {
 
 /* ------------------------------------------------------------------------ */
 
-/* Which optional suffix name ends with (enum ckpt_kv_param), or -1. */
-static int optional_index(const char *name)
-{
-    size_t n = strlen(name);
-    for (size_t i = 0; i < ARRAY_SIZE(optional_suffixes); i++) {
-        size_t k = strlen(optional_suffixes[i]);
-        if (n > k && strcmp(name + n - k, optional_suffixes[i]) == 0)
-            return (int) i;
-    }
-    return -1;
-}
-
 bool ckpt_name_is_optional(const char *name)
 {
-    return optional_index(name) >= 0;
+    return tensor_optional_index(name) >= 0;
 }
 
 static uint32_t hash_str(const char *s)
@@ -235,147 +220,80 @@ static int ent_add(struct ckpt *c, const char *name, enum dtype dt, int ndim, in
 
 #define ADD(...) do { int _r = ent_add(c, __VA_ARGS__); if (_r < 0) return _r; } while (0)
 
-/* The tensors of one linear module "<base>" of logical shape [out, in] in format q:
- *   BF16   .weight BF16 [out, in]
- *   MXFP4  .weight_packed U8 [out, in/2], .weight_scale U8 (E8M0) [out, in/32]
- *   FP8    .weight F8_E4M3 [out, in], .weight_scale_inv F32 [out/br, in/bc]
- *   NVFP4  .weight U8 [out, in/2], .weight_scale F8_E4M3 [out, in/16], .weight_scale_2 F32 []
- * A group or block size that does not divide the shape is a problem of its own. */
+/* The stored tensors of one linear module "<base>" of logical shape [out, in] in format q
+ * (tensor_linear_parts).  A group or block size that does not divide the shape is a problem
+ * of its own: returns 1. */
 static int add_linear(struct ckpt *c, const char *base, enum quant_scheme q, int64_t out, int64_t in,
                       int layer, int expert, enum slice_kind slice, struct strbuf *probs)
 {
     const struct model_config *m = &c->cfg;
     int64_t br = m->quant_block_rows, bc = m->quant_group_size;
+    struct tensor_part parts[TENSOR_MAX_PARTS];
+    int n_parts = tensor_linear_parts(q, out, in, br, bc, parts);
     char n[200];
 
-#define NM(sfx) (snprintf(n, sizeof(n), "%s%s", base, sfx), n)
-    switch (q) {
-    case QUANT_NONE:
-    case _QUANT_MAX:
-        ADD(NM(".weight"), DTYPE_BF16, 2, out, in, layer, expert, slice);
-        return 0;
-    case QUANT_MXFP4:
-    case QUANT_NVFP4: {
-        int64_t g = q == QUANT_MXFP4 ? 32 : 16;
-        if (in % g) {
-            line_add(probs, "%s: %s needs in-features divisible by its group size %lld, got [%lld, %lld]", base,
-                     quant_scheme_name(q), (long long) g, (long long) out, (long long) in);
-            return 1;
-        }
-        ADD(NM(q == QUANT_MXFP4 ? ".weight_packed" : ".weight"), DTYPE_U8, 2, out, in / 2, layer, expert, slice);
-        ADD(NM(".weight_scale"), q == QUANT_MXFP4 ? DTYPE_U8 : DTYPE_F8_E4M3, 2, out, in / g, layer, expert, slice);
-        if (q == QUANT_NVFP4)
-            ADD(NM(".weight_scale_2"), DTYPE_F32, 0, 0, 0, layer, expert, SLICE_NONE);
-        return 0;
+    if (n_parts < 0 && q == QUANT_FP8) {
+        line_add(probs, "%s: FP8 weight_block_size [%lld, %lld] does not divide its shape [%lld, %lld]", base,
+                 (long long) br, (long long) bc, (long long) out, (long long) in);
+        return 1;
     }
-    case QUANT_FP8:
-        if (out % br || in % bc) {
-            line_add(probs, "%s: FP8 weight_block_size [%lld, %lld] does not divide its shape [%lld, %lld]", base,
-                     (long long) br, (long long) bc, (long long) out, (long long) in);
-            return 1;
-        }
-        ADD(NM(".weight"), DTYPE_F8_E4M3, 2, out, in, layer, expert, slice);
-        ADD(NM(".weight_scale_inv"), DTYPE_F32, 2, out / br, in / bc, layer, expert, slice);
-        return 0;
+    if (n_parts < 0) {
+        line_add(probs, "%s: %s needs in-features divisible by its group size %lld, got [%lld, %lld]", base,
+                 quant_scheme_name(q), (long long) (q == QUANT_MXFP4 ? 32 : 16), (long long) out, (long long) in);
+        return 1;
     }
-#undef NM
+    for (int i = 0; i < n_parts; i++) {
+        const struct tensor_part *t = &parts[i];
+
+        snprintf(n, sizeof(n), "%s%s", base, t->suffix);
+        ADD(n, t->dtype, t->ndim, t->shape[0], t->shape[1], layer, expert, t->ndim ? slice : SLICE_NONE);
+    }
     return 0;
 }
 
-#define LIN(mod, out, in, slice) do { \
-        int _r = add_linear(c, base_name(base, sizeof(base), l, mod, -1), L->qfmt[mod], out, in, l, -1, slice, probs); \
-        if (_r < 0) return _r; \
-    } while (0)
+/* One row of the tensor table (common/tensors.c) into the expected list. */
+struct expect_ctx {
+    struct ckpt *c;
+    struct strbuf *probs;
+    int bad_layer;              /* a routed expert's shape problem is listed once per layer */
+};
 
-static const char *base_name(char *buf, size_t size, int l, enum quant_module mod, int expert)
+static int expect_one(void *ctx, const struct tensor_ref *t)
 {
-    char m[128];
-    snprintf(buf, size, "model.layers.%d.%s", l, quant_module_name(mod, expert, m, sizeof(m)));
-    return buf;
-}
+    static const enum slice_kind slice[] = { [TENSOR_WHOLE] = SLICE_NONE, [TENSOR_ROWS] = SLICE_ROWS,
+                                             [TENSOR_COLS] = SLICE_COLS };
+    struct expect_ctx *x = ctx;
+    struct ckpt *c = x->c;
+    int r;
 
-static int build_layer(struct ckpt *c, int l, struct strbuf *probs)
-{
-    const struct model_config *m = &c->cfg;
-    const struct layer_config *L = &m->layers[l];
-    const int64_t H = m->hidden_size, hd = L->head_dim, nh = L->n_heads, kv = L->n_kv_heads;
-    enum slice_kind rows = L->is_mtp ? SLICE_NONE : SLICE_ROWS;
-    enum slice_kind cols = L->is_mtp ? SLICE_NONE : SLICE_COLS;
-    char n[160], base[160];
-
-#define NM(...) (snprintf(n, sizeof(n), __VA_ARGS__), n)
-    ADD(NM("model.layers.%d.input_layernorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-    ADD(NM("model.layers.%d.post_attention_layernorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-    LIN(QMOD_Q, nh * hd, H, rows);
-    LIN(QMOD_K, kv * hd, H, rows);
-    LIN(QMOD_V, kv * hd, H, rows);
-    LIN(QMOD_O, H, nh * hd, cols);
-    if (m->use_head_wise_attn_gate)
-        LIN(QMOD_G, nh, H, rows);
-    if (m->use_qk_norm) {
-        ADD(NM("model.layers.%d.self_attn.q_norm.weight", l), DTYPE_BF16, 1, hd, 0, l, -1, SLICE_NONE);
-        ADD(NM("model.layers.%d.self_attn.k_norm.weight", l), DTYPE_BF16, 1, hd, 0, l, -1, SLICE_NONE);
-    }
-    if (!L->is_moe) {
-        const int64_t I = m->intermediate_size;
-        LIN(QMOD_MLP_GATE, I, H, rows);
-        LIN(QMOD_MLP_UP, I, H, rows);
-        LIN(QMOD_MLP_DOWN, H, I, cols);
-    } else {
-        const int64_t E = m->n_experts, S = m->shared_expert_dim, M = m->moe_intermediate_size;
-        LIN(QMOD_ROUTER, E, H, SLICE_NONE);
-        if (m->use_router_bias) {
-            ADD(NM("model.layers.%d.moe.router_bias", l), DTYPE_F32, 1, E, 0, l, -1, SLICE_NONE);
+    if (t->spec->dtype != TENSOR_DT_LINEAR) {
+        ADD(t->name, t->spec->dtype == TENSOR_DT_BF16 ? DTYPE_BF16 : DTYPE_F32, t->ndim, t->shape[0],
+            t->ndim > 1 ? t->shape[1] : 0, t->layer, t->expert, slice[t->split]);
+        if (t->spec->dtype == TENSOR_DT_F32_OR_BF16)
             c->ents[c->n_ents - 1].dtype_alt = DTYPE_BF16;
-        }
-        LIN(QMOD_SHARED_GATE, S, H, SLICE_ROWS);
-        LIN(QMOD_SHARED_UP, S, H, SLICE_ROWS);
-        LIN(QMOD_SHARED_DOWN, H, S, SLICE_COLS);
-        for (int e = 0; e < m->n_experts; e++) {
-            for (int k = 0; k < 3; k++) {
-                enum quant_module mod = (enum quant_module) (QMOD_EXPERT_GATE + k);
-                int64_t out = k < 2 ? M : H, in = k < 2 ? H : M;
-                int r = add_linear(c, base_name(base, sizeof(base), l, mod, e), L->qfmt[mod], out, in, l, e,
-                                   SLICE_NONE, probs);
-                if (r < 0)
-                    return r;
-                if (r > 0)      /* the same shape problem for every expert: listed once */
-                    goto experts_done;
-            }
-        }
-experts_done:;
+        return 0;
     }
-    if (L->is_mtp) {
-        const int64_t V = m->vocab_size;
-        ADD(NM("model.layers.%d.enorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-        ADD(NM("model.layers.%d.hnorm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-        LIN(QMOD_EH_PROJ, H, 2 * H, SLICE_NONE);
-        ADD(NM("model.layers.%d.transformer.shared_head.norm.weight", l), DTYPE_BF16, 1, H, 0, l, -1, SLICE_NONE);
-        LIN(QMOD_HEAD_OUT, V, H, SLICE_NONE);
-    }
-#undef NM
-    return 0;
+    if (t->expert >= 0 && x->bad_layer == t->layer)
+        return 0;
+    r = add_linear(c, t->name, t->quant, t->shape[0], t->shape[1], t->layer, t->expert, slice[t->split],
+                   x->probs);
+    if (r > 0 && t->expert >= 0)        /* the same shape problem for every expert: listed once */
+        x->bad_layer = t->layer;
+    return r < 0 ? r : 0;
 }
-#undef LIN
 
+/* The whole model's tensors (every rank's, every expert), from the tensor table. */
 static int build_expected(struct ckpt *c, struct strbuf *probs)
 {
     const struct model_config *m = &c->cfg;
+    struct expect_ctx x = { c, probs, -1 };
     int r;
 
-    ADD("model.embed_tokens.weight", DTYPE_BF16, 2, m->vocab_size, m->hidden_size, -1, -1, SLICE_NONE);
-    ADD("model.norm.weight", DTYPE_BF16, 1, m->hidden_size, 0, -1, -1, SLICE_NONE);
     /* tied: lm_head.weight is served from the embedding (see plan()) */
-    r = add_linear(c, "lm_head", m->tie_word_embeddings ? QUANT_NONE : (enum quant_scheme) m->lm_head_qfmt,
-                   m->vocab_size, m->hidden_size, -1, -1, SLICE_ROWS, probs);
-    if (r < 0)
-        return r;
-    for (int l = 0; l < m->n_layers_total; l++) {
-        r = build_layer(c, l, probs);
-        if (r < 0)
-            return r;
-    }
-    return 0;
+    r = tensor_global_each(m, 1, expect_one, &x);
+    for (int l = 0; l < m->n_layers_total && r >= 0; l++)
+        r = tensor_layer_each(m, l, 1, 0, m->n_experts, expect_one, &x);
+    return r;
 }
 #undef ADD
 
@@ -832,7 +750,7 @@ static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
             in_plan = !mtp || (rank == 0 && l < m->n_layers + c->mtp_depth);
             if (!in_plan)
                 continue;
-            if (!(c->opts.kv_params & 1u << optional_index(s->canon))) {
+            if (!(c->opts.kv_params & 1u << tensor_optional_index(s->canon))) {
                 if (n_kvq_ignored++ == 0)
                     snprintf(kvq_example, sizeof(kvq_example), "%s", s->canon);
                 continue;

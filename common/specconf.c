@@ -20,6 +20,13 @@ static int choice_of(const json_t *val, const char *const *names, const int *val
     return -1;
 }
 
+int spec_k_check(const char *what, long long k, bool allow_default, struct err_buf *e)
+{
+    if ((k < 0 && !(allow_default && k == -1)) || k > SPEC_MAX_K)
+        return err_set(e, -EINVAL, "%s: %lld is not in 0..%d", what, k, SPEC_MAX_K);
+    return 0;
+}
+
 int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf *e)
 {
     struct spec_config cfg = { 0 };
@@ -48,13 +55,15 @@ int spec_config_parse(const char *json, struct spec_config *ret, struct err_buf 
                 goto out;
             }
         } else if (strcmp(key, "num_speculative_tokens") == 0) {
-            if (!json_is_integer(val) || json_integer_value(val) < 0 ||
-                json_integer_value(val) > SPEC_MAX_K) {
+            if (!json_is_integer(val)) {
                 r = err_set(e, -EINVAL,
                             "--speculative-config: num_speculative_tokens: must be an integer in 0..%d",
                             SPEC_MAX_K);
                 goto out;
             }
+            r = spec_k_check("--speculative-config: num_speculative_tokens", json_integer_value(val), false, e);
+            if (r < 0)
+                goto out;
             cfg.num_speculative_tokens = (int) json_integer_value(val);
         } else if (strcmp(key, "draft_quantization") == 0) {
             static const char *const names[] = { "auto", "none", "mxfp4", NULL };

@@ -59,6 +59,12 @@ static inline bool spec_draft_mxfp4(enum spec_draft_quant q, const char *backend
     return q == SPEC_DRAFT_MXFP4;
 }
 
+/* The one range check of a number of speculative tokens K, wherever one comes in
+ * (--speculative-config's num_speculative_tokens, stepd-worker --mtp, the engine's default,
+ * a request's own): 0..SPEC_MAX_K, and -1 where allow_default ("the default": the
+ * checkpoint's layers, the engine's K).  0, or -EINVAL with "<what>: K is not in 0..3" in e. */
+int spec_k_check(const char *what, long long k, bool allow_default, struct err_buf *e);
+
 /* Parse --speculative-config JSON, e.g. {"method":"mtp","num_speculative_tokens":3}, plus
  * the optional "draft_quantization": null | "auto" | "none" | "mxfp4" (enum
  * spec_draft_quant), "draft_policy": null | "adaptive" | "fixed" (enum

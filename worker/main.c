@@ -141,6 +141,21 @@ static int parse_spec(const char *json, struct spec_config *ret)
     return r;
 }
 
+/* --mtp K: num_speculative_tokens of the speculative config, checked where every K is. */
+static int parse_mtp(const char *s, struct spec_config *spec)
+{
+    struct err_buf e;
+    int k, r = cli_parse_int("--mtp", s, INT_MIN, INT_MAX, &k, &e);
+
+    if (r == 0)
+        r = spec_k_check("--mtp", k, false, &e);
+    if (r < 0)
+        fprintf(stderr, "stepd-worker: %s\n", e.msg);
+    else
+        spec->num_speculative_tokens = k;
+    return r;
+}
+
 /* --check-device DEV: can this machine run a rank on DEV?  What `stepd serve` asks before it
  * starts any rank, so that a device that is not there ends it at once with the reason. */
 static int check_device(const char *dev)
@@ -276,7 +291,7 @@ int main(int argc, char **argv)
         case O_DEVICE: o.device = optarg; break;
         case O_MODEL: o.model_dir = optarg; break;
         case O_MTP_MODEL: o.mtp_dir = optarg; break;
-        case O_MTP: r = parse_int(optarg, "--mtp", 0, SPEC_MAX_K, &o.spec.num_speculative_tokens); break;
+        case O_MTP: r = parse_mtp(optarg, &o.spec); break;
         case O_SPEC: r = parse_spec(optarg, &o.spec); break;
         case O_INSECURE: o.insecure_listen = true; break;
         case O_INSECURE_CTL: o.insecure_control = true; break;

@@ -1369,10 +1369,6 @@ int worker_run(const struct worker_opts *o)
             log_warn("engine service on non-loopback %s without authentication (--insecure-listen)",
                      o->engine_listen);
     }
-    if (o->spec.num_speculative_tokens < SPEC_K_MODEL || o->spec.num_speculative_tokens > SPEC_MAX_K) {
-        log_error("--mtp %d: must be 0..%d", o->spec.num_speculative_tokens, SPEC_MAX_K);
-        return WORKER_EXIT_USAGE;
-    }
     if (o->max_seqs < 1 || o->max_batched_tokens < 4 || o->max_model_len < 2 || o->block_size < 1) {
         log_error("--max-seqs, --max-batched-tokens, --max-model-len or --block-size out of range");
         return WORKER_EXIT_USAGE;

@@ -1,9 +1,9 @@
 /* test-specconf.c - the one --speculative-config parser (common/specconf.c) that `stepd serve`
  * and stepd-worker share: method is required and "mtp"; without num_speculative_tokens K is
  * the checkpoint's MTP layers (at most SPEC_MAX_K); unknown keys and values are refused with
- * the keys stepd takes named.  Also the --max-model-len check against the model's positions
- * and the --kv-cache-dtype values (common/config.c, common/cli.c) `stepd serve` checks
- * before it starts any rank. */
+ * the keys stepd takes named; K is range-checked by one function (spec_k_check).  Also the
+ * --max-model-len check against the model's positions and the --kv-cache-dtype values
+ * (common/config.c, common/cli.c) `stepd serve` checks before it starts any rank. */
 #include <stdio.h>
 #include <string.h>
 
@@ -51,6 +51,21 @@ int main(void)
     ASSERT_OK(spec_config_parse(NULL, &c, &e));
     ASSERT_STREQ(c.model, "");
     ASSERT_EQ(c.num_speculative_tokens, 0);
+
+    /* K's one range check: the parser, stepd-worker --mtp, the engine's default and a
+     * request's own (-1: the default) */
+    ASSERT_OK(spec_k_check("--mtp", 0, false, &e));
+    ASSERT_OK(spec_k_check("--mtp", SPEC_MAX_K, false, &e));
+    ASSERT_ERR(spec_k_check("--mtp", SPEC_MAX_K + 1, false, &e), -EINVAL);
+    ASSERT_STREQ(e.msg, "--mtp: 4 is not in 0..3");
+    ASSERT_ERR(spec_k_check("--mtp", -1, false, &e), -EINVAL);
+    ASSERT_OK(spec_k_check("num_speculative_tokens", -1, true, &e));
+    ASSERT_ERR(spec_k_check("num_speculative_tokens", -2, true, &e), -EINVAL);
+    ASSERT_ERR(spec_k_check("num_speculative_tokens", 1LL << 40, true, &e), -EINVAL);
+    ASSERT_ERR(spec_config_parse("{\"method\": \"mtp\", \"num_speculative_tokens\": 4}", &c, &e), -EINVAL);
+    ASSERT_STREQ(e.msg, "--speculative-config: num_speculative_tokens: 4 is not in 0..3");
+    ASSERT_ERR(spec_config_parse("{\"method\": \"mtp\", \"num_speculative_tokens\": 1.5}", &c, &e), -EINVAL);
+    ASSERT_CONTAINS(e.msg, "must be an integer in 0..3");
 
     memset(&mc, 0, sizeof(mc));
     mc.max_position_embeddings = 4096;

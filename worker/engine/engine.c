@@ -196,9 +196,8 @@ static int check_config(struct engine_config *c, const struct forward *f, struct
         return err_set(err, -EINVAL, "max_waiting: must be >= 0");
     if (c->sliding_window < 0)
         return err_set(err, -EINVAL, "sliding_window: must be >= 0");
-    if (c->num_speculative_tokens < 0 || c->num_speculative_tokens > SPEC_MAX_K)
-        return err_set(err, -EINVAL, "num_speculative_tokens: %d is not in 0..%d",
-                       c->num_speculative_tokens, SPEC_MAX_K);
+    if (spec_k_check("num_speculative_tokens", c->num_speculative_tokens, false, err) < 0)
+        return -EINVAL;
     if (c->test_digest_cut_bits < 0 || c->test_digest_cut_bits > 8 * KV_DIGEST_BYTES)
         return err_set(err, -EINVAL, "test_digest_cut_bits: %d is not in 0..%d",
                        c->test_digest_cut_bits, 8 * KV_DIGEST_BYTES);
@@ -395,9 +394,8 @@ static int check_request(const struct engine *e, const struct engine_request *q,
         if (q->stop_token_ids[i] < 0 || q->stop_token_ids[i] >= e->vocab)
             return err_set(err, -EINVAL, "sampling_params.stop_token_ids[%d]: %d is outside the "
                            "vocabulary", i, q->stop_token_ids[i]);
-    if (q->num_speculative_tokens < -1 || q->num_speculative_tokens > SPEC_MAX_K)
-        return err_set(err, -EINVAL, "num_speculative_tokens: %d is not in 0..%d",
-                       q->num_speculative_tokens, SPEC_MAX_K);
+    if (spec_k_check("num_speculative_tokens", q->num_speculative_tokens, true, err) < 0)
+        return -EINVAL;
     if (q->logprobs < -1 || q->logprobs > ENGINE_MAX_LOGPROBS || q->logprobs >= e->vocab)
         return err_set(err, -EINVAL, "sampling_params.logprobs: %d is not in 0..%d", q->logprobs,
                        ENGINE_MAX_LOGPROBS < e->vocab - 1 ? ENGINE_MAX_LOGPROBS : e->vocab - 1);

@@ -11,6 +11,7 @@
 #include "log.h"
 #include "model-int.h"
 #include "mxfp4.h"
+#include "tensors.h"
 
 /* ---------------------------------------------------------------- memory -- */
 
@@ -405,13 +406,107 @@ static int split_eh(struct model *m, struct mlayer *L, const char *name, struct 
     return model__prepare(m, &L->eh_h, name, e);
 }
 
+/* The router bias (F32 or BF16 [n_experts]) as host floats. */
+static int load_router_bias(struct model *m, struct mlayer *L, const char *name, struct err_buf *e)
+{
+    int n_experts = m->cfg->n_experts;
+    struct tview v;
+    float *b;
+    int r = ckpt_get(m->ckpt, name, &v);
+
+    if (r < 0)
+        return err_set(e, r, "tensor '%s' not available from the loader: %s", name, err_str(r));
+    if (tview_numel(&v) != n_experts)
+        return err_set(e, -EINVAL, "%s: %lld elements, expected %d", name, (long long)tview_numel(&v),
+                       n_experts);
+    if (v.dtype != DTYPE_F32 && v.dtype != DTYPE_BF16)
+        return err_set(e, -EINVAL, "%s: dtype %s not supported (F32 or BF16)", name, dtype_name(v.dtype));
+    b = calloc((size_t)n_experts, sizeof(float));
+    if (!b)
+        return err_set(e, -ENOMEM, "out of memory");
+    L->router_bias = b;
+    for (int i = 0; i < n_experts; i++) {
+        if (v.dtype == DTYPE_F32) {
+            memcpy(&b[i], (const char *)v.data + 4 * (size_t)i, 4);
+        } else {
+            uint16_t h;
+            uint32_t u;
+
+            memcpy(&h, (const char *)v.data + 2 * (size_t)i, 2);
+            u = (uint32_t)h << 16;
+            memcpy(&b[i], &u, 4);
+        }
+    }
+    return 0;
+}
+
+/* Where layer L keeps the weight of table row t (common/tensors.c); NULL for the rows with
+ * readers of their own (the router bias, eh_proj). */
+static struct bweight *layer_weight(struct mlayer *L, const struct tensor_ref *t)
+{
+    struct moe_expert *x = t->expert >= 0 ? &L->experts[t->expert - L->expert_first] : NULL;
+
+    switch (t->spec->role) {
+    case TENSOR_IN_NORM: return &L->in_norm;
+    case TENSOR_POST_NORM: return &L->post_norm;
+    case TENSOR_Q: return &L->wq;
+    case TENSOR_K: return &L->wk;
+    case TENSOR_V: return &L->wv;
+    case TENSOR_O: return &L->wo;
+    case TENSOR_G: return &L->wg;
+    case TENSOR_Q_NORM: return &L->q_norm;
+    case TENSOR_K_NORM: return &L->k_norm;
+    /* the dense MLP and the shared expert share the layer's gate/up/down */
+    case TENSOR_MLP_GATE: case TENSOR_SHARED_GATE: return &L->gate;
+    case TENSOR_MLP_UP: case TENSOR_SHARED_UP: return &L->up;
+    case TENSOR_MLP_DOWN: case TENSOR_SHARED_DOWN: return &L->down;
+    case TENSOR_ROUTER: return &L->router;
+    case TENSOR_EXPERT_GATE: return &x->gate;
+    case TENSOR_EXPERT_UP: return &x->up;
+    case TENSOR_EXPERT_DOWN: return &x->down;
+    case TENSOR_ENORM: return &L->enorm;
+    case TENSOR_HNORM: return &L->hnorm;
+    case TENSOR_HEAD_NORM: return &L->head_norm;
+    case TENSOR_HEAD_OUT: return &L->head;
+    default: return NULL;
+    }
+}
+
+struct layer_load {
+    struct model *m;
+    struct mlayer *L;
+    struct err_buf *e;
+};
+
+/* One tensor of the table into layer L, in this rank's shape. */
+static int load_tensor(void *ctx, const struct tensor_ref *t)
+{
+    struct layer_load *x = ctx;
+    struct bweight *w = layer_weight(x->L, t);
+    char n[200];
+
+    switch (t->spec->role) {
+    case TENSOR_ROUTER_BIAS:
+        return load_router_bias(x->m, x->L, t->name, x->e);
+    case TENSOR_EH_PROJ:
+        snprintf(n, sizeof(n), "%s.weight", t->name);
+        return split_eh(x->m, x->L, n, x->e);
+    default:
+        break;
+    }
+    if (!w)
+        return err_set(x->e, -EINVAL, "%s: no place for it in layer %d", t->name, x->L->idx);
+    if (t->spec->dtype == TENSOR_DT_LINEAR)
+        return load_linear(x->m, t->name, t->shape[0], t->shape[1], w, x->e);
+    return load_vec(x->m, t->name, t->shape[0], w, x->e);
+}
+
 static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf *e)
 {
     const struct model_config *cfg = m->cfg;
     const struct layer_config *lc = &cfg->layers[idx];
+    struct layer_load ctx = { m, L, e };
     int world = m->sharded ? m->comm.world : 1;
-    int64_t H = m->hidden;
-    char p[160], n[200];
     int r;
 
     L->idx = idx;
@@ -438,69 +533,13 @@ static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf
     if (L->window < 0 || (lc->kind == LAYER_KIND_SLIDING && L->window == 0))
         return err_set(e, -EINVAL, "layer %d: sliding layer with window %d", idx, L->window);
 
-    snprintf(p, sizeof(p), "model.layers.%d", idx);
-#define LOADV(field, fmt, len) do { snprintf(n, sizeof(n), fmt, p); \
-        r = load_vec(m, n, (len), &L->field, e); if (r < 0) return r; } while (0)
-#define LOADW(field, fmt, rows, cols) do { snprintf(n, sizeof(n), fmt, p); \
-        r = load_linear(m, n, (rows), (cols), &L->field, e); if (r < 0) return r; } while (0)
-
-    LOADV(in_norm, "%s.input_layernorm.weight", H);
-    LOADV(post_norm, "%s.post_attention_layernorm.weight", H);
-    LOADW(wq, "%s.self_attn.q_proj", (int64_t)L->n_heads * L->head_dim, H);
-    LOADW(wk, "%s.self_attn.k_proj", (int64_t)L->n_kv_heads * L->head_dim, H);
-    LOADW(wv, "%s.self_attn.v_proj", (int64_t)L->n_kv_heads * L->head_dim, H);
-    LOADW(wo, "%s.self_attn.o_proj", H, (int64_t)L->n_heads * L->head_dim);
-    if (cfg->use_head_wise_attn_gate)
-        LOADW(wg, "%s.self_attn.g_proj", L->n_heads, H);
-    if (cfg->use_qk_norm) {
-        LOADV(q_norm, "%s.self_attn.q_norm.weight", L->head_dim);
-        LOADV(k_norm, "%s.self_attn.k_norm.weight", L->head_dim);
-    }
-
     if (L->is_moe) {
         int first, count;
-        int64_t I = cfg->moe_intermediate_size;
 
         if (cfg->shared_expert_dim % world)
             return err_set(e, -EINVAL, "layer %d: shared expert dim %d does not split over %d ranks",
                            idx, cfg->shared_expert_dim, world);
         L->inter = cfg->shared_expert_dim / world;
-        L->has_ffn_dense = L->inter > 0;
-        if (L->has_ffn_dense) {
-            LOADW(gate, "%s.share_expert.gate_proj", L->inter, H);
-            LOADW(up, "%s.share_expert.up_proj", L->inter, H);
-            LOADW(down, "%s.share_expert.down_proj", H, L->inter);
-        }
-        LOADW(router, "%s.moe.gate", cfg->n_experts, H);
-        if (cfg->use_router_bias) {
-            struct tview v;
-            float *tmpb;
-            snprintf(n, sizeof(n), "%s.moe.router_bias", p);
-            r = ckpt_get(m->ckpt, n, &v);
-            if (r < 0)
-                return err_set(e, r, "tensor '%s' not available from the loader: %s", n, err_str(r));
-            if (tview_numel(&v) != cfg->n_experts)
-                return err_set(e, -EINVAL, "%s: %lld elements, expected %d", n,
-                               (long long)tview_numel(&v), cfg->n_experts);
-            tmpb = calloc((size_t)cfg->n_experts, sizeof(float));
-            if (!tmpb)
-                return err_set(e, -ENOMEM, "out of memory");
-            L->router_bias = tmpb;
-            for (int i = 0; i < cfg->n_experts; i++) {
-                if (v.dtype == DTYPE_F32) {
-                    memcpy(&tmpb[i], (const char *)v.data + 4 * (size_t)i, 4);
-                } else if (v.dtype == DTYPE_BF16) {
-                    uint16_t h;
-                    uint32_t u;
-                    memcpy(&h, (const char *)v.data + 2 * (size_t)i, 2);
-                    u = (uint32_t)h << 16;
-                    memcpy(&tmpb[i], &u, 4);
-                } else {
-                    return err_set(e, -EINVAL, "%s: dtype %s not supported (F32 or BF16)", n,
-                                   dtype_name(v.dtype));
-                }
-            }
-        }
         ckpt_expert_range(m->ckpt, &first, &count);
         if (count <= 0 || first < 0 || first + count > cfg->n_experts)
             return err_set(e, -EINVAL, "loader expert range [%d, %d) invalid for %d experts", first,
@@ -510,44 +549,17 @@ static int load_layer(struct model *m, struct mlayer *L, int idx, struct err_buf
         L->experts = calloc((size_t)count, sizeof(*L->experts));
         if (!L->experts)
             return err_set(e, -ENOMEM, "out of memory");
-        for (int x = 0; x < count; x++) {
-            char eb[200];
-            snprintf(eb, sizeof(eb), "%s.moe.experts.%d.gate_proj", p, first + x);
-            r = load_linear(m, eb, I, H, &L->experts[x].gate, e);
-            if (r < 0)
-                return r;
-            snprintf(eb, sizeof(eb), "%s.moe.experts.%d.up_proj", p, first + x);
-            r = load_linear(m, eb, I, H, &L->experts[x].up, e);
-            if (r < 0)
-                return r;
-            snprintf(eb, sizeof(eb), "%s.moe.experts.%d.down_proj", p, first + x);
-            r = load_linear(m, eb, H, I, &L->experts[x].down, e);
-            if (r < 0)
-                return r;
-        }
     } else {
         if (cfg->intermediate_size % world)
             return err_set(e, -EINVAL, "layer %d: intermediate size %d does not split over %d ranks",
                            idx, cfg->intermediate_size, world);
         L->inter = cfg->intermediate_size / world;
-        L->has_ffn_dense = true;
-        LOADW(gate, "%s.mlp.gate_proj", L->inter, H);
-        LOADW(up, "%s.mlp.up_proj", L->inter, H);
-        LOADW(down, "%s.mlp.down_proj", H, L->inter);
     }
-
-    if (L->is_mtp) {
-        LOADV(enorm, "%s.enorm.weight", H);
-        LOADV(hnorm, "%s.hnorm.weight", H);
-        LOADV(head_norm, "%s.transformer.shared_head.norm.weight", H);
-        LOADW(head, "%s.transformer.shared_head.output", m->vocab, H);
-        snprintf(n, sizeof(n), "%s.eh_proj.weight", p);
-        r = split_eh(m, L, n, e);
-        if (r < 0)
-            return r;
-    }
-#undef LOADV
-#undef LOADW
+    L->has_ffn_dense = L->inter > 0;
+    /* every tensor the table gives this layer, as this rank holds it */
+    r = tensor_layer_each(cfg, idx, world, L->expert_first, L->n_local, load_tensor, &ctx);
+    if (r < 0)
+        return r;
     return build_freqs(m, L, e);
 }
 

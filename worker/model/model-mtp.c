@@ -1,7 +1,8 @@
 /* model-mtp.c - the MTP step (docs/MODEL.md §3): one draft depth over the sequences that
  * asked for it, with the repair of the positions the previous step computed from drafts
- * (model.h, model_mtp_step), and the MTP layer's input mix x = We·enorm(E[ids]) +
- * Wh·hnorm(g) in front of the ordinary decoder layer.
+ * (model.h, model_mtp_step), and the draft vocabulary.  The layer itself is the script's
+ * (model.c: input mix, decoder layer, head), run whole (fused on a GPU, model-gpu.c) or as
+ * per-core parts or halves (model-split.c).
  */
 #include <errno.h>
 #include <math.h>
@@ -11,22 +12,22 @@
 #include "model-int.h"
 #include "slab.h"
 
-/* MTP layer L over batch b (docs/MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
- * batch's rows of g_rows, then the decoder layer on x.  me, mn: scratch rows [n, H]. */
-int model__mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *b,
-                         const float *g_rows, float *me, float *mn, float *x)
+/* A sequence starts afresh in its slot (model_step: pos0 == 0 or STEP_SEQ_NEW, a new
+ * request, preemption by recompute, a prefix-cache hit): the MTP layers' history of the
+ * slot's previous sequence is void, and the positions before pos0 hold final KV, so the
+ * history starts at pos0 with nothing to re-run. */
+void model__mtp_restart(struct model *m, const struct step_plan *p)
 {
-    int n = b->n_tok, H = m->hidden, r;
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
 
-    TRY(backend_embed(m->be, &m->embed, b->ids, n, me));
-    TRY(backend_rmsnorm(m->be, me, &L->enorm, n, H, m->cfg->rms_norm_eps, me));
-    TRY(backend_rmsnorm(m->be, g_rows, &L->hnorm, n, H, m->cfg->rms_norm_eps, mn));
-    TRY(backend_matmul(m->be, &L->eh_e, me, n, x));
-    TRY(backend_matmul(m->be, &L->eh_h, mn, n, m->tmp));
-    TRY(backend_add(m->be, x, m->tmp, (size_t)n * H));
-    return model__layer_forward(m, L, x, b);
+        if (s->pos0 == 0 || (s->flags & STEP_SEQ_NEW))
+            for (int j = 0; j < m->n_mtp; j++) {
+                m->mtp_end[(size_t)s->slot * m->n_mtp + j] = s->pos0;
+                m->mtp_lo[(size_t)s->slot * m->n_mtp + j] = s->pos0;
+            }
+    }
 }
-
 
 /* Can MTP layer L re-run queries from position q of seq s (q < s->pos0)?  Their KV slots
  * and, for a sliding layer, the keys of q's window must be in valid blocks of the plan
@@ -229,8 +230,10 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
         } else if (m->mtp_tp) {
             r = model__mtp_tp_run(m, k, &mb, NULL);
         } else {
-            r = model__split_choose(m, &mb, &cut) ? model__split_layers(m, &mb, &cut, L)
-                                           : model__mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
+            if (model__split_choose(m, &mb, &cut))
+                r = model__split_layers(m, &mb, &cut, L);
+            else if (!(r = model__mtp_input(m, L, &mb, m->a, m->me, m->mn, m->x)))
+                r = model__layer_forward_fused(m, L, m->x, &mb);
         }
     }
     if (r < 0)

@@ -1,11 +1,24 @@
-/* model-int.h - the model's internals, shared by its four files (not a public header).
+/* model-int.h - the model's internals, shared by its files (not a public header).
  *
- *   model.c        the forward script: plan checks, layer_forward() (docs/MODEL.md §2.3), the
- *                  trunk step (§2), the facts and the struct forward glue;
+ * The files in layers; each calls only files below it (no circle):
+ *
+ *   model-api.c    model.h's entry points: model_new() / model_free(), the trunk step
+ *                  model_step(), the facts and the struct forward glue;
+ *   model-mtp.c    the MTP step model_mtp_step() in phases (docs/MODEL.md §3), with the
+ *                  repair of draft positions, and the draft vocabulary;
+ *   model-split.c  a CPU step as per-core parts, and MTP layers as per-core halves;
+ *   model-gpu.c    a GPU backend's fast paths: step inputs in one transfer, fused layer
+ *                  halves, the trunk as a captured graph;
  *   model-load.c   weights as views into the loader's tensors, validated and prepared once;
  *                  the start-up reservation of KV caches, activations and index buffers;
- *   model-mtp.c    the MTP step (docs/MODEL.md §3) with the repair of draft positions;
- *   model-split.c  a CPU step as per-core parts, and MTP layers as per-core halves.
+ *   model-plan.c   the plan's checks and the index arrays of a batch;
+ *   model.c        the forward script: embedding, layer_forward() (docs/MODEL.md §2.3) as
+ *                  its attention half and FFN half, final norm and head, the MTP layer's
+ *                  input mix and head.  It calls kernels/ only.
+ *
+ * model-api.c calls the five below it; model-mtp.c calls model-split.c, model-gpu.c,
+ * model-load.c, model-plan.c and model.c; model-split.c calls model-load.c and model.c;
+ * model-gpu.c calls model.c.  model-load.c, model-plan.c and model.c call no model file.
  *
  * Everything a step touches was reserved in model_new(); a step allocates nothing.
  * Memory convention of the backends (kernels/backend.h, kernels/cuda/common.cuh):
@@ -200,16 +213,48 @@ struct model {
     struct err_buf last_err;
 };
 
-static const struct forward_ops model_forward_ops;
-
 #define TRY(expr) do { r = (expr); if (r < 0) return r; } while (0)
 #define PLAN_ERR(m, code, ...) err_set(&(m)->last_err, (code), __VA_ARGS__)
 
-/* ---- model-mtp.c ---- */
-/* Release the draft vocabulary's weights and buffers (model_free, and before a new one). */
-void model__draft_vocab_release(struct model *m);
+/* ---- model.c: the forward script (calls kernels/ only) ---- */
+/* comm.allreduce_sum of buf[0 .. n) where the model is sharded (a no-op otherwise). */
+int model__allreduce(struct model *m, float *buf, size_t n);
+int model__copy_rows(struct model *m, float *dst, const int32_t *dst_rows, const float *src,
+                     const int32_t *src_rows, int n);
+int model__layer_kv(struct model *m, struct mlayer *L, const struct batch *b);
+/* The two halves of a decoder layer, and the layer (both halves; reduce: all-reduce the
+ * partial sums over the ranks). */
+int model__attention_half(struct model *m, struct mlayer *L, float *x, const struct batch *b,
+                          bool reduce);
+int model__ffn_half(struct model *m, struct mlayer *L, float *x, const struct batch *b, bool reduce);
+int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b);
+int model__trunk_forward(struct model *m, const struct batch *b, float *x);
+int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float *logits);
+int model__mtp_input(struct model *m, struct mlayer *L, const struct batch *b,
+                     const float *g_rows, float *me, float *mn, float *x);
+int model__mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *b,
+                         const float *g_rows, float *me, float *mn, float *x);
+int model__mtp_head(struct model *m, const struct mlayer *L, const struct bweight *head, float *x,
+                    int n, float *out);
 
-/* ---- model-load.c ---- */
+/* ---- model-plan.c: the plan and a batch's index arrays (calls kernels/ only) ---- */
+int model__check_plan(struct model *m, const struct step_plan *p);
+int32_t model__block_of(const struct step_plan *p, const struct step_seq *s, int g, int b);
+int32_t model__slot_of(const struct model *m, const struct step_plan *p,
+                       const struct step_seq *s, int g, int32_t pos);
+void model__batch_fill(const struct model *m, struct batch *b, const struct step_plan *p,
+                       int n_tok, int n_seqs);
+int model__trunk_batch(struct model *m, const struct step_plan *p, struct batch *b);
+
+/* ---- model-load.c: weights and memory (calls kernels/ and the loader only) ---- */
+/* The model of checkpoint c with its weights loaded and prepared (model_new's first part);
+ * on error nothing is kept. */
+int model__load(struct ckpt *c, struct backend *be, const struct model_comm *comm,
+                const struct model_opts *opts, struct model **ret, struct err_buf *e);
+/* Reserve the activations, index arrays and KV caches (after the split's halves). */
+int model__reserve(struct model *m, struct err_buf *e);
+/* Free what model__load and model__reserve hold, and m. */
+void model__unload(struct model *m);
 /* Prepare w on the model's backend and own the preparation (released in model_free). */
 int model__prepare(struct model *m, struct bweight *w, const char *name, struct err_buf *e);
 /* Bytes of one row of w in its host format, and (MXFP4) of its row of scales; 0: a format
@@ -221,27 +266,17 @@ int model__row_view(const struct bweight *w, int64_t r0, int64_t r1, struct bwei
 /* The model owns host buffer p (freed in model_free); on -ENOMEM p is not taken. */
 int model__own(struct model *m, void *p);
 
-/* ---- model.c ---- */
-extern const struct forward_ops model__forward_ops;
-int32_t model__block_of(const struct step_plan *p, const struct step_seq *s, int g, int b);
-int32_t model__slot_of(const struct model *m, const struct step_plan *p,
-                       const struct step_seq *s, int g, int32_t pos);
-void model__batch_fill(const struct model *m, struct batch *b, const struct step_plan *p,
-                       int n_tok, int n_seqs);
-int model__copy_rows(struct model *m, float *dst, const int32_t *dst_rows, const float *src,
-                     const int32_t *src_rows, int n);
-int model__layer_kv(struct model *m, struct mlayer *L, const struct batch *b);
+/* ---- model-gpu.c: a GPU backend's fast paths (calls model.c) ---- */
 /* The batch's index arrays to the backend in one go (backend_step_begin); graph: the
  * trunk's layers may be replayed as a graph. */
 int model__step_inputs(struct model *m, const struct batch *b, const struct step_plan *p,
                        bool graph);
-int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b);
+int model__gpu_prepare(struct model *m, struct err_buf *e);
+void model__gpu_release(struct model *m);
+int model__layer_forward_fused(struct model *m, struct mlayer *L, float *x, const struct batch *b);
+int model__trunk_graph(struct model *m, const struct batch *b, const struct step_plan *p);
 
-/* ---- model-mtp.c ---- */
-int model__mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *b,
-                         const float *g_rows, float *me, float *mn, float *x);
-
-/* ---- model-split.c ---- */
+/* ---- model-split.c: per-core parts and MTP halves (calls model-load.c, model.c) ---- */
 /* Where a step of batch b would be cut in two parts (false: it runs whole). */
 struct split_cut {
     int t, run;
@@ -257,3 +292,12 @@ int model__split_layers(struct model *m, const struct batch *b, const struct spl
 /* MTP layers as per-core halves (set up at load), and MTP layer k over b run that way. */
 int model__build_mtp_tp(struct model *m, struct err_buf *e);
 int model__mtp_tp_run(struct model *m, int k, const struct batch *b, const struct batch *tail);
+
+/* ---- model-mtp.c: the MTP step (calls model-split.c, model-gpu.c and those below) ---- */
+/* The MTP history of the slots whose sequence starts afresh in plan p (model_step). */
+void model__mtp_restart(struct model *m, const struct step_plan *p);
+/* Release the draft vocabulary's weights and buffers (model_free, and before a new one). */
+void model__draft_vocab_release(struct model *m);
+
+/* ---- model-api.c ---- */
+extern const struct forward_ops model__forward_ops;

@@ -1,7 +1,8 @@
 /* model-load.c - the model's weights and memory: views into the loader's tensors,
  * validated against the config and prepared once on the backend (repack, upload, MXFP4
  * drafts), then the start-up reservation of every KV cache, activation and index buffer a
- * step can need, and model_new() / model_free().  See model-int.h for the file map.
+ * step can need; what model_new() (model-api.c) loads first and model_free() frees last.
+ * Calls kernels/ and the loader only.  See model-int.h for the file map.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -597,7 +598,7 @@ static int host_i32(int32_t **p, size_t n)
     return *p ? 0 : -ENOMEM;
 }
 
-static int reserve(struct model *m, struct err_buf *e)
+int model__reserve(struct model *m, struct err_buf *e)
 {
     size_t T0 = (size_t)m->o.max_tokens_per_step, H = (size_t)m->hidden;
     size_t S = (size_t)m->o.max_seqs, R = (size_t)m->max_logit_rows;
@@ -747,50 +748,6 @@ static int reserve(struct model *m, struct err_buf *e)
     return 0;
 }
 
-/* The fused halves of every layer a GPU backend can run fused (backend_has_blocks);
- * layers it cannot (-ENOTSUP: e.g. MXFP4 drafts) keep the op script. */
-static int prepare_blocks(struct model *m, struct err_buf *e)
-{
-    const struct model_config *cfg = m->cfg;
-    int r;
-
-    if (!backend_has_blocks(m->be) || m->split_parts > 1)
-        return 0;
-    for (int i = 0; i < m->n_layers + m->n_mtp; i++) {
-        struct mlayer *L = &m->layers[i];
-
-        L->aw = (struct attn_weights){
-            .in_norm = &L->in_norm, .wq = &L->wq, .wk = &L->wk, .wv = &L->wv,
-            .wg = cfg->use_head_wise_attn_gate ? &L->wg : NULL,
-            .q_norm = cfg->use_qk_norm ? &L->q_norm : NULL,
-            .k_norm = cfg->use_qk_norm ? &L->k_norm : NULL, .wo = &L->wo,
-            .freqs = L->freqs.rotary_dims > 0 ? &L->freqs : NULL,
-        };
-        L->fw = (struct ffn_weights){
-            .post_norm = &L->post_norm, .gate = L->has_ffn_dense ? &L->gate : NULL,
-            .up = L->has_ffn_dense ? &L->up : NULL, .down = L->has_ffn_dense ? &L->down : NULL,
-            .inter = L->inter, .router = L->is_moe ? &L->router : NULL,
-            .router_bias = L->router_bias, .experts = L->experts, .expert_first = L->expert_first,
-            .n_local = L->n_local, .n_experts = cfg->n_experts,
-            .moe_inter = cfg->moe_intermediate_size,
-        };
-        r = backend_attn_prepare(m->be, &L->aw);
-        if (r == -ENOTSUP)
-            continue;
-        if (r < 0)
-            return err_set(e, r, "layer %d: fused attention weights: %s", L->idx, err_str(r));
-        r = backend_ffn_prepare(m->be, &L->fw);
-        if (r == -ENOTSUP) {
-            backend_attn_release(m->be, &L->aw);
-            continue;
-        }
-        if (r < 0)
-            return err_set(e, r, "layer %d: fused FFN weights: %s", L->idx, err_str(r));
-        L->blocks = true;
-    }
-    return 0;
-}
-
 void model_kv_block_bytes(const struct model *m, int64_t ret[_KV_GROUP_MAX])
 {
     for (int g = 0; g < _KV_GROUP_MAX; g++)
@@ -806,10 +763,10 @@ void model_reserved_bytes(const struct model *m, int64_t *ret_activations, int64
     *ret_kv = kv;
 }
 
-/* ------------------------------------------------------------------ new -- */
+/* ----------------------------------------------------------------- load -- */
 
-int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
-              const struct model_opts *opts, struct model **ret, struct err_buf *e)
+int model__load(struct ckpt *c, struct backend *be, const struct model_comm *comm,
+                const struct model_opts *opts, struct model **ret, struct err_buf *e)
 {
     const struct model_config *cfg = ckpt_config(c);
     struct model *m;
@@ -923,44 +880,17 @@ int model_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,
         m->group_used[m->layers[i].group] = true;
     }
     m->quant_now = false;
-    model__split_fit(m);
-    r = model__build_mtp_tp(m, e);
-    if (r < 0)
-        goto out;
-    r = prepare_blocks(m, e);
-    if (r < 0)
-        goto out;
-    r = reserve(m, e);
-    if (r < 0)
-        goto out;
-
-    m->fwd.ops = &model__forward_ops;
-    m->fwd.vocab_size = m->vocab;
-    m->fwd.n_mtp = m->n_mtp;
-    m->fwd.max_tokens_per_step = m->o.max_tokens_per_step;
-    m->fwd.max_seqs = m->o.max_seqs;
-    m->fwd.block_size = m->o.block_size;
-    for (int g = 0; g < _KV_GROUP_MAX; g++)
-        m->fwd.n_blocks[g] = m->o.n_blocks[g];
-    for (int i = m->n_layers; i < m->n_layers + m->n_mtp; i++)
-        m->fwd.mtp_kv_groups |= 1u << m->layers[i].group;
-    m->fwd.impl = m;
     *ret = m;
     return 0;
 out:
-    model_free(m);
+    model__unload(m);
     return r;
 }
 
-void model_free(struct model *m)
+void model__unload(struct model *m)
 {
     if (!m)
         return;
-    model__draft_vocab_release(m);
-    for (int i = 0; m->layers && i < m->n_layers + m->n_mtp; i++) {
-        backend_attn_release(m->be, &m->layers[i].aw);
-        backend_ffn_release(m->be, &m->layers[i].fw);
-    }
     for (int i = m->n_prepared - 1; i >= 0; i--)
         backend_weight_release(m->be, m->prepared[i]);
     free(m->prepared);

@@ -1,7 +1,8 @@
 /* model-mtp.c - the MTP step (docs/MODEL.md §3): one draft depth over the sequences that
  * asked for it, with the repair of the positions the previous step computed from drafts
- * (model.h, model_mtp_step), and the MTP layer's input mix x = We·enorm(E[ids]) +
- * Wh·hnorm(g) in front of the ordinary decoder layer.
+ * (model.h, model_mtp_step), and the draft vocabulary.  The layer itself is the script's
+ * (model.c: input mix, decoder layer, head), run whole (fused on a GPU, model-gpu.c) or as
+ * per-core parts or halves (model-split.c).
  */
 #include <errno.h>
 #include <math.h>
@@ -11,22 +12,64 @@
 #include "model-int.h"
 #include "slab.h"
 
-/* MTP layer L over batch b (docs/MODEL.md §3.2): x = We·enorm(E[ids]) + Wh·hnorm(g), g the
- * batch's rows of g_rows, then the decoder layer on x.  me, mn: scratch rows [n, H]. */
-int model__mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *b,
-                         const float *g_rows, float *me, float *mn, float *x)
+/* A sequence starts afresh in its slot (model_step: pos0 == 0 or STEP_SEQ_NEW, a new
+ * request, preemption by recompute, a prefix-cache hit): the MTP layers' history of the
+ * slot's previous sequence is void, and the positions before pos0 hold final KV, so the
+ * history starts at pos0 with nothing to re-run. */
+void model__mtp_restart(struct model *m, const struct step_plan *p)
 {
-    int n = b->n_tok, H = m->hidden, r;
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
 
-    TRY(backend_embed(m->be, &m->embed, b->ids, n, me));
-    TRY(backend_rmsnorm(m->be, me, &L->enorm, n, H, m->cfg->rms_norm_eps, me));
-    TRY(backend_rmsnorm(m->be, g_rows, &L->hnorm, n, H, m->cfg->rms_norm_eps, mn));
-    TRY(backend_matmul(m->be, &L->eh_e, me, n, x));
-    TRY(backend_matmul(m->be, &L->eh_h, mn, n, m->tmp));
-    TRY(backend_add(m->be, x, m->tmp, (size_t)n * H));
-    return model__layer_forward(m, L, x, b);
+        if (s->pos0 == 0 || (s->flags & STEP_SEQ_NEW))
+            for (int j = 0; j < m->n_mtp; j++) {
+                m->mtp_end[(size_t)s->slot * m->n_mtp + j] = s->pos0;
+                m->mtp_lo[(size_t)s->slot * m->n_mtp + j] = s->pos0;
+            }
+    }
 }
 
+/* One MTP depth as model_mtp_step runs it: the layer and the batch of rows laid out. */
+struct mtp_run {
+    int k;
+    struct mlayer *L;
+    bool keep;                      /* layer k's outputs feed depth k+1's re-run rows */
+    int n, ns;                      /* batch rows, batch sequences */
+    int n_rr, n_missed;             /* positions re-run; positions that needed it and could not */
+    struct batch mb;
+};
+
+/* Check: depth k may run now on plan p (the last step's plan, depths in order) with these
+ * per-sequence inputs. */
+static int mtp_check(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
+                     const int32_t *tok_in, const float *logits)
+{
+    if (k < 0 || k >= m->n_mtp)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d but %d MTP layers loaded", k, m->n_mtp);
+    if (!m->have_step || !p || p->step_id != m->last_step_id || p->n_tokens != m->last_n_tokens ||
+        p->n_seqs != m->last_n_seqs)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: plan is not the one of the last successful step");
+    if (k != m->mtp_next_k)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d called, expected depth %d", k, m->mtp_next_k);
+    if (!n_valid || !tok_in || !logits)
+        return PLAN_ERR(m, -EINVAL, "mtp_step: n_valid, tok_in and logits are required");
+    for (int i = 0; i < p->n_seqs; i++) {
+        const struct step_seq *s = &p->seqs[i];
+        if (s->mtp_depth <= k)
+            continue;
+        if (n_valid[i] < 0 || n_valid[i] > s->n_tokens)
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d of %d tokens", i, n_valid[i],
+                            s->n_tokens);
+        if (k > 0 && n_valid[i] != m->mtp_nv[i])
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d at depth %d but %d at depth "
+                            "%d (must be the same at every depth)", i, n_valid[i], k,
+                            m->mtp_nv[i], k - 1);
+        if (tok_in[i] < 0 || tok_in[i] >= m->vocab)
+            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: token %d outside the vocab (%d)", i,
+                            tok_in[i], m->vocab);
+    }
+    return 0;
+}
 
 /* Can MTP layer L re-run queries from position q of seq s (q < s->pos0)?  Their KV slots
  * and, for a sliding layer, the keys of q's window must be in valid blocks of the plan
@@ -50,194 +93,193 @@ static bool rerun_fits(const struct model *m, const struct step_plan *p, const s
     return true;
 }
 
-/* One MTP depth (forward.h protocol step 2, docs/MODEL.md §3.2), with the repair of the
- * positions the previous step computed from drafts (model.h). */
-int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
-                   const int32_t *tok_in, float *logits)
+/* Repair: how many positions before pos0 plan seq i re-runs at depth k (rr), given that
+ * depth k-1 re-ran prr of them and kept its stash (pok); *missed += those it could not. */
+static int mtp_rerun_count(const struct model *m, const struct step_plan *p, int i,
+                           const struct mtp_run *run, int nv, bool contig, int prr, bool pok,
+                           int *missed)
 {
-    struct mlayer *L;
-    int H = m->hidden, V = m->vocab, NM = m->n_mtp, ring = m->n_mtp;
-    bool keep;                      /* layer k's outputs feed depth k+1's re-run rows */
-    int n = 0, ns = 0, n_rr = 0, n_missed = 0, r;
-    const char *what = "forward";
+    const struct step_seq *s = &p->seqs[i];
+    const int k = run->k, NM = m->n_mtp, ring = m->n_mtp;
+    const int32_t *toks = p->tokens + s->tok_off, *hist = m->mtp_hist + (size_t)i * NM;
+    size_t st = (size_t)s->slot * NM + k;
+    int have = contig ? s->pos0 - m->mtp_lo[st] : 0, need = prr, cap, rr;
 
-    if (k < 0 || k >= m->n_mtp)
-        return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d but %d MTP layers loaded", k, m->n_mtp);
-    if (!m->have_step || !p || p->step_id != m->last_step_id || p->n_tokens != m->last_n_tokens ||
-        p->n_seqs != m->last_n_seqs)
-        return PLAN_ERR(m, -EINVAL, "mtp_step: plan is not the one of the last successful step");
-    if (k != m->mtp_next_k)
-        return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d called, expected depth %d", k, m->mtp_next_k);
-    if (!n_valid || !tok_in || !logits)
-        return PLAN_ERR(m, -EINVAL, "mtp_step: n_valid, tok_in and logits are required");
-    L = &m->layers[m->n_layers + k];
-    keep = !m->mtp_no_repair && k + 1 < NM;
-    m->dv_on = p->draft_sub && m->dv_n > 0;
-
-    for (int i = 0; i < p->n_seqs; i++) {
-        const struct step_seq *s = &p->seqs[i];
-        if (s->mtp_depth <= k)
-            continue;
-        if (n_valid[i] < 0 || n_valid[i] > s->n_tokens)
-            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d of %d tokens", i, n_valid[i],
-                            s->n_tokens);
-        if (k > 0 && n_valid[i] != m->mtp_nv[i])
-            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: n_valid %d at depth %d but %d at depth "
-                            "%d (must be the same at every depth)", i, n_valid[i], k,
-                            m->mtp_nv[i], k - 1);
-        if (tok_in[i] < 0 || tok_in[i] >= V)
-            return PLAN_ERR(m, -EINVAL, "mtp_step: seq %d: token %d outside the vocab (%d)", i,
-                            tok_in[i], V);
+    /* The last k positions this layer wrote (pos0-k .. pos0-1) took ids from beyond the
+     * accepted tokens.  Position pos0+t must be re-run when its id now differs from the
+     * one it used (a rejected draft, a new draft) or its g changed (depth k-1 re-ran it:
+     * t >= -prr), and with it every later position (they attended to it).  A re-run row
+     * before depth k-1's batch takes its g from the stash. */
+    if (have > k)
+        have = k;
+    for (int t = -have; t < -need; t++) {
+        int idx = t + k + 1;
+        int32_t id = idx < nv ? toks[idx] : hist[idx - nv];
+        if (id != m->mtp_ids[st * ring + (size_t)((s->pos0 + t) % ring)]) {
+            need = -t;
+            break;
+        }
     }
-    m->mtp_next_k = k + 1;
+    if (!contig)        /* a hole: what the layer holds is unknown */
+        need = k < s->pos0 ? k : s->pos0;
+    cap = have < prr + (pok ? 1 : 0) ? have : prr + (pok ? 1 : 0);
+    rr = need < cap ? need : cap;
+    while (rr > 0 && !rerun_fits(m, p, s, run->L, s->pos0 - rr))
+        rr--;
+    *missed += need - rr;
+    return rr;
+}
 
-    for (int i = 0; i < p->n_seqs; i++) {
-        const struct step_seq *s = &p->seqs[i];
-        const int32_t *run = p->tokens + s->tok_off;
-        const int32_t *hist = m->mtp_hist + (size_t)i * NM;
-        size_t st = (size_t)s->slot * NM + k;
-        int nv, rr = 0, prr = m->mtp_rr[i], prow0 = m->mtp_row0[i];
-        bool pok = m->mtp_stash_ok[i], contig;
+/* Lay out: the batch's rows of plan seq i - its re-run positions, then its n_valid new
+ * ones - with their input ids, positions, KV slots and where their g comes from. */
+static int mtp_lay_out_seq(struct model *m, const struct step_plan *p, int i, int nv,
+                           int32_t tok, struct mtp_run *run)
+{
+    const struct step_seq *s = &p->seqs[i];
+    const int k = run->k, NM = m->n_mtp, ring = m->n_mtp;
+    const int32_t *toks = p->tokens + s->tok_off, *hist = m->mtp_hist + (size_t)i * NM;
+    size_t st = (size_t)s->slot * NM + k;
+    int rr = 0, prr = m->mtp_rr[i], prow0 = m->mtp_row0[i], n = run->n, ns = run->ns;
+    bool pok = m->mtp_stash_ok[i], contig;
 
-        if (s->mtp_depth <= k)
-            continue;
-        nv = n_valid[i];
-        m->mtp_hist[(size_t)i * NM + k] = tok_in[i];
-        m->mtp_nv[i] = nv;
-        m->mtp_rr[i] = 0;
-        m->mtp_row0[i] = -1;
-        m->mtp_stash_ok[i] = false;
-        if (nv == 0)
-            continue;
-        /* The last k positions this layer wrote (pos0-k .. pos0-1) took ids from beyond
-         * the accepted tokens.  Position pos0+t must be re-run when its id now differs
-         * from the one it used (a rejected draft, a new draft) or its g changed (depth k-1
-         * re-ran it: t >= -prr), and with it every later position (they attended to it).
-         * A re-run row before depth k-1's batch takes its g from the stash. */
-        contig = m->mtp_end[st] == s->pos0;
-        if (!m->mtp_no_repair && k > 0) {
-            int have = contig ? s->pos0 - m->mtp_lo[st] : 0, need = prr, cap;
-            if (have > k)
-                have = k;
-            for (int t = -have; t < -need; t++) {
-                int idx = t + k + 1;
-                int32_t id = idx < nv ? run[idx] : hist[idx - nv];
-                if (id != m->mtp_ids[st * ring + (size_t)((s->pos0 + t) % ring)]) {
-                    need = -t;
-                    break;
-                }
-            }
-            if (!contig)        /* a hole: what the layer holds is unknown */
-                need = k < s->pos0 ? k : s->pos0;
-            cap = have < prr + (pok ? 1 : 0) ? have : prr + (pok ? 1 : 0);
-            rr = need < cap ? need : cap;
-            while (rr > 0 && !rerun_fits(m, p, s, L, s->pos0 - rr))
-                rr--;
-            n_missed += need - rr;
-        }
-        if (n + rr + nv > m->max_rows)
-            return PLAN_ERR(m, -E2BIG, "mtp_step %d: %d rows exceed the %d reserved", k,
-                            n + rr + nv, m->max_rows);
-        m->h_seq_start[ns] = n;
-        m->h_seq_pos0[ns] = s->pos0 - rr;
-        for (int g = 0; g < _KV_GROUP_MAX; g++)
-            m->h_boff[g][ns] = s->block_off[g];
-        for (int t = -rr; t < nv; t++) {
-            /* input id at position pos0+t is the token k+1 further along: accepted run
-             * tokens, then the sampled token (depth 0) and the drafts (depths 1..k) */
-            int idx = t + k + 1;
-            m->h_ids[n] = idx < nv ? run[idx] : hist[idx - nv];
-            m->h_pos[n] = s->pos0 + t;
-            /* g: trunk hidden (plan row), depth k-1's output (its batch row), or the stash */
-            if (k == 0)
-                m->h_src[n] = s->tok_off + t;
-            else if (t >= -prr)
-                m->h_src[n] = prow0 + t;
-            else
-                m->h_src[n] = -1 - s->slot;
-            for (int g = 0; g < _KV_GROUP_MAX; g++)
-                if (m->group_used[g])
-                    m->h_slots[g][n] = model__slot_of(m, p, s, g, s->pos0 + t);
-            n++;
-        }
-        m->mtp_rr[i] = rr;
-        n_rr += rr;
-        m->mtp_row0[i] = m->h_seq_start[ns] + rr;
-        /* the stash for depth k+1: this layer's (clean) output just before the re-run rows,
-         * still in the ring from an earlier step */
-        {
-            int32_t q = s->pos0 - rr - 1;
-            m->mtp_stash_ok[i] = keep && contig && q >= 0 && q >= m->mtp_lo[st] &&
-                                 q >= s->pos0 - ring;
-        }
-        m->h_rows[ns] = i;      /* logits row (plan order) of this batch seq */
-        ns++;
-    }
-    if (ns == 0)
+    m->mtp_hist[(size_t)i * NM + k] = tok;
+    m->mtp_nv[i] = nv;
+    m->mtp_rr[i] = 0;
+    m->mtp_row0[i] = -1;
+    m->mtp_stash_ok[i] = false;
+    if (nv == 0)
         return 0;
+    contig = m->mtp_end[st] == s->pos0;
+    if (!m->mtp_no_repair && k > 0)
+        rr = mtp_rerun_count(m, p, i, run, nv, contig, prr, pok, &run->n_missed);
+    if (n + rr + nv > m->max_rows)
+        return PLAN_ERR(m, -E2BIG, "mtp_step %d: %d rows exceed the %d reserved", k,
+                        n + rr + nv, m->max_rows);
     m->h_seq_start[ns] = n;
-    struct batch mb;
-    model__batch_fill(m, &mb, p, n, ns);
-    r = model__step_inputs(m, &mb, p, false);
-    if (r < 0) {
-        what = "step inputs";
-        goto fail;
+    m->h_seq_pos0[ns] = s->pos0 - rr;
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        m->h_boff[g][ns] = s->block_off[g];
+    for (int t = -rr; t < nv; t++) {
+        /* input id at position pos0+t is the token k+1 further along: accepted run
+         * tokens, then the sampled token (depth 0) and the drafts (depths 1..k) */
+        int idx = t + k + 1;
+        m->h_ids[n] = idx < nv ? toks[idx] : hist[idx - nv];
+        m->h_pos[n] = s->pos0 + t;
+        /* g: trunk hidden (plan row), depth k-1's output (its batch row), or the stash */
+        if (k == 0)
+            m->h_src[n] = s->tok_off + t;
+        else if (t >= -prr)
+            m->h_src[n] = prow0 + t;
+        else
+            m->h_src[n] = -1 - s->slot;
+        for (int g = 0; g < _KV_GROUP_MAX; g++)
+            if (m->group_used[g])
+                m->h_slots[g][n] = model__slot_of(m, p, s, g, s->pos0 + t);
+        n++;
     }
+    m->mtp_rr[i] = rr;
+    run->n_rr += rr;
+    m->mtp_row0[i] = m->h_seq_start[ns] + rr;
+    /* the stash for depth k+1: this layer's (clean) output just before the re-run rows,
+     * still in the ring from an earlier step */
+    {
+        int32_t q = s->pos0 - rr - 1;
+        m->mtp_stash_ok[i] = run->keep && contig && q >= 0 && q >= m->mtp_lo[st] &&
+                             q >= s->pos0 - ring;
+    }
+    m->h_rows[ns] = i;      /* logits row (plan order) of this batch seq */
+    run->n = n;
+    run->ns = ns + 1;
+    return 0;
+}
 
-    /* g rows: from the trunk / the previous depth's batch, then the stash rows */
-    if (k == 0) {
-        r = model__copy_rows(m, m->a, NULL, m->hid, m->h_src, n);
-    } else {
-        int32_t *dst = m->h_ring, *src = m->h_ring + m->max_rows;
-        int nd = 0;
-        for (int j = 0; j < n; j++)
-            if (m->h_src[j] >= 0) {
-                dst[nd] = j;
-                src[nd++] = m->h_src[j];
-            }
-        r = model__copy_rows(m, m->a, dst, m->mh, src, nd);
-        for (int32_t j = 0; j < n && !r; j++)
-            if (m->h_src[j] < 0) {
-                int32_t slot = -1 - m->h_src[j];
-                r = model__copy_rows(m, m->a, &j, m->mstash, &slot, 1);
-            }
+/* Lay out every sequence that asked for depth k; the batch when any did (run->ns > 0). */
+static int mtp_lay_out(struct model *m, const struct step_plan *p, const int32_t *n_valid,
+                       const int32_t *tok_in, struct mtp_run *run)
+{
+    int r;
+
+    for (int i = 0; i < p->n_seqs; i++) {
+        if (p->seqs[i].mtp_depth <= run->k)
+            continue;
+        TRY(mtp_lay_out_seq(m, p, i, n_valid[i], tok_in[i], run));
     }
-    /* g = trunk hidden (k = 0) or MTP layer k-1's output, in m->a: the layer, whole or as
-     * per-core parts */
-    if (!r) {
-        struct split_cut cut;
-        if (m->mtp_tp && k == NM - 1 && !m->o.no_mtp_tail) {
-            /* the last depth: only each run's last row feeds anything (the draft logits;
-             * no depth reads this layer's outputs), the others just need their KV */
-            struct batch tail = mb;
-            tail.n_tok = ns;
-            tail.ids = NULL;
-            tail.pos = tail.seq_pos0 = m->h_tail_pos;
-            tail.seq_start = m->h_tail_start;
-            for (int si = 0; si < ns; si++) {
-                int last = m->h_seq_start[si + 1] - 1;
-                m->h_tail_pos[si] = m->h_pos[last];
-                m->h_tail_start[si] = si;
-                for (int g = 0; g < _KV_GROUP_MAX; g++)
-                    m->h_tail_slots[g][si] = m->h_slots[g][last];
-            }
-            m->h_tail_start[ns] = ns;
-            for (int g = 0; g < _KV_GROUP_MAX; g++)
-                tail.slots[g] = m->h_tail_slots[g];
-            r = model__mtp_tp_run(m, k, &mb, &tail);
-            m->n_mtp_tails++;
-        } else if (m->mtp_tp) {
-            r = model__mtp_tp_run(m, k, &mb, NULL);
-        } else {
-            r = model__split_choose(m, &mb, &cut) ? model__split_layers(m, &mb, &cut, L)
-                                           : model__mtp_layer_run(m, L, &mb, m->a, m->me, m->mn, m->x);
+    if (run->ns == 0)
+        return 0;
+    m->h_seq_start[run->ns] = run->n;
+    model__batch_fill(m, &run->mb, p, run->n, run->ns);
+    return 0;
+}
+
+/* Gather g into m->a: the trunk's hidden rows (k = 0) or depth k-1's outputs, then the
+ * stash rows of re-run positions from before depth k-1's batch. */
+static int mtp_gather_g(struct model *m, const struct mtp_run *run)
+{
+    int32_t *dst = m->h_ring, *src = m->h_ring + m->max_rows;
+    int n = run->n, nd = 0, r;
+
+    if (run->k == 0)
+        return model__copy_rows(m, m->a, NULL, m->hid, m->h_src, n);
+    for (int j = 0; j < n; j++)
+        if (m->h_src[j] >= 0) {
+            dst[nd] = j;
+            src[nd++] = m->h_src[j];
         }
-    }
-    if (r < 0)
-        goto fail;
+    r = model__copy_rows(m, m->a, dst, m->mh, src, nd);
+    for (int32_t j = 0; j < n && !r; j++)
+        if (m->h_src[j] < 0) {
+            int32_t slot = -1 - m->h_src[j];
+            r = model__copy_rows(m, m->a, &j, m->mstash, &slot, 1);
+        }
+    return r;
+}
 
-    /* the ids the last `ring` positions used, for the next step's comparison */
-    for (int si = 0; si < ns && !m->mtp_no_repair && k > 0; si++) {
+/* Run the layer on g (m->a) into m->x: as per-core halves (the last depth only for each
+ * run's last row past the KV store), as per-core parts, or whole (fused on a GPU). */
+static int mtp_run_layer(struct model *m, struct mtp_run *run)
+{
+    struct batch *mb = &run->mb;
+    const int ns = run->ns;
+    struct split_cut cut;
+    int r;
+
+    if (m->mtp_tp && run->k == m->n_mtp - 1 && !m->o.no_mtp_tail) {
+        /* the last depth: only each run's last row feeds anything (the draft logits;
+         * no depth reads this layer's outputs), the others just need their KV */
+        struct batch tail = *mb;
+        tail.n_tok = ns;
+        tail.ids = NULL;
+        tail.pos = tail.seq_pos0 = m->h_tail_pos;
+        tail.seq_start = m->h_tail_start;
+        for (int si = 0; si < ns; si++) {
+            int last = m->h_seq_start[si + 1] - 1;
+            m->h_tail_pos[si] = m->h_pos[last];
+            m->h_tail_start[si] = si;
+            for (int g = 0; g < _KV_GROUP_MAX; g++)
+                m->h_tail_slots[g][si] = m->h_slots[g][last];
+        }
+        m->h_tail_start[ns] = ns;
+        for (int g = 0; g < _KV_GROUP_MAX; g++)
+            tail.slots[g] = m->h_tail_slots[g];
+        r = model__mtp_tp_run(m, run->k, mb, &tail);
+        m->n_mtp_tails++;
+        return r;
+    }
+    if (m->mtp_tp)
+        return model__mtp_tp_run(m, run->k, mb, NULL);
+    if (model__split_choose(m, mb, &cut))
+        return model__split_layers(m, mb, &cut, run->L);
+    TRY(model__mtp_input(m, run->L, mb, m->a, m->me, m->mn, m->x));
+    return model__layer_forward_fused(m, run->L, m->x, mb);
+}
+
+/* Remember the ids the last `ring` positions of each run used, for the next step's
+ * comparison (mtp_rerun_count). */
+static void mtp_keep_ids(struct model *m, const struct step_plan *p, const struct mtp_run *run)
+{
+    const int k = run->k, NM = m->n_mtp, ring = m->n_mtp;
+
+    for (int si = 0; si < run->ns && !m->mtp_no_repair && k > 0; si++) {
         const struct step_seq *s = &p->seqs[m->h_rows[si]];
         int32_t first = m->h_seq_pos0[si], end = m->h_seq_pos0[si] +
                         (m->h_seq_start[si + 1] - m->h_seq_start[si]);
@@ -245,47 +287,63 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
         for (int32_t pos = end - ring > first ? end - ring : first; pos < end; pos++)
             ids[pos % ring] = m->h_ids[m->h_seq_start[si] + (pos - first)];
     }
+}
 
-    /* keep h' for the re-runs of later steps: first the stash (the row before this step's
-     * rows, still in the ring), then the ring gets the last `ring` positions written */
-    if (keep) {
-        int32_t *dst = m->h_ring, *src = m->h_ring + m->max_rows;
-        int nr = 0;
-        for (int si = 0; si < ns && !r; si++) {
-            int i = m->h_rows[si];
-            const struct step_seq *s = &p->seqs[i];
-            int32_t base = (s->slot * NM + k) * ring, first = m->h_seq_pos0[si];
-            int32_t end = s->pos0 + m->mtp_nv[i];
-            if (m->mtp_stash_ok[i]) {
-                int32_t q = first - 1, row = base + q % ring, slot = s->slot;
-                r = model__copy_rows(m, m->mstash, &slot, m->mring, &row, 1);
-            }
-            for (int32_t pos = end - ring > first ? end - ring : first; pos < end; pos++) {
-                dst[nr] = base + pos % ring;
-                src[nr++] = m->h_seq_start[si] + (pos - first);
-            }
+/* Keep h' for the re-runs of later steps: first the stash (the row before this step's
+ * rows, still in the ring), then the ring gets the last `ring` positions written. */
+static int mtp_keep_outputs(struct model *m, const struct step_plan *p, const struct mtp_run *run)
+{
+    const int k = run->k, NM = m->n_mtp, ring = m->n_mtp;
+    int32_t *dst = m->h_ring, *src = m->h_ring + m->max_rows;
+    int nr = 0, r = 0;
+
+    if (!run->keep)
+        return 0;
+    for (int si = 0; si < run->ns && !r; si++) {
+        int i = m->h_rows[si];
+        const struct step_seq *s = &p->seqs[i];
+        int32_t base = (s->slot * NM + k) * ring, first = m->h_seq_pos0[si];
+        int32_t end = s->pos0 + m->mtp_nv[i];
+        if (m->mtp_stash_ok[i]) {
+            int32_t q = first - 1, row = base + q % ring, slot = s->slot;
+            r = model__copy_rows(m, m->mstash, &slot, m->mring, &row, 1);
         }
-        r = r ? r : model__copy_rows(m, m->mring, dst, m->x, src, nr);
-        if (r < 0)
-            goto fail;
+        for (int32_t pos = end - ring > first ? end - ring : first; pos < end; pos++) {
+            dst[nr] = base + pos % ring;
+            src[nr++] = m->h_seq_start[si] + (pos - first);
+        }
     }
+    return r ? r : model__copy_rows(m, m->mring, dst, m->x, src, nr);
+}
 
-    /* draft logits from each seq's last valid position (the halves computed theirs, one
-     * half of the vocab each); h' feeds the next depth */
+/* Hand over: each run's last row to the head's rows (the halves took theirs already) and
+ * h' (m->x) to the next depth (m->mh). */
+static int mtp_hand_over(struct model *m, const struct mtp_run *run)
+{
+    float *t;
+    int r;
+
     if (!m->mtp_tp) {
-        for (int si = 0; si < ns; si++)
+        for (int si = 0; si < run->ns; si++)
             m->h_last[si] = m->h_seq_start[si + 1] - 1;
-        r = model__copy_rows(m, m->rows_h, NULL, m->x, m->h_last, ns);
-        if (r < 0)
-            goto fail;
+        TRY(model__copy_rows(m, m->rows_h, NULL, m->x, m->h_last, run->ns));
     }
-    {
-        float *t = m->mh;
-        m->mh = m->x;
-        m->x = t;
-    }
+    t = m->mh;
+    m->mh = m->x;
+    m->x = t;
+    return 0;
+}
+
+/* Draft logits of each run's last position into its plan row of logits: over the draft
+ * vocabulary (scattered into -inf rows) or the whole vocabulary; the halves computed
+ * theirs, one half of the vocabulary each. */
+static int mtp_draft_logits(struct model *m, const struct mtp_run *run, float *logits)
+{
+    const struct mlayer *L = run->L;
+    const int ns = run->ns, V = m->vocab;
+    int r = 0;
+
     if (m->dv_on) {
-        /* over the draft vocabulary: its logits, then scattered into -inf rows */
         const int D = m->dv_n, D2 = D / 2;
         if (m->mtp_tp) {
             for (int si = 0; si < ns && !r; si++)
@@ -294,9 +352,7 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
                                          m->tp_logits[q] + (size_t)si * D2,
                                          sizeof(float) * (size_t)D2);
         } else {
-            r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps,
-                                m->rows_h);
-            r = r ? r : backend_matmul(m->be, &L->head_sub, m->rows_h, ns, m->mtp_logits);
+            r = model__mtp_head(m, L, &L->head_sub, m->rows_h, ns, m->mtp_logits);
             r = r ? r : backend_download(m->be, m->dv_host, m->mtp_logits,
                                          sizeof(float) * (size_t)ns * (size_t)D);
         }
@@ -316,37 +372,75 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
                 r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V + (size_t)q * V2,
                                      m->tp_logits[q] + (size_t)si * V2, sizeof(float) * (size_t)V2);
     } else {
-        r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, ns, H, m->cfg->rms_norm_eps, m->rows_h);
-        r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, ns, m->mtp_logits);
+        r = model__mtp_head(m, L, &L->head, m->rows_h, ns, m->mtp_logits);
         for (int si = 0; si < ns && !r; si++)
             r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V,
                                  m->mtp_logits + (size_t)si * V, sizeof(float) * (size_t)V);
     }
-    r = r ? r : backend_sync(m->be);
-    if (r < 0) {
-        what = "draft logits";
-        goto fail;
-    }
+    return r ? r : backend_sync(m->be);
+}
 
-    /* the layer now holds positions [lo, pos0 + n_valid) of each slot contiguously */
-    for (int si = 0; si < ns; si++) {
+/* Commit: the layer now holds positions [lo, pos0 + n_valid) of each slot contiguously;
+ * count the repair's re-runs and misses. */
+static void mtp_commit(struct model *m, const struct step_plan *p, const struct mtp_run *run)
+{
+    for (int si = 0; si < run->ns; si++) {
         int i = m->h_rows[si];
         const struct step_seq *s = &p->seqs[i];
-        size_t st = (size_t)s->slot * NM + k;
+        size_t st = (size_t)s->slot * m->n_mtp + run->k;
         if (m->mtp_end[st] != s->pos0)
             m->mtp_lo[st] = s->pos0;
         m->mtp_end[st] = s->pos0 + m->mtp_nv[i];
     }
-    m->n_mtp_rerun += (uint64_t)n_rr;
-    m->n_mtp_missed += (uint64_t)n_missed;
+    m->n_mtp_rerun += (uint64_t)run->n_rr;
+    m->n_mtp_missed += (uint64_t)run->n_missed;
+}
+
+/* Roll back after a failure: the layer's KV / kept outputs of these slots are partly
+ * written, so no later repair may rely on them, and the chain of this step is over. */
+static int mtp_fail(struct model *m, const struct step_plan *p, const struct mtp_run *run, int r,
+                    const char *what)
+{
+    for (int si = 0; si < run->ns; si++)
+        m->mtp_end[(size_t)p->seqs[m->h_rows[si]].slot * m->n_mtp + run->k] = -1;
+    m->mtp_next_k = m->n_mtp;
+    return PLAN_ERR(m, r, "mtp_step %d: %s failed: %s", run->k, what, err_str(r));
+}
+
+/* One MTP depth (forward.h protocol step 2, docs/MODEL.md §3.2), with the repair of the
+ * positions the previous step computed from drafts (model.h). */
+int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
+                   const int32_t *tok_in, float *logits)
+{
+    struct mtp_run run;
+    int r = mtp_check(m, k, p, n_valid, tok_in, logits);
+
+    if (r < 0)
+        return r;
+    m->mtp_next_k = k + 1;
+    m->dv_on = p->draft_sub && m->dv_n > 0;
+    run = (struct mtp_run){ .k = k, .L = &m->layers[m->n_layers + k],
+                            .keep = !m->mtp_no_repair && k + 1 < m->n_mtp };
+    r = mtp_lay_out(m, p, n_valid, tok_in, &run);
+    if (r < 0 || run.ns == 0)
+        return r;
+    r = model__step_inputs(m, &run.mb, p, false);
+    if (r < 0)
+        return mtp_fail(m, p, &run, r, "step inputs");
+    r = mtp_gather_g(m, &run);
+    r = r ? r : mtp_run_layer(m, &run);
+    if (r < 0)
+        return mtp_fail(m, p, &run, r, "forward");
+    mtp_keep_ids(m, p, &run);
+    r = mtp_keep_outputs(m, p, &run);
+    r = r ? r : mtp_hand_over(m, &run);
+    if (r < 0)
+        return mtp_fail(m, p, &run, r, "forward");
+    r = mtp_draft_logits(m, &run, logits);
+    if (r < 0)
+        return mtp_fail(m, p, &run, r, "draft logits");
+    mtp_commit(m, p, &run);
     return 0;
-fail:
-    /* the layer's KV / kept outputs of these slots are partly written: no later repair may
-     * rely on them, and the chain of this step is over */
-    for (int si = 0; si < ns; si++)
-        m->mtp_end[(size_t)p->seqs[m->h_rows[si]].slot * NM + k] = -1;
-    m->mtp_next_k = NM;
-    return PLAN_ERR(m, r, "mtp_step %d: %s failed: %s", k, what, err_str(r));
 }
 
 void model_mtp_repair_stats(const struct model *m, uint64_t *ret_rerun, uint64_t *ret_missed)

@@ -7,7 +7,7 @@
  * core, exchanging three partial results per layer.  Outputs of split steps are bit for
  * bit those of the whole step (test/model/test-model-split.c); MTP halves differ from the
  * whole layer only in the order of some fp32 sums.  The script (model.c) sees a part only
- * through its struct batch_hooks.
+ * through its struct batch_hooks.  Calls the script and model-load.c's weight views.
  */
 #include <errno.h>
 #include <sched.h>
@@ -382,9 +382,7 @@ static void split_part_run(void *arg, int part, struct backend *sub)
         r = model__mtp_layer_run(&v, ss->mtp, &sp->b, m->a + off, m->me + off, m->mn + off,
                                  m->x + off);
     } else {
-        r = backend_embed(sub, &m->embed, sp->b.ids, sp->b.n_tok, m->hid + off);
-        for (int l = 0; l < m->n_layers && r >= 0; l++)
-            r = model__layer_forward(&v, &m->layers[l], m->hid + off, &sp->b);
+        r = model__trunk_forward(&v, &sp->b, m->hid + off);
     }
     if (r < 0 && sp->hooks.sync && part == 0)
         atomic_store_explicit(&sp->hooks.sync->failed, 1, memory_order_relaxed);
@@ -560,9 +558,8 @@ static void tp_part_run(void *arg, int part, struct backend *sub)
         r = backend_upload(sub, v.tmp + (size_t)si * H,
                            x + (size_t)(t->tail ? si : b->seq_start[si + 1] - 1) * H,
                            sizeof(float) * (size_t)H);
-    r = r ? r : backend_rmsnorm(sub, v.tmp, &L->head_norm, b->n_seqs, H, m->cfg->rms_norm_eps, v.tmp);
-    r = r ? r : backend_matmul(sub, m->dv_on ? &h->head_sub : &h->head, v.tmp, b->n_seqs,
-                               m->tp_logits[part]);
+    r = r ? r : model__mtp_head(&v, L, m->dv_on ? &h->head_sub : &h->head, v.tmp, b->n_seqs,
+                                m->tp_logits[part]);
     if (r < 0)
         atomic_store_explicit(&t->failed, 1, memory_order_relaxed);
     t->r[part] = r;

@@ -7,7 +7,7 @@
  * reads KV head h / (n_heads / n_kv_heads) (contiguous grouping).  The same code serves
  * prefill chunks, decode and verify runs: the cache must already hold every key up to
  * the last query position (kv_store first).  Softmax is computed online over chunks of
- * keys in fp32 with a vectorised fp32 exp (exp_shift_sum).  One parallel region over
+ * keys in fp32 with the kernels' exp polynomial (vexp.h, exp_shift_sum).  One parallel region over
  * work items (sequence, block of its query tokens, KV head), cut into coarse contiguous
  * units claimed by the pool's threads.  The query heads sharing a KV head AND a block of
  * up to ATTN_MAX_ROWS / G consecutive query tokens of one sequence (prefill, verify) are
@@ -24,7 +24,7 @@
  * On AVX-512 CPUs (builds for such a target; STEPD_CPU_NO_AVX512=1 forces the AVX2 path)
  * scores, exp and P.V run on zmm registers with the AVX2 path's arithmetic, bit for bit:
  * the same 8-lane FMA partials over d and reduction tree per score (two query rows per
- * register), the same per-element exp and 8-lane sum, and per-lane FMAs in key order for
+ * register), the same per-element exp (vexp.h) and 8-lane sum, and per-lane FMAs in key order for
  * P.V (up to four rows sharing each loaded V row).  test-attention compares the two paths.
  */
 #include <errno.h>
@@ -51,7 +51,7 @@ int cpu_attn_no_fused;
 struct attn_job {
     const struct attn_args *a;
     bool avx2;
-    int avx512;             /* attn_avx512_level: 0, 1 (AVX-512), 2 (and vector exp tails) */
+    int avx512;             /* cpu_attn_avx512_level: 0, or 1 (the AVX-512 path) */
     int qb;                 /* query tokens per block (ATTN_MAX_ROWS / G) */
     int n_groups;           /* KV head groups per (sequence, block) */
     int64_t n_items;        /* (sequence, block, KV head group) work items */
@@ -101,32 +101,18 @@ static inline const float *kv_row_f32(const struct kv_layer *kv, const void *bas
 }
 
 /* v[k] = exp(v[k] - m) for k in [0, n) where every v[k] <= m (or NaN); returns their sum.
- * Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, 2^n built in
- * the exponent bits; under 1 ulp measured on [-87, 0]) instead of a libm call per score;
- * exp_shift_sum_avx2 is the 8-lane form.  Arguments below -87.3 (results near FLT_MIN)
- * give 0. */
+ * vexp1 (vexp.h) instead of a libm call per score; exp_shift_sum_avx2 and _avx512 are the
+ * vector forms, element for element the same.  Arguments below -87.3 (results near
+ * FLT_MIN) give 0. */
 static float exp_shift_sum(float *v, int n, float m)
 {
     float l8[8] = { 0 };
     int k = 0;
 
     for (int i = 0; i < n; i++) {
-        const float x0 = v[i] - m, x = x0 < -87.3f ? -87.3f : x0;
-        const float fn = floorf(x * 1.44269504088896341f + 0.5f);
-        const float r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        int32_t bits;
-        float two_n;
+        const float x0 = v[i] - m;
 
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * (r * r) + r + 1.0f;
-        bits = ((int32_t)fn + 127) * (1 << 23);
-        memcpy(&two_n, &bits, sizeof(two_n));
-        v[i] = x0 < -87.3f ? 0.0f : p * two_n;
+        v[i] = x0 < VEXP_MIN ? 0.0f : vexp1(x0);
     }
     for (; k + 8 <= n; k += 8)
         for (int e = 0; e < 8; e++)
@@ -354,32 +340,19 @@ AVX2_FN static void pv_bf16_avx2(const float *sc, int R, const int *ka, const in
     }
 }
 
-/* exp_shift_sum 8 lanes at a time (the same Cephes steps; plain C does not vectorise). */
+/* exp_shift_sum 8 lanes at a time (vexp8; plain C does not vectorise). */
 AVX2_FN static float exp_shift_sum_avx2(float *v, int n, float m)
 {
-    const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
+    const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(VEXP_MIN);
     __m256 sum = _mm256_setzero_ps(), h;
     __m128 s4;
     int i = 0;
 
     for (; i + 8 <= n; i += 8) {
         const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(v + i), mv);
-        const __m256 x = _mm256_max_ps(lo, x0);
-        const __m256 fn = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                          _mm256_set1_ps(0.5f)));
-        const __m256 r = _mm256_fmadd_ps(fn, _mm256_set1_ps(2.12194440e-4f),
-                                         _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x));
-        __m256 p = _mm256_set1_ps(1.9875691500e-4f), e;
+        const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x0, lo, _CMP_LT_OQ),
+                                          vexp8(_mm256_max_ps(lo, x0)));
 
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-        p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-        e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                 _mm256_add_epi32(_mm256_cvttps_epi32(fn), _mm256_set1_epi32(127)), 23)));
-        e = _mm256_andnot_ps(_mm256_cmp_ps(x0, lo, _CMP_LT_OQ), e);
         _mm256_storeu_ps(v + i, e);
         sum = _mm256_add_ps(sum, e);
     }
@@ -434,32 +407,18 @@ AVX512_INLINE __m512 hadd512(__m512 a, __m512 b)
     return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xdd));
 }
 
-/* exp(x0) of 16 lanes where x0 = v - m <= 0: exp_shift_sum_avx2's steps, lane for lane */
+/* exp(x0) of 16 lanes where x0 = v - m <= 0 (0 below -87.3): exp_shift_sum_avx2's steps,
+ * lane for lane */
 AVX512_INLINE __m512 exp16(__m512 x0)
 {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    const __m512 x = _mm512_max_ps(lo, x0);
-    const __m512 fn = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(fn, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f), e;
+    const __m512 lo = _mm512_set1_ps(VEXP_MIN);
 
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    e = _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(
-                             _mm512_add_epi32(_mm512_cvttps_epi32(fn), _mm512_set1_epi32(127)), 23)));
-    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x0, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(vexp16(_mm512_max_ps(lo, x0)), _mm512_cmp_ps_mask(x0, lo, _CMP_LT_OQ),
+                              _mm512_setzero_ps());
 }
 
 /* exp_shift_sum on n < 8 values with exp16: the same values and the same sequential sum
- * as the scalar exp_shift_sum, provided the compiler contracted that one's Cephes steps
- * into the FMAs exp16 takes (checked at start-up: exp_tail_matches).  v has room for 8
+ * as the scalar exp_shift_sum (vexp1 and vexp16 agree bit for bit).  v has room for 8
  * floats where room (the lanes past n get don't-care values), else exactly n are written
  * (a masked store, which later loads cannot forward from). */
 AVX512_FN static float exp_tail_avx512(float *v, int n, float m, bool room)
@@ -480,9 +439,9 @@ AVX512_FN static float exp_tail_avx512(float *v, int n, float m, bool room)
 
 /* exp_shift_sum_avx2, bit for bit: the same per-element steps on 16 lanes, and the 8-lane
  * sum still takes the blocks of 8 one after another (low half, then high half); the last
- * n % 8 values by exp_tail_avx512 where vec_tail (else the scalar exp_shift_sum, as the
- * AVX2 path).  v has room for cap >= n floats (see exp_tail_avx512). */
-AVX512_FN static float exp_shift_sum_avx512(float *v, int n, float m, bool vec_tail, int cap)
+ * n % 8 values by exp_tail_avx512 (the AVX2 path: the scalar exp_shift_sum, the same
+ * values).  v has room for cap >= n floats (see exp_tail_avx512). */
+AVX512_FN static float exp_shift_sum_avx512(float *v, int n, float m, int cap)
 {
     const __m512 mv = _mm512_set1_ps(m);
     __m256 sum = _mm256_setzero_ps(), h;
@@ -510,8 +469,7 @@ AVX512_FN static float exp_shift_sum_avx512(float *v, int n, float m, bool vec_t
     if (i == n)
         return _mm_cvtss_f32(_mm_hadd_ps(s4, s4)) + 0.0f;
     return _mm_cvtss_f32(_mm_hadd_ps(s4, s4)) +
-           (vec_tail ? exp_tail_avx512(v + i, n - i, m, cap - i >= 8)
-                     : exp_shift_sum(v + i, n - i, m));
+           exp_tail_avx512(v + i, n - i, m, cap - i >= 8);
 }
 
 /* scores_avx2 for two query rows at once, bit for bit: qp holds the rows in pairs, chunk
@@ -859,7 +817,7 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
 #if defined(__x86_64__)
                 if (avx512)
                     l[h][r] += exp_shift_sum_avx512(srow + ka[r], kb[r] - ka[r], m[h][r],
-                                                    avx512 > 1, KEY_CHUNK - ka[r]);
+                                                    KEY_CHUNK - ka[r]);
                 else if (avx2)
                     l[h][r] += exp_shift_sum_avx2(srow + ka[r], kb[r] - ka[r], m[h][r]);
                 else
@@ -944,53 +902,11 @@ static void attn_unit(void *arg, int unit, int n_units, int ith)
     }
 }
 
-#if defined(__x86_64__)
-/* Whether exp_tail_avx512 gives exactly the scalar exp_shift_sum's values and sum (the
- * compiler contracted the scalar steps into the same FMAs), on values spanning the
- * exp16 range, the underflow edge and tails of 1..7. */
-AVX512_FN static bool exp_tail_matches(void)
-{
-    float a[8], b[8];
-
-    for (int t = 0; t < 700; t++) {
-        const int n = 1 + t % 7;
-        const float m = t % 3 == 0 ? 0.0f : (float)(t % 29) * 0.731f - 9.0f;
-
-        for (int k = 0; k < n; k++) {
-            /* x0 = v - m from about -95 to 0, with some exactly at the -87.3 edge */
-            float x = -95.0f * (float)((t * 7 + k * 131) % 1000) / 999.0f;
-
-            if ((t + k) % 97 == 0)
-                x = -87.3f;
-            a[k] = b[k] = m + x;
-        }
-        {
-            const float sa = exp_shift_sum(a, n, m), sb = exp_tail_avx512(b, n, m, true);
-
-            if (memcmp(a, b, sizeof(float) * (size_t)n) != 0 || memcmp(&sa, &sb, sizeof(sa)) != 0)
-                return false;
-        }
-    }
-    return true;
-}
-#endif
-
-/* The AVX-512 path (bit-identical to the AVX2 one) at level avx512: 0 = no, 1 = yes,
- * 2 = yes with vector exp tails (exp_tail_matches); decided once per process. */
+/* The AVX-512 path (bit-identical to the AVX2 one): 1 where the active level has it. */
 int cpu_attn_avx512_level(void)
 {
 #if defined(__x86_64__)
-    static _Atomic int cached = -1;
-    int v = atomic_load_explicit(&cached, memory_order_relaxed);
-
-    if (v < 0) {
-        v = cpu_isa_has(CPU_ISA_AVX512) ?
-                1 + exp_tail_matches() : 0;
-        if (v == 1)
-            log_debug("attention: scalar exp tails (the compiler's scalar expf steps differ)");
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
-    }
-    return v;
+    return cpu_isa_has(CPU_ISA_AVX512);
 #else
     return 0;
 #endif

@@ -37,7 +37,9 @@
  * rows share their window's blocks, so only the full-attention pair compares).
  * --attn-only measures the full-attention row alone, on caches of its own and no model
  * (bench_attn_only): a quick check of the attention kernel against its byte floor; "cpu"
- * is the process's CPU time over wall x threads, how much of the cores the run got.
+ * is the process's CPU time over wall x threads, how much of the cores the run got, and
+ * "% per cpu-s" the floor over the time with both the probe's and the kernel's time
+ * counted in CPU seconds (what a loaded shared host leaves comparable).
  * The sweep streams > 1.5 GB between two readings of the same weights, so every piece reads
  * its weights from DRAM, as in serving.  The KV caches are filled with values up front
  * (as a long prefill would leave them); every sequence has blocks of its own, except at
@@ -85,6 +87,7 @@ struct cell {
     int B, ctx;
     double t[MAX_REPS], floor[MAX_REPS], bytes[MAX_REPS];
     double cpu[MAX_REPS];           /* --attn-only: process CPU time / (wall x threads) */
+    double cpu_ratio[MAX_REPS];     /* --attn-only: floor / time, both per CPU-second */
     int n;
 };
 
@@ -104,6 +107,7 @@ struct bench {
     struct backend *be;
     struct cpu_pool *pool;
     double bw[MAX_REPS];
+    double bw_cpu[MAX_REPS];        /* --attn-only: the probe's cpu share */
     struct cell cells[MAX_CELLS];
     int n_cells;
     int nbf, nbs;                   /* KV blocks per FULL / SLIDING layer */
@@ -241,9 +245,11 @@ static void record(struct bench *b, const char *name, int B, int ctx, double t, 
     struct cell *c = cell_get(b, name, B, ctx);
 
     c->t[c->n] = t;
-    c->cpu[c->n] = b->cpu_share;
     c->bytes[c->n] = bytes;
     c->floor[c->n] = bytes / (b->bw[b->rep] * 1e9);
+    c->cpu[c->n] = b->cpu_share;
+    c->cpu_ratio[c->n] = b->cpu_share > 0 ?
+                             c->floor[c->n] * b->bw_cpu[b->rep] / (t * b->cpu_share) : 0;
     c->n++;
 }
 
@@ -590,7 +596,8 @@ static void report(const struct bench *b)
                    1e3 * median(c->t, c->n), median(c->bytes, c->n) / 1e6,
                    1e3 * median(c->floor, c->n), 100.0 * median(ratio, c->n));
             if (c->cpu[0] > 0)
-                printf("  cpu %.2f", median(c->cpu, c->n));
+                printf("  cpu %.2f, %5.1f %% per cpu-s", median(c->cpu, c->n),
+                       100.0 * median(c->cpu_ratio, c->n));
             printf("\n");
         }
         for (int ci = 0; ci < b->n_ctxs; ci++) {
@@ -834,7 +841,10 @@ static void bench_attn_only(struct bench *b)
            BS, b->kv_f32 ? "FP32" : "BF16", kv.n_blocks * per_block / 1e6);
     b->n_cells = 0;
     for (b->rep = 0; b->rep < b->reps; b->rep++) {
+        const double pc0 = cpu_now(), pt0 = now();
+
         b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
+        b->bw_cpu[b->rep] = (cpu_now() - pc0) / ((now() - pt0) * b->T);
         for (int bi = 0; bi < b->n_batches; bi++)
             for (int ci = 0; ci < b->n_ctxs; ci++) {
                 const int B = b->batches[bi], ctx = b->ctxs[ci], nb = (ctx + BS - 1) / BS;

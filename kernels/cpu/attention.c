@@ -16,16 +16,16 @@
  *
  * A pass (one KV head over one key chunk) prefetches the K and V rows of the next pass (the
  * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
- * hardware prefetchers do not follow.  On the AVX2 path with a BF16 cache the scores and
- * P.V kernels read the cache rows themselves, converting each vector in registers once for
- * up to 4 query rows (scores_bf16_avx2, pv_bf16_avx2; bit-identical to converting the rows
- * into fp32 buffers first, which the other paths do).
+ * hardware prefetchers do not follow.  With a BF16 cache the scores and P.V kernels read
+ * the cache rows themselves, converting each vector in registers once for up to 4 (AVX2)
+ * or 8 (AVX-512) query rows (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
+ * into fp32 buffers first, which an FP32 cache and cpu_attn_no_fused do).
  *
- * On AVX-512 CPUs (builds for such a target; STEPD_CPU_NO_AVX512=1 forces the AVX2 path)
- * scores, exp and P.V run on zmm registers with the AVX2 path's arithmetic, bit for bit:
- * the same 8-lane FMA partials over d and reduction tree per score (two query rows per
- * register), the same per-element exp (vexp.h) and 8-lane sum, and per-lane FMAs in key order for
- * P.V (up to four rows sharing each loaded V row).  test-attention compares the two paths.
+ * The AVX-512 kernels (chosen at run time, cpu_isa_has; STEPD_CPU_ISA=avx2 forces the AVX2
+ * ones) do the AVX2 path's arithmetic on zmm registers, bit for bit: each lane takes the
+ * same 8-lane FMA partials over d (two keys, or two query rows, per register) and the same
+ * reduction tree per score, the same per-element exp (vexp.h) and 8-lane sum, and per-lane
+ * FMAs in key order for P.V.  test-attention compares the paths.
  */
 #include <errno.h>
 #include <math.h>
@@ -44,7 +44,7 @@
 
 /* nonzero: one KV head per work item, as before head groups (benchmarks; cpu.h) */
 int cpu_attn_no_groups;
-/* nonzero: the AVX2 path converts BF16 rows into fp32 buffers first (tests; cpu.h) */
+/* nonzero: BF16 rows go through fp32 buffers first (tests; cpu.h) */
 int cpu_attn_no_fused;
 #define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
@@ -214,14 +214,20 @@ AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *con
 struct next_rows {
     const uint16_t *k[KEY_CHUNK], *v[KEY_CHUNK];
     int n;
+    bool l2;        /* into L2 only (prefetcht1/t2): the AVX-512 kernels (see attn_chunk) */
 };
 
 static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
 {
     for (int k = k0; k < k1 && k < nx->n; k++)
         for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
-            __builtin_prefetch(nx->k[k] + o, 0, 3);
-            __builtin_prefetch(nx->v[k] + o, 0, 3);
+            if (nx->l2) {
+                __builtin_prefetch(nx->k[k] + o, 0, 1);
+                __builtin_prefetch(nx->v[k] + o, 0, 1);
+            } else {
+                __builtin_prefetch(nx->k[k] + o, 0, 3);
+                __builtin_prefetch(nx->v[k] + o, 0, 3);
+            }
         }
 }
 
@@ -632,6 +638,152 @@ static void pv_chunk_avx512(const float *sc, float *acc, int R, const int *ka, c
             pv_rows_avx512(pr, ac, ng, bnd[i], bnd[i + 1], vp, hd);
     }
 }
+
+/* BF16 -> fp32 of 8 values at p0 and 8 at p1, as [p0's | p1's] (exact) */
+#define BF16X8X2(p0, p1) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(           \
+    _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0))),     \
+                            _mm_loadu_si128((const __m128i *)(p1)), 1)), 16))
+/* BF16 -> fp32 of 16 values at p (exact) */
+#define BF16X16(p) _mm512_castsi512_ps(_mm512_slli_epi32(                                       \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+
+/* scores_bf16_rows on zmm, bit for bit: a register holds the 8-lane FMA partials over d of
+ * two keys side by side ([key a | key b], each query chunk broadcast to both halves), so
+ * every lane takes the FMAs of scores_avx2 at full width, and the partials of 4 keys x 2
+ * rows are reduced by the same tree (hadd, hadd, low + high 128 bits).  nr (1..8) query
+ * rows x 4 keys per step; each key vector is widened in registers once for the nr rows. */
+AVX512_INLINE void scores_bf16_rows512(const float *q, int nr, int hd, const uint16_t *const *kr,
+                                       int nk, float *sc, const struct next_rows *nx)
+{
+    for (int k0 = 0; k0 < nk; k0 += 4) {
+        /* past nk: the step's first key again (results dropped) */
+        const uint16_t *p0 = kr[k0], *p1 = k0 + 1 < nk ? kr[k0 + 1] : p0;
+        const uint16_t *p2 = k0 + 2 < nk ? kr[k0 + 2] : p0, *p3 = k0 + 3 < nk ? kr[k0 + 3] : p0;
+        const int kn = nk - k0 < 4 ? nk - k0 : 4;
+        __m512 a[8][2];
+
+        if (nx)
+            next_rows_prefetch(nx, k0, k0 + kn, hd);
+        for (int i = 0; i < nr; i++)
+            a[i][0] = a[i][1] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m512 k01 = BF16X8X2(p0 + d, p1 + d), k23 = BF16X8X2(p2 + d, p3 + d);
+
+            for (int i = 0; i < nr; i++) {
+                const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + (int64_t)i * hd + d));
+
+                a[i][0] = _mm512_fmadd_ps(qv, k01, a[i][0]);
+                a[i][1] = _mm512_fmadd_ps(qv, k23, a[i][1]);
+            }
+        }
+        for (int i = 0; i < nr; i += 2) {
+            const int i1 = i + 1 < nr ? i + 1 : i;
+            /* 128-bit lanes: [i k0, i k2, i1 k0, i1 k2] (d-lanes 0-3 sums), the same (4-7),
+             * then k1 and k3 likewise; + the neighbour lane: the per-key tree of
+             * scores_avx2 */
+            const __m512 h = hadd512(hadd512(a[i][0], a[i][1]), hadd512(a[i1][0], a[i1][1]));
+            const __m512 s = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xb1));
+            static const int lane[4] = { 0, 8, 1, 9 };
+            float t[16], *o = sc + (int64_t)i * KEY_CHUNK + k0;
+
+            _mm512_storeu_ps(t, s);
+            for (int e = 0; e < kn; e++)
+                o[e] = t[lane[e]];
+            if (i + 1 < nr)
+                for (int e = 0; e < kn; e++)
+                    o[KEY_CHUNK + e] = t[lane[e] + 2];
+        }
+    }
+}
+
+AVX512_FN static void scores_bf16_avx512(const float *qs, int R, int hd,
+                                         const uint16_t *const *kr, int nk, float *sc,
+                                         const struct next_rows *nx)
+{
+    int r = 0;
+
+    /* the first rows' pass prefetches the next pass's rows, spread over its keys */
+    for (; r + 8 <= R; r += 8, nx = NULL)
+        scores_bf16_rows512(qs + (int64_t)r * hd, 8, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx);
+    switch (R - r) {
+#define SC_CASE(n) case n: scores_bf16_rows512(qs + (int64_t)r * hd, n, hd, kr, nk,                 \
+                                               sc + (int64_t)r * KEY_CHUNK, nx); break;
+    SC_CASE(7) SC_CASE(6) SC_CASE(5) SC_CASE(4) SC_CASE(3) SC_CASE(2) SC_CASE(1)
+#undef SC_CASE
+    default: break;
+    }
+}
+
+/* pv_bf16_rows on zmm for nr (1..8) rows over the same keys [ka, kb), hd % 16 == 0, bit for
+ * bit (per lane the same FMAs in key order): 32 (then 16) output columns of the nr rows in
+ * registers, each V vector widened once for them. */
+AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
+                                   const uint16_t *const *vr, int hd, float *acc)
+{
+    int d0 = 0;
+
+    for (; d0 + 32 <= hd; d0 += 32) {
+        __m512 a[8][2];
+
+        for (int i = 0; i < nr; i++) {
+            a[i][0] = _mm512_loadu_ps(acc + (int64_t)i * hd + d0);
+            a[i][1] = _mm512_loadu_ps(acc + (int64_t)i * hd + d0 + 16);
+        }
+        for (int k = ka; k < kb; k++) {
+            const __m512 v0 = BF16X16(vr[k] + d0), v1 = BF16X16(vr[k] + d0 + 16);
+
+            for (int i = 0; i < nr; i++) {
+                const __m512 pk = _mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]);
+
+                a[i][0] = _mm512_fmadd_ps(pk, v0, a[i][0]);
+                a[i][1] = _mm512_fmadd_ps(pk, v1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            _mm512_storeu_ps(acc + (int64_t)i * hd + d0, a[i][0]);
+            _mm512_storeu_ps(acc + (int64_t)i * hd + d0 + 16, a[i][1]);
+        }
+    }
+    if (d0 < hd) {
+        __m512 a[8];
+
+        for (int i = 0; i < nr; i++)
+            a[i] = _mm512_loadu_ps(acc + (int64_t)i * hd + d0);
+        for (int k = ka; k < kb; k++) {
+            const __m512 v0 = BF16X16(vr[k] + d0);
+
+            for (int i = 0; i < nr; i++)
+                a[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]), v0, a[i]);
+        }
+        for (int i = 0; i < nr; i++)
+            _mm512_storeu_ps(acc + (int64_t)i * hd + d0, a[i]);
+    }
+}
+
+/* pv_bf16_avx2 on zmm: runs of up to 8 consecutive rows with the same key range share the
+ * pass. */
+AVX512_FN static void pv_bf16_avx512(const float *sc, int R, const int *ka, const int *kb,
+                                     const uint16_t *const *vr, int hd, float *acc)
+{
+    for (int r = 0; r < R;) {
+        int n = 1;
+
+        while (n < 8 && r + n < R && ka[r + n] == ka[r] && kb[r + n] == kb[r])
+            n++;
+        if (ka[r] < kb[r]) {
+            const float *s = sc + (int64_t)r * KEY_CHUNK;
+            float *ac = acc + (int64_t)r * hd;
+
+            switch (n) {
+#define PV_CASE(c) case c: pv_bf16_rows512(s, c, ka[r], kb[r], vr, hd, ac); break;
+            PV_CASE(8) PV_CASE(7) PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2)
+#undef PV_CASE
+            default: pv_bf16_rows512(s, 1, ka[r], kb[r], vr, hd, ac); break;
+            }
+        }
+        r += n;
+    }
+}
 #endif
 
 /* Query rows (token x query head) processed together against one pass over the keys;
@@ -701,12 +853,13 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
     const int64_t lo0 = a->window > 0 && t0 - a->window + 1 > 0 ? t0 - a->window + 1 : 0;
     const int32_t *table = a->block_tables + a->block_table_off[s];
     float acc[nj][R][hd], qs[nj][R][hd], kf[KEY_CHUNK][hd], vf[KEY_CHUNK][hd], sc[R][KEY_CHUNK];
-    float qp[avx512 ? nj : 1][avx512 ? (R + 1) / 2 : 1][2 * hd];   /* row pairs (avx512) */
     const float *kp[KEY_CHUNK], *vp[KEY_CHUNK];
     const uint16_t *kr[KEY_CHUNK], *vr[KEY_CHUNK];      /* BF16 rows (fused) */
-    /* AVX2 on a BF16 cache: scores and P.V read the cache rows themselves (the AVX-512 path
-     * and the FP32 cache keep fp32 rows) */
-    const bool fused = avx2 && !avx512 && !kv->dtype_f32 && hd % 16 == 0 && !cpu_attn_no_fused;
+    /* a BF16 cache: scores and P.V read the cache rows themselves (an FP32 cache: fp32
+     * rows, the AVX-512 path on row pairs) */
+    const bool fused = avx2 && !kv->dtype_f32 && hd % 16 == 0 && !cpu_attn_no_fused;
+    const bool pairs = avx512 && !fused;
+    float qp[pairs ? nj : 1][pairs ? (R + 1) / 2 : 1][2 * hd];     /* row pairs (avx512) */
     struct next_rows nx;
     float m[nj][R], l[nj][R];
     int ka[R], kb[R];
@@ -723,7 +876,7 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
             m[h][r] = -INFINITY;
             l[h][r] = 0.0f;
         }
-        if (avx512) {
+        if (pairs) {
             for (int r = 0; r < R; r += 2) {
                 const float *qb = qs[h][r + 1 < R ? r + 1 : r];
 
@@ -763,6 +916,11 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
 
             if (fused) {
                 nx.n = pn;
+                /* the AVX-512 kernels prefetch into L2 only: from DRAM (EPYC, AVX-512, 1
+                 * thread, batch 1 at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with
+                 * prefetches into L1, which fill the L1's few miss buffers; the AVX2 ones
+                 * lose with it (batch 16 at 8k: 3.6 against 4.5) */
+                nx.l2 = avx512;
                 for (int k = 0; k < pn; k++) {
                     nx.k[k] = (const uint16_t *)kv->k + kv_row_off(kv, ps[k], pj);
                     nx.v[k] = (const uint16_t *)kv->v + kv_row_off(kv, ps[k], pj);
@@ -785,7 +943,10 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
                 }
             }
 #if defined(__x86_64__)
-            if (fused) {
+            if (fused && avx512) {
+                scores_bf16_avx512(&qs[h][0][0], R, hd, kr, nk, &sc[0][0], &nx);
+                next_rows_prefetch(&nx, nk, pn, hd);
+            } else if (fused) {
                 scores_bf16_avx2(&qs[h][0][0], R, hd, kr, nk, &sc[0][0], &nx);
                 next_rows_prefetch(&nx, nk, pn, hd);    /* a next chunk longer than this */
             } else if (avx512)
@@ -826,7 +987,10 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
             }
 #if defined(__x86_64__)
             if (fused) {
-                pv_bf16_avx2(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
+                if (avx512)
+                    pv_bf16_avx512(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
+                else
+                    pv_bf16_avx2(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
                 continue;
             }
             if (avx512) {

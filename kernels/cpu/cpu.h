@@ -262,8 +262,8 @@ int64_t cpu_mxfp4_row_align(const struct bweight *w);
 extern int cpu_mxfp4_t16_off;
 /* attention.c: nonzero = one KV head per work item (no head groups; benchmarks) */
 extern int cpu_attn_no_groups;
-/* attention.c: nonzero = the AVX2 path converts BF16 K/V rows into fp32 buffers first
- * instead of reading them in its kernels (tests: the two agree bit for bit; benchmarks) */
+/* attention.c: nonzero = the AVX2 and AVX-512 paths convert BF16 K/V rows into fp32 buffers
+ * first instead of reading them in their kernels (tests: the two agree bit for bit) */
 extern int cpu_attn_no_fused;
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has

@@ -7,7 +7,7 @@
  * reads KV head h / (n_heads / n_kv_heads) (contiguous grouping).  The same code serves
  * prefill chunks, decode and verify runs: the cache must already hold every key up to
  * the last query position (kv_store first).  Softmax is computed online over chunks of
- * keys in fp32 with a vectorised fp32 exp (exp_shift_sum).  One parallel region over
+ * keys in fp32 with the kernels' exp polynomial (vexp.h, exp_shift_sum).  One parallel region over
  * work items (sequence, block of its query tokens, KV head), cut into coarse contiguous
  * units claimed by the pool's threads.  The query heads sharing a KV head AND a block of
  * up to ATTN_MAX_ROWS / G consecutive query tokens of one sequence (prefill, verify) are
@@ -16,16 +16,16 @@
  *
  * A pass (one KV head over one key chunk) prefetches the K and V rows of the next pass (the
  * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
- * hardware prefetchers do not follow.  On the AVX2 path with a BF16 cache the scores and
- * P.V kernels read the cache rows themselves, converting each vector in registers once for
- * up to 4 query rows (scores_bf16_avx2, pv_bf16_avx2; bit-identical to converting the rows
- * into fp32 buffers first, which the other paths do).
+ * hardware prefetchers do not follow.  With a BF16 cache the scores and P.V kernels read
+ * the cache rows themselves, converting each vector in registers once for up to 4 (AVX2)
+ * or 8 (AVX-512) query rows (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
+ * into fp32 buffers first, which an FP32 cache and cpu_attn_no_fused do).
  *
- * On AVX-512 CPUs (builds for such a target; STEPD_CPU_NO_AVX512=1 forces the AVX2 path)
- * scores, exp and P.V run on zmm registers with the AVX2 path's arithmetic, bit for bit:
- * the same 8-lane FMA partials over d and reduction tree per score (two query rows per
- * register), the same per-element exp and 8-lane sum, and per-lane FMAs in key order for
- * P.V (up to four rows sharing each loaded V row).  test-attention compares the two paths.
+ * The AVX-512 kernels (chosen at run time, cpu_isa_has; STEPD_CPU_ISA=avx2 forces the AVX2
+ * ones) do the AVX2 path's arithmetic on zmm registers, bit for bit: each lane takes the
+ * same 8-lane FMA partials over d (two keys, or two query rows, per register) and the same
+ * reduction tree per score, the same per-element exp (vexp.h) and 8-lane sum, and per-lane
+ * FMAs in key order for P.V.  test-attention compares the paths.
  */
 #include <errno.h>
 #include <math.h>
@@ -44,14 +44,14 @@
 
 /* nonzero: one KV head per work item, as before head groups (benchmarks; cpu.h) */
 int cpu_attn_no_groups;
-/* nonzero: the AVX2 path converts BF16 rows into fp32 buffers first (tests; cpu.h) */
+/* nonzero: BF16 rows go through fp32 buffers first (tests; cpu.h) */
 int cpu_attn_no_fused;
 #define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
 struct attn_job {
     const struct attn_args *a;
     bool avx2;
-    int avx512;             /* attn_avx512_level: 0, 1 (AVX-512), 2 (and vector exp tails) */
+    int avx512;             /* cpu_attn_avx512_level: 0, or 1 (the AVX-512 path) */
     int qb;                 /* query tokens per block (ATTN_MAX_ROWS / G) */
     int n_groups;           /* KV head groups per (sequence, block) */
     int64_t n_items;        /* (sequence, block, KV head group) work items */
@@ -101,32 +101,18 @@ static inline const float *kv_row_f32(const struct kv_layer *kv, const void *bas
 }
 
 /* v[k] = exp(v[k] - m) for k in [0, n) where every v[k] <= m (or NaN); returns their sum.
- * Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, 2^n built in
- * the exponent bits; under 1 ulp measured on [-87, 0]) instead of a libm call per score;
- * exp_shift_sum_avx2 is the 8-lane form.  Arguments below -87.3 (results near FLT_MIN)
- * give 0. */
+ * vexp1 (vexp.h) instead of a libm call per score; exp_shift_sum_avx2 and _avx512 are the
+ * vector forms, element for element the same.  Arguments below -87.3 (results near
+ * FLT_MIN) give 0. */
 static float exp_shift_sum(float *v, int n, float m)
 {
     float l8[8] = { 0 };
     int k = 0;
 
     for (int i = 0; i < n; i++) {
-        const float x0 = v[i] - m, x = x0 < -87.3f ? -87.3f : x0;
-        const float fn = floorf(x * 1.44269504088896341f + 0.5f);
-        const float r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        int32_t bits;
-        float two_n;
+        const float x0 = v[i] - m;
 
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * (r * r) + r + 1.0f;
-        bits = ((int32_t)fn + 127) * (1 << 23);
-        memcpy(&two_n, &bits, sizeof(two_n));
-        v[i] = x0 < -87.3f ? 0.0f : p * two_n;
+        v[i] = x0 < VEXP_MIN ? 0.0f : vexp1(x0);
     }
     for (; k + 8 <= n; k += 8)
         for (int e = 0; e < 8; e++)
@@ -228,14 +214,20 @@ AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *con
 struct next_rows {
     const uint16_t *k[KEY_CHUNK], *v[KEY_CHUNK];
     int n;
+    bool l2;        /* into L2 only (prefetcht1/t2): the AVX-512 kernels (see attn_chunk) */
 };
 
 static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
 {
     for (int k = k0; k < k1 && k < nx->n; k++)
         for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
-            __builtin_prefetch(nx->k[k] + o, 0, 3);
-            __builtin_prefetch(nx->v[k] + o, 0, 3);
+            if (nx->l2) {
+                __builtin_prefetch(nx->k[k] + o, 0, 1);
+                __builtin_prefetch(nx->v[k] + o, 0, 1);
+            } else {
+                __builtin_prefetch(nx->k[k] + o, 0, 3);
+                __builtin_prefetch(nx->v[k] + o, 0, 3);
+            }
         }
 }
 
@@ -354,32 +346,19 @@ AVX2_FN static void pv_bf16_avx2(const float *sc, int R, const int *ka, const in
     }
 }
 
-/* exp_shift_sum 8 lanes at a time (the same Cephes steps; plain C does not vectorise). */
+/* exp_shift_sum 8 lanes at a time (vexp8; plain C does not vectorise). */
 AVX2_FN static float exp_shift_sum_avx2(float *v, int n, float m)
 {
-    const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
+    const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(VEXP_MIN);
     __m256 sum = _mm256_setzero_ps(), h;
     __m128 s4;
     int i = 0;
 
     for (; i + 8 <= n; i += 8) {
         const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(v + i), mv);
-        const __m256 x = _mm256_max_ps(lo, x0);
-        const __m256 fn = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                          _mm256_set1_ps(0.5f)));
-        const __m256 r = _mm256_fmadd_ps(fn, _mm256_set1_ps(2.12194440e-4f),
-                                         _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x));
-        __m256 p = _mm256_set1_ps(1.9875691500e-4f), e;
+        const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x0, lo, _CMP_LT_OQ),
+                                          vexp8(_mm256_max_ps(lo, x0)));
 
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-        p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-        e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                 _mm256_add_epi32(_mm256_cvttps_epi32(fn), _mm256_set1_epi32(127)), 23)));
-        e = _mm256_andnot_ps(_mm256_cmp_ps(x0, lo, _CMP_LT_OQ), e);
         _mm256_storeu_ps(v + i, e);
         sum = _mm256_add_ps(sum, e);
     }
@@ -434,32 +413,18 @@ AVX512_INLINE __m512 hadd512(__m512 a, __m512 b)
     return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xdd));
 }
 
-/* exp(x0) of 16 lanes where x0 = v - m <= 0: exp_shift_sum_avx2's steps, lane for lane */
+/* exp(x0) of 16 lanes where x0 = v - m <= 0 (0 below -87.3): exp_shift_sum_avx2's steps,
+ * lane for lane */
 AVX512_INLINE __m512 exp16(__m512 x0)
 {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    const __m512 x = _mm512_max_ps(lo, x0);
-    const __m512 fn = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(fn, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f), e;
+    const __m512 lo = _mm512_set1_ps(VEXP_MIN);
 
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    e = _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(
-                             _mm512_add_epi32(_mm512_cvttps_epi32(fn), _mm512_set1_epi32(127)), 23)));
-    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x0, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(vexp16(_mm512_max_ps(lo, x0)), _mm512_cmp_ps_mask(x0, lo, _CMP_LT_OQ),
+                              _mm512_setzero_ps());
 }
 
 /* exp_shift_sum on n < 8 values with exp16: the same values and the same sequential sum
- * as the scalar exp_shift_sum, provided the compiler contracted that one's Cephes steps
- * into the FMAs exp16 takes (checked at start-up: exp_tail_matches).  v has room for 8
+ * as the scalar exp_shift_sum (vexp1 and vexp16 agree bit for bit).  v has room for 8
  * floats where room (the lanes past n get don't-care values), else exactly n are written
  * (a masked store, which later loads cannot forward from). */
 AVX512_FN static float exp_tail_avx512(float *v, int n, float m, bool room)
@@ -480,9 +445,9 @@ AVX512_FN static float exp_tail_avx512(float *v, int n, float m, bool room)
 
 /* exp_shift_sum_avx2, bit for bit: the same per-element steps on 16 lanes, and the 8-lane
  * sum still takes the blocks of 8 one after another (low half, then high half); the last
- * n % 8 values by exp_tail_avx512 where vec_tail (else the scalar exp_shift_sum, as the
- * AVX2 path).  v has room for cap >= n floats (see exp_tail_avx512). */
-AVX512_FN static float exp_shift_sum_avx512(float *v, int n, float m, bool vec_tail, int cap)
+ * n % 8 values by exp_tail_avx512 (the AVX2 path: the scalar exp_shift_sum, the same
+ * values).  v has room for cap >= n floats (see exp_tail_avx512). */
+AVX512_FN static float exp_shift_sum_avx512(float *v, int n, float m, int cap)
 {
     const __m512 mv = _mm512_set1_ps(m);
     __m256 sum = _mm256_setzero_ps(), h;
@@ -510,8 +475,7 @@ AVX512_FN static float exp_shift_sum_avx512(float *v, int n, float m, bool vec_t
     if (i == n)
         return _mm_cvtss_f32(_mm_hadd_ps(s4, s4)) + 0.0f;
     return _mm_cvtss_f32(_mm_hadd_ps(s4, s4)) +
-           (vec_tail ? exp_tail_avx512(v + i, n - i, m, cap - i >= 8)
-                     : exp_shift_sum(v + i, n - i, m));
+           exp_tail_avx512(v + i, n - i, m, cap - i >= 8);
 }
 
 /* scores_avx2 for two query rows at once, bit for bit: qp holds the rows in pairs, chunk
@@ -674,6 +638,152 @@ static void pv_chunk_avx512(const float *sc, float *acc, int R, const int *ka, c
             pv_rows_avx512(pr, ac, ng, bnd[i], bnd[i + 1], vp, hd);
     }
 }
+
+/* BF16 -> fp32 of 8 values at p0 and 8 at p1, as [p0's | p1's] (exact) */
+#define BF16X8X2(p0, p1) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(           \
+    _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0))),     \
+                            _mm_loadu_si128((const __m128i *)(p1)), 1)), 16))
+/* BF16 -> fp32 of 16 values at p (exact) */
+#define BF16X16(p) _mm512_castsi512_ps(_mm512_slli_epi32(                                       \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+
+/* scores_bf16_rows on zmm, bit for bit: a register holds the 8-lane FMA partials over d of
+ * two keys side by side ([key a | key b], each query chunk broadcast to both halves), so
+ * every lane takes the FMAs of scores_avx2 at full width, and the partials of 4 keys x 2
+ * rows are reduced by the same tree (hadd, hadd, low + high 128 bits).  nr (1..8) query
+ * rows x 4 keys per step; each key vector is widened in registers once for the nr rows. */
+AVX512_INLINE void scores_bf16_rows512(const float *q, int nr, int hd, const uint16_t *const *kr,
+                                       int nk, float *sc, const struct next_rows *nx)
+{
+    for (int k0 = 0; k0 < nk; k0 += 4) {
+        /* past nk: the step's first key again (results dropped) */
+        const uint16_t *p0 = kr[k0], *p1 = k0 + 1 < nk ? kr[k0 + 1] : p0;
+        const uint16_t *p2 = k0 + 2 < nk ? kr[k0 + 2] : p0, *p3 = k0 + 3 < nk ? kr[k0 + 3] : p0;
+        const int kn = nk - k0 < 4 ? nk - k0 : 4;
+        __m512 a[8][2];
+
+        if (nx)
+            next_rows_prefetch(nx, k0, k0 + kn, hd);
+        for (int i = 0; i < nr; i++)
+            a[i][0] = a[i][1] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m512 k01 = BF16X8X2(p0 + d, p1 + d), k23 = BF16X8X2(p2 + d, p3 + d);
+
+            for (int i = 0; i < nr; i++) {
+                const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + (int64_t)i * hd + d));
+
+                a[i][0] = _mm512_fmadd_ps(qv, k01, a[i][0]);
+                a[i][1] = _mm512_fmadd_ps(qv, k23, a[i][1]);
+            }
+        }
+        for (int i = 0; i < nr; i += 2) {
+            const int i1 = i + 1 < nr ? i + 1 : i;
+            /* 128-bit lanes: [i k0, i k2, i1 k0, i1 k2] (d-lanes 0-3 sums), the same (4-7),
+             * then k1 and k3 likewise; + the neighbour lane: the per-key tree of
+             * scores_avx2 */
+            const __m512 h = hadd512(hadd512(a[i][0], a[i][1]), hadd512(a[i1][0], a[i1][1]));
+            const __m512 s = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xb1));
+            static const int lane[4] = { 0, 8, 1, 9 };
+            float t[16], *o = sc + (int64_t)i * KEY_CHUNK + k0;
+
+            _mm512_storeu_ps(t, s);
+            for (int e = 0; e < kn; e++)
+                o[e] = t[lane[e]];
+            if (i + 1 < nr)
+                for (int e = 0; e < kn; e++)
+                    o[KEY_CHUNK + e] = t[lane[e] + 2];
+        }
+    }
+}
+
+AVX512_FN static void scores_bf16_avx512(const float *qs, int R, int hd,
+                                         const uint16_t *const *kr, int nk, float *sc,
+                                         const struct next_rows *nx)
+{
+    int r = 0;
+
+    /* the first rows' pass prefetches the next pass's rows, spread over its keys */
+    for (; r + 8 <= R; r += 8, nx = NULL)
+        scores_bf16_rows512(qs + (int64_t)r * hd, 8, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx);
+    switch (R - r) {
+#define SC_CASE(n) case n: scores_bf16_rows512(qs + (int64_t)r * hd, n, hd, kr, nk,                 \
+                                               sc + (int64_t)r * KEY_CHUNK, nx); break;
+    SC_CASE(7) SC_CASE(6) SC_CASE(5) SC_CASE(4) SC_CASE(3) SC_CASE(2) SC_CASE(1)
+#undef SC_CASE
+    default: break;
+    }
+}
+
+/* pv_bf16_rows on zmm for nr (1..8) rows over the same keys [ka, kb), hd % 16 == 0, bit for
+ * bit (per lane the same FMAs in key order): 32 (then 16) output columns of the nr rows in
+ * registers, each V vector widened once for them. */
+AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
+                                   const uint16_t *const *vr, int hd, float *acc)
+{
+    int d0 = 0;
+
+    for (; d0 + 32 <= hd; d0 += 32) {
+        __m512 a[8][2];
+
+        for (int i = 0; i < nr; i++) {
+            a[i][0] = _mm512_loadu_ps(acc + (int64_t)i * hd + d0);
+            a[i][1] = _mm512_loadu_ps(acc + (int64_t)i * hd + d0 + 16);
+        }
+        for (int k = ka; k < kb; k++) {
+            const __m512 v0 = BF16X16(vr[k] + d0), v1 = BF16X16(vr[k] + d0 + 16);
+
+            for (int i = 0; i < nr; i++) {
+                const __m512 pk = _mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]);
+
+                a[i][0] = _mm512_fmadd_ps(pk, v0, a[i][0]);
+                a[i][1] = _mm512_fmadd_ps(pk, v1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            _mm512_storeu_ps(acc + (int64_t)i * hd + d0, a[i][0]);
+            _mm512_storeu_ps(acc + (int64_t)i * hd + d0 + 16, a[i][1]);
+        }
+    }
+    if (d0 < hd) {
+        __m512 a[8];
+
+        for (int i = 0; i < nr; i++)
+            a[i] = _mm512_loadu_ps(acc + (int64_t)i * hd + d0);
+        for (int k = ka; k < kb; k++) {
+            const __m512 v0 = BF16X16(vr[k] + d0);
+
+            for (int i = 0; i < nr; i++)
+                a[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]), v0, a[i]);
+        }
+        for (int i = 0; i < nr; i++)
+            _mm512_storeu_ps(acc + (int64_t)i * hd + d0, a[i]);
+    }
+}
+
+/* pv_bf16_avx2 on zmm: runs of up to 8 consecutive rows with the same key range share the
+ * pass. */
+AVX512_FN static void pv_bf16_avx512(const float *sc, int R, const int *ka, const int *kb,
+                                     const uint16_t *const *vr, int hd, float *acc)
+{
+    for (int r = 0; r < R;) {
+        int n = 1;
+
+        while (n < 8 && r + n < R && ka[r + n] == ka[r] && kb[r + n] == kb[r])
+            n++;
+        if (ka[r] < kb[r]) {
+            const float *s = sc + (int64_t)r * KEY_CHUNK;
+            float *ac = acc + (int64_t)r * hd;
+
+            switch (n) {
+#define PV_CASE(c) case c: pv_bf16_rows512(s, c, ka[r], kb[r], vr, hd, ac); break;
+            PV_CASE(8) PV_CASE(7) PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2)
+#undef PV_CASE
+            default: pv_bf16_rows512(s, 1, ka[r], kb[r], vr, hd, ac); break;
+            }
+        }
+        r += n;
+    }
+}
 #endif
 
 /* Query rows (token x query head) processed together against one pass over the keys;
@@ -743,12 +853,13 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
     const int64_t lo0 = a->window > 0 && t0 - a->window + 1 > 0 ? t0 - a->window + 1 : 0;
     const int32_t *table = a->block_tables + a->block_table_off[s];
     float acc[nj][R][hd], qs[nj][R][hd], kf[KEY_CHUNK][hd], vf[KEY_CHUNK][hd], sc[R][KEY_CHUNK];
-    float qp[avx512 ? nj : 1][avx512 ? (R + 1) / 2 : 1][2 * hd];   /* row pairs (avx512) */
     const float *kp[KEY_CHUNK], *vp[KEY_CHUNK];
     const uint16_t *kr[KEY_CHUNK], *vr[KEY_CHUNK];      /* BF16 rows (fused) */
-    /* AVX2 on a BF16 cache: scores and P.V read the cache rows themselves (the AVX-512 path
-     * and the FP32 cache keep fp32 rows) */
-    const bool fused = avx2 && !avx512 && !kv->dtype_f32 && hd % 16 == 0 && !cpu_attn_no_fused;
+    /* a BF16 cache: scores and P.V read the cache rows themselves (an FP32 cache: fp32
+     * rows, the AVX-512 path on row pairs) */
+    const bool fused = avx2 && !kv->dtype_f32 && hd % 16 == 0 && !cpu_attn_no_fused;
+    const bool pairs = avx512 && !fused;
+    float qp[pairs ? nj : 1][pairs ? (R + 1) / 2 : 1][2 * hd];     /* row pairs (avx512) */
     struct next_rows nx;
     float m[nj][R], l[nj][R];
     int ka[R], kb[R];
@@ -765,7 +876,7 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
             m[h][r] = -INFINITY;
             l[h][r] = 0.0f;
         }
-        if (avx512) {
+        if (pairs) {
             for (int r = 0; r < R; r += 2) {
                 const float *qb = qs[h][r + 1 < R ? r + 1 : r];
 
@@ -805,6 +916,11 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
 
             if (fused) {
                 nx.n = pn;
+                /* the AVX-512 kernels prefetch into L2 only: from DRAM (EPYC, AVX-512, 1
+                 * thread, batch 1 at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with
+                 * prefetches into L1, which fill the L1's few miss buffers; the AVX2 ones
+                 * lose with it (batch 16 at 8k: 3.6 against 4.5) */
+                nx.l2 = avx512;
                 for (int k = 0; k < pn; k++) {
                     nx.k[k] = (const uint16_t *)kv->k + kv_row_off(kv, ps[k], pj);
                     nx.v[k] = (const uint16_t *)kv->v + kv_row_off(kv, ps[k], pj);
@@ -827,7 +943,10 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
                 }
             }
 #if defined(__x86_64__)
-            if (fused) {
+            if (fused && avx512) {
+                scores_bf16_avx512(&qs[h][0][0], R, hd, kr, nk, &sc[0][0], &nx);
+                next_rows_prefetch(&nx, nk, pn, hd);
+            } else if (fused) {
                 scores_bf16_avx2(&qs[h][0][0], R, hd, kr, nk, &sc[0][0], &nx);
                 next_rows_prefetch(&nx, nk, pn, hd);    /* a next chunk longer than this */
             } else if (avx512)
@@ -859,7 +978,7 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
 #if defined(__x86_64__)
                 if (avx512)
                     l[h][r] += exp_shift_sum_avx512(srow + ka[r], kb[r] - ka[r], m[h][r],
-                                                    avx512 > 1, KEY_CHUNK - ka[r]);
+                                                    KEY_CHUNK - ka[r]);
                 else if (avx2)
                     l[h][r] += exp_shift_sum_avx2(srow + ka[r], kb[r] - ka[r], m[h][r]);
                 else
@@ -868,7 +987,10 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
             }
 #if defined(__x86_64__)
             if (fused) {
-                pv_bf16_avx2(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
+                if (avx512)
+                    pv_bf16_avx512(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
+                else
+                    pv_bf16_avx2(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
                 continue;
             }
             if (avx512) {
@@ -944,53 +1066,11 @@ static void attn_unit(void *arg, int unit, int n_units, int ith)
     }
 }
 
-#if defined(__x86_64__)
-/* Whether exp_tail_avx512 gives exactly the scalar exp_shift_sum's values and sum (the
- * compiler contracted the scalar steps into the same FMAs), on values spanning the
- * exp16 range, the underflow edge and tails of 1..7. */
-AVX512_FN static bool exp_tail_matches(void)
-{
-    float a[8], b[8];
-
-    for (int t = 0; t < 700; t++) {
-        const int n = 1 + t % 7;
-        const float m = t % 3 == 0 ? 0.0f : (float)(t % 29) * 0.731f - 9.0f;
-
-        for (int k = 0; k < n; k++) {
-            /* x0 = v - m from about -95 to 0, with some exactly at the -87.3 edge */
-            float x = -95.0f * (float)((t * 7 + k * 131) % 1000) / 999.0f;
-
-            if ((t + k) % 97 == 0)
-                x = -87.3f;
-            a[k] = b[k] = m + x;
-        }
-        {
-            const float sa = exp_shift_sum(a, n, m), sb = exp_tail_avx512(b, n, m, true);
-
-            if (memcmp(a, b, sizeof(float) * (size_t)n) != 0 || memcmp(&sa, &sb, sizeof(sa)) != 0)
-                return false;
-        }
-    }
-    return true;
-}
-#endif
-
-/* The AVX-512 path (bit-identical to the AVX2 one) at level avx512: 0 = no, 1 = yes,
- * 2 = yes with vector exp tails (exp_tail_matches); decided once per process. */
+/* The AVX-512 path (bit-identical to the AVX2 one): 1 where the active level has it. */
 int cpu_attn_avx512_level(void)
 {
 #if defined(__x86_64__)
-    static _Atomic int cached = -1;
-    int v = atomic_load_explicit(&cached, memory_order_relaxed);
-
-    if (v < 0) {
-        v = cpu_isa_has(CPU_ISA_AVX512) ?
-                1 + exp_tail_matches() : 0;
-        if (v == 1)
-            log_debug("attention: scalar exp tails (the compiler's scalar expf steps differ)");
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
-    }
-    return v;
+    return cpu_isa_has(CPU_ISA_AVX512);
 #else
     return 0;
 #endif

@@ -10,6 +10,7 @@
 
 #include "backend.h"
 #include "cpu-features.h"
+#include "vexp.h"
 
 extern const struct backend_ops backend_cpu_ops;
 
@@ -261,8 +262,8 @@ int64_t cpu_mxfp4_row_align(const struct bweight *w);
 extern int cpu_mxfp4_t16_off;
 /* attention.c: nonzero = one KV head per work item (no head groups; benchmarks) */
 extern int cpu_attn_no_groups;
-/* attention.c: nonzero = the AVX2 path converts BF16 K/V rows into fp32 buffers first
- * instead of reading them in its kernels (tests: the two agree bit for bit; benchmarks) */
+/* attention.c: nonzero = the AVX2 and AVX-512 paths convert BF16 K/V rows into fp32 buffers
+ * first instead of reading them in their kernels (tests: the two agree bit for bit) */
 extern int cpu_attn_no_fused;
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
@@ -294,8 +295,7 @@ extern int cpu_mxfp4_pf_bytes;
 /* True when matmul of w runs the fast int8 path under this context. */
 bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w);
 
-/* Attention's AVX-512 path: 0 = off (level below avx512), 1 = on, 2 = on with vector exp
- * tails; fixed by the first call. */
+/* Attention's AVX-512 path: 0 = off (level below avx512), 1 = on. */
 int cpu_attn_avx512_level(void);
 
 /* ---- backend ops (one file each) ---- */
@@ -318,30 +318,14 @@ int cpu_router(struct backend *be, const float *logits, const float *bias, int n
 int cpu_moe(struct backend *be, const struct moe_args *a);
 int cpu_add(struct backend *be, float *y, const float *x, size_t n);
 
-/* exp(x) for the SwiGLU sigmoid: Cephes' expf (range reduction by ln 2 in two parts,
- * degree-6 polynomial, 2^n built in the exponent bits; under 1 ulp on [-87, 88]), x
- * clamped to [-87.3, 88] first.  Written with fmaf so that the AVX-512 form in swiglu.c,
- * which performs the same IEEE operations in the same order, agrees with it bit for bit
- * (an element's result never depends on whether it landed in a vector or in a tail). */
+/* exp(x) for the SwiGLU sigmoid: vexp1 (vexp.h) with x clamped to [-87.3, 88] first; the
+ * AVX-512 form in swiglu.c takes vexp16 on the same clamps, so an element's result never
+ * depends on whether it landed in a vector or in a tail. */
 static inline float cpu_expf_poly(float x)
 {
-    float fn, r, rr, p, two_n;
-    uint32_t bits;
-
-    x = x < -87.3f ? -87.3f : x;
-    x = x > 88.0f ? 88.0f : x;
-    fn = __builtin_floorf(__builtin_fmaf(x, 1.44269504088896341f, 0.5f));
-    r = __builtin_fmaf(fn, 2.12194440e-4f, __builtin_fmaf(-fn, 0.693359375f, x));
-    rr = r * r;
-    p = __builtin_fmaf(1.9875691500e-4f, r, 1.3981999507e-3f);
-    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
-    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
-    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
-    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
-    p = __builtin_fmaf(p, rr, r) + 1.0f;
-    bits = ((uint32_t)(int32_t)fn + 127u) << 23;   /* NaN x: garbage, and the caller's NaN wins */
-    __builtin_memcpy(&two_n, &bits, sizeof(two_n));
-    return p * two_n;
+    x = x < VEXP_MIN ? VEXP_MIN : x;
+    x = x > VEXP_MAX ? VEXP_MAX : x;
+    return vexp1(x);
 }
 
 /* SwiGLU of one element, docs/MODEL.md §2.4 (silu first, then upper clamp; up clamped both

@@ -19,13 +19,12 @@ void cpu_swiglu_rows_scalar(const float *gate, const float *up, float *out, int6
 
 #if defined(__x86_64__)
 /* cpu_swiglu1 on 16 lanes, the same operations in the same order: the clamps as
- * max/min with the running value first where NaN must pass through (max_ps/min_ps return
- * their second operand when either is NaN), fmadd for fmaf, an exact division. */
+ * blends that let NaN pass through, vexp16 for vexp1 (vexp.h), an exact division. */
 CPU_FN_AVX512 static void swiglu_rows_avx512(const float *gate,
                                                                    const float *up, float *out,
                                                                    int64_t n, float limit)
 {
-    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.0f);
+    const __m512 lo = _mm512_set1_ps(VEXP_MIN), hi = _mm512_set1_ps(VEXP_MAX);
     const __m512 one = _mm512_set1_ps(1.0f), L = _mm512_set1_ps(limit);
     const __m512 nL = _mm512_set1_ps(-limit);
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
@@ -37,24 +36,7 @@ CPU_FN_AVX512 static void swiglu_rows_avx512(const float *gate,
         __m512 x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(u), sign));
         x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), x, lo);
         x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), x, hi);
-        __m512 fn = _mm512_roundscale_ps(
-            _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fmadd_ps(fn, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_xor_si512(
-                                                       _mm512_castps_si512(fn), sign)),
-                                                   _mm512_set1_ps(0.693359375f), x));
-        __m512 rr = _mm512_mul_ps(r, r);
-        __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r,
-                                   _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_add_ps(_mm512_fmadd_ps(p, rr, r), one);
-        __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_add_epi32(_mm512_cvttps_epi32(fn), _mm512_set1_epi32(127)), 23));
-        __m512 s = _mm512_div_ps(u, _mm512_add_ps(one, _mm512_mul_ps(p, two_n)));
+        __m512 s = _mm512_div_ps(u, _mm512_add_ps(one, vexp16(x)));
 
         if (limit > 0.0f) {
             /* s < L ? s : L  (NaN s -> L);  w < -L ? -L : (w > L ? L : w)  (NaN w stays) */

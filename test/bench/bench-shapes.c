@@ -4,6 +4,8 @@
  *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16]
  *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn] [--kv-fp32]
  *                [--draft-vocab N]
+ *   bench-shapes --attn-only [--threads 1,2] [--batches 1,16] [--contexts 8192,32768] [--reps N]
+ *                [--kv-fp32]
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
  * The model: stepd-mkmodel's full-width checkpoint (hidden 4096, 288 experts x 1280 top-8,
@@ -33,6 +35,11 @@
  * --ab-attn adds each attention row with one KV head per work item (attention.c before
  * its head groups), on sequences of their own (the sets swap from round to round; sliding
  * rows share their window's blocks, so only the full-attention pair compares).
+ * --attn-only measures the full-attention row alone, on caches of its own and no model
+ * (bench_attn_only): a quick check of the attention kernel against its byte floor; "cpu"
+ * is the process's CPU time over wall x threads, how much of the cores the run got, and
+ * "% per cpu-s" the floor over the time with both the probe's and the kernel's time
+ * counted in CPU seconds (what a loaded shared host leaves comparable).
  * The sweep streams > 1.5 GB between two readings of the same weights, so every piece reads
  * its weights from DRAM, as in serving.  The KV caches are filled with values up front
  * (as a long prefill would leave them); every sequence has blocks of its own, except at
@@ -79,6 +86,8 @@ struct cell {
     char name[96];
     int B, ctx;
     double t[MAX_REPS], floor[MAX_REPS], bytes[MAX_REPS];
+    double cpu[MAX_REPS];           /* --attn-only: process CPU time / (wall x threads) */
+    double cpu_ratio[MAX_REPS];     /* --attn-only: floor / time, both per CPU-second */
     int n;
 };
 
@@ -87,7 +96,7 @@ struct bench {
     const char *mkmodel, *model_dir;
     int threads[MAX_LIST], n_threads, batches[MAX_LIST], n_batches, ctxs[MAX_LIST], n_ctxs;
     int reps;
-    bool keep, ab_attn, kv_f32;
+    bool keep, ab_attn, kv_f32, attn_only;
     int dv;                         /* --draft-vocab: ids of the draft vocabulary (0: none) */
     /* probe */
     uint8_t *arena;
@@ -98,12 +107,14 @@ struct bench {
     struct backend *be;
     struct cpu_pool *pool;
     double bw[MAX_REPS];
+    double bw_cpu[MAX_REPS];        /* --attn-only: the probe's cpu share */
     struct cell cells[MAX_CELLS];
     int n_cells;
     int nbf, nbs;                   /* KV blocks per FULL / SLIDING layer */
     int sps;                        /* sliding blocks per sequence */
     uint64_t rng;
     int rep;
+    double cpu_share;               /* of the piece recorded next (--attn-only), else 0 */
     /* a batch: B seqs at context ctx */
     int32_t ids[MAX_B], pos[MAX_B], slots[_KV_GROUP_MAX][MAX_B], start[MAX_B + 1], pos0[MAX_B];
     int32_t boff[_KV_GROUP_MAX][MAX_B];
@@ -123,6 +134,15 @@ static double now(void)
     struct timespec ts;
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* CPU time of the whole process (all its threads), seconds */
+static double cpu_now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -227,6 +247,9 @@ static void record(struct bench *b, const char *name, int B, int ctx, double t, 
     c->t[c->n] = t;
     c->bytes[c->n] = bytes;
     c->floor[c->n] = bytes / (b->bw[b->rep] * 1e9);
+    c->cpu[c->n] = b->cpu_share;
+    c->cpu_ratio[c->n] = b->cpu_share > 0 ?
+                             c->floor[c->n] * b->bw_cpu[b->rep] / (t * b->cpu_share) : 0;
     c->n++;
 }
 
@@ -569,9 +592,13 @@ static void report(const struct bench *b)
                 snprintf(ctx, sizeof(ctx), "%dk", c->ctx / 1024);
             for (int k = 0; k < c->n; k++)
                 ratio[k] = c->floor[k] / c->t[k];
-            printf("  %-56s %4s %9.2f ms %9.1f MB  floor %8.2f ms  %5.1f %% of bw\n", c->name, ctx,
+            printf("  %-56s %4s %9.2f ms %9.1f MB  floor %8.2f ms  %5.1f %% of bw", c->name, ctx,
                    1e3 * median(c->t, c->n), median(c->bytes, c->n) / 1e6,
                    1e3 * median(c->floor, c->n), 100.0 * median(ratio, c->n));
+            if (c->cpu[0] > 0)
+                printf("  cpu %.2f, %5.1f %% per cpu-s", median(c->cpu, c->n),
+                       100.0 * median(c->cpu_ratio, c->n));
+            printf("\n");
         }
         for (int ci = 0; ci < b->n_ctxs; ci++) {
             double t, ratio, fl;
@@ -619,27 +646,27 @@ static long mem_available_mb(void)
     return kb < 0 ? -1 : kb / 1024;
 }
 
-static void kv_fill(struct bench *b, struct mlayer *L)
+static void kv_fill(struct bench *b, const struct kv_layer *kv)
 {
     size_t n;
     float *pat;
     const size_t chunk = 1 << 18;      /* floats */
 
-    if (!L->kv.k)
+    if (!kv->k)
         return;
-    n = (size_t)L->kv.n_blocks * L->kv.block_size * L->kv.n_kv_heads * L->kv.head_dim;
+    n = (size_t)kv->n_blocks * kv->block_size * kv->n_kv_heads * kv->head_dim;
     pat = malloc(chunk * sizeof(float));
     if (!pat) {
         fprintf(stderr, "bench-shapes: out of memory\n");
         exit(1);
     }
     fill_rows(b, pat, chunk);
-    if (!L->kv.dtype_f32)       /* BF16 storage (the default): the pattern's halves */
+    if (!kv->dtype_f32)         /* BF16 storage (the default): the pattern's halves */
         for (size_t i = 0; i < chunk; i++)
             ((uint16_t *)pat)[i] = cpu_f32_to_bf16(pat[i]);
-    for (int kv = 0; kv < 2; kv++) {
-        char *dst = kv ? L->kv.v : L->kv.k;
-        size_t es = L->kv.dtype_f32 ? sizeof(float) : sizeof(uint16_t);
+    for (int h = 0; h < 2; h++) {
+        char *dst = h ? kv->v : kv->k;
+        size_t es = kv->dtype_f32 ? sizeof(float) : sizeof(uint16_t);
 
         for (size_t i = 0; i < n; i += chunk)
             memcpy(dst + i * es, pat, es * (n - i < chunk ? n - i : chunk));
@@ -748,9 +775,9 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
         }
     }
     for (int i = 0; i < b->m->n_layers + b->m->n_mtp; i++)
-        kv_fill(b, &b->m->layers[i]);
+        kv_fill(b, &b->m->layers[i].kv);
     for (int i = 0; b->m->mtp_tp && i < 2 * b->m->n_mtp; i++)
-        kv_fill(b, &b->m->tp_half[i]);
+        kv_fill(b, &b->m->tp_half[i].kv);
     printf("\nthreads %d: model built in %.1f s (KV: %d full blocks, %d sliding, %s; split "
            "steps %s, MTP halves %s); MemAvailable %ld MiB\n", b->T, now() - t0, b->nbf, b->nbs,
            mo.kv_f32 ? "FP32" : "BF16",
@@ -767,6 +794,98 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
     for (int g = 0; g < _KV_GROUP_MAX; g++)
         free(b->tables[g]);
     free(b->logits);
+    backend_free(b->be);
+    cpu_pool_free(b->pool);
+}
+
+/* --attn-only: attention alone of a full-attention layer at Step-3.7-Flash's shapes (64
+ * query heads, 8 KV heads of 128; BF16 KV unless --kv-fp32) on caches of its own, without
+ * a model: per thread count and round, the probe, then every batch x context (B sequences
+ * decoding one token each, each with blocks of its own where the ~2.2 GB pool holds them,
+ * else a shared history but for the last block). */
+static void bench_attn_only(struct bench *b)
+{
+    const int NH = 64, NKV = 8, HD = 128;
+    const size_t es = b->kv_f32 ? sizeof(float) : sizeof(uint16_t);
+    const double per_block = (double)BS * NKV * HD * 2 * (double)es;
+    struct backend_cfg bc = { .n_threads = b->T };
+    struct kv_layer kv = { .dtype_f32 = b->kv_f32, .block_size = BS, .n_kv_heads = NKV,
+                           .head_dim = HD };
+    int32_t start[MAX_B + 1], pos0[MAX_B], boff[MAX_B], *tables;
+    float *q, *out;
+    int max_nb = 0, r;
+
+    r = backend_new("cpu", &bc, &b->be);
+    r = r ? r : cpu_pool_new(b->T, &b->pool);
+    if (r < 0)
+        die("cpu backend", r, NULL);
+    for (int bi = 0; bi < b->n_batches; bi++)
+        for (int ci = 0; ci < b->n_ctxs; ci++) {
+            const int nb = (b->ctxs[ci] + BS - 1) / BS;
+            const int64_t need = (int64_t)b->batches[bi] * nb + MAX_B;
+
+            max_nb = nb > max_nb ? nb : max_nb;
+            if (need * per_block <= 2.2e9 && need > kv.n_blocks)
+                kv.n_blocks = (int)need;
+        }
+    kv.n_blocks = kv.n_blocks > max_nb + MAX_B ? kv.n_blocks : max_nb + MAX_B;
+    kv.k = aligned_alloc(64, (size_t)kv.n_blocks * (size_t)per_block / 2);
+    kv.v = aligned_alloc(64, (size_t)kv.n_blocks * (size_t)per_block / 2);
+    tables = malloc(sizeof(*tables) * MAX_B * (size_t)max_nb);
+    q = malloc(sizeof(float) * MAX_B * NH * HD);
+    out = malloc(sizeof(float) * MAX_B * NH * HD);
+    if (!kv.k || !kv.v || !tables || !q || !out)
+        die("attention caches", -ENOMEM, NULL);
+    kv_fill(b, &kv);
+    printf("\nthreads %d: attention only, KV %d blocks of %d (%s, %.0f MB)\n", b->T, kv.n_blocks,
+           BS, b->kv_f32 ? "FP32" : "BF16", kv.n_blocks * per_block / 1e6);
+    b->n_cells = 0;
+    for (b->rep = 0; b->rep < b->reps; b->rep++) {
+        const double pc0 = cpu_now(), pt0 = now();
+
+        b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
+        b->bw_cpu[b->rep] = (cpu_now() - pc0) / ((now() - pt0) * b->T);
+        for (int bi = 0; bi < b->n_batches; bi++)
+            for (int ci = 0; ci < b->n_ctxs; ci++) {
+                const int B = b->batches[bi], ctx = b->ctxs[ci], nb = (ctx + BS - 1) / BS;
+                const bool shared = (int64_t)B * nb > kv.n_blocks;
+                char name[96];
+                double t0, c0, t;
+
+                for (int s = 0; s < B; s++) {
+                    for (int j = 0; j < nb; j++)
+                        tables[s * nb + j] = shared ? (j < nb - 1 ? j : nb - 1 + s) : s * nb + j;
+                    start[s] = s;
+                    pos0[s] = ctx - 1;
+                    boff[s] = s * nb;
+                }
+                start[B] = B;
+                fill_rows(b, q, (size_t)B * NH * HD);
+                struct attn_args aa = {
+                    .q = q, .out = out, .n_tok = B, .n_heads = NH, .n_kv_heads = NKV,
+                    .head_dim = HD, .scale = 1.0f / sqrtf((float)HD), .kv = &kv, .n_seqs = B,
+                    .seq_tok_start = start, .seq_pos0 = pos0, .block_tables = tables,
+                    .block_table_off = boff,
+                };
+                c0 = cpu_now();
+                t0 = now();
+                r = backend_attention(b->be, &aa);
+                t = now() - t0;
+                if (r < 0)
+                    die("attention", r, NULL);
+                b->cpu_share = (cpu_now() - c0) / (t * b->T);
+                snprintf(name, sizeof(name), "attention full (%d heads)%s", NH,
+                         shared ? " shared history" : "");
+                record(b, name, B, ctx, t, (double)B * ctx * NKV * HD * 2.0 * (double)es);
+            }
+    }
+    report(b);
+    b->cpu_share = 0;
+    free(q);
+    free(out);
+    free(tables);
+    free(kv.k);
+    free(kv.v);
     backend_free(b->be);
     cpu_pool_free(b->pool);
 }
@@ -797,6 +916,10 @@ int main(int argc, char **argv)
         }
         if (strcmp(a, "--ab-attn") == 0) {
             b->ab_attn = true;
+            continue;
+        }
+        if (strcmp(a, "--attn-only") == 0) {
+            b->attn_only = true;
             continue;
         }
         if (strcmp(a, "--kv-fp32") == 0) {     /* the worker's --kv-cache-dtype fp32 */
@@ -830,19 +953,19 @@ int main(int argc, char **argv)
         if (!ok) {
             fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
                             "[--batches 1,4,16 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
-                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N]\n", MAX_B, MAX_REPS);
+                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] | --attn-only\n", MAX_B, MAX_REPS);
             return 2;
         }
         i++;
     }
-    if (!b->model_dir && !b->mkmodel) {
-        fprintf(stderr, "bench-shapes: --mkmodel PATH or --model DIR is required\n");
+    if (!b->model_dir && !b->mkmodel && !b->attn_only) {
+        fprintf(stderr, "bench-shapes: --mkmodel PATH, --model DIR or --attn-only is required\n");
         return 2;
     }
     printf("bench-shapes: CPU isa %s (host %s), %ld online CPUs, MemAvailable %ld MiB\n",
            cpu_isa_name(cpu_isa()), cpu_isa_name(cpu_isa_host()), sysconf(_SC_NPROCESSORS_ONLN),
            mem_available_mb());
-    if (!b->model_dir) {
+    if (!b->model_dir && !b->attn_only) {
         const char *td = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
         char out[4200];
         double t0 = now();
@@ -870,6 +993,14 @@ int main(int argc, char **argv)
     }
     for (size_t i = 0; i < b->arena_bytes; i++)
         b->arena[i] = (uint8_t)(i * 2654435761u >> 13);
+    if (b->attn_only) {
+        for (int i = 0; i < b->n_threads; i++) {
+            b->T = b->threads[i];
+            bench_attn_only(b);
+        }
+        free(b->arena);
+        return 0;
+    }
     struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 1 };
     r = ckpt_open(b->model_dir, &co, &ck, &e);
     if (r < 0) {

@@ -13,10 +13,11 @@
  *    run in a forked child) on random decode, verify and prefill
  *    batches of several head sizes, GQA groups, contexts, windows and cache dtypes, and
  *    matches the fp64 reference.
- *  - at level avx2, the kernels that read a BF16 cache's rows themselves (scores and P.V
- *    with the next pass's rows prefetched) are bit-identical to converting the rows into
- *    fp32 buffers first (cpu_attn_no_fused), on those random batches with BF16 caches and
- *    on long decodes whose KV heads are grouped (>= 4096 keys), and match the reference.
+ *  - at levels avx2 and avx512, the kernels that read a BF16 cache's rows themselves
+ *    (scores and P.V with the next pass's rows prefetched) are bit-identical to converting
+ *    the rows into fp32 buffers first (cpu_attn_no_fused), on those random batches with
+ *    BF16 caches and on long decodes whose KV heads are grouped (>= 4096 keys), and match
+ *    the reference.
  */
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -464,7 +465,7 @@ static void test_avx512_identity(void)
     free(mine);
 }
 
-/* At level avx2: a BF16 cache read by the fused kernels against the rows converted into
+/* At level avx2 and up: a BF16 cache read by the fused kernels against the rows converted into
  * fp32 buffers first, bit for bit, on the random batches (every cache BF16) and on decodes
  * of 4100-4400 keys, where KV heads are grouped and each pass prefetches the next head's
  * rows; outputs also against the fp64 reference. */
@@ -549,7 +550,7 @@ int main(void)
         test_avx512_identity();             /* first: forks before any attention call */
         ASSERT_TRUE(cpu_attn_avx512_level() >= 1);
     }
-    if (level == CPU_ISA_AVX2)
+    if (level >= CPU_ISA_AVX2)
         test_fused_identity();
     for (int th = 1; th <= 3; th += 2) {
         struct backend *be = kref_backend(th, false);

@@ -4,11 +4,13 @@
  *
  *   test-vision golden MODEL_DIR GOLDEN_DIR   (GOLDEN_DIR: vision_ref.py goldens output)
  *   test-vision loader MODEL_DIR
+ *   test-vision splice
  *
  * golden: for each of the 4 images, all its views (728 global + 504 crops) in ONE call; every
  * stage (patch embed, block 0, ViT, downsampler 1/2, projector) of every view within
  * TOL_STAGE * max|ref| (max-abs) of the fp64 reference; then all 4 images' 12 views in one
  * call (11) give the same embeddings as the per-image calls (batching over views and images).
+ * splice: vision_splice over two prefill chunks, and its -ERANGE case.
  * loader: the plan holds the tower (51 tensors of the tiny model) on rank 0, none with
  * skip_vision (the warning says so) or on rank 1 of 2; headers-only stats agree.
  */
@@ -256,10 +258,42 @@ static int loader(const char *model)
     return 0;
 }
 
+/* vision_splice: image-token rows take the embeddings in order across two chunks */
+static int splice(void)
+{
+    const int H = 3, IMG = 4000;
+    const int32_t ids[7] = {1, IMG, IMG, 7, IMG, 2, IMG};
+    float emb[4 * 3], x[7 * 3], x0[7 * 3];
+    int cur = 0;
+
+    for (int i = 0; i < 12; i++)
+        emb[i] = 100.0f + (float) i;
+    for (int i = 0; i < 21; i++)
+        x[i] = x0[i] = (float) -i;
+    ASSERT_EQ(vision_splice(ids, 4, IMG, emb, 4, &cur, x, H), 2);        /* chunk 1: tokens 0..3 */
+    ASSERT_EQ(cur, 2);
+    ASSERT_EQ(vision_splice(ids + 4, 3, IMG, emb, 4, &cur, x + 4 * H, H), 2);   /* chunk 2 */
+    ASSERT_EQ(cur, 4);
+    for (int t = 0, k = 0; t < 7; t++) {
+        const float *want = ids[t] == IMG ? emb + k++ * H : x0 + t * H;
+        ASSERT_TRUE(memcmp(x + t * H, want, H * sizeof(float)) == 0);
+    }
+    /* more image tokens than embeddings left: nothing written */
+    memcpy(x, x0, sizeof(x));
+    cur = 2;
+    ASSERT_ERR(vision_splice(ids, 7, IMG, emb, 4, &cur, x, H), -ERANGE);
+    ASSERT_EQ(cur, 2);
+    ASSERT_TRUE(memcmp(x, x0, sizeof(x)) == 0);
+    printf("splice: ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "golden") == 0)
         return golden(argv[2], argv[3]);
+    if (argc == 2 && strcmp(argv[1], "splice") == 0)
+        return splice();
     if (argc == 3 && strcmp(argv[1], "loader") == 0)
         return loader(argv[2]);
     fprintf(stderr, "usage: test-vision golden MODEL_DIR GOLDEN_DIR | loader MODEL_DIR\n");

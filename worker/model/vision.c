@@ -373,3 +373,19 @@ out:
     free(vv);
     return r;
 }
+
+int vision_splice(const int32_t *ids, int n_tok, int32_t image_token_id, const float *emb, int n_emb,
+                  int *cursor, float *x, int hidden)
+{
+    int need = 0, c = *cursor;
+
+    for (int i = 0; i < n_tok; i++)
+        need += ids[i] == image_token_id;
+    if (c < 0 || need > n_emb - c)
+        return -ERANGE;
+    for (int i = 0; i < n_tok; i++)
+        if (ids[i] == image_token_id)
+            memcpy(x + (int64_t) i * hidden, emb + (int64_t) c++ * hidden, (size_t) hidden * sizeof(float));
+    *cursor = c;
+    return need;
+}

@@ -54,6 +54,13 @@ typedef void (*vision_trace_fn)(void *arg, enum vision_stage st, int view, const
 int vision_encode(struct vision *v, const struct vision_view *views, int n, float *out,
                   vision_trace_fn trace, void *trace_arg, struct err_buf *e);
 
+/* The embedding step's hook: rows of x [n_tok, hidden] whose id is image_token_id take the
+ * next rows of emb [n_emb, hidden] (vision_encode's output), from *cursor on, in order; the
+ * cursor advances (a prefill chunk hands it to the next).  Returns the rows consumed, or
+ * -ERANGE (x unchanged) when the chunk has more image tokens than emb rows remain. */
+int vision_splice(const int32_t *ids, int n_tok, int32_t image_token_id, const float *emb, int n_emb,
+                  int *cursor, float *x, int hidden);
+
 #ifdef __cplusplus
 }
 #endif

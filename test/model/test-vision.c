@@ -8,11 +8,13 @@
  *
  * golden: for each of the 4 images, all its views (728 global + 504 crops) in ONE call; every
  * stage (patch embed, block 0, ViT, downsampler 1/2, projector) of every view within
- * TOL_STAGE * max|ref| (max-abs) of the fp64 reference; then all 4 images' 12 views in one
- * call (11) give the same embeddings as the per-image calls (batching over views and images).
+ * TOL_STAGE * max|ref| (max-abs) of the fp64 reference; then all 4 images' 11 views in one
+ * call give the same embeddings as the per-image calls (batching over views and images).
  * splice: vision_splice over two prefill chunks, and its -ERANGE case.
  * loader: the plan holds the tower (51 tensors of the tiny model) on rank 0, none with
- * skip_vision (the warning says so) or on rank 1 of 2; headers-only stats agree.
+ * skip_vision (the warning says so) or on rank 1 of 2; headers-only stats agree; a bad
+ * vision_config (activation, CLS token, heads, mlp_ratio against the file's shapes) or index
+ * fails the open with one message naming it, while images off still opens the text.
  */
 #include <math.h>
 #include <stdio.h>
@@ -196,6 +198,57 @@ static int golden(const char *model, const char *gdir)
     return 0;
 }
 
+/* A copy of the tiny model in the working directory (shards hard-linked where possible; the
+ * loader refuses symlinks out of the model directory) with config.json or the index edited
+ * by sed; ckpt_open must fail with a message containing want. */
+static void expect_open_error(const char *model, const char *file, const char *from, const char *to,
+                              const char *want, bool text_ok)
+{
+    char dir[] = "test-vision-bad.XXXXXX", cmd[8192], *abs = realpath(model, NULL);
+    struct ckpt_opts o = {.world_size = 1, .rank = 0};
+    struct err_buf e = {{0}};
+    struct ckpt *ck;
+    int r;
+
+    ASSERT_TRUE(mkdtemp(dir) != NULL && abs != NULL);
+    snprintf(cmd, sizeof(cmd), "for f in '%s'/*; do cp -l \"$f\" '%s'/ 2>/dev/null || cp \"$f\" '%s'/; done && rm '%s/%s' && "
+             "sed 's|%s|%s|' '%s/%s' > '%s/%s'", abs, dir, dir, dir, file, from, to, abs, file, dir, file);
+    free(abs);
+    ASSERT_EQ(system(cmd), 0);
+    r = ckpt_open(dir, &o, &ck, &e);
+    if (r >= 0)
+        FAIL("%s with %s -> %s: opened", file, from, to);
+    ASSERT_CONTAINS(e.msg, want);
+    printf("  %s: %s\n", to, e.msg);
+    /* images off: the text serves whatever the tower's config */
+    if (text_ok) {
+        o.skip_vision = true;
+        if (ckpt_open(dir, &o, &ck, &e) < 0)
+            FAIL("%s with images off: %s", to, e.msg);
+        ckpt_close(ck);
+    }
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    ASSERT_EQ(system(cmd), 0);
+}
+
+/* bad towers: one clear error naming the field or the tensor */
+static void bad_checkpoints(const char *model)
+{
+    expect_open_error(model, "config.json", "\"quick_gelu\"", "\"gelu\"",
+                      "vision_config.hidden_act: \"gelu\" is not supported (quick_gelu)", true);
+    expect_open_error(model, "config.json", "\"use_cls_token\": false", "\"use_cls_token\": true",
+                      "vision_config.use_cls_token: true is not supported", true);
+    expect_open_error(model, "config.json", "\"heads\": 2", "\"heads\": 3",
+                      "width 32 must split into 3 heads", true);
+    /* mlp_ratio 2.0: c_fc [64, 32] expected, the file has [80, 32] */
+    expect_open_error(model, "config.json", "\"mlp_ratio\": 2.5", "\"mlp_ratio\": 2.0",
+                      "mismatch: vision_model.transformer.resblocks.0.mlp.c_fc.weight", true);
+    /* a tower tensor the index does not name: missing (the shard's own copy is then an
+     * index/shard disagreement, a structural error of its own) */
+    expect_open_error(model, "model.safetensors.index.json", "\"vision_model.ln_pre.bias\"",
+                      "\"vision_model.ln_pre.bias_renamed\"", "vision_model.ln_pre.bias", false);
+}
+
 static int loader(const char *model)
 {
     struct ckpt_opts o = {.world_size = 1, .rank = 0};
@@ -255,6 +308,7 @@ static int loader(const char *model)
     ckpt_close(ck);
     printf("loader: %lld vision tensors, %lld bytes on rank 0\n", (long long) ps.vision_tensors,
            (long long) ps.vision_bytes);
+    bad_checkpoints(model);
     return 0;
 }
 

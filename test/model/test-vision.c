@@ -181,6 +181,28 @@ static int golden(const char *model, const char *gdir)
         printf("all views in one call vs per image: max |diff| %.2e\n", md);
         ASSERT_LE(md, TOL_BATCH);
     }
+    /* one thread (heads one after the other, no parts) gives the same embeddings as two
+     * (heads split over the cores, backend_split_run) */
+    {
+        struct backend_cfg bc1 = {.n_threads = 1};
+        struct backend *be1;
+        struct vision *v1;
+        float *one = malloc((size_t) tok_all * vision_cfg(v)->text_hidden * sizeof(float));
+        double md = 0;
+
+        ASSERT_OK(backend_new("cpu", &bc1, &be1));
+        if (vision_new(ck, be1, &v1, &e) < 0)
+            FAIL("%s", e.msg);
+        if (vision_encode(v1, all, n_all, one, NULL, NULL, &e) < 0)
+            FAIL("%s", e.msg);
+        for (size_t k = 0; k < (size_t) tok_all * vision_cfg(v)->text_hidden; k++)
+            md = fabs((double) one[k] - big[k]) > md ? fabs((double) one[k] - big[k]) : md;
+        printf("1 thread vs 2 threads: max |diff| %.2e\n", md);
+        ASSERT_LE(md, TOL_BATCH);
+        free(one);
+        vision_free(v1);
+        backend_free(be1);
+    }
     /* bad views: named, nothing encoded */
     {
         struct vision_view bad = {.rgb = pix, .size = 500};

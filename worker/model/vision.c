@@ -208,31 +208,75 @@ static void *xmalloc_f(int64_t n)
     return malloc((size_t) (n > 0 ? n : 1) * sizeof(float));
 }
 
-/* Bidirectional attention of one view: qkv [n, 3C] rows (RoPE applied to q, k), o [n, C]. */
-static int view_attention(struct vision *v, const float *qkv, int64_t n, float *o, float *s, float *qh,
-                          float *kh, float *vt, float *oh)
+/* Per-part scratch of the attention: scores [n, n], q, k, vᵀ, out of one head. */
+struct attn_scratch {
+    float *s, *qh, *kh, *vt, *oh;
+};
+
+/* One head of one view's bidirectional attention on backend be: qkv [n, 3C] rows (RoPE
+ * applied to q, k), o [n, C] (this head's columns). */
+static int head_attention(struct vision *v, struct backend *be, const float *qkv, int64_t n, int h, float *o,
+                          const struct attn_scratch *w)
 {
-    int C = v->cfg.width, H = v->cfg.heads, D = v->cfg.head_dim;
-    struct bweight kw = {.fmt = WFMT_F32, .rows = n, .cols = D, .data = kh};
-    struct bweight vw = {.fmt = WFMT_F32, .rows = D, .cols = n, .data = vt};
+    int C = v->cfg.width, D = v->cfg.head_dim;
+    struct bweight kw = {.fmt = WFMT_F32, .rows = n, .cols = D, .data = w->kh};
+    struct bweight vw = {.fmt = WFMT_F32, .rows = D, .cols = n, .data = w->vt};
     int r;
 
-    for (int h = 0; h < H; h++) {
-        for (int64_t t = 0; t < n; t++) {
-            memcpy(qh + t * D, qkv + t * 3 * C + (int64_t) h * D, (size_t) D * sizeof(float));
-            memcpy(kh + t * D, qkv + t * 3 * C + C + (int64_t) h * D, (size_t) D * sizeof(float));
-            for (int d = 0; d < D; d++)
-                vt[(int64_t) d * n + t] = qkv[t * 3 * C + 2 * C + (int64_t) h * D + d];
-        }
-        r = backend_matmul(v->be, &kw, qh, (int) n, s);         /* s [n, n] = q kᵀ */
+    for (int64_t t = 0; t < n; t++) {
+        memcpy(w->qh + t * D, qkv + t * 3 * C + (int64_t) h * D, (size_t) D * sizeof(float));
+        memcpy(w->kh + t * D, qkv + t * 3 * C + C + (int64_t) h * D, (size_t) D * sizeof(float));
+        for (int d = 0; d < D; d++)
+            w->vt[(int64_t) d * n + t] = qkv[t * 3 * C + 2 * C + (int64_t) h * D + d];
+    }
+    r = backend_matmul(be, &kw, w->qh, (int) n, w->s);         /* s [n, n] = q kᵀ */
+    if (r < 0)
+        return r;
+    vops_softmax_rows(w->s, n, n, 1.0f / sqrtf((float) D));
+    r = backend_matmul(be, &vw, w->s, (int) n, w->oh);         /* oh [n, D] = p v */
+    if (r < 0)
+        return r;
+    for (int64_t t = 0; t < n; t++)
+        memcpy(o + t * C + (int64_t) h * D, w->oh + t * D, (size_t) D * sizeof(float));
+    return 0;
+}
+
+struct attn_job {
+    struct vision *v;
+    const float *qkv;
+    int64_t n;
+    float *o;
+    const struct attn_scratch *w;   /* [n_parts] */
+    int n_parts;
+    int err[2];
+};
+
+/* split_run part: heads part, part + n_parts, ... on the part's one-thread backend, so the
+ * softmax and the copies run on every core, not only the GEMMs */
+static void attn_part(void *arg, int part, struct backend *sub)
+{
+    struct attn_job *j = arg;
+
+    for (int h = part; h < j->v->cfg.heads && !j->err[part]; h += j->n_parts)
+        j->err[part] = head_attention(j->v, sub, j->qkv, j->n, h, j->o, &j->w[part]);
+}
+
+/* Bidirectional attention of one view: heads split over the backend's parts when it has
+ * them (CPU, 2 threads), else head by head on the whole backend. */
+static int view_attention(struct vision *v, const float *qkv, int64_t n, float *o, const struct attn_scratch *w,
+                          int n_parts)
+{
+    struct attn_job j = {.v = v, .qkv = qkv, .n = n, .o = o, .w = w, .n_parts = n_parts};
+    int r;
+
+    if (n_parts > 1) {
+        r = backend_split_run(v->be, n_parts, false, attn_part, &j);
+        return r < 0 ? r : j.err[0] < 0 ? j.err[0] : j.err[1];
+    }
+    for (int h = 0; h < v->cfg.heads; h++) {
+        r = head_attention(v, v->be, qkv, n, h, o, &w[0]);
         if (r < 0)
             return r;
-        vops_softmax_rows(s, n, n, 1.0f / sqrtf((float) D));
-        r = backend_matmul(v->be, &vw, s, (int) n, oh);         /* oh [n, D] = p v */
-        if (r < 0)
-            return r;
-        for (int64_t t = 0; t < n; t++)
-            memcpy(o + t * C + (int64_t) h * D, oh + t * D, (size_t) D * sizeof(float));
     }
     return 0;
 }
@@ -244,8 +288,9 @@ int vision_encode(struct vision *v, const struct vision_view *views, int n, floa
     int C = cf->width, P = cf->patch, I = cf->inter;
     int64_t T = 0, T1 = 0, T2 = 0, nmax = 0, K1 = 3 * (int64_t) P * P;
     struct vview *vv;
-    float *x = NULL, *h = NULL, *a = NULL, *qkv = NULL, *o = NULL, *m = NULL,
-          *d1 = NULL, *d2 = NULL, *s = NULL, *qh = NULL, *kh = NULL, *vt = NULL, *oh = NULL;
+    float *x = NULL, *h = NULL, *a = NULL, *qkv = NULL, *o = NULL, *m = NULL, *d1 = NULL, *d2 = NULL;
+    struct attn_scratch w[2] = {{0}};
+    int n_parts = backend_split_width(v->be) >= 2 ? 2 : 1;
     int r = 0;
 
     if (n <= 0)
@@ -283,12 +328,15 @@ int vision_encode(struct vision *v, const struct vision_view *views, int n, floa
     m = xmalloc_f(T * I);
     d1 = xmalloc_f(T1 * 2 * C);
     d2 = xmalloc_f(T2 * 4 * C);
-    s = xmalloc_f(nmax * nmax);
-    qh = xmalloc_f(nmax * cf->head_dim);
-    kh = xmalloc_f(nmax * cf->head_dim);
-    vt = xmalloc_f(nmax * cf->head_dim);
-    oh = xmalloc_f(nmax * cf->head_dim);
-    if (!x || !h || !a || !qkv || !o || !m || !d1 || !d2 || !s || !qh || !kh || !vt || !oh) {
+    for (int p = 0; p < n_parts; p++) {
+        w[p].s = xmalloc_f(nmax * nmax);
+        w[p].qh = xmalloc_f(nmax * cf->head_dim);
+        w[p].kh = xmalloc_f(nmax * cf->head_dim);
+        w[p].vt = xmalloc_f(nmax * cf->head_dim);
+        w[p].oh = xmalloc_f(nmax * cf->head_dim);
+    }
+    if (!x || !h || !a || !qkv || !o || !m || !d1 || !d2 || !w[0].s || !w[0].qh || !w[0].kh || !w[0].vt ||
+        !w[0].oh || (n_parts > 1 && (!w[1].s || !w[1].qh || !w[1].kh || !w[1].vt || !w[1].oh))) {
         r = err_set(e, -ENOMEM, "out of memory for %d views (%lld patches)", n, (long long) T);
         goto out;
     }
@@ -321,7 +369,7 @@ int vision_encode(struct vision *v, const struct vision_view *views, int n, floa
             float *q = qkv + vv[i].t0 * 3 * C;
             vops_rope2d(q, vv[i].g, 3 * C, cf->heads, cf->head_dim, ROPE_THETA);        /* q */
             vops_rope2d(q + C, vv[i].g, 3 * C, cf->heads, cf->head_dim, ROPE_THETA);    /* k */
-            r = view_attention(v, q, (int64_t) vv[i].g * vv[i].g, o + vv[i].t0 * C, s, qh, kh, vt, oh);
+            r = view_attention(v, q, (int64_t) vv[i].g * vv[i].g, o + vv[i].t0 * C, w, n_parts);
             if (r < 0) {
                 err_set(e, r, "vision: attention failed: %s", err_str(r));
                 goto out;
@@ -369,7 +417,9 @@ int vision_encode(struct vision *v, const struct vision_view *views, int n, floa
     r = 0;
 out:
     free(x); free(h); free(a); free(qkv); free(o); free(m); free(d1); free(d2);
-    free(s); free(qh); free(kh); free(vt); free(oh);
+    for (int p = 0; p < 2; p++) {
+        free(w[p].s); free(w[p].qh); free(w[p].kh); free(w[p].vt); free(w[p].oh);
+    }
     free(vv);
     return r;
 }

@@ -292,6 +292,18 @@ static int loader(const char *model)
     ASSERT_EQ(t.shape[0], 128);
     ASSERT_OK(ckpt_get(ck, "model.vision_model.ln_pre.bias", &t));     /* both spellings */
     ASSERT_ERR(ckpt_get(ck, "vision_model.no_such.weight", &t), -ENOENT);
+    {
+        /* stepd-inspect --list: the tower's tensors, whole */
+        char *dump = NULL;
+        size_t len = 0;
+        FILE *f = open_memstream(&dump, &len);
+        ASSERT_TRUE(f != NULL);
+        ckpt_plan_dump(ck, f);
+        fclose(f);
+        ASSERT_CONTAINS(dump, "\nvision_model.vit_downsampler2.weight BF16 [128,64,3,3] full 147456 vision\n");
+        ASSERT_CONTAINS(dump, "\nvit_large_projector.weight BF16 [256,128] full 65536 vision\n");
+        free(dump);
+    }
     ckpt_close(ck);
 
     /* images off: nothing of the tower, one warning */

@@ -23,6 +23,7 @@
 #include "safetensors.h"
 #include "strbuf.h"
 #include "tensors.h"
+#include "vision-tensors.h"
 
 #define INDEX_NAME "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
@@ -110,6 +111,13 @@ struct ckpt {
     struct strbuf warnings;
     pthread_mutex_t copy_lock;
     _Atomic int64_t got_bytes;        /* planned bytes handed out by ckpt_get() so far */
+    /* the vision tower (vision_plan): planned whole on rank 0 unless opts.skip_vision */
+    struct vision_config vis;
+    struct vent {
+        int src;                      /* index in sources, -1 absent */
+        atomic_flag counted;
+    } *vents;
+    int n_vents;
 };
 
 /* ------------------------------------------------------------------------ */
@@ -596,6 +604,55 @@ static int64_t ent_slice_bytes(const struct pent *p, const struct sft_tensor *t)
     return bytes / (p->slice == SLICE_ROWS ? p->shape[0] : p->shape[1]) * p->len;
 }
 
+/* The vision tower's tensors (common/vision-tensors.h), whole, on rank 0 when config.json
+ * has a vision_config and images are on: each present with its exact shape, BF16 or F32. */
+static int vision_plan(struct ckpt *c, struct strbuf *probs, int *first_err)
+{
+    int n = vision_tensor_count(&c->vis);
+
+    if (!c->vis.present || c->opts.skip_vision || c->opts.rank != 0 || n == 0)
+        return 0;
+    c->vents = calloc((size_t) n, sizeof(*c->vents));
+    if (!c->vents)
+        return -ENOMEM;
+    c->n_vents = n;
+    for (int i = 0; i < n; i++) {
+        struct vision_tensor vt;
+        char alt[VISION_NAME_MAX + 8], want[64], got[64];
+        const struct sft_tensor *t;
+        int32_t *slot;
+        bool ok;
+
+        vision_tensor_get(&c->vis, i, &vt);
+        HMAP_LOOKUP(&c->src_map, vt.name, SRC_KEY, slot);
+        if (*slot < 0) {
+            snprintf(alt, sizeof(alt), "model.%s", vt.name);
+            HMAP_LOOKUP(&c->src_map, alt, SRC_KEY, slot);
+        }
+        c->vents[i].src = *slot;
+        format_shape(want, sizeof(want), vt.ndim, vt.shape);
+        if (*slot < 0) {
+            line_add(probs, "missing: %s (BF16 %s): in no shard of %s (vision tower; "
+                     "--limit-mm-per-prompt '{\"image\": 0}' serves text only)", vt.name, want, c->dir);
+            *first_err = *first_err ? *first_err : -ENOENT;
+            continue;
+        }
+        c->srcs[*slot].matched = true;
+        t = c->srcs[*slot].t;
+        ok = (t->dtype == DTYPE_BF16 || t->dtype == DTYPE_F32) && t->ndim == vt.ndim;
+        for (int d = 0; ok && d < vt.ndim; d++)
+            ok = t->shape[d] == vt.shape[d];
+        if (!ok) {
+            format_shape(got, sizeof(got), t->ndim, t->shape);
+            line_add(probs, "mismatch: %s in %s: %s %s, expected BF16 or F32 %s", t->name,
+                     sft_file_path(c->shards[c->srcs[*slot].shard].f), dtype_name(t->dtype), got, want);
+            *first_err = *first_err ? *first_err : -EINVAL;
+            c->vents[i].src = -1;
+        }
+    }
+    return 0;
+}
+
 static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
 {
     const struct model_config *m = &c->cfg;
@@ -727,6 +784,10 @@ static int plan(struct ckpt *c, struct strbuf *probs, int *first_err)
         }
     }
 
+    r = vision_plan(c, probs, first_err);
+    if (r < 0)
+        return r;
+
     /* optional parameters and unknown tensors */
     for (size_t i = 0; i < c->n_srcs; i++) {
         struct src *s = &c->srcs[i];
@@ -798,8 +859,7 @@ unknown:
             n_input_scale++;
             continue;
         }
-        if (strncmp(s->canon, "vision_model.", 13) == 0 || strncmp(s->canon, "vit_large_projector.", 20) == 0 ||
-            strncmp(s->canon, "model.vision_model.", 19) == 0) {
+        if (!c->vents && vision_name_is(s->canon, NULL)) {
             n_vision++;
             continue;
         }
@@ -811,8 +871,10 @@ unknown:
         line_add(&c->warnings, "%.*s", (int) unknown.len - 1, unknown.p);
     if (n_unknown > WARN_LIST_MAX)
         line_add(&c->warnings, "... and %d more unknown tensors (ignored)", n_unknown - WARN_LIST_MAX);
-    if (n_vision)
-        line_add(&c->warnings, "%d vision tensors ignored (text path only)", n_vision);
+    if (n_vision && c->opts.skip_vision)
+        line_add(&c->warnings, "%d vision tensors skipped (images off: --limit-mm-per-prompt image 0)", n_vision);
+    else if (n_vision && rank == 0)
+        line_add(&c->warnings, "%d vision tensors ignored (config.json has no vision_config)", n_vision);
     if (n_input_scale)
         line_add(&c->warnings, "%d NVFP4 input_scale tensors ignored: activations are not quantised (W4A16)",
                  n_input_scale);
@@ -867,6 +929,11 @@ int ckpt_open(const char *dir, const struct ckpt_opts *opts, struct ckpt **ret, 
     }
     if (c->cfg.notes[0])
         line_add(&c->warnings, "%s: %s", path, c->cfg.notes);
+    if (!opts->skip_vision) {
+        r = vision_config_load(dir, c->cfg.hidden_size, &c->vis, e);
+        if (r < 0)
+            goto fail;
+    }
     if (check_divisible(c, &probs)) {
         r = -EINVAL;
         goto report;
@@ -949,6 +1016,7 @@ void ckpt_close(struct ckpt *c)
         free(c->ents[i].copy);
     }
     free(c->ents);
+    free(c->vents);
     free(c->ent_map.slot);
     for (size_t i = 0; i < c->n_srcs; i++)
         free(c->srcs[i].canon);
@@ -986,8 +1054,49 @@ void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret)
         ret->n_tensors++;
         ret->bytes += ent_slice_bytes(p, c->srcs[p->src].t);
     }
+    for (int i = 0; i < c->n_vents; i++) {
+        const struct sft_tensor *t;
+        if (c->vents[i].src < 0)
+            continue;
+        t = c->srcs[c->vents[i].src].t;
+        ret->vision_tensors++;
+        ret->vision_bytes += (int64_t) (t->end - t->begin);
+    }
+    ret->n_tensors += ret->vision_tensors;
+    ret->bytes += ret->vision_bytes;
     ret->expert_first = c->expert_first;
     ret->expert_count = c->expert_count;
+}
+
+const struct vision_config *ckpt_vision(const struct ckpt *c)
+{
+    return c->n_vents ? &c->vis : NULL;
+}
+
+/* A vision tensor of the plan, whole. */
+static int vision_get(struct ckpt *c, const char *name, struct tview *ret)
+{
+    const char *want;
+
+    if (!vision_name_is(name, &want))
+        return -ENOENT;
+    for (int i = 0; i < c->n_vents; i++) {
+        const struct src *s;
+        const char *cn;
+
+        if (c->vents[i].src < 0)
+            continue;
+        s = &c->srcs[c->vents[i].src];
+        if (!vision_name_is(s->canon, &cn) || strcmp(cn, want) != 0)
+            continue;
+        if (c->opts.headers_only)
+            return -ENODATA;
+        sft_file_view(c->shards[s->shard].f, s->t, ret);
+        if (!atomic_flag_test_and_set(&c->vents[i].counted))
+            atomic_fetch_add(&c->got_bytes, (int64_t) (s->t->end - s->t->begin));
+        return 0;
+    }
+    return -ENOENT;
 }
 
 void ckpt_load_progress(const struct ckpt *c, int64_t *done, int64_t *total)
@@ -1019,6 +1128,8 @@ int ckpt_get(struct ckpt *c, const char *name, struct tview *ret)
     size_t esz;
 
     memset(ret, 0, sizeof(*ret));
+    if (!p && c->n_vents)
+        return vision_get(c, name, ret);
     if (!p || !p->needed || p->src < 0)
         return -ENOENT;
     if (c->opts.headers_only)
@@ -1125,5 +1236,15 @@ void ckpt_plan_dump(const struct ckpt *c, FILE *f)
         if (p->slice != SLICE_NONE)
             fprintf(f, "[%lld:%lld]", (long long) p->off, (long long) (p->off + p->len));
         fprintf(f, " %lld%s\n", (long long) ent_slice_bytes(p, c->srcs[p->src].t), p->optional ? " optional" : "");
+    }
+    for (int i = 0; i < c->n_vents; i++) {
+        const struct sft_tensor *t;
+        char shape[64];
+        if (c->vents[i].src < 0)
+            continue;
+        t = c->srcs[c->vents[i].src].t;
+        format_shape(shape, sizeof(shape), t->ndim, t->shape);
+        fprintf(f, "%s %s %s full %lld vision\n", t->name, dtype_name(t->dtype), shape,
+                (long long) (t->end - t->begin));
     }
 }

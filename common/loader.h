@@ -51,6 +51,8 @@ struct ckpt_opts {
     bool headers_only;      /* validate without touching tensor data (stepd-inspect) */
     unsigned kv_params;     /* 1u << enum ckpt_kv_param: what the KV cache reads (0: none, the
                              * BF16/F32 KV cache of today); the rest is ignored */
+    bool skip_vision;       /* images off (--limit-mm-per-prompt '{"image": 0}'): the vision
+                             * tower is neither read from config.json nor loaded */
     char **ret_report;      /* optional: on failure receives the full problem list (one per
                              * line, malloc'd, caller frees; e holds as much as fits);
                              * NULL on success */
@@ -76,6 +78,11 @@ const char *ckpt_warnings(const struct ckpt *c);
  * loader-owned memory (thread-safe).  Views stay valid until ckpt_close(). */
 int ckpt_get(struct ckpt *c, const char *name, struct tview *ret);
 
+/* The vision tower planned on this rank (rank 0 with a vision_config and images on), or
+ * NULL.  Its tensors come whole from ckpt_get() under their checkpoint names. */
+struct vision_config;
+const struct vision_config *ckpt_vision(const struct ckpt *c);
+
 /* Experts held by this rank: [first, first + count). */
 void ckpt_expert_range(const struct ckpt *c, int *first, int *count);
 
@@ -84,6 +91,8 @@ struct ckpt_plan_stats {
     int64_t n_tensors;      /* tensors (or slices) this rank loads */
     int64_t bytes;          /* bytes of those slices */
     int expert_first, expert_count;
+    int64_t vision_tensors; /* of those, the vision tower's (rank 0, whole) */
+    int64_t vision_bytes;
 };
 void ckpt_plan_stats(const struct ckpt *c, struct ckpt_plan_stats *ret);
 

@@ -415,6 +415,8 @@ int main(int argc, char **argv)
                                        "tensors", (json_int_t) st.n_tensors, "bytes", (json_int_t) st.bytes,
                                        "expert_first", st.expert_first, "expert_count", st.expert_count,
                                        "mtp_depth", ckpt_mtp_depth(c), "plan_ms", ms, "plan_cpu_ms", cms);
+                json_object_set_new(jr, "vision_tensors", json_integer(st.vision_tensors));
+                json_object_set_new(jr, "vision_bytes", json_integer(st.vision_bytes));
                 json_object_set_new(jr, "warnings", lines_json(ckpt_warnings(c)));
                 json_object_set_new(jr, "speculation", json_boolean(ckpt_mtp_depth(c) > 0));
                 if (strict && short_mtp)
@@ -426,6 +428,10 @@ int main(int argc, char **argv)
                        r, ws, (long long) st.n_tensors, (long long) st.bytes, (double) st.bytes / (1ull << 30),
                        st.expert_first, st.expert_first + st.expert_count - 1, st.expert_count,
                        ckpt_mtp_depth(c), ms, cms);
+                if (st.vision_tensors)
+                    printf("  vision tower: %lld tensors, %lld bytes (%.2f GiB), in the weights above\n",
+                           (long long) st.vision_tensors, (long long) st.vision_bytes,
+                           (double) st.vision_bytes / (1ull << 30));
                 while (*w) {
                     const char *nl = strchr(w, '\n');
                     size_t n = nl ? (size_t) (nl - w) : strlen(w);

@@ -72,6 +72,7 @@
 #include "cli.h"
 #include "clock.h"
 #include "config.h"
+#include "vision-tensors.h"
 #include "file.h"
 #include "loader.h"
 #include "mxfp4.h"
@@ -120,6 +121,7 @@ struct mk {
     bool sparse_all, sparse_embed, sparse_heads, sparse_experts;
     int sparse_experts_from;    /* experts with index >= this are holes (INT_MAX: none) */
     enum quant_scheme format;   /* --format: the routed experts' (the rest BF16) */
+    int vision_layers;          /* --vision L: the full-width tower with L blocks (0: none) */
 
     struct model_config cfg;
     struct ckptw_entry *ents;
@@ -449,7 +451,12 @@ static int plan_fill(const struct mk *m, const struct ckptw_entry *t, struct fil
 
     memset(f, 0, sizeof(*f));
     f->kind = FILL_BF16;
-    if (strcmp(n, "model.embed_tokens.weight") == 0)
+    if (vision_name_is(n, NULL))
+        /* the vision tower (for timing): matrices and convolutions 1/sqrt(fan-in), vectors
+         * and the position table small */
+        s = t->ndim >= 2 ? 1.0 / sqrt((double) (ckptw_tensor_bytes(t->dtype, t->ndim, t->shape) / 2 / t->shape[0]))
+                         : NORM_STD;
+    else if (strcmp(n, "model.embed_tokens.weight") == 0)
         s = 1.0;
     else if (ends_with(n, "norm.weight"))
         s = NORM_STD;
@@ -498,6 +505,63 @@ static int plan_fill(const struct mk *m, const struct ckptw_entry *t, struct fil
 }
 
 /* ---------------------------------------------------------------- output -- */
+
+/* --vision L: Step-3.7's PerceptionEncoder at full width (1536, 16 heads, MLP 8960, patch 14,
+ * image 728) with L blocks and the projector to the text hidden size, in config.json ... */
+static int add_vision_config(struct mk *m, const char *path, struct err_buf *e)
+{
+    struct vision_config vc;
+    json_error_t je;
+    json_t *c = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    int r;
+
+    if (!c)
+        return err_set(e, -EINVAL, "%s: %s", path, je.text);
+    json_object_set_new(c, "vision_config", json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:b, s:b, s:b, s:b}",
+        "model_type", "perception_encoder", "width", 1536, "layers", m->vision_layers, "heads", 16,
+        "patch_size", 14, "image_size", 728, "mlp_ratio", 8960.0 / 1536.0, "hidden_act", "quick_gelu",
+        "use_abs_posemb", 1, "use_rope2d", 1, "use_ln_pre", 1, "use_ln_post", 0, "use_cls_token", 0));
+    json_object_set_new(c, "projector_bias", json_false());
+    r = json_dump_file(c, path, JSON_INDENT(2)) < 0 ? err_set(e, -EIO, "%s: cannot write", path) : 0;
+    json_decref(c);
+    if (r < 0)
+        return r;
+    /* as the loader reads it */
+    r = vision_config_load(m->out, m->cfg.hidden_size, &vc, e);
+    return r < 0 ? r : 0;
+}
+
+/* ... and its tensors, after the text ones */
+static int add_vision_tensors(struct mk *m, struct err_buf *e)
+{
+    struct vision_config vc;
+    struct ckptw_entry *ne;
+    int n, r;
+
+    if (!m->vision_layers)
+        return 0;
+    r = vision_config_load(m->out, m->cfg.hidden_size, &vc, e);
+    if (r < 0)
+        return r;
+    n = vision_tensor_count(&vc);
+    ne = realloc(m->ents, (m->n_ents + (size_t) n) * sizeof(*ne));
+    if (!ne)
+        return err_set(e, -ENOMEM, "out of memory");
+    m->ents = ne;
+    for (int i = 0; i < n; i++) {
+        struct ckptw_entry *t = &m->ents[m->n_ents++];
+        struct vision_tensor vt;
+
+        vision_tensor_get(&vc, i, &vt);
+        memset(t, 0, sizeof(*t));
+        snprintf(t->name, sizeof(t->name), "%s", vt.name);
+        t->dtype = DTYPE_BF16;
+        t->ndim = vt.ndim;
+        memcpy(t->shape, vt.shape, sizeof(vt.shape));
+        t->kind = CKPTW_DENSE;
+    }
+    return 0;
+}
 
 static int pwrite_all(int fd, const void *buf, size_t n, off_t off)
 {
@@ -704,6 +768,11 @@ static int write_model(struct mk *m, struct err_buf *e)
     r = ckptw_write_config(path, &m->cfg, true, false, e);
     if (r < 0)
         return r;
+    if (m->vision_layers) {
+        r = add_vision_config(m, path, e);
+        if (r < 0)
+            return r;
+    }
     {
         /* the config as the loader reads it: every field checked */
         struct model_config back;
@@ -717,6 +786,9 @@ static int write_model(struct mk *m, struct err_buf *e)
     r = ckptw_layout(&m->cfg, &wo, &m->ents, &m->n_ents);
     if (r < 0)
         return err_set(e, r, "out of memory");
+    r = add_vision_tensors(m, e);
+    if (r < 0)
+        return r;
     m->fills = calloc(m->n_ents + 1, sizeof(*m->fills));
     bytes = calloc(m->n_ents + 1, sizeof(*bytes));
     if (!m->fills || !bytes) {
@@ -866,7 +938,7 @@ static void usage(FILE *f)
         "                     [--threads T] [--tokenizer PATH] [--force]\n"
         "                     [--hidden H] [--intermediate I] [--moe-inter M] [--shared-inter S]\n"
         "                     [--experts E] [--top-k K] [--vocab V] [--head-dim D] [--window W]\n"
-        "                     [--format bf16|fp8|nvfp4|mxfp4]\n"
+        "                     [--format bf16|fp8|nvfp4|mxfp4] [--vision L]\n"
         "       stepd-mkmodel --from DIR --out DIR --format bf16|fp8|nvfp4|mxfp4 [--stacked yes|no]\n"
         "                     [--block N] [--force]\n"
         "  --from DIR          rewrite the checkpoint in DIR in another release format (its routed\n"
@@ -893,6 +965,9 @@ static void usage(FILE *f)
         "                      (a model dir's config.json also gives the BOS/EOS ids)\n"
         "  --force             replace the checkpoint files already in DIR\n"
         "  --hidden ... --window   override one width of the preset (--window: sliding window)\n"
+        "  --vision L          add Step-3.7's vision tower at full width (1536, 16 heads, MLP 8960,\n"
+        "                      image 728 / patch 14) with L blocks (real: 47), BF16, and its\n"
+        "                      vision_config; the projector maps to the text hidden size\n"
         "  --version, --help   print the version, or this text, and exit\n");
 }
 
@@ -971,7 +1046,7 @@ int main(int argc, char **argv)
 
     enum { O_PRESET = 256, O_LAYERS, O_REAL, O_MTP, O_SEED, O_SHARDS, O_SHARD_SIZE, O_SPARSE,
            O_THREADS, O_TOK, O_FORCE, O_HIDDEN, O_INTER, O_MOE, O_SHARED, O_EXPERTS, O_TOPK,
-           O_VOCAB, O_HEADDIM, O_WINDOW, O_OUT, O_FORMAT };
+           O_VOCAB, O_HEADDIM, O_WINDOW, O_OUT, O_FORMAT, O_VISION };
     static const struct option lo[] = {
         { "out", required_argument, NULL, O_OUT },
         { "preset", required_argument, NULL, O_PRESET },
@@ -995,6 +1070,7 @@ int main(int argc, char **argv)
         { "head-dim", required_argument, NULL, O_HEADDIM },
         { "window", required_argument, NULL, O_WINDOW },
         { "format", required_argument, NULL, O_FORMAT },
+        { "vision", required_argument, NULL, O_VISION },
         { "help", no_argument, NULL, 'h' },
         { "version", no_argument, NULL, 'V' },
         { 0 },
@@ -1069,6 +1145,7 @@ int main(int argc, char **argv)
         case O_VOCAB: INT_ARG("--vocab", 8, 1 << 24, &m->vocab); break;
         case O_HEADDIM: INT_ARG("--head-dim", 2, 1024, &m->head_dim); break;
         case O_WINDOW: INT_ARG("--window", 1, 1 << 20, &m->window); break;
+        case O_VISION: INT_ARG("--vision", 0, 1024, &m->vision_layers); break;
         case O_FORMAT:
             if (strcmp(optarg, "bf16") == 0)
                 m->format = QUANT_NONE;

@@ -27,6 +27,7 @@
 #include "mock.h"
 #include "progress.h"
 #include "model.h"
+#include "vision.h"
 #include "cli.h"
 #include "rpc.h"
 #include "worker.h"
@@ -234,6 +235,8 @@ struct worker {
     struct backend *be;
     struct ckpt *ck;
     struct forward *fwd;        /* model or mock */
+    struct vision *vision;      /* rank 0 on the CPU backend with a vision_config: the image
+                                   encoder (docs/ARCHITECTURE.md 5.1), else NULL */
     struct forward *lock;       /* rank 0 with world > 1: the broadcasting wrapper */
     struct step_plan_limits lim;
     size_t plan_cap;
@@ -589,7 +592,9 @@ static int stage_load(struct worker *w, struct err_buf *e)
     if (r < 0)
         return r;
     struct ckpt_opts co = { .mtp_dir = o->mtp_dir, .world_size = o->world_size, .rank = o->rank,
-                            .mtp_depth = o->rank == 0 ? spec_config_depth(&o->spec, declared.n_mtp_layers) : 0 };
+                            .mtp_depth = o->rank == 0 ? spec_config_depth(&o->spec, declared.n_mtp_layers) : 0,
+                            /* the encoder runs on the CPU backend only (host buffers) */
+                            .skip_vision = strncmp(o->device, "cuda:", 5) == 0 };
     r = ckpt_open(o->model_dir, &co, &w->ck, e);
     if (r < 0)
         return r;
@@ -656,6 +661,15 @@ static int stage_load(struct worker *w, struct err_buf *e)
     r = model_forward_new(w->ck, w->be, &hooks, &mo, &w->fwd, e);
     if (r < 0)
         return r;
+    if (ckpt_vision(w->ck)) {
+        const struct vision_config *vc;
+        r = vision_new(w->ck, w->be, &w->vision, e);
+        if (r < 0)
+            return r;
+        vc = vision_cfg(w->vision);
+        log_info("vision encoder: %d blocks of width %d, projector to %d (images are not served yet)",
+                 vc->layers, vc->width, vc->text_hidden);
+    }
     model_kv_block_bytes(model_from_forward(w->fwd), reserved);
     if (!mo.kv_blocks && (reserved[0] != planned[0] || reserved[1] != planned[1]))
         return err_set(e, -EPROTO, "KV plan: %lld + %lld bytes per block planned, the model "
@@ -1474,6 +1488,7 @@ out:
         w.lock->ops->free(w.lock);
     if (w.fwd)
         w.fwd->ops->free(w.fwd);
+    vision_free(w.vision);
     ckpt_close(w.ck);
     comm_free(w.dcomm);         /* its code and stream are the CUDA plugin's */
     if (w.be)

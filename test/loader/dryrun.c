@@ -64,7 +64,7 @@ int main(int argc, char **argv)
     struct model_config cfg;
     struct err_buf e = { "" };
     json_t *idx, *wm;
-    int64_t text_bytes = 0, text_tensors = 0, sparse_blocks = 0;
+    int64_t text_bytes = 0, text_tensors = 0, sparse_blocks = 0, vis_bytes = 0, vis_tensors = 0;
     double t0;
 
     for (int i = 2; i < argc; i++) {
@@ -83,6 +83,9 @@ int main(int argc, char **argv)
         if (!is_vision(rows[i].name)) {
             text_tensors++;
             text_bytes += ckptw_tensor_bytes(rows[i].dtype, rows[i].ndim, rows[i].shape);
+        } else {
+            vis_tensors++;
+            vis_bytes += ckptw_tensor_bytes(rows[i].dtype, rows[i].ndim, rows[i].shape);
         }
     printf("layout: %zu tensors (%lld text, %.1f GB text)\n", n_rows, (long long) text_tensors, (double) text_bytes / 1e9);
     ASSERT_EQ(text_tensors, 73254);
@@ -98,6 +101,20 @@ int main(int argc, char **argv)
     ckptw_config_step37(&cfg);
     snprintf(path, sizeof(path), "%s/config.json", dir);
     ASSERT_OK(ckptw_write_config(path, &cfg, true, false, &e));
+    {
+        /* the tower as vLLM's PerceptionEncoder reads it: the loader's expected vision list
+         * must be exactly the TSV's 667 vision rows */
+        json_error_t je;
+        json_t *c = json_load_file(path, 0, &je);
+        ASSERT_TRUE(c != NULL);
+        json_object_set_new(c, "vision_config", json_pack("{s:s, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:b}",
+            "model_type", "perception_encoder", "width", 1536, "layers", 47, "heads", 16, "patch_size", 14,
+            "image_size", 728, "mlp_ratio", 8960.0 / 1536.0, "hidden_act", "quick_gelu", "use_cls_token", 0,
+            "use_ln_post", 0));
+        json_object_set_new(c, "projector_bias", json_false());
+        ASSERT_OK(json_dump_file(c, path, JSON_INDENT(1)));
+        json_decref(c);
+    }
     idx = json_object();
     wm = json_object();
     json_object_set_new(idx, "weight_map", wm);
@@ -148,10 +165,14 @@ int main(int argc, char **argv)
                        st.expert_first + st.expert_count - 1, ckpt_mtp_depth(c), ms, cms);
                 ASSERT_EQ(ckpt_mtp_depth(c), 3);
                 ASSERT_EQ(st.expert_count, 288 / ws);
-                ASSERT_CONTAINS(ckpt_warnings(c), "667 vision tensors ignored");
+                /* the vision tower: whole, on rank 0 only */
+                ASSERT_TRUE(strstr(ckpt_warnings(c), "vision") == NULL);
+                ASSERT_EQ(st.vision_tensors, r == 0 ? vis_tensors : 0);
+                ASSERT_EQ(st.vision_bytes, r == 0 ? vis_bytes : 0);
                 if (ws == 1) {
-                    ASSERT_EQ(st.n_tensors, text_tensors);
-                    ASSERT_EQ(st.bytes, text_bytes);
+                    ASSERT_EQ(vis_tensors, 667);
+                    ASSERT_EQ(st.n_tensors, text_tensors + vis_tensors);
+                    ASSERT_EQ(st.bytes, text_bytes + vis_bytes);
                 }
                 sum_bytes += st.bytes;
                 experts += st.expert_count;
@@ -183,7 +204,7 @@ int main(int argc, char **argv)
         static const int sizes[4] = { 1, 2, 4, 8 };
         for (int k = 0; k < 4; k++) {
             char cmd[PATH_MAX * 2 + 200], line[1024];
-            int fits = 0, nofit = 0, seqs = -1;
+            int fits = 0, nofit = 0, seqs = -1, vis = 0;
             snprintf(cmd, sizeof(cmd), "'%s' '%s' --world-size %d --device-memory 141G "
                      "--max-model-len 262144 2>&1", inspect, dir, sizes[k]);
             FILE *p = popen(cmd, "r");
@@ -194,10 +215,12 @@ int main(int argc, char **argv)
                 fputs(line, stdout);
                 fits += strstr(line, "  fits: ") != NULL;
                 nofit += strncmp(line, "  does NOT fit", 14) == 0;
+                vis += strncmp(line, "  vision tower: 667 tensors", 27) == 0;
                 if (strncmp(line, "group: ", 7) == 0)
                     ASSERT_TRUE(sscanf(strstr(line, "): ") + 3, "%d sequences", &seqs) == 1);
             }
             int st = pclose(p);
+            ASSERT_EQ(vis, 1);      /* rank 0 holds the tower */
             if (sizes[k] == 1) {
                 ASSERT_EQ(nofit, 1);
                 ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);

@@ -37,6 +37,7 @@
 #include "loader.h"
 #include "mxfp4.h"
 #include "safetensors.h"
+#include "vision-tensors.h"
 
 #define ROUTER_INPUTS 512
 
@@ -652,6 +653,34 @@ static void test_bad_input(void)
     ckptw_rmtree(dir);
 }
 
+/* --vision L: the full-width tower beside the text, planned by the loader on rank 0 */
+static void test_vision(void)
+{
+    const char *dir = make("vision", "--preset narrow8 --layers 1 --vision 2 --sparse all --threads 1");
+    struct ckpt_opts o = { .world_size = 1, .rank = 0, .headers_only = true };
+    struct ckpt_plan_stats st;
+    const struct vision_config *vc;
+    struct err_buf e = { "" };
+    struct ckpt *c;
+
+    if (ckpt_open(dir, &o, &c, &e) < 0)
+        FAIL("%s", e.msg);
+    vc = ckpt_vision(c);
+    ASSERT_TRUE(vc != NULL);
+    ASSERT_EQ(vc->width, 1536);
+    ASSERT_EQ(vc->layers, 2);
+    ASSERT_EQ(vc->inter, 8960);
+    ASSERT_EQ(vc->text_hidden, 256);
+    ckpt_plan_stats(c, &st);
+    ASSERT_EQ(st.vision_tensors, 4 + 14 * 2 + 5);
+    /* conv1, position table, 2 blocks, downsamplers, projector [256, 6144]: BF16 bytes */
+    ASSERT_EQ(st.vision_bytes, 2 * (1536LL * 3 * 14 * 14 + 2704LL * 1536 + 2 * 1536 +
+                                    2 * (4608LL * 1536 + 4608 + 1536LL * 1536 + 1536 * 8 + 8960LL * 1536 + 8960 +
+                                         1536LL * 8960) +
+                                    3072LL * 1536 * 9 + 3072 + 6144LL * 3072 * 9 + 6144 + 256LL * 6144));
+    ckpt_close(c);
+}
+
 int main(int argc, char **argv)
 {
     struct err_buf e;
@@ -672,6 +701,7 @@ int main(int argc, char **argv)
     test_narrow();
     test_determinism();
     test_bad_input();
+    test_vision();
 
     ckptw_rmtree(root);
     free(root);

@@ -1,0 +1,203 @@
+/* bench-vision.c - the vision encoder at Step-3.7-Flash's real shapes on the CPU backend
+ * (suite bench, not in the default run).
+ *
+ *   bench-vision --mkmodel PATH | --model DIR  [--threads 1,2] [--crops N] [--layers L]
+ *                [--reps N] [--keep]
+ *
+ * The model: stepd-mkmodel --vision L (the full-width tower: width 1536, 16 heads, MLP 8960,
+ * downsamplers to 6144, projector to 4096) beside a one-layer narrow text model with hidden
+ * 4096, made at run time in a temporary directory unless --model names one (L = 47, the real
+ * depth, by default: 3.7 GB of BF16 weights).  For each thread count: one 728x728 global view
+ * plus N (default 4) 504x504 crops encoded in ONE vision_encode call (synthetic pixels), the
+ * best of REPS (default 2), with the time of each stage (patch embed, blocks, downsamplers +
+ * projector) from the trace callback; beside it the GEMM peak measured in the same run on the
+ * same backend: backend_matmul of the MLP's c_fc shape ([8960, 1536] BF16) over the global
+ * view's 2704 tokens.  Printed: encode ms, useful GFLOP (2 * MACs of every GEMM and of
+ * attention), GFLOP/s and that as % of the GEMM peak.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ckptw.h"
+#include "clock.h"
+#include "harness.h"
+#include "loader.h"
+#include "vision.h"
+
+struct stamps {
+    int64_t t[_VISION_STAGES];
+    bool seen[_VISION_STAGES];
+};
+
+static void stamp(void *arg, enum vision_stage st, int view, const float *x, int rows, int cols)
+{
+    struct stamps *s = arg;
+
+    (void) view; (void) x; (void) rows; (void) cols;
+    if (!s->seen[st]) {
+        s->seen[st] = true;
+        s->t[st] = clk_now_ns();
+    }
+}
+
+/* 2 * multiply-adds of one view of g x g patches */
+static double view_flops(const struct vision_config *c, int g)
+{
+    double n = (double) g * g, C = c->width, I = c->inter, P = c->patch;
+    int g1 = (g - 1) / 2 + 1, g2 = (g1 - 1) / 2 + 1;
+    double n1 = (double) g1 * g1, n2 = (double) g2 * g2;
+    double blk = 2 * n * C * 3 * C + 2 * 2 * n * n * C + 2 * n * C * C + 2 * 2 * n * C * I;
+
+    return 2 * n * C * 3 * P * P + c->layers * blk + 2 * n1 * 2 * C * 9 * C + 2 * n2 * 4 * C * 18 * C +
+           2 * n2 * c->text_hidden * 4 * C;
+}
+
+static int parse_list(const char *s, int *out, int max)
+{
+    int n = 0;
+    while (*s && n < max) {
+        out[n++] = atoi(s);
+        s = strchr(s, ',');
+        if (!s)
+            break;
+        s++;
+    }
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    const char *mk = NULL, *model = NULL;
+    int threads[8] = {1, 2}, n_threads = 2, crops = 4, layers = 47, reps = 2;
+    bool keep = false;
+    char *tmp = NULL, cmd[8192];
+    struct err_buf e = {{0}};
+
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--mkmodel") == 0 && i + 1 < argc)
+            mk = argv[++i];
+        else if (strcmp(argv[i], "--model") == 0 && i + 1 < argc)
+            model = argv[++i];
+        else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
+            n_threads = parse_list(argv[++i], threads, 8);
+        else if (strcmp(argv[i], "--crops") == 0 && i + 1 < argc)
+            crops = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--layers") == 0 && i + 1 < argc)
+            layers = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc)
+            reps = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--keep") == 0)
+            keep = true;
+        else
+            FAIL("usage: bench-vision --mkmodel PATH | --model DIR [--threads 1,2] [--crops N] "
+                 "[--layers L] [--reps N] [--keep]");
+    }
+    if (!mk && !model)
+        FAIL("bench-vision: --mkmodel PATH or --model DIR");
+    if (crops < 0 || crops > 16 || layers < 1 || reps < 1 || n_threads < 1)
+        FAIL("bench-vision: bad --crops, --layers, --reps or --threads");
+    if (!model) {
+        int64_t t0 = clk_now_ns();
+        tmp = ckptw_tmpdir("bench-vision");
+        ASSERT_TRUE(tmp != NULL);
+        snprintf(cmd, sizeof(cmd), "'%s' --out '%s' --preset narrow8 --hidden 4096 --layers 1 --vision %d "
+                 "--sparse experts --force > /dev/null", mk, tmp, layers);
+        ASSERT_EQ(system(cmd), 0);
+        model = tmp;
+        printf("model: stepd-mkmodel --vision %d in %s (%.1f s)\n", layers, tmp, (clk_now_ns() - t0) / 1e9);
+    }
+
+    /* synthetic views: a global 728 view and `crops` 504 crops */
+    struct vision_view views[17];
+    uint8_t *pix[17];
+    for (int i = 0; i <= crops; i++) {
+        int size = i == 0 ? 728 : 504;
+        pix[i] = malloc((size_t) size * size * 3);
+        ASSERT_TRUE(pix[i] != NULL);
+        for (size_t k = 0; k < (size_t) size * size * 3; k++)
+            pix[i][k] = (uint8_t) ((k * 2654435761u) >> 24);
+        views[i] = (struct vision_view) {.rgb = pix[i], .size = size};
+    }
+
+    struct ckpt_opts o = {.world_size = 1, .rank = 0};
+    struct ckpt *ck;
+    if (ckpt_open(model, &o, &ck, &e) < 0)
+        FAIL("%s", e.msg);
+    printf("%-8s %-10s %-9s %-9s %-9s %-9s %-10s %-10s %s\n", "threads", "encode ms", "embed ms",
+           "blocks ms", "ds+proj", "GFLOP", "GFLOP/s", "GEMM peak", "% of peak");
+    for (int ti = 0; ti < n_threads; ti++) {
+        struct backend_cfg bc = {.n_threads = threads[ti]};
+        struct backend *be;
+        struct vision *v;
+        const struct vision_config *c;
+        double flops = 0, best = 1e30, peak = 0;
+        struct stamps bs = {{0}};
+        int tokens = 0;
+        float *out;
+
+        ASSERT_OK(backend_new("cpu", &bc, &be));
+        if (vision_new(ck, be, &v, &e) < 0)
+            FAIL("%s", e.msg);
+        c = vision_cfg(v);
+        for (int i = 0; i <= crops; i++) {
+            flops += view_flops(c, views[i].size / c->patch);
+            tokens += vision_view_tokens(v, views[i].size);
+        }
+        out = malloc((size_t) tokens * c->text_hidden * sizeof(float));
+        ASSERT_TRUE(out != NULL);
+        for (int r = 0; r < reps; r++) {
+            struct stamps s = {{0}};
+            int64_t t0 = clk_now_ns();
+            if (vision_encode(v, views, crops + 1, out, stamp, &s, &e) < 0)
+                FAIL("%s", e.msg);
+            double dt = (clk_now_ns() - t0) / 1e9;
+            if (dt < best) {
+                best = dt;
+                bs = s;
+                bs.t[0] -= t0;
+                for (int k = 1; k < _VISION_STAGES; k++)
+                    bs.t[k] -= t0;
+            }
+        }
+        {
+            /* the GEMM peak on this backend: c_fc's shape over the global view's tokens */
+            int64_t n = 2704, K = c->width, N = c->inter;
+            uint16_t *w = malloc((size_t) (N * K) * 2);
+            float *x = malloc((size_t) (n * K) * 4), *y = malloc((size_t) (n * N) * 4);
+            struct bweight bw = {.fmt = WFMT_BF16, .rows = N, .cols = K, .data = w};
+            ASSERT_TRUE(w && x && y);
+            for (int64_t k = 0; k < N * K; k++)
+                w[k] = ckptw_f32_to_bf16(ckptw_random_value(7, "w", k, 0.03f));
+            for (int64_t k = 0; k < n * K; k++)
+                x[k] = ckptw_random_value(8, "x", k, 1.0f);
+            ASSERT_OK(backend_weight_prepare(be, &bw));
+            for (int r = 0; r < reps + 1; r++) {
+                int64_t t0 = clk_now_ns();
+                ASSERT_OK(backend_matmul(be, &bw, x, (int) n, y));
+                double gf = 2.0 * n * N * K / ((clk_now_ns() - t0) / 1e9) / 1e9;
+                peak = gf > peak ? gf : peak;
+            }
+            backend_weight_release(be, &bw);
+            free(w); free(x); free(y);
+        }
+        double gfs = flops / best / 1e9;
+        printf("%-8d %-10.1f %-9.1f %-9.1f %-9.1f %-9.1f %-10.1f %-10.1f %.1f %%\n", threads[ti], best * 1e3,
+               bs.t[VISION_PATCH_EMBED] / 1e6, (bs.t[VISION_VIT] - bs.t[VISION_PATCH_EMBED]) / 1e6,
+               (best * 1e9 - bs.t[VISION_VIT]) / 1e6, flops / 1e9, gfs, peak, 100 * gfs / peak);
+        printf("  (%d views: 1 x 728 + %d x 504, %d tokens of %d, %d blocks)\n", crops + 1, crops, tokens,
+               c->text_hidden, c->layers);
+        free(out);
+        vision_free(v);
+        backend_free(be);
+    }
+    ckpt_close(ck);
+    for (int i = 0; i <= crops; i++)
+        free(pix[i]);
+    if (tmp && !keep)
+        ckptw_rmtree(tmp);
+    free(tmp);
+    return 0;
+}

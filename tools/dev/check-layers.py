@@ -11,6 +11,9 @@ compiler does: the file's own folder, then the -I folders in order).  Rules:
   worker/   includes nothing from daemon/ (the coordinator and the workers meet only
             over the wire: proto/ and rpc/)
   tools/    includes nothing from daemon/
+  daemon/   includes nothing from kernels/ or worker/ (the coordinator runs no model)
+  worker/engine/  includes nothing from worker/model/ or worker/comm/ (the engine drives
+            the model through worker/forward.h and its plan, never the model's insides)
   and no target outside daemon/ (and its own tests, test/daemon/) has daemon/ on its
   include path.
 
@@ -23,12 +26,15 @@ import re
 import shlex
 import sys
 
+# a folder (and everything under it): the folders its sources may not include from
 FORBIDDEN = {
     "common": ("kernels", "worker", "daemon", "rpc"),
     "kernels": ("worker", "daemon", "rpc"),
     "rpc": ("kernels", "worker", "daemon"),
     "worker": ("daemon",),
     "tools": ("daemon",),
+    "daemon": ("kernels", "worker"),
+    "worker/engine": ("worker/model", "worker/comm"),
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -36,6 +42,16 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 def top(path, root):
     rel = os.path.relpath(path, root)
     return rel.split(os.sep)[0] if not rel.startswith("..") else None
+
+
+def under(rel, folder):
+    """Whether the tree-relative path rel lies in folder ("a/b")."""
+    return rel.replace(os.sep, "/").startswith(folder + "/")
+
+
+def forbidden_for(rel):
+    """(rule's folder, forbidden folder) pairs that apply to the source rel."""
+    return [(f, x) for f, xs in sorted(FORBIDDEN.items()) if under(rel, f) for x in xs]
 
 
 def main():
@@ -62,7 +78,7 @@ def main():
         for inc in incs:
             if top(inc, root) == "daemon" and not in_daemon:
                 bad.append("%s: has daemon/ on its include path (%s)" % (rel_src, inc))
-        forbidden = FORBIDDEN.get(area, ())
+        forbidden = forbidden_for(rel_src)
         if not forbidden:
             continue
         try:
@@ -73,10 +89,10 @@ def main():
             for base in [os.path.dirname(src)] + incs:
                 cand = os.path.normpath(os.path.join(base, name))
                 if os.path.exists(cand):
-                    where = top(cand, root)
-                    if where in forbidden:
-                        bad.append('%s: includes "%s" from %s/ (%s)' % (
-                            rel_src, name, where, os.path.relpath(cand, root)))
+                    rel_cand = os.path.relpath(cand, root)
+                    for _, where in forbidden:
+                        if under(rel_cand, where):
+                            bad.append('%s: includes "%s" from %s/ (%s)' % (rel_src, name, where, rel_cand))
                     break
     for b in sorted(set(bad)):
         print(b)

@@ -20,6 +20,7 @@
 
 #include "admit.h"
 #include "affinity.h"
+#include "chunk.h"
 #include "coord.h"
 #include "engine-conn.h"
 #include "rpc.h"
@@ -230,18 +231,19 @@ struct req_caller {
 /* The client side of a request: the door it came through (the gRPC call of
  * Inference.Generate, or an HTTP request of the OpenAI API).  req.c drives every request the
  * same way and tells its door only this:
- *   chunk    one Chunk of new output; 0, or <0 when the door has given up on its client
+ *   chunk    one chunk of new output (chunk.h, door-neutral: each door renders it); 0,
+ *            or <0 when the door has given up on its client
  *            (a slow reader): it has then ended its side itself (req_client_detach), and
  *            req.c stops the engine
- *   final    the request's Final: the door ends its side OK
+ *   final    the request's final (chunk.h): the door ends its side OK
  *   end      the request ends with a status (enum rpc_status: the door maps it to its own
  *            codes); retry_ms > 0: the client may retry after that long (queue full)
  *   watch    the request is admitted: from now on the door reports its client going away
  *            (req_client_cancel) until final or end
  * After final or end req.c never calls the door for r again (r->client is NULL). */
 struct req_client_ops {
-    int (*chunk)(struct req *r, const Stepd__V1__Chunk *ch);
-    void (*final)(struct req *r, const Stepd__V1__Final *f);
+    int (*chunk)(struct req *r, const struct chunk *ch);
+    void (*final)(struct req *r, const struct chunk_final *f);
     void (*end)(struct req *r, int status, int retry_ms, const char *msg);
     void (*watch)(struct req *r);
 };
@@ -324,6 +326,7 @@ void req_client_cancel(struct req *r);
  * for r. */
 void req_client_detach(struct req *r, int status, const char *msg);
 
+/* Inference.Generate (grpc-door.c): the gRPC door's handler on the loop. */
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud);
 /* Fail every request routed to g (group down); message names the group. */
 void req_fail_group(struct group *g, const char *why);
@@ -468,7 +471,7 @@ void health_status_line(struct coord *co);
 void health_watches_end(struct coord *co);
 /* grpc.health.v1.Health Check and Watch on server s. */
 int health_register_methods(struct coord *co, struct rpc_server *s);
-/* CQ thread (rpc cq_hook of Generate): answer RESOURCE_EXHAUSTED at once when full. */
+/* CQ thread (rpc cq_hook of Generate, grpc-door.c): answer RESOURCE_EXHAUSTED at once when full. */
 bool req_generate_cq(struct rpc_call *call, void *ud);
 void req_generate_unmark(int mark, void *ud);
 bool coord_ready(const struct coord *co);

@@ -140,10 +140,10 @@ static int item_text(struct door_gen *g, enum door_item_kind kind, const char *s
     return it->text.oom ? -ENOMEM : 0;
 }
 
-static int item_call(struct door_gen *g, const Stepd__V1__ToolCallDelta *t, struct strbuf *b)
+static int item_call(struct door_gen *g, const struct chunk_tool *t, struct strbuf *b)
 {
     struct door_item *it = NULL;
-    size_t n = strlen(t->arguments_delta);
+    size_t n = strlen(t->arguments);
 
     if (t->id[0]) {
         if (!(it = item_new(g, DOOR_CALL, b)))
@@ -164,9 +164,9 @@ static int item_call(struct door_gen *g, const Stepd__V1__ToolCallDelta *t, stru
     }
     if (!n)
         return 0;
-    strbuf_add(&it->text, t->arguments_delta, n);
+    strbuf_add(&it->text, t->arguments, n);
     if (g->stream)
-        g->ops->item_delta(g, (size_t)(it - g->items), t->arguments_delta, n, b);
+        g->ops->item_delta(g, (size_t)(it - g->items), t->arguments, n, b);
     return it->text.oom ? -ENOMEM : 0;
 }
 
@@ -220,25 +220,25 @@ static void gen_done_check(struct door_gen *g)
 
 /* ------------------------------------------------------------------ the client ops */
 
-static int door_chunk(struct req *r, const Stepd__V1__Chunk *ch)
+static int door_chunk(struct req *r, const struct chunk *ch)
 {
     struct door_gen *g = r->client;
     struct strbuf b = STRBUF_INIT;
     int e = 0;
 
-    if (ch->usage && !g->prompt_tokens)
-        g->prompt_tokens = ch->usage->prompt_tokens;
+    if (ch->has_usage && !g->prompt_tokens)
+        g->prompt_tokens = ch->prompt_tokens;
     if (g->stream) {
         if (!g->hr)
             return 0;       /* the client is gone: its cancel is on its way */
         if ((e = stream_begin(g)) < 0)
             goto out;
     }
-    e = item_text(g, DOOR_REASONING, ch->reasoning_delta, &b);
+    e = item_text(g, DOOR_REASONING, ch->reasoning, &b);
     if (!e)
-        e = item_text(g, DOOR_TEXT, ch->content_delta, &b);
-    for (size_t k = 0; !e && k < ch->n_tool_calls; k++)
-        e = item_call(g, ch->tool_calls[k], &b);
+        e = item_text(g, DOOR_TEXT, ch->content, &b);
+    for (size_t k = 0; !e && k < ch->n_tools; k++)
+        e = item_call(g, &ch->tools[k], &b);
     if (!e && g->stream)
         e = gen_write(g, &b);
 out:
@@ -258,23 +258,21 @@ out:
     return e == -ENOMEM ? e : 0;
 }
 
-static void door_final(struct req *r, const Stepd__V1__Final *f)
+static void door_final(struct req *r, const struct chunk_final *f)
 {
     struct door_gen *g = r->client;
 
-    switch (f->finish_reason) {
-    case STEPD__V1__FINISH_REASON__FINISH_REASON_STOP: g->finish = DOOR_FINISH_STOP; break;
-    case STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH: g->finish = DOOR_FINISH_LENGTH; break;
+    switch (f->finish) {
+    case CHUNK_FINISH_STOP: g->finish = DOOR_FINISH_STOP; break;
+    case CHUNK_FINISH_LENGTH: g->finish = DOOR_FINISH_LENGTH; break;
     default: g->finish = DOOR_FINISH_OTHER;
     }
-    if (f->matched_stop_case == STEPD__V1__FINAL__MATCHED_STOP_STOP_STRING)
+    if (f->stop == CHUNK_STOP_STRING)
         g->stop_str = strdup(f->stop_string);
-    if (f->usage) {
-        g->prompt_tokens = f->usage->prompt_tokens;
-        g->completion_tokens = f->usage->completion_tokens;
-        g->cached_tokens = f->usage->cached_tokens;
-        g->reasoning_tokens = f->usage->reasoning_tokens;
-    }
+    g->prompt_tokens = f->prompt_tokens;
+    g->completion_tokens = f->completion_tokens;
+    g->cached_tokens = f->cached_tokens;
+    g->reasoning_tokens = f->reasoning_tokens;
     g->r = NULL;
     g->live = false;
     gen_done_check(g);

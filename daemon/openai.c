@@ -241,7 +241,7 @@ struct oai_choice {
     struct strbuf ids;              /* return_token_ids: the output's ids, comma-separated */
     size_t text_off;                /* completions: bytes of output so far */
     /* the Final */
-    int finish;                     /* Stepd__V1__FinishReason */
+    enum chunk_finish finish;
     char *stop_str;
     int32_t stop_id;
     bool has_stop_id;
@@ -358,11 +358,11 @@ static void gen_fail(struct oai_gen *g, int status, const char *msg)
 static const char *finish_name(const struct oai_gen *g, const struct oai_choice *c)
 {
     switch (c->finish) {
-    case STEPD__V1__FINISH_REASON__FINISH_REASON_STOP:
+    case CHUNK_FINISH_STOP:
         return c->calls_started && g->chat ? "tool_calls" : "stop";
-    case STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH:
+    case CHUNK_FINISH_LENGTH:
         return "length";
-    case STEPD__V1__FINISH_REASON__FINISH_REASON_ABORT:
+    case CHUNK_FINISH_ABORT:
         return "abort";
     default:
         return "error";
@@ -404,10 +404,10 @@ static void bytes_json(struct strbuf *b, const struct tokenizer *tok, int32_t id
     strbuf_adds(b, "]");
 }
 
-static void chat_logprobs(struct strbuf *b, const struct tokenizer *tok, const Stepd__V1__Chunk *ch, bool first)
+static void chat_logprobs(struct strbuf *b, const struct tokenizer *tok, const struct chunk *ch, bool first)
 {
     for (size_t i = 0; i < ch->n_logprobs; i++) {
-        const Stepd__V1__TokenLogprob *lp = ch->logprobs[i];
+        const struct chunk_logprob *lp = &ch->logprobs[i];
 
         if (!first || i)
             strbuf_adds(b, ",");
@@ -420,21 +420,21 @@ static void chat_logprobs(struct strbuf *b, const struct tokenizer *tok, const S
         strbuf_adds(b, ",\"top_logprobs\":[");
         for (size_t k = 0; k < lp->n_top; k++) {
             strbuf_adds(b, k ? ",{\"token\":" : "{\"token\":");
-            token_json(b, tok, lp->top[k]->token_id);
+            token_json(b, tok, lp->top[k].token_id);
             strbuf_adds(b, ",\"logprob\":");
-            json_num(b, lp->top[k]->logprob);
+            json_num(b, lp->top[k].logprob);
             strbuf_adds(b, ",\"bytes\":");
-            bytes_json(b, tok, lp->top[k]->token_id);
+            bytes_json(b, tok, lp->top[k].token_id);
             strbuf_adds(b, "}");
         }
         strbuf_adds(b, "]}");
     }
 }
 
-static void lp_parts_add(struct lp_parts *p, const struct tokenizer *tok, const Stepd__V1__Chunk *ch, size_t *off)
+static void lp_parts_add(struct lp_parts *p, const struct tokenizer *tok, const struct chunk *ch, size_t *off)
 {
     for (size_t i = 0; i < ch->n_logprobs; i++, p->n++) {
-        const Stepd__V1__TokenLogprob *lp = ch->logprobs[i];
+        const struct chunk_logprob *lp = &ch->logprobs[i];
         const char *sep = p->n ? "," : "";
         size_t n = 0;
 
@@ -446,9 +446,9 @@ static void lp_parts_add(struct lp_parts *p, const struct tokenizer *tok, const 
         for (size_t k = 0; k < lp->n_top; k++) {
             if (k)
                 strbuf_adds(&p->tops, ",");
-            token_json(&p->tops, tok, lp->top[k]->token_id);
+            token_json(&p->tops, tok, lp->top[k].token_id);
             strbuf_adds(&p->tops, ":");
-            json_num(&p->tops, lp->top[k]->logprob);
+            json_num(&p->tops, lp->top[k].logprob);
         }
         strbuf_adds(&p->tops, "}");
         strbuf_printf(&p->offs, "%s%zu", sep, *off);
@@ -494,33 +494,24 @@ static void usage_json(struct strbuf *b, const struct oai_gen *g)
 }
 
 /* The choice's "stepd" extension: the request behind it, MTP statistics, timings. */
-static void ext_json(struct strbuf *b, const struct req *r, const Stepd__V1__Final *f)
+static void ext_json(struct strbuf *b, const struct req *r, const struct chunk_final *f)
 {
-    const Stepd__V1__MtpStats *m = f->mtp;
-    const Stepd__V1__Timings *t = f->timings;
-
     strbuf_adds(b, "{\"request_id\":");
     json_strz(b, r->id);
     strbuf_adds(b, ",\"group\":");
     json_strz(b, f->group ? f->group : "");
-    strbuf_adds(b, ",\"mtp\":{");
-    if (m) {
-        strbuf_printf(b, "\"num_drafts\":%u,\"num_draft_tokens\":%u,\"num_accepted_tokens\":%u,"
-                      "\"accepted_per_position\":[", m->num_drafts, m->num_draft_tokens, m->num_accepted_tokens);
-        for (size_t i = 0; i < m->n_accepted_per_position; i++)
-            strbuf_printf(b, "%s%u", i ? "," : "", m->accepted_per_position[i]);
-        strbuf_adds(b, "],\"acceptance_length\":");
-        if (m->num_drafts)
-            json_num(b, 1.0 + (double)m->num_accepted_tokens / m->num_drafts);
-        else
-            strbuf_adds(b, "null");
-    }
-    strbuf_adds(b, "},\"timings\":{");
-    if (t)
-        strbuf_printf(b, "\"queue_s\":%.6f,\"prefill_s\":%.6f,\"first_token_s\":%.6f,\"decode_s\":%.6f,"
-                      "\"mean_inter_token_s\":%.6f,\"e2e_s\":%.6f", t->queue_s, t->prefill_s, t->first_token_s,
-                      t->decode_s, t->mean_inter_token_s, t->e2e_s);
-    strbuf_adds(b, "}}");
+    strbuf_printf(b, ",\"mtp\":{\"num_drafts\":%u,\"num_draft_tokens\":%u,\"num_accepted_tokens\":%u,"
+                  "\"accepted_per_position\":[", f->num_drafts, f->num_draft_tokens, f->num_accepted_tokens);
+    for (size_t i = 0; i < f->n_accepted_per_position; i++)
+        strbuf_printf(b, "%s%u", i ? "," : "", f->accepted_per_position[i]);
+    strbuf_adds(b, "],\"acceptance_length\":");
+    if (f->num_drafts)
+        json_num(b, 1.0 + (double)f->num_accepted_tokens / f->num_drafts);
+    else
+        strbuf_adds(b, "null");
+    strbuf_printf(b, "},\"timings\":{\"queue_s\":%.6f,\"prefill_s\":%.6f,\"first_token_s\":%.6f,\"decode_s\":%.6f,"
+                  "\"mean_inter_token_s\":%.6f,\"e2e_s\":%.6f}}", f->queue_s, f->prefill_s, f->first_token_s,
+                  f->decode_s, f->mean_inter_token_s, f->e2e_s);
 }
 
 /* The head of a streamed chunk, up to the choices array's opening. */
@@ -570,13 +561,13 @@ static int stream_begin(struct oai_gen *g)
 }
 
 /* The streamed delta of one engine chunk for choice c (nothing when it carries nothing). */
-static void stream_delta(struct oai_gen *g, struct oai_choice *c, const Stepd__V1__Chunk *ch, struct strbuf *b)
+static void stream_delta(struct oai_gen *g, struct oai_choice *c, const struct chunk *ch, struct strbuf *b)
 {
     const struct tokenizer *tok = g->co->tok;
-    bool any = ch->n_logprobs || ch->n_tool_calls || (g->return_ids && ch->n_token_ids) ||
-               (g->chat ? ch->content_delta[0] || ch->reasoning_delta[0] : ch->text[0] != 0);
+    bool any = ch->n_logprobs || ch->n_tools || (g->return_ids && ch->n_token_ids) ||
+               (g->chat ? ch->content[0] || ch->reasoning[0] : ch->text[0] != 0);
 
-    if (!any && !(g->continuous_usage && ch->usage))
+    if (!any && !(g->continuous_usage && ch->has_usage))
         return;
     chunk_head(b, g);
     strbuf_printf(b, "{\"index\":%u,", c->index);
@@ -590,20 +581,20 @@ static void stream_delta(struct oai_gen *g, struct oai_choice *c, const Stepd__V
         bool comma = false;
 
         strbuf_adds(b, "\"delta\":{");
-        if (ch->reasoning_delta[0]) {
+        if (ch->reasoning[0]) {
             strbuf_adds(b, "\"reasoning_content\":");
-            json_strz(b, ch->reasoning_delta);
+            json_strz(b, ch->reasoning);
             comma = true;
         }
-        if (ch->content_delta[0]) {
+        if (ch->content[0]) {
             strbuf_adds(b, comma ? ",\"content\":" : "\"content\":");
-            json_strz(b, ch->content_delta);
+            json_strz(b, ch->content);
             comma = true;
         }
-        if (ch->n_tool_calls) {
+        if (ch->n_tools) {
             strbuf_adds(b, comma ? ",\"tool_calls\":[" : "\"tool_calls\":[");
-            for (size_t k = 0; k < ch->n_tool_calls; k++) {
-                const Stepd__V1__ToolCallDelta *t = ch->tool_calls[k];
+            for (size_t k = 0; k < ch->n_tools; k++) {
+                const struct chunk_tool *t = &ch->tools[k];
 
                 strbuf_printf(b, "%s{\"index\":%u,", k ? "," : "", t->index);
                 if (t->id[0]) {
@@ -615,7 +606,7 @@ static void stream_delta(struct oai_gen *g, struct oai_choice *c, const Stepd__V
                 } else {
                     strbuf_adds(b, "\"function\":{\"arguments\":");
                 }
-                json_strz(b, t->arguments_delta);
+                json_strz(b, t->arguments);
                 strbuf_adds(b, "}}");
             }
             strbuf_adds(b, "]");
@@ -643,10 +634,9 @@ static void stream_delta(struct oai_gen *g, struct oai_choice *c, const Stepd__V
         }
     }
     strbuf_adds(b, ",\"finish_reason\":null}]");
-    if (g->continuous_usage && ch->usage)
+    if (g->continuous_usage && ch->has_usage)
         strbuf_printf(b, ",\"usage\":{\"prompt_tokens\":%u,\"completion_tokens\":%u,\"total_tokens\":%u}",
-                      ch->usage->prompt_tokens, ch->usage->completion_tokens,
-                      ch->usage->prompt_tokens + ch->usage->completion_tokens);
+                      ch->prompt_tokens, ch->completion_tokens, ch->prompt_tokens + ch->completion_tokens);
     else if (g->include_usage)
         strbuf_adds(b, ",\"usage\":null");
     strbuf_adds(b, "}\n\n");
@@ -797,14 +787,14 @@ static void gen_done_check(struct oai_gen *g)
 
 /* ------------------------------------------------------------------ the client ops */
 
-static int oai_chunk(struct req *r, const Stepd__V1__Chunk *ch)
+static int oai_chunk(struct req *r, const struct chunk *ch)
 {
     struct oai_choice *c = r->client;
     struct oai_gen *g = c->g;
     int e = 0;
 
-    for (size_t k = 0; k < ch->n_tool_calls; k++)
-        c->calls_started += ch->tool_calls[k]->id[0] != 0;
+    for (size_t k = 0; k < ch->n_tools; k++)
+        c->calls_started += ch->tools[k].id[0] != 0;
     if (g->stream) {
         struct strbuf b = STRBUF_INIT;
 
@@ -836,10 +826,10 @@ static int oai_chunk(struct req *r, const Stepd__V1__Chunk *ch)
     for (size_t i = 0; g->return_ids && i < ch->n_token_ids; i++)
         strbuf_printf(&c->ids, "%s%d", c->ids.len ? "," : "", ch->token_ids[i]);
     strbuf_add(&c->text, ch->text, strlen(ch->text));
-    strbuf_add(&c->reasoning, ch->reasoning_delta, strlen(ch->reasoning_delta));
-    strbuf_add(&c->content, ch->content_delta, strlen(ch->content_delta));
-    for (size_t k = 0; k < ch->n_tool_calls; k++) {
-        const Stepd__V1__ToolCallDelta *t = ch->tool_calls[k];
+    strbuf_add(&c->reasoning, ch->reasoning, strlen(ch->reasoning));
+    strbuf_add(&c->content, ch->content, strlen(ch->content));
+    for (size_t k = 0; k < ch->n_tools; k++) {
+        const struct chunk_tool *t = &ch->tools[k];
         struct oai_call *call = NULL;
 
         for (size_t j = 0; j < c->n_calls; j++)
@@ -859,7 +849,7 @@ static int oai_chunk(struct req *r, const Stepd__V1__Chunk *ch)
             free(call->name);
             call->name = strdup(t->name);
         }
-        strbuf_adds(&call->args, t->arguments_delta);
+        strbuf_adds(&call->args, t->arguments);
     }
     if (ch->n_logprobs) {
         if (g->chat)
@@ -871,24 +861,22 @@ static int oai_chunk(struct req *r, const Stepd__V1__Chunk *ch)
     return 0;
 }
 
-static void oai_final(struct req *r, const Stepd__V1__Final *f)
+static void oai_final(struct req *r, const struct chunk_final *f)
 {
     struct oai_choice *c = r->client;
     struct oai_gen *g = c->g;
 
-    c->finish = f->finish_reason;
-    if (f->matched_stop_case == STEPD__V1__FINAL__MATCHED_STOP_STOP_STRING)
+    c->finish = f->finish;
+    if (f->stop == CHUNK_STOP_STRING)
         c->stop_str = strdup(f->stop_string);
-    else if (f->matched_stop_case == STEPD__V1__FINAL__MATCHED_STOP_STOP_TOKEN_ID) {
+    else if (f->stop == CHUNK_STOP_TOKEN) {
         c->has_stop_id = true;
         c->stop_id = f->stop_token_id;
     }
-    if (f->usage) {
-        c->prompt_tokens = f->usage->prompt_tokens;
-        c->completion_tokens = f->usage->completion_tokens;
-        c->cached_tokens = f->usage->cached_tokens;
-        c->reasoning_tokens = f->usage->reasoning_tokens;
-    }
+    c->prompt_tokens = f->prompt_tokens;
+    c->completion_tokens = f->completion_tokens;
+    c->cached_tokens = f->cached_tokens;
+    c->reasoning_tokens = f->reasoning_tokens;
     ext_json(&c->ext, r, f);
     c->r = NULL;
     c->ended = true;

@@ -33,6 +33,7 @@
 #include "json.h"
 #include "log.h"
 #include "openai.h"
+#include "reply.h"
 #include "strbuf.h"
 #include "stepd-config.h"
 
@@ -225,11 +226,9 @@ struct oai_call {
     struct strbuf args;
 };
 
+/* The output of one choice (the rendering's state; reply.h drives its life). */
 struct oai_choice {
-    struct oai_gen *g;
     uint32_t index;
-    struct req *r;                  /* watched (admitted) and not yet ended */
-    bool ended;
     /* non-streaming: the whole output */
     struct strbuf text, reasoning, content;
     struct oai_call *calls;
@@ -240,7 +239,7 @@ struct oai_choice {
     struct lp_parts lpp;            /* completions */
     struct strbuf ids;              /* return_token_ids: the output's ids, comma-separated */
     size_t text_off;                /* completions: bytes of output so far */
-    /* the Final */
+    /* the final */
     enum chunk_finish finish;
     char *stop_str;
     int32_t stop_id;
@@ -249,29 +248,20 @@ struct oai_choice {
     struct strbuf ext;              /* the choice's "stepd" object */
 };
 
+/* A chat or text completion's rendering: the reply's ud. */
 struct oai_gen {
-    struct coord *co;
-    struct http_req *hr;            /* NULL once the client is gone or the answer is given */
-    bool chat, stream, include_usage, continuous_usage, logprobs, return_ids;
+    struct reply *rp;               /* the generation's life: co, hr, id, model, created, n */
+    bool chat, include_usage, continuous_usage, logprobs, return_ids;
     bool tools_parsed;              /* chat through the tool-call parser: content may stay null */
-    bool started;                   /* stream: headers and role chunks sent */
-    bool failed, busy, answered, freeing, cancel_pending;
-    int fail_status;
-    char fail_msg[768];
-    char id[160];
-    char model[160];
-    int64_t created;
-    uint32_t n, live;
-    uv_timer_t timer;
+    uint32_t n;
     struct oai_choice *ch;
 };
 
-static void gen_done_check(struct oai_gen *g);
 static void lp_parts_done(struct lp_parts *p);
 
-static void gen_freed(uv_handle_t *h)
+static void oai_free(void *ud)
 {
-    struct oai_gen *g = h->data;
+    struct oai_gen *g = ud;
 
     for (uint32_t i = 0; i < g->n; i++) {
         struct oai_choice *c = &g->ch[i];
@@ -292,65 +282,6 @@ static void gen_freed(uv_handle_t *h)
     }
     free(g->ch);
     free(g);
-}
-
-static void gen_free(struct oai_gen *g)
-{
-    if (g->freeing)
-        return;
-    g->freeing = true;
-    if (g->hr)
-        http_req_on_close(g->hr, NULL, NULL);
-    g->hr = NULL;
-    uv_timer_stop(&g->timer);
-    uv_close((uv_handle_t *)&g->timer, gen_freed);
-}
-
-/* Cancel every choice still running (an entry point: the timer, the client's close). */
-static void gen_cancel_all(struct oai_gen *g)
-{
-    g->busy = true;
-    for (uint32_t i = 0; i < g->n; i++) {
-        struct req *r = g->ch[i].r;
-
-        if (r)
-            req_client_cancel(r);   /* its end op runs: ch[i].r = NULL */
-    }
-    g->busy = false;
-    gen_done_check(g);
-}
-
-static void gen_timer_cb(uv_timer_t *t)
-{
-    struct oai_gen *g = t->data;
-
-    g->cancel_pending = false;
-    gen_cancel_all(g);
-}
-
-static void gen_on_close(struct http_req *hr, bool completed, void *ud)
-{
-    struct oai_gen *g = ud;
-
-    (void)hr;
-    g->hr = NULL;
-    if (!completed && g->live)
-        log_req_info(g->id, "client closed the connection: cancelling");
-    gen_cancel_all(g);
-}
-
-/* One choice failed: the others are cancelled, later (never from inside req.c). */
-static void gen_fail(struct oai_gen *g, int status, const char *msg)
-{
-    if (!g->failed) {
-        g->failed = true;
-        g->fail_status = status;
-        snprintf(g->fail_msg, sizeof(g->fail_msg), "%s", msg);
-    }
-    if (g->live && !g->cancel_pending && !g->freeing) {
-        g->cancel_pending = true;
-        uv_timer_start(&g->timer, gen_timer_cb, 0, 0);
-    }
 }
 
 /* ------------------------------------------------------------------ rendering */
@@ -494,10 +425,10 @@ static void usage_json(struct strbuf *b, const struct oai_gen *g)
 }
 
 /* The choice's "stepd" extension: the request behind it, MTP statistics, timings. */
-static void ext_json(struct strbuf *b, const struct req *r, const struct chunk_final *f)
+static void ext_json(struct strbuf *b, const struct chunk_final *f)
 {
     strbuf_adds(b, "{\"request_id\":");
-    json_strz(b, r->id);
+    json_strz(b, f->request_id);
     strbuf_adds(b, ",\"group\":");
     json_strz(b, f->group ? f->group : "");
     strbuf_printf(b, ",\"mtp\":{\"num_drafts\":%u,\"num_draft_tokens\":%u,\"num_accepted_tokens\":%u,"
@@ -518,52 +449,33 @@ static void ext_json(struct strbuf *b, const struct req *r, const struct chunk_f
 static void chunk_head(struct strbuf *b, const struct oai_gen *g)
 {
     strbuf_adds(b, "data: {\"id\":");
-    json_strz(b, g->id);
+    json_strz(b, g->rp->id);
     strbuf_printf(b, ",\"object\":\"%s\",\"created\":%" PRId64 ",\"model\":",
-                  g->chat ? "chat.completion.chunk" : "text_completion", g->created);
-    json_strz(b, g->model);
+                  g->chat ? "chat.completion.chunk" : "text_completion", g->rp->created);
+    json_strz(b, g->rp->model);
     strbuf_adds(b, ",\"choices\":[");
 }
 
-static int gen_write(struct oai_gen *g, struct strbuf *b)
+/* Streaming: the first chunk of every choice (the assistant role). */
+static void oai_begin(struct reply *rp, struct strbuf *b)
 {
-    int e;
+    struct oai_gen *g = rp->ud;
 
-    if (b->oom)
-        return -ENOMEM;
-    e = g->hr ? http_stream_write(g->hr, b->p, b->len) : -ECANCELED;
-    return e;
-}
-
-/* Headers and the first chunk of every choice (the assistant role). */
-static int stream_begin(struct oai_gen *g)
-{
-    struct strbuf b = STRBUF_INIT;
-    int e;
-
-    if (g->started)
-        return 0;
-    g->started = true;
-    if ((e = http_stream_start(g->hr, 200, "text/event-stream")) < 0)
-        return e;
     if (!g->chat)
-        return 0;
+        return;
     for (uint32_t i = 0; i < g->n; i++) {
-        chunk_head(&b, g);
+        chunk_head(b, g);
         /* as OpenAI's: content null until there is some when the reply may be tool calls only */
-        strbuf_printf(&b, "{\"index\":%u,\"delta\":{\"role\":\"assistant\",\"content\":%s},\"logprobs\":null,"
+        strbuf_printf(b, "{\"index\":%u,\"delta\":{\"role\":\"assistant\",\"content\":%s},\"logprobs\":null,"
                       "\"finish_reason\":null}]%s}\n\n", i, g->tools_parsed ? "null" : "\"\"",
                       g->include_usage ? ",\"usage\":null" : "");
     }
-    e = gen_write(g, &b);
-    strbuf_done(&b);
-    return e;
 }
 
 /* The streamed delta of one engine chunk for choice c (nothing when it carries nothing). */
 static void stream_delta(struct oai_gen *g, struct oai_choice *c, const struct chunk *ch, struct strbuf *b)
 {
-    const struct tokenizer *tok = g->co->tok;
+    const struct tokenizer *tok = g->rp->co->tok;
     bool any = ch->n_logprobs || ch->n_tools || (g->return_ids && ch->n_token_ids) ||
                (g->chat ? ch->content[0] || ch->reasoning[0] : ch->text[0] != 0);
 
@@ -642,8 +554,12 @@ static void stream_delta(struct oai_gen *g, struct oai_choice *c, const struct c
     strbuf_adds(b, "}\n\n");
 }
 
-static void stream_finish_chunk(struct oai_gen *g, struct oai_choice *c, struct strbuf *b)
+/* Streaming: choice i's last chunk (its finish reason). */
+static void oai_final_event(struct reply *rp, uint32_t i, struct strbuf *b)
 {
+    struct oai_gen *g = rp->ud;
+    struct oai_choice *c = &g->ch[i];
+
     chunk_head(b, g);
     strbuf_printf(b, "{\"index\":%u,%s,\"logprobs\":null,\"finish_reason\":\"%s\",\"stop_reason\":", c->index,
                   g->chat ? "\"delta\":{}" : "\"text\":\"\"", finish_name(g, c));
@@ -657,15 +573,16 @@ static void stream_finish_chunk(struct oai_gen *g, struct oai_choice *c, struct 
 }
 
 /* Non-streaming: the whole answer. */
-static void respond_whole(struct oai_gen *g)
+static void oai_whole(struct reply *rp)
 {
+    struct oai_gen *g = rp->ud;
     struct strbuf b = STRBUF_INIT;
 
     strbuf_adds(&b, "{\"id\":");
-    json_strz(&b, g->id);
+    json_strz(&b, rp->id);
     strbuf_printf(&b, ",\"object\":\"%s\",\"created\":%" PRId64 ",\"model\":",
-                  g->chat ? "chat.completion" : "text_completion", g->created);
-    json_strz(&b, g->model);
+                  g->chat ? "chat.completion" : "text_completion", rp->created);
+    json_strz(&b, rp->model);
     strbuf_adds(&b, ",\"choices\":[");
     for (uint32_t i = 0; i < g->n; i++) {
         struct oai_choice *c = &g->ch[i];
@@ -729,102 +646,63 @@ static void respond_whole(struct oai_gen *g)
     }
     strbuf_adds(&b, "]}}");
     if (b.oom)
-        http_respond_error(g->hr, 500, NULL, "out of memory");
+        http_respond_error(rp->hr, 500, NULL, "out of memory");
     else
-        http_respond(g->hr, 200, "application/json", b.p, b.len, NULL);
+        http_respond(rp->hr, 200, "application/json", b.p, b.len, NULL);
     strbuf_done(&b);
 }
 
-/* Every choice has ended: give the answer (once), then let go. */
-static void gen_done_check(struct oai_gen *g)
+/* Streaming, every choice ended: the usage chunk (asked for) and [DONE]. */
+static void oai_end(struct reply *rp, struct strbuf *b)
 {
-    if (g->live || g->busy || g->freeing)
-        return;
-    if (g->hr && !g->answered) {
-        g->answered = true;
-        if (g->stream && g->started) {
-            struct strbuf b = STRBUF_INIT;
+    struct oai_gen *g = rp->ud;
 
-            if (g->failed) {
-                char *e;
-                json_t *o = json_pack("{s:{s:s, s:s, s:n, s:i}}", "error", "message", g->fail_msg, "type",
-                                      http_status_of(g->fail_status) >= 500 ? "server_error" : "invalid_request_error",
-                                      "param", "code", (int)http_status_of(g->fail_status));
-
-                e = o ? json_dumps(o, JSON_COMPACT) : NULL;
-                json_decref(o);
-                if (e) {
-                    strbuf_printf(&b, "data: %s\n\n", e);
-                    free(e);
-                }
-            } else if (g->include_usage) {
-                chunk_head(&b, g);
-                strbuf_adds(&b, "],\"usage\":");
-                usage_json(&b, g);
-                strbuf_adds(&b, "}\n\n");
-            }
-            strbuf_adds(&b, "data: [DONE]\n\n");
-            if (gen_write(g, &b) == 0)
-                http_stream_end(g->hr);
-            else
-                http_req_abort(g->hr);
-            strbuf_done(&b);
-        } else if (g->failed) {
-            respond_status(g->hr, g->fail_status, g->fail_status == RPC_RESOURCE_EXHAUSTED ? 100 : 0, g->fail_msg);
-        } else if (g->stream) {
-            /* every choice ended without output before the stream began */
-            if (stream_begin(g) == 0) {
-                g->answered = false;
-                gen_done_check(g);
-                return;
-            }
-        } else {
-            respond_whole(g);
-        }
+    if (g->include_usage) {
+        chunk_head(b, g);
+        strbuf_adds(b, "],\"usage\":");
+        usage_json(b, g);
+        strbuf_adds(b, "}\n\n");
     }
-    gen_free(g);
+    strbuf_adds(b, "data: [DONE]\n\n");
 }
 
-/* ------------------------------------------------------------------ the client ops */
-
-static int oai_chunk(struct req *r, const struct chunk *ch)
+/* Streaming, a choice failed after the start: the error as an event, and [DONE]. */
+static void oai_fail_event(struct reply *rp, struct strbuf *b)
 {
-    struct oai_choice *c = r->client;
-    struct oai_gen *g = c->g;
-    int e = 0;
+    char *e;
+    json_t *o = json_pack("{s:{s:s, s:s, s:n, s:i}}", "error", "message", rp->fail_msg, "type",
+                          http_status_of(rp->fail_status) >= 500 ? "server_error" : "invalid_request_error",
+                          "param", "code", (int)http_status_of(rp->fail_status));
+
+    e = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (e) {
+        strbuf_printf(b, "data: %s\n\n", e);
+        free(e);
+    }
+    strbuf_adds(b, "data: [DONE]\n\n");
+}
+
+static void oai_error(struct reply *rp, int rpc, const char *msg)
+{
+    respond_status(rp->hr, rpc, rpc == RPC_RESOURCE_EXHAUSTED ? 100 : 0, msg);
+}
+
+/* A chunk of choice i: streaming, its delta onto b; else kept. */
+static int oai_chunk(struct reply *rp, uint32_t i, const struct chunk *ch, struct strbuf *b)
+{
+    struct oai_gen *g = rp->ud;
+    struct oai_choice *c = &g->ch[i];
 
     for (size_t k = 0; k < ch->n_tools; k++)
         c->calls_started += ch->tools[k].id[0] != 0;
-    if (g->stream) {
-        struct strbuf b = STRBUF_INIT;
-
-        if (!g->hr)
-            return 0;       /* the client is gone: its cancel is on its way */
-        e = stream_begin(g);
-        if (e == 0) {
-            stream_delta(g, c, ch, &b);
-            if (b.len || b.oom)
-                e = gen_write(g, &b);
-        }
-        strbuf_done(&b);
-        if (e == -ENOBUFS) {
-            char msg[160];
-
-            snprintf(msg, sizeof(msg), "client is not reading its stream (%zu bytes buffered, cap reached)",
-                     g->co->o.max_call_buffer_bytes);
-            c->r = NULL;
-            c->ended = true;
-            g->live--;
-            req_client_detach(r, RPC_RESOURCE_EXHAUSTED, msg);
-            g->failed = true;
-            http_req_abort(g->hr);  /* the other choices end with the connection */
-            return e;
-        }
+    if (rp->stream) {
+        stream_delta(g, c, ch, b);
         return 0;
     }
     /* non-streaming: keep it all */
-    for (size_t i = 0; g->return_ids && i < ch->n_token_ids; i++)
-        strbuf_printf(&c->ids, "%s%d", c->ids.len ? "," : "", ch->token_ids[i]);
+    for (size_t k = 0; g->return_ids && k < ch->n_token_ids; k++)
+        strbuf_printf(&c->ids, "%s%d", c->ids.len ? "," : "", ch->token_ids[k]);
     strbuf_add(&c->text, ch->text, strlen(ch->text));
     strbuf_add(&c->reasoning, ch->reasoning, strlen(ch->reasoning));
     strbuf_add(&c->content, ch->content, strlen(ch->content));
@@ -853,18 +731,18 @@ static int oai_chunk(struct req *r, const struct chunk *ch)
     }
     if (ch->n_logprobs) {
         if (g->chat)
-            chat_logprobs(&c->logprobs, g->co->tok, ch, c->n_lp == 0);
+            chat_logprobs(&c->logprobs, rp->co->tok, ch, c->n_lp == 0);
         else
-            lp_parts_add(&c->lpp, g->co->tok, ch, &c->text_off);
+            lp_parts_add(&c->lpp, rp->co->tok, ch, &c->text_off);
         c->n_lp += ch->n_logprobs;
     }
     return 0;
 }
 
-static void oai_final(struct req *r, const struct chunk_final *f)
+static void oai_final(struct reply *rp, uint32_t i, const struct chunk_final *f)
 {
-    struct oai_choice *c = r->client;
-    struct oai_gen *g = c->g;
+    struct oai_gen *g = rp->ud;
+    struct oai_choice *c = &g->ch[i];
 
     c->finish = f->finish;
     if (f->stop == CHUNK_STOP_STRING)
@@ -877,45 +755,12 @@ static void oai_final(struct req *r, const struct chunk_final *f)
     c->completion_tokens = f->completion_tokens;
     c->cached_tokens = f->cached_tokens;
     c->reasoning_tokens = f->reasoning_tokens;
-    ext_json(&c->ext, r, f);
-    c->r = NULL;
-    c->ended = true;
-    g->live--;
-    if (g->stream && g->hr && !g->failed) {
-        struct strbuf b = STRBUF_INIT;
-
-        if (stream_begin(g) == 0) {
-            stream_finish_chunk(g, c, &b);
-            if (gen_write(g, &b) < 0)
-                http_req_abort(g->hr);
-        }
-        strbuf_done(&b);
-    }
-    gen_done_check(g);
+    ext_json(&c->ext, f);
 }
 
-static void oai_end(struct req *r, int status, int retry_ms, const char *msg)
-{
-    struct oai_choice *c = r->client;
-    struct oai_gen *g = c->g;
-
-    (void)retry_ms;
-    c->r = NULL;
-    c->ended = true;
-    g->live--;
-    gen_fail(g, status, msg);
-    gen_done_check(g);
-}
-
-static void oai_watch(struct req *r)
-{
-    struct oai_choice *c = r->client;
-
-    c->r = r;
-}
-
-static const struct req_client_ops oai_ops = {
-    .chunk = oai_chunk, .final = oai_final, .end = oai_end, .watch = oai_watch,
+static const struct reply_ops oai_reply_ops = {
+    .begin = oai_begin, .chunk = oai_chunk, .final = oai_final, .final_event = oai_final_event, .end = oai_end,
+    .fail_event = oai_fail_event, .whole = oai_whole, .error = oai_error, .free_ud = oai_free,
 };
 
 /* ------------------------------------------------------------------ requests from JSON */
@@ -1786,8 +1631,6 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
     struct request *in = request_new(chat ? names_chat : names_completion);
     struct oai_opts x = { 0 };
     struct oai_gen *g = NULL;
-    struct req_caller caller = { 0 };
-    void **clients = NULL;
     json_error_t je;
     json_t *body = NULL;
     char msg[768] = "";
@@ -1826,59 +1669,30 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
     g = calloc(1, sizeof(*g));
     if (g)
         g->ch = calloc((size_t)x.n, sizeof(*g->ch));
-    clients = calloc((size_t)x.n, sizeof(*clients));
-    if (!g || !g->ch || !clients) {
+    if (g && g->ch)
+        g->rp = reply_new(co, hr, (uint32_t)x.n, x.stream, &oai_reply_ops, g);
+    if (!g || !g->ch || !g->rp) {
         snprintf(msg, sizeof(msg), "out of memory");
         if (g)
             free(g->ch);
         free(g);
-        g = NULL;
+        r = -ENOMEM;
         goto bad;
     }
-    g->co = co;
-    g->hr = hr;
     g->chat = chat;
-    g->stream = x.stream;
     g->include_usage = x.include_usage;
     g->continuous_usage = x.continuous_usage;
     g->logprobs = x.logprobs;
     g->return_ids = x.return_ids;
     g->tools_parsed = chat && co->o.tool_parser && in->tool_choice != REQUEST_TOOLS_NONE;
-    g->created = (int64_t)time(NULL);
-    g->n = g->live = (uint32_t)x.n;
-    snprintf(g->model, sizeof(g->model), "%s", in->model);
-    if (!in->id[0])
-        req_id_assign(in->id, sizeof(in->id));
-    snprintf(g->id, sizeof(g->id), "%s%s", chat ? "chatcmpl-" : "cmpl-", in->id);
-    uv_timer_init(&co->loop, &g->timer);
-    g->timer.data = g;
-    for (uint32_t i = 0; i < g->n; i++) {
-        g->ch[i].g = g;
+    g->n = (uint32_t)x.n;
+    for (uint32_t i = 0; i < g->n; i++)
         g->ch[i].index = i;
-        clients[i] = &g->ch[i];
-    }
     json_decref(body);
-    body = NULL;
-    http_req_on_close(hr, gen_on_close, g);
-    caller.keyed = http_req_keyed(hr, &caller.key_hash);
-    snprintf(caller.peer, sizeof(caller.peer), "%s", http_req_peer(hr));
-    int64_t deadline = co->o.request_timeout_ms ? rpc_now_ms() + co->o.request_timeout_ms : INT64_MAX;
-    g->busy = true;
-    req_submit(co, in, &(struct req_origin){ .ops = &oai_ops, .clients = clients, .n = g->n,
-                                             .deadline_ms = deadline, .caller = &caller });
-    g->busy = false;
-    free(clients);
-    if (g->live && co->o.request_timeout_ms && !g->cancel_pending) {
-        /* from now, not from the loop's cached time: the timer must not fire before the
-         * deadline (gen_timer_cb would read it as the client's cancel) */
-        uv_update_time(&co->loop);
-        uv_timer_start(&g->timer, gen_timer_cb, co->o.request_timeout_ms + 1, 0);
-    }
-    gen_done_check(g);
+    reply_start(g->rp, in, chat ? "chatcmpl-" : "cmpl-");
     return;
 bad:
     json_decref(body);
-    free(clients);
     log_req_info(in->id[0] ? in->id : "-", "rejected: %s", msg);
     request_free(in);
     respond_status(hr, r == -ENOMEM ? RPC_INTERNAL : RPC_INVALID_ARGUMENT, 0, msg);

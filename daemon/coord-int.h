@@ -1,5 +1,5 @@
 /* coord-int.h - the coordinator's internal objects, shared by coord.c, req.c,
- * wpool.c, openai.c and metrics.c. Everything here runs on the one loop thread.
+ * wpool.c, openai-*.c and metrics.c. Everything here runs on the one loop thread.
  *
  * Ownership: struct coord owns the loop, the rpc context and servers, the HTTP servers
  * (http.c), the groups (struct group, wpool.c) and the live requests (struct req, req.c).

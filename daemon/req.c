@@ -1,7 +1,7 @@
 /* req.c - the life of one generation request in the coordinator: admission, routing to a
  * group's engine, streaming back through the text pipeline, cancellation (exactly one
  * Abort to the engine), failover.  The request arrives built (request.h) from one of the
- * front doors, the gRPC Inference.Generate call (grpc-door.c) or the HTTP API (openai.c,
+ * front doors, the gRPC Inference.Generate call (grpc-door.c) or the HTTP API (openai-routes.c,
  * door.c), and is validated once (validate.c); its client side is the door's (struct
  * req_client_ops): everything between the door and the engine is the same for all.
  * Loop thread only. */

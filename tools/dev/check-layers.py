@@ -19,6 +19,7 @@ compiler does: the file's own folder, then the -I folders in order).  Rules:
 
 Prints each violation as 'FILE: RULE (HOW)' and exits 1 when there is one.
 Usage: check-layers.py BUILD/compile_commands.json
+       check-layers.py --self-test   (the rules on a made-up tree: each one catches its case)
 """
 import json
 import os
@@ -54,8 +55,51 @@ def forbidden_for(rel):
     return [(f, x) for f, xs in sorted(FORBIDDEN.items()) if under(rel, f) for x in xs]
 
 
-def main():
-    cc = sys.argv[1]
+def self_test():
+    import io
+    import tempfile
+    from contextlib import redirect_stdout
+    files = {
+        "daemon/bad.c": '#include "../worker/plan.h"\n#include "../kernels/k.h"\n',
+        "daemon/ok.c": '#include "ok.h"\n#include "../common/c.h"\n',
+        "daemon/ok.h": "",
+        "worker/plan.h": "",
+        "worker/engine/bad.c": '#include "../model/model.h"\n#include "comm.h"\n',
+        "worker/engine/ok.c": '#include "plan.h"\n',
+        "worker/model/model.h": "",
+        "worker/comm/comm.h": "",
+        "kernels/k.h": "",
+        "common/c.h": "",
+    }
+    with tempfile.TemporaryDirectory() as t:
+        for name, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(t, name)), exist_ok=True)
+            with open(os.path.join(t, name), "w") as f:
+                f.write(text)
+        os.makedirs(os.path.join(t, "build"))
+        cc = os.path.join(t, "build", "compile_commands.json")
+        entries = [{"directory": os.path.join(t, "build"), "file": "../" + f,
+                    "command": "cc -I../worker -I../worker/comm -c ../" + f}
+                   for f in files if f.endswith(".c")]
+        with open(cc, "w") as f:
+            json.dump(entries, f)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = main([cc])
+        got = sorted(line.split(":")[0] + " " + line.split(" from ")[1].split("/ ")[0]
+                     for line in out.getvalue().splitlines() if " from " in line)
+        want = ["daemon/bad.c kernels", "daemon/bad.c worker", "worker/engine/bad.c worker/comm",
+                "worker/engine/bad.c worker/model"]
+        assert rc == 1 and got == want, (rc, got, out.getvalue())
+    print("check-layers.py self-test: ok")
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--self-test"]:
+        return self_test()
+    cc = argv[0]
     root = os.path.dirname(os.path.dirname(os.path.abspath(cc)))
     entries = json.load(open(cc))
     bad = []

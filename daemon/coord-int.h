@@ -52,6 +52,7 @@ struct req;
 /* 128 random bits in hex (getrandom; a clock-seeded generator if that fails): request and
  * session ids nobody can guess. */
 #define COORD_RANDOM_HEX 33
+/* 32 random hex digits (owner.c). */
 void coord_random_hex(char out[COORD_RANDOM_HEX]);
 
 /* FNV-1a over n bytes from h (COORD_FNV_SEED to start): prefix affinity, request ids. */
@@ -341,7 +342,7 @@ int req_dispatch_promoted(struct req *r);
 /* Free r if nothing references it any more.  The one rule for freeing a request: only
  * the entry points - the callbacks rpc/ and libuv call (a client call's cancel, an engine
  * call's messages and end, the output stream's batches and end, Submit's answer, the
- * timers) - and the admission promotions (coord_slot_release, req_held_kick: they free
+ * timers) - and the admission promotions (req_slot_release, req_held_kick: they free
  * the other requests they fail to route) call this, once, after they are done with r; the
  * helpers they call (req_finish, req_engine_end, req_stop_engine, ...) never free r.  A
  * walk over a list must not keep a pointer to the next element across a call that may
@@ -417,8 +418,32 @@ struct health_watch {
     int last;
 };
 
+/* What the files below the loop owner tell the ones above them: calls through these
+ * pointers (coord.c's table, set by coord_new) rather than by name, so that daemon/'s
+ * call graph stays without a circle (tools/dev/callgraph.py, test callgraph): wpool.c,
+ * serve.c and engine-conn.c call no function of req.c, health.c or coord.c, and req.c
+ * none of coord.c. */
+struct coord_upcalls {
+    /* wpool.c: group g went down: fail the requests routed to it (req_fail_group) */
+    void (*group_failed)(struct group *g, const char *why);
+    /* wpool.c: room may have appeared, or a group went down: route the held requests
+     * (req_held_kick) */
+    void (*room)(struct coord *co);
+    /* wpool.c, serve.c: a group or a rank changed: readiness again (coord_health_update) */
+    void (*health_changed)(struct coord *co);
+    /* serve.c: the service manager's STATUS line again (health_status_line) */
+    void (*status_line)(struct coord *co);
+    /* req.c: a request was freed: the drain may be complete (coord_check_drained) */
+    void (*req_freed)(struct coord *co);
+    /* engine-conn.c: an output of r's engine (req_engine_output), and the end of r's
+     * engine side (req_engine_ended: r may be freed) */
+    void (*engine_output)(struct req *r, const Stepd__V1__GenerateResponse *er);
+    void (*engine_ended)(struct req *r, int status, const char *details);
+};
+
 struct coord {
     struct coord_opts o;
+    const struct coord_upcalls *up;
     uv_loop_t loop;
     struct rpc_ctx *rpc;
     struct rpc_server *srv_pub, *srv_admin, *srv_ctl;
@@ -482,9 +507,10 @@ void coord_call_owner(const struct coord *co, const struct rpc_call *call, char 
 void req_caller_owner(const struct coord *co, const struct req_caller *c, char *buf, size_t n);
 /* Why readiness is NOT_SERVING, for people (/healthz, logs): "" when ready. */
 void coord_unready_reason(const struct coord *co, char *buf, size_t n);
-/* A running request ended: give its admission slot to the next queued one. */
-void coord_slot_release(struct coord *co, struct req *r);
 /* Called when the last request finished (drain completion). */
 void coord_check_drained(struct coord *co);
+/* The served vocabulary's size, and the longest context of a ready group (model-limits.c). */
 uint32_t coord_vocab_size(const struct coord *co);
 uint32_t coord_max_model_len(const struct coord *co);
+/* The engine side of r ended (req_engine_end), then r freed if nothing else holds it. */
+void req_engine_ended(struct req *r, int status, const char *details);

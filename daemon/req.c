@@ -119,7 +119,7 @@ void req_free_if_done(struct req *r)
     free(r->aff_keys);
     free(r->prompt);
     free(r);
-    coord_check_drained(co);
+    co->up->req_freed(co);
 }
 
 static void group_unlink(struct req *r)
@@ -179,6 +179,23 @@ static void req_stop_engine(struct req *r)
     req_send_abort(r);
     if (r->ecall && !r->submit_eng)     /* a Generate call (a Submit is left to finish) */
         rpc_client_cancel(r->ecall);
+}
+
+/* ------------------------------------------------------------------ admission */
+
+/* A running request ended: its admission slot goes to the next queued one. */
+static void req_slot_release(struct coord *co, struct req *r)
+{
+    struct admit_item *it = admit_release(&co->admit, &r->ai);
+
+    /* a promoted request that cannot be dispatched gives its slot on: loop, not recurse */
+    while (it) {
+        struct req *n = (struct req *)((char *)it - offsetof(struct req, ai));
+        if (req_dispatch_promoted(n) == 0)
+            return;
+        it = admit_release(&co->admit, &n->ai);
+        req_free_if_done(n);
+    }
 }
 
 /* ------------------------------------------------------------------ engine stream */
@@ -648,17 +665,22 @@ void req_engine_end(struct req *r, int status, const char *details)
     engine_conn_unref(r->eng);
     r->eng = NULL;
     if (r->ai.running)
-        coord_slot_release(co, r);
+        req_slot_release(co, r);
     if (g)
         req_held_kick(co);      /* r's place in g is free */
+}
+
+void req_engine_ended(struct req *r, int status, const char *details)
+{
+    req_engine_end(r, status, details);
+    req_free_if_done(r);
 }
 
 static void on_engine_done(struct rpc_client_call *c, int status, const char *details, void *ud)
 {
     struct req *r = ud;
     r->ecall = NULL;
-    req_engine_end(r, status, details);
-    req_free_if_done(r);
+    req_engine_ended(r, status, details);
 }
 
 static void on_submit_done(struct rpc_client_call *c, int status, const char *details, void *ud)
@@ -856,7 +878,7 @@ void req_held_kick(struct coord *co)
         if (g && req_send(r, g) == 0)
             continue;
         /* no group for it any more (its client is finished) */
-        coord_slot_release(co, r);
+        req_slot_release(co, r);
         req_free_if_done(r);
     }
 }
@@ -880,7 +902,7 @@ static void req_end_waiting(struct req *r, int status, const char *why)
     else
         req_finish(r, status, "%s", why);
     if (held)
-        coord_slot_release(co, r);
+        req_slot_release(co, r);
     req_free_if_done(r);
 }
 
@@ -1053,7 +1075,7 @@ static void req_admit(struct req *r)
         co->m.accepted++;
         r->cops->watch(r);
         if (req_dispatch_one(r) < 0) {
-            coord_slot_release(co, r);
+            req_slot_release(co, r);
             req_free_if_done(r);
         }
         return;

@@ -1,5 +1,5 @@
 /* coord-int.h - the coordinator's internal objects, shared by coord.c, req.c,
- * wpool.c, openai.c and metrics.c. Everything here runs on the one loop thread.
+ * wpool.c, openai-*.c and metrics.c. Everything here runs on the one loop thread.
  *
  * Ownership: struct coord owns the loop, the rpc context and servers, the HTTP servers
  * (http.c), the groups (struct group, wpool.c) and the live requests (struct req, req.c).
@@ -20,6 +20,7 @@
 
 #include "admit.h"
 #include "affinity.h"
+#include "chunk.h"
 #include "coord.h"
 #include "engine-conn.h"
 #include "rpc.h"
@@ -51,6 +52,7 @@ struct req;
 /* 128 random bits in hex (getrandom; a clock-seeded generator if that fails): request and
  * session ids nobody can guess. */
 #define COORD_RANDOM_HEX 33
+/* 32 random hex digits (owner.c). */
 void coord_random_hex(char out[COORD_RANDOM_HEX]);
 
 /* FNV-1a over n bytes from h (COORD_FNV_SEED to start): prefix affinity, request ids. */
@@ -227,18 +229,19 @@ struct req_caller {
 /* The client side of a request: the door it came through (the gRPC call of
  * Inference.Generate, or an HTTP request of the OpenAI API).  req.c drives every request the
  * same way and tells its door only this:
- *   chunk    one Chunk of new output; 0, or <0 when the door has given up on its client
+ *   chunk    one chunk of new output (chunk.h, door-neutral: each door renders it); 0,
+ *            or <0 when the door has given up on its client
  *            (a slow reader): it has then ended its side itself (req_client_detach), and
  *            req.c stops the engine
- *   final    the request's Final: the door ends its side OK
+ *   final    the request's final (chunk.h): the door ends its side OK
  *   end      the request ends with a status (enum rpc_status: the door maps it to its own
  *            codes); retry_ms > 0: the client may retry after that long (queue full)
  *   watch    the request is admitted: from now on the door reports its client going away
  *            (req_client_cancel) until final or end
  * After final or end req.c never calls the door for r again (r->client is NULL). */
 struct req_client_ops {
-    int (*chunk)(struct req *r, const Stepd__V1__Chunk *ch);
-    void (*final)(struct req *r, const Stepd__V1__Final *f);
+    int (*chunk)(struct req *r, const struct chunk *ch);
+    void (*final)(struct req *r, const struct chunk_final *f);
     void (*end)(struct req *r, int status, int retry_ms, const char *msg);
     void (*watch)(struct req *r);
 };
@@ -321,6 +324,7 @@ void req_client_cancel(struct req *r);
  * for r. */
 void req_client_detach(struct req *r, int status, const char *msg);
 
+/* Inference.Generate (grpc-door.c): the gRPC door's handler on the loop. */
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud);
 /* Fail every request routed to g (group down); message names the group. */
 void req_fail_group(struct group *g, const char *why);
@@ -335,7 +339,7 @@ int req_dispatch_promoted(struct req *r);
 /* Free r if nothing references it any more.  The one rule for freeing a request: only
  * the entry points - the callbacks rpc/ and libuv call (a client call's cancel, an engine
  * call's messages and end, the output stream's batches and end, Submit's answer, the
- * timers) - and the admission promotions (coord_slot_release, req_held_kick: they free
+ * timers) - and the admission promotions (req_slot_release, req_held_kick: they free
  * the other requests they fail to route) call this, once, after they are done with r; the
  * helpers they call (req_finish, req_engine_end, req_stop_engine, ...) never free r.  A
  * walk over a list must not keep a pointer to the next element across a call that may
@@ -411,8 +415,32 @@ struct health_watch {
     int last;
 };
 
+/* What the files below the loop owner tell the ones above them: calls through these
+ * pointers (coord.c's table, set by coord_new) rather than by name, so that daemon/'s
+ * call graph stays without a circle (tools/dev/callgraph.py, test callgraph): wpool.c,
+ * serve.c and engine-conn.c call no function of req.c, health.c or coord.c, and req.c
+ * none of coord.c. */
+struct coord_upcalls {
+    /* wpool.c: group g went down: fail the requests routed to it (req_fail_group) */
+    void (*group_failed)(struct group *g, const char *why);
+    /* wpool.c: room may have appeared, or a group went down: route the held requests
+     * (req_held_kick) */
+    void (*room)(struct coord *co);
+    /* wpool.c, serve.c: a group or a rank changed: readiness again (coord_health_update) */
+    void (*health_changed)(struct coord *co);
+    /* serve.c: the service manager's STATUS line again (health_status_line) */
+    void (*status_line)(struct coord *co);
+    /* req.c: a request was freed: the drain may be complete (coord_check_drained) */
+    void (*req_freed)(struct coord *co);
+    /* engine-conn.c: an output of r's engine (req_engine_output), and the end of r's
+     * engine side (req_engine_ended: r may be freed) */
+    void (*engine_output)(struct req *r, const Stepd__V1__GenerateResponse *er);
+    void (*engine_ended)(struct req *r, int status, const char *details);
+};
+
 struct coord {
     struct coord_opts o;
+    const struct coord_upcalls *up;
     uv_loop_t loop;
     struct rpc_ctx *rpc;
     struct rpc_server *srv_pub, *srv_admin, *srv_ctl;
@@ -465,7 +493,7 @@ void health_status_line(struct coord *co);
 void health_watches_end(struct coord *co);
 /* grpc.health.v1.Health Check and Watch on server s. */
 int health_register_methods(struct coord *co, struct rpc_server *s);
-/* CQ thread (rpc cq_hook of Generate): answer RESOURCE_EXHAUSTED at once when full. */
+/* CQ thread (rpc cq_hook of Generate, grpc-door.c): answer RESOURCE_EXHAUSTED at once when full. */
 bool req_generate_cq(struct rpc_call *call, void *ud);
 void req_generate_unmark(int mark, void *ud);
 bool coord_ready(const struct coord *co);
@@ -473,9 +501,10 @@ bool coord_ready(const struct coord *co);
 void req_caller_owner(const struct coord *co, const struct req_caller *c, char *buf, size_t n);
 /* Why readiness is NOT_SERVING, for people (/healthz, logs): "" when ready. */
 void coord_unready_reason(const struct coord *co, char *buf, size_t n);
-/* A running request ended: give its admission slot to the next queued one. */
-void coord_slot_release(struct coord *co, struct req *r);
 /* Called when the last request finished (drain completion). */
 void coord_check_drained(struct coord *co);
+/* The served vocabulary's size, and the longest context of a ready group (model-limits.c). */
 uint32_t coord_vocab_size(const struct coord *co);
 uint32_t coord_max_model_len(const struct coord *co);
+/* The engine side of r ended (req_engine_end), then r freed if nothing else holds it. */
+void req_engine_ended(struct req *r, int status, const char *details);

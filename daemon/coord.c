@@ -65,58 +65,6 @@ void coord_opts_default(struct coord_opts *o)
     o->max_call_buffer_bytes = 1 << 20;
 }
 
-void coord_random_hex(char out[COORD_RANDOM_HEX])
-{
-    uint8_t b[16];
-
-    if (getrandom(b, sizeof(b), 0) != (ssize_t)sizeof(b)) {
-        uint64_t t = (uint64_t)rpc_now_us() ^ ((uint64_t)getpid() << 32);
-
-        for (size_t i = 0; i < sizeof(b); i++, t = t * 6364136223846793005ull + 1442695040888963407ull)
-            b[i] = (uint8_t)(t >> 56);
-    }
-    for (size_t i = 0; i < sizeof(b); i++)
-        snprintf(out + 2 * i, 3, "%02x", b[i]);
-}
-
-uint32_t coord_vocab_size(const struct coord *co)
-{
-    if (co->model.known && co->model.vocab_size)
-        return co->model.vocab_size;
-    if (co->tok)
-        return (uint32_t)tok_vocab_size(co->tok);
-    return co->o.fallback_vocab_size;
-}
-
-/* Groups may serve different context lengths: the longest among ready groups bounds
- * validation; routing then picks a group whose context holds the request. */
-uint32_t coord_max_model_len(const struct coord *co)
-{
-    uint32_t best = 0;
-    for (const struct group *g = co->groups; g; g = g->next)
-        if (g->state == GROUP_READY && g->model.known && g->model.max_model_len > best)
-            best = g->model.max_model_len;
-    if (best)
-        return best;
-    return co->model.known ? co->model.max_model_len : 0;
-}
-
-/* ------------------------------------------------------------------ admission glue */
-
-void coord_slot_release(struct coord *co, struct req *r)
-{
-    struct admit_item *it = admit_release(&co->admit, &r->ai);
-
-    /* a promoted request that cannot be dispatched gives its slot on: loop, not recurse */
-    while (it) {
-        struct req *n = (struct req *)((char *)it - offsetof(struct req, ai));
-        if (req_dispatch_promoted(n) == 0)
-            return;
-        it = admit_release(&co->admit, &n->ai);
-        req_free_if_done(n);
-    }
-}
-
 /* ------------------------------------------------------------------ shutdown */
 
 static void shutdown_servers(struct coord *co);
@@ -250,29 +198,6 @@ static void shutdown_servers(struct coord *co)
 }
 
 /* ------------------------------------------------------------------ Inference unary */
-
-/* The caller's identity for struct req.owner: "api-key" when the server has an API key
- * (every call that got here presented it), else the call's connection. */
-static void coord_call_owner(const struct coord *co, const struct rpc_call *call, char *buf, size_t n)
-{
-    char peer[REQ_OWNER_LEN];
-
-    if (co->o.api_key && co->o.api_key[0]) {
-        snprintf(buf, n, "api-key");
-        return;
-    }
-    if (rpc_call_peer(call, peer, sizeof(peer)) < 0)
-        snprintf(peer, sizeof(peer), "unknown");
-    snprintf(buf, n, "peer:%.*s", (int)(n > 6 ? n - 6 : 0), peer);
-}
-
-void req_caller_owner(const struct coord *co, const struct req_caller *c, char *buf, size_t n)
-{
-    if (co->o.api_key && co->o.api_key[0])
-        snprintf(buf, n, "api-key");
-    else
-        snprintf(buf, n, "peer:%.*s", (int)(n > 6 ? n - 6 : 0), c->peer[0] ? c->peer : "unknown");
-}
 
 /* Only the caller's own requests: another client's are as if they did not exist (the
  * count says nothing about them). */
@@ -707,6 +632,12 @@ static int listen_check(const struct coord_opts *o)
     return 0;
 }
 
+static const struct coord_upcalls coord_upcalls = {
+    .group_failed = req_fail_group, .room = req_held_kick, .health_changed = coord_health_update,
+    .status_line = health_status_line, .req_freed = coord_check_drained, .engine_output = req_engine_output,
+    .engine_ended = req_engine_ended,
+};
+
 int coord_new(const struct coord_opts *o, struct coord **ret)
 {
     struct coord *co;
@@ -770,6 +701,7 @@ int coord_new(const struct coord_opts *o, struct coord **ret)
     if (!co)
         return -ENOMEM;
     co->o = *o;
+    co->up = &coord_upcalls;
     co->start_ms = rpc_now_ms();
     co->busy_ms = co->start_ms;     /* the idle trims' schedule counts from the start */
     co->last_ready = -1;

@@ -11,12 +11,11 @@
 #include "json.h"
 #include "log.h"
 #include "openai.h"
+#include "reply.h"
 
-static void gen_done_check(struct door_gen *g);
-
-static void gen_freed(uv_handle_t *h)
+static void door_free(void *ud)
 {
-    struct door_gen *g = h->data;
+    struct door_gen *g = ud;
 
     for (size_t i = 0; i < g->n_items; i++) {
         strbuf_done(&g->items[i].text);
@@ -29,76 +28,10 @@ static void gen_freed(uv_handle_t *h)
     free(g);
 }
 
-static void gen_free(struct door_gen *g)
-{
-    if (g->freeing)
-        return;
-    g->freeing = true;
-    if (g->hr)
-        http_req_on_close(g->hr, NULL, NULL);
-    g->hr = NULL;
-    uv_timer_stop(&g->timer);
-    uv_close((uv_handle_t *)&g->timer, gen_freed);
-}
-
-/* Cancel the request if it still runs (an entry point: the timer, the client's close). */
-static void gen_cancel(struct door_gen *g)
-{
-    g->busy = true;
-    if (g->r)
-        req_client_cancel(g->r);    /* its end op runs: g->r = NULL */
-    g->busy = false;
-    gen_done_check(g);
-}
-
-static void gen_timer_cb(uv_timer_t *t)
-{
-    struct door_gen *g = t->data;
-
-    g->cancel_pending = false;
-    gen_cancel(g);
-}
-
-static void gen_on_close(struct http_req *hr, bool completed, void *ud)
-{
-    struct door_gen *g = ud;
-
-    (void)hr;
-    g->hr = NULL;
-    if (!completed && g->live)
-        log_req_info(g->id, "client closed the connection: cancelling");
-    gen_cancel(g);
-}
-
-static int gen_write(struct door_gen *g, struct strbuf *b)
-{
-    if (b->oom)
-        return -ENOMEM;
-    if (!b->len)
-        return 0;
-    return g->hr ? http_stream_write(g->hr, b->p, b->len) : -ECANCELED;
-}
-
-static int stream_begin(struct door_gen *g)
-{
-    struct strbuf b = STRBUF_INIT;
-    int e;
-
-    if (g->started)
-        return 0;
-    g->started = true;
-    if ((e = http_stream_start(g->hr, 200, "text/event-stream")) < 0)
-        return e;
-    g->ops->begin(g, &b);
-    e = gen_write(g, &b);
-    strbuf_done(&b);
-    return e;
-}
-
 /* The last item stops growing (streaming: its closing events). */
 static void item_close(struct door_gen *g, struct strbuf *b)
 {
-    if (g->open && g->stream)
+    if (g->open && g->rp->stream)
         g->ops->item_close(g, g->n_items - 1, b);
     g->open = false;
 }
@@ -131,19 +64,19 @@ static int item_text(struct door_gen *g, enum door_item_kind kind, const char *s
         if (!(it = item_new(g, kind, b)))
             return -ENOMEM;
         g->open = true;
-        if (g->stream)
+        if (g->rp->stream)
             g->ops->item_open(g, g->n_items - 1, b);
     }
     strbuf_add(&it->text, s, n);
-    if (g->stream)
+    if (g->rp->stream)
         g->ops->item_delta(g, (size_t)(it - g->items), s, n, b);
     return it->text.oom ? -ENOMEM : 0;
 }
 
-static int item_call(struct door_gen *g, const Stepd__V1__ToolCallDelta *t, struct strbuf *b)
+static int item_call(struct door_gen *g, const struct chunk_tool *t, struct strbuf *b)
 {
     struct door_item *it = NULL;
-    size_t n = strlen(t->arguments_delta);
+    size_t n = strlen(t->arguments);
 
     if (t->id[0]) {
         if (!(it = item_new(g, DOOR_CALL, b)))
@@ -153,7 +86,7 @@ static int item_call(struct door_gen *g, const Stepd__V1__ToolCallDelta *t, stru
         if (!(it->name = strdup(t->name)))
             return -ENOMEM;
         g->open = true;
-        if (g->stream)
+        if (g->rp->stream)
             g->ops->item_open(g, g->n_items - 1, b);
     } else {
         for (size_t i = g->n_items; i-- > 0 && !it;)
@@ -164,192 +97,125 @@ static int item_call(struct door_gen *g, const Stepd__V1__ToolCallDelta *t, stru
     }
     if (!n)
         return 0;
-    strbuf_add(&it->text, t->arguments_delta, n);
-    if (g->stream)
-        g->ops->item_delta(g, (size_t)(it - g->items), t->arguments_delta, n, b);
+    strbuf_add(&it->text, t->arguments, n);
+    if (g->rp->stream)
+        g->ops->item_delta(g, (size_t)(it - g->items), t->arguments, n, b);
     return it->text.oom ? -ENOMEM : 0;
 }
 
-/* The request ended: give the answer (once), then let go. */
-static void gen_done_check(struct door_gen *g)
+/* ------------------------------------------------------------------ the reply's ops */
+
+static void door_begin(struct reply *rp, struct strbuf *b)
 {
-    if (g->live || g->busy || g->freeing)
-        return;
-    if (g->hr && !g->answered) {
-        g->answered = true;
-        if (g->stream && g->started) {
-            struct strbuf b = STRBUF_INIT;
+    struct door_gen *g = rp->ud;
 
-            if (g->failed) {
-                g->ops->fail_event(g, &b);
-            } else {
-                item_close(g, &b);
-                g->ops->end(g, &b);
-            }
-            if (gen_write(g, &b) == 0)
-                http_stream_end(g->hr);
-            else
-                http_req_abort(g->hr);
-            strbuf_done(&b);
-        } else if (g->failed) {
-            g->ops->error(g->hr, g->fail_status, g->fail_msg);
-        } else if (g->stream) {
-            /* ended without output before the stream began */
-            if (stream_begin(g) == 0) {
-                g->answered = false;
-                gen_done_check(g);
-                return;
-            }
-            http_req_abort(g->hr);
-        } else {
-            json_t *o = g->ops->whole(g);
-            char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
-
-            if (!s)
-                g->ops->error(g->hr, RPC_INTERNAL, "out of memory");
-            else
-                http_respond(g->hr, 200, "application/json", s, strlen(s), NULL);
-            json_decref(o);
-            free(s);
-        }
-        if (!g->failed && g->ops->completed)
-            g->ops->completed(g);
-    }
-    gen_free(g);
+    if (!g->prompt_tokens)
+        g->prompt_tokens = rp->prompt_tokens;
+    g->ops->begin(g, b);
 }
 
-/* ------------------------------------------------------------------ the client ops */
-
-static int door_chunk(struct req *r, const Stepd__V1__Chunk *ch)
+static int door_chunk(struct reply *rp, uint32_t i, const struct chunk *ch, struct strbuf *b)
 {
-    struct door_gen *g = r->client;
-    struct strbuf b = STRBUF_INIT;
-    int e = 0;
+    struct door_gen *g = rp->ud;
+    int e;
 
-    if (ch->usage && !g->prompt_tokens)
-        g->prompt_tokens = ch->usage->prompt_tokens;
-    if (g->stream) {
-        if (!g->hr)
-            return 0;       /* the client is gone: its cancel is on its way */
-        if ((e = stream_begin(g)) < 0)
-            goto out;
-    }
-    e = item_text(g, DOOR_REASONING, ch->reasoning_delta, &b);
+    (void)i;
+    if (ch->has_usage && !g->prompt_tokens)
+        g->prompt_tokens = ch->prompt_tokens;
+    e = item_text(g, DOOR_REASONING, ch->reasoning, b);
     if (!e)
-        e = item_text(g, DOOR_TEXT, ch->content_delta, &b);
-    for (size_t k = 0; !e && k < ch->n_tool_calls; k++)
-        e = item_call(g, ch->tool_calls[k], &b);
-    if (!e && g->stream)
-        e = gen_write(g, &b);
-out:
-    strbuf_done(&b);
-    if (e == -ENOBUFS) {
-        char msg[160];
-
-        snprintf(msg, sizeof(msg), "client is not reading its stream (%zu bytes buffered, cap reached)",
-                 g->co->o.max_call_buffer_bytes);
-        g->r = NULL;
-        g->live = false;
-        g->failed = true;
-        req_client_detach(r, RPC_RESOURCE_EXHAUSTED, msg);
-        http_req_abort(g->hr);
-        return e;
-    }
-    return e == -ENOMEM ? e : 0;
+        e = item_text(g, DOOR_TEXT, ch->content, b);
+    for (size_t k = 0; !e && k < ch->n_tools; k++)
+        e = item_call(g, &ch->tools[k], b);
+    return e;
 }
 
-static void door_final(struct req *r, const Stepd__V1__Final *f)
+static void door_final(struct reply *rp, uint32_t i, const struct chunk_final *f)
 {
-    struct door_gen *g = r->client;
+    struct door_gen *g = rp->ud;
 
-    switch (f->finish_reason) {
-    case STEPD__V1__FINISH_REASON__FINISH_REASON_STOP: g->finish = DOOR_FINISH_STOP; break;
-    case STEPD__V1__FINISH_REASON__FINISH_REASON_LENGTH: g->finish = DOOR_FINISH_LENGTH; break;
+    (void)i;
+    switch (f->finish) {
+    case CHUNK_FINISH_STOP: g->finish = DOOR_FINISH_STOP; break;
+    case CHUNK_FINISH_LENGTH: g->finish = DOOR_FINISH_LENGTH; break;
     default: g->finish = DOOR_FINISH_OTHER;
     }
-    if (f->matched_stop_case == STEPD__V1__FINAL__MATCHED_STOP_STOP_STRING)
+    if (f->stop == CHUNK_STOP_STRING)
         g->stop_str = strdup(f->stop_string);
-    if (f->usage) {
-        g->prompt_tokens = f->usage->prompt_tokens;
-        g->completion_tokens = f->usage->completion_tokens;
-        g->cached_tokens = f->usage->cached_tokens;
-        g->reasoning_tokens = f->usage->reasoning_tokens;
-    }
-    g->r = NULL;
-    g->live = false;
-    gen_done_check(g);
+    g->prompt_tokens = f->prompt_tokens;
+    g->completion_tokens = f->completion_tokens;
+    g->cached_tokens = f->cached_tokens;
+    g->reasoning_tokens = f->reasoning_tokens;
 }
 
-static void door_end(struct req *r, int status, int retry_ms, const char *msg)
+static void door_end(struct reply *rp, struct strbuf *b)
 {
-    struct door_gen *g = r->client;
+    struct door_gen *g = rp->ud;
 
-    (void)retry_ms;
-    g->r = NULL;
-    g->live = false;
-    if (!g->failed) {
-        g->failed = true;
-        g->fail_status = status;
-        snprintf(g->fail_msg, sizeof(g->fail_msg), "%s", msg);
-    }
-    gen_done_check(g);
+    item_close(g, b);
+    g->ops->end(g, b);
 }
 
-static void door_watch(struct req *r)
+static void door_fail_event(struct reply *rp, struct strbuf *b)
 {
-    struct door_gen *g = r->client;
+    struct door_gen *g = rp->ud;
 
-    g->r = r;
+    g->ops->fail_event(g, b);
 }
 
-static const struct req_client_ops door_req_ops = {
-    .chunk = door_chunk, .final = door_final, .end = door_end, .watch = door_watch,
+static void door_error(struct reply *rp, int rpc, const char *msg)
+{
+    struct door_gen *g = rp->ud;
+
+    g->ops->error(rp->hr, rpc, msg);
+}
+
+static void door_whole(struct reply *rp)
+{
+    struct door_gen *g = rp->ud;
+    json_t *o = g->ops->whole(g);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+
+    if (!s)
+        g->ops->error(rp->hr, RPC_INTERNAL, "out of memory");
+    else
+        http_respond(rp->hr, 200, "application/json", s, strlen(s), NULL);
+    json_decref(o);
+    free(s);
+}
+
+static void door_completed(struct reply *rp)
+{
+    struct door_gen *g = rp->ud;
+
+    if (g->ops->completed)
+        g->ops->completed(g);
+}
+
+static const struct reply_ops door_reply_ops = {
+    .begin = door_begin, .chunk = door_chunk, .final = door_final, .end = door_end,
+    .fail_event = door_fail_event, .whole = door_whole, .error = door_error, .completed = door_completed,
+    .free_ud = door_free,
 };
 
 void door_submit(struct coord *co, struct http_req *hr, struct request *in, bool stream, const char *id_prefix,
                  const struct door_ops *ops, void *ud)
 {
     struct door_gen *g = calloc(1, sizeof(*g));
-    struct req_caller caller = { 0 };
-    void *clients[1];
-    int64_t deadline;
 
-    if (!g) {
+    if (g)
+        g->rp = reply_new(co, hr, 1, stream, &door_reply_ops, g);
+    if (!g || !g->rp) {
+        free(g);
         request_free(in);
         if (ops->free_ud)
             ops->free_ud(ud);
         ops->error(hr, RPC_INTERNAL, "out of memory");
         return;
     }
-    g->co = co;
-    g->hr = hr;
     g->ops = ops;
     g->ud = ud;
-    g->stream = stream;
-    g->live = true;
-    g->created = (int64_t)time(NULL);
-    snprintf(g->model, sizeof(g->model), "%s", in->model);
-    if (!in->id[0])
-        req_id_assign(in->id, sizeof(in->id));
-    snprintf(g->id, sizeof(g->id), "%s%s", id_prefix, in->id);
-    uv_timer_init(&co->loop, &g->timer);
-    g->timer.data = g;
-    clients[0] = g;
-    http_req_on_close(hr, gen_on_close, g);
-    caller.keyed = http_req_keyed(hr, &caller.key_hash);
-    snprintf(caller.peer, sizeof(caller.peer), "%s", http_req_peer(hr));
-    deadline = co->o.request_timeout_ms ? rpc_now_ms() + co->o.request_timeout_ms : INT64_MAX;
-    g->busy = true;
-    req_submit(co, in, &(struct req_origin){ .ops = &door_req_ops, .clients = clients, .n = 1,
-                                             .deadline_ms = deadline, .caller = &caller });
-    g->busy = false;
-    if (g->live && co->o.request_timeout_ms && !g->cancel_pending) {
-        /* the timer counts from the loop's time, which lags behind the deadline's clock
-         * (rpc_now_ms) under load: brought up to date, it cannot fire before the deadline */
-        uv_update_time(&co->loop);
-        uv_timer_start(&g->timer, gen_timer_cb, co->o.request_timeout_ms + 1, 0);
-    }
-    gen_done_check(g);
+    reply_start(g->rp, in, id_prefix);
 }
 
 /* ------------------------------------------------------------------ requests */

@@ -2,17 +2,16 @@
  * messages.c) share: one generation behind one HTTP answer, its output as a list of items.
  *
  * A door parses its body into a struct request (chat input, the door's field names) and
- * hands it to door_submit(), which serves it through req_submit() exactly as chat
- * completions does (the same prompt, the same reasoning and tool-call parsers).  The Chunks
+ * hands it to door_submit(), which serves it through the generation's life shared with
+ * chat completions (reply.h: req_submit(), the same prompt, the same reasoning and
+ * tool-call parsers, the same cancellation and deadline).  The Chunks
  * of the text pipeline become items in the order they come: a reasoning item, a text item,
  * one item per tool call (a new item whenever the kind changes).  Streamed and whole answers
  * are rendered from the same items by the door's ops: item_open / item_delta / item_close
  * as they grow (streaming), whole at the end; so a streamed answer carries exactly what the
  * whole one does.
  *
- * Lifetime of a door_gen: from door_submit until its request ended and the answer is handed
- * to http.c, or the client went away and the request was cancelled; freed through its
- * timer's close (the timer carries the request's deadline).  Loop thread only.
+ * Lifetime of a door_gen: its reply's (reply.h), which frees it.  Loop thread only.
  */
 #pragma once
 
@@ -21,12 +20,11 @@
 #include <stdint.h>
 
 #include <jansson.h>
-#include <uv.h>
-
 #include "strbuf.h"
 
 struct coord;
 struct http_req;
+struct reply;
 struct request;
 
 /* A door's field names (struct request's names table, [_RN_MAX]): chat completions' but the
@@ -77,25 +75,17 @@ struct door_ops {
 };
 
 struct door_gen {
-    struct coord *co;
-    struct http_req *hr;            /* NULL once the client is gone or the answer is given */
-    struct req *r;                  /* watched (admitted) and not yet ended */
+    struct reply *rp;               /* the generation's life (reply.h): co, id, model, created,
+                                     * stream, failed, fail_status, fail_msg */
     const struct door_ops *ops;
     void *ud;                       /* the door's */
-    bool stream, started, live, failed, answered, freeing, busy, cancel_pending;
     bool open;                      /* streaming: the last item is open */
-    int fail_status;                /* enum rpc_status */
-    char fail_msg[768];
-    char id[160];                   /* the door's id of the answer ("resp_...", "msg_...") */
-    char model[160];
-    int64_t created;
     struct door_item *items;
     size_t n_items;
     uint64_t seq;                   /* the door's event counter */
     enum door_finish finish;
     char *stop_str;
     uint32_t prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens;
-    uv_timer_t timer;
 };
 
 /* Serve `in` (owned from here, also on failure) for hr: stream or not, the answer id

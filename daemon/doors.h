@@ -1,4 +1,4 @@
-/* doors.h - the agent-harness doors' routes (openai.c serves them on the API port):
+/* doors.h - the agent-harness doors' routes (openai-routes.c serves them on the API port):
  * OpenAI's Responses API (responses.c) and Anthropic's Messages API (messages.c). */
 #pragma once
 

@@ -151,26 +151,23 @@ static void on_out_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, v
         case STEPD__V1__ENGINE_OUTPUT__KIND_CHUNK:
             er.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
             er.chunk = o->chunk;
-            req_engine_output(r, &er);
+            r->co->up->engine_output(r, &er);
             break;
         case STEPD__V1__ENGINE_OUTPUT__KIND_FINAL:
             er.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
             er.final = o->final;
-            req_engine_output(r, &er);
+            r->co->up->engine_output(r, &er);
             engine_out_remove(e, r);
-            req_engine_end(r, RPC_OK, "");
-            req_free_if_done(r);
+            r->co->up->engine_ended(r, RPC_OK, "");
             break;
         case STEPD__V1__ENGINE_OUTPUT__KIND_STATUS:
             engine_out_remove(e, r);
-            req_engine_end(r, o->status->code > 0 && o->status->code < 17 ? o->status->code : RPC_UNKNOWN,
-                           o->status->message);
-            req_free_if_done(r);
+            r->co->up->engine_ended(r, o->status->code > 0 && o->status->code < 17 ? o->status->code : RPC_UNKNOWN,
+                                    o->status->message);
             break;
         default:
             engine_out_remove(e, r);
-            req_engine_end(r, RPC_INTERNAL, "an output stream entry with neither chunk, final nor status");
-            req_free_if_done(r);
+            r->co->up->engine_ended(r, RPC_INTERNAL, "an output stream entry with neither chunk, final nor status");
             break;
         }
     }
@@ -198,8 +195,7 @@ static void on_out_done(struct rpc_client_call *c, int status, const char *detai
         while (e->out_tab[i]) {
             struct req *r = e->out_tab[i];
             engine_out_remove(e, r);
-            req_engine_end(r, RPC_UNAVAILABLE, why);
-            req_free_if_done(r);
+            r->co->up->engine_ended(r, RPC_UNAVAILABLE, why);
         }
     }
     engine_conn_unref(e);

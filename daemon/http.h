@@ -1,7 +1,7 @@
 /* http.h - an HTTP/1.1 server on the coordinator's libuv loop, over libmicrohttpd (Debian's
  * libmicrohttpd, in its external epoll mode: MHD's epoll fd is watched by a uv_poll_t and its
  * timeouts by a uv_timer_t, so every MHD callback runs on the loop thread, under the loop's
- * lock, never blocking it).  It serves the OpenAI API (openai.c) and the metrics port.
+ * lock, never blocking it).  It serves the OpenAI API (openai-routes.c) and the metrics port.
  *
  * A request's body is read whole (up to max_body_bytes: 413 above, refused from its
  * Content-Length before any byte is read), then its route's handler runs.  The handler

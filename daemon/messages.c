@@ -27,6 +27,7 @@
 #include "json.h"
 #include "log.h"
 #include "openai.h"
+#include "reply.h"
 
 /* The field names validation uses in its messages. */
 static const char *const *names(void)
@@ -158,8 +159,8 @@ static json_t *message_json(const struct door_gen *g, bool done)
     for (size_t i = 0; done && i < g->n_items; i++)
         if (shown(g, i))
             json_array_append_new(content, block_json(g, i, true));
-    return json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:o, s:o}", "id", g->id, "type", "message", "role", "assistant",
-                     "model", g->model, "content", content, "stop_reason", done ? stop_reason(g) : json_null(),
+    return json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:o, s:o}", "id", g->rp->id, "type", "message", "role", "assistant",
+                     "model", g->rp->model, "content", content, "stop_reason", done ? stop_reason(g) : json_null(),
                      "stop_sequence", done && g->stop_str ? json_string(g->stop_str) : json_null(),
                      "usage", usage_json(g));
 }
@@ -211,7 +212,7 @@ static void m_end(struct door_gen *g, struct strbuf *b)
 
 static void m_fail_event(struct door_gen *g, struct strbuf *b)
 {
-    json_t *o = error_json(http_status_of(g->fail_status), g->fail_msg);
+    json_t *o = error_json(http_status_of(g->rp->fail_status), g->rp->fail_msg);
 
     json_object_del(o, "type");
     door_event(b, "error", o);

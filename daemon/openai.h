@@ -1,5 +1,7 @@
-/* openai.h - the OpenAI-compatible HTTP API of the coordinator (openai.c) and the metrics
- * port, both on http.c.  Loop thread only. */
+/* openai.h - the OpenAI-compatible HTTP API of the coordinator and the metrics port, both on
+ * http.c: the routes (openai-routes.c), the requests' parse (openai-parse.c: names_chat,
+ * bad_json, model_known) and the answers (openai-render.c: http_status_of,
+ * respond_status).  Loop thread only. */
 #pragma once
 
 #include <stdbool.h>

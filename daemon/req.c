@@ -1,9 +1,9 @@
 /* req.c - the life of one generation request in the coordinator: admission, routing to a
  * group's engine, streaming back through the text pipeline, cancellation (exactly one
- * Abort to the engine), failover.  The request arrives built (request.h) from one of two
- * front doors, the gRPC Inference.Generate call (here) or the OpenAI HTTP API (openai.c),
- * and is validated once (validate.c); its client side is the door's (struct
- * req_client_ops): everything between the door and the engine is the same for both.
+ * Abort to the engine), failover.  The request arrives built (request.h) from one of the
+ * front doors, the gRPC Inference.Generate call (grpc-door.c) or the HTTP API (openai-routes.c,
+ * door.c), and is validated once (validate.c); its client side is the door's (struct
+ * req_client_ops): everything between the door and the engine is the same for all.
  * Loop thread only. */
 #include <errno.h>
 #include <inttypes.h>
@@ -119,7 +119,7 @@ void req_free_if_done(struct req *r)
     free(r->aff_keys);
     free(r->prompt);
     free(r);
-    coord_check_drained(co);
+    co->up->req_freed(co);
 }
 
 static void group_unlink(struct req *r)
@@ -181,9 +181,26 @@ static void req_stop_engine(struct req *r)
         rpc_client_cancel(r->ecall);
 }
 
+/* ------------------------------------------------------------------ admission */
+
+/* A running request ended: its admission slot goes to the next queued one. */
+static void req_slot_release(struct coord *co, struct req *r)
+{
+    struct admit_item *it = admit_release(&co->admit, &r->ai);
+
+    /* a promoted request that cannot be dispatched gives its slot on: loop, not recurse */
+    while (it) {
+        struct req *n = (struct req *)((char *)it - offsetof(struct req, ai));
+        if (req_dispatch_promoted(n) == 0)
+            return;
+        it = admit_release(&co->admit, &n->ai);
+        req_free_if_done(n);
+    }
+}
+
 /* ------------------------------------------------------------------ engine stream */
 
-static int send_chunk(struct req *r, Stepd__V1__Chunk *ch)
+static int send_chunk(struct req *r, const struct chunk *ch)
 {
     int e = r->cops->chunk(r, ch);
 
@@ -192,41 +209,43 @@ static int send_chunk(struct req *r, Stepd__V1__Chunk *ch)
     return e;
 }
 
+/* The request's final (ef: the engine's, NULL when the coordinator ended it) to the door. */
 static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_reason, const char *stop_str)
 {
     struct coord *co = r->co;
-    Stepd__V1__Final f = STEPD__V1__FINAL__INIT;
-    Stepd__V1__Usage u = STEPD__V1__USAGE__INIT;
-    Stepd__V1__Timings t = STEPD__V1__TIMINGS__INIT;
-    Stepd__V1__MtpStats mtp = STEPD__V1__MTP_STATS__INIT;
+    struct chunk_final f = { .finish = (enum chunk_finish)finish_reason, .message = "", .stop_string = "" };
+    const Stepd__V1__Timings *et = ef ? ef->timings : NULL;
+    const Stepd__V1__MtpStats *em = ef ? ef->mtp : NULL;
     int64_t now = rpc_now_ms();
 
-    if (ef && ef->usage)
-        u = *ef->usage;
-    u.prompt_tokens = (uint32_t)r->n_prompt;
-    u.completion_tokens = r->n_out;
-    u.reasoning_tokens = r->n_reasoning;
-    if (ef && ef->timings)
-        t = *ef->timings;
-    t.queue_s = (double)(r->t_dispatch - r->t_arrival) / 1000.0 + t.queue_s;
-    t.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) / 1000.0 : 0.0;
-    t.decode_s = r->t_first ? (double)(r->t_last - r->t_first) / 1000.0 : 0.0;
-    t.mean_inter_token_s = r->n_out > 1 && r->t_first ? t.decode_s / (r->n_out - 1) : 0.0;
-    t.e2e_s = (double)(now - r->t_arrival) / 1000.0;
-    if (ef && ef->mtp)
-        mtp = *ef->mtp;
-    f.finish_reason = finish_reason;
-    f.message = ef ? ef->message : "";
-    f.usage = &u;
-    f.timings = &t;
-    f.mtp = &mtp;
+    f.prompt_tokens = (uint32_t)r->n_prompt;
+    f.completion_tokens = r->n_out;
+    f.cached_tokens = ef && ef->usage ? ef->usage->cached_tokens : 0;
+    f.reasoning_tokens = r->n_reasoning;
+    f.prefill_s = et ? et->prefill_s : 0.0;
+    f.queue_s = (double)(r->t_dispatch - r->t_arrival) / 1000.0 + (et ? et->queue_s : 0.0);
+    f.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) / 1000.0 : 0.0;
+    f.decode_s = r->t_first ? (double)(r->t_last - r->t_first) / 1000.0 : 0.0;
+    f.mean_inter_token_s = r->n_out > 1 && r->t_first ? f.decode_s / (r->n_out - 1) : 0.0;
+    f.e2e_s = (double)(now - r->t_arrival) / 1000.0;
+    if (em) {
+        f.num_drafts = em->num_drafts;
+        f.num_draft_tokens = em->num_draft_tokens;
+        f.num_accepted_tokens = em->num_accepted_tokens;
+        f.accepted_per_position = em->accepted_per_position;
+        f.n_accepted_per_position = em->n_accepted_per_position;
+        f.steps_by_num_drafts = em->steps_by_num_drafts;
+        f.n_steps_by_num_drafts = em->n_steps_by_num_drafts;
+    }
+    if (ef && ef->message)
+        f.message = ef->message;
     f.group = r->grp_name;
     f.request_id = r->id;
     if (stop_str) {
-        f.matched_stop_case = STEPD__V1__FINAL__MATCHED_STOP_STOP_STRING;
-        f.stop_string = (char *)stop_str;
+        f.stop = CHUNK_STOP_STRING;
+        f.stop_string = stop_str;
     } else if (ef && ef->matched_stop_case == STEPD__V1__FINAL__MATCHED_STOP_STOP_TOKEN_ID) {
-        f.matched_stop_case = ef->matched_stop_case;
+        f.stop = CHUNK_STOP_TOKEN;
         f.stop_token_id = ef->stop_token_id;
     }
     /* metrics */
@@ -234,16 +253,16 @@ static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_rea
         co->m.finished[finish_reason]++;
     co->m.prompt_tokens += r->n_prompt;
     co->m.generation_tokens += r->n_out;
-    metrics_observe(&co->m.e2e, t.e2e_s);
+    metrics_observe(&co->m.e2e, f.e2e_s);
     metrics_observe(&co->m.prompt_len, (double)r->n_prompt);
     metrics_observe(&co->m.gen_len, (double)r->n_out);
-    co->m.spec_drafts += mtp.num_drafts;
-    co->m.spec_draft_tokens += mtp.num_draft_tokens;
-    co->m.spec_accepted += mtp.num_accepted_tokens;
-    for (size_t i = 0; i < mtp.n_accepted_per_position && i < METRICS_MAX_POS; i++)
-        co->m.spec_accepted_pos[i] += mtp.accepted_per_position[i];
-    for (size_t i = 0; i < mtp.n_steps_by_num_drafts && i < METRICS_MAX_POS; i++)
-        co->m.spec_steps_by_drafts[i] += mtp.steps_by_num_drafts[i];
+    co->m.spec_drafts += f.num_drafts;
+    co->m.spec_draft_tokens += f.num_draft_tokens;
+    co->m.spec_accepted += f.num_accepted_tokens;
+    for (size_t i = 0; i < f.n_accepted_per_position && i < METRICS_MAX_POS; i++)
+        co->m.spec_accepted_pos[i] += f.accepted_per_position[i];
+    for (size_t i = 0; i < f.n_steps_by_num_drafts && i < METRICS_MAX_POS; i++)
+        co->m.spec_steps_by_drafts[i] += f.steps_by_num_drafts[i];
 
     r->final_sent = true;
     if (!r->client)
@@ -264,8 +283,7 @@ static void send_final(struct req *r, const Stepd__V1__Final *ef, int finish_rea
 struct chunk_acc {
     struct req *r;
     struct strbuf text, reasoning, content;
-    Stepd__V1__ToolCallDelta tc[MAX_TC_DELTAS];
-    Stepd__V1__ToolCallDelta *ptc[MAX_TC_DELTAS];
+    struct chunk_tool tc[MAX_TC_DELTAS];
     struct strbuf args[MAX_TC_DELTAS];
     char ids[MAX_TC_DELTAS][40];
     char *names[MAX_TC_DELTAS];
@@ -319,7 +337,7 @@ static int acc_content(struct chunk_acc *a, const char *text, size_t len)
 static int acc_event(void *ud, const struct tok_ev *ev)
 {
     struct chunk_acc *a = ud;
-    Stepd__V1__ToolCallDelta *t;
+    struct chunk_tool *t;
     size_t k;
 
     if (a->r->calls_cut && ev->kind != TOK_EV_TEXT)
@@ -345,12 +363,10 @@ static int acc_event(void *ud, const struct tok_ev *ev)
             if (a->n_tc == MAX_TC_DELTAS)
                 return -ENOSPC;
             t = &a->tc[a->n_tc];
-            stepd__v1__tool_call_delta__init(t);
             t->index = (uint32_t)ev->tool_index;
             t->id = "";
             t->name = "";
-            t->arguments_delta = "";
-            a->ptc[a->n_tc] = t;
+            t->arguments = "";
             a->n_tc++;
         }
         k = (size_t)(t - a->tc);
@@ -364,7 +380,7 @@ static int acc_event(void *ud, const struct tok_ev *ev)
         } else {
             if (strbuf_add(&a->args[k], ev->text, ev->len) < 0)
                 return -ENOMEM;
-            t->arguments_delta = a->args[k].p;
+            t->arguments = a->args[k].p;
         }
         return 0;
     case TOK_EV_TOOL_END:
@@ -385,13 +401,47 @@ static void acc_done(struct chunk_acc *a)
 }
 
 /* The chunk's text fields from the events (borrowed from a). */
-static void acc_fill(struct chunk_acc *a, Stepd__V1__Chunk *ch)
+static void acc_fill(struct chunk_acc *a, struct chunk *ch)
 {
-    ch->text = (char *)strbuf_str(&a->text);
-    ch->reasoning_delta = (char *)strbuf_str(&a->reasoning);
-    ch->content_delta = (char *)strbuf_str(&a->content);
-    ch->n_tool_calls = a->n_tc;
-    ch->tool_calls = a->ptc;
+    ch->text = strbuf_str(&a->text);
+    ch->reasoning = strbuf_str(&a->reasoning);
+    ch->content = strbuf_str(&a->content);
+    ch->n_tools = a->n_tc;
+    ch->tools = a->tc;
+}
+
+/* The engine's logprobs as the chunk's (one allocation, freed by the caller). */
+static int chunk_logprobs(const Stepd__V1__Chunk *ec, struct chunk *ch, void **mem)
+{
+    size_t n_top = 0;
+    struct chunk_logprob *lp;
+    struct chunk_top *top;
+
+    *mem = NULL;
+    if (!ec->n_logprobs)
+        return 0;
+    for (size_t i = 0; i < ec->n_logprobs; i++)
+        n_top += ec->logprobs[i]->n_top;
+    lp = malloc(ec->n_logprobs * sizeof(*lp) + n_top * sizeof(*top));
+    if (!lp)
+        return -ENOMEM;
+    top = (struct chunk_top *)(lp + ec->n_logprobs);
+    for (size_t i = 0; i < ec->n_logprobs; i++) {
+        const Stepd__V1__TokenLogprob *e = ec->logprobs[i];
+
+        lp[i].token_id = e->token_id;
+        lp[i].logprob = e->logprob;
+        lp[i].n_top = e->n_top;
+        lp[i].top = top;
+        for (size_t k = 0; k < e->n_top; k++, top++) {
+            top->token_id = e->top[k]->token_id;
+            top->logprob = e->top[k]->logprob;
+        }
+    }
+    ch->logprobs = lp;
+    ch->n_logprobs = ec->n_logprobs;
+    *mem = lp;
+    return 0;
 }
 
 static bool acc_empty(const struct chunk_acc *a)
@@ -471,8 +521,8 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
         return;
     if (er->response_case == STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK) {
         const Stepd__V1__Chunk *ec = er->chunk;
-        Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
-        Stepd__V1__Usage u = STEPD__V1__USAGE__INIT;
+        struct chunk ch = { .text = "", .reasoning = "", .content = "" };
+        void *lp_mem = NULL;
         /* the model's own vocabulary (lm_head may be padded past the tokenizer's) */
         uint32_t vocab = co->model.known ? co->model.vocab_size : 0;
         size_t n = ec->n_token_ids;
@@ -503,15 +553,19 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
             ch.n_token_ids = n;
             ch.token_ids = ec->token_ids;
         }
-        ch.n_logprobs = ec->n_logprobs;
-        ch.logprobs = ec->logprobs;
+        if (chunk_logprobs(ec, &ch, &lp_mem) < 0) {
+            req_stop_engine(r);
+            req_finish(r, RPC_INTERNAL, "out of memory");
+            return;
+        }
         if (r->continuous_usage) {
-            u.prompt_tokens = (uint32_t)r->n_prompt;
-            u.completion_tokens = r->n_out;
-            ch.usage = &u;
+            ch.has_usage = true;
+            ch.prompt_tokens = (uint32_t)r->n_prompt;
+            ch.completion_tokens = r->n_out;
         }
         if (!r->text_mode) {
             (void)send_chunk(r, &ch);
+            free(lp_mem);
             return;
         }
         struct chunk_acc acc = { .r = r };
@@ -531,6 +585,7 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
         }
         if (e < 0) {
             acc_done(&acc);
+            free(lp_mem);
             req_stop_engine(r);
             req_finish(r, RPC_INTERNAL, "text pipeline failed: %s", err_str(e));
             return;
@@ -538,6 +593,7 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
         acc_fill(&acc, &ch);
         int se = send_chunk(r, &ch);
         acc_done(&acc);
+        free(lp_mem);
         int idx;
         if (se == 0 && r->calls_cut && !r->final_sent) {
             log_req_debug(r->id, "a second tool call with parallel_tool_calls false: the output ends");
@@ -555,7 +611,7 @@ void req_engine_output(struct req *r, const Stepd__V1__GenerateResponse *er)
     if (er->response_case == STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL) {
         if (r->text_mode) {
             struct chunk_acc acc = { .r = r };
-            Stepd__V1__Chunk ch = STEPD__V1__CHUNK__INIT;
+            struct chunk ch = { .text = "", .reasoning = "", .content = "" };
             int se = 0;
 
             if (req_prime(r, &acc) == 0 && tok_gen_finish(r->gen, acc_event, &acc) == 0 &&
@@ -609,17 +665,22 @@ void req_engine_end(struct req *r, int status, const char *details)
     engine_conn_unref(r->eng);
     r->eng = NULL;
     if (r->ai.running)
-        coord_slot_release(co, r);
+        req_slot_release(co, r);
     if (g)
         req_held_kick(co);      /* r's place in g is free */
+}
+
+void req_engine_ended(struct req *r, int status, const char *details)
+{
+    req_engine_end(r, status, details);
+    req_free_if_done(r);
 }
 
 static void on_engine_done(struct rpc_client_call *c, int status, const char *details, void *ud)
 {
     struct req *r = ud;
     r->ecall = NULL;
-    req_engine_end(r, status, details);
-    req_free_if_done(r);
+    req_engine_ended(r, status, details);
 }
 
 static void on_submit_done(struct rpc_client_call *c, int status, const char *details, void *ud)
@@ -817,7 +878,7 @@ void req_held_kick(struct coord *co)
         if (g && req_send(r, g) == 0)
             continue;
         /* no group for it any more (its client is finished) */
-        coord_slot_release(co, r);
+        req_slot_release(co, r);
         req_free_if_done(r);
     }
 }
@@ -841,7 +902,7 @@ static void req_end_waiting(struct req *r, int status, const char *why)
     else
         req_finish(r, status, "%s", why);
     if (held)
-        coord_slot_release(co, r);
+        req_slot_release(co, r);
     req_free_if_done(r);
 }
 
@@ -899,47 +960,6 @@ static int req_build_prompt(struct req *r, char *msg, size_t len)
     r->prompt = ids.ids;
     r->n_prompt = ids.n;
     return 0;
-}
-
-/* ------------------------------------------------------------------ admission on the CQ thread */
-
-#define GATE_MARK_TRANSIT 1
-
-bool req_generate_cq(struct rpc_call *call, void *ud)
-{
-    struct coord *co = ud;
-    unsigned running, queued, transit, cap;
-    char msg[160];
-
-    /* draining or a deadline too short: the loop gives those their own answers */
-    if (atomic_load_explicit(&co->gate.closed, memory_order_acquire))
-        return false;
-    if (rpc_cq_deadline_ms(call) - rpc_now_ms() < 2)
-        return false;
-    admit_published(&co->admit, &running, &queued);
-    transit = atomic_load_explicit(&co->gate.in_transit, memory_order_acquire);
-    cap = co->admit.max_running + co->admit.max_queue;      /* constant after start */
-    if (running + queued + transit < cap) {
-        atomic_fetch_add_explicit(&co->gate.in_transit, 1, memory_order_acq_rel);
-        rpc_cq_set_mark(call, GATE_MARK_TRANSIT);
-        return false;
-    }
-    /* full: the same answer the loop gives (req_generate_loop), without waiting for it */
-    atomic_fetch_add_explicit(&co->gate.rejected_full, 1, memory_order_relaxed);
-    if (transit)
-        snprintf(msg, sizeof(msg), "server overloaded: %u running, %u queued and %u arriving (caps %u + %u)",
-                 running, queued, transit, co->admit.max_running, co->admit.max_queue);
-    else
-        snprintf(msg, sizeof(msg), "server overloaded: %u running and %u queued (the caps)", running, queued);
-    rpc_cq_reply(call, NULL, RPC_RESOURCE_EXHAUSTED, msg, "grpc-retry-pushback-ms", "100");
-    return true;
-}
-
-void req_generate_unmark(int mark, void *ud)
-{
-    struct coord *co = ud;
-    if (mark == GATE_MARK_TRANSIT)
-        atomic_fetch_sub_explicit(&co->gate.in_transit, 1, memory_order_acq_rel);
 }
 
 /* A server-assigned request id: unguessable (128 random bits), so that no client can
@@ -1055,7 +1075,7 @@ static void req_admit(struct req *r)
         co->m.accepted++;
         r->cops->watch(r);
         if (req_dispatch_one(r) < 0) {
-            coord_slot_release(co, r);
+            req_slot_release(co, r);
             req_free_if_done(r);
         }
         return;
@@ -1190,151 +1210,6 @@ void req_submit(struct coord *co, struct request *in, const struct req_origin *o
 out:
     free(rs);
     request_free(in);
-}
-
-/* ------------------------------------------------------------------ the gRPC door */
-
-/* Inference.Generate's stream as the client side of a request. */
-static int grpc_chunk(struct req *r, const Stepd__V1__Chunk *ch)
-{
-    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
-    struct rpc_call *c = r->client;
-    int e;
-
-    resp.request_id = r->id;
-    if (!r->token_sent) {
-        resp.abort_token = r->abort_token;
-        r->token_sent = true;
-    }
-    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_CHUNK;
-    resp.chunk = (Stepd__V1__Chunk *)ch;
-    e = rpc_call_send(c, &resp.base);
-    if (e == -ENOBUFS) {
-        /* A6: a client that stopped reading; queued messages would never let a normal
-         * status through, so the stream is reset with the status */
-        char msg[160];
-
-        snprintf(msg, sizeof(msg), "client is not reading its stream (%zu bytes buffered, cap reached)",
-                 rpc_call_queued_bytes(c));
-        rpc_call_on_cancel(c, NULL, NULL);
-        rpc_call_abort(c, RPC_RESOURCE_EXHAUSTED, msg);
-        req_client_detach(r, RPC_RESOURCE_EXHAUSTED, msg);
-    }
-    return e;
-}
-
-static void grpc_final(struct req *r, const Stepd__V1__Final *f)
-{
-    Stepd__V1__GenerateResponse resp = STEPD__V1__GENERATE_RESPONSE__INIT;
-    struct rpc_call *c = r->client;
-
-    resp.request_id = r->id;
-    if (!r->token_sent) {
-        resp.abort_token = r->abort_token;
-        r->token_sent = true;
-    }
-    resp.response_case = STEPD__V1__GENERATE_RESPONSE__RESPONSE_FINAL;
-    resp.final = (Stepd__V1__Final *)f;
-    (void)rpc_call_send(c, &resp.base);
-    rpc_call_on_cancel(c, NULL, NULL);
-    rpc_call_finish(c, RPC_OK, NULL);
-}
-
-static void grpc_end(struct req *r, int status, int retry_ms, const char *msg)
-{
-    struct rpc_call *c = r->client;
-    char v[16];
-
-    if (retry_ms > 0) {
-        snprintf(v, sizeof(v), "%d", retry_ms);
-        (void)rpc_call_add_trailer(c, "grpc-retry-pushback-ms", v);
-    }
-    rpc_call_on_cancel(c, NULL, NULL);
-    rpc_call_finish(c, status, "%s", msg);
-}
-
-static void grpc_on_cancel(struct rpc_call *call, void *ud)
-{
-    req_client_cancel(ud);
-}
-
-static void grpc_watch(struct req *r)
-{
-    rpc_call_on_cancel(r->client, grpc_on_cancel, r);
-}
-
-static const struct req_client_ops grpc_ops = {
-    .chunk = grpc_chunk, .final = grpc_final, .end = grpc_end, .watch = grpc_watch,
-};
-
-static void grpc_caller(const struct coord *co, const struct rpc_call *call, struct req_caller *c)
-{
-    char auth[512];
-
-    memset(c, 0, sizeof(*c));
-    if (co->o.api_key && rpc_call_metadata(call, "authorization", auth, sizeof(auth)) == 0 &&
-        strncmp(auth, "Bearer ", 7) == 0) {
-        c->keyed = true;
-        c->key_hash = coord_fnv1a(auth + 7, strlen(auth + 7), COORD_FNV_SEED);
-    }
-    if (rpc_call_peer(call, c->peer, sizeof(c->peer)) < 0)
-        snprintf(c->peer, sizeof(c->peer), "unknown");
-}
-
-static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
-{
-    struct coord *co = ud;
-    struct request *in = NULL;
-    struct req_caller caller;
-    char err[768];
-    void *client = call;
-    int e;
-
-    /* the cheapest refusals first, before the request is even converted */
-    if (co->draining) {
-        co->m.rejected_draining++;
-        co->m.status[RPC_UNAVAILABLE]++;
-        rpc_call_finish(call, RPC_UNAVAILABLE, "server is draining; retry on another replica");
-        return;
-    }
-    if (rpc_call_deadline_ms(call) - rpc_now_ms() < 2) {
-        co->m.status[RPC_DEADLINE_EXCEEDED]++;
-        rpc_call_finish(call, RPC_DEADLINE_EXCEEDED, "deadline expired (or under 2 ms) on arrival");
-        return;
-    }
-    if (co->admit.queued >= co->admit.max_queue &&
-        (co->admit.running >= co->admit.max_running || co->admit.queued > 0)) {
-        co->m.rejected_full++;
-        co->m.status[RPC_RESOURCE_EXHAUSTED]++;
-        rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
-        rpc_call_finish(call, RPC_RESOURCE_EXHAUSTED, "server overloaded: %u running and %u queued (the caps)",
-                        co->admit.running, co->admit.queued);
-        return;
-    }
-    e = request_from_proto((const Stepd__V1__GenerateRequest *)msg, &in, err, sizeof(err));
-    if (e < 0) {
-        int st = e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT;
-
-        if (st == RPC_INVALID_ARGUMENT)
-            co->m.rejected_invalid++;
-        co->m.status[st]++;
-        log_req_info("-", "rejected: %s", err);
-        rpc_call_finish(call, st, "%s", err);
-        return;
-    }
-    grpc_caller(co, call, &caller);
-    req_submit(co, in, &(struct req_origin){ .ops = &grpc_ops, .clients = &client, .n = 1,
-                                             .deadline_ms = rpc_call_deadline_ms(call), .caller = &caller });
-}
-
-void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
-{
-    /* The call stops counting as arriving before the loop decides on it: meanwhile the
-     * CQ thread may undercount by one and pass a call too many, which the batcher then
-     * refuses exactly; counting it twice (arriving and running) could instead refuse a
-     * call on the CQ thread while a slot is still free. */
-    req_generate_unmark(rpc_call_cq_mark(call), ud);
-    req_generate_loop(call, msg, ud);
 }
 
 /* ------------------------------------------------------------------ bulk */

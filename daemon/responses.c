@@ -28,6 +28,7 @@
 #include "json.h"
 #include "log.h"
 #include "openai.h"
+#include "reply.h"
 
 /* The field names validation uses in its messages. */
 static const char *const *names(void)
@@ -163,7 +164,7 @@ static void item_id(const struct door_gen *g, size_t i, char *buf, size_t n)
     static const char *const pre[] = { [DOOR_REASONING] = "rs", [DOOR_TEXT] = "msg", [DOOR_CALL] = "fc" };
 
     /* the request's id without its "resp_" */
-    snprintf(buf, n, "%s_%s_%zu", pre[g->items[i].kind], g->id + 5, i);
+    snprintf(buf, n, "%s_%s_%zu", pre[g->items[i].kind], g->rp->id + 5, i);
 }
 
 static json_t *content_part(const struct door_item *it, bool done)
@@ -205,21 +206,21 @@ static json_t *response_json(const struct door_gen *g, const char *status)
     json_t *o = json_deep_copy(u->req), *out = json_array();
     bool end = strcmp(status, "in_progress");
 
-    for (size_t i = 0; end && !g->failed && i < g->n_items; i++)
+    for (size_t i = 0; end && !g->rp->failed && i < g->n_items; i++)
         json_array_append_new(out, item_json(g, i, true));
-    json_object_set_new(o, "id", json_string(g->id));
+    json_object_set_new(o, "id", json_string(g->rp->id));
     json_object_set_new(o, "object", json_string("response"));
-    json_object_set_new(o, "created_at", json_integer(g->created));
+    json_object_set_new(o, "created_at", json_integer(g->rp->created));
     json_object_set_new(o, "status", json_string(status));
-    json_object_set_new(o, "model", json_string(g->model));
+    json_object_set_new(o, "model", json_string(g->rp->model));
     json_object_set_new(o, "output", out);
     json_object_set_new(o, "incomplete_details", strcmp(status, "incomplete") ? json_null() :
                         json_pack("{s:s}", "reason", "max_output_tokens"));
-    json_object_set_new(o, "error", !g->failed ? json_null() :
-                        json_pack("{s:s, s:s}", "code", http_status_of(g->fail_status) >= 500 ? "server_error"
+    json_object_set_new(o, "error", !g->rp->failed ? json_null() :
+                        json_pack("{s:s, s:s}", "code", http_status_of(g->rp->fail_status) >= 500 ? "server_error"
                                                                                                : "invalid_prompt",
-                                  "message", g->fail_msg));
-    if (end && !g->failed)
+                                  "message", g->rp->fail_msg));
+    if (end && !g->rp->failed)
         json_object_set_new(o, "usage", json_pack("{s:i, s:{s:i}, s:i, s:{s:i}, s:i}",
                                                   "input_tokens", (int)g->prompt_tokens, "input_tokens_details",
                                                   "cached_tokens", (int)g->cached_tokens, "output_tokens",
@@ -376,12 +377,12 @@ static void r_completed(struct door_gen *g)
     struct resp_ud *u = g->ud;
     json_t *conv, *resp;
 
-    if (!u->store || !store_on(g->co))
+    if (!u->store || !store_on(g->rp->co))
         return;
     conv = conversation(g);
     resp = response_json(g, final_status(g));
-    if (!conv || !resp || store_put(g->co, g->id, conv, resp, rpc_now_ms()) < 0)
-        log_req_info(g->id, "response not stored: out of memory");
+    if (!conv || !resp || store_put(g->rp->co, g->rp->id, conv, resp, rpc_now_ms()) < 0)
+        log_req_info(g->rp->id, "response not stored: out of memory");
     json_decref(conv);
     json_decref(resp);
 }

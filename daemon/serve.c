@@ -604,7 +604,7 @@ static void group_give_up(struct sgroup *g, const char *why)
         snprintf(rk->message, sizeof(rk->message), "%s", g->reason);
     }
     group_update_coord(g);
-    coord_health_update(s->co);
+    s->co->up->health_changed(s->co);
 }
 
 static void maybe_closed(struct serve *s);
@@ -674,7 +674,7 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
              (double)delay / 1000.0, rk->failures, s->o.restart_limit);
     rk->restart_at_ms = rpc_now_ms() + (int64_t)delay;
     uv_timer_start(&rk->t_restart, restart_cb, delay, 0);
-    coord_health_update(s->co);
+    s->co->up->health_changed(s->co);
 }
 
 /* The flags a unit file gives rank `rank` of group `group` (systemd/stepd-worker@.service),
@@ -888,7 +888,7 @@ void serve_check(struct serve *s)
     if (!s->ready_sent && serve_settled(s)) {
         s->ready_sent = true;
         notify_ready();
-        health_status_line(co);
+        co->up->status_line(co);
     }
     s->in_check = false;
 }

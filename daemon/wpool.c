@@ -210,7 +210,7 @@ static void group_fail(struct group *g, const char *why)
         }
         g->state = GROUP_FAILED;
     }
-    req_fail_group(g, why);
+    co->up->group_failed(g, why);
     if (g->eng) {
         engine_conn_detach(g->eng);
         g->eng = NULL;
@@ -224,10 +224,10 @@ static void group_fail(struct group *g, const char *why)
         g->kv_pools[i].used = g->kv_pools[i].cached = 0;
         g->kv_pools[i].usage = 0.0;
     }
-    req_held_kick(co);                  /* with no ready group left, the held ones end */
+    co->up->room(co);           /* with no ready group left, the held ones end */
     if (!group_has_ranks(g))
         g->state = was_active ? GROUP_FAILED : GROUP_FORMING;
-    coord_health_update(co);
+    co->up->health_changed(co);
 }
 
 /* An unguessable session id (ReportState names the session with it): "group/rank/hex". */
@@ -594,7 +594,7 @@ static void group_set_limits(struct group *g, uint32_t max_seqs, uint32_t max_wa
     g->cap_seqs = max_seqs;
     g->cap_waiting = max_waiting;
     if (more && g->state == GROUP_READY)
-        req_held_kick(g->co);
+        g->co->up->room(g->co);
 }
 
 static struct rank *rank_by_session(struct coord *co, const char *sid)
@@ -715,9 +715,9 @@ static void group_set_ready(struct group *g)
     g->loads_ok_ms = rpc_now_ms();
     engine_out_open(g->eng);
     log_info("group %s is ready (epoch %" PRIu64 ", engine %s)", g->name, g->epoch, g->engine_addr);
-    coord_health_update(co);
+    co->up->health_changed(co);
     wpool_poll_loads(co);
-    req_held_kick(co);
+    co->up->room(co);
 }
 
 static void group_maybe_ready(struct group *g)

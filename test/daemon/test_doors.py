@@ -211,6 +211,8 @@ def test_messages_tools():
         final = st.get_final_message()
     types = [e.type for e in events]
     assert types[0] == "message_start" and types[-1] == "message_stop" and "message_delta" in types, types
+    # the prompt's length is known when the stream starts
+    assert events[0].message.usage.input_tokens > 0, events[0].message.usage
     assert final.stop_reason == "tool_use" and final.content[1].input == {"city": "Paris", "days": 3}, final
     thinking = "".join(e.delta.model_extra.get("thinking", "") for e in events
                        if e.type == "content_block_delta" and e.delta.type == "thinking_delta")

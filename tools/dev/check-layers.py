@@ -11,11 +11,15 @@ compiler does: the file's own folder, then the -I folders in order).  Rules:
   worker/   includes nothing from daemon/ (the coordinator and the workers meet only
             over the wire: proto/ and rpc/)
   tools/    includes nothing from daemon/
+  daemon/   includes nothing from kernels/ or worker/ (the coordinator runs no model)
+  worker/engine/  includes nothing from worker/model/ or worker/comm/ (the engine drives
+            the model through worker/forward.h and its plan, never the model's insides)
   and no target outside daemon/ (and its own tests, test/daemon/) has daemon/ on its
   include path.
 
 Prints each violation as 'FILE: RULE (HOW)' and exits 1 when there is one.
 Usage: check-layers.py BUILD/compile_commands.json
+       check-layers.py --self-test   (the rules on a made-up tree: each one catches its case)
 """
 import json
 import os
@@ -23,12 +27,15 @@ import re
 import shlex
 import sys
 
+# a folder (and everything under it): the folders its sources may not include from
 FORBIDDEN = {
     "common": ("kernels", "worker", "daemon", "rpc"),
     "kernels": ("worker", "daemon", "rpc"),
     "rpc": ("kernels", "worker", "daemon"),
     "worker": ("daemon",),
     "tools": ("daemon",),
+    "daemon": ("kernels", "worker"),
+    "worker/engine": ("worker/model", "worker/comm"),
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -38,8 +45,61 @@ def top(path, root):
     return rel.split(os.sep)[0] if not rel.startswith("..") else None
 
 
-def main():
-    cc = sys.argv[1]
+def under(rel, folder):
+    """Whether the tree-relative path rel lies in folder ("a/b")."""
+    return rel.replace(os.sep, "/").startswith(folder + "/")
+
+
+def forbidden_for(rel):
+    """(rule's folder, forbidden folder) pairs that apply to the source rel."""
+    return [(f, x) for f, xs in sorted(FORBIDDEN.items()) if under(rel, f) for x in xs]
+
+
+def self_test():
+    import io
+    import tempfile
+    from contextlib import redirect_stdout
+    files = {
+        "daemon/bad.c": '#include "../worker/plan.h"\n#include "../kernels/k.h"\n',
+        "daemon/ok.c": '#include "ok.h"\n#include "../common/c.h"\n',
+        "daemon/ok.h": "",
+        "worker/plan.h": "",
+        "worker/engine/bad.c": '#include "../model/model.h"\n#include "comm.h"\n',
+        "worker/engine/ok.c": '#include "plan.h"\n',
+        "worker/model/model.h": "",
+        "worker/comm/comm.h": "",
+        "kernels/k.h": "",
+        "common/c.h": "",
+    }
+    with tempfile.TemporaryDirectory() as t:
+        for name, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(t, name)), exist_ok=True)
+            with open(os.path.join(t, name), "w") as f:
+                f.write(text)
+        os.makedirs(os.path.join(t, "build"))
+        cc = os.path.join(t, "build", "compile_commands.json")
+        entries = [{"directory": os.path.join(t, "build"), "file": "../" + f,
+                    "command": "cc -I../worker -I../worker/comm -c ../" + f}
+                   for f in files if f.endswith(".c")]
+        with open(cc, "w") as f:
+            json.dump(entries, f)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = main([cc])
+        got = sorted(line.split(":")[0] + " " + line.split(" from ")[1].split("/ ")[0]
+                     for line in out.getvalue().splitlines() if " from " in line)
+        want = ["daemon/bad.c kernels", "daemon/bad.c worker", "worker/engine/bad.c worker/comm",
+                "worker/engine/bad.c worker/model"]
+        assert rc == 1 and got == want, (rc, got, out.getvalue())
+    print("check-layers.py self-test: ok")
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--self-test"]:
+        return self_test()
+    cc = argv[0]
     root = os.path.dirname(os.path.dirname(os.path.abspath(cc)))
     entries = json.load(open(cc))
     bad = []
@@ -62,7 +122,7 @@ def main():
         for inc in incs:
             if top(inc, root) == "daemon" and not in_daemon:
                 bad.append("%s: has daemon/ on its include path (%s)" % (rel_src, inc))
-        forbidden = FORBIDDEN.get(area, ())
+        forbidden = forbidden_for(rel_src)
         if not forbidden:
             continue
         try:
@@ -73,10 +133,10 @@ def main():
             for base in [os.path.dirname(src)] + incs:
                 cand = os.path.normpath(os.path.join(base, name))
                 if os.path.exists(cand):
-                    where = top(cand, root)
-                    if where in forbidden:
-                        bad.append('%s: includes "%s" from %s/ (%s)' % (
-                            rel_src, name, where, os.path.relpath(cand, root)))
+                    rel_cand = os.path.relpath(cand, root)
+                    for _, where in forbidden:
+                        if under(rel_cand, where):
+                            bad.append('%s: includes "%s" from %s/ (%s)' % (rel_src, name, where, rel_cand))
                     break
     for b in sorted(set(bad)):
         print(b)

@@ -14,6 +14,7 @@
 #include "coord.h"
 #include "err.h"
 #include "log.h"
+#include "media.h"
 #include "serve.h"
 #include "stepd-config.h"
 
@@ -132,6 +133,7 @@ enum {
     OPT_S_BACKOFF_MAX, OPT_S_STOP, OPT_S_SPECLOG, OPT_S_KV_DTYPE, OPT_S_KV_MEM, OPT_S_PREFIX_ON,
     OPT_S_PREFIX_OFF, OPT_S_BLOCK, OPT_S_DTYPE, OPT_S_QUANT, OPT_S_CHAT_TEMPLATE, OPT_S_TEMPLATE_KW,
     OPT_S_LIMIT_MM, OPT_S_ALLOW_LONG, OPT_S_NOTE, OPT_S_PASS, OPT_S_PASS_UINT,
+    OPT_S_MEDIA_DOMAINS, OPT_IMG_BYTES, OPT_IMG_PIXELS,   /* images in (daemon/media.c) */
 };
 
 /* What an option is: where it applies, and how the docs' table of vLLM flags shows it. */
@@ -275,9 +277,15 @@ static const struct optdecl optdecls[] = {
       "chat request (reasoning_effort, preserve_thinking, add_generation_prompt);\n"
       "a request's own keys win",
       "defaults of chat_template_kwargs (reasoning_effort, preserve_thinking, add_generation_prompt); a request's own win" },
-    { "limit-mm-per-prompt", "JSON", OPT_S_LIMIT_MM, SERVE_VLLM, "'{\"image\":0}' and other zero limits: stepd serves text\n"
-      "only (images are not supported yet: a limit above 0 is refused)",
-      "accepted with every limit 0 (stepd serves text only); images > 0 refused (not supported yet)" },
+    { "limit-mm-per-prompt", "JSON", OPT_S_LIMIT_MM, SERVE_VLLM, "'{\"image\": N}': images per prompt (default 16; 0 = text\n"
+      "only); other media must be 0",
+      "'{\"image\": N}' caps image_url parts per prompt (default 16; 0: text only); other media must be 0" },
+    { "allowed-media-domains", "HOSTS", OPT_S_MEDIA_DOMAINS, SERVE_VLLM, "http(s) image URL hosts (comma-separated,\n"
+      "repeatable); stepd does not fetch: URLs get a 400 asking for a data URL",
+      "names the hosts whose http(s) image URLs are allowed; stepd does not fetch them yet (400: send a data URL)" },
+    { "image-max-bytes", "N", OPT_IMG_BYTES, 0, "an image's encoded size cap, 400 above (default 20971520)", NULL },
+    { "image-max-pixels", "N", OPT_IMG_PIXELS, 0, "an image's declared width x height cap, 400 above, checked\n"
+      "before decoding (default 40000000; 16384 per side)", NULL },
     { "disable-cascade-attn", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
       "stepd has no cascade attention: every sequence's attention is computed on its own blocks" },
     { "enforce-eager", NULL, OPT_S_NOTE, SERVE_VLLM, NULL,
@@ -477,33 +485,6 @@ static int parse_parser(const char *flag, const char *s, bool *ret)
     return -EINVAL;
 }
 
-/* --limit-mm-per-prompt JSON: stepd serves text only, so every limit must be 0. */
-static int limit_mm_check(const char *s)
-{
-    json_error_t je;
-    json_t *j = json_loads(s, 0, &je), *v;
-    const char *k;
-    int r = 0;
-
-    if (!json_is_object(j)) {
-        log_error("--limit-mm-per-prompt: expected a JSON object such as '{\"image\": 0}'");
-        r = -EINVAL;
-    } else {
-        json_object_foreach(j, k, v) {
-            if (!json_is_integer(v) || json_integer_value(v) != 0) {
-                log_error("--limit-mm-per-prompt: %s: stepd serves text only (images and other media are not "
-                          "supported yet); every limit must be 0", k);
-                r = -EINVAL;
-                break;
-            }
-        }
-    }
-    json_decref(j);
-    if (r == 0)
-        log_notice("--limit-mm-per-prompt %s: stepd serves text only; requests with media are refused", s);
-    return r;
-}
-
 /* --port-offset N: every port moved by N (0, any free port, stays 0; unix: sockets stay). */
 static int shift_addr(const char *flag, const char **addr, unsigned off, char *buf, size_t len)
 {
@@ -684,8 +665,24 @@ int main(int argc, char **argv)
             o.default_chat_template_kwargs = optarg;
             break;
         case OPT_S_LIMIT_MM:
-            if (limit_mm_check(optarg) < 0)
+        case OPT_S_MEDIA_DOMAINS: {
+            char mmsg[256] = "";
+            int mr = c == OPT_S_LIMIT_MM ? media_limit_mm_parse(optarg, mmsg, sizeof(mmsg))
+                                              : media_allowed_domains_add(optarg, mmsg, sizeof(mmsg));
+            if (mr < 0) {
+                log_error("--%s: %s", d->name, mr == -ENOMEM ? "out of memory" : mmsg);
                 return 2;
+            }
+            break;
+        }
+        case OPT_IMG_BYTES:
+        case OPT_IMG_PIXELS:
+            if (parse_uint(c == OPT_IMG_BYTES ? "--image-max-bytes" : "--image-max-pixels", optarg, 1u << 30, &v) < 0)
+                return 2;
+            if (c == OPT_IMG_BYTES)
+                media_conf.lim.max_bytes = v;
+            else
+                media_conf.lim.max_pixels = v;
             break;
         case OPT_PORT_OFFSET:
             if (parse_uint("--port-offset", optarg, 65535, &v) < 0)

@@ -32,6 +32,7 @@
 #include "http.h"
 #include "json.h"
 #include "log.h"
+#include "media.h"
 #include "openai.h"
 #include "strbuf.h"
 #include "stepd-config.h"
@@ -1493,6 +1494,9 @@ static int body_conv(const struct coord *co, const json_t *body, bool chat, stru
     }
     if (chat) {
         in->input = REQUEST_INPUT_CHAT;
+        /* images in (daemon/media.c): each image_url part checked, decoded, preprocessed */
+        if ((r = media_chat_images(json_object_get(body, "messages"), co->tok, in, msg, len)) < 0)
+            return r;
         if ((r = messages_conv(json_object_get(body, "messages"), &in->messages, msg, len)) < 0)
             return r;
         j = json_object_get(body, "tools");

@@ -2,6 +2,7 @@
 #include "image.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <setjmp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,6 +127,7 @@ static int decode_png(const uint8_t *data, size_t n, const struct image_limits *
         r = -EBADMSG;
         goto out;
     }
+    png_set_user_limits(png, 0x7fffffff, 0x7fffffff);   /* ours decide, with their message */
     png_set_chunk_malloc_max(png, 8u << 20);
     png_set_read_fn(png, &src, png_read_mem);
     png_read_info(png, info);
@@ -562,106 +564,105 @@ static uint8_t clip8i(int64_t v)
     return v < 0 ? 0 : v > 255 ? 255 : (uint8_t)v;
 }
 
-int image_resize(const uint8_t *src, uint32_t sw, uint32_t sh, uint8_t *dst, uint32_t dw, uint32_t dh,
-                 int round_mid)
+/* Resize the virtual vw x vh image whose top-left rw x rh pixels are src and the rest black
+ * (the processor's square pad, never materialised: a 16384 x 1 image would pad to 800 MB) to
+ * dw x dh.  Rows and columns past the real ones contribute zero, so the intermediate holds only
+ * the rh real rows. */
+static int resize_pad(const uint8_t *src, uint32_t rw, uint32_t rh, uint32_t vw, uint32_t vh, uint8_t *dst,
+                      uint32_t dw, uint32_t dh, int round_mid)
 {
     struct taps tx, ty;
     int r = 0;
 
-    if (taps_init(&tx, sw, dw) < 0)
+    if (taps_init(&tx, vw, dw) < 0)
         return -ENOMEM;
-    if (taps_init(&ty, sh, dh) < 0) {
+    if (taps_init(&ty, vh, dh) < 0) {
         taps_done(&tx);
         return -ENOMEM;
     }
-    size_t n_mid = (size_t)dw * sh * 3;
-    if (round_mid) {
-        /* PIL: 8-bit fixed point, the horizontal pass rounded to 8 bits (skipped when the width stays) */
-        uint8_t *mid = sw == dw ? NULL : malloc(n_mid);
-        const uint8_t *m = src;
-        if (sw != dw) {
-            if (!mid) {
-                r = -ENOMEM;
-                goto out;
+    /* PIL (round_mid): 8-bit fixed point, the horizontal pass rounded to 8 bits and skipped
+     * when the width stays; torchvision on float tensors: no rounding until the end */
+    bool skip_h = round_mid && vw == dw;
+    float *mid = malloc((size_t)dw * rh * 3 * sizeof(float));
+    if (!mid) {
+        r = -ENOMEM;
+        goto out;
+    }
+    for (uint32_t y = 0; y < rh; y++)
+        for (uint32_t x = 0; x < dw; x++) {
+            const uint8_t *row = src + (size_t)y * rw * 3;
+            float *o = mid + ((size_t)y * dw + x) * 3;
+            if (skip_h) {
+                for (int c = 0; c < 3; c++)
+                    o[c] = x < rw ? row[3 * x + c] : 0;
+                continue;
             }
-            for (uint32_t y = 0; y < sh; y++)
-                for (uint32_t x = 0; x < dw; x++) {
-                    const int32_t *w = tx.wi + (size_t)x * tx.max_len;
-                    const uint8_t *s = src + ((size_t)y * sw + tx.start[x]) * 3;
-                    int64_t a0 = 1 << (FIX_BITS - 1), a1 = a0, a2 = a0;
-                    for (uint32_t k = 0; k < tx.len[x]; k++) {
-                        a0 += (int64_t)s[3 * k] * w[k];
-                        a1 += (int64_t)s[3 * k + 1] * w[k];
-                        a2 += (int64_t)s[3 * k + 2] * w[k];
-                    }
-                    uint8_t *o = mid + ((size_t)y * dw + x) * 3;
-                    o[0] = clip8i(a0);
-                    o[1] = clip8i(a1);
-                    o[2] = clip8i(a2);
+            int64_t i0 = 1 << (FIX_BITS - 1), i1 = i0, i2 = i0;
+            double a0 = 0, a1 = 0, a2 = 0;
+            for (uint32_t k = 0; k < tx.len[x] && tx.start[x] + k < rw; k++) {
+                const uint8_t *p = row + (size_t)(tx.start[x] + k) * 3;
+                if (round_mid) {
+                    int32_t w = tx.wi[(size_t)x * tx.max_len + k];
+                    i0 += (int64_t)p[0] * w;
+                    i1 += (int64_t)p[1] * w;
+                    i2 += (int64_t)p[2] * w;
+                } else {
+                    double w = tx.w[(size_t)x * tx.max_len + k];
+                    a0 += p[0] * w;
+                    a1 += p[1] * w;
+                    a2 += p[2] * w;
                 }
-            m = mid;
-        }
-        for (uint32_t y = 0; y < dh; y++) {
-            const int32_t *w = ty.wi + (size_t)y * ty.max_len;
-            for (uint32_t x = 0; x < dw; x++) {
-                int64_t a0 = 1 << (FIX_BITS - 1), a1 = a0, a2 = a0;
-                for (uint32_t k = 0; k < ty.len[y]; k++) {
-                    const uint8_t *s = m + ((size_t)(ty.start[y] + k) * dw + x) * 3;
-                    a0 += (int64_t)s[0] * w[k];
-                    a1 += (int64_t)s[1] * w[k];
-                    a2 += (int64_t)s[2] * w[k];
-                }
-                uint8_t *o = dst + ((size_t)y * dw + x) * 3;
-                o[0] = clip8i(a0);
-                o[1] = clip8i(a1);
-                o[2] = clip8i(a2);
             }
-        }
-        free(mid);
-    } else {
-        /* torchvision on float tensors: no rounding until the end */
-        float *mid = malloc(n_mid * sizeof(float));
-        if (!mid) {
-            r = -ENOMEM;
-            goto out;
-        }
-        for (uint32_t y = 0; y < sh; y++)
-            for (uint32_t x = 0; x < dw; x++) {
-                const double *w = tx.w + (size_t)x * tx.max_len;
-                const uint8_t *s = src + ((size_t)y * sw + tx.start[x]) * 3;
-                double a0 = 0, a1 = 0, a2 = 0;
-                for (uint32_t k = 0; k < tx.len[x]; k++) {
-                    a0 += s[3 * k] * w[k];
-                    a1 += s[3 * k + 1] * w[k];
-                    a2 += s[3 * k + 2] * w[k];
-                }
-                float *o = mid + ((size_t)y * dw + x) * 3;
+            if (round_mid) {
+                o[0] = clip8i(i0);
+                o[1] = clip8i(i1);
+                o[2] = clip8i(i2);
+            } else {
                 o[0] = (float)a0;
                 o[1] = (float)a1;
                 o[2] = (float)a2;
             }
-        for (uint32_t y = 0; y < dh; y++) {
-            const double *w = ty.w + (size_t)y * ty.max_len;
-            for (uint32_t x = 0; x < dw; x++) {
-                double a0 = 0, a1 = 0, a2 = 0;
-                for (uint32_t k = 0; k < ty.len[y]; k++) {
-                    const float *s = mid + ((size_t)(ty.start[y] + k) * dw + x) * 3;
-                    a0 += s[0] * w[k];
-                    a1 += s[1] * w[k];
-                    a2 += s[2] * w[k];
+        }
+    for (uint32_t y = 0; y < dh; y++)
+        for (uint32_t x = 0; x < dw; x++) {
+            int64_t i0 = 1 << (FIX_BITS - 1), i1 = i0, i2 = i0;
+            double a0 = 0, a1 = 0, a2 = 0;
+            for (uint32_t k = 0; k < ty.len[y] && ty.start[y] + k < rh; k++) {
+                const float *p = mid + ((size_t)(ty.start[y] + k) * dw + x) * 3;
+                if (round_mid) {
+                    int32_t w = ty.wi[(size_t)y * ty.max_len + k];
+                    i0 += (int64_t)p[0] * w;
+                    i1 += (int64_t)p[1] * w;
+                    i2 += (int64_t)p[2] * w;
+                } else {
+                    double w = ty.w[(size_t)y * ty.max_len + k];
+                    a0 += p[0] * w;
+                    a1 += p[1] * w;
+                    a2 += p[2] * w;
                 }
-                uint8_t *o = dst + ((size_t)y * dw + x) * 3;
+            }
+            uint8_t *o = dst + ((size_t)y * dw + x) * 3;
+            if (round_mid) {
+                o[0] = clip8i(i0);
+                o[1] = clip8i(i1);
+                o[2] = clip8i(i2);
+            } else {
                 o[0] = clip8d(a0);
                 o[1] = clip8d(a1);
                 o[2] = clip8d(a2);
             }
         }
-        free(mid);
-    }
+    free(mid);
 out:
     taps_done(&tx);
     taps_done(&ty);
     return r;
+}
+
+int image_resize(const uint8_t *src, uint32_t sw, uint32_t sh, uint8_t *dst, uint32_t dw, uint32_t dh,
+                 int round_mid)
+{
+    return resize_pad(src, sw, sh, sw, sh, dst, dw, dh, round_mid);
 }
 
 /* ---- the processor's geometry ---- */
@@ -779,15 +780,22 @@ int image_prep(const struct image *img, const struct image_token_ids *ids, struc
     memset(ret, 0, sizeof(*ret));
     memcpy(ret->hash, img->hash, SHA256_BYTES);
     plan_make(w, h, &p);
-    if (p.pad) {
+    if (p.pad && (p.pw != p.pad || p.ph != p.pad)) {
+        /* padded and scaled down in one pass: the square is never materialised */
+        if (!(pre = malloc((size_t)p.pw * p.ph * 3)) ||
+            resize_pad(cur, w, h, p.pad, p.pad, pre, p.pw, p.ph, 1) < 0)
+            goto oom;
+        cur = pre;
+        w = p.pw;
+        h = p.ph;
+    } else if (p.pad) {
         if (!(padded = calloc((size_t)p.pad * p.pad, 3)))
             goto oom;
         for (uint32_t y = 0; y < h; y++)
             memcpy(padded + (size_t)y * p.pad * 3, cur + (size_t)y * w * 3, (size_t)w * 3);
         cur = padded;
         w = h = p.pad;
-    }
-    if (p.pw != w || p.ph != h) {
+    } else if (p.pw != w || p.ph != h) {
         if (!(pre = malloc((size_t)p.pw * p.ph * 3)) || image_resize(cur, w, h, pre, p.pw, p.ph, 1) < 0)
             goto oom;
         cur = pre;

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import struct
 import subprocess
 import sys
@@ -59,13 +60,14 @@ def encode(img, fmt, **kw):
     return buf.getvalue()
 
 
-def dump(data, name, limits=None):
+def dump(data, name, limits=None, max_address_space=None):
     path = os.path.join(TMP, name)
     with open(path, "wb") as f:
         f.write(data)
     out = os.path.join(TMP, name + ".out")
     args = [DUMP, path, out] + ([str(v) for v in limits] if limits else [])
-    p = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_AS, (max_address_space,) * 2)) if max_address_space else None
+    p = subprocess.run(args, capture_output=True, text=True, timeout=120, preexec_fn=limit)
     if p.returncode == 2:
         return None, p.stdout.strip()
     if p.returncode != 0:
@@ -154,6 +156,7 @@ jpg = encode(base, "JPEG")
 gif = encode(base.convert("P"), "GIF")
 webp = encode(base, "WEBP", lossless=True)
 refused(png_with_size(png, 100000, 100000), "bomb-png", "E2BIG", "declares 100000x100000")
+refused(png_with_size(png, 3000000, 1), "bomb-png-libpng-max", "E2BIG", "declares 3000000x1")
 refused(png_with_size(png, 10000, 10000), "bomb-png-pixels", "E2BIG", "declares 10000x10000 = 100000000 pixels")
 refused(jpeg_with_size(jpg, 60000, 60000), "bomb-jpeg", "E2BIG", "declares 60000x60000")
 refused(gif[:6] + struct.pack("<HH", 65535, 65535) + gif[10:], "bomb-gif", "E2BIG", "declares 65535x65535")
@@ -204,6 +207,14 @@ layout_case(700, 300, 14, (300, 3, 1))      # long <= 728, ratio > 1.5: 300-pixe
 layout_case(1300, 250, 15, (250, 6, 1))     # ratio > 4: the short side; 1300/250 - 5 is 0.2000...2 in doubles: > 0.2
 layout_case(3400, 1200, 16, (504, 6, 2))    # > 3024: scaled down first
 layout_case(20, 200, 17, (0, 0, 0))         # short side < 32, ratio > 4: padded to a square
+layout_case(4000, 20, 18, (504, 6, 6))      # padded to 4000 x 4000, scaled to 3024 in one pass: 6x6
+
+# a 16384 x 1 image pads to a 16384^2 square (800 MB of RGB) before the 3024 downscale: done in
+# one pass, it preprocesses within 256 MiB of address space
+meta, _ = dump(encode(Image.new("RGB", (16384, 1), (200, 100, 50)), "PNG"), "pad-16384x1",
+               max_address_space=256 << 20)
+check(meta is not None and meta["crops_x"] == 6 and meta["crops_y"] == 6,
+      "16384x1: padded and scaled without materialising the square (RLIMIT_AS 256 MiB)")
 
 # the token count formula against a range of sizes (no pixels)
 for w, h in ((1, 1), (728, 728), (729, 485), (5000, 40), (3025, 3025), (504, 1200)):

@@ -84,6 +84,14 @@ def serve(d, extra):
     return p, ports[4]
 
 
+def stop(p):
+    """SIGTERM: a clean exit (0), no sanitizer report in an ASan build's log"""
+    p.p.send_signal(signal.SIGTERM)
+    p.wait(60)
+    log = p.text()
+    assert p.p.returncode == 0 and "Sanitizer" not in log, (p.p.returncode, log[-3000:])
+
+
 def refused(port, needle, *contents, at="messages[0].content[1]"):
     code, body = chat(port, *contents)
     msg = body.get("error", {}).get("message", "") if isinstance(body, dict) else str(body)
@@ -129,8 +137,7 @@ def test_limits(d):
         print("   400 %s" % body["error"]["message"])
         text_ok(port)
         print("   a text chat still answers 200")
-        p.p.send_signal(signal.SIGTERM)
-        p.wait(60)
+        stop(p)
     finally:
         p.kill()
 
@@ -141,8 +148,7 @@ def test_text_only(d):
         refused(port, "this server serves text only (--limit-mm-per-prompt '{\"image\": 0}')",
                 [part(data_url(png(8, 8)))])
         text_ok(port)
-        p.p.send_signal(signal.SIGTERM)
-        p.wait(60)
+        stop(p)
     finally:
         p.kill()
 

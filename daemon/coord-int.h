@@ -499,6 +499,8 @@ void req_generate_unmark(int mark, void *ud);
 bool coord_ready(const struct coord *co);
 /* The same owner string for a request's caller, whichever door it came through. */
 void req_caller_owner(const struct coord *co, const struct req_caller *c, char *buf, size_t n);
+/* The owner string of a gRPC call (an Abort's): "api-key" with a server key, else its peer. */
+void coord_call_owner(const struct coord *co, const struct rpc_call *call, char *buf, size_t n);
 /* Why readiness is NOT_SERVING, for people (/healthz, logs): "" when ready. */
 void coord_unready_reason(const struct coord *co, char *buf, size_t n);
 /* Called when the last request finished (drain completion). */

@@ -16,6 +16,7 @@
 #include "coord.h"
 #include "err.h"
 #include "log.h"
+#include "media.h"
 #include "serve.h"
 #include "stepd-config.h"
 
@@ -197,7 +198,7 @@ struct optdecl {
 
 static opt_fn opt_api_key, opt_served, opt_parser, opt_port, opt_log_level, opt_version, opt_help,
     opt_help_vllm, opt_help_flags, opt_gpumem, opt_kv_dtype, opt_kv_mem, opt_dtype, opt_quant, opt_chat_template,
-    opt_template_kwargs, opt_limit_mm, opt_logprobs_mode, opt_worker_arg;
+    opt_template_kwargs, opt_limit_mm, opt_media_domains, opt_image_limit, opt_logprobs_mode, opt_worker_arg;
 
 static const struct optdecl optdecls[] = {
     { NULL, NULL, 0, V_HEAD, NULL, "Listening (loopback by default):" },
@@ -417,9 +418,18 @@ static const struct optdecl optdecls[] = {
       "a request's own keys win",
       "defaults of chat_template_kwargs (reasoning_effort, preserve_thinking, add_generation_prompt); a request's "
       "own win" },
-    { "limit-mm-per-prompt", "JSON", SERVE_VLLM, V_FN(opt_limit_mm), NULL, "'{\"image\":0}' and other zero limits: "
-      "stepd serves text\nonly (images are not supported yet: a limit above 0 is refused)",
-      "accepted with every limit 0 (stepd serves text only); images > 0 refused (not supported yet)" },
+    { "limit-mm-per-prompt", "JSON", SERVE_VLLM, V_FN(opt_limit_mm), NULL, "'{\"image\": N}': images per prompt "
+      "(default 16; 0 = text\nonly); other media must be 0",
+      "'{\"image\": N}' caps image_url parts per prompt (default 16; 0: text only); other media must be 0" },
+    { "allowed-media-domains", "HOSTS", SERVE_VLLM, V_FN(opt_media_domains), NULL, "http(s) image URL hosts "
+      "(comma-separated,\nrepeatable); stepd does not fetch: URLs get a 400 asking for a data URL",
+      "names the hosts whose http(s) image URLs are allowed; stepd does not fetch them yet (400: send a data URL)" },
+    { "image-max-bytes", "N", 0, V_FN(opt_image_limit), "20971520",
+      "an image's encoded size cap, 400 above (default {})",
+      .doc = "HTTP: an image's encoded size cap, 400 above (daemon/media.c)" },
+    { "image-max-pixels", "N", 0, V_FN(opt_image_limit), "40000000", "an image's declared width x height cap, "
+      "400 above, checked\nbefore decoding (default {}; 16384 per side)",
+      .doc = "HTTP: an image's declared width x height cap, checked before decoding; 16384 per side" },
     { "disable-cascade-attn", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
       "stepd has no cascade attention: every sequence's attention is computed on its own blocks" },
     { "enforce-eager", NULL, SERVE_VLLM, V_NOTE, NULL, NULL,
@@ -656,33 +666,6 @@ static int parse_parser(const char *flag, const char *s, bool *ret)
     }
     log_error("%s: stepd has the step3p5 parser (or none), not '%s'", flag, s);
     return -EINVAL;
-}
-
-/* --limit-mm-per-prompt JSON: stepd serves text only, so every limit must be 0. */
-static int limit_mm_check(const char *s)
-{
-    json_error_t je;
-    json_t *j = json_loads(s, 0, &je), *v;
-    const char *k;
-    int r = 0;
-
-    if (!json_is_object(j)) {
-        log_error("--limit-mm-per-prompt: expected a JSON object such as '{\"image\": 0}'");
-        r = -EINVAL;
-    } else {
-        json_object_foreach(j, k, v) {
-            if (!json_is_integer(v) || json_integer_value(v) != 0) {
-                log_error("--limit-mm-per-prompt: %s: stepd serves text only (images and other media are not "
-                          "supported yet); every limit must be 0", k);
-                r = -EINVAL;
-                break;
-            }
-        }
-    }
-    json_decref(j);
-    if (r == 0)
-        log_notice("--limit-mm-per-prompt %s: stepd serves text only; requests with media are refused", s);
-    return r;
 }
 
 /* --port-offset N: every port moved by N (0, any free port, stays 0; unix: sockets stay). */
@@ -988,9 +971,39 @@ static int opt_template_kwargs(struct cli *c, const struct optdecl *d, const cha
     return 0;
 }
 
+/* --limit-mm-per-prompt and --allowed-media-domains: daemon/media.c's settings */
 static int opt_limit_mm(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
 {
-    return limit_mm_check(val);
+    char msg[256] = "";
+    int r = media_limit_mm_parse(val, msg, sizeof(msg));
+
+    if (r < 0)
+        log_error("%s: %s", flag, r == -ENOMEM ? "out of memory" : msg);
+    return r;
+}
+
+static int opt_media_domains(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    char msg[256] = "";
+    int r = media_allowed_domains_add(val, msg, sizeof(msg));
+
+    if (r < 0)
+        log_error("%s: %s", flag, r == -ENOMEM ? "out of memory" : msg);
+    return r;
+}
+
+/* --image-max-bytes, --image-max-pixels */
+static int opt_image_limit(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    unsigned long v;
+
+    if (parse_uint(flag, val, 1u << 30, &v) < 0)
+        return -EINVAL;
+    if (strcmp(d->name, "image-max-bytes") == 0)
+        media_conf.lim.max_bytes = v;
+    else
+        media_conf.lim.max_pixels = v;
+    return 0;
 }
 
 /* The worker's flag, checked here so that a bad value ends `stepd serve` before any rank. */

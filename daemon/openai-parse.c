@@ -15,6 +15,7 @@
 
 #include "coord-int.h"
 #include "json.h"
+#include "media.h"
 #include "openai-int.h"
 #include "openai.h"
 #include "strbuf.h"
@@ -618,6 +619,9 @@ int openai_body_conv(const struct coord *co, const json_t *body, bool chat, stru
     }
     if (chat) {
         in->input = REQUEST_INPUT_CHAT;
+        /* images in (daemon/media.c): each image_url part checked, decoded, preprocessed */
+        if ((r = media_chat_images(json_object_get(body, "messages"), co->tok, in, msg, len)) < 0)
+            return r;
         if ((r = openai_messages_conv(json_object_get(body, "messages"), &in->messages, msg, len)) < 0)
             return r;
         j = json_object_get(body, "tools");

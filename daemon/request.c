@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "media.h"
 #include "pb-util.h"
 #include "request.h"
 #include "stepd.pb-c.h"
@@ -63,6 +64,7 @@ void request_free(struct request *in)
 {
     if (!in || --in->refs > 0)
         return;
+    media_images_free(in);
     free(in->model);
     free(in->cache_salt);
     free(in->so_text);
@@ -374,6 +376,8 @@ int request_from_proto(const Stepd__V1__GenerateRequest *pb, struct request **re
         in->continuous_usage_stats = pb->stream_options && pb->stream_options->continuous_usage_stats;
         in->include_token_ids = pb->stream_options && pb->stream_options->include_token_ids;
     }
+    if (r == 0)
+        r = media_proto_images(pb, msg, len);
     if (r == 0 && (r = request_structured_from_proto(pb->structured_output, in, msg, len)) < 0) {
         request_free(in);
         return r;

@@ -139,6 +139,8 @@ struct request {
     bool continuous_usage_stats;
     bool include_token_ids;
     bool text_output;               /* TOKENS: detokenize the output too (the HTTP door) */
+    struct image_prep *images;      /* CHAT: the prompt's images in order (daemon/media.c) */
+    size_t n_images;
     const char *const *names;       /* [_RN_MAX]: the door's field names */
     unsigned refs;                  /* the n requests of one n > 1 ask share it */
 };

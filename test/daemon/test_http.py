@@ -406,6 +406,8 @@ def test_bad_inputs():
         ({"messages": []}, "messages"),
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
          "messages[0].content[0].type"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"tools": {"a": 1}}, "tools"),

@@ -231,8 +231,8 @@ def test_refusals(d):
             "a KV dtype stepd lacks")
     refused(d, ["--quantization", "awq"], r"--quantization awq: stepd serves the checkpoint's own weights",
             "a quantization stepd lacks")
-    refused(d, ["--limit-mm-per-prompt", '{"image": 1}'], r"--limit-mm-per-prompt: image: stepd serves text only",
-            "images > 0")
+    refused(d, ["--limit-mm-per-prompt", '{"audio": 1}'], r"--limit-mm-per-prompt: audio: stepd takes images only",
+            "audio > 0")
     refused(d, ["--enable-prefix-cachin"], r"unknown flag --enable-prefix-cachin: did you mean "
             r"--enable-prefix-caching\?", "an unknown flag")
     r = subprocess.run([STEPD, "serve", MODEL, "--enable-prefix-cachin"], stdout=subprocess.PIPE,

@@ -17,6 +17,7 @@ pkgs=(
   libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv util-linux
   libmicrohttpd-dev libgnutls28-dev curl
   libpython3.11
+  libpng-dev libjpeg62-turbo-dev libwebp-dev libgif-dev python3-pil python3-numpy
 )
 # the deploy tests render the Kubernetes manifests with kubectl's kustomize: Debian's
 # kubernetes-client, unless a kubectl with kustomize is there already (a packaged kubectl of

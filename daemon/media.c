@@ -1,0 +1,323 @@
+/* media.c - images in on the doors; see media.h. */
+#include "media.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include <gnutls/gnutls.h>
+
+#include "request.h"
+#include "stepd.pb-c.h"
+#include "tokenizer.h"
+
+struct media_config media_conf = {
+    .limit_image = MEDIA_DEFAULT_LIMIT_IMAGE,
+    .lim = { IMAGE_DEFAULT_MAX_BYTES, IMAGE_DEFAULT_MAX_SIDE, IMAGE_DEFAULT_MAX_PIXELS },
+};
+
+int media_limit_mm_parse(const char *s, char *msg, size_t len)
+{
+    json_error_t je;
+    json_t *j = json_loads(s, 0, &je), *v;
+    const char *k;
+    int r = 0;
+
+    if (!json_is_object(j)) {
+        snprintf(msg, len, "expected a JSON object such as '{\"image\": 2}'");
+        r = -EINVAL;
+    } else {
+        json_object_foreach(j, k, v) {
+            if (!json_is_integer(v) || json_integer_value(v) < 0) {
+                snprintf(msg, len, "%s: expected a count >= 0", k);
+                r = -EINVAL;
+            } else if (strcmp(k, "image") && json_integer_value(v) != 0) {
+                snprintf(msg, len, "%s: stepd takes images only (audio, video and other media are not "
+                         "supported); its limit must be 0", k);
+                r = -EINVAL;
+            }
+            if (r)
+                break;
+        }
+        if (!r && (v = json_object_get(j, "image")))
+            media_conf.limit_image = json_integer_value(v);
+    }
+    json_decref(j);
+    return r;
+}
+
+int media_allowed_domains_add(const char *list, char *msg, size_t len)
+{
+    const char *p = list;
+
+    while (*p) {
+        size_t n = strcspn(p, ", \t");
+        if (n) {
+            char **d = realloc(media_conf.allowed_domains, sizeof(char *) * (media_conf.n_allowed_domains + 1));
+            if (!d)
+                return -ENOMEM;
+            media_conf.allowed_domains = d;
+            for (size_t i = 0; i < n; i++)
+                if (!isalnum((unsigned char)p[i]) && p[i] != '.' && p[i] != '-') {
+                    snprintf(msg, len, "'%.*s' is not a host name", (int)n, p);
+                    return -EINVAL;
+                }
+            if (!(d[media_conf.n_allowed_domains] = strndup(p, n)))
+                return -ENOMEM;
+            media_conf.n_allowed_domains++;
+        }
+        p += n;
+        p += strspn(p, ", \t");
+    }
+    return 0;
+}
+
+void media_config_done(void)
+{
+    for (size_t i = 0; i < media_conf.n_allowed_domains; i++)
+        free(media_conf.allowed_domains[i]);
+    free(media_conf.allowed_domains);
+    media_conf.allowed_domains = NULL;
+    media_conf.n_allowed_domains = 0;
+}
+
+int media_token_ids(const struct tokenizer *tok, struct image_token_ids *ret, char *msg, size_t len)
+{
+    static const char *const names[] = { "<im_start>", "<im_end>", "<patch_start>", "<patch_end>",
+                                         "<patch_newline>", "<im_patch>" };
+    int32_t *out[] = { &ret->im_start, &ret->im_end, &ret->patch_start, &ret->patch_end, &ret->patch_newline,
+                       &ret->im_patch };
+
+    for (size_t i = 0; i < ARRAY_SIZE(names); i++) {
+        int32_t id = tok ? tok_token_to_id(tok, names[i]) : -ENOENT;
+        if (id < 0) {
+            snprintf(msg, len, "the model has no vision tower (%s)",
+                     tok ? "its tokenizer has no image tokens" : "no tokenizer is loaded");
+            return -ENOENT;
+        }
+        *out[i] = id;
+    }
+    return 0;
+}
+
+/* "data:image/png;base64,..." -> the decoded bytes (gnutls_free), or -EINVAL + msg */
+static int data_url(const char *url, gnutls_datum_t *ret, const char *at, char *msg, size_t len)
+{
+    const char *comma = strchr(url, ','), *semi;
+    size_t n_meta;
+
+    if (!comma) {
+        snprintf(msg, len, "%s: a data URL must be data:image/<type>;base64,<data>", at);
+        return -EINVAL;
+    }
+    n_meta = comma - (url + 5);
+    if (n_meta < 6 || strncasecmp(url + 5, "image/", 6)) {
+        snprintf(msg, len, "%s: the data URL's media type must be image/... (got '%.*s')", at,
+                 (int)(n_meta > 40 ? 40 : n_meta), url + 5);
+        return -EINVAL;
+    }
+    semi = memchr(url + 5, ';', n_meta);
+    if (!semi || (size_t)(comma - semi) != 7 || strncasecmp(semi, ";base64", 7)) {
+        snprintf(msg, len, "%s: only base64 data URLs are supported (data:image/<type>;base64,<data>)", at);
+        return -EINVAL;
+    }
+    size_t n64 = strlen(comma + 1);
+    if (n64 / 4 * 3 > media_conf.lim.max_bytes + 3) {
+        snprintf(msg, len, "%s: the image has about %zu bytes, more than the limit of %zu (--image-max-bytes)", at,
+                 n64 / 4 * 3, media_conf.lim.max_bytes);
+        return -EINVAL;
+    }
+    gnutls_datum_t in = { (unsigned char *)(comma + 1), (unsigned)n64 };
+    int g = gnutls_base64_decode2(&in, ret);
+    if (g == GNUTLS_E_MEMORY_ERROR)
+        return -ENOMEM;
+    if (g < 0) {
+        snprintf(msg, len, "%s: the data URL's base64 does not decode (%s)", at, gnutls_strerror(g));
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static bool domain_allowed(const char *host, size_t n)
+{
+    for (size_t i = 0; i < media_conf.n_allowed_domains; i++)
+        if (strlen(media_conf.allowed_domains[i]) == n && !strncasecmp(media_conf.allowed_domains[i], host, n))
+            return true;
+    return false;
+}
+
+/* an http(s) URL: stepd does not fetch; which 400 depends on --allowed-media-domains */
+static int http_url(const char *url, const char *at, char *msg, size_t len)
+{
+    const char *auth = strstr(url, "://") + 3, *host = auth;
+    size_t n_auth = strcspn(auth, "/?#"), n;
+    const char *atsign = memchr(auth, '@', n_auth);
+
+    if (atsign)
+        host = atsign + 1;
+    n = strcspn(host, ":/?#");
+    if (!domain_allowed(host, n)) {
+        snprintf(msg, len, "%s: the image URL's domain '%.*s' is not allowed (--allowed-media-domains%s)", at,
+                 (int)(n > 100 ? 100 : n), host, media_conf.n_allowed_domains ? "" : " allows none: send a data URL");
+        return -EINVAL;
+    }
+    snprintf(msg, len, "%s: this server does not fetch image URLs; only data URLs are supported "
+             "(data:image/<type>;base64,<data>)", at);
+    return -EINVAL;
+}
+
+static int add_image(struct request *in, const void *data, size_t n, const struct image_token_ids *ids,
+                     const char *at, char *msg, size_t len)
+{
+    struct image img;
+    struct err_buf e = { "" };
+    int r = image_decode(data, n, &media_conf.lim, &img, &e);
+
+    if (r == -ENOMEM)
+        return r;
+    if (r < 0) {
+        snprintf(msg, len, "%s: %s", at, e.msg);
+        return -EINVAL;
+    }
+    if (ids) {
+        struct image_prep *p = realloc(in->images, sizeof(*p) * (in->n_images + 1));
+        if (!p) {
+            image_done(&img);
+            return -ENOMEM;
+        }
+        in->images = p;
+        r = image_prep(&img, ids, &p[in->n_images], &e);
+        if (r == 0)
+            in->n_images++;
+    }
+    image_done(&img);
+    return r;
+}
+
+/* one image_url part */
+static int image_part(const json_t *part, struct request *in, const struct image_token_ids *ids, const char *at,
+                      char *msg, size_t len)
+{
+    const json_t *iu = json_object_get(part, "image_url"), *u, *d;
+    const char *url;
+    int r;
+
+    if (!json_is_object(iu) || !json_is_string(u = json_object_get(iu, "url"))) {
+        snprintf(msg, len, "%s.image_url: must be an object {\"url\": \"data:image/...;base64,...\"}", at);
+        return -EINVAL;
+    }
+    d = json_object_get(iu, "detail");
+    if (d && !json_is_null(d) && (!json_is_string(d) || strcmp(json_string_value(d), "auto"))) {
+        snprintf(msg, len, "%s.image_url.detail: only \"auto\" is supported (Step-3.7's processor has one "
+                 "resolution policy: a 728x728 view plus 504x504 crops)", at);
+        return -EINVAL;
+    }
+    url = json_string_value(u);
+    if (!strncasecmp(url, "data:", 5)) {
+        gnutls_datum_t bytes = { NULL, 0 };
+        if ((r = data_url(url, &bytes, at, msg, len)) < 0)
+            return r;
+        r = add_image(in, bytes.data, bytes.size, ids, at, msg, len);
+        gnutls_free(bytes.data);
+        return r;
+    }
+    if (!strncasecmp(url, "http://", 7) || !strncasecmp(url, "https://", 8))
+        return http_url(url, at, msg, len);
+    snprintf(msg, len, "%s.image_url.url: must be a data: URL (or an http(s) URL of an allowed domain)", at);
+    return -EINVAL;
+}
+
+int media_chat_images(const json_t *messages, const struct tokenizer *tok, struct request *in, char *msg,
+                      size_t len)
+{
+    struct image_token_ids ids;
+    const json_t *m, *part;
+    size_t i, k, n = 0;
+    char at[64], why[256] = "";
+    bool have_ids;
+    int r;
+
+    if (!json_is_array(messages))
+        return 0;
+    have_ids = media_token_ids(tok, &ids, why, sizeof(why)) == 0;
+    json_array_foreach(messages, i, m) {
+        const json_t *c = json_object_get(m, "content"), *t;
+        if (!json_is_array(c))
+            continue;
+        json_array_foreach(c, k, part) {
+            if (!json_is_object(part) || !json_is_string(t = json_object_get(part, "type")) ||
+                strcmp(json_string_value(t), "image_url"))
+                continue;
+            snprintf(at, sizeof(at), "messages[%zu].content[%zu]", i, k);
+            if (++n > (size_t)media_conf.limit_image) {
+                if (media_conf.limit_image == 0)
+                    snprintf(msg, len, "%s: this server serves text only (--limit-mm-per-prompt '{\"image\": 0}')",
+                             at);
+                else
+                    snprintf(msg, len, "%s: more than %lld images in one prompt (--limit-mm-per-prompt)", at,
+                             (long long)media_conf.limit_image);
+                return -EINVAL;
+            }
+            /* every part is checked even when none could be served: the client learns of a bad one */
+            if ((r = image_part(part, in, have_ids ? &ids : NULL, at, msg, len)) < 0)
+                return r;
+        }
+    }
+    if (n == 0)
+        return 0;
+    if (!have_ids) {
+        snprintf(msg, len, "messages: %zu image(s): %s", n, why);
+        return -EINVAL;
+    }
+    if (!media_conf.have_encoder) {
+        snprintf(msg, len, "messages: %zu image(s): this worker build has no vision encoder", n);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+int media_proto_images(const Stepd__V1__GenerateRequest *pb, char *msg, size_t len)
+{
+    if (pb->n_images == 0)
+        return 0;
+    if (media_conf.limit_image == 0) {
+        snprintf(msg, len, "images: this server serves text only (--limit-mm-per-prompt '{\"image\": 0}')");
+        return -EINVAL;
+    }
+    if ((int64_t)pb->n_images > media_conf.limit_image) {
+        snprintf(msg, len, "images: %zu images, more than %lld in one prompt (--limit-mm-per-prompt)", pb->n_images,
+                 (long long)media_conf.limit_image);
+        return -EINVAL;
+    }
+    for (size_t i = 0; i < pb->n_images; i++) {
+        const Stepd__V1__ImageInput *im = pb->images[i];
+        if (im->sha256.len != SHA256_BYTES) {
+            snprintf(msg, len, "images[%zu].sha256: must be 32 bytes (got %zu)", i, im->sha256.len);
+            return -EINVAL;
+        }
+        for (size_t v = 0; v < im->n_views; v++) {
+            const Stepd__V1__ImageView *w = im->views[v];
+            if ((uint64_t)w->width * w->height * 3 != w->rgb.len) {
+                snprintf(msg, len, "images[%zu].views[%zu]: %ux%u RGB needs %llu bytes (got %zu)", i, v, w->width,
+                         w->height, (unsigned long long)w->width * w->height * 3, w->rgb.len);
+                return -EINVAL;
+            }
+        }
+    }
+    if (!media_conf.have_encoder) {
+        snprintf(msg, len, "images: %zu image(s): this worker build has no vision encoder", pb->n_images);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+void media_images_free(struct request *in)
+{
+    for (size_t i = 0; i < in->n_images; i++)
+        image_prep_done(&in->images[i]);
+    free(in->images);
+    in->images = NULL;
+    in->n_images = 0;
+}

@@ -1,0 +1,56 @@
+/* media.h - images in on the doors (issue 40): OpenAI chat image_url parts, the operator's
+ * limits (--limit-mm-per-prompt, --allowed-media-domains, --image-max-*), and the gRPC
+ * GenerateRequest's images.
+ *
+ * Every image part is checked, decoded (common/image) and preprocessed into the request
+ * (request->images) before the request goes anywhere; each bad part is a 400 naming
+ * messages[i].content[k] and the reason.  A request whose images are all good is still refused
+ * when nothing can encode them: "model has no vision tower" when the tokenizer lacks the image
+ * tokens, "this worker build has no vision encoder" while media_conf.have_encoder is false (no
+ * worker build encodes yet) — an image is never dropped silently.
+ */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+#include "image.h"
+
+struct request;
+struct tokenizer;
+struct Stepd__V1__GenerateRequest;
+
+struct media_config {
+    int64_t limit_image;            /* images per prompt; 0 = text only */
+    char **allowed_domains;         /* http(s) image hosts allowed (none by default) */
+    size_t n_allowed_domains;
+    struct image_limits lim;        /* per image */
+    bool have_encoder;              /* the workers encode images */
+};
+
+#define MEDIA_DEFAULT_LIMIT_IMAGE 16
+
+/* The process's configuration (main.c's flags fill it before the doors open). */
+extern struct media_config media_conf;
+
+/* --limit-mm-per-prompt JSON ('{"image": N}'; other modalities must be 0): 0 or -EINVAL + msg. */
+int media_limit_mm_parse(const char *json, char *msg, size_t len);
+/* --allowed-media-domains: one or more host names, separated by commas or spaces; adds them. */
+int media_allowed_domains_add(const char *list, char *msg, size_t len);
+void media_config_done(void);
+
+/* The image token ids of tok: 0, or -ENOENT naming the missing token in msg. */
+int media_token_ids(const struct tokenizer *tok, struct image_token_ids *ret, char *msg, size_t len);
+
+/* The image_url parts of an OpenAI messages array: each checked, decoded and preprocessed
+ * into in->images.  0 (no image or all taken), -EINVAL with msg naming the part and the
+ * reason, or -ENOMEM. */
+int media_chat_images(const json_t *messages, const struct tokenizer *tok, struct request *in, char *msg,
+                      size_t len);
+/* The gRPC door's GenerateRequest.images: -EINVAL + msg when any is present that cannot be served. */
+int media_proto_images(const struct Stepd__V1__GenerateRequest *pb, char *msg, size_t len);
+/* Free a request's images (request_free calls it). */
+void media_images_free(struct request *in);

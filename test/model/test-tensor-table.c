@@ -24,6 +24,7 @@
 #include "harness.h"
 #include "loader.h"
 #include "model.h"
+#include "vision.h"
 #include "tensors.h"
 
 /* a set of "name rows|cols|full len" strings */
@@ -249,6 +250,7 @@ static void check_load(const char *what, const char *dir, int mtp_depth)
     struct ckpt *ck;
     struct backend *be;
     struct model *m;
+    struct vision *v = NULL;
     int64_t done, total;
 
     if (ckpt_open(dir, &co, &ck, &e) < 0)
@@ -258,11 +260,15 @@ static void check_load(const char *what, const char *dir, int mtp_depth)
     ASSERT_EQ(done, 0);
     if (model_new(ck, be, NULL, &mo, &m, &e) < 0)
         FAIL("%s: model: %s", what, e.msg);
+    /* the vision tower (rank 0's share of the plan) is read by the encoder, as the worker does */
+    if (ckpt_vision(ck) && vision_new(ck, be, &v, &e) < 0)
+        FAIL("%s: vision: %s", what, e.msg);
     ckpt_load_progress(ck, &done, &total);
     printf("%s: the model read %lld of the %lld planned bytes (MTP depth %d)\n", what, (long long)done,
            (long long)total, ckpt_mtp_depth(ck));
     ASSERT_EQ(done, total);
     ASSERT_TRUE(total > 0);
+    vision_free(v);
     model_free(m);
     backend_free(be);
     ckpt_close(ck);

@@ -6,6 +6,10 @@
  *   - drafts that cost more than a step: most decode steps verify none;
  *   - cheap drafts that are never right (2 % accepted): most decode steps verify none;
  *   - the outputs are the greedy reference (K = 0) in every case, at concurrency 1 and 4;
+ *   - sampled requests with drawn seeds (simulated time): drafts that pay at one sequence
+ *     and lose at eight (a verify of B (K + 1) tokens) run at one and stop at eight; always
+ *     accepted ones run three deep at eight; in a batch half of whose seeds are the
+ *     client's, those keep their three drafts and the drawn ones stop;
  *   - "draft_policy" in the speculative config, and the K-by-step counts in the stats;
  *   - the gate (driven directly): a new batch size next to a measured one infers the arm it
  *     has not run from its neighbour's instead of trying it at once;
@@ -60,15 +64,33 @@ static void reference(struct forward *f, const int32_t *prompt, int np, int32_t 
 }
 
 struct outcome {
-    struct spec_stats mtp;      /* summed over the measured requests */
+    struct spec_stats mtp;      /* summed over the measured requests (of a mix: those whose
+                                   depth the policy chooses) */
     double frac[SPEC_MAX_K + 1];/* decode steps by drafts verified (without each request's
                                    first verify, which follows its prefill with no drafts) */
+    double kept[SPEC_MAX_K + 1];/* ... of a mix's requests with the client's seed */
 };
 
-/* Requests of N_OUT tokens, conc at a time, `learn` rounds to learn and `rounds` measured;
- * every output checked against the greedy reference. */
-static struct outcome run_case(long step_us, long token_us, long mtp_us, float acc, int conc,
-                               int learn, int rounds)
+/* The requests of a case: greedy (each output checked against the greedy reference),
+ * sampled at temperature 1 with a seed the worker drew, or half and half sampled with the
+ * client's seed (even requests) and a drawn one (odd). */
+enum mix { MIX_GREEDY, MIX_DRAWN, MIX_HALF };
+
+static void fractions(const struct spec_stats *st, double *frac)
+{
+    uint64_t tot = 0;
+
+    for (int k = 0; k <= SPEC_MAX_K; k++)
+        tot += st->steps_by_drafts[k];
+    ASSERT_TRUE(tot > 0);
+    for (int k = 0; k <= SPEC_MAX_K; k++)
+        frac[k] = (double)st->steps_by_drafts[k] / (double)tot;
+}
+
+/* Requests of N_OUT tokens of mix `mix`, conc at a time, `learn` rounds to learn and `rounds`
+ * measured. */
+static struct outcome run_mix(long step_us, long token_us, long mtp_us, float acc, int conc,
+                              int learn, int rounds, enum mix mix)
 {
     struct mock_config mc;
     struct engine_config ec;
@@ -76,7 +98,9 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
     struct engine *e;
     struct err_buf err = { { 0 } };
     struct outcome res = { 0 };
-    uint64_t tot = 0;
+    struct spec_stats kept = { 0 };
+    static const char *const name[] = { "greedy", "sampled, drawn seeds",
+                                        "sampled, half the seeds the client's" };
 
     mock_config_init(&mc);
     mc.vocab_size = 128;
@@ -107,6 +131,11 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
         for (int i = 0; i < conc; i++) {
             struct rig_req q = { .prompt = prompt[i], .n_prompt = 16, .max_tokens = N_OUT };
 
+            if (mix != MIX_GREEDY) {
+                q.temperature = 1.0f;
+                q.seed = (uint64_t)(round * MAX_REQ + i + 1);
+                q.seed_random = mix == MIX_DRAWN || i % 2;
+            }
             for (int t = 0; t < 16; t++)
                 prompt[i][t] = (int32_t)((t * 37 + round * 101 + i * 13 + 1) % mc.vocab_size);
             snprintf(id[i], sizeof(id[i]), "r%d-%d", round, i);
@@ -116,29 +145,40 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
         for (int i = 0; i < conc; i++) {
             ASSERT_TRUE(c[i].finished);
             ASSERT_EQ(c[i].n, N_OUT);
-            reference(f, prompt[i], 16, ref);
-            for (int t = 0; t < N_OUT; t++)
-                if (c[i].toks[t] != ref[t])
-                    FAIL("request %s token %d: %d, the greedy reference has %d", id[i], t,
-                         c[i].toks[t], ref[t]);
+            if (mix == MIX_GREEDY) {
+                reference(f, prompt[i], 16, ref);
+                for (int t = 0; t < N_OUT; t++)
+                    if (c[i].toks[t] != ref[t])
+                        FAIL("request %s token %d: %d, the greedy reference has %d", id[i], t,
+                             c[i].toks[t], ref[t]);
+            }
             if (round >= learn) {
                 c[i].mtp.steps_by_drafts[0]--;      /* the verify after the prefill */
-                spec_stats_add(&res.mtp, &c[i].mtp);
+                spec_stats_add(mix == MIX_HALF && i % 2 == 0 ? &kept : &res.mtp, &c[i].mtp);
             }
         }
     }
     ASSERT_OK(engine_check(e));
     engine_free(e);
     f->ops->free(f);
-    for (int k = 0; k <= SPEC_MAX_K; k++)
-        tot += res.mtp.steps_by_drafts[k];
-    ASSERT_TRUE(tot > 0);
-    for (int k = 0; k <= SPEC_MAX_K; k++)
-        res.frac[k] = (double)res.mtp.steps_by_drafts[k] / (double)tot;
-    printf("  step %ld us + %ld us/token, MTP call %ld us, accuracy %.2f, concurrency %d: decode "
-           "steps with K = 0/1/2/3 drafts: %.0f/%.0f/%.0f/%.0f %%\n", step_us, token_us, mtp_us,
-           acc, conc, 100 * res.frac[0], 100 * res.frac[1], 100 * res.frac[2], 100 * res.frac[3]);
+    fractions(&res.mtp, res.frac);
+    if (mix == MIX_HALF)
+        fractions(&kept, res.kept);
+    printf("  step %ld us + %ld us/token, MTP call %ld us, accuracy %.2f, concurrency %d, %s: "
+           "decode steps with K = 0/1/2/3 drafts: %.0f/%.0f/%.0f/%.0f %%", step_us, token_us,
+           mtp_us, acc, conc, name[mix], 100 * res.frac[0], 100 * res.frac[1], 100 * res.frac[2],
+           100 * res.frac[3]);
+    if (mix == MIX_HALF)
+        printf(" (the client's seeds: %.0f/%.0f/%.0f/%.0f %%)", 100 * res.kept[0],
+               100 * res.kept[1], 100 * res.kept[2], 100 * res.kept[3]);
+    printf("\n");
     return res;
+}
+
+static struct outcome run_case(long step_us, long token_us, long mtp_us, float acc, int conc,
+                               int learn, int rounds)
+{
+    return run_mix(step_us, token_us, mtp_us, acc, conc, learn, rounds, MIX_GREEDY);
 }
 
 static void test_drafts_pay(void)
@@ -194,6 +234,46 @@ static void test_equal_streams(void)
     printf("  equal streams: %.0f %% of the decode steps at the two common depths\n", 100 * pair);
     ASSERT_TRUE(pair >= 0.85);
     ASSERT_TRUE(o.frac[0] <= 0.15);
+}
+
+/* Sampled requests with drawn seeds (no client's seed: their tokens need only be the
+ * target's distribution, whatever the drafts), a step that costs 300 us a token (the verify
+ * of B sequences with K drafts each is a forward of B (K + 1) tokens) and drafts accepted
+ * about half the time: at one sequence a draft (+300 us) saves more than half a step of
+ * 1.3 ms, at eight (3.4 ms a step) it needs to be accepted three times in four.  Before, a
+ * sampled sequence kept the depth it asked for whatever the costs: 0 % of the decode steps
+ * at eight sequences ran without drafts (through `stepd serve` on the tiny model at
+ * temperature 1, 0.59 of K = 0's throughput at concurrency 16). */
+static void test_sampled_load(void)
+{
+    struct outcome one = run_mix(1000, 300, 100, 0.4f, 1, 3, 3, MIX_DRAWN);
+    struct outcome eight = run_mix(1000, 300, 100, 0.4f, 8, 3, 3, MIX_DRAWN);
+
+    ASSERT_TRUE(one.frac[0] <= 0.2);
+    ASSERT_TRUE(eight.frac[0] >= 0.8);
+}
+
+/* Drafts that are always right (the mock's forced acceptance) and a memory-bound step
+ * (100 us a token): sampled sequences with drawn seeds run three drafts at eight
+ * sequences too (K = 3 gives 32 tokens in 4.5 ms, K = 2 24 in 3.6 ms, K = 0 8 in 1.8 ms). */
+static void test_sampled_forced(void)
+{
+    struct outcome o = run_mix(1000, 100, 100, 1.0f, 8, 3, 3, MIX_DRAWN);
+
+    ASSERT_TRUE(o.frac[3] >= 0.6);
+    ASSERT_TRUE(o.frac[0] <= 0.1);
+}
+
+/* One batch, half its sampled sequences with the client's seed (they keep their three
+ * drafts: a seed gives the same tokens whatever the load) and half with drawn ones, whose
+ * drafts are nearly never accepted here: those run without drafts (before: every sampled
+ * sequence kept three). */
+static void test_sampled_mixed(void)
+{
+    struct outcome o = run_mix(1000, 300, 100, 0.0f, 8, 3, 3, MIX_HALF);
+
+    ASSERT_TRUE(o.kept[3] >= 0.9);
+    ASSERT_TRUE(o.frac[0] >= 0.8);
 }
 
 static void test_config(void)
@@ -572,6 +652,9 @@ int main(void)
     test_drafts_too_dear();
     test_drafts_rejected();
     test_equal_streams();
+    test_sampled_load();
+    test_sampled_forced();
+    test_sampled_mixed();
     test_stale_entry();
     test_gate_inferred();
     test_cold_probe();

@@ -1038,9 +1038,11 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
     p->last_decode = decode;
     p->last_end_us = now;
 
-    /* candidates: greedy decoding sequences that may draft; sampled ones keep their depth
-     * (their tokens depend on the drafts they were verified against: a seed must give the
-     * same tokens whatever the machine's load) */
+    /* candidates: decoding sequences that may draft, but those that keep their depth (a
+     * sampled sequence with the client's seed: its tokens depend on the drafts they were
+     * verified against, and a seed must give the same tokens whatever the machine's load;
+     * a drawn seed promises only the target's distribution, which the rejection test keeps
+     * whatever the drafts) */
     p->fix_x = 0;
     p->fix_gain = 0.0;
     memset(p->fix_cnt, 0, sizeof(p->fix_cnt));
@@ -1049,7 +1051,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
 
         if (q->depth <= 0 || q->fill_only)
             continue;
-        if (q->sp && !sampling_params_greedy(q->sp)) {
+        if (q->keep_depth) {
             double pr = 1.0;
 
             p->fix_x += q->depth;
@@ -1074,8 +1076,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         const struct step_seq *ps = &plan->seqs[i];
         struct spec_seq *s = &seqs[i];
 
-        if (s->fill_only && s->depth > p->fill_depth && p->fill_depth >= 0 &&
-            (!s->sp || sampling_params_greedy(s->sp))) {
+        if (s->fill_only && s->depth > p->fill_depth && p->fill_depth >= 0 && !s->keep_depth) {
             s->depth = p->fill_depth;
             plan->seqs[i].mtp_depth = s->depth;
         }

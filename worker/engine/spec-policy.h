@@ -50,11 +50,14 @@
  * one took up to twice their time, and a configuration measured only there read dear
  * until it was chosen again, which it no longer was).  Fewer drafts than the fewest
  * measured are not assumed cheaper: a new engine starts at the maximum and learns down.
- * Greedy output never depends on the choice (the verify is exact).  Sampled sequences keep
- * the depth they ask for: their tokens are distributed exactly either way, but which
- * tokens a seed gives depends on the drafts they were verified against, and a seed must
- * give the same tokens whatever the machine's load (their drafts still count in the costs
- * the greedy sequences are chosen against).
+ * Greedy output never depends on the choice (the verify is exact), nor does the
+ * distribution of sampled output (the rejection test), so every sequence's depth is chosen
+ * but for those the caller marks keep_depth (spec.h): a sampled sequence with the client's
+ * seed, since which tokens a seed gives depends on the drafts they were verified against,
+ * and a seed must give the same tokens whatever the machine's load (their drafts still
+ * count in the costs the others are chosen against).  A drawn seed promises no tokens: on
+ * the tiny model at temperature 1 drafts lose under load (0.59 of K = 0 at concurrency 16
+ * through `stepd serve` while sampled sequences kept their depth).
  *
  * Over the model sits a gate, measured rather than modelled: per batch-size bucket (log2 of
  * the decoding sequences) windows of engine cycles run in one of two arms, the depths

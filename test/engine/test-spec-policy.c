@@ -14,6 +14,8 @@
  *   - the gate (driven directly): a new batch size next to a measured one infers the arm it
  *     has not run from its neighbour's instead of trying it at once;
  *   - probes (driven directly) do not count the cost of an MTP depth that ran cold;
+ *   - a batch of sixteen that starts at three drafts where they lose (a compute-bound step)
+ *     stops at once: no drafts at sixteen cost what four sequences with three drafts did;
  *   - on a simulated machine (sim_run): probes move a quarter of sixteen sequences, the
  *     gate keeps drafting through a slowdown of the whole machine (it pairs adjacent
  *     windows), and work just after an idle wait does not make no drafts read dear.
@@ -401,6 +403,8 @@ static void test_stale_entry(void)
 struct sim {
     int B;
     long base_us, token_us, mtp_us;
+    int knee;               /* > 0: the trunk step costs base_us up to `knee` tokens, and
+                               token_us for each token beyond (compute-bound there) */
     double accuracy, slow;
     int idle_every, wake_cycles;
     long wake_us;
@@ -458,6 +462,9 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
             trunk += (double)(sm->token_us * sm->depth[i]);
         }
         plan.n_tokens = n_tok;
+        if (sm->knee > 0)
+            trunk = (double)sm->base_us +
+                    (double)sm->token_us * (n_tok > sm->knee ? n_tok - sm->knee : 0);
         t0 = sim.us;
         sleep_us(trunk * slow);
         (void)spec_policy_step(p, &plan, ss, sm->B, (double)(sim.us - t0) * 1e-6);
@@ -588,6 +595,35 @@ static void test_probe_share(void)
     spec_policy_free(p);
 }
 
+/* A step that costs 2 ms up to 16 tokens and 200 us a token beyond (memory-bound, then
+ * compute-bound), drafts accepted four times in five: at four sequences three drafts each pay
+ * (11.8 tokens in 2.15 ms against 4 in 2 ms), at sixteen they lose (47 tokens in 11.8 ms
+ * against 16 in 2 ms).  The sixteen start at three drafts (a new batch starts at the
+ * maximum): the cost of no drafts at sixteen, never measured there, is known from the steps
+ * of four with three drafts, which ran as many tokens, so the policy stops drafting at once
+ * (before: below the fewest drafts measured at sixteen the cost stayed that of 64 tokens, and
+ * all 200 cycles drafted). */
+static void test_token_cost(void)
+{
+    static struct sim s4 = { .B = 4, .base_us = 2000, .token_us = 200, .mtp_us = 50,
+                             .knee = 16, .accuracy = 0.8, .rng = 7 };
+    static struct sim s16 = { .B = 16, .base_us = 2000, .token_us = 200, .mtp_us = 50,
+                              .knee = 16, .accuracy = 0.8, .rng = 8 };
+    struct spec_policy *p;
+    struct sim_out o4, o16;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    o4 = sim_run(p, &s4, 300);
+    for (int i = 0; i < s16.B; i++)
+        s16.depth[i] = 3;
+    o16 = sim_run(p, &s16, 200);
+    printf("  four sequences: %d of %d cycles drafted; then sixteen (drafts lose): %d of %d\n",
+           o4.drafted, o4.cycles, o16.drafted, o16.cycles);
+    ASSERT_TRUE(o4.drafted >= 250);
+    ASSERT_TRUE(o16.drafted <= 12);
+    spec_policy_free(p);
+}
+
 /* Drafts 18 % ahead (all accepted), then the whole machine slows to half its speed: the
  * gate compares adjacent windows, which the slowdown meets alike, so it keeps drafting.
  * Before, it compared each arm's own last windows: the drafting arm's new, slow ones
@@ -660,6 +696,7 @@ int main(void)
     test_cold_probe();
     test_probe_share();
     test_gate_slowdown();
+    test_token_cost();
     test_wake();
     printf("test-spec-policy: ok\n");
     return 0;

@@ -33,6 +33,7 @@ struct rig_req {
     float temperature;
     float top_p;            /* 0: the default */
     uint64_t seed;
+    bool seed_random;       /* the seed stands for one the worker drew (the client gave none) */
 };
 
 static inline void rig_on_out(void *ud, const struct engine_output *o)
@@ -120,6 +121,7 @@ static inline void rig_submit(struct engine *e, const char *id, const struct rig
         if (s->top_p > 0)
             q.sampling.top_p = s->top_p;
         q.sampling.seed = s->seed;
+        q.seed_random = s->seed_random;
     }
     if (engine_submit(e, &q, rig_on_out, out, &err) < 0)
         FAIL("submit %s: %s", id, err.msg);

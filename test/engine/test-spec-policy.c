@@ -6,10 +6,16 @@
  *   - drafts that cost more than a step: most decode steps verify none;
  *   - cheap drafts that are never right (2 % accepted): most decode steps verify none;
  *   - the outputs are the greedy reference (K = 0) in every case, at concurrency 1 and 4;
+ *   - sampled requests with drawn seeds (simulated time): drafts that pay at one sequence
+ *     and lose at eight (a verify of B (K + 1) tokens) run at one and stop at eight; always
+ *     accepted ones run three deep at eight; in a batch half of whose seeds are the
+ *     client's, those keep their three drafts and the drawn ones stop;
  *   - "draft_policy" in the speculative config, and the K-by-step counts in the stats;
  *   - the gate (driven directly): a new batch size next to a measured one infers the arm it
  *     has not run from its neighbour's instead of trying it at once;
  *   - probes (driven directly) do not count the cost of an MTP depth that ran cold;
+ *   - a batch of sixteen that starts at three drafts where they lose (a compute-bound step)
+ *     stops at once: no drafts at sixteen cost what four sequences with three drafts did;
  *   - on a simulated machine (sim_run): probes move a quarter of sixteen sequences, the
  *     gate keeps drafting through a slowdown of the whole machine (it pairs adjacent
  *     windows), and work just after an idle wait does not make no drafts read dear.
@@ -60,15 +66,33 @@ static void reference(struct forward *f, const int32_t *prompt, int np, int32_t 
 }
 
 struct outcome {
-    struct spec_stats mtp;      /* summed over the measured requests */
+    struct spec_stats mtp;      /* summed over the measured requests (of a mix: those whose
+                                   depth the policy chooses) */
     double frac[SPEC_MAX_K + 1];/* decode steps by drafts verified (without each request's
                                    first verify, which follows its prefill with no drafts) */
+    double kept[SPEC_MAX_K + 1];/* ... of a mix's requests with the client's seed */
 };
 
-/* Requests of N_OUT tokens, conc at a time, `learn` rounds to learn and `rounds` measured;
- * every output checked against the greedy reference. */
-static struct outcome run_case(long step_us, long token_us, long mtp_us, float acc, int conc,
-                               int learn, int rounds)
+/* The requests of a case: greedy (each output checked against the greedy reference),
+ * sampled at temperature 1 with a seed the worker drew, or half and half sampled with the
+ * client's seed (even requests) and a drawn one (odd). */
+enum mix { MIX_GREEDY, MIX_DRAWN, MIX_HALF };
+
+static void fractions(const struct spec_stats *st, double *frac)
+{
+    uint64_t tot = 0;
+
+    for (int k = 0; k <= SPEC_MAX_K; k++)
+        tot += st->steps_by_drafts[k];
+    ASSERT_TRUE(tot > 0);
+    for (int k = 0; k <= SPEC_MAX_K; k++)
+        frac[k] = (double)st->steps_by_drafts[k] / (double)tot;
+}
+
+/* Requests of N_OUT tokens of mix `mix`, conc at a time, `learn` rounds to learn and `rounds`
+ * measured. */
+static struct outcome run_mix(long step_us, long token_us, long mtp_us, float acc, int conc,
+                              int learn, int rounds, enum mix mix)
 {
     struct mock_config mc;
     struct engine_config ec;
@@ -76,7 +100,9 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
     struct engine *e;
     struct err_buf err = { { 0 } };
     struct outcome res = { 0 };
-    uint64_t tot = 0;
+    struct spec_stats kept = { 0 };
+    static const char *const name[] = { "greedy", "sampled, drawn seeds",
+                                        "sampled, half the seeds the client's" };
 
     mock_config_init(&mc);
     mc.vocab_size = 128;
@@ -107,6 +133,11 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
         for (int i = 0; i < conc; i++) {
             struct rig_req q = { .prompt = prompt[i], .n_prompt = 16, .max_tokens = N_OUT };
 
+            if (mix != MIX_GREEDY) {
+                q.temperature = 1.0f;
+                q.seed = (uint64_t)(round * MAX_REQ + i + 1);
+                q.seed_random = mix == MIX_DRAWN || i % 2;
+            }
             for (int t = 0; t < 16; t++)
                 prompt[i][t] = (int32_t)((t * 37 + round * 101 + i * 13 + 1) % mc.vocab_size);
             snprintf(id[i], sizeof(id[i]), "r%d-%d", round, i);
@@ -116,29 +147,40 @@ static struct outcome run_case(long step_us, long token_us, long mtp_us, float a
         for (int i = 0; i < conc; i++) {
             ASSERT_TRUE(c[i].finished);
             ASSERT_EQ(c[i].n, N_OUT);
-            reference(f, prompt[i], 16, ref);
-            for (int t = 0; t < N_OUT; t++)
-                if (c[i].toks[t] != ref[t])
-                    FAIL("request %s token %d: %d, the greedy reference has %d", id[i], t,
-                         c[i].toks[t], ref[t]);
+            if (mix == MIX_GREEDY) {
+                reference(f, prompt[i], 16, ref);
+                for (int t = 0; t < N_OUT; t++)
+                    if (c[i].toks[t] != ref[t])
+                        FAIL("request %s token %d: %d, the greedy reference has %d", id[i], t,
+                             c[i].toks[t], ref[t]);
+            }
             if (round >= learn) {
                 c[i].mtp.steps_by_drafts[0]--;      /* the verify after the prefill */
-                spec_stats_add(&res.mtp, &c[i].mtp);
+                spec_stats_add(mix == MIX_HALF && i % 2 == 0 ? &kept : &res.mtp, &c[i].mtp);
             }
         }
     }
     ASSERT_OK(engine_check(e));
     engine_free(e);
     f->ops->free(f);
-    for (int k = 0; k <= SPEC_MAX_K; k++)
-        tot += res.mtp.steps_by_drafts[k];
-    ASSERT_TRUE(tot > 0);
-    for (int k = 0; k <= SPEC_MAX_K; k++)
-        res.frac[k] = (double)res.mtp.steps_by_drafts[k] / (double)tot;
-    printf("  step %ld us + %ld us/token, MTP call %ld us, accuracy %.2f, concurrency %d: decode "
-           "steps with K = 0/1/2/3 drafts: %.0f/%.0f/%.0f/%.0f %%\n", step_us, token_us, mtp_us,
-           acc, conc, 100 * res.frac[0], 100 * res.frac[1], 100 * res.frac[2], 100 * res.frac[3]);
+    fractions(&res.mtp, res.frac);
+    if (mix == MIX_HALF)
+        fractions(&kept, res.kept);
+    printf("  step %ld us + %ld us/token, MTP call %ld us, accuracy %.2f, concurrency %d, %s: "
+           "decode steps with K = 0/1/2/3 drafts: %.0f/%.0f/%.0f/%.0f %%", step_us, token_us,
+           mtp_us, acc, conc, name[mix], 100 * res.frac[0], 100 * res.frac[1], 100 * res.frac[2],
+           100 * res.frac[3]);
+    if (mix == MIX_HALF)
+        printf(" (the client's seeds: %.0f/%.0f/%.0f/%.0f %%)", 100 * res.kept[0],
+               100 * res.kept[1], 100 * res.kept[2], 100 * res.kept[3]);
+    printf("\n");
     return res;
+}
+
+static struct outcome run_case(long step_us, long token_us, long mtp_us, float acc, int conc,
+                               int learn, int rounds)
+{
+    return run_mix(step_us, token_us, mtp_us, acc, conc, learn, rounds, MIX_GREEDY);
 }
 
 static void test_drafts_pay(void)
@@ -194,6 +236,46 @@ static void test_equal_streams(void)
     printf("  equal streams: %.0f %% of the decode steps at the two common depths\n", 100 * pair);
     ASSERT_TRUE(pair >= 0.85);
     ASSERT_TRUE(o.frac[0] <= 0.15);
+}
+
+/* Sampled requests with drawn seeds (no client's seed: their tokens need only be the
+ * target's distribution, whatever the drafts), a step that costs 300 us a token (the verify
+ * of B sequences with K drafts each is a forward of B (K + 1) tokens) and drafts accepted
+ * about half the time: at one sequence a draft (+300 us) saves more than half a step of
+ * 1.3 ms, at eight (3.4 ms a step) it needs to be accepted three times in four.  Before, a
+ * sampled sequence kept the depth it asked for whatever the costs: 0 % of the decode steps
+ * at eight sequences ran without drafts (through `stepd serve` on the tiny model at
+ * temperature 1, 0.59 of K = 0's throughput at concurrency 16). */
+static void test_sampled_load(void)
+{
+    struct outcome one = run_mix(1000, 300, 100, 0.4f, 1, 3, 3, MIX_DRAWN);
+    struct outcome eight = run_mix(1000, 300, 100, 0.4f, 8, 3, 3, MIX_DRAWN);
+
+    ASSERT_TRUE(one.frac[0] <= 0.2);
+    ASSERT_TRUE(eight.frac[0] >= 0.8);
+}
+
+/* Drafts that are always right (the mock's forced acceptance) and a memory-bound step
+ * (100 us a token): sampled sequences with drawn seeds run three drafts at eight
+ * sequences too (K = 3 gives 32 tokens in 4.5 ms, K = 2 24 in 3.6 ms, K = 0 8 in 1.8 ms). */
+static void test_sampled_forced(void)
+{
+    struct outcome o = run_mix(1000, 100, 100, 1.0f, 8, 3, 3, MIX_DRAWN);
+
+    ASSERT_TRUE(o.frac[3] >= 0.6);
+    ASSERT_TRUE(o.frac[0] <= 0.1);
+}
+
+/* One batch, half its sampled sequences with the client's seed (they keep their three
+ * drafts: a seed gives the same tokens whatever the load) and half with drawn ones, whose
+ * drafts are nearly never accepted here: those run without drafts (before: every sampled
+ * sequence kept three). */
+static void test_sampled_mixed(void)
+{
+    struct outcome o = run_mix(1000, 300, 100, 0.0f, 8, 3, 3, MIX_HALF);
+
+    ASSERT_TRUE(o.kept[3] >= 0.9);
+    ASSERT_TRUE(o.frac[0] >= 0.8);
 }
 
 static void test_config(void)
@@ -321,6 +403,8 @@ static void test_stale_entry(void)
 struct sim {
     int B;
     long base_us, token_us, mtp_us;
+    int knee;               /* > 0: the trunk step costs base_us up to `knee` tokens, and
+                               token_us for each token beyond (compute-bound there) */
     double accuracy, slow;
     int idle_every, wake_cycles;
     long wake_us;
@@ -378,6 +462,9 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
             trunk += (double)(sm->token_us * sm->depth[i]);
         }
         plan.n_tokens = n_tok;
+        if (sm->knee > 0)
+            trunk = (double)sm->base_us +
+                    (double)sm->token_us * (n_tok > sm->knee ? n_tok - sm->knee : 0);
         t0 = sim.us;
         sleep_us(trunk * slow);
         (void)spec_policy_step(p, &plan, ss, sm->B, (double)(sim.us - t0) * 1e-6);
@@ -508,6 +595,35 @@ static void test_probe_share(void)
     spec_policy_free(p);
 }
 
+/* A step that costs 2 ms up to 16 tokens and 200 us a token beyond (memory-bound, then
+ * compute-bound), drafts accepted four times in five: at four sequences three drafts each pay
+ * (11.8 tokens in 2.15 ms against 4 in 2 ms), at sixteen they lose (47 tokens in 11.8 ms
+ * against 16 in 2 ms).  The sixteen start at three drafts (a new batch starts at the
+ * maximum): the cost of no drafts at sixteen, never measured there, is known from the steps
+ * of four with three drafts, which ran as many tokens, so the policy stops drafting at once
+ * (before: below the fewest drafts measured at sixteen the cost stayed that of 64 tokens, and
+ * all 200 cycles drafted). */
+static void test_token_cost(void)
+{
+    static struct sim s4 = { .B = 4, .base_us = 2000, .token_us = 200, .mtp_us = 50,
+                             .knee = 16, .accuracy = 0.8, .rng = 7 };
+    static struct sim s16 = { .B = 16, .base_us = 2000, .token_us = 200, .mtp_us = 50,
+                              .knee = 16, .accuracy = 0.8, .rng = 8 };
+    struct spec_policy *p;
+    struct sim_out o4, o16;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    o4 = sim_run(p, &s4, 300);
+    for (int i = 0; i < s16.B; i++)
+        s16.depth[i] = 3;
+    o16 = sim_run(p, &s16, 200);
+    printf("  four sequences: %d of %d cycles drafted; then sixteen (drafts lose): %d of %d\n",
+           o4.drafted, o4.cycles, o16.drafted, o16.cycles);
+    ASSERT_TRUE(o4.drafted >= 250);
+    ASSERT_TRUE(o16.drafted <= 12);
+    spec_policy_free(p);
+}
+
 /* Drafts 18 % ahead (all accepted), then the whole machine slows to half its speed: the
  * gate compares adjacent windows, which the slowdown meets alike, so it keeps drafting.
  * Before, it compared each arm's own last windows: the drafting arm's new, slow ones
@@ -572,11 +688,15 @@ int main(void)
     test_drafts_too_dear();
     test_drafts_rejected();
     test_equal_streams();
+    test_sampled_load();
+    test_sampled_forced();
+    test_sampled_mixed();
     test_stale_entry();
     test_gate_inferred();
     test_cold_probe();
     test_probe_share();
     test_gate_slowdown();
+    test_token_cost();
     test_wake();
     printf("test-spec-policy: ok\n");
     return 0;

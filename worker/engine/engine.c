@@ -473,7 +473,7 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
     r->seq.mtp_depth = r->k;
     /* the prefix cache's MTP bound (docs/ARCHITECTURE.md): only a client's seed promises a
      * realisation, and a sampled sequence's tokens depend on the drafts they were verified
-     * against (either policy keeps its depth), so only it reuses blocks whose MTP KV is
+     * against (either policy keeps its depth: spec_seq.keep_depth), so only it reuses blocks whose MTP KV is
      * final alone: the same tokens as with the cache off.  Every other request reuses the
      * trunk's prefix whatever its MTP KV (its drafts read holes until the window passes):
      * greedy output does not depend on the drafts, sampled output with a drawn seed need
@@ -813,7 +813,7 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
             *ss = (struct spec_seq) {
                 .sp = &r->sp, .depth = r->k, .drafts = r->fill_drafts, .fill_only = true,
                 .forced = r->tokens + end + 1, .n_forced = s->n_known - end - 1,
-                .acc = &r->acc,
+                .acc = &r->acc, .keep_depth = s->mtp_exact,
             };
             ps->mtp_depth = r->k;
             e->n_valid[i] = s->sched_tokens;
@@ -829,6 +829,7 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
         .q = r->q,
         .acc = &r->acc,
         .gm = r->gm,
+        .keep_depth = s->mtp_exact,     /* a client's seed on a sampled sequence */
     };
     int32_t next;
     int a = spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next);

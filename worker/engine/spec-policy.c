@@ -100,6 +100,9 @@ struct spec_policy {
     struct clk_src clock;           /* the caller's time source (every time read here) */
     int max_seqs, kmax, xmax;
     struct cost *verify;            /* [(max_seqs + 1) * (xmax + 1)] */
+    struct cost *tokens;            /* [max_seqs + xmax + 1]: the same steps by their tokens
+                                     * n = B + x, whatever the batch */
+    double *ct;                     /* [max_seqs + xmax + 1] scratch: their curve */
     struct cost *draft;             /* [kmax * (max_seqs + 1)] */
     struct cost rest;
     double g_tried[SPEC_MAX_K], g_hit[SPEC_MAX_K];      /* engine-wide, all drafts */
@@ -156,6 +159,7 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
     /* the policy heads one slab with its arrays */
     const struct slab_part parts[] = {
         SLAB_PART(t.verify, S * X), SLAB_PART(t.cv, X),
+        SLAB_PART(t.tokens, S + X), SLAB_PART(t.ct, S + X),
         SLAB_PART(t.rank, S), SLAB_PART(t.cand, S), SLAB_PART(t.a1, S),
         SLAB_PART(t.draft, K * S), SLAB_PART(t.p, S * K), SLAB_PART(t.cd, K * S),
         SLAB_PART(t.cnt, K * S), SLAB_PART(t.gain, K * S),
@@ -362,12 +366,36 @@ static bool cost_curve(const struct cost *cells, int stride, int xcap, int xn, u
     return true;
 }
 
-/* C_verify over x = 0 .. xn extra tokens of row B (the nearest measured row) into out. */
+/* C_verify over x = 0 .. xn extra tokens of row B (the nearest measured row) into out.
+ * Below the row's fewest measured drafts the row's own curve is flat (fewer drafts are not
+ * assumed cheaper than the fewest measured); there the curve of every decode step by its
+ * tokens n = B + x, whatever its batch (a verify of B sequences with K drafts each is a
+ * forward of B (K + 1) tokens), lowers it by what the tokens saved cost in the steps that
+ * ran them: a batch of sixteen that starts at three drafts each knows what sixteen tokens
+ * cost from four sequences with three drafts (on the tiny model at concurrency 16 the
+ * policy kept drafting, the cost of no drafts read as that of 64 tokens, until the gate's
+ * windows learnt otherwise).  The token curve is itself flat below its fewest tokens
+ * measured, so nothing is lowered that no step has measured. */
 static bool verify_curve(const struct spec_policy *p, int B, int xn, double *out)
 {
-    int row = verify_row(p, B);
+    int row = verify_row(p, B), first = -1, nt = p->max_seqs + p->xmax;
 
-    return row >= 0 && cost_curve(verify_cell_c(p, row, 0), 1, p->xmax, xn, p->n_decisions, out);
+    if (row < 0 || !cost_curve(verify_cell_c(p, row, 0), 1, p->xmax, xn, p->n_decisions, out))
+        return false;
+    for (int x = 0; x <= xn && x <= p->xmax && first < 0; x++)
+        if (verify_cell_c(p, row, x)->n)
+            first = x;
+    nt = nt < SPEC_MAX_K * 256 ? nt : SPEC_MAX_K * 256;
+    if (row != B || first <= 0 || B + first > nt ||
+        !cost_curve(p->tokens, 1, nt, nt, p->n_decisions, p->ct))
+        return true;
+    for (int x = first - 1; x >= 0; x--) {
+        double y = out[first] - (p->ct[B + first] - p->ct[B + x]);
+
+        if (x <= xn && y > 0.0 && y < out[x])
+            out[x] = y;
+    }
+    return true;
 }
 
 static const struct cost *draft_cell_c(const struct spec_policy *p, int k, int m)
@@ -1031,6 +1059,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
     start = now - (int64_t)(step_s * 1e6);
     if (decode && B >= 1 && B <= p->max_seqs && tok - B <= p->xmax && !woken(p, start)) {
         cost_add(p, verify_cell(p, B, tok - B), step_s);
+        cost_add(p, &p->tokens[tok], step_s);
         if (p->last_decode && p->last_end_us > 0 && start >= p->last_end_us &&
             (double)(start - p->last_end_us) * 1e-6 < 2.0 * step_s)
             cost_add(p, &p->rest, (double)(start - p->last_end_us) * 1e-6);
@@ -1038,9 +1067,11 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
     p->last_decode = decode;
     p->last_end_us = now;
 
-    /* candidates: greedy decoding sequences that may draft; sampled ones keep their depth
-     * (their tokens depend on the drafts they were verified against: a seed must give the
-     * same tokens whatever the machine's load) */
+    /* candidates: decoding sequences that may draft, but those that keep their depth (a
+     * sampled sequence with the client's seed: its tokens depend on the drafts they were
+     * verified against, and a seed must give the same tokens whatever the machine's load;
+     * a drawn seed promises only the target's distribution, which the rejection test keeps
+     * whatever the drafts) */
     p->fix_x = 0;
     p->fix_gain = 0.0;
     memset(p->fix_cnt, 0, sizeof(p->fix_cnt));
@@ -1049,7 +1080,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
 
         if (q->depth <= 0 || q->fill_only)
             continue;
-        if (q->sp && !sampling_params_greedy(q->sp)) {
+        if (q->keep_depth) {
             double pr = 1.0;
 
             p->fix_x += q->depth;
@@ -1074,8 +1105,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         const struct step_seq *ps = &plan->seqs[i];
         struct spec_seq *s = &seqs[i];
 
-        if (s->fill_only && s->depth > p->fill_depth && p->fill_depth >= 0 &&
-            (!s->sp || sampling_params_greedy(s->sp))) {
+        if (s->fill_only && s->depth > p->fill_depth && p->fill_depth >= 0 && !s->keep_depth) {
             s->depth = p->fill_depth;
             plan->seqs[i].mtp_depth = s->depth;
         }

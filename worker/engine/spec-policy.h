@@ -24,7 +24,11 @@
  *                keeps once it runs, not by the transient after a switch or a probe;
  *   C_verify     the seconds of a decode step of B sequences and n tokens (forward pass and
  *                verification), measured per (B, n), interpolated along n and extended
- *                along the line through the measured n beyond the largest;
+ *                along the line through the measured n beyond the largest; below the
+ *                fewest measured at B, lowered by what the tokens saved cost in the steps
+ *                of any batch that ran that many (a verify of B sequences with K drafts
+ *                each is a forward of B (K + 1) tokens: sixteen sequences that start at
+ *                three drafts know what no drafts cost from four with three);
  *   C_draft      the seconds of MTP depth k for m sequences, measured per (k, m), and
  *                interpolated and extended along m the same way;
  *   C_rest       the rest of a step (scheduling, delivery), measured as the gap between
@@ -49,12 +53,16 @@
  * 10 ms of an idle wait counted (the machine wakes up: the tiny model's first steps after
  * one took up to twice their time, and a configuration measured only there read dear
  * until it was chosen again, which it no longer was).  Fewer drafts than the fewest
- * measured are not assumed cheaper: a new engine starts at the maximum and learns down.
- * Greedy output never depends on the choice (the verify is exact).  Sampled sequences keep
- * the depth they ask for: their tokens are distributed exactly either way, but which
- * tokens a seed gives depends on the drafts they were verified against, and a seed must
- * give the same tokens whatever the machine's load (their drafts still count in the costs
- * the greedy sequences are chosen against).
+ * measured are not assumed cheaper than the token curve says (C_verify): a new engine
+ * starts at the maximum and learns down.
+ * Greedy output never depends on the choice (the verify is exact), nor does the
+ * distribution of sampled output (the rejection test), so every sequence's depth is chosen
+ * but for those the caller marks keep_depth (spec.h): a sampled sequence with the client's
+ * seed, since which tokens a seed gives depends on the drafts they were verified against,
+ * and a seed must give the same tokens whatever the machine's load (their drafts still
+ * count in the costs the others are chosen against).  A drawn seed promises no tokens: on
+ * the tiny model at temperature 1 drafts lose under load (0.59 of K = 0 at concurrency 16
+ * through `stepd serve` while sampled sequences kept their depth).
  *
  * Over the model sits a gate, measured rather than modelled: per batch-size bucket (log2 of
  * the decoding sequences) windows of engine cycles run in one of two arms, the depths

@@ -88,6 +88,11 @@ struct spec_seq {
      * too (the matcher is returned to its state afterwards) */
     struct grammar_matcher *gm;
     int gm_drafted;           /* spec_propose: drafts the matcher follows (0 after it) */
+    /* the draft policy leaves depth as the caller set it: a sampled sequence with the
+     * client's seed, whose tokens depend on the drafts they were verified against (a seed
+     * must give the same tokens whatever the machine's load); every other sequence's
+     * output does not (greedy: identical; a drawn seed: the target's distribution) */
+    bool keep_depth;
 };
 
 /* Run the MTP chain for the plan's sequences (seqs[i] pairs with plan->seqs[i]; depth

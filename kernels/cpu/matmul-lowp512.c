@@ -61,9 +61,11 @@ static inline float fp8_block_scale(const struct bweight *w, int64_t r, int64_t 
 }
 
 /* rows r..r+nr-1 against tokens xt[0..nt-1]: out[i * LOWP512_NT + t]; nr and nt are
- * compile-time constants at every call (lowp512_tile's switch), so acc stays in registers */
+ * compile-time constants at every call (lowp512_tile's switch), so acc stays in registers.
+ * pf (the first token block): prefetch the next nr rows (contiguous after these) into L1
+ * at nr times this tile's pace, so they arrive as this tile ends */
 CPU_FN_AVX512 static inline AI void lowp512_tile(const struct bweight *w, bool fp8, int64_t r, const int nr,
-                                                const float *const *xt, const int nt, float *out)
+                                                const float *const *xt, const int nt, float *out, bool pf)
 {
     __m512 acc[LOWP512_NR][LOWP512_NT], wv[LOWP512_NR], s[LOWP512_NR];
     const int64_t cols = w->cols;
@@ -82,6 +84,8 @@ CPU_FN_AVX512 static inline AI void lowp512_tile(const struct bweight *w, bool f
             for (int i = 0; i < nr; i++)
                 s[i] = _mm512_set1_ps(fp8_block_scale(w, r + i, b) * 0x1p8f);
             for (int64_t j = b; j < b + w->blk_cols; j += 16) {
+                if (pf)
+                    _mm_prefetch((const char *)q + nr * cols + nr * j, _MM_HINT_T0);
 #pragma GCC unroll 4
                 for (int i = 0; i < nr; i++)
                     wv[i] = fp8_dec16(q + i * cols + j, mask, s[i]);
@@ -102,6 +106,8 @@ CPU_FN_AVX512 static inline AI void lowp512_tile(const struct bweight *w, bool f
         const __m512 lut = _mm512_loadu_ps(cpu_e2m1);
 
         for (int64_t g = 0; g < cols / NVFP4_GROUP; g++) {
+            if (pf && g % 2 == 0)
+                _mm_prefetch((const char *)q + nr * (cols / 2) + nr * g * 8, _MM_HINT_T0);
 #pragma GCC unroll 4
             for (int i = 0; i < nr; i++)
                 wv[i] = nvfp4_dec16(q + i * (cols / 2) + g * 8, idx, sh, lut,
@@ -126,14 +132,14 @@ CPU_FN_AVX512 static inline AI void lowp512_tile(const struct bweight *w, bool f
 #define TILE_CASE(NRV, NTV)                                                                       \
     case (NRV) * 8 + (NTV):                                                                       \
         if (fp8)                                                                                  \
-            lowp512_tile(w, true, r, NRV, xt, NTV, out);                                          \
+            lowp512_tile(w, true, r, NRV, xt, NTV, out, pf);                                          \
         else                                                                                      \
-            lowp512_tile(w, false, r, NRV, xt, NTV, out);                                         \
+            lowp512_tile(w, false, r, NRV, xt, NTV, out, pf);                                         \
         break;
 #define TILE_CASES(NRV) TILE_CASE(NRV, 1) TILE_CASE(NRV, 2) TILE_CASE(NRV, 3) TILE_CASE(NRV, 4) TILE_CASE(NRV, 5)
 
 CPU_FN_AVX512 static void lowp512_tile_any(const struct bweight *w, bool fp8, int64_t r, int nr,
-                                           const float *const *xt, int nt, float *out)
+                                           const float *const *xt, int nt, float *out, bool pf)
 {
     switch (nr * 8 + nt) {
     TILE_CASES(1)
@@ -160,7 +166,7 @@ void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int3
 
             for (int t = 0; t < nt; t++)
                 xt[t] = x + (int64_t)(xidx ? xidx[i0 + t] : i0 + t) * w->cols;
-            lowp512_tile_any(w, fp8, r, nr, xt, nt, out);
+            lowp512_tile_any(w, fp8, r, nr, xt, nt, out, i0 == 0);
             for (int i = 0; i < nr; i++)
                 for (int t = 0; t < nt; t++)
                     y[(int64_t)(i0 + t) * ldy + (r + i - r0)] = out[i * LOWP512_NT + t];

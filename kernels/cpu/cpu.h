@@ -229,6 +229,13 @@ extern int cpu_lowp_fused_off;
 typedef void (*cpu_row_fused_fn)(const struct bweight *w, int64_t r, const float *const *xt, int nt, float *out);
 void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const float *x, const int32_t *xidx,
                            int n, float *y, int64_t ldy, int64_t r0, int64_t r1);
+/* AVX-512 (matmul-lowp512.c): the FP8 / NVFP4 fast path at every token count, the decode
+ * fused into a 4-row x 5-token register-blocked GEMM; a (row, token) sum does not depend on
+ * the token count.  x86-64 with CPU_ISA_AVX512 only; cpu_lowp512_off nonzero (benchmarks)
+ * keeps the AVX2 dispatch above. */
+extern int cpu_lowp512_off;
+void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                             int64_t ldy, int64_t r0, int64_t r1);
 /* the sum of 8 floats in lane order (the fused paths' accumulator, stored) */
 float cpu_lowp_hsum8(const float *f);
 /* weight_prepare of both: shapes the kernels need, and no E4M3 NaN code (-EINVAL) */

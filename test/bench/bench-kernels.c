@@ -20,9 +20,10 @@
  * 16-row ("new") int8 kernels the same way, and the tiny model's MoE layer at 1, 4 and 16
  * tokens on each.  "cpu" is process CPU time / (wall x
  * threads): how much of the cores the run actually got.
- * First, with 1 thread, FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert at 1, 2, 4 and
- * 16 tokens (buffered "old" and fused "new" decode, 256 MiB of copies each, 3 interleaved
- * rounds); STEPD_BENCH_FORMATS_ONLY=1 stops after that table.
+ * First, with 1 thread, FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert at decode batch
+ * 1, 4, 16 and 64 with realistic routing and at 4 and 16 tokens on one expert (the AVX2
+ * dispatch and the one in use, 256 MiB of copies each, 3 interleaved rounds);
+ * STEPD_BENCH_FORMATS_ONLY=1 stops after that table.
  */
 #include <math.h>
 #include <stdbool.h>
@@ -176,22 +177,21 @@ static void mats_free(struct mats *ms)
     free(ms->m);
 }
 
-/* median seconds per matmul call with n tokens */
-static double bench_gemv(struct backend *be, const struct mats *ms, int n)
+/* median seconds per matrix over sweeps in which matrix i multiplies cnt[i] tokens (each
+ * reads its weights once); last_ratio as bench_gemv */
+static double bench_routed(struct backend *be, const struct mats *ms, const int *cnt, int max_n)
 {
-    float *x = malloc(sizeof(float) * n * ms->w[0].cols), *y = malloc(sizeof(float) * n * ms->w[0].rows);
-    double t[32];
+    float *x = malloc(sizeof(float) * max_n * ms->w[0].cols), *y = malloc(sizeof(float) * max_n * ms->w[0].rows);
+    double t[32], sh[32], ratio[32];
 
-    for (int64_t i = 0; i < n * ms->w[0].cols; i++)
+    for (int64_t i = 0; i < max_n * ms->w[0].cols; i++)
         x[i] = sinf((float)i);
-    double sh[32], ratio[32];
-
-    backend_matmul(be, &ms->w[0], x, n, y);  /* warm the pool and scratch */
+    backend_matmul(be, &ms->w[0], x, cnt[0], y);
     for (int r = 0; r < reps; r++) {
         double bw = bw_once(), t0 = bench_now(), c0 = cpu_now();
 
         for (int i = 0; i < ms->count; i++)
-            if (backend_matmul(be, &ms->w[i], x, n, y) < 0)
+            if (backend_matmul(be, &ms->w[i], x, cnt[i], y) < 0)
                 abort();
         t[r] = (bench_now() - t0) / ms->count;
         sh[r] = (cpu_now() - c0) / (t[r] * ms->count);
@@ -202,6 +202,20 @@ static double bench_gemv(struct backend *be, const struct mats *ms, int n)
     last_share = bench_median(sh, reps);
     last_ratio = bench_median(ratio, reps);
     return bench_median(t, reps);
+}
+
+/* median seconds per matmul call with n tokens */
+static double bench_gemv(struct backend *be, const struct mats *ms, int n)
+{
+    const int count = ms->count > 0 ? ms->count : 1;
+    int *cnt = malloc(sizeof(int) * (size_t)count);
+    double s;
+
+    for (int i = 0; i < count; i++)
+        cnt[i] = n;
+    s = bench_routed(be, ms, cnt, n);
+    free(cnt);
+    return s;
 }
 
 static void report(const char *what, int nth, double sec, int64_t rows, int64_t cols, size_t bytes,
@@ -467,19 +481,102 @@ static void bench_tiny_moe(struct backend *be)
     mats_free(&ms);
 }
 
-/* FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert projection at 1, 2, 4 and 16 tokens: GB/s
- * of weight bytes, % of the read bandwidth probed in each rep, and that share as a fraction
- * of MXFP4's; FP8/NVFP4 on the buffered decode ("old", cpu_lowp_fused_off) and as dispatched
- * ("new": fused up to CPU_FUSED_MAX_N tokens).  Rounds interleave every side; each figure is the median over the rounds of
- * bench_gemv's medians. */
+/* Tokens per routed expert at decode batch B: B tokens x top-8 distinct experts drawn
+ * uniformly from 288 (Step-3.7-Flash's router; the tiny model's measured spread is not
+ * used here), the counts of the experts reached, in expert order, one routing after
+ * another until cnt[0..n) is filled.  Expected distinct experts per layer: 288 (1 -
+ * (280/288)^B) = 8, 30.7, 104.5, 240.6 at B = 1, 4, 16, 64 (the rule of B x 8 independent
+ * draws, 288 (1 - (287/288)^(8B)), gives 8, 30.4, 103.5, 239.3). */
+static void routed_counts(int B, int *cnt, int n)
+{
+    enum { NEXP = 288, TOPK = 8 };
+    uint64_t rs = 777 + (uint64_t)B;
+    int k = 0;
+
+    while (k < n) {
+        int per[NEXP] = { 0 };
+
+        for (int t = 0; t < B; t++) {
+            int ids[TOPK];
+            for (int q = 0; q < TOPK; q++) {
+                bool dup;
+                do {
+                    rs = rs * 6364136223846793005ull + 1442695040888963407ull;
+                    ids[q] = (int)((rs >> 33) % NEXP);
+                    dup = false;
+                    for (int j = 0; j < q; j++)
+                        dup |= ids[j] == ids[q];
+                } while (dup);
+                per[ids[q]]++;
+            }
+        }
+        for (int e = 0; e < NEXP && k < n; e++)
+            if (per[e])
+                cnt[k++] = per[e];
+    }
+}
+
+/* The formats' compute cost where DRAM is not the limit: process CPU ns per weight and
+ * token on one [128, 4096] matrix that stays in L2, the least of 5 x 50 calls, for the
+ * sides of bench_lowp_formats.  CPU time, not wall time, so the time slices a loaded host
+ * takes away do not count; a side whose cost exceeds its DRAM budget cannot reach MXFP4's
+ * share of the bandwidth whatever the memory does. */
+static void bench_lowp_incache(struct backend *be, const char *const *names)
+{
+    enum { ROWS = 128, COLS = 4096, CALLS = 50 };
+    static const int ns[] = { 1, 2, 4, 16 };
+    float *x = malloc(sizeof(float) * 16 * COLS), *y = malloc(sizeof(float) * 16 * ROWS);
+
+    for (int i = 0; i < 16 * COLS; i++)
+        x[i] = sinf((float)i);
+    printf("  in cache [128,4096], CPU ns per weight and token (least of 5):\n");
+    for (int side = 0; side < 5; side++) {
+        struct mats ms;
+
+        if (side == 0)
+            mats_make(&ms, WFMT_MXFP4, ROWS, COLS, 1);
+        else
+            lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 1);
+        cpu_lowp512_off = side == 1 || side == 3;
+        printf("  %-10s", names[side]);
+        for (int k = 0; k < 4; k++) {
+            double best = 1e9;
+
+            for (int r = 0; r < 5; r++) {
+                double c0 = cpu_now();
+                for (int i = 0; i < CALLS; i++)
+                    if (backend_matmul(be, &ms.w[0], x, ns[k], y) < 0)
+                        abort();
+                c0 = (cpu_now() - c0) / CALLS;
+                best = c0 < best ? c0 : best;
+            }
+            printf("  n=%-2d %.4f", ns[k], best * 1e9 / ((double)ROWS * COLS * ns[k]));
+        }
+        printf("\n");
+        mats_free(&ms);
+    }
+    cpu_lowp512_off = 0;
+    free(x);
+    free(y);
+}
+
+/* FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert projection: GB/s of weight bytes, %
+ * of the read bandwidth probed in each rep, and that share as a fraction of MXFP4's.
+ * FP8/NVFP4 "avx2" = the AVX2 dispatch (fused up to CPU_FUSED_MAX_N tokens, buffered
+ * above; cpu_lowp512_off) and "new" = as dispatched (the AVX-512 tiles where the host has
+ * them).  Rows "B=": decode batch B with realistic routing (routed_counts: each copy
+ * multiplies the tokens its expert got, 1-3 mostly); rows "n=": every token on one expert
+ * (the dense worst case).  Rounds interleave every side; each figure is the median over
+ * the rounds of the sweeps' medians. */
 static void bench_lowp_formats(struct backend *be)
 {
-    enum { ROUNDS = 3, ROWS = 1280, COLS = 4096 };
-    static const int ns[] = { 1, 2, 4, 16 };
-    static const char *names[] = { "mxfp4", "fp8 old", "fp8 new", "nvfp4 old", "nvfp4 new" };
-    double gbs[4][5][ROUNDS], pct[4][5][ROUNDS];
+    enum { ROUNDS = 3, ROWS = 1280, COLS = 4096, NCASE = 6 };
+    static const int cases[NCASE] = { 1, 4, 16, 64, -4, -16 };     /* B (routed), -n (dense) */
+    static const char *names[] = { "mxfp4", "fp8 avx2", "fp8 new", "nvfp4 avx2", "nvfp4 new" };
+    double gbs[NCASE][5][ROUNDS], pct[NCASE][5][ROUNDS];
 
-    printf("  expert [1280,4096] per format, 1 thread, %d rounds interleaved (medians)\n", ROUNDS);
+    printf("  expert [1280,4096] per format, 1 thread, ISA %s, %d rounds interleaved (medians)\n",
+           cpu_isa_name(cpu_isa()), ROUNDS);
     for (int r = 0; r < ROUNDS; r++)
         for (int side = 0; side < 5; side++) {
             struct mats ms;
@@ -488,23 +585,35 @@ static void bench_lowp_formats(struct backend *be)
                 mats_make(&ms, WFMT_MXFP4, ROWS, COLS, (int)((256u << 20) / mxfp4_bytes(ROWS, COLS)));
             else
                 lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 256);
-            cpu_lowp_fused_off = side == 1 || side == 3;
-            for (int k = 0; k < 4; k++) {
-                double s = bench_gemv(be, &ms, ns[k]);
+            cpu_lowp512_off = side == 1 || side == 3;
+            int *cnt = malloc(sizeof(int) * (size_t)ms.count);
+            for (int k = 0; k < NCASE; k++) {
+                double s;
+                if (cases[k] > 0) {
+                    int mx = 0;
+                    routed_counts(cases[k], cnt, ms.count);
+                    for (int i = 0; i < ms.count; i++)
+                        mx = cnt[i] > mx ? cnt[i] : mx;
+                    s = bench_routed(be, &ms, cnt, mx);
+                } else {
+                    s = bench_gemv(be, &ms, -cases[k]);
+                }
                 gbs[k][side][r] = ms.bytes_each / s / 1e9;
                 pct[k][side][r] = 100.0 * last_ratio;
             }
+            free(cnt);
             mats_free(&ms);
         }
-    cpu_lowp_fused_off = 0;
-    for (int k = 0; k < 4; k++)
+    cpu_lowp512_off = 0;
+    for (int k = 0; k < NCASE; k++)
         for (int side = 0; side < 5; side++) {
             double g = bench_median(gbs[k][side], ROUNDS), p = bench_median(pct[k][side], ROUNDS);
             double p0 = bench_median(pct[k][0], ROUNDS);
 
-            printf("  %-10s n=%2d %7.2f GB/s %5.1f %% of bw  x%.2f of mxfp4's share\n", names[side], ns[k], g, p,
-                   p / p0);
+            printf("  %-10s %s=%2d %7.2f GB/s %5.1f %% of bw  x%.2f of mxfp4's share\n", names[side],
+                   cases[k] > 0 ? "B" : "n", abs(cases[k]), g, p, p / p0);
         }
+    bench_lowp_incache(be, names);
 }
 
 /* The batch-1 GEMV figure of one shape over as many copies as the arena holds (*ms, for the

@@ -4,6 +4,7 @@
  * docs/MODEL.md §5.6-§5.7, not the kernels' tables):
  *   - exact path: bit for bit the reference summed in the documented 16-lane order;
  *   - fast path: within 1e-5 of Σ|w·x| of each output (fp32 decode and FMA order);
+ *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
  *   - an E4M3 NaN code is refused at weight_prepare. */
 #include <errno.h>
@@ -116,14 +117,43 @@ static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int 
     free(yf);
 }
 
+/* From AVX-512 on, the fast path's (row, token) sum does not depend on how many tokens
+ * share the call (matmul-lowp512.c): each token of an n-token call equals, bit for bit,
+ * a call with that token alone (the MoE relies on it: an expert reached by one token
+ * computes what it would with sixteen, so MTP K=3 verifies what K=0 decodes) */
+static void check_batch_invariant(enum wfmt fmt, int64_t rows, int64_t cols, int br, int bc, int n, int nth)
+{
+    struct bweight w = lowp_new(fmt, rows, cols, br, bc);
+    struct backend *bf = kref_backend(nth, false);
+    float *x = malloc(sizeof(float) * (size_t)(n * cols));
+    float *yn = malloc(sizeof(float) * (size_t)(n * rows)), *y1 = malloc(sizeof(float) * (size_t)rows);
+
+    krng_fill(x, (size_t)(n * cols), 2.0f);
+    ASSERT_OK(backend_weight_prepare(bf, &w));
+    ASSERT_OK(backend_matmul(bf, &w, x, n, yn));
+    for (int t = 0; t < n; t++) {
+        ASSERT_OK(backend_matmul(bf, &w, x + (int64_t)t * cols, 1, y1));
+        for (int64_t o = 0; o < rows; o++)
+            if (memcmp(&y1[o], &yn[(int64_t)t * rows + o], sizeof(float)) != 0)
+                FAIL("%s [%lldx%lld] n=%d token %d row %lld: %.9g, alone %.9g", fmt == WFMT_FP8 ? "fp8" : "nvfp4",
+                     (long long)rows, (long long)cols, n, t, (long long)o, yn[(int64_t)t * rows + o], y1[o]);
+    }
+    backend_weight_release(bf, &w);
+    backend_free(bf);
+    lowp_free(&w);
+    free(x);
+    free(yn);
+    free(y1);
+}
+
 /* The MoE op with FP8 / NVFP4 experts: out += Σ weight · down(swiglu(gate x, up x)),
- * against the same computation from the fp64-decoded weights (exact path: within the
- * fp32 rounding of the intermediate activations) */
-static void check_moe(enum wfmt fmt, int nth)
+ * against the same computation from the fp64-decoded weights (within the fp32 rounding of
+ * the intermediate activations, on the exact and the fast path) */
+static void check_moe(enum wfmt fmt, int nth, bool exact)
 {
     const int H = 64, I = 64, E = 4, T = 3, K = 2;
     struct moe_expert ex[4];
-    struct backend *bx = kref_backend(nth, true);
+    struct backend *bx = kref_backend(nth, exact);
     float x[3 * 64], out[3 * 64] = { 0 }, wts[3 * 2] = { 0.7f, 0.3f, 0.5f, 0.5f, 1.0f, 0.25f };
     int32_t ids[3 * 2] = { 0, 3, 1, 2, 3, 0 };
 
@@ -193,12 +223,14 @@ static void check_nan_refused(void)
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
-    kt_isa_require("lowp", CPU_ISA_SCALAR);
+    const enum cpu_isa level = kt_isa_require("lowp", CPU_ISA_SCALAR);
     static const int64_t shapes[][4] = { { 1, 32, 1, 32 }, { 7, 96, 7, 16 }, { 64, 256, 32, 128 },
                                          { 128, 4096, 128, 128 }, { 33, 160, 11, 32 }, { 5, 48, 5, 16 } };
-    /* 1-3 tokens: the fused fast path (2: its four-chain form), 9: the buffered one; 48
-     * columns: an odd count of 16-column groups, the fused loops' tails */
-    static const int ns[] = { 1, 2, 3, 9 };
+    /* AVX2: 1-3 tokens the fused fast path (2: its four-chain form), 9 the buffered one;
+     * AVX-512: 4-row x 5-token tiles, so 9 and 16 tokens cover full and edge token blocks
+     * and 7, 33 and 5 rows the edge row tiles; 48 columns: an odd count of 16-column
+     * groups, the fused loops' tails */
+    static const int ns[] = { 1, 2, 3, 9, 16 };
 
     krng_seed(4321);
     for (size_t s = 0; s < ARRAY_SIZE(shapes); s++)
@@ -207,8 +239,15 @@ int main(void)
                          1 + (int)((s + k) % 3));
             check_matmul(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, ns[k], 1 + (int)((s + k) % 3));
         }
-    check_moe(WFMT_FP8, 2);
-    check_moe(WFMT_NVFP4, 1);
+    for (int exact = 0; exact < 2; exact++) {
+        check_moe(WFMT_FP8, 2, exact);
+        check_moe(WFMT_NVFP4, 1, exact);
+    }
+    if (level >= CPU_ISA_AVX512)
+        for (size_t s = 0; s < ARRAY_SIZE(shapes); s++) {
+            check_batch_invariant(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], 16, 2);
+            check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1);
+        }
     check_nan_refused();
     printf("test-lowp: all passed\n");
     return 0;

@@ -54,7 +54,8 @@
  * experts its tokens were routed to; attention: the keys and values in its window) / the
  * probe's rate of the same round, or, where larger, its FLOPs (2 per weight and row; the
  * routed experts' rows once per token routed to them; attention 4 per key, head and dim) /
- * the GEMM peak measured after the probe (gemm_peak); "% of bw" or "% of peak" says which.
+ * the GEMM peak measured after the probe (gemm_peak); "% of bw" or "% of peak" says which
+ * ("% of bw|peak": the rounds differ).
  * "% of" = floor / time, median over the rounds of the per-round ratio.  The real step routes
  * as the random model's router does (its bytes count the uniform rows' distinct experts).
  * --measure-routing runs a model's own router (the tiny model's) over real text and prints
@@ -589,6 +590,47 @@ static int routing_layer_inputs(struct bench *b, const struct mlayer *L, int li,
     return d;
 }
 
+/* The MoE layer L just run, in two pieces: its routed experts again on the routing it chose
+ * (backend_moe; bytes: the distinct experts, re-read from DRAM past a cache of that size)
+ * and its router (the logits matmul and the top-k; real: without the bias, as that run). */
+static void moe_pieces(struct bench *b, struct mlayer *L, int B, bool real, const char *suffix)
+{
+    struct model *m = b->m;
+    const struct model_config *cfg = m->cfg;
+    const struct moe_expert *x = &L->experts[0];
+    int d = distinct_experts(m, B), r;
+    char name[96];
+    double t0, t;
+    struct moe_args ma = {
+        .x = m->a, .out = m->tmp, .n_tok = B, .hidden = m->hidden,
+        .inter = cfg->moe_intermediate_size, .top_k = cfg->top_k, .ids = m->rids,
+        .weights = m->rweights, .experts = L->experts, .expert_first = L->expert_first,
+        .n_local = L->n_local, .limit = L->limit_routed,
+    };
+
+    t0 = now();
+    r = backend_moe(m->be, &ma);
+    t = now() - t0;
+    if (r < 0)
+        die("routed experts", r, NULL);
+    snprintf(name, sizeof(name), "  routed experts of layer %d%s", L->idx, suffix);
+    b->flops_next = wflops(&x->gate, B * cfg->top_k) + wflops(&x->up, B * cfg->top_k) +
+                    wflops(&x->down, B * cfg->top_k);
+    record(b, name, B, CTX_LAYERS, t, d * expert_bytes(L));
+    t0 = now();
+    r = backend_matmul(m->be, &L->router, m->a, B, m->rlogits);
+    r = r ? r : backend_router(m->be, m->rlogits, real ? NULL : L->router_bias, B,
+                               cfg->n_experts, cfg->top_k, cfg->norm_expert_weight,
+                               cfg->router_scaling_factor, m->rids, m->rweights);
+    t = now() - t0;
+    if (r < 0)
+        die("router", r, NULL);
+    snprintf(name, sizeof(name), "  router of layer %d (%d x %d, top-%d)%s", L->idx,
+             cfg->n_experts, m->hidden, cfg->top_k, suffix);
+    b->flops_next = wflops(&L->router, B);
+    record(b, name, B, CTX_LAYERS, t, wbytes(&L->router));
+}
+
 /* Trunk layer l at context CTX_LAYERS on the batch bt: a MoE layer twice, its inputs
  * routed realistically (routing_layer_inputs; the plain name) and on fresh unit-variance rows
  * that the random router spreads uniformly (", uniform routing"); the bytes count each
@@ -634,6 +676,8 @@ static void layer_rows(struct bench *b, int l, int B, const struct batch *bt)
                  L->is_moe && uniform ? ", uniform routing" : "");
         b->flops_next = layer_flops(m, L, B, CTX_LAYERS);
         record(b, name, B, CTX_LAYERS, t, bytes);
+        if (L->is_moe)
+            moe_pieces(b, L, B, real, uniform ? ", uniform routing" : "");
     }
 }
 
@@ -877,7 +921,7 @@ static void report(const struct bench *b)
             printf("  %-66s %4s %9.2f ms %9.1f MB  floor %8.2f ms  %5.1f %% of %s", c->name,
                    ctx, 1e3 * median(c->t, c->n), median(c->bytes, c->n) / 1e6,
                    1e3 * median(c->floor, c->n), 100.0 * median(ratio, c->n),
-                   2 * nc > c->n ? "peak" : "bw");
+                   nc == 0 ? "bw" : nc == c->n ? "peak" : "bw|peak");
             if (c->cpu[0] > 0)
                 printf("  cpu %.2f, %5.1f %% per cpu-s", median(c->cpu, c->n),
                        100.0 * median(c->cpu_ratio, c->n));
@@ -1590,8 +1634,15 @@ int main(int argc, char **argv)
         free(b->arena);
         return 0;
     }
-    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 1 };
+    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 0, .headers_only = true };
+    /* one MTP depth where the checkpoint has MTP layers (a trunk-only one: none) */
     r = ckpt_open(b->model_dir, &co, &ck, &e);
+    if (r >= 0) {
+        co.mtp_depth = ckpt_config(ck)->n_mtp_layers > 0;
+        co.headers_only = false;
+        ckpt_close(ck);
+        r = ckpt_open(b->model_dir, &co, &ck, &e);
+    }
     if (r < 0) {
         fprintf(stderr, "bench-shapes: %s: %s\n", b->model_dir, e.msg);
         return 1;

@@ -23,7 +23,8 @@
  * then, for every batch size B (B sequences decoding one token each, all at the same
  * context), one sweep of:
  *   - each trunk layer at context 1024 (the layer script on the whole backend); a MoE layer
- *     twice: its inputs routed realistically (routing_layer_inputs: each token to a chosen
+ *     twice (the order swapping by round, the caches flushed before each), then its routed
+ *     experts and its router alone (moe_pieces): its inputs routed realistically (routing_layer_inputs: each token to a chosen
  *     set of experts, the sets reaching the distinct-expert count a trained router gives at
  *     that batch, routing_target) and, ", uniform routing", on fresh unit-variance rows that
  *     the random router spreads uniformly over the experts;
@@ -590,8 +591,21 @@ static int routing_layer_inputs(struct bench *b, const struct mlayer *L, int li,
     return d;
 }
 
+/* Reads the probe's arena (>> the last-level cache) so that the next piece reads its
+ * weights from DRAM, as in serving: a MoE layer runs twice in a row and its experts again. */
+static void evict(struct bench *b)
+{
+    volatile uint64_t sink = 0;
+    uint64_t s = 0;
+
+    for (size_t i = 0; i < b->arena_bytes; i += 64)
+        s += b->arena[i];
+    sink = s;
+    (void)sink;
+}
+
 /* The MoE layer L just run, in two pieces: its routed experts again on the routing it chose
- * (backend_moe; bytes: the distinct experts, re-read from DRAM past a cache of that size)
+ * (backend_moe; bytes: the distinct experts, from DRAM after evict)
  * and its router (the logits matmul and the top-k; real: without the bias, as that run). */
 static void moe_pieces(struct bench *b, struct mlayer *L, int B, bool real, const char *suffix)
 {
@@ -608,6 +622,7 @@ static void moe_pieces(struct bench *b, struct mlayer *L, int B, bool real, cons
         .n_local = L->n_local, .limit = L->limit_routed,
     };
 
+    evict(b);
     t0 = now();
     r = backend_moe(m->be, &ma);
     t = now() - t0;
@@ -642,7 +657,8 @@ static void layer_rows(struct bench *b, int l, int B, const struct batch *bt)
     int32_t sets[MAX_B * 64];
     char name[96];
 
-    for (int uniform = 0; uniform < (L->is_moe ? 2 : 1); uniform++) {
+    for (int i = 0; i < (L->is_moe ? 2 : 1); i++) {
+        const int uniform = L->is_moe && (i + b->rep) % 2;     /* the order swaps by round */
         float *bias = L->router_bias;
         bool real = L->is_moe && !uniform;
         double t0, t, bytes;
@@ -654,6 +670,8 @@ static void layer_rows(struct bench *b, int l, int B, const struct batch *bt)
         } else {
             fill_rows(b, m->hid, (size_t)B * m->hidden);
         }
+        if (L->is_moe)
+            evict(b);
         t0 = now();
         r = model__layer_forward(m, L, m->hid, bt);
         t = now() - t0;

@@ -1,11 +1,12 @@
 /* bench-shapes.c - decode at Step-3.7-Flash's real shapes on the CPU backend, every piece
  * beside its byte floor (suite bench, not in the default run).
  *
- *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16]
+ *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16,64]
  *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn] [--kv-fp32]
  *                [--draft-vocab N]
  *   bench-shapes --attn-only [--threads 1,2] [--batches 1,16] [--contexts 8192,32768] [--reps N]
  *                [--kv-fp32]
+ *   bench-shapes --measure-routing MODEL_DIR FILE...
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
  * The model: stepd-mkmodel's full-width checkpoint (hidden 4096, 288 experts x 1280 top-8,
@@ -21,8 +22,12 @@
  * MTP halves on 2 threads) and each of REPS rounds: the read-bandwidth probe (bw-probe.h),
  * then, for every batch size B (B sequences decoding one token each, all at the same
  * context), one sweep of:
- *   - each trunk layer at context 1024 (the layer script on the whole backend; inputs are
- *     fresh unit-variance rows, so the router spreads them over the experts);
+ *   - each trunk layer at context 1024 (the layer script on the whole backend); a MoE layer
+ *     twice (the order swapping by round, the caches flushed before each), then its routed
+ *     experts and its router alone (moe_pieces): its inputs routed realistically (routing_layer_inputs: each token to a chosen
+ *     set of experts, the sets reaching the distinct-expert count a trained router gives at
+ *     that batch, routing_target) and, ", uniform routing", on fresh unit-variance rows that
+ *     the random router spreads uniformly over the experts;
  *   - attention alone of a full (64 heads) and a sliding (96 heads) layer at each context;
  *   - the lm_head (final norm + 128896 x 4096 BF16);
  *   - the real decode step of the model (model_step: embedding, the 4 layers, head); on 2
@@ -46,13 +51,22 @@
  * B x context beyond the reserved pool (16 x 32768: 4.3 GB per full layer), where the
  * sequences share their history but for the last block ("shared history").
  *
- * Byte floor of a piece = the bytes it must read (each weight matrix once; MoE: the
- * distinct experts its tokens were routed to; attention: the keys and values in its
- * window) / the probe's rate of the same round.  "% of bw" = floor / time, median over the
- * rounds of the per-round ratio.  The whole-model figures extrapolate to Step-3.7-Flash's
- * 45 layers (1 dense/full, 2 dense/sliding, 11 MoE/full, 31 MoE/sliding) + head: each
- * layer kind's time at context 1024 with its attention at 1024 replaced by the attention at
- * the context, per round.  Figures only, no thresholds (targets on CPU: the MoE layer at
+ * Floor of a piece = the bytes it must read (each weight matrix once; MoE: the distinct
+ * experts its tokens were routed to; attention: the keys and values in its window) / the
+ * probe's rate of the same round, or, where larger, its FLOPs (2 per weight and row; the
+ * routed experts' rows once per token routed to them; attention 4 per key, head and dim) /
+ * the GEMM peak measured after the probe (gemm_peak); "% of bw" or "% of peak" says which
+ * ("% of bw|peak": the rounds differ).
+ * "% of" = floor / time, median over the rounds of the per-round ratio.  The real step routes
+ * as the random model's router does (its bytes count the uniform rows' distinct experts).
+ * --measure-routing runs a model's own router (the tiny model's) over real text and prints
+ * the distinct experts per MoE layer at batch 1/4/16/64 (routing_ratio holds its figures),
+ * then checks routing_layer_inputs through that model's MoE layers.
+ * The whole-model figures extrapolate to Step-3.7-Flash's 45 layers (1 dense/full, 2
+ * dense/sliding, 11 MoE/full, 31 MoE/sliding) + head: each layer kind's time at context
+ * 1024 with its attention at 1024 replaced by the attention at the context, per round; with
+ * the MoE layers' realistic rows, and again with the uniform ones.  Figures only, no
+ * thresholds (targets on CPU: the MoE layer at
  * batch 1 >= 80 % of the read bandwidth, the whole decode step >= 70 %).
  */
 #include <errno.h>
@@ -69,14 +83,16 @@
 #include "cpu.h"
 #include "bw-probe.h"
 #include "cpu-features.h"
+#include "file.h"
 #include "loader.h"
 #include "model-int.h"
+#include "tok/tokenizer.h"
 
 extern char **environ;
 
 #define MAX_REPS 15
 #define MAX_CELLS 256
-#define MAX_B 16
+#define MAX_B 64
 #define MAX_LIST 4
 #define BS 16                       /* KV block size */
 #define CTX_LAYERS 1024             /* context of the layer rows and the real step */
@@ -88,6 +104,7 @@ struct cell {
     double t[MAX_REPS], floor[MAX_REPS], bytes[MAX_REPS];
     double cpu[MAX_REPS];           /* --attn-only: process CPU time / (wall x threads) */
     double cpu_ratio[MAX_REPS];     /* --attn-only: floor / time, both per CPU-second */
+    bool compute[MAX_REPS];         /* the floor is FLOPs / the GEMM peak, not bytes / bw */
     int n;
 };
 
@@ -127,6 +144,13 @@ struct bench {
     double experts_seen;            /* distinct experts of the last MoE layer run */
     double moe_distinct[MAX_B + 1]; /* per B: distinct experts per MoE layer, this round */
     int moe_runs[MAX_B + 1];
+    /* realistic routing (routing_layer_inputs) beside the random model's own */
+    float *rrows[64];               /* per trunk layer: the router's unit rows, or NULL */
+    double real_distinct[MAX_B + 1][MAX_REPS]; /* per B and round: mean over MoE layers */
+    double uni_distinct[MAX_B + 1][MAX_REPS];  /* the same on uniform routing */
+    double peak[MAX_REPS];          /* GEMM peak of the round, FLOP/s (gemm_peak) */
+    int peak_rows;                  /* rows of its weight */
+    double flops_next;              /* FLOPs of the piece recorded next (0: bytes only) */
 };
 
 static double now(void)
@@ -213,6 +237,37 @@ static double expert_bytes(const struct mlayer *L)
     return wbytes(&L->experts[0].gate) + wbytes(&L->experts[0].up) + wbytes(&L->experts[0].down);
 }
 
+/* FLOPs of w applied to n rows */
+static double wflops(const struct bweight *w, int n)
+{
+    return wbytes(w) > 0 ? 2.0 * (double)w->rows * (double)w->cols * n : 0.0;
+}
+
+/* FLOPs of attention alone for B decode queries at context ctx in L (QK and PV) */
+static double attn_flops(const struct mlayer *L, int B, int ctx)
+{
+    int n = L->window > 0 && L->window < ctx ? L->window : ctx;
+
+    return 4.0 * B * (double)n * L->n_heads * L->head_dim;
+}
+
+/* FLOPs of layer L for B decode tokens at context ctx (routed experts: B x top_k rows) */
+static double layer_flops(const struct model *m, const struct mlayer *L, int B, int ctx)
+{
+    double f = wflops(&L->wq, B) + wflops(&L->wk, B) + wflops(&L->wv, B) + wflops(&L->wg, B) +
+               wflops(&L->wo, B) + wflops(&L->router, B) + attn_flops(L, B, ctx);
+
+    if (L->has_ffn_dense)
+        f += wflops(&L->gate, B) + wflops(&L->up, B) + wflops(&L->down, B);
+    if (L->is_moe && L->n_local > 0) {
+        const struct moe_expert *x = &L->experts[0];
+        int n = B * m->cfg->top_k;
+
+        f += wflops(&x->gate, n) + wflops(&x->up, n) + wflops(&x->down, n);
+    }
+    return f;
+}
+
 /* keys and values one decode query at context ctx reads in L */
 static double kv_bytes(const struct model *m, const struct mlayer *L, int ctx)
 {
@@ -247,6 +302,12 @@ static void record(struct bench *b, const char *name, int B, int ctx, double t, 
     c->t[c->n] = t;
     c->bytes[c->n] = bytes;
     c->floor[c->n] = bytes / (b->bw[b->rep] * 1e9);
+    if (b->flops_next > 0 && b->peak[b->rep] > 0 &&
+        b->flops_next / b->peak[b->rep] > c->floor[c->n]) {
+        c->floor[c->n] = b->flops_next / b->peak[b->rep];
+        c->compute[c->n] = true;
+    }
+    b->flops_next = 0;
     c->cpu[c->n] = b->cpu_share;
     c->cpu_ratio[c->n] = b->cpu_share > 0 ?
                              c->floor[c->n] * b->bw_cpu[b->rep] / (t * b->cpu_share) : 0;
@@ -354,6 +415,290 @@ static const char *kind_name(const struct mlayer *L)
                      : (L->window > 0 ? "dense/sliding" : "dense/full");
 }
 
+/* -------------------------------------------------------------- routing -- */
+
+/* Distinct experts a trained router reaches, relative to uniform routing: the tiny model's
+ * router (models/tiny-step, 16 experts top-4) over 256 segments of 128 tokens of the
+ * repository's README and docs, one position from each of B different segments, 400 draws
+ * (bench-shapes --measure-routing models/tiny-step README.md docs/...; PERFORMANCE §8.3):
+ * 4.00 / 9.58 / 14.51 at batch 1 / 4 / 16 against the uniform 4.00 / 10.94 / 15.84.  At
+ * batch 64 the tiny model is saturated (15.94 of 16), so batch > 16 keeps the ratio at 16.
+ * --measure-routing fails when its figures leave these by more than 0.03. */
+static const struct { int B; double ratio; } routing_ratio[] = {
+    { 1, 1.0 }, { 4, 9.58 / 10.94 }, { 16, 14.51 / 15.84 },
+};
+
+/* expected distinct experts of B tokens each routed to k of N experts uniformly */
+static double routing_uniform(int N, int k, int B)
+{
+    return N * (1.0 - pow(1.0 - (double)k / N, B));
+}
+
+/* the realistic count: the uniform one times the measured ratio (interpolated in log B) */
+static double routing_target(int N, int k, int B)
+{
+    const int n = sizeof(routing_ratio) / sizeof(routing_ratio[0]);
+    double ratio = routing_ratio[n - 1].ratio, d;
+
+    for (int i = 0; i + 1 < n; i++)
+        if (B >= routing_ratio[i].B && B <= routing_ratio[i + 1].B) {
+            double f = log((double)B / routing_ratio[i].B) /
+                       log((double)routing_ratio[i + 1].B / routing_ratio[i].B);
+            ratio = routing_ratio[i].ratio + f * (routing_ratio[i + 1].ratio - routing_ratio[i].ratio);
+            break;
+        }
+    d = routing_uniform(N, k, B) * ratio;
+    d = d < k ? k : d;
+    return d > (double)B * k ? (double)B * k : d > N ? N : d;
+}
+
+/* The expert sets of B tokens reaching d distinct experts the way a router spreads them:
+ * d experts drawn at random, each given to one token so that all d are used, the tokens'
+ * other slots filled by popularity (weight 1/(rank+1)^0.8: a few experts are shared by
+ * many tokens, most by one or two).  sets[B * k]; needs k <= d <= min(N, B * k). */
+static void routing_sets(struct bench *b, int N, int k, int B, int d, int32_t *sets)
+{
+    int32_t perm[1024];
+    double w[1024], wsum = 0;
+    int fill[MAX_B] = { 0 };
+
+    for (int i = 0; i < N; i++)
+        perm[i] = i;
+    for (int i = 0; i < d; i++) {
+        int j = i + (int)(rnd(b) % (uint64_t)(N - i)), t = perm[i];
+
+        perm[i] = perm[j];
+        perm[j] = t;
+        w[i] = pow(i + 1.0, -0.8);
+        wsum += w[i];
+    }
+    for (int i = 0; i < d; i++) {
+        int t = i % B;
+
+        sets[t * k + fill[t]++] = perm[i];
+    }
+    for (int t = 0; t < B; t++)
+        while (fill[t] < k) {
+            double u = (double)rnd(b) / 2147483648.0 * wsum;
+            int i = 0;
+            bool dup = false;
+
+            while (i < d - 1 && (u -= w[i]) > 0)
+                i++;
+            for (int j = 0; j < fill[t] && !dup; j++)
+                dup = sets[t * k + j] == perm[i];
+            if (!dup)
+                sets[t * k + fill[t]++] = perm[i];
+        }
+}
+
+/* The router of L as unit rows in the space of the layer's input (post_norm's weight,
+ * 1 + the stored one, folded in): rows[e] . x is expert e's logit up to the norm's positive factor. */
+static float *routing_rows(const struct mlayer *L, int N, int H)
+{
+    float *rows = malloc(sizeof(float) * (size_t)N * H), *g = malloc(sizeof(float) * H);
+
+    if (!rows || !g)
+        die("router rows", -ENOMEM, NULL);
+    cpu_weight_row(&L->post_norm, 0, g);
+    for (int e = 0; e < N; e++) {
+        float *r = rows + (size_t)e * H;
+        double s = 0;
+
+        cpu_weight_row(&L->router, e, r);
+        for (int j = 0; j < H; j++) {
+            r[j] *= 1.0f + g[j];      /* the norm's weight is stored less 1 (rmsnorm.c) */
+            s += (double)r[j] * r[j];
+        }
+        for (int j = 0; j < H; j++)
+            r[j] = s > 0 ? (float)(r[j] / sqrt(s)) : 0.0f;
+    }
+    free(g);
+    return rows;
+}
+
+/* x[H], a layer input whose router logits put exactly the k experts of set first, by a
+ * margin: the sum of their rows, corrected (perceptron steps) until every one of them is
+ * above every other expert; scaled to rms 1000 so that the attention half's residual does
+ * not move it.  Returns the final margin over the mean logit of the set (> 0.2). */
+static double routing_input(const float *rows, int N, int H, const int32_t *set, int k, float *x)
+{
+    double z[1024], margin = 0, ss = 0;
+    bool in[1024] = { false };
+
+    memset(x, 0, sizeof(float) * H);
+    for (int j = 0; j < k; j++) {
+        in[set[j]] = true;
+        for (int h = 0; h < H; h++)
+            x[h] += rows[(size_t)set[j] * H + h];
+    }
+    for (int it = 0; it < 64; it++) {
+        double lo = INFINITY, hi = -INFINITY, mean = 0;
+
+        for (int e = 0; e < N; e++) {
+            const float *r = rows + (size_t)e * H;
+            double s = 0;
+
+            for (int h = 0; h < H; h++)
+                s += (double)r[h] * x[h];
+            z[e] = s;
+            if (in[e]) {
+                lo = s < lo ? s : lo;
+                mean += s / k;
+            } else {
+                hi = s > hi ? s : hi;
+            }
+        }
+        margin = (lo - hi) / fabs(mean);
+        if (margin > 0.2)
+            break;
+        for (int e = 0; e < N; e++) {
+            double step = in[e] && z[e] < hi + 0.3 * fabs(mean) ? 0.25 :
+                          !in[e] && z[e] > lo - 0.3 * fabs(mean) ? -0.25 : 0.0;
+
+            for (int h = 0; step != 0 && h < H; h++)
+                x[h] += (float)step * rows[(size_t)e * H + h];
+        }
+    }
+    for (int h = 0; h < H; h++)
+        ss += (double)x[h] * x[h];
+    for (int h = 0; h < H; h++)
+        x[h] = (float)(x[h] * 1000.0 / sqrt(ss / H));
+    return margin;
+}
+
+/* The inputs of MoE layer L (trunk layer li) for B tokens routed realistically: a count
+ * drawn around routing_target (its fraction by chance), the sets (sets[B x top_k]) and a
+ * row per token in x; returns the count.  The router's bias is the caller's to set aside
+ * (it would move the choice off the sets). */
+static int routing_layer_inputs(struct bench *b, const struct mlayer *L, int li, int B, float *x,
+                                int32_t *sets)
+{
+    const int N = b->m->cfg->n_experts, k = b->m->cfg->top_k, H = b->m->hidden;
+    double want = routing_target(N, k, B);
+    int d = (int)want + ((double)rnd(b) / 2147483648.0 < want - floor(want));
+
+    if (!b->rrows[li])
+        b->rrows[li] = routing_rows(L, N, H);
+    d = d > B * k ? B * k : d > N ? N : d;
+    routing_sets(b, N, k, B, d, sets);
+    for (int t = 0; t < B; t++)
+        if (routing_input(b->rrows[li], N, H, sets + t * k, k, x + (size_t)t * H) <= 0.2) {
+            fprintf(stderr, "bench-shapes: no input of layer %d routes to the chosen experts\n",
+                    L->idx);
+            exit(1);
+        }
+    return d;
+}
+
+/* Reads the probe's arena (>> the last-level cache) so that the next piece reads its
+ * weights from DRAM, as in serving: a MoE layer runs twice in a row and its experts again. */
+static void evict(struct bench *b)
+{
+    volatile uint64_t sink = 0;
+    uint64_t s = 0;
+
+    for (size_t i = 0; i < b->arena_bytes; i += 64)
+        s += b->arena[i];
+    sink = s;
+    (void)sink;
+}
+
+/* The MoE layer L just run, in two pieces: its routed experts again on the routing it chose
+ * (backend_moe; bytes: the distinct experts, from DRAM after evict)
+ * and its router (the logits matmul and the top-k; real: without the bias, as that run). */
+static void moe_pieces(struct bench *b, struct mlayer *L, int B, bool real, const char *suffix)
+{
+    struct model *m = b->m;
+    const struct model_config *cfg = m->cfg;
+    const struct moe_expert *x = &L->experts[0];
+    int d = distinct_experts(m, B), r;
+    char name[96];
+    double t0, t;
+    struct moe_args ma = {
+        .x = m->a, .out = m->tmp, .n_tok = B, .hidden = m->hidden,
+        .inter = cfg->moe_intermediate_size, .top_k = cfg->top_k, .ids = m->rids,
+        .weights = m->rweights, .experts = L->experts, .expert_first = L->expert_first,
+        .n_local = L->n_local, .limit = L->limit_routed,
+    };
+
+    evict(b);
+    t0 = now();
+    r = backend_moe(m->be, &ma);
+    t = now() - t0;
+    if (r < 0)
+        die("routed experts", r, NULL);
+    snprintf(name, sizeof(name), "  routed experts of layer %d%s", L->idx, suffix);
+    b->flops_next = wflops(&x->gate, B * cfg->top_k) + wflops(&x->up, B * cfg->top_k) +
+                    wflops(&x->down, B * cfg->top_k);
+    record(b, name, B, CTX_LAYERS, t, d * expert_bytes(L));
+    t0 = now();
+    r = backend_matmul(m->be, &L->router, m->a, B, m->rlogits);
+    r = r ? r : backend_router(m->be, m->rlogits, real ? NULL : L->router_bias, B,
+                               cfg->n_experts, cfg->top_k, cfg->norm_expert_weight,
+                               cfg->router_scaling_factor, m->rids, m->rweights);
+    t = now() - t0;
+    if (r < 0)
+        die("router", r, NULL);
+    snprintf(name, sizeof(name), "  router of layer %d (%d x %d, top-%d)%s", L->idx,
+             cfg->n_experts, m->hidden, cfg->top_k, suffix);
+    b->flops_next = wflops(&L->router, B);
+    record(b, name, B, CTX_LAYERS, t, wbytes(&L->router));
+}
+
+/* Trunk layer l at context CTX_LAYERS on the batch bt: a MoE layer twice, its inputs
+ * routed realistically (routing_layer_inputs; the plain name) and on fresh unit-variance rows
+ * that the random router spreads uniformly (", uniform routing"); the bytes count each
+ * distinct expert the tokens reached once. */
+static void layer_rows(struct bench *b, int l, int B, const struct batch *bt)
+{
+    struct model *m = b->m;
+    struct mlayer *L = &m->layers[l];
+    int32_t sets[MAX_B * 64];
+    char name[96];
+
+    for (int i = 0; i < (L->is_moe ? 2 : 1); i++) {
+        const int uniform = L->is_moe && (i + b->rep) % 2;     /* the order swaps by round */
+        float *bias = L->router_bias;
+        bool real = L->is_moe && !uniform;
+        double t0, t, bytes;
+        int r;
+
+        if (real) {
+            routing_layer_inputs(b, L, l, B, m->hid, sets);
+            L->router_bias = NULL;
+        } else {
+            fill_rows(b, m->hid, (size_t)B * m->hidden);
+        }
+        if (L->is_moe)
+            evict(b);
+        t0 = now();
+        r = model__layer_forward(m, L, m->hid, bt);
+        t = now() - t0;
+        L->router_bias = bias;
+        if (r < 0)
+            die("layer", r, NULL);
+        bytes = attn_wbytes(L) + ffn_wbytes(L) + B * kv_bytes(m, L, CTX_LAYERS);
+        if (L->is_moe) {
+            int d = distinct_experts(m, B);
+
+            bytes += d * expert_bytes(L);
+            if (real) {
+                b->real_distinct[B][b->rep] += d;
+            } else {
+                b->moe_distinct[B] += d;
+                b->moe_runs[B]++;
+            }
+        }
+        snprintf(name, sizeof(name), "layer %d %s (%d heads)%s", L->idx, kind_name(L), L->n_heads,
+                 L->is_moe && uniform ? ", uniform routing" : "");
+        b->flops_next = layer_flops(m, L, B, CTX_LAYERS);
+        record(b, name, B, CTX_LAYERS, t, bytes);
+        if (L->is_moe)
+            moe_pieces(b, L, B, real, uniform ? ", uniform routing" : "");
+    }
+}
+
 static void sweep(struct bench *b, int B)
 {
     struct model *m = b->m;
@@ -362,32 +707,19 @@ static void sweep(struct bench *b, int B)
     struct batch bt;
     struct step_plan p;
     char name[96];
-    double t0, t, bytes;
+    double t0, t;
     int r;
 
     /* trunk layers at context CTX_LAYERS, whole backend */
     batch_make(b, B, CTX_LAYERS, &bt);
     b->moe_distinct[B] = 0;
     b->moe_runs[B] = 0;
-    for (int l = 0; l < m->n_layers; l++) {
-        struct mlayer *L = &m->layers[l];
-
-        fill_rows(b, m->hid, (size_t)B * H);
-        t0 = now();
-        r = model__layer_forward(m, L, m->hid, &bt);
-        t = now() - t0;
-        if (r < 0)
-            die("layer", r, NULL);
-        bytes = attn_wbytes(L) + ffn_wbytes(L) + B * kv_bytes(m, L, CTX_LAYERS);
-        if (L->is_moe) {
-            int d = distinct_experts(m, B);
-
-            bytes += d * expert_bytes(L);
-            b->moe_distinct[B] += d;
-            b->moe_runs[B]++;
-        }
-        snprintf(name, sizeof(name), "layer %d %s (%d heads)", L->idx, kind_name(L), L->n_heads);
-        record(b, name, B, CTX_LAYERS, t, bytes);
+    b->real_distinct[B][b->rep] = 0;
+    for (int l = 0; l < m->n_layers; l++)
+        layer_rows(b, l, B, &bt);
+    if (b->moe_runs[B] > 0) {
+        b->real_distinct[B][b->rep] /= b->moe_runs[B];
+        b->uni_distinct[B][b->rep] = b->moe_distinct[B] / b->moe_runs[B];
     }
     /* attention alone: a full and a sliding layer at every context */
     for (int want_sliding = 0; want_sliding < 2; want_sliding++) {
@@ -429,6 +761,7 @@ static void sweep(struct bench *b, int B)
                      L->window > 0 ? "sliding" : "full", L->n_heads,
                      b->shared && !want_sliding ? " shared history" : "",
                      off ? ", a head per item" : "");
+            b->flops_next = attn_flops(L, B, ctx);
             record(b, name, B, ctx, t, B * kv_bytes(m, L, ctx));
         }
     }
@@ -441,6 +774,7 @@ static void sweep(struct bench *b, int B)
     if (r < 0)
         die("lm_head", r, NULL);
     snprintf(name, sizeof(name), "lm_head (final norm + %d x %d)", m->vocab, H);
+    b->flops_next = wflops(&m->lm_head, B);
     record(b, name, B, 0, t, wbytes(&m->lm_head));
 
     /* the real decode step, then one MTP depth */
@@ -468,6 +802,9 @@ static void sweep(struct bench *b, int B)
         snprintf(name, sizeof(name), "real step: embed, %d layers, head%s", m->n_layers,
                  b->T == 2 && B >= 4 ? (whole ? " (whole, the default)" : " (per-core parts)")
                                      : "");
+        b->flops_next = wflops(&m->lm_head, B);
+        for (int l = 0; l < m->n_layers; l++)
+            b->flops_next += layer_flops(m, &m->layers[l], B, CTX_LAYERS);
         record(b, name, B, CTX_LAYERS, t, step_bytes);
     }
     if (m->n_mtp > 0) {
@@ -522,9 +859,10 @@ static const struct cell *find(const struct bench *b, const char *prefix, int B,
     return NULL;
 }
 
-/* Step-3.7-Flash's 45 layers + head at batch B and context ctx, per round: time and floor */
-static void extrapolate(const struct bench *b, int B, int ctx, double *ret_t, double *ret_ratio,
-                        double *ret_floor)
+/* Step-3.7-Flash's 45 layers + head at batch B and context ctx, per round: time and floor;
+ * uniform: the MoE layers' rows on uniform routing, else the realistic ones */
+static void extrapolate(const struct bench *b, int B, int ctx, bool uniform, double *ret_t,
+                        double *ret_ratio, double *ret_floor)
 {
     /* real layer counts per generated kind: dense/full 1 (layer 0), dense/sliding 2 (1, 2),
      * MoE/full 11 (4, 8, .., 44), MoE/sliding 31 */
@@ -546,7 +884,9 @@ static void extrapolate(const struct bench *b, int B, int ctx, double *ret_t, do
 
         for (int i = 0; i < b->n_cells && !layer; i++)
             if (b->cells[i].B == B && strncmp(b->cells[i].name, "layer ", 6) == 0 &&
-                strstr(b->cells[i].name, kinds[k].kind))
+                strstr(b->cells[i].name, kinds[k].kind) &&
+                (strncmp(kinds[k].kind, "MoE", 3) != 0 ||
+                 !strstr(b->cells[i].name, "uniform routing") == !uniform))
                 layer = &b->cells[i];
         snprintf(pre, sizeof(pre), "attention %s", sliding ? "sliding" : "full");
         a1k = find(b, pre, B, CTX_LAYERS);
@@ -592,23 +932,41 @@ static void report(const struct bench *b)
                 snprintf(ctx, sizeof(ctx), "%dk", c->ctx / 1024);
             for (int k = 0; k < c->n; k++)
                 ratio[k] = c->floor[k] / c->t[k];
-            printf("  %-56s %4s %9.2f ms %9.1f MB  floor %8.2f ms  %5.1f %% of bw", c->name, ctx,
-                   1e3 * median(c->t, c->n), median(c->bytes, c->n) / 1e6,
-                   1e3 * median(c->floor, c->n), 100.0 * median(ratio, c->n));
+            int nc = 0;
+
+            for (int k = 0; k < c->n; k++)
+                nc += c->compute[k];
+            printf("  %-66s %4s %9.2f ms %9.1f MB  floor %8.2f ms  %5.1f %% of %s", c->name,
+                   ctx, 1e3 * median(c->t, c->n), median(c->bytes, c->n) / 1e6,
+                   1e3 * median(c->floor, c->n), 100.0 * median(ratio, c->n),
+                   nc == 0 ? "bw" : nc == c->n ? "peak" : "bw|peak");
             if (c->cpu[0] > 0)
                 printf("  cpu %.2f, %5.1f %% per cpu-s", median(c->cpu, c->n),
                        100.0 * median(c->cpu_ratio, c->n));
             printf("\n");
         }
-        for (int ci = 0; ci < b->n_ctxs; ci++) {
-            double t, ratio, fl;
+        if (b->moe_runs[B] > 0) {
+            const struct model_config *cfg = b->m->cfg;
 
-            extrapolate(b, B, b->ctxs[ci], &t, &ratio, &fl);
-            if (t > 0)
-                printf("  Step-3.7-Flash decode step, 45 layers + head, context %2dk: %8.1f ms = "
-                       "%6.2f tok/s (floor %7.1f ms = %6.2f tok/s)  %5.1f %% of bw\n",
-                       b->ctxs[ci] / 1024, 1e3 * t, B / t, 1e3 * fl, B / fl, 100.0 * ratio);
+            printf("  routing: distinct experts per MoE layer %.1f realistic (target %.1f = "
+                   "uniform %.1f x %.3f, the measured ratio), %.1f uniform (random router)\n",
+                   median(b->real_distinct[B], b->reps), routing_target(cfg->n_experts,
+                   cfg->top_k, B), routing_uniform(cfg->n_experts, cfg->top_k, B),
+                   routing_target(cfg->n_experts, cfg->top_k, B) /
+                       routing_uniform(cfg->n_experts, cfg->top_k, B),
+                   median(b->uni_distinct[B], b->reps));
         }
+        for (int u = 0; u < 2; u++)
+            for (int ci = 0; ci < b->n_ctxs; ci++) {
+                double t, ratio, fl;
+
+                extrapolate(b, B, b->ctxs[ci], u, &t, &ratio, &fl);
+                if (t > 0)
+                    printf("  Step-3.7-Flash decode step, 45 layers + head, context %2dk%s: %8.1f "
+                           "ms = %6.2f tok/s (floor %7.1f ms = %6.2f tok/s)  %5.1f %% of floor\n",
+                           b->ctxs[ci] / 1024, u ? ", uniform routing" : "", 1e3 * t, B / t,
+                           1e3 * fl, B / fl, 100.0 * ratio);
+            }
     }
     {
         const struct cell *moe = NULL;
@@ -618,7 +976,7 @@ static void report(const struct bench *b)
             if (b->cells[i].B == 1 && strncmp(b->cells[i].name, "layer ", 6) == 0 &&
                 strstr(b->cells[i].name, "MoE/sliding"))
                 moe = &b->cells[i];
-        extrapolate(b, 1, CTX_LAYERS, &t, &ratio, &fl);
+        extrapolate(b, 1, CTX_LAYERS, false, &t, &ratio, &fl);
         if (moe) {
             for (int k = 0; k < moe->n; k++)
                 rr[k] = moe->floor[k] / moe->t[k];
@@ -704,6 +1062,36 @@ static int parse_list(const char *s, int *out, int max)
     return n;
 }
 
+/* The compute peak of the round: the int8 MXFP4 GEMM (backend_matmul, the kernel the
+ * routed experts run) on the first MoE layer's expert 0 gate (1280 x 4096) at MAX_B tokens,
+ * its weights in the cache after a first call; the best of 5 calls, FLOP/s.  0 without a
+ * MoE layer (the floors are then bytes only). */
+static double gemm_peak(struct bench *b)
+{
+    struct model *m = b->m;
+    const struct bweight *w = NULL;
+    double best = 0;
+
+    for (int l = 0; l < m->n_layers && !w; l++)
+        if (m->layers[l].is_moe && m->layers[l].n_local > 0)
+            w = &m->layers[l].experts[0].gate;
+    if (!w || w->rows > m->hidden || w->cols != m->hidden)
+        return 0;
+    b->peak_rows = (int)w->rows;
+    fill_rows(b, m->a, (size_t)MAX_B * m->hidden);
+    for (int i = 0; i < 6; i++) {
+        double t0 = now(), t;
+        int r = backend_matmul(m->be, w, m->a, MAX_B, m->tmp);
+
+        t = now() - t0;
+        if (r < 0)
+            die("GEMM peak", r, NULL);
+        if (i > 0 && (best == 0 || t < best))
+            best = t;
+    }
+    return wflops(w, MAX_B) / best;
+}
+
 static void bench_threads(struct bench *b, struct ckpt *ck)
 {
     const struct model_config *cfg = ckpt_config(ck);
@@ -774,6 +1162,11 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
             exit(1);
         }
     }
+    if (b->m->n_layers > 64 || cfg->n_experts > 1024 || cfg->top_k > 64) {
+        fprintf(stderr, "bench-shapes: realistic routing takes at most 64 layers, 1024 experts "
+                "and top-64\n");
+        exit(1);
+    }
     for (int i = 0; i < b->m->n_layers + b->m->n_mtp; i++)
         kv_fill(b, &b->m->layers[i].kv);
     for (int i = 0; b->m->mtp_tp && i < 2 * b->m->n_mtp; i++)
@@ -785,10 +1178,19 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
     b->n_cells = 0;
     for (b->rep = 0; b->rep < b->reps; b->rep++) {
         b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
+        b->peak[b->rep] = gemm_peak(b);
         for (int bi = 0; bi < b->n_batches; bi++)
             sweep(b, b->batches[bi]);
     }
+    if (b->peak[0] > 0)
+        printf("\nthreads %d: GEMM peak %.1f GFLOP/s (median of %d rounds; int8 MXFP4 "
+               "backend_matmul, expert gate %d x %d at %d tokens, weights in cache, best of 5)\n",
+               b->T, median(b->peak, b->reps) / 1e9, b->reps, b->peak_rows, b->m->hidden, MAX_B);
     report(b);
+    for (int l = 0; l < 64; l++) {
+        free(b->rrows[l]);
+        b->rrows[l] = NULL;
+    }
     model_free(b->m);
     b->m = NULL;
     for (int g = 0; g < _KV_GROUP_MAX; g++)
@@ -890,6 +1292,248 @@ static void bench_attn_only(struct bench *b)
     cpu_pool_free(b->pool);
 }
 
+/* bench-shapes' realistic inputs through b->m's real MoE layers: for each batch size and MoE
+ * layer, routing_layer_inputs' rows as one run of B tokens (positions pos, slots; the tables
+ * of one sequence) must reach exactly the chosen count and route every token to its set.
+ * Prints a line per batch size; returns the failures. */
+static int routing_check(struct bench *b, const int *Bs, int nB, const int32_t *pos,
+                         const int32_t *slots, const int32_t *table)
+{
+    struct model *m = b->m;
+    const int k = m->cfg->top_k;
+    int32_t sets[MAX_B * 64], start[2] = { 0, 0 }, zero = 0;
+    int bad = 0;
+
+    for (int bi = 0; bi < nB; bi++) {
+        const int B = Bs[bi];
+        struct batch bt = { .n_tok = B, .n_seqs = 1, .ids = pos, .pos = pos,
+                            .seq_start = start, .seq_pos0 = &zero };
+        double sum = 0;
+        int n = 0, off = 0;
+
+        start[1] = B;
+        for (int g = 0; g < _KV_GROUP_MAX; g++) {
+            bt.slots[g] = slots;
+            bt.boff[g] = &zero;
+            bt.tables[g] = table;
+        }
+        for (int l = 0; l < m->n_layers; l++) {
+            struct mlayer *L = &m->layers[l];
+            float *bias = L->router_bias;
+            int d, r;
+
+            if (!L->is_moe)
+                continue;
+            d = routing_layer_inputs(b, L, l, B, m->hid, sets);
+            L->router_bias = NULL;
+            r = model__layer_forward(m, L, m->hid, &bt);
+            L->router_bias = bias;
+            if (r < 0)
+                die("layer", r, m);
+            for (int t = 0; t < B; t++)
+                for (int j = 0; j < k; j++) {
+                    bool found = false;
+
+                    for (int q = 0; q < k && !found; q++)
+                        found = m->rids[t * k + q] == sets[t * k + j];
+                    off += !found;
+                }
+            bad += distinct_experts(m, B) != d;
+            sum += distinct_experts(m, B);
+            n++;
+        }
+        bad += off > 0;
+        printf("  constructed inputs, batch %2d: %6.2f distinct experts per MoE layer (target "
+               "%.2f), %d of %d token-expert choices off their sets\n", B, sum / n,
+               routing_target(m->cfg->n_experts, k, B), off, n * B * k);
+    }
+    return bad;
+}
+
+/* --measure-routing MODEL_DIR FILE...: the distinct experts per MoE layer that the model's
+ * own router gives at batch 1/4/16/64, measured on real text.  The files' text (tokenized
+ * with the model's tokenizer) is cut into segments of MR_SEG tokens (at most MR_NSEG); each
+ * segment is prefilled as a sequence of its own through the trunk, keeping every MoE
+ * layer's routing of every token.  A draw takes B different segments and a random position
+ * in each (B sequences decoding side by side) and counts, per MoE layer, the distinct
+ * experts of their union; the table gives the mean over MR_DRAWS draws and the MoE layers
+ * beside the uniform expectation N (1 - (1 - k/N)^B).  routing_ratio holds its figures. */
+#define MR_SEG 128
+#define MR_NSEG 256
+#define MR_DRAWS 400
+
+static int measure_routing(struct bench *b, int argc, char **argv)
+{
+    static const int Bs[] = { 1, 4, 16, 64 };
+    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 0 };
+    struct backend_cfg bc = { .n_threads = 1 };
+    struct err_buf e = { { 0 } };
+    struct tok_ids ids = { 0 };
+    struct tokenizer *tk = NULL;
+    struct ckpt *ck = NULL;
+    struct model *m = NULL;
+    struct backend *be = NULL;
+    char path[4200];
+    int32_t *routes = NULL, pos[MR_SEG], slots[MR_SEG], start[2] = { 0, MR_SEG }, zero = 0;
+    int32_t table[MR_SEG / BS];
+    int nseg, n_moe = 0, N, k, r, bad = 0;
+
+    if (argc < 2) {
+        fprintf(stderr, "usage: bench-shapes --measure-routing MODEL_DIR FILE...\n");
+        return 2;
+    }
+    snprintf(path, sizeof(path), "%s/tokenizer.json", argv[0]);
+    r = tok_load(path, &tk, &e);
+    for (int i = 1; r >= 0 && i < argc; i++) {
+        char *text;
+        size_t len;
+
+        r = file_read_all(argv[i], 64u << 20, FILE_REGULAR, &text, &len);
+        if (r < 0) {
+            snprintf(e.msg, sizeof(e.msg), "%s: %s", argv[i], err_str(r));
+            break;
+        }
+        r = tok_encode(tk, text, len, 0, &ids, &e);
+        free(text);
+    }
+    nseg = (int)(ids.n / MR_SEG) < MR_NSEG ? (int)(ids.n / MR_SEG) : MR_NSEG;
+    if (r >= 0 && nseg < 64) {
+        snprintf(e.msg, sizeof(e.msg), "the files hold %zu tokens, fewer than the 64 segments "
+                 "of %d that batch 64 draws from", ids.n, MR_SEG);
+        r = -EINVAL;
+    }
+    r = r < 0 ? r : ckpt_open(argv[0], &co, &ck, &e);
+    r = r < 0 ? r : backend_new("cpu", &bc, &be);
+    if (r >= 0) {
+        struct model_opts mo = {
+            .max_tokens_per_step = MR_SEG, .max_seqs = 1, .max_logit_rows = 1,
+            .block_size = BS, .n_blocks = { MR_SEG / BS + 1, MR_SEG / BS + 1 },
+            .max_seq_len = MR_SEG + BS, .kv_f32 = true,
+        };
+        r = model_new(ck, be, NULL, &mo, &m, &e);
+    }
+    if (r < 0) {
+        fprintf(stderr, "bench-shapes: --measure-routing: %s\n", *e.msg ? e.msg : err_str(r));
+        goto out;
+    }
+    N = m->cfg->n_experts;
+    k = m->cfg->top_k;
+    for (int l = 0; l < m->n_layers; l++)
+        n_moe += m->layers[l].is_moe;
+    if (n_moe == 0 || N > 1024) {
+        fprintf(stderr, "bench-shapes: --measure-routing: %s has %s\n", argv[0],
+                n_moe ? "more than 1024 experts" : "no MoE layer");
+        r = -EINVAL;
+        goto out;
+    }
+    routes = malloc(sizeof(int32_t) * (size_t)n_moe * nseg * MR_SEG * k);
+    if (!routes)
+        die("routes", -ENOMEM, NULL);
+    for (int i = 0; i < MR_SEG; i++) {
+        pos[i] = i;
+        slots[i] = i;           /* table[j] = j: slot = position */
+    }
+    for (int j = 0; j < MR_SEG / BS; j++)
+        table[j] = j;
+    for (int s = 0; s < nseg; s++) {
+        const int32_t *tok = ids.ids + (size_t)s * MR_SEG;
+        struct step_seq sq = { .n_tokens = MR_SEG, .n_blocks = MR_SEG / BS };
+        struct step_plan p = { .n_seqs = 1, .n_tokens = MR_SEG, .seqs = &sq,
+                               .tokens = (int32_t *)tok };
+        struct batch bt = { .n_tok = MR_SEG, .n_seqs = 1, .ids = tok, .pos = pos,
+                            .seq_start = start, .seq_pos0 = &zero };
+        int mi = 0;
+
+        for (int g = 0; g < _KV_GROUP_MAX; g++) {
+            bt.slots[g] = slots;
+            bt.boff[g] = &zero;
+            bt.tables[g] = table;
+            p.n_block_ids[g] = MR_SEG / BS;
+            p.blocks[g] = table;
+        }
+        r = model__step_inputs(m, &bt, &p, false);
+        r = r < 0 ? r : backend_embed(m->be, &m->embed, tok, MR_SEG, m->hid);
+        for (int l = 0; r >= 0 && l < m->n_layers; l++) {
+            r = model__layer_forward(m, &m->layers[l], m->hid, &bt);
+            if (r >= 0 && m->layers[l].is_moe)
+                memcpy(routes + ((size_t)mi++ * nseg + s) * MR_SEG * k, m->rids,
+                       sizeof(int32_t) * MR_SEG * k);
+        }
+        if (r < 0)
+            die("prefill", r, m);
+    }
+    printf("bench-shapes --measure-routing: %s (%d experts, top-%d, %d MoE of %d layers), %d "
+           "segments of %d tokens, %d draws per batch size\n", argv[0], N, k, n_moe,
+           m->n_layers, nseg, MR_SEG, MR_DRAWS);
+    printf("  batch  distinct (range over MoE layers)  uniform  measured/uniform\n");
+    for (size_t bi = 0; bi < sizeof(Bs) / sizeof(Bs[0]); bi++) {
+        const int B = Bs[bi];
+        double lo = INFINITY, hi = 0, all = 0, u = routing_uniform(N, k, B);
+        int32_t seg[MR_NSEG];
+
+        for (int mi = 0; mi < n_moe; mi++) {
+            double sum = 0;
+
+            for (int dr = 0; dr < MR_DRAWS; dr++) {
+                uint64_t seen[16] = { 0 };
+                int n = 0;
+
+                for (int i = 0; i < nseg; i++)
+                    seg[i] = i;
+                for (int t = 0; t < B; t++) {
+                    int j = t + (int)(rnd(b) % (uint64_t)(nseg - t)), sv = seg[t];
+                    const int32_t *id;
+
+                    seg[t] = seg[j];
+                    seg[j] = sv;
+                    id = routes + (((size_t)mi * nseg + seg[t]) * MR_SEG +
+                                   rnd(b) % MR_SEG) * k;
+                    for (int q = 0; q < k; q++)
+                        if (id[q] >= 0 && id[q] < N && !(seen[id[q] / 64] >> (id[q] % 64) & 1)) {
+                            seen[id[q] / 64] |= 1ull << (id[q] % 64);
+                            n++;
+                        }
+                }
+                /* what a router can give: k experts at batch 1, at most min(N, B k) */
+                if ((B == 1 && n != k) || n > (B * k < N ? B * k : N) || n < k) {
+                    fprintf(stderr, "bench-shapes: --measure-routing: %d experts at batch %d, "
+                            "top-%d of %d\n", n, B, k, N);
+                    bad++;
+                }
+                sum += n;
+            }
+            sum /= MR_DRAWS;
+            lo = sum < lo ? sum : lo;
+            hi = sum > hi ? sum : hi;
+            all += sum / n_moe;
+        }
+        printf("  %5d  %6.2f (%.2f .. %.2f)  %7.2f  %.3f\n", B, all, lo, hi, u, all / u);
+        for (size_t i = 0; i < sizeof(routing_ratio) / sizeof(routing_ratio[0]); i++)
+            if (routing_ratio[i].B == B && fabs(all / u - routing_ratio[i].ratio) > 0.03) {
+                fprintf(stderr, "bench-shapes: --measure-routing: the ratio at batch %d is %.3f, "
+                        "routing_ratio holds %.3f: update it\n", B, all / u,
+                        routing_ratio[i].ratio);
+                bad++;
+            }
+    }
+    b->m = m;
+    bad += routing_check(b, Bs, sizeof(Bs) / sizeof(Bs[0]), pos, slots, table);
+    b->m = NULL;
+    if (bad) {
+        fprintf(stderr, "bench-shapes: --measure-routing: %d checks failed\n", bad);
+        r = -EPROTO;
+    }
+out:
+    free(routes);
+    model_free(m);
+    if (be)
+        backend_free(be);
+    ckpt_close(ck);
+    tok_ids_done(&ids);
+    tok_free(tk);
+    return r < 0 ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     struct bench *b = calloc(1, sizeof(*b));
@@ -900,12 +1544,18 @@ int main(int argc, char **argv)
     int r;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
+    b->rng = 0x9e3779b97f4a7c15ull;
+    if (argc > 1 && strcmp(argv[1], "--measure-routing") == 0) {
+        r = measure_routing(b, argc - 2, argv + 2);
+        free(b);
+        return r;
+    }
     b->threads[0] = 1, b->threads[1] = 2, b->n_threads = 2;
-    b->batches[0] = 1, b->batches[1] = 4, b->batches[2] = 16, b->n_batches = 3;
+    b->batches[0] = 1, b->batches[1] = 4, b->batches[2] = 16, b->batches[3] = 64;
+    b->n_batches = 4;
     b->ctxs[0] = 1024, b->ctxs[1] = 8192, b->ctxs[2] = 32768, b->n_ctxs = 3;
     b->reps = 5;
     b->dv = 32768;
-    b->rng = 0x9e3779b97f4a7c15ull;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int ok = 1;
@@ -952,8 +1602,9 @@ int main(int argc, char **argv)
             ok = b->threads[k] <= 127;
         if (!ok) {
             fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
-                            "[--batches 1,4,16 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
-                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] | --attn-only\n", MAX_B, MAX_REPS);
+                            "[--batches 1,4,16,64 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
+                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] | --attn-only | "
+                            "--measure-routing MODEL_DIR FILE...\n", MAX_B, MAX_REPS);
             return 2;
         }
         i++;
@@ -1001,8 +1652,15 @@ int main(int argc, char **argv)
         free(b->arena);
         return 0;
     }
-    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 1 };
+    struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 0, .headers_only = true };
+    /* one MTP depth where the checkpoint has MTP layers (a trunk-only one: none) */
     r = ckpt_open(b->model_dir, &co, &ck, &e);
+    if (r >= 0) {
+        co.mtp_depth = ckpt_config(ck)->n_mtp_layers > 0;
+        co.headers_only = false;
+        ckpt_close(ck);
+        r = ckpt_open(b->model_dir, &co, &ck, &e);
+    }
     if (r < 0) {
         fprintf(stderr, "bench-shapes: %s: %s\n", b->model_dir, e.msg);
         return 1;

@@ -13,7 +13,8 @@
 //
 // qkv_prep_kernel: one warp per (token, head) of the fused projection [q | k | v | g]:
 // per-head RMSNorm of q and k (Gemma 1 + w), NeoX RoPE on the first rotary dims, k and v
-// written to their cache slots, q to the attention input.
+// written to their cache slots, q to the attention input; the q warps also zero the
+// attention output's row of their head (no memset node before the attention).
 #include <math.h>
 
 #include "common.cuh"
@@ -487,10 +488,14 @@ static __global__ void qkv_prep_kernel(const struct kcu_qkv_args a)
     }
     if (is_q) {
         bf16 *dst = a.q16 + (int64_t) t * q_dim + hs * hd;
+        bf16 *z = a.att ? a.att + (int64_t) t * q_dim + hs * hd : NULL;
 #pragma unroll
         for (int j = 0; j < 8; j++)
-            if (lane + 32 * j < hd)
+            if (lane + 32 * j < hd) {
                 dst[lane + 32 * j] = __float2bfloat16_rn(y[j]);
+                if (z)
+                    z[lane + 32 * j] = __float2bfloat16_rn(0.0f);
+            }
         return;
     }
     const int32_t slot = a.slots[t];

@@ -98,6 +98,7 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
     flash_split_range(klo, khi, a.n_splits, split, &lo, &hi);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool busy = warp * 16 < rows;     // else the warp only helps to load K and V
     const int ra = warp * 16 + lane / 4, rb = ra + 8;
     const bool va = ra < rows, vb = rb < rows;
     const int64_t ta = p_first + ra / G, tb = p_first + rb / G;
@@ -119,18 +120,32 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
 
     const int32_t *table = a.tables + (a.table_shift ? *a.table_shift : 0) + a.boff[s];
     const KVT *kc = (const KVT *) a.kc, *vc = (const KVT *) a.vc;
+    // element offset of each key of a tile in the cache (-1: past the range), computed once
+    // per 64-key tile (one block-table load and division per key, not per 16 bytes);
+    // double-buffered like the tiles, so the loop's barrier separates a buffer's reads
+    // from its next writes
+    __shared__ int64_t koff[2 * KT];
     auto load_tile = [&](int kt, int buf) {
         const int64_t k0 = lo + (int64_t) kt * KT;
         constexpr int CPR = HDIM / 8;         // 16-byte chunks per row
+        int64_t *off = koff + buf * KT;
+        for (int key = threadIdx.x; key < KT; key += blockDim.x) {
+            const int64_t tau = k0 + key;
+            int64_t o = -1;
+            if (tau < hi) {
+                const int64_t slot = (int64_t) table[tau / a.block_size] * a.block_size +
+                                     tau % a.block_size;
+                o = (slot * a.n_kv_heads + kvh) * HDIM;
+            }
+            off[key] = o;
+        }
+        __syncthreads();
         for (int idx = threadIdx.x; idx < 2 * KT * CPR; idx += blockDim.x) {
             const int which = idx / (KT * CPR), rem = idx % (KT * CPR);
             const int key = rem / CPR, c8 = rem % CPR;
-            const int64_t tau = k0 + key;
-            const bool valid = tau < hi;
-            int64_t slot = 0;
-            if (valid)
-                slot = (int64_t) table[tau / a.block_size] * a.block_size + tau % a.block_size;
-            const KVT *src = (which ? vc : kc) + (slot * a.n_kv_heads + kvh) * HDIM + c8 * 8;
+            const int64_t o = off[key];
+            const bool valid = o >= 0;
+            const KVT *src = (which ? vc : kc) + (valid ? o : 0) + c8 * 8;
             bf16 *dst = (which ? vs : ks) + (buf * KT + key) * LDK + c8 * 8;
             kv_chunk<KVT>(dst, src, valid);
         }
@@ -156,6 +171,10 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
             cp_async_wait<0>();
         }
         __syncthreads();
+        if (!busy) {
+            __syncthreads();
+            continue;
+        }
         const bf16 *kb = ks + (kt & 1) * KT * LDK, *vb_ = vs + (kt & 1) * KT * LDK;
 
         float sc[KT / 8][4];
@@ -233,6 +252,8 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
         }
         __syncthreads();
     }
+    if (!busy)
+        return;
     la += __shfl_xor_sync(0xffffffffu, la, 1);
     la += __shfl_xor_sync(0xffffffffu, la, 2);
     lb += __shfl_xor_sync(0xffffffffu, lb, 1);
@@ -307,6 +328,8 @@ bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim)
            n_heads % n_kv_heads == 0;
 }
 
+#define FLASH_MIN_WARPS 4
+
 static size_t flash_smem(int hd)
 {
     return (size_t) 4 * FLASH_KEY_TILE * (hd + 8) * sizeof(bf16);
@@ -380,7 +403,11 @@ int kcu_attention(struct cuda_ctx *c, const struct kcu_attn_args *a)
     if (c->map.valid && c->map.qclass == 0 && a->tiles == c->sd.tiles)
         max_q = 1;                  // decode step: one token per tile
     fa.rows_cap = max_q * G;
-    const int warps = (fa.rows_cap + 15) / 16;
+    // at least FLASH_MIN_WARPS warps a block: at decode (one token: 8 or 12 rows, one warp
+    // of them) the others share the loads of the K and V tiles
+    int warps = (fa.rows_cap + 15) / 16;
+    if (warps < FLASH_MIN_WARPS)
+        warps = FLASH_MIN_WARPS;
     fa.q = a->q;
     fa.out = a->out;
     fa.gate = a->gate;

@@ -124,11 +124,11 @@ static __device__ void router_logits(const float *xr, const float *w, int hidden
 // threads): the last block to finish (a counter in device memory, reset by that block for
 // the next launch or graph replay) builds the MoE plan of all rows' ids (moe-plan.h), in
 // place of moe_plan_kernel.
-static __global__ void router_gemv_kernel(const float *x, const float *w, int hidden,
-                                          const float *bias, const int32_t *n_real, int n_exp,
-                                          int top_k, int renorm, float scale, int32_t *ids,
-                                          float *weights, struct moe_plan_args plan,
-                                          int32_t *done)
+// (launch bounds: 1024 threads with the plan, so at most 64 registers a thread)
+static __global__ void __launch_bounds__(MOE_PLAN_THREADS)
+router_gemv_kernel(const float *x, const float *w, int hidden, const float *bias,
+                   const int32_t *n_real, int n_exp, int top_k, int renorm, float scale,
+                   int32_t *ids, float *weights, struct moe_plan_args plan, int32_t *done)
 {
     extern __shared__ float router_z[];     // [n_exp], then the plan's shared state
     __shared__ int last[1];

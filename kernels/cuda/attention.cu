@@ -34,6 +34,8 @@ struct flash_args {
     const int32_t *seq_start, *pos0, *tables, *boff, *tiles, *n_tiles_real, *table_shift;
     float *part;                    // n_splits > 1: [tile][kvh][split][rows_cap][hd] and m, l
     float *ml;
+    int32_t *split_done;            // or NULL: per (tile, KV head), splits done (0 between
+                                    // launches); the last one merges (no flash_merge node)
 };
 
 template <typename T> static __device__ __forceinline__ uint32_t load_pair(const T *p);
@@ -72,6 +74,31 @@ template <> __device__ __forceinline__ void kv_chunk<float>(bf16 *dst, const flo
                        pack_bf16x2(b.z, b.w));
     }
     *(uint4 *) dst = v;
+}
+
+// Row `base` of the partials of (tile, KV head) merged over the splits into out (query
+// token tok, head h), elements d0, d0 + dstep, ...: coefficients as flash_merge_coef,
+// computed by each thread; times the head's gate.
+template <int HDIM, typename OT>
+static __device__ void flash_merge_row(const struct flash_args &a, int64_t base, int tok, int h,
+                                       int d0, int dstep)
+{
+    const float *m = a.ml + base * 2, *l = m + 1;
+    const int64_t st = 2 * (int64_t) a.rows_cap;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int i = 0; i < a.n_splits; i++)
+        mx = m[i * st] > mx ? m[i * st] : mx;
+    for (int i = 0; i < a.n_splits; i++)
+        sum += flash_rescale(m[i * st], mx) * l[i * st];
+    const float g = a.gate ? sigmoidf_(__bfloat162float(a.gate[(int64_t) tok * a.gate_ld + h])) : 1.0f;
+    for (int d = d0; d < HDIM; d += dstep) {
+        float v = 0.0f;
+        for (int i = 0; i < a.n_splits; i++) {
+            const float c = sum > 0.0f ? flash_rescale(m[i * st], mx) / sum : 0.0f;
+            v += c * a.part[(base + (int64_t) i * a.rows_cap) * HDIM + d];
+        }
+        ((OT *) a.out)[((int64_t) tok * a.n_heads + h) * HDIM + d] = from_f32<OT>(v * g);
+    }
 }
 
 template <int HDIM, typename KVT, typename QT, typename OT>
@@ -252,12 +279,14 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
         }
         __syncthreads();
     }
-    if (!busy)
+    if (!busy && !a.split_done)
         return;
-    la += __shfl_xor_sync(0xffffffffu, la, 1);
-    la += __shfl_xor_sync(0xffffffffu, la, 2);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 1);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    if (busy) {
+        la += __shfl_xor_sync(0xffffffffu, la, 1);
+        la += __shfl_xor_sync(0xffffffffu, la, 2);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    }
 
     if (a.n_splits == 1) {
         OT *out = (OT *) a.out;
@@ -276,21 +305,43 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
         }
         return;
     }
-    const int64_t base = (((int64_t) tile * a.n_kv_heads + kvh) * a.n_splits + split) * a.rows_cap;
+    const int64_t base0 = ((int64_t) tile * a.n_kv_heads + kvh) * a.n_splits * a.rows_cap;
+    const int64_t base = base0 + (int64_t) split * a.rows_cap;
+    if (busy) {
 #pragma unroll
-    for (int n = 0; n < HDIM / 8; n++) {
-        const int col = n * 8 + 2 * (lane % 4);
-        if (va)
-            *(float2 *) (a.part + (base + ra) * HDIM + col) = make_float2(o[n][0], o[n][1]);
-        if (vb)
-            *(float2 *) (a.part + (base + rb) * HDIM + col) = make_float2(o[n][2], o[n][3]);
+        for (int n = 0; n < HDIM / 8; n++) {
+            const int col = n * 8 + 2 * (lane % 4);
+            if (va)
+                *(float2 *) (a.part + (base + ra) * HDIM + col) = make_float2(o[n][0], o[n][1]);
+            if (vb)
+                *(float2 *) (a.part + (base + rb) * HDIM + col) = make_float2(o[n][2], o[n][3]);
+        }
+        if (lane % 4 == 0) {
+            if (va)
+                *(float2 *) (a.ml + (base + ra) * 2) = make_float2(ma, la);
+            if (vb)
+                *(float2 *) (a.ml + (base + rb) * 2) = make_float2(mb, lb);
+        }
     }
-    if (lane % 4 == 0) {
-        if (va)
-            *(float2 *) (a.ml + (base + ra) * 2) = make_float2(ma, la);
-        if (vb)
-            *(float2 *) (a.ml + (base + rb) * 2) = make_float2(mb, lb);
+    if (!a.split_done)
+        return;
+    // this split's partials are written: the last split of (tile, KV head) to finish (all
+    // partials visible) merges them, and sets the counter back to 0 for the next launch
+    __shared__ int merge_last[1];
+    int32_t *done = a.split_done + (int64_t) tile * a.n_kv_heads + kvh;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        merge_last[0] = atomicAdd(done, 1) == a.n_splits - 1;
     }
+    __syncthreads();
+    if (!merge_last[0])
+        return;
+    __threadfence();
+    for (int r = warp; r < rows; r += blockDim.x >> 5)
+        flash_merge_row<HDIM, OT>(a, base0 + r, t0 + r / G, kvh * G + r % G, lane, 32);
+    if (threadIdx.x == 0)
+        *done = 0;
 }
 
 // One block per (tile, KV head, row): out = sum over splits of coef * o, times the gate.
@@ -304,20 +355,8 @@ static __global__ void flash_merge_kernel(const struct flash_args a)
     const int nq = td.z - td.y, G = a.n_heads / a.n_kv_heads;
     if (r >= nq * G)
         return;
-    __shared__ float coef[FLASH_MAX_SPLITS];
     const int64_t base = ((int64_t) tile * a.n_kv_heads + kvh) * a.n_splits * a.rows_cap + r;
-    if (threadIdx.x == 0)
-        flash_merge_coef(a.n_splits, a.ml + base * 2, a.ml + base * 2 + 1, 2 * (int64_t) a.rows_cap,
-                         coef);
-    __syncthreads();
-    const int tok = td.y + r / G, h = kvh * G + r % G;
-    const float g = a.gate ? sigmoidf_(__bfloat162float(a.gate[(int64_t) tok * a.gate_ld + h])) : 1.0f;
-    for (int d = threadIdx.x; d < HDIM; d += blockDim.x) {
-        float v = 0.0f;
-        for (int i = 0; i < a.n_splits; i++)
-            v += coef[i] * a.part[(base + (int64_t) i * a.rows_cap) * HDIM + d];
-        ((OT *) a.out)[((int64_t) tok * a.n_heads + h) * HDIM + d] = from_f32<OT>(v * g);
-    }
+    flash_merge_row<HDIM, OT>(a, base, td.y + r / G, kvh * G + r % G, threadIdx.x, blockDim.x);
 }
 
 bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim)
@@ -348,7 +387,7 @@ static int flash_launch(struct cuda_ctx *c, const struct flash_args &fa, int n_t
     dim3 grid(n_tiles, fa.n_kv_heads, fa.n_splits);
     flash_kernel<HDIM, KVT, QT, OT><<<grid, warps * 32, flash_smem(HDIM), c->stream>>>(fa);
     int r = CUDA_LAUNCH_CHECK();
-    if (r < 0 || fa.n_splits == 1)
+    if (r < 0 || fa.n_splits == 1 || fa.split_done)
         return r;
     dim3 mgrid(n_tiles, fa.n_kv_heads, fa.rows_cap);
     flash_merge_kernel<HDIM, OT><<<mgrid, HDIM, 0, c->stream>>>(fa);
@@ -433,6 +472,9 @@ int kcu_attention(struct cuda_ctx *c, const struct kcu_attn_args *a)
         fa.ml = (float *) cuda_ws_take(c, rows * 2 * sizeof(float));
         if (!fa.part || !fa.ml)
             return -ENOMEM;
+        // the merge in the kernel's last split (flash_merge_kernel past the counters)
+        if ((int64_t) a->n_tiles * a->n_kv_heads <= KCU_SPLIT_DONE_CAP)
+            fa.split_done = c->d_split_done;
     }
     if (a->qt == KDT_BF16 && a->ot == KDT_BF16)
         return flash_by_hd<bf16, bf16>(c, fa, a->head_dim, a->n_tiles, warps, a->kv->dtype_f32);

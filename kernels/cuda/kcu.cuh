@@ -145,6 +145,9 @@ struct kcu_attn_args {
     int n_tok;                      // rows of out (rows of no tile are zeroed)
 };
 int kcu_attention(struct cuda_ctx *c, const struct kcu_attn_args *a);
+// (tile, KV head) pairs of a split launch whose merge runs in flash_kernel's last split
+// (cuda_ctx.d_split_done); more: flash_merge_kernel.  Splits happen below 2 blocks an SM.
+#define KCU_SPLIT_DONE_CAP 4096
 bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim);
 size_t kcu_attention_ws(const struct cuda_ctx *c, int n_tiles, int n_heads, int head_dim);
 // host: tiles of ATTN_QT tokens for the runs [seq_start[s], seq_start[s+1]) into t[4*i]

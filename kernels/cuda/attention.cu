@@ -13,7 +13,8 @@
 //
 // qkv_prep_kernel: one warp per (token, head) of the fused projection [q | k | v | g]:
 // per-head RMSNorm of q and k (Gemma 1 + w), NeoX RoPE on the first rotary dims, k and v
-// written to their cache slots, q to the attention input.
+// written to their cache slots, q to the attention input; the q warps also zero the
+// attention output's row of their head (no memset node before the attention).
 #include <math.h>
 
 #include "common.cuh"
@@ -33,6 +34,8 @@ struct flash_args {
     const int32_t *seq_start, *pos0, *tables, *boff, *tiles, *n_tiles_real, *table_shift;
     float *part;                    // n_splits > 1: [tile][kvh][split][rows_cap][hd] and m, l
     float *ml;
+    int32_t *split_done;            // or NULL: per (tile, KV head), splits done (0 between
+                                    // launches); the last one merges (no flash_merge node)
 };
 
 template <typename T> static __device__ __forceinline__ uint32_t load_pair(const T *p);
@@ -73,6 +76,31 @@ template <> __device__ __forceinline__ void kv_chunk<float>(bf16 *dst, const flo
     *(uint4 *) dst = v;
 }
 
+// Row `base` of the partials of (tile, KV head) merged over the splits into out (query
+// token tok, head h), elements d0, d0 + dstep, ...: coefficients as flash_merge_coef,
+// computed by each thread; times the head's gate.
+template <int HDIM, typename OT>
+static __device__ void flash_merge_row(const struct flash_args &a, int64_t base, int tok, int h,
+                                       int d0, int dstep)
+{
+    const float *m = a.ml + base * 2, *l = m + 1;
+    const int64_t st = 2 * (int64_t) a.rows_cap;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int i = 0; i < a.n_splits; i++)
+        mx = m[i * st] > mx ? m[i * st] : mx;
+    for (int i = 0; i < a.n_splits; i++)
+        sum += flash_rescale(m[i * st], mx) * l[i * st];
+    const float g = a.gate ? sigmoidf_(__bfloat162float(a.gate[(int64_t) tok * a.gate_ld + h])) : 1.0f;
+    for (int d = d0; d < HDIM; d += dstep) {
+        float v = 0.0f;
+        for (int i = 0; i < a.n_splits; i++) {
+            const float c = sum > 0.0f ? flash_rescale(m[i * st], mx) / sum : 0.0f;
+            v += c * a.part[(base + (int64_t) i * a.rows_cap) * HDIM + d];
+        }
+        ((OT *) a.out)[((int64_t) tok * a.n_heads + h) * HDIM + d] = from_f32<OT>(v * g);
+    }
+}
+
 template <int HDIM, typename KVT, typename QT, typename OT>
 static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash_args a)
 {
@@ -97,6 +125,7 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
     flash_split_range(klo, khi, a.n_splits, split, &lo, &hi);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool busy = warp * 16 < rows;     // else the warp only helps to load K and V
     const int ra = warp * 16 + lane / 4, rb = ra + 8;
     const bool va = ra < rows, vb = rb < rows;
     const int64_t ta = p_first + ra / G, tb = p_first + rb / G;
@@ -118,18 +147,32 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
 
     const int32_t *table = a.tables + (a.table_shift ? *a.table_shift : 0) + a.boff[s];
     const KVT *kc = (const KVT *) a.kc, *vc = (const KVT *) a.vc;
+    // element offset of each key of a tile in the cache (-1: past the range), computed once
+    // per 64-key tile (one block-table load and division per key, not per 16 bytes);
+    // double-buffered like the tiles, so the loop's barrier separates a buffer's reads
+    // from its next writes
+    __shared__ int64_t koff[2 * KT];
     auto load_tile = [&](int kt, int buf) {
         const int64_t k0 = lo + (int64_t) kt * KT;
         constexpr int CPR = HDIM / 8;         // 16-byte chunks per row
+        int64_t *off = koff + buf * KT;
+        for (int key = threadIdx.x; key < KT; key += blockDim.x) {
+            const int64_t tau = k0 + key;
+            int64_t o = -1;
+            if (tau < hi) {
+                const int64_t slot = (int64_t) table[tau / a.block_size] * a.block_size +
+                                     tau % a.block_size;
+                o = (slot * a.n_kv_heads + kvh) * HDIM;
+            }
+            off[key] = o;
+        }
+        __syncthreads();
         for (int idx = threadIdx.x; idx < 2 * KT * CPR; idx += blockDim.x) {
             const int which = idx / (KT * CPR), rem = idx % (KT * CPR);
             const int key = rem / CPR, c8 = rem % CPR;
-            const int64_t tau = k0 + key;
-            const bool valid = tau < hi;
-            int64_t slot = 0;
-            if (valid)
-                slot = (int64_t) table[tau / a.block_size] * a.block_size + tau % a.block_size;
-            const KVT *src = (which ? vc : kc) + (slot * a.n_kv_heads + kvh) * HDIM + c8 * 8;
+            const int64_t o = off[key];
+            const bool valid = o >= 0;
+            const KVT *src = (which ? vc : kc) + (valid ? o : 0) + c8 * 8;
             bf16 *dst = (which ? vs : ks) + (buf * KT + key) * LDK + c8 * 8;
             kv_chunk<KVT>(dst, src, valid);
         }
@@ -155,6 +198,10 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
             cp_async_wait<0>();
         }
         __syncthreads();
+        if (!busy) {
+            __syncthreads();
+            continue;
+        }
         const bf16 *kb = ks + (kt & 1) * KT * LDK, *vb_ = vs + (kt & 1) * KT * LDK;
 
         float sc[KT / 8][4];
@@ -232,10 +279,14 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
         }
         __syncthreads();
     }
-    la += __shfl_xor_sync(0xffffffffu, la, 1);
-    la += __shfl_xor_sync(0xffffffffu, la, 2);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 1);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    if (!busy && !a.split_done)
+        return;
+    if (busy) {
+        la += __shfl_xor_sync(0xffffffffu, la, 1);
+        la += __shfl_xor_sync(0xffffffffu, la, 2);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    }
 
     if (a.n_splits == 1) {
         OT *out = (OT *) a.out;
@@ -254,21 +305,43 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
         }
         return;
     }
-    const int64_t base = (((int64_t) tile * a.n_kv_heads + kvh) * a.n_splits + split) * a.rows_cap;
+    const int64_t base0 = ((int64_t) tile * a.n_kv_heads + kvh) * a.n_splits * a.rows_cap;
+    const int64_t base = base0 + (int64_t) split * a.rows_cap;
+    if (busy) {
 #pragma unroll
-    for (int n = 0; n < HDIM / 8; n++) {
-        const int col = n * 8 + 2 * (lane % 4);
-        if (va)
-            *(float2 *) (a.part + (base + ra) * HDIM + col) = make_float2(o[n][0], o[n][1]);
-        if (vb)
-            *(float2 *) (a.part + (base + rb) * HDIM + col) = make_float2(o[n][2], o[n][3]);
+        for (int n = 0; n < HDIM / 8; n++) {
+            const int col = n * 8 + 2 * (lane % 4);
+            if (va)
+                *(float2 *) (a.part + (base + ra) * HDIM + col) = make_float2(o[n][0], o[n][1]);
+            if (vb)
+                *(float2 *) (a.part + (base + rb) * HDIM + col) = make_float2(o[n][2], o[n][3]);
+        }
+        if (lane % 4 == 0) {
+            if (va)
+                *(float2 *) (a.ml + (base + ra) * 2) = make_float2(ma, la);
+            if (vb)
+                *(float2 *) (a.ml + (base + rb) * 2) = make_float2(mb, lb);
+        }
     }
-    if (lane % 4 == 0) {
-        if (va)
-            *(float2 *) (a.ml + (base + ra) * 2) = make_float2(ma, la);
-        if (vb)
-            *(float2 *) (a.ml + (base + rb) * 2) = make_float2(mb, lb);
+    if (!a.split_done)
+        return;
+    // this split's partials are written: the last split of (tile, KV head) to finish (all
+    // partials visible) merges them, and sets the counter back to 0 for the next launch
+    __shared__ int merge_last[1];
+    int32_t *done = a.split_done + (int64_t) tile * a.n_kv_heads + kvh;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        merge_last[0] = atomicAdd(done, 1) == a.n_splits - 1;
     }
+    __syncthreads();
+    if (!merge_last[0])
+        return;
+    __threadfence();
+    for (int r = warp; r < rows; r += blockDim.x >> 5)
+        flash_merge_row<HDIM, OT>(a, base0 + r, t0 + r / G, kvh * G + r % G, lane, 32);
+    if (threadIdx.x == 0)
+        *done = 0;
 }
 
 // One block per (tile, KV head, row): out = sum over splits of coef * o, times the gate.
@@ -282,20 +355,8 @@ static __global__ void flash_merge_kernel(const struct flash_args a)
     const int nq = td.z - td.y, G = a.n_heads / a.n_kv_heads;
     if (r >= nq * G)
         return;
-    __shared__ float coef[FLASH_MAX_SPLITS];
     const int64_t base = ((int64_t) tile * a.n_kv_heads + kvh) * a.n_splits * a.rows_cap + r;
-    if (threadIdx.x == 0)
-        flash_merge_coef(a.n_splits, a.ml + base * 2, a.ml + base * 2 + 1, 2 * (int64_t) a.rows_cap,
-                         coef);
-    __syncthreads();
-    const int tok = td.y + r / G, h = kvh * G + r % G;
-    const float g = a.gate ? sigmoidf_(__bfloat162float(a.gate[(int64_t) tok * a.gate_ld + h])) : 1.0f;
-    for (int d = threadIdx.x; d < HDIM; d += blockDim.x) {
-        float v = 0.0f;
-        for (int i = 0; i < a.n_splits; i++)
-            v += coef[i] * a.part[(base + (int64_t) i * a.rows_cap) * HDIM + d];
-        ((OT *) a.out)[((int64_t) tok * a.n_heads + h) * HDIM + d] = from_f32<OT>(v * g);
-    }
+    flash_merge_row<HDIM, OT>(a, base, td.y + r / G, kvh * G + r % G, threadIdx.x, blockDim.x);
 }
 
 bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim)
@@ -305,6 +366,8 @@ bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim)
     return (head_dim == 32 || head_dim == 64 || head_dim == 128) && G * ATTN_QT <= 128 &&
            n_heads % n_kv_heads == 0;
 }
+
+#define FLASH_MIN_WARPS 4
 
 static size_t flash_smem(int hd)
 {
@@ -324,7 +387,7 @@ static int flash_launch(struct cuda_ctx *c, const struct flash_args &fa, int n_t
     dim3 grid(n_tiles, fa.n_kv_heads, fa.n_splits);
     flash_kernel<HDIM, KVT, QT, OT><<<grid, warps * 32, flash_smem(HDIM), c->stream>>>(fa);
     int r = CUDA_LAUNCH_CHECK();
-    if (r < 0 || fa.n_splits == 1)
+    if (r < 0 || fa.n_splits == 1 || fa.split_done)
         return r;
     dim3 mgrid(n_tiles, fa.n_kv_heads, fa.rows_cap);
     flash_merge_kernel<HDIM, OT><<<mgrid, HDIM, 0, c->stream>>>(fa);
@@ -379,7 +442,11 @@ int kcu_attention(struct cuda_ctx *c, const struct kcu_attn_args *a)
     if (c->map.valid && c->map.qclass == 0 && a->tiles == c->sd.tiles)
         max_q = 1;                  // decode step: one token per tile
     fa.rows_cap = max_q * G;
-    const int warps = (fa.rows_cap + 15) / 16;
+    // at least FLASH_MIN_WARPS warps a block: at decode (one token: 8 or 12 rows, one warp
+    // of them) the others share the loads of the K and V tiles
+    int warps = (fa.rows_cap + 15) / 16;
+    if (warps < FLASH_MIN_WARPS)
+        warps = FLASH_MIN_WARPS;
     fa.q = a->q;
     fa.out = a->out;
     fa.gate = a->gate;
@@ -405,6 +472,9 @@ int kcu_attention(struct cuda_ctx *c, const struct kcu_attn_args *a)
         fa.ml = (float *) cuda_ws_take(c, rows * 2 * sizeof(float));
         if (!fa.part || !fa.ml)
             return -ENOMEM;
+        // the merge in the kernel's last split (flash_merge_kernel past the counters)
+        if ((int64_t) a->n_tiles * a->n_kv_heads <= KCU_SPLIT_DONE_CAP)
+            fa.split_done = c->d_split_done;
     }
     if (a->qt == KDT_BF16 && a->ot == KDT_BF16)
         return flash_by_hd<bf16, bf16>(c, fa, a->head_dim, a->n_tiles, warps, a->kv->dtype_f32);
@@ -487,10 +557,14 @@ static __global__ void qkv_prep_kernel(const struct kcu_qkv_args a)
     }
     if (is_q) {
         bf16 *dst = a.q16 + (int64_t) t * q_dim + hs * hd;
+        bf16 *z = a.att ? a.att + (int64_t) t * q_dim + hs * hd : NULL;
 #pragma unroll
         for (int j = 0; j < 8; j++)
-            if (lane + 32 * j < hd)
+            if (lane + 32 * j < hd) {
                 dst[lane + 32 * j] = __float2bfloat16_rn(y[j]);
+                if (z)
+                    z[lane + 32 * j] = __float2bfloat16_rn(0.0f);
+            }
         return;
     }
     const int32_t slot = a.slots[t];

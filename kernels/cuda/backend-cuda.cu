@@ -491,7 +491,17 @@ static int cuda_init(struct backend *be, const struct backend_cfg *cfg)
         r = err_from_cuda(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     if (r == 0)
         r = kcu_lt_init(c);
+    if (r == 0)
+        r = err_from_cuda(cudaMalloc((void **) &c->d_done, sizeof(int32_t)));
+    if (r == 0)
+        r = err_from_cuda(cudaMemset(c->d_done, 0, sizeof(int32_t)));
+    if (r == 0)
+        r = err_from_cuda(cudaMalloc((void **) &c->d_split_done, KCU_SPLIT_DONE_CAP * sizeof(int32_t)));
+    if (r == 0)
+        r = err_from_cuda(cudaMemset(c->d_split_done, 0, KCU_SPLIT_DONE_CAP * sizeof(int32_t)));
     if (r < 0) {
+        cudaFree(c->d_split_done);
+        cudaFree(c->d_done);
         kcu_lt_free(c);
         if (c->stream)
             cudaStreamDestroy(c->stream);
@@ -514,6 +524,8 @@ static void cuda_free_ctx(struct backend *be)
             if (c->exec[i][q])
                 cudaGraphExecDestroy(c->exec[i][q]);
     kcu_lt_free(c);
+    cudaFree(c->d_done);
+    cudaFree(c->d_split_done);
     cudaFree(c->stage);
     cudaFree(c->ws);
     step_area_free(c);

@@ -1,13 +1,14 @@
 // block.cu - the two fused halves of a decoder layer (backend.h attn_block / ffn_block):
 // BF16 activations between their kernels, FP32 residual stream at the interface.
 //
-// attention half (5 kernels + 2 GEMMs):
+// attention half (3-4 kernels + 2 GEMMs):
 //   rmsnorm(x) -> a (BF16);  [q | k | v | g] = a · W_qkvg (one cuBLASLt GEMM over the
 //   fused weight);  qkv_prep: q/k norm, RoPE, k/v to the cache;  attention (flash) with
 //   the sigmoid gate on output;  x += att · W_oᵀ (cuBLASLt, beta = 1 into x) or out = ...
 // FFN half, dense:  rmsnorm -> a;  [gate | up] = a · W_gu;  swiglu;  x += act · W_downᵀ.
 // FFN half, MoE:    rmsnorm -> a (BF16 for the experts, FP32 for the router as the
-//   checkpoint asks, need_fp32_gate);  logits = a32 · W_routerᵀ (FP32 GEMM);  router;
+//   checkpoint asks, need_fp32_gate);  router: logits = a32 · W_routerᵀ and the top-k in
+//   one kernel up to KCU_ROUTER_GEMV_ROWS rows, else an FP32 GEMM and the router kernel;
 //   shared expert as the dense MLP into x (or out);  routed experts (moe.cu) added in.
 //
 // prepare fuses the parts' device copies (QKV + gate rows, gate + up rows) into one
@@ -328,9 +329,8 @@ int kcuda_attn_block(struct backend *be, const struct attn_block_args *a)
     qa.slots = sa.slots;
     qa.kv = a->kv;
     qa.q16 = q16;
+    qa.att = att;           // zeroed by qkv_prep: rows no tile covers (padding) stay 0
     r = kcu_qkv_prep(c, &qa);
-    if (r == 0)
-        r = err_from_cuda(cudaMemsetAsync(att, 0, (size_t) rows * q_dim * 2, c->stream));
     if (r < 0)
         return r;
     struct kcu_attn_args fa = {};
@@ -401,16 +401,33 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
         return r;
     int32_t *ids = NULL;
     float *wts = NULL;
+    struct moe_plan_args plan = {};
+    const bool routed = moe && w->n_local > 0;
     if (moe) {
-        float *logits = (float *) cuda_ws_take(c, (size_t) rows * E * 4);
         ids = (int32_t *) cuda_ws_take(c, (size_t) rows * K * 4);
         wts = (float *) cuda_ws_take(c, (size_t) rows * K * 4);
-        if (!logits || !ids || !wts)
+        if (!ids || !wts)
             return -ENOMEM;
-        r = kcu_gemm(c, rows, E, H, p->router32, KDT_F32, a32, H, logits, KDT_F32, E, false);
-        if (r == 0)
-            r = kcu_router(c, logits, p->bias, rows, n_real, E, K, a->renorm,
-                           a->route_scale, ids, wts);
+        if (rows <= KCU_ROUTER_GEMV_ROWS && kcu_moe_plan_smem(w->n_local) <= 48 * 1024) {
+            // decode: GEMV, selection and the MoE plan in one kernel
+            if (routed) {
+                const struct kcu_moe_args pa_for = { rows, K, H, w->moe_inter, w->expert_first,
+                                                     w->n_local, 0.0f, ids };
+                r = kcu_moe_plan_take(c, &pa_for, &plan);
+                if (r < 0)
+                    return r;
+            }
+            r = kcu_router_gemv(c, a32, p->router32, H, p->bias, rows, n_real, E, K, a->renorm,
+                                a->route_scale, ids, wts, routed ? &plan : NULL);
+        } else {
+            float *logits = (float *) cuda_ws_take(c, (size_t) rows * E * 4);
+            if (!logits)
+                return -ENOMEM;
+            r = kcu_gemm(c, rows, E, H, p->router32, KDT_F32, a32, H, logits, KDT_F32, E, false);
+            if (r == 0)
+                r = kcu_router(c, logits, p->bias, rows, n_real, E, K, a->renorm,
+                               a->route_scale, ids, wts);
+        }
         if (r < 0)
             return r;
     }
@@ -431,12 +448,13 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
         if (r < 0)
             return r;
     }
-    if (!moe || w->n_local == 0)
+    if (!routed)
         return 0;
     const struct kcu_moe_w mw = { p->tab, p->tab + w->n_local, p->tab + 2 * w->n_local,
                                   p->tab + 3 * w->n_local, p->tab + 4 * w->n_local,
                                   p->tab + 5 * w->n_local };
     const struct kcu_moe_args ma = { rows, K, H, w->moe_inter, w->expert_first, w->n_local,
-                                     a->limit_routed, ids, wts, a16, KDT_BF16, y };
+                                     a->limit_routed, ids, wts, a16, KDT_BF16, y,
+                                     plan.n_slots > 0 ? &plan : NULL };
     return kcu_moe(c, &mw, &ma);
 }

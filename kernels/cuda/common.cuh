@@ -103,6 +103,8 @@ struct cuda_ctx {
     uint32_t exec_epoch[GRAPH_N_BUCKETS][GRAPH_QCLASSES];
     struct sg_blocks_memo blocks;   // block ids checked once per step (step-guard.h)
     bool lt_warned;         // a cuBLASLt heuristic miss was reported (gemm.cu)
+    int32_t *d_done;        // device: blocks of router_gemv done (0 between launches)
+    int32_t *d_split_done;  // device [KCU_SPLIT_DONE_CAP]: flash splits done, per (tile, KV head)
     // MoE tables of the ffn halves are per layer (ffn_prepare); the op path builds one
     // table per call into the workspace
 };

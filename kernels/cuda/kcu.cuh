@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "moe-plan.h"
 
 enum kdt { KDT_F32 = 0, KDT_BF16 = 1 };
 
@@ -36,8 +37,42 @@ struct kcu_moe_args {
     const void *x;              // [n_rows, hidden] (ldx = hidden)
     kdt xt;
     float *out;                 // [n_rows, hidden] FP32: out += routed experts
+    const struct moe_plan_args *plan;   // or NULL: built by the router (kcu_moe_plan_take)
 };
 int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_args *a);
+// The plan's buffers taken from the workspace, first of what kcu_moe takes (a->ids set):
+// for a router that builds the plan itself (kcu_router_gemv); pass it as a->plan.
+int kcu_moe_plan_take(struct cuda_ctx *c, const struct kcu_moe_args *a,
+                      struct moe_plan_args *ret);
+// dynamic shared memory of the plan's block (moe-plan.h: cnt, run, ccnt, es)
+static inline size_t kcu_moe_plan_smem(int n_local)
+{
+    return sizeof(int32_t) * (3 * (size_t) n_local + MOE_PLAN_THREADS);
+}
+// The plan built by the MOE_PLAN_THREADS threads of the calling block, its phases between
+// barriers; sh_i: kcu_moe_plan_smem bytes of shared memory (moe_plan_kernel and the
+// router's last block)
+static __device__ __forceinline__ void kcu_moe_plan_block(struct moe_plan_args *a, int32_t *sh_i)
+{
+    struct moe_plan_shared sh = { sh_i, sh_i + a->n_local, sh_i + 2 * a->n_local,
+                                  sh_i + 3 * a->n_local };
+    const int tid = threadIdx.x;
+
+    moe_plan_p0(tid, a, &sh);
+    __syncthreads();
+    moe_plan_p1(tid, a, &sh);
+    __syncthreads();
+    moe_plan_p2(tid, a, &sh);
+    __syncthreads();
+    for (int base = 0; base < a->n_slots; base += MOE_PLAN_THREADS) {
+        moe_plan_p3a(tid, base, a, &sh);
+        __syncthreads();
+        moe_plan_p3b(tid, base, a, &sh);
+        __syncthreads();
+        moe_plan_p3c(tid, a, &sh);
+        __syncthreads();
+    }
+}
 // y[n, rows] = x[n, cols] · Wᵀ for an MXFP4 weight (repacked)
 int kcu_mx4_dense(struct cuda_ctx *c, const struct cuda_weight *w, int rows, int cols, int n,
                   const void *x, kdt xt, void *y, kdt yt);
@@ -53,6 +88,15 @@ size_t kcu_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local);
 int kcu_router(struct cuda_ctx *c, const float *logits, const float *bias, int n_rows,
                const int32_t *n_real, int n_exp, int top_k, bool renorm, float scale,
                int32_t *ids, float *w);
+// The same from x [n_rows, hidden] FP32 and the router w [n_exp, hidden] FP32: the logits
+// computed in the kernel (no GEMM node); for few rows (KCU_ROUTER_GEMV_ROWS).
+#define KCU_ROUTER_GEMV_ROWS 64
+// plan (or NULL): the last block to finish also builds the MoE plan of the ids (one node
+// for the GEMV, the top-k and the plan).
+int kcu_router_gemv(struct cuda_ctx *c, const float *x, const float *w, int hidden,
+                    const float *bias, int n_rows, const int32_t *n_real, int n_exp, int top_k,
+                    bool renorm, float scale, int32_t *ids, float *wts,
+                    const struct moe_plan_args *plan);
 
 // ---- norm.cu ----
 // y = rmsnorm(x) (Gemma 1 + w), x FP32 [rows, dim]; writes y16 (BF16) and/or y32.
@@ -77,6 +121,8 @@ struct kcu_qkv_args {
     const int32_t *pos, *slots;     // device [n_rows]
     struct kv_layer *kv;
     bf16 *q16;
+    bf16 *att;                      // or NULL: [n_rows, n_heads * head_dim] zeroed (the
+                                    // attention output of rows no tile covers: graph padding)
 };
 int kcu_qkv_prep(struct cuda_ctx *c, const struct kcu_qkv_args *a);
 
@@ -99,6 +145,9 @@ struct kcu_attn_args {
     int n_tok;                      // rows of out (rows of no tile are zeroed)
 };
 int kcu_attention(struct cuda_ctx *c, const struct kcu_attn_args *a);
+// (tile, KV head) pairs of a split launch whose merge runs in flash_kernel's last split
+// (cuda_ctx.d_split_done); more: flash_merge_kernel.  Splits happen below 2 blocks an SM.
+#define KCU_SPLIT_DONE_CAP 4096
 bool kcu_attention_ok(int n_heads, int n_kv_heads, int head_dim);
 size_t kcu_attention_ws(const struct cuda_ctx *c, int n_tiles, int n_heads, int head_dim);
 // host: tiles of ATTN_QT tokens for the runs [seq_start[s], seq_start[s+1]) into t[4*i]

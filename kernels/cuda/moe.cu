@@ -317,24 +317,8 @@ static int mx4_dispatch(struct cuda_ctx *c, const struct mx4_args &a, int m, int
 static __global__ void __launch_bounds__(MOE_PLAN_THREADS) moe_plan_kernel(struct moe_plan_args a)
 {
     extern __shared__ int32_t plan_sh[];
-    struct moe_plan_shared sh = { plan_sh, plan_sh + a.n_local, plan_sh + 2 * a.n_local,
-                                  plan_sh + 3 * a.n_local };
-    const int tid = threadIdx.x;
 
-    moe_plan_p0(tid, &a, &sh);
-    __syncthreads();
-    moe_plan_p1(tid, &a, &sh);
-    __syncthreads();
-    moe_plan_p2(tid, &a, &sh);
-    __syncthreads();
-    for (int base = 0; base < a.n_slots; base += MOE_PLAN_THREADS) {
-        moe_plan_p3a(tid, base, &a, &sh);
-        __syncthreads();
-        moe_plan_p3b(tid, base, &a, &sh);
-        __syncthreads();
-        moe_plan_p3c(tid, &a, &sh);
-        __syncthreads();
-    }
+    kcu_moe_plan_block(&a, plan_sh);
 }
 
 // out[t, :] += sum_k y[slot_pair[t * top_k + k], :] (k ascending), two columns a thread
@@ -366,50 +350,81 @@ static size_t align256(size_t n)
     return (n + 255) & ~(size_t) 255;
 }
 
+static int moe_chunk(int n_rows)
+{
+    const int m = n_rows < 64 ? n_rows : 64;   // most tokens one expert can have, capped
+    return 8 * mx4_shape_for(m).nt;
+}
+
 size_t kcu_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local)
 {
     const size_t n_slots = (size_t) n_rows * top_k;
-    const int chunk = 8 * mx4_shape_for(n_rows < 64 ? n_rows : 64).nt;
-    const size_t items = (size_t) moe_items_max((int) n_slots, n_local, chunk);
+    const size_t items = (size_t) moe_items_max((int) n_slots, n_local, moe_chunk(n_rows));
     return align256(4 * ((size_t) n_local + 1)) + 2 * align256(4 * n_slots) +
            align256(8 * (items + 1)) + align256(16) + align256(2 * n_slots * inter) +
            align256(2 * n_slots * hidden);
 }
 
+int kcu_moe_plan_take(struct cuda_ctx *c, const struct kcu_moe_args *a, struct moe_plan_args *pa)
+{
+    const int n_slots = a->n_rows * a->top_k;
+    const int chunk = moe_chunk(a->n_rows);
+    const int items_max = moe_items_max(n_slots, a->n_local, chunk);
+
+    *pa = {};
+    pa->ids = a->ids;
+    pa->n_slots = n_slots;
+    pa->expert_first = a->expert_first;
+    pa->n_local = a->n_local;
+    pa->chunk = chunk;
+    pa->offsets = (int32_t *) cuda_ws_take(c, 4 * ((size_t) a->n_local + 1));
+    pa->pair_slot = (int32_t *) cuda_ws_take(c, 4 * (size_t) n_slots);
+    pa->slot_pair = (int32_t *) cuda_ws_take(c, 4 * (size_t) n_slots);
+    pa->items = (int32_t *) cuda_ws_take(c, 8 * ((size_t) items_max + 1));
+    pa->counts = (int32_t *) cuda_ws_take(c, 16);
+    if (!pa->offsets || !pa->pair_slot || !pa->slot_pair || !pa->items || !pa->counts)
+        return -ENOMEM;
+    return 0;
+}
+
 int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_args *a)
 {
     const int n_slots = a->n_rows * a->top_k;
-    const int m = a->n_rows < 64 ? a->n_rows : 64;     // most tokens one expert can have, capped
-    const int chunk = 8 * mx4_shape_for(m).nt;
-    const int items_max = moe_items_max(n_slots, a->n_local, chunk);
+    const int m = a->n_rows < 64 ? a->n_rows : 64;
+    const int items_max = moe_items_max(n_slots, a->n_local, moe_chunk(a->n_rows));
     int r;
 
     if (a->n_rows == 0 || a->n_local == 0)
         return 0;
     if (a->hidden % 32 || a->inter % 32 || a->hidden % 2)
         return -EINVAL;
-    int32_t *offsets = (int32_t *) cuda_ws_take(c, 4 * ((size_t) a->n_local + 1));
-    int32_t *pair_slot = (int32_t *) cuda_ws_take(c, 4 * (size_t) n_slots);
-    int32_t *slot_pair = (int32_t *) cuda_ws_take(c, 4 * (size_t) n_slots);
-    int32_t *items = (int32_t *) cuda_ws_take(c, 8 * ((size_t) items_max + 1));
-    int32_t *counts = (int32_t *) cuda_ws_take(c, 16);
+    struct moe_plan_args pa;
+    if (a->plan) {
+        pa = *a->plan;          // built by the router
+    } else {
+        r = kcu_moe_plan_take(c, a, &pa);
+        if (r < 0)
+            return r;
+    }
     bf16 *act = (bf16 *) cuda_ws_take(c, 2 * (size_t) n_slots * a->inter);
     bf16 *y = (bf16 *) cuda_ws_take(c, 2 * (size_t) n_slots * a->hidden);
-    if (!offsets || !pair_slot || !slot_pair || !items || !counts || !act || !y)
+    if (!act || !y)
         return -ENOMEM;
+    int32_t *offsets = pa.offsets, *pair_slot = pa.pair_slot, *slot_pair = pa.slot_pair,
+            *items = pa.items, *counts = pa.counts;
 
-    struct moe_plan_args pa = { a->ids, n_slots, a->expert_first, a->n_local, chunk, offsets,
-                                pair_slot, slot_pair, items, counts };
-    const size_t plan_smem = sizeof(int32_t) * (3 * (size_t) a->n_local + MOE_PLAN_THREADS);
-    if (plan_smem > 48 * 1024 && plan_smem > c->smem_optin)
-        return -E2BIG;
-    if (plan_smem > 48 * 1024)
-        cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int) plan_smem);
-    moe_plan_kernel<<<1, MOE_PLAN_THREADS, plan_smem, c->stream>>>(pa);
-    r = CUDA_LAUNCH_CHECK();
-    if (r < 0)
-        return r;
+    if (!a->plan) {
+        const size_t plan_smem = kcu_moe_plan_smem(a->n_local);
+        if (plan_smem > 48 * 1024 && plan_smem > c->smem_optin)
+            return -E2BIG;
+        if (plan_smem > 48 * 1024)
+            cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int) plan_smem);
+        moe_plan_kernel<<<1, MOE_PLAN_THREADS, plan_smem, c->stream>>>(pa);
+        r = CUDA_LAUNCH_CHECK();
+        if (r < 0)
+            return r;
+    }
 
     struct mx4_args g = {};
     g.nib0 = w->gate_nib;
@@ -527,6 +542,7 @@ int kcuda_moe(struct backend *be, const struct moe_args *a)
     struct kcu_moe_w w = { dt, dt + a->n_local, dt + 2 * a->n_local, dt + 3 * a->n_local,
                            dt + 4 * a->n_local, dt + 5 * a->n_local };
     struct kcu_moe_args ma = { a->n_tok, a->top_k, a->hidden, a->inter, a->expert_first,
-                               a->n_local, a->limit, a->ids, a->weights, a->x, KDT_F32, a->out };
+                               a->n_local, a->limit, a->ids, a->weights, a->x, KDT_F32, a->out,
+                               NULL };
     return kcu_moe(c, &w, &ma);
 }

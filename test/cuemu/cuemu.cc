@@ -1289,10 +1289,31 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode m)
     return cudaSuccess;
 }
 
+// What a captured graph holds, printed at the end of each capture (the static figure
+// "nodes per decode layer" is read from it): nodes by kind and kernel.  CUEMU_GRAPH_NODES_MAX
+// set: a graph with more nodes stops the run (the suite's guard on the node count).
+static void graph_summary(const cuemu_graph *g)
+{
+    std::map<std::string, int> by;
+    for (const graph_node &n : g->nodes)
+        by[n.kind == 0 ? n.k.name : n.kind == 1 ? "(copy)" : n.kind == 2 ? "(memset)" : "(gemm)"]++;
+    std::string list;
+    for (const auto &b : by)
+        list += " " + b.first + " " + std::to_string(b.second) + ",";
+    if (!list.empty())
+        list.pop_back();
+    fprintf(stderr, "cuemu: graph captured: %zu nodes:%s\n", g->nodes.size(), list.c_str());
+    const char *mx = getenv("CUEMU_GRAPH_NODES_MAX");
+    if (mx && g->nodes.size() > strtoull(mx, nullptr, 10))
+        fatal("a captured graph has %zu nodes, more than CUEMU_GRAPH_NODES_MAX=%s",
+              g->nodes.size(), mx);
+}
+
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g)
 {
     if (!s || !s->capturing)
         return set_err(cudaErrorInvalidValue);
+    graph_summary(s->g);
     s->capturing = false;
     *g = s->g;
     s->g = nullptr;

@@ -4,7 +4,10 @@
 #   mx4_gemm<NT 1, D 4, WB 1, MODE, bf16> (the decode shape: up to 8 tokens an expert),
 #   its stage loop (the backward branch whose body holds the most HMMA instructions), the
 #   instructions of one pass over its weights (gate+up: 2 x 4 tiles of 16x64, 544 bytes
-#   each = 4352 bytes; down: 4 tiles = 2176 bytes).
+#   each = 4352 bytes; down: 4 tiles = 2176 bytes);
+#   the decode attention's K/V gather loop: flash_kernel<128, bf16, bf16, bf16>, the
+#   backward branch whose body holds its LDGSTS, i.e. the instructions per 16-byte chunk,
+#   and whether the chunk pays a call (the 64-bit division routine) or a dependent load.
 #   static-figures.sh [PLUGIN]   (default build/kernels/cuda/libstepd-cuda.so)
 # Needs cuobjdump and nvdisasm (the toolkit's, or CUOBJDUMP / NVDISASM_PATH).
 set -euo pipefail
@@ -49,4 +52,19 @@ for mode, name, nbytes in ((0, "gate+up", 2 * 4 * 544), (1, "down", 4 * 544)):
     print("mx4_gemm decode %-7s stage loop 0x%x-0x%x: %d instructions (%d HMMA) per %d bytes "
           "of weights = %.0f per KB (1000 B); %s" % (name, tgt, a, n, h, nbytes,
                                                      n * 1000.0 / nbytes, top))
+ins = funcs.get("_Z12flash_kernelILi128E13__nv_bfloat16S0_S0_Ev10flash_args")
+if not ins:
+    sys.exit("static-figures: flash_kernel<128, bf16, bf16, bf16> not in the plugin")
+best = None
+for a, t in ins:
+    m = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)
+    if not m or int(m.group(1), 16) >= a:
+        continue
+    body = [x[1] for x in ins if int(m.group(1), 16) <= x[0] <= a]
+    if any("LDGSTS" in x for x in body) and (best is None or len(body) < len(best)):
+        best = body
+n = sum(not x.startswith("NOP") for x in best)
+print("flash_kernel<128> K/V gather loop: %d instructions per 16-byte chunk, %d calls, %d "
+      "other global loads" % (n, sum("CALL" in x for x in best),
+                              sum(bool(re.search(r"\bLDG\.", x)) for x in best)))
 '

@@ -120,6 +120,8 @@ static const int warpSize = 32;
 
 static inline void __syncthreads() { cuemu::syncthreads(); }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) { cuemu::syncwarp(mask); }
+// blocks run one at a time, each to its end: every earlier block's writes are visible
+static inline void __threadfence() {}
 
 template <class T> static inline T cuemu_from_bits(uint64_t b)
 {

@@ -95,6 +95,11 @@ struct batch {
     const int32_t *boff[_KV_GROUP_MAX];   /* [n_seqs] */
     const int32_t *tables[_KV_GROUP_MAX]; /* the plan's tables */
     const struct batch_hooks *hooks;      /* a part of a split step (model-split.c); NULL: whole */
+    /* image rows of the plan (step_plan.img_emb; NULL: none) and how many of them the
+     * image tokens before this batch's first took (a split part starts mid-plan) */
+    const float *img_emb;
+    int n_img_emb, img_cursor;
+    int32_t image_token_id;
 };
 
 /* What a part of a step that runs as per-core parts (model-split.c) adds to the script:
@@ -228,6 +233,7 @@ int model__attention_half(struct model *m, struct mlayer *L, float *x, const str
                           bool reduce);
 int model__ffn_half(struct model *m, struct mlayer *L, float *x, const struct batch *b, bool reduce);
 int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b);
+int model__embed(struct model *m, const struct batch *b, float *x);
 int model__trunk_forward(struct model *m, const struct batch *b, float *x);
 int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float *logits);
 int model__mtp_input(struct model *m, struct mlayer *L, const struct batch *b,

@@ -98,6 +98,17 @@ int model__check_plan(struct model *m, const struct step_plan *p)
         if (p->tokens[t] < 0 || p->tokens[t] >= m->vocab)
             return PLAN_ERR(m, -EINVAL, "plan: token %d at index %d outside the vocab (%d)",
                             p->tokens[t], t, m->vocab);
+    if (p->img_emb) {
+        int n_img = 0;
+        if (m->sharded)
+            return PLAN_ERR(m, -EOPNOTSUPP, "plan: image embeddings in a group of %d ranks "
+                            "(images are served on one rank only)", m->comm.world);
+        for (int t = 0; t < p->n_tokens; t++)
+            n_img += p->tokens[t] == p->image_token_id;
+        if (n_img != p->n_img_emb)
+            return PLAN_ERR(m, -EINVAL, "plan: %d image tokens (id %d) but %d image embeddings",
+                            n_img, p->image_token_id, p->n_img_emb);
+    }
     return 0;
 }
 
@@ -119,6 +130,9 @@ void model__batch_fill(const struct model *m, struct batch *b, const struct step
     b->pos = m->h_pos;
     b->seq_start = m->h_seq_start;
     b->seq_pos0 = m->h_seq_pos0;
+    b->img_emb = p->img_emb;
+    b->n_img_emb = p->n_img_emb;
+    b->image_token_id = p->image_token_id;
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         b->slots[g] = m->h_slots[g];
         b->boff[g] = m->h_boff[g];

@@ -57,13 +57,13 @@ struct step_plan {
     int32_t *blocks[_KV_GROUP_MAX]; /* concatenated block tables per group */
     bool draft_sub;         /* rank 0 only, not on the wire: this step's MTP depths score
                                the installed draft vocabulary (forward.h set_draft_vocab) */
-    /* rank 0 only, not on the wire (a group refuses images): the image embeddings of the
-     * plan's image tokens (ids equal to image_token_id), one row of the text hidden each
-     * (the vision encoder's output), in plan token order.  The embedding step takes them
-     * instead of the id's row (vision_splice).  NULL: every token embeds its id. */
+    /* rank 0 only, not on the wire (a group refuses images): image embeddings, rows of
+     * the text hidden (the vision encoder's output), and per plan token the row it embeds
+     * as instead of its id's (img_row[t] in 0 .. n_img_emb-1) or -1.  NULL: every token
+     * embeds its id. */
     const float *img_emb;
+    const int32_t *img_row;     /* [n_tokens] */
     int32_t n_img_emb;
-    int32_t image_token_id;
 };
 
 #ifdef __cplusplus

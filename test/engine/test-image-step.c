@@ -9,7 +9,7 @@
  *     tokens alone (the rows reach the model);
  *   - chunked prefill (chunks cut inside the image tokens, each plan carrying its own rows)
  *     gives the one-shot logits (the cursor hands rows on in order);
- *   - a plan whose image rows disagree with its image tokens fails with a sentence.
+ *   - a plan whose row indices go past its rows fails with a sentence.
  * Exits 77 (skip) without the checkpoint.
  */
 #include <errno.h>
@@ -39,8 +39,7 @@ static void plan_one(struct step_plan *p, struct step_seq *s, int32_t *toks, int
     *s = (struct step_seq){.slot = 0, .pos0 = pos0, .n_tokens = n, .n_logits = n_logits,
                            .n_blocks = (pos0 + n + BS - 1) / BS};
     *p = (struct step_plan){.step_id = ++id, .n_seqs = 1, .n_tokens = n, .seqs = s, .tokens = toks,
-                            .n_block_ids = {s->n_blocks, s->n_blocks}, .blocks = {blocks, blocks},
-                            .image_token_id = IM_PATCH};
+                            .n_block_ids = {s->n_blocks, s->n_blocks}, .blocks = {blocks, blocks}};
 }
 
 static double max_diff(const float *a, const float *b, size_t n)
@@ -51,6 +50,8 @@ static double max_diff(const float *a, const float *b, size_t n)
     return d;
 }
 
+static int32_t rows[MAXLEN];     /* per token its image row (the k-th <im_patch>: row k) or -1 */
+
 /* one-shot prefill of toks[0 .. n) with image rows emb (NULL: none), logits of the last */
 static void prefill(int32_t *toks, int n, const float *emb, int n_emb, float *logits)
 {
@@ -59,6 +60,7 @@ static void prefill(int32_t *toks, int n, const float *emb, int n_emb, float *lo
 
     plan_one(&p, &s, toks, 0, n, 1);
     p.img_emb = emb;
+    p.img_row = emb ? rows : NULL;
     p.n_img_emb = n_emb;
     ASSERT_OK(model_step(m, &p, logits));
 }
@@ -110,6 +112,8 @@ int main(int argc, char **argv)
     toks[n++] = IM_END;
     for (size_t i = 0; i < sizeof(post) / sizeof(*post); i++)
         toks[n++] = post[i];
+    for (int t = 0, k = 0; t < n; t++)
+        rows[t] = toks[t] == IM_PATCH ? k++ : -1;
 
     float *la = malloc(sizeof(float) * V), *lb = malloc(sizeof(float) * V),
           *lt = malloc(sizeof(float) * V), *lc = malloc(sizeof(float) * V);
@@ -131,8 +135,12 @@ int main(int argc, char **argv)
         struct step_seq s;
         for (int t = a; t < b; t++)
             k += toks[t] == IM_PATCH;
+        int32_t crow[MAXLEN];
+        for (int t = a; t < b; t++)
+            crow[t - a] = rows[t] >= 0 ? rows[t] - used : -1;
         plan_one(&p, &s, toks + a, a, b - a, b == n);
         p.img_emb = k ? emb[0] + (size_t)used * H : NULL;
+        p.img_row = k ? crow : NULL;
         p.n_img_emb = k;
         used += k;
         ASSERT_OK(model_step(m, &p, lc));
@@ -142,15 +150,20 @@ int main(int argc, char **argv)
     printf("chunked vs one-shot: max|d| %.3g\n", dch);
     ASSERT_TRUE(dch < 1e-3);
 
-    /* rows that disagree with the image tokens: refused, named */
+    /* a row index past the plan's rows, or rows without their index: refused, named */
     {
         struct step_plan p;
         struct step_seq s;
         plan_one(&p, &s, toks, 0, n, 1);
         p.img_emb = emb[0];
+        p.img_row = rows;
         p.n_img_emb = nt - 1;
         ASSERT_ERR(model_step(m, &p, lc), -EINVAL);
-        ASSERT_TRUE(strstr(model_last_error(m), "image embeddings") != NULL);
+        ASSERT_TRUE(strstr(model_last_error(m), "image row 168 of 168") != NULL);
+        printf("bad row refused: %s\n", model_last_error(m));
+        p.n_img_emb = nt;
+        p.img_row = NULL;
+        ASSERT_ERR(model_step(m, &p, lc), -EINVAL);
         printf("mismatch refused: %s\n", model_last_error(m));
     }
 

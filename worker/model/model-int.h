@@ -95,11 +95,9 @@ struct batch {
     const int32_t *boff[_KV_GROUP_MAX];   /* [n_seqs] */
     const int32_t *tables[_KV_GROUP_MAX]; /* the plan's tables */
     const struct batch_hooks *hooks;      /* a part of a split step (model-split.c); NULL: whole */
-    /* image rows of the plan (step_plan.img_emb; NULL: none) and how many of them the
-     * image tokens before this batch's first took (a split part starts mid-plan) */
+    /* image rows of the plan (step_plan.img_emb) and per token the row or -1 (NULL: none) */
     const float *img_emb;
-    int n_img_emb, img_cursor;
-    int32_t image_token_id;
+    const int32_t *img_row;
 };
 
 /* What a part of a step that runs as per-core parts (model-split.c) adds to the script:

@@ -98,17 +98,15 @@ int model__check_plan(struct model *m, const struct step_plan *p)
         if (p->tokens[t] < 0 || p->tokens[t] >= m->vocab)
             return PLAN_ERR(m, -EINVAL, "plan: token %d at index %d outside the vocab (%d)",
                             p->tokens[t], t, m->vocab);
-    if (p->img_emb) {
-        int n_img = 0;
-        if (m->sharded)
-            return PLAN_ERR(m, -EOPNOTSUPP, "plan: image embeddings in a group of %d ranks "
-                            "(images are served on one rank only)", m->comm.world);
-        for (int t = 0; t < p->n_tokens; t++)
-            n_img += p->tokens[t] == p->image_token_id;
-        if (n_img != p->n_img_emb)
-            return PLAN_ERR(m, -EINVAL, "plan: %d image tokens (id %d) but %d image embeddings",
-                            n_img, p->image_token_id, p->n_img_emb);
-    }
+    if (!p->img_emb != !p->img_row)
+        return PLAN_ERR(m, -EINVAL, "plan: image rows without their index (or the reverse)");
+    if (p->img_row && m->sharded)
+        return PLAN_ERR(m, -EOPNOTSUPP, "plan: image embeddings in a group of %d ranks "
+                        "(images are served on one rank only)", m->comm.world);
+    for (int t = 0; p->img_row && t < p->n_tokens; t++)
+        if (p->img_row[t] < -1 || p->img_row[t] >= p->n_img_emb)
+            return PLAN_ERR(m, -EINVAL, "plan: token %d takes image row %d of %d image embeddings",
+                            t, p->img_row[t], p->n_img_emb);
     return 0;
 }
 
@@ -130,9 +128,6 @@ void model__batch_fill(const struct model *m, struct batch *b, const struct step
     b->pos = m->h_pos;
     b->seq_start = m->h_seq_start;
     b->seq_pos0 = m->h_seq_pos0;
-    b->img_emb = p->img_emb;
-    b->n_img_emb = p->n_img_emb;
-    b->image_token_id = p->image_token_id;
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         b->slots[g] = m->h_slots[g];
         b->boff[g] = m->h_boff[g];
@@ -167,5 +162,7 @@ int model__trunk_batch(struct model *m, const struct step_plan *p, struct batch 
     }
     m->h_seq_start[p->n_seqs] = p->n_tokens;
     model__batch_fill(m, b, p, p->n_tokens, p->n_seqs);
+    b->img_emb = p->img_emb;        /* the trunk's embedding takes image rows (MTP: ids) */
+    b->img_row = p->img_row;
     return n_rows;
 }

@@ -426,8 +426,7 @@ int model__split_layers(struct model *m, const struct batch *b, const struct spl
     p1->t0 = t;
     p1->b.ids = b->ids + t;
     p1->b.pos = b->pos + t;
-    for (int i = 0; b->img_emb && i < t; i++)      /* part 0's image tokens take rows first */
-        p1->b.img_cursor += b->ids[i] == b->image_token_id;
+    p1->b.img_row = b->img_row ? b->img_row + t : NULL;
     for (int i = 0; i <= p1->b.n_seqs; i++)
         m->h_seq_start2[i] = i ? b->seq_start[at + i] - t : 0;
     for (int i = 0; i < p1->b.n_seqs; i++)

@@ -200,21 +200,17 @@ int model__layer_forward(struct model *m, struct mlayer *L, float *x, const stru
     return model__ffn_half(m, L, x, b, reduce);
 }
 
-/* The embedding step: x [n, H] = E[ids], then the rows of image tokens take the plan's
- * image embeddings in order from the batch's cursor on (the vision encoder's output,
- * issue 40; model_check_plan counted them). */
+/* The embedding step: x [n, H] = E[ids], then the tokens the plan gives an image row
+ * (the vision encoder's output, issue 40; model__check_plan checked the indices) take it. */
 int model__embed(struct model *m, const struct batch *b, float *x)
 {
     size_t row = sizeof(float) * (size_t)m->hidden;
-    int r = backend_embed(m->be, &m->embed, b->ids, b->n_tok, x), k = b->img_cursor;
+    int r = backend_embed(m->be, &m->embed, b->ids, b->n_tok, x);
 
-    for (int t = 0; b->img_emb && t < b->n_tok && r >= 0; t++) {
-        if (b->ids[t] != b->image_token_id)
-            continue;
-        if (k >= b->n_img_emb)
-            return -ERANGE;
-        r = backend_upload(m->be, x + (size_t)t * m->hidden, b->img_emb + (size_t)k++ * m->hidden, row);
-    }
+    for (int t = 0; b->img_row && t < b->n_tok && r >= 0; t++)
+        if (b->img_row[t] >= 0)
+            r = backend_upload(m->be, x + (size_t)t * m->hidden,
+                               b->img_emb + (size_t)b->img_row[t] * m->hidden, row);
     return r;
 }
 

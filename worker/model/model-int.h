@@ -152,7 +152,8 @@ struct model {
     int32_t *h_last;                /* MTP: last row of each batch seq */
     /* host index arrays of the current batch */
     int32_t *h_ids, *h_pos, *h_slots[_KV_GROUP_MAX], *h_seq_start, *h_seq_pos0,
-            *h_boff[_KV_GROUP_MAX], *h_rows, *h_src;
+            *h_boff[_KV_GROUP_MAX], *h_rows, *h_src,
+            *h_img_row;             /* MTP batch: the image row of each row's input id, or -1 */
 
     /* MTP protocol state */
     uint64_t last_step_id;

@@ -162,7 +162,7 @@ int model__trunk_batch(struct model *m, const struct step_plan *p, struct batch 
     }
     m->h_seq_start[p->n_seqs] = p->n_tokens;
     model__batch_fill(m, b, p, p->n_tokens, p->n_seqs);
-    b->img_emb = p->img_emb;        /* the trunk's embedding takes image rows (MTP: ids) */
+    b->img_emb = p->img_emb;        /* the trunk's embedding takes image rows */
     b->img_row = p->img_row;
     return n_rows;
 }

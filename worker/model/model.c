@@ -260,7 +260,7 @@ int model__mtp_input(struct model *m, struct mlayer *L, const struct batch *b,
 {
     int n = b->n_tok, H = m->hidden, r;
 
-    TRY(backend_embed(m->be, &m->embed, b->ids, n, me));
+    TRY(model__embed(m, b, me));
     TRY(backend_rmsnorm(m->be, me, &L->enorm, n, H, m->cfg->rms_norm_eps, me));
     TRY(backend_rmsnorm(m->be, g_rows, &L->hnorm, n, H, m->cfg->rms_norm_eps, mn));
     TRY(backend_matmul(m->be, &L->eh_e, me, n, x));

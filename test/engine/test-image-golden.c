@@ -12,7 +12,9 @@
  * continuation (exact path: identical; fast path: identical up to the first position whose
  * reference top-2 margin is below 2 x TOL_FAST, as test-golden).  On either path the
  * image-row run must also equal the run of the ids themselves: logits within 1e-5 (exact) /
- * 1e-3 (fast) and the 32 greedy tokens identical.  Tolerances (max-abs over
+ * 1e-3 (fast) and the 32 greedy tokens identical; so must the MTP layer's draft logits
+ * (its inputs at the image positions are the rows, as vLLM's MTP takes the target's
+ * spliced input embeddings).  Tolerances (max-abs over
  * a logit row) as test-golden: exact 1e-3, fast 5e-2.  Exits 77 without the golden file.
  * The vision encoder itself is checked against vision_ref.py by vision-tiny-golden.
  */
@@ -216,6 +218,31 @@ int main(int argc, char **argv)
         prefix++;
     printf("greedy vs the reference: first %d of %d tokens identical (%d required)\n", prefix, NGREEDY, checked);
     ASSERT_TRUE(prefix >= checked);
+
+    /* the MTP layers: depth 0 after the one-shot prefill takes, at positions 7..70, the
+     * ids 8..71, so with the image rows its draft logits equal those of the ids only when
+     * the MTP input splices the rows too */
+    float *dl[2];
+    for (int pass = 0; pass < 2; pass++) {
+        int32_t nv = T, tok_in = seq[T];
+        dl[pass] = malloc(sizeof(float) * (size_t)V);
+        plan_one(&p, &s, pass ? ids : toks, 0, T, 1);
+        s.mtp_depth = 1;
+        if (!pass) {
+            p.img_emb = emb;
+            p.img_row = rows;
+            p.n_img_emb = SPAN1 - SPAN0;
+        }
+        ASSERT_OK(model_step(m, &p, lg));
+        ASSERT_OK(model_mtp_step(m, 0, &p, &nv, &tok_in, dl[pass]));
+    }
+    double dm = 0;
+    for (int k = 0; k < V; k++)
+        dm = fmax(dm, fabs((double)dl[0][k] - dl[1][k]));
+    printf("MTP depth 0 draft logits, image rows vs the ids: max|d| %.3g\n", dm);
+    ASSERT_TRUE(dm <= (exact ? 1e-5 : 1e-3));
+    free(dl[0]);
+    free(dl[1]);
 
     free(all);
     free(lg);

@@ -44,6 +44,7 @@ struct step_seq {
     int32_t flags;          /* STEP_SEQ_* */
 };
 
+#define STEP_PLAN_IMG_NEXT 4   /* tok_in depths step_plan.img_row_next covers per seq */
 #define STEP_SEQ_NEW 1      /* the run starts a new sequence in its slot (see above) */
 #define STEP_SEQ_FLAGS_KNOWN STEP_SEQ_NEW
 
@@ -64,6 +65,10 @@ struct step_plan {
     const float *img_emb;
     const int32_t *img_row;     /* [n_tokens] */
     int32_t n_img_emb;
+    /* rank 0, with img_row: per seq the image row of the MTP chain's tok_in at depths
+     * 0 .. STEP_PLAN_IMG_NEXT-1 (a prompt chunk's fills are the prompt tokens after its
+     * run, which may be image tokens), or -1; NULL: all text */
+    const int32_t *img_row_next;    /* [n_seqs * STEP_PLAN_IMG_NEXT] */
 };
 
 #ifdef __cplusplus

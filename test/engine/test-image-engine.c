@@ -5,7 +5,8 @@
  *   - the first image again (next turn): the whole prompt but the last token comes from
  *     the prefix cache, the encoder is not run again (image_cache_hits, image_encodes);
  *   - a prefill chunked through the image tokens (16-token steps) gives the greedy output
- *     of one 256-token step; K = 3 equals K = 0 on the image prompt;
+ *     of one 256-token step; K = 3 equals K = 0 on the image prompt, also chunked, where
+ *     the chunks' MTP fills take the image rows of the prompt tokens after them;
  *   - refusals: a token count that disagrees with the views, a view the encoder cannot
  *     take, an engine without an encoder; the engine keeps serving afterwards.
  * Exits 77 (skip) when the checkpoint is absent.
@@ -42,12 +43,27 @@ static int encode(void *ctx, const struct engine_view *v, int n, float *out, str
 
 static struct engine_vision ev;
 
+/* plans seen with a prompt chunk's MTP fill taking an image row (img_row_next) */
+static int n_fill_rows;
+
+static int audit_plan(void *ctx, const struct step_plan *p)
+{
+    (void)ctx;
+    for (int i = 0; p && p->img_row_next && i < p->n_seqs * STEP_PLAN_IMG_NEXT; i++)
+        if (p->img_row_next[i] >= 0) {
+            ASSERT_TRUE(p->img_row_next[i] < p->n_img_emb);
+            n_fill_rows++;
+        }
+    return 0;
+}
+
 static struct engine *open_engine(bool vision, int max_tokens, int k)
 {
     struct engine_config ec;
     rig_engine_config(&ec, max_tokens, 4, 512, rig.cfg->sliding_window, k);
     ec.spec_policy = SPEC_POLICY_FIXED;
     ec.vision = vision ? &ev : NULL;
+    ec.on_plan = audit_plan;
     return rig_engine_new(rig.f, &ec);
 }
 
@@ -181,6 +197,16 @@ int main(int argc, char **argv)
     printf("K=3 vs K=0: same output: %s (drafts %llu, accepted %llu)\n", same_toks(&a, &d) ? "yes" : "no",
            (unsigned long long)l.mtp.n_draft_tokens, (unsigned long long)l.mtp.n_accepted);
     ASSERT_TRUE(same_toks(&a, &d));
+    /* 16-token chunks with K = 3: the chunks' MTP fills inside the image take its rows
+     * (169 image tokens from position 5: cuts at 16, 32, .., 160 each fill 3 image tokens) */
+    n_fill_rows = 0;
+    e = open_engine(true, 16, 3);
+    run_one(e, "f", 0, 3, &x);
+    rig_engine_close(e, NULL);
+    printf("16-token chunks, K=3: same output: %s; MTP fill inputs taking image rows: %d\n",
+           same_toks(&a, &x) ? "yes" : "no", n_fill_rows);
+    ASSERT_TRUE(same_toks(&a, &x));
+    ASSERT_EQ(n_fill_rows, 10 * 3);
 
     vision_free(vis);
     model_rig_close(&rig);

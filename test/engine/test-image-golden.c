@@ -241,6 +241,35 @@ int main(int argc, char **argv)
         dm = fmax(dm, fabs((double)dl[0][k] - dl[1][k]));
     printf("MTP depth 0 draft logits, image rows vs the ids: max|d| %.3g\n", dm);
     ASSERT_TRUE(dm <= (exact ? 1e-5 : 1e-3));
+    /* ... and after a prefill chunked at 30 and 50 with the MTP fills of each chunk (tok_in:
+     * the next prompt token, an image token at both cuts: its row via img_row_next) */
+    for (int pass = 0; pass < 2; pass++) {
+        for (int ch = 0; ch < 3; ch++) {          /* the cuts of step 2 */
+            int a = cuts[ch], b = ch < 2 ? cuts[ch + 1] : T;
+            int32_t crow[MAXLEN], next[STEP_PLAN_IMG_NEXT] = {-1, -1, -1, -1}, nv = b - a;
+            int32_t tok_in = b < T ? (pass ? ids : toks)[b] : seq[T];
+            int lo = a > SPAN0 ? a : SPAN0, hi = b + 1 < SPAN1 ? b + 1 : SPAN1;  /* rows [lo, hi) */
+            plan_one(&p, &s, (pass ? ids : toks) + a, a, b - a, 1);
+            s.mtp_depth = 1;
+            if (!pass && hi > lo) {
+                for (int t = a; t < b; t++)
+                    crow[t - a] = rows[t] >= 0 ? rows[t] - (lo - SPAN0) : -1;
+                if (b < T && rows[b] >= 0)
+                    next[0] = rows[b] - (lo - SPAN0);
+                p.img_emb = emb + (size_t)(lo - SPAN0) * H;
+                p.img_row = crow;
+                p.img_row_next = next;
+                p.n_img_emb = hi - lo;
+            }
+            ASSERT_OK(model_step(m, &p, lg));
+            ASSERT_OK(model_mtp_step(m, 0, &p, &nv, &tok_in, dl[pass]));
+        }
+    }
+    dm = 0;
+    for (int k = 0; k < V; k++)
+        dm = fmax(dm, fabs((double)dl[0][k] - dl[1][k]));
+    printf("MTP after chunks with fills, image rows vs the ids: max|d| %.3g\n", dm);
+    ASSERT_TRUE(dm <= (exact ? 1e-5 : 1e-3));
     free(dl[0]);
     free(dl[1]);
 

@@ -142,8 +142,9 @@ struct engine {
     struct spec_seq *sseqs;
     struct batch_seq **sched;        /* copy of the batcher's list (finishing edits it) */
     /* images (cfg.vision): the plan's rows and per-token index, the encoder cache */
-    float *img_buf;                  /* [max_num_batched_tokens, hidden] */
+    float *img_buf;                  /* [max_num_batched_tokens + max_num_seqs * K, hidden] */
     int32_t *img_row;                /* [max_num_batched_tokens] */
+    int32_t *img_next;               /* [max_num_seqs * STEP_PLAN_IMG_NEXT] */
     struct img_cache_ent *icache;    /* [cfg.image_cache_entries] */
     uint64_t icache_tick, n_img_encodes, n_img_hits;
 };
@@ -285,10 +286,11 @@ static int alloc_buffers(struct engine *e)
         return -ENOMEM;
     if (e->cfg.vision) {
         size_t nt = (size_t) e->cfg.max_num_batched_tokens;
-        e->img_buf = malloc(nt * (size_t) e->cfg.vision->hidden * sizeof(float));
+        e->img_buf = malloc((nt + ms * SPEC_MAX_K) * (size_t) e->cfg.vision->hidden * sizeof(float));
         e->img_row = malloc(nt * sizeof(int32_t));
+        e->img_next = malloc(ms * STEP_PLAN_IMG_NEXT * sizeof(int32_t));
         e->icache = calloc((size_t) e->cfg.image_cache_entries + 1, sizeof(*e->icache));
-        if (!e->img_buf || !e->img_row || !e->icache)
+        if (!e->img_buf || !e->img_row || !e->img_next || !e->icache)
             return -ENOMEM;
     }
     e->plan.seqs = e->pseqs;
@@ -915,17 +917,18 @@ static struct ereq *req_of(struct batch_seq *s)
     return (struct ereq *) s;
 }
 
-/* Seq s's run at plan token tok: the prompt's image tokens it covers take the next rows
- * of the plan's image buffer (from n_img on), every other token -1.  Returns the rows
+/* Seq s's run at plan token tok (plan seq i): the prompt's image tokens it covers take the
+ * next rows of the plan's image buffer (from n_img on), every other token -1; so do the
+ * prompt tokens after a prompt chunk that its MTP fills take as tok_in.  Returns the rows
  * used so far. */
-static int32_t plan_images(struct engine *e, struct ereq *r, const struct batch_seq *s,
+static int32_t plan_images(struct engine *e, struct ereq *r, const struct batch_seq *s, int i,
                            int32_t tok, int32_t n_img)
 {
     int32_t id = e->cfg.vision->image_token_id, k = 0;
     size_t H = (size_t) e->cfg.vision->hidden;
 
-    for (int32_t i = 0; r->img_emb && i < s->n_computed && i < r->n_prompt; i++)
-        k += r->tokens[i] == id;
+    for (int32_t q = 0; r->img_emb && q < s->n_computed && q < r->n_prompt; q++)
+        k += r->tokens[q] == id;
     for (int32_t t = 0; t < s->sched_tokens; t++) {
         int32_t pos = s->n_computed + t;
         e->img_row[tok + t] = -1;
@@ -934,6 +937,19 @@ static int32_t plan_images(struct engine *e, struct ereq *r, const struct batch_
             memcpy(e->img_buf + (size_t) n_img * H, r->img_emb + (size_t) k++ * H, H * sizeof(float));
             e->img_row[tok + t] = n_img++;
         }
+    }
+    for (int j = 0; j < STEP_PLAN_IMG_NEXT; j++) {
+        /* finish_seq's fills: tok_in of depth j is the prompt token at end + j */
+        int32_t pos = s->n_computed + s->sched_tokens + j;
+        int32_t *at = &e->img_next[i * STEP_PLAN_IMG_NEXT + j];
+        *at = -1;
+        if (!r->img_emb || s->sched_final || j >= r->k || pos >= r->n_prompt)
+            continue;
+        if (r->tokens[pos] == id) {
+            memcpy(e->img_buf + (size_t) n_img * H, r->img_emb + (size_t) k * H, H * sizeof(float));
+            *at = n_img++;
+        }
+        k += r->tokens[pos] == id;
     }
     return n_img;
 }
@@ -960,7 +976,7 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
         memcpy(p->tokens + tok, r->tokens + s->n_computed, (size_t) n_plain * sizeof(int32_t));
         memcpy(p->tokens + tok + n_plain, r->drafts, (size_t) s->sched_drafts * sizeof(int32_t));
         if (e->img_row)
-            n_img = plan_images(e, r, s, tok, n_img);
+            n_img = plan_images(e, r, s, i, tok, n_img);
         tok += s->sched_tokens;
         ps->n_blocks = (ps->pos0 + ps->n_tokens + bs - 1) / bs;
         for (int g = 0; g < _KV_GROUP_MAX; g++) {
@@ -999,6 +1015,7 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
         p->n_block_ids[g] = boff[g];
     p->img_emb = n_img ? e->img_buf : NULL;
     p->img_row = n_img ? e->img_row : NULL;
+    p->img_row_next = n_img ? e->img_next : NULL;
     p->n_img_emb = n_img;
 }
 
@@ -1537,6 +1554,7 @@ void engine_free(struct engine *e)
     free(e->icache);
     free(e->img_buf);
     free(e->img_row);
+    free(e->img_next);
     pthread_cond_destroy(&e->cond);
     pthread_mutex_destroy(&e->lock);
     grammar_vocab_free(e->gv);

@@ -2,8 +2,9 @@
  * checkpoint and its vision tower (issue 40; CPU, one rank):
  *   - the same tokens with two different images: no shared KV (n_cached 0 for the second,
  *     prefix cache on) and different greedy outputs;
- *   - the first image again (next turn): the whole prompt but the last token comes from
- *     the prefix cache, the encoder is not run again (image_cache_hits, image_encodes);
+ *   - the first image again: the whole prompt but the last token comes from the prefix
+ *     cache, the encoder is not run again (image_cache_hits, image_encodes); so does the
+ *     next turn (prompt + answer + new text, same image) up to the answer's last block;
  *   - a prefill chunked through the image tokens (16-token steps) gives the greedy output
  *     of one 256-token step; K = 3 equals K = 0 on the image prompt, also chunked, where
  *     the chunks' MTP fills take the image rows of the prompt tokens after them;
@@ -161,6 +162,24 @@ int main(int argc, char **argv)
     ASSERT_TRUE(same_toks(&a, &a2));
     ASSERT_EQ(l.image_encodes, 2);
     ASSERT_EQ(l.image_cache_hits, 1);
+
+    /* the next turn of the conversation: turn 1's prompt and answer, then new text, the
+     * same image; its prefix (generated tokens included) comes from the cache, whole
+     * blocks of 16 */
+    int n1 = n_prompt;
+    memcpy(prompt + n_prompt, a.toks, sizeof(int32_t) * NGEN);
+    n_prompt += NGEN;
+    prompt[n_prompt++] = 44;
+    prompt[n_prompt++] = 55;
+    prompt[n_prompt++] = 66;
+    run_one(e, "t2", 0, 0, &c);
+    engine_get_loads(e, &l);
+    printf("turn 2 (%d tokens): n_cached %d; encodes %llu, cache hits %llu\n", n_prompt, c.n_cached,
+           (unsigned long long)l.image_encodes, (unsigned long long)l.image_cache_hits);
+    ASSERT_TRUE(c.n_cached >= (n1 + NGEN - 1) / 16 * 16);
+    ASSERT_EQ(l.image_encodes, 2);
+    ASSERT_EQ(l.image_cache_hits, 2);
+    n_prompt = n1;
 
     /* 2. refusals, then the engine still serves */
     int32_t keep = prompt[n_prompt - 1];

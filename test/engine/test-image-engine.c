@@ -8,6 +8,7 @@
  *   - a prefill chunked through the image tokens (16-token steps) gives the greedy output
  *     of one 256-token step; K = 3 equals K = 0 on the image prompt, also chunked, where
  *     the chunks' MTP fills take the image rows of the prompt tokens after them;
+ *   - an image whose hash claims another image's content: its own rows, no shared KV;
  *   - refusals: a token count that disagrees with the views, a view the encoder cannot
  *     take, an engine without an encoder; the engine keeps serving afterwards.
  * Exits 77 (skip) when the checkpoint is absent.
@@ -180,6 +181,18 @@ int main(int argc, char **argv)
     ASSERT_EQ(l.image_encodes, 2);
     ASSERT_EQ(l.image_cache_hits, 2);
     n_prompt = n1;
+
+    /* image B's pixels under image A's hash: the engine's key covers the pixels, so it
+     * takes neither A's rows nor A's KV (B's output, nothing cached, one more encode) */
+    memcpy(images[1].sha256, images[0].sha256, 32);
+    run_one(e, "liar", 1, 0, &x);
+    engine_get_loads(e, &l);
+    printf("B's pixels with A's hash: n_cached %d, B's output: %s, encodes %llu\n", x.n_cached,
+           same_toks(&x, &b) ? "yes" : "no", (unsigned long long)l.image_encodes);
+    ASSERT_EQ(x.n_cached, 0);
+    ASSERT_TRUE(same_toks(&x, &b));
+    ASSERT_EQ(l.image_encodes, 3);
+    sha256(px[1], sizeof(px[1]), images[1].sha256);
 
     /* 2. refusals, then the engine still serves */
     int32_t keep = prompt[n_prompt - 1];

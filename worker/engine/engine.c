@@ -447,7 +447,10 @@ static int check_images(const struct engine *e, const struct engine_request *q, 
     return 0;
 }
 
-/* Copies of the request's images (views and pixels), kept until the step encodes them. */
+/* Copies of the request's images (views and pixels), kept until the step encodes them.
+ * Each copy's sha256 becomes the engine's own key: SHA-256 over the client's hash and every
+ * view's size and pixels, so a hash that does not match its pixels can neither take
+ * another image's encoder rows nor share its KV. */
 static int images_copy(struct ereq *r, const struct engine_request *q)
 {
     if (q->n_images == 0)
@@ -465,15 +468,22 @@ static int images_copy(struct ereq *r, const struct engine_request *q)
             r->images[i].n_views = 0;
             return -ENOMEM;
         }
+        struct sha256 h;
+        sha256_init(&h);
+        sha256_update(&h, src->sha256, sizeof(src->sha256));
         for (int j = 0; j < src->n_views; j++) {
             size_t n = (size_t) src->views[j].width * (size_t) src->views[j].height * 3;
+            int32_t wh[2] = { src->views[j].width, src->views[j].height };
             uint8_t *px = malloc(n);
             if (!px)
                 return -ENOMEM;
             memcpy(px, src->views[j].rgb, n);
             views[j] = src->views[j];
             views[j].rgb = px;
+            sha256_update(&h, wh, sizeof(wh));
+            sha256_update(&h, px, n);
         }
+        sha256_final(&h, r->images[i].sha256);
     }
     return 0;
 }
@@ -601,8 +611,8 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
             struct sha256 h;
             sha256_init(&h);
             sha256_update(&h, r->root, sizeof(r->root));
-            for (int i = 0; i < q->n_images; i++)
-                sha256_update(&h, q->images[i].sha256, sizeof(q->images[i].sha256));
+            for (int i = 0; i < r->n_images; i++)
+                sha256_update(&h, r->images[i].sha256, sizeof(r->images[i].sha256));
             sha256_final(&h, r->root);
         }
         r->seq.cache_root = r->root;

@@ -170,9 +170,11 @@ struct engine_request {
     int32_t constraint_start;
     /* images in prompt order (copied): the prompt holds, per image, one image_token_id
      * per embedding row of its views (engine_vision.view_tokens), and no other
-     * image_token_id.  Encoded at the first step that sees the request (once per content
-     * hash while the cache keeps it); their hashes enter the prefix-cache root, so only
-     * requests with the same images in the same order share KV. */
+     * image_token_id.  Encoded at the first step that sees the request (once per image
+     * while the cache keeps it).  The engine keys an image by SHA-256 over its sha256 and
+     * its views' sizes and pixels (a hash that lies about its pixels shares nothing); the
+     * keys enter the prefix-cache root, so only requests with the same images in the same
+     * order share KV. */
     const struct engine_image *images;
     int n_images;
 };

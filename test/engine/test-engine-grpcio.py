@@ -335,6 +335,8 @@ def main():
                 ("i3", img_req("i3", rgb=b"x" * 11), ("images[0].views[0]: 2x2 with 11 rgb bytes",)),
                 ("i4", img_req("i4", at=2), ("images[0].token_ids: not the prompt's tokens at position 2",))):
             expect_error(lambda: list(stub.Generate(req)), INV, words)
+        ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+        assert ld.image_encodes == 0 and ld.image_cache_hits == 0, ld  # refused: nothing encoded
 
         # seeded sampling is reproducible, different seeds differ
         def sampled(seed):

@@ -1044,6 +1044,8 @@ static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void 
     gl.kv_pools = pools;
     gl.prefix_cache_queries = l.prefix_queries;
     gl.prefix_cache_hits = l.prefix_hits;
+    gl.image_encodes = l.image_encodes;
+    gl.image_cache_hits = l.image_cache_hits;
     gl.group = (char *) (s->o.group ? s->o.group : "");
     gl.num_running = (uint32_t) l.n_running;
     gl.num_waiting = (uint32_t) l.n_waiting;

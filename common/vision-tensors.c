@@ -60,6 +60,10 @@ int vision_config_parse(const void *root_, int text_hidden, struct vision_config
     r = json_get_bool(root, "", "projector_bias", OPT, &pbias, e);
     if (r < 0)
         return r;
+    ret->image_token_id = -1;
+    r = json_get_i32(root, "", "image_token_id", OPT, 0, INT32_MAX, &ret->image_token_id, e);
+    if (r < 0)
+        return r;
     if (pbias)
         return err_set(e, -EINVAL, "projector_bias: true is not supported (vit_large_projector has no bias)");
     if (ret->width % ret->heads || (ret->width / ret->heads) % 4)

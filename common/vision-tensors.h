@@ -25,6 +25,7 @@ struct vision_config {
     int grid;               /* image_size / patch: the position-embedding grid side */
     int inter;              /* MLP intermediate: round(width * mlp_ratio) */
     int text_hidden;        /* the projector's output */
+    int image_token_id;     /* config.json's image_token_id (<im_patch>), -1 when absent */
 };
 
 /* Parse dir/config.json's vision_config for a text model of hidden size text_hidden.

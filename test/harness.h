@@ -68,3 +68,13 @@ static inline int test_run(const char *cmd, char **out)
     ASSERT_TRUE(WIFEXITED(st));
     return WEXITSTATUS(st);
 }
+
+/* The first index of the largest of x[0 .. n) (greedy decoding in the model tests). */
+static inline int harness_argmax(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}

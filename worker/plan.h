@@ -44,6 +44,7 @@ struct step_seq {
     int32_t flags;          /* STEP_SEQ_* */
 };
 
+#define STEP_PLAN_IMG_NEXT 4   /* tok_in depths step_plan.img_row_next covers per seq */
 #define STEP_SEQ_NEW 1      /* the run starts a new sequence in its slot (see above) */
 #define STEP_SEQ_FLAGS_KNOWN STEP_SEQ_NEW
 
@@ -57,6 +58,17 @@ struct step_plan {
     int32_t *blocks[_KV_GROUP_MAX]; /* concatenated block tables per group */
     bool draft_sub;         /* rank 0 only, not on the wire: this step's MTP depths score
                                the installed draft vocabulary (forward.h set_draft_vocab) */
+    /* rank 0 only, not on the wire (a group refuses images): image embeddings, rows of
+     * the text hidden (the vision encoder's output), and per plan token the row it embeds
+     * as instead of its id's (img_row[t] in 0 .. n_img_emb-1) or -1.  NULL: every token
+     * embeds its id. */
+    const float *img_emb;
+    const int32_t *img_row;     /* [n_tokens] */
+    int32_t n_img_emb;
+    /* rank 0, with img_row: per seq the image row of the MTP chain's tok_in at depths
+     * 0 .. STEP_PLAN_IMG_NEXT-1 (a prompt chunk's fills are the prompt tokens after its
+     * run, which may be image tokens), or -1; NULL: all text */
+    const int32_t *img_row_next;    /* [n_seqs * STEP_PLAN_IMG_NEXT] */
 };
 
 #ifdef __cplusplus

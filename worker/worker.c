@@ -237,6 +237,7 @@ struct worker {
     struct forward *fwd;        /* model or mock */
     struct vision *vision;      /* rank 0 on the CPU backend with a vision_config: the image
                                    encoder (docs/ARCHITECTURE.md 5.1), else NULL */
+    struct engine_vision ev;    /* the engine's view of it (images served: encode set) */
     struct forward *lock;       /* rank 0 with world > 1: the broadcasting wrapper */
     struct step_plan_limits lim;
     size_t plan_cap;
@@ -525,6 +526,44 @@ static int kv_blocks_device(void *ctx, const int64_t block_bytes[2], int n_block
     return kv_plan_apply(w, block_bytes, budget < 0 ? 0 : budget, what, n_blocks, e);
 }
 
+static int ev_view_tokens(void *ctx, const struct engine_view *v)
+{
+    return v->width != v->height ? -EINVAL : vision_view_tokens(ctx, v->width);
+}
+
+/* The engine's encoder call: views of one image (square, vision_view_tokens checked them at
+ * submit) through vision_encode in one batch. */
+static int ev_encode(void *ctx, const struct engine_view *v, int n, float *out, struct err_buf *e)
+{
+    struct vision_view *vv = calloc((size_t)n, sizeof(*vv));
+    int r;
+
+    if (!vv)
+        return err_set(e, -ENOMEM, "out of memory for %d views", n);
+    for (int i = 0; i < n; i++)
+        vv[i] = (struct vision_view){ v[i].rgb, v[i].width };
+    r = vision_encode(ctx, vv, n, out, NULL, NULL, e);
+    free(vv);
+    return r;
+}
+
+/* Images are served by a single rank whose config names image_token_id (the plan's image
+ * rows do not cross to other ranks: model__check_plan); else the engine refuses them. */
+static void worker_vision_serve(struct worker *w, const struct vision_config *vc)
+{
+    const char *why = w->o->world_size > 1 ? "a group of several ranks" :
+                      vc->image_token_id < 0 ? "config.json has no image_token_id" : NULL;
+
+    log_info("vision encoder: %d blocks of width %d, projector to %d (%s%s)", vc->layers,
+             vc->width, vc->text_hidden, why ? "images are not served: " : "images served",
+             why ? why : "");
+    if (why)
+        return;
+    w->ev = (struct engine_vision){ .image_token_id = vc->image_token_id, .hidden = vc->text_hidden,
+                                    .view_tokens = ev_view_tokens, .encode = ev_encode,
+                                    .ctx = w->vision };
+}
+
 /* Host memory (CPU, or a backend that reports no device memory): --kv-cache-memory, else
  * every sequence at full length, at most 90 % of the memory available now. */
 static int kv_blocks_host(struct worker *w, const struct model_config *mc, int n_blocks[2],
@@ -535,6 +574,7 @@ static int kv_blocks_host(struct worker *w, const struct model_config *mc, int n
     struct kvplan_req q;
     struct kvplan p;
     struct err_buf pe;
+
 
     kvplan_bytes_per_token(mc, w->o->world_size, w->o->rank, ckpt_mtp_depth(w->ck),
                            w->o->kv_f32 ? 4 : 2, bpt);
@@ -667,8 +707,7 @@ static int stage_load(struct worker *w, struct err_buf *e)
         if (r < 0)
             return r;
         vc = vision_cfg(w->vision);
-        log_info("vision encoder: %d blocks of width %d, projector to %d (images are not served yet)",
-                 vc->layers, vc->width, vc->text_hidden);
+        worker_vision_serve(w, vc);
     }
     model_kv_block_bytes(model_from_forward(w->fwd), reserved);
     if (!mo.kv_blocks && (reserved[0] != planned[0] || reserved[1] != planned[1]))
@@ -1000,6 +1039,7 @@ static void engine_config_fill(struct worker *w, struct engine_config *cfg)
     cfg->prefix_cache_salt = o->prefix_cache_salt;
     cfg->describe_failure = describe_failure;
     cfg->describe_failure_ctx = w;
+    cfg->vision = w->ev.encode ? &w->ev : NULL;
 }
 
 static int step_delay_hook(void *ctx, const struct step_plan *p)

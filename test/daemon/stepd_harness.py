@@ -298,6 +298,16 @@ class Engine:
             self.proc.wait()
 
 
+def tokenizer_size(path=None):
+    """The first token id the tokenizer file does not define (its vocabulary and added tokens):
+    the daemon's first invalid id at /detokenize, derived so that new special tokens move it."""
+    import json
+    with open(path or TOKENIZER, encoding="utf-8") as f:
+        t = json.load(f)
+    ids = list(t["model"]["vocab"].values()) + [a["id"] for a in t.get("added_tokens", [])]
+    return max(ids) + 1
+
+
 def gen_request(ids=(10, 20, 30), max_tokens=8, **kw):
     sp = kw.pop("sampling", None) or pb.SamplingParams(max_tokens=max_tokens)
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(ids)), sampling_params=sp, **kw)

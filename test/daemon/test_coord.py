@@ -19,7 +19,8 @@ import time
 import grpc
 
 from stepd_harness import (MOCK_ARGS, NOT_SERVING, SERVING, STEPD_BIN, TOKENIZER, Stepd, collect, pbg,
-                           expected_tokens, gen_request, hpb, pb, run_tests, sanitized, wait_until)
+                           expected_tokens, gen_request, hpb, pb, run_tests, sanitized, tokenizer_size,
+                           wait_until)
 
 OK = grpc.StatusCode.OK
 
@@ -850,7 +851,7 @@ def test_text_and_chat():
     assert tk.count == len(tk.token_ids) > 0
     dt = s.inf.Detokenize(pb.DetokenizeRequest(token_ids=tk.token_ids), timeout=5)
     assert "Hello world" in dt.text, dt.text
-    c, d = code_of(lambda: s.inf.Detokenize(pb.DetokenizeRequest(token_ids=[4000]), timeout=5))
+    c, d = code_of(lambda: s.inf.Detokenize(pb.DetokenizeRequest(token_ids=[tokenizer_size()]), timeout=5))
     assert c == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in d, (c, d)
     # text in, text out: the streamed text equals Detokenize of the streamed ids
     req = pb.GenerateRequest(text="Hello world", sampling_params=pb.SamplingParams(max_tokens=20),

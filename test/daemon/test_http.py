@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from stepd_harness import STEPD_BIN, TOKENIZER, Stepd, collect, pb, run_tests, wait_until
+from stepd_harness import STEPD_BIN, TOKENIZER, Stepd, collect, pb, run_tests, tokenizer_size, wait_until
 
 try:
     import openai
@@ -529,7 +529,7 @@ def test_endpoints():
     assert len(d["token_strs"]) == len(want), d
     st, d2, _ = post(s, "/detokenize", {"model": "tiny", "tokens": want})
     assert st == 200 and d2["prompt"] == tokenizer().decode(want), d2
-    st, d3, _ = post(s, "/detokenize", {"tokens": [1, VOCAB + 5]})
+    st, d3, _ = post(s, "/detokenize", {"tokens": [1, tokenizer_size()]})
     assert st == 400 and d3["error"]["param"] == "tokens[1]", d3
     st, d4, _ = post(s, "/tokenize", {"model": "tiny", "messages": chat_msgs()})
     gt = s.inf.Tokenize(pb.TokenizeRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role=m["role"],

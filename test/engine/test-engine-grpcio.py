@@ -321,6 +321,23 @@ def main():
             outs.append(toks)
         assert outs[0] == outs[1]
 
+        # images (issue 40): decoded and checked, then refused by an engine without an encoder
+        def img_req(rid, sha=b"\x01" * 32, w=2, h=2, rgb=None, toks=(7, 7), at=1):
+            r = gen(rid, [1, 7, 7, 2], max_tokens=4)
+            r.images.append(pb.ImageInput(sha256=sha, token_ids=list(toks), token_position=at,
+                                          views=[pb.ImageView(width=w, height=h,
+                                                              rgb=rgb if rgb is not None else bytes(w * h * 3))]))
+            return r
+        INV = grpc.StatusCode.INVALID_ARGUMENT
+        for rid, req, words in (
+                ("i1", img_req("i1"), ("images: this model has no vision encoder",)),
+                ("i2", img_req("i2", sha=b"x" * 31), ("images[0].sha256: 31 bytes",)),
+                ("i3", img_req("i3", rgb=b"x" * 11), ("images[0].views[0]: 2x2 with 11 rgb bytes",)),
+                ("i4", img_req("i4", at=2), ("images[0].token_ids: not the prompt's tokens at position 2",))):
+            expect_error(lambda: list(stub.Generate(req)), INV, words)
+        ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+        assert ld.image_encodes == 0 and ld.image_cache_hits == 0, ld  # refused: nothing encoded
+
         # seeded sampling is reproducible, different seeds differ
         def sampled(seed):
             return [t for m in stub.Generate(gen(f"s{seed}-{time.time_ns()}", [5, 6, 7],

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "golden-model.h"
 #include "harness.h"
 #include "model.h"
 
@@ -90,11 +91,7 @@ static bool row_bad(double d)
 
 static int argmax(const float *x)
 {
-    int b = 0;
-    for (int i = 1; i < V; i++)
-        if (x[i] > x[b])
-            b = i;
-    return b;
+    return harness_argmax(x, V);
 }
 
 static int ids_of(json_t *arr, int32_t *out, int cap)
@@ -262,7 +259,6 @@ static void check_case(json_t *c)
 
 int main(int argc, char **argv)
 {
-    struct err_buf e = {{0}};
     json_error_t je;
     struct ckpt *ck;
     struct backend *be;
@@ -279,27 +275,9 @@ int main(int argc, char **argv)
     if (!root)
         FAIL("%s:%d: %s", argv[1], je.line, je.text);
 
-    struct model_config pc;
-    char cpath[4096];
-    snprintf(cpath, sizeof(cpath), "%s/config.json", argv[2]);
-    if (model_config_load(cpath, &pc, &e) < 0)
-        FAIL("%s", e.msg);
-    struct ckpt_opts co = {.world_size = 1, .rank = 0, .mtp_depth = pc.n_mtp_layers};
-    if (ckpt_open(argv[2], &co, &ck, &e) < 0)
-        FAIL("%s: %s", argv[2], e.msg);
+    golden_model_open(argv[2], exact, MAXLEN, BS, &ck, &be, &m);
     V = ckpt_config(ck)->vocab_size;
     K = ckpt_mtp_depth(ck);
-    struct backend_cfg bc = {.n_threads = 2, .mxfp4_exact = exact};
-    ASSERT_OK(backend_new("cpu", &bc, &be));
-    struct model_opts mo = {.max_tokens_per_step = MAXLEN, .max_seqs = 1, .max_logit_rows = MAXLEN,
-                            .block_size = BS, .n_blocks = {MAXLEN / BS, MAXLEN / BS},
-                            .max_seq_len = MAXLEN,
-                            /* the exact path against the FP32 reference keeps FP32 KV (1e-3
-                             * is below BF16 storage's rounding); the fast path runs the
-                             * service default, BF16 KV, within TOL_FAST */
-                            .kv_f32 = exact};
-    if (model_new(ck, be, NULL, &mo, &m, &e) < 0)
-        FAIL("model_new: %s", e.msg);
     for (int b = 0; b < MAXLEN / BS; b++)
         blocks[b] = (b * 7 + 3) % (MAXLEN / BS);    /* a permutation: 7 is prime to 32 */
     lg = malloc(sizeof(float) * (size_t)V);

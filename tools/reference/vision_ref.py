@@ -260,6 +260,7 @@ def make_tower(model_dir):
         idx["weight_map"][n] = shard
     idx["weight_map"] = dict(sorted(idx["weight_map"].items()))
     idx["metadata"]["total_size"] += sum(a.nbytes for a in t.values())
+    add_image_tokens(model_dir, cfg)
     cfg["vision_config"] = vc
     cfg["projector_bias"] = False
     cfg["understand_projector_stride"] = 2
@@ -268,6 +269,32 @@ def make_tower(model_dir):
     json.dump(idx, open(idxp, "w"), indent=2)
     open(idxp, "a").write("\n")
     print("%s: %d tensors, %d bytes" % (shard, len(t), os.path.getsize(os.path.join(model_dir, shard))))
+
+
+# Step-3.7's image tokens, appended after the tiny vocabulary's 4000 used ids (no text id moves)
+IMAGE_TOKENS = ["<im_patch>", "<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>"]
+IMAGE_TOKEN_ID0 = 4000
+
+
+def add_image_tokens(model_dir, cfg):
+    """special tokens 4000.. in tokenizer.json / tokenizer_config.json, image_token_id in cfg"""
+    tp = os.path.join(model_dir, "tokenizer.json")
+    cp = os.path.join(model_dir, "tokenizer_config.json")
+    tok = json.load(open(tp, encoding="utf-8"))
+    tc = json.load(open(cp, encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    for k, content in enumerate(IMAGE_TOKENS):
+        i = IMAGE_TOKEN_ID0 + k
+        assert content not in vocab and i not in vocab.values(), content
+        vocab[content] = i
+        ent = {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+               "normalized": False, "special": True}
+        tok["added_tokens"].append(ent)
+        tc["added_tokens_decoder"][str(i)] = {k2: ent[k2] for k2 in ("content", "lstrip", "normalized", "rstrip",
+                                                                       "single_word", "special")}
+    open(tp, "w", encoding="utf-8").write(json.dumps(tok, indent=2, ensure_ascii=False))
+    open(cp, "w", encoding="utf-8").write(json.dumps(tc, indent=2, ensure_ascii=False))
+    cfg["image_token_id"] = IMAGE_TOKEN_ID0
 
 
 def synth_view(seed, size):

@@ -751,6 +751,58 @@ static int status_of(int rc)
     }
 }
 
+/* The request's images (GenerateRequest.images) as the engine takes them: *ret_images
+ * [n_images] followed by their views in one allocation (the pixels stay the message's;
+ * engine_submit copies them).  Each image: a 32-byte sha256, views whose rgb holds
+ * width x height RGB triplets, and its token_ids where token_position says in the prompt. */
+static int images_from_proto(const Stepd__V1__GenerateRequest *in, struct engine_request *q,
+                             struct engine_image **ret_images, struct err_buf *err)
+{
+    size_t nv = 0;
+    *ret_images = NULL;
+    if (in->n_images == 0)
+        return 0;
+    if (in->n_images > 64)
+        return err_set(err, -EINVAL, "images: %zu images (at most 64)", in->n_images);
+    for (size_t i = 0; i < in->n_images; i++)
+        nv += in->images[i]->n_views;
+    struct engine_image *im = calloc(1, in->n_images * sizeof(*im) + nv * sizeof(struct engine_view));
+    if (!im)
+        return err_set(err, -ENOMEM, "images: out of memory");
+    struct engine_view *v = (struct engine_view *) (im + in->n_images);
+    for (size_t i = 0; i < in->n_images; i++) {
+        const Stepd__V1__ImageInput *x = in->images[i];
+        size_t pos = x->token_position;
+        if (x->sha256.len != sizeof(im[i].sha256)) {
+            free(im);
+            return err_set(err, -EINVAL, "images[%zu].sha256: %zu bytes (32 expected)", i, x->sha256.len);
+        }
+        if (x->n_token_ids && (pos > (size_t) q->n_prompt || x->n_token_ids > (size_t) q->n_prompt - pos ||
+                               memcmp(q->prompt + pos, x->token_ids, x->n_token_ids * sizeof(int32_t)))) {
+            free(im);
+            return err_set(err, -EINVAL, "images[%zu].token_ids: not the prompt's tokens at position "
+                           "%zu", i, pos);
+        }
+        memcpy(im[i].sha256, x->sha256.data, sizeof(im[i].sha256));
+        im[i].views = v;
+        im[i].n_views = (int) x->n_views;
+        for (size_t j = 0; j < x->n_views; j++, v++) {
+            const Stepd__V1__ImageView *w = x->views[j];
+            if (w->width == 0 || w->height == 0 || w->width > 8192 || w->height > 8192 ||
+                w->rgb.len != (size_t) w->width * w->height * 3) {
+                free(im);
+                return err_set(err, -EINVAL, "images[%zu].views[%zu]: %ux%u with %zu rgb bytes", i, j,
+                               w->width, w->height, w->rgb.len);
+            }
+            *v = (struct engine_view){ (int) w->width, (int) w->height, w->rgb.data };
+        }
+    }
+    q->images = im;
+    q->n_images = (int) in->n_images;
+    *ret_images = im;
+    return 0;
+}
+
 static int build_request(struct engine_rpc *s, const Stepd__V1__GenerateRequest *in,
                          struct engine_request *q, struct sampler_bias *bias, char *id,
                          struct err_buf *err)
@@ -818,7 +870,10 @@ static int gen_submit(struct gen *g, struct rpc_call *call, const Stepd__V1__Gen
         }
     }
     struct engine_request q;
+    struct engine_image *images = NULL;
     int r = build_request(s, in, &q, bias, g->id, &err);
+    if (r == 0)
+        r = images_from_proto(in, &q, &images, &err);
     int64_t dl = rpc_call_deadline_ms(call);
     if (r == 0 && dl != INT64_MAX) {
         int64_t left_ms = dl - rpc_now_ms();
@@ -828,6 +883,7 @@ static int gen_submit(struct gen *g, struct rpc_call *call, const Stepd__V1__Gen
     if (r == 0)
         r = engine_submit(s->e, &q, on_engine_out, g, &err);
     free(bias);
+    free(images);
     if (r < 0) {
         if (r == -EAGAIN)   /* queue full: tell well-behaved clients when to retry */
             (void) rpc_call_add_trailer(call, "grpc-retry-pushback-ms", "100");
@@ -988,6 +1044,8 @@ static void h_getloads(struct rpc_call *call, const ProtobufCMessage *req, void 
     gl.kv_pools = pools;
     gl.prefix_cache_queries = l.prefix_queries;
     gl.prefix_cache_hits = l.prefix_hits;
+    gl.image_encodes = l.image_encodes;
+    gl.image_cache_hits = l.image_cache_hits;
     gl.group = (char *) (s->o.group ? s->o.group : "");
     gl.num_running = (uint32_t) l.n_running;
     gl.num_waiting = (uint32_t) l.n_waiting;

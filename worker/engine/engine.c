@@ -75,6 +75,17 @@ struct ereq {
     struct spec_stats mtp;
     struct spec_accept acc;          /* recent acceptance, for the draft policy */
     int64_t t_arrival, t_sched, t_first, t_last;
+    struct engine_image *images;     /* copies (views and pixels) until encoded, then NULL */
+    int n_images;
+    float *img_emb;                  /* [image tokens of the prompt, hidden] once encoded */
+};
+
+/* The encoder cache: outputs by image content hash, least recently used evicted. */
+struct img_cache_ent {
+    uint8_t key[32];
+    float *rows;                     /* NULL: empty entry */
+    int n_rows;
+    uint64_t used;
 };
 
 struct engine {
@@ -130,6 +141,12 @@ struct engine {
     int32_t *n_valid, *tok_in, *tok_scratch;
     struct spec_seq *sseqs;
     struct batch_seq **sched;        /* copy of the batcher's list (finishing edits it) */
+    /* images (cfg.vision): the plan's rows and per-token index, the encoder cache */
+    float *img_buf;                  /* [max_num_batched_tokens + max_num_seqs * K, hidden] */
+    int32_t *img_row;                /* [max_num_batched_tokens] */
+    int32_t *img_next;               /* [max_num_seqs * STEP_PLAN_IMG_NEXT] */
+    struct img_cache_ent *icache;    /* [cfg.image_cache_entries] */
+    uint64_t icache_tick, n_img_encodes, n_img_hits;
 };
 
 int64_t engine_now_usec(void)
@@ -161,6 +178,7 @@ void engine_config_init(struct engine_config *cfg)
     cfg->max_model_len = 4096;
     cfg->max_waiting = 256;
     cfg->enable_prefix_caching = true;
+    cfg->image_cache_entries = 16;
 }
 
 void engine_request_init(struct engine_request *r)
@@ -201,6 +219,12 @@ static int check_config(struct engine_config *c, const struct forward *f, struct
     if (c->test_digest_cut_bits < 0 || c->test_digest_cut_bits > 8 * KV_DIGEST_BYTES)
         return err_set(err, -EINVAL, "test_digest_cut_bits: %d is not in 0..%d",
                        c->test_digest_cut_bits, 8 * KV_DIGEST_BYTES);
+    if (c->vision && (!c->vision->encode || !c->vision->view_tokens || c->vision->hidden <= 0 ||
+                      c->vision->image_token_id < 0 || c->vision->image_token_id >= f->vocab_size))
+        return err_set(err, -EINVAL, "vision: incomplete encoder or image_token_id %d outside "
+                       "the vocabulary", c->vision->image_token_id);
+    if (c->image_cache_entries < 0)
+        return err_set(err, -EINVAL, "image_cache_entries: must be >= 0");
     if (c->n_eos < 0 || c->n_eos > ENGINE_MAX_EOS)
         return err_set(err, -EINVAL, "eos_ids: %d ids (max %d)", c->n_eos, ENGINE_MAX_EOS);
     for (int i = 0; i < c->n_eos; i++)
@@ -260,6 +284,15 @@ static int alloc_buffers(struct engine *e)
         !e->mtp_logits || !e->probs_buf || !e->lp_buf || !e->n_valid || !e->tok_in || !e->tok_scratch ||
         !e->sseqs)
         return -ENOMEM;
+    if (e->cfg.vision) {
+        size_t nt = (size_t) e->cfg.max_num_batched_tokens;
+        e->img_buf = malloc((nt + ms * SPEC_MAX_K) * (size_t) e->cfg.vision->hidden * sizeof(float));
+        e->img_row = malloc(nt * sizeof(int32_t));
+        e->img_next = malloc(ms * STEP_PLAN_IMG_NEXT * sizeof(int32_t));
+        e->icache = calloc((size_t) e->cfg.image_cache_entries + 1, sizeof(*e->icache));
+        if (!e->img_buf || !e->img_row || !e->img_next || !e->icache)
+            return -ENOMEM;
+    }
     e->plan.seqs = e->pseqs;
     e->plan.tokens = e->ptokens;
     for (int g = 0; g < _KV_GROUP_MAX; g++)
@@ -341,10 +374,22 @@ int engine_new(struct forward *f, const struct engine_config *cfg, struct engine
 
 /* --- requests --- */
 
+static void images_free(struct engine_image *im, int n)
+{
+    for (int i = 0; im && i < n; i++) {
+        for (int j = 0; im[i].views && j < im[i].n_views; j++)
+            free((void *) im[i].views[j].rgb);
+        free((void *) im[i].views);
+    }
+    free(im);
+}
+
 static void ereq_free(struct ereq *r)
 {
     if (!r)
         return;
+    images_free(r->images, r->n_images);
+    free(r->img_emb);
     free(r->tokens);
     free(r->stop_ids);
     free(r->bias);
@@ -364,6 +409,83 @@ static bool id_ok(const char *id)
         if (!isprint((unsigned char) id[i]))
             return false;
     return true;
+}
+
+/* The images agree with the prompt: each view one the encoder takes, and as many
+ * image_token_id in the prompt as the views give rows. */
+static int check_images(const struct engine *e, const struct engine_request *q, struct err_buf *err)
+{
+    const struct engine_vision *v = e->cfg.vision;
+    int64_t rows = 0;
+    int n_tok = 0;
+
+    if (q->n_images < 0 || (q->n_images > 0 && !q->images))
+        return err_set(err, -EINVAL, "images: %d images without their data", q->n_images);
+    if (q->n_images == 0)
+        return 0;
+    if (!v)
+        return err_set(err, -EINVAL, "images: this model has no vision encoder (text only)");
+    for (int i = 0; i < q->n_images; i++) {
+        const struct engine_image *im = &q->images[i];
+        if (im->n_views <= 0 || !im->views)
+            return err_set(err, -EINVAL, "images[%d]: no views", i);
+        for (int j = 0; j < im->n_views; j++) {
+            const struct engine_view *w = &im->views[j];
+            int t = w->rgb && w->width > 0 && w->height > 0 ? v->view_tokens(v->ctx, w) : -EINVAL;
+            if (t < 0)
+                return err_set(err, -EINVAL, "images[%d].views[%d]: %dx%d is not a view the "
+                               "encoder takes", i, j, w->width, w->height);
+            rows += t;
+        }
+    }
+    for (int i = 0; i < q->n_prompt; i++)
+        n_tok += q->prompt[i] == v->image_token_id;
+    if (n_tok != rows)
+        return err_set(err, -EINVAL, "images: the prompt holds %d image tokens (id %d) but the "
+                       "%d images' views give %lld rows", n_tok, v->image_token_id, q->n_images,
+                       (long long) rows);
+    return 0;
+}
+
+/* Copies of the request's images (views and pixels), kept until the step encodes them.
+ * Each copy's sha256 becomes the engine's own key: SHA-256 over the client's hash and every
+ * view's size and pixels, so a hash that does not match its pixels can neither take
+ * another image's encoder rows nor share its KV. */
+static int images_copy(struct ereq *r, const struct engine_request *q)
+{
+    if (q->n_images == 0)
+        return 0;
+    r->images = calloc((size_t) q->n_images, sizeof(*r->images));
+    if (!r->images)
+        return -ENOMEM;
+    r->n_images = q->n_images;
+    for (int i = 0; i < q->n_images; i++) {
+        const struct engine_image *src = &q->images[i];
+        struct engine_view *views = calloc((size_t) src->n_views, sizeof(*views));
+        r->images[i] = *src;
+        r->images[i].views = views;
+        if (!views) {
+            r->images[i].n_views = 0;
+            return -ENOMEM;
+        }
+        struct sha256 h;
+        sha256_init(&h);
+        sha256_update(&h, src->sha256, sizeof(src->sha256));
+        for (int j = 0; j < src->n_views; j++) {
+            size_t n = (size_t) src->views[j].width * (size_t) src->views[j].height * 3;
+            int32_t wh[2] = { src->views[j].width, src->views[j].height };
+            uint8_t *px = malloc(n);
+            if (!px)
+                return -ENOMEM;
+            memcpy(px, src->views[j].rgb, n);
+            views[j] = src->views[j];
+            views[j].rgb = px;
+            sha256_update(&h, wh, sizeof(wh));
+            sha256_update(&h, px, n);
+        }
+        sha256_final(&h, r->images[i].sha256);
+    }
+    return 0;
 }
 
 static int check_request(const struct engine *e, const struct engine_request *q, struct err_buf *err)
@@ -401,7 +523,7 @@ static int check_request(const struct engine *e, const struct engine_request *q,
                        ENGINE_MAX_LOGPROBS < e->vocab - 1 ? ENGINE_MAX_LOGPROBS : e->vocab - 1);
     if (q->cache_salt && strnlen(q->cache_salt, ENGINE_MAX_CACHE_SALT + 1) > ENGINE_MAX_CACHE_SALT)
         return err_set(err, -EINVAL, "cache_salt: longer than %d bytes", ENGINE_MAX_CACHE_SALT);
-    return 0;
+    return check_images(e, q, err);
 }
 
 static struct ereq *ereq_new(const struct engine *e, const struct engine_request *q)
@@ -479,8 +601,20 @@ static struct ereq *ereq_new(const struct engine *e, const struct engine_request
      * greedy output does not depend on the drafts, sampled output with a drawn seed need
      * only be the target's distribution, which it is whatever they are (the rejection test) */
     r->seq.mtp_exact = r->k > 0 && !sampling_params_greedy(&r->sp) && !q->seed_random;
+    if (images_copy(r, q) < 0)
+        goto out_free;
     if (e->cfg.enable_prefix_caching) {
         kv_prefix_root(e->salt, q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0, r->root);
+        if (q->n_images > 0) {
+            /* the images' hashes, in order, enter the chain's root: the same tokens with
+             * other images (or in another order) never share KV */
+            struct sha256 h;
+            sha256_init(&h);
+            sha256_update(&h, r->root, sizeof(r->root));
+            for (int i = 0; i < r->n_images; i++)
+                sha256_update(&h, r->images[i].sha256, sizeof(r->images[i].sha256));
+            sha256_final(&h, r->root);
+        }
         r->seq.cache_root = r->root;
     }
     r->deadline_usec = q->deadline_usec;
@@ -647,6 +781,98 @@ static void take_inbox(struct engine *e)
     }
 }
 
+/* The cache entry of key, or NULL; a hit becomes the most recently used. */
+static struct img_cache_ent *icache_find(struct engine *e, const uint8_t key[32])
+{
+    for (int i = 0; i < e->cfg.image_cache_entries; i++) {
+        struct img_cache_ent *c = &e->icache[i];
+        if (c->rows && memcmp(c->key, key, 32) == 0) {
+            c->used = ++e->icache_tick;
+            return c;
+        }
+    }
+    return NULL;
+}
+
+/* Keep a copy of rows [n, hidden] under key, evicting the least recently used entry
+ * (out of memory: not kept). */
+static void icache_put(struct engine *e, const uint8_t key[32], const float *rows, int n)
+{
+    struct img_cache_ent *lru = NULL;
+    size_t bytes = (size_t) n * (size_t) e->cfg.vision->hidden * sizeof(float);
+    float *copy;
+
+    for (int i = 0; i < e->cfg.image_cache_entries; i++) {
+        struct img_cache_ent *c = &e->icache[i];
+        if (!lru || !c->rows || (lru->rows && c->used < lru->used))
+            lru = c;
+        if (!c->rows)
+            break;
+    }
+    if (!lru || !(copy = malloc(bytes)))
+        return;
+    memcpy(copy, rows, bytes);
+    free(lru->rows);
+    memcpy(lru->key, key, 32);
+    lru->rows = copy;
+    lru->n_rows = n;
+    lru->used = ++e->icache_tick;
+}
+
+/* Request r's image rows: from the cache by hash, else through the encoder (cached
+ * after); the copies of the pixels are freed.  A sentence in msg on failure. */
+static int encode_request(struct engine *e, struct ereq *r, char *msg, size_t len)
+{
+    const struct engine_vision *v = e->cfg.vision;
+    size_t H = (size_t) v->hidden;
+    int64_t rows = 0;
+    int rc = 0;
+
+    for (int i = 0; i < r->n_images; i++)
+        for (int j = 0; j < r->images[i].n_views; j++)
+            rows += v->view_tokens(v->ctx, &r->images[i].views[j]);
+    r->img_emb = malloc((size_t) (rows > 0 ? rows : 1) * H * sizeof(float));
+    if (!r->img_emb) {
+        snprintf(msg, len, "images: out of memory for %lld encoder rows", (long long) rows);
+        return -ENOMEM;
+    }
+    int64_t off = 0;
+    for (int i = 0; i < r->n_images && rc >= 0; i++) {
+        const struct engine_image *im = &r->images[i];
+        struct img_cache_ent *c = icache_find(e, im->sha256);
+        int n = 0;
+        for (int j = 0; j < im->n_views; j++)
+            n += v->view_tokens(v->ctx, &im->views[j]);
+        if (c && c->n_rows == n) {
+            memcpy(r->img_emb + off * H, c->rows, (size_t) n * H * sizeof(float));
+            e->n_img_hits++;
+        } else {
+            struct err_buf eb = { { 0 } };
+            rc = v->encode(v->ctx, im->views, im->n_views, r->img_emb + off * H, &eb);
+            if (rc < 0) {
+                snprintf(msg, len, "images[%d]: the vision encoder failed: %.180s", i, eb.msg);
+                break;
+            }
+            e->n_img_encodes++;
+            icache_put(e, im->sha256, r->img_emb + off * H, n);
+        }
+        off += n;
+    }
+    images_free(r->images, r->n_images);
+    r->images = NULL;
+    r->n_images = 0;
+    return rc;
+}
+
+/* Encode the images of requests new to the step thread (before they are scheduled). */
+static void encode_new(struct engine *e)
+{
+    char msg[256];
+    for (struct ereq *r = e->live; r; r = r->live_next)
+        if (!r->done && r->n_images > 0 && encode_request(e, r, msg, sizeof(msg)) < 0)
+            finish(e, r, ENGINE_FINISH_ERROR, msg);
+}
+
 static void expire_and_abort(struct engine *e, int64_t now)
 {
     for (struct ereq *r = e->live; r; r = r->live_next) {
@@ -701,11 +927,48 @@ static struct ereq *req_of(struct batch_seq *s)
     return (struct ereq *) s;
 }
 
+/* Seq s's run at plan token tok (plan seq i): the prompt's image tokens it covers take the
+ * next rows of the plan's image buffer (from n_img on), every other token -1; so do the
+ * prompt tokens after a prompt chunk that its MTP fills take as tok_in.  Returns the rows
+ * used so far. */
+static int32_t plan_images(struct engine *e, struct ereq *r, const struct batch_seq *s, int i,
+                           int32_t tok, int32_t n_img)
+{
+    int32_t id = e->cfg.vision->image_token_id, k = 0;
+    size_t H = (size_t) e->cfg.vision->hidden;
+
+    for (int32_t q = 0; r->img_emb && q < s->n_computed && q < r->n_prompt; q++)
+        k += r->tokens[q] == id;
+    for (int32_t t = 0; t < s->sched_tokens; t++) {
+        int32_t pos = s->n_computed + t;
+        e->img_row[tok + t] = -1;
+        if (r->img_emb && t < s->sched_tokens - s->sched_drafts && pos < r->n_prompt &&
+            r->tokens[pos] == id) {
+            memcpy(e->img_buf + (size_t) n_img * H, r->img_emb + (size_t) k++ * H, H * sizeof(float));
+            e->img_row[tok + t] = n_img++;
+        }
+    }
+    for (int j = 0; j < STEP_PLAN_IMG_NEXT; j++) {
+        /* finish_seq's fills: tok_in of depth j is the prompt token at end + j */
+        int32_t pos = s->n_computed + s->sched_tokens + j;
+        int32_t *at = &e->img_next[i * STEP_PLAN_IMG_NEXT + j];
+        *at = -1;
+        if (!r->img_emb || s->sched_final || j >= r->k || pos >= r->n_prompt)
+            continue;
+        if (r->tokens[pos] == id) {
+            memcpy(e->img_buf + (size_t) n_img * H, r->img_emb + (size_t) k * H, H * sizeof(float));
+            *at = n_img++;
+        }
+        k += r->tokens[pos] == id;
+    }
+    return n_img;
+}
+
 static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
 {
     struct step_plan *p = &e->plan;
     int bs = e->f->block_size;
-    int32_t tok = 0;
+    int32_t tok = 0, n_img = 0;
     int32_t boff[_KV_GROUP_MAX] = { 0, 0 };
     p->step_id = e->n_steps;
     p->draft_sub = e->dv_on;
@@ -722,6 +985,8 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
         ps->tok_off = tok;
         memcpy(p->tokens + tok, r->tokens + s->n_computed, (size_t) n_plain * sizeof(int32_t));
         memcpy(p->tokens + tok + n_plain, r->drafts, (size_t) s->sched_drafts * sizeof(int32_t));
+        if (e->img_row)
+            n_img = plan_images(e, r, s, i, tok, n_img);
         tok += s->sched_tokens;
         ps->n_blocks = (ps->pos0 + ps->n_tokens + bs - 1) / bs;
         for (int g = 0; g < _KV_GROUP_MAX; g++) {
@@ -758,6 +1023,10 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
     p->n_tokens = tok;
     for (int g = 0; g < _KV_GROUP_MAX; g++)
         p->n_block_ids[g] = boff[g];
+    p->img_emb = n_img ? e->img_buf : NULL;
+    p->img_row = n_img ? e->img_row : NULL;
+    p->img_row_next = n_img ? e->img_next : NULL;
+    p->n_img_emb = n_img;
 }
 
 /* Output token i of r (not delivered yet) came from logits row: its logprob and the top N.
@@ -957,6 +1226,8 @@ static void update_snapshot(struct engine *e, int64_t now)
     double dt = (double) (now - e->rate_t[old]) * 1e-6;
 
     struct engine_loads *l = &e->snap;
+    l->image_encodes = e->n_img_encodes;
+    l->image_cache_hits = e->n_img_hits;
     l->n_running = batcher_n_running(e->b);
     l->n_waiting = batcher_n_waiting(e->b);
     l->kv_blocks_total = kv_pool_total(e->kv, KV_GROUP_FULL) + kv_pool_total(e->kv, KV_GROUP_SLIDING);
@@ -1181,6 +1452,8 @@ static int engine_step_inner(struct engine *e)
         return e->last_error;
     }
     expire_and_abort(e, clock_us(e));
+    if (e->cfg.vision)
+        encode_new(e);
     struct batch_seq **seqs;
     if (e->dv_count && e->dv_counted >= e->dv_next)
         dv_rank(e);
@@ -1287,6 +1560,12 @@ void engine_free(struct engine *e)
     free(e->tok_scratch);
     free(e->sseqs);
     free(e->sched);
+    for (int i = 0; e->icache && i < e->cfg.image_cache_entries; i++)
+        free(e->icache[i].rows);
+    free(e->icache);
+    free(e->img_buf);
+    free(e->img_row);
+    free(e->img_next);
     pthread_cond_destroy(&e->cond);
     pthread_mutex_destroy(&e->lock);
     grammar_vocab_free(e->gv);

@@ -50,6 +50,31 @@ extern "C" {
 
 struct engine;
 
+/* Images (issue 40).  A view: uint8 RGB, row-major [height, width, 3] (the encoder
+ * normalises).  An image: its content hash (the encoder cache's and the prefix cache's
+ * key) and its views in token order. */
+struct engine_view {
+    int width, height;
+    const uint8_t *rgb;
+};
+
+struct engine_image {
+    uint8_t sha256[32];
+    const struct engine_view *views;
+    int n_views;
+};
+
+/* The vision encoder the engine calls on its own thread (worker.c: vision.h on rank 0).
+ * view_tokens: the embedding rows of a view, or a negative errno when the encoder cannot
+ * take it; encode: the rows of n views, in order, into out [sum of view_tokens, hidden]. */
+struct engine_vision {
+    int32_t image_token_id;
+    int hidden;
+    int (*view_tokens)(void *ctx, const struct engine_view *v);
+    int (*encode)(void *ctx, const struct engine_view *v, int n, float *out, struct err_buf *e);
+    void *ctx;
+};
+
 struct engine_config {
     int max_num_batched_tokens;   /* token budget per step (default 512) */
     int max_num_seqs;             /* running sequences (default: forward->max_seqs) */
@@ -93,6 +118,10 @@ struct engine_config {
      * simulated time with it (a mock forward that advances it instead of sleeping).
      * Request timings (engine_timings) stay on engine_now_usec(). */
     struct clk_src clock;
+    /* the vision encoder (NULL: none; requests with images are refused) and how many
+     * images' encoder outputs the engine keeps by content hash (LRU; default 16, 0 = none) */
+    const struct engine_vision *vision;
+    int image_cache_entries;
 };
 
 void engine_config_init(struct engine_config *cfg);
@@ -139,6 +168,15 @@ struct engine_request {
     const char *constraint_kind;
     const char *constraint;
     int32_t constraint_start;
+    /* images in prompt order (copied): the prompt holds, per image, one image_token_id
+     * per embedding row of its views (engine_vision.view_tokens), and no other
+     * image_token_id.  Encoded at the first step that sees the request (once per image
+     * while the cache keeps it).  The engine keys an image by SHA-256 over its sha256 and
+     * its views' sizes and pixels (a hash that lies about its pixels shares nothing); the
+     * keys enter the prefix-cache root, so only requests with the same images in the same
+     * order share KV. */
+    const struct engine_image *images;
+    int n_images;
 };
 
 void engine_request_init(struct engine_request *r);
@@ -239,6 +277,8 @@ struct engine_loads {
     int draft_vocab;            /* ids in the installed draft vocabulary (0: none yet) */
     double draft_vocab_cover;   /* share of the counted output tokens inside it */
     uint64_t draft_vocab_installs;
+    uint64_t image_encodes;     /* images run through the vision encoder */
+    uint64_t image_cache_hits;  /* images whose rows came from the encoder cache */
 };
 
 void engine_get_loads(struct engine *e, struct engine_loads *ret);

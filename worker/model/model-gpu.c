@@ -167,7 +167,7 @@ int model__trunk_graph(struct model *m, const struct batch *b, const struct step
 
         r = replay;
         if (replay == 0) {
-            r = backend_embed(m->be, &m->embed, b->ids, b->n_tok, m->hid);
+            r = model__embed(m, b, m->hid);
             for (int l = 0; l < m->n_layers && r >= 0; l++)
                 r = model__layer_forward_fused(m, &m->layers[l], m->hid, b);
         }

@@ -95,6 +95,9 @@ struct batch {
     const int32_t *boff[_KV_GROUP_MAX];   /* [n_seqs] */
     const int32_t *tables[_KV_GROUP_MAX]; /* the plan's tables */
     const struct batch_hooks *hooks;      /* a part of a split step (model-split.c); NULL: whole */
+    /* image rows of the plan (step_plan.img_emb) and per token the row or -1 (NULL: none) */
+    const float *img_emb;
+    const int32_t *img_row;
 };
 
 /* What a part of a step that runs as per-core parts (model-split.c) adds to the script:
@@ -149,7 +152,8 @@ struct model {
     int32_t *h_last;                /* MTP: last row of each batch seq */
     /* host index arrays of the current batch */
     int32_t *h_ids, *h_pos, *h_slots[_KV_GROUP_MAX], *h_seq_start, *h_seq_pos0,
-            *h_boff[_KV_GROUP_MAX], *h_rows, *h_src;
+            *h_boff[_KV_GROUP_MAX], *h_rows, *h_src,
+            *h_img_row;             /* MTP batch: the image row of each row's input id, or -1 */
 
     /* MTP protocol state */
     uint64_t last_step_id;
@@ -228,6 +232,7 @@ int model__attention_half(struct model *m, struct mlayer *L, float *x, const str
                           bool reduce);
 int model__ffn_half(struct model *m, struct mlayer *L, float *x, const struct batch *b, bool reduce);
 int model__layer_forward(struct model *m, struct mlayer *L, float *x, const struct batch *b);
+int model__embed(struct model *m, const struct batch *b, float *x);
 int model__trunk_forward(struct model *m, const struct batch *b, float *x);
 int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float *logits);
 int model__mtp_input(struct model *m, struct mlayer *L, const struct batch *b,

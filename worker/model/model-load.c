@@ -701,6 +701,7 @@ int model__reserve(struct model *m, struct err_buf *e)
     r = r ? r : host_i32(&m->h_seq_pos0, S);
     r = r ? r : host_i32(&m->h_rows, T);
     r = r ? r : host_i32(&m->h_src, T);
+    r = r ? r : host_i32(&m->h_img_row, T);
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         r = r ? r : host_i32(&m->h_slots[g], T);
         r = r ? r : host_i32(&m->h_boff[g], S);
@@ -925,6 +926,7 @@ void model__unload(struct model *m)
     free(m->h_tail_start);
     free(m->h_rows);
     free(m->h_src);
+    free(m->h_img_row);
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         free(m->h_slots[g]);
         free(m->h_boff[g]);

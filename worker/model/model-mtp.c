@@ -164,6 +164,11 @@ static int mtp_lay_out_seq(struct model *m, const struct step_plan *p, int i, in
          * tokens, then the sampled token (depth 0) and the drafts (depths 1..k) */
         int idx = t + k + 1;
         m->h_ids[n] = idx < nv ? toks[idx] : hist[idx - nv];
+        /* an image token embeds as its image row here too (vLLM's MTP takes the target's
+         * spliced input embeddings): the run's, or a prompt chunk's fill after the run */
+        m->h_img_row[n] = !p->img_row ? -1 : idx < nv ? p->img_row[s->tok_off + idx] :
+                          p->img_row_next && idx - nv < STEP_PLAN_IMG_NEXT ?
+                          p->img_row_next[i * STEP_PLAN_IMG_NEXT + idx - nv] : -1;
         m->h_pos[n] = s->pos0 + t;
         /* g: trunk hidden (plan row), depth k-1's output (its batch row), or the stash */
         if (k == 0)
@@ -208,6 +213,8 @@ static int mtp_lay_out(struct model *m, const struct step_plan *p, const int32_t
         return 0;
     m->h_seq_start[run->ns] = run->n;
     model__batch_fill(m, &run->mb, p, run->n, run->ns);
+    run->mb.img_emb = p->img_emb;
+    run->mb.img_row = p->img_row ? m->h_img_row : NULL;
     return 0;
 }
 

@@ -98,6 +98,20 @@ int model__check_plan(struct model *m, const struct step_plan *p)
         if (p->tokens[t] < 0 || p->tokens[t] >= m->vocab)
             return PLAN_ERR(m, -EINVAL, "plan: token %d at index %d outside the vocab (%d)",
                             p->tokens[t], t, m->vocab);
+    if (!p->img_emb != !p->img_row || (p->img_row_next && !p->img_row))
+        return PLAN_ERR(m, -EINVAL, "plan: image rows without their index (or the reverse)");
+    for (int t = 0; p->img_row_next && t < p->n_seqs * STEP_PLAN_IMG_NEXT; t++)
+        if (p->img_row_next[t] < -1 || p->img_row_next[t] >= p->n_img_emb)
+            return PLAN_ERR(m, -EINVAL, "plan seq %d: MTP input %d takes image row %d of %d",
+                            t / STEP_PLAN_IMG_NEXT, t % STEP_PLAN_IMG_NEXT, p->img_row_next[t],
+                            p->n_img_emb);
+    if (p->img_row && m->sharded)
+        return PLAN_ERR(m, -EOPNOTSUPP, "plan: image embeddings in a group of %d ranks "
+                        "(images are served on one rank only)", m->comm.world);
+    for (int t = 0; p->img_row && t < p->n_tokens; t++)
+        if (p->img_row[t] < -1 || p->img_row[t] >= p->n_img_emb)
+            return PLAN_ERR(m, -EINVAL, "plan: token %d takes image row %d of %d image embeddings",
+                            t, p->img_row[t], p->n_img_emb);
     return 0;
 }
 
@@ -153,5 +167,7 @@ int model__trunk_batch(struct model *m, const struct step_plan *p, struct batch 
     }
     m->h_seq_start[p->n_seqs] = p->n_tokens;
     model__batch_fill(m, b, p, p->n_tokens, p->n_seqs);
+    b->img_emb = p->img_emb;        /* the trunk's embedding takes image rows */
+    b->img_row = p->img_row;
     return n_rows;
 }

@@ -426,6 +426,7 @@ int model__split_layers(struct model *m, const struct batch *b, const struct spl
     p1->t0 = t;
     p1->b.ids = b->ids + t;
     p1->b.pos = b->pos + t;
+    p1->b.img_row = b->img_row ? b->img_row + t : NULL;
     for (int i = 0; i <= p1->b.n_seqs; i++)
         m->h_seq_start2[i] = i ? b->seq_start[at + i] - t : 0;
     for (int i = 0; i < p1->b.n_seqs; i++)
@@ -523,7 +524,7 @@ static void tp_part_run(void *arg, int part, struct backend *sub)
     v.comm = (struct model_comm){ .ctx = &tp, .rank = part, .world = 2,
                                   .allreduce_sum = tp_allreduce };
     /* x rows [p*H/2, ...) = We_p·enorm(E[ids]) + Wh_p·hnorm(g), then both halves of x */
-    r = backend_embed(sub, &m->embed, b->ids, n, me);
+    r = model__embed(&v, b, me);
     r = r ? r : backend_rmsnorm(sub, me, &L->enorm, n, H, m->cfg->rms_norm_eps, me);
     r = r ? r : backend_rmsnorm(sub, m->a, &L->hnorm, n, H, m->cfg->rms_norm_eps, mn);
     set = tp.count & 1;

@@ -200,10 +200,24 @@ int model__layer_forward(struct model *m, struct mlayer *L, float *x, const stru
     return model__ffn_half(m, L, x, b, reduce);
 }
 
+/* The embedding step: x [n, H] = E[ids], then the tokens the plan gives an image row
+ * (the vision encoder's output, issue 40; model__check_plan checked the indices) take it. */
+int model__embed(struct model *m, const struct batch *b, float *x)
+{
+    size_t row = sizeof(float) * (size_t)m->hidden;
+    int r = backend_embed(m->be, &m->embed, b->ids, b->n_tok, x);
+
+    for (int t = 0; b->img_row && t < b->n_tok && r >= 0; t++)
+        if (b->img_row[t] >= 0)
+            r = backend_upload(m->be, x + (size_t)t * m->hidden,
+                               b->img_emb + (size_t)b->img_row[t] * m->hidden, row);
+    return r;
+}
+
 /* The trunk over batch b: x [n, H] = embed(ids), then every decoder layer in place. */
 int model__trunk_forward(struct model *m, const struct batch *b, float *x)
 {
-    int r = backend_embed(m->be, &m->embed, b->ids, b->n_tok, x);
+    int r = model__embed(m, b, x);
 
     for (int l = 0; l < m->n_layers && r >= 0; l++)
         r = model__layer_forward(m, &m->layers[l], x, b);
@@ -246,7 +260,7 @@ int model__mtp_input(struct model *m, struct mlayer *L, const struct batch *b,
 {
     int n = b->n_tok, H = m->hidden, r;
 
-    TRY(backend_embed(m->be, &m->embed, b->ids, n, me));
+    TRY(model__embed(m, b, me));
     TRY(backend_rmsnorm(m->be, me, &L->enorm, n, H, m->cfg->rms_norm_eps, me));
     TRY(backend_rmsnorm(m->be, g_rows, &L->hnorm, n, H, m->cfg->rms_norm_eps, mn));
     TRY(backend_matmul(m->be, &L->eh_e, me, n, x));

@@ -331,7 +331,10 @@ class Traffic:
                     if kind == "g-cancel" and tokens >= stop_at:
                         st.cancel()
                     elif kind == "g-abort" and tokens >= stop_at and tokens - len(r.chunk.token_ids) < stop_at:
-                        self.inf.Abort(pb.AbortRequest(request_ids=[rid]), timeout=5)
+                        try:    # the Generate call's own end is what the ledger counts
+                            self.inf.Abort(pb.AbortRequest(request_ids=[rid]), timeout=5)
+                        except grpc.RpcError:
+                            pass
                 else:
                     finals += 1
                     last = r.final
@@ -430,7 +433,8 @@ class Traffic:
             elif done == 0 and self.in_kill_window(t0, time.time()):
                 self.ledger.end(rid, 1, "stream cut by the coordinator's SIGKILL")
             else:
-                self.ledger.end(rid, done, "stream [DONE]%s" % (" after an error event" if errors else ""))
+                self.ledger.end(rid, done, "stream [DONE]%s" % (" after an error event" if errors else "") if done
+                                else "stream ended without [DONE]")
             return done == 1 and not errors
         except (OSError, http.client.HTTPException, ValueError) as e:
             if self.in_kill_window(t0, time.time()):
@@ -505,7 +509,8 @@ def main():
               ("SIGTERM of the coordinator", lambda: rig.restart_coordinator(signal.SIGTERM)),
               ("SIGTERM of tp2 rank 0", rig.stop_rank0),
               ("SIGKILL of the coordinator", lambda: rig.restart_coordinator(signal.SIGKILL))]
-    deadline = time.time() + a.duration
+    t_traffic = time.time()
+    deadline = t_traffic + a.duration
     clients = [threading.Thread(target=traffic.client, args=(i, deadline), daemon=True) for i in range(a.clients)]
     for t in clients:
         t.start()
@@ -530,7 +535,7 @@ def main():
     traffic.channel.close()
     hung = [rid for rid, r in ledger.reqs.items() if r["t1"] is None]
     rig.boundary()
-    traffic_s = time.time() - t_start
+    traffic_s = time.time() - t_traffic
     rig.shutdown()
     # the table
     per_outcome = {}
@@ -552,8 +557,8 @@ def main():
     crashed = [pr.role for pr in rig.procs if isinstance(pr.exit, int) and pr.exit < 0 and
                -pr.exit in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)]
     stuck = ["%s %s" % (pr.role, pr.exit) for pr in rig.procs if isinstance(pr.exit, str)]
-    print("soak: %.0f s of traffic (--duration %g), %d clients, %d requests (%d accepted), faults: %s" %
-          (traffic_s, a.duration, a.clients, len(ledger.reqs), accepted,
+    print("soak: %.0f s of traffic (--duration %g; %.0f s with the rig's start), %d clients, %d requests "
+          "(%d accepted), faults: %s" % (traffic_s, a.duration, time.time() - t_start, a.clients, len(ledger.reqs), accepted,
            ", ".join(done_faults) or "none"))
     print("requests per outcome:")
     for k, v in sorted(per_outcome.items()):

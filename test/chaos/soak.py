@@ -17,10 +17,13 @@ the duration bounds the traffic, nothing is asserted about time):
   HTTP door  h-chat, h-stream, h-cancel (the client closes mid-stream), h-tools,
              h-logprobs (streamed, top_logprobs 3), h-prefix, h-malformed (bad JSON, bad
              fields, a wrong content type, an unknown model).
-Faults, one every --fault-every seconds (duration / 6 within 3..30) in turn: SIGKILL of tp2 rank 1 (rank 0 registers
-again by itself; rank 1 restarted), SIGTERM of the coordinator (drain; restarted on the
-same ports; the ranks re-register), SIGTERM of tp2 rank 0 while its group serves (both
-ranks restarted), SIGKILL of the coordinator.
+Faults, one every --fault-every seconds (duration / 6 within 3..30): SIGKILL of tp2 rank 1
+(rank 0 registers again by itself; rank 1 restarted), SIGTERM of the coordinator (it drains
+and its ranks shut down; all restarted on the same ports), SIGTERM of tp2 rank 0 while its
+group serves (both ranks restarted), SIGKILL of the coordinator (the ranks keep their
+processes and are adopted).  Each kind once first, then cycles of eight (rank 1, rank 0,
+rank 1, coordinator SIGKILL, rank 1, rank 0, rank 1, coordinator SIGTERM): in a long run a
+coordinator lives four slices and the solo rank eight.
 
 The ledger: every request the server accepted (a gRPC call; an HTTP request answered with
 a status line) must end with exactly ONE terminal status: a gRPC call one Final then OK, or
@@ -505,10 +508,14 @@ def main():
     ledger = Ledger()
     traffic = Traffic(rig, ledger, a.seed)
     every = a.fault_every or min(30.0, max(3.0, a.duration / 6))
-    faults = [("SIGKILL of tp2 rank 1", rig.kill_rank1),
-              ("SIGTERM of the coordinator", lambda: rig.restart_coordinator(signal.SIGTERM)),
-              ("SIGTERM of tp2 rank 0", rig.stop_rank0),
-              ("SIGKILL of the coordinator", lambda: rig.restart_coordinator(signal.SIGKILL))]
+    r1 = ("SIGKILL of tp2 rank 1", rig.kill_rank1)
+    r0 = ("SIGTERM of tp2 rank 0", rig.stop_rank0)
+    c_term = ("SIGTERM of the coordinator", lambda: rig.restart_coordinator(signal.SIGTERM))
+    c_kill = ("SIGKILL of the coordinator", lambda: rig.restart_coordinator(signal.SIGKILL))
+    # every kind once first (short runs), then cycles of 8 where the coordinator restarts
+    # twice, so that in long runs processes live through several slices after warm-up
+    cycle = [r1, r0, r1, c_kill, r1, r0, r1, c_term]
+    faults = [r1, c_term, r0, c_kill]
     t_traffic = time.time()
     deadline = t_traffic + a.duration
     clients = [threading.Thread(target=traffic.client, args=(i, deadline), daemon=True) for i in range(a.clients)]
@@ -521,7 +528,7 @@ def main():
         time.sleep(min(0.2, max(0.0, next_fault - time.time())))
         if time.time() >= next_fault and time.time() < deadline:
             rig.boundary()
-            name, fn = faults[i % len(faults)]
+            name, fn = faults[i] if i < len(faults) else cycle[(i - len(faults)) % len(cycle)]
             i += 1
             try:
                 fn()

@@ -216,9 +216,6 @@ int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, s
           { .integer = s->opts.min_ping_interval_ms } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, { .integer = s->opts.max_ping_strikes } },
         { GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, { .integer = 0 } },
-        /* the HTTP/2 default, stated: a HEADERS or CONTINUATION frame over 16 KiB is a
-         * connection error (FRAME_SIZE_ERROR) */
-        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_FRAME_SIZE, { .integer = 16384 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONNECTION_AGE_MS, { .integer = s->opts.max_connection_age_ms } },
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
           { .integer = s->opts.max_connection_age_grace_ms } },

@@ -28,7 +28,8 @@ coordinator lives four slices and the solo rank eight.
 The ledger: every request the server accepted (a gRPC call; an HTTP request answered with
 a status line) must end with exactly ONE terminal status: a gRPC call one Final then OK, or
 one error status (DEADLINE_EXCEEDED just after a Final is the known race of the client's
-own deadline); an HTTP answer its response, a stream exactly one "data: [DONE]".  Counted
+own deadline; the 60 s deadline of the other kinds firing means the call was lost); an
+HTTP answer its response, a stream exactly one "data: [DONE]".  Counted
 per request id; 0 (lost) or 2+ (duplicated) fails the run.  The transport's own end (gRPC
 UNAVAILABLE, an HTTP connection reset) is the terminal status of a request caught by a
 coordinator SIGKILL (outside such a window it is a failure); a call that never got a
@@ -348,6 +349,9 @@ class Traffic:
             code, det = e.code(), e.details() or ""
             if finals and code == SC.DEADLINE_EXCEEDED:
                 self.ledger.end(rid, 1, "race:Final-then-DEADLINE_EXCEEDED")
+            elif code == SC.DEADLINE_EXCEEDED and kind != "g-deadline":
+                # the client's 60 s bound, not the server's answer: the call was lost
+                self.ledger.end(rid, finals, "no end within the client's %.0f s deadline" % timeout)
             elif code == SC.UNAVAILABLE and finals == 0 and not tokens and \
                     re.search(r"failed to connect|Connection refused|connections to all backends failed", det):
                 # no connection: no server saw the call (the channel also fails fast while it

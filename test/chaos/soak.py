@@ -30,9 +30,9 @@ a status line) must end with exactly ONE terminal status: a gRPC call one Final 
 one error status (DEADLINE_EXCEEDED just after a Final is the known race of the client's
 own deadline; the 60 s deadline of the other kinds firing means the call was lost); an
 HTTP answer its response, a stream exactly one "data: [DONE]".  Counted
-per request id; 0 (lost) or 2+ (duplicated) fails the run.  The transport's own end (gRPC
-UNAVAILABLE, an HTTP connection reset) is the terminal status of a request caught by a
-coordinator SIGKILL (outside such a window it is a failure); a call that never got a
+per request id; 0 (lost) or 2+ (duplicated) fails the run.  An HTTP connection reset is the
+terminal status of a request caught by a coordinator SIGKILL (outside such a window it is
+a failure; gRPC's client turns the same into UNAVAILABLE itself); a call that never got a
 connection (refused while the coordinator is down, or failed fast by a gRPC channel backing
 off from reconnecting) is "not accepted".
 

@@ -11,7 +11,8 @@ Traffic (--clients threads, each drawing a kind at random until the duration has
 the duration bounds the traffic, nothing is asserted about time):
   gRPC door  g-stream (to the end), g-cancel (client cancel after a token or two),
              g-deadline (a deadline of 20-300 ms), g-abort (Inference.Abort by id while
-             streaming), g-prefix (a shared 48-token prefix: prefix-cache hits), g-logprobs
+             streaming), g-prefix (a shared 48-token prefix: prefix-cache hits, counted from
+             the Final's usage.cached_tokens), g-logprobs
              (top 3), g-tools (chat input with a tool definition), g-malformed (fields out
              of range: INVALID_ARGUMENT);
   HTTP door  h-chat, h-stream, h-cancel (the client closes mid-stream), h-tools,
@@ -342,8 +343,11 @@ class Traffic:
                 else:
                     finals += 1
                     last = r.final
-            self.ledger.end(rid, finals, "OK/" + (pb.FinishReason.Name(last.finish_reason).replace(
-                "FINISH_REASON_", "") if finals else "no Final"))
+            out = "OK/" + (pb.FinishReason.Name(last.finish_reason).replace("FINISH_REASON_", "") if finals
+                           else "no Final")
+            if finals and kind == "g-prefix":
+                out += " prefix hit" if last.usage.cached_tokens else " no prefix hit"
+            self.ledger.end(rid, finals, out)
             return True
         except grpc.RpcError as e:
             code, det = e.code(), e.details() or ""

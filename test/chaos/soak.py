@@ -44,8 +44,8 @@ the warm-up point to the end, for processes that lived past it: more than FD_SLA
 RSS over warm-up x 1.25 + RSS_SLACK_MIB fails the run (a sanitized build: + ASan's
 quarantine).  Sanitizer reports: every process's log (stderr) is scanned for ASan, LSan,
 UBSan and TSan lines after it exited (LSan reports at exit).
-Exit status: 0 when the ledger holds, no growth threshold is crossed and no sanitizer line
-was found; 1 otherwise.
+Exit status: 0 when the ledger holds, no growth threshold is crossed, no sanitizer line
+was found and every logprobs request served carried logprobs; 1 otherwise.
 """
 import argparse
 import http.client
@@ -326,13 +326,14 @@ class Traffic:
             req["token_ids"] = pb.TokenIds(ids=PREFIX_IDS + [rng.randint(5, 3000) for _ in range(4)])
         else:
             req["token_ids"] = pb.TokenIds(ids=[rng.randint(5, 3000) for _ in range(rng.randint(3, 24))])
-        finals, tokens, t0 = 0, 0, time.time()
+        finals, tokens, lp, t0 = 0, 0, 0, time.time()
         try:
             st = self.inf.Generate(pb.GenerateRequest(sampling_params=sp, **req), timeout=timeout)
             stop_at = rng.randint(1, 2)
             for r in st:
                 if r.HasField("chunk"):
                     tokens += len(r.chunk.token_ids)
+                    lp += len(r.chunk.logprobs)
                     if kind == "g-cancel" and tokens >= stop_at:
                         st.cancel()
                     elif kind == "g-abort" and tokens >= stop_at and tokens - len(r.chunk.token_ids) < stop_at:
@@ -345,6 +346,8 @@ class Traffic:
                     last = r.final
             out = "OK/" + (pb.FinishReason.Name(last.finish_reason).replace("FINISH_REASON_", "") if finals
                            else "no Final")
+            if finals and kind == "g-logprobs":
+                out += " with logprobs" if lp else " WITHOUT logprobs"
             if finals and kind == "g-prefix":
                 out += " prefix hit" if last.usage.cached_tokens else " no prefix hit"
             self.ledger.end(rid, finals, out)
@@ -423,7 +426,7 @@ class Traffic:
                 json.loads(payload)       # a whole answer: one terminal status
                 self.ledger.end(rid, 1, "HTTP %d" % r.status)
                 return r.status == 200
-            done, errors, chunks = 0, 0, 0
+            done, errors, chunks, lp = 0, 0, 0, 0
             while True:
                 line = r.fp.readline()
                 if not line:
@@ -437,6 +440,7 @@ class Traffic:
                         errors += 1
                     else:
                         chunks += 1
+                        lp += sum(1 for c in ev.get("choices", []) if c.get("logprobs"))
                     if kind == "h-cancel" and chunks >= 2:
                         break
             if kind == "h-cancel" and not done:
@@ -444,8 +448,10 @@ class Traffic:
             elif done == 0 and self.in_kill_window(t0, time.time()):
                 self.ledger.end(rid, 1, "stream cut by the coordinator's SIGKILL")
             else:
-                self.ledger.end(rid, done, "stream [DONE]%s" % (" after an error event" if errors else "") if done
-                                else "stream ended without [DONE]")
+                self.ledger.end(rid, done, "stream [DONE]%s%s" % (
+                    " after an error event" if errors else "",
+                    (" with logprobs" if lp else " WITHOUT logprobs") if kind == "h-logprobs" else "")
+                    if done else "stream ended without [DONE]")
             return done == 1 and not errors
         except (OSError, http.client.HTTPException, ValueError) as e:
             if self.in_kill_window(t0, time.time()):
@@ -603,6 +609,9 @@ def main():
         fails.append("a fault step failed: %s" % fault_errors)
     if accepted == 0:
         fails.append("no request was accepted")
+    no_lp = sum(v for k, v in per_outcome.items() if "WITHOUT logprobs" in k)
+    if no_lp:
+        fails.append("%d logprobs requests served without logprobs" % no_lp)
     for f in fails:
         print("FAIL " + f)
     print("soak %s: %d requests, one terminal status each: %s; growth over threshold: %d; sanitizer lines: %d" %

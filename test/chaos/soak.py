@@ -14,7 +14,7 @@ the duration bounds the traffic, nothing is asserted about time):
              streaming), g-prefix (a shared 48-token prefix: prefix-cache hits, counted from
              the Final's usage.cached_tokens), g-logprobs
              (top 3), g-tools (chat input with a tool definition), g-malformed (fields out
-             of range: INVALID_ARGUMENT);
+             of range, or random bytes as the request message);
   HTTP door  h-chat, h-stream, h-cancel (the client closes mid-stream), h-tools,
              h-logprobs (streamed, top_logprobs 3), h-prefix, h-malformed (bad JSON, bad
              fields, a wrong content type, an unknown model).
@@ -294,6 +294,8 @@ class Traffic:
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000)])
         self.inf = h.pbg.InferenceStub(self.channel)
+        self.raw_generate = self.channel.unary_stream("/stepd.v1.Inference/Generate", request_serializer=None,
+                                                      response_deserializer=pb.GenerateResponse.FromString)
 
     def in_kill_window(self, t0, t1):
         return any(a <= t1 and t0 <= b + 1.0 for a, b in self.rig.killed_at) or self.rig.down.is_set()
@@ -312,14 +314,18 @@ class Traffic:
         elif kind == "g-logprobs":
             sp.logprobs = 3
         elif kind == "g-malformed":
-            bad = rng.randrange(3)
+            bad = rng.randrange(4)
             if bad == 0:
                 sp.temperature = -1.0
             elif bad == 1:
                 sp.logprobs = 1000
-            else:
+            elif bad == 2:
                 sp.top_p = 7.0
-        if kind == "g-tools":
+            else:
+                req["raw"] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+        if "raw" in req:
+            pass
+        elif kind == "g-tools":
             req["chat"] = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Weather in Paris?")],
                                        tools_json=json.dumps([WEATHER]))
         elif kind == "g-prefix":
@@ -328,7 +334,10 @@ class Traffic:
             req["token_ids"] = pb.TokenIds(ids=[rng.randint(5, 3000) for _ in range(rng.randint(3, 24))])
         finals, tokens, lp, t0 = 0, 0, 0, time.time()
         try:
-            st = self.inf.Generate(pb.GenerateRequest(sampling_params=sp, **req), timeout=timeout)
+            if "raw" in req:    # bytes that may not decode as a GenerateRequest at all
+                st = self.raw_generate(req["raw"], timeout=timeout)
+            else:
+                st = self.inf.Generate(pb.GenerateRequest(sampling_params=sp, **req), timeout=timeout)
             stop_at = rng.randint(1, 2)
             for r in st:
                 if r.HasField("chunk"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""report.py [--profile quick|full] [--only ID,ID] [--json FILE] - the reliability table of
+"""report.py [--profile P] [--duration S] [--only ID,ID] [--json FILE] - the reliability table of
 docs/RELIABILITY.md §4 as a command: one line per row (ID, PASS/FAIL, the measured figure),
-then one summary line.
+then one summary line (profile soak: soak.py's table).
 
 It runs the tests that hold the rows - the fault, overload, bad-input, nothing-lost and
 security rows - on this machine's CPU, on loopback and in network namespaces, with the mock

@@ -599,6 +599,8 @@ static int server_new(struct coord *co, const char *addr, bool tls, const char *
         .tls = tls ? &co->o.tls : NULL,
         .api_key = key,
         .key_name = ctl ? "cluster key" : NULL,
+        /* clients' connections (not the workers' sessions) end within 1 h + 15 min */
+        .max_connection_age_ms = ctl ? 0 : 3600 * 1000,
     };
     int r = rpc_server_create(co->rpc, &so, ret);
     if (r < 0)

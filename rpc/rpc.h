@@ -180,6 +180,14 @@ struct rpc_server_opts {
     int keepalive_timeout_ms;       /* 20 s */
     int min_ping_interval_ms;       /* clients may ping at most every 10 s (enforced) */
     int max_ping_strikes;           /* 2, then GOAWAY ENHANCE_YOUR_CALM */
+    /* > 0: every connection gets a GOAWAY after max_connection_age_ms (gRPC adds +-10 %)
+     * and is closed max_connection_age_grace_ms later (0: 15 min) - the only bound gRPC 1.51
+     * puts on a connection whose header block never ends (a CONTINUATION flood is parsed
+     * and dropped for as long as it lasts).  0 = no age (long-lived sessions).  Where set,
+     * $STEPD_GRPC_MAX_CONNECTION_AGE_MS and $STEPD_GRPC_MAX_CONNECTION_AGE_GRACE_MS
+     * override both (tests inject short ones). */
+    int max_connection_age_ms;
+    int max_connection_age_grace_ms;
     size_t max_call_buffer_bytes;   /* per-call queued send bytes before -ENOBUFS; 1 MiB */
     /* calls kept requested per method (rpc_method.requests overrides); 8.  Each is a tag
      * the CQ tracks, and a libgrpc built without NDEBUG (Debian's) scans the CQ's

@@ -105,6 +105,26 @@ static int pool_start(struct rpc_server *s, struct slot_pool *p, struct reg_meth
     return 0;
 }
 
+/* A positive millisecond count from the environment variable name into *ms (left as it is
+ * when name is unset); -EINVAL with one line when it is set to anything else. */
+static int env_ms(const char *name, int *ms)
+{
+    const char *v = getenv(name);
+    char *end;
+    long n;
+
+    if (!v)
+        return 0;
+    errno = 0;
+    n = strtol(v, &end, 10);
+    if (errno || end == v || *end || n < 1 || n > INT32_MAX) {
+        log_error("rpc: $%s: %s is not a positive number of milliseconds", name, v);
+        return -EINVAL;
+    }
+    *ms = (int)n;
+    return 0;
+}
+
 int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, struct rpc_server **ret)
 {
     struct rpc_server *s = calloc(1, sizeof(*s));
@@ -126,7 +146,12 @@ int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, s
     DEF(min_ping_interval_ms, 10000);
     DEF(max_ping_strikes, 2);
     DEF(requests_per_method, 8);
+    DEF(max_connection_age_grace_ms, 900 * 1000);
 #undef DEF
+    if (s->opts.max_connection_age_ms > 0 &&
+        ((r = env_ms("STEPD_GRPC_MAX_CONNECTION_AGE_MS", &s->opts.max_connection_age_ms)) < 0 ||
+         (r = env_ms("STEPD_GRPC_MAX_CONNECTION_AGE_GRACE_MS", &s->opts.max_connection_age_grace_ms)) < 0))
+        goto fail;
     if (s->opts.max_call_buffer_bytes == 0)
         s->opts.max_call_buffer_bytes = 1 << 20;
     if (opts && opts->api_key && opts->api_key[0]) {
@@ -191,8 +216,12 @@ int rpc_server_create(struct rpc_ctx *ctx, const struct rpc_server_opts *opts, s
           { .integer = s->opts.min_ping_interval_ms } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, { .integer = s->opts.max_ping_strikes } },
         { GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, { .integer = 0 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONNECTION_AGE_MS, { .integer = s->opts.max_connection_age_ms } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+          { .integer = s->opts.max_connection_age_grace_ms } },
     };
-    grpc_channel_args ca = { .num_args = sizeof(args) / sizeof(args[0]), .args = args };
+    size_t nargs = sizeof(args) / sizeof(args[0]) - (s->opts.max_connection_age_ms > 0 ? 0 : 2);
+    grpc_channel_args ca = { .num_args = nargs, .args = args };
     s->srv = grpc_server_create(&ca, NULL);
     grpc_server_register_completion_queue(s->srv, ctx->cq, NULL);
     *ret = s;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""report.py [--profile quick|full] [--only ID,ID] [--json FILE] - the reliability table of
+"""report.py [--profile P] [--duration S] [--only ID,ID] [--json FILE] - the reliability table of
 docs/RELIABILITY.md §4 as a command: one line per row (ID, PASS/FAIL, the measured figure),
-then one summary line.
+then one summary line (profile soak: soak.py's table).
 
 It runs the tests that hold the rows - the fault, overload, bad-input, nothing-lost and
 security rows - on this machine's CPU, on loopback and in network namespaces, with the mock
@@ -17,7 +17,10 @@ request states and KV blocks are back to idle (test/daemon/stepd_harness.py wait
 and D1 are their sums over the whole report.
 
 Profiles: quick (the suite and CI: bursts of 300, 100 chaos streams, 4000 key-timing trials,
-a couple of minutes) and full (by hand: the default sizes of the tests and more).
+a couple of minutes), full (by hand: the default sizes of the tests and more), and soak
+(soak.py: mixed traffic on both doors for --duration seconds while ranks and the coordinator
+are killed and restarted; its own table - requests per outcome, terminal statuses per
+request, RSS/fds/threads of every process, sanitizer lines - and its exit status).
 Environment: what meson gives the reliability tests (STEPD_BIN, STEPD_WORKER_BIN,
 MOCK_ENGINE_BIN, LOADGEN_BIN, PROTO_DIR, TINY_MODEL_DIR, TOKENIZER_JSON, ...), and BUILD
 for the fuzz-corpus replays (default: the build directory beside STEPD_BIN).
@@ -192,10 +195,15 @@ def collect(out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", choices=("quick", "full"), default="quick")
+    ap.add_argument("--profile", choices=("quick", "full", "soak"), default="quick")
+    ap.add_argument("--duration", type=float, default=300.0, help="soak: seconds of traffic (default 300)")
     ap.add_argument("--only", default="", help="comma-separated run names (coordinator, robust, chaos, ...)")
     ap.add_argument("--json", default="", help="also write the rows as JSON to this file")
     a = ap.parse_args()
+    if a.profile == "soak":
+        e = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        return subprocess.run([PY, os.path.join(HERE, "soak.py"), "--duration", str(a.duration)] +
+                              (["--json", a.json] if a.json else []), env=e).returncode
     only = [x for x in a.only.split(",") if x]
     build = os.environ.get("BUILD") or os.path.dirname(os.path.dirname(os.path.abspath(
         os.environ.get("STEPD_BIN", "build/daemon/stepd"))))

@@ -51,7 +51,10 @@ class Conn:
         self.frames = {}
         self.goaway = []
         self.closed = False
+        self.ended = None       # why the reader stopped: "eof", "reset" (by the server) or "timeout"
         self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.settings_acked = 0     # the server's SETTINGS frames acknowledged
         self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0) +
                           frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30)))
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -77,17 +80,25 @@ class Conn:
                     self.frames[ftype] = self.frames.get(ftype, 0) + 1
                 if ftype == SETTINGS and not flags & ACK:
                     self.send(frame(SETTINGS, ACK, 0))
+                    self.settings_acked += 1
                 elif ftype == GOAWAY:
                     self.goaway.append(struct.unpack(">I", payload[4:8])[0])
                 elif ftype == PING and not flags & ACK:
                     self.send(frame(PING, ACK, 0, payload))
-        except (OSError, EOFError):
-            pass
+        except EOFError:
+            self.ended = "eof"
+        except socket.timeout:
+            self.ended = "timeout"
+        except OSError:
+            self.ended = "reset"
         self.closed = True
 
     def send(self, data):
+        # one writer at a time: the reader thread's SETTINGS/PING acks must not land in the
+        # middle of a frame the test is sending (the server would see a framing error)
         try:
-            self.sock.sendall(data)
+            with self.send_lock:
+                self.sock.sendall(data)
             return True
         except OSError:
             self.closed = True

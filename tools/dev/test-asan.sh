@@ -11,6 +11,10 @@
 #      small sizes), and the tests whose judgement is a timing or an RSS bound, which a sanitizer
 #      build's quarantine and slowness make meaningless (load, key timing, floods, hygiene;
 #      chaos-report repeats tests run here).  The HTTP API's tests (coord-http) are among them.
+#   3. a 5-minute soak (test/chaos/report --profile soak --duration $ASAN_SOAK_S, default 300):
+#      mixed traffic on both doors while ranks and the coordinator are killed and restarted;
+#      it fails on a lost or duplicated terminal status and on any sanitizer line in a
+#      process's log (ASAN_SOAK_S=0 skips it).
 # Any sanitizer report fails the run: ASan and UBSan abort the process, LeakSanitizer fails
 # its exit status (tools/dev/lsan.supp: third-party allocations only).  CI runs this
 # (.ci/run); so can anyone: bash tools/dev/test-asan.sh
@@ -35,3 +39,10 @@ tests=$(meson test -C "$BUILD" --no-rebuild --list --suite unit --suite integrat
   sed 's/.* \/ //' | grep -vxE "coord-robust|$ASAN_SKIP" | sort -u)
 echo "== $(echo "$tests" | wc -l) tests of 'unit' and 'integration' against $BUILD (skipped: $ASAN_SKIP)"
 meson test -C "$BUILD" --no-rebuild --print-errorlogs --num-processes 2 $tests
+rc=$?
+soak_s=${ASAN_SOAK_S:-300}
+if [ "$soak_s" != 0 ]; then
+  echo "== a ${soak_s}-second soak against $BUILD (test/chaos/report --profile soak)"
+  BUILD="$BUILD" test/chaos/report --profile soak --duration "$soak_s" || rc=1
+fi
+exit $rc

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Images in (issue 40) where the model has image tokens but no worker encodes yet, against a
-mock engine: a tokenizer that is the tiny one plus <im_start> <im_end> <patch_start>
+"""Images in (issue 40) where the model has image tokens but no worker group serves images
+(the mock engine reports no supports_images), against a mock engine: a tokenizer that is the tiny one plus <im_start> <im_end> <patch_start>
 <patch_end> <patch_newline> <im_patch> (ids 4000..4005, read from it by the coordinator).
 
-  http_no_encoder   a chat with two good images (data URLs) -> 400 "2 image(s): this worker
-                    build has no vision encoder", never an answer that dropped them
+  http_no_encoder   a chat with two good images (data URLs) -> 400 "2 image(s): no worker
+                    group serves images", never an answer that dropped them
   grpc_images       GenerateRequest.images: a 31-byte sha256 and a view whose bytes do not
                     match its size -> INVALID_ARGUMENT naming images[i]...; a well-formed one ->
-                    INVALID_ARGUMENT "no vision encoder"; more than --limit-mm-per-prompt is not a
+                    INVALID_ARGUMENT "the gRPC door does not take images yet"; more than --limit-mm-per-prompt is not a
                     flag of plain stepd, so the default 16 applies (17 named)
 Each is followed by a text request that is answered.
 """
@@ -81,7 +81,7 @@ def test_http_no_encoder():
                                          {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}]}]
     code, body = post(s, {"model": "tiny", "max_tokens": 3, "messages": msgs})
     assert code == 400 and body["error"]["message"] == \
-        "messages: 2 image(s): this worker build has no vision encoder", (code, body)
+        "messages: 2 image(s): no worker group serves images (a vision tower on a single-rank group)", (code, body)
     text_ok(s)
 
 
@@ -104,7 +104,7 @@ def test_grpc_images():
         ([good, pb.ImageInput(sha256=bytes(32), views=[pb.ImageView(width=2, height=2, rgb=bytes(11))])],
          "images[1].views[0]: 2x2 RGB needs 12 bytes (got 11)"),
         ([good] * 17, "images: 17 images, more than 16 in one prompt (--limit-mm-per-prompt)"),
-        ([good], "images: 1 image(s): this worker build has no vision encoder"),
+        ([good], "images: 1 image(s): the gRPC door does not take images yet"),
     ]
     for images, want in cases:
         code, details = generate_error(s, images)

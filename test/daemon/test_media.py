@@ -9,6 +9,9 @@
                     match its size -> INVALID_ARGUMENT naming images[i]...; a well-formed one ->
                     INVALID_ARGUMENT "the gRPC door does not take images yet"; more than --limit-mm-per-prompt is not a
                     flag of plain stepd, so the default 16 applies (17 named)
+  routing           a second group whose engine reports supports_images (mock --images):
+                    image chats are answered (200) and every one is routed to it, never to
+                    the text-only g0 (which would refuse them), text chats still answered
 Each is followed by a text request that is answered.
 """
 import base64
@@ -114,5 +117,27 @@ def test_grpc_images():
     assert code == grpc.StatusCode.OK, (code, details)
 
 
+def routed(s):
+    return {g.group: g.counters.routed for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups}
+
+
+def test_routing():
+    s = stepd()
+    s.start_engine("g1", "--vocab", str(VOCAB), "--images")
+    s.wait_ready(2)
+    before = routed(s)
+    url = "data:image/png;base64," + base64.b64encode(png(64, 48)).decode()
+    for i in range(6):
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "Look %d" % i},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+        code, body = post(s, {"model": "tiny", "max_tokens": 3, "messages": msgs})
+        assert code == 200 and body["usage"]["prompt_tokens"] > 169, (code, body)
+    after = routed(s)
+    assert after["g1"] - before.get("g1", 0) == 6 and after["g0"] == before["g0"], (before, after)
+    print("   6 image chats routed to g1 (images served), none to g0")
+    text_ok(s)
+
+
 if __name__ == "__main__":
-    run_tests([("http_no_encoder", test_http_no_encoder), ("grpc_images", test_grpc_images)])
+    run_tests([("http_no_encoder", test_http_no_encoder), ("grpc_images", test_grpc_images),
+               ("routing", test_routing)])

@@ -157,7 +157,7 @@ static int content_text(const json_t *c, size_t mi, bool images, char **ret, cha
             strbuf_done(&b);
             BAD("messages[%zu].content[%zu].text: must be a string", mi, k);
         }
-        if (sep)
+        if (sep && b.len)       /* as before images: no newline after an empty text */
             strbuf_add(&b, "\n", 1);
         strbuf_adds(&b, json_string_value(text));
         sep = true;

@@ -12,6 +12,8 @@
   routing           a second group whose engine reports supports_images (mock --images):
                     image chats are answered (200) and every one is routed to it, never to
                     the text-only g0 (which would refuse them), text chats still answered
+  text_parts        text-only content arrays render as before images were placed (POST
+                    /tokenize): ["a", "b"] is "a\nb", ["", "Hi"] is "Hi"
 Each is followed by a text request that is answered.
 """
 import base64
@@ -117,6 +119,23 @@ def test_grpc_images():
     assert code == grpc.StatusCode.OK, (code, details)
 
 
+def tokens(s, content):
+    req = urllib.request.Request(s.http + "/tokenize", data=json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": content}]}).encode(),
+        headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["tokens"]
+
+
+def test_text_parts():
+    s = stepd()
+    t = [{"type": "text", "text": x} for x in ("", "Hi", "a", "b")]
+    assert tokens(s, [t[0], t[1]]) == tokens(s, "Hi")
+    assert tokens(s, [t[2], t[3]]) == tokens(s, "a\nb") != tokens(s, "ab")
+    print("   text parts joined by a newline, none after an empty one")
+    text_ok(s)
+
+
 def routed(s):
     return {g.group: g.counters.routed for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups}
 
@@ -140,4 +159,4 @@ def test_routing():
 
 if __name__ == "__main__":
     run_tests([("http_no_encoder", test_http_no_encoder), ("grpc_images", test_grpc_images),
-               ("routing", test_routing)])
+               ("routing", test_routing), ("text_parts", test_text_parts)])

@@ -4,7 +4,8 @@
 <patch_end> <patch_newline> <im_patch> (ids 4000..4005, read from it by the coordinator).
 
   http_no_encoder   a chat with two good images (data URLs) -> 400 "2 image(s): no worker
-                    group serves images", never an answer that dropped them
+                    group serves images", never an answer that dropped them;
+                    mm_processor_kwargs / media_io_kwargs set -> 400 naming them
   grpc_images       GenerateRequest.images: a 31-byte sha256 and a view whose bytes do not
                     match its size -> INVALID_ARGUMENT naming images[i]...; a well-formed one ->
                     INVALID_ARGUMENT "the gRPC door does not take images yet"; more than --limit-mm-per-prompt is not a
@@ -87,6 +88,11 @@ def test_http_no_encoder():
     code, body = post(s, {"model": "tiny", "max_tokens": 3, "messages": msgs})
     assert code == 400 and body["error"]["message"] == \
         "messages: 2 image(s): no worker group serves images (a vision tower on a single-rank group)", (code, body)
+    # processor and loader kwargs would change the output: refused, not ignored
+    for k, v in (("mm_processor_kwargs", {"max_crops": 2}), ("media_io_kwargs", {"image": {"mode": "L"}})):
+        code, body = post(s, {"model": "tiny", "max_tokens": 3, "messages": msgs, k: v})
+        assert code == 400 and body["error"]["message"].startswith(k), (k, code, body)
+        print("   400 %s" % body["error"]["message"])
     text_ok(s)
 
 

@@ -114,6 +114,7 @@ struct model_info {
     uint32_t num_layers, hidden_size, num_experts, num_experts_per_tok;
     char quantization[64];
     uint32_t num_mtp_layers, max_num_speculative_tokens;
+    bool supports_images;       /* the engine encodes images (GetModelInfoResponse) */
 };
 
 /* ------------------------------------------------------------------ groups (wpool.c) */
@@ -168,6 +169,7 @@ struct group {
     uint32_t requests_alive;        /* engine request states alive (0 at idle) */
     uint64_t requests_created, requests_freed;  /* engine request states over its life */
     uint64_t prefix_queries, prefix_hits;       /* the engine's prefix cache, in tokens */
+    uint64_t image_encodes, image_cache_hits;   /* images encoded, taken from its encoder cache */
     struct group_kv_pool {
         char kind[32];
         uint32_t used, total, cached;
@@ -198,11 +200,14 @@ struct group *wpool_group_get(struct coord *co, const char *name, unsigned world
  * capacity) whose context holds need_len tokens (prompt + max_tokens), the one that holds
  * the longest prefix of the prompt (keys: its prefix chain, affinity.h), else the prefix's
  * home by a hash of its first block, unless that group is clearly busier than the least
- * loaded one, which is taken then.  NULL: none; *ret_full then says whether a ready group
+ * loaded one, which is taken then; a request with images only goes to a group whose engine
+ * serves images (model_info.supports_images).  NULL: none; *ret_full then says whether a ready group
  * would hold the request once it has room. */
 struct group *wpool_pick(struct coord *co, const uint64_t *keys, size_t n_keys, uint32_t need_len,
-                         bool *ret_full);
+                         bool images, bool *ret_full);
 unsigned wpool_ready_count(const struct coord *co);
+/* Some group whose engine reported its model encodes images (images: only those take them). */
+bool wpool_serves_images(const struct coord *co);
 /* GetLoads/GetGroups: a group's load as the coordinator knows it (its in-flight count and
  * the engine's last GetLoads answer); the message points into m and g. */
 struct group_load_msg {
@@ -267,6 +272,7 @@ struct req {
     struct request *in;             /* as asked, validated (shared by the n choices) */
     int32_t *prompt;
     size_t n_prompt;
+    uint32_t *image_pos;            /* where in->images[i]'s tokens start in prompt */
     struct group *grp;
     char grp_name[72];
     struct engine_conn *eng;

@@ -229,8 +229,8 @@ static int image_part(const json_t *part, struct request *in, const struct image
     return -EINVAL;
 }
 
-int media_chat_images(const json_t *messages, const struct tokenizer *tok, struct request *in, char *msg,
-                      size_t len)
+int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served, struct request *in,
+                      char *msg, size_t len)
 {
     struct image_token_ids ids;
     const json_t *m, *part;
@@ -271,8 +271,9 @@ int media_chat_images(const json_t *messages, const struct tokenizer *tok, struc
         snprintf(msg, len, "messages: %zu image(s): %s", n, why);
         return -EINVAL;
     }
-    if (!media_conf.have_encoder) {
-        snprintf(msg, len, "messages: %zu image(s): this worker build has no vision encoder", n);
+    if (!served) {
+        snprintf(msg, len, "messages: %zu image(s): no worker group serves images (a vision tower on a "
+                 "single-rank group)", n);
         return -EINVAL;
     }
     return 0;
@@ -306,11 +307,9 @@ int media_proto_images(const Stepd__V1__GenerateRequest *pb, char *msg, size_t l
             }
         }
     }
-    if (!media_conf.have_encoder) {
-        snprintf(msg, len, "images: %zu image(s): this worker build has no vision encoder", pb->n_images);
-        return -EINVAL;
-    }
-    return 0;
+    snprintf(msg, len, "images: %zu image(s): the gRPC door does not take images yet (send them as "
+             "image_url parts to /v1/chat/completions)", pb->n_images);
+    return -EINVAL;
 }
 
 void media_images_free(struct request *in)
@@ -320,4 +319,56 @@ void media_images_free(struct request *in)
     free(in->images);
     in->images = NULL;
     in->n_images = 0;
+}
+
+int media_prompt_expand(const struct request *in, const struct tokenizer *tok, int32_t **prompt, size_t *n,
+                        uint32_t **ret_pos, char *msg, size_t len)
+{
+    struct image_token_ids ids;
+    size_t n_marks = 0, n_out, k = 0, o = 0;
+    int32_t *out;
+    uint32_t *pos;
+    int r;
+
+    *ret_pos = NULL;
+    if (in->n_images == 0)
+        return 0;
+    if ((r = media_token_ids(tok, &ids, msg, len)) < 0)
+        return -EINVAL;
+    n_out = *n;
+    for (size_t i = 0; i < *n; i++)
+        n_marks += (*prompt)[i] == ids.im_patch;
+    if (n_marks != in->n_images) {
+        snprintf(msg, len, "messages: the prompt holds %zu %s tokens for %zu image(s) (a text part may "
+                 "not contain %s)", n_marks, MEDIA_IMAGE_PLACEHOLDER, in->n_images, MEDIA_IMAGE_PLACEHOLDER);
+        return -EINVAL;
+    }
+    for (size_t i = 0; i < in->n_images; i++)
+        n_out += in->images[i].n_tokens - 1;
+    out = malloc(n_out * sizeof(*out));
+    pos = malloc(in->n_images * sizeof(*pos));
+    if (!out || !pos || n_out > UINT32_MAX) {
+        free(out);
+        free(pos);
+        if (n_out > UINT32_MAX) {
+            snprintf(msg, len, "messages: the prompt with its images has %zu tokens", n_out);
+            return -EINVAL;
+        }
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < *n; i++) {
+        if ((*prompt)[i] != ids.im_patch) {
+            out[o++] = (*prompt)[i];
+            continue;
+        }
+        pos[k] = (uint32_t)o;
+        memcpy(out + o, in->images[k].tokens, in->images[k].n_tokens * sizeof(*out));
+        o += in->images[k].n_tokens;
+        k++;
+    }
+    free(*prompt);
+    *prompt = out;
+    *n = n_out;
+    *ret_pos = pos;
+    return 0;
 }

@@ -6,8 +6,9 @@
  * (request->images) before the request goes anywhere; each bad part is a 400 naming
  * messages[i].content[k] and the reason.  A request whose images are all good is still refused
  * when nothing can encode them: "model has no vision tower" when the tokenizer lacks the image
- * tokens, "this worker build has no vision encoder" while media_conf.have_encoder is false (no
- * worker build encodes yet) — an image is never dropped silently.
+ * tokens, "no worker group serves images" while no ready group's engine reports that it
+ * encodes them (wpool_serves_images) — an image is never dropped silently.  The gRPC door's
+ * GenerateRequest.images are checked and refused (that door does not place them yet).
  */
 #pragma once
 
@@ -23,12 +24,15 @@ struct request;
 struct tokenizer;
 struct Stepd__V1__GenerateRequest;
 
+/* How the chat door renders an image part into the prompt text; tokenized, it is the
+ * model's <im_patch> token, which media_prompt_expand replaces by the image's layout. */
+#define MEDIA_IMAGE_PLACEHOLDER "<im_patch>"
+
 struct media_config {
     int64_t limit_image;            /* images per prompt; 0 = text only */
     char **allowed_domains;         /* http(s) image hosts allowed (none by default) */
     size_t n_allowed_domains;
     struct image_limits lim;        /* per image */
-    bool have_encoder;              /* the workers encode images */
 };
 
 #define MEDIA_DEFAULT_LIMIT_IMAGE 16
@@ -48,9 +52,15 @@ int media_token_ids(const struct tokenizer *tok, struct image_token_ids *ret, ch
 /* The image_url parts of an OpenAI messages array: each checked, decoded and preprocessed
  * into in->images.  0 (no image or all taken), -EINVAL with msg naming the part and the
  * reason, or -ENOMEM. */
-int media_chat_images(const json_t *messages, const struct tokenizer *tok, struct request *in, char *msg,
-                      size_t len);
-/* The gRPC door's GenerateRequest.images: -EINVAL + msg when any is present that cannot be served. */
+int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served, struct request *in,
+                      char *msg, size_t len);
+/* The gRPC door's GenerateRequest.images: -EINVAL + msg when any is present (each checked first). */
 int media_proto_images(const struct Stepd__V1__GenerateRequest *pb, char *msg, size_t len);
+/* The chat door's tokenized prompt with each image's MEDIA_IMAGE_PLACEHOLDER token replaced
+ * by the image's token layout, in order; *ret_pos (malloc, one per image): where each layout
+ * starts.  0 (no images: nothing changes), -EINVAL with msg when the placeholders do not
+ * match the images one to one, or -ENOMEM. */
+int media_prompt_expand(const struct request *in, const struct tokenizer *tok, int32_t **prompt, size_t *n,
+                        uint32_t **ret_pos, char *msg, size_t len);
 /* Free a request's images (request_free calls it). */
 void media_images_free(struct request *in);

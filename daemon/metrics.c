@@ -161,12 +161,14 @@ char *metrics_render(struct coord *co, size_t *ret_len)
     {
         /* per pool kind, the busiest ready group's: what runs out first */
         static const char *const kinds[2] = { "full_attention", "sliding_window" };
-        uint64_t queries = 0, hits = 0;
+        uint64_t queries = 0, hits = 0, encodes = 0, img_hits = 0;
         double pool[2] = { 0, 0 };
 
         for (struct group *g = co->groups; g; g = g->next) {
             queries += g->prefix_queries;
             hits += g->prefix_hits;
+            encodes += g->image_encodes;
+            img_hits += g->image_cache_hits;
             for (unsigned i = 0; i < g->n_kv_pools && g->state == GROUP_READY; i++)
                 for (int k = 0; k < 2; k++)
                     if (strcmp(g->kv_pools[i].kind, kinds[k]) == 0 && g->kv_pools[i].usage > pool[k])
@@ -184,6 +186,9 @@ char *metrics_render(struct coord *co, size_t *ret_len)
                 "Prompt tokens looked up in the engines' prefix caches.", queries);
         counter(&b, "stepd:prefix_cache_hits_total",
                 "Prompt tokens served from the engines' prefix caches.", hits);
+        counter(&b, "stepd:image_encodes_total", "Images run through the engines' vision encoders.", encodes);
+        counter(&b, "stepd:image_cache_hits_total",
+                "Images taken from the engines' encoder caches instead of encoded again.", img_hits);
         gauge(&b, "stepd:prefix_affinity_entries", "Prompt blocks the router remembers a group for.",
               affinity_size(co->aff));
     }

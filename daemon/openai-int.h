@@ -32,7 +32,7 @@ int openai_body_conv(const struct coord *co, const json_t *body, bool chat, stru
 int openai_get_bool(const json_t *o, const char *key, bool *v, char *msg, size_t len);
 int openai_get_str(const json_t *o, const char *key, const char **v, char *msg, size_t len);
 /* Chat messages as the chat template takes them (*ret: new).  0, -ENOMEM or -EINVAL. */
-int openai_messages_conv(const json_t *ms, json_t **ret, char *msg, size_t len);
+int openai_messages_conv(const json_t *ms, bool images, json_t **ret, char *msg, size_t len);
 /* An array of token ids (at most max) named key.  0, -ENOMEM or -EINVAL. */
 int openai_ids_conv(const json_t *a, const char *key, int32_t **ret, size_t *n, size_t max, char *msg, size_t len);
 

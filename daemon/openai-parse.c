@@ -117,10 +117,14 @@ int openai_get_str(const json_t *o, const char *key, const char **v, char *msg, 
     return 1;
 }
 
-/* The text of a message's content: a string, or an array of text parts (joined by "\n"). */
-static int content_text(const json_t *c, size_t mi, char **ret, char *msg, size_t len)
+/* The text of a message's content: a string, or an array of text parts (joined by "\n").
+ * With images (the chat door, whose image parts media_chat_images took), each image_url part
+ * is one "<im_patch>" where it stands, as the model's template renders an image part (no
+ * separator on either side); req.c expands it into the image's token layout. */
+static int content_text(const json_t *c, size_t mi, bool images, char **ret, char *msg, size_t len)
 {
     struct strbuf b = STRBUF_INIT;
+    bool sep = false;
     size_t k;
     json_t *part;
 
@@ -139,6 +143,11 @@ static int content_text(const json_t *c, size_t mi, char **ret, char *msg, size_
             strbuf_done(&b);
             BAD("messages[%zu].content[%zu]: must be a content part object with a \"type\"", mi, k);
         }
+        if (images && !strcmp(type, "image_url")) {
+            strbuf_adds(&b, MEDIA_IMAGE_PLACEHOLDER);
+            sep = false;
+            continue;
+        }
         if (strcmp(type, "text")) {
             strbuf_done(&b);
             BAD("messages[%zu].content[%zu].type: \"%.32s\" parts are not supported (this server serves a "
@@ -148,9 +157,10 @@ static int content_text(const json_t *c, size_t mi, char **ret, char *msg, size_
             strbuf_done(&b);
             BAD("messages[%zu].content[%zu].text: must be a string", mi, k);
         }
-        if (b.len)
+        if (sep && b.len)       /* as before images: no newline after an empty text */
             strbuf_add(&b, "\n", 1);
         strbuf_adds(&b, json_string_value(text));
+        sep = true;
     }
     if (b.oom)
         return -ENOMEM;
@@ -194,7 +204,7 @@ static int tool_call_conv(const json_t *tc, size_t mi, size_t k, json_t **ret, c
 }
 
 /* OpenAI messages as the request's chat JSON (roles are checked by validate.c). */
-int openai_messages_conv(const json_t *ms, json_t **ret, char *msg, size_t len)
+int openai_messages_conv(const json_t *ms, bool images, json_t **ret, char *msg, size_t len)
 {
     json_t *out, *m;
     size_t i;
@@ -228,7 +238,7 @@ int openai_messages_conv(const json_t *ms, json_t **ret, char *msg, size_t len)
         if (!r && content && !json_is_null(content)) {
             char *text = NULL;
 
-            r = content_text(content, i, &text, msg, len);
+            r = content_text(content, i, images, &text, msg, len);
             if (!r)
                 r = json_object_set_new(o, "content", json_string(text)) ? -ENOMEM : 0;
             free(text);
@@ -490,8 +500,8 @@ static const struct field_rule field_rules[] = {
     { "stream_interval", FD_BOTH, FU_INERT, NULL },
     { "length_penalty", FD_BOTH, FU_INERT, NULL },
     { "truncation_side", FD_BOTH, FU_INERT, NULL },
-    { "mm_processor_kwargs", FD_BOTH, FU_INERT, NULL },
-    { "media_io_kwargs", FD_CHAT, FU_INERT, NULL },
+    { "mm_processor_kwargs", FD_BOTH, FU_REFUSED_SET, "Step-3.7's image processor has one policy (no kwargs)" },
+    { "media_io_kwargs", FD_CHAT, FU_REFUSED_SET, "images are taken as data URLs only (no loader kwargs)" },
     { "return_token_offsets", FD_BOTH, FU_INERT, NULL },
     { "return_mm_kwargs", FD_BOTH, FU_INERT, NULL },
     { "routed_experts_prompt_start", FD_BOTH, FU_INERT, NULL },
@@ -620,9 +630,10 @@ int openai_body_conv(const struct coord *co, const json_t *body, bool chat, stru
     if (chat) {
         in->input = REQUEST_INPUT_CHAT;
         /* images in (daemon/media.c): each image_url part checked, decoded, preprocessed */
-        if ((r = media_chat_images(json_object_get(body, "messages"), co->tok, in, msg, len)) < 0)
+        if ((r = media_chat_images(json_object_get(body, "messages"), co->tok, wpool_serves_images(co), in,
+                                     msg, len)) < 0)
             return r;
-        if ((r = openai_messages_conv(json_object_get(body, "messages"), &in->messages, msg, len)) < 0)
+        if ((r = openai_messages_conv(json_object_get(body, "messages"), in->n_images > 0, &in->messages, msg, len)) < 0)
             return r;
         j = json_object_get(body, "tools");
         if (j && !json_is_null(j)) {

@@ -195,7 +195,7 @@ static void h_tokenize(struct http_req *hr, void *ud)
         e = in ? 0 : -ENOMEM;
         if (!e) {
             in->input = REQUEST_INPUT_CHAT;
-            e = openai_messages_conv(json_object_get(body, "messages"), &in->messages, msg, sizeof(msg));
+            e = openai_messages_conv(json_object_get(body, "messages"), false, &in->messages, msg, sizeof(msg));
         }
         if (!e && (e = openai_get_bool(body, "add_generation_prompt", &agp, msg, sizeof(msg))) >= 0)
             in->add_generation_prompt = agp;

@@ -16,6 +16,7 @@
 #include "coord-int.h"
 #include "err.h"
 #include "log.h"
+#include "media.h"
 #include "pb-util.h"
 #include "strbuf.h"
 
@@ -118,6 +119,7 @@ void req_free_if_done(struct req *r)
     request_free(r->in);
     free(r->aff_keys);
     free(r->prompt);
+    free(r->image_pos);
     free(r);
     co->up->req_freed(co);
 }
@@ -723,12 +725,14 @@ static struct group *req_pick(struct req *r, bool *ret_full)
                                            in->cache_salt, r->aff_keys, max);
     }
     g = wpool_pick(co, r->aff_keys, r->n_aff_keys, need > UINT32_MAX ? UINT32_MAX : (uint32_t)need,
-                   ret_full);
+                   in->n_images > 0, ret_full);
 
     if (g || *ret_full)
         return g;
     co->m.rejected_unavailable++;
-    if (wpool_ready_count(co))
+    if (in->n_images && !wpool_serves_images(co))
+        req_finish(r, RPC_UNAVAILABLE, "no ready worker group serves images");
+    else if (wpool_ready_count(co))
         req_finish(r, RPC_UNAVAILABLE, "no ready worker group has a context of %" PRId64
                    " tokens (prompt + max_tokens)", need);
     else
@@ -780,6 +784,36 @@ static int req_send(struct req *r, struct group *g)
         else if (r->in_reasoning && co->tok_think_end >= 0)
             PB_SET(&so, start_token, co->tok_think_end);
         er.structured_output = &so;
+    }
+    /* the images: the engine checks each layout at its position and encodes the views */
+    size_t n_views = 0;
+    for (size_t i = 0; i < in->n_images; i++)
+        n_views += in->images[i].n_views;
+    Stepd__V1__ImageInput im[in->n_images ? in->n_images : 1], *pim[in->n_images ? in->n_images : 1];
+    Stepd__V1__ImageView vw[n_views ? n_views : 1], *pvw[n_views ? n_views : 1];
+    for (size_t i = 0, v = 0; i < in->n_images && r->image_pos; i++) {
+        const struct image_prep *p = &in->images[i];
+        stepd__v1__image_input__init(&im[i]);
+        im[i].sha256.data = (uint8_t *)p->hash;
+        im[i].sha256.len = sizeof(p->hash);
+        im[i].token_ids = p->tokens;
+        im[i].n_token_ids = p->n_tokens;
+        im[i].token_position = r->image_pos[i];
+        im[i].views = &pvw[v];
+        im[i].n_views = p->n_views;
+        for (uint32_t j = 0; j < p->n_views; j++, v++) {
+            stepd__v1__image_view__init(&vw[v]);
+            vw[v].width = p->views[j].w;
+            vw[v].height = p->views[j].h;
+            vw[v].rgb.data = p->views[j].rgb;
+            vw[v].rgb.len = (size_t)p->views[j].w * p->views[j].h * 3;
+            pvw[v] = &vw[v];
+        }
+        pim[i] = &im[i];
+    }
+    if (r->image_pos) {
+        er.n_images = in->n_images;
+        er.images = pim;
     }
     struct engine_conn *ec = g->eng;
     engine_out_open(ec);
@@ -956,6 +990,11 @@ static int req_build_prompt(struct req *r, char *msg, size_t len)
         tok_ids_done(&ids);
         snprintf(msg, len, "%s: %.600s", field, eb.msg);
         return -EINVAL;
+    }
+    /* the chat's images: each placeholder token becomes the image's token layout */
+    if ((e = media_prompt_expand(in, co->tok, &ids.ids, &ids.n, &r->image_pos, msg, len)) < 0) {
+        tok_ids_done(&ids);
+        return e;
     }
     r->prompt = ids.ids;
     r->n_prompt = ids.n;

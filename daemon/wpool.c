@@ -66,6 +66,14 @@ unsigned wpool_ready_count(const struct coord *co)
     return n;
 }
 
+bool wpool_serves_images(const struct coord *co)
+{
+    for (const struct group *g = co->groups; g; g = g->next)
+        if (g->state == GROUP_READY && g->model.known && g->model.supports_images)
+            return true;
+    return false;
+}
+
 unsigned wpool_count(const struct coord *co)
 {
     unsigned n = 0;
@@ -411,6 +419,7 @@ static void model_from_pb(struct model_info *mi, const Stepd__Ctl__V1__ModelSumm
     snprintf(mi->quantization, sizeof(mi->quantization), "%s", m->quantization);
     mi->num_mtp_layers = m->num_mtp_layers;
     mi->max_num_speculative_tokens = m->max_num_speculative_tokens;
+    mi->supports_images = m->supports_images;
 }
 
 static void h_session(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
@@ -634,10 +643,11 @@ static void model_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
     snprintf(mi->quantization, sizeof(mi->quantization), "%s", r->quantization);
     mi->num_mtp_layers = r->num_mtp_layers;
     mi->max_num_speculative_tokens = r->max_num_speculative_tokens;
+    mi->supports_images = r->supports_images;
     if (!g->co->model.known)
         g->co->model = *mi;
-    log_info("group %s: model %s (%s), vocab %u, context %u (from the engine)", g->name, mi->name, mi->type,
-             mi->vocab_size, mi->max_model_len);
+    log_info("group %s: model %s (%s), vocab %u, context %u, %s (from the engine)", g->name, mi->name,
+             mi->type, mi->vocab_size, mi->max_model_len, mi->supports_images ? "images served" : "text only");
 }
 
 static void group_set_ready(struct group *g);
@@ -875,6 +885,8 @@ static void loads_msg(struct rpc_client_call *c, const ProtobufCMessage *msg, vo
     g->requests_freed = l->requests_freed;
     g->prefix_queries = l->prefix_cache_queries;
     g->prefix_hits = l->prefix_cache_hits;
+    g->image_encodes = l->image_encodes;
+    g->image_cache_hits = l->image_cache_hits;
     g->n_kv_pools = 0;
     for (size_t i = 0; i < l->n_kv_pools && i < GROUP_MAX_KV_POOLS; i++) {
         struct group_kv_pool *kp = &g->kv_pools[g->n_kv_pools++];
@@ -956,6 +968,8 @@ void wpool_load_fill(const struct group *g, struct group_load_msg *m)
     l->requests_freed = g->requests_freed;
     l->prefix_cache_queries = g->prefix_queries;
     l->prefix_cache_hits = g->prefix_hits;
+    l->image_encodes = g->image_encodes;
+    l->image_cache_hits = g->image_cache_hits;
     l->max_num_seqs = g->cap_seqs;
     l->max_waiting = g->cap_waiting;
     for (unsigned i = 0; i < g->n_kv_pools; i++) {
@@ -999,6 +1013,7 @@ static uint64_t load_score(const struct group *g)
 struct pick {
     struct coord *co;
     uint32_t need_len;
+    bool images;            /* the request has images: groups that encode them only */
     bool full;              /* a ready group that would hold it has no room */
 };
 
@@ -1008,6 +1023,8 @@ static bool routable(const struct group *g, struct pick *p)
     if (g->state != GROUP_READY || !g->eng)
         return false;
     if (g->model.known && g->model.max_model_len && p->need_len > g->model.max_model_len)
+        return false;
+    if (p->images && !g->model.supports_images)
         return false;
     if (wpool_room(g) == 0) {
         p->full = true;     /* at its engine's capacity: never sent more than it admits */
@@ -1033,9 +1050,9 @@ static bool affinity_usable(uint64_t id, void *ctx)
 }
 
 struct group *wpool_pick(struct coord *co, const uint64_t *keys, size_t n_keys, uint32_t need_len,
-                         bool *ret_full)
+                         bool images, bool *ret_full)
 {
-    struct pick p = { .co = co, .need_len = need_len };
+    struct pick p = { .co = co, .need_len = need_len, .images = images };
     struct group *best = NULL, *aff = NULL;
     uint64_t best_score = UINT64_MAX, aff_w = 0;
     size_t depth;

@@ -547,6 +547,8 @@ static int ev_encode(void *ctx, const struct engine_view *v, int n, float *out, 
     return r;
 }
 
+#define WORKER_IMAGE_MAX_MSG (512 << 20)
+
 /* Images are served by a single rank whose config names image_token_id (the plan's image
  * rows do not cross to other ranks: model__check_plan); else the engine refuses them. */
 static void worker_vision_serve(struct worker *w, const struct vision_config *vc)
@@ -1283,6 +1285,10 @@ static int run_serve(struct worker *w, struct forward *f)
         .num_layers = w->mc ? w->mc->n_layers : 0, .hidden_size = w->mc ? w->mc->hidden_size : 0,
         .num_experts = w->mc ? w->mc->n_experts : 0,
         .num_experts_per_tok = w->mc ? w->mc->top_k : 0,
+        /* a request's images travel as their views' RGB (a 728x728 global view is 1.6 MB, a
+         * 504x504 crop 0.76 MB): the coordinator's limits (--limit-mm-per-prompt, at most 16
+         * images of at most 36 crops by default) stay under this */
+        .max_recv_msg_bytes = w->ev.encode ? WORKER_IMAGE_MAX_MSG : 0,
     };
     r = engine_rpc_start(eng, &ro, &rpc, &port, &e);
     if (r < 0) {

@@ -31,7 +31,9 @@
  * "refuse-<N>-..." with gRPC status N (1..16) and a message naming it.  Capacity:
  * --max-seqs S --max-waiting W report S + W (StateReport READY, GetLoads) and refuse the
  * request past S + W running with RESOURCE_EXHAUSTED ("over_capacity" in the stats: a
- * coordinator that honours the capacity never sees one).
+ * coordinator that honours the capacity never sees one).  Images: without --images it
+ * reports no supports_images and refuses a request with images INVALID_ARGUMENT, as a
+ * text-only engine does; with it, it reports them served and ignores the pixels.
  *
  * Fault hooks: --exit-after-tokens N (exit(3) after N tokens in total: "crash"),
  * --stall-file PATH (while it exists no tokens are produced),
@@ -90,6 +92,7 @@ struct mock {
     uint64_t n_submit, n_batches;   /* of n_generate, how many came by Submit; OutputBatches sent */
     uint64_t n_refused, n_over;     /* --refuse-by-id refusals; refusals past the capacity */
     bool refuse_by_id;
+    bool images;                /* --images: reports supports_images and takes images */
     unsigned max_seqs, max_waiting; /* reported capacity (0: none) */
     unsigned peak_running;
     uint64_t serving_epoch;         /* --serving-epoch: registered as already serving */
@@ -582,6 +585,11 @@ static int request_new(struct mock *m, const Stepd__V1__GenerateRequest *r, stru
         *ret_msg = "input: the engine takes token_ids only";
         return RPC_INVALID_ARGUMENT;
     }
+    if (r->n_images && !m->images) {
+        stats_write(m);
+        *ret_msg = "images: this model has no vision encoder (text only)";
+        return RPC_INVALID_ARGUMENT;
+    }
     if (m->refuse_by_id && strncmp(r->request_id, "refuse-", 7) == 0) {
         int code = atoi(r->request_id + 7);
         if (code >= 1 && code <= 16) {
@@ -766,6 +774,7 @@ static void fill_model(struct mock *m, Stepd__Ctl__V1__ModelSummary *ms, int32_t
     ms->quantization = "mock";
     ms->num_mtp_layers = 3;
     ms->max_num_speculative_tokens = 3;
+    ms->supports_images = m->images;
 }
 
 static void h_model_info(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
@@ -779,6 +788,7 @@ static void h_model_info(struct rpc_call *call, const ProtobufCMessage *msg, voi
     resp.max_model_len = m->max_model_len;
     resp.n_eos_token_ids = 1;
     resp.eos_token_ids = &eos;
+    resp.supports_images = m->images;
     rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
 }
@@ -935,7 +945,7 @@ int main(int argc, char **argv)
         { "break-output-streams-after-tokens", required_argument, NULL, 'B' },
         { "refuse-by-id", no_argument, NULL, 'R' }, { "max-seqs", required_argument, NULL, 'M' },
         { "max-waiting", required_argument, NULL, 'W' }, { "serving-epoch", required_argument, NULL, 'E' },
-        { "script", required_argument, NULL, 'P' },
+        { "script", required_argument, NULL, 'P' }, { "images", no_argument, NULL, 'i' },
         { "control-key-file", required_argument, NULL, 'K' }, { "insecure-control", no_argument, NULL, 'I' },
         { NULL, 0, NULL, 0 },
     };
@@ -969,6 +979,7 @@ int main(int argc, char **argv)
         case 'O': m->no_output_streams = true; break;
         case 'B': m->break_streams_after = strtoull(optarg, NULL, 10); break;
         case 'R': m->refuse_by_id = true; break;
+        case 'i': m->images = true; break;
         case 'M': m->max_seqs = (unsigned)atoi(optarg); break;
         case 'W': m->max_waiting = (unsigned)atoi(optarg); break;
         case 'E': m->serving_epoch = strtoull(optarg, NULL, 10); break;

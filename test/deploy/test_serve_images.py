@@ -10,9 +10,16 @@ server keeps answering a text chat afterwards.
     '{"image": 0}' a text-only server that names the flag;
   - http(s) URLs: a domain outside --allowed-media-domains named; an allowed one refused
     with "only data URLs" (stepd does not fetch); detail "high" refused (one resolution policy);
-  - a good image (several, over two messages): the tiny model's tokenizer has no image tokens,
-    so "model has no vision tower", never a silently dropped image;
+  - a text part holding "<im_patch>" beside an image: 400 (the placeholder count does not match);
   - the daemon still serves a text chat (200) after all of them.
+Served end to end (the tiny model's vision tower, the `openai` client, MTP K=3 configured):
+  - a chat with two images (a 40x30 PNG: the global view only; a 1000x600 one: 2 crops plus
+    the global view) gives the same greedy text streamed and not, with K=0 and K=3
+    (num_speculative_tokens per request);
+  - its second turn (the same images) reports the first turn's prompt as cached
+    (usage.prompt_tokens_details.cached_tokens) and stepd:image_encodes_total does not move
+    (the engine's encoder cache: stepd:image_cache_hits_total does);
+  - the same text with other images: a different answer, and two more encodes.
 The images are made here (PNG by hand with zlib: the test's Python has no PIL).
 """
 import base64
@@ -81,6 +88,7 @@ def serve(d, extra):
     pl.wait_until(lambda: "startup complete in" in p.text() or p.p.poll() is not None, 120, "startup complete",
                   step=0.05)
     assert p.p.poll() is None, p.text()[-3000:]
+    p.metrics_port = ports[3]
     return p, ports[4]
 
 
@@ -131,10 +139,11 @@ def test_limits(d):
         refused(port, "only data URLs are supported", [part("https://images.example.org/cat.png")])
         refused(port, "detail: only \"auto\" is supported", [part(data_url(good), detail="high")])
         refused(port, "must be a data: URL", [part("file:///etc/passwd")])
-        # good images, two messages: the tiny model has no image tokens
+        refused(port, "the prompt holds 2 <im_patch> tokens for 1 image(s)",
+                [part(data_url(good)), {"type": "text", "text": "and <im_patch>"}], at="messages:")
+        # good images, two messages: served (the tiny model has a vision tower)
         code, body = chat(port, [part(data_url(good), detail="auto")], [part(data_url(png(700, 300)))])
-        assert code == 400 and "2 image(s): the model has no vision tower" in body["error"]["message"], (code, body)
-        print("   400 %s" % body["error"]["message"])
+        assert code == 200 and body["usage"]["prompt_tokens"] > 2 * 169, (code, body)
         text_ok(port)
         print("   a text chat still answers 200")
         stop(p)
@@ -153,9 +162,75 @@ def test_text_only(d):
         p.kill()
 
 
+def metric(mport, name):
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % mport, timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError("no metric %s" % name)
+
+
+def test_served(d):
+    import openai
+
+    p, port = serve(d, ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'])
+    mport = p.metrics_port
+    try:
+        c = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % port, api_key="none", max_retries=0)
+        a, b = data_url(png(40, 30)), data_url(png(1000, 600))
+        q = [{"type": "text", "text": "Compare"}, part(a), {"type": "text", "text": "with"}, part(b)]
+
+        def ask(msgs, k, stream):
+            kw = dict(model="tiny-step", messages=msgs, max_tokens=16, temperature=0,
+                      extra_body={"num_speculative_tokens": k, "ignore_eos": True})
+            # the tiny model's greedy text: reasoning and content, both compared
+            def text_of(m):
+                return (getattr(m, "reasoning_content", None) or "") + "|" + (m.content or "")
+            if not stream:
+                r = c.chat.completions.create(**kw)
+                return text_of(r.choices[0].message), r.usage
+            text, usage = ["", ""], None
+            for ch in c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                if ch.choices:
+                    text[0] += getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+                    text[1] += ch.choices[0].delta.content or ""
+                usage = ch.usage or usage
+            return "|".join(text), usage
+
+        msgs = [{"role": "user", "content": q}]
+        ref, u1 = ask(msgs, 0, False)
+        print("   two images: %d prompt tokens, %r" % (u1.prompt_tokens, ref))
+        assert u1.prompt_tokens > 2 * 169 + 81 * 2 and len(ref) > 8, (u1, ref)
+        for k in (0, 3):
+            for stream in (False, True):
+                text, _ = ask(msgs, k, stream)
+                assert text == ref, (k, stream, text, ref)
+        print("   K=0 and K=3, streamed and not: the same greedy text")
+        pl.wait_until(lambda: metric(mport, "stepd:image_encodes_total") == 2, 30, "2 image encodes")
+        turn2 = msgs + [{"role": "assistant", "content": "Two images."}, {"role": "user", "content": "And now?"}]
+        for k in (0, 3):
+            _, u2 = ask(turn2, k, False)
+            cached = u2.prompt_tokens_details.cached_tokens
+            print("   second turn K=%d: %d prompt tokens, %d cached" % (k, u2.prompt_tokens, cached))
+            assert cached >= u1.prompt_tokens - 32 and cached > 2 * 169, (u1, u2)
+        pl.wait_until(lambda: metric(mport, "stepd:image_cache_hits_total") > 0, 30, "encoder cache hits")
+        assert metric(mport, "stepd:image_encodes_total") == 2
+        other = [{"role": "user", "content": [q[0], part(data_url(png(41, 30))), q[2], part(data_url(png(900, 700)))]}]
+        text, u3 = ask(other, 0, False)
+        print("   other images: %r" % text)
+        assert text != ref and u3.prompt_tokens_details.cached_tokens < u1.prompt_tokens - 32, (text, u3)
+        pl.wait_until(lambda: metric(mport, "stepd:image_encodes_total") == 4, 30, "4 image encodes")
+        text_ok(port)
+        stop(p)
+    finally:
+        p.kill()
+
+
 def main():
     pl.run_cases([("bad image parts: 400 naming the part, the server keeps serving", test_limits),
-                  ("--limit-mm-per-prompt '{\"image\": 0}': text only", test_text_only)], "stepd-serve-images-", 5000)
+                  ("--limit-mm-per-prompt '{\"image\": 0}': text only", test_text_only),
+                  ("two images served: K=0/K=3, streamed or not, cached next turn", test_served)],
+                 "stepd-serve-images-", 5000)
     print("stepd serve, images in: all checks passed")
 
 

@@ -1094,6 +1094,7 @@ static void h_modelinfo(struct rpc_call *call, const ProtobufCMessage *req, void
     resp.max_num_speculative_tokens = (uint32_t) engine_max_spec(s->e);
     resp.supports_chat = false;
     resp.supports_text = false;
+    resp.supports_images = c->vision != NULL;
     (void) rpc_call_send(call, &resp.base);
     rpc_call_finish(call, RPC_OK, NULL);
 }

@@ -1347,6 +1347,10 @@ static int routing_check(struct bench *b, const int *Bs, int nB, const int32_t *
                "%.2f), %d of %d token-expert choices off their sets\n", B, sum / n,
                routing_target(m->cfg->n_experts, k, B), off, n * B * k);
     }
+    for (int l = 0; l < 64; l++) {     /* the router rows routing_layer_inputs made */
+        free(b->rrows[l]);
+        b->rrows[l] = NULL;
+    }
     return bad;
 }
 

@@ -78,7 +78,8 @@ FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*[a-z0-9])(?![\w-])")   # not 
 # tables, and '--name' literals in Python and shell
 GETOPT = re.compile(r'\{\s*"([a-z0-9][a-z0-9-]*)",\s*(?:no|required|optional)_argument')
 LITERAL = re.compile(r"""["'](?:--)([a-z0-9][a-z0-9-]*[a-z0-9])["'=]|^\s*--([a-z0-9][a-z0-9-]*[a-z0-9])\)""", re.M)
-SELF = os.path.abspath(__file__)
+# this file (its self-test names missing things): compared resolved, whatever path led here
+SELF = os.path.realpath(__file__)
 SYS_INCLUDE = ["/usr/include", "/usr/local/cuda/include"]
 
 
@@ -119,21 +120,24 @@ class Sources:
             dirs[:] = [x for x in dirs if not x.startswith(".") and x not in ("build", "docs", "node_modules")
                        and not x.startswith("build")]
             for f in files:
-                if os.path.join(d, f) == SELF:      # its self-test names missing things
+                if os.path.realpath(os.path.join(d, f)) == SELF:      # its self-test names missing things
                     continue
                 if f.endswith(SRC_EXT) or f == "meson.build":
                     try:
-                        self.text.append(open(os.path.join(d, f), errors="replace").read())
+                        self.text.append(open(os.path.join(d, f), encoding="utf-8", errors="replace").read())
                     except OSError:
                         pass
         self.all = "\n".join(self.text)
         self.tool_flags = set()
         for d in ("test", "tools"):
             for path in glob.glob(os.path.join(root, d, "**", "*"), recursive=True):
-                if path == SELF:
+                if os.path.realpath(path) == SELF:
                     continue
                 if path.endswith((".c", ".py", ".sh")) or os.access(path, os.X_OK) and os.path.isfile(path):
-                    t = open(path, errors="replace").read()
+                    try:            # a file a running test makes and removes may be gone
+                        t = open(path, encoding="utf-8", errors="replace").read()
+                    except OSError:
+                        continue
                     self.tool_flags.update(GETOPT.findall(t))
                     self.tool_flags.update(a or b for a, b in LITERAL.findall(t))
         self.sys_cache = {}
@@ -162,9 +166,11 @@ def help_flags(programs):
         if os.path.basename(exe) == "stepd":
             runs.append([exe, "serve", "--help"])
         for argv in runs:
-            r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+            r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8",
+                               errors="replace", timeout=60)
             if r.returncode != 0:
-                sys.exit("check-docs: %s exited %d" % (" ".join(argv), r.returncode))
+                sys.exit("check-docs: %s exited %d; its last lines:\n%s" %
+                         (" ".join(argv), r.returncode, "\n".join(r.stdout.splitlines()[-15:])))
             for f in FLAG.findall(r.stdout):
                 flags.setdefault(f, " ".join([os.path.basename(argv[0])] + argv[1:]))
     return flags
@@ -178,7 +184,7 @@ def source_flags(root, programs):
         if name not in PROGRAM_SOURCES:
             sys.exit("check-docs: %s: no option table known (add it to PROGRAM_SOURCES)" % name)
         for rel in PROGRAM_SOURCES[name]:
-            text = open(os.path.join(root, rel), errors="replace").read()
+            text = open(os.path.join(root, rel), encoding="utf-8", errors="replace").read()
             found = GETOPT.findall(text) + OPTDECL.findall(text)
             if not found:
                 sys.exit("check-docs: %s declares no options (its table's shape changed?)" % rel)
@@ -216,7 +222,7 @@ def check_comments(root, files, seen=None):
     found = []
     for rel in files:
         try:
-            text = open(os.path.join(root, rel), errors="replace").read()
+            text = open(os.path.join(root, rel), encoding="utf-8", errors="replace").read()
         except OSError:
             continue
         for n, p in comment_paths(root, text, TOP):
@@ -233,7 +239,7 @@ def source_files(root):
         dirs[:] = [x for x in dirs if not x.startswith((".", "build")) and x not in ("node_modules",)]
         for f in files:
             path = os.path.join(d, f)
-            if path != SELF and (f.endswith(SRC_EXT) or f == "meson.build"):
+            if os.path.realpath(path) != SELF and (f.endswith(SRC_EXT) or f == "meson.build"):
                 out.append(os.path.relpath(path, root))
     return sorted(out)
 
@@ -246,7 +252,7 @@ def check(root, docs, flags, src, seen=None):
     found = []
     mentioned = set()
     for doc in docs:
-        text = open(doc).read()
+        text = open(doc, encoding="utf-8").read()
         rel = os.path.relpath(doc, root)
         mentioned.update(FLAG.findall(text))
         for n, s in spans(text):

@@ -40,9 +40,13 @@ tests=$(meson test -C "$BUILD" --no-rebuild --list --suite unit --suite integrat
 echo "== $(echo "$tests" | wc -l) tests of 'unit' and 'integration' against $BUILD (skipped: $ASAN_SKIP)"
 meson test -C "$BUILD" --no-rebuild --print-errorlogs --num-processes 2 $tests
 rc=$?
+# the failed tests' output again after the soak, where the tail CI keeps shows it
+[ "$rc" = 0 ] || cp "$BUILD/meson-logs/testlog.json" "$BUILD/meson-logs/testlog-suite.json"
 soak_s=${ASAN_SOAK_S:-300}
 if [ "$soak_s" != 0 ]; then
   echo "== a ${soak_s}-second soak against $BUILD (test/chaos/report --profile soak)"
   BUILD="$BUILD" test/chaos/report --profile soak --duration "$soak_s" || rc=1
 fi
+[ "$rc" = 0 ] || /usr/bin/python3 tools/dev/failed-logs.py "$BUILD/meson-logs/testlog-suite.json" ||
+  true
 exit $rc

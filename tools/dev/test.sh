@@ -33,6 +33,8 @@ log=$(mktemp)
 meson test -C "$BUILD" --no-suite bench --print-errorlogs --num-processes 2 "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 rm -f "$log"
+# the failed tests' output once more at the end, where the tail CI keeps shows it
+[ "$rc" = 0 ] || /usr/bin/python3 tools/dev/failed-logs.py "$BUILD/meson-logs/testlog.json" 30
 # Count from meson's own record of this run: one JSON object per test.
 /usr/bin/python3 - "$BUILD/meson-logs/testlog.json" "$rc" <<'PY'
 import json, sys

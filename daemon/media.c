@@ -272,8 +272,8 @@ int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool 
         return -EINVAL;
     }
     if (!served) {
-        snprintf(msg, len, "messages: %zu image(s): no worker group serves images (a vision tower on a "
-                 "single-rank group)", n);
+        snprintf(msg, len, "messages: %zu image(s): no worker group serves images (a vision tower on its "
+                 "rank 0)", n);
         return -EINVAL;
     }
     return 0;

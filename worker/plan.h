@@ -58,16 +58,18 @@ struct step_plan {
     int32_t *blocks[_KV_GROUP_MAX]; /* concatenated block tables per group */
     bool draft_sub;         /* rank 0 only, not on the wire: this step's MTP depths score
                                the installed draft vocabulary (forward.h set_draft_vocab) */
-    /* rank 0 only, not on the wire (a group refuses images): image embeddings, rows of
-     * the text hidden (the vision encoder's output), and per plan token the row it embeds
-     * as instead of its id's (img_row[t] in 0 .. n_img_emb-1) or -1.  NULL: every token
-     * embeds its id. */
+    /* image embeddings, rows of the text hidden (the vision encoder's output, rank 0's), and
+     * per plan token the row it embeds as instead of its id's (img_row[t] in
+     * 0 .. n_img_emb-1) or -1.  NULL: every token embeds its id.  On the wire (plan-wire.c,
+     * version 2) with img_width, so every rank of a group splices the same rows. */
     const float *img_emb;
     const int32_t *img_row;     /* [n_tokens] */
     int32_t n_img_emb;
-    /* rank 0, with img_row: per seq the image row of the MTP chain's tok_in at depths
+    int32_t img_width;          /* floats per img_emb row (the text hidden; the wire's) */
+    /* with img_row: per seq the image row of the MTP chain's tok_in at depths
      * 0 .. STEP_PLAN_IMG_NEXT-1 (a prompt chunk's fills are the prompt tokens after its
-     * run, which may be image tokens), or -1; NULL: all text */
+     * run, which may be image tokens), or -1; NULL: all text.  On the wire too, though
+     * only rank 0 runs the MTP layers: a follower's plan is rank 0's whole. */
     const int32_t *img_row_next;    /* [n_seqs * STEP_PLAN_IMG_NEXT] */
 };
 

@@ -319,6 +319,8 @@ static void limits_init(struct worker *w)
         .max_block_ids = o->max_seqs * per_seq,
         .block_size = o->block_size,
         .max_mtp_depth = w->n_mtp > 0 ? w->n_mtp : 0,
+        /* rank 0's image rows reach every rank (a real model's hidden; --mock takes none) */
+        .img_width = w->mc ? w->mc->hidden_size : 0,
     };
     w->plan_cap = step_plan_max_packed_size(&w->lim);
 }
@@ -549,12 +551,12 @@ static int ev_encode(void *ctx, const struct engine_view *v, int n, float *out, 
 
 #define WORKER_IMAGE_MAX_MSG (512 << 20)
 
-/* Images are served by a single rank whose config names image_token_id (the plan's image
- * rows do not cross to other ranks: model__check_plan); else the engine refuses them. */
+/* Images are served by rank 0 of any group whose config names image_token_id: it encodes
+ * them, and each step's image rows travel with the plan to the other ranks (plan-wire.c),
+ * which splice them as rank 0 does; else the engine refuses them. */
 static void worker_vision_serve(struct worker *w, const struct vision_config *vc)
 {
-    const char *why = w->o->world_size > 1 ? "a group of several ranks" :
-                      vc->image_token_id < 0 ? "config.json has no image_token_id" : NULL;
+    const char *why = vc->image_token_id < 0 ? "config.json has no image_token_id" : NULL;
 
     log_info("vision encoder: %d blocks of width %d, projector to %d (%s%s)", vc->layers,
              vc->width, vc->text_hidden, why ? "images are not served: " : "images served",

@@ -8,8 +8,14 @@
  *     busy-polls, so on a loaded 2-core machine single runs mostly measure the scheduler);
  *   - the per-step cost of the step-plan broadcast: a lockstep step modelled as
  *     "1-float all-reduce" with and without the plan broadcast before it, for plans of
- *     1, 16, 64 and 256 decode sequences (pack + send + receive + validate + unpack).
- * Usage: bench-comm [--quick]   (env: UCX_NET_DEVICES=lo as for the tests)
+ *     1, 16, 64 and 256 decode sequences (pack + send + receive + validate + unpack);
+ *   - the cost of an image's rows on the plan (issue 40): a prefill plan of one image's
+ *     tokens (169 for the 728x728 view + 4 x 81 for 504x504 crops = 493 rows) at the tiny
+ *     model's width (256) and Step-3.7-Flash's (4096, FP32: 8.1 MB), against the same plan
+ *     without the rows; what rank 0 pays to hand the encoder's output to the group instead
+ *     of every rank encoding.
+ * Usage: bench-comm [--quick | --images]   (env: UCX_NET_DEVICES=lo as for the tests;
+ *        --images: the image-row plans alone, N = 2)
  */
 #include <signal.h>
 #include <stdio.h>
@@ -180,12 +186,97 @@ static int bench_plan(struct comm *c, void *arg)
     return 0;
 }
 
+/* One prefill plan of n image tokens, with and without its rows of width w. */
+static int bench_plan_images(struct comm *c, void *arg)
+{
+    static const int widths[] = { 256, 4096 };
+    const int n = 493, iters = 20;
+    struct step_plan_limits lim = { .max_seqs = 1, .max_tokens = n, .vocab_size = 128000,
+                                    .max_blocks = { 64, 64 }, .max_positions = 4096,
+                                    .max_block_ids = 64, .block_size = 16, .max_mtp_depth = 3 };
+    struct step_plan_buf b;
+    struct err_buf e;
+    int kind;
+
+    step_plan_buf_init(&b);
+    if (c->rank == 0) {
+        printf("\nimage rows on the step plan, N=%d: one prefill plan of %d image tokens, "
+               "best of %d\n", c->world_size, n, iters);
+        printf("%8s %12s %12s %14s %14s %10s\n", "width", "bytes", "bytes bare", "ms/plan",
+               "ms bare", "MB/s");
+    }
+    for (size_t k = 0; k < ARRAY_SIZE(widths); k++) {
+        int w = widths[k];
+        size_t cap;
+        struct step_seq seq = { .slot = 0, .pos0 = 0, .n_tokens = n, .n_logits = 1, .tok_off = 0,
+                                .n_blocks = (n + 15) / 16 };
+        int32_t *toks = calloc((size_t)n, sizeof(int32_t)), *rows = calloc((size_t)n, 4);
+        int32_t bl[64];
+        float *emb = calloc((size_t)n * (size_t)w, sizeof(float));
+        void *scratch;
+        double best[2] = { 1e30, 1e30 };
+
+        lim.img_width = w;
+        cap = step_plan_max_packed_size(&lim);
+        scratch = malloc(cap);
+        ASSERT_TRUE(toks && rows && emb && scratch);
+        for (int i = 0; i < n; i++) {
+            toks[i] = 5;
+            rows[i] = i;
+        }
+        for (size_t i = 0; i < (size_t)n * (size_t)w; i++)
+            emb[i] = (float)(i % 1000) * 1e-3f;
+        for (int i = 0; i < 64; i++)
+            bl[i] = i;
+        struct step_plan p = { .n_seqs = 1, .n_tokens = n, .seqs = &seq, .tokens = toks,
+                               .n_block_ids = { seq.n_blocks, seq.n_blocks }, .blocks = { bl, bl },
+                               .img_emb = emb, .img_row = rows, .n_img_emb = n, .img_width = w };
+        size_t bytes[2];
+
+        for (int mode = 0; mode < 2; mode++) {
+            if (mode == 1)
+                p.img_emb = NULL, p.img_row = NULL, p.n_img_emb = 0, p.img_width = 0;
+            bytes[mode] = step_plan_packed_size(&p);
+            for (int i = 0; i < iters; i++) {
+                ASSERT_OK(comm_barrier(c));
+                double t0 = group_now_msec();
+
+                if (c->rank == 0) {
+                    ASSERT_OK(comm_plan_send(c, &p, scratch, cap));
+                } else if (comm_plan_recv(c, scratch, cap, &lim, &b, &kind, &e) < 0) {
+                    FAIL("%s", e.msg);
+                }
+                ASSERT_OK(comm_barrier(c));
+                double t = group_now_msec() - t0;
+                if (t < best[mode])
+                    best[mode] = t;
+            }
+        }
+        if (c->rank == 0)
+            printf("%8d %12zu %12zu %14.3f %14.3f %10.1f\n", w, bytes[0], bytes[1], best[0],
+                   best[1], (double)(bytes[0] - bytes[1]) / ((best[0] - best[1]) * 1e3));
+        free(toks);
+        free(rows);
+        free(emb);
+        free(scratch);
+    }
+    step_plan_buf_done(&b);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const int ns[] = { 2, 4 };
     struct group_ctl g;
 
     quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    if (argc > 1 && strcmp(argv[1], "--images") == 0) {
+        ASSERT_OK(group_run(2, 60000, bench_plan_images, NULL, NULL, 600000, &g));
+        for (int r = 0; r < 2; r++)
+            if (!WIFEXITED(g.status[r]) || WEXITSTATUS(g.status[r]) != 0)
+                FAIL("rank %d failed", r);
+        return 0;
+    }
     printf("ucx_perftest -t tag_bw on 127.0.0.1 (point-to-point bandwidth, same run):\n");
     /* best of 3: both sides busy-poll, so on a shared 2-core machine single runs are
      * at the mercy of the scheduler */

@@ -1,7 +1,7 @@
 /* fuzz-plan-wire.c - libFuzzer target: the step-plan decoder on untrusted bytes
  * (docs/RELIABILITY.md C11).  Whatever the input, step_plan_unpack() either rejects it with a
- * message or returns a plan whose every offset and id lies inside the limits; a plan it
- * accepts packs back to the same bytes. */
+ * message or returns a plan whose every offset and id lies inside the limits (image row
+ * indices included); a plan it accepts packs back to the same bytes. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +11,7 @@
 static const struct step_plan_limits lim = {
     .max_seqs = 16, .max_tokens = 256, .vocab_size = 4096, .max_blocks = { 64, 64 },
     .max_positions = 1024, .max_block_ids = 512, .block_size = 16, .max_mtp_depth = 3,
+    .img_width = 4,
 };
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -40,6 +41,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     for (int i = 0; i < b.plan.n_tokens; i++)
         if (b.plan.tokens[i] < 0 || b.plan.tokens[i] >= lim.vocab_size)
+            abort();
+    /* the image section (issue 40): every index a row of the plan's, rows of our width */
+    if (b.plan.img_row && (b.plan.n_img_emb < 1 || b.plan.img_width != lim.img_width || !b.plan.img_emb))
+        abort();
+    for (int i = 0; b.plan.img_row && i < b.plan.n_tokens; i++)
+        if (b.plan.img_row[i] < -1 || b.plan.img_row[i] >= b.plan.n_img_emb)
+            abort();
+    for (int i = 0; b.plan.img_row_next && i < b.plan.n_seqs * STEP_PLAN_IMG_NEXT; i++)
+        if (b.plan.img_row_next[i] < -1 || b.plan.img_row_next[i] >= b.plan.n_img_emb)
             abort();
     n = step_plan_pack(&b.plan, again, sizeof(again));
     if (n < 0 || (size_t)n != size || memcmp(again, data, size) != 0)

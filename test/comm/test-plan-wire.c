@@ -15,7 +15,29 @@ static struct step_plan P;
 static const struct step_plan_limits LIM = {
     .max_seqs = 8, .max_tokens = 32, .vocab_size = 100, .max_blocks = { 10, 10 },
     .max_positions = 128, .max_block_ids = 16, .block_size = 16, .max_mtp_depth = 3,
+    .img_width = 3,
 };
+/* the image section (issue 40): 3 rows of width 3; tokens 1, 2 and seq 0's MTP fill at
+ * depth 1 take them */
+static float emb[9];
+static int32_t irow[6], inext[2 * STEP_PLAN_IMG_NEXT];
+
+static void with_images(void)
+{
+    int32_t r[6] = { -1, 0, 1, -1, -1, -1 };
+    int32_t nx[2 * STEP_PLAN_IMG_NEXT] = { -1, 2, -1, -1, -1, -1, -1, -1 };
+
+    for (int i = 0; i < 9; i++)
+        emb[i] = (float)i * 0.25f - 1.0f;
+    emb[4] = -0.0f;
+    memcpy(irow, r, sizeof(r));
+    memcpy(inext, nx, sizeof(nx));
+    P.img_emb = emb;
+    P.img_row = irow;
+    P.img_row_next = inext;
+    P.n_img_emb = 3;
+    P.img_width = 3;
+}
 
 static void reset(void)
 {
@@ -53,12 +75,168 @@ static int roundtrip(struct step_plan_buf *b, struct err_buf *e)
         ASSERT_CONTAINS(_e.msg, words); \
     } while (0)
 
+/* Every truncation of buf[n] is rejected; every single-byte corruption is rejected with a
+ * message, or accepted only with every offset, id and image index inside the limits. */
+static void every_damage(const unsigned char *buf, int n, struct step_plan_buf *b, const char *what)
+{
+    unsigned char bad[1024];
+    struct err_buf e = { "" };
+    int kind, accepted = 0, rejected = 0;
+
+    for (int len = 0; len < n; len++)
+        if (step_plan_unpack(buf, (size_t)len, &LIM, b, &kind, &e) >= 0)
+            FAIL("truncated %s of %d of %d bytes accepted", what, len, n);
+    for (int pos = 0; pos < n; pos++)
+        for (int v = 0; v < 256; v += 17) {
+            const struct step_plan *p = &b->plan;
+
+            memcpy(bad, buf, (size_t)n);
+            if (bad[pos] == v)
+                continue;
+            bad[pos] = (unsigned char)v;
+            if (step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e) < 0) {
+                ASSERT_TRUE(e.msg[0] != 0);
+                rejected++;
+                continue;
+            }
+            accepted++;
+            ASSERT_EQ(kind, PLAN_MSG_STEP);
+            for (int i = 0; i < p->n_seqs; i++) {
+                const struct step_seq *s = &p->seqs[i];
+
+                ASSERT_TRUE(s->slot >= 0 && s->slot < LIM.max_seqs);
+                ASSERT_TRUE(s->tok_off >= 0 && s->tok_off + s->n_tokens <= p->n_tokens);
+                for (int g = 0; g < 2; g++)
+                    ASSERT_TRUE(s->block_off[g] >= 0 &&
+                                s->block_off[g] + s->n_blocks <= p->n_block_ids[g]);
+            }
+            for (int i = 0; i < p->n_tokens; i++)
+                ASSERT_TRUE(p->tokens[i] >= 0 && p->tokens[i] < LIM.vocab_size);
+            ASSERT_TRUE(!p->img_row || (p->img_width == LIM.img_width && p->n_img_emb >= 1));
+            for (int i = 0; p->img_row && i < p->n_tokens; i++)
+                ASSERT_TRUE(p->img_row[i] >= -1 && p->img_row[i] < p->n_img_emb);
+            for (int i = 0; p->img_row_next && i < p->n_seqs * STEP_PLAN_IMG_NEXT; i++)
+                ASSERT_TRUE(p->img_row_next[i] >= -1 && p->img_row_next[i] < p->n_img_emb);
+        }
+    printf("%s corruptions: %d rejected, %d accepted within limits\n", what, rejected, accepted);
+    ASSERT_TRUE(rejected > 0);
+}
+
+/* A plan with image rows: version 2, the rows bit for bit, every rule of the section. */
+static void test_images(struct step_plan_buf *b)
+{
+    unsigned char buf[1024], bad[1024];
+    struct step_plan_limits noimg = LIM, wide = LIM, few = LIM;
+    struct err_buf e = { "" };
+    int kind, n;
+
+    reset();
+    with_images();
+    ASSERT_OK(roundtrip(b, &e));
+    ASSERT_EQ(b->plan.n_img_emb, 3);
+    ASSERT_EQ(b->plan.img_width, 3);
+    ASSERT_TRUE(memcmp(b->plan.img_emb, emb, sizeof(emb)) == 0);      /* -0.0 kept too */
+    ASSERT_TRUE(memcmp(b->plan.img_row, irow, sizeof(irow)) == 0);
+    ASSERT_TRUE(memcmp(b->plan.img_row_next, inext, sizeof(inext)) == 0);
+    n = step_plan_pack(&P, buf, sizeof(buf));
+    ASSERT_EQ(n, 48 + 4 * (2 * 10 + 6 + 4 + 4) + 4 * (6 + 8 + 9));
+    ASSERT_EQ(buf[4], 2);
+    ASSERT_TRUE(step_plan_max_packed_size(&LIM) >= (size_t)n);
+    /* without img_row_next */
+    P.img_row_next = NULL;
+    ASSERT_OK(roundtrip(b, &e));
+    ASSERT_TRUE(b->plan.img_row_next == NULL && b->plan.n_img_emb == 3);
+    /* the next text plan through the same buffer carries no stale rows */
+    reset();
+    ASSERT_OK(roundtrip(b, &e));
+    ASSERT_TRUE(!b->plan.img_emb && !b->plan.img_row && !b->plan.img_row_next && !b->plan.n_img_emb);
+    n = step_plan_pack(&P, buf, sizeof(buf));
+    ASSERT_EQ(buf[4], 1);           /* a text plan is written as before images */
+    ASSERT_EQ(n, 36 + 4 * (2 * 10 + 6 + 4 + 4));
+
+    /* sender side */
+    reset();
+    with_images();
+    P.img_emb = NULL;
+    ASSERT_ERR(step_plan_pack(&P, buf, sizeof(buf)), -EINVAL);
+    with_images();
+    P.img_width = 0;
+    ASSERT_ERR(step_plan_pack(&P, buf, sizeof(buf)), -EINVAL);
+    with_images();
+    P.n_img_emb = 0;
+    ASSERT_ERR(step_plan_pack(&P, buf, sizeof(buf)), -EINVAL);
+    reset();
+    P.img_row_next = inext;         /* next rows without the rows */
+    ASSERT_ERR(step_plan_pack(&P, buf, sizeof(buf)), -EINVAL);
+    with_images();
+    ASSERT_ERR(step_plan_pack(&P, buf, 200), -EMSGSIZE);
+
+    /* receiver rules */
+#define EXPECT_IMG_REJECT(mutation, lim, code, words) do { \
+        struct err_buf _e = { "" }; \
+        reset(); \
+        with_images(); \
+        mutation; \
+        n = step_plan_pack(&P, buf, sizeof(buf)); \
+        ASSERT_OK(n); \
+        ASSERT_ERR(step_plan_unpack(buf, (size_t)n, lim, b, &kind, &_e), code); \
+        ASSERT_CONTAINS(_e.msg, words); \
+    } while (0)
+    noimg.img_width = 0;
+    wide.img_width = 4;
+    few.max_img_rows = 2;
+    EXPECT_IMG_REJECT((void)0, &noimg, -EPROTO, "does not take");
+    EXPECT_IMG_REJECT((void)0, &wide, -ERANGE, "width 3, this rank's hidden size is 4");
+    EXPECT_IMG_REJECT((void)0, &few, -ERANGE, "3 image rows");
+    EXPECT_IMG_REJECT(irow[2] = 3, &LIM, -EBADMSG, "token 2 takes image row 3 of 3");
+    EXPECT_IMG_REJECT(irow[0] = -2, &LIM, -EBADMSG, "token 0 takes image row -2");
+    EXPECT_IMG_REJECT(inext[5] = 7, &LIM, -EBADMSG, "seq 1: MTP input 1 takes image row 7");
+    EXPECT_IMG_REJECT(inext[0] = INT32_MIN, &LIM, -EBADMSG, "seq 0: MTP input 0");
+    /* more rows than tokens + seqs x STEP_PLAN_IMG_NEXT could use */
+    {
+        static float many[3 * 15];
+
+        EXPECT_IMG_REJECT((P.img_emb = many, P.n_img_emb = 15), &LIM, -ERANGE, "15 image rows");
+    }
+    /* header fields of the image section */
+    reset();
+    with_images();
+    n = step_plan_pack(&P, buf, sizeof(buf));
+    ASSERT_OK(n);
+    memcpy(bad, buf, (size_t)n);
+    bad[44] |= 2;                                                   /* unknown image flag */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -EBADMSG);
+    ASSERT_CONTAINS(e.msg, "image flags 0x3");
+    memcpy(bad, buf, (size_t)n);
+    bad[44] = 0;                                                    /* next rows not declared */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -EBADMSG);
+    ASSERT_CONTAINS(e.msg, "body bytes");
+    memcpy(bad, buf, (size_t)n);
+    bad[36] = 0;                                                    /* n_img_emb 0 */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -ERANGE);
+    memcpy(bad, buf, (size_t)n);
+    bad[36] = 0xff, bad[37] = 0xff, bad[38] = 0xff, bad[39] = 0x7f; /* n_img_emb INT32_MAX */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -ERANGE);
+    memcpy(bad, buf, (size_t)n);
+    bad[41] = 0x80;                                                 /* width 32771 */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -ERANGE);
+    memcpy(bad, buf, (size_t)n);
+    bad[6] = PLAN_MSG_STOP;                                         /* a STOP with image rows */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -EBADMSG);
+    ASSERT_ERR(step_plan_unpack(buf, 40, &LIM, b, &kind, &e), -EBADMSG);
+    ASSERT_CONTAINS(e.msg, "header of a plan with image rows");
+    memcpy(bad, buf, (size_t)n);
+    bad[n] = 0;                     /* one byte more */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n + 1, &LIM, b, &kind, &e), -EBADMSG);
+    every_damage(buf, n, b, "image plan");
+}
+
 int main(void)
 {
     unsigned char buf[1024], bad[1024];
     struct step_plan_buf b;
     struct err_buf e = { "" };
-    int kind, n, accepted = 0, rejected = 0;
+    int kind, n;
 
     step_plan_buf_init(&b);
     reset();
@@ -122,8 +300,12 @@ int main(void)
     ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EBADMSG);
     ASSERT_CONTAINS(e.msg, "magic");
     memcpy(bad, buf, (size_t)n);
-    bad[4] = 2;
+    bad[4] = 3;
     ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EPROTO);
+    ASSERT_CONTAINS(e.msg, "version 3");
+    memcpy(bad, buf, (size_t)n);
+    bad[4] = 2;                     /* a text plan's bytes read as one with image rows */
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EBADMSG);
     memcpy(bad, buf, (size_t)n);
     bad[6] = 9;
     ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EPROTO);
@@ -135,38 +317,7 @@ int main(void)
     ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e), -EBADMSG);
     ASSERT_CONTAINS(e.msg, "body bytes");
 
-    /* every truncation is rejected */
-    for (int len = 0; len < n; len++)
-        if (step_plan_unpack(buf, (size_t)len, &LIM, &b, &kind, &e) >= 0)
-            FAIL("truncated plan of %d of %d bytes accepted", len, n);
-    /* every single-byte corruption: rejected, or accepted only within the limits */
-    for (int pos = 0; pos < n; pos++)
-        for (int v = 0; v < 256; v += 17) {
-            memcpy(bad, buf, (size_t)n);
-            if (bad[pos] == v)
-                continue;
-            bad[pos] = (unsigned char)v;
-            if (step_plan_unpack(bad, (size_t)n, &LIM, &b, &kind, &e) < 0) {
-                ASSERT_TRUE(e.msg[0] != 0);
-                rejected++;
-                continue;
-            }
-            accepted++;
-            ASSERT_EQ(kind, PLAN_MSG_STEP);
-            for (int i = 0; i < b.plan.n_seqs; i++) {
-                const struct step_seq *s = &b.plan.seqs[i];
-
-                ASSERT_TRUE(s->slot >= 0 && s->slot < LIM.max_seqs);
-                ASSERT_TRUE(s->tok_off >= 0 && s->tok_off + s->n_tokens <= b.plan.n_tokens);
-                for (int g = 0; g < 2; g++)
-                    ASSERT_TRUE(s->block_off[g] >= 0 &&
-                                s->block_off[g] + s->n_blocks <= b.plan.n_block_ids[g]);
-            }
-            for (int i = 0; i < b.plan.n_tokens; i++)
-                ASSERT_TRUE(b.plan.tokens[i] >= 0 && b.plan.tokens[i] < LIM.vocab_size);
-        }
-    printf("corruptions: %d rejected, %d accepted within limits\n", rejected, accepted);
-    ASSERT_TRUE(rejected > 0);
+    every_damage(buf, n, &b, "text plan");
 
     /* random garbage of every length */
     srand(1);
@@ -182,6 +333,8 @@ int main(void)
     }
     /* the bound on the wire buffer */
     ASSERT_TRUE(step_plan_max_packed_size(&LIM) >= step_plan_packed_size(&P));
+
+    test_images(&b);
     step_plan_buf_done(&b);
     return 0;
 }

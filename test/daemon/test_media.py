@@ -87,7 +87,7 @@ def test_http_no_encoder():
                                          {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}]}]
     code, body = post(s, {"model": "tiny", "max_tokens": 3, "messages": msgs})
     assert code == 400 and body["error"]["message"] == \
-        "messages: 2 image(s): no worker group serves images (a vision tower on a single-rank group)", (code, body)
+        "messages: 2 image(s): no worker group serves images (a vision tower on its rank 0)", (code, body)
     # processor and loader kwargs would change the output: refused, not ignored
     for k, v in (("mm_processor_kwargs", {"max_crops": 2}), ("media_io_kwargs", {"image": {"mode": "L"}})):
         code, body = post(s, {"model": "tiny", "max_tokens": 3, "messages": msgs, k: v})

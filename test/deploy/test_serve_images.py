@@ -170,6 +170,26 @@ def metric(mport, name):
     raise AssertionError("no metric %s" % name)
 
 
+def ask_greedy(c, msgs, k, stream=False):
+    """16 greedy tokens of a chat through the openai client c at K=k: the tiny model's text,
+    reasoning and content joined by "|", and the usage"""
+    kw = dict(model="tiny-step", messages=msgs, max_tokens=16, temperature=0,
+              extra_body={"num_speculative_tokens": k, "ignore_eos": True})
+
+    def text_of(m):
+        return (getattr(m, "reasoning_content", None) or "") + "|" + (m.content or "")
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        return text_of(r.choices[0].message), r.usage
+    text, usage = ["", ""], None
+    for ch in c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if ch.choices:
+            text[0] += getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+            text[1] += ch.choices[0].delta.content or ""
+        usage = ch.usage or usage
+    return "|".join(text), usage
+
+
 def test_served(d):
     import openai
 
@@ -181,21 +201,7 @@ def test_served(d):
         q = [{"type": "text", "text": "Compare"}, part(a), {"type": "text", "text": "with"}, part(b)]
 
         def ask(msgs, k, stream):
-            kw = dict(model="tiny-step", messages=msgs, max_tokens=16, temperature=0,
-                      extra_body={"num_speculative_tokens": k, "ignore_eos": True})
-            # the tiny model's greedy text: reasoning and content, both compared
-            def text_of(m):
-                return (getattr(m, "reasoning_content", None) or "") + "|" + (m.content or "")
-            if not stream:
-                r = c.chat.completions.create(**kw)
-                return text_of(r.choices[0].message), r.usage
-            text, usage = ["", ""], None
-            for ch in c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
-                if ch.choices:
-                    text[0] += getattr(ch.choices[0].delta, "reasoning_content", None) or ""
-                    text[1] += ch.choices[0].delta.content or ""
-                usage = ch.usage or usage
-            return "|".join(text), usage
+            return ask_greedy(c, msgs, k, stream)
 
         msgs = [{"role": "user", "content": q}]
         ref, u1 = ask(msgs, 0, False)

@@ -150,7 +150,8 @@ int main(int argc, char **argv)
     printf("chunked vs one-shot: max|d| %.3g\n", dch);
     ASSERT_TRUE(dch < 1e-3);
 
-    /* a row index past the plan's rows, or rows without their index: refused, named */
+    /* a row index past the plan's rows, rows without their index or of another width:
+     * refused, named */
     {
         struct step_plan p;
         struct step_seq s;
@@ -165,6 +166,12 @@ int main(int argc, char **argv)
         p.img_row = NULL;
         ASSERT_ERR(model_step(m, &p, lc), -EINVAL);
         printf("mismatch refused: %s\n", model_last_error(m));
+        /* rows of another width (a plan from the wire says how wide its rows are) */
+        p.img_row = rows;
+        p.img_width = H + 1;
+        ASSERT_ERR(model_step(m, &p, lc), -EINVAL);
+        ASSERT_TRUE(strstr(model_last_error(m), "width") != NULL);
+        printf("width refused: %s\n", model_last_error(m));
     }
 
     for (int k = 0; k < 2; k++) {

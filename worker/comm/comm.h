@@ -142,6 +142,9 @@ struct step_plan_buf {
     struct step_plan plan;
     size_t cap_seqs, cap_tokens, cap_blocks[_KV_GROUP_MAX], cap_seen;
     uint8_t *seen;          /* slot bitmap for the duplicate check */
+    float *img_emb;         /* a plan's image section (plan.img_* point here) */
+    int32_t *img_row, *img_row_next;
+    size_t cap_img_emb, cap_img_row, cap_img_row_next;
 };
 void step_plan_buf_init(struct step_plan_buf *b);
 void step_plan_buf_done(struct step_plan_buf *b);
@@ -156,12 +159,18 @@ struct step_plan_limits {
     int32_t max_block_ids;      /* n_block_ids[g] <= max_block_ids (table entries per group) */
     int32_t block_size;         /* n_blocks * block_size must cover pos0 + n_tokens */
     int32_t max_mtp_depth;      /* mtp_depth <= max_mtp_depth (0: up to STEP_PLAN_MAX_MTP) */
+    int32_t img_width;          /* image rows are this wide (the text hidden); 0: a plan with
+                                   image rows is refused (this rank takes none) */
+    int32_t max_img_rows;       /* n_img_emb <= max_img_rows (0: n_tokens + n_seqs x
+                                   STEP_PLAN_IMG_NEXT, the most a plan can use) */
 };
 /* Hard limits of the wire format itself, whatever lim says. */
 #define STEP_PLAN_MAX_SEQS (1 << 16)
 #define STEP_PLAN_MAX_TOKENS (1 << 24)
 #define STEP_PLAN_MAX_BLOCK_IDS (1 << 24)
 #define STEP_PLAN_MAX_MTP 8
+#define STEP_PLAN_MAX_IMG_ROWS (1 << 24)
+#define STEP_PLAN_MAX_IMG_WIDTH (1 << 16)
 
 /* Parse buf[len] as untrusted bytes.  *ret_kind is PLAN_MSG_*; for STEP the plan is in
  * b->plan (pointers into b).  Every count, offset and id is checked against len and lim;

@@ -1027,6 +1027,7 @@ static void build_plan(struct engine *e, struct batch_seq **seqs, int n)
     p->img_row = n_img ? e->img_row : NULL;
     p->img_row_next = n_img ? e->img_next : NULL;
     p->n_img_emb = n_img;
+    p->img_width = n_img ? e->cfg.vision->hidden : 0;
 }
 
 /* Output token i of r (not delivered yet) came from logits row: its logprob and the top N.

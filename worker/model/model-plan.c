@@ -105,9 +105,9 @@ int model__check_plan(struct model *m, const struct step_plan *p)
             return PLAN_ERR(m, -EINVAL, "plan seq %d: MTP input %d takes image row %d of %d",
                             t / STEP_PLAN_IMG_NEXT, t % STEP_PLAN_IMG_NEXT, p->img_row_next[t],
                             p->n_img_emb);
-    if (p->img_row && m->sharded)
-        return PLAN_ERR(m, -EOPNOTSUPP, "plan: image embeddings in a group of %d ranks "
-                        "(images are served on one rank only)", m->comm.world);
+    if (p->img_row && p->img_width && p->img_width != m->hidden)
+        return PLAN_ERR(m, -EINVAL, "plan: image rows of width %d, the model's hidden size is %d",
+                        p->img_width, m->hidden);
     for (int t = 0; p->img_row && t < p->n_tokens; t++)
         if (p->img_row[t] < -1 || p->img_row[t] >= p->n_img_emb)
             return PLAN_ERR(m, -EINVAL, "plan: token %d takes image row %d of %d image embeddings",

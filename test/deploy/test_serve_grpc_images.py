@@ -12,7 +12,8 @@ proto/stepd.proto:
     and K=3, and the same prompt token count;
   - the same images placed in a prompt text: K=0 and K=3 give the same greedy text, the prompt
     holds both layouts, the second request is served from cached KV and one with another first
-    image (the same layout) is not;
+    image (the same layout) is not; only <im_patch> is matched in the text ("<im_start>" stays
+    text);
   - bad bytes, a truncated PNG, too many images, images and placeholders that do not match in
     number, the engine wire's fields set, token_ids input with images: INVALID_ARGUMENT naming
     images[i] (or the field) and the reason;
@@ -117,6 +118,14 @@ def test_grpc_images(d):
         assert fo.usage.prompt_tokens == f0.usage.prompt_tokens and fo.usage.cached_tokens < 169, fo.usage
         print("   K=0 and K=3 the same (%d cached); another first image: %d cached" %
               (f3.usage.cached_tokens, fo.usage.cached_tokens))
+
+        # only <im_patch> is matched in a prompt text: "<im_start>" stays text (many tokens), and the
+        # placeholder becomes the 40x30 image's layout (<im_start> 169 x <im_patch> <im_end>)
+        _, _, fs = generate(stub, text_req("<im_start>Look" + MARK, [a]))
+        _, _, ft = generate(stub, text_req("<im_start>Look", []))
+        assert ft.usage.prompt_tokens > 3 and fs.usage.prompt_tokens == ft.usage.prompt_tokens + 171, (fs.usage,
+                                                                                                        ft.usage)
+        print("   other special tokens stay text: %d + 171 prompt tokens" % ft.usage.prompt_tokens)
 
         bad = png(40, 30)
         cases = [

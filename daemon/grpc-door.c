@@ -12,6 +12,7 @@
 
 #include "coord-int.h"
 #include "log.h"
+#include "media.h"
 #include "pb-util.h"
 
 /* ------------------------------------------------------------------ admission on the CQ thread */
@@ -282,6 +283,13 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
         return;
     }
     e = request_from_proto((const Stepd__V1__GenerateRequest *)msg, &in, err, sizeof(err));
+    /* images in (daemon/media.c): each decoded, checked and preprocessed as the chat door's */
+    if (e == 0 && (e = media_proto_images((const Stepd__V1__GenerateRequest *)msg, co->tok, wpool_serves_images(co),
+                                          in, err, sizeof(err))) < 0) {
+        request_free(in);
+        if (e == -ENOMEM)
+            snprintf(err, sizeof(err), "out of memory");
+    }
     if (e < 0) {
         int st = e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT;
 

@@ -229,6 +229,38 @@ static int image_part(const json_t *part, struct request *in, const struct image
     return -EINVAL;
 }
 
+/* The n-th image of a prompt (1-based) against --limit-mm-per-prompt: 0 or -EINVAL naming at. */
+static int image_count_check(size_t n, const char *at, char *msg, size_t len)
+{
+    if (n <= (size_t)media_conf.limit_image)
+        return 0;
+    if (media_conf.limit_image == 0)
+        snprintf(msg, len, "%s: this server serves text only (--limit-mm-per-prompt '{\"image\": 0}')", at);
+    else
+        snprintf(msg, len, "%s: more than %lld images in one prompt (--limit-mm-per-prompt)", at,
+                 (long long)media_conf.limit_image);
+    return -EINVAL;
+}
+
+/* After n good images (field names where they came from): can anything encode them?  0 or
+ * -EINVAL + msg ("the model has no vision tower" or "no worker group serves images"). */
+static int images_servable(size_t n, const char *field, bool have_ids, const char *why, bool served, char *msg,
+                           size_t len)
+{
+    if (n == 0)
+        return 0;
+    if (!have_ids) {
+        snprintf(msg, len, "%s: %zu image(s): %s", field, n, why);
+        return -EINVAL;
+    }
+    if (!served) {
+        snprintf(msg, len, "%s: %zu image(s): no worker group serves images (a vision tower on its "
+                 "rank 0)", field, n);
+        return -EINVAL;
+    }
+    return 0;
+}
+
 int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served, struct request *in,
                       char *msg, size_t len)
 {
@@ -251,65 +283,48 @@ int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool 
                 strcmp(json_string_value(t), "image_url"))
                 continue;
             snprintf(at, sizeof(at), "messages[%zu].content[%zu]", i, k);
-            if (++n > (size_t)media_conf.limit_image) {
-                if (media_conf.limit_image == 0)
-                    snprintf(msg, len, "%s: this server serves text only (--limit-mm-per-prompt '{\"image\": 0}')",
-                             at);
-                else
-                    snprintf(msg, len, "%s: more than %lld images in one prompt (--limit-mm-per-prompt)", at,
-                             (long long)media_conf.limit_image);
-                return -EINVAL;
-            }
+            if ((r = image_count_check(++n, at, msg, len)) < 0)
+                return r;
             /* every part is checked even when none could be served: the client learns of a bad one */
             if ((r = image_part(part, in, have_ids ? &ids : NULL, at, msg, len)) < 0)
                 return r;
         }
     }
-    if (n == 0)
-        return 0;
-    if (!have_ids) {
-        snprintf(msg, len, "messages: %zu image(s): %s", n, why);
-        return -EINVAL;
-    }
-    if (!served) {
-        snprintf(msg, len, "messages: %zu image(s): no worker group serves images (a vision tower on its "
-                 "rank 0)", n);
-        return -EINVAL;
-    }
-    return 0;
+    return images_servable(n, "messages", have_ids, why, served, msg, len);
 }
 
-int media_proto_images(const Stepd__V1__GenerateRequest *pb, char *msg, size_t len)
+int media_proto_images(const Stepd__V1__GenerateRequest *pb, const struct tokenizer *tok, bool served,
+                       struct request *in, char *msg, size_t len)
 {
+    struct image_token_ids ids;
+    char at[32], why[256] = "";
+    bool have_ids;
+    int r;
+
     if (pb->n_images == 0)
         return 0;
-    if (media_conf.limit_image == 0) {
-        snprintf(msg, len, "images: this server serves text only (--limit-mm-per-prompt '{\"image\": 0}')");
+    if (pb->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS) {
+        snprintf(msg, len, "images: take text or chat input, whose %s placeholders place them (token_ids "
+                 "input with images is the engine service's, preprocessed)", MEDIA_IMAGE_PLACEHOLDER);
         return -EINVAL;
     }
-    if ((int64_t)pb->n_images > media_conf.limit_image) {
-        snprintf(msg, len, "images: %zu images, more than %lld in one prompt (--limit-mm-per-prompt)", pb->n_images,
-                 (long long)media_conf.limit_image);
-        return -EINVAL;
-    }
+    have_ids = media_token_ids(tok, &ids, why, sizeof(why)) == 0;
     for (size_t i = 0; i < pb->n_images; i++) {
         const Stepd__V1__ImageInput *im = pb->images[i];
-        if (im->sha256.len != SHA256_BYTES) {
-            snprintf(msg, len, "images[%zu].sha256: must be 32 bytes (got %zu)", i, im->sha256.len);
+
+        snprintf(at, sizeof(at), "images[%zu]", i);
+        if ((r = image_count_check(i + 1, at, msg, len)) < 0)
+            return r;
+        /* the engine wire's fields: the coordinator computes them, a client never sends them */
+        if (im->sha256.len || im->n_views || im->n_token_ids || im->token_position) {
+            snprintf(msg, len, "%s: sha256, views, token_ids and token_position are the coordinator's "
+                     "wire to the engines; send the encoded image in data", at);
             return -EINVAL;
         }
-        for (size_t v = 0; v < im->n_views; v++) {
-            const Stepd__V1__ImageView *w = im->views[v];
-            if ((uint64_t)w->width * w->height * 3 != w->rgb.len) {
-                snprintf(msg, len, "images[%zu].views[%zu]: %ux%u RGB needs %llu bytes (got %zu)", i, v, w->width,
-                         w->height, (unsigned long long)w->width * w->height * 3, w->rgb.len);
-                return -EINVAL;
-            }
-        }
+        if ((r = add_image(in, im->data.data, im->data.len, have_ids ? &ids : NULL, at, msg, len)) < 0)
+            return r;
     }
-    snprintf(msg, len, "images: %zu image(s): the gRPC door does not take images yet (send them as "
-             "image_url parts to /v1/chat/completions)", pb->n_images);
-    return -EINVAL;
+    return images_servable(pb->n_images, "images", have_ids, why, served, msg, len);
 }
 
 void media_images_free(struct request *in)
@@ -319,6 +334,59 @@ void media_images_free(struct request *in)
     free(in->images);
     in->images = NULL;
     in->n_images = 0;
+}
+
+/* Append n ids to out. */
+static int ids_append(struct tok_ids *out, const int32_t *ids, size_t n)
+{
+    if (out->n + n > out->cap) {
+        size_t cap = out->cap ? out->cap : 64;
+        while (cap < out->n + n)
+            cap *= 2;
+        int32_t *p = realloc(out->ids, cap * sizeof(*p));
+        if (!p)
+            return -ENOMEM;
+        out->ids = p;
+        out->cap = cap;
+    }
+    memcpy(out->ids + out->n, ids, n * sizeof(*ids));
+    out->n += n;
+    return 0;
+}
+
+int media_text_encode(const struct request *in, const struct tokenizer *tok, const char *text, unsigned flags,
+                      struct tok_ids *out, struct err_buf *e)
+{
+    const size_t n_mark = strlen(MEDIA_IMAGE_PLACEHOLDER);
+    struct image_token_ids ids;
+    const int32_t *t;
+    size_t n_t;
+    char why[256];
+    int r;
+
+    if (in->n_images == 0 || media_token_ids(tok, &ids, why, sizeof(why)) < 0)
+        return tok_encode(tok, text, strlen(text), flags, out, e);
+    /* as tok_encode(flags | TOK_ENCODE_SPECIAL) would split the placeholder out, but no other
+     * special token: the rest of a prompt text stays plain text */
+    n_t = tok_template_ids(tok, false, &t);
+    if ((flags & TOK_ENCODE_ADD_SPECIAL) && (r = ids_append(out, t, n_t)) < 0)
+        return err_set(e, r, "out of memory");
+    for (const char *p = text;; p += n_mark) {
+        const char *q = strstr(p, MEDIA_IMAGE_PLACEHOLDER);
+        size_t n = q ? (size_t)(q - p) : strlen(p);
+
+        if (n && (r = tok_encode(tok, p, n, flags & ~TOK_ENCODE_ADD_SPECIAL, out, e)) < 0)
+            return r;
+        if (!q)
+            break;
+        if ((r = ids_append(out, &ids.im_patch, 1)) < 0)
+            return err_set(e, r, "out of memory");
+        p = q;
+    }
+    n_t = tok_template_ids(tok, true, &t);
+    if ((flags & TOK_ENCODE_ADD_SPECIAL) && (r = ids_append(out, t, n_t)) < 0)
+        return err_set(e, r, "out of memory");
+    return 0;
 }
 
 int media_prompt_expand(const struct request *in, const struct tokenizer *tok, int32_t **prompt, size_t *n,
@@ -339,8 +407,17 @@ int media_prompt_expand(const struct request *in, const struct tokenizer *tok, i
     for (size_t i = 0; i < *n; i++)
         n_marks += (*prompt)[i] == ids.im_patch;
     if (n_marks != in->n_images) {
-        snprintf(msg, len, "messages: the prompt holds %zu %s tokens for %zu image(s) (a text part may "
-                 "not contain %s)", n_marks, MEDIA_IMAGE_PLACEHOLDER, in->n_images, MEDIA_IMAGE_PLACEHOLDER);
+        const char *field = in->names[in->input == REQUEST_INPUT_TEXT ? RN_TEXT : RN_MESSAGES];
+
+        if (in->names != request_names_grpc)
+            snprintf(msg, len, "%s: the prompt holds %zu %s tokens for %zu image(s) (a text part may not "
+                     "contain %s)", field, n_marks, MEDIA_IMAGE_PLACEHOLDER, in->n_images, MEDIA_IMAGE_PLACEHOLDER);
+        else if (n_marks < in->n_images)    /* the gRPC door: the placeholders are the client's */
+            snprintf(msg, len, "images[%zu]: no %s placeholder in %s places it (%zu placeholder(s) for %zu "
+                     "image(s))", n_marks, MEDIA_IMAGE_PLACEHOLDER, field, n_marks, in->n_images);
+        else
+            snprintf(msg, len, "%s: %zu %s placeholders for %zu image(s) in images (one per image, in order)",
+                     field, n_marks, MEDIA_IMAGE_PLACEHOLDER, in->n_images);
         return -EINVAL;
     }
     for (size_t i = 0; i < in->n_images; i++)

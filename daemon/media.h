@@ -8,7 +8,8 @@
  * when nothing can encode them: "model has no vision tower" when the tokenizer lacks the image
  * tokens, "no worker group serves images" while no ready group's engine reports that it
  * encodes them (wpool_serves_images) — an image is never dropped silently.  The gRPC door's
- * GenerateRequest.images are checked and refused (that door does not place them yet).
+ * GenerateRequest.images carry encoded images (ImageInput.data), taken the same way; the
+ * client places each by a MEDIA_IMAGE_PLACEHOLDER in its text or chat messages.
  */
 #pragma once
 
@@ -54,12 +55,24 @@ int media_token_ids(const struct tokenizer *tok, struct image_token_ids *ret, ch
  * reason, or -ENOMEM. */
 int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served, struct request *in,
                       char *msg, size_t len);
-/* The gRPC door's GenerateRequest.images: -EINVAL + msg when any is present (each checked first). */
-int media_proto_images(const struct Stepd__V1__GenerateRequest *pb, char *msg, size_t len);
-/* The chat door's tokenized prompt with each image's MEDIA_IMAGE_PLACEHOLDER token replaced
+/* The gRPC door's GenerateRequest.images (encoded bytes in ImageInput.data), each checked,
+ * decoded and preprocessed into in->images as media_chat_images does.  0, -EINVAL with msg
+ * naming images[i] and the reason (the engine wire's fields set, token_ids input, ...), or
+ * -ENOMEM. */
+int media_proto_images(const struct Stepd__V1__GenerateRequest *pb, const struct tokenizer *tok, bool served,
+                       struct request *in, char *msg, size_t len);
+/* A prompt text tokenized with flags (tok_encode's); with in's images each
+ * MEDIA_IMAGE_PLACEHOLDER in it becomes the <im_patch> token while every other special token
+ * stays plain text.  0, or tok_encode's error (with e). */
+struct tok_ids;
+struct err_buf;
+int media_text_encode(const struct request *in, const struct tokenizer *tok, const char *text, unsigned flags,
+                      struct tok_ids *out, struct err_buf *e);
+/* The tokenized prompt with each image's MEDIA_IMAGE_PLACEHOLDER token replaced
  * by the image's token layout, in order; *ret_pos (malloc, one per image): where each layout
  * starts.  0 (no images: nothing changes), -EINVAL with msg when the placeholders do not
- * match the images one to one, or -ENOMEM. */
+ * match the images one to one (naming the first image without one on the gRPC door), or
+ * -ENOMEM. */
 int media_prompt_expand(const struct request *in, const struct tokenizer *tok, int32_t **prompt, size_t *n,
                         uint32_t **ret_pos, char *msg, size_t len);
 /* Free a request's images (request_free calls it). */

@@ -978,7 +978,7 @@ static int req_build_prompt(struct req *r, char *msg, size_t len)
         return -ENOTSUP;
     }
     if (in->input == REQUEST_INPUT_TEXT) {
-        e = tok_encode(co->tok, in->text, strlen(in->text), TOK_ENCODE_ADD_SPECIAL, &ids, &eb);
+        e = media_text_encode(in, co->tok, in->text, TOK_ENCODE_ADD_SPECIAL, &ids, &eb);
     } else {
         e = coord_chat_render(co, in, &text, msg, len);
         if (e < 0)
@@ -991,7 +991,7 @@ static int req_build_prompt(struct req *r, char *msg, size_t len)
         snprintf(msg, len, "%s: %.600s", field, eb.msg);
         return -EINVAL;
     }
-    /* the chat's images: each placeholder token becomes the image's token layout */
+    /* the images: each placeholder token becomes the image's token layout */
     if ((e = media_prompt_expand(in, co->tok, &ids.ids, &ids.n, &r->image_pos, msg, len)) < 0) {
         tok_ids_done(&ids);
         return e;

@@ -376,8 +376,6 @@ int request_from_proto(const Stepd__V1__GenerateRequest *pb, struct request **re
         in->continuous_usage_stats = pb->stream_options && pb->stream_options->continuous_usage_stats;
         in->include_token_ids = pb->stream_options && pb->stream_options->include_token_ids;
     }
-    if (r == 0)
-        r = media_proto_images(pb, msg, len);
     if (r == 0 && (r = request_structured_from_proto(pb->structured_output, in, msg, len)) < 0) {
         request_free(in);
         return r;

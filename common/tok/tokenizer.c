@@ -946,6 +946,12 @@ out:
     return r;
 }
 
+size_t tok_template_ids(const struct tokenizer *tok, bool after, const int32_t **ret)
+{
+    *ret = after ? tok->post_post : tok->post_pre;
+    return after ? tok->n_post_post : tok->n_post_pre;
+}
+
 int tok_encode(const struct tokenizer *tok, const char *text, size_t len, unsigned flags,
                struct tok_ids *out, struct err_buf *e)
 {

@@ -46,6 +46,11 @@ enum tok_encode_flags {
                                       * it (e.g. a rendered chat prompt carries BOS as text) */
 };
 
+/* The post-processor template's ids (TemplateProcessing "single") before the text
+ * (after = false) or after it: what TOK_ENCODE_ADD_SPECIAL adds; their count, *ret valid
+ * while tok lives. */
+size_t tok_template_ids(const struct tokenizer *tok, bool after, const int32_t **ret);
+
 /* Growable id array owned by the caller: init with {0}, free with tok_ids_done(). */
 struct tok_ids {
     int32_t *ids;

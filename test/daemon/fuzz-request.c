@@ -1,8 +1,9 @@
 /* fuzz-request.c - libFuzzer target: the public request path before any engine
  * (docs/RELIABILITY.md C10).  The input is a GenerateRequest as it arrives on the wire: it
  * goes through what the coordinator does with a call's bytes - the protobuf unpack, the
- * UTF-8 check of every string (rpc/), request_from_proto() and request_validate() against
- * a served model - and whatever the bytes, each step either accepts or refuses with a
+ * UTF-8 check of every string (rpc/), request_from_proto(), media_proto_images() (the
+ * images' decoders; without a tokenizer they are decoded, then refused) and
+ * request_validate() against a served model - and whatever the bytes, each step either accepts or refuses with a
  * message naming the field, and an accepted request keeps the limits validation promises.
  * The committed corpus (corpus/request, written by gen-request-corpus.py) replays in
  * 'unit'; with CC=clang -Dfuzz=true a bounded run is in suite 'fuzz'. */
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "coord-int.h"
+#include "media.h"
 #include "rpc-int.h"
 
 static struct coord *coord_for_fuzz(void)
@@ -44,6 +46,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!rpc__msg_strings_valid(m, path, sizeof(path), 0))
         goto out;               /* INVALID_ARGUMENT naming path, before the loop sees it */
     r = request_from_proto((const Stepd__V1__GenerateRequest *)m, &in, msg, sizeof(msg));
+    if (r == 0 && (r = media_proto_images((const Stepd__V1__GenerateRequest *)m, NULL, false, in, msg,
+                                          sizeof(msg))) < 0) {
+        request_free(in);       /* as grpc-door.c does */
+        in = NULL;
+    }
     if (r == 0)
         r = request_validate(co, in, msg, sizeof(msg));
     if (r < 0) {

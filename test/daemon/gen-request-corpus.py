@@ -8,6 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stepd_harness as h  # noqa: E402  (the stubs)
+from test_media import png  # noqa: E402
 
 pb = h.pb
 SP = pb.SamplingParams
@@ -69,6 +70,11 @@ CASES = {
     "chat-template-kwargs-bad": pb.GenerateRequest(chat=chat(chat_template_kwargs_json='[1')),
     "chat-empty": pb.GenerateRequest(chat=pb.ChatInput()),
     "no-input": pb.GenerateRequest(),
+    "images": pb.GenerateRequest(text="Look <im_patch>", images=[pb.ImageInput(data=png(8, 6))]),
+    "images-chat": pb.GenerateRequest(chat=chat(MSG(role="user", content="<im_patch><im_patch>")),
+                                      images=[pb.ImageInput(data=png(8, 6)), pb.ImageInput(data=png(3, 40))]),
+    "images-bad": pb.GenerateRequest(text="<im_patch>", images=[pb.ImageInput(data=png(8, 6)[:40])]),
+    "images-wire": pb.GenerateRequest(token_ids=T(), images=[pb.ImageInput(sha256=bytes(32), token_ids=[1])]),
 }
 
 

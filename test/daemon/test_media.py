@@ -6,13 +6,17 @@
   http_no_encoder   a chat with two good images (data URLs) -> 400 "2 image(s): no worker
                     group serves images", never an answer that dropped them;
                     mm_processor_kwargs / media_io_kwargs set -> 400 naming them
-  grpc_images       GenerateRequest.images: a 31-byte sha256 and a view whose bytes do not
-                    match its size -> INVALID_ARGUMENT naming images[i]...; a well-formed one ->
-                    INVALID_ARGUMENT "the gRPC door does not take images yet"; more than --limit-mm-per-prompt is not a
-                    flag of plain stepd, so the default 16 applies (17 named)
+  grpc_images       GenerateRequest.images (encoded bytes in ImageInput.data): the engine
+                    wire's fields set, bytes that are no image -> INVALID_ARGUMENT naming
+                    images[i]; more than --limit-mm-per-prompt (not a flag of plain stepd, so
+                    the default 16: images[16] named); token_ids input with images refused; a
+                    good one -> INVALID_ARGUMENT "1 image(s): no worker group serves images"
   routing           a second group whose engine reports supports_images (mock --images):
                     image chats are answered (200) and every one is routed to it, never to
-                    the text-only g0 (which would refuse them), text chats still answered
+                    the text-only g0 (which would refuse them), text chats still answered;
+                    so are gRPC text and chat requests with images, and images that do not
+                    match their <im_patch> placeholders in number are INVALID_ARGUMENT naming
+                    the first image without one (or the text with too many)
   text_parts        text-only content arrays render as before images were placed (POST
                     /tokenize): ["a", "b"] is "a\nb", ["", "Hi"] is "Hi"
 Each is followed by a text request that is answered.
@@ -96,10 +100,12 @@ def test_http_no_encoder():
     text_ok(s)
 
 
-def generate_error(s, images):
+def generate_error(s, images, text="hello <im_patch>", **kw):
+    req = pb.GenerateRequest(images=images, sampling_params=pb.SamplingParams(max_tokens=2), **kw)
+    if "token_ids" not in kw and "chat" not in kw:
+        req.text = text
     try:
-        for _ in s.inf.Generate(pb.GenerateRequest(text="hello", images=images,
-                                                   sampling_params=pb.SamplingParams(max_tokens=2)), timeout=30):
+        for _ in s.inf.Generate(req, timeout=30):
             pass
     except grpc.RpcError as e:
         return e.code(), e.details()
@@ -109,17 +115,20 @@ def generate_error(s, images):
 def test_grpc_images():
     s = stepd()
     view = pb.ImageView(width=2, height=2, rgb=bytes(12))
-    good = pb.ImageInput(sha256=bytes(32), views=[view], token_ids=[1, 2], token_position=0)
+    good = pb.ImageInput(data=png(64, 48))
     cases = [
-        ([pb.ImageInput(sha256=bytes(31), views=[view])], "images[0].sha256: must be 32 bytes (got 31)"),
-        ([good, pb.ImageInput(sha256=bytes(32), views=[pb.ImageView(width=2, height=2, rgb=bytes(11))])],
-         "images[1].views[0]: 2x2 RGB needs 12 bytes (got 11)"),
-        ([good] * 17, "images: 17 images, more than 16 in one prompt (--limit-mm-per-prompt)"),
-        ([good], "images: 1 image(s): the gRPC door does not take images yet"),
+        ([pb.ImageInput(sha256=bytes(32), views=[view], token_ids=[1, 2], data=png(64, 48))], {},
+         "images[0]: sha256, views, token_ids and token_position are the coordinator's wire to the engines; "
+         "send the encoded image in data"),
+        ([good, pb.ImageInput(data=b"GIF89a")], {}, "images[1]: corrupt or truncated GIF image"),
+        ([good, pb.ImageInput(data=b"hello world")], {}, "images[1]: unsupported image type"),
+        ([good] * 17, {}, "images[16]: more than 16 images in one prompt (--limit-mm-per-prompt)"),
+        ([good], {"token_ids": pb.TokenIds(ids=[1, 2, 3])}, "images: take text or chat input"),
+        ([good], {}, "images: 1 image(s): no worker group serves images (a vision tower on a single-rank group)"),
     ]
-    for images, want in cases:
-        code, details = generate_error(s, images)
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and want in details, (code, details, want)
+    for images, kw, want in cases:
+        code, details = generate_error(s, images, **kw)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(want), (code, details, want)
         print("   INVALID_ARGUMENT %s" % details)
     code, details = generate_error(s, [])
     assert code == grpc.StatusCode.OK, (code, details)
@@ -160,6 +169,22 @@ def test_routing():
     after = routed(s)
     assert after["g1"] - before.get("g1", 0) == 6 and after["g0"] == before["g0"], (before, after)
     print("   6 image chats routed to g1 (images served), none to g0")
+    # the gRPC door: a text and a chat with an image each, placed by their <im_patch>
+    img = pb.ImageInput(data=png(64, 48))
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Look <im_patch> here")])
+    for kw in ({"text": "Look <im_patch> here"}, {"chat": chat}):
+        final = None
+        for m in s.inf.Generate(pb.GenerateRequest(images=[img], sampling_params=pb.SamplingParams(max_tokens=3),
+                                                   **kw), timeout=30):
+            final = m.final if m.HasField("final") else final
+        assert final is not None and final.usage.prompt_tokens > 169 and final.group == "g1", final
+    assert routed(s)["g1"] - after["g1"] == 2 and routed(s)["g0"] == before["g0"], routed(s)
+    print("   2 gRPC requests with images routed to g1")
+    for images, text, want in (([img, img], "one <im_patch>", "images[1]: no <im_patch> placeholder in text"),
+                               ([img], "<im_patch><im_patch>", "text: 2 <im_patch> placeholders for 1 image(s)")):
+        code, details = generate_error(s, images, text)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(want), (code, details, want)
+        print("   INVALID_ARGUMENT %s" % details)
     text_ok(s)
 
 

@@ -89,6 +89,7 @@ def serve(d, extra):
                   step=0.05)
     assert p.p.poll() is None, p.text()[-3000:]
     p.metrics_port = ports[3]
+    p.grpc_port = ports[0]
     return p, ports[4]
 
 

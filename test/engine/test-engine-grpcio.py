@@ -322,9 +322,9 @@ def main():
         assert outs[0] == outs[1]
 
         # images (issue 40): decoded and checked, then refused by an engine without an encoder
-        def img_req(rid, sha=b"\x01" * 32, w=2, h=2, rgb=None, toks=(7, 7), at=1):
+        def img_req(rid, sha=b"\x01" * 32, w=2, h=2, rgb=None, toks=(7, 7), at=1, data=b""):
             r = gen(rid, [1, 7, 7, 2], max_tokens=4)
-            r.images.append(pb.ImageInput(sha256=sha, token_ids=list(toks), token_position=at,
+            r.images.append(pb.ImageInput(sha256=sha, token_ids=list(toks), token_position=at, data=data,
                                           views=[pb.ImageView(width=w, height=h,
                                                               rgb=rgb if rgb is not None else bytes(w * h * 3))]))
             return r
@@ -333,7 +333,9 @@ def main():
                 ("i1", img_req("i1"), ("images: this model has no vision encoder",)),
                 ("i2", img_req("i2", sha=b"x" * 31), ("images[0].sha256: 31 bytes",)),
                 ("i3", img_req("i3", rgb=b"x" * 11), ("images[0].views[0]: 2x2 with 11 rgb bytes",)),
-                ("i4", img_req("i4", at=2), ("images[0].token_ids: not the prompt's tokens at position 2",))):
+                ("i4", img_req("i4", at=2), ("images[0].token_ids: not the prompt's tokens at position 2",)),
+                # encoded bytes are the public door's (the coordinator decodes them): never ignored here
+                ("i5", img_req("i5", data=b"\x89PNG"), ("images[0].data: the engine service takes preprocessed",))):
             expect_error(lambda: list(stub.Generate(req)), INV, words)
         ld = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
         assert ld.image_encodes == 0 and ld.image_cache_hits == 0, ld  # refused: nothing encoded

@@ -773,6 +773,11 @@ static int images_from_proto(const Stepd__V1__GenerateRequest *in, struct engine
     for (size_t i = 0; i < in->n_images; i++) {
         const Stepd__V1__ImageInput *x = in->images[i];
         size_t pos = x->token_position;
+        if (x->data.len) {
+            free(im);
+            return err_set(err, -EINVAL, "images[%zu].data: the engine service takes preprocessed images "
+                           "(encoded bytes go to the coordinator)", i);
+        }
         if (x->sha256.len != sizeof(im[i].sha256)) {
             free(im);
             return err_set(err, -EINVAL, "images[%zu].sha256: %zu bytes (32 expected)", i, x->sha256.len);

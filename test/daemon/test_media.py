@@ -124,7 +124,7 @@ def test_grpc_images():
         ([good, pb.ImageInput(data=b"hello world")], {}, "images[1]: unsupported image type"),
         ([good] * 17, {}, "images[16]: more than 16 images in one prompt (--limit-mm-per-prompt)"),
         ([good], {"token_ids": pb.TokenIds(ids=[1, 2, 3])}, "images: take text or chat input"),
-        ([good], {}, "images: 1 image(s): no worker group serves images (a vision tower on a single-rank group)"),
+        ([good], {}, "images: 1 image(s): no worker group serves images (a vision tower on its rank 0)"),
     ]
     for images, kw, want in cases:
         code, details = generate_error(s, images, **kw)

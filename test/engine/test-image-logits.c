@@ -12,8 +12,10 @@
  * one with 3 x 1 crops of 240); each goes through image_prep() (its token layout must equal
  * the golden prompt's at the image's position) and vision_encode() (crops, then the global
  * view), and the rows ride the plan (img_emb/img_row) as the engine's plan_images() puts
- * them.  Checked: the logits at the golden positions after a one-shot prefill, and after a
- * prefill chunked inside two images; the 32-token greedy continuation.  Tolerances (max-abs
+ * them.  Checked: the encoder output (each view's mean row over its tokens: 2e-3, 5e-2 with
+ * BF16 activations; the per-stage check is vision-tiny-golden's), the logits at the golden
+ * positions after a one-shot prefill and after a prefill chunked inside two images, the
+ * 32-token greedy continuation.  Tolerances (max-abs
  * over a logit row): exact path (FP32 KV, exact MXFP4) 2e-3, fast path (the service defaults:
  * BF16 KV) 5e-2; greedy tokens all 32 identical on the exact path, on the fast path up to
  * the first step whose reference top-2 margin is below 2 x 5e-2 (as test-golden).  The exact
@@ -38,6 +40,8 @@
 
 #define TOL_EXACT 2e-3
 #define TOL_FAST 5e-2
+#define TOL_ENC 2e-3
+#define TOL_ENC_BF16 5e-2
 #define BS 16
 #define MAXLEN 1408
 #define NGREEDY 32
@@ -147,6 +151,7 @@ int main(int argc, char **argv)
     /* the images: preprocessing, layout, encoder; rows in prompt order */
     float *emb = NULL;
     int n_emb = 0;
+    double d_enc = 0;
     for (int k = 0; k < NIMG; k++) {
         json_t *ji = json_array_get(jimg, (size_t)k);
         int w = jint(ji, "width"), h = jint(ji, "height"), at = jint(ji, "token_position");
@@ -172,6 +177,21 @@ int main(int argc, char **argv)
         emb = realloc(emb, sizeof(float) * (size_t)(n_emb + nt) * H);
         if (vision_encode(vis, vv, (int)ip.n_views, emb + (size_t)n_emb * H, NULL, NULL, &e) < 0)
             FAIL("vision_encode: %s", e.msg);
+        /* the encoder output: each view's mean row against the reference's */
+        json_t *jmean = json_object_get(ji, "view_mean_rows");
+        ASSERT_EQ((int)json_array_size(jmean), (int)ip.n_views);
+        for (uint32_t v = 0, r0 = (uint32_t)n_emb; v < ip.n_views; v++) {
+            int n = vision_view_tokens(vis, vv[v].size);
+            json_t *want = json_array_get(jmean, v);
+            ASSERT_EQ((int)json_array_size(want), H);
+            for (int j = 0; j < H; j++) {
+                double mean = 0;
+                for (int t = 0; t < n; t++)
+                    mean += emb[(size_t)(r0 + t) * H + j];
+                d_enc = fmax(d_enc, fabs(mean / n - json_number_value(json_array_get(want, (size_t)j))));
+            }
+            r0 += (uint32_t)n;
+        }
         n_emb += nt;
         image_prep_done(&ip);
         free(img.rgb);
@@ -180,6 +200,9 @@ int main(int argc, char **argv)
     for (int t = 0; t < T; t++)
         rows[t] = ids[t] == ti.im_patch ? n_img_tok++ : -1;
     ASSERT_EQ(n_img_tok, n_emb);
+    double tol_enc = bf16_act ? TOL_ENC_BF16 : TOL_ENC;
+    printf("encoder: per-view mean rows max|d| %.3g (tolerance %g)\n", d_enc, tol_enc);
+    ASSERT_TRUE(d_enc <= tol_enc);
     printf("%s: %d tokens, %d image rows, %s path%s\n", argv[1], T, n_emb, exact ? "exact" : "fast",
            exact && !tight ? " (BF16 activations in the encoder: the fast path's tolerances)" : "");
 

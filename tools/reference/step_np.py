@@ -404,6 +404,7 @@ def image_goldens(model_dir, out_path):
         for v in views:            # crops row-major, the global view last (token order)
             u8 = np.clip(np.rint(v), 0, 255).astype(np.uint8)
             rows.append(vision_ref.encode_view(vcfg, vw, u8)["proj"])
+        view_means = [[float("%.9g" % x) for x in r.mean(0)] for r in rows]
         rows = np.concatenate(rows)
         if rows.shape[0] != layout.count(ids["im_patch"]):
             raise ValueError("%s: %d encoder rows for %d <im_patch>" % (name, rows.shape[0], layout.count(ids["im_patch"])))
@@ -411,7 +412,7 @@ def image_goldens(model_dir, out_path):
         images.append({"name": name, "width": w, "height": h, "seed": seed, "window": win,
                        "crops_x": nx if win else 0, "crops_y": ny if win else 0,
                        "n_views": len(views), "token_position": at, "n_tokens": len(layout),
-                       "rows_max_abs": float(np.abs(rows).max())})
+                       "rows_max_abs": float(np.abs(rows).max()), "view_mean_rows": view_means})
         print("%s: window %d, %d crops, %d tokens at %d" % (name, win, len(views) - 1, len(layout), at))
     emb = np.concatenate(emb)
     x = m.embed(prompt).copy()

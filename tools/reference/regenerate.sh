@@ -17,5 +17,11 @@ if [ "${1:-}" != "--no-train" ]; then
 fi
 python3 "$REF/make_goldens.py" --tiny models/tiny-step --out test/data/golden \
     --heldout "$WORK/corpus/heldout.txt"
+python3 "$REF/step_np.py" check-text models/tiny-step test/data/golden/tiny-step.json
+python3 "$REF/step_np.py" check-text test/data/golden/random-model test/data/golden/random.json
+# the whole-model image goldens need the vision tower (vision_ref.py make-tower) and PIL
+if grep -q '"vision_config"' models/tiny-step/config.json; then
+    python3 "$REF/step_np.py" image-goldens models/tiny-step test/data/golden/tiny-step-images.json
+fi
 python3 "$REF/xcheck_transformers.py" models/tiny-step test/data/golden/random-model
 python3 "$REF/check_mxfp4.py" models/tiny-step

@@ -73,6 +73,10 @@ def read_safetensors(path):
             out[name] = bf16_to_f64(np.frombuffer(raw, dtype=np.uint16)).reshape(t["shape"])
         elif t["dtype"] == "F32":
             out[name] = np.frombuffer(raw, dtype=np.float32).astype(np.float64).reshape(t["shape"])
+        elif t["dtype"] == "U8":        # MXFP4 packed bytes and scales (step_np.py)
+            out[name] = np.frombuffer(raw, dtype=np.uint8).reshape(t["shape"])
+        else:
+            raise ValueError("%s: %s: dtype %s unsupported" % (path, name, t["dtype"]))
     return out
 
 

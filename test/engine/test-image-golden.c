@@ -44,20 +44,12 @@ static int32_t blocks[MAXLEN / BS];
 
 static void plan_one(struct step_plan *p, struct step_seq *s, int32_t *toks, int pos0, int n, int n_logits)
 {
-    static uint64_t id;
-    *s = (struct step_seq){.slot = 0, .pos0 = pos0, .n_tokens = n, .n_logits = n_logits,
-                           .n_blocks = (pos0 + n + BS - 1) / BS};
-    *p = (struct step_plan){.step_id = ++id, .n_seqs = 1, .n_tokens = n, .seqs = s, .tokens = toks,
-                            .n_block_ids = {s->n_blocks, s->n_blocks}, .blocks = {blocks, blocks}};
+    golden_plan_one(p, s, blocks, BS, toks, pos0, n, n_logits);
 }
 
 static double row_diff(const float *a, json_t *vals)
 {
-    double d = 0;
-    ASSERT_EQ((int)json_array_size(vals), V);
-    for (int i = 0; i < V; i++)
-        d = fmax(d, fabs((double)a[i] - json_number_value(json_array_get(vals, (size_t)i))));
-    return d;
+    return golden_row_diff(a, vals, V);
 }
 
 static int argmax(const float *x)

@@ -10,7 +10,7 @@ Served end to end on the tiny model's vision tower (helpers from test_serve_imag
     (reasoning and answer), streamed and not;
   - Messages count_tokens counts each image's token layout (equal to chat's prompt_tokens);
   - a Responses follow-up turn with previous_response_id carries the stored turn's images;
-  - an image in a Messages tool_result is taken.
+  - an image in a Responses function_call_output and in a Messages tool_result is taken.
 Refused with a 400 naming the part and the problem, the server answering after each:
   a truncated PNG (on both doors), Responses file_id, detail "high", a URL that is not a
   data URL, an image in an assistant turn; Messages a media_type outside PNG/JPEG/WebP/GIF,
@@ -106,6 +106,15 @@ def test_doors(d):
         assert r2.status in ("completed", "incomplete") and r2.usage.input_tokens > n_prompt, r2
         print("   previous_response_id: %d input tokens, %d cached" % (
             r2.usage.input_tokens, r2.usage.input_tokens_details.cached_tokens))
+
+        # an image in a function_call_output
+        code, fr = post(port, "/v1/responses", {"model": "tiny-step", "max_output_tokens": 4, "input": [
+            {"role": "user", "content": "Look"},
+            {"type": "function_call", "call_id": "c1", "name": "see", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_text", "text": "here"}, {"type": "input_image", "image_url": a}]}]})
+        assert code == 200 and fr["usage"]["input_tokens"] > 169, (code, fr)
+        print("   an image in a function_call_output: %d input tokens" % fr["usage"]["input_tokens"])
 
         # Messages: image blocks
         mmsgs = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, msg_image(pa),

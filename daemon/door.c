@@ -10,6 +10,7 @@
 #include "http.h"
 #include "json.h"
 #include "log.h"
+#include "media.h"
 #include "openai.h"
 #include "reply.h"
 
@@ -357,9 +358,85 @@ static bool one_of(const char *s, const char *const *list)
     return false;
 }
 
-int door_parts_text(const json_t *c, const char *path, bool dotted, const char *const *text_types,
-                    const char *const *media_types, struct strbuf *b, char *msg, size_t len)
+int door_image_add(struct door_images *im, const char *at, json_t *image_url)
 {
+    json_t *m = json_pack("{s:s, s:[{s:s, s:o}]}", "role", "user", "content", "type", "image_url", "image_url",
+                          image_url);
+    char **n, *a;
+
+    if (!m)
+        return -ENOMEM;
+    if ((!im->parts && !(im->parts = json_array())) || !(n = realloc(im->at, (im->n + 1) * sizeof(*n)))) {
+        json_decref(m);
+        return -ENOMEM;
+    }
+    im->at = n;
+    if (!(a = strdup(at))) {
+        json_decref(m);
+        return -ENOMEM;
+    }
+    if (json_array_append_new(im->parts, m)) {
+        free(a);
+        return -ENOMEM;
+    }
+    im->at[im->n++] = a;
+    return 0;
+}
+
+/* media_chat_images names image j of im->parts "messages[j].content[0]" (and the request's
+ * images together "messages"): the door's names in their place. */
+static void images_msg_rename(const struct door_images *im, const char *field, char *msg, size_t len)
+{
+    const char *const sub[][2] = { { ".image_url.url", im->url_field }, { ".image_url.detail", im->detail_field } };
+    char rest[768];
+    size_t j;
+    int end = 0;
+
+    if (sscanf(msg, "messages[%zu].content[0]%n", &j, &end) == 1 && end > 0 && j < im->n) {
+        const char *r = msg + end, *to = "";
+
+        for (size_t k = 0; k < 2; k++)
+            if (sub[k][1] && !strncmp(r, sub[k][0], strlen(sub[k][0]))) {
+                r += strlen(sub[k][0]);
+                to = sub[k][1];
+                break;
+            }
+        snprintf(rest, sizeof(rest), "%s", r);
+        snprintf(msg, len, "%s%s%s", im->at[j], to, rest);
+    } else if (!strncmp(msg, "messages:", 9)) {
+        snprintf(rest, sizeof(rest), "%s", msg + 8);
+        snprintf(msg, len, "%s%s", field, rest);
+    }
+}
+
+int door_images_take(const struct coord *co, const struct door_images *im, const char *field, struct request *in,
+                     char *msg, size_t len)
+{
+    int r;
+
+    if (!im->n)
+        return 0;
+    r = media_chat_images(im->parts, co->tok, wpool_serves_images(co), in, msg, len);
+    if (r == -EINVAL)
+        images_msg_rename(im, field, msg, len);
+    return r;
+}
+
+void door_images_done(struct door_images *im)
+{
+    for (size_t i = 0; i < im->n; i++)
+        free(im->at[i]);
+    free(im->at);
+    json_decref(im->parts);
+    im->at = NULL;
+    im->parts = NULL;
+    im->n = 0;
+}
+
+int door_parts_text(const json_t *c, const char *path, const struct door_parts *dp, struct door_images *im,
+                    struct strbuf *b, char *msg, size_t len)
+{
+    bool sep = true;            /* a newline before the next text (none right after an image) */
     size_t k;
     json_t *p;
 
@@ -376,21 +453,35 @@ int door_parts_text(const json_t *c, const char *path, bool dotted, const char *
         const char *type = json_is_string(t) ? json_string_value(t) : NULL;
         char at[160];
 
-        snprintf(at, sizeof(at), dotted ? "%s.%zu" : "%s[%zu]", path, k);
-        if (!json_is_object(p) || !type)
+        snprintf(at, sizeof(at), dp->dotted ? "%s.%zu" : "%s[%zu]", path, k);
+        if (!json_is_object(p) || !type) {
             snprintf(msg, len, "%s: must be a content part object with a \"type\"", at);
-        else if (one_of(type, media_types))
-            snprintf(msg, len, "%s.type: \"%s\" parts are not supported (this server serves a text-only model)", at,
-                     type);
-        else if (!one_of(type, text_types))
+        } else if (dp->image_type && !strcmp(type, dp->image_type)) {
+            json_t *iu = NULL;
+            int r;
+
+            if (!im) {
+                snprintf(msg, len, "%s.type: \"%s\" parts are taken in %s only", at, type, dp->image_where);
+                return -EINVAL;
+            }
+            if ((r = dp->image(p, at, &iu, msg, len)) < 0 || (r = door_image_add(im, at, iu)) < 0)
+                return r;
+            strbuf_adds(b, MEDIA_IMAGE_PLACEHOLDER);
+            sep = false;
+            continue;
+        } else if (one_of(type, dp->media_types)) {
+            snprintf(msg, len, "%s.type: \"%s\" parts are not supported (this server takes text and images only)",
+                     at, type);
+        } else if (!one_of(type, dp->text_types)) {
             snprintf(msg, len, "%s.type: unknown or unsupported content part type \"%.32s\" (%s)", at, type,
-                     text_types[0]);
-        else if (!json_is_string(text))
+                     dp->text_types[0]);
+        } else if (!json_is_string(text)) {
             snprintf(msg, len, "%s.text: must be a string", at);
-        else {
-            if (b->len)
+        } else {
+            if (sep && b->len)
                 strbuf_add(b, "\n", 1);
             strbuf_add(b, json_string_value(text), json_string_length(text));
+            sep = true;
             continue;
         }
         return -EINVAL;

@@ -118,12 +118,48 @@ int door_fields_known(const json_t *body, const char *const *const *known, char 
  * "stream" (into *stream).  0, -ENOMEM or -EINVAL naming the field. */
 int door_common_fields(const json_t *body, struct request *in, bool *stream, char *msg, size_t len);
 
-/* A message's content onto b: a string, or an array of parts {"type": one of text_types,
- * "text": ...} joined by "\n"; media_types are refused as a text-only model's, other types
- * as unknown.  Parts are named path[k] (dotted: path.k, Anthropic's style).  0 or -EINVAL
- * naming the part. */
-int door_parts_text(const json_t *c, const char *path, bool dotted, const char *const *text_types,
-                    const char *const *media_types, struct strbuf *b, char *msg, size_t len);
+/* A door's images, gathered in prompt order for media_chat_images (media.h), which checks,
+ * decodes and preprocesses them as the chat door's image_url parts: parts holds one chat
+ * message per image, {"role": "user", "content": [{"type": "image_url", "image_url": ...}]};
+ * at the door's name of each image part ("input[0].content[2]", "messages.0.content.1").
+ * url_field, detail_field: the door's names of an image's URL and detail under its part
+ * (".image_url", ".source.url"; ".detail"), for the messages about image_url.url and
+ * image_url.detail. */
+struct door_images {
+    json_t *parts;
+    char **at;
+    size_t n;
+    const char *url_field, *detail_field;
+};
+
+/* One image part (image_url, an OpenAI image_url object: stolen) named at.  0 or -ENOMEM. */
+int door_image_add(struct door_images *im, const char *at, json_t *image_url);
+/* Each of im's images checked, decoded and preprocessed into in->images (media_chat_images),
+ * its errors naming the door's part ("field" for the request's images together).  0,
+ * -EINVAL with msg, or -ENOMEM. */
+int door_images_take(const struct coord *co, const struct door_images *im, const char *field, struct request *in,
+                     char *msg, size_t len);
+void door_images_done(struct door_images *im);
+
+/* How a door's content parts read (door_parts_text): text_types carry "text"; image_type
+ * (NULL: none) is the door's image part, turned by image into an OpenAI image_url object
+ * (0, or -EINVAL with msg naming at); media_types are refused as unsupported. */
+struct door_parts {
+    bool dotted;                    /* parts named path.k (Anthropic's style), else path[k] */
+    const char *const *text_types;
+    const char *const *media_types;
+    const char *image_type;
+    int (*image)(const json_t *part, const char *at, json_t **image_url, char *msg, size_t len);
+    const char *image_where;        /* where images are taken, for the refusal elsewhere */
+};
+
+/* A message's content onto b: a string, or an array of parts: text parts joined by "\n", and
+ * with im each image part as MEDIA_IMAGE_PLACEHOLDER where it stands (no separator on either
+ * side, as the chat door renders an image_url part) and added to im; without im an image
+ * part is refused (not taken here: p->image_where says where).  0, -ENOMEM or -EINVAL naming
+ * the part. */
+int door_parts_text(const json_t *c, const char *path, const struct door_parts *p, struct door_images *im,
+                    struct strbuf *b, char *msg, size_t len);
 
 /* One server-sent event onto b: "event: TYPE", data o (stolen) with "type": TYPE added. */
 void door_event(struct strbuf *b, const char *type, json_t *o);

@@ -26,6 +26,7 @@
 #include "http.h"
 #include "json.h"
 #include "log.h"
+#include "media.h"
 #include "openai.h"
 #include "reply.h"
 
@@ -232,23 +233,70 @@ static const struct door_ops msg_ops = {
 
 #define BAD(...) do { snprintf(msg, len, __VA_ARGS__); return -EINVAL; } while (0)
 
-/* Blocks' text: a string, or text blocks joined by "\n" (system, tool_result content). */
-static int blocks_text(const json_t *c, const char *path, struct strbuf *b, char *msg, size_t len)
+/* An image block's source as an OpenAI image_url object: base64 data as a data URL of its
+ * media_type, a url source as the chat door takes an image_url URL. */
+static int image_conv(const json_t *blk, const char *at, json_t **ret, char *msg, size_t len)
 {
-    static const char *const text[] = { "text", NULL }, *const media[] = { "image", "document", NULL };
+    static const char *const types[] = { "image/png", "image/jpeg", "image/webp", "image/gif" };
+    const json_t *src = json_object_get(blk, "source"), *t = json_object_get(src, "type");
+    const char *ts = json_is_string(t) ? json_string_value(t) : "";
 
-    return door_parts_text(c, path, true, text, media, b, msg, len);
+    if (!json_is_object(src))
+        BAD("%s.source: required, {\"type\": \"base64\", \"media_type\", \"data\"} or {\"type\": \"url\", \"url\"}",
+            at);
+    if (!strcmp(ts, "base64")) {
+        const json_t *mt = json_object_get(src, "media_type"), *data = json_object_get(src, "data");
+        struct strbuf b = STRBUF_INIT;
+        bool ok = false;
+
+        for (size_t k = 0; json_is_string(mt) && k < 4; k++)
+            ok |= !strcmp(json_string_value(mt), types[k]);
+        if (!ok)
+            BAD("%s.source.media_type: must be \"image/png\", \"image/jpeg\", \"image/webp\" or \"image/gif\" "
+                "(got %s%.40s%s)", at, json_is_string(mt) ? "\"" : "", json_is_string(mt) ? json_string_value(mt) :
+                json_type_describe(mt), json_is_string(mt) ? "\"" : "");
+        if (!json_is_string(data))
+            BAD("%s.source.data: required, the image as base64", at);
+        strbuf_printf(&b, "data:%s;base64,", json_string_value(mt));
+        strbuf_add(&b, json_string_value(data), json_string_length(data));
+        *ret = b.oom ? NULL : json_pack("{s:s%}", "url", b.p, b.len);
+        strbuf_done(&b);
+    } else if (!strcmp(ts, "url")) {
+        const json_t *url = json_object_get(src, "url");
+
+        if (!json_is_string(url))
+            BAD("%s.source.url: required, a string", at);
+        *ret = json_pack("{s:O}", "url", url);
+    } else {
+        BAD("%s.source.type: must be \"base64\" or \"url\"%s", at,
+            !strcmp(ts, "file") ? " (file sources need the Files API, which this server does not have)" : "");
+    }
+    return *ret ? 0 : -ENOMEM;
+}
+
+static const char *const text_types[] = { "text", NULL }, *const media_types[] = { "document", NULL };
+static const struct door_parts block_parts = {
+    .dotted = true, .text_types = text_types, .media_types = media_types, .image_type = "image",
+    .image = image_conv, .image_where = "user messages and tool_result content",
+};
+
+/* Blocks' text: a string, or text blocks joined by "\n" (system, tool_result content); with
+ * im, image blocks too (tool_result content). */
+static int blocks_text(const json_t *c, const char *path, struct door_images *im, struct strbuf *b, char *msg,
+                       size_t len)
+{
+    return door_parts_text(c, path, &block_parts, im, b, msg, len);
 }
 
 /* One message's blocks onto out as chat messages: the assistant's as one message (thinking
  * -> reasoning_content, text -> content, tool_use -> tool_calls); the user's as a user
  * message for its text and a tool message per tool_result, in their order. */
-static int message_conv(const json_t *m, size_t i, json_t *out, char *msg, size_t len)
+static int message_conv(const json_t *m, size_t i, json_t *out, struct door_images *im, char *msg, size_t len)
 {
     const json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content"), *blk;
     struct strbuf text = STRBUF_INIT, thinking = STRBUF_INIT;
     json_t *calls;
-    bool asst;
+    bool asst, sep = true;      /* sep: a newline before the next text (none right after an image) */
     size_t k;
     int r = 0;
 
@@ -279,9 +327,20 @@ static int message_conv(const json_t *m, size_t i, json_t *out, char *msg, size_
 
             if (!json_is_string(tx))
                 FAIL("messages.%zu.content.%zu.text: must be a string", i, k);
-            if (text.len)
+            if (sep && text.len)
                 strbuf_add(&text, "\n", 1);
             strbuf_add(&text, json_string_value(tx), json_string_length(tx));
+            sep = true;
+        } else if (!strcmp(type, "image") && !asst) {
+            json_t *iu = NULL;
+            char at[96];
+
+            /* as the chat door's image_url part: the placeholder where it stands */
+            snprintf(at, sizeof(at), "messages.%zu.content.%zu", i, k);
+            if ((r = image_conv(blk, at, &iu, msg, len)) < 0 || (r = door_image_add(im, at, iu)) < 0)
+                goto out;
+            strbuf_adds(&text, MEDIA_IMAGE_PLACEHOLDER);
+            sep = false;
         } else if (!strcmp(type, "thinking") && asst) {
             const json_t *tx = json_object_get(blk, "thinking");
 
@@ -313,7 +372,7 @@ static int message_conv(const json_t *m, size_t i, json_t *out, char *msg, size_
             snprintf(path, sizeof(path), "messages.%zu.content.%zu.content", i, k);
             if (json_is_true(json_object_get(blk, "is_error")))
                 strbuf_adds(&res, "Error: ");
-            if (c && !json_is_null(c) && (r = blocks_text(c, path, &res, msg, len)) < 0) {
+            if (c && !json_is_null(c) && (r = blocks_text(c, path, im, &res, msg, len)) < 0) {
                 strbuf_done(&res);
                 goto out;
             }
@@ -323,15 +382,19 @@ static int message_conv(const json_t *m, size_t i, json_t *out, char *msg, size_
                                                          text.len)) ? -ENOMEM : 0;
                 strbuf_reset(&text);
             }
+            sep = true;
             if (!r && json_array_append_new(out, json_pack("{s:s, s:O, s:s%}", "role", "tool", "tool_call_id", id,
                                                            "content", res.p ? res.p : "", res.len)))
                 r = -ENOMEM;
             strbuf_done(&res);
             if (r)
                 goto out;
-        } else if (!strcmp(type, "image") || !strcmp(type, "document")) {
-            FAIL("messages.%zu.content.%zu.type: \"%s\" blocks are not supported (this server serves a text-only "
-                 "model)", i, k, type);
+        } else if (!strcmp(type, "image")) {
+            FAIL("messages.%zu.content.%zu.type: \"image\" blocks are taken in %s only", i, k,
+                 block_parts.image_where);
+        } else if (!strcmp(type, "document")) {
+            FAIL("messages.%zu.content.%zu.type: \"document\" blocks are not supported (this server takes text and "
+                 "image blocks only)", i, k);
         } else {
             FAIL("messages.%zu.content.%zu.type: \"%.32s\" blocks are not accepted in %s messages", i, k, type,
                  asst ? "assistant" : "user");
@@ -490,7 +553,7 @@ static int body_conv(struct coord *co, const json_t *body, bool count, struct re
     if ((v = json_object_get(body, "system")) && !json_is_null(v)) {
         struct strbuf b = STRBUF_INIT;
 
-        if ((r = blocks_text(v, "system", &b, msg, len)) < 0) {
+        if ((r = blocks_text(v, "system", NULL, &b, msg, len)) < 0) {
             strbuf_done(&b);
             return r;
         }
@@ -505,9 +568,17 @@ static int body_conv(struct coord *co, const json_t *body, bool count, struct re
         BAD("messages: required");
     if (!json_is_array(v) || !json_array_size(v))
         BAD("messages: must be a non-empty array of messages");
+    struct door_images im = { .url_field = ".source.url" };
+
+    r = 0;
     json_array_foreach(v, i, x)
-        if ((r = message_conv(x, i, in->messages, msg, len)) < 0)
-            return r;
+        if ((r = message_conv(x, i, in->messages, &im, msg, len)) < 0)
+            break;
+    if (r == 0)
+        r = door_images_take(co, &im, "messages", in, msg, len);
+    door_images_done(&im);
+    if (r < 0)
+        return r;
     if ((r = tools_conv(json_object_get(body, "tools"), in, msg, len)) < 0 ||
         (r = tool_choice_conv(json_object_get(body, "tool_choice"), in, msg, len)) < 0 ||
         (r = door_tool_choice_check(co, in, "tool_choice", msg, len)) < 0)
@@ -557,6 +628,7 @@ void messages_count_tokens(struct http_req *hr, void *ud)
     struct tok_ids t = { 0 };
     struct err_buf eb;
     char msg[768] = "", *text = NULL, out[64];
+    size_t n_image = 0;
     int e;
 
     if (!co->tok) {
@@ -568,15 +640,18 @@ void messages_count_tokens(struct http_req *hr, void *ud)
     e = request_validate_chat(co, in, msg, sizeof(msg));
     if (e >= 0)
         e = coord_chat_render(co, in, &text, msg, sizeof(msg));
-    request_free(in);
     if (e >= 0 && (e = tok_encode(co->tok, text, strlen(text), TOK_ENCODE_SPECIAL, &t, &eb)) < 0)
         snprintf(msg, sizeof(msg), "messages: %.600s", eb.msg);
+    /* each image's placeholder token is its layout when served */
+    for (size_t i = 0; e >= 0 && i < in->n_images; i++)
+        n_image += in->images[i].n_tokens - 1;
+    request_free(in);
     free(text);
     if (e < 0) {
         respond_error(hr, e == -ENOMEM ? 500 : 400, msg);
         return;
     }
-    snprintf(out, sizeof(out), "{\"input_tokens\":%zu}", t.n);
+    snprintf(out, sizeof(out), "{\"input_tokens\":%zu}", t.n + n_image);
     tok_ids_done(&t);
     http_respond(hr, 200, "application/json", out, strlen(out), NULL);
 }

@@ -45,6 +45,7 @@ struct resp_entry {
     char *id;
     int64_t expires_ms;
     json_t *conv;                       /* the conversation: messages (chat JSON) */
+    json_t *images;                     /* its images in order (door_images' parts), or NULL */
     json_t *response;                   /* what GET answers */
 };
 
@@ -66,6 +67,7 @@ static void entry_free(struct resp_store *st, struct resp_entry *e)
     st->n--;
     free(e->id);
     json_decref(e->conv);
+    json_decref(e->images);
     json_decref(e->response);
     free(e);
 }
@@ -88,7 +90,7 @@ static struct resp_entry *store_find(struct coord *co, const char *id, int64_t n
     return NULL;
 }
 
-static int store_put(struct coord *co, const char *id, json_t *conv, json_t *response, int64_t now)
+static int store_put(struct coord *co, const char *id, json_t *conv, json_t *images, json_t *response, int64_t now)
 {
     struct resp_store *st = co->responses;
     struct resp_entry *e;
@@ -100,6 +102,7 @@ static int store_put(struct coord *co, const char *id, json_t *conv, json_t *res
         return -ENOMEM;
     }
     e->conv = json_incref(conv);
+    e->images = json_incref(images);
     e->response = json_incref(response);
     e->expires_ms = now + (int64_t)co->o.responses_store_ttl_s * 1000;
     e->prev = st->tail;
@@ -116,7 +119,7 @@ static int store_put(struct coord *co, const char *id, json_t *conv, json_t *res
 
 int responses_store_put(struct coord *co, const char *id, json_t *conv, json_t *response, int64_t now_ms)
 {
-    return store_on(co) ? store_put(co, id, conv, response, now_ms) : 0;
+    return store_on(co) ? store_put(co, id, conv, NULL, response, now_ms) : 0;
 }
 
 const json_t *responses_store_get(struct coord *co, const char *id, int64_t now_ms)
@@ -142,6 +145,7 @@ struct resp_ud {
     json_t *req;                /* the request's echoed fields: the response object's base */
     json_t *msgs;               /* the request's messages (instructions first when given) */
     size_t skip;                /* 1 when msgs[0] is the instructions */
+    struct door_images im;      /* the conversation's images (kept to be stored with it) */
     bool store, stream;
     char id[160];
 };
@@ -154,6 +158,7 @@ static void resp_ud_free(void *p)
         return;
     json_decref(u->req);
     json_decref(u->msgs);
+    door_images_done(&u->im);
     free(u);
 }
 
@@ -381,7 +386,7 @@ static void r_completed(struct door_gen *g)
         return;
     conv = conversation(g);
     resp = response_json(g, final_status(g));
-    if (!conv || !resp || store_put(g->rp->co, g->rp->id, conv, resp, rpc_now_ms()) < 0)
+    if (!conv || !resp || store_put(g->rp->co, g->rp->id, conv, u->im.parts, resp, rpc_now_ms()) < 0)
         log_req_info(g->rp->id, "response not stored: out of memory");
     json_decref(conv);
     json_decref(resp);
@@ -397,14 +402,45 @@ static const struct door_ops resp_ops = {
 
 #define BAD(...) do { snprintf(msg, len, __VA_ARGS__); return -EINVAL; } while (0)
 
+/* An input_image part as an OpenAI image_url object: image_url (a data URL, or an http(s)
+ * URL taken as the chat door takes one) and detail go on to media_chat_images as they are;
+ * file_id is refused (no Files API here). */
+static int image_conv(const json_t *part, const char *at, json_t **ret, char *msg, size_t len)
+{
+    const json_t *u = json_object_get(part, "image_url"), *f = json_object_get(part, "file_id");
+    const json_t *d = json_object_get(part, "detail");
+    const char *key;
+    json_t *v;
+
+    json_object_foreach((json_t *)part, key, v)
+        if (strcmp(key, "type") && strcmp(key, "image_url") && strcmp(key, "file_id") && strcmp(key, "detail"))
+            BAD("%s.%.32s: unknown or unsupported field", at, key);
+    if (f && !json_is_null(f))
+        BAD("%s.file_id: file_id images are not supported: send image_url", at);
+    if (!json_is_string(u))
+        BAD("%s.image_url: required, a data URL (data:image/<type>;base64,<data>)", at);
+    *ret = json_pack("{s:O}", "url", u);
+    if (*ret && d && json_object_set(*ret, "detail", (json_t *)d)) {
+        json_decref(*ret);
+        *ret = NULL;
+    }
+    return *ret ? 0 : -ENOMEM;
+}
+
 /* The text of a message's content: a string or input_text/output_text parts (joined by
- * "\n"); images and files are refused (a text-only model), other part types too. */
-static int content_text(const json_t *c, const char *path, struct strbuf *b, char *msg, size_t len)
+ * "\n"); with im, input_image parts as the chat door's image_url parts; files and audio are
+ * refused, other part types too. */
+static int content_text(const json_t *c, const char *path, struct door_images *im, struct strbuf *b, char *msg,
+                        size_t len)
 {
     static const char *const text[] = { "input_text", "output_text", "text", NULL };
-    static const char *const media[] = { "input_image", "input_file", "input_audio", NULL };
+    static const char *const media[] = { "input_file", "input_audio", NULL };
+    static const struct door_parts parts = {
+        .text_types = text, .media_types = media, .image_type = "input_image", .image = image_conv,
+        .image_where = "user, system and developer messages and function_call_output items",
+    };
 
-    return door_parts_text(c, path, false, text, media, b, msg, len);
+    return door_parts_text(c, path, &parts, im, b, msg, len);
 }
 
 /* The last message when it is the assistant's (a function_call joins it), else a new one. */
@@ -426,7 +462,7 @@ static json_t *assistant_turn(json_t *msgs, json_t **pending_reasoning)
 }
 
 /* input (a string or items) onto msgs as chat messages. */
-static int input_conv(const json_t *input, json_t *msgs, char *msg, size_t len)
+static int input_conv(const json_t *input, json_t *msgs, struct door_images *im, char *msg, size_t len)
 {
     json_t *it, *pending = NULL;        /* a reasoning item's text, for the next assistant turn */
     size_t i;
@@ -464,7 +500,8 @@ static int input_conv(const json_t *input, json_t *msgs, char *msg, size_t len)
             } else if (!json_object_get(it, "content")) {
                 snprintf(msg, len, "%s: required", cpath);
                 r = -EINVAL;
-            } else if ((r = content_text(json_object_get(it, "content"), cpath, &text, msg, len)) == 0) {
+            } else if ((r = content_text(json_object_get(it, "content"), cpath, strcmp(rs, "assistant") ? im : NULL,
+                                         &text, msg, len)) == 0) {
                 json_t *c = json_stringn(text.p ? text.p : "", text.len);
 
                 if (!strcmp(rs, "assistant") && pending) {
@@ -523,7 +560,7 @@ static int input_conv(const json_t *input, json_t *msgs, char *msg, size_t len)
             } else if (!out) {
                 snprintf(msg, len, "%s: required", opath);
                 r = -EINVAL;
-            } else if ((r = content_text(out, opath, &text, msg, len)) == 0 &&
+            } else if ((r = content_text(out, opath, im, &text, msg, len)) == 0 &&
                        json_array_append_new(msgs, json_pack("{s:s, s:O, s:s%}", "role", "tool", "tool_call_id", cid,
                                                              "content", text.p ? text.p : "", text.len))) {
                 r = -ENOMEM;
@@ -771,11 +808,24 @@ static int body_conv(struct coord *co, const json_t *body, struct request *in, s
             return -ENOENT;
         }
         json_array_extend(in->messages, e->conv);
+        /* its images come first, as its placeholders do */
+        for (size_t k = 0; k < json_array_size(e->images); k++) {
+            const json_t *p = json_array_get(json_object_get(json_array_get(e->images, k), "content"), 0);
+
+            if ((r = door_image_add(&u->im, "previous_response_id",
+                                    json_incref(json_object_get(p, "image_url")))) < 0)
+                return r;
+        }
     }
     if (!(v = json_object_get(body, "input")) || json_is_null(v))
         BAD("input: required");
-    if ((r = input_conv(v, in->messages, msg, len)) < 0)
+    u->im.url_field = ".image_url";
+    u->im.detail_field = ".detail";
+    if ((r = input_conv(v, in->messages, &u->im, msg, len)) < 0 ||
+        (r = door_images_take(co, &u->im, "input", in, msg, len)) < 0)
         return r;
+    if (!u->store || !store_on(co))
+        door_images_done(&u->im);   /* not kept */
     if ((r = tools_conv(json_object_get(body, "tools"), in, msg, len)) < 0 ||
         (r = tool_choice_conv(json_object_get(body, "tool_choice"), in, msg, len)) < 0 ||
         (r = door_tool_choice_check(co, in, "tool_choice", msg, len)) < 0)

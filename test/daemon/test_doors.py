@@ -565,6 +565,8 @@ RESPONSES_BAD = [
     ({"model": "tiny", "input": [{"type": "computer_call", "id": "x"}]}, "input[0].type"),
     ({"model": "tiny", "input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].image_url"),
+    ({"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0].type"),
     ({"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_video"}]}]}, "input[0].content[0].type"),
     ({"model": "tiny", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]},
@@ -602,6 +604,9 @@ MESSAGES_BAD = [
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
+     "messages.0.content.0"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
      "messages.0.content.0.type"),
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]},
      "messages.0.content.0.type"),

@@ -63,8 +63,8 @@ def part(url, **kw):
     return {"type": "image_url", "image_url": dict(url=url, **kw)}
 
 
-def post(port, body, timeout=120):
-    req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % port, data=json.dumps(body).encode(),
+def post(port, body, timeout=120, path="/v1/chat/completions"):
+    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:

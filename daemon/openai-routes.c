@@ -99,6 +99,7 @@ static void fetching_done(struct media_fetch *f, void *ud)
         http_req_on_close(p->hr, NULL, NULL);
         generate(p->hr, p->co, true, p->body, p->in, f);
     } else {
+        log_req_info("-", "dropped: the client went away while its image URLs were fetched");
         json_decref(p->body);
         request_free(p->in);
     }

@@ -27,7 +27,8 @@ Fetched (--allowed-media-domains 127.0.0.1,localhost; an http.server here on 127
     it downloads), a handler that never answers (--media-fetch-timeout 0.5: "timed out"; no
     duration is measured), a redirect to a host not allowed, a closed port, a subdomain, a
     corrupt body: each a 400 naming the part and the reason;
-  - a client that hangs up while its image is fetched: the server goes on serving.
+  - a client that hangs up while its image is fetched (--media-fetch-timeout 300, a handler that
+    never answers): the fetch stops, the request is dropped (logged), the server goes on serving.
 The images are made here (PNG by hand with zlib: the test's Python has no PIL).
 """
 import base64
@@ -197,7 +198,7 @@ class ImageServer:
                 elif path == "/big-unsized.png":
                     self.send(200, bytes(4 * max_bytes), length=False)     # HTTP/1.0: ends at close
                 elif path == "/stall.png":
-                    srv.release.wait(60)        # never answers while the test runs
+                    srv.release.wait(3600)      # never answers while the test runs
                 elif path == "/redirect":
                     to = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)["to"][0]
                     self.send(302, b"", headers=[("location", to)])
@@ -264,18 +265,32 @@ def test_fetch(d):
         # the first bad part is named: a good URL, then a 404 in the second message
         refused(port, "HTTP status 404", [part(srv.url("/cat.png"))], [part(srv.url("/gone.png"))],
                 at="messages[1].content[1]")
-        # the client hangs up while its image is fetched
+        text_ok(port)
+        stop(p)
+    finally:
+        p.kill()
+        srv.close()
+
+
+def test_fetch_cancel(d):
+    """--media-fetch-timeout 300: only the cancellation can end the stalled fetch within the wait"""
+    srv = ImageServer({"/cat.png": png(40, 30)}, 1 << 20)
+    p, port = serve(d, ["--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "300"])
+    try:
         req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % port, data=json.dumps(
             {"model": "tiny-step", "max_tokens": 4, "messages": [{"role": "user", "content": [
                 part(srv.url("/stall.png"))]}]}).encode(), headers={"content-type": "application/json"})
         try:
-            urllib.request.urlopen(req, timeout=0.1)
+            urllib.request.urlopen(req, timeout=0.5)
             raise AssertionError("a stalled fetch answered")
         except OSError:
-            pass
+            pass        # the client hangs up
+        pl.wait_until(lambda: "dropped: the client went away while its image URLs were fetched" in p.text(), 30,
+                      "the request of the client gone dropped")
         text_ok(port)
-        assert greedy(port, srv.url("/cat.png")) == ref
-        print("   a client gone during its fetch: the server goes on serving")
+        code, body = chat(port, [part(srv.url("/cat.png"))])
+        assert code == 200, (code, body)
+        print("   a client gone during its fetch: the fetch stopped, the server goes on serving")
         stop(p)
     finally:
         p.kill()
@@ -361,6 +376,7 @@ def main():
     pl.run_cases([("bad image parts: 400 naming the part, the server keeps serving", test_limits),
                   ("--limit-mm-per-prompt '{\"image\": 0}': text only", test_text_only),
                   ("http(s) image URLs of allowed hosts fetched; bad ones refused", test_fetch),
+                  ("a client gone while its image URL is fetched: the fetch stops", test_fetch_cancel),
                   ("two images served: K=0/K=3, streamed or not, cached next turn", test_served)],
                  "stepd-serve-images-", 5000)
     print("stepd serve, images in: all checks passed")

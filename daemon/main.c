@@ -423,7 +423,7 @@ static const struct optdecl optdecls[] = {
       "(default 16; 0 = text\nonly); other media must be 0",
       "'{\"image\": N}' caps image_url parts per prompt (default 16; 0: text only); other media must be 0" },
     { "allowed-media-domains", "HOSTS", SERVE_VLLM, V_FN(opt_media_domains), NULL, "http(s) image URL hosts "
-      "(comma-separated,\nrepeatable; the exact host name, no subdomains); other URLs get a 400",
+      "(comma-separated,\nrepeatable; exact host names, no subdomains); other\nURLs get a 400",
       "the hosts whose http(s) image URLs stepd fetches (exact host names, case-insensitive; a subdomain is "
       "another host); none by default" },
     { "media-fetch-timeout", "SECONDS", 0, V_FN(opt_media_fetch_timeout), "10",

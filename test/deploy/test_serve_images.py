@@ -26,7 +26,7 @@ Fetched (--allowed-media-domains 127.0.0.1,localhost; an http.server here on 127
   - a 404, a body over --image-max-bytes (with a Content-Length, and without one: cut while
     it downloads), a handler that never answers (--media-fetch-timeout 0.5: "timed out"; no
     duration is measured), a redirect to a host not allowed, a closed port, a subdomain, a
-    corrupt body: each a 400 naming the part and the reason;
+    corrupt body, a decompression bomb: each a 400 naming the part and the reason;
   - a client that hangs up while its image is fetched (--media-fetch-timeout 300, a handler that
     never answers): the fetch stops, the request is dropped (logged), the server goes on serving.
 The images are made here (PNG by hand with zlib: the test's Python has no PIL).
@@ -236,7 +236,8 @@ def test_fetch(d):
     max_bytes = 200000
     img, other = png(700, 300), png(40, 30)
     assert len(img) < max_bytes
-    srv = ImageServer({"/cat.png": img, "/corrupt.png": img[:len(img) // 2]}, max_bytes)
+    srv = ImageServer({"/cat.png": img, "/corrupt.png": img[:len(img) // 2],
+                       "/bomb.png": png_with_size(other, 100000, 100000)}, max_bytes)
     closed = pl.free_port()
     p, port = serve(d, ["--allowed-media-domains", "127.0.0.1,LocalHost", "--media-fetch-timeout", "0.5",
                         "--image-max-bytes", str(max_bytes)])
@@ -262,6 +263,8 @@ def test_fetch(d):
         refused(port, "domain 'img.localhost' is not allowed (--allowed-media-domains)",
                 [part(srv.url("/cat.png", host="img.localhost"))])
         refused(port, "corrupt or truncated PNG image", [part(srv.url("/corrupt.png"))])
+        refused(port, "PNG image declares 100000x100000 pixels, more than the limit of 16384 per side",
+                [part(srv.url("/bomb.png"))])
         # the first bad part is named: a good URL, then a 404 in the second message
         refused(port, "HTTP status 404", [part(srv.url("/cat.png"))], [part(srv.url("/gone.png"))],
                 at="messages[1].content[1]")

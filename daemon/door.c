@@ -416,7 +416,7 @@ int door_images_take(const struct coord *co, const struct door_images *im, const
 
     if (!im->n)
         return 0;
-    r = media_chat_images(im->parts, co->tok, wpool_serves_images(co), in, msg, len);
+    r = media_chat_images(im->parts, co->tok, wpool_serves_images(co), NULL, in, msg, len);
     if (r == -EINVAL)
         images_msg_rename(im, field, msg, len);
     return r;

@@ -198,7 +198,8 @@ struct optdecl {
 
 static opt_fn opt_api_key, opt_served, opt_parser, opt_port, opt_log_level, opt_version, opt_help,
     opt_help_vllm, opt_help_flags, opt_gpumem, opt_kv_dtype, opt_kv_mem, opt_dtype, opt_quant, opt_chat_template,
-    opt_template_kwargs, opt_limit_mm, opt_media_domains, opt_image_limit, opt_logprobs_mode, opt_worker_arg;
+    opt_template_kwargs, opt_limit_mm, opt_media_domains, opt_media_fetch_timeout, opt_image_limit, opt_logprobs_mode,
+    opt_worker_arg;
 
 static const struct optdecl optdecls[] = {
     { NULL, NULL, 0, V_HEAD, NULL, "Listening (loopback by default):" },
@@ -420,10 +421,15 @@ static const struct optdecl optdecls[] = {
       "own win" },
     { "limit-mm-per-prompt", "JSON", SERVE_VLLM, V_FN(opt_limit_mm), NULL, "'{\"image\": N}': images per prompt "
       "(default 16; 0 = text\nonly); other media must be 0",
-      "'{\"image\": N}' caps image_url parts per prompt (default 16; 0: text only); other media must be 0" },
+      "'{\"image\": N}' caps images per prompt (every door) (default 16; 0: text only); other media must be 0" },
     { "allowed-media-domains", "HOSTS", SERVE_VLLM, V_FN(opt_media_domains), NULL, "http(s) image URL hosts "
-      "(comma-separated,\nrepeatable); stepd does not fetch: URLs get a 400 asking for a data URL",
-      "names the hosts whose http(s) image URLs are allowed; stepd does not fetch them yet (400: send a data URL)" },
+      "(comma-separated,\nrepeatable; exact host names, no subdomains); other\nURLs get a 400",
+      "the hosts whose http(s) image URLs stepd fetches (exact host names, case-insensitive; a subdomain is "
+      "another host); none by default" },
+    { "media-fetch-timeout", "SECONDS", 0, V_FN(opt_media_fetch_timeout), "10",
+      "an http(s) image URL's fetch, redirects included,\nmust end within this (default {}); 400 above",
+      .doc = "HTTP: an http(s) image URL's fetch (redirects included) must end within this; 400 \"timed out\" "
+      "above (daemon/media-fetch.c)" },
     { "image-max-bytes", "N", 0, V_FN(opt_image_limit), "20971520",
       "an image's encoded size cap, 400 above (default {})",
       .doc = "HTTP: an image's encoded size cap, 400 above (daemon/media.c)" },
@@ -992,6 +998,21 @@ static int opt_media_domains(struct cli *c, const struct optdecl *d, const char 
     return r;
 }
 
+/* --media-fetch-timeout: seconds (fractions too), more than 0 */
+static int opt_media_fetch_timeout(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    unsigned ms;
+
+    if (parse_seconds(flag, val, &ms) < 0)
+        return -EINVAL;
+    if (ms == 0) {
+        log_error("%s: at least 0.001 seconds", flag);
+        return -EINVAL;
+    }
+    media_conf.fetch_timeout_ms = ms;
+    return 0;
+}
+
 /* --image-max-bytes, --image-max-pixels */
 static int opt_image_limit(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
 {
@@ -1231,6 +1252,7 @@ int main(int argc, char **argv)
     }
     rc = r < 0 ? rc : coord_run(co);
     coord_free(co);
+    media_fetch_global_done();
 out:
     serve_free(sv);
     if (api_key) {

@@ -15,6 +15,7 @@
 
 struct media_config media_conf = {
     .limit_image = MEDIA_DEFAULT_LIMIT_IMAGE,
+    .fetch_timeout_ms = MEDIA_DEFAULT_FETCH_TIMEOUT_MS,
     .lim = { IMAGE_DEFAULT_MAX_BYTES, IMAGE_DEFAULT_MAX_SIDE, IMAGE_DEFAULT_MAX_PIXELS },
 };
 
@@ -140,34 +141,6 @@ static int data_url(const char *url, gnutls_datum_t *ret, const char *at, char *
     return 0;
 }
 
-static bool domain_allowed(const char *host, size_t n)
-{
-    for (size_t i = 0; i < media_conf.n_allowed_domains; i++)
-        if (strlen(media_conf.allowed_domains[i]) == n && !strncasecmp(media_conf.allowed_domains[i], host, n))
-            return true;
-    return false;
-}
-
-/* an http(s) URL: stepd does not fetch; which 400 depends on --allowed-media-domains */
-static int http_url(const char *url, const char *at, char *msg, size_t len)
-{
-    const char *auth = strstr(url, "://") + 3, *host = auth;
-    size_t n_auth = strcspn(auth, "/?#"), n;
-    const char *atsign = memchr(auth, '@', n_auth);
-
-    if (atsign)
-        host = atsign + 1;
-    n = strcspn(host, ":/?#");
-    if (!domain_allowed(host, n)) {
-        snprintf(msg, len, "%s: the image URL's domain '%.*s' is not allowed (--allowed-media-domains%s)", at,
-                 (int)(n > 100 ? 100 : n), host, media_conf.n_allowed_domains ? "" : " allows none: send a data URL");
-        return -EINVAL;
-    }
-    snprintf(msg, len, "%s: this server does not fetch image URLs; only data URLs are supported "
-             "(data:image/<type>;base64,<data>)", at);
-    return -EINVAL;
-}
-
 static int add_image(struct request *in, const void *data, size_t n, const struct image_token_ids *ids,
                      const char *at, char *msg, size_t len)
 {
@@ -196,9 +169,35 @@ static int add_image(struct request *in, const void *data, size_t n, const struc
     return r;
 }
 
-/* one image_url part */
-static int image_part(const json_t *part, struct request *in, const struct image_token_ids *ids, const char *at,
-                      char *msg, size_t len)
+/* an http(s) URL: its bytes from fetched when its host is allowed, else a 400 */
+static int http_url(const char *url, const struct media_fetch *fetched, size_t mi, size_t k, struct request *in,
+                    const struct image_token_ids *ids, const char *at, char *msg, size_t len)
+{
+    char host[128];
+    const void *data;
+    const char *err;
+    size_t n;
+
+    if (!media_url_host_allowed(url, host, sizeof(host))) {
+        snprintf(msg, len, "%s: the image URL's domain '%.100s' is not allowed (--allowed-media-domains%s)", at,
+                 host, media_conf.n_allowed_domains ? "" : " allows none: send a data URL");
+        return -EINVAL;
+    }
+    if (media_fetched(fetched, mi, k, &data, &n, &err) < 0) {
+        /* media_fetch_start fetches every allowed part before the parse: a door that did not */
+        snprintf(msg, len, "%s: this door does not fetch image URLs (send a data URL)", at);
+        return -EINVAL;
+    }
+    if (err) {
+        snprintf(msg, len, "%s: %s", at, err);
+        return -EINVAL;
+    }
+    return add_image(in, data, n, ids, at, msg, len);
+}
+
+/* one image_url part, messages[mi].content[k] */
+static int image_part(const json_t *part, const struct media_fetch *fetched, size_t mi, size_t k,
+                      struct request *in, const struct image_token_ids *ids, const char *at, char *msg, size_t len)
 {
     const json_t *iu = json_object_get(part, "image_url"), *u, *d;
     const char *url;
@@ -224,7 +223,7 @@ static int image_part(const json_t *part, struct request *in, const struct image
         return r;
     }
     if (!strncasecmp(url, "http://", 7) || !strncasecmp(url, "https://", 8))
-        return http_url(url, at, msg, len);
+        return http_url(url, fetched, mi, k, in, ids, at, msg, len);
     snprintf(msg, len, "%s.image_url.url: must be a data: URL (or an http(s) URL of an allowed domain)", at);
     return -EINVAL;
 }
@@ -261,8 +260,8 @@ static int images_servable(size_t n, const char *field, bool have_ids, const cha
     return 0;
 }
 
-int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served, struct request *in,
-                      char *msg, size_t len)
+int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served,
+                      const struct media_fetch *fetched, struct request *in, char *msg, size_t len)
 {
     struct image_token_ids ids;
     const json_t *m, *part;
@@ -286,7 +285,7 @@ int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool 
             if ((r = image_count_check(++n, at, msg, len)) < 0)
                 return r;
             /* every part is checked even when none could be served: the client learns of a bad one */
-            if ((r = image_part(part, in, have_ids ? &ids : NULL, at, msg, len)) < 0)
+            if ((r = image_part(part, fetched, i, k, in, have_ids ? &ids : NULL, at, msg, len)) < 0)
                 return r;
         }
     }

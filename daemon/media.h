@@ -10,6 +10,16 @@
  * encodes them (wpool_serves_images) — an image is never dropped silently.  The gRPC door's
  * GenerateRequest.images carry encoded images (ImageInput.data), taken the same way; the
  * client places each by a MEDIA_IMAGE_PLACEHOLDER in its text or chat messages.
+ *
+ * Fetching (media-fetch.c): an http(s) image URL is fetched only when its host is one of
+ * --allowed-media-domains (the exact host name, case-insensitive: a subdomain is another
+ * host, as in vLLM).  Before the chat door parses a request, media_fetch_start fetches its
+ * allowed URLs with libcurl on libuv's threadpool (uv_queue_work; the loop never waits), one
+ * after another, each within --media-fetch-timeout (redirects included) and --image-max-bytes
+ * (refused from Content-Length, else aborted as the body passes it); a redirect is not
+ * followed by libcurl but checked like the first URL (http(s), allowed host) and followed
+ * here, at most 5 times.  The done callback runs on the loop; the request's parse then takes
+ * each part's bytes (media_fetched) or its failure, a 400 naming the part.
  */
 #pragma once
 
@@ -18,6 +28,7 @@
 #include <stdint.h>
 
 #include <jansson.h>
+#include <uv.h>
 
 #include "image.h"
 
@@ -31,12 +42,14 @@ struct Stepd__V1__GenerateRequest;
 
 struct media_config {
     int64_t limit_image;            /* images per prompt; 0 = text only */
+    unsigned fetch_timeout_ms;      /* an http(s) image URL's fetch, redirects included */
     char **allowed_domains;         /* http(s) image hosts allowed (none by default) */
     size_t n_allowed_domains;
     struct image_limits lim;        /* per image */
 };
 
 #define MEDIA_DEFAULT_LIMIT_IMAGE 16
+#define MEDIA_DEFAULT_FETCH_TIMEOUT_MS 10000u
 
 /* The process's configuration (main.c's flags fill it before the doors open). */
 extern struct media_config media_conf;
@@ -50,11 +63,34 @@ void media_config_done(void);
 /* The image token ids of tok: 0, or -ENOENT naming the missing token in msg. */
 int media_token_ids(const struct tokenizer *tok, struct image_token_ids *ret, char *msg, size_t len);
 
+/* The http(s) image URLs of a request, fetched (media-fetch.c). */
+struct media_fetch;
+typedef void (*media_fetch_fn)(struct media_fetch *f, void *ud);
+/* Whether url is an http(s) URL whose host is one of --allowed-media-domains (or of
+ * domains[0..n)); its host (or "") in host[0..len) when len > 0. */
+bool media_url_host_allowed(const char *url, char *host, size_t len);
+bool media_url_host_in(const char *url, const char *const *domains, size_t n_domains, char *host, size_t len);
+/* Fetch the allowed http(s) image URLs of messages: 0 (none: parse at once), 1 (*ret started:
+ * done(*ret, ud) runs on loop when all are fetched, or the first failed, or after
+ * media_fetch_cancel), or -ENOMEM.  The caller frees *ret (media_fetch_free) after done. */
+int media_fetch_start(uv_loop_t *loop, const json_t *messages, media_fetch_fn done, void *ud,
+                      struct media_fetch **ret);
+/* The client went away: the fetch stops soon (done still runs).  Loop thread. */
+void media_fetch_cancel(struct media_fetch *f);
+void media_fetch_free(struct media_fetch *f);
+/* messages[msg].content[part]'s fetch: 0 with its bytes (*err NULL) or *err the reason it
+ * failed; -ENOENT when it was not fetched. */
+int media_fetched(const struct media_fetch *f, size_t msg, size_t part, const void **data, size_t *n,
+                  const char **err);
+/* libcurl's global state, at exit (after the loop's last fetch). */
+void media_fetch_global_done(void);
+
 /* The image_url parts of an OpenAI messages array: each checked, decoded and preprocessed
- * into in->images.  0 (no image or all taken), -EINVAL with msg naming the part and the
- * reason, or -ENOMEM. */
-int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served, struct request *in,
-                      char *msg, size_t len);
+ * into in->images; http(s) URLs of allowed hosts from fetched (media_fetch_start's, NULL:
+ * none).  0 (no image or all taken), -EINVAL with msg naming the part and the reason, or
+ * -ENOMEM. */
+int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served,
+                      const struct media_fetch *fetched, struct request *in, char *msg, size_t len);
 /* The gRPC door's GenerateRequest.images (encoded bytes in ImageInput.data), each checked,
  * decoded and preprocessed into in->images as media_chat_images does.  0, -EINVAL with msg
  * naming images[i] and the reason (the engine wire's fields set, token_ids input, ...), or

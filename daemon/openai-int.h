@@ -11,6 +11,7 @@
 
 struct coord;
 struct http_req;
+struct media_fetch;
 struct request;
 
 /* What a chat or text completion asks of its answer, besides the request itself. */
@@ -18,6 +19,7 @@ struct oai_opts {
     bool stream, include_usage, continuous_usage, logprobs, return_ids;
     int64_t n;
     const char *model;
+    const struct media_fetch *fetched;  /* the request's http(s) images (media.h), or NULL */
 };
 
 /* Text completions' field names (struct request's names table, [_RN_MAX]); chat

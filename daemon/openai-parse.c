@@ -501,7 +501,7 @@ static const struct field_rule field_rules[] = {
     { "length_penalty", FD_BOTH, FU_INERT, NULL },
     { "truncation_side", FD_BOTH, FU_INERT, NULL },
     { "mm_processor_kwargs", FD_BOTH, FU_REFUSED_SET, "Step-3.7's image processor has one policy (no kwargs)" },
-    { "media_io_kwargs", FD_CHAT, FU_REFUSED_SET, "images are taken as data URLs only (no loader kwargs)" },
+    { "media_io_kwargs", FD_CHAT, FU_REFUSED_SET, "images are data URLs or fetched URLs (no loader kwargs)" },
     { "return_token_offsets", FD_BOTH, FU_INERT, NULL },
     { "return_mm_kwargs", FD_BOTH, FU_INERT, NULL },
     { "routed_experts_prompt_start", FD_BOTH, FU_INERT, NULL },
@@ -630,8 +630,8 @@ int openai_body_conv(const struct coord *co, const json_t *body, bool chat, stru
     if (chat) {
         in->input = REQUEST_INPUT_CHAT;
         /* images in (daemon/media.c): each image_url part checked, decoded, preprocessed */
-        if ((r = media_chat_images(json_object_get(body, "messages"), co->tok, wpool_serves_images(co), in,
-                                     msg, len)) < 0)
+        if ((r = media_chat_images(json_object_get(body, "messages"), co->tok, wpool_serves_images(co),
+                                     x->fetched, in, msg, len)) < 0)
             return r;
         if ((r = openai_messages_conv(json_object_get(body, "messages"), in->n_images > 0, &in->messages, msg, len)) < 0)
             return r;

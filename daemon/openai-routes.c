@@ -27,6 +27,7 @@
 #include "http.h"
 #include "json.h"
 #include "log.h"
+#include "media.h"
 #include "openai-int.h"
 #include "openai.h"
 #include "strbuf.h"
@@ -34,28 +35,14 @@
 
 /* ------------------------------------------------------------------ generation endpoints */
 
-static void h_generate(struct http_req *hr, struct coord *co, bool chat)
+/* The parsed body served (or refused): fetched holds its http(s) images (NULL: none). */
+static void generate(struct http_req *hr, struct coord *co, bool chat, json_t *body, struct request *in,
+                     const struct media_fetch *fetched)
 {
-    struct request *in = request_new(chat ? names_chat : names_completion);
-    struct oai_opts x = { 0 };
-    json_error_t je;
-    json_t *body = NULL;
+    struct oai_opts x = { .fetched = fetched };
     char msg[768] = "";
-    size_t blen;
-    const char *b = http_req_body(hr, &blen);
-    int r = -EINVAL;
+    int r = openai_body_conv(co, body, chat, in, &x, msg, sizeof(msg));
 
-    if (!in) {
-        http_respond_error(hr, 500, NULL, "out of memory");
-        return;
-    }
-    body = json_loadb(b, blen, JSON_REJECT_DUPLICATES, &je);
-    if (!body) {
-        bad_json(b, blen, &je, msg, sizeof(msg));
-        co->m.rejected_invalid++;
-        goto bad;
-    }
-    r = openai_body_conv(co, body, chat, in, &x, msg, sizeof(msg));
     if (r == -ENOMEM) {
         snprintf(msg, sizeof(msg), "out of memory");
         goto bad;
@@ -84,6 +71,84 @@ bad:
     log_req_info(in->id[0] ? in->id : "-", "rejected: %s", msg);
     request_free(in);
     respond_status(hr, r == -ENOMEM ? RPC_INTERNAL : RPC_INVALID_ARGUMENT, 0, msg);
+}
+
+/* A chat whose http(s) image URLs are being fetched (media_fetch_start): parsed when they are. */
+struct fetching {
+    struct http_req *hr;            /* NULL: the client went away */
+    struct coord *co;
+    json_t *body;
+    struct request *in;
+    struct media_fetch *f;
+};
+
+static void fetching_closed(struct http_req *hr, bool completed, void *ud)
+{
+    struct fetching *p = ud;
+
+    (void)hr, (void)completed;
+    p->hr = NULL;
+    media_fetch_cancel(p->f);
+}
+
+static void fetching_done(struct media_fetch *f, void *ud)
+{
+    struct fetching *p = ud;
+
+    if (p->hr) {
+        http_req_on_close(p->hr, NULL, NULL);
+        generate(p->hr, p->co, true, p->body, p->in, f);
+    } else {
+        log_req_info("-", "dropped: the client went away while its image URLs were fetched");
+        json_decref(p->body);
+        request_free(p->in);
+    }
+    media_fetch_free(f);
+    free(p);
+}
+
+static void h_generate(struct http_req *hr, struct coord *co, bool chat)
+{
+    struct request *in = request_new(chat ? names_chat : names_completion);
+    struct fetching *p;
+    json_error_t je;
+    json_t *body = NULL;
+    char msg[768] = "";
+    size_t blen;
+    const char *b = http_req_body(hr, &blen);
+    int r;
+
+    if (!in) {
+        http_respond_error(hr, 500, NULL, "out of memory");
+        return;
+    }
+    body = json_loadb(b, blen, JSON_REJECT_DUPLICATES, &je);
+    if (!body) {
+        bad_json(b, blen, &je, msg, sizeof(msg));
+        co->m.rejected_invalid++;
+        log_req_info("-", "rejected: %s", msg);
+        request_free(in);
+        respond_status(hr, RPC_INVALID_ARGUMENT, 0, msg);
+        return;
+    }
+    if (chat && json_is_object(body)) {
+        /* http(s) image URLs: fetched off the loop, the parse resumed when they are */
+        if (!(p = calloc(1, sizeof(*p))))
+            r = -ENOMEM;
+        else if ((r = media_fetch_start(&co->loop, json_object_get(body, "messages"), fetching_done, p, &p->f)) > 0) {
+            *p = (struct fetching){ hr, co, body, in, p->f };
+            http_req_on_close(hr, fetching_closed, p);
+            return;
+        }
+        free(p);
+        if (r < 0) {
+            json_decref(body);
+            request_free(in);
+            respond_status(hr, RPC_INTERNAL, 0, "out of memory");
+            return;
+        }
+    }
+    generate(hr, co, chat, body, in, NULL);
 }
 
 static void h_chat(struct http_req *hr, void *ud)

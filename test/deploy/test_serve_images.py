@@ -8,8 +8,8 @@ server keeps answering a text chat afterwards.
     non-image media type, a non-base64 data URL;
   - more images than --limit-mm-per-prompt '{"image": 2}' (the third part named), and with
     '{"image": 0}' a text-only server that names the flag;
-  - http(s) URLs: a domain outside --allowed-media-domains named; an allowed one refused
-    with "only data URLs" (stepd does not fetch); detail "high" refused (one resolution policy);
+  - http(s) URLs: a domain outside --allowed-media-domains named, a subdomain of an allowed one
+    too (exact host names); detail "high" refused (one resolution policy);
   - a text part holding "<im_patch>" beside an image: 400 (the placeholder count does not match);
   - the daemon still serves a text chat (200) after all of them.
 Served end to end (the tiny model's vision tower, the `openai` client, MTP K=3 configured):
@@ -20,6 +20,15 @@ Served end to end (the tiny model's vision tower, the `openai` client, MTP K=3 c
     (usage.prompt_tokens_details.cached_tokens) and stepd:image_encodes_total does not move
     (the engine's encoder cache: stepd:image_cache_hits_total does);
   - the same text with other images: a different answer, and two more encodes.
+Fetched (--allowed-media-domains 127.0.0.1,localhost; an http.server here on 127.0.0.1):
+  - a PNG by URL (and through an allowed redirect) gives the same greedy text as the same PNG
+    as a data URL;
+  - a 404, a body over --image-max-bytes (with a Content-Length, and without one: cut while
+    it downloads), a handler that never answers (--media-fetch-timeout 0.5: "timed out"; no
+    duration is measured), a redirect to a host not allowed, a closed port, a subdomain, a
+    corrupt body, a decompression bomb: each a 400 naming the part and the reason;
+  - a client that hangs up while its image is fetched (--media-fetch-timeout 300, a handler that
+    never answers): the fetch stops, the request is dropped (logged), the server goes on serving.
 The images are made here (PNG by hand with zlib: the test's Python has no PIL).
 """
 import base64
@@ -28,6 +37,7 @@ import os
 import signal
 import struct
 import sys
+import urllib.parse
 import urllib.request
 import zlib
 
@@ -137,7 +147,8 @@ def test_limits(d):
                 [part(data_url(good)), part(data_url(good))], [part(data_url(good))], at="messages[1].content[1]")
         refused(port, "domain 'evil.example.com' is not allowed (--allowed-media-domains)",
                 [part("https://evil.example.com/cat.png")])
-        refused(port, "only data URLs are supported", [part("https://images.example.org/cat.png")])
+        refused(port, "domain 'cdn.images.example.org' is not allowed",
+                [part("https://cdn.images.example.org/cat.png")])
         refused(port, "detail: only \"auto\" is supported", [part(data_url(good), detail="high")])
         refused(port, "must be a data: URL", [part("file:///etc/passwd")])
         refused(port, "the prompt holds 2 <im_patch> tokens for 1 image(s)",
@@ -150,6 +161,144 @@ def test_limits(d):
         stop(p)
     finally:
         p.kill()
+
+
+class ImageServer:
+    """http.server on 127.0.0.1 (a thread): the PNGs and the bad answers of test_fetch"""
+
+    def __init__(self, files, max_bytes):
+        import http.server
+        import threading
+
+        self.release = threading.Event()
+        srv = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def send(self, code, body, length=True, headers=()):
+                self.send_response(code)
+                self.send_header("content-type", "image/png")
+                for k, v in headers:
+                    self.send_header(k, v)
+                if length:
+                    self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                try:
+                    self.wfile.write(body)
+                except OSError:
+                    pass        # stepd stopped reading: the answer was too large
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                if path in files:
+                    self.send(200, files[path])
+                elif path == "/big.png":
+                    self.send(200, bytes(max_bytes + 1))
+                elif path == "/big-unsized.png":
+                    self.send(200, bytes(4 * max_bytes), length=False)     # HTTP/1.0: ends at close
+                elif path == "/stall.png":
+                    srv.release.wait(3600)      # never answers while the test runs
+                elif path == "/redirect":
+                    to = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)["to"][0]
+                    self.send(302, b"", headers=[("location", to)])
+                else:
+                    self.send(404, b"not found")
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path, host="127.0.0.1"):
+        return "http://%s:%d%s" % (host, self.port, path)
+
+    def redirect(self, to):
+        return self.url("/redirect?" + urllib.parse.urlencode({"to": to}))
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def greedy(port, url):
+    code, body = post(port, {"model": "tiny-step", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                             "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                                        part(url)]}]})
+    assert code == 200, (code, body)
+    m = body["choices"][0]["message"]
+    return (m.get("reasoning_content") or "") + "|" + (m.get("content") or ""), body["usage"]["prompt_tokens"]
+
+
+def test_fetch(d):
+    max_bytes = 200000
+    img, other = png(700, 300), png(40, 30)
+    assert len(img) < max_bytes
+    srv = ImageServer({"/cat.png": img, "/corrupt.png": img[:len(img) // 2],
+                       "/bomb.png": png_with_size(other, 100000, 100000)}, max_bytes)
+    closed = pl.free_port()
+    p, port = serve(d, ["--allowed-media-domains", "127.0.0.1,LocalHost", "--media-fetch-timeout", "0.5",
+                        "--image-max-bytes", str(max_bytes)])
+    try:
+        ref = greedy(port, data_url(img))
+        assert ref[1] > 169 and greedy(port, data_url(other))[0] != ref[0], ref
+        got = greedy(port, srv.url("/cat.png"))
+        print("   by URL: %r, %d prompt tokens (the data URL's: the same)" % got)
+        assert got == ref, (got, ref)
+        # a redirect to the other allowed host (localhost), and an upper-case host name
+        assert greedy(port, srv.redirect(srv.url("/cat.png", host="localhost"))) == ref
+        assert greedy(port, srv.url("/cat.png", host="LOCALHOST")) == ref
+        print("   an allowed redirect and an upper-case host: the same")
+        refused(port, "the image URL answered HTTP status 404", [part(srv.url("/missing.png"))])
+        refused(port, "larger than the limit of 200000 bytes (--image-max-bytes)", [part(srv.url("/big.png"))])
+        refused(port, "larger than the limit of 200000 bytes (--image-max-bytes)",
+                [part(srv.url("/big-unsized.png"))])
+        refused(port, "timed out after 0.5 s (--media-fetch-timeout)", [part(srv.url("/stall.png"))])
+        refused(port, "redirects to 'evil.example.com', which is not an http(s) URL of an allowed domain",
+                [part(srv.redirect("http://evil.example.com/cat.png"))])
+        refused(port, "could not connect to the image URL's host",
+                [part("http://127.0.0.1:%d/cat.png" % closed)])
+        refused(port, "domain 'img.localhost' is not allowed (--allowed-media-domains)",
+                [part(srv.url("/cat.png", host="img.localhost"))])
+        refused(port, "corrupt or truncated PNG image", [part(srv.url("/corrupt.png"))])
+        refused(port, "PNG image declares 100000x100000 pixels, more than the limit of 16384 per side",
+                [part(srv.url("/bomb.png"))])
+        # the first bad part is named: a good URL, then a 404 in the second message
+        refused(port, "HTTP status 404", [part(srv.url("/cat.png"))], [part(srv.url("/gone.png"))],
+                at="messages[1].content[1]")
+        text_ok(port)
+        stop(p)
+    finally:
+        p.kill()
+        srv.close()
+
+
+def test_fetch_cancel(d):
+    """--media-fetch-timeout 300: only the cancellation can end the stalled fetch within the wait"""
+    srv = ImageServer({"/cat.png": png(40, 30)}, 1 << 20)
+    p, port = serve(d, ["--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "300"])
+    try:
+        req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % port, data=json.dumps(
+            {"model": "tiny-step", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                part(srv.url("/stall.png"))]}]}).encode(), headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=0.5)
+            raise AssertionError("a stalled fetch answered")
+        except OSError:
+            pass        # the client hangs up
+        pl.wait_until(lambda: "dropped: the client went away while its image URLs were fetched" in p.text(), 30,
+                      "the request of the client gone dropped")
+        text_ok(port)
+        code, body = chat(port, [part(srv.url("/cat.png"))])
+        assert code == 200, (code, body)
+        print("   a client gone during its fetch: the fetch stopped, the server goes on serving")
+        stop(p)
+    finally:
+        p.kill()
+        srv.close()
 
 
 def test_text_only(d):
@@ -236,6 +385,8 @@ def test_served(d):
 def main():
     pl.run_cases([("bad image parts: 400 naming the part, the server keeps serving", test_limits),
                   ("--limit-mm-per-prompt '{\"image\": 0}': text only", test_text_only),
+                  ("http(s) image URLs of allowed hosts fetched; bad ones refused", test_fetch),
+                  ("a client gone while its image URL is fetched: the fetch stops", test_fetch_cancel),
                   ("two images served: K=0/K=3, streamed or not, cached next turn", test_served)],
                  "stepd-serve-images-", 5000)
     print("stepd serve, images in: all checks passed")

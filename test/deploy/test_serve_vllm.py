@@ -233,6 +233,10 @@ def test_refusals(d):
             "a quantization stepd lacks")
     refused(d, ["--limit-mm-per-prompt", '{"audio": 1}'], r"--limit-mm-per-prompt: audio: stepd takes images only",
             "audio > 0")
+    refused(d, ["--media-fetch-timeout", "0"], r"--media-fetch-timeout: at least 0.001 seconds",
+            "no time for an image URL's fetch")
+    refused(d, ["--media-fetch-timeout", "10s"],
+            r"--media-fetch-timeout: expected seconds in \[0, 86400\], got '10s'", "a fetch timeout not a number")
     refused(d, ["--enable-prefix-cachin"], r"unknown flag --enable-prefix-cachin: did you mean "
             r"--enable-prefix-caching\?", "an unknown flag")
     r = subprocess.run([STEPD, "serve", MODEL, "--enable-prefix-cachin"], stdout=subprocess.PIPE,

@@ -15,7 +15,7 @@ pkgs=(
   libucx-dev ucx-utils libpcre2-dev
   python3 python3-venv python3-pip
   libicu-dev iproute2 procps openssl systemd nghttp2-client bible-kjv-text bible-kjv util-linux
-  libmicrohttpd-dev libgnutls28-dev curl
+  libmicrohttpd-dev libgnutls28-dev curl libcurl4-openssl-dev
   libpython3.11
   libpng-dev libjpeg62-turbo-dev libwebp-dev libgif-dev python3-pil python3-numpy
 )

@@ -1,0 +1,361 @@
+/* media-fetch.c - http(s) image URLs of allowed domains, fetched with libcurl on libuv's
+ * threadpool; see media.h ("Fetching"). */
+#include "media.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include <curl/curl.h>
+
+#include "clock.h"
+#include "err.h"
+#include "log.h"
+#include "stepd-config.h"
+#include "strbuf.h"
+
+#define MAX_REDIRECTS 5
+
+/* one http(s) image_url part, in the order of the parts */
+struct fetch_item {
+    size_t msg, part;               /* messages[msg].content[part] */
+    char *url;
+    struct strbuf body;             /* the image's bytes (worker thread until done) */
+    char err[320];                  /* "" or why the fetch failed (no part name) */
+    bool done;                      /* fetched or failed (not: skipped after an earlier failure) */
+};
+
+struct media_fetch {
+    uv_work_t work;
+    struct fetch_item *items;
+    size_t n_items;
+    atomic_bool cancelled;
+    /* read by the worker: copied from media_conf when the job starts */
+    size_t max_bytes;
+    unsigned timeout_ms;
+    char **domains;
+    size_t n_domains;
+    media_fetch_fn done;
+    void *ud;
+};
+
+static bool curl_ready;
+static unsigned n_running;          /* jobs queued or running (loop thread) */
+
+bool media_url_host_allowed(const char *url, char *host, size_t len)
+{
+    return media_url_host_in(url, (const char *const *)media_conf.allowed_domains, media_conf.n_allowed_domains,
+                             host, len);
+}
+
+bool media_url_host_in(const char *url, const char *const *domains, size_t n_domains, char *host, size_t len)
+{
+    CURLU *u = curl_url();
+    char *h = NULL, *scheme = NULL;
+    bool ok = false;
+
+    if (len)
+        host[0] = 0;
+    if (!u)
+        return false;
+    /* CURLU_NON_SUPPORT_SCHEME: parse any scheme, so that the check below names it */
+    if (curl_url_set(u, CURLUPART_URL, url, CURLU_NON_SUPPORT_SCHEME) == CURLUE_OK &&
+        curl_url_get(u, CURLUPART_SCHEME, &scheme, 0) == CURLUE_OK &&
+        curl_url_get(u, CURLUPART_HOST, &h, 0) == CURLUE_OK) {
+        if (len)
+            snprintf(host, len, "%s", h);
+        if (!strcasecmp(scheme, "http") || !strcasecmp(scheme, "https"))
+            for (size_t i = 0; i < n_domains && !ok; i++)
+                ok = !strcasecmp(domains[i], h);
+    }
+    curl_free(h);
+    curl_free(scheme);
+    curl_url_cleanup(u);
+    return ok;
+}
+
+/* ------------------------------------------------------------------ the worker thread */
+
+struct xfer {
+    struct media_fetch *f;
+    struct fetch_item *it;
+    bool too_large;
+};
+
+static size_t on_body(char *p, size_t size, size_t n, void *ud)
+{
+    struct xfer *x = ud;
+
+    n *= size;              /* size is 1 */
+    if (x->it->body.len + n > x->f->max_bytes) {
+        x->too_large = true;
+        return 0;           /* CURLE_WRITE_ERROR: the transfer stops here */
+    }
+    return strbuf_add(&x->it->body, p, n) < 0 ? 0 : n;
+}
+
+static int on_progress(void *ud, curl_off_t dlt, curl_off_t dln, curl_off_t ult, curl_off_t uln)
+{
+    struct xfer *x = ud;
+
+    (void)dlt, (void)dln, (void)ult, (void)uln;
+    return atomic_load(&x->f->cancelled);      /* the client went away: CURLE_ABORTED_BY_CALLBACK */
+}
+
+static void fetch_one(struct media_fetch *f, struct fetch_item *it)
+{
+    int64_t start = clk_now_ms();
+    char *url = strdup(it->url), host[256];
+    CURL *c = curl_easy_init();
+    struct xfer x = { f, it, false };
+
+    if (!url || !c) {
+        snprintf(it->err, sizeof(it->err), "out of memory fetching the image URL");
+        goto out;
+    }
+    for (int hop = 0;; hop++) {
+        int64_t spent = clk_now_ms() - start;
+        long status = 0;
+        char *next = NULL;
+        CURLcode cr;
+
+        if (spent >= (int64_t)f->timeout_ms) {
+            cr = CURLE_OPERATION_TIMEDOUT;
+        } else {
+            strbuf_reset(&it->body);
+            x.too_large = false;
+            curl_easy_reset(c);
+            curl_easy_setopt(c, CURLOPT_URL, url);
+            curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+            curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);    /* each redirect checked below */
+            curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+            curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)(f->timeout_ms - spent));
+            curl_easy_setopt(c, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)f->max_bytes);
+            curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+            curl_easy_setopt(c, CURLOPT_WRITEDATA, &x);
+            curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+            curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, on_progress);
+            curl_easy_setopt(c, CURLOPT_XFERINFODATA, &x);
+            curl_easy_setopt(c, CURLOPT_USERAGENT, "stepd/" STEPD_VERSION);
+            cr = curl_easy_perform(c);
+        }
+        switch (cr) {
+        case CURLE_OK:
+            break;
+        case CURLE_FILESIZE_EXCEEDED:
+            x.too_large = true;
+            /* fall through */
+        case CURLE_WRITE_ERROR:
+            if (x.too_large)
+                snprintf(it->err, sizeof(it->err), "the image URL's body is larger than the limit of %zu bytes "
+                         "(--image-max-bytes)", f->max_bytes);
+            else
+                snprintf(it->err, sizeof(it->err), "out of memory fetching the image URL");
+            goto out;
+        case CURLE_OPERATION_TIMEDOUT:
+            snprintf(it->err, sizeof(it->err), "fetching the image URL timed out after %.3g s "
+                     "(--media-fetch-timeout)", f->timeout_ms / 1000.0);
+            goto out;
+        case CURLE_COULDNT_RESOLVE_HOST:
+        case CURLE_COULDNT_CONNECT:
+            snprintf(it->err, sizeof(it->err), "could not connect to the image URL's host (%s)",
+                     curl_easy_strerror(cr));
+            goto out;
+        case CURLE_ABORTED_BY_CALLBACK:
+            snprintf(it->err, sizeof(it->err), "the request was cancelled while its image was fetched");
+            goto out;
+        default:
+            snprintf(it->err, sizeof(it->err), "fetching the image URL failed (%s)", curl_easy_strerror(cr));
+            goto out;
+        }
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
+        if (status >= 200 && status < 300)
+            break;
+        if (status < 300 || status >= 400) {
+            snprintf(it->err, sizeof(it->err), "the image URL answered HTTP status %ld", status);
+            goto out;
+        }
+        curl_easy_getinfo(c, CURLINFO_REDIRECT_URL, &next);
+        if (!next) {
+            snprintf(it->err, sizeof(it->err), "the image URL answered HTTP status %ld without a Location", status);
+            goto out;
+        }
+        if (!media_url_host_in(next, (const char *const *)f->domains, f->n_domains, host, sizeof(host))) {
+            snprintf(it->err, sizeof(it->err), "the image URL redirects to '%.100s', which is not an http(s) URL "
+                     "of an allowed domain (--allowed-media-domains)", host[0] ? host : next);
+            goto out;
+        }
+        if (hop == MAX_REDIRECTS) {
+            snprintf(it->err, sizeof(it->err), "the image URL redirects more than %d times", MAX_REDIRECTS);
+            goto out;
+        }
+        free(url);
+        if (!(url = strdup(next))) {
+            snprintf(it->err, sizeof(it->err), "out of memory fetching the image URL");
+            goto out;
+        }
+    }
+    if (it->body.oom)
+        snprintf(it->err, sizeof(it->err), "out of memory fetching the image URL");
+out:
+    if (it->err[0])
+        strbuf_done(&it->body);
+    it->done = true;
+    curl_easy_cleanup(c);
+    free(url);
+}
+
+/* the parts one after another; the first failure ends the job (its part is the 400) */
+static void work_cb(uv_work_t *w)
+{
+    struct media_fetch *f = w->data;
+
+    for (size_t i = 0; i < f->n_items && !atomic_load(&f->cancelled); i++) {
+        fetch_one(f, &f->items[i]);
+        if (f->items[i].err[0])
+            break;
+    }
+}
+
+static void after_cb(uv_work_t *w, int status)
+{
+    struct media_fetch *f = w->data;
+
+    (void)status;
+    n_running--;
+    f->done(f, f->ud);
+}
+
+/* ------------------------------------------------------------------ the loop thread */
+
+void media_fetch_free(struct media_fetch *f)
+{
+    if (!f)
+        return;
+    for (size_t i = 0; i < f->n_items; i++) {
+        free(f->items[i].url);
+        strbuf_done(&f->items[i].body);
+    }
+    for (size_t i = 0; i < f->n_domains; i++)
+        free(f->domains[i]);
+    free(f->domains);
+    free(f->items);
+    free(f);
+}
+
+void media_fetch_cancel(struct media_fetch *f)
+{
+    atomic_store(&f->cancelled, true);
+}
+
+/* the http(s) image_url parts media_chat_images would fetch: those up to the image limit whose
+ * host is allowed (the others are refused without a fetch) */
+static int collect(struct media_fetch *f, const json_t *messages)
+{
+    const json_t *m, *part, *c, *t, *iu, *u;
+    size_t i, k, n = 0;
+
+    json_array_foreach(messages, i, m) {
+        if (!json_is_array(c = json_object_get(m, "content")))
+            continue;
+        json_array_foreach(c, k, part) {
+            if (!json_is_object(part) || !json_is_string(t = json_object_get(part, "type")) ||
+                strcmp(json_string_value(t), "image_url"))
+                continue;
+            if (++n > (size_t)media_conf.limit_image)
+                return 0;
+            if (!json_is_object(iu = json_object_get(part, "image_url")) ||
+                !json_is_string(u = json_object_get(iu, "url")) ||
+                !media_url_host_allowed(json_string_value(u), NULL, 0))
+                continue;
+            struct fetch_item *p = realloc(f->items, sizeof(*p) * (f->n_items + 1));
+            if (!p)
+                return -ENOMEM;
+            f->items = p;
+            p += f->n_items;
+            memset(p, 0, sizeof(*p));
+            p->msg = i;
+            p->part = k;
+            p->body = (struct strbuf)STRBUF_INIT;
+            f->n_items++;
+            if (!(p->url = strdup(json_string_value(u))))
+                return -ENOMEM;
+        }
+    }
+    return 0;
+}
+
+int media_fetch_start(uv_loop_t *loop, const json_t *messages, media_fetch_fn done, void *ud,
+                      struct media_fetch **ret)
+{
+    struct media_fetch *f;
+    int r;
+
+    *ret = NULL;
+    if (!json_is_array(messages) || media_conf.n_allowed_domains == 0)
+        return 0;
+    if (!(f = calloc(1, sizeof(*f))))
+        return -ENOMEM;
+    if ((r = collect(f, messages)) < 0 || f->n_items == 0) {
+        media_fetch_free(f);
+        return r;
+    }
+    if (!curl_ready) {
+        /* once, on the loop thread, before any worker uses libcurl */
+        if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+            media_fetch_free(f);
+            return -ENOMEM;
+        }
+        curl_ready = true;
+    }
+    f->max_bytes = media_conf.lim.max_bytes;
+    f->timeout_ms = media_conf.fetch_timeout_ms;
+    if (!(f->domains = calloc(media_conf.n_allowed_domains, sizeof(char *)))) {
+        media_fetch_free(f);
+        return -ENOMEM;
+    }
+    for (; f->n_domains < media_conf.n_allowed_domains; f->n_domains++)
+        if (!(f->domains[f->n_domains] = strdup(media_conf.allowed_domains[f->n_domains]))) {
+            media_fetch_free(f);
+            return -ENOMEM;
+        }
+    atomic_init(&f->cancelled, false);
+    f->done = done;
+    f->ud = ud;
+    f->work.data = f;
+    if ((r = uv_queue_work(loop, &f->work, work_cb, after_cb)) < 0) {
+        log_warn("media: cannot queue an image fetch: %s", uv_strerror(r));
+        media_fetch_free(f);
+        return -ENOMEM;
+    }
+    n_running++;
+    *ret = f;
+    return 1;
+}
+
+int media_fetched(const struct media_fetch *f, size_t msg, size_t part, const void **data, size_t *n,
+                  const char **err)
+{
+    for (size_t i = 0; f && i < f->n_items; i++) {
+        const struct fetch_item *it = &f->items[i];
+        if (it->msg != msg || it->part != part)
+            continue;
+        if (!it->done)
+            return -ENOENT;
+        *err = it->err[0] ? it->err : NULL;
+        *data = it->body.p;
+        *n = it->body.len;
+        return 0;
+    }
+    return -ENOENT;
+}
+
+void media_fetch_global_done(void)
+{
+    /* a fetch still running (the loop closed under it) keeps libcurl's state: the process ends */
+    if (curl_ready && n_running == 0)
+        curl_global_cleanup();
+    curl_ready = false;
+}

@@ -7,7 +7,9 @@
  *                                             on the CUDA backend against the CPU encoder,
  *                                             every stage of every view (sizes in pixels,
  *                                             default 140 98 42: bilinear-resized position
- *                                             tables, odd grids for the stride-2 convs)
+ *                                             tables, odd grids for the stride-2 convs);
+ *                                             and a backend with device memory but no
+ *                                             vision ops is refused at vision_new
  *
  * Both CUDA paths: the FP32 op path (backend_cfg.mxfp4_exact) and the tensor-core path
  * (BF16 activations into the cuBLASLt GEMMs).  Fresh random inputs each run (the seed is
@@ -307,6 +309,36 @@ static void on_stage(void *arg, enum vision_stage st, int view, const float *x, 
     t->worst[st] = e > t->worst[st] || isnan(e) ? e : t->worst[st];
 }
 
+/* a backend that reports device memory but gives no vision ops (the CPU's ops otherwise) */
+static int fake_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total)
+{
+    (void)be;
+    *ret_free = *ret_total = (size_t)1 << 30;
+    return 0;
+}
+
+static void *fake_native(struct backend *be, const char *what)
+{
+    (void)be; (void)what;
+    return NULL;
+}
+
+static void refuse_device_without_ops(struct ckpt *ck)
+{
+    struct backend_ops ops = *cpu->ops;
+    struct backend fb = *cpu;
+    struct vision *v = NULL;
+    struct err_buf e = {{0}};
+
+    ops.mem_info = fake_mem_info;
+    ops.native = fake_native;
+    fb.ops = &ops;
+    ASSERT_ERR(vision_new(ck, &fb, &v, &e), -ENOTSUP);
+    ASSERT_TRUE(v == NULL);
+    ASSERT_CONTAINS(e.msg, "no vision ops");
+    printf("a device backend without vision ops: %s\n", e.msg);
+}
+
 static const char *const stage_name[_VISION_STAGES] = {"patch_embed", "block0", "vit", "ds1", "ds2",
                                                        "proj"};
 
@@ -328,6 +360,8 @@ static void tower(const char *model, const int *sizes, int n_views, const char *
 
     if (ckpt_open(model, &o, &ck, &e) < 0)
         FAIL("%s", e.msg);
+    if (!fast)
+        refuse_device_without_ops(ck);
     if (vision_new(ck, cpu, &vc, &e) < 0)
         FAIL("%s", e.msg);
     if (vision_new(ck, gpu, &vg, &e) < 0)

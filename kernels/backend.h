@@ -274,7 +274,8 @@ struct backend_ops {
      * are host arrays, NULL = 0 .. n-1 */
     int (*copy_rows)(struct backend *be, void *dst, const int32_t *dst_rows, const void *src,
                      const int32_t *src_rows, int n, size_t row_bytes);
-    /* "stream": the cudaStream_t the ops run on; NULL for anything else */
+    /* "stream": the cudaStream_t the ops run on; "vision": the vision encoder's device ops
+     * (kernels/vision-dev.h); NULL for anything else */
     void *(*native)(struct backend *be, const char *what);
     /* Device memory now: free and total bytes of the backend's device (CUDA:
      * cudaMemGetInfo).  Absent where buffers are host memory (CPU: the KV budget is a flag,

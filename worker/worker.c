@@ -235,7 +235,7 @@ struct worker {
     struct backend *be;
     struct ckpt *ck;
     struct forward *fwd;        /* model or mock */
-    struct vision *vision;      /* rank 0 on the CPU backend with a vision_config: the image
+    struct vision *vision;      /* rank 0 (CPU or CUDA backend) with a vision_config: the image
                                    encoder (docs/ARCHITECTURE.md 5.1), else NULL */
     struct engine_vision ev;    /* the engine's view of it (images served: encode set) */
     struct forward *lock;       /* rank 0 with world > 1: the broadcasting wrapper */
@@ -636,9 +636,7 @@ static int stage_load(struct worker *w, struct err_buf *e)
     if (r < 0)
         return r;
     struct ckpt_opts co = { .mtp_dir = o->mtp_dir, .world_size = o->world_size, .rank = o->rank,
-                            .mtp_depth = o->rank == 0 ? spec_config_depth(&o->spec, declared.n_mtp_layers) : 0,
-                            /* the encoder runs on the CPU backend only (host buffers) */
-                            .skip_vision = strncmp(o->device, "cuda:", 5) == 0 };
+                            .mtp_depth = o->rank == 0 ? spec_config_depth(&o->spec, declared.n_mtp_layers) : 0 };
     r = ckpt_open(o->model_dir, &co, &w->ck, e);
     if (r < 0)
         return r;

@@ -784,6 +784,8 @@ static void *cuda_native(struct backend *be, const char *what)
 {
     if (strcmp(what, "stream") == 0)
         return cuda_ctx_of(be)->stream;
+    if (strcmp(what, "vision") == 0)
+        return (void *) kcuda_vision_ops();
     return NULL;
 }
 

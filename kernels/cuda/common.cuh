@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 
 #include "backend.h"
@@ -204,23 +205,41 @@ static inline __device__ float warp_sum(float v)
     return v;
 }
 
-static inline __device__ float block_sum(float v, float *shared32)
+static inline __device__ float warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The block's sum (max: maximum) of v, returned to every thread; shared32: a float per warp.
+static inline __device__ float block_reduce(float v, float *shared32, bool max)
 {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = max ? warp_max(v) : warp_sum(v);
     if (lane == 0)
         shared32[wid] = v;
     __syncthreads();
     const int nw = (blockDim.x + 31) >> 5;
-    v = (threadIdx.x < nw) ? shared32[threadIdx.x] : 0.0f;
+    v = (threadIdx.x < nw) ? shared32[threadIdx.x] : max ? -INFINITY : 0.0f;
     if (wid == 0)
-        v = warp_sum(v);
+        v = max ? warp_max(v) : warp_sum(v);
     if (threadIdx.x == 0)
         shared32[0] = v;
     __syncthreads();
     v = shared32[0];
     __syncthreads();
     return v;
+}
+
+static inline __device__ float block_sum(float v, float *shared32)
+{
+    return block_reduce(v, shared32, false);
+}
+
+static inline __device__ float block_max(float v, float *shared32)
+{
+    return block_reduce(v, shared32, true);
 }
 
 static inline __device__ float sigmoidf_(float z)

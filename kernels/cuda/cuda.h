@@ -38,6 +38,10 @@ int kcuda_moe_exact(struct backend *be, const struct moe_args *a);
 int kcuda_attention_exact(struct backend *be, const struct attn_args *a, const int32_t *dstart,
                           const int32_t *dpos0, const int32_t *dtab, const int32_t *doff);
 
+/* the vision encoder's ops (vision.cu; kernels/vision-dev.h), given by native("vision") */
+struct vision_dev_ops;
+const struct vision_dev_ops *kcuda_vision_ops(void);
+
 /* the fused halves */
 int kcuda_attn_prepare(struct backend *be, struct attn_weights *w);
 void kcuda_attn_release(struct backend *be, struct attn_weights *w);

@@ -1,13 +1,17 @@
 /* vision.c - the vision encoder on the backend (vision.h; docs/ARCHITECTURE.md "Vision
  * encoder").  The GEMMs go through backend_matmul (BF16 weights as loaded, FP32
  * activations); attention is two GEMMs per view and head with FP32 "weights" (K, then Vᵀ);
- * the rest are the host kernels of kernels/vision-ops.h. */
+ * the rest are the host kernels of kernels/vision-ops.h.  On a backend whose buffers are
+ * device memory (CUDA: backend_native(be, "vision"), kernels/vision-dev.h) every vector
+ * and activation lives on the device and the same sequence runs on the device ops
+ * (encode_dev); only the output comes back to the host. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "vision-dev.h"
 #include "vision-ops.h"
 #include "vision.h"
 
@@ -26,13 +30,14 @@ struct vblock {
 struct vision {
     struct vision_config cfg;
     struct backend *be;
+    const struct vision_dev_ops *dev;   /* the backend's device ops, or NULL: host buffers */
     struct bweight conv1, ds1, ds2, projector;
     float *pos;                 /* [grid^2, width] */
     float *ln_pre_g, *ln_pre_b, *ds1_b, *ds2_b;
     struct vblock *blocks;
     struct bweight **prepared;
     int n_prepared;
-    float **vecs;               /* every FP32 vector above, for vision_free */
+    float **vecs;               /* every FP32 vector above (device buffers with dev), for vision_free */
     int n_vecs;
 };
 
@@ -105,6 +110,22 @@ static int load_vec(struct vision *v, struct ckpt *c, const char *name, int64_t 
             memcpy(&x[i], &u, 4);
         }
     }
+    if (v->dev) {
+        void *d = NULL;
+        r = backend_buf_alloc(v->be, (size_t) n * sizeof(float), 256, &d);
+        if (r == 0)
+            r = backend_upload(v->be, d, x, (size_t) n * sizeof(float));
+        if (r == 0)
+            r = backend_sync(v->be);
+        free(x);
+        if (r < 0) {
+            if (d)
+                backend_buf_free(v->be, d);
+            return err_set(e, r, "%s: cannot copy %lld floats to backend '%s': %s", name, (long long) n,
+                           v->be->ops->name, err_str(r));
+        }
+        x = (float *) d;
+    }
     v->vecs[v->n_vecs++] = x;
     *ret = x;
     return 0;
@@ -129,6 +150,16 @@ int vision_new(struct ckpt *c, struct backend *be, struct vision **ret, struct e
         return err_set(e, -ENOMEM, "out of memory");
     v->cfg = *cfg;
     v->be = be;
+    v->dev = backend_native(be, "vision");
+    {
+        size_t fr, tot;
+        /* device buffers (the backend reports device memory) need the backend's own ops */
+        if (!v->dev && backend_mem_info(be, &fr, &tot) == 0) {
+            r = err_set(e, -ENOTSUP, "backend '%s' has device buffers but no vision ops "
+                        "(backend_native \"vision\")", be->ops->name);
+            goto fail;
+        }
+    }
     v->blocks = calloc((size_t) L, sizeof(*v->blocks));
     v->prepared = calloc((size_t) (4 * L + 4), sizeof(*v->prepared));
     v->vecs = calloc((size_t) (10 * L + 5), sizeof(*v->vecs));
@@ -180,7 +211,10 @@ void vision_free(struct vision *v)
     for (int i = 0; v->prepared && i < v->n_prepared; i++)
         backend_weight_release(v->be, v->prepared[i]);
     for (int i = 0; v->vecs && i < v->n_vecs; i++)
-        free(v->vecs[i]);
+        if (v->dev)
+            backend_buf_free(v->be, v->vecs[i]);
+        else
+            free(v->vecs[i]);
     free(v->prepared);
     free(v->vecs);
     free(v->blocks);
@@ -281,6 +315,134 @@ static int view_attention(struct vision *v, const float *qkv, int64_t n, float *
     return 0;
 }
 
+/* ---- the device path (v->dev): the sequence of vision_encode on device buffers ---- */
+
+/* a stage of view i to the trace, through a host copy */
+static int trace_dev(struct vision *v, vision_trace_fn trace, void *arg, enum vision_stage st, int view,
+                     const float *x, int64_t rows, int cols)
+{
+    size_t bytes = (size_t) rows * cols * sizeof(float);
+    float *h = malloc(bytes ? bytes : 1);
+    int r;
+
+    if (!h)
+        return -ENOMEM;
+    r = backend_download(v->be, h, x, bytes);
+    if (r == 0)
+        r = backend_sync(v->be);
+    if (r == 0)
+        trace(arg, st, view, h, (int) rows, cols);
+    free(h);
+    return r;
+}
+
+static int encode_dev(struct vision *v, const struct vision_view *views, const struct vview *vv, int n,
+                      int64_t T, int64_t T1, int64_t T2, float *out, vision_trace_fn trace, void *trace_arg,
+                      struct err_buf *e)
+{
+    const struct vision_config *cf = &v->cfg;
+    const struct vision_dev_ops *d = v->dev;
+    struct backend *be = v->be;
+    int C = cf->width, P = cf->patch, I = cf->inter, H = cf->text_hidden;
+    int64_t K1 = 3 * (int64_t) P * P, xs = T * K1, rgb_max = 0;
+    enum { X, HS, A, QKV, O, M, D1, D2, Y, RGB, N_BUF };
+    void *buf[N_BUF] = {0};
+    int64_t bytes[N_BUF];
+    float *x, *h, *a, *qkv, *o, *m, *d1, *d2, *y;
+    uint8_t *rgb;
+    int r = 0;
+
+    xs = T1 * 9 * C > xs ? T1 * 9 * C : xs;
+    xs = T2 * 18 * C > xs ? T2 * 18 * C : xs;
+    for (int i = 0; i < n; i++)
+        rgb_max = (int64_t) views[i].size * views[i].size * 3 > rgb_max ? (int64_t) views[i].size * views[i].size * 3
+                                                                        : rgb_max;
+    bytes[X] = xs * 4; bytes[HS] = T * C * 4; bytes[A] = T * C * 4; bytes[QKV] = T * 3 * C * 4;
+    bytes[O] = T * C * 4; bytes[M] = T * I * 4; bytes[D1] = T1 * 2 * C * 4; bytes[D2] = T2 * 4 * C * 4;
+    bytes[Y] = T2 * H * 4; bytes[RGB] = rgb_max;
+    for (int i = 0; i < N_BUF && r == 0; i++)
+        r = backend_buf_alloc(be, (size_t) (bytes[i] > 0 ? bytes[i] : 1), 256, &buf[i]);
+    if (r < 0) {
+        err_set(e, r, "vision: %lld patches: no device memory for the activations: %s", (long long) T, err_str(r));
+        goto out;
+    }
+    x = buf[X]; h = buf[HS]; a = buf[A]; qkv = buf[QKV]; o = buf[O]; m = buf[M]; d1 = buf[D1]; d2 = buf[D2];
+    y = buf[Y]; rgb = buf[RGB];
+#define DO(call, what) do { \
+        r = (call); \
+        if (r < 0) { err_set(e, r, "vision: %s failed on backend '%s': %s", what, be->ops->name, err_str(r)); goto out; } \
+    } while (0)
+#define GEMM(w, in, rows, y_) DO(backend_matmul(be, (w), (in), (int) (rows), (y_)), "matmul")
+#define TRACE(st, i, p, rows, cols) do { \
+        if (trace) DO(trace_dev(v, trace, trace_arg, (st), (i), (p), (rows), (cols)), "trace"); \
+    } while (0)
+
+    /* patch embedding: each view's pixels up (one buffer, the stream orders the reuse) */
+    for (int i = 0; i < n; i++) {
+        DO(backend_upload(be, rgb, views[i].rgb, (size_t) views[i].size * views[i].size * 3), "upload");
+        DO(d->patchify(be, rgb, views[i].size, P, img_mean, img_std, x + vv[i].t0 * K1), "patchify");
+    }
+    GEMM(&v->conv1, x, T, h);
+    for (int i = 0; i < n; i++) {
+        DO(d->bilinear(be, v->pos, cf->grid, vv[i].g, C, h + vv[i].t0 * C, 1), "bilinear");
+        TRACE(VISION_PATCH_EMBED, i, h + vv[i].t0 * C, (int64_t) vv[i].g * vv[i].g, C);
+    }
+    DO(d->layernorm(be, h, v->ln_pre_g, v->ln_pre_b, T, C, LN_EPS, h), "layernorm");
+    for (int l = 0; l < cf->layers; l++) {
+        struct vblock *b = &v->blocks[l];
+
+        DO(d->layernorm(be, h, b->ln1_g, b->ln1_b, T, C, LN_EPS, a), "layernorm");
+        GEMM(&b->qkv, a, T, qkv);
+        DO(d->bias_act(be, qkv, b->qkv_b, T, 3 * C, 0), "bias");
+        for (int i = 0; i < n; i++) {
+            float *q = qkv + vv[i].t0 * 3 * C;
+            DO(d->rope2d(be, q, vv[i].g, 3 * C, cf->heads, cf->head_dim, ROPE_THETA), "rope2d");
+            DO(d->rope2d(be, q + C, vv[i].g, 3 * C, cf->heads, cf->head_dim, ROPE_THETA), "rope2d");
+            DO(d->attention(be, q, (int64_t) vv[i].g * vv[i].g, cf->heads, cf->head_dim, o + vv[i].t0 * C),
+               "attention");
+        }
+        GEMM(&b->out, o, T, a);
+        DO(d->scale_add(be, h, b->ls1, a, b->out_b, T, C), "layerscale");
+        DO(d->layernorm(be, h, b->ln2_g, b->ln2_b, T, C, LN_EPS, a), "layernorm");
+        GEMM(&b->fc, a, T, m);
+        DO(d->bias_act(be, m, b->fc_b, T, I, 1), "bias + quick-GELU");
+        GEMM(&b->proj, m, T, a);
+        DO(d->scale_add(be, h, b->ls2, a, b->proj_b, T, C), "layerscale");
+        if (l == 0)
+            for (int i = 0; i < n; i++)
+                TRACE(VISION_BLOCK0, i, h + vv[i].t0 * C, (int64_t) vv[i].g * vv[i].g, C);
+    }
+    for (int i = 0; i < n; i++)
+        TRACE(VISION_VIT, i, h + vv[i].t0 * C, (int64_t) vv[i].g * vv[i].g, C);
+    for (int i = 0; i < n; i++)
+        DO(d->im2col_s2(be, h + vv[i].t0 * C, vv[i].g, C, x + vv[i].t1 * 9 * C), "im2col");
+    GEMM(&v->ds1, x, T1, d1);
+    DO(d->bias_act(be, d1, v->ds1_b, T1, 2 * C, 0), "bias");
+    for (int i = 0; i < n; i++)
+        TRACE(VISION_DS1, i, d1 + vv[i].t1 * 2 * C, (int64_t) vv[i].g1 * vv[i].g1, 2 * C);
+    for (int i = 0; i < n; i++)
+        DO(d->im2col_s2(be, d1 + vv[i].t1 * 2 * C, vv[i].g1, 2 * C, x + vv[i].t2 * 18 * C), "im2col");
+    GEMM(&v->ds2, x, T2, d2);
+    DO(d->bias_act(be, d2, v->ds2_b, T2, 4 * C, 0), "bias");
+    for (int i = 0; i < n; i++)
+        TRACE(VISION_DS2, i, d2 + vv[i].t2 * 4 * C, (int64_t) vv[i].g2 * vv[i].g2, 4 * C);
+    GEMM(&v->projector, d2, T2, y);
+    DO(backend_download(be, out, y, (size_t) T2 * H * sizeof(float)), "download");
+    DO(backend_sync(be), "sync");
+    if (trace)
+        for (int i = 0; i < n; i++)
+            trace(trace_arg, VISION_PROJ, i, out + vv[i].t2 * H, vv[i].g2 * vv[i].g2, H);
+#undef TRACE
+#undef GEMM
+#undef DO
+out:
+    if (r < 0)
+        (void) backend_sync(be);    /* nothing queued may still use the buffers */
+    for (int i = 0; i < N_BUF; i++)
+        backend_buf_free(be, buf[i]);
+    return r;
+}
+
 int vision_encode(struct vision *v, const struct vision_view *views, int n, float *out,
                   vision_trace_fn trace, void *trace_arg, struct err_buf *e)
 {
@@ -314,6 +476,10 @@ int vision_encode(struct vision *v, const struct vision_view *views, int n, floa
         T1 += (int64_t) vv[i].g1 * vv[i].g1;
         T2 += (int64_t) vv[i].g2 * vv[i].g2;
         nmax = (int64_t) vv[i].g * vv[i].g > nmax ? (int64_t) vv[i].g * vv[i].g : nmax;
+    }
+    if (v->dev) {
+        r = encode_dev(v, views, vv, n, T, T1, T2, out, trace, trace_arg, e);
+        goto out;
     }
     {
         int64_t xs = T * K1;                                    /* patches, then im2col */

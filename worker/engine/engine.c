@@ -179,6 +179,7 @@ void engine_config_init(struct engine_config *cfg)
     cfg->max_waiting = 256;
     cfg->enable_prefix_caching = true;
     cfg->image_cache_entries = 16;
+    cfg->image_batch_views = 8;
 }
 
 void engine_request_init(struct engine_request *r)
@@ -225,6 +226,8 @@ static int check_config(struct engine_config *c, const struct forward *f, struct
                        "the vocabulary", c->vision->image_token_id);
     if (c->image_cache_entries < 0)
         return err_set(err, -EINVAL, "image_cache_entries: must be >= 0");
+    if (c->image_batch_views < 1)
+        return err_set(err, -EINVAL, "image_batch_views: must be >= 1");
     if (c->n_eos < 0 || c->n_eos > ENGINE_MAX_EOS)
         return err_set(err, -EINVAL, "eos_ids: %d ids (max %d)", c->n_eos, ENGINE_MAX_EOS);
     for (int i = 0; i < c->n_eos; i++)
@@ -819,58 +822,176 @@ static void icache_put(struct engine *e, const uint8_t key[32], const float *row
     lru->used = ++e->icache_tick;
 }
 
-/* Request r's image rows: from the cache by hash, else through the encoder (cached
- * after); the copies of the pixels are freed.  A sentence in msg on failure. */
-static int encode_request(struct engine *e, struct ereq *r, char *msg, size_t len)
+/* One image of a request new this step that the cache did not have: its rows go to
+ * r->img_emb from row off.  src < 0: encoded by this job; else the job with the same key
+ * earlier in the step, whose rows it takes. */
+struct enc_job {
+    struct ereq *r;
+    int image;                       /* index in r->images */
+    int64_t off;
+    int n;                           /* rows */
+    int n_views;
+    int src;
+    int rc;                          /* < 0: the encoder failed on it (why says how) */
+    char why[192];
+};
+
+static int image_rows(const struct engine_vision *v, const struct engine_image *im)
+{
+    int n = 0;
+    for (int j = 0; j < im->n_views; j++)
+        n += v->view_tokens(v->ctx, &im->views[j]);
+    return n;
+}
+
+/* One encoder call over the images of jobs idx[0..n): every view in order, then each
+ * job's rows to its request and the cache.  When a call of several images fails (or its
+ * buffers cannot be had) each image is encoded again alone, so a failure stays with the
+ * image that causes it. */
+static void encode_call(struct engine *e, struct enc_job *jobs, const int *idx, int n)
 {
     const struct engine_vision *v = e->cfg.vision;
     size_t H = (size_t) v->hidden;
+    struct err_buf eb = { { 0 } };
+    struct engine_view *views = NULL;
+    float *out = NULL;
     int64_t rows = 0;
-    int rc = 0;
+    int nv = 0, rc;
 
-    for (int i = 0; i < r->n_images; i++)
-        for (int j = 0; j < r->images[i].n_views; j++)
-            rows += v->view_tokens(v->ctx, &r->images[i].views[j]);
-    r->img_emb = malloc((size_t) (rows > 0 ? rows : 1) * H * sizeof(float));
-    if (!r->img_emb) {
-        snprintf(msg, len, "images: out of memory for %lld encoder rows", (long long) rows);
-        return -ENOMEM;
+    for (int i = 0; i < n; i++) {
+        rows += jobs[idx[i]].n;
+        nv += jobs[idx[i]].r->images[jobs[idx[i]].image].n_views;
     }
-    int64_t off = 0;
-    for (int i = 0; i < r->n_images && rc >= 0; i++) {
-        const struct engine_image *im = &r->images[i];
-        struct img_cache_ent *c = icache_find(e, im->sha256);
-        int n = 0;
-        for (int j = 0; j < im->n_views; j++)
-            n += v->view_tokens(v->ctx, &im->views[j]);
-        if (c && c->n_rows == n) {
-            memcpy(r->img_emb + off * H, c->rows, (size_t) n * H * sizeof(float));
-            e->n_img_hits++;
-        } else {
-            struct err_buf eb = { { 0 } };
-            rc = v->encode(v->ctx, im->views, im->n_views, r->img_emb + off * H, &eb);
-            if (rc < 0) {
-                snprintf(msg, len, "images[%d]: the vision encoder failed: %.180s", i, eb.msg);
-                break;
-            }
-            e->n_img_encodes++;
-            icache_put(e, im->sha256, r->img_emb + off * H, n);
+    if (n == 1) {
+        struct enc_job *j = &jobs[idx[0]];
+        const struct engine_image *im = &j->r->images[j->image];
+        out = j->r->img_emb + j->off * H;
+        rc = v->encode(v->ctx, im->views, im->n_views, out, &eb);
+        if (rc < 0) {
+            j->rc = rc;
+            snprintf(j->why, sizeof(j->why), "%.180s", eb.msg);
+            return;
         }
-        off += n;
+        e->n_img_encodes++;
+        icache_put(e, im->sha256, out, j->n);
+        return;
     }
-    images_free(r->images, r->n_images);
-    r->images = NULL;
-    r->n_images = 0;
-    return rc;
+    views = malloc((size_t) nv * sizeof(*views));
+    out = malloc((size_t) rows * H * sizeof(float));
+    rc = views && out ? 0 : -ENOMEM;
+    nv = 0;
+    for (int i = 0; rc == 0 && i < n; i++) {
+        const struct engine_image *im = &jobs[idx[i]].r->images[jobs[idx[i]].image];
+        memcpy(views + nv, im->views, (size_t) im->n_views * sizeof(*views));
+        nv += im->n_views;
+    }
+    if (rc == 0)
+        rc = v->encode(v->ctx, views, nv, out, &eb);
+    if (rc < 0) {
+        free(views);
+        free(out);
+        for (int i = 0; i < n; i++)
+            encode_call(e, jobs, idx + i, 1);
+        return;
+    }
+    rows = 0;
+    for (int i = 0; i < n; i++) {
+        struct enc_job *j = &jobs[idx[i]];
+        float *dst = j->r->img_emb + j->off * H;
+        memcpy(dst, out + rows * H, (size_t) j->n * H * sizeof(float));
+        rows += j->n;
+        e->n_img_encodes++;
+        icache_put(e, j->r->images[j->image].sha256, dst, j->n);
+    }
+    free(views);
+    free(out);
 }
 
-/* Encode the images of requests new to the step thread (before they are scheduled). */
+/* The rows of every image of the requests new to the step thread (before they are
+ * scheduled): from the cache by key, else through the encoder, the images of all these
+ * requests in calls of at most image_batch_views views (an image seen twice in the step is
+ * encoded once, the other counting as a cache hit; an image is never split over calls).
+ * The cap bounds the encoder's scratch, which grows with the patches of a call: about
+ * 195 MB per 728² view at full width, 1.6 GB at the default 8; one 728² view already
+ * gives the ViT's GEMMs 2704 rows, so more views a call gain little.  A request whose
+ * image failed ends with the encoder's sentence; the others go on.  The copies of the
+ * pixels are freed. */
 static void encode_new(struct engine *e)
 {
+    const struct engine_vision *v = e->cfg.vision;
+    size_t H = (size_t) v->hidden;
+    struct enc_job *jobs;
+    int *prim, n_jobs = 0, n_prim = 0, n_all = 0;
     char msg[256];
+
     for (struct ereq *r = e->live; r; r = r->live_next)
-        if (!r->done && r->n_images > 0 && encode_request(e, r, msg, sizeof(msg)) < 0)
+        if (!r->done && r->n_images > 0)
+            n_all += r->n_images;
+    if (n_all == 0)
+        return;
+    jobs = calloc((size_t) n_all, sizeof(*jobs));
+    prim = calloc((size_t) n_all, sizeof(*prim));
+    for (struct ereq *r = e->live; r; r = r->live_next) {
+        if (r->done || r->n_images == 0)
+            continue;
+        int64_t rows = 0;
+        for (int i = 0; i < r->n_images; i++)
+            rows += image_rows(v, &r->images[i]);
+        r->img_emb = malloc((size_t) (rows > 0 ? rows : 1) * H * sizeof(float));
+        if (!r->img_emb || !jobs || !prim) {
+            snprintf(msg, sizeof(msg), "images: out of memory for %lld encoder rows", (long long) rows);
             finish(e, r, ENGINE_FINISH_ERROR, msg);
+            continue;
+        }
+        int64_t off = 0;
+        for (int i = 0; i < r->n_images; i++) {
+            const struct engine_image *im = &r->images[i];
+            struct img_cache_ent *c = icache_find(e, im->sha256);
+            int n = image_rows(v, im), src = -1;
+            if (c && c->n_rows == n) {
+                memcpy(r->img_emb + off * H, c->rows, (size_t) n * H * sizeof(float));
+                e->n_img_hits++;
+                off += n;
+                continue;
+            }
+            for (int k = 0; k < n_prim && src < 0; k++) {
+                struct enc_job *p = &jobs[prim[k]];
+                if (p->n == n && memcmp(p->r->images[p->image].sha256, im->sha256, 32) == 0)
+                    src = prim[k];
+            }
+            jobs[n_jobs] = (struct enc_job){ .r = r, .image = i, .off = off, .n = n,
+                                             .n_views = im->n_views, .src = src };
+            if (src < 0)
+                prim[n_prim++] = n_jobs;
+            n_jobs++;
+            off += n;
+        }
+    }
+    for (int k = 0; k < n_prim;) {
+        int nv = jobs[prim[k]].n_views, m = 1;
+        while (k + m < n_prim && nv + jobs[prim[k + m]].n_views <= e->cfg.image_batch_views)
+            nv += jobs[prim[k + m++]].n_views;
+        encode_call(e, jobs, prim + k, m);
+        k += m;
+    }
+    for (int k = 0; k < n_jobs; k++) {
+        struct enc_job *j = &jobs[k], *s = j->src < 0 ? j : &jobs[j->src];
+        if (s->rc < 0) {
+            snprintf(msg, sizeof(msg), "images[%d]: the vision encoder failed: %.180s", j->image, s->why);
+            finish(e, j->r, ENGINE_FINISH_ERROR, msg);
+        } else if (j != s) {
+            memcpy(j->r->img_emb + j->off * H, s->r->img_emb + s->off * H, (size_t) j->n * H * sizeof(float));
+            e->n_img_hits++;
+        }
+    }
+    for (struct ereq *r = e->live; r; r = r->live_next)
+        if (r->n_images > 0) {
+            images_free(r->images, r->n_images);
+            r->images = NULL;
+            r->n_images = 0;
+        }
+    free(jobs);
+    free(prim);
 }
 
 static void expire_and_abort(struct engine *e, int64_t now)

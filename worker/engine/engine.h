@@ -119,9 +119,12 @@ struct engine_config {
      * Request timings (engine_timings) stay on engine_now_usec(). */
     struct clk_src clock;
     /* the vision encoder (NULL: none; requests with images are refused) and how many
-     * images' encoder outputs the engine keeps by content hash (LRU; default 16, 0 = none) */
+     * images' encoder outputs the engine keeps by content hash (LRU; default 16, 0 = none);
+     * image_batch_views: the most views of one encoder call over the images new in a step
+     * (default 8; an image with more views goes alone) */
     const struct engine_vision *vision;
     int image_cache_entries;
+    int image_batch_views;
 };
 
 void engine_config_init(struct engine_config *cfg);

@@ -105,6 +105,15 @@ int kcu_rmsnorm(struct cuda_ctx *c, const float *x, const struct bweight *w, int
 // out[i] = swiglu(gu[i][0..I), gu[i][I..2I)) for gu [rows, 2I] BF16 -> out [rows, I] BF16
 int kcu_swiglu_fused(struct cuda_ctx *c, const bf16 *gu, int rows, int inter, float limit,
                      bf16 *out);
+// The dense MLP's gate+up projection with SwiGLU in its epilogue (one node in place of a
+// GEMM and kcu_swiglu_fused): act [rows, inter] BF16 = swiglu(x · gateᵀ, x · upᵀ) for the
+// fused weight gu [2 inter, hidden] (gate rows, then up rows) and x [rows, hidden] BF16,
+// FP32 sums; for few rows (decode), when kcu_gu_swiglu_ok.
+#define KCU_GU_ROWS 32
+#define KCU_GU_TOKENS 8
+bool kcu_gu_swiglu_ok(int rows, int hidden);
+int kcu_gu_swiglu(struct cuda_ctx *c, const bf16 *gu, const bf16 *x, int rows, int hidden,
+                  int inter, float limit, bf16 *act);
 
 // ---- attention.cu ----
 // From the fused projection qkvg [rows, q_dim + 2 kv_dim + n_heads] (BF16): per-head

@@ -40,6 +40,9 @@ struct kcu_moe_args {
     const struct moe_plan_args *plan;   // or NULL: built by the router (kcu_moe_plan_take)
 };
 int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_args *a);
+// (token row, block of rows) counters of the combine in the down projection's epilogue
+// (cuda_ctx.d_combine_done); more, or more than KCU_ROUTER_GEMV_ROWS rows: moe_combine_kernel
+#define KCU_COMBINE_DONE_CAP 32768
 // The plan's buffers taken from the workspace, first of what kcu_moe takes (a->ids set):
 // for a router that builds the plan itself (kcu_router_gemv); pass it as a->plan.
 int kcu_moe_plan_take(struct cuda_ctx *c, const struct kcu_moe_args *a,

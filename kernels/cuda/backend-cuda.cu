@@ -499,7 +499,13 @@ static int cuda_init(struct backend *be, const struct backend_cfg *cfg)
         r = err_from_cuda(cudaMalloc((void **) &c->d_split_done, KCU_SPLIT_DONE_CAP * sizeof(int32_t)));
     if (r == 0)
         r = err_from_cuda(cudaMemset(c->d_split_done, 0, KCU_SPLIT_DONE_CAP * sizeof(int32_t)));
+    if (r == 0)
+        r = err_from_cuda(cudaMalloc((void **) &c->d_combine_done,
+                                     KCU_COMBINE_DONE_CAP * sizeof(int32_t)));
+    if (r == 0)
+        r = err_from_cuda(cudaMemset(c->d_combine_done, 0, KCU_COMBINE_DONE_CAP * sizeof(int32_t)));
     if (r < 0) {
+        cudaFree(c->d_combine_done);
         cudaFree(c->d_split_done);
         cudaFree(c->d_done);
         kcu_lt_free(c);
@@ -526,6 +532,7 @@ static void cuda_free_ctx(struct backend *be)
     kcu_lt_free(c);
     cudaFree(c->d_done);
     cudaFree(c->d_split_done);
+    cudaFree(c->d_combine_done);
     cudaFree(c->stage);
     cudaFree(c->ws);
     step_area_free(c);

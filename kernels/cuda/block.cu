@@ -5,7 +5,8 @@
 //   rmsnorm(x) -> a (BF16);  [q | k | v | g] = a · W_qkvg (one cuBLASLt GEMM over the
 //   fused weight);  qkv_prep: q/k norm, RoPE, k/v to the cache;  attention (flash) with
 //   the sigmoid gate on output;  x += att · W_oᵀ (cuBLASLt, beta = 1 into x) or out = ...
-// FFN half, dense:  rmsnorm -> a;  [gate | up] = a · W_gu;  swiglu;  x += act · W_downᵀ.
+// FFN half, dense:  rmsnorm -> a;  [gate | up] = a · W_gu;  swiglu;  x += act · W_downᵀ
+//   (up to KCU_GU_ROWS rows the gate+up projection and SwiGLU are one kernel, norm.cu).
 // FFN half, MoE:    rmsnorm -> a (BF16 for the experts, FP32 for the router as the
 //   checkpoint asks, need_fp32_gate);  router: logits = a32 · W_routerᵀ and the top-k in
 //   one kernel up to KCU_ROUTER_GEMV_ROWS rows, else an FP32 GEMM and the router kernel;
@@ -436,9 +437,14 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
         bf16 *act = (bf16 *) cuda_ws_take(c, (size_t) rows * I * 2);
         if (!gu || !act)
             return -ENOMEM;
-        r = kcu_gemm(c, rows, 2 * I, H, p->gu, KDT_BF16, a16, H, gu, KDT_BF16, 2 * I, false);
-        if (r == 0)
-            r = kcu_swiglu_fused(c, gu, rows, I, a->limit_dense, act);
+        if (kcu_gu_swiglu_ok(rows, H)) {
+            // decode: the gate+up projection with SwiGLU in its epilogue, one node
+            r = kcu_gu_swiglu(c, p->gu, a16, rows, H, I, a->limit_dense, act);
+        } else {
+            r = kcu_gemm(c, rows, 2 * I, H, p->gu, KDT_BF16, a16, H, gu, KDT_BF16, 2 * I, false);
+            if (r == 0)
+                r = kcu_swiglu_fused(c, gu, rows, I, a->limit_dense, act);
+        }
         if (r == 0)
             r = kcu_gemm(c, rows, H, I, wdev(w->down), KDT_BF16, act, I, y, KDT_F32, H, acc);
         if (r < 0)

@@ -106,6 +106,7 @@ struct cuda_ctx {
     bool lt_warned;         // a cuBLASLt heuristic miss was reported (gemm.cu)
     int32_t *d_done;        // device: blocks of router_gemv done (0 between launches)
     int32_t *d_split_done;  // device [KCU_SPLIT_DONE_CAP]: flash splits done, per (tile, KV head)
+    int32_t *d_combine_done;    // device [KCU_COMBINE_DONE_CAP]: MoE down blocks done (moe.cu)
     // MoE tables of the ffn halves are per layer (ffn_prepare); the op path builds one
     // table per call into the workspace
 };

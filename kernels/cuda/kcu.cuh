@@ -40,6 +40,9 @@ struct kcu_moe_args {
     const struct moe_plan_args *plan;   // or NULL: built by the router (kcu_moe_plan_take)
 };
 int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_args *a);
+// (token row, block of rows) counters of the combine in the down projection's epilogue
+// (cuda_ctx.d_combine_done); more, or more than KCU_ROUTER_GEMV_ROWS rows: moe_combine_kernel
+#define KCU_COMBINE_DONE_CAP 32768
 // The plan's buffers taken from the workspace, first of what kcu_moe takes (a->ids set):
 // for a router that builds the plan itself (kcu_router_gemv); pass it as a->plan.
 int kcu_moe_plan_take(struct cuda_ctx *c, const struct kcu_moe_args *a,
@@ -105,6 +108,15 @@ int kcu_rmsnorm(struct cuda_ctx *c, const float *x, const struct bweight *w, int
 // out[i] = swiglu(gu[i][0..I), gu[i][I..2I)) for gu [rows, 2I] BF16 -> out [rows, I] BF16
 int kcu_swiglu_fused(struct cuda_ctx *c, const bf16 *gu, int rows, int inter, float limit,
                      bf16 *out);
+// The dense MLP's gate+up projection with SwiGLU in its epilogue (one node in place of a
+// GEMM and kcu_swiglu_fused): act [rows, inter] BF16 = swiglu(x · gateᵀ, x · upᵀ) for the
+// fused weight gu [2 inter, hidden] (gate rows, then up rows) and x [rows, hidden] BF16,
+// FP32 sums; for few rows (decode), when kcu_gu_swiglu_ok.
+#define KCU_GU_ROWS 32
+#define KCU_GU_TOKENS 8
+bool kcu_gu_swiglu_ok(int rows, int hidden);
+int kcu_gu_swiglu(struct cuda_ctx *c, const bf16 *gu, const bf16 *x, int rows, int hidden,
+                  int inter, float limit, bf16 *act);
 
 // ---- attention.cu ----
 // From the fused projection qkvg [rows, q_dim + 2 kv_dim + n_heads] (BF16): per-head

@@ -5,8 +5,10 @@
 //  2. mx4_gemm<GATE_UP>: for every work item and block of rows, act[p] = swiglu(gate·x,
 //     up·x) with the clamps, both projections in one pass over the item's tokens;
 //  3. mx4_gemm<DOWN>: y[p] = w_route[p] · down·act[p] (routing weight in the epilogue);
-//  4. moe_combine: out[t] += sum over the token's local pairs in slot order (fixed order:
-//     the result does not depend on scheduling).
+//  4. the combine: out[t] += sum over the token's local pairs in slot order (fixed order:
+//     the result does not depend on scheduling).  Up to KCU_ROUTER_GEMV_ROWS rows it runs
+//     in the down projection's epilogue: per token and block of rows, the last block to
+//     write its y (a counter, reset by that block) adds them up; else moe_combine_kernel.
 // One launch per step for all local experts of the layer; nothing returns to the host.
 //
 // mx4_gemm: a warp owns 16 weight rows (one mx4 row tile) and all of the item's tokens
@@ -34,6 +36,9 @@ struct mx4_args {
     const void *x;
     int ldx;
     const float *route_w;                       // MX_DOWN: weights by slot
+    float *out;                                 // MX_DOWN: combine into out, or NULL
+    const int32_t *slot_pair;                   // MX_DOWN with out
+    int32_t *done;                              // MX_DOWN with out: [n_rows][gridDim.y]
     float limit;                                // MX_GATE_UP
     void *y;
     int ldy;
@@ -81,6 +86,49 @@ static __device__ __forceinline__ void mx4_a_regs(uint32_t w, const uint32_t sp[
 static __device__ __forceinline__ uint32_t u4_at(const uint4 &v, int j)
 {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// The combine in the down projection's epilogue: this block's rows [16 WB blockIdx.y, +16
+// WB) of y are written for its cnt pairs; per pair's token, the block that writes last
+// (done[t][blockIdx.y] reaches the token's local pairs) adds the token's y rows in slot
+// order to out (as moe_combine_kernel) and resets the counter for the next launch.
+// last: CH ints of shared memory no longer read.
+template <int WB>
+static __device__ __forceinline__ void mx4_combine(const struct mx4_args &a, int p0, int cnt,
+                                                   int32_t *last)
+{
+    const int row0 = blockIdx.y * WB * 16;
+    const int nrows = min(WB * 16, a.rows - row0);
+    __threadfence();            // this block's y before its counts
+    __syncthreads();
+    for (int i = threadIdx.x; i < cnt; i += WB * 32) {
+        const int t = a.pair_slot[p0 + i] / a.top_k;
+        int np = 0;
+        for (int k = 0; k < a.top_k; k++)
+            np += a.slot_pair[(int64_t) t * a.top_k + k] >= 0;
+        int32_t *d = a.done + (int64_t) t * gridDim.y + blockIdx.y;
+        const bool l = atomicAdd(d, 1) == np - 1;
+        if (l)
+            *d = 0;
+        last[i] = l ? t : -1;
+    }
+    __syncthreads();
+    __threadfence();            // the other blocks' y after their counts
+    const volatile uint16_t *y = (const volatile uint16_t *) a.y;
+    for (int i = 0; i < cnt; i++) {
+        const int t = last[i];
+        if (t < 0)
+            continue;
+        for (int r = threadIdx.x; r < nrows; r += WB * 32) {
+            float s = 0.0f;
+            for (int k = 0; k < a.top_k; k++) {
+                const int p = a.slot_pair[(int64_t) t * a.top_k + k];
+                if (p >= 0)
+                    s += bf16_to_f32(y[(int64_t) p * a.ldy + row0 + r]);
+            }
+            a.out[(int64_t) t * a.ldy + row0 + r] += s;
+        }
+    }
 }
 
 template <int NT, int D, int WB, int MODE, typename TX>
@@ -233,12 +281,11 @@ mx4_gemm(const struct mx4_args a)
                 }
         }
     }
-    if (!active)
-        return;
-
     // epilogue: acc[m][t][2h + c] = (row 16rt + lane/4 + 8h, token 8t + 2(lane%4) + c)
 #pragma unroll
     for (int t = 0; t < NT; t++) {
+        if (!active)
+            break;
 #pragma unroll
         for (int c = 0; c < 2; c++) {
             const int tok = t * 8 + 2 * (lane % 4) + c;
@@ -266,6 +313,8 @@ mx4_gemm(const struct mx4_args a)
             }
         }
     }
+    if (MODE == MX_DOWN && a.out)
+        mx4_combine<WB>(a, p0, cnt, rowsrc);
 }
 
 // The kernel's shape for up to m tokens per item: NT n8 tiles, D k-tiles per stage, WB warps.
@@ -459,8 +508,16 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
     d.route_w = a->wts;
     d.y = y;
     d.ldy = a->hidden;
+    // the combine in the down projection's epilogue: a counter per token and block of rows
+    const int64_t row_blocks = (mx4_rows_padded(a->hidden) / 16 + mx4_shape_for(m).wb - 1) /
+                               mx4_shape_for(m).wb;
+    if (a->n_rows <= KCU_ROUTER_GEMV_ROWS && a->n_rows * row_blocks <= KCU_COMBINE_DONE_CAP) {
+        d.out = a->out;
+        d.slot_pair = slot_pair;
+        d.done = c->d_combine_done;
+    }
     r = mx4_dispatch<MX_DOWN, bf16>(c, d, m, items_max);
-    if (r < 0)
+    if (r < 0 || d.out)
         return r;
 
     dim3 grid(a->n_rows, cuda_blocks((size_t) a->hidden / 2, 256));

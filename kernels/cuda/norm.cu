@@ -1,9 +1,11 @@
 // norm.cu - Gemma RMSNorm y = x * rsqrt(mean(x^2) + eps) * (1 + w), one block per row, for
 // the op (FP32 in and out, y may alias x) and for the fused halves (BF16 and/or FP32 out);
-// the SwiGLU of a fused [gate | up] projection.
+// the SwiGLU of a fused [gate | up] projection, and for few rows that projection with the
+// SwiGLU in its epilogue (kcu_gu_swiglu).
 #include "common.cuh"
 #include "cuda.h"
 #include "kcu.cuh"
+#include "mma.cuh"
 
 static inline __device__ float norm_w(int f32, const void *w, int i)
 {
@@ -70,5 +72,74 @@ int kcu_swiglu_fused(struct cuda_ctx *c, const bf16 *gu, int rows, int inter, fl
     if (n == 0)
         return 0;
     swiglu_fused_kernel<<<cuda_blocks(n, 256), 256, 0, c->stream>>>(gu, rows, inter, limit, out);
+    return CUDA_LAUNCH_CHECK();
+}
+
+// sum over 8 BF16 pairs of two 16-byte words, FP32
+static __device__ __forceinline__ float dot8_bf16(const uint4 &a, const uint4 &b)
+{
+    const uint32_t wa[4] = { a.x, a.y, a.z, a.w }, wb[4] = { b.x, b.y, b.z, b.w };
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        s += __uint_as_float(wa[i] << 16) * __uint_as_float(wb[i] << 16) +
+             __uint_as_float(wa[i] & 0xffff0000u) * __uint_as_float(wb[i] & 0xffff0000u);
+    return s;
+}
+
+// act[t, j] = swiglu(gate[j] · x[t], up[j] · x[t]) from the FP32 sums: a warp per output
+// column j (gate row j and up row inter + j of gu), lanes over k, 16 bytes a load; the
+// block's tokens are 8 rows of x (blockIdx.y), each weight word used for all of them.
+static __global__ void gu_swiglu_kernel(const bf16 *gu, const bf16 *x, int rows, int hidden,
+                                        int inter, float limit, bf16 *act)
+{
+    const int lane = threadIdx.x & 31;
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * KCU_GU_TOKENS, nt = min(KCU_GU_TOKENS, rows - t0);
+    if (j >= inter)
+        return;
+    const bf16 *wg = gu + (int64_t) j * hidden, *wu = gu + (int64_t) (inter + j) * hidden;
+    const bf16 *xb = x + (int64_t) t0 * hidden;
+    float g[KCU_GU_TOKENS], u[KCU_GU_TOKENS];
+#pragma unroll
+    for (int t = 0; t < KCU_GU_TOKENS; t++)
+        g[t] = u[t] = 0.0f;
+    for (int k = lane * 8; k < hidden; k += 256) {
+        const uint4 a = ldg16(wg + k), b = ldg16(wu + k);
+#pragma unroll
+        for (int t = 0; t < KCU_GU_TOKENS; t++) {
+            if (t >= nt)
+                break;
+            const uint4 xv = *(const uint4 *) (xb + (int64_t) t * hidden + k);
+            g[t] += dot8_bf16(a, xv);
+            u[t] += dot8_bf16(b, xv);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < KCU_GU_TOKENS; t++) {
+        if (t >= nt)
+            break;
+        const float gs = warp_sum(g[t]), us = warp_sum(u[t]);
+        if (lane == t)
+            act[(int64_t) (t0 + t) * inter + j] = __float2bfloat16_rn(swiglu1(gs, us, limit));
+    }
+}
+
+bool kcu_gu_swiglu_ok(int rows, int hidden)
+{
+    return rows > 0 && rows <= KCU_GU_ROWS && hidden % 8 == 0;
+}
+
+int kcu_gu_swiglu(struct cuda_ctx *c, const bf16 *gu, const bf16 *x, int rows, int hidden,
+                  int inter, float limit, bf16 *act)
+{
+    const int warps = 4;
+
+    if (!kcu_gu_swiglu_ok(rows, hidden))
+        return -EINVAL;
+    if (inter == 0)
+        return 0;
+    dim3 grid(cuda_blocks((size_t) inter, warps), (rows + KCU_GU_TOKENS - 1) / KCU_GU_TOKENS);
+    gu_swiglu_kernel<<<grid, warps * 32, 0, c->stream>>>(gu, x, rows, hidden, inter, limit, act);
     return CUDA_LAUNCH_CHECK();
 }

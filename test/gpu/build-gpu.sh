@@ -12,7 +12,7 @@
 # looks in $ORIGIN, then in this toolkit's lib64 (the device's toolkit comes first through
 # LD_LIBRARY_PATH, which device-check.sh sets from its probe).
 # Builds in OUT_DIR: libstepd-cuda.so (sm_90a + sm_80, as meson does), test-cuda-host,
-# test-cuda-guard, test-cuda-ops, test-cuda-logits, bench-cuda, test-comm-nccl when nccl.h
+# test-cuda-guard, test-cuda-ops, test-cuda-logits, test-cuda-vision, bench-cuda, test-comm-nccl when nccl.h
 # is found, and stepd-mkmodel when tools/mkmodel.c is in the tree.  Sources are taken by
 # directory (common/, kernels/, worker/model/), so the list follows the tree; objects
 # compile in parallel (nproc jobs).
@@ -93,6 +93,7 @@ $CC "${cflags[@]}" -I"$root/test" -I"$root/kernels/cuda" -I"$root/worker/comm" \
     -o "$out/test-cuda-guard" "$root/test/gpu/test-cuda-guard.c" -lpthread
 prog test-cuda-ops "$root/test/gpu/test-cuda-ops.c"
 prog test-cuda-logits "$root/test/gpu/test-cuda-logits.c"
+prog test-cuda-vision "$root/test/gpu/test-cuda-vision.c"
 prog bench-cuda "$root/test/gpu/bench-cuda.c"
 # the NCCL communicator's GPU test (libnccl is opened with dlopen at run time: only nccl.h,
 # from the toolkit or $NCCL_INC, is needed here)

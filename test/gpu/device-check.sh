@@ -7,7 +7,8 @@
 #     built here by prepare-carry.sh when their fingerprint matches, else a build there)
 #     -> host checks -> every op against the CPU backend -> the NCCL communicator on the
 #     compute stream, graph-captured -> the tiny model's logits -> greedy tokens (exact path
-#     token for token, fast path margin-aware);
+#     token for token, fast path margin-aware) -> the vision encoder's ops and the tiny tower
+#     against the CPU encoder;
 #   device-check.sh 2     figures, cap 405 s (timeout_s 420): probe -> binaries -> a
 #     synthetic full-width checkpoint (3 layers + 1 MTP layer) -> bench-cuda (MoE decode
 #     with realistic routing at batch 1/8/32/64 over 288 experts, attention at 4k/32k, the
@@ -177,6 +178,8 @@ if [ "$call" = 1 ]; then
         STEPD_CUDA_NO_GRAPHS=1 '$B/test-cuda-logits' models/tiny-step fast --steps 3 &&
         '$B/test-cuda-logits' models/tiny-step exact --steps 3"
     stage tiny-greedy 70 sh test/gpu/run-greedy.sh "$B/test-cuda-logits" models/tiny-step
+    # the vision encoder's device ops and the tiny tower on CUDA against the CPU encoder
+    stage vision 25 sh -c "'$B/test-cuda-vision' ops && '$B/test-cuda-vision' tower models/tiny-step 728 504 140"
 else
     syn=$W/syn3
     if [ -z "${GPU_NAME:-}" ]; then

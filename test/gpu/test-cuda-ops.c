@@ -18,9 +18,9 @@
 
 #include "backend.h"
 #include "harness.h"
+#include "gpu-test.h"
 
-static struct backend *cpu, *gpu;
-static uint64_t rng;
+static struct backend *cpu;
 static bool fast;           /* the tensor-core path (not mxfp4_exact) */
 
 /* tolerances: the FP32 op path, or BF16 activations on the tensor-core path */
@@ -34,47 +34,11 @@ static bool fast;           /* the tensor-core path (not mxfp4_exact) */
  * above the former flat 2e-2 */
 #define TOL_MX4_GEMM(k) (4e-2 * sqrt((k) / 96.0))
 
-static float frand(void)
-{
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return (float)((rng >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f;
-}
-
 static uint16_t bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
-static float *rnd(size_t n, float scale)
-{
-    float *p = malloc(n * sizeof(float));
-    ASSERT_TRUE(p);
-    for (size_t i = 0; i < n; i++)
-        p[i] = frand() * scale;
-    return p;
-}
-
-/* device copy of host floats */
-static void *dup_dev(const void *h, size_t bytes)
-{
-    void *d;
-    ASSERT_OK(backend_buf_alloc(gpu, bytes, 256, &d));
-    ASSERT_OK(backend_upload(gpu, d, h, bytes));
-    return d;
-}
-
-/* a device buffer of NaNs (all bits set): an output the op must write completely */
-static void *poisoned(size_t bytes)
-{
-    void *d, *h = malloc(bytes);
-    ASSERT_TRUE(h);
-    memset(h, 0xFF, bytes);
-    d = dup_dev(h, bytes);
-    ASSERT_OK(backend_sync(gpu));
-    free(h);
-    return d;
 }
 
 static void compare(const char *what, const float *ref, const void *dev, size_t n, double tol)

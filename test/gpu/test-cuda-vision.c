@@ -28,50 +28,15 @@
 
 #include "backend.h"
 #include "harness.h"
+#include "gpu-test.h"
 #include "loader.h"
 #include "vision-dev.h"
 #include "vision-ops.h"
 #include "vision.h"
 
-static struct backend *cpu, *gpu;
+static struct backend *cpu;
 static const struct vision_dev_ops *dev;
-static uint64_t rng;
 static bool fast;
-
-static float frand(void)
-{
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return (float)((rng >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f;
-}
-
-static float *rnd(size_t n, float scale)
-{
-    float *p = malloc((n ? n : 1) * sizeof(float));
-    ASSERT_TRUE(p);
-    for (size_t i = 0; i < n; i++)
-        p[i] = frand() * scale;
-    return p;
-}
-
-static void *dup_dev(const void *h, size_t bytes)
-{
-    void *d;
-    ASSERT_OK(backend_buf_alloc(gpu, bytes ? bytes : 1, 256, &d));
-    if (bytes)
-        ASSERT_OK(backend_upload(gpu, d, h, bytes));
-    return d;
-}
-
-static void *poisoned(size_t bytes)
-{
-    void *d, *h = malloc(bytes ? bytes : 1);
-    ASSERT_TRUE(h);
-    memset(h, 0xFF, bytes);
-    d = dup_dev(h, bytes);
-    ASSERT_OK(backend_sync(gpu));
-    free(h);
-    return d;
-}
 
 /* max |got - ref| / max(1, max |ref|): the error relative to the output's scale */
 static double max_err(const float *ref, const float *got, size_t n)

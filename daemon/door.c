@@ -241,20 +241,39 @@ static json_t *door_body(struct http_req *hr, char *msg, size_t len)
     return o;
 }
 
-struct request *door_request(struct coord *co, struct http_req *hr, const char *const *names, door_conv_fn conv,
-                             void *arg, void (*error)(struct http_req *hr, int rpc, const char *msg))
+/* A request whose http(s) image URLs are being fetched (door_serve): parsed again when they are. */
+struct door_fetch {
+    struct coord *co;
+    struct http_req *hr;            /* NULL: the client went away */
+    const char *const *names;
+    const struct door_serve *s;
+    json_t *body;                   /* kept from the first parse */
+    struct media_fetch *f;          /* started by door_images_take; fetched once done has run */
+};
+
+/* hr's request (door_serve): body (owned; NULL: hr's) converted by conv; or NULL when
+ * refused and answered, or when fx's fetch started (nothing answered, the body kept in
+ * fx->body for the second parse). */
+static struct request *request_parse(struct coord *co, struct http_req *hr, json_t *body, const char *const *names,
+                                     door_conv_fn conv, void *arg, struct door_fetch *fx,
+                                     void (*error)(struct http_req *hr, int rpc, const char *msg))
 {
     struct request *in = request_new(names);
-    json_t *body = NULL;
     char msg[768] = "";
     int r = -ENOMEM;
 
-    if (in && (body = door_body(hr, msg, sizeof(msg))) == NULL)
+    if (in && !body && (body = door_body(hr, msg, sizeof(msg))) == NULL)
         r = -EINVAL;
-    else if (in && (r = conv(co, body, in, arg, msg, sizeof(msg))) == 0 &&
+    else if (in && (r = conv(co, body, in, arg, fx, msg, sizeof(msg))) == 0 &&
              (co->o.model_name || co->model.known) && !model_known(co, in->model)) {
         snprintf(msg, sizeof(msg), "model: \"%.64s\" is not served here (GET /v1/models lists the names)", in->model);
         r = -ENOENT;
+    }
+    if (fx && fx->f && !fx->body) {
+        /* the first parse reached the images, which are being fetched: the second one serves */
+        fx->body = body;
+        request_free(in);
+        return NULL;
     }
     json_decref(body);
     if (r == 0)
@@ -268,6 +287,67 @@ struct request *door_request(struct coord *co, struct http_req *hr, const char *
         request_free(in);
     error(hr, r == -ENOMEM ? RPC_INTERNAL : r == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, msg);
     return NULL;
+}
+
+/* One parse of fx's request with a fresh ud: served (s->ready), or refused and answered, or
+ * (the first parse only) its image URLs being fetched. */
+static void serve_parse(struct door_fetch *fx, json_t *body)
+{
+    const struct door_serve *s = fx->s;
+    void *ud = s->ud_new();
+    struct request *in;
+
+    if (!ud) {
+        json_decref(body);
+        s->error(fx->hr, RPC_INTERNAL, "out of memory");
+        return;
+    }
+    if ((in = request_parse(fx->co, fx->hr, body, fx->names, s->conv, ud, fx, s->error)))
+        s->ready(fx->co, fx->hr, in, ud);
+    else
+        s->ud_free(ud);
+}
+
+static void fetch_closed(struct http_req *hr, bool completed, void *ud)
+{
+    struct door_fetch *fx = ud;
+
+    (void)hr, (void)completed;
+    fx->hr = NULL;
+    media_fetch_cancel(fx->f);
+}
+
+static void fetch_done(struct media_fetch *f, void *ud)
+{
+    struct door_fetch *fx = ud;
+
+    if (fx->hr) {
+        http_req_on_close(fx->hr, NULL, NULL);
+        serve_parse(fx, fx->body);
+    } else {
+        log_req_info("-", "dropped: the client went away while its image URLs were fetched");
+        json_decref(fx->body);
+    }
+    media_fetch_free(f);
+    free(fx);
+}
+
+void door_serve(struct coord *co, struct http_req *hr, const char *const *names, const struct door_serve *s)
+{
+    struct door_fetch *fx = calloc(1, sizeof(*fx));
+
+    if (!fx) {
+        s->error(hr, RPC_INTERNAL, "out of memory");
+        return;
+    }
+    *fx = (struct door_fetch){ .co = co, .hr = hr, .names = names, .s = s };
+    serve_parse(fx, NULL);
+    if (fx->f) {
+        /* held until fetch_done */
+        http_req_on_close(hr, fetch_closed, fx);
+        return;
+    }
+    free(fx);
 }
 
 int door_tool_choice_check(const struct coord *co, struct request *in, const char *field, char *msg, size_t len)
@@ -409,14 +489,21 @@ static void images_msg_rename(const struct door_images *im, const char *field, c
     }
 }
 
-int door_images_take(const struct coord *co, const struct door_images *im, const char *field, struct request *in,
-                     char *msg, size_t len)
+int door_images_take(struct coord *co, const struct door_images *im, struct door_fetch *fx, const char *field,
+                     struct request *in, char *msg, size_t len)
 {
     int r;
 
     if (!im->n)
         return 0;
-    r = media_chat_images(im->parts, co->tok, wpool_serves_images(co), NULL, in, msg, len);
+    if (fx && !fx->f) {
+        /* the first parse: the allowed http(s) URLs are fetched off the loop, if any */
+        if ((r = media_fetch_start(&co->loop, im->parts, fetch_done, fx, &fx->f)) < 0)
+            return r;
+        if (r > 0)
+            return -EINPROGRESS;
+    }
+    r = media_chat_images(im->parts, co->tok, wpool_serves_images(co), fx ? fx->f : NULL, in, msg, len);
     if (r == -EINVAL)
         images_msg_rename(im, field, msg, len);
     return r;

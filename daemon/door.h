@@ -93,17 +93,38 @@ struct door_gen {
 void door_submit(struct coord *co, struct http_req *hr, struct request *in, bool stream, const char *id_prefix,
                  const struct door_ops *ops, void *ud);
 
-/* What a door's parser fills in from the body: in's fields (door_common_fields among them)
- * and the door's own (arg).  0, -ENOMEM, -EINVAL or -ENOENT (a thing named is not there),
- * the reason in msg naming the field. */
-typedef int (*door_conv_fn)(struct coord *co, const json_t *body, struct request *in, void *arg, char *msg,
-                            size_t len);
+/* A request's http(s) image URLs being fetched (door_serve; door.c). */
+struct door_fetch;
 
-/* The request of hr's body (field names: names), converted by conv and its model checked;
- * or NULL when refused: counted, logged and answered through error (RPC_INVALID_ARGUMENT,
- * RPC_NOT_FOUND for -ENOENT and a model not served, RPC_INTERNAL). */
-struct request *door_request(struct coord *co, struct http_req *hr, const char *const *names, door_conv_fn conv,
-                             void *arg, void (*error)(struct http_req *hr, int rpc, const char *msg));
+/* What a door's parser fills in from the body: in's fields (door_common_fields among them)
+ * and the door's own (arg), its images taken by door_images_take with fx (door_serve's).
+ * 0, -ENOMEM, -EINVAL or -ENOENT (a thing named is not there), the reason in msg naming the
+ * field, or -EINPROGRESS from door_images_take (the parse stops: it runs again once
+ * fetched). */
+typedef int (*door_conv_fn)(struct coord *co, const json_t *body, struct request *in, void *arg,
+                            struct door_fetch *fx, char *msg, size_t len);
+
+/* How a door serves a request (door_serve): a fresh ud (ud_new) for each parse, conv
+ * filling in it and the request, ready taking both (owned from there), ud_free letting an
+ * unused one go; error answers in the door's shape. */
+struct door_serve {
+    door_conv_fn conv;
+    void *(*ud_new)(void);
+    void (*ud_free)(void *ud);
+    void (*ready)(struct coord *co, struct http_req *hr, struct request *in, void *ud);
+    void (*error)(struct http_req *hr, int rpc, const char *msg);
+};
+
+/* The request of hr's body (field names: names), converted by s->conv and its model
+ * checked, then served by s->ready; or refused: counted, logged and answered through
+ * s->error (RPC_INVALID_ARGUMENT, RPC_NOT_FOUND for -ENOENT and a model not served,
+ * RPC_INTERNAL).  As the chat door does, a request whose images hold http(s)
+ * URLs of --allowed-media-domains is parsed until its images are (door_images_take starts
+ * media_fetch_start on them), held while they are fetched off the loop (the client going
+ * away cancels the fetch: nothing is served, nothing leaks), and parsed again when they are,
+ * with a fresh request and ud and the fetched bytes (the parse is deterministic: the same
+ * images in the same order).  s lives as long as the program. */
+void door_serve(struct coord *co, struct http_req *hr, const char *const *names, const struct door_serve *s);
 
 /* A request's tools (the door's, converted) with tool_choice, checked alike on both doors:
  * a named tool must be one of them, required/named need tools and the tool-call parser.
@@ -135,10 +156,12 @@ struct door_images {
 /* One image part (image_url, an OpenAI image_url object: stolen) named at.  0 or -ENOMEM. */
 int door_image_add(struct door_images *im, const char *at, json_t *image_url);
 /* Each of im's images checked, decoded and preprocessed into in->images (media_chat_images),
- * its errors naming the door's part ("field" for the request's images together).  0,
- * -EINVAL with msg, or -ENOMEM. */
-int door_images_take(const struct coord *co, const struct door_images *im, const char *field, struct request *in,
-                     char *msg, size_t len);
+ * its errors naming the door's part ("field" for the request's images together).  With fx
+ * (door_serve's) the http(s) URLs of allowed hosts among them: on the first parse their
+ * fetch is started (-EINPROGRESS), on the second their bytes are taken; without fx such a
+ * URL is refused.  0, -EINPROGRESS, -EINVAL with msg, or -ENOMEM. */
+int door_images_take(struct coord *co, const struct door_images *im, struct door_fetch *fx, const char *field,
+                     struct request *in, char *msg, size_t len);
 void door_images_done(struct door_images *im);
 
 /* How a door's content parts read (door_parts_text): text_types carry "text"; image_type

@@ -90,6 +90,7 @@ static void m_error(struct http_req *hr, int rpc, const char *msg)
 
 struct msg_ud {
     bool thinking;              /* reasoning returned as thinking blocks */
+    bool stream;
 };
 
 static bool shown(const struct door_gen *g, size_t i)
@@ -493,7 +494,7 @@ static const char *const known_fields[] = {
 
 /* count: count_tokens's body (no max_tokens, no sampling). */
 static int body_conv(struct coord *co, const json_t *body, bool count, struct request *in, struct msg_ud *u,
-                     bool *stream, char *msg, size_t len)
+                     bool *stream, struct door_fetch *fx, char *msg, size_t len)
 {
     struct err_buf eb;
     const char *s = NULL;
@@ -575,7 +576,7 @@ static int body_conv(struct coord *co, const json_t *body, bool count, struct re
         if ((r = message_conv(x, i, in->messages, &im, msg, len)) < 0)
             break;
     if (r == 0)
-        r = door_images_take(co, &im, "messages", in, msg, len);
+        r = door_images_take(co, &im, fx, "messages", in, msg, len);
     door_images_done(&im);
     if (r < 0)
         return r;
@@ -588,55 +589,54 @@ static int body_conv(struct coord *co, const json_t *body, bool count, struct re
     return 0;
 }
 
-struct conv_arg {
-    bool count, stream;
-    struct msg_ud *u;
-};
-
-static int conv(struct coord *co, const json_t *body, struct request *in, void *arg, char *msg, size_t len)
+static int conv(struct coord *co, const json_t *body, struct request *in, void *arg, struct door_fetch *fx,
+                char *msg, size_t len)
 {
-    struct conv_arg *a = arg;
+    struct msg_ud *u = arg;
 
-    return body_conv(co, body, a->count, in, a->u, &a->stream, msg, len);
+    return body_conv(co, body, false, in, u, &u->stream, fx, msg, len);
+}
+
+/* count_tokens': the prompt only */
+static int count_conv(struct coord *co, const json_t *body, struct request *in, void *arg, struct door_fetch *fx,
+                      char *msg, size_t len)
+{
+    struct msg_ud *u = arg;
+
+    return body_conv(co, body, true, in, u, &u->stream, fx, msg, len);
+}
+
+static void *msg_ud_new(void)
+{
+    return calloc(1, sizeof(struct msg_ud));
+}
+
+static void msg_ready(struct coord *co, struct http_req *hr, struct request *in, void *ud)
+{
+    struct msg_ud *u = ud;
+
+    door_submit(co, hr, in, u->stream, "msg_", &msg_ops, u);
 }
 
 void messages_create(struct http_req *hr, void *ud)
 {
-    struct coord *co = ud;
-    struct msg_ud *u = calloc(1, sizeof(*u));
-    struct conv_arg a = { .u = u };
-    struct request *in;
+    static const struct door_serve serve = {
+        .conv = conv, .ud_new = msg_ud_new, .ud_free = free, .ready = msg_ready, .error = m_error,
+    };
 
-    if (!u) {
-        respond_error(hr, 500, "out of memory");
-        return;
-    }
-    if (!(in = door_request(co, hr, names(), conv, &a, m_error))) {
-        free(u);
-        return;
-    }
-    door_submit(co, hr, in, a.stream, "msg_", &msg_ops, u);
+    door_serve(ud, hr, names(), &serve);
 }
 
 /* The prompt's tokens, as the request would be rendered. */
-void messages_count_tokens(struct http_req *hr, void *ud)
+static void count_ready(struct coord *co, struct http_req *hr, struct request *in, void *ud)
 {
-    struct coord *co = ud;
-    struct msg_ud u;
-    struct conv_arg a = { .count = true, .u = &u };
-    struct request *in;
     struct tok_ids t = { 0 };
     struct err_buf eb;
     char msg[768] = "", *text = NULL, out[64];
     size_t n_image = 0;
     int e;
 
-    if (!co->tok) {
-        respond_error(hr, 503, "no tokenizer loaded (start stepd with --tokenizer)");
-        return;
-    }
-    if (!(in = door_request(co, hr, names(), conv, &a, m_error)))
-        return;
+    free(ud);
     e = request_validate_chat(co, in, msg, sizeof(msg));
     if (e >= 0)
         e = coord_chat_render(co, in, &text, msg, sizeof(msg));
@@ -654,4 +654,18 @@ void messages_count_tokens(struct http_req *hr, void *ud)
     snprintf(out, sizeof(out), "{\"input_tokens\":%zu}", t.n + n_image);
     tok_ids_done(&t);
     http_respond(hr, 200, "application/json", out, strlen(out), NULL);
+}
+
+void messages_count_tokens(struct http_req *hr, void *ud)
+{
+    static const struct door_serve serve = {
+        .conv = count_conv, .ud_new = msg_ud_new, .ud_free = free, .ready = count_ready, .error = m_error,
+    };
+    struct coord *co = ud;
+
+    if (!co->tok) {
+        respond_error(hr, 503, "no tokenizer loaded (start stepd with --tokenizer)");
+        return;
+    }
+    door_serve(co, hr, names(), &serve);
 }

@@ -694,7 +694,7 @@ static const char *const accepted[] = {
 };
 
 static int body_conv(struct coord *co, const json_t *body, struct request *in, struct resp_ud *u, bool *stream,
-                     char *msg, size_t len)
+                     struct door_fetch *fx, char *msg, size_t len)
 {
     struct err_buf eb;
     const char *key, *s = NULL;
@@ -822,7 +822,7 @@ static int body_conv(struct coord *co, const json_t *body, struct request *in, s
     u->im.url_field = ".image_url";
     u->im.detail_field = ".detail";
     if ((r = input_conv(v, in->messages, &u->im, msg, len)) < 0 ||
-        (r = door_images_take(co, &u->im, "input", in, msg, len)) < 0)
+        (r = door_images_take(co, &u->im, fx, "input", in, msg, len)) < 0)
         return r;
     if (!u->store || !store_on(co))
         door_images_done(&u->im);   /* not kept */
@@ -845,28 +845,33 @@ static int body_conv(struct coord *co, const json_t *body, struct request *in, s
     return 0;
 }
 
-static int conv(struct coord *co, const json_t *body, struct request *in, void *arg, char *msg, size_t len)
+static int conv(struct coord *co, const json_t *body, struct request *in, void *arg, struct door_fetch *fx,
+                char *msg, size_t len)
 {
     struct resp_ud *u = arg;
 
-    return body_conv(co, body, in, u, &u->stream, msg, len);
+    return body_conv(co, body, in, u, &u->stream, fx, msg, len);
+}
+
+static void *resp_ud_new(void)
+{
+    return calloc(1, sizeof(struct resp_ud));
+}
+
+static void resp_ready(struct coord *co, struct http_req *hr, struct request *in, void *ud)
+{
+    struct resp_ud *u = ud;
+
+    door_submit(co, hr, in, u->stream, "resp_", &resp_ops, u);
 }
 
 void responses_create(struct http_req *hr, void *ud)
 {
-    struct coord *co = ud;
-    struct resp_ud *u = calloc(1, sizeof(*u));
-    struct request *in;
+    static const struct door_serve serve = {
+        .conv = conv, .ud_new = resp_ud_new, .ud_free = resp_ud_free, .ready = resp_ready, .error = r_error,
+    };
 
-    if (!u) {
-        r_error(hr, RPC_INTERNAL, "out of memory");
-        return;
-    }
-    if (!(in = door_request(co, hr, names(), conv, u, r_error))) {
-        resp_ud_free(u);
-        return;
-    }
-    door_submit(co, hr, in, u->stream, "resp_", &resp_ops, u);
+    door_serve(ud, hr, names(), &serve);
 }
 
 /* GET /v1/responses/{id}; DELETE /v1/responses/{id}. */

@@ -236,6 +236,13 @@ void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const 
 extern int cpu_lowp512_off;
 void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                              int64_t ldy, int64_t r0, int64_t r1);
+/* Level vnni (matmul-nvfp4-vnni.c): NVFP4 through MXFP4's int8 path (activations quantised
+ * as cpu_qact_quantize does, into rowbuf, CPU_LOWP_BUF(cols) floats), where cols % 64 == 0;
+ * cpu_lowp_vnni_off nonzero (benchmarks) keeps the AVX-512 tiles above. */
+extern int cpu_lowp_vnni_off;
+bool cpu_nvfp4_vnni_fits(const struct bweight *w);
+void cpu_matmul_nvfp4_vnni_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                                int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
 /* the sum of 8 floats in lane order (the fused paths' accumulator, stored) */
 float cpu_lowp_hsum8(const float *f);
 /* weight_prepare of both: shapes the kernels need, and no E4M3 NaN code (-EINVAL) */

@@ -6,6 +6,7 @@
  *   - fast path: within 1e-5 of Σ|w·x| of each output (fp32 decode and FMA order); NVFP4
  *     at level vnni (matmul-nvfp4-vnni.c, int8 activations as MXFP4's fast path) within
  *     the activation rounding's bound Σ|w_i|·d_b(i)/2 (d_b = amax of x's 32-block / 127);
+ *     FP8 at level vnni with AVX-512 BF16 (matmul-fp8-bf16.c) within 2^-8 Σ|w·x| more;
  *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
  *   - an E4M3 NaN code is refused at weight_prepare. */
@@ -89,10 +90,17 @@ static double ref_dot(const struct bweight *w, int64_t o, const float *x, double
 }
 
 /* NVFP4 on the int8 path (level vnni, 64-column pairs): the bound of the activations'
- * rounding to int8 per 32-block, Σ |w_i| · d_b(i) / 2 */
+ * rounding to int8 per 32-block, Σ |w_i| · d_b(i) / 2; FP8 on the BF16 path (level vnni
+ * with AVX-512 BF16, 32-column multiples): the activations x scale rounded to BF16,
+ * 2^-8 Σ |w·x| */
 static bool int8_path(enum wfmt fmt, int64_t cols)
 {
     return fmt == WFMT_NVFP4 && cols % 64 == 0 && cpu_isa_has(CPU_ISA_VNNI);
+}
+
+static bool bf16_path(const struct bweight *w)
+{
+    return w->fmt == WFMT_FP8 && cpu_fp8_bf16_fits(w);
 }
 
 static double int8_bound(const struct bweight *w, int64_t o, const float *x)
@@ -108,9 +116,11 @@ static double int8_bound(const struct bweight *w, int64_t o, const float *x)
     return b;
 }
 
-static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int bc, int n, int nth)
+/* w (freed here) on both paths against the reference */
+static void check_matmul_w(struct bweight w, int n, int nth)
 {
-    struct bweight w = lowp_new(fmt, rows, cols, br, bc);
+    const enum wfmt fmt = w.fmt;
+    const int64_t rows = w.rows, cols = w.cols;
     struct backend *bx = kref_backend(nth, true), *bf = kref_backend(nth, false);
     float *x = malloc(sizeof(float) * (size_t)(n * cols));
     float *ye = malloc(sizeof(float) * (size_t)(n * rows)), *yf = malloc(sizeof(float) * (size_t)(n * rows));
@@ -129,6 +139,8 @@ static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int 
             double tol = 1e-5 * mag + 1e-30;
             if (int8_path(fmt, cols))
                 tol += int8_bound(&w, o, x + (int64_t)t * cols);
+            if (bf16_path(&w))
+                tol += 0x1p-8 * mag;
             if (fabs(f - ref) > tol)
                 FAIL("%s fast [%lldx%lld] t=%d row %lld: %.9g, reference %.9g (tolerance %g)",
                      fmt == WFMT_FP8 ? "fp8" : "nvfp4", (long long)rows, (long long)cols, t, (long long)o, f, ref, tol);
@@ -140,6 +152,25 @@ static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int 
     free(x);
     free(ye);
     free(yf);
+}
+
+static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int bc, int n, int nth)
+{
+    check_matmul_w(lowp_new(fmt, rows, cols, br, bc), n, nth);
+}
+
+/* every E4M3 code but NaN in an FP8 weight: row 0 only the subnormals and ±0 (the BF16
+ * path converts those through its table), rows 1-4 all codes */
+static void check_fp8_codes(int n)
+{
+    struct bweight w = lowp_new(WFMT_FP8, 6, 64, 2, 32);
+    uint8_t *q = (uint8_t *)w.data;
+
+    for (int c = 0; c < 64; c++)
+        q[c] = (uint8_t)((c & 7) | ((c & 8) << 4));
+    for (int i = 0; i < 256; i++)
+        q[64 + i] = (uint8_t)((i & 0x7f) == 0x7f ? 0 : i);
+    check_matmul_w(w, n, 1);
 }
 
 /* From AVX-512 on, the fast path's (row, token) sum does not depend on how many tokens
@@ -174,7 +205,8 @@ static void check_batch_invariant(enum wfmt fmt, int64_t rows, int64_t cols, int
 /* The MoE op with FP8 / NVFP4 experts: out += Σ weight · down(swiglu(gate x, up x)),
  * against the same computation from the fp64-decoded weights (within the fp32 rounding of
  * the intermediate activations, on the exact and the fast path; NVFP4's int8 path: 1 % of
- * Σ|terms|, the int8 rounding of x and of the intermediate activations) */
+ * Σ|terms|, the int8 rounding of x and of the intermediate activations; FP8's BF16 path
+ * likewise) */
 static void check_moe(enum wfmt fmt, int nth, bool exact)
 {
     const int H = 64, I = 64, E = 4, T = 3, K = 2;
@@ -216,7 +248,7 @@ static void check_moe(enum wfmt fmt, int nth, bool exact)
             }
         }
         for (int h = 0; h < H; h++)
-            if (fabs(out[t * H + h] - ref[h]) > (!exact && int8_path(fmt, H) ? 1e-2 : 1e-5) * mag[h] + 1e-12)
+            if (fabs(out[t * H + h] - ref[h]) > (!exact && (int8_path(fmt, H) || bf16_path(&ex[0].gate)) ? 1e-2 : 1e-5) * mag[h] + 1e-12)
                 FAIL("%s moe t=%d h=%d: %.9g, reference %.9g", fmt == WFMT_FP8 ? "fp8" : "nvfp4", t, h,
                      out[t * H + h], ref[h]);
     }
@@ -250,6 +282,8 @@ int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
     const enum cpu_isa level = kt_isa_require("lowp", CPU_ISA_SCALAR);
+    const struct bweight probe = { .fmt = WFMT_FP8, .rows = 1, .cols = 32, .blk_rows = 1, .blk_cols = 32 };
+    printf("test-lowp: FP8 fast path %s\n", bf16_path(&probe) ? "BF16 (vdpbf16ps)" : "fp32 activations");
     static const int64_t shapes[][4] = { { 1, 32, 1, 32 }, { 7, 96, 7, 16 }, { 64, 256, 32, 128 },
                                          { 128, 4096, 128, 128 }, { 33, 160, 11, 32 }, { 5, 48, 5, 16 },
                                          { 7, 128, 7, 64 }, { 200, 320, 8, 64 } };
@@ -268,6 +302,8 @@ int main(void)
                          1 + (int)((s + k) % 3));
             check_matmul(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, ns[k], 1 + (int)((s + k) % 3));
         }
+    for (size_t k = 0; k < ARRAY_SIZE(ns); k++)
+        check_fp8_codes(ns[k]);
     for (int exact = 0; exact < 2; exact++) {
         check_moe(WFMT_FP8, 2, exact);
         check_moe(WFMT_NVFP4, 1, exact);

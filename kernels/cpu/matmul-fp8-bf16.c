@@ -177,4 +177,12 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
     }
 }
 
+#else
+
+bool cpu_fp8_bf16_fits(const struct bweight *w)
+{
+    (void)w;
+    return false;
+}
+
 #endif

@@ -198,4 +198,12 @@ void cpu_matmul_nvfp4_vnni_rows(const struct bweight *w, const float *x, const i
     }
 }
 
+#else
+
+bool cpu_nvfp4_vnni_fits(const struct bweight *w)
+{
+    (void)w;
+    return false;
+}
+
 #endif

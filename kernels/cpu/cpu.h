@@ -231,9 +231,7 @@ void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const 
                            int n, float *y, int64_t ldy, int64_t r0, int64_t r1);
 /* AVX-512 (matmul-lowp512.c): the FP8 / NVFP4 fast path at every token count, the decode
  * fused into a 4-row x 5-token register-blocked GEMM; a (row, token) sum does not depend on
- * the token count.  x86-64 with CPU_ISA_AVX512 only; cpu_lowp512_off nonzero (benchmarks)
- * keeps the AVX2 dispatch above. */
-extern int cpu_lowp512_off;
+ * the token count.  x86-64 with CPU_ISA_AVX512 only. */
 void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                              int64_t ldy, int64_t r0, int64_t r1);
 /* Level vnni (matmul-nvfp4-vnni.c): NVFP4 through MXFP4's int8 path (activations quantised

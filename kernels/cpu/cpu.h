@@ -231,11 +231,22 @@ void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const 
                            int n, float *y, int64_t ldy, int64_t r0, int64_t r1);
 /* AVX-512 (matmul-lowp512.c): the FP8 / NVFP4 fast path at every token count, the decode
  * fused into a 4-row x 5-token register-blocked GEMM; a (row, token) sum does not depend on
- * the token count.  x86-64 with CPU_ISA_AVX512 only; cpu_lowp512_off nonzero (benchmarks)
- * keeps the AVX2 dispatch above. */
-extern int cpu_lowp512_off;
+ * the token count.  x86-64 with CPU_ISA_AVX512 only. */
 void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                              int64_t ldy, int64_t r0, int64_t r1);
+/* Level vnni (matmul-nvfp4-vnni.c): NVFP4 through MXFP4's int8 path (activations quantised
+ * as cpu_qact_quantize does, into rowbuf, CPU_LOWP_BUF(cols) floats), where cols % 64 == 0;
+ * cpu_lowp_vnni_off nonzero (benchmarks) keeps the AVX-512 tiles above. */
+extern int cpu_lowp_vnni_off;
+bool cpu_nvfp4_vnni_fits(const struct bweight *w);
+void cpu_matmul_nvfp4_vnni_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                                int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
+/* Level vnni on CPUs with AVX-512 BF16 (matmul-fp8-bf16.c): FP8 by vdpbf16ps, the block
+ * scale on the activations (rounded to BF16 in rowbuf), where cols and the scale blocks'
+ * width are multiples of 32; cpu_lowp_vnni_off nonzero keeps the AVX-512 tiles. */
+bool cpu_fp8_bf16_fits(const struct bweight *w);
+void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                              int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
 /* the sum of 8 floats in lane order (the fused paths' accumulator, stored) */
 float cpu_lowp_hsum8(const float *f);
 /* weight_prepare of both: shapes the kernels need, and no E4M3 NaN code (-EINVAL) */

@@ -23,8 +23,6 @@
 #include "cpu.h"
 #include "tensor.h"
 
-int cpu_lowp512_off;
-
 #if defined(__x86_64__)
 
 /* 20 accumulators + 4 decoded rows + 1 activation + the decode's constants fit the 32

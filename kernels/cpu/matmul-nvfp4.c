@@ -157,7 +157,11 @@ void cpu_matmul_nvfp4_rows(const struct bweight *w, const float *x, const int32_
                            int64_t ldy, int64_t r0, int64_t r1, bool exact, void *rowbuf)
 {
 #if defined(__x86_64__)
-    if (!exact && !cpu_lowp_fused_off && !cpu_lowp512_off && cpu_isa_has(CPU_ISA_AVX512)) {
+    if (!exact && !cpu_lowp_fused_off && cpu_nvfp4_vnni_fits(w)) {
+        cpu_matmul_nvfp4_vnni_rows(w, x, xidx, n, y, ldy, r0, r1, rowbuf);
+        return;
+    }
+    if (!exact && !cpu_lowp_fused_off && cpu_isa_has(CPU_ISA_AVX512)) {
         cpu_matmul_lowp512_rows(w, x, xidx, n, y, ldy, r0, r1);
         return;
     }

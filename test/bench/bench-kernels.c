@@ -21,8 +21,9 @@
  * tokens on each.  "cpu" is process CPU time / (wall x
  * threads): how much of the cores the run actually got.
  * First, with 1 thread, FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert at decode batch
- * 1, 4, 16 and 64 with realistic routing and at 4 and 16 tokens on one expert (the AVX2
- * dispatch and the one in use, 256 MiB of copies each, 3 interleaved rounds);
+ * 1, 4, 16 and 64 with realistic routing and at 4 and 16 tokens on one expert (the
+ * fp32-activation kernels and the dispatch in use, 256 MiB of copies each, 3 interleaved
+ * rounds);
  * STEPD_BENCH_FORMATS_ONLY=1 stops after that table.
  */
 #include <math.h>
@@ -537,7 +538,7 @@ static void bench_lowp_incache(struct backend *be, const char *const *names)
             mats_make(&ms, WFMT_MXFP4, ROWS, COLS, 1);
         else
             lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 1);
-        cpu_lowp512_off = side == 1 || side == 3;
+        cpu_lowp_vnni_off = side == 1 || side == 3;
         printf("  %-10s", names[side]);
         for (int k = 0; k < 4; k++) {
             double best = 1e9;
@@ -555,16 +556,16 @@ static void bench_lowp_incache(struct backend *be, const char *const *names)
         printf("\n");
         mats_free(&ms);
     }
-    cpu_lowp512_off = 0;
+    cpu_lowp_vnni_off = 0;
     free(x);
     free(y);
 }
 
 /* FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert projection: GB/s of weight bytes, %
  * of the read bandwidth probed in each rep, and that share as a fraction of MXFP4's.
- * FP8/NVFP4 "avx2" = the AVX2 dispatch (fused up to CPU_FUSED_MAX_N tokens, buffered
- * above; cpu_lowp512_off) and "new" = as dispatched (the AVX-512 tiles where the host has
- * them).  Rows "B=": decode batch B with realistic routing (routed_counts: each copy
+ * FP8/NVFP4 "f32" = the fp32-activation kernels (the AVX-512 tiles where the host has
+ * them, else the AVX2 dispatch; cpu_lowp_vnni_off) and "new" = as dispatched (NVFP4 on the
+ * int8 VNNI path where the host has level vnni).  Rows "B=": decode batch B with realistic routing (routed_counts: each copy
  * multiplies the tokens its expert got, 1-3 mostly); rows "n=": every token on one expert
  * (the dense worst case).  Rounds interleave every side; each figure is the median over
  * the rounds of the sweeps' medians. */
@@ -572,7 +573,7 @@ static void bench_lowp_formats(struct backend *be)
 {
     enum { ROUNDS = 3, ROWS = 1280, COLS = 4096, NCASE = 6 };
     static const int cases[NCASE] = { 1, 4, 16, 64, -4, -16 };     /* B (routed), -n (dense) */
-    static const char *names[] = { "mxfp4", "fp8 avx2", "fp8 new", "nvfp4 avx2", "nvfp4 new" };
+    static const char *names[] = { "mxfp4", "fp8 f32", "fp8 new", "nvfp4 f32", "nvfp4 new" };
     double gbs[NCASE][5][ROUNDS], pct[NCASE][5][ROUNDS];
 
     printf("  expert [1280,4096] per format, 1 thread, ISA %s, %d rounds interleaved (medians)\n",
@@ -585,7 +586,7 @@ static void bench_lowp_formats(struct backend *be)
                 mats_make(&ms, WFMT_MXFP4, ROWS, COLS, (int)((256u << 20) / mxfp4_bytes(ROWS, COLS)));
             else
                 lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 256);
-            cpu_lowp512_off = side == 1 || side == 3;
+            cpu_lowp_vnni_off = side == 1 || side == 3;
             int *cnt = malloc(sizeof(int) * (size_t)ms.count);
             for (int k = 0; k < NCASE; k++) {
                 double s;
@@ -604,7 +605,7 @@ static void bench_lowp_formats(struct backend *be)
             free(cnt);
             mats_free(&ms);
         }
-    cpu_lowp512_off = 0;
+    cpu_lowp_vnni_off = 0;
     for (int k = 0; k < NCASE; k++)
         for (int side = 0; side < 5; side++) {
             double g = bench_median(gbs[k][side], ROUNDS), p = bench_median(pct[k][side], ROUNDS);

@@ -10,9 +10,11 @@ struct nmat {
     int64_t rows, cols;
     double *w;          /* [rows, cols] */
     bool mxfp4;         /* stored MXFP4 on disk */
+    bool nvfp4;         /* stored NVFP4 on disk */
 };
 
 bool naive_int8_act;
+bool naive_nvfp4_int8;
 bool naive_bf16_kv;
 struct naive_trace *naive_trace;
 
@@ -130,6 +132,7 @@ static int get_lowp(struct ckpt *c, const char *base, struct nmat *m)
     snprintf(n2, sizeof(n2), "%s.weight_scale_2", base);
     if (ckpt_get(c, n2, &g) < 0)
         return -1;
+    m->nvfp4 = true;
     for (int64_t o = 0; o < m->rows; o++)
         for (int64_t i = 0; i < m->cols; i++) {
             uint8_t byte = ((const uint8_t *)w.data)[o * (m->cols / 2) + i / 2];
@@ -314,13 +317,15 @@ void naive_free(struct naive *nv)
     free(nv);
 }
 
-/* y[rows] = W x; with naive_int8_act, x of an MXFP4 W is first rounded the way the fast
- * kernel quantises activations (per 32-block, d = amax/127 in fp32, round to nearest) */
+/* y[rows] = W x; with naive_int8_act, x of an MXFP4 W (and with naive_nvfp4_int8 of an NVFP4
+ * W of a multiple of 64 columns: the CPU's int8 NVFP4 path, matmul-nvfp4-vnni.c) is first
+ * rounded the way the fast kernel quantises activations (per 32-block, d = amax/127 in
+ * fp32, round to nearest) */
 static void mv(const struct nmat *W, const double *x, double *y)
 {
     double *xq = NULL;
 
-    if (naive_int8_act && W->mxfp4) {
+    if (naive_int8_act && (W->mxfp4 || (naive_nvfp4_int8 && W->nvfp4 && W->cols % 64 == 0))) {
         xq = malloc(sizeof(double) * (size_t)W->cols);
         for (int64_t b = 0; b < W->cols / 32; b++) {
             float amax = 0, d, id;

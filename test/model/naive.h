@@ -14,6 +14,8 @@ struct naive;
 /* When set, activations entering MXFP4 matrices are rounded as the CPU fast path does
  * (int8 per 32-block), so the oracle models the fast path's arithmetic exactly. */
 extern bool naive_int8_act;
+/* with naive_int8_act: round NVFP4 matrices' activations too (the CPU's level-vnni path) */
+extern bool naive_nvfp4_int8;
 /* When set, post-RoPE k and v are rounded to BF16 (a BF16 KV cache). */
 extern bool naive_bf16_kv;
 

@@ -29,6 +29,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cpu-features.h"
 #include "gen.h"
 #include "harness.h"
 #include "kvplan.h"
@@ -40,6 +41,11 @@
  * left are values that a 1e-7 difference moves across an int8 rounding step. */
 #define TOL_FAST 2e-2
 #define TOL_FAST_MEAN 2e-4    /* mean-abs over all logits of the one-shot prefill */
+/* gen:nvfp4-all at level vnni: every trunk matrix (attention and lm_head too) takes int8
+ * activations, and a rounding step that a 1e-7 difference flips moves its small logits
+ * (max 0.97) further: measured mean 3.0e-4, max 1.0e-2 (without the oracle's int8
+ * rounding: 4.5e-3, 0.22) */
+#define TOL_FAST_MEAN_ALL_INT8 5e-4
 /* The model against itself (chunked/decode vs one-shot, same path).  BF16 GEMV and GEMM sum
  * in different orders (~1e-7); on the fast path such differences can move an activation
  * across an int8 rounding step, hence the looser bound there. */
@@ -60,7 +66,7 @@ static struct model *m;
 static struct naive *nv;
 static const struct model_config *cfg;
 static int V, H, K;
-static double tol, tol_self;
+static double tol, tol_self, tol_mean = TOL_FAST_MEAN;
 static double worst_trunk, worst_mtp, worst_self;
 static float *self_ref;      /* the model's one-shot logits of X[0] (all positions) */
 static const int32_t *self_x;
@@ -142,7 +148,7 @@ static void test_oneshot(const int32_t *X, int N)
            "agree %d/%d\n", N, d, mean, mref, agree, N);
     ASSERT_LE(d, tol);
     if (!exact)
-        ASSERT_LE(mean, TOL_FAST_MEAN);
+        ASSERT_LE(mean, tol_mean);
     worst_trunk = d > worst_trunk ? d : worst_trunk;
     self_ref = lg;
     self_x = X;
@@ -491,8 +497,11 @@ int main(int argc, char **argv)
         FAIL("usage: test-model MODEL_DIR [exact|fast]");
     exact = argc < 3 || strcmp(argv[2], "fast") != 0;
     naive_int8_act = !exact;    /* the oracle rounds activations as the fast kernel does */
+    naive_nvfp4_int8 = cpu_isa_has(CPU_ISA_VNNI);   /* NVFP4 on MXFP4's int8 path */
     tol = exact ? TOL_EXACT : TOL_FAST;
     tol_self = exact ? TOL_SELF_EXACT : TOL_SELF_FAST;
+    if (naive_nvfp4_int8 && strcmp(argv[1], "gen:nvfp4-all") == 0)
+        tol_mean = TOL_FAST_MEAN_ALL_INT8;
 
     char *gen_dir;
     if (gen_open(argv[1], &ck, &gen_dir) == TEST_SKIP)

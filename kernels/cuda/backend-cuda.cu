@@ -18,6 +18,7 @@
 #include "common.cuh"
 #include "cuda.h"
 #include "kcu.cuh"
+#include "lowp.h"
 #include "mx4.h"
 
 int err_from_cuda(cudaError_t e)
@@ -584,6 +585,8 @@ static bool cuda_supports(struct backend *be, const char *op, enum wfmt fmt)
     };
     if (strcmp(op, "blocks") == 0)
         return !cuda_ctx_of(be)->exact;
+    if (lowp_fmt(fmt))      // FP8, NVFP4: lowp.cu
+        return strcmp(op, "matmul") == 0 || strcmp(op, "moe") == 0;
     for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]); i++)
         if (strcmp(op, ops[i]) == 0)
             return strcmp(op, "rmsnorm") != 0 || fmt != WFMT_MXFP4;
@@ -667,6 +670,8 @@ static int cuda_weight_prepare(struct backend *be, struct bweight *w)
 
     if (w->priv)
         return 0;
+    if (lowp_fmt(w->fmt))
+        return kcu_lowp_prepare(c, w);
     if (nd == 0 || (w->fmt == WFMT_MXFP4 && (w->cols % 32 != 0 || !w->scale)))
         return -EINVAL;
     if (w->fmt == WFMT_MXFP4) {

@@ -87,6 +87,18 @@ static int fuse_rows(struct cuda_ctx *c, struct bweight *const *parts, int n, bf
     return 0;
 }
 
+// A fused buffer handed back to the parts that borrow it: the first part (where it starts)
+// owns it from now on, freed with the weights.  A layer whose other half cannot be fused
+// (-ENOTSUP) is released at once and keeps using its weights in the op script.
+static void fused_return(bf16 *f, struct bweight *const *parts, int n)
+{
+    for (int i = 0; f && i < n; i++) {
+        struct cuda_weight *cw = parts[i] ? (struct cuda_weight *) parts[i]->priv : NULL;
+        if (cw && cw->data == f)
+            cw->borrowed = false;
+    }
+}
+
 int kcuda_attn_prepare(struct backend *be, struct attn_weights *w)
 {
     struct cuda_ctx *c = cuda_ctx_of(be);
@@ -130,7 +142,8 @@ void kcuda_attn_release(struct backend *be, struct attn_weights *w)
     if (!p)
         return;
     (void) cuda_ctx_of(be);     // free on the backend's device
-    cudaFree(p->qkvg);
+    struct bweight *parts[4] = { w->wq, w->wk, w->wv, w->wg };
+    fused_return(p->qkvg, parts, 4);
     cudaFree(p->inv_freq);
     free(p);
     w->priv = NULL;
@@ -220,7 +233,8 @@ void kcuda_ffn_release(struct backend *be, struct ffn_weights *w)
     if (!p)
         return;
     (void) cuda_ctx_of(be);     // free on the backend's device
-    cudaFree(p->gu);
+    struct bweight *gu[2] = { w->gate, w->up };
+    fused_return(p->gu, gu, 2);
     if (p->router_owned)
         cudaFree(p->router32);
     cudaFree(p->bias);

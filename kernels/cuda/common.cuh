@@ -9,7 +9,7 @@
 //    (one transfer per step; cuda_index() checks that their contents did not change),
 //    others are staged into the stage area on the stream;
 //  - weights: bweight.data/scale are host (loader mmap) until weight_prepare() uploads
-//    them; then bweight.priv is a struct cuda_weight: BF16/F32 row-major as on disk,
+//    them; then bweight.priv is a struct cuda_weight: BF16/F32/FP8/NVFP4 as on disk,
 //    MXFP4 repacked into the tile layout of mx4.h.
 //
 // Memory plan: reserve() sizes one workspace (the fused halves, the MoE plan and its
@@ -33,7 +33,7 @@ typedef __nv_bfloat16 bf16;
 
 struct cuda_weight {
     void *data;             // device: row-major BF16/F32, or MXFP4 tile nibbles (mx4.h)
-    uint8_t *scale;         // device: MXFP4 tile scales, else NULL
+    uint8_t *scale;         // device: MXFP4 tile scales, FP8/NVFP4 scales as on disk, else NULL
     float *f32;             // device FP32 copy (a router, for the FP32 gate GEMM) or NULL
     bool borrowed;          // data lies in a fused buffer of attn/ffn_prepare
 };

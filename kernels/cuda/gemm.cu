@@ -16,6 +16,7 @@
 #include "common.cuh"
 #include "cuda.h"
 #include "kcu.cuh"
+#include "lowp.h"
 
 #define LT_WORKSPACE (32u << 20)
 
@@ -302,6 +303,8 @@ int kcuda_matmul(struct backend *be, const struct bweight *w, const float *x, in
         return -EINVAL;
     if (n == 0)
         return 0;
+    if (lowp_fmt(w->fmt))
+        return kcu_lowp_matmul(c, w, x, n, y);
     if (c->exact)
         return kcuda_matmul_exact(be, w, x, n, y);
     n = cuda_rows(c, n);

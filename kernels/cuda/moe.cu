@@ -21,6 +21,7 @@
 #include "common.cuh"
 #include "cuda.h"
 #include "kcu.cuh"
+#include "lowp.h"
 #include "mma.cuh"
 #include "moe-plan.h"
 #include "mx4.h"
@@ -569,6 +570,8 @@ int kcuda_moe(struct backend *be, const struct moe_args *a)
 
     if (a->n_tok == 0 || a->n_local == 0)
         return 0;
+    if (lowp_fmt(a->experts[0].gate.fmt))
+        return kcu_lowp_moe(c, a);
     for (int e = 0; e < a->n_local; e++) {
         const struct moe_expert *x = &a->experts[e];
         if (x->gate.fmt != WFMT_MXFP4 || x->up.fmt != WFMT_MXFP4 || x->down.fmt != WFMT_MXFP4 ||

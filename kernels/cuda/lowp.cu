@@ -1,0 +1,210 @@
+// lowp.cu - the release formats beside MXFP4 on the CUDA backend (docs/GPU.md "Weight
+// formats"): block-scaled FP8 (WFMT_FP8: E4M3 codes, an F32 scale per blk_rows x blk_cols
+// block) and NVFP4 (WFMT_NVFP4: MXFP4's E2M1 nibbles, an E4M3 scale per 16 in-features and
+// an F32 global scale).  The weights stay in their format on the device, as on disk (no
+// repack, never up-converted); every kernel decodes them in registers: E4M3 and E2M1 to
+// FP32 exactly (lowp.h), the products and sums in FP32 with FP32 activations, one warp per
+// output row.  The op path only: the fused halves (block.cu) and graphs need MXFP4 experts,
+// so preparing one of these weights turns the backend's graphs off.
+#include <math.h>
+#include <stdlib.h>
+
+#include "common.cuh"
+#include "cuda.h"
+#include "kcu.cuh"
+#include "lowp.h"
+
+// tokens a warp carries against one weight row (its loads shared by them)
+#define LOWP_NT 4
+#define LOWP_WARPS 8
+
+// ---- prepare: the bytes as on disk, uploaded ----
+
+static size_t lowp_scale_bytes(const struct bweight *w)
+{
+    if (w->fmt == WFMT_FP8)
+        return (size_t) (w->rows / w->blk_rows) * (size_t) (w->cols / w->blk_cols) * 4;
+    return (size_t) w->rows * (size_t) (w->cols / 16);
+}
+
+int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w)
+{
+    size_t nd, ns;
+    int r;
+
+    if (w->fmt == WFMT_FP8) {
+        // 4 codes per load, a load never straddling a scale block
+        if (w->blk_rows <= 0 || w->blk_cols <= 0 || w->rows % w->blk_rows ||
+            w->cols % w->blk_cols || w->blk_cols % 4)
+            return -EINVAL;
+        nd = (size_t) w->rows * w->cols;
+    } else {
+        if (w->cols % 16 || !isfinite(w->gscale))
+            return -EINVAL;
+        nd = (size_t) w->rows * w->cols / 2;
+    }
+    if (!w->scale)
+        return -EINVAL;
+    ns = lowp_scale_bytes(w);
+    struct cuda_weight *cw = (struct cuda_weight *) calloc(1, sizeof(*cw));
+    if (!cw)
+        return -ENOMEM;
+    r = err_from_cuda(cudaMalloc(&cw->data, nd));
+    if (r == 0)
+        r = err_from_cuda(cudaMalloc((void **) &cw->scale, ns));
+    if (r == 0)
+        r = err_from_cuda(cudaMemcpyAsync(cw->data, w->data, nd, cudaMemcpyHostToDevice, c->stream));
+    if (r == 0)
+        r = err_from_cuda(cudaMemcpyAsync(cw->scale, w->scale, ns, cudaMemcpyHostToDevice, c->stream));
+    if (r == 0)
+        r = err_from_cuda(cudaStreamSynchronize(c->stream));
+    if (r < 0) {
+        cudaFree(cw->data);
+        cudaFree(cw->scale);
+        free(cw);
+        return r;
+    }
+    w->priv = cw;
+    c->graphs = false;      // these layers run the op script, which a graph cannot capture
+    return 0;
+}
+
+static int lowp_desc(const struct bweight *w, struct lowp_w *d)
+{
+    const struct cuda_weight *cw = (const struct cuda_weight *) w->priv;
+    if (!cw || !cw->data || !lowp_fmt(w->fmt))
+        return -EINVAL;
+    d->data = (const uint8_t *) cw->data;
+    d->scale = cw->scale;
+    d->cols = w->cols;
+    d->fmt = w->fmt;
+    d->blk_rows = w->blk_rows;
+    d->blk_cols = w->blk_cols;
+    d->gscale = w->gscale;
+    return 0;
+}
+
+// ---- matmul: y[n, rows] = x[n, cols] · Wᵀ ----
+
+static __global__ void lowp_matmul_kernel(struct lowp_w w, int64_t rows, const float *x, int n,
+                                          float *y)
+{
+    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    const int64_t chunks = (n + LOWP_NT - 1) / LOWP_NT;
+    if (warp >= rows * chunks)
+        return;
+    const int64_t o = warp % rows;
+    const int t0 = (int) (warp / rows) * LOWP_NT;
+    const int nt = n - t0 < LOWP_NT ? n - t0 : LOWP_NT;
+    float acc[LOWP_NT];
+    lowp_row_dot<LOWP_NT>(&w, o, x + (int64_t) t0 * w.cols, w.cols, nt, lane, acc);
+    if (lane == 0)
+        for (int t = 0; t < nt; t++)
+            y[(int64_t) (t0 + t) * rows + o] = acc[t];
+}
+
+int kcu_lowp_matmul(struct cuda_ctx *c, const struct bweight *w, const float *x, int n, float *y)
+{
+    struct lowp_w d;
+    if (lowp_desc(w, &d) < 0)
+        return -EINVAL;
+    if (n == 0)
+        return 0;
+    const size_t threads = (size_t) w->rows * ((n + LOWP_NT - 1) / LOWP_NT) * 32;
+    lowp_matmul_kernel<<<cuda_blocks(threads, 32 * LOWP_WARPS), 32 * LOWP_WARPS, 0, c->stream>>>(
+        d, w->rows, x, n, y);
+    return CUDA_LAUNCH_CHECK();
+}
+
+// ---- the routed experts: act = swiglu(gate·x, up·x) per (token, slot), out += Σ w·down·act ----
+
+// tab: [3][n_local] descriptors (gate, up, down)
+static __global__ void lowp_moe_up(const float *x, int n_tok, int hidden, int inter, int top_k,
+                                   const int32_t *ids, int first, int n_local,
+                                   const struct lowp_w *tab, float limit, float *act)
+{
+    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= (int64_t) n_tok * top_k * inter)
+        return;
+    const int j = (int) (warp % inter);
+    const int64_t tk = warp / inter;
+    const int t = (int) (tk / top_k);
+    const int e = ids[tk] - first;
+    if (ids[tk] < 0 || e < 0 || e >= n_local) {
+        if (lane == 0)
+            act[warp] = 0.0f;
+        return;
+    }
+    const float *xt = x + (int64_t) t * hidden;
+    float g, u;
+    lowp_row_dot<1>(&tab[e], j, xt, hidden, 1, lane, &g);
+    lowp_row_dot<1>(&tab[n_local + e], j, xt, hidden, 1, lane, &u);
+    if (lane == 0)
+        act[warp] = swiglu1(g, u, limit);
+}
+
+static __global__ void lowp_moe_down(float *out, int n_tok, int hidden, int inter, int top_k,
+                                     const int32_t *ids, const float *weights, int first,
+                                     int n_local, const struct lowp_w *tab, const float *act)
+{
+    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= (int64_t) n_tok * hidden)
+        return;
+    const int t = (int) (warp / hidden), o = (int) (warp % hidden);
+    float sum = 0.0f;
+    for (int k = 0; k < top_k; k++) {
+        const int64_t tk = (int64_t) t * top_k + k;
+        const int e = ids[tk] - first;
+        if (ids[tk] < 0 || e < 0 || e >= n_local)
+            continue;
+        float d;
+        lowp_row_dot<1>(&tab[2 * n_local + e], o, act + tk * inter, inter, 1, lane, &d);
+        sum += weights[tk] * d;
+    }
+    if (lane == 0)
+        out[warp] += sum;
+}
+
+int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)
+{
+    const size_t nt = 3 * (size_t) a->n_local;
+    struct lowp_w *h = (struct lowp_w *) calloc(nt, sizeof(*h));
+    int r = h ? 0 : -ENOMEM;
+
+    for (int e = 0; r == 0 && e < a->n_local; e++) {
+        const struct moe_expert *x = &a->experts[e];
+        if (x->gate.rows != a->inter || x->gate.cols != a->hidden || x->up.rows != a->inter ||
+            x->up.cols != a->hidden || x->down.rows != a->hidden || x->down.cols != a->inter ||
+            lowp_desc(&x->gate, &h[e]) < 0 || lowp_desc(&x->up, &h[a->n_local + e]) < 0 ||
+            lowp_desc(&x->down, &h[2 * a->n_local + e]) < 0)
+            r = -EINVAL;
+    }
+    const size_t act_bytes = (size_t) a->n_tok * a->top_k * a->inter * sizeof(float);
+    if (r == 0)
+        r = cuda_ws_ensure(c, act_bytes);
+    if (r < 0) {
+        free(h);
+        return r;
+    }
+    cuda_stage_reset(c);
+    cuda_ws_reset(c);
+    const struct lowp_w *dt = (const struct lowp_w *) cuda_stage(c, h, nt * sizeof(*h));
+    free(h);
+    float *act = (float *) cuda_ws_take(c, act_bytes);
+    if (!dt || !act)
+        return -ENOMEM;
+    const unsigned bt = 32 * LOWP_WARPS;
+    const size_t w1 = (size_t) a->n_tok * a->top_k * a->inter * 32;
+    lowp_moe_up<<<cuda_blocks(w1, bt), bt, 0, c->stream>>>(a->x, a->n_tok, a->hidden, a->inter,
+        a->top_k, a->ids, a->expert_first, a->n_local, dt, a->limit, act);
+    r = CUDA_LAUNCH_CHECK();
+    if (r < 0)
+        return r;
+    const size_t w2 = (size_t) a->n_tok * a->hidden * 32;
+    lowp_moe_down<<<cuda_blocks(w2, bt), bt, 0, c->stream>>>(a->out, a->n_tok, a->hidden,
+        a->inter, a->top_k, a->ids, a->weights, a->expert_first, a->n_local, dt, act);
+    return CUDA_LAUNCH_CHECK();
+}

@@ -1,0 +1,91 @@
+// lowp.h - device decode of the FP8 and NVFP4 weight formats (lowp.cu; docs/MODEL.md §5.6,
+// §5.7): E4M3 -> FP32 exactly by bit placement, E2M1 through k_e2m1, and the warp dot
+// product of one weight row against a few FP32 activation rows.
+#pragma once
+
+#include "common.cuh"
+
+// One prepared FP8 / NVFP4 weight as a kernel sees it (device pointers; bytes as on disk).
+struct lowp_w {
+    const uint8_t *data;        // FP8: E4M3 [rows, cols]; NVFP4: nibbles [rows, cols / 2]
+    const uint8_t *scale;       // FP8: F32 [rows / blk_rows, cols / blk_cols]; NVFP4: E4M3 [rows, cols / 16]
+    int64_t cols;
+    int fmt;
+    int blk_rows, blk_cols;     // FP8
+    float gscale;               // NVFP4
+};
+
+static inline bool lowp_fmt(int fmt)
+{
+    return fmt == WFMT_FP8 || fmt == WFMT_NVFP4;
+}
+
+// weight_prepare of an FP8 / NVFP4 weight: its bytes uploaded as they are (w->priv set);
+// -EINVAL for a shape the kernels do not take.  Turns the backend's graphs off.
+int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w);
+// the ops with FP32 activations: y[n, rows] = x[n, cols] · Wᵀ; the routed experts (all
+// local experts FP8 or NVFP4)
+int kcu_lowp_matmul(struct cuda_ctx *c, const struct bweight *w, const float *x, int n, float *y);
+int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a);
+
+// E4M3 (bias 7, no infinities, S.1111.111 = NaN) -> FP32, exact: a normal code's exponent
+// moves to FP32's bias, a subnormal is m * 2^-9
+static inline __device__ float e4m3_to_f32(uint32_t b)
+{
+    const uint32_t e = (b >> 3) & 0xF, m = b & 7;
+    const float sign = (b & 0x80) ? -1.0f : 1.0f;
+    if (e == 0xF && m == 7)
+        return __uint_as_float(0x7fc00000u);
+    if (e == 0)
+        return sign * (float) m * 0x1p-9f;
+    return __uint_as_float(((b & 0x80u) << 24) | ((e + 120) << 23) | (m << 20));
+}
+
+// acc[t] = Σ_i W[o, i] · x[t * ldx + i] for t < nt, summed over the warp (every lane gets
+// the sums).  FP8: 4 codes per lane and load (blk_cols % 4 == 0); NVFP4: 8 nibbles per
+// lane and load, half a scale group.
+template <int NT>
+static inline __device__ void lowp_row_dot(const struct lowp_w *w, int64_t o, const float *x,
+                                           int64_t ldx, int nt, int lane, float *acc)
+{
+    for (int t = 0; t < NT; t++)
+        acc[t] = 0.0f;
+    const int64_t cols = w->cols;
+    if (w->fmt == WFMT_FP8) {
+        const uint32_t *row = (const uint32_t *) (w->data + o * cols);
+        const float *sc = (const float *) w->scale + (o / w->blk_rows) * (cols / w->blk_cols);
+        for (int64_t i = 4 * lane; i < cols; i += 128) {
+            const uint32_t q = row[i / 4];
+            const float s = sc[i / w->blk_cols];
+            const float d0 = e4m3_to_f32(q & 0xff), d1 = e4m3_to_f32((q >> 8) & 0xff);
+            const float d2 = e4m3_to_f32((q >> 16) & 0xff), d3 = e4m3_to_f32(q >> 24);
+            for (int t = 0; t < NT; t++) {
+                if (t >= nt)
+                    break;
+                const float *xt = x + t * ldx + i;
+                acc[t] += s * (d0 * xt[0] + d1 * xt[1] + d2 * xt[2] + d3 * xt[3]);
+            }
+        }
+    } else {
+        const uint32_t *row = (const uint32_t *) (w->data + o * (cols / 2));
+        const uint8_t *sc = w->scale + o * (cols / 16);
+        for (int64_t i = 8 * lane; i < cols; i += 256) {
+            const uint32_t q = row[i / 8];
+            const float s = e4m3_to_f32(sc[i / 16]) * w->gscale;
+            float d[8];
+            for (int m = 0; m < 8; m++)
+                d[m] = k_e2m1[(q >> (4 * m)) & 0xF];
+            for (int t = 0; t < NT; t++) {
+                if (t >= nt)
+                    break;
+                const float *xt = x + t * ldx + i;
+                float p = 0.0f;
+                for (int m = 0; m < 8; m++)
+                    p += d[m] * xt[m];
+                acc[t] += s * p;
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        acc[t] = warp_sum(acc[t]);
+}

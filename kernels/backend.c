@@ -8,6 +8,7 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,7 +44,10 @@ const char *backend_names(void)
 #endif
 }
 
-static void *plugin_try(const char *dir)
+/* A candidate that does not load is a debug line, a warning where the operator named its
+ * directory ($STEPD_PLUGIN_DIR): the dlerror() text says why (absent, not ELF, cut short,
+ * a missing symbol), where -ENODEV alone does not. */
+static void *plugin_try(const char *dir, bool named)
 {
     char path[4096];
     void *dl;
@@ -53,7 +57,9 @@ static void *plugin_try(const char *dir)
     if (snprintf(path, sizeof(path), "%s/%s", dir, CUDA_PLUGIN_FILE) >= (int)sizeof(path))
         return NULL;
     dl = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!dl)
+    if (!dl && named)
+        log_warn("backend: the plugin of $STEPD_PLUGIN_DIR does not load: %s", dlerror());
+    else if (!dl)
         log_debug("backend: %s: %s", path, dlerror());
     return dl;
 }
@@ -65,12 +71,12 @@ static int plugin_open(void **ret_dl, const struct backend_ops **ret_ops)
     const struct backend_ops *ops;
     void *dl;
 
-    dl = plugin_try(getenv("STEPD_PLUGIN_DIR"));
+    dl = plugin_try(getenv("STEPD_PLUGIN_DIR"), true);
 #ifdef HAVE_CUDA
     if (!dl)
-        dl = plugin_try(STEPD_PLUGIN_BUILD_DIR);
+        dl = plugin_try(STEPD_PLUGIN_BUILD_DIR, false);
     if (!dl)
-        dl = plugin_try(STEPD_PLUGIN_LIBDIR);
+        dl = plugin_try(STEPD_PLUGIN_LIBDIR, false);
 #endif
     if (!dl)
         return -ENODEV;

@@ -17,7 +17,9 @@ STEPD_TEST_EMULATED=1 STEPD_PLUGIN_DIR=$dir LD_PRELOAD=$CUEMU_ASAN_RT \
 rc=$?
 cat "$dir/log"
 if [ "$rc" = 77 ]; then
-  echo "run.sh: the test skipped: the emulator's plugin $plugin did not load"
+  # the loader's reason (kernels/backend.c warns when $STEPD_PLUGIN_DIR's plugin does not load)
+  why=$(sed -n 's/.*backend: the plugin of \$STEPD_PLUGIN_DIR does not load: //p' "$dir/log" | head -n 1)
+  echo "run.sh: the test skipped: the emulator's plugin $plugin did not load${why:+: $why}"
   exit 1
 fi
 if [ "$expect" = pass ]; then

@@ -335,9 +335,11 @@ void media_images_free(struct request *in)
     in->n_images = 0;
 }
 
-/* Append n ids to out. */
+/* Append n ids to out (none: ids may be NULL). */
 static int ids_append(struct tok_ids *out, const int32_t *ids, size_t n)
 {
+    if (n == 0)
+        return 0;
     if (out->n + n > out->cap) {
         size_t cap = out->cap ? out->cap : 64;
         while (cap < out->n + n)

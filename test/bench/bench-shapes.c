@@ -6,6 +6,8 @@
  *                [--draft-vocab N]
  *   bench-shapes --attn-only [--threads 1,2] [--batches 1,16] [--contexts 8192,32768] [--reps N]
  *                [--kv-fp32]
+ *   bench-shapes --formats mxfp4,fp8,nvfp4,bf16 (--mkmodel PATH | --model DIR) [--threads 1,2]
+ *                [--batches 1,16] [--reps N] [--keep]
  *   bench-shapes --measure-routing MODEL_DIR FILE...
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
@@ -59,6 +61,17 @@
  * ("% of bw|peak": the rounds differ).
  * "% of" = floor / time, median over the rounds of the per-round ratio.  The real step routes
  * as the random model's router does (its bytes count the uniform rows' distinct experts).
+ * --formats runs the MoE layer per release format (issue 43): for each format listed,
+ * stepd-mkmodel --real-layers 3 --mtp 0 --format F --sparse embed,heads (one full-width MoE
+ * layer, its routed experts in F: MXFP4 / NVFP4 per expert, FP8 / BF16 stacked; no row reads
+ * the embedding or the heads) in a temporary directory (--model DIR: DIR/F), all built side
+ * by side (the CPU backend computes each format natively and keeps FP8, NVFP4 and BF16 in the
+ * mapped checkpoint); per thread count and round, format after format (so that the host's
+ * load falls on all alike): the probe, then the layer at each batch (default 1,16; its
+ * experts' pages touched before, so that none comes from the disk) as layer_rows runs it (the whole layer and its routed experts,
+ * realistic and uniform routing; bytes: the distinct experts in that format).  The table
+ * gives per format the median time, bytes, % of that probe and, per round, that % over the
+ * first format's (list mxfp4 first to compare with it).
  * --measure-routing runs a model's own router (the tiny model's) over real text and prints
  * the distinct experts per MoE layer at batch 1/4/16/64 (routing_ratio holds its figures),
  * then checks routing_layer_inputs through that model's MoE layers.
@@ -97,6 +110,7 @@ extern char **environ;
 #define BS 16                       /* KV block size */
 #define CTX_LAYERS 1024             /* context of the layer rows and the real step */
 #define REAL_LAYERS 45
+#define MAX_FMT 4
 
 struct cell {
     char name[96];
@@ -115,6 +129,9 @@ struct bench {
     int reps;
     bool keep, ab_attn, kv_f32, attn_only;
     int dv;                         /* --draft-vocab: ids of the draft vocabulary (0: none) */
+    const char *formats[MAX_FMT];   /* --formats: the release formats, in order */
+    int n_formats;
+    const char *tag;                /* --formats: the format recorded next (cell name suffix) */
     /* probe */
     uint8_t *arena;
     size_t arena_bytes;
@@ -129,6 +146,7 @@ struct bench {
     int n_cells;
     int nbf, nbs;                   /* KV blocks per FULL / SLIDING layer */
     int sps;                        /* sliding blocks per sequence */
+    double fbw[MAX_FMT][MAX_REPS];  /* --formats: the probe before each format, per round */
     uint64_t rng;
     int rep;
     double cpu_share;               /* of the piece recorded next (--attn-only), else 0 */
@@ -210,6 +228,11 @@ static double wbytes(const struct bweight *w)
     case WFMT_BF16: return (double)w->rows * (double)w->cols * 2.0;
     case WFMT_F32: return (double)w->rows * (double)w->cols * 4.0;
     case WFMT_MXFP4: return (double)w->rows * (double)w->cols * (0.5 + 1.0 / 32.0);
+    case WFMT_FP8:      /* E4M3 codes + an F32 scale per blk_rows x blk_cols block */
+        return (double)w->rows * (double)w->cols +
+               4.0 * (double)((w->rows + w->blk_rows - 1) / w->blk_rows) *
+                   (double)((w->cols + w->blk_cols - 1) / w->blk_cols);
+    case WFMT_NVFP4: return (double)w->rows * (double)w->cols * (0.5 + 1.0 / 16.0);
     default: return 0.0;
     }
 }
@@ -297,7 +320,14 @@ static struct cell *cell_get(struct bench *b, const char *name, int B, int ctx)
 
 static void record(struct bench *b, const char *name, int B, int ctx, double t, double bytes)
 {
-    struct cell *c = cell_get(b, name, B, ctx);
+    char tagged[96];
+    struct cell *c;
+
+    if (b->tag) {
+        snprintf(tagged, sizeof(tagged), "%s [%s]", name, b->tag);
+        name = tagged;
+    }
+    c = cell_get(b, name, B, ctx);
 
     c->t[c->n] = t;
     c->bytes[c->n] = bytes;
@@ -1092,19 +1122,14 @@ static double gemm_peak(struct bench *b)
     return wflops(w, MAX_B) / best;
 }
 
-static void bench_threads(struct bench *b, struct ckpt *ck)
+/* The per-thread-count state beside the models: the probe's pool, the block tables, the
+ * logits and the KV pools' sizes (cfg: any of the models, they share their shapes). */
+static void threads_begin(struct bench *b, const struct model_config *cfg)
 {
-    const struct model_config *cfg = ckpt_config(ck);
-    struct backend_cfg bc = { .n_threads = b->T };
-    struct err_buf e = { { 0 } };
     int max_ctx = CTX_LAYERS, r;
-    double t0;
 
     for (int i = 0; i < b->n_ctxs; i++)
         max_ctx = b->ctxs[i] > max_ctx ? b->ctxs[i] : max_ctx;
-    r = backend_new("cpu", &bc, &b->be);
-    if (r < 0)
-        die("cpu backend", r, NULL);
     r = cpu_pool_new(b->T, &b->pool);
     if (r < 0)
         die("probe pool", r, NULL);
@@ -1127,13 +1152,6 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
         b->sps = cfg->sliding_window / BS + 3;
         b->nbs = MAX_B * b->sps;
     }
-    struct model_opts mo = {
-        .max_tokens_per_step = MAX_B, .max_seqs = MAX_B, .max_logit_rows = MAX_B,
-        .block_size = BS, .n_blocks = { b->nbf, b->nbs }, .max_seq_len = max_ctx + BS,
-        .draft_quant = MODEL_DRAFT_MXFP4,   /* the CPU default ("auto") */
-        .split_any_size = true,             /* parts beside whole steps (below) */
-        .kv_f32 = b->kv_f32,                /* BF16 KV unless --kv-fp32, as the worker */
-    };
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         b->tables[g] = calloc((size_t)MAX_B * ((max_ctx + BS - 1) / BS + 1), sizeof(int32_t));
         if (!b->tables[g])
@@ -1142,6 +1160,37 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
     b->logits = malloc(sizeof(float) * MAX_B * (size_t)cfg->vocab_size);
     if (!b->logits)
         die("logits", -ENOMEM, NULL);
+}
+
+static void threads_end(struct bench *b)
+{
+    for (int g = 0; g < _KV_GROUP_MAX; g++)
+        free(b->tables[g]);
+    free(b->logits);
+    cpu_pool_free(b->pool);
+}
+
+/* b->m on a CPU backend b->be of b->T threads, set up as stepd-worker sets it up, its KV
+ * caches filled */
+static void model_build(struct bench *b, struct ckpt *ck)
+{
+    struct backend_cfg bc = { .n_threads = b->T };
+    struct err_buf e = { { 0 } };
+    int max_ctx = CTX_LAYERS, r;
+    double t0;
+
+    for (int i = 0; i < b->n_ctxs; i++)
+        max_ctx = b->ctxs[i] > max_ctx ? b->ctxs[i] : max_ctx;
+    r = backend_new("cpu", &bc, &b->be);
+    if (r < 0)
+        die("cpu backend", r, NULL);
+    struct model_opts mo = {
+        .max_tokens_per_step = MAX_B, .max_seqs = MAX_B, .max_logit_rows = MAX_B,
+        .block_size = BS, .n_blocks = { b->nbf, b->nbs }, .max_seq_len = max_ctx + BS,
+        .draft_quant = MODEL_DRAFT_MXFP4,   /* the CPU default ("auto") */
+        .split_any_size = true,             /* parts beside whole steps (below) */
+        .kv_f32 = b->kv_f32,                /* BF16 KV unless --kv-fp32, as the worker */
+    };
     t0 = now();
     r = model_new(ck, b->be, NULL, &mo, &b->m, &e);
     if (r < 0) {
@@ -1162,7 +1211,7 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
             exit(1);
         }
     }
-    if (b->m->n_layers > 64 || cfg->n_experts > 1024 || cfg->top_k > 64) {
+    if (b->m->n_layers > 64 || b->m->cfg->n_experts > 1024 || b->m->cfg->top_k > 64) {
         fprintf(stderr, "bench-shapes: realistic routing takes at most 64 layers, 1024 experts "
                 "and top-64\n");
         exit(1);
@@ -1171,10 +1220,28 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
         kv_fill(b, &b->m->layers[i].kv);
     for (int i = 0; b->m->mtp_tp && i < 2 * b->m->n_mtp; i++)
         kv_fill(b, &b->m->tp_half[i].kv);
-    printf("\nthreads %d: model built in %.1f s (KV: %d full blocks, %d sliding, %s; split "
-           "steps %s, MTP halves %s); MemAvailable %ld MiB\n", b->T, now() - t0, b->nbf, b->nbs,
-           mo.kv_f32 ? "FP32" : "BF16",
+    printf("\nthreads %d%s%s: model built in %.1f s (KV: %d full blocks, %d sliding, %s; split "
+           "steps %s, MTP halves %s); MemAvailable %ld MiB\n", b->T, b->tag ? ", " : "",
+           b->tag ? b->tag : "", now() - t0, b->nbf, b->nbs, mo.kv_f32 ? "FP32" : "BF16",
            b->m->split_parts > 1 ? "on" : "off", b->m->mtp_tp ? "on" : "off", mem_available_mb());
+}
+
+static void model_end(struct bench *b)
+{
+    for (int l = 0; l < 64; l++) {
+        free(b->rrows[l]);
+        b->rrows[l] = NULL;
+    }
+    model_free(b->m);
+    b->m = NULL;
+    backend_free(b->be);
+    b->be = NULL;
+}
+
+static void bench_threads(struct bench *b, struct ckpt *ck)
+{
+    threads_begin(b, ckpt_config(ck));
+    model_build(b, ck);
     b->n_cells = 0;
     for (b->rep = 0; b->rep < b->reps; b->rep++) {
         b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
@@ -1187,17 +1254,148 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
                "backend_matmul, expert gate %d x %d at %d tokens, weights in cache, best of 5)\n",
                b->T, median(b->peak, b->reps) / 1e9, b->reps, b->peak_rows, b->m->hidden, MAX_B);
     report(b);
-    for (int l = 0; l < 64; l++) {
-        free(b->rrows[l]);
-        b->rrows[l] = NULL;
+    model_end(b);
+    threads_end(b);
+}
+
+/* Touches every page of L's routed experts (data and scales, where the loader maps them)
+ * so that the rounds read them from memory, not from the disk the checkpoint is on. */
+static void experts_fault(const struct mlayer *L)
+{
+    volatile uint8_t sink = 0;
+    uint8_t s = 0;
+
+    for (int x = 0; x < L->n_local; x++)
+        for (int j = 0; j < 3; j++) {
+            const struct bweight *w = j == 0 ? &L->experts[x].gate :
+                                      j == 1 ? &L->experts[x].up : &L->experts[x].down;
+            size_t n = (size_t)wbytes(w);
+
+            for (size_t i = 0; w->data && i < n; i += 4096)
+                s ^= ((const uint8_t *)w->data)[i < n ? i : n - 1];
+        }
+    sink = s;
+    (void)sink;
+}
+
+/* --formats: per thread count, the models of every format (one MoE layer each) built side by
+ * side; per round, format after format: the probe, then that model's MoE layer at each batch
+ * (layer_rows: the whole layer and its routed experts, realistic and uniform routing).  The
+ * cells carry the format ("[fp8]"); report_formats compares each with the first format. */
+static void report_formats(const struct bench *b)
+{
+    printf("\nthreads %d: per format (median over %d rounds; %% = bytes / that format's probe "
+           "of the round / time; x = that %% over %s's in the same round)\n", b->T, b->reps,
+           b->formats[0]);
+    for (int i = 0; i < b->n_cells; i++) {
+        const struct cell *ref = &b->cells[i];
+        char base[96], suf[32];
+        size_t bl;
+
+        snprintf(suf, sizeof(suf), " [%s]", b->formats[0]);
+        bl = strlen(ref->name);
+        if (bl < strlen(suf) || strcmp(ref->name + bl - strlen(suf), suf) != 0)
+            continue;
+        snprintf(base, sizeof(base), "%.*s", (int)(bl - strlen(suf)), ref->name);
+        printf("\n  B=%-2d %s\n", ref->B, base);
+        for (int f = 0; f < b->n_formats; f++) {
+            char name[sizeof(base) + sizeof(suf)];
+            const struct cell *c = NULL;
+            double t[MAX_REPS], pct[MAX_REPS], x[MAX_REPS], gb[MAX_REPS];
+            int n;
+
+            snprintf(name, sizeof(name), "%s [%s]", base, b->formats[f]);
+            for (int k = 0; k < b->n_cells && !c; k++)
+                if (b->cells[k].B == ref->B && strcmp(b->cells[k].name, name) == 0)
+                    c = &b->cells[k];
+            if (!c)
+                continue;
+            n = c->n < ref->n ? c->n : ref->n;
+            for (int r = 0; r < n; r++) {
+                t[r] = c->t[r] * 1e3;
+                gb[r] = c->bytes[r] / 1e9;
+                pct[r] = 100.0 * c->floor[r] / c->t[r];
+                x[r] = (c->floor[r] / c->t[r]) / (ref->floor[r] / ref->t[r]);
+            }
+            printf("    %-6s %9.2f ms  %7.3f GB  %5.1f %% of bw  %5.2fx\n", b->formats[f],
+                   median(t, n), median(gb, n), median(pct, n), median(x, n));
+        }
     }
-    model_free(b->m);
-    b->m = NULL;
-    for (int g = 0; g < _KV_GROUP_MAX; g++)
-        free(b->tables[g]);
-    free(b->logits);
-    backend_free(b->be);
-    cpu_pool_free(b->pool);
+    printf("\n  probe per format (GB/s, median):");
+    for (int f = 0; f < b->n_formats; f++) {
+        double v[MAX_REPS];
+
+        for (int r = 0; r < b->reps; r++)
+            v[r] = b->fbw[f][r];
+        printf(" %s %.2f", b->formats[f], median(v, b->reps));
+    }
+    printf("\n");
+}
+
+static void bench_formats(struct bench *b, struct ckpt **cks)
+{
+    struct model *ms[MAX_FMT];
+    struct backend *bes[MAX_FMT];
+    float *rrows[MAX_FMT][64];
+    int moe = -1;
+
+    threads_begin(b, ckpt_config(cks[0]));
+    for (int f = 0; f < b->n_formats; f++) {
+        b->tag = b->formats[f];
+        model_build(b, cks[f]);
+        ms[f] = b->m;
+        bes[f] = b->be;
+        memset(rrows[f], 0, sizeof(rrows[f]));
+    }
+    for (int l = 0; l < ms[0]->n_layers && moe < 0; l++)
+        if (ms[0]->layers[l].is_moe)
+            moe = l;
+    if (moe < 0) {
+        fprintf(stderr, "bench-shapes: --formats: the model has no MoE layer\n");
+        exit(1);
+    }
+    /* one untimed layer run per model: its first touches the mapped attention weights and
+     * the backend's buffers, which no round should count */
+    for (int f = 0; f < b->n_formats; f++) {
+        struct batch bt;
+        int r;
+
+        b->m = ms[f];
+        batch_make(b, 1, CTX_LAYERS, &bt);
+        fill_rows(b, b->m->hid, b->m->hidden);
+        r = model__layer_forward(b->m, &b->m->layers[moe], b->m->hid, &bt);
+        if (r < 0)
+            die("layer", r, b->m);
+    }
+    b->n_cells = 0;
+    for (b->rep = 0; b->rep < b->reps; b->rep++)
+        for (int f = 0; f < b->n_formats; f++) {
+            b->tag = b->formats[f];
+            b->m = ms[f];
+            b->be = bes[f];
+            memcpy(b->rrows, rrows[f], sizeof(rrows[f]));
+            b->bw[b->rep] = b->fbw[f][b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
+            b->peak[b->rep] = 0;            /* floors: the read bytes only */
+            for (int bi = 0; bi < b->n_batches; bi++) {
+                struct batch bt;
+                int B = b->batches[bi];
+
+                experts_fault(&b->m->layers[moe]);
+                batch_make(b, B, CTX_LAYERS, &bt);
+                b->real_distinct[B][b->rep] = 0;
+                layer_rows(b, moe, B, &bt);
+            }
+            memcpy(rrows[f], b->rrows, sizeof(rrows[f]));
+        }
+    report_formats(b);
+    for (int f = 0; f < b->n_formats; f++) {
+        b->m = ms[f];
+        b->be = bes[f];
+        memcpy(b->rrows, rrows[f], sizeof(rrows[f]));
+        model_end(b);
+    }
+    b->tag = NULL;
+    threads_end(b);
 }
 
 /* --attn-only: attention alone of a full-attention layer at Step-3.7-Flash's shapes (64
@@ -1538,13 +1736,118 @@ out:
     return r < 0 ? 1 : 0;
 }
 
+/* the probe's arena: STEPD_BENCH_MB MiB (default 1024), filled; 0 or -ENOMEM */
+static int arena_new(struct bench *b)
+{
+    const char *env = getenv("STEPD_BENCH_MB");
+
+    b->arena_bytes = (size_t)(env ? strtoul(env, NULL, 10) : 1024) << 20;
+    b->arena = aligned_alloc(4096, b->arena_bytes);
+    if (!b->arena) {
+        fprintf(stderr, "bench-shapes: cannot allocate the probe's arena\n");
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < b->arena_bytes; i++)
+        b->arena[i] = (uint8_t)(i * 2654435761u >> 13);
+    return 0;
+}
+
+/* --formats LIST: each of mxfp4, fp8, nvfp4, bf16 at most once; 0 or -1 */
+static int parse_formats(struct bench *b, const char *s)
+{
+    static const char *const known[] = { "mxfp4", "fp8", "nvfp4", "bf16" };
+
+    b->n_formats = 0;
+    while (*s) {
+        size_t n = strcspn(s, ",");
+        int k = -1;
+
+        for (int i = 0; i < MAX_FMT && k < 0; i++)
+            if (strlen(known[i]) == n && strncmp(s, known[i], n) == 0)
+                k = i;
+        for (int i = 0; k >= 0 && i < b->n_formats; i++)
+            if (b->formats[i] == known[k])
+                k = -1;
+        if (k < 0) {
+            fprintf(stderr, "bench-shapes: --formats '%.*s': expected each of mxfp4, fp8, nvfp4 "
+                    "or bf16 at most once\n", (int)n, s);
+            return -1;
+        }
+        b->formats[b->n_formats++] = known[k];
+        s += n + (s[n] == ',');
+    }
+    return b->n_formats > 0 ? 0 : -1;
+}
+
+/* --formats: the models (--mkmodel: one MoE layer, the real layer 3, in each format in a
+ * temporary directory, embedding and heads sparse as no row reads them; --model DIR: DIR/F),
+ * opened side by side, then bench_formats per thread count */
+static int bench_formats_main(struct bench *b)
+{
+    const char *td = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    struct ckpt *cks[MAX_FMT];
+    char tmp[4096] = "", dir[MAX_FMT][4200];
+    struct err_buf e = { { 0 } };
+    int r;
+
+    if (!b->model_dir) {
+        snprintf(tmp, sizeof(tmp), "%s/stepd-bench-shapes-XXXXXX", td);
+        if (!mkdtemp(tmp)) {
+            fprintf(stderr, "bench-shapes: mkdtemp %s: %s\n", tmp, strerror(errno));
+            return 1;
+        }
+    }
+    for (int f = 0; f < b->n_formats; f++) {
+        snprintf(dir[f], sizeof(dir[f]), "%s/%s", b->model_dir ? b->model_dir : tmp,
+                 b->formats[f]);
+        if (!b->model_dir) {
+            char *av[] = { (char *)b->mkmodel, "--real-layers", "3", "--mtp", "0", "--format",
+                           (char *)b->formats[f], "--sparse", "embed,heads", "--out", dir[f],
+                           NULL };
+            double t0 = now();
+
+            if (run_model(b->mkmodel, av) < 0) {
+                fprintf(stderr, "bench-shapes: %s --format %s failed\n", b->mkmodel,
+                        b->formats[f]);
+                return 1;
+            }
+            printf("bench-shapes: %s model made in %.1f s\n", b->formats[f], now() - t0);
+        }
+    }
+    if (arena_new(b) < 0)
+        return 1;
+    for (int f = 0; f < b->n_formats; f++) {
+        struct ckpt_opts co = { .world_size = 1, .rank = 0, .mtp_depth = 0 };
+
+        r = ckpt_open(dir[f], &co, &cks[f], &e);
+        if (r < 0) {
+            fprintf(stderr, "bench-shapes: %s: %s\n", dir[f], e.msg);
+            return 1;
+        }
+    }
+    for (int i = 0; i < b->n_threads; i++) {
+        b->T = b->threads[i];
+        bench_formats(b, cks);
+    }
+    for (int f = 0; f < b->n_formats; f++)
+        ckpt_close(cks[f]);
+    if (*tmp && !b->keep) {
+        char *av[] = { "/bin/rm", "-rf", tmp, NULL };
+        run_model("/bin/rm", av);
+    } else if (*tmp) {
+        printf("bench-shapes: models kept in %s\n", tmp);
+    }
+    free(b->arena);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct bench *b = calloc(1, sizeof(*b));
     char tmp[4096] = "";
-    const char *env = getenv("STEPD_BENCH_MB");
     struct ckpt *ck;
     struct err_buf e = { { 0 } };
+    bool batches_set = false;
     int r;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1596,8 +1899,11 @@ int main(int argc, char **argv)
             ok = (b->reps = atoi(v)) >= 1 && b->reps <= MAX_REPS;
         else if (strcmp(a, "--draft-vocab") == 0)
             ok = (b->dv = atoi(v)) >= 0 && b->dv % 64 == 0;
+        else if (strcmp(a, "--formats") == 0)
+            ok = parse_formats(b, v) == 0;
         else
             ok = 0;
+        batches_set |= strcmp(a, "--batches") == 0;
         for (int k = 0; ok && k < b->n_batches; k++)
             ok = b->batches[k] <= MAX_B;
         for (int k = 0; ok && strcmp(a, "--contexts") == 0 && k < b->n_ctxs; k++)
@@ -1607,8 +1913,9 @@ int main(int argc, char **argv)
         if (!ok) {
             fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
                             "[--batches 1,4,16,64 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
-                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] | --attn-only | "
-                            "--measure-routing MODEL_DIR FILE...\n", MAX_B, MAX_REPS);
+                            "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] [--formats "
+                            "mxfp4,fp8,nvfp4,bf16] | --attn-only | --measure-routing MODEL_DIR "
+                            "FILE...\n", MAX_B, MAX_REPS);
             return 2;
         }
         i++;
@@ -1617,9 +1924,21 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench-shapes: --mkmodel PATH, --model DIR or --attn-only is required\n");
         return 2;
     }
+    if (b->n_formats > 0 && b->attn_only) {
+        fprintf(stderr, "bench-shapes: --formats and --attn-only exclude each other\n");
+        return 2;
+    }
+    if (b->n_formats > 0 && !batches_set) {
+        b->batches[0] = 1, b->batches[1] = 16;
+        b->n_batches = 2;
+    }
+    if (b->n_formats > 0)
+        b->n_ctxs = 0;          /* the layer rows' context only (CTX_LAYERS) */
     printf("bench-shapes: CPU isa %s (host %s), %ld online CPUs, MemAvailable %ld MiB\n",
            cpu_isa_name(cpu_isa()), cpu_isa_name(cpu_isa_host()), sysconf(_SC_NPROCESSORS_ONLN),
            mem_available_mb());
+    if (b->n_formats > 0)
+        return bench_formats_main(b);
     if (!b->model_dir && !b->attn_only) {
         const char *td = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
         char out[4200];
@@ -1640,14 +1959,8 @@ int main(int argc, char **argv)
         printf("bench-shapes: model made in %.1f s\n", now() - t0);
         b->model_dir = strdup(out);
     }
-    b->arena_bytes = (size_t)(env ? strtoul(env, NULL, 10) : 1024) << 20;
-    b->arena = aligned_alloc(4096, b->arena_bytes);
-    if (!b->arena) {
-        fprintf(stderr, "bench-shapes: cannot allocate the probe's arena\n");
+    if (arena_new(b) < 0)
         return 1;
-    }
-    for (size_t i = 0; i < b->arena_bytes; i++)
-        b->arena[i] = (uint8_t)(i * 2654435761u >> 13);
     if (b->attn_only) {
         for (int i = 0; i < b->n_threads; i++) {
             b->T = b->threads[i];

@@ -280,12 +280,13 @@ static struct request *request_parse(struct coord *co, struct http_req *hr, json
         return in;
     if (r == -ENOMEM)
         snprintf(msg, sizeof(msg), "out of memory");
-    else
+    else if (r != -EBUSY)
         co->m.rejected_invalid++;
     log_req_info(in && in->id[0] ? in->id : "-", "rejected: %s", msg);
     if (in)
         request_free(in);
-    error(hr, r == -ENOMEM ? RPC_INTERNAL : r == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, msg);
+    error(hr, r == -ENOMEM ? RPC_INTERNAL : r == -ENOENT ? RPC_NOT_FOUND : r == -EBUSY ? RPC_UNAVAILABLE
+          : RPC_INVALID_ARGUMENT, msg);
     return NULL;
 }
 
@@ -313,6 +314,7 @@ static void fetch_closed(struct http_req *hr, bool completed, void *ud)
     struct door_fetch *fx = ud;
 
     (void)hr, (void)completed;
+    log_req_info("-", "cancelling: the client went away while its images were fetched and decoded");
     fx->hr = NULL;
     media_fetch_cancel(fx->f);
 }
@@ -325,7 +327,7 @@ static void fetch_done(struct media_fetch *f, void *ud)
         http_req_on_close(fx->hr, NULL, NULL);
         serve_parse(fx, fx->body);
     } else {
-        log_req_info("-", "dropped: the client went away while its image URLs were fetched");
+        log_req_info("-", "dropped: the client went away while its images were fetched and decoded");
         json_decref(fx->body);
     }
     media_fetch_free(f);
@@ -497,9 +499,11 @@ int door_images_take(struct coord *co, const struct door_images *im, struct door
     if (!im->n)
         return 0;
     if (fx && !fx->f) {
-        /* the first parse: the allowed http(s) URLs are fetched off the loop, if any */
-        if ((r = media_fetch_start(&co->loop, im->parts, fetch_done, fx, &fx->f)) < 0)
+        /* the first parse: the images are fetched and decoded off the loop, if any */
+        if ((r = media_fetch_start(&co->loop, im->parts, co->tok, fetch_done, fx, &fx->f)) < 0) {
+            media_start_error(r, msg, len);
             return r;
+        }
         if (r > 0)
             return -EINPROGRESS;
     }

@@ -1,5 +1,5 @@
-/* media-fetch.c - http(s) image URLs of allowed domains, fetched with libcurl on libuv's
- * threadpool; see media.h ("Fetching"). */
+/* media-fetch.c - a request's images fetched (http(s) URLs of allowed domains, with libcurl)
+ * and decoded and preprocessed on libuv's threadpool; see media.h ("Off the loop"). */
 #include "media.h"
 
 #include <stdatomic.h>
@@ -9,6 +9,7 @@
 #include <strings.h>
 
 #include <curl/curl.h>
+#include <gnutls/gnutls.h>
 
 #include "clock.h"
 #include "err.h"
@@ -18,13 +19,18 @@
 
 #define MAX_REDIRECTS 5
 
-/* one http(s) image_url part, in the order of the parts */
+/* one image_url part (a data URL, or an http(s) URL of an allowed host), in the order of the
+ * parts; the worker thread's until done */
 struct fetch_item {
     size_t msg, part;               /* messages[msg].content[part] */
-    char *url;
-    struct strbuf body;             /* the image's bytes (worker thread until done) */
-    char err[320];                  /* "" or why the fetch failed (no part name) */
-    bool done;                      /* fetched or failed (not: skipped after an earlier failure) */
+    char *url;                      /* an http(s) URL, or NULL */
+    char *b64;                      /* a data URL's base64 payload, or NULL */
+    struct strbuf body;             /* a URL's bytes */
+    struct image_prep prep;         /* decoded and preprocessed (prepped), moved out by media_taken */
+    bool prepped;
+    int rc;                         /* 0 or the failure's error (-ENOMEM: out of memory) */
+    char err[320];                  /* "" or why it failed (no part name) */
+    bool done;                      /* prepared or failed (not: skipped after an earlier failure) */
 };
 
 struct media_fetch {
@@ -32,7 +38,10 @@ struct media_fetch {
     struct fetch_item *items;
     size_t n_items;
     atomic_bool cancelled;
-    /* read by the worker: copied from media_conf when the job starts */
+    /* read by the worker: copied from media_conf (and the tokenizer) when the job starts */
+    struct image_limits lim;
+    struct image_token_ids ids;
+    bool have_ids;                  /* the image tokens are known: prepared, else only decoded */
     size_t max_bytes;
     unsigned timeout_ms;
     char **domains;
@@ -207,14 +216,43 @@ out:
     free(url);
 }
 
+/* it's bytes decoded and preprocessed into it->prep (it->err on failure) */
+static void prepare_one(struct media_fetch *f, struct fetch_item *it, const void *data, size_t n)
+{
+    struct err_buf e = { "" };
+
+    it->rc = media_image_prepare(data, n, &f->lim, f->have_ids ? &f->ids : NULL, &it->prep, &it->prepped, &e);
+    if (it->rc == -ENOMEM)
+        snprintf(it->err, sizeof(it->err), "out of memory decoding the image");
+    else if (it->rc < 0)
+        snprintf(it->err, sizeof(it->err), "%s", e.msg);
+}
+
 /* the parts one after another; the first failure ends the job (its part is the 400) */
 static void work_cb(uv_work_t *w)
 {
     struct media_fetch *f = w->data;
 
     for (size_t i = 0; i < f->n_items && !atomic_load(&f->cancelled); i++) {
-        fetch_one(f, &f->items[i]);
-        if (f->items[i].err[0])
+        struct fetch_item *it = &f->items[i];
+
+        if (it->url) {
+            fetch_one(f, it);
+            if (!it->err[0])
+                prepare_one(f, it, it->body.p, it->body.len);
+            strbuf_done(&it->body);
+        } else {
+            void *bytes = NULL;
+            size_t n = 0;
+
+            if ((it->rc = media_base64_decode(it->b64, &bytes, &n, it->err, sizeof(it->err))) == 0)
+                prepare_one(f, it, bytes, n);
+            else if (it->rc == -ENOMEM)
+                snprintf(it->err, sizeof(it->err), "out of memory decoding the image");
+            gnutls_free(bytes);
+            it->done = true;
+        }
+        if (it->err[0])
             break;
     }
 }
@@ -236,7 +274,10 @@ void media_fetch_free(struct media_fetch *f)
         return;
     for (size_t i = 0; i < f->n_items; i++) {
         free(f->items[i].url);
+        free(f->items[i].b64);
         strbuf_done(&f->items[i].body);
+        if (f->items[i].prepped)
+            image_prep_done(&f->items[i].prep);
     }
     for (size_t i = 0; i < f->n_domains; i++)
         free(f->domains[i]);
@@ -250,9 +291,10 @@ void media_fetch_cancel(struct media_fetch *f)
     atomic_store(&f->cancelled, true);
 }
 
-/* the http(s) image_url parts media_chat_images would fetch: those up to the image limit whose
- * host is allowed (the others are refused without a fetch) */
-static int collect(struct media_fetch *f, const json_t *messages)
+/* the image_url parts media_chat_images would decode: those up to the image limit that are a
+ * well-formed data URL or an http(s) URL of an allowed host (the others are refused by the
+ * parse without any work) */
+static int collect(struct media_fetch *f, const json_t *messages, bool *any_url)
 {
     const json_t *m, *part, *c, *t, *iu, *u;
     size_t i, k, n = 0;
@@ -261,14 +303,18 @@ static int collect(struct media_fetch *f, const json_t *messages)
         if (!json_is_array(c = json_object_get(m, "content")))
             continue;
         json_array_foreach(c, k, part) {
+            const char *url, *b64 = NULL;
+
             if (!json_is_object(part) || !json_is_string(t = json_object_get(part, "type")) ||
                 strcmp(json_string_value(t), "image_url"))
                 continue;
             if (++n > (size_t)media_conf.limit_image)
                 return 0;
             if (!json_is_object(iu = json_object_get(part, "image_url")) ||
-                !json_is_string(u = json_object_get(iu, "url")) ||
-                !media_url_host_allowed(json_string_value(u), NULL, 0))
+                !json_is_string(u = json_object_get(iu, "url")))
+                continue;
+            url = json_string_value(u);
+            if (!(b64 = media_data_url_payload(url)) && !media_url_host_allowed(url, NULL, 0))
                 continue;
             struct fetch_item *p = realloc(f->items, sizeof(*p) * (f->n_items + 1));
             if (!p)
@@ -280,29 +326,36 @@ static int collect(struct media_fetch *f, const json_t *messages)
             p->part = k;
             p->body = (struct strbuf)STRBUF_INIT;
             f->n_items++;
-            if (!(p->url = strdup(json_string_value(u))))
+            if (!(b64 ? (p->b64 = strdup(b64)) : (p->url = strdup(url))))
                 return -ENOMEM;
+            *any_url |= !b64;
         }
     }
     return 0;
 }
 
-int media_fetch_start(uv_loop_t *loop, const json_t *messages, media_fetch_fn done, void *ud,
-                      struct media_fetch **ret)
+int media_fetch_start(uv_loop_t *loop, const json_t *messages, const struct tokenizer *tok, media_fetch_fn done,
+                      void *ud, struct media_fetch **ret)
 {
     struct media_fetch *f;
+    char why[256];
+    bool any_url = false;
     int r;
 
     *ret = NULL;
-    if (!json_is_array(messages) || media_conf.n_allowed_domains == 0)
+    if (!json_is_array(messages))
         return 0;
     if (!(f = calloc(1, sizeof(*f))))
         return -ENOMEM;
-    if ((r = collect(f, messages)) < 0 || f->n_items == 0) {
+    if ((r = collect(f, messages, &any_url)) < 0 || f->n_items == 0) {
         media_fetch_free(f);
         return r;
     }
-    if (!curl_ready) {
+    if (n_running >= MEDIA_MAX_JOBS) {
+        media_fetch_free(f);
+        return -EBUSY;
+    }
+    if (any_url && !curl_ready) {
         /* once, on the loop thread, before any worker uses libcurl */
         if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
             media_fetch_free(f);
@@ -310,9 +363,11 @@ int media_fetch_start(uv_loop_t *loop, const json_t *messages, media_fetch_fn do
         }
         curl_ready = true;
     }
+    f->lim = media_conf.lim;
+    f->have_ids = media_token_ids(tok, &f->ids, why, sizeof(why)) == 0;
     f->max_bytes = media_conf.lim.max_bytes;
     f->timeout_ms = media_conf.fetch_timeout_ms;
-    if (!(f->domains = calloc(media_conf.n_allowed_domains, sizeof(char *)))) {
+    if (media_conf.n_allowed_domains && !(f->domains = calloc(media_conf.n_allowed_domains, sizeof(char *)))) {
         media_fetch_free(f);
         return -ENOMEM;
     }
@@ -326,7 +381,7 @@ int media_fetch_start(uv_loop_t *loop, const json_t *messages, media_fetch_fn do
     f->ud = ud;
     f->work.data = f;
     if ((r = uv_queue_work(loop, &f->work, work_cb, after_cb)) < 0) {
-        log_warn("media: cannot queue an image fetch: %s", uv_strerror(r));
+        log_warn("media: cannot queue an image job: %s", uv_strerror(r));
         media_fetch_free(f);
         return -ENOMEM;
     }
@@ -335,21 +390,38 @@ int media_fetch_start(uv_loop_t *loop, const json_t *messages, media_fetch_fn do
     return 1;
 }
 
-int media_fetched(const struct media_fetch *f, size_t msg, size_t part, const void **data, size_t *n,
-                  const char **err)
+int media_taken(struct media_fetch *f, size_t msg, size_t part, struct image_prep *ret, bool *prepped,
+                const char **err)
 {
     for (size_t i = 0; f && i < f->n_items; i++) {
-        const struct fetch_item *it = &f->items[i];
+        struct fetch_item *it = &f->items[i];
         if (it->msg != msg || it->part != part)
             continue;
         if (!it->done)
             return -ENOENT;
+        if (it->rc == -ENOMEM)
+            return -ENOMEM;
         *err = it->err[0] ? it->err : NULL;
-        *data = it->body.p;
-        *n = it->body.len;
+        *prepped = it->prepped;
+        if (it->prepped)
+            *ret = it->prep;
+        it->prepped = false;        /* moved: taken once */
         return 0;
     }
     return -ENOENT;
+}
+
+void media_start_error(int r, char *msg, size_t len)
+{
+    if (r == -EBUSY)
+        snprintf(msg, len, "too many requests' images are being decoded (%d at once); retry later", MEDIA_MAX_JOBS);
+    else
+        snprintf(msg, len, "out of memory");
+}
+
+unsigned media_jobs_running(void)
+{
+    return n_running;
 }
 
 void media_fetch_global_done(void)

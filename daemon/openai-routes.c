@@ -35,9 +35,9 @@
 
 /* ------------------------------------------------------------------ generation endpoints */
 
-/* The parsed body served (or refused): fetched holds its http(s) images (NULL: none). */
+/* The parsed body served (or refused): fetched holds its images prepared off the loop (NULL: none). */
 static void generate(struct http_req *hr, struct coord *co, bool chat, json_t *body, struct request *in,
-                     const struct media_fetch *fetched)
+                     struct media_fetch *fetched)
 {
     struct oai_opts x = { .fetched = fetched };
     char msg[768] = "";
@@ -73,7 +73,7 @@ bad:
     respond_status(hr, r == -ENOMEM ? RPC_INTERNAL : RPC_INVALID_ARGUMENT, 0, msg);
 }
 
-/* A chat whose http(s) image URLs are being fetched (media_fetch_start): parsed when they are. */
+/* A chat whose images are being fetched and decoded (media_fetch_start): parsed when they are. */
 struct fetching {
     struct http_req *hr;            /* NULL: the client went away */
     struct coord *co;
@@ -87,6 +87,7 @@ static void fetching_closed(struct http_req *hr, bool completed, void *ud)
     struct fetching *p = ud;
 
     (void)hr, (void)completed;
+    log_req_info("-", "cancelling: the client went away while its images were fetched and decoded");
     p->hr = NULL;
     media_fetch_cancel(p->f);
 }
@@ -99,7 +100,7 @@ static void fetching_done(struct media_fetch *f, void *ud)
         http_req_on_close(p->hr, NULL, NULL);
         generate(p->hr, p->co, true, p->body, p->in, f);
     } else {
-        log_req_info("-", "dropped: the client went away while its image URLs were fetched");
+        log_req_info("-", "dropped: the client went away while its images were fetched and decoded");
         json_decref(p->body);
         request_free(p->in);
     }
@@ -132,10 +133,11 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
         return;
     }
     if (chat && json_is_object(body)) {
-        /* http(s) image URLs: fetched off the loop, the parse resumed when they are */
+        /* images: fetched and decoded off the loop, the parse resumed when they are */
         if (!(p = calloc(1, sizeof(*p))))
             r = -ENOMEM;
-        else if ((r = media_fetch_start(&co->loop, json_object_get(body, "messages"), fetching_done, p, &p->f)) > 0) {
+        else if ((r = media_fetch_start(&co->loop, json_object_get(body, "messages"), co->tok, fetching_done, p,
+                                        &p->f)) > 0) {
             *p = (struct fetching){ hr, co, body, in, p->f };
             http_req_on_close(hr, fetching_closed, p);
             return;
@@ -144,7 +146,8 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
         if (r < 0) {
             json_decref(body);
             request_free(in);
-            respond_status(hr, RPC_INTERNAL, 0, "out of memory");
+            media_start_error(r, msg, sizeof(msg));
+            respond_status(hr, r == -EBUSY ? RPC_UNAVAILABLE : RPC_INTERNAL, 0, msg);
             return;
         }
     }

@@ -19,11 +19,18 @@
                     the first image without one (or the text with too many)
   text_parts        text-only content arrays render as before images were placed (POST
                     /tokenize): ["a", "b"] is "a\nb", ["", "Hi"] is "Hi"
+  decode_off_loop   images are decoded on libuv's threadpool: with the test-only decode gate
+                    (STEPD_TEST_DECODE_GATE, a FIFO each decode reads a byte from first) holding
+                    a chat's first image, /health and a text chat on the same loop are answered;
+                    released, the chat is answered with both images; a client that closes its
+                    connection while its image is held is dropped, and the server serves on
 Each is followed by a text request that is answered.
 """
 import base64
 import json
 import os
+import socket
+import threading
 import struct
 import tempfile
 import urllib.request
@@ -31,7 +38,7 @@ import zlib
 
 import grpc
 
-from stepd_harness import TOKENIZER, Stepd, pb, run_tests
+from stepd_harness import TOKENIZER, Stepd, pb, run_tests, wait_until
 
 IMAGE_TOKENS = ["<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>", "<im_patch>"]
 VOCAB = 4006
@@ -188,6 +195,63 @@ def test_routing():
     text_ok(s)
 
 
+def gate_held(fifo):
+    """A writer's fd on fifo once a decode waits at the gate (a reader has it open)."""
+    def opened():
+        try:
+            return [os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)]     # fd 0 is a good one
+        except OSError:
+            return None
+    return wait_until(opened, timeout=20, what="a decode at the gate")[0]
+
+
+def test_decode_off_loop():
+    fifo = os.path.join(tempfile.mkdtemp(prefix="stepd-gate-"), "gate")
+    os.mkfifo(fifo)
+    s = Stepd("--tokenizer", vision_tokenizer(), "--served-model-name", "tiny", env={"STEPD_TEST_DECODE_GATE": fifo})
+    try:
+        s.start_engine("g0", "--vocab", str(VOCAB), "--images")
+        s.wait_ready(1)
+        urls = ["data:image/png;base64," + base64.b64encode(png(w, h)).decode() for w, h in ((64, 48), (48, 30))]
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "Compare"}] +
+                 [{"type": "image_url", "image_url": {"url": u}} for u in urls]}]
+        got = {}
+        t = threading.Thread(target=lambda: got.update(r=post(s, {"model": "tiny", "max_tokens": 3,
+                                                                 "messages": msgs})))
+        t.start()
+        fd = gate_held(fifo)
+        try:
+            # the first image's decode waits at the gate: the loop serves meanwhile
+            with urllib.request.urlopen(s.http + "/health", timeout=10) as r:
+                assert r.status == 200
+            text_ok(s)
+            assert t.is_alive() and not got, got
+            print("   /health and a text chat answered while a decode is held")
+            os.write(fd, b"xx")         # one byte per image
+            t.join(30)
+        finally:
+            os.close(fd)
+        code, body = got["r"]
+        assert code == 200 and body["usage"]["prompt_tokens"] > 2 * 169, (code, body)
+        print("   released: answered, %d prompt tokens" % body["usage"]["prompt_tokens"])
+        # a client gone while its image is held: dropped, nothing served, the server serves on
+        req = json.dumps({"model": "tiny", "max_tokens": 3, "messages": msgs[:1]}).encode()
+        c = socket.create_connection(("127.0.0.1", int(s.http.rsplit(":", 1)[1])))
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(req) + req)
+        fd = gate_held(fifo)
+        c.close()
+        wait_until(lambda: "cancelling: the client went away" in s.read_log(), timeout=20, what="the close")
+        os.write(fd, b"x")          # the first image: the job stops there, cancelled
+        wait_until(lambda: "dropped: the client went away" in s.read_log(), timeout=20, what="the drop")
+        os.close(fd)
+        text_ok(s)
+        print("   a client gone while its image was held: dropped, the server serves on")
+    finally:
+        s.stop()
+
+
 if __name__ == "__main__":
     run_tests([("http_no_encoder", test_http_no_encoder), ("grpc_images", test_grpc_images),
-               ("routing", test_routing), ("text_parts", test_text_parts)])
+               ("routing", test_routing), ("text_parts", test_text_parts),
+               ("decode_off_loop", test_decode_off_loop)])

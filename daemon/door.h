@@ -93,7 +93,26 @@ struct door_gen {
 void door_submit(struct coord *co, struct http_req *hr, struct request *in, bool stream, const char *id_prefix,
                  const struct door_ops *ops, void *ud);
 
-/* A request's http(s) image URLs being fetched (door_serve; door.c). */
+/* A request held while its images are fetched, decoded and preprocessed off the loop
+ * (media_fetch_start; the chat and completions door, /tokenize, door_serve): once they are,
+ * on the loop, resume(h, f) when the client is still there (hr; f: the prepared images for
+ * the parse), else drop(h) (the client went away, which cancelled the job); then h is freed
+ * (free(h): it heads its container's allocation, whose fields resume and drop let go). */
+struct media_fetch;
+struct door_hold {
+    struct coord *co;
+    struct http_req *hr;            /* NULL: the client went away */
+    void (*resume)(struct door_hold *h, struct media_fetch *f);
+    void (*drop)(struct door_hold *h);
+    struct media_fetch *f;          /* the job, from door_hold_start until resume or drop returns */
+};
+
+/* Start h's job on an OpenAI messages array (h->co, hr, resume, drop set): 0 (no image to
+ * prepare: nothing held, parse now), 1 (held: resume or drop will run), or -EBUSY / -ENOMEM
+ * with the answer in msg. */
+int door_hold_start(struct door_hold *h, const json_t *messages, char *msg, size_t len);
+
+/* A request whose images are being prepared (door_serve; door.c). */
 struct door_fetch;
 
 /* What a door's parser fills in from the body: in's fields (door_common_fields among them)

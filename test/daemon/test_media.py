@@ -24,6 +24,9 @@
                     a chat's first image, /health and a text chat on the same loop are answered;
                     released, the chat is answered with both images; a client that closes its
                     connection while its image is held is dropped, and the server serves on
+  tokenize_images   POST /tokenize counts a chat's images as generation lays them out: its count
+                    equals usage.prompt_tokens of the same chat (max_tokens 1) for one image, one
+                    with crops, and two of different sizes
 Each is followed by a text request that is answered.
 """
 import base64
@@ -251,7 +254,30 @@ def test_decode_off_loop():
         s.stop()
 
 
+def test_tokenize_images():
+    s = Stepd("--tokenizer", vision_tokenizer(), "--served-model-name", "tiny")
+    try:
+        s.start_engine("g0", "--vocab", str(VOCAB), "--images")
+        s.wait_ready(1)
+        url = {wh: "data:image/png;base64," + base64.b64encode(png(*wh)).decode() for wh in ((64, 48), (900, 300))}
+        for sizes in (((64, 48),), ((900, 300),), ((64, 48), (900, 300))):
+            content = [{"type": "text", "text": "Describe"}] + \
+                [{"type": "image_url", "image_url": {"url": url[wh]}} for wh in sizes]
+            msgs = [{"role": "user", "content": content}]
+            req = urllib.request.Request(s.http + "/tokenize", data=json.dumps(
+                {"model": "tiny", "messages": msgs}).encode(), headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                count = json.loads(r.read())["count"]
+            code, body = post(s, {"model": "tiny", "max_tokens": 1, "messages": msgs})
+            assert code == 200, (code, body)
+            assert count == body["usage"]["prompt_tokens"] > 169 * len(sizes), (sizes, count, body["usage"])
+            print("   %s: /tokenize %d = prompt_tokens %d" % (sizes, count, body["usage"]["prompt_tokens"]))
+        text_ok(s)
+    finally:
+        s.stop()
+
+
 if __name__ == "__main__":
     run_tests([("http_no_encoder", test_http_no_encoder), ("grpc_images", test_grpc_images),
                ("routing", test_routing), ("text_parts", test_text_parts),
-               ("decode_off_loop", test_decode_off_loop)])
+               ("decode_off_loop", test_decode_off_loop), ("tokenize_images", test_tokenize_images)])

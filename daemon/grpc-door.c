@@ -175,21 +175,17 @@ static void grpc_final(struct req *r, const struct chunk_final *f)
 
     pf.finish_reason = (Stepd__V1__FinishReason)f->finish;
     pf.message = (char *)f->message;
-    u.prompt_tokens = f->prompt_tokens;
-    u.completion_tokens = f->completion_tokens;
-    u.cached_tokens = f->cached_tokens;
-    u.reasoning_tokens = f->reasoning_tokens;
+#define U(x) u.x = f->x;
+#define T(x) t.x = f->x;
+#define M(x) m.x = f->x;
+    CHUNK_USAGE_FIELDS(U)
+    CHUNK_TIMING_FIELDS(T)
+    CHUNK_MTP_FIELDS(M)
+#undef U
+#undef T
+#undef M
     pf.usage = &u;
-    t.queue_s = f->queue_s;
-    t.prefill_s = f->prefill_s;
-    t.first_token_s = f->first_token_s;
-    t.decode_s = f->decode_s;
-    t.mean_inter_token_s = f->mean_inter_token_s;
-    t.e2e_s = f->e2e_s;
     pf.timings = &t;
-    m.num_drafts = f->num_drafts;
-    m.num_draft_tokens = f->num_draft_tokens;
-    m.num_accepted_tokens = f->num_accepted_tokens;
     m.n_accepted_per_position = f->n_accepted_per_position;
     m.accepted_per_position = (uint32_t *)f->accepted_per_position;
     m.n_steps_by_num_drafts = f->n_steps_by_num_drafts;

@@ -369,13 +369,10 @@ static int tool_choice_conv(const json_t *body, struct request *in, char *msg, s
         return 0;
     if (json_is_string(tc)) {
         const char *s = json_string_value(tc);
+        int w = request_tool_choice_word(s);
 
-        if (!strcmp(s, "none"))
-            in->tool_choice = REQUEST_TOOLS_NONE;
-        else if (!strcmp(s, "auto"))
-            in->tool_choice = have_tools ? REQUEST_TOOLS_AUTO : REQUEST_TOOLS_NONE;
-        else if (!strcmp(s, "required"))
-            in->tool_choice = REQUEST_TOOLS_REQUIRED;
+        if (w >= 0)
+            in->tool_choice = w == REQUEST_TOOLS_AUTO && !have_tools ? REQUEST_TOOLS_NONE : w;
         else
             BAD("tool_choice: must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
                 "{\"name\": ...}} (got \"%.32s\")", s);

@@ -116,6 +116,17 @@ int request_add_stop_id(struct request_sampling *sp, int32_t id)
     return 0;
 }
 
+int request_tool_choice_word(const char *s)
+{
+    static const char *const words[] = { [REQUEST_TOOLS_AUTO] = "auto", [REQUEST_TOOLS_NONE] = "none",
+                                         [REQUEST_TOOLS_REQUIRED] = "required" };
+
+    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]); i++)
+        if (!strcmp(s, words[i]))
+            return (int)i;
+    return -EINVAL;
+}
+
 int request_add_logit_bias(struct request_sampling *sp, int32_t id, float bias)
 {
     if (grow(&sp->logit_bias, sp->n_logit_bias, sizeof(*sp->logit_bias)) < 0)

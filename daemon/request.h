@@ -160,6 +160,8 @@ static inline struct request *request_ref(struct request *in)
 int request_add_stop(struct request_sampling *sp, const char *s, size_t len);
 int request_add_stop_id(struct request_sampling *sp, int32_t id);
 int request_add_logit_bias(struct request_sampling *sp, int32_t id, float bias);
+/* A tool_choice word ("none", "auto", "required") as its enum request_tool_choice, or -EINVAL. */
+int request_tool_choice_word(const char *s);
 
 /* The engine's SamplingParams for sp, in *ret (stop strings left out: the coordinator
  * applies them to the text).  es holds the arrays ret points into until

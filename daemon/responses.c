@@ -661,12 +661,11 @@ static int tool_choice_conv(const json_t *tc, struct request *in, char *msg, siz
         return 0;
     if (json_is_string(tc)) {
         const char *s = json_string_value(tc);
+        int w = request_tool_choice_word(s);
 
-        if (!strcmp(s, "none"))
-            in->tool_choice = REQUEST_TOOLS_NONE;
-        else if (!strcmp(s, "required"))
-            in->tool_choice = REQUEST_TOOLS_REQUIRED;
-        else if (strcmp(s, "auto"))
+        if (w >= 0)
+            in->tool_choice = w;
+        else
             BAD("tool_choice: must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...} "
                 "(got \"%.32s\")", s);
         return 0;

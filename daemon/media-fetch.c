@@ -15,6 +15,7 @@
 #include "err.h"
 #include "log.h"
 #include "stepd-config.h"
+#include "stepd.pb-c.h"
 #include "strbuf.h"
 
 #define MAX_REDIRECTS 5
@@ -25,6 +26,8 @@ struct fetch_item {
     size_t msg, part;               /* messages[msg].content[part] */
     char *url;                      /* an http(s) URL, or NULL */
     char *b64;                      /* a data URL's base64 payload, or NULL */
+    const void *bytes;              /* else the encoded image (the gRPC call's, alive until done) */
+    size_t n_bytes;
     struct strbuf body;             /* a URL's bytes */
     struct image_prep prep;         /* decoded and preprocessed (prepped), moved out by media_taken */
     bool prepped;
@@ -241,6 +244,9 @@ static void work_cb(uv_work_t *w)
             if (!it->err[0])
                 prepare_one(f, it, it->body.p, it->body.len);
             strbuf_done(&it->body);
+        } else if (!it->b64) {
+            prepare_one(f, it, it->bytes, it->n_bytes);
+            it->done = true;
         } else {
             void *bytes = NULL;
             size_t n = 0;
@@ -291,6 +297,22 @@ void media_fetch_cancel(struct media_fetch *f)
     atomic_store(&f->cancelled, true);
 }
 
+/* one more item, messages[msg].content[part] (zeroed): NULL when out of memory */
+static struct fetch_item *item_add(struct media_fetch *f, size_t msg, size_t part)
+{
+    struct fetch_item *p = realloc(f->items, sizeof(*p) * (f->n_items + 1));
+
+    if (!p)
+        return NULL;
+    f->items = p;
+    p += f->n_items++;
+    memset(p, 0, sizeof(*p));
+    p->msg = msg;
+    p->part = part;
+    p->body = (struct strbuf)STRBUF_INIT;
+    return p;
+}
+
 /* the image_url parts media_chat_images would decode: those up to the image limit that are a
  * well-formed data URL or an http(s) URL of an allowed host (the others are refused by the
  * parse without any work) */
@@ -316,17 +338,8 @@ static int collect(struct media_fetch *f, const json_t *messages, bool *any_url)
             url = json_string_value(u);
             if (!(b64 = media_data_url_payload(url)) && !media_url_host_allowed(url, NULL, 0))
                 continue;
-            struct fetch_item *p = realloc(f->items, sizeof(*p) * (f->n_items + 1));
-            if (!p)
-                return -ENOMEM;
-            f->items = p;
-            p += f->n_items;
-            memset(p, 0, sizeof(*p));
-            p->msg = i;
-            p->part = k;
-            p->body = (struct strbuf)STRBUF_INIT;
-            f->n_items++;
-            if (!(b64 ? (p->b64 = strdup(b64)) : (p->url = strdup(url))))
+            struct fetch_item *p = item_add(f, i, k);
+            if (!p || !(b64 ? (p->b64 = strdup(b64)) : (p->url = strdup(url))))
                 return -ENOMEM;
             *any_url |= !b64;
         }
@@ -334,22 +347,16 @@ static int collect(struct media_fetch *f, const json_t *messages, bool *any_url)
     return 0;
 }
 
-int media_fetch_start(uv_loop_t *loop, const json_t *messages, const struct tokenizer *tok, media_fetch_fn done,
-                      void *ud, struct media_fetch **ret)
+/* f's items (collected; none: nothing to do) worked on off the loop: media_fetch_start's */
+static int job_start(uv_loop_t *loop, struct media_fetch *f, bool any_url, const struct tokenizer *tok,
+                     media_fetch_fn done, void *ud, struct media_fetch **ret)
 {
-    struct media_fetch *f;
     char why[256];
-    bool any_url = false;
     int r;
 
-    *ret = NULL;
-    if (!json_is_array(messages))
-        return 0;
-    if (!(f = calloc(1, sizeof(*f))))
-        return -ENOMEM;
-    if ((r = collect(f, messages, &any_url)) < 0 || f->n_items == 0) {
+    if (f->n_items == 0) {
         media_fetch_free(f);
-        return r;
+        return 0;
     }
     if (n_running >= MEDIA_MAX_JOBS) {
         media_fetch_free(f);
@@ -388,6 +395,51 @@ int media_fetch_start(uv_loop_t *loop, const json_t *messages, const struct toke
     n_running++;
     *ret = f;
     return 1;
+}
+
+int media_fetch_start(uv_loop_t *loop, const json_t *messages, const struct tokenizer *tok, media_fetch_fn done,
+                      void *ud, struct media_fetch **ret)
+{
+    struct media_fetch *f;
+    bool any_url = false;
+    int r;
+
+    *ret = NULL;
+    if (!json_is_array(messages))
+        return 0;
+    if (!(f = calloc(1, sizeof(*f))))
+        return -ENOMEM;
+    if ((r = collect(f, messages, &any_url)) < 0) {
+        media_fetch_free(f);
+        return r;
+    }
+    return job_start(loop, f, any_url, tok, done, ud, ret);
+}
+
+int media_proto_start(uv_loop_t *loop, const Stepd__V1__GenerateRequest *pb, const struct tokenizer *tok,
+                      media_fetch_fn done, void *ud, struct media_fetch **ret)
+{
+    struct media_fetch *f;
+
+    *ret = NULL;
+    if (pb->n_images == 0 || pb->input_case == STEPD__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS)
+        return 0;       /* refused by media_proto_images without any work */
+    if (!(f = calloc(1, sizeof(*f))))
+        return -ENOMEM;
+    for (size_t i = 0; i < pb->n_images && i < (size_t)media_conf.limit_image; i++) {
+        const Stepd__V1__ImageInput *im = pb->images[i];
+        struct fetch_item *p;
+
+        if (im->sha256.len || im->n_views || im->n_token_ids || im->token_position)
+            break;      /* refused by the parse: the parts after it are not looked at */
+        if (!(p = item_add(f, 0, i))) {
+            media_fetch_free(f);
+            return -ENOMEM;
+        }
+        p->bytes = im->data.data;
+        p->n_bytes = im->data.len;
+    }
+    return job_start(loop, f, false, tok, done, ud, ret);
 }
 
 int media_taken(struct media_fetch *f, size_t msg, size_t part, struct image_prep *ret, bool *prepped,

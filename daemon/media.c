@@ -375,7 +375,7 @@ int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool 
 }
 
 int media_proto_images(const Stepd__V1__GenerateRequest *pb, const struct tokenizer *tok, bool served,
-                       struct request *in, char *msg, size_t len)
+                       struct media_fetch *fetched, struct request *in, char *msg, size_t len)
 {
     struct image_token_ids ids;
     char at[32], why[256] = "";
@@ -402,7 +402,9 @@ int media_proto_images(const Stepd__V1__GenerateRequest *pb, const struct tokeni
                      "wire to the engines; send the encoded image in data", at);
             return -EINVAL;
         }
-        if ((r = add_image(in, im->data.data, im->data.len, have_ids ? &ids : NULL, at, msg, len)) < 0)
+        if ((r = take_prepared(in, fetched, 0, i, at, msg, len)) == -ENOENT)
+            r = add_image(in, im->data.data, im->data.len, have_ids ? &ids : NULL, at, msg, len);
+        if (r < 0)
             return r;
     }
     return images_servable(pb->n_images, "images", have_ids, why, served, msg, len);

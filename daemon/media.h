@@ -87,6 +87,10 @@ bool media_url_host_in(const char *url, const char *const *domains, size_t n_dom
  * done. */
 int media_fetch_start(uv_loop_t *loop, const json_t *messages, const struct tokenizer *tok, media_fetch_fn done,
                       void *ud, struct media_fetch **ret);
+/* The same for a GenerateRequest's images (ImageInput.data, read in place: pb must live until
+ * done has run), taken by media_proto_images as messages[0].content[i]. */
+int media_proto_start(uv_loop_t *loop, const struct Stepd__V1__GenerateRequest *pb, const struct tokenizer *tok,
+                      media_fetch_fn done, void *ud, struct media_fetch **ret);
 /* The client went away: the job stops soon (done still runs).  Loop thread. */
 void media_fetch_cancel(struct media_fetch *f);
 void media_fetch_free(struct media_fetch *f);
@@ -118,11 +122,12 @@ void media_fetch_global_done(void);
 int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served,
                       struct media_fetch *fetched, struct request *in, char *msg, size_t len);
 /* The gRPC door's GenerateRequest.images (encoded bytes in ImageInput.data), each checked,
- * decoded and preprocessed into in->images as media_chat_images does.  0, -EINVAL with msg
+ * decoded and preprocessed into in->images as media_chat_images does (taken from fetched,
+ * media_proto_start's, where its job prepared them).  0, -EINVAL with msg
  * naming images[i] and the reason (the engine wire's fields set, token_ids input, ...), or
  * -ENOMEM. */
 int media_proto_images(const struct Stepd__V1__GenerateRequest *pb, const struct tokenizer *tok, bool served,
-                       struct request *in, char *msg, size_t len);
+                       struct media_fetch *fetched, struct request *in, char *msg, size_t len);
 /* A prompt text tokenized with flags (tok_encode's); with in's images each
  * MEDIA_IMAGE_PLACEHOLDER in it becomes the <im_patch> token while every other special token
  * stays plain text.  0, or tok_encode's error (with e). */

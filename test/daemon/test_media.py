@@ -23,7 +23,8 @@
                     (STEPD_TEST_DECODE_GATE, a FIFO each decode reads a byte from first) holding
                     a chat's first image, /health and a text chat on the same loop are answered;
                     released, the chat is answered with both images; a client that closes its
-                    connection while its image is held is dropped, and the server serves on
+                    connection while its image is held is dropped, and the server serves on; the
+                    same for a gRPC GenerateRequest's image (answered, or cancelled and dropped)
   tokenize_images   POST /tokenize counts a chat's images as generation lays them out: its count
                     equals usage.prompt_tokens of the same chat (max_tokens 1) for one image, one
                     with crops, and two of different sizes
@@ -250,6 +251,35 @@ def test_decode_off_loop():
         os.close(fd)
         text_ok(s)
         print("   a client gone while its image was held: dropped, the server serves on")
+        # the gRPC door: a GenerateRequest's image decoded off the loop too
+        req = pb.GenerateRequest(images=[pb.ImageInput(data=png(64, 48))], text="Look <im_patch>",
+                                 sampling_params=pb.SamplingParams(max_tokens=2))
+        it = s.inf.Generate(req, timeout=60)
+        got = {}
+        t = threading.Thread(target=lambda: got.update(m=list(it)))
+        t.start()
+        fd = gate_held(fifo)
+        with urllib.request.urlopen(s.http + "/health", timeout=10) as r:
+            assert r.status == 200
+        assert t.is_alive() and not got, got
+        os.write(fd, b"x")
+        t.join(30)
+        os.close(fd)
+        final = [m.final for m in got["m"] if m.HasField("final")]
+        assert final and final[0].usage.prompt_tokens > 169, got
+        print("   gRPC: /health answered while its image decode is held; released: %d prompt tokens"
+              % final[0].usage.prompt_tokens)
+        it = s.inf.Generate(req, timeout=60)
+        fd = gate_held(fifo)
+        it.cancel()
+        wait_until(lambda: "cancelling: the client went away while its images were decoded" in s.read_log(),
+                   timeout=20, what="the cancel")
+        os.write(fd, b"x")
+        wait_until(lambda: "dropped: the client went away while its images were decoded" in s.read_log(),
+                   timeout=20, what="the drop")
+        os.close(fd)
+        text_ok(s)
+        print("   gRPC: a call cancelled while its image was held: dropped, the server serves on")
     finally:
         s.stop()
 

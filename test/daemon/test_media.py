@@ -24,7 +24,8 @@
                     a chat's first image, /health and a text chat on the same loop are answered;
                     released, the chat is answered with both images; a client that closes its
                     connection while its image is held is dropped, and the server serves on; the
-                    same for a gRPC GenerateRequest's image (answered, or cancelled and dropped)
+                    same for a gRPC GenerateRequest's image (answered, or cancelled and dropped);
+                    of 70 image chats at once 64 are held (queued or decoding) and 6 refused 503
   tokenize_images   POST /tokenize counts a chat's images as generation lays them out: its count
                     equals usage.prompt_tokens of the same chat (max_tokens 1) for one image, one
                     with crops, and two of different sizes
@@ -280,6 +281,24 @@ def test_decode_off_loop():
         os.close(fd)
         text_ok(s)
         print("   gRPC: a call cancelled while its image was held: dropped, the server serves on")
+        # bounded: 64 requests' images queued or decoding at once (MEDIA_MAX_JOBS), more are 503
+        one = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": urls[0]}}]}]}
+        res = []
+        threads = [threading.Thread(target=lambda: res.append(post(s, one))) for _ in range(70)]
+        for t in threads:
+            t.start()
+        fd = gate_held(fifo)
+        wait_until(lambda: len(res) == 6, timeout=30, what="6 refusals")
+        assert all(c == 503 and b["error"]["message"] == "too many requests' images are being decoded (64 at "
+                   "once); retry later" for c, b in res), res
+        os.write(fd, b"x" * 64)
+        for t in threads:
+            t.join(60)
+        os.close(fd)
+        codes = sorted(c for c, _ in res)
+        assert codes == [200] * 64 + [503] * 6, codes
+        print("   70 image chats at once: 64 held (queued or decoding), 6 refused 503; released: 64 answered")
     finally:
         s.stop()
 

@@ -1,12 +1,17 @@
 /* media-fetch.c - a request's images fetched (http(s) URLs of allowed domains, with libcurl)
- * and decoded and preprocessed on libuv's threadpool; see media.h ("Off the loop"). */
+ * and decoded and preprocessed on libuv's threadpool; see media.h ("Off the loop").  The
+ * decoding helpers media.c's parse shares (media_image_prepare, media_base64_decode, ...)
+ * live here, so that media.c calls this file and never the other way round. */
 #include "media.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include <curl/curl.h>
 #include <gnutls/gnutls.h>
@@ -17,6 +22,7 @@
 #include "stepd-config.h"
 #include "stepd.pb-c.h"
 #include "strbuf.h"
+#include "tokenizer.h"
 
 #define MAX_REDIRECTS 5
 
@@ -86,6 +92,110 @@ bool media_url_host_in(const char *url, const char *const *domains, size_t n_dom
     curl_free(scheme);
     curl_url_cleanup(u);
     return ok;
+}
+
+/* ------------------------------------------------------------------ any thread */
+
+int media_token_ids(const struct tokenizer *tok, struct image_token_ids *ret, char *msg, size_t len)
+{
+    static const char *const names[] = { "<im_start>", "<im_end>", "<patch_start>", "<patch_end>",
+                                         "<patch_newline>", "<im_patch>" };
+    int32_t *out[] = { &ret->im_start, &ret->im_end, &ret->patch_start, &ret->patch_end, &ret->patch_newline,
+                       &ret->im_patch };
+
+    for (size_t i = 0; i < ARRAY_SIZE(names); i++) {
+        int32_t id = tok ? tok_token_to_id(tok, names[i]) : -ENOENT;
+        if (id < 0) {
+            snprintf(msg, len, "the model has no vision tower (%s)",
+                     tok ? "its tokenizer has no image tokens" : "no tokenizer is loaded");
+            return -ENOENT;
+        }
+        *out[i] = id;
+    }
+    return 0;
+}
+
+const char *media_data_url_payload_at(const char *url, const char *at, char *msg, size_t len)
+{
+    const char *comma = strchr(url, ','), *semi;
+    size_t n_meta;
+
+    if (!comma) {
+        snprintf(msg, len, "%s: a data URL must be data:image/<type>;base64,<data>", at);
+        return NULL;
+    }
+    n_meta = comma - (url + 5);
+    if (n_meta < 6 || strncasecmp(url + 5, "image/", 6)) {
+        snprintf(msg, len, "%s: the data URL's media type must be image/... (got '%.*s')", at,
+                 (int)(n_meta > 40 ? 40 : n_meta), url + 5);
+        return NULL;
+    }
+    semi = memchr(url + 5, ';', n_meta);
+    if (!semi || (size_t)(comma - semi) != 7 || strncasecmp(semi, ";base64", 7)) {
+        snprintf(msg, len, "%s: only base64 data URLs are supported (data:image/<type>;base64,<data>)", at);
+        return NULL;
+    }
+    size_t n64 = strlen(comma + 1);
+    if (n64 / 4 * 3 > media_conf.lim.max_bytes + 3) {
+        snprintf(msg, len, "%s: the image has about %zu bytes, more than the limit of %zu (--image-max-bytes)", at,
+                 n64 / 4 * 3, media_conf.lim.max_bytes);
+        return NULL;
+    }
+    return comma + 1;
+}
+
+const char *media_data_url_payload(const char *url)
+{
+    char msg[8];
+
+    return strncasecmp(url, "data:", 5) ? NULL : media_data_url_payload_at(url, "", msg, sizeof(msg));
+}
+
+int media_base64_decode(const char *p, void **ret, size_t *n, char *err, size_t len)
+{
+    gnutls_datum_t in = { (unsigned char *)p, (unsigned)strlen(p) }, out = { NULL, 0 };
+    int g = gnutls_base64_decode2(&in, &out);
+
+    if (g == GNUTLS_E_MEMORY_ERROR)
+        return -ENOMEM;
+    if (g < 0) {
+        snprintf(err, len, "the data URL's base64 does not decode (%s)", gnutls_strerror(g));
+        return -EINVAL;
+    }
+    *ret = out.data;
+    *n = out.size;
+    return 0;
+}
+
+/* The test-only decode gate (media.h: MEDIA_TEST_DECODE_GATE_ENV): a FIFO each decode reads
+ * one byte from first, blocking until the test writes it. */
+static void decode_gate(void)
+{
+    const char *path = getenv(MEDIA_TEST_DECODE_GATE_ENV);
+    char c;
+    int fd;
+
+    if (!path || !path[0] || (fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+        return;
+    while (read(fd, &c, 1) < 0 && errno == EINTR)
+        ;
+    close(fd);
+}
+
+int media_image_prepare(const void *data, size_t n, const struct image_limits *lim,
+                        const struct image_token_ids *ids, struct image_prep *ret, bool *prepped, struct err_buf *e)
+{
+    struct image img;
+    int r;
+
+    *prepped = false;
+    decode_gate();
+    if ((r = image_decode(data, n, lim, &img, e)) < 0)
+        return r;
+    if (ids && (r = image_prep(&img, ids, ret, e)) == 0)
+        *prepped = true;
+    image_done(&img);
+    return r;
 }
 
 /* ------------------------------------------------------------------ the worker thread */

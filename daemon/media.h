@@ -103,8 +103,10 @@ int media_taken(struct media_fetch *f, size_t msg, size_t part, struct image_pre
 void media_start_error(int r, char *msg, size_t len);
 /* Jobs queued or running (loop thread). */
 unsigned media_jobs_running(void);
-/* A well-formed data URL's base64 payload (within --image-max-bytes), or NULL. */
+/* A well-formed data URL's base64 payload (within --image-max-bytes), or NULL (with msg naming
+ * at, the _at form). */
 const char *media_data_url_payload(const char *url);
+const char *media_data_url_payload_at(const char *url, const char *at, char *msg, size_t len);
 /* Base64 p decoded into *ret (gnutls_free), *n bytes: 0, -ENOMEM, or -EINVAL with err. */
 int media_base64_decode(const char *p, void **ret, size_t *n, char *err, size_t len);
 /* An encoded image decoded (within lim) and, with ids, preprocessed into *ret (*prepped):

@@ -63,14 +63,20 @@ enum chunk_stop {
     CHUNK_STOP_STRING,              /* stop_string ended it */
 };
 
+/* The usage and timing fields of a chunk_final, named alike in the wire's Usage and Timings
+ * (X(name) each: a door copies them field by field). */
+#define CHUNK_USAGE_FIELDS(X) X(prompt_tokens) X(completion_tokens) X(cached_tokens) X(reasoning_tokens)
+#define CHUNK_TIMING_FIELDS(X) X(queue_s) X(prefill_s) X(first_token_s) X(decode_s) X(mean_inter_token_s) X(e2e_s)
+#define CHUNK_MTP_FIELDS(X) X(num_drafts) X(num_draft_tokens) X(num_accepted_tokens)
+
 struct chunk_final {
     enum chunk_finish finish;
     const char *message;            /* the engine's detail ("" when none) */
     enum chunk_stop stop;
     int32_t stop_token_id;
     const char *stop_string;
-    uint32_t prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens;
-    /* timings, seconds */
+    uint32_t prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens;   /* CHUNK_USAGE_FIELDS */
+    /* timings, seconds (CHUNK_TIMING_FIELDS) */
     double queue_s, prefill_s, first_token_s, decode_s, mean_inter_token_s, e2e_s;
     /* MTP: verification steps with drafts, drafts, accepted; per draft position, and the
      * decode steps by the number of drafts they verified */

@@ -386,6 +386,14 @@ int request_validate_chat(const struct coord *co, const struct request *in, char
 /* chat.c: render a chat request with the Step-3.7 template (docs/MODEL.md §7) into a malloc'd
  * prompt string; -EINVAL with the field named in msg. */
 int coord_chat_render(struct coord *co, const struct request *in, char **ret, char *msg, size_t len);
+/* A text or chat request's prompt as the engine receives it: tokenized (a chat rendered by its
+ * template first), each image's placeholder replaced by the image's token layout
+ * (media_prompt_expand; *image_pos: where each starts, malloc, NULL without images).  The
+ * generation and the tokenize endpoints count alike.  0, or a negative errno with msg naming
+ * the field. */
+struct tok_ids;
+int coord_prompt_encode(struct coord *co, const struct request *in, struct tok_ids *ids, uint32_t **image_pos,
+                        char *msg, size_t len);
 /* The output a forced tool choice puts at the end of the prompt (into buf): its length, or 0
  * when the request's tool choice forces nothing. */
 size_t coord_chat_forced_prefix(const struct request *in, char *buf, size_t len);

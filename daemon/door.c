@@ -241,14 +241,48 @@ static json_t *door_body(struct http_req *hr, char *msg, size_t len)
     return o;
 }
 
-/* A request whose http(s) image URLs are being fetched (door_serve): parsed again when they are. */
+static void hold_closed(struct http_req *hr, bool completed, void *ud)
+{
+    struct door_hold *h = ud;
+
+    (void)hr, (void)completed;
+    log_req_info("-", "cancelling: the client went away while its images were fetched and decoded");
+    h->hr = NULL;
+    media_fetch_cancel(h->f);
+}
+
+static void hold_done(struct media_fetch *f, void *ud)
+{
+    struct door_hold *h = ud;
+
+    if (h->hr) {
+        http_req_on_close(h->hr, NULL, NULL);
+        h->resume(h, f);
+    } else {
+        log_req_info("-", "dropped: the client went away while its images were fetched and decoded");
+        h->drop(h);
+    }
+    media_fetch_free(f);
+    free(h);
+}
+
+int door_hold_start(struct door_hold *h, const json_t *messages, char *msg, size_t len)
+{
+    int r = media_fetch_start(&h->co->loop, messages, h->co->tok, hold_done, h, &h->f);
+
+    if (r < 0)
+        media_start_error(r, msg, len);
+    else if (r > 0)
+        http_req_on_close(h->hr, hold_closed, h);
+    return r;
+}
+
+/* A request whose images are being prepared (door_serve): parsed again when they are. */
 struct door_fetch {
-    struct coord *co;
-    struct http_req *hr;            /* NULL: the client went away */
+    struct door_hold h;             /* first: hold_done frees it */
     const char *const *names;
     const struct door_serve *s;
     json_t *body;                   /* kept from the first parse */
-    struct media_fetch *f;          /* started by door_images_take; fetched once done has run */
 };
 
 /* hr's request (door_serve): body (owned; NULL: hr's) converted by conv; or NULL when
@@ -269,7 +303,7 @@ static struct request *request_parse(struct coord *co, struct http_req *hr, json
         snprintf(msg, sizeof(msg), "model: \"%.64s\" is not served here (GET /v1/models lists the names)", in->model);
         r = -ENOENT;
     }
-    if (fx && fx->f && !fx->body) {
+    if (fx && fx->h.f && !fx->body) {
         /* the first parse reached the images, which are being fetched: the second one serves */
         fx->body = body;
         request_free(in);
@@ -280,17 +314,18 @@ static struct request *request_parse(struct coord *co, struct http_req *hr, json
         return in;
     if (r == -ENOMEM)
         snprintf(msg, sizeof(msg), "out of memory");
-    else
+    else if (r != -EBUSY)
         co->m.rejected_invalid++;
     log_req_info(in && in->id[0] ? in->id : "-", "rejected: %s", msg);
     if (in)
         request_free(in);
-    error(hr, r == -ENOMEM ? RPC_INTERNAL : r == -ENOENT ? RPC_NOT_FOUND : RPC_INVALID_ARGUMENT, msg);
+    error(hr, r == -ENOMEM ? RPC_INTERNAL : r == -ENOENT ? RPC_NOT_FOUND : r == -EBUSY ? RPC_UNAVAILABLE
+          : RPC_INVALID_ARGUMENT, msg);
     return NULL;
 }
 
 /* One parse of fx's request with a fresh ud: served (s->ready), or refused and answered, or
- * (the first parse only) its image URLs being fetched. */
+ * (the first parse only) its images being prepared. */
 static void serve_parse(struct door_fetch *fx, json_t *body)
 {
     const struct door_serve *s = fx->s;
@@ -299,37 +334,26 @@ static void serve_parse(struct door_fetch *fx, json_t *body)
 
     if (!ud) {
         json_decref(body);
-        s->error(fx->hr, RPC_INTERNAL, "out of memory");
+        s->error(fx->h.hr, RPC_INTERNAL, "out of memory");
         return;
     }
-    if ((in = request_parse(fx->co, fx->hr, body, fx->names, s->conv, ud, fx, s->error)))
-        s->ready(fx->co, fx->hr, in, ud);
+    if ((in = request_parse(fx->h.co, fx->h.hr, body, fx->names, s->conv, ud, fx, s->error)))
+        s->ready(fx->h.co, fx->h.hr, in, ud);
     else
         s->ud_free(ud);
 }
 
-static void fetch_closed(struct http_req *hr, bool completed, void *ud)
+static void serve_resume(struct door_hold *h, struct media_fetch *f)
 {
-    struct door_fetch *fx = ud;
+    struct door_fetch *fx = (struct door_fetch *)h;
 
-    (void)hr, (void)completed;
-    fx->hr = NULL;
-    media_fetch_cancel(fx->f);
+    (void)f;        /* fx->h.f: the second parse takes the images */
+    serve_parse(fx, fx->body);
 }
 
-static void fetch_done(struct media_fetch *f, void *ud)
+static void serve_drop(struct door_hold *h)
 {
-    struct door_fetch *fx = ud;
-
-    if (fx->hr) {
-        http_req_on_close(fx->hr, NULL, NULL);
-        serve_parse(fx, fx->body);
-    } else {
-        log_req_info("-", "dropped: the client went away while its image URLs were fetched");
-        json_decref(fx->body);
-    }
-    media_fetch_free(f);
-    free(fx);
+    json_decref(((struct door_fetch *)h)->body);
 }
 
 void door_serve(struct coord *co, struct http_req *hr, const char *const *names, const struct door_serve *s)
@@ -340,14 +364,11 @@ void door_serve(struct coord *co, struct http_req *hr, const char *const *names,
         s->error(hr, RPC_INTERNAL, "out of memory");
         return;
     }
-    *fx = (struct door_fetch){ .co = co, .hr = hr, .names = names, .s = s };
+    *fx = (struct door_fetch){ .h = { .co = co, .hr = hr, .resume = serve_resume, .drop = serve_drop },
+                               .names = names, .s = s };
     serve_parse(fx, NULL);
-    if (fx->f) {
-        /* held until fetch_done */
-        http_req_on_close(hr, fetch_closed, fx);
-        return;
-    }
-    free(fx);
+    if (!fx->h.f)
+        free(fx);       /* else held until hold_done */
 }
 
 int door_tool_choice_check(const struct coord *co, struct request *in, const char *field, char *msg, size_t len)
@@ -496,14 +517,14 @@ int door_images_take(struct coord *co, const struct door_images *im, struct door
 
     if (!im->n)
         return 0;
-    if (fx && !fx->f) {
-        /* the first parse: the allowed http(s) URLs are fetched off the loop, if any */
-        if ((r = media_fetch_start(&co->loop, im->parts, fetch_done, fx, &fx->f)) < 0)
+    if (fx && !fx->h.f) {
+        /* the first parse: the images are fetched and decoded off the loop, if any */
+        if ((r = door_hold_start(&fx->h, im->parts, msg, len)) < 0)
             return r;
         if (r > 0)
             return -EINPROGRESS;
     }
-    r = media_chat_images(im->parts, co->tok, wpool_serves_images(co), fx ? fx->f : NULL, in, msg, len);
+    r = media_chat_images(im->parts, co->tok, wpool_serves_images(co), fx ? fx->h.f : NULL, in, msg, len);
     if (r == -EINVAL)
         images_msg_rename(im, field, msg, len);
     return r;

@@ -93,14 +93,33 @@ struct door_gen {
 void door_submit(struct coord *co, struct http_req *hr, struct request *in, bool stream, const char *id_prefix,
                  const struct door_ops *ops, void *ud);
 
-/* A request's http(s) image URLs being fetched (door_serve; door.c). */
+/* A request held while its images are fetched, decoded and preprocessed off the loop
+ * (media_fetch_start; the chat and completions door, /tokenize, door_serve): once they are,
+ * on the loop, resume(h, f) when the client is still there (hr; f: the prepared images for
+ * the parse), else drop(h) (the client went away, which cancelled the job); then h is freed
+ * (free(h): it heads its container's allocation, whose fields resume and drop let go). */
+struct media_fetch;
+struct door_hold {
+    struct coord *co;
+    struct http_req *hr;            /* NULL: the client went away */
+    void (*resume)(struct door_hold *h, struct media_fetch *f);
+    void (*drop)(struct door_hold *h);
+    struct media_fetch *f;          /* the job, from door_hold_start until resume or drop returns */
+};
+
+/* Start h's job on an OpenAI messages array (h->co, hr, resume, drop set): 0 (no image to
+ * prepare: nothing held, parse now), 1 (held: resume or drop will run), or -EBUSY / -ENOMEM
+ * with the answer in msg. */
+int door_hold_start(struct door_hold *h, const json_t *messages, char *msg, size_t len);
+
+/* A request whose images are being prepared (door_serve; door.c). */
 struct door_fetch;
 
 /* What a door's parser fills in from the body: in's fields (door_common_fields among them)
  * and the door's own (arg), its images taken by door_images_take with fx (door_serve's).
  * 0, -ENOMEM, -EINVAL or -ENOENT (a thing named is not there), the reason in msg naming the
- * field, or -EINPROGRESS from door_images_take (the parse stops: it runs again once
- * fetched). */
+ * field, -EBUSY (too many requests' images being prepared: RPC_UNAVAILABLE), or -EINPROGRESS
+ * from door_images_take (the parse stops: it runs again once the images are prepared). */
 typedef int (*door_conv_fn)(struct coord *co, const json_t *body, struct request *in, void *arg,
                             struct door_fetch *fx, char *msg, size_t len);
 
@@ -118,12 +137,12 @@ struct door_serve {
 /* The request of hr's body (field names: names), converted by s->conv and its model
  * checked, then served by s->ready; or refused: counted, logged and answered through
  * s->error (RPC_INVALID_ARGUMENT, RPC_NOT_FOUND for -ENOENT and a model not served,
- * RPC_INTERNAL).  As the chat door does, a request whose images hold http(s)
- * URLs of --allowed-media-domains is parsed until its images are (door_images_take starts
- * media_fetch_start on them), held while they are fetched off the loop (the client going
- * away cancels the fetch: nothing is served, nothing leaks), and parsed again when they are,
- * with a fresh request and ud and the fetched bytes (the parse is deterministic: the same
- * images in the same order).  s lives as long as the program. */
+ * RPC_INTERNAL, RPC_UNAVAILABLE for -EBUSY).  As the chat door does, a request with images
+ * (data URLs, http(s) URLs of --allowed-media-domains) is parsed until its images are
+ * (door_images_take starts door_hold_start on them), held while they are fetched, decoded and
+ * preprocessed off the loop (the client going away cancels the job: nothing is served,
+ * nothing leaks), and parsed again when they are, with a fresh request and ud and the
+ * prepared images (the parse is deterministic: the same images in the same order).  s lives as long as the program. */
 void door_serve(struct coord *co, struct http_req *hr, const char *const *names, const struct door_serve *s);
 
 /* A request's tools (the door's, converted) with tool_choice, checked alike on both doors:
@@ -157,9 +176,10 @@ struct door_images {
 int door_image_add(struct door_images *im, const char *at, json_t *image_url);
 /* Each of im's images checked, decoded and preprocessed into in->images (media_chat_images),
  * its errors naming the door's part ("field" for the request's images together).  With fx
- * (door_serve's) the http(s) URLs of allowed hosts among them: on the first parse their
- * fetch is started (-EINPROGRESS), on the second their bytes are taken; without fx such a
- * URL is refused.  0, -EINPROGRESS, -EINVAL with msg, or -ENOMEM. */
+ * (door_serve's) they are prepared off the loop: on the first parse the job is started
+ * (-EINPROGRESS), on the second the prepared images are taken; without fx data URLs are
+ * decoded here and an http(s) URL is refused.  0, -EINPROGRESS, -EBUSY or -EINVAL with msg,
+ * or -ENOMEM. */
 int door_images_take(struct coord *co, const struct door_images *im, struct door_fetch *fx, const char *field,
                      struct request *in, char *msg, size_t len);
 void door_images_done(struct door_images *im);

@@ -175,21 +175,17 @@ static void grpc_final(struct req *r, const struct chunk_final *f)
 
     pf.finish_reason = (Stepd__V1__FinishReason)f->finish;
     pf.message = (char *)f->message;
-    u.prompt_tokens = f->prompt_tokens;
-    u.completion_tokens = f->completion_tokens;
-    u.cached_tokens = f->cached_tokens;
-    u.reasoning_tokens = f->reasoning_tokens;
+#define U(x) u.x = f->x;
+#define T(x) t.x = f->x;
+#define M(x) m.x = f->x;
+    CHUNK_USAGE_FIELDS(U)
+    CHUNK_TIMING_FIELDS(T)
+    CHUNK_MTP_FIELDS(M)
+#undef U
+#undef T
+#undef M
     pf.usage = &u;
-    t.queue_s = f->queue_s;
-    t.prefill_s = f->prefill_s;
-    t.first_token_s = f->first_token_s;
-    t.decode_s = f->decode_s;
-    t.mean_inter_token_s = f->mean_inter_token_s;
-    t.e2e_s = f->e2e_s;
     pf.timings = &t;
-    m.num_drafts = f->num_drafts;
-    m.num_draft_tokens = f->num_draft_tokens;
-    m.num_accepted_tokens = f->num_accepted_tokens;
     m.n_accepted_per_position = f->n_accepted_per_position;
     m.accepted_per_position = (uint32_t *)f->accepted_per_position;
     m.n_steps_by_num_drafts = f->n_steps_by_num_drafts;
@@ -252,13 +248,101 @@ static void grpc_caller(const struct coord *co, const struct rpc_call *call, str
         snprintf(c->peer, sizeof(c->peer), "unknown");
 }
 
+/* pb's request in (e: request_from_proto's result, err its reason) with its images taken
+ * (daemon/media.c: each decoded, checked and preprocessed as the chat door's; fetched: those
+ * prepared off the loop), submitted or refused. */
+static void generate_images(struct coord *co, struct rpc_call *call, const Stepd__V1__GenerateRequest *pb,
+                            struct request *in, int e, struct media_fetch *fetched, char *err, size_t len)
+{
+    struct req_caller caller;
+    void *client = call;
+
+    if (e == 0 && (e = media_proto_images(pb, co->tok, wpool_serves_images(co), fetched, in, err, len)) < 0) {
+        request_free(in);
+        if (e == -ENOMEM)
+            snprintf(err, len, "out of memory");
+    }
+    if (e < 0) {
+        int st = e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : e == -EBUSY ? RPC_UNAVAILABLE : RPC_INVALID_ARGUMENT;
+
+        if (st == RPC_INVALID_ARGUMENT)
+            co->m.rejected_invalid++;
+        co->m.status[st]++;
+        log_req_info("-", "rejected: %s", err);
+        rpc_call_finish(call, st, "%s", err);
+        return;
+    }
+    grpc_caller(co, call, &caller);
+    req_submit(co, in, &(struct req_origin){ .ops = &grpc_ops, .clients = &client, .n = 1,
+                                             .deadline_ms = rpc_call_deadline_ms(call), .caller = &caller });
+}
+
+/* A call held while its images are decoded off the loop (media_proto_start). */
+struct images_held {
+    struct coord *co;
+    struct rpc_call *call;
+    const Stepd__V1__GenerateRequest *pb;   /* the call's: valid until it is finished */
+    struct request *in;
+    bool cancelled;
+    struct media_fetch *f;
+};
+
+static void images_cancel(struct rpc_call *call, void *ud)
+{
+    struct images_held *h = ud;
+
+    (void)call;
+    log_req_info("-", "cancelling: the client went away while its images were decoded");
+    h->cancelled = true;
+    media_fetch_cancel(h->f);
+}
+
+static void images_done(struct media_fetch *f, void *ud)
+{
+    struct images_held *h = ud;
+    char err[768] = "";
+
+    if (h->cancelled) {
+        log_req_info("-", "dropped: the client went away while its images were decoded");
+        request_free(h->in);
+        rpc_call_finish(h->call, RPC_CANCELLED, "cancelled while its images were decoded");
+    } else {
+        rpc_call_on_cancel(h->call, NULL, NULL);
+        generate_images(h->co, h->call, h->pb, h->in, 0, f, err, sizeof(err));
+    }
+    media_fetch_free(f);
+    free(h);
+}
+
+/* in's images (pb's) decoded off the loop: true when held (images_done goes on), else false
+ * with *e 0 (none to decode) or the error (-EBUSY, -ENOMEM; in freed) and its reason in err. */
+static bool images_hold(struct coord *co, struct rpc_call *call, const Stepd__V1__GenerateRequest *pb,
+                        struct request *in, int *e, char *err, size_t len)
+{
+    struct images_held *h = calloc(1, sizeof(*h));
+    int r = -ENOMEM;
+
+    if (h) {
+        *h = (struct images_held){ .co = co, .call = call, .pb = pb, .in = in };
+        if ((r = media_proto_start(&co->loop, pb, co->tok, images_done, h, &h->f)) > 0) {
+            rpc_call_on_cancel(call, images_cancel, h);
+            return true;
+        }
+    }
+    free(h);
+    if (r < 0) {
+        media_start_error(r, err, len);
+        request_free(in);
+    }
+    *e = r < 0 ? r : 0;
+    return false;
+}
+
 static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)
 {
     struct coord *co = ud;
     struct request *in = NULL;
-    struct req_caller caller;
     char err[768];
-    void *client = call;
     int e;
 
     /* the cheapest refusals first, before the request is even converted */
@@ -283,26 +367,9 @@ static void req_generate_loop(struct rpc_call *call, const ProtobufCMessage *msg
         return;
     }
     e = request_from_proto((const Stepd__V1__GenerateRequest *)msg, &in, err, sizeof(err));
-    /* images in (daemon/media.c): each decoded, checked and preprocessed as the chat door's */
-    if (e == 0 && (e = media_proto_images((const Stepd__V1__GenerateRequest *)msg, co->tok, wpool_serves_images(co),
-                                          in, err, sizeof(err))) < 0) {
-        request_free(in);
-        if (e == -ENOMEM)
-            snprintf(err, sizeof(err), "out of memory");
-    }
-    if (e < 0) {
-        int st = e == -ENOMEM ? RPC_RESOURCE_EXHAUSTED : RPC_INVALID_ARGUMENT;
-
-        if (st == RPC_INVALID_ARGUMENT)
-            co->m.rejected_invalid++;
-        co->m.status[st]++;
-        log_req_info("-", "rejected: %s", err);
-        rpc_call_finish(call, st, "%s", err);
+    if (e == 0 && images_hold(co, call, (const Stepd__V1__GenerateRequest *)msg, in, &e, err, sizeof(err)))
         return;
-    }
-    grpc_caller(co, call, &caller);
-    req_submit(co, in, &(struct req_origin){ .ops = &grpc_ops, .clients = &client, .n = 1,
-                                             .deadline_ms = rpc_call_deadline_ms(call), .caller = &caller });
+    generate_images(co, call, (const Stepd__V1__GenerateRequest *)msg, in, e, NULL, err, sizeof(err));
 }
 
 void req_generate(struct rpc_call *call, const ProtobufCMessage *msg, void *ud)

@@ -977,25 +977,26 @@ static int opt_template_kwargs(struct cli *c, const struct optdecl *d, const cha
     return 0;
 }
 
-/* --limit-mm-per-prompt and --allowed-media-domains: daemon/media.c's settings */
-static int opt_limit_mm(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+/* --limit-mm-per-prompt and --allowed-media-domains: daemon/media.c's settings, set by set
+ * (0, or a negative errno with the reason in msg) */
+static int media_opt(const char *flag, const char *val, int (*set)(const char *val, char *msg, size_t len))
 {
     char msg[256] = "";
-    int r = media_limit_mm_parse(val, msg, sizeof(msg));
+    int r = set(val, msg, sizeof(msg));
 
     if (r < 0)
         log_error("%s: %s", flag, r == -ENOMEM ? "out of memory" : msg);
     return r;
 }
 
+static int opt_limit_mm(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
+{
+    return media_opt(flag, val, media_limit_mm_parse);
+}
+
 static int opt_media_domains(struct cli *c, const struct optdecl *d, const char *flag, const char *val)
 {
-    char msg[256] = "";
-    int r = media_allowed_domains_add(val, msg, sizeof(msg));
-
-    if (r < 0)
-        log_error("%s: %s", flag, r == -ENOMEM ? "out of memory" : msg);
-    return r;
+    return media_opt(flag, val, media_allowed_domains_add);
 }
 
 /* --media-fetch-timeout: seconds (fractions too), more than 0 */
@@ -1081,6 +1082,25 @@ static void check_defaults(const struct cli *c)
                       d->name, d->def);
         ASSERT(same);
     }
+}
+
+/* A key from file (flag's), else from the environment variable env when set and not empty,
+ * into *ret (NULL: none): 0, or a negative errno (logged). */
+static int key_read(const char *flag, const char *file, const char *env, char **ret)
+{
+    const char *e = getenv(env);
+    int r;
+
+    if (file) {
+        if ((r = file_read_secret(file, ret)) < 0)
+            log_error("%s %s: %s", flag, file, r == -ENODATA ? "file is empty" : err_str(r));
+        return r;
+    }
+    if (e && e[0] && !(*ret = strdup(e))) {
+        log_error("%s: out of memory", env);
+        return -ENOMEM;
+    }
+    return 0;
 }
 
 int main(int argc, char **argv)
@@ -1188,22 +1208,9 @@ int main(int argc, char **argv)
             cl.o.n_model_aliases = n_names - 1;
         }
     }
-    if (cl.key_file) {
-        if ((r = file_read_secret(cl.key_file, &api_key)) < 0) {
-            log_error("--api-key-file %s: %s", cl.key_file, r == -ENODATA ? "file is empty" : err_str(r));
-            goto out;
-        }
-    } else if (getenv("STEPD_API_KEY") && getenv("STEPD_API_KEY")[0]) {
-        api_key = strdup(getenv("STEPD_API_KEY"));
-    }
-    if (cl.ckey_file) {
-        if ((r = file_read_secret(cl.ckey_file, &ctl_key)) < 0) {
-            log_error("--control-key-file %s: %s", cl.ckey_file, r == -ENODATA ? "file is empty" : err_str(r));
-            goto out;
-        }
-    } else if (getenv("STEPD_CONTROL_KEY") && getenv("STEPD_CONTROL_KEY")[0]) {
-        ctl_key = strdup(getenv("STEPD_CONTROL_KEY"));
-    }
+    if ((r = key_read("--api-key-file", cl.key_file, "STEPD_API_KEY", &api_key)) < 0 ||
+        (r = key_read("--control-key-file", cl.ckey_file, "STEPD_CONTROL_KEY", &ctl_key)) < 0)
+        goto out;
     cl.o.api_key = api_key;
     cl.o.control_key = ctl_key;
     if ((cl.o.tls.cert_file != NULL) != (cl.o.tls.key_file != NULL)) {

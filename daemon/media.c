@@ -2,6 +2,7 @@
 #include "media.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,69 +85,25 @@ void media_config_done(void)
     media_conf.n_allowed_domains = 0;
 }
 
-int media_token_ids(const struct tokenizer *tok, struct image_token_ids *ret, char *msg, size_t len)
+/* One image's result onto in->images (when prepared: ids were there). */
+static int image_push(struct request *in, const struct image_prep *p)
 {
-    static const char *const names[] = { "<im_start>", "<im_end>", "<patch_start>", "<patch_end>",
-                                         "<patch_newline>", "<im_patch>" };
-    int32_t *out[] = { &ret->im_start, &ret->im_end, &ret->patch_start, &ret->patch_end, &ret->patch_newline,
-                       &ret->im_patch };
+    struct image_prep *n = realloc(in->images, sizeof(*n) * (in->n_images + 1));
 
-    for (size_t i = 0; i < ARRAY_SIZE(names); i++) {
-        int32_t id = tok ? tok_token_to_id(tok, names[i]) : -ENOENT;
-        if (id < 0) {
-            snprintf(msg, len, "the model has no vision tower (%s)",
-                     tok ? "its tokenizer has no image tokens" : "no tokenizer is loaded");
-            return -ENOENT;
-        }
-        *out[i] = id;
-    }
-    return 0;
-}
-
-/* "data:image/png;base64,..." -> the decoded bytes (gnutls_free), or -EINVAL + msg */
-static int data_url(const char *url, gnutls_datum_t *ret, const char *at, char *msg, size_t len)
-{
-    const char *comma = strchr(url, ','), *semi;
-    size_t n_meta;
-
-    if (!comma) {
-        snprintf(msg, len, "%s: a data URL must be data:image/<type>;base64,<data>", at);
-        return -EINVAL;
-    }
-    n_meta = comma - (url + 5);
-    if (n_meta < 6 || strncasecmp(url + 5, "image/", 6)) {
-        snprintf(msg, len, "%s: the data URL's media type must be image/... (got '%.*s')", at,
-                 (int)(n_meta > 40 ? 40 : n_meta), url + 5);
-        return -EINVAL;
-    }
-    semi = memchr(url + 5, ';', n_meta);
-    if (!semi || (size_t)(comma - semi) != 7 || strncasecmp(semi, ";base64", 7)) {
-        snprintf(msg, len, "%s: only base64 data URLs are supported (data:image/<type>;base64,<data>)", at);
-        return -EINVAL;
-    }
-    size_t n64 = strlen(comma + 1);
-    if (n64 / 4 * 3 > media_conf.lim.max_bytes + 3) {
-        snprintf(msg, len, "%s: the image has about %zu bytes, more than the limit of %zu (--image-max-bytes)", at,
-                 n64 / 4 * 3, media_conf.lim.max_bytes);
-        return -EINVAL;
-    }
-    gnutls_datum_t in = { (unsigned char *)(comma + 1), (unsigned)n64 };
-    int g = gnutls_base64_decode2(&in, ret);
-    if (g == GNUTLS_E_MEMORY_ERROR)
+    if (!n)
         return -ENOMEM;
-    if (g < 0) {
-        snprintf(msg, len, "%s: the data URL's base64 does not decode (%s)", at, gnutls_strerror(g));
-        return -EINVAL;
-    }
+    in->images = n;
+    n[in->n_images++] = *p;
     return 0;
 }
 
 static int add_image(struct request *in, const void *data, size_t n, const struct image_token_ids *ids,
                      const char *at, char *msg, size_t len)
 {
-    struct image img;
+    struct image_prep p;
     struct err_buf e = { "" };
-    int r = image_decode(data, n, &media_conf.lim, &img, &e);
+    bool prepped;
+    int r = media_image_prepare(data, n, &media_conf.lim, ids, &p, &prepped, &e);
 
     if (r == -ENOMEM)
         return r;
@@ -154,49 +111,54 @@ static int add_image(struct request *in, const void *data, size_t n, const struc
         snprintf(msg, len, "%s: %s", at, e.msg);
         return -EINVAL;
     }
-    if (ids) {
-        struct image_prep *p = realloc(in->images, sizeof(*p) * (in->n_images + 1));
-        if (!p) {
-            image_done(&img);
-            return -ENOMEM;
-        }
-        in->images = p;
-        r = image_prep(&img, ids, &p[in->n_images], &e);
-        if (r == 0)
-            in->n_images++;
-    }
-    image_done(&img);
+    if (prepped && (r = image_push(in, &p)) < 0)
+        image_prep_done(&p);
     return r;
 }
 
-/* an http(s) URL: its bytes from fetched when its host is allowed, else a 400 */
-static int http_url(const char *url, const struct media_fetch *fetched, size_t mi, size_t k, struct request *in,
-                    const struct image_token_ids *ids, const char *at, char *msg, size_t len)
+/* messages[mi].content[k] prepared off the loop (media_fetch_start): taken into in; -ENOENT
+ * when it was not. */
+static int take_prepared(struct request *in, struct media_fetch *fetched, size_t mi, size_t k, const char *at,
+                         char *msg, size_t len)
+{
+    struct image_prep p;
+    const char *err;
+    bool prepped;
+    int r = media_taken(fetched, mi, k, &p, &prepped, &err);
+
+    if (r < 0)
+        return r;
+    if (err) {
+        snprintf(msg, len, "%s: %s", at, err);
+        return -EINVAL;
+    }
+    if (prepped && (r = image_push(in, &p)) < 0)
+        image_prep_done(&p);
+    return r;
+}
+
+/* an http(s) URL: fetched and prepared off the loop when its host is allowed, else a 400 */
+static int http_url(const char *url, struct media_fetch *fetched, size_t mi, size_t k, struct request *in,
+                    const char *at, char *msg, size_t len)
 {
     char host[128];
-    const void *data;
-    const char *err;
-    size_t n;
+    int r;
 
     if (!media_url_host_allowed(url, host, sizeof(host))) {
         snprintf(msg, len, "%s: the image URL's domain '%.100s' is not allowed (--allowed-media-domains%s)", at,
                  host, media_conf.n_allowed_domains ? "" : " allows none: send a data URL");
         return -EINVAL;
     }
-    if (media_fetched(fetched, mi, k, &data, &n, &err) < 0) {
+    if ((r = take_prepared(in, fetched, mi, k, at, msg, len)) == -ENOENT) {
         /* media_fetch_start fetches every allowed part before the parse: a door that did not */
         snprintf(msg, len, "%s: this door does not fetch image URLs (send a data URL)", at);
         return -EINVAL;
     }
-    if (err) {
-        snprintf(msg, len, "%s: %s", at, err);
-        return -EINVAL;
-    }
-    return add_image(in, data, n, ids, at, msg, len);
+    return r;
 }
 
 /* one image_url part, messages[mi].content[k] */
-static int image_part(const json_t *part, const struct media_fetch *fetched, size_t mi, size_t k,
+static int image_part(const json_t *part, struct media_fetch *fetched, size_t mi, size_t k,
                       struct request *in, const struct image_token_ids *ids, const char *at, char *msg, size_t len)
 {
     const json_t *iu = json_object_get(part, "image_url"), *u, *d;
@@ -215,15 +177,30 @@ static int image_part(const json_t *part, const struct media_fetch *fetched, siz
     }
     url = json_string_value(u);
     if (!strncasecmp(url, "data:", 5)) {
-        gnutls_datum_t bytes = { NULL, 0 };
-        if ((r = data_url(url, &bytes, at, msg, len)) < 0)
+        const char *p = media_data_url_payload_at(url, at, msg, len);
+        void *bytes;
+        size_t n;
+
+        if (!p)
+            return -EINVAL;
+        /* decoded off the loop (media_fetch_start) when the door started that; else here */
+        if ((r = take_prepared(in, fetched, mi, k, at, msg, len)) != -ENOENT)
             return r;
-        r = add_image(in, bytes.data, bytes.size, ids, at, msg, len);
-        gnutls_free(bytes.data);
+        if ((r = media_base64_decode(p, &bytes, &n, msg, len)) < 0) {
+            if (r == -EINVAL) {
+                char why[256];
+
+                snprintf(why, sizeof(why), "%s", msg);
+                snprintf(msg, len, "%s: %s", at, why);
+            }
+            return r;
+        }
+        r = add_image(in, bytes, n, ids, at, msg, len);
+        gnutls_free(bytes);
         return r;
     }
     if (!strncasecmp(url, "http://", 7) || !strncasecmp(url, "https://", 8))
-        return http_url(url, fetched, mi, k, in, ids, at, msg, len);
+        return http_url(url, fetched, mi, k, in, at, msg, len);
     snprintf(msg, len, "%s.image_url.url: must be a data: URL (or an http(s) URL of an allowed domain)", at);
     return -EINVAL;
 }
@@ -261,7 +238,7 @@ static int images_servable(size_t n, const char *field, bool have_ids, const cha
 }
 
 int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool served,
-                      const struct media_fetch *fetched, struct request *in, char *msg, size_t len)
+                      struct media_fetch *fetched, struct request *in, char *msg, size_t len)
 {
     struct image_token_ids ids;
     const json_t *m, *part;
@@ -293,7 +270,7 @@ int media_chat_images(const json_t *messages, const struct tokenizer *tok, bool 
 }
 
 int media_proto_images(const Stepd__V1__GenerateRequest *pb, const struct tokenizer *tok, bool served,
-                       struct request *in, char *msg, size_t len)
+                       struct media_fetch *fetched, struct request *in, char *msg, size_t len)
 {
     struct image_token_ids ids;
     char at[32], why[256] = "";
@@ -320,7 +297,9 @@ int media_proto_images(const Stepd__V1__GenerateRequest *pb, const struct tokeni
                      "wire to the engines; send the encoded image in data", at);
             return -EINVAL;
         }
-        if ((r = add_image(in, im->data.data, im->data.len, have_ids ? &ids : NULL, at, msg, len)) < 0)
+        if ((r = take_prepared(in, fetched, 0, i, at, msg, len)) == -ENOENT)
+            r = add_image(in, im->data.data, im->data.len, have_ids ? &ids : NULL, at, msg, len);
+        if (r < 0)
             return r;
     }
     return images_servable(pb->n_images, "images", have_ids, why, served, msg, len);

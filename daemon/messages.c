@@ -627,31 +627,26 @@ void messages_create(struct http_req *hr, void *ud)
     door_serve(ud, hr, names(), &serve);
 }
 
-/* The prompt's tokens, as the request would be rendered. */
+/* The prompt's tokens, as the engine would receive them (coord_prompt_encode: each image its
+ * token layout, as generation lays it out). */
 static void count_ready(struct coord *co, struct http_req *hr, struct request *in, void *ud)
 {
     struct tok_ids t = { 0 };
-    struct err_buf eb;
-    char msg[768] = "", *text = NULL, out[64];
-    size_t n_image = 0;
+    uint32_t *pos = NULL;
+    char msg[768] = "", out[64];
     int e;
 
     free(ud);
     e = request_validate_chat(co, in, msg, sizeof(msg));
     if (e >= 0)
-        e = coord_chat_render(co, in, &text, msg, sizeof(msg));
-    if (e >= 0 && (e = tok_encode(co->tok, text, strlen(text), TOK_ENCODE_SPECIAL, &t, &eb)) < 0)
-        snprintf(msg, sizeof(msg), "messages: %.600s", eb.msg);
-    /* each image's placeholder token is its layout when served */
-    for (size_t i = 0; e >= 0 && i < in->n_images; i++)
-        n_image += in->images[i].n_tokens - 1;
+        e = coord_prompt_encode(co, in, &t, &pos, msg, sizeof(msg));
+    free(pos);
     request_free(in);
-    free(text);
     if (e < 0) {
         respond_error(hr, e == -ENOMEM ? 500 : 400, msg);
         return;
     }
-    snprintf(out, sizeof(out), "{\"input_tokens\":%zu}", t.n + n_image);
+    snprintf(out, sizeof(out), "{\"input_tokens\":%zu}", t.n);
     tok_ids_done(&t);
     http_respond(hr, 200, "application/json", out, strlen(out), NULL);
 }

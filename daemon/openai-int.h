@@ -19,7 +19,7 @@ struct oai_opts {
     bool stream, include_usage, continuous_usage, logprobs, return_ids;
     int64_t n;
     const char *model;
-    const struct media_fetch *fetched;  /* the request's http(s) images (media.h), or NULL */
+    struct media_fetch *fetched;        /* the request's images prepared off the loop (media.h), or NULL */
 };
 
 /* Text completions' field names (struct request's names table, [_RN_MAX]); chat

@@ -363,22 +363,17 @@ static int tool_choice_conv(const json_t *body, struct request *in, char *msg, s
 {
     const json_t *tc = json_object_get(body, "tool_choice");
     bool have_tools = in->tools && json_array_size(in->tools);
+    int r;
 
     in->tool_choice = have_tools ? REQUEST_TOOLS_AUTO : REQUEST_TOOLS_NONE;
     if (!tc || json_is_null(tc))
         return 0;
-    if (json_is_string(tc)) {
-        const char *s = json_string_value(tc);
-
-        if (!strcmp(s, "none"))
+    if ((r = request_tool_choice_string(tc, "{\"type\": \"function\", \"function\": {\"name\": ...}}", in, msg,
+                                        len)) < 0)
+        return r;
+    if (r > 0) {
+        if (in->tool_choice == REQUEST_TOOLS_AUTO && !have_tools)
             in->tool_choice = REQUEST_TOOLS_NONE;
-        else if (!strcmp(s, "auto"))
-            in->tool_choice = have_tools ? REQUEST_TOOLS_AUTO : REQUEST_TOOLS_NONE;
-        else if (!strcmp(s, "required"))
-            in->tool_choice = REQUEST_TOOLS_REQUIRED;
-        else
-            BAD("tool_choice: must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
-                "{\"name\": ...}} (got \"%.32s\")", s);
     } else if (json_is_object(tc)) {
         const json_t *fn = json_object_get(tc, "function");
         const json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;

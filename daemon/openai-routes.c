@@ -22,6 +22,7 @@
 #include <jansson.h>
 
 #include "coord-int.h"
+#include "door.h"
 #include "doors.h"
 #include "err.h"
 #include "http.h"
@@ -35,9 +36,9 @@
 
 /* ------------------------------------------------------------------ generation endpoints */
 
-/* The parsed body served (or refused): fetched holds its http(s) images (NULL: none). */
+/* The parsed body served (or refused): fetched holds its images prepared off the loop (NULL: none). */
 static void generate(struct http_req *hr, struct coord *co, bool chat, json_t *body, struct request *in,
-                     const struct media_fetch *fetched)
+                     struct media_fetch *fetched)
 {
     struct oai_opts x = { .fetched = fetched };
     char msg[768] = "";
@@ -73,50 +74,62 @@ bad:
     respond_status(hr, r == -ENOMEM ? RPC_INTERNAL : RPC_INVALID_ARGUMENT, 0, msg);
 }
 
-/* A chat whose http(s) image URLs are being fetched (media_fetch_start): parsed when they are. */
-struct fetching {
-    struct http_req *hr;            /* NULL: the client went away */
-    struct coord *co;
+/* A request held while its images are prepared (door_hold): generate's or tokenize's. */
+struct held {
+    struct door_hold h;             /* first: door_hold frees it */
     json_t *body;
-    struct request *in;
-    struct media_fetch *f;
+    struct request *in;             /* generate's */
 };
 
-static void fetching_closed(struct http_req *hr, bool completed, void *ud)
+static void held_drop(struct door_hold *h)
 {
-    struct fetching *p = ud;
+    struct held *p = (struct held *)h;
 
-    (void)hr, (void)completed;
-    p->hr = NULL;
-    media_fetch_cancel(p->f);
+    json_decref(p->body);
+    request_free(p->in);
 }
 
-static void fetching_done(struct media_fetch *f, void *ud)
+/* The body's images (OpenAI messages) prepared off the loop before resume runs: 1 when held
+ * (body and in owned from here), 0 when there are none (nothing taken), or an answer given
+ * (body and in freed) and -1. */
+static int hold_for_images(struct http_req *hr, struct coord *co, json_t *body, struct request *in,
+                           void (*resume)(struct door_hold *h, struct media_fetch *f))
 {
-    struct fetching *p = ud;
+    struct held *p = calloc(1, sizeof(*p));
+    char msg[160];
+    int r = -ENOMEM;
 
-    if (p->hr) {
-        http_req_on_close(p->hr, NULL, NULL);
-        generate(p->hr, p->co, true, p->body, p->in, f);
+    if (p) {
+        *p = (struct held){ .h = { .co = co, .hr = hr, .resume = resume, .drop = held_drop }, .body = body, .in = in };
+        if ((r = door_hold_start(&p->h, json_object_get(body, "messages"), msg, sizeof(msg))) > 0)
+            return 1;
     } else {
-        log_req_info("-", "dropped: the client went away while its image URLs were fetched");
-        json_decref(p->body);
-        request_free(p->in);
+        snprintf(msg, sizeof(msg), "out of memory");
     }
-    media_fetch_free(f);
     free(p);
+    if (r == 0)
+        return 0;
+    json_decref(body);
+    request_free(in);
+    respond_status(hr, r == -EBUSY ? RPC_UNAVAILABLE : RPC_INTERNAL, 0, msg);
+    return -1;
+}
+
+static void generate_resume(struct door_hold *h, struct media_fetch *f)
+{
+    struct held *p = (struct held *)h;
+
+    generate(h->hr, h->co, true, p->body, p->in, f);
 }
 
 static void h_generate(struct http_req *hr, struct coord *co, bool chat)
 {
     struct request *in = request_new(chat ? names_chat : names_completion);
-    struct fetching *p;
     json_error_t je;
     json_t *body = NULL;
     char msg[768] = "";
     size_t blen;
     const char *b = http_req_body(hr, &blen);
-    int r;
 
     if (!in) {
         http_respond_error(hr, 500, NULL, "out of memory");
@@ -131,23 +144,9 @@ static void h_generate(struct http_req *hr, struct coord *co, bool chat)
         respond_status(hr, RPC_INVALID_ARGUMENT, 0, msg);
         return;
     }
-    if (chat && json_is_object(body)) {
-        /* http(s) image URLs: fetched off the loop, the parse resumed when they are */
-        if (!(p = calloc(1, sizeof(*p))))
-            r = -ENOMEM;
-        else if ((r = media_fetch_start(&co->loop, json_object_get(body, "messages"), fetching_done, p, &p->f)) > 0) {
-            *p = (struct fetching){ hr, co, body, in, p->f };
-            http_req_on_close(hr, fetching_closed, p);
-            return;
-        }
-        free(p);
-        if (r < 0) {
-            json_decref(body);
-            request_free(in);
-            respond_status(hr, RPC_INTERNAL, 0, "out of memory");
-            return;
-        }
-    }
+    /* images: fetched and decoded off the loop, the parse resumed when they are */
+    if (chat && json_is_object(body) && hold_for_images(hr, co, body, in, generate_resume) != 0)
+        return;
     generate(hr, co, chat, body, in, NULL);
 }
 
@@ -221,13 +220,23 @@ static json_t *body_object(struct http_req *hr)
     return o;
 }
 
+/* The tokenizer for /tokenize and /detokenize: true, or an answer (503) given and body freed. */
+static bool have_tokenizer(struct http_req *hr, const struct coord *co, json_t *body)
+{
+    if (co->tok)
+        return true;
+    json_decref(body);
+    http_respond_error(hr, 503, NULL, "no tokenizer loaded (start stepd with --tokenizer)");
+    return false;
+}
+
 /* POST /tokenize (vLLM): {"prompt": text} or {"messages": [...]}, "add_special_tokens",
  * "add_generation_prompt", "return_token_strs" -> {"count", "max_model_len", "tokens",
- * "token_strs"}. */
-static void h_tokenize(struct http_req *hr, void *ud)
+ * "token_strs"}.  A chat's images (image_url parts, prepared off the loop in fetched) count
+ * as generation counts them: each its token layout (coord_prompt_encode). */
+static void tokenize(struct http_req *hr, struct coord *co, json_t *body, struct media_fetch *fetched)
 {
-    struct coord *co = ud;
-    json_t *body = body_object(hr), *out, *ids, *strs = NULL;
+    json_t *out, *ids, *strs = NULL;
     struct tok_ids t = { 0 };
     struct err_buf eb;
     char msg[768] = "";
@@ -235,13 +244,6 @@ static void h_tokenize(struct http_req *hr, void *ud)
     const char *model = NULL;
     int e;
 
-    if (!body)
-        return;
-    if (!co->tok) {
-        json_decref(body);
-        http_respond_error(hr, 503, NULL, "no tokenizer loaded (start stepd with --tokenizer)");
-        return;
-    }
     if ((e = openai_get_bool(body, "add_special_tokens", &add_special, msg, sizeof(msg))) < 0 ||
         (e = openai_get_bool(body, "return_token_strs", &want_strs, msg, sizeof(msg))) < 0 ||
         (e = openai_get_str(body, "model", &model, msg, sizeof(msg))) < 0)
@@ -252,16 +254,20 @@ static void h_tokenize(struct http_req *hr, void *ud)
         return;
     }
     if (json_object_get(body, "messages")) {
+        const json_t *ms = json_object_get(body, "messages");
         struct request *in = request_new(names_chat);
-        char *text = NULL;
+        uint32_t *pos = NULL;
         bool agp = true;
         const char *eff = NULL;
 
         e = in ? 0 : -ENOMEM;
         if (!e) {
             in->input = REQUEST_INPUT_CHAT;
-            e = openai_messages_conv(json_object_get(body, "messages"), false, &in->messages, msg, sizeof(msg));
+            /* no encoder needed to count: "served" */
+            e = media_chat_images(ms, co->tok, true, fetched, in, msg, sizeof(msg));
         }
+        if (!e)
+            e = openai_messages_conv(ms, in->n_images > 0, &in->messages, msg, sizeof(msg));
         if (!e && (e = openai_get_bool(body, "add_generation_prompt", &agp, msg, sizeof(msg))) >= 0)
             in->add_generation_prompt = agp;
         if (e >= 0 && (e = openai_get_str(body, "reasoning_effort", &eff, msg, sizeof(msg))) > 0)
@@ -273,12 +279,11 @@ static void h_tokenize(struct http_req *hr, void *ud)
         if (e >= 0)
             e = request_validate_chat(co, in, msg, sizeof(msg));
         if (e >= 0)
-            e = coord_chat_render(co, in, &text, msg, sizeof(msg));
+            e = coord_prompt_encode(co, in, &t, &pos, msg, sizeof(msg));
+        free(pos);
         request_free(in);
         if (e < 0)
             goto bad;
-        e = tok_encode(co->tok, text, strlen(text), TOK_ENCODE_SPECIAL, &t, &eb);
-        free(text);
     } else {
         const char *p = NULL;
 
@@ -293,11 +298,11 @@ static void h_tokenize(struct http_req *hr, void *ud)
             goto bad;
         }
         e = tok_encode(co->tok, p, strlen(p), add_special ? TOK_ENCODE_ADD_SPECIAL : 0, &t, &eb);
-    }
-    if (e < 0) {
-        snprintf(msg, sizeof(msg), "prompt: %.600s", eb.msg);
-        tok_ids_done(&t);
-        goto bad;
+        if (e < 0) {
+            snprintf(msg, sizeof(msg), "prompt: %.600s", eb.msg);
+            tok_ids_done(&t);
+            goto bad;
+        }
     }
     ids = json_array();
     if (want_strs)
@@ -322,6 +327,26 @@ bad:
     respond_status(hr, e == -ENOMEM ? RPC_INTERNAL : RPC_INVALID_ARGUMENT, 0, msg[0] ? msg : "out of memory");
 }
 
+static void tokenize_resume(struct door_hold *h, struct media_fetch *f)
+{
+    struct held *p = (struct held *)h;
+
+    tokenize(h->hr, h->co, p->body, f);
+}
+
+static void h_tokenize(struct http_req *hr, void *ud)
+{
+    struct coord *co = ud;
+    json_t *body = body_object(hr);
+
+    if (!body || !have_tokenizer(hr, co, body))
+        return;
+    /* a chat's images: fetched and decoded off the loop, counted when they are */
+    if (hold_for_images(hr, co, body, NULL, tokenize_resume) != 0)
+        return;
+    tokenize(hr, co, body, NULL);
+}
+
 /* POST /detokenize (vLLM): {"tokens": [ids]} -> {"prompt": text}. */
 static void h_detokenize(struct http_req *hr, void *ud)
 {
@@ -333,13 +358,8 @@ static void h_detokenize(struct http_req *hr, void *ud)
     char msg[512] = "", *text = NULL;
     int e;
 
-    if (!body)
+    if (!body || !have_tokenizer(hr, co, body))
         return;
-    if (!co->tok) {
-        json_decref(body);
-        http_respond_error(hr, 503, NULL, "no tokenizer loaded (start stepd with --tokenizer)");
-        return;
-    }
     tj = json_object_get(body, "tokens");
     if (!tj) {
         json_decref(body);

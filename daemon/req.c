@@ -956,14 +956,45 @@ void req_client_cancel(struct req *r)
     req_free_if_done(r);
 }
 
-static int req_build_prompt(struct req *r, char *msg, size_t len)
+int coord_prompt_encode(struct coord *co, const struct request *in, struct tok_ids *ids, uint32_t **image_pos,
+                        char *msg, size_t len)
 {
-    struct coord *co = r->co;
-    struct request *in = r->in;
     const char *field = in->names[in->input == REQUEST_INPUT_TEXT ? RN_TEXT : RN_MESSAGES];
-    struct tok_ids ids = { 0 };
     struct err_buf eb;
     char *text = NULL;
+    int e;
+
+    *image_pos = NULL;
+    if (!co->tok) {
+        snprintf(msg, len, "%s: text input needs a tokenizer (start stepd with --tokenizer)", field);
+        return -ENOTSUP;
+    }
+    if (in->input == REQUEST_INPUT_TEXT) {
+        e = media_text_encode(in, co->tok, in->text, TOK_ENCODE_ADD_SPECIAL, ids, &eb);
+    } else {
+        e = coord_chat_render(co, in, &text, msg, len);
+        if (e < 0)
+            return e;
+        e = tok_encode(co->tok, text, strlen(text), TOK_ENCODE_SPECIAL, ids, &eb);
+        free(text);
+    }
+    if (e < 0) {
+        tok_ids_done(ids);
+        snprintf(msg, len, "%s: %.600s", field, eb.msg);
+        return -EINVAL;
+    }
+    /* the images: each placeholder token becomes the image's token layout */
+    if ((e = media_prompt_expand(in, co->tok, &ids->ids, &ids->n, image_pos, msg, len)) < 0) {
+        tok_ids_done(ids);
+        return e;
+    }
+    return 0;
+}
+
+static int req_build_prompt(struct req *r, char *msg, size_t len)
+{
+    struct request *in = r->in;
+    struct tok_ids ids = { 0 };
     int e;
 
     if (in->input == REQUEST_INPUT_TOKENS) {
@@ -973,29 +1004,8 @@ static int req_build_prompt(struct req *r, char *msg, size_t len)
         in->n_token_ids = 0;
         return 0;
     }
-    if (!co->tok) {
-        snprintf(msg, len, "%s: text input needs a tokenizer (start stepd with --tokenizer)", field);
-        return -ENOTSUP;
-    }
-    if (in->input == REQUEST_INPUT_TEXT) {
-        e = media_text_encode(in, co->tok, in->text, TOK_ENCODE_ADD_SPECIAL, &ids, &eb);
-    } else {
-        e = coord_chat_render(co, in, &text, msg, len);
-        if (e < 0)
-            return e;
-        e = tok_encode(co->tok, text, strlen(text), TOK_ENCODE_SPECIAL, &ids, &eb);
-        free(text);
-    }
-    if (e < 0) {
-        tok_ids_done(&ids);
-        snprintf(msg, len, "%s: %.600s", field, eb.msg);
-        return -EINVAL;
-    }
-    /* the images: each placeholder token becomes the image's token layout */
-    if ((e = media_prompt_expand(in, co->tok, &ids.ids, &ids.n, &r->image_pos, msg, len)) < 0) {
-        tok_ids_done(&ids);
+    if ((e = coord_prompt_encode(r->co, in, &ids, &r->image_pos, msg, len)) < 0)
         return e;
-    }
     r->prompt = ids.ids;
     r->n_prompt = ids.n;
     return 0;

@@ -116,6 +116,23 @@ int request_add_stop_id(struct request_sampling *sp, int32_t id)
     return 0;
 }
 
+int request_tool_choice_string(const json_t *tc, const char *named, struct request *in, char *msg, size_t len)
+{
+    static const char *const words[] = { [REQUEST_TOOLS_AUTO] = "auto", [REQUEST_TOOLS_NONE] = "none",
+                                         [REQUEST_TOOLS_REQUIRED] = "required" };
+    const char *s = json_string_value(tc);
+
+    if (!s)
+        return 0;
+    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]); i++)
+        if (!strcmp(s, words[i])) {
+            in->tool_choice = (enum request_tool_choice)i;
+            return 1;
+        }
+    snprintf(msg, len, "tool_choice: must be \"none\", \"auto\", \"required\" or %s (got \"%.32s\")", named, s);
+    return -EINVAL;
+}
+
 int request_add_logit_bias(struct request_sampling *sp, int32_t id, float bias)
 {
     if (grow(&sp->logit_bias, sp->n_logit_bias, sizeof(*sp->logit_bias)) < 0)

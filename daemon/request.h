@@ -160,6 +160,10 @@ static inline struct request *request_ref(struct request *in)
 int request_add_stop(struct request_sampling *sp, const char *s, size_t len);
 int request_add_stop_id(struct request_sampling *sp, int32_t id);
 int request_add_logit_bias(struct request_sampling *sp, int32_t id, float bias);
+/* A door's tool_choice when it is a string: 1 with in->tool_choice set ("none", "auto",
+ * "required"), -EINVAL with msg (named: the door's shape of a named choice, for the message),
+ * or 0 when tc is no string (the door's to read). */
+int request_tool_choice_string(const json_t *tc, const char *named, struct request *in, char *msg, size_t len);
 
 /* The engine's SamplingParams for sp, in *ret (stop strings left out: the coordinator
  * applies them to the text).  es holds the arrays ret points into until

@@ -656,21 +656,13 @@ static int tools_conv(const json_t *tools, struct request *in, char *msg, size_t
 
 static int tool_choice_conv(const json_t *tc, struct request *in, char *msg, size_t len)
 {
+    int r;
+
     in->tool_choice = REQUEST_TOOLS_AUTO;
     if (!tc || json_is_null(tc))
         return 0;
-    if (json_is_string(tc)) {
-        const char *s = json_string_value(tc);
-
-        if (!strcmp(s, "none"))
-            in->tool_choice = REQUEST_TOOLS_NONE;
-        else if (!strcmp(s, "required"))
-            in->tool_choice = REQUEST_TOOLS_REQUIRED;
-        else if (strcmp(s, "auto"))
-            BAD("tool_choice: must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...} "
-                "(got \"%.32s\")", s);
-        return 0;
-    }
+    if ((r = request_tool_choice_string(tc, "{\"type\": \"function\", \"name\": ...}", in, msg, len)) != 0)
+        return r < 0 ? r : 0;
     if (!json_is_object(tc))
         BAD("tool_choice: must be a string or an object (got %s)", json_type_describe(tc));
     if (!json_is_string(json_object_get(tc, "type")) || strcmp(json_string_value(json_object_get(tc, "type")),

@@ -46,7 +46,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!rpc__msg_strings_valid(m, path, sizeof(path), 0))
         goto out;               /* INVALID_ARGUMENT naming path, before the loop sees it */
     r = request_from_proto((const Stepd__V1__GenerateRequest *)m, &in, msg, sizeof(msg));
-    if (r == 0 && (r = media_proto_images((const Stepd__V1__GenerateRequest *)m, NULL, false, in, msg,
+    if (r == 0 && (r = media_proto_images((const Stepd__V1__GenerateRequest *)m, NULL, false, NULL, in, msg,
                                           sizeof(msg))) < 0) {
         request_free(in);       /* as grpc-door.c does */
         in = NULL;

@@ -1040,7 +1040,8 @@ int main(int argc, char **argv)
     uv_idle_init(m->loop, &m->flush_soon);
     uv_unref((uv_handle_t *)&m->flush_soon);
     if (m->rank == 0) {
-        struct rpc_server_opts so = { .api_key = m->key };
+        /* --images: a request carries its images' views (the real worker's WORKER_IMAGE_MAX_MSG) */
+        struct rpc_server_opts so = { .api_key = m->key, .max_recv_msg_bytes = m->images ? 512 << 20 : 0 };
         struct rpc_method ms[] = {
             { "/stepd.v1.Engine/Generate", &stepd__v1__generate_request__descriptor, true, false, h_generate, m },
             { "/stepd.v1.Engine/Abort", &stepd__v1__abort_request__descriptor, false, false, h_abort, m },

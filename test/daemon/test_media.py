@@ -19,11 +19,23 @@
                     the first image without one (or the text with too many)
   text_parts        text-only content arrays render as before images were placed (POST
                     /tokenize): ["a", "b"] is "a\nb", ["", "Hi"] is "Hi"
+  decode_off_loop   images are decoded on libuv's threadpool: with the test-only decode gate
+                    (STEPD_TEST_DECODE_GATE, a FIFO each decode reads a byte from first) holding
+                    a chat's first image, /health and a text chat on the same loop are answered;
+                    released, the chat is answered with both images; a client that closes its
+                    connection while its image is held is dropped, and the server serves on; the
+                    same for a gRPC GenerateRequest's image (answered, or cancelled and dropped);
+                    of 70 image chats at once 64 are held (queued or decoding) and 6 refused 503
+  tokenize_images   POST /tokenize counts a chat's images as generation lays them out: its count
+                    equals usage.prompt_tokens of the same chat (max_tokens 1) for one image, one
+                    with crops, and two of different sizes
 Each is followed by a text request that is answered.
 """
 import base64
 import json
 import os
+import socket
+import threading
 import struct
 import tempfile
 import urllib.request
@@ -31,7 +43,7 @@ import zlib
 
 import grpc
 
-from stepd_harness import TOKENIZER, Stepd, pb, run_tests
+from stepd_harness import TOKENIZER, Stepd, pb, run_tests, wait_until
 
 IMAGE_TOKENS = ["<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>", "<im_patch>"]
 VOCAB = 4006
@@ -188,6 +200,133 @@ def test_routing():
     text_ok(s)
 
 
+def gate_held(fifo):
+    """A writer's fd on fifo once a decode waits at the gate (a reader has it open)."""
+    def opened():
+        try:
+            return [os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)]     # fd 0 is a good one
+        except OSError:
+            return None
+    return wait_until(opened, timeout=20, what="a decode at the gate")[0]
+
+
+def test_decode_off_loop():
+    fifo = os.path.join(tempfile.mkdtemp(prefix="stepd-gate-"), "gate")
+    os.mkfifo(fifo)
+    s = Stepd("--tokenizer", vision_tokenizer(), "--served-model-name", "tiny", env={"STEPD_TEST_DECODE_GATE": fifo})
+    try:
+        s.start_engine("g0", "--vocab", str(VOCAB), "--images")
+        s.wait_ready(1)
+        urls = ["data:image/png;base64," + base64.b64encode(png(w, h)).decode() for w, h in ((64, 48), (48, 30))]
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "Compare"}] +
+                 [{"type": "image_url", "image_url": {"url": u}} for u in urls]}]
+        got = {}
+        t = threading.Thread(target=lambda: got.update(r=post(s, {"model": "tiny", "max_tokens": 3,
+                                                                 "messages": msgs})))
+        t.start()
+        fd = gate_held(fifo)
+        try:
+            # the first image's decode waits at the gate: the loop serves meanwhile
+            with urllib.request.urlopen(s.http + "/health", timeout=10) as r:
+                assert r.status == 200
+            text_ok(s)
+            assert t.is_alive() and not got, got
+            print("   /health and a text chat answered while a decode is held")
+            os.write(fd, b"xx")         # one byte per image
+            t.join(30)
+        finally:
+            os.close(fd)
+        code, body = got["r"]
+        assert code == 200 and body["usage"]["prompt_tokens"] > 2 * 169, (code, body)
+        print("   released: answered, %d prompt tokens" % body["usage"]["prompt_tokens"])
+        # a client gone while its image is held: dropped, nothing served, the server serves on
+        req = json.dumps({"model": "tiny", "max_tokens": 3, "messages": msgs[:1]}).encode()
+        c = socket.create_connection(("127.0.0.1", int(s.http.rsplit(":", 1)[1])))
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(req) + req)
+        fd = gate_held(fifo)
+        c.close()
+        wait_until(lambda: "cancelling: the client went away" in s.read_log(), timeout=20, what="the close")
+        os.write(fd, b"x")          # the first image: the job stops there, cancelled
+        wait_until(lambda: "dropped: the client went away" in s.read_log(), timeout=20, what="the drop")
+        os.close(fd)
+        text_ok(s)
+        print("   a client gone while its image was held: dropped, the server serves on")
+        # the gRPC door: a GenerateRequest's image decoded off the loop too
+        req = pb.GenerateRequest(images=[pb.ImageInput(data=png(64, 48))], text="Look <im_patch>",
+                                 sampling_params=pb.SamplingParams(max_tokens=2))
+        it = s.inf.Generate(req, timeout=60)
+        got = {}
+        t = threading.Thread(target=lambda: got.update(m=list(it)))
+        t.start()
+        fd = gate_held(fifo)
+        with urllib.request.urlopen(s.http + "/health", timeout=10) as r:
+            assert r.status == 200
+        assert t.is_alive() and not got, got
+        os.write(fd, b"x")
+        t.join(30)
+        os.close(fd)
+        final = [m.final for m in got["m"] if m.HasField("final")]
+        assert final and final[0].usage.prompt_tokens > 169, got
+        print("   gRPC: /health answered while its image decode is held; released: %d prompt tokens"
+              % final[0].usage.prompt_tokens)
+        it = s.inf.Generate(req, timeout=60)
+        fd = gate_held(fifo)
+        it.cancel()
+        wait_until(lambda: "cancelling: the client went away while its images were decoded" in s.read_log(),
+                   timeout=20, what="the cancel")
+        os.write(fd, b"x")
+        wait_until(lambda: "dropped: the client went away while its images were decoded" in s.read_log(),
+                   timeout=20, what="the drop")
+        os.close(fd)
+        text_ok(s)
+        print("   gRPC: a call cancelled while its image was held: dropped, the server serves on")
+        # bounded: 64 requests' images queued or decoding at once (MEDIA_MAX_JOBS), more are 503
+        one = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": urls[0]}}]}]}
+        res = []
+        threads = [threading.Thread(target=lambda: res.append(post(s, one))) for _ in range(70)]
+        for t in threads:
+            t.start()
+        fd = gate_held(fifo)
+        wait_until(lambda: len(res) == 6, timeout=30, what="6 refusals")
+        assert all(c == 503 and b["error"]["message"] == "too many requests' images are being decoded (64 at "
+                   "once); retry later" for c, b in res), res
+        os.write(fd, b"x" * 64)
+        for t in threads:
+            t.join(60)
+        os.close(fd)
+        codes = sorted(c for c, _ in res)
+        assert codes == [200] * 64 + [503] * 6, codes
+        print("   70 image chats at once: 64 held (queued or decoding), 6 refused 503; released: 64 answered")
+    finally:
+        s.stop()
+
+
+def test_tokenize_images():
+    s = Stepd("--tokenizer", vision_tokenizer(), "--served-model-name", "tiny")
+    try:
+        s.start_engine("g0", "--vocab", str(VOCAB), "--images")
+        s.wait_ready(1)
+        url = {wh: "data:image/png;base64," + base64.b64encode(png(*wh)).decode() for wh in ((64, 48), (900, 300))}
+        for sizes in (((64, 48),), ((900, 300),), ((64, 48), (900, 300))):
+            content = [{"type": "text", "text": "Describe"}] + \
+                [{"type": "image_url", "image_url": {"url": url[wh]}} for wh in sizes]
+            msgs = [{"role": "user", "content": content}]
+            req = urllib.request.Request(s.http + "/tokenize", data=json.dumps(
+                {"model": "tiny", "messages": msgs}).encode(), headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                count = json.loads(r.read())["count"]
+            code, body = post(s, {"model": "tiny", "max_tokens": 1, "messages": msgs})
+            assert code == 200, (code, body)
+            assert count == body["usage"]["prompt_tokens"] > 169 * len(sizes), (sizes, count, body["usage"])
+            print("   %s: /tokenize %d = prompt_tokens %d" % (sizes, count, body["usage"]["prompt_tokens"]))
+        text_ok(s)
+    finally:
+        s.stop()
+
+
 if __name__ == "__main__":
     run_tests([("http_no_encoder", test_http_no_encoder), ("grpc_images", test_grpc_images),
-               ("routing", test_routing), ("text_parts", test_text_parts)])
+               ("routing", test_routing), ("text_parts", test_text_parts),
+               ("decode_off_loop", test_decode_off_loop), ("tokenize_images", test_tokenize_images)])

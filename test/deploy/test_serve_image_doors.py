@@ -288,7 +288,7 @@ def test_fetch(d):
         assert code == 400 and ct["error"]["message"].startswith("messages.0.content.1"), (code, ct)
 
         # the client gone during its fetch, on each door: dropped, the server serving on
-        drop = "dropped: the client went away while its image URLs were fetched"
+        drop = "dropped: the client went away while its images were fetched and decoded"
         stall = srv.url("/stall.png")
         hang_up(port, R, rbody(stall))
         pl.wait_until(lambda: p.text().count(drop) == 1, 30, "the Responses request of the client gone dropped")

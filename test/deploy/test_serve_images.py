@@ -289,7 +289,7 @@ def test_fetch_cancel(d):
             raise AssertionError("a stalled fetch answered")
         except OSError:
             pass        # the client hangs up
-        pl.wait_until(lambda: "dropped: the client went away while its image URLs were fetched" in p.text(), 30,
+        pl.wait_until(lambda: "dropped: the client went away while its images were fetched and decoded" in p.text(), 30,
                       "the request of the client gone dropped")
         text_ok(port)
         code, body = chat(port, [part(srv.url("/cat.png"))])

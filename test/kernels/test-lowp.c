@@ -9,7 +9,10 @@
  *     FP8 at level vnni with AVX-512 BF16 (matmul-fp8-bf16.c) within 2^-8 Σ|w·x| more;
  *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
- *   - an E4M3 NaN code is refused at weight_prepare. */
+ *   - an E4M3 NaN code is refused at weight_prepare;
+ *   - at level vnni an NVFP4 weight with 64-column pairs is repacked at weight_prepare, and
+ *     the fast path (matmul and MoE) reads the repacked stream: a wrong repack fails the
+ *     bounds above. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -127,6 +130,8 @@ static void check_matmul_w(struct bweight w, int n, int nth)
 
     krng_fill(x, (size_t)(n * cols), 2.0f);
     ASSERT_OK(backend_weight_prepare(bx, &w));
+    if (int8_path(fmt, cols) && !w.priv)
+        FAIL("nvfp4 [%lldx%lld]: not repacked at weight_prepare", (long long)rows, (long long)cols);
     ASSERT_OK(backend_matmul(bx, &w, x, n, ye));
     ASSERT_OK(backend_matmul(bf, &w, x, n, yf));
     for (int t = 0; t < n; t++)
@@ -220,6 +225,9 @@ static void check_moe(enum wfmt fmt, int nth, bool exact)
         ex[e].gate = lowp_new(fmt, I, H, 32, 32);
         ex[e].up = lowp_new(fmt, I, H, 32, 32);
         ex[e].down = lowp_new(fmt, H, I, 32, 32);
+        ASSERT_OK(backend_weight_prepare(bx, &ex[e].gate));
+        ASSERT_OK(backend_weight_prepare(bx, &ex[e].up));
+        ASSERT_OK(backend_weight_prepare(bx, &ex[e].down));
     }
     struct moe_args a = { .x = x, .out = out, .n_tok = T, .hidden = H, .inter = I, .top_k = K, .ids = ids,
                           .weights = wts, .experts = ex, .expert_first = 0, .n_local = E };
@@ -253,6 +261,9 @@ static void check_moe(enum wfmt fmt, int nth, bool exact)
                      out[t * H + h], ref[h]);
     }
     for (int e = 0; e < E; e++) {
+        backend_weight_release(bx, &ex[e].gate);
+        backend_weight_release(bx, &ex[e].up);
+        backend_weight_release(bx, &ex[e].down);
         lowp_free(&ex[e].gate);
         lowp_free(&ex[e].up);
         lowp_free(&ex[e].down);

@@ -206,7 +206,8 @@ void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t
  * the F32 kernel).  cpu_lowp_exact: the exact path is in use (backend_cfg.mxfp4_exact, or
  * no AVX2). */
 #define CPU_LOWP_TILE 8
-#define CPU_LOWP_BUF(cols) ((int64_t)(cols) * CPU_LOWP_TILE)
+/* + 16: room for the 64-byte alignment of 16 tokens' int8 activations (matmul-nvfp4-vnni.c) */
+#define CPU_LOWP_BUF(cols) ((int64_t)(cols) * CPU_LOWP_TILE + 16)
 extern float cpu_e4m3[256];
 typedef void (*cpu_row_decode_fn)(const struct bweight *w, int64_t r, double *out64, float *out32);
 void cpu_matmul_decoded_rows(const struct bweight *w, cpu_row_decode_fn decode, const float *x,

@@ -35,7 +35,7 @@ int cpu_lowp_vnni_off;
 
 #define NV_TILE NVFP4_TILE_ROWS /* rows decoded together */
 #define NV_NT 4         /* tokens per pass over a tile */
-#define NV_TB 12        /* tokens quantised per block (fits CPU_LOWP_BUF) */
+#define NV_TB 16        /* tokens quantised per block (fits CPU_LOWP_BUF) */
 #define NV_CHUNK 128    /* rows per chunk when the tokens take several blocks */
 
 /* 2·E2M1 + 12 */

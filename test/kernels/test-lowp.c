@@ -165,10 +165,11 @@ static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int 
 }
 
 /* every E4M3 code but NaN in an FP8 weight: row 0 only the subnormals and ±0 (the BF16
- * path converts those through its table), rows 1-4 all codes */
-static void check_fp8_codes(int n)
+ * path converts those through its table), rows 1-4 all codes; scale blocks 32 wide (the
+ * BF16 path's 32-column form) or 64 (its 64-column form where the host has VBMI) */
+static void check_fp8_codes(int n, int bc)
 {
-    struct bweight w = lowp_new(WFMT_FP8, 6, 64, 2, 32);
+    struct bweight w = lowp_new(WFMT_FP8, 6, 64, 2, bc);
     uint8_t *q = (uint8_t *)w.data;
 
     for (int c = 0; c < 64; c++)
@@ -302,9 +303,9 @@ int main(void)
      * AVX-512: 4-row x 5-token tiles, so 9 and 16 tokens cover full and edge token blocks
      * and 7, 33 and 5 rows the edge row tiles; 48 columns: an odd count of 16-column
      * groups, the fused loops' tails; level vnni (NVFP4, 64-column pairs): 4-row tiles
-     * (7 and 33 rows their edges), 12-token blocks (16 tokens: two), 128-row chunks when
-     * there are several token blocks (200 rows: two) */
-    static const int ns[] = { 1, 2, 3, 9, 16 };
+     * (7 and 33 rows their edges), 16-token blocks (16 tokens: one; 21: two), 128-row chunks
+     * when there are several token blocks (200 rows: two) */
+    static const int ns[] = { 1, 2, 3, 9, 16, 21 };
 
     krng_seed(4321);
     for (size_t s = 0; s < ARRAY_SIZE(shapes); s++)
@@ -314,7 +315,8 @@ int main(void)
             check_matmul(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, ns[k], 1 + (int)((s + k) % 3));
         }
     for (size_t k = 0; k < ARRAY_SIZE(ns); k++)
-        check_fp8_codes(ns[k]);
+        for (int bc = 32; bc <= 64; bc *= 2)
+            check_fp8_codes(ns[k], bc);
     for (int exact = 0; exact < 2; exact++) {
         check_moe(WFMT_FP8, 2, exact);
         check_moe(WFMT_NVFP4, 1, exact);

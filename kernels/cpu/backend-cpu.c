@@ -250,7 +250,9 @@ static int cpu_weight_prepare(struct backend *be, struct bweight *w)
         return 0;               /* already prepared */
     if (w->fmt == WFMT_MXFP4)
         return cpu_mxfp4_prepare(w);
-    if (w->fmt == WFMT_FP8 || w->fmt == WFMT_NVFP4)
+    if (w->fmt == WFMT_NVFP4)
+        return cpu_nvfp4_prepare(w);
+    if (w->fmt == WFMT_FP8)
         return cpu_lowp_check(w);   /* used in place */
     return 0;                   /* F32/BF16 are used in place */
 }
@@ -259,6 +261,8 @@ static void cpu_weight_release(struct backend *be, struct bweight *w)
 {
     if (w->fmt == WFMT_MXFP4)
         cpu_mxfp4_release(w);
+    if (w->fmt == WFMT_NVFP4)
+        cpu_nvfp4_release(w);
 }
 
 float cpu_weight_get(const struct bweight *w, int64_t row, int64_t col)

@@ -206,7 +206,8 @@ void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t
  * the F32 kernel).  cpu_lowp_exact: the exact path is in use (backend_cfg.mxfp4_exact, or
  * no AVX2). */
 #define CPU_LOWP_TILE 8
-#define CPU_LOWP_BUF(cols) ((int64_t)(cols) * CPU_LOWP_TILE)
+/* + 16: room for the 64-byte alignment of 16 tokens' int8 activations (matmul-nvfp4-vnni.c) */
+#define CPU_LOWP_BUF(cols) ((int64_t)(cols) * CPU_LOWP_TILE + 16)
 extern float cpu_e4m3[256];
 typedef void (*cpu_row_decode_fn)(const struct bweight *w, int64_t r, double *out64, float *out32);
 void cpu_matmul_decoded_rows(const struct bweight *w, cpu_row_decode_fn decode, const float *x,
@@ -235,10 +236,27 @@ void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const 
 void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                              int64_t ldy, int64_t r0, int64_t r1);
 /* Level vnni (matmul-nvfp4-vnni.c): NVFP4 through MXFP4's int8 path (activations quantised
- * as cpu_qact_quantize does, into rowbuf, CPU_LOWP_BUF(cols) floats), where cols % 64 == 0;
- * cpu_lowp_vnni_off nonzero (benchmarks) keeps the AVX-512 tiles above. */
+ * as cpu_qact_quantize does, into rowbuf, CPU_LOWP_BUF(cols) floats), where cols % 64 == 0
+ * and the weight was repacked at prepare (cpu_nvfp4_prepare); cpu_lowp_vnni_off nonzero
+ * (benchmarks) keeps the AVX-512 tiles above. */
 extern int cpu_lowp_vnni_off;
 bool cpu_nvfp4_vnni_fits(const struct bweight *w);
+/* NVFP4 repacked layout (priv of a prepared weight where the host has level vnni and
+ * cols % 64 == 0): one stream in the order the kernel reads it.  Rows in tiles of
+ * NVFP4_TILE_ROWS; tile t is npair units of NVFP4_PAIR_BYTES, one per 64-column pair p:
+ * the 4 rows' 32 on-disk nibble bytes of the pair (row r0 first), then their 4 E4M3 group
+ * scales each ([r0 g0..g3, r1 g0..g3, ...]).  A last tile's missing rows are zero. */
+#define NVFP4_TILE_ROWS 4
+#define NVFP4_PAIR_BYTES (NVFP4_TILE_ROWS * 36)
+struct cpu_nvfp4 {
+    int64_t npair;          /* cols / 64 */
+    int64_t tile_bytes;     /* npair * NVFP4_PAIR_BYTES */
+    uint8_t *pk;
+    struct cpu_wchunk *mem; /* wmem.c */
+};
+/* weight_prepare: cpu_lowp_check, then the repack where the VNNI kernel can use it */
+int cpu_nvfp4_prepare(struct bweight *w);
+void cpu_nvfp4_release(struct bweight *w);
 void cpu_matmul_nvfp4_vnni_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                                 int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
 /* Level vnni on CPUs with AVX-512 BF16 (matmul-fp8-bf16.c): FP8 by vdpbf16ps, the block

@@ -12,7 +12,10 @@
  * A tile of 4 rows is decoded 32 columns at a time and each decoded vector is multiplied
  * into up to 4 tokens; each (row, token) sum is one vdpbf16ps chain over the columns in
  * order, reduced by _mm512_reduce_add_ps, whatever the tile: batch-invariant, like
- * matmul-lowp512.c.  The error is the activations' rounding to BF16: |err| <= 2^-8 ·
+ * matmul-lowp512.c.  With AVX-512 VBMI and 64-column multiples (fb_fits64), a 64-column
+ * form decodes 64 codes with two vpermi2b byte lookups (fb_dec64), its columns in an
+ * interleaved order that the activations are written in (fb_act): a third of the
+ * decode's instructions, which were most of the cost at the 1-3 tokens an expert gets.  The error is the activations' rounding to BF16: |err| <= 2^-8 ·
  * Σ|w·x| plus fp32 accumulation (test-lowp at level vnni).
  */
 #include <string.h>
@@ -28,13 +31,19 @@
 
 #define FB_TILE 4       /* rows decoded together */
 #define FB_NT 4         /* tokens per pass over a tile */
-#define FB_TB 12        /* tokens converted per block (fits CPU_LOWP_BUF) */
+#define FB_TB 16        /* tokens converted per block (fits CPU_LOWP_BUF) */
 
 #define FB_TARGET CPU_TARGET_VNNI ",avx512bf16"
 #define FB_FN __attribute__((target(FB_TARGET)))
 
+#define FB64_TARGET FB_TARGET ",avx512vbmi"
+#define FB64_FN __attribute__((target(FB64_TARGET)))
+
 static uint16_t fb_sub_tab[32];    /* BF16 of E4M3 subnormal m: m · 2^-9 (0 for m = 0) */
-static bool fb_host;
+/* the BF16 of every E4M3 magnitude (7 bits; 0x7f, NaN, never reaches a kernel), its high
+ * and its low byte: fb_dec64's vpermi2b tables */
+static uint8_t fb_hi_tab[128], fb_lo_tab[128];
+static bool fb_host, fb_vbmi;
 
 __attribute__((constructor)) static void fb_init(void)
 {
@@ -45,8 +54,22 @@ __attribute__((constructor)) static void fb_init(void)
         memcpy(&b, &f, 4);
         fb_sub_tab[m] = (uint16_t)(b >> 16);
     }
+    for (int mag = 0; mag < 128; mag++) {
+        uint16_t b = mag < 8 ? fb_sub_tab[mag] : (uint16_t)((mag << 4) + (120 << 7));
+
+        fb_hi_tab[mag] = (uint8_t)(b >> 8);
+        fb_lo_tab[mag] = (uint8_t)b;
+    }
     __builtin_cpu_init();
     fb_host = __builtin_cpu_supports("avx512bf16");
+    fb_vbmi = __builtin_cpu_supports("avx512vbmi");
+}
+
+/* the 64-column form (fb_rows64) where the host has AVX-512 VBMI and the columns and the
+ * scale blocks' width are multiples of 64 */
+static bool fb_fits64(const struct bweight *w)
+{
+    return fb_vbmi && w->cols % 64 == 0 && w->blk_cols % 64 == 0;
 }
 
 bool cpu_fp8_bf16_fits(const struct bweight *w)
@@ -106,33 +129,114 @@ fb_tile(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const
             out[j][rr] = _mm512_reduce_add_ps(acc[j][rr]);
 }
 
+/* tile(...) for nt tokens (1..FB_NT), each count compiled with its accumulators in registers */
+#define FB_BY_NT(tile)                                          \
+    switch (nt) {                                               \
+    case 1: tile(rw, cols, xt, 1, out, pf); break;              \
+    case 2: tile(rw, cols, xt, 2, out, pf); break;              \
+    case 3: tile(rw, cols, xt, 3, out, pf); break;              \
+    default: tile(rw, cols, xt, FB_NT, out, pf); break;         \
+    }
+
 FB_FN static void fb_tile_any(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, int nt,
                               float out[][FB_TILE], const uint8_t *pf)
 {
-    switch (nt) {
-    case 1: fb_tile(rw, cols, xt, 1, out, pf); break;
-    case 2: fb_tile(rw, cols, xt, 2, out, pf); break;
-    case 3: fb_tile(rw, cols, xt, 3, out, pf); break;
-    default: fb_tile(rw, cols, xt, 4, out, pf); break;
-    }
+    FB_BY_NT(fb_tile)
 }
 
-/* token row x (cols floats) times row block rb's column-block scales, as BF16 into xb */
-FB_FN static void fb_act(const struct bweight *w, int64_t rb, const float *x, uint16_t *xb)
+/* token row x (cols floats) times row block rb's column-block scales, as BF16 into xb; w64:
+ * in fb_dec64's column order, per 64 columns [c0-7, c16-23, c32-39, c48-55] then [c8-15,
+ * c24-31, c40-47, c56-63] (the same BF16 values, rearranged by two vpermt2w) */
+FB_FN static void fb_act(const struct bweight *w, int64_t rb, const float *x, uint16_t *xb, bool w64)
 {
     const int64_t ncb = w->cols / w->blk_cols;
+    uint16_t ka[32], kb[32];
 
+    for (int k = 0; k < 32; k++) {
+        ka[k] = (uint16_t)(16 * (k / 8) + k % 8);
+        kb[k] = (uint16_t)(ka[k] + 8);
+    }
+    const __m512i ia = _mm512_loadu_si512(ka), ib = _mm512_loadu_si512(kb);
     for (int64_t cb = 0; cb < ncb; cb++) {
         float s;
 
         memcpy(&s, w->scale + 4 * (rb * ncb + cb), 4);
         const __m512 sv = _mm512_set1_ps(s);
-        for (int64_t c = cb * w->blk_cols; c < (cb + 1) * w->blk_cols; c += 32) {
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), sv),
-                                             _mm512_mul_ps(_mm512_loadu_ps(x + c), sv));
-            _mm512_storeu_si512(xb + c, (__m512i)v);
+        for (int64_t c = cb * w->blk_cols; c < (cb + 1) * w->blk_cols; c += w64 ? 64 : 32) {
+            const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), sv),
+                                                           _mm512_mul_ps(_mm512_loadu_ps(x + c), sv));
+            if (!w64) {
+                _mm512_storeu_si512(xb + c, v);
+                continue;
+            }
+            const __m512i q = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c + 48), sv),
+                                                           _mm512_mul_ps(_mm512_loadu_ps(x + c + 32), sv));
+            _mm512_storeu_si512(xb + c, _mm512_permutex2var_epi16(v, ia, q));
+            _mm512_storeu_si512(xb + c + 32, _mm512_permutex2var_epi16(v, ib, q));
         }
     }
+}
+
+/* 64 E4M3 codes at q as BF16, exact, in the order [c0-7, c16-23, c32-39, c48-55] (*a) and
+ * [c8-15, c24-31, c40-47, c56-63] (*b): the high and the low byte of each magnitude's BF16
+ * through one vpermi2b each (the index's bit 7, the sign, is ignored), the sign put into
+ * the high byte, and the bytes interleaved per 128-bit lane */
+FB64_FN static inline __attribute__((always_inline)) void
+fb_dec64(const uint8_t *q, __m512i th0, __m512i th1, __m512i tl0, __m512i tl1, __m512i *a, __m512i *b)
+{
+    const __m512i v = _mm512_loadu_si512(q);
+    __m512i hi = _mm512_permutex2var_epi8(th0, v, th1);
+    const __m512i lo = _mm512_permutex2var_epi8(tl0, v, tl1);
+
+    hi = _mm512_ternarylogic_epi32(hi, v, _mm512_set1_epi8((char)0x80), 0xf8);
+    *a = _mm512_unpacklo_epi8(lo, hi);
+    *b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* fb_tile on the 64-column form: xt[j] holds token j's activations in fb_dec64's order */
+FB64_FN static inline __attribute__((always_inline)) void
+fb_tile64(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const int nt, float out[][FB_TILE],
+          const uint8_t *pf)
+{
+    const __m512i th0 = _mm512_loadu_si512(fb_hi_tab), th1 = _mm512_loadu_si512(fb_hi_tab + 64);
+    const __m512i tl0 = _mm512_loadu_si512(fb_lo_tab), tl1 = _mm512_loadu_si512(fb_lo_tab + 64);
+    __m512 acc[FB_NT][FB_TILE];
+
+#pragma GCC unroll 4
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 4
+        for (int rr = 0; rr < FB_TILE; rr++)
+            acc[j][rr] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < cols; c += 64) {
+        if (pf) {
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                _mm_prefetch((const char *)pf + 4 * c + 64 * k, _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int rr = 0; rr < FB_TILE; rr++) {
+            __m512i wa, wb;
+
+            fb_dec64(rw[rr] + c, th0, th1, tl0, tl1, &wa, &wb);
+#pragma GCC unroll 4
+            for (int j = 0; j < nt; j++) {
+                acc[j][rr] = _mm512_dpbf16_ps(acc[j][rr], (__m512bh)wa, (__m512bh)_mm512_loadu_si512(xt[j] + c));
+                acc[j][rr] = _mm512_dpbf16_ps(acc[j][rr], (__m512bh)wb,
+                                              (__m512bh)_mm512_loadu_si512(xt[j] + c + 32));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 4
+        for (int rr = 0; rr < FB_TILE; rr++)
+            out[j][rr] = _mm512_reduce_add_ps(acc[j][rr]);
+}
+
+FB64_FN static void fb_tile64_any(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, int nt,
+                                  float out[][FB_TILE], const uint8_t *pf)
+{
+    FB_BY_NT(fb_tile64)
 }
 
 FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
@@ -141,6 +245,7 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
     const int64_t cols = w->cols;
     const uint8_t *data = w->data;
     uint16_t *xb = (uint16_t *)rowbuf;
+    const bool w64 = fb_fits64(w);
 
     /* row blocks (one set of scales each), then token blocks within them */
     for (int64_t b0 = r0; b0 < r1;) {
@@ -151,7 +256,7 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
             const int i1 = n - i0 < FB_TB ? n : i0 + FB_TB;
 
             for (int i = i0; i < i1; i++)
-                fb_act(w, rb, x + (int64_t)(xidx ? xidx[i] : i) * cols, xb + (int64_t)(i - i0) * cols);
+                fb_act(w, rb, x + (int64_t)(xidx ? xidx[i] : i) * cols, xb + (int64_t)(i - i0) * cols, w64);
             for (int64_t r = b0; r < b1; r += FB_TILE) {
                 const int nr = b1 - r < FB_TILE ? (int)(b1 - r) : FB_TILE;
                 const uint8_t *rw[FB_TILE];
@@ -166,7 +271,7 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
 
                     for (int j = 0; j < nt; j++)
                         xt[j] = xb + (int64_t)(i - i0 + j) * cols;
-                    fb_tile_any(rw, cols, xt, nt, out, i == i0 ? pf : NULL);
+                    (w64 ? fb_tile64_any : fb_tile_any)(rw, cols, xt, nt, out, i == i0 ? pf : NULL);
                     for (int j = 0; j < nt; j++)
                         for (int rr = 0; rr < nr; rr++)
                             y[(int64_t)(i + j) * ldy + (r + rr - r0)] = out[j][rr];
@@ -176,6 +281,7 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
         b0 = b1;
     }
 }
+
 
 #else
 

@@ -144,8 +144,13 @@ static void mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t cols
 
 /* FP8 ([rows, cols] E4M3, F32 scales per 128x128) and NVFP4 (nibbles, E4M3 per 16, F32
  * global) copies of one shape, up to max_mb MiB of them (>> L3), carved from the arena: the
- * codes are the arena's bytes, the scales set to realistic values (no NaN, no denormal). */
-static void lowp_mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t cols, size_t max_mb)
+ * codes are the arena's bytes, the scales set to realistic values (no NaN, no denormal).
+ * be: each copy prepared as the loader prepares it (NVFP4 at level vnni: repacked by
+ * cpu_nvfp4_prepare, and the repacked stream, the same bytes, moved back into the copy's
+ * place in the arena, so that it is read from the same kind of pages as MXFP4's copies,
+ * which the arena also holds: wmem's huge pages would flatter it); NULL: left as on disk. */
+static void lowp_mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t cols, size_t max_mb,
+                           struct backend *be)
 {
     size_t data = fmt == WFMT_FP8 ? (size_t)(rows * cols) : (size_t)(rows * cols / 2);
     size_t sc = fmt == WFMT_FP8 ? (size_t)(rows / 128 * (cols / 128) * 4) : (size_t)(rows * cols / 16);
@@ -168,12 +173,28 @@ static void lowp_mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t
             else
                 base[data + k] = (uint8_t)(0x30 + (k * 5) % 16);    /* E4M3 0.5 .. 1.875 */
         }
+        if (be && backend_weight_prepare(be, &ms->w[i]) < 0)
+            abort();
+        if (ms->w[i].priv && fmt == WFMT_NVFP4) {
+            struct cpu_nvfp4 *m = ms->w[i].priv;
+            size_t pk = (size_t)(((rows + NVFP4_TILE_ROWS - 1) / NVFP4_TILE_ROWS) * m->tile_bytes);
+
+            if (pk > each)
+                abort();
+            memcpy(base, m->pk, pk);
+            cpu_wmem_free(m->mem);
+            m->mem = NULL;
+            m->pk = base;
+        }
     }
     arena_is_bf16 = false;
 }
 
 static void mats_free(struct mats *ms)
 {
+    for (int i = 0; i < ms->count; i++)
+        if (ms->w[i].fmt == WFMT_NVFP4)
+            cpu_nvfp4_release(&ms->w[i]);
     free(ms->w);
     free(ms->m);
 }
@@ -537,7 +558,7 @@ static void bench_lowp_incache(struct backend *be, const char *const *names)
         if (side == 0)
             mats_make(&ms, WFMT_MXFP4, ROWS, COLS, 1);
         else
-            lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 1);
+            lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 1, side == 4 ? be : NULL);
         cpu_lowp_vnni_off = side == 1 || side == 3;
         printf("  %-10s", names[side]);
         for (int k = 0; k < 4; k++) {
@@ -585,7 +606,7 @@ static void bench_lowp_formats(struct backend *be)
             if (side == 0)
                 mats_make(&ms, WFMT_MXFP4, ROWS, COLS, (int)((256u << 20) / mxfp4_bytes(ROWS, COLS)));
             else
-                lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 256);
+                lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 256, side == 4 ? be : NULL);
             cpu_lowp_vnni_off = side == 1 || side == 3;
             int *cnt = malloc(sizeof(int) * (size_t)ms.count);
             for (int k = 0; k < NCASE; k++) {

@@ -9,7 +9,10 @@
  *     FP8 at level vnni with AVX-512 BF16 (matmul-fp8-bf16.c) within 2^-8 Σ|w·x| more;
  *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
- *   - an E4M3 NaN code is refused at weight_prepare. */
+ *   - an E4M3 NaN code is refused at weight_prepare;
+ *   - at level vnni an NVFP4 weight with 64-column pairs is repacked at weight_prepare, and
+ *     the fast path (matmul and MoE) reads the repacked stream: a wrong repack fails the
+ *     bounds above. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -127,6 +130,8 @@ static void check_matmul_w(struct bweight w, int n, int nth)
 
     krng_fill(x, (size_t)(n * cols), 2.0f);
     ASSERT_OK(backend_weight_prepare(bx, &w));
+    if (int8_path(fmt, cols) && !w.priv)
+        FAIL("nvfp4 [%lldx%lld]: not repacked at weight_prepare", (long long)rows, (long long)cols);
     ASSERT_OK(backend_matmul(bx, &w, x, n, ye));
     ASSERT_OK(backend_matmul(bf, &w, x, n, yf));
     for (int t = 0; t < n; t++)
@@ -160,10 +165,11 @@ static void check_matmul(enum wfmt fmt, int64_t rows, int64_t cols, int br, int 
 }
 
 /* every E4M3 code but NaN in an FP8 weight: row 0 only the subnormals and ±0 (the BF16
- * path converts those through its table), rows 1-4 all codes */
-static void check_fp8_codes(int n)
+ * path converts those through its table), rows 1-4 all codes; scale blocks 32 wide (the
+ * BF16 path's 32-column form) or 64 (its 64-column form where the host has VBMI) */
+static void check_fp8_codes(int n, int bc)
 {
-    struct bweight w = lowp_new(WFMT_FP8, 6, 64, 2, 32);
+    struct bweight w = lowp_new(WFMT_FP8, 6, 64, 2, bc);
     uint8_t *q = (uint8_t *)w.data;
 
     for (int c = 0; c < 64; c++)
@@ -220,6 +226,9 @@ static void check_moe(enum wfmt fmt, int nth, bool exact)
         ex[e].gate = lowp_new(fmt, I, H, 32, 32);
         ex[e].up = lowp_new(fmt, I, H, 32, 32);
         ex[e].down = lowp_new(fmt, H, I, 32, 32);
+        ASSERT_OK(backend_weight_prepare(bx, &ex[e].gate));
+        ASSERT_OK(backend_weight_prepare(bx, &ex[e].up));
+        ASSERT_OK(backend_weight_prepare(bx, &ex[e].down));
     }
     struct moe_args a = { .x = x, .out = out, .n_tok = T, .hidden = H, .inter = I, .top_k = K, .ids = ids,
                           .weights = wts, .experts = ex, .expert_first = 0, .n_local = E };
@@ -253,6 +262,9 @@ static void check_moe(enum wfmt fmt, int nth, bool exact)
                      out[t * H + h], ref[h]);
     }
     for (int e = 0; e < E; e++) {
+        backend_weight_release(bx, &ex[e].gate);
+        backend_weight_release(bx, &ex[e].up);
+        backend_weight_release(bx, &ex[e].down);
         lowp_free(&ex[e].gate);
         lowp_free(&ex[e].up);
         lowp_free(&ex[e].down);
@@ -291,9 +303,9 @@ int main(void)
      * AVX-512: 4-row x 5-token tiles, so 9 and 16 tokens cover full and edge token blocks
      * and 7, 33 and 5 rows the edge row tiles; 48 columns: an odd count of 16-column
      * groups, the fused loops' tails; level vnni (NVFP4, 64-column pairs): 4-row tiles
-     * (7 and 33 rows their edges), 12-token blocks (16 tokens: two), 128-row chunks when
-     * there are several token blocks (200 rows: two) */
-    static const int ns[] = { 1, 2, 3, 9, 16 };
+     * (7 and 33 rows their edges), 16-token blocks (16 tokens: one; 21: two), 128-row chunks
+     * when there are several token blocks (200 rows: two) */
+    static const int ns[] = { 1, 2, 3, 9, 16, 21 };
 
     krng_seed(4321);
     for (size_t s = 0; s < ARRAY_SIZE(shapes); s++)
@@ -303,7 +315,8 @@ int main(void)
             check_matmul(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, ns[k], 1 + (int)((s + k) % 3));
         }
     for (size_t k = 0; k < ARRAY_SIZE(ns); k++)
-        check_fp8_codes(ns[k]);
+        for (int bc = 32; bc <= 64; bc *= 2)
+            check_fp8_codes(ns[k], bc);
     for (int exact = 0; exact < 2; exact++) {
         check_moe(WFMT_FP8, 2, exact);
         check_moe(WFMT_NVFP4, 1, exact);

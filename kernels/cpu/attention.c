@@ -1073,7 +1073,7 @@ int cpu_attn_groups(int n_kv_heads, double keys, int64_t blocks, int64_t rows_fl
     int ng = cpu_attn_no_groups || keys < ATTN_GROUP_MIN_KEYS ? n_kv_heads : 1;
 
     /* per head: acc, scaled queries and query pairs, rows_floats each */
-    while (ng < n_kv_heads && ((nth > 1 && blocks * ng < 2 * nth) ||
+    while (ng < n_kv_heads && ((nth > 1 && blocks * ng < nth) ||
                                (double)ATTN_STATE_FLOATS * ng < 3.0 * n_kv_heads * rows_floats))
         ng *= 2;
     return ng < n_kv_heads ? ng : n_kv_heads;
@@ -1140,7 +1140,7 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
             if (nb > 0 && (len + nb - 1) / nb > qrows)
                 qrows = (len + nb - 1) / nb;
         }
-        /* head groups: as few as give every thread of several two items, within the stack
+        /* head groups: as few as give every thread of several an item, within the stack
          * budget of attn_chunk's per-head state for the blocks' real rows (a decode: one
          * token); short contexts keep a head per item (their keys come from the caches,
          * where a group's larger state costs more than it saves: bench-shapes, full

@@ -549,7 +549,8 @@ static void test_groups(void)
     ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 1), 1);
     ASSERT_EQ(cpu_attn_groups(nkv, 8192, 16, 1 * G * hd, 1), 1);
     ASSERT_EQ(cpu_attn_groups(nkv, 8192, 16, 1 * G * hd, 2), 1);
-    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 2), 4);       /* two items a thread */
+    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 2), 2);       /* an item a thread */
+    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 4), 4);
     ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 4 * G * hd, 1), 2);       /* 4-token block */
     ASSERT_EQ(cpu_attn_groups(nkv, 1024, 1, 1 * G * hd, 1), nkv);      /* short context */
     cpu_attn_no_groups = 1;

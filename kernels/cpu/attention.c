@@ -683,15 +683,16 @@ AVX512_INLINE void scores_bf16_rows512(const float *q, int nr, int hd, const uin
              * scores_avx2 */
             const __m512 h = hadd512(hadd512(a[i][0], a[i][1]), hadd512(a[i1][0], a[i1][1]));
             const __m512 s = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xb1));
-            static const int lane[4] = { 0, 8, 1, 9 };
-            float t[16], *o = sc + (int64_t)i * KEY_CHUNK + k0;
+            /* [i k0-k3 | i1 k0-k3] in the low 256 bits, stored 4 columns a row: k0 + 4 <=
+             * KEY_CHUNK, and columns past nk are never read (a spill and 8 scalar copies a
+             * row before) */
+            const __m256 o8 = _mm512_castps512_ps256(_mm512_permutexvar_ps(
+                _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), s));
+            float *o = sc + (int64_t)i * KEY_CHUNK + k0;
 
-            _mm512_storeu_ps(t, s);
-            for (int e = 0; e < kn; e++)
-                o[e] = t[lane[e]];
+            _mm_storeu_ps(o, _mm256_castps256_ps128(o8));
             if (i + 1 < nr)
-                for (int e = 0; e < kn; e++)
-                    o[KEY_CHUNK + e] = t[lane[e] + 2];
+                _mm_storeu_ps(o + KEY_CHUNK, _mm256_extractf128_ps(o8, 1));
         }
     }
 }

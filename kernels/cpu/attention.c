@@ -206,8 +206,8 @@ AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *con
     }
 }
 
-/* The K and V rows (BF16) of the pass after this one (the next head of the group, or the
- * next key chunk): prefetched during this pass, so that they come from the caches.  A
+/* The K and V rows (BF16) of this pass's head in the next key chunk: prefetched during this
+ * pass, so that they come from the caches.  A
  * head's rows are a slot apart (n_kv_heads rows), a stride the hardware prefetchers do not
  * follow: without this, every row was a wait on memory (AVX2, 1 thread, 64 heads at 1k
  * keys: about 2 GB/s). */
@@ -683,15 +683,16 @@ AVX512_INLINE void scores_bf16_rows512(const float *q, int nr, int hd, const uin
              * scores_avx2 */
             const __m512 h = hadd512(hadd512(a[i][0], a[i][1]), hadd512(a[i1][0], a[i1][1]));
             const __m512 s = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xb1));
-            static const int lane[4] = { 0, 8, 1, 9 };
-            float t[16], *o = sc + (int64_t)i * KEY_CHUNK + k0;
+            /* [i k0-k3 | i1 k0-k3] in the low 256 bits, stored 4 columns a row: k0 + 4 <=
+             * KEY_CHUNK, and columns past nk are never read (a spill and 8 scalar copies a
+             * row before) */
+            const __m256 o8 = _mm512_castps512_ps256(_mm512_permutexvar_ps(
+                _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), s));
+            float *o = sc + (int64_t)i * KEY_CHUNK + k0;
 
-            _mm512_storeu_ps(t, s);
-            for (int e = 0; e < kn; e++)
-                o[e] = t[lane[e]];
+            _mm_storeu_ps(o, _mm256_castps256_ps128(o8));
             if (i + 1 < nr)
-                for (int e = 0; e < kn; e++)
-                    o[KEY_CHUNK + e] = t[lane[e] + 2];
+                _mm_storeu_ps(o + KEY_CHUNK, _mm256_extractf128_ps(o8, 1));
         }
     }
 }
@@ -908,11 +909,13 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
             const int j = j0 + h;
 
             /* the chunk's K and V rows of head j (the cache's own rows: FP32, or BF16 for the
-             * fused kernels; else converted into kf/vf), and the next pass's rows (struct
-             * next_rows): the fused kernels prefetch them spread over their work, the
-             * others here */
-            const int64_t *ps = h + 1 < nj ? slot : nslot;
-            const int pj = h + 1 < nj ? j + 1 : j0, pn = h + 1 < nj ? nk : nk_next;
+             * fused kernels; else converted into kf/vf), and head j's rows of the next chunk
+             * (struct next_rows): the fused kernels prefetch them spread over their work, the
+             * others here.  A whole chunk ahead, not the group's next head in this chunk: that
+             * one pass of lead did not cover the wait on memory (AVX-512, 1 thread, batch 1
+             * at 32k keys, all 8 KV heads in one item: 5.9 -> 6.8 GB per CPU-second) */
+            const int64_t *ps = nslot;
+            const int pj = j, pn = nk_next;
 
             if (fused) {
                 nx.n = pn;
@@ -1066,6 +1069,17 @@ static void attn_unit(void *arg, int unit, int n_units, int ith)
     }
 }
 
+int cpu_attn_groups(int n_kv_heads, double keys, int64_t blocks, int64_t rows_floats, int nth)
+{
+    int ng = cpu_attn_no_groups || keys < ATTN_GROUP_MIN_KEYS ? n_kv_heads : 1;
+
+    /* per head: acc, scaled queries and query pairs, rows_floats each */
+    while (ng < n_kv_heads && ((nth > 1 && blocks * ng < nth) ||
+                               (double)ATTN_STATE_FLOATS * ng < 3.0 * n_kv_heads * rows_floats))
+        ng *= 2;
+    return ng < n_kv_heads ? ng : n_kv_heads;
+}
+
 /* The AVX-512 path (bit-identical to the AVX2 one): 1 where the active level has it. */
 int cpu_attn_avx512_level(void)
 {
@@ -1116,20 +1130,25 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
 
         int64_t blocks = 0;
 
+        int qrows = 1;      /* query tokens of the longest block */
+
         jb.qb = ATTN_MAX_ROWS / G > 1 ? ATTN_MAX_ROWS / G : 1;
-        for (int s = 0; s < a->n_seqs; s++)
-            blocks += attn_blocks(a, s, jb.qb);
-        /* head groups: as few as give every thread two items, within the stack budget of
-         * attn_chunk's per-head state; short contexts keep a head per item (their keys come
-         * from the caches, where a group's larger state costs more than it saves:
-         * bench-shapes, full attention at 1k, groups 0.65-0.75x, at 8k 1.13-1.2x) */
-        jb.n_groups = cpu_attn_no_groups || keys < ATTN_GROUP_MIN_KEYS ? a->n_kv_heads : 1;
-        while (jb.n_groups < a->n_kv_heads &&
-               (blocks * jb.n_groups < 2 * nth ||
-                (double)ATTN_STATE_FLOATS * jb.n_groups <
-                    3.0 * a->n_kv_heads * jb.qb * G * a->head_dim))
-            jb.n_groups *= 2;
-        jb.n_groups = jb.n_groups < a->n_kv_heads ? jb.n_groups : a->n_kv_heads;
+        for (int s = 0; s < a->n_seqs; s++) {
+            const int nb = attn_blocks(a, s, jb.qb);
+            const int len = a->seq_tok_start[s + 1] - a->seq_tok_start[s];
+
+            blocks += nb;
+            if (nb > 0 && (len + nb - 1) / nb > qrows)
+                qrows = (len + nb - 1) / nb;
+        }
+        /* head groups: as few as give every thread of several an item, within the stack
+         * budget of attn_chunk's per-head state for the blocks' real rows (a decode: one
+         * token); short contexts keep a head per item (their keys come from the caches,
+         * where a group's larger state costs more than it saves: bench-shapes, full
+         * attention at 1k, groups 0.65-0.75x, at 8k 1.13-1.2x).  One thread at decode
+         * takes all KV heads of a sequence in one item, reading its slots' rows whole
+         * (cpu_attn_groups) */
+        jb.n_groups = cpu_attn_groups(a->n_kv_heads, keys, blocks, qrows * G * a->head_dim, nth);
         jb.n_items = blocks * jb.n_groups;
         units = units < jb.n_items ? units : (int)jb.n_items;
         cpu_pool_for(cpu_ctx(be)->pool, attn_unit, &jb, nth > 1 ? units : 1, nth);

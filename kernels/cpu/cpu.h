@@ -333,6 +333,12 @@ bool cpu_mxfp4_use_fast(const struct cpu_ctx *c, const struct bweight *w);
 
 /* Attention's AVX-512 path: 0 = off (level below avx512), 1 = on. */
 int cpu_attn_avx512_level(void);
+/* Attention's KV head groups per work item's (sequence, block of query tokens): n_kv_heads
+ * (a head per item) below 4096 keys or with cpu_attn_no_groups, else the fewest (a power
+ * of two) that give each of nth > 1 threads one of the blocks x groups items and keep a
+ * group's per-head state (3 x rows_floats floats a head: the rows of the longest block x
+ * head_dim) within 256 KiB; one group = an item reads its slots' K/V rows whole. */
+int cpu_attn_groups(int n_kv_heads, double keys, int64_t blocks, int64_t rows_floats, int nth);
 
 /* ---- backend ops (one file each) ---- */
 int cpu_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out);

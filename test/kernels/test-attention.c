@@ -539,6 +539,26 @@ static void test_fused_identity(void)
     free(b);
 }
 
+/* cpu_attn_groups: a decode on one thread takes all KV heads of its sequence in one item
+ * (its state sized by the one token it has, not by a block's 4); more threads or a block's
+ * longer state split them; short contexts keep a head per item. */
+static void test_groups(void)
+{
+    const int nkv = 8, hd = 128, G = 8;
+
+    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 1), 1);
+    ASSERT_EQ(cpu_attn_groups(nkv, 8192, 16, 1 * G * hd, 1), 1);
+    ASSERT_EQ(cpu_attn_groups(nkv, 8192, 16, 1 * G * hd, 2), 1);
+    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 2), 2);       /* an item a thread */
+    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 4), 4);
+    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 4 * G * hd, 1), 2);       /* 4-token block */
+    ASSERT_EQ(cpu_attn_groups(nkv, 1024, 1, 1 * G * hd, 1), nkv);      /* short context */
+    cpu_attn_no_groups = 1;
+    ASSERT_EQ(cpu_attn_groups(nkv, 32768, 1, 1 * G * hd, 1), nkv);
+    cpu_attn_no_groups = 0;
+    printf("attention: head groups per work item as expected\n");
+}
+
 int main(void)
 {
     enum cpu_isa level;
@@ -552,6 +572,7 @@ int main(void)
     }
     if (level >= CPU_ISA_AVX2)
         test_fused_identity();
+    test_groups();
     for (int th = 1; th <= 3; th += 2) {
         struct backend *be = kref_backend(th, false);
 

@@ -105,6 +105,6 @@ if [ -f "$nccl_inc/nccl.h" ]; then
         -L"$cuda_root/lib64" -lcudart_static -lrt "${libs[@]}"
 fi
 if [ -f "$root/tools/mkmodel.c" ]; then
-    prog stepd-mkmodel "$root/tools/mkmodel.c" "$root/tools/ckptw.c"
+    prog stepd-mkmodel "$root/tools/mkmodel.c" "$root/tools/convert.c" "$root/tools/ckptw.c"
 fi
 echo "build-gpu: built in $out"

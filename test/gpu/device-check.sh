@@ -169,7 +169,7 @@ fi
 export STEPD_PLUGIN_DIR=$B
 
 if [ "$call" = 1 ]; then
-    stage host 20 sh -c "'$B/test-cuda-guard' && '$B/test-cuda-host'"
+    stage host 10 sh -c "'$B/test-cuda-guard' && '$B/test-cuda-host'"
     stage ops 60 "$B/test-cuda-ops"
     if [ -x "$B/test-comm-nccl" ]; then
         stage nccl 30 "$B/test-comm-nccl"

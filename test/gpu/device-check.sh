@@ -24,7 +24,9 @@
 # most four files (the device returns eight): callN.log (every stage's output), callN-
 # summary.txt (one line per stage: rc, seconds, deadline; appended as each ends), probe.txt
 # and, in call 2, figures.txt and ncu.txt.  Without a GPU (a rehearsal) the GPU programs
-# exit 77 and their stages read "skip".
+# exit 77 and their stages read "skip (no GPU)"; a program that exits 77 where the probe
+# saw a GPU, or whose plugin does not load, fails its stage.  The call exits 1 when a
+# stage failed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root" || exit 1
@@ -57,13 +59,15 @@ SUM=$OUT/call$call-summary.txt
 : > "$LOG"
 : > "$SUM"
 t0=$(date +%s)
+FAILED=0
 echo "call $call: cap ${CAP}s, started $(date -u +%FT%TZ)" | tee -a "$SUM"
 
 left() { echo $(( CAP - ($(date +%s) - t0) - 5 )); }
-# stage NAME SECONDS COMMAND...: run under min(SECONDS, what is left), output to the log
+# stage NAME SECONDS COMMAND...: run under min(SECONDS, what is left), output to the
+# log; rc 77 is a skip only where the probe saw no GPU and the plugin loaded
 stage() {
     local name=$1 secs=$2; shift 2
-    local a rc l
+    local a rc l pos what
     a=$(date +%s)
     l=$(left)
     [ "$secs" -gt "$l" ] && secs=$l
@@ -72,11 +76,22 @@ stage() {
         return 124
     fi
     echo "=== $name (deadline ${secs}s, at $(( a - t0 ))s)" | tee -a "$LOG"
+    pos=$(stat -c %s "$LOG")
     timeout -k 3 "$secs" "$@" >> "$LOG" 2>&1
     rc=$?
-    local what="rc $rc"
-    [ $rc -eq 77 ] && what="skip (no GPU)"
+    what="rc $rc"
+    if [ $rc -eq 77 ]; then
+        if tail -c +$(( pos + 1 )) "$LOG" |
+                grep -qE 'plugin of .* does not load|has no symbol stepd_backend|incomplete ops table'; then
+            what="FAIL: plugin does not load"; rc=1
+        elif [ -n "${GPU_NAME:-}" ]; then
+            what="FAIL: skip with a GPU"; rc=1
+        else
+            what="skip (no GPU)"
+        fi
+    fi
     [ $rc -eq 124 ] && what="TIMEOUT"
+    [ $rc -ne 0 ] && [ $rc -ne 77 ] && FAILED=$(( FAILED + 1 ))
     printf '%-14s %-14s %4ss of %4ss  (at %ss)\n' "$name" "$what" "$(( $(date +%s) - a ))" \
         "$secs" "$(( $(date +%s) - t0 ))" | tee -a "$SUM"
     return $rc
@@ -130,9 +145,30 @@ probe() {
     } > "$W/probe.env"
 }
 
+# plugin_loads DIR: DIR/libstepd-cuda.so opens with dlopen(RTLD_NOW) (every library and
+# symbol it needs resolves) and its entry point returns its ops table: all the plugin does
+# before it asks for a device
+plugin_loads() {
+    local so=$1/libstepd-cuda.so
+    ldd "$so" | grep -E 'cublas|cudart|not found'
+    command -v python3 >/dev/null ||
+        { echo "python3: none; the first GPU program tells whether the plugin loads"; return 0; }
+    python3 - "$so" <<'PY'
+import ctypes, sys
+try:
+    entry = ctypes.CDLL(sys.argv[1]).stepd_backend_cuda_ops
+except (OSError, AttributeError) as e:
+    sys.exit("the plugin does not load: %s" % e)
+entry.restype = ctypes.c_void_p
+if not entry():
+    sys.exit("the plugin's stepd_backend_cuda_ops() returned NULL")
+print("the plugin loads: %s" % sys.argv[1])
+PY
+}
+
 # ---- binaries: carried when their fingerprint matches and they load, else built here ----
 bins_carried() {
-    local want have tk
+    local want have tk f
     [ -f .gpu-carry/bin/BUILT_WITH ] || { echo "no carried binaries"; return 1; }
     want=$(NVCC=$NVCC fingerprint | grep '^sources')
     have=$(grep '^sources' .gpu-carry/bin/BUILT_WITH)
@@ -142,14 +178,27 @@ bins_carried() {
         echo "carried binaries need CUDA $tk, the driver has $DRIVER_CUDA"
         return 1
     fi
-    if ldd .gpu-carry/bin/libstepd-cuda.so .gpu-carry/bin/test-cuda-ops | grep 'not found'; then
-        echo "carried binaries miss a library"
-        return 1
-    fi
+    for f in .gpu-carry/bin/*; do
+        [ -f "$f" ] && [ -x "$f" ] || continue
+        if ldd "$f" | grep 'not found'; then
+            echo "carried binaries miss a library: $f"
+            return 1
+        fi
+    done
+    echo "the carried programs' own libraries (test-cuda-logits):"
+    ldd .gpu-carry/bin/test-cuda-logits | grep -E 'jansson|pcre2'
+    plugin_loads .gpu-carry/bin || return 1
     echo "carried binaries: $(tr '\n' ' ' < .gpu-carry/bin/BUILT_WITH)"
 }
 
-export -f probe bins_carried fingerprint
+# build_there DIR: the fallback build, then the same check of its plugin
+build_there() {
+    local prefix=.gpu-carry/prefix
+    [ -d "$prefix" ] || prefix=""
+    env ${NVCC:+NVCC=$NVCC} bash test/gpu/build-gpu.sh "$1" $prefix && plugin_loads "$1"
+}
+
+export -f probe bins_carried fingerprint plugin_loads build_there
 export W
 stage probe 20 bash -c probe
 cat "$LOG" > "$OUT/probe.txt"
@@ -159,11 +208,11 @@ export NVCC CUDA_ROOT LT_DIR NCCL_LIB DRIVER_CUDA
 export LD_LIBRARY_PATH="${LT_DIR:+$LT_DIR:}${LD_LIBRARY_PATH:-}"
 [ -n "${NCCL_LIB:-}" ] && export STEPD_NCCL_LIB=$NCCL_LIB
 B=$root/.gpu-carry/bin
+# no usable carry is no failure: a build follows
 if ! stage bins 15 bash -c bins_carried; then
+    FAILED=$(( FAILED - 1 ))
     B=$W/build
-    prefix=.gpu-carry/prefix
-    [ -d "$prefix" ] || prefix=""
-    stage build 170 env ${NVCC:+NVCC=$NVCC} bash test/gpu/build-gpu.sh "$B" $prefix ||
+    stage build 170 bash -c 'build_there "$0"' "$B" ||
         { echo "no binaries: stopping" | tee -a "$SUM"; exit 1; }
 fi
 export STEPD_PLUGIN_DIR=$B
@@ -206,4 +255,5 @@ else
         stage sanitizer $(( $(left) - 5 )) compute-sanitizer --error-exitcode 9 "$B/test-cuda-ops"
     fi
 fi
-echo "call $call: done in $(( $(date +%s) - t0 ))s of ${CAP}s" | tee -a "$SUM"
+echo "call $call: done in $(( $(date +%s) - t0 ))s of ${CAP}s, $FAILED stage(s) failed" | tee -a "$SUM"
+[ "$FAILED" -eq 0 ]

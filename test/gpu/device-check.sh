@@ -19,6 +19,7 @@
 #   device-check.sh --fingerprint     what prepare-carry.sh records beside the binaries.
 #
 # Before the calls, here: bash test/gpu/prepare-carry.sh (then carry [".gpu-carry"]).
+# test/gpu/rehearse.sh runs both calls here as the device would, without a GPU.
 # Each stage's deadline is the smaller of its own and what is left of the call's cap, and
 # the whole call runs under `timeout` at the cap.  Output goes to $OUT as it goes, in at
 # most four files (the device returns eight): callN.log (every stage's output), callN-
@@ -31,11 +32,18 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root" || exit 1
 
+# The toolkit release and a hash of the sources the binaries are built from: the files that
+# travel to the device (in a git checkout the tracked and the untracked-not-ignored ones;
+# elsewhere, as on the device, every file), so that ignored files here do not make the
+# carry look stale there.
 fingerprint() {
     local nv=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    local dirs="common kernels worker/model worker/comm test/gpu test/comm tools"
     echo "toolkit $("$nv" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
-    echo "sources $(find common kernels worker/model worker/comm test/gpu test/comm tools \
-        -type f \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null |
+    # shellcheck disable=SC2086
+    echo "sources $( { if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+            git ls-files -co --exclude-standard -- $dirs; else find $dirs -type f; fi; } 2>/dev/null |
+        grep -E '\.(c|h|cu|cuh)$' | while read -r f; do [ -f "$f" ] && echo "$f"; done |
         LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"
 }
 

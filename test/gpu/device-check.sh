@@ -56,7 +56,7 @@ fingerprint() {
 }
 
 DRY=""
-[ "${1:-}" = --dry-run ] && { DRY=1; shift; }
+[ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 call=${1:-}
 # CAP: the call's hard cap; TIMEOUT_S: the device call's timeout_s (the cap, the kill's 5 s
 # and a margin).  Both calls and one machine start (START) must fit the lease.

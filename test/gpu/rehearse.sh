@@ -18,7 +18,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 prepare=1
-[ "${1:-}" = --no-prepare ] && { prepare=""; shift; }
+[ "${1:-}" = "--no-prepare" ] && { prepare=""; shift; }
 scratch=${1:-/tmp/gpu-rehearsal}
 [ "$(id -u)" = 0 ] || { echo "rehearse: needs root (a mount namespace hides the packages)" >&2; exit 1; }
 

@@ -4,6 +4,11 @@
 # protobuf-c, UCX): the image of the GPU check (test/gpu/device-check.sh).
 #
 #   build-gpu.sh OUT_DIR [PREFIX]
+#   build-gpu.sh --list                 the programs it builds and their own sources
+#   build-gpu.sh --check MESON_BUILD    exit 1 when meson builds one of those programs from a
+#                                       source that is not in that list (nor in the C sources
+#                                       every program links), i.e. the build there would fail
+#                                       or differ; device-check.sh --dry-run runs both
 #
 # PREFIX holds include/ and lib/ of the few libraries the tests need (jansson, pcre2-8: the
 # checkpoint loader), as test/gpu/prepare-carry.sh lays them out; default: the system's.
@@ -17,14 +22,81 @@
 # directory (common/, kernels/, worker/model/), so the list follows the tree; objects
 # compile in parallel (nproc jobs).
 set -euo pipefail
-out=${1:?usage: build-gpu.sh OUT_DIR [PREFIX]}
-prefix=${2:-}
 root=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$out/obj"
-out=$(cd "$out" && pwd)
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 CC=${CC:-cc}
 cuda_root=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
+nccl_inc=${NCCL_INC:-$cuda_root/include}
+
+# the C sources every program links (libstepd-gpucheck.a): common, kernels (the CPU
+# oracle), the model
+lib_dirs="common kernels kernels/cpu worker/model"
+# the programs, NAME SOURCES... (from the root): test-cuda-guard links nothing else;
+# test-comm-nccl is built where nccl.h is found (libnccl is opened with dlopen at run
+# time); stepd-mkmodel where tools/mkmodel.c is in the tree
+programs() {
+    echo "test-cuda-host test/gpu/test-cuda-host.c"
+    echo "test-cuda-guard test/gpu/test-cuda-guard.c"
+    echo "test-cuda-ops test/gpu/test-cuda-ops.c"
+    echo "test-cuda-logits test/gpu/test-cuda-logits.c"
+    echo "test-cuda-vision test/gpu/test-cuda-vision.c"
+    echo "bench-cuda test/gpu/bench-cuda.c"
+    echo "test-comm-nccl test/comm/test-comm-nccl.c worker/comm/comm-nccl.c worker/comm/comm.c worker/comm/plan-wire.c"
+    [ -f "$root/tools/mkmodel.c" ] && echo "stepd-mkmodel tools/mkmodel.c tools/convert.c tools/ckptw.c"
+    return 0
+}
+case "${1:-}" in
+    --list)
+        echo "libstepd-cuda.so $(cd "$root" && echo kernels/cuda/*.cu)"
+        programs
+        exit 0 ;;
+    --check)
+        build=${2:?usage: build-gpu.sh --check MESON_BUILD_DIR}
+        programs | python3 -c '
+import json, os, sys
+build, lib_dirs = os.path.abspath(sys.argv[1]), sys.argv[2].split()
+progs = {l.split()[0]: set(l.split()[1:]) for l in sys.stdin if l.strip()}
+progs.pop("libstepd-cuda.so", None)     # built by a custom target: its .cu are globbed
+try:
+    targets = json.load(open(os.path.join(build, "meson-info", "intro-targets.json")))
+    info = json.load(open(os.path.join(build, "meson-info", "meson-info.json")))
+except (OSError, ValueError) as e:
+    sys.exit("build-gpu: %s is not a configured meson build: %s" % (build, e))
+src_root = info["directories"]["source"]    # paths relative to the tree meson built
+bad, seen = 0, []
+for t in targets:
+    own = progs.get(t["name"])
+    if own is None or t["type"] != "executable":
+        continue
+    seen.append(t["name"])
+    for ts in t.get("target_sources", []):
+        for src in ts.get("sources", []):
+            src = os.path.abspath(src)
+            if src.startswith(build + "/") or not src.endswith((".c", ".cu", ".cc", ".cpp")):
+                continue    # generated, or a header
+            rel = os.path.relpath(src, src_root)
+            if rel not in own and os.path.dirname(rel) not in lib_dirs:
+                print("build-gpu: meson builds %s from %s too, build-gpu.sh does not"
+                      % (t["name"], rel))
+                bad = 1
+for name, own in sorted(progs.items()):
+    for rel in sorted(own):
+        if not os.path.exists(os.path.join(src_root, rel)):
+            print("build-gpu: %s: %s is not in the tree" % (name, rel))
+            bad = 1
+    if name not in seen and name != "test-comm-nccl":     # that one only where CUDA is
+        print("build-gpu: %s is no meson target" % name)
+        bad = 1
+print("build-gpu: the sources of %d programs agree with meson (%s)" % (len(seen), " ".join(sorted(seen)))
+      if not bad else "build-gpu: the programs above would not link (or differ) on the device")
+sys.exit(bad)
+' "$build" "$lib_dirs"
+        exit ;;
+esac
+out=${1:?usage: build-gpu.sh OUT_DIR [PREFIX] | --list | --check MESON_BUILD_DIR}
+prefix=${2:-}
+mkdir -p "$out/obj"
+out=$(cd "$out" && pwd)
 jobs=$(nproc 2>/dev/null || echo 4)
 
 # run the command lines of file $1, $jobs at a time; fail if any failed
@@ -56,7 +128,10 @@ cflags=(-std=gnu17 -O2 -g -D_GNU_SOURCE -fno-strict-aliasing -pthread -Wno-unuse
         -DSTEPD_PLUGIN_BUILD_DIR="\"$out\"" -DSTEPD_PLUGIN_LIBDIR="\"\"")
 
 # C objects (parallel): common, kernels (the CPU oracle), the model
-srcs=("$root"/common/*.c "$root"/kernels/*.c "$root"/kernels/cpu/*.c "$root"/worker/model/*.c)
+srcs=()
+for d in $lib_dirs; do
+    srcs+=("$root/$d"/*.c)
+done
 objs=()
 for s in "${srcs[@]}"; do
     o="$out/obj/$(echo "${s#$root/}" | tr / _).o"
@@ -88,23 +163,20 @@ prog() {    # prog NAME SOURCES...
     local name=$1; shift
     $CC "${cflags[@]}" "${inc[@]}" -o "$out/$name" "$@" "$out/libstepd-gpucheck.a" "${libs[@]}"
 }
-prog test-cuda-host "$root/test/gpu/test-cuda-host.c"
-$CC "${cflags[@]}" -I"$root/test" -I"$root/kernels/cuda" -I"$root/worker/comm" \
-    -o "$out/test-cuda-guard" "$root/test/gpu/test-cuda-guard.c" -lpthread
-prog test-cuda-ops "$root/test/gpu/test-cuda-ops.c"
-prog test-cuda-logits "$root/test/gpu/test-cuda-logits.c"
-prog test-cuda-vision "$root/test/gpu/test-cuda-vision.c"
-prog bench-cuda "$root/test/gpu/bench-cuda.c"
-# the NCCL communicator's GPU test (libnccl is opened with dlopen at run time: only nccl.h,
-# from the toolkit or $NCCL_INC, is needed here)
-nccl_inc=${NCCL_INC:-$cuda_root/include}
-if [ -f "$nccl_inc/nccl.h" ]; then
-    $CC "${cflags[@]}" "${inc[@]}" -I"$root/worker/comm" -I"$cuda_root/include" -I"$nccl_inc" \
-        -o "$out/test-comm-nccl" "$root/test/comm/test-comm-nccl.c" "$root/worker/comm/comm-nccl.c" \
-        "$root/worker/comm/comm.c" "$root/worker/comm/plan-wire.c" "$out/libstepd-gpucheck.a" \
-        -L"$cuda_root/lib64" -lcudart_static -lrt "${libs[@]}"
-fi
-if [ -f "$root/tools/mkmodel.c" ]; then
-    prog stepd-mkmodel "$root/tools/mkmodel.c" "$root/tools/ckptw.c"
-fi
+programs | while read -r name files; do
+    set -- $files
+    set -- "${@/#/$root/}"
+    case "$name" in
+        test-cuda-guard)
+            $CC "${cflags[@]}" -I"$root/test" -I"$root/kernels/cuda" -I"$root/worker/comm" \
+                -o "$out/$name" "$@" -lpthread ;;
+        test-comm-nccl)
+            [ -f "$nccl_inc/nccl.h" ] || { echo "build-gpu: no nccl.h in $nccl_inc: no $name"; continue; }
+            $CC "${cflags[@]}" "${inc[@]}" -I"$root/worker/comm" -I"$cuda_root/include" -I"$nccl_inc" \
+                -o "$out/$name" "$@" "$out/libstepd-gpucheck.a" \
+                -L"$cuda_root/lib64" -lcudart_static -lrt "${libs[@]}" ;;
+        *)
+            prog "$name" "$@" ;;
+    esac
+done
 echo "build-gpu: built in $out"

@@ -4,8 +4,9 @@
 #   .gpu-carry/prefix/{include,lib}: the headers and shared libraries of jansson and
 #     pcre2-8 (the checkpoint loader's), copied from this machine's Debian packages;
 #   .gpu-carry/bin: the plugin and the GPU test programs built here by build-gpu.sh with
-#     CARRY=1 ($ORIGIN-relative run paths), and BUILT_WITH (toolkit, commit, source hash)
-#     that device-check.sh compares before it trusts them (else it builds there).
+#     CARRY=1 ($ORIGIN-relative run paths), without their host debug sections, and
+#     BUILT_WITH (toolkit, source hash) that device-check.sh compares before it trusts
+#     them (else it builds there).
 # .git/info/exclude gets /.gpu-carry/ so git ignores it.  Run it here, then the two calls
 # of test/gpu/device-check.sh with carry [".gpu-carry"] (docs/GPU.md §device check).
 #   prepare-carry.sh [--no-build]     (--no-build: the prefix only)
@@ -34,6 +35,10 @@ if [ "${1:-}" != --no-build ]; then
     a=$(date +%s)
     CARRY=1 bash "$root/test/gpu/build-gpu.sh" "$bin" "$dest"
     rm -rf "$bin/obj" "$bin/libstepd-gpucheck.a"
+    # the device takes 64 MiB with the tree (which holds the tiny model): the host code's
+    # debug sections are 8 of the 24 MiB (symbols stay for backtraces; the kernels keep
+    # their -lineinfo for ncu)
+    find "$bin" -type f -perm -u+x -exec strip --strip-debug {} +
     bash "$root/test/gpu/device-check.sh" --fingerprint > "$bin/BUILT_WITH"
     echo "prepare-carry: built in $(( $(date +%s) - a ))s"
 fi

@@ -38,6 +38,14 @@ struct vision_dev_ops {
     /* Bidirectional attention of one view: qkv [n, 3*heads*head_dim] rows (RoPE applied),
      * o [n, heads*head_dim] = softmax(q kᵀ / sqrt(head_dim)) v per head */
     int (*attention)(struct backend *be, const float *qkv, int64_t n, int heads, int head_dim, float *o);
+    /* The encoder's share of the backend's memory plan (at load, before or after
+     * backend_reserve: the workspace only grows): the workspace for GEMM inputs of up to gemm_elems
+     * FP32 elements (rows x k of the largest backend_matmul of a call) and the attention of
+     * views of up to n_max tokens, heads x head_dim.  After it no op of a call within these
+     * bounds grows the workspace.  *ws_bytes: the encoder's workspace need, set also when
+     * the device cannot give it (-ENOMEM). */
+    int (*reserve)(struct backend *be, int64_t gemm_elems, int64_t n_max, int heads, int head_dim,
+                   size_t *ws_bytes);
 };
 
 #ifdef __cplusplus

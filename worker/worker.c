@@ -700,17 +700,24 @@ static int stage_load(struct worker *w, struct err_buf *e)
         if (r < 0)
             return r;
     }
+    if (ckpt_vision(w->ck)) {
+        /* first: the encoder's weights and memory plan are in use when the KV pools are sized */
+        struct engine_config ec;
+        int64_t vbytes;
+        engine_config_init(&ec);
+        r = vision_new(w->ck, w->be, &w->vision, e);
+        if (r == 0)
+            r = vision_plan(w->vision, ec.image_batch_views, ckpt_vision(w->ck)->image_size, &vbytes, e);
+        if (r < 0)
+            return r;
+        if (vbytes > 0)
+            log_info("vision encoder: %lld bytes of device memory planned for calls of %d views",
+                     (long long)vbytes, ec.image_batch_views);
+        worker_vision_serve(w, vision_cfg(w->vision));
+    }
     r = model_forward_new(w->ck, w->be, &hooks, &mo, &w->fwd, e);
     if (r < 0)
         return r;
-    if (ckpt_vision(w->ck)) {
-        const struct vision_config *vc;
-        r = vision_new(w->ck, w->be, &w->vision, e);
-        if (r < 0)
-            return r;
-        vc = vision_cfg(w->vision);
-        worker_vision_serve(w, vc);
-    }
     model_kv_block_bytes(model_from_forward(w->fwd), reserved);
     if (!mo.kv_blocks && (reserved[0] != planned[0] || reserved[1] != planned[1]))
         return err_set(e, -EPROTO, "KV plan: %lld + %lld bytes per block planned, the model "

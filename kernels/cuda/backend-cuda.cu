@@ -124,6 +124,14 @@ int cuda_ws_ensure(struct cuda_ctx *c, size_t bytes)
     if (c->reserved)
         fprintf(stderr, "stepd-cuda: workspace of %zu bytes grows to %zu (not planned)\n",
                 c->ws_size, bytes);
+    return cuda_ws_plan(c, bytes);
+}
+
+int cuda_ws_plan(struct cuda_ctx *c, size_t bytes)
+{
+    const size_t old = c->ws_size;
+    if (bytes <= c->ws_size)
+        return 0;
     int r = err_from_cuda(cudaStreamSynchronize(c->stream));
     if (r < 0)
         return r;
@@ -132,8 +140,16 @@ int cuda_ws_ensure(struct cuda_ctx *c, size_t bytes)
     c->ws_size = 0;
     mem_moved(c);
     r = err_from_cuda(cudaMalloc((void **) &c->ws, bytes));
-    if (r == 0)
+    if (r == 0) {
         c->ws_size = bytes;
+        return 0;
+    }
+    (void) cudaGetLastError();
+    c->ws = NULL;
+    if (old && cudaMalloc((void **) &c->ws, old) == cudaSuccess)
+        c->ws_size = old;   // the plan that was keeps working
+    else
+        (void) cudaGetLastError();
     return r;
 }
 
@@ -734,19 +750,10 @@ static int cuda_reserve(struct backend *be, const struct backend_reserve *res)
     need = attn > ffn ? attn : ffn;
     need = need > ops ? need : ops;
     need += 1u << 20;
-    if (need > c->ws_size) {
-        r = err_from_cuda(cudaStreamSynchronize(c->stream));
-        if (r < 0)
-            return r;
-        cudaFree(c->ws);
-        c->ws = NULL;
-        c->ws_size = 0;
-        mem_moved(c);
-        r = err_from_cuda(cudaMalloc((void **) &c->ws, need));
-        if (r < 0)
-            return r;
-        c->ws_size = need;
-    }
+    // only grows: the vision encoder's plan (vision.cu) may have come first
+    r = cuda_ws_plan(c, need);
+    if (r < 0)
+        return r;
     step_area_free(c);
     mem_moved(c);
     r = step_area_alloc(c, res->max_tokens, res->max_seqs,

@@ -142,6 +142,9 @@ const int32_t *cuda_index(struct cuda_ctx *c, const int32_t *host, size_t n);
 // grows it otherwise, never while capturing), cuda_ws_reset(), then cuda_ws_take() for
 // each 256-aligned piece (NULL past the end).
 int cuda_ws_ensure(struct cuda_ctx *c, size_t bytes);
+// The memory plan's workspace (reserve, the vision encoder's plan): at least bytes, sized
+// now, with no warning; the old contents are lost.
+int cuda_ws_plan(struct cuda_ctx *c, size_t bytes);
 void cuda_ws_reset(struct cuda_ctx *c);
 void *cuda_ws_take(struct cuda_ctx *c, size_t bytes);
 

@@ -294,6 +294,13 @@ static __global__ void vis_softmax_kernel(float *s, int64_t cols, int64_t ld, fl
         sr[i] *= inv;
 }
 
+// the workspace of one view's attention: Q, K, Vᵀ, O of every head and S of one head
+static size_t vis_attention_ws(int64_t n, int heads, int head_dim)
+{
+    const int64_t slab = (n * head_dim + 63) & ~(int64_t) 63, ld = (n + 3) & ~(int64_t) 3;
+    return 4 * (size_t) (heads * slab) * sizeof(float) + (size_t) (n * ld) * sizeof(float) + 5 * 256;
+}
+
 static int vis_attention(struct backend *be, const float *qkv, int64_t n, int heads, int head_dim, float *o)
 {
     struct cuda_ctx *c = cuda_ctx_of(be);
@@ -307,7 +314,7 @@ static int vis_attention(struct backend *be, const float *qkv, int64_t n, int he
         return -EINVAL;
     if (n == 0)
         return 0;
-    r = cuda_ws_ensure(c, 4 * h_bytes + s_bytes + 5 * 256);
+    r = cuda_ws_ensure(c, vis_attention_ws(n, heads, head_dim));
     if (r < 0)
         return r;
     cuda_ws_reset(c);
@@ -337,6 +344,28 @@ static int vis_attention(struct backend *be, const float *qkv, int64_t n, int he
     return r;
 }
 
+// ---- the encoder's share of the memory plan: the larger of a GEMM's BF16 input
+// (kcuda_matmul's workspace; none on the FP32 op path) and a view's attention, as
+// cuda_ws_ensure counts it; reserve() keeps it ----
+
+static int vis_reserve(struct backend *be, int64_t gemm_elems, int64_t n_max, int heads, int head_dim,
+                       size_t *ws_bytes)
+{
+    struct cuda_ctx *c = cuda_ctx_of(be);
+    size_t need = 0;
+
+    *ws_bytes = 0;
+    if (gemm_elems < 0 || n_max < 0 || heads <= 0 || head_dim <= 0)
+        return -EINVAL;
+    if (!c->exact)
+        need = (size_t) gemm_elems * sizeof(bf16);
+    if (n_max > 0 && vis_attention_ws(n_max, heads, head_dim) > need)
+        need = vis_attention_ws(n_max, heads, head_dim);
+    need += 4096;           // cuda_ws_ensure's alignment margin
+    *ws_bytes = need;
+    return cuda_ws_plan(c, need);   // only grows: the text plan's workspace may be larger
+}
+
 static const struct vision_dev_ops vision_cuda_ops = {
     .layernorm = vis_layernorm,
     .bias_act = vis_bias_act,
@@ -346,6 +375,7 @@ static const struct vision_dev_ops vision_cuda_ops = {
     .bilinear = vis_bilinear,
     .im2col_s2 = vis_im2col_s2,
     .attention = vis_attention,
+    .reserve = vis_reserve,
 };
 
 extern "C" const struct vision_dev_ops *kcuda_vision_ops(void)

@@ -1054,6 +1054,15 @@ static void free_node(graph_node &n)
 // ---- device memory ----
 
 static std::map<uintptr_t, size_t> g_allocs;
+static size_t g_alloc_bytes;     // the sum of g_allocs: the device memory in use
+
+// The emulated device's memory: 80 GiB, or $CUEMU_MEM_BYTES (a test of a small device);
+// cudaMalloc past it fails and cudaMemGetInfo reports what is left, as a GPU does.
+static size_t dev_mem_total(void)
+{
+    const char *s = getenv("CUEMU_MEM_BYTES");
+    return s && *s ? (size_t) strtoull(s, nullptr, 0) : (size_t) 80 << 30;
+}
 
 static bool is_device(const void *p, size_t n)
 {
@@ -1118,7 +1127,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d)
         return set_err(cudaErrorInvalidDevice);
     memset(p, 0, sizeof(*p));
     snprintf(p->name, sizeof(p->name), "cuemu (host emulator of sm_90)");
-    p->totalGlobalMem = (size_t) 80 << 30;
+    p->totalGlobalMem = dev_mem_total();
     p->sharedMemPerBlock = 48 * 1024;
     p->sharedMemPerBlockOptin = g_optin;
     p->sharedMemPerMultiprocessor = 228 * 1024;
@@ -1133,8 +1142,8 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d)
 
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total)
 {
-    *total = (size_t) 80 << 30;
-    *free_b = *total;
+    *total = dev_mem_total();
+    *free_b = *total > g_alloc_bytes ? *total - g_alloc_bytes : 0;
     return cudaSuccess;
 }
 
@@ -1175,10 +1184,12 @@ const char *cudaGetErrorName(cudaError_t e)
 cudaError_t cudaMalloc(void **p, size_t n)
 {
     void *q = nullptr;
-    if (posix_memalign(&q, 256, n ? n : 1))
+    if (n > dev_mem_total() - (g_alloc_bytes < dev_mem_total() ? g_alloc_bytes : dev_mem_total()) ||
+        posix_memalign(&q, 256, n ? n : 1))
         return set_err(cudaErrorMemoryAllocation);
     memset(q, 0xFF, n);     // device memory starts undefined: NaN / -1, never zero by luck
     g_allocs[(uintptr_t) q] = n;
+    g_alloc_bytes += n;
     *p = q;
     return cudaSuccess;
 }
@@ -1190,6 +1201,7 @@ cudaError_t cudaFree(void *p)
     auto it = g_allocs.find((uintptr_t) p);
     if (it == g_allocs.end())
         fatal("cudaFree(%p): not an allocation of cudaMalloc", p);
+    g_alloc_bytes -= it->second;
     g_allocs.erase(it);
     free(p);
     return cudaSuccess;

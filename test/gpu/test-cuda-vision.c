@@ -10,6 +10,15 @@
  *                                             tables, odd grids for the stride-2 convs);
  *                                             and a backend with device memory but no
  *                                             vision ops is refused at vision_new
+ *   test-cuda-vision plan MODEL_DIR            the encoder's memory plan (vision_plan): it
+ *                                             takes the device memory it names at load;
+ *                                             four views (140, 140, 98, 42) encoded after a
+ *                                             plan of two 140 views run in two parts on
+ *                                             its buffers: no device allocation (the free
+ *                                             memory seen from every stage unchanged), no
+ *                                             "not planned" line, the output of a call
+ *                                             without a plan; a device too small for a
+ *                                             plan refuses it naming the need
  *
  * Both CUDA paths: the FP32 op path (backend_cfg.mxfp4_exact) and the tensor-core path
  * (BF16 activations into the cuBLASLt GEMMs).  Fresh random inputs each run (the seed is
@@ -25,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "harness.h"
@@ -387,18 +397,136 @@ static void tower(const char *model, const int *sizes, int n_views, const char *
     ckpt_close(ck);
 }
 
+struct mem_watch {
+    size_t lowest;          /* the least free device memory seen from a stage */
+    int stages;
+};
+
+static void on_stage_mem(void *arg, enum vision_stage st, int view, const float *x, int rows, int cols)
+{
+    struct mem_watch *m = arg;
+    size_t fr, tot;
+
+    (void)st; (void)view; (void)x; (void)rows; (void)cols;
+    ASSERT_OK(backend_mem_info(gpu, &fr, &tot));
+    m->lowest = fr < m->lowest ? fr : m->lowest;
+    m->stages++;
+}
+
+static void plan(const char *model, double tol)
+{
+    struct ckpt_opts o = {.world_size = 1, .rank = 0};
+    struct err_buf e = {{0}};
+    struct ckpt *ck;
+    struct vision *v, *v0;
+    size_t fr0, fr1, fr2, tot;
+    int64_t planned;
+    char path[] = "/tmp/test-cuda-vision-XXXXXX";
+    enum { NV = 4 };
+    int sizes[NV] = {140, 140, 98, 42}, tokens = 0;
+    struct vision_view views[NV];
+
+    if (ckpt_open(model, &o, &ck, &e) < 0)
+        FAIL("%s", e.msg);
+    if (vision_new(ck, gpu, &v, &e) < 0 || vision_new(ck, gpu, &v0, &e) < 0)
+        FAIL("cuda: %s", e.msg);
+    const struct vision_config *cf = vision_cfg(v);
+
+    /* the worker's order: the encoder's plan, then the text model's (a small one) */
+    ASSERT_ERR(vision_plan(v, 2, 141, &planned, &e), -EINVAL);
+    ASSERT_OK(backend_mem_info(gpu, &fr0, &tot));
+    if (vision_plan(v, 2, 140, &planned, &e) < 0)
+        FAIL("vision_plan: %s", e.msg);
+    ASSERT_OK(backend_mem_info(gpu, &fr1, &tot));
+    struct backend_reserve br = {.max_tokens = 4, .max_seqs = 1, .hidden = cf->text_hidden, .max_heads = 1,
+                                 .max_kv_heads = 1, .max_head_dim = 16, .max_q_dim = 16, .max_kv_dim = 16,
+                                 .max_inter = 16, .max_block_ids = 4};
+    ASSERT_OK(backend_reserve(gpu, &br));
+    ASSERT_OK(backend_mem_info(gpu, &fr2, &tot));
+    printf("plan: %lld bytes planned for 2 views of 140 pixels; free device memory %zu -> %zu (-%zu), "
+           "after the text plan %zu\n", (long long)planned, fr0, fr1, fr0 - fr1, fr2);
+    if (!(planned > 0 && fr0 - fr1 >= (size_t)planned))
+        FAIL("the plan took %zu bytes of device memory, it names %lld", fr0 - fr1, (long long)planned);
+
+    for (int i = 0; i < NV; i++) {
+        size_t np = (size_t)sizes[i] * sizes[i] * 3;
+        uint8_t *rgb = malloc(np);
+        ASSERT_TRUE(rgb);
+        for (size_t j = 0; j < np; j++)
+            rgb[j] = (uint8_t)(frand() * 255);
+        views[i] = (struct vision_view){rgb, sizes[i]};
+        tokens += vision_view_tokens(v, sizes[i]);
+    }
+    size_t out_n = (size_t)tokens * cf->text_hidden;
+    float *out = malloc(out_n * sizeof(float)), *ref = malloc(out_n * sizeof(float));
+    ASSERT_TRUE(out && ref);
+    if (vision_encode(v0, views, NV, ref, NULL, NULL, &e) < 0)
+        FAIL("encode without a plan: %s", e.msg);
+    /* four views for a plan of two: two parts, on the plan's buffers */
+    struct mem_watch mw = {.lowest = (size_t)-1};
+    int fd = mkstemp(path), saved = dup(2);
+    ASSERT_TRUE(fd >= 0 && saved >= 0);
+    fflush(stderr);
+    dup2(fd, 2);
+    memset(out, 0xFF, out_n * sizeof(float));
+    int r = vision_encode(v, views, NV, out, on_stage_mem, &mw, &e);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    char log[4096] = "";
+    ssize_t n = pread(fd, log, sizeof(log) - 1, 0);
+    log[n > 0 ? n : 0] = '\0';
+    close(fd);
+    unlink(path);
+    fputs(log, stderr);
+    if (r < 0)
+        FAIL("encode: %s", e.msg);
+    double w = max_err(ref, out, out_n);
+    printf("plan: views of 140, 140, 98, 42 pixels: %d stages seen, least free device memory %zu (%zu before); "
+           "against a call without a plan max err %.3g (tol %.2g)\n", mw.stages, mw.lowest, fr2, w, tol);
+    ASSERT_EQ(mw.stages, NV * _VISION_STAGES);
+    if (mw.lowest != fr2)
+        FAIL("an encoder call allocated %zu bytes of device memory after the plan", fr2 - mw.lowest);
+    if (strstr(log, "not planned"))
+        FAIL("the workspace grew at an encoder call: %s", log);
+    if (!(w <= tol))
+        FAIL("the planned call differs from a call without a plan by %g", w);
+    /* a view larger than the plan's views is refused, the encoder still works */
+    ASSERT_ERR(vision_encode(v, &(struct vision_view){views[0].rgb, 154}, 1, out, NULL, NULL, &e), -E2BIG);
+    ASSERT_CONTAINS(e.msg, "larger than the memory plan");
+
+    /* a device too small: views of image_size beyond its free memory (their patch rows alone,
+     * image_size^2 x 12 bytes a view, exceed it) refuse with the need named */
+    ASSERT_OK(backend_mem_info(gpu, &fr0, &tot));
+    int too_many = (int)(fr0 / ((size_t)cf->image_size * cf->image_size * 12) + 1);
+    ASSERT_ERR(vision_plan(v, too_many, cf->image_size, &planned, &e), -ENOMEM);
+    printf("plan: %d views on %zu free bytes: %s\n", too_many, fr0, e.msg);
+    ASSERT_CONTAINS(e.msg, "the vision encoder needs");
+    ASSERT_CONTAINS(e.msg, "of device memory");
+    ASSERT_EQ(planned, 0);
+
+    for (int i = 0; i < NV; i++)
+        free((void *)views[i].rgb);
+    free(out);
+    free(ref);
+    vision_free(v0);
+    vision_free(v);
+    ckpt_close(ck);
+}
+
 int main(int argc, char **argv)
 {
     struct backend_cfg cc = { .n_threads = 1, .mxfp4_exact = true };
     uint64_t seed = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ull | 1;
     bool ops = argc >= 2 && strcmp(argv[1], "ops") == 0;
+    bool planning = argc >= 3 && strcmp(argv[1], "plan") == 0;
     int sizes[MAX_VIEWS] = {140, 98, 42}, n_sizes = 3;
 
-    if (!ops && !(argc >= 3 && strcmp(argv[1], "tower") == 0)) {
-        fprintf(stderr, "usage: test-cuda-vision ops | tower MODEL_DIR [SIZE...]\n");
+    if (!ops && !planning && !(argc >= 3 && strcmp(argv[1], "tower") == 0)) {
+        fprintf(stderr, "usage: test-cuda-vision ops | tower MODEL_DIR [SIZE...] | plan MODEL_DIR\n");
         return 2;
     }
-    if (!ops && argc > 3) {
+    if (!ops && !planning && argc > 3) {
         n_sizes = 0;
         for (int i = 3; i < argc && n_sizes < MAX_VIEWS; i++)
             sizes[n_sizes++] = atoi(argv[i]);
@@ -423,6 +551,8 @@ int main(int argc, char **argv)
         printf("== %s path (seed %llu)\n", fast ? "tensor-core" : "FP32 op", (unsigned long long)seed);
         if (ops)
             run_ops(getenv("STEPD_TEST_EMULATED") != NULL);
+        else if (planning)
+            plan(argv[2], fast ? 1.5e-2 : 1e-5);
         else
             tower(argv[2], sizes, n_sizes, fast ? "fast" : "exact");
         backend_free(gpu);

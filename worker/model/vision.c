@@ -22,6 +22,9 @@
 static const float img_mean[3] = {0.48145466f, 0.4578275f, 0.40821073f};
 static const float img_std[3] = {0.26862954f, 0.26130258f, 0.27577711f};
 
+/* the device path's activation buffers (encode_dev) */
+enum { VB_X, VB_HS, VB_A, VB_QKV, VB_O, VB_M, VB_D1, VB_D2, VB_Y, VB_RGB, VB_N };
+
 struct vblock {
     struct bweight qkv, out, fc, proj;
     float *qkv_b, *out_b, *fc_b, *proj_b, *ln1_g, *ln1_b, *ln2_g, *ln2_b, *ls1, *ls2;
@@ -39,6 +42,12 @@ struct vision {
     int n_prepared;
     float **vecs;               /* every FP32 vector above (device buffers with dev), for vision_free */
     int n_vecs;
+    /* the memory plan (vision_plan, dev): buffers for calls of up to plan_t patches (plan_t1,
+     * plan_t2 after each downsampler, views of up to plan_side pixels); 0: none, each call
+     * allocates its own */
+    void *pbuf[VB_N];
+    int64_t plan_t, plan_t1, plan_t2;
+    int plan_side;
 };
 
 const struct vision_config *vision_cfg(const struct vision *v)
@@ -215,6 +224,9 @@ void vision_free(struct vision *v)
             backend_buf_free(v->be, v->vecs[i]);
         else
             free(v->vecs[i]);
+    for (int i = 0; i < VB_N; i++)
+        if (v->pbuf[i])
+            backend_buf_free(v->be, v->pbuf[i]);
     free(v->prepared);
     free(v->vecs);
     free(v->blocks);
@@ -336,45 +348,72 @@ static int trace_dev(struct vision *v, vision_trace_fn trace, void *arg, enum vi
     return r;
 }
 
-static int encode_dev(struct vision *v, const struct vision_view *views, const struct vview *vv, int n,
-                      int64_t T, int64_t T1, int64_t T2, float *out, vision_trace_fn trace, void *trace_arg,
-                      struct err_buf *e)
+/* The bytes of the device path's buffers for a call of T patches (T1, T2 after each
+ * downsampler), views of up to side pixels. */
+static void dev_sizes(const struct vision_config *cf, int64_t T, int64_t T1, int64_t T2, int side,
+                      int64_t bytes[VB_N])
+{
+    int64_t C = cf->width, xs = T * 3 * (int64_t) cf->patch * cf->patch;
+
+    xs = T1 * 9 * C > xs ? T1 * 9 * C : xs;
+    xs = T2 * 18 * C > xs ? T2 * 18 * C : xs;
+    bytes[VB_X] = xs * 4; bytes[VB_HS] = T * C * 4; bytes[VB_A] = T * C * 4; bytes[VB_QKV] = T * 3 * C * 4;
+    bytes[VB_O] = T * C * 4; bytes[VB_M] = T * cf->inter * 4; bytes[VB_D1] = T1 * 2 * C * 4;
+    bytes[VB_D2] = T2 * 4 * C * 4; bytes[VB_Y] = T2 * cf->text_hidden * 4;
+    bytes[VB_RGB] = (int64_t) side * side * 3;
+}
+
+/* The most FP32 elements one GEMM of such a call takes in (rows x k): the backend's
+ * workspace converts them (vision_dev_ops.reserve). */
+static int64_t dev_gemm_elems(const struct vision_config *cf, int64_t T, int64_t T1, int64_t T2)
+{
+    int64_t C = cf->width, k[] = {T * 3 * (int64_t) cf->patch * cf->patch, T * C, T * cf->inter,
+                                  T1 * 9 * C, T2 * 18 * C, T2 * 4 * C};
+    int64_t m = 0;
+
+    for (size_t i = 0; i < sizeof(k) / sizeof(k[0]); i++)
+        m = k[i] > m ? k[i] : m;
+    return m;
+}
+
+static int dev_bufs_alloc(struct backend *be, const int64_t bytes[VB_N], void *buf[VB_N])
+{
+    int r = 0;
+
+    for (int i = 0; i < VB_N && r == 0; i++)
+        r = backend_buf_alloc(be, (size_t) (bytes[i] > 0 ? bytes[i] : 1), 256, &buf[i]);
+    if (r < 0)
+        for (int i = 0; i < VB_N; i++) {
+            if (buf[i])
+                backend_buf_free(be, buf[i]);
+            buf[i] = NULL;
+        }
+    return r;
+}
+
+/* Views [0, n) of one part of a call (vv's rows counted from the part's first; base: the
+ * index of view 0 in the call, for the trace) on the buffers buf, out its output rows. */
+static int encode_dev_part(struct vision *v, const struct vision_view *views, const struct vview *vv, int n,
+                           int base, int64_t T, int64_t T1, int64_t T2, void *const buf[VB_N], float *out,
+                           vision_trace_fn trace, void *trace_arg, struct err_buf *e)
 {
     const struct vision_config *cf = &v->cfg;
     const struct vision_dev_ops *d = v->dev;
     struct backend *be = v->be;
     int C = cf->width, P = cf->patch, I = cf->inter, H = cf->text_hidden;
-    int64_t K1 = 3 * (int64_t) P * P, xs = T * K1, rgb_max = 0;
-    enum { X, HS, A, QKV, O, M, D1, D2, Y, RGB, N_BUF };
-    void *buf[N_BUF] = {0};
-    int64_t bytes[N_BUF];
-    float *x, *h, *a, *qkv, *o, *m, *d1, *d2, *y;
-    uint8_t *rgb;
+    int64_t K1 = 3 * (int64_t) P * P;
+    float *x = buf[VB_X], *h = buf[VB_HS], *a = buf[VB_A], *qkv = buf[VB_QKV], *o = buf[VB_O], *m = buf[VB_M];
+    float *d1 = buf[VB_D1], *d2 = buf[VB_D2], *y = buf[VB_Y];
+    uint8_t *rgb = buf[VB_RGB];
     int r = 0;
 
-    xs = T1 * 9 * C > xs ? T1 * 9 * C : xs;
-    xs = T2 * 18 * C > xs ? T2 * 18 * C : xs;
-    for (int i = 0; i < n; i++)
-        rgb_max = (int64_t) views[i].size * views[i].size * 3 > rgb_max ? (int64_t) views[i].size * views[i].size * 3
-                                                                        : rgb_max;
-    bytes[X] = xs * 4; bytes[HS] = T * C * 4; bytes[A] = T * C * 4; bytes[QKV] = T * 3 * C * 4;
-    bytes[O] = T * C * 4; bytes[M] = T * I * 4; bytes[D1] = T1 * 2 * C * 4; bytes[D2] = T2 * 4 * C * 4;
-    bytes[Y] = T2 * H * 4; bytes[RGB] = rgb_max;
-    for (int i = 0; i < N_BUF && r == 0; i++)
-        r = backend_buf_alloc(be, (size_t) (bytes[i] > 0 ? bytes[i] : 1), 256, &buf[i]);
-    if (r < 0) {
-        err_set(e, r, "vision: %lld patches: no device memory for the activations: %s", (long long) T, err_str(r));
-        goto out;
-    }
-    x = buf[X]; h = buf[HS]; a = buf[A]; qkv = buf[QKV]; o = buf[O]; m = buf[M]; d1 = buf[D1]; d2 = buf[D2];
-    y = buf[Y]; rgb = buf[RGB];
 #define DO(call, what) do { \
         r = (call); \
         if (r < 0) { err_set(e, r, "vision: %s failed on backend '%s': %s", what, be->ops->name, err_str(r)); goto out; } \
     } while (0)
 #define GEMM(w, in, rows, y_) DO(backend_matmul(be, (w), (in), (int) (rows), (y_)), "matmul")
 #define TRACE(st, i, p, rows, cols) do { \
-        if (trace) DO(trace_dev(v, trace, trace_arg, (st), (i), (p), (rows), (cols)), "trace"); \
+        if (trace) DO(trace_dev(v, trace, trace_arg, (st), base + (i), (p), (rows), (cols)), "trace"); \
     } while (0)
 
     /* patch embedding: each view's pixels up (one buffer, the stream orders the reuse) */
@@ -431,16 +470,123 @@ static int encode_dev(struct vision *v, const struct vision_view *views, const s
     DO(backend_sync(be), "sync");
     if (trace)
         for (int i = 0; i < n; i++)
-            trace(trace_arg, VISION_PROJ, i, out + vv[i].t2 * H, vv[i].g2 * vv[i].g2, H);
+            trace(trace_arg, VISION_PROJ, base + i, out + vv[i].t2 * H, vv[i].g2 * vv[i].g2, H);
 #undef TRACE
 #undef GEMM
 #undef DO
 out:
-    if (r < 0)
-        (void) backend_sync(be);    /* nothing queued may still use the buffers */
-    for (int i = 0; i < N_BUF; i++)
-        backend_buf_free(be, buf[i]);
     return r;
+}
+
+static int encode_dev(struct vision *v, const struct vision_view *views, const struct vview *vv, int n,
+                      int64_t T, int64_t T1, int64_t T2, float *out, vision_trace_fn trace, void *trace_arg,
+                      struct err_buf *e)
+{
+    const int H = v->cfg.text_hidden;
+    struct vview *pv;
+    int r = 0;
+
+    if (!v->plan_t) {
+        /* no plan: this call's own buffers */
+        void *buf[VB_N] = {0};
+        int64_t bytes[VB_N];
+        int side = 0;
+        for (int i = 0; i < n; i++)
+            side = views[i].size > side ? views[i].size : side;
+        dev_sizes(&v->cfg, T, T1, T2, side, bytes);
+        r = dev_bufs_alloc(v->be, bytes, buf);
+        if (r < 0)
+            return err_set(e, r, "vision: %lld patches: no device memory for the activations: %s", (long long) T,
+                           err_str(r));
+        r = encode_dev_part(v, views, vv, n, 0, T, T1, T2, buf, out, trace, trace_arg, e);
+        if (r < 0)
+            (void) backend_sync(v->be);     /* nothing queued may still use the buffers */
+        for (int i = 0; i < VB_N; i++)
+            backend_buf_free(v->be, buf[i]);
+        return r;
+    }
+    /* the plan's buffers: the views in parts that fit them, in order (a view's rows do not
+     * depend on the others of its call) */
+    pv = calloc((size_t) n, sizeof(*pv));
+    if (!pv)
+        return err_set(e, -ENOMEM, "out of memory");
+    for (int i0 = 0, i1; i0 < n && r == 0; i0 = i1) {
+        int64_t t = 0, t1 = 0, t2 = 0;
+        for (i1 = i0; i1 < n; i1++) {
+            const struct vview *w = &vv[i1];
+            int64_t gg = (int64_t) w->g * w->g, gg1 = (int64_t) w->g1 * w->g1, gg2 = (int64_t) w->g2 * w->g2;
+            if (views[i1].size > v->plan_side || t + gg > v->plan_t || t1 + gg1 > v->plan_t1 ||
+                t2 + gg2 > v->plan_t2)
+                break;
+            pv[i1] = (struct vview){w->g, w->g1, w->g2, t, t1, t2};
+            t += gg;
+            t1 += gg1;
+            t2 += gg2;
+        }
+        if (i1 == i0) {
+            r = err_set(e, -E2BIG, "vision: view %d (%d pixels) is larger than the memory plan's views (%d)", i0,
+                        views[i0].size, v->plan_side);
+            break;
+        }
+        r = encode_dev_part(v, views + i0, pv + i0, i1 - i0, i0, t, t1, t2, v->pbuf, out + vv[i0].t2 * H, trace,
+                            trace_arg, e);
+    }
+    if (r < 0)
+        (void) backend_sync(v->be);         /* the next call may reuse the buffers */
+    free(pv);
+    return r;
+}
+
+int vision_plan(struct vision *v, int max_views, int max_side, int64_t *ret_bytes, struct err_buf *e)
+{
+    const struct vision_config *cf = &v->cfg;
+    int g = max_side / cf->patch, g1 = vops_s2_side(g), g2 = vops_s2_side(g1);
+    int64_t T, T1, T2, bytes[VB_N], act = 0;
+    size_t ws = 0, fr, tot;
+    char why[96] = "";
+    int r;
+
+    if (ret_bytes)
+        *ret_bytes = 0;
+    if (max_views < 1)
+        return err_set(e, -EINVAL, "vision plan: %d views per call, expected at least 1", max_views);
+    if (vision_view_tokens(v, max_side) < 0)
+        return err_set(e, -EINVAL, "vision plan: views of %d pixels: not a multiple of the patch %d up to %d",
+                       max_side, cf->patch, cf->image_size);
+    if (!v->dev)
+        return 0;       /* host buffers: each call allocates its own */
+    T = (int64_t) max_views * g * g;
+    T1 = (int64_t) max_views * g1 * g1;
+    T2 = (int64_t) max_views * g2 * g2;
+    dev_sizes(cf, T, T1, T2, max_side, bytes);
+    for (int i = 0; i < VB_N; i++)
+        act += bytes[i];
+    if (!v->dev->reserve)
+        return err_set(e, -ENOTSUP, "backend '%s': its vision ops cannot plan their memory", v->be->ops->name);
+    for (int i = 0; i < VB_N; i++)
+        if (v->pbuf[i]) {
+            backend_buf_free(v->be, v->pbuf[i]);
+            v->pbuf[i] = NULL;
+        }
+    v->plan_t = v->plan_t1 = v->plan_t2 = 0;
+    r = v->dev->reserve(v->be, dev_gemm_elems(cf, T, T1, T2), (int64_t) g * g, cf->heads, cf->head_dim, &ws);
+    if (r == 0)
+        r = dev_bufs_alloc(v->be, bytes, v->pbuf);
+    if (r < 0) {
+        if (backend_mem_info(v->be, &fr, &tot) == 0)
+            snprintf(why, sizeof(why), " (%zu of %zu bytes free)", fr, tot);
+        return err_set(e, r, "the vision encoder needs %lld bytes of device memory for %d views of %d patches "
+                       "(%lld of activations, %zu of workspace) and backend '%s' cannot give them%s: %s",
+                       (long long) act + (long long) ws, max_views, g * g, (long long) act, ws,
+                       v->be->ops->name, why, err_str(r));
+    }
+    v->plan_t = T;
+    v->plan_t1 = T1;
+    v->plan_t2 = T2;
+    v->plan_side = max_side;
+    if (ret_bytes)
+        *ret_bytes = act + (int64_t) ws;
+    return 0;
 }
 
 int vision_encode(struct vision *v, const struct vision_view *views, int n, float *out,

@@ -29,6 +29,16 @@ int vision_new(struct ckpt *c, struct backend *be, struct vision **ret, struct e
 void vision_free(struct vision *v);
 const struct vision_config *vision_cfg(const struct vision *v);
 
+/* The encoder's memory plan on a device backend (backend_native "vision"; nothing to do on
+ * host buffers): the activation buffers of a call of up to max_views views of max_side
+ * pixels (the worker: image_size, the largest view) allocated now, and the backend's
+ * workspace for its ops and GEMMs reserved in the backend's plan, so that no call allocates
+ * device memory; a call with more patches runs in parts that fit (a view larger than
+ * max_side is refused).  Call it before the KV pools take the free memory.  *ret_bytes (may
+ * be NULL): the bytes planned.  A device that cannot give them: -ENOMEM and a sentence
+ * naming the need. */
+int vision_plan(struct vision *v, int max_views, int max_side, int64_t *ret_bytes, struct err_buf *e);
+
 /* Embedding tokens of a view of side `size` pixels, or -EINVAL when the tower cannot take
  * it (not a positive multiple of the patch, or larger than the position grid allows). */
 int vision_view_tokens(const struct vision *v, int size);

@@ -4,8 +4,9 @@
 // an F32 global scale).  The weights stay in their format on the device, as on disk (no
 // repack, never up-converted); every kernel decodes them in registers: E4M3 and E2M1 to
 // FP32 exactly (lowp.h), the products and sums in FP32 with FP32 activations, one warp per
-// output row.  The op path only: the fused halves (block.cu) and graphs need MXFP4 experts,
-// so preparing one of these weights turns the backend's graphs off.
+// output row.  The routed experts run from the op path (kcu_lowp_moe, its descriptor table
+// staged per call) and from the fused FFN half (block.cu: the table built once at prepare,
+// the two launches captured in the decode graph as MXFP4's are).
 #include <math.h>
 #include <stdlib.h>
 
@@ -65,7 +66,6 @@ int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w)
         return r;
     }
     w->priv = cw;
-    c->graphs = false;      // these layers run the op script, which a graph cannot capture
     return 0;
 }
 
@@ -132,20 +132,33 @@ struct lowp_rd {
     }
 };
 
+int kcu_lowp_expert_table(const struct moe_expert *ex, int n_local, int hidden, int inter,
+                          struct lowp_w *h)
+{
+    for (int e = 0; e < n_local; e++) {
+        const struct moe_expert *x = &ex[e];
+        if (x->gate.rows != inter || x->gate.cols != hidden || x->up.rows != inter ||
+            x->up.cols != hidden || x->down.rows != hidden || x->down.cols != inter ||
+            lowp_desc(&x->gate, &h[e]) < 0 || lowp_desc(&x->up, &h[n_local + e]) < 0 ||
+            lowp_desc(&x->down, &h[2 * n_local + e]) < 0)
+            return -EINVAL;
+    }
+    return 0;
+}
+
+int kcu_lowp_experts(struct cuda_ctx *c, const struct lowp_w *tab, const struct moe_warp_args *a)
+{
+    if (a->n_tok == 0 || a->n_local == 0)
+        return 0;
+    return moe_warp_run(c->stream, lowp_rd{ tab, a->n_local }, *a, 32 * LOWP_WARPS);
+}
+
 int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)
 {
     const size_t nt = 3 * (size_t) a->n_local;
     struct lowp_w *h = (struct lowp_w *) calloc(nt, sizeof(*h));
-    int r = h ? 0 : -ENOMEM;
+    int r = h ? kcu_lowp_expert_table(a->experts, a->n_local, a->hidden, a->inter, h) : -ENOMEM;
 
-    for (int e = 0; r == 0 && e < a->n_local; e++) {
-        const struct moe_expert *x = &a->experts[e];
-        if (x->gate.rows != a->inter || x->gate.cols != a->hidden || x->up.rows != a->inter ||
-            x->up.cols != a->hidden || x->down.rows != a->hidden || x->down.cols != a->inter ||
-            lowp_desc(&x->gate, &h[e]) < 0 || lowp_desc(&x->up, &h[a->n_local + e]) < 0 ||
-            lowp_desc(&x->down, &h[2 * a->n_local + e]) < 0)
-            r = -EINVAL;
-    }
     const size_t act_bytes = moe_warp_act_bytes(a->n_tok, a->top_k, a->inter);
     if (r == 0)
         r = cuda_ws_ensure(c, act_bytes);
@@ -163,5 +176,5 @@ int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)
     const struct moe_warp_args ma = { a->x, a->n_tok, a->hidden, a->inter, a->top_k, a->ids,
                                       a->weights, a->expert_first, a->n_local, a->limit, act,
                                       a->out };
-    return moe_warp_run(c->stream, lowp_rd{ dt, a->n_local }, ma, 32 * LOWP_WARPS);
+    return kcu_lowp_experts(c, dt, &ma);
 }

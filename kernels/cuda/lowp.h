@@ -22,7 +22,7 @@ static inline bool lowp_fmt(int fmt)
 }
 
 // weight_prepare of an FP8 / NVFP4 weight: its bytes uploaded as they are (w->priv set);
-// -EINVAL for a shape the kernels do not take.  Turns the backend's graphs off.
+// -EINVAL for a shape the kernels do not take.
 int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w);
 // the ops with FP32 activations: y[n, rows] = x[n, cols] · Wᵀ; the routed experts (all
 // local experts FP8 or NVFP4)
@@ -172,3 +172,12 @@ static int moe_warp_run(cudaStream_t s, RD rd, const struct moe_warp_args &a, un
     return CUDA_LAUNCH_CHECK();
 }
 
+// The descriptors of n_local experts' gate, up and down (h: host [3][n_local]), checked
+// against the layer's shapes; -EINVAL for a shape, format or unprepared weight the
+// kernels do not take.
+int kcu_lowp_expert_table(const struct moe_expert *ex, int n_local, int hidden, int inter,
+                          struct lowp_w *h);
+// The routed experts (moe_warp_run) over a device table of kcu_lowp_expert_table: the op
+// stages its table per call, the fused FFN half (block.cu) keeps one per layer, so this
+// launch alone is what a graph captures.
+int kcu_lowp_experts(struct cuda_ctx *c, const struct lowp_w *tab, const struct moe_warp_args *a);

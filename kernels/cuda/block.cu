@@ -10,11 +10,14 @@
 // FFN half, MoE:    rmsnorm -> a (BF16 for the experts, FP32 for the router as the
 //   checkpoint asks, need_fp32_gate);  router: logits = a32 · W_routerᵀ and the top-k in
 //   one kernel up to KCU_ROUTER_GEMV_ROWS rows, else an FP32 GEMM and the router kernel;
-//   shared expert as the dense MLP into x (or out);  routed experts (moe.cu) added in.
+//   shared expert as the dense MLP into x (or out);  routed experts added in: MXFP4 on
+//   tensor cores (moe.cu) from the BF16 activations, FP8 / NVFP4 one warp per output
+//   element (lowp.cu) from the FP32 ones, two launches either way.
 //
 // prepare fuses the parts' device copies (QKV + gate rows, gate + up rows) into one
 // buffer that the parts then borrow, uploads the rotary table and router bias, and builds
-// the layer's table of expert pointers: done once at load for every layer.
+// the layer's table of expert pointers (MXFP4) or descriptors (FP8 / NVFP4): done once at
+// load for every layer, so that nothing a step launches stages a table (graph capture).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +25,7 @@
 #include "common.cuh"
 #include "cuda.h"
 #include "kcu.cuh"
+#include "lowp.h"
 
 struct attn_priv {
     bf16 *qkvg;                 // [rq + rk + rv + rg, hidden]
@@ -35,7 +39,8 @@ struct ffn_priv {
     float *router32;            // device FP32 router, owned unless the checkpoint's is F32
     bool router_owned;
     float *bias;                // device [n_experts] or NULL
-    const uint8_t **tab;        // device [6][n_local] expert pointers
+    const uint8_t **tab;        // device [6][n_local] expert pointers (MXFP4 experts)
+    struct lowp_w *ltab;        // device [3][n_local] descriptors (FP8 / NVFP4 experts)
 };
 
 static bool is_bf16(const struct bweight *w)
@@ -167,10 +172,15 @@ int kcuda_ffn_prepare(struct backend *be, struct ffn_weights *w)
         return -ENOTSUP;
     if (w->router && (!w->router->priv || (w->router->fmt != WFMT_BF16 && w->router->fmt != WFMT_F32)))
         return -ENOTSUP;
+    // the routed experts: all MXFP4, or all FP8 / NVFP4 (lowp.cu)
+    const bool lowp = w->router && w->n_local > 0 && lowp_fmt(w->experts[0].gate.fmt);
     for (int e = 0; w->router && e < w->n_local; e++) {
         const struct moe_expert *x = &w->experts[e];
-        if (x->gate.fmt != WFMT_MXFP4 || x->up.fmt != WFMT_MXFP4 || x->down.fmt != WFMT_MXFP4 ||
-            !x->gate.priv || !x->up.priv || !x->down.priv)
+        const bool ok = lowp ? lowp_fmt(x->gate.fmt) && lowp_fmt(x->up.fmt) &&
+                                   lowp_fmt(x->down.fmt)
+                             : x->gate.fmt == WFMT_MXFP4 && x->up.fmt == WFMT_MXFP4 &&
+                                   x->down.fmt == WFMT_MXFP4;
+        if (!ok || !x->gate.priv || !x->up.priv || !x->down.priv)
             return -ENOTSUP;
     }
     struct ffn_priv *p = (struct ffn_priv *) calloc(1, sizeof(*p));
@@ -200,7 +210,18 @@ int kcuda_ffn_prepare(struct backend *be, struct ffn_weights *w)
             if (r == 0)
                 r = err_from_cuda(cudaMemcpy(p->bias, w->router_bias, b, cudaMemcpyHostToDevice));
         }
-        if (r == 0 && w->n_local > 0) {
+        if (r == 0 && lowp) {
+            const size_t nt = 3 * (size_t) w->n_local;
+            struct lowp_w *h = (struct lowp_w *) calloc(nt, sizeof(*h));
+            r = h ? kcu_lowp_expert_table(w->experts, w->n_local, (int) w->router->cols,
+                                          w->moe_inter, h)
+                  : -ENOMEM;
+            if (r == 0)
+                r = err_from_cuda(cudaMalloc((void **) &p->ltab, nt * sizeof(*h)));
+            if (r == 0)
+                r = err_from_cuda(cudaMemcpy(p->ltab, h, nt * sizeof(*h), cudaMemcpyHostToDevice));
+            free(h);
+        } else if (r == 0 && w->n_local > 0) {
             const size_t nt = 6 * (size_t) w->n_local;
             const uint8_t **h = (const uint8_t **) malloc(nt * sizeof(void *));
             r = h ? 0 : -ENOMEM;
@@ -220,6 +241,7 @@ int kcuda_ffn_prepare(struct backend *be, struct ffn_weights *w)
             cudaFree(p->router32);
         cudaFree(p->bias);
         cudaFree(p->tab);
+        cudaFree(p->ltab);
         free(p);
         return r;
     }
@@ -239,6 +261,7 @@ void kcuda_ffn_release(struct backend *be, struct ffn_weights *w)
         cudaFree(p->router32);
     cudaFree(p->bias);
     cudaFree(p->tab);
+    cudaFree(p->ltab);
     free(p);
     w->priv = NULL;
 }
@@ -383,7 +406,7 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     const struct ffn_weights *w = a->w;
     const struct ffn_priv *p = (const struct ffn_priv *) w->priv;
     const int H = a->hidden, I = w->gate ? w->inter : 0;
-    const bool moe = w->router != NULL;
+    const bool moe = w->router != NULL, lowp = p && p->ltab;
     const int E = moe ? w->n_experts : 0, K = moe ? a->top_k : 0;
     int r;
 
@@ -403,7 +426,8 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     r = cuda_ws_ensure(c, a256((size_t) rows * H * 2) + a256((size_t) rows * H * 4) +
                           a256((size_t) rows * 2 * I * 2) + a256((size_t) rows * I * 2) +
                           a256((size_t) rows * E * 4) + 2 * a256((size_t) rows * K * 4) +
-                          (moe ? kcu_moe_ws(rows, K, H, w->moe_inter, w->n_local) : 0));
+                          (lowp ? a256(moe_warp_act_bytes(rows, K, w->moe_inter))
+                           : moe ? kcu_moe_ws(rows, K, H, w->moe_inter, w->n_local) : 0));
     if (r < 0)
         return r;
     cuda_ws_reset(c);
@@ -425,7 +449,7 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
             return -ENOMEM;
         if (rows <= KCU_ROUTER_GEMV_ROWS && kcu_moe_plan_smem(w->n_local) <= 48 * 1024) {
             // decode: GEMV, selection and the MoE plan in one kernel
-            if (routed) {
+            if (routed && !lowp) {
                 const struct kcu_moe_args pa_for = { rows, K, H, w->moe_inter, w->expert_first,
                                                      w->n_local, 0.0f, ids };
                 r = kcu_moe_plan_take(c, &pa_for, &plan);
@@ -433,7 +457,7 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
                     return r;
             }
             r = kcu_router_gemv(c, a32, p->router32, H, p->bias, rows, n_real, E, K, a->renorm,
-                                a->route_scale, ids, wts, routed ? &plan : NULL);
+                                a->route_scale, ids, wts, plan.n_slots > 0 ? &plan : NULL);
         } else {
             float *logits = (float *) cuda_ws_take(c, (size_t) rows * E * 4);
             if (!logits)
@@ -470,6 +494,15 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     }
     if (!routed)
         return 0;
+    if (lowp) {
+        // FP32 activations as the op path's: the router's a32
+        float *act = (float *) cuda_ws_take(c, moe_warp_act_bytes(rows, K, w->moe_inter));
+        if (!act)
+            return -ENOMEM;
+        const struct moe_warp_args la = { a32, rows, H, w->moe_inter, K, ids, wts,
+                                          w->expert_first, w->n_local, a->limit_routed, act, y };
+        return kcu_lowp_experts(c, p->ltab, &la);
+    }
     const struct kcu_moe_w mw = { p->tab, p->tab + w->n_local, p->tab + 2 * w->n_local,
                                   p->tab + 3 * w->n_local, p->tab + 4 * w->n_local,
                                   p->tab + 5 * w->n_local };

@@ -7,6 +7,7 @@
 #include "common.cuh"
 #include "cuda.h"
 #include "kcu.cuh"
+#include "lowp.h"
 #include "mx4.h"
 
 // Weight element (o, i) of a [rows, cols] matrix as prepared (MXFP4: the mx4 tile layout).
@@ -62,90 +63,46 @@ int kcuda_matmul_exact(struct backend *be, const struct bweight *w, const float 
     return CUDA_LAUNCH_CHECK();
 }
 
-// the table of kcu_expert_table: [6][n_local]
-#define MOE_PTRS 6
-#define XP(ptrs, n_local, m, e) ((const uint8_t *) (ptrs)[(m) * (n_local) + (e)])
-
-static __global__ void moe_up_exact(const float *x, int n_tok, int hidden, int inter, int top_k,
-                                    const int32_t *ids, int first, int n_local, void *const *ptrs,
-                                    float limit, float *act)
-{
-    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= (int64_t) n_tok * top_k * inter)
-        return;
-    const int j = (int) (warp % inter);
-    const int64_t tk = warp / inter;
-    const int t = (int) (tk / top_k);
-    const int e = ids[tk] - first;
-    if (ids[tk] < 0 || e < 0 || e >= n_local) {
-        if (lane == 0)
-            act[warp] = 0.0f;
-        return;
+// the row product of moe_warp_run over the table of kcu_expert_table: [6][n_local]
+// (nibbles and scales of gate, up, down)
+struct mx4_exact_rd {
+    void *const *ptrs;
+    int n_local;
+    __device__ float operator()(int m, int e, int64_t row, const float *x, int64_t cols,
+                                int lane) const
+    {
+        return row_dot(WFMT_MXFP4, ptrs[2 * m * n_local + e],
+                       (const uint8_t *) ptrs[(2 * m + 1) * n_local + e], cols, row, x, lane);
     }
-    const float *xt = x + (int64_t) t * hidden;
-    const float u = row_dot(WFMT_MXFP4, XP(ptrs, n_local, 0, e), XP(ptrs, n_local, 1, e), hidden,
-                            j, xt, lane);
-    const float w = row_dot(WFMT_MXFP4, XP(ptrs, n_local, 2, e), XP(ptrs, n_local, 3, e), hidden,
-                            j, xt, lane);
-    if (lane == 0)
-        act[warp] = swiglu1(u, w, limit);
-}
-
-static __global__ void moe_down_exact(float *out, int n_tok, int hidden, int inter, int top_k,
-                                      const int32_t *ids, const float *weights, int first,
-                                      int n_local, void *const *ptrs, const float *act)
-{
-    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= (int64_t) n_tok * hidden)
-        return;
-    const int t = (int) (warp / hidden), o = (int) (warp % hidden);
-    float sum = 0.0f;
-    for (int k = 0; k < top_k; k++) {
-        const int64_t tk = (int64_t) t * top_k + k;
-        const int e = ids[tk] - first;
-        if (ids[tk] < 0 || e < 0 || e >= n_local)
-            continue;
-        const float d = row_dot(WFMT_MXFP4, XP(ptrs, n_local, 4, e), XP(ptrs, n_local, 5, e),
-                                inter, o, act + tk * inter, lane);
-        sum += weights[tk] * d;
-    }
-    if (lane == 0)
-        out[warp] += sum;
-}
+};
 
 int kcuda_moe_exact(struct backend *be, const struct moe_args *a)
 {
     struct cuda_ctx *c = cuda_ctx_of(be);
-    const uint8_t **h = (const uint8_t **) calloc((size_t) a->n_local * MOE_PTRS, sizeof(void *));
+    const size_t nt = 6 * (size_t) a->n_local;
+    const size_t act_bytes = moe_warp_act_bytes(a->n_tok, a->top_k, a->inter);
+    const uint8_t **h = (const uint8_t **) calloc(nt, sizeof(void *));
     int r;
 
     if (!h)
         return -ENOMEM;
     kcu_expert_table(a->experts, a->n_local, h);
-    r = cuda_ws_ensure(c, (size_t) a->n_tok * a->top_k * a->inter * sizeof(float));
+    r = cuda_ws_ensure(c, act_bytes);
     if (r < 0) {
         free(h);
         return r;
     }
     cuda_stage_reset(c);
     cuda_ws_reset(c);
-    void *const *dp = (void *const *) cuda_stage(c, h, sizeof(void *) * a->n_local * MOE_PTRS);
+    void *const *dp = (void *const *) cuda_stage(c, h, sizeof(void *) * nt);
     free(h);
-    float *act = (float *) cuda_ws_take(c, (size_t) a->n_tok * a->top_k * a->inter * sizeof(float));
+    float *act = (float *) cuda_ws_take(c, act_bytes);
     if (!dp || !act)
         return -ENOMEM;
-    const size_t w1 = (size_t) a->n_tok * a->top_k * a->inter * 32;
-    moe_up_exact<<<cuda_blocks(w1, 256), 256, 0, c->stream>>>(a->x, a->n_tok, a->hidden, a->inter,
-        a->top_k, a->ids, a->expert_first, a->n_local, dp, a->limit, act);
-    r = CUDA_LAUNCH_CHECK();
-    if (r < 0)
-        return r;
-    const size_t w2 = (size_t) a->n_tok * a->hidden * 32;
-    moe_down_exact<<<cuda_blocks(w2, 256), 256, 0, c->stream>>>(a->out, a->n_tok, a->hidden,
-        a->inter, a->top_k, a->ids, a->weights, a->expert_first, a->n_local, dp, act);
-    return CUDA_LAUNCH_CHECK();
+    const struct moe_warp_args ma = { a->x, a->n_tok, a->hidden, a->inter, a->top_k, a->ids,
+                                      a->weights, a->expert_first, a->n_local, a->limit, act,
+                                      a->out };
+    return moe_warp_run(c->stream, mx4_exact_rd{ dp, a->n_local }, ma, 256);
 }
 
 // ---- attention: one block of threads per (query token, head), keys one at a time ----

@@ -4,8 +4,9 @@
 // an F32 global scale).  The weights stay in their format on the device, as on disk (no
 // repack, never up-converted); every kernel decodes them in registers: E4M3 and E2M1 to
 // FP32 exactly (lowp.h), the products and sums in FP32 with FP32 activations, one warp per
-// output row.  The op path only: the fused halves (block.cu) and graphs need MXFP4 experts,
-// so preparing one of these weights turns the backend's graphs off.
+// output row.  The routed experts run from the op path (kcu_lowp_moe, its descriptor table
+// staged per call) and from the fused FFN half (block.cu: the table built once at prepare,
+// the two launches captured in the decode graph as MXFP4's are).
 #include <math.h>
 #include <stdlib.h>
 
@@ -65,7 +66,6 @@ int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w)
         return r;
     }
     w->priv = cw;
-    c->graphs = false;      // these layers run the op script, which a graph cannot capture
     return 0;
 }
 
@@ -119,70 +119,47 @@ int kcu_lowp_matmul(struct cuda_ctx *c, const struct bweight *w, const float *x,
 
 // ---- the routed experts: act = swiglu(gate·x, up·x) per (token, slot), out += Σ w·down·act ----
 
-// tab: [3][n_local] descriptors (gate, up, down)
-static __global__ void lowp_moe_up(const float *x, int n_tok, int hidden, int inter, int top_k,
-                                   const int32_t *ids, int first, int n_local,
-                                   const struct lowp_w *tab, float limit, float *act)
-{
-    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= (int64_t) n_tok * top_k * inter)
-        return;
-    const int j = (int) (warp % inter);
-    const int64_t tk = warp / inter;
-    const int t = (int) (tk / top_k);
-    const int e = ids[tk] - first;
-    if (ids[tk] < 0 || e < 0 || e >= n_local) {
-        if (lane == 0)
-            act[warp] = 0.0f;
-        return;
+// the row product of moe_warp_run over a table [3][n_local] of descriptors (gate, up, down)
+struct lowp_rd {
+    const struct lowp_w *tab;
+    int n_local;
+    __device__ float operator()(int m, int e, int64_t row, const float *x, int64_t cols,
+                                int lane) const
+    {
+        float acc;
+        lowp_row_dot<1>(&tab[m * n_local + e], row, x, cols, 1, lane, &acc);
+        return acc;
     }
-    const float *xt = x + (int64_t) t * hidden;
-    float g, u;
-    lowp_row_dot<1>(&tab[e], j, xt, hidden, 1, lane, &g);
-    lowp_row_dot<1>(&tab[n_local + e], j, xt, hidden, 1, lane, &u);
-    if (lane == 0)
-        act[warp] = swiglu1(g, u, limit);
+};
+
+int kcu_lowp_expert_table(const struct moe_expert *ex, int n_local, int hidden, int inter,
+                          struct lowp_w *h)
+{
+    for (int e = 0; e < n_local; e++) {
+        const struct moe_expert *x = &ex[e];
+        if (x->gate.rows != inter || x->gate.cols != hidden || x->up.rows != inter ||
+            x->up.cols != hidden || x->down.rows != hidden || x->down.cols != inter ||
+            lowp_desc(&x->gate, &h[e]) < 0 || lowp_desc(&x->up, &h[n_local + e]) < 0 ||
+            lowp_desc(&x->down, &h[2 * n_local + e]) < 0)
+            return -EINVAL;
+    }
+    return 0;
 }
 
-static __global__ void lowp_moe_down(float *out, int n_tok, int hidden, int inter, int top_k,
-                                     const int32_t *ids, const float *weights, int first,
-                                     int n_local, const struct lowp_w *tab, const float *act)
+int kcu_lowp_experts(struct cuda_ctx *c, const struct lowp_w *tab, const struct moe_warp_args *a)
 {
-    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= (int64_t) n_tok * hidden)
-        return;
-    const int t = (int) (warp / hidden), o = (int) (warp % hidden);
-    float sum = 0.0f;
-    for (int k = 0; k < top_k; k++) {
-        const int64_t tk = (int64_t) t * top_k + k;
-        const int e = ids[tk] - first;
-        if (ids[tk] < 0 || e < 0 || e >= n_local)
-            continue;
-        float d;
-        lowp_row_dot<1>(&tab[2 * n_local + e], o, act + tk * inter, inter, 1, lane, &d);
-        sum += weights[tk] * d;
-    }
-    if (lane == 0)
-        out[warp] += sum;
+    if (a->n_tok == 0 || a->n_local == 0)
+        return 0;
+    return moe_warp_run(c->stream, lowp_rd{ tab, a->n_local }, *a, 32 * LOWP_WARPS);
 }
 
 int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)
 {
     const size_t nt = 3 * (size_t) a->n_local;
     struct lowp_w *h = (struct lowp_w *) calloc(nt, sizeof(*h));
-    int r = h ? 0 : -ENOMEM;
+    int r = h ? kcu_lowp_expert_table(a->experts, a->n_local, a->hidden, a->inter, h) : -ENOMEM;
 
-    for (int e = 0; r == 0 && e < a->n_local; e++) {
-        const struct moe_expert *x = &a->experts[e];
-        if (x->gate.rows != a->inter || x->gate.cols != a->hidden || x->up.rows != a->inter ||
-            x->up.cols != a->hidden || x->down.rows != a->hidden || x->down.cols != a->inter ||
-            lowp_desc(&x->gate, &h[e]) < 0 || lowp_desc(&x->up, &h[a->n_local + e]) < 0 ||
-            lowp_desc(&x->down, &h[2 * a->n_local + e]) < 0)
-            r = -EINVAL;
-    }
-    const size_t act_bytes = (size_t) a->n_tok * a->top_k * a->inter * sizeof(float);
+    const size_t act_bytes = moe_warp_act_bytes(a->n_tok, a->top_k, a->inter);
     if (r == 0)
         r = cuda_ws_ensure(c, act_bytes);
     if (r < 0) {
@@ -196,15 +173,8 @@ int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)
     float *act = (float *) cuda_ws_take(c, act_bytes);
     if (!dt || !act)
         return -ENOMEM;
-    const unsigned bt = 32 * LOWP_WARPS;
-    const size_t w1 = (size_t) a->n_tok * a->top_k * a->inter * 32;
-    lowp_moe_up<<<cuda_blocks(w1, bt), bt, 0, c->stream>>>(a->x, a->n_tok, a->hidden, a->inter,
-        a->top_k, a->ids, a->expert_first, a->n_local, dt, a->limit, act);
-    r = CUDA_LAUNCH_CHECK();
-    if (r < 0)
-        return r;
-    const size_t w2 = (size_t) a->n_tok * a->hidden * 32;
-    lowp_moe_down<<<cuda_blocks(w2, bt), bt, 0, c->stream>>>(a->out, a->n_tok, a->hidden,
-        a->inter, a->top_k, a->ids, a->weights, a->expert_first, a->n_local, dt, act);
-    return CUDA_LAUNCH_CHECK();
+    const struct moe_warp_args ma = { a->x, a->n_tok, a->hidden, a->inter, a->top_k, a->ids,
+                                      a->weights, a->expert_first, a->n_local, a->limit, act,
+                                      a->out };
+    return kcu_lowp_experts(c, dt, &ma);
 }

@@ -1,6 +1,7 @@
 // lowp.h - device decode of the FP8 and NVFP4 weight formats (lowp.cu; docs/MODEL.md §5.6,
 // §5.7): E4M3 -> FP32 exactly by bit placement, E2M1 through k_e2m1, and the warp dot
-// product of one weight row against a few FP32 activation rows.
+// product of one weight row against a few FP32 activation rows; the routed experts one
+// warp per output element over any such row product (lowp.cu, and exact.cu's MXFP4 oracle).
 #pragma once
 
 #include "common.cuh"
@@ -21,7 +22,7 @@ static inline bool lowp_fmt(int fmt)
 }
 
 // weight_prepare of an FP8 / NVFP4 weight: its bytes uploaded as they are (w->priv set);
-// -EINVAL for a shape the kernels do not take.  Turns the backend's graphs off.
+// -EINVAL for a shape the kernels do not take.
 int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w);
 // the ops with FP32 activations: y[n, rows] = x[n, cols] · Wᵀ; the routed experts (all
 // local experts FP8 or NVFP4)
@@ -89,3 +90,94 @@ static inline __device__ void lowp_row_dot(const struct lowp_w *w, int64_t o, co
     for (int t = 0; t < NT; t++)
         acc[t] = warp_sum(acc[t]);
 }
+
+// ---- the routed experts, one warp per output element, FP32 activations ----
+// act[tk, j] = swiglu(gate_e · x_t, up_e · x_t) per (token t, slot k, row j) and out[t, o]
+// += Σ_k w[tk] · down_e · act[tk] in slot order, for e = ids[tk] - first when local (else
+// act 0, no term).  RD: the weight format's row product, a functor
+//   __device__ float operator()(int m, int e, int64_t row, const float *x, int64_t cols,
+//                               int lane) const
+// of matrix m (0 gate, 1 up, 2 down) of local expert e, summed over the warp.
+
+struct moe_warp_args {
+    const float *x;             // [n_tok, hidden] FP32
+    int n_tok, hidden, inter, top_k;
+    const int32_t *ids;         // [n_tok, top_k] device (-1: no expert)
+    const float *wts;           // [n_tok, top_k] device
+    int first, n_local;
+    float limit;
+    float *act;                 // [n_tok * top_k, inter] FP32 (moe_warp_act_bytes)
+    float *out;                 // [n_tok, hidden] FP32: out += the routed experts
+};
+
+static inline size_t moe_warp_act_bytes(int n_tok, int top_k, int inter)
+{
+    return (size_t) n_tok * top_k * inter * sizeof(float);
+}
+
+template <class RD>
+static __global__ void moe_warp_up(RD rd, const struct moe_warp_args a)
+{
+    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= (int64_t) a.n_tok * a.top_k * a.inter)
+        return;
+    const int j = (int) (warp % a.inter);
+    const int64_t tk = warp / a.inter;
+    const int t = (int) (tk / a.top_k);
+    const int e = a.ids[tk] - a.first;
+    if (a.ids[tk] < 0 || e < 0 || e >= a.n_local) {
+        if (lane == 0)
+            a.act[warp] = 0.0f;
+        return;
+    }
+    const float *xt = a.x + (int64_t) t * a.hidden;
+    const float g = rd(0, e, j, xt, a.hidden, lane);
+    const float u = rd(1, e, j, xt, a.hidden, lane);
+    if (lane == 0)
+        a.act[warp] = swiglu1(g, u, a.limit);
+}
+
+template <class RD>
+static __global__ void moe_warp_down(RD rd, const struct moe_warp_args a)
+{
+    const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= (int64_t) a.n_tok * a.hidden)
+        return;
+    const int t = (int) (warp / a.hidden), o = (int) (warp % a.hidden);
+    float sum = 0.0f;
+    for (int k = 0; k < a.top_k; k++) {
+        const int64_t tk = (int64_t) t * a.top_k + k;
+        const int e = a.ids[tk] - a.first;
+        if (a.ids[tk] < 0 || e < 0 || e >= a.n_local)
+            continue;
+        sum += a.wts[tk] * rd(2, e, o, a.act + tk * a.inter, a.inter, lane);
+    }
+    if (lane == 0)
+        a.out[warp] += sum;
+}
+
+// the two launches (threads per block: a multiple of 32)
+template <class RD>
+static int moe_warp_run(cudaStream_t s, RD rd, const struct moe_warp_args &a, unsigned threads)
+{
+    const size_t w1 = (size_t) a.n_tok * a.top_k * a.inter * 32;
+    moe_warp_up<RD><<<cuda_blocks(w1, threads), threads, 0, s>>>(rd, a);
+    const int r = CUDA_LAUNCH_CHECK();
+    if (r < 0)
+        return r;
+    const size_t w2 = (size_t) a.n_tok * a.hidden * 32;
+    moe_warp_down<RD><<<cuda_blocks(w2, threads), threads, 0, s>>>(rd, a);
+    return CUDA_LAUNCH_CHECK();
+}
+
+// The descriptors of n_local experts' gate, up and down (h: host [3][n_local]), checked
+// against the layer's shapes; -EINVAL for a shape, format or unprepared weight the
+// kernels do not take.
+int kcu_lowp_expert_table(const struct moe_expert *ex, int n_local, int hidden, int inter,
+                          struct lowp_w *h);
+// The routed experts (moe_warp_run) over a device table of kcu_lowp_expert_table: the op
+// stages its table per call, the fused FFN half (block.cu) keeps one per layer, so this
+// launch alone is what a graph captures.
+int kcu_lowp_experts(struct cuda_ctx *c, const struct lowp_w *tab, const struct moe_warp_args *a);

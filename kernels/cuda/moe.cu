@@ -410,9 +410,12 @@ size_t kcu_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local)
 {
     const size_t n_slots = (size_t) n_rows * top_k;
     const size_t items = (size_t) moe_items_max((int) n_slots, n_local, moe_chunk(n_rows));
-    return align256(4 * ((size_t) n_local + 1)) + 2 * align256(4 * n_slots) +
-           align256(8 * (items + 1)) + align256(16) + align256(2 * n_slots * inter) +
-           align256(2 * n_slots * hidden);
+    const size_t mx4 = align256(4 * ((size_t) n_local + 1)) + 2 * align256(4 * n_slots) +
+                       align256(8 * (items + 1)) + align256(16) + align256(2 * n_slots * inter) +
+                       align256(2 * n_slots * hidden);
+    // FP8 / NVFP4 experts (lowp.cu): their FP32 act
+    const size_t lowp = align256(moe_warp_act_bytes(n_rows, top_k, inter));
+    return mx4 > lowp ? mx4 : lowp;
 }
 
 int kcu_moe_plan_take(struct cuda_ctx *c, const struct kcu_moe_args *a, struct moe_plan_args *pa)

@@ -2,7 +2,9 @@
 # fmt.sh MKMODEL MODEL_DIR FORMAT PLUGIN TEST [ARGS...] - MODEL_DIR converted to FORMAT
 # (stepd-mkmodel --from, as test reference-formats writes it: fp8, nvfp4, bf16, mxfp4),
 # then TEST run on the converted model under the host emulator (run.sh PLUGIN pass TEST
-# MODEL' ARGS): the CUDA backend's op sequence on that format against the CPU backend.
+# MODEL' ARGS): the CUDA backend on that format against the CPU backend.
+# FMT_GRAPH_NODES=N set: the run must capture a graph, and none of more than N nodes
+# (CUEMU_GRAPH_NODES_MAX): the format's layers take the fused halves and the decode graph.
 mkmodel=$1 model=$2 format=$3 plugin=$4 prog=$5
 shift 5
 dir=$(mktemp -d) || exit 1
@@ -12,4 +14,15 @@ trap 'rm -rf "$dir"' EXIT
   echo "fmt.sh: stepd-mkmodel --format $format failed"
   exit 1
 }
-sh "$(dirname "$0")/run.sh" "$plugin" pass "$prog" "$dir/model" "$@"
+if [ -z "$FMT_GRAPH_NODES" ]; then
+  exec sh "$(dirname "$0")/run.sh" "$plugin" pass "$prog" "$dir/model" "$@"
+fi
+CUEMU_GRAPH_NODES_MAX=$FMT_GRAPH_NODES sh "$(dirname "$0")/run.sh" "$plugin" pass "$prog" \
+  "$dir/model" "$@" >"$dir/run.log" 2>&1
+rc=$?
+cat "$dir/run.log"
+[ "$rc" = 0 ] || exit "$rc"
+if ! grep -q '^cuemu: graph captured: ' "$dir/run.log"; then
+  echo "fmt.sh: $format: no graph was captured (FMT_GRAPH_NODES=$FMT_GRAPH_NODES asks for the decode graph)"
+  exit 1
+fi

@@ -3,10 +3,11 @@
 backend (issue 40; docs/GPU.md §11): `stepd serve --device cuda` on the tiny model, whose
 worker loads the host emulator's build of the plugin (test/cuemu: $STEPD_PLUGIN_DIR, clang's
 AddressSanitizer runtime preloaded, as run.sh runs the tests of test/gpu), plans the vision
-encoder at load and serves images; a request with one image (a 140x140 view: 9 image rows of
-the tiny tower) sent to its engine service gives the greedy tokens of the same request to a
-`stepd serve --device cpu` worker (where another image gives other tokens).  The CUDA worker logs the encoder's memory plan, no "not
-planned" workspace growth, no sanitizer report, and exits cleanly on SIGTERM.
+encoder at load and serves images; a request with one image (a 14x14 view, the smallest: 1
+image row of the tiny tower) sent to its engine service gives the 2 greedy tokens and their
+logprobs of the same request to a `stepd serve --device cpu` worker (where another image
+moves the logprobs past 4 times the tolerance).  The CUDA worker logs the encoder's memory
+plan, no "not planned" workspace growth, no sanitizer report, and exits cleanly on SIGTERM.
 
 The request goes to the worker's engine service (the coordinator's wire: preprocessed
 views), not through the OpenAI door: the door's processor makes a 728x728 global view of
@@ -25,8 +26,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "deploy"))
 import proclib as pl  # noqa: E402
 import test_serve_images as si  # noqa: E402
 
-TOKENS = 4          # greedy tokens compared: few, each decode step is emulated
-SIDE = 140          # the view: 10 x 10 patches, 3 x 3 = 9 image tokens
+TOKENS = 2          # greedy tokens compared: few, each decode step is emulated
+SIDE = 14           # the smallest view: 1 patch, 1 image token
+IMAGE_ROWS = 1
 IMAGE_TOKEN = 4000  # models/tiny-step/config.json image_token_id
 # the chosen tokens' logprobs, CUDA (BF16 activations into the GEMMs) against the CPU
 LP_TOL = 0.05
@@ -55,14 +57,14 @@ def engine_of(p):
 
 
 def ask(p, k=7):
-    """TOKENS greedy tokens of a prompt with one image of a 140x140 view (9 <im_patch> rows of
-    the tiny tower) sent to the worker's engine service: the coordinator's wire, whose views
+    """TOKENS greedy tokens of a prompt with one image of a SIDE x SIDE view (IMAGE_ROWS
+    <im_patch> rows of the tiny tower) sent to the worker's engine service: the coordinator's wire, whose views
     are the preprocessed ones (`stepd serve` would send the 728 global view of any image,
     which the emulator takes minutes to encode)"""
     import grpc
     sock, key = engine_of(p)
     rgb = bytes((x * k + y * 13 + c * 50) % 256 for y in range(SIDE) for x in range(SIDE) for c in range(3))
-    img = [IMAGE_TOKEN] * 9
+    img = [IMAGE_TOKEN] * IMAGE_ROWS
     ids = [5, 6, 7] + img + [8, 9]
     req = pl.pb.GenerateRequest(
         request_id="img%d" % k, token_ids=pl.pb.TokenIds(ids=ids),

@@ -10,22 +10,26 @@
  *                                             tables, odd grids for the stride-2 convs);
  *                                             and a backend with device memory but no
  *                                             vision ops is refused at vision_new
- *   test-cuda-vision plan MODEL_DIR            the encoder's memory plan (vision_plan): it
+ *   test-cuda-vision plan MODEL_DIR [PATH]     the encoder's memory plan (vision_plan): it
  *                                             takes the device memory it names at load;
- *                                             four views (140, 140, 98, 42) encoded after a
- *                                             plan of two 140 views run in two parts on
- *                                             its buffers: no device allocation (the free
- *                                             memory seen from every stage unchanged), no
- *                                             "not planned" line, the output of a call
- *                                             without a plan; a device too small for a
- *                                             plan refuses it naming the need
+ *                                             views of 42 and 28 pixels (3 x 3 and 2 x 2
+ *                                             patches) encoded after a plan of one 42 view
+ *                                             run in two parts on its buffers: no device
+ *                                             allocation (the free memory seen from every
+ *                                             stage unchanged), no "not planned" line, the
+ *                                             output of a call without a plan; a view
+ *                                             larger than the plan's is refused; a device
+ *                                             too small for a plan refuses it naming the
+ *                                             need (planning only, no encoder run).  PATH
+ *                                             'exact' or 'fast' runs that CUDA path only
  *
  * Both CUDA paths: the FP32 op path (backend_cfg.mxfp4_exact) and the tensor-core path
  * (BF16 activations into the cuBLASLt GEMMs).  Fresh random inputs each run (the seed is
  * printed; STEPD_TEST_SEED replays it); device outputs are poisoned (NaN) first, so an
  * element an op does not write fails.  Max error per op / stage printed.  Exits 77
  * (skipped) when the plugin or a GPU is absent; in the suite it runs on the host emulator
- * (test/cuemu, cuemu-vision-ops and cuemu-vision-tower).
+ * (test/cuemu: cuemu-vision-ops, cuemu-vision-tower, and cuemu-vision-plan on the
+ * tensor-core path only).
  */
 #include <errno.h>
 #include <math.h>
@@ -422,8 +426,9 @@ static void plan(const char *model, double tol)
     size_t fr0, fr1, fr2, tot;
     int64_t planned;
     char path[] = "/tmp/test-cuda-vision-XXXXXX";
-    enum { NV = 4 };
-    int sizes[NV] = {140, 140, 98, 42}, tokens = 0;
+    /* the smallest views that need parts: a plan of one 3 x 3 view, a call of two */
+    enum { NV = 2, PLAN_SIDE = 42 };
+    int sizes[NV] = {PLAN_SIDE, 28}, tokens = 0;
     struct vision_view views[NV];
 
     if (ckpt_open(model, &o, &ck, &e) < 0)
@@ -433,9 +438,9 @@ static void plan(const char *model, double tol)
     const struct vision_config *cf = vision_cfg(v);
 
     /* the worker's order: the encoder's plan, then the text model's (a small one) */
-    ASSERT_ERR(vision_plan(v, 2, 141, &planned, &e), -EINVAL);
+    ASSERT_ERR(vision_plan(v, 1, PLAN_SIDE + 1, &planned, &e), -EINVAL);
     ASSERT_OK(backend_mem_info(gpu, &fr0, &tot));
-    if (vision_plan(v, 2, 140, &planned, &e) < 0)
+    if (vision_plan(v, 1, PLAN_SIDE, &planned, &e) < 0)
         FAIL("vision_plan: %s", e.msg);
     ASSERT_OK(backend_mem_info(gpu, &fr1, &tot));
     struct backend_reserve br = {.max_tokens = 4, .max_seqs = 1, .hidden = cf->text_hidden, .max_heads = 1,
@@ -443,8 +448,8 @@ static void plan(const char *model, double tol)
                                  .max_inter = 16, .max_block_ids = 4};
     ASSERT_OK(backend_reserve(gpu, &br));
     ASSERT_OK(backend_mem_info(gpu, &fr2, &tot));
-    printf("plan: %lld bytes planned for 2 views of 140 pixels; free device memory %zu -> %zu (-%zu), "
-           "after the text plan %zu\n", (long long)planned, fr0, fr1, fr0 - fr1, fr2);
+    printf("plan: %lld bytes planned for 1 view of %d pixels; free device memory %zu -> %zu (-%zu), "
+           "after the text plan %zu\n", (long long)planned, PLAN_SIDE, fr0, fr1, fr0 - fr1, fr2);
     if (!(planned > 0 && fr0 - fr1 >= (size_t)planned))
         FAIL("the plan took %zu bytes of device memory, it names %lld", fr0 - fr1, (long long)planned);
 
@@ -462,7 +467,7 @@ static void plan(const char *model, double tol)
     ASSERT_TRUE(out && ref);
     if (vision_encode(v0, views, NV, ref, NULL, NULL, &e) < 0)
         FAIL("encode without a plan: %s", e.msg);
-    /* four views for a plan of two: two parts, on the plan's buffers */
+    /* two views for a plan of one: two parts, on the plan's buffers */
     struct mem_watch mw = {.lowest = (size_t)-1};
     int fd = mkstemp(path), saved = dup(2);
     ASSERT_TRUE(fd >= 0 && saved >= 0);
@@ -482,8 +487,9 @@ static void plan(const char *model, double tol)
     if (r < 0)
         FAIL("encode: %s", e.msg);
     double w = max_err(ref, out, out_n);
-    printf("plan: views of 140, 140, 98, 42 pixels: %d stages seen, least free device memory %zu (%zu before); "
-           "against a call without a plan max err %.3g (tol %.2g)\n", mw.stages, mw.lowest, fr2, w, tol);
+    printf("plan: views of %d and %d pixels: %d stages seen, least free device memory %zu (%zu before); "
+           "against a call without a plan max err %.3g (tol %.2g)\n", sizes[0], sizes[1], mw.stages, mw.lowest,
+           fr2, w, tol);
     ASSERT_EQ(mw.stages, NV * _VISION_STAGES);
     if (mw.lowest != fr2)
         FAIL("an encoder call allocated %zu bytes of device memory after the plan", fr2 - mw.lowest);
@@ -491,8 +497,11 @@ static void plan(const char *model, double tol)
         FAIL("the workspace grew at an encoder call: %s", log);
     if (!(w <= tol))
         FAIL("the planned call differs from a call without a plan by %g", w);
-    /* a view larger than the plan's views is refused, the encoder still works */
-    ASSERT_ERR(vision_encode(v, &(struct vision_view){views[0].rgb, 154}, 1, out, NULL, NULL, &e), -E2BIG);
+    /* a view larger than the plan's views is refused before any op runs */
+    uint8_t *big = calloc(56 * 56 * 3, 1);
+    ASSERT_TRUE(big);
+    ASSERT_ERR(vision_encode(v, &(struct vision_view){big, 56}, 1, out, NULL, NULL, &e), -E2BIG);
+    free(big);
     ASSERT_CONTAINS(e.msg, "larger than the memory plan");
 
     /* a device too small: views of image_size beyond its free memory (their patch rows alone,
@@ -523,7 +532,12 @@ int main(int argc, char **argv)
     int sizes[MAX_VIEWS] = {140, 98, 42}, n_sizes = 3;
 
     if (!ops && !planning && !(argc >= 3 && strcmp(argv[1], "tower") == 0)) {
-        fprintf(stderr, "usage: test-cuda-vision ops | tower MODEL_DIR [SIZE...] | plan MODEL_DIR\n");
+        fprintf(stderr, "usage: test-cuda-vision ops | tower MODEL_DIR [SIZE...] | plan MODEL_DIR [exact|fast]\n");
+        return 2;
+    }
+    const char *only = planning && argc >= 4 ? argv[3] : NULL;
+    if (only && strcmp(only, "exact") != 0 && strcmp(only, "fast") != 0) {
+        fprintf(stderr, "test-cuda-vision: unknown CUDA path '%s', expected exact or fast\n", only);
         return 2;
     }
     if (!ops && !planning && argc > 3) {
@@ -535,6 +549,8 @@ int main(int argc, char **argv)
         seed = strtoull(getenv("STEPD_TEST_SEED"), NULL, 0) | 1;
     ASSERT_OK(backend_new("cpu", &cc, &cpu));
     for (int pass = 0; pass < 2; pass++) {
+        if (only && strcmp(only, pass == 1 ? "fast" : "exact") != 0)
+            continue;
         struct backend_cfg cfg = { .n_threads = 1, .device = 0, .mxfp4_exact = pass == 0 };
         int r = backend_new("cuda", &cfg, &gpu);
 

@@ -2,7 +2,7 @@
  * tiny model, or a synthetic full-width one from stepd-mkmodel.
  *
  *   test-cuda-logits MODEL_DIR [fast|exact] [--steps N] [--prompt P] [--seqs S]
- *   test-cuda-logits MODEL_DIR [fast|exact] --greedy N [--mtp K] [--argmax]
+ *   test-cuda-logits MODEL_DIR [fast|exact] --greedy N [--mtp K] [--argmax] [--greedy-prompt IDS]
  *
  * Both models run the same plans: S sequences with prompts of P (and P+3, P+6, ..) random
  * tokens in one prefill step, then N decode steps of all of them at once, the next token
@@ -18,7 +18,9 @@
  * the fast path (BF16 activations, logits within TOL_RMS) up to the first token whose CPU
  * top-2 margin is at most MARGIN * rms(cpu logits), where a flip is within the tolerance
  * and the two sequences may part (margin-aware; the tiny model's margin at token 28 is
- * 0.71 % of the RMS).
+ * 0.71 % of the RMS).  The prompt: 17 fixed ids, or --greedy-prompt's comma-separated ids
+ * (at most 17; on the emulator a short prompt saves most of the run: each prompt token costs
+ * the trunk and every MTP depth a row).
  * --argmax: the second model chooses its tokens and drafts on the backend (model_step_argmax,
  * model_mtp_step_argmax: backend_argmax), and must have copied no logits to the host.
  * STEPD_TEST_CPU_ONLY=1 puts the second model on the CPU backend too (a check of the test
@@ -179,6 +181,7 @@ int main(int argc, char **argv)
     bool exact = false;
     int steps = 6, prompt = 12, n_seqs = 2, n_greedy = 0, K = 0, r;
     bool on_dev = false;
+    const char *greedy_prompt = NULL;
 
     if (argc < 2)
         FAIL("usage: test-cuda-logits MODEL_DIR [fast|exact] [--steps N] [--prompt P] [--seqs S]");
@@ -199,6 +202,8 @@ int main(int argc, char **argv)
             K = atoi(argv[++i]);
         else if (strcmp(argv[i], "--argmax") == 0)
             on_dev = true;
+        else if (strcmp(argv[i], "--greedy-prompt") == 0 && i + 1 < argc)
+            greedy_prompt = argv[++i];
         else
             FAIL("unknown argument '%s'", argv[i]);
     }
@@ -241,7 +246,7 @@ int main(int argc, char **argv)
     if (n_greedy > 0) {
         static const int32_t ids[] = { 0, 11, 523, 97, 1024, 77, 5, 900, 31, 2047, 12, 400, 401,
                                        402, 88, 19, 3000 };
-        const int np = (int)(sizeof(ids) / sizeof(ids[0]));
+        int np = (int)(sizeof(ids) / sizeof(ids[0]));
         int32_t *oc = malloc(sizeof(int32_t) * n_greedy), *og = malloc(sizeof(int32_t) * n_greedy);
         double *mc_rel = malloc(sizeof(double) * n_greedy);
         const bool strict = cpu_only || exact;
@@ -252,6 +257,20 @@ int main(int argc, char **argv)
         ASSERT_TRUE(oc && og && mc_rel && ckpt_mtp_depth(ck) >= K);
         for (int i = 0; i < np; i++)
             pr[i] = ids[i] % V;
+        if (greedy_prompt) {
+            char *end;
+            const char *p = greedy_prompt;
+
+            for (np = 0;; p = end + 1) {
+                long id = strtol(p, &end, 10);
+                if (end == p || id < 0 || id >= V || np == 17 || (*end && *end != ','))
+                    FAIL("--greedy-prompt '%s': expected up to 17 comma-separated ids below %d",
+                         greedy_prompt, V);
+                pr[np++] = (int32_t)id;
+                if (!*end)
+                    break;
+            }
+        }
         greedy(mc, V, pr, np, n_greedy, 0, false, oc, mc_rel); /* the reference: no drafts */
         greedy(mg, V, pr, np, n_greedy, K, on_dev, og, NULL);
         /* --argmax: every choice was made on the backend, no logits row was copied */

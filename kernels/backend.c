@@ -332,6 +332,13 @@ int backend_router(struct backend *be, const float *logits, const float *bias, i
     return OP_CALL(be, router, logits, bias, n_tok, n_exp, top_k, renorm, scale, ids, weights);
 }
 
+int backend_argmax(struct backend *be, const float *x, int rows, int n, int k, int32_t *ids,
+                   float *vals)
+{
+    ASSERT(be && x && ids && rows >= 0 && n > 0 && k >= 1 && k <= BACKEND_ARGMAX_K_MAX && k <= n);
+    return OP_CALL(be, argmax, x, rows, n, k, ids, vals);
+}
+
 int backend_moe(struct backend *be, const struct moe_args *a)
 {
     ASSERT(be && a && a->x && a->out && a->ids && a->weights);

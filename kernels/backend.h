@@ -284,6 +284,9 @@ struct backend_ops {
     int (*mem_info)(struct backend *be, size_t *ret_free, size_t *ret_total);
     int (*capture_begin)(struct backend *be);
     int (*capture_end)(struct backend *be, bool ok);
+    /* Greedy choice on the device (backend_argmax below) */
+    int (*argmax)(struct backend *be, const float *x, int rows, int n, int k, int32_t *ids,
+                  float *vals);
 };
 
 struct backend {
@@ -372,6 +375,19 @@ int backend_copy_rows(struct backend *be, void *dst, const int32_t *dst_rows, co
                       const int32_t *src_rows, int n, size_t row_bytes);
 void *backend_native(struct backend *be, const char *what);
 int backend_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total);
+/* The largest k of each row, on the backend: x [rows, n] is a backend buffer (logits),
+ * ids [rows, k] and vals [rows, k] (vals may be NULL) are HOST memory, filled when the call
+ * returns (it waits for the backend's queue), so the host reads k pairs per row instead of
+ * the row.  Order: decreasing value, equal values by increasing index (the lowest index of
+ * the maximum first, as sampler_argmax breaks ties; -0.0 equals +0.0); NaN is never
+ * chosen; -inf is.  Places past a row's non-NaN elements get id -1 and value NaN, except
+ * that an all-NaN row's place 0 is id 0 (sampler_argmax's answer).  k is 1 ..
+ * BACKEND_ARGMAX_K_MAX and at most n; rows = 0 does nothing (a probe: -ENOSYS where the
+ * op is absent; download the rows instead).
+ * The CPU backend's is the oracle (kernels/cpu/argmax.c). */
+#define BACKEND_ARGMAX_K_MAX 20
+int backend_argmax(struct backend *be, const float *x, int rows, int n, int k, int32_t *ids,
+                   float *vals);
 /* A symbol of the backend's plugin (dlsym; NULL for built-in backends): the CUDA plugin
  * exports the NCCL comm this way (worker/comm/comm-nccl.h), so that CPU-only binaries
  * never link CUDA libraries. */

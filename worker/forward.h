@@ -54,6 +54,16 @@ struct forward_ops {
      * steps of plans with draft_sub score instead of the whole vocabulary (model.h,
      * model_set_draft_vocab); n = 0 removes it.  Between steps, engine thread. */
     int (*set_draft_vocab)(struct forward *f, const int32_t *ids, int n, struct err_buf *e);
+    /* Optional (NULL: not offered): the greedy forms of step and mtp_step (model.h,
+     * model_step_argmax): the same step, with every logits row reduced where it was computed
+     * to its argmax (the lowest id of the largest logit, NaN never: sampler_argmax), so ids
+     * [rows] (plan order) / ids [n_seqs] (seqs with mtp_depth <= k untouched) reach the
+     * caller and no row is copied.  -ENOTSUP before anything runs where the forward cannot
+     * (the rows are not whole there): the caller runs step / mtp_step instead.  For rows
+     * whose token is their raw argmax only (sampler_takes_argmax, no logprobs, no grammar). */
+    int (*step_argmax)(struct forward *f, const struct step_plan *p, int32_t *ids);
+    int (*mtp_step_argmax)(struct forward *f, int k, const struct step_plan *p,
+                           const int32_t *n_valid, const int32_t *tok_in, int32_t *ids);
 };
 
 struct forward {

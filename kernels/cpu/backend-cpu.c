@@ -332,6 +332,7 @@ const struct backend_ops backend_cpu_ops = {
     .router = cpu_router,
     .moe = cpu_moe,
     .add = cpu_add,
+    .argmax = cpu_argmax,
     .graph_begin = cpu_graph_begin,
     .graph_end = cpu_graph_end,
     .split_width = cpu_split_width,

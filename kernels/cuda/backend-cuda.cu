@@ -855,6 +855,7 @@ static const struct backend_ops backend_cuda_ops = {
     .mem_info = cuda_mem_info,
     .capture_begin = cuda_capture_begin,
     .capture_end = cuda_capture_end,
+    .argmax = kcuda_argmax,
 };
 
 extern "C" __attribute__((visibility("default"))) const struct backend_ops *stepd_backend_cuda_ops(void)

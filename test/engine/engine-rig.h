@@ -34,6 +34,8 @@ struct rig_req {
     float top_p;            /* 0: the default */
     uint64_t seed;
     bool seed_random;       /* the seed stands for one the worker drew (the client gave none) */
+    float repetition_penalty;   /* 0: off */
+    int logprobs;           /* engine_request.logprobs + 1 (0 = none) */
 };
 
 static inline void rig_on_out(void *ud, const struct engine_output *o)
@@ -116,6 +118,9 @@ static inline void rig_submit(struct engine *e, const char *id, const struct rig
     q.max_tokens = s->max_tokens;
     q.ignore_eos = true;
     q.num_speculative_tokens = s->k - 1;
+    q.logprobs = s->logprobs - 1;
+    if (s->repetition_penalty > 0)
+        q.sampling.repetition_penalty = s->repetition_penalty;
     if (s->temperature > 0) {
         q.sampling.temperature = s->temperature;
         if (s->top_p > 0)

@@ -368,6 +368,54 @@ static void test_allow_mask(void)
     sampler_free(s);
 }
 
+/* sampler_takes_argmax: true exactly where sampler_sample's choice is the raw argmax; each
+ * processor that moves a logit, a ban in force and a grammar mask make it false. */
+static void test_takes_argmax(void)
+{
+    struct sampler *s = smp(V);
+    struct sampling_params sp;
+    struct sampler_bias b = { .token = 5, .bias = 3.0f };
+    const int32_t ban[] = { 2 }, hist[] = { 2, 2, 2, 2 };
+    const float x[V] = { 0.1f, 0.2f, 2.0f, 0.3f, 1.9f, 0.0f, 0.4f, 0.5f };
+    uint32_t allow = 0xfbu;     /* all but id 2 */
+    struct sampler_hist h = { .tokens = hist, .n_prompt = 2, .n_output = 2 };
+
+    sampling_params_init(&sp);
+    ASSERT_TRUE(sampler_takes_argmax(&sp, 0));
+    ASSERT_EQ(sampler_sample(s, &sp, &h, x, 0, 0), sampler_argmax(x, V));
+    sp.temperature = 0.7f;
+    ASSERT_TRUE(!sampler_takes_argmax(&sp, 0));
+    sampling_params_init(&sp);
+    sp.n_logit_bias = 1;
+    sp.logit_bias = &b;
+    ASSERT_TRUE(!sampler_takes_argmax(&sp, 0));
+    ASSERT_EQ(sampler_sample(s, &sp, &h, x, 0, 0), 5);
+    sampling_params_init(&sp);
+    sp.repetition_penalty = 2.0f;
+    ASSERT_TRUE(!sampler_takes_argmax(&sp, 0));
+    ASSERT_EQ(sampler_sample(s, &sp, &h, x, 0, 0), 4);
+    sampling_params_init(&sp);
+    sp.presence_penalty = 0.5f;
+    ASSERT_TRUE(!sampler_takes_argmax(&sp, 0));
+    sampling_params_init(&sp);
+    sp.frequency_penalty = 0.5f;
+    ASSERT_TRUE(!sampler_takes_argmax(&sp, 0));
+    sampling_params_init(&sp);
+    sp.min_tokens = 3;          /* id 2 banned while fewer than 3 outputs exist */
+    sp.ban = ban;
+    sp.n_ban = 1;
+    ASSERT_TRUE(!sampler_takes_argmax(&sp, 2));
+    ASSERT_EQ(sampler_sample(s, &sp, &h, x, 0, 0), 4);
+    ASSERT_TRUE(sampler_takes_argmax(&sp, 3));
+    sp.n_ban = 0;
+    ASSERT_TRUE(sampler_takes_argmax(&sp, 0));
+    sampling_params_init(&sp);
+    sp.allow = &allow;
+    ASSERT_TRUE(!sampler_takes_argmax(&sp, 0));
+    ASSERT_EQ(sampler_sample(s, &sp, &h, x, 0, 0), 4);
+    sampler_free(s);
+}
+
 int main(void)
 {
     test_params_check();
@@ -378,6 +426,7 @@ int main(void)
     test_rejection_chi_square();
     test_spec_config();
     test_allow_mask();
+    test_takes_argmax();
     printf("sampler: ok\n");
     return 0;
 }

@@ -2,7 +2,7 @@
  * tiny model, or a synthetic full-width one from stepd-mkmodel.
  *
  *   test-cuda-logits MODEL_DIR [fast|exact] [--steps N] [--prompt P] [--seqs S]
- *   test-cuda-logits MODEL_DIR [fast|exact] --greedy N [--mtp K]
+ *   test-cuda-logits MODEL_DIR [fast|exact] --greedy N [--mtp K] [--argmax] [--greedy-prompt IDS]
  *
  * Both models run the same plans: S sequences with prompts of P (and P+3, P+6, ..) random
  * tokens in one prefill step, then N decode steps of all of them at once, the next token
@@ -18,7 +18,11 @@
  * the fast path (BF16 activations, logits within TOL_RMS) up to the first token whose CPU
  * top-2 margin is at most MARGIN * rms(cpu logits), where a flip is within the tolerance
  * and the two sequences may part (margin-aware; the tiny model's margin at token 28 is
- * 0.71 % of the RMS).
+ * 0.71 % of the RMS).  The prompt: 17 fixed ids, or --greedy-prompt's comma-separated ids
+ * (at most 17; on the emulator a short prompt saves most of the run: each prompt token costs
+ * the trunk and every MTP depth a row).
+ * --argmax: the second model chooses its tokens and drafts on the backend (model_step_argmax,
+ * model_mtp_step_argmax: backend_argmax), and must have copied no logits to the host.
  * STEPD_TEST_CPU_ONLY=1 puts the second model on the CPU backend too (a check of the test
  * itself where there is no GPU: K drafts must not change the greedy tokens).
  * Exits 77 without a GPU or the plugin.
@@ -113,12 +117,13 @@ static double rms_of(const float *v, int n)
 }
 
 /* out[i]: the greedy tokens; rel_margin[i] (when not NULL): the top-2 margin of the row
- * that chose out[i] over that row's RMS */
+ * that chose out[i] over that row's RMS.  on_dev: the model's greedy forms choose on the
+ * backend (model_step_argmax, model_mtp_step_argmax), no logits row reaches the host. */
 static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, int n_gen, int K,
-                   int32_t *out, double *rel_margin)
+                   bool on_dev, int32_t *out, double *rel_margin)
 {
     float *logits = malloc(sizeof(float) * (size_t)(K + 1) * V), *ml = malloc(sizeof(float) * V);
-    int32_t run[16], drafts[16];
+    int32_t run[16], drafts[16], dev_ids[16];
     int n_out = 0, pos = 0, n_valid;
     struct tplan tp;
     float mg;
@@ -126,9 +131,9 @@ static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, 
     ASSERT_TRUE(logits && ml && K < 16);
     tp_init(&tp);
     tp_add_run(&tp, 0, 0, prompt, n_prompt, 1, K, 0);
-    if (model_step(m, &tp.p, logits) < 0)
+    if ((on_dev ? model_step_argmax(m, &tp.p, dev_ids) : model_step(m, &tp.p, logits)) < 0)
         FAIL("prefill: %s", model_last_error(m));
-    out[n_out++] = argmax(logits, V, &mg);
+    out[n_out++] = on_dev ? dev_ids[0] : argmax(logits, V, &mg);
     if (rel_margin)
         rel_margin[n_out - 1] = mg / rms_of(logits, V);
     n_valid = n_prompt;
@@ -137,9 +142,10 @@ static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, 
          * follows the run's valid part, depth k > 0 the draft of depth k - 1 */
         int32_t tok = out[n_out - 1];
         for (int k = 0; k < K; k++) {
-            if (model_mtp_step(m, k, &tp.p, &n_valid, &tok, ml) < 0)
+            if ((on_dev ? model_mtp_step_argmax(m, k, &tp.p, &n_valid, &tok, dev_ids)
+                        : model_mtp_step(m, k, &tp.p, &n_valid, &tok, ml)) < 0)
                 FAIL("mtp depth %d: %s", k, model_last_error(m));
-            drafts[k] = argmax(ml, V, &mg);
+            drafts[k] = on_dev ? dev_ids[0] : argmax(ml, V, &mg);
             tok = drafts[k];
         }
         pos += n_valid;
@@ -148,12 +154,12 @@ static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, 
             run[1 + k] = drafts[k];
         tp_init(&tp);
         tp_add_run(&tp, 0, pos, run, K + 1, K + 1, K, 0);
-        if (model_step(m, &tp.p, logits) < 0)
+        if ((on_dev ? model_step_argmax(m, &tp.p, dev_ids) : model_step(m, &tp.p, logits)) < 0)
             FAIL("verify at %d: %s", pos, model_last_error(m));
         /* row i predicts the token after run[i]: keep drafts while they match */
         n_valid = 1;
         for (int i = 0; i <= K && n_out < n_gen; i++) {
-            int32_t g = argmax(logits + (size_t)i * V, V, &mg);
+            int32_t g = on_dev ? dev_ids[i] : argmax(logits + (size_t)i * V, V, &mg);
             if (rel_margin)
                 rel_margin[n_out] = mg / rms_of(logits + (size_t)i * V, V);
             out[n_out++] = g;
@@ -174,6 +180,8 @@ int main(int argc, char **argv)
     struct model *mc, *mg;
     bool exact = false;
     int steps = 6, prompt = 12, n_seqs = 2, n_greedy = 0, K = 0, r;
+    bool on_dev = false;
+    const char *greedy_prompt = NULL;
 
     if (argc < 2)
         FAIL("usage: test-cuda-logits MODEL_DIR [fast|exact] [--steps N] [--prompt P] [--seqs S]");
@@ -192,6 +200,10 @@ int main(int argc, char **argv)
             n_greedy = atoi(argv[++i]);
         else if (strcmp(argv[i], "--mtp") == 0 && i + 1 < argc)
             K = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--argmax") == 0)
+            on_dev = true;
+        else if (strcmp(argv[i], "--greedy-prompt") == 0 && i + 1 < argc)
+            greedy_prompt = argv[++i];
         else
             FAIL("unknown argument '%s'", argv[i]);
     }
@@ -234,7 +246,7 @@ int main(int argc, char **argv)
     if (n_greedy > 0) {
         static const int32_t ids[] = { 0, 11, 523, 97, 1024, 77, 5, 900, 31, 2047, 12, 400, 401,
                                        402, 88, 19, 3000 };
-        const int np = (int)(sizeof(ids) / sizeof(ids[0]));
+        int np = (int)(sizeof(ids) / sizeof(ids[0]));
         int32_t *oc = malloc(sizeof(int32_t) * n_greedy), *og = malloc(sizeof(int32_t) * n_greedy);
         double *mc_rel = malloc(sizeof(double) * n_greedy);
         const bool strict = cpu_only || exact;
@@ -245,8 +257,30 @@ int main(int argc, char **argv)
         ASSERT_TRUE(oc && og && mc_rel && ckpt_mtp_depth(ck) >= K);
         for (int i = 0; i < np; i++)
             pr[i] = ids[i] % V;
-        greedy(mc, V, pr, np, n_greedy, 0, oc, mc_rel);     /* the reference: no drafts */
-        greedy(mg, V, pr, np, n_greedy, K, og, NULL);
+        if (greedy_prompt) {
+            char *end;
+            const char *p = greedy_prompt;
+
+            for (np = 0;; p = end + 1) {
+                long id = strtol(p, &end, 10);
+                if (end == p || id < 0 || id >= V || np == 17 || (*end && *end != ','))
+                    FAIL("--greedy-prompt '%s': expected up to 17 comma-separated ids below %d",
+                         greedy_prompt, V);
+                pr[np++] = (int32_t)id;
+                if (!*end)
+                    break;
+            }
+        }
+        greedy(mc, V, pr, np, n_greedy, 0, false, oc, mc_rel); /* the reference: no drafts */
+        greedy(mg, V, pr, np, n_greedy, K, on_dev, og, NULL);
+        /* --argmax: every choice was made on the backend, no logits row was copied */
+        printf("greedy: %llu bytes of logits copied to the host (cpu reference), %llu (%s%s)\n",
+               (unsigned long long)model_logits_host_bytes(mc),
+               (unsigned long long)model_logits_host_bytes(mg), cpu_only ? "cpu" : "cuda",
+               on_dev ? ", greedy forms" : "");
+        if (on_dev && model_logits_host_bytes(mg) != 0)
+            FAIL("greedy forms copied %llu bytes of logits to the host",
+                 (unsigned long long)model_logits_host_bytes(mg));
         for (int i = 0; i < n_greedy; i++) {
             if (oc[i] == og[i])
                 continue;

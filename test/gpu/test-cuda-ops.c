@@ -213,6 +213,65 @@ static void test_embed(void)
     free(ref);
 }
 
+/* The greedy choice on the device (backend_argmax): random rows, rows of few distinct
+ * values (ties at the maximum and below), -0.0 beside +0.0, +inf twice, all -inf, all NaN,
+ * NaN among -inf, NaN among values, fewer non-NaN elements than k.  ids and values must
+ * equal the CPU op's bit for bit; k = 1 also equals sampler_argmax's rule written out
+ * here (the lowest index of the maximum, NaN never, 0 for an all-NaN row). */
+static void test_argmax(int rows, int n, int k)
+{
+    float *x = rnd((size_t)rows * n, 4.0f), *cv = malloc(sizeof(float) * rows * k);
+    float *gv = malloc(sizeof(float) * rows * k);
+    int32_t *ci = malloc(sizeof(int32_t) * rows * k), *gi = malloc(sizeof(int32_t) * rows * k);
+    char name[64];
+    void *dx;
+
+    ASSERT_TRUE(cv && gv && ci && gi && rows >= 10);
+    for (int r = 0; r < rows; r++) {
+        float *row = x + (size_t)r * n;
+        for (int i = 0; i < n; i++) {
+            switch (r) {
+            case 1: row[i] = roundf(row[i]); break;                 /* ties at the max */
+            case 2: row[i] = i % 7 ? -(float)(i % 3) : 0.0f; if (i % 14 == 7) row[i] = -0.0f; break;
+            case 3: if (i == n / 3 || i == n - 1) row[i] = INFINITY; break;
+            case 4: row[i] = -INFINITY; break;
+            case 5: row[i] = NAN; break;
+            case 6: row[i] = i % 2 ? NAN : -INFINITY; break;
+            case 7: if (i % 3 == 0) row[i] = NAN; break;
+            case 8: row[i] = i % 97 == 5 ? roundf(row[i]) : NAN; break;  /* few non-NaN */
+            case 9: row[i] = -0.0f; if (i == n / 2) row[i] = 0.0f; break;
+            }
+        }
+    }
+    ASSERT_OK(backend_argmax(cpu, x, rows, n, k, ci, cv));
+    dx = dup_dev(x, (size_t)rows * n * 4);
+    memset(gi, 0x5a, sizeof(int32_t) * rows * k);
+    memset(gv, 0x5a, sizeof(float) * rows * k);
+    ASSERT_OK(backend_argmax(gpu, dx, rows, n, k, gi, gv));
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + (size_t)r * n;
+        int b = -1;
+        for (int i = 0; i < n; i++)
+            if (!isnan(row[i]) && (b < 0 || row[i] > row[b]))
+                b = i;
+        if (ci[(size_t)r * k] != (b < 0 ? 0 : b))
+            FAIL("argmax row %d: the CPU op says %d, the sampler's rule %d", r,
+                 ci[(size_t)r * k], b < 0 ? 0 : b);
+        for (int j = 0; j < k; j++) {
+            size_t o = (size_t)r * k + j;
+            if (gi[o] != ci[o] || (memcmp(&gv[o], &cv[o], 4) && !(isnan(gv[o]) && isnan(cv[o]))))
+                FAIL("argmax %d x %d top-%d row %d place %d: cuda %d (%g), cpu %d (%g)", rows, n,
+                     k, r, j, gi[o], gv[o], ci[o], cv[o]);
+            if (j > 0 && ci[o] >= 0 && !(cv[o] < cv[o - 1] || (cv[o] == cv[o - 1] && ci[o] > ci[o - 1])))
+                FAIL("argmax row %d place %d: not after place %d", r, j, j - 1);
+        }
+    }
+    snprintf(name, sizeof(name), "argmax %d x %d top-%d", rows, n, k);
+    printf("%-22s rows=%-5d ids and values equal the CPU op's\n", name, rows);
+    backend_buf_free(gpu, dx);
+    free(x); free(cv); free(gv); free(ci); free(gi);
+}
+
 /* The router, then the routed experts of local [first, first + n_local) on its choice. */
 static void test_router_moe(int n_tok, int hidden, int inter, int n_exp, int top_k, int first,
                             int n_local, float limit)
@@ -338,6 +397,9 @@ static void run_all(bool emulated)
     test_matmul(WFMT_MXFP4, 40, 320, 24, TOL(1e-5, TOL_MX4_GEMM(320)));
     test_elementwise();
     test_embed();
+    test_argmax(12, 4099, 1);
+    test_argmax(11, 1000, 20);
+    test_argmax(10, 33, 5);
     test_router_moe(5, 64, 32, 12, 3, 4, 6, 7.0f);
     if (emulated) {
         test_router_moe(1, 128, 64, 288, 8, 0, 288, 0.0f);

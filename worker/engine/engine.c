@@ -136,6 +136,9 @@ struct engine {
     int32_t *pblocks[_KV_GROUP_MAX];
     float *logits;
     float *mtp_logits;
+    int32_t *ids;                    /* [rows] the rows' argmaxes (forward.step_argmax) */
+    int32_t *mtp_ids;                /* [max_num_seqs] the drafts (forward.mtp_step_argmax) */
+    bool argmax_off;                 /* the forward refused step_argmax: logits from now on */
     float *probs_buf;
     float *lp_buf;                   /* [vocab] one row's logprobs */
     int32_t *n_valid, *tok_in, *tok_scratch;
@@ -276,6 +279,8 @@ static int alloc_buffers(struct engine *e)
         e->pblocks[g] = calloc(ms * (size_t) e->max_blocks_per_seq, sizeof(int32_t));
     e->logits = malloc(rows * v * sizeof(float));
     e->mtp_logits = malloc(ms * v * sizeof(float));
+    e->ids = calloc(rows, sizeof(int32_t));
+    e->mtp_ids = calloc(ms, sizeof(int32_t));
     e->probs_buf = malloc((SPEC_MAX_K + 2) * v * sizeof(float));
     e->lp_buf = malloc(v * sizeof(float));
     e->n_valid = calloc(ms, sizeof(int32_t));
@@ -284,8 +289,8 @@ static int alloc_buffers(struct engine *e)
     e->sseqs = calloc(ms, sizeof(*e->sseqs));
     e->sched = calloc(ms, sizeof(*e->sched));
     if (!e->sched ||!e->pseqs || !e->ptokens || !e->pblocks[0] || !e->pblocks[1] || !e->logits ||
-        !e->mtp_logits || !e->probs_buf || !e->lp_buf || !e->n_valid || !e->tok_in || !e->tok_scratch ||
-        !e->sseqs)
+        !e->mtp_logits || !e->ids || !e->mtp_ids || !e->probs_buf || !e->lp_buf || !e->n_valid ||
+        !e->tok_in || !e->tok_scratch || !e->sseqs)
         return -ENOMEM;
     if (e->cfg.vision) {
         size_t nt = (size_t) e->cfg.max_num_batched_tokens;
@@ -1181,9 +1186,11 @@ static void logprob_fill(struct engine *e, struct ereq *r, int i, const float *r
     lp->n_top = n;
 }
 
-/* Verify/sample one scheduled sequence; prepares its MTP proposal.  Returns logits rows
- * consumed. */
-static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float *rows, int64_t now)
+/* Verify/sample one scheduled sequence from its logits rows, or from their argmaxes ids
+ * (rows NULL: a step of greedy rows, step_greedy); prepares its MTP proposal.  Returns the
+ * rows consumed. */
+static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float *rows,
+                      const int32_t *ids, int64_t now)
 {
     struct ereq *r = req_of(s);
     struct step_seq *ps = &e->plan.seqs[i];
@@ -1223,7 +1230,8 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
         .keep_depth = s->mtp_exact,     /* a client's seed on a sampled sequence */
     };
     int32_t next;
-    int a = spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next);
+    int a = rows ? spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next)
+                 : spec_verify_ids(ss, ids, n_drafts, &r->mtp, &next);
     s->n_computed = ps->pos0 + n_plain + a;
     s->n_draft = 0;
     bool done = false;
@@ -1233,7 +1241,8 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
     if (!done)
         done = append_token(e, r, next, now);
     /* token j of this step came from row j: the target's distribution after the j drafts
-     * accepted before it */
+     * accepted before it (a request with logprobs makes its steps' rows come, step_greedy) */
+    BUG_ON(r->logprobs >= 0 && !rows);
     for (int j = 0; r->logprobs >= 0 && j < r->n_output - n_before; j++)
         logprob_fill(e, r, n_before + j, rows + (size_t) j * (size_t) e->vocab);
     ss->depth = 0;
@@ -1492,6 +1501,23 @@ static void dv_rank(struct engine *e)
     free(ids);
 }
 
+/* Whether the step's tokens are the argmaxes of its rows: every sequence that takes tokens
+ * from this step (sched_final) chooses its own and verifies its drafts by the raw argmax
+ * (sampler_takes_argmax, no grammar) and wants no logprobs, and the forward offers the
+ * greedy form.  A mixed batch takes the logits path for the whole step. */
+static bool step_greedy(const struct engine *e, struct batch_seq **seqs, int n)
+{
+    if (!e->f->ops->step_argmax || e->argmax_off)
+        return false;
+    for (int i = 0; i < n; i++) {
+        const struct ereq *r = req_of(seqs[i]);
+        if (seqs[i]->sched_final &&
+            (r->logprobs >= 0 || r->gm || !sampler_takes_argmax(&r->sp, r->n_output)))
+            return false;
+    }
+    return true;
+}
+
 static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
 {
     build_plan(e, seqs, n);
@@ -1503,7 +1529,18 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
         return r;
     }
     int64_t t0 = clock_us(e);
-    r = e->f->ops->step(e->f, &e->plan, e->logits);
+    bool greedy = step_greedy(e, seqs, n);
+    if (greedy) {
+        r = e->f->ops->step_argmax(e->f, &e->plan, e->ids);
+        if (r == -ENOTSUP) {
+            log_info("engine: forward '%s' chooses no tokens itself here: logits rows are "
+                     "copied for greedy steps too", e->f->ops->name);
+            e->argmax_off = true;
+            greedy = false;
+        }
+    }
+    if (!greedy)
+        r = e->f->ops->step(e->f, &e->plan, e->logits);
     int64_t now = engine_now_usec();
     e->t_forward_us += clock_us(e) - t0;
     if (r < 0) {
@@ -1512,7 +1549,8 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     }
     size_t row = 0;
     for (int i = 0; i < n; i++) {
-        int used = finish_seq(e, i, seqs[i], e->logits + row * (size_t) e->vocab, now);
+        int used = greedy ? finish_seq(e, i, seqs[i], NULL, e->ids + row, now)
+                          : finish_seq(e, i, seqs[i], e->logits + row * (size_t) e->vocab, NULL, now);
         row += (size_t) used;
     }
     /* the draft depths of the next step (spec-policy.h) */
@@ -1534,7 +1572,7 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     deliver(e);
     t0 = clock_us(e);
     r = spec_propose(e->f, e->smp, &e->plan, e->sseqs, e->n_valid, e->tok_in, e->mtp_logits,
-                     e->tok_scratch, e->pol);
+                     e->tok_scratch, e->mtp_ids, e->pol);
     e->t_mtp_us += clock_us(e) - t0;
     if (r < 0) {
         fail_all(e, r, "MTP step");
@@ -1675,6 +1713,8 @@ void engine_free(struct engine *e)
         free(e->pblocks[g]);
     free(e->logits);
     free(e->mtp_logits);
+    free(e->ids);
+    free(e->mtp_ids);
     free(e->probs_buf);
     free(e->lp_buf);
     free(e->n_valid);

@@ -5,7 +5,9 @@
  * real model or the mock).  One engine step: take new requests and abort flags, expire
  * deadlines, schedule, hand the step plan to the optional on_plan hook (the dist layer
  * broadcasts it to ranks 1..N-1), run forward.step, verify drafts and sample, apply stop
- * conditions, propose the next drafts, then deliver outputs.
+ * conditions, propose the next drafts, then deliver outputs.  A step (an MTP chain) whose
+ * every row's token is its raw argmax runs the forward's greedy form instead (forward.h,
+ * step_argmax / mtp_step_argmax: no logits row copied); a mixed batch copies them all.
  *
  * Prefix cache (kv.h; engine_config.enable_prefix_caching, on by default): a request is
  * admitted from the longest cached prefix of its tokens (only the rest costs budget and

@@ -369,13 +369,27 @@ static int32_t masked_argmax(const float *x, const uint32_t *allow, int v)
     return best < 0 ? 0 : best;
 }
 
+/* Greedy with no processor that moves a logit (the grammar mask aside): the choice is the
+ * argmax of the row, masked or not. */
+static bool plain_greedy(const struct sampling_params *sp, const struct sampler_hist *h)
+{
+    return sampling_params_greedy(sp) && sp->n_logit_bias == 0 &&
+           sp->repetition_penalty == 1.0f && sp->presence_penalty == 0.0f &&
+           sp->frequency_penalty == 0.0f && (!h || h->n_output >= sp->min_tokens || sp->n_ban == 0);
+}
+
+bool sampler_takes_argmax(const struct sampling_params *sp, int n_output)
+{
+    struct sampler_hist h = { .n_output = n_output };
+
+    return !sp->allow && plain_greedy(sp, &h);
+}
+
 int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,
                        const struct sampler_hist *h, const float *logits, uint64_t index,
                        uint32_t stream)
 {
-    if (sampling_params_greedy(sp) && sp->n_logit_bias == 0 && sp->repetition_penalty == 1.0f &&
-        sp->presence_penalty == 0.0f && sp->frequency_penalty == 0.0f &&
-        (!h || h->n_output >= sp->min_tokens || sp->n_ban == 0))
+    if (plain_greedy(sp, h))
         return sp->allow ? masked_argmax(logits, sp->allow, s->vocab) : argmax(logits, s->vocab);
     float *probs = s->probs;
     sampler_probs(s, sp, h, logits, probs);

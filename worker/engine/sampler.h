@@ -83,6 +83,11 @@ void sampler_logprobs(struct sampler *s, const struct sampling_params *sp,
 int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,
                        const struct sampler_hist *h, const float *logits, uint64_t index,
                        uint32_t stream);
+/* Whether sampler_sample's choice for a row is the row's raw argmax (sampler_argmax): greedy
+ * with no logit bias, no penalty, no min_tokens ban in force after n_output outputs (nor
+ * after more) and no grammar mask (sp->allow).  Such a row's token can be chosen where the
+ * logits are (forward.h, step_argmax) without copying the row. */
+bool sampler_takes_argmax(const struct sampling_params *sp, int n_output);
 /* Lowest index of the largest value (greedy choice on raw logits). */
 int32_t sampler_argmax(const float *x, int n);
 /* Draw from an explicit distribution (probs sum to ~1) with uniform u in [0, 1). */

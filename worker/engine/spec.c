@@ -32,15 +32,31 @@ static int32_t *draft_slot(struct spec_seq *s, int k)
     return (int32_t *) s->hist.tokens + s->hist.n_prompt + s->hist.n_output + k;
 }
 
+/* Whether every sequence of the chain drafts the raw argmax of its rows: prompt fills do;
+ * others when sampler_takes_argmax holds (the output count only grows along the chain) and
+ * no grammar masks the drafts. */
+static bool chain_takes_argmax(const struct step_plan *plan, const struct spec_seq *seqs)
+{
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const struct spec_seq *s = &seqs[i];
+        if (s->depth > 0 && !s->fill_only &&
+            (s->gm || !sampler_takes_argmax(s->sp, s->hist.n_output)))
+            return false;
+    }
+    return true;
+}
+
 int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan *plan,
                  struct spec_seq *seqs, const int32_t *n_valid, const int32_t *tok_in,
-                 float *logits_buf, int32_t *tok_scratch, struct spec_policy *pol)
+                 float *logits_buf, int32_t *tok_scratch, int32_t *ids_buf,
+                 struct spec_policy *pol)
 {
     int max_depth = 0;
     for (int i = 0; i < plan->n_seqs; i++)
         if (seqs[i].depth > max_depth)
             max_depth = seqs[i].depth;
     size_t v = (size_t) f->vocab_size;
+    bool use_ids = ids_buf && f->ops->mtp_step_argmax && chain_takes_argmax(plan, seqs);
     for (int k = 0; k < max_depth; k++) {
         int64_t t0 = spec_policy_now_us(pol);      /* on the policy's clock */
         int n_at = 0;
@@ -57,13 +73,24 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
             else
                 tok_scratch[i] = s->drafts[k - 1];
         }
-        int r = f->ops->mtp_step(f, k, plan, n_valid, tok_scratch, logits_buf);
+        int r = -ENOTSUP;
+        if (use_ids)
+            r = f->ops->mtp_step_argmax(f, k, plan, n_valid, tok_scratch, ids_buf);
+        use_ids = r != -ENOTSUP;
+        if (!use_ids)
+            r = f->ops->mtp_step(f, k, plan, n_valid, tok_scratch, logits_buf);
         if (r < 0)
             return r;
         for (int i = 0; i < plan->n_seqs; i++) {
             struct spec_seq *s = &seqs[i];
             if (s->depth <= k)
                 continue;
+            if (use_ids) {      /* every drafter takes the argmax (chain_takes_argmax) */
+                s->drafts[k] = ids_buf[i];
+                if (!s->fill_only)
+                    *draft_slot(s, k) = ids_buf[i];
+                continue;
+            }
             struct sampler_hist h = s->hist;
             h.n_output += k;
             const float *row = logits_buf + (size_t) i * v;
@@ -165,6 +192,38 @@ static int verify_constrained(struct sampler *smp, struct spec_seq *seq, const f
     return accepted;
 }
 
+/* The end of a verification: its counts in seq and st, the token after the accepted. */
+static int verify_done(struct spec_seq *seq, int n_draft, int accepted, int32_t next,
+                       struct spec_stats *st, int32_t *ret_next)
+{
+    seq->verified = n_draft;
+    seq->accepted = accepted;
+    if (st)
+        st->steps_by_drafts[n_draft]++;
+    if (n_draft > 0 && st) {
+        st->n_drafts++;
+        st->n_draft_tokens += (uint64_t) n_draft;
+        st->n_accepted += (uint64_t) accepted;
+        for (int k = 0; k < accepted; k++)
+            st->accepted_per_pos[k]++;
+    }
+    *ret_next = next;
+    return accepted;
+}
+
+int spec_verify_ids(struct spec_seq *seq, const int32_t *ids, int n_draft, struct spec_stats *st,
+                    int32_t *ret_next)
+{
+    int accepted = 0;
+
+    BUG_ON(seq->gm || !sampler_takes_argmax(seq->sp, seq->hist.n_output));
+    for (int k = 0; k < n_draft; k++)
+        *draft_slot(seq, k) = seq->drafts[k];
+    while (accepted < n_draft && ids[accepted] == seq->drafts[accepted])
+        accepted++;
+    return verify_done(seq, n_draft, accepted, ids[accepted], st, ret_next);
+}
+
 int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, int n_draft,
                 int vocab, float *probs_buf, struct spec_stats *st, int32_t *ret_next)
 {
@@ -202,17 +261,5 @@ int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, in
         accepted = sampler_verify(p, q, seq->drafts, n_draft, vocab, seq->sp->seed, seq->out_index,
                                   tmp, &next);
     }
-    seq->verified = n_draft;
-    seq->accepted = accepted;
-    if (st)
-        st->steps_by_drafts[n_draft]++;
-    if (n_draft > 0 && st) {
-        st->n_drafts++;
-        st->n_draft_tokens += (uint64_t) n_draft;
-        st->n_accepted += (uint64_t) accepted;
-        for (int k = 0; k < accepted; k++)
-            st->accepted_per_pos[k]++;
-    }
-    *ret_next = next;
-    return accepted;
+    return verify_done(seq, n_draft, accepted, next, st, ret_next);
 }

@@ -98,11 +98,16 @@ struct spec_seq {
 /* Run the MTP chain for the plan's sequences (seqs[i] pairs with plan->seqs[i]; depth
  * also written to plan->seqs[i].mtp_depth by the caller).  n_valid/tok_in as in
  * forward.h (tok_in[i] is already the last token of seqs[i].hist).  logits_buf holds
- * n_seqs * vocab floats, tok_scratch n_seqs ids.  Each depth's cost goes to pol
- * (spec_policy_draft_cost; NULL: nowhere).  Returns 0 or the forward's error. */
+ * n_seqs * vocab floats, tok_scratch n_seqs ids.  ids_buf (n_seqs ids; NULL: never): when
+ * every drafting sequence drafts the raw argmax (fill_only, or sampler_takes_argmax and no
+ * grammar) and the forward offers mtp_step_argmax, the chain runs that instead and no
+ * logits row is copied; a depth it refuses (-ENOTSUP) runs mtp_step, and so do the rest.
+ * Each depth's cost goes to pol (spec_policy_draft_cost; NULL: nowhere).  Returns 0 or
+ * the forward's error. */
 int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan *plan,
                  struct spec_seq *seqs, const int32_t *n_valid, const int32_t *tok_in,
-                 float *logits_buf, int32_t *tok_scratch, struct spec_policy *pol);
+                 float *logits_buf, int32_t *tok_scratch, int32_t *ids_buf,
+                 struct spec_policy *pol);
 
 /* Verify n_draft drafts of one sequence against its target rows (n_draft + 1 rows of
  * raw trunk logits, row i following draft i-1).  Writes the accepted count to the
@@ -111,6 +116,11 @@ int spec_propose(struct forward *f, struct sampler *smp, const struct step_plan 
  * (SPEC_MAX_K + 2) * vocab floats of scratch. */
 int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, int n_draft,
                 int vocab, float *probs_buf, struct spec_stats *st, int32_t *ret_next);
+/* spec_verify of a sequence whose token at every row is the row's raw argmax
+ * (sampler_takes_argmax at hist.n_output, no grammar): ids[0 .. n_draft] are the rows'
+ * argmaxes (forward.h, step_argmax).  The same result as spec_verify on the rows. */
+int spec_verify_ids(struct spec_seq *seq, const int32_t *ids, int n_draft, struct spec_stats *st,
+                    int32_t *ret_next);
 
 #ifdef __cplusplus
 }

@@ -128,6 +128,17 @@ static int fwd_mtp_step(struct forward *f, int k, const struct step_plan *p, con
     return model_mtp_step(f->impl, k, p, n_valid, tok_in, logits);
 }
 
+static int fwd_step_argmax(struct forward *f, const struct step_plan *p, int32_t *ids)
+{
+    return model_step_argmax(f->impl, p, ids);
+}
+
+static int fwd_mtp_step_argmax(struct forward *f, int k, const struct step_plan *p,
+                               const int32_t *n_valid, const int32_t *tok_in, int32_t *ids)
+{
+    return model_mtp_step_argmax(f->impl, k, p, n_valid, tok_in, ids);
+}
+
 static void fwd_free(struct forward *f)
 {
     if (f)
@@ -145,6 +156,8 @@ const struct forward_ops model__forward_ops = {
     .mtp_step = fwd_mtp_step,
     .free = fwd_free,
     .set_draft_vocab = fwd_set_draft_vocab,
+    .step_argmax = fwd_step_argmax,
+    .mtp_step_argmax = fwd_mtp_step_argmax,
 };
 
 int model_forward_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,

@@ -146,6 +146,9 @@ struct model {
     float *rows_logits;             /* [R, vocab_local] */
     float *gather;                  /* [world, R, vocab_local] */
     float *mtp_logits;              /* [max_seqs, vocab] */
+    int32_t *argmax_ids;            /* set by model_step_argmax / model_mtp_step_argmax: the
+                                       rows' argmax goes here, no logits row to the host */
+    uint64_t logits_host_bytes;     /* logits copied to the host (model_logits_host_bytes) */
 
     float *bounce;                  /* host [T, H]: row copies between activation buffers */
     float *zeros;                   /* host [T, H] zeros, only when a MoE layer has no shared expert */
@@ -235,6 +238,8 @@ int model__layer_forward(struct model *m, struct mlayer *L, float *x, const stru
 int model__embed(struct model *m, const struct batch *b, float *x);
 int model__trunk_forward(struct model *m, const struct batch *b, float *x);
 int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float *logits);
+/* 0 when model_step_argmax / model_mtp_step_argmax can run, else -ENOTSUP and why. */
+int model__argmax_check(struct model *m, const char *what);
 int model__mtp_input(struct model *m, struct mlayer *L, const struct batch *b,
                      const float *g_rows, float *me, float *mn, float *x);
 int model__mtp_layer_run(struct model *m, struct mlayer *L, const struct batch *b,

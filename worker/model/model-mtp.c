@@ -51,7 +51,7 @@ static int mtp_check(struct model *m, int k, const struct step_plan *p, const in
         return PLAN_ERR(m, -EINVAL, "mtp_step: plan is not the one of the last successful step");
     if (k != m->mtp_next_k)
         return PLAN_ERR(m, -EINVAL, "mtp_step: depth %d called, expected depth %d", k, m->mtp_next_k);
-    if (!n_valid || !tok_in || !logits)
+    if (!n_valid || !tok_in || (!logits && !m->argmax_ids))
         return PLAN_ERR(m, -EINVAL, "mtp_step: n_valid, tok_in and logits are required");
     for (int i = 0; i < p->n_seqs; i++) {
         const struct step_seq *s = &p->seqs[i];
@@ -350,6 +350,14 @@ static int mtp_draft_logits(struct model *m, const struct mtp_run *run, float *l
     const int ns = run->ns, V = m->vocab;
     int r = 0;
 
+    if (m->argmax_ids) {        /* model_mtp_step_argmax: whole heads, one rank */
+        int32_t id[ns];
+        r = model__mtp_head(m, L, &L->head, m->rows_h, ns, m->mtp_logits);
+        r = r ? r : backend_argmax(m->be, m->mtp_logits, ns, V, 1, id, NULL);
+        for (int si = 0; si < ns && !r; si++)
+            m->argmax_ids[m->h_rows[si]] = id[si];
+        return r;
+    }
     if (m->dv_on) {
         const int D = m->dv_n, D2 = D / 2;
         if (m->mtp_tp) {
@@ -364,6 +372,7 @@ static int mtp_draft_logits(struct model *m, const struct mtp_run *run, float *l
                                          sizeof(float) * (size_t)ns * (size_t)D);
         }
         r = r ? r : backend_sync(m->be);
+        m->logits_host_bytes += sizeof(float) * (size_t)ns * (size_t)D;
         for (int si = 0; si < ns && !r; si++) {
             float *row = logits + (size_t)m->h_rows[si] * V;
             const float *sub = m->dv_host + (size_t)si * D;
@@ -378,11 +387,13 @@ static int mtp_draft_logits(struct model *m, const struct mtp_run *run, float *l
             for (int q = 0; q < 2 && !r; q++)
                 r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V + (size_t)q * V2,
                                      m->tp_logits[q] + (size_t)si * V2, sizeof(float) * (size_t)V2);
+        m->logits_host_bytes += sizeof(float) * (size_t)ns * (size_t)V;
     } else {
         r = model__mtp_head(m, L, &L->head, m->rows_h, ns, m->mtp_logits);
         for (int si = 0; si < ns && !r; si++)
             r = backend_download(m->be, logits + (size_t)m->h_rows[si] * V,
                                  m->mtp_logits + (size_t)si * V, sizeof(float) * (size_t)V);
+        m->logits_host_bytes += sizeof(float) * (size_t)ns * (size_t)V;
     }
     return r ? r : backend_sync(m->be);
 }
@@ -448,6 +459,25 @@ int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int3
         return mtp_fail(m, p, &run, r, "draft logits");
     mtp_commit(m, p, &run);
     return 0;
+}
+
+int model_mtp_step_argmax(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
+                          const int32_t *tok_in, int32_t *ids)
+{
+    int r = model__argmax_check(m, "mtp_step_argmax");
+
+    if (r < 0)
+        return r;
+    if (m->mtp_tp)
+        return PLAN_ERR(m, -ENOTSUP, "mtp_step_argmax: the MTP layers run as per-core halves");
+    if (p && p->draft_sub && m->dv_n > 0)
+        return PLAN_ERR(m, -ENOTSUP, "mtp_step_argmax: the plan scores the draft vocabulary");
+    if (!ids)
+        return PLAN_ERR(m, -EINVAL, "mtp_step_argmax: ids are required");
+    m->argmax_ids = ids;
+    r = model_mtp_step(m, k, p, n_valid, tok_in, NULL);
+    m->argmax_ids = NULL;
+    return r;
 }
 
 void model_mtp_repair_stats(const struct model *m, uint64_t *ret_rerun, uint64_t *ret_missed)

@@ -235,9 +235,13 @@ int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
                         m->rows_h));
     TRY(backend_matmul(m->be, &m->lm_head, m->rows_h, n_rows, m->rows_logits));
     if (!m->sharded) {
-        if (logits)
+        if (m->argmax_ids)
+            return backend_argmax(m->be, m->rows_logits, n_rows, V, 1, m->argmax_ids, NULL);
+        if (logits) {
             TRY(backend_download(m->be, logits, m->rows_logits,
                                  sizeof(float) * (size_t)n_rows * (size_t)V));
+            m->logits_host_bytes += sizeof(float) * (size_t)n_rows * (size_t)V;
+        }
         return 0;
     }
     /* [all-gather]: gather[w] = rank w's [n_rows, Vl]; row i = concat over w */
@@ -248,7 +252,42 @@ int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
         for (int i = 0; i < n_rows; i++)
             TRY(backend_download(m->be, logits + (size_t)i * V + (size_t)w * Vl,
                                  m->gather + ((size_t)w * n_rows + i) * Vl, sizeof(float) * (size_t)Vl));
+    m->logits_host_bytes += sizeof(float) * (size_t)n_rows * (size_t)V;
     return 0;
+}
+
+/* Whether the greedy steps can reduce logits rows on this model's backend: the op is
+ * there (a call on 0 rows answers -ENOSYS where it is not) and the rows are whole on this
+ * rank (a vocab-sharded trunk gathers them on the host). */
+int model__argmax_check(struct model *m, const char *what)
+{
+    float none = 0.0f;
+    int32_t id;
+
+    if (backend_argmax(m->be, &none, 0, 1, 1, &id, NULL) == -ENOSYS)
+        return PLAN_ERR(m, -ENOTSUP, "%s: the backend has no argmax op", what);
+    if (m->sharded)
+        return PLAN_ERR(m, -ENOTSUP, "%s: the vocabulary is sharded over ranks", what);
+    return 0;
+}
+
+int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids)
+{
+    int r = model__argmax_check(m, "step_argmax");
+
+    if (r < 0)
+        return r;
+    if (!ids)
+        return PLAN_ERR(m, -EINVAL, "step_argmax: ids are required");
+    m->argmax_ids = ids;
+    r = model_step(m, p, NULL);
+    m->argmax_ids = NULL;
+    return r;
+}
+
+uint64_t model_logits_host_bytes(const struct model *m)
+{
+    return m->logits_host_bytes;
 }
 
 /* ------------------------------------------------------------ MTP layers -- */

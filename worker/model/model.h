@@ -139,6 +139,21 @@ int model_step(struct model *m, const struct step_plan *p, float *logits);
 int model_mtp_step(struct model *m, int k, const struct step_plan *p, const int32_t *n_valid,
                    const int32_t *tok_in, float *logits);
 const char *model_last_error(const struct model *m);
+/* The greedy forms: model_step / model_mtp_step with every logits row reduced on the
+ * backend to its argmax (backend_argmax: the lowest id of the largest logit, NaN never,
+ * as sampler_argmax), so one id per row reaches the host instead of the FP32 row:
+ * ids [rows] (trunk rows in plan order) / [n_seqs] (MTP drafts in plan order; seqs with
+ * mtp_depth <= k untouched).  For plain greedy rows only (temperature 0, no logprobs,
+ * penalties, bias or grammar mask: their processors need the row).  -ENOTSUP before
+ * anything runs where the rows are not whole on the backend: no argmax op, a vocab-sharded
+ * trunk; for MTP also per-core halves (CPU) and plans scoring the draft vocabulary
+ * (draft_sub): use the logits forms there. */
+int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids);
+int model_mtp_step_argmax(struct model *m, int k, const struct step_plan *p,
+                          const int32_t *n_valid, const int32_t *tok_in, int32_t *ids);
+/* Bytes of logits the model copied to host memory since model_new (trunk and MTP rows,
+ * draft-vocabulary rows at their width): 0 after only greedy forms. */
+uint64_t model_logits_host_bytes(const struct model *m);
 
 /* The draft vocabulary: ids[0 .. n) (distinct, in 0 .. vocab-1; n a multiple of 64 up to
  * the vocab) become the only tokens the MTP heads score when a plan sets draft_sub

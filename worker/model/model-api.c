@@ -93,6 +93,21 @@ int model_step(struct model *m, const struct step_plan *p, float *logits)
     return 0;
 }
 
+/* The trunk step with each row reduced to its argmax on the backend: no logits copied. */
+int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids)
+{
+    int r = model__argmax_check(m, "step_argmax");
+
+    if (r < 0)
+        return r;
+    if (!ids)
+        return PLAN_ERR(m, -EINVAL, "step_argmax: ids are required");
+    m->argmax_ids = ids;
+    r = model_step(m, p, NULL);
+    m->argmax_ids = NULL;
+    return r;
+}
+
 /* ----------------------------------------------------------------- facts -- */
 
 const char *model_last_error(const struct model *m)

@@ -271,20 +271,6 @@ int model__argmax_check(struct model *m, const char *what)
     return 0;
 }
 
-int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids)
-{
-    int r = model__argmax_check(m, "step_argmax");
-
-    if (r < 0)
-        return r;
-    if (!ids)
-        return PLAN_ERR(m, -EINVAL, "step_argmax: ids are required");
-    m->argmax_ids = ids;
-    r = model_step(m, p, NULL);
-    m->argmax_ids = NULL;
-    return r;
-}
-
 uint64_t model_logits_host_bytes(const struct model *m)
 {
     return m->logits_host_bytes;

@@ -602,9 +602,10 @@ def test_bad_inputs():
     assert c == grpc.StatusCode.DEADLINE_EXCEEDED, (c, d)
     wait_until(lambda: eng.stats()["generate"] - b["generate"] == eng.stats()["abort"] - b["abort"] and
                eng.stats()["running"] == 0, timeout=5, what="an expired request reaching the engine aborted there")
-    assert eng.stats()["generate"] - b["generate"] <= 1, (b, eng.stats())
+    after_expired = eng.stats()["generate"]
+    assert after_expired - b["generate"] <= 1, (b, eng.stats())
     _, _, finals, _ = collect(s.inf.Generate(gen_request(), timeout=5))
-    assert finals and eng.stats()["generate"] == before + 1
+    assert finals and eng.stats()["generate"] == after_expired + 1, (after_expired, eng.stats())
     assert s.check("") == SERVING
     print("   %d bad-input cases + UTF-8, garbage, 4 MiB cap, expired deadline: engine untouched" % len(cases))
     assert s.stop() == 0

@@ -2,7 +2,8 @@
 # Every libFuzzer target of the tree for SECONDS each (default 20): a CC=clang -Dfuzz=true
 # build of just the fuzz targets (build directory build-fuzz, or $FUZZ_BUILD), then meson's
 # suite 'fuzz' (one bounded run per target, test/fuzz/run-fuzz.sh), then one line per target
-# with the executions and the coverage it reached.  Any crash or sanitizer report fails.
+# with the executions and the coverage it reached (two targets at a time, one core each).  Any
+# crash or sanitizer report fails.
 #   bash tools/dev/fuzz.sh          # CI (.ci/run): 20 s each
 #   bash tools/dev/fuzz.sh 600      # by hand: ten minutes each
 set -uo pipefail
@@ -22,7 +23,7 @@ targets=$(meson introspect "$BUILD" --tests |
 ninja -C "$BUILD" $targets >/dev/null ||
   { echo "== building the fuzz targets failed"; exit 1; }
 echo "== fuzz targets, ${SECS} s each: $(for t in $targets; do basename "$t"; done | tr '\n' ' ')"
-FUZZ_SECONDS=$SECS meson test -C "$BUILD" --no-rebuild --suite fuzz --print-errorlogs \
+FUZZ_SECONDS=$SECS meson test -C "$BUILD" --no-rebuild --suite fuzz --print-errorlogs --num-processes 2 \
   -t $(( (SECS + 60) / 120 + 1 )) >/dev/null
 rc=$?
 /usr/bin/python3 - "$BUILD/meson-logs/testlog.json" <<'PY'

@@ -10,9 +10,10 @@
 #      kernels' and the comm layer's, which the kernel, comm and group-fault tests cover at
 #      small sizes), and the tests whose judgement is a timing or an RSS bound, which a sanitizer
 #      build's quarantine and slowness make meaningless (load, key timing, floods, hygiene;
-#      chaos-report repeats tests run here), and the checks of the source tree itself (docs,
+#      chaos-report repeats tests run here), the checks of the source tree itself (docs,
 #      call graph, layers, commit subjects: Python reading files, nothing of the build's memory
-#      to check; the README's suite runs them).  The HTTP API's tests (coord-http) are among them.
+#      to check; the README's suite runs them), the vision tower's goldens (numeric, like the
+#      model runs; the image tests here run the tower) and the benchmarks' smoke runs (bench-*).  The HTTP API's tests (coord-http) are among them.
 #   3. a 5-minute soak (test/chaos/report --profile soak --duration $ASAN_SOAK_S, default 300):
 #      mixed traffic on both doors while ranks and the coordinator are killed and restarted;
 #      it fails on a lost or duplicated terminal status and on any sanitizer line in a
@@ -28,7 +29,7 @@ export ROBUST_BURST=${ROBUST_BURST:-3000} ROBUST_STREAMS=${ROBUST_STREAMS:-500}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tools/dev/lsan.supp:print_suppressions=0}
-ASAN_SKIP=${ASAN_SKIP:-'model-.*|group-equivalence.*|mkmodel.*|mtp-repair-.*|test-engine-prefix|test-engine-model.*|dryrun-.*|stepd-run-.*|kernels-.*|deploy-lint|coord-load-.*|coord-overload-busy-.*|rel-e3-.*|rel-c7-.*|rel-d4-.*|chaos-report-.*|docs.*|callgraph.*|layers.*|commits'}
+ASAN_SKIP=${ASAN_SKIP:-'model-.*|group-equivalence.*|mkmodel.*|mtp-repair-.*|test-engine-prefix|test-engine-model.*|dryrun-.*|stepd-run-.*|kernels-.*|deploy-lint|coord-load-.*|coord-overload-busy-.*|rel-e3-.*|rel-c7-.*|rel-d4-.*|chaos-report-.*|docs.*|callgraph.*|layers.*|commits|vision-tiny-golden|bench-.*'}
 
 if [ ! -f "$BUILD/build.ninja" ]; then
   meson setup "$BUILD" -Db_sanitize=address,undefined -Dcuda=disabled >/dev/null ||

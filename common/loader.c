@@ -122,7 +122,8 @@ struct ckpt {
 
 /* ------------------------------------------------------------------------ */
 
-bool ckpt_name_is_optional(const char *name)
+/* Is name one of the optional-parameter suffixes (.k_scale, ..., .prob_zero_point)? */
+static bool ckpt_name_is_optional(const char *name)
 {
     return tensor_optional_index(name) >= 0;
 }

@@ -112,9 +112,6 @@ int ckpt_get_optional(struct ckpt *c, const char *name, float def, float *out, i
 /* One line per planned tensor: "name dtype [shape] slice bytes", for inspection. */
 void ckpt_plan_dump(const struct ckpt *c, FILE *f);
 
-/* Is name one of the optional-parameter suffixes (.k_scale, ..., .prob_zero_point)? */
-bool ckpt_name_is_optional(const char *name);
-
 #ifdef __cplusplus
 }
 #endif

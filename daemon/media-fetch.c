@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -168,14 +169,27 @@ int media_base64_decode(const char *p, void **ret, size_t *n, char *err, size_t 
 }
 
 /* The test-only decode gate (media.h: MEDIA_TEST_DECODE_GATE_ENV): a FIFO each decode reads
- * one byte from first, blocking until the test writes it. */
-static void decode_gate(void)
+ * one byte from first, blocking until the test writes it.  Its path is read from the
+ * environment once per process, at the first decode (whichever threadpool thread runs it):
+ * later decodes read no environment, and a variable set after that has no effect. */
+static pthread_once_t gate_once = PTHREAD_ONCE_INIT;
+static char *gate_path;         /* NULL: no gate (the variable unset or empty) */
+
+static void gate_resolve(void)
 {
     const char *path = getenv(MEDIA_TEST_DECODE_GATE_ENV);
+
+    if (path && path[0] && !(gate_path = strdup(path)))
+        log_warn("out of memory keeping %s: no decode gate", MEDIA_TEST_DECODE_GATE_ENV);
+}
+
+static void decode_gate(void)
+{
     char c;
     int fd;
 
-    if (!path || !path[0] || (fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+    pthread_once(&gate_once, gate_resolve);
+    if (!gate_path || (fd = open(gate_path, O_RDONLY | O_CLOEXEC)) < 0)
         return;
     while (read(fd, &c, 1) < 0 && errno == EINTR)
         ;

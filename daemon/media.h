@@ -74,7 +74,8 @@ struct media_fetch;
 typedef void (*media_fetch_fn)(struct media_fetch *f, void *ud);
 #define MEDIA_MAX_JOBS 64
 /* The test-only decode gate: with this variable naming a FIFO, each image decode first reads
- * one byte from it (blocking until a test writes it), so a test holds a decode deterministically. */
+ * one byte from it (blocking until a test writes it), so a test holds a decode deterministically.
+ * Read once per process, at its first decode: set it before starting the process. */
 #define MEDIA_TEST_DECODE_GATE_ENV "STEPD_TEST_DECODE_GATE"
 /* Whether url is an http(s) URL whose host is one of --allowed-media-domains (or of
  * domains[0..n)); its host (or "") in host[0..len) when len > 0. */

@@ -43,9 +43,12 @@ struct vision_dev_ops {
      * FP32 elements (rows x k of the largest backend_matmul of a call) and the attention of
      * views of up to n_max tokens, heads x head_dim.  After it no op of a call within these
      * bounds grows the workspace.  *ws_bytes: the encoder's workspace need, set also when
-     * the device cannot give it (-ENOMEM). */
+     * the device cannot give it (-ENOMEM: the workspace keeps its size). */
     int (*reserve)(struct backend *be, int64_t gemm_elems, int64_t n_max, int heads, int head_dim,
                    size_t *ws_bytes);
+    /* reserve's *ws_bytes for these bounds, nothing allocated (0 for bounds it refuses): the
+     * need a plan names when the device cannot give its activations before reserve runs */
+    size_t (*ws_need)(struct backend *be, int64_t gemm_elems, int64_t n_max, int heads, int head_dim);
 };
 
 #ifdef __cplusplus

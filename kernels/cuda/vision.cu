@@ -348,22 +348,29 @@ static int vis_attention(struct backend *be, const float *qkv, int64_t n, int he
 // (kcuda_matmul's workspace; none on the FP32 op path) and a view's attention, as
 // cuda_ws_ensure counts it; reserve() keeps it ----
 
-static int vis_reserve(struct backend *be, int64_t gemm_elems, int64_t n_max, int heads, int head_dim,
-                       size_t *ws_bytes)
+static size_t vis_ws_need(struct backend *be, int64_t gemm_elems, int64_t n_max, int heads, int head_dim)
 {
-    struct cuda_ctx *c = cuda_ctx_of(be);
+    const struct cuda_ctx *c = cuda_ctx_of(be);
     size_t need = 0;
 
-    *ws_bytes = 0;
     if (gemm_elems < 0 || n_max < 0 || heads <= 0 || head_dim <= 0)
-        return -EINVAL;
+        return 0;
     if (!c->exact)
         need = (size_t) gemm_elems * sizeof(bf16);
     if (n_max > 0 && vis_attention_ws(n_max, heads, head_dim) > need)
         need = vis_attention_ws(n_max, heads, head_dim);
-    need += 4096;           // cuda_ws_ensure's alignment margin
-    *ws_bytes = need;
-    return cuda_ws_plan(c, need);   // only grows: the text plan's workspace may be larger
+    return need + 4096;     // cuda_ws_ensure's alignment margin
+}
+
+static int vis_reserve(struct backend *be, int64_t gemm_elems, int64_t n_max, int heads, int head_dim,
+                       size_t *ws_bytes)
+{
+    *ws_bytes = 0;
+    if (gemm_elems < 0 || n_max < 0 || heads <= 0 || head_dim <= 0)
+        return -EINVAL;
+    *ws_bytes = vis_ws_need(be, gemm_elems, n_max, heads, head_dim);
+    // only grows: the text plan's workspace may be larger; refused, it keeps its size
+    return cuda_ws_plan(cuda_ctx_of(be), *ws_bytes);
 }
 
 static const struct vision_dev_ops vision_cuda_ops = {
@@ -376,6 +383,7 @@ static const struct vision_dev_ops vision_cuda_ops = {
     .im2col_s2 = vis_im2col_s2,
     .attention = vis_attention,
     .reserve = vis_reserve,
+    .ws_need = vis_ws_need,
 };
 
 extern "C" const struct vision_dev_ops *kcuda_vision_ops(void)

@@ -4,7 +4,8 @@
  * backend_<op> wrappers of the "cuda" plugin) matches the CPU backend's exact path within
  * a per-op tolerance, on both CUDA paths: the FP32 op path (backend_cfg.mxfp4_exact) and
  * the tensor-core path (cuBLASLt BF16 GEMMs, MXFP4 W4A16 grouped experts, flash attention
- * with context splits; tolerances of BF16 activations).  Outputs are poisoned (NaN) before
+ * with context splits; tolerances of BF16 activations).  FP8 and NVFP4 experts run lowp.cu's
+ * op (FP32 activations) on both paths.  Outputs are poisoned (NaN) before
  * each op, so an element the op does not write fails.  Exits 77 (skipped) when the plugin
  * or a GPU is absent.
  */
@@ -19,6 +20,7 @@
 #include "backend.h"
 #include "harness.h"
 #include "gpu-test.h"
+#include "tensor.h"
 
 static struct backend *cpu;
 static bool fast;           /* the tensor-core path (not mxfp4_exact) */
@@ -86,14 +88,36 @@ static void compare_scaled(const char *what, const float *ref, const void *dev, 
     free(got);
 }
 
-/* A weight of the given format with random content, prepared on both backends. */
+/* A weight of the given format with random content, prepared on both backends (FP8: scale
+ * blocks of 32 x 32; FP8 and NVFP4 quantised from uniform values by common/tensor.c). */
 struct wpair { struct bweight c, g; void *data; uint8_t *scale; };
 
 static void make_weight(struct wpair *w, enum wfmt fmt, int rows, int cols)
 {
     size_t n = (size_t)rows * cols;
+    int32_t br = 0, bc = 0;
+    float gscale = 0;
     memset(w, 0, sizeof(*w));
-    if (fmt == WFMT_F32) {
+    if (fmt == WFMT_FP8 || fmt == WFMT_NVFP4) {
+        float *f = rnd(n, 0.5f);
+        if (fmt == WFMT_FP8) {
+            br = bc = 32;
+            w->data = malloc(n);
+            w->scale = malloc((size_t)(rows / br) * (cols / bc) * sizeof(float));
+            ASSERT_TRUE(w->data && w->scale);
+            ASSERT_OK(fp8_block_quantize(f, rows, cols, br, bc, w->data, (float *)w->scale));
+        } else {
+            gscale = nvfp4_global_scale(f, (int64_t)n);
+            w->data = malloc(n / 2);
+            w->scale = malloc(n / 16);
+            ASSERT_TRUE(w->data && w->scale);
+            for (int r = 0; r < rows; r++)
+                ASSERT_OK(nvfp4_row_quantize(f + (size_t)r * cols, cols, gscale,
+                                             (uint8_t *)w->data + (size_t)r * cols / 2,
+                                             w->scale + (size_t)r * cols / 16));
+        }
+        free(f);
+    } else if (fmt == WFMT_F32) {
         w->data = rnd(n, 0.5f);
     } else if (fmt == WFMT_BF16) {
         uint16_t *p = malloc(n * 2);
@@ -109,7 +133,8 @@ static void make_weight(struct wpair *w, enum wfmt fmt, int rows, int cols)
             w->scale[i] = (uint8_t)(120 + (i % 7));
         w->data = p;
     }
-    w->c = (struct bweight){ .fmt = fmt, .rows = rows, .cols = cols, .data = w->data, .scale = w->scale };
+    w->c = (struct bweight){ .fmt = fmt, .rows = rows, .cols = cols, .data = w->data, .scale = w->scale,
+                             .blk_rows = br, .blk_cols = bc, .gscale = gscale };
     w->g = w->c;
     ASSERT_OK(backend_weight_prepare(cpu, &w->c));
     ASSERT_OK(backend_weight_prepare(gpu, &w->g));
@@ -272,9 +297,11 @@ static void test_argmax(int rows, int n, int k)
     free(x); free(cv); free(gv); free(ci); free(gi);
 }
 
-/* The router, then the routed experts of local [first, first + n_local) on its choice. */
-static void test_router_moe(int n_tok, int hidden, int inter, int n_exp, int top_k, int first,
-                            int n_local, float limit)
+/* The router, then the routed experts (fmt) of local [first, first + n_local) on its choice.
+ * FP8 and NVFP4 experts run the op path of lowp.cu (kcu_lowp_moe: FP32 activations on both
+ * CUDA paths), which no model test reaches since the fused FFN halves took these formats. */
+static void test_router_moe(enum wfmt fmt, int n_tok, int hidden, int inter, int n_exp, int top_k,
+                            int first, int n_local, float limit)
 {
     char name[96];
     float *z = rnd((size_t)n_tok * n_exp, 4.0f), *bias = rnd(n_exp, 0.3f);
@@ -295,9 +322,9 @@ static void test_router_moe(int n_tok, int hidden, int inter, int n_exp, int top
     struct wpair (*wp)[3] = calloc((size_t)n_local, sizeof(*wp));
     struct moe_expert *ce = calloc((size_t)n_local, sizeof(*ce)), *ge = calloc((size_t)n_local, sizeof(*ge));
     for (int e = 0; e < n_local; e++) {
-        make_weight(&wp[e][0], WFMT_MXFP4, inter, hidden);
-        make_weight(&wp[e][1], WFMT_MXFP4, inter, hidden);
-        make_weight(&wp[e][2], WFMT_MXFP4, hidden, inter);
+        make_weight(&wp[e][0], fmt, inter, hidden);
+        make_weight(&wp[e][1], fmt, inter, hidden);
+        make_weight(&wp[e][2], fmt, hidden, inter);
         ce[e] = (struct moe_expert){ wp[e][0].c, wp[e][1].c, wp[e][2].c };
         ge[e] = (struct moe_expert){ wp[e][0].g, wp[e][1].g, wp[e][2].g };
     }
@@ -308,8 +335,11 @@ static void test_router_moe(int n_tok, int hidden, int inter, int n_exp, int top
     struct moe_args ga = { dx, dmo, n_tok, hidden, inter, top_k, dids, dw, ge, first, n_local, limit };
     ASSERT_OK(backend_moe(cpu, &ca));
     ASSERT_OK(backend_moe(gpu, &ga));
-    snprintf(name, sizeof(name), "moe %d tok %dx%d local %d+%d", n_tok, hidden, inter, first, n_local);
-    if (fast)
+    snprintf(name, sizeof(name), "moe%s %d tok %dx%d local %d+%d",
+             fmt == WFMT_FP8 ? " fp8" : fmt == WFMT_NVFP4 ? " nvfp4" : "", n_tok, hidden, inter, first, n_local);
+    if (fmt == WFMT_FP8 || fmt == WFMT_NVFP4)     /* FP32 on both: measured up to 1.4e-6 */
+        compare(name, out, dmo, (size_t)n_tok * hidden, 1e-4);
+    else if (fast)
         compare_scaled(name, out, dmo, (size_t)n_tok * hidden, 3e-2);
     else
         compare(name, out, dmo, (size_t)n_tok * hidden, 2e-3);
@@ -400,19 +430,21 @@ static void run_all(bool emulated)
     test_argmax(12, 4099, 1);
     test_argmax(11, 1000, 20);
     test_argmax(10, 33, 5);
-    test_router_moe(5, 64, 32, 12, 3, 4, 6, 7.0f);
+    test_router_moe(WFMT_MXFP4, 5, 64, 32, 12, 3, 4, 6, 7.0f);
     if (emulated) {
-        test_router_moe(1, 128, 64, 288, 8, 0, 288, 0.0f);
-        test_router_moe(13, 128, 64, 288, 8, 72, 72, 2.5f);
+        test_router_moe(WFMT_MXFP4, 1, 128, 64, 288, 8, 0, 288, 0.0f);
+        test_router_moe(WFMT_MXFP4, 13, 128, 64, 288, 8, 72, 72, 2.5f);
     } else {
-        test_router_moe(1, 256, 128, 288, 8, 0, 288, 0.0f);
-        test_router_moe(13, 256, 128, 288, 8, 72, 72, 2.5f);
+        test_router_moe(WFMT_MXFP4, 1, 256, 128, 288, 8, 0, 288, 0.0f);
+        test_router_moe(WFMT_MXFP4, 13, 256, 128, 288, 8, 72, 72, 2.5f);
     }
     if (emulated)
-        test_router_moe(20, 512, 32, 40, 8, 0, 40, 0.0f);   /* 4 warps, 4 stages */
+        test_router_moe(WFMT_MXFP4, 20, 512, 32, 40, 8, 0, 40, 0.0f);   /* 4 warps, 4 stages */
     else
-        test_router_moe(37, 512, 96, 40, 8, 0, 40, 0.0f);
-    test_router_moe(70, 256, 64, 16, 4, 3, 9, 0.0f);
+        test_router_moe(WFMT_MXFP4, 37, 512, 96, 40, 8, 0, 40, 0.0f);
+    test_router_moe(WFMT_MXFP4, 70, 256, 64, 16, 4, 3, 9, 0.0f);
+    test_router_moe(WFMT_FP8, 5, 64, 32, 12, 3, 4, 6, 7.0f);
+    test_router_moe(WFMT_NVFP4, 5, 64, 32, 12, 3, 4, 6, 0.0f);
     test_attention(6, 2, 32, 0, 1, 9, 2, 37);
     test_attention(6, 2, 32, 5, 1, 9, 2, 37);
     test_attention(6, 2, 32, 5, 0, 9, 2, 37);

@@ -513,6 +513,35 @@ static void plan(const char *model, double tol)
     ASSERT_CONTAINS(e.msg, "the vision encoder needs");
     ASSERT_CONTAINS(e.msg, "of device memory");
     ASSERT_EQ(planned, 0);
+    /* a refused plan takes no device memory (v's former plan is dropped: some comes back) */
+    ASSERT_OK(backend_mem_info(gpu, &fr1, &tot));
+    if (fr1 < fr0)
+        FAIL("a refused plan of %d views left %zu bytes of device memory taken", too_many, fr0 - fr1);
+
+    /* and leaves it exactly as it was on v0, which has no plan of its own to drop: the
+     * workspace does not grow, whether the activations (too_many views) or the workspace (as
+     * many views as the activations leave 4 MB of the device free for: its GEMM inputs do
+     * not fit) are what the device cannot give */
+    long long act = 0;
+    size_t ws = 0;
+    const char *need = strchr(e.msg, '(');
+    ASSERT_TRUE(need && sscanf(need, "(%lld of activations, %zu of workspace)", &act, &ws) == 2);
+    int fit = (int)((fr0 - (4u << 20)) / (size_t)(act / too_many + 1));
+    const int cases[2] = {too_many, fit};
+    for (int i = 0; i < 2; i++) {
+        ASSERT_OK(backend_mem_info(gpu, &fr0, &tot));
+        ASSERT_ERR(vision_plan(v0, cases[i], cf->image_size, &planned, &e), -ENOMEM);
+        ASSERT_OK(backend_mem_info(gpu, &fr1, &tot));
+        printf("plan: a refused plan of %d views: free device memory %zu -> %zu: %s\n", cases[i], fr0, fr1, e.msg);
+        if (fr1 != fr0)
+            FAIL("a refused plan of %d views left %lld bytes of device memory taken", cases[i],
+                 (long long)fr0 - (long long)fr1);
+        need = strchr(e.msg, '(');
+        ASSERT_TRUE(need && sscanf(need, "(%lld of activations, %zu of workspace)", &act, &ws) == 2);
+        if (i == 1 && !(act < (long long)fr0 && act + (long long)ws > (long long)fr0))
+            FAIL("%d views: %lld bytes of activations and %zu of workspace on %zu free: not a plan whose "
+                 "workspace alone does not fit", fit, act, ws, fr0);
+    }
 
     for (int i = 0; i < NV; i++)
         free((void *)views[i].rgb);

@@ -120,11 +120,6 @@ const struct model_config *model_config(const struct model *m)
     return m->cfg;
 }
 
-int model_vocab_size(const struct model *m)
-{
-    return m->vocab;
-}
-
 int model_n_mtp(const struct model *m)
 {
     return m->n_mtp;

@@ -541,7 +541,7 @@ int vision_plan(struct vision *v, int max_views, int max_side, int64_t *ret_byte
 {
     const struct vision_config *cf = &v->cfg;
     int g = max_side / cf->patch, g1 = vops_s2_side(g), g2 = vops_s2_side(g1);
-    int64_t T, T1, T2, bytes[VB_N], act = 0;
+    int64_t T, T1, T2, bytes[VB_N], act = 0, gemm;
     size_t ws = 0, fr, tot;
     char why[96] = "";
     int r;
@@ -561,7 +561,8 @@ int vision_plan(struct vision *v, int max_views, int max_side, int64_t *ret_byte
     dev_sizes(cf, T, T1, T2, max_side, bytes);
     for (int i = 0; i < VB_N; i++)
         act += bytes[i];
-    if (!v->dev->reserve)
+    gemm = dev_gemm_elems(cf, T, T1, T2);
+    if (!v->dev->reserve || !v->dev->ws_need)
         return err_set(e, -ENOTSUP, "backend '%s': its vision ops cannot plan their memory", v->be->ops->name);
     for (int i = 0; i < VB_N; i++)
         if (v->pbuf[i]) {
@@ -569,9 +570,15 @@ int vision_plan(struct vision *v, int max_views, int max_side, int64_t *ret_byte
             v->pbuf[i] = NULL;
         }
     v->plan_t = v->plan_t1 = v->plan_t2 = 0;
-    r = v->dev->reserve(v->be, dev_gemm_elems(cf, T, T1, T2), (int64_t) g * g, cf->heads, cf->head_dim, &ws);
-    if (r == 0)
-        r = dev_bufs_alloc(v->be, bytes, v->pbuf);
+    /* the activations first, the workspace (which only grows) last: a refused plan leaves the
+     * device memory as it was, the workspace its size */
+    ws = v->dev->ws_need(v->be, gemm, (int64_t) g * g, cf->heads, cf->head_dim);
+    r = dev_bufs_alloc(v->be, bytes, v->pbuf);
+    if (r == 0 && (r = v->dev->reserve(v->be, gemm, (int64_t) g * g, cf->heads, cf->head_dim, &ws)) < 0)
+        for (int i = 0; i < VB_N; i++) {
+            backend_buf_free(v->be, v->pbuf[i]);
+            v->pbuf[i] = NULL;
+        }
     if (r < 0) {
         if (backend_mem_info(v->be, &fr, &tot) == 0)
             snprintf(why, sizeof(why), " (%zu of %zu bytes free)", fr, tot);

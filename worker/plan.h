@@ -58,6 +58,11 @@ struct step_plan {
     int32_t *blocks[_KV_GROUP_MAX]; /* concatenated block tables per group */
     bool draft_sub;         /* rank 0 only, not on the wire: this step's MTP depths score
                                the installed draft vocabulary (forward.h set_draft_vocab) */
+    bool argmax;            /* the step runs its greedy form (forward.h step_argmax): each
+                               logits row reduced to its argmax where it was computed.  Set by
+                               rank 0's group wrapper; on the wire as the message kind
+                               (plan-wire.c), so that every rank of a vocab-sharded group
+                               meets in the same collective (the argmax pairs' all-gather) */
     /* image embeddings, rows of the text hidden (the vision encoder's output, rank 0's), and
      * per plan token the row it embeds as instead of its id's (img_row[t] in
      * 0 .. n_img_emb-1) or -1.  NULL: every token embeds its id.  On the wire (plan-wire.c,

@@ -55,119 +55,6 @@ static uint64_t now_msec(void)
     return (uint64_t)clk_now_ms();
 }
 
-/* ---- forwards around the model (rank 0) -------------------------------------------- */
-
-/* The model behind a wrapper that adds something to every trunk step: the lockstep
- * forward broadcasts the step plan to the group first (c, buf, cap); a CUDA group's
- * forward ends it with the NCCL comm's step check (w).  MTP steps and the draft
- * vocabulary pass through: the MTP layers are rank 0's alone. */
-struct wrap_fwd {
-    struct forward f;
-    struct forward *inner;
-    bool owns_inner;                /* free() frees the inner forward too */
-    struct comm *c;                 /* lockstep: the plan goes over c, encoded into buf */
-    void *buf;
-    size_t cap;
-    struct worker *w;               /* NCCL steps */
-};
-
-static int nccl_steps_step(struct wrap_fwd *x, const struct step_plan *p, float *logits);
-
-static int lockstep_step(struct wrap_fwd *x, const struct step_plan *p, float *logits)
-{
-    int r = comm_plan_send(x->c, p, x->buf, x->cap);
-
-    if (r < 0) {
-        log_error("step %llu: step-plan broadcast failed: %s",
-                  (unsigned long long)p->step_id, x->c->error_msg[0] ? x->c->error_msg : err_str(r));
-        return r;
-    }
-    r = x->inner->ops->step(x->inner, p, logits);
-    if (r < 0 && x->c->error)
-        log_error("step %llu: %s", (unsigned long long)p->step_id, x->c->error_msg);
-    return r;
-}
-
-static int wrap_step(struct forward *f, const struct step_plan *p, float *logits)
-{
-    struct wrap_fwd *x = f->impl;
-
-    return x->c ? lockstep_step(x, p, logits) : nccl_steps_step(x, p, logits);
-}
-
-static int wrap_mtp_step(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
-                         const int32_t *tok_in, float *logits)
-{
-    struct wrap_fwd *x = f->impl;
-
-    return x->inner->ops->mtp_step(x->inner, k, p, n_valid, tok_in, logits);
-}
-
-static int wrap_set_draft_vocab(struct forward *f, const int32_t *ids, int n, struct err_buf *e)
-{
-    struct forward *inner = ((struct wrap_fwd *)f->impl)->inner;
-
-    if (!inner->ops->set_draft_vocab)
-        return err_set(e, -ENOSYS, "forward '%s' has no draft vocabulary", inner->ops->name);
-    return inner->ops->set_draft_vocab(inner, ids, n, e);
-}
-
-static void wrap_free(struct forward *f)
-{
-    struct wrap_fwd *x;
-
-    if (!f)
-        return;
-    x = f->impl;
-    if (x->owns_inner)
-        x->inner->ops->free(x->inner);
-    free(x->buf);
-    free(x);
-}
-
-static const struct forward_ops wrap_ops = {
-    .name = "rank 0",
-    .step = wrap_step,
-    .mtp_step = wrap_mtp_step,
-    .free = wrap_free,
-    .set_draft_vocab = wrap_set_draft_vocab,
-};
-
-/* A wrapper of inner (owned or borrowed), with plan_cap bytes of plan buffer (0: none). */
-static struct wrap_fwd *wrap_new(struct forward *inner, bool owns, size_t plan_cap)
-{
-    struct wrap_fwd *x = calloc(1, sizeof(*x));
-
-    if (!x)
-        return NULL;
-    x->buf = plan_cap ? malloc(plan_cap) : NULL;
-    if (plan_cap && !x->buf) {
-        free(x);
-        return NULL;
-    }
-    x->inner = inner;
-    x->owns_inner = owns;
-    x->cap = plan_cap;
-    x->f = *inner;
-    x->f.ops = &wrap_ops;
-    x->f.impl = x;
-    if (!inner->ops->mtp_step)
-        x->f.n_mtp = 0;
-    return x;
-}
-
-int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_cap,
-                             struct forward **ret)
-{
-    struct wrap_fwd *x = wrap_new(inner, false, plan_cap > 0 ? plan_cap : 1);
-
-    if (!x)
-        return -ENOMEM;
-    x->c = c;
-    *ret = &x->f;
-    return 0;
-}
-
 /* ---- the model's collective hooks -------------------------------------------------- */
 
 /* ctx is where the comm lives (struct comm **): a rank that re-forms its group gets a new
@@ -249,25 +136,16 @@ struct worker {
     struct load_watch *lw;              /* load progress, while stage_load() runs */
 };
 
-/* A CUDA group's trunk step ends with the NCCL comm's step check (async error, the
+/* A CUDA group's trunk steps end with the NCCL comm's step check (async error, the
  * watchdog's busy mark cleared): the collectives ran in stream order inside the step, with
  * no host wait of their own. */
-static int nccl_steps_step(struct wrap_fwd *x, const struct step_plan *p, float *logits)
-{
-    int r = x->inner->ops->step(x->inner, p, logits);
-    int r2 = x->w->nccl->step_done(x->w->dcomm);
-
-    return r < 0 ? r : r2;
-}
-
 static int dcomm_wrap(struct worker *w, struct err_buf *e)
 {
-    struct wrap_fwd *x = wrap_new(w->fwd, true, 0);
+    struct forward *f;
 
-    if (!x)
+    if (worker_nccl_forward_new(w->fwd, w->nccl, w->dcomm, &f) < 0)
         return err_set(e, -ENOMEM, "out of memory");
-    x->w = w;
-    w->fwd = &x->f;
+    w->fwd = f;
     return 0;
 }
 
@@ -930,11 +808,12 @@ static int follower_loop(struct worker *w)
     struct err_buf e = { "" };
     void *scratch = malloc(w->plan_cap);
     float *logits = calloc((size_t)w->logit_rows * (size_t)w->vocab, sizeof(float));
+    int32_t *ids = calloc((size_t)w->logit_rows, sizeof(int32_t));
     uint64_t steps = 0;
     int kind, r, rc = WORKER_EXIT_OK;
 
     step_plan_buf_init(&pb);
-    if (!scratch || !logits) {
+    if (!scratch || !logits || !ids) {
         log_error("out of memory for the plan buffer");
         rc = WORKER_EXIT_FAILURE;
         goto out;
@@ -960,7 +839,7 @@ static int follower_loop(struct worker *w)
             comm_barrier(w->comm);
             break;
         }
-        r = w->fwd->ops->step(w->fwd, &pb.plan, logits);
+        r = worker_follow_step(w->fwd, &pb.plan, logits, ids);
         if (r < 0) {
             log_error("step %llu failed: %s", (unsigned long long)pb.plan.step_id,
                       w->comm->error ? comm_last_error(w->comm) : err_str(r));
@@ -975,6 +854,7 @@ out:
     step_plan_buf_done(&pb);
     free(scratch);
     free(logits);
+    free(ids);
     return rc;
 }
 

@@ -156,12 +156,24 @@ int worker_ctl_poll(struct worker_ctl *c, unsigned *ret_lost, struct err_buf *e)
 /* End the session and join the control thread: no hook runs after it returns. */
 void worker_ctl_free(struct worker_ctl *c);
 
-/* ---- lockstep forward -------------------------------------------------------------- */
-/* Wrap inner (borrowed) so that every step() first broadcasts its plan over c (rank 0).
- * mtp_step and set_draft_vocab are rank 0's only and pass through.  free() frees the
+/* ---- lockstep forwards (lockstep.c) ------------------------------------------------ */
+/* Wrap inner (borrowed) so that every trunk step first broadcasts its plan over c (rank 0):
+ * step() as a plain plan, step_argmax() (inner's greedy form, -ENOTSUP without one) with
+ * plan.argmax set, so that the other ranks run the greedy form too (worker_follow_step):
+ * a vocab-sharded trunk meets in the all-gather of each row's argmax pairs.  mtp_step,
+ * mtp_step_argmax and set_draft_vocab are rank 0's only and pass through.  free() frees the
  * wrapper only. */
 int worker_bcast_forward_new(struct forward *inner, struct comm *c, size_t plan_cap,
                              struct forward **ret);
+/* Wrap inner (owned: free() frees both) so that every trunk step (either form) ends with
+ * nccl->step_done(dcomm) (a CUDA group's NCCL comm, every rank). */
+struct comm_nccl_api;
+int worker_nccl_forward_new(struct forward *inner, const struct comm_nccl_api *nccl,
+                            struct comm *dcomm, struct forward **ret);
+/* A follower's step for plan p received from rank 0: the greedy form into ids [rows] when
+ * p->argmax and f has it, else (or when it answers -ENOTSUP before running anything, as
+ * rank 0's does then) step() into logits [rows, vocab]. */
+int worker_follow_step(struct forward *f, const struct step_plan *p, float *logits, int32_t *ids);
 
 #ifdef __cplusplus
 }

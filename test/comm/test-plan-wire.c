@@ -231,6 +231,51 @@ static void test_images(struct step_plan_buf *b)
     every_damage(buf, n, b, "image plan");
 }
 
+/* The greedy form (issue 38): plan.argmax goes as the kind STEP_ARGMAX and comes back set;
+ * the bytes are the plain plan's but for the kind; a plan without it is written as before. */
+static void test_argmax(struct step_plan_buf *b)
+{
+    unsigned char plain[1024], buf[1024], bad[1024];
+    struct err_buf e = { "" };
+    int kind, n, np;
+
+    reset();
+    np = step_plan_pack(&P, plain, sizeof(plain));
+    ASSERT_OK(np);
+    ASSERT_EQ(plain[6], PLAN_MSG_STEP);
+    P.argmax = true;
+    n = step_plan_pack(&P, buf, sizeof(buf));
+    ASSERT_EQ(n, np);
+    ASSERT_EQ(buf[6], PLAN_MSG_STEP_ARGMAX);
+    ASSERT_EQ(buf[7], 0);
+    ASSERT_TRUE(memcmp(buf, plain, 6) == 0 && memcmp(buf + 8, plain + 8, (size_t)n - 8) == 0);
+    kind = 0;
+    ASSERT_OK(step_plan_unpack(buf, (size_t)n, &LIM, b, &kind, &e));
+    ASSERT_EQ(kind, PLAN_MSG_STEP);
+    ASSERT_TRUE(b->plan.argmax);
+    ASSERT_TRUE(memcmp(b->plan.seqs, seqs, sizeof(seqs)) == 0);
+    ASSERT_TRUE(memcmp(b->plan.tokens, toks, sizeof(toks)) == 0);
+    /* the next plain plan through the same buffer is not greedy */
+    ASSERT_OK(step_plan_unpack(plain, (size_t)np, &LIM, b, &kind, &e));
+    ASSERT_EQ(kind, PLAN_MSG_STEP);
+    ASSERT_TRUE(!b->plan.argmax);
+    every_damage(buf, n, b, "greedy plan");
+    /* with image rows: version 2, kind STEP_ARGMAX */
+    with_images();
+    n = step_plan_pack(&P, buf, sizeof(buf));
+    ASSERT_OK(n);
+    ASSERT_EQ(buf[4], 2);
+    ASSERT_EQ(buf[6], PLAN_MSG_STEP_ARGMAX);
+    ASSERT_OK(step_plan_unpack(buf, (size_t)n, &LIM, b, &kind, &e));
+    ASSERT_TRUE(b->plan.argmax && b->plan.n_img_emb == 3);
+    ASSERT_TRUE(memcmp(b->plan.img_emb, emb, sizeof(emb)) == 0);
+    /* a kind past STEP_ARGMAX is unknown */
+    memcpy(bad, buf, (size_t)n);
+    bad[6] = PLAN_MSG_STEP_ARGMAX + 1;
+    ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -EPROTO);
+    ASSERT_CONTAINS(e.msg, "unknown message kind 4");
+}
+
 int main(void)
 {
     unsigned char buf[1024], bad[1024];
@@ -335,6 +380,7 @@ int main(void)
     ASSERT_TRUE(step_plan_max_packed_size(&LIM) >= step_plan_packed_size(&P));
 
     test_images(&b);
+    test_argmax(&b);
     step_plan_buf_done(&b);
     return 0;
 }

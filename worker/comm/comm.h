@@ -125,6 +125,8 @@ int comm_ucx_connect(struct comm *c, const void *const *addrs, const size_t *len
 enum plan_msg {
     PLAN_MSG_STEP = 1,      /* a step plan follows: ranks run forward step() */
     PLAN_MSG_STOP = 2,      /* orderly shutdown of the group */
+    PLAN_MSG_STEP_ARGMAX = 3,   /* on the wire only: a STEP whose plan has argmax set (ranks
+                                   run forward step_argmax); unpacked as PLAN_MSG_STEP */
     _PLAN_MSG_MAX,
 };
 
@@ -172,8 +174,9 @@ struct step_plan_limits {
 #define STEP_PLAN_MAX_IMG_ROWS (1 << 24)
 #define STEP_PLAN_MAX_IMG_WIDTH (1 << 16)
 
-/* Parse buf[len] as untrusted bytes.  *ret_kind is PLAN_MSG_*; for STEP the plan is in
- * b->plan (pointers into b).  Every count, offset and id is checked against len and lim;
+/* Parse buf[len] as untrusted bytes.  *ret_kind is PLAN_MSG_STEP or PLAN_MSG_STOP; for STEP
+ * the plan is in b->plan (pointers into b; plan.argmax set when the wire kind was
+ * PLAN_MSG_STEP_ARGMAX).  Every count, offset and id is checked against len and lim;
  * errors are -EBADMSG (malformed), -EPROTO (unknown version/kind), -ERANGE (a value beyond
  * lim), with the reason in e. */
 int step_plan_unpack(const void *buf, size_t len, const struct step_plan_limits *lim,

@@ -13,7 +13,10 @@
  *            n_img_emb x img_width f32 img_emb (IEEE-754 binary32, the rows rank 0 splices)
  * A plan without image rows is written as version 1, byte for byte what it was before
  * images; one with image rows as version 2 (n_img_emb >= 1).  A STOP message is the
- * version-1 header alone with every count 0.
+ * version-1 header alone with every count 0.  The kind of a plan is STEP, or STEP_ARGMAX
+ * when plan.argmax is set (the greedy form, issue 38: the layout is STEP's, in either
+ * version); a plan without argmax is written as before it.  A receiver that predates
+ * STEP_ARGMAX refuses it as an unknown kind (-EPROTO), as it refuses any kind it lacks.
  *
  * The receiver treats the bytes as untrusted (docs/RELIABILITY.md C11): the length must match
  * the counts exactly, every count is bounded, every run lies inside the token array, every
@@ -165,7 +168,8 @@ int step_plan_pack(const struct step_plan *p, void *buf, size_t cap)
     need = hdr + body;
     if (need > cap || need > INT32_MAX)
         return -EMSGSIZE;
-    put_header(o, p->img_row ? PLAN_VERSION_IMG : PLAN_VERSION, PLAN_MSG_STEP, (uint32_t)body,
+    put_header(o, p->img_row ? PLAN_VERSION_IMG : PLAN_VERSION,
+               p->argmax ? PLAN_MSG_STEP_ARGMAX : PLAN_MSG_STEP, (uint32_t)body,
                p->step_id, p->n_seqs, p->n_tokens, p->n_block_ids);
     if (p->img_row) {
         put_u32(o + 36, (uint32_t)p->n_img_emb);
@@ -271,12 +275,12 @@ int step_plan_unpack(const void *buf, size_t len, const struct step_plan_limits 
     if (version != PLAN_VERSION && version != PLAN_VERSION_IMG)
         return err_set(e, -EPROTO, "step plan: version %u, this worker speaks %d and %d", version,
                        PLAN_VERSION, PLAN_VERSION_IMG);
-    if (kind != PLAN_MSG_STEP && kind != PLAN_MSG_STOP)
+    if (kind != PLAN_MSG_STEP && kind != PLAN_MSG_STOP && kind != PLAN_MSG_STEP_ARGMAX)
         return err_set(e, -EPROTO, "step plan: unknown message kind %u", kind);
     if (version == PLAN_VERSION_IMG) {
-        if (kind != PLAN_MSG_STEP)
+        if (kind == PLAN_MSG_STOP)
             return err_set(e, -EBADMSG, "step plan: a version-%d message of kind %u (only a "
-                           "STEP carries image rows)", PLAN_VERSION_IMG, kind);
+                           "step plan carries image rows)", PLAN_VERSION_IMG, kind);
         hdr = HDR_IMG_BYTES;
         if (len < hdr)
             return err_set(e, -EBADMSG, "step plan: %zu bytes, shorter than the %zu-byte header "
@@ -352,6 +356,7 @@ int step_plan_unpack(const void *buf, size_t len, const struct step_plan_limits 
         return err_set(e, r, "step plan: out of memory");
 
     p->step_id = get_u64(in + 12);
+    p->argmax = kind == PLAN_MSG_STEP_ARGMAX;
     p->n_seqs = n_seqs;
     p->n_tokens = n_tokens;
     p->n_block_ids[0] = nb[0];

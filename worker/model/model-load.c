@@ -702,6 +702,16 @@ int model__reserve(struct model *m, struct err_buf *e)
     r = r ? r : host_i32(&m->h_rows, T);
     r = r ? r : host_i32(&m->h_src, T);
     r = r ? r : host_i32(&m->h_img_row, T);
+    if (!r && m->sharded) {     /* the greedy rows' pairs (model__trunk_logits) */
+        size_t W = (size_t)m->comm.world;
+
+        r = host_i32(&m->am_id, R);
+        m->am_pairs = calloc((W * 2 + 1) * R + 1, sizeof(float));
+        if (!r && !m->am_pairs)
+            r = -ENOMEM;
+        if (m->am_pairs)
+            m->am_val = m->am_pairs + W * 2 * R;
+    }
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         r = r ? r : host_i32(&m->h_slots[g], T);
         r = r ? r : host_i32(&m->h_boff[g], S);
@@ -913,6 +923,8 @@ void model__unload(struct model *m)
     }
     free(m->tp_half);
     free(m->bounce);
+    free(m->am_id);
+    free(m->am_pairs);
     free(m->zeros);
     free(m->h_last);
     free(m->h_ids);

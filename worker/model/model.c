@@ -224,7 +224,62 @@ int model__trunk_forward(struct model *m, const struct batch *b, float *x)
     return r;
 }
 
-/* logits[rows, vocab] = lm_head · final_norm(hid[rows]), gathered over the vocab slices. */
+int32_t model_argmax_pick(const float *vals, const int32_t *ids, int n)
+{
+    int best = -1;
+
+    for (int i = 0; i < n; i++) {
+        if (isnan(vals[i]))
+            continue;
+        if (best < 0 || vals[i] > vals[best] || (vals[i] == vals[best] && ids[i] < ids[best]))
+            best = i;
+    }
+    return best < 0 ? 0 : ids[best];
+}
+
+/* The greedy rows of a vocab-sharded trunk (rows_logits [n_rows, Vl], this rank's slice):
+ * each rank reduces its slice to one (value, global id) pair per row on the backend, the
+ * ranks all-gather the pairs (2 floats a row instead of Vl; staged in rows_h, whose rows
+ * the head has read, gathered into gather) and every rank picks each row's argmax from
+ * them (model_argmax_pick).  Collective: every rank of the group runs it in the same step
+ * (the plan's argmax, worker/comm/plan-wire.c). */
+static int trunk_argmax_sharded(struct model *m, int n_rows)
+{
+    const int W = m->comm.world, Vl = m->vocab_local;
+    const int32_t off = (int32_t)m->comm.rank * Vl;
+    float *pairs = m->am_pairs;
+    size_t n2 = (size_t)n_rows * 2;
+    int r;
+
+    TRY(backend_argmax(m->be, m->rows_logits, n_rows, Vl, 1, m->am_id, m->am_val));
+    for (int i = 0; i < n_rows; i++) {
+        int32_t id = m->am_id[i] + off;
+
+        pairs[2 * i] = m->am_val[i];
+        memcpy(&pairs[2 * i + 1], &id, sizeof(id));
+    }
+    TRY(backend_upload(m->be, m->rows_h, pairs, sizeof(float) * n2));
+    /* [all-gather]: gather[w] = rank w's [n_rows, 2] */
+    TRY(m->comm.allgather(m->comm.ctx, m->rows_h, m->gather, n2));
+    TRY(backend_download(m->be, pairs, m->gather, sizeof(float) * n2 * (size_t)W));
+    TRY(backend_sync(m->be));
+    for (int i = 0; i < n_rows; i++) {
+        float v[W];
+        int32_t id[W];
+
+        for (int w = 0; w < W; w++) {
+            const float *p = pairs + (size_t)w * n2 + 2 * (size_t)i;
+
+            v[w] = p[0];
+            memcpy(&id[w], &p[1], sizeof(id[w]));
+        }
+        m->argmax_ids[i] = model_argmax_pick(v, id, W);
+    }
+    return 0;
+}
+
+/* logits[rows, vocab] = lm_head · final_norm(hid[rows]), gathered over the vocab slices;
+ * with argmax_ids, each row's argmax instead (no row to the host). */
 int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float *logits)
 {
     int H = m->hidden, V = m->vocab, Vl = m->vocab_local;
@@ -244,6 +299,8 @@ int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
         }
         return 0;
     }
+    if (m->argmax_ids)
+        return trunk_argmax_sharded(m, n_rows);
     /* [all-gather]: gather[w] = rank w's [n_rows, Vl]; row i = concat over w */
     TRY(m->comm.allgather(m->comm.ctx, m->rows_logits, m->gather, (size_t)n_rows * Vl));
     if (!logits)
@@ -257,8 +314,9 @@ int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
 }
 
 /* Whether the greedy steps can reduce logits rows on this model's backend: the op is
- * there (a call on 0 rows answers -ENOSYS where it is not) and the rows are whole on this
- * rank (a vocab-sharded trunk gathers them on the host). */
+ * there (a call on 0 rows answers -ENOSYS where it is not).  A vocab-sharded trunk reduces
+ * each rank's slice and all-gathers the pairs (trunk_argmax_sharded); the MTP heads are
+ * whole on rank 0. */
 int model__argmax_check(struct model *m, const char *what)
 {
     float none = 0.0f;
@@ -266,8 +324,6 @@ int model__argmax_check(struct model *m, const char *what)
 
     if (backend_argmax(m->be, &none, 0, 1, 1, &id, NULL) == -ENOSYS)
         return PLAN_ERR(m, -ENOTSUP, "%s: the backend has no argmax op", what);
-    if (m->sharded)
-        return PLAN_ERR(m, -ENOTSUP, "%s: the vocabulary is sharded over ranks", what);
     return 0;
 }
 

@@ -15,7 +15,8 @@
  *   - allreduce_sum after o_proj of every layer (partial sums over the rank's heads),
  *   - allreduce_sum after the FFN of every layer (dense MLP / shared expert partials
  *     plus the rank's routed experts),
- *   - allgather of the lm_head rows of the wanted positions (vocab slices).
+ *   - allgather of the lm_head rows of the wanted positions (vocab slices), or in the
+ *     greedy form (model_step_argmax) of each slice's (value, id) pair per row.
  * MTP layers run on rank 0 only, unsharded (ckpt plans them there), so they call none.
  */
 #pragma once
@@ -144,13 +145,21 @@ const char *model_last_error(const struct model *m);
  * as sampler_argmax), so one id per row reaches the host instead of the FP32 row:
  * ids [rows] (trunk rows in plan order) / [n_seqs] (MTP drafts in plan order; seqs with
  * mtp_depth <= k untouched).  For plain greedy rows only (temperature 0, no logprobs,
- * penalties, bias or grammar mask: their processors need the row).  -ENOTSUP before
- * anything runs where the rows are not whole on the backend: no argmax op, a vocab-sharded
- * trunk; for MTP also per-core halves (CPU) and plans scoring the draft vocabulary
- * (draft_sub): use the logits forms there. */
+ * penalties, bias or grammar mask: their processors need the row).  A vocab-sharded trunk
+ * reduces each rank's slice and all-gathers one (value, id) pair per row and rank
+ * (model_argmax_pick): a collective, so every rank of the group calls model_step_argmax
+ * for that step (the others' ids are the same).  -ENOTSUP before anything runs where the
+ * backend has no argmax op; for MTP also per-core halves (CPU) and plans scoring the
+ * draft vocabulary (draft_sub): use the logits forms there. */
 int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids);
 int model_mtp_step_argmax(struct model *m, int k, const struct step_plan *p,
                           const int32_t *n_valid, const int32_t *tok_in, int32_t *ids);
+/* The argmax of a row from its slices' argmaxes: candidate i has value vals[i] at global id
+ * ids[i] (i < n, e.g. one per rank of a vocab-sharded head).  sampler_argmax's rules: the
+ * largest value, on equal values (-0.0 equals +0.0) the lowest id; a NaN is never chosen;
+ * 0 when every value is NaN (an all-NaN row).  Rank 0 of a sharded group picks its greedy
+ * rows with it. */
+int32_t model_argmax_pick(const float *vals, const int32_t *ids, int n);
 /* Bytes of logits the model copied to host memory since model_new (trunk and MTP rows,
  * draft-vocabulary rows at their width): 0 after only greedy forms. */
 uint64_t model_logits_host_bytes(const struct model *m);

@@ -57,6 +57,9 @@
 /* split a long context's keys over items when there are fewer than this many items a
  * thread without (cpu_attention) */
 #define ATTN_SPLIT_ITEMS 2
+/* most scratch the segments' states may take where the split is chosen (cpu_attention):
+ * 64 MiB, 8 verify runs of 4 tokens x 64 heads at 128k keys */
+#define ATTN_SPLIT_MAX_BYTES ((size_t)64 << 20)
 
 /* nonzero: one KV head per work item, as before head groups (benchmarks; cpu.h) */
 int cpu_attn_no_groups;
@@ -1237,9 +1240,10 @@ int cpu_attn_groups(int n_kv_heads, double keys, int64_t blocks, int64_t rows_fl
     return ng < n_kv_heads ? ng : n_kv_heads;
 }
 
-bool cpu_attn_use_split(int64_t items, double keys, int64_t seg_keys, int nth)
+bool cpu_attn_use_split(int64_t items, double keys, int64_t seg_keys, size_t bytes, int nth)
 {
-    return nth > 1 && keys >= 2.0 * (double)seg_keys && items < (int64_t)nth * ATTN_SPLIT_ITEMS;
+    return nth > 1 && keys >= 2.0 * (double)seg_keys && items < (int64_t)nth * ATTN_SPLIT_ITEMS &&
+           bytes <= ATTN_SPLIT_MAX_BYTES;
 }
 
 /* The AVX-512 path (bit-identical to the AVX2 one): 1 where the active level has it. */
@@ -1323,12 +1327,9 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
                       (long long)jb.seg_keys, KEY_CHUNK);
             return -EINVAL;
         }
-        if (cpu_attn_split > 0 ||
-            (cpu_attn_split == 0 &&
-             cpu_attn_use_split(blocks * cpu_attn_groups(a->n_kv_heads, keys, blocks,
-                                                         qrows * G * a->head_dim, 1),
-                                keys, jb.seg_keys, nth))) {
+        if (cpu_attn_split >= 0) {
             int64_t segs = 0;
+            size_t bytes;
 
             for (int s = 0; s < a->n_seqs; s++) {
                 const int ns = attn_nseg(a, s, jb.seg_keys);
@@ -1336,12 +1337,17 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
                 segs += (int64_t)attn_blocks(a, s, jb.qb) * ns;
                 jb.nsmax = ns > jb.nsmax ? ns : jb.nsmax;
             }
-            jb.split = jb.nsmax > 1;
+            bytes = sizeof(float) * (size_t)a->n_tok * a->n_heads * jb.nsmax *
+                    (size_t)(a->head_dim + 2);
+            jb.split = jb.nsmax > 1 &&
+                       (cpu_attn_split > 0 ||
+                        cpu_attn_use_split(blocks * cpu_attn_groups(a->n_kv_heads, keys, blocks,
+                                                                    qrows * G * a->head_dim, 1),
+                                           keys, jb.seg_keys, bytes, nth));
+            /* no scratch: the same bits without the split */
+            if (jb.split && (jb.part = cpu_scratch(cpu_ctx(be), bytes)) == NULL)
+                jb.split = false;
             if (jb.split) {
-                jb.part = cpu_scratch(cpu_ctx(be), sizeof(float) * (size_t)a->n_tok * a->n_heads *
-                                                       jb.nsmax * (a->head_dim + 2));
-                if (!jb.part)
-                    return -ENOMEM;
                 jb.n_groups = cpu_attn_groups(a->n_kv_heads, keys, segs,
                                               qrows * G * a->head_dim, nth);
                 jb.n_items = segs * jb.n_groups;

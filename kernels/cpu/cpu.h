@@ -305,8 +305,9 @@ extern int cpu_attn_no_fused;
  * cpu_attn_split_keys (default 2048; a multiple of 64, else attention fails with -EINVAL),
  * each with its own softmax state, folded in key order; long decodes with few work items
  * run the segments as items of their own.  cpu_attn_split: 0 = where it pays
- * (cpu_attn_use_split), > 0 = wherever a sequence has two segments, < 0 = never.  The output bits depend on the segment size only, never on
- * cpu_attn_split or the thread count (tests, benchmarks). */
+ * (cpu_attn_use_split), > 0 = wherever a sequence has two segments, < 0 = never.  The
+ * output bits depend on the segment size only, never on cpu_attn_split or the thread count
+ * (tests, benchmarks). */
 extern int cpu_attn_split_keys;
 extern int cpu_attn_split;
 extern int cpu_mxfp4_t16_min_n;
@@ -348,9 +349,10 @@ int cpu_attn_avx512_level(void);
  * head_dim) within 256 KiB; one group = an item reads its slots' K/V rows whole. */
 int cpu_attn_groups(int n_kv_heads, double keys, int64_t blocks, int64_t rows_floats, int nth);
 /* Attention runs each key segment as an item of its own (cpu_attn_split 0): more than one
- * thread, a context of two segments or more (seg_keys keys each) and fewer than 2 items a
- * thread without (items: blocks x the head groups the stack budget alone asks). */
-bool cpu_attn_use_split(int64_t items, double keys, int64_t seg_keys, int nth);
+ * thread, a context of two segments or more (seg_keys keys each), fewer than 2 items a
+ * thread without (items: blocks x the head groups the stack budget alone asks) and the
+ * segments' states (bytes of scratch) within 64 MiB. */
+bool cpu_attn_use_split(int64_t items, double keys, int64_t seg_keys, size_t bytes, int nth);
 
 /* ---- backend ops (one file each) ---- */
 int cpu_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out);

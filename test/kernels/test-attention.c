@@ -671,13 +671,16 @@ static void test_split(void)
         free(out);
     }
     cpu_attn_split_keys = 2048;
-    /* the choice: several threads, two segments or more, under 2 items a thread */
-    ASSERT_TRUE(cpu_attn_use_split(1, 8192, 2048, 2));
-    ASSERT_TRUE(cpu_attn_use_split(3, 32768, 2048, 2));
-    ASSERT_TRUE(!cpu_attn_use_split(4, 32768, 2048, 2));       /* batch 4: 2 items a thread */
-    ASSERT_TRUE(!cpu_attn_use_split(16, 8192, 2048, 2));
-    ASSERT_TRUE(!cpu_attn_use_split(1, 32768, 2048, 1));       /* one thread */
-    ASSERT_TRUE(!cpu_attn_use_split(1, 4095, 2048, 2));        /* under two segments */
+    /* the choice: several threads, two segments or more, under 2 items a thread, at most
+     * 64 MiB of segment states */
+    ASSERT_TRUE(cpu_attn_use_split(1, 8192, 2048, 1 << 20, 2));
+    ASSERT_TRUE(cpu_attn_use_split(3, 32768, 2048, 1 << 20, 2));
+    ASSERT_TRUE(!cpu_attn_use_split(4, 32768, 2048, 1 << 20, 2));   /* batch 4: 2 a thread */
+    ASSERT_TRUE(!cpu_attn_use_split(16, 8192, 2048, 1 << 20, 2));
+    ASSERT_TRUE(!cpu_attn_use_split(1, 32768, 2048, 1 << 20, 1));       /* one thread */
+    ASSERT_TRUE(!cpu_attn_use_split(1, 4095, 2048, 1 << 20, 2));        /* under two segments */
+    ASSERT_TRUE(cpu_attn_use_split(1, 131072, 2048, (size_t)64 << 20, 2));
+    ASSERT_TRUE(!cpu_attn_use_split(1, 131072, 2048, ((size_t)64 << 20) + 1, 2));  /* scratch */
     printf("attention: split-K identical forced on/off, 1-3 threads (%zu runs), matches the "
            "reference\n", cases);
 }

@@ -14,6 +14,14 @@
  * processed together, so each K/V row is read and converted once per such block; a run
  * is cut into blocks of equal size so that the items cost about the same.
  *
+ * Split-K: a row's keys are cut into segments at absolute multiples of ATTN_SPLIT_KEYS,
+ * each with a softmax state of its own, folded in key order (attn_fold).  A long decode
+ * (or short verify run) with fewer than ATTN_SPLIT_ITEMS items a thread runs each segment
+ * as an item, which leaves its state (max, sum, unnormalised output) per row in scratch,
+ * and attn_merge_unit folds them afterwards; otherwise one item folds its segments as it
+ * goes.  The split points depend on the positions only, so the output is the same bits
+ * for any thread count, with the split or without, and for decode, verify and prefill.
+ *
  * A pass (one KV head over one key chunk) prefetches the K and V rows of the next pass (the
  * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
  * hardware prefetchers do not follow.  With a BF16 cache the scores and P.V kernels read
@@ -41,11 +49,26 @@
 #endif
 
 #define KEY_CHUNK 64     /* a multiple of 32 */
+/* Keys per split-K segment (a multiple of KEY_CHUNK and of the usual block sizes): a row's
+ * keys are cut at absolute multiples of it, each piece's softmax state kept apart and the
+ * pieces merged in key order (attn_fold), whether one item runs them all or an item runs
+ * each (cpu_attention) */
+#define ATTN_SPLIT_KEYS 2048
+/* split a long context's keys over items when there are fewer than this many items a
+ * thread without (cpu_attention) */
+#define ATTN_SPLIT_ITEMS 2
+/* most scratch the segments' states may take where the split is chosen (cpu_attention):
+ * 64 MiB, 8 verify runs of 4 tokens x 64 heads at 128k keys */
+#define ATTN_SPLIT_MAX_BYTES ((size_t)64 << 20)
 
 /* nonzero: one KV head per work item, as before head groups (benchmarks; cpu.h) */
 int cpu_attn_no_groups;
 /* nonzero: BF16 rows go through fp32 buffers first (tests; cpu.h) */
 int cpu_attn_no_fused;
+/* split-K segments: keys per segment (a multiple of KEY_CHUNK), and 0 = split where it
+ * pays, > 0 = always, < 0 = never (tests, benchmarks; cpu.h) */
+int cpu_attn_split_keys = ATTN_SPLIT_KEYS;
+int cpu_attn_split;
 #define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
 struct attn_job {
@@ -54,7 +77,11 @@ struct attn_job {
     int avx512;             /* cpu_attn_avx512_level: 0, or 1 (the AVX-512 path) */
     int qb;                 /* query tokens per block (ATTN_MAX_ROWS / G) */
     int n_groups;           /* KV head groups per (sequence, block) */
-    int64_t n_items;        /* (sequence, block, KV head group) work items */
+    int64_t n_items;        /* (sequence, block, KV head group[, segment]) work items */
+    int64_t seg_keys;       /* keys per segment (cpu_attn_split_keys at the call) */
+    bool split;             /* an item per segment, its state into part, merged after */
+    int nsmax;              /* segments of the longest sequence (split) */
+    float *part;            /* split: per (token, query head, segment) m, l, acc[hd] */
     _Atomic int err;
 };
 
@@ -833,6 +860,61 @@ static inline void prefetch_row(const struct kv_layer *kv, const void *base, int
         __builtin_prefetch((const void *)l, 0, 3);
 }
 
+/* Fold one key segment's softmax state (max m, sum l, unnormalised output acc[hd]) into the
+ * running state (M, L, ACC[hd]) of the segments before it; m = -inf: the segment had none
+ * of the row's keys.  The first segment is copied, so a row within one segment gets
+ * acc / l exactly as without segments.  One out-of-line copy for both callers (attn_chunk,
+ * attn_merge_unit): the same roundings whether one item or several ran the segments. */
+__attribute__((noinline)) static void attn_fold(float *M, float *L, float *ACC, float m, float l,
+                                                const float *acc, int hd)
+{
+    if (m == -INFINITY)
+        return;
+    if (*M == -INFINITY) {
+        *M = m;
+        *L = l;
+        memcpy(ACC, acc, sizeof(float) * (size_t)hd);
+    } else if (m > *M) {
+        const float c = expf(*M - m);
+
+        *L = *L * c + l;
+        for (int d = 0; d < hd; d++)
+            ACC[d] = ACC[d] * c + acc[d];
+        *M = m;
+    } else {
+        const float c = expf(m - *M);
+
+        *L = *L + l * c;
+        for (int d = 0; d < hd; d++)
+            ACC[d] = ACC[d] + acc[d] * c;
+    }
+}
+
+/* Segment index of key tau (seg_keys a job's segment size) */
+static inline int64_t attn_seg(int64_t tau, int64_t seg_keys)
+{
+    return tau / seg_keys;
+}
+
+/* First key of sequence s's first query token (its window's start) */
+static inline int64_t attn_lo(const struct attn_args *a, int s)
+{
+    const int64_t t0 = a->seq_pos0[s];
+
+    return a->window > 0 && t0 - a->window + 1 > 0 ? t0 - a->window + 1 : 0;
+}
+
+/* Segments holding sequence s's keys, from attn_lo's to its last token's */
+static int attn_nseg(const struct attn_args *a, int s, int64_t seg_keys)
+{
+    const int len = a->seq_tok_start[s + 1] - a->seq_tok_start[s];
+
+    if (len <= 0)
+        return 1;
+    return (int)(attn_seg((int64_t)a->seq_pos0[s] + len - 1, seg_keys) -
+                 attn_seg(attn_lo(a, s), seg_keys) + 1);
+}
+
 /* Attention of query tokens [i0, i1) of sequence s (consecutive positions) for the G query
  * heads sharing each KV head j in [j0, j0 + nj): every K and V row of the union of their key
  * ranges is read (and converted from BF16 into a chunk buffer) once for all nq x G query
@@ -843,16 +925,33 @@ static inline void prefetch_row(const struct kv_layer *kv, const void *base, int
  * side, where the hardware prefetchers follow, instead of one row per page (a decode at
  * 8-32k context read its keys at about half the machine's read bandwidth with one head per
  * pass, bench-shapes).  Every head's arithmetic is that of a pass of its own, in the same
- * order: the results do not depend on the grouping.  Returns -EINVAL on a bad block id. */
-static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, int i0, int i1,
-                      int j0, int nj)
+ * order: the results do not depend on the grouping.
+ *
+ * A row's keys are cut into segments at absolute multiples of jb->seg_keys; each segment
+ * starts a fresh online softmax and is folded into the row's result in key order
+ * (attn_fold).  seg < 0: every segment here, the result into a->out; seg >= 0 (split-K):
+ * only keys in segment seg, the raw state (m, l, acc) into jb->part for attn_merge_unit,
+ * which folds the segments in the same order with the same function - the output bits do
+ * not depend on which items ran the segments.  Returns -EINVAL on a bad block id. */
+static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, int nj,
+                      int64_t seg)
 {
+    const struct attn_args *a = jb->a;
+    const bool avx2 = jb->avx2;
+    const int avx512 = jb->avx512;
+    const int64_t S = jb->seg_keys;
     const struct kv_layer *kv = a->kv;
     const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads;
     const int nq = i1 - i0, R = nq * G;
     const int64_t t0 = (int64_t)a->seq_pos0[s] + (i0 - a->seq_tok_start[s]), t_last = t0 + nq - 1;
     const int64_t lo0 = a->window > 0 && t0 - a->window + 1 > 0 ? t0 - a->window + 1 : 0;
     const int32_t *table = a->block_tables + a->block_table_off[s];
+    /* keys run here: [klo, khi] */
+    const int64_t klo = seg >= 0 && seg * S > lo0 ? seg * S : lo0;
+    const int64_t khi = seg >= 0 && (seg + 1) * S - 1 < t_last ? (seg + 1) * S - 1 : t_last;
+    /* several segments in this pass: the finished ones' state in mm, ml, macc */
+    const bool multi = seg < 0 && attn_seg(klo, S) != attn_seg(khi, S);
+    float macc[multi ? nj : 1][multi ? R : 1][hd], mm[nj][R], ml[nj][R];
     float acc[nj][R][hd], qs[nj][R][hd], kf[KEY_CHUNK][hd], vf[KEY_CHUNK][hd], sc[R][KEY_CHUNK];
     const float *kp[KEY_CHUNK], *vp[KEY_CHUNK];
     const uint16_t *kr[KEY_CHUNK], *vr[KEY_CHUNK];      /* BF16 rows (fused) */
@@ -874,8 +973,8 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
 
             for (int d = 0; d < hd; d++)
                 qs[h][r][d] = q[d] * a->scale;
-            m[h][r] = -INFINITY;
-            l[h][r] = 0.0f;
+            m[h][r] = mm[h][r] = -INFINITY;
+            l[h][r] = ml[h][r] = 0.0f;
         }
         if (pairs) {
             for (int r = 0; r < R; r += 2) {
@@ -893,18 +992,28 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
      * [lo, t], not on which other tokens share the pass: decode, verify and prefill agree
      * bit for bit */
     int64_t slots[2][KEY_CHUNK];
-    int nk_next = chunk_slots(kv, table, lo0, lo0 / KEY_CHUNK * KEY_CHUNK, t_last, slots[0]);
+    int nk_next = chunk_slots(kv, table, klo, klo / KEY_CHUNK * KEY_CHUNK, khi, slots[0]);
 
-    for (int64_t cb = lo0 / KEY_CHUNK * KEY_CHUNK, c = 0; cb <= t_last; cb += KEY_CHUNK, c ^= 1) {
-        const int64_t c0 = cb > lo0 ? cb : lo0;
-        const int64_t ce = cb + KEY_CHUNK < t_last + 1 ? cb + KEY_CHUNK : t_last + 1;
+    for (int64_t cb = klo / KEY_CHUNK * KEY_CHUNK, c = 0; cb <= khi; cb += KEY_CHUNK, c ^= 1) {
+        const int64_t c0 = cb > klo ? cb : klo;
+        const int64_t ce = cb + KEY_CHUNK < khi + 1 ? cb + KEY_CHUNK : khi + 1;
         const int nk = (int)(ce - c0);
         const int64_t *slot = slots[c], *nslot = slots[c ^ 1];
 
         if (nk_next < 0)
             return -EINVAL;
+        if (multi && cb > klo && cb % S == 0) {
+            /* a new segment: fold the last one's state, start afresh */
+            for (int h = 0; h < nj; h++)
+                for (int r = 0; r < R; r++) {
+                    attn_fold(&mm[h][r], &ml[h][r], macc[h][r], m[h][r], l[h][r], acc[h][r], hd);
+                    m[h][r] = -INFINITY;
+                    l[h][r] = 0.0f;
+                    memset(acc[h][r], 0, sizeof(float) * (size_t)hd);
+                }
+        }
         /* the next chunk's slots now: its rows are prefetched during this one */
-        nk_next = chunk_slots(kv, table, lo0, cb + KEY_CHUNK, t_last, slots[c ^ 1]);
+        nk_next = chunk_slots(kv, table, klo, cb + KEY_CHUNK, khi, slots[c ^ 1]);
         for (int h = 0; h < nj; h++) {
             const int j = j0 + h;
 
@@ -1016,9 +1125,25 @@ static int attn_chunk(const struct attn_args *a, bool avx2, int avx512, int s, i
     }
     for (int h = 0; h < nj; h++)
         for (int r = 0; r < R; r++) {
-            float *out = a->out +
-                         ((int64_t)(i0 + r / G) * a->n_heads + (int64_t)(j0 + h) * G + r % G) * hd;
+            const int64_t row = (int64_t)(i0 + r / G) * a->n_heads + (int64_t)(j0 + h) * G + r % G;
+            float *out = a->out + row * hd;
 
+            if (seg >= 0) {
+                /* split-K: this segment's raw state, slot seg - (the sequence's first) */
+                float *e = jb->part + (row * jb->nsmax + (seg - attn_seg(attn_lo(a, s), S))) *
+                                      (hd + 2);
+
+                e[0] = m[h][r];
+                e[1] = l[h][r];
+                memcpy(e + 2, acc[h][r], sizeof(float) * (size_t)hd);
+                continue;
+            }
+            if (multi) {
+                attn_fold(&mm[h][r], &ml[h][r], macc[h][r], m[h][r], l[h][r], acc[h][r], hd);
+                for (int d = 0; d < hd; d++)
+                    out[d] = macc[h][r][d] / ml[h][r];
+                continue;
+            }
             for (int d = 0; d < hd; d++)
                 out[d] = acc[h][r][d] / l[h][r];
         }
@@ -1040,28 +1165,32 @@ static void attn_unit(void *arg, int unit, int n_units, int ith)
     const struct attn_args *a = jb->a;
     const int nkv = a->n_kv_heads, ng = jb->n_groups;
     int64_t u0, u1, base = 0;
-    int s = 0, nb = attn_blocks(a, 0, jb->qb);
+    int s = 0, nb = attn_blocks(a, 0, jb->qb), ns = jb->split ? attn_nseg(a, 0, jb->seg_keys) : 1;
 
     (void)ith;
-    /* work items are (sequence, block of its tokens, group of KV heads), in that order; a
-     * unit is a contiguous range of the jb->n_items of them.  A block's query tokens share
-     * one pass over its keys, a group's heads each key chunk in turn.  Results depend on
-     * neither (attn_chunk), so neither on the thread count. */
+    /* work items are (sequence, block of its tokens, group of KV heads[, key segment]), in
+     * that order; a unit is a contiguous range of the jb->n_items of them.  A block's query
+     * tokens share one pass over its keys, a group's heads each key chunk in turn.  Results
+     * depend on none of these (attn_chunk), so not on the thread count. */
     cpu_split(jb->n_items, 1, unit, n_units, &u0, &u1);
     for (int64_t u = u0; u < u1; u++) {
         int b, g, j0, len, st, r;
+        int64_t k;
 
-        while (u >= base + (int64_t)nb * ng) {
-            base += (int64_t)nb * ng;
+        while (u >= base + (int64_t)nb * ng * ns) {
+            base += (int64_t)nb * ng * ns;
             nb = attn_blocks(a, ++s, jb->qb);
+            ns = jb->split ? attn_nseg(a, s, jb->seg_keys) : 1;
         }
-        b = (int)((u - base) / ng);
-        g = (int)((u - base) % ng);
+        b = (int)((u - base) / ((int64_t)ng * ns));
+        g = (int)((u - base) / ns % ng);
+        k = (u - base) % ns;
         j0 = nkv * g / ng;
         st = a->seq_tok_start[s];
         len = a->seq_tok_start[s + 1] - st;
-        r = attn_chunk(a, jb->avx2, jb->avx512, s, st + (int)((int64_t)len * b / nb),
-                       st + (int)((int64_t)len * (b + 1) / nb), j0, nkv * (g + 1) / ng - j0);
+        r = attn_chunk(jb, s, st + (int)((int64_t)len * b / nb),
+                       st + (int)((int64_t)len * (b + 1) / nb), j0, nkv * (g + 1) / ng - j0,
+                       jb->split ? attn_seg(attn_lo(a, s), jb->seg_keys) + k : -1);
         if (r < 0) {
             atomic_store(&jb->err, r);
             return;
@@ -1069,15 +1198,52 @@ static void attn_unit(void *arg, int unit, int n_units, int ith)
     }
 }
 
+/* Split-K's second pass: every (token, query head) row's segments folded in key order
+ * (attn_fold, as attn_chunk folds them in one pass), divided out into a->out. */
+static void attn_merge_unit(void *arg, int unit, int n_units, int ith)
+{
+    struct attn_job *jb = arg;
+    const struct attn_args *a = jb->a;
+    const int nh = a->n_heads, hd = a->head_dim;
+    int64_t u0, u1;
+    int s = 0, ns = 0;
+    float acc[hd];
+
+    (void)ith;
+    cpu_split((int64_t)a->n_tok * nh, 1, unit, n_units, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        const int i = (int)(u / nh);
+        const float *e = jb->part + u * jb->nsmax * (hd + 2);
+        float M = -INFINITY, L = 0.0f, *out = a->out + u * hd;
+
+        if (u == u0 || i >= a->seq_tok_start[s + 1]) {
+            while (i >= a->seq_tok_start[s + 1])
+                s++;
+            ns = attn_nseg(a, s, jb->seg_keys);
+        }
+        for (int k = 0; k < ns; k++, e += hd + 2)
+            attn_fold(&M, &L, acc, e[0], e[1], e + 2, hd);
+        for (int d = 0; d < hd; d++)
+            out[d] = acc[d] / L;
+    }
+}
+
 int cpu_attn_groups(int n_kv_heads, double keys, int64_t blocks, int64_t rows_floats, int nth)
 {
     int ng = cpu_attn_no_groups || keys < ATTN_GROUP_MIN_KEYS ? n_kv_heads : 1;
 
-    /* per head: acc, scaled queries and query pairs, rows_floats each */
+    /* per head: acc, the folded segments' acc, scaled queries and query pairs, rows_floats
+     * each */
     while (ng < n_kv_heads && ((nth > 1 && blocks * ng < nth) ||
-                               (double)ATTN_STATE_FLOATS * ng < 3.0 * n_kv_heads * rows_floats))
+                               (double)ATTN_STATE_FLOATS * ng < 4.0 * n_kv_heads * rows_floats))
         ng *= 2;
     return ng < n_kv_heads ? ng : n_kv_heads;
+}
+
+bool cpu_attn_use_split(int64_t items, double keys, int64_t seg_keys, size_t bytes, int nth)
+{
+    return nth > 1 && keys >= 2.0 * (double)seg_keys && items < (int64_t)nth * ATTN_SPLIT_ITEMS &&
+           bytes <= ATTN_SPLIT_MAX_BYTES;
 }
 
 /* The AVX-512 path (bit-identical to the AVX2 one): 1 where the active level has it. */
@@ -1150,8 +1316,50 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
          * (cpu_attn_groups) */
         jb.n_groups = cpu_attn_groups(a->n_kv_heads, keys, blocks, qrows * G * a->head_dim, nth);
         jb.n_items = blocks * jb.n_groups;
+        /* split-K: with fewer items than ATTN_SPLIT_ITEMS a thread and a long context, an
+         * item per key segment of each (sequence, block, group) too, the groups then only
+         * as many as the stack budget asks (a batch-1 decode on 2 threads: each thread reads
+         * whole slot rows of half the keys, not half of every row).  The segments are the
+         * same either way (attn_chunk): the output does not depend on this choice */
+        jb.seg_keys = cpu_attn_split_keys;
+        if (jb.seg_keys <= 0 || jb.seg_keys % KEY_CHUNK != 0) {
+            log_debug("attention: split-K segment of %lld keys is not a multiple of %d",
+                      (long long)jb.seg_keys, KEY_CHUNK);
+            return -EINVAL;
+        }
+        if (cpu_attn_split >= 0) {
+            int64_t segs = 0;
+            size_t bytes;
+
+            for (int s = 0; s < a->n_seqs; s++) {
+                const int ns = attn_nseg(a, s, jb.seg_keys);
+
+                segs += (int64_t)attn_blocks(a, s, jb.qb) * ns;
+                jb.nsmax = ns > jb.nsmax ? ns : jb.nsmax;
+            }
+            bytes = sizeof(float) * (size_t)a->n_tok * a->n_heads * jb.nsmax *
+                    (size_t)(a->head_dim + 2);
+            jb.split = jb.nsmax > 1 &&
+                       (cpu_attn_split > 0 ||
+                        cpu_attn_use_split(blocks * cpu_attn_groups(a->n_kv_heads, keys, blocks,
+                                                                    qrows * G * a->head_dim, 1),
+                                           keys, jb.seg_keys, bytes, nth));
+            /* no scratch: the same bits without the split */
+            if (jb.split && (jb.part = cpu_scratch(cpu_ctx(be), bytes)) == NULL)
+                jb.split = false;
+            if (jb.split) {
+                jb.n_groups = cpu_attn_groups(a->n_kv_heads, keys, segs,
+                                              qrows * G * a->head_dim, nth);
+                jb.n_items = segs * jb.n_groups;
+            }
+        }
         units = units < jb.n_items ? units : (int)jb.n_items;
         cpu_pool_for(cpu_ctx(be)->pool, attn_unit, &jb, nth > 1 ? units : 1, nth);
+        if (jb.split && atomic_load(&jb.err) == 0) {
+            units = nth * CPU_UNITS_PER_THREAD;
+            units = units < a->n_tok * a->n_heads ? units : a->n_tok * a->n_heads;
+            cpu_pool_for(cpu_ctx(be)->pool, attn_merge_unit, &jb, nth > 1 ? units : 1, nth);
+        }
     }
     return atomic_load(&jb.err);
 }

@@ -301,6 +301,15 @@ extern int cpu_attn_no_groups;
 /* attention.c: nonzero = the AVX2 and AVX-512 paths convert BF16 K/V rows into fp32 buffers
  * first instead of reading them in their kernels (tests: the two agree bit for bit) */
 extern int cpu_attn_no_fused;
+/* attention.c: split-K.  Every row's keys are cut into segments at absolute multiples of
+ * cpu_attn_split_keys (default 2048; a multiple of 64, else attention fails with -EINVAL),
+ * each with its own softmax state, folded in key order; long decodes with few work items
+ * run the segments as items of their own.  cpu_attn_split: 0 = where it pays
+ * (cpu_attn_use_split), > 0 = wherever a sequence has two segments, < 0 = never.  The
+ * output bits depend on the segment size only, never on cpu_attn_split or the thread count
+ * (tests, benchmarks). */
+extern int cpu_attn_split_keys;
+extern int cpu_attn_split;
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile
@@ -336,9 +345,14 @@ int cpu_attn_avx512_level(void);
 /* Attention's KV head groups per work item's (sequence, block of query tokens): n_kv_heads
  * (a head per item) below 4096 keys or with cpu_attn_no_groups, else the fewest (a power
  * of two) that give each of nth > 1 threads one of the blocks x groups items and keep a
- * group's per-head state (3 x rows_floats floats a head: the rows of the longest block x
+ * group's per-head state (4 x rows_floats floats a head: the rows of the longest block x
  * head_dim) within 256 KiB; one group = an item reads its slots' K/V rows whole. */
 int cpu_attn_groups(int n_kv_heads, double keys, int64_t blocks, int64_t rows_floats, int nth);
+/* Attention runs each key segment as an item of its own (cpu_attn_split 0): more than one
+ * thread, a context of two segments or more (seg_keys keys each), fewer than 2 items a
+ * thread without (items: blocks x the head groups the stack budget alone asks) and the
+ * segments' states (bytes of scratch) within 64 MiB. */
+bool cpu_attn_use_split(int64_t items, double keys, int64_t seg_keys, size_t bytes, int nth);
 
 /* ---- backend ops (one file each) ---- */
 int cpu_embed(struct backend *be, const struct bweight *table, const int32_t *ids, int n, float *out);

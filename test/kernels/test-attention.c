@@ -18,6 +18,13 @@
  *    the rows into fp32 buffers first (cpu_attn_no_fused), on those random batches with
  *    BF16 caches and on long decodes whose KV heads are grouped (>= 4096 keys), and match
  *    the reference.
+ *  - split-K (segments of 128 keys here): decodes of 60, 128, 517 and 700 keys, a verify
+ *    run and a prefill block straddling segment bounds, full and sliding windows (one
+ *    within a segment, one crossing a bound), FP32 and BF16 caches: the split forced on,
+ *    off and chosen at 1, 2 and 3 threads give the same bits, and those match the
+ *    reference (a wrong rescale in the merge fails it); with 64-key segments chunked
+ *    prefill and decodes (split on 3 threads) still agree bit for bit; a segment size
+ *    that is not a multiple of 64 is refused; cpu_attn_use_split's choice.
  */
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -559,6 +566,125 @@ static void test_groups(void)
     printf("attention: head groups per work item as expected\n");
 }
 
+/* One split-K case: sequences of len[s] query tokens ending at context ctx[s], 2 KV heads x
+ * G 4, head dim 64, blocks of 16 in reverse order. */
+static void split_case_make(struct id_case *ic, int n_seqs, const int *len, const int *ctx,
+                            int window, bool f32)
+{
+    int nblk = 0;
+    size_t n;
+
+    memset(ic, 0, sizeof(*ic));
+    *ic = (struct id_case){ .f32 = f32, .hd = 64, .nkv = 2, .G = 4, .window = window,
+                            .n_seqs = n_seqs };
+    for (int s = 0; s < n_seqs; s++) {
+        ic->start[s + 1] = ic->start[s] + len[s];
+        ic->pos0[s] = ctx[s] - len[s];
+        ic->toff[s] = nblk;
+        nblk += (ctx[s] + ID_BS - 1) / ID_BS;
+    }
+    n = (size_t)nblk * ID_BS * ic->nkv * ic->hd;
+    ic->table = malloc(sizeof(int32_t) * (size_t)nblk);
+    ic->kv = (struct kv_layer){ .dtype_f32 = f32, .n_blocks = nblk, .block_size = ID_BS,
+                                .n_kv_heads = ic->nkv, .head_dim = ic->hd,
+                                .k = malloc(n * (f32 ? 4 : 2)), .v = malloc(n * (f32 ? 4 : 2)) };
+    ic->q = malloc(sizeof(float) * id_case_out_len(ic));
+    ASSERT_TRUE(ic->table && ic->kv.k && ic->kv.v && ic->q);
+    for (int i = 0; i < nblk; i++)
+        ic->table[i] = nblk - 1 - i;
+    for (size_t i = 0; i < n; i++) {
+        float k = 1.5f * krng_f(), v = krng_f();
+
+        if (f32) {
+            ((float *)ic->kv.k)[i] = k;
+            ((float *)ic->kv.v)[i] = v;
+        } else {
+            ((uint16_t *)ic->kv.k)[i] = kf32_to_bf16(k);
+            ((uint16_t *)ic->kv.v)[i] = kf32_to_bf16(v);
+        }
+    }
+    krng_fill(ic->q, id_case_out_len(ic), 2.0f);
+}
+
+/* Split-K: the same bits whether the segments run in one item or in items of their own, on
+ * any thread count, and the fp64 reference's values. */
+static void test_split(void)
+{
+    /* a batch: decodes of 517 (5 segments, the last partial), 128 (one, ending on a bound)
+     * and 60 keys (one chunk), a verify of 4 tokens at 254..257 (across the bound at 256),
+     * a prefill block of 70 tokens at 130..199; then one decode of 700 keys alone */
+    static const int len5[5] = { 1, 1, 1, 4, 70 }, ctx5[5] = { 517, 128, 60, 258, 200 };
+    static const int len1[1] = { 1 }, ctx1[1] = { 700 };
+    static const int wins[3] = { 0, 100, 37 };  /* 100 at 516: keys 417..516, across 512 */
+    size_t cases = 0;
+
+    cpu_attn_split_keys = 128;
+    krng_seed(99);
+    for (int c = 0; c < 2 * 2 * 3; c++) {
+        const bool one = c % 2 == 1, f32 = c / 2 % 2 == 1;
+        struct id_case ic;
+        float *ref = NULL, *out;
+        size_t nout;
+
+        split_case_make(&ic, one ? 1 : 5, one ? len1 : len5, one ? ctx1 : ctx5, wins[c / 4], f32);
+        nout = id_case_out_len(&ic);
+        ref = malloc(sizeof(float) * nout);
+        out = malloc(sizeof(float) * nout);
+        ASSERT_TRUE(ref && out);
+        for (int th = 1; th <= 3; th++) {
+            struct backend *be = kref_backend(th, false);
+
+            for (int sp = -1; sp <= 1; sp++) {
+                cpu_attn_split = sp;
+                id_case_run(be, &ic, th == 1 && sp == -1 ? ref : out);
+                if (th == 1 && sp == -1)
+                    id_case_check_ref(&ic, ref);
+                else if (memcmp(ref, out, sizeof(float) * nout) != 0)
+                    FAIL("split-K case %d: %d threads, split %d differ from 1 thread unsplit",
+                         c, th, sp);
+                cases++;
+            }
+            backend_free(be);
+        }
+        cpu_attn_split = 0;
+        id_case_free(&ic);
+        free(ref);
+        free(out);
+    }
+    {
+        /* a segment size the key chunks do not divide */
+        struct id_case ic;
+        struct backend *be = kref_backend(1, false);
+        float *out;
+        struct attn_args a;
+
+        split_case_make(&ic, 1, len1, ctx1, 0, true);
+        out = malloc(sizeof(float) * id_case_out_len(&ic));
+        ASSERT_TRUE(out != NULL);
+        a = (struct attn_args){ .q = ic.q, .out = out, .n_tok = 1, .n_heads = 8, .n_kv_heads = 2,
+            .head_dim = 64, .scale = 0.125f, .kv = &ic.kv, .n_seqs = 1, .seq_tok_start = ic.start,
+            .seq_pos0 = ic.pos0, .block_tables = ic.table, .block_table_off = ic.toff };
+        cpu_attn_split_keys = 100;
+        ASSERT_ERR(backend_attention(be, &a), -EINVAL);
+        backend_free(be);
+        id_case_free(&ic);
+        free(out);
+    }
+    cpu_attn_split_keys = 2048;
+    /* the choice: several threads, two segments or more, under 2 items a thread, at most
+     * 64 MiB of segment states */
+    ASSERT_TRUE(cpu_attn_use_split(1, 8192, 2048, 1 << 20, 2));
+    ASSERT_TRUE(cpu_attn_use_split(3, 32768, 2048, 1 << 20, 2));
+    ASSERT_TRUE(!cpu_attn_use_split(4, 32768, 2048, 1 << 20, 2));   /* batch 4: 2 a thread */
+    ASSERT_TRUE(!cpu_attn_use_split(16, 8192, 2048, 1 << 20, 2));
+    ASSERT_TRUE(!cpu_attn_use_split(1, 32768, 2048, 1 << 20, 1));       /* one thread */
+    ASSERT_TRUE(!cpu_attn_use_split(1, 4095, 2048, 1 << 20, 2));        /* under two segments */
+    ASSERT_TRUE(cpu_attn_use_split(1, 131072, 2048, (size_t)64 << 20, 2));
+    ASSERT_TRUE(!cpu_attn_use_split(1, 131072, 2048, ((size_t)64 << 20) + 1, 2));  /* scratch */
+    printf("attention: split-K identical forced on/off, 1-3 threads (%zu runs), matches the "
+           "reference\n", cases);
+}
+
 int main(void)
 {
     enum cpu_isa level;
@@ -573,6 +699,7 @@ int main(void)
     if (level >= CPU_ISA_AVX2)
         test_fused_identity();
     test_groups();
+    test_split();
     for (int th = 1; th <= 3; th += 2) {
         struct backend *be = kref_backend(th, false);
 
@@ -584,6 +711,10 @@ int main(void)
         test_chunking(be, 0);
         test_chunking(be, 37);
         test_chunking(be, 64);      /* the tiny model's window: rows straddle key chunks */
+        cpu_attn_split_keys = 64;   /* rows straddle split-K segments; decodes split at 3 */
+        test_chunking(be, 0);
+        test_chunking(be, 100);
+        cpu_attn_split_keys = 2048;
         test_window_edges(be);
         backend_free(be);
     }

@@ -107,6 +107,11 @@ static void test_mx4_decode_words(void)
         for (int b = 0; b < 4; b++)
             ASSERT_EQ(sp[b], mx4_scale_bf16x2(sw, b));
     }
+    /* mx4_gemm's 32-bit token-row offsets: x_rows·(ldx/8) + 64 must stay under 2^32 - 1 */
+    ASSERT_TRUE(mx4_x_fits(2048, 4096));
+    ASSERT_TRUE(mx4_x_fits(((int64_t)1 << 23) - 1, 4096));
+    ASSERT_TRUE(!mx4_x_fits((int64_t)1 << 23, 4096));
+    ASSERT_TRUE(!mx4_x_fits(1, (int64_t)1 << 35));
     printf("mx4: decode of all codes at all positions exact, scales exact\n");
 }
 

@@ -84,6 +84,17 @@ static __device__ __forceinline__ void mx4_a_regs(uint32_t w, const uint32_t sp[
     a[3] = bf16x2_mul(r[3], s_hi);
 }
 
+// d = A·B (no accumulator in): the sum of one k-step pair, scaled after (mx4_gemm, NT 1).
+static __device__ __forceinline__ void mma_bf16_first(float d[4], uint32_t a0, uint32_t a1,
+                                                      uint32_t a2, uint32_t a3, uint32_t b0,
+                                                      uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
 static __device__ __forceinline__ uint32_t u4_at(const uint4 &v, int j)
 {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
@@ -140,6 +151,10 @@ mx4_gemm(const struct mx4_args a)
     constexpr int KS = 64 * D;              // k per stage
     constexpr int LDS = KS + 8;             // shared row stride (elements): ldmatrix without conflicts
     constexpr int TWO = MODE == MX_GATE_UP ? 2 : 1;
+    // One n8 tile of tokens: the E8M0 scales multiply the FP32 sums of each 32-k group
+    // (four FMAs a group) rather than the decoded BF16 weights (four HMUL2 a k-step);
+    // with more tiles the FMAs would outnumber the HMUL2s.
+    constexpr bool FSCALE = NT == 1;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *xs = (bf16 *) smem_raw;           // [2][CH][LDS]
     int32_t *rowsrc = (int32_t *) (xs + 2 * CH * LDS);  // [CH]: source row of each token
@@ -268,13 +283,19 @@ mx4_gemm(const struct mx4_args a)
                 break;
 #pragma unroll
             for (int j = 0; j < 4; j += 2) {
+                // k-steps j, j + 1: 32-k group j / 2 of the tile
                 uint32_t am[TWO][2][4];
 #pragma unroll
                 for (int m = 0; m < TWO; m++) {
-                    uint32_t sp4[4];
-                    mx4_scales_bf16x2(sc[m][d], sp4);
-                    mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, am[m][0]);
-                    mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, am[m][1]);
+                    if (FSCALE) {
+                        mx4_word_bf16_tab(u4_at(wc[m][d], j), &tb, am[m][0]);
+                        mx4_word_bf16_tab(u4_at(wc[m][d], j + 1), &tb, am[m][1]);
+                    } else {
+                        uint32_t sp4[4];
+                        mx4_scales_bf16x2(sc[m][d], sp4);
+                        mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, am[m][0]);
+                        mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, am[m][1]);
+                    }
                 }
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
@@ -284,10 +305,26 @@ mx4_gemm(const struct mx4_args a)
                     ldsm_x4(b, xb + t * 8 * LDS + d * 64 + j * 16);
 #pragma unroll
                     for (int m = 0; m < TWO; m++) {
-                        mma_bf16(acc[m][t], am[m][0][0], am[m][0][1], am[m][0][2], am[m][0][3],
-                                 b[0], b[1]);
-                        mma_bf16(acc[m][t], am[m][1][0], am[m][1][1], am[m][1][2], am[m][1][3],
-                                 b[2], b[3]);
+                        if (FSCALE) {
+                            // the group's sum, then its rows' scales (rows l/4: acc 0, 1;
+                            // l/4 + 8: acc 2, 3)
+                            float g[4];
+                            mma_bf16_first(g, am[m][0][0], am[m][0][1], am[m][0][2],
+                                           am[m][0][3], b[0], b[1]);
+                            mma_bf16(g, am[m][1][0], am[m][1][1], am[m][1][2], am[m][1][3],
+                                     b[2], b[3]);
+                            const float s_lo = mx4_scale_f32(sc[m][d], mx4_scale_which(j, 0));
+                            const float s_hi = mx4_scale_f32(sc[m][d], mx4_scale_which(j, 1));
+                            acc[m][t][0] = fmaf(g[0], s_lo, acc[m][t][0]);
+                            acc[m][t][1] = fmaf(g[1], s_lo, acc[m][t][1]);
+                            acc[m][t][2] = fmaf(g[2], s_hi, acc[m][t][2]);
+                            acc[m][t][3] = fmaf(g[3], s_hi, acc[m][t][3]);
+                        } else {
+                            mma_bf16(acc[m][t], am[m][0][0], am[m][0][1], am[m][0][2],
+                                     am[m][0][3], b[0], b[1]);
+                            mma_bf16(acc[m][t], am[m][1][0], am[m][1][1], am[m][1][2],
+                                     am[m][1][3], b[2], b[3]);
+                        }
                     }
                 }
             }

@@ -19,11 +19,13 @@
  * Decode (mx4_word_bf16): codes to exact BF16 E2M1 values {0, ±0.5, .., ±6} with nine
  * byte permutes and a few logic ops (no table in memory); the E8M0 scale is then applied
  * by one BF16 multiply per register (exact: a power of two times a 2-bit mantissa),
- * except that scale byte 0 (2^-127, a BF16 subnormal) is taken as 0.
+ * except that scale byte 0 (2^-127, a BF16 subnormal) is taken as 0; or, with one token
+ * tile, to the FP32 sum of each 32-k group (mx4_scale_f32, docs/GPU.md §3).
  */
 #pragma once
 
 #include <stdint.h>
+#include <string.h>
 
 #include "hd.h"
 
@@ -210,6 +212,22 @@ HD void mx4_scales_bf16x2(uint32_t scales, uint32_t sp[4])
     sp[1] = hd_prmt(scales, 0, 0x4141) << 7;
     sp[2] = hd_prmt(scales, 0, 0x4242) << 7;
     sp[3] = hd_prmt(scales, 0, 0x4343) << 7;
+}
+
+/* The FP32 value 2^(s-127) of scale byte `which` (0..3) of a lane's scale word, for a
+ * kernel that scales the FP32 sums of a 32-k group instead of the BF16 weights (s = 0
+ * gives 0, as above). */
+HD float mx4_scale_f32(uint32_t scales, int which)
+{
+    uint32_t u = ((scales >> (8 * which)) & 0xFF) << 23;
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float f;
+
+    memcpy(&f, &u, sizeof(f));
+    return f;
+#endif
 }
 
 /* Which scale byte register k (0..3) of word j uses: rows l/4 (k = 0, 2) or l/4 + 8

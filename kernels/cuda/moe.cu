@@ -72,16 +72,27 @@ __device__ __forceinline__ void stage_chunk<float>(bf16 *dst, const float *src, 
 
 // The four A registers of k-step j of a tile word, scaled (mx4.h; sp: mx4_scales_bf16x2).
 static __device__ __forceinline__ void mx4_a_regs(uint32_t w, const uint32_t sp[4], int j,
-                                                  uint32_t a[4])
+                                                  const struct mx4_tab &tb, uint32_t a[4])
 {
     uint32_t r[4];
-    mx4_word_bf16(w, r);
+    mx4_word_bf16_tab(w, &tb, r);
     const uint32_t s_lo = sp[mx4_scale_which(j, 0)];
     const uint32_t s_hi = sp[mx4_scale_which(j, 1)];
     a[0] = bf16x2_mul(r[0], s_lo);
     a[1] = bf16x2_mul(r[1], s_hi);
     a[2] = bf16x2_mul(r[2], s_lo);
     a[3] = bf16x2_mul(r[3], s_hi);
+}
+
+// d = A·B (no accumulator in): the sum of one k-step pair, scaled after (mx4_gemm, NT 1).
+static __device__ __forceinline__ void mma_bf16_first(float d[4], uint32_t a0, uint32_t a1,
+                                                      uint32_t a2, uint32_t a3, uint32_t b0,
+                                                      uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
 static __device__ __forceinline__ uint32_t u4_at(const uint4 &v, int j)
@@ -140,6 +151,10 @@ mx4_gemm(const struct mx4_args a)
     constexpr int KS = 64 * D;              // k per stage
     constexpr int LDS = KS + 8;             // shared row stride (elements): ldmatrix without conflicts
     constexpr int TWO = MODE == MX_GATE_UP ? 2 : 1;
+    // One n8 tile of tokens: the E8M0 scales multiply the FP32 sums of each 32-k group
+    // (four FMAs a group) rather than the decoded BF16 weights (four HMUL2 a k-step);
+    // with more tiles the FMAs would outnumber the HMUL2s.
+    constexpr bool FSCALE = NT == 1;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *xs = (bf16 *) smem_raw;           // [2][CH][LDS]
     int32_t *rowsrc = (int32_t *) (xs + 2 * CH * LDS);  // [CH]: source row of each token
@@ -158,11 +173,12 @@ mx4_gemm(const struct mx4_args a)
         cnt = min(CH, a.offsets[e + 1] - p0);
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t kt_n = mx4_cols_padded(a.cols) / 64;
-    const int64_t rp = mx4_rows_padded(a.rows);
-    const int64_t rt = (int64_t) blockIdx.y * WB + warp;
-    const bool active = rt * 16 < rp;
-    const int n_stages = (int) ((kt_n + D - 1) / D);
+    // 32-bit sizes: rows, cols < 2^31 (kernel arguments); offsets that could pass 2^32
+    // bytes stay in pointers, advanced once per stage
+    const int kt_n = (int) (((unsigned) a.cols + 63) / 64);   // 64-k tiles of a row
+    const int rt = (int) blockIdx.y * WB + warp;                // this warp's row tile
+    const bool active = rt * 16 < a.rows;
+    const int n_stages = (int) (((unsigned) kt_n + D - 1) / D);
 
     for (int i = threadIdx.x; i < CH; i += WB * 32) {
         int src = -1;
@@ -172,48 +188,66 @@ mx4_gemm(const struct mx4_args a)
     }
     __syncthreads();
 
+    // Token staging: a thread copies the same 16-byte column chunk c8 of token rows r0 +
+    // i·RSTEP at every stage, the rows of the item's cnt tokens only (the columns of the
+    // others are never read back).  Their offsets in x, in 8-element units with c8
+    // included (32-bit: the host keeps x under 2^35 elements, mx4_x_fits), are computed
+    // once into registers at decode (one warp a block); larger shapes read rowsrc per
+    // stage (registers kept for the accumulators).
+    constexpr int CPR = KS / 8;                 // 16-byte chunks per token row and stage
+    constexpr int RSTEP = WB * 32 / CPR;        // token rows one pass of the block covers
+    constexpr int XIT = CH / RSTEP;             // chunks per thread and stage
+    constexpr bool XREG = WB == 1 && NT == 1;
+    static_assert((WB * 32) % CPR == 0 && CH % RSTEP == 0, "mx4_gemm staging shape");
+    const int tid = WB == 1 ? lane : (int) threadIdx.x;
+    const int c8 = tid % CPR, r0 = tid / CPR;
     const TX *x = (const TX *) a.x;
+    auto x_off = [&](int i) -> uint32_t {
+        return (uint32_t) max(rowsrc[r0 + i * RSTEP], 0) * (uint32_t) (a.ldx / 8) + c8;
+    };
+    uint32_t xo[XREG ? XIT : 1];
+#pragma unroll
+    for (int i = 0; i < (XREG ? XIT : 0); i++)
+        xo[i] = x_off(i);
+    bf16 *const xdst = xs + r0 * LDS + c8 * 8;
     auto load_stage = [&](int s, int buf) {
-        bf16 *dst = xs + buf * CH * LDS;
-        const int k0 = s * KS;
-        for (int idx = threadIdx.x; idx < CH * (KS / 8); idx += WB * 32) {
-            const int row = idx / (KS / 8), c8 = idx % (KS / 8);
-            const int src = rowsrc[row];
-            if (src < 0)
-                continue;
-            const int k = k0 + c8 * 8;
-            const bool valid = k < a.cols;
-            const TX *p = x + (int64_t) src * a.ldx + (valid ? k : 0);
-            stage_chunk<TX>(dst + row * LDS + c8 * 8, p, valid);
+        // past the row's end (K not a multiple of 64·D): a zero chunk, nothing read
+        const bool valid = s * KS + c8 * 8 < a.cols;
+        const TX *xk = x + (size_t) s * KS;
+        bf16 *dst = xdst + buf * CH * LDS;
+#pragma unroll
+        for (int i = 0; i < XIT; i++) {
+            if (r0 + i * RSTEP >= cnt)
+                break;
+            const uint32_t o = XREG ? xo[i] : x_off(i);
+            stage_chunk<TX>(dst + i * RSTEP * LDS, xk + (size_t) o * 8, valid);
         }
     };
 
-    const uint8_t *nb[2], *sb[2];
-    if (MODE == MX_DENSE) {
-        nb[0] = a.dense_nib;
-        sb[0] = a.dense_sc;
-    } else {
-        nb[0] = a.nib0[e];
-        sb[0] = a.sc0[e];
-        if (MODE == MX_GATE_UP) {
-            nb[1] = a.nib1[e];
-            sb[1] = a.sc1[e];
-        }
+    // This lane's bytes of the first k tile, per matrix: 16 nibble bytes, 4 scale bytes.
+    // kl: tiles left to load (0: an idle warp).
+    const uint8_t *wp[TWO], *sp[TWO];
+#pragma unroll
+    for (int m = 0; m < TWO; m++) {
+        const uint8_t *nbm = MODE == MX_DENSE ? a.dense_nib : m == 0 ? a.nib0[e] : a.nib1[e];
+        const uint8_t *sbm = MODE == MX_DENSE ? a.dense_sc : m == 0 ? a.sc0[e] : a.sc1[e];
+        wp[m] = nbm + (size_t) rt * kt_n * MX4_TILE_NIB_BYTES + lane * 16;
+        sp[m] = sbm + (size_t) rt * kt_n * MX4_TILE_SCALE_BYTES + (lane >> 2) * 4;
     }
-    const int64_t tile0 = rt * kt_n;
-    uint4 w[TWO][D], wn[TWO][D];
-    uint32_t sv[TWO][D], svn[TWO][D];
-    auto load_w = [&](int s, uint4 (&wd)[TWO][D], uint32_t (&sd)[TWO][D]) {
+    int kl = active ? kt_n : 0;
+    auto load_w = [&](uint4 (&wd)[TWO][D], uint32_t (&sd)[TWO][D]) {
 #pragma unroll
-        for (int m = 0; m < TWO; m++)
+        for (int m = 0; m < TWO; m++) {
 #pragma unroll
-            for (int d = 0; d < D; d++) {
-                const int64_t kt = (int64_t) s * D + d;
-                if (active && kt < kt_n) {
-                    wd[m][d] = ldg16(nb[m] + (tile0 + kt) * MX4_TILE_NIB_BYTES + lane * 16);
-                    sd[m][d] = ldg4(sb[m] + (tile0 + kt) * MX4_TILE_SCALE_BYTES + (lane / 4) * 4);
+            for (int d = 0; d < D; d++)
+                if (d < kl) {
+                    wd[m][d] = ldg16(wp[m] + d * MX4_TILE_NIB_BYTES);
+                    sd[m][d] = ldg4(sp[m] + d * MX4_TILE_SCALE_BYTES);
                 }
-            }
+            wp[m] += D * MX4_TILE_NIB_BYTES;
+            sp[m] += D * MX4_TILE_SCALE_BYTES;
+        }
+        kl -= D;
     };
 
     float acc[TWO][NT][4];
@@ -225,62 +259,88 @@ mx4_gemm(const struct mx4_args a)
             for (int i = 0; i < 4; i++)
                 acc[m][t][i] = 0.0f;
 
-    load_stage(0, 0);
-    cp_async_commit();
-    load_w(0, w, sv);
-    for (int s = 0; s < n_stages; s++) {
+    // ldmatrix rows of this lane: token t·8 + lane%8, k offset (lane/8)·8 of a 32-k pair
+    const bf16 *const xl = xs + (lane & 7) * LDS + (lane >> 3) * 8;
+    int kc = active ? kt_n : 0;                 // tiles left to compute
+    const struct mx4_tab tb = mx4_tables();
+    // Stage s (buffer par = s & 1): once its tokens are in, stage s + 1's tokens and
+    // weights are requested into the other buffers, then stage s is decoded and multiplied
+    // while they load.  The weights alternate between two register sets, the loop below
+    // running two stages a turn, so that nothing is copied from one to the other.
+    auto stage = [&](int s, int par, const uint4 (&wc)[TWO][D], const uint32_t (&sc)[TWO][D],
+                     uint4 (&wn)[TWO][D], uint32_t (&sn)[TWO][D]) {
+        cp_async_wait<0>();     // stage s's tokens: this thread's copies
+        __syncthreads();        // everyone's, and stage s - 1's buffer is read
         if (s + 1 < n_stages) {
-            load_stage(s + 1, (s + 1) & 1);
+            load_stage(s + 1, par ^ 1);
             cp_async_commit();
-            load_w(s + 1, wn, svn);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+            load_w(wn, sn);
         }
-        __syncthreads();
-        const bf16 *xb = xs + (s & 1) * CH * LDS;
-        if (active) {
+        const bf16 *xb = xl + par * CH * LDS;
 #pragma unroll
-            for (int d = 0; d < D; d++) {
-                if ((int64_t) s * D + d >= kt_n)
-                    break;
+        for (int d = 0; d < D; d++) {
+            if (d >= kc)
+                break;
 #pragma unroll
-                for (int j = 0; j < 4; j += 2) {
-                    uint32_t am[TWO][2][4];
+            for (int j = 0; j < 4; j += 2) {
+                // k-steps j, j + 1: 32-k group j / 2 of the tile
+                uint32_t am[TWO][2][4];
+#pragma unroll
+                for (int m = 0; m < TWO; m++) {
+                    if (FSCALE) {
+                        mx4_word_bf16_tab(u4_at(wc[m][d], j), &tb, am[m][0]);
+                        mx4_word_bf16_tab(u4_at(wc[m][d], j + 1), &tb, am[m][1]);
+                    } else {
+                        uint32_t sp4[4];
+                        mx4_scales_bf16x2(sc[m][d], sp4);
+                        mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, am[m][0]);
+                        mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, am[m][1]);
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (t > 0 && t * 8 >= cnt)
+                        break;
+                    uint32_t b[4];
+                    ldsm_x4(b, xb + t * 8 * LDS + d * 64 + j * 16);
 #pragma unroll
                     for (int m = 0; m < TWO; m++) {
-                        uint32_t sp[4];
-                        mx4_scales_bf16x2(sv[m][d], sp);
-                        mx4_a_regs(u4_at(w[m][d], j), sp, j, am[m][0]);
-                        mx4_a_regs(u4_at(w[m][d], j + 1), sp, j + 1, am[m][1]);
-                    }
-#pragma unroll
-                    for (int t = 0; t < NT; t++) {
-                        if (t * 8 >= cnt)
-                            break;
-                        uint32_t b[4];
-                        ldsm_x4(b, xb + (t * 8 + (lane & 7)) * LDS + d * 64 + j * 16 + (lane >> 3) * 8);
-#pragma unroll
-                        for (int m = 0; m < TWO; m++) {
-                            mma_bf16(acc[m][t], am[m][0][0], am[m][0][1], am[m][0][2], am[m][0][3],
-                                     b[0], b[1]);
-                            mma_bf16(acc[m][t], am[m][1][0], am[m][1][1], am[m][1][2], am[m][1][3],
+                        if (FSCALE) {
+                            // the group's sum, then its rows' scales (rows l/4: acc 0, 1;
+                            // l/4 + 8: acc 2, 3)
+                            float g[4];
+                            mma_bf16_first(g, am[m][0][0], am[m][0][1], am[m][0][2],
+                                           am[m][0][3], b[0], b[1]);
+                            mma_bf16(g, am[m][1][0], am[m][1][1], am[m][1][2], am[m][1][3],
                                      b[2], b[3]);
+                            const float s_lo = mx4_scale_f32(sc[m][d], mx4_scale_which(j, 0));
+                            const float s_hi = mx4_scale_f32(sc[m][d], mx4_scale_which(j, 1));
+                            acc[m][t][0] = fmaf(g[0], s_lo, acc[m][t][0]);
+                            acc[m][t][1] = fmaf(g[1], s_lo, acc[m][t][1]);
+                            acc[m][t][2] = fmaf(g[2], s_hi, acc[m][t][2]);
+                            acc[m][t][3] = fmaf(g[3], s_hi, acc[m][t][3]);
+                        } else {
+                            mma_bf16(acc[m][t], am[m][0][0], am[m][0][1], am[m][0][2],
+                                     am[m][0][3], b[0], b[1]);
+                            mma_bf16(acc[m][t], am[m][1][0], am[m][1][1], am[m][1][2],
+                                     am[m][1][3], b[2], b[3]);
                         }
                     }
                 }
             }
         }
-        __syncthreads();
-        if (s + 1 < n_stages) {
-#pragma unroll
-            for (int m = 0; m < TWO; m++)
-#pragma unroll
-                for (int d = 0; d < D; d++) {
-                    w[m][d] = wn[m][d];
-                    sv[m][d] = svn[m][d];
-                }
-        }
+        kc -= D;
+    };
+
+    uint4 w0[TWO][D], w1[TWO][D];
+    uint32_t s0[TWO][D], s1[TWO][D];
+    load_stage(0, 0);
+    cp_async_commit();
+    load_w(w0, s0);
+    for (int s = 0; s < n_stages; s += 2) {
+        stage(s, 0, w0, s0, w1, s1);
+        if (s + 1 < n_stages)
+            stage(s + 1, 1, w1, s1, w0, s0);
     }
     // epilogue: acc[m][t][2h + c] = (row 16rt + lane/4 + 8h, token 8t + 2(lane%4) + c)
 #pragma unroll
@@ -451,6 +511,8 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
         return 0;
     if (a->hidden % 32 || a->inter % 32 || a->hidden % 2)
         return -EINVAL;
+    if (!mx4_x_fits(a->n_rows, a->hidden) || !mx4_x_fits(n_slots, a->inter))
+        return -E2BIG;
     struct moe_plan_args pa;
     if (a->plan) {
         pa = *a->plan;          // built by the router
@@ -538,6 +600,8 @@ int kcu_mx4_dense(struct cuda_ctx *c, const struct cuda_weight *w, int rows, int
 
     if (n == 0)
         return 0;
+    if (!mx4_x_fits(n, cols))
+        return -E2BIG;
     a.dense_nib = (const uint8_t *) w->data;
     a.dense_sc = w->scale;
     a.rows = rows;

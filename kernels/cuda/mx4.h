@@ -19,11 +19,13 @@
  * Decode (mx4_word_bf16): codes to exact BF16 E2M1 values {0, ±0.5, .., ±6} with nine
  * byte permutes and a few logic ops (no table in memory); the E8M0 scale is then applied
  * by one BF16 multiply per register (exact: a power of two times a 2-bit mantissa),
- * except that scale byte 0 (2^-127, a BF16 subnormal) is taken as 0.
+ * except that scale byte 0 (2^-127, a BF16 subnormal) is taken as 0; or, with one token
+ * tile, to the FP32 sum of each 32-k group (mx4_scale_f32, docs/GPU.md §3).
  */
 #pragma once
 
 #include <stdint.h>
+#include <string.h>
 
 #include "hd.h"
 
@@ -50,6 +52,14 @@ HD int64_t mx4_nib_bytes(int64_t rows, int64_t cols)
 HD int64_t mx4_scale_bytes(int64_t rows, int64_t cols)
 {
     return mx4_rows_padded(rows) * mx4_cols_padded(cols) / 32;
+}
+
+/* Whether the kernel's 32-bit offsets of its activation rows hold for x [x_rows, ldx]:
+ * a row's offset in 8-element units plus a chunk of a stage (< 64) under 2^32 - 1 (the
+ * value ~0 marks a missing token). */
+HD int mx4_x_fits(int64_t x_rows, int64_t ldx)
+{
+    return x_rows >= 0 && ldx >= 0 && x_rows * (ldx / 8) + 64 < (int64_t) UINT32_MAX;
 }
 
 /* Row and column of element i (0..7) of word j (0..3) of lane l in tile (rt, kt). */
@@ -136,13 +146,35 @@ HD void mx4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t row
 #define MX4_T_LO 0x00403F00u
 #define MX4_T_HI 0x00C0BF80u
 
+/* The decode's four table words.  On the device each comes from an opaque move, so that
+ * a kernel loads them into registers once outside its loop instead of the compiler
+ * rematerialising them (a move from a uniform register) at every use. */
+struct mx4_tab {
+    uint32_t z_lo, z_hi, t_lo, t_hi;
+};
+
+HD uint32_t mx4_opaque(uint32_t v)
+{
+#ifdef __CUDA_ARCH__
+    v ^= blockIdx.z;            /* 0: the kernels using it run 2-D grids */
+#endif
+    return v;
+}
+
+HD struct mx4_tab mx4_tables(void)
+{
+    struct mx4_tab t = { mx4_opaque(MX4_Z_LO), mx4_opaque(MX4_Z_HI), mx4_opaque(MX4_T_LO),
+                         mx4_opaque(MX4_T_HI) };
+    return t;
+}
+
 /* Word w (codes of elements 0..7 in nibbles 0..7) -> r[k] = BF16 pair (element 2k in the
- * low half, 2k+1 in the high half), exact E2M1 values, not yet scaled. */
-HD void mx4_word_bf16(uint32_t w, uint32_t r[4])
+ * low half, 2k+1 in the high half), exact E2M1 values, not yet scaled; tb: mx4_tables(). */
+HD void mx4_word_bf16_tab(uint32_t w, const struct mx4_tab *tb, uint32_t r[4])
 {
     uint32_t m = w & 0x77777777u;
-    uint32_t zl = hd_prmt(MX4_Z_LO, MX4_Z_HI, m);
-    uint32_t zh = hd_prmt(MX4_Z_LO, MX4_Z_HI, m >> 16);
+    uint32_t zl = hd_prmt(tb->z_lo, tb->z_hi, m);
+    uint32_t zh = hd_prmt(tb->z_lo, tb->z_hi, m >> 16);
     uint32_t w4 = w << 4;
     /* 0xFF for a negative element: the sign of nibble 2b is bit 7 of byte b of w << 4,
      * of nibble 2b+1 bit 7 of byte b of w */
@@ -150,10 +182,17 @@ HD void mx4_word_bf16(uint32_t w, uint32_t r[4])
 
     zl |= sl & 0x40404040u;
     zh |= sh & 0x40404040u;
-    r[0] = hd_prmt(MX4_T_LO, MX4_T_HI, zl);
-    r[1] = hd_prmt(MX4_T_LO, MX4_T_HI, zl >> 16);
-    r[2] = hd_prmt(MX4_T_LO, MX4_T_HI, zh);
-    r[3] = hd_prmt(MX4_T_LO, MX4_T_HI, zh >> 16);
+    r[0] = hd_prmt(tb->t_lo, tb->t_hi, zl);
+    r[1] = hd_prmt(tb->t_lo, tb->t_hi, zl >> 16);
+    r[2] = hd_prmt(tb->t_lo, tb->t_hi, zh);
+    r[3] = hd_prmt(tb->t_lo, tb->t_hi, zh >> 16);
+}
+
+HD void mx4_word_bf16(uint32_t w, uint32_t r[4])
+{
+    struct mx4_tab tb = { MX4_Z_LO, MX4_Z_HI, MX4_T_LO, MX4_T_HI };
+
+    mx4_word_bf16_tab(w, &tb, r);
 }
 
 /* The BF16 pair (2^(s-127), 2^(s-127)) of scale byte `which` (0..3) of a lane's scale
@@ -173,6 +212,22 @@ HD void mx4_scales_bf16x2(uint32_t scales, uint32_t sp[4])
     sp[1] = hd_prmt(scales, 0, 0x4141) << 7;
     sp[2] = hd_prmt(scales, 0, 0x4242) << 7;
     sp[3] = hd_prmt(scales, 0, 0x4343) << 7;
+}
+
+/* The FP32 value 2^(s-127) of scale byte `which` (0..3) of a lane's scale word, for a
+ * kernel that scales the FP32 sums of a 32-k group instead of the BF16 weights (s = 0
+ * gives 0, as above). */
+HD float mx4_scale_f32(uint32_t scales, int which)
+{
+    uint32_t u = ((scales >> (8 * which)) & 0xFF) << 23;
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float f;
+
+    memcpy(&f, &u, sizeof(f));
+    return f;
+#endif
 }
 
 /* Which scale byte register k (0..3) of word j uses: rows l/4 (k = 0, 2) or l/4 + 8

@@ -2,9 +2,10 @@
 # static-figures.sh - the figures of the GPU path that need no GPU, from the built plugin:
 #   SASS instructions per KB of MXFP4 weights in the MoE decode loop: the sm_90a code of
 #   mx4_gemm<NT 1, D 4, WB 1, MODE, bf16> (the decode shape: up to 8 tokens an expert),
-#   its stage loop (the backward branch whose body holds the most HMMA instructions), the
-#   instructions of one pass over its weights (gate+up: 2 x 4 tiles of 16x64, 544 bytes
-#   each = 4352 bytes; down: 4 tiles = 2176 bytes);
+#   its stage loop (the backward branch whose body holds the most HMMA instructions; it
+#   runs two stages a turn), its instructions per byte of weights it reads: at NT 1 an
+#   HMMA takes 16 rows x 16 k of one matrix, 128 nibble bytes and 8 scale bytes (a stage:
+#   gate+up 2 x 4 tiles of 16x64, 544 bytes each = 4352 bytes, 32 HMMA; down 2176 bytes);
 #   the decode attention's K/V gather loop: flash_kernel<128, bf16, bf16, bf16>, the
 #   backward branch whose body holds its LDGSTS, i.e. the instructions per 16-byte chunk,
 #   and whether the chunk pays a call (the 64-bit division routine) or a dependent load.
@@ -25,7 +26,7 @@ for line in sys.stdin:
     m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
     if m and cur:
         funcs[cur].append((int(m.group(1), 16), m.group(2).strip()))
-for mode, name, nbytes in ((0, "gate+up", 2 * 4 * 544), (1, "down", 4 * 544)):
+for mode, name in ((0, "gate+up"), (1, "down")):
     f = "_Z8mx4_gemmILi1ELi4ELi1ELi%dE13__nv_bfloat16Ev8mx4_args" % mode
     ins = funcs.get(f)
     if not ins:
@@ -44,6 +45,7 @@ for mode, name, nbytes in ((0, "gate+up", 2 * 4 * 544), (1, "down", 4 * 544)):
             best = (tgt, a, h, body)
     tgt, a, h, body = best
     n = sum(not x[1].startswith("NOP") for x in body)
+    nbytes = h * 136
     kinds = {}
     for _, t in body:
         op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]

@@ -107,6 +107,26 @@ static void test_mx4_decode_words(void)
         for (int b = 0; b < 4; b++)
             ASSERT_EQ(sp[b], mx4_scale_bf16x2(sw, b));
     }
+    /* the FP32 scales of mx4_gemm at NT 1: 2^(s-127) of byte `which`, byte 0 gives 0 */
+    for (int rep = 0; rep < 1000; rep++) {
+        uint32_t sw = rnd32();
+
+        for (int b = 0; b < 4; b++) {
+            unsigned s = (sw >> (8 * b)) & 0xFF;
+
+            if (s == 0 || s == 255)
+                continue;
+            ASSERT_TRUE(mx4_scale_f32(sw, b) == ldexpf(1.0f, (int)s - 127));
+        }
+    }
+    ASSERT_TRUE(mx4_scale_f32(0x00FF0100u, 0) == 0.0f);
+    ASSERT_TRUE(mx4_scale_f32(0x00FF0100u, 1) == ldexpf(1.0f, -126));
+    ASSERT_TRUE(isinf(mx4_scale_f32(0x00FF0100u, 2)));
+    /* mx4_gemm's 32-bit token-row offsets: x_rows·(ldx/8) + 64 must stay under 2^32 - 1 */
+    ASSERT_TRUE(mx4_x_fits(2048, 4096));
+    ASSERT_TRUE(mx4_x_fits(((int64_t)1 << 23) - 1, 4096));
+    ASSERT_TRUE(!mx4_x_fits((int64_t)1 << 23, 4096));
+    ASSERT_TRUE(!mx4_x_fits(1, (int64_t)1 << 35));
     printf("mx4: decode of all codes at all positions exact, scales exact\n");
 }
 

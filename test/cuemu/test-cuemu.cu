@@ -8,7 +8,7 @@
 //    a barrier race and the same kernel with its barrier passing, a deadlock, an ldmatrix
 //    past shared memory, a misaligned ldmatrix, a divergent warp collective; a launch
 //    above the dynamic shared memory limit is refused with an error;
-//  - programmatic dependent launch (cudaLaunchKernelEx with programmatic stream
+//  - programmatic dependent launch (common.cuh's cuda_launch with programmatic stream
 //    serialization): a kernel that waits first runs clean; one that stores to device
 //    memory, reaches __syncthreads, issues an atomic before its wait, or never waits, is
 //    stopped naming the kernel; the same store-first kernel without the attribute runs.
@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "common.cuh"
 #include "mma.cuh"
 
 static int failures;
@@ -324,20 +325,12 @@ static void run_divergent()
     divergent_kernel<<<1, 32>>>((int *) g_out);
 }
 
+// through the backend's launch helper (common.cuh cuda_launch), the attribute set by c.pdl
 static void pdl_launch(int mode, bool attr)
 {
-    cudaLaunchAttribute at[1];
-    memset(at, 0, sizeof(at));
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.gridDim = dim3(2);
-    cfg.blockDim = dim3(64);
-    cfg.attrs = at;
-    cfg.numAttrs = attr ? 1 : 0;
-    cuemu::launch_name("pdl_kernel, 2, 64");
-    if (cudaLaunchKernelEx(&cfg, pdl_kernel, g_out, mode) != cudaSuccess)
+    struct cuda_ctx c = {};
+    c.pdl = attr;
+    if (cuda_launch(&c, pdl_kernel, 2, 64, 0, g_out, mode) != cudaSuccess)
         abort();
 }
 

@@ -4,6 +4,8 @@
 
 static __global__ void add_kernel(float *y, const float *x, size_t n)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const size_t idx = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (idx < n)
         y[idx] += x[idx];
@@ -14,6 +16,6 @@ int kcuda_add(struct backend *be, float *y, const float *x, size_t n)
     struct cuda_ctx *c = cuda_ctx_of(be);
     if (n == 0)
         return 0;
-    add_kernel<<<cuda_blocks(n, 256), 256, 0, c->stream>>>(y, x, n);
+    cuda_launch(c, add_kernel, cuda_blocks(n, 256), 256, 0, y, x, n);
     return CUDA_LAUNCH_CHECK();
 }

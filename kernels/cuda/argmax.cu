@@ -34,6 +34,8 @@ static inline __device__ void am_warp_best(float &bv, int &bi)
 
 static __global__ void argmax_kernel(const float *x, int n, int k, int32_t *ids, float *vals)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int64_t row = blockIdx.x;
@@ -101,7 +103,7 @@ int kcuda_argmax(struct backend *be, const float *x, int rows, int n, int k, int
     float *d_vals = (float *) cuda_ws_take(c, each * 4);
     if (!d_ids || !d_vals)
         return -ENOMEM;
-    argmax_kernel<<<rows, ARGMAX_THREADS, 0, c->stream>>>(x, n, k, d_ids, d_vals);
+    cuda_launch(c, argmax_kernel, rows, ARGMAX_THREADS, 0, x, n, k, d_ids, d_vals);
     r = CUDA_LAUNCH_CHECK();
     if (r < 0)
         return r;

@@ -104,6 +104,7 @@ static __device__ void flash_merge_row(const struct flash_args &a, int64_t base,
 template <int HDIM, typename KVT, typename QT, typename OT>
 static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash_args a)
 {
+    PDL_WAIT();
     constexpr int LDK = HDIM + 8;
     constexpr int KT = FLASH_KEY_TILE;
     extern __shared__ __align__(16) unsigned char fsm[];
@@ -279,6 +280,7 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
         }
         __syncthreads();
     }
+    PDL_TRIGGER();
     if (!busy && !a.split_done)
         return;
     if (busy) {
@@ -348,6 +350,8 @@ static __global__ void __launch_bounds__(256, 1) flash_kernel(const struct flash
 template <int HDIM, typename OT>
 static __global__ void flash_merge_kernel(const struct flash_args a)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int tile = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
     if (a.n_tiles_real && tile >= *a.n_tiles_real)
         return;
@@ -385,12 +389,12 @@ static int flash_launch(struct cuda_ctx *c, const struct flash_args &fa, int n_t
         attr_set = true;
     }
     dim3 grid(n_tiles, fa.n_kv_heads, fa.n_splits);
-    flash_kernel<HDIM, KVT, QT, OT><<<grid, warps * 32, flash_smem(HDIM), c->stream>>>(fa);
+    cuda_launch(c, flash_kernel<HDIM, KVT, QT, OT>, grid, warps * 32, flash_smem(HDIM), fa);
     int r = CUDA_LAUNCH_CHECK();
     if (r < 0 || fa.n_splits == 1 || fa.split_done)
         return r;
     dim3 mgrid(n_tiles, fa.n_kv_heads, fa.rows_cap);
-    flash_merge_kernel<HDIM, OT><<<mgrid, HDIM, 0, c->stream>>>(fa);
+    cuda_launch(c, flash_merge_kernel<HDIM, OT>, mgrid, HDIM, 0, fa);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -509,6 +513,8 @@ static inline __device__ float normw(const void *w, int f32, int i)
 // n_kv_heads) k heads (their v heads go along)
 static __global__ void qkv_prep_kernel(const struct kcu_qkv_args a)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     extern __shared__ float qkv_sh[];       // [warps][head_dim]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t item = (int64_t) blockIdx.x * (blockDim.x / 32) + warp;
@@ -603,8 +609,8 @@ int kcu_qkv_prep(struct cuda_ctx *c, const struct kcu_qkv_args *a)
         return -ENOTSUP;
     if (items == 0)
         return 0;
-    qkv_prep_kernel<<<cuda_blocks(items, warps), warps * 32, warps * a->head_dim * sizeof(float),
-                      c->stream>>>(*a);
+    cuda_launch(c, qkv_prep_kernel, cuda_blocks(items, warps), warps * 32,
+                warps * a->head_dim * sizeof(float), *a);
     return CUDA_LAUNCH_CHECK();
 }
 

@@ -478,6 +478,24 @@ static int cuda_capture_end(struct backend *be, bool ok)
 
 // ---- lifecycle ----
 
+static __global__ void copy_rows_kernel(char *dst, const int32_t *dr, const char *src,
+                                        const int32_t *sr, int n, size_t row_bytes);
+
+// Programmatic dependent launch (common.cuh cuda_launch): only where the code this device
+// runs was compiled for sm_90 (its kernels wait; the fat binary's sm_80 code has no wait
+// and runs on any later device), and STEPD_CUDA_NO_PDL is not set.
+static bool cuda_pdl_on(void)
+{
+    if (getenv("STEPD_CUDA_NO_PDL"))
+        return false;
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, copy_rows_kernel) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return false;
+    }
+    return fa.ptxVersion >= 90;
+}
+
 static int cuda_init(struct backend *be, const struct backend_cfg *cfg)
 {
     int n = 0, r;
@@ -504,6 +522,8 @@ static int cuda_init(struct backend *be, const struct backend_cfg *cfg)
         if (p.major < 8)
             r = -ENODEV;    // mma.sync BF16 needs sm_80
     }
+    if (r == 0)
+        c->pdl = cuda_pdl_on();
     if (r == 0)
         r = err_from_cuda(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     if (r == 0)
@@ -771,6 +791,8 @@ static __global__ void copy_rows_kernel(char *dst, const int32_t *dr, const char
                                         const int32_t *sr, int n, size_t row_bytes)
 {
     const int i = blockIdx.x;
+    PDL_WAIT();
+    PDL_TRIGGER();
     if (i >= n)
         return;
     char *d = dst + (size_t) (dr ? dr[i] : i) * row_bytes;
@@ -795,7 +817,8 @@ static int cuda_copy_rows(struct backend *be, void *dst, const int32_t *dst_rows
     const int32_t *sr = src_rows ? (const int32_t *) cuda_stage(c, src_rows, sizeof(int32_t) * n) : NULL;
     if ((dst_rows && !dr) || (src_rows && !sr))
         return -ENOMEM;
-    copy_rows_kernel<<<n, 256, 0, c->stream>>>((char *) dst, dr, (const char *) src, sr, n, row_bytes);
+    cuda_launch(c, copy_rows_kernel, n, 256, 0, (char *) dst, dr, (const char *) src, sr, n,
+                row_bytes);
     return CUDA_LAUNCH_CHECK();
 }
 

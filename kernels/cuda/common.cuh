@@ -24,6 +24,9 @@
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#include <utility>
 
 #include "backend.h"
 #include "graph-pad.h"
@@ -70,6 +73,7 @@ struct cuda_ctx {
     int device, sms;
     size_t smem_optin;
     bool exact;             // backend_cfg.mxfp4_exact: FP32 op path only
+    bool pdl;               // cuda_launch() sets programmatic stream serialization (sm_90)
     cudaStream_t stream;
     // cuBLASLt: one handle, one workspace, an algorithm per shape (gemm.cu)
     cublasLtHandle_t lt;
@@ -165,6 +169,53 @@ static inline int cuda_weight_dev(const struct bweight *w, const void **ret_data
     *ret_scale = cw->scale;
     return 0;
 }
+
+// ---- launches: programmatic dependent launch (docs/GPU.md §6) ----
+//
+// cuda_launch(c, kernel, grid, block, smem, args...) launches kernel on the backend's
+// stream; with c->pdl (the device runs the sm_90 code, STEPD_CUDA_NO_PDL unset) it sets
+// cudaLaunchAttributeProgrammaticStreamSerialization, so that the kernel may start while
+// the one before it in the stream still runs (a graph captures the edge as programmatic).
+// Every kernel launched so calls PDL_WAIT() (griddepcontrol.wait: the whole previous grid
+// completed and its writes are visible) before it reads anything an earlier kernel wrote
+// or writes anything an earlier kernel reads: at its entry, after index arithmetic only.
+// PDL_TRIGGER() (griddepcontrol.launch_dependents) says where the rest of its work no
+// longer gates the next kernel's start; correctness never depends on where, since the
+// next kernel's PDL_WAIT() waits for this whole grid.  On sm_80 code both are no-ops (and
+// c->pdl is false: the attribute is never set for code that does not wait).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_WAIT() cudaGridDependencySynchronize()
+#define PDL_TRIGGER() cudaTriggerProgrammaticLaunchCompletion()
+#else
+#define PDL_WAIT() ((void) 0)
+#define PDL_TRIGGER() ((void) 0)
+#endif
+
+// what: the launch's text (the macro's), the emulator's name of the kernel (its prefix)
+template <class... P, class... A>
+static inline cudaError_t cuda_launch_(const char *what, const struct cuda_ctx *c, void (*k)(P...),
+                                       dim3 grid, dim3 block, size_t smem, A &&...args)
+{
+    cudaLaunchAttribute at[1];
+    memset(at, 0, sizeof(at));
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = c->pdl ? at : NULL;
+    cfg.numAttrs = c->pdl ? 1 : 0;
+#ifdef CUEMU
+    cuemu::launch_name(what);
+#else
+    (void) what;
+#endif
+    return cudaLaunchKernelEx(&cfg, k, std::forward<A>(args)...);
+}
+#define cuda_launch(c, ...) cuda_launch_(#__VA_ARGS__, c, __VA_ARGS__)
 
 static inline unsigned cuda_blocks(size_t n, unsigned threads)
 {

@@ -5,6 +5,8 @@
 static __global__ void embed_kernel(int f32, const void *table, int64_t cols, const int32_t *ids,
                                     float *out)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int t = blockIdx.x;
     const int64_t row = ids[t];
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
@@ -30,6 +32,6 @@ int kcuda_embed(struct backend *be, const struct bweight *table, const int32_t *
     const int32_t *dids = cuda_index(c, ids, (size_t) rows);
     if (!dids)
         return -ENOMEM;
-    embed_kernel<<<rows, 256, 0, c->stream>>>(table->fmt == WFMT_F32, d, table->cols, dids, out);
+    cuda_launch(c, embed_kernel, rows, 256, 0, table->fmt == WFMT_F32, d, table->cols, dids, out);
     return CUDA_LAUNCH_CHECK();
 }

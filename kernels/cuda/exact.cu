@@ -38,6 +38,8 @@ static __global__ void matmul_exact_kernel(int fmt, const void *w, const uint8_t
                                            int64_t rows, int64_t cols, const float *x, int n,
                                            float *y)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (warp >= rows * n)
@@ -58,8 +60,8 @@ int kcuda_matmul_exact(struct backend *be, const struct bweight *w, const float 
     if (n == 0)
         return 0;
     const size_t threads = (size_t) w->rows * n * 32;
-    matmul_exact_kernel<<<cuda_blocks(threads, 256), 256, 0, c->stream>>>(w->fmt, d, s, w->rows,
-                                                                          w->cols, x, n, y);
+    cuda_launch(c, matmul_exact_kernel, cuda_blocks(threads, 256), 256, 0, w->fmt, d, s, w->rows,
+                w->cols, x, n, y);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -102,7 +104,7 @@ int kcuda_moe_exact(struct backend *be, const struct moe_args *a)
     const struct moe_warp_args ma = { a->x, a->n_tok, a->hidden, a->inter, a->top_k, a->ids,
                                       a->weights, a->expert_first, a->n_local, a->limit, act,
                                       a->out };
-    return moe_warp_run(c->stream, mx4_exact_rd{ dp, a->n_local }, ma, 256);
+    return moe_warp_run(c, mx4_exact_rd{ dp, a->n_local }, ma, 256);
 }
 
 // ---- attention: one block of threads per (query token, head), keys one at a time ----
@@ -119,6 +121,8 @@ static __global__ void attention_exact_kernel(const float *q, float *out, int n_
                                               const int32_t *tok_start, const int32_t *pos0,
                                               const int32_t *tables, const int32_t *table_off)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     __shared__ float red[32];
     const int tok = blockIdx.x, h = blockIdx.y;
     int s = 0;
@@ -162,8 +166,8 @@ int kcuda_attention_exact(struct backend *be, const struct attn_args *a, const i
     if (a->head_dim > 256)
         return -EINVAL;
     dim3 grid(a->n_tok, a->n_heads);
-    attention_exact_kernel<<<grid, 32, 0, c->stream>>>(a->q, a->out, a->n_heads, a->n_kv_heads,
-        a->head_dim, a->scale, a->window, a->kv->k, a->kv->v, a->kv->dtype_f32,
-        a->kv->block_size, a->n_seqs, dstart, dpos0, dtab, doff);
+    cuda_launch(c, attention_exact_kernel, grid, 32, 0, a->q, a->out, a->n_heads, a->n_kv_heads,
+                a->head_dim, a->scale, a->window, a->kv->k, a->kv->v, a->kv->dtype_f32,
+                a->kv->block_size, a->n_seqs, dstart, dpos0, dtab, doff);
     return CUDA_LAUNCH_CHECK();
 }

@@ -4,6 +4,8 @@
 
 static __global__ void head_gate_kernel(float *o, const float *g, int64_t n, int head_dim)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t idx = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n)
         return;
@@ -17,6 +19,6 @@ int kcuda_head_gate(struct backend *be, float *o, const float *g, int n_tok, int
     const int64_t n = (int64_t) n_tok * n_heads * head_dim;
     if (n == 0)
         return 0;
-    head_gate_kernel<<<cuda_blocks(n, 256), 256, 0, c->stream>>>(o, g, n, head_dim);
+    cuda_launch(c, head_gate_kernel, cuda_blocks(n, 256), 256, 0, o, g, n, head_dim);
     return CUDA_LAUNCH_CHECK();
 }

@@ -208,6 +208,8 @@ template <typename WT, typename YT>
 static __global__ void plain_gemm_kernel(int m, int n, int k, const WT *w, const WT *x, int ldx,
                                          YT *y, int ldy, bool acc)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, row = blockIdx.y;
     const int lane = threadIdx.x % 32;
     if (col >= n || row >= m)
@@ -230,17 +232,17 @@ static int plain_gemm(struct cuda_ctx *c, int m, int n, int k, const void *w, kd
 {
     const dim3 grid((unsigned) ((n + 7) / 8), (unsigned) m);
     if (wt == KDT_F32 && yt == KDT_F32)
-        plain_gemm_kernel<float, float><<<grid, 256, 0, c->stream>>>(
-            m, n, k, (const float *) w, (const float *) x, ldx, (float *) y, ldy, acc);
+        cuda_launch(c, plain_gemm_kernel<float, float>, grid, 256, 0, m, n, k, (const float *) w,
+                    (const float *) x, ldx, (float *) y, ldy, acc);
     else if (wt == KDT_F32)
-        plain_gemm_kernel<float, bf16><<<grid, 256, 0, c->stream>>>(
-            m, n, k, (const float *) w, (const float *) x, ldx, (bf16 *) y, ldy, acc);
+        cuda_launch(c, plain_gemm_kernel<float, bf16>, grid, 256, 0, m, n, k, (const float *) w,
+                    (const float *) x, ldx, (bf16 *) y, ldy, acc);
     else if (yt == KDT_F32)
-        plain_gemm_kernel<bf16, float><<<grid, 256, 0, c->stream>>>(
-            m, n, k, (const bf16 *) w, (const bf16 *) x, ldx, (float *) y, ldy, acc);
+        cuda_launch(c, plain_gemm_kernel<bf16, float>, grid, 256, 0, m, n, k, (const bf16 *) w,
+                    (const bf16 *) x, ldx, (float *) y, ldy, acc);
     else
-        plain_gemm_kernel<bf16, bf16><<<grid, 256, 0, c->stream>>>(
-            m, n, k, (const bf16 *) w, (const bf16 *) x, ldx, (bf16 *) y, ldy, acc);
+        cuda_launch(c, plain_gemm_kernel<bf16, bf16>, grid, 256, 0, m, n, k, (const bf16 *) w,
+                    (const bf16 *) x, ldx, (bf16 *) y, ldy, acc);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -275,6 +277,8 @@ int kcu_gemm(struct cuda_ctx *c, int m, int n, int k, const void *w, kdt wt, con
 
 static __global__ void to_bf16_kernel(const float *x, bf16 *y, size_t n)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const size_t i = ((size_t) blockIdx.x * blockDim.x + threadIdx.x) * 2;
     if (i + 1 < n) {
         const float2 v = *(const float2 *) (x + i);
@@ -288,7 +292,7 @@ int kcu_to_bf16(struct cuda_ctx *c, const float *x, bf16 *y, size_t n)
 {
     if (n == 0)
         return 0;
-    to_bf16_kernel<<<cuda_blocks((n + 1) / 2, 256), 256, 0, c->stream>>>(x, y, n);
+    cuda_launch(c, to_bf16_kernel, cuda_blocks((n + 1) / 2, 256), 256, 0, x, y, n);
     return CUDA_LAUNCH_CHECK();
 }
 

@@ -6,6 +6,8 @@
 static __global__ void kv_store_kernel(void *kc, void *vc, int f32, const float *k, const float *v,
                                        int n_tok, int64_t row, const int32_t *slots)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t idx = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (int64_t) n_tok * row)
         return;
@@ -39,7 +41,7 @@ int kcuda_kv_store(struct backend *be, struct kv_layer *kv, const float *k, cons
     if (!ds)
         return -ENOMEM;
     const size_t n = (size_t) n_tok * row;
-    kv_store_kernel<<<cuda_blocks(n, 256), 256, 0, c->stream>>>(kv->k, kv->v, kv->dtype_f32, k, v,
-                                                                n_tok, row, ds);
+    cuda_launch(c, kv_store_kernel, cuda_blocks(n, 256), 256, 0,
+                kv->k, kv->v, kv->dtype_f32, k, v, n_tok, row, ds);
     return CUDA_LAUNCH_CHECK();
 }

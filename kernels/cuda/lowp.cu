@@ -89,6 +89,8 @@ static int lowp_desc(const struct bweight *w, struct lowp_w *d)
 static __global__ void lowp_matmul_kernel(struct lowp_w w, int64_t rows, const float *x, int n,
                                           float *y)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     const int64_t chunks = (n + LOWP_NT - 1) / LOWP_NT;
@@ -112,8 +114,8 @@ int kcu_lowp_matmul(struct cuda_ctx *c, const struct bweight *w, const float *x,
     if (n == 0)
         return 0;
     const size_t threads = (size_t) w->rows * ((n + LOWP_NT - 1) / LOWP_NT) * 32;
-    lowp_matmul_kernel<<<cuda_blocks(threads, 32 * LOWP_WARPS), 32 * LOWP_WARPS, 0, c->stream>>>(
-        d, w->rows, x, n, y);
+    cuda_launch(c, lowp_matmul_kernel, cuda_blocks(threads, 32 * LOWP_WARPS), 32 * LOWP_WARPS, 0,
+                d, w->rows, x, n, y);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -150,7 +152,7 @@ int kcu_lowp_experts(struct cuda_ctx *c, const struct lowp_w *tab, const struct 
 {
     if (a->n_tok == 0 || a->n_local == 0)
         return 0;
-    return moe_warp_run(c->stream, lowp_rd{ tab, a->n_local }, *a, 32 * LOWP_WARPS);
+    return moe_warp_run(c, lowp_rd{ tab, a->n_local }, *a, 32 * LOWP_WARPS);
 }
 
 int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)

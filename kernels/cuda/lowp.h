@@ -118,6 +118,8 @@ static inline size_t moe_warp_act_bytes(int n_tok, int top_k, int inter)
 template <class RD>
 static __global__ void moe_warp_up(RD rd, const struct moe_warp_args a)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (warp >= (int64_t) a.n_tok * a.top_k * a.inter)
@@ -141,6 +143,8 @@ static __global__ void moe_warp_up(RD rd, const struct moe_warp_args a)
 template <class RD>
 static __global__ void moe_warp_down(RD rd, const struct moe_warp_args a)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t warp = ((int64_t) blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (warp >= (int64_t) a.n_tok * a.hidden)
@@ -160,15 +164,16 @@ static __global__ void moe_warp_down(RD rd, const struct moe_warp_args a)
 
 // the two launches (threads per block: a multiple of 32)
 template <class RD>
-static int moe_warp_run(cudaStream_t s, RD rd, const struct moe_warp_args &a, unsigned threads)
+static int moe_warp_run(const struct cuda_ctx *c, RD rd, const struct moe_warp_args &a,
+                        unsigned threads)
 {
     const size_t w1 = (size_t) a.n_tok * a.top_k * a.inter * 32;
-    moe_warp_up<RD><<<cuda_blocks(w1, threads), threads, 0, s>>>(rd, a);
+    cuda_launch(c, moe_warp_up<RD>, cuda_blocks(w1, threads), threads, 0, rd, a);
     const int r = CUDA_LAUNCH_CHECK();
     if (r < 0)
         return r;
     const size_t w2 = (size_t) a.n_tok * a.hidden * 32;
-    moe_warp_down<RD><<<cuda_blocks(w2, threads), threads, 0, s>>>(rd, a);
+    cuda_launch(c, moe_warp_down<RD>, cuda_blocks(w2, threads), threads, 0, rd, a);
     return CUDA_LAUNCH_CHECK();
 }
 

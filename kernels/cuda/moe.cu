@@ -147,6 +147,8 @@ template <int NT, int D, int WB, int MODE, typename TX>
 static __global__ void __launch_bounds__(WB * 32)
 mx4_gemm(const struct mx4_args a)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     constexpr int CH = 8 * NT;              // tokens of a work item
     constexpr int KS = 64 * D;              // k per stage
     constexpr int LDS = KS + 8;             // shared row stride (elements): ldmatrix without conflicts
@@ -407,7 +409,7 @@ static int mx4_launch(struct cuda_ctx *c, const struct mx4_args &a, int grid_x)
     dim3 grid(grid_x, (unsigned) ((row_tiles + WB - 1) / WB));
     if (grid_x <= 0)
         return 0;
-    mx4_gemm<NT, D, WB, MODE, TX><<<grid, WB * 32, mx4_smem(s), c->stream>>>(a);
+    cuda_launch(c, mx4_gemm<NT, D, WB, MODE, TX>, grid, WB * 32, mx4_smem(s), a);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -426,6 +428,8 @@ static int mx4_dispatch(struct cuda_ctx *c, const struct mx4_args &a, int m, int
 
 static __global__ void __launch_bounds__(MOE_PLAN_THREADS) moe_plan_kernel(struct moe_plan_args a)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     extern __shared__ int32_t plan_sh[];
 
     kcu_moe_plan_block(&a, plan_sh);
@@ -435,6 +439,8 @@ static __global__ void __launch_bounds__(MOE_PLAN_THREADS) moe_plan_kernel(struc
 static __global__ void moe_combine_kernel(float *out, const bf16 *y, const int32_t *slot_pair,
                                           int top_k, int hidden)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int t = blockIdx.x;
     const int col = 2 * (blockIdx.y * blockDim.x + threadIdx.x);
     if (col >= hidden)
@@ -535,7 +541,7 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
         if (plan_smem > 48 * 1024)
             cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int) plan_smem);
-        moe_plan_kernel<<<1, MOE_PLAN_THREADS, plan_smem, c->stream>>>(pa);
+        cuda_launch(c, moe_plan_kernel, 1, MOE_PLAN_THREADS, plan_smem, pa);
         r = CUDA_LAUNCH_CHECK();
         if (r < 0)
             return r;
@@ -587,7 +593,7 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
         return r;
 
     dim3 grid(a->n_rows, cuda_blocks((size_t) a->hidden / 2, 256));
-    moe_combine_kernel<<<grid, 256, 0, c->stream>>>(a->out, y, slot_pair, a->top_k, a->hidden);
+    cuda_launch(c, moe_combine_kernel, grid, 256, 0, a->out, y, slot_pair, a->top_k, a->hidden);
     return CUDA_LAUNCH_CHECK();
 }
 

@@ -15,6 +15,7 @@ static inline __device__ float norm_w(int f32, const void *w, int i)
 static __global__ void rmsnorm_kernel(const float *x, int f32, const void *w, int dim, float eps,
                                       float *y32, bf16 *y16)
 {
+    PDL_WAIT();
     __shared__ float red[32];
     const int64_t row = blockIdx.x;
     const float *xr = x + row * dim;
@@ -22,6 +23,7 @@ static __global__ void rmsnorm_kernel(const float *x, int f32, const void *w, in
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         ss += xr[i] * xr[i];
     ss = block_sum(ss, red);
+    PDL_TRIGGER();
     const float r = rsqrtf(ss / dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float v = xr[i] * r * (1.0f + norm_w(f32, w, i));
@@ -41,8 +43,8 @@ int kcu_rmsnorm(struct cuda_ctx *c, const float *x, const struct bweight *w, int
         return -EINVAL;
     if (rows == 0)
         return 0;
-    rmsnorm_kernel<<<rows, dim >= 1024 ? 256 : 128, 0, c->stream>>>(x, w->fmt == WFMT_F32, d, dim,
-                                                                     eps, y32, y16);
+    cuda_launch(c, rmsnorm_kernel, rows,
+                dim >= 1024 ? 256 : 128, 0, x, w->fmt == WFMT_F32, d, dim, eps, y32, y16);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -55,6 +57,8 @@ int kcuda_rmsnorm(struct backend *be, const float *x, const struct bweight *w, i
 static __global__ void swiglu_fused_kernel(const bf16 *gu, int64_t rows, int inter, float limit,
                                            bf16 *out)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t idx = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= rows * inter)
         return;
@@ -71,7 +75,7 @@ int kcu_swiglu_fused(struct cuda_ctx *c, const bf16 *gu, int rows, int inter, fl
     const size_t n = (size_t) rows * inter;
     if (n == 0)
         return 0;
-    swiglu_fused_kernel<<<cuda_blocks(n, 256), 256, 0, c->stream>>>(gu, rows, inter, limit, out);
+    cuda_launch(c, swiglu_fused_kernel, cuda_blocks(n, 256), 256, 0, gu, rows, inter, limit, out);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -93,6 +97,7 @@ static __device__ __forceinline__ float dot8_bf16(const uint4 &a, const uint4 &b
 static __global__ void gu_swiglu_kernel(const bf16 *gu, const bf16 *x, int rows, int hidden,
                                         int inter, float limit, bf16 *act)
 {
+    PDL_WAIT();
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * KCU_GU_TOKENS, nt = min(KCU_GU_TOKENS, rows - t0);
@@ -115,6 +120,7 @@ static __global__ void gu_swiglu_kernel(const bf16 *gu, const bf16 *x, int rows,
             u[t] += dot8_bf16(b, xv);
         }
     }
+    PDL_TRIGGER();
 #pragma unroll
     for (int t = 0; t < KCU_GU_TOKENS; t++) {
         if (t >= nt)
@@ -140,6 +146,6 @@ int kcu_gu_swiglu(struct cuda_ctx *c, const bf16 *gu, const bf16 *x, int rows, i
     if (inter == 0)
         return 0;
     dim3 grid(cuda_blocks((size_t) inter, warps), (rows + KCU_GU_TOKENS - 1) / KCU_GU_TOKENS);
-    gu_swiglu_kernel<<<grid, warps * 32, 0, c->stream>>>(gu, x, rows, hidden, inter, limit, act);
+    cuda_launch(c, gu_swiglu_kernel, grid, warps * 32, 0, gu, x, rows, hidden, inter, limit, act);
     return CUDA_LAUNCH_CHECK();
 }

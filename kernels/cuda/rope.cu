@@ -5,6 +5,8 @@
 static __global__ void rope_kernel(float *x, int n_tok, int n_heads, int head_dim, const int32_t *pos,
                                    int rdims, const float *inv_freq)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int half = rdims / 2;
     const int64_t idx = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (int64_t) n_tok * n_heads * half)
@@ -35,7 +37,7 @@ int kcuda_rope(struct backend *be, float *x, int n_tok, int n_heads, int head_di
     if (!dpos || !dfreq)
         return -ENOMEM;
     const size_t n = (size_t) n_tok * n_heads * (f->rotary_dims / 2);
-    rope_kernel<<<cuda_blocks(n, 256), 256, 0, c->stream>>>(x, n_tok, n_heads, head_dim, dpos,
-                                                            f->rotary_dims, dfreq);
+    cuda_launch(c, rope_kernel, cuda_blocks(n, 256), 256, 0, x, n_tok, n_heads, head_dim, dpos,
+                f->rotary_dims, dfreq);
     return CUDA_LAUNCH_CHECK();
 }

@@ -81,6 +81,8 @@ static __global__ void router_kernel(const float *logits, const float *bias, int
                                      const int32_t *n_real, int n_exp, int top_k, int renorm,
                                      float scale, int32_t *ids, float *weights)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int t = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (t >= n_rows)
@@ -130,6 +132,7 @@ router_gemv_kernel(const float *x, const float *w, int hidden, const float *bias
                    const int32_t *n_real, int n_exp, int top_k, int renorm, float scale,
                    int32_t *ids, float *weights, struct moe_plan_args plan, int32_t *done)
 {
+    PDL_WAIT();
     extern __shared__ float router_z[];     // [n_exp], then the plan's shared state
     __shared__ int last[1];
     const int t = blockIdx.x;
@@ -145,6 +148,7 @@ router_gemv_kernel(const float *x, const float *w, int hidden, const float *bias
         if (warp == 0)
             router_select(router_z, bias, n_exp, top_k, renorm, scale, lane, id, wt);
     }
+    PDL_TRIGGER();
     if (plan.n_slots == 0)
         return;
     // this block's ids are written: the last block (all ids visible) builds the plan
@@ -188,8 +192,8 @@ int kcu_router_gemv(struct cuda_ctx *c, const float *x, const float *w, int hidd
         if (smem > 48 * 1024)
             return -E2BIG;          // the plan kernel's path (kcu_moe) takes it
     }
-    router_gemv_kernel<<<n_rows, threads, smem, c->stream>>>(
-        x, w, hidden, bias, n_real, n_exp, top_k, renorm, scale, ids, wts, pa, c->d_done);
+    cuda_launch(c, router_gemv_kernel, n_rows, threads, smem, x, w, hidden, bias, n_real, n_exp,
+                top_k, renorm, scale, ids, wts, pa, c->d_done);
     return CUDA_LAUNCH_CHECK();
 }
 
@@ -202,8 +206,8 @@ int kcu_router(struct cuda_ctx *c, const float *logits, const float *bias, int n
     if (n_rows == 0)
         return 0;
     const int warps = 4;
-    router_kernel<<<cuda_blocks((size_t) n_rows, warps), warps * 32, 0, c->stream>>>(
-        logits, bias, n_rows, n_real, n_exp, top_k, renorm, scale, ids, w);
+    cuda_launch(c, router_kernel, cuda_blocks((size_t) n_rows, warps), warps * 32, 0, logits, bias,
+                n_rows, n_real, n_exp, top_k, renorm, scale, ids, w);
     return CUDA_LAUNCH_CHECK();
 }
 

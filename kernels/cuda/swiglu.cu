@@ -5,6 +5,8 @@
 
 static __global__ void swiglu_kernel(const float *gate, const float *up, int64_t n, float limit, float *out)
 {
+    PDL_WAIT();
+    PDL_TRIGGER();
     const int64_t idx = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (idx < n)
         out[idx] = swiglu1(gate[idx], up[idx], limit);
@@ -17,6 +19,6 @@ int kcuda_swiglu(struct backend *be, const float *gate, const float *up, int n, 
     const int64_t total = (int64_t) n * dim;
     if (total == 0)
         return 0;
-    swiglu_kernel<<<cuda_blocks(total, 256), 256, 0, c->stream>>>(gate, up, total, limit, out);
+    cuda_launch(c, swiglu_kernel, cuda_blocks(total, 256), 256, 0, gate, up, total, limit, out);
     return CUDA_LAUNCH_CHECK();
 }

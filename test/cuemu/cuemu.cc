@@ -82,6 +82,7 @@ struct thread {
     std::vector<cp_req> uncommitted;
     std::vector<std::vector<cp_req>> groups;
     void *asan_fake;
+    bool pdl_waited;            // passed cudaGridDependencySynchronize (or needs none)
 };
 
 struct lane_call {
@@ -135,6 +136,9 @@ static const void *g_main_bottom;
 static size_t g_main_size;
 static uint64_t g_rng, g_seed;
 static bool g_race_check = true;
+// programmatic dependent launch: threads of this block (a PDL launch) that have not yet
+// passed cudaGridDependencySynchronize (0 when the launch is not PDL)
+static int g_pdl_pending;
 
 static uint64_t rnd()
 {
@@ -163,6 +167,53 @@ void fatal(const char *fmt, ...)
 static thread &cur()
 {
     return g_th[g_cur->linear];
+}
+
+// ---- programmatic dependent launch ----
+//
+// A launch with cudaLaunchAttributeProgrammaticStreamSerialization may start, on a GPU,
+// while the kernel before it still runs: each of its threads must pass
+// cudaGridDependencySynchronize before it touches anything an earlier kernel wrote or
+// reads.  The emulator runs launches one after the other, so it checks the contract
+// instead: a thread of such a launch that has not waited may not load or store device
+// memory (the kernels' load/store callbacks, struct copies, cp.async, atomics), reach
+// __syncthreads or a warp collective, or exit; the first that does stops the run naming
+// the kernel.  A kernel that never waits fails at its first thread's first access or exit.
+
+static bool is_device(const void *p, size_t n);
+static uint64_t g_pdl_waits, g_pdl_triggers;
+
+void pdl_wait()
+{
+    if (!g_cur)
+        fatal("cudaGridDependencySynchronize outside a kernel");
+    thread &t = cur();
+    if (!t.pdl_waited) {
+        t.pdl_waited = true;
+        g_pdl_pending--;
+    }
+    g_pdl_waits++;
+}
+
+void pdl_trigger()
+{
+    if (!g_cur)
+        fatal("cudaTriggerProgrammaticLaunchCompletion outside a kernel");
+    g_pdl_triggers++;
+}
+
+void pdl_check(const char *what)
+{
+    if (g_pdl_pending && g_cur && !cur().pdl_waited)
+        fatal("launched with programmatic stream serialization, a thread %s before "
+              "cudaGridDependencySynchronize()", what);
+}
+
+static void pdl_access(const void *p, size_t n, bool write)
+{
+    if (!cur().pdl_waited && is_device(p, 1))
+        fatal("launched with programmatic stream serialization, a thread %s device memory at "
+              "%p before cudaGridDependencySynchronize()", write ? "writes" : "reads", p);
 }
 
 // ---- switching ----
@@ -251,6 +302,7 @@ static void release_barrier()
 
 void syncthreads()
 {
+    pdl_check("reaches __syncthreads");
     if (++g_bar_arrived == g_live) {
         release_barrier();
         yield();
@@ -268,6 +320,7 @@ static void exec_warp(warp &w);
 // last lane to arrive executes it for all.
 static void collective(int kind, const void *what, unsigned mask, const lane_call &lc)
 {
+    pdl_check("reaches a warp collective");
     fiber &f = *g_cur;
     warp &w = g_warps[f.warp];
     const unsigned bit = 1u << f.lane;
@@ -324,6 +377,7 @@ uint64_t shfl(unsigned mask, uint64_t v, int mode, int arg, int width)
 
 static void thread_exit()
 {
+    pdl_check("exits");
     fiber &f = *g_cur;
     warp &w = g_warps[f.warp];
     w.live &= ~(1u << f.lane);
@@ -476,11 +530,15 @@ static void shadow_access(const void *p, size_t n, bool write)
 #define CUEMU_COV(n)                                                                          \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_load##n(void *p)                                        \
     {                                                                                         \
+        if (cuemu::g_pdl_pending && cuemu::g_cur)                                             \
+            cuemu::pdl_access(p, n, false);                                                   \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, false);                                                \
     }                                                                                         \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_store##n(void *p)                                        \
     {                                                                                         \
+        if (cuemu::g_pdl_pending && cuemu::g_cur)                                             \
+            cuemu::pdl_access(p, n, true);                                                    \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, true);                                                 \
     }
@@ -496,6 +554,8 @@ CUEMU_COV(16)
 // hidden versions (this plugin's code only) feed the shadow, then call the runtime's.
 static void cuemu_mem_access(const void *p, size_t n, bool write)
 {
+    if (cuemu::g_pdl_pending && cuemu::g_cur && n)
+        cuemu::pdl_access(p, n, write);
     if (cuemu::g_cur && n && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo)
         cuemu::shadow_access(p, n, write);
 }
@@ -778,6 +838,7 @@ void ptx(const char *tmpl, std::initializer_list<asm_op> outs, std::initializer_
         collective(W_LDSM, &in, 0xffffffffu, lc);
         return;
     case P_CPASYNC: {
+        pdl_check("issues cp.async");
         if (in.ops.size() < 3 || in.ops[0].kind != 1 || in.ops[1].kind != 1 || in.ops[2].kind != 2)
             fatal("cp.async operands");
         const int size = (int) in.ops[2].imm;
@@ -839,6 +900,7 @@ struct launch_rec {
     thunk_fn thunk;
     void *ctx;
     void (*free_ctx)(void *);
+    bool pdl;                   // cudaLaunchAttributeProgrammaticStreamSerialization
 };
 
 static void run_block(const launch_rec &L, uint3 bi)
@@ -855,6 +917,7 @@ static void run_block(const launch_rec &L, uint3 bi)
     region_add(smem_alloc(L.smem, 16), L.smem, -1);
     g_dyn_smem = L.smem;
     g_live = n;
+    g_pdl_pending = L.pdl ? n : 0;
     g_bar_arrived = 0;
     g_epoch = 1;
     g_rq.clear();
@@ -866,6 +929,7 @@ static void run_block(const launch_rec &L, uint3 bi)
         t.f.warp = i / 32;
         t.f.lane = i % 32;
         t.state = RUNNABLE;
+        t.pdl_waited = !L.pdl;
         fiber_init(t, i);
         g_rq.push_back(i);
     }
@@ -904,33 +968,48 @@ static void run_block(const launch_rec &L, uint3 bi)
             done++;
     }
     g_cur = nullptr;
+    g_pdl_pending = 0;
     for (region &r : g_regions)
         free(r.base);
     g_regions.clear();
     g_sh_lo = g_sh_hi = 0;
 }
 
-// launches and blocks per kernel, printed at exit: which kernels a test ran
-static std::map<std::string, std::pair<uint64_t, uint64_t>> *g_ran;
+// launches, blocks and launches with programmatic stream serialization per kernel,
+// printed at exit: which kernels a test ran
+struct ran_count {
+    uint64_t launches, blocks, pdl;
+};
+static std::map<std::string, ran_count> *g_ran;
 
 static void print_ran()
 {
-    fprintf(stderr, "cuemu: kernels run (launches, blocks; seed 0x%llx):\n",
+    uint64_t pdl = 0, all = 0;
+    fprintf(stderr, "cuemu: kernels run (launches, blocks, launches with PDL; seed 0x%llx):\n",
             (unsigned long long) g_seed);
-    for (const auto &k : *g_ran)
-        fprintf(stderr, "cuemu:   %-36s %8llu %10llu\n", k.first.c_str(),
-                (unsigned long long) k.second.first, (unsigned long long) k.second.second);
+    for (const auto &k : *g_ran) {
+        fprintf(stderr, "cuemu:   %-36s %8llu %10llu %8llu\n", k.first.c_str(),
+                (unsigned long long) k.second.launches, (unsigned long long) k.second.blocks,
+                (unsigned long long) k.second.pdl);
+        pdl += k.second.pdl;
+        all += k.second.launches;
+    }
+    fprintf(stderr, "cuemu: PDL: %llu of %llu launches with programmatic stream serialization "
+            "(%llu waits, %llu triggers passed)\n", (unsigned long long) pdl,
+            (unsigned long long) all, (unsigned long long) g_pdl_waits,
+            (unsigned long long) g_pdl_triggers);
 }
 
 static void run_launch(const launch_rec &L)
 {
     if (!g_ran) {
-        g_ran = new std::map<std::string, std::pair<uint64_t, uint64_t>>;
+        g_ran = new std::map<std::string, ran_count>;
         atexit(print_ran);
     }
     auto &ran = (*g_ran)[L.name];
-    ran.first++;
-    ran.second += (uint64_t) L.grid.x * L.grid.y * L.grid.z;
+    ran.launches++;
+    ran.blocks += (uint64_t) L.grid.x * L.grid.y * L.grid.z;
+    ran.pdl += L.pdl;
     g_kernel = L.name.c_str();
     g_blk.grid = L.grid;
     const size_t nb = (size_t) L.grid.x * L.grid.y * L.grid.z;
@@ -988,7 +1067,7 @@ static void init_seed()
 }
 
 int run_kernel(const char *name, const void *fn, dim3 grid, dim3 block, size_t smem,
-               cudaStream_t s, thunk_fn thunk, void *ctx, void (*free_ctx)(void *),
+               cudaStream_t s, unsigned flags, thunk_fn thunk, void *ctx, void (*free_ctx)(void *),
                void *(*copy_ctx)(void *))
 {
     (void) copy_ctx;
@@ -1010,7 +1089,13 @@ int run_kernel(const char *name, const void *fn, dim3 grid, dim3 block, size_t s
         free_ctx(ctx);
         return -1;
     }
-    launch_rec L = { name, fn, grid, block, smem, thunk, ctx, free_ctx };
+    launch_rec L = { name, fn, grid, block, smem, thunk, ctx, free_ctx, (flags & LAUNCH_PDL) != 0 };
+    // CUEMU_PDL_LAUNCHES=none: the backend must launch nothing with the attribute
+    // (STEPD_CUDA_NO_PDL=1, or code without the wait)
+    const char *pl = getenv("CUEMU_PDL_LAUNCHES");
+    if (L.pdl && pl && strcmp(pl, "none") == 0)
+        fatal("launch of %s with programmatic stream serialization, while CUEMU_PDL_LAUNCHES=none",
+              name);
     if (s && s->capturing) {
         graph_node gn = {};
         gn.kind = 0;
@@ -1023,6 +1108,35 @@ int run_kernel(const char *name, const void *fn, dim3 grid, dim3 block, size_t s
     run_launch(L);
     free_ctx(ctx);
     return 0;
+}
+
+// the launch helper's text "kernel<A, B>, grid, ...": its kernel expression (up to the
+// first comma outside <>, () and [])
+static std::string g_launch_name;
+static bool g_launch_named;
+
+void launch_name(const char *what)
+{
+    int depth = 0;
+    const char *e = what;
+    for (; *e; e++) {
+        if (*e == '<' || *e == '(' || *e == '[')
+            depth++;
+        else if (*e == '>' || *e == ')' || *e == ']')
+            depth--;
+        else if (*e == ',' && depth == 0)
+            break;
+    }
+    g_launch_name.assign(what, (size_t) (e - what));
+    g_launch_named = true;
+}
+
+const char *take_launch_name()
+{
+    if (!g_launch_named)
+        return "(cudaLaunchKernelEx)";
+    g_launch_named = false;
+    return g_launch_name.c_str();
 }
 
 static void run_node(const graph_node &n)
@@ -1302,23 +1416,62 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode m)
 }
 
 // What a captured graph holds, printed at the end of each capture (the static figure
-// "nodes per decode layer" is read from it): nodes by kind and kernel.  CUEMU_GRAPH_NODES_MAX
-// set: a graph with more nodes stops the run (the suite's guard on the node count).
+// "nodes per decode layer" is read from it): nodes by kind and kernel, and for each kernel
+// how many of its nodes were launched with programmatic stream serialization ("PDL").
+// CUEMU_GRAPH_NODES_MAX set: a graph with more nodes stops the run (the suite's guard on
+// the node count).  The "PDL" line: kernel nodes after the graph's first kernel (each
+// follows another kernel node, a cuBLASLt GEMM, a copy or a memset), those launched with
+// the attribute, and those captured with a programmatic edge (the node before them is a
+// kernel or a GEMM: capture turns the attribute into a programmatic edge there, a normal
+// one after a copy or memset).  CUEMU_GRAPH_PDL=1: a kernel node after the first without
+// the attribute stops the run, naming it.
 static void graph_summary(const cuemu_graph *g)
 {
-    std::map<std::string, int> by;
-    for (const graph_node &n : g->nodes)
-        by[n.kind == 0 ? n.k.name : n.kind == 1 ? "(copy)" : n.kind == 2 ? "(memset)" : "(gemm)"]++;
+    std::map<std::string, std::pair<int, int>> by;
+    size_t after_first = 0, pdl = 0, edges = 0;
+    bool seen_kernel = false;
+    const char *missing = nullptr;
+    for (size_t i = 0; i < g->nodes.size(); i++) {
+        const graph_node &n = g->nodes[i];
+        auto &b = by[n.kind == 0   ? n.k.name
+                     : n.kind == 1 ? "(copy)"
+                     : n.kind == 2 ? "(memset)"
+                                   : "(gemm)"];
+        b.first++;
+        if (n.kind != 0)
+            continue;
+        b.second += n.k.pdl;
+        pdl += n.k.pdl;
+        if (n.k.pdl && i > 0 && (g->nodes[i - 1].kind == 0 || g->nodes[i - 1].kind == 3))
+            edges++;
+        if (seen_kernel) {
+            after_first++;
+            if (!n.k.pdl && !missing)
+                missing = n.k.name.c_str();
+        }
+        seen_kernel = true;
+    }
     std::string list;
-    for (const auto &b : by)
-        list += " " + b.first + " " + std::to_string(b.second) + ",";
+    for (const auto &b : by) {
+        list += " " + b.first + " " + std::to_string(b.second.first);
+        if (b.second.second)
+            list += " (" + std::to_string(b.second.second) + " PDL)";
+        list += ",";
+    }
     if (!list.empty())
         list.pop_back();
     fprintf(stderr, "cuemu: graph captured: %zu nodes:%s\n", g->nodes.size(), list.c_str());
+    fprintf(stderr, "cuemu: graph PDL: %zu kernel nodes after the first, %zu launched with "
+            "programmatic stream serialization, %zu nodes with a programmatic edge\n",
+            after_first, pdl, edges);
     const char *mx = getenv("CUEMU_GRAPH_NODES_MAX");
     if (mx && g->nodes.size() > strtoull(mx, nullptr, 10))
         fatal("a captured graph has %zu nodes, more than CUEMU_GRAPH_NODES_MAX=%s",
               g->nodes.size(), mx);
+    const char *want = getenv("CUEMU_GRAPH_PDL");
+    if (want && strcmp(want, "1") == 0 && missing)
+        fatal("CUEMU_GRAPH_PDL=1: kernel node %s follows another node and was launched "
+              "without programmatic stream serialization", missing);
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g)
@@ -1402,6 +1555,25 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
     (void) e;
     (void) flags;
     return cudaSuccess;
+}
+
+cudaError_t cudaFuncGetAttributesImpl(cudaFuncAttributes *a, const void *fn)
+{
+    if (!a || !fn)
+        return set_err(cudaErrorInvalidValue);
+    memset(a, 0, sizeof(*a));
+    auto it = g_max_dyn_smem.find(fn);
+    a->maxDynamicSharedSizeBytes = it != g_max_dyn_smem.end() ? it->second : 48 * 1024;
+    a->maxThreadsPerBlock = 1024;
+    a->ptxVersion = 90;         // the kernels are compiled with __CUDA_ARCH__ 900
+    a->binaryVersion = 90;
+    return cudaSuccess;
+}
+
+cudaError_t cuemu_launch_attr_refused(int id)
+{
+    fprintf(stderr, "cuemu: cudaLaunchKernelEx with launch attribute %d (not emulated)\n", id);
+    return set_err(cudaErrorNotSupported);
 }
 
 cudaError_t cudaFuncSetAttributeImpl(const void *fn, cudaFuncAttribute a, int v)

@@ -7,7 +7,11 @@
 //  - each check stops a run that breaks it, with its diagnosis (a child process each):
 //    a barrier race and the same kernel with its barrier passing, a deadlock, an ldmatrix
 //    past shared memory, a misaligned ldmatrix, a divergent warp collective; a launch
-//    above the dynamic shared memory limit is refused with an error.
+//    above the dynamic shared memory limit is refused with an error;
+//  - programmatic dependent launch (common.cuh's cuda_launch with programmatic stream
+//    serialization): a kernel that waits first runs clean; one that stores to device
+//    memory, reaches __syncthreads, issues an atomic before its wait, or never waits, is
+//    stopped naming the kernel; the same store-first kernel without the attribute runs.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "common.cuh"
 #include "mma.cuh"
 
 static int failures;
@@ -229,6 +234,23 @@ static __global__ void big_smem_kernel(int *out)
     out[threadIdx.x] = dyn[threadIdx.x];
 }
 
+// PDL: mode 0 waits, then stores; 1 stores first; 2 meets __syncthreads first; 3 an atomic
+// first; 4 never waits (and touches no memory)
+static __global__ void pdl_kernel(float *out, int mode)
+{
+    if (mode == 1)
+        out[threadIdx.x] = 1.0f;
+    if (mode == 2)
+        __syncthreads();
+    if (mode == 3)
+        atomicAdd(out, 1.0f);
+    if (mode == 4)
+        return;
+    cudaGridDependencySynchronize();
+    cudaTriggerProgrammaticLaunchCompletion();
+    out[threadIdx.x] = 2.0f;
+}
+
 // Run fn in a child; its stderr must hold `want` (or, want NULL, the child must succeed).
 static void expect(const char *what, void (*fn)(), const char *want)
 {
@@ -303,6 +325,22 @@ static void run_divergent()
     divergent_kernel<<<1, 32>>>((int *) g_out);
 }
 
+// through the backend's launch helper (common.cuh cuda_launch), the attribute set by c.pdl
+static void pdl_launch(int mode, bool attr)
+{
+    struct cuda_ctx c = {};
+    c.pdl = attr;
+    if (cuda_launch(&c, pdl_kernel, 2, 64, 0, g_out, mode) != cudaSuccess)
+        abort();
+}
+
+static void run_pdl_ok() { pdl_launch(0, true); }
+static void run_pdl_store() { pdl_launch(1, true); }
+static void run_pdl_barrier() { pdl_launch(2, true); }
+static void run_pdl_atomic() { pdl_launch(3, true); }
+static void run_pdl_never() { pdl_launch(4, true); }
+static void run_pdl_store_plain() { pdl_launch(1, false); }
+
 int main()
 {
     test_mma();
@@ -315,6 +353,16 @@ int main()
     expect("ldmatrix past shared", run_ldsm_oob, "ldmatrix: shared address");
     expect("ldmatrix misaligned", run_ldsm_misaligned, "not aligned to 16 bytes");
     expect("divergent collectives", run_divergent, "divergent warp collectives");
+    expect("PDL: wait first", run_pdl_ok, nullptr);
+    expect("PDL: store before the wait", run_pdl_store,
+           "cuemu: pdl_kernel: launched with programmatic stream serialization, a thread writes device memory");
+    expect("PDL: barrier before the wait", run_pdl_barrier,
+           "cuemu: pdl_kernel: launched with programmatic stream serialization, a thread reaches __syncthreads");
+    expect("PDL: atomic before the wait", run_pdl_atomic,
+           "cuemu: pdl_kernel: launched with programmatic stream serialization, a thread issues an atomic");
+    expect("PDL: no wait", run_pdl_never,
+           "cuemu: pdl_kernel: launched with programmatic stream serialization, a thread exits");
+    expect("store first, no attribute", run_pdl_store_plain, nullptr);
     (void) cudaGetLastError();
     big_smem_kernel<<<1, 32, 64 * 1024>>>((int *) g_out);
     cudaError_t e = cudaGetLastError();

@@ -91,6 +91,62 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = 0);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags = 0);
 cudaError_t cudaFuncSetAttributeImpl(const void *fn, cudaFuncAttribute a, int v);
+
+// what the backend asks of a function: the architecture its code was compiled for (the
+// emulator runs the kernels' sm_90 code: __CUDA_ARCH__ 900)
+struct cudaFuncAttributes {
+    size_t sharedSizeBytes, constSizeBytes, localSizeBytes;
+    int maxThreadsPerBlock, numRegs, ptxVersion, binaryVersion, cacheModeCA;
+    int maxDynamicSharedSizeBytes, preferredShmemCarveout;
+};
+cudaError_t cudaFuncGetAttributesImpl(cudaFuncAttributes *a, const void *fn);
+template <class F> static inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, F *fn)
+{
+    return cudaFuncGetAttributesImpl(a, (const void *) fn);
+}
+
+// cudaLaunchKernelEx with its launch attributes: programmatic stream serialization is
+// emulated (its contract checked: cuemu.cc pdl_check); any other attribute is refused.
+enum cudaLaunchAttributeID {
+    cudaLaunchAttributeIgnore = 0,
+    cudaLaunchAttributeProgrammaticStreamSerialization = 5,
+};
+union cudaLaunchAttributeValue {
+    char pad[64];
+    int programmaticStreamSerializationAllowed;
+};
+struct cudaLaunchAttribute {
+    cudaLaunchAttributeID id;
+    char pad[8 - sizeof(cudaLaunchAttributeID)];
+    cudaLaunchAttributeValue val;
+};
+typedef struct cudaLaunchConfig_st {
+    dim3 gridDim, blockDim;
+    size_t dynamicSmemBytes;
+    cudaStream_t stream;
+    cudaLaunchAttribute *attrs;
+    unsigned int numAttrs;
+} cudaLaunchConfig_t;
+cudaError_t cuemu_launch_attr_refused(int id);
+template <class... P, class... A>
+static inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t *cfg, void (*k)(P...),
+                                             A &&...args)
+{
+    unsigned flags = 0;
+    const char *name = cuemu::take_launch_name();
+    for (unsigned i = 0; i < cfg->numAttrs; i++) {
+        if (cfg->attrs[i].id == cudaLaunchAttributeProgrammaticStreamSerialization) {
+            if (cfg->attrs[i].val.programmaticStreamSerializationAllowed)
+                flags |= cuemu::LAUNCH_PDL;
+        } else if (cfg->attrs[i].id != cudaLaunchAttributeIgnore) {
+            return cuemu_launch_attr_refused((int) cfg->attrs[i].id);
+        }
+    }
+    return cuemu::launch_ex(name, k, cfg->gridDim, cfg->blockDim, cfg->dynamicSmemBytes,
+                            cfg->stream, flags, std::forward<A>(args)...) < 0
+               ? cudaErrorInvalidConfiguration
+               : cudaSuccess;
+}
 template <class F> static inline cudaError_t cudaFuncSetAttribute(F *fn, cudaFuncAttribute a, int v)
 {
     return cudaFuncSetAttributeImpl((const void *) fn, a, v);

@@ -94,34 +94,64 @@ void ptx(const char *tmpl, std::initializer_list<asm_op> outs, std::initializer_
 
 // ---- launches ----
 typedef void (*thunk_fn)(void *);
+// flags: LAUNCH_PDL, the launch carries cudaLaunchAttributeProgrammaticStreamSerialization
+enum { LAUNCH_PDL = 1 };
 int run_kernel(const char *name, const void *fn, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-               thunk_fn thunk, void *ctx, void (*free_ctx)(void *), void *(*copy_ctx)(void *));
+               unsigned flags, thunk_fn thunk, void *ctx, void (*free_ctx)(void *),
+               void *(*copy_ctx)(void *));
 
 template <class... P, class... A>
-static inline void launch(const char *name, void (*fn)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                          A &&...args)
+static inline int launch_ex(const char *name, void (*fn)(P...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t s, unsigned flags, A &&...args)
 {
     typedef std::tuple<std::decay_t<P>...> tup;
     struct ctx { void (*fn)(P...); tup args; };
     ctx *c = new ctx{ fn, tup(std::forward<A>(args)...) };
-    run_kernel(name, (const void *) fn, grid, block, smem, s,
-               [](void *p) { ctx *x = (ctx *) p; std::apply(x->fn, x->args); }, c,
-               [](void *p) { delete (ctx *) p; },
-               [](void *p) -> void * { return new ctx(*(ctx *) p); });
+    return run_kernel(name, (const void *) fn, grid, block, smem, s, flags,
+                      [](void *p) { ctx *x = (ctx *) p; std::apply(x->fn, x->args); }, c,
+                      [](void *p) { delete (ctx *) p; },
+                      [](void *p) -> void * { return new ctx(*(ctx *) p); });
 }
+
+// kernel<<<grid, block, smem, s>>>(args), as rewrite.py writes it
+template <class... P, class... A>
+static inline void launch(const char *name, void (*fn)(P...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t s, A &&...args)
+{
+    launch_ex(name, fn, grid, block, smem, s, 0, std::forward<A>(args)...);
+}
+
+// The name of the next cudaLaunchKernelEx: the kernel expression that starts `what` (the
+// text of a launch helper's arguments, "kernel<A, B>, grid, ..."), kept until that launch.
+void launch_name(const char *what);
+const char *take_launch_name();
+
+// Programmatic dependent launch, device side: cudaGridDependencySynchronize (the wait),
+// cudaTriggerProgrammaticLaunchCompletion (the trigger); pdl_check: the thread of a PDL
+// launch that has not waited may not reach `what` (cuemu.cc, docs/GPU.md §10).
+void pdl_wait();
+void pdl_trigger();
+void pdl_check(const char *what);
 
 }  // namespace cuemu
 
 #define threadIdx (cuemu::g_cur->tid)
-#define blockIdx (cuemu::g_blk.idx)
-#define blockDim (cuemu::g_blk.dim)
-#define gridDim (cuemu::g_blk.grid)
+// the block's built-ins are names of the running block's, not macros: a struct may have
+// members of these names (cudaLaunchConfig_t's gridDim and blockDim)
+static uint3 &blockIdx = cuemu::g_blk.idx;
+static dim3 &blockDim = cuemu::g_blk.dim;
+static dim3 &gridDim = cuemu::g_blk.grid;
 static const int warpSize = 32;
 
 static inline void __syncthreads() { cuemu::syncthreads(); }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) { cuemu::syncwarp(mask); }
 // blocks run one at a time, each to its end: every earlier block's writes are visible
 static inline void __threadfence() {}
+// a launch runs to its end before the next starts: the wait orders nothing more, but a
+// thread of a launch with programmatic stream serialization must reach it before it
+// touches device memory (cuemu.cc pdl_check)
+static inline void cudaGridDependencySynchronize() { cuemu::pdl_wait(); }
+static inline void cudaTriggerProgrammaticLaunchCompletion() { cuemu::pdl_trigger(); }
 
 template <class T> static inline T cuemu_from_bits(uint64_t b)
 {
@@ -148,11 +178,20 @@ template <class T> static inline T __shfl_xor_sync(unsigned m, T v, int x, int w
 // atomics: one fiber runs at a time, so a read-modify-write is atomic by construction;
 // kept out of the race detector's view (not inlined, not instrumented)
 #define CUEMU_ATOMIC __attribute__((noinline, no_sanitize("coverage")))
-template <class T> CUEMU_ATOMIC static T atomicAdd(T *p, T v) { T o = *p; *p = o + v; return o; }
-template <class T> CUEMU_ATOMIC static T atomicMax(T *p, T v) { T o = *p; *p = o > v ? o : v; return o; }
-template <class T> CUEMU_ATOMIC static T atomicMin(T *p, T v) { T o = *p; *p = o < v ? o : v; return o; }
-template <class T> CUEMU_ATOMIC static T atomicExch(T *p, T v) { T o = *p; *p = v; return o; }
-template <class T> CUEMU_ATOMIC static T atomicCAS(T *p, T c, T v) { T o = *p; if (o == c) *p = v; return o; }
+// (a thread of a PDL launch reaches none before its wait: cuemu.cc pdl_check)
+#define CUEMU_AT cuemu::pdl_check("issues an atomic")
+template <class T> CUEMU_ATOMIC static T atomicAdd(T *p, T v) { CUEMU_AT; T o = *p; *p = o + v; return o; }
+template <class T> CUEMU_ATOMIC static T atomicMax(T *p, T v) { CUEMU_AT; T o = *p; *p = o > v ? o : v; return o; }
+template <class T> CUEMU_ATOMIC static T atomicMin(T *p, T v) { CUEMU_AT; T o = *p; *p = o < v ? o : v; return o; }
+template <class T> CUEMU_ATOMIC static T atomicExch(T *p, T v) { CUEMU_AT; T o = *p; *p = v; return o; }
+template <class T> CUEMU_ATOMIC static T atomicCAS(T *p, T c, T v)
+{
+    CUEMU_AT;
+    T o = *p;
+    if (o == c)
+        *p = v;
+    return o;
+}
 
 template <class T> static inline T __ldg(const T *p) { return *p; }
 static inline size_t __cvta_generic_to_shared(const void *p) { return cuemu::cvta_shared(p); }

@@ -18,7 +18,8 @@
  *     stops at once: no drafts at sixteen cost what four sequences with three drafts did;
  *   - on a simulated machine (sim_run): probes move a quarter of sixteen sequences, the
  *     gate keeps drafting through a slowdown of the whole machine (it pairs adjacent
- *     windows), and work just after an idle wait does not make no drafts read dear.
+ *     windows), work just after an idle wait does not make no drafts read dear, and probes
+ *     back off where they keep confirming that drafts lose.
  * The mock sleeps, so the costs are wall-clock: the cases are chosen with margins of 25 %
  * and more between the right depth and its neighbours (a sleep of 50 us takes 150-200 us
  * on a loaded machine), beyond that machine's noise.
@@ -650,6 +651,31 @@ static void test_gate_slowdown(void)
     spec_policy_free(p);
 }
 
+/* One sequence whose drafts lose 21 % (a fifth of them accepted, each MTP call half a
+ * step): the model keeps no drafts, and its probes (two cycles each: the depth runs cold)
+ * back off while they confirm it, up to one in SPEC_POLICY_PROBE_BACKOFF decisions.  Before,
+ * the interval stopped at SPEC_POLICY_PROBE_MAX (128): 1.6 % of the cycles drafted for
+ * good (on the tiny model, where K = 1 is 21 % slower, most of the adaptive engine's gap). */
+static void test_probe_backoff(void)
+{
+    static struct sim sm = { .B = 1, .base_us = 1000, .token_us = 10, .mtp_us = 500,
+                             .accuracy = 0.2, .rng = 11 };
+    struct spec_policy *p;
+    struct sim_out o, c;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    (void)sim_run(p, &sm, 1000);
+    o = sim_run(p, &sm, 8000);
+    /* then drafts turn cheap and right: a probe finds it within the interval reached */
+    sm.accuracy = 1.0;
+    sm.mtp_us = 50;
+    c = sim_run(p, &sm, SPEC_POLICY_PROBE_BACKOFF + 300);
+    printf("  drafts 21 %% slower: %d of %d cycles drafted; then drafts that pay: %d of %d\n",
+           o.drafted, o.cycles, c.drafted, c.cycles);
+    ASSERT_TRUE(o.drafted * 400 <= o.cycles);   /* at most 0.25 % */
+    spec_policy_free(p);
+}
+
 /* Work within 10 ms of an idle wait is not measured: the first cycles after one cost 2.5
  * times as much here, and the policy's estimate of no drafts stays where it was (before,
  * the no-draft cell took those costs: its estimate fell from about 920 to 385 tok/s, and
@@ -698,6 +724,7 @@ int main(void)
     test_gate_slowdown();
     test_token_cost();
     test_wake();
+    test_probe_backoff();
     printf("test-spec-policy: ok\n");
     return 0;
 }

@@ -84,6 +84,10 @@ struct gate {
     double lq;                      /* the ring's median, or the neighbours' (inferred) */
     bool inferred;                  /* lq is the neighbours' (gate_infer) */
     int explore, since;             /* explore every `explore` windows; windows since */
+    /* the model's probes in this bucket (spec-policy.h): decisions taken here, the one at
+     * which the next probe runs, the interval */
+    uint64_t n_dec, next_probe;
+    int probe_interval;
 };
 
 struct cost {
@@ -120,8 +124,8 @@ struct spec_policy {
 
     /* decisions */
     int prev_m[SPEC_MAX_K], prev_n;
-    uint64_t n_decisions, n_probes, next_probe;
-    int probe_interval, probe_dir;
+    uint64_t n_decisions, n_probes;
+    int probe_dir;
     int probe_k, probe_delta;       /* a probe's frontier and its direction (+1 / -1) */
     int probe_more;                 /* the probe's steps still to run */
     uint64_t n_steps;               /* spec_policy_step calls */
@@ -129,6 +133,7 @@ struct spec_policy {
     bool chose;                     /* the last decision's model chose drafts (probes aside) */
     bool probe_check;               /* the decision after a probe: compare with probe_m */
     int probe_m[SPEC_MAX_K];
+    int probe_gate;                 /* the bucket the probe ran in */
 
     struct gate gate[GATE_BUCKETS];
     int64_t gate_last_us;           /* the previous call (0: none) */
@@ -178,11 +183,11 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
         p->g_hit[k] = 2.0 * GLOBAL_PRIOR;
         p->n0[k] = ACC_PRIOR;
     }
-    p->probe_interval = SPEC_POLICY_PROBE_MIN;
-    p->next_probe = SPEC_POLICY_PROBE_MIN;
     for (int b = 0; b < GATE_BUCKETS; b++) {
         p->gate[b].explore = GATE_EXPLORE_MIN;
         p->gate[b].last = -1;
+        p->gate[b].probe_interval = SPEC_POLICY_PROBE_MIN;
+        p->gate[b].next_probe = SPEC_POLICY_PROBE_MIN;
     }
     p->window = window;
     p->fill_depth = -1;
@@ -676,12 +681,23 @@ static bool probe_shift(const struct spec_policy *p, const struct spec_seq *seqs
     return false;
 }
 
+/* The gate of B decoding sequences (B >= 1): bucket log2(B). */
+static struct gate *gate_of(struct spec_policy *p, int B)
+{
+    int b = 0;
+
+    while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
+        b++;
+    return &p->gate[b];
+}
+
 /* The depths of the decoding sequences (candidates p->cand[0 .. nc)); `off`: the gate's
  * window without drafts, where only the probes draft (p->chose still says whether the model
  * would have). */
 static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int B,
                    int nc, int sum_cap, bool off, int probe_floor)
 {
+    struct gate *gb = gate_of(p, B);
     static const int none[SPEC_MAX_K];
     struct choice best;
 
@@ -747,6 +763,14 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             best.rate = r;
         }
     }
+    if (p->probe_check && !p->probe_more && p->probe_gate != (int)(gb - p->gate)) {
+        /* the batch moved to another bucket before the probe was judged: the probe's bucket
+         * probes again after its interval */
+        struct gate *pg = &p->gate[p->probe_gate];
+
+        pg->next_probe = pg->n_dec + (uint64_t)pg->probe_interval;
+        p->probe_check = false;
+    }
     if (p->probe_check && !p->probe_more) {
         /* after a probe: the interval doubles while probes confirm the choice, but stays
          * short while a neighbour is estimated within a few per cent of it */
@@ -767,18 +791,25 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         }
         for (double t = 0.05; t <= margin && cap < SPEC_POLICY_PROBE_MAX; t += 0.05)
             cap *= 2;
-        p->probe_interval = same ? p->probe_interval * 2 : SPEC_POLICY_PROBE_MIN;
-        p->probe_interval = p->probe_interval < cap ? p->probe_interval : cap;
+        /* a probe that confirms that drafts lose here (the choice runs none: the gate's arm
+         * without drafts, or the model's own choice with its neighbour 5 % behind) lets the
+         * interval double on up to SPEC_POLICY_PROBE_BACKOFF: what it measures changes
+         * nothing, and every one costs the gap */
+        if (same && (off || (!best.m[0] && margin >= SPEC_POLICY_BACKOFF_MARGIN)))
+            cap = SPEC_POLICY_PROBE_BACKOFF;
+        gb->probe_interval = same ? gb->probe_interval * 2 : SPEC_POLICY_PROBE_MIN;
+        gb->probe_interval = gb->probe_interval < cap ? gb->probe_interval : cap;
         /* where the gate has measured drafting slower and runs without, a probe that drafts
          * costs that gap: probes come no oftener than the gate's own explorations, counted
          * in decisions rather than windows */
-        p->probe_interval = p->probe_interval > probe_floor ? p->probe_interval : probe_floor;
-        p->next_probe = p->n_decisions + (uint64_t)p->probe_interval;
+        gb->probe_interval = gb->probe_interval > probe_floor ? gb->probe_interval : probe_floor;
+        gb->next_probe = gb->n_dec + (uint64_t)gb->probe_interval;
         p->probe_check = false;
     }
     memcpy(p->prev_m, best.m, sizeof(best.m));
     p->prev_n = nc;
     p->n_decisions++;
+    gb->n_dec++;
     if (p->n_decisions % 256 == 0 && log_get_level() >= LOG_LEVEL_DEBUG) {
         int mu[SPEC_MAX_K];
         char buf[160];
@@ -804,7 +835,7 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         const int *base = off ? none : best.m;
         bool probing = false;
 
-        if (p->n_decisions >= p->next_probe) {
+        if (gb->n_dec >= gb->next_probe) {
             double pr = -1.0;
 
             /* the preferred direction first (they alternate), and in it the frontier
@@ -831,7 +862,8 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             p->n_probes += probing;
             memcpy(p->probe_m, best.m, sizeof(best.m));
             p->probe_check = true;
-            p->next_probe = UINT64_MAX;
+            p->probe_gate = (int)(gb - p->gate);
+            gb->next_probe = UINT64_MAX;
             /* a probe that runs a depth the step before did not runs it twice: the first
              * time it is cold (spec_policy_draft_cost) */
             p->probe_more = probing && p->probe_delta > 0 &&
@@ -912,16 +944,6 @@ static bool gate_infer(struct spec_policy *p, int b)
     if (found)
         g->lq = q;
     return found;
-}
-
-/* The gate of B decoding sequences (B >= 1): bucket log2(B). */
-static struct gate *gate_of(struct spec_policy *p, int B)
-{
-    int b = 0;
-
-    while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
-        b++;
-    return &p->gate[b];
 }
 
 /* The gate's bookkeeping for one engine cycle of B decoding sequences that emitted tok

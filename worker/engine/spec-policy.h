@@ -40,12 +40,17 @@
  * is evaluated (a grid of them beyond SPEC_POLICY_FULL_SEARCH sequences).  A choice only
  * changes when it is better by SPEC_POLICY_HYSTERESIS, so noise does not flap it (a batch
  * that gains or loses a few sequences keeps the same share at each depth).  What
- * is never chosen is never measured, so every so often (an interval that doubles while
- * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps when the neighbours are
- * estimated 20 % or more behind, and no shorter than the gate's own exploration interval
- * while the gate runs without drafts) a step probes: one depth's frontier in the ranking
- * moves by 1/SPEC_POLICY_PROBE_SHARE of the sequences (at least one), giving them one
- * draft more or one fewer, the move the model rates best in the direction whose turn it
+ * is never chosen is never measured, so every so often (per batch-size bucket, the gate's
+ * below: an interval of decisions that doubles while probes confirm the choice, up to
+ * SPEC_POLICY_PROBE_MAX when the neighbours are estimated 20 % or more behind; where the
+ * confirmed choice runs no drafts (the gate's arm without them, or the model's own choice
+ * with its neighbour SPEC_POLICY_BACKOFF_MARGIN or more behind) it doubles on up to
+ * SPEC_POLICY_PROBE_BACKOFF (a probe there costs the gap and changes nothing), back at
+ * SPEC_POLICY_PROBE_MIN once a probe changes the choice, and at most SPEC_POLICY_PROBE_MAX
+ * after a probe confirms a choice that drafts; never shorter than the gate's own
+ * exploration interval while the gate runs without drafts) a step probes: one
+ * depth's frontier in the ranking moves by 1/SPEC_POLICY_PROBE_SHARE of the sequences (at
+ * least one), giving them one draft more or one fewer, the move the model rates best in the direction whose turn it
  * is (at sixteen sequences four draft in a probe, not sixteen: the cost line through the
  * probe and the choice says what all would pay).  An MTP depth that did not run in the
  * step before is cold and its cost is not counted: a probe that runs one runs
@@ -108,6 +113,8 @@ extern "C" {
 #define SPEC_POLICY_HYSTERESIS 0.03
 #define SPEC_POLICY_PROBE_MIN 8
 #define SPEC_POLICY_PROBE_MAX 128
+#define SPEC_POLICY_PROBE_BACKOFF 2048
+#define SPEC_POLICY_BACKOFF_MARGIN 0.05
 #define SPEC_POLICY_PROBE_STEPS 2
 #define SPEC_POLICY_PROBE_SHARE 4
 

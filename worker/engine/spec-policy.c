@@ -68,8 +68,8 @@
 #define GATE_EXPLORE_MAX 128
 #define GATE_RING 5
 #define GATE_GAP_UNIT 0.05
-#define GATE_INFER_DIST 2           /* buckets away a ratio may be inferred from */
-#define GATE_INFER_MAX 16           /* the most windows an inferred arm waits for its first */
+#define GATE_INFER_MAX 16           /* the most windows an arm inferred after a bucket's first
+                                     * window waits for its first */
 
 struct gate {
     bool off;                       /* this window: the model's drafts suppressed (arm 1) */
@@ -83,6 +83,9 @@ struct gate {
     uint8_t ring_n, ring_head;
     double lq;                      /* the ring's median, or the neighbours' (inferred) */
     bool inferred;                  /* lq is the neighbours' (gate_infer) */
+    bool judge;                     /* this window is the first of a bucket that started in
+                                     * the neighbours' arm: the model's choices in it judge
+                                     * the inference */
     int explore, since;             /* explore every `explore` windows; windows since */
     /* the model's probes in this bucket (spec-policy.h): decisions taken here, the one at
      * which the next probe runs, the interval */
@@ -923,15 +926,16 @@ static int gate_probe_floor(const struct gate *g)
     return g->ring_n || g->inferred ? gate_interval(g) : 0;
 }
 
-/* While bucket b has no pair of its own: the ratio of the nearest buckets that have (the
- * one nearest to 1, at the least distance) into its lq; false (nothing set) when none has. */
+/* While bucket b has no pair of its own: the ratio of the nearest buckets that have one
+ * (at the least distance, any; of two, the one nearer to 1) into its lq; false (nothing
+ * set) when none has. */
 static bool gate_infer(struct spec_policy *p, int b)
 {
     struct gate *g = &p->gate[b];
     bool found = false;
     double q = 0.0;
 
-    for (int d = 1; d <= GATE_INFER_DIST && !found; d++)
+    for (int d = 1; d < GATE_BUCKETS && !found; d++)
         for (int s = -1; s <= 1; s += 2) {
             int nb = b + s * d;
 
@@ -961,6 +965,16 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         return false;
     g = gate_of(p, B);
     b = (int)(g - p->gate);
+    if (!g->steps && g->last < 0 && !g->ring_n && !g->inferred && gate_infer(p, b)) {
+        /* a bucket's first cycle, and another bucket has measured a pair: start in the arm
+         * its ratio favours (a batch size where drafts pay drafts from its first step); the
+         * window judges it (below) */
+        g->inferred = true;
+        g->judge = true;
+        g->explore = gate_interval(g);
+        g->since = 0;
+        g->off = g->lq > -log1p(GATE_HYSTERESIS);
+    }
     g->chose += p->chose;
     if (g->steps++ >= GATE_WARM && dt > 0.0 && dt < 1.0) {
         g->tok += tok;
@@ -983,6 +997,16 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         }
         g->last = eff;
         g->last_rate = r;
+    }
+    if (g->judge) {
+        /* the first window of a bucket started in its neighbours' arm without drafts: where
+         * the model would have drafted in most of its cycles, the neighbours and the model
+         * disagree, and the next window drafts (the bucket's own pair follows); where they
+         * agree the inference stands for the interval its gap asks for.  (In the drafting
+         * arm the model's own choices ran: a model that disagrees did not draft.) */
+        g->judge = false;
+        if (arm && 2 * g->chose >= g->steps)
+            g->since = g->explore;
     }
     if (!g->ring_n && gate_infer(p, b) && !g->inferred) {
         /* no pair here, but the neighbours have one: the arm they find slower waits for

@@ -85,11 +85,17 @@
  * there).  While the gate runs without drafts the model's choices are not run, so a model
  * whose estimates favour drafting (probes measure drafting warm, where a run of it pays
  * for the caches its draft layers take) drafts only in the gate's exploring windows.  A
- * bucket with no pair of its own takes the ratio of the nearest buckets (up to two away)
- * that have one, and tries the arm that loses after the interval their gap asks for (at
- * most 16 windows) rather than at once: the batch sizes a batch passes through as its
- * requests finish are seen too seldom to spend their first windows on an arm that is far
- * behind next door.  It catches what the cost model misses (on the tiny model at
+ * bucket seen for the first time starts from the evidence of the nearest buckets that have
+ * a pair (at any distance; of two, the ratio nearer to 1): it runs the arm their ratio
+ * favours from its first cycle (a batch size where drafts pay next door drafts from the
+ * start), and its first window judges that: where it ran without drafts and the model would
+ * have drafted in most of its cycles, its next window drafts, and the pair that makes
+ * decides from then on; where they agree it tries the other arm after the interval the gap
+ * asks for.  A bucket whose first window found no such neighbour runs the model's arm,
+ * then one without (its own first pair); if a neighbour's pair comes first, it takes that
+ * ratio and tries the arm that loses after the interval their gap asks for (at most 16
+ * windows).  The batch sizes a batch passes through as its requests finish are seen too
+ * seldom to spend their first windows on an arm that is far behind next door.  It catches what the cost model misses (on the tiny model at
  * concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the

@@ -91,6 +91,8 @@ struct gate {
      * which the next probe runs, the interval */
     uint64_t n_dec, next_probe;
     int probe_interval;
+    int dm[SPEC_MAX_K], dn;         /* the model's last choice here that drafted (prefix
+                                     * lengths over dn candidates; dn 0: none yet) */
 };
 
 struct cost {
@@ -762,6 +764,29 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             m[k] = (int)(((int64_t)p->prev_m[k] * nc + p->prev_n / 2) / p->prev_n);
         r = rate_of(p, B, nc, m);
         if (best.rate < r * (1.0 + SPEC_POLICY_HYSTERESIS)) {
+            memcpy(best.m, m, sizeof(m));
+            best.rate = r;
+        }
+    }
+    /* the gate's evidence against a choice of no drafts: where this bucket's own pairs
+     * measured the model's drafting faster than none (by the factor exp(-lq)), and the
+     * model now estimates its last drafting choice here behind no drafts by less than
+     * that, the measurement wins and the drafting choice runs (the gate can veto drafting
+     * by its arm without; this is its say the other way) */
+    if (best.m[0] > 0) {
+        memcpy(gb->dm, best.m, sizeof(best.m));
+        gb->dn = nc;
+    } else if (!off && gb->dn > 0 && gb->ring_n && gb->lq < -log1p(GATE_HYSTERESIS)) {
+        int m[SPEC_MAX_K];
+        double r;
+
+        for (int k = 0; k < SPEC_MAX_K; k++) {
+            m[k] = (int)(((int64_t)gb->dm[k] * nc + gb->dn / 2) / gb->dn);
+            m[k] = m[k] < nc ? m[k] : nc;
+        }
+        m[0] = m[0] > 0 ? m[0] : 1;
+        r = rate_of(p, B, nc, m);
+        if (r * exp(-gb->lq) > best.rate) {
             memcpy(best.m, m, sizeof(m));
             best.rate = r;
         }

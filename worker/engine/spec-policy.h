@@ -95,7 +95,12 @@
  * then one without (its own first pair); if a neighbour's pair comes first, it takes that
  * ratio and tries the arm that loses after the interval their gap asks for (at most 16
  * windows).  The batch sizes a batch passes through as its requests finish are seen too
- * seldom to spend their first windows on an arm that is far behind next door.  It catches what the cost model misses (on the tiny model at
+ * seldom to spend their first windows on an arm that is far behind next door.  The gate
+ * also speaks the other way: where a bucket's own pairs measured the model's drafting
+ * ahead of none by a factor f, and the model now chooses no drafts while it estimates its
+ * last drafting choice there less than f behind, that drafting choice runs (scaled to the
+ * candidates), so a model whose costs read drafting too dear is held to what the windows
+ * measured.  It catches what the cost model misses (on the tiny model at
  * concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the

@@ -18,7 +18,10 @@
  *     stops at once: no drafts at sixteen cost what four sequences with three drafts did;
  *   - on a simulated machine (sim_run): probes move a quarter of sixteen sequences, the
  *     gate keeps drafting through a slowdown of the whole machine (it pairs adjacent
- *     windows), and work just after an idle wait does not make no drafts read dear.
+ *     windows), work just after an idle wait does not make no drafts read dear, probes
+ *     back off where they keep confirming that drafts lose, and a batch size seen first
+ *     starts in the arm its nearest measured neighbour favours (its first window judges that);
+ *     where the gate measured drafting far ahead, a model that rates it behind drafts anyway.
  * The mock sleeps, so the costs are wall-clock: the cases are chosen with margins of 25 %
  * and more between the right depth and its neighbours (a sleep of 50 us takes 150-200 us
  * on a loaded machine), beyond that machine's noise.
@@ -408,11 +411,17 @@ struct sim {
     double accuracy, slow;
     int idle_every, wake_cycles;
     long wake_us;
+    long tax_us;            /* a cycle after one that drafted waits this long before its
+                               trunk step (the draft layers took the caches): a cost the
+                               model's measurements do not see (it is no step's, and too
+                               long for the rest of a cycle), and the gate's windows do */
+    long plain_tax_us;      /* the same after a cycle that did not draft */
     /* state, carried from run to run */
     uint64_t rng;
     struct spec_accept acc[16];
     int32_t pos[16];
     int depth[16], since_idle;
+    bool drafted;
 };
 
 struct sim_out {
@@ -465,6 +474,7 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
         if (sm->knee > 0)
             trunk = (double)sm->base_us +
                     (double)sm->token_us * (n_tok > sm->knee ? n_tok - sm->knee : 0);
+        sleep_us((double)(sm->drafted ? sm->tax_us : sm->plain_tax_us));
         t0 = sim.us;
         sleep_us(trunk * slow);
         (void)spec_policy_step(p, &plan, ss, sm->B, (double)(sim.us - t0) * 1e-6);
@@ -483,6 +493,7 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
             spec_policy_draft_cost(p, k, m, false, (double)(sim.us - t0) * 1e-6);
         }
         o.cycles++;
+        sm->drafted = deepest > 0;
         o.drafted += deepest > 0;
         o.seq_drafts += drafting;
         o.max_drafting = drafting > o.max_drafting ? drafting : o.max_drafting;
@@ -513,6 +524,68 @@ static void test_gate_inferred(void)
            "(inferred from 4)\n", off4, off8);
     ASSERT_TRUE(off4 >= 16);
     ASSERT_EQ(off8, 0);
+    spec_policy_free(p);
+}
+
+/* A batch size seen first whose nearest measured bucket is far (one sequence after
+ * sixteen): it starts in the arm that bucket's pair favours.  Where drafts pay at both, one
+ * sequence drafts from its first cycle and does not try the arm without drafts in its
+ * first 1200 cycles (before: no inference beyond two buckets, so its second window ran
+ * without drafts, and an inferred arm was tried after 16 windows whatever the model said).
+ * Where the neighbour is wrong (sixteen sequences whose drafts lose, by a cost the model does
+ * not see and the gate measures, then one on a step that costs the same up to four tokens,
+ * where three drafts give 3.5 times the tokens), the
+ * model's choices in the bucket's first window disagree with the inference, so its next
+ * window drafts and the bucket's own pair decides. */
+static void test_gate_far_neighbour(void)
+{
+    static struct sim pay16 = { .B = 16, .base_us = 1500, .mtp_us = 10, .accuracy = 1.0 };
+    static struct sim pay1 = { .B = 1, .base_us = 1500, .mtp_us = 10, .accuracy = 1.0 };
+    static struct sim lose16 = { .B = 16, .base_us = 1500, .mtp_us = 10, .tax_us = 4000,
+                                 .accuracy = 0.8, .rng = 2 };
+    static struct sim knee1 = { .B = 1, .base_us = 1000, .token_us = 300, .mtp_us = 50,
+                                .knee = 4, .accuracy = 1.0, .rng = 4 };
+    struct spec_policy *p;
+    struct sim_out o, w;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    (void)sim_run(p, &pay16, 400);
+    o = sim_run(p, &pay1, 1200);
+    spec_policy_free(p);
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    (void)sim_run(p, &lose16, 400);
+    w = sim_run(p, &knee1, 600);
+    spec_policy_free(p);
+    printf("  one sequence after sixteen: drafts pay at both: %d of %d cycles without drafts; "
+           "drafts lose at sixteen and pay at one: %d of %d drafted\n", o.cycles - o.drafted,
+           o.cycles, w.drafted, w.cycles);
+    ASSERT_EQ(o.cycles - o.drafted, 0);
+    ASSERT_TRUE(w.drafted >= 500);
+}
+
+/* Four sequences whose drafts pay (all accepted, cheap), on a machine where a cycle after
+ * one without drafts waits 4 ms more (a cost no step measures, the gate's windows do): the
+ * gate's pairs find drafting far ahead.  Then the MTP calls turn dear (1.2 ms) and half the
+ * drafts right: by the costs it measures the model rates no drafts 19 % ahead of one, where
+ * drafting still gives three times the tokens.  The gate's measured ratio outweighs the
+ * model's estimate, and the model's last drafting choice runs (before: the gate could only
+ * veto drafting, and the model ran without drafts in all but its probes). */
+static void test_gate_overrules(void)
+{
+    static struct sim sm = { .B = 4, .base_us = 1500, .mtp_us = 50, .plain_tax_us = 4000,
+                             .accuracy = 1.0, .rng = 9 };
+    struct spec_policy *p;
+    struct sim_out o;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    (void)sim_run(p, &sm, 600);
+    sm.mtp_us = 1200;
+    sm.accuracy = 0.5;
+    (void)sim_run(p, &sm, 100);
+    o = sim_run(p, &sm, 600);
+    printf("  drafts the model rates 19 %% behind and the gate measured far ahead: %d of %d "
+           "cycles drafted\n", o.drafted, o.cycles);
+    ASSERT_TRUE(o.drafted >= 500);
     spec_policy_free(p);
 }
 
@@ -650,6 +723,31 @@ static void test_gate_slowdown(void)
     spec_policy_free(p);
 }
 
+/* One sequence whose drafts lose 21 % (a fifth of them accepted, each MTP call half a
+ * step): the model keeps no drafts, and its probes (two cycles each: the depth runs cold)
+ * back off while they confirm it, up to one in SPEC_POLICY_PROBE_BACKOFF decisions.  Before,
+ * the interval stopped at SPEC_POLICY_PROBE_MAX (128): 1.6 % of the cycles drafted for
+ * good (on the tiny model, where K = 1 is 21 % slower, most of the adaptive engine's gap). */
+static void test_probe_backoff(void)
+{
+    static struct sim sm = { .B = 1, .base_us = 1000, .token_us = 10, .mtp_us = 500,
+                             .accuracy = 0.2, .rng = 11 };
+    struct spec_policy *p;
+    struct sim_out o, c;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    (void)sim_run(p, &sm, 1000);
+    o = sim_run(p, &sm, 8000);
+    /* then drafts turn cheap and right: a probe finds it within the interval reached */
+    sm.accuracy = 1.0;
+    sm.mtp_us = 50;
+    c = sim_run(p, &sm, SPEC_POLICY_PROBE_BACKOFF + 300);
+    printf("  drafts 21 %% slower: %d of %d cycles drafted; then drafts that pay: %d of %d\n",
+           o.drafted, o.cycles, c.drafted, c.cycles);
+    ASSERT_TRUE(o.drafted * 400 <= o.cycles);   /* at most 0.25 % */
+    spec_policy_free(p);
+}
+
 /* Work within 10 ms of an idle wait is not measured: the first cycles after one cost 2.5
  * times as much here, and the policy's estimate of no drafts stays where it was (before,
  * the no-draft cell took those costs: its estimate fell from about 920 to 385 tok/s, and
@@ -698,6 +796,9 @@ int main(void)
     test_gate_slowdown();
     test_token_cost();
     test_wake();
+    test_probe_backoff();
+    test_gate_far_neighbour();
+    test_gate_overrules();
     printf("test-spec-policy: ok\n");
     return 0;
 }

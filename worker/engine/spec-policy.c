@@ -68,8 +68,8 @@
 #define GATE_EXPLORE_MAX 128
 #define GATE_RING 5
 #define GATE_GAP_UNIT 0.05
-#define GATE_INFER_DIST 2           /* buckets away a ratio may be inferred from */
-#define GATE_INFER_MAX 16           /* the most windows an inferred arm waits for its first */
+#define GATE_INFER_MAX 16           /* the most windows an arm inferred after a bucket's first
+                                     * window waits for its first */
 
 struct gate {
     bool off;                       /* this window: the model's drafts suppressed (arm 1) */
@@ -83,7 +83,16 @@ struct gate {
     uint8_t ring_n, ring_head;
     double lq;                      /* the ring's median, or the neighbours' (inferred) */
     bool inferred;                  /* lq is the neighbours' (gate_infer) */
+    bool judge;                     /* this window is the first of a bucket that started in
+                                     * the neighbours' arm: the model's choices in it judge
+                                     * the inference */
     int explore, since;             /* explore every `explore` windows; windows since */
+    /* the model's probes in this bucket (spec-policy.h): decisions taken here, the one at
+     * which the next probe runs, the interval */
+    uint64_t n_dec, next_probe;
+    int probe_interval;
+    int dm[SPEC_MAX_K], dn;         /* the model's last choice here that drafted (prefix
+                                     * lengths over dn candidates; dn 0: none yet) */
 };
 
 struct cost {
@@ -120,8 +129,8 @@ struct spec_policy {
 
     /* decisions */
     int prev_m[SPEC_MAX_K], prev_n;
-    uint64_t n_decisions, n_probes, next_probe;
-    int probe_interval, probe_dir;
+    uint64_t n_decisions, n_probes;
+    int probe_dir;
     int probe_k, probe_delta;       /* a probe's frontier and its direction (+1 / -1) */
     int probe_more;                 /* the probe's steps still to run */
     uint64_t n_steps;               /* spec_policy_step calls */
@@ -129,6 +138,7 @@ struct spec_policy {
     bool chose;                     /* the last decision's model chose drafts (probes aside) */
     bool probe_check;               /* the decision after a probe: compare with probe_m */
     int probe_m[SPEC_MAX_K];
+    int probe_gate;                 /* the bucket the probe ran in */
 
     struct gate gate[GATE_BUCKETS];
     int64_t gate_last_us;           /* the previous call (0: none) */
@@ -178,11 +188,11 @@ int spec_policy_new(enum spec_draft_policy mode, int max_seqs, int kmax, int win
         p->g_hit[k] = 2.0 * GLOBAL_PRIOR;
         p->n0[k] = ACC_PRIOR;
     }
-    p->probe_interval = SPEC_POLICY_PROBE_MIN;
-    p->next_probe = SPEC_POLICY_PROBE_MIN;
     for (int b = 0; b < GATE_BUCKETS; b++) {
         p->gate[b].explore = GATE_EXPLORE_MIN;
         p->gate[b].last = -1;
+        p->gate[b].probe_interval = SPEC_POLICY_PROBE_MIN;
+        p->gate[b].next_probe = SPEC_POLICY_PROBE_MIN;
     }
     p->window = window;
     p->fill_depth = -1;
@@ -676,12 +686,23 @@ static bool probe_shift(const struct spec_policy *p, const struct spec_seq *seqs
     return false;
 }
 
+/* The gate of B decoding sequences (B >= 1): bucket log2(B). */
+static struct gate *gate_of(struct spec_policy *p, int B)
+{
+    int b = 0;
+
+    while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
+        b++;
+    return &p->gate[b];
+}
+
 /* The depths of the decoding sequences (candidates p->cand[0 .. nc)); `off`: the gate's
  * window without drafts, where only the probes draft (p->chose still says whether the model
  * would have). */
 static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_seq *seqs, int B,
                    int nc, int sum_cap, bool off, int probe_floor)
 {
+    struct gate *gb = gate_of(p, B);
     static const int none[SPEC_MAX_K];
     struct choice best;
 
@@ -747,6 +768,37 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             best.rate = r;
         }
     }
+    /* the gate's evidence against a choice of no drafts: where this bucket's own pairs
+     * measured the model's drafting faster than none (by the factor exp(-lq)), and the
+     * model now estimates its last drafting choice here behind no drafts by less than
+     * that, the measurement wins and the drafting choice runs (the gate can veto drafting
+     * by its arm without; this is its say the other way) */
+    if (best.m[0] > 0) {
+        memcpy(gb->dm, best.m, sizeof(best.m));
+        gb->dn = nc;
+    } else if (!off && gb->dn > 0 && gb->ring_n && gb->lq < -log1p(GATE_HYSTERESIS)) {
+        int m[SPEC_MAX_K];
+        double r;
+
+        for (int k = 0; k < SPEC_MAX_K; k++) {
+            m[k] = (int)(((int64_t)gb->dm[k] * nc + gb->dn / 2) / gb->dn);
+            m[k] = m[k] < nc ? m[k] : nc;
+        }
+        m[0] = m[0] > 0 ? m[0] : 1;
+        r = rate_of(p, B, nc, m);
+        if (r * exp(-gb->lq) > best.rate) {
+            memcpy(best.m, m, sizeof(m));
+            best.rate = r;
+        }
+    }
+    if (p->probe_check && !p->probe_more && p->probe_gate != (int)(gb - p->gate)) {
+        /* the batch moved to another bucket before the probe was judged: the probe's bucket
+         * probes again after its interval */
+        struct gate *pg = &p->gate[p->probe_gate];
+
+        pg->next_probe = pg->n_dec + (uint64_t)pg->probe_interval;
+        p->probe_check = false;
+    }
     if (p->probe_check && !p->probe_more) {
         /* after a probe: the interval doubles while probes confirm the choice, but stays
          * short while a neighbour is estimated within a few per cent of it */
@@ -767,18 +819,25 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         }
         for (double t = 0.05; t <= margin && cap < SPEC_POLICY_PROBE_MAX; t += 0.05)
             cap *= 2;
-        p->probe_interval = same ? p->probe_interval * 2 : SPEC_POLICY_PROBE_MIN;
-        p->probe_interval = p->probe_interval < cap ? p->probe_interval : cap;
+        /* a probe that confirms that drafts lose here (the choice runs none: the gate's arm
+         * without drafts, or the model's own choice with its neighbour 5 % behind) lets the
+         * interval double on up to SPEC_POLICY_PROBE_BACKOFF: what it measures changes
+         * nothing, and every one costs the gap */
+        if (same && (off || (!best.m[0] && margin >= SPEC_POLICY_BACKOFF_MARGIN)))
+            cap = SPEC_POLICY_PROBE_BACKOFF;
+        gb->probe_interval = same ? gb->probe_interval * 2 : SPEC_POLICY_PROBE_MIN;
+        gb->probe_interval = gb->probe_interval < cap ? gb->probe_interval : cap;
         /* where the gate has measured drafting slower and runs without, a probe that drafts
          * costs that gap: probes come no oftener than the gate's own explorations, counted
          * in decisions rather than windows */
-        p->probe_interval = p->probe_interval > probe_floor ? p->probe_interval : probe_floor;
-        p->next_probe = p->n_decisions + (uint64_t)p->probe_interval;
+        gb->probe_interval = gb->probe_interval > probe_floor ? gb->probe_interval : probe_floor;
+        gb->next_probe = gb->n_dec + (uint64_t)gb->probe_interval;
         p->probe_check = false;
     }
     memcpy(p->prev_m, best.m, sizeof(best.m));
     p->prev_n = nc;
     p->n_decisions++;
+    gb->n_dec++;
     if (p->n_decisions % 256 == 0 && log_get_level() >= LOG_LEVEL_DEBUG) {
         int mu[SPEC_MAX_K];
         char buf[160];
@@ -804,7 +863,7 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         const int *base = off ? none : best.m;
         bool probing = false;
 
-        if (p->n_decisions >= p->next_probe) {
+        if (gb->n_dec >= gb->next_probe) {
             double pr = -1.0;
 
             /* the preferred direction first (they alternate), and in it the frontier
@@ -831,7 +890,8 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
             p->n_probes += probing;
             memcpy(p->probe_m, best.m, sizeof(best.m));
             p->probe_check = true;
-            p->next_probe = UINT64_MAX;
+            p->probe_gate = (int)(gb - p->gate);
+            gb->next_probe = UINT64_MAX;
             /* a probe that runs a depth the step before did not runs it twice: the first
              * time it is cold (spec_policy_draft_cost) */
             p->probe_more = probing && p->probe_delta > 0 &&
@@ -891,15 +951,16 @@ static int gate_probe_floor(const struct gate *g)
     return g->ring_n || g->inferred ? gate_interval(g) : 0;
 }
 
-/* While bucket b has no pair of its own: the ratio of the nearest buckets that have (the
- * one nearest to 1, at the least distance) into its lq; false (nothing set) when none has. */
+/* While bucket b has no pair of its own: the ratio of the nearest buckets that have one
+ * (at the least distance, any; of two, the one nearer to 1) into its lq; false (nothing
+ * set) when none has. */
 static bool gate_infer(struct spec_policy *p, int b)
 {
     struct gate *g = &p->gate[b];
     bool found = false;
     double q = 0.0;
 
-    for (int d = 1; d <= GATE_INFER_DIST && !found; d++)
+    for (int d = 1; d < GATE_BUCKETS && !found; d++)
         for (int s = -1; s <= 1; s += 2) {
             int nb = b + s * d;
 
@@ -912,16 +973,6 @@ static bool gate_infer(struct spec_policy *p, int b)
     if (found)
         g->lq = q;
     return found;
-}
-
-/* The gate of B decoding sequences (B >= 1): bucket log2(B). */
-static struct gate *gate_of(struct spec_policy *p, int B)
-{
-    int b = 0;
-
-    while (b < GATE_BUCKETS - 1 && (B >> (b + 1)) > 0)
-        b++;
-    return &p->gate[b];
 }
 
 /* The gate's bookkeeping for one engine cycle of B decoding sequences that emitted tok
@@ -939,6 +990,16 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         return false;
     g = gate_of(p, B);
     b = (int)(g - p->gate);
+    if (!g->steps && g->last < 0 && !g->ring_n && !g->inferred && gate_infer(p, b)) {
+        /* a bucket's first cycle, and another bucket has measured a pair: start in the arm
+         * its ratio favours (a batch size where drafts pay drafts from its first step); the
+         * window judges it (below) */
+        g->inferred = true;
+        g->judge = true;
+        g->explore = gate_interval(g);
+        g->since = 0;
+        g->off = g->lq > -log1p(GATE_HYSTERESIS);
+    }
     g->chose += p->chose;
     if (g->steps++ >= GATE_WARM && dt > 0.0 && dt < 1.0) {
         g->tok += tok;
@@ -961,6 +1022,16 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         }
         g->last = eff;
         g->last_rate = r;
+    }
+    if (g->judge) {
+        /* the first window of a bucket started in its neighbours' arm without drafts: where
+         * the model would have drafted in most of its cycles, the neighbours and the model
+         * disagree, and the next window drafts (the bucket's own pair follows); where they
+         * agree the inference stands for the interval its gap asks for.  (In the drafting
+         * arm the model's own choices ran: a model that disagrees did not draft.) */
+        g->judge = false;
+        if (arm && 2 * g->chose >= g->steps)
+            g->since = g->explore;
     }
     if (!g->ring_n && gate_infer(p, b) && !g->inferred) {
         /* no pair here, but the neighbours have one: the arm they find slower waits for

@@ -40,12 +40,17 @@
  * is evaluated (a grid of them beyond SPEC_POLICY_FULL_SEARCH sequences).  A choice only
  * changes when it is better by SPEC_POLICY_HYSTERESIS, so noise does not flap it (a batch
  * that gains or loses a few sequences keeps the same share at each depth).  What
- * is never chosen is never measured, so every so often (an interval that doubles while
- * probes confirm the choice, up to SPEC_POLICY_PROBE_MAX steps when the neighbours are
- * estimated 20 % or more behind, and no shorter than the gate's own exploration interval
- * while the gate runs without drafts) a step probes: one depth's frontier in the ranking
- * moves by 1/SPEC_POLICY_PROBE_SHARE of the sequences (at least one), giving them one
- * draft more or one fewer, the move the model rates best in the direction whose turn it
+ * is never chosen is never measured, so every so often (per batch-size bucket, the gate's
+ * below: an interval of decisions that doubles while probes confirm the choice, up to
+ * SPEC_POLICY_PROBE_MAX when the neighbours are estimated 20 % or more behind; where the
+ * confirmed choice runs no drafts (the gate's arm without them, or the model's own choice
+ * with its neighbour SPEC_POLICY_BACKOFF_MARGIN or more behind) it doubles on up to
+ * SPEC_POLICY_PROBE_BACKOFF (a probe there costs the gap and changes nothing), back at
+ * SPEC_POLICY_PROBE_MIN once a probe changes the choice, and at most SPEC_POLICY_PROBE_MAX
+ * after a probe confirms a choice that drafts; never shorter than the gate's own
+ * exploration interval while the gate runs without drafts) a step probes: one
+ * depth's frontier in the ranking moves by 1/SPEC_POLICY_PROBE_SHARE of the sequences (at
+ * least one), giving them one draft more or one fewer, the move the model rates best in the direction whose turn it
  * is (at sixteen sequences four draft in a probe, not sixteen: the cost line through the
  * probe and the choice says what all would pay).  An MTP depth that did not run in the
  * step before is cold and its cost is not counted: a probe that runs one runs
@@ -80,11 +85,22 @@
  * there).  While the gate runs without drafts the model's choices are not run, so a model
  * whose estimates favour drafting (probes measure drafting warm, where a run of it pays
  * for the caches its draft layers take) drafts only in the gate's exploring windows.  A
- * bucket with no pair of its own takes the ratio of the nearest buckets (up to two away)
- * that have one, and tries the arm that loses after the interval their gap asks for (at
- * most 16 windows) rather than at once: the batch sizes a batch passes through as its
- * requests finish are seen too seldom to spend their first windows on an arm that is far
- * behind next door.  It catches what the cost model misses (on the tiny model at
+ * bucket seen for the first time starts from the evidence of the nearest buckets that have
+ * a pair (at any distance; of two, the ratio nearer to 1): it runs the arm their ratio
+ * favours from its first cycle (a batch size where drafts pay next door drafts from the
+ * start), and its first window judges that: where it ran without drafts and the model would
+ * have drafted in most of its cycles, its next window drafts, and the pair that makes
+ * decides from then on; where they agree it tries the other arm after the interval the gap
+ * asks for.  A bucket whose first window found no such neighbour runs the model's arm,
+ * then one without (its own first pair); if a neighbour's pair comes first, it takes that
+ * ratio and tries the arm that loses after the interval their gap asks for (at most 16
+ * windows).  The batch sizes a batch passes through as its requests finish are seen too
+ * seldom to spend their first windows on an arm that is far behind next door.  The gate
+ * also speaks the other way: where a bucket's own pairs measured the model's drafting
+ * ahead of none by a factor f, and the model now chooses no drafts while it estimates its
+ * last drafting choice there less than f behind, that drafting choice runs (scaled to the
+ * candidates), so a model whose costs read drafting too dear is held to what the windows
+ * measured.  It catches what the cost model misses (on the tiny model at
  * concurrency 16 it drafted where K = 0 was faster).
  * Fill-only chains (prompt chunks that keep the MTP caches complete) run as deep as the
  * deepest draft of the last decision (the whole chain before there is one): caches the
@@ -108,6 +124,8 @@ extern "C" {
 #define SPEC_POLICY_HYSTERESIS 0.03
 #define SPEC_POLICY_PROBE_MIN 8
 #define SPEC_POLICY_PROBE_MAX 128
+#define SPEC_POLICY_PROBE_BACKOFF 2048
+#define SPEC_POLICY_BACKOFF_MARGIN 0.05
 #define SPEC_POLICY_PROBE_STEPS 2
 #define SPEC_POLICY_PROBE_SHARE 4
 

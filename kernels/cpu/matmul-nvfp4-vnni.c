@@ -43,7 +43,9 @@ int cpu_lowp_vnni_off;
 #define NV_NT 8         /* tokens per pass over a group */
 #define NV_TB 16        /* tokens quantised per block (fits CPU_LOWP_BUF) */
 #define NV_CHUNK 128    /* rows per chunk when the tokens take several blocks */
-#define NV_PF (4 * NVFP4_PAIR_BYTES)    /* software prefetch distance in the stream */
+/* software prefetch distances in the stream: into L1, and further into L2 */
+#define NV_PF (4 * NVFP4_PAIR_BYTES)
+#define NV_PF2 (16 * NVFP4_PAIR_BYTES)
 
 /* 2·E2M1 + 12 */
 static const int8_t nv_lut_biased[16] = { 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0 };
@@ -137,7 +139,9 @@ static inline int32_t nv_i32(const void *p)
 }
 
 /* group gp's 16 rows (repacked, cpu_nvfp4_prepare) against nt tokens xrow[] of qa: out[j]
- * the rows' sums (lane r: row r) times the global scale; pf: prefetch the stream ahead */
+ * the rows' sums (lane r: row r) times the global scale; pf: prefetch the stream ahead,
+ * NV_PF bytes into L1 and NV_PF2 into L2 (the first token pass; the stream runs on into the
+ * next group) */
 CPU_FN_VNNI static inline __attribute__((always_inline)) void
 nv_group(const struct bweight *w, const uint8_t *gp, const struct cpu_qact *qa, const int64_t *xrow, const int nt,
          __m512 out[], bool pf)
@@ -156,8 +160,10 @@ nv_group(const struct bweight *w, const uint8_t *gp, const struct cpu_qact *qa, 
 
         if (pf)
 #pragma GCC unroll 9
-            for (int l = 0; l < NVFP4_PAIR_BYTES / 64; l++)
+            for (int l = 0; l < NVFP4_PAIR_BYTES / 64; l++) {
                 _mm_prefetch((const char *)u + NV_PF + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char *)u + NV_PF2 + 64 * l, _MM_HINT_T1);
+            }
         /* E4M3 -> fp16 bit fields (sign, 4 exponent and 3 mantissa bits shifted in) */
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {

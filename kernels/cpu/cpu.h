@@ -242,15 +242,16 @@ void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int3
 extern int cpu_lowp_vnni_off;
 bool cpu_nvfp4_vnni_fits(const struct bweight *w);
 /* NVFP4 repacked layout (priv of a prepared weight where the host has level vnni and
- * cols % 64 == 0): one stream in the order the kernel reads it.  Rows in tiles of
- * NVFP4_TILE_ROWS; tile t is npair units of NVFP4_PAIR_BYTES, one per 64-column pair p:
- * the 4 rows' 32 on-disk nibble bytes of the pair (row r0 first), then their 4 E4M3 group
- * scales each ([r0 g0..g3, r1 g0..g3, ...]).  A last tile's missing rows are zero. */
-#define NVFP4_TILE_ROWS 4
-#define NVFP4_PAIR_BYTES (NVFP4_TILE_ROWS * 36)
+ * cols % 64 == 0): one stream in the order the kernel reads it, a vector lane per row.
+ * Rows in groups of NVFP4_GROUP_ROWS; group g is npair units of NVFP4_PAIR_BYTES, one per
+ * 64-column pair p: 8 x 64 bytes, the h-th holding at 4r the nibble bytes 4h..4h+3 of row
+ * r's 32 on-disk bytes of the pair, then 4 x 16 bytes, the k-th holding at r row r's E4M3
+ * scale of the pair's 16-column group k.  A last group's missing rows are zero. */
+#define NVFP4_GROUP_ROWS 16
+#define NVFP4_PAIR_BYTES (NVFP4_GROUP_ROWS * 36)
 struct cpu_nvfp4 {
     int64_t npair;          /* cols / 64 */
-    int64_t tile_bytes;     /* npair * NVFP4_PAIR_BYTES */
+    int64_t group_bytes;    /* npair * NVFP4_PAIR_BYTES */
     uint8_t *pk;
     struct cpu_wchunk *mem; /* wmem.c */
 };

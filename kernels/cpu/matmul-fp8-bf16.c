@@ -91,6 +91,27 @@ FB_FN static inline __attribute__((always_inline)) __m512i fb_dec32(const uint8_
     return _mm512_ternarylogic_epi32(t, sx, _mm512_set1_epi16((short)0x8000), 0xf8);
 }
 
+/* the accumulators of fb_tile and fb_tile64: nt tokens x FB_TILE rows, from +0 */
+FB_FN static inline __attribute__((always_inline)) void fb_acc_zero(__m512 acc[][FB_TILE], const int nt)
+{
+#pragma GCC unroll 4
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 4
+        for (int rr = 0; rr < FB_TILE; rr++)
+            acc[j][rr] = _mm512_setzero_ps();
+}
+
+/* out[j][rr]: each accumulator's lanes summed (_mm512_reduce_add_ps's fixed order) */
+FB_FN static inline __attribute__((always_inline)) void fb_acc_out(__m512 acc[][FB_TILE], const int nt,
+                                                                   float out[][FB_TILE])
+{
+#pragma GCC unroll 4
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 4
+        for (int rr = 0; rr < FB_TILE; rr++)
+            out[j][rr] = _mm512_reduce_add_ps(acc[j][rr]);
+}
+
 /* rows rw[0..3] against nt tokens' BF16 activations xt[]: out[j][rr] */
 FB_FN static inline __attribute__((always_inline)) void
 fb_tile(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const int nt, float out[][FB_TILE],
@@ -99,11 +120,7 @@ fb_tile(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const
     const __m512i tab = _mm512_loadu_si512(fb_sub_tab);
     __m512 acc[FB_NT][FB_TILE];
 
-#pragma GCC unroll 4
-    for (int j = 0; j < nt; j++)
-#pragma GCC unroll 4
-        for (int rr = 0; rr < FB_TILE; rr++)
-            acc[j][rr] = _mm512_setzero_ps();
+    fb_acc_zero(acc, nt);
     for (int64_t c = 0; c < cols; c += 32) {
         __m512i wv[FB_TILE];
 
@@ -122,11 +139,7 @@ fb_tile(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const
                 acc[j][rr] = _mm512_dpbf16_ps(acc[j][rr], (__m512bh)wv[rr], xv);
         }
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < nt; j++)
-#pragma GCC unroll 4
-        for (int rr = 0; rr < FB_TILE; rr++)
-            out[j][rr] = _mm512_reduce_add_ps(acc[j][rr]);
+    fb_acc_out(acc, nt, out);
 }
 
 /* tile(...) for nt tokens (1..FB_NT), each count compiled with its accumulators in registers */
@@ -202,11 +215,7 @@ fb_tile64(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, con
     const __m512i tl0 = _mm512_loadu_si512(fb_lo_tab), tl1 = _mm512_loadu_si512(fb_lo_tab + 64);
     __m512 acc[FB_NT][FB_TILE];
 
-#pragma GCC unroll 4
-    for (int j = 0; j < nt; j++)
-#pragma GCC unroll 4
-        for (int rr = 0; rr < FB_TILE; rr++)
-            acc[j][rr] = _mm512_setzero_ps();
+    fb_acc_zero(acc, nt);
     for (int64_t c = 0; c < cols; c += 64) {
         if (pf) {
 #pragma GCC unroll 4
@@ -226,11 +235,7 @@ fb_tile64(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, con
             }
         }
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < nt; j++)
-#pragma GCC unroll 4
-        for (int rr = 0; rr < FB_TILE; rr++)
-            out[j][rr] = _mm512_reduce_add_ps(acc[j][rr]);
+    fb_acc_out(acc, nt, out);
 }
 
 FB64_FN static void fb_tile64_any(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, int nt,

@@ -1,22 +1,28 @@
 /* matmul-nvfp4-vnni.c - the NVFP4 fast path at level vnni (docs/PERFORMANCE.md §4.3a):
- * MXFP4's int8 path with NVFP4's scales.
+ * MXFP4's int8 path with NVFP4's scales, 16 rows per vector.
  *
  * The activations are quantised exactly as MXFP4's fast path quantises them
  * (cpu_qact_quantize: int8 per 32-block, d = amax / 127, pair order), into the caller's
  * per-thread row buffer, a token block at a time.  The weights are repacked at prepare
- * (cpu_nvfp4_prepare) into one stream in the order the kernel reads it: per tile of 4 rows
- * and 64-column pair, the rows' 32 nibble bytes and then their 16 group scales (144 bytes),
- * where the checkpoint's row-major bytes were 4 row streams and 4 scale streams.  The
- * nibbles are MXFP4's (low nibble the even column), so one row's 32 bytes of a 64-column
- * pair decode with MXFP4's biased vpshufb table (2·E2M1 + 12, unsigned for vpdpbusd) into
- * exactly the pair layout of the quantised activations.  vpdpbusd gives int32 lanes of 4
- * products; one vphaddd per two rows folds them into the 16-column groups,
- * [r0 g0, r0 g1, r1 g0, r1 g1 | r0 g2, r0 g3, r1 g2, r1 g3], minus 12·Σq of each group
- * (the bias), converted and FMAed with (group E4M3 scale / 2) x (block's d) per lane - the
- * E4M3 scales of 4 rows decoded at once through fp16 bit fields (exact).  Each (row, token)
- * sum is the same lane order whatever the tile, folded at the end and multiplied by the
- * global scale: batch-invariant, like matmul-lowp512.c.  The error is the activation
- * rounding's, as MXFP4's: |err| <= Σ_i |w_i| · d_b(i) / 2 (test-lowp at level vnni).
+ * (cpu_nvfp4_prepare) into one stream in the order the kernel reads it, transposed so that
+ * a vector lane is a row: per group of 16 rows and 64-column pair, 8 vectors of 64 bytes,
+ * vector h holding in lane r the 4 nibble bytes 4h..4h+3 of row r's 32 bytes of the pair,
+ * then the rows' E4M3 group scales, 16 bytes per 16-column group k (byte r: row r's)
+ * - 576 bytes, where the checkpoint's row-major bytes were 16 row streams and 16 scale
+ * streams.  The nibbles are MXFP4's (low nibble the even column), so through MXFP4's
+ * biased vpshufb table (2·E2M1 + 12, unsigned for vpdpbusd) the low nibbles of vector h
+ * are the weights of the activations' even-column dword h and the high nibbles those of
+ * the odd-column dword h (cpu_qact's pair layout): vpdpbusd with the broadcast activation
+ * dword leaves in lane r row r's partial sum, no horizontal add (MXFP4's 16-row kernel,
+ * with the transposition done once at prepare).  Group k of the pair is dwords 2k and
+ * 2k+1, even and odd: 4 vpdpbusd from -12·Σq of the group (the bias, the quantiser's sums
+ * rewritten per group), converted; per 32-block b the two groups' sums times their E4M3
+ * scales (decoded 16 at once through fp16 bit fields: value x 2^-8, exact), then times
+ * the block's d into the token's accumulator; at the end x the global scale x 2^7 (the
+ * fp16 field's 2^-8 and the table's doubling).  Up to NV_NT tokens share one decode.
+ * Each (row, token) sum is the same operations in the same order whatever the token
+ * count: batch-invariant, like matmul-lowp512.c.  The error is the activation rounding's,
+ * as MXFP4's: |err| <= Σ_i |w_i| · d_b(i) / 2 (test-lowp at level vnni).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -33,10 +39,13 @@ int cpu_lowp_vnni_off;
 
 #if defined(__x86_64__)
 
-#define NV_TILE NVFP4_TILE_ROWS /* rows decoded together */
-#define NV_NT 4         /* tokens per pass over a tile */
+#define NV_ROWS NVFP4_GROUP_ROWS /* rows per vector */
+#define NV_NT 8         /* tokens per pass over a group */
 #define NV_TB 16        /* tokens quantised per block (fits CPU_LOWP_BUF) */
 #define NV_CHUNK 128    /* rows per chunk when the tokens take several blocks */
+/* software prefetch distances in the stream: into L1, and further into L2 */
+#define NV_PF (4 * NVFP4_PAIR_BYTES)
+#define NV_PF2 (16 * NVFP4_PAIR_BYTES)
 
 /* 2·E2M1 + 12 */
 static const int8_t nv_lut_biased[16] = { 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0 };
@@ -46,10 +55,28 @@ bool cpu_nvfp4_vnni_fits(const struct bweight *w)
     return !cpu_lowp_vnni_off && w->priv && cpu_isa_has(CPU_ISA_VNNI);
 }
 
-int cpu_nvfp4_prepare(struct bweight *w)
+/* The repacked bytes of row r's pair p (NVFP4_GROUP_ROWS rows, cpu.h) from the checkpoint's
+ * row-major nibbles and scales; rows past the end are zero (scale 0: output 0) */
+static void nv_repack_pair(const struct bweight *w, int64_t g, int64_t p, uint8_t *u)
 {
     const int64_t rb = w->cols / 2, sb = w->cols / NVFP4_GROUP;
     const uint8_t *data = w->data;
+
+    memset(u, 0, NVFP4_PAIR_BYTES);
+    for (int r = 0; r < NV_ROWS; r++) {
+        const int64_t row = g * NV_ROWS + r;
+
+        if (row >= w->rows)
+            break;
+        for (int h = 0; h < 8; h++)
+            memcpy(u + 64 * h + 4 * r, data + row * rb + p * 32 + 4 * h, 4);
+        for (int k = 0; k < 4; k++)
+            u[512 + 16 * k + r] = w->scale[row * sb + p * 4 + k];
+    }
+}
+
+int cpu_nvfp4_prepare(struct bweight *w)
+{
     struct cpu_nvfp4 *m;
     int rc = cpu_lowp_check(w);
 
@@ -59,29 +86,16 @@ int cpu_nvfp4_prepare(struct bweight *w)
     if (!m)
         return -ENOMEM;
     m->npair = w->cols / 64;
-    m->tile_bytes = m->npair * NVFP4_PAIR_BYTES;
-    const int64_t ntile = (w->rows + NV_TILE - 1) / NV_TILE;
-    m->pk = cpu_wmem_alloc((size_t)(ntile * m->tile_bytes), &m->mem);
+    m->group_bytes = m->npair * NVFP4_PAIR_BYTES;
+    const int64_t ngroup = (w->rows + NV_ROWS - 1) / NV_ROWS;
+    m->pk = cpu_wmem_alloc((size_t)(ngroup * m->group_bytes), &m->mem);
     if (!m->pk) {
         free(m);
         return -ENOMEM;
     }
-    for (int64_t t = 0; t < ntile; t++)
-        for (int rr = 0; rr < NV_TILE; rr++) {
-            const int64_t row = t * NV_TILE + rr;
-
-            for (int64_t p = 0; p < m->npair; p++) {
-                uint8_t *u = m->pk + t * m->tile_bytes + p * NVFP4_PAIR_BYTES;
-
-                if (row < w->rows) {
-                    memcpy(u + rr * 32, data + row * rb + p * 32, 32);
-                    memcpy(u + NV_TILE * 32 + rr * 4, w->scale + row * sb + p * 4, 4);
-                } else {
-                    memset(u + rr * 32, 0, 32);
-                    memset(u + NV_TILE * 32 + rr * 4, 0, 4);
-                }
-            }
-        }
+    for (int64_t g = 0; g < ngroup; g++)
+        for (int64_t p = 0; p < m->npair; p++)
+            nv_repack_pair(w, g, p, m->pk + g * m->group_bytes + p * NVFP4_PAIR_BYTES);
     w->priv = m;
     return 0;
 }
@@ -97,132 +111,152 @@ void cpu_nvfp4_release(struct bweight *w)
     w->priv = NULL;
 }
 
-/* corr8 of pair p (cpu_qact's bias lanes) rewritten per 16-column group, in the lane order
- * of the kernel's folded sums: 12 x [Σq g0, Σq g1, g0, g1 | g2, g3, g2, g3]; the groups'
- * bytes in the pair (even columns, then odd): g k = bytes 8k..8k+7 and 32+8k..32+8k+7 */
+/* corr8 of token row i rewritten per 16-column group: c[k] = -12 x Σq of group k (the
+ * bias, the vpdpbusd chains' start), k = 0..3; group k's bytes in the pair (even columns,
+ * then odd): 8k..8k+7 and 32+8k..32+8k+7 */
 static void nv_group_corr(struct cpu_qact *qa, int64_t i)
 {
     for (int64_t p = 0; p < qa->npair; p++) {
         const int8_t *q = qa->q + (i * qa->npair + p) * 64;
-        int32_t *c = qa->corr8 + (i * qa->npair + p) * 8, s[4];
+        int32_t *c = qa->corr8 + (i * qa->npair + p) * 8;
 
-        for (int g = 0; g < 4; g++) {
-            s[g] = 0;
-            for (int k = 0; k < 8; k++)
-                s[g] += q[8 * g + k] + q[32 + 8 * g + k];
-            s[g] *= 12;
+        for (int k = 0; k < 4; k++) {
+            int32_t s = 0;
+
+            for (int j = 0; j < 8; j++)
+                s += q[8 * k + j] + q[32 + 8 * k + j];
+            c[k] = -12 * s;
         }
-        c[0] = c[2] = s[0];
-        c[1] = c[3] = s[1];
-        c[4] = c[6] = s[2];
-        c[5] = c[7] = s[3];
     }
 }
 
-/* tile tp's 4 rows (repacked, cpu_nvfp4_prepare) against nt tokens xrow[] of qa: out[j][rr]
- * the row sums times the global scale; pf: the next tile, prefetched at this one's pace */
-CPU_FN_VNNI static inline __attribute__((always_inline)) void
-nv_tile(const struct bweight *w, const uint8_t *tp, const struct cpu_qact *qa, const int64_t *xrow, const int nt,
-        float out[][NV_TILE], const uint8_t *pf)
+static inline int32_t nv_i32(const void *p)
 {
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)nv_lut_biased));
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m128i sperm = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
-    const __m256i fmask = _mm256_set1_epi16((short)0xbf80);
-    /* fp16 field = E4M3 value x 2^-8; the table's doubling: x 2^8 / 2 */
-    const __m512 s7 = _mm512_set1_ps(0x1p7f);
-    __m256 acc[NV_NT][2];
+    int32_t v;
 
-#pragma GCC unroll 4
-    for (int j = 0; j < nt; j++)
-        acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < qa->npair; p++) {
-        const uint8_t *u = tp + p * NVFP4_PAIR_BYTES;
-        __m256i wlo[NV_TILE], whi[NV_TILE];
-
-        if (pf) {
-            /* the pair's 144 bytes span at most 3 lines from here */
-            const char *f = (const char *)pf + p * NVFP4_PAIR_BYTES;
-            _mm_prefetch(f, _MM_HINT_T0);
-            _mm_prefetch(f + 64, _MM_HINT_T0);
-            _mm_prefetch(f + 128, _MM_HINT_T0);
-        }
-#pragma GCC unroll 4
-        for (int rr = 0; rr < NV_TILE; rr++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(u + rr * 32));
-            wlo[rr] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4));
-            whi[rr] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-        }
-        /* the 4 rows' 4 group scales each, in the folded sums' lane order */
-        __m128i sb = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(u + NV_TILE * 32)), sperm);
-        __m256i h16 = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(sb), 7), fmask);
-        __m512 sf = _mm512_mul_ps(_mm512_cvtph_ps(h16), s7);
-        const __m256 sa = _mm512_castps512_ps256(sf);
-        const __m256 sbv = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sf), 1));
-
-#pragma GCC unroll 4
-        for (int j = 0; j < nt; j++) {
-            const int64_t xo = xrow[j] * qa->npair + p;
-            const int8_t *q = qa->q + xo * 64;
-            const __m256i xlo = _mm256_load_si256((const __m256i *)q);
-            const __m256i xhi = _mm256_load_si256((const __m256i *)(q + 32));
-            __m256i d[NV_TILE];
-#pragma GCC unroll 4
-            for (int rr = 0; rr < NV_TILE; rr++)
-                d[rr] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wlo[rr], xlo), whi[rr], xhi);
-            const __m256i c = _mm256_load_si256((const __m256i *)(qa->corr8 + xo * 8));
-            const __m256 dx = _mm256_load_ps(qa->d8 + xo * 8);
-            __m256i ha = _mm256_sub_epi32(_mm256_hadd_epi32(d[0], d[1]), c);
-            __m256i hb = _mm256_sub_epi32(_mm256_hadd_epi32(d[2], d[3]), c);
-            acc[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ha), _mm256_mul_ps(sa, dx), acc[j][0]);
-            acc[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hb), _mm256_mul_ps(sbv, dx), acc[j][1]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < nt; j++) {
-        /* [r0 a, r0 b, r1 a, r1 b] per half-sum, then [r0, r1, r2, r3] */
-        __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[j][0]), _mm256_extractf128_ps(acc[j][0], 1));
-        __m128 b = _mm_add_ps(_mm256_castps256_ps128(acc[j][1]), _mm256_extractf128_ps(acc[j][1], 1));
-        _mm_storeu_ps(out[j], _mm_mul_ps(_mm_hadd_ps(a, b), _mm_set1_ps(w->gscale)));
-    }
+    memcpy(&v, p, 4);
+    return v;
 }
 
-CPU_FN_VNNI static void nv_tile_any(const struct bweight *w, const uint8_t *tp, const struct cpu_qact *qa,
-                                    const int64_t *xrow, int nt, float out[][NV_TILE], const uint8_t *pf)
+/* group gp's 16 rows (repacked, cpu_nvfp4_prepare) against nt tokens xrow[] of qa: out[j]
+ * the rows' sums (lane r: row r) times the global scale; pf: prefetch the stream ahead,
+ * NV_PF bytes into L1 and NV_PF2 into L2 (the first token pass; the stream runs on into the
+ * next group) */
+CPU_FN_VNNI static inline __attribute__((always_inline)) void
+nv_group(const struct bweight *w, const uint8_t *gp, const struct cpu_qact *qa, const int64_t *xrow, const int nt,
+         __m512 out[], bool pf)
+{
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)nv_lut_biased));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m256i fmask = _mm256_set1_epi16((short)0xbf80);
+    __m512 acc[NV_NT];
+
+#pragma GCC unroll 8
+    for (int j = 0; j < nt; j++)
+        acc[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < qa->npair; p++) {
+        const uint8_t *u = gp + p * NVFP4_PAIR_BYTES;
+        __m512 s[4];
+
+        if (pf)
+#pragma GCC unroll 9
+            for (int l = 0; l < NVFP4_PAIR_BYTES / 64; l++) {
+                _mm_prefetch((const char *)u + NV_PF + 64 * l, _MM_HINT_T0);
+                _mm_prefetch((const char *)u + NV_PF2 + 64 * l, _MM_HINT_T1);
+            }
+        /* E4M3 -> fp16 bit fields (sign, 4 exponent and 3 mantissa bits shifted in) */
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + 512 + 16 * k)));
+            s[k] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), fmask));
+        }
+#pragma GCC unroll 2
+        for (int b = 0; b < 2; b++) {
+            __m512i wl[4], wh[4];
+
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                const __m512i v = _mm512_loadu_si512(u + 64 * (4 * b + h));
+                wl[h] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
+                wh[h] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+            }
+#pragma GCC unroll 8
+            for (int j = 0; j < nt; j++) {
+                const int64_t xo = xrow[j] * qa->npair + p;
+                const int8_t *q = qa->q + xo * 64 + 16 * b;
+                const int32_t *c = qa->corr8 + xo * 8 + 2 * b;
+                __m512i i0 = _mm512_set1_epi32(c[0]), i1 = _mm512_set1_epi32(c[1]);
+
+                i0 = _mm512_dpbusd_epi32(i0, wl[0], _mm512_set1_epi32(nv_i32(q)));
+                i1 = _mm512_dpbusd_epi32(i1, wl[2], _mm512_set1_epi32(nv_i32(q + 8)));
+                i0 = _mm512_dpbusd_epi32(i0, wh[0], _mm512_set1_epi32(nv_i32(q + 32)));
+                i1 = _mm512_dpbusd_epi32(i1, wh[2], _mm512_set1_epi32(nv_i32(q + 40)));
+                i0 = _mm512_dpbusd_epi32(i0, wl[1], _mm512_set1_epi32(nv_i32(q + 4)));
+                i1 = _mm512_dpbusd_epi32(i1, wl[3], _mm512_set1_epi32(nv_i32(q + 12)));
+                i0 = _mm512_dpbusd_epi32(i0, wh[1], _mm512_set1_epi32(nv_i32(q + 36)));
+                i1 = _mm512_dpbusd_epi32(i1, wh[3], _mm512_set1_epi32(nv_i32(q + 44)));
+                __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), s[2 * b]);
+                x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s[2 * b + 1], x);
+                acc[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(qa->d8[xo * 8 + 4 * b]), acc[j]);
+            }
+        }
+    }
+    const __m512 gs = _mm512_set1_ps(w->gscale * 0x1p7f);
+#pragma GCC unroll 8
+    for (int j = 0; j < nt; j++)
+        out[j] = _mm512_mul_ps(acc[j], gs);
+}
+
+CPU_FN_VNNI static void nv_group_any(const struct bweight *w, const uint8_t *gp, const struct cpu_qact *qa,
+                                     const int64_t *xrow, int nt, __m512 out[], bool pf)
 {
     switch (nt) {
-    case 1: nv_tile(w, tp, qa, xrow, 1, out, pf); break;
-    case 2: nv_tile(w, tp, qa, xrow, 2, out, pf); break;
-    case 3: nv_tile(w, tp, qa, xrow, 3, out, pf); break;
-    default: nv_tile(w, tp, qa, xrow, 4, out, pf); break;
+    case 1: nv_group(w, gp, qa, xrow, 1, out, pf); break;
+    case 2: nv_group(w, gp, qa, xrow, 2, out, pf); break;
+    case 3: nv_group(w, gp, qa, xrow, 3, out, pf); break;
+    case 4: nv_group(w, gp, qa, xrow, 4, out, pf); break;
+    case 5: nv_group(w, gp, qa, xrow, 5, out, pf); break;
+    case 6: nv_group(w, gp, qa, xrow, 6, out, pf); break;
+    case 7: nv_group(w, gp, qa, xrow, 7, out, pf); break;
+    default: nv_group(w, gp, qa, xrow, NV_NT, out, pf); break;
     }
 }
 
 /* rows [r0, r1) against the block's tokens i0..i1-1 (qa rows 0..i1-i0-1): the repacked
- * tiles that hold them, whole (a tile's rows outside the range are computed, not stored) */
+ * groups that hold them, whole (a group's rows outside the range are computed, not stored) */
 CPU_FN_VNNI static void nv_rows(const struct bweight *w, const struct cpu_qact *qa, int i0, int i1, float *y,
                                 int64_t ldy, int64_t r0, int64_t r1, int64_t ybase)
 {
     const struct cpu_nvfp4 *m = w->priv;
-    const int64_t t1 = (r1 + NV_TILE - 1) / NV_TILE;
+    const int64_t g1 = (r1 + NV_ROWS - 1) / NV_ROWS;
 
-    for (int64_t t = r0 / NV_TILE; t < t1; t++) {
-        const uint8_t *tp = m->pk + t * m->tile_bytes;
-        const uint8_t *pf = t + 1 < t1 ? tp + m->tile_bytes : NULL;
-        const int64_t ra = t * NV_TILE > r0 ? t * NV_TILE : r0;
-        const int64_t rz = (t + 1) * NV_TILE < r1 ? (t + 1) * NV_TILE : r1;
+    for (int64_t g = r0 / NV_ROWS; g < g1; g++) {
+        const uint8_t *gp = m->pk + g * m->group_bytes;
+        const int64_t ra = g * NV_ROWS > r0 ? g * NV_ROWS : r0;
+        const int64_t rz = (g + 1) * NV_ROWS < r1 ? (g + 1) * NV_ROWS : r1;
+        /* lanes 0..rz-ra-1 where the range starts at the group (else a copy) */
+        const __mmask16 keep = (__mmask16)((1u << (rz - ra)) - 1);
 
         for (int i = i0; i < i1; i += NV_NT) {
             const int nt = i1 - i < NV_NT ? i1 - i : NV_NT;
             int64_t xrow[NV_NT];
-            float out[NV_NT][NV_TILE];
+            __m512 out[NV_NT];
 
             for (int j = 0; j < nt; j++)
                 xrow[j] = i - i0 + j;
-            nv_tile_any(w, tp, qa, xrow, nt, out, i == i0 ? pf : NULL);
-            for (int j = 0; j < nt; j++)
-                for (int64_t r = ra; r < rz; r++)
-                    y[(int64_t)(i + j) * ldy + (r - ybase)] = out[j][r - t * NV_TILE];
+            nv_group_any(w, gp, qa, xrow, nt, out, i == i0 && g + 1 < g1);
+            for (int j = 0; j < nt; j++) {
+                float *yr = y + (int64_t)(i + j) * ldy + (ra - ybase);
+
+                if (ra == g * NV_ROWS) {
+                    _mm512_mask_storeu_ps(yr, keep, out[j]);
+                } else {
+                    float o[NV_ROWS];
+
+                    _mm512_storeu_ps(o, out[j]);
+                    memcpy(yr, o + (ra - g * NV_ROWS), sizeof(float) * (size_t)(rz - ra));
+                }
+            }
         }
     }
 }

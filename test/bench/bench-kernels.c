@@ -177,7 +177,7 @@ static void lowp_mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t
             abort();
         if (ms->w[i].priv && fmt == WFMT_NVFP4) {
             struct cpu_nvfp4 *m = ms->w[i].priv;
-            size_t pk = (size_t)(((rows + NVFP4_TILE_ROWS - 1) / NVFP4_TILE_ROWS) * m->tile_bytes);
+            size_t pk = (size_t)(((rows + NVFP4_GROUP_ROWS - 1) / NVFP4_GROUP_ROWS) * m->group_bytes);
 
             if (pk > each)
                 abort();

@@ -12,7 +12,7 @@
  *   - an E4M3 NaN code is refused at weight_prepare;
  *   - at level vnni an NVFP4 weight with 64-column pairs is repacked at weight_prepare, and
  *     the fast path (matmul and MoE) reads the repacked stream: a wrong repack fails the
- *     bounds above. */
+ *     bounds above; its 16-row kernel on row ranges directly (check_nvfp4_rows). */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -290,6 +290,65 @@ static void check_nan_refused(void)
     backend_free(be);
 }
 
+/* Level vnni, NVFP4's 16-row kernel (matmul-nvfp4-vnni.c) called on row ranges directly:
+ * 40 rows (groups of 16, the last 8 rows padding) x 192 columns, tokens gathered through
+ * xidx in reverse, 1-33 tokens (passes of 8 and their tails, 16-token blocks, 128-row
+ * chunks), ranges starting on a group and inside one; each output against the reference
+ * within the int8 bound, the rows outside the range untouched: a scale or nibble put in
+ * another row's lane, or a group stored at the wrong rows, fails */
+static void check_nvfp4_rows(void)
+{
+    enum { R = 40, C = 192, N = 33 };
+    static const int ns[] = { 1, 7, 8, 9, 16, 17, 33 };
+    static const int64_t ranges[][2] = { { 0, R }, { 16, R }, { 5, 37 }, { 0, 16 } };
+    struct bweight w = lowp_new(WFMT_NVFP4, R, C, 0, 0);
+    struct backend *bf = kref_backend(1, false);
+    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R);
+    float *buf = aligned_alloc(64, sizeof(float) * (size_t)CPU_LOWP_BUF(C));
+    int32_t xidx[N];
+
+    krng_fill(x, N * C, 2.0f);
+    ASSERT_OK(backend_weight_prepare(bf, &w));
+    if (!w.priv)
+        FAIL("nvfp4 [%dx%d]: not repacked at weight_prepare", R, C);
+    for (size_t k = 0; k < ARRAY_SIZE(ns); k++)
+        for (size_t g = 0; g < ARRAY_SIZE(ranges); g++) {
+            const int n = ns[k];
+            const int64_t r0 = ranges[g][0], r1 = ranges[g][1];
+
+            for (int i = 0; i < n; i++)
+                xidx[i] = n - 1 - i;
+            for (int i = 0; i < N * R; i++)
+                y[i] = -7.0f;
+            cpu_matmul_nvfp4_rows(&w, x, xidx, n, y, R, r0, r1, false, buf);
+            /* token t's outputs: y[t * R + (o - r0)] for rows o in [r0, r1), the rest untouched */
+            for (int t = 0; t < n; t++)
+                for (int64_t at = 0; at < R; at++) {
+                    const int64_t o = r0 + at;
+                    const float f = y[(int64_t)t * R + at];
+                    double mag, ref, tol;
+
+                    if (o >= r1) {
+                        if (f != -7.0f)
+                            FAIL("nvfp4 rows [%lld, %lld) n=%d t=%d: slot %lld written", (long long)r0,
+                                 (long long)r1, n, t, (long long)at);
+                        continue;
+                    }
+                    ref = ref_dot(&w, o, x + (int64_t)xidx[t] * C, &mag);
+                    tol = 1e-5 * mag + 1e-30 + int8_bound(&w, o, x + (int64_t)xidx[t] * C);
+                    if (fabs(f - ref) > tol)
+                        FAIL("nvfp4 rows [%lld, %lld) n=%d t=%d row %lld: %.9g, reference %.9g (tolerance %g)",
+                             (long long)r0, (long long)r1, n, t, (long long)o, f, ref, tol);
+                }
+        }
+    backend_weight_release(bf, &w);
+    backend_free(bf);
+    lowp_free(&w);
+    free(x);
+    free(y);
+    free(buf);
+}
+
 int main(void)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
@@ -302,9 +361,10 @@ int main(void)
     /* AVX2: 1-3 tokens the fused fast path (2: its four-chain form), 9 the buffered one;
      * AVX-512: 4-row x 5-token tiles, so 9 and 16 tokens cover full and edge token blocks
      * and 7, 33 and 5 rows the edge row tiles; 48 columns: an odd count of 16-column
-     * groups, the fused loops' tails; level vnni (NVFP4, 64-column pairs): 4-row tiles
-     * (7 and 33 rows their edges), 16-token blocks (16 tokens: one; 21: two), 128-row chunks
-     * when there are several token blocks (200 rows: two) */
+     * groups, the fused loops' tails; level vnni (NVFP4, 64-column pairs): 16-row groups
+     * (7, 33 and 200 rows their edges), passes of 8 tokens (9, 16, 21: whole and tails),
+     * 16-token blocks (16 tokens: one; 21: two), 128-row chunks when there are several token
+     * blocks (200 rows: two) */
     static const int ns[] = { 1, 2, 3, 9, 16, 21 };
 
     krng_seed(4321);
@@ -326,6 +386,8 @@ int main(void)
             check_batch_invariant(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], 16, 2);
             check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1);
         }
+    if (level >= CPU_ISA_VNNI && cpu_isa_has(CPU_ISA_VNNI))
+        check_nvfp4_rows();
     check_nan_refused();
     printf("test-lowp: all passed\n");
     return 0;

@@ -9,7 +9,7 @@
  *   bench-shapes --formats mxfp4,fp8,nvfp4,bf16 (--mkmodel PATH | --model DIR) [--threads 1,2]
  *                [--batches 1,16] [--reps N] [--keep]
  *   bench-shapes --prefill 1024,8192 (--mkmodel PATH | --model DIR) [--prefill-chunk N]
- *                [--threads 1,2] [--reps N] [--keep]
+ *                [--prefill-split-max N] [--threads 1,2] [--reps N] [--keep]
  *   bench-shapes --measure-routing MODEL_DIR FILE...
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
@@ -83,10 +83,12 @@
  * the first layer's k projection at a chunk's tokens - the kernel of the projections, dense
  * MLPs, shared experts and lm_head at this host's level: AMX tiles, or FMA on widened BF16),
  * then each N: the prefill through model_step (ms, tok/s, cpu = process CPU time over wall
- * x threads), then the same chunks layer by layer (the halves model_step runs, whole, never
- * as per-core parts) with the attention kernel and the routed experts each run again on the
- * same inputs and timed apart: the split attention / routed experts / dense (the rest:
- * projections, dense MLPs, shared experts, router, norms, rope) / lm_head.  FLOPs
+ * x threads; "per cpu-s": % of peak over it), then the same chunks layer by layer (the
+ * halves model_step runs, whole, never as per-core parts; prompts of at most
+ * --prefill-split-max tokens, default all) with the attention kernel and the routed experts
+ * each run again on the same inputs and timed apart: the split attention / routed experts /
+ * dense (the rest: projections, dense MLPs, shared experts, router, norms, rope; the pass's
+ * time less the others, so noise can take it below 0 on a small model) / lm_head.  FLOPs
  * (prefill_flops): 2 per weight and row for the dense and attention projections, router,
  * dense MLPs and shared experts; the routed experts' 2 per weight once per token routed to
  * them (N x top_k rows); attention 4 per key, head and dim with query p reading
@@ -211,6 +213,7 @@ struct bench {
     /* --prefill */
     int pf[MAX_LIST], n_pf;         /* prompt lengths */
     int chunk;                      /* --prefill-chunk: tokens per step */
+    int split_max;                  /* --prefill-split-max: longest prompt split in pieces */
     double bpeak[MAX_REPS];         /* BF16 GEMM peak of the round, FLOP/s (bf16_peak) */
     int bpeak_rows;
     double load[MAX_REPS];          /* 1-minute load average at the round's start */
@@ -1355,21 +1358,23 @@ static const struct bweight *bf16_peak_weight(const struct model *m)
 
 /* The BF16 compute peak of the round: backend_matmul (the kernel the prefill's projections,
  * dense MLPs, shared experts and lm_head run: AMX tiles or FMA on widened BF16, whatever
- * this host's level picks) on bf16_peak_weight at a chunk's tokens, its weights in the
- * cache after a first call; the best of 5 calls, FLOP/s.  0 without such a weight. */
+ * this host's level picks) on the first 128 rows of bf16_peak_weight (1 MB: in the L2) at
+ * a chunk's tokens; the best of 10 calls after a first, FLOP/s.  Calls of ~2 ms, so that
+ * on a loaded host some run without being preempted.  0 without such a weight. */
 static double bf16_peak(struct bench *b)
 {
     struct model *m = b->m;
     const struct bweight *w = bf16_peak_weight(m);
+    struct bweight v;
     double best = 0;
 
-    if (!w)
+    if (!w || model__row_view(w, 0, w->rows < 128 ? w->rows : 128, &v) < 0)
         return 0;
-    b->bpeak_rows = (int)w->rows;
+    b->bpeak_rows = (int)v.rows;
     fill_rows(b, m->a, (size_t)b->chunk * m->hidden);
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 11; i++) {
         double t0 = now(), t;
-        int r = backend_matmul(m->be, w, m->a, b->chunk, m->tmp);
+        int r = backend_matmul(m->be, &v, m->a, b->chunk, m->tmp);
 
         t = now() - t0;
         if (r < 0)
@@ -1377,7 +1382,7 @@ static double bf16_peak(struct bench *b)
         if (i > 0 && (best == 0 || t < best))
             best = t;
     }
-    return wflops(w, b->chunk) / best;
+    return wflops(&v, b->chunk) / best;
 }
 
 /* FLOPs of a prompt of N tokens through the trunk and the head of its last row, by kind:
@@ -1536,7 +1541,7 @@ static void prefill_run(struct bench *b, struct pf_cell *c)
     c->t[rep] = now() - t0;
     c->cpu[rep] = (cpu_now() - c0) / (c->t[rep] * b->T);
     c->split[rep] = c->attn[rep] = c->moe[rep] = c->head[rep] = 0;
-    for (int pos = 0; pos < c->N; pos += b->chunk) {
+    for (int pos = 0; c->N <= b->split_max && pos < c->N; pos += b->chunk) {
         int n = c->N - pos < b->chunk ? c->N - pos : b->chunk;
 
         prefill_plan(b, c->N, pos, n, &p);
@@ -1586,7 +1591,7 @@ static void report_prefill(const struct bench *b)
            cpu_isa_name(cpu_isa()));
     range(b->bpeak, b->reps, &lo, &hi);
     printf("  peak, BF16 GEMMs and attention: %.1f GFLOP/s (%.1f .. %.1f; bf16_peak: "
-           "backend_matmul on %s, k projection %d x %d at %d tokens)\n",
+           "backend_matmul on %s, k projection's first %d rows x %d at %d tokens)\n",
            median(b->bpeak, b->reps) / 1e9, lo / 1e9, hi / 1e9,
            bw && cpu_bf16_use_amx(bw) ? "AMX-BF16 tiles" :
            cpu_isa_has(CPU_ISA_AVX512) ? "AVX-512 FMA over widened BF16" :
@@ -1595,6 +1600,7 @@ static void report_prefill(const struct bench *b)
     for (int i = 0; i < b->n_pf; i++) {
         const struct pf_cell *c = &b->pfc[i];
         double ms[MAX_REPS], pct[MAX_REPS], pct8[MAX_REPS], rest[MAX_REPS], split[MAX_REPS];
+        double pcpu[MAX_REPS];
         double all = c->flops[PF_DENSE] + c->flops[PF_EXPERTS] + c->flops[PF_ATTN] +
                      c->flops[PF_HEAD];
         double fl[MAX_REPS];
@@ -1603,16 +1609,22 @@ static void report_prefill(const struct bench *b)
             ms[r] = 1e3 * c->t[r];
             fl[r] = 1e3 * c->floor[r];
             pct[r] = 100.0 * c->floor[r] / c->t[r];
+            pcpu[r] = c->cpu[r] > 0 ? pct[r] / c->cpu[r] : 0;
             pct8[r] = b->peak[r] > 0 ? 100.0 * all / b->peak[r] / c->t[r] : 0;
             split[r] = 1e3 * c->split[r];
             rest[r] = c->split[r] - c->attn[r] - c->moe[r] - c->head[r];
         }
         range(ms, b->reps, &lo, &hi);
         printf("  prefill %d tokens: %9.1f ms (%.1f .. %.1f) = %.1f tok/s  cpu %.2f  %.1f "
-               "GFLOP  floor %.1f ms  %5.1f %% of peak  (%5.1f %% of the expert peak alone)\n",
-               c->N, median(ms, b->reps), lo, hi, c->N / (median(ms, b->reps) / 1e3),
-               median(c->cpu, b->reps), all / 1e9, median(fl, b->reps), median(pct, b->reps),
-               median(pct8, b->reps));
+               "GFLOP  floor %.1f ms  %5.1f %% of peak  (%5.1f %% of the expert peak alone; "
+               "%5.1f %% of peak per cpu-s)\n", c->N, median(ms, b->reps), lo, hi,
+               c->N / (median(ms, b->reps) / 1e3), median(c->cpu, b->reps), all / 1e9,
+               median(fl, b->reps), median(pct, b->reps), median(pct8, b->reps),
+               median(pcpu, b->reps));
+        if (c->N > b->split_max) {
+            printf("    layer by layer: not run (--prefill-split-max %d)\n", b->split_max);
+            continue;
+        }
         printf("    layer by layer: %.1f ms (the pieces timed by a second call each)\n",
                median(split, b->reps));
         report_piece(b, "attention (the kernel; FMA on widened BF16 KV)", c->attn,
@@ -2263,6 +2275,7 @@ int main(int argc, char **argv)
     b->reps = 5;
     b->dv = 32768;
     b->chunk = KVPLAN_DEFAULT_MAX_BATCHED_TOKENS;   /* the engine's default chunk */
+    b->split_max = 131072;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int ok = 1;
@@ -2305,6 +2318,8 @@ int main(int argc, char **argv)
             ok = (b->n_pf = parse_list(v, b->pf, MAX_LIST)) > 0;
         else if (strcmp(a, "--prefill-chunk") == 0)
             ok = (b->chunk = atoi(v)) >= 1 && b->chunk <= 8192;
+        else if (strcmp(a, "--prefill-split-max") == 0)
+            ok = (b->split_max = atoi(v)) >= 0;
         else
             ok = 0;
         batches_set |= strcmp(a, "--batches") == 0;
@@ -2321,7 +2336,7 @@ int main(int argc, char **argv)
                             "[--batches 1,4,16,64 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
                             "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] [--formats "
                             "mxfp4,fp8,nvfp4,bf16] [--prefill N,... (<= 131072) [--prefill-chunk "
-                            "N (1..8192)]] | --attn-only | --measure-routing MODEL_DIR FILE...\n",
+                            "N (1..8192)] [--prefill-split-max N]] | --attn-only | --measure-routing MODEL_DIR FILE...\n",
                     MAX_B, MAX_REPS);
             return 2;
         }

@@ -8,6 +8,8 @@
  *                [--kv-fp32]
  *   bench-shapes --formats mxfp4,fp8,nvfp4,bf16 (--mkmodel PATH | --model DIR) [--threads 1,2]
  *                [--batches 1,16] [--reps N] [--keep]
+ *   bench-shapes --prefill 1024,8192 (--mkmodel PATH | --model DIR) [--prefill-chunk N]
+ *                [--prefill-split-max N] [--threads 1,2] [--reps N] [--keep]
  *   bench-shapes --measure-routing MODEL_DIR FILE...
  *   STEPD_BENCH_MB: the bandwidth probe's arena (default 1024 MiB, >> the last-level cache)
  *
@@ -72,6 +74,30 @@
  * realistic and uniform routing; bytes: the distinct experts in that format).  The table
  * gives per format the median time, bytes, % of that probe and, per round, that % over the
  * first format's (list mxfp4 first to compare with it).
+ * --prefill N,... runs one sequence's prompt of N tokens through the trunk as the server
+ * runs it (the model made with --mtp 0; the split rule of stepd-worker's model): chunks of
+ * --prefill-chunk tokens (default the engine's, KVPLAN_DEFAULT_MAX_BATCHED_TOKENS = 256),
+ * each a model_step of one sequence (STEP_SEQ_NEW first, the head on the prompt's last row
+ * only), the real layers with the model's own router.  Per thread count and round: the
+ * probe, the expert GEMM peak (gemm_peak), the BF16 GEMM peak (bf16_peak: backend_matmul on
+ * the first layer's k projection at a chunk's tokens - the kernel of the projections, dense
+ * MLPs, shared experts and lm_head at this host's level: AMX tiles, or FMA on widened BF16),
+ * then each N: the prefill through model_step (ms, tok/s, cpu = process CPU time over wall
+ * x threads; "per cpu-s": % of peak over it), then the same chunks layer by layer (the
+ * halves model_step runs, whole, never as per-core parts; prompts of at most
+ * --prefill-split-max tokens, default all) with the attention kernel and the routed experts
+ * each run again on the same inputs and timed apart: the split attention / routed experts /
+ * dense (the rest: projections, dense MLPs, shared experts, router, norms, rope; the pass's
+ * time less the others, so noise can take it below 0 on a small model) / lm_head.  FLOPs
+ * (prefill_flops): 2 per weight and row for the dense and attention projections, router,
+ * dense MLPs and shared experts; the routed experts' 2 per weight once per token routed to
+ * them (N x top_k rows); attention 4 per key, head and dim with query p reading
+ * min(p + 1, window) keys (causal: half the square at full attention); the lm_head 1 row.
+ * Floor = the routed experts' FLOPs / the expert peak + the rest / the BF16 peak (attention's
+ * FP32 FMAs on widened BF16 keys held to the BF16 GEMM's rate); "% of peak" = floor / time,
+ * median over the rounds, and beside it all FLOPs / the expert peak alone (the host's
+ * highest); each piece the same against its own peak.  The 1-minute load average is read
+ * at each round's start.  Test `bench-shapes-prefill` (the tiny model, short prompts).
  * --measure-routing runs a model's own router (the tiny model's) over real text and prints
  * the distinct experts per MoE layer at batch 1/4/16/64 (routing_ratio holds its figures),
  * then checks routing_layer_inputs through that model's MoE layers.
@@ -97,6 +123,7 @@
 #include "bw-probe.h"
 #include "cpu-features.h"
 #include "file.h"
+#include "kvplan.h"
 #include "loader.h"
 #include "model-int.h"
 #include "tok/tokenizer.h"
@@ -111,6 +138,19 @@ extern char **environ;
 #define CTX_LAYERS 1024             /* context of the layer rows and the real step */
 #define REAL_LAYERS 45
 #define MAX_FMT 4
+
+/* --prefill: one prompt of N tokens, per round */
+struct pf_cell {
+    int N;
+    double t[MAX_REPS];             /* model_step over the chunks, s */
+    double cpu[MAX_REPS];           /* its process CPU time / (wall x threads) */
+    double split[MAX_REPS];         /* the layer-by-layer pass without its re-runs, s */
+    double attn[MAX_REPS], moe[MAX_REPS], head[MAX_REPS];  /* its pieces, s */
+    double floor[MAX_REPS];         /* s: each kernel's FLOPs over its peak */
+    double flops[4];                /* enum pf_kind */
+};
+
+enum pf_kind { PF_DENSE, PF_EXPERTS, PF_ATTN, PF_HEAD };
 
 struct cell {
     char name[96];
@@ -168,7 +208,17 @@ struct bench {
     double uni_distinct[MAX_B + 1][MAX_REPS];  /* the same on uniform routing */
     double peak[MAX_REPS];          /* GEMM peak of the round, FLOP/s (gemm_peak) */
     int peak_rows;                  /* rows of its weight */
+    const char *peak_fmt;           /* its format and kernel */
     double flops_next;              /* FLOPs of the piece recorded next (0: bytes only) */
+    /* --prefill */
+    int pf[MAX_LIST], n_pf;         /* prompt lengths */
+    int chunk;                      /* --prefill-chunk: tokens per step */
+    int split_max;                  /* --prefill-split-max: longest prompt split in pieces */
+    double bpeak[MAX_REPS];         /* BF16 GEMM peak of the round, FLOP/s (bf16_peak) */
+    int bpeak_rows;
+    double load[MAX_REPS];          /* 1-minute load average at the round's start */
+    struct pf_cell pfc[MAX_LIST];
+    int32_t *pf_ids;                /* [chunk] */
 };
 
 static double now(void)
@@ -1108,6 +1158,8 @@ static double gemm_peak(struct bench *b)
     if (!w || w->rows > m->hidden || w->cols != m->hidden)
         return 0;
     b->peak_rows = (int)w->rows;
+    b->peak_fmt = w->fmt == WFMT_MXFP4 ? (cpu_mxfp4_use_fast(cpu_ctx(m->be), w) ? "MXFP4, int8 "
+                  "activations" : "MXFP4, exact") : w->fmt == WFMT_BF16 ? "BF16" : "other format";
     fill_rows(b, m->a, (size_t)MAX_B * m->hidden);
     for (int i = 0; i < 6; i++) {
         double t0 = now(), t;
@@ -1185,7 +1237,8 @@ static void model_build(struct bench *b, struct ckpt *ck)
     if (r < 0)
         die("cpu backend", r, NULL);
     struct model_opts mo = {
-        .max_tokens_per_step = MAX_B, .max_seqs = MAX_B, .max_logit_rows = MAX_B,
+        .max_tokens_per_step = b->chunk > MAX_B ? b->chunk : MAX_B, .max_seqs = MAX_B,
+        .max_logit_rows = MAX_B,
         .block_size = BS, .n_blocks = { b->nbf, b->nbs }, .max_seq_len = max_ctx + BS,
         .draft_quant = MODEL_DRAFT_MXFP4,   /* the CPU default ("auto") */
         .split_any_size = true,             /* parts beside whole steps (below) */
@@ -1276,6 +1329,364 @@ static void experts_fault(const struct mlayer *L)
         }
     sink = s;
     (void)sink;
+}
+
+/* -------------------------------------------------------------- prefill -- */
+
+/* The 1-minute load average (/proc/loadavg), or -1. */
+static double load_avg(void)
+{
+    FILE *f = fopen("/proc/loadavg", "r");
+    double v = -1;
+
+    if (f) {
+        if (fscanf(f, "%lf", &v) != 1)
+            v = -1;
+        fclose(f);
+    }
+    return v;
+}
+
+/* The weight bf16_peak times: the first trunk layer's k projection (BF16 at Step-3.7-Flash's
+ * shapes: 1024 x 4096), or NULL where it is not BF16 or has more rows than m->tmp holds. */
+static const struct bweight *bf16_peak_weight(const struct model *m)
+{
+    const struct bweight *w = m->n_layers > 0 ? &m->layers[0].wk : NULL;
+
+    return w && w->fmt == WFMT_BF16 && w->rows <= m->hidden && w->cols == m->hidden ? w : NULL;
+}
+
+/* The BF16 compute peak of the round: backend_matmul (the kernel the prefill's projections,
+ * dense MLPs, shared experts and lm_head run: AMX tiles or FMA on widened BF16, whatever
+ * this host's level picks) on the first 128 rows of bf16_peak_weight (1 MB: in the L2) at
+ * a chunk's tokens; the best of 10 calls after a first, FLOP/s.  Calls of ~2 ms, so that
+ * on a loaded host some run without being preempted.  0 without such a weight. */
+static double bf16_peak(struct bench *b)
+{
+    struct model *m = b->m;
+    const struct bweight *w = bf16_peak_weight(m);
+    struct bweight v;
+    double best = 0;
+
+    if (!w || model__row_view(w, 0, w->rows < 128 ? w->rows : 128, &v) < 0)
+        return 0;
+    b->bpeak_rows = (int)v.rows;
+    fill_rows(b, m->a, (size_t)b->chunk * m->hidden);
+    for (int i = 0; i < 11; i++) {
+        double t0 = now(), t;
+        int r = backend_matmul(m->be, &v, m->a, b->chunk, m->tmp);
+
+        t = now() - t0;
+        if (r < 0)
+            die("BF16 GEMM peak", r, NULL);
+        if (i > 0 && (best == 0 || t < best))
+            best = t;
+    }
+    return wflops(&v, b->chunk) / best;
+}
+
+/* FLOPs of a prompt of N tokens through the trunk and the head of its last row, by kind:
+ * the dense and attention projections, the router and the dense MLPs / shared experts
+ * (2 per weight and row), the routed experts (2 per weight and row, each row once per
+ * token routed to it: N x top_k), attention (4 per key, head and dim; causal: query p
+ * reads min(p + 1, window) keys, half the square at full attention), the lm_head (1 row). */
+static void prefill_flops(const struct model *m, int N, double f[4])
+{
+    f[PF_DENSE] = f[PF_EXPERTS] = f[PF_ATTN] = 0;
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct mlayer *L = &m->layers[l];
+        double keys = 0;
+
+        f[PF_DENSE] += wflops(&L->wq, N) + wflops(&L->wk, N) + wflops(&L->wv, N) +
+                       wflops(&L->wg, N) + wflops(&L->wo, N) + wflops(&L->router, N);
+        if (L->has_ffn_dense)
+            f[PF_DENSE] += wflops(&L->gate, N) + wflops(&L->up, N) + wflops(&L->down, N);
+        if (L->is_moe && L->n_local > 0) {
+            const struct moe_expert *x = &L->experts[0];
+            int n = N * m->cfg->top_k;
+
+            f[PF_EXPERTS] += wflops(&x->gate, n) + wflops(&x->up, n) + wflops(&x->down, n);
+        }
+        for (int p = 0; p < N; p++)
+            keys += L->window > 0 && L->window < p + 1 ? L->window : p + 1;
+        f[PF_ATTN] += 4.0 * keys * L->n_heads * L->head_dim;
+    }
+    f[PF_HEAD] = wflops(&m->lm_head, 1);
+}
+
+/* The compute floor of cell c in round rep: the routed experts' FLOPs over the expert
+ * kernel's peak (gemm_peak), the rest over the BF16 peak (bf16_peak; attention's FP32 FMAs
+ * on widened BF16 keys are held to it too); 0 where a peak is missing. */
+static double prefill_floor(const struct bench *b, const struct pf_cell *c, int rep)
+{
+    if (b->peak[rep] <= 0 || b->bpeak[rep] <= 0)
+        return 0;
+    return c->flops[PF_EXPERTS] / b->peak[rep] +
+           (c->flops[PF_DENSE] + c->flops[PF_ATTN] + c->flops[PF_HEAD]) / b->bpeak[rep];
+}
+
+/* The plan of one prefill chunk: sequence 0 (slot 0), tokens c0 .. c0 + n - 1 of an
+ * N-token prompt as the engine schedules it (STEP_SEQ_NEW on the first chunk, the head on
+ * the prompt's last row only); FULL blocks 0 .. nb - 1, SLIDING blocks a ring over the
+ * window and the chunk (-1 below the window of the chunk's first query). */
+static void prefill_plan(struct bench *b, int N, int c0, int n, struct step_plan *p)
+{
+    struct model *m = b->m;
+    const int nb = (c0 + n + BS - 1) / BS, W = m->cfg->sliding_window;
+    const int ring = (W + b->chunk) / BS + 2, first = W > 0 && c0 > W ? (c0 - W) / BS : 0;
+    static uint64_t step_id;
+
+    for (int j = 0; j < nb; j++) {
+        b->tables[KV_GROUP_FULL][j] = j;
+        b->tables[KV_GROUP_SLIDING][j] = j < first ? -1 : j % ring;
+    }
+    for (int t = 0; t < n; t++)
+        b->pf_ids[t] = (int32_t)(rnd(b) % (uint64_t)m->vocab);
+    b->pseqs[0] = (struct step_seq){
+        .slot = 0, .pos0 = c0, .n_tokens = n, .n_logits = c0 + n == N, .tok_off = 0,
+        .n_blocks = nb, .block_off = { 0, 0 }, .flags = c0 == 0 ? STEP_SEQ_NEW : 0,
+    };
+    *p = (struct step_plan){ .step_id = ++step_id, .n_seqs = 1, .n_tokens = n,
+                             .seqs = b->pseqs, .tokens = b->pf_ids };
+    for (int g = 0; g < _KV_GROUP_MAX; g++) {
+        p->n_block_ids[g] = nb;
+        p->blocks[g] = b->tables[g];
+    }
+}
+
+/* One chunk layer by layer as model_step runs it on the CPU (the embedding, each layer's
+ * attention half and FFN half, the head), with the attention kernel and the routed experts
+ * run a second time on the same inputs, timed apart: adds the pass's time without those
+ * re-runs to *tot and the pieces' times to attn, moe and head. */
+static void prefill_split_chunk(struct bench *b, const struct step_plan *p, double *tot,
+                                double *attn, double *moe, double *head)
+{
+    struct model *m = b->m;
+    const struct model_config *cfg = m->cfg;
+    struct batch bt;
+    double t0, t1, rerun = 0;
+    int n_rows, r;
+
+    r = model__check_plan(m, p);
+    if (r < 0)
+        die("prefill plan", r, m);
+    n_rows = model__trunk_batch(m, p, &bt);
+    t0 = now();
+    r = model__step_inputs(m, &bt, p, false);
+    r = r ? r : model__embed(m, &bt, m->hid);
+    for (int l = 0; l < m->n_layers && r >= 0; l++) {
+        struct mlayer *L = &m->layers[l];
+        struct attn_args aa = {
+            .q = m->q, .out = m->att, .n_tok = bt.n_tok, .n_heads = L->n_heads,
+            .n_kv_heads = L->n_kv_heads, .head_dim = L->head_dim,
+            .scale = 1.0f / sqrtf((float)L->head_dim), .window = L->window, .kv = &L->kv,
+            .n_seqs = bt.n_seqs, .seq_tok_start = bt.seq_start, .seq_pos0 = bt.seq_pos0,
+            .block_tables = bt.tables[L->group], .block_table_off = bt.boff[L->group],
+        };
+        struct moe_args ma = {
+            .x = m->a, .out = m->tmp, .n_tok = bt.n_tok, .hidden = m->hidden,
+            .inter = cfg->moe_intermediate_size, .top_k = cfg->top_k, .ids = m->rids,
+            .weights = m->rweights, .experts = L->experts, .expert_first = L->expert_first,
+            .n_local = L->n_local, .limit = L->limit_routed,
+        };
+
+        r = model__attention_half(m, L, m->hid, &bt, false);
+        t1 = now();
+        r = r ? r : backend_attention(m->be, &aa);     /* the layer's queries, in m->q */
+        r = r ? r : backend_sync(m->be);
+        t1 = now() - t1;
+        *attn += t1;
+        rerun += t1;
+        r = r ? r : model__ffn_half(m, L, m->hid, &bt, false);
+        if (r >= 0 && L->is_moe && L->n_local > 0) {
+            t1 = now();
+            r = backend_moe(m->be, &ma);                /* its normed rows and routing */
+            r = r ? r : backend_sync(m->be);
+            t1 = now() - t1;
+            *moe += t1;
+            rerun += t1;
+        }
+    }
+    if (r < 0)
+        die("prefill layers", r, m);
+    t1 = now();
+    if (n_rows > 0)
+        r = model__trunk_logits(m, m->h_rows, n_rows, b->logits);
+    r = r ? r : backend_sync(m->be);
+    if (r < 0)
+        die("prefill head", r, m);
+    *head += now() - t1;
+    *tot += now() - t0 - rerun;
+}
+
+/* A prompt of c->N tokens in chunks of b->chunk: through model_step (the server's path;
+ * time and CPU share), then layer by layer (prefill_split_chunk), each from position 0. */
+static void prefill_run(struct bench *b, struct pf_cell *c)
+{
+    struct step_plan p;
+    double t0, c0;
+    int rep = b->rep;
+
+    c0 = cpu_now();
+    t0 = now();
+    for (int pos = 0; pos < c->N; pos += b->chunk) {
+        int n = c->N - pos < b->chunk ? c->N - pos : b->chunk;
+        int r;
+
+        prefill_plan(b, c->N, pos, n, &p);
+        r = model_step(b->m, &p, b->logits);
+        if (r < 0)
+            die("model_step (prefill)", r, b->m);
+    }
+    c->t[rep] = now() - t0;
+    c->cpu[rep] = (cpu_now() - c0) / (c->t[rep] * b->T);
+    c->split[rep] = c->attn[rep] = c->moe[rep] = c->head[rep] = 0;
+    for (int pos = 0; c->N <= b->split_max && pos < c->N; pos += b->chunk) {
+        int n = c->N - pos < b->chunk ? c->N - pos : b->chunk;
+
+        prefill_plan(b, c->N, pos, n, &p);
+        prefill_split_chunk(b, &p, &c->split[rep], &c->attn[rep], &c->moe[rep], &c->head[rep]);
+    }
+    c->floor[rep] = prefill_floor(b, c, rep);
+}
+
+/* min .. max of v[0 .. n) */
+static void range(const double *v, int n, double *lo, double *hi)
+{
+    *lo = *hi = n > 0 ? v[0] : 0;
+    for (int i = 1; i < n; i++) {
+        *lo = v[i] < *lo ? v[i] : *lo;
+        *hi = v[i] > *hi ? v[i] : *hi;
+    }
+}
+
+/* One piece of the layer-by-layer pass: ms and % of its floor (FLOPs over its peak). */
+static void report_piece(const struct bench *b, const char *name, const double *t, double flops,
+                         const double *peak)
+{
+    double ms[MAX_REPS], pct[MAX_REPS];
+
+    for (int r = 0; r < b->reps; r++) {
+        ms[r] = 1e3 * t[r];
+        pct[r] = peak[r] > 0 && t[r] > 0 ? 100.0 * flops / peak[r] / t[r] : 0;
+    }
+    printf("    %-62s %9.1f ms  %9.3f GFLOP  %5.1f %% of peak\n", name, median(ms, b->reps),
+           flops / 1e9, median(pct, b->reps));
+}
+
+static void report_prefill(const struct bench *b)
+{
+    const struct model *m = b->m;
+    const struct bweight *bw = bf16_peak_weight(m);
+    double lo, hi;
+
+    range(b->load, b->reps, &lo, &hi);
+    printf("\nthreads %d: prefill in chunks of %d tokens, head on the last row; load average "
+           "%.2f (%.2f .. %.2f) over %d rounds\n", b->T, b->chunk, median(b->load, b->reps), lo,
+           hi, b->reps);
+    range(b->peak, b->reps, &lo, &hi);
+    printf("  peak, routed experts: %.1f GFLOP/s (%.1f .. %.1f; gemm_peak: backend_matmul on "
+           "an expert's gate, %d x %d %s at %d tokens, isa %s)\n", median(b->peak, b->reps) / 1e9,
+           lo / 1e9, hi / 1e9, b->peak_rows, m->hidden, b->peak_fmt, MAX_B,
+           cpu_isa_name(cpu_isa()));
+    range(b->bpeak, b->reps, &lo, &hi);
+    printf("  peak, BF16 GEMMs and attention: %.1f GFLOP/s (%.1f .. %.1f; bf16_peak: "
+           "backend_matmul on %s, k projection's first %d rows x %d at %d tokens)\n",
+           median(b->bpeak, b->reps) / 1e9, lo / 1e9, hi / 1e9,
+           bw && cpu_bf16_use_amx(bw) ? "AMX-BF16 tiles" :
+           cpu_isa_has(CPU_ISA_AVX512) ? "AVX-512 FMA over widened BF16" :
+           cpu_isa_has(CPU_ISA_AVX2) ? "AVX2 FMA over widened BF16" : "scalar code",
+           b->bpeak_rows, m->hidden, b->chunk);
+    for (int i = 0; i < b->n_pf; i++) {
+        const struct pf_cell *c = &b->pfc[i];
+        double ms[MAX_REPS], pct[MAX_REPS], pct8[MAX_REPS], rest[MAX_REPS], split[MAX_REPS];
+        double pcpu[MAX_REPS];
+        double all = c->flops[PF_DENSE] + c->flops[PF_EXPERTS] + c->flops[PF_ATTN] +
+                     c->flops[PF_HEAD];
+        double fl[MAX_REPS];
+
+        for (int r = 0; r < b->reps; r++) {
+            ms[r] = 1e3 * c->t[r];
+            fl[r] = 1e3 * c->floor[r];
+            pct[r] = 100.0 * c->floor[r] / c->t[r];
+            pcpu[r] = c->cpu[r] > 0 ? pct[r] / c->cpu[r] : 0;
+            pct8[r] = b->peak[r] > 0 ? 100.0 * all / b->peak[r] / c->t[r] : 0;
+            split[r] = 1e3 * c->split[r];
+            rest[r] = c->split[r] - c->attn[r] - c->moe[r] - c->head[r];
+        }
+        range(ms, b->reps, &lo, &hi);
+        printf("  prefill %d tokens: %9.1f ms (%.1f .. %.1f) = %.1f tok/s  cpu %.2f  %.1f "
+               "GFLOP  floor %.1f ms  %5.1f %% of peak  (%5.1f %% of the expert peak alone; "
+               "%5.1f %% of peak per cpu-s)\n", c->N, median(ms, b->reps), lo, hi,
+               c->N / (median(ms, b->reps) / 1e3), median(c->cpu, b->reps), all / 1e9,
+               median(fl, b->reps), median(pct, b->reps), median(pct8, b->reps),
+               median(pcpu, b->reps));
+        if (c->N > b->split_max) {
+            printf("    layer by layer: not run (--prefill-split-max %d)\n", b->split_max);
+            continue;
+        }
+        printf("    layer by layer: %.1f ms (the pieces timed by a second call each)\n",
+               median(split, b->reps));
+        report_piece(b, "attention (the kernel; FMA on widened BF16 KV)", c->attn,
+                     c->flops[PF_ATTN], b->bpeak);
+        report_piece(b, "routed experts (backend_moe)", c->moe, c->flops[PF_EXPERTS], b->peak);
+        report_piece(b, "dense (projections, dense MLPs, shared experts, router, norms)", rest,
+                     c->flops[PF_DENSE], b->bpeak);
+        report_piece(b, "lm_head (the last row)", c->head, c->flops[PF_HEAD], b->bpeak);
+    }
+}
+
+/* --prefill: per round the probe, both peaks, then each prompt length (prefill_run), on
+ * the model as the worker builds it (the split rule of model__split_fit). */
+static void bench_prefill(struct bench *b, struct ckpt *ck)
+{
+    struct step_plan p;
+
+    threads_begin(b, ckpt_config(ck));
+    model_build(b, ck);
+    b->pf_ids = malloc(sizeof(*b->pf_ids) * (size_t)b->chunk);
+    if (!b->pf_ids)
+        die("prefill ids", -ENOMEM, NULL);
+    {
+        /* split steps as stepd-worker decides them (the bench builds with split_any_size) */
+        bool any = b->m->o.split_any_size;
+
+        b->m->o.split_any_size = false;
+        model__split_fit(b->m);
+        b->m->o.split_any_size = any;
+    }
+    if ((b->m->cfg->sliding_window + b->chunk) / BS + 2 > b->nbs) {
+        fprintf(stderr, "bench-shapes: --prefill-chunk %d: the sliding pool holds too few "
+                "blocks\n", b->chunk);
+        exit(1);
+    }
+    for (int i = 0; i < b->n_pf; i++) {
+        memset(&b->pfc[i], 0, sizeof(b->pfc[i]));
+        b->pfc[i].N = b->pf[i];
+        prefill_flops(b->m, b->pf[i], b->pfc[i].flops);
+    }
+    /* untimed: every routed expert's pages, then one chunk (the mapped weights, buffers) */
+    for (int l = 0; l < b->m->n_layers; l++)
+        if (b->m->layers[l].is_moe)
+            experts_fault(&b->m->layers[l]);
+    prefill_plan(b, b->chunk, 0, b->chunk, &p);
+    if (model_step(b->m, &p, b->logits) < 0)
+        die("model_step (prefill)", -EIO, b->m);
+    printf("threads %d: split steps %s for the prefill\n", b->T,
+           b->m->split_parts > 1 ? "on" : "off");
+    for (b->rep = 0; b->rep < b->reps; b->rep++) {
+        b->load[b->rep] = load_avg();
+        b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
+        b->peak[b->rep] = gemm_peak(b);
+        b->bpeak[b->rep] = bf16_peak(b);
+        for (int i = 0; i < b->n_pf; i++)
+            prefill_run(b, &b->pfc[i]);
+    }
+    report_prefill(b);
+    free(b->pf_ids);
+    b->pf_ids = NULL;
+    model_end(b);
+    threads_end(b);
 }
 
 /* --formats: per thread count, the models of every format (one MoE layer each) built side by
@@ -1863,6 +2274,8 @@ int main(int argc, char **argv)
     b->ctxs[0] = 1024, b->ctxs[1] = 8192, b->ctxs[2] = 32768, b->n_ctxs = 3;
     b->reps = 5;
     b->dv = 32768;
+    b->chunk = KVPLAN_DEFAULT_MAX_BATCHED_TOKENS;   /* the engine's default chunk */
+    b->split_max = 131072;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int ok = 1;
@@ -1901,6 +2314,12 @@ int main(int argc, char **argv)
             ok = (b->dv = atoi(v)) >= 0 && b->dv % 64 == 0;
         else if (strcmp(a, "--formats") == 0)
             ok = parse_formats(b, v) == 0;
+        else if (strcmp(a, "--prefill") == 0)
+            ok = (b->n_pf = parse_list(v, b->pf, MAX_LIST)) > 0;
+        else if (strcmp(a, "--prefill-chunk") == 0)
+            ok = (b->chunk = atoi(v)) >= 1 && b->chunk <= 8192;
+        else if (strcmp(a, "--prefill-split-max") == 0)
+            ok = (b->split_max = atoi(v)) >= 0;
         else
             ok = 0;
         batches_set |= strcmp(a, "--batches") == 0;
@@ -1910,12 +2329,15 @@ int main(int argc, char **argv)
             ok = b->ctxs[k] >= 1024 && b->ctxs[k] <= 262144;
         for (int k = 0; ok && k < b->n_threads; k++)
             ok = b->threads[k] <= 127;
+        for (int k = 0; ok && k < b->n_pf; k++)
+            ok = b->pf[k] <= 131072;
         if (!ok) {
             fprintf(stderr, "usage: bench-shapes --mkmodel PATH | --model DIR [--threads 1,2] "
                             "[--batches 1,4,16,64 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
                             "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] [--formats "
-                            "mxfp4,fp8,nvfp4,bf16] | --attn-only | --measure-routing MODEL_DIR "
-                            "FILE...\n", MAX_B, MAX_REPS);
+                            "mxfp4,fp8,nvfp4,bf16] [--prefill N,... (<= 131072) [--prefill-chunk "
+                            "N (1..8192)] [--prefill-split-max N]] | --attn-only | --measure-routing MODEL_DIR FILE...\n",
+                    MAX_B, MAX_REPS);
             return 2;
         }
         i++;
@@ -1924,9 +2346,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench-shapes: --mkmodel PATH, --model DIR or --attn-only is required\n");
         return 2;
     }
-    if (b->n_formats > 0 && b->attn_only) {
-        fprintf(stderr, "bench-shapes: --formats and --attn-only exclude each other\n");
+    if ((b->n_formats > 0) + b->attn_only + (b->n_pf > 0) > 1) {
+        fprintf(stderr, "bench-shapes: --formats, --attn-only and --prefill exclude each other\n");
         return 2;
+    }
+    if (b->n_pf > 0) {
+        /* one sequence at each prompt length: the KV pools and tables sized for it */
+        b->batches[0] = 1;
+        b->n_batches = 1;
+        memcpy(b->ctxs, b->pf, sizeof(b->ctxs));
+        b->n_ctxs = b->n_pf;
+        b->dv = 0;
     }
     if (b->n_formats > 0 && !batches_set) {
         b->batches[0] = 1, b->batches[1] = 16;
@@ -1950,7 +2380,8 @@ int main(int argc, char **argv)
             return 1;
         }
         snprintf(out, sizeof(out), "%s/model", tmp);
-        char *av[] = { (char *)b->mkmodel, "--layers", "4", "--mtp", "1", "--out", out, NULL };
+        char *av[] = { (char *)b->mkmodel, "--layers", "4", "--mtp", b->n_pf ? "0" : "1", "--out",
+                       out, NULL };
         r = run_model(b->mkmodel, av);
         if (r < 0) {
             fprintf(stderr, "bench-shapes: %s failed\n", b->mkmodel);
@@ -1973,7 +2404,7 @@ int main(int argc, char **argv)
     /* one MTP depth where the checkpoint has MTP layers (a trunk-only one: none) */
     r = ckpt_open(b->model_dir, &co, &ck, &e);
     if (r >= 0) {
-        co.mtp_depth = ckpt_config(ck)->n_mtp_layers > 0;
+        co.mtp_depth = ckpt_config(ck)->n_mtp_layers > 0 && b->n_pf == 0;
         co.headers_only = false;
         ckpt_close(ck);
         r = ckpt_open(b->model_dir, &co, &ck, &e);
@@ -1984,7 +2415,10 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < b->n_threads; i++) {
         b->T = b->threads[i];
-        bench_threads(b, ck);
+        if (b->n_pf > 0)
+            bench_prefill(b, ck);
+        else
+            bench_threads(b, ck);
     }
     ckpt_close(ck);
     if (*tmp && !b->keep) {

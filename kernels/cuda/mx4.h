@@ -115,21 +115,16 @@ HD int64_t mx4_scale_offset(int64_t cols, int64_t row, int64_t k)
 }
 
 /* Where element i (0..7) of a word keeps its code.  The word's register r = i / 2 holds
- * elements 2r (low half) and 2r + 1 (high half) as BF16; a code c = s e1 e0 m goes in as
- * (c & 7) << MX4_MAG_BIT(r) and s << MX4_SIGN_BIT(r) of its half.
- * PRMT decode: nibble i (bits 4i..4i+3).
+ * elements 2r (low half) and 2r + 1 (high half) as BF16.  PRMT decode: nibble i (bits
+ * 4i..4i+3).  Placed: a code c = s e1 e0 m goes in as (c & 7) << MX4_MAG_BIT(r) and
+ * s << MX4_SIGN_BIT(r) of its half.
  * Placed decode (MX4_PLACED): per half, register 0 at bits 6-8 and 15 (where BF16 wants
  * e1 e0 m and the sign: value times 2^-126, exact, code 1 a BF16 subnormal), register 1
  * at 0-2 and 9 (one shift left by 6 puts it there), register 2 at 3-5 and 13, register 3
  * at 10-12 and 14 (two shifts each: no four shifts of the pattern {6, 7, 8, 15} tile a
  * half, docs/GPU.md §3). */
-#ifdef MX4_PLACED
-#define MX4_MAG_BIT(r) (0x0A030006u >> (8 * (r)) & 0xFF)
+#define MX4_MAG_BIT(r) (0x0A030006u >> (8 * (r)) & 0xFF)      /* placed */
 #define MX4_SIGN_BIT(r) (0x0E0D090Fu >> (8 * (r)) & 0xFF)
-#else
-#define MX4_MAG_BIT(r) (8 * (r))
-#define MX4_SIGN_BIT(r) (8 * (r) + 3)
-#endif
 
 HD uint32_t mx4_place(unsigned code, int i)
 {

@@ -712,9 +712,15 @@ static int cuda_weight_prepare(struct backend *be, struct bweight *w)
         return -EINVAL;
     if (w->fmt == WFMT_MXFP4) {
         const size_t ns = (size_t) w->rows * (w->cols / 32);
-        for (size_t i = 0; i < ns; i++)
+        for (size_t i = 0; i < ns; i++) {
             if (w->scale[i] == 0xFF)
                 return -EINVAL;     // E8M0 NaN: corrupt file
+            if (!mx4_scale_placeable(w->scale[i])) {
+                fprintf(stderr, "stepd-cuda: MXFP4 scale byte %u (2^%d) above the decode's "
+                        "2^1 limit\n", w->scale[i], (int) w->scale[i] - 127);
+                return -ERANGE;
+            }
+        }
     }
     struct cuda_weight *cw = (struct cuda_weight *) calloc(1, sizeof(*cw));
     if (!cw)

@@ -18,10 +18,10 @@ static inline __device__ float weight_at(int fmt, const void *data, const uint8_
         return ((const float *) data)[o * cols + i];
     if (fmt == WFMT_BF16)
         return bf16_to_f32(((const uint16_t *) data)[o * cols + i]);
-    int high;
-    const int64_t off = mx4_nib_offset(cols, o, i, &high);
-    const int code = (((const uint8_t *) data)[off] >> (4 * high)) & 0xF;
-    const int e = scale[mx4_scale_offset(cols, o, i)];
+    int el;
+    const int64_t off = mx4_word_offset(cols, o, i, &el);
+    const int code = (int) mx4_code(*(const uint32_t *) ((const uint8_t *) data + off), el);
+    const int e = (int) mx4_scale_e8m0(scale[mx4_scale_offset(cols, o, i)]);
     return e == 0 ? 0.0f : ldexpf(k_e2m1[code], e - 127);
 }
 

@@ -156,7 +156,7 @@ mx4_gemm(const struct mx4_args a)
     // One n8 tile of tokens: the E8M0 scales multiply the FP32 sums of each 32-k group
     // (four FMAs a group) rather than the decoded BF16 weights (four HMUL2 a k-step);
     // with more tiles the FMAs would outnumber the HMUL2s.
-    constexpr bool FSCALE = NT == 1;
+    constexpr bool FSCALE = NT == 1 && !MX4_PLACED_ON;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *xs = (bf16 *) smem_raw;           // [2][CH][LDS]
     int32_t *rowsrc = (int32_t *) (xs + 2 * CH * LDS);  // [CH]: source row of each token

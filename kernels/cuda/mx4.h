@@ -16,11 +16,18 @@
  * lane l reads the 4 bytes [4q, 4q+4), q = l/4 (lanes of one q share them): E8M0 of
  * (row 16rt+q, group 2kt), (16rt+q, 2kt+1), (16rt+q+8, 2kt), (16rt+q+8, 2kt+1).
  *
- * Decode (mx4_word_bf16): codes to exact BF16 E2M1 values {0, ±0.5, .., ±6} with nine
- * byte permutes and a few logic ops (no table in memory); the E8M0 scale is then applied
- * by one BF16 multiply per register (exact: a power of two times a 2-bit mantissa),
- * except that scale byte 0 (2^-127, a BF16 subnormal) is taken as 0; or, with one token
- * tile, to the FP32 sum of each 32-k group (mx4_scale_f32, docs/GPU.md §3).
+ * Element i's code sits in word j where mx4_place puts it: placed (the default), its
+ * sign and magnitude bits where a shift or two and a mask or two per register put them
+ * into the fields of a BF16 (the value times 2^-126), the 2^126 folded into the stored
+ * scale byte (mx4_scale_store: s + 126, so E8M0 above 128 is refused at load); with
+ * -DMX4_PRMT_DECODE, in nibble i, the scale byte as in the checkpoint.
+ *
+ * Decode (mx4_word_bf16): placed, eleven shifts and logic ops a word; PRMT, codes to
+ * exact BF16 E2M1 values {0, ±0.5, .., ±6} with nine byte permutes and a few logic ops
+ * (no table in memory).  The stored scale is then applied by one BF16 multiply per
+ * register (exact: a power of two times a 2-bit mantissa), except that scale byte 0 is
+ * taken as 0; or, PRMT with one token tile, to the FP32 sum of each 32-k group
+ * (mx4_scale_f32, docs/GPU.md §3).
  */
 #pragma once
 
@@ -28,6 +35,17 @@
 #include <string.h>
 
 #include "hd.h"
+
+/* The placed decode and its layout (MX4_PLACED, the default) or, built with
+ * -DMX4_PRMT_DECODE, the byte-permute one (docs/GPU.md §3). */
+#ifndef MX4_PRMT_DECODE
+#define MX4_PLACED 1
+#endif
+#ifdef MX4_PLACED
+#define MX4_PLACED_ON 1
+#else
+#define MX4_PLACED_ON 0
+#endif
 
 #define MX4_TILE_ROWS 16
 #define MX4_TILE_K 64
@@ -73,9 +91,9 @@ HD int64_t mx4_elem_col(int64_t kt, int j, int l, int i)
     return 64 * kt + 16 * j + 2 * (l % 4) + (i & 1) + 8 * (i >> 2);
 }
 
-/* Where element (row, k) lives: byte offset into the nibble array and its nibble (0 low,
- * 1 high); and the offset of its scale byte. */
-HD int64_t mx4_nib_offset(int64_t cols, int64_t row, int64_t k, int *ret_high)
+/* Where element (row, k) lives: byte offset into the nibble array of its word and its
+ * element index in the word (mx4_code); and the offset of its scale byte. */
+HD int64_t mx4_word_offset(int64_t cols, int64_t row, int64_t k, int *ret_i)
 {
     int64_t kt_n = mx4_cols_padded(cols) / 64;
     int64_t t = (row / 16) * kt_n + k / 64;
@@ -83,8 +101,8 @@ HD int64_t mx4_nib_offset(int64_t cols, int64_t row, int64_t k, int *ret_high)
     int l = (rr % 8) * 4 + (kk % 8) / 2;
     int i = (kk & 1) + 2 * (rr >= 8) + 4 * (kk >= 8);
 
-    *ret_high = i & 1;
-    return t * MX4_TILE_NIB_BYTES + l * 16 + j * 4 + i / 2;
+    *ret_i = i;
+    return t * MX4_TILE_NIB_BYTES + l * 16 + j * 4;
 }
 
 HD int64_t mx4_scale_offset(int64_t cols, int64_t row, int64_t k)
@@ -96,6 +114,37 @@ HD int64_t mx4_scale_offset(int64_t cols, int64_t row, int64_t k)
     return t * MX4_TILE_SCALE_BYTES + (rr % 8) * 4 + (rr >= 8) * 2 + (int)((k % 64) / 32);
 }
 
+/* Where element i (0..7) of a word keeps its code.  The word's register r = i / 2 holds
+ * elements 2r (low half) and 2r + 1 (high half) as BF16.  PRMT decode: nibble i (bits
+ * 4i..4i+3).  Placed: a code c = s e1 e0 m goes in as (c & 7) << MX4_MAG_BIT(r) and
+ * s << MX4_SIGN_BIT(r) of its half.
+ * Placed decode (MX4_PLACED): per half, register 0 at bits 6-8 and 15 (where BF16 wants
+ * e1 e0 m and the sign: value times 2^-126, exact, code 1 a BF16 subnormal), register 1
+ * at 0-2 and 9 (one shift left by 6 puts it there), register 2 at 3-5 and 13, register 3
+ * at 10-12 and 14 (two shifts each: no four shifts of the pattern {6, 7, 8, 15} tile a
+ * half, docs/GPU.md §3). */
+#define MX4_MAG_BIT(r) (0x0A030006u >> (8 * (r)) & 0xFF)      /* placed */
+#define MX4_SIGN_BIT(r) (0x0E0D090Fu >> (8 * (r)) & 0xFF)
+
+HD uint32_t mx4_place(unsigned code, int i)
+{
+    int r = i / 2, h = 16 * (i & 1);
+
+    if (!MX4_PLACED_ON)
+        return (uint32_t)code << (4 * i);
+    return (uint32_t)(code & 7) << (MX4_MAG_BIT(r) + h) | (uint32_t)(code >> 3) << (MX4_SIGN_BIT(r) + h);
+}
+
+/* The code of element i of word w (the inverse of mx4_place). */
+HD unsigned mx4_code(uint32_t w, int i)
+{
+    int r = i / 2, h = 16 * (i & 1);
+
+    if (!MX4_PLACED_ON)
+        return (w >> (4 * i)) & 0xF;
+    return (w >> (MX4_MAG_BIT(r) + h) & 7) | (w >> (MX4_SIGN_BIT(r) + h) & 1) << 3;
+}
+
 /* Code of source element (row, k), 0 in the padding. */
 HD unsigned mx4_src_code(const uint8_t *packed, int64_t rows, int64_t cols, int64_t row, int64_t k)
 {
@@ -104,11 +153,32 @@ HD unsigned mx4_src_code(const uint8_t *packed, int64_t rows, int64_t cols, int6
     return (packed[row * (cols / 2) + k / 2] >> (4 * (k & 1))) & 0xF;
 }
 
+/* The scale byte as stored for E8M0 s: s (2^(s-127)); placed, s + 126 (2^(s-1): the
+ * decoded values are 2^126 too small), s = 0 staying 0 and s > 128 (not representable)
+ * refused at load (mx4_scale_placeable). */
+HD unsigned mx4_scale_store(unsigned s)
+{
+    return MX4_PLACED_ON && s != 0 ? s + 126 : s;
+}
+
+/* Whether E8M0 s can be stored (placed: 2^(s-1) must be a finite BF16, s <= 128; the
+ * backend refuses a matrix with a larger scale, -ERANGE). */
+HD int mx4_scale_placeable(unsigned s)
+{
+    return !MX4_PLACED_ON || s <= 128;
+}
+
+/* The E8M0 s of a stored scale byte (the inverse of mx4_scale_store). */
+HD unsigned mx4_scale_e8m0(unsigned b)
+{
+    return MX4_PLACED_ON && b != 0 ? b - 126 : b;
+}
+
 HD unsigned mx4_src_scale(const uint8_t *scale, int64_t rows, int64_t cols, int64_t row, int64_t g)
 {
     if (row >= rows || g >= cols / 32)
         return 0;
-    return scale[row * (cols / 32) + g];
+    return mx4_scale_store(scale[row * (cols / 32) + g]);
 }
 
 /* The 16 nibble bytes (as 4 words) and the 4 scale bytes lane l of tile t reads, gathered
@@ -125,8 +195,8 @@ HD void mx4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t row
         uint32_t v = 0;
 
         for (int i = 0; i < 8; i++)
-            v |= (uint32_t)mx4_src_code(packed, rows, cols, mx4_elem_row(rt, l, i),
-                                        mx4_elem_col(kt, j, l, i)) << (4 * i);
+            v |= mx4_place(mx4_src_code(packed, rows, cols, mx4_elem_row(rt, l, i),
+                                        mx4_elem_col(kt, j, l, i)), i);
         w[j] = v;
     }
     *ret_scale = mx4_src_scale(scale, rows, cols, 16 * rt + q, 2 * kt) |
@@ -172,6 +242,15 @@ HD struct mx4_tab mx4_tables(void)
  * low half, 2k+1 in the high half), exact E2M1 values, not yet scaled; tb: mx4_tables(). */
 HD void mx4_word_bf16_tab(uint32_t w, const struct mx4_tab *tb, uint32_t r[4])
 {
+#ifdef MX4_PLACED
+    /* BF16 of value times 2^-126 (the scale bytes carry the 2^126, mx4_scale_store) */
+    (void) tb;
+    r[0] = w & 0x81C081C0u;
+    r[1] = (w << 6) & 0x81C081C0u;
+    r[2] = ((w << 3) & 0x01C001C0u) | ((w << 2) & 0x80008000u);
+    r[3] = ((w >> 4) & 0x01C001C0u) | ((w << 1) & 0x80008000u);
+    return;
+#endif
     uint32_t m = w & 0x77777777u;
     uint32_t zl = hd_prmt(tb->z_lo, tb->z_hi, m);
     uint32_t zh = hd_prmt(tb->z_lo, tb->z_hi, m >> 16);

@@ -11,6 +11,7 @@
 #   and whether the chunk pays a call (the 64-bit division routine) or a dependent load.
 #   static-figures.sh [PLUGIN]   (default build/kernels/cuda/libstepd-cuda.so)
 # Needs cuobjdump and nvdisasm (the toolkit's, or CUOBJDUMP / NVDISASM_PATH).
+#   Then the registers of mx4_gemm<NT 1 and 2, D 4, WB 1, gate+up and down, bf16>.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 plugin=${1:-$root/build/kernels/cuda/libstepd-cuda.so}
@@ -69,4 +70,22 @@ n = sum(not x.startswith("NOP") for x in best)
 print("flash_kernel<128> K/V gather loop: %d instructions per 16-byte chunk, %d calls, %d "
       "other global loads" % (n, sum("CALL" in x for x in best),
                               sum(bool(re.search(r"\bLDG\.", x)) for x in best)))
+'
+"$cuobjdump" -res-usage -arch sm_90a "$plugin" | python3 -c '
+import re, sys
+regs, cur = {}, None
+for line in sys.stdin:
+    m = re.search(r"Function (\S+):", line)
+    if m:
+        cur = m.group(1); continue
+    m = re.search(r"REG:(\d+)", line)
+    if m and cur:
+        regs[cur] = int(m.group(1)); cur = None
+out = []
+for mode, name in ((0, "gate+up"), (1, "down")):
+    for nt in (1, 2):
+        f = "_Z8mx4_gemmILi%dELi4ELi1ELi%dE13__nv_bfloat16Ev8mx4_args" % (nt, mode)
+        if f in regs:
+            out.append("%s NT %d: %d" % (name, nt, regs[f]))
+print("mx4_gemm decode registers: " + ", ".join(out))
 '

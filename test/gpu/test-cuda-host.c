@@ -78,12 +78,14 @@ static void test_mx4_decode_words(void)
             for (int rep = 0; rep < 8; rep++) {
                 uint32_t w = rnd32(), r[4];
 
-                w = (w & ~(0xFu << (4 * pos))) | (c << (4 * pos));
+                w = (w & ~mx4_place(0xF, pos)) | mx4_place(c, pos);
+                ASSERT_EQ(mx4_code(w, pos), c);
                 mx4_word_bf16(w, r);
                 for (int i = 0; i < 8; i++) {
-                    unsigned code = (w >> (4 * i)) & 0xF;
+                    unsigned code = mx4_code(w, i);
                     uint16_t h = (uint16_t)(r[i / 2] >> (16 * (i & 1)));
-                    float want = mxfp4_e2m1_value(code);
+                    /* placed: the value times 2^-126 (code 1 a BF16 subnormal) */
+                    float want = ldexpf(mxfp4_e2m1_value(code), MX4_PLACED_ON ? -126 : 0);
 
                     if (bf16_val(h) != want || signbit(bf16_val(h)) != signbit(want))
                         FAIL("word %08x element %d: code %u decoded %g (bits %04x), want %g", w,
@@ -100,6 +102,14 @@ static void test_mx4_decode_words(void)
         ASSERT_TRUE(bf16_val((uint16_t)(v >> 16)) == ldexpf(1.0f, (int)s - 127));
     }
     ASSERT_EQ(mx4_scale_bf16x2(0, 0), 0);
+    /* the stored scale byte: placed, s + 126 (the decode's 2^-126 undone), 0 kept, s up to
+     * 128 only (2^(s-1) a finite BF16) */
+    for (unsigned s = 0; s <= 128; s++) {
+        ASSERT_TRUE(mx4_scale_placeable(s));
+        ASSERT_EQ(mx4_scale_e8m0(mx4_scale_store(s)), s);
+        ASSERT_EQ(mx4_scale_store(s), MX4_PLACED_ON && s ? s + 126 : s);
+    }
+    ASSERT_EQ(mx4_scale_placeable(129), !MX4_PLACED_ON);
     for (int rep = 0; rep < 1000; rep++) {
         uint32_t sw = rnd32(), sp[4];
 
@@ -163,7 +173,7 @@ static void test_mx4_layout(int64_t rows, int64_t cols)
     ASSERT_TRUE(nib && sc && ref && seen);
     ASSERT_EQ(mx4_nib_bytes(rows, cols), n_tiles * MX4_TILE_NIB_BYTES);
     ASSERT_EQ(mx4_scale_bytes(rows, cols), n_tiles * MX4_TILE_SCALE_BYTES);
-    mx_random(rows, cols, 100, 40, &packed, &scale);
+    mx_random(rows, cols, 100, 29, &packed, &scale);   /* 2^-27 .. 2^1: the placed limit */
     mx4_repack(packed, scale, rows, cols, nib, sc);
     /* the fragment mapping covers every (row, k) of the padded matrix once, and each
      * element decodes (as a lane decodes it) to the checkpoint's value */
@@ -174,13 +184,13 @@ static void test_mx4_layout(int64_t rows, int64_t cols)
                     int64_t rt = t / (kp / 64), kt = t % (kp / 64);
                     int64_t row = mx4_elem_row(rt, l, i), k = mx4_elem_col(kt, j, l, i);
                     float got = mx4_lane_value(nib, sc, cols, t, l, j, i), want = 0.0f;
-                    int high;
+                    int el;
 
                     ASSERT_TRUE(row < rp && k < kp);
                     ASSERT_EQ(seen[row * kp + k]++, 0);
-                    ASSERT_EQ(mx4_nib_offset(cols, row, k, &high),
-                              t * MX4_TILE_NIB_BYTES + l * 16 + j * 4 + i / 2);
-                    ASSERT_EQ(high, i & 1);
+                    ASSERT_EQ(mx4_word_offset(cols, row, k, &el),
+                              t * MX4_TILE_NIB_BYTES + l * 16 + j * 4);
+                    ASSERT_EQ(el, i);
                     ASSERT_EQ(mx4_scale_offset(cols, row, k),
                               t * MX4_TILE_SCALE_BYTES + (l / 4) * 4 + mx4_scale_which(j, i / 2));
                     if (row < rows && k < cols) {

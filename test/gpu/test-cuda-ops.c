@@ -406,6 +406,22 @@ static void test_attention(int heads, int kvh, int hd, int window, int kv_f32, i
     free(ckv.k); free(ckv.v); free(q); free(out); free(tables);
 }
 
+/* The placed MXFP4 decode stores E8M0 s as 2^(s-1) in BF16: s = 128 loads, s = 129 (any
+ * scale above 2) is refused with -ERANGE, not decoded to infinity. */
+static void test_mx4_scale_range(void)
+{
+    uint8_t data[16 * 64 / 2] = { 0 }, scale[16 * 2];
+    struct bweight w = { .fmt = WFMT_MXFP4, .rows = 16, .cols = 64, .data = data, .scale = scale };
+
+    memset(scale, 127, sizeof(scale));
+    scale[5] = 128;
+    ASSERT_OK(backend_weight_prepare(gpu, &w));
+    backend_weight_release(gpu, &w);
+    scale[5] = 129;
+    ASSERT_EQ(backend_weight_prepare(gpu, &w), -ERANGE);
+    printf("mxfp4 scale 2^1 loads, 2^2 refused (-ERANGE)\n");
+}
+
 /* Under the host emulator (test/cuemu/run.sh sets STEPD_TEST_EMULATED) every kernel runs
  * thread by thread: the same cases on smaller shapes, each feature kept (every mx4_gemm
  * shape and mode, multi-stage pipelines with 4 warps, 288 experts, context splits, sliding
@@ -418,6 +434,7 @@ static void run_all(bool emulated)
         test_matmul(WFMT_BF16, 300, 1024, 1, TOL(1e-5, TOL_BF16_GEMM(1024)));
     else
         test_matmul(WFMT_BF16, 1000, 4096, 1, TOL(1e-5, TOL_BF16_GEMM(4096)));
+    test_mx4_scale_range();
     test_matmul(WFMT_MXFP4, 77, 320, 1, TOL(1e-5, TOL_MX4_GEMM(320)));
     if (emulated)
         test_matmul(WFMT_MXFP4, 96, 320, 9, TOL(1e-5, TOL_MX4_GEMM(320)));

@@ -17,9 +17,10 @@
  * on random data).  Blocks whose E8M0 is 0 or 1 (scale <= 2^-126, |w| <= 6*2^-126)
  * contribute 0 on this path (no denormal scale products: they cost microcode assists).
  * Where the CPU has AVX512-VNNI+VL, vpdpbusd (256-bit) replaces vpmaddubsw+vpmaddwd.
- * The weight stream is software-prefetched cpu_mxfp4_pf_bytes ahead (+20 % from DRAM in
- * this VM; the hardware prefetcher alone stalled).  Multi-token calls decode each tile
- * once per 4 tokens.  The repacked tiles live on transparent huge pages (wmem.c).
+ * The weight stream is software-prefetched cpu_mxfp4_pf_bytes ahead into L1 (+20 % from
+ * DRAM in this VM; the hardware prefetcher alone stalled) and MXFP4_PF2 ahead into L2 (the
+ * routed experts' rows from ~62 % to ~95 % of the read bandwidth).  Multi-token calls
+ * decode each tile once per 4 tokens.  The repacked tiles live on transparent huge pages (wmem.c).
  * With AVX-512 BW + VNNI, groups of 4 tiles (16 rows) run a kernel that transposes the
  * packed weights in registers so that one vpdpbusd covers 16 rows with a broadcast
  * activation dword and needs no horizontal reduction (t16_*, below); its results are
@@ -381,6 +382,8 @@ void cpu_qact_quantize_scalar(struct cpu_qact *qa, int64_t i, const float *x, in
 #if defined(__x86_64__)
 /* prefetch distance of the fast kernel in bytes (0 = hardware prefetch only) */
 int cpu_mxfp4_pf_bytes = 1024;
+/* and further ahead into L2, in bytes of each tile's stream (32 pairs; docs/PERFORMANCE.md §4.2) */
+#define MXFP4_PF2 (32 * 128)
 
 /* Dot products of one row's 64 biased weights (wlo/whi) with 64 int8 activations:
  * int32 lanes, each the sum of 4 adjacent byte products of lo and of hi. */
@@ -419,6 +422,10 @@ tile_dot_##sfx(const struct cpu_mxfp4 *m, int64_t t, const struct cpu_qact *qa, 
             _mm_prefetch((const char *)(qs + p * 128) + pf + 64, _MM_HINT_T0);                     \
             if ((p & 7) == 0)                                                                      \
                 _mm_prefetch((const char *)(sc + p * 8) + pf / 16, _MM_HINT_T0);                   \
+            _mm_prefetch((const char *)(qs + p * 128) + MXFP4_PF2, _MM_HINT_T1);                   \
+            _mm_prefetch((const char *)(qs + p * 128) + MXFP4_PF2 + 64, _MM_HINT_T1);              \
+            if ((p & 7) == 0)                                                                      \
+                _mm_prefetch((const char *)(sc + p * 8) + MXFP4_PF2 / 16, _MM_HINT_T1);            \
         }                                                                                          \
         __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + p * 8)));          \
         /* (e-1)<<23 = 2^(e-128): the E8M0 scale with the LUT's doubling folded in */              \
@@ -597,20 +604,31 @@ t16_pair_load(const struct t16_k *k, const struct cpu_mxfp4 *m, int64_t g, int64
     const uint8_t *sc = m->sc + 4 * g * sstride + p * 8;
     const int pf = cpu_mxfp4_pf_bytes;
 
-    /* software prefetch as in tile_dot, in each of the 4 tiles' streams; a stream that
-     * runs past its tile continues in the same tile of the next group (the next tile in
-     * memory is another stream of this group, already being read) */
+    /* software prefetch as in tile_dot, in each of the 4 tiles' streams, pf ahead into L1 and
+     * MXFP4_PF2 into L2; a stream that runs past its tile continues in the same tile of the
+     * next group (the next tile in memory is another stream of this group, already being
+     * read), k tiles' lengths past it k groups on */
     if (pf) {
         const int64_t qo = p * 128 + pf >= qstride ? pf + 3 * qstride : pf;
         const int64_t so = p * 8 + pf / 16 >= sstride ? pf / 16 + 3 * sstride : pf / 16;
+        int64_t qo2 = MXFP4_PF2, so2 = MXFP4_PF2 / 16;
 
-        for (int t = 0; t < 4; t++) {
-            _mm_prefetch((const char *)(qs + t * qstride) + qo, _MM_HINT_T0);
-            _mm_prefetch((const char *)(qs + t * qstride) + qo + 64, _MM_HINT_T0);
+        for (int64_t o = p * 128 + MXFP4_PF2; o >= qstride; o -= qstride) {
+            qo2 += 3 * qstride;
+            so2 += 3 * sstride;
         }
-        if ((p & 7) == 0)
-            for (int t = 0; t < 4; t++)
-                _mm_prefetch((const char *)(sc + t * sstride) + so, _MM_HINT_T0);
+        for (int t = 0; t < 4; t++) {
+            const char *q = (const char *)(qs + t * qstride), *s = (const char *)(sc + t * sstride);
+
+            _mm_prefetch(q + qo, _MM_HINT_T0);
+            _mm_prefetch(q + qo + 64, _MM_HINT_T0);
+            _mm_prefetch(q + qo2, _MM_HINT_T1);
+            _mm_prefetch(q + qo2 + 64, _MM_HINT_T1);
+            if ((p & 7) == 0) {
+                _mm_prefetch(s + so, _MM_HINT_T0);
+                _mm_prefetch(s + so2, _MM_HINT_T1);
+            }
+        }
     }
     for (int i = 0; i < 8; i++)
         z[i] = _mm512_loadu_si512(qs + (i >> 1) * qstride + (i & 1) * 64);

@@ -11,8 +11,8 @@
 //   checkpoint asks, need_fp32_gate);  router: logits = a32 · W_routerᵀ and the top-k in
 //   one kernel up to KCU_ROUTER_GEMV_ROWS rows, else an FP32 GEMM and the router kernel;
 //   shared expert as the dense MLP into x (or out);  routed experts added in: MXFP4 on
-//   tensor cores (moe.cu) from the BF16 activations, FP8 / NVFP4 one warp per output
-//   element (lowp.cu) from the FP32 ones, two launches either way.
+//   tensor cores (moe.cu) and FP8 on tensor cores (fp8mma.cu: gate+up, down, combine) from
+//   the BF16 activations, NVFP4 one warp per output element (lowp.cu) from the FP32 ones.
 //
 // prepare fuses the parts' device copies (QKV + gate rows, gate + up rows) into one
 // buffer that the parts then borrow, uploads the rotary table and router bias, and builds
@@ -41,6 +41,7 @@ struct ffn_priv {
     float *bias;                // device [n_experts] or NULL
     const uint8_t **tab;        // device [6][n_local] expert pointers (MXFP4 experts)
     struct lowp_w *ltab;        // device [3][n_local] descriptors (FP8 / NVFP4 experts)
+    int fp8_br, fp8_bc;         // > 0: FP8 experts on tensor cores, their scale blocks
 };
 
 static bool is_bf16(const struct bweight *w)
@@ -216,6 +217,11 @@ int kcuda_ffn_prepare(struct backend *be, struct ffn_weights *w)
             r = h ? kcu_lowp_expert_table(w->experts, w->n_local, (int) w->router->cols,
                                           w->moe_inter, h)
                   : -ENOMEM;
+            if (r == 0 && kcu_fp8_mma_ok(h, nt) && w->moe_inter % 16 == 0 &&
+                w->router->cols % 16 == 0) {
+                p->fp8_br = h[0].blk_rows;
+                p->fp8_bc = h[0].blk_cols;
+            }
             if (r == 0)
                 r = err_from_cuda(cudaMalloc((void **) &p->ltab, nt * sizeof(*h)));
             if (r == 0)
@@ -406,7 +412,7 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     const struct ffn_weights *w = a->w;
     const struct ffn_priv *p = (const struct ffn_priv *) w->priv;
     const int H = a->hidden, I = w->gate ? w->inter : 0;
-    const bool moe = w->router != NULL, lowp = p && p->ltab;
+    const bool moe = w->router != NULL, lowp = p && p->ltab, fp8 = lowp && p->fp8_bc > 0;
     const int E = moe ? w->n_experts : 0, K = moe ? a->top_k : 0;
     int r;
 
@@ -426,7 +432,8 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     r = cuda_ws_ensure(c, a256((size_t) rows * H * 2) + a256((size_t) rows * H * 4) +
                           a256((size_t) rows * 2 * I * 2) + a256((size_t) rows * I * 2) +
                           a256((size_t) rows * E * 4) + 2 * a256((size_t) rows * K * 4) +
-                          (lowp ? a256(moe_warp_act_bytes(rows, K, w->moe_inter))
+                          (fp8 ? kcu_fp8_moe_ws(rows, K, H, w->moe_inter, w->n_local)
+                           : lowp ? a256(moe_warp_act_bytes(rows, K, w->moe_inter))
                            : moe ? kcu_moe_ws(rows, K, H, w->moe_inter, w->n_local) : 0));
     if (r < 0)
         return r;
@@ -449,7 +456,7 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
             return -ENOMEM;
         if (rows <= KCU_ROUTER_GEMV_ROWS && kcu_moe_plan_smem(w->n_local) <= 48 * 1024) {
             // decode: GEMV, selection and the MoE plan in one kernel
-            if (routed && !lowp) {
+            if (routed && (!lowp || fp8)) {
                 const struct kcu_moe_args pa_for = { rows, K, H, w->moe_inter, w->expert_first,
                                                      w->n_local, 0.0f, ids };
                 r = kcu_moe_plan_take(c, &pa_for, &plan);
@@ -494,6 +501,13 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     }
     if (!routed)
         return 0;
+    if (fp8) {
+        // BF16 activations as MXFP4's
+        const struct kcu_moe_args ma = { rows, K, H, w->moe_inter, w->expert_first,
+                                         w->n_local, a->limit_routed, ids, wts, a16, KDT_BF16,
+                                         y, plan.n_slots > 0 ? &plan : NULL };
+        return kcu_fp8_moe(c, p->ltab, p->fp8_br, p->fp8_bc, &ma);
+    }
     if (lowp) {
         // FP32 activations as the op path's: the router's a32
         float *act = (float *) cuda_ws_take(c, moe_warp_act_bytes(rows, K, w->moe_inter));

@@ -4,7 +4,8 @@
 // an F32 global scale).  The weights stay in their format on the device, as on disk (no
 // repack, never up-converted); every kernel decodes them in registers: E4M3 and E2M1 to
 // FP32 exactly (lowp.h), the products and sums in FP32 with FP32 activations, one warp per
-// output row.  The routed experts run from the op path (kcu_lowp_moe, its descriptor table
+// output row; FP8 from FP8_MMA_MIN_TOKENS tokens, and FP8 experts, take the tensor cores
+// instead (fp8mma.cu) but on the FP32 op path (c->exact).  The routed experts run from the op path (kcu_lowp_moe, its descriptor table
 // staged per call) and from the fused FFN half (block.cu: the table built once at prepare,
 // the two launches captured in the decode graph as MXFP4's are).
 #include <math.h>
@@ -15,7 +16,8 @@
 #include "kcu.cuh"
 #include "lowp.h"
 
-// tokens a warp carries against one weight row (its loads shared by them)
+// tokens a warp carries against one weight row (its loads shared by them; lowp.h's
+// FP8_MMA_MIN_TOKENS follows it)
 #define LOWP_NT 4
 #define LOWP_WARPS 8
 
@@ -113,6 +115,11 @@ int kcu_lowp_matmul(struct cuda_ctx *c, const struct bweight *w, const float *x,
         return -EINVAL;
     if (n == 0)
         return 0;
+    // FP8 from FP8_MMA_MIN_TOKENS tokens on the tensor cores (BF16 activations), but on the
+    // FP32 op path (c->exact)
+    if (d.fmt == WFMT_FP8 && !c->exact && n >= FP8_MMA_MIN_TOKENS && w->rows % 16 == 0 &&
+        kcu_fp8_mma_ok(&d, 1))
+        return kcu_fp8_dense(c, &d, (int) w->rows, x, n, y);
     const size_t threads = (size_t) w->rows * ((n + LOWP_NT - 1) / LOWP_NT) * 32;
     cuda_launch(c, lowp_matmul_kernel, cuda_blocks(threads, 32 * LOWP_WARPS), 32 * LOWP_WARPS, 0,
                 d, w->rows, x, n, y);
@@ -161,9 +168,14 @@ int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)
     struct lowp_w *h = (struct lowp_w *) calloc(nt, sizeof(*h));
     int r = h ? kcu_lowp_expert_table(a->experts, a->n_local, a->hidden, a->inter, h) : -ENOMEM;
 
+    // FP8 on the tensor cores, but on the FP32 op path (c->exact)
+    const bool mma = r == 0 && !c->exact && a->hidden % 16 == 0 && a->inter % 16 == 0 &&
+                     kcu_fp8_mma_ok(h, nt);
     const size_t act_bytes = moe_warp_act_bytes(a->n_tok, a->top_k, a->inter);
     if (r == 0)
-        r = cuda_ws_ensure(c, act_bytes);
+        r = cuda_ws_ensure(c, mma ? kcu_fp8_moe_ws(a->n_tok, a->top_k, a->hidden, a->inter,
+                                                   a->n_local)
+                                  : act_bytes);
     if (r < 0) {
         free(h);
         return r;
@@ -171,7 +183,16 @@ int kcu_lowp_moe(struct cuda_ctx *c, const struct moe_args *a)
     cuda_stage_reset(c);
     cuda_ws_reset(c);
     const struct lowp_w *dt = (const struct lowp_w *) cuda_stage(c, h, nt * sizeof(*h));
+    const int br = h[0].blk_rows, bc = h[0].blk_cols;
     free(h);
+    if (mma) {
+        if (!dt)
+            return -ENOMEM;
+        const struct kcu_moe_args ma = { a->n_tok, a->top_k, a->hidden, a->inter,
+                                         a->expert_first, a->n_local, a->limit, a->ids,
+                                         a->weights, a->x, KDT_F32, a->out, NULL };
+        return kcu_fp8_moe(c, dt, br, bc, &ma);
+    }
     float *act = (float *) cuda_ws_take(c, act_bytes);
     if (!dt || !act)
         return -ENOMEM;

@@ -1,7 +1,8 @@
 // lowp.h - device decode of the FP8 and NVFP4 weight formats (lowp.cu; docs/MODEL.md §5.6,
 // §5.7): E4M3 -> FP32 exactly by bit placement, E2M1 through k_e2m1, and the warp dot
 // product of one weight row against a few FP32 activation rows; the routed experts one
-// warp per output element over any such row product (lowp.cu, and exact.cu's MXFP4 oracle).
+// warp per output element over any such row product (lowp.cu, and exact.cu's MXFP4 oracle);
+// FP8 on the tensor cores (fp8mma.cu).
 #pragma once
 
 #include "common.cuh"
@@ -186,3 +187,26 @@ int kcu_lowp_expert_table(const struct moe_expert *ex, int n_local, int hidden, 
 // stages its table per call, the fused FFN half (block.cu) keeps one per layer, so this
 // launch alone is what a graph captures.
 int kcu_lowp_experts(struct cuda_ctx *c, const struct lowp_w *tab, const struct moe_warp_args *a);
+
+// ---- fp8mma.cu: FP8 on the tensor cores (BF16 activations, FP32 sums, block scales on
+// the FP32 sums) ----
+// The dense matmul of an FP8 weight takes the tensor cores from this many tokens (the
+// tensor-core path's own checks permitting), the warp GEMV below: up to LOWP_NT = 4 tokens
+// the GEMV reads each weight row once, as the tensor cores do, with FP32 activations; from
+// 5 it reads the weights once per 4 tokens, the tensor cores once per 32.
+#define FP8_MMA_MIN_TOKENS 5
+// true when the n descriptors are all FP8 with scale blocks the kernels take (rows a
+// multiple of 16, cols of 32) and all alike
+bool kcu_fp8_mma_ok(const struct lowp_w *h, size_t n);
+// workspace bytes kcu_fp8_moe takes for n_rows token rows
+size_t kcu_fp8_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local);
+// The routed experts of a device table [3][n_local] (kcu_lowp_expert_table, kcu_fp8_mma_ok
+// with blocks blk_rows x blk_cols): the plan (a->plan, or built here), act = swiglu(gate·x,
+// up·x) BF16 per pair, y = w · down·act FP32 per pair, out += y in slot order.
+struct kcu_moe_args;
+int kcu_fp8_moe(struct cuda_ctx *c, const struct lowp_w *tab, int blk_rows, int blk_cols,
+                const struct kcu_moe_args *a);
+// y[n, rows] = x[n, cols] · Wᵀ for an FP8 weight's descriptor (kcu_fp8_mma_ok), FP32 x and
+// y (x rounded to BF16 as staged)
+int kcu_fp8_dense(struct cuda_ctx *c, const struct lowp_w *w, int rows, const float *x, int n,
+                  float *y);

@@ -5,6 +5,8 @@
 # MODEL' ARGS): the CUDA backend on that format against the CPU backend.
 # FMT_GRAPH_NODES=N set: the run must capture a graph, and none of more than N nodes
 # (CUEMU_GRAPH_NODES_MAX): the format's layers take the fused halves and the decode graph.
+# FMT_KERNELS="PAT ..." / FMT_NO_KERNELS="PAT ...": each pattern (grep -E) must / must not
+# match a kernel of the runtime's list of kernels run (printed at exit).
 mkmodel=$1 model=$2 format=$3 plugin=$4 prog=$5
 shift 5
 dir=$(mktemp -d) || exit 1
@@ -26,3 +28,17 @@ if ! grep -q '^cuemu: graph captured: ' "$dir/run.log"; then
   echo "fmt.sh: $format: no graph was captured (FMT_GRAPH_NODES=$FMT_GRAPH_NODES asks for the decode graph)"
   exit 1
 fi
+set -f
+ran=$(sed -n '/^cuemu: kernels run/,/^cuemu: PDL:/p' "$dir/run.log")
+for pat in $FMT_KERNELS; do
+  if ! printf '%s\n' "$ran" | grep -Eq "^cuemu:   $pat"; then
+    echo "fmt.sh: $format: no kernel /$pat/ ran (FMT_KERNELS)"
+    exit 1
+  fi
+done
+for pat in $FMT_NO_KERNELS; do
+  if printf '%s\n' "$ran" | grep -Eq "^cuemu:   $pat"; then
+    echo "fmt.sh: $format: kernel /$pat/ ran (FMT_NO_KERNELS)"
+    exit 1
+  fi
+done

@@ -35,6 +35,9 @@ static bool fast;           /* the tensor-core path (not mxfp4_exact) */
  * larger: measured on the emulator up to 2.2e-2 at k = 320, 2.3e-2 at k = 96 (70 rows),
  * above the former flat 2e-2 */
 #define TOL_MX4_GEMM(k) (4e-2 * sqrt((k) / 96.0))
+/* the FP8 experts on tensor cores against the FP32 oracle, relative to the largest output
+ * (compare_scaled): x and the SwiGLU act rounded to BF16 (2^-9) */
+#define TOL_FP8_MOE 1e-2
 
 static uint16_t bf16(float f)
 {
@@ -89,7 +92,9 @@ static void compare_scaled(const char *what, const float *ref, const void *dev, 
 }
 
 /* A weight of the given format with random content, prepared on both backends (FP8: scale
- * blocks of 32 x 32; FP8 and NVFP4 quantised from uniform values by common/tensor.c). */
+ * blocks of fp8_blk x fp8_blk; FP8 and NVFP4 quantised from uniform values by common/tensor.c). */
+static int fp8_blk = 32;
+
 struct wpair { struct bweight c, g; void *data; uint8_t *scale; };
 
 static void make_weight(struct wpair *w, enum wfmt fmt, int rows, int cols)
@@ -101,7 +106,7 @@ static void make_weight(struct wpair *w, enum wfmt fmt, int rows, int cols)
     if (fmt == WFMT_FP8 || fmt == WFMT_NVFP4) {
         float *f = rnd(n, 0.5f);
         if (fmt == WFMT_FP8) {
-            br = bc = 32;
+            br = bc = fp8_blk;
             w->data = malloc(n);
             w->scale = malloc((size_t)(rows / br) * (cols / bc) * sizeof(float));
             ASSERT_TRUE(w->data && w->scale);
@@ -152,6 +157,17 @@ static void test_matmul(enum wfmt fmt, int rows, int cols, int n, double tol)
     ASSERT_OK(backend_matmul(gpu, &w.g, dx, n, dy));
     snprintf(name, sizeof(name), "matmul fmt=%d %dx%d n=%d", (int)fmt, rows, cols, n);
     compare(name, y, dy, (size_t)n * rows, tol);
+    if (fmt == WFMT_FP8 && fast && n >= 5) {
+        /* fp8mma.cu rounds only the activations: against the CPU op on BF16-rounded x the
+         * weights and block scales must be exact (FP32 summation order aside) */
+        for (size_t i = 0; i < (size_t)n * cols; i++) {
+            uint32_t u = (uint32_t)bf16(x[i]) << 16;
+            memcpy(&x[i], &u, 4);
+        }
+        ASSERT_OK(backend_matmul(cpu, &w.c, x, n, y));
+        snprintf(name, sizeof(name), "  same, x as BF16");
+        compare(name, y, dy, (size_t)n * rows, 1e-5);
+    }
     backend_weight_release(gpu, &w.g);
     backend_weight_release(cpu, &w.c);
     backend_buf_free(gpu, dx);
@@ -300,8 +316,8 @@ static void test_argmax(int rows, int n, int k)
 /* The router, then the routed experts (fmt) of local [first, first + n_local) on its choice.
  * FP8 and NVFP4 experts run the op path of lowp.cu (kcu_lowp_moe: FP32 activations on both
  * CUDA paths), which no model test reaches since the fused FFN halves took these formats. */
-static void test_router_moe(enum wfmt fmt, int n_tok, int hidden, int inter, int n_exp, int top_k,
-                            int first, int n_local, float limit)
+static void test_router_moe_pad(enum wfmt fmt, int n_tok, int hidden, int inter, int n_exp,
+                                int top_k, int first, int n_local, float limit, int n_pad)
 {
     char name[96];
     float *z = rnd((size_t)n_tok * n_exp, 4.0f), *bias = rnd(n_exp, 0.3f);
@@ -318,6 +334,15 @@ static void test_router_moe(enum wfmt fmt, int n_tok, int hidden, int inter, int
         ASSERT_EQ(gids[i], cids[i]);
     snprintf(name, sizeof(name), "router %d x %d top-%d", n_tok, n_exp, top_k);
     compare(name, cw, dw, (size_t)n_tok * top_k, 1e-5);
+    if (n_pad > 0) {
+        /* the last n_pad rows route nowhere on the device (graph padding: ids -1; their
+         * out rows must stay as they are); the CPU op (which refuses ids -1) runs the
+         * other rows */
+        for (int i = (n_tok - n_pad) * top_k; i < n_tok * top_k; i++)
+            gids[i] = -1;
+        backend_buf_free(gpu, dids);
+        dids = dup_dev(gids, sizeof(int32_t) * n_tok * top_k);
+    }
 
     struct wpair (*wp)[3] = calloc((size_t)n_local, sizeof(*wp));
     struct moe_expert *ce = calloc((size_t)n_local, sizeof(*ce)), *ge = calloc((size_t)n_local, sizeof(*ge));
@@ -331,13 +356,16 @@ static void test_router_moe(enum wfmt fmt, int n_tok, int hidden, int inter, int
     float *x = rnd((size_t)n_tok * hidden, 1.0f);
     float *out = rnd((size_t)n_tok * hidden, 1.0f);    /* moe adds into out */
     void *dx = dup_dev(x, (size_t)n_tok * hidden * 4), *dmo = dup_dev(out, (size_t)n_tok * hidden * 4);
-    struct moe_args ca = { x, out, n_tok, hidden, inter, top_k, cids, cw, ce, first, n_local, limit };
+    struct moe_args ca = { x, out, n_tok - n_pad, hidden, inter, top_k, cids, cw, ce, first, n_local, limit };
     struct moe_args ga = { dx, dmo, n_tok, hidden, inter, top_k, dids, dw, ge, first, n_local, limit };
     ASSERT_OK(backend_moe(cpu, &ca));
     ASSERT_OK(backend_moe(gpu, &ga));
-    snprintf(name, sizeof(name), "moe%s %d tok %dx%d local %d+%d",
-             fmt == WFMT_FP8 ? " fp8" : fmt == WFMT_NVFP4 ? " nvfp4" : "", n_tok, hidden, inter, first, n_local);
-    if (fmt == WFMT_FP8 || fmt == WFMT_NVFP4)     /* FP32 on both: measured up to 1.4e-6 */
+    snprintf(name, sizeof(name), "moe%s %d tok %dx%d local %d+%d pad %d",
+             fmt == WFMT_FP8 ? " fp8" : fmt == WFMT_NVFP4 ? " nvfp4" : "", n_tok, hidden, inter,
+             first, n_local, n_pad);
+    if (fmt == WFMT_FP8 && fast)    /* fp8mma.cu: BF16 activations (x, act), FP32 sums */
+        compare_scaled(name, out, dmo, (size_t)n_tok * hidden, TOL_FP8_MOE);
+    else if (fmt == WFMT_FP8 || fmt == WFMT_NVFP4)    /* FP32 on both: measured up to 1.4e-6 */
         compare(name, out, dmo, (size_t)n_tok * hidden, 1e-4);
     else if (fast)
         compare_scaled(name, out, dmo, (size_t)n_tok * hidden, 3e-2);
@@ -354,6 +382,33 @@ static void test_router_moe(enum wfmt fmt, int n_tok, int hidden, int inter, int
     backend_buf_free(gpu, dx); backend_buf_free(gpu, dmo);
     free(wp); free(ce); free(ge); free(x); free(out); free(z); free(bias); free(cids); free(gids);
     free(cw);
+}
+
+static void test_router_moe(enum wfmt fmt, int n_tok, int hidden, int inter, int n_exp, int top_k,
+                            int first, int n_local, float limit)
+{
+    test_router_moe_pad(fmt, n_tok, hidden, inter, n_exp, top_k, first, n_local, limit, 0);
+}
+
+/* FP8 weights (fp8mma.cu on the tensor-core path, lowp.cu's warp kernels on the FP32 op
+ * path and below FP8_MMA_MIN_TOKENS): the dense matmul at decode (n < 5: the warp GEMV on
+ * both paths) and prefill shapes (token counts not a multiple of the 8, 16 or 32 token
+ * tiles), scale blocks of 32 (a block per 32-k group) and 128 (several groups a block,
+ * several k blocks a row, row tiles sharing a row block); the routed experts at decode (1
+ * tile of 8 tokens) and prefill (items of 64 pairs cut in sub-chunks of 32 over 4 warps),
+ * ragged experts, experts with no pair, padding rows routed nowhere. */
+static void run_fp8(void)
+{
+    fp8_blk = 32;
+    test_matmul(WFMT_FP8, 96, 160, 3, 1e-5);
+    test_matmul(WFMT_FP8, 96, 160, 37, TOL(1e-5, TOL_BF16_GEMM(160)));
+    test_router_moe_pad(WFMT_FP8, 5, 128, 64, 12, 3, 4, 6, 7.0f, 2);
+    fp8_blk = 128;
+    test_matmul(WFMT_FP8, 256, 384, 13, TOL(1e-5, TOL_BF16_GEMM(384)));
+    test_matmul(WFMT_FP8, 128, 256, 70, TOL(1e-5, TOL_BF16_GEMM(256)));
+    test_router_moe_pad(WFMT_FP8, 1, 256, 128, 16, 4, 0, 16, 0.0f, 0);
+    test_router_moe_pad(WFMT_FP8, 45, 256, 128, 6, 4, 1, 4, 5.0f, 3);
+    fp8_blk = 32;
 }
 
 /* Two sequences: seq 0 a prefill of n0 tokens at position 0, seq 1 a run of n1 tokens
@@ -461,6 +516,8 @@ static void run_all(bool emulated)
         test_router_moe(WFMT_MXFP4, 37, 512, 96, 40, 8, 0, 40, 0.0f);
     test_router_moe(WFMT_MXFP4, 70, 256, 64, 16, 4, 3, 9, 0.0f);
     test_router_moe(WFMT_FP8, 5, 64, 32, 12, 3, 4, 6, 7.0f);
+    if (!emulated)
+        run_fp8();      /* the emulator runs them alone (cuemu-fp8mma) */
     test_router_moe(WFMT_NVFP4, 5, 64, 32, 12, 3, 4, 6, 0.0f);
     test_attention(6, 2, 32, 0, 1, 9, 2, 37);
     test_attention(6, 2, 32, 5, 1, 9, 2, 37);
@@ -476,8 +533,11 @@ static void run_all(bool emulated)
     }
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    /* "fp8": the FP8 cases only (run_fp8; cuemu-fp8mma and its faults) */
+    const bool only_fp8 = argc > 1 && strcmp(argv[1], "fp8") == 0;
+
     struct backend_cfg cc = { .n_threads = 1, .mxfp4_exact = true };
     uint64_t seed = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ull | 1;
 
@@ -500,7 +560,10 @@ int main(void)
         rng = seed;     /* fresh inputs every run; the seed is printed to replay one */
         printf("== %s path (seed %llu)\n", fast ? "tensor-core" : "FP32 op",
                (unsigned long long)seed);
-        run_all(getenv("STEPD_TEST_EMULATED") != NULL);
+        if (only_fp8)
+            run_fp8();
+        else
+            run_all(getenv("STEPD_TEST_EMULATED") != NULL);
         backend_free(gpu);
     }
     backend_free(cpu);

@@ -122,6 +122,22 @@ static int wrap_step_argmax(struct forward *f, const struct step_plan *p, int32_
     return lockstep_ran(x, p, r);
 }
 
+/* The sampled trunk step (candidates): a CUDA group's step passes through with the NCCL
+ * step check.  A lockstep group refuses it before broadcasting (the plan's wire kinds name
+ * no candidates form), so its sampled steps copy the rows; its greedy ones do not. */
+static int wrap_step_topk(struct forward *f, const struct step_plan *p, int k, const float *temps,
+                          int32_t *ids, float *vals, double *sums)
+{
+    struct wrap_fwd *x = f->impl;
+    struct forward *in = x->inner;
+    int r;
+
+    if (!in->ops->step_topk || x->c)
+        return -ENOTSUP;
+    r = in->ops->step_topk(in, p, k, temps, ids, vals, sums);
+    return r == -ENOTSUP ? r : nccl_steps_done(x, r);
+}
+
 static int wrap_mtp_step(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
                          const int32_t *tok_in, float *logits)
 {
@@ -170,6 +186,7 @@ static const struct forward_ops wrap_ops = {
     .set_draft_vocab = wrap_set_draft_vocab,
     .step_argmax = wrap_step_argmax,
     .mtp_step_argmax = wrap_mtp_step_argmax,
+    .step_topk = wrap_step_topk,
 };
 
 /* A wrapper of inner (owned or borrowed), with plan_cap bytes of plan buffer (0: none). */

@@ -148,6 +148,11 @@ struct model {
     float *mtp_logits;              /* [max_seqs, vocab] */
     int32_t *argmax_ids;            /* set by model_step_argmax / model_mtp_step_argmax: the
                                        rows' argmax goes here, no logits row to the host */
+    int topk_k;                     /* model_step_topk: > 0, argmax_ids [R, k] get each row's k
+                                       best ids, topk_vals their values */
+    float *topk_vals;
+    const float *topk_temps;        /* model_step_topk: NULL, or [R] and topk_sums [R] */
+    double *topk_sums;
     int32_t *am_id;                 /* sharded: host [R] each row's argmax in this rank's slice */
     float *am_val;                  /* sharded: host [R] its value */
     float *am_pairs;                /* sharded: host [world, R, 2] every rank's (value, global

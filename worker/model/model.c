@@ -278,6 +278,30 @@ static int trunk_argmax_sharded(struct model *m, int n_rows)
     return 0;
 }
 
+/* The sampled rows of a whole head (model_step_topk): each row's k best (value, id) pairs
+ * and, with temps, its softmax mass at temps[row] (backend_row_expsum) reach the host; the
+ * bytes count as logits copied (model_logits_host_bytes). */
+static int trunk_topk(struct model *m, int n_rows)
+{
+    const int V = m->vocab, k = m->topk_k;
+    float *mx;
+    int r;
+
+    TRY(backend_argmax(m->be, m->rows_logits, n_rows, V, k, m->argmax_ids, m->topk_vals));
+    m->logits_host_bytes += (uint64_t)n_rows * (uint64_t)k * (sizeof(float) + sizeof(int32_t));
+    if (!m->topk_temps || n_rows == 0)
+        return 0;
+    mx = malloc(sizeof(float) * (size_t)n_rows);
+    if (!mx)
+        return PLAN_ERR(m, -ENOMEM, "step_topk: out of memory");
+    for (int i = 0; i < n_rows; i++)
+        mx[i] = m->topk_vals[(size_t)i * k];
+    r = backend_row_expsum(m->be, m->rows_logits, n_rows, V, mx, m->topk_temps, m->topk_sums);
+    free(mx);
+    m->logits_host_bytes += (uint64_t)n_rows * sizeof(double);
+    return r;
+}
+
 /* logits[rows, vocab] = lm_head · final_norm(hid[rows]), gathered over the vocab slices;
  * with argmax_ids, each row's argmax instead (no row to the host). */
 int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float *logits)
@@ -290,6 +314,8 @@ int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
                         m->rows_h));
     TRY(backend_matmul(m->be, &m->lm_head, m->rows_h, n_rows, m->rows_logits));
     if (!m->sharded) {
+        if (m->argmax_ids && m->topk_k > 0)
+            return trunk_topk(m, n_rows);
         if (m->argmax_ids)
             return backend_argmax(m->be, m->rows_logits, n_rows, V, 1, m->argmax_ids, NULL);
         if (logits) {

@@ -152,6 +152,14 @@ const char *model_last_error(const struct model *m);
  * backend has no argmax op; for MTP also per-core halves (CPU) and plans scoring the
  * draft vocabulary (draft_sub): use the logits forms there. */
 int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids);
+/* The sampled form of model_step (forward.h, step_topk): every trunk row reduced on the
+ * backend to its k best (value, id) pairs (backend_argmax, k 1 .. BACKEND_ARGMAX_K_MAX),
+ * ids and vals [rows, k]; where temps is not NULL, sums [rows] the rows' softmax mass at
+ * temps[row] (backend_row_expsum; rows with temps[row] <= 0 get 0).  The pairs and sums
+ * count in model_logits_host_bytes.  -ENOTSUP before anything runs where the backend lacks
+ * an op or the head is vocab-sharded (use model_step there). */
+int model_step_topk(struct model *m, const struct step_plan *p, int k, const float *temps,
+                    int32_t *ids, float *vals, double *sums);
 int model_mtp_step_argmax(struct model *m, int k, const struct step_plan *p,
                           const int32_t *n_valid, const int32_t *tok_in, int32_t *ids);
 /* The argmax of a row from its slices' argmaxes: candidate i has value vals[i] at global id

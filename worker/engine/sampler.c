@@ -166,6 +166,29 @@ int32_t sampler_argmax(const float *x, int n)
     return 0;
 }
 
+void sampler_top_k(const float *x, int n, int k, int32_t *ids, float *vals)
+{
+    int m = 0;      /* places filled, in order */
+
+    for (int i = 0; i < n; i++) {
+        float v = x[i];
+        if (isnan(v) || (m == k && !(v > vals[k - 1])))
+            continue;           /* equal to the last place: a lower id holds it */
+        int p = m < k ? m++ : k - 1;
+        while (p > 0 && v > vals[p - 1]) {
+            vals[p] = vals[p - 1];
+            ids[p] = ids[p - 1];
+            p--;
+        }
+        vals[p] = v;
+        ids[p] = i;
+    }
+    for (int j = m; j < k; j++) {
+        ids[j] = j == 0 ? 0 : -1;
+        vals[j] = NAN;
+    }
+}
+
 static int32_t argmax(const float *x, int n)
 {
     return sampler_argmax(x, n);

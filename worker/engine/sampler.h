@@ -113,6 +113,10 @@ bool sampler_takes_cands(const struct sampling_params *sp, int n_output, int voc
  * values (sampler_probs ranks by the logit, then the id, as the candidates come). */
 int32_t sampler_sample_cands(const struct sampling_params *sp, const struct sampler_cands *c,
                              uint64_t index, uint32_t stream);
+/* The k best of x[0 .. n) in backend_argmax's order (kernels/backend.h: larger value first,
+ * equal values by lower index, -0.0 equal to +0.0, NaN never; places past the non-NaN
+ * elements id -1 and NaN, an all-NaN row's place 0 id 0), on the host. */
+void sampler_top_k(const float *x, int n, int k, int32_t *ids, float *vals);
 /* Lowest index of the largest value (greedy choice on raw logits). */
 int32_t sampler_argmax(const float *x, int n);
 /* Draw from an explicit distribution (probs sum to ~1) with uniform u in [0, 1). */

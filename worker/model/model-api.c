@@ -119,8 +119,11 @@ int model_step_topk(struct model *m, const struct step_plan *p, int k, const flo
 
     if (r < 0)
         return r;
-    if (m->sharded)
-        return PLAN_ERR(m, -ENOTSUP, "step_topk: the head is vocab-sharded");
+    if (m->sharded && temps)
+        return PLAN_ERR(m, -ENOTSUP, "step_topk: a vocab-sharded head has no rows' sums");
+    if (m->sharded && (2 * k > m->hidden || k > m->vocab_local))
+        return PLAN_ERR(m, -ENOTSUP, "step_topk: %d pairs a row do not fit a hidden row or "
+                        "the vocab slice", k);
     if (temps && backend_row_expsum(m->be, &none, 0, 1, &none, &t, &s) == -ENOSYS)
         return PLAN_ERR(m, -ENOTSUP, "step_topk: the backend has no row_expsum op");
     if (!ids || !vals || (temps && !sums) || k < 1 || k > BACKEND_ARGMAX_K_MAX || k > m->vocab)

@@ -3,8 +3,10 @@
  *
  * The processors run in a fixed order on a copy of one logits row: min-tokens ban, logit bias,
  * repetition penalty (prompt + output, HF/vLLM semantics), presence and frequency
- * penalties (output only, OpenAI semantics), the grammar's allowed-token mask, then temperature, top-k, top-p and min-p
- * turn it into a probability vector.  temperature == 0 is greedy: the processed argmax
+ * penalties (output only, OpenAI semantics), the grammar's allowed-token mask, then temperature,
+ * min-p, top-k and top-p turn it into a probability vector (on the unnormalised weights
+ * expf((x - max) / T), normalised last, so that a row's candidates give the same draw:
+ * sampler_sample_cands).  temperature == 0 is greedy: the processed argmax
  * (lowest id on ties).  Randomness is counter-based: every draw is a pure function of
  * (seed, output index, stream), so a request gives the same tokens whatever else is in
  * the batch, and after a preemption.

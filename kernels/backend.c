@@ -339,6 +339,13 @@ int backend_argmax(struct backend *be, const float *x, int rows, int n, int k, i
     return OP_CALL(be, argmax, x, rows, n, k, ids, vals);
 }
 
+int backend_row_expsum(struct backend *be, const float *x, int rows, int n, const float *mx,
+                       const float *temps, double *sums)
+{
+    ASSERT(be && x && rows >= 0 && n > 0 && (rows == 0 || (mx && temps && sums)));
+    return OP_CALL(be, row_expsum, x, rows, n, mx, temps, sums);
+}
+
 int backend_moe(struct backend *be, const struct moe_args *a)
 {
     ASSERT(be && a && a->x && a->out && a->ids && a->weights);

@@ -287,6 +287,9 @@ struct backend_ops {
     /* Greedy choice on the device (backend_argmax below) */
     int (*argmax)(struct backend *be, const float *x, int rows, int n, int k, int32_t *ids,
                   float *vals);
+    /* Sampling from candidates on the device (backend_row_expsum below) */
+    int (*row_expsum)(struct backend *be, const float *x, int rows, int n, const float *mx,
+                      const float *temps, double *sums);
 };
 
 struct backend {
@@ -385,9 +388,20 @@ int backend_mem_info(struct backend *be, size_t *ret_free, size_t *ret_total);
  * BACKEND_ARGMAX_K_MAX and at most n; rows = 0 does nothing (a probe: -ENOSYS where the
  * op is absent; download the rows instead).
  * The CPU backend's is the oracle (kernels/cpu/argmax.c). */
-#define BACKEND_ARGMAX_K_MAX 20
+#define BACKEND_ARGMAX_K_MAX 64
 int backend_argmax(struct backend *be, const float *x, int rows, int n, int k, int32_t *ids,
                    float *vals);
+/* The softmax mass of each row that a sampled row's top-p reads (worker/engine/sampler.h,
+ * sampler_cands.sum): sums[r] = the sum over i = 0 .. n-1 of expf((x[r, i] - mx[r]) /
+ * temps[r]), where mx[r] is the row's largest value (backend_argmax's place 0).  x is a
+ * backend buffer; mx, temps and sums [rows] are HOST memory (sums filled when the call
+ * returns); a row with temps[r] <= 0 is skipped (sums[r] = 0).  The CPU backend's adds the
+ * terms in double in index order, as the sampler does (so its sums are the sampler's to
+ * the bit); the CUDA kernel adds them in double in another order with the device's expf:
+ * equal within FP32 rounding of the terms.  rows = 0 does nothing (a probe: -ENOSYS where
+ * the op is absent). */
+int backend_row_expsum(struct backend *be, const float *x, int rows, int n, const float *mx,
+                       const float *temps, double *sums);
 /* A symbol of the backend's plugin (dlsym; NULL for built-in backends): the CUDA plugin
  * exports the NCCL comm this way (worker/comm/comm-nccl.h), so that CPU-only binaries
  * never link CUDA libraries. */

@@ -64,6 +64,15 @@ struct forward_ops {
     int (*step_argmax)(struct forward *f, const struct step_plan *p, int32_t *ids);
     int (*mtp_step_argmax)(struct forward *f, int k, const struct step_plan *p,
                            const int32_t *n_valid, const int32_t *tok_in, int32_t *ids);
+    /* Optional (NULL: not offered): the sampled form of step (model.h, model_step_topk):
+     * every logits row reduced where it was computed to its k best (value, id) pairs, in
+     * backend_argmax's order (place 0 is step_argmax's id), ids and vals [rows, k] (plan
+     * order); where temps is not NULL, sums [rows] each row's softmax mass at temps[row]
+     * (worker/engine/sampler.h, sampler_cands.sum; 0 where temps[row] <= 0).  -ENOTSUP
+     * before anything runs where the forward cannot (with temps: perhaps only with them).
+     * For rows whose token sampler_takes_cands (no logprobs, no grammar). */
+    int (*step_topk)(struct forward *f, const struct step_plan *p, int k, const float *temps,
+                     int32_t *ids, float *vals, double *sums);
 };
 
 struct forward {

@@ -5,6 +5,7 @@
  */
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "comm-nccl.h"
 #include "log.h"
@@ -26,6 +27,7 @@ struct wrap_fwd {
     const struct comm_nccl_api *nccl;   /* NCCL steps: step_done on dcomm */
     struct comm *dcomm;
     bool no_argmax;                 /* the inner step_argmax answered -ENOTSUP once */
+    bool no_topk;                   /* the inner step_topk answered -ENOTSUP once */
 };
 
 static int nccl_steps_done(struct wrap_fwd *x, int r)
@@ -35,13 +37,16 @@ static int nccl_steps_done(struct wrap_fwd *x, int r)
     return r < 0 ? r : r2;
 }
 
-/* The plan to the group, as the step's form (argmax: the greedy one) */
-static int lockstep_send(struct wrap_fwd *x, const struct step_plan *p, bool argmax)
+enum step_form { FORM_LOGITS, FORM_ARGMAX, FORM_TOPK };
+
+/* The plan to the group, as the step's form */
+static int lockstep_send(struct wrap_fwd *x, const struct step_plan *p, enum step_form form)
 {
     struct step_plan q = *p;
     int r;
 
-    q.argmax = argmax;
+    q.argmax = form == FORM_ARGMAX;
+    q.topk = form == FORM_TOPK;
     r = comm_plan_send(x->c, &q, x->buf, x->cap);
     if (r < 0)
         log_error("step %llu: step-plan broadcast failed: %s",
@@ -63,21 +68,30 @@ static int wrap_step(struct forward *f, const struct step_plan *p, float *logits
 
     if (!x->c)
         return nccl_steps_done(x, x->inner->ops->step(x->inner, p, logits));
-    r = lockstep_send(x, p, false);
+    r = lockstep_send(x, p, FORM_LOGITS);
     return r < 0 ? r : lockstep_ran(x, p, x->inner->ops->step(x->inner, p, logits));
 }
 
-/* The inner step_argmax refused after the greedy plan went out: the other ranks refuse it
- * too and run step() (worker_follow_step), so rank 0 runs it through the logits form and
- * takes each row's argmax on the host (sampler_argmax: the choice backend_argmax makes). */
-static int lockstep_host_argmax(struct wrap_fwd *x, const struct step_plan *p, int32_t *ids)
+static size_t plan_rows(const struct step_plan *p)
 {
-    size_t rows = 0, V = (size_t)x->f.vocab_size;
-    float *logits;
-    int r;
+    size_t rows = 0;
 
     for (int s = 0; s < p->n_seqs; s++)
         rows += (size_t)p->seqs[s].n_logits;
+    return rows;
+}
+
+/* The inner step_argmax (k = 0) or step_topk (k candidates) refused after the plan went
+ * out: the other ranks refuse it too and run step() (worker_follow_step), so rank 0 runs
+ * it through the logits form and reduces each row on the host (sampler_argmax, sampler_top_k:
+ * the choices backend_argmax makes). */
+static int lockstep_host_reduce(struct wrap_fwd *x, const struct step_plan *p, int k,
+                                int32_t *ids, float *vals)
+{
+    size_t rows = plan_rows(p), V = (size_t)x->f.vocab_size;
+    float *logits;
+    int r;
+
     logits = malloc(sizeof(float) * (rows ? rows : 1) * V);
     if (!logits) {
         /* the step must still run on rank 0: the other ranks wait in its collectives */
@@ -85,8 +99,12 @@ static int lockstep_host_argmax(struct wrap_fwd *x, const struct step_plan *p, i
         return r < 0 ? r : -ENOMEM;
     }
     r = x->inner->ops->step(x->inner, p, logits);
-    for (size_t i = 0; r >= 0 && i < rows; i++)
-        ids[i] = sampler_argmax(logits + i * V, (int)V);
+    for (size_t i = 0; r >= 0 && i < rows; i++) {
+        if (k == 0)
+            ids[i] = sampler_argmax(logits + i * V, (int)V);
+        else
+            sampler_top_k(logits + i * V, (int)V, k, ids + i * (size_t)k, vals + i * (size_t)k);
+    }
     free(logits);
     return r;
 }
@@ -95,7 +113,7 @@ static int lockstep_host_argmax(struct wrap_fwd *x, const struct step_plan *p, i
  * the greedy form (a vocab-sharded trunk all-gathers one pair per row and rank instead of
  * the rows, model_step_argmax).  The inner forward answers -ENOTSUP before it runs anything
  * (a backend without the argmax op), but in a lockstep group only after the broadcast:
- * that step then runs through the logits form (lockstep_host_argmax) and later calls answer
+ * that step then runs through the logits form (lockstep_host_reduce) and later calls answer
  * -ENOTSUP before broadcasting, so the engine takes its logits path. */
 static int wrap_step_argmax(struct forward *f, const struct step_plan *p, int32_t *ids)
 {
@@ -109,7 +127,7 @@ static int wrap_step_argmax(struct forward *f, const struct step_plan *p, int32_
         r = in->ops->step_argmax(in, p, ids);
         return r == -ENOTSUP ? r : nccl_steps_done(x, r);
     }
-    r = lockstep_send(x, p, true);
+    r = lockstep_send(x, p, FORM_ARGMAX);
     if (r < 0)
         return r;
     r = in->ops->step_argmax(in, p, ids);
@@ -117,9 +135,61 @@ static int wrap_step_argmax(struct forward *f, const struct step_plan *p, int32_
         log_info("step %llu: the group's model has no greedy trunk step (%s): the rows are "
                  "copied", (unsigned long long)p->step_id, in->ops->name);
         x->no_argmax = true;
-        r = lockstep_host_argmax(x, p, ids);
+        r = lockstep_host_reduce(x, p, 0, ids, NULL);
     }
     return lockstep_ran(x, p, r);
+}
+
+/* The sampled trunk step (candidates): a CUDA group's step passes through with the NCCL
+ * step check.  A lockstep group's plan goes out with topk set and every rank runs the
+ * sampled form with STEP_PLAN_TOPK_K candidates a row (a vocab-sharded head all-gathers
+ * them), of which the caller gets its k; without sums (the followers have no temperatures:
+ * -ENOTSUP with temps, before broadcasting).  The inner forward's -ENOTSUP after the
+ * broadcast: that step runs through the logits form (lockstep_host_reduce), later calls
+ * answer -ENOTSUP before broadcasting. */
+static int wrap_step_topk(struct forward *f, const struct step_plan *p, int k, const float *temps,
+                          int32_t *ids, float *vals, double *sums)
+{
+    struct wrap_fwd *x = f->impl;
+    struct forward *in = x->inner;
+    const size_t K = STEP_PLAN_TOPK_K, rows = plan_rows(p);
+    int32_t *gi;
+    float *gv;
+    int r;
+
+    if (!in->ops->step_topk || x->no_topk || k > STEP_PLAN_TOPK_K)
+        return -ENOTSUP;
+    if (!x->c) {
+        r = in->ops->step_topk(in, p, k, temps, ids, vals, sums);
+        return r == -ENOTSUP ? r : nccl_steps_done(x, r);
+    }
+    if (temps)
+        return -ENOTSUP;
+    gi = malloc(sizeof(int32_t) * K * (rows ? rows : 1));
+    gv = malloc(sizeof(float) * K * (rows ? rows : 1));
+    if (!gi || !gv) {
+        free(gi);
+        free(gv);
+        return -ENOMEM;
+    }
+    r = lockstep_send(x, p, FORM_TOPK);
+    if (r >= 0) {
+        r = in->ops->step_topk(in, p, (int)K, NULL, gi, gv, NULL);
+        if (r == -ENOTSUP) {
+            log_info("step %llu: the group's model has no sampled trunk step (%s): the rows "
+                     "are copied", (unsigned long long)p->step_id, in->ops->name);
+            x->no_topk = true;
+            r = lockstep_host_reduce(x, p, (int)K, gi, gv);
+        }
+        r = lockstep_ran(x, p, r);
+    }
+    for (size_t i = 0; r >= 0 && i < rows; i++) {
+        memcpy(ids + i * (size_t)k, gi + i * K, sizeof(int32_t) * (size_t)k);
+        memcpy(vals + i * (size_t)k, gv + i * K, sizeof(float) * (size_t)k);
+    }
+    free(gi);
+    free(gv);
+    return r;
 }
 
 static int wrap_mtp_step(struct forward *f, int k, const struct step_plan *p, const int32_t *n_valid,
@@ -170,6 +240,7 @@ static const struct forward_ops wrap_ops = {
     .set_draft_vocab = wrap_set_draft_vocab,
     .step_argmax = wrap_step_argmax,
     .mtp_step_argmax = wrap_mtp_step_argmax,
+    .step_topk = wrap_step_topk,
 };
 
 /* A wrapper of inner (owned or borrowed), with plan_cap bytes of plan buffer (0: none). */
@@ -222,6 +293,18 @@ int worker_nccl_forward_new(struct forward *inner, const struct comm_nccl_api *n
 
 int worker_follow_step(struct forward *f, const struct step_plan *p, float *logits, int32_t *ids)
 {
+    if (p->topk && f->ops->step_topk) {
+        const size_t n = STEP_PLAN_TOPK_K * (plan_rows(p) ? plan_rows(p) : 1);
+        int32_t *gi = malloc(sizeof(int32_t) * n);
+        float *gv = malloc(sizeof(float) * n);
+        int r = gi && gv ? f->ops->step_topk(f, p, STEP_PLAN_TOPK_K, NULL, gi, gv, NULL)
+                         : -ENOMEM;
+
+        free(gi);
+        free(gv);
+        if (r != -ENOTSUP)
+            return r;
+    }
     if (p->argmax && f->ops->step_argmax) {
         int r = f->ops->step_argmax(f, p, ids);
 

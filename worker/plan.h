@@ -45,6 +45,8 @@ struct step_seq {
 };
 
 #define STEP_PLAN_IMG_NEXT 4   /* tok_in depths step_plan.img_row_next covers per seq */
+#define STEP_PLAN_TOPK_K 64    /* candidates a row of a group's sampled step (plan.topk): every
+                                  rank runs step_topk with this k (SAMPLER_CANDS_MAX) */
 #define STEP_SEQ_NEW 1      /* the run starts a new sequence in its slot (see above) */
 #define STEP_SEQ_FLAGS_KNOWN STEP_SEQ_NEW
 
@@ -63,6 +65,10 @@ struct step_plan {
                                rank 0's group wrapper; on the wire as the message kind
                                (plan-wire.c), so that every rank of a vocab-sharded group
                                meets in the same collective (the argmax pairs' all-gather) */
+    bool topk;              /* the step runs its sampled form (forward.h step_topk) with
+                               STEP_PLAN_TOPK_K candidates a row and no sums: set by rank 0's
+                               group wrapper, on the wire as the message kind STEP_TOPK, so
+                               that every rank meets in the candidates' all-gather */
     /* image embeddings, rows of the text hidden (the vision encoder's output, rank 0's), and
      * per plan token the row it embeds as instead of its id's (img_row[t] in
      * 0 .. n_img_emb-1) or -1.  NULL: every token embeds its id.  On the wire (plan-wire.c,

@@ -171,8 +171,9 @@ struct comm_nccl_api;
 int worker_nccl_forward_new(struct forward *inner, const struct comm_nccl_api *nccl,
                             struct comm *dcomm, struct forward **ret);
 /* A follower's step for plan p received from rank 0: the greedy form into ids [rows] when
- * p->argmax and f has it, else (or when it answers -ENOTSUP before running anything, as
- * rank 0's does then) step() into logits [rows, vocab]. */
+ * p->argmax and f has it, the sampled form (STEP_PLAN_TOPK_K candidates a row, into its own
+ * buffers) when p->topk and f has it, else (or when it answers -ENOTSUP before running
+ * anything, as rank 0's does then) step() into logits [rows, vocab]. */
 int worker_follow_step(struct forward *f, const struct step_plan *p, float *logits, int32_t *ids);
 
 #ifdef __cplusplus

@@ -46,3 +46,21 @@ int cpu_argmax(struct backend *be, const float *x, int rows, int n, int k, int32
     }
     return 0;
 }
+
+/* backend_row_expsum: the sampler's sum of weights (worker/engine/sampler.c, sampler_probs),
+ * the same expf of the same float quotient added in double in the same order. */
+int cpu_row_expsum(struct backend *be, const float *x, int rows, int n, const float *mx,
+                   const float *temps, double *sums)
+{
+    (void)be;
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + (size_t)r * n;
+        const float m = mx[r], t = temps[r];
+        double sum = 0.0;
+
+        for (int i = 0; t > 0.0f && i < n; i++)
+            sum += expf((row[i] - m) / t);
+        sums[r] = sum;
+    }
+    return 0;
+}

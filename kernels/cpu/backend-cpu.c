@@ -333,6 +333,7 @@ const struct backend_ops backend_cpu_ops = {
     .moe = cpu_moe,
     .add = cpu_add,
     .argmax = cpu_argmax,
+    .row_expsum = cpu_row_expsum,
     .graph_begin = cpu_graph_begin,
     .graph_end = cpu_graph_end,
     .split_width = cpu_split_width,

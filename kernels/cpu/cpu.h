@@ -376,6 +376,8 @@ int cpu_moe(struct backend *be, const struct moe_args *a);
 int cpu_add(struct backend *be, float *y, const float *x, size_t n);
 int cpu_argmax(struct backend *be, const float *x, int rows, int n, int k, int32_t *ids,
                float *vals);
+int cpu_row_expsum(struct backend *be, const float *x, int rows, int n, const float *mx,
+                   const float *temps, double *sums);
 
 /* exp(x) for the SwiGLU sigmoid: vexp1 (vexp.h) with x clamped to [-87.3, 88] first; the
  * AVX-512 form in swiglu.c takes vexp16 on the same clamps, so an element's result never

@@ -1,6 +1,7 @@
-// argmax.cu - the largest k (<= 20) values of each logits row and their indices, on the
+// argmax.cu - the largest k (<= 64) values of each logits row and their indices, on the
 // device (backend.h, backend_argmax): greedy sampling and greedy MTP verification read
-// one id (or k pairs for logprobs) per row instead of copying the whole FP32 row.
+// one id per row, sampled rows k (value, id) pairs (and backend_row_expsum's softmax mass,
+// below), instead of copying the whole FP32 row.
 //
 // One block per row.  Place j is the best element after place j-1 in the order "larger
 // value first, then lower index" (-0.0 == +0.0: equal values, the index decides); NaN is
@@ -110,5 +111,60 @@ int kcuda_argmax(struct backend *be, const float *x, int rows, int n, int k, int
     CU_TRY(cudaMemcpyAsync(ids, d_ids, each * 4, cudaMemcpyDeviceToHost, c->stream));
     if (vals)
         CU_TRY(cudaMemcpyAsync(vals, d_vals, each * 4, cudaMemcpyDeviceToHost, c->stream));
+    return err_from_cuda(cudaStreamSynchronize(c->stream));
+}
+
+// backend_row_expsum: one block per row, each thread adds its strided slice's
+// expf((x - mx) / t) in double, then a tree in shared memory (the sampler adds the same
+// terms in index order: equal within the terms' FP32 rounding, backend.h).
+static __global__ void row_expsum_kernel(const float *x, int n, const float *mx,
+                                         const float *temps, double *sums)
+{
+    PDL_WAIT();
+    PDL_TRIGGER();
+    __shared__ double sd[ARGMAX_THREADS];
+    const int64_t row = blockIdx.x;
+    const float *xr = x + row * n;
+    const float m = mx[row], t = temps[row];
+    double s = 0.0;
+
+    for (int i = threadIdx.x; t > 0.0f && i < n; i += blockDim.x)
+        s += (double)expf((xr[i] - m) / t);
+    sd[threadIdx.x] = s;
+    __syncthreads();
+    for (int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if ((int)threadIdx.x < h)
+            sd[threadIdx.x] += sd[threadIdx.x + h];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        sums[row] = sd[0];
+}
+
+int kcuda_row_expsum(struct backend *be, const float *x, int rows, int n, const float *mx,
+                     const float *temps, double *sums)
+{
+    struct cuda_ctx *c = cuda_ctx_of(be);
+    const size_t fl = (size_t)rows * 4, db = (size_t)rows * 8;
+    if (rows == 0)
+        return 0;
+    if (c->capturing)
+        return -EBUSY;          // the sums go to the host now: never inside a graph
+    int r = cuda_ws_ensure(c, 2 * fl + db + 3 * 256);
+    if (r < 0)
+        return r;
+    cuda_ws_reset(c);
+    float *d_mx = (float *)cuda_ws_take(c, fl);
+    float *d_t = (float *)cuda_ws_take(c, fl);
+    double *d_s = (double *)cuda_ws_take(c, db);
+    if (!d_mx || !d_t || !d_s)
+        return -ENOMEM;
+    CU_TRY(cudaMemcpyAsync(d_mx, mx, fl, cudaMemcpyHostToDevice, c->stream));
+    CU_TRY(cudaMemcpyAsync(d_t, temps, fl, cudaMemcpyHostToDevice, c->stream));
+    cuda_launch(c, row_expsum_kernel, rows, ARGMAX_THREADS, 0, x, n, d_mx, d_t, d_s);
+    r = CUDA_LAUNCH_CHECK();
+    if (r < 0)
+        return r;
+    CU_TRY(cudaMemcpyAsync(sums, d_s, db, cudaMemcpyDeviceToHost, c->stream));
     return err_from_cuda(cudaStreamSynchronize(c->stream));
 }

@@ -885,6 +885,7 @@ static const struct backend_ops backend_cuda_ops = {
     .capture_begin = cuda_capture_begin,
     .capture_end = cuda_capture_end,
     .argmax = kcuda_argmax,
+    .row_expsum = kcuda_row_expsum,
 };
 
 extern "C" __attribute__((visibility("default"))) const struct backend_ops *stepd_backend_cuda_ops(void)

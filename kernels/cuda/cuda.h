@@ -33,6 +33,8 @@ int kcuda_moe(struct backend *be, const struct moe_args *a);
 int kcuda_add(struct backend *be, float *y, const float *x, size_t n);
 int kcuda_argmax(struct backend *be, const float *x, int rows, int n, int k, int32_t *ids,
                  float *vals);
+int kcuda_row_expsum(struct backend *be, const float *x, int rows, int n, const float *mx,
+                     const float *temps, double *sums);
 
 /* the FP32 op path (backend_cfg.mxfp4_exact) */
 int kcuda_matmul_exact(struct backend *be, const struct bweight *w, const float *x, int n, float *y);

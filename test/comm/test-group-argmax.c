@@ -9,7 +9,12 @@
  *     row and the pairs are all-gathered;
  *   - a sampled request in the same group takes the logits path (rows copied) with the
  *     single rank's tokens;
- *   - rank 1 ran both kinds of plan (plan.argmax set and not).
+ *   - sampled requests with a top_k (temperatures, min_p) at K = 0 take the sampled form:
+ *     each rank reduces its slice to STEP_PLAN_TOPK_K pairs a row, the pairs are
+ *     all-gathered and merged (model_topk_merge); the single rank's tokens for the same
+ *     seeds, rank 0 copies pairs, not rows; one with a top_p (its row's softmax mass: not
+ *     in a group) copies the rows, with the single rank's tokens;
+ *   - rank 1 ran every kind of plan (plan.argmax, plan.topk, neither).
  * Exits 77 (skip) when the checkpoint is absent.
  *
  *   test-group-argmax MODEL_DIR
@@ -162,6 +167,32 @@ static int rank0(struct comm *c)
     ASSERT_TRUE(b2 > 0);
     rig_same(&a[0], &b[0], "sampled: 2-rank group vs one rank");
 
+    const struct rig_req topk[] = {
+        { .prompt = make_prompt(6, 5, V), .n_prompt = 6, .max_tokens = 16,
+          .temperature = 0.9f, .top_k = 40, .seed = 31 },
+        { .prompt = make_prompt(10, 6, V), .n_prompt = 10, .max_tokens = 14,
+          .temperature = 1.3f, .top_k = 64, .min_p = 0.05f, .seed = 32 },
+        { .prompt = make_prompt(4, 7, V), .n_prompt = 4, .max_tokens = 12 },
+    };
+    b1 = run(one.f, m1, 0, topk, 3, a);
+    b2 = run(lock, mg, 0, topk, 3, b);
+    for (int i = 0; i < 3; i++)
+        rig_same(&a[i], &b[i], "top-k sampled: 2-rank group vs one rank");
+    printf("top-k sampled, K = 0: the group's rank 0 copied %llu bytes (candidates), one rank "
+           "%llu (its rows would be %llu)\n", (unsigned long long)b2, (unsigned long long)b1,
+           (unsigned long long)(16 + 14 + 12) * (unsigned long long)V * 4);
+    ASSERT_TRUE(b2 > 0 && b2 * 10 < (uint64_t)(16 + 14 + 12) * (uint64_t)V * 4);
+    const struct rig_req topp = { .prompt = make_prompt(8, 8, V), .n_prompt = 8,
+                                  .max_tokens = 10, .temperature = 0.7f, .top_k = 20,
+                                  .top_p = 0.8f, .seed = 33 };
+    b1 = run(one.f, m1, 0, &topp, 1, a);
+    b2 = run(lock, mg, 0, &topp, 1, b);
+    rig_same(&a[0], &b[0], "top-k/top-p sampled: 2-rank group vs one rank");
+    printf("top-k and top-p sampled, K = 0: the group's rank 0 copied %llu bytes (rows), one "
+           "rank %llu (candidates and sums)\n", (unsigned long long)b2, (unsigned long long)b1);
+    ASSERT_EQ(b2, (uint64_t)10 * (uint64_t)V * 4);
+    ASSERT_EQ(b1, (uint64_t)10 * (20 * 8 + 8));
+
     size_t cap = step_plan_max_packed_size(&lim);
     void *stop = malloc(cap);
 
@@ -180,7 +211,7 @@ static int rank1(struct comm *c)
     struct step_plan_buf pb;
     struct step_plan_limits lim;
     struct err_buf e = { "" };
-    int kind, n_argmax = 0, n_plain = 0;
+    int kind, n_argmax = 0, n_topk = 0, n_plain = 0;
 
     open_rank(&grp, 2, 1, c);
     lim = limits(grp.f->vocab_size);
@@ -201,11 +232,14 @@ static int rank1(struct comm *c)
                  model_last_error(model_from_forward(grp.f)));
         if (pb.plan.argmax)
             n_argmax++;
+        else if (pb.plan.topk)
+            n_topk++;
         else
             n_plain++;
     }
-    printf("rank 1: %d greedy steps, %d logits steps\n", n_argmax, n_plain);
-    ASSERT_TRUE(n_argmax > 0 && n_plain > 0);
+    printf("rank 1: %d greedy steps, %d sampled (candidates) steps, %d logits steps\n",
+           n_argmax, n_topk, n_plain);
+    ASSERT_TRUE(n_argmax > 0 && n_topk > 0 && n_plain > 0);
     step_plan_buf_done(&pb);
     free(scratch);
     free(logits);

@@ -269,11 +269,24 @@ static void test_argmax(struct step_plan_buf *b)
     ASSERT_OK(step_plan_unpack(buf, (size_t)n, &LIM, b, &kind, &e));
     ASSERT_TRUE(b->plan.argmax && b->plan.n_img_emb == 3);
     ASSERT_TRUE(memcmp(b->plan.img_emb, emb, sizeof(emb)) == 0);
-    /* a kind past STEP_ARGMAX is unknown */
+    /* the sampled form: plan.topk goes as the kind STEP_TOPK, the same bytes otherwise */
+    reset();
+    P.topk = true;
+    n = step_plan_pack(&P, buf, sizeof(buf));
+    ASSERT_EQ(n, np);
+    ASSERT_EQ(buf[6], PLAN_MSG_STEP_TOPK);
+    ASSERT_TRUE(memcmp(buf, plain, 6) == 0 && memcmp(buf + 8, plain + 8, (size_t)n - 8) == 0);
+    ASSERT_OK(step_plan_unpack(buf, (size_t)n, &LIM, b, &kind, &e));
+    ASSERT_EQ(kind, PLAN_MSG_STEP);
+    ASSERT_TRUE(b->plan.topk && !b->plan.argmax);
+    ASSERT_OK(step_plan_unpack(plain, (size_t)np, &LIM, b, &kind, &e));
+    ASSERT_TRUE(!b->plan.topk);
+    every_damage(buf, n, b, "sampled plan");
+    /* a kind past STEP_TOPK is unknown */
     memcpy(bad, buf, (size_t)n);
-    bad[6] = PLAN_MSG_STEP_ARGMAX + 1;
+    bad[6] = PLAN_MSG_STEP_TOPK + 1;
     ASSERT_ERR(step_plan_unpack(bad, (size_t)n, &LIM, b, &kind, &e), -EPROTO);
-    ASSERT_CONTAINS(e.msg, "unknown message kind 4");
+    ASSERT_CONTAINS(e.msg, "unknown message kind 5");
 }
 
 int main(void)

@@ -32,6 +32,8 @@ struct rig_req {
     int k;                  /* num_speculative_tokens override + 1 (0 = engine default) */
     float temperature;
     float top_p;            /* 0: the default */
+    int top_k;              /* 0: the default (off) */
+    float min_p;            /* 0: off */
     uint64_t seed;
     bool seed_random;       /* the seed stands for one the worker drew (the client gave none) */
     float repetition_penalty;   /* 0: off */
@@ -125,6 +127,8 @@ static inline void rig_submit(struct engine *e, const char *id, const struct rig
         q.sampling.temperature = s->temperature;
         if (s->top_p > 0)
             q.sampling.top_p = s->top_p;
+        q.sampling.top_k = s->top_k > 0 ? s->top_k : q.sampling.top_k;
+        q.sampling.min_p = s->min_p;
         q.sampling.seed = s->seed;
         q.seed_random = s->seed_random;
     }

@@ -9,13 +9,23 @@
  *     tokens: a greedy request with logprobs, one with a repetition penalty, a sampled one,
  *     and a mixed batch (greedy and sampled: the whole step's rows are copied, the greedy
  *     request's tokens stay its solo run's).
+ * With "topk" after the model directory, sampled steps take each row's top-k candidates
+ * (forward.h, step_topk; kernels/cpu/argmax.c, the CUDA kernel's oracle):
+ *   - a batch of sampled requests with seeds, mixing temperature, top_k (up to 64), top_p
+ *     and min_p, with a greedy one, at K = 0 and K = 3: every request's tokens are those of
+ *     the logits path (step_topk hidden from the engine too, which copies every row), and
+ *     the steps copied k (value, id) pairs a row (and the row's softmax mass where a top_p
+ *     asks for it) instead of the rows; at K = 3 the sampled requests' verify steps (drafts:
+ *     rejection sampling reads whole distributions) copy their rows;
+ *   - fields the candidates cannot honour keep the logits path: a repetition penalty, a
+ *     top_k over the limit, logprobs copy the rows, with the logits path's tokens.
  * Exits 77 (skip) when the checkpoint is absent. */
 #include "engine-rig.h"
 #include "model-rig.h"
 
 static struct model_rig rig;
 static struct model *model;
-static struct forward_ops plain_ops;    /* the model's ops without the greedy forms */
+static struct forward_ops plain_ops;    /* the model's ops without the greedy and sampled forms */
 static struct forward plain;
 
 /* A prompt of n tokens made from salt (one of 16 buffers) */
@@ -126,6 +136,87 @@ static void test_needs_rows(void)
     rig_same(&mix[1], &solo[1], "sampled request in a mixed batch vs alone");
 }
 
+/* q with the candidates form (step_topk) and on the logits path: the same tokens for every
+ * request; the bytes each copied into *ret_cands, *ret_logits. */
+static void both_topk(int k, const struct rig_req *q, int n, uint64_t *ret_cands,
+                      uint64_t *ret_logits)
+{
+    static struct rig_out a[8], b[8];
+
+    *ret_cands = run(rig.f, k, q, n, a);
+    *ret_logits = run(&plain, k, q, n, b);
+    for (int i = 0; i < n; i++) {
+        rig_same(&a[i], &b[i], "candidates vs logits path");
+        ASSERT_TRUE(a[i].n > 0);
+    }
+}
+
+static void test_topk_sampled(void)
+{
+    const int V = rig.f->vocab_size;
+    const struct rig_req q[] = {
+        { .prompt = make_prompt(5, 1, V), .n_prompt = 5, .max_tokens = 24,
+          .temperature = 0.8f, .top_k = 40, .seed = 11 },
+        { .prompt = make_prompt(17, 2, V), .n_prompt = 17, .max_tokens = 20,
+          .temperature = 1.2f, .top_k = 50, .top_p = 0.9f, .seed = 12 },
+        { .prompt = make_prompt(9, 3, V), .n_prompt = 9, .max_tokens = 20, .at_step = 2,
+          .temperature = 0.6f, .top_k = 20, .min_p = 0.1f, .seed = 13 },
+        { .prompt = make_prompt(3, 4, V), .n_prompt = 3, .max_tokens = 22,
+          .temperature = 1.0f, .top_k = 64, .top_p = 0.8f, .min_p = 0.05f, .seed = 14 },
+        { .prompt = make_prompt(7, 5, V), .n_prompt = 7, .max_tokens = 16 },     /* greedy */
+        { .prompt = make_prompt(4, 6, V), .n_prompt = 4, .max_tokens = 18,
+          .temperature = 2.0f, .top_k = 3, .seed = 15 },
+    };
+    const int n = (int) (sizeof(q) / sizeof(q[0]));
+    uint64_t bc, bl;
+
+    for (int k = 0; k <= 3; k += 3) {
+        both_topk(k, q, n, &bc, &bl);
+        printf("sampled batch, K = %d: %llu bytes to the host with candidates (logits path: "
+               "%llu, %.1fx less)\n", k, (unsigned long long) bc, (unsigned long long) bl,
+               (double) bl / (double) (bc ? bc : 1));
+        ASSERT_TRUE(bc > 0);
+        /* K = 3: only the steps where no sampled request verifies drafts (its first) */
+        ASSERT_TRUE(k == 0 ? bc * 20 < bl : bc < bl);
+    }
+    /* one sampled row: the step copies top_k pairs and one sum, not the vocabulary row */
+    both_topk(0, q + 1, 1, &bc, &bl);
+    printf("one request (top_k 50, top_p 0.9): %llu bytes for %d rows (logits path %llu): "
+           "%llu a row, %d a row at this vocabulary\n", (unsigned long long) bc,
+           q[1].max_tokens, (unsigned long long) bl,
+           (unsigned long long) (bc / (uint64_t) q[1].max_tokens), V * 4);
+    ASSERT_EQ(bc, (uint64_t) q[1].max_tokens * (50 * 8 + 8));
+    ASSERT_EQ(bl, (uint64_t) q[1].max_tokens * (uint64_t) V * 4);
+}
+
+/* Sampled, a field the candidates cannot honour: the rows are copied, the tokens the logits path's. */
+static void test_topk_needs_rows(void)
+{
+    const int V = rig.f->vocab_size;
+    const int32_t *p1 = make_prompt(12, 7, V);
+    const struct rig_req pen = { .prompt = p1, .n_prompt = 12, .max_tokens = 16,
+                                 .temperature = 0.9f, .top_k = 40, .seed = 21,
+                                 .repetition_penalty = 1.3f };
+    const struct rig_req big = { .prompt = p1, .n_prompt = 12, .max_tokens = 16,
+                                 .temperature = 0.9f, .top_k = SAMPLER_CANDS_MAX + 1, .seed = 22 };
+    const struct rig_req lp = { .prompt = p1, .n_prompt = 12, .max_tokens = 16,
+                                .temperature = 0.9f, .top_k = 40, .seed = 23, .logprobs = 3 };
+    uint64_t bc, bl;
+
+    both_topk(0, &pen, 1, &bc, &bl);
+    printf("repetition penalty: %llu bytes (logits path: %llu)\n", (unsigned long long) bc,
+           (unsigned long long) bl);
+    ASSERT_EQ(bc, bl);
+    both_topk(0, &big, 1, &bc, &bl);
+    printf("top_k %d: %llu bytes (logits path: %llu)\n", SAMPLER_CANDS_MAX + 1,
+           (unsigned long long) bc, (unsigned long long) bl);
+    ASSERT_EQ(bc, bl);
+    both_topk(0, &lp, 1, &bc, &bl);
+    printf("logprobs: %llu bytes (logits path: %llu)\n", (unsigned long long) bc,
+           (unsigned long long) bl);
+    ASSERT_EQ(bc, bl);
+}
+
 int main(int argc, char **argv)
 {
     const char *dir = argc > 1 ? argv[1] : "models/tiny-step";
@@ -144,10 +235,17 @@ int main(int argc, char **argv)
     plain_ops = *rig.f->ops;
     plain_ops.step_argmax = NULL;
     plain_ops.mtp_step_argmax = NULL;
+    plain_ops.step_topk = NULL;
     plain = *rig.f;
     plain.ops = &plain_ops;
-    test_greedy();
-    test_needs_rows();
+    if (argc > 2 && strcmp(argv[2], "topk") == 0) {
+        ASSERT_TRUE(rig.f->ops->step_topk);
+        test_topk_sampled();
+        test_topk_needs_rows();
+    } else {
+        test_greedy();
+        test_needs_rows();
+    }
     model_rig_close(&rig);
     printf("engine-argmax: ok\n");
     return 0;

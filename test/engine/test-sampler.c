@@ -1,6 +1,7 @@
 /* test-sampler.c - logits processors, seeded sampling, and rejection sampling: the
  * tokens emitted by speculative verification are distributed as the target's
  * (chi-square, fixed seed, p > 0.001), even when the draft distribution is far off. */
+#include <math.h>
 #include <stdlib.h>
 
 #include "chisq.h"
@@ -416,6 +417,129 @@ static void test_takes_argmax(void)
     sampler_free(s);
 }
 
+/* The k best of x[0 .. n) in backend_argmax's order (larger value first, equal values by
+ * lower id), by a full stable sort: the reference candidates. */
+static const float *cand_x;
+static int cand_cmp(const void *a, const void *b)
+{
+    int32_t i = *(const int32_t *) a, j = *(const int32_t *) b;
+    if (cand_x[i] != cand_x[j])
+        return cand_x[i] > cand_x[j] ? -1 : 1;
+    return i < j ? -1 : (i > j);
+}
+
+/* sampler_sample_cands from a row's top-k pairs (and its softmax mass, added as
+ * backend_row_expsum's CPU oracle adds it) draws the token sampler_sample draws from the
+ * whole row, for the same seed and index, over mixes of temperature, top_k (up to
+ * SAMPLER_CANDS_MAX, past the place count of some steps' k), top_p and min_p, on rows
+ * with many exact ties (coarse values) and with -inf entries; greedy rows take place 0. */
+static void test_cands_same_tokens(void)
+{
+    enum { VV = 3000 };
+    struct sampler *s = smp(VV);
+    static float logits[VV], vals[SAMPLER_CANDS_MAX];
+    static int32_t order[VV], ids[SAMPLER_CANDS_MAX];
+    static const int ks[] = { 1, 2, 7, 20, 40, 50, 64 };
+    static const float ps[] = { 1.0f, 0.9f, 0.5f, 0.97f, 0.2f };
+    static const float mps[] = { 0.0f, 0.05f, 0.3f };
+    static const float ts[] = { 0.0f, 0.3f, 0.7f, 1.0f, 1.6f };
+    uint64_t z = 11;
+    int n_draws = 0, n_distinct_ks = 0, n_cut = 0;
+
+    for (int trial = 0; trial < 60; trial++) {
+        for (int i = 0; i < VV; i++) {
+            z = z * 6364136223846793005ull + 1442695040888963407ull;
+            double u = (double) ((z >> 33) % 2000000) / 2000000.0;
+            /* coarse (ties), peaked (top_p cuts inside the top_k), flat */
+            logits[i] = trial % 3 == 0 ? (float) ((z >> 40) % 40) / 4.0f
+                      : trial % 3 == 1 ? (float) (12.0 * pow(u, 40.0)) : (float) (20.0 * u);
+            if (trial % 7 == 3 && (z >> 20) % 9 == 0)
+                logits[i] = -INFINITY;
+        }
+        for (int i = 0; i < VV; i++)
+            order[i] = i;
+        cand_x = logits;
+        qsort(order, VV, sizeof(int32_t), cand_cmp);
+        struct sampling_params sp;
+        sampling_params_init(&sp);
+        sp.temperature = ts[trial % 5];
+        sp.top_k = ks[trial % 7];
+        sp.top_p = ps[(trial / 2) % 5];
+        sp.min_p = mps[(trial / 3) % 3];
+        sp.seed = 1000u + (uint64_t) trial;
+        ASSERT_TRUE(sampler_takes_cands(&sp, 0, VV, SAMPLER_CANDS_MAX));
+        /* the step's k: this row's top_k or a larger one asked by another row */
+        int k = trial % 2 ? sp.top_k : SAMPLER_CANDS_MAX;
+        n_distinct_ks += k != sp.top_k;
+        for (int j = 0; j < k; j++) {
+            ids[j] = order[j];
+            vals[j] = logits[order[j]];
+        }
+        double sum = 0.0;
+        for (int i = 0; sp.temperature > 0.0f && i < VV; i++)
+            sum += expf((logits[i] - vals[0]) / sp.temperature);
+        const struct sampler_cands c = { .k = k, .vals = vals, .ids = ids, .sum = sum };
+        for (uint64_t idx = 0; idx < 200; idx++) {
+            int32_t full = sampler_sample(s, &sp, NULL, logits, idx, SAMPLER_STREAM_TOKEN);
+            int32_t cand = sampler_sample_cands(&sp, &c, idx, SAMPLER_STREAM_TOKEN);
+            if (full != cand)
+                FAIL("trial %d (T=%g k=%d/%d p=%g min_p=%g) index %llu: full %d, candidates %d",
+                     trial, (double) sp.temperature, sp.top_k, k, (double) sp.top_p,
+                     (double) sp.min_p, (unsigned long long) idx, full, cand);
+            n_draws++;
+            n_cut += full != ids[0];
+        }
+    }
+    printf("candidates: %d draws equal to the full row's (%d not the argmax), %d with a "
+           "step k above the row's top_k\n", n_draws, n_cut, n_distinct_ks);
+    ASSERT_TRUE(n_cut > n_draws / 4);
+    sampler_free(s);
+}
+
+/* Which rows can be drawn from candidates: a penalty, a logit bias, a min_tokens ban in
+ * force, a grammar mask, no top_k, or a top_k above the limit keep the whole row. */
+static void test_takes_cands(void)
+{
+    struct sampling_params sp;
+    const struct sampler_bias b = { .token = 3, .bias = 1.0f };
+    const int32_t ban = 2;
+    const uint32_t allow[1] = { 0xffu };
+
+    sampling_params_init(&sp);
+    ASSERT_TRUE(sampler_takes_cands(&sp, 0, V, 4));            /* greedy */
+    sp.temperature = 0.8f;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 0, V, 4));           /* no top_k */
+    sp.top_k = 5;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 0, V, 4));           /* above k_max */
+    sp.top_k = 4;
+    sp.top_p = 0.9f;
+    sp.min_p = 0.1f;
+    ASSERT_TRUE(sampler_takes_cands(&sp, 0, V, 4));
+    sp.top_k = V;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 0, V, 64));          /* not below the vocabulary */
+    sp.top_k = 4;
+    sp.repetition_penalty = 1.1f;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 0, V, 4));
+    sp.repetition_penalty = 1.0f;
+    sp.presence_penalty = 0.5f;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 0, V, 4));
+    sp.presence_penalty = 0.0f;
+    sp.frequency_penalty = -0.5f;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 0, V, 4));
+    sp.frequency_penalty = 0.0f;
+    sp.n_logit_bias = 1;
+    sp.logit_bias = &b;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 0, V, 4));
+    sp.n_logit_bias = 0;
+    sp.min_tokens = 2;
+    sp.n_ban = 1;
+    sp.ban = &ban;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 1, V, 4));           /* ban in force */
+    ASSERT_TRUE(sampler_takes_cands(&sp, 2, V, 4));            /* ban over */
+    sp.allow = allow;
+    ASSERT_TRUE(!sampler_takes_cands(&sp, 2, V, 4));
+}
+
 int main(void)
 {
     test_params_check();
@@ -427,6 +551,8 @@ int main(void)
     test_spec_config();
     test_allow_mask();
     test_takes_argmax();
+    test_cands_same_tokens();
+    test_takes_cands();
     printf("sampler: ok\n");
     return 0;
 }

@@ -3,6 +3,7 @@
  *
  *   test-cuda-logits MODEL_DIR [fast|exact] [--steps N] [--prompt P] [--seqs S]
  *   test-cuda-logits MODEL_DIR [fast|exact] --greedy N [--mtp K] [--argmax] [--greedy-prompt IDS]
+ *   test-cuda-logits MODEL_DIR [fast|exact] --sampled N [--greedy-prompt IDS]
  *
  * Both models run the same plans: S sequences with prompts of P (and P+3, P+6, ..) random
  * tokens in one prefill step, then N decode steps of all of them at once, the next token
@@ -23,6 +24,13 @@
  * the trunk and every MTP depth a row).
  * --argmax: the second model chooses its tokens and drafts on the backend (model_step_argmax,
  * model_mtp_step_argmax: backend_argmax), and must have copied no logits to the host.
+ * --sampled: the second model decodes N sampled tokens (temperatures, top_k 50 and 64, top_p,
+ * min_p varying by step) from the prompt; every step runs twice on the same plan, through
+ * model_step (the FP32 row to the host) and model_step_topk (k pairs and the row's softmax
+ * mass): the candidates must equal the CPU op's (backend_argmax, the oracle) on the copied
+ * row bit for bit, the sum the CPU op's within FP32 rounding (1e-6 relative), and the token
+ * sampler_sample_cands draws the one sampler_sample draws from the row for the same seed;
+ * the bytes each form copied per step are printed (both must be exact: V x 4 and k x 8 + 8).
  * STEPD_TEST_CPU_ONLY=1 puts the second model on the CPU backend too (a check of the test
  * itself where there is no GPU: K drafts must not change the greedy tokens).
  * Exits 77 without a GPU or the plugin.
@@ -39,6 +47,7 @@
 #include "harness.h"
 #include "loader.h"
 #include "model.h"
+#include "sampler.h"
 
 #define BS 16
 #define MAXLEN 512
@@ -172,6 +181,86 @@ static void greedy(struct model *m, int V, const int32_t *prompt, int n_prompt, 
     free(ml);
 }
 
+/* --sampled: n_gen tokens sampled on m from prompt, each step through both forms (above);
+ * the CPU backend cpu is the oracle of the candidates and sums. */
+static void sampled(struct model *m, struct backend *cpu, int V, const int32_t *prompt,
+                    int n_prompt, int n_gen)
+{
+    enum { KC = 64 };
+    static const float temps[] = { 0.8f, 1.2f, 0.6f, 1.0f };
+    static const float top_ps[] = { 0.9f, 1.0f, 0.7f, 0.95f };
+    static const float min_ps[] = { 0.0f, 0.05f, 0.0f, 0.1f };
+    float *logits = malloc(sizeof(float) * V), vals[KC], cv[KC];
+    int32_t ids[KC], ci[KC], tok = 0;
+    struct sampler *smp;
+    struct tplan tp;
+    int pos = 0, n_top_p = 0, last_k = 0;
+    bool last_sum = false;
+    uint64_t full_b = 0, cand_b = 0;
+
+    ASSERT_TRUE(logits);
+    ASSERT_OK(sampler_new(V, &smp));
+    for (int i = 0; i < n_gen; i++) {
+        struct sampling_params sp;
+        sampling_params_init(&sp);
+        sp.temperature = temps[i % 4];
+        sp.top_k = i % 3 ? 50 : KC;
+        sp.top_p = top_ps[i % 4];
+        sp.min_p = min_ps[i % 4];
+        sp.seed = 4242;
+        ASSERT_TRUE(sampler_takes_cands(&sp, i, V, KC));
+        tp_init(&tp);
+        if (i == 0)
+            tp_add_run(&tp, 0, 0, prompt, n_prompt, 1, 0, 0);
+        else
+            tp_add_run(&tp, 0, pos, &tok, 1, 1, 0, 0);
+        uint64_t b0 = model_logits_host_bytes(m);
+        if (model_step(m, &tp.p, logits) < 0)
+            FAIL("sampled step %d: %s", i, model_last_error(m));
+        uint64_t b1 = model_logits_host_bytes(m);
+        double sum, ref_sum;
+        const float *tp_temps = sp.top_p < 1.0f ? &sp.temperature : NULL;
+        if (model_step_topk(m, &tp.p, sp.top_k, tp_temps, ids, vals, &sum) < 0)
+            FAIL("sampled step %d (candidates): %s", i, model_last_error(m));
+        uint64_t b2 = model_logits_host_bytes(m);
+        full_b = b1 - b0;
+        cand_b = b2 - b1;
+        ASSERT_EQ(full_b, (uint64_t)V * 4);
+        ASSERT_EQ(cand_b, (uint64_t)sp.top_k * 8 + (tp_temps ? 8 : 0));
+        /* the candidates: the CPU op's on the row the same step copied */
+        ASSERT_OK(backend_argmax(cpu, logits, 1, V, sp.top_k, ci, cv));
+        for (int j = 0; j < sp.top_k; j++)
+            if (ids[j] != ci[j] || memcmp(&vals[j], &cv[j], 4))
+                FAIL("sampled step %d place %d: device %d (%g), cpu %d (%g)", i, j, ids[j],
+                     vals[j], ci[j], cv[j]);
+        if (tp_temps) {
+            ASSERT_OK(backend_row_expsum(cpu, logits, 1, V, &cv[0], tp_temps, &ref_sum));
+            if (!(fabs(sum - ref_sum) <= 1e-6 * ref_sum))
+                FAIL("sampled step %d: softmax mass %.9g on the device, %.9g on the cpu", i, sum,
+                     ref_sum);
+            n_top_p++;
+        }
+        const struct sampler_cands c = { .k = sp.top_k, .vals = vals, .ids = ids,
+                                         .sum = tp_temps ? sum : 0.0 };
+        int32_t full = sampler_sample(smp, &sp, NULL, logits, (uint64_t)i, SAMPLER_STREAM_TOKEN);
+        int32_t cand = sampler_sample_cands(&sp, &c, (uint64_t)i, SAMPLER_STREAM_TOKEN);
+        if (full != cand)
+            FAIL("sampled token %d: %d from the row, %d from the candidates", i, full, cand);
+        pos += i == 0 ? n_prompt : 1;
+        tok = full;
+        last_k = sp.top_k;
+        last_sum = tp_temps != NULL;
+    }
+    printf("sampled: %d tokens from candidates equal the row's (%d steps with a top_p sum); "
+           "bytes copied to the host by the last step: %llu (row) -> %llu (top-%d pairs%s)\n", n_gen,
+           n_top_p, (unsigned long long)full_b, (unsigned long long)cand_b, last_k,
+           last_sum ? " and a sum" : "");
+    printf("sampled: at the full vocabulary (128896) a row is %d bytes, top-50 pairs and a sum "
+           "%d\n", 128896 * 4, 50 * 8 + 8);
+    sampler_free(smp);
+    free(logits);
+}
+
 int main(int argc, char **argv)
 {
     struct err_buf e = {{0}};
@@ -179,7 +268,7 @@ int main(int argc, char **argv)
     struct ckpt *ck;
     struct model *mc, *mg;
     bool exact = false;
-    int steps = 6, prompt = 12, n_seqs = 2, n_greedy = 0, K = 0, r;
+    int steps = 6, prompt = 12, n_seqs = 2, n_greedy = 0, n_sampled = 0, K = 0, r;
     bool on_dev = false;
     const char *greedy_prompt = NULL;
 
@@ -200,6 +289,8 @@ int main(int argc, char **argv)
             n_greedy = atoi(argv[++i]);
         else if (strcmp(argv[i], "--mtp") == 0 && i + 1 < argc)
             K = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--sampled") == 0 && i + 1 < argc)
+            n_sampled = atoi(argv[++i]);
         else if (strcmp(argv[i], "--argmax") == 0)
             on_dev = true;
         else if (strcmp(argv[i], "--greedy-prompt") == 0 && i + 1 < argc)
@@ -243,6 +334,20 @@ int main(int argc, char **argv)
            exact ? "exact" : "fast");
 
     tables_shuffle();
+    if (n_sampled > 0) {
+        int32_t pr[1] = { 31 % V };
+
+        if (greedy_prompt)
+            pr[0] = (int32_t)(atoi(greedy_prompt) % V);
+        ASSERT_TRUE(n_sampled < MAXLEN / 2);
+        sampled(mg, cpu, V, pr, 1, n_sampled);
+        model_free(mg);
+        model_free(mc);
+        ckpt_close(ck);
+        backend_free(gpu);
+        backend_free(cpu);
+        return 0;
+    }
     if (n_greedy > 0) {
         static const int32_t ids[] = { 0, 11, 523, 97, 1024, 77, 5, 900, 31, 2047, 12, 400, 401,
                                        402, 88, 19, 3000 };

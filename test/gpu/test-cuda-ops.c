@@ -313,6 +313,43 @@ static void test_argmax(int rows, int n, int k)
     free(x); free(cv); free(gv); free(ci); free(gi);
 }
 
+/* A sampled row's softmax mass on the device (backend_row_expsum) against the CPU op (the
+ * sampler's own sum): random rows at several temperatures, a row of ties, a row with -inf
+ * entries, a skipped row (temperature 0); within FP32 rounding of the terms (1e-6). */
+static void test_row_expsum(int rows, int n)
+{
+    float *x = rnd((size_t)rows * n, 6.0f), *mx = malloc(sizeof(float) * rows);
+    float *t = malloc(sizeof(float) * rows);
+    double *cs = malloc(sizeof(double) * rows), *gs = malloc(sizeof(double) * rows), worst = 0;
+    int32_t id;
+    void *dx;
+
+    ASSERT_TRUE(mx && t && cs && gs && rows >= 4);
+    for (int r = 0; r < rows; r++) {
+        float *row = x + (size_t)r * n;
+        for (int i = 0; i < n; i++) {
+            if (r == 1)
+                row[i] = roundf(row[i]);
+            if (r == 2 && i % 5 == 0)
+                row[i] = -INFINITY;
+        }
+        ASSERT_OK(backend_argmax(cpu, row, 1, n, 1, &id, &mx[r]));
+        t[r] = r == 3 ? 0.0f : 0.3f + 0.4f * (float)(r % 4);
+    }
+    ASSERT_OK(backend_row_expsum(cpu, x, rows, n, mx, t, cs));
+    dx = dup_dev(x, (size_t)rows * n * 4);
+    ASSERT_OK(backend_row_expsum(gpu, dx, rows, n, mx, t, gs));
+    for (int r = 0; r < rows; r++) {
+        double d = fabs(gs[r] - cs[r]) / (cs[r] > 0 ? cs[r] : 1.0);
+        if (r == 3 ? gs[r] != 0.0 || cs[r] != 0.0 : !(d <= 1e-6) || !(cs[r] >= 1.0))
+            FAIL("row_expsum row %d (T %g): cuda %.12g, cpu %.12g", r, t[r], gs[r], cs[r]);
+        worst = d > worst ? d : worst;
+    }
+    printf("%-22s rows=%-5d max rel err %.2e\n", "row_expsum", rows, worst);
+    backend_buf_free(gpu, dx);
+    free(x); free(mx); free(t); free(cs); free(gs);
+}
+
 /* The router, then the routed experts (fmt) of local [first, first + n_local) on its choice.
  * FP8 and NVFP4 experts run the op path of lowp.cu (kcu_lowp_moe: FP32 activations on both
  * CUDA paths), which no model test reaches since the fused FFN halves took these formats. */
@@ -502,6 +539,8 @@ static void run_all(bool emulated)
     test_argmax(12, 4099, 1);
     test_argmax(11, 1000, 20);
     test_argmax(10, 33, 5);
+    test_argmax(10, 3000, BACKEND_ARGMAX_K_MAX);
+    test_row_expsum(9, 5000);
     test_router_moe(WFMT_MXFP4, 5, 64, 32, 12, 3, 4, 6, 7.0f);
     if (emulated) {
         test_router_moe(WFMT_MXFP4, 1, 128, 64, 288, 8, 0, 288, 0.0f);

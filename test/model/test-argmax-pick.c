@@ -6,10 +6,15 @@
  *     id), -inf, a larger value at a higher id;
  *   - rows of 64 with ties, NaN, signed zeros and infinities split into 2, 4 and 8 slices:
  *     each slice reduced by the CPU backend's argmax (k = 1, with its value) as a rank does,
- *     the pick equals sampler_argmax of the whole row. */
+ *     the pick equals sampler_argmax of the whole row;
+ *   - the sampled form's merge (model_topk_merge): the same rows, each slice reduced to its
+ *     k best (k 1, 3, 16, 64: more than a slice holds), merged: the CPU backend's top-k of
+ *     the whole row, ids and values bit for bit; and the host's top-k (sampler_top_k, a
+ *     group's fallback) equals it too. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend.h"
 #include "harness.h"
@@ -124,10 +129,56 @@ static void test_random(void)
     backend_free(be);
 }
 
+static void test_merge(void)
+{
+    enum { N = 64, ROWS = 3000, KM = 64 };
+    static const int ks[] = { 1, 3, 16, 64 };
+    struct backend_cfg bc = { .n_threads = 1 };
+    struct backend *be;
+    static float x[N], v[8 * KM], want_v[KM], got_v[KM], host_v[KM];
+    static int32_t id[8 * KM], want[KM], got[KM], host[KM];
+    uint32_t s = 777;
+    int n_short = 0;
+
+    ASSERT_OK(backend_new("cpu", &bc, &be));
+    for (int it = 0; it < ROWS; it++) {
+        int W = 2 << (it % 3), Vl = N / W, k = ks[(it / 3) % 4];
+        int ke = k < Vl ? k : Vl;       /* a slice has at most Vl places */
+
+        make_row(x, N, &s);
+        for (int w = 0; w < W; w++) {
+            ASSERT_OK(backend_argmax(be, x + w * Vl, 1, Vl, ke, &id[w * ke], &v[w * ke]));
+            for (int j = 0; j < ke; j++)
+                id[w * ke + j] = id[w * ke + j] < 0 ? -1 : id[w * ke + j] + w * Vl;
+        }
+        ASSERT_OK(backend_argmax(be, x, 1, N, k, want, want_v));
+        model_topk_merge(v, id, W, ke, k, got, got_v);
+        sampler_top_k(x, N, k, host, host_v);
+        for (int j = 0; j < k; j++) {
+            bool same_v = memcmp(&got_v[j], &want_v[j], 4) == 0 ||
+                          (isnan(got_v[j]) && isnan(want_v[j]));
+            bool host_v_ok = memcmp(&host_v[j], &want_v[j], 4) == 0 ||
+                             (isnan(host_v[j]) && isnan(want_v[j]));
+            if (got[j] != want[j] || !same_v)
+                FAIL("row %d over %d slices, top-%d place %d: merged %d (%g), whole row %d (%g)",
+                     it, W, k, j, got[j], (double)got_v[j], want[j], (double)want_v[j]);
+            if (host[j] != want[j] || !host_v_ok)
+                FAIL("row %d top-%d place %d: host %d (%g), backend %d (%g)", it, k, j, host[j],
+                     (double)host_v[j], want[j], (double)want_v[j]);
+        }
+        n_short += want[k - 1] < 0;
+    }
+    printf("%d rows over 2, 4 and 8 slices, top-1/3/16/64: the merge is the whole row's top-k "
+           "(%d rows with fewer candidates than k)\n", ROWS, n_short);
+    ASSERT_TRUE(n_short > 0);
+    backend_free(be);
+}
+
 int main(void)
 {
     test_cases();
     test_random();
+    test_merge();
     printf("ok\n");
     return 0;
 }

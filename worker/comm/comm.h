@@ -127,6 +127,8 @@ enum plan_msg {
     PLAN_MSG_STOP = 2,      /* orderly shutdown of the group */
     PLAN_MSG_STEP_ARGMAX = 3,   /* on the wire only: a STEP whose plan has argmax set (ranks
                                    run forward step_argmax); unpacked as PLAN_MSG_STEP */
+    PLAN_MSG_STEP_TOPK = 4,     /* on the wire only: a STEP whose plan has topk set (ranks run
+                                   forward step_topk, STEP_PLAN_TOPK_K); unpacked as STEP */
     _PLAN_MSG_MAX,
 };
 

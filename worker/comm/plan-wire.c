@@ -15,8 +15,9 @@
  * images; one with image rows as version 2 (n_img_emb >= 1).  A STOP message is the
  * version-1 header alone with every count 0.  The kind of a plan is STEP, or STEP_ARGMAX
  * when plan.argmax is set (the greedy form, issue 38: the layout is STEP's, in either
- * version); a plan without argmax is written as before it.  A receiver that predates
- * STEP_ARGMAX refuses it as an unknown kind (-EPROTO), as it refuses any kind it lacks.
+ * version), or STEP_TOPK when plan.topk is (the sampled form, the same layout); a plan
+ * with neither is written as before them.  A receiver that predates STEP_ARGMAX or
+ * STEP_TOPK refuses it as an unknown kind (-EPROTO), as it refuses any kind it lacks.
  *
  * The receiver treats the bytes as untrusted (docs/RELIABILITY.md C11): the length must match
  * the counts exactly, every count is bounded, every run lies inside the token array, every
@@ -169,7 +170,8 @@ int step_plan_pack(const struct step_plan *p, void *buf, size_t cap)
     if (need > cap || need > INT32_MAX)
         return -EMSGSIZE;
     put_header(o, p->img_row ? PLAN_VERSION_IMG : PLAN_VERSION,
-               p->argmax ? PLAN_MSG_STEP_ARGMAX : PLAN_MSG_STEP, (uint32_t)body,
+               p->argmax ? PLAN_MSG_STEP_ARGMAX : p->topk ? PLAN_MSG_STEP_TOPK : PLAN_MSG_STEP,
+               (uint32_t)body,
                p->step_id, p->n_seqs, p->n_tokens, p->n_block_ids);
     if (p->img_row) {
         put_u32(o + 36, (uint32_t)p->n_img_emb);
@@ -275,7 +277,8 @@ int step_plan_unpack(const void *buf, size_t len, const struct step_plan_limits 
     if (version != PLAN_VERSION && version != PLAN_VERSION_IMG)
         return err_set(e, -EPROTO, "step plan: version %u, this worker speaks %d and %d", version,
                        PLAN_VERSION, PLAN_VERSION_IMG);
-    if (kind != PLAN_MSG_STEP && kind != PLAN_MSG_STOP && kind != PLAN_MSG_STEP_ARGMAX)
+    if (kind != PLAN_MSG_STEP && kind != PLAN_MSG_STOP && kind != PLAN_MSG_STEP_ARGMAX &&
+        kind != PLAN_MSG_STEP_TOPK)
         return err_set(e, -EPROTO, "step plan: unknown message kind %u", kind);
     if (version == PLAN_VERSION_IMG) {
         if (kind == PLAN_MSG_STOP)
@@ -357,6 +360,7 @@ int step_plan_unpack(const void *buf, size_t len, const struct step_plan_limits 
 
     p->step_id = get_u64(in + 12);
     p->argmax = kind == PLAN_MSG_STEP_ARGMAX;
+    p->topk = kind == PLAN_MSG_STEP_TOPK;
     p->n_seqs = n_seqs;
     p->n_tokens = n_tokens;
     p->n_block_ids[0] = nb[0];

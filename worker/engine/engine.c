@@ -139,6 +139,12 @@ struct engine {
     int32_t *ids;                    /* [rows] the rows' argmaxes (forward.step_argmax) */
     int32_t *mtp_ids;                /* [max_num_seqs] the drafts (forward.mtp_step_argmax) */
     bool argmax_off;                 /* the forward refused step_argmax: logits from now on */
+    int32_t *cand_ids;               /* [rows, SAMPLER_CANDS_MAX] (forward.step_topk) */
+    float *cand_vals;                /* [rows, SAMPLER_CANDS_MAX] */
+    double *cand_sums;               /* [rows] */
+    float *cand_temps;               /* [rows] */
+    bool topk_off;                   /* the forward refused step_topk: logits from now on */
+    bool topk_sum_off;               /* ... refused it with temps: top_p rows take logits */
     float *probs_buf;
     float *lp_buf;                   /* [vocab] one row's logprobs */
     int32_t *n_valid, *tok_in, *tok_scratch;
@@ -281,6 +287,10 @@ static int alloc_buffers(struct engine *e)
     e->mtp_logits = malloc(ms * v * sizeof(float));
     e->ids = calloc(rows, sizeof(int32_t));
     e->mtp_ids = calloc(ms, sizeof(int32_t));
+    e->cand_ids = calloc(rows * SAMPLER_CANDS_MAX, sizeof(int32_t));
+    e->cand_vals = calloc(rows * SAMPLER_CANDS_MAX, sizeof(float));
+    e->cand_sums = calloc(rows, sizeof(double));
+    e->cand_temps = calloc(rows, sizeof(float));
     e->probs_buf = malloc((SPEC_MAX_K + 2) * v * sizeof(float));
     e->lp_buf = malloc(v * sizeof(float));
     e->n_valid = calloc(ms, sizeof(int32_t));
@@ -290,7 +300,8 @@ static int alloc_buffers(struct engine *e)
     e->sched = calloc(ms, sizeof(*e->sched));
     if (!e->sched ||!e->pseqs || !e->ptokens || !e->pblocks[0] || !e->pblocks[1] || !e->logits ||
         !e->mtp_logits || !e->ids || !e->mtp_ids || !e->probs_buf || !e->lp_buf || !e->n_valid ||
-        !e->tok_in || !e->tok_scratch || !e->sseqs)
+        !e->tok_in || !e->tok_scratch || !e->sseqs || !e->cand_ids || !e->cand_vals ||
+        !e->cand_sums || !e->cand_temps)
         return -ENOMEM;
     if (e->cfg.vision) {
         size_t nt = (size_t) e->cfg.max_num_batched_tokens;
@@ -1187,10 +1198,11 @@ static void logprob_fill(struct engine *e, struct ereq *r, int i, const float *r
 }
 
 /* Verify/sample one scheduled sequence from its logits rows, or from their argmaxes ids
- * (rows NULL: a step of greedy rows, step_greedy); prepares its MTP proposal.  Returns the
- * rows consumed. */
+ * (rows NULL: a step of greedy rows, step_greedy), or from its row's candidates (rows NULL
+ * and kc > 0: a sampled row of a step_cands step, row index first_row); prepares its MTP
+ * proposal.  Returns the rows consumed. */
 static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float *rows,
-                      const int32_t *ids, int64_t now)
+                      const int32_t *ids, int kc, size_t first_row, int64_t now)
 {
     struct ereq *r = req_of(s);
     struct step_seq *ps = &e->plan.seqs[i];
@@ -1230,8 +1242,18 @@ static int finish_seq(struct engine *e, int i, struct batch_seq *s, const float 
         .keep_depth = s->mtp_exact,     /* a client's seed on a sampled sequence */
     };
     int32_t next;
-    int a = rows ? spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next)
-                 : spec_verify_ids(ss, ids, n_drafts, &r->mtp, &next);
+    int a;
+    if (rows) {
+        a = spec_verify(e->smp, ss, rows, n_drafts, e->vocab, e->probs_buf, &r->mtp, &next);
+    } else if (kc > 0 && !sampling_params_greedy(&r->sp)) {
+        const struct sampler_cands c = {
+            .k = kc, .vals = e->cand_vals + first_row * (size_t) kc,
+            .ids = e->cand_ids + first_row * (size_t) kc, .sum = e->cand_sums[first_row],
+        };
+        a = spec_verify_cands(ss, &c, n_drafts, &r->mtp, &next);
+    } else {
+        a = spec_verify_ids(ss, ids, n_drafts, &r->mtp, &next);
+    }
     s->n_computed = ps->pos0 + n_plain + a;
     s->n_draft = 0;
     bool done = false;
@@ -1518,6 +1540,78 @@ static bool step_greedy(const struct engine *e, struct batch_seq **seqs, int n)
     return true;
 }
 
+/* Whether the step's tokens can come from its rows' candidates (forward.h, step_topk):
+ * every sequence that takes tokens from this step chooses them from its rows' best
+ * logits (sampler_takes_cands: greedy as step_greedy, or sampled with a top_k and no
+ * processor before the distribution), wants no logprobs and no grammar, and a sampled one
+ * verifies no drafts (rejection sampling reads whole distributions).  Returns the k the
+ * step needs (the largest top_k, 1 for greedy rows), 0 for the logits path; *ret_sums: a
+ * sampled row has a top_p (its row's softmax mass is needed too). */
+static int step_cands(const struct engine *e, struct batch_seq **seqs, int n, bool *ret_sums)
+{
+    int k = 0;
+
+    *ret_sums = false;
+    if (!e->f->ops->step_topk || e->topk_off)
+        return 0;
+    for (int i = 0; i < n; i++) {
+        const struct ereq *r = req_of(seqs[i]);
+        const struct sampling_params *sp = &r->sp;
+        bool sampled = !sampling_params_greedy(sp);
+
+        if (!seqs[i]->sched_final)
+            continue;
+        if (r->logprobs >= 0 || r->gm ||
+            !sampler_takes_cands(sp, r->n_output, e->vocab, SAMPLER_CANDS_MAX) ||
+            (sampled && seqs[i]->sched_drafts > 0))
+            return 0;
+        int want = sampled ? sp->top_k : 1;
+        k = want > k ? want : k;
+        *ret_sums = *ret_sums || (sampled && sp->top_p < 1.0f);
+    }
+    if (*ret_sums && e->topk_sum_off)
+        return 0;
+    return k;
+}
+
+/* The step through forward.step_topk with k candidates a row: cand_temps of the sampled
+ * rows when sums (0 elsewhere), every row's place 0 (its argmax) into ids for the greedy
+ * rows.  -ENOTSUP: the forward refused it before running anything (remembered). */
+static int run_topk(struct engine *e, struct batch_seq **seqs, int n, int k, bool sums)
+{
+    size_t row = 0;
+    int r;
+
+    for (int i = 0; sums && i < n; i++) {
+        const struct ereq *q = req_of(seqs[i]);
+        int used = seqs[i]->sched_final ? 1 + seqs[i]->sched_drafts : 0;
+        for (int j = 0; j < used; j++)
+            e->cand_temps[row + (size_t) j] =
+                sampling_params_greedy(&q->sp) ? 0.0f : q->sp.temperature;
+        row += (size_t) used;
+    }
+    r = e->f->ops->step_topk(e->f, &e->plan, k, sums ? e->cand_temps : NULL, e->cand_ids,
+                             e->cand_vals, sums ? e->cand_sums : NULL);
+    if (r == -ENOTSUP) {
+        log_info("engine: forward '%s' gives no candidates%s: logits rows are copied for "
+                 "%s", e->f->ops->name, sums ? " with the rows' softmax mass" : "",
+                 sums ? "steps with top_p rows" : "sampled steps");
+        if (sums)
+            e->topk_sum_off = true;
+        else
+            e->topk_off = true;
+        return r;
+    }
+    if (r < 0)
+        return r;
+    row = 0;
+    for (int i = 0; i < n; i++)
+        row += (size_t) (seqs[i]->sched_final ? 1 + seqs[i]->sched_drafts : 0);
+    for (size_t j = 0; j < row; j++)
+        e->ids[j] = e->cand_ids[j * (size_t) k];
+    return 0;
+}
+
 static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
 {
     build_plan(e, seqs, n);
@@ -1539,7 +1633,14 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
             greedy = false;
         }
     }
-    if (!greedy)
+    bool sums = false;
+    int kc = greedy ? 0 : step_cands(e, seqs, n, &sums);
+    if (kc > 0) {
+        r = run_topk(e, seqs, n, kc, sums);
+        if (r == -ENOTSUP)
+            kc = 0;
+    }
+    if (!greedy && kc == 0)
         r = e->f->ops->step(e->f, &e->plan, e->logits);
     int64_t now = engine_now_usec();
     e->t_forward_us += clock_us(e) - t0;
@@ -1549,8 +1650,10 @@ static int run_forward(struct engine *e, struct batch_seq **seqs, int n)
     }
     size_t row = 0;
     for (int i = 0; i < n; i++) {
-        int used = greedy ? finish_seq(e, i, seqs[i], NULL, e->ids + row, now)
-                          : finish_seq(e, i, seqs[i], e->logits + row * (size_t) e->vocab, NULL, now);
+        int used = greedy || kc > 0
+                       ? finish_seq(e, i, seqs[i], NULL, e->ids + row, kc, row, now)
+                       : finish_seq(e, i, seqs[i], e->logits + row * (size_t) e->vocab, NULL, 0,
+                                    0, now);
         row += (size_t) used;
     }
     /* the draft depths of the next step (spec-policy.h) */
@@ -1715,6 +1818,10 @@ void engine_free(struct engine *e)
     free(e->mtp_logits);
     free(e->ids);
     free(e->mtp_ids);
+    free(e->cand_ids);
+    free(e->cand_vals);
+    free(e->cand_sums);
+    free(e->cand_temps);
     free(e->probs_buf);
     free(e->lp_buf);
     free(e->n_valid);

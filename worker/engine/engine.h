@@ -7,7 +7,10 @@
  * broadcasts it to ranks 1..N-1), run forward.step, verify drafts and sample, apply stop
  * conditions, propose the next drafts, then deliver outputs.  A step (an MTP chain) whose
  * every row's token is its raw argmax runs the forward's greedy form instead (forward.h,
- * step_argmax / mtp_step_argmax: no logits row copied); a mixed batch copies them all.
+ * step_argmax / mtp_step_argmax: no logits row copied); a trunk step whose rows are greedy
+ * or sampled from a top_k <= 64 with no processor before it runs its sampled form
+ * (step_topk: k candidates a row copied, sampler_sample_cands); otherwise every row is
+ * copied.
  *
  * Prefix cache (kv.h; engine_config.enable_prefix_caching, on by default): a request is
  * admitted from the longest cached prefix of its tokens (only the rest costs budget and

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "err.h"
 #include "slab.h"
 #include "splitmix.h"
 
@@ -85,22 +86,28 @@ double sampler_uniform(uint64_t seed, uint64_t index, uint32_t stream)
     return (double) (z >> 11) * (1.0 / 9007199254740992.0);
 }
 
-int32_t sampler_draw(const float *probs, int vocab, double u)
+/* The draw of sampler_draw over probs[0 .. n), answering ids[i] (ids NULL: i). */
+static int32_t draw(const float *probs, const int32_t *ids, int n, double u)
 {
     double total = 0.0;
-    for (int i = 0; i < vocab; i++)
+    for (int i = 0; i < n; i++)
         total += probs[i];
     double target = u * total, cum = 0.0;
-    int32_t last = -1;
-    for (int i = 0; i < vocab; i++) {
+    int last = -1;
+    for (int i = 0; i < n; i++) {
         if (probs[i] <= 0.0f)
             continue;
         cum += probs[i];
         last = i;
         if (cum > target)
-            return i;
+            return ids ? ids[i] : i;
     }
-    return last >= 0 ? last : 0;
+    return last < 0 ? 0 : ids ? ids[last] : last;
+}
+
+int32_t sampler_draw(const float *probs, int vocab, double u)
+{
+    return draw(probs, NULL, vocab, u);
 }
 
 /* --- processors --- */
@@ -159,6 +166,29 @@ int32_t sampler_argmax(const float *x, int n)
     return 0;
 }
 
+void sampler_top_k(const float *x, int n, int k, int32_t *ids, float *vals)
+{
+    int m = 0;      /* places filled, in order */
+
+    for (int i = 0; i < n; i++) {
+        float v = x[i];
+        if (isnan(v) || (m == k && !(v > vals[k - 1])))
+            continue;           /* equal to the last place: a lower id holds it */
+        int p = m < k ? m++ : k - 1;
+        while (p > 0 && v > vals[p - 1]) {
+            vals[p] = vals[p - 1];
+            ids[p] = ids[p - 1];
+            p--;
+        }
+        vals[p] = v;
+        ids[p] = i;
+    }
+    for (int j = m; j < k; j++) {
+        ids[j] = j == 0 ? 0 : -1;
+        vals[j] = NAN;
+    }
+}
+
 static int32_t argmax(const float *x, int n)
 {
     return sampler_argmax(x, n);
@@ -209,15 +239,35 @@ static void select_best(int32_t *idx, int n, int m, const float *p)
     }
 }
 
-/* Keep the top-k / top-p nucleus of probs (which sums to 1); zero the rest.  Same result
- * as sorting the whole vocabulary by rank, but only the head is ever sorted: the head
- * grows 64, 256, 1024, ... until it holds the nucleus. */
-static void truncate_sorted(struct sampler *s, const struct sampling_params *sp, float *probs)
+/* The top-p cut of ids[0 .. m), in rank order: how many to keep, the first prefix whose
+ * weights w (unnormalised, summed in double) reach top_p of total; 0 when none does. */
+static int top_p_keep(const int32_t *ids, int m, const float *w, double top_p, double total)
 {
+    double cum = 0.0, need = top_p * total;
+
+    for (int i = 0; i < m; i++) {
+        cum += w[ids[i]];
+        if (cum >= need)
+            return i + 1;
+    }
+    return 0;
+}
+
+/* Keep the top-k / top-p nucleus of the weights w (unnormalised, summing to total over
+ * the vocabulary); zero the rest.  Ranked by the processed logits x (then by id): w is
+ * monotone in x, so this is the order of the weights with their ties broken the way a
+ * top-k of the logits breaks them (backend_argmax), which lets a step sample from its
+ * candidates alone (sampler_sample_cands).  Same result as sorting the whole vocabulary,
+ * but only the head is ever sorted: it grows 64, 256, 1024, ... until it holds the
+ * nucleus. */
+static void truncate_sorted(struct sampler *s, const struct sampling_params *sp, float *w,
+                            double total)
+{
+    const float *x = s->x;
     int v = s->vocab;
     int n = 0;
     for (int i = 0; i < v; i++)
-        if (probs[i] > 0.0f)
+        if (w[i] > 0.0f)
             s->idx[n++] = i;
     int limit = n;
     if (sp->top_k > 0 && sp->top_k < limit)
@@ -225,32 +275,22 @@ static void truncate_sorted(struct sampler *s, const struct sampling_params *sp,
     int keep = limit;
     if (sp->top_p >= 1.0f) {
         if (limit < n)
-            select_best(s->idx, n, limit, probs);
+            select_best(s->idx, n, limit, x);
         goto out_zero;
     }
     for (int m = limit < 64 ? limit : 64;; m = m * 4 < limit ? m * 4 : limit) {
         if (m < n)
-            select_best(s->idx, n, m, probs);
-        qsort_r(s->idx, (size_t) m, sizeof(int32_t), cmp_desc, probs);
-        double cum = 0.0;
-        int i = 0;
-        for (; i < m; i++) {
-            cum += probs[s->idx[i]];
-            if (cum >= sp->top_p)
-                break;
-        }
-        if (i < m) {
-            keep = i + 1;
-            break;
-        }
-        if (m == limit) {
-            keep = limit;
+            select_best(s->idx, n, m, x);
+        qsort_r(s->idx, (size_t) m, sizeof(int32_t), cmp_desc, (void *) x);
+        int i = top_p_keep(s->idx, m, w, sp->top_p, total);
+        if (i > 0 || m == limit) {
+            keep = i > 0 ? i : limit;
             break;
         }
     }
 out_zero:
     for (int i = keep; i < n; i++)
-        probs[s->idx[i]] = 0.0f;
+        w[s->idx[i]] = 0.0f;
 }
 
 /* The processors before the distribution: min-tokens ban, logit bias, penalties, into s->x. */
@@ -315,6 +355,39 @@ void sampler_logprobs(struct sampler *s, const struct sampling_params *sp,
         out[i] = out[i] > 0.0f ? logf(out[i]) : -INFINITY;
 }
 
+/* w[0 .. n) /= their sum (in double, in index order): a distribution. */
+static void normalize(float *w, int n)
+{
+    double sum = 0.0;
+
+    for (int i = 0; i < n; i++)
+        sum += w[i];
+    for (int i = 0; i < n; i++)
+        w[i] = (float) (w[i] / sum);
+}
+
+/* min_p: the weights below min_p of the largest become 0. */
+static void min_p_cut(const struct sampling_params *sp, float *w, int n)
+{
+    float wmax = 0.0f;
+
+    if (sp->min_p <= 0.0f)
+        return;
+    for (int i = 0; i < n; i++)
+        if (w[i] > wmax)
+            wmax = w[i];
+    float thr = sp->min_p * wmax;
+    for (int i = 0; i < n; i++)
+        if (w[i] < thr)
+            w[i] = 0.0f;
+}
+
+/* The weight of logit x at temperature t against the row's maximum mx (1 at the maximum). */
+static inline float weight(float x, float mx, float t)
+{
+    return expf((x - mx) / t);
+}
+
 void sampler_probs(struct sampler *s, const struct sampling_params *sp,
                    const struct sampler_hist *h, const float *logits, float *probs)
 {
@@ -326,32 +399,18 @@ void sampler_probs(struct sampler *s, const struct sampling_params *sp,
         probs[argmax(s->x, v)] = 1.0f;
         return;
     }
+    /* unnormalised weights first: min-p and top-k read only their ratios and order, top-p
+     * their sum (sampler_sample_cands repeats this arithmetic on a row's candidates) */
     float mx = s->x[argmax(s->x, v)];
     double sum = 0.0;
     for (int i = 0; i < v; i++) {
-        float e = expf((s->x[i] - mx) / sp->temperature);
-        probs[i] = e;
-        sum += e;
-    }
-    float pmax = 0.0f;
-    for (int i = 0; i < v; i++) {
-        probs[i] = (float) (probs[i] / sum);
-        if (probs[i] > pmax)
-            pmax = probs[i];
-    }
-    if (sp->min_p > 0.0f) {
-        float thr = sp->min_p * pmax;
-        for (int i = 0; i < v; i++)
-            if (probs[i] < thr)
-                probs[i] = 0.0f;
-    }
-    if ((sp->top_k > 0 && sp->top_k < v) || sp->top_p < 1.0f)
-        truncate_sorted(s, sp, probs);
-    sum = 0.0;
-    for (int i = 0; i < v; i++)
+        probs[i] = weight(s->x[i], mx, sp->temperature);
         sum += probs[i];
-    for (int i = 0; i < v; i++)
-        probs[i] = (float) (probs[i] / sum);
+    }
+    min_p_cut(sp, probs, v);
+    if ((sp->top_k > 0 && sp->top_k < v) || sp->top_p < 1.0f)
+        truncate_sorted(s, sp, probs, sum);
+    normalize(probs, v);
 }
 
 /* Greedy under a grammar mask alone: the lowest id of the largest allowed logit (0 when none
@@ -371,11 +430,16 @@ static int32_t masked_argmax(const float *x, const uint32_t *allow, int v)
 
 /* Greedy with no processor that moves a logit (the grammar mask aside): the choice is the
  * argmax of the row, masked or not. */
+static bool no_processor(const struct sampling_params *sp, const struct sampler_hist *h)
+{
+    return sp->n_logit_bias == 0 && sp->repetition_penalty == 1.0f &&
+           sp->presence_penalty == 0.0f && sp->frequency_penalty == 0.0f &&
+           (!h || h->n_output >= sp->min_tokens || sp->n_ban == 0);
+}
+
 static bool plain_greedy(const struct sampling_params *sp, const struct sampler_hist *h)
 {
-    return sampling_params_greedy(sp) && sp->n_logit_bias == 0 &&
-           sp->repetition_penalty == 1.0f && sp->presence_penalty == 0.0f &&
-           sp->frequency_penalty == 0.0f && (!h || h->n_output >= sp->min_tokens || sp->n_ban == 0);
+    return sampling_params_greedy(sp) && no_processor(sp, h);
 }
 
 bool sampler_takes_argmax(const struct sampling_params *sp, int n_output)
@@ -383,6 +447,65 @@ bool sampler_takes_argmax(const struct sampling_params *sp, int n_output)
     struct sampler_hist h = { .n_output = n_output };
 
     return !sp->allow && plain_greedy(sp, &h);
+}
+
+bool sampler_takes_cands(const struct sampling_params *sp, int n_output, int vocab, int k_max)
+{
+    struct sampler_hist h = { .n_output = n_output };
+
+    if (k_max > SAMPLER_CANDS_MAX)
+        k_max = SAMPLER_CANDS_MAX;
+    if (sampler_takes_argmax(sp, n_output))
+        return true;
+    return !sp->allow && no_processor(sp, &h) && sp->top_k >= 1 && sp->top_k <= k_max &&
+           sp->top_k < vocab;
+}
+
+int32_t sampler_sample_cands(const struct sampling_params *sp, const struct sampler_cands *c,
+                             uint64_t index, uint32_t stream)
+{
+    float w[SAMPLER_CANDS_MAX];
+    int32_t id[SAMPLER_CANDS_MAX], ord[SAMPLER_CANDS_MAX];
+    int m = sp->top_k < c->k ? sp->top_k : c->k, n = 0;
+
+    if (sampling_params_greedy(sp) || c->k < 1)
+        return c->k < 1 ? 0 : c->ids[0];       /* place 0 is the row's argmax */
+    BUG_ON(sp->top_k < 1 || m > SAMPLER_CANDS_MAX);
+    /* sampler_probs's weights of the row's top_k places, in its rank order: the places
+     * with a weight are the same prefix of it there (every weight is monotone in the logit) */
+    for (int j = 0; j < m && c->ids[j] >= 0; j++) {
+        w[n] = weight(c->vals[j], c->vals[0], sp->temperature);
+        id[n++] = c->ids[j];
+    }
+    min_p_cut(sp, w, n);
+    int keep = 0;
+    while (keep < n && w[keep] > 0.0f)
+        keep++;
+    if (sp->top_p < 1.0f) {
+        int32_t rank[SAMPLER_CANDS_MAX];
+        for (int j = 0; j < keep; j++)
+            rank[j] = j;
+        int k = top_p_keep(rank, keep, w, sp->top_p, c->sum);
+        if (k > 0)
+            keep = k;
+    }
+    /* normalise and draw in id order, as over the whole vocabulary (insertion sort) */
+    for (int j = 0; j < keep; j++) {
+        int p = j;
+        while (p > 0 && id[ord[p - 1]] > id[j]) {
+            ord[p] = ord[p - 1];
+            p--;
+        }
+        ord[p] = j;
+    }
+    float pw[SAMPLER_CANDS_MAX];
+    int32_t pid[SAMPLER_CANDS_MAX];
+    for (int j = 0; j < keep; j++) {
+        pw[j] = w[ord[j]];
+        pid[j] = id[ord[j]];
+    }
+    normalize(pw, keep);
+    return draw(pw, pid, keep, sampler_uniform(sp->seed, index, stream));
 }
 
 int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,

@@ -3,8 +3,10 @@
  *
  * The processors run in a fixed order on a copy of one logits row: min-tokens ban, logit bias,
  * repetition penalty (prompt + output, HF/vLLM semantics), presence and frequency
- * penalties (output only, OpenAI semantics), the grammar's allowed-token mask, then temperature, top-k, top-p and min-p
- * turn it into a probability vector.  temperature == 0 is greedy: the processed argmax
+ * penalties (output only, OpenAI semantics), the grammar's allowed-token mask, then temperature,
+ * min-p, top-k and top-p turn it into a probability vector (on the unnormalised weights
+ * expf((x - max) / T), normalised last, so that a row's candidates give the same draw:
+ * sampler_sample_cands).  temperature == 0 is greedy: the processed argmax
  * (lowest id on ties).  Randomness is counter-based: every draw is a pure function of
  * (seed, output index, stream), so a request gives the same tokens whatever else is in
  * the batch, and after a preemption.
@@ -88,6 +90,35 @@ int32_t sampler_sample(struct sampler *s, const struct sampling_params *sp,
  * after more) and no grammar mask (sp->allow).  Such a row's token can be chosen where the
  * logits are (forward.h, step_argmax) without copying the row. */
 bool sampler_takes_argmax(const struct sampling_params *sp, int n_output);
+/* The sampled form of a step (forward.h, step_topk): a row reduced where it was computed to
+ * its k best logits, in backend_argmax's order (decreasing value, equal values by
+ * increasing id; ids[j] = -1 past the row's non-NaN elements), and sum, the row's
+ * sum over every id in id order of expf((x - vals[0]) / temperature) in double, as
+ * sampler_probs adds its weights (read only when top_p < 1).  At most SAMPLER_CANDS_MAX. */
+#define SAMPLER_CANDS_MAX 64
+struct sampler_cands {
+    int k;
+    const float *vals;      /* [k] */
+    const int32_t *ids;     /* [k] */
+    double sum;
+};
+/* Whether sampler_sample's choice for a row can be made from its k_max best logits with
+ * the same result (sampler_sample_cands): sampler_takes_argmax, or sampled with top_k in
+ * 1 .. k_max (and below vocab) and no processor before the distribution (logit bias,
+ * penalties, a min_tokens ban in force after n_output outputs, a grammar mask): those act
+ * on every logit before the truncation, so such a row needs its whole row.  Temperature,
+ * top_p and min_p act after the softmax on what top-k keeps (top_p on the whole row's
+ * mass: sampler_cands.sum). */
+bool sampler_takes_cands(const struct sampling_params *sp, int n_output, int vocab, int k_max);
+/* sampler_sample of a row that sampler_takes_cands from its candidates c (c->k >= top_k):
+ * the same token for the same (seed, index, stream), the same arithmetic on the same
+ * values (sampler_probs ranks by the logit, then the id, as the candidates come). */
+int32_t sampler_sample_cands(const struct sampling_params *sp, const struct sampler_cands *c,
+                             uint64_t index, uint32_t stream);
+/* The k best of x[0 .. n) in backend_argmax's order (kernels/backend.h: larger value first,
+ * equal values by lower index, -0.0 equal to +0.0, NaN never; places past the non-NaN
+ * elements id -1 and NaN, an all-NaN row's place 0 id 0), on the host. */
+void sampler_top_k(const float *x, int n, int k, int32_t *ids, float *vals);
 /* Lowest index of the largest value (greedy choice on raw logits). */
 int32_t sampler_argmax(const float *x, int n);
 /* Draw from an explicit distribution (probs sum to ~1) with uniform u in [0, 1). */

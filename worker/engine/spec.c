@@ -224,6 +224,16 @@ int spec_verify_ids(struct spec_seq *seq, const int32_t *ids, int n_draft, struc
     return verify_done(seq, n_draft, accepted, ids[accepted], st, ret_next);
 }
 
+int spec_verify_cands(struct spec_seq *seq, const struct sampler_cands *c, int n_draft,
+                      struct spec_stats *st, int32_t *ret_next)
+{
+    BUG_ON(seq->gm || n_draft != 0 ||
+           !sampler_takes_cands(seq->sp, seq->hist.n_output, INT32_MAX, c->k));
+    return verify_done(seq, 0, 0,
+                       sampler_sample_cands(seq->sp, c, seq->out_index, SAMPLER_STREAM_TOKEN),
+                       st, ret_next);
+}
+
 int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, int n_draft,
                 int vocab, float *probs_buf, struct spec_stats *st, int32_t *ret_next)
 {

@@ -119,6 +119,11 @@ int spec_verify(struct sampler *smp, struct spec_seq *seq, const float *rows, in
 /* spec_verify of a sequence whose token at every row is the row's raw argmax
  * (sampler_takes_argmax at hist.n_output, no grammar): ids[0 .. n_draft] are the rows'
  * argmaxes (forward.h, step_argmax).  The same result as spec_verify on the rows. */
+/* spec_verify of a sampled sequence without drafts (n_draft 0) whose token
+ * sampler_takes_cands, no grammar: from its row's candidates c (forward.h, step_topk).  The
+ * same token as spec_verify on the row (sampler_sample_cands). */
+int spec_verify_cands(struct spec_seq *seq, const struct sampler_cands *c, int n_draft,
+                      struct spec_stats *st, int32_t *ret_next);
 int spec_verify_ids(struct spec_seq *seq, const int32_t *ids, int n_draft, struct spec_stats *st,
                     int32_t *ret_next);
 

@@ -108,6 +108,41 @@ int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids)
     return r;
 }
 
+/* The trunk step with each row reduced to its k best logits (and their softmax mass where
+ * temps asks for it) on the backend: k pairs a row copied instead of the row. */
+int model_step_topk(struct model *m, const struct step_plan *p, int k, const float *temps,
+                    int32_t *ids, float *vals, double *sums)
+{
+    int r = model__argmax_check(m, "step_topk");
+    float none = 0.0f, t = 1.0f;
+    double s;
+
+    if (r < 0)
+        return r;
+    if (m->sharded && temps)
+        return PLAN_ERR(m, -ENOTSUP, "step_topk: a vocab-sharded head has no rows' sums");
+    if (m->sharded && (2 * k > m->hidden || k > m->vocab_local))
+        return PLAN_ERR(m, -ENOTSUP, "step_topk: %d pairs a row do not fit a hidden row or "
+                        "the vocab slice", k);
+    if (temps && backend_row_expsum(m->be, &none, 0, 1, &none, &t, &s) == -ENOSYS)
+        return PLAN_ERR(m, -ENOTSUP, "step_topk: the backend has no row_expsum op");
+    if (!ids || !vals || (temps && !sums) || k < 1 || k > BACKEND_ARGMAX_K_MAX || k > m->vocab)
+        return PLAN_ERR(m, -EINVAL, "step_topk: k %d outside 1 .. %d, or a buffer missing", k,
+                        BACKEND_ARGMAX_K_MAX);
+    m->argmax_ids = ids;
+    m->topk_k = k;
+    m->topk_vals = vals;
+    m->topk_temps = temps;
+    m->topk_sums = sums;
+    r = model_step(m, p, NULL);
+    m->argmax_ids = NULL;
+    m->topk_k = 0;
+    m->topk_vals = NULL;
+    m->topk_temps = NULL;
+    m->topk_sums = NULL;
+    return r;
+}
+
 /* ----------------------------------------------------------------- facts -- */
 
 const char *model_last_error(const struct model *m)
@@ -149,6 +184,12 @@ static int fwd_mtp_step_argmax(struct forward *f, int k, const struct step_plan 
     return model_mtp_step_argmax(f->impl, k, p, n_valid, tok_in, ids);
 }
 
+static int fwd_step_topk(struct forward *f, const struct step_plan *p, int k, const float *temps,
+                         int32_t *ids, float *vals, double *sums)
+{
+    return model_step_topk(f->impl, p, k, temps, ids, vals, sums);
+}
+
 static void fwd_free(struct forward *f)
 {
     if (f)
@@ -168,6 +209,7 @@ const struct forward_ops model__forward_ops = {
     .set_draft_vocab = fwd_set_draft_vocab,
     .step_argmax = fwd_step_argmax,
     .mtp_step_argmax = fwd_mtp_step_argmax,
+    .step_topk = fwd_step_topk,
 };
 
 int model_forward_new(struct ckpt *c, struct backend *be, const struct model_comm *comm,

@@ -148,10 +148,16 @@ struct model {
     float *mtp_logits;              /* [max_seqs, vocab] */
     int32_t *argmax_ids;            /* set by model_step_argmax / model_mtp_step_argmax: the
                                        rows' argmax goes here, no logits row to the host */
-    int32_t *am_id;                 /* sharded: host [R] each row's argmax in this rank's slice */
-    float *am_val;                  /* sharded: host [R] its value */
-    float *am_pairs;                /* sharded: host [world, R, 2] every rank's (value, global
-                                       id bits) per row, as all-gathered */
+    int topk_k;                     /* model_step_topk: > 0, argmax_ids [R, k] get each row's k
+                                       best ids, topk_vals their values */
+    float *topk_vals;
+    const float *topk_temps;        /* model_step_topk: NULL, or [R] and topk_sums [R] */
+    double *topk_sums;
+    int32_t *am_id;                 /* sharded: host [R, k] each row's k best in this rank's
+                                       slice (k 1 .. BACKEND_ARGMAX_K_MAX) */
+    float *am_val;                  /* sharded: host [R, k] their values */
+    float *am_pairs;                /* sharded: host [world, R, k, 2] every rank's (value,
+                                       global id bits) per row, as all-gathered */
     uint64_t logits_host_bytes;     /* logits copied to the host (model_logits_host_bytes) */
 
     float *bounce;                  /* host [T, H]: row copies between activation buffers */

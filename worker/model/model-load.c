@@ -702,15 +702,15 @@ int model__reserve(struct model *m, struct err_buf *e)
     r = r ? r : host_i32(&m->h_rows, T);
     r = r ? r : host_i32(&m->h_src, T);
     r = r ? r : host_i32(&m->h_img_row, T);
-    if (!r && m->sharded) {     /* the greedy rows' pairs (model__trunk_logits) */
-        size_t W = (size_t)m->comm.world;
+    if (!r && m->sharded) {     /* the greedy and sampled rows' pairs (model__trunk_logits) */
+        size_t W = (size_t)m->comm.world, RK = R * BACKEND_ARGMAX_K_MAX;
 
-        r = host_i32(&m->am_id, R);
-        m->am_pairs = calloc((W * 2 + 1) * R + 1, sizeof(float));
+        r = host_i32(&m->am_id, RK);
+        m->am_pairs = calloc((W * 2 + 1) * RK + 1, sizeof(float));
         if (!r && !m->am_pairs)
             r = -ENOMEM;
         if (m->am_pairs)
-            m->am_val = m->am_pairs + W * 2 * R;
+            m->am_val = m->am_pairs + W * 2 * RK;
     }
     for (int g = 0; g < _KV_GROUP_MAX; g++) {
         r = r ? r : host_i32(&m->h_slots[g], T);

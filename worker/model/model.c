@@ -237,45 +237,112 @@ int32_t model_argmax_pick(const float *vals, const int32_t *ids, int n)
     return best < 0 ? 0 : ids[best];
 }
 
-/* The greedy rows of a vocab-sharded trunk (rows_logits [n_rows, Vl], this rank's slice):
- * each rank reduces its slice to one (value, global id) pair per row on the backend, the
- * ranks all-gather the pairs (2 floats a row instead of Vl; staged in rows_h, whose rows
- * the head has read, gathered into gather) and every rank picks each row's argmax from
- * them (model_argmax_pick).  Collective: every rank of the group runs it in the same step
- * (the plan's argmax, worker/comm/plan-wire.c). */
+/* The k best of a row from its slices' k best: list w (w < W) has k_each places in
+ * backend_argmax's order (value vals[w * k_each + j] at global id ids[...], id -1 and NaN
+ * past the slice's non-NaN elements).  Merged in that order into out_ids / out_vals [k]:
+ * the larger value first, on equal values (-0.0 equals +0.0) the lower id; places past the
+ * row's candidates id -1 and NaN, except that an all-NaN row's place 0 is id 0 (the
+ * backend's and sampler_argmax's answer). */
+void model_topk_merge(const float *vals, const int32_t *ids, int W, int k_each, int k,
+                      int32_t *out_ids, float *out_vals)
+{
+    int head[W];
+
+    for (int w = 0; w < W; w++)
+        head[w] = 0;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+
+        for (int w = 0; w < W; w++) {
+            int o = w * k_each + head[w];
+            if (head[w] >= k_each || ids[o] < 0 || isnan(vals[o]))
+                continue;
+            int b = best < 0 ? 0 : best * k_each + head[best];
+            if (best < 0 || vals[o] > vals[b] || (vals[o] == vals[b] && ids[o] < ids[b]))
+                best = w;
+        }
+        if (best < 0) {
+            out_ids[j] = j == 0 ? 0 : -1;
+            out_vals[j] = NAN;
+            continue;
+        }
+        out_ids[j] = ids[best * k_each + head[best]];
+        out_vals[j] = vals[best * k_each + head[best]];
+        head[best]++;
+    }
+}
+
+/* The greedy (k = 1) and sampled (topk_k) rows of a vocab-sharded trunk (rows_logits
+ * [n_rows, Vl], this rank's slice): each rank reduces its slice to k (value, global id)
+ * pairs per row on the backend, the ranks all-gather the pairs (2k floats a row instead of
+ * Vl; staged in rows_h, whose rows the head has read, gathered into gather) and every rank
+ * merges each row's from them (model_argmax_pick, model_topk_merge).  Collective: every
+ * rank of the group runs it in the same step (the plan's argmax or topk, plan-wire.c). */
 static int trunk_argmax_sharded(struct model *m, int n_rows)
 {
-    const int W = m->comm.world, Vl = m->vocab_local;
+    const int W = m->comm.world, Vl = m->vocab_local, k = m->topk_k > 0 ? m->topk_k : 1;
     const int32_t off = (int32_t)m->comm.rank * Vl;
     float *pairs = m->am_pairs;
-    size_t n2 = (size_t)n_rows * 2;
+    size_t nk = (size_t)n_rows * k, n2 = nk * 2;
     int r;
 
-    TRY(backend_argmax(m->be, m->rows_logits, n_rows, Vl, 1, m->am_id, m->am_val));
-    for (int i = 0; i < n_rows; i++) {
-        int32_t id = m->am_id[i] + off;
+    TRY(backend_argmax(m->be, m->rows_logits, n_rows, Vl, k, m->am_id, m->am_val));
+    for (size_t i = 0; i < nk; i++) {
+        int32_t id = m->am_id[i] < 0 ? -1 : m->am_id[i] + off;
 
         pairs[2 * i] = m->am_val[i];
         memcpy(&pairs[2 * i + 1], &id, sizeof(id));
     }
     TRY(backend_upload(m->be, m->rows_h, pairs, sizeof(float) * n2));
-    /* [all-gather]: gather[w] = rank w's [n_rows, 2] */
+    /* [all-gather]: gather[w] = rank w's [n_rows, k, 2] */
     TRY(m->comm.allgather(m->comm.ctx, m->rows_h, m->gather, n2));
     TRY(backend_download(m->be, pairs, m->gather, sizeof(float) * n2 * (size_t)W));
     TRY(backend_sync(m->be));
+    if (m->topk_k > 0)          /* every rank's pairs (the greedy form counts none) */
+        m->logits_host_bytes += (uint64_t)n2 * (uint64_t)W * sizeof(float);
     for (int i = 0; i < n_rows; i++) {
-        float v[W];
-        int32_t id[W];
+        float v[W * k];
+        int32_t id[W * k];
 
         for (int w = 0; w < W; w++) {
-            const float *p = pairs + (size_t)w * n2 + 2 * (size_t)i;
+            for (int j = 0; j < k; j++) {
+                const float *p = pairs + (size_t)w * n2 + 2 * ((size_t)i * k + j);
 
-            v[w] = p[0];
-            memcpy(&id[w], &p[1], sizeof(id[w]));
+                v[w * k + j] = p[0];
+                memcpy(&id[w * k + j], &p[1], sizeof(id[0]));
+            }
         }
-        m->argmax_ids[i] = model_argmax_pick(v, id, W);
+        if (m->topk_k > 0)
+            model_topk_merge(v, id, W, k, k, m->argmax_ids + (size_t)i * k,
+                             m->topk_vals + (size_t)i * k);
+        else
+            m->argmax_ids[i] = model_argmax_pick(v, id, W);
     }
     return 0;
+}
+
+/* The sampled rows of a whole head (model_step_topk): each row's k best (value, id) pairs
+ * and, with temps, its softmax mass at temps[row] (backend_row_expsum) reach the host; the
+ * bytes count as logits copied (model_logits_host_bytes). */
+static int trunk_topk(struct model *m, int n_rows)
+{
+    const int V = m->vocab, k = m->topk_k;
+    float *mx;
+    int r;
+
+    TRY(backend_argmax(m->be, m->rows_logits, n_rows, V, k, m->argmax_ids, m->topk_vals));
+    m->logits_host_bytes += (uint64_t)n_rows * (uint64_t)k * (sizeof(float) + sizeof(int32_t));
+    if (!m->topk_temps || n_rows == 0)
+        return 0;
+    mx = malloc(sizeof(float) * (size_t)n_rows);
+    if (!mx)
+        return PLAN_ERR(m, -ENOMEM, "step_topk: out of memory");
+    for (int i = 0; i < n_rows; i++)
+        mx[i] = m->topk_vals[(size_t)i * k];
+    r = backend_row_expsum(m->be, m->rows_logits, n_rows, V, mx, m->topk_temps, m->topk_sums);
+    free(mx);
+    m->logits_host_bytes += (uint64_t)n_rows * sizeof(double);
+    return r;
 }
 
 /* logits[rows, vocab] = lm_head · final_norm(hid[rows]), gathered over the vocab slices;
@@ -290,6 +357,8 @@ int model__trunk_logits(struct model *m, const int32_t *rows, int n_rows, float 
                         m->rows_h));
     TRY(backend_matmul(m->be, &m->lm_head, m->rows_h, n_rows, m->rows_logits));
     if (!m->sharded) {
+        if (m->argmax_ids && m->topk_k > 0)
+            return trunk_topk(m, n_rows);
         if (m->argmax_ids)
             return backend_argmax(m->be, m->rows_logits, n_rows, V, 1, m->argmax_ids, NULL);
         if (logits) {

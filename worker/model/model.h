@@ -152,6 +152,16 @@ const char *model_last_error(const struct model *m);
  * backend has no argmax op; for MTP also per-core halves (CPU) and plans scoring the
  * draft vocabulary (draft_sub): use the logits forms there. */
 int model_step_argmax(struct model *m, const struct step_plan *p, int32_t *ids);
+/* The sampled form of model_step (forward.h, step_topk): every trunk row reduced on the
+ * backend to its k best (value, id) pairs (backend_argmax, k 1 .. BACKEND_ARGMAX_K_MAX),
+ * ids and vals [rows, k]; where temps is not NULL, sums [rows] the rows' softmax mass at
+ * temps[row] (backend_row_expsum; rows with temps[row] <= 0 get 0).  The pairs and sums
+ * count in model_logits_host_bytes.  A vocab-sharded head reduces each rank's slice to k
+ * pairs a row, all-gathers them and merges each row's (model_topk_merge): a collective, so
+ * every rank calls it for that step with the same k, and without temps (-ENOTSUP with them).
+ * -ENOTSUP before anything runs where the backend lacks an op (use model_step there). */
+int model_step_topk(struct model *m, const struct step_plan *p, int k, const float *temps,
+                    int32_t *ids, float *vals, double *sums);
 int model_mtp_step_argmax(struct model *m, int k, const struct step_plan *p,
                           const int32_t *n_valid, const int32_t *tok_in, int32_t *ids);
 /* The argmax of a row from its slices' argmaxes: candidate i has value vals[i] at global id
@@ -160,6 +170,12 @@ int model_mtp_step_argmax(struct model *m, int k, const struct step_plan *p,
  * 0 when every value is NaN (an all-NaN row).  Rank 0 of a sharded group picks its greedy
  * rows with it. */
 int32_t model_argmax_pick(const float *vals, const int32_t *ids, int n);
+/* The k best (value, global id) pairs of a row from W slices' k_each best each (list w at
+ * vals/ids + w * k_each, in backend_argmax's order, id -1 past a slice's non-NaN
+ * elements), in that order, into out_ids / out_vals [k] (k <= W * k_each): backend_argmax's
+ * answer on the whole row. */
+void model_topk_merge(const float *vals, const int32_t *ids, int W, int k_each, int k,
+                      int32_t *out_ids, float *out_vals);
 /* Bytes of logits the model copied to host memory since model_new (trunk and MTP rows,
  * draft-vocabulary rows at their width): 0 after only greedy forms. */
 uint64_t model_logits_host_bytes(const struct model *m);

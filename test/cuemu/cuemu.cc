@@ -139,6 +139,9 @@ static bool g_race_check = true;
 // programmatic dependent launch: threads of this block (a PDL launch) that have not yet
 // passed cudaGridDependencySynchronize (0 when the launch is not PDL)
 static int g_pdl_pending;
+// the running fiber is a thread of a PDL launch that has not waited yet: its loads and
+// stores are checked (set at every switch to a fiber, cleared by its wait)
+static bool g_pdl_unwaited;
 
 static uint64_t rnd()
 {
@@ -192,6 +195,7 @@ void pdl_wait()
         t.pdl_waited = true;
         g_pdl_pending--;
     }
+    g_pdl_unwaited = false;
     g_pdl_waits++;
 }
 
@@ -209,9 +213,13 @@ void pdl_check(const char *what)
               "cudaGridDependencySynchronize()", what);
 }
 
+static bool on_stack(const void *p);
+
+// (called only while g_pdl_unwaited)
 static void pdl_access(const void *p, size_t n, bool write)
 {
-    if (!cur().pdl_waited && is_device(p, 1))
+    (void) n;
+    if (!on_stack(p) && is_device(p, 1))
         fatal("launched with programmatic stream serialization, a thread %s device memory at "
               "%p before cudaGridDependencySynchronize()", write ? "writes" : "reads", p);
 }
@@ -530,14 +538,14 @@ static void shadow_access(const void *p, size_t n, bool write)
 #define CUEMU_COV(n)                                                                          \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_load##n(void *p)                                        \
     {                                                                                         \
-        if (cuemu::g_pdl_pending && cuemu::g_cur)                                             \
+        if (cuemu::g_pdl_unwaited)                                                            \
             cuemu::pdl_access(p, n, false);                                                   \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, false);                                                \
     }                                                                                         \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_store##n(void *p)                                        \
     {                                                                                         \
-        if (cuemu::g_pdl_pending && cuemu::g_cur)                                             \
+        if (cuemu::g_pdl_unwaited)                                                            \
             cuemu::pdl_access(p, n, true);                                                    \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, true);                                                 \
@@ -554,7 +562,7 @@ CUEMU_COV(16)
 // hidden versions (this plugin's code only) feed the shadow, then call the runtime's.
 static void cuemu_mem_access(const void *p, size_t n, bool write)
 {
-    if (cuemu::g_pdl_pending && cuemu::g_cur && n)
+    if (cuemu::g_pdl_unwaited && n)
         cuemu::pdl_access(p, n, write);
     if (cuemu::g_cur && n && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo)
         cuemu::shadow_access(p, n, write);
@@ -953,6 +961,7 @@ static void run_block(const launch_rec &L, uint3 bi)
         g_rq.pop_back();
         thread &t = g_th[i];
         g_cur = &t.f;
+        g_pdl_unwaited = !t.pdl_waited;
 #ifdef CUEMU_ASAN
         void *fake = nullptr;
         stack_mem &s = g_stacks[i];
@@ -962,6 +971,7 @@ static void run_block(const launch_rec &L, uint3 bi)
 #ifdef CUEMU_ASAN
         __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
+        g_pdl_unwaited = false;
         if (t.state == RUNNABLE)
             g_rq.push_back(i);
         else if (t.state == DONE)
@@ -1178,13 +1188,48 @@ static size_t dev_mem_total(void)
     return s && *s ? (size_t) strtoull(s, nullptr, 0) : (size_t) 80 << 30;
 }
 
+// The PDL check asks for every load and store of a thread before its wait (at -O0 mostly
+// its own stack, the launch's arguments and device memory, in runs): the last allocation
+// found and the last gap between allocations a lookup fell in answer most of them without
+// the map; both are forgotten when an allocation comes or goes.
+static uintptr_t g_hit_lo, g_hit_hi, g_gap_lo, g_gap_hi;
+
+static void allocs_changed(void)
+{
+    g_hit_lo = g_hit_hi = g_gap_lo = g_gap_hi = 0;
+}
+
 static bool is_device(const void *p, size_t n)
 {
-    auto it = g_allocs.upper_bound((uintptr_t) p);
-    if (it == g_allocs.begin())
+    const uintptr_t a = (uintptr_t) p;
+    if (a - g_hit_lo < g_hit_hi - g_hit_lo)
+        return a + n <= g_hit_hi;
+    if (a - g_gap_lo < g_gap_hi - g_gap_lo)
         return false;
+    auto it = g_allocs.upper_bound(a);
+    const uintptr_t next = it == g_allocs.end() ? UINTPTR_MAX : it->first;
+    if (it == g_allocs.begin()) {
+        g_gap_lo = 0;
+        g_gap_hi = next;
+        return false;
+    }
     --it;
-    return (uintptr_t) p + n <= it->first + it->second;
+    const uintptr_t end = it->first + it->second;
+    if (a < end) {
+        g_hit_lo = it->first;
+        g_hit_hi = end;
+        return a + n <= end;
+    }
+    g_gap_lo = end;
+    g_gap_hi = next;
+    return false;
+}
+
+// p is on the running fiber's stack (its locals: never device memory)
+static bool on_stack(const void *p)
+{
+    const stack_mem &s = g_stacks[g_cur->linear];
+    return (uintptr_t) p - (uintptr_t) s.base < s.size;
 }
 
 // A copy or memset on stream s: recorded while s is captured, else done now.
@@ -1304,6 +1349,7 @@ cudaError_t cudaMalloc(void **p, size_t n)
     memset(q, 0xFF, n);     // device memory starts undefined: NaN / -1, never zero by luck
     g_allocs[(uintptr_t) q] = n;
     g_alloc_bytes += n;
+    allocs_changed();
     *p = q;
     return cudaSuccess;
 }
@@ -1317,6 +1363,7 @@ cudaError_t cudaFree(void *p)
         fatal("cudaFree(%p): not an allocation of cudaMalloc", p);
     g_alloc_bytes -= it->second;
     g_allocs.erase(it);
+    allocs_changed();
     free(p);
     return cudaSuccess;
 }

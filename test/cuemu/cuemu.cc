@@ -140,8 +140,17 @@ static bool g_race_check = true;
 // passed cudaGridDependencySynchronize (0 when the launch is not PDL)
 static int g_pdl_pending;
 // the running fiber is a thread of a PDL launch that has not waited yet: its loads and
-// stores are checked (set at every switch to a fiber, cleared by its wait)
+// stores are checked (set at every switch to a fiber, cleared by its wait); g_stack_lo,
+// the base of its stack
 static bool g_pdl_unwaited;
+static uintptr_t g_stack_lo;
+
+// an access the PDL check must look up: by a thread that has not waited, off its own stack
+// (its locals, at -O0 most of its accesses before the wait, are never device memory)
+static inline bool pdl_suspect(const void *p)
+{
+    return g_pdl_unwaited && (uintptr_t) p - g_stack_lo >= STACK_SIZE;
+}
 
 static uint64_t rnd()
 {
@@ -213,13 +222,11 @@ void pdl_check(const char *what)
               "cudaGridDependencySynchronize()", what);
 }
 
-static bool on_stack(const void *p);
-
-// (called only while g_pdl_unwaited)
+// (called for the accesses pdl_suspect picks)
 static void pdl_access(const void *p, size_t n, bool write)
 {
     (void) n;
-    if (!on_stack(p) && is_device(p, 1))
+    if (is_device(p, 1))
         fatal("launched with programmatic stream serialization, a thread %s device memory at "
               "%p before cudaGridDependencySynchronize()", write ? "writes" : "reads", p);
 }
@@ -538,14 +545,14 @@ static void shadow_access(const void *p, size_t n, bool write)
 #define CUEMU_COV(n)                                                                          \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_load##n(void *p)                                        \
     {                                                                                         \
-        if (cuemu::g_pdl_unwaited)                                                            \
+        if (cuemu::pdl_suspect(p))                                                            \
             cuemu::pdl_access(p, n, false);                                                   \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, false);                                                \
     }                                                                                         \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_store##n(void *p)                                        \
     {                                                                                         \
-        if (cuemu::g_pdl_unwaited)                                                            \
+        if (cuemu::pdl_suspect(p))                                                            \
             cuemu::pdl_access(p, n, true);                                                    \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, true);                                                 \
@@ -562,7 +569,7 @@ CUEMU_COV(16)
 // hidden versions (this plugin's code only) feed the shadow, then call the runtime's.
 static void cuemu_mem_access(const void *p, size_t n, bool write)
 {
-    if (cuemu::g_pdl_unwaited && n)
+    if (n && cuemu::pdl_suspect(p))
         cuemu::pdl_access(p, n, write);
     if (cuemu::g_cur && n && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo)
         cuemu::shadow_access(p, n, write);
@@ -962,6 +969,7 @@ static void run_block(const launch_rec &L, uint3 bi)
         thread &t = g_th[i];
         g_cur = &t.f;
         g_pdl_unwaited = !t.pdl_waited;
+        g_stack_lo = (uintptr_t) g_stacks[i].base;
 #ifdef CUEMU_ASAN
         void *fake = nullptr;
         stack_mem &s = g_stacks[i];
@@ -1223,13 +1231,6 @@ static bool is_device(const void *p, size_t n)
     g_gap_lo = end;
     g_gap_hi = next;
     return false;
-}
-
-// p is on the running fiber's stack (its locals: never device memory)
-static bool on_stack(const void *p)
-{
-    const stack_mem &s = g_stacks[g_cur->linear];
-    return (uintptr_t) p - (uintptr_t) s.base < s.size;
 }
 
 // A copy or memset on stream s: recorded while s is captured, else done now.

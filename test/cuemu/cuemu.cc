@@ -232,19 +232,100 @@ static void pdl_access(const void *p, size_t n, bool write)
 }
 
 // ---- switching ----
+//
+// A fiber that stops (a barrier, a collective, exit) draws the next fiber itself and
+// switches to it directly, or back to run_block when every thread has exited: the draws
+// are those a scheduler loop would make, in the same order, with one context switch each
+// instead of two.
+
+static int g_done;                  // threads of the block that have exited
+static bool g_from_main;            // the switch in progress started in run_block
+
+// The running fiber is thread `i` (its PDL state, its stack).
+static void enter(int i)
+{
+    thread &t = g_th[i];
+    g_cur = &t.f;
+    g_pdl_unwaited = !t.pdl_waited;
+    g_stack_lo = (uintptr_t) g_stacks[i].base;
+}
+
+// The next thread to run, drawn from the runnable ones; -1 when all have exited.
+static int draw_next()
+{
+    if (g_done == (int) g_th.size())
+        return -1;
+    if (g_rq.empty()) {
+        int bar = 0, wp = 0;
+        for (thread &t : g_th) {
+            bar += t.state == WAIT_BAR;
+            wp += t.state == WAIT_WARP;
+        }
+        g_cur = nullptr;
+        fatal("%s: deadlock in block %u,%u,%u: %d threads wait at __syncthreads, %d at warp "
+              "collectives, %d have exited", g_kernel, g_blk.idx.x, g_blk.idx.y, g_blk.idx.z, bar,
+              wp, g_done);
+    }
+    const size_t j = (size_t) (rnd() % g_rq.size());
+    const int i = g_rq[j];
+    g_rq[j] = g_rq.back();
+    g_rq.pop_back();
+    return i;
+}
+
+// after a switch: a fiber that the run_block started learns the block runner's stack
+static void finish_switch(void *fake)
+{
+#ifdef CUEMU_ASAN
+    const void *bottom;
+    size_t size;
+    __sanitizer_finish_switch_fiber(fake, &bottom, &size);
+    if (g_from_main) {
+        g_main_bottom = bottom;
+        g_main_size = size;
+    }
+#else
+    (void) fake;
+#endif
+    g_from_main = false;
+}
 
 static void to_sched(bool dying)
 {
     thread &t = cur();
+    const int me = g_cur->linear;
+    if (t.state == RUNNABLE)
+        g_rq.push_back(me);
+    else if (t.state == DONE)
+        g_done++;
+    const int next = draw_next();
+    if (next == me) {           // drawn again: it runs on
+        g_cur = &t.f;
+        return;
+    }
+    void *sp;
+    const void *bottom;
+    size_t size;
+    if (next < 0) {
+        g_pdl_unwaited = false;
+        sp = g_main_sp;
+        bottom = g_main_bottom;
+        size = g_main_size;
+    } else {
+        enter(next);
+        sp = g_th[next].sp;
+        bottom = g_stacks[next].base + 4096;
+        size = g_stacks[next].size - 4096;
+    }
 #ifdef CUEMU_ASAN
-    __sanitizer_start_switch_fiber(dying ? nullptr : &t.asan_fake, g_main_bottom, g_main_size);
+    __sanitizer_start_switch_fiber(dying ? nullptr : &t.asan_fake, bottom, size);
 #else
     (void) dying;
+    (void) bottom;
+    (void) size;
 #endif
-    cuemu_swap(&t.sp, g_main_sp);
-#ifdef CUEMU_ASAN
-    __sanitizer_finish_switch_fiber(t.asan_fake, &g_main_bottom, &g_main_size);
-#endif
+    cuemu_swap(&t.sp, sp);
+    finish_switch(t.asan_fake);
 }
 
 static void yield()
@@ -268,9 +349,7 @@ static void thread_exit();
 
 static void fiber_main()
 {
-#ifdef CUEMU_ASAN
-    __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);
-#endif
+    finish_switch(nullptr);
     g_thunk(g_ctx);
     thread_exit();
     cur().state = DONE;
@@ -950,41 +1029,22 @@ static void run_block(const launch_rec &L, uint3 bi)
     }
     g_thunk = L.thunk;
     g_ctx = L.ctx;
-    int done = 0;
-    while (done < n) {
-        if (g_rq.empty()) {
-            int bar = 0, wp = 0;
-            for (thread &t : g_th) {
-                bar += t.state == WAIT_BAR;
-                wp += t.state == WAIT_WARP;
-            }
-            g_cur = nullptr;
-            fatal("%s: deadlock in block %u,%u,%u: %d threads wait at __syncthreads, %d at warp "
-                  "collectives, %d have exited", L.name.c_str(), bi.x, bi.y, bi.z, bar, wp, done);
-        }
-        const size_t j = (size_t) (rnd() % g_rq.size());
-        const int i = g_rq[j];
-        g_rq[j] = g_rq.back();
-        g_rq.pop_back();
-        thread &t = g_th[i];
-        g_cur = &t.f;
-        g_pdl_unwaited = !t.pdl_waited;
-        g_stack_lo = (uintptr_t) g_stacks[i].base;
+    // the first thread drawn runs until the block is done (the fibers switch among
+    // themselves: to_sched), then the last switches back here
+    g_done = 0;
+    const int first = draw_next();
+    enter(first);
 #ifdef CUEMU_ASAN
-        void *fake = nullptr;
-        stack_mem &s = g_stacks[i];
-        __sanitizer_start_switch_fiber(&fake, s.base + 4096, s.size - 4096);
+    void *fake = nullptr;
+    stack_mem &s = g_stacks[first];
+    __sanitizer_start_switch_fiber(&fake, s.base + 4096, s.size - 4096);
 #endif
-        cuemu_swap(&g_main_sp, t.sp);
+    g_from_main = true;
+    cuemu_swap(&g_main_sp, g_th[first].sp);
 #ifdef CUEMU_ASAN
-        __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
-        g_pdl_unwaited = false;
-        if (t.state == RUNNABLE)
-            g_rq.push_back(i);
-        else if (t.state == DONE)
-            done++;
-    }
+    g_pdl_unwaited = false;
     g_cur = nullptr;
     g_pdl_pending = 0;
     for (region &r : g_regions)

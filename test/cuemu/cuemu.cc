@@ -108,7 +108,7 @@ static const uint16_t MANY = 0xFFFF;
 
 struct region {
     uint8_t *base;
-    size_t size;
+    size_t size, align;
     std::vector<shadow_cell> shadow;
     int id;                     // static __shared__ id, -1: the dynamic one
 };
@@ -492,11 +492,28 @@ void *dyn_smem(size_t align)
     return r.base;
 }
 
-static void region_add(uint8_t *base, size_t size, int id)
+// The shared memory and shadows of the block before: the blocks of a launch declare the
+// same arrays, so an allocation of the same size and alignment is taken again (filled
+// anew, exactly as large: AddressSanitizer's bounds are the same) and a shadow vector keeps
+// its capacity, instead of a free and a fresh allocation, for big ones a fresh mapping
+// faulted in page by page, per block.
+struct spare_smem {
+    uint8_t *base;
+    size_t size, align;
+};
+static std::vector<spare_smem> g_spare_smem;
+static std::vector<std::vector<shadow_cell>> g_spare_shadow;
+
+static void region_add(uint8_t *base, size_t size, size_t align, int id)
 {
     region r;
     r.base = base;
     r.size = size;
+    r.align = align;
+    if (!g_spare_shadow.empty()) {
+        r.shadow = std::move(g_spare_shadow.back());
+        g_spare_shadow.pop_back();
+    }
     r.shadow.assign(size, shadow_cell{ 0, 0, 0, 0, 0, 0 });
     r.id = id;
     g_regions.push_back(std::move(r));
@@ -510,7 +527,13 @@ static void region_add(uint8_t *base, size_t size, int id)
 static uint8_t *smem_alloc(size_t size, size_t align)
 {
     void *p = nullptr;
-    if (posix_memalign(&p, align < 16 ? 16 : align, size ? size : 1))
+    for (size_t i = 0; i < g_spare_smem.size() && !p; i++)
+        if (g_spare_smem[i].size == size && g_spare_smem[i].align == align) {
+            p = g_spare_smem[i].base;
+            g_spare_smem[i] = g_spare_smem.back();
+            g_spare_smem.pop_back();
+        }
+    if (!p && posix_memalign(&p, align < 16 ? 16 : align, size ? size : 1))
         fatal("out of memory for shared memory");
     memset(p, 0xA5, size);      // shared memory starts undefined: never zero by luck
     return (uint8_t *) p;
@@ -522,7 +545,7 @@ void *static_smem(int id, size_t bytes, size_t align)
         if (r.id == id)
             return r.base;
     uint8_t *p = smem_alloc(bytes, align);
-    region_add(p, bytes, id);
+    region_add(p, bytes, align, id);
     return p;
 }
 
@@ -1008,7 +1031,7 @@ static void run_block(const launch_rec &L, uint3 bi)
         g_warps[w].live = n - 32 * w >= 32 ? 0xffffffffu : (1u << (n - 32 * w)) - 1;
     g_regions.clear();
     g_sh_lo = g_sh_hi = 0;
-    region_add(smem_alloc(L.smem, 16), L.smem, -1);
+    region_add(smem_alloc(L.smem, 16), L.smem, 16, -1);
     g_dyn_smem = L.smem;
     g_live = n;
     g_pdl_pending = L.pdl ? n : 0;
@@ -1047,8 +1070,15 @@ static void run_block(const launch_rec &L, uint3 bi)
     g_pdl_unwaited = false;
     g_cur = nullptr;
     g_pdl_pending = 0;
-    for (region &r : g_regions)
-        free(r.base);
+    // this block's shared memory and shadows become the spares of the next; those it did
+    // not take are freed
+    for (spare_smem &sp : g_spare_smem)
+        free(sp.base);
+    g_spare_smem.clear();
+    for (region &r : g_regions) {
+        g_spare_smem.push_back({ r.base, r.size, r.align });
+        g_spare_shadow.push_back(std::move(r.shadow));
+    }
     g_regions.clear();
     g_sh_lo = g_sh_hi = 0;
 }

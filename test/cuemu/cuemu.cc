@@ -108,7 +108,7 @@ static const uint16_t MANY = 0xFFFF;
 
 struct region {
     uint8_t *base;
-    size_t size;
+    size_t size, align;
     std::vector<shadow_cell> shadow;
     int id;                     // static __shared__ id, -1: the dynamic one
 };
@@ -139,6 +139,18 @@ static bool g_race_check = true;
 // programmatic dependent launch: threads of this block (a PDL launch) that have not yet
 // passed cudaGridDependencySynchronize (0 when the launch is not PDL)
 static int g_pdl_pending;
+// the running fiber is a thread of a PDL launch that has not waited yet: its loads and
+// stores are checked (set at every switch to a fiber, cleared by its wait); g_stack_lo,
+// the base of its stack
+static bool g_pdl_unwaited;
+static uintptr_t g_stack_lo;
+
+// an access the PDL check must look up: by a thread that has not waited, off its own stack
+// (its locals, at -O0 most of its accesses before the wait, are never device memory)
+static inline bool pdl_suspect(const void *p)
+{
+    return g_pdl_unwaited && (uintptr_t) p - g_stack_lo >= STACK_SIZE;
+}
 
 static uint64_t rnd()
 {
@@ -192,6 +204,7 @@ void pdl_wait()
         t.pdl_waited = true;
         g_pdl_pending--;
     }
+    g_pdl_unwaited = false;
     g_pdl_waits++;
 }
 
@@ -209,27 +222,110 @@ void pdl_check(const char *what)
               "cudaGridDependencySynchronize()", what);
 }
 
+// (called for the accesses pdl_suspect picks)
 static void pdl_access(const void *p, size_t n, bool write)
 {
-    if (!cur().pdl_waited && is_device(p, 1))
+    (void) n;
+    if (is_device(p, 1))
         fatal("launched with programmatic stream serialization, a thread %s device memory at "
               "%p before cudaGridDependencySynchronize()", write ? "writes" : "reads", p);
 }
 
 // ---- switching ----
+//
+// A fiber that stops (a barrier, a collective, exit) draws the next fiber itself and
+// switches to it directly, or back to run_block when every thread has exited: the draws
+// are those a scheduler loop would make, in the same order, with one context switch each
+// instead of two.
+
+static int g_done;                  // threads of the block that have exited
+static bool g_from_main;            // the switch in progress started in run_block
+
+// The running fiber is thread `i` (its PDL state, its stack).
+static void enter(int i)
+{
+    thread &t = g_th[i];
+    g_cur = &t.f;
+    g_pdl_unwaited = !t.pdl_waited;
+    g_stack_lo = (uintptr_t) g_stacks[i].base;
+}
+
+// The next thread to run, drawn from the runnable ones; -1 when all have exited.
+static int draw_next()
+{
+    if (g_done == (int) g_th.size())
+        return -1;
+    if (g_rq.empty()) {
+        int bar = 0, wp = 0;
+        for (thread &t : g_th) {
+            bar += t.state == WAIT_BAR;
+            wp += t.state == WAIT_WARP;
+        }
+        g_cur = nullptr;
+        fatal("%s: deadlock in block %u,%u,%u: %d threads wait at __syncthreads, %d at warp "
+              "collectives, %d have exited", g_kernel, g_blk.idx.x, g_blk.idx.y, g_blk.idx.z, bar,
+              wp, g_done);
+    }
+    const size_t j = (size_t) (rnd() % g_rq.size());
+    const int i = g_rq[j];
+    g_rq[j] = g_rq.back();
+    g_rq.pop_back();
+    return i;
+}
+
+// after a switch: a fiber that the run_block started learns the block runner's stack
+static void finish_switch(void *fake)
+{
+#ifdef CUEMU_ASAN
+    const void *bottom;
+    size_t size;
+    __sanitizer_finish_switch_fiber(fake, &bottom, &size);
+    if (g_from_main) {
+        g_main_bottom = bottom;
+        g_main_size = size;
+    }
+#else
+    (void) fake;
+#endif
+    g_from_main = false;
+}
 
 static void to_sched(bool dying)
 {
     thread &t = cur();
+    const int me = g_cur->linear;
+    if (t.state == RUNNABLE)
+        g_rq.push_back(me);
+    else if (t.state == DONE)
+        g_done++;
+    const int next = draw_next();
+    if (next == me) {           // drawn again: it runs on
+        g_cur = &t.f;
+        return;
+    }
+    void *sp;
+    const void *bottom;
+    size_t size;
+    if (next < 0) {
+        g_pdl_unwaited = false;
+        sp = g_main_sp;
+        bottom = g_main_bottom;
+        size = g_main_size;
+    } else {
+        enter(next);
+        sp = g_th[next].sp;
+        bottom = g_stacks[next].base + 4096;
+        size = g_stacks[next].size - 4096;
+    }
 #ifdef CUEMU_ASAN
-    __sanitizer_start_switch_fiber(dying ? nullptr : &t.asan_fake, g_main_bottom, g_main_size);
+    __sanitizer_start_switch_fiber(dying ? nullptr : &t.asan_fake, bottom, size);
 #else
     (void) dying;
+    (void) bottom;
+    (void) size;
 #endif
-    cuemu_swap(&t.sp, g_main_sp);
-#ifdef CUEMU_ASAN
-    __sanitizer_finish_switch_fiber(t.asan_fake, &g_main_bottom, &g_main_size);
-#endif
+    cuemu_swap(&t.sp, sp);
+    finish_switch(t.asan_fake);
 }
 
 static void yield()
@@ -253,9 +349,7 @@ static void thread_exit();
 
 static void fiber_main()
 {
-#ifdef CUEMU_ASAN
-    __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);
-#endif
+    finish_switch(nullptr);
     g_thunk(g_ctx);
     thread_exit();
     cur().state = DONE;
@@ -398,11 +492,28 @@ void *dyn_smem(size_t align)
     return r.base;
 }
 
-static void region_add(uint8_t *base, size_t size, int id)
+// The shared memory and shadows of the block before: the blocks of a launch declare the
+// same arrays, so an allocation of the same size and alignment is taken again (filled
+// anew, exactly as large: AddressSanitizer's bounds are the same) and a shadow vector keeps
+// its capacity, instead of a free and a fresh allocation, for big ones a fresh mapping
+// faulted in page by page, per block.
+struct spare_smem {
+    uint8_t *base;
+    size_t size, align;
+};
+static std::vector<spare_smem> g_spare_smem;
+static std::vector<std::vector<shadow_cell>> g_spare_shadow;
+
+static void region_add(uint8_t *base, size_t size, size_t align, int id)
 {
     region r;
     r.base = base;
     r.size = size;
+    r.align = align;
+    if (!g_spare_shadow.empty()) {
+        r.shadow = std::move(g_spare_shadow.back());
+        g_spare_shadow.pop_back();
+    }
     r.shadow.assign(size, shadow_cell{ 0, 0, 0, 0, 0, 0 });
     r.id = id;
     g_regions.push_back(std::move(r));
@@ -416,7 +527,13 @@ static void region_add(uint8_t *base, size_t size, int id)
 static uint8_t *smem_alloc(size_t size, size_t align)
 {
     void *p = nullptr;
-    if (posix_memalign(&p, align < 16 ? 16 : align, size ? size : 1))
+    for (size_t i = 0; i < g_spare_smem.size() && !p; i++)
+        if (g_spare_smem[i].size == size && g_spare_smem[i].align == align) {
+            p = g_spare_smem[i].base;
+            g_spare_smem[i] = g_spare_smem.back();
+            g_spare_smem.pop_back();
+        }
+    if (!p && posix_memalign(&p, align < 16 ? 16 : align, size ? size : 1))
         fatal("out of memory for shared memory");
     memset(p, 0xA5, size);      // shared memory starts undefined: never zero by luck
     return (uint8_t *) p;
@@ -428,7 +545,7 @@ void *static_smem(int id, size_t bytes, size_t align)
         if (r.id == id)
             return r.base;
     uint8_t *p = smem_alloc(bytes, align);
-    region_add(p, bytes, id);
+    region_add(p, bytes, align, id);
     return p;
 }
 
@@ -530,14 +647,14 @@ static void shadow_access(const void *p, size_t n, bool write)
 #define CUEMU_COV(n)                                                                          \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_load##n(void *p)                                        \
     {                                                                                         \
-        if (cuemu::g_pdl_pending && cuemu::g_cur)                                             \
+        if (cuemu::pdl_suspect(p))                                                            \
             cuemu::pdl_access(p, n, false);                                                   \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, false);                                                \
     }                                                                                         \
     extern "C" CUEMU_HIDDEN void __sanitizer_cov_store##n(void *p)                                        \
     {                                                                                         \
-        if (cuemu::g_pdl_pending && cuemu::g_cur)                                             \
+        if (cuemu::pdl_suspect(p))                                                            \
             cuemu::pdl_access(p, n, true);                                                    \
         if (cuemu::g_cur && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo) \
             cuemu::shadow_access(p, n, true);                                                 \
@@ -554,7 +671,7 @@ CUEMU_COV(16)
 // hidden versions (this plugin's code only) feed the shadow, then call the runtime's.
 static void cuemu_mem_access(const void *p, size_t n, bool write)
 {
-    if (cuemu::g_pdl_pending && cuemu::g_cur && n)
+    if (n && cuemu::pdl_suspect(p))
         cuemu::pdl_access(p, n, write);
     if (cuemu::g_cur && n && (uintptr_t) p - cuemu::g_sh_lo < cuemu::g_sh_hi - cuemu::g_sh_lo)
         cuemu::shadow_access(p, n, write);
@@ -914,7 +1031,7 @@ static void run_block(const launch_rec &L, uint3 bi)
         g_warps[w].live = n - 32 * w >= 32 ? 0xffffffffu : (1u << (n - 32 * w)) - 1;
     g_regions.clear();
     g_sh_lo = g_sh_hi = 0;
-    region_add(smem_alloc(L.smem, 16), L.smem, -1);
+    region_add(smem_alloc(L.smem, 16), L.smem, 16, -1);
     g_dyn_smem = L.smem;
     g_live = n;
     g_pdl_pending = L.pdl ? n : 0;
@@ -935,42 +1052,33 @@ static void run_block(const launch_rec &L, uint3 bi)
     }
     g_thunk = L.thunk;
     g_ctx = L.ctx;
-    int done = 0;
-    while (done < n) {
-        if (g_rq.empty()) {
-            int bar = 0, wp = 0;
-            for (thread &t : g_th) {
-                bar += t.state == WAIT_BAR;
-                wp += t.state == WAIT_WARP;
-            }
-            g_cur = nullptr;
-            fatal("%s: deadlock in block %u,%u,%u: %d threads wait at __syncthreads, %d at warp "
-                  "collectives, %d have exited", L.name.c_str(), bi.x, bi.y, bi.z, bar, wp, done);
-        }
-        const size_t j = (size_t) (rnd() % g_rq.size());
-        const int i = g_rq[j];
-        g_rq[j] = g_rq.back();
-        g_rq.pop_back();
-        thread &t = g_th[i];
-        g_cur = &t.f;
+    // the first thread drawn runs until the block is done (the fibers switch among
+    // themselves: to_sched), then the last switches back here
+    g_done = 0;
+    const int first = draw_next();
+    enter(first);
 #ifdef CUEMU_ASAN
-        void *fake = nullptr;
-        stack_mem &s = g_stacks[i];
-        __sanitizer_start_switch_fiber(&fake, s.base + 4096, s.size - 4096);
+    void *fake = nullptr;
+    stack_mem &s = g_stacks[first];
+    __sanitizer_start_switch_fiber(&fake, s.base + 4096, s.size - 4096);
 #endif
-        cuemu_swap(&g_main_sp, t.sp);
+    g_from_main = true;
+    cuemu_swap(&g_main_sp, g_th[first].sp);
 #ifdef CUEMU_ASAN
-        __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
-        if (t.state == RUNNABLE)
-            g_rq.push_back(i);
-        else if (t.state == DONE)
-            done++;
-    }
+    g_pdl_unwaited = false;
     g_cur = nullptr;
     g_pdl_pending = 0;
-    for (region &r : g_regions)
-        free(r.base);
+    // this block's shared memory and shadows become the spares of the next; those it did
+    // not take are freed
+    for (spare_smem &sp : g_spare_smem)
+        free(sp.base);
+    g_spare_smem.clear();
+    for (region &r : g_regions) {
+        g_spare_smem.push_back({ r.base, r.size, r.align });
+        g_spare_shadow.push_back(std::move(r.shadow));
+    }
     g_regions.clear();
     g_sh_lo = g_sh_hi = 0;
 }
@@ -1178,13 +1286,41 @@ static size_t dev_mem_total(void)
     return s && *s ? (size_t) strtoull(s, nullptr, 0) : (size_t) 80 << 30;
 }
 
+// The PDL check asks for every load and store of a thread before its wait (at -O0 mostly
+// its own stack, the launch's arguments and device memory, in runs): the last allocation
+// found and the last gap between allocations a lookup fell in answer most of them without
+// the map; both are forgotten when an allocation comes or goes.
+static uintptr_t g_hit_lo, g_hit_hi, g_gap_lo, g_gap_hi;
+
+static void allocs_changed(void)
+{
+    g_hit_lo = g_hit_hi = g_gap_lo = g_gap_hi = 0;
+}
+
 static bool is_device(const void *p, size_t n)
 {
-    auto it = g_allocs.upper_bound((uintptr_t) p);
-    if (it == g_allocs.begin())
+    const uintptr_t a = (uintptr_t) p;
+    if (a - g_hit_lo < g_hit_hi - g_hit_lo)
+        return a + n <= g_hit_hi;
+    if (a - g_gap_lo < g_gap_hi - g_gap_lo)
         return false;
+    auto it = g_allocs.upper_bound(a);
+    const uintptr_t next = it == g_allocs.end() ? UINTPTR_MAX : it->first;
+    if (it == g_allocs.begin()) {
+        g_gap_lo = 0;
+        g_gap_hi = next;
+        return false;
+    }
     --it;
-    return (uintptr_t) p + n <= it->first + it->second;
+    const uintptr_t end = it->first + it->second;
+    if (a < end) {
+        g_hit_lo = it->first;
+        g_hit_hi = end;
+        return a + n <= end;
+    }
+    g_gap_lo = end;
+    g_gap_hi = next;
+    return false;
 }
 
 // A copy or memset on stream s: recorded while s is captured, else done now.
@@ -1304,6 +1440,7 @@ cudaError_t cudaMalloc(void **p, size_t n)
     memset(q, 0xFF, n);     // device memory starts undefined: NaN / -1, never zero by luck
     g_allocs[(uintptr_t) q] = n;
     g_alloc_bytes += n;
+    allocs_changed();
     *p = q;
     return cudaSuccess;
 }
@@ -1317,6 +1454,7 @@ cudaError_t cudaFree(void *p)
         fatal("cudaFree(%p): not an allocation of cudaMalloc", p);
     g_alloc_bytes -= it->second;
     g_allocs.erase(it);
+    allocs_changed();
     free(p);
     return cudaSuccess;
 }

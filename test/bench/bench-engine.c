@@ -35,6 +35,7 @@
  * --mock replaces the forward by worker/engine/mock.c with a memory-bound cost model (fixed
  * 2 ms per step + 20 us per token, 0.3 ms per MTP layer call, 80 % draft accuracy).
  */
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -320,6 +321,36 @@ static const char *dq_name(enum model_draft_quant dq)
     return dq == MODEL_DRAFT_MXFP4 ? "MXFP4 drafts" : "the checkpoint's BF16 drafts";
 }
 
+/* The adaptive policy's own counts (spec_policy_stats), over the engine's life (the
+ * learning runs included): per batch-size bucket the decode steps, the share that drafted
+ * and that probed, and the gate's measured ratio (drafting / none, from its window pairs);
+ * "in the better arm": the share of the steps that drafted where the pairs measured drafting
+ * faster, or that did not where they measured it slower.  Counted in decisions, not seconds:
+ * it does not move with the host's load the way tok/s does. */
+static void print_policy(const char *name, const struct spec_policy_stats *st)
+{
+    if (!st->decisions)
+        return;
+    printf("%s: %llu decisions, %llu probes, %llu gate switches\n", name,
+           (unsigned long long) st->decisions, (unsigned long long) st->probes,
+           (unsigned long long) st->gate_switches);
+    for (int b = 0; b < SPEC_POLICY_BUCKETS; b++) {
+        const struct spec_policy_bucket *x = &st->b[b];
+        double n = (double) x->cycles;
+
+        if (!x->cycles)
+            continue;
+        printf("  %3d-%-3d sequences: %7llu steps, drafted %5.1f %%, probes %4.1f %%", 1 << b,
+               (2 << b) - 1, (unsigned long long) x->cycles, 100.0 * (double) x->drafted / n,
+               100.0 * (double) x->probe_steps / n);
+        if (x->pairs)
+            printf(", gate: drafting / none %.3f over %u pairs, in the better arm %.1f %%",
+                   exp(-x->lq), x->pairs,
+                   100.0 * (x->lq < 0 ? (double) x->drafted : n - (double) x->drafted) / n);
+        printf("\n");
+    }
+}
+
 /* --policy / --draft-vocab: arms (an engine and the K its requests ask for) at concurrency
  * 1, 4 and 16, over policy_reps interleaved rounds (--rounds N: odd, 3..15, default 9; each
  * round runs every arm at every concurrency, the arms taking turns in short sub-runs); arm 0
@@ -430,6 +461,7 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
     for (int a = 0; a < na; a++) {
         struct engine_loads l;
         engine_get_loads(arms[a].e, &l);
+        print_policy(arms[a].name, &l.policy);
         if (l.draft_vocab_installs && (a == 0 || arms[a].e != arms[a - 1].e))
             printf("%s: draft vocabulary of %d ids, %llu installs, the last covering %.1f %% of "
                    "the output tokens counted\n", arms[a].name, l.draft_vocab,

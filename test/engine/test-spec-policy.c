@@ -27,6 +27,7 @@
  * on a loaded machine), beyond that machine's noise.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -839,6 +840,38 @@ static void test_wake(void)
     spec_policy_free(p);
 }
 
+/* spec_policy_stats counts what ran: per batch-size bucket the decode steps, those that
+ * drafted and those that probed, and the gate's pairs.  Four sequences whose drafts pay
+ * (bucket 2), then one (bucket 0) where a draft costs more than it saves. */
+static void test_stats(void)
+{
+    static struct sim s4 = { .B = 4, .base_us = 1500, .mtp_us = 10, .accuracy = 1.0, .rng = 3 };
+    static struct sim s1 = { .B = 1, .base_us = 500, .mtp_us = 2000, .accuracy = 0.5, .rng = 5 };
+    struct spec_policy *p;
+    struct spec_policy_stats st;
+    struct sim_out o4, o1;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    o4 = sim_run(p, &s4, 400);
+    o1 = sim_run(p, &s1, 600);
+    spec_policy_stats(p, &st);
+    printf("  stats: 4 sequences %llu steps, %llu drafted, %llu probing, %u pairs (drafting / "
+           "none %.2f); 1 sequence %llu steps, %llu drafted, %llu probing\n",
+           (unsigned long long)st.b[2].cycles, (unsigned long long)st.b[2].drafted,
+           (unsigned long long)st.b[2].probe_steps, st.b[2].pairs, exp(-st.b[2].lq),
+           (unsigned long long)st.b[0].cycles, (unsigned long long)st.b[0].drafted,
+           (unsigned long long)st.b[0].probe_steps);
+    ASSERT_EQ(st.b[2].cycles, (uint64_t)o4.cycles);
+    ASSERT_EQ(st.b[2].drafted, (uint64_t)o4.drafted);
+    ASSERT_EQ(st.b[0].cycles, (uint64_t)o1.cycles);
+    ASSERT_EQ(st.b[0].drafted, (uint64_t)o1.drafted);
+    ASSERT_TRUE(st.b[2].pairs >= 1 && st.b[2].lq < 0.0);
+    ASSERT_TRUE(st.b[0].probe_steps >= 1 && st.b[0].probe_steps <= st.b[0].drafted);
+    ASSERT_EQ(st.b[1].cycles + st.b[3].cycles, 0);
+    ASSERT_EQ(st.decisions, (uint64_t)(o4.cycles + o1.cycles));
+    spec_policy_free(p);
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -863,6 +896,7 @@ int main(void)
     test_probe_backoff();
     test_gate_far_neighbour();
     test_gate_overrules();
+    test_stats();
     printf("test-spec-policy: ok\n");
     return 0;
 }

@@ -702,6 +702,17 @@ static struct gate *gate_of(struct spec_policy *p, int B)
     return &p->gate[b];
 }
 
+/* Bucket g's last drafting choice (g->dm over g->dn candidates; none: no drafts) scaled to
+ * nc candidates into m, with at least m0 of them drafting. */
+static void gate_choice(const struct gate *g, int nc, int m0, int *m)
+{
+    for (int k = 0; k < SPEC_MAX_K; k++) {
+        m[k] = g->dn > 0 ? (int)(((int64_t)g->dm[k] * nc + g->dn / 2) / g->dn) : 0;
+        m[k] = m[k] < nc ? m[k] : nc;
+    }
+    m[0] = m[0] > 0 ? m[0] : m0;
+}
+
 /* The depths of the decoding sequences (candidates p->cand[0 .. nc)); `off`: the gate's
  * window without drafts, where only the probes draft (p->chose still says whether the model
  * would have). */
@@ -786,11 +797,7 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         int m[SPEC_MAX_K];
         double r;
 
-        for (int k = 0; k < SPEC_MAX_K; k++) {
-            m[k] = (int)(((int64_t)gb->dm[k] * nc + gb->dn / 2) / gb->dn);
-            m[k] = m[k] < nc ? m[k] : nc;
-        }
-        m[0] = m[0] > 0 ? m[0] : 1;
+        gate_choice(gb, nc, 1, m);
         r = rate_of(p, B, nc, m);
         if (r * exp(-gb->lq) > best.rate) {
             memcpy(best.m, m, sizeof(m));
@@ -806,13 +813,9 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
      * probes that ran it cold, or under a passing load) never drafts long enough to be
      * proven wrong, and the gate's windows measure no drafts in both arms */
     if (!off && gb->force && best.m[0] == 0) {
-        int m[SPEC_MAX_K] = { 0 };
+        int m[SPEC_MAX_K];
 
-        for (int k = 0; k < SPEC_MAX_K && gb->dn > 0; k++) {
-            m[k] = (int)(((int64_t)gb->dm[k] * nc + gb->dn / 2) / gb->dn);
-            m[k] = m[k] < nc ? m[k] : nc;
-        }
-        m[0] = m[0] > 0 ? m[0] : nc;
+        gate_choice(gb, nc, nc, m);
         memcpy(best.m, m, sizeof(m));
         best.rate = rate_of(p, B, nc, m);
     }

@@ -480,18 +480,12 @@ struct sim {
                                model's measurements do not see (it is no step's, and too
                                long for the rest of a cycle), and the gate's windows do */
     long plain_tax_us;      /* the same after a cycle that did not draft */
-    int cold_cycles;        /* > 0: the MTP calls of the first cold_cycles cycles of a run of
-                               drafting cycles cost cold_mtp_us (caches and threads that
-                               take a few steps to warm: probes, two steps long, see only
-                               those) */
-    long cold_mtp_us;
     /* state, carried from run to run */
     uint64_t rng;
     struct spec_accept acc[16];
     int32_t pos[16];
     int depth[16], since_idle;
     bool drafted;
-    int streak;             /* drafting cycles in a row before this one */
 };
 
 struct sim_out {
@@ -559,13 +553,11 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
             for (int i = 0; i < sm->B; i++)
                 m += sm->depth[i] > k;
             t0 = sim.us;
-            sleep_us((double)(sm->streak < sm->cold_cycles ? sm->cold_mtp_us : sm->mtp_us) *
-                     slow);
+            sleep_us((double)sm->mtp_us * slow);
             spec_policy_draft_cost(p, k, m, false, (double)(sim.us - t0) * 1e-6);
         }
         o.cycles++;
         sm->drafted = deepest > 0;
-        sm->streak = deepest > 0 ? sm->streak + 1 : 0;
         o.drafted += deepest > 0;
         o.seq_drafts += drafting;
         o.max_drafting = drafting > o.max_drafting ? drafting : o.max_drafting;
@@ -714,7 +706,7 @@ static void test_cold_probe(void)
     last = drive_cold(p, 300, 100, 3000);
     printf("  cold drafts: cycles that drafted: %d of 150 while dear, then %d of 2000 and %d of "
            "the last 300 while cheap once warm\n", dear, cheap, last);
-    ASSERT_TRUE(dear <= 60);
+    ASSERT_TRUE(dear <= 50);
     ASSERT_TRUE(last >= 200);
     spec_policy_free(p);
 }
@@ -848,41 +840,6 @@ static void test_wake(void)
     spec_policy_free(p);
 }
 
-/* Sixteen sequences whose MTP calls cost 1.8 ms: drafting 4 % behind no drafts, and the
- * model drafts in a fifth of the cycles (its probes and choices near the tie).  Then the
- * MTP calls cost 100 us once warm (drafting 2.4 times as fast) but still 1.8 ms in the
- * first three cycles of a run of drafting: the model's probes (two steps) see only those.
- * Three rules make the gate measure drafting there: a drafting window that measured no
- * drafting, in a bucket with nothing measured or with pairs that favour drafting, is
- * followed by one that drafts whatever the model chooses, as is a window exploring the
- * drafting arm less than 5 % behind; and an exploring window whose own pair found the arm
- * it explored ahead explores again within two windows (the median of five pairs takes
- * three to turn).  Without the first two no pair formed in 7000 cycles (222 of the last
- * 1000 drafted), without the third the median held for the whole run (2 of the last 1000
- * drafted); before them the mock with forced acceptance at concurrency 16 drafted in 8.5 %
- * of its steps, 0.71 of fixed K = 3, with one gate pair in 1280 steps. */
-static void test_gate_measures_drafting(void)
-{
-    static struct sim sm = { .B = 16, .base_us = 2000, .token_us = 20, .mtp_us = 1800,
-                             .accuracy = 1.0, .rng = 21, .cold_cycles = 3,
-                             .cold_mtp_us = 1800 };
-    struct spec_policy *p;
-    struct spec_policy_stats st;
-    struct sim_out o;
-
-    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
-    (void)sim_run(p, &sm, 3000);
-    sm.mtp_us = 100;
-    (void)sim_run(p, &sm, 3000);
-    o = sim_run(p, &sm, 1000);
-    spec_policy_stats(p, &st);
-    printf("  sixteen sequences, drafts that pay once warm: %d of the last %d cycles drafted "
-           "(gate: %u pairs, drafting / none %.2f)\n", o.drafted, o.cycles, st.b[4].pairs,
-           exp(-st.b[4].lq));
-    ASSERT_TRUE(o.drafted >= 800);
-    spec_policy_free(p);
-}
-
 /* spec_policy_stats counts what ran: per batch-size bucket the decode steps, those that
  * drafted and those that probed, and the gate's pairs.  Four sequences whose drafts pay
  * (bucket 2), then one (bucket 0) where a draft costs more than it saves. */
@@ -940,7 +897,6 @@ int main(void)
     test_gate_far_neighbour();
     test_gate_overrules();
     test_stats();
-    test_gate_measures_drafting();
     printf("test-spec-policy: ok\n");
     return 0;
 }

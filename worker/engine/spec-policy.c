@@ -93,10 +93,6 @@ struct gate {
     int probe_interval;
     int dm[SPEC_MAX_K], dn;         /* the model's last choice here that drafted (prefix
                                      * lengths over dn candidates; dn 0: none yet) */
-    bool starve;                    /* the last window in the drafting arm measured none:
-                                     * the model drafted in none of its cycles */
-    bool force;                     /* this window drafts whatever the model chooses: it
-                                     * explores the drafting arm, or follows a starved one */
     uint64_t n_cycles, n_drafted, n_probe_steps, n_pairs;   /* spec_policy_stats */
 };
 
@@ -702,17 +698,6 @@ static struct gate *gate_of(struct spec_policy *p, int B)
     return &p->gate[b];
 }
 
-/* Bucket g's last drafting choice (g->dm over g->dn candidates; none: no drafts) scaled to
- * nc candidates into m, with at least m0 of them drafting. */
-static void gate_choice(const struct gate *g, int nc, int m0, int *m)
-{
-    for (int k = 0; k < SPEC_MAX_K; k++) {
-        m[k] = g->dn > 0 ? (int)(((int64_t)g->dm[k] * nc + g->dn / 2) / g->dn) : 0;
-        m[k] = m[k] < nc ? m[k] : nc;
-    }
-    m[0] = m[0] > 0 ? m[0] : m0;
-}
-
 /* The depths of the decoding sequences (candidates p->cand[0 .. nc)); `off`: the gate's
  * window without drafts, where only the probes draft (p->chose still says whether the model
  * would have). */
@@ -797,27 +782,16 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         int m[SPEC_MAX_K];
         double r;
 
-        gate_choice(gb, nc, 1, m);
+        for (int k = 0; k < SPEC_MAX_K; k++) {
+            m[k] = (int)(((int64_t)gb->dm[k] * nc + gb->dn / 2) / gb->dn);
+            m[k] = m[k] < nc ? m[k] : nc;
+        }
+        m[0] = m[0] > 0 ? m[0] : 1;
         r = rate_of(p, B, nc, m);
         if (r * exp(-gb->lq) > best.rate) {
             memcpy(best.m, m, sizeof(m));
             best.rate = r;
         }
-    }
-    /* a window the gate runs to measure drafting (it explores that arm, or the one before
-     * in that arm measured none because the model drafted in none of its cycles): where
-     * the model chooses none its last drafting choice here runs (scaled to the
-     * candidates; one draft each where it has none), so that the window measures
-     * drafting, pairs with one without, and the draft costs at this batch size are
-     * measured warm, in a run of them; otherwise a model that reads drafting dear (from
-     * probes that ran it cold, or under a passing load) never drafts long enough to be
-     * proven wrong, and the gate's windows measure no drafts in both arms */
-    if (!off && gb->force && best.m[0] == 0) {
-        int m[SPEC_MAX_K];
-
-        gate_choice(gb, nc, nc, m);
-        memcpy(best.m, m, sizeof(m));
-        best.rate = rate_of(p, B, nc, m);
     }
     if (p->probe_check && !p->probe_more && p->probe_gate != (int)(gb - p->gate)) {
         /* the batch moved to another bucket before the probe was judged: the probe's bucket
@@ -1014,7 +988,6 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
     struct gate *g;
     double dt = p->gate_last_us > 0 ? (double)(now - p->gate_last_us) * 1e-6 : 0.0;
     bool explored, known, paired = false;
-    double pq = 0.0;                    /* the pair this window made (paired) */
 
     p->gate_last_us = now;
     if (B < 1)
@@ -1048,8 +1021,7 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
         double r = g->tok / g->sec;
 
         if (g->last == !eff && g->last_rate > 0.0 && r > 0.0) {
-            pq = eff ? log(r / g->last_rate) : log(g->last_rate / r);
-            gate_pair_add(g, pq);
+            gate_pair_add(g, eff ? log(r / g->last_rate) : log(g->last_rate / r));
             paired = true;
         }
         g->last = eff;
@@ -1094,13 +1066,6 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
                                        : GATE_EXPLORE_MIN;
             if (v == !arm && gi > g->explore)
                 g->explore = gi;
-            /* the window's own pair found the explored arm ahead while the median of the
-             * last pairs still favours the one it left: explore again within
-             * GATE_EXPLORE_SWITCH windows, so that a change the median has not yet taken
-             * in (one pair of GATE_RING) is confirmed or refuted in a few windows rather
-             * than after up to GATE_RING intervals of GATE_EXPLORE_MAX */
-            if (paired && v == !arm && (pq > -log1p(GATE_HYSTERESIS)) == arm)
-                g->explore = GATE_EXPLORE_SWITCH;
             g->since = 0;
             best = v;
         } else if (v == arm) {
@@ -1119,17 +1084,6 @@ static bool gate_step(struct spec_policy *p, int B, int tok, int64_t now)
     }
     if (best != arm)
         p->gate_switches++;
-    /* a drafting window that measured no drafting (the model drafted in fewer than half
-     * its cycles) where this bucket's pairs measured drafting ahead, or where nothing has
-     * been measured or inferred here (a model that drafts in a fifth of the cycles never
-     * made a pair: neither arm was ever measured): the next one in that arm drafts
-     * regardless (decide), as does a window that
-     * explores that arm where drafting was measured (or inferred) less than GATE_GAP_UNIT
-     * behind (one that far behind costs the gap, and a model that drafts there measures it
-     * anyway) */
-    g->starve = !arm && !g->warm && eff != 0 &&
-                (g->ring_n ? g->lq < -log1p(GATE_HYSTERESIS) : !g->inferred);
-    g->force = !best && ((g->since == -1 && g->lq < log1p(GATE_GAP_UNIT)) || g->starve);
     g->warm = arm && !best;
     g->off = best;
     g->chose = 0;

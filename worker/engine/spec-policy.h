@@ -82,15 +82,7 @@
  * arm that loses gets a window now and then (an interval that doubles while it confirms
  * the choice, and is longer the wider the gap: an exploring window costs the gap); a
  * window that drafts again after one without is not measured (the MTP caches have holes
- * there).  A window the gate runs to measure drafting drafts whatever the model chooses
- * (its last drafting choice here, scaled, or one draft each): one that explores that arm
- * where it was measured less than 5 % behind, and the drafting window after one in which
- * the model drafted in fewer than half the cycles where the bucket's pairs favour drafting
- * or nothing is known there; otherwise a model that reads drafting dear (from probes that
- * ran it cold, or under a passing load) is never proven wrong, its drafting windows
- * measuring no drafts too.  An exploring window whose own pair found the arm it explored
- * ahead explores again within two windows (the median of the last pairs takes three to
- * turn).  While the gate runs without drafts the model's choices are not run, so a model
+ * there).  While the gate runs without drafts the model's choices are not run, so a model
  * whose estimates favour drafting (probes measure drafting warm, where a run of it pays
  * for the caches its draft layers take) drafts only in the gate's exploring windows.  A
  * bucket seen for the first time starts from the evidence of the nearest buckets that have

@@ -21,7 +21,10 @@
  *     windows), work just after an idle wait does not make no drafts read dear, probes
  *     back off where they keep confirming that drafts lose, and a batch size seen first
  *     starts in the arm its nearest measured neighbour favours (its first window judges that);
- *     where the gate measured drafting far ahead, a model that rates it behind drafts anyway.
+ *     where the gate measured drafting far ahead, a model that rates it behind drafts anyway;
+ *   - spec_policy_stats counts per bucket what ran (steps, drafting, probes, the gate's pairs);
+ *   - the mock's calls last their nominal cost, their own work included (a wall clock on
+ *     which that work takes 100 us), and its drafts stay the target's tokens.
  * The mock sleeps, so the costs are wall-clock: the cases are chosen with margins of 25 %
  * and more between the right depth and its neighbours (a sleep of 50 us takes 150-200 us
  * on a loaded machine), beyond that machine's noise.

@@ -20,6 +20,9 @@
  * with it: speed, acceptance per position and MTP time with and without.
  * --mock-mtp-usec U, --mock-accuracy A: the mock's cost of an MTP call and its drafts'
  * accuracy (defaults 300 us, 0.8), to put the policy where drafts pay or do not;
+ * --sim (with --mock): the mock's costs and every engine's clock on simulated time (the
+ * mock's nominal costs, nothing else): tok/s of a machine whose speed never wanders, the
+ * policy's decisions alone, the same however loaded the host.
  * --mock-step-usec U, --mock-token-usec U: its step cost, fixed and per token (defaults
  * 2000 and 20: memory-bound, drafts pay at every batch size; a high per-token cost is a
  * compute-bound model, where they pay at batch 1 and lose in large batches).
@@ -32,6 +35,7 @@
  * --mock replaces the forward by worker/engine/mock.c with a memory-bound cost model (fixed
  * 2 ms per step + 20 us per token, 0.3 ms per MTP layer call, 80 % draft accuracy).
  */
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -136,6 +140,26 @@ static void submit_next(struct client *c)
     }
 }
 
+/* --sim: the mock's costs on a simulated clock that the engines read too (its calls advance
+ * it by their nominal costs; the engine's own work takes no time there): the policy's
+ * choices against the fixed K on a machine whose speed does not wander, the same on any
+ * host however loaded */
+static struct clk_sim bench_sim = { .us = 1000000 };
+static bool use_sim;
+
+/* An engine's thread: under --sim none (run_from steps the engine itself once every
+ * request of a run is in, as a server's batch would hold them) */
+static void start(struct engine *e)
+{
+    if (!use_sim)
+        engine_start(e);
+}
+
+static double now_s(void)
+{
+    return use_sim ? (double) clk_sim_now_us(&bench_sim) * 1e-6 : bench_now();
+}
+
 struct result {
     double secs;
     double fwd_ms, mtp_ms, eng_ms; /* per engine step */
@@ -163,18 +187,22 @@ static struct result run_from(struct engine *e, int vocab, int conc, int k, int 
     struct client *cl = calloc((size_t) conc, sizeof(*cl));
     struct engine_loads l0, l1;
     engine_get_loads(e, &l0);
-    double t0 = bench_now();
+    double t0 = now_s();
     for (int i = 0; i < conc; i++) {
         cl[i].b = &b;
         cl[i].id = i;
         submit_next(&cl[i]);
+    }
+    if (use_sim && engine_run_until_idle(e) < 0) {   /* every request in before the first step */
+        fprintf(stderr, "bench-engine: a simulated run failed.\n");
+        exit(1);
     }
     pthread_mutex_lock(&b.lock);
     while (b.clients_left > 0)
         pthread_cond_wait(&b.cond, &b.lock);
     pthread_mutex_unlock(&b.lock);
     struct result r = {
-        .secs = bench_now() - t0,
+        .secs = now_s() - t0,
         .mtp = b.mtp,
     };
     r.out_tps = b.tokens / r.secs;
@@ -293,6 +321,36 @@ static const char *dq_name(enum model_draft_quant dq)
     return dq == MODEL_DRAFT_MXFP4 ? "MXFP4 drafts" : "the checkpoint's BF16 drafts";
 }
 
+/* The adaptive policy's own counts (spec_policy_stats), over the engine's life (the
+ * learning runs included): per batch-size bucket the decode steps, the share that drafted
+ * and that probed, and the gate's measured ratio (drafting / none, from its window pairs);
+ * "in the better arm": the share of the steps that drafted where the pairs measured drafting
+ * faster, or that did not where they measured it slower.  Counted in decisions, not seconds:
+ * it does not move with the host's load the way tok/s does. */
+static void print_policy(const char *name, const struct spec_policy_stats *st)
+{
+    if (!st->decisions)
+        return;
+    printf("%s: %llu decisions, %llu probes, %llu gate switches\n", name,
+           (unsigned long long) st->decisions, (unsigned long long) st->probes,
+           (unsigned long long) st->gate_switches);
+    for (int b = 0; b < SPEC_POLICY_BUCKETS; b++) {
+        const struct spec_policy_bucket *x = &st->b[b];
+        double n = (double) x->cycles;
+
+        if (!x->cycles)
+            continue;
+        printf("  %3d-%-3d sequences: %7llu steps, drafted %5.1f %%, probes %4.1f %%", 1 << b,
+               (2 << b) - 1, (unsigned long long) x->cycles, 100.0 * (double) x->drafted / n,
+               100.0 * (double) x->probe_steps / n);
+        if (x->pairs)
+            printf(", gate: drafting / none %.3f over %u pairs, in the better arm %.1f %%",
+                   exp(-x->lq), x->pairs,
+                   100.0 * (x->lq < 0 ? (double) x->drafted : n - (double) x->drafted) / n);
+        printf("\n");
+    }
+}
+
 /* --policy / --draft-vocab: arms (an engine and the K its requests ask for) at concurrency
  * 1, 4 and 16, over policy_reps interleaved rounds (--rounds N: odd, 3..15, default 9; each
  * round runs every arm at every concurrency, the arms taking turns in short sub-runs); arm 0
@@ -403,6 +461,7 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
     for (int a = 0; a < na; a++) {
         struct engine_loads l;
         engine_get_loads(arms[a].e, &l);
+        print_policy(arms[a].name, &l.policy);
         if (l.draft_vocab_installs && (a == 0 || arms[a].e != arms[a - 1].e))
             printf("%s: draft vocabulary of %d ids, %llu installs, the last covering %.1f %% of "
                    "the output tokens counted\n", arms[a].name, l.draft_vocab,
@@ -416,7 +475,7 @@ static int arms_table(const struct arm *arms, int na, int vocab, int n_out)
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
-    bool mock = false;
+    bool mock = false, sim = false;
     int threads = 0, n_out = 128, prof_k = -1;
     double prof_s = 0;
     bool policy = false, control = false;
@@ -429,6 +488,8 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--mock") == 0)
             mock = true;
+        else if (strcmp(argv[i], "--sim") == 0)
+            sim = true;
         else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
             threads = atoi(argv[++i]);
         else if (strcmp(argv[i], "--draft-quant") == 0 && i + 1 < argc) {
@@ -471,7 +532,7 @@ int main(int argc, char **argv)
                             "[--mock-accuracy A] [--mock-step-usec U] [--mock-token-usec U]] "
                             "[--threads T] [--tokens N] [--draft-quant "
                             "auto|none|mxfp4] [--profile K SECONDS] [--policy | --policy-control "
-                            "| --draft-vocab N] [--rounds N]\n");
+                            "| --draft-vocab N] [--rounds N] [--sim]\n");
             return 2;
         }
     }
@@ -483,8 +544,8 @@ int main(int argc, char **argv)
     char mock_what[160];
     const char *what = mock_what;
     snprintf(mock_what, sizeof(mock_what), "mock (%.2f ms/step + %ld us/token, %.2f ms/MTP call, "
-             "accuracy %.2f)", mock_step_usec / 1000.0, mock_token_usec, mock_mtp_usec / 1000.0,
-             mock_accuracy);
+             "accuracy %.2f%s)", mock_step_usec / 1000.0, mock_token_usec, mock_mtp_usec / 1000.0,
+             mock_accuracy, sim ? "; simulated time" : "");
     struct model_rig rig = { 0 };
     if (!mock) {
         if (!dir)
@@ -500,6 +561,11 @@ int main(int argc, char **argv)
             eos[n_eos++] = rig.cfg->eos_token_ids[i];
         what = dir;
     }
+    if (sim && (!mock || prof_k >= 0)) {
+        fprintf(stderr, "bench-engine: --sim needs --mock and no --profile.\n");
+        return 2;
+    }
+    use_sim = sim;
     struct mock_config mc;
     mock_config_init(&mc);
     mc.vocab_size = 4096;
@@ -510,6 +576,7 @@ int main(int argc, char **argv)
     mc.token_usec = mock_token_usec;
     mc.mtp_usec = mock_mtp_usec;
     mc.mtp_accuracy = mock_accuracy;
+    mc.clock = sim ? &bench_sim : NULL;
     if (mock) {
         if (mock_forward_new(&mc, &f) < 0)
             return 1;
@@ -517,6 +584,8 @@ int main(int argc, char **argv)
     }
     struct engine_config ec;
     engine_config_init(&ec);
+    if (sim)
+        ec.clock = clk_sim_src(&bench_sim);
     ec.max_num_batched_tokens = 256;
     ec.max_num_seqs = 16;
     ec.max_model_len = 1024;
@@ -531,7 +600,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench-engine: %s\n", err.msg);
         return 1;
     }
-    engine_start(e);
+    start(e);
     int vocab = f->vocab_size;
     /* threads 0 resolves as the CPU backend does: the CPUs of this process's affinity mask */
     cpu_set_t cpus;
@@ -572,7 +641,7 @@ int main(int argc, char **argv)
                 fprintf(stderr, "bench-engine: %s\n", err.msg);
                 return 1;
             }
-            engine_start(en[j]);
+            start(en[j]);
         }
         for (int k = 0; k <= kmax; k++) {
             if (dv_n > 0 && k == 2)
@@ -628,7 +697,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "bench-engine: %s: %s\n", dq_name(dq2), err.msg);
             return 1;
         }
-        engine_start(eq);
+        start(eq);
         (void) run(eq, vocab, 1, 3, 32, 16, 1);
     }
     struct result k0r[BENCH_REPS], k3r[BENCH_REPS], kqr[BENCH_REPS];
@@ -706,6 +775,15 @@ done:
     printf("engine: %llu steps, %llu tokens, %llu preemptions, KV invariant %s\n",
            (unsigned long long) l.n_steps, (unsigned long long) l.n_generated,
            (unsigned long long) l.n_preemptions, inv == 0 ? "ok" : "VIOLATED");
+    if (mock) {
+        struct mock_stats ms;
+
+        mock_forward_stats(f, &ms);
+        printf("mock: %llu steps and %llu MTP calls, %llu whose own work took longer than "
+               "their nominal cost%s\n", (unsigned long long) ms.steps,
+               (unsigned long long) ms.mtp_steps, (unsigned long long) ms.overruns,
+               sim ? " (simulated time: none counted)" : "");
+    }
     engine_free(e);
     if (eq) {
         engine_stop(eq);

@@ -21,12 +21,16 @@
  *     windows), work just after an idle wait does not make no drafts read dear, probes
  *     back off where they keep confirming that drafts lose, and a batch size seen first
  *     starts in the arm its nearest measured neighbour favours (its first window judges that);
- *     where the gate measured drafting far ahead, a model that rates it behind drafts anyway.
+ *     where the gate measured drafting far ahead, a model that rates it behind drafts anyway;
+ *   - spec_policy_stats counts per bucket what ran (steps, drafting, probes, the gate's pairs);
+ *   - the mock's calls last their nominal cost, their own work included (a wall clock on
+ *     which that work takes 100 us), and its drafts stay the target's tokens.
  * The mock sleeps, so the costs are wall-clock: the cases are chosen with margins of 25 %
  * and more between the right depth and its neighbours (a sleep of 50 us takes 150-200 us
  * on a loaded machine), beyond that machine's noise.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -314,40 +318,103 @@ static void test_config(void)
     spec_policy_free(p);
 }
 
+/* One request of 16 prompt tokens (t + 3) and max_tokens on forward f in an engine with
+ * the fixed policy at k drafts, on simulated time, run to its end; returns the engine. */
+static struct engine *run_fixed(struct forward *f, int k, int max_tokens, struct rig_out *c)
+{
+    struct engine_config ec;
+    struct engine *e;
+    struct err_buf err = { { 0 } };
+    int32_t prompt[16];
+    struct rig_req q = { .prompt = prompt, .n_prompt = 16, .max_tokens = max_tokens };
+
+    engine_config_init(&ec);
+    ec.clock = sim_src;
+    ec.max_num_batched_tokens = 64;
+    ec.max_model_len = 256;
+    ec.num_speculative_tokens = k;
+    ec.spec_policy = SPEC_POLICY_FIXED;
+    ASSERT_OK(engine_new(f, &ec, &e, &err));
+    for (int t = 0; t < 16; t++)
+        prompt[t] = t + 3;
+    memset(c, 0, sizeof(*c));
+    rig_submit(e, "fixed", &q, c);
+    ASSERT_OK(engine_run_until_idle(e));
+    ASSERT_EQ(c->n, max_tokens);
+    return e;
+}
+
 /* the fixed policy: every decode step after the first verifies exactly K drafts */
 static void test_fixed(void)
 {
     struct mock_config mc;
-    struct engine_config ec;
     struct forward *f;
     struct engine *e;
-    struct err_buf err = { { 0 } };
-    struct rig_out c = { 0 };
-    int32_t prompt[16];
-    struct rig_req q = { .prompt = prompt, .n_prompt = 16, .max_tokens = 40 };
+    struct rig_out c;
 
     mock_config_init(&mc);
     mc.mtp_accuracy = 0.0f;         /* never accepted: the adaptive policy would stop */
     mc.mtp_usec = 2000;
     mc.clock = &sim;
     ASSERT_OK(mock_forward_new(&mc, &f));
-    engine_config_init(&ec);
-    ec.clock = sim_src;
-    ec.max_num_batched_tokens = 64;
-    ec.max_model_len = 256;
-    ec.num_speculative_tokens = 2;
-    ec.spec_policy = SPEC_POLICY_FIXED;
-    ASSERT_OK(engine_new(f, &ec, &e, &err));
-    for (int t = 0; t < 16; t++)
-        prompt[t] = t + 3;
-    rig_submit(e, "fixed", &q, &c);
-    ASSERT_OK(engine_run_until_idle(e));
-    ASSERT_EQ(c.n, 40);
+    e = run_fixed(f, 2, 40, &c);
     ASSERT_EQ(c.mtp.steps_by_drafts[0], 2);         /* after the prefill, the last token */
     ASSERT_EQ(c.mtp.steps_by_drafts[1], 1);         /* two tokens left: one draft */
     ASSERT_EQ(c.mtp.steps_by_drafts[2], 37);
     ASSERT_EQ(c.mtp.steps_by_drafts[3], 0);
     ASSERT_EQ(c.mtp.n_accepted, 0);
+    engine_free(e);
+    f->ops->free(f);
+}
+
+/* A wall clock whose every read is 100 us after the one before: each mock call's own work
+ * (from its start to its nap) reads as 100 us. */
+static int64_t busy_us;
+
+static int64_t busy_now_us(void *ctx)
+{
+    (void)ctx;
+    return busy_us += 100;
+}
+
+/* The mock's calls cost their nominal time, their own work included (the policy's cost
+ * model reads those costs; its MTP call hashed each sequence's row and cost ~1.5 ms at 16
+ * sequences on a loaded host against its nominal 0.3): with a wall clock on which each
+ * call's work takes 100 us, a 300 us step sleeps 200 us and an 80 us MTP call, overrun,
+ * none; and the drafts are still the target's tokens (forced acceptance accepts them all,
+ * the output is the greedy reference). */
+static void test_mock_cost(void)
+{
+    static const struct clk_src busy = { .now_us = busy_now_us };
+    struct mock_config mc;
+    struct mock_stats ms;
+    struct forward *f;
+    struct engine *e;
+    struct rig_out c;
+    int32_t prompt[16], ref[N_OUT];
+
+    mock_config_init(&mc);
+    mc.vocab_size = 128;
+    mc.mtp_accuracy = 1.0f;
+    mc.step_usec = 300;
+    mc.mtp_usec = 80;
+    mc.wall = &busy;
+    ASSERT_OK(mock_forward_new(&mc, &f));
+    e = run_fixed(f, 3, 24, &c);
+    for (int t = 0; t < 16; t++)
+        prompt[t] = t + 3;
+    reference(f, prompt, 16, ref);
+    for (int t = 0; t < 24; t++)
+        ASSERT_EQ(c.toks[t], ref[t]);
+    ASSERT_TRUE(c.mtp.n_draft_tokens > 0);
+    ASSERT_EQ(c.mtp.n_accepted, c.mtp.n_draft_tokens);
+    mock_forward_stats(f, &ms);
+    printf("  mock on a busy wall clock: %llu steps and %llu MTP calls, %llu us slept, "
+           "%llu overruns\n", (unsigned long long)ms.steps, (unsigned long long)ms.mtp_steps,
+           (unsigned long long)ms.slept_us, (unsigned long long)ms.overruns);
+    ASSERT_TRUE(ms.steps > 0 && ms.mtp_steps > 0);
+    ASSERT_EQ(ms.slept_us, ms.steps * 200);
+    ASSERT_EQ(ms.overruns, ms.mtp_steps);
     engine_free(e);
     f->ops->free(f);
 }
@@ -776,12 +843,45 @@ static void test_wake(void)
     spec_policy_free(p);
 }
 
+/* spec_policy_stats counts what ran: per batch-size bucket the decode steps, those that
+ * drafted and those that probed, and the gate's pairs.  Four sequences whose drafts pay
+ * (bucket 2), then one (bucket 0) where a draft costs more than it saves. */
+static void test_stats(void)
+{
+    static struct sim s4 = { .B = 4, .base_us = 1500, .mtp_us = 10, .accuracy = 1.0, .rng = 3 };
+    static struct sim s1 = { .B = 1, .base_us = 500, .mtp_us = 2000, .accuracy = 0.5, .rng = 5 };
+    struct spec_policy *p;
+    struct spec_policy_stats st;
+    struct sim_out o4, o1;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    o4 = sim_run(p, &s4, 400);
+    o1 = sim_run(p, &s1, 600);
+    spec_policy_stats(p, &st);
+    printf("  stats: 4 sequences %llu steps, %llu drafted, %llu probing, %u pairs (drafting / "
+           "none %.2f); 1 sequence %llu steps, %llu drafted, %llu probing\n",
+           (unsigned long long)st.b[2].cycles, (unsigned long long)st.b[2].drafted,
+           (unsigned long long)st.b[2].probe_steps, st.b[2].pairs, exp(-st.b[2].lq),
+           (unsigned long long)st.b[0].cycles, (unsigned long long)st.b[0].drafted,
+           (unsigned long long)st.b[0].probe_steps);
+    ASSERT_EQ(st.b[2].cycles, (uint64_t)o4.cycles);
+    ASSERT_EQ(st.b[2].drafted, (uint64_t)o4.drafted);
+    ASSERT_EQ(st.b[0].cycles, (uint64_t)o1.cycles);
+    ASSERT_EQ(st.b[0].drafted, (uint64_t)o1.drafted);
+    ASSERT_TRUE(st.b[2].pairs >= 1 && st.b[2].lq < 0.0);
+    ASSERT_TRUE(st.b[0].probe_steps >= 1 && st.b[0].probe_steps <= st.b[0].drafted);
+    ASSERT_EQ(st.b[1].cycles + st.b[3].cycles, 0);
+    ASSERT_EQ(st.decisions, (uint64_t)(o4.cycles + o1.cycles));
+    spec_policy_free(p);
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
     sim_src = clk_sim_src(&sim);
     test_config();
     test_fixed();
+    test_mock_cost();
     test_drafts_pay();
     test_drafts_too_dear();
     test_drafts_rejected();
@@ -799,6 +899,7 @@ int main(void)
     test_probe_backoff();
     test_gate_far_neighbour();
     test_gate_overrules();
+    test_stats();
     printf("test-spec-policy: ok\n");
     return 0;
 }

@@ -1702,6 +1702,7 @@ int engine_step(struct engine *e)
     e->snap.forward_s = (double) e->t_forward_us * 1e-6;
     e->snap.mtp_s = (double) e->t_mtp_us * 1e-6;
     e->snap.engine_s = (double) e->t_engine_us * 1e-6;
+    spec_policy_stats(e->pol, &e->snap.policy);
     pthread_mutex_unlock(&e->lock);
     return r;
 }

@@ -41,6 +41,7 @@
 #include "forward.h"
 #include "plan.h"
 #include "sampler.h"
+#include "spec-policy.h"
 #include "spec.h"
 
 #ifdef __cplusplus
@@ -285,6 +286,7 @@ struct engine_loads {
     int draft_vocab;            /* ids in the installed draft vocabulary (0: none yet) */
     double draft_vocab_cover;   /* share of the counted output tokens inside it */
     uint64_t draft_vocab_installs;
+    struct spec_policy_stats policy;    /* the adaptive draft policy's counts (spec-policy.h) */
     uint64_t image_encodes;     /* images run through the vision encoder */
     uint64_t image_cache_hits;  /* images whose rows came from the encoder cache */
 };

@@ -90,8 +90,18 @@ void mock_forward_row(const struct forward *f, const int32_t *tokens, int n, flo
     fill_row(&m->cfg, ctx_hash(m->cfg.seed, tokens[0], tokens + n - c, c), logits);
 }
 
-/* A step's time: slept, or added to the simulated clock (mock_config.clock). */
-static void nap(const struct mock *m, long usec)
+/* When a call began, on the clock its nominal cost is slept against (0 with a simulated
+ * clock: there the mock's own work takes no time). */
+static int64_t call_start(const struct mock *m)
+{
+    return m->cfg.clock ? 0 : clk_src_now_us(m->cfg.wall);
+}
+
+/* A call's nominal time usec: added to the simulated clock (mock_config.clock), or slept
+ * until usec after its start t0, so that the mock's own work (hashing every row it
+ * returns: at 16 sequences and a 4096-token vocabulary about as long as a nominal MTP
+ * call, and longer on a loaded host) is part of the cost rather than added to it. */
+static void nap(struct mock *m, int64_t t0, long usec)
 {
     if (usec <= 0)
         return;
@@ -99,7 +109,13 @@ static void nap(const struct mock *m, long usec)
         clk_sim_advance_us(m->cfg.clock, usec);
         return;
     }
-    struct timespec ts = { .tv_sec = usec / 1000000, .tv_nsec = (usec % 1000000) * 1000 };
+    int64_t left = (int64_t) usec - (clk_src_now_us(m->cfg.wall) - t0);
+    if (left <= 0) {
+        m->stats.overruns++;
+        return;
+    }
+    m->stats.slept_us += (uint64_t) left;
+    struct timespec ts = { .tv_sec = left / 1000000, .tv_nsec = (left % 1000000) * 1000 };
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR)
         ;
 }
@@ -198,6 +214,7 @@ static int row_from_kv(struct mock *m, const struct step_plan *p, const struct s
 static int mock_step(struct forward *f, const struct step_plan *p, float *logits)
 {
     struct mock *m = f->impl;
+    int64_t t0 = call_start(m);
     int r = check_plan(m, p);
     if (r < 0)
         return r;
@@ -241,7 +258,7 @@ static int mock_step(struct forward *f, const struct step_plan *p, float *logits
         m->stats.max_seqs_in_step = p->n_seqs;
     if (p->n_tokens > m->stats.max_tokens_in_step)
         m->stats.max_tokens_in_step = p->n_tokens;
-    nap(m, m->cfg.step_usec + m->cfg.token_usec * p->n_tokens);
+    nap(m, t0, m->cfg.step_usec + m->cfg.token_usec * p->n_tokens);
     return 0;
 }
 
@@ -249,6 +266,7 @@ static int mock_mtp_step(struct forward *f, int k, const struct step_plan *p, co
                          const int32_t *tok_in, float *logits)
 {
     struct mock *m = f->impl;
+    int64_t t0 = call_start(m);
     if (k < 0 || k >= m->cfg.n_mtp)
         return -EINVAL;
     size_t v = (size_t) m->cfg.vocab_size;
@@ -273,7 +291,7 @@ static int mock_mtp_step(struct forward *f, int k, const struct step_plan *p, co
             fill_row(&m->cfg, splitmix64(h ^ 0x5151), row);
     }
     m->stats.mtp_steps++;
-    nap(m, m->cfg.mtp_usec);
+    nap(m, t0, m->cfg.mtp_usec);
     return 0;
 }
 

@@ -14,10 +14,13 @@
  * MTP: at depth k the draft row is the exact target row of the drafted context with
  * probability mtp_accuracy (a deterministic coin of the context), otherwise an
  * unrelated row, so acceptance rates can be dialled in tests.
- * Step time: step_usec + token_usec * tokens per step (and mtp_usec per MTP step),
- * slept, or with a simulated clock added to it (the engine reading the same clock:
- * engine_config.clock), so throughput experiments cost no CPU and, simulated, no wall
- * time and come out the same on any machine.
+ * Step time: step_usec + token_usec * tokens per step (and mtp_usec per MTP step), from
+ * the call's start to its return: the mock sleeps what its own work (hashing the rows)
+ * left of it, so a call costs its nominal time whatever the host's load as long as that
+ * work fits in it (mock_stats.overruns counts the calls it did not); or with a simulated
+ * clock added to it (the engine reading the same clock: engine_config.clock), so
+ * throughput experiments cost little CPU and, simulated, no wall time and come out the
+ * same on any machine.
  */
 #pragma once
 
@@ -48,6 +51,8 @@ struct mock_config {
     long token_usec;
     long mtp_usec;
     struct clk_sim *clock;     /* NULL: sleep the step times; else advance this clock */
+    const struct clk_src *wall; /* without `clock`: what a call's start and its work are
+                                  measured on (NULL: the monotonic clock) */
     unsigned mtp_kv_groups;    /* forward.mtp_kv_groups: the groups the engine's prefix cache
                                   takes to hold MTP KV (the mock keeps none; 0: none) */
 };
@@ -58,6 +63,8 @@ struct mock_stats {
     uint64_t mtp_steps;
     int max_seqs_in_step;
     int max_tokens_in_step;
+    uint64_t slept_us;         /* slept, summed (without `clock`) */
+    uint64_t overruns;         /* calls whose own work took longer than their nominal time */
 };
 
 /* Defaults for tests: vocab 256, context 3, scale 4, accuracy 0.8, no sleeping. */

@@ -58,7 +58,7 @@
  * switch a quarter of it), so an arm 20 % behind is tried again after 128 windows, not 8.
  * After a window without drafts the next drafting one is not measured at all (warm: the
  * skipped MTP positions are holes in their caches until the layer's window passes them). */
-#define GATE_BUCKETS 8
+#define GATE_BUCKETS SPEC_POLICY_BUCKETS
 #define GATE_WINDOW 32
 #define GATE_WINDOW_S 0.05
 #define GATE_WARM 8
@@ -93,6 +93,7 @@ struct gate {
     int probe_interval;
     int dm[SPEC_MAX_K], dn;         /* the model's last choice here that drafted (prefix
                                      * lengths over dn candidates; dn 0: none yet) */
+    uint64_t n_cycles, n_drafted, n_probe_steps, n_pairs;   /* spec_policy_stats */
 };
 
 struct cost {
@@ -139,6 +140,7 @@ struct spec_policy {
     bool probe_check;               /* the decision after a probe: compare with probe_m */
     int probe_m[SPEC_MAX_K];
     int probe_gate;                 /* the bucket the probe ran in */
+    bool probed;                    /* this decision ran a probe's depths */
 
     struct gate gate[GATE_BUCKETS];
     int64_t gate_last_us;           /* the previous call (0: none) */
@@ -903,6 +905,7 @@ static void decide(struct spec_policy *p, struct step_plan *plan, struct spec_se
         }
         if (probing)
             probing = probe_shift(p, seqs, nc, base, p->probe_k, p->probe_delta, share, pm);
+        p->probed = probing;
         p->fill_depth = 0;
         for (int pos = 0; pos < nc; pos++) {
             int i = p->rank[pos], cap = seqs[i].depth, d = depth_of(p, best.m, pos, cap);
@@ -924,6 +927,7 @@ static void gate_pair_add(struct gate *g, double q)
 {
     float v[GATE_RING];
 
+    g->n_pairs++;
     g->ring[g->ring_head] = (float)q;
     g->ring_head = (uint8_t)((g->ring_head + 1) % GATE_RING);
     if (g->ring_n < GATE_RING)
@@ -1166,6 +1170,7 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
         sum_cap += q->depth;
     }
     p->chose = false;
+    p->probed = false;
     if (nc > 0)     /* (in the gate's window without drafts only the probes draft) */
         decide(p, plan, seqs, B < nc ? nc : (B > p->max_seqs ? p->max_seqs : B), nc, sum_cap,
                off, off && B >= 1 ? gate_probe_floor(gate_of(p, B)) : 0);
@@ -1185,7 +1190,35 @@ bool spec_policy_step(struct spec_policy *p, struct step_plan *plan, struct spec
                          p->kmax);
         any |= s->depth > 0;
     }
+    if (nc > 0 && decode && B >= 1) {
+        struct gate *g = gate_of(p, B);
+        bool drafted = false;
+
+        for (int c = 0; c < nc; c++)
+            drafted |= seqs[p->cand[c]].depth > 0;
+        g->n_cycles++;
+        g->n_drafted += drafted;
+        g->n_probe_steps += p->probed;
+    }
     return any;
+}
+
+void spec_policy_stats(const struct spec_policy *p, struct spec_policy_stats *ret)
+{
+    memset(ret, 0, sizeof(*ret));
+    if (!p || p->mode != SPEC_POLICY_ADAPTIVE)
+        return;
+    ret->decisions = p->n_decisions;
+    ret->probes = p->n_probes;
+    ret->gate_switches = p->gate_switches;
+    for (int b = 0; b < GATE_BUCKETS; b++) {
+        const struct gate *g = &p->gate[b];
+
+        ret->b[b] = (struct spec_policy_bucket) {
+            .cycles = g->n_cycles, .drafted = g->n_drafted, .probe_steps = g->n_probe_steps,
+            .pairs = (uint32_t)g->n_pairs, .lq = g->ring_n ? g->lq : 0.0,
+        };
+    }
 }
 
 /* ------------------------------------------------------------ diagnostics -- */

@@ -162,6 +162,29 @@ void spec_policy_idle(struct spec_policy *p);
 void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, double seconds);
 
 
+/* What the adaptive policy did, per batch-size bucket b (the gate's: 2^b .. 2^(b+1) - 1
+ * decoding sequences), counted over the decode steps it chose depths for: those in which
+ * any sequence drafted (probes included), the probe steps, and the gate's measured
+ * ratio of the two arms.  Load-independent in what it counts (decisions, not seconds):
+ * with `better` the arm the bucket's own pairs measured faster, drafted / cycles (or its
+ * complement) is the share of the steps run in the arm found better. */
+#define SPEC_POLICY_BUCKETS 8
+struct spec_policy_bucket {
+    uint64_t cycles;            /* decode steps with candidates, in this bucket */
+    uint64_t drafted;           /* ... in which some sequence drafted */
+    uint64_t probe_steps;       /* ... that ran a probe's depths */
+    uint32_t pairs;             /* adjacent window pairs measured (0: lq means nothing) */
+    double lq;                  /* the median of the last pairs: log(rate without drafts /
+                                   rate with); < 0: drafting measured faster */
+};
+struct spec_policy_stats {
+    uint64_t decisions, probes, gate_switches;
+    struct spec_policy_bucket b[SPEC_POLICY_BUCKETS];
+};
+
+/* The counts above (zeroes for NULL or the fixed policy). */
+void spec_policy_stats(const struct spec_policy *p, struct spec_policy_stats *ret);
+
 /* Diagnostics and tests: the policy's estimate of the next-step rate (tokens/s) of B
  * sequences that all get d drafts at first-position acceptance a (later positions at the
  * engine-wide rates); 0 when nothing is measured yet. */

@@ -60,8 +60,9 @@
  * probe's rate of the same round, or, where larger, its FLOPs (2 per weight and row; the
  * routed experts' rows once per token routed to them; attention 4 per key, head and dim) /
  * the GEMM peak measured after the probe (gemm_peak); "% of bw" or "% of peak" says which
- * ("% of bw|peak": the rounds differ).  Beside it, per piece (not the attention rows) "cpu",
- * the process's CPU seconds over wall x threads, and "% per cpu-s", the floor at the probe's
+ * ("% of bw|peak": the rounds differ).  Beside it, per piece of 10 ms or more (CPU_MIN_S;
+ * not the attention rows) "cpu", the process's CPU seconds over wall x threads, and "% per
+ * cpu-s", the floor at the probe's
  * (or the peak's) rate per CPU-second over the piece's CPU seconds: what a loaded shared host
  * leaves comparable; the 1-minute load average at each round's start is printed.
  * "% of" = floor / time, median over the rounds of the per-round ratio.  The real step routes
@@ -140,6 +141,9 @@ extern char **environ;
 #define BS 16                       /* KV block size */
 #define CTX_LAYERS 1024             /* context of the layer rows and the real step */
 #define REAL_LAYERS 45
+/* shortest piece given a cpu share: the process's CPU clock takes other threads' time at
+ * scheduler ticks (4 ms at 250 Hz), so a shorter piece's share can read 2-7 at 1 thread */
+#define CPU_MIN_S 0.01
 #define MAX_FMT 4
 
 /* --prefill: one prompt of N tokens, per round */
@@ -416,13 +420,14 @@ static void record(struct bench *b, const char *name, int B, int ctx, double t, 
         c->compute[c->n] = true;
     }
     b->flops_next = 0;
-    if (b->c0 > 0 && b->cpu_share == 0) {
+    if (b->c0 > 0 && b->cpu_share == 0 && t >= CPU_MIN_S) {
         /* per CPU-second: the floor at the probe's (or the peak's) rate per CPU-second
          * over the piece's CPU seconds */
         double fc = c->compute[c->n] ? b->peak_cpu[b->rep] : b->bw_cpu[b->rep];
 
         c->cpu[c->n] = (cpu_now() - b->c0) / (t * b->T);
-        c->cpu_ratio[c->n] = fc > 0 ? c->floor[c->n] * fc / (t * c->cpu[c->n]) : 0;
+        c->cpu_ratio[c->n] = fc > 0 && c->cpu[c->n] > 0 ?
+                                 c->floor[c->n] * fc / (t * c->cpu[c->n]) : 0;
     } else {
         c->cpu[c->n] = b->cpu_share;
         c->cpu_ratio[c->n] = b->cpu_share > 0 ?

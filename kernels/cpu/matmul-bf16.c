@@ -5,7 +5,7 @@
  * decoded once per 4 tokens and each activation vector loaded once per 3 rows; one token
  * runs 8-row tiles with the same per-row arithmetic, so a row's sum never depends on n
  * (batch invariance).  AVX-512F (runtime-detected): the same with 4 rows x 6 tokens in
- * zmm registers.  Tokens are blocked so their activations stay in L1/L2 while a
+ * zmm registers.  Tokens are blocked so their activations (2 MiB) stay in L2/L3 while a
  * thread's rows stream by, and the tiles prefetch the weight rows two tiles ahead.
  * Accumulation is fp32 in 8/16-wide lanes (SIMD) or plain order (scalar): tests compare
  * against an fp64 reference with a relative bound.  On CPUs with AMX-BF16, BF16 weights
@@ -23,9 +23,20 @@
 /* multi-token tiles prefetch the weight rows this many tiles ahead */
 #define Z_PF_TILES 2
 
+/* Tokens per block: their FP32 activations within BF16_TOKEN_BLOCK_BYTES.  Every block
+ * streams the thread's weight rows once more, from DRAM at the real shapes, so the block is
+ * sized for the last-level cache rather than L2 (a tile reads its tokens' rows from L2 or
+ * L3 at one vector per 4 FMAs).  256 KiB gave 16 tokens at 4096 columns and 4 at the
+ * 11264 of a dense MLP's down projection or the 12288 of a sliding layer's o projection:
+ * 4 and 16 passes over those weights at 64 tokens, and tiles of 4 tokens instead of 6.
+ * On the Zen 4 host of PERFORMANCE.md §8.3, 1 thread, 64 tokens, per CPU-second: 4096 x
+ * 4096 77 -> 95 GFLOP/s, 4096 x 11264 37 -> 84 GFLOP/s.  Blocking never changes a
+ * result (each output is one tile lane's sum). */
+#define BF16_TOKEN_BLOCK_BYTES (2 * 1024 * 1024)
+
 static int64_t token_block(int64_t cols)
 {
-    int64_t tb = (256 * 1024) / (cols * 4);
+    int64_t tb = BF16_TOKEN_BLOCK_BYTES / (cols * 4);
 
     return tb < 4 ? 4 : (tb > 256 ? 256 : tb / 4 * 4);
 }

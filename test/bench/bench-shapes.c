@@ -60,7 +60,11 @@
  * probe's rate of the same round, or, where larger, its FLOPs (2 per weight and row; the
  * routed experts' rows once per token routed to them; attention 4 per key, head and dim) /
  * the GEMM peak measured after the probe (gemm_peak); "% of bw" or "% of peak" says which
- * ("% of bw|peak": the rounds differ).
+ * ("% of bw|peak": the rounds differ).  Beside it, per piece of 10 ms or more (CPU_MIN_S;
+ * not the attention rows) "cpu", the process's CPU seconds over wall x threads, and "% per
+ * cpu-s", the floor at the probe's
+ * (or the peak's) rate per CPU-second over the piece's CPU seconds: what a loaded shared host
+ * leaves comparable; the 1-minute load average at each round's start is printed.
  * "% of" = floor / time, median over the rounds of the per-round ratio.  The real step routes
  * as the random model's router does (its bytes count the uniform rows' distinct experts).
  * --formats runs the MoE layer per release format (issue 43): for each format listed,
@@ -137,6 +141,9 @@ extern char **environ;
 #define BS 16                       /* KV block size */
 #define CTX_LAYERS 1024             /* context of the layer rows and the real step */
 #define REAL_LAYERS 45
+/* shortest piece given a cpu share: the process's CPU clock takes other threads' time at
+ * scheduler ticks (4 ms at 250 Hz), so a shorter piece's share can read 2-7 at 1 thread */
+#define CPU_MIN_S 0.01
 #define MAX_FMT 4
 
 /* --prefill: one prompt of N tokens, per round */
@@ -181,7 +188,9 @@ struct bench {
     struct backend *be;
     struct cpu_pool *pool;
     double bw[MAX_REPS];
-    double bw_cpu[MAX_REPS];        /* --attn-only: the probe's cpu share */
+    double bw_cpu[MAX_REPS];        /* the probe's cpu share (decode sweep, --attn-only) */
+    double peak_cpu[MAX_REPS];      /* the GEMM peak's best run's cpu share */
+    double c0;                      /* process CPU time at the last tick(), 0: none */
     struct cell cells[MAX_CELLS];
     int n_cells;
     int nbf, nbs;                   /* KV blocks per FULL / SLIDING layer */
@@ -189,7 +198,8 @@ struct bench {
     double fbw[MAX_FMT][MAX_REPS];  /* --formats: the probe before each format, per round */
     uint64_t rng;
     int rep;
-    double cpu_share;               /* of the piece recorded next (--attn-only), else 0 */
+    double cpu_share;               /* of the piece recorded next (--attn-only), else 0; the
+                                     * decode sweep's pieces timed from tick() get theirs there */
     /* a batch: B seqs at context ctx */
     int32_t ids[MAX_B], pos[MAX_B], slots[_KV_GROUP_MAX][MAX_B], start[MAX_B + 1], pos0[MAX_B];
     int32_t boff[_KV_GROUP_MAX][MAX_B];
@@ -236,6 +246,28 @@ static double cpu_now(void)
 
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The 1-minute load average (/proc/loadavg), or -1. */
+static double load_avg(void)
+{
+    FILE *f = fopen("/proc/loadavg", "r");
+    double v = -1;
+
+    if (f) {
+        if (fscanf(f, "%lf", &v) != 1)
+            v = -1;
+        fclose(f);
+    }
+    return v;
+}
+
+/* Start of a timed piece of the decode sweep: the wall clock, and the CPU time kept for
+ * record() (the piece's cpu share = CPU seconds over wall x threads). */
+static double tick(struct bench *b)
+{
+    b->c0 = cpu_now();
+    return now();
 }
 
 static int cmp_d(const void *a, const void *b)
@@ -388,9 +420,20 @@ static void record(struct bench *b, const char *name, int B, int ctx, double t, 
         c->compute[c->n] = true;
     }
     b->flops_next = 0;
-    c->cpu[c->n] = b->cpu_share;
-    c->cpu_ratio[c->n] = b->cpu_share > 0 ?
-                             c->floor[c->n] * b->bw_cpu[b->rep] / (t * b->cpu_share) : 0;
+    if (b->c0 > 0 && b->cpu_share == 0 && t >= CPU_MIN_S) {
+        /* per CPU-second: the floor at the probe's (or the peak's) rate per CPU-second
+         * over the piece's CPU seconds */
+        double fc = c->compute[c->n] ? b->peak_cpu[b->rep] : b->bw_cpu[b->rep];
+
+        c->cpu[c->n] = (cpu_now() - b->c0) / (t * b->T);
+        c->cpu_ratio[c->n] = fc > 0 && c->cpu[c->n] > 0 ?
+                                 c->floor[c->n] * fc / (t * c->cpu[c->n]) : 0;
+    } else {
+        c->cpu[c->n] = b->cpu_share;
+        c->cpu_ratio[c->n] = b->cpu_share > 0 ?
+                                 c->floor[c->n] * b->bw_cpu[b->rep] / (t * b->cpu_share) : 0;
+    }
+    b->c0 = 0;
     c->n++;
 }
 
@@ -703,7 +746,7 @@ static void moe_pieces(struct bench *b, struct mlayer *L, int B, bool real, cons
     };
 
     evict(b);
-    t0 = now();
+    t0 = tick(b);
     r = backend_moe(m->be, &ma);
     t = now() - t0;
     if (r < 0)
@@ -712,7 +755,7 @@ static void moe_pieces(struct bench *b, struct mlayer *L, int B, bool real, cons
     b->flops_next = wflops(&x->gate, B * cfg->top_k) + wflops(&x->up, B * cfg->top_k) +
                     wflops(&x->down, B * cfg->top_k);
     record(b, name, B, CTX_LAYERS, t, d * expert_bytes(L));
-    t0 = now();
+    t0 = tick(b);
     r = backend_matmul(m->be, &L->router, m->a, B, m->rlogits);
     r = r ? r : backend_router(m->be, m->rlogits, real ? NULL : L->router_bias, B,
                                cfg->n_experts, cfg->top_k, cfg->norm_expert_weight,
@@ -752,7 +795,7 @@ static void layer_rows(struct bench *b, int l, int B, const struct batch *bt)
         }
         if (L->is_moe)
             evict(b);
-        t0 = now();
+        t0 = tick(b);
         r = model__layer_forward(m, L, m->hid, bt);
         t = now() - t0;
         L->router_bias = bias;
@@ -847,7 +890,7 @@ static void sweep(struct bench *b, int B)
     }
     /* lm_head */
     fill_rows(b, m->rows_h, (size_t)B * H);
-    t0 = now();
+    t0 = tick(b);
     r = backend_rmsnorm(m->be, m->rows_h, &m->final_norm, B, H, cfg->rms_norm_eps, m->rows_h);
     r = r ? r : backend_matmul(m->be, &m->lm_head, m->rows_h, B, m->rows_logits);
     t = now() - t0;
@@ -873,7 +916,7 @@ static void sweep(struct bench *b, int B)
         plan_make(b, B, &p);
         if (whole)
             m->split_parts = 1;
-        t0 = now();
+        t0 = tick(b);
         r = model_step(m, &p, b->logits);
         t = now() - t0;
         m->split_parts = parts;
@@ -893,7 +936,7 @@ static void sweep(struct bench *b, int B)
                     wbytes(&L->eh_e) + wbytes(&L->eh_h) + B * kv_bytes(m, L, CTX_LAYERS);
         double hb = wbytes(&L->head_norm) + wbytes(&L->head);
 
-        t0 = now();
+        t0 = tick(b);
         r = model_mtp_step(m, 0, &p, b->n_valid, b->tok_in, b->logits);
         t = now() - t0;
         if (r < 0)
@@ -902,7 +945,7 @@ static void sweep(struct bench *b, int B)
                  L->head.fmt == WFMT_MXFP4 ? "MXFP4 drafts" : "BF16 drafts");
         record(b, name, B, CTX_LAYERS, t, lb + hb);
         fill_rows(b, m->rows_h, (size_t)B * H);
-        t0 = now();
+        t0 = tick(b);
         r = backend_rmsnorm(m->be, m->rows_h, &L->head_norm, B, H, cfg->rms_norm_eps, m->rows_h);
         r = r ? r : backend_matmul(m->be, &L->head, m->rows_h, B, m->mtp_logits);
         t = now() - t0;
@@ -916,7 +959,7 @@ static void sweep(struct bench *b, int B)
             if (r < 0)
                 die("model_step", r, m);
             p.draft_sub = true;
-            t0 = now();
+            t0 = tick(b);
             r = model_mtp_step(m, 0, &p, b->n_valid, b->tok_in, b->logits);
             t = now() - t0;
             p.draft_sub = false;
@@ -1162,14 +1205,16 @@ static double gemm_peak(struct bench *b)
                   "activations" : "MXFP4, exact") : w->fmt == WFMT_BF16 ? "BF16" : "other format";
     fill_rows(b, m->a, (size_t)MAX_B * m->hidden);
     for (int i = 0; i < 6; i++) {
-        double t0 = now(), t;
+        double c0 = cpu_now(), t0 = now(), t;
         int r = backend_matmul(m->be, w, m->a, MAX_B, m->tmp);
 
         t = now() - t0;
         if (r < 0)
             die("GEMM peak", r, NULL);
-        if (i > 0 && (best == 0 || t < best))
+        if (i > 0 && (best == 0 || t < best)) {
             best = t;
+            b->peak_cpu[b->rep] = (cpu_now() - c0) / (t * b->T);
+        }
     }
     return wflops(w, MAX_B) / best;
 }
@@ -1297,15 +1342,26 @@ static void bench_threads(struct bench *b, struct ckpt *ck)
     model_build(b, ck);
     b->n_cells = 0;
     for (b->rep = 0; b->rep < b->reps; b->rep++) {
+        const double pc0 = cpu_now(), pt0 = now();
+
+        b->load[b->rep] = load_avg();
         b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
+        b->bw_cpu[b->rep] = (cpu_now() - pc0) / ((now() - pt0) * b->T);
         b->peak[b->rep] = gemm_peak(b);
         for (int bi = 0; bi < b->n_batches; bi++)
             sweep(b, b->batches[bi]);
     }
     if (b->peak[0] > 0)
         printf("\nthreads %d: GEMM peak %.1f GFLOP/s (median of %d rounds; int8 MXFP4 "
-               "backend_matmul, expert gate %d x %d at %d tokens, weights in cache, best of 5)\n",
-               b->T, median(b->peak, b->reps) / 1e9, b->reps, b->peak_rows, b->m->hidden, MAX_B);
+               "backend_matmul, expert gate %d x %d at %d tokens, weights in cache, best of 5; "
+               "cpu %.2f)\n", b->T, median(b->peak, b->reps) / 1e9, b->reps, b->peak_rows,
+               b->m->hidden, MAX_B, median(b->peak_cpu, b->reps));
+    printf("threads %d: load average at the rounds' starts:", b->T);
+    for (int r = 0; r < b->reps; r++)
+        printf(" %.2f", b->load[r]);
+    printf("; the probe's cpu %.2f (cpu: process CPU seconds over wall x threads; \"per cpu-s\": "
+           "the floor at the probe's or the peak's rate per CPU-second over the piece's CPU "
+           "seconds)\n", median(b->bw_cpu, b->reps));
     report(b);
     model_end(b);
     threads_end(b);
@@ -1332,20 +1388,6 @@ static void experts_fault(const struct mlayer *L)
 }
 
 /* -------------------------------------------------------------- prefill -- */
-
-/* The 1-minute load average (/proc/loadavg), or -1. */
-static double load_avg(void)
-{
-    FILE *f = fopen("/proc/loadavg", "r");
-    double v = -1;
-
-    if (f) {
-        if (fscanf(f, "%lf", &v) != 1)
-            v = -1;
-        fclose(f);
-    }
-    return v;
-}
 
 /* The weight bf16_peak times: the first trunk layer's k projection (BF16 at Step-3.7-Flash's
  * shapes: 1024 x 4096), or NULL where it is not BF16 or has more rows than m->tmp holds. */

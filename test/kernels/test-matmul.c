@@ -516,11 +516,13 @@ int main(void)
                                 tile_cols[b], tile_ns[k], 1 + (int)((a + k) % 2));
     }
     /* BF16 batch invariance on the tiny model's shapes and odd ones (row tails, rows < 16,
-     * an odd number of 32-column k-steps, cols % 32 != 0), AMX on and off */
+     * an odd number of 32-column k-steps, cols % 32 != 0, 16384 columns: token blocks of
+     * 32, so a call of 37 spans two), AMX on and off */
     {
         static const int64_t inv_shapes[][2] = { { 4096, 256 }, { 768, 256 }, { 256, 768 },
                                                  { 256, 384 }, { 128, 256 }, { 37, 1056 },
-                                                 { 16, 32 }, { 21, 96 }, { 9, 64 }, { 40, 100 } };
+                                                 { 16, 32 }, { 21, 96 }, { 9, 64 }, { 40, 100 },
+                                                 { 24, 16384 } };
 
         check_bf16_nonfinite();
         if (cpu_isa_has(CPU_ISA_AVX2))

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""bench-shapes' decode sweep on the tiny model (batches 4 and 64, context 1k, 1 and 2 threads,
+one round): per thread count the load line, and every piece but the attention rows with its
+cpu share and its % of floor per CPU-second where it lasted 10 ms or more (none where
+shorter), sane figures: a share in [0, 1.5], a positive
+per-CPU-second %, and that % equal to floor x the probe's (or the peak's) share over time x
+the piece's share within rounding, i.e. the wall-clock % scaled by the shares (the GEMM
+peak's share where the floor is compute).
+
+usage: test-bench-shapes-decode.py BENCH_SHAPES MODEL_DIR"""
+import os
+import re
+import subprocess
+import sys
+
+bench, model = sys.argv[1], sys.argv[2]
+env = dict(os.environ, STEPD_BENCH_MB="64")
+out = subprocess.run([bench, "--model", model, "--threads", "1,2", "--batches", "4,64",
+                      "--contexts", "1024", "--reps", "1", "--draft-vocab", "0"],
+                     env=env, capture_output=True, text=True, timeout=120)
+bad = []
+if out.returncode != 0:
+    bad.append("exit status %d: %s" % (out.returncode, out.stderr.strip()[-300:]))
+num = r"([0-9.]+)"
+for T in (1, 2):
+    m = re.search(r"\nthreads %d: load average at the rounds' starts: %s; the probe's cpu %s " %
+                  (T, num, num), out.stdout)
+    if not m:
+        bad.append("threads %d: no load line" % T)
+        continue
+    probe_cpu = float(m.group(2))
+    k = re.search(r"\nthreads %d: GEMM peak %s GFLOP/s .*; cpu %s\)" % (T, num, num), out.stdout)
+    if not k:
+        bad.append("threads %d: no GEMM peak line with its cpu share" % T)
+        continue
+    peak_cpu = float(k.group(2))
+    if not 0 < probe_cpu <= 1.5:
+        bad.append("threads %d: the probe's cpu share %g outside (0, 1.5]" % (T, probe_cpu))
+    text = out.stdout.split("\nthreads %d: read bandwidth" % T)[1].split("\nthreads ")[0]
+    rows = timed = 0
+    for line in text.splitlines():
+        p = re.match(r"  +(\S.*?) +(?:1k +)?%s ms +%s MB +floor +%s ms +%s %% of (\S+)(.*)$" %
+                     ((num,) * 4), line)
+        if not p or "Step-3.7-Flash" in line:
+            continue
+        name, rest = p.group(1), p.group(7)
+        if name.startswith("attention"):
+            continue
+        rows += 1
+        c = re.match(r"  cpu %s, +%s %% per cpu-s$" % (num, num), rest)
+        ms = float(p.group(2))
+        if not c:
+            # only pieces of 10 ms or more get them (the process's CPU clock is coarser)
+            if ms >= 10.05 or rest.strip():
+                bad.append("threads %d: %s (%g ms) has no cpu / per cpu-s figures" % (T, name, ms))
+            continue
+        if ms < 9.95:
+            bad.append("threads %d: %s (%g ms) has a cpu share, shorter than 10 ms" % (T, name, ms))
+        timed += 1
+        pct, cpu, pcpu = float(p.group(5)), float(c.group(1)), float(c.group(2))
+        # a piece preempted for most of its time can print a share of 0.00
+        if not 0 <= cpu <= 1.5:
+            bad.append("threads %d: %s cpu share %g outside [0, 1.5]" % (T, name, cpu))
+        if cpu >= 0.01 and not pcpu > 0:
+            bad.append("threads %d: %s %g %% per cpu-s" % (T, name, pcpu))
+        share = {"bw": probe_cpu, "peak": peak_cpu}.get(p.group(6))
+        if share and cpu >= 0.1:
+            # the printed figures' rounding (0.1 %, 0.01 of a share) bounds the difference
+            want = pct * share / cpu
+            if abs(pcpu - want) > want * (0.005 / share + 0.005 / cpu + 0.05 / pct) + 0.1:
+                bad.append("threads %d: %s %g %% per cpu-s, want %g %% x %g / %g = %g" %
+                           (T, name, pcpu, pct, probe_cpu, cpu, want))
+    if rows < 10:
+        bad.append("threads %d: %d piece rows, want >= 10" % (T, rows))
+    if not timed:
+        bad.append("threads %d: no piece with cpu figures" % T)
+for m in bad:
+    print("test-bench-shapes-decode: " + m)
+if bad:
+    print(out.stdout)
+sys.exit(1 if bad else 0)

@@ -24,7 +24,8 @@
  *
  * A pass (one KV head over one key chunk) prefetches the K and V rows of the next pass (the
  * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
- * hardware prefetchers do not follow.  With a BF16 cache the scores and P.V kernels read
+ * hardware prefetchers do not follow; the AVX-512 P.V kernel also brings its V rows from
+ * L2 into L1 ATTN_PV_PF keys ahead.  With a BF16 cache the scores and P.V kernels read
  * the cache rows themselves, converting each vector in registers once for up to 4 (AVX2)
  * or 8 (AVX-512) query rows (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
  * into fp32 buffers first, which an FP32 cache and cpu_attn_no_fused do).
@@ -49,6 +50,9 @@
 #endif
 
 #define KEY_CHUNK 64     /* a multiple of 32 */
+/* keys ahead at which the AVX-512 P.V kernel prefetches its own V rows into L1 (the lines
+ * came into L2 a chunk ahead, struct next_rows; docs/PERFORMANCE.md §8.2) */
+#define ATTN_PV_PF 16
 /* Keys per split-K segment (a multiple of KEY_CHUNK and of the usual block sizes): a row's
  * keys are cut at absolute multiples of it, each piece's softmax state kept apart and the
  * pieces merged in key order (attn_fold), whether one item runs them all or an item runs
@@ -744,7 +748,8 @@ AVX512_FN static void scores_bf16_avx512(const float *qs, int R, int hd,
 
 /* pv_bf16_rows on zmm for nr (1..8) rows over the same keys [ka, kb), hd % 16 == 0, bit for
  * bit (per lane the same FMAs in key order): 32 (then 16) output columns of the nr rows in
- * registers, each V vector widened once for them. */
+ * registers, each V vector widened once for them; a 32-column block's line of each V row is
+ * prefetched into L1 ATTN_PV_PF keys ahead. */
 AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
                                    const uint16_t *const *vr, int hd, float *acc)
 {
@@ -759,6 +764,11 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
         }
         for (int k = ka; k < kb; k++) {
             const __m512 v0 = BF16X16(vr[k] + d0), v1 = BF16X16(vr[k] + d0 + 16);
+
+            /* this column block's line of the row ATTN_PV_PF keys on, L2 -> L1: the rows
+             * are a slot apart, which the L1 prefetchers do not follow */
+            if (k + ATTN_PV_PF < kb)
+                _mm_prefetch((const char *)(vr[k + ATTN_PV_PF] + d0), _MM_HINT_T0);
 
             for (int i = 0; i < nr; i++) {
                 const __m512 pk = _mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]);

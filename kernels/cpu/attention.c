@@ -245,20 +245,15 @@ AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *con
 struct next_rows {
     const uint16_t *k[KEY_CHUNK], *v[KEY_CHUNK];
     int n;
-    bool l2;        /* into L2 only (prefetcht1/t2): the AVX-512 kernels (see attn_chunk) */
 };
 
+/* into L2 only (prefetcht2; see attn_chunk) */
 static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
 {
     for (int k = k0; k < k1 && k < nx->n; k++)
         for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
-            if (nx->l2) {
-                __builtin_prefetch(nx->k[k] + o, 0, 1);
-                __builtin_prefetch(nx->v[k] + o, 0, 1);
-            } else {
-                __builtin_prefetch(nx->k[k] + o, 0, 3);
-                __builtin_prefetch(nx->v[k] + o, 0, 3);
-            }
+            __builtin_prefetch(nx->k[k] + o, 0, 1);
+            __builtin_prefetch(nx->v[k] + o, 0, 1);
         }
 }
 
@@ -1038,11 +1033,11 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
 
             if (fused) {
                 nx.n = pn;
-                /* the AVX-512 kernels prefetch into L2 only: from DRAM (EPYC, AVX-512, 1
-                 * thread, batch 1 at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with
-                 * prefetches into L1, which fill the L1's few miss buffers; the AVX2 ones
-                 * lose with it (batch 16 at 8k: 3.6 against 4.5) */
-                nx.l2 = avx512;
+                /* into L2 only, a chunk ahead: from DRAM (EPYC, AVX-512, 1 thread, batch 1
+                 * at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with prefetches into
+                 * L1, which fill the L1's few miss buffers; the AVX2 kernels too, since
+                 * one item takes a thread's heads (5.5-5.7 -> 6.7-6.8 GB per CPU-second,
+                 * docs/PERFORMANCE.md §8.2) */
                 for (int k = 0; k < pn; k++) {
                     nx.k[k] = (const uint16_t *)kv->k + kv_row_off(kv, ps[k], pj);
                     nx.v[k] = (const uint16_t *)kv->v + kv_row_off(kv, ps[k], pj);

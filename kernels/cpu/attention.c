@@ -26,8 +26,8 @@
  * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
  * hardware prefetchers do not follow; the AVX-512 P.V kernel also brings its V rows from
  * L2 into L1 ATTN_PV_PF keys ahead.  With a BF16 cache the scores and P.V kernels read
- * the cache rows themselves, converting each vector in registers once for up to 4 (AVX2)
- * or 8 (AVX-512) query rows (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
+ * the cache rows themselves, converting each vector in registers once for up to 8 query
+ * rows (AVX2 P.V: 4) (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
  * into fp32 buffers first, which an FP32 cache and cpu_attn_no_fused do).
  *
  * The AVX-512 kernels (chosen at run time, cpu_isa_has; STEPD_CPU_ISA=avx2 forces the AVX2
@@ -301,12 +301,48 @@ scores_bf16_rows(const float *q, int nr, int hd, const uint16_t *const *kr, int 
     }
 }
 
+/* scores_bf16_rows for 8 query rows (the query heads of a KV head at decode) x 1 key per
+ * step, so that each key row is read and converted once for all of them: 8 FMA chains
+ * (the 16 of 8 rows x 2 keys do not fit in 16 ymm registers), each row's partials reduced
+ * by the same tree as scores_avx2, four rows at a time. */
+__attribute__((target(CPU_TARGET_AVX2), always_inline)) static inline void
+scores_bf16_rows8(const float *q, int hd, const uint16_t *const *kr, int nk, float *sc,
+                  const struct next_rows *nx)
+{
+    for (int k = 0; k < nk; k++) {
+        const uint16_t *p = kr[k];
+        __m256 a[8];
+        float t[8];
+
+        if (nx)
+            next_rows_prefetch(nx, k, k + 1, hd);
+        for (int i = 0; i < 8; i++)
+            a[i] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 kv = BF16X8(p + d);
+
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (int64_t)i * hd + d), kv, a[i]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i], a[i + 1]),
+                                            _mm256_hadd_ps(a[i + 2], a[i + 3]));
+
+            _mm_storeu_ps(t + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        }
+        for (int i = 0; i < 8; i++)
+            sc[(int64_t)i * KEY_CHUNK + k] = t[i];
+    }
+}
+
 AVX2_FN static void scores_bf16_avx2(const float *qs, int R, int hd, const uint16_t *const *kr,
                                      int nk, float *sc, const struct next_rows *nx)
 {
     int r = 0;
 
     /* the first rows' pass prefetches the next pass's rows, spread over its keys */
+    for (; r + 8 <= R; r += 8, nx = NULL)
+        scores_bf16_rows8(qs + (int64_t)r * hd, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx);
     for (; r + 4 <= R; r += 4, nx = NULL)
         scores_bf16_rows(qs + (int64_t)r * hd, 4, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx);
     switch (R - r) {
@@ -348,7 +384,9 @@ pv_bf16_rows(const float *sc, int nr, int ka, int kb, const uint16_t *const *vr,
 }
 
 /* P.V of R rows (scores sc, KEY_CHUNK apart; accumulators acc, hd apart; hd % 16 == 0) from
- * a BF16 cache: runs of up to 4 consecutive rows with the same key range share the pass. */
+ * a BF16 cache: runs of up to 4 consecutive rows with the same key range share the pass (8
+ * rows as 8 x 8 output columns, each V vector converted once for all 8, ran 3-5 % slower:
+ * a broadcast per FMA; docs/PERFORMANCE.md §8.2). */
 AVX2_FN static void pv_bf16_avx2(const float *sc, int R, const int *ka, const int *kb,
                                  const uint16_t *const *vr, int hd, float *acc)
 {

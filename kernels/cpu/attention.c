@@ -24,9 +24,10 @@
  *
  * A pass (one KV head over one key chunk) prefetches the K and V rows of the next pass (the
  * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
- * hardware prefetchers do not follow.  With a BF16 cache the scores and P.V kernels read
- * the cache rows themselves, converting each vector in registers once for up to 4 (AVX2)
- * or 8 (AVX-512) query rows (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
+ * hardware prefetchers do not follow; the AVX-512 P.V kernel also brings its V rows from
+ * L2 into L1 ATTN_PV_PF keys ahead.  With a BF16 cache the scores and P.V kernels read
+ * the cache rows themselves, converting each vector in registers once for up to 8 query
+ * rows (AVX2 P.V: 4) (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
  * into fp32 buffers first, which an FP32 cache and cpu_attn_no_fused do).
  *
  * The AVX-512 kernels (chosen at run time, cpu_isa_has; STEPD_CPU_ISA=avx2 forces the AVX2
@@ -49,6 +50,9 @@
 #endif
 
 #define KEY_CHUNK 64     /* a multiple of 32 */
+/* keys ahead at which the AVX-512 P.V kernel prefetches its own V rows into L1 (the lines
+ * came into L2 a chunk ahead, struct next_rows; docs/PERFORMANCE.md §8.2) */
+#define ATTN_PV_PF 16
 /* Keys per split-K segment (a multiple of KEY_CHUNK and of the usual block sizes): a row's
  * keys are cut at absolute multiples of it, each piece's softmax state kept apart and the
  * pieces merged in key order (attn_fold), whether one item runs them all or an item runs
@@ -241,20 +245,15 @@ AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *con
 struct next_rows {
     const uint16_t *k[KEY_CHUNK], *v[KEY_CHUNK];
     int n;
-    bool l2;        /* into L2 only (prefetcht1/t2): the AVX-512 kernels (see attn_chunk) */
 };
 
+/* into L2 only (prefetcht2; see attn_chunk) */
 static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
 {
     for (int k = k0; k < k1 && k < nx->n; k++)
         for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
-            if (nx->l2) {
-                __builtin_prefetch(nx->k[k] + o, 0, 1);
-                __builtin_prefetch(nx->v[k] + o, 0, 1);
-            } else {
-                __builtin_prefetch(nx->k[k] + o, 0, 3);
-                __builtin_prefetch(nx->v[k] + o, 0, 3);
-            }
+            __builtin_prefetch(nx->k[k] + o, 0, 1);
+            __builtin_prefetch(nx->v[k] + o, 0, 1);
         }
 }
 
@@ -302,12 +301,48 @@ scores_bf16_rows(const float *q, int nr, int hd, const uint16_t *const *kr, int 
     }
 }
 
+/* scores_bf16_rows for 8 query rows (the query heads of a KV head at decode) x 1 key per
+ * step, so that each key row is read and converted once for all of them: 8 FMA chains
+ * (the 16 of 8 rows x 2 keys do not fit in 16 ymm registers), each row's partials reduced
+ * by the same tree as scores_avx2, four rows at a time. */
+__attribute__((target(CPU_TARGET_AVX2), always_inline)) static inline void
+scores_bf16_rows8(const float *q, int hd, const uint16_t *const *kr, int nk, float *sc,
+                  const struct next_rows *nx)
+{
+    for (int k = 0; k < nk; k++) {
+        const uint16_t *p = kr[k];
+        __m256 a[8];
+        float t[8];
+
+        if (nx)
+            next_rows_prefetch(nx, k, k + 1, hd);
+        for (int i = 0; i < 8; i++)
+            a[i] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 kv = BF16X8(p + d);
+
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (int64_t)i * hd + d), kv, a[i]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i], a[i + 1]),
+                                            _mm256_hadd_ps(a[i + 2], a[i + 3]));
+
+            _mm_storeu_ps(t + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        }
+        for (int i = 0; i < 8; i++)
+            sc[(int64_t)i * KEY_CHUNK + k] = t[i];
+    }
+}
+
 AVX2_FN static void scores_bf16_avx2(const float *qs, int R, int hd, const uint16_t *const *kr,
                                      int nk, float *sc, const struct next_rows *nx)
 {
     int r = 0;
 
     /* the first rows' pass prefetches the next pass's rows, spread over its keys */
+    for (; r + 8 <= R; r += 8, nx = NULL)
+        scores_bf16_rows8(qs + (int64_t)r * hd, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx);
     for (; r + 4 <= R; r += 4, nx = NULL)
         scores_bf16_rows(qs + (int64_t)r * hd, 4, hd, kr, nk, sc + (int64_t)r * KEY_CHUNK, nx);
     switch (R - r) {
@@ -349,7 +384,9 @@ pv_bf16_rows(const float *sc, int nr, int ka, int kb, const uint16_t *const *vr,
 }
 
 /* P.V of R rows (scores sc, KEY_CHUNK apart; accumulators acc, hd apart; hd % 16 == 0) from
- * a BF16 cache: runs of up to 4 consecutive rows with the same key range share the pass. */
+ * a BF16 cache: runs of up to 4 consecutive rows with the same key range share the pass (8
+ * rows as 8 x 8 output columns, each V vector converted once for all 8, ran 3-5 % slower:
+ * a broadcast per FMA; docs/PERFORMANCE.md §8.2). */
 AVX2_FN static void pv_bf16_avx2(const float *sc, int R, const int *ka, const int *kb,
                                  const uint16_t *const *vr, int hd, float *acc)
 {
@@ -744,7 +781,8 @@ AVX512_FN static void scores_bf16_avx512(const float *qs, int R, int hd,
 
 /* pv_bf16_rows on zmm for nr (1..8) rows over the same keys [ka, kb), hd % 16 == 0, bit for
  * bit (per lane the same FMAs in key order): 32 (then 16) output columns of the nr rows in
- * registers, each V vector widened once for them. */
+ * registers, each V vector widened once for them; a 32-column block's line of each V row is
+ * prefetched into L1 ATTN_PV_PF keys ahead. */
 AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
                                    const uint16_t *const *vr, int hd, float *acc)
 {
@@ -759,6 +797,11 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
         }
         for (int k = ka; k < kb; k++) {
             const __m512 v0 = BF16X16(vr[k] + d0), v1 = BF16X16(vr[k] + d0 + 16);
+
+            /* this column block's line of the row ATTN_PV_PF keys on, L2 -> L1: the rows
+             * are a slot apart, which the L1 prefetchers do not follow */
+            if (k + ATTN_PV_PF < kb)
+                _mm_prefetch((const char *)(vr[k + ATTN_PV_PF] + d0), _MM_HINT_T0);
 
             for (int i = 0; i < nr; i++) {
                 const __m512 pk = _mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]);
@@ -1028,11 +1071,11 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
 
             if (fused) {
                 nx.n = pn;
-                /* the AVX-512 kernels prefetch into L2 only: from DRAM (EPYC, AVX-512, 1
-                 * thread, batch 1 at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with
-                 * prefetches into L1, which fill the L1's few miss buffers; the AVX2 ones
-                 * lose with it (batch 16 at 8k: 3.6 against 4.5) */
-                nx.l2 = avx512;
+                /* into L2 only, a chunk ahead: from DRAM (EPYC, AVX-512, 1 thread, batch 1
+                 * at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with prefetches into
+                 * L1, which fill the L1's few miss buffers; the AVX2 kernels too, since
+                 * one item takes a thread's heads (5.5-5.7 -> 6.7-6.8 GB per CPU-second,
+                 * docs/PERFORMANCE.md §8.2) */
                 for (int k = 0; k < pn; k++) {
                     nx.k[k] = (const uint16_t *)kv->k + kv_row_off(kv, ps[k], pj);
                     nx.v[k] = (const uint16_t *)kv->v + kv_row_off(kv, ps[k], pj);

@@ -1882,8 +1882,10 @@ static void bench_attn_only(struct bench *b)
                 kv.n_blocks = (int)need;
         }
     kv.n_blocks = kv.n_blocks > max_nb + MAX_B ? kv.n_blocks : max_nb + MAX_B;
-    kv.k = aligned_alloc(64, (size_t)kv.n_blocks * (size_t)per_block / 2);
-    kv.v = aligned_alloc(64, (size_t)kv.n_blocks * (size_t)per_block / 2);
+    /* through the backend, as the model's caches (huge pages) */
+    if (backend_buf_alloc(b->be, (size_t)kv.n_blocks * (size_t)per_block / 2, 64, &kv.k) < 0 ||
+        backend_buf_alloc(b->be, (size_t)kv.n_blocks * (size_t)per_block / 2, 64, &kv.v) < 0)
+        die("attention caches", -ENOMEM, NULL);
     tables = malloc(sizeof(*tables) * MAX_B * (size_t)max_nb);
     q = malloc(sizeof(float) * MAX_B * NH * HD);
     out = malloc(sizeof(float) * MAX_B * NH * HD);
@@ -1937,8 +1939,8 @@ static void bench_attn_only(struct bench *b)
     free(q);
     free(out);
     free(tables);
-    free(kv.k);
-    free(kv.v);
+    backend_buf_free(b->be, kv.k);
+    backend_buf_free(b->be, kv.v);
     backend_free(b->be);
     cpu_pool_free(b->pool);
 }

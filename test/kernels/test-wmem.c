@@ -3,7 +3,8 @@
  * 2 MiB-aligned chunks, a big one gets its own; every chunk is unmapped when its last
  * allocation is freed (nothing left mapped at the end); the chunks are advised for huge
  * pages where the kernel allows it (checked in /proc/self/smaps when THP is available);
- * MXFP4 weights prepared and released over and over leave nothing behind. */
+ * MXFP4 weights prepared and released over and over leave nothing behind; the backend's
+ * buffers of 2 MiB or more (KV caches) are 2 MiB-aligned and advised for huge pages too. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,6 +120,31 @@ int main(void)
         }
         cpu_wmem_stats(&chunks, &bytes);
         ASSERT_EQ(chunks, 0);
+        backend_free(be);
+    }
+
+    /* backend buffers of 2 MiB or more (KV caches) are 2 MiB-aligned and advised for huge
+     * pages, keep their bytes and free cleanly; a small one stays as asked */
+    {
+        struct backend *be;
+        struct backend_cfg cfg = { .n_threads = 1 };
+        const size_t nb = (size_t)6 << 20;
+        unsigned char *kvb, *small;
+
+        ASSERT_OK(backend_new("cpu", &cfg, &be));
+        ASSERT_OK(backend_buf_alloc(be, nb, 64, (void **)&kvb));
+        ASSERT_OK(backend_buf_alloc(be, 4096, 64, (void **)&small));
+        ASSERT_EQ((uintptr_t)kvb % ((uintptr_t)2 << 20), 0);
+        ASSERT_EQ((uintptr_t)small % 64, 0);
+        if (thp_allowed())
+            ASSERT_EQ(advised_huge(kvb), 1);
+        for (size_t i = 0; i < nb; i += 4096)
+            kvb[i] = (unsigned char)(i >> 12);
+        memset(small, 0x5a, 4096);
+        for (size_t i = 0; i < nb; i += 4096)
+            ASSERT_EQ(kvb[i], (unsigned char)(i >> 12));
+        backend_buf_free(be, kvb);
+        backend_buf_free(be, small);
         backend_free(be);
     }
     return 0;

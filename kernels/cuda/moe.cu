@@ -71,11 +71,16 @@ __device__ __forceinline__ void stage_chunk<float>(bf16 *dst, const float *src, 
 }
 
 // The four A registers of k-step j of a tile word, scaled (mx4.h; sp: mx4_scales_bf16x2).
+// prmt: the matrix is in the nibble layout (mx4_matrix_placed 0), else the build's decode.
 static __device__ __forceinline__ void mx4_a_regs(uint32_t w, const uint32_t sp[4], int j,
-                                                  const struct mx4_tab &tb, uint32_t a[4])
+                                                  const struct mx4_tab &tb, bool prmt,
+                                                  uint32_t a[4])
 {
     uint32_t r[4];
-    mx4_word_bf16_tab(w, &tb, r);
+    if (prmt)
+        mx4_word_bf16_prmt(w, &tb, r);
+    else
+        mx4_word_bf16_tab(w, &tb, r);
     const uint32_t s_lo = sp[mx4_scale_which(j, 0)];
     const uint32_t s_hi = sp[mx4_scale_which(j, 1)];
     a[0] = bf16x2_mul(r[0], s_lo);
@@ -300,6 +305,7 @@ mx4_gemm(const struct mx4_args a)
     // kl: tiles left to load (0: an idle warp).
     const uint8_t *wp[TWO], *sp[TWO];
     float gs[TWO];                              // NVFP4: the global scales
+    bool prmt[TWO];                             // MXFP4: the matrix's decode (mx4.h)
 #pragma unroll
     for (int m = 0; m < TWO; m++) {
         const uint8_t *nbm = MODE == MX_DENSE ? a.dense_nib : m == 0 ? a.nib0[e] : a.nib1[e];
@@ -307,6 +313,7 @@ mx4_gemm(const struct mx4_args a)
         wp[m] = nbm + (size_t) rt * kt_n * MX4_TILE_NIB_BYTES + lane * 16;
         sp[m] = sbm + (size_t) rt * kt_n * SCB + (lane >> 2) * (SCB / 8);
         gs[m] = NV ? *(const float *) (sbm + nv4_scale_bytes(a.rows, a.cols)) : 1.0f;
+        prmt[m] = MX4_PLACED_ON && !NV && !mx4_matrix_placed(sbm, a.rows, a.cols);
     }
     int kl = active ? kt_n : 0;
     auto load_w = [&](uint4 (&wd)[TWO][D], SW (&sd)[TWO][D]) {
@@ -370,8 +377,9 @@ mx4_gemm(const struct mx4_args a)
                         } else {
                             uint32_t sp4[4];
                             mx4_scales_bf16x2(mx4_sw_word(sc[m][d]), sp4);
-                            mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, am[m][0]);
-                            mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, am[m][1]);
+                            mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, prmt[m], am[m][0]);
+                            mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, prmt[m],
+                                       am[m][1]);
                         }
                     }
 #pragma unroll

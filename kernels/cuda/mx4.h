@@ -19,8 +19,9 @@
  * Element i's code sits in word j where mx4_place puts it: placed (the default), its
  * sign and magnitude bits where a shift or two and a mask or two per register put them
  * into the fields of a BF16 (the value times 2^-126), the 2^126 folded into the stored
- * scale byte (mx4_scale_store: s + 126, so E8M0 above 128 is refused at load); with
- * -DMX4_PRMT_DECODE, in nibble i, the scale byte as in the checkpoint.
+ * scale byte (mx4_scale_store: s + 126); with -DMX4_PRMT_DECODE, or for a matrix with an
+ * E8M0 above 128 (not placeable), in nibble i, the scale byte as in the checkpoint: the
+ * choice per matrix in a word after its scales (mx4_matrix_placed).
  *
  * Decode (mx4_word_bf16): placed, eleven shifts and logic ops a word; PRMT, codes to
  * exact BF16 E2M1 values {0, ±0.5, .., ±6} with nine byte permutes and a few logic ops
@@ -140,14 +141,19 @@ HD uint32_t mx4_place(unsigned code, int i)
     return mx4_place_as(code, i, MX4_PLACED_ON);
 }
 
-/* The code of element i of word w (the inverse of mx4_place). */
-HD unsigned mx4_code(uint32_t w, int i)
+/* The code of element i of word w (the inverse of mx4_place_as). */
+HD unsigned mx4_code_as(uint32_t w, int i, int placed)
 {
     int r = i / 2, h = 16 * (i & 1);
 
-    if (!MX4_PLACED_ON)
+    if (!placed)
         return (w >> (4 * i)) & 0xF;
     return (w >> (MX4_MAG_BIT(r) + h) & 7) | (w >> (MX4_SIGN_BIT(r) + h) & 1) << 3;
+}
+
+HD unsigned mx4_code(uint32_t w, int i)
+{
+    return mx4_code_as(w, i, MX4_PLACED_ON);
 }
 
 /* Code of source element (row, k), 0 in the padding. */
@@ -159,31 +165,57 @@ HD unsigned mx4_src_code(const uint8_t *packed, int64_t rows, int64_t cols, int6
 }
 
 /* The scale byte as stored for E8M0 s: s (2^(s-127)); placed, s + 126 (2^(s-1): the
- * decoded values are 2^126 too small), s = 0 staying 0 and s > 128 (not representable)
- * refused at load (mx4_scale_placeable). */
-HD unsigned mx4_scale_store(unsigned s)
+ * decoded values are 2^126 too small), s = 0 staying 0; s > 128 is not representable
+ * (mx4_scale_placeable): such a matrix is stored with placed 0. */
+HD unsigned mx4_scale_store_as(unsigned s, int placed)
 {
-    return MX4_PLACED_ON && s != 0 ? s + 126 : s;
+    return placed && s != 0 ? s + 126 : s;
 }
 
-/* Whether E8M0 s can be stored (placed: 2^(s-1) must be a finite BF16, s <= 128; the
- * backend refuses a matrix with a larger scale, -ERANGE). */
+HD unsigned mx4_scale_store(unsigned s)
+{
+    return mx4_scale_store_as(s, MX4_PLACED_ON);
+}
+
+/* Whether E8M0 s can be stored placed (2^(s-1) must be a finite BF16, s <= 128; a matrix
+ * with a larger scale is repacked in the nibble layout and read by the PRMT decode,
+ * mx4_matrix_placed). */
 HD int mx4_scale_placeable(unsigned s)
 {
     return !MX4_PLACED_ON || s <= 128;
 }
 
 /* The E8M0 s of a stored scale byte (the inverse of mx4_scale_store). */
+HD unsigned mx4_scale_e8m0_as(unsigned b, int placed)
+{
+    return placed && b != 0 ? b - 126 : b;
+}
+
 HD unsigned mx4_scale_e8m0(unsigned b)
 {
-    return MX4_PLACED_ON && b != 0 ? b - 126 : b;
+    return mx4_scale_e8m0_as(b, MX4_PLACED_ON);
+}
+
+HD unsigned mx4_src_scale_as(const uint8_t *scale, int64_t rows, int64_t cols, int64_t row,
+                             int64_t g, int placed)
+{
+    if (row >= rows || g >= cols / 32)
+        return 0;
+    return mx4_scale_store_as(scale[row * (cols / 32) + g], placed);
 }
 
 HD unsigned mx4_src_scale(const uint8_t *scale, int64_t rows, int64_t cols, int64_t row, int64_t g)
 {
-    if (row >= rows || g >= cols / 32)
-        return 0;
-    return mx4_scale_store(scale[row * (cols / 32) + g]);
+    return mx4_src_scale_as(scale, rows, cols, row, g, MX4_PLACED_ON);
+}
+
+/* The decode of one matrix as the backend prepared it (per matrix, docs/GPU.md §3): a
+ * 32-bit word after its last tile's scales, at mx4_scale_bytes: 1 placed, 0 the nibble
+ * layout and PRMT decode (any build with -DMX4_PRMT_DECODE; placed builds for a matrix
+ * with a block scale above 2^1). */
+HD int mx4_matrix_placed(const uint8_t *sc, int64_t rows, int64_t cols)
+{
+    return *(const uint32_t *)(sc + mx4_scale_bytes(rows, cols)) != 0;
 }
 
 /* The 16 nibble bytes (as 4 words) lane l of tile t reads, gathered from the source with
@@ -207,18 +239,25 @@ HD void mx4_lane_words(const uint8_t *packed, int64_t rows, int64_t cols, int64_
 /* The 16 nibble bytes (as 4 words) and the 4 scale bytes lane l of tile t reads, gathered
  * from the source: one thread's work in the repack kernel, one loop step of the host
  * repack.  Lanes with the same l/4 produce the same scale word. */
-HD void mx4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
-                        int64_t t, int l, uint32_t w[4], uint32_t *ret_scale)
+HD void mx4_lane_gather_as(const uint8_t *packed, const uint8_t *scale, int64_t rows,
+                           int64_t cols, int64_t t, int l, int placed, uint32_t w[4],
+                           uint32_t *ret_scale)
 {
     int64_t kt_n = mx4_cols_padded(cols) / 64;
     int64_t rt = t / kt_n, kt = t % kt_n;
     int q = l / 4;
 
-    mx4_lane_words(packed, rows, cols, t, l, MX4_PLACED_ON, w);
-    *ret_scale = mx4_src_scale(scale, rows, cols, 16 * rt + q, 2 * kt) |
-                 mx4_src_scale(scale, rows, cols, 16 * rt + q, 2 * kt + 1) << 8 |
-                 mx4_src_scale(scale, rows, cols, 16 * rt + q + 8, 2 * kt) << 16 |
-                 mx4_src_scale(scale, rows, cols, 16 * rt + q + 8, 2 * kt + 1) << 24;
+    mx4_lane_words(packed, rows, cols, t, l, placed, w);
+    *ret_scale = mx4_src_scale_as(scale, rows, cols, 16 * rt + q, 2 * kt, placed) |
+                 mx4_src_scale_as(scale, rows, cols, 16 * rt + q, 2 * kt + 1, placed) << 8 |
+                 mx4_src_scale_as(scale, rows, cols, 16 * rt + q + 8, 2 * kt, placed) << 16 |
+                 mx4_src_scale_as(scale, rows, cols, 16 * rt + q + 8, 2 * kt + 1, placed) << 24;
+}
+
+HD void mx4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
+                        int64_t t, int l, uint32_t w[4], uint32_t *ret_scale)
+{
+    mx4_lane_gather_as(packed, scale, rows, cols, t, l, MX4_PLACED_ON, w, ret_scale);
 }
 
 /* Tables of the decode.  z(magnitude m) = iH << 4 | iL, the indices into T of the high

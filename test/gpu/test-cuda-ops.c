@@ -24,6 +24,10 @@
 
 static struct backend *cpu;
 static bool fast;           /* the tensor-core path (not mxfp4_exact) */
+/* E8M0 > 128 set: every other MXFP4 weight make_weight makes has one block scale of it
+ * (above the placed decode's 2^1: that matrix falls back to the PRMT decode) */
+static unsigned mx4_big;
+static unsigned mx4_made;
 
 /* tolerances: the FP32 op path, or BF16 activations on the tensor-core path */
 #define TOL(exact, bf16) (fast ? (bf16) : (exact))
@@ -131,6 +135,8 @@ static void make_weight(struct wpair *w, enum wfmt fmt, int rows, int cols)
             p[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1442695040888963407ull) ;
         for (size_t i = 0; i < n / 32; i++)
             w->scale[i] = (uint8_t)(120 + (i % 7));
+        if (mx4_big && mx4_made++ % 2 == 0)
+            w->scale[n / 64] = (uint8_t)mx4_big;
         w->data = p;
     }
     w->c = (struct bweight){ .fmt = fmt, .rows = rows, .cols = cols, .data = w->data, .scale = w->scale,
@@ -408,8 +414,9 @@ static void test_attention(int heads, int kvh, int hd, int window, int kv_f32, i
     free(ckv.k); free(ckv.v); free(q); free(out); free(tables);
 }
 
-/* The placed MXFP4 decode stores E8M0 s as 2^(s-1) in BF16: s = 128 loads, s = 129 (any
- * scale above 2) is refused with -ERANGE, not decoded to infinity. */
+/* The placed MXFP4 decode stores E8M0 s as 2^(s-1) in BF16, s <= 128; a matrix with a
+ * larger block scale loads in the nibble layout of the PRMT decode (one info line), a NaN
+ * scale (255) is refused.  Their products: run_formats. */
 static void test_mx4_scale_range(void)
 {
     uint8_t data[16 * 64 / 2] = { 0 }, scale[16 * 2];
@@ -419,9 +426,12 @@ static void test_mx4_scale_range(void)
     scale[5] = 128;
     ASSERT_OK(backend_weight_prepare(gpu, &w));
     backend_weight_release(gpu, &w);
-    scale[5] = 129;
-    ASSERT_EQ(backend_weight_prepare(gpu, &w), -ERANGE);
-    printf("mxfp4 scale 2^1 loads, 2^2 refused (-ERANGE)\n");
+    scale[5] = 130;
+    ASSERT_OK(backend_weight_prepare(gpu, &w));
+    backend_weight_release(gpu, &w);
+    scale[5] = 255;
+    ASSERT_EQ(backend_weight_prepare(gpu, &w), -EINVAL);
+    printf("mxfp4 scales 2^1 and 2^3 load, NaN refused (-EINVAL)\n");
 }
 
 /* An NVFP4 weight whose E4M3 scales hold a NaN (0x7F, 0xFF) is refused (-EINVAL), not
@@ -452,6 +462,14 @@ static void test_nvfp4_scale_nan(void)
 static void run_nvfp4(void)
 {
     test_nvfp4_scale_nan();
+    /* MXFP4 matrices with a block scale of 2^3 (every other one: placed and PRMT matrices
+     * in one launch) through the dense matmul and the MoE, NT 1 and NT 4 */
+    mx4_big = 130;
+    test_mx4_scale_range();
+    test_matmul(WFMT_MXFP4, 77, 320, 1, TOL(1e-5, TOL_MX4_GEMM(320)));
+    test_router_moe(WFMT_MXFP4, 5, 64, 32, 12, 3, 4, 6, 7.0f);
+    test_router_moe(WFMT_MXFP4, 20, 320, 32, 40, 8, 0, 40, 0.0f);
+    mx4_big = 0;
     test_router_moe(WFMT_NVFP4, 5, 64, 32, 12, 3, 4, 6, 7.0f);
     test_router_moe(WFMT_NVFP4, 13, 128, 64, 288, 8, 72, 72, 2.5f);
     test_router_moe(WFMT_NVFP4, 20, 320, 32, 40, 8, 0, 40, 0.0f);

@@ -348,7 +348,9 @@ mx4_gemm(const struct mx4_args a)
     // weights are requested into the other buffers, then stage s is decoded and multiplied
     // while they load.  The weights alternate between two register sets, the loop below
     // running two stages a turn, so that nothing is copied from one to the other.
-    auto stage = [&](int s, int par, const uint4 (&wc)[TWO][D], const SW (&sc)[TWO][D],
+    // P: whether a matrix may be in the PRMT layout (a constant at each call below: the
+    // common case, every matrix placed, runs a loop without the per-word branch)
+    auto stage = [&](bool P, int s, int par, const uint4 (&wc)[TWO][D], const SW (&sc)[TWO][D],
                      uint4 (&wn)[TWO][D], SW (&sn)[TWO][D]) {
         cp_async_wait<0>();     // stage s's tokens: this thread's copies
         __syncthreads();        // everyone's, and stage s - 1's buffer is read
@@ -377,9 +379,9 @@ mx4_gemm(const struct mx4_args a)
                         } else {
                             uint32_t sp4[4];
                             mx4_scales_bf16x2(mx4_sw_word(sc[m][d]), sp4);
-                            mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, prmt[m], am[m][0]);
-                            mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, prmt[m],
-                                       am[m][1]);
+                            const bool pm = P && prmt[m];
+                            mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, pm, am[m][0]);
+                            mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, pm, am[m][1]);
                         }
                     }
 #pragma unroll
@@ -425,10 +427,18 @@ mx4_gemm(const struct mx4_args a)
     load_stage(0, 0);
     cp_async_commit();
     load_w(w0, s0);
-    for (int s = 0; s < n_stages; s += 2) {
-        stage(s, 0, w0, s0, w1, s1);
-        if (s + 1 < n_stages)
-            stage(s + 1, 1, w1, s1, w0, s0);
+    if (prmt[0] || prmt[TWO - 1]) {
+        for (int s = 0; s < n_stages; s += 2) {
+            stage(true, s, 0, w0, s0, w1, s1);
+            if (s + 1 < n_stages)
+                stage(true, s + 1, 1, w1, s1, w0, s0);
+        }
+    } else {
+        for (int s = 0; s < n_stages; s += 2) {
+            stage(false, s, 0, w0, s0, w1, s1);
+            if (s + 1 < n_stages)
+                stage(false, s + 1, 1, w1, s1, w0, s0);
+        }
     }
     // epilogue: acc[m][t][2h + c] = (row 16rt + lane/4 + 8h, token 8t + 2(lane%4) + c)
 #pragma unroll

@@ -35,7 +35,7 @@ for fmt, nv, per_hmma in (("MXFP4", 0, 136), ("NVFP4", 1, 144)):
     ins = funcs.get(f)
     if not ins:
         sys.exit("static-figures: %s not in the plugin" % f)
-    best = None
+    loops = []
     for a, t in ins:
         m = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)
         if not m:
@@ -44,10 +44,18 @@ for fmt, nv, per_hmma in (("MXFP4", 0, 136), ("NVFP4", 1, 144)):
         if tgt >= a:
             continue
         body = [x for x in ins if tgt <= x[0] <= a]
-        h = sum("HMMA" in x[1] for x in body)
-        if best is None or h > best[2] or (h == best[2] and len(body) > len(best[3])):
-            best = (tgt, a, h, body)
-    tgt, a, h, body = best
+        loops.append((tgt, a, sum("HMMA" in x[1] for x in body), body))
+    hmax = max(l[2] for l in loops)
+    loops = sorted((l for l in loops if l[2] == hmax), key=lambda l: len(l[3]))
+    # MXFP4: two copies of the loop, every matrix placed (the shorter) and a launch with a
+    # matrix in the PRMT fallback (docs/GPU.md section 3)
+    if len(loops) > 1:
+        fb = loops[-1]
+        print("mx4_gemm %s decode %-7s loop with a PRMT-fallback matrix: %d instructions = "
+              "%.0f per KB" % (fmt, name, sum(not x[1].startswith("NOP") for x in fb[3]),
+                               sum(not x[1].startswith("NOP") for x in fb[3]) * 1000.0 /
+                               (fb[2] * per_hmma)))
+    tgt, a, h, body = loops[0]
     n = sum(not x[1].startswith("NOP") for x in body)
     nbytes = h * per_hmma
     kinds = {}

@@ -66,6 +66,7 @@ struct bweight {
     void *priv;
     int32_t blk_rows, blk_cols;     /* WFMT_FP8: the scale blocks */
     float gscale;                   /* WFMT_NVFP4: weight_scale_2 */
+    const char *name;               /* the tensor's name for messages, or NULL */
 };
 
 /* KV cache of one layer: a pool of blocks, each block_size tokens × n_kv_heads × head_dim,

@@ -11,6 +11,7 @@
 // Invariant: after reserve() no op allocates device memory, and nothing a step does waits
 // on the host except the caller's sync (and download of results): index arrays arrive in
 // one transfer (step_begin), everything else stays on the device.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -636,7 +637,8 @@ static size_t weight_data_bytes(const struct bweight *w)
     switch (w->fmt) {
     case WFMT_F32: return (size_t) w->rows * w->cols * 4;
     case WFMT_BF16: return (size_t) w->rows * w->cols * 2;
-    case WFMT_MXFP4: return (size_t) w->rows * w->cols / 2;
+    case WFMT_MXFP4:
+    case WFMT_NVFP4: return (size_t) w->rows * w->cols / 2;
     default: return 0;
     }
 }
@@ -655,32 +657,50 @@ static void cuda_weight_release(struct backend *be, struct bweight *w)
     w->priv = NULL;
 }
 
-// one thread per (tile, lane): the lane's 16 nibble bytes and (lanes 4q) its scale word
+// one thread per (tile, lane): the lane's 16 nibble bytes and (lanes 4q) its scale word(s);
+// nv: NVFP4 (mx4.h nv4_lane_gather)
 static __global__ void mx4_repack_kernel(const uint8_t *packed, const uint8_t *scale, int64_t rows,
-                                         int64_t cols, int64_t n_tiles, uint8_t *nib, uint8_t *sc)
+                                         int64_t cols, int64_t n_tiles, bool nv, bool placed,
+                                         uint8_t *nib, uint8_t *sc)
 {
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_tiles * 32)
         return;
     const int64_t t = i / 32;
     const int l = (int) (i % 32);
-    uint32_t w[4], s;
-    mx4_lane_gather(packed, scale, rows, cols, t, l, w, &s);
+    uint32_t w[4], s[2];
+    if (nv)
+        nv4_lane_gather(packed, scale, rows, cols, t, l, w, s);
+    else
+        mx4_lane_gather_as(packed, scale, rows, cols, t, l, placed, w, &s[0]);
     *(uint4 *) (nib + t * MX4_TILE_NIB_BYTES + l * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-    if (l % 4 == 0)
-        *(uint32_t *) (sc + t * MX4_TILE_SCALE_BYTES + (l / 4) * 4) = s;
+    if (l % 4 == 0 && nv)
+        *(uint2 *) (sc + t * NV4_TILE_SCALE_BYTES + (l / 4) * 8) = make_uint2(s[0], s[1]);
+    else if (l % 4 == 0)
+        *(uint32_t *) (sc + t * MX4_TILE_SCALE_BYTES + (l / 4) * 4) = s[0];
 }
 
-static int mx4_prepare(struct cuda_ctx *c, struct bweight *w, struct cuda_weight *cw)
+// MXFP4 or NVFP4 (the global scale after the scales, mx4.h) repacked into the tile layout;
+// MXFP4: placed (the build's default) unless a block scale is above 2^1, then the nibble
+// layout of the PRMT decode, the choice in the word after the scales (mx4_matrix_placed)
+static int mx4_prepare(struct cuda_ctx *c, struct bweight *w, struct cuda_weight *cw, bool placed)
 {
-    const size_t nd = (size_t) w->rows * w->cols / 2, ns = (size_t) w->rows * (w->cols / 32);
+    const bool nv = w->fmt == WFMT_NVFP4;
+    const size_t nd = (size_t) w->rows * w->cols / 2;
+    const size_t ns = (size_t) w->rows * (w->cols / (nv ? 16 : 32));
     const int64_t n_tiles = mx4_rows_padded(w->rows) / 16 * (mx4_cols_padded(w->cols) / 64);
+    const size_t nsc = nv ? (size_t) nv4_scale_bytes(w->rows, w->cols)
+                          : (size_t) mx4_scale_bytes(w->rows, w->cols);
     uint8_t *raw = NULL;
     int r;
 
     r = err_from_cuda(cudaMalloc((void **) &cw->data, (size_t) mx4_nib_bytes(w->rows, w->cols)));
     if (r == 0)
-        r = err_from_cuda(cudaMalloc((void **) &cw->scale, (size_t) mx4_scale_bytes(w->rows, w->cols)));
+        r = err_from_cuda(cudaMalloc((void **) &cw->scale, nsc + 4));
+    const uint32_t word = placed;
+    if (r == 0)
+        r = err_from_cuda(cudaMemcpyAsync(cw->scale + nsc, nv ? (const void *) &w->gscale : &word,
+                                          4, cudaMemcpyHostToDevice, c->stream));
     if (r == 0)
         r = err_from_cuda(cudaMalloc((void **) &raw, nd + ns));
     if (r == 0)
@@ -689,7 +709,8 @@ static int mx4_prepare(struct cuda_ctx *c, struct bweight *w, struct cuda_weight
         r = err_from_cuda(cudaMemcpyAsync(raw + nd, w->scale, ns, cudaMemcpyHostToDevice, c->stream));
     if (r == 0) {
         mx4_repack_kernel<<<cuda_blocks((size_t) n_tiles * 32, 256), 256, 0, c->stream>>>(
-            raw, raw + nd, w->rows, w->cols, n_tiles, (uint8_t *) cw->data, cw->scale);
+            raw, raw + nd, w->rows, w->cols, n_tiles, nv, placed, (uint8_t *) cw->data,
+            cw->scale);
         r = CUDA_LAUNCH_CHECK();
     }
     if (r == 0)
@@ -706,28 +727,44 @@ static int cuda_weight_prepare(struct backend *be, struct bweight *w)
 
     if (w->priv)
         return 0;
-    if (lowp_fmt(w->fmt))
+    if (w->fmt == WFMT_FP8)
         return kcu_lowp_prepare(c, w);
     if (nd == 0 || (w->fmt == WFMT_MXFP4 && (w->cols % 32 != 0 || !w->scale)))
         return -EINVAL;
+    if (w->fmt == WFMT_NVFP4) {
+        // E2M1 in MXFP4's tiles, for mx4_gemm (and lowp.cu's FP32 op path)
+        const size_t ns = (size_t) w->rows * (w->cols / 16);
+        if (w->cols % 16 || !w->scale || !isfinite(w->gscale))
+            return -EINVAL;
+        for (size_t i = 0; i < ns; i++)
+            if ((w->scale[i] & 0x7F) == 0x7F)
+                return -EINVAL;     // E4M3 NaN: corrupt file
+    }
+    bool placed = MX4_PLACED_ON;
     if (w->fmt == WFMT_MXFP4) {
         const size_t ns = (size_t) w->rows * (w->cols / 32);
+        unsigned big = 0;
         for (size_t i = 0; i < ns; i++) {
             if (w->scale[i] == 0xFF)
                 return -EINVAL;     // E8M0 NaN: corrupt file
-            if (!mx4_scale_placeable(w->scale[i])) {
-                fprintf(stderr, "stepd-cuda: MXFP4 scale byte %u (2^%d) above the decode's "
-                        "2^1 limit\n", w->scale[i], (int) w->scale[i] - 127);
-                return -ERANGE;
-            }
+            if (!mx4_scale_placeable(w->scale[i]) && w->scale[i] > big)
+                big = w->scale[i];
+        }
+        if (big) {
+            // this matrix only: the nibble layout and the PRMT decode (docs/GPU.md §3)
+            placed = false;
+            fprintf(stderr, "stepd-cuda: info: %s [%lld, %lld]: MXFP4 block scale 2^%d above "
+                    "the placed decode's 2^1, this matrix uses the PRMT decode\n",
+                    w->name ? w->name : "an MXFP4 weight", (long long) w->rows,
+                    (long long) w->cols, (int) big - 127);
         }
     }
     struct cuda_weight *cw = (struct cuda_weight *) calloc(1, sizeof(*cw));
     if (!cw)
         return -ENOMEM;
     w->priv = cw;
-    if (w->fmt == WFMT_MXFP4) {
-        r = mx4_prepare(c, w, cw);
+    if (w->fmt == WFMT_MXFP4 || w->fmt == WFMT_NVFP4) {
+        r = mx4_prepare(c, w, cw, placed && w->fmt == WFMT_MXFP4);
     } else {
         r = err_from_cuda(cudaMalloc(&cw->data, nd));
         if (r == 0)

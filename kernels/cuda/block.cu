@@ -10,13 +10,14 @@
 // FFN half, MoE:    rmsnorm -> a (BF16 for the experts, FP32 for the router as the
 //   checkpoint asks, need_fp32_gate);  router: logits = a32 · W_routerᵀ and the top-k in
 //   one kernel up to KCU_ROUTER_GEMV_ROWS rows, else an FP32 GEMM and the router kernel;
-//   shared expert as the dense MLP into x (or out);  routed experts added in: MXFP4 on
-//   tensor cores (moe.cu) and FP8 on tensor cores (fp8mma.cu: gate+up, down, combine) from
-//   the BF16 activations, NVFP4 one warp per output element (lowp.cu) from the FP32 ones.
+//   shared expert as the dense MLP into x (or out);  routed experts added in: MXFP4 and
+//   NVFP4 on tensor cores (moe.cu) and FP8 on tensor cores (fp8mma.cu: gate+up, down,
+//   combine) from the BF16 activations; FP8 whose scale blocks the tensor path cannot take
+//   one warp per output element (lowp.cu) from the FP32 ones.
 //
 // prepare fuses the parts' device copies (QKV + gate rows, gate + up rows) into one
 // buffer that the parts then borrow, uploads the rotary table and router bias, and builds
-// the layer's table of expert pointers (MXFP4) or descriptors (FP8 / NVFP4): done once at
+// the layer's table of expert pointers (MXFP4, NVFP4) or descriptors (FP8): done once at
 // load for every layer, so that nothing a step launches stages a table (graph capture).
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,8 +40,9 @@ struct ffn_priv {
     float *router32;            // device FP32 router, owned unless the checkpoint's is F32
     bool router_owned;
     float *bias;                // device [n_experts] or NULL
-    const uint8_t **tab;        // device [6][n_local] expert pointers (MXFP4 experts)
-    struct lowp_w *ltab;        // device [3][n_local] descriptors (FP8 / NVFP4 experts)
+    const uint8_t **tab;        // device [6][n_local] expert pointers (MXFP4, NVFP4 experts)
+    bool nvfp4;                 // tab holds NVFP4 tiles (mx4.h nv4_*)
+    struct lowp_w *ltab;        // device [3][n_local] descriptors (FP8 experts)
     int fp8_br, fp8_bc;         // > 0: FP8 experts on tensor cores, their scale blocks
 };
 
@@ -173,20 +175,20 @@ int kcuda_ffn_prepare(struct backend *be, struct ffn_weights *w)
         return -ENOTSUP;
     if (w->router && (!w->router->priv || (w->router->fmt != WFMT_BF16 && w->router->fmt != WFMT_F32)))
         return -ENOTSUP;
-    // the routed experts: all MXFP4, or all FP8 / NVFP4 (lowp.cu)
-    const bool lowp = w->router && w->n_local > 0 && lowp_fmt(w->experts[0].gate.fmt);
+    // the routed experts: all MXFP4 or all NVFP4 (moe.cu), or all FP8 (lowp.cu)
+    const int efmt = w->router && w->n_local > 0 ? w->experts[0].gate.fmt : WFMT_MXFP4;
+    const bool lowp = w->router && w->n_local > 0 && efmt == WFMT_FP8;
     for (int e = 0; w->router && e < w->n_local; e++) {
         const struct moe_expert *x = &w->experts[e];
-        const bool ok = lowp ? lowp_fmt(x->gate.fmt) && lowp_fmt(x->up.fmt) &&
-                                   lowp_fmt(x->down.fmt)
-                             : x->gate.fmt == WFMT_MXFP4 && x->up.fmt == WFMT_MXFP4 &&
-                                   x->down.fmt == WFMT_MXFP4;
+        const bool ok = (efmt == WFMT_MXFP4 || efmt == WFMT_NVFP4 || efmt == WFMT_FP8) &&
+                        x->gate.fmt == efmt && x->up.fmt == efmt && x->down.fmt == efmt;
         if (!ok || !x->gate.priv || !x->up.priv || !x->down.priv)
             return -ENOTSUP;
     }
     struct ffn_priv *p = (struct ffn_priv *) calloc(1, sizeof(*p));
     if (!p)
         return -ENOMEM;
+    p->nvfp4 = efmt == WFMT_NVFP4;
     if (w->gate) {
         struct bweight *gu[2] = { w->gate, w->up };
         r = fuse_rows(c, gu, 2, &p->gu);
@@ -519,7 +521,7 @@ int kcuda_ffn_block(struct backend *be, const struct ffn_block_args *a)
     }
     const struct kcu_moe_w mw = { p->tab, p->tab + w->n_local, p->tab + 2 * w->n_local,
                                   p->tab + 3 * w->n_local, p->tab + 4 * w->n_local,
-                                  p->tab + 5 * w->n_local };
+                                  p->tab + 5 * w->n_local, p->nvfp4 };
     const struct kcu_moe_args ma = { rows, K, H, w->moe_inter, w->expert_first, w->n_local,
                                      a->limit_routed, ids, wts, a16, KDT_BF16, y,
                                      plan.n_slots > 0 ? &plan : NULL };

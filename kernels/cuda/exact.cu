@@ -10,9 +10,10 @@
 #include "lowp.h"
 #include "mx4.h"
 
-// Weight element (o, i) of a [rows, cols] matrix as prepared (MXFP4: the mx4 tile layout).
+// Weight element (o, i) of a [rows, cols] matrix as prepared (MXFP4: the mx4 tile layout,
+// placed or not: mx4_matrix_placed).
 static inline __device__ float weight_at(int fmt, const void *data, const uint8_t *scale,
-                                         int64_t cols, int64_t o, int64_t i)
+                                         int64_t cols, int placed, int64_t o, int64_t i)
 {
     if (fmt == WFMT_F32)
         return ((const float *) data)[o * cols + i];
@@ -20,17 +21,19 @@ static inline __device__ float weight_at(int fmt, const void *data, const uint8_
         return bf16_to_f32(((const uint16_t *) data)[o * cols + i]);
     int el;
     const int64_t off = mx4_word_offset(cols, o, i, &el);
-    const int code = (int) mx4_code(*(const uint32_t *) ((const uint8_t *) data + off), el);
-    const int e = (int) mx4_scale_e8m0(scale[mx4_scale_offset(cols, o, i)]);
+    const int code = (int) mx4_code_as(*(const uint32_t *) ((const uint8_t *) data + off), el,
+                                       placed);
+    const int e = (int) mx4_scale_e8m0_as(scale[mx4_scale_offset(cols, o, i)], placed);
     return e == 0 ? 0.0f : ldexpf(k_e2m1[code], e - 127);
 }
 
-static inline __device__ float row_dot(int fmt, const void *w, const uint8_t *sc, int64_t cols,
-                                       int64_t o, const float *x, int lane)
+static inline __device__ float row_dot(int fmt, const void *w, const uint8_t *sc, int64_t rows,
+                                       int64_t cols, int64_t o, const float *x, int lane)
 {
+    const int placed = fmt == WFMT_MXFP4 && mx4_matrix_placed(sc, rows, cols);
     float acc = 0.0f;
     for (int64_t i = lane; i < cols; i += 32)
-        acc += weight_at(fmt, w, sc, cols, o, i) * x[i];
+        acc += weight_at(fmt, w, sc, cols, placed, o, i) * x[i];
     return warp_sum(acc);
 }
 
@@ -45,7 +48,7 @@ static __global__ void matmul_exact_kernel(int fmt, const void *w, const uint8_t
     if (warp >= rows * n)
         return;
     const int64_t t = warp / rows, o = warp % rows;
-    const float acc = row_dot(fmt, w, scale, cols, o, x + t * cols, lane);
+    const float acc = row_dot(fmt, w, scale, rows, cols, o, x + t * cols, lane);
     if (lane == 0)
         y[t * rows + o] = acc;
 }
@@ -69,12 +72,13 @@ int kcuda_matmul_exact(struct backend *be, const struct bweight *w, const float 
 // (nibbles and scales of gate, up, down)
 struct mx4_exact_rd {
     void *const *ptrs;
-    int n_local;
+    int n_local, hidden, inter;
     __device__ float operator()(int m, int e, int64_t row, const float *x, int64_t cols,
                                 int lane) const
     {
         return row_dot(WFMT_MXFP4, ptrs[2 * m * n_local + e],
-                       (const uint8_t *) ptrs[(2 * m + 1) * n_local + e], cols, row, x, lane);
+                       (const uint8_t *) ptrs[(2 * m + 1) * n_local + e], m == 2 ? hidden : inter,
+                       cols, row, x, lane);
     }
 };
 
@@ -104,7 +108,7 @@ int kcuda_moe_exact(struct backend *be, const struct moe_args *a)
     const struct moe_warp_args ma = { a->x, a->n_tok, a->hidden, a->inter, a->top_k, a->ids,
                                       a->weights, a->expert_first, a->n_local, a->limit, act,
                                       a->out };
-    return moe_warp_run(c, mx4_exact_rd{ dp, a->n_local }, ma, 256);
+    return moe_warp_run(c, mx4_exact_rd{ dp, a->n_local, a->hidden, a->inter }, ma, 256);
 }
 
 // ---- attention: one block of threads per (query token, head), keys one at a time ----

@@ -27,6 +27,7 @@ int kcu_to_bf16(struct cuda_ctx *c, const float *x, bf16 *y, size_t n);
 struct kcu_moe_w {
     const uint8_t *const *gate_nib, *const *gate_sc, *const *up_nib, *const *up_sc;
     const uint8_t *const *down_nib, *const *down_sc;
+    bool nvfp4;                 // NVFP4 tiles (mx4.h nv4_*), else MXFP4
 };
 struct kcu_moe_args {
     int n_rows;                 // token rows (launch shape; rows >= *n_real carry ids -1)

@@ -1,13 +1,16 @@
 // lowp.cu - the release formats beside MXFP4 on the CUDA backend (docs/GPU.md "Weight
 // formats"): block-scaled FP8 (WFMT_FP8: E4M3 codes, an F32 scale per blk_rows x blk_cols
 // block) and NVFP4 (WFMT_NVFP4: MXFP4's E2M1 nibbles, an E4M3 scale per 16 in-features and
-// an F32 global scale).  The weights stay in their format on the device, as on disk (no
-// repack, never up-converted); every kernel decodes them in registers: E4M3 and E2M1 to
-// FP32 exactly (lowp.h), the products and sums in FP32 with FP32 activations, one warp per
-// output row; FP8 from FP8_MMA_MIN_TOKENS tokens, and FP8 experts, take the tensor cores
-// instead (fp8mma.cu) but on the FP32 op path (c->exact).  The routed experts run from the op path (kcu_lowp_moe, its descriptor table
-// staged per call) and from the fused FFN half (block.cu: the table built once at prepare,
-// the two launches captured in the decode graph as MXFP4's are).
+// an F32 global scale).  FP8 stays on the device as on disk; NVFP4 is repacked at load
+// into MXFP4's tiles (mx4.h nv4_*, never up-converted), whose routed experts run on the
+// tensor cores in mx4_gemm (moe.cu) on the fast path.  The kernels here decode them in
+// registers: E4M3 and E2M1 to FP32 exactly (lowp.h), the products and sums in FP32 with
+// FP32 activations, one warp per output row: FP8's matmul below FP8_MMA_MIN_TOKENS tokens
+// and its routed experts on the FP32 op path (c->exact) or where the tensor path cannot
+// take their scale blocks (from FP8_MMA_MIN_TOKENS tokens, and for the experts otherwise,
+// FP8 runs on the tensor cores: fp8mma.cu); the op path's table is staged per call
+// (kcu_lowp_moe), the fused FFN half's built once at prepare (block.cu); NVFP4's matmul,
+// and NVFP4's experts on the FP32 op path (backend_cfg.mxfp4_exact).
 #include <math.h>
 #include <stdlib.h>
 
@@ -21,13 +24,11 @@
 #define LOWP_NT 4
 #define LOWP_WARPS 8
 
-// ---- prepare: the bytes as on disk, uploaded ----
+// ---- prepare (FP8): the bytes as on disk, uploaded ----
 
 static size_t lowp_scale_bytes(const struct bweight *w)
 {
-    if (w->fmt == WFMT_FP8)
-        return (size_t) (w->rows / w->blk_rows) * (size_t) (w->cols / w->blk_cols) * 4;
-    return (size_t) w->rows * (size_t) (w->cols / 16);
+    return (size_t) (w->rows / w->blk_rows) * (size_t) (w->cols / w->blk_cols) * 4;
 }
 
 int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w)
@@ -35,17 +36,11 @@ int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w)
     size_t nd, ns;
     int r;
 
-    if (w->fmt == WFMT_FP8) {
-        // 4 codes per load, a load never straddling a scale block
-        if (w->blk_rows <= 0 || w->blk_cols <= 0 || w->rows % w->blk_rows ||
-            w->cols % w->blk_cols || w->blk_cols % 4)
-            return -EINVAL;
-        nd = (size_t) w->rows * w->cols;
-    } else {
-        if (w->cols % 16 || !isfinite(w->gscale))
-            return -EINVAL;
-        nd = (size_t) w->rows * w->cols / 2;
-    }
+    // 4 codes per load, a load never straddling a scale block
+    if (w->fmt != WFMT_FP8 || w->blk_rows <= 0 || w->blk_cols <= 0 || w->rows % w->blk_rows ||
+        w->cols % w->blk_cols || w->blk_cols % 4)
+        return -EINVAL;
+    nd = (size_t) w->rows * w->cols;
     if (!w->scale)
         return -EINVAL;
     ns = lowp_scale_bytes(w);

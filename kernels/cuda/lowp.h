@@ -6,11 +6,12 @@
 #pragma once
 
 #include "common.cuh"
+#include "mx4.h"
 
 // One prepared FP8 / NVFP4 weight as a kernel sees it (device pointers; bytes as on disk).
 struct lowp_w {
-    const uint8_t *data;        // FP8: E4M3 [rows, cols]; NVFP4: nibbles [rows, cols / 2]
-    const uint8_t *scale;       // FP8: F32 [rows / blk_rows, cols / blk_cols]; NVFP4: E4M3 [rows, cols / 16]
+    const uint8_t *data;        // FP8: E4M3 [rows, cols]; NVFP4: MXFP4's tiles (mx4.h nv4_*)
+    const uint8_t *scale;       // FP8: F32 [rows / blk_rows, cols / blk_cols]; NVFP4: E4M3 tiles
     int64_t cols;
     int fmt;
     int blk_rows, blk_cols;     // FP8
@@ -22,8 +23,9 @@ static inline bool lowp_fmt(int fmt)
     return fmt == WFMT_FP8 || fmt == WFMT_NVFP4;
 }
 
-// weight_prepare of an FP8 / NVFP4 weight: its bytes uploaded as they are (w->priv set);
-// -EINVAL for a shape the kernels do not take.
+// weight_prepare of an FP8 weight: its bytes uploaded as they are (w->priv set); -EINVAL
+// for a shape the kernels do not take.  (NVFP4: backend-cuda.cu repacks it into the tiles
+// of mx4.h, which mx4_gemm and the FP32 op path here both read.)
 int kcu_lowp_prepare(struct cuda_ctx *c, struct bweight *w);
 // the ops with FP32 activations: y[n, rows] = x[n, cols] · Wᵀ; the routed experts (all
 // local experts FP8 or NVFP4)
@@ -44,8 +46,9 @@ static inline __device__ float e4m3_to_f32(uint32_t b)
 }
 
 // acc[t] = Σ_i W[o, i] · x[t * ldx + i] for t < nt, summed over the warp (every lane gets
-// the sums).  FP8: 4 codes per lane and load (blk_cols % 4 == 0); NVFP4: 8 nibbles per
-// lane and load, half a scale group.
+// the sums).  FP8: 4 codes per lane and load (blk_cols % 4 == 0); NVFP4 (the FP32 op path
+// only: the tensor-core path runs mx4_gemm): one element per lane and step, read from
+// the tile layout, its value E2M1 · (E4M3 · global scale) as the CPU backend's.
 template <int NT>
 static inline __device__ void lowp_row_dot(const struct lowp_w *w, int64_t o, const float *x,
                                            int64_t ldx, int nt, int lane, float *acc)
@@ -69,22 +72,15 @@ static inline __device__ void lowp_row_dot(const struct lowp_w *w, int64_t o, co
             }
         }
     } else {
-        const uint32_t *row = (const uint32_t *) (w->data + o * (cols / 2));
-        const uint8_t *sc = w->scale + o * (cols / 16);
-        for (int64_t i = 8 * lane; i < cols; i += 256) {
-            const uint32_t q = row[i / 8];
-            const float s = e4m3_to_f32(sc[i / 16]) * w->gscale;
-            float d[8];
-            for (int m = 0; m < 8; m++)
-                d[m] = k_e2m1[(q >> (4 * m)) & 0xF];
+        for (int64_t i = lane; i < cols; i += 32) {
+            int el;
+            const uint32_t q = *(const uint32_t *) (w->data + mx4_word_offset(cols, o, i, &el));
+            const float s = e4m3_to_f32(w->scale[nv4_scale_offset(cols, o, i)]) * w->gscale;
+            const float d = k_e2m1[nv4_code(q, el)];
             for (int t = 0; t < NT; t++) {
                 if (t >= nt)
                     break;
-                const float *xt = x + t * ldx + i;
-                float p = 0.0f;
-                for (int m = 0; m < 8; m++)
-                    p += d[m] * xt[m];
-                acc[t] += s * p;
+                acc[t] += s * (d * x[t * ldx + i]);
             }
         }
     }

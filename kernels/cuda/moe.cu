@@ -71,11 +71,16 @@ __device__ __forceinline__ void stage_chunk<float>(bf16 *dst, const float *src, 
 }
 
 // The four A registers of k-step j of a tile word, scaled (mx4.h; sp: mx4_scales_bf16x2).
+// prmt: the matrix is in the nibble layout (mx4_matrix_placed 0), else the build's decode.
 static __device__ __forceinline__ void mx4_a_regs(uint32_t w, const uint32_t sp[4], int j,
-                                                  const struct mx4_tab &tb, uint32_t a[4])
+                                                  const struct mx4_tab &tb, bool prmt,
+                                                  uint32_t a[4])
 {
     uint32_t r[4];
-    mx4_word_bf16_tab(w, &tb, r);
+    if (prmt)
+        mx4_word_bf16_prmt(w, &tb, r);
+    else
+        mx4_word_bf16_tab(w, &tb, r);
     const uint32_t s_lo = sp[mx4_scale_which(j, 0)];
     const uint32_t s_hi = sp[mx4_scale_which(j, 1)];
     a[0] = bf16x2_mul(r[0], s_lo);
@@ -143,7 +148,73 @@ static __device__ __forceinline__ void mx4_combine(const struct mx4_args &a, int
     }
 }
 
-template <int NT, int D, int WB, int MODE, typename TX>
+static __device__ __forceinline__ uint32_t mx4_sw_word(uint32_t s)
+{
+    return s;
+}
+
+// One 64-k tile d of NVFP4 weights (TWO matrices) against the staged tokens xd (this
+// lane's ldmatrix rows at the tile's k): per k-step j (one 16-k scale group) the FP32 sum
+// of each n8 token tile, scaled by the group's E4M3 scale (rows l/4: scale byte j, acc 0,
+// 1; l/4 + 8: byte 4 + j, acc 2, 3) into acc.  The codes decoded to exact E2M1 values
+// (mx4_word_bf16_prmt); the global scale is the epilogue's.
+template <int NT, int TWO, int D>
+static __device__ __forceinline__ void nv4_tile(const uint4 (&wc)[TWO][D], const uint2 (&sc)[TWO][D],
+                                                int d, const struct mx4_tab &tb, const bf16 *xd,
+                                                int cnt, float (&acc)[TWO][NT][4])
+{
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {
+        uint32_t am[TWO][2][4];
+        float s[TWO][2][2];
+#pragma unroll
+        for (int m = 0; m < TWO; m++) {
+            mx4_word_bf16_prmt(u4_at(wc[m][d], j), &tb, am[m][0]);
+            mx4_word_bf16_prmt(u4_at(wc[m][d], j + 1), &tb, am[m][1]);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                s[m][i][0] = nv4_scale_f32(sc[m][d].x, sc[m][d].y, j + i);
+                s[m][i][1] = nv4_scale_f32(sc[m][d].x, sc[m][d].y, 4 + j + i);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t > 0 && t * 8 >= cnt)
+                break;
+            uint32_t b[4];
+            ldsm_x4(b, xd + t * 8 * (64 * D + 8) + j * 16);
+#pragma unroll
+            for (int m = 0; m < TWO; m++) {
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    float g[4];
+                    mma_bf16_first(g, am[m][i][0], am[m][i][1], am[m][i][2], am[m][i][3],
+                                   b[2 * i], b[2 * i + 1]);
+                    acc[m][t][0] = fmaf(g[0], s[m][i][0], acc[m][t][0]);
+                    acc[m][t][1] = fmaf(g[1], s[m][i][0], acc[m][t][1]);
+                    acc[m][t][2] = fmaf(g[2], s[m][i][1], acc[m][t][2]);
+                    acc[m][t][3] = fmaf(g[3], s[m][i][1], acc[m][t][3]);
+                }
+            }
+        }
+    }
+}
+
+// The type of a lane's scale bytes of one k tile: 4 E8M0 (MXFP4), 8 E4M3 (NVFP4).
+template <bool NV> struct mx4_sw { typedef uint32_t t; };
+template <> struct mx4_sw<true> { typedef uint2 t; };
+
+static __device__ __forceinline__ uint32_t ldg_sw(const uint8_t *p, uint32_t)
+{
+    return ldg4(p);
+}
+
+static __device__ __forceinline__ uint2 ldg_sw(const uint8_t *p, uint2)
+{
+    return __ldg((const uint2 *) p);
+}
+
+template <int NT, int D, int WB, int MODE, typename TX, bool NV>
 static __global__ void __launch_bounds__(WB * 32)
 mx4_gemm(const struct mx4_args a)
 {
@@ -156,7 +227,11 @@ mx4_gemm(const struct mx4_args a)
     // One n8 tile of tokens: the E8M0 scales multiply the FP32 sums of each 32-k group
     // (four FMAs a group) rather than the decoded BF16 weights (four HMUL2 a k-step);
     // with more tiles the FMAs would outnumber the HMUL2s.
-    constexpr bool FSCALE = NT == 1 && !MX4_PLACED_ON;
+    // NVFP4 (NV): each k-step is one 16-k scale group; its FP32 sum is scaled by the group's
+    // E4M3 scale (4 FMAs a k-step and token tile), the global scale in the epilogue.
+    constexpr bool FSCALE = NT == 1 && !MX4_PLACED_ON && !NV;
+    typedef typename mx4_sw<NV>::t SW;
+    constexpr int SCB = NV ? NV4_TILE_SCALE_BYTES : MX4_TILE_SCALE_BYTES;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *xs = (bf16 *) smem_raw;           // [2][CH][LDS]
     int32_t *rowsrc = (int32_t *) (xs + 2 * CH * LDS);  // [CH]: source row of each token
@@ -229,25 +304,29 @@ mx4_gemm(const struct mx4_args a)
     // This lane's bytes of the first k tile, per matrix: 16 nibble bytes, 4 scale bytes.
     // kl: tiles left to load (0: an idle warp).
     const uint8_t *wp[TWO], *sp[TWO];
+    float gs[TWO];                              // NVFP4: the global scales
+    bool prmt[TWO];                             // MXFP4: the matrix's decode (mx4.h)
 #pragma unroll
     for (int m = 0; m < TWO; m++) {
         const uint8_t *nbm = MODE == MX_DENSE ? a.dense_nib : m == 0 ? a.nib0[e] : a.nib1[e];
         const uint8_t *sbm = MODE == MX_DENSE ? a.dense_sc : m == 0 ? a.sc0[e] : a.sc1[e];
         wp[m] = nbm + (size_t) rt * kt_n * MX4_TILE_NIB_BYTES + lane * 16;
-        sp[m] = sbm + (size_t) rt * kt_n * MX4_TILE_SCALE_BYTES + (lane >> 2) * 4;
+        sp[m] = sbm + (size_t) rt * kt_n * SCB + (lane >> 2) * (SCB / 8);
+        gs[m] = NV ? *(const float *) (sbm + nv4_scale_bytes(a.rows, a.cols)) : 1.0f;
+        prmt[m] = MX4_PLACED_ON && !NV && !mx4_matrix_placed(sbm, a.rows, a.cols);
     }
     int kl = active ? kt_n : 0;
-    auto load_w = [&](uint4 (&wd)[TWO][D], uint32_t (&sd)[TWO][D]) {
+    auto load_w = [&](uint4 (&wd)[TWO][D], SW (&sd)[TWO][D]) {
 #pragma unroll
         for (int m = 0; m < TWO; m++) {
 #pragma unroll
             for (int d = 0; d < D; d++)
                 if (d < kl) {
                     wd[m][d] = ldg16(wp[m] + d * MX4_TILE_NIB_BYTES);
-                    sd[m][d] = ldg4(sp[m] + d * MX4_TILE_SCALE_BYTES);
+                    sd[m][d] = ldg_sw(sp[m] + d * SCB, SW());
                 }
             wp[m] += D * MX4_TILE_NIB_BYTES;
-            sp[m] += D * MX4_TILE_SCALE_BYTES;
+            sp[m] += D * SCB;
         }
         kl -= D;
     };
@@ -269,8 +348,10 @@ mx4_gemm(const struct mx4_args a)
     // weights are requested into the other buffers, then stage s is decoded and multiplied
     // while they load.  The weights alternate between two register sets, the loop below
     // running two stages a turn, so that nothing is copied from one to the other.
-    auto stage = [&](int s, int par, const uint4 (&wc)[TWO][D], const uint32_t (&sc)[TWO][D],
-                     uint4 (&wn)[TWO][D], uint32_t (&sn)[TWO][D]) {
+    // P: whether a matrix may be in the PRMT layout (a constant at each call below: the
+    // common case, every matrix placed, runs a loop without the per-word branch)
+    auto stage = [&](bool P, int s, int par, const uint4 (&wc)[TWO][D], const SW (&sc)[TWO][D],
+                     uint4 (&wn)[TWO][D], SW (&sn)[TWO][D]) {
         cp_async_wait<0>();     // stage s's tokens: this thread's copies
         __syncthreads();        // everyone's, and stage s - 1's buffer is read
         if (s + 1 < n_stages) {
@@ -283,49 +364,56 @@ mx4_gemm(const struct mx4_args a)
         for (int d = 0; d < D; d++) {
             if (d >= kc)
                 break;
+            if constexpr (NV) {
+                nv4_tile<NT, TWO>(wc, sc, d, tb, xb + d * 64, cnt, acc);
+            } else {
 #pragma unroll
-            for (int j = 0; j < 4; j += 2) {
-                // k-steps j, j + 1: 32-k group j / 2 of the tile
-                uint32_t am[TWO][2][4];
-#pragma unroll
-                for (int m = 0; m < TWO; m++) {
-                    if (FSCALE) {
-                        mx4_word_bf16_tab(u4_at(wc[m][d], j), &tb, am[m][0]);
-                        mx4_word_bf16_tab(u4_at(wc[m][d], j + 1), &tb, am[m][1]);
-                    } else {
-                        uint32_t sp4[4];
-                        mx4_scales_bf16x2(sc[m][d], sp4);
-                        mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, am[m][0]);
-                        mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, am[m][1]);
-                    }
-                }
-#pragma unroll
-                for (int t = 0; t < NT; t++) {
-                    if (t > 0 && t * 8 >= cnt)
-                        break;
-                    uint32_t b[4];
-                    ldsm_x4(b, xb + t * 8 * LDS + d * 64 + j * 16);
+                for (int j = 0; j < 4; j += 2) {
+                    // k-steps j, j + 1: 32-k group j / 2 of the tile
+                    uint32_t am[TWO][2][4];
 #pragma unroll
                     for (int m = 0; m < TWO; m++) {
                         if (FSCALE) {
-                            // the group's sum, then its rows' scales (rows l/4: acc 0, 1;
-                            // l/4 + 8: acc 2, 3)
-                            float g[4];
-                            mma_bf16_first(g, am[m][0][0], am[m][0][1], am[m][0][2],
-                                           am[m][0][3], b[0], b[1]);
-                            mma_bf16(g, am[m][1][0], am[m][1][1], am[m][1][2], am[m][1][3],
-                                     b[2], b[3]);
-                            const float s_lo = mx4_scale_f32(sc[m][d], mx4_scale_which(j, 0));
-                            const float s_hi = mx4_scale_f32(sc[m][d], mx4_scale_which(j, 1));
-                            acc[m][t][0] = fmaf(g[0], s_lo, acc[m][t][0]);
-                            acc[m][t][1] = fmaf(g[1], s_lo, acc[m][t][1]);
-                            acc[m][t][2] = fmaf(g[2], s_hi, acc[m][t][2]);
-                            acc[m][t][3] = fmaf(g[3], s_hi, acc[m][t][3]);
+                            mx4_word_bf16_tab(u4_at(wc[m][d], j), &tb, am[m][0]);
+                            mx4_word_bf16_tab(u4_at(wc[m][d], j + 1), &tb, am[m][1]);
                         } else {
-                            mma_bf16(acc[m][t], am[m][0][0], am[m][0][1], am[m][0][2],
-                                     am[m][0][3], b[0], b[1]);
-                            mma_bf16(acc[m][t], am[m][1][0], am[m][1][1], am[m][1][2],
-                                     am[m][1][3], b[2], b[3]);
+                            uint32_t sp4[4];
+                            mx4_scales_bf16x2(mx4_sw_word(sc[m][d]), sp4);
+                            const bool pm = P && prmt[m];
+                            mx4_a_regs(u4_at(wc[m][d], j), sp4, j, tb, pm, am[m][0]);
+                            mx4_a_regs(u4_at(wc[m][d], j + 1), sp4, j + 1, tb, pm, am[m][1]);
+                        }
+                    }
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        if (t > 0 && t * 8 >= cnt)
+                            break;
+                        uint32_t b[4];
+                        ldsm_x4(b, xb + t * 8 * LDS + d * 64 + j * 16);
+#pragma unroll
+                        for (int m = 0; m < TWO; m++) {
+                            if (FSCALE) {
+                                // the group's sum, then its rows' scales (rows l/4: acc 0, 1;
+                                // l/4 + 8: acc 2, 3)
+                                float g[4];
+                                mma_bf16_first(g, am[m][0][0], am[m][0][1], am[m][0][2],
+                                               am[m][0][3], b[0], b[1]);
+                                mma_bf16(g, am[m][1][0], am[m][1][1], am[m][1][2], am[m][1][3],
+                                         b[2], b[3]);
+                                const float s_lo = mx4_scale_f32(mx4_sw_word(sc[m][d]),
+                                                                 mx4_scale_which(j, 0));
+                                const float s_hi = mx4_scale_f32(mx4_sw_word(sc[m][d]),
+                                                                 mx4_scale_which(j, 1));
+                                acc[m][t][0] = fmaf(g[0], s_lo, acc[m][t][0]);
+                                acc[m][t][1] = fmaf(g[1], s_lo, acc[m][t][1]);
+                                acc[m][t][2] = fmaf(g[2], s_hi, acc[m][t][2]);
+                                acc[m][t][3] = fmaf(g[3], s_hi, acc[m][t][3]);
+                            } else {
+                                mma_bf16(acc[m][t], am[m][0][0], am[m][0][1], am[m][0][2],
+                                         am[m][0][3], b[0], b[1]);
+                                mma_bf16(acc[m][t], am[m][1][0], am[m][1][1], am[m][1][2],
+                                         am[m][1][3], b[2], b[3]);
+                            }
                         }
                     }
                 }
@@ -335,14 +423,22 @@ mx4_gemm(const struct mx4_args a)
     };
 
     uint4 w0[TWO][D], w1[TWO][D];
-    uint32_t s0[TWO][D], s1[TWO][D];
+    SW s0[TWO][D], s1[TWO][D];
     load_stage(0, 0);
     cp_async_commit();
     load_w(w0, s0);
-    for (int s = 0; s < n_stages; s += 2) {
-        stage(s, 0, w0, s0, w1, s1);
-        if (s + 1 < n_stages)
-            stage(s + 1, 1, w1, s1, w0, s0);
+    if (prmt[0] || prmt[TWO - 1]) {
+        for (int s = 0; s < n_stages; s += 2) {
+            stage(true, s, 0, w0, s0, w1, s1);
+            if (s + 1 < n_stages)
+                stage(true, s + 1, 1, w1, s1, w0, s0);
+        }
+    } else {
+        for (int s = 0; s < n_stages; s += 2) {
+            stage(false, s, 0, w0, s0, w1, s1);
+            if (s + 1 < n_stages)
+                stage(false, s + 1, 1, w1, s1, w0, s0);
+        }
     }
     // epilogue: acc[m][t][2h + c] = (row 16rt + lane/4 + 8h, token 8t + 2(lane%4) + c)
 #pragma unroll
@@ -362,9 +458,12 @@ mx4_gemm(const struct mx4_args a)
                 const int64_t row = rt * 16 + lane / 4 + 8 * h;
                 if (row >= a.rows)
                     continue;
-                const float v0 = acc[0][t][2 * h + c];
+                // NVFP4: the global scale, once (gs 1 for MXFP4)
+                const float v0 = NV ? acc[0][t][2 * h + c] * gs[0] : acc[0][t][2 * h + c];
                 if (MODE == MX_GATE_UP) {
-                    const float v = swiglu1(v0, acc[TWO - 1][t][2 * h + c], a.limit);
+                    const float v1 = NV ? acc[TWO - 1][t][2 * h + c] * gs[TWO - 1]
+                                        : acc[TWO - 1][t][2 * h + c];
+                    const float v = swiglu1(v0, v1, a.limit);
                     ((bf16 *) a.y)[(int64_t) (p0 + tok) * a.ldy + row] = __float2bfloat16_rn(v);
                 } else if (MODE == MX_DOWN) {
                     ((bf16 *) a.y)[(int64_t) (p0 + tok) * a.ldy + row] = __float2bfloat16_rn(v0 * rw);
@@ -401,7 +500,7 @@ static size_t mx4_smem(struct mx4_shape s)
     return (size_t) 2 * 8 * s.nt * (64 * s.d + 8) * sizeof(bf16) + 8 * s.nt * sizeof(int32_t);
 }
 
-template <int NT, int D, int WB, int MODE, typename TX>
+template <int NT, int D, int WB, int MODE, typename TX, bool NV>
 static int mx4_launch(struct cuda_ctx *c, const struct mx4_args &a, int grid_x)
 {
     const struct mx4_shape s = { NT, D, WB };
@@ -409,19 +508,34 @@ static int mx4_launch(struct cuda_ctx *c, const struct mx4_args &a, int grid_x)
     dim3 grid(grid_x, (unsigned) ((row_tiles + WB - 1) / WB));
     if (grid_x <= 0)
         return 0;
-    cuda_launch(c, mx4_gemm<NT, D, WB, MODE, TX>, grid, WB * 32, mx4_smem(s), a);
+    if (NV) {
+        // its own name in the emulator's list of kernels run (test/cuemu)
+        void (*const nv4_gemm)(const struct mx4_args) = mx4_gemm<NT, D, WB, MODE, TX, NV>;
+        cuda_launch(c, nv4_gemm, grid, WB * 32, mx4_smem(s), a);
+    } else {
+        cuda_launch(c, mx4_gemm<NT, D, WB, MODE, TX, NV>, grid, WB * 32, mx4_smem(s), a);
+    }
     return CUDA_LAUNCH_CHECK();
 }
 
-template <int MODE, typename TX>
+template <int MODE, typename TX, bool NV = false>
 static int mx4_dispatch(struct cuda_ctx *c, const struct mx4_args &a, int m, int grid_x)
 {
     switch (mx4_shape_for(m).nt) {
-    case 1: return mx4_launch<1, 4, 1, MODE, TX>(c, a, grid_x);
-    case 2: return mx4_launch<2, 4, 1, MODE, TX>(c, a, grid_x);
-    case 4: return mx4_launch<4, 2, 4, MODE, TX>(c, a, grid_x);
-    default: return mx4_launch<8, 2, 4, MODE, TX>(c, a, grid_x);
+    case 1: return mx4_launch<1, 4, 1, MODE, TX, NV>(c, a, grid_x);
+    case 2: return mx4_launch<2, 4, 1, MODE, TX, NV>(c, a, grid_x);
+    case 4: return mx4_launch<4, 2, 4, MODE, TX, NV>(c, a, grid_x);
+    default: return mx4_launch<8, 2, 4, MODE, TX, NV>(c, a, grid_x);
     }
+}
+
+// The routed experts' launches of kcu_moe: MXFP4, or NVFP4 (nv) in the same tile layout.
+template <int MODE, typename TX>
+static int mx4_dispatch_fmt(struct cuda_ctx *c, const struct mx4_args &a, int m, int grid_x,
+                            bool nv)
+{
+    return nv ? mx4_dispatch<MODE, TX, true>(c, a, m, grid_x)
+              : mx4_dispatch<MODE, TX, false>(c, a, m, grid_x);
 }
 
 // ---- the plan ----
@@ -564,8 +678,8 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
     g.limit = a->limit;
     g.y = act;
     g.ldy = a->inter;
-    r = a->xt == KDT_BF16 ? mx4_dispatch<MX_GATE_UP, bf16>(c, g, m, items_max)
-                          : mx4_dispatch<MX_GATE_UP, float>(c, g, m, items_max);
+    r = a->xt == KDT_BF16 ? mx4_dispatch_fmt<MX_GATE_UP, bf16>(c, g, m, items_max, w->nvfp4)
+                          : mx4_dispatch_fmt<MX_GATE_UP, float>(c, g, m, items_max, w->nvfp4);
     if (r < 0)
         return r;
 
@@ -588,7 +702,7 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
         d.slot_pair = slot_pair;
         d.done = c->d_combine_done;
     }
-    r = mx4_dispatch<MX_DOWN, bf16>(c, d, m, items_max);
+    r = mx4_dispatch_fmt<MX_DOWN, bf16>(c, d, m, items_max, w->nvfp4);
     if (r < 0 || d.out)
         return r;
 
@@ -643,11 +757,15 @@ int kcuda_moe(struct backend *be, const struct moe_args *a)
 
     if (a->n_tok == 0 || a->n_local == 0)
         return 0;
-    if (lowp_fmt(a->experts[0].gate.fmt))
+    // NVFP4 on the tensor-core path: mx4_gemm; FP8, and NVFP4 on the FP32 op path: lowp.cu
+    const int fmt = a->experts[0].gate.fmt;
+    if (fmt != WFMT_MXFP4 && fmt != WFMT_NVFP4 && fmt != WFMT_FP8)
+        return -EINVAL;
+    if (fmt == WFMT_FP8 || (fmt == WFMT_NVFP4 && c->exact))
         return kcu_lowp_moe(c, a);
     for (int e = 0; e < a->n_local; e++) {
         const struct moe_expert *x = &a->experts[e];
-        if (x->gate.fmt != WFMT_MXFP4 || x->up.fmt != WFMT_MXFP4 || x->down.fmt != WFMT_MXFP4 ||
+        if (x->gate.fmt != fmt || x->up.fmt != fmt || x->down.fmt != fmt ||
             x->gate.rows != a->inter || x->gate.cols != a->hidden || x->up.rows != a->inter ||
             x->up.cols != a->hidden || x->down.rows != a->hidden || x->down.cols != a->inter ||
             !x->gate.priv || !x->up.priv || !x->down.priv)
@@ -673,7 +791,7 @@ int kcuda_moe(struct backend *be, const struct moe_args *a)
     if (!dt)
         return -ENOMEM;
     struct kcu_moe_w w = { dt, dt + a->n_local, dt + 2 * a->n_local, dt + 3 * a->n_local,
-                           dt + 4 * a->n_local, dt + 5 * a->n_local };
+                           dt + 4 * a->n_local, dt + 5 * a->n_local, fmt == WFMT_NVFP4 };
     struct kcu_moe_args ma = { a->n_tok, a->top_k, a->hidden, a->inter, a->expert_first,
                                a->n_local, a->limit, a->ids, a->weights, a->x, KDT_F32, a->out,
                                NULL };

@@ -19,8 +19,9 @@
  * Element i's code sits in word j where mx4_place puts it: placed (the default), its
  * sign and magnitude bits where a shift or two and a mask or two per register put them
  * into the fields of a BF16 (the value times 2^-126), the 2^126 folded into the stored
- * scale byte (mx4_scale_store: s + 126, so E8M0 above 128 is refused at load); with
- * -DMX4_PRMT_DECODE, in nibble i, the scale byte as in the checkpoint.
+ * scale byte (mx4_scale_store: s + 126); with -DMX4_PRMT_DECODE, or for a matrix with an
+ * E8M0 above 128 (not placeable), in nibble i, the scale byte as in the checkpoint: the
+ * choice per matrix in a word after its scales (mx4_matrix_placed).
  *
  * Decode (mx4_word_bf16): placed, eleven shifts and logic ops a word; PRMT, codes to
  * exact BF16 E2M1 values {0, ±0.5, .., ±6} with nine byte permutes and a few logic ops
@@ -126,23 +127,33 @@ HD int64_t mx4_scale_offset(int64_t cols, int64_t row, int64_t k)
 #define MX4_MAG_BIT(r) (0x0A030006u >> (8 * (r)) & 0xFF)      /* placed */
 #define MX4_SIGN_BIT(r) (0x0E0D090Fu >> (8 * (r)) & 0xFF)
 
-HD uint32_t mx4_place(unsigned code, int i)
+HD uint32_t mx4_place_as(unsigned code, int i, int placed)
 {
     int r = i / 2, h = 16 * (i & 1);
 
-    if (!MX4_PLACED_ON)
+    if (!placed)
         return (uint32_t)code << (4 * i);
     return (uint32_t)(code & 7) << (MX4_MAG_BIT(r) + h) | (uint32_t)(code >> 3) << (MX4_SIGN_BIT(r) + h);
 }
 
-/* The code of element i of word w (the inverse of mx4_place). */
-HD unsigned mx4_code(uint32_t w, int i)
+HD uint32_t mx4_place(unsigned code, int i)
+{
+    return mx4_place_as(code, i, MX4_PLACED_ON);
+}
+
+/* The code of element i of word w (the inverse of mx4_place_as). */
+HD unsigned mx4_code_as(uint32_t w, int i, int placed)
 {
     int r = i / 2, h = 16 * (i & 1);
 
-    if (!MX4_PLACED_ON)
+    if (!placed)
         return (w >> (4 * i)) & 0xF;
     return (w >> (MX4_MAG_BIT(r) + h) & 7) | (w >> (MX4_SIGN_BIT(r) + h) & 1) << 3;
+}
+
+HD unsigned mx4_code(uint32_t w, int i)
+{
+    return mx4_code_as(w, i, MX4_PLACED_ON);
 }
 
 /* Code of source element (row, k), 0 in the padding. */
@@ -154,55 +165,99 @@ HD unsigned mx4_src_code(const uint8_t *packed, int64_t rows, int64_t cols, int6
 }
 
 /* The scale byte as stored for E8M0 s: s (2^(s-127)); placed, s + 126 (2^(s-1): the
- * decoded values are 2^126 too small), s = 0 staying 0 and s > 128 (not representable)
- * refused at load (mx4_scale_placeable). */
-HD unsigned mx4_scale_store(unsigned s)
+ * decoded values are 2^126 too small), s = 0 staying 0; s > 128 is not representable
+ * (mx4_scale_placeable): such a matrix is stored with placed 0. */
+HD unsigned mx4_scale_store_as(unsigned s, int placed)
 {
-    return MX4_PLACED_ON && s != 0 ? s + 126 : s;
+    return placed && s != 0 ? s + 126 : s;
 }
 
-/* Whether E8M0 s can be stored (placed: 2^(s-1) must be a finite BF16, s <= 128; the
- * backend refuses a matrix with a larger scale, -ERANGE). */
+HD unsigned mx4_scale_store(unsigned s)
+{
+    return mx4_scale_store_as(s, MX4_PLACED_ON);
+}
+
+/* Whether E8M0 s can be stored placed (2^(s-1) must be a finite BF16, s <= 128; a matrix
+ * with a larger scale is repacked in the nibble layout and read by the PRMT decode,
+ * mx4_matrix_placed). */
 HD int mx4_scale_placeable(unsigned s)
 {
     return !MX4_PLACED_ON || s <= 128;
 }
 
 /* The E8M0 s of a stored scale byte (the inverse of mx4_scale_store). */
+HD unsigned mx4_scale_e8m0_as(unsigned b, int placed)
+{
+    return placed && b != 0 ? b - 126 : b;
+}
+
 HD unsigned mx4_scale_e8m0(unsigned b)
 {
-    return MX4_PLACED_ON && b != 0 ? b - 126 : b;
+    return mx4_scale_e8m0_as(b, MX4_PLACED_ON);
+}
+
+HD unsigned mx4_src_scale_as(const uint8_t *scale, int64_t rows, int64_t cols, int64_t row,
+                             int64_t g, int placed)
+{
+    if (row >= rows || g >= cols / 32)
+        return 0;
+    return mx4_scale_store_as(scale[row * (cols / 32) + g], placed);
 }
 
 HD unsigned mx4_src_scale(const uint8_t *scale, int64_t rows, int64_t cols, int64_t row, int64_t g)
 {
-    if (row >= rows || g >= cols / 32)
-        return 0;
-    return mx4_scale_store(scale[row * (cols / 32) + g]);
+    return mx4_src_scale_as(scale, rows, cols, row, g, MX4_PLACED_ON);
 }
 
-/* The 16 nibble bytes (as 4 words) and the 4 scale bytes lane l of tile t reads, gathered
- * from the source: one thread's work in the repack kernel, one loop step of the host
- * repack.  Lanes with the same l/4 produce the same scale word. */
-HD void mx4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
-                        int64_t t, int l, uint32_t w[4], uint32_t *ret_scale)
+/* The decode of one matrix as the backend prepared it (per matrix, docs/GPU.md §3): a
+ * 32-bit word after its last tile's scales, at mx4_scale_bytes: 1 placed, 0 the nibble
+ * layout and PRMT decode (any build with -DMX4_PRMT_DECODE; placed builds for a matrix
+ * with a block scale above 2^1). */
+HD int mx4_matrix_placed(const uint8_t *sc, int64_t rows, int64_t cols)
+{
+    return *(const uint32_t *)(sc + mx4_scale_bytes(rows, cols)) != 0;
+}
+
+/* The 16 nibble bytes (as 4 words) lane l of tile t reads, gathered from the source with
+ * codes placed (mx4_place_as) or in nibbles (placed 0: PRMT, and NVFP4). */
+HD void mx4_lane_words(const uint8_t *packed, int64_t rows, int64_t cols, int64_t t, int l,
+                       int placed, uint32_t w[4])
 {
     int64_t kt_n = mx4_cols_padded(cols) / 64;
     int64_t rt = t / kt_n, kt = t % kt_n;
-    int q = l / 4;
 
     for (int j = 0; j < 4; j++) {
         uint32_t v = 0;
 
         for (int i = 0; i < 8; i++)
-            v |= mx4_place(mx4_src_code(packed, rows, cols, mx4_elem_row(rt, l, i),
-                                        mx4_elem_col(kt, j, l, i)), i);
+            v |= mx4_place_as(mx4_src_code(packed, rows, cols, mx4_elem_row(rt, l, i),
+                                           mx4_elem_col(kt, j, l, i)), i, placed);
         w[j] = v;
     }
-    *ret_scale = mx4_src_scale(scale, rows, cols, 16 * rt + q, 2 * kt) |
-                 mx4_src_scale(scale, rows, cols, 16 * rt + q, 2 * kt + 1) << 8 |
-                 mx4_src_scale(scale, rows, cols, 16 * rt + q + 8, 2 * kt) << 16 |
-                 mx4_src_scale(scale, rows, cols, 16 * rt + q + 8, 2 * kt + 1) << 24;
+}
+
+/* The 16 nibble bytes (as 4 words) and the 4 scale bytes lane l of tile t reads, gathered
+ * from the source: one thread's work in the repack kernel, one loop step of the host
+ * repack.  Lanes with the same l/4 produce the same scale word. */
+HD void mx4_lane_gather_as(const uint8_t *packed, const uint8_t *scale, int64_t rows,
+                           int64_t cols, int64_t t, int l, int placed, uint32_t w[4],
+                           uint32_t *ret_scale)
+{
+    int64_t kt_n = mx4_cols_padded(cols) / 64;
+    int64_t rt = t / kt_n, kt = t % kt_n;
+    int q = l / 4;
+
+    mx4_lane_words(packed, rows, cols, t, l, placed, w);
+    *ret_scale = mx4_src_scale_as(scale, rows, cols, 16 * rt + q, 2 * kt, placed) |
+                 mx4_src_scale_as(scale, rows, cols, 16 * rt + q, 2 * kt + 1, placed) << 8 |
+                 mx4_src_scale_as(scale, rows, cols, 16 * rt + q + 8, 2 * kt, placed) << 16 |
+                 mx4_src_scale_as(scale, rows, cols, 16 * rt + q + 8, 2 * kt + 1, placed) << 24;
+}
+
+HD void mx4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
+                        int64_t t, int l, uint32_t w[4], uint32_t *ret_scale)
+{
+    mx4_lane_gather_as(packed, scale, rows, cols, t, l, MX4_PLACED_ON, w, ret_scale);
 }
 
 /* Tables of the decode.  z(magnitude m) = iH << 4 | iL, the indices into T of the high
@@ -240,17 +295,8 @@ HD struct mx4_tab mx4_tables(void)
 
 /* Word w (codes of elements 0..7 in nibbles 0..7) -> r[k] = BF16 pair (element 2k in the
  * low half, 2k+1 in the high half), exact E2M1 values, not yet scaled; tb: mx4_tables(). */
-HD void mx4_word_bf16_tab(uint32_t w, const struct mx4_tab *tb, uint32_t r[4])
+HD void mx4_word_bf16_prmt(uint32_t w, const struct mx4_tab *tb, uint32_t r[4])
 {
-#ifdef MX4_PLACED
-    /* BF16 of value times 2^-126 (the scale bytes carry the 2^126, mx4_scale_store) */
-    (void) tb;
-    r[0] = w & 0x81C081C0u;
-    r[1] = (w << 6) & 0x81C081C0u;
-    r[2] = ((w << 3) & 0x01C001C0u) | ((w << 2) & 0x80008000u);
-    r[3] = ((w >> 4) & 0x01C001C0u) | ((w << 1) & 0x80008000u);
-    return;
-#endif
     uint32_t m = w & 0x77777777u;
     uint32_t zl = hd_prmt(tb->z_lo, tb->z_hi, m);
     uint32_t zh = hd_prmt(tb->z_lo, tb->z_hi, m >> 16);
@@ -265,6 +311,21 @@ HD void mx4_word_bf16_tab(uint32_t w, const struct mx4_tab *tb, uint32_t r[4])
     r[1] = hd_prmt(tb->t_lo, tb->t_hi, zl >> 16);
     r[2] = hd_prmt(tb->t_lo, tb->t_hi, zh);
     r[3] = hd_prmt(tb->t_lo, tb->t_hi, zh >> 16);
+}
+
+/* The decode of the layout built (placed, or nibbles: mx4_word_bf16_prmt). */
+HD void mx4_word_bf16_tab(uint32_t w, const struct mx4_tab *tb, uint32_t r[4])
+{
+#ifdef MX4_PLACED
+    /* BF16 of value times 2^-126 (the scale bytes carry the 2^126, mx4_scale_store) */
+    (void) tb;
+    r[0] = w & 0x81C081C0u;
+    r[1] = (w << 6) & 0x81C081C0u;
+    r[2] = ((w << 3) & 0x01C001C0u) | ((w << 2) & 0x80008000u);
+    r[3] = ((w >> 4) & 0x01C001C0u) | ((w << 1) & 0x80008000u);
+#else
+    mx4_word_bf16_prmt(w, tb, r);
+#endif
 }
 
 HD void mx4_word_bf16(uint32_t w, uint32_t r[4])
@@ -296,9 +357,9 @@ HD void mx4_scales_bf16x2(uint32_t scales, uint32_t sp[4])
 /* The FP32 value 2^(s-127) of scale byte `which` (0..3) of a lane's scale word, for a
  * kernel that scales the FP32 sums of a 32-k group instead of the BF16 weights (s = 0
  * gives 0, as above). */
-HD float mx4_scale_f32(uint32_t scales, int which)
+/* The FP32 of bits u. */
+HD float mx4_bits_f32(uint32_t u)
 {
-    uint32_t u = ((scales >> (8 * which)) & 0xFF) << 23;
 #ifdef __CUDA_ARCH__
     return __uint_as_float(u);
 #else
@@ -307,6 +368,11 @@ HD float mx4_scale_f32(uint32_t scales, int which)
     memcpy(&f, &u, sizeof(f));
     return f;
 #endif
+}
+
+HD float mx4_scale_f32(uint32_t scales, int which)
+{
+    return mx4_bits_f32(((scales >> (8 * which)) & 0xFF) << 23);
 }
 
 /* Which scale byte register k (0..3) of word j uses: rows l/4 (k = 0, 2) or l/4 + 8
@@ -334,6 +400,96 @@ HD void mx4_repack(const uint8_t *packed, const uint8_t *scale, int64_t rows, in
             if (l % 4 == 0)
                 for (int b = 0; b < 4; b++)
                     sc[t * MX4_TILE_SCALE_BYTES + (l / 4) * 4 + b] = (uint8_t)(s >> (8 * b));
+        }
+    }
+}
+
+/* ---- NVFP4 in the tile layout (WFMT_NVFP4 weights; docs/GPU.md §3.1) ----
+ * Source: nibbles [R, K/2] as MXFP4's, E4M3 scales [R, K/16] (one per 16 in-features) and
+ * an FP32 global scale.  Nibbles: MXFP4's tiles with the codes in nibbles (element i of a
+ * word in nibble i, mx4_word_bf16_prmt, whatever MX4_PLACED), so that one k-step of the
+ * mma (16 k) is one scale group.  Scales: the E4M3 bytes as in the checkpoint, 64 bytes
+ * per tile; lane l reads the 8 bytes [8q, 8q+8), q = l/4: byte g (0..3) of (row 16rt+q,
+ * group 4kt+g), byte 4+g of (row 16rt+q+8, group 4kt+g).  After the last tile's scales,
+ * at nv4_scale_bytes, the FP32 global scale (4 bytes), so that an expert's pointer
+ * table carries it.  Padding: code 0, scale 0. */
+#define NV4_TILE_SCALE_BYTES 64
+
+HD int64_t nv4_scale_bytes(int64_t rows, int64_t cols)
+{
+    return mx4_rows_padded(rows) * mx4_cols_padded(cols) / 16;
+}
+
+HD int64_t nv4_scale_offset(int64_t cols, int64_t row, int64_t k)
+{
+    int64_t kt_n = mx4_cols_padded(cols) / 64;
+    int64_t t = (row / 16) * kt_n + k / 64;
+    int rr = (int)(row % 16);
+
+    return t * NV4_TILE_SCALE_BYTES + (rr % 8) * 8 + (rr >= 8) * 4 + (int)((k % 64) / 16);
+}
+
+HD unsigned nv4_code(uint32_t w, int i)
+{
+    return (w >> (4 * i)) & 0xF;
+}
+
+HD unsigned nv4_src_scale(const uint8_t *scale, int64_t rows, int64_t cols, int64_t row, int64_t g)
+{
+    if (row >= rows || g >= cols / 16)
+        return 0;
+    return scale[row * (cols / 16) + g];
+}
+
+/* Lane l of tile t: its 4 nibble words and its 8 scale bytes (s[0]: row q, s[1]: row q+8). */
+HD void nv4_lane_gather(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
+                        int64_t t, int l, uint32_t w[4], uint32_t s[2])
+{
+    int64_t kt_n = mx4_cols_padded(cols) / 64;
+    int64_t rt = t / kt_n, kt = t % kt_n;
+    int q = l / 4;
+
+    mx4_lane_words(packed, rows, cols, t, l, 0, w);
+    for (int h = 0; h < 2; h++) {
+        s[h] = 0;
+        for (int g = 0; g < 4; g++)
+            s[h] |= nv4_src_scale(scale, rows, cols, 16 * rt + q + 8 * h, 4 * kt + g) << (8 * g);
+    }
+}
+
+/* The E4M3 byte b as FP32 times 2^-120, exactly (bit placement; an E4M3 subnormal becomes
+ * an FP32 subnormal): multiplied by 2^120 it is the scale.  0x7F / 0xFF (NaN) are refused
+ * at load. */
+HD float nv4_e4m3_f32_2m120(unsigned b)
+{
+    return mx4_bits_f32(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20));
+}
+
+/* The FP32 scale of byte `which` (0..7) of a lane's two scale words. */
+HD float nv4_scale_f32(uint32_t s_lo, uint32_t s_hi, int which)
+{
+    uint32_t w = which < 4 ? s_lo : s_hi;
+
+    return nv4_e4m3_f32_2m120((w >> (8 * (which & 3))) & 0xFF) * 0x1p120f;
+}
+
+/* Host repack of a whole NVFP4 matrix (tests, and the reference of the device kernel). */
+HD void nv4_repack(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t cols,
+                   uint8_t *nib, uint8_t *sc)
+{
+    int64_t n_tiles = mx4_rows_padded(rows) / 16 * (mx4_cols_padded(cols) / 64);
+
+    for (int64_t t = 0; t < n_tiles; t++) {
+        for (int l = 0; l < 32; l++) {
+            uint32_t w[4], s[2];
+
+            nv4_lane_gather(packed, scale, rows, cols, t, l, w, s);
+            for (int j = 0; j < 4; j++)
+                for (int b = 0; b < 4; b++)
+                    nib[t * MX4_TILE_NIB_BYTES + l * 16 + j * 4 + b] = (uint8_t)(w[j] >> (8 * b));
+            if (l % 4 == 0)
+                for (int b = 0; b < 8; b++)
+                    sc[t * NV4_TILE_SCALE_BYTES + (l / 4) * 8 + b] = (uint8_t)(s[b / 4] >> (8 * (b % 4)));
         }
     }
 }

@@ -26,6 +26,7 @@
 #include "graph-pad.h"
 #include "harness.h"
 #include "moe-plan.h"
+#include "tensor.h"
 #include "mx4.h"
 #include "mxfp4.h"
 
@@ -677,6 +678,73 @@ static void test_graph_pad(void)
     printf("graph-pad: buckets minimal, padding within bounds\n");
 }
 
+/* NVFP4 in the tile layout (mx4.h nv4_*): every element of the padded matrix, decoded as
+ * mx4_gemm's nv4_tile does (the word through mx4_gemm's PRMT decode, the group's E4M3
+ * through nv4_scale_f32, times the global scale), equals the CPU decode of the checkpoint
+ * bytes (common/tensor.c nvfp4_row_decode) to its last bit; padding decodes to 0; every E4M3 byte but
+ * the NaNs converts exactly. */
+static void test_nv4_layout(int64_t rows, int64_t cols)
+{
+    int64_t rp = mx4_rows_padded(rows), kp = mx4_cols_padded(cols);
+    int64_t n_tiles = rp / 16 * (kp / 64);
+    float *f = malloc((size_t)(rows * cols) * sizeof(float)), *ref = malloc((size_t)cols * sizeof(float));
+    uint8_t *packed = malloc((size_t)(rows * cols / 2)), *scale = malloc((size_t)(rows * cols / 16));
+    uint8_t *nib = malloc((size_t)mx4_nib_bytes(rows, cols)), *sc = malloc((size_t)nv4_scale_bytes(rows, cols));
+    struct mx4_tab tb = { MX4_Z_LO, MX4_Z_HI, MX4_T_LO, MX4_T_HI };
+
+    ASSERT_TRUE(f && ref && packed && scale && nib && sc);
+    for (unsigned b = 0; b < 256; b++)
+        if ((b & 0x7F) != 0x7F)
+            ASSERT_TRUE(nv4_scale_f32(b, 0, 0) == fp8_e4m3_value((uint8_t)b));
+    ASSERT_EQ(nv4_scale_bytes(rows, cols), n_tiles * NV4_TILE_SCALE_BYTES);
+    for (int64_t i = 0; i < rows * cols; i++)       /* groups of very different amax */
+        f[i] = frand() * ldexpf(1.0f, (int)((i / 16) % 13) - 6);
+    float gs = nvfp4_global_scale(f, rows * cols);
+    for (int64_t r = 0; r < rows; r++)
+        ASSERT_OK(nvfp4_row_quantize(f + r * cols, cols, gs, packed + r * cols / 2,
+                                     scale + r * cols / 16));
+    nv4_repack(packed, scale, rows, cols, nib, sc);
+    for (int64_t t = 0; t < n_tiles; t++) {
+        int64_t rt = t / (kp / 64), kt = t % (kp / 64);
+
+        for (int l = 0; l < 32; l++) {
+            uint32_t s[2];
+
+            memcpy(s, sc + t * NV4_TILE_SCALE_BYTES + (l / 4) * 8, 8);
+            for (int j = 0; j < 4; j++) {
+                uint32_t w, r[4];
+
+                memcpy(&w, nib + t * MX4_TILE_NIB_BYTES + l * 16 + j * 4, 4);
+                mx4_word_bf16_prmt(w, &tb, r);
+                for (int i = 0; i < 8; i++) {
+                    int64_t row = mx4_elem_row(rt, l, i), k = mx4_elem_col(kt, j, l, i);
+                    float v = bf16_val((uint16_t)(r[i / 2] >> (16 * (i & 1))));
+                    float got = v * nv4_scale_f32(s[0], s[1], 4 * ((i >> 1) & 1) + j) * gs;
+                    float want = 0.0f;
+                    int el;
+
+                    ASSERT_EQ(mx4_word_offset(cols, row, k, &el), t * MX4_TILE_NIB_BYTES + l * 16 + j * 4);
+                    ASSERT_EQ(nv4_code(w, el), nv4_code(w, i));
+                    ASSERT_EQ(nv4_scale_offset(cols, row, k),
+                              t * NV4_TILE_SCALE_BYTES + (l / 4) * 8 + 4 * ((i >> 1) & 1) + j);
+                    if (row < rows && k < cols) {
+                        ASSERT_OK(nvfp4_row_decode(packed + row * (cols / 2), scale + row * (cols / 16),
+                                                   gs, cols, ref));
+                        want = ref[k];
+                    }
+                    /* (E2M1 · E4M3, exact) · gs against E2M1 · (E4M3 · gs): one rounding */
+                    if (!(fabsf(got - want) <= 0x1p-23f * fabsf(want)))
+                        FAIL("nv4 %lldx%lld: element (%lld, %lld) decoded %g, want %g",
+                             (long long)rows, (long long)cols, (long long)row, (long long)k, got, want);
+                }
+            }
+        }
+    }
+    printf("nv4 %lldx%lld: every element through the tile layout = the CPU decode\n",
+           (long long)rows, (long long)cols);
+    free(f); free(ref); free(packed); free(scale); free(nib); free(sc);
+}
+
 int main(void)
 {
     struct backend_cfg cfg = { .n_threads = 1, .mxfp4_exact = true };
@@ -688,6 +756,9 @@ int main(void)
     test_mx4_layout(77, 320);
     test_mx4_layout(130, 96);
     test_mx4_layout(48, 1280);
+    test_nv4_layout(16, 64);
+    test_nv4_layout(7, 48);
+    test_nv4_layout(40, 336);
     test_plan_order(1, 8, 288, 0, 288, 8);
     test_plan_order(16, 8, 288, 0, 288, 8);
     test_plan_order(64, 8, 288, 72, 72, 64);

@@ -24,6 +24,10 @@
 
 static struct backend *cpu;
 static bool fast;           /* the tensor-core path (not mxfp4_exact) */
+/* E8M0 > 128 set: every other MXFP4 weight make_weight makes has one block scale of it
+ * (above the placed decode's 2^1: that matrix falls back to the PRMT decode) */
+static unsigned mx4_big;
+static unsigned mx4_made;
 
 /* tolerances: the FP32 op path, or BF16 activations on the tensor-core path */
 #define TOL(exact, bf16) (fast ? (bf16) : (exact))
@@ -136,6 +140,8 @@ static void make_weight(struct wpair *w, enum wfmt fmt, int rows, int cols)
             p[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1442695040888963407ull) ;
         for (size_t i = 0; i < n / 32; i++)
             w->scale[i] = (uint8_t)(120 + (i % 7));
+        if (mx4_big && mx4_made++ % 2 == 0)
+            w->scale[n / 64] = (uint8_t)mx4_big;
         w->data = p;
     }
     w->c = (struct bweight){ .fmt = fmt, .rows = rows, .cols = cols, .data = w->data, .scale = w->scale,
@@ -351,8 +357,9 @@ static void test_row_expsum(int rows, int n)
 }
 
 /* The router, then the routed experts (fmt) of local [first, first + n_local) on its choice.
- * FP8 and NVFP4 experts run the op path of lowp.cu (kcu_lowp_moe: FP32 activations on both
- * CUDA paths), which no model test reaches since the fused FFN halves took these formats. */
+ * FP8 experts run the op path of lowp.cu (kcu_lowp_moe) on the FP32 op path and
+ * fp8mma.cu (BF16 activations) on the tensor-core path; NVFP4 experts run mx4_gemm on the
+ * tensor-core path (BF16 activations, as MXFP4's) and lowp.cu on the FP32 op path. */
 static void test_router_moe_pad(enum wfmt fmt, int n_tok, int hidden, int inter, int n_exp,
                                 int top_k, int first, int n_local, float limit, int n_pad)
 {
@@ -402,7 +409,7 @@ static void test_router_moe_pad(enum wfmt fmt, int n_tok, int hidden, int inter,
              first, n_local, n_pad);
     if (fmt == WFMT_FP8 && fast)    /* fp8mma.cu: BF16 activations (x, act), FP32 sums */
         compare_scaled(name, out, dmo, (size_t)n_tok * hidden, TOL_FP8_MOE);
-    else if (fmt == WFMT_FP8 || fmt == WFMT_NVFP4)    /* FP32 on both: measured up to 1.4e-6 */
+    else if (fmt == WFMT_FP8 || (fmt == WFMT_NVFP4 && !fast))   /* FP32: measured up to 1.4e-6 */
         compare(name, out, dmo, (size_t)n_tok * hidden, 1e-4);
     else if (fast)
         compare_scaled(name, out, dmo, (size_t)n_tok * hidden, 3e-2);
@@ -498,8 +505,9 @@ static void test_attention(int heads, int kvh, int hd, int window, int kv_f32, i
     free(ckv.k); free(ckv.v); free(q); free(out); free(tables);
 }
 
-/* The placed MXFP4 decode stores E8M0 s as 2^(s-1) in BF16: s = 128 loads, s = 129 (any
- * scale above 2) is refused with -ERANGE, not decoded to infinity. */
+/* The placed MXFP4 decode stores E8M0 s as 2^(s-1) in BF16, s <= 128; a matrix with a
+ * larger block scale loads in the nibble layout of the PRMT decode (one info line), a NaN
+ * scale (255) is refused.  Their products: run_formats. */
 static void test_mx4_scale_range(void)
 {
     uint8_t data[16 * 64 / 2] = { 0 }, scale[16 * 2];
@@ -509,9 +517,54 @@ static void test_mx4_scale_range(void)
     scale[5] = 128;
     ASSERT_OK(backend_weight_prepare(gpu, &w));
     backend_weight_release(gpu, &w);
-    scale[5] = 129;
-    ASSERT_EQ(backend_weight_prepare(gpu, &w), -ERANGE);
-    printf("mxfp4 scale 2^1 loads, 2^2 refused (-ERANGE)\n");
+    scale[5] = 130;
+    ASSERT_OK(backend_weight_prepare(gpu, &w));
+    backend_weight_release(gpu, &w);
+    scale[5] = 255;
+    ASSERT_EQ(backend_weight_prepare(gpu, &w), -EINVAL);
+    printf("mxfp4 scales 2^1 and 2^3 load, NaN refused (-EINVAL)\n");
+}
+
+/* An NVFP4 weight whose E4M3 scales hold a NaN (0x7F, 0xFF) is refused (-EINVAL), not
+ * decoded; a zero scale and the largest finite one (0x7E, 448) load. */
+static void test_nvfp4_scale_nan(void)
+{
+    uint8_t data[16 * 64 / 2] = { 0 }, scale[16 * 4];
+    struct bweight w = { .fmt = WFMT_NVFP4, .rows = 16, .cols = 64, .data = data, .scale = scale,
+                         .gscale = 1.0f };
+
+    memset(scale, 0x38, sizeof(scale));
+    scale[3] = 0x7E;
+    scale[9] = 0;
+    ASSERT_OK(backend_weight_prepare(gpu, &w));
+    backend_weight_release(gpu, &w);
+    scale[9] = 0x7F;
+    ASSERT_EQ(backend_weight_prepare(gpu, &w), -EINVAL);
+    scale[9] = 0xFF;
+    ASSERT_EQ(backend_weight_prepare(gpu, &w), -EINVAL);
+    printf("nvfp4 E4M3 scales 0 and 448 load, NaN refused (-EINVAL)\n");
+}
+
+/* NVFP4 experts through every mx4_gemm shape (STEPD_TEST_ONLY=nvfp4, test/cuemu
+ * cuemu-nvfp4-moe): NT 1 (5 tokens), NT 2 (13 tokens over 288 experts, 72 local: most
+ * tokens' experts elsewhere, ragged items), NT 4 with 4 warps and several stages (hidden
+ * 320: a k tile of padding columns), NT 8 (70 tokens, 9 of 16 experts local), the gate+up
+ * and down launches each, against the CPU backend's NVFP4 experts. */
+static void run_nvfp4(void)
+{
+    test_nvfp4_scale_nan();
+    /* MXFP4 matrices with a block scale of 2^3 (every other one: placed and PRMT matrices
+     * in one launch) through the dense matmul and the MoE, NT 1 and NT 4 */
+    mx4_big = 130;
+    test_mx4_scale_range();
+    test_matmul(WFMT_MXFP4, 77, 320, 1, TOL(1e-5, TOL_MX4_GEMM(320)));
+    test_router_moe(WFMT_MXFP4, 5, 64, 32, 12, 3, 4, 6, 7.0f);
+    test_router_moe(WFMT_MXFP4, 20, 320, 32, 40, 8, 0, 40, 0.0f);
+    mx4_big = 0;
+    test_router_moe(WFMT_NVFP4, 5, 64, 32, 12, 3, 4, 6, 7.0f);
+    test_router_moe(WFMT_NVFP4, 13, 128, 64, 288, 8, 72, 72, 2.5f);
+    test_router_moe(WFMT_NVFP4, 20, 320, 32, 40, 8, 0, 40, 0.0f);
+    test_router_moe(WFMT_NVFP4, 70, 256, 64, 16, 4, 3, 9, 0.0f);
 }
 
 /* Under the host emulator (test/cuemu/run.sh sets STEPD_TEST_EMULATED) every kernel runs
@@ -601,6 +654,8 @@ int main(int argc, char **argv)
                (unsigned long long)seed);
         if (only_fp8)
             run_fp8();
+        else if (getenv("STEPD_TEST_ONLY") && strcmp(getenv("STEPD_TEST_ONLY"), "nvfp4") == 0)
+            run_nvfp4();
         else
             run_all(getenv("STEPD_TEST_EMULATED") != NULL);
         backend_free(gpu);

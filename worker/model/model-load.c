@@ -60,8 +60,13 @@ static int mbuf(struct model *m, size_t bytes, void *ret)
 
 int model__prepare(struct model *m, struct bweight *w, const char *name, struct err_buf *e)
 {
-    int r = backend_weight_prepare(m->be, w);
+    const char *own = w->name;
+    int r;
 
+    if (!own)
+        w->name = name;     /* for the backend's messages, during the call only */
+    r = backend_weight_prepare(m->be, w);
+    w->name = own;
     if (r < 0)
         return err_set(e, r, "%s: backend '%s' cannot prepare weight [%lld, %lld]: %s", name,
                        m->be->ops->name, (long long)w->rows, (long long)w->cols, err_str(r));

@@ -16,10 +16,12 @@
  * form decodes 64 codes with two vpermi2b byte lookups (fb_dec64), its columns in an
  * interleaved order that the activations are written in (fb_act): a third of the
  * decode's instructions, which were most of the cost at the 1-3 tokens an expert gets.  The
- * first token pass over a tile prefetches the next tile into L1 and the one FB_PF2 tiles
- * ahead into L2: the L1 prefetch alone left the routed decode at 0.8-0.9 of MXFP4's share
- * of the bandwidth (docs/PERFORMANCE.md §4.3a).  The error is the activations' rounding to
- * BF16: |err| <= 2^-8 · Σ|w·x| plus fp32 accumulation (test-lowp at level vnni).
+ * first token pass over a tile prefetches the tile FB_PF2 ahead into L2 and nothing into L1
+ * (the hardware's L1 streams follow the 4 rows): a software L1 prefetch of the whole next
+ * tile, 16 KiB in a 32 KiB L1 beside the activations, and a nearer L2 one left the routed
+ * decode at 0.85-0.9 of MXFP4's share of the bandwidth (docs/PERFORMANCE.md §4.3a).  The
+ * error is the activations' rounding to BF16: |err| <= 2^-8 · Σ|w·x| plus fp32 accumulation
+ * (test-lowp at level vnni).
  */
 #include <string.h>
 
@@ -35,7 +37,7 @@
 #define FB_TILE 4       /* rows decoded together */
 #define FB_NT 4         /* tokens per pass over a tile */
 #define FB_TB 16        /* tokens converted per block (fits CPU_LOWP_BUF) */
-#define FB_PF2 4        /* tiles ahead that the first token pass also prefetches into L2 */
+#define FB_PF2 8        /* tiles ahead that the first token pass prefetches into L2 */
 
 #define FB_TARGET CPU_TARGET_VNNI ",avx512bf16"
 #define FB_FN __attribute__((target(FB_TARGET)))
@@ -116,12 +118,11 @@ FB_FN static inline __attribute__((always_inline)) void fb_acc_out(__m512 acc[][
             out[j][rr] = _mm512_reduce_add_ps(acc[j][rr]);
 }
 
-/* rows rw[0..3] against nt tokens' BF16 activations xt[]: out[j][rr]; pf, pf2: the tiles
- * to prefetch at 4x the tile's pace (its rows are contiguous), the next one into L1 and the
- * one FB_PF2 ahead into L2, or NULL */
+/* rows rw[0..3] against nt tokens' BF16 activations xt[]: out[j][rr]; pf2: the tile FB_PF2
+ * ahead, to prefetch into L2 at 4x the tile's pace (its rows are contiguous), or NULL */
 FB_FN static inline __attribute__((always_inline)) void
 fb_tile(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const int nt, float out[][FB_TILE],
-        const uint8_t *pf, const uint8_t *pf2)
+        const uint8_t *pf2)
 {
     const __m512i tab = _mm512_loadu_si512(fb_sub_tab);
     __m512 acc[FB_NT][FB_TILE];
@@ -130,10 +131,6 @@ fb_tile(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const
     for (int64_t c = 0; c < cols; c += 32) {
         __m512i wv[FB_TILE];
 
-        if (pf) {
-            _mm_prefetch((const char *)pf + 4 * c, _MM_HINT_T0);
-            _mm_prefetch((const char *)pf + 4 * c + 64, _MM_HINT_T0);
-        }
         if (pf2) {
             _mm_prefetch((const char *)pf2 + 4 * c, _MM_HINT_T1);
             _mm_prefetch((const char *)pf2 + 4 * c + 64, _MM_HINT_T1);
@@ -155,14 +152,14 @@ fb_tile(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const
 /* tile(...) for nt tokens (1..FB_NT), each count compiled with its accumulators in registers */
 #define FB_BY_NT(tile)                                          \
     switch (nt) {                                               \
-    case 1: tile(rw, cols, xt, 1, out, pf, pf2); break;         \
-    case 2: tile(rw, cols, xt, 2, out, pf, pf2); break;         \
-    case 3: tile(rw, cols, xt, 3, out, pf, pf2); break;         \
-    default: tile(rw, cols, xt, FB_NT, out, pf, pf2); break;    \
+    case 1: tile(rw, cols, xt, 1, out, pf2); break;             \
+    case 2: tile(rw, cols, xt, 2, out, pf2); break;             \
+    case 3: tile(rw, cols, xt, 3, out, pf2); break;             \
+    default: tile(rw, cols, xt, FB_NT, out, pf2); break;        \
     }
 
 FB_FN static void fb_tile_any(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, int nt,
-                              float out[][FB_TILE], const uint8_t *pf, const uint8_t *pf2)
+                              float out[][FB_TILE], const uint8_t *pf2)
 {
     FB_BY_NT(fb_tile)
 }
@@ -219,7 +216,7 @@ fb_dec64(const uint8_t *q, __m512i th0, __m512i th1, __m512i tl0, __m512i tl1, _
 /* fb_tile on the 64-column form: xt[j] holds token j's activations in fb_dec64's order */
 FB64_FN static inline __attribute__((always_inline)) void
 fb_tile64(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, const int nt, float out[][FB_TILE],
-          const uint8_t *pf, const uint8_t *pf2)
+          const uint8_t *pf2)
 {
     const __m512i th0 = _mm512_loadu_si512(fb_hi_tab), th1 = _mm512_loadu_si512(fb_hi_tab + 64);
     const __m512i tl0 = _mm512_loadu_si512(fb_lo_tab), tl1 = _mm512_loadu_si512(fb_lo_tab + 64);
@@ -227,11 +224,6 @@ fb_tile64(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, con
 
     fb_acc_zero(acc, nt);
     for (int64_t c = 0; c < cols; c += 64) {
-        if (pf) {
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++)
-                _mm_prefetch((const char *)pf + 4 * c + 64 * k, _MM_HINT_T0);
-        }
         if (pf2) {
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++)
@@ -254,7 +246,7 @@ fb_tile64(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, con
 }
 
 FB64_FN static void fb_tile64_any(const uint8_t *const *rw, int64_t cols, const uint16_t *const *xt, int nt,
-                                  float out[][FB_TILE], const uint8_t *pf, const uint8_t *pf2)
+                                  float out[][FB_TILE], const uint8_t *pf2)
 {
     FB_BY_NT(fb_tile64)
 }
@@ -280,7 +272,6 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
             for (int64_t r = b0; r < b1; r += FB_TILE) {
                 const int nr = b1 - r < FB_TILE ? (int)(b1 - r) : FB_TILE;
                 const uint8_t *rw[FB_TILE];
-                const uint8_t *pf = r + FB_TILE < r1 ? data + (r + FB_TILE) * cols : NULL;
                 const uint8_t *pf2 = r + FB_PF2 * FB_TILE < r1 ? data + (r + FB_PF2 * FB_TILE) * cols : NULL;
 
                 for (int rr = 0; rr < FB_TILE; rr++)
@@ -292,8 +283,7 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
 
                     for (int j = 0; j < nt; j++)
                         xt[j] = xb + (int64_t)(i - i0 + j) * cols;
-                    (w64 ? fb_tile64_any : fb_tile_any)(rw, cols, xt, nt, out, i == i0 ? pf : NULL,
-                                                        i == i0 ? pf2 : NULL);
+                    (w64 ? fb_tile64_any : fb_tile_any)(rw, cols, xt, nt, out, i == i0 ? pf2 : NULL);
                     for (int j = 0; j < nt; j++)
                         for (int rr = 0; rr < nr; rr++)
                             y[(int64_t)(i + j) * ldy + (r + rr - r0)] = out[j][rr];

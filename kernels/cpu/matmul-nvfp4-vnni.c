@@ -43,9 +43,11 @@ int cpu_lowp_vnni_off;
 #define NV_NT 8         /* tokens per pass over a group */
 #define NV_TB 16        /* tokens quantised per block (fits CPU_LOWP_BUF) */
 #define NV_CHUNK 128    /* rows per chunk when the tokens take several blocks */
-/* software prefetch distances in the stream: into L1, and further into L2 */
+/* software prefetch distances in the stream: into L1, and further into L2 (32 pairs, 18 KiB:
+ * about the bytes MXFP4's 16-row kernel keeps in flight, 4 streams x 4 KiB, where 16 pairs
+ * read at 0.85-0.95 of MXFP4's share of the bandwidth; docs/PERFORMANCE.md §4.3a) */
 #define NV_PF (4 * NVFP4_PAIR_BYTES)
-#define NV_PF2 (16 * NVFP4_PAIR_BYTES)
+#define NV_PF2 (32 * NVFP4_PAIR_BYTES)
 
 /* 2·E2M1 + 12 */
 static const int8_t nv_lut_biased[16] = { 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0 };

@@ -23,7 +23,8 @@
  * First, with 1 thread, FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert at decode batch
  * 1, 4, 16 and 64 with realistic routing and at 4 and 16 tokens on one expert (the
  * fp32-activation kernels and the dispatch in use, 256 MiB of copies each, 3 interleaved
- * rounds);
+ * rounds; beside each "% of bw" the same share with process CPU time on both sides, which
+ * the time slices a loaded host takes away do not move);
  * STEPD_BENCH_FORMATS_ONLY=1 stops after that table.
  */
 #include <math.h>
@@ -55,6 +56,8 @@ static double cpu_now(void)
 static double last_share;
 static double last_ratio;           /* median over reps of (kernel GB/s / probe GB/s), each
                                      * rep running the probe right before the kernel sweep */
+static double last_ratio_cpu;       /* the same with process CPU time for both (bench_routed):
+                                     * time slices lost to other processes count on neither side */
 static struct cpu_pool *bw_pool;
 
 /* ---- bandwidth probe (bw-probe.h) ---- */
@@ -204,13 +207,13 @@ static void mats_free(struct mats *ms)
 static double bench_routed(struct backend *be, const struct mats *ms, const int *cnt, int max_n)
 {
     float *x = malloc(sizeof(float) * max_n * ms->w[0].cols), *y = malloc(sizeof(float) * max_n * ms->w[0].rows);
-    double t[32], sh[32], ratio[32];
+    double t[32], sh[32], ratio[32], ratio_cpu[32];
 
     for (int64_t i = 0; i < max_n * ms->w[0].cols; i++)
         x[i] = sinf((float)i);
     backend_matmul(be, &ms->w[0], x, cnt[0], y);
     for (int r = 0; r < reps; r++) {
-        double bw = bw_once(), t0 = bench_now(), c0 = cpu_now();
+        const double cb = cpu_now(), bw = bw_once(), t0 = bench_now(), c0 = cpu_now();
 
         for (int i = 0; i < ms->count; i++)
             if (backend_matmul(be, &ms->w[i], x, cnt[i], y) < 0)
@@ -218,11 +221,13 @@ static double bench_routed(struct backend *be, const struct mats *ms, const int 
         t[r] = (bench_now() - t0) / ms->count;
         sh[r] = (cpu_now() - c0) / (t[r] * ms->count);
         ratio[r] = ms->bytes_each / t[r] / 1e9 / bw;
+        ratio_cpu[r] = (double)ms->bytes_each * ms->count / (cpu_now() - c0) / ((double)arena_bytes / (c0 - cb));
     }
     free(x);
     free(y);
     last_share = bench_median(sh, reps);
     last_ratio = bench_median(ratio, reps);
+    last_ratio_cpu = bench_median(ratio_cpu, reps);
     return bench_median(t, reps);
 }
 
@@ -588,14 +593,16 @@ static void bench_lowp_incache(struct backend *be, const char *const *names)
  * them, else the AVX2 dispatch; cpu_lowp_vnni_off) and "new" = as dispatched (NVFP4 on the
  * int8 VNNI path where the host has level vnni).  Rows "B=": decode batch B with realistic routing (routed_counts: each copy
  * multiplies the tokens its expert got, 1-3 mostly); rows "n=": every token on one expert
- * (the dense worst case).  Rounds interleave every side; each figure is the median over
- * the rounds of the sweeps' medians. */
+ * (the dense worst case).  "cpu time": the share with process CPU time in place of wall
+ * time for both the probe and the sweep (stalls on memory count, time slices lost to other
+ * processes do not).  Rounds interleave every side; each figure is the median over the
+ * rounds of the sweeps' medians. */
 static void bench_lowp_formats(struct backend *be)
 {
     enum { ROUNDS = 3, ROWS = 1280, COLS = 4096, NCASE = 6 };
     static const int cases[NCASE] = { 1, 4, 16, 64, -4, -16 };     /* B (routed), -n (dense) */
     static const char *names[] = { "mxfp4", "fp8 f32", "fp8 new", "nvfp4 f32", "nvfp4 new" };
-    double gbs[NCASE][5][ROUNDS], pct[NCASE][5][ROUNDS];
+    double gbs[NCASE][5][ROUNDS], pct[NCASE][5][ROUNDS], pcpu[NCASE][5][ROUNDS];
 
     printf("  expert [1280,4096] per format, 1 thread, ISA %s, %d rounds interleaved (medians)\n",
            cpu_isa_name(cpu_isa()), ROUNDS);
@@ -622,6 +629,7 @@ static void bench_lowp_formats(struct backend *be)
                 }
                 gbs[k][side][r] = ms.bytes_each / s / 1e9;
                 pct[k][side][r] = 100.0 * last_ratio;
+                pcpu[k][side][r] = 100.0 * last_ratio_cpu;
             }
             free(cnt);
             mats_free(&ms);
@@ -631,9 +639,10 @@ static void bench_lowp_formats(struct backend *be)
         for (int side = 0; side < 5; side++) {
             double g = bench_median(gbs[k][side], ROUNDS), p = bench_median(pct[k][side], ROUNDS);
             double p0 = bench_median(pct[k][0], ROUNDS);
+            double c = bench_median(pcpu[k][side], ROUNDS), c0 = bench_median(pcpu[k][0], ROUNDS);
 
-            printf("  %-10s %s=%2d %7.2f GB/s %5.1f %% of bw  x%.2f of mxfp4's share\n", names[side],
-                   cases[k] > 0 ? "B" : "n", abs(cases[k]), g, p, p / p0);
+            printf("  %-10s %s=%2d %7.2f GB/s %5.1f %% of bw  x%.2f of mxfp4's share  cpu time %5.1f %% x%.2f\n",
+                   names[side], cases[k] > 0 ? "B" : "n", abs(cases[k]), g, p, p / p0, c, c / c0);
         }
     bench_lowp_incache(be, names);
 }

@@ -757,6 +757,8 @@ int kcuda_moe(struct backend *be, const struct moe_args *a)
 
     if (a->n_tok == 0 || a->n_local == 0)
         return 0;
+    if (a->n_tok < 0 || a->n_local < 0)
+        return -EINVAL;
     // NVFP4 on the tensor-core path: mx4_gemm; FP8, and NVFP4 on the FP32 op path: lowp.cu
     const int fmt = a->experts[0].gate.fmt;
     if (fmt != WFMT_MXFP4 && fmt != WFMT_NVFP4 && fmt != WFMT_FP8)

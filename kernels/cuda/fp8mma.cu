@@ -293,35 +293,8 @@ bool kcu_fp8_mma_ok(const struct lowp_w *h, size_t n)
     return n > 0;
 }
 
-// ---- the plan (when no router built it) and the combine ----
-
-static __global__ void __launch_bounds__(MOE_PLAN_THREADS) fp8_plan_kernel(struct moe_plan_args a)
-{
-    PDL_WAIT();
-    PDL_TRIGGER();
-    extern __shared__ int32_t f8_plan_sh[];
-
-    kcu_moe_plan_block(&a, f8_plan_sh);
-}
-
-// out[t, :] += sum_k y[slot_pair[t * top_k + k], :] (k ascending), FP32
-static __global__ void fp8_combine_kernel(float *out, const float *y, const int32_t *slot_pair,
-                                          int top_k, int hidden)
-{
-    PDL_WAIT();
-    PDL_TRIGGER();
-    const int t = blockIdx.x;
-    const int col = blockIdx.y * blockDim.x + threadIdx.x;
-    if (col >= hidden)
-        return;
-    float s = 0.0f;
-    for (int k = 0; k < top_k; k++) {
-        const int p = slot_pair[(int64_t) t * top_k + k];
-        if (p >= 0)
-            s += y[(int64_t) p * hidden + col];
-    }
-    out[(int64_t) t * hidden + col] += s;
-}
+// the plan (when no router built it) and the combine: moe.cu's (kcu_moe_plan_launch,
+// kcu_moe_combine_f32)
 
 size_t kcu_fp8_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local)
 {
@@ -353,14 +326,7 @@ int kcu_fp8_moe(struct cuda_ctx *c, const struct lowp_w *tab, int blk_rows, int 
     if (!act || !y)
         return -ENOMEM;
     if (!a->plan) {
-        const size_t plan_smem = kcu_moe_plan_smem(a->n_local);
-        if (plan_smem > 48 * 1024 && plan_smem > c->smem_optin)
-            return -E2BIG;
-        if (plan_smem > 48 * 1024)
-            cudaFuncSetAttribute(fp8_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int) plan_smem);
-        cuda_launch(c, fp8_plan_kernel, 1, MOE_PLAN_THREADS, plan_smem, pa);
-        r = CUDA_LAUNCH_CHECK();
+        r = kcu_moe_plan_launch(c, &pa, a->n_local);
         if (r < 0)
             return r;
     }
@@ -402,9 +368,7 @@ int kcu_fp8_moe(struct cuda_ctx *c, const struct lowp_w *tab, int blk_rows, int 
     r = f8_dispatch<F8_DOWN, bf16>(c, d, m, gx);
     if (r < 0)
         return r;
-    dim3 grid(a->n_rows, cuda_blocks((size_t) a->hidden, 256));
-    cuda_launch(c, fp8_combine_kernel, grid, 256, 0, a->out, y, pa.slot_pair, a->top_k, a->hidden);
-    return CUDA_LAUNCH_CHECK();
+    return kcu_moe_combine_f32(c, a->out, y, pa.slot_pair, a->n_rows, a->top_k, a->hidden);
 }
 
 int kcu_fp8_dense(struct cuda_ctx *c, const struct lowp_w *w, int rows, const float *x, int n,

@@ -48,6 +48,13 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
 // for a router that builds the plan itself (kcu_router_gemv); pass it as a->plan.
 int kcu_moe_plan_take(struct cuda_ctx *c, const struct kcu_moe_args *a,
                       struct moe_plan_args *ret);
+// the plan by moe_plan_kernel (one block) into pa's buffers, for a call whose router did not
+// build it; -E2BIG when its shared memory exceeds the device's
+int kcu_moe_plan_launch(struct cuda_ctx *c, const struct moe_plan_args *pa, int n_local);
+// out[t, :] += the token's FP32 pair rows y[slot_pair[t * top_k + k], :] in slot order
+// (moe_combine_kernel<float>; fp8mma.cu); hidden even
+int kcu_moe_combine_f32(struct cuda_ctx *c, float *out, const float *y, const int32_t *slot_pair,
+                        int n_rows, int top_k, int hidden);
 // dynamic shared memory of the plan's block (moe-plan.h: cnt, run, ccnt, es)
 static inline size_t kcu_moe_plan_smem(int n_local)
 {

@@ -549,8 +549,22 @@ static __global__ void __launch_bounds__(MOE_PLAN_THREADS) moe_plan_kernel(struc
     kcu_moe_plan_block(&a, plan_sh);
 }
 
-// out[t, :] += sum_k y[slot_pair[t * top_k + k], :] (k ascending), two columns a thread
-static __global__ void moe_combine_kernel(float *out, const bf16 *y, const int32_t *slot_pair,
+int kcu_moe_plan_launch(struct cuda_ctx *c, const struct moe_plan_args *pa, int n_local)
+{
+    const size_t plan_smem = kcu_moe_plan_smem(n_local);
+    if (plan_smem > 48 * 1024 && plan_smem > c->smem_optin)
+        return -E2BIG;
+    if (plan_smem > 48 * 1024)
+        cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int) plan_smem);
+    cuda_launch(c, moe_plan_kernel, 1, MOE_PLAN_THREADS, plan_smem, *pa);
+    return CUDA_LAUNCH_CHECK();
+}
+
+// out[t, :] += sum_k y[slot_pair[t * top_k + k], :] (k ascending), two columns a thread;
+// y BF16 (mx4_gemm's down projection) or FP32 (fp8mma.cu's)
+template <typename T>
+static __global__ void moe_combine_kernel(float *out, const T *y, const int32_t *slot_pair,
                                           int top_k, int hidden)
 {
     PDL_WAIT();
@@ -564,15 +578,30 @@ static __global__ void moe_combine_kernel(float *out, const bf16 *y, const int32
         const int p = slot_pair[(int64_t) t * top_k + k];
         if (p < 0)
             continue;
-        const __nv_bfloat162 v = *(const __nv_bfloat162 *) (y + (int64_t) p * hidden + col);
-        s0 += __low2float(v);
-        s1 += __high2float(v);
+        const T *v = y + (int64_t) p * hidden + col;
+        s0 += to_f32<T>(v[0]);
+        s1 += to_f32<T>(v[1]);
     }
     float2 *o = (float2 *) (out + (int64_t) t * hidden + col);
     float2 cur = *o;
     cur.x += s0;
     cur.y += s1;
     *o = cur;
+}
+
+template <typename T>
+static int moe_combine(struct cuda_ctx *c, float *out, const T *y, const int32_t *slot_pair,
+                       int n_rows, int top_k, int hidden)
+{
+    dim3 grid(n_rows, cuda_blocks((size_t) hidden / 2, 256));
+    cuda_launch(c, moe_combine_kernel<T>, grid, 256, 0, out, y, slot_pair, top_k, hidden);
+    return CUDA_LAUNCH_CHECK();
+}
+
+int kcu_moe_combine_f32(struct cuda_ctx *c, float *out, const float *y, const int32_t *slot_pair,
+                        int n_rows, int top_k, int hidden)
+{
+    return hidden % 2 ? -EINVAL : moe_combine(c, out, y, slot_pair, n_rows, top_k, hidden);
 }
 
 static size_t align256(size_t n)
@@ -649,14 +678,7 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
             *items = pa.items, *counts = pa.counts;
 
     if (!a->plan) {
-        const size_t plan_smem = kcu_moe_plan_smem(a->n_local);
-        if (plan_smem > 48 * 1024 && plan_smem > c->smem_optin)
-            return -E2BIG;
-        if (plan_smem > 48 * 1024)
-            cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int) plan_smem);
-        cuda_launch(c, moe_plan_kernel, 1, MOE_PLAN_THREADS, plan_smem, pa);
-        r = CUDA_LAUNCH_CHECK();
+        r = kcu_moe_plan_launch(c, &pa, a->n_local);
         if (r < 0)
             return r;
     }
@@ -706,9 +728,7 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
     if (r < 0 || d.out)
         return r;
 
-    dim3 grid(a->n_rows, cuda_blocks((size_t) a->hidden / 2, 256));
-    cuda_launch(c, moe_combine_kernel, grid, 256, 0, a->out, y, slot_pair, a->top_k, a->hidden);
-    return CUDA_LAUNCH_CHECK();
+    return moe_combine(c, a->out, y, slot_pair, a->n_rows, a->top_k, a->hidden);
 }
 
 int kcu_mx4_dense(struct cuda_ctx *c, const struct cuda_weight *w, int rows, int cols, int n,

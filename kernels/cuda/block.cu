@@ -11,9 +11,10 @@
 //   checkpoint asks, need_fp32_gate);  router: logits = a32 · W_routerᵀ and the top-k in
 //   one kernel up to KCU_ROUTER_GEMV_ROWS rows, else an FP32 GEMM and the router kernel;
 //   shared expert as the dense MLP into x (or out);  routed experts added in: MXFP4 and
-//   NVFP4 on tensor cores (moe.cu) and FP8 on tensor cores (fp8mma.cu: gate+up, down,
-//   combine) from the BF16 activations; FP8 whose scale blocks the tensor path cannot take
-//   one warp per output element (lowp.cu) from the FP32 ones.
+//   NVFP4 on tensor cores (moe.cu) and FP8 on tensor cores (fp8mma.cu: gate+up, down with
+//   the combine in its epilogue up to KCU_ROUTER_GEMV_ROWS rows) from the BF16
+//   activations; FP8 whose scale blocks the tensor path cannot take one warp per output
+//   element (lowp.cu) from the FP32 ones.
 //
 // prepare fuses the parts' device copies (QKV + gate rows, gate + up rows) into one
 // buffer that the parts then borrow, uploads the rotary table and router bias, and builds

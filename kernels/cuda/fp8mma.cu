@@ -21,6 +21,7 @@
 #include "kcu.cuh"
 #include "lowp.h"
 #include "mma.cuh"
+#include "moe-combine.cuh"
 #include "moe-plan.h"
 
 enum { F8_GATE_UP = 0, F8_DOWN = 1, F8_DENSE = 2 };
@@ -36,6 +37,9 @@ struct f8_args {
     const void *x;
     int ldx;
     const float *route_w;       // F8_DOWN: routing weights by slot
+    float *out;                 // F8_DOWN: combine into out (moe-combine.cuh), or NULL
+    const int32_t *slot_pair;   // F8_DOWN with out
+    int32_t *done;              // F8_DOWN with out: [n_rows][gridDim.y]
     float limit;                // F8_GATE_UP
     void *y;                    // F8_GATE_UP: BF16 act; else FP32
     int ldy;
@@ -223,11 +227,11 @@ static __global__ void __launch_bounds__(WB * 32) fp8_gemm(const struct f8_args 
             }
         }
     }
-    if (!active)
-        return;
     // acc[m][t][2h + c] = (row row0 + g + 8h, token 8t + 2·c4 + c)
 #pragma unroll
     for (int t = 0; t < NT; t++) {
+        if (!active)
+            break;
 #pragma unroll
         for (int c = 0; c < 2; c++) {
             const int tok = t * 8 + 2 * c4 + c;
@@ -245,6 +249,13 @@ static __global__ void __launch_bounds__(WB * 32) fp8_gemm(const struct f8_args 
                     ((float *) a.y)[yo + 8 * h] = v0 * rw;
             }
         }
+    }
+    // the combine (every warp of the block: barriers); rowsrc is no longer read
+    if (MODE == F8_DOWN && a.out) {
+        const int rb0 = blockIdx.y * WB * 16;
+        moe_combine_epilogue<WB * 32>(a.pair_slot, a.slot_pair, a.done, a.out,
+                                      (const float *) a.y, a.top_k, a.ldy, p0, cnt, rb0,
+                                      min(WB * 16, a.rows - rb0), rowsrc);
     }
 }
 
@@ -264,6 +275,13 @@ static struct f8_shape f8_shape_for(int m)
     return { 4, 4 };
 }
 
+// blocks of rows (gridDim.y) of a launch for up to m tokens per item
+static int f8_row_blocks(int rows, int m)
+{
+    const int wb = f8_shape_for(m).wb;
+    return (rows / 16 + wb - 1) / wb;
+}
+
 // grid_x(ch): blocks along x for chunks of ch tokens.  The launches name their shape (the
 // emulator's list of kernels run tells them apart: fmt.sh's FMT_KERNELS).
 template <int MODE, typename TX, class GX>
@@ -271,7 +289,7 @@ static int f8_dispatch(struct cuda_ctx *c, const struct f8_args &a, int m, GX gr
 {
     const struct f8_shape sh = f8_shape_for(m);
     const int gx = grid_x(8 * sh.nt);
-    const dim3 grid(gx, (unsigned) ((a.rows / 16 + sh.wb - 1) / sh.wb));
+    const dim3 grid(gx, (unsigned) f8_row_blocks(a.rows, m));
     const size_t smem = (size_t) 8 * sh.nt * (F8_LDS * sizeof(bf16) + sizeof(int32_t));
     if (gx <= 0)
         return 0;
@@ -293,8 +311,8 @@ bool kcu_fp8_mma_ok(const struct lowp_w *h, size_t n)
     return n > 0;
 }
 
-// the plan (when no router built it) and the combine: moe.cu's (kcu_moe_plan_launch,
-// kcu_moe_combine_f32)
+// the plan (when no router built it) and, past kcu_combine_in_epilogue, the combine:
+// moe.cu's (kcu_moe_plan_launch, kcu_moe_combine_f32)
 
 size_t kcu_fp8_moe_ws(int n_rows, int top_k, int hidden, int inter, int n_local)
 {
@@ -365,8 +383,14 @@ int kcu_fp8_moe(struct cuda_ctx *c, const struct lowp_w *tab, int blk_rows, int 
     d.route_w = a->wts;
     d.y = y;
     d.ldy = a->hidden;
+    // the combine in the down projection's epilogue: a counter per token and block of rows
+    if (kcu_combine_in_epilogue(a->n_rows, f8_row_blocks(a->hidden, m))) {
+        d.out = a->out;
+        d.slot_pair = pa.slot_pair;
+        d.done = c->d_combine_done;
+    }
     r = f8_dispatch<F8_DOWN, bf16>(c, d, m, gx);
-    if (r < 0)
+    if (r < 0 || d.out)
         return r;
     return kcu_moe_combine_f32(c, a->out, y, pa.slot_pair, a->n_rows, a->top_k, a->hidden);
 }

@@ -42,7 +42,7 @@ struct kcu_moe_args {
 };
 int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_args *a);
 // (token row, block of rows) counters of the combine in the down projection's epilogue
-// (cuda_ctx.d_combine_done); more, or more than KCU_ROUTER_GEMV_ROWS rows: moe_combine_kernel
+// (cuda_ctx.d_combine_done, moe-combine.cuh; kcu_combine_in_epilogue)
 #define KCU_COMBINE_DONE_CAP 32768
 // The plan's buffers taken from the workspace, first of what kcu_moe takes (a->ids set):
 // for a router that builds the plan itself (kcu_router_gemv); pass it as a->plan.
@@ -52,7 +52,7 @@ int kcu_moe_plan_take(struct cuda_ctx *c, const struct kcu_moe_args *a,
 // build it; -E2BIG when its shared memory exceeds the device's
 int kcu_moe_plan_launch(struct cuda_ctx *c, const struct moe_plan_args *pa, int n_local);
 // out[t, :] += the token's FP32 pair rows y[slot_pair[t * top_k + k], :] in slot order
-// (moe_combine_kernel<float>; fp8mma.cu); hidden even
+// (moe_combine_kernel<float>; fp8mma.cu past kcu_combine_in_epilogue); hidden even
 int kcu_moe_combine_f32(struct cuda_ctx *c, float *out, const float *y, const int32_t *slot_pair,
                         int n_rows, int top_k, int hidden);
 // dynamic shared memory of the plan's block (moe-plan.h: cnt, run, ccnt, es)
@@ -108,6 +108,13 @@ int kcu_router_gemv(struct cuda_ctx *c, const float *x, const float *w, int hidd
                     const float *bias, int n_rows, const int32_t *n_real, int n_exp, int top_k,
                     bool renorm, float scale, int32_t *ids, float *wts,
                     const struct moe_plan_args *plan);
+// whether the MoE combine of n_rows token rows runs in the down projection's epilogue
+// (moe-combine.cuh; mx4_gemm, fp8_gemm) with row_blocks blocks of rows (its gridDim.y):
+// up to KCU_ROUTER_GEMV_ROWS rows and KCU_COMBINE_DONE_CAP counters; else moe_combine_kernel
+static inline bool kcu_combine_in_epilogue(int n_rows, int64_t row_blocks)
+{
+    return n_rows <= KCU_ROUTER_GEMV_ROWS && n_rows * row_blocks <= KCU_COMBINE_DONE_CAP;
+}
 
 // ---- norm.cu ----
 // y = rmsnorm(x) (Gemma 1 + w), x FP32 [rows, dim]; writes y16 (BF16) and/or y32.

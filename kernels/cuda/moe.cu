@@ -23,6 +23,7 @@
 #include "kcu.cuh"
 #include "lowp.h"
 #include "mma.cuh"
+#include "moe-combine.cuh"
 #include "moe-plan.h"
 #include "mx4.h"
 
@@ -105,47 +106,17 @@ static __device__ __forceinline__ uint32_t u4_at(const uint4 &v, int j)
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// The combine in the down projection's epilogue: this block's rows [16 WB blockIdx.y, +16
-// WB) of y are written for its cnt pairs; per pair's token, the block that writes last
-// (done[t][blockIdx.y] reaches the token's local pairs) adds the token's y rows in slot
-// order to out (as moe_combine_kernel) and resets the counter for the next launch.
-// last: CH ints of shared memory no longer read.
+// The combine in the down projection's epilogue (moe-combine.cuh): this block's rows [16 WB
+// blockIdx.y, +16 WB) of its cnt pairs' BF16 y are written.  last: CH ints of shared
+// memory no longer read.
 template <int WB>
 static __device__ __forceinline__ void mx4_combine(const struct mx4_args &a, int p0, int cnt,
                                                    int32_t *last)
 {
     const int row0 = blockIdx.y * WB * 16;
-    const int nrows = min(WB * 16, a.rows - row0);
-    __threadfence();            // this block's y before its counts
-    __syncthreads();
-    for (int i = threadIdx.x; i < cnt; i += WB * 32) {
-        const int t = a.pair_slot[p0 + i] / a.top_k;
-        int np = 0;
-        for (int k = 0; k < a.top_k; k++)
-            np += a.slot_pair[(int64_t) t * a.top_k + k] >= 0;
-        int32_t *d = a.done + (int64_t) t * gridDim.y + blockIdx.y;
-        const bool l = atomicAdd(d, 1) == np - 1;
-        if (l)
-            *d = 0;
-        last[i] = l ? t : -1;
-    }
-    __syncthreads();
-    __threadfence();            // the other blocks' y after their counts
-    const volatile uint16_t *y = (const volatile uint16_t *) a.y;
-    for (int i = 0; i < cnt; i++) {
-        const int t = last[i];
-        if (t < 0)
-            continue;
-        for (int r = threadIdx.x; r < nrows; r += WB * 32) {
-            float s = 0.0f;
-            for (int k = 0; k < a.top_k; k++) {
-                const int p = a.slot_pair[(int64_t) t * a.top_k + k];
-                if (p >= 0)
-                    s += bf16_to_f32(y[(int64_t) p * a.ldy + row0 + r]);
-            }
-            a.out[(int64_t) t * a.ldy + row0 + r] += s;
-        }
-    }
+    moe_combine_epilogue<WB * 32>(a.pair_slot, a.slot_pair, a.done, a.out,
+                                  (const uint16_t *) a.y, a.top_k, a.ldy, p0, cnt, row0,
+                                  min(WB * 16, a.rows - row0), last);
 }
 
 static __device__ __forceinline__ uint32_t mx4_sw_word(uint32_t s)
@@ -719,7 +690,7 @@ int kcu_moe(struct cuda_ctx *c, const struct kcu_moe_w *w, const struct kcu_moe_
     // the combine in the down projection's epilogue: a counter per token and block of rows
     const int64_t row_blocks = (mx4_rows_padded(a->hidden) / 16 + mx4_shape_for(m).wb - 1) /
                                mx4_shape_for(m).wb;
-    if (a->n_rows <= KCU_ROUTER_GEMV_ROWS && a->n_rows * row_blocks <= KCU_COMBINE_DONE_CAP) {
+    if (kcu_combine_in_epilogue(a->n_rows, row_blocks)) {
         d.out = a->out;
         d.slot_pair = slot_pair;
         d.done = c->d_combine_done;

@@ -8,8 +8,11 @@ Only syntax that C++ has no spelling for is rewritten; the kernels' code is unto
   - __shared__ T name[N];                        ->  a per-block allocation of exactly T[N]
   - asm [volatile] ("ptx" : outs : ins)          ->  cuemu::ptx("ptx", {outs}, {ins}) (the
                                                      emulator executes the PTX string)
-Usage: rewrite.py IN OUT [--fault NAME]: NAME injects one of the faults of
-test/cuemu/faults.txt (a sed-like replacement that must match exactly once).
+Usage: rewrite.py IN OUT [--fault NAME FAULTS]: NAME injects one of the faults of
+test/cuemu/faults.txt (a sed-like replacement that must match exactly once).  A fault in
+a header (its file a header that IN includes as #include "HEADER") is injected into IN's
+copy only: the include is replaced by the header's faulted text (the header must be
+included once, with #pragma once), so the variant's other sources keep the header as it is.
 """
 import re
 import sys
@@ -196,10 +199,21 @@ def main():
     base = src.rsplit("/", 1)[-1]
     if fault:
         fsrc, old, new = apply_fault(s, fault[0], fault[1])
-        if fsrc == base:
+        inc = '#include "%s"\n' % fsrc
+        if fsrc != base and s.count(inc) == 1:
+            hpath = src.rsplit("/", 1)[0] + "/" + fsrc
+            h = open(hpath).read()
+            if h.count(old) != 1:
+                fail("fault %s: %r occurs %d times in %s" % (fault[0], old, h.count(old), fsrc))
+            s = s.replace(inc, '#line 1 "%s"\n' % hpath +
+                          h.replace(old, new).replace("#pragma once\n", "", 1) +
+                          '#line %d "%s"\n' % (s[:s.index(inc)].count("\n") + 2, src))
+        elif fsrc == base:
             if s.count(old) != 1:
                 fail("fault %s: %r occurs %d times in %s" % (fault[0], old, s.count(old), base))
             s = s.replace(old, new)
+        else:
+            fail("fault %s: %s neither is %s nor is included by it" % (fault[0], fsrc, base))
     s = rewrite_launches(s)
     s = rewrite_shared(s)
     s = rewrite_asm(s)

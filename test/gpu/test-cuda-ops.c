@@ -440,13 +440,17 @@ static void test_router_moe(enum wfmt fmt, int n_tok, int hidden, int inter, int
  * tiles), scale blocks of 32 (a block per 32-k group) and 128 (several groups a block,
  * several k blocks a row, row tiles sharing a row block); the routed experts at decode (1
  * tile of 8 tokens) and prefill (items of 64 pairs cut in sub-chunks of 32 over 4 warps),
- * ragged experts, experts with no pair, padding rows routed nowhere. */
+ * ragged experts, experts with no pair, padding rows routed nowhere; their combine in the
+ * down projection's epilogue (up to 64 rows; the calls share its counters, which each must
+ * leave at 0) and past 64 rows moe_combine_kernel. */
 static void run_fp8(void)
 {
     fp8_blk = 32;
     test_matmul(WFMT_FP8, 96, 160, 3, 1e-5);
     test_matmul(WFMT_FP8, 96, 160, 37, TOL(1e-5, TOL_BF16_GEMM(160)));
     test_router_moe_pad(WFMT_FP8, 5, 128, 64, 12, 3, 4, 6, 7.0f, 2);
+    /* past 64 rows: moe_combine_kernel, not the down projection's epilogue */
+    test_router_moe_pad(WFMT_FP8, 70, 64, 32, 6, 2, 0, 6, 0.0f, 1);
     fp8_blk = 128;
     test_matmul(WFMT_FP8, 256, 384, 13, TOL(1e-5, TOL_BF16_GEMM(384)));
     test_matmul(WFMT_FP8, 128, 256, 70, TOL(1e-5, TOL_BF16_GEMM(256)));

@@ -50,9 +50,6 @@
 #endif
 
 #define KEY_CHUNK 64     /* a multiple of 32 */
-/* BF16 parts of each fp32 query and probability value on the AMX path (hi, mid, lo; 2 failed
- * the tiny model's tolerance: docs/PERFORMANCE.md §8.2) */
-#define ATTN_AMX_PARTS 3
 /* keys ahead at which the AVX-512 P.V kernel prefetches its own V rows into L1 (the lines
  * came into L2 a chunk ahead, struct next_rows; docs/PERFORMANCE.md §8.2) */
 #define ATTN_PV_PF 16
@@ -76,15 +73,12 @@ int cpu_attn_no_fused;
  * pays, > 0 = always, < 0 = never (tests, benchmarks; cpu.h) */
 int cpu_attn_split_keys = ATTN_SPLIT_KEYS;
 int cpu_attn_split;
-/* nonzero: no AMX attention on the fast path (tests, benchmarks; cpu.h) */
-int cpu_attn_amx_off;
 #define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
 struct attn_job {
     const struct attn_args *a;
     bool avx2;
     int avx512;             /* cpu_attn_avx512_level: 0, or 1 (the AVX-512 path) */
-    bool amx;               /* the fast path on tiles where the rows fit (attn_chunk) */
     int qb;                 /* query tokens per block (ATTN_MAX_ROWS / G) */
     int n_groups;           /* KV head groups per (sequence, block) */
     int64_t n_items;        /* (sequence, block, KV head group[, segment]) work items */
@@ -256,7 +250,7 @@ struct next_rows {
 /* into L2 only (prefetcht2; see attn_chunk) */
 static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
 {
-    for (int k = k0; nx && k < k1 && k < nx->n; k++)
+    for (int k = k0; k < k1 && k < nx->n; k++)
         for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
             __builtin_prefetch(nx->k[k] + o, 0, 1);
             __builtin_prefetch(nx->v[k] + o, 0, 1);
@@ -861,232 +855,6 @@ AVX512_FN static void pv_bf16_avx512(const float *sc, int R, const int *ka, cons
         r += n;
     }
 }
-
-/* ---- The fast path on AMX-BF16 hosts (cpu_attention: not the exact path) ----
- *
- * Scores and P.V on tiles (TDPBF16PS: BF16 products exact in fp32, fp32 accumulation).  The
- * fp32 operands (the scaled query rows, the probabilities) are split into ATTN_AMX_PARTS (3)
- * BF16 parts, hi + mid + lo, all 24 bits of the significand (2^-27 relative left; with 2
- * parts, 2^-18, the tiny model's mean logit error passed its tolerance); the K and V rows
- * are BF16 already.  So no 2^-9 rounding of q or P (docs/PERFORMANCE.md §8.2: that measured
- * too coarse for the tiny model).  The K and V rows of 16 consecutive slots load straight from the cache as tiles
- * (else through a buffer): scores as S^T = K Q^T (16 keys x 16 query rows), P.V with the V
- * rows as they lie, each probability part beside a zero in the even or the odd half of its
- * pair, the two products giving the even and the odd dims.
- *
- * Batch invariance: a query row is a column of the score tile and a row of the P.V tile, each
- * element computed from its own row and column only, with up to 16 rows padded by zeros; a key
- * sits at its absolute offset within the KEY_CHUNK-aligned chunk (not at its index from the
- * chunk's first key, which depends on the other rows' windows), and the keys outside a row's
- * range get a probability of exactly 0, which changes no rounding.  So a row's bits depend on
- * its own query and keys only: not on the other rows, the threads or the split.
- *
- * Measured slower than the AVX-512 kernels on this project's Xeon (docs/PERFORMANCE.md §8.2):
- * a tile load of data just written (the probability parts) waits ~60 ns, a tile store 30-50. */
-#define AMX_ATTN_FN __attribute__((target(CPU_TARGET_AMX)))
-#define AMX_ATTN_INLINE __attribute__((target(CPU_TARGET_AMX), always_inline)) static inline
-
-/* x as ATTN_AMX_PARTS BF16 parts, hi + mid + lo (each rounded to nearest even) */
-AMX_ATTN_INLINE void amx_split(__m512 x, __m256i *p)
-{
-    for (int i = 0; i < ATTN_AMX_PARTS; i++) {
-        const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
-
-        p[i] = b;
-        x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-    }
-}
-
-/* The B tiles of R (<= 16) query rows qs (hd apart, hd % 32 == 0) for the scores: qv[p][d/2][n][2]
- * = part p of row n's dims d, d + 1 (rows R..15 zero), 16 x hd BF16 a part. */
-AMX_ATTN_FN static void amx_q_tiles(const float *qs, int R, int hd, uint16_t *qv)
-{
-    memset(qv, 0, sizeof(uint16_t) * (size_t)ATTN_AMX_PARTS * 16 * (size_t)hd);
-    for (int n = 0; n < R; n++)
-        for (int d = 0; d < hd; d += 16) {
-            __m256i p[ATTN_AMX_PARTS];
-            uint16_t t[ATTN_AMX_PARTS][16];
-
-            amx_split(_mm512_loadu_ps(qs + (int64_t)n * hd + d), p);
-            for (int i = 0; i < ATTN_AMX_PARTS; i++) {
-                _mm256_storeu_si256((__m256i *)t[i], p[i]);
-                for (int e = 0; e < 16; e++)
-                    qv[((int64_t)i * hd * 16 + (d + e) / 2 * 32) + n * 2 + (d + e) % 2] = t[i][e];
-            }
-        }
-}
-
-/* The A or B tile sources of a pass's 64 key offsets, 16 at a time: where the 16 keys of a
- * block are consecutive slots, the cache rows themselves (rows[k], a cache row stride `rs`
- * elements apart: no copy); else buf (16 rows of hd each a block, zeros at offsets without a
- * key).  The chunk's key k (from 0, k < nk) is at offset o + k. */
-static void amx_rows(const uint16_t *const *rows, int o, int nk, int64_t rs, int hd,
-                              uint16_t *buf, const uint16_t **src, int64_t *stride)
-{
-    for (int b = 0; b < 4; b++) {
-        const int k0 = 16 * b - o;
-        bool direct = k0 >= 0 && k0 + 16 <= nk;
-
-        for (int i = 1; direct && i < 16; i++)
-            direct = rows[k0 + i] == rows[k0] + i * rs;
-        if (direct) {
-            src[b] = rows[k0];
-            stride[b] = rs * 2;
-            continue;
-        }
-        for (int i = 0; i < 16; i++) {
-            uint16_t *row = buf + ((int64_t)b * 16 + i) * hd;
-
-            if (k0 + i >= 0 && k0 + i < nk)
-                memcpy(row, rows[k0 + i], sizeof(uint16_t) * (size_t)hd);
-            else
-                memset(row, 0, sizeof(uint16_t) * (size_t)hd);
-        }
-        src[b] = buf + (int64_t)b * 16 * hd;
-        stride[b] = (int64_t)hd * 2;
-    }
-}
-
-/* Scores of one row group: st[a][n] = row n's score against the key at offset a (0..63) (the
- * K rows of amx_rows' ksrc), key blocks two at a time so that consecutive TDPBF16PS go to
- * different tiles; offsets without a key are never read after. */
-AMX_ATTN_FN static void amx_scores(const uint16_t *qv, int hd, const uint16_t *const *ksrc,
-                                   const int64_t *kst, float *st, const struct next_rows *nx)
-{
-    const int nit = hd / 16;    /* steps: 2 key-block pairs x hd / 32 */
-
-    for (int b = 0, it = 0; b < 4; b += 2) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int d = 0; d < hd; d += 32, it++) {
-            /* keys [0, KEY_CHUNK / 2) of the next pass, spread over the steps */
-            next_rows_prefetch(nx, KEY_CHUNK / 2 * it / nit, KEY_CHUNK / 2 * (it + 1) / nit, hd);
-            _tile_loadd(5, qv + (int64_t)d * 16, 64);
-            _tile_loadd(6, qv + (int64_t)hd * 16 + (int64_t)d * 16, 64);
-#if ATTN_AMX_PARTS == 3
-            _tile_loadd(7, qv + (int64_t)hd * 32 + (int64_t)d * 16, 64);
-#endif
-            _tile_loadd(2, ksrc[b] + d, kst[b]);
-            _tile_loadd(3, ksrc[b + 1] + d, kst[b + 1]);
-            _tile_dpbf16ps(0, 2, 5);
-            _tile_dpbf16ps(1, 3, 5);
-            _tile_dpbf16ps(0, 2, 6);
-            _tile_dpbf16ps(1, 3, 6);
-#if ATTN_AMX_PARTS == 3
-            _tile_dpbf16ps(0, 2, 7);
-            _tile_dpbf16ps(1, 3, 7);
-#endif
-        }
-        _tile_stored(0, st + b * 256, 64);
-        _tile_stored(1, st + (b + 1) * 256, 64);
-    }
-}
-
-/* sc[r][k] (KEY_CHUNK apart) = st[o + k][r] for rows r < R and keys k < nk */
-AMX_ATTN_FN static void amx_scores_out(const float *st, int R, int o, int nk, float *sc)
-{
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-
-    for (int r = 0; r < R; r++)
-        for (int k0 = 0; k0 < nk; k0 += 16) {
-            const __mmask16 m = nk - k0 >= 16 ? 0xffff : (__mmask16)((1u << (nk - k0)) - 1);
-            const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(
-                _mm512_add_epi32(lane, _mm512_set1_epi32(o + k0)), 4), _mm512_set1_epi32(r));
-
-            _mm512_storeu_ps(sc + (int64_t)r * KEY_CHUNK + k0,
-                             _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, st, 4));
-        }
-}
-
-/* P.V of one row group: acc[r][0, hd) += the sum over the chunk's keys k in [ka[r], kb[r]) of
- * sc[r][k] * V_k, for rows r < R (<= 16).  The V rows are B tiles as they lie (amx_rows: 16
- * keys x 32 dims, the pairs of a row being dims d, d + 1), so each probability part goes into
- * an A tile twice, once beside a zero in the even and once in the odd half of its key's pair
- * (pe, po: 2 x ATTN_AMX_PARTS x 16 rows x KEY_CHUNK pairs, zero outside each row's keys), and
- * the two products give the even and the odd dims; pvb: 16 x hd floats of scratch. */
-AMX_ATTN_FN static void amx_pv(const float *sc, int R, const int *ka, const int *kb, int o,
-                               const uint16_t *const *vsrc, const int64_t *vst, int hd,
-                               uint32_t *pe, float *pvb, float *acc, const struct next_rows *nx)
-{
-    const int nit = 4 * ((hd + 63) / 64);       /* steps: key blocks x 64-dim blocks */
-    uint32_t *po = pe + ATTN_AMX_PARTS * 16 * KEY_CHUNK;
-
-    for (int r = 0; r < 16; r++)
-        for (int a = 0; a < KEY_CHUNK; a += 16) {
-            __mmask16 m = 0;
-            __m256i p[ATTN_AMX_PARTS];
-
-            if (r < R) {
-                /* lanes whose key k = a + e - o lies in [ka, kb) */
-                const int lo = ka[r] + o - a, hi = kb[r] + o - a;
-                const uint32_t below = lo <= 0 ? 0 : lo >= 16 ? 0xffff : (1u << lo) - 1;
-                const uint32_t upto = hi <= 0 ? 0 : hi >= 16 ? 0xffff : (1u << hi) - 1;
-
-                m = (__mmask16)(upto & ~below);
-            }
-            /* masked lanes are not read: sc + r * KEY_CHUNK + a - o may start before the row */
-            amx_split(_mm512_maskz_loadu_ps(m, sc + (int64_t)r * KEY_CHUNK + a - o), p);
-            for (int i = 0; i < ATTN_AMX_PARTS; i++) {
-                const __m512i w = _mm512_cvtepu16_epi32(p[i]);
-                const int64_t at = ((int64_t)i * 16 + r) * KEY_CHUNK + a;
-
-                _mm512_storeu_si512(pe + at, w);
-                _mm512_storeu_si512(po + at, _mm512_slli_epi32(w, 16));
-            }
-        }
-    for (int d0 = 0, it = 0; d0 < hd; d0 += 64) {
-        const bool two = d0 + 64 <= hd;     /* else one block of 32 dims */
-
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int b = 0; b < 4; b++, it++) {
-            /* keys [KEY_CHUNK / 2, KEY_CHUNK) of the next pass, spread over the steps */
-            next_rows_prefetch(nx, KEY_CHUNK / 2 + KEY_CHUNK / 2 * it / nit,
-                               KEY_CHUNK / 2 + KEY_CHUNK / 2 * (it + 1) / nit, hd);
-            _tile_loadd(6, vsrc[b] + d0, vst[b]);
-            if (two)
-                _tile_loadd(7, vsrc[b] + d0 + 32, vst[b]);
-            for (int i = 0; i < ATTN_AMX_PARTS; i++) {
-                const int64_t at = (int64_t)i * 16 * KEY_CHUNK + 16 * b;
-
-                _tile_loadd(4, pe + at, KEY_CHUNK * 4);
-                _tile_loadd(5, po + at, KEY_CHUNK * 4);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 5, 6);
-                if (two) {
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-        }
-        /* row r: even dims of the block at pvb + d0, odd at + 16 (then + 32, + 48) */
-        _tile_stored(0, pvb + d0, hd * 4);
-        _tile_stored(1, pvb + d0 + 16, hd * 4);
-        if (two) {
-            _tile_stored(2, pvb + d0 + 32, hd * 4);
-            _tile_stored(3, pvb + d0 + 48, hd * 4);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        const __m512i il = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-        const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(8));
-        float *ac = acc + (int64_t)r * hd;
-        const float *pv = pvb + (int64_t)r * hd;
-
-        if (ka[r] >= kb[r])
-            continue;
-        for (int d = 0; d < hd; d += 32) {
-            const __m512 e = _mm512_loadu_ps(pv + d), od = _mm512_loadu_ps(pv + d + 16);
-
-            _mm512_storeu_ps(ac + d, _mm512_add_ps(_mm512_loadu_ps(ac + d),
-                                                   _mm512_permutex2var_ps(e, il, od)));
-            _mm512_storeu_ps(ac + d + 16, _mm512_add_ps(_mm512_loadu_ps(ac + d + 16),
-                                                        _mm512_permutex2var_ps(e, ih, od)));
-        }
-    }
-}
 #endif
 
 /* Query rows (token x query head) processed together against one pass over the keys;
@@ -1234,23 +1002,12 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
      * rows, the AVX-512 path on row pairs) */
     const bool fused = avx2 && !kv->dtype_f32 && hd % 16 == 0 && !cpu_attn_no_fused;
     const bool pairs = avx512 && !fused;
-    /* the fast path on tiles (a BF16 cache, hd % 32 == 0): the query rows in groups of 16 */
-    const bool amx = fused && jb->amx && hd % 32 == 0;
-    const int ngrp = (R + 15) / 16;
-    uint16_t qv[amx ? nj : 1][amx ? ngrp : 1][amx ? ATTN_AMX_PARTS * 16 * hd : 1];
-    uint16_t kbuf[amx ? KEY_CHUNK : 1][amx ? hd : 1], vbuf[amx ? KEY_CHUNK : 1][amx ? hd : 1];
-    uint32_t pe[amx ? 2 * ATTN_AMX_PARTS * 16 : 1][KEY_CHUNK];
-    float st[amx ? KEY_CHUNK : 1][16], pvb[amx ? 16 : 1][amx ? hd : 1];
-    const uint16_t *ksrc[4], *vsrc[4];      /* amx: the tiles' rows (amx_rows) */
-    int64_t kst[4], vst[4];
     float qp[pairs ? nj : 1][pairs ? (R + 1) / 2 : 1][2 * hd];     /* row pairs (avx512) */
     struct next_rows nx;
     float m[nj][R], l[nj][R];
     int ka[R], kb[R];
 
     memset(acc, 0, sizeof(acc));
-    if (amx)
-        cpu_amx_tiles_config();
     for (int h = 0; h < nj; h++) {
         const int j = j0 + h;
 
@@ -1262,10 +1019,6 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
             m[h][r] = mm[h][r] = -INFINITY;
             l[h][r] = ml[h][r] = 0.0f;
         }
-#if defined(__x86_64__)
-        for (int g = 0; amx && g < ngrp; g++)
-            amx_q_tiles(qs[h][16 * g], R - 16 * g < 16 ? R - 16 * g : 16, hd, qv[h][g]);
-#endif
         if (pairs) {
             for (int r = 0; r < R; r += 2) {
                 const float *qb = qs[h][r + 1 < R ? r + 1 : r];
@@ -1345,16 +1098,7 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
                 }
             }
 #if defined(__x86_64__)
-            if (amx) {
-                amx_rows(kr, (int)(c0 - cb), nk, (int64_t)kv->n_kv_heads * hd, hd, &kbuf[0][0],
-                         ksrc, kst);
-                for (int g = 0; g < ngrp; g++) {
-                    /* the first group's scores and P.V prefetch the next pass's rows */
-                    amx_scores(qv[h][g], hd, ksrc, kst, &st[0][0], g ? NULL : &nx);
-                    amx_scores_out(&st[0][0], R - 16 * g < 16 ? R - 16 * g : 16, (int)(c0 - cb),
-                                   nk, sc[16 * g]);
-                }
-            } else if (fused && avx512) {
+            if (fused && avx512) {
                 scores_bf16_avx512(&qs[h][0][0], R, hd, kr, nk, &sc[0][0], &nx);
                 next_rows_prefetch(&nx, nk, pn, hd);
             } else if (fused) {
@@ -1397,15 +1141,6 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
                     l[h][r] += exp_shift_sum(srow + ka[r], kb[r] - ka[r], m[h][r]);
             }
 #if defined(__x86_64__)
-            if (amx) {
-                amx_rows(vr, (int)(c0 - cb), nk, (int64_t)kv->n_kv_heads * hd, hd, &vbuf[0][0],
-                         vsrc, vst);
-                for (int g = 0; g < ngrp; g++)
-                    amx_pv(sc[16 * g], R - 16 * g < 16 ? R - 16 * g : 16, ka + 16 * g, kb + 16 * g,
-                           (int)(c0 - cb), vsrc, vst, hd, &pe[0][0], &pvb[0][0], acc[h][16 * g],
-                           g ? NULL : &nx);
-                continue;
-            }
             if (fused) {
                 if (avx512)
                     pv_bf16_avx512(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
@@ -1569,8 +1304,6 @@ int cpu_attention(struct backend *be, const struct attn_args *a)
     struct attn_job jb = { .a = a, .avx2 = cpu_ctx(be)->have_avx2 };
 
     jb.avx512 = jb.avx2 && a->head_dim % 16 == 0 ? cpu_attn_avx512_level() : 0;
-    /* the fast path (not backend_cfg.mxfp4_exact) on AMX-BF16 hosts */
-    jb.amx = jb.avx512 && !cpu_lowp_exact(cpu_ctx(be)) && !cpu_attn_amx_off && cpu_amx_bf16_ok();
 
     if (a->n_seqs == 0 || a->n_tok == 0)
         return 0;

@@ -311,13 +311,6 @@ extern int cpu_attn_no_fused;
  * (tests, benchmarks). */
 extern int cpu_attn_split_keys;
 extern int cpu_attn_split;
-/* attention.c: the fast path (not backend_cfg.mxfp4_exact) on AMX-BF16 hosts (cpu_amx_bf16_ok)
- * runs scores and P.V on tiles where the cache is BF16 and head_dim % 32 == 0: the query rows
- * and probabilities split into three BF16 parts each (hi + mid + lo, 2^-27 relative left),
- * the products exact, the fp32 accumulation in orders of the tiles' own; a row's bits still
- * depend on its own query and keys only.  Nonzero: off (the AVX-512 kernels; tests,
- * benchmarks). */
-extern int cpu_attn_amx_off;
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile
@@ -337,9 +330,6 @@ size_t cpu_amx_act_bytes(int n, int64_t cols);
 void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols);
 void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
                               int64_t ldy, int64_t r0, int64_t r1);
-/* Loads the tile configuration every AMX kernel here uses (palette 1, all 8 tiles 16 rows x
- * 64 bytes) on this thread's first call, and keeps it; cpu_amx_bf16_ok() must be true. */
-void cpu_amx_tiles_config(void);
 bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
                               int n, float *y, int64_t ldy, int64_t r0, int64_t r1);
 /* Benchmarks and tests: nonzero switches the AMX path off (the AVX-512 / AVX2 kernels run);

@@ -497,25 +497,6 @@ AMX_INLINE void amx_combine(const float *c, int t0, int nt, int64_t st, int64_t 
     }
 }
 
-AMX_FN void cpu_amx_tiles_config(void)
-{
-    if (!amx_configured) {
-        struct amx_cfg cfg __attribute__((aligned(64)));
-
-        memset(&cfg, 0, sizeof(cfg));
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) {
-            cfg.colsb[i] = 64;
-            cfg.rows[i] = 16;
-        }
-        /* GCC drops the stores to rows[] and colsb[] as dead before an out-of-line
-         * LDTILECFG (seen with this function outside its caller: every tile then faults) */
-        __asm__ volatile("" : : "m"(cfg) : "memory");
-        _tile_loadconfig(&cfg);
-        amx_configured = true;
-    }
-}
-
 AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
                                      int64_t ldy, int64_t r0, int64_t r1)
 {
@@ -526,7 +507,18 @@ AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, in
     float c[4 * 256] __attribute__((aligned(64)));
     int pb, ng, gt0;
 
-    cpu_amx_tiles_config();
+    if (!amx_configured) {
+        struct amx_cfg cfg __attribute__((aligned(64)));
+
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) {
+            cfg.colsb[i] = 64;
+            cfg.rows[i] = 16;
+        }
+        _tile_loadconfig(&cfg);
+        amx_configured = true;
+    }
     amx_layout(n, &pb, &ng);
     gt0 = pb * 16;          /* first token of the groups */
     for (int64_t b = r0; b < r1; b += 16) {
@@ -613,10 +605,6 @@ bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int
 bool cpu_amx_bf16_ok(void)
 {
     return false;
-}
-
-void cpu_amx_tiles_config(void)
-{
 }
 
 bool cpu_bf16_use_amx(const struct bweight *w)

@@ -5,7 +5,7 @@
  *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn] [--kv-fp32]
  *                [--draft-vocab N]
  *   bench-shapes --attn-only [--threads 1,2] [--batches 1,16] [--contexts 8192,32768] [--reps N]
- *                [--kv-fp32] [--ab-tiles]
+ *                [--kv-fp32]
  *   bench-shapes --formats mxfp4,fp8,nvfp4,bf16 (--mkmodel PATH | --model DIR) [--threads 1,2]
  *                [--batches 1,16] [--reps N] [--keep]
  *   bench-shapes --prefill 1024,8192 (--mkmodel PATH | --model DIR) [--prefill-chunk N]
@@ -48,9 +48,7 @@
  * (bench_attn_only): a quick check of the attention kernel against its byte floor; "cpu"
  * is the process's CPU time over wall x threads, how much of the cores the run got, and
  * "% per cpu-s" the floor over the time with both the probe's and the kernel's time
- * counted in CPU seconds (what a loaded shared host leaves comparable).  With --ab-tiles it
- * also runs each row with the fast path's AMX tiles off (cpu_attn_amx_off: the AVX-512
- * kernels of the exact path), the two in turn, their order swapped from round to round.
+ * counted in CPU seconds (what a loaded shared host leaves comparable).
  * The sweep streams > 1.5 GB between two readings of the same weights, so every piece reads
  * its weights from DRAM, as in serving.  The KV caches are filled with values up front
  * (as a long prefill would leave them); every sequence has blocks of its own, except at
@@ -176,7 +174,7 @@ struct bench {
     const char *mkmodel, *model_dir;
     int threads[MAX_LIST], n_threads, batches[MAX_LIST], n_batches, ctxs[MAX_LIST], n_ctxs;
     int reps;
-    bool keep, ab_attn, kv_f32, attn_only, ab_tiles;
+    bool keep, ab_attn, kv_f32, attn_only;
     int dv;                         /* --draft-vocab: ids of the draft vocabulary (0: none) */
     const char *formats[MAX_FMT];   /* --formats: the release formats, in order */
     int n_formats;
@@ -1903,11 +1901,8 @@ static void bench_attn_only(struct bench *b)
         b->bw[b->rep] = bw_probe_once(b->pool, b->arena, b->arena_bytes);
         b->bw_cpu[b->rep] = (cpu_now() - pc0) / ((now() - pt0) * b->T);
         for (int bi = 0; bi < b->n_batches; bi++)
-            for (int ci = 0; ci < b->n_ctxs * (b->ab_tiles ? 2 : 1); ci++) {
-                const int B = b->batches[bi], ctx = b->ctxs[b->ab_tiles ? ci / 2 : ci];
-                const int nb = (ctx + BS - 1) / BS;
-                /* --ab-tiles: the tiles off for one of the pair, first in odd rounds */
-                const bool off = b->ab_tiles && (ci % 2 != b->rep % 2);
+            for (int ci = 0; ci < b->n_ctxs; ci++) {
+                const int B = b->batches[bi], ctx = b->ctxs[ci], nb = (ctx + BS - 1) / BS;
                 const bool shared = (int64_t)B * nb > kv.n_blocks;
                 char name[96];
                 double t0, c0, t;
@@ -1927,17 +1922,15 @@ static void bench_attn_only(struct bench *b)
                     .seq_tok_start = start, .seq_pos0 = pos0, .block_tables = tables,
                     .block_table_off = boff,
                 };
-                cpu_attn_amx_off = off;
                 c0 = cpu_now();
                 t0 = now();
                 r = backend_attention(b->be, &aa);
                 t = now() - t0;
-                cpu_attn_amx_off = 0;
                 if (r < 0)
                     die("attention", r, NULL);
                 b->cpu_share = (cpu_now() - c0) / (t * b->T);
-                snprintf(name, sizeof(name), "attention full (%d heads)%s%s", NH,
-                         shared ? " shared history" : "", off ? ", tiles off" : "");
+                snprintf(name, sizeof(name), "attention full (%d heads)%s", NH,
+                         shared ? " shared history" : "");
                 record(b, name, B, ctx, t, (double)B * ctx * NKV * HD * 2.0 * (double)es);
             }
     }
@@ -2343,10 +2336,6 @@ int main(int argc, char **argv)
             b->attn_only = true;
             continue;
         }
-        if (strcmp(a, "--ab-tiles") == 0) {
-            b->ab_tiles = true;
-            continue;
-        }
         if (strcmp(a, "--kv-fp32") == 0) {     /* the worker's --kv-cache-dtype fp32 */
             b->kv_f32 = true;
             continue;
@@ -2391,8 +2380,7 @@ int main(int argc, char **argv)
                             "[--batches 1,4,16,64 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
                             "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] [--formats "
                             "mxfp4,fp8,nvfp4,bf16] [--prefill N,... (<= 131072) [--prefill-chunk "
-                            "N (1..8192)] [--prefill-split-max N]] | --attn-only [--ab-tiles] | --measure-routing "
-                            "MODEL_DIR FILE...\n",
+                            "N (1..8192)] [--prefill-split-max N]] | --attn-only | --measure-routing MODEL_DIR FILE...\n",
                     MAX_B, MAX_REPS);
             return 2;
         }

@@ -546,135 +546,6 @@ static void test_fused_identity(void)
     free(b);
 }
 
-/* The fast path's bound against the exact one for row (token i of sequence s, head h): the
- * tile path splits the fp32 query and probabilities into three BF16 parts (hi + mid + lo:
- * under 2^-26 relative left, the products then exact) and both paths round in fp32
- * accumulation orders of their own: a score differs by at most d = (2^-26 + 2 (hd + 3)
- * 2^-24) S (S = max over the keys of sum |q_e scale k_e|), an output, by the softmax's
- * Lipschitz bound, the probabilities' 2^-26 and the sums over n keys, by at most
- * (2 d + 2^-26 + 2 (n + 3) 2^-24) max|v| (doubled for the second-order terms). */
-static double amx_bound(const struct id_case *ic, int s, int i, int h)
-{
-    const int nh = ic->nkv * ic->G, hd = ic->hd, j = h / ic->G;
-    const int t = ic->pos0[s] + i - ic->start[s];
-    const int lo = ic->window > 0 && t - ic->window + 1 > 0 ? t - ic->window + 1 : 0;
-    const float *q = ic->q + ((size_t)i * nh + h) * hd;
-    double S = 0, vmax = 0;
-
-    for (int tau = lo; tau <= t; tau++) {
-        double a = 0;
-
-        for (int e = 0; e < hd; e++) {
-            a += fabs((double)q[e] * id_kv(ic, ic->kv.k, s, tau, j, e)) / sqrt((double)hd);
-            vmax = fmax(vmax, fabs(id_kv(ic, ic->kv.v, s, tau, j, e)));
-        }
-        S = fmax(S, a);
-    }
-    const double d = (0x1p-26 + 2.0 * (hd + 3) * 0x1p-24) * S;
-
-    return 2.0 * (2.0 * d + 0x1p-26 + 2.0 * (t - lo + 4) * 0x1p-24) * vmax;
-}
-
-/* At level amx: the fast path's tile kernels (attention.c, cpu_attn_amx_off 0) on the random
- * batches with BF16 caches: they run (some output differs from the AVX-512 kernels'), match the
- * fp64 reference (1e-5, as the kernels of the exact path) and the exact path within
- * amx_bound; give the same bits at 1 and 3 threads, with each sequence run alone instead of in
- * its batch and with each token run as a decode at its position; and the exact backend keeps
- * the AVX-512 kernels' bits. */
-static void test_amx(void)
-{
-    const size_t cap = (size_t)4 << 20;
-    float *f1 = malloc(cap * sizeof(float)), *f3 = malloc(cap * sizeof(float));
-    float *ex = malloc(cap * sizeof(float)), *off = malloc(cap * sizeof(float));
-    struct backend *be1 = kref_backend(1, false), *be3 = kref_backend(3, false);
-    struct backend *bex = kref_backend(1, true);
-    size_t n1, n, differ = 0, used = 0, alone = 0;
-    double worst = 0;
-
-    ASSERT_TRUE(f1 && f3 && ex && off);
-    id_bf16_only = true;
-    n1 = id_cases_run(be1, f1, cap, true);
-    ASSERT_EQ(id_cases_run(be3, f3, cap, false), n1);
-    ASSERT_TRUE(memcmp(f1, f3, sizeof(float) * n1) == 0);
-    ASSERT_EQ(id_cases_run(bex, ex, cap, false), n1);
-    cpu_attn_amx_off = 1;
-    ASSERT_EQ(id_cases_run(be1, off, cap, false), n1);
-    cpu_attn_amx_off = 0;
-    for (size_t i = 0; i < n1; i++) {
-        if (memcmp(&ex[i], &off[i], sizeof(float)) != 0)
-            FAIL("exact path vs the AVX-512 kernels differ at output %zu: %.9g vs %.9g", i,
-                 (double)ex[i], (double)off[i]);
-        differ += memcmp(&f1[i], &off[i], sizeof(float)) != 0;
-    }
-    if (differ == 0)
-        FAIL("the fast path gave the AVX-512 kernels' bits: the tile kernels did not run");
-    /* per row: the bound, and each sequence alone */
-    krng_seed(4242);
-    for (int c = 0; c < ID_CASES; c++) {
-        struct id_case ic;
-        const float *o = f1 + used;
-
-        id_case_make(&ic, c);
-        n = id_case_out_len(&ic);
-        for (int s = 0; s < ic.n_seqs; s++) {
-            const int nh = ic.nkv * ic.G, len = ic.start[s + 1] - ic.start[s];
-            const size_t row0 = (size_t)ic.start[s] * nh * ic.hd;
-            struct id_case one = ic;
-
-            for (int i = ic.start[s]; i < ic.start[s + 1]; i++)
-                for (int h = 0; h < nh; h++) {
-                    const size_t at = ((size_t)i * nh + h) * ic.hd;
-                    const double b = amx_bound(&ic, s, i, h);
-
-                    for (int e = 0; e < ic.hd; e++) {
-                        const double dv = fabs((double)o[at + e] - (double)ex[used + at + e]);
-
-                        if (dv > b)
-                            FAIL("case %d: fast vs exact attention differ by %.3g at output %zu "
-                                 "(bound %.3g)", c, dv, used + at + e, b);
-                        worst = fmax(worst, b > 0 ? dv / b : 0);
-                    }
-                }
-            if (len == 0)
-                continue;
-            one.n_seqs = 1;
-            one.start[0] = 0;
-            one.start[1] = len;
-            one.pos0[0] = ic.pos0[s];
-            one.toff[0] = ic.toff[s];
-            one.q = ic.q + row0;
-            id_case_run(be1, &one, f3);
-            if (memcmp(f3, o + row0, sizeof(float) * (size_t)len * nh * ic.hd) != 0)
-                FAIL("case %d: sequence %d alone differs from its rows in the batch", c, s);
-            /* each token as a decode at its position (prefill, verify = decode) */
-            for (int i = 0; i < len; i++) {
-                one.start[1] = 1;
-                one.pos0[0] = ic.pos0[s] + i;
-                one.q = ic.q + row0 + (size_t)i * nh * ic.hd;
-                id_case_run(be1, &one, f3);
-                if (memcmp(f3, o + row0 + (size_t)i * nh * ic.hd,
-                           sizeof(float) * (size_t)nh * ic.hd) != 0)
-                    FAIL("case %d: token %d of sequence %d as a decode differs", c, i, s);
-            }
-            alone++;
-        }
-        used += n;
-        id_case_free(&ic);
-    }
-    id_bf16_only = false;
-    printf("attention: AMX tiles on %zu outputs (%zu differ from the AVX-512 kernels, at most "
-           "%.3f of the bound), 1 = 3 threads, %zu sequences alone and token by token = in their "
-           "batch\n",
-           n1, differ, worst, alone);
-    backend_free(be1);
-    backend_free(be3);
-    backend_free(bex);
-    free(f1);
-    free(f3);
-    free(ex);
-    free(off);
-}
-
 /* cpu_attn_groups: a decode on one thread takes all KV heads of its sequence in one item
  * (its state sized by the one token it has, not by a block's 4); more threads or a block's
  * longer state split them; short contexts keep a head per item. */
@@ -821,18 +692,12 @@ int main(void)
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
     level = kt_isa_require("attention", CPU_ISA_SCALAR);
 
-    /* the AVX-512 kernels bit for bit (at level amx the fast path's tiles are off there) */
-    cpu_attn_amx_off = 1;
     if (level >= CPU_ISA_AVX512) {
         test_avx512_identity();             /* first: forks before any attention call */
         ASSERT_TRUE(cpu_attn_avx512_level() >= 1);
     }
     if (level >= CPU_ISA_AVX2)
         test_fused_identity();
-    /* from here on the fast path (kref_backend(th, false)) runs on tiles at level amx */
-    cpu_attn_amx_off = 0;
-    if (level >= CPU_ISA_AMX)
-        test_amx();
     test_groups();
     test_split();
     for (int th = 1; th <= 3; th += 2) {

@@ -266,6 +266,16 @@ void cpu_matmul_nvfp4_vnni_rows(const struct bweight *w, const float *x, const i
 bool cpu_fp8_bf16_fits(const struct bweight *w);
 void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                               int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
+/* Level amx (matmul-fp8-bf16.c): the same BF16 products on AMX-BF16 tiles, where the 64-column
+ * form fits (AVX-512 VBMI, cols and the scale blocks' width multiples of 64); any row range.
+ * Off unless cpu_fp8_amx_on (STEPD_CPU_FP8_AMX=1 at start; tests and benchmarks set it): 2-3x
+ * faster from 4 tokens a call, slower at the one token a routed expert mostly gets when its
+ * 16 row streams come from memory (docs/PERFORMANCE.md §4.3a).  A process keeps one setting:
+ * a weight's outputs do not depend on the token count either way. */
+extern int cpu_fp8_amx_on;
+bool cpu_fp8_amx_fits(const struct bweight *w);
+void cpu_matmul_fp8_amx_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                             int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
 /* the sum of 8 floats in lane order (the fused paths' accumulator, stored) */
 float cpu_lowp_hsum8(const float *f);
 /* weight_prepare of both: shapes the kernels need, and no E4M3 NaN code (-EINVAL) */

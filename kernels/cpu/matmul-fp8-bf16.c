@@ -21,8 +21,10 @@
  * tile, 16 KiB in a 32 KiB L1 beside the activations, and a nearer L2 one left the routed
  * decode at 0.85-0.9 of MXFP4's share of the bandwidth (docs/PERFORMANCE.md §4.3a).  The
  * error is the activations' rounding to BF16: |err| <= 2^-8 · Σ|w·x| plus fp32 accumulation
- * (test-lowp at level vnni).
+ * (test-lowp at level vnni).  At level amx the 64-column form runs its products on AMX-BF16
+ * tiles instead (cpu_matmul_fp8_amx_rows, below; test-lowp at level amx).
  */
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -31,6 +33,15 @@
 
 #include "cpu.h"
 #include "tensor.h"
+
+int cpu_fp8_amx_on;
+
+__attribute__((constructor)) static void fa_env(void)
+{
+    const char *e = getenv("STEPD_CPU_FP8_AMX");
+
+    cpu_fp8_amx_on = e && *e && strcmp(e, "0") != 0;
+}
 
 #if defined(__x86_64__)
 
@@ -167,32 +178,61 @@ FB_FN static void fb_tile_any(const uint8_t *const *rw, int64_t cols, const uint
 /* token row x (cols floats) times row block rb's column-block scales, as BF16 into xb; w64:
  * in fb_dec64's column order, per 64 columns [c0-7, c16-23, c32-39, c48-55] then [c8-15,
  * c24-31, c40-47, c56-63] (the same BF16 values, rearranged by two vpermt2w) */
-FB_FN static void fb_act(const struct bweight *w, int64_t rb, const float *x, uint16_t *xb, bool w64)
+/* fb_act64's word indices: *ia [0-7, 16-23, 32-39, 48-55], *ib [8-15, 24-31, 40-47, 56-63] */
+FB_FN static inline __attribute__((always_inline)) void fb_act_idx(__m512i *ia, __m512i *ib)
 {
-    const int64_t ncb = w->cols / w->blk_cols;
     uint16_t ka[32], kb[32];
 
     for (int k = 0; k < 32; k++) {
         ka[k] = (uint16_t)(16 * (k / 8) + k % 8);
         kb[k] = (uint16_t)(ka[k] + 8);
     }
-    const __m512i ia = _mm512_loadu_si512(ka), ib = _mm512_loadu_si512(kb);
-    for (int64_t cb = 0; cb < ncb; cb++) {
-        float s;
+    *ia = _mm512_loadu_si512(ka);
+    *ib = _mm512_loadu_si512(kb);
+}
 
-        memcpy(&s, w->scale + 4 * (rb * ncb + cb), 4);
-        const __m512 sv = _mm512_set1_ps(s);
+/* 64 columns at x times sv, as BF16 in fb_dec64's order: *a and *b (fb_act_idx's ia, ib) */
+FB_FN static inline __attribute__((always_inline)) void fb_act64(const float *x, __m512 sv, __m512i ia, __m512i ib,
+                                                                 __m512i *a, __m512i *b)
+{
+    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + 16), sv),
+                                                   _mm512_mul_ps(_mm512_loadu_ps(x), sv));
+    const __m512i q = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + 48), sv),
+                                                   _mm512_mul_ps(_mm512_loadu_ps(x + 32), sv));
+
+    *a = _mm512_permutex2var_epi16(v, ia, q);
+    *b = _mm512_permutex2var_epi16(v, ib, q);
+}
+
+/* row block rb's scale of column block cb */
+static inline float fb_scale(const struct bweight *w, int64_t rb, int64_t cb)
+{
+    float s;
+
+    memcpy(&s, w->scale + 4 * (rb * (w->cols / w->blk_cols) + cb), 4);
+    return s;
+}
+
+FB_FN static void fb_act(const struct bweight *w, int64_t rb, const float *x, uint16_t *xb, bool w64)
+{
+    const int64_t ncb = w->cols / w->blk_cols;
+    __m512i ia, ib;
+
+    fb_act_idx(&ia, &ib);
+    for (int64_t cb = 0; cb < ncb; cb++) {
+        const __m512 sv = _mm512_set1_ps(fb_scale(w, rb, cb));
+
         for (int64_t c = cb * w->blk_cols; c < (cb + 1) * w->blk_cols; c += w64 ? 64 : 32) {
-            const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), sv),
-                                                           _mm512_mul_ps(_mm512_loadu_ps(x + c), sv));
-            if (!w64) {
-                _mm512_storeu_si512(xb + c, v);
+            if (w64) {
+                __m512i a, b;
+
+                fb_act64(x + c, sv, ia, ib, &a, &b);
+                _mm512_storeu_si512(xb + c, a);
+                _mm512_storeu_si512(xb + c + 32, b);
                 continue;
             }
-            const __m512i q = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c + 48), sv),
-                                                           _mm512_mul_ps(_mm512_loadu_ps(x + c + 32), sv));
-            _mm512_storeu_si512(xb + c, _mm512_permutex2var_epi16(v, ia, q));
-            _mm512_storeu_si512(xb + c + 32, _mm512_permutex2var_epi16(v, ib, q));
+            _mm512_storeu_si512(xb + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), sv),
+                                                                     _mm512_mul_ps(_mm512_loadu_ps(x + c), sv)));
         }
     }
 }
@@ -294,10 +334,200 @@ FB_FN void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, con
     }
 }
 
+/* ---- Level amx: the same products on AMX-BF16 tiles ----
+ *
+ * Per group of 16 rows (inside one row block) and 64-column step, fb_dec64 decodes each
+ * row's 64 codes into two 32-value halves, stored as the rows of two A tiles (16 x 64
+ * bytes, on the stack); the B tiles hold the token block's nt (<= 16) tokens' scaled BF16
+ * activations in fb_dec64's column order, in VNNI form: dword d (BF16 pair d of a row in
+ * that order) of token t at d nt + t (fa_pack), so the B tile of a half is 16 rows of
+ * 4 nt bytes, contiguous, and its column t is token t's pairs (the B and C tiles are
+ * configured nt columns wide, per token block: a 16-column B tile read with a 4-byte
+ * stride at one token cost 6x a contiguous one).  One TDPBF16PS per half, into four C
+ * tiles in turn (k-steps 4j .. 4j + 3, so no tile waits on the one before), summed at the
+ * end as (C0 + C1) + (C2 + C3).  C[m][t] depends on A row m, B column t and C[m][t] alone,
+ * updated in increasing k, so a token's outputs do not depend on the tokens beside it,
+ * their count or the tiles' width: batch-invariant like the vdpbf16ps form.  The
+ * multiplies leave the vector ports to the decode: on the Intel AMX host vdpbf16ps issues
+ * one per 2 cycles (0.8 ns each against 0.19 for an FMA), so that form paid as much for
+ * the dot as for the decode at one token and 4x as much at four (docs/PERFORMANCE.md
+ * §4.3a).  The tile loads of a step come before the next step's decode stores in program
+ * order (two A buffers), so they do not wait for them.  TDPBF16PS treats BF16 denormals as
+ * zero and rounds its fp32 sums to nearest even, as vdpbf16ps does: the same error bound.
+ * The first token block prefetches the group FA_PF ahead into L2, 1 KiB per step (its 16
+ * rows are contiguous).  Each call loads its configuration and puts back the one it found
+ * (matmul-amx.c loads its own once per thread and keeps it); none found, its own stays. */
+
+#define FA_ROWS 16      /* rows per C tile */
+#define FA_TB 16        /* tokens per B tile (fits CPU_LOWP_BUF) */
+#define FA_PF 2         /* groups ahead that the first token block prefetches into L2 */
+
+#define FA_TARGET FB64_TARGET ",amx-tile,amx-bf16"
+#define FA_FN __attribute__((target(FA_TARGET)))
+
+bool cpu_fp8_amx_fits(const struct bweight *w)
+{
+    return cpu_fp8_amx_on && cpu_fp8_bf16_fits(w) && fb_fits64(w) && cpu_isa_has(CPU_ISA_AMX);
+}
+
+/* a tile configuration (ldtilecfg's 64 bytes) */
+struct fa_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* palette 1 for nt tokens: C tiles 0-3 and B tiles 6-7 of 16 rows x nt dwords (a B row, one
+ * BF16 pair of nt tokens, is 4 nt contiguous bytes), A tiles 4-5 of 16 rows x 64 bytes */
+FA_FN static void fa_config(int nt)
+{
+    struct fa_cfg cfg __attribute__((aligned(64)));
+
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : 4 * nt);
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* tokens i0 .. i0 + nt - 1 of x (through xidx) times row block rb's scales, as BF16 in
+ * fb_dec64's order, into xb in the B tiles' form: dword d of token t at d nt + t */
+FA_FN static void fa_pack(const struct bweight *w, int64_t rb, const float *x, const int32_t *xidx, int i0, int nt,
+                          uint32_t *xb)
+{
+    const int64_t cols = w->cols, ncb = cols / w->blk_cols;
+    const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(nt));
+    __m512i ia, ib;
+
+    fb_act_idx(&ia, &ib);
+    for (int t = 0; t < nt; t++) {
+        const float *xr = x + (int64_t)(xidx ? xidx[i0 + t] : i0 + t) * cols;
+
+        for (int64_t cb = 0; cb < ncb; cb++) {
+            const __m512 sv = _mm512_set1_ps(fb_scale(w, rb, cb));
+
+            for (int64_t c = cb * w->blk_cols; c < (cb + 1) * w->blk_cols; c += 64) {
+                __m512i a, b;
+
+                fb_act64(xr + c, sv, ia, ib, &a, &b);
+                if (nt == 1) {
+                    _mm512_storeu_si512(xb + c / 2, a);
+                    _mm512_storeu_si512(xb + c / 2 + 16, b);
+                    continue;
+                }
+                _mm512_i32scatter_epi32(xb + t + c / 2 * nt, step, a, 4);
+                _mm512_i32scatter_epi32(xb + t + (c / 2 + 16) * nt, step, b, 4);
+            }
+        }
+    }
+}
+
+FA_FN void cpu_matmul_fp8_amx_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                                   int64_t ldy, int64_t r0, int64_t r1, void *rowbuf)
+{
+    const int64_t cols = w->cols;
+    const uint8_t *data = w->data;
+    uint32_t *xb = (uint32_t *)rowbuf;
+    const __m512i th0 = _mm512_loadu_si512(fb_hi_tab), th1 = _mm512_loadu_si512(fb_hi_tab + 64);
+    const __m512i tl0 = _mm512_loadu_si512(fb_lo_tab), tl1 = _mm512_loadu_si512(fb_lo_tab + 64);
+    uint16_t at[2][2][FA_ROWS][32] __attribute__((aligned(64)));
+    float ct[4][FA_ROWS][16] __attribute__((aligned(64)));
+    struct fa_cfg had __attribute__((aligned(64)));
+    int cfg_nt = 0;     /* the token count the loaded configuration is for (0: none yet) */
+
+    _tile_storeconfig(&had);
+    memset(at, 0, sizeof(at));  /* the A rows past a short group's: finite, never stored */
+    for (int64_t b0 = r0; b0 < r1;) {
+        const int64_t rb = b0 / w->blk_rows;
+        const int64_t b1 = (rb + 1) * w->blk_rows < r1 ? (rb + 1) * w->blk_rows : r1;
+
+        for (int i0 = 0; i0 < n; i0 += FA_TB) {
+            const int nt = n - i0 < FA_TB ? n - i0 : FA_TB;
+
+            if (nt != cfg_nt) {
+                fa_config(nt);
+                cfg_nt = nt;
+            }
+            fa_pack(w, rb, x, xidx, i0, nt, xb);
+            for (int64_t r = b0; r < b1; r += FA_ROWS) {
+                const int nr = b1 - r < FA_ROWS ? (int)(b1 - r) : FA_ROWS;
+                const uint8_t *rw = data + r * cols;
+                const uint8_t *pf = i0 == 0 && r + FA_PF * FA_ROWS < r1 ? data + (r + FA_PF * FA_ROWS) * cols : NULL;
+
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                /* the tiles multiply step c - 64 (decoded into at[(c / 64 + 1) % 2] on the
+                 * previous pass, its stores done), then step c is decoded into at[c / 64 % 2]:
+                 * the tile loads come before this pass's stores, so they need not wait for
+                 * them, and the decode runs while the tiles multiply */
+                for (int64_t c = 0; c <= cols; c += 64) {
+                    if (c > 0) {
+                        uint16_t (*ab)[FA_ROWS][32] = at[(c / 64 + 1) % 2];
+                        const uint32_t *bt = xb + (c - 64) / 2 * nt;
+
+                        _tile_loadd(4, ab[0], 64);
+                        _tile_loadd(6, bt, 4 * nt);
+                        _tile_loadd(5, ab[1], 64);
+                        _tile_loadd(7, bt + 16 * nt, 4 * nt);
+                        if ((c / 64) % 2) {
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 5, 7);
+                        } else {
+                            _tile_dpbf16ps(2, 4, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    if (c < cols) {
+                        uint16_t (*ab)[FA_ROWS][32] = at[c / 64 % 2];
+
+                        if (pf) {
+                            /* 16 rows x 64 bytes ahead per step: the group FA_PF ahead over this one */
+#pragma GCC unroll 16
+                            for (int k = 0; k < 16; k++)
+                                _mm_prefetch((const char *)pf + 16 * c + 64 * k, _MM_HINT_T1);
+                        }
+                        for (int rr = 0; rr < nr; rr++) {
+                            __m512i a, b;
+
+                            fb_dec64(rw + rr * cols + c, th0, th1, tl0, tl1, &a, &b);
+                            _mm512_store_si512(ab[0][rr], a);
+                            _mm512_store_si512(ab[1][rr], b);
+                        }
+                    }
+                }
+                _tile_stored(0, ct[0], 64);
+                _tile_stored(1, ct[1], 64);
+                _tile_stored(2, ct[2], 64);
+                _tile_stored(3, ct[3], 64);
+                for (int t = 0; t < nt; t++)
+                    for (int rr = 0; rr < nr; rr++)
+                        y[(int64_t)(i0 + t) * ldy + (r + rr - r0)] = (ct[0][rr][t] + ct[1][rr][t]) +
+                                                                     (ct[2][rr][t] + ct[3][rr][t]);
+            }
+        }
+        b0 = b1;
+    }
+    /* the configuration in place before, if any (matmul-amx.c keeps its own loaded per
+     * thread); none: this one stays */
+    if (had.palette && cfg_nt)
+        _tile_loadconfig(&had);
+}
+
 
 #else
 
 bool cpu_fp8_bf16_fits(const struct bweight *w)
+{
+    (void)w;
+    return false;
+}
+
+bool cpu_fp8_amx_fits(const struct bweight *w)
 {
     (void)w;
     return false;

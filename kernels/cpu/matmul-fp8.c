@@ -275,6 +275,10 @@ void cpu_matmul_fp8_rows(const struct bweight *w, const float *x, const int32_t 
                          int64_t ldy, int64_t r0, int64_t r1, bool exact, void *rowbuf)
 {
 #if defined(__x86_64__)
+    if (!exact && !cpu_lowp_fused_off && cpu_fp8_amx_fits(w)) {
+        cpu_matmul_fp8_amx_rows(w, x, xidx, n, y, ldy, r0, r1, rowbuf);
+        return;
+    }
     if (!exact && !cpu_lowp_fused_off && cpu_fp8_bf16_fits(w)) {
         cpu_matmul_fp8_bf16_rows(w, x, xidx, n, y, ldy, r0, r1, rowbuf);
         return;

@@ -22,10 +22,11 @@
  * threads): how much of the cores the run actually got.
  * First, with 1 thread, FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert at decode batch
  * 1, 4, 16 and 64 with realistic routing and at 4 and 16 tokens on one expert (the
- * fp32-activation kernels and the dispatch in use, 256 MiB of copies each, 3 interleaved
- * rounds; beside each "% of bw" the same share with process CPU time on both sides, which
- * the time slices a loaded host takes away do not move);
- * STEPD_BENCH_FORMATS_ONLY=1 stops after that table.
+ * fp32-activation kernels, the dispatch in use and, at level amx, FP8 on the AMX tiles;
+ * 256 MiB of copies each, 3 interleaved rounds; beside each "% of bw" the same share with
+ * process CPU time on both sides, which the time slices a loaded host takes away do not
+ * move); STEPD_BENCH_FORMATS_ONLY=1 stops after that table, STEPD_BENCH_NO_F32=1 leaves out
+ * the fp32-activation sides.
  */
 #include <math.h>
 #include <stdbool.h>
@@ -543,6 +544,38 @@ static void routed_counts(int B, int *cnt, int n)
     }
 }
 
+/* The sides of the formats' comparison: MXFP4; FP8 on the fp32-activation kernels
+ * (cpu_lowp_vnni_off: the AVX-512 tiles, or the AVX2 dispatch), as dispatched (vdpbf16ps
+ * at level vnni) and, at level amx, on the AMX tiles (cpu_fp8_amx_on); NVFP4 on the
+ * fp32-activation kernels and as dispatched (the int8 path at level vnni).
+ * STEPD_BENCH_NO_F32=1 skips the fp32-activation sides. */
+enum { NSIDE = 6 };
+static const char *const side_names[NSIDE] = { "mxfp4", "fp8 f32", "fp8 new", "fp8 amx", "nvfp4 f32", "nvfp4 new" };
+static int fp8_amx_was;
+
+static bool side_skipped(int side)
+{
+    return ((side == 1 || side == 4) && getenv("STEPD_BENCH_NO_F32")) || (side == 3 && !cpu_isa_has(CPU_ISA_AMX));
+}
+
+/* side's [rows, cols] copies, up to max_mb MiB of them, and its kernel switches set
+ * (side_reset puts them back) */
+static void side_make(struct backend *be, struct mats *ms, int side, int64_t rows, int64_t cols, size_t max_mb)
+{
+    if (side == 0)
+        mats_make(ms, WFMT_MXFP4, rows, cols, (int)((max_mb << 20) / mxfp4_bytes(rows, cols)));
+    else
+        lowp_mats_make(ms, side <= 3 ? WFMT_FP8 : WFMT_NVFP4, rows, cols, max_mb, side == 5 ? be : NULL);
+    cpu_lowp_vnni_off = side == 1 || side == 4;
+    cpu_fp8_amx_on = side == 3 ? 1 : side == 2 ? 0 : fp8_amx_was;
+}
+
+static void side_reset(void)
+{
+    cpu_lowp_vnni_off = 0;
+    cpu_fp8_amx_on = fp8_amx_was;
+}
+
 /* The formats' compute cost where DRAM is not the limit: process CPU ns per weight and
  * token on one [128, 4096] matrix that stays in L2, the least of 5 x 50 calls, for the
  * sides of bench_lowp_formats.  CPU time, not wall time, so the time slices a loaded host
@@ -557,14 +590,12 @@ static void bench_lowp_incache(struct backend *be, const char *const *names)
     for (int i = 0; i < 16 * COLS; i++)
         x[i] = sinf((float)i);
     printf("  in cache [128,4096], CPU ns per weight and token (least of 5):\n");
-    for (int side = 0; side < 5; side++) {
+    for (int side = 0; side < NSIDE; side++) {
         struct mats ms;
 
-        if (side == 0)
-            mats_make(&ms, WFMT_MXFP4, ROWS, COLS, 1);
-        else
-            lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 1, side == 4 ? be : NULL);
-        cpu_lowp_vnni_off = side == 1 || side == 3;
+        if (side_skipped(side))
+            continue;
+        side_make(be, &ms, side, ROWS, COLS, 1);
         printf("  %-10s", names[side]);
         for (int k = 0; k < 4; k++) {
             double best = 1e9;
@@ -582,7 +613,7 @@ static void bench_lowp_incache(struct backend *be, const char *const *names)
         printf("\n");
         mats_free(&ms);
     }
-    cpu_lowp_vnni_off = 0;
+    side_reset();
     free(x);
     free(y);
 }
@@ -601,20 +632,18 @@ static void bench_lowp_formats(struct backend *be)
 {
     enum { ROUNDS = 3, ROWS = 1280, COLS = 4096, NCASE = 6 };
     static const int cases[NCASE] = { 1, 4, 16, 64, -4, -16 };     /* B (routed), -n (dense) */
-    static const char *names[] = { "mxfp4", "fp8 f32", "fp8 new", "nvfp4 f32", "nvfp4 new" };
-    double gbs[NCASE][5][ROUNDS], pct[NCASE][5][ROUNDS], pcpu[NCASE][5][ROUNDS];
+    double gbs[NCASE][NSIDE][ROUNDS], pct[NCASE][NSIDE][ROUNDS], pcpu[NCASE][NSIDE][ROUNDS];
 
+    fp8_amx_was = cpu_fp8_amx_on;
     printf("  expert [1280,4096] per format, 1 thread, ISA %s, %d rounds interleaved (medians)\n",
            cpu_isa_name(cpu_isa()), ROUNDS);
     for (int r = 0; r < ROUNDS; r++)
-        for (int side = 0; side < 5; side++) {
+        for (int side = 0; side < NSIDE; side++) {
             struct mats ms;
 
-            if (side == 0)
-                mats_make(&ms, WFMT_MXFP4, ROWS, COLS, (int)((256u << 20) / mxfp4_bytes(ROWS, COLS)));
-            else
-                lowp_mats_make(&ms, side <= 2 ? WFMT_FP8 : WFMT_NVFP4, ROWS, COLS, 256, side == 4 ? be : NULL);
-            cpu_lowp_vnni_off = side == 1 || side == 3;
+            if (side_skipped(side))
+                continue;
+            side_make(be, &ms, side, ROWS, COLS, 256);
             int *cnt = malloc(sizeof(int) * (size_t)ms.count);
             for (int k = 0; k < NCASE; k++) {
                 double s;
@@ -634,17 +663,19 @@ static void bench_lowp_formats(struct backend *be)
             free(cnt);
             mats_free(&ms);
         }
-    cpu_lowp_vnni_off = 0;
+    side_reset();
     for (int k = 0; k < NCASE; k++)
-        for (int side = 0; side < 5; side++) {
+        for (int side = 0; side < NSIDE; side++) {
+            if (side_skipped(side))
+                continue;
             double g = bench_median(gbs[k][side], ROUNDS), p = bench_median(pct[k][side], ROUNDS);
             double p0 = bench_median(pct[k][0], ROUNDS);
             double c = bench_median(pcpu[k][side], ROUNDS), c0 = bench_median(pcpu[k][0], ROUNDS);
 
             printf("  %-10s %s=%2d %7.2f GB/s %5.1f %% of bw  x%.2f of mxfp4's share  cpu time %5.1f %% x%.2f\n",
-                   names[side], cases[k] > 0 ? "B" : "n", abs(cases[k]), g, p, p / p0, c, c / c0);
+                   side_names[side], cases[k] > 0 ? "B" : "n", abs(cases[k]), g, p, p / p0, c, c / c0);
         }
-    bench_lowp_incache(be, names);
+    bench_lowp_incache(be, side_names);
 }
 
 /* The batch-1 GEMV figure of one shape over as many copies as the arena holds (*ms, for the

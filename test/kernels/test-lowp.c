@@ -6,7 +6,10 @@
  *   - fast path: within 1e-5 of Σ|w·x| of each output (fp32 decode and FMA order); NVFP4
  *     at level vnni (matmul-nvfp4-vnni.c, int8 activations as MXFP4's fast path) within
  *     the activation rounding's bound Σ|w_i|·d_b(i)/2 (d_b = amax of x's 32-block / 127);
- *     FP8 at level vnni with AVX-512 BF16 (matmul-fp8-bf16.c) within 2^-8 Σ|w·x| more;
+ *     FP8 at level vnni with AVX-512 BF16 (matmul-fp8-bf16.c; at level amx its AMX tiles)
+ *     within 2^-8 Σ|w·x| more, also on row ranges directly (check_fp8_rows);
+ *   - at level amx the FP8 AMX tiles (switched on here: cpu_fp8_amx_on) put back the tile
+ *     configuration the BF16 AMX matmul keeps;
  *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
  *   - an E4M3 NaN code is refused at weight_prepare;
@@ -290,63 +293,128 @@ static void check_nan_refused(void)
     backend_free(be);
 }
 
-/* Level vnni, NVFP4's 16-row kernel (matmul-nvfp4-vnni.c) called on row ranges directly:
- * 40 rows (groups of 16, the last 8 rows padding) x 192 columns, tokens gathered through
- * xidx in reverse, 1-33 tokens (passes of 8 and their tails, 16-token blocks, 128-row
- * chunks), ranges starting on a group and inside one; each output against the reference
- * within the int8 bound, the rows outside the range untouched: a scale or nibble put in
- * another row's lane, or a group stored at the wrong rows, fails */
-static void check_nvfp4_rows(void)
+/* w's fast-path row kernel (cpu_matmul_fp8_rows / cpu_matmul_nvfp4_rows) called on row
+ * ranges directly, R rows x C columns, tokens gathered through xidx in reverse, 1-33 tokens,
+ * the given ranges; each output against the reference within 1e-5 Σ|w·x| plus the path's
+ * bound (NVFP4: the int8 one; FP8: 2^-8 Σ|w·x|), the rows outside the range untouched */
+static void check_rows(const struct bweight *w, const int *ns, size_t n_ns, const int64_t (*ranges)[2],
+                       size_t n_ranges)
 {
-    enum { R = 40, C = 192, N = 33 };
-    static const int ns[] = { 1, 7, 8, 9, 16, 17, 33 };
-    static const int64_t ranges[][2] = { { 0, R }, { 16, R }, { 5, 37 }, { 0, 16 } };
-    struct bweight w = lowp_new(WFMT_NVFP4, R, C, 0, 0);
-    struct backend *bf = kref_backend(1, false);
-    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R);
+    enum { N = 33 };
+    const int64_t R = w->rows, C = w->cols;
+    const char *name = w->fmt == WFMT_FP8 ? "fp8" : "nvfp4";
+    float *x = malloc(sizeof(float) * N * (size_t)C), *y = malloc(sizeof(float) * N * (size_t)R);
     float *buf = aligned_alloc(64, sizeof(float) * (size_t)CPU_LOWP_BUF(C));
     int32_t xidx[N];
 
-    krng_fill(x, N * C, 2.0f);
-    ASSERT_OK(backend_weight_prepare(bf, &w));
-    if (!w.priv)
-        FAIL("nvfp4 [%dx%d]: not repacked at weight_prepare", R, C);
-    for (size_t k = 0; k < ARRAY_SIZE(ns); k++)
-        for (size_t g = 0; g < ARRAY_SIZE(ranges); g++) {
+    krng_fill(x, N * (size_t)C, 2.0f);
+    for (size_t k = 0; k < n_ns; k++)
+        for (size_t g = 0; g < n_ranges; g++) {
             const int n = ns[k];
             const int64_t r0 = ranges[g][0], r1 = ranges[g][1];
 
             for (int i = 0; i < n; i++)
                 xidx[i] = n - 1 - i;
-            for (int i = 0; i < N * R; i++)
+            for (int64_t i = 0; i < N * R; i++)
                 y[i] = -7.0f;
-            cpu_matmul_nvfp4_rows(&w, x, xidx, n, y, R, r0, r1, false, buf);
+            if (w->fmt == WFMT_FP8)
+                cpu_matmul_fp8_rows(w, x, xidx, n, y, R, r0, r1, false, buf);
+            else
+                cpu_matmul_nvfp4_rows(w, x, xidx, n, y, R, r0, r1, false, buf);
             /* token t's outputs: y[t * R + (o - r0)] for rows o in [r0, r1), the rest untouched */
             for (int t = 0; t < n; t++)
                 for (int64_t at = 0; at < R; at++) {
                     const int64_t o = r0 + at;
                     const float f = y[(int64_t)t * R + at];
+                    const float *xt = x + (int64_t)xidx[t] * C;
                     double mag, ref, tol;
 
                     if (o >= r1) {
                         if (f != -7.0f)
-                            FAIL("nvfp4 rows [%lld, %lld) n=%d t=%d: slot %lld written", (long long)r0,
+                            FAIL("%s rows [%lld, %lld) n=%d t=%d: slot %lld written", name, (long long)r0,
                                  (long long)r1, n, t, (long long)at);
                         continue;
                     }
-                    ref = ref_dot(&w, o, x + (int64_t)xidx[t] * C, &mag);
-                    tol = 1e-5 * mag + 1e-30 + int8_bound(&w, o, x + (int64_t)xidx[t] * C);
+                    ref = ref_dot(w, o, xt, &mag);
+                    tol = 1e-5 * mag + 1e-30 + (w->fmt == WFMT_FP8 ? 0x1p-8 * mag : int8_bound(w, o, xt));
                     if (fabs(f - ref) > tol)
-                        FAIL("nvfp4 rows [%lld, %lld) n=%d t=%d row %lld: %.9g, reference %.9g (tolerance %g)",
+                        FAIL("%s rows [%lld, %lld) n=%d t=%d row %lld: %.9g, reference %.9g (tolerance %g)", name,
                              (long long)r0, (long long)r1, n, t, (long long)o, f, ref, tol);
                 }
         }
-    backend_weight_release(bf, &w);
-    backend_free(bf);
-    lowp_free(&w);
     free(x);
     free(y);
     free(buf);
+}
+
+/* Level vnni, NVFP4's 16-row kernel (matmul-nvfp4-vnni.c) on row ranges (check_rows):
+ * 40 rows (groups of 16, the last 8 rows padding) x 192 columns, 1-33 tokens (passes of 8
+ * and their tails, 16-token blocks, 128-row chunks), ranges starting on a group and inside
+ * one: a scale or nibble put in another row's lane, or a group stored at the wrong rows,
+ * fails */
+static void check_nvfp4_rows(void)
+{
+    static const int ns[] = { 1, 7, 8, 9, 16, 17, 33 };
+    static const int64_t ranges[][2] = { { 0, 40 }, { 16, 40 }, { 5, 37 }, { 0, 16 } };
+    struct bweight w = lowp_new(WFMT_NVFP4, 40, 192, 0, 0);
+    struct backend *bf = kref_backend(1, false);
+
+    ASSERT_OK(backend_weight_prepare(bf, &w));
+    if (!w.priv)
+        FAIL("nvfp4 [40x192]: not repacked at weight_prepare");
+    check_rows(&w, ns, ARRAY_SIZE(ns), ranges, ARRAY_SIZE(ranges));
+    backend_weight_release(bf, &w);
+    backend_free(bf);
+    lowp_free(&w);
+}
+
+/* Level vnni and up, FP8's BF16 kernels (matmul-fp8-bf16.c: vdpbf16ps, or at level amx the
+ * AMX tiles) on row ranges (check_rows): 48 rows in row blocks of 24 (so 16-row groups are
+ * cut short by a block's end and by the range's) x 192 columns in 64-column scale blocks,
+ * 1-33 tokens (16-token blocks and their tails: the AMX tiles configured per token count),
+ * ranges starting on a group and inside one: a row put in another's tile row, a token's
+ * activations in another's tile column, or a block's scales on the wrong rows fails */
+static void check_fp8_rows(void)
+{
+    static const int ns[] = { 1, 2, 7, 16, 17, 33 };
+    static const int64_t ranges[][2] = { { 0, 48 }, { 16, 48 }, { 5, 37 }, { 0, 16 }, { 3, 9 } };
+    struct bweight w = lowp_new(WFMT_FP8, 48, 192, 24, 64);
+
+    if (!bf16_path(&w))
+        FAIL("fp8 [48x192]: not on the BF16 path at level vnni");
+    check_rows(&w, ns, ARRAY_SIZE(ns), ranges, ARRAY_SIZE(ranges));
+    lowp_free(&w);
+}
+
+/* Level amx: the FP8 tiles load their own tile configuration (B and C tiles as wide as the
+ * token count) and put back the one in place, which the BF16 AMX matmul (matmul-amx.c)
+ * loads once per thread and keeps: a BF16 matmul after an FP8 one gives what it gave
+ * before it, bit for bit */
+static void check_amx_config_kept(void)
+{
+    enum { R = 32, C = 128, N = 5 };
+    struct bweight wb = kref_bf16_new(R, C, 1.0f), w8 = lowp_new(WFMT_FP8, R, C, 32, 64);
+    struct backend *bf = kref_backend(1, false);
+    float *x = malloc(sizeof(float) * N * C), *y0 = malloc(sizeof(float) * N * R);
+    float *y1 = malloc(sizeof(float) * N * R), *y8 = malloc(sizeof(float) * N * R);
+
+    if (!cpu_bf16_use_amx(&wb) || !cpu_fp8_amx_fits(&w8))
+        FAIL("level amx: BF16 [%dx%d] or FP8 not on the AMX tiles", R, C);
+    krng_fill(x, N * C, 1.0f);
+    ASSERT_OK(backend_matmul(bf, &wb, x, N, y0));
+    for (int n = 1; n <= 2; n++) {
+        ASSERT_OK(backend_matmul(bf, &w8, x, n, y8));
+        ASSERT_OK(backend_matmul(bf, &wb, x, N, y1));
+        if (memcmp(y0, y1, sizeof(float) * N * R) != 0)
+            FAIL("bf16 on AMX after an fp8 matmul of %d tokens: outputs changed", n);
+    }
+    backend_free(bf);
+    kref_weight_free(&wb);
+    lowp_free(&w8);
+    free(x);
+    free(y0);
+    free(y1);
+    free(y8);
 }
 
 int main(void)
@@ -354,7 +422,14 @@ int main(void)
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
     const enum cpu_isa level = kt_isa_require("lowp", CPU_ISA_SCALAR);
     const struct bweight probe = { .fmt = WFMT_FP8, .rows = 1, .cols = 32, .blk_rows = 1, .blk_cols = 32 };
-    printf("test-lowp: FP8 fast path %s\n", bf16_path(&probe) ? "BF16 (vdpbf16ps)" : "fp32 activations");
+    const struct bweight probe64 = { .fmt = WFMT_FP8, .rows = 1, .cols = 64, .blk_rows = 1, .blk_cols = 64 };
+    if (level >= CPU_ISA_AMX) {
+        cpu_fp8_amx_on = 1;     /* every FP8 check below on the AMX tiles */
+        if (!cpu_fp8_amx_fits(&probe64))
+            FAIL("level amx: FP8 with 64-column blocks not on the AMX tiles");
+    }
+    printf("test-lowp: FP8 fast path %s\n", cpu_fp8_amx_fits(&probe64) ? "BF16 (AMX tiles)"
+                                              : bf16_path(&probe) ? "BF16 (vdpbf16ps)" : "fp32 activations");
     static const int64_t shapes[][4] = { { 1, 32, 1, 32 }, { 7, 96, 7, 16 }, { 64, 256, 32, 128 },
                                          { 128, 4096, 128, 128 }, { 33, 160, 11, 32 }, { 5, 48, 5, 16 },
                                          { 7, 128, 7, 64 }, { 200, 320, 8, 64 } };
@@ -386,8 +461,17 @@ int main(void)
             check_batch_invariant(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], 16, 2);
             check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1);
         }
-    if (level >= CPU_ISA_VNNI && cpu_isa_has(CPU_ISA_VNNI))
+    if (level >= CPU_ISA_VNNI && cpu_isa_has(CPU_ISA_VNNI)) {
         check_nvfp4_rows();
+        if (bf16_path(&probe)) {
+            check_fp8_rows();
+            /* two token blocks of 16 and 5: each token equals its solo call (AMX: tiles of
+             * 16, 5 and 1 columns) */
+            check_batch_invariant(WFMT_FP8, 200, 320, 8, 64, 21, 1);
+        }
+    }
+    if (level >= CPU_ISA_AMX)
+        check_amx_config_kept();
     check_nan_refused();
     printf("test-lowp: all passed\n");
     return 0;

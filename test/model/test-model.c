@@ -23,6 +23,9 @@
  * KV: FP32 (model_opts.kv_f32, the exact oracle path) unless argv[3] is "kv-bf16", the
  * service default: BF16 storage (FP32 accumulation), the oracle rounding k/v to BF16 too,
  * tolerance TOL_KV_BF16 on the exact path, TOL_FAST_KV_BF16 on the fast one.
+ * Where the CPU has a BF16 fast kernel (AMX, or AVX-512 BF16 at level vnni) the fast path
+ * rounds the activations entering BF16 matrices to BF16 and so does the oracle
+ * (naive_bf16_act); tolerances TOL_FAST_BF16, TOL_FAST_BF16_MEAN and TOL_FAST_BF16_AGREE there.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,6 +57,21 @@
 #define TOL_KV_BF16 2e-2   /* BF16 KV storage: ~4e-3 relative per element, logits O(10-20) */
 /* BF16 KV on the fast path: both effects above add (an int8 step, a BF16 neighbour) */
 #define TOL_FAST_KV_BF16 (TOL_FAST + TOL_KV_BF16)
+/* BF16 fast path (naive_bf16_act: the activations entering BF16 matrices rounded to BF16,
+ * the oracle rounding them the same way): a 1e-7 difference moves an activation across a
+ * BF16 rounding step (2^-8 of it) far more often than across an int8 one, as every BF16
+ * matrix's input is rounded, and where that flips a near-tie in a router's top-k, that
+ * position's logits move by O(1): the max-abs bound only catches gross errors, the mean
+ * bound and the argmax agreement check the bulk.  Measured (host levels amx / vnni), max,
+ * mean, argmax agreement of the one-shot prefill: tiny-step 0.236 / 0.367, 1.9e-3 /
+ * 2.6e-3, 149 / 150 of 150; with BF16 KV 0.69 / 0.68, 6.1e-3 / 6.0e-3, 147 / 147;
+ * gen:dense-tied 1.62 / 1.29 (one position each, a routing flip), 5.5e-3 / 3.4e-3, 147 /
+ * 147; clamp, fp8, nvfp4, bf16-stacked at most 0.16, 1.5e-3, 149.  tiny-step with the
+ * router's input kept exact on both sides (an experiment): max 0.021, mean 1.4e-3.  The
+ * same path against itself (chunked/decode vs one-shot) stays within TOL_SELF_FAST (0). */
+#define TOL_FAST_BF16 3.0
+#define TOL_FAST_BF16_MEAN 1e-2
+#define TOL_FAST_BF16_AGREE 0.95   /* share of positions whose argmax equals the oracle's */
 #define TOL_SELF_EXACT 1e-4
 #define TOL_SELF_FAST 5e-3
 #define BS 16
@@ -149,6 +167,8 @@ static void test_oneshot(const int32_t *X, int N)
     ASSERT_LE(d, tol);
     if (!exact)
         ASSERT_LE(mean, tol_mean);
+    if (naive_bf16_act)
+        ASSERT_TRUE(agree >= TOL_FAST_BF16_AGREE * N);
     worst_trunk = d > worst_trunk ? d : worst_trunk;
     self_ref = lg;
     self_x = X;
@@ -498,6 +518,10 @@ int main(int argc, char **argv)
     exact = argc < 3 || strcmp(argv[2], "fast") != 0;
     naive_int8_act = !exact;    /* the oracle rounds activations as the fast kernel does */
     naive_nvfp4_int8 = cpu_isa_has(CPU_ISA_VNNI);   /* NVFP4 on MXFP4's int8 path */
+#if defined(__x86_64__)
+    /* BF16 matrices on the BF16 fast path (AMX or vdpbf16ps: activations rounded to BF16) */
+    naive_bf16_act = !exact && cpu_isa_has(CPU_ISA_VNNI) && __builtin_cpu_supports("avx512bf16");
+#endif
     tol = exact ? TOL_EXACT : TOL_FAST;
     tol_self = exact ? TOL_SELF_EXACT : TOL_SELF_FAST;
     if (naive_nvfp4_int8 && strcmp(argv[1], "gen:nvfp4-all") == 0)
@@ -524,6 +548,10 @@ int main(int argc, char **argv)
     naive_bf16_kv = !mo.kv_f32;
     if (!mo.kv_f32)
         tol = exact ? TOL_KV_BF16 : TOL_FAST_KV_BF16;
+    if (naive_bf16_act) {
+        tol = TOL_FAST_BF16;
+        tol_mean = TOL_FAST_BF16_MEAN;
+    }
     struct model *mwhole;
     r = model_new(ck, be, NULL, &mo, &m, &e);
     if (r < 0)

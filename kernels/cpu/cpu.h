@@ -207,7 +207,8 @@ void *cpu_thread_buf(size_t n);
 /* BF16 fast path (docs/PERFORMANCE.md §8.4): the activations rounded once to BF16 (RNE),
  * |err| <= 2^-8 · Σ|w·x| plus fp32 accumulation, batch-invariant.  In use where the MXFP4
  * int8 and the FP8/NVFP4 fast paths are (not cpu_lowp_exact: backend_cfg.mxfp4_exact off
- * and AVX2), and cpu_bf16_fast_off is 0 (benchmarks: the exact kernels, bit for bit).
+ * and AVX2), and cpu_bf16_fast_off is 0 (benchmarks: the exact kernels, bit for bit);
+ * cpu_matmul_rows keeps a weight marked bweight.exact (the MoE routers) off it.
  * AMX hosts: one-part tiles (matmul-amx.c); AVX-512 BF16 hosts without AMX (level vnni):
  * vdpbf16ps (matmul-bf16dp.c) where cpu_bf16_dp_fits(w) (cols % 32 == 0), activations
  * packed by cpu_bf16_act_pack into cpu_bf16_act_bytes; elsewhere the FP32 kernels. */

@@ -13,7 +13,8 @@
  *    it differs from the exact path
  *    where the CPU has a fast kernel (AMX, AVX-512 BF16 with cols % 32 == 0) and equals it
  *    bit for bit elsewhere; the exact path equals the exact row kernels bit for bit (also
- *    with the fast path switched off by cpu_bf16_fast_off on a fast context).
+ *    with the fast path switched off by cpu_bf16_fast_off on a fast context, and for a
+ *    weight marked bweight.exact, the MoE routers, on a fast context).
  *  - Results do not depend on the thread count or the token count (row i of a batch ==
  *    the same row alone).
  *  - BF16 batch invariance, exact and fast paths, with the AMX-BF16 path on (where the CPU
@@ -324,6 +325,11 @@ static void check_bf16_switch(int64_t rows, int64_t cols, int n, int nth)
     cpu_bf16_fast_off = 1;
     ASSERT_OK(backend_matmul(bf, &w, x, n, yk));
     cpu_bf16_fast_off = 0;
+    ASSERT_TRUE(memcmp(ye, yk, sizeof(float) * n * rows) == 0);
+    /* and so is a weight marked exact (the MoE routers) on the fast context */
+    w.exact = true;
+    ASSERT_OK(backend_matmul(bf, &w, x, n, yk));
+    w.exact = false;
     ASSERT_TRUE(memcmp(ye, yk, sizeof(float) * n * rows) == 0);
     for (int64_t k = 0; k < (int64_t)n * rows; k++) {
         if (!(fabs(yf[k] - yr[k]) <= bf16_tol(true, mag[k])) ||

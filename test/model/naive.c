@@ -12,6 +12,7 @@ struct nmat {
     bool mxfp4;         /* stored MXFP4 on disk */
     bool nvfp4;         /* stored NVFP4 on disk */
     bool bf16;          /* stored BF16 on disk */
+    bool exact_act;     /* input never rounded by naive_bf16_act (the router: model-load.c) */
 };
 
 bool naive_int8_act;
@@ -236,6 +237,7 @@ static int load_layer(struct naive *nv, struct ckpt *c, int l)
         GETL(up, "%s.share_expert.up_proj");
         GETL(down, "%s.share_expert.down_proj");
         GETL(router, "%s.moe.gate");
+        L->router.exact_act = true;
         L->bias = calloc((size_t)cfg->n_experts, sizeof(double));
         if (cfg->use_router_bias) {
             snprintf(n, sizeof(n), "%s.moe.router_bias", p);
@@ -324,12 +326,13 @@ void naive_free(struct naive *nv)
  * W of a multiple of 64 columns: the CPU's int8 NVFP4 path, matmul-nvfp4-vnni.c) is first
  * rounded the way the fast kernel quantises activations (per 32-block, d = amax/127 in
  * fp32, round to nearest); with naive_bf16_act, x of a BF16 W of a multiple of 32 columns
- * is rounded to fp32 and then to BF16 (nearest even), as the BF16 fast path does */
+ * is rounded to fp32 and then to BF16 (nearest even), as the BF16 fast path does (not
+ * the routers' input: the model keeps them on the exact kernels) */
 static void mv(const struct nmat *W, const double *x, double *y)
 {
     double *xq = NULL;
 
-    if (naive_bf16_act && W->bf16 && W->cols % 32 == 0) {
+    if (naive_bf16_act && W->bf16 && !W->exact_act && W->cols % 32 == 0) {
         xq = malloc(sizeof(double) * (size_t)W->cols);
         for (int64_t i = 0; i < W->cols; i++)
             xq[i] = to_bf16(x[i]);

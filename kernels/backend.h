@@ -67,6 +67,9 @@ struct bweight {
     int32_t blk_rows, blk_cols;     /* WFMT_FP8: the scale blocks */
     float gscale;                   /* WFMT_NVFP4: weight_scale_2 */
     const char *name;               /* the tensor's name for messages, or NULL */
+    bool exact;     /* BF16 on the CPU: the exact kernels whatever the context's path, never the
+                     * BF16 fast path's rounded activations (the MoE routers: a rounding must
+                     * not change which experts a token reaches; other formats ignore it) */
 };
 
 /* KV cache of one layer: a pool of blocks, each block_size tokens × n_kv_heads × head_dim,

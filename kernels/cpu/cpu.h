@@ -198,8 +198,27 @@ void cpu_qact_quantize_scalar(struct cpu_qact *qa, int64_t i, const float *x, in
  * xidx ? xidx[i] : i; output y[i * ldy + (r - r0_out)] for rows r in [r0, r1). */
 void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2);
+/* fast: the BF16 fast path (cpu_bf16_fast) where the CPU has one, else the FP32 kernels */
 void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
-                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2);
+                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2, bool fast);
+/* A buffer of at least n bytes, 64-byte aligned, owned by the calling thread (freed at its
+ * exit), valid until its next call; NULL when it cannot be allocated. */
+void *cpu_thread_buf(size_t n);
+/* BF16 fast path (docs/PERFORMANCE.md §8.4): the activations rounded once to BF16 (RNE),
+ * |err| <= 2^-8 · Σ|w·x| plus fp32 accumulation, batch-invariant.  In use where the MXFP4
+ * int8 and the FP8/NVFP4 fast paths are (not cpu_lowp_exact: backend_cfg.mxfp4_exact off
+ * and AVX2), and cpu_bf16_fast_off is 0 (benchmarks: the exact kernels, bit for bit);
+ * cpu_matmul_rows keeps a weight marked bweight.exact (the MoE routers) off it.
+ * AMX hosts: one-part tiles (matmul-amx.c); AVX-512 BF16 hosts without AMX (level vnni):
+ * vdpbf16ps (matmul-bf16dp.c) where cpu_bf16_dp_fits(w) (cols % 32 == 0), activations
+ * packed by cpu_bf16_act_pack into cpu_bf16_act_bytes; elsewhere the FP32 kernels. */
+extern int cpu_bf16_fast_off;
+bool cpu_bf16_fast(const struct cpu_ctx *c);
+bool cpu_bf16_dp_fits(const struct bweight *w);
+size_t cpu_bf16_act_bytes(int n, int64_t cols);
+void cpu_bf16_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols);
+void cpu_matmul_bf16_dp_rows(const struct bweight *w, const void *xb, int n, float *y,
+                             int64_t ldy, int64_t r0, int64_t r1);
 /* FP8 (matmul-fp8.c) and NVFP4 (matmul-nvfp4.c): rows decoded on the fly into rowbuf
  * (CPU_LOWP_BUF(cols) floats per thread) and multiplied on the exact path (one row in fp64,
  * the 16-lane fp64 order below, one rounding) or the fast one (CPU_LOWP_TILE rows in fp32,
@@ -333,15 +352,17 @@ extern int cpu_mxfp4_t16_min_n;
  * shared read-only by the threads running cpu_matmul_bf16_amx_rows (any r0 <= r1 <= rows;
  * output y[i * ldy + (r - r0)]).  cpu_matmul_bf16_amx_self packs into a per-thread
  * buffer first (callers without a packed copy); false only when that buffer cannot be
- * allocated. */
+ * allocated.  fast: the BF16 fast path's one-part tiles (cpu_bf16_fast), else the exact
+ * three-part ones; the pack and the kernel of one call must agree. */
 bool cpu_amx_bf16_ok(void);
 bool cpu_bf16_use_amx(const struct bweight *w);
-size_t cpu_amx_act_bytes(int n, int64_t cols);
-void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols);
+size_t cpu_amx_act_bytes(int n, int64_t cols, bool fast);
+void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols,
+                      bool fast);
 void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
-                              int64_t ldy, int64_t r0, int64_t r1);
+                              int64_t ldy, int64_t r0, int64_t r1, bool fast);
 bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
-                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1);
+                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1, bool fast);
 /* Benchmarks and tests: nonzero switches the AMX path off (the AVX-512 / AVX2 kernels run);
  * cpu_amx_pf_steps = weight prefetch distance in k-steps of 32 columns (0 = off). */
 extern int cpu_amx_off;

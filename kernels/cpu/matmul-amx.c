@@ -42,6 +42,15 @@
  * (palette 1); each thread loads the configuration on its first call and keeps it (loading
  * and releasing it per call measured ~2 us per matmul).
  *
+ * Fast path (cpu_bf16_fast: backend_cfg.mxfp4_exact off, docs/PERFORMANCE.md §8.4): one
+ * part, p0 = bf16_rne(x), in ONE-PART tiles - a block of up to 16 tokens is one B tile per
+ * k-step, token t in column t, and y = C[m][t].  One TDPBF16PS per A tile for up to 16
+ * tokens (four for 64), a third of the exact path's; the passes, the prefetch and the row
+ * blocking are the exact path's (pass_g4 .. pass_g1 over blocks instead of groups).  The
+ * error is the activations' rounding, |err| <= 2^-8 · Σ|w·x| plus fp32 accumulation
+ * (test-matmul).  A token's column gets the same fp32 sums in any block, pass and call,
+ * so the one-part path is batch-invariant for the same reasons.
+ *
  * Numerics of TDPBF16PS: BF16 products are exact in fp32; accumulation is fp32 with
  * round-to-nearest-even, input denormals treated as zero and denormal results flushed
  * (parts below 2^-126 count as 0, as VCVTNE2PS2BF16 makes denormal inputs: an absolute
@@ -68,6 +77,8 @@ int cpu_amx_off;
 #define AMX_PART_REST 11
 /* weight prefetch distance in k-steps (16 lines each) ahead of the running one */
 #define AMX_PF_STEPS 4
+/* the fast path's one-part tiles: 16 tokens each */
+#define AMX_FAST_GROUP 16
 
 int cpu_amx_pf_steps = AMX_PF_STEPS;
 
@@ -75,21 +86,13 @@ int cpu_amx_pf_steps = AMX_PF_STEPS;
 
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static bool amx_ok;
-static pthread_key_t amx_buf_key;
 /* this thread has loaded the tile configuration (kept: see the header comment) */
 static __thread bool amx_configured;
-
-static void amx_buf_free(void *p)
-{
-    free(p);
-}
 
 /* Level amx (cpu-features.h): the CPU has the tiles and the kernel granted their state. */
 static void amx_detect(void)
 {
     if (!cpu_isa_has(CPU_ISA_AMX))
-        return;
-    if (pthread_key_create(&amx_buf_key, amx_buf_free) != 0)
         return;
     amx_ok = true;
     log_debug("cpu: AMX-BF16 matmul for BF16 weights");
@@ -124,10 +127,13 @@ static void amx_layout(int n, int *ret_pb, int *ret_ng)
     *ret_ng = (rest + AMX_GROUP - 1) / AMX_GROUP;
 }
 
-size_t cpu_amx_act_bytes(int n, int64_t cols)
+size_t cpu_amx_act_bytes(int n, int64_t cols, bool fast)
 {
     int pb, ng;
 
+    if (fast)
+        return (size_t)((n + AMX_FAST_GROUP - 1) / AMX_FAST_GROUP) * (size_t)(cols / AMX_KSTEP) *
+               AMX_TILE;
     amx_layout(n, &pb, &ng);
     return (size_t)(AMX_PARTS * pb + ng) * (size_t)(cols / AMX_KSTEP) * AMX_TILE;
 }
@@ -199,12 +205,43 @@ AMX_INLINE void amx_tile_put(uint8_t *tile, __m512i v[16])
         _mm512_store_si512((void *)(tile + p * 64), v[p]);
 }
 
-AMX_FN void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols)
+/* The fast path's one-part tiles: tile b of k-step s, column t = bf16_rne of token 16b + t */
+AMX_INLINE void amx_act_pack1(uint8_t *out, const float *x, const int32_t *xidx, int n, int64_t cols)
+{
+    const int64_t ks = cols / AMX_KSTEP;
+
+    for (int b = 0; b * AMX_FAST_GROUP < n; b++) {
+        const int nt = n - b * AMX_FAST_GROUP < AMX_FAST_GROUP ? n - b * AMX_FAST_GROUP : AMX_FAST_GROUP;
+        const float *xs[AMX_FAST_GROUP];
+
+        for (int t = 0; t < nt; t++) {
+            int64_t i = b * AMX_FAST_GROUP + t;
+
+            xs[t] = x + (xidx ? xidx[i] : i) * cols;
+        }
+        for (int64_t s = 0; s < ks; s++) {
+            __m512i v[16];
+
+            for (int t = 0; t < 16; t++)
+                v[t] = t < nt ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xs[t] + s * AMX_KSTEP + 16),
+                                                             _mm512_loadu_ps(xs[t] + s * AMX_KSTEP))
+                              : _mm512_setzero_si512();
+            amx_tile_put(out + (b * ks + s) * AMX_TILE, v);
+        }
+    }
+}
+
+AMX_FN void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols,
+                             bool fast)
 {
     const int64_t ks = cols / AMX_KSTEP;
     uint8_t *out = buf;
     int pb, ng;
 
+    if (fast) {
+        amx_act_pack1(out, x, xidx, n, cols);
+        return;
+    }
     amx_layout(n, &pb, &ng);
     /* part blocks: tile 3b + p, column t = part p of token 16b + t */
     for (int b = 0; b < pb; b++) {
@@ -423,10 +460,12 @@ AMX_INLINE void pass_g4(const uint8_t *a, int64_t stride, const uint8_t *const *
 }
 
 /* Scatter C tile c (rows = weight rows st .. st + 15, columns = the parts of a group's nt
- * tokens t0 ..) into y: rows [w0, w1) of the block, each the sum (part 0 + part 1) + part 2
- * of its columns.  y[i * ldy + (r - r0)]. */
+ * tokens t0 ..: part p of token t in column p * grp + t) into y: rows [w0, w1) of the
+ * block, each the sum (part 0 + part 1) + part 2 of its columns (parts = 3, grp =
+ * AMX_GROUP), or its one column (the fast path's one-part tiles: parts = 1, grp = 16).
+ * y[i * ldy + (r - r0)]. */
 AMX_INLINE void amx_scatter(const float *c, int t0, int nt, int64_t st, int64_t w0, int64_t w1,
-                            float *y, int64_t ldy, int64_t r0)
+                            float *y, int64_t ldy, int64_t r0, const int parts, const int grp)
 {
     const int d = (int)(w0 - st);
     const __mmask16 m = (__mmask16)((1u << (w1 - w0)) - 1);
@@ -441,9 +480,9 @@ AMX_INLINE void amx_scatter(const float *c, int t0, int nt, int64_t st, int64_t 
         for (int t = 0; t < nt; t++) {
             __m512 sum = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, c + t, 4);
 
-            for (int p = 1; p < AMX_PARTS; p++)
+            for (int p = 1; p < parts; p++)
                 sum = _mm512_add_ps(sum, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
-                                                                  c + p * AMX_GROUP + t, 4));
+                                                                  c + p * grp + t, 4));
             _mm512_mask_storeu_ps(yb + t * ldy, m, sum);
         }
         return;
@@ -457,8 +496,8 @@ AMX_INLINE void amx_scatter(const float *c, int t0, int nt, int64_t st, int64_t 
         for (int t = 0; t < nt; t++) {
             __m512 s = _mm512_castsi512_ps(v[t]);
 
-            for (int p = 1; p < AMX_PARTS; p++)
-                s = _mm512_add_ps(s, _mm512_castsi512_ps(v[p * AMX_GROUP + t]));
+            for (int p = 1; p < parts; p++)
+                s = _mm512_add_ps(s, _mm512_castsi512_ps(v[p * grp + t]));
 
             if (d)       /* block overlapping the previous one: drop its first d rows */
                 s = _mm512_permutexvar_ps(
@@ -497,13 +536,15 @@ AMX_INLINE void amx_combine(const float *c, int t0, int nt, int64_t st, int64_t 
     }
 }
 
-AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
-                                     int64_t ldy, int64_t r0, int64_t r1)
+/* rows [r0, r1) of the C tiles of groups (exact path: parts = AMX_PARTS, grp = AMX_GROUP,
+ * after pb part blocks) or one-part blocks (fast: parts = 1, grp = 16, pb = 0) */
+AMX_INLINE void amx_rows(const struct bweight *w, const uint8_t *xp, int n, float *y, int64_t ldy,
+                         int64_t r0, int64_t r1, const int parts, const int grp)
 {
     const int64_t cols = w->cols, stride = cols * 2, ks = cols / AMX_KSTEP;
     const int64_t last = w->rows - 16, tb = ks * AMX_TILE;
     const int dist = cpu_amx_pf_steps;
-    const uint8_t *wd = w->data, *xp = xb;
+    const uint8_t *wd = w->data;
     float c[4 * 256] __attribute__((aligned(64)));
     int pb, ng, gt0;
 
@@ -519,7 +560,12 @@ AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, in
         _tile_loadconfig(&cfg);
         amx_configured = true;
     }
-    amx_layout(n, &pb, &ng);
+    if (parts == 1) {
+        pb = 0;
+        ng = (n + grp - 1) / grp;
+    } else {
+        amx_layout(n, &pb, &ng);
+    }
     gt0 = pb * 16;          /* first token of the groups */
     for (int64_t b = r0; b < r1; b += 16) {
         const int64_t st = b < last ? b : last, hi = b + 16 < r1 ? b + 16 : r1;
@@ -540,31 +586,33 @@ AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, in
             if (k == pb - 1 && ng > 0) {
                 bg[3] = xp + AMX_PARTS * pb * tb;
                 pass_g4(a, stride, bg, ks, c, &pf, dist && first);
-                amx_scatter(c + 768, gt0, n - gt0 < AMX_GROUP ? n - gt0 : AMX_GROUP, st, b, hi,
-                            y, ldy, r0);
+                amx_scatter(c + 768, gt0, n - gt0 < grp ? n - gt0 : grp, st, b, hi, y, ldy, r0,
+                            parts, grp);
                 g = 1;
             } else {
                 pass_g3(a, stride, bg, ks, c, &pf, dist && first);
             }
             amx_combine(c, k * 16, nt, st, b, hi, y, ldy, r0);
         }
-        /* groups four, then two, then one at a time */
+        /* groups four, then three (one-part blocks) or two, then one at a time */
         while (g < ng) {
-            const int m = ng - g >= 4 ? 4 : (ng - g >= 2 ? 2 : 1);
+            const int m = ng - g >= 4 ? 4 : (parts == 1 && ng - g == 3 ? 3 : (ng - g >= 2 ? 2 : 1));
 
             for (int k = 0; k < m; k++)
-                bg[k] = xp + (AMX_PARTS * pb + g + k) * tb;
+                bg[k] = xp + (parts * pb + g + k) * tb;
             if (m == 4)
                 pass_g4(a, stride, bg, ks, c, &pf, dist && first);
+            else if (m == 3)
+                pass_g3(a, stride, bg, ks, c, &pf, dist && first);
             else if (m == 2)
                 pass_g2(a, stride, bg[0], bg[1], ks, c, &pf, dist && first);
             else
                 pass_g1(a, stride, bg[0], ks, c, &pf, dist && first);
             for (int k = 0; k < m; k++) {
-                const int t0 = gt0 + (g + k) * AMX_GROUP;
+                const int t0 = gt0 + (g + k) * grp;
 
-                amx_scatter(c + 256 * k, t0, n - t0 < AMX_GROUP ? n - t0 : AMX_GROUP, st, b, hi,
-                            y, ldy, r0);
+                amx_scatter(c + 256 * k, t0, n - t0 < grp ? n - t0 : grp, st, b, hi, y, ldy, r0,
+                            parts, grp);
             }
             g += m;
             first = false;
@@ -572,31 +620,25 @@ AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, in
     }
 }
 
+AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
+                                     int64_t ldy, int64_t r0, int64_t r1, bool fast)
+{
+    if (fast)
+        amx_rows(w, xb, n, y, ldy, r0, r1, 1, AMX_FAST_GROUP);
+    else
+        amx_rows(w, xb, n, y, ldy, r0, r1, AMX_PARTS, AMX_GROUP);
+}
+
 /* Pack into this thread's buffer and run (callers without a per-call packed copy: moe). */
 bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
-                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1)
+                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1, bool fast)
 {
-    size_t need = cpu_amx_act_bytes(n, w->cols), *have;
-    void *buf = pthread_getspecific(amx_buf_key);
+    void *buf = cpu_thread_buf(cpu_amx_act_bytes(n, w->cols, fast));
 
-    have = buf;
-    if (!buf || *have < need) {
-        /* header of 64 bytes holds the capacity */
-        void *nb = aligned_alloc(64, (need + 64 + 63) & ~(size_t)63);
-
-        if (!nb)
-            return false;
-        if (pthread_setspecific(amx_buf_key, nb) != 0) {
-            free(nb);
-            return false;
-        }
-        free(buf);
-        buf = nb;
-        have = buf;
-        *have = need;
-    }
-    cpu_amx_act_pack((uint8_t *)buf + 64, x, xidx, n, w->cols);
-    cpu_matmul_bf16_amx_rows(w, (uint8_t *)buf + 64, n, y, ldy, r0, r1);
+    if (!buf)
+        return false;
+    cpu_amx_act_pack(buf, x, xidx, n, w->cols, fast);
+    cpu_matmul_bf16_amx_rows(w, buf, n, y, ldy, r0, r1, fast);
     return true;
 }
 
@@ -613,28 +655,29 @@ bool cpu_bf16_use_amx(const struct bweight *w)
     return false;
 }
 
-size_t cpu_amx_act_bytes(int n, int64_t cols)
+size_t cpu_amx_act_bytes(int n, int64_t cols, bool fast)
 {
     (void)n;
     (void)cols;
+    (void)fast;
     return 0;
 }
 
-void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols)
+void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols, bool fast)
 {
-    (void)buf; (void)x; (void)xidx; (void)n; (void)cols;
+    (void)buf; (void)x; (void)xidx; (void)n; (void)cols; (void)fast;
 }
 
 void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
-                              int64_t ldy, int64_t r0, int64_t r1)
+                              int64_t ldy, int64_t r0, int64_t r1, bool fast)
 {
-    (void)w; (void)xb; (void)n; (void)y; (void)ldy; (void)r0; (void)r1;
+    (void)w; (void)xb; (void)n; (void)y; (void)ldy; (void)r0; (void)r1; (void)fast;
 }
 
 bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
-                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1)
+                              int n, float *y, int64_t ldy, int64_t r0, int64_t r1, bool fast)
 {
-    (void)w; (void)x; (void)xidx; (void)n; (void)y; (void)ldy; (void)r0; (void)r1;
+    (void)w; (void)x; (void)xidx; (void)n; (void)y; (void)ldy; (void)r0; (void)r1; (void)fast;
     return false;
 }
 

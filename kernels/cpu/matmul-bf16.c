@@ -9,8 +9,11 @@
  * thread's rows stream by, and the tiles prefetch the weight rows two tiles ahead.
  * Accumulation is fp32 in 8/16-wide lanes (SIMD) or plain order (scalar): tests compare
  * against an fp64 reference with a relative bound.  On CPUs with AMX-BF16, BF16 weights
- * with cols % 32 == 0 and rows >= 16 run on tiles instead (matmul-amx.c).
+ * with cols % 32 == 0 and rows >= 16 run on tiles instead (matmul-amx.c).  These are the
+ * exact path's kernels; the BF16 fast path (cpu_bf16_fast) rounds the activations to BF16
+ * on AMX (one-part tiles) and on AVX-512 BF16 (matmul-bf16dp.c) where the CPU has them.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,6 +42,43 @@ static int64_t token_block(int64_t cols)
     int64_t tb = BF16_TOKEN_BLOCK_BYTES / (cols * 4);
 
     return tb < 4 ? 4 : (tb > 256 ? 256 : tb / 4 * 4);
+}
+
+static pthread_once_t tbuf_once = PTHREAD_ONCE_INIT;
+static pthread_key_t tbuf_key;
+static bool tbuf_ok;
+
+static void tbuf_init(void)
+{
+    tbuf_ok = pthread_key_create(&tbuf_key, free) == 0;
+}
+
+void *cpu_thread_buf(size_t n)
+{
+    size_t *have;
+    void *buf;
+
+    pthread_once(&tbuf_once, tbuf_init);
+    if (!tbuf_ok)
+        return NULL;
+    buf = pthread_getspecific(tbuf_key);
+    have = buf;
+    if (!buf || *have < n) {
+        /* a header of 64 bytes holds the capacity */
+        void *nb = aligned_alloc(64, (n + 64 + 63) & ~(size_t)63);
+
+        if (!nb)
+            return NULL;
+        if (pthread_setspecific(tbuf_key, nb) != 0) {
+            free(nb);
+            return NULL;
+        }
+        free(buf);
+        buf = nb;
+        have = buf;
+        *have = n;
+    }
+    return (uint8_t *)buf + 64;
 }
 
 static void f32_rows_scalar(const struct bweight *w, const float *x, const int32_t *xidx, int n,
@@ -405,13 +445,24 @@ void cpu_matmul_f32_rows(const struct bweight *w, const float *x, const int32_t 
 }
 
 void cpu_matmul_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n,
-                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2)
+                          float *y, int64_t ldy, int64_t r0, int64_t r1, bool avx2, bool fast)
 {
 #if defined(__x86_64__)
     /* AMX where the weight qualifies (matmul-amx.c; the matmul op packs once per call and
      * calls the AMX kernel itself, other callers such as moe.c come here) */
-    if (avx2 && cpu_bf16_use_amx(w) && cpu_matmul_bf16_amx_self(w, x, xidx, n, y, ldy, r0, r1))
+    if (avx2 && cpu_bf16_use_amx(w) &&
+        cpu_matmul_bf16_amx_self(w, x, xidx, n, y, ldy, r0, r1, fast))
         return;
+    /* the fast path's vdpbf16ps kernel (matmul-bf16dp.c), packed per thread here */
+    if (avx2 && fast && cpu_bf16_dp_fits(w)) {
+        void *xb = cpu_thread_buf(cpu_bf16_act_bytes(n, w->cols));
+
+        if (xb) {
+            cpu_bf16_act_pack(xb, x, xidx, n, w->cols);
+            cpu_matmul_bf16_dp_rows(w, xb, n, y, ldy, r0, r1);
+            return;
+        }
+    }
     if (avx2 && cpu_isa_has(CPU_ISA_AVX512)) {
         bf16_rows_avx512(w, x, xidx, n, y, ldy, r0, r1);
         return;

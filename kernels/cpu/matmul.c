@@ -2,7 +2,9 @@
  * parallel region: rows are cut into CPU_UNITS_PER_THREAD coarse contiguous ranges per
  * thread (tile-aligned) that the pool's threads claim in order.  On the MXFP4 fast path
  * the caller quantises the activations first (once per token, microseconds); on the
- * AMX-BF16 path it packs them into tile layout once, for all threads. */
+ * AMX-BF16 path it packs them into tile layout once, for all threads, and on the BF16
+ * fast path (cpu_bf16_fast) rounds them to BF16 once (the AMX one-part tiles, or BF16 rows
+ * for the vdpbf16ps kernel). */
 #include <errno.h>
 
 #include "err.h"
@@ -15,8 +17,9 @@ struct matmul_job {
     int n;
     float *y;
     int64_t ldy, r0, r1;    /* rows [r0, r1) into y[i * ldy + (r - r0)] */
-    bool fast;
+    bool fast;              /* MXFP4: the int8 path; BF16: the BF16 fast path */
     const void *amx_x;      /* BF16 on AMX: activations packed once (cpu_amx_act_pack) */
+    const void *dp_x;       /* BF16 fast path by vdpbf16ps: BF16 rows (cpu_bf16_act_pack) */
     struct cpu_qact qa;
     float *rowbuf;          /* exact path: nth x cols */
 };
@@ -40,10 +43,14 @@ static void matmul_unit(void *arg, int unit, int n_units, int ith)
         break;
     case WFMT_BF16:
         if (j->amx_x) {
-            cpu_matmul_bf16_amx_rows(w, j->amx_x, j->n, y, j->ldy, r0, r1);
+            cpu_matmul_bf16_amx_rows(w, j->amx_x, j->n, y, j->ldy, r0, r1, j->fast);
             break;
         }
-        cpu_matmul_bf16_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1, j->c->have_avx2);
+        if (j->dp_x) {
+            cpu_matmul_bf16_dp_rows(w, j->dp_x, j->n, y, j->ldy, r0, r1);
+            break;
+        }
+        cpu_matmul_bf16_rows(w, j->x, NULL, j->n, y, j->ldy, r0, r1, j->c->have_avx2, j->fast);
         break;
     case WFMT_MXFP4:
         if (j->fast)
@@ -79,12 +86,20 @@ int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x,
 
     if (n == 0)
         return 0;
+    if (w->fmt == WFMT_BF16)
+        j.fast = cpu_bf16_fast(c) && !w->exact;
     if (c->have_avx2 && cpu_bf16_use_amx(w)) {
-        mem = cpu_scratch(c, cpu_amx_act_bytes(n, w->cols));
+        mem = cpu_scratch(c, cpu_amx_act_bytes(n, w->cols, j.fast));
         if (!mem)
             return -ENOMEM;
-        cpu_amx_act_pack(mem, x, NULL, n, w->cols);
+        cpu_amx_act_pack(mem, x, NULL, n, w->cols, j.fast);
         j.amx_x = mem;
+    } else if (j.fast && cpu_bf16_dp_fits(w)) {
+        mem = cpu_scratch(c, cpu_bf16_act_bytes(n, w->cols));
+        if (!mem)
+            return -ENOMEM;
+        cpu_bf16_act_pack(mem, x, NULL, n, w->cols);
+        j.dp_x = mem;
     }
     if (w->fmt == WFMT_MXFP4) {
         j.fast = cpu_mxfp4_use_fast(c, w);

@@ -13,7 +13,8 @@
  * the probe right before the kernel sweep with the same thread count, so load changes on
  * a shared machine hit both sides of each ratio.
  * With 1 thread it also prints the tiny model's BF16 shapes (4096x256 lm_head, 768x256,
- * 256x768) at 1, 4 and 16 tokens on the AVX-512 kernel ("old") and on AMX-BF16, side by
+ * 256x768) at 1, 4 and 16 tokens on the AVX-512 kernel ("old") and on AMX-BF16 (both the
+ * exact path's kernels: cpu_bf16_fast_off; bench-bf16 times the BF16 fast path), side by
  * side in one sweep, over enough copies to fill ~24 MiB (the tiny checkpoint's size, so
  * the weights come from L3/DRAM as in a forward step), and the tiny model's MXFP4 expert
  * shapes (128x256 gate/up, 256x128 down) at 1, 4 and 16 tokens on the 4-row ("old") and
@@ -411,7 +412,9 @@ static void bench_tiny_kernels(struct backend *be)
             continue;
         }
         printf(ab[i].head, reps);
+        cpu_bf16_fast_off = ab[i].fmt == WFMT_BF16;     /* the exact kernels, AVX-512 vs AMX */
         tiny_ab(be, ab[i].fmt, ab[i].sh, ab[i].n_sh, ab[i].off, ab[i].line);
+        cpu_bf16_fast_off = 0;
     }
 }
 

@@ -3,7 +3,7 @@
  *
  *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16,64]
  *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn] [--kv-fp32]
- *                [--draft-vocab N]
+ *                [--draft-vocab N] [--bf16-exact]
  *   bench-shapes --attn-only [--threads 1,2] [--batches 1,16] [--contexts 8192,32768] [--reps N]
  *                [--kv-fp32]
  *   bench-shapes --formats mxfp4,fp8,nvfp4,bf16 (--mkmodel PATH | --model DIR) [--threads 1,2]
@@ -41,6 +41,9 @@
  *     head alone; then (after another step) the MTP depth over the draft vocabulary
  *     (--draft-vocab N ids, default 32768; 0: not measured), whose floor counts the
  *     gathered head rows only.
+ * --bf16-exact runs the BF16 GEMMs on the exact path's kernels (cpu_bf16_fast_off: AMX
+ * three-part tiles or FP32 FMAs on widened BF16), the figures before the BF16 fast path
+ * (docs/PERFORMANCE.md §8.5); the MXFP4 experts stay on their fast path.
  * --ab-attn adds each attention row with one KV head per work item (attention.c before
  * its head groups), on sequences of their own (the sets swap from round to round; sliding
  * rows share their window's blocks, so only the full-attention pair compares).
@@ -1635,7 +1638,9 @@ static void report_prefill(const struct bench *b)
     printf("  peak, BF16 GEMMs and attention: %.1f GFLOP/s (%.1f .. %.1f; bf16_peak: "
            "backend_matmul on %s, k projection's first %d rows x %d at %d tokens)\n",
            median(b->bpeak, b->reps) / 1e9, lo / 1e9, hi / 1e9,
-           bw && cpu_bf16_use_amx(bw) ? "AMX-BF16 tiles" :
+           bw && cpu_bf16_use_amx(bw) ? (cpu_bf16_fast(cpu_ctx(m->be)) ? "AMX-BF16 one-part tiles"
+                                                                   : "AMX-BF16 three-part tiles") :
+           bw && cpu_bf16_fast(cpu_ctx(m->be)) && cpu_bf16_dp_fits(bw) ? "vdpbf16ps" :
            cpu_isa_has(CPU_ISA_AVX512) ? "AVX-512 FMA over widened BF16" :
            cpu_isa_has(CPU_ISA_AVX2) ? "AVX2 FMA over widened BF16" : "scalar code",
            b->bpeak_rows, m->hidden, b->chunk);
@@ -2334,6 +2339,10 @@ int main(int argc, char **argv)
         }
         if (strcmp(a, "--attn-only") == 0) {
             b->attn_only = true;
+            continue;
+        }
+        if (strcmp(a, "--bf16-exact") == 0) {
+            cpu_bf16_fast_off = 1;
             continue;
         }
         if (strcmp(a, "--kv-fp32") == 0) {     /* the worker's --kv-cache-dtype fp32 */

@@ -6,10 +6,19 @@
  *    16-lane order, bit for bit; and within 1e-6 relative of a sequential fp64 dot.
  *  - MXFP4 fast: |y - ref| <= Σ_j |w_j|·d_b/2 (the activation rounding bound, d_b =
  *    amax_b/127) + 1e-5·Σ|w·x|; its median relative error is reported.
- *  - BF16/F32: |y - ref| <= 1e-5·Σ|w·x| + 1e-6.
+ *  - BF16/F32: |y - ref| <= 1e-5·Σ|w·x| + 1e-6 (exact path; F32 on both paths).
+ *  - BF16 fast path (backend_cfg.mxfp4_exact off): |y - ref| <= 2^-8·Σ|w·x| (the
+ *    activations' rounding) + 1e-5·Σ|w·x| + 1e-6, and where it runs a BF16 kernel within
+ *    1e-5·Σ|w·x| + 1e-6 of the fp64 dot with the activations rounded to BF16 (RNE) first;
+ *    it differs from the exact path
+ *    where the CPU has a fast kernel (AMX, AVX-512 BF16 with cols % 32 == 0) and equals it
+ *    bit for bit elsewhere; the exact path equals the exact row kernels bit for bit (also
+ *    with the fast path switched off by cpu_bf16_fast_off on a fast context, and for a
+ *    weight marked bweight.exact, the MoE routers, on a fast context).
  *  - Results do not depend on the thread count or the token count (row i of a batch ==
  *    the same row alone).
- *  - BF16 batch invariance, with the AMX-BF16 path on (where the CPU has it) and off:
+ *  - BF16 batch invariance, exact and fast paths, with the AMX-BF16 path on (where the CPU
+ *    has it) and off:
  *    for the tiny model's shapes and odd ones, every output row of a token is bit-identical
  *    whatever n (1, 3, 16, 37), whichever tokens share the call, the thread count (1, 2)
  *    and the row range a direct row-kernel call covers; and within the fp64 bound.
@@ -21,6 +30,14 @@
 
 static double fast_rel_max, fast_rel_sum;  /* |fast - ref| / Σ|w·x| over all outputs */
 static long fast_rel_n;
+static double bf16_rel_max, bf16_rel_sum;  /* the same for the BF16 fast path */
+static long bf16_rel_n;
+
+/* |y - ref| bound of a BF16 matmul on the exact or the fast path (see the header) */
+static double bf16_tol(bool fast, double mag)
+{
+    return (fast ? 0x1p-8 + 1e-5 : 1e-5) * mag + 1e-6;
+}
 
 /* reference for the exact path: same lanes, same fold, independent decode */
 static float ref_exact_dot(const struct bweight *w, int64_t o, const float *x)
@@ -258,25 +275,90 @@ static void check_matmul_rows(void)
 static void check_dense(enum wfmt fmt, int64_t rows, int64_t cols, int n, int nth)
 {
     struct bweight w = fmt == WFMT_BF16 ? kref_bf16_new(rows, cols, 1.0f) : kref_f32_new(rows, cols, 1.0f);
-    struct backend *be = kref_backend(nth, false);
     float *x = malloc(sizeof(float) * n * cols), *y = malloc(sizeof(float) * n * rows);
     double *yr = malloc(sizeof(double) * n * rows), *mag = malloc(sizeof(double) * n * rows);
 
     krng_fill(x, (size_t)(n * cols), 2.0f);
-    ASSERT_OK(backend_weight_prepare(be, &w));
-    ASSERT_OK(backend_matmul(be, &w, x, n, y));
     kref_matmul(&w, x, n, yr, mag);
-    for (int64_t k = 0; k < n * rows; k++)
-        if (!(fabs(y[k] - yr[k]) <= 1e-5 * mag[k] + 1e-6))
-            FAIL("%s %lldx%lld n=%d th=%d: y[%lld] = %.9g, ref %.9g", fmt == WFMT_BF16 ? "bf16" : "f32",
-                 (long long)rows, (long long)cols, n, nth, (long long)k, y[k], yr[k]);
+    for (int fast = 0; fast <= 1; fast++) {
+        struct backend *be = kref_backend(nth, !fast);
+        const bool bf = fmt == WFMT_BF16 && fast;
+
+        ASSERT_OK(backend_weight_prepare(be, &w));
+        ASSERT_OK(backend_matmul(be, &w, x, n, y));
+        for (int64_t k = 0; k < n * rows; k++)
+            if (!(fabs(y[k] - yr[k]) <= bf16_tol(bf, mag[k])))
+                FAIL("%s %lldx%lld n=%d th=%d fast=%d: y[%lld] = %.9g, ref %.9g",
+                     fmt == WFMT_BF16 ? "bf16" : "f32", (long long)rows, (long long)cols, n, nth,
+                     fast, (long long)k, y[k], yr[k]);
+        backend_free(be);
+    }
     kref_weight_free(&w);
-    backend_free(be);
     free(x); free(y); free(yr); free(mag);
 }
 
-/* BF16 batch invariance (see the header), with cpu_amx_off = amx_off */
-static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
+/* The BF16 fast/exact switch (see the header) for n tokens of a rows x cols weight */
+static void check_bf16_switch(int64_t rows, int64_t cols, int n, int nth)
+{
+    struct bweight w = kref_bf16_new(rows, cols, 1.0f);
+    float *x = malloc(sizeof(float) * n * cols), *xr = malloc(sizeof(float) * n * cols);
+    float *ye = malloc(sizeof(float) * n * rows), *yf = malloc(sizeof(float) * n * rows);
+    float *yk = malloc(sizeof(float) * n * rows);
+    double *yr = malloc(sizeof(double) * n * rows), *mag = malloc(sizeof(double) * n * rows);
+    double *yb = malloc(sizeof(double) * n * rows), *magb = malloc(sizeof(double) * n * rows);
+    struct backend *bx = kref_backend(nth, true), *bf = kref_backend(nth, false);
+    const bool has_fast = cpu_isa_has(CPU_ISA_AVX2) && (cpu_bf16_use_amx(&w) || cpu_bf16_dp_fits(&w));
+    int differ = 0;
+
+    ASSERT_TRUE(x && xr && ye && yf && yk && yr && mag && yb && magb);
+    krng_fill(x, (size_t)n * cols, 2.0f);
+    for (int64_t k = 0; k < (int64_t)n * cols; k++)     /* the activations as BF16, RNE */
+        xr[k] = kbf16_to_f32(cpu_f32_to_bf16(x[k]));
+    kref_matmul(&w, x, n, yr, mag);
+    kref_matmul(&w, xr, n, yb, magb);
+    ASSERT_OK(backend_matmul(bx, &w, x, n, ye));
+    ASSERT_OK(backend_matmul(bf, &w, x, n, yf));
+    /* the exact path is the exact row kernels, bit for bit */
+    cpu_matmul_bf16_rows(&w, x, NULL, n, yk, rows, 0, rows, cpu_isa_has(CPU_ISA_AVX2), false);
+    ASSERT_TRUE(memcmp(ye, yk, sizeof(float) * n * rows) == 0);
+    /* and so is a fast context with the fast path switched off (the benchmarks' "old") */
+    cpu_bf16_fast_off = 1;
+    ASSERT_OK(backend_matmul(bf, &w, x, n, yk));
+    cpu_bf16_fast_off = 0;
+    ASSERT_TRUE(memcmp(ye, yk, sizeof(float) * n * rows) == 0);
+    /* and so is a weight marked exact (the MoE routers) on the fast context */
+    w.exact = true;
+    ASSERT_OK(backend_matmul(bf, &w, x, n, yk));
+    w.exact = false;
+    ASSERT_TRUE(memcmp(ye, yk, sizeof(float) * n * rows) == 0);
+    for (int64_t k = 0; k < (int64_t)n * rows; k++) {
+        if (!(fabs(yf[k] - yr[k]) <= bf16_tol(true, mag[k])) ||
+            (has_fast && !(fabs(yf[k] - yb[k]) <= 1e-5 * magb[k] + 1e-6)))
+            FAIL("bf16 fast %lldx%lld n=%d th=%d: y[%lld] = %.9g, ref %.9g (bf16 activations "
+                 "%.9g), sum|w*x| %.3g", (long long)rows, (long long)cols, n, nth, (long long)k,
+                 yf[k], yr[k], yb[k], mag[k]);
+        if (mag[k] > 0) {
+            double rel = fabs(yf[k] - yr[k]) / mag[k];
+
+            bf16_rel_max = rel > bf16_rel_max ? rel : bf16_rel_max;
+            bf16_rel_sum += rel;
+            bf16_rel_n++;
+        }
+        differ += yf[k] != ye[k];
+    }
+    if (has_fast)
+        ASSERT_TRUE(differ > 0);
+    else
+        ASSERT_EQ(differ, 0);
+    backend_free(bx);
+    backend_free(bf);
+    kref_weight_free(&w);
+    free(x); free(xr); free(ye); free(yf); free(yk); free(yr); free(mag); free(yb); free(magb);
+}
+
+/* BF16 batch invariance (see the header), with cpu_amx_off = amx_off, on the exact or
+ * the fast path */
+static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off, bool fast)
 {
     enum { NT = 37 };
     static const int ns[] = { 1, 3, 6, 11, 16, 21, 32, NT };
@@ -298,21 +380,22 @@ static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
     kref_matmul(&w, x, NT, yr, mag);
     cpu_amx_off = 1;
     {
-        struct backend *be = kref_backend(1, false);
+        struct backend *be = kref_backend(1, !fast);
 
         ASSERT_OK(backend_matmul(be, &w, x, NT, yoff));
         backend_free(be);
     }
     cpu_amx_off = amx_off;
     for (int th = 1; th <= 2; th++) {
-        struct backend *be = kref_backend(th, false);
+        struct backend *be = kref_backend(th, !fast);
 
         if (th == 1) {
             ASSERT_OK(backend_matmul(be, &w, x, NT, yall));
             for (int64_t k = 0; k < NT * rows; k++) {
-                if (!(fabs(yall[k] - yr[k]) <= 1e-5 * mag[k] + 1e-6))
-                    FAIL("bf16 %lldx%lld amx_off=%d: y[%lld] = %.9g, ref %.9g", (long long)rows,
-                         (long long)cols, amx_off, (long long)k, yall[k], yr[k]);
+                if (!(fabs(yall[k] - yr[k]) <= bf16_tol(fast, mag[k])))
+                    FAIL("bf16 %lldx%lld amx_off=%d fast=%d: y[%lld] = %.9g, ref %.9g",
+                         (long long)rows, (long long)cols, amx_off, fast, (long long)k, yall[k],
+                         yr[k]);
                 differ += yall[k] != yoff[k];
             }
         }
@@ -321,9 +404,9 @@ static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
 
             ASSERT_OK(backend_matmul(be, &w, x + (int64_t)off * cols, n, y));
             if (memcmp(y, yall + (int64_t)off * rows, sizeof(float) * n * rows) != 0)
-                FAIL("bf16 %lldx%lld amx_off=%d: tokens %d..%d in a call of %d on %d threads "
-                     "differ from the same tokens in a call of %d", (long long)rows,
-                     (long long)cols, amx_off, off, off + n - 1, n, th, NT);
+                FAIL("bf16 %lldx%lld amx_off=%d fast=%d: tokens %d..%d in a call of %d on %d "
+                     "threads differ from the same tokens in a call of %d", (long long)rows,
+                     (long long)cols, amx_off, fast, off, off + n - 1, n, th, NT);
         }
         backend_free(be);
     }
@@ -334,16 +417,17 @@ static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
     {
         int64_t r0 = rows > 20 ? 5 : 0, r1 = rows > 20 ? rows - 3 : rows;
 
-        cpu_matmul_bf16_rows(&w, x, xidx, NT, y, r1 - r0, r0, r1, true);
+        cpu_matmul_bf16_rows(&w, x, xidx, NT, y, r1 - r0, r0, r1, true, fast);
         for (int i = 0; i < NT; i++)
             if (memcmp(y + (int64_t)i * (r1 - r0), yall + (int64_t)xidx[i] * rows + r0,
                        sizeof(float) * (r1 - r0)) != 0)
-                FAIL("bf16 %lldx%lld amx_off=%d: rows [%lld, %lld) of token %d via the row "
-                     "kernel differ from the matmul op", (long long)rows, (long long)cols,
-                     amx_off, (long long)r0, (long long)r1, xidx[i]);
+                FAIL("bf16 %lldx%lld amx_off=%d fast=%d: rows [%lld, %lld) of token %d via the "
+                     "row kernel differ from the matmul op", (long long)rows, (long long)cols,
+                     amx_off, fast, (long long)r0, (long long)r1, xidx[i]);
     }
-    /* the AMX path really ran where it applies (it rounds differently from AVX-512) */
-    if (!amx_off && cpu_bf16_use_amx(&w))
+    /* the AMX path really ran where it applies (it rounds differently from AVX-512; the
+     * fast path's kernels may agree on a small shape: check_bf16_switch covers them) */
+    if (!amx_off && !fast && cpu_bf16_use_amx(&w))
         ASSERT_TRUE(differ > 0);
     if (amx_off)
         ASSERT_EQ(differ, 0);
@@ -356,7 +440,7 @@ static void check_bf16_invariance(int64_t rows, int64_t cols, bool amx_off)
  * block for a rest of 11 .. 15, groups of 5 for the rest) give every token bit for bit what
  * calls of at most 5 tokens (group tiles only) give, on 1 and 2 threads, through the matmul
  * op and through the row kernel with tokens picked by xidx */
-static void check_amx_schemes(int64_t rows, int64_t cols)
+static void check_amx_schemes(int64_t rows, int64_t cols, bool fast)
 {
     enum { NT = 48, NMIN = 6, NMAX = 40 };
     struct bweight w = kref_bf16_new(rows, cols, 1.0f);
@@ -373,7 +457,7 @@ static void check_amx_schemes(int64_t rows, int64_t cols)
     }
     cpu_amx_off = 0;
     {
-        struct backend *be = kref_backend(1, false);
+        struct backend *be = kref_backend(1, !fast);
 
         for (int i = 0; i < NT; i += 5)
             ASSERT_OK(backend_matmul(be, &w, x + (int64_t)i * cols, NT - i < 5 ? NT - i : 5,
@@ -381,7 +465,7 @@ static void check_amx_schemes(int64_t rows, int64_t cols)
         backend_free(be);
     }
     for (int th = 1; th <= 2; th++) {
-        struct backend *be = kref_backend(th, false);
+        struct backend *be = kref_backend(th, !fast);
 
         for (int n = NMIN; n <= NMAX; n++) {
             const int off = (n * 5 + th) % (NT - n + 1);
@@ -389,9 +473,9 @@ static void check_amx_schemes(int64_t rows, int64_t cols)
             memset(y, 0xff, sizeof(float) * n * rows);
             ASSERT_OK(backend_matmul(be, &w, x + (int64_t)off * cols, n, y));
             if (memcmp(y, yg + (int64_t)off * rows, sizeof(float) * n * rows) != 0)
-                FAIL("bf16 AMX %lldx%lld: tokens %d..%d in a call of %d on %d threads differ "
-                     "from calls of <= 5 tokens", (long long)rows, (long long)cols, off,
-                     off + n - 1, n, th);
+                FAIL("bf16 AMX %lldx%lld fast=%d: tokens %d..%d in a call of %d on %d threads "
+                     "differ from calls of <= 5 tokens", (long long)rows, (long long)cols, fast,
+                     off, off + n - 1, n, th);
         }
         backend_free(be);
     }
@@ -401,13 +485,13 @@ static void check_amx_schemes(int64_t rows, int64_t cols)
 
         for (int i = 0; i < n; i++)
             xidx[i] = (i * 7 + n) % NT;
-        cpu_matmul_bf16_rows(&w, x, xidx, n, y, r1 - r0, r0, r1, true);
+        cpu_matmul_bf16_rows(&w, x, xidx, n, y, r1 - r0, r0, r1, true, fast);
         for (int i = 0; i < n; i++)
             if (memcmp(y + (int64_t)i * (r1 - r0), yg + (int64_t)xidx[i] * rows + r0,
                        sizeof(float) * (r1 - r0)) != 0)
-                FAIL("bf16 AMX %lldx%lld: rows [%lld, %lld) of token %d (%d of a row-kernel "
+                FAIL("bf16 AMX %lldx%lld fast=%d: rows [%lld, %lld) of token %d (%d of a row-kernel "
                      "call of %d) differ from calls of <= 5 tokens", (long long)rows,
-                     (long long)cols, (long long)r0, (long long)r1, xidx[i], i, n);
+                     (long long)cols, fast, (long long)r0, (long long)r1, xidx[i], i, n);
     }
     kref_weight_free(&w);
     free(x); free(y); free(yg);
@@ -428,8 +512,9 @@ static void check_bf16_nonfinite(void)
     krng_fill(x, 3 * C, 1.0f);
     x[3] = INFINITY;
     x[C + 5] = NAN;
-    for (int off = 0; off <= 1; off++) {
-        struct backend *be = kref_backend(1, false);
+    for (int k = 0; k < 4; k++) {
+        const int off = k % 2;
+        struct backend *be = kref_backend(1, k < 2);   /* exact, then the fast path */
 
         cpu_amx_off = off;
         ASSERT_OK(backend_matmul(be, &w, x, 3, y[off]));
@@ -526,10 +611,11 @@ int main(void)
 
         check_bf16_nonfinite();
         if (cpu_isa_has(CPU_ISA_AVX2))
-            for (size_t a = 0; a < ARRAY_SIZE(inv_shapes); a++) {
-                check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], false);
-                check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], true);
-            }
+            for (size_t a = 0; a < ARRAY_SIZE(inv_shapes); a++)
+                for (int fast = 0; fast <= 1; fast++) {
+                    check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], false, fast);
+                    check_bf16_invariance(inv_shapes[a][0], inv_shapes[a][1], true, fast);
+                }
         ASSERT_EQ(cpu_amx_bf16_ok(), isa == CPU_ISA_AMX);
         if (cpu_amx_bf16_ok()) {
             static const int64_t amx_shapes[][2] = { { 4096, 256 }, { 128, 256 }, { 256, 768 },
@@ -537,10 +623,26 @@ int main(void)
                                                      { 21, 96 } };
 
             for (size_t a = 0; a < ARRAY_SIZE(amx_shapes); a++)
-                check_amx_schemes(amx_shapes[a][0], amx_shapes[a][1]);
+                for (int fast = 0; fast <= 1; fast++)
+                    check_amx_schemes(amx_shapes[a][0], amx_shapes[a][1], fast);
         }
         printf("matmul: bf16 AMX path %s\n", cpu_amx_bf16_ok() ? "available and tested"
                                                                : "not available (AVX kernels tested)");
+    }
+    /* the BF16 fast/exact switch: tile remainders (rows, tokens), cols % 32 != 0, long rows */
+    {
+        static const int64_t sw_shapes[][3] = { { 7, 32, 1 }, { 21, 96, 5 }, { 45, 352, 7 },
+                                                { 33, 100, 3 }, { 16, 64, 16 }, { 130, 1024, 13 },
+                                                { 37, 4096, 2 }, { 64, 256, 40 } };
+
+        for (size_t a = 0; a < ARRAY_SIZE(sw_shapes); a++)
+            check_bf16_switch(sw_shapes[a][0], sw_shapes[a][1], (int)sw_shapes[a][2], 1 + (int)(a % 2));
+        printf("matmul: bf16 fast path %s; error |y-ref|/sum|w*x|: mean %.2e max %.2e over %ld "
+               "outputs (bound %.2e)\n",
+               cpu_isa_has(CPU_ISA_AMX) ? "AMX one-part tiles"
+               : cpu_isa_has(CPU_ISA_VNNI) && __builtin_cpu_supports("avx512bf16") ? "vdpbf16ps"
+               : "= exact kernels (no BF16 instructions at this level)",
+               bf16_rel_sum / (bf16_rel_n ? bf16_rel_n : 1), bf16_rel_max, bf16_rel_n, 0x1p-8);
     }
     printf("matmul: all checks passed; mxfp4 fast path error |y-ref|/sum|w*x|: mean %.2e max %.2e "
            "over %ld outputs\n", fast_rel_sum / (fast_rel_n ? fast_rel_n : 1), fast_rel_max, fast_rel_n);

@@ -6,6 +6,9 @@
  *    exact MXFP4 path and BF16, and the fast path equals the composition of fast
  *    matmuls (same quantisation) within 1e-6 relative;
  *  - the fast path is within 3 % of the fp64 reference (activation rounding, twice);
+ *    BF16 on the fast path (activations rounded to BF16, twice) within 2 x 2^-8 + 1e-5 of
+ *    Σ|contributions|, the bound of two roundings of at most 2^-8 each (measured max
+ *    below 2e-3 on this test's data: see the printed figure);
  *  - results are bit-identical for 1, 2 and 3 threads, and to the op run once per local
  *    expert in expert order (the fixed scatter order: expert, then token);
  *  - negative ids and mismatched expert shapes are -EINVAL;
@@ -117,6 +120,7 @@ static void composed(struct backend *be, const struct moe_expert *ex, const floa
 
 static void check(enum wfmt fmt, bool exact, float limit)
 {
+    double rel_max = 0.0;
     struct moe_expert ex[NLOC];
     float x[T * H], w[T * K], base[T * H], out[3][T * H], comp[T * H], seq[T * H];
     int32_t ids[T * K];
@@ -175,13 +179,17 @@ static void check(enum wfmt fmt, bool exact, float limit)
     }
     ref_moe(ex, x, ids, w, limit, ref, mag);
     for (int i = 0; i < T * H; i++) {
-        double tol = (fmt == WFMT_MXFP4 && !exact ? 3e-2 : 1e-5) * mag[i] + 1e-5;
+        double tol = (exact ? 1e-5 : fmt == WFMT_MXFP4 ? 3e-2 : 2 * 0x1p-8 + 1e-5) * mag[i] + 1e-5;
 
+        if (mag[i] > 0 && fabs(out[0][i] - ref[i]) / mag[i] > rel_max)
+            rel_max = fabs(out[0][i] - ref[i]) / mag[i];
         if (!(fabs(out[0][i] - ref[i]) <= tol))
             FAIL("moe fmt %d exact %d limit %g: out[%d] = %.9g, ref %.9g, tol %.3g", fmt, exact,
                  limit, i, out[0][i], ref[i], tol);
         ASSERT_NEAR(out[0][i], comp[i], 1e-6 * mag[i] + 1e-6);
     }
+    printf("moe fmt %d exact %d limit %g: max |out - ref| / sum|contributions| %.2e\n", fmt, exact,
+           limit, rel_max);
     for (int e = 0; e < NLOC; e++) {
         kref_weight_free(&ex[e].gate);
         kref_weight_free(&ex[e].up);
@@ -293,6 +301,8 @@ int main(void)
     check(WFMT_MXFP4, true, 2.0f);
     check(WFMT_MXFP4, false, 0.0f);
     check(WFMT_MXFP4, false, 2.0f);
+    check(WFMT_BF16, true, 0.0f);
+    check(WFMT_BF16, true, 0.5f);
     check(WFMT_BF16, false, 0.0f);
     check(WFMT_BF16, false, 0.5f);
     check_errors();

@@ -11,10 +11,13 @@ struct nmat {
     double *w;          /* [rows, cols] */
     bool mxfp4;         /* stored MXFP4 on disk */
     bool nvfp4;         /* stored NVFP4 on disk */
+    bool bf16;          /* stored BF16 on disk */
+    bool exact_act;     /* input never rounded by naive_bf16_act (the router: model-load.c) */
 };
 
 bool naive_int8_act;
 bool naive_nvfp4_int8;
+bool naive_bf16_act;
 bool naive_bf16_kv;
 struct naive_trace *naive_trace;
 
@@ -71,6 +74,7 @@ static int get_dense(struct ckpt *c, const char *name, struct nmat *m)
     m->rows = v.ndim == 2 ? v.shape[0] : 1;
     m->cols = n / m->rows;
     m->w = malloc(sizeof(double) * (size_t)n);
+    m->bf16 = v.dtype == DTYPE_BF16;
     for (int64_t i = 0; i < n; i++) {
         if (v.dtype == DTYPE_BF16) {
             m->w[i] = bf16((const char *)v.data + 2 * i);
@@ -233,6 +237,7 @@ static int load_layer(struct naive *nv, struct ckpt *c, int l)
         GETL(up, "%s.share_expert.up_proj");
         GETL(down, "%s.share_expert.down_proj");
         GETL(router, "%s.moe.gate");
+        L->router.exact_act = true;
         L->bias = calloc((size_t)cfg->n_experts, sizeof(double));
         if (cfg->use_router_bias) {
             snprintf(n, sizeof(n), "%s.moe.router_bias", p);
@@ -320,11 +325,19 @@ void naive_free(struct naive *nv)
 /* y[rows] = W x; with naive_int8_act, x of an MXFP4 W (and with naive_nvfp4_int8 of an NVFP4
  * W of a multiple of 64 columns: the CPU's int8 NVFP4 path, matmul-nvfp4-vnni.c) is first
  * rounded the way the fast kernel quantises activations (per 32-block, d = amax/127 in
- * fp32, round to nearest) */
+ * fp32, round to nearest); with naive_bf16_act, x of a BF16 W of a multiple of 32 columns
+ * is rounded to fp32 and then to BF16 (nearest even), as the BF16 fast path does (not
+ * the routers' input: the model keeps them on the exact kernels) */
 static void mv(const struct nmat *W, const double *x, double *y)
 {
     double *xq = NULL;
 
+    if (naive_bf16_act && W->bf16 && !W->exact_act && W->cols % 32 == 0) {
+        xq = malloc(sizeof(double) * (size_t)W->cols);
+        for (int64_t i = 0; i < W->cols; i++)
+            xq[i] = to_bf16(x[i]);
+        x = xq;
+    }
     if (naive_int8_act && (W->mxfp4 || (naive_nvfp4_int8 && W->nvfp4 && W->cols % 64 == 0))) {
         xq = malloc(sizeof(double) * (size_t)W->cols);
         for (int64_t b = 0; b < W->cols / 32; b++) {

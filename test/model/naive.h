@@ -16,6 +16,10 @@ struct naive;
 extern bool naive_int8_act;
 /* with naive_int8_act: round NVFP4 matrices' activations too (the CPU's level-vnni path) */
 extern bool naive_nvfp4_int8;
+/* When set, activations entering BF16 matrices of a multiple of 32 columns are rounded to
+ * BF16 (nearest even), as the CPU's BF16 fast path does where the CPU has one (AMX, or
+ * AVX-512 BF16 at level vnni). */
+extern bool naive_bf16_act;
 /* When set, post-RoPE k and v are rounded to BF16 (a BF16 KV cache). */
 extern bool naive_bf16_kv;
 

@@ -502,8 +502,13 @@ static int load_tensor(void *ctx, const struct tensor_ref *t)
     }
     if (!w)
         return err_set(x->e, -EINVAL, "%s: no place for it in layer %d", t->name, x->L->idx);
-    if (t->spec->dtype == TENSOR_DT_LINEAR)
-        return load_linear(x->m, t->name, t->shape[0], t->shape[1], w, x->e);
+    if (t->spec->dtype == TENSOR_DT_LINEAR) {
+        int r = load_linear(x->m, t->name, t->shape[0], t->shape[1], w, x->e);
+
+        /* the router on the exact BF16 kernels (as the CUDA one's FP32 GEMV) */
+        w->exact = r == 0 && t->spec->role == TENSOR_ROUTER;
+        return r;
+    }
     return load_vec(x->m, t->name, t->shape[0], w, x->e);
 }
 

@@ -73,15 +73,7 @@ __device__ __forceinline__ void f8_stage8<bf16>(bf16 *dst, const bf16 *src, bool
 template <>
 __device__ __forceinline__ void f8_stage8<float>(bf16 *dst, const float *src, bool valid)
 {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (valid) {
-        const float4 a = *(const float4 *) src, b = *(const float4 *) (src + 4);
-        v.x = pack_bf16x2(a.x, a.y);
-        v.y = pack_bf16x2(a.z, a.w);
-        v.z = pack_bf16x2(b.x, b.y);
-        v.w = pack_bf16x2(b.z, b.w);
-    }
-    *(uint4 *) dst = v;
+    stage8_f32_bf16(dst, src, valid);
 }
 
 // 8 bytes global, read-only

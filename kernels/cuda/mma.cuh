@@ -82,3 +82,18 @@ static __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi)
     __nv_bfloat162 z = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&z);
 }
+
+// 8 FP32 values at src rounded to BF16 (RNE) into dst, 16 bytes; zeros when !valid
+// (the FP32-input staging of mx4_gemm and fp8_gemm)
+static __device__ __forceinline__ void stage8_f32_bf16(void *dst, const float *src, bool valid)
+{
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (valid) {
+        const float4 a = *(const float4 *) src, b = *(const float4 *) (src + 4);
+        v.x = pack_bf16x2(a.x, a.y);
+        v.y = pack_bf16x2(a.z, a.w);
+        v.z = pack_bf16x2(b.x, b.y);
+        v.w = pack_bf16x2(b.z, b.w);
+    }
+    *(uint4 *) dst = v;
+}

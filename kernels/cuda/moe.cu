@@ -60,15 +60,7 @@ __device__ __forceinline__ void stage_chunk<bf16>(bf16 *dst, const bf16 *src, bo
 template <>
 __device__ __forceinline__ void stage_chunk<float>(bf16 *dst, const float *src, bool valid)
 {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (valid) {
-        const float4 a = *(const float4 *) src, b = *(const float4 *) (src + 4);
-        v.x = pack_bf16x2(a.x, a.y);
-        v.y = pack_bf16x2(a.z, a.w);
-        v.z = pack_bf16x2(b.x, b.y);
-        v.w = pack_bf16x2(b.z, b.w);
-    }
-    *(uint4 *) dst = v;
+    stage8_f32_bf16(dst, src, valid);
 }
 
 // The four A registers of k-step j of a tile word, scaled (mx4.h; sp: mx4_scales_bf16x2).

@@ -73,11 +73,15 @@ int cpu_attn_no_fused;
  * pays, > 0 = always, < 0 = never (tests, benchmarks; cpu.h) */
 int cpu_attn_split_keys = ATTN_SPLIT_KEYS;
 int cpu_attn_split;
+/* the next chunk's K and V rows (fused BF16 kernels, items of several KV heads) into L1
+ * (> 0) or L2 only (0); < 0: into L1 on Intel CPUs, L2 elsewhere (cpu_attn_pf_l1_on; cpu.h) */
+int cpu_attn_pf_l1 = -1;
 #define ATTN_WORK 8.0    /* split decision: multiply-add equivalents per query row x dim x key */
 
 struct attn_job {
     const struct attn_args *a;
     bool avx2;
+    bool pf_l1;             /* cpu_attn_pf_l1_on() at the call */
     int avx512;             /* cpu_attn_avx512_level: 0, or 1 (the AVX-512 path) */
     int qb;                 /* query tokens per block (ATTN_MAX_ROWS / G) */
     int n_groups;           /* KV head groups per (sequence, block) */
@@ -245,15 +249,37 @@ AVX2_FN static void scores_avx2(const float *qs, int R, int hd, const float *con
 struct next_rows {
     const uint16_t *k[KEY_CHUNK], *v[KEY_CHUNK];
     int n;
+    bool l1;                /* prefetcht0 instead of prefetcht2 (cpu_attn_pf_l1) */
+    bool k_only;            /* the K rows only (the AVX-512 P.V kernel takes the V rows) */
 };
 
-/* into L2 only (prefetcht2; see attn_chunk) */
+/* into L1 where nx->l1 (prefetcht0: Intel hosts), else into L2 only (prefetcht2; see
+ * attn_chunk and cpu_attn_pf_l1) */
 static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
 {
     for (int k = k0; k < k1 && k < nx->n; k++)
         for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
-            __builtin_prefetch(nx->k[k] + o, 0, 1);
-            __builtin_prefetch(nx->v[k] + o, 0, 1);
+            if (nx->l1) {
+                __builtin_prefetch(nx->k[k] + o, 0, 3);
+                if (!nx->k_only)
+                    __builtin_prefetch(nx->v[k] + o, 0, 3);
+            } else {
+                __builtin_prefetch(nx->k[k] + o, 0, 1);
+                if (!nx->k_only)
+                    __builtin_prefetch(nx->v[k] + o, 0, 1);
+            }
+        }
+}
+
+/* The V rows [k0, k1) of nx alone (next_rows_prefetch's V half) */
+static inline void next_rows_prefetch_v(const struct next_rows *nx, int k0, int k1, int hd)
+{
+    for (int k = k0; k < k1 && k < nx->n; k++)
+        for (int o = 0; o < hd; o += 32) {
+            if (nx->l1)
+                __builtin_prefetch(nx->v[k] + o, 0, 3);
+            else
+                __builtin_prefetch(nx->v[k] + o, 0, 1);
         }
 }
 
@@ -784,7 +810,8 @@ AVX512_FN static void scores_bf16_avx512(const float *qs, int R, int hd,
  * registers, each V vector widened once for them; a 32-column block's line of each V row is
  * prefetched into L1 ATTN_PV_PF keys ahead. */
 AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
-                                   const uint16_t *const *vr, int hd, float *acc)
+                                   const uint16_t *const *vr, int hd, float *acc,
+                                   const struct next_rows *nx)
 {
     int d0 = 0;
 
@@ -802,6 +829,13 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
              * are a slot apart, which the L1 prefetchers do not follow */
             if (k + ATTN_PV_PF < kb)
                 _mm_prefetch((const char *)(vr[k + ATTN_PV_PF] + d0), _MM_HINT_T0);
+            /* and this column block's line of the next pass's V row k (next_rows) */
+            if (nx && k < nx->n) {
+                if (nx->l1)
+                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T0);
+                else
+                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T2);
+            }
 
             for (int i = 0; i < nr; i++) {
                 const __m512 pk = _mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]);
@@ -823,6 +857,12 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
         for (int k = ka; k < kb; k++) {
             const __m512 v0 = BF16X16(vr[k] + d0);
 
+            if (nx && k < nx->n) {  /* the last 16 columns' line */
+                if (nx->l1)
+                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T0);
+                else
+                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T2);
+            }
             for (int i = 0; i < nr; i++)
                 a[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]), v0, a[i]);
         }
@@ -832,9 +872,12 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
 }
 
 /* pv_bf16_avx2 on zmm: runs of up to 8 consecutive rows with the same key range share the
- * pass. */
+ * pass.  nx (or NULL): the next pass's V rows, prefetched by the first run over its keys and
+ * here for the rest, so that the loads of the next pass spread over this one's scores (K)
+ * and P.V (V) instead of all going out during the scores. */
 AVX512_FN static void pv_bf16_avx512(const float *sc, int R, const int *ka, const int *kb,
-                                     const uint16_t *const *vr, int hd, float *acc)
+                                     const uint16_t *const *vr, int hd, float *acc,
+                                     const struct next_rows *nx)
 {
     for (int r = 0; r < R;) {
         int n = 1;
@@ -846,14 +889,21 @@ AVX512_FN static void pv_bf16_avx512(const float *sc, int R, const int *ka, cons
             float *ac = acc + (int64_t)r * hd;
 
             switch (n) {
-#define PV_CASE(c) case c: pv_bf16_rows512(s, c, ka[r], kb[r], vr, hd, ac); break;
+#define PV_CASE(c) case c: pv_bf16_rows512(s, c, ka[r], kb[r], vr, hd, ac, nx); break;
             PV_CASE(8) PV_CASE(7) PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2)
 #undef PV_CASE
-            default: pv_bf16_rows512(s, 1, ka[r], kb[r], vr, hd, ac); break;
+            default: pv_bf16_rows512(s, 1, ka[r], kb[r], vr, hd, ac, nx); break;
+            }
+            if (nx) {       /* the V rows the first run did not prefetch */
+                next_rows_prefetch_v(nx, 0, ka[r], hd);
+                next_rows_prefetch_v(nx, kb[r], nx->n, hd);
+                nx = NULL;
             }
         }
         r += n;
     }
+    if (nx)                 /* no run had keys here */
+        next_rows_prefetch_v(nx, 0, nx->n, hd);
 }
 #endif
 
@@ -1070,12 +1120,18 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
             const int pj = j, pn = nk_next;
 
             if (fused) {
+                nx.k_only = false;
                 nx.n = pn;
-                /* into L2 only, a chunk ahead: from DRAM (EPYC, AVX-512, 1 thread, batch 1
-                 * at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with prefetches into
-                 * L1, which fill the L1's few miss buffers; the AVX2 kernels too, since
-                 * one item takes a thread's heads (5.5-5.7 -> 6.7-6.8 GB per CPU-second,
-                 * docs/PERFORMANCE.md §8.2) */
+                nx.l1 = jb->pf_l1 && nj > 1;
+                /* a chunk ahead, into L2 only on AMD: from DRAM (EPYC, AVX-512, 1 thread,
+                 * batch 1 at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with
+                 * prefetches into L1, which fill the L1's few miss buffers; the AVX2
+                 * kernels too, since one item takes a thread's heads (5.5-5.7 -> 6.7-6.8 GB
+                 * per CPU-second, docs/PERFORMANCE.md §8.2).  On the Intel (AMX) host the
+                 * other way round where an item takes a group of KV heads (>= 4096 keys):
+                 * into L1, 1.2-1.6x at 8k keys with the V rows' prefetches moved into P.V
+                 * (§8.6); a head per item (short contexts) keeps L2 there too (L1:
+                 * 0.85-0.96x) */
                 for (int k = 0; k < pn; k++) {
                     nx.k[k] = (const uint16_t *)kv->k + kv_row_off(kv, ps[k], pj);
                     nx.v[k] = (const uint16_t *)kv->v + kv_row_off(kv, ps[k], pj);
@@ -1099,6 +1155,8 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
             }
 #if defined(__x86_64__)
             if (fused && avx512) {
+                /* K rows here, the V rows in pv_bf16_avx512 */
+                nx.k_only = true;
                 scores_bf16_avx512(&qs[h][0][0], R, hd, kr, nk, &sc[0][0], &nx);
                 next_rows_prefetch(&nx, nk, pn, hd);
             } else if (fused) {
@@ -1143,7 +1201,8 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
 #if defined(__x86_64__)
             if (fused) {
                 if (avx512)
-                    pv_bf16_avx512(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
+                    pv_bf16_avx512(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0],
+                                   nx.k_only ? &nx : NULL);
                 else
                     pv_bf16_avx2(&sc[0][0], R, ka, kb, vr, hd, &acc[h][0][0]);
                 continue;
@@ -1299,9 +1358,20 @@ int cpu_attn_avx512_level(void)
 #endif
 }
 
+bool cpu_attn_pf_l1_on(void)
+{
+    if (cpu_attn_pf_l1 >= 0)
+        return cpu_attn_pf_l1 > 0;
+#if defined(__x86_64__)
+    return __builtin_cpu_is("intel");
+#else
+    return false;
+#endif
+}
+
 int cpu_attention(struct backend *be, const struct attn_args *a)
 {
-    struct attn_job jb = { .a = a, .avx2 = cpu_ctx(be)->have_avx2 };
+    struct attn_job jb = { .a = a, .avx2 = cpu_ctx(be)->have_avx2, .pf_l1 = cpu_attn_pf_l1_on() };
 
     jb.avx512 = jb.avx2 && a->head_dim % 16 == 0 ? cpu_attn_avx512_level() : 0;
 

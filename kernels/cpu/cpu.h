@@ -340,6 +340,13 @@ extern int cpu_attn_no_fused;
  * (tests, benchmarks). */
 extern int cpu_attn_split_keys;
 extern int cpu_attn_split;
+/* attention.c: where the fused BF16 kernels prefetch the next key chunk's K and V rows in
+ * work items of several KV heads (contexts >= 4096 keys; a head per item: always L2):
+ * cpu_attn_pf_l1 > 0 into L1 (prefetcht0), 0 into L2 only (prefetcht2), < 0 (default) L1
+ * on Intel CPUs and L2 elsewhere (measured: docs/PERFORMANCE.md §8.2, §8.6).  Only the
+ * prefetches differ: the output bits are the same (tests, benchmarks). */
+extern int cpu_attn_pf_l1;
+bool cpu_attn_pf_l1_on(void);
 extern int cpu_mxfp4_t16_min_n;
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile

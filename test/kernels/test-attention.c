@@ -17,7 +17,7 @@
  *    (scores and P.V with the next pass's rows prefetched) are bit-identical to converting
  *    the rows into fp32 buffers first (cpu_attn_no_fused), on those random batches with
  *    BF16 caches and on long decodes whose KV heads are grouped (>= 4096 keys), and match
- *    the reference.
+ *    the reference, with the next rows prefetched into L2 and into L1 (cpu_attn_pf_l1).
  *  - split-K (segments of 128 keys here): decodes of 60, 128, 517 and 700 keys, a verify
  *    run and a prefill block straddling segment bounds, full and sliding windows (one
  *    within a segment, one crossing a bound), FP32 and BF16 caches: the split forced on,
@@ -490,12 +490,17 @@ static void test_fused_identity(void)
         cpu_attn_no_fused = 1;
         na = id_cases_run(be, a, cap, false);
         cpu_attn_no_fused = 0;
-        nb = id_cases_run(be, b, cap, th == 1);
-        ASSERT_EQ(na, nb);
-        for (size_t i = 0; i < na; i++)
-            if (memcmp(&a[i], &b[i], sizeof(float)) != 0)
-                FAIL("fused vs buffered BF16 attention differ at output %zu: %.9g vs %.9g", i,
-                     (double)b[i], (double)a[i]);
+        /* the next rows prefetched into L2, then into L1 (cpu_attn_pf_l1): the same bits */
+        for (int pf = 0; pf <= 1; pf++) {
+            cpu_attn_pf_l1 = pf;
+            nb = id_cases_run(be, b, cap, th == 1 && pf == 0);
+            ASSERT_EQ(na, nb);
+            for (size_t i = 0; i < na; i++)
+                if (memcmp(&a[i], &b[i], sizeof(float)) != 0)
+                    FAIL("fused (prefetch into L%d) vs buffered BF16 attention differ at output "
+                         "%zu: %.9g vs %.9g", 2 - pf, i, (double)b[i], (double)a[i]);
+        }
+        cpu_attn_pf_l1 = -1;
         /* long decodes: 3 sequences, 4 KV heads x G 8, head dims 16 and 128 */
         for (int hd = 16; hd <= 128; hd *= 8) {
             static const int ctx[3] = { 4100, 4400, 4243 };
@@ -530,8 +535,12 @@ static void test_fused_identity(void)
             cpu_attn_no_fused = 1;
             id_case_run(be, &ic, o1);
             cpu_attn_no_fused = 0;
-            id_case_run(be, &ic, o2);
-            ASSERT_TRUE(memcmp(o1, o2, sizeof(float) * nout) == 0);
+            for (int pf = 0; pf <= 1; pf++) {
+                cpu_attn_pf_l1 = pf;
+                id_case_run(be, &ic, o2);
+                ASSERT_TRUE(memcmp(o1, o2, sizeof(float) * nout) == 0);
+            }
+            cpu_attn_pf_l1 = -1;
             id_case_check_ref(&ic, o2);
             id_case_free(&ic);
             free(o1);

@@ -328,17 +328,20 @@ def check_container(k8s_binaries, run_as_users):
     # packages: in the archive (Debian's here, apt-cache) or NVIDIA's CUDA repository for
     # debian12 (named by the CUDA release the runtime image carries), and every build
     # dependency of install-deps.sh among them
-    pkgs, nvidia = [], []
+    pkgs = []
     for s in b["lines"] + r["lines"]:
         s = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), s)
         for m in re.finditer(r"apt-get install (.*?)(?=&&|$)", s):
             pkgs += [w for w in m.group(1).split() if not w.startswith("-")]
-    for p in pkgs:
-        if NVIDIA_PKG.fullmatch(p):
-            nvidia.append(p)
-            continue
-        q = subprocess.run(["apt-cache", "show", "--no-all-versions", p], capture_output=True, text=True)
-        if q.returncode != 0 or not q.stdout.strip():
+    nvidia = [p for p in pkgs if NVIDIA_PKG.fullmatch(p)]
+    archive = [p for p in pkgs if p not in nvidia]
+    # one apt-cache for all of them (each call reads the whole package cache: ~0.6 s, 20 s
+    # over the list): a package is in the archive when its own stanza is in the output
+    q = subprocess.run(["apt-cache", "show", "--no-all-versions"] + archive, capture_output=True,
+                       text=True) if archive else None
+    shown = set(re.findall(r"^Package: (\S+)$", q.stdout, re.M)) if q else set()
+    for p in archive:
+        if p not in shown:
             err("Containerfile: package %s is not in the archive (apt-cache show)" % p)
     if nvidia:
         if "cuda-keyring" not in text or "repos/debian12/x86_64" not in text:

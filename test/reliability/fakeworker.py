@@ -12,8 +12,10 @@ own and speaks the protocol as the .proto files describe it, with or without a k
   churn ADDR N [--key K]
       N registrations of distinct one-rank groups, each closed once Registered came:
       {"registered": n, "codes": {status: count}, "seconds": t}
-  report ADDR SESSION_ID [--key K]
-      ReportState(session_id, RANK_STATE_FAILED): the status
+  report ADDR SESSION_ID... [--key K]
+      ReportState(session_id, RANK_STATE_FAILED) for each id in turn, a channel each:
+      {"statuses": [status, ...]} in the ids' order (one process for all of them: each run
+      of this script compiles the .proto files, ~0.3 s)
   engine ADDR [--key K]
       every stepd.v1.Engine method once (Generate, Submit, OpenOutputs, Abort, GetLoads,
       GetModelInfo): {method: status}
@@ -175,7 +177,7 @@ def main(argv):
     elif act == "churn":
         res = churn(args[1], int(args[2]), key)
     elif act == "report":
-        res = report(args[1], args[2], key)
+        res = {"statuses": [report(args[1], sid, key)["status"] for sid in args[2:]]}
     elif act == "engine":
         res = engine(args[1], key)
     else:

@@ -4,7 +4,8 @@
 # suite except benchmarks, and end with one line "N passed, N failed, N skipped".
 # BUILD names the build directory (default build); SETUP_ARGS are meson options for it (e.g.
 # -Dcuda=disabled, .ci/run's stage without the CUDA toolkit); arguments go to meson test (test
-# names, --suite).
+# names, --suite).  Test names alone build only what those tests need; no arguments, or any
+# option among them, build the whole tree.
 #
 # Only tests of hardware this host does not have may skip: suite 'gpu' (no GPU) and suite
 # 'isa' (a CPU dispatch level above this host's).  Any other skip - a missing test tool,
@@ -27,7 +28,17 @@ if [ -f "$BUILD/build.ninja" ]; then
 else
   meson setup "$BUILD" "${SETUP[@]}" || fail "== meson setup $BUILD failed"
 fi
-ninja -C "$BUILD" || fail "== the build failed"
+# named tests (no options among the arguments: .ci/run's stage without the CUDA toolkit):
+# only the programs they need (tools/dev/test-targets.py); otherwise the whole tree
+targets=()
+if [ $# -gt 0 ] && ! printf '%s\n' "$@" | grep -q '^-'; then
+  ninja -C "$BUILD" build.ninja >/dev/null || fail "== regenerating $BUILD/build.ninja failed"
+  t=$(/usr/bin/python3 tools/dev/test-targets.py "$BUILD" "$@") ||
+    fail "== tools/dev/test-targets.py $BUILD $* failed"
+  [ -n "$t" ] || fail "== no programs to build for the tests $*"
+  mapfile -t targets <<< "$t"
+fi
+ninja -C "$BUILD" "${targets[@]}" || fail "== the build failed"
 
 log=$(mktemp)
 meson test -C "$BUILD" --no-suite bench --print-errorlogs --num-processes 2 "$@" 2>&1 | tee "$log"

@@ -21,13 +21,14 @@
  * Error bound (u = 2^-11, FP16's unit roundoff; k <= 4 roundings per lane chain: the product
  * of the first column and 3 FMAs): per rounding |err| <= u·|v| + 2^-25 (2^-25: half of FP16's
  * subnormal spacing), and x·p's rounding likewise, so per chunk of c columns
- *   |err| <= ((k + 1)·u + O(u^2)) · Σ|w·x|  +  (m / 2^8)·2^-25 · (32·k + Σ|code·2^-8|)
+ *   |err| <= ((k + 1)·u + O(u^2)) · Σ|w·x|  +  m·2^-25 · (32·k + Σ|code·2^-8|)
  * and with 1/p <= amax|x| · 2^-12 the second term is <= scale · amax|x| · c · 2^-27.5; the
  * FP32 steps (exact widening, the multiply-add, the final lane reduction) add fp32 rounding.
  * test-lowp checks 5.05 · 2^-11 · Σ|w·x| + 2^-27 · Σ_chunks scale · amax|x| · c + 1e-5 Σ|w·x|
- * (random and adversarial data).  m = ldexpf(scale, e) is exact unless scale · amax|x| leaves
- * FP32's normal range (below 2^-120: the terms are below it too; above 2^127: the products
- * overflow as on the other fast paths).
+ * (random and adversarial data).  m = ldexpf(scale, e) (about scale · amax|x| · 2^-4.5) is
+ * exact unless it leaves FP32's normal range: below ~2^-121 for scale · amax|x| (the terms
+ * are that small too: an absolute error under 2^-128 per chunk), above ~2^132 (the products
+ * overflow there, as on the other fast paths).
  *
  * Prefetch: the first token pass over a tile prefetches each of its 4 row streams FH_PF1
  * bytes ahead into L1 (past a row's end: the next tile's same row).  On the Intel AMX host

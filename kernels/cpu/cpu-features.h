@@ -17,6 +17,11 @@
  * STEPD_CPU_ISA=scalar|avx2|avx512|vnni|amx, or the older switches STEPD_CPU_NO_AVX2
  * (scalar), STEPD_CPU_NO_AVX512 (avx2), STEPD_CPU_NO_VNNI (avx512), STEPD_CPU_NO_AMX (vnni);
  * the lowest cap wins.  Tests run each level through these (test/kernels/meson.build).
+ *
+ * One feature outside the levels: AVX512-FP16 (CPUID.7.0:EDX bit 23; Intel Sapphire Rapids
+ * and later, not Zen 4 or Zen 5), used by the FP8 fast path (matmul-fp8-fp16.c) from level
+ * vnni on: cpu_avx512fp16().  STEPD_CPU_NO_FP16=1 (read once per process) or a cap below
+ * vnni turns it off.
  */
 #pragma once
 
@@ -62,6 +67,9 @@ static inline bool cpu_isa_has(enum cpu_isa level)
     return cpu_isa() >= level;
 }
 
+/* AVX512-FP16 is in use: the host has it (and AVX-512), STEPD_CPU_NO_FP16 is unset and the
+ * active level is at least vnni. */
+bool cpu_avx512fp16(void);
 /* What the CPU itself offers, ignoring the environment caps. */
 enum cpu_isa cpu_isa_host(void);
 /* Tests and benchmarks: lower the active level to min(level, host).  Call it before the

@@ -285,6 +285,15 @@ void cpu_matmul_nvfp4_vnni_rows(const struct bweight *w, const float *x, const i
 bool cpu_fp8_bf16_fits(const struct bweight *w);
 void cpu_matmul_fp8_bf16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                               int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
+/* Level vnni on CPUs with AVX512-FP16 (matmul-fp8-fp16.c; cpu_avx512fp16): FP8 by FP16
+ * FMAs over up to 128-column chunks, the block scale and a per-token power-of-two prescale
+ * in FP32, where cols and the scale blocks' width are multiples of 32; taken before the
+ * vdpbf16ps form (after the AMX tiles when cpu_fp8_amx_on).  cpu_fp8_fp16_off nonzero
+ * (tests, benchmarks) or cpu_lowp_vnni_off keeps the forms below.  rowbuf: CPU_LOWP_BUF. */
+extern int cpu_fp8_fp16_off;
+bool cpu_fp8_fp16_fits(const struct bweight *w);
+void cpu_matmul_fp8_fp16_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+                              int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
 /* Level amx (matmul-fp8-bf16.c): the same BF16 products on AMX-BF16 tiles, where the 64-column
  * form fits (AVX-512 VBMI, cols and the scale blocks' width multiples of 64); any row range.
  * Off unless cpu_fp8_amx_on (STEPD_CPU_FP8_AMX=1 at start; tests and benchmarks set it): 2-3x

@@ -76,6 +76,18 @@ static bool host_f16c(void)
     return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
 }
 
+/* AVX512-FP16 (CPUID.(EAX=7,ECX=0):EDX bit 23), read directly like F16C; the OS's AVX-512
+ * state is the avx512f check of host_probe (the caller asks for level avx512 first) */
+static bool host_avx512fp16(void)
+{
+    unsigned a, b, c, d;
+
+    if (__get_cpuid_max(0, NULL) < 7)
+        return false;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (d >> 23) & 1;
+}
+
 static enum cpu_isa host_probe(void)
 {
     __builtin_cpu_init();
@@ -95,20 +107,35 @@ static enum cpu_isa host_probe(void)
 {
     return CPU_ISA_SCALAR;
 }
+
+static bool host_avx512fp16(void)
+{
+    return false;
+}
 #endif
 
 static enum cpu_isa host_level;
+static bool host_fp16;      /* AVX512-FP16 on an AVX-512 host, and STEPD_CPU_NO_FP16 unset */
 static pthread_once_t host_once = PTHREAD_ONCE_INIT;
 
 static void host_init(void)
 {
+    const char *s = getenv("STEPD_CPU_NO_FP16");
+
     host_level = host_probe();
+    host_fp16 = host_level >= CPU_ISA_AVX512 && host_avx512fp16() && !(s && *s && strcmp(s, "0") != 0);
 }
 
 enum cpu_isa cpu_isa_host(void)
 {
     pthread_once(&host_once, host_init);
     return host_level;
+}
+
+bool cpu_avx512fp16(void)
+{
+    pthread_once(&host_once, host_init);
+    return host_fp16 && cpu_isa_has(CPU_ISA_VNNI);
 }
 
 /* The lowest cap the environment asks for (_CPU_ISA_MAX: none). */

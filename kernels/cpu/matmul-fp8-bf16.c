@@ -1,6 +1,6 @@
-/* matmul-fp8-bf16.c - the FP8 fast path at level vnni on CPUs with AVX-512 BF16
- * (docs/PERFORMANCE.md §4.3a): BF16 dot products (vdpbf16ps) with the block scale moved
- * onto the activations.
+/* matmul-fp8-bf16.c - the FP8 fast path at level vnni on CPUs with AVX-512 BF16 and without
+ * AVX512-FP16 in use (AMD Zen 4 / Zen 5; hosts with it take matmul-fp8-fp16.c) (docs/PERFORMANCE.md
+ * §4.3a): BF16 dot products (vdpbf16ps) with the block scale moved onto the activations.
  *
  * A 128x128 block's scale is shared by the rows of its row block, so for each row block
  * the tokens' activations are multiplied by the scales of its column blocks and rounded

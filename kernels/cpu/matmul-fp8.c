@@ -9,7 +9,10 @@
  * one rounding to fp32: the scalar and AVX2 dots are bit-identical, and an fp64 reference
  * of the same sum matches to its rounding.  Fast path (AVX2): decode fused into the dot,
  * cpu_matmul_fused_rows (one row's values in registers against up to CPU_FUSED_NT tokens);
- * with cpu_lowp_fused_off, CPU_LOWP_TILE rows decoded to fp32 and the F32 kernel over them. */
+ * with cpu_lowp_fused_off, CPU_LOWP_TILE rows decoded to fp32 and the F32 kernel over them.
+ * Above AVX2 cpu_matmul_fp8_rows picks, in order: the AMX tiles (STEPD_CPU_FP8_AMX=1), FP16
+ * FMAs (AVX512-FP16, matmul-fp8-fp16.c), vdpbf16ps (AVX512-BF16, matmul-fp8-bf16.c), the
+ * AVX-512 fp32 tiles (matmul-lowp512.c). */
 #include <errno.h>
 #include <math.h>
 #include <string.h>
@@ -277,6 +280,10 @@ void cpu_matmul_fp8_rows(const struct bweight *w, const float *x, const int32_t 
 #if defined(__x86_64__)
     if (!exact && !cpu_lowp_fused_off && cpu_fp8_amx_fits(w)) {
         cpu_matmul_fp8_amx_rows(w, x, xidx, n, y, ldy, r0, r1, rowbuf);
+        return;
+    }
+    if (!exact && !cpu_lowp_fused_off && cpu_fp8_fp16_fits(w)) {
+        cpu_matmul_fp8_fp16_rows(w, x, xidx, n, y, ldy, r0, r1, rowbuf);
         return;
     }
     if (!exact && !cpu_lowp_fused_off && cpu_fp8_bf16_fits(w)) {

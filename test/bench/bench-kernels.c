@@ -23,7 +23,8 @@
  * threads): how much of the cores the run actually got.
  * First, with 1 thread, FP8 and NVFP4 beside MXFP4 on a [1280, 4096] expert at decode batch
  * 1, 4, 16 and 64 with realistic routing and at 4 and 16 tokens on one expert (the
- * fp32-activation kernels, the dispatch in use and, at level amx, FP8 on the AMX tiles;
+ * fp32-activation kernels, the dispatch in use (FP8: with the FP16 form off, and on it where
+ * the host has AVX512-FP16) and, at level amx, FP8 on the AMX tiles;
  * 256 MiB of copies each, 3 interleaved rounds; beside each "% of bw" the same share with
  * process CPU time on both sides, which the time slices a loaded host takes away do not
  * move); STEPD_BENCH_FORMATS_ONLY=1 stops after that table, STEPD_BENCH_NO_F32=1 leaves out
@@ -548,17 +549,20 @@ static void routed_counts(int B, int *cnt, int n)
 }
 
 /* The sides of the formats' comparison: MXFP4; FP8 on the fp32-activation kernels
- * (cpu_lowp_vnni_off: the AVX-512 tiles, or the AVX2 dispatch), as dispatched (vdpbf16ps
- * at level vnni) and, at level amx, on the AMX tiles (cpu_fp8_amx_on); NVFP4 on the
- * fp32-activation kernels and as dispatched (the int8 path at level vnni).
- * STEPD_BENCH_NO_F32=1 skips the fp32-activation sides. */
-enum { NSIDE = 6 };
-static const char *const side_names[NSIDE] = { "mxfp4", "fp8 f32", "fp8 new", "fp8 amx", "nvfp4 f32", "nvfp4 new" };
-static int fp8_amx_was;
+ * (cpu_lowp_vnni_off: the AVX-512 tiles, or the AVX2 dispatch), as dispatched without the
+ * FP16 form ("fp8 new": vdpbf16ps at level vnni with AVX512-BF16; cpu_fp8_fp16_off), on the
+ * FP16 form where the host has AVX512-FP16 (the dispatch there) and, at level amx, on the
+ * AMX tiles (cpu_fp8_amx_on); NVFP4 on the fp32-activation kernels and as dispatched (the
+ * int8 path at level vnni).  STEPD_BENCH_NO_F32=1 skips the fp32-activation sides. */
+enum { NSIDE = 7, SIDE_F8_F32 = 1, SIDE_F8_NEW, SIDE_F8_FP16, SIDE_F8_AMX, SIDE_NV_F32, SIDE_NV_NEW };
+static const char *const side_names[NSIDE] = { "mxfp4",   "fp8 f32",   "fp8 new",  "fp8 fp16",
+                                               "fp8 amx", "nvfp4 f32", "nvfp4 new" };
+static int fp8_amx_was, fp8_fp16_was;
 
 static bool side_skipped(int side)
 {
-    return ((side == 1 || side == 4) && getenv("STEPD_BENCH_NO_F32")) || (side == 3 && !cpu_isa_has(CPU_ISA_AMX));
+    return ((side == SIDE_F8_F32 || side == SIDE_NV_F32) && getenv("STEPD_BENCH_NO_F32")) ||
+           (side == SIDE_F8_AMX && !cpu_isa_has(CPU_ISA_AMX)) || (side == SIDE_F8_FP16 && !cpu_avx512fp16());
 }
 
 /* side's [rows, cols] copies, up to max_mb MiB of them, and its kernel switches set
@@ -568,15 +572,18 @@ static void side_make(struct backend *be, struct mats *ms, int side, int64_t row
     if (side == 0)
         mats_make(ms, WFMT_MXFP4, rows, cols, (int)((max_mb << 20) / mxfp4_bytes(rows, cols)));
     else
-        lowp_mats_make(ms, side <= 3 ? WFMT_FP8 : WFMT_NVFP4, rows, cols, max_mb, side == 5 ? be : NULL);
-    cpu_lowp_vnni_off = side == 1 || side == 4;
-    cpu_fp8_amx_on = side == 3 ? 1 : side == 2 ? 0 : fp8_amx_was;
+        lowp_mats_make(ms, side <= SIDE_F8_AMX ? WFMT_FP8 : WFMT_NVFP4, rows, cols, max_mb,
+                       side == SIDE_NV_NEW ? be : NULL);
+    cpu_lowp_vnni_off = side == SIDE_F8_F32 || side == SIDE_NV_F32;
+    cpu_fp8_amx_on = side == SIDE_F8_AMX ? 1 : side == SIDE_F8_NEW || side == SIDE_F8_FP16 ? 0 : fp8_amx_was;
+    cpu_fp8_fp16_off = side == SIDE_F8_NEW ? 1 : side == SIDE_F8_FP16 ? 0 : fp8_fp16_was;
 }
 
 static void side_reset(void)
 {
     cpu_lowp_vnni_off = 0;
     cpu_fp8_amx_on = fp8_amx_was;
+    cpu_fp8_fp16_off = fp8_fp16_was;
 }
 
 /* The formats' compute cost where DRAM is not the limit: process CPU ns per weight and
@@ -638,6 +645,7 @@ static void bench_lowp_formats(struct backend *be)
     double gbs[NCASE][NSIDE][ROUNDS], pct[NCASE][NSIDE][ROUNDS], pcpu[NCASE][NSIDE][ROUNDS];
 
     fp8_amx_was = cpu_fp8_amx_on;
+    fp8_fp16_was = cpu_fp8_fp16_off;
     printf("  expert [1280,4096] per format, 1 thread, ISA %s, %d rounds interleaved (medians)\n",
            cpu_isa_name(cpu_isa()), ROUNDS);
     for (int r = 0; r < ROUNDS; r++)

@@ -8,6 +8,9 @@
  *     the activation rounding's bound Σ|w_i|·d_b(i)/2 (d_b = amax of x's 32-block / 127);
  *     FP8 at level vnni with AVX-512 BF16 (matmul-fp8-bf16.c; at level amx its AMX tiles)
  *     within 2^-8 Σ|w·x| more, also on row ranges directly (check_fp8_rows);
+ *   - the "fp16" run (test-lowp-fp16: level vnni with AVX512-FP16, else skipped; the other
+ *     runs keep that form off): FP8 on FP16 FMAs (matmul-fp8-fp16.c) within fp16_bound,
+ *     on adversarial data too, and batch-invariant bit for bit (check_fp8_fp16);
  *   - at level amx the FP8 AMX tiles (switched on here: cpu_fp8_amx_on) put back the tile
  *     configuration the BF16 AMX matmul keeps;
  *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
@@ -109,6 +112,41 @@ static bool bf16_path(const struct bweight *w)
     return w->fmt == WFMT_FP8 && cpu_fp8_bf16_fits(w);
 }
 
+/* FP8 on the FP16 path (matmul-fp8-fp16.c: level vnni with AVX512-FP16, 32-column
+ * multiples; the test's "fp16" run, else cpu_fp8_fp16_off keeps it off): x times a power of
+ * two per token and chunk (up to 128 columns of a scale block) rounded to FP16, each lane's
+ * up to 4 products summed by FP16 FMAs: |err| <= 5.05 · 2^-11 Σ|w·x| (x's rounding and 4
+ * more, with their second-order terms) plus the subnormal floor 2^-27 Σ_chunks scale ·
+ * amax|x| · columns (FP16's half subnormal spacing 2^-25 per rounding, the prescale
+ * putting amax|x| at 2^12 or more) */
+static bool fp16_path(const struct bweight *w)
+{
+    return w->fmt == WFMT_FP8 && cpu_fp8_fp16_fits(w);
+}
+
+static double fp16_bound(const struct bweight *w, int64_t o, const float *x, double mag)
+{
+    double b = 5.05 * 0x1p-11 * mag;
+
+    for (int64_t c0 = 0; c0 < w->cols; c0 += w->blk_cols)
+        for (int64_t c = c0; c < c0 + w->blk_cols; c += 128) {
+            const int64_t e = c + 128 < c0 + w->blk_cols ? c + 128 : c0 + w->blk_cols;
+            float amax = 0.0f, s;
+
+            for (int64_t i = c; i < e; i++)
+                amax = fmaxf(amax, fabsf(x[i]));
+            memcpy(&s, w->scale + 4 * ((o / w->blk_rows) * (w->cols / w->blk_cols) + c0 / w->blk_cols), 4);
+            b += 0x1p-27 * fabs((double)s) * amax * (double)(e - c);
+        }
+    return b;
+}
+
+/* the FP8 fast path's bound beyond fp32 rounding (FP16 or BF16 path; none on the fp32 ones) */
+static double fp8_lowp_bound(const struct bweight *w, int64_t o, const float *x, double mag)
+{
+    return fp16_path(w) ? fp16_bound(w, o, x, mag) : bf16_path(w) ? 0x1p-8 * mag : 0.0;
+}
+
 static double int8_bound(const struct bweight *w, int64_t o, const float *x)
 {
     double b = 0;
@@ -147,8 +185,8 @@ static void check_matmul_w(struct bweight w, int n, int nth)
             double tol = 1e-5 * mag + 1e-30;
             if (int8_path(fmt, cols))
                 tol += int8_bound(&w, o, x + (int64_t)t * cols);
-            if (bf16_path(&w))
-                tol += 0x1p-8 * mag;
+            if (fmt == WFMT_FP8)
+                tol += fp8_lowp_bound(&w, o, x + (int64_t)t * cols, mag);
             if (fabs(f - ref) > tol)
                 FAIL("%s fast [%lldx%lld] t=%d row %lld: %.9g, reference %.9g (tolerance %g)",
                      fmt == WFMT_FP8 ? "fp8" : "nvfp4", (long long)rows, (long long)cols, t, (long long)o, f, ref, tol);
@@ -260,7 +298,9 @@ static void check_moe(enum wfmt fmt, int nth, bool exact)
             }
         }
         for (int h = 0; h < H; h++)
-            if (fabs(out[t * H + h] - ref[h]) > (!exact && (int8_path(fmt, H) || bf16_path(&ex[0].gate)) ? 1e-2 : 1e-5) * mag[h] + 1e-12)
+            if (fabs(out[t * H + h] - ref[h]) >
+                (!exact && (int8_path(fmt, H) || bf16_path(&ex[0].gate) || fp16_path(&ex[0].gate)) ? 1e-2 : 1e-5) *
+                        mag[h] + 1e-12)
                 FAIL("%s moe t=%d h=%d: %.9g, reference %.9g", fmt == WFMT_FP8 ? "fp8" : "nvfp4", t, h,
                      out[t * H + h], ref[h]);
     }
@@ -336,7 +376,7 @@ static void check_rows(const struct bweight *w, const int *ns, size_t n_ns, cons
                         continue;
                     }
                     ref = ref_dot(w, o, xt, &mag);
-                    tol = 1e-5 * mag + 1e-30 + (w->fmt == WFMT_FP8 ? 0x1p-8 * mag : int8_bound(w, o, xt));
+                    tol = 1e-5 * mag + 1e-30 + (w->fmt == WFMT_FP8 ? fp8_lowp_bound(w, o, xt, mag) : int8_bound(w, o, xt));
                     if (fabs(f - ref) > tol)
                         FAIL("%s rows [%lld, %lld) n=%d t=%d row %lld: %.9g, reference %.9g (tolerance %g)", name,
                              (long long)r0, (long long)r1, n, t, (long long)o, f, ref, tol);
@@ -380,10 +420,132 @@ static void check_fp8_rows(void)
     static const int64_t ranges[][2] = { { 0, 48 }, { 16, 48 }, { 5, 37 }, { 0, 16 }, { 3, 9 } };
     struct bweight w = lowp_new(WFMT_FP8, 48, 192, 24, 64);
 
-    if (!bf16_path(&w))
-        FAIL("fp8 [48x192]: not on the BF16 path at level vnni");
+    if (!bf16_path(&w) && !fp16_path(&w))
+        FAIL("fp8 [48x192]: not on the BF16 or FP16 path at level vnni");
     check_rows(&w, ns, ARRAY_SIZE(ns), ranges, ARRAY_SIZE(ranges));
     lowp_free(&w);
+}
+
+/* An FP8 weight for the FP16 path's adversarial check: codes ±448 (E4M3's extremes),
+ * subnormals and random ones, row 0 all +448 (with an all-positive chunk of x near the top
+ * of its binade each lane's 4-term FP16 sum is 7 · 0.999 · 2^13, just under FP16's
+ * largest: a prescale twice too large overflows), block scales from 2^-100 to 2^60 */
+static struct bweight fp16_adv_weight(int64_t rows, int64_t cols, int br, int bc)
+{
+    static const float base[] = { 0x1p-100f, 0x1p-60f, 0x1p-8f, 1.0f, 0x1p20f, 0x1p60f };
+    struct bweight w = { .fmt = WFMT_FP8, .rows = rows, .cols = cols, .blk_rows = br, .blk_cols = bc };
+    uint8_t *q = malloc((size_t)(rows * cols));
+    float *s = malloc(sizeof(float) * (size_t)((rows / br) * (cols / bc)));
+
+    for (int64_t i = 0; i < rows * cols; i++) {
+        const uint64_t r = krng_u64();
+        const uint8_t sign = (uint8_t)((r >> 8) & 0x80);
+
+        if (i < cols)
+            q[i] = 0x7e;
+        else if (r % 4 == 0)
+            q[i] = 0x7e | sign;
+        else if (r % 4 == 1)
+            q[i] = (uint8_t)((r >> 16) % 8) | sign;
+        else
+            q[i] = (uint8_t)((r >> 16) % 127) | sign;   /* 0x7f (NaN) excluded */
+    }
+    for (int64_t k = 0; k < (rows / br) * (cols / bc); k++)
+        s[k] = base[krng_u64() % ARRAY_SIZE(base)] * (1.0f + 0.5f * fabsf(krng_f()));
+    w.data = q;
+    w.scale = (const uint8_t *)s;
+    return w;
+}
+
+/* n tokens of x per 128 columns: zero; uniform at 2^e (e in [-30, 20]); all positive at
+ * 0.999 · 2^e (the overflow case of fp16_adv_weight's row 0); one element 2^e and the rest
+ * 2^(e-30) (FP16 subnormals after the prescale); exact powers of two; FP32 subnormals */
+static void fp16_adv_x(float *x, int n, int64_t cols)
+{
+    for (int t = 0; t < n; t++)
+        for (int64_t c = 0; c < cols; c += 32) {
+            float *v = x + (int64_t)t * cols + c;
+            const int mode = (int)(krng_u64() % 6), e = (int)(krng_u64() % 51) - 30;
+
+            for (int i = 0; i < 32; i++) {
+                const float r = krng_f();
+
+                switch (mode) {
+                case 0: v[i] = 0.0f; break;
+                case 1: v[i] = ldexpf(r, e); break;
+                case 2: v[i] = ldexpf(0.999f, e); break;
+                case 3: v[i] = i == 5 ? ldexpf(1.0f, e) : ldexpf(r, e - 30); break;
+                case 4: v[i] = ldexpf(r < 0 ? -1.0f : 1.0f, e - (int)(krng_u64() % 20)); break;
+                default: v[i] = ldexpf(r, -135); break;
+                }
+            }
+        }
+}
+
+/* Level vnni with AVX512-FP16 (the "fp16" run): the FP16 path on fp16_adv_weight and
+ * fp16_adv_x, 128-column blocks (4-product chunks), 160 (a chunk of 128 and one of 32) and
+ * 64, row blocks of 10 and 4 (tiles cut short): each token alone within fp16_bound of the
+ * reference; then every n = 1..40 (token blocks of 12 and their tails) on 1-3 threads, each
+ * token bit for bit its solo result; and the row kernel on row ranges with the tokens
+ * gathered through a permuting xidx, bit for bit too */
+static void check_fp8_fp16(void)
+{
+    enum { N = 40 };
+    static const int64_t shapes[][4] = { { 40, 512, 10, 128 }, { 40, 320, 10, 160 }, { 12, 192, 4, 64 } };
+    static const int64_t ranges[][2] = { { 0, 40 }, { 3, 35 }, { 5, 9 }, { 0, 12 } };
+    struct backend *be[4] = { NULL, kref_backend(1, false), kref_backend(2, false), kref_backend(3, false) };
+
+    for (size_t k = 0; k < ARRAY_SIZE(shapes); k++) {
+        const int64_t R = shapes[k][0], C = shapes[k][1];
+        struct bweight w = fp16_adv_weight(R, C, (int)shapes[k][2], (int)shapes[k][3]);
+        float *x = malloc(sizeof(float) * N * (size_t)C), *y1 = malloc(sizeof(float) * N * (size_t)R);
+        float *yn = malloc(sizeof(float) * N * (size_t)R);
+        float *buf = aligned_alloc(64, sizeof(float) * (size_t)CPU_LOWP_BUF(C));
+        int32_t xidx[N];
+
+        if (!fp16_path(&w))
+            FAIL("fp8 [%lldx%lld]: not on the FP16 path", (long long)R, (long long)C);
+        fp16_adv_x(x, N, C);
+        for (int t = 0; t < N; t++) {
+            ASSERT_OK(backend_matmul(be[1], &w, x + (int64_t)t * C, 1, y1 + (int64_t)t * R));
+            for (int64_t o = 0; o < R; o++) {
+                double mag, ref = ref_dot(&w, o, x + (int64_t)t * C, &mag);
+                double tol = 1e-5 * mag + 1e-30 + fp16_bound(&w, o, x + (int64_t)t * C, mag);
+                float f = y1[(int64_t)t * R + o];
+
+                if (!(fabs(f - ref) <= tol))
+                    FAIL("fp8 fp16 [%lldx%lld/%lld] t=%d row %lld: %.9g, reference %.9g (tolerance %g)",
+                         (long long)R, (long long)C, (long long)shapes[k][3], t, (long long)o, f, ref, tol);
+            }
+        }
+        for (int n = 1; n <= N; n++) {
+            ASSERT_OK(backend_matmul(be[1 + n % 3], &w, x, n, yn));
+            if (memcmp(yn, y1, sizeof(float) * (size_t)(n * R)) != 0)
+                FAIL("fp8 fp16 [%lldx%lld] n=%d on %d threads: a token differs from its solo call", (long long)R,
+                     (long long)C, n, 1 + n % 3);
+        }
+        for (size_t g = 0; g < ARRAY_SIZE(ranges); g++)
+            for (int n = 13; n <= N; n += 27) {
+                const int64_t r0 = ranges[g][0], r1 = ranges[g][1] < R ? ranges[g][1] : R;
+
+                for (int i = 0; i < n; i++)
+                    xidx[i] = (7 * i + 3) % N;
+                cpu_matmul_fp8_rows(&w, x, xidx, n, yn, R, r0, r1, false, buf);
+                for (int t = 0; t < n; t++)
+                    for (int64_t o = r0; o < r1; o++)
+                        if (memcmp(&yn[(int64_t)t * R + (o - r0)], &y1[(int64_t)xidx[t] * R + o], sizeof(float)))
+                            FAIL("fp8 fp16 rows [%lld, %lld) n=%d t=%d row %lld: %.9g, solo %.9g", (long long)r0,
+                                 (long long)r1, n, t, (long long)o, yn[(int64_t)t * R + (o - r0)],
+                                 y1[(int64_t)xidx[t] * R + o]);
+            }
+        lowp_free(&w);
+        free(x);
+        free(y1);
+        free(yn);
+        free(buf);
+    }
+    for (int i = 1; i < 4; i++)
+        backend_free(be[i]);
 }
 
 /* Level amx: the FP8 tiles load their own tile configuration (B and C tiles as wide as the
@@ -417,10 +579,18 @@ static void check_amx_config_kept(void)
     free(y8);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     setenv("STEPD_CPU_MIN_WORK", "0", 0);   /* split every op over all threads */
-    const enum cpu_isa level = kt_isa_require("lowp", CPU_ISA_SCALAR);
+    /* "fp16": the run of the FP16 path (level vnni and AVX512-FP16, else skipped); the other
+     * runs keep it off, so the vdpbf16ps form stays tested on every AVX512-BF16 host */
+    const bool fp16 = argc > 1 && strcmp(argv[1], "fp16") == 0;
+    const enum cpu_isa level = kt_isa_require("lowp", fp16 ? CPU_ISA_VNNI : CPU_ISA_SCALAR);
+    if (fp16 && !cpu_avx512fp16()) {
+        printf("SKIP lowp fp16: this CPU has no AVX512-FP16 (or STEPD_CPU_NO_FP16 is set)\n");
+        return TEST_SKIP;
+    }
+    cpu_fp8_fp16_off = !fp16;
     const struct bweight probe = { .fmt = WFMT_FP8, .rows = 1, .cols = 32, .blk_rows = 1, .blk_cols = 32 };
     const struct bweight probe64 = { .fmt = WFMT_FP8, .rows = 1, .cols = 64, .blk_rows = 1, .blk_cols = 64 };
     if (level >= CPU_ISA_AMX) {
@@ -428,7 +598,10 @@ int main(void)
         if (!cpu_fp8_amx_fits(&probe64))
             FAIL("level amx: FP8 with 64-column blocks not on the AMX tiles");
     }
+    if (fp16 && !fp16_path(&probe))
+        FAIL("fp16 run: FP8 not on the FP16 path");
     printf("test-lowp: FP8 fast path %s\n", cpu_fp8_amx_fits(&probe64) ? "BF16 (AMX tiles)"
+                                              : fp16_path(&probe) ? "FP16 (vfmadd231ph)"
                                               : bf16_path(&probe) ? "BF16 (vdpbf16ps)" : "fp32 activations");
     static const int64_t shapes[][4] = { { 1, 32, 1, 32 }, { 7, 96, 7, 16 }, { 64, 256, 32, 128 },
                                          { 128, 4096, 128, 128 }, { 33, 160, 11, 32 }, { 5, 48, 5, 16 },
@@ -463,7 +636,9 @@ int main(void)
         }
     if (level >= CPU_ISA_VNNI && cpu_isa_has(CPU_ISA_VNNI)) {
         check_nvfp4_rows();
-        if (bf16_path(&probe)) {
+        if (fp16)
+            check_fp8_fp16();
+        if (bf16_path(&probe) || fp16_path(&probe)) {
             check_fp8_rows();
             /* two token blocks of 16 and 5: each token equals its solo call (AMX: tiles of
              * 16, 5 and 1 columns) */

@@ -253,21 +253,24 @@ struct next_rows {
     bool k_only;            /* the K rows only (the AVX-512 P.V kernel takes the V rows) */
 };
 
-/* into L1 where nx->l1 (prefetcht0: Intel hosts), else into L2 only (prefetcht2; see
- * attn_chunk and cpu_attn_pf_l1) */
+/* one line of the next pass's rows: into L1 where nx->l1 (prefetcht0: Intel hosts), else
+ * into L2 only (prefetcht2; see attn_chunk and cpu_attn_pf_l1) */
+static inline void next_line(const struct next_rows *nx, const uint16_t *p)
+{
+    if (nx->l1)
+        __builtin_prefetch(p, 0, 3);
+    else
+        __builtin_prefetch(p, 0, 1);
+}
+
+/* 64 bytes of each of the rows [k0, k1) of nx: K and V, or K alone where nx->k_only */
 static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1, int hd)
 {
     for (int k = k0; k < k1 && k < nx->n; k++)
-        for (int o = 0; o < hd; o += 32) {      /* 64 bytes of each row */
-            if (nx->l1) {
-                __builtin_prefetch(nx->k[k] + o, 0, 3);
-                if (!nx->k_only)
-                    __builtin_prefetch(nx->v[k] + o, 0, 3);
-            } else {
-                __builtin_prefetch(nx->k[k] + o, 0, 1);
-                if (!nx->k_only)
-                    __builtin_prefetch(nx->v[k] + o, 0, 1);
-            }
+        for (int o = 0; o < hd; o += 32) {
+            next_line(nx, nx->k[k] + o);
+            if (!nx->k_only)
+                next_line(nx, nx->v[k] + o);
         }
 }
 
@@ -275,12 +278,8 @@ static inline void next_rows_prefetch(const struct next_rows *nx, int k0, int k1
 static inline void next_rows_prefetch_v(const struct next_rows *nx, int k0, int k1, int hd)
 {
     for (int k = k0; k < k1 && k < nx->n; k++)
-        for (int o = 0; o < hd; o += 32) {
-            if (nx->l1)
-                __builtin_prefetch(nx->v[k] + o, 0, 3);
-            else
-                __builtin_prefetch(nx->v[k] + o, 0, 1);
-        }
+        for (int o = 0; o < hd; o += 32)
+            next_line(nx, nx->v[k] + o);
 }
 
 /* BF16 -> fp32 of 8 values at p (exact: the bits move up by 16) */
@@ -830,12 +829,8 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
             if (k + ATTN_PV_PF < kb)
                 _mm_prefetch((const char *)(vr[k + ATTN_PV_PF] + d0), _MM_HINT_T0);
             /* and this column block's line of the next pass's V row k (next_rows) */
-            if (nx && k < nx->n) {
-                if (nx->l1)
-                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T0);
-                else
-                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T2);
-            }
+            if (nx && k < nx->n)
+                next_line(nx, nx->v[k] + d0);
 
             for (int i = 0; i < nr; i++) {
                 const __m512 pk = _mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]);
@@ -857,12 +852,8 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
         for (int k = ka; k < kb; k++) {
             const __m512 v0 = BF16X16(vr[k] + d0);
 
-            if (nx && k < nx->n) {  /* the last 16 columns' line */
-                if (nx->l1)
-                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T0);
-                else
-                    _mm_prefetch((const char *)(nx->v[k] + d0), _MM_HINT_T2);
-            }
+            if (nx && k < nx->n)    /* the last 16 columns' line */
+                next_line(nx, nx->v[k] + d0);
             for (int i = 0; i < nr; i++)
                 a[i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[(int64_t)i * KEY_CHUNK + k]), v0, a[i]);
         }

@@ -207,13 +207,14 @@ void *cpu_thread_buf(size_t n);
 /* BF16 fast path (docs/PERFORMANCE.md §8.4): the activations rounded once to BF16 (RNE),
  * |err| <= 2^-8 · Σ|w·x| plus fp32 accumulation, batch-invariant.  In use where the MXFP4
  * int8 and the FP8/NVFP4 fast paths are (not cpu_lowp_exact: backend_cfg.mxfp4_exact off
- * and AVX2), and cpu_bf16_fast_off is 0 (benchmarks: the exact kernels, bit for bit);
- * cpu_matmul_rows keeps a weight marked bweight.exact (the MoE routers) off it.
+ * and AVX2), and cpu_bf16_fast_off is 0 (benchmarks: the exact kernels, bit for bit),
+ * and the weight (NULL: any) is not marked bweight.exact (the MoE routers): every BF16 caller
+ * (cpu_matmul_rows, the MoE rows) asks with its weight.
  * AMX hosts: one-part tiles (matmul-amx.c); AVX-512 BF16 hosts without AMX (level vnni):
  * vdpbf16ps (matmul-bf16dp.c) where cpu_bf16_dp_fits(w) (cols % 32 == 0), activations
  * packed by cpu_bf16_act_pack into cpu_bf16_act_bytes; elsewhere the FP32 kernels. */
 extern int cpu_bf16_fast_off;
-bool cpu_bf16_fast(const struct cpu_ctx *c);
+bool cpu_bf16_fast(const struct cpu_ctx *c, const struct bweight *w);
 bool cpu_bf16_dp_fits(const struct bweight *w);
 size_t cpu_bf16_act_bytes(int n, int64_t cols);
 void cpu_bf16_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols);

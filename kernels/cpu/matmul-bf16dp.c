@@ -29,9 +29,9 @@
 
 int cpu_bf16_fast_off;
 
-bool cpu_bf16_fast(const struct cpu_ctx *c)
+bool cpu_bf16_fast(const struct cpu_ctx *c, const struct bweight *w)
 {
-    return !cpu_bf16_fast_off && !cpu_lowp_exact(c);
+    return !cpu_bf16_fast_off && !cpu_lowp_exact(c) && !(w && w->exact);
 }
 
 size_t cpu_bf16_act_bytes(int n, int64_t cols)

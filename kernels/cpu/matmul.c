@@ -87,7 +87,7 @@ int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x,
     if (n == 0)
         return 0;
     if (w->fmt == WFMT_BF16)
-        j.fast = cpu_bf16_fast(c) && !w->exact;
+        j.fast = cpu_bf16_fast(c, w);
     if (c->have_avx2 && cpu_bf16_use_amx(w)) {
         mem = cpu_scratch(c, cpu_amx_act_bytes(n, w->cols, j.fast));
         if (!mem)

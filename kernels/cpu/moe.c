@@ -61,7 +61,7 @@ static void rows_run(const struct moe_job *j, const struct bweight *w, const flo
         cpu_matmul_f32_rows(w, x, xidx, n, y, ldy, r0, r1, j->c->have_avx2);
         break;
     case WFMT_BF16:
-        cpu_matmul_bf16_rows(w, x, xidx, n, y, ldy, r0, r1, j->c->have_avx2, cpu_bf16_fast(j->c));
+        cpu_matmul_bf16_rows(w, x, xidx, n, y, ldy, r0, r1, j->c->have_avx2, cpu_bf16_fast(j->c, w));
         break;
     case WFMT_MXFP4:
         if (fast)

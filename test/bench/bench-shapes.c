@@ -1638,9 +1638,9 @@ static void report_prefill(const struct bench *b)
     printf("  peak, BF16 GEMMs and attention: %.1f GFLOP/s (%.1f .. %.1f; bf16_peak: "
            "backend_matmul on %s, k projection's first %d rows x %d at %d tokens)\n",
            median(b->bpeak, b->reps) / 1e9, lo / 1e9, hi / 1e9,
-           bw && cpu_bf16_use_amx(bw) ? (cpu_bf16_fast(cpu_ctx(m->be)) ? "AMX-BF16 one-part tiles"
+           bw && cpu_bf16_use_amx(bw) ? (cpu_bf16_fast(cpu_ctx(m->be), bw) ? "AMX-BF16 one-part tiles"
                                                                    : "AMX-BF16 three-part tiles") :
-           bw && cpu_bf16_fast(cpu_ctx(m->be)) && cpu_bf16_dp_fits(bw) ? "vdpbf16ps" :
+           bw && cpu_bf16_fast(cpu_ctx(m->be), bw) && cpu_bf16_dp_fits(bw) ? "vdpbf16ps" :
            cpu_isa_has(CPU_ISA_AVX512) ? "AVX-512 FMA over widened BF16" :
            cpu_isa_has(CPU_ISA_AVX2) ? "AVX2 FMA over widened BF16" : "scalar code",
            b->bpeak_rows, m->hidden, b->chunk);

@@ -66,7 +66,7 @@ asm(".text\n"
     "  ret\n"
     ".size cuemu_swap, .-cuemu_swap\n");
 
-enum { RUNNABLE, WAIT_BAR, WAIT_WARP, DONE };
+enum { RUNNABLE, WAIT_BAR, WAIT_WARP, DONE, STOOD_BACK };
 
 struct cp_req {
     uint8_t *dst;
@@ -83,6 +83,7 @@ struct thread {
     std::vector<std::vector<cp_req>> groups;
     void *asan_fake;
     bool pdl_waited;            // passed cudaGridDependencySynchronize (or needs none)
+    uint32_t stale_epoch;       // the epoch in which it last stood back at a stale read
 };
 
 struct lane_call {
@@ -123,6 +124,8 @@ static std::vector<stack_mem> g_stacks;
 static std::vector<thread> g_th;
 static std::vector<warp> g_warps;
 static std::vector<int> g_rq;
+static std::vector<int> g_stood_back;  // runnable, drawn only once g_rq is empty
+static bool g_in_collective;
 static std::vector<region> g_regions;
 static uintptr_t g_sh_lo, g_sh_hi;
 static size_t g_dyn_smem;
@@ -255,6 +258,8 @@ static int draw_next()
 {
     if (g_done == (int) g_th.size())
         return -1;
+    if (g_rq.empty())
+        g_rq.swap(g_stood_back);
     if (g_rq.empty()) {
         int bar = 0, wp = 0;
         for (thread &t : g_th) {
@@ -294,10 +299,14 @@ static void to_sched(bool dying)
 {
     thread &t = cur();
     const int me = g_cur->linear;
-    if (t.state == RUNNABLE)
+    if (t.state == RUNNABLE) {
         g_rq.push_back(me);
-    else if (t.state == DONE)
+    } else if (t.state == STOOD_BACK) {
+        t.state = RUNNABLE;
+        g_stood_back.push_back(me);
+    } else if (t.state == DONE) {
         g_done++;
+    }
     const int next = draw_next();
     if (next == me) {           // drawn again: it runs on
         g_cur = &t.f;
@@ -330,6 +339,20 @@ static void to_sched(bool dying)
 
 static void yield()
 {
+    to_sched(false);
+}
+
+// A thread that reads a shared byte no thread wrote in this epoch stands back, once per
+// epoch: every other runnable thread runs until it blocks (at a barrier, a warp collective,
+// its own stand-back, exit), then the read is done.  A write that a missing barrier left
+// unordered after the read is thus made before it, whatever the fiber order, and the read
+// is the race found (the value read is never the stale one, which, used as an index,
+// would have stopped the run in AddressSanitizer before the write was ever reached).
+static void stand_back()
+{
+    if (g_rq.empty())
+        return;                 // nobody else can run now: it goes on
+    cur().state = STOOD_BACK;
     to_sched(false);
 }
 
@@ -434,7 +457,9 @@ static void collective(int kind, const void *what, unsigned mask, const lane_cal
     w.lanes[f.lane] = lc;
     w.arrived |= bit;
     if (w.arrived == w.expected) {
+        g_in_collective = true;     // its reads are the lanes', made from this fiber
         exec_warp(w);
+        g_in_collective = false;
         const unsigned done = w.arrived;
         w.arrived = 0;
         w.gen++;
@@ -611,6 +636,16 @@ static void shadow_access(const void *p, size_t n, bool write)
     if (!r)
         return;
     const fiber &me = *g_cur;
+    thread &t = cur();
+    if (!write && t.stale_epoch != g_epoch && !g_in_collective) {
+        for (size_t i = 0; i < n && a + i < (uintptr_t) r->base + r->size; i++)
+            if (r->shadow[a + i - (uintptr_t) r->base].w_epoch != g_epoch) {
+                t.stale_epoch = g_epoch;
+                stand_back();
+                r = region_of(a);   // the others may have declared regions meanwhile
+                break;
+            }
+    }
     const uint16_t tid = (uint16_t) me.linear, wep = g_warps[me.warp].epoch;
     for (size_t i = 0; i < n; i++) {
         size_t off = a + i - (uintptr_t) r->base;
@@ -1038,6 +1073,7 @@ static void run_block(const launch_rec &L, uint3 bi)
     g_bar_arrived = 0;
     g_epoch = 1;
     g_rq.clear();
+    g_stood_back.clear();
     for (int i = 0; i < n; i++) {
         thread &t = g_th[i];
         t.f.linear = i;

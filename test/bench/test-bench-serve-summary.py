@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """bench-serve's summary: a finished request counts its tokens and E2E even when it streamed
-no text (a model whose tokens have none), and only requests with text give TTFT/TPOT."""
+no timed token (a model whose tokens have no text, asked without token ids), and only requests
+with timed tokens give TTFT/TPOT; a streamed choice times a token when it carries text or
+token ids (return_token_ids), not when it carries neither."""
 import importlib.machinery
 import importlib.util
 import os
@@ -23,6 +25,15 @@ checks = [
     (s["ttft"] == [0.5], "TTFT %r, want [0.5] (the request with text only)" % s["ttft"]),
     (s["tpot"] == [0.5], "TPOT %r, want [0.5]" % s["tpot"]),
     (s["failed"] == 1, "failed %r, want 1" % s["failed"]),
+    (bs.chunk_has_tokens({"index": 0, "text": "", "token_ids": [4711]}),
+     "a completions chunk with token ids and no text is not timed"),
+    (bs.chunk_has_tokens({"index": 0, "delta": {"content": ""}, "token_ids": [9]}),
+     "a chat chunk with token ids and no content is not timed"),
+    (bs.chunk_has_tokens({"index": 0, "text": "a"}), "a chunk with text is not timed"),
+    (not bs.chunk_has_tokens({"index": 0, "text": "", "token_ids": []}),
+     "a chunk with neither text nor token ids is timed"),
+    (not bs.chunk_has_tokens({"index": 0, "text": "", "finish_reason": "length"}),
+     "the finish chunk without text is timed"),
 ]
 bad = [m for ok, m in checks if not ok]
 for m in bad:

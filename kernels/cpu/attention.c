@@ -22,10 +22,11 @@
  * goes.  The split points depend on the positions only, so the output is the same bits
  * for any thread count, with the split or without, and for decode, verify and prefill.
  *
- * A pass (one KV head over one key chunk) prefetches the K and V rows of the next pass (the
- * group's next head, or the next chunk): a head's rows are a slot apart, a stride the
- * hardware prefetchers do not follow; the AVX-512 P.V kernel also brings its V rows from
- * L2 into L1 ATTN_PV_PF keys ahead.  With a BF16 cache the scores and P.V kernels read
+ * A pass (one KV head over one key chunk) prefetches the K and V rows of a later pass: a
+ * head's rows are a slot apart, a stride the hardware prefetchers do not follow.  Into L1
+ * the next pass in processing order (Intel, several KV heads an item: the group's next
+ * head, or the next chunk's first), else into L2 the same head's rows of the next chunk,
+ * which the AVX-512 P.V kernel then brings into L1 ATTN_PV_PF keys ahead.  With a BF16 cache the scores and P.V kernels read
  * the cache rows themselves, converting each vector in registers once for up to 8 query
  * rows (AVX2 P.V: 4) (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
  * into fp32 buffers first, which an FP32 cache and cpu_attn_no_fused do).
@@ -50,8 +51,9 @@
 #endif
 
 #define KEY_CHUNK 64     /* a multiple of 32 */
-/* keys ahead at which the AVX-512 P.V kernel prefetches its own V rows into L1 (the lines
- * came into L2 a chunk ahead, struct next_rows; docs/PERFORMANCE.md §8.2) */
+/* keys ahead at which the AVX-512 P.V kernel prefetches its own V rows into L1 where the
+ * lines came into L2 a chunk ahead (struct next_rows; docs/PERFORMANCE.md §8.2), not where
+ * the pass before brought them into L1 (§8.6) */
 #define ATTN_PV_PF 16
 /* Keys per split-K segment (a multiple of KEY_CHUNK and of the usual block sizes): a row's
  * keys are cut at absolute multiples of it, each piece's softmax state kept apart and the
@@ -810,7 +812,7 @@ AVX512_FN static void scores_bf16_avx512(const float *qs, int R, int hd,
  * prefetched into L1 ATTN_PV_PF keys ahead. */
 AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
                                    const uint16_t *const *vr, int hd, float *acc,
-                                   const struct next_rows *nx)
+                                   const struct next_rows *nx, bool own_pf)
 {
     int d0 = 0;
 
@@ -826,7 +828,7 @@ AVX512_INLINE void pv_bf16_rows512(const float *sc, int nr, int ka, int kb,
 
             /* this column block's line of the row ATTN_PV_PF keys on, L2 -> L1: the rows
              * are a slot apart, which the L1 prefetchers do not follow */
-            if (k + ATTN_PV_PF < kb)
+            if (own_pf && k + ATTN_PV_PF < kb)
                 _mm_prefetch((const char *)(vr[k + ATTN_PV_PF] + d0), _MM_HINT_T0);
             /* and this column block's line of the next pass's V row k (next_rows) */
             if (nx && k < nx->n)
@@ -870,6 +872,9 @@ AVX512_FN static void pv_bf16_avx512(const float *sc, int R, const int *ka, cons
                                      const uint16_t *const *vr, int hd, float *acc,
                                      const struct next_rows *nx)
 {
+    /* the rows are in L1 already where the pass before prefetched them there (nx->l1) */
+    const bool own_pf = !(nx && nx->l1);
+
     for (int r = 0; r < R;) {
         int n = 1;
 
@@ -880,10 +885,10 @@ AVX512_FN static void pv_bf16_avx512(const float *sc, int R, const int *ka, cons
             float *ac = acc + (int64_t)r * hd;
 
             switch (n) {
-#define PV_CASE(c) case c: pv_bf16_rows512(s, c, ka[r], kb[r], vr, hd, ac, nx); break;
+#define PV_CASE(c) case c: pv_bf16_rows512(s, c, ka[r], kb[r], vr, hd, ac, nx, own_pf); break;
             PV_CASE(8) PV_CASE(7) PV_CASE(6) PV_CASE(5) PV_CASE(4) PV_CASE(3) PV_CASE(2)
 #undef PV_CASE
-            default: pv_bf16_rows512(s, 1, ka[r], kb[r], vr, hd, ac, nx); break;
+            default: pv_bf16_rows512(s, 1, ka[r], kb[r], vr, hd, ac, nx, own_pf); break;
             }
             if (nx) {       /* the V rows the first run did not prefetch */
                 next_rows_prefetch_v(nx, 0, ka[r], hd);
@@ -1102,27 +1107,35 @@ static int attn_chunk(const struct attn_job *jb, int s, int i0, int i1, int j0, 
             const int j = j0 + h;
 
             /* the chunk's K and V rows of head j (the cache's own rows: FP32, or BF16 for the
-             * fused kernels; else converted into kf/vf), and head j's rows of the next chunk
+             * fused kernels; else converted into kf/vf), and the rows of a later pass
              * (struct next_rows): the fused kernels prefetch them spread over their work, the
-             * others here.  A whole chunk ahead, not the group's next head in this chunk: that
-             * one pass of lead did not cover the wait on memory (AVX-512, 1 thread, batch 1
-             * at 32k keys, all 8 KV heads in one item: 5.9 -> 6.8 GB per CPU-second) */
-            const int64_t *ps = nslot;
-            const int pj = j, pn = nk_next;
+             * others here.  Into L2 (AMD, and a head per item): head j's rows
+             * of the next chunk, nj passes ahead; the group's next head in this chunk, one
+             * pass of lead, did not cover the wait on memory there (AVX-512, 1 thread, batch
+             * 1 at 32k keys, all 8 KV heads in one item: 5.9 -> 6.8 GB per CPU-second).
+             * Into L1 (nx.l1, Intel, several KV heads an item): the next pass in processing
+             * order (the group's next head in this chunk; after the last, the first of the
+             * next chunk), 32 KiB ahead, so that the rows are still in the L1 (48 KiB) when
+             * the pass reads them: a chunk ahead they had left it again for the L2
+             * (docs/PERFORMANCE.md §8.6) */
+            const bool near = fused && jb->pf_l1 && nj > 1;
+            const bool same = near && h + 1 < nj;
+            const int64_t *ps = same ? slot : nslot;
+            const int pj = near ? j0 + (h + 1) % nj : j, pn = same ? nk : nk_next;
 
             if (fused) {
                 nx.k_only = false;
                 nx.n = pn;
-                nx.l1 = jb->pf_l1 && nj > 1;
-                /* a chunk ahead, into L2 only on AMD: from DRAM (EPYC, AVX-512, 1 thread,
-                 * batch 1 at 32k keys) 5.0-5.9 GB per CPU-second against 4.1 with
-                 * prefetches into L1, which fill the L1's few miss buffers; the AVX2
-                 * kernels too, since one item takes a thread's heads (5.5-5.7 -> 6.7-6.8 GB
-                 * per CPU-second, docs/PERFORMANCE.md §8.2).  On the Intel (AMX) host the
-                 * other way round where an item takes a group of KV heads (>= 4096 keys):
-                 * into L1, 1.2-1.6x at 8k keys with the V rows' prefetches moved into P.V
-                 * (§8.6); a head per item (short contexts) keeps L2 there too (L1:
-                 * 0.85-0.96x) */
+                nx.l1 = near;
+                /* into L2 only on AMD: from DRAM (EPYC, AVX-512, 1 thread, batch 1 at 32k
+                 * keys) 5.0-5.9 GB per CPU-second against 4.1 with prefetches into L1, which
+                 * fill the L1's few miss buffers; the AVX2 kernels too, since one item takes a
+                 * thread's heads (5.5-5.7 -> 6.7-6.8 GB per CPU-second, docs/PERFORMANCE.md
+                 * §8.2).  On the Intel (AMX) host the other way round where an item takes a
+                 * group of KV heads (>= 4096 keys): into L1, 1.2-1.6x at 8k keys with the V
+                 * rows' prefetches moved into P.V (§8.6), the next pass rather than the next
+                 * chunk another ~1.1x; a head per item (short contexts) keeps L2 there too
+                 * (L1: 0.85-0.96x) */
                 for (int k = 0; k < pn; k++) {
                     nx.k[k] = (const uint16_t *)kv->k + kv_row_off(kv, ps[k], pj);
                     nx.v[k] = (const uint16_t *)kv->v + kv_row_off(kv, ps[k], pj);

@@ -31,10 +31,16 @@
  * overflow there, as on the other fast paths).
  *
  * Prefetch: the first token pass over a tile prefetches each of its 4 row streams FH_PF1
- * bytes ahead into L1 (past a row's end: the next tile's same row).  On the Intel AMX host
- * that put the routed decode at 0.93-0.99 of MXFP4's share of the bandwidth, where the BF16
- * kernel's L2 prefetch of the tile 8 ahead left it at 0.88-0.93 and none at 0.75-0.79
- * (docs/PERFORMANCE.md §4.3a).
+ * bytes ahead into L1 and FH_PF2 bytes ahead into L2 (prefetcht1), a stream continuing past
+ * its row's end in the same row of the next tiles, as MXFP4's kernel does (1 KiB into L1,
+ * 4 KiB into L2).  A row of the 4096-wide projections is one 4 KiB page, and the L2
+ * streamer does not cross pages, so every row restarts it; with the L2 prefetch a row's
+ * page is requested a whole row before the kernel gets there (the L1 prefetch only 1 KiB
+ * before), so the restart is off the critical path.  On the Intel AMX host the L1 prefetch
+ * alone put the routed decode at 0.93-0.99 of MXFP4's share of the bandwidth (the BF16
+ * kernel's L2 prefetch of the tile 8 ahead: 0.88-0.93, none: 0.75-0.79); the L2 prefetch
+ * took bench-kernels' B = 1 from a median of 0.98 to 1.04 of it (CPU time, 6 alternated
+ * runs; 2, 8 KiB and prefetcht2 were within the noise of 4 KiB: docs/PERFORMANCE.md §4.3a).
  *
  * Batch invariance: a (row, token) sum is the same chunk sums in the same order into one
  * accumulator, reduced by _mm512_reduce_add_ps, whatever the tile (4 rows x up to 4 tokens),
@@ -60,6 +66,7 @@ int cpu_fp8_fp16_off;
 #define FH_CHUNK 128    /* columns of a chunk (at most 4 FP16 products per lane) */
 #define FH_PF1 1024     /* bytes ahead in each row's stream that the first token pass
                          * prefetches into L1 (past the row's end: the next tile's row) */
+#define FH_PF2 4096     /* and into L2 (prefetcht1): a 4096-column row's page ahead */
 
 #define FH_FN __attribute__((target(CPU_TARGET_VNNI ",avx512fp16")))
 #define FH_AI __attribute__((always_inline))
@@ -129,15 +136,19 @@ FH_FN static inline FH_AI __m512h fh_dec32(const uint8_t *q, __m512i mask)
 
 /* rows rw[0..3] against nt tokens' FP16 activations xt[] and chunk multipliers mt[]:
  * out[j][rr]; l4: every chunk 128 columns (compile-time at the call); pf: prefetch each
- * row's stream FH_PF1 bytes ahead into L1, past its end into the next tile's row at nx
- * (NULL: none) */
+ * row's stream FH_PF1 bytes ahead into L1 and FH_PF2 ahead into L2, past its end into the
+ * same row of the next tiles, as long as that is before end (the row range's end) */
 FH_FN static inline FH_AI void fh_tile(const uint8_t *const *rw, const struct fh_geo *g,
                                        const uint16_t *const *xt, const float *const *mt, const int nt,
-                                       const bool l4, float out[][FH_TILE], const bool pf, const uint8_t *nx)
+                                       const bool l4, float out[][FH_TILE], const bool pf, const uintptr_t end)
 {
     const __m512i mask = _mm512_set1_epi16((short)0xbf80);
     __m512 acc[FH_NT][FH_TILE];
     int64_t c = 0;
+    /* the prefetches' offsets from rw[rr] (a row's stream continues past its end in the same
+     * row of the next tiles, (FH_TILE - 1) rows further) and the bytes to the next row end */
+    int64_t d1 = FH_PF1 / g->cols * (FH_TILE - 1) * g->cols + FH_PF1, e1 = g->cols - FH_PF1 % g->cols;
+    int64_t d2 = FH_PF2 / g->cols * (FH_TILE - 1) * g->cols + FH_PF2, e2 = g->cols - FH_PF2 % g->cols;
 
 #pragma GCC unroll 4
     for (int j = 0; j < nt; j++)
@@ -148,16 +159,20 @@ FH_FN static inline FH_AI void fh_tile(const uint8_t *const *rw, const struct fh
         const int nv = l4 ? 4 : (int)(fh_len(g, ch) / 32);
 
         if (pf) {
-            const int64_t off = c + FH_PF1;
-
 #pragma GCC unroll 4
             for (int rr = 0; rr < FH_TILE; rr++) {
-                const uint8_t *p = off < g->cols ? rw[rr] + off : nx ? nx + rr * g->cols + off - g->cols : NULL;
+                /* addresses as integers: past the weights they are not pointers into them */
+                const uintptr_t p1 = (uintptr_t)rw[rr] + (uintptr_t)d1, p2 = (uintptr_t)rw[rr] + (uintptr_t)d2;
 
-                if (p) {
+                if (p1 < end) {
 #pragma GCC unroll 2
                     for (int k = 0; k < (nv + 1) / 2; k++)
-                        _mm_prefetch((const char *)p + 64 * k, _MM_HINT_T0);
+                        _mm_prefetch((const char *)(p1 + 64 * k), _MM_HINT_T0);
+                }
+                if (p2 < end) {
+#pragma GCC unroll 2
+                    for (int k = 0; k < (nv + 1) / 2; k++)
+                        _mm_prefetch((const char *)(p2 + 64 * k), _MM_HINT_T1);
                 }
             }
         }
@@ -183,6 +198,16 @@ FH_FN static inline FH_AI void fh_tile(const uint8_t *const *rw, const struct fh
             }
         }
         c += 32 * nv;
+        d1 += 32 * nv;
+        d2 += 32 * nv;
+        if ((e1 -= 32 * nv) <= 0) {
+            d1 += (FH_TILE - 1) * g->cols;
+            e1 += g->cols;
+        }
+        if ((e2 -= 32 * nv) <= 0) {
+            d2 += (FH_TILE - 1) * g->cols;
+            e2 += g->cols;
+        }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < nt; j++)
@@ -196,13 +221,14 @@ FH_FN static inline FH_AI void fh_tile(const uint8_t *const *rw, const struct fh
 #define FH_CASE(nt_)                                                    \
     case nt_:                                                           \
         if (g->l4)                                                      \
-            fh_tile(rw, g, xt, mt, nt_, true, out, pf, nx);             \
+            fh_tile(rw, g, xt, mt, nt_, true, out, pf, end);            \
         else                                                            \
-            fh_tile(rw, g, xt, mt, nt_, false, out, pf, nx);            \
+            fh_tile(rw, g, xt, mt, nt_, false, out, pf, end);           \
         break;
 
 FH_FN static void fh_tile_any(const uint8_t *const *rw, const struct fh_geo *g, const uint16_t *const *xt,
-                              const float *const *mt, int nt, float out[][FH_TILE], bool pf, const uint8_t *nx)
+                              const float *const *mt, int nt, float out[][FH_TILE], bool pf,
+                              uintptr_t end)
 {
     switch (nt) {
     FH_CASE(1)
@@ -253,7 +279,6 @@ FH_FN void cpu_matmul_fp8_fp16_rows(const struct bweight *w, const float *x, con
             for (int64_t r = b0; r < b1; r += FH_TILE) {
                 const int nr = b1 - r < FH_TILE ? (int)(b1 - r) : FH_TILE;
                 const uint8_t *rw[FH_TILE];
-                const uint8_t *nx = r + FH_TILE < r1 ? data + (r + FH_TILE) * cols : NULL;
 
                 for (int rr = 0; rr < FH_TILE; rr++)
                     rw[rr] = data + (r + (rr < nr ? rr : nr - 1)) * cols;
@@ -267,7 +292,7 @@ FH_FN void cpu_matmul_fp8_fp16_rows(const struct bweight *w, const float *x, con
                         xt[j] = xh + (int64_t)(i - i0 + j) * cols;
                         mt[j] = ms + (int64_t)(i - i0 + j) * g.nch;
                     }
-                    fh_tile_any(rw, &g, xt, mt, nt, out, i == i0, nx);
+                    fh_tile_any(rw, &g, xt, mt, nt, out, i == i0, (uintptr_t)(data + r1 * cols));
                     for (int j = 0; j < nt; j++)
                         for (int rr = 0; rr < nr; rr++)
                             y[(int64_t)(i + j) * ldy + (r + rr - r0)] = out[j][rr];

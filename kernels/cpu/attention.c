@@ -26,10 +26,11 @@
  * head's rows are a slot apart, a stride the hardware prefetchers do not follow.  Into L1
  * the next pass in processing order (Intel, several KV heads an item: the group's next
  * head, or the next chunk's first), else into L2 the same head's rows of the next chunk,
- * which the AVX-512 P.V kernel then brings into L1 ATTN_PV_PF keys ahead.  With a BF16 cache the scores and P.V kernels read
- * the cache rows themselves, converting each vector in registers once for up to 8 query
- * rows (AVX2 P.V: 4) (scores_bf16_*, pv_bf16_*; bit-identical to converting the rows
- * into fp32 buffers first, which an FP32 cache and cpu_attn_no_fused do).
+ * which the AVX-512 P.V kernel then brings into L1 ATTN_PV_PF keys ahead.  With a BF16
+ * cache the scores and P.V kernels read the cache rows themselves, converting each vector
+ * in registers once for up to 8 query rows (AVX2 P.V: 4) (scores_bf16_*, pv_bf16_*;
+ * bit-identical to converting the rows into fp32 buffers first, which an FP32 cache and
+ * cpu_attn_no_fused do).
  *
  * The AVX-512 kernels (chosen at run time, cpu_isa_has; STEPD_CPU_ISA=avx2 forces the AVX2
  * ones) do the AVX2 path's arithmetic on zmm registers, bit for bit: each lane takes the

@@ -11,7 +11,8 @@
 #     encoder's ops and the tiny tower against the CPU encoder;
 #   device-check.sh 2     figures, cap 405 s (timeout_s 420): probe -> binaries -> a
 #     synthetic full-width checkpoint (3 layers + 1 MTP layer) -> bench-cuda (MoE decode
-#     with realistic routing at batch 1/8/32/64 over 288 experts, attention at 4k/32k, the
+#     with realistic routing at batch 1/8/32/64 over 288 experts in MXFP4, FP8 and NVFP4
+#     side by side, attention at 4k/32k, the
 #     model step with graphs and eagerly, one MTP depth, per-layer time and the 45-layer
 #     batch-1 extrapolation, each as % of HBM bandwidth) -> ncu Speed-of-Light of the MoE
 #     (mx4_gemm) and attention (flash_kernel) kernels -> compute-sanitizer on the ops if

@@ -219,6 +219,7 @@ struct bench {
     float *rrows[64];               /* per trunk layer: the router's unit rows, or NULL */
     double real_distinct[MAX_B + 1][MAX_REPS]; /* per B and round: mean over MoE layers */
     double uni_distinct[MAX_B + 1][MAX_REPS];  /* the same on uniform routing */
+    double step_distinct[MAX_B + 1][MAX_REPS]; /* the real step's own routing (last MoE layer) */
     double peak[MAX_REPS];          /* GEMM peak of the round, FLOP/s (gemm_peak) */
     int peak_rows;                  /* rows of its weight */
     const char *peak_fmt;           /* its format and kernel */
@@ -903,17 +904,15 @@ static void sweep(struct bench *b, int B)
     b->flops_next = wflops(&m->lm_head, B);
     record(b, name, B, 0, t, wbytes(&m->lm_head));
 
-    /* the real decode step, then one MTP depth */
-    double step_bytes = wbytes(&m->lm_head) + wbytes(&m->final_norm) + B * H * 2.0;
-    double d = b->moe_runs[B] ? b->moe_distinct[B] / b->moe_runs[B] : 0;
-
-    for (int l = 0; l < m->n_layers; l++) {
-        const struct mlayer *L = &m->layers[l];
-        step_bytes += attn_wbytes(L) + ffn_wbytes(L) + d * expert_bytes(L) +
-                      B * kv_bytes(m, L, CTX_LAYERS);
-    }
+    /* the real decode step, then one MTP depth.  Its bytes count the distinct experts its
+     * own routing reaches (the tokens' hidden states through the random router), taken from
+     * the last MoE layer's routing ids the timed step leaves, for every MoE layer.  The
+     * uniform rows' count (moe_distinct) is far lower at batch >= 4 (32-37 against 88-96 at
+     * batch 16 on the full-width model): counted so, the floor left out ~1 GB of expert reads
+     * at batch 16 (docs/PERFORMANCE.md §8.6). */
     for (int whole = 0; whole < (b->T == 2 && B >= 4 ? 2 : 1); whole++) {
-        int parts = m->split_parts;
+        double step_bytes = wbytes(&m->lm_head) + wbytes(&m->final_norm) + B * H * 2.0;
+        int parts = m->split_parts, d;
 
         batch_make(b, B, CTX_LAYERS, &bt);
         plan_make(b, B, &p);
@@ -925,6 +924,13 @@ static void sweep(struct bench *b, int B)
         m->split_parts = parts;
         if (r < 0)
             die("model_step", r, m);
+        d = distinct_experts(m, B);
+        b->step_distinct[B][b->rep] = d;
+        for (int l = 0; l < m->n_layers; l++) {
+            const struct mlayer *L = &m->layers[l];
+            step_bytes += attn_wbytes(L) + ffn_wbytes(L) + d * expert_bytes(L) +
+                          B * kv_bytes(m, L, CTX_LAYERS);
+        }
         snprintf(name, sizeof(name), "real step: embed, %d layers, head%s", m->n_layers,
                  b->T == 2 && B >= 4 ? (whole ? " (whole, the default)" : " (per-core parts)")
                                      : "");
@@ -1075,12 +1081,13 @@ static void report(const struct bench *b)
             const struct model_config *cfg = b->m->cfg;
 
             printf("  routing: distinct experts per MoE layer %.1f realistic (target %.1f = "
-                   "uniform %.1f x %.3f, the measured ratio), %.1f uniform (random router)\n",
+                   "uniform %.1f x %.3f, the measured ratio), %.1f uniform (random router), "
+                   "%.1f in the real step (its own routing)\n",
                    median(b->real_distinct[B], b->reps), routing_target(cfg->n_experts,
                    cfg->top_k, B), routing_uniform(cfg->n_experts, cfg->top_k, B),
                    routing_target(cfg->n_experts, cfg->top_k, B) /
                        routing_uniform(cfg->n_experts, cfg->top_k, B),
-                   median(b->uni_distinct[B], b->reps));
+                   median(b->uni_distinct[B], b->reps), median(b->step_distinct[B], b->reps));
         }
         for (int u = 0; u < 2; u++)
             for (int ci = 0; ci < b->n_ctxs; ci++) {

@@ -8,6 +8,7 @@ the piece's share within rounding, i.e. the wall-clock % scaled by the shares (t
 peak's share where the floor is compute).
 
 usage: test-bench-shapes-decode.py BENCH_SHAPES MODEL_DIR"""
+import json
 import os
 import re
 import subprocess
@@ -74,6 +75,22 @@ for T in (1, 2):
         bad.append("threads %d: %d piece rows, want >= 10" % (T, rows))
     if not timed:
         bad.append("threads %d: no piece with cpu figures" % T)
+# the real step's bytes count the experts its own routing reaches: one figure per batch
+# and thread count, between top_k (one token) and the experts B tokens can reach
+with open(os.path.join(model, "config.json")) as f:
+    cfg = json.load(f)
+cfg = cfg.get("text_config", cfg)
+E, k = cfg["moe_num_experts"], cfg["moe_top_k"]
+for T in (1, 2):
+    text = out.stdout.split("\nthreads %d: read bandwidth" % T)[-1].split("\nthreads ")[0]
+    for B in (4, 64):
+        part = text.split("\n batch %d (" % B)[-1].split("\n batch ")[0]
+        r = re.search(r"routing: .*, %s in the real step \(its own routing\)" % num, part)
+        if not r:
+            bad.append("threads %d batch %d: no real-step routing figure" % (T, B))
+        elif not k <= float(r.group(1)) <= min(B * k, E):
+            bad.append("threads %d batch %d: the real step reaches %s experts, outside "
+                       "[%d, %d]" % (T, B, r.group(1), k, min(B * k, E)))
 for m in bad:
     print("test-bench-shapes-decode: " + m)
 if bad:

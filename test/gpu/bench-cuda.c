@@ -72,12 +72,15 @@ static int cmp_d(const void *a, const void *b)
 
 typedef int (*bench_fn)(void *arg);
 
-/* median seconds of one call over `reps` timed runs of `inner` calls (after a warm-up) */
+/* median seconds of one call over reps timed runs of inner calls (after one untimed); on
+ * the host emulator one run of one call, whose figure means nothing (it proves the paths
+ * run clean under AddressSanitizer) */
 static double time_median(bench_fn fn, void *arg, int reps, int inner)
 {
     double t[64];
 
-    reps = reps > 64 ? 64 : reps;
+    reps = emulated ? 1 : reps > 64 ? 64 : reps;
+    inner = emulated ? 1 : inner;
     ASSERT_OK(fn(arg));
     ASSERT_OK(backend_sync(gpu));
     for (int i = 0; i < reps; i++) {
@@ -89,18 +92,6 @@ static double time_median(bench_fn fn, void *arg, int reps, int inner)
     }
     qsort(t, (size_t)reps, sizeof(double), cmp_d);
     return t[reps / 2];
-}
-
-/* the timed runs and calls per run: one each on the host emulator, whose figures mean
- * nothing (it proves the paths run clean under AddressSanitizer) */
-static int emu_reps(int n)
-{
-    return emulated ? 1 : n;
-}
-
-static int emu_inner(int n)
-{
-    return emulated ? 1 : n;
 }
 
 static void *dev_random(size_t bytes)
@@ -153,7 +144,7 @@ static void bench_copy(void)
     struct copy_arg c = { .rows = emulated ? 16 : 1024, .row_bytes = 2u << 20 };
     ASSERT_OK(backend_buf_alloc(gpu, (size_t)c.rows * c.row_bytes, 256, &c.a));
     ASSERT_OK(backend_buf_alloc(gpu, (size_t)c.rows * c.row_bytes, 256, &c.b));
-    double t = time_median(run_copy, &c, emu_reps(quick ? 3 : 9), emu_inner(4));
+    double t = time_median(run_copy, &c, quick ? 3 : 9, 4);
     copy_bw = 2.0 * c.rows * c.row_bytes / t;
     printf("| copy ceiling (device to device, read + write) | %s | %.0f GB/s | 100 %% |\n",
            emulated ? "32 MiB" : "2 GiB", copy_bw / 1e9);
@@ -381,7 +372,7 @@ static void bench_moe(void)
             ASSERT_OK(backend_upload(gpu, ids, r->ids, sizeof(int32_t) * T * K));
             struct moe_arg ma = { { x, out, T, H, I, K, ids, wts, ex, 0, n_exp, 0.0f } };
             if (r->prefill) {
-                double t = time_median(run_moe, &ma, emu_reps(9), emu_inner(2));
+                double t = time_median(run_moe, &ma, 9, 2);
                 double flop = 2.0 * 3 * H * I * (double)T * K;
                 if (f == 0)
                     r->mx_share = flop / t;
@@ -392,8 +383,7 @@ static void bench_moe(void)
                 continue;
             }
             /* the non-MXFP4 formats fewer reps outside --quick (device-check's bench stage) */
-            double t = time_median(run_moe, &ma,
-                                   emu_reps(r->zipf < 0 ? 5 : f == 0 ? 15 : 9), emu_inner(10));
+            double t = time_median(run_moe, &ma, r->zipf < 0 ? 5 : f == 0 ? 15 : 9, 10);
             double bw = r->touched * wbytes / t, share = bw / copy_bw;
             if (f == 0)
                 r->mx_share = share;
@@ -455,7 +445,7 @@ static void bench_projection(void)
     ASSERT_OK(backend_buf_alloc(gpu, sizeof(float) * 64 * rows, 256, (void **)&m.y));
     for (int n = 1; n <= 8; n *= 8) {
         m.n = n;
-        double t = time_median(run_mm, &m, emu_reps(quick ? 5 : 21), emu_inner(10));
+        double t = time_median(run_mm, &m, quick ? 5 : 21, 10);
         double bw = 2.0 * rows * cols / t;
         printf("| BF16 projection [14432, 4096] (cuBLASLt), batch %d | %.1f us | %.0f GB/s | "
                "%.0f %% |\n", n, t * 1e6, bw / 1e9, 100 * bw / copy_bw);
@@ -493,7 +483,7 @@ static void bench_attention(void)
         struct at_arg aa = { { dev_floats((size_t)heads * hd, 1.0f), NULL, 1, heads, kvh, hd,
                                1.0f / sqrtf((float)hd), 0, &kv, 1, start, pos0, tables, off } };
         ASSERT_OK(backend_buf_alloc(gpu, sizeof(float) * heads * hd, 256, (void **)&aa.a.out));
-        double t = time_median(run_at, &aa, emu_reps(quick ? 5 : 21), emu_inner(10));
+        double t = time_median(run_at, &aa, quick ? 5 : 21, 10);
         double bytes = (double)L * kvh * hd * 2 * 2;
         printf("| attention decode, 1 sequence, %dk keys, 64/8 heads of 128, BF16 KV | %.1f us | "
                "%.0f GB/s | %.0f %% |\n", L / 1024, t * 1e6, bytes / t / 1e9,
@@ -585,7 +575,7 @@ static double time_head(int V, int H, int B)
     ASSERT_OK(backend_buf_alloc(gpu, sizeof(float) * (size_t)B * V, 256, (void **)&h.y));
     h.host = malloc(sizeof(float) * (size_t)B * V);
     ASSERT_TRUE(h.host);
-    double t = time_median(run_head, &h, emu_reps(quick ? 5 : 15), emu_inner(5));
+    double t = time_median(run_head, &h, quick ? 5 : 15, 5);
     backend_weight_release(gpu, &h.w);
     backend_buf_free(gpu, h.x);
     backend_buf_free(gpu, h.y);
@@ -638,7 +628,7 @@ static void bench_model(const char *dir, bool mtp)
             tp_init(&sa.tp);
             for (int s = 0; s < B; s++)
                 tp_add_run(&sa.tp, s, ctx, toks, 1, 1, mtp ? 1 : 0, 0);
-            double t = time_median(run_step, &sa, emu_reps(quick ? 5 : 15), emu_inner(5));
+            double t = time_median(run_step, &sa, quick ? 5 : 15, 5);
             (pass ? t_eager : t_graph)[bi] = t;
             if (pass == 0)
                 t_head[bi] = time_head(cfg->vocab_size, cfg->hidden_size, B);
@@ -646,7 +636,7 @@ static void bench_model(const char *dir, bool mtp)
                 struct mtp_arg ma = { &sa, { 1 }, { toks[1] }, NULL };
                 ma.logits = malloc(sizeof(float) * (size_t)cfg->vocab_size);
                 ASSERT_TRUE(ma.logits);
-                t_mtp = time_median(run_step_mtp, &ma, emu_reps(quick ? 5 : 15), emu_inner(5)) - t;
+                t_mtp = time_median(run_step_mtp, &ma, quick ? 5 : 15, 5) - t;
                 free(ma.logits);
             }
             free(sa.logits);

@@ -134,6 +134,28 @@ FH_FN static inline FH_AI __m512h fh_dec32(const uint8_t *q, __m512i mask)
     return _mm512_castsi512_ph(_mm512_and_si512(_mm512_slli_epi16(h, 7), mask));
 }
 
+/* a prefetch stream of fh_tile: its offset from its row's current position and the bytes
+ * from there to the row's end.  A row's stream continues past its end in the same row of
+ * the next tiles, (FH_TILE - 1) rows further. */
+struct fh_pfs {
+    int64_t d, e;
+};
+
+FH_FN static inline FH_AI struct fh_pfs fh_pfs_at(int64_t dist, int64_t cols)
+{
+    return (struct fh_pfs){ dist / cols * (FH_TILE - 1) * cols + dist, cols - dist % cols };
+}
+
+/* the rows moved n bytes on */
+FH_FN static inline FH_AI void fh_pfs_step(struct fh_pfs *s, int64_t n, int64_t cols)
+{
+    s->d += n;
+    if ((s->e -= n) <= 0) {
+        s->d += (FH_TILE - 1) * cols;
+        s->e += cols;
+    }
+}
+
 /* rows rw[0..3] against nt tokens' FP16 activations xt[] and chunk multipliers mt[]:
  * out[j][rr]; l4: every chunk 128 columns (compile-time at the call); pf: prefetch each
  * row's stream FH_PF1 bytes ahead into L1 and FH_PF2 ahead into L2, past its end into the
@@ -145,10 +167,7 @@ FH_FN static inline FH_AI void fh_tile(const uint8_t *const *rw, const struct fh
     const __m512i mask = _mm512_set1_epi16((short)0xbf80);
     __m512 acc[FH_NT][FH_TILE];
     int64_t c = 0;
-    /* the prefetches' offsets from rw[rr] (a row's stream continues past its end in the same
-     * row of the next tiles, (FH_TILE - 1) rows further) and the bytes to the next row end */
-    int64_t d1 = FH_PF1 / g->cols * (FH_TILE - 1) * g->cols + FH_PF1, e1 = g->cols - FH_PF1 % g->cols;
-    int64_t d2 = FH_PF2 / g->cols * (FH_TILE - 1) * g->cols + FH_PF2, e2 = g->cols - FH_PF2 % g->cols;
+    struct fh_pfs s1 = fh_pfs_at(FH_PF1, g->cols), s2 = fh_pfs_at(FH_PF2, g->cols);
 
 #pragma GCC unroll 4
     for (int j = 0; j < nt; j++)
@@ -162,7 +181,7 @@ FH_FN static inline FH_AI void fh_tile(const uint8_t *const *rw, const struct fh
 #pragma GCC unroll 4
             for (int rr = 0; rr < FH_TILE; rr++) {
                 /* addresses as integers: past the weights they are not pointers into them */
-                const uintptr_t p1 = (uintptr_t)rw[rr] + (uintptr_t)d1, p2 = (uintptr_t)rw[rr] + (uintptr_t)d2;
+                const uintptr_t p1 = (uintptr_t)rw[rr] + (uintptr_t)s1.d, p2 = (uintptr_t)rw[rr] + (uintptr_t)s2.d;
 
                 if (p1 < end) {
 #pragma GCC unroll 2
@@ -198,16 +217,8 @@ FH_FN static inline FH_AI void fh_tile(const uint8_t *const *rw, const struct fh
             }
         }
         c += 32 * nv;
-        d1 += 32 * nv;
-        d2 += 32 * nv;
-        if ((e1 -= 32 * nv) <= 0) {
-            d1 += (FH_TILE - 1) * g->cols;
-            e1 += g->cols;
-        }
-        if ((e2 -= 32 * nv) <= 0) {
-            d2 += (FH_TILE - 1) * g->cols;
-            e2 += g->cols;
-        }
+        fh_pfs_step(&s1, 32 * nv, g->cols);
+        fh_pfs_step(&s2, 32 * nv, g->cols);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < nt; j++)

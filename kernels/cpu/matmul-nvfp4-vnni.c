@@ -115,20 +115,26 @@ void cpu_nvfp4_release(struct bweight *w)
 
 /* corr8 of token row i rewritten per 16-column group: c[k] = -12 x Σq of group k (the
  * bias, the vpdpbusd chains' start), k = 0..3; group k's bytes in the pair (even columns,
- * then odd): 8k..8k+7 and 32+8k..32+8k+7 */
+ * then odd): 8k..8k+7 and 32+8k..32+8k+7, summed by psadbw as q + 128 (SSE2: every level
+ * alike, exact integers) */
 static void nv_group_corr(struct cpu_qact *qa, int64_t i)
 {
+    const __m128i bias = _mm_set1_epi8((char)0x80), zero = _mm_setzero_si128();
+
     for (int64_t p = 0; p < qa->npair; p++) {
         const int8_t *q = qa->q + (i * qa->npair + p) * 64;
         int32_t *c = qa->corr8 + (i * qa->npair + p) * 8;
+        __m128i v[4];
 
-        for (int k = 0; k < 4; k++) {
-            int32_t s = 0;
+        for (int h = 0; h < 4; h++)
+            v[h] = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(q + 16 * h)), bias), zero);
+        /* groups 0, 1 (low, high quadword) from bytes 0-15 and 32-47; 2, 3 from 16-31 and 48-63 */
+        const __m128i s01 = _mm_add_epi64(v[0], v[2]), s23 = _mm_add_epi64(v[1], v[3]);
 
-            for (int j = 0; j < 8; j++)
-                s += q[8 * k + j] + q[32 + 8 * k + j];
-            c[k] = -12 * s;
-        }
+        c[0] = -12 * (_mm_cvtsi128_si32(s01) - 16 * 128);
+        c[1] = -12 * (_mm_cvtsi128_si32(_mm_srli_si128(s01, 8)) - 16 * 128);
+        c[2] = -12 * (_mm_cvtsi128_si32(s23) - 16 * 128);
+        c[3] = -12 * (_mm_cvtsi128_si32(_mm_srli_si128(s23, 8)) - 16 * 128);
     }
 }
 

@@ -255,14 +255,15 @@ void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const 
  * the token count.  x86-64 with CPU_ISA_AVX512 only. */
 void cpu_matmul_lowp512_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                              int64_t ldy, int64_t r0, int64_t r1);
-/* Level vnni (matmul-nvfp4-vnni.c): NVFP4 through MXFP4's int8 path (activations quantised
- * as cpu_qact_quantize does, into rowbuf, CPU_LOWP_BUF(cols) floats), where cols % 64 == 0
- * and the weight was repacked at prepare (cpu_nvfp4_prepare); cpu_lowp_vnni_off nonzero
- * (benchmarks) keeps the AVX-512 tiles above. */
+/* Levels vnni and avx2 (matmul-nvfp4-vnni.c): NVFP4 through MXFP4's int8 path (activations
+ * quantised as cpu_qact_quantize does, into rowbuf, CPU_LOWP_BUF(cols) floats), where
+ * cols % 64 == 0 and the weight was repacked at prepare (cpu_nvfp4_prepare); the avx2 kernel's
+ * outputs are the vnni one's bit for bit.  Not at level avx512 (the AVX-512 tiles above);
+ * cpu_lowp_vnni_off nonzero (benchmarks) keeps the AVX-512 tiles or the AVX2 fused path. */
 extern int cpu_lowp_vnni_off;
-bool cpu_nvfp4_vnni_fits(const struct bweight *w);
-/* NVFP4 repacked layout (priv of a prepared weight where the host has level vnni and
- * cols % 64 == 0): one stream in the order the kernel reads it, a vector lane per row.
+bool cpu_nvfp4_int8_fits(const struct bweight *w);
+/* NVFP4 repacked layout (priv of a prepared weight where the active level is vnni or up, or
+ * avx2, and cols % 64 == 0): one stream in the order the kernel reads it, a vector lane per row.
  * Rows in groups of NVFP4_GROUP_ROWS; group g is npair units of NVFP4_PAIR_BYTES, one per
  * 64-column pair p: 8 x 64 bytes, the h-th holding at 4r the nibble bytes 4h..4h+3 of row
  * r's 32 on-disk bytes of the pair, then 4 x 16 bytes, the k-th holding at r row r's E4M3
@@ -278,7 +279,7 @@ struct cpu_nvfp4 {
 /* weight_prepare: cpu_lowp_check, then the repack where the VNNI kernel can use it */
 int cpu_nvfp4_prepare(struct bweight *w);
 void cpu_nvfp4_release(struct bweight *w);
-void cpu_matmul_nvfp4_vnni_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
+void cpu_matmul_nvfp4_int8_rows(const struct bweight *w, const float *x, const int32_t *xidx, int n, float *y,
                                 int64_t ldy, int64_t r0, int64_t r1, void *rowbuf);
 /* Level vnni on CPUs with AVX-512 BF16 (matmul-fp8-bf16.c): FP8 by vdpbf16ps, the block
  * scale on the activations (rounded to BF16 in rowbuf), where cols and the scale blocks'

@@ -2,7 +2,9 @@
  * scale per 16 in-features, one F32 global scale; docs/MODEL.md §5.7) through the
  * decoded-row driver of matmul-fp8.c: the exact path decodes to fp64 (e2m1 x e4m3 x the
  * F32 global scale is exact there: 3 + 4 + 24 bits); the fast path decodes in registers
- * and FMAs at once (nvfp4_row_fused_avx2). */
+ * and FMAs at once (nvfp4_row_fused_avx2), except where the int8 path of
+ * matmul-nvfp4-vnni.c fits (levels vnni and avx2, columns a multiple of 64) and at level
+ * avx512 (matmul-lowp512.c). */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -157,8 +159,8 @@ void cpu_matmul_nvfp4_rows(const struct bweight *w, const float *x, const int32_
                            int64_t ldy, int64_t r0, int64_t r1, bool exact, void *rowbuf)
 {
 #if defined(__x86_64__)
-    if (!exact && !cpu_lowp_fused_off && cpu_nvfp4_vnni_fits(w)) {
-        cpu_matmul_nvfp4_vnni_rows(w, x, xidx, n, y, ldy, r0, r1, rowbuf);
+    if (!exact && !cpu_lowp_fused_off && cpu_nvfp4_int8_fits(w)) {
+        cpu_matmul_nvfp4_int8_rows(w, x, xidx, n, y, ldy, r0, r1, rowbuf);
         return;
     }
     if (!exact && !cpu_lowp_fused_off && cpu_isa_has(CPU_ISA_AVX512)) {

@@ -151,7 +151,7 @@ static void mats_make(struct mats *ms, enum wfmt fmt, int64_t rows, int64_t cols
 /* FP8 ([rows, cols] E4M3, F32 scales per 128x128) and NVFP4 (nibbles, E4M3 per 16, F32
  * global) copies of one shape, up to max_mb MiB of them (>> L3), carved from the arena: the
  * codes are the arena's bytes, the scales set to realistic values (no NaN, no denormal).
- * be: each copy prepared as the loader prepares it (NVFP4 at level vnni: repacked by
+ * be: each copy prepared as the loader prepares it (NVFP4 at levels vnni, avx2: repacked by
  * cpu_nvfp4_prepare, and the repacked stream, the same bytes, moved back into the copy's
  * place in the arena, so that it is read from the same kind of pages as MXFP4's copies,
  * which the arena also holds: wmem's huge pages would flatter it); NULL: left as on disk. */
@@ -632,7 +632,7 @@ static void bench_lowp_incache(struct backend *be, const char *const *names)
  * of the read bandwidth probed in each rep, and that share as a fraction of MXFP4's.
  * FP8/NVFP4 "f32" = the fp32-activation kernels (the AVX-512 tiles where the host has
  * them, else the AVX2 dispatch; cpu_lowp_vnni_off) and "new" = as dispatched (NVFP4 on the
- * int8 VNNI path where the host has level vnni).  Rows "B=": decode batch B with realistic routing (routed_counts: each copy
+ * int8 path at levels vnni and avx2).  Rows "B=": decode batch B with realistic routing (routed_counts: each copy
  * multiplies the tokens its expert got, 1-3 mostly); rows "n=": every token on one expert
  * (the dense worst case).  "cpu time": the share with process CPU time in place of wall
  * time for both the probe and the sweep (stalls on memory count, time slices lost to other

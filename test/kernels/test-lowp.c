@@ -4,7 +4,7 @@
  * docs/MODEL.md §5.6-§5.7, not the kernels' tables):
  *   - exact path: bit for bit the reference summed in the documented 16-lane order;
  *   - fast path: within 1e-5 of Σ|w·x| of each output (fp32 decode and FMA order); NVFP4
- *     at level vnni (matmul-nvfp4-vnni.c, int8 activations as MXFP4's fast path) within
+ *     at levels vnni and avx2 (matmul-nvfp4-vnni.c, int8 activations as MXFP4's fast path) within
  *     the activation rounding's bound Σ|w_i|·d_b(i)/2 (d_b = amax of x's 32-block / 127);
  *     FP8 at level vnni with AVX-512 BF16 (matmul-fp8-bf16.c; at level amx its AMX tiles)
  *     within 2^-8 Σ|w·x| more, also on row ranges directly (check_fp8_rows);
@@ -16,9 +16,11 @@
  *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
  *   - an E4M3 NaN code is refused at weight_prepare;
- *   - at level vnni an NVFP4 weight with 64-column pairs is repacked at weight_prepare, and
- *     the fast path (matmul and MoE) reads the repacked stream: a wrong repack fails the
- *     bounds above; its 16-row kernel on row ranges directly (check_nvfp4_rows). */
+ *   - at levels vnni and avx2 an NVFP4 weight with 64-column pairs is repacked at
+ *     weight_prepare, and the fast path (matmul and MoE) reads the repacked stream: a wrong
+ *     repack fails the bounds above; its kernel on row ranges directly (check_nvfp4_rows);
+ *     at level avx2 each output is the vnni kernel's bit for bit where the host has level
+ *     vnni, and batch-invariant (check_nvfp4_levels). */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -98,13 +100,13 @@ static double ref_dot(const struct bweight *w, int64_t o, const float *x, double
     return acc[0];
 }
 
-/* NVFP4 on the int8 path (level vnni, 64-column pairs): the bound of the activations'
+/* NVFP4 on the int8 path (levels vnni and up, and avx2; 64-column pairs): the bound of the activations'
  * rounding to int8 per 32-block, Σ |w_i| · d_b(i) / 2; FP8 on the BF16 path (level vnni
  * with AVX-512 BF16, 32-column multiples): the activations x scale rounded to BF16,
  * 2^-8 Σ |w·x| */
 static bool int8_path(enum wfmt fmt, int64_t cols)
 {
-    return fmt == WFMT_NVFP4 && cols % 64 == 0 && cpu_isa_has(CPU_ISA_VNNI);
+    return fmt == WFMT_NVFP4 && cols % 64 == 0 && (cpu_isa_has(CPU_ISA_VNNI) || cpu_isa() == CPU_ISA_AVX2);
 }
 
 static bool bf16_path(const struct bweight *w)
@@ -387,9 +389,9 @@ static void check_rows(const struct bweight *w, const int *ns, size_t n_ns, cons
     free(buf);
 }
 
-/* Level vnni, NVFP4's 16-row kernel (matmul-nvfp4-vnni.c) on row ranges (check_rows):
+/* Levels vnni and avx2, NVFP4's int8 kernels (matmul-nvfp4-vnni.c) on row ranges (check_rows):
  * 40 rows (groups of 16, the last 8 rows padding) x 192 columns, 1-33 tokens (passes of 8
- * and their tails, 16-token blocks, 128-row chunks), ranges starting on a group and inside
+ * or 4 and their tails, 16-token blocks, 128-row chunks), ranges starting on a group and inside
  * one: a scale or nibble put in another row's lane, or a group stored at the wrong rows,
  * fails */
 static void check_nvfp4_rows(void)
@@ -406,6 +408,75 @@ static void check_nvfp4_rows(void)
     backend_weight_release(bf, &w);
     backend_free(bf);
     lowp_free(&w);
+}
+
+/* Level avx2, NVFP4's int8 path (matmul-nvfp4-vnni.c, the 8-row vpmaddubsw kernel): each
+ * output equals, bit for bit, a one-token call of the vnni kernel (where the host has level
+ * vnni: cpu_isa_set raises the level for the reference and lowers it back; else of the avx2
+ * kernel): 200 rows (16-row groups, the last one half padding) x 320 columns, 23 and 6
+ * tokens through the backend on 1 and 3 threads (passes of 4 and tails of 3 and 2, two
+ * 16-token blocks, 128-row chunks, row splits) and 23 through the row kernel on ranges inside a group with the
+ * tokens gathered by a permuting xidx: a float operation out of the vnni kernel's order, a
+ * 16-bit sum that saturates, or a token's sum that depends on its pass fails */
+static void check_nvfp4_levels(void)
+{
+    enum { R = 200, C = 320, N = 23 };
+    static const int64_t ranges[][2] = { { 5, 37 }, { 16, 200 }, { 0, 8 } };
+    const enum cpu_isa ref_level = cpu_isa_host() >= CPU_ISA_VNNI ? CPU_ISA_VNNI : CPU_ISA_AVX2;
+    struct bweight w = lowp_new(WFMT_NVFP4, R, C, 0, 0);
+    struct backend *be[2] = { kref_backend(1, false), kref_backend(3, false) };
+    float *x = malloc(sizeof(float) * N * C), *y1 = malloc(sizeof(float) * N * R);
+    float *yn = malloc(sizeof(float) * N * R), *buf = aligned_alloc(64, sizeof(float) * (size_t)CPU_LOWP_BUF(C));
+    int32_t xidx[N];
+
+    krng_fill(x, N * C, 2.0f);
+    /* the 16-bit sums' extreme: token 0's first pair all q = 127 against rows 0 and 9 all
+     * +6 (biased 24): 4 x 2 x 24 x 127 = 24384 per lane (more pairs summed would saturate) */
+    for (int i = 0; i < 64; i++)
+        x[i] = 3.0f;
+    for (int r = 0; r < 10; r += 9)
+        memset((uint8_t *)w.data + r * (C / 2), 0x77, 32);
+    ASSERT_OK(backend_weight_prepare(be[0], &w));
+    if (!w.priv || !cpu_nvfp4_int8_fits(&w))
+        FAIL("nvfp4 [%dx%d]: not repacked for the int8 path at level avx2", R, C);
+    cpu_isa_set(ref_level);
+    if (!cpu_nvfp4_int8_fits(&w))
+        FAIL("nvfp4: not on the int8 path at level %s", cpu_isa_name(ref_level));
+    for (int t = 0; t < N; t++) {
+        xidx[0] = t;
+        cpu_matmul_nvfp4_rows(&w, x, xidx, 1, y1 + (int64_t)t * R, R, 0, R, false, buf);
+    }
+    cpu_isa_set(CPU_ISA_AVX2);
+    for (int k = 0; k < 4; k++) {
+        const int n = k < 2 ? N : 6;
+
+        ASSERT_OK(backend_matmul(be[k % 2], &w, x, n, yn));
+        for (int64_t i = 0; i < n * R; i++)
+            if (memcmp(&yn[i], &y1[i], sizeof(float)) != 0)
+                FAIL("nvfp4 avx2 [%dx%d] n=%d on %d threads token %lld row %lld: %.9g, %s solo %.9g", R, C, n,
+                     k % 2 ? 3 : 1, (long long)(i / R), (long long)(i % R), yn[i], cpu_isa_name(ref_level), y1[i]);
+    }
+    for (size_t g = 0; g < ARRAY_SIZE(ranges); g++) {
+        const int64_t r0 = ranges[g][0], r1 = ranges[g][1];
+
+        for (int i = 0; i < N; i++)
+            xidx[i] = (5 * i + 2) % N;
+        cpu_matmul_nvfp4_rows(&w, x, xidx, N, yn, R, r0, r1, false, buf);
+        for (int t = 0; t < N; t++)
+            for (int64_t o = r0; o < r1; o++)
+                if (memcmp(&yn[(int64_t)t * R + (o - r0)], &y1[(int64_t)xidx[t] * R + o], sizeof(float)) != 0)
+                    FAIL("nvfp4 avx2 rows [%lld, %lld) t=%d row %lld: %.9g, %s solo %.9g", (long long)r0,
+                         (long long)r1, t, (long long)o, yn[(int64_t)t * R + (o - r0)], cpu_isa_name(ref_level),
+                         y1[(int64_t)xidx[t] * R + o]);
+    }
+    backend_weight_release(be[0], &w);
+    backend_free(be[0]);
+    backend_free(be[1]);
+    lowp_free(&w);
+    free(x);
+    free(y1);
+    free(yn);
+    free(buf);
 }
 
 /* Level vnni and up, FP8's BF16 kernels (matmul-fp8-bf16.c: vdpbf16ps, or at level amx the
@@ -609,8 +680,9 @@ int main(int argc, char **argv)
     /* AVX2: 1-3 tokens the fused fast path (2: its four-chain form), 9 the buffered one;
      * AVX-512: 4-row x 5-token tiles, so 9 and 16 tokens cover full and edge token blocks
      * and 7, 33 and 5 rows the edge row tiles; 48 columns: an odd count of 16-column
-     * groups, the fused loops' tails; level vnni (NVFP4, 64-column pairs): 16-row groups
-     * (7, 33 and 200 rows their edges), passes of 8 tokens (9, 16, 21: whole and tails),
+     * groups, the fused loops' tails (NVFP4 at AVX2: the shapes whose columns are not a
+     * multiple of 64); levels vnni and avx2 (NVFP4, 64-column pairs): 16-row groups (7, 33
+     * and 200 rows their edges), passes of 8 tokens, 4 at avx2 (9, 16, 21: whole and tails),
      * 16-token blocks (16 tokens: one; 21: two), 128-row chunks when there are several token
      * blocks (200 rows: two) */
     static const int ns[] = { 1, 2, 3, 9, 16, 21 };
@@ -634,6 +706,10 @@ int main(int argc, char **argv)
             check_batch_invariant(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], 16, 2);
             check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1);
         }
+    if (level == CPU_ISA_AVX2) {
+        check_nvfp4_rows();
+        check_nvfp4_levels();
+    }
     if (level >= CPU_ISA_VNNI && cpu_isa_has(CPU_ISA_VNNI)) {
         check_nvfp4_rows();
         if (fp16)

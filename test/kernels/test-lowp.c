@@ -13,7 +13,10 @@
  *     on adversarial data too, and batch-invariant bit for bit (check_fp8_fp16);
  *   - at level amx the FP8 AMX tiles (switched on here: cpu_fp8_amx_on) put back the tile
  *     configuration the BF16 AMX matmul keeps;
- *   - from AVX-512 on, the fast path is batch-invariant: a token's outputs equal a solo call's;
+ *   - from AVX-512 on (FP8: from AVX2 on), the fast path is batch-invariant: a token's
+ *     outputs equal a solo call's;
+ *   - at level avx2 FP8's fast path is bit for bit a scalar model of its decode and order
+ *     (fp8_avx2_model: every code, 1-21 tokens, 1-3 threads);
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
  *   - an E4M3 NaN code is refused at weight_prepare;
  *   - at levels vnni and avx2 an NVFP4 weight with 64-column pairs is repacked at
@@ -222,8 +225,8 @@ static void check_fp8_codes(int n, int bc)
     check_matmul_w(w, n, 1);
 }
 
-/* From AVX-512 on, the fast path's (row, token) sum does not depend on how many tokens
- * share the call (matmul-lowp512.c): each token of an n-token call equals, bit for bit,
+/* From AVX-512 on (FP8: from AVX2 on, matmul-fp8.c), the fast path's (row, token) sum does
+ * not depend on how many tokens share the call (matmul-lowp512.c): each token of an n-token call equals, bit for bit,
  * a call with that token alone (the MoE relies on it: an expert reached by one token
  * computes what it would with sixteen, so MTP K=3 verifies what K=0 decodes) */
 static void check_batch_invariant(enum wfmt fmt, int64_t rows, int64_t cols, int br, int bc, int n, int nth)
@@ -249,6 +252,68 @@ static void check_batch_invariant(enum wfmt fmt, int64_t rows, int64_t cols, int
     free(x);
     free(yn);
     free(y1);
+}
+
+/* Level avx2, FP8's fast path (matmul-fp8.c, fp8_rows_avx2) in scalar, from the test's own
+ * decode: each code's value x 2^-8 (exact in fp32), per scale block 4 fp32 FMA chains of 8
+ * lanes (32-column steps: columns +0..7, +8..15, +16..23, +24..31 on chains 0-3; a last 16
+ * on chains 0 and 1), lane-wise (c0 + c1) + (c2 + c3) FMAed with the block scale x 2^8 into
+ * 8 lane accumulators, summed lane 0 to 7 from 0 */
+static float fp8_avx2_model(const struct bweight *w, int64_t o, const float *x)
+{
+    const int64_t bc = w->blk_cols;
+    float acc[8] = { 0 }, r = 0.0f;
+
+    for (int64_t b = 0; b < w->cols; b += bc) {
+        float c[4][8] = { { 0 } }, s;
+        int64_t j = 0;
+
+        memcpy(&s, w->scale + 4 * ((o / w->blk_rows) * (w->cols / bc) + b / bc), 4);
+        s *= 0x1p8f;
+        for (; j < bc; j += 32)
+            for (int k = 0; k < (j + 16 < bc ? 4 : 2); k++)
+                for (int l = 0; l < 8; l++) {
+                    const int64_t i = o * w->cols + b + j + 8 * k + l;
+                    const float v = (float)(e4m3_ref(((const uint8_t *)w->data)[i]) * 0x1p-8);
+                    c[k][l] = fmaf(v, x[b + j + 8 * k + l], c[k][l]);
+                }
+        for (int l = 0; l < 8; l++)
+            acc[l] = fmaf((c[0][l] + c[1][l]) + (c[2][l] + c[3][l]), s, acc[l]);
+    }
+    for (int l = 0; l < 8; l++)
+        r += acc[l];
+    return r;
+}
+
+/* Level avx2: FP8's fast path bit for bit fp8_avx2_model, on the given weight (freed here)
+ * at 1-21 tokens (token passes of 3 and blocks of 16, groups of 1 row up to 2 tokens and 4
+ * from 3) and 1-3 threads: its decode of every code and its order, the same at every token
+ * count (batch-invariant) */
+static void check_fp8_avx2_bits(struct bweight w)
+{
+    static const int ns[] = { 1, 2, 3, 4, 5, 9, 16, 21 };
+    const int64_t rows = w.rows, cols = w.cols;
+    float *x = malloc(sizeof(float) * 21 * (size_t)cols), *y = malloc(sizeof(float) * 21 * (size_t)rows);
+
+    krng_fill(x, 21 * (size_t)cols, 2.0f);
+    for (size_t k = 0; k < ARRAY_SIZE(ns); k++) {
+        struct backend *bf = kref_backend(1 + (int)(k % 3), false);
+
+        ASSERT_OK(backend_weight_prepare(bf, &w));
+        ASSERT_OK(backend_matmul(bf, &w, x, ns[k], y));
+        for (int t = 0; t < ns[k]; t++)
+            for (int64_t o = 0; o < rows; o++) {
+                const float f = y[(int64_t)t * rows + o], m = fp8_avx2_model(&w, o, x + (int64_t)t * cols);
+                if (memcmp(&f, &m, sizeof(f)) != 0)
+                    FAIL("fp8 avx2 [%lldx%lld] blocks %dx%d n=%d t=%d row %lld: %.9g, model %.9g", (long long)rows,
+                         (long long)cols, w.blk_rows, w.blk_cols, ns[k], t, (long long)o, f, m);
+            }
+        backend_weight_release(bf, &w);
+        backend_free(bf);
+    }
+    lowp_free(&w);
+    free(x);
+    free(y);
 }
 
 /* The MoE op with FP8 / NVFP4 experts: out += Σ weight · down(swiglu(gate x, up x)),
@@ -677,7 +742,8 @@ int main(int argc, char **argv)
     static const int64_t shapes[][4] = { { 1, 32, 1, 32 }, { 7, 96, 7, 16 }, { 64, 256, 32, 128 },
                                          { 128, 4096, 128, 128 }, { 33, 160, 11, 32 }, { 5, 48, 5, 16 },
                                          { 7, 128, 7, 64 }, { 200, 320, 8, 64 } };
-    /* AVX2: 1-3 tokens the fused fast path (2: its four-chain form), 9 the buffered one;
+    /* AVX2: FP8 one row a group up to 2 tokens, 4 from 3, token passes of 3 (9, 16, 21:
+     * blocks of 16 and tails); NVFP4 1-3 tokens the fused fast path, 9 the buffered one;
      * AVX-512: 4-row x 5-token tiles, so 9 and 16 tokens cover full and edge token blocks
      * and 7, 33 and 5 rows the edge row tiles; 48 columns: an odd count of 16-column
      * groups, the fused loops' tails (NVFP4 at AVX2: the shapes whose columns are not a
@@ -701,14 +767,23 @@ int main(int argc, char **argv)
         check_moe(WFMT_FP8, 2, exact);
         check_moe(WFMT_NVFP4, 1, exact);
     }
-    if (level >= CPU_ISA_AVX512)
-        for (size_t s = 0; s < ARRAY_SIZE(shapes); s++) {
-            check_batch_invariant(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], 16, 2);
-            check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1);
-        }
     if (level == CPU_ISA_AVX2) {
+        /* every code but NaN in rows 1-4 (check_fp8_codes' weight), then the shapes */
+        for (int bc = 16; bc <= 64; bc *= 2) {
+            struct bweight w = lowp_new(WFMT_FP8, 6, 64, 2, bc);
+            for (int i = 0; i < 256; i++)
+                ((uint8_t *)w.data)[64 + i] = (uint8_t)((i & 0x7f) == 0x7f ? 0 : i);
+            check_fp8_avx2_bits(w);
+        }
+        for (size_t s = 0; s < ARRAY_SIZE(shapes); s++)
+            check_fp8_avx2_bits(lowp_new(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3]));
         check_nvfp4_rows();
         check_nvfp4_levels();
+    }
+    for (size_t s = 0; level >= CPU_ISA_AVX2 && s < ARRAY_SIZE(shapes); s++) {
+        check_batch_invariant(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], 16, 2);
+        if (level >= CPU_ISA_AVX512)
+            check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1);
     }
     if (level >= CPU_ISA_VNNI && cpu_isa_has(CPU_ISA_VNNI)) {
         check_nvfp4_rows();

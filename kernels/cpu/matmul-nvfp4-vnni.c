@@ -183,6 +183,16 @@ static inline struct nv_tok nv_tok(const struct cpu_qact *qa, int64_t x, int64_t
     return (struct nv_tok){ qa->q + xo * 64 + 16 * b, qa->corr8 + xo * 8 + 2 * b, qa->d8[xo * 8 + 4 * b] };
 }
 
+/* a pair's stream NV_PF bytes on into L1 and NV_PF2 on into L2 */
+static inline __attribute__((always_inline)) void nv_prefetch(const uint8_t *u)
+{
+#pragma GCC unroll 9
+    for (int l = 0; l < NVFP4_PAIR_BYTES / 64; l++) {
+        _mm_prefetch((const char *)u + NV_PF + 64 * l, _MM_HINT_T0);
+        _mm_prefetch((const char *)u + NV_PF2 + 64 * l, _MM_HINT_T1);
+    }
+}
+
 /* group gp's 16 rows (repacked, cpu_nvfp4_prepare) against nt tokens xrow[] of qa: out[j]
  * the rows' sums (lane r: row r) times the global scale; pf: prefetch the stream ahead,
  * NV_PF bytes into L1 and NV_PF2 into L2 (the first token pass; the stream runs on into the
@@ -204,11 +214,7 @@ nv_group(const struct bweight *w, const uint8_t *gp, const struct cpu_qact *qa, 
         __m512 s[4];
 
         if (pf)
-#pragma GCC unroll 9
-            for (int l = 0; l < NVFP4_PAIR_BYTES / 64; l++) {
-                _mm_prefetch((const char *)u + NV_PF + 64 * l, _MM_HINT_T0);
-                _mm_prefetch((const char *)u + NV_PF2 + 64 * l, _MM_HINT_T1);
-            }
+            nv_prefetch(u);
         /* E4M3 -> fp16 bit fields (sign, 4 exponent and 3 mantissa bits shifted in) */
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
@@ -297,11 +303,7 @@ nv2_group(const struct bweight *w, const uint8_t *gp, const struct cpu_qact *qa,
         const uint8_t *u = gp + p * NVFP4_PAIR_BYTES;
 
         if (pf)
-#pragma GCC unroll 9
-            for (int l = 0; l < NVFP4_PAIR_BYTES / 64; l++) {
-                _mm_prefetch((const char *)u + NV_PF + 64 * l, _MM_HINT_T0);
-                _mm_prefetch((const char *)u + NV_PF2 + 64 * l, _MM_HINT_T1);
-            }
+            nv_prefetch(u);
 #pragma GCC unroll 2
         for (int hf = 0; hf < 2; hf++)
 #pragma GCC unroll 2

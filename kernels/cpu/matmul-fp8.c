@@ -1,7 +1,8 @@
 /* matmul-fp8.c - block-scaled FP8 weights (WFMT_FP8: E4M3 codes, one F32 scale per
  * blk_rows x blk_cols block; docs/MODEL.md §5.6), and the decoded-row driver the NVFP4
- * kernel (matmul-nvfp4.c) shares with its fused driver (cpu_matmul_fused_rows).  The weights stay in their format: each row is decoded
- * on the fly into a per-thread buffer of cols values, never up-converted in memory.
+ * kernel (matmul-nvfp4.c) shares with its fused driver (cpu_matmul_fused_rows).  The
+ * weights stay in their format: each row is decoded on the fly into a per-thread buffer of
+ * cols values, never up-converted in memory.
  *
  * Exact path (backend_cfg.mxfp4_exact, or no AVX2): the row decoded to fp64 (code x scale
  * is exact there: 4 + 24 significant bits), every product exact in fp64, the MXFP4 exact

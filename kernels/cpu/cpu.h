@@ -240,13 +240,14 @@ void cpu_matmul_nvfp4_rows(const struct bweight *w, const float *x, const int32_
 float cpu_fp8_get(const struct bweight *w, int64_t row, int64_t col);
 float cpu_nvfp4_get(const struct bweight *w, int64_t row, int64_t col);
 bool cpu_lowp_exact(const struct cpu_ctx *c);
-/* NVFP4's fast path with AVX2 fuses the decode into the dot for calls of up to
- * CPU_FUSED_MAX_N tokens (FP8's has a form of its own for every count, matmul-fp8.c): one
- * row's values in registers against up to CPU_FUSED_NT tokens at a time.  More tokens, or
+/* NVFP4's fast path with AVX2 where its int8 path does not fit (columns not a multiple of
+ * 64) fuses the decode into the dot at every token count, so that a token's outputs do not
+ * depend on the call's other tokens (FP8's has a form of its own, matmul-fp8.c): one row's
+ * values in registers against up to CPU_FUSED_NT tokens at a time.  With
  * cpu_lowp_fused_off nonzero: the decode-to-buffer form (bench-kernels "old"), whose F32
- * kernel blocks rows x tokens and wins from 4 tokens on (docs/PERFORMANCE.md). */
+ * kernel blocks rows x tokens, is faster from 4 tokens on but sums in another order
+ * (docs/PERFORMANCE.md). */
 #define CPU_FUSED_NT 4
-#define CPU_FUSED_MAX_N 3
 extern int cpu_lowp_fused_off;
 typedef void (*cpu_row_fused_fn)(const struct bweight *w, int64_t r, const float *const *xt, int nt, float *out);
 void cpu_matmul_fused_rows(const struct bweight *w, cpu_row_fused_fn row, const float *x, const int32_t *xidx,

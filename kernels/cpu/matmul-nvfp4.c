@@ -2,9 +2,9 @@
  * scale per 16 in-features, one F32 global scale; docs/MODEL.md §5.7) through the
  * decoded-row driver of matmul-fp8.c: the exact path decodes to fp64 (e2m1 x e4m3 x the
  * F32 global scale is exact there: 3 + 4 + 24 bits); the fast path decodes in registers
- * and FMAs at once (nvfp4_row_fused_avx2), except where the int8 path of
- * matmul-nvfp4-vnni.c fits (levels vnni and avx2, columns a multiple of 64) and at level
- * avx512 (matmul-lowp512.c). */
+ * and FMAs at once (nvfp4_row_fused_avx2, at every token count and in the same order:
+ * batch-invariant), except where the int8 path of matmul-nvfp4-vnni.c fits (levels vnni
+ * and avx2, columns a multiple of 64) and at level avx512 (matmul-lowp512.c). */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -126,14 +126,14 @@ static inline void nvfp4_row_fused_avx2(const struct bweight *w, int64_t r, cons
     for (int k = 0; k < 4; k++)
         for (int t = 0; t < nt; t++)
             a[k][t] = _mm256_setzero_ps();
-    /* up to 2 tokens, even and odd groups on separate chains: 4 FMA chains per token hide
-     * the FMA latency, which bounded one token at ~4 weights per cycle */
-    if (nt <= 2)
-        for (; g + 1 < ng; g += 2) {
-            nvfp4_group_fused(q, sc, g, lut, sh, xt, nt, a[0], a[1]);
-            nvfp4_group_fused(q, sc, g + 1, lut, sh, xt, nt, a[2], a[3]);
-        }
-    for (; g < ng; g++)
+    /* even and odd groups on separate chains: 4 FMA chains per token hide the FMA latency,
+     * which bounded one token at ~4 weights per cycle; the same chains at every nt, so that
+     * a token's sum does not depend on the tokens beside it (batch-invariant) */
+    for (; g + 1 < ng; g += 2) {
+        nvfp4_group_fused(q, sc, g, lut, sh, xt, nt, a[0], a[1]);
+        nvfp4_group_fused(q, sc, g + 1, lut, sh, xt, nt, a[2], a[3]);
+    }
+    if (g < ng)
         nvfp4_group_fused(q, sc, g, lut, sh, xt, nt, a[0], a[1]);
     for (int t = 0; t < nt; t++) {
         float f[8];
@@ -167,7 +167,7 @@ void cpu_matmul_nvfp4_rows(const struct bweight *w, const float *x, const int32_
         cpu_matmul_lowp512_rows(w, x, xidx, n, y, ldy, r0, r1);
         return;
     }
-    if (!exact && !cpu_lowp_fused_off && n <= CPU_FUSED_MAX_N && cpu_isa_has(CPU_ISA_AVX2)) {
+    if (!exact && !cpu_lowp_fused_off && cpu_isa_has(CPU_ISA_AVX2)) {
         cpu_matmul_fused_rows(w, nvfp4_row_fused, x, xidx, n, y, ldy, r0, r1);
         return;
     }

@@ -13,8 +13,8 @@
  *     on adversarial data too, and batch-invariant bit for bit (check_fp8_fp16);
  *   - at level amx the FP8 AMX tiles (switched on here: cpu_fp8_amx_on) put back the tile
  *     configuration the BF16 AMX matmul keeps;
- *   - from AVX-512 on (FP8: from AVX2 on), the fast path is batch-invariant: a token's
- *     outputs equal a solo call's;
+ *   - from AVX2 on the fast path is batch-invariant: a token's outputs equal a solo call's
+ *     (NVFP4 with columns not a multiple of 64 too: matmul-nvfp4.c's fused form);
  *   - at level avx2 FP8's fast path is bit for bit a scalar model of its decode and order
  *     (fp8_avx2_model: every code, 1-21 tokens, 1-3 threads);
  *   - the weights stay in their format: the backend reads the checkpoint's bytes;
@@ -225,8 +225,8 @@ static void check_fp8_codes(int n, int bc)
     check_matmul_w(w, n, 1);
 }
 
-/* From AVX-512 on (FP8: from AVX2 on, matmul-fp8.c), the fast path's (row, token) sum does
- * not depend on how many tokens share the call (matmul-lowp512.c): each token of an n-token call equals, bit for bit,
+/* From AVX2 on, the fast path's (row, token) sum does not depend on how many tokens share
+ * the call (matmul-lowp512.c, matmul-fp8.c, matmul-nvfp4*.c): each token of an n-token call equals, bit for bit,
  * a call with that token alone (the MoE relies on it: an expert reached by one token
  * computes what it would with sixteen, so MTP K=3 verifies what K=0 decodes) */
 static void check_batch_invariant(enum wfmt fmt, int64_t rows, int64_t cols, int br, int bc, int n, int nth)
@@ -782,8 +782,9 @@ int main(int argc, char **argv)
     }
     for (size_t s = 0; level >= CPU_ISA_AVX2 && s < ARRAY_SIZE(shapes); s++) {
         check_batch_invariant(WFMT_FP8, shapes[s][0], shapes[s][1], (int)shapes[s][2], (int)shapes[s][3], 16, 2);
-        if (level >= CPU_ISA_AVX512)
-            check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1);
+        /* NVFP4 at every level from avx2: at avx2 the int8 path (columns a multiple of 64)
+         * and the fused form (32, 48, 96, 160 columns here), 11 tokens on 1 and 2 threads */
+        check_batch_invariant(WFMT_NVFP4, shapes[s][0], shapes[s][1], 0, 0, 11, 1 + (int)(s % 2));
     }
     if (level >= CPU_ISA_VNNI && cpu_isa_has(CPU_ISA_VNNI)) {
         check_nvfp4_rows();

@@ -361,6 +361,26 @@ extern int cpu_attn_split;
 extern int cpu_attn_pf_l1;
 bool cpu_attn_pf_l1_on(void);
 extern int cpu_mxfp4_t16_min_n;
+/* An AMX tile configuration, LDTILECFG's 64-byte operand (palette 1: colsb and rows of
+ * tiles 0-7).  cpu_tile_loadconfig / cpu_tile_storeconfig name all 64 bytes as their memory
+ * operand: GCC 12's _tile_loadconfig names only the first 8, so its dead-store elimination
+ * may drop the stores of colsb and rows before it (a configuration built in a function of
+ * its own then loads zero-sized tiles, and every tile instruction faults). */
+struct cpu_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64)));
+#if defined(__x86_64__)
+static inline void cpu_tile_loadconfig(const struct cpu_tilecfg *c)
+{
+    __asm__ volatile("ldtilecfg %0" : : "m"(*c));
+}
+static inline void cpu_tile_storeconfig(struct cpu_tilecfg *c)
+{
+    __asm__ volatile("sttilecfg %0" : "=m"(*c));
+}
+#endif
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile
  * state, and none of STEPD_CPU_NO_AMX, STEPD_CPU_NO_AVX512, STEPD_CPU_NO_AVX2 is set

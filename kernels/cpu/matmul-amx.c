@@ -288,13 +288,6 @@ AMX_FN void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int
     }
 }
 
-struct amx_cfg {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 /* Software prefetch of the A-tile lines `dist` k-steps ahead: the rows of the block in
  * flight, then of the next blocks (a block's 16 rows are one contiguous region, so past
  * the k loop this walks into the next block).  Past the matrix end it only prefetches
@@ -549,7 +542,7 @@ AMX_INLINE void amx_rows(const struct bweight *w, const uint8_t *xp, int n, floa
     int pb, ng, gt0;
 
     if (!amx_configured) {
-        struct amx_cfg cfg __attribute__((aligned(64)));
+        struct cpu_tilecfg cfg;
 
         memset(&cfg, 0, sizeof(cfg));
         cfg.palette = 1;
@@ -557,7 +550,7 @@ AMX_INLINE void amx_rows(const struct bweight *w, const uint8_t *xp, int n, floa
             cfg.colsb[i] = 64;
             cfg.rows[i] = 16;
         }
-        _tile_loadconfig(&cfg);
+        cpu_tile_loadconfig(&cfg);
         amx_configured = true;
     }
     if (parts == 1) {

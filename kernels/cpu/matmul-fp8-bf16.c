@@ -370,18 +370,11 @@ bool cpu_fp8_amx_fits(const struct bweight *w)
     return cpu_fp8_amx_on && cpu_fp8_bf16_fits(w) && fb_fits64(w) && cpu_isa_has(CPU_ISA_AMX);
 }
 
-/* a tile configuration (ldtilecfg's 64 bytes) */
-struct fa_cfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 /* palette 1 for nt tokens: C tiles 0-3 and B tiles 6-7 of 16 rows x nt dwords (a B row, one
  * BF16 pair of nt tokens, is 4 nt contiguous bytes), A tiles 4-5 of 16 rows x 64 bytes */
 FA_FN static void fa_config(int nt)
 {
-    struct fa_cfg cfg __attribute__((aligned(64)));
+    struct cpu_tilecfg cfg;
 
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
@@ -389,7 +382,7 @@ FA_FN static void fa_config(int nt)
         cfg.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : 4 * nt);
         cfg.rows[i] = 16;
     }
-    _tile_loadconfig(&cfg);
+    cpu_tile_loadconfig(&cfg);
 }
 
 /* tokens i0 .. i0 + nt - 1 of x (through xidx) times row block rb's scales, as BF16 in
@@ -435,10 +428,10 @@ FA_FN void cpu_matmul_fp8_amx_rows(const struct bweight *w, const float *x, cons
     const __m512i tl0 = _mm512_loadu_si512(fb_lo_tab), tl1 = _mm512_loadu_si512(fb_lo_tab + 64);
     uint16_t at[2][2][FA_ROWS][32] __attribute__((aligned(64)));
     float ct[4][FA_ROWS][16] __attribute__((aligned(64)));
-    struct fa_cfg had __attribute__((aligned(64)));
+    struct cpu_tilecfg had;
     int cfg_nt = 0;     /* the token count the loaded configuration is for (0: none yet) */
 
-    _tile_storeconfig(&had);
+    cpu_tile_storeconfig(&had);
     memset(at, 0, sizeof(at));  /* the A rows past a short group's: finite, never stored */
     for (int64_t b0 = r0; b0 < r1;) {
         const int64_t rb = b0 / w->blk_rows;
@@ -515,7 +508,7 @@ FA_FN void cpu_matmul_fp8_amx_rows(const struct bweight *w, const float *x, cons
     /* the configuration in place before, if any (matmul-amx.c keeps its own loaded per
      * thread); none: this one stays */
     if (had.palette && cfg_nt)
-        _tile_loadconfig(&had);
+        cpu_tile_loadconfig(&had);
 }
 
 

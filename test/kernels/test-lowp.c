@@ -12,7 +12,8 @@
  *     runs keep that form off): FP8 on FP16 FMAs (matmul-fp8-fp16.c) within fp16_bound,
  *     on adversarial data too, and batch-invariant bit for bit (check_fp8_fp16);
  *   - at level amx the FP8 AMX tiles (switched on here: cpu_fp8_amx_on) put back the tile
- *     configuration the BF16 AMX matmul keeps;
+ *     configuration the BF16 AMX matmul keeps, and a configuration built in a function of
+ *     its own is loaded whole (check_tilecfg: cpu_tile_loadconfig);
  *   - from AVX2 on the fast path is batch-invariant: a token's outputs equal a solo call's
  *     (NVFP4 with columns not a multiple of 64 too: matmul-nvfp4.c's fused form);
  *   - at level avx2 FP8's fast path is bit for bit a scalar model of its decode and order
@@ -688,6 +689,50 @@ static void check_fp8_fp16(void)
  * token count) and put back the one in place, which the BF16 AMX matmul (matmul-amx.c)
  * loads once per thread and keeps: a BF16 matmul after an FP8 one gives what it gave
  * before it, bit for bit */
+/* Level amx: a tile configuration built in a function of its own and loaded there by
+ * cpu_tile_loadconfig (cpu.h, the kernels' LDTILECFG) is what the CPU then holds: STTILECFG
+ * gives back its 64 bytes.  GCC 12's _tile_loadconfig in its place lets the compiler drop
+ * the stores of colsb and rows (its operand is 8 bytes): the CPU holds zero-sized tiles. */
+static void tilecfg_fill(struct cpu_tilecfg *c, int nt)
+{
+    memset(c, 0, sizeof(*c));
+    c->palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c->colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : 4 * nt);
+        c->rows[i] = (uint8_t)(16 - i);
+    }
+}
+
+__attribute__((noinline)) static void tilecfg_load(int nt)
+{
+    struct cpu_tilecfg c;
+
+    tilecfg_fill(&c, nt);
+    cpu_tile_loadconfig(&c);
+}
+
+static void check_tilecfg(void)
+{
+    struct cpu_tilecfg had, want, got;
+
+    cpu_tile_storeconfig(&had);     /* this thread's configuration, put back at the end */
+    for (int nt = 1; nt <= 16; nt++) {
+        tilecfg_load(nt);
+        tilecfg_fill(&want, nt);
+        memset(&got, 0xa5, sizeof(got));
+        cpu_tile_storeconfig(&got);
+        for (int i = 0; i < 8; i++)
+            if (got.palette != 1 || got.colsb[i] != want.colsb[i] || got.rows[i] != want.rows[i])
+                FAIL("tile configuration for %d tokens: tile %d holds palette %d, %d rows of %d bytes; "
+                     "loaded palette 1, %d rows of %d bytes", nt, i, got.palette, got.rows[i], got.colsb[i],
+                     want.rows[i], want.colsb[i]);
+    }
+    if (had.palette)
+        cpu_tile_loadconfig(&had);
+    else
+        __asm__ volatile("tilerelease");
+}
+
 static void check_amx_config_kept(void)
 {
     enum { R = 32, C = 128, N = 5 };
@@ -797,8 +842,10 @@ int main(int argc, char **argv)
             check_batch_invariant(WFMT_FP8, 200, 320, 8, 64, 21, 1);
         }
     }
-    if (level >= CPU_ISA_AMX)
+    if (level >= CPU_ISA_AMX) {
+        check_tilecfg();
         check_amx_config_kept();
+    }
     check_nan_refused();
     printf("test-lowp: all passed\n");
     return 0;

@@ -380,6 +380,13 @@ static inline void cpu_tile_storeconfig(struct cpu_tilecfg *c)
 {
     __asm__ volatile("sttilecfg %0" : "=m"(*c));
 }
+/* TILELOADD of tile t from base (stride bytes a row) that tells the compiler it reads
+ * memory: GCC 12's _tile_loadd names no memory at all, so stores to a buffer a tile is then
+ * loaded from (decoded weights, packed activations) may be moved past the load or dropped
+ * (an unrolled loop refilling one buffer before each load kept only the last fill) */
+#define CPU_TILE_LOADD(t, base, stride)                                                         \
+    __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}"   \
+                     : : "r"((const void *)(base)), "r"((long)(stride)) : "memory")
 #endif
 /* AMX-BF16 path for BF16 weights (matmul-amx.c).  cpu_amx_bf16_ok(): the CPU has
  * AMX-BF16 + AVX-512BW + AVX512-BF16 (the activation pack), the kernel granted the tile

@@ -330,18 +330,18 @@ AMX_INLINE void pass_g1(const uint8_t *a, int64_t stride, const uint8_t *b, int6
     _tile_zero(0);
     for (; s + 2 <= ks; s += 2) {
         pf_step(pf, stride, pf_on);
-        _tile_loadd(4, a + s * 64, stride);
-        _tile_loadd(6, b + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(4, a + s * 64, stride);
+        CPU_TILE_LOADD(6, b + s * AMX_TILE, 64);
         _tile_dpbf16ps(0, 4, 6);
         pf_step(pf, stride, pf_on);
-        _tile_loadd(5, a + (s + 1) * 64, stride);
-        _tile_loadd(7, b + (s + 1) * AMX_TILE, 64);
+        CPU_TILE_LOADD(5, a + (s + 1) * 64, stride);
+        CPU_TILE_LOADD(7, b + (s + 1) * AMX_TILE, 64);
         _tile_dpbf16ps(0, 5, 7);
     }
     if (s < ks) {
         pf_step(pf, stride, pf_on);
-        _tile_loadd(4, a + s * 64, stride);
-        _tile_loadd(6, b + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(4, a + s * 64, stride);
+        CPU_TILE_LOADD(6, b + s * AMX_TILE, 64);
         _tile_dpbf16ps(0, 4, 6);
     }
     _tile_stored(0, c, 64);
@@ -358,23 +358,23 @@ AMX_INLINE void pass_g2(const uint8_t *a, int64_t stride, const uint8_t *b0, con
     _tile_zero(1);
     for (; s + 2 <= ks; s += 2) {
         pf_step(pf, stride, pf_on);
-        _tile_loadd(4, a + s * 64, stride);
-        _tile_loadd(2, b0 + s * AMX_TILE, 64);
-        _tile_loadd(3, b1 + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(4, a + s * 64, stride);
+        CPU_TILE_LOADD(2, b0 + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(3, b1 + s * AMX_TILE, 64);
         _tile_dpbf16ps(0, 4, 2);
         _tile_dpbf16ps(1, 4, 3);
         pf_step(pf, stride, pf_on);
-        _tile_loadd(5, a + (s + 1) * 64, stride);
-        _tile_loadd(6, b0 + (s + 1) * AMX_TILE, 64);
-        _tile_loadd(7, b1 + (s + 1) * AMX_TILE, 64);
+        CPU_TILE_LOADD(5, a + (s + 1) * 64, stride);
+        CPU_TILE_LOADD(6, b0 + (s + 1) * AMX_TILE, 64);
+        CPU_TILE_LOADD(7, b1 + (s + 1) * AMX_TILE, 64);
         _tile_dpbf16ps(0, 5, 6);
         _tile_dpbf16ps(1, 5, 7);
     }
     if (s < ks) {
         pf_step(pf, stride, pf_on);
-        _tile_loadd(4, a + s * 64, stride);
-        _tile_loadd(2, b0 + s * AMX_TILE, 64);
-        _tile_loadd(3, b1 + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(4, a + s * 64, stride);
+        CPU_TILE_LOADD(2, b0 + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(3, b1 + s * AMX_TILE, 64);
         _tile_dpbf16ps(0, 4, 2);
         _tile_dpbf16ps(1, 4, 3);
     }
@@ -394,28 +394,28 @@ AMX_INLINE void pass_g3(const uint8_t *a, int64_t stride, const uint8_t *const *
     _tile_zero(2);
     for (; s + 2 <= ks; s += 2) {
         pf_step(pf, stride, pf_on);
-        _tile_loadd(3, a + s * 64, stride);
-        _tile_loadd(5, b[0] + s * AMX_TILE, 64);
-        _tile_loadd(6, b[1] + s * AMX_TILE, 64);
-        _tile_loadd(7, b[2] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(3, a + s * 64, stride);
+        CPU_TILE_LOADD(5, b[0] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(6, b[1] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(7, b[2] + s * AMX_TILE, 64);
         _tile_dpbf16ps(0, 3, 5);
         _tile_dpbf16ps(1, 3, 6);
         _tile_dpbf16ps(2, 3, 7);
         pf_step(pf, stride, pf_on);
-        _tile_loadd(4, a + (s + 1) * 64, stride);
-        _tile_loadd(5, b[0] + (s + 1) * AMX_TILE, 64);
-        _tile_loadd(6, b[1] + (s + 1) * AMX_TILE, 64);
-        _tile_loadd(7, b[2] + (s + 1) * AMX_TILE, 64);
+        CPU_TILE_LOADD(4, a + (s + 1) * 64, stride);
+        CPU_TILE_LOADD(5, b[0] + (s + 1) * AMX_TILE, 64);
+        CPU_TILE_LOADD(6, b[1] + (s + 1) * AMX_TILE, 64);
+        CPU_TILE_LOADD(7, b[2] + (s + 1) * AMX_TILE, 64);
         _tile_dpbf16ps(0, 4, 5);
         _tile_dpbf16ps(1, 4, 6);
         _tile_dpbf16ps(2, 4, 7);
     }
     if (s < ks) {
         pf_step(pf, stride, pf_on);
-        _tile_loadd(3, a + s * 64, stride);
-        _tile_loadd(5, b[0] + s * AMX_TILE, 64);
-        _tile_loadd(6, b[1] + s * AMX_TILE, 64);
-        _tile_loadd(7, b[2] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(3, a + s * 64, stride);
+        CPU_TILE_LOADD(5, b[0] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(6, b[1] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(7, b[2] + s * AMX_TILE, 64);
         _tile_dpbf16ps(0, 3, 5);
         _tile_dpbf16ps(1, 3, 6);
         _tile_dpbf16ps(2, 3, 7);
@@ -436,14 +436,14 @@ AMX_INLINE void pass_g4(const uint8_t *a, int64_t stride, const uint8_t *const *
     _tile_zero(3);
     for (int64_t s = 0; s < ks; s++) {
         pf_step(pf, stride, pf_on);
-        _tile_loadd(4, a + s * 64, stride);
-        _tile_loadd(5, b[0] + s * AMX_TILE, 64);
-        _tile_loadd(6, b[1] + s * AMX_TILE, 64);
-        _tile_loadd(7, b[2] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(4, a + s * 64, stride);
+        CPU_TILE_LOADD(5, b[0] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(6, b[1] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(7, b[2] + s * AMX_TILE, 64);
         _tile_dpbf16ps(0, 4, 5);
         _tile_dpbf16ps(1, 4, 6);
         _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, b[3] + s * AMX_TILE, 64);
+        CPU_TILE_LOADD(5, b[3] + s * AMX_TILE, 64);
         _tile_dpbf16ps(3, 4, 5);
     }
     _tile_stored(0, c, 64);

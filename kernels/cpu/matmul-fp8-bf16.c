@@ -463,10 +463,10 @@ FA_FN void cpu_matmul_fp8_amx_rows(const struct bweight *w, const float *x, cons
                         uint16_t (*ab)[FA_ROWS][32] = at[(c / 64 + 1) % 2];
                         const uint32_t *bt = xb + (c - 64) / 2 * nt;
 
-                        _tile_loadd(4, ab[0], 64);
-                        _tile_loadd(6, bt, 4 * nt);
-                        _tile_loadd(5, ab[1], 64);
-                        _tile_loadd(7, bt + 16 * nt, 4 * nt);
+                        CPU_TILE_LOADD(4, ab[0], 64);
+                        CPU_TILE_LOADD(6, bt, 4 * nt);
+                        CPU_TILE_LOADD(5, ab[1], 64);
+                        CPU_TILE_LOADD(7, bt + 16 * nt, 4 * nt);
                         if ((c / 64) % 2) {
                             _tile_dpbf16ps(0, 4, 6);
                             _tile_dpbf16ps(1, 5, 7);

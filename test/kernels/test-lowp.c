@@ -13,7 +13,8 @@
  *     on adversarial data too, and batch-invariant bit for bit (check_fp8_fp16);
  *   - at level amx the FP8 AMX tiles (switched on here: cpu_fp8_amx_on) put back the tile
  *     configuration the BF16 AMX matmul keeps, and a configuration built in a function of
- *     its own is loaded whole (check_tilecfg: cpu_tile_loadconfig);
+ *     its own is loaded whole (check_tilecfg: cpu_tile_loadconfig), and a tile load sees
+ *     the stores before it (check_tile_loads: CPU_TILE_LOADD);
  *   - from AVX2 on the fast path is batch-invariant: a token's outputs equal a solo call's
  *     (NVFP4 with columns not a multiple of 64 too: matmul-nvfp4.c's fused form);
  *   - at level avx2 FP8's fast path is bit for bit a scalar model of its decode and order
@@ -28,6 +29,9 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <string.h>
 
 #include "backend.h"
@@ -733,6 +737,68 @@ static void check_tilecfg(void)
         __asm__ volatile("tilerelease");
 }
 
+/* Level amx: tiles loaded by CPU_TILE_LOADD (cpu.h, the kernels' TILELOADD) from a buffer
+ * that the same function fills anew before each load, in a loop the compiler unrolls: each
+ * product uses its own fill.  With GCC 12's _tile_loadd, which names no memory, the fills
+ * but the last are dead stores to the compiler: it keeps one, and the sum is wrong. */
+__attribute__((target("amx-tile,amx-bf16"), noinline)) static void tiles_refill(const uint16_t *a,
+                                                                                const uint16_t *b, float *c)
+{
+    uint16_t buf[16][32] __attribute__((aligned(64)));
+
+    _tile_zero(0);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        for (int i = 0; i < 16; i++)
+            for (int j = 0; j < 32; j++)
+                buf[i][j] = a[k * 512 + i * 32 + j];
+        CPU_TILE_LOADD(4, buf, 64);
+        CPU_TILE_LOADD(6, b + k * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, c, 64);
+}
+
+static void check_tile_loads(void)
+{
+    struct cpu_tilecfg had, cfg;
+    uint16_t a[4 * 512], b[4 * 512];
+    float c[16 * 16];
+
+    /* small integers in BF16: every product and sum exact in any order */
+    for (int i = 0; i < 4 * 512; i++) {
+        a[i] = cpu_f32_to_bf16((float)((i * 7 + i / 512) % 5) - 2.0f);
+        b[i] = cpu_f32_to_bf16((float)((i * 3 + 1) % 7) - 3.0f);
+    }
+    cpu_tile_storeconfig(&had);
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    cpu_tile_loadconfig(&cfg);
+    tiles_refill(a, b, c);
+    if (had.palette)
+        cpu_tile_loadconfig(&had);
+    else
+        __asm__ volatile("tilerelease");
+    /* C[i][j] = sum over k, p < 16, e < 2 of A_k[i][2p + e] B_k[p][2j + e] */
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) {
+            float want = 0.0f;
+
+            for (int k = 0; k < 4; k++)
+                for (int p = 0; p < 16; p++)
+                    for (int e = 0; e < 2; e++)
+                        want += cpu_bf16_to_f32(a[k * 512 + i * 32 + 2 * p + e]) *
+                                cpu_bf16_to_f32(b[k * 512 + p * 32 + 2 * j + e]);
+            if (c[i * 16 + j] != want)
+                FAIL("tiles loaded from a buffer refilled 4 times: C[%d][%d] = %g, want %g", i, j,
+                     c[i * 16 + j], want);
+        }
+}
+
 static void check_amx_config_kept(void)
 {
     enum { R = 32, C = 128, N = 5 };
@@ -844,6 +910,7 @@ int main(int argc, char **argv)
     }
     if (level >= CPU_ISA_AMX) {
         check_tilecfg();
+        check_tile_loads();
         check_amx_config_kept();
     }
     check_nan_refused();

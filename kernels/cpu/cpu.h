@@ -406,6 +406,12 @@ bool cpu_bf16_use_amx(const struct bweight *w);
 size_t cpu_amx_act_bytes(int n, int64_t cols, bool fast);
 void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols,
                       bool fast);
+/* The pack as cpu_amx_act_blocks(n, fast) independent items (token blocks of the tiles'
+ * columns), of which cpu_amx_act_pack_blocks writes [i0, i1): threads packing disjoint
+ * ranges of one buffer leave the bytes cpu_amx_act_pack writes. */
+int cpu_amx_act_blocks(int n, bool fast);
+void cpu_amx_act_pack_blocks(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols,
+                             bool fast, int i0, int i1);
 void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,
                               int64_t ldy, int64_t r0, int64_t r1, bool fast);
 bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,

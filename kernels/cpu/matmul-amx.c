@@ -205,12 +205,14 @@ AMX_INLINE void amx_tile_put(uint8_t *tile, __m512i v[16])
         _mm512_store_si512((void *)(tile + p * 64), v[p]);
 }
 
-/* The fast path's one-part tiles: tile b of k-step s, column t = bf16_rne of token 16b + t */
-AMX_INLINE void amx_act_pack1(uint8_t *out, const float *x, const int32_t *xidx, int n, int64_t cols)
+/* The fast path's one-part tiles: tile b of k-step s, column t = bf16_rne of token 16b + t;
+ * token blocks [b0, b1) */
+AMX_INLINE void amx_act_pack1(uint8_t *out, const float *x, const int32_t *xidx, int n, int64_t cols, int b0,
+                              int b1)
 {
     const int64_t ks = cols / AMX_KSTEP;
 
-    for (int b = 0; b * AMX_FAST_GROUP < n; b++) {
+    for (int b = b0; b < b1; b++) {
         const int nt = n - b * AMX_FAST_GROUP < AMX_FAST_GROUP ? n - b * AMX_FAST_GROUP : AMX_FAST_GROUP;
         const float *xs[AMX_FAST_GROUP];
 
@@ -231,20 +233,30 @@ AMX_INLINE void amx_act_pack1(uint8_t *out, const float *x, const int32_t *xidx,
     }
 }
 
-AMX_FN void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols,
-                             bool fast)
+int cpu_amx_act_blocks(int n, bool fast)
+{
+    int pb, ng;
+
+    if (fast)
+        return (n + AMX_FAST_GROUP - 1) / AMX_FAST_GROUP;
+    amx_layout(n, &pb, &ng);
+    return pb + ng;
+}
+
+AMX_FN void cpu_amx_act_pack_blocks(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols,
+                                    bool fast, int i0, int i1)
 {
     const int64_t ks = cols / AMX_KSTEP;
     uint8_t *out = buf;
     int pb, ng;
 
     if (fast) {
-        amx_act_pack1(out, x, xidx, n, cols);
+        amx_act_pack1(out, x, xidx, n, cols, i0, i1);
         return;
     }
     amx_layout(n, &pb, &ng);
-    /* part blocks: tile 3b + p, column t = part p of token 16b + t */
-    for (int b = 0; b < pb; b++) {
+    /* part blocks (items 0 .. pb - 1): tile 3b + p, column t = part p of token 16b + t */
+    for (int b = i0; b < pb && b < i1; b++) {
         const int nt = n - b * 16 < 16 ? n - b * 16 : 16;
         const float *xs[16];
 
@@ -265,8 +277,9 @@ AMX_FN void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int
                 amx_tile_put(out + ((AMX_PARTS * b + p) * ks + s) * AMX_TILE, v[p]);
         }
     }
-    /* groups: tile 3 pb + g, part p of token 16 pb + 5g + t in column 5p + t */
-    for (int g = 0; g < ng; g++) {
+    /* groups (items pb .. pb + ng - 1): tile 3 pb + g, part p of token 16 pb + 5g + t in
+     * column 5p + t */
+    for (int g = i0 > pb ? i0 - pb : 0; g < ng && pb + g < i1; g++) {
         const int t0 = pb * 16 + g * AMX_GROUP;
         const int nt = n - t0 < AMX_GROUP ? n - t0 : AMX_GROUP;
         const float *xs[AMX_GROUP];
@@ -622,6 +635,11 @@ AMX_FN void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, in
         amx_rows(w, xb, n, y, ldy, r0, r1, AMX_PARTS, AMX_GROUP);
 }
 
+void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols, bool fast)
+{
+    cpu_amx_act_pack_blocks(buf, x, xidx, n, cols, fast, 0, cpu_amx_act_blocks(n, fast));
+}
+
 /* Pack into this thread's buffer and run (callers without a per-call packed copy: moe). */
 bool cpu_matmul_bf16_amx_self(const struct bweight *w, const float *x, const int32_t *xidx,
                               int n, float *y, int64_t ldy, int64_t r0, int64_t r1, bool fast)
@@ -659,6 +677,19 @@ size_t cpu_amx_act_bytes(int n, int64_t cols, bool fast)
 void cpu_amx_act_pack(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols, bool fast)
 {
     (void)buf; (void)x; (void)xidx; (void)n; (void)cols; (void)fast;
+}
+
+int cpu_amx_act_blocks(int n, bool fast)
+{
+    (void)n;
+    (void)fast;
+    return 0;
+}
+
+void cpu_amx_act_pack_blocks(void *buf, const float *x, const int32_t *xidx, int n, int64_t cols, bool fast,
+                             int i0, int i1)
+{
+    (void)buf; (void)x; (void)xidx; (void)n; (void)cols; (void)fast; (void)i0; (void)i1;
 }
 
 void cpu_matmul_bf16_amx_rows(const struct bweight *w, const void *xb, int n, float *y,

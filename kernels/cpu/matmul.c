@@ -77,22 +77,55 @@ int cpu_matmul(struct backend *be, const struct bweight *w, const float *x, int 
     return cpu_matmul_rows(be, w, x, n, y, w->rows, 0, w->rows);
 }
 
+/* The AMX activation pack over the pool: unit u packs items [u N / U, (u + 1) N / U) */
+struct amx_pack_job {
+    void *buf;
+    const float *x;
+    int n, items;
+    int64_t cols;
+    bool fast;
+};
+
+static void amx_pack_unit(void *arg, int unit, int n_units, int ith)
+{
+    const struct amx_pack_job *p = arg;
+    const int i0 = (int)((int64_t)p->items * unit / n_units), i1 = (int)((int64_t)p->items * (unit + 1) / n_units);
+
+    (void)ith;
+    cpu_amx_act_pack_blocks(p->buf, p->x, NULL, p->n, p->cols, p->fast, i0, i1);
+}
+
 int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x, int n, float *y,
                     int64_t ldy, int64_t r0, int64_t r1)
 {
     struct cpu_ctx *c = cpu_ctx(be);
     struct matmul_job j = { .c = c, .w = w, .x = x, .n = n, .y = y, .ldy = ldy, .r0 = r0, .r1 = r1 };
+    const bool amx = c->have_avx2 && cpu_bf16_use_amx(w);
+    /* AMX tiles do ~8x the multiply-adds of the vector kernels per cycle: weigh the work
+     * accordingly, so small AMX matmuls are not split across threads (the split costs more
+     * than it saves: measured on the tiny model's 128x256 .. 768x256) */
+    const int nth = cpu_threads_for(c, (double)(r1 - r0) * w->cols * n / (amx ? 8.0 : 1.0));
     void *mem;
 
     if (n == 0)
         return 0;
     if (w->fmt == WFMT_BF16)
         j.fast = cpu_bf16_fast(c, w);
-    if (c->have_avx2 && cpu_bf16_use_amx(w)) {
+    if (amx) {
         mem = cpu_scratch(c, cpu_amx_act_bytes(n, w->cols, j.fast));
         if (!mem)
             return -ENOMEM;
-        cpu_amx_act_pack(mem, x, NULL, n, w->cols, j.fast);
+        /* packed by the threads that run the matmul (a prompt's 256 tokens x 4096 columns:
+         * ~0.4 ms, a third of a 128-row GEMM on one core; serial, it capped the 2-thread
+         * speed of such a call at 1.1x) */
+        struct amx_pack_job p = { .buf = mem, .x = x, .n = n, .items = cpu_amx_act_blocks(n, j.fast),
+                                  .cols = w->cols, .fast = j.fast };
+        int units = p.items < nth ? p.items : nth;
+
+        if (nth > 1 && units > 1)
+            cpu_pool_for(c->pool, amx_pack_unit, &p, units, nth);
+        else
+            cpu_amx_act_pack(mem, x, NULL, n, w->cols, j.fast);
         j.amx_x = mem;
     } else if (j.fast && cpu_bf16_dp_fits(w)) {
         mem = cpu_scratch(c, cpu_bf16_act_bytes(n, w->cols));
@@ -122,11 +155,6 @@ int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x,
             return -ENOMEM;
     }
     {
-        /* AMX tiles do ~8x the multiply-adds of the vector kernels per cycle: weigh the
-         * work accordingly, so small AMX matmuls are not split across threads (the split
-         * costs more than it saves: measured on the tiny model's 128x256 .. 768x256) */
-        double work = (double)(r1 - r0) * w->cols * n / (j.amx_x ? 8.0 : 1.0);
-        int nth = cpu_threads_for(c, work);
         int64_t align = w->fmt == WFMT_MXFP4 ? cpu_mxfp4_row_align(w) : 16;
         int64_t max_units = (r1 - r0 + align - 1) / align;
         int units = nth * CPU_UNITS_PER_THREAD;

@@ -380,6 +380,19 @@ static inline void cpu_tile_storeconfig(struct cpu_tilecfg *c)
 {
     __asm__ volatile("sttilecfg %0" : "=m"(*c));
 }
+/* palette 1 with tiles 0-7 of 16 rows each, tile i colsb[i] bytes wide, loaded */
+static inline void cpu_tile_config16(const uint16_t colsb[8])
+{
+    struct cpu_tilecfg cfg;
+
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = colsb[i];
+        cfg.rows[i] = 16;
+    }
+    cpu_tile_loadconfig(&cfg);
+}
 /* TILELOADD of tile t from base (stride bytes a row) that tells the compiler it reads
  * memory: GCC 12's _tile_loadd names no memory at all, so stores to a buffer a tile is then
  * loaded from (decoded weights, packed activations) may be moved past the load or dropped

@@ -555,15 +555,9 @@ AMX_INLINE void amx_rows(const struct bweight *w, const uint8_t *xp, int n, floa
     int pb, ng, gt0;
 
     if (!amx_configured) {
-        struct cpu_tilecfg cfg;
+        static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
 
-        memset(&cfg, 0, sizeof(cfg));
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) {
-            cfg.colsb[i] = 64;
-            cfg.rows[i] = 16;
-        }
-        cpu_tile_loadconfig(&cfg);
+        cpu_tile_config16(colsb);
         amx_configured = true;
     }
     if (parts == 1) {

@@ -374,15 +374,9 @@ bool cpu_fp8_amx_fits(const struct bweight *w)
  * BF16 pair of nt tokens, is 4 nt contiguous bytes), A tiles 4-5 of 16 rows x 64 bytes */
 FA_FN static void fa_config(int nt)
 {
-    struct cpu_tilecfg cfg;
+    const uint16_t b = (uint16_t)(4 * nt), colsb[8] = {b, b, b, b, 64, 64, b, b};
 
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : 4 * nt);
-        cfg.rows[i] = 16;
-    }
-    cpu_tile_loadconfig(&cfg);
+    cpu_tile_config16(colsb);
 }
 
 /* tokens i0 .. i0 + nt - 1 of x (through xidx) times row block rb's scales, as BF16 in

@@ -2,7 +2,7 @@
 """bench-shapes' decode sweep on the tiny model (batches 4 and 64, context 1k, 1 and 2 threads,
 one round): per thread count the load line, and every piece but the attention rows with its
 cpu share and its % of floor per CPU-second where it lasted 10 ms or more (none where
-shorter), sane figures: a share in [0, 1.5], a positive
+shorter; at least one such piece in the run), sane figures: a share in [0, 1.5], a positive
 per-CPU-second %, and that % equal to floor x the probe's (or the peak's) share over time x
 the piece's share within rounding, i.e. the wall-clock % scaled by the shares (the GEMM
 peak's share where the floor is compute).
@@ -20,6 +20,7 @@ out = subprocess.run([bench, "--model", model, "--threads", "1,2", "--batches", 
                       "--contexts", "1024", "--reps", "1", "--draft-vocab", "0"],
                      env=env, capture_output=True, text=True, timeout=120)
 bad = []
+timed_all = 0
 if out.returncode != 0:
     bad.append("exit status %d: %s" % (out.returncode, out.stderr.strip()[-300:]))
 num = r"([0-9.]+)"
@@ -73,8 +74,12 @@ for T in (1, 2):
                            (T, name, pcpu, pct, probe_cpu, cpu, want))
     if rows < 10:
         bad.append("threads %d: %d piece rows, want >= 10" % (T, rows))
-    if not timed:
-        bad.append("threads %d: no piece with cpu figures" % T)
+    timed_all += timed
+# Which pieces last 10 ms is the clock's say: at 2 threads the longest (the real step at batch
+# 64) took 9-11 ms on an idle Xeon, so a thread count may have none; at 1 thread it took 13.6.
+# The rows above are checked whatever their count; this only guards against none at all.
+if not timed_all:
+    bad.append("no piece with cpu figures at any thread count")
 # the real step's bytes count the experts its own routing reaches: one figure per batch
 # and thread count, between top_k (one token) and the experts B tokens can reach
 with open(os.path.join(model, "config.json")) as f:
@@ -91,8 +96,9 @@ for T in (1, 2):
         elif not k <= float(r.group(1)) <= min(B * k, E):
             bad.append("threads %d batch %d: the real step reaches %s experts, outside "
                        "[%d, %d]" % (T, B, r.group(1), k, min(B * k, E)))
+if bad:
+    # the findings after the bench's output: a suite prints only a failed test's last lines
+    print(out.stdout)
 for m in bad:
     print("test-bench-shapes-decode: " + m)
-if bad:
-    print(out.stdout)
 sys.exit(1 if bad else 0)

@@ -77,8 +77,9 @@ for T, text in sorted(seen.items()):
         if not b["attention"] / a["attention"] > k:
             bad.append("threads %d: attention GFLOP %g -> %g, not faster than the tokens" %
                        (T, a["attention"], b["attention"]))
+if bad:
+    # the findings after the bench's output: a suite prints only a failed test's last lines
+    print(out.stdout)
 for m in bad:
     print("test-bench-shapes-prefill: " + m)
-if bad:
-    print(out.stdout)
 sys.exit(1 if bad else 0)

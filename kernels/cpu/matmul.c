@@ -120,12 +120,9 @@ int cpu_matmul_rows(struct backend *be, const struct bweight *w, const float *x,
          * speed of such a call at 1.1x) */
         struct amx_pack_job p = { .buf = mem, .x = x, .n = n, .items = cpu_amx_act_blocks(n, j.fast),
                                   .cols = w->cols, .fast = j.fast };
-        int units = p.items < nth ? p.items : nth;
 
-        if (nth > 1 && units > 1)
-            cpu_pool_for(c->pool, amx_pack_unit, &p, units, nth);
-        else
-            cpu_amx_act_pack(mem, x, NULL, n, w->cols, j.fast);
+        /* one unit or one thread: cpu_pool_for runs it on this thread */
+        cpu_pool_for(c->pool, amx_pack_unit, &p, p.items < nth ? p.items : nth, nth);
         j.amx_x = mem;
     } else if (j.fast && cpu_bf16_dp_fits(w)) {
         mem = cpu_scratch(c, cpu_bf16_act_bytes(n, w->cols));

@@ -3,7 +3,7 @@
  *
  *   bench-shapes --mkmodel PATH | --model DIR   [--threads 1,2] [--batches 1,4,16,64]
  *                [--contexts 1024,8192,32768] [--reps N] [--keep] [--ab-attn] [--kv-fp32]
- *                [--draft-vocab N] [--bf16-exact]
+ *                [--draft-vocab N] [--bf16-exact] [--cpu-min-ms MS]
  *   bench-shapes --attn-only [--threads 1,2] [--batches 1,16] [--contexts 8192,32768] [--reps N]
  *                [--kv-fp32]
  *   bench-shapes --formats mxfp4,fp8,nvfp4,bf16 (--mkmodel PATH | --model DIR) [--threads 1,2]
@@ -64,7 +64,7 @@
  * routed experts' rows once per token routed to them; attention 4 per key, head and dim) /
  * the GEMM peak measured after the probe (gemm_peak); "% of bw" or "% of peak" says which
  * ("% of bw|peak": the rounds differ).  Beside it, per piece of 10 ms or more (CPU_MIN_S;
- * not the attention rows) "cpu", the process's CPU seconds over wall x threads, and "% per
+ * --cpu-min-ms MS sets the least; not the attention rows) "cpu", the process's CPU seconds over wall x threads, and "% per
  * cpu-s", the floor at the probe's
  * (or the peak's) rate per CPU-second over the piece's CPU seconds: what a loaded shared host
  * leaves comparable; the 1-minute load average at each round's start is printed.
@@ -144,8 +144,9 @@ extern char **environ;
 #define BS 16                       /* KV block size */
 #define CTX_LAYERS 1024             /* context of the layer rows and the real step */
 #define REAL_LAYERS 45
-/* shortest piece given a cpu share: the process's CPU clock takes other threads' time at
- * scheduler ticks (4 ms at 250 Hz), so a shorter piece's share can read 2-7 at 1 thread */
+/* shortest piece given a cpu share (default; --cpu-min-ms): the process's CPU clock takes
+ * other threads' time at scheduler ticks (4 ms at 250 Hz), so a shorter piece's share can
+ * read 2-7 at 1 thread */
 #define CPU_MIN_S 0.01
 #define MAX_FMT 4
 
@@ -201,6 +202,7 @@ struct bench {
     double fbw[MAX_FMT][MAX_REPS];  /* --formats: the probe before each format, per round */
     uint64_t rng;
     int rep;
+    double cpu_min_s;               /* the shortest piece given a cpu share (CPU_MIN_S) */
     double cpu_share;               /* of the piece recorded next (--attn-only), else 0; the
                                      * decode sweep's pieces timed from tick() get theirs there */
     /* a batch: B seqs at context ctx */
@@ -424,7 +426,7 @@ static void record(struct bench *b, const char *name, int B, int ctx, double t, 
         c->compute[c->n] = true;
     }
     b->flops_next = 0;
-    if (b->c0 > 0 && b->cpu_share == 0 && t >= CPU_MIN_S) {
+    if (b->c0 > 0 && b->cpu_share == 0 && t >= b->cpu_min_s) {
         /* per CPU-second: the floor at the probe's (or the peak's) rate per CPU-second
          * over the piece's CPU seconds */
         double fc = c->compute[c->n] ? b->peak_cpu[b->rep] : b->bw_cpu[b->rep];
@@ -2332,6 +2334,7 @@ int main(int argc, char **argv)
     b->dv = 32768;
     b->chunk = KVPLAN_DEFAULT_MAX_BATCHED_TOKENS;   /* the engine's default chunk */
     b->split_max = 131072;
+    b->cpu_min_s = CPU_MIN_S;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int ok = 1;
@@ -2380,6 +2383,8 @@ int main(int argc, char **argv)
             ok = (b->chunk = atoi(v)) >= 1 && b->chunk <= 8192;
         else if (strcmp(a, "--prefill-split-max") == 0)
             ok = (b->split_max = atoi(v)) >= 0;
+        else if (strcmp(a, "--cpu-min-ms") == 0)
+            ok = (b->cpu_min_s = atof(v) * 1e-3) >= 0.0 && b->cpu_min_s <= 1.0;
         else
             ok = 0;
         batches_set |= strcmp(a, "--batches") == 0;
@@ -2396,7 +2401,7 @@ int main(int argc, char **argv)
                             "[--batches 1,4,16,64 (<= %d)] [--contexts 1024,8192,32768] [--reps N "
                             "(1..%d)] [--keep] [--ab-attn] [--kv-fp32] [--draft-vocab N] [--formats "
                             "mxfp4,fp8,nvfp4,bf16] [--prefill N,... (<= 131072) [--prefill-chunk "
-                            "N (1..8192)] [--prefill-split-max N]] | --attn-only | --measure-routing MODEL_DIR FILE...\n",
+                            "N (1..8192)] [--prefill-split-max N]] [--cpu-min-ms MS (0..1000)] | --attn-only | --measure-routing MODEL_DIR FILE...\n",
                     MAX_B, MAX_REPS);
             return 2;
         }

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""fake-serve - a test double of the two servers bench-serve starts, for test-bench-serve-llama.py.
+"""fake-serve - a test double of the two servers bench-serve starts, for test-bench-serve-llama.py
+and test-bench-serve-slices.py.
 
   fake-serve.py serve MODEL_DIR ... --port P ...     stepd serve: GET /ready, GET /v1/models,
                                                     POST /v1/completions (OpenAI stream, one chunk
@@ -10,7 +11,7 @@
 
 Tokens are made up from the prompt (no model); each takes FAKE_TOKEN_MS milliseconds (default 1).
 FAKE_SERVE_LOG: a file to which each start appends {"argv": ...} and each completion request
-{"server": "stepd"|"llama", "body": ...}, one JSON object a line.  Faults of the llama side, to
+{"server": "stepd"|"llama", "port": P, "body": ...}, one JSON object a line.  Faults of the llama side, to
 check that bench-serve rejects them: FAKE_LLAMA_CHUNK=N streams N tokens a chunk; FAKE_LLAMA_SHORT=1
 predicts one token fewer than asked for; FAKE_LLAMA_FLIP=J changes token J (from 0) of each stream.
 """
@@ -71,7 +72,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path != ("/completion" if LLAMA else "/v1/completions"):
             self.plain(404, {"error": {"message": "no " + self.path}})
             return
-        log({"server": "llama" if LLAMA else "stepd", "body": body})
+        log({"server": "llama" if LLAMA else "stepd", "port": self.server.server_address[1], "body": body})
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")

@@ -233,7 +233,10 @@ def test_engine_ignores_deadline():
 # ---------------------------------------------------------------- health and failover
 
 def test_health_and_failover():
-    s = Stepd()
+    # the worker timeout (the GetLoads watchdog and the control stream's keepalive) far past
+    # every wait below: a dead group is found by its connections' resets, never by a timer,
+    # so the waits are hang guards, not measurements
+    s = Stepd("--worker-timeout-ms", "3600000")
     assert s.check("") == SERVING
     assert s.check("liveness") == SERVING
     assert s.check("stepd.v1.Inference") == NOT_SERVING
@@ -306,16 +309,19 @@ def test_health_and_failover():
     s.wait_ready(2)
     gg = {g.group: g for g in s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups}
     assert gg["g1"].epoch == 2 and gg["g1"].state == pb.WORKER_STATE_READY, gg["g1"]
-    # both down -> readiness NOT_SERVING seen by Watch within 1 s
+    # both down -> readiness NOT_SERVING seen by Watch: found from the killed workers'
+    # connections (the worker timeout is an hour), the time reported, not asserted
     t_k = time.time()
     g0.kill()
     g1b.kill()
-    wait_until(lambda: events[-1][1] == NOT_SERVING and events[-1][0] > t_k, timeout=1.0,
-               what="Watch NOT_SERVING within 1 s")
+    wait_until(lambda: events[-1][1] == NOT_SERVING and events[-1][0] > t_k, timeout=60,
+               what="Watch NOT_SERVING (before the 1 h worker timeout)")
+    t_watch = events[-1][0] - t_k
     assert s.check("") == SERVING        # liveness unaffected
     watch.cancel()
-    print("   failover: %d UNAVAILABLE (naming g1) within %.3f s of kill -9, %d OK on g0 (all done %.2f s after)"
-          % (len(unavailable), fail_after, len(ok), t_end - t_kill))
+    print("   failover: %d UNAVAILABLE (naming g1) within %.3f s of kill -9, %d OK on g0 (all done %.2f s after); "
+          "Watch NOT_SERVING %.3f s after both were killed"
+          % (len(unavailable), fail_after, len(ok), t_end - t_kill, t_watch))
     assert s.stop() == 0
 
 

@@ -1061,34 +1061,50 @@ def test_malloc_settings():
 # ---------------------------------------------------------------- drain
 
 def test_drain_sigterm():
-    s = Stepd("--drain-timeout", "10")
+    # The stream in flight is held by stopping its engine (SIGSTOP), not by its length in
+    # real time: the drain cannot complete before the checks below however slow the host,
+    # and the timers that could end it are far past them (drain timeout 10 min, worker
+    # timeout and control heartbeats 1 h: a stopped engine is not declared down meanwhile).
+    # The periodic tick that republishes health (the GetLoads poll) is an hour too:
+    # readiness must flip on the signal itself, not on a later tick.
+    s = Stepd("--drain-timeout", "600", "--worker-timeout-ms", "3600000", "--heartbeat-ms", "3600000",
+              "--loads-poll-ms", "3600000")
     eng = s.start_engine("g0", "--delay-ms", "10")
     s.wait_ready()
     out = {}
+    got = []
 
     def run():
         try:
-            toks, _, finals, _ = collect(s.inf.Generate(gen_request([3], 60), timeout=20))
-            out["r"] = ("OK", len(toks))
+            for r in s.inf.Generate(gen_request([3], 60), timeout=600):
+                if r.HasField("chunk"):
+                    got.extend(r.chunk.token_ids)
+            out["r"] = ("OK", len(got))
         except grpc.RpcError as e:
             out["r"] = (e.code().name, e.details())
     th = threading.Thread(target=run)
     th.start()
-    wait_until(lambda: eng.stats().get("running", 0) >= 1, what="stream started")
-    time.sleep(0.1)
-    s.proc.send_signal(signal.SIGTERM)
-    t_term = time.time()
-    wait_until(lambda: s.check("readiness") == NOT_SERVING, timeout=2, what="readiness NOT_SERVING")
-    assert s.check("") == SERVING
-    c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=5)))
-    assert c == grpc.StatusCode.UNAVAILABLE and "draining" in d, (c, d)
-    th.join(20)
+    wait_until(lambda: got, timeout=30, what="the stream's first tokens")
+    eng.proc.send_signal(signal.SIGSTOP)
+    try:
+        s.proc.send_signal(signal.SIGTERM)
+        t_term = time.time()
+        wait_until(lambda: s.check("readiness") == NOT_SERVING, timeout=60, what="readiness NOT_SERVING")
+        assert s.check("") == SERVING
+        c, d = code_of(lambda: collect(s.inf.Generate(gen_request(), timeout=30)))
+        assert c == grpc.StatusCode.UNAVAILABLE and "draining" in d, (c, d)
+        # still draining: the held stream has not ended, stepd has not exited
+        assert "r" not in out and s.proc.poll() is None, (out, s.proc.poll())
+    finally:
+        eng.proc.send_signal(signal.SIGCONT)
+    th.join(60)
     assert out["r"] == ("OK", 60), out
-    rc = s.proc.wait(10)
+    rc = s.proc.wait(60)
     assert rc == 0, rc
     assert "drain complete" in s.read_log()
-    print("   SIGTERM: readiness NOT_SERVING, new calls UNAVAILABLE \"draining\", the 60-token stream in flight "
-          "OK, exit %d %.2f s after the signal" % (rc, time.time() - t_term))
+    print("   SIGTERM: readiness NOT_SERVING, new calls UNAVAILABLE \"draining\" while the stream in flight "
+          "was held (engine stopped); released, it ended OK with 60 tokens, exit %d %.2f s after the signal" %
+          (rc, time.time() - t_term))
     eng.wait_exit(10)
     assert eng.proc.returncode == 0     # the worker exits by itself when the coordinator goes (B3)
 

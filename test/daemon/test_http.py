@@ -31,6 +31,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -363,19 +364,30 @@ def test_disconnect():
     print("   client gone -> Abort sent to the engine in %.0f ms (tokens every 20 ms)" % (1000 * (time.time() - t0)))
     wait_until(lambda: eng.stats().get("abort", 0) == 1, timeout=5, what="the engine's abort")
     wait_until(lambda: s.metric("stepd:num_requests_running") == 0, what="idle")
-    # a client that goes away while its (non-streaming) request waits in the queue
-    s2 = mock_stepd("--max-running", "1", mock_args=("--delay-ms", "50"))
+    # a client that goes away while its (non-streaming) request waits in the queue: it
+    # leaves the queue on the close itself, while the running request ahead of it is held
+    # by its stopped engine (SIGSTOP; the worker timeout and heartbeats an hour, so the
+    # group stays up), not when a slot frees later; the waits are hang guards
+    s2 = mock_stepd("--max-running", "1", "--worker-timeout-ms", "3600000", "--heartbeat-ms", "3600000",
+                    mock_args=("--delay-ms", "50"))
+    eng2 = s2.engines[0]
     busy = threading.Thread(target=lambda: post(s2, "/v1/completions", {"model": "tiny", "prompt": "x",
                                                                         "max_tokens": 20}))
     busy.start()
-    wait_until(lambda: s2.metric("stepd:num_requests_running") == 1, what="one running")
-    c = socket.create_connection(("127.0.0.1", s2.ports["http"]))
-    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 50}).encode()
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    wait_until(lambda: s2.metric("stepd:num_requests_waiting") == 1, what="one queued")
-    c.close()
-    wait_until(lambda: s2.metric("stepd:num_requests_waiting") == 0, timeout=3, what="the queued one gone")
+    wait_until(lambda: s2.metric("stepd:num_requests_running") == 1, timeout=30, what="one running")
+    eng2.proc.send_signal(signal.SIGSTOP)
+    try:
+        c = socket.create_connection(("127.0.0.1", s2.ports["http"]))
+        body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 50}).encode()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: s2.metric("stepd:num_requests_waiting") == 1, timeout=30, what="one queued")
+        c.close()
+        wait_until(lambda: s2.metric("stepd:num_requests_waiting") == 0, timeout=60,
+                   what="the queued one gone while the running one is held")
+        assert s2.metric("stepd:num_requests_running") == 1 and busy.is_alive(), s2.metrics()
+    finally:
+        eng2.proc.send_signal(signal.SIGCONT)
     busy.join()
     assert s2.metric('stepd:request_status_total{code="CANCELLED"}') == 1, s2.metrics()
     assert s.stop() == 0 and s2.stop() == 0

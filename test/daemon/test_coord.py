@@ -211,7 +211,12 @@ def test_engine_ignores_deadline():
     # An engine that stops answering (SIGSTOP, shorter than the worker timeout) must not
     # keep a request alive in the coordinator past its deadline: a Generate call has its
     # own gRPC deadline, a request on an output stream is swept about a second after it.
-    s = Stepd("--worker-timeout-ms", "20000")
+    # Told apart by its cause, not by a time: the worker timeout is an hour, so the group
+    # stays up, and the release must be the sweep's (its log line; the sweep runs on the
+    # heartbeat's tick) or, without output streams, the engine call's own deadline, not
+    # the end of the engine's output stream (its channel's keepalive, 10 + 5 s); the
+    # wait is a hang guard.
+    s = Stepd("--worker-timeout-ms", "3600000")
     eng = s.start_engine("g0", "--delay-ms", "5")
     s.wait_ready()
     collect(s.inf.Generate(gen_request([1], 4), timeout=10))    # the output stream is open
@@ -223,8 +228,16 @@ def test_engine_ignores_deadline():
         assert c == grpc.StatusCode.DEADLINE_EXCEEDED, (c, d)
         t0 = time.time()
         wait_until(lambda: s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0].counters.in_flight == 0,
-                   timeout=4.0, what="the request released while the engine is stopped")
-        print("   request released %.2f s after its deadline, engine still stopped" % (time.time() - t0))
+                   timeout=60, what="the request released while the engine is stopped")
+        t_rel = time.time() - t0
+        log = s.read_log()
+        if "--no-output-streams" not in MOCK_ARGS:  # else its own Generate call's deadline ends it
+            assert re.search(r"engine \S+ did not end the request \d+ ms after its deadline", log), log[-2000:]
+        assert "keepalive" not in log and " is down" not in log, log[-2000:]
+        g = s.admin.GetGroups(pb.GetGroupsRequest(), timeout=2).groups[0]
+        assert g.state == pb.WORKER_STATE_READY, g
+        print("   request released by %s %.2f s after its deadline, engine still stopped" %
+              ("its engine call's deadline" if "--no-output-streams" in MOCK_ARGS else "the deadline sweep", t_rel))
     finally:
         eng.proc.send_signal(signal.SIGCONT)
     assert s.stop() == 0

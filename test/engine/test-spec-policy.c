@@ -22,6 +22,8 @@
  *     back off where they keep confirming that drafts lose, and a batch size seen first
  *     starts in the arm its nearest measured neighbour favours (its first window judges that);
  *     where the gate measured drafting far ahead, a model that rates it behind drafts anyway;
+ *   - a depth whose only measurements are old and dear (a load while the policy learnt)
+ *     is rated by the depth that has fresh ones, so it runs again once it pays;
  *   - spec_policy_stats counts per bucket what ran (steps, drafting, probes, the gate's pairs);
  *   - the mock's calls last their nominal cost, their own work included (a wall clock on
  *     which that work takes 100 us), and its drafts stay the target's tokens.
@@ -473,6 +475,8 @@ static void test_stale_entry(void)
 struct sim {
     int B;
     long base_us, token_us, mtp_us;
+    long mtp_deep_us;       /* > 0: the cost of depths 2 and deeper instead of mtp_us */
+    int cap;                /* > 0: the drafts a sequence asks for (else 3) */
     int knee;               /* > 0: the trunk step costs base_us up to `knee` tokens, and
                                token_us for each token beyond (compute-bound there) */
     double accuracy, slow;
@@ -494,6 +498,7 @@ struct sim {
 struct sim_out {
     int cycles, drafted;        /* cycles, and those in which some sequence drafted */
     int max_drafting;           /* the most sequences that drafted in one cycle */
+    int by_depth[SPEC_MAX_K + 1];   /* cycles by the deepest draft run */
     long seq_drafts;            /* sequence-cycles with drafts */
 };
 
@@ -531,7 +536,8 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
                 a++;
             ps[i] = (struct step_seq){ .slot = i, .pos0 = sm->pos[i], .n_tokens = 1 + sm->depth[i],
                                        .n_logits = 1 + sm->depth[i] };
-            ss[i] = (struct spec_seq){ .depth = 3, .acc = &sm->acc[i], .verified = sm->depth[i],
+            ss[i] = (struct spec_seq){ .depth = sm->cap > 0 ? sm->cap : 3, .acc = &sm->acc[i],
+                                       .verified = sm->depth[i],
                                        .accepted = a };
             sm->pos[i] += 1 + a;
             n_tok += 1 + sm->depth[i];
@@ -556,10 +562,11 @@ static struct sim_out sim_run(struct spec_policy *p, struct sim *sm, int cycles)
             for (int i = 0; i < sm->B; i++)
                 m += sm->depth[i] > k;
             t0 = sim.us;
-            sleep_us((double)sm->mtp_us * slow);
+            sleep_us((double)(k > 0 && sm->mtp_deep_us > 0 ? sm->mtp_deep_us : sm->mtp_us) * slow);
             spec_policy_draft_cost(p, k, m, false, (double)(sim.us - t0) * 1e-6);
         }
         o.cycles++;
+        o.by_depth[deepest]++;
         sm->drafted = deepest > 0;
         o.drafted += deepest > 0;
         o.seq_drafts += drafting;
@@ -843,6 +850,43 @@ static void test_wake(void)
     spec_policy_free(p);
 }
 
+/* A depth whose only measurements are old and dear: one sequence whose drafts pay three
+ * deep (trunk 400 us + 40 us a draft, MTP 40 us a depth, 90 % accepted: 1.36x the tokens/s
+ * of one draft), but while the policy learns, depths 2 and 3 cost 2 ms (a load that came
+ * and went).  Then every depth costs 40 us, and for 600 cycles the sequence asks for one
+ * draft at most (the choices leave depths 2 and 3 alone: through the server, at one
+ * sequence on the tiny model, depth 2's one measurement of 1.36 ms rated K = 2 at a third of
+ * K = 1 for 6,000 decisions).  The estimate of three drafts takes depth 1's fresh cost for
+ * the depths without a fresh measurement (before: 0.19 of one draft's, from the old ones);
+ * then, asked for three, three run. */
+static void test_stale_depth(void)
+{
+    static struct sim sm = { .B = 1, .base_us = 400, .token_us = 40, .mtp_us = 40,
+                             .mtp_deep_us = 2000, .accuracy = 0.9, .rng = 11 };
+    struct spec_policy *p;
+    struct sim_out dear, o;
+    double r1, r3;
+
+    ASSERT_OK(spec_policy_new(SPEC_POLICY_ADAPTIVE, 16, 3, 0, &sim_src, &p));
+    dear = sim_run(p, &sm, 400);
+    sm.mtp_deep_us = 0;
+    sm.cap = 1;
+    (void)sim_run(p, &sm, 600);
+    r1 = spec_policy_rate(p, 1, 1);
+    r3 = spec_policy_rate(p, 1, 3);
+    sm.cap = 0;
+    o = sim_run(p, &sm, 1000);
+    printf("  deeper drafts dear while learning (one / two / three drafts in %d / %d / %d of %d "
+           "cycles), then as cheap as the first but not run: three drafts estimated at %.0f "
+           "tok/s, one at %.0f; asked for three, %d / %d / %d of %d cycles\n",
+           dear.by_depth[1], dear.by_depth[2], dear.by_depth[3], dear.cycles, r3, r1,
+           o.by_depth[1], o.by_depth[2], o.by_depth[3], o.cycles);
+    ASSERT_TRUE(dear.by_depth[1] > dear.by_depth[2] + dear.by_depth[3]);
+    ASSERT_TRUE(r3 > 1.2 * r1);
+    ASSERT_TRUE(o.by_depth[3] >= 900);
+    spec_policy_free(p);
+}
+
 /* spec_policy_stats counts what ran: per batch-size bucket the decode steps, those that
  * drafted and those that probed, and the gate's pairs.  Four sequences whose drafts pay
  * (bucket 2), then one (bucket 0) where a draft costs more than it saves. */
@@ -896,6 +940,7 @@ int main(void)
     test_gate_slowdown();
     test_token_cost();
     test_wake();
+    test_stale_depth();
     test_probe_backoff();
     test_gate_far_neighbour();
     test_gate_overrules();

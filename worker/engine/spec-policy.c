@@ -136,6 +136,8 @@ struct spec_policy {
     int probe_more;                 /* the probe's steps still to run */
     uint64_t n_steps;               /* spec_policy_step calls */
     uint64_t draft_ran[SPEC_MAX_K]; /* the step at which each MTP depth last ran */
+    uint64_t draft_meas[SPEC_MAX_K];/* 1 + the decision count at each depth's last cost
+                                     * measurement (0: none) */
     bool chose;                     /* the last decision's model chose drafts (probes aside) */
     bool probe_check;               /* the decision after a probe: compare with probe_m */
     int probe_m[SPEC_MAX_K];
@@ -415,23 +417,39 @@ static const struct cost *draft_cell_c(const struct spec_policy *p, int k, int m
     return &p->draft[(size_t)k * (size_t)(p->max_seqs + 1) + (size_t)m];
 }
 
-/* C_draft(k, m) for m = 0 .. n into out (out[0] = 0, no call): row k's curve over m; a
- * depth never measured takes the nearest measured depth's. */
+/* Whether MTP depth k has a measurement fresh at this decision, at any count of sequences
+ * (its latest is) */
+static bool draft_row_fresh(const struct spec_policy *p, int k)
+{
+    return p->draft_meas[k] > 0 && p->n_decisions - (p->draft_meas[k] - 1) <= COST_FRESH;
+}
+
+/* C_draft(k, m) for m = 0 .. n into out (out[0] = 0, no call): row k's curve over m where
+ * it has a fresh measurement, else the nearest depth's that has one (the MTP depths are
+ * layers of one shape: a depth the choices have left, measured once long ago or under
+ * another load, reads as dear as that one measurement until it runs again, and it runs
+ * only when it is rated worth it - on the tiny model at one sequence through the server,
+ * depth 2's single first measurement of 1.36 ms against depth 1's 0.07 ms held K = 2 and
+ * 3 at a third of K = 1's rate for 6,000 decisions while fixed K = 2 was the best arm);
+ * where none is fresh, row k's own curve, and a depth never measured takes the nearest
+ * measured depth's. */
 static void draft_curve(const struct spec_policy *p, int k, int n, double *out)
 {
-    for (int d = 0; d < p->kmax; d++)
-        for (int s = -1; s <= 1; s += 2) {
-            int kk = k + s * d;
+    for (int pass = 0; pass < 2; pass++)
+        for (int d = 0; d < p->kmax; d++)
+            for (int s = -1; s <= 1; s += 2) {
+                int kk = k + s * d;
 
-            if (kk < 0 || kk >= p->kmax || (d == 0 && s > 0))
-                continue;
-            /* cells m = 1 .. max_seqs as x = 0 .. max_seqs - 1 */
-            if (cost_curve(draft_cell_c(p, kk, 1), 1, p->max_seqs - 1, n > 0 ? n - 1 : 0,
-                           p->n_decisions, out + 1)) {
-                out[0] = 0.0;
-                return;
+                if (kk < 0 || kk >= p->kmax || (d == 0 && s > 0) ||
+                    (pass == 0 && !draft_row_fresh(p, kk)))
+                    continue;
+                /* cells m = 1 .. max_seqs as x = 0 .. max_seqs - 1 */
+                if (cost_curve(draft_cell_c(p, kk, 1), 1, p->max_seqs - 1, n > 0 ? n - 1 : 0,
+                               p->n_decisions, out + 1)) {
+                    out[0] = 0.0;
+                    return;
+                }
             }
-        }
     for (int m = 0; m <= n; m++)
         out[m] = 0.0;
 }
@@ -465,6 +483,7 @@ void spec_policy_draft_cost(struct spec_policy *p, int k, int m, bool fill, doub
     if (fill || cold || woke || m < 1 || m > p->max_seqs)
         return;
     cost_add(p, &p->draft[(size_t)k * (size_t)(p->max_seqs + 1) + (size_t)m], seconds);
+    p->draft_meas[k] = p->n_decisions + 1;
 }
 
 /* ----------------------------------------------------------- acceptance -- */
